@@ -1,0 +1,59 @@
+"""The one exception family. Each carries a user-facing message and a fix hint.
+
+At the HTTP edge an error becomes `{"error": message, "fix": fix, **details}` with its status;
+at the CLI edge it becomes one line on stderr and an exit status. Never a traceback.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+
+class HyperSwapError(Exception):
+    status: int = 500
+    exit_code: int = 1
+
+    def __init__(self, message: str, *, fix: str | None = None, status: int | None = None,
+                 details: Mapping[str, object] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.fix = fix
+        if status is not None:
+            self.status = status
+        self.details: dict[str, object] = dict(details or {})
+
+    def to_json(self) -> dict[str, object]:
+        body: dict[str, object] = {"error": self.message}
+        if self.fix:
+            body["fix"] = self.fix
+        body.update(self.details)
+        return body
+
+    def one_line(self) -> str:
+        return f"error: {self.message}" + (f" (fix: {self.fix})" if self.fix else "")
+
+
+class ConfigError(HyperSwapError):
+    """tenants.json is missing, unreadable, not JSON, or violates the schema."""
+
+    status = 400
+    exit_code = 2
+
+    def __init__(self, message: str, *, problems: list[str] | None = None, fix: str | None = None) -> None:
+        super().__init__(message, fix=fix, details={"problems": problems or []})
+        self.problems = problems or []
+
+    def one_line(self) -> str:
+        lines = [f"error: {self.message}"] + [f"  {p}" for p in self.problems]
+        if self.fix:
+            lines.append(f"fix: {self.fix}")
+        return "\n".join(lines)
+
+
+class UnknownTenant(HyperSwapError):
+    status = 404
+    exit_code = 2
+
+
+class NotAvailableYet(HyperSwapError):
+    exit_code = 2

@@ -1,0 +1,74 @@
+"""What the GPU holds: the snapshot types and the reader interface.
+
+Every reader (NVML on a real card, the simulated GPU in `proxy.sim.gpu`, the engines' own reports
+when NVML is broken) produces the same `GpuSnapshot`, so nothing downstream can tell them apart.
+Readers are blocking (C calls, /proc reads): callers run `read()` off the event loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+SnapshotSource = Literal["nvml", "simulated", "engine-estimate"]
+
+
+@dataclass(frozen=True, slots=True)
+class GpuProcess:
+    pid: int
+    name: str
+    cmdline: str
+    used_bytes: int | None  # None: the driver cannot tell (WSL, some MIG setups); unknown is not zero
+    start_time: float | None = None  # from /proc/<pid>/stat; with pid it identifies the process across PID reuse
+    kind: Literal["compute", "graphics", "both"] = "compute"
+
+    @property
+    def identity(self) -> tuple[int, float | None]:
+        return (self.pid, self.start_time)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceMemory:
+    index: int
+    name: str
+    total_bytes: int
+    reserved_bytes: int
+    used_bytes: int
+    free_bytes: int
+    uuid: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class GpuSnapshot:
+    device: DeviceMemory
+    processes: tuple[GpuProcess, ...] = ()
+    source: SnapshotSource = "nvml"
+    taken_at: float = 0.0  # clock.now() when read
+    notes: tuple[str, ...] = field(default_factory=tuple)  # e.g. "pids not visible in /proc (container)"
+
+    @property
+    def estimated(self) -> bool:
+        return self.source == "engine-estimate"
+
+    @property
+    def free_bytes(self) -> int:
+        return self.device.free_bytes
+
+    def process(self, pid: int) -> GpuProcess | None:
+        return next((p for p in self.processes if p.pid == pid), None)
+
+
+class GpuReader(Protocol):
+    """Reads one device. Blocking; may raise `GpuReadError`."""
+
+    def read(self) -> GpuSnapshot: ...
+
+
+class GpuReadError(Exception):
+    """The reader could not read the GPU. `state` is one of the health states below."""
+
+    def __init__(self, state: str, message: str, fix: str) -> None:
+        super().__init__(message)
+        self.state = state  # library_missing | driver_not_loaded | no_permission | gpu_lost | driver_mismatch | unknown
+        self.message = message
+        self.fix = fix

@@ -1,0 +1,24 @@
+"""Shared fixtures. Every test is kept away from the operator's real configuration."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Point HOME (so ~/.config/hyperswap and ~/.local/state/hyperswap) at an empty folder and drop
+    HYPERSWAP_* variables, so no test can read or write the operator's live tenants.json."""
+    home = tmp_path_factory.mktemp("home")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(home / ".config"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(home / ".local" / "state"))
+    for var in ("HYPERSWAP_CONFIG", "HYPERSWAP_ADMIN_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    # Loopback only: never let a client pick up a proxy from the environment.
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    return home
