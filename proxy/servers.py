@@ -1,0 +1,79 @@
+"""Run ASGI apps under uvicorn inside the current event loop (several per process).
+
+Used by `hyperswap serve` (one listener per tenant plus admin), by the demo (simulators too) and by
+the tests (port 0, read back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from dataclasses import dataclass
+from typing import Iterator
+
+import uvicorn
+from starlette.types import ASGIApp
+
+
+class _Server(uvicorn.Server):
+    """uvicorn.Server that leaves signals alone: the CLI owns them and stops every server at once."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+@dataclass(slots=True)
+class RunningServer:
+    name: str
+    host: str
+    port: int
+    server: uvicorn.Server
+    task: asyncio.Task[None]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self.task), timeout=5)
+        except asyncio.TimeoutError:
+            self.server.force_exit = True
+            await self.task
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host, int(port)
+
+
+async def start_server(app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *, name: str = "",
+                       ws_ping_interval: float | None = None) -> RunningServer:
+    """Bind first (so port 0 can be read back and a busy port fails here), then serve."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)
+    sock.setblocking(False)
+    config = uvicorn.Config(
+        app, log_level="warning", access_log=False, lifespan="off",
+        # A ComfyUI socket may idle for hours: no pings of our own, no idle close.
+        ws_ping_interval=ws_ping_interval, ws_ping_timeout=None, ws_max_size=64 * 2**20,
+        timeout_keep_alive=75, h11_max_incomplete_event_size=1 << 20,
+    )
+    server = _Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]), name=f"uvicorn:{name or port}")
+    while not server.started:
+        if task.done():
+            task.result()  # raises the startup error
+            raise RuntimeError(f"server {name} stopped during start-up")
+        await asyncio.sleep(0.005)
+    bound = sock.getsockname()[1]
+    return RunningServer(name=name, host=host, port=bound, server=server, task=task)
