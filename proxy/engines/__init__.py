@@ -1,0 +1,26 @@
+"""One adapter per engine kind; the tenant's `engine` field picks it."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Mapping
+
+from ..tenants import Tenant
+from .base import EngineAdapter, RequestKind, strip_hop_by_hop
+from .comfyui import ComfyUIAdapter
+from .generic import GenericAdapter
+from .ollama import OllamaAdapter
+
+ADAPTERS: Mapping[str, type[EngineAdapter]] = MappingProxyType({
+    "ollama": OllamaAdapter,
+    "comfyui": ComfyUIAdapter,
+    "generic": GenericAdapter,
+})
+
+
+def adapter_for(tenant: Tenant) -> EngineAdapter:
+    return ADAPTERS.get(tenant.engine, GenericAdapter)(tenant)
+
+
+__all__ = ["ADAPTERS", "ComfyUIAdapter", "EngineAdapter", "GenericAdapter", "OllamaAdapter",
+           "RequestKind", "adapter_for", "strip_hop_by_hop"]

@@ -1,0 +1,291 @@
+"""Streaming HTTP and websocket pass-through to a tenant's upstream.
+
+Nothing is buffered: request bodies stream from the client socket to the upstream, response bytes
+(`aiter_raw`, never decoded) stream back as they arrive, so each NDJSON line / SSE event reaches the
+client when the engine sends it. When the client goes away the upstream request is closed at once
+(Ollama only stops generating when its request is cancelled).
+
+The API is split so admission (plan, release, OOM retry) fits between the steps:
+`open()` sends the request and returns once the upstream's headers are in; `relay()` turns that
+open response into the client's response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import AsyncIterator, Callable
+
+import anyio
+import httpx
+import websockets
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
+from websockets.asyncio.client import ClientConnection, connect
+
+from .engines import EngineAdapter, adapter_for, strip_hop_by_hop
+from .errors import HyperSwapError
+from .tenants import Tenant
+
+log = logging.getLogger("hyperswap.forward")
+
+WS_MAX_SIZE = 256 * 2**20  # ComfyUI previews and outputs can be large; no small cap
+KEEPALIVE_EXPIRY_S = 75.0
+
+
+class UpstreamError(HyperSwapError):
+    """The upstream refused (502) or did not answer in time (504)."""
+
+    status = 502
+
+
+def _upstream_error(tenant: Tenant, exc: Exception) -> UpstreamError:
+    upstream = tenant.upstream or ""
+    details = {"tenant": tenant.name, "upstream": upstream}
+    if isinstance(exc, httpx.TimeoutException):
+        return UpstreamError(f"{tenant.name}: upstream {upstream} did not answer in time ({type(exc).__name__})",
+                             fix=f"check that {tenant.name} is running and responsive, or raise "
+                                 f"tenants.{tenant.name}.timeouts in tenants.json", status=504, details=details)
+    return UpstreamError(f"{tenant.name}: cannot reach upstream {upstream} ({type(exc).__name__}: {exc})",
+                         fix=f"start {tenant.name} or correct tenants.{tenant.name}.upstream in tenants.json",
+                         status=502, details=details)
+
+
+def _latin1(raw: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+    return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw]
+
+
+OnClose = Callable[[], None]
+Tap = Callable[[bytes], None]
+
+
+class RelayResponse(Response):
+    """Streams an open upstream response to the client and closes it when either side ends."""
+
+    def __init__(self, upstream: httpx.Response, on_close: OnClose, tap: Tap | None = None) -> None:
+        self.upstream = upstream
+        self.status_code = upstream.status_code
+        self.on_close = on_close
+        self.tap = tap
+        self.background = None
+        self.body = b""
+        headers = strip_hop_by_hop(_latin1(upstream.headers.raw))
+        self.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+        self._closed = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                async def watch_disconnect() -> None:
+                    while True:
+                        message = await receive()
+                        if message["type"] == "http.disconnect":
+                            tg.cancel_scope.cancel()
+                            return
+
+                tg.start_soon(watch_disconnect)
+                await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+                try:
+                    async for chunk in self.upstream.aiter_raw():
+                        if self.tap is not None:
+                            self.tap(chunk)
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                except (httpx.TransportError, httpx.StreamError) as exc:
+                    # Headers are gone already: the status cannot change, end the body instead.
+                    log.warning("upstream stream broke mid-response: %s", exc)
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.upstream.aclose()
+                self._finish()
+
+    def _finish(self) -> None:
+        if not self._closed:
+            self._closed = True
+            try:
+                self.on_close()
+            except Exception:
+                log.exception("relay on_close callback failed")
+
+
+class Forwarder:
+    """One httpx client per tenant, created on first use."""
+
+    def __init__(self, *, max_keepalive: int = 256) -> None:
+        self._clients: dict[str, httpx.AsyncClient] = {}
+        self._adapters: dict[str, EngineAdapter] = {}
+        self.max_keepalive = max_keepalive
+
+    def adapter(self, tenant: Tenant) -> EngineAdapter:
+        adapter = self._adapters.get(tenant.name)
+        if adapter is None or adapter.tenant is not tenant:
+            adapter = self._adapters[tenant.name] = adapter_for(tenant)
+        return adapter
+
+    def client(self, tenant: Tenant) -> httpx.AsyncClient:
+        client = self._clients.get(tenant.name)
+        if client is None:
+            t = tenant.timeouts
+            client = httpx.AsyncClient(
+                # httpx defaults (5 s everywhere, 100 connections, 20 keep-alive) cut model loads
+                # and throttle concurrent streams: no read timeout, no pool cap.
+                timeout=httpx.Timeout(connect=t.connect_s, read=t.read_s, write=t.write_s, pool=t.pool_s),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=self.max_keepalive,
+                                    keepalive_expiry=KEEPALIVE_EXPIRY_S),
+                follow_redirects=False, trust_env=False,
+            )
+            self._clients[tenant.name] = client
+        return client
+
+    def _url(self, tenant: Tenant, raw_path: bytes, query: bytes) -> httpx.URL:
+        base = httpx.URL(tenant.upstream or "")
+        return base.copy_with(raw_path=raw_path + (b"?" + query if query else b""))
+
+    async def open(self, tenant: Tenant, request: Request, body: bytes | AsyncIterator[bytes]) -> httpx.Response:
+        """Send the request upstream; return once its status and headers arrived (body unread)."""
+        scope = request.scope
+        raw_path: bytes = scope.get("raw_path") or scope["path"].encode("utf-8")
+        headers = self.adapter(tenant).upstream_headers(
+            _latin1(request.headers.raw), client_ip=request.client.host if request.client else None,
+            scheme=scope.get("scheme", "http"))
+        if isinstance(body, bytes):
+            # A replayed (buffered) body: its length is known, whatever the client framed it with.
+            headers = [(k, v) for k, v in headers if k.lower() != "content-length"]
+            if body or request.method not in ("GET", "HEAD"):
+                headers.append(("content-length", str(len(body))))
+        client = self.client(tenant)
+        upstream_request = httpx.Request(
+            request.method, self._url(tenant, raw_path, scope.get("query_string", b"")),
+            headers=headers, content=body,
+            # Built by hand so httpx adds none of its default headers (Accept-Encoding etc.).
+            extensions={"timeout": client.timeout.as_dict()},
+        )
+        try:
+            return await client.send(upstream_request, stream=True)
+        except (httpx.TransportError, httpx.TimeoutException) as exc:
+            raise _upstream_error(tenant, exc) from None
+
+    def relay(self, tenant: Tenant, upstream_response: httpx.Response, on_close: OnClose,
+              *, tap: Tap | None = None) -> Response:
+        """A response that streams the upstream body and calls on_close exactly once at the end."""
+        return RelayResponse(upstream_response, on_close, tap)
+
+    async def get(self, tenant: Tenant, path: str) -> httpx.Response:
+        """A small GET of the proxy's own (job polls), read fully."""
+        client = self.client(tenant)
+        return await client.get(f"{tenant.upstream}{path}", headers={"host": self.adapter(tenant).upstream_host})
+
+    async def job_done(self, tenant: Tenant, job_id: str) -> bool:
+        adapter = self.adapter(tenant)
+        path = adapter.history_path(job_id)
+        if path is None:
+            return False
+        resp = await self.get(tenant, path)
+        return adapter.job_done_from_history(job_id, resp.status_code, resp.content)
+
+    # -- websockets -----------------------------------------------------------------------
+    async def websocket(self, tenant: Tenant, ws: WebSocket,
+                        on_upstream_text: Callable[[str], None] | None = None) -> None:
+        """Bridge a client websocket to the same path and query upstream, frames and close codes both ways."""
+        adapter = self.adapter(tenant)
+        scope = ws.scope
+        client_scheme = scope.get("scheme", "ws")
+        headers = adapter.upstream_headers(
+            _latin1(ws.headers.raw), client_ip=ws.client.host if ws.client else None,
+            scheme=client_scheme, websocket=True)
+        origin = next((v for k, v in headers if k.lower() == "origin"), None)
+        extra = [(k, v) for k, v in headers if k.lower() not in ("host", "origin")]
+        ua = ws.headers.get("user-agent")
+        if ua:
+            extra.append(("User-Agent", ua))
+        subprotocols = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
+        base = httpx.URL(tenant.upstream or "")
+        raw_path: bytes = scope.get("raw_path") or scope["path"].encode("utf-8")
+        query: bytes = scope.get("query_string", b"")
+        uri = (("wss" if base.scheme == "https" else "ws") + "://" + adapter.upstream_host
+               + raw_path.decode("latin-1") + ("?" + query.decode("latin-1") if query else ""))
+        try:
+            upstream = await connect(
+                uri, origin=origin, additional_headers=extra, user_agent_header=None,  # type: ignore[arg-type]
+                subprotocols=subprotocols or None, compression=None, proxy=None,
+                open_timeout=tenant.timeouts.connect_s, ping_interval=None, ping_timeout=None,
+                close_timeout=5, max_size=WS_MAX_SIZE, max_queue=64,
+            )
+        except websockets.InvalidStatus as exc:
+            status = exc.response.status_code
+            log.info("%s: upstream refused websocket %s with %d", tenant.name, scope["path"], status)
+            await ws.send_denial_response(Response(exc.response.body or b"", status_code=status)) \
+                if "websocket.http.response" in scope.get("extensions", {}) else await ws.close(1008)
+            return
+        except (OSError, asyncio.TimeoutError, websockets.InvalidHandshake) as exc:
+            log.warning("%s: cannot open upstream websocket: %s", tenant.name, exc)
+            err = _upstream_error(tenant, exc if not isinstance(exc, asyncio.TimeoutError) else httpx.ConnectTimeout(str(exc)))
+            if "websocket.http.response" in scope.get("extensions", {}):
+                from starlette.responses import JSONResponse
+                await ws.send_denial_response(JSONResponse(err.to_json(), status_code=err.status))
+            else:
+                await ws.close(1011)
+            return
+        async with upstream:
+            await ws.accept(subprotocol=upstream.subprotocol)
+            await self._bridge(ws, upstream, on_upstream_text)
+
+    async def _bridge(self, ws: WebSocket, upstream: ClientConnection,
+                      on_text: Callable[[str], None] | None) -> None:
+        async def client_to_upstream() -> None:
+            while True:
+                message = await ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    code = int(message.get("code") or 1000)
+                    await upstream.close(_sendable(code), message.get("reason") or "")
+                    return
+                if message.get("text") is not None:
+                    await upstream.send(message["text"])
+                elif message.get("bytes") is not None:
+                    await upstream.send(message["bytes"])
+
+        async def upstream_to_client() -> None:
+            try:
+                async for frame in upstream:
+                    if isinstance(frame, str):
+                        if on_text is not None:
+                            on_text(frame)
+                        await ws.send_text(frame)
+                    else:
+                        await ws.send_bytes(frame)
+            except websockets.ConnectionClosed:
+                pass
+            rcvd = upstream.close_rcvd
+            code = rcvd.code if rcvd is not None else 1011
+            reason = rcvd.reason if rcvd is not None else ""
+            if ws.client_state != WebSocketState.DISCONNECTED and ws.application_state != WebSocketState.DISCONNECTED:
+                with contextlib.suppress(RuntimeError, WebSocketDisconnect, OSError):
+                    await ws.close(_sendable(code), reason)
+
+        tasks = [asyncio.create_task(client_to_upstream()), asyncio.create_task(upstream_to_client())]
+        try:
+            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
+    async def aclose(self) -> None:
+        clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            await client.aclose()
+
+
+def _sendable(code: int) -> int:
+    # 1005 (no code) and 1006 (abnormal) are reserved: they may not appear in a close frame.
+    if code == 1005:
+        return 1000
+    if code in (1006, 1015) or code < 1000:
+        return 1011
+    return code

@@ -1,0 +1,187 @@
+"""Traffic the proxy saw, per tenant: GPU requests in flight and engine jobs still queued.
+
+This is the busy signal (design invariant 3): never GPU utilisation, always what passed through.
+One owner object; listeners (the watchdog, the dashboard) subscribe with `on_change`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Iterator, Mapping
+
+from .clock import Clock, SystemClock
+
+log = logging.getLogger("hyperswap.inflight")
+
+# Job ids finished before anyone tracked them (a cached ComfyUI prompt can end, over the socket,
+# before the proxy has parsed the POST /prompt answer). Bounded: old ids fall out.
+_EARLY_FINISH_MEMORY = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class TenantTraffic:
+    in_flight: int
+    jobs: tuple[str, ...]
+    last_activity: float | None
+
+    @property
+    def busy(self) -> bool:
+        return self.in_flight > 0 or bool(self.jobs)
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    tenant: str
+    serial: int
+
+
+ChangeListener = Callable[[str, TenantTraffic], None]
+
+
+class InFlight:
+    def __init__(self, clock: Clock | None = None) -> None:
+        self.clock: Clock = clock or SystemClock()
+        self._serial = itertools.count(1)
+        self._open: dict[int, str] = {}  # token serial -> tenant
+        self._counts: dict[str, int] = {}
+        self._jobs: dict[str, dict[str, float]] = {}  # tenant -> job id -> tracked since
+        self._early: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._last: dict[str, float] = {}
+        self._idle_waiters: dict[str, list[asyncio.Future[None]]] = {}
+        self.on_change: list[ChangeListener] = []
+
+    # -- requests -------------------------------------------------------------------------
+    def begin(self, tenant: str) -> Token:
+        token = Token(tenant, next(self._serial))
+        self._open[token.serial] = tenant
+        self._counts[tenant] = self._counts.get(tenant, 0) + 1
+        self._touch(tenant)
+        return token
+
+    def end(self, token: Token) -> None:
+        """Idempotent: a second end of the same token is ignored."""
+        tenant = self._open.pop(token.serial, None)
+        if tenant is None:
+            return
+        self._counts[tenant] -= 1
+        self._touch(tenant)
+
+    @contextlib.contextmanager
+    def request(self, tenant: str) -> Iterator[Token]:
+        token = self.begin(tenant)
+        try:
+            yield token
+        finally:
+            self.end(token)
+
+    # -- jobs -----------------------------------------------------------------------------
+    def track_job(self, tenant: str, job_id: str) -> bool:
+        """Start counting a queued job. False if its end was already seen."""
+        if self._early.pop((tenant, job_id), "missing") is None:
+            return False
+        jobs = self._jobs.setdefault(tenant, {})
+        if job_id not in jobs:
+            jobs[job_id] = self.clock.now()
+            self._touch(tenant)
+        return True
+
+    def finish_job(self, tenant: str, job_id: str) -> bool:
+        """Stop counting a job. True if it was tracked; an unknown id is remembered as finished."""
+        jobs = self._jobs.get(tenant, {})
+        if jobs.pop(job_id, None) is None:
+            self._early[(tenant, job_id)] = None
+            while len(self._early) > _EARLY_FINISH_MEMORY:
+                self._early.popitem(last=False)
+            return False
+        self._touch(tenant)
+        return True
+
+    def jobs(self, tenant: str) -> tuple[str, ...]:
+        return tuple(self._jobs.get(tenant, {}))
+
+    # -- reading ----------------------------------------------------------------------------
+    def traffic(self, tenant: str) -> TenantTraffic:
+        return TenantTraffic(self._counts.get(tenant, 0), self.jobs(tenant), self._last.get(tenant))
+
+    def snapshot(self) -> Mapping[str, TenantTraffic]:
+        names = set(self._counts) | set(self._jobs) | set(self._last)
+        return {name: self.traffic(name) for name in sorted(names)}
+
+    def busy(self, tenant: str) -> bool:
+        return self.traffic(tenant).busy
+
+    async def wait_idle(self, tenant: str, timeout_s: float | None = None) -> bool:
+        """Wait until the tenant has nothing in flight and no jobs. False on timeout."""
+        if not self.busy(tenant):
+            return True
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._idle_waiters.setdefault(tenant, []).append(fut)
+        try:
+            await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            waiters = self._idle_waiters.get(tenant, [])
+            if fut in waiters:
+                waiters.remove(fut)
+        return True
+
+    # -- internals --------------------------------------------------------------------------
+    def _touch(self, tenant: str) -> None:
+        self._last[tenant] = self.clock.now()
+        traffic = self.traffic(tenant)
+        for listener in list(self.on_change):
+            try:
+                listener(tenant, traffic)
+            except Exception:  # a broken subscriber must not break traffic
+                log.exception("in-flight listener failed")
+        if not traffic.busy and self._idle_waiters.get(tenant):
+            for fut in self._idle_waiters.pop(tenant):
+                if not fut.done():
+                    fut.set_result(None)
+
+
+JobCheck = Callable[[str], Awaitable[bool]]
+
+
+class JobPoller:
+    """Polls the engine for the end of jobs no websocket reported (clients that never open one).
+
+    Runs while the tenant has jobs and stops by itself; `ensure_running()` restarts it.
+    """
+
+    def __init__(self, inflight: InFlight, tenant: str, check: JobCheck, *, interval_s: float = 1.0,
+                 clock: Clock | None = None) -> None:
+        self.inflight = inflight
+        self.tenant = tenant
+        self.check = check
+        self.interval_s = interval_s
+        self.clock = clock or inflight.clock
+        self._task: asyncio.Task[None] | None = None
+
+    def ensure_running(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"jobpoll:{self.tenant}")
+
+    async def _run(self) -> None:
+        while self.inflight.jobs(self.tenant):
+            await self.clock.sleep(self.interval_s)
+            for job_id in self.inflight.jobs(self.tenant):
+                try:
+                    done = await self.check(job_id)
+                except Exception as exc:  # the engine being down must not kill the poller
+                    log.debug("job poll for %s/%s failed: %s", self.tenant, job_id, exc)
+                    continue
+                if done:
+                    self.inflight.finish_job(self.tenant, job_id)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
