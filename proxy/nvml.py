@@ -1,0 +1,225 @@
+"""The NVML reader: one device's memory and processes through nvidia-ml-py (`pynvml`).
+
+Blocking (C calls and /proc reads): callers run `read()` off the event loop, one at a time.
+Every failure becomes a `GpuReadError` with a health state and a fix; nothing else escapes `read()`.
+
+Process start time: field 22 of /proc/<pid>/stat (`starttime`, clock ticks since boot) divided by
+SC_CLK_TCK, so `GpuProcess.start_time` is float seconds since boot. With the pid it identifies a
+process across PID reuse; it is not a wall-clock time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Literal
+
+from .clock import Clock, SystemClock
+from .gpu import DeviceMemory, GpuProcess, GpuReadError, GpuSnapshot
+
+CONTAINER_NOTE = ("GPU processes are not visible in this PID namespace (container?): "
+                  "run with --pid=host / hostPID: true for per-process attribution")
+
+_FIXES: dict[str, str] = {
+    "library_missing": ("install the NVIDIA driver (it ships libnvidia-ml.so.1) and nvidia-ml-py; in a container, "
+                        "run with the NVIDIA container toolkit (--gpus all) so the library is mounted, or run outside the container"),
+    "driver_not_loaded": "load the NVIDIA kernel driver (reboot, or `sudo modprobe nvidia`) and check `nvidia-smi`",
+    "no_permission": "run as a user that can open /dev/nvidia* (the video group), or check the container's device access",
+    "gpu_lost": "the GPU fell off the bus: reboot the machine (and check power and cooling)",
+    "driver_mismatch": "reboot after the driver update, so the loaded kernel module matches the new library",
+    "unknown": "check `nvidia-smi`; forwarding continues and arbitration falls back to the engines' own reports",
+}
+
+_NOT_AVAILABLE = 2**64 - 1
+_MISMATCH_TEXT = ("driver/library version mismatch", "nvml/rm version mismatch")
+
+
+def _err(state: str, message: str) -> GpuReadError:
+    return GpuReadError(state, message, _FIXES[state])
+
+
+def _is(exc: BaseException, nvml: ModuleType | None, *names: str) -> bool:
+    if nvml is None:
+        return False
+    for name in names:
+        cls = getattr(nvml, name, None)
+        if isinstance(cls, type) and isinstance(exc, cls):
+            return True
+    return False
+
+
+def map_error(exc: BaseException, nvml: ModuleType | None) -> GpuReadError:
+    """Turn a pynvml failure into a health state. NVMLError instances are unhashable: compare, never key."""
+    if isinstance(exc, GpuReadError):
+        return exc
+    text = str(exc)
+    if isinstance(exc, ImportError):
+        return _err("library_missing", f"nvidia-ml-py (module pynvml) is not importable: {text}")
+    if _is(exc, nvml, "NVMLLibraryMismatchError", "NVMLError_LibRmVersionMismatch") or \
+            any(t in text.lower() for t in _MISMATCH_TEXT):
+        return _err("driver_mismatch", f"NVML: Driver/library version mismatch ({text})")
+    if _is(exc, nvml, "NVMLError_LibraryNotFound"):
+        return _err("library_missing", f"NVML shared library not found ({text})")
+    if _is(exc, nvml, "NVMLError_DriverNotLoaded"):
+        return _err("driver_not_loaded", f"NVIDIA driver not loaded ({text})")
+    if _is(exc, nvml, "NVMLError_NoPermission"):
+        return _err("no_permission", f"no permission to query the GPU ({text})")
+    if _is(exc, nvml, "NVMLError_GpuIsLost"):
+        return _err("gpu_lost", f"the GPU is lost ({text})")
+    return _err("unknown", f"NVML read failed: {type(exc).__name__}: {text}")
+
+
+@dataclass(frozen=True, slots=True)
+class ProcInfo:
+    name: str
+    cmdline: str
+    start_time: float | None
+
+
+def _text(value: object) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+class NvmlReader:
+    """`GpuReader` over NVML. `nvml` injects a pynvml-like module (tests); by default it is imported lazily."""
+
+    def __init__(self, index: int = 0, *, proc_root: Path = Path("/proc"), nvml: ModuleType | None = None,
+                 clock: Clock | None = None, clk_tck: int | None = None) -> None:
+        self.index = index
+        self.proc_root = proc_root
+        self._nvml = nvml
+        self._clock = clock or SystemClock()
+        self._clk_tck = clk_tck or os.sysconf("SC_CLK_TCK")
+        self._handle: object | None = None
+        self._name = ""
+        self._uuid = ""
+        self._mem_v2 = True  # flips to False once the driver says v2 is not supported
+
+    # -- NVML ----------------------------------------------------------------------------------
+    def _module(self) -> ModuleType:
+        if self._nvml is None:
+            self._nvml = importlib.import_module("pynvml")
+        return self._nvml
+
+    def _ensure(self) -> tuple[ModuleType, object]:
+        nvml = self._module()
+        if self._handle is None:
+            nvml.nvmlInit()  # on failure _handle stays None: the next read retries
+            handle = nvml.nvmlDeviceGetHandleByIndex(self.index)
+            self._name = _text(nvml.nvmlDeviceGetName(handle))
+            try:
+                self._uuid = _text(nvml.nvmlDeviceGetUUID(handle))
+            except Exception:  # noqa: BLE001 - the uuid is cosmetic
+                self._uuid = ""
+            self._handle = handle
+        return nvml, self._handle
+
+    def _reset(self) -> None:
+        """After a failure, start over (nvmlInit again) on the next read."""
+        if self._handle is not None and self._nvml is not None:
+            try:
+                self._nvml.nvmlShutdown()
+            except Exception:  # noqa: BLE001 - already broken; the next init says how
+                pass
+        self._handle = None
+
+    def _memory(self, nvml: ModuleType, handle: object) -> tuple[int, int, int, int]:
+        if self._mem_v2 and hasattr(nvml, "nvmlMemory_v2"):
+            try:
+                m = nvml.nvmlDeviceGetMemoryInfo(handle, version=nvml.nvmlMemory_v2)
+                return int(m.total), int(m.reserved), int(m.used), int(m.free)
+            except TypeError:
+                pass  # an old pynvml without the version argument
+            except Exception as exc:  # noqa: BLE001
+                if not _is(exc, nvml, "NVMLError_NotSupported", "NVMLError_FunctionNotFound",
+                           "NVMLError_ArgumentVersionMismatch"):
+                    raise
+            self._mem_v2 = False
+        m = nvml.nvmlDeviceGetMemoryInfo(handle)
+        return int(m.total), 0, int(m.used), int(m.free)
+
+    def _running(self, nvml: ModuleType, handle: object, fn: str, notes: list[str]) -> list[object]:
+        try:
+            return list(getattr(nvml, fn)(handle) or [])
+        except Exception as exc:  # noqa: BLE001
+            if _is(exc, nvml, "NVMLError_NotSupported"):
+                kind = "compute" if "Compute" in fn else "graphics"
+                notes.append(f"the driver does not list {kind} processes on this device (not supported)")
+                return []
+            raise
+
+    # -- /proc ---------------------------------------------------------------------------------
+    def proc_info(self, pid: int) -> ProcInfo:
+        base = self.proc_root / str(pid)
+        try:
+            name = (base / "comm").read_text(encoding="utf-8", errors="replace").strip()
+        except OSError:
+            name = ""
+        try:
+            raw = (base / "cmdline").read_bytes()
+            cmdline = raw.rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", "replace")
+        except OSError:
+            cmdline = ""
+        return ProcInfo(name, cmdline, self._start_time(base))
+
+    def _start_time(self, base: Path) -> float | None:
+        try:
+            stat = (base / "stat").read_text(encoding="utf-8", errors="replace")
+            # comm (field 2) is in parentheses and may hold spaces or ')': split after the last one
+            rest = stat.rpartition(")")[2].split()
+            return int(rest[22 - 3]) / self._clk_tck  # rest[0] is field 3 (state)
+        except (OSError, IndexError, ValueError):
+            return None
+
+    def _visible(self, pid: int) -> bool:
+        try:
+            return (self.proc_root / str(pid)).exists()
+        except OSError:
+            return False
+
+    # -- the reader interface ------------------------------------------------------------------
+    def read(self) -> GpuSnapshot:
+        try:
+            nvml, handle = self._ensure()
+            total, reserved, used, free = self._memory(nvml, handle)
+            notes: list[str] = []
+            compute = self._running(nvml, handle, "nvmlDeviceGetComputeRunningProcesses", notes)
+            graphics = self._running(nvml, handle, "nvmlDeviceGetGraphicsRunningProcesses", notes)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a health state
+            self._reset()
+            raise map_error(exc, self._nvml) from None  # self._nvml: set by the lazy import, None if it failed
+        processes = self._merge(compute, graphics)
+        if processes and not any(self._visible(p.pid) for p in processes):
+            notes.append(CONTAINER_NOTE)
+        device = DeviceMemory(index=self.index, name=self._name, total_bytes=total, reserved_bytes=reserved,
+                              used_bytes=used, free_bytes=free, uuid=self._uuid)
+        return GpuSnapshot(device=device, processes=processes, source="nvml", taken_at=self._clock.now(),
+                           notes=tuple(notes))
+
+    def _merge(self, compute: list[object], graphics: list[object]) -> tuple[GpuProcess, ...]:
+        used: dict[int, int | None] = {}
+        kinds: dict[int, set[str]] = {}
+        for kind, entries in (("compute", compute), ("graphics", graphics)):
+            for e in entries:
+                pid = int(getattr(e, "pid"))
+                mem = getattr(e, "usedGpuMemory", None)
+                # pynvml maps NVML_VALUE_NOT_AVAILABLE to None; guard the raw sentinel too
+                mem = None if mem is None or int(mem) >= _NOT_AVAILABLE else int(mem)
+                kinds.setdefault(pid, set()).add(kind)
+                if pid not in used:
+                    used[pid] = mem
+                elif mem is not None:
+                    # the same process listed twice reports the same allocation: take the larger, never add
+                    prev = used[pid]
+                    used[pid] = mem if prev is None else max(prev, mem)
+        out = []
+        for pid in sorted(used):
+            info = self.proc_info(pid)
+            k = kinds[pid]
+            kind: Literal["compute", "graphics", "both"] = "both" if len(k) == 2 else ("compute" if "compute" in k else "graphics")
+            out.append(GpuProcess(pid=pid, name=info.name, cmdline=info.cmdline, used_bytes=used[pid],
+                                  start_time=info.start_time, kind=kind))
+        return tuple(out)
