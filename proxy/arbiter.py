@@ -10,10 +10,12 @@ Rules (design.md, invariants 4 and 5):
   (release kind is not `none`) and rank strictly below the requester in priority. They are released
   lowest priority first (ties: larger holding first, then name), stopping once enough is freed.
 - A release frees what the tenant's processes hold above the floor it keeps when idle
-  (`idle_vram_bytes`: ComfyUI keeps its CUDA context; an Ollama runner exits and keeps nothing).
+  (`idle_vram_bytes`: a server that stays up keeps its CUDA context; a runner that exits keeps nothing).
 - Every process that holds memory and is not released is named as a blocker with its reason.
   Processes whose memory the driver does not report are never counted on.
 - A need above the card's usable memory (total minus reserved) is infeasible whoever holds what.
+- An infeasible plan still shows the releases it considered (what they would free); callers answer
+  507 and execute none of them.
 
 A tenant with no entry in `states` is idle: busy comes from traffic the proxy saw, and none was seen.
 """
@@ -128,7 +130,7 @@ def _holdings(snap: AttributedSnapshot) -> dict[str, _Holding]:
     return {t: _Holding(t, tuple(ps), sum(p.process.used_bytes or 0 for p in ps)) for t, ps in groups.items()}
 
 
-def _why_not(tenant: Tenant | None, name: str, requester: Tenant | None, state: TenantState | None) -> tuple[BlockReason, str] | None:
+def _why_not(tenant: Tenant | None, requester: Tenant | None, state: TenantState | None) -> tuple[BlockReason, str] | None:
     """Why this tenant cannot be released for the requester; None when it is a candidate.
 
     Order: configuration reasons first (they do not go away by waiting), busy last."""
@@ -170,7 +172,7 @@ def plan_release(snap: AttributedSnapshot, registry: Registry, states: Mapping[s
         if name == requester:
             continue
         tenant = None if name == UNMANAGED else registry.tenants.get(name)
-        why = _why_not(tenant, name, req_tenant, states.get(name))
+        why = _why_not(tenant, req_tenant, states.get(name))
         if why is None:
             assert tenant is not None
             expected = max(0, h.known_bytes - tenant.idle_vram_bytes)
