@@ -1,0 +1,321 @@
+"""The Ollama simulator's scheduler: runners as processes in the SimulatedGpu, loading, keep-alive
+timers, eviction (shortest keep_alive then name, not LRU), asynchronous release, NUM_PARALLEL.
+
+Modelled on the classic era (v0.11.5+ fast path): a request for a loaded runner takes it at once;
+anything else goes through one pending queue processed one load at a time (head-of-line).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, Literal
+
+from ..clock import Clock
+from .gpu import SimulatedGpu, SimulatedOutOfMemory
+from .ollama_wire import GO_MAX_DURATION_S, blob_digest
+
+RUNNER_NAME = "ollama_llama_server"
+RUNNER_PATH = "/usr/local/lib/ollama/runners/cuda_v12/ollama_llama_server"
+CONTEXT_LENGTH = 4096
+OOM_MESSAGE = "llama runner process has terminated: cudaMalloc failed: out of memory"
+MAX_QUEUE_MESSAGE = "server busy, please try again.  maximum pending requests exceeded"
+LOAD_STEPS = 4  # memory is allocated in this many steps over the load time (what nvidia-smi shows)
+
+MemoryShort = Literal["spill", "oom"]
+
+
+class ScheduleError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(slots=True)
+class Runner:
+    """One loaded (or loading) model: mutable, owned by the Scheduler."""
+
+    name: str
+    size: int
+    pid: int
+    port: int
+    keep_alive_s: float
+    sem: asyncio.Semaphore
+    state: Literal["loading", "ready", "failed"] = "loading"
+    size_vram: int = 0
+    refs: int = 0
+    expiring: bool = False
+    expires_at_wall: float = 0.0
+    load_error: str | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+    timer: asyncio.Task[None] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    runner: Runner
+    load_duration_s: float
+
+
+class Scheduler:
+    def __init__(self, gpu: SimulatedGpu, clock: Clock, *, load_gbps: float, unload_delay_s: float,
+                 default_keep_alive_s: float, memory_short: MemoryShort, max_loaded: int, num_parallel: int,
+                 max_queue: int, notify: Callable[[], None]) -> None:
+        self.gpu = gpu
+        self.clock = clock
+        self.load_gbps = load_gbps
+        self.unload_delay_s = unload_delay_s
+        self.default_keep_alive_s = default_keep_alive_s
+        self.memory_short: MemoryShort = memory_short
+        self.max_loaded = max_loaded
+        self.num_parallel = num_parallel
+        self.max_queue = max_queue
+        self._notify = notify
+        self.runners: dict[str, Runner] = {}
+        self.releasing: dict[int, str] = {}  # pid -> model name, killed but memory not yet back
+        self._release_tasks: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[Runner]] = set()
+        self._lock = asyncio.Lock()
+        self._pending = 0
+        self._ports = iter(range(41234, 65000))
+        self.fail_next_load: str | None = None
+        self.loads = 0
+
+    # -- the request path -----------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def lease(self, name: str, size: int, keep_alive_s: float | None) -> AsyncIterator[Lease]:
+        """Get a runner (loading if needed), hold a reference while the body runs, then go idle."""
+        started = self.clock.now()
+        runner = await self._acquire(name, size, keep_alive_s)
+        try:
+            if runner.state == "loading":
+                await runner.ready.wait()
+            if runner.state == "failed":
+                raise ScheduleError(500, runner.load_error or OOM_MESSAGE)
+            yield Lease(runner, self.clock.now() - started)
+        finally:
+            self._release_ref(runner)
+
+    async def _acquire(self, name: str, size: int, keep_alive_s: float | None) -> Runner:
+        existing = self.runners.get(name)
+        if existing is not None and not existing.expiring and existing.state != "failed":
+            return self._take(existing, keep_alive_s)  # fast path: no queue
+        if self._pending >= self.max_queue:
+            raise ScheduleError(503, MAX_QUEUE_MESSAGE)
+        self._pending += 1
+        # The pending loop owns the load: a requester that goes away does not stop it.
+        task = asyncio.create_task(self._pending_loop(name, size, keep_alive_s), name=f"schedule:{name}")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(self._drop_orphan)
+            raise
+
+    def _drop_orphan(self, task: asyncio.Task[Runner]) -> None:
+        if not task.cancelled() and task.exception() is None:
+            self._release_ref(task.result())
+
+    async def _pending_loop(self, name: str, size: int, keep_alive_s: float | None) -> Runner:
+        try:
+            async with self._lock:
+                return await self._schedule(name, size, keep_alive_s)
+        finally:
+            self._pending -= 1
+
+    def _take(self, runner: Runner, keep_alive_s: float | None) -> Runner:
+        runner.refs += 1
+        runner.idle.clear()
+        if runner.timer is not None:
+            runner.timer.cancel()
+            runner.timer = None
+        if keep_alive_s is not None:
+            runner.keep_alive_s = keep_alive_s  # sticky
+        return runner
+
+    async def _schedule(self, name: str, size: int, keep_alive_s: float | None) -> Runner:
+        while True:
+            existing = self.runners.get(name)
+            if existing is not None and not existing.expiring and existing.state != "failed":
+                return self._take(existing, keep_alive_s)
+            if existing is not None:
+                await self._evict(existing)
+                continue
+            await self.settle()  # memory of earlier unloads must be back before measuring
+            if len(self.runners) >= self.max_loaded:
+                await self._evict(self._victim())
+                continue
+            if size > self.gpu.free_bytes() and self.runners:
+                await self._evict(self._victim())
+                continue
+            break
+        ka = self.default_keep_alive_s if keep_alive_s is None else keep_alive_s
+        port = next(self._ports)
+        pid = self.gpu.spawn(RUNNER_NAME, self._cmdline(name, port))
+        runner = Runner(name=name, size=size, pid=pid, port=port, keep_alive_s=ka,
+                        sem=asyncio.Semaphore(self.num_parallel))
+        runner.refs = 1
+        runner.expires_at_wall = self._expiry_wall(ka)  # estimated while loading
+        self.runners[name] = runner
+        self.loads += 1
+        self._notify()
+        await self._load(runner)
+        return runner
+
+    def _cmdline(self, name: str, port: int) -> str:
+        return (f"{RUNNER_PATH} runner --model /root/.ollama/models/blobs/sha256-{blob_digest(name)} "
+                f"--ctx-size {CONTEXT_LENGTH * self.num_parallel} --batch-size 512 --n-gpu-layers 999 "
+                f"--threads 8 --parallel {self.num_parallel} --port {port}")
+
+    async def _load(self, runner: Runner) -> None:
+        load_s = runner.size / (self.load_gbps * 1e9) if self.load_gbps > 0 else 0.0
+        step = runner.size // LOAD_STEPS
+        fail = self.fail_next_load
+        self.fail_next_load = None
+        try:
+            for i in range(LOAD_STEPS):
+                await self.clock.sleep(load_s / LOAD_STEPS)
+                chunk = step if i < LOAD_STEPS - 1 else runner.size - step * (LOAD_STEPS - 1)
+                if self.memory_short == "spill":
+                    runner.size_vram += self.gpu.allocate_up_to(runner.pid, chunk)
+                else:
+                    self.gpu.allocate(runner.pid, chunk)
+                    runner.size_vram += chunk
+                if fail is not None:
+                    raise ScheduleError(500, fail)
+                self._notify()
+        except SimulatedOutOfMemory:
+            self._fail(runner, OOM_MESSAGE)
+            raise ScheduleError(500, OOM_MESSAGE) from None
+        except ScheduleError as exc:
+            self._fail(runner, exc.message)
+            raise
+        except BaseException:
+            self._fail(runner, "timed out waiting for llama runner to start: context canceled")
+            raise
+        runner.state = "ready"
+        runner.ready.set()
+        self._notify()
+
+    def _fail(self, runner: Runner, message: str) -> None:
+        """The runner process died during load: it and its memory are gone at once."""
+        runner.state = "failed"
+        runner.load_error = message
+        self.gpu.kill(runner.pid)
+        if self.runners.get(runner.name) is runner:
+            del self.runners[runner.name]
+        runner.ready.set()
+        runner.idle.set()
+        self._notify()
+
+    def _release_ref(self, runner: Runner) -> None:
+        runner.refs -= 1
+        if runner.refs > 0 or runner.state == "failed":
+            return
+        runner.idle.set()
+        if self.runners.get(runner.name) is not runner:
+            return
+        if runner.expiring or runner.keep_alive_s == 0:
+            self._unload(runner)
+            return
+        runner.expires_at_wall = self._expiry_wall(runner.keep_alive_s)
+        if math.isfinite(runner.keep_alive_s):
+            runner.timer = asyncio.create_task(self._expire_later(runner), name=f"keepalive:{runner.name}")
+        self._notify()
+
+    async def _expire_later(self, runner: Runner) -> None:
+        await self.clock.sleep(runner.keep_alive_s)
+        runner.timer = None
+        if runner.refs == 0 and self.runners.get(runner.name) is runner:
+            self._unload(runner)
+
+    def _expiry_wall(self, keep_alive_s: float) -> float:
+        return self.clock.wall() + (GO_MAX_DURATION_S if not math.isfinite(keep_alive_s) else keep_alive_s)
+
+    # -- unloading --------------------------------------------------------------------------------
+    def expire(self, name: str) -> None:
+        """expireRunner: unload now if idle, else as soon as in-flight requests finish."""
+        runner = self.runners.get(name)
+        if runner is None:
+            return
+        runner.keep_alive_s = 0.0
+        runner.expires_at_wall = self.clock.wall()
+        if runner.refs == 0 and runner.state == "ready":
+            self._unload(runner)
+        else:
+            runner.expiring = True
+
+    def _unload(self, runner: Runner) -> None:
+        """Gone from /api/ps now; the memory comes back unload_delay_s later (asynchronous release)."""
+        if runner.timer is not None:
+            runner.timer.cancel()
+            runner.timer = None
+        self.runners.pop(runner.name, None)
+        self.releasing[runner.pid] = runner.name
+        task = asyncio.create_task(self._finish_release(runner.pid), name=f"release:{runner.name}")
+        self._release_tasks.add(task)
+        task.add_done_callback(self._release_tasks.discard)
+        self._notify()
+
+    async def _finish_release(self, pid: int) -> None:
+        try:
+            await self.clock.sleep(self.unload_delay_s)
+        finally:
+            self.gpu.kill(pid)
+            self.releasing.pop(pid, None)
+            self._notify()
+
+    def _victim(self) -> Runner:
+        """findRunnerToUnload: keep_alive ascending (forever last), then name; first idle one, else the first."""
+        ordered = sorted(self.runners.values(), key=lambda r: (r.keep_alive_s, r.name))
+        return next((r for r in ordered if r.refs == 0), ordered[0])
+
+    async def _evict(self, runner: Runner) -> None:
+        if runner.refs > 0 or runner.state == "loading":
+            runner.expiring = True
+            await runner.idle.wait()
+        if self.runners.get(runner.name) is runner:
+            self._unload(runner)
+        await self.settle()
+
+    async def settle(self) -> None:
+        """Wait until every unloaded runner's memory is back."""
+        while self._release_tasks:
+            await asyncio.gather(*list(self._release_tasks), return_exceptions=True)
+
+    # -- observation and shutdown -----------------------------------------------------------------
+    def loaded(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for runner in self.runners.values():
+            out[runner.name] = self.gpu.used_by(runner.pid)
+        for pid, name in self.releasing.items():
+            used = self.gpu.used_by(pid)
+            if used:
+                out[name] = out.get(name, 0) + used
+        return out
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*list(self._background), return_exceptions=True)
+        for runner in list(self.runners.values()):
+            if runner.timer is not None:
+                runner.timer.cancel()
+            self.gpu.kill(runner.pid)
+            runner.state = "failed"
+            runner.load_error = "server shutting down"
+            runner.ready.set()
+            runner.idle.set()
+        self.runners.clear()
+        for task in list(self._release_tasks):
+            task.cancel()
+        await asyncio.gather(*list(self._release_tasks), return_exceptions=True)
+        for pid in list(self.releasing):
+            self.gpu.kill(pid)
+        self.releasing.clear()
+
