@@ -1,0 +1,860 @@
+"""A simulated ComfyUI server (v0.3.64 / 0.8.0 wire format) on a real loopback socket.
+
+HTTP + websocket, one prompt worker, smart-memory model residency in a SimulatedGpu, /free applied by
+the worker (when idle or right after the running prompt) with the memory coming back free_delay_s
+later, OOM as execution_error with the automatic unload. See proxy/sim/README.md for what is
+modelled and what is not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import json
+import os
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import FileResponse, HTMLResponse, PlainTextResponse, Response
+from starlette.routing import BaseRoute, Route, WebSocketRoute
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from ..clock import Clock, SystemClock
+from ..servers import RunningServer, start_server
+from .comfyui_nodes import Accepted, NodeClass, Rejected, catalogue, dependencies, execution_order, validate
+from .comfyui_wire import AIOHTTP_500, FAKE_JPEG, OriginAndSizeMiddleware, parse_multipart, png_bytes
+from .gpu import SimulatedGpu, SimulatedOutOfMemory
+
+GIB = 2**30
+JSON = dict[str, Any]
+
+OOM_MESSAGE = ("Allocation on device \nThis error means you ran out of memory on your GPU.\n\n"
+               "TIPS: If the workflow worked before you might have accidentally set the batch_size to a large number.")
+MODEL_FOLDERS = ["checkpoints", "configs", "loras", "vae", "text_encoders", "diffusion_models", "clip_vision",
+                 "style_models", "embeddings", "diffusers", "vae_approx", "controlnet", "gligen", "upscale_models",
+                 "custom_nodes", "hypernetworks", "photomaker", "classifiers", "model_patches", "audio_encoders"]
+# Binary websocket event types (protocol.py): 4-byte big-endian type, then the payload.
+PREVIEW_IMAGE = 1
+PREVIEW_IMAGE_WITH_METADATA = 4
+_INDEX_HTML = ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"UTF-8\"><title>ComfyUI</title></head>"
+               "<body><div id=\"vue-app\"></div><p>Simulated ComfyUI</p></body></html>\n")
+
+
+@dataclass(frozen=True, slots=True)
+class ComfySimConfig:
+    checkpoints: dict[str, int] = field(default_factory=lambda: {"sd_xl_base_1.0.safetensors": 7 * GIB})
+    context_floor_bytes: int = int(0.4 * GIB)   # CUDA context, held while the process lives
+    step_time_s: float = 0.02                   # per KSampler step
+    working_bytes: int = int(1.5 * GIB)         # held while sampling, released after
+    free_delay_s: float = 0.3                   # between the worker acting on /free and the memory coming back
+    load_gbps: float = 4.0                      # GiB/s from disk to VRAM
+    stale_running_entry: bool = False
+    version: str = "0.3.64"
+    argv: tuple[str, ...] = ("main.py",)
+    max_upload_size_mb: float = 100.0
+    device_name: str = "cuda:0 Simulated RTX 4090 : cudaMallocAsync"
+    previews: bool = False
+
+    @classmethod
+    def from_scenario(cls, section: dict[str, Any]) -> ComfySimConfig:
+        """The "comfyui" object of a scenario JSON; sizes are GiB floats. Unknown keys are an error."""
+        try:
+            s = _ScenarioSection.model_validate(section)
+        except ValidationError as exc:
+            raise ValueError(f"invalid comfyui scenario section: {exc}") from exc
+        base = cls()
+        return cls(
+            checkpoints={k: int(v * GIB) for k, v in s.checkpoints.items()} if s.checkpoints is not None
+            else dict(base.checkpoints),
+            context_floor_bytes=int(s.context_floor_gb * GIB) if s.context_floor_gb is not None else base.context_floor_bytes,
+            step_time_s=base.step_time_s if s.step_time_s is None else s.step_time_s,
+            working_bytes=int(s.working_gb * GIB) if s.working_gb is not None else base.working_bytes,
+            free_delay_s=base.free_delay_s if s.free_delay_s is None else s.free_delay_s,
+            load_gbps=base.load_gbps if s.load_gbps is None else s.load_gbps,
+            stale_running_entry=s.stale_running_entry,
+            version=s.version or base.version,
+            argv=tuple(s.argv) if s.argv is not None else base.argv,
+            max_upload_size_mb=base.max_upload_size_mb if s.max_upload_size_mb is None else s.max_upload_size_mb,
+            device_name=s.device_name or base.device_name,
+            previews=s.previews,
+        )
+
+
+class _ScenarioSection(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=False)
+    checkpoints: dict[str, float] | None = None
+    context_floor_gb: float | None = None
+    step_time_s: float | None = None
+    working_gb: float | None = None
+    free_delay_s: float | None = None
+    load_gbps: float | None = None
+    stale_running_entry: bool = False
+    version: str | None = None
+    argv: list[str] | None = None
+    max_upload_size_mb: float | None = None
+    device_name: str | None = None
+    previews: bool = False
+
+
+@dataclass(slots=True)
+class _Item:
+    number: int | float
+    prompt_id: str
+    graph: JSON
+    extra_data: JSON
+    outputs: list[str]
+
+    def wire(self) -> list[Any]:
+        return [self.number, self.prompt_id, self.graph, self.extra_data, self.outputs]
+
+
+@dataclass(slots=True)
+class _Client:
+    sid: str
+    outbox: asyncio.Queue[str | bytes]
+    preview_metadata: bool = False
+
+
+class _Interrupted(Exception):
+    def __init__(self, node_id: str, node_type: str) -> None:
+        super().__init__(node_id)
+        self.node_id, self.node_type = node_id, node_type
+
+
+class _OutOfMemory(Exception):
+    pass
+
+
+class _BadBody(Exception):
+    """Invalid JSON where aiohttp's request.json() would raise: an unhandled 500."""
+
+
+def _dumps(data: Any) -> str:
+    return json.dumps(data)  # Python's default separators, like aiohttp's json_response/send_json
+
+
+def _json(data: Any, status: int = 200) -> Response:
+    return Response(_dumps(data), status_code=status, media_type="application/json; charset=utf-8")
+
+
+def _ms() -> int:
+    return int(time.time() * 1000)
+
+
+class ComfySim:
+    def __init__(self, gpu: SimulatedGpu, config: ComfySimConfig, *, clock: Clock | None = None) -> None:
+        self.gpu = gpu
+        self.config = config
+        self.clock: Clock = clock or SystemClock()
+        self.pid: int | None = None
+        self.frees = 0
+        self.executed = 0
+        self._server: RunningServer | None = None
+        self._worker: asyncio.Task[None] | None = None
+        self._timers: set[asyncio.Task[None]] = set()
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self.base_dir = Path()
+        self._classes: dict[str, NodeClass] = catalogue(sorted(config.checkpoints))
+        self._sockets: dict[str, _Client] = {}
+        self._heap: list[tuple[int | float, str, int, _Item]] = []
+        self._seq = itertools.count()
+        self._running: dict[str, _Item] = {}
+        self._history: dict[str, JSON] = {}
+        self._number = 0
+        self._wake = asyncio.Event()
+        self._free_flags: dict[str, bool] = {}
+        self._interrupt = False
+        self._oom_next = False
+        self._loaded: dict[str, int] = {}
+        self._torch_cache = 0        # reserved but inactive bytes (freed models awaiting empty_cache)
+        self._node_cache: dict[tuple[str, str], JSON | None] = {}  # (node id, input signature) -> ui output
+        self._current_client: str | None = None
+        self._current_node: str | None = None
+        self.stale_prompt_id: str | None = None   # the stuck queue_running row (stale_running_entry)
+        self.app = self._build_app()
+
+    # -- observables ----------------------------------------------------------------------
+    def loaded(self) -> dict[str, int]:
+        """Checkpoints whose weights are in VRAM now (name -> bytes)."""
+        return dict(self._loaded)
+
+    def fail_next_prompt_with_oom(self) -> None:
+        """The next KSampler or checkpoint load that executes raises torch.OutOfMemoryError."""
+        self._oom_next = True
+
+    @property
+    def output_dir(self) -> Path:
+        return self.base_dir / "output"
+
+    @property
+    def highvram(self) -> bool:
+        return "--highvram" in self.config.argv or "--gpu-only" in self.config.argv
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> RunningServer:
+        self._tmp = tempfile.TemporaryDirectory(prefix="comfysim-")
+        self.base_dir = Path(self._tmp.name)
+        for sub in ("output", "input", "temp"):
+            (self.base_dir / sub).mkdir()
+        self._wake = asyncio.Event()
+        self._server = await start_server(self.app, host, port, name="comfyui-sim")
+        extra = " ".join(a for a in self.config.argv[1:])
+        cmdline = f"python3 /opt/ComfyUI/main.py --listen {host} --port {self._server.port}" + (f" {extra}" if extra else "")
+        self.pid = self.gpu.spawn("python3", cmdline, self.config.context_floor_bytes)
+        if self.config.stale_running_entry:
+            self._add_ghost()
+        self._worker = asyncio.create_task(self._work(), name="comfyui-sim-worker")
+        return self._server
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._worker, *self._timers) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._worker = None
+        self._timers.clear()
+        if self._server is not None:
+            await self._server.stop()
+            self._server = None
+        if self.pid is not None:
+            self.gpu.kill(self.pid)
+            self.pid = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def _add_ghost(self) -> None:
+        """A UI row stuck in queue_running: an entry left in currently_running whose execution is gone
+        (the worker moved on). It never finishes and holds nothing beyond the context floor."""
+        prompt_id = str(uuid.uuid4())
+        graph = {"1": {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 64, "batch_size": 1, "color": 0}},
+                 "2": {"class_type": "SaveImage", "inputs": {"images": ["1", 0], "filename_prefix": "ComfyUI"}}}
+        self._running[prompt_id] = _Item(self._number, prompt_id, graph, {"client_id": uuid.uuid4().hex}, ["2"])
+        self._number += 1
+        self.stale_prompt_id = prompt_id
+
+    # -- websocket fan-out ------------------------------------------------------------------
+    def _queue_remaining(self) -> int:
+        return len(self._heap) + len(self._running)
+
+    def _send(self, event: str, data: JSON, sid: str | None) -> None:
+        """send_sync(): to one socket, or to all when sid is None. Ordered through each socket's outbox."""
+        text = _dumps({"type": event, "data": data})
+        targets = self._sockets.values() if sid is None else [c for c in (self._sockets.get(sid),) if c]
+        for client in targets:
+            client.outbox.put_nowait(text)
+
+    def _broadcast_status(self) -> None:
+        self._send("status", {"status": {"exec_info": {"queue_remaining": self._queue_remaining()}}}, None)
+
+    def _send_preview(self, prompt_id: str, node_id: str, sid: str | None) -> None:
+        targets = list(self._sockets.values()) if sid is None else [c for c in (self._sockets.get(sid),) if c]
+        for client in targets:
+            if client.preview_metadata:
+                meta = json.dumps({"node_id": node_id, "prompt_id": prompt_id, "display_node_id": node_id,
+                                   "parent_node_id": None, "real_node_id": node_id,
+                                   "image_type": "image/jpeg"}).encode()
+                frame = (PREVIEW_IMAGE_WITH_METADATA.to_bytes(4, "big") + len(meta).to_bytes(4, "big")
+                         + meta + FAKE_JPEG)
+            else:
+                frame = PREVIEW_IMAGE.to_bytes(4, "big") + (1).to_bytes(4, "big") + FAKE_JPEG  # 1 = JPEG
+            client.outbox.put_nowait(frame)
+
+    async def _ws(self, websocket: WebSocket) -> None:
+        await websocket.accept()
+        sid = websocket.query_params.get("clientId") or uuid.uuid4().hex
+        client = _Client(sid, asyncio.Queue())
+        self._sockets[sid] = client  # a previous socket with this id leaves the routing table, stays open
+        client.outbox.put_nowait(_dumps({"type": "status", "data": {
+            "status": {"exec_info": {"queue_remaining": self._queue_remaining()}}, "sid": sid}}))
+        if self._current_client == sid and self._current_node is not None:
+            client.outbox.put_nowait(_dumps({"type": "executing", "data": {"node": self._current_node}}))
+        pump = asyncio.create_task(self._pump(websocket, client))
+        try:
+            first = True
+            while True:
+                message = await websocket.receive()
+                if message["type"] == "websocket.disconnect":
+                    break
+                if first and message.get("text"):
+                    self._feature_flags(client, message["text"])
+                first = False
+        except WebSocketDisconnect:
+            pass
+        finally:
+            pump.cancel()
+            await asyncio.gather(pump, return_exceptions=True)
+            if self._sockets.get(sid) is client:
+                del self._sockets[sid]
+
+    def _feature_flags(self, client: _Client, text: str) -> None:
+        try:
+            message = json.loads(text)
+        except ValueError:
+            return
+        if isinstance(message, dict) and message.get("type") == "feature_flags" and isinstance(message.get("data"), dict):
+            client.preview_metadata = bool(message["data"].get("supports_preview_metadata"))
+            client.outbox.put_nowait(_dumps({"type": "feature_flags", "data": self._features()}))
+
+    @staticmethod
+    async def _pump(websocket: WebSocket, client: _Client) -> None:
+        while True:
+            frame = await client.outbox.get()
+            try:
+                if isinstance(frame, bytes):
+                    await websocket.send_bytes(frame)
+                else:
+                    await websocket.send_text(frame)
+            except Exception:  # the socket went away; the receive side notices and cleans up
+                return
+
+    # -- memory ----------------------------------------------------------------------------
+    def _allocate(self, nbytes: int) -> None:
+        """Reuse torch's cache first, then ask the device (raises SimulatedOutOfMemory)."""
+        assert self.pid is not None
+        from_cache = min(self._torch_cache, nbytes)
+        if nbytes > from_cache:
+            self.gpu.allocate(self.pid, nbytes - from_cache)
+        self._torch_cache -= from_cache
+
+    def _release_now(self, nbytes: int) -> None:
+        if self.pid is not None:
+            self.gpu.release(self.pid, nbytes)
+
+    def _unload_all_now(self) -> None:
+        """OOM path: unload_all_models() + soft_empty_cache(): back to the context floor at once."""
+        self._loaded.clear()
+        self._torch_cache = 0
+        if self.pid is not None:
+            self.gpu.set_used(self.pid, self.config.context_floor_bytes)
+
+    async def _ensure_loaded(self, name: str, node_id: str, node_type: str) -> None:
+        if name in self._loaded:
+            return
+        for other, size in list(self._loaded.items()):  # smart memory: make room by unloading the others
+            del self._loaded[other]
+            self._release_now(size)
+        size = self.config.checkpoints[name]
+        try:
+            self._check_oom()
+            self._allocate(size)
+        except SimulatedOutOfMemory as exc:
+            raise _OutOfMemory(node_id, node_type) from exc
+        await self.clock.sleep(size / (self.config.load_gbps * GIB))
+        self._loaded[name] = size
+
+    def _check_oom(self) -> None:
+        if self._oom_next:
+            self._oom_next = False
+            raise SimulatedOutOfMemory(0, 0)
+
+    def _apply_free(self) -> None:
+        """The worker's flag handling (main.py): free_memory implies unload; free_memory drops caches."""
+        flags, self._free_flags = self._free_flags, {}
+        free_memory = flags.get("free_memory", False)
+        unload = flags.get("unload_models", free_memory)
+        if unload and not (self.highvram and not free_memory):
+            # Weights leave VRAM (to CPU RAM); torch keeps the blocks reserved until empty_cache.
+            self._torch_cache += sum(self._loaded.values())
+            self._loaded.clear()
+        if free_memory:
+            self._node_cache.clear()
+        if self._torch_cache:
+            task = asyncio.create_task(self._empty_cache_later())
+            self._timers.add(task)
+            task.add_done_callback(self._timers.discard)
+
+    async def _empty_cache_later(self) -> None:
+        await self.clock.sleep(self.config.free_delay_s)
+        cached, self._torch_cache = self._torch_cache, 0
+        self._release_now(cached)
+
+    # -- the prompt worker -------------------------------------------------------------------
+    async def _work(self) -> None:
+        while True:
+            while not self._heap and not self._free_flags:
+                self._wake.clear()
+                await self._wake.wait()
+            if self._heap:
+                _, _, _, item = heapq.heappop(self._heap)
+                self._running[item.prompt_id] = item
+                self._broadcast_status()
+                await self._execute(item)
+            if self._free_flags:
+                self._apply_free()
+
+    async def _execute(self, item: _Item) -> None:
+        self._interrupt = False  # an interrupt sent while idle is dropped
+        prompt_id, graph = item.prompt_id, item.graph
+        cid: str | None = item.extra_data.get("client_id")
+        self._current_client = cid
+        messages: list[list[Any]] = []
+
+        def add_message(event: str, data: JSON, broadcast: bool) -> None:
+            messages.append([event, data])
+            if cid is not None or broadcast:
+                self._send(event, data, cid)
+
+        states: dict[str, JSON] = {}
+
+        def progress_state(nid: str, value: float, maximum: float, state: str) -> None:
+            states[nid] = {"value": value, "max": maximum, "state": state, "node_id": nid, "prompt_id": prompt_id,
+                           "display_node_id": nid, "parent_node_id": None, "real_node_id": nid}
+            self._send("progress_state", {"prompt_id": prompt_id, "nodes": dict(states)}, cid)
+
+        def targeted(event: str, data: JSON) -> None:
+            if cid is not None:
+                self._send(event, data, cid)
+
+        signatures = _signatures(graph)
+        add_message("execution_start", {"prompt_id": prompt_id, "timestamp": _ms()}, False)
+        cached = [nid for nid in graph if (nid, signatures[nid]) in self._node_cache]
+        add_message("execution_cached", {"nodes": cached, "prompt_id": prompt_id, "timestamp": _ms()}, False)
+        reached: set[str] = set()
+        stack = list(item.outputs)
+        while stack:
+            nid = stack.pop()
+            if nid not in reached:
+                reached.add(nid)
+                if nid not in cached:
+                    stack.extend(dependencies(graph, nid))
+        order = [nid for nid in execution_order(graph, tuple(item.outputs)) if nid in reached]
+        executed: list[str] = []
+        outputs: JSON = {}
+        meta: JSON = {}
+        ok = False
+        try:
+            for nid in order:
+                node_type = graph[nid]["class_type"]
+                key = (nid, signatures[nid])
+                if key in self._node_cache:
+                    ui = self._node_cache[key]
+                    targeted("executed", {"node": nid, "display_node": nid, "output": ui, "prompt_id": prompt_id})
+                    if ui is not None:
+                        outputs[nid] = ui
+                        meta[nid] = _meta(nid)
+                    progress_state(nid, 1, 1, "finished")
+                    executed.append(nid)
+                    continue
+                progress_state(nid, 0.0, 1.0, "running")
+                targeted("executing", {"node": nid, "display_node": nid, "prompt_id": prompt_id})
+                self._current_node = nid
+                if self._interrupt:
+                    raise _Interrupted(nid, node_type)
+                ui, done_max = await self._run_node(nid, graph, prompt_id, cid, progress_state)
+                if ui is not None:
+                    targeted("executed", {"node": nid, "display_node": nid, "output": ui, "prompt_id": prompt_id})
+                    outputs[nid] = ui
+                    meta[nid] = _meta(nid)
+                progress_state(nid, done_max, done_max, "finished")
+                self._node_cache[key] = ui
+                executed.append(nid)
+            add_message("execution_success", {"prompt_id": prompt_id, "timestamp": _ms()}, False)
+            ok = True
+        except _Interrupted as exc:
+            add_message("execution_interrupted", {"prompt_id": prompt_id, "node_id": exc.node_id,
+                                                  "node_type": exc.node_type, "executed": executed,
+                                                  "timestamp": _ms()}, True)
+        except _OutOfMemory as exc:
+            node_id, node_type = exc.args
+            self._unload_all_now()  # "Got an OOM, unloading all loaded models."
+            add_message("execution_error", {
+                "prompt_id": prompt_id, "node_id": node_id, "node_type": node_type, "executed": executed,
+                "exception_message": OOM_MESSAGE, "exception_type": "torch.OutOfMemoryError",
+                "traceback": _oom_traceback(node_type),
+                "current_inputs": _format_inputs(graph[node_id].get("inputs") or {}),
+                "current_outputs": list(graph), "timestamp": _ms()}, False)
+        finally:
+            self._current_node = None
+            self._current_client = None
+        self.executed += 1
+        self._history[prompt_id] = {
+            "prompt": item.wire(), "outputs": outputs,
+            "status": {"status_str": "success" if ok else "error", "completed": ok, "messages": messages},
+            "meta": meta}
+        while len(self._history) > 10_000:
+            del self._history[next(iter(self._history))]
+        del self._running[prompt_id]
+        self._broadcast_status()
+        targeted("executing", {"node": None, "prompt_id": prompt_id})
+
+    async def _run_node(self, nid: str, graph: JSON, prompt_id: str, cid: str | None,
+                        progress_state: Any) -> tuple[JSON | None, float]:
+        """Execute one node; returns (ui output or None, the progress max it finished at)."""
+        node = graph[nid]
+        kind, inputs = node["class_type"], node.get("inputs") or {}
+        if kind == "CheckpointLoaderSimple":
+            await self._ensure_loaded(inputs["ckpt_name"], nid, kind)
+            return None, 1.0
+        if kind == "KSampler":
+            return None, await self._sample(nid, graph, prompt_id, cid, progress_state)
+        if kind in ("SaveImage", "PreviewImage"):
+            return {"images": [self._save(kind, inputs)]}, 1.0
+        await asyncio.sleep(0)
+        return None, 1.0
+
+    async def _sample(self, nid: str, graph: JSON, prompt_id: str, cid: str | None, progress_state: Any) -> int:
+        ckpt = _upstream_checkpoint(graph, nid)
+        if ckpt is not None:
+            await self._ensure_loaded(ckpt, nid, "KSampler")  # load_models_gpu() if /free moved it out
+        try:
+            self._check_oom()
+            self._allocate(self.config.working_bytes)
+        except SimulatedOutOfMemory as exc:
+            raise _OutOfMemory(nid, "KSampler") from exc
+        steps = int(graph[nid]["inputs"].get("steps", 20))
+        try:
+            for step in range(1, steps + 1):
+                await self.clock.sleep(self.config.step_time_s)
+                if self._interrupt:  # the sampler callback checks the flag every step
+                    raise _Interrupted(nid, "KSampler")
+                progress_state(nid, step, steps, "running")
+                if self.config.previews:
+                    self._send_preview(prompt_id, nid, cid)
+                self._send("progress", {"value": step, "max": steps, "prompt_id": prompt_id, "node": nid}, cid)
+        finally:
+            self._release_now(self.config.working_bytes)
+        return steps
+
+    def _save(self, kind: str, inputs: JSON) -> JSON:
+        if kind == "SaveImage":
+            folder, kind_name = self.base_dir / "output", "output"
+            prefix = str(inputs.get("filename_prefix", "ComfyUI"))
+        else:
+            folder, kind_name = self.base_dir / "temp", "temp"
+            prefix = "ComfyUI_temp_" + uuid.uuid4().hex[:5]
+        subfolder, _, name = prefix.rpartition("/")
+        target = folder / subfolder
+        target.mkdir(parents=True, exist_ok=True)
+        taken = [p.name for p in target.glob(f"{name}_*_.png")]
+        counter = 1 + max((int(n[len(name) + 1:-5]) for n in taken if n[len(name) + 1:-5].isdigit()), default=0)
+        filename = f"{name}_{counter:05}_.png"
+        (target / filename).write_bytes(png_bytes())
+        return {"filename": filename, "subfolder": subfolder, "type": kind_name}
+
+    # -- HTTP --------------------------------------------------------------------------------
+    def _features(self) -> JSON:
+        return {"supports_preview_metadata": True, "max_upload_size": int(self.config.max_upload_size_mb * 1024 * 1024),
+                "extension": {"manager": {"supports_v4": True}}}
+
+    async def _read_json(self, request: Request) -> Any:
+        try:
+            return json.loads(await request.body())
+        except ValueError as exc:
+            raise _BadBody() from exc
+
+    async def _index(self, request: Request) -> Response:
+        return HTMLResponse(_INDEX_HTML)
+
+    async def _get_prompt(self, request: Request) -> Response:
+        return _json({"exec_info": {"queue_remaining": self._queue_remaining()}})
+
+    async def _post_prompt(self, request: Request) -> Response:
+        body = await self._read_json(request)
+        if not isinstance(body, dict):
+            raise _BadBody()
+        if "number" in body:
+            number: int | float = float(body["number"])
+        else:
+            number = -self._number if body.get("front") else self._number
+            self._number += 1
+        if "prompt" not in body:
+            return _json({"error": {"type": "no_prompt", "message": "No prompt provided",
+                                    "details": "No prompt provided", "extra_info": {}}, "node_errors": {}}, 400)
+        graph = body["prompt"]
+        result = validate(graph, self._classes)
+        if isinstance(result, Rejected):
+            return _json(result.body, 400)
+        assert isinstance(result, Accepted)
+        outputs = list(result.outputs)
+        targets = body.get("partial_execution_targets")
+        if isinstance(targets, list):
+            outputs = [o for o in outputs if o in targets]
+        prompt_id = str(body.get("prompt_id") or uuid.uuid4())
+        extra_data = dict(body.get("extra_data") or {})
+        if "client_id" in body:
+            extra_data["client_id"] = body["client_id"]
+        item = _Item(number, prompt_id, graph, extra_data, outputs)
+        heapq.heappush(self._heap, (number, prompt_id, next(self._seq), item))
+        self._broadcast_status()
+        self._wake.set()
+        return _json({"prompt_id": prompt_id, "number": number, "node_errors": result.node_errors})
+
+    async def _get_queue(self, request: Request) -> Response:
+        return _json({"queue_running": [i.wire() for i in self._running.values()],
+                      "queue_pending": [entry[3].wire() for entry in self._heap]})
+
+    async def _post_queue(self, request: Request) -> Response:
+        body = await self._read_json(request)
+        if isinstance(body, dict):
+            if body.get("clear"):
+                self._heap.clear()
+            for prompt_id in body.get("delete") or []:
+                self._heap = [e for e in self._heap if e[1] != prompt_id]
+                heapq.heapify(self._heap)
+        self._broadcast_status()
+        return Response(status_code=200)
+
+    async def _get_history(self, request: Request) -> Response:
+        max_items = request.query_params.get("max_items")
+        limit = int(max_items) if max_items is not None else None
+        offset = int(request.query_params.get("offset", -1))
+        if offset < 0 and limit is not None:
+            offset = len(self._history) - limit
+        out: JSON = {}
+        for i, (key, entry) in enumerate(self._history.items()):
+            if i >= offset:
+                out[key] = entry
+                if limit is not None and len(out) >= limit:
+                    break
+        return _json(out)
+
+    async def _get_history_item(self, request: Request) -> Response:
+        prompt_id = request.path_params["prompt_id"]
+        entry = self._history.get(prompt_id)
+        return _json({prompt_id: entry} if entry is not None else {})
+
+    async def _post_history(self, request: Request) -> Response:
+        body = await self._read_json(request)
+        if isinstance(body, dict):
+            if body.get("clear"):
+                self._history.clear()
+            for prompt_id in body.get("delete") or []:
+                self._history.pop(prompt_id, None)
+        return Response(status_code=200)
+
+    async def _interrupt_route(self, request: Request) -> Response:
+        try:
+            body = json.loads(await request.body() or b"{}")
+        except ValueError:
+            body = {}
+        prompt_id = body.get("prompt_id") if isinstance(body, dict) else None
+        if prompt_id is None or prompt_id in self._running:
+            self._interrupt = True
+        return Response(status_code=200)
+
+    async def _free(self, request: Request) -> Response:
+        body = await self._read_json(request)
+        if not isinstance(body, dict):
+            raise _BadBody()
+        self.frees += 1
+        for key in ("unload_models", "free_memory"):
+            if key in body:
+                self._free_flags[key] = bool(body[key])
+        self._wake.set()
+        return Response(status_code=200)
+
+    async def _system_stats(self, request: Request) -> Response:
+        page = os.sysconf("SC_PAGE_SIZE")
+        held = self.gpu.used_by(self.pid) if self.pid is not None else 0
+        reserved = max(0, held - self.config.context_floor_bytes)
+        return _json({
+            "system": {"os": "posix", "ram_total": os.sysconf("SC_PHYS_PAGES") * page,
+                       "ram_free": os.sysconf("SC_AVPHYS_PAGES") * page, "comfyui_version": self.config.version,
+                       "required_frontend_version": "1.27.10", "installed_templates_version": "0.1.94",
+                       "required_templates_version": "0.1.94", "python_version": sys.version,
+                       "pytorch_version": "2.8.0+cu128", "embedded_python": False, "argv": list(self.config.argv)},
+            "devices": [{"name": self.config.device_name, "type": "cuda", "index": 0,
+                         "vram_total": self.gpu.total_bytes, "vram_free": self.gpu.free_bytes() + self._torch_cache,
+                         "torch_vram_total": reserved, "torch_vram_free": min(self._torch_cache, reserved)}]})
+
+    async def _object_info(self, request: Request) -> Response:
+        return _json({name: cls.info() for name, cls in self._classes.items()})
+
+    async def _object_info_one(self, request: Request) -> Response:
+        cls = self._classes.get(request.path_params["node_class"])
+        return _json({cls.name: cls.info()} if cls else {})
+
+    async def _features_route(self, request: Request) -> Response:
+        return _json(self._features())
+
+    async def _models(self, request: Request) -> Response:
+        return _json(MODEL_FOLDERS)
+
+    async def _models_folder(self, request: Request) -> Response:
+        folder = request.path_params["folder"]
+        if folder == "checkpoints":
+            return _json(sorted(self.config.checkpoints))
+        if folder in MODEL_FOLDERS:
+            return _json([])
+        return Response(status_code=404)
+
+    async def _list_empty(self, request: Request) -> Response:
+        return _json([])
+
+    def _folder(self, kind: str) -> Path | None:
+        return self.base_dir / kind if kind in ("output", "input", "temp") else None
+
+    async def _view(self, request: Request) -> Response:
+        filename = request.query_params.get("filename")
+        if not filename:
+            return Response(status_code=404)
+        kind = request.query_params.get("type", "output")
+        for tag in ("output", "input", "temp"):  # "name.png [output]" annotation
+            if filename.endswith(f" [{tag}]"):
+                filename, kind = filename[: -len(tag) - 3], tag
+        filename = unquote(filename)
+        if filename.startswith("/") or ".." in filename:
+            return Response(status_code=400)
+        base = self._folder(kind)
+        if base is None:
+            return Response(status_code=400)
+        folder = (base / request.query_params.get("subfolder", "")).resolve()
+        if not folder.is_relative_to(base.resolve()):
+            return Response(status_code=403)
+        path = folder / filename
+        if not path.is_file():
+            return Response(status_code=404)
+        response = FileResponse(path)
+        response.headers["content-disposition"] = f'filename="{path.name}"'
+        return response
+
+    async def _upload_image(self, request: Request) -> Response:
+        parts = parse_multipart(request.headers.get("content-type", ""), await request.body())
+        image = parts.get("image")
+        if image is None or not image.filename:
+            return Response(status_code=400)
+        kind = parts["type"].data.decode() if "type" in parts else "input"
+        base = self._folder(kind or "input")
+        if base is None:
+            return Response(status_code=400)
+        subfolder = parts["subfolder"].data.decode() if "subfolder" in parts else ""
+        overwrite = parts["overwrite"].data.decode().lower() in ("true", "1") if "overwrite" in parts else False
+        folder = (base / subfolder).resolve()
+        filename = os.path.basename(image.filename)
+        path = (folder / filename).resolve()
+        if not folder.is_relative_to(base.resolve()) or path.parent != folder:
+            return Response(status_code=400)
+        duplicate = False
+        if not overwrite:
+            stem, ext = os.path.splitext(filename)
+            i = 1
+            while path.exists():
+                if path.read_bytes() == image.data:  # ComfyUI compares hashes; equal bytes is the same test
+                    duplicate = True
+                    break
+                filename = f"{stem} ({i}){ext}"
+                path = folder / filename
+                i += 1
+        if not duplicate:
+            folder.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(image.data)
+        return _json({"name": filename, "subfolder": subfolder, "type": kind})
+
+    def _build_app(self) -> OriginAndSizeMiddleware:
+        plain: list[tuple[str, Any, list[str]]] = [
+            ("/prompt", self._get_prompt, ["GET"]), ("/prompt", self._post_prompt, ["POST"]),
+            ("/queue", self._get_queue, ["GET"]), ("/queue", self._post_queue, ["POST"]),
+            ("/history", self._get_history, ["GET"]), ("/history", self._post_history, ["POST"]),
+            ("/history/{prompt_id}", self._get_history_item, ["GET"]),
+            ("/interrupt", self._interrupt_route, ["POST"]), ("/free", self._free, ["POST"]),
+            ("/system_stats", self._system_stats, ["GET"]), ("/features", self._features_route, ["GET"]),
+            ("/object_info", self._object_info, ["GET"]), ("/object_info/{node_class}", self._object_info_one, ["GET"]),
+            ("/view", self._view, ["GET"]), ("/upload/image", self._upload_image, ["POST"]),
+            ("/models", self._models, ["GET"]), ("/models/{folder}", self._models_folder, ["GET"]),
+            ("/embeddings", self._list_empty, ["GET"]), ("/extensions", self._list_empty, ["GET"]),
+        ]
+        # Group methods per path so a wrong method gets 405, as aiohttp does.
+        by_path: dict[str, dict[str, Any]] = {}
+        for path, handler, methods in plain:
+            for method in methods:
+                by_path.setdefault(path, {})[method] = handler
+        routes: list[BaseRoute] = [Route("/", self._index, methods=["GET"])]
+        for prefix in ("", "/api"):
+            for path, handlers in by_path.items():
+                routes.append(Route(prefix + path, _dispatch(handlers), methods=list(handlers)))
+            routes.append(WebSocketRoute(prefix + "/ws", self._ws))
+
+        async def bad_body(request: Request, exc: Exception) -> Response:
+            return PlainTextResponse(AIOHTTP_500, status_code=500)
+
+        app = Starlette(routes=routes, exception_handlers={_BadBody: bad_body})
+        return OriginAndSizeMiddleware(app, int(self.config.max_upload_size_mb * 1024 * 1024))
+
+
+def _dispatch(handlers: dict[str, Any]) -> Any:
+    async def endpoint(request: Request) -> Response:
+        handler = handlers["GET" if request.method == "HEAD" else request.method]
+        response: Response = await handler(request)
+        return response
+    return endpoint
+
+
+def _meta(nid: str) -> JSON:
+    return {"node_id": nid, "display_node": nid, "parent_node": None, "real_node_id": nid}
+
+
+def _signatures(graph: JSON) -> dict[str, str]:
+    """Classic cache key: class and inputs, with links replaced by the upstream node's signature."""
+    memo: dict[str, str] = {}
+
+    def sig(nid: str, trail: tuple[str, ...]) -> str:
+        if nid in memo:
+            return memo[nid]
+        if nid in trail:
+            return "cycle"
+        node = graph[nid]
+        parts: list[Any] = [node["class_type"]]
+        for name, value in sorted((node.get("inputs") or {}).items()):
+            if isinstance(value, list) and len(value) == 2 and isinstance(value[0], str) and value[0] in graph:
+                parts.append([name, sig(value[0], trail + (nid,)), value[1]])
+            else:
+                parts.append([name, value])
+        memo[nid] = json.dumps(parts, sort_keys=True, default=str)
+        return memo[nid]
+
+    return {nid: sig(nid, ()) for nid in graph}
+
+
+def _upstream_checkpoint(graph: JSON, nid: str) -> str | None:
+    seen: set[str] = set()
+    stack = [nid]
+    while stack:
+        cur = stack.pop()
+        if cur in seen:
+            continue
+        seen.add(cur)
+        if graph[cur]["class_type"] == "CheckpointLoaderSimple":
+            name = (graph[cur].get("inputs") or {}).get("ckpt_name")
+            return name if isinstance(name, str) else None
+        stack.extend(dependencies(graph, cur))
+    return None
+
+
+def _format_inputs(inputs: JSON) -> JSON:
+    """execution.py format_value(): primitives as they are, linked objects as their repr, one per list item."""
+    out: JSON = {}
+    for name, value in inputs.items():
+        if isinstance(value, list) and len(value) == 2 and isinstance(value[0], str):
+            out[name] = [f"<linked output {value[1]} of node {value[0]}>"]
+        elif value is None or isinstance(value, (int, float, bool, str)):
+            out[name] = [value]
+        else:
+            out[name] = [str(value)]
+    return out
+
+
+def _oom_traceback(node_type: str) -> list[str]:
+    func = "sample" if node_type == "KSampler" else "load_checkpoint"
+    return [
+        '  File "/opt/ComfyUI/execution.py", line 496, in execute\n    output_data, output_ui, has_subgraph, '
+        'has_pending_tasks = await get_output_data(prompt_id, unique_id, obj, input_data_all, execution_block_cb='
+        'execution_block_cb, pre_execute_cb=pre_execute_cb, hidden_inputs=hidden_inputs)\n',
+        '  File "/opt/ComfyUI/execution.py", line 315, in get_output_data\n    return_values = await _async_map_node_'
+        'over_list(prompt_id, unique_id, obj, input_data_all, obj.FUNCTION, allow_interrupt=True, execution_block_cb='
+        'execution_block_cb, pre_execute_cb=pre_execute_cb, hidden_inputs=hidden_inputs)\n',
+        f'  File "/opt/ComfyUI/nodes.py", line 1525, in {func}\n    return common_ksampler(model, seed, steps, cfg, '
+        'sampler_name, scheduler, positive, negative, latent_image, denoise=denoise)\n',
+        '  File "/opt/ComfyUI/comfy/model_management.py", line 1108, in cast_to\n    r = torch.empty_like(weight, '
+        'dtype=dtype, device=device)\n',
+    ]
