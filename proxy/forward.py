@@ -259,9 +259,8 @@ class Forwarder:
                         await ws.send_bytes(frame)
             except websockets.ConnectionClosed:
                 pass
-            rcvd = upstream.close_rcvd
-            code = rcvd.code if rcvd is not None else 1011
-            reason = rcvd.reason if rcvd is not None else ""
+            code = upstream.close_code if upstream.close_code is not None else 1011
+            reason = upstream.close_reason or ""
             if ws.client_state != WebSocketState.DISCONNECTED and ws.application_state != WebSocketState.DISCONNECTED:
                 with contextlib.suppress(RuntimeError, WebSocketDisconnect, OSError):
                     await ws.close(_sendable(code), reason)
@@ -269,6 +268,9 @@ class Forwarder:
         tasks = [asyncio.create_task(client_to_upstream()), asyncio.create_task(upstream_to_client())]
         try:
             done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if not task.cancelled() and task.exception() is not None:
+                    log.warning("websocket bridge ended with %r", task.exception())
         finally:
             for task in tasks:
                 task.cancel()

@@ -1,0 +1,484 @@
+"""Transparent forwarding through a tenant listener, against tiny upstreams that mimic the engine rules.
+
+Real sockets on loopback. Ordering is pinned with events, never with timing: an upstream that waits
+for the client to have seen line N before producing line N+1 deadlocks (and the safety timeout
+fails the test) if the proxy buffers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gzip
+import ipaddress
+import json
+import socket
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Awaitable, Callable
+from urllib.parse import urlsplit
+
+import httpx
+import ollama
+import pytest
+import websockets
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route, WebSocketRoute
+from starlette.types import Receive, Scope, Send
+from starlette.websockets import WebSocket, WebSocketDisconnect
+from websockets.asyncio.client import connect
+
+from proxy.clock import FakeClock
+from proxy.forward import Forwarder
+from proxy.inflight import InFlight
+from proxy.listener import tenant_app
+from proxy.servers import RunningServer, start_server
+from proxy.tenants import Tenant, Timeouts
+
+SAFETY_S = 10.0  # only to turn a deadlock into a failure, never to measure
+
+
+def _local_host(host: str) -> bool:
+    name = host.rsplit(":", 1)[0].strip("[]") if host.count(":") <= 1 or host.startswith("[") else host
+    if name in ("", "localhost") or name.endswith((".localhost", ".local", ".internal")):
+        return True
+    try:
+        ip = ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return ip.is_loopback or ip.is_private or ip.is_unspecified
+
+
+@dataclass
+class Upstream:
+    """State the test upstreams record and the events they wait on."""
+
+    lines_seen: list[asyncio.Event] = field(default_factory=lambda: [asyncio.Event() for _ in range(4)])
+    upload_started: asyncio.Event = field(default_factory=asyncio.Event)
+    disconnected: asyncio.Event = field(default_factory=asyncio.Event)
+    ws_closed_with: asyncio.Future[int] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    to_socket: asyncio.Queue[str] = field(default_factory=asyncio.Queue)
+    history_done: set[str] = field(default_factory=set)
+    last_headers: dict[str, str] = field(default_factory=dict)
+
+
+def ollama_like(state: Upstream) -> Starlette:
+    """Ollama's loopback Host rule and CORS same-origin rule (403, empty body), plus test routes."""
+
+    async def echo(request: Request) -> Response:
+        body = await request.body()
+        state.last_headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in request.headers.raw}
+        return JSONResponse({"method": request.method, "path": request.url.path, "query": request.url.query,
+                             "body": body.decode(), "headers": [[k, v] for k, v in request.headers.items()]})
+
+    async def generate(request: Request) -> Response:
+        await request.body()
+
+        async def lines() -> AsyncIterator[bytes]:
+            for i in range(4):
+                done = i == 3
+                yield (json.dumps({"model": "m", "created_at": "2026-12-02T00:00:00Z", "response": f"w{i}",
+                                   "done": done, **({"done_reason": "stop"} if done else {})}) + "\n").encode()
+                if not done:  # the next line only after the client has seen this one
+                    await asyncio.wait_for(state.lines_seen[i].wait(), SAFETY_S)
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    async def sse(request: Request) -> Response:
+        async def events() -> AsyncIterator[bytes]:
+            for i in range(3):
+                yield f"data: {json.dumps({'i': i})}\n\n".encode()
+                await asyncio.wait_for(state.lines_seen[i].wait(), SAFETY_S)
+            yield b"data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def ranged(request: Request) -> Response:
+        data = bytes(range(256)) * 4
+        rng = request.headers.get("range")
+        if rng and rng.startswith("bytes="):
+            start, end = (int(x) for x in rng[6:].split("-"))
+            return Response(data[start:end + 1], status_code=206, media_type="application/octet-stream",
+                            headers={"Content-Range": f"bytes {start}-{end}/{len(data)}"})
+        return Response(data, media_type="application/octet-stream")
+
+    async def gz(request: Request) -> Response:
+        return Response(gzip.compress(b'{"ok": true}'), media_type="application/json",
+                        headers={"Content-Encoding": "gzip"})
+
+    async def blob(request: Request) -> Response:
+        n = 0
+        async for chunk in request.stream():
+            n += len(chunk)
+            state.upload_started.set()
+        return JSONResponse({"received": n})
+
+    async def forever(request: Request) -> Response:
+        raise AssertionError("replaced by the raw ASGI route below")
+
+    routes = [Route("/echo", echo, methods=["GET", "POST", "DELETE", "PUT"]),
+              Route("/api/generate", generate, methods=["POST"]), Route("/v1/chat/completions", sse, methods=["POST"]),
+              Route("/range", ranged), Route("/gz", gz), Route("/api/blobs/{d}", blob, methods=["POST"]),
+              Route("/upload", blob, methods=["POST"])]
+    inner = Starlette(routes=routes)
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await inner(scope, receive, send)
+        headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
+        host, origin = headers.get("host", ""), headers.get("origin")
+        allowed = origin is None or origin in (f"http://{host}", f"https://{host}") or \
+            urlsplit(origin).hostname in ("localhost", "127.0.0.1")
+        if not _local_host(host) or not allowed:
+            await send({"type": "http.response.start", "status": 403, "headers": [(b"content-length", b"0")]})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        if scope["path"] == "/forever":  # streams until the client goes away, and records that
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+            await send({"type": "http.response.body", "body": b"tick\n", "more_body": True})
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            state.disconnected.set()
+            return
+        await inner(scope, receive, send)
+
+    return app  # type: ignore[return-value]
+
+
+def comfyui_like(state: Upstream) -> Starlette:
+    """ComfyUI's origin_only_middleware (loopback Host must equal Origin's host:port) and prompt flow."""
+    counter = iter(range(1, 1000))
+
+    async def prompt(request: Request) -> Response:
+        body = await request.json()
+        pid = body.get("prompt_id") or f"p{next(counter)}"
+        return JSONResponse({"prompt_id": pid, "number": 0, "node_errors": {}})
+
+    async def history(request: Request) -> Response:
+        pid = request.path_params["pid"]
+        return JSONResponse({pid: {"status": {"completed": True}}} if pid in state.history_done else {})
+
+    async def plain(request: Request) -> Response:
+        return PlainTextResponse("ok")
+
+    async def ws(websocket: WebSocket) -> None:
+        await websocket.accept()
+        await websocket.send_text(json.dumps({"type": "status", "data": {"sid": websocket.query_params.get("clientId")}}))
+
+        async def pump() -> None:
+            while True:
+                await websocket.send_text(await state.to_socket.get())
+
+        pumper = asyncio.create_task(pump())
+        try:
+            while True:
+                msg = await websocket.receive()
+                if msg["type"] == "websocket.disconnect":
+                    state.ws_closed_with.set_result(msg.get("code", 1000)) if not state.ws_closed_with.done() else None
+                    return
+                if msg.get("bytes") is not None:
+                    await websocket.send_bytes(msg["bytes"][::-1])
+                elif msg["text"].startswith("close:"):
+                    await websocket.close(int(msg["text"][6:]), reason="asked")
+                    return
+                else:
+                    await websocket.send_text("echo:" + msg["text"])
+        finally:
+            pumper.cancel()
+
+    inner = Starlette(routes=[Route("/prompt", prompt, methods=["POST"]), Route("/api/prompt", prompt, methods=["POST"]),
+                              Route("/history/{pid}", history), Route("/", plain), WebSocketRoute("/ws", ws)])
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
+        host, origin = headers.get("host", "").lower(), headers.get("origin")
+        if origin is not None and _local_host(host):
+            o = urlsplit(origin)
+            origin_domain = (o.netloc or "").lower()
+            host_domain = host if o.port else host.rsplit(":", 1)[0]
+            if ":" not in host:
+                origin_domain = (o.hostname or "").lower()
+            if host_domain != origin_domain:
+                if scope["type"] == "websocket":
+                    await send({"type": "websocket.close", "code": 1008})  # uvicorn answers 403
+                    return
+                await send({"type": "http.response.start", "status": 403, "headers": [(b"content-length", b"0")]})
+                await send({"type": "http.response.body", "body": b""})
+                return
+        await inner(scope, receive, send)
+
+    return app  # type: ignore[return-value]
+
+
+@contextlib.asynccontextmanager
+async def stack(engine: str, upstream_app: Callable[[Upstream], Starlette] | None, *, upstream_url: str | None = None,
+                clock: FakeClock | None = None, **tenant_fields: object) -> AsyncIterator[tuple[RunningServer, Tenant, InFlight, Upstream]]:
+    state = Upstream()
+    servers: list[RunningServer] = []
+    forwarder = Forwarder()
+    try:
+        if upstream_app is not None:
+            up = await start_server(upstream_app(state), name="upstream")
+            servers.append(up)
+            upstream_url = up.url
+        tenant = Tenant(name=engine, engine=engine, upstream=upstream_url, **tenant_fields)  # type: ignore[arg-type]
+        inflight = InFlight(clock or FakeClock())
+        proxy = await start_server(tenant_app(tenant, forwarder, inflight, job_poll_s=0.01), name="proxy")
+        servers.append(proxy)
+        yield proxy, tenant, inflight, state
+    finally:
+        for s in reversed(servers):
+            await s.stop()
+        await forwarder.aclose()
+
+
+async def within(awaitable: Awaitable[object]) -> object:
+    return await asyncio.wait_for(awaitable, SAFETY_S)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host / Origin
+
+
+async def test_public_host_reaches_loopback_ollama_without_403() -> None:
+    async with stack("ollama", ollama_like) as (proxy, tenant, _, _):
+        async with httpx.AsyncClient() as c:
+            direct = await c.get(f"{tenant.upstream}/echo", headers={"Host": "llm.example.com"})
+            through = await c.get(f"{proxy.url}/echo", headers={"Host": "llm.example.com"})
+    assert direct.status_code == 403 and direct.content == b"", "the test upstream should mimic Ollama's Host rule"
+    assert through.status_code == 200, through.text
+    headers = dict(through.json()["headers"])
+    assert headers["host"] == urlsplit(tenant.upstream).netloc
+    assert headers["x-forwarded-host"] == "llm.example.com"
+    assert headers["x-forwarded-for"] == "127.0.0.1" and headers["x-forwarded-proto"] == "http"
+
+
+async def test_browser_opened_on_proxy_passes_comfyui_origin_check() -> None:
+    async with stack("comfyui", comfyui_like) as (proxy, tenant, _, _):
+        proxy_host = f"127.0.0.1:{proxy.port}"
+        async with httpx.AsyncClient() as c:
+            same = await c.get(f"{proxy.url}/", headers={"Origin": f"http://{proxy_host}"})
+            cross = await c.get(f"{proxy.url}/", headers={"Origin": "http://evil.example"})
+            other_port = await c.get(f"{proxy.url}/", headers={"Origin": "http://127.0.0.1:3000"})
+            none = await c.get(f"{proxy.url}/")
+    assert same.status_code == 200, "a same-origin browser request must pass ComfyUI's Host/Origin check"
+    assert (cross.status_code, cross.content) == (403, b""), "a cross-origin request must keep failing"
+    assert other_port.status_code == 403
+    assert none.status_code == 200
+
+
+async def test_websocket_origin_rule_matches_http() -> None:
+    async with stack("comfyui", comfyui_like) as (proxy, _, _, _):
+        ws_url = f"ws://127.0.0.1:{proxy.port}/ws?clientId=abc"
+        async with connect(ws_url, origin=f"http://127.0.0.1:{proxy.port}") as ws:  # type: ignore[arg-type]
+            first = json.loads(await within(ws.recv()))
+            assert first["data"]["sid"] == "abc", "clientId query must reach the upstream"
+        with pytest.raises(websockets.InvalidStatus) as refused:
+            async with connect(ws_url, origin="http://evil.example"):  # type: ignore[arg-type]
+                pass
+    assert refused.value.response.status_code == 403
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming, bodies, headers
+
+
+async def test_each_ndjson_line_reaches_client_before_the_next_is_produced() -> None:
+    async with stack("ollama", ollama_like) as (proxy, _, inflight, state):
+        got: list[dict[str, object]] = []
+        async with httpx.AsyncClient(timeout=None) as c:
+            async with c.stream("POST", f"{proxy.url}/api/generate", json={"model": "m", "prompt": "hi"}) as r:
+                assert r.headers["content-type"] == "application/x-ndjson"
+                assert inflight.traffic("ollama").in_flight == 1, "a generate stream counts as in flight"
+                lines = r.aiter_lines()
+                for i in range(4):
+                    got.append(json.loads(await within(lines.__anext__())))
+                    if i < 3:
+                        state.lines_seen[i].set()
+        assert await inflight.wait_idle("ollama", SAFETY_S), "in-flight count must drop when the stream ends"
+    assert [g["response"] for g in got] == ["w0", "w1", "w2", "w3"] and got[-1]["done"] is True
+
+
+async def test_sse_events_are_flushed_one_by_one() -> None:
+    async with stack("ollama", ollama_like) as (proxy, _, _, state):
+        events: list[str] = []
+        async with httpx.AsyncClient(timeout=None) as c:
+            async with c.stream("POST", f"{proxy.url}/v1/chat/completions", json={}) as r:
+                lines = r.aiter_lines()
+                while len(events) < 4:
+                    line = await within(lines.__anext__())
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        if len(events) <= 3:
+                            state.lines_seen[len(events) - 1].set()
+    assert events[-1] == "[DONE]" and [json.loads(e)["i"] for e in events[:3]] == [0, 1, 2]
+
+
+async def test_range_request_gets_206_with_the_slice() -> None:
+    async with stack("ollama", ollama_like) as (proxy, _, _, _):
+        async with httpx.AsyncClient() as c:
+            r = await c.get(f"{proxy.url}/range", headers={"Range": "bytes=10-19"})
+    assert r.status_code == 206 and r.content == bytes(range(10, 20))
+    assert r.headers["content-range"] == "bytes 10-19/1024"
+
+
+async def test_delete_body_and_query_string_are_forwarded() -> None:
+    async with stack("ollama", ollama_like) as (proxy, _, _, _):
+        async with httpx.AsyncClient() as c:
+            r = await c.request("DELETE", f"{proxy.url}/echo?a=1&b=%2F", content=b'{"model":"m"}')
+    data = r.json()
+    assert (data["method"], data["body"], data["query"]) == ("DELETE", '{"model":"m"}', "a=1&b=%2F")
+
+
+async def test_compressed_bytes_pass_untouched_and_nothing_is_added() -> None:
+    async with stack("ollama", ollama_like) as (proxy, _, _, state):
+        async with httpx.AsyncClient() as c:
+            async with c.stream("GET", f"{proxy.url}/gz", headers={"Accept-Encoding": "gzip"}) as r:
+                raw = b"".join([chunk async for chunk in r.aiter_raw()])
+            await c.get(f"{proxy.url}/echo", headers={"Connection": "keep-alive, X-Hop", "X-Hop": "1",
+                                                      "Accept-Encoding": "identity"})
+    assert r.headers["content-encoding"] == "gzip" and gzip.decompress(raw) == b'{"ok": true}'
+    sent = {k.lower(): v for k, v in state.last_headers.items()}
+    assert "x-hop" not in sent, "headers named in Connection are hop-by-hop"
+    assert sent["accept-encoding"] == "identity", "the proxy must not add or change Accept-Encoding"
+
+
+async def _chunks(n_mib: int, gate: asyncio.Event, head_mib: int = 1) -> AsyncIterator[bytes]:
+    block = b"x" * 2**20
+    for _ in range(head_mib):
+        yield block
+    await within(gate.wait())  # the upstream must have bytes before the client sends the rest
+    for _ in range(n_mib - head_mib):
+        yield block
+
+
+async def test_big_upload_streams_through_passthrough() -> None:
+    async with stack("ollama", ollama_like) as (proxy, _, _, state):
+        async with httpx.AsyncClient(timeout=None) as c:
+            r = await c.post(f"{proxy.url}/api/blobs/sha256-x", content=_chunks(64, state.upload_started))
+    assert r.json() == {"received": 64 * 2**20}
+
+
+async def test_gpu_body_over_replay_limit_streams_without_buffering() -> None:
+    async with stack("generic", ollama_like, replay_body_max_mb=1.0) as (proxy, _, inflight, state):
+        async with httpx.AsyncClient(timeout=None) as c:
+            r = await c.post(f"{proxy.url}/upload", content=_chunks(8, state.upload_started, head_mib=2))
+        assert await inflight.wait_idle("generic", SAFETY_S)
+    assert r.json() == {"received": 8 * 2**20}
+
+
+# ---------------------------------------------------------------------------------------------
+# Failures and disconnects
+
+
+async def test_closed_port_gives_502_naming_tenant_and_upstream() -> None:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    async with stack("ollama", None, upstream_url=f"http://127.0.0.1:{port}") as (proxy, tenant, inflight, _):
+        async with httpx.AsyncClient() as c:
+            r = await c.post(f"{proxy.url}/api/generate", json={"model": "m"})
+        assert inflight.traffic("ollama").in_flight == 0
+    body = r.json()
+    assert r.status_code == 502 and body["tenant"] == "ollama" and body["upstream"] == tenant.upstream
+    assert body["error"] and body["fix"]
+
+
+async def test_upstream_that_never_answers_gives_504() -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(65536)
+        await asyncio.sleep(SAFETY_S)
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with stack("ollama", None, upstream_url=f"http://127.0.0.1:{port}",
+                         timeouts=Timeouts(read_s=0.2)) as (proxy, _, _, _):
+            async with httpx.AsyncClient() as c:
+                r = await c.get(f"{proxy.url}/api/tags")
+    finally:
+        server.close()
+    assert r.status_code == 504 and r.json()["tenant"] == "ollama"
+
+
+async def test_client_disconnect_closes_the_upstream_request() -> None:
+    async with stack("generic", ollama_like) as (proxy, _, inflight, state):
+        async with httpx.AsyncClient(timeout=None) as c:
+            async with c.stream("POST", f"{proxy.url}/forever", content=b"{}") as r:
+                assert (await within(r.aiter_raw().__anext__())) == b"tick\n"
+                assert inflight.traffic("generic").in_flight == 1
+        await within(state.disconnected.wait())  # the upstream saw its client (the proxy) go
+        assert await inflight.wait_idle("generic", SAFETY_S), "a dropped client's request stops counting"
+
+
+# ---------------------------------------------------------------------------------------------
+# WebSockets and ComfyUI jobs
+
+
+async def test_websocket_frames_and_close_codes_pass_both_ways() -> None:
+    async with stack("comfyui", comfyui_like) as (proxy, _, _, state):
+        url = f"ws://127.0.0.1:{proxy.port}/ws?clientId=c1"
+        async with connect(url) as ws:
+            await within(ws.recv())  # status
+            await ws.send("hello")
+            assert await within(ws.recv()) == "echo:hello"
+            await ws.send(b"\x00\x01\x02")
+            assert await within(ws.recv()) == b"\x02\x01\x00"
+            await ws.send("close:4001")
+            with pytest.raises(websockets.ConnectionClosed):
+                await within(ws.recv())
+            assert ws.close_code == 4001 and ws.close_reason == "asked", "upstream close code must reach the client"
+        async with connect(url) as ws:
+            await within(ws.recv())
+            await ws.close(4002)
+        assert await within(state.ws_closed_with) == 4002, "client close code must reach the upstream"
+
+
+async def test_comfyui_prompt_stays_in_flight_until_ws_end_marker() -> None:
+    async with stack("comfyui", comfyui_like) as (proxy, _, inflight, state):
+        async with connect(f"ws://127.0.0.1:{proxy.port}/ws?clientId=c1") as ws:
+            await within(ws.recv())
+            async with httpx.AsyncClient() as c:
+                r = await c.post(f"{proxy.url}/prompt", json={"prompt": {}, "client_id": "c1", "prompt_id": "P1"})
+            assert r.json()["prompt_id"] == "P1"
+            await within(_until(lambda: inflight.traffic("comfyui").in_flight == 0))
+            assert inflight.traffic("comfyui").jobs == ("P1",), "a queued prompt keeps the tenant busy"
+            await state.to_socket.put(json.dumps({"type": "executing", "data": {"node": "3", "prompt_id": "P1"}}))
+            await within(ws.recv())
+            assert inflight.busy("comfyui")
+            await state.to_socket.put(json.dumps({"type": "executing", "data": {"node": None, "prompt_id": "P1"}}))
+            await within(ws.recv())
+            assert not inflight.busy("comfyui"), "the end marker over the socket ends the job"
+
+
+async def test_comfyui_prompt_without_socket_ends_via_history_poll() -> None:
+    async with stack("comfyui", comfyui_like, clock=FakeClock()) as (proxy, _, inflight, state):
+        async with httpx.AsyncClient() as c:
+            r = await c.post(f"{proxy.url}/api/prompt", json={"prompt": {}})
+        pid = r.json()["prompt_id"]
+        await within(_until(lambda: inflight.traffic("comfyui").jobs == (pid,)))
+        assert not await inflight.wait_idle("comfyui", 0.05), "history still empty: the job is running"
+        state.history_done.add(pid)
+        assert await inflight.wait_idle("comfyui", SAFETY_S), "the poller must see /history list the prompt"
+
+
+async def _until(pred: Callable[[], bool]) -> None:
+    while not pred():
+        await asyncio.sleep(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The official client
+
+
+async def test_official_ollama_client_streams_generate_through_proxy() -> None:
+    async with stack("ollama", ollama_like) as (proxy, _, _, state):
+        client = ollama.AsyncClient(host=proxy.url)
+        words: list[str] = []
+        async for part in await client.generate(model="m", prompt="hi", stream=True):
+            words.append(part.response)
+            if len(words) <= 3:
+                state.lines_seen[len(words) - 1].set()
+        assert part.done and part.done_reason == "stop"
+    assert words == ["w0", "w1", "w2", "w3"]
