@@ -136,6 +136,7 @@ class Scheduler:
             runner.timer = None
         if keep_alive_s is not None:
             runner.keep_alive_s = keep_alive_s  # sticky
+        self._notify()
         return runner
 
     async def _schedule(self, name: str, size: int, keep_alive_s: float | None) -> Runner:
