@@ -1,0 +1,609 @@
+"""The ComfyUI simulator on real sockets: wire shapes from comfyui-observed.md / engine-wire-facts.md B."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+import pytest
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import InvalidStatus
+
+from proxy.servers import RunningServer
+from proxy.sim.comfyui import OOM_MESSAGE, ComfySim, ComfySimConfig
+from proxy.sim.gpu import GIB, SimulatedGpu
+
+SDXL = "sd_xl_base_1.0.safetensors"
+SD15 = "v1-5-pruned-emaonly.safetensors"
+FLOOR = int(0.4 * GIB)
+WORK = 1 * GIB
+
+
+def fast_config(**overrides: Any) -> ComfySimConfig:
+    base: dict[str, Any] = dict(checkpoints={SDXL: 6 * GIB, SD15: 2 * GIB}, context_floor_bytes=FLOOR,
+                                step_time_s=0.005, working_bytes=WORK, free_delay_s=0.1, load_gbps=1000.0)
+    base.update(overrides)
+    return ComfySimConfig(**base)
+
+
+class Box:
+    def __init__(self, gpu: SimulatedGpu, sim: ComfySim, server: RunningServer, http: httpx.AsyncClient) -> None:
+        self.gpu, self.sim, self.server, self.http = gpu, sim, server, http
+
+    def ws(self, client_id: str | None = None, path: str = "/ws", **kw: Any) -> Any:
+        query = f"?clientId={client_id}" if client_id else ""
+        return ws_connect(self.server.port, f"{path}{query}", **kw)
+
+    def used(self) -> int:
+        assert self.sim.pid is not None
+        return self.gpu.used_by(self.sim.pid)
+
+    async def post_prompt(self, graph: dict[str, Any], client_id: str | None = None, **extra: Any) -> str:
+        body: dict[str, Any] = {"prompt": graph, **extra}
+        if client_id:
+            body["client_id"] = client_id
+        r = await self.http.post("/prompt", json=body)
+        assert r.status_code == 200, r.text
+        return str(r.json()["prompt_id"])
+
+    async def history(self, prompt_id: str) -> dict[str, Any]:
+        """Wait until the prompt's history entry exists (it is written before the end marker)."""
+        async def entry() -> dict[str, Any] | None:
+            data = (await self.http.get(f"/history/{prompt_id}")).json()
+            return data.get(prompt_id)
+        result = await until(entry, f"history of {prompt_id}")
+        return result
+
+
+async def until(probe: Callable[[], Awaitable[Any]], what: str, timeout_s: float = 5.0) -> Any:
+    """Poll an observable (the simulator frees asynchronously on purpose) until it is truthy."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        value = await probe()
+        if value:
+            return value
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def ws_connect(port: int, path: str, **kw: Any) -> Any:
+    # Unbounded receive queue: tests leave frames unread, and a paused reader would not see the
+    # server's close frame (the client would then wait out close_timeout).
+    return connect(f"ws://127.0.0.1:{port}{path}", max_queue=None, **kw)
+
+
+async def make_box(gpu: SimulatedGpu, config: ComfySimConfig) -> tuple[ComfySim, RunningServer]:
+    sim = ComfySim(gpu, config)
+    return sim, await sim.start()
+
+
+@pytest.fixture
+async def box() -> AsyncIterator[Box]:
+    gpu = SimulatedGpu(total_bytes=24 * GIB)
+    sim, server = await make_box(gpu, fast_config())
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        yield Box(gpu, sim, server, http)
+    await sim.stop()
+
+
+def image_graph(color: int | None = None, prefix: str = "smoke/smoke", width: int = 64) -> dict[str, Any]:
+    color = uuid.uuid4().int % 0xFFFFFF if color is None else color
+    return {"1": {"class_type": "EmptyImage", "inputs": {"width": width, "height": 64, "batch_size": 1, "color": color}},
+            "2": {"class_type": "SaveImage", "inputs": {"images": ["1", 0], "filename_prefix": prefix}}}
+
+
+def txt2img(ckpt: str = SDXL, steps: int = 4, seed: int | None = None) -> dict[str, Any]:
+    seed = uuid.uuid4().int % 2**32 if seed is None else seed
+    return {
+        "4": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": ckpt}},
+        "5": {"class_type": "EmptyLatentImage", "inputs": {"width": 512, "height": 512, "batch_size": 1}},
+        "6": {"class_type": "CLIPTextEncode", "inputs": {"text": "a cat", "clip": ["4", 1]}},
+        "7": {"class_type": "CLIPTextEncode", "inputs": {"text": "blurry", "clip": ["4", 1]}},
+        "3": {"class_type": "KSampler", "inputs": {"seed": seed, "steps": steps, "cfg": 7.0, "sampler_name": "euler",
+                                                   "scheduler": "normal", "denoise": 1.0, "model": ["4", 0],
+                                                   "positive": ["6", 0], "negative": ["7", 0], "latent_image": ["5", 0]}},
+        "8": {"class_type": "VAEDecode", "inputs": {"samples": ["3", 0], "vae": ["4", 2]}},
+        "9": {"class_type": "SaveImage", "inputs": {"filename_prefix": "ComfyUI", "images": ["8", 0]}},
+    }
+
+
+async def first_frame(ws: ClientConnection) -> dict[str, Any]:
+    return json.loads(await ws.recv())
+
+
+async def until_end(ws: ClientConnection, prompt_id: str) -> list[Any]:
+    """Every frame up to and including executing {node: null} for prompt_id (binary frames as bytes)."""
+    frames: list[Any] = []
+    while True:
+        raw = await asyncio.wait_for(ws.recv(), timeout=10)
+        if isinstance(raw, bytes):
+            frames.append(raw)
+            continue
+        message = json.loads(raw)
+        frames.append(message)
+        if message["type"] == "executing" and message["data"] == {"node": None, "prompt_id": prompt_id}:
+            return frames
+
+
+def types(frames: list[Any]) -> list[str]:
+    return [f["type"] if isinstance(f, dict) else "binary" for f in frames]
+
+
+# -- websocket -------------------------------------------------------------------------------------
+
+async def test_ws_first_frame_is_status_with_client_id_as_sid(box: Box) -> None:
+    async with box.ws("abc123") as ws:
+        assert await first_frame(ws) == {"type": "status", "data": {
+            "status": {"exec_info": {"queue_remaining": 0}}, "sid": "abc123"}}
+    async with box.ws(path="/api/ws") as ws:
+        sid = (await first_frame(ws))["data"]["sid"]
+        assert len(sid) == 32 and int(sid, 16) >= 0, f"server-made sid should be uuid hex, got {sid!r}"
+
+
+async def test_feature_flags_first_message_is_answered(box: Box) -> None:
+    async with box.ws("ff") as ws:
+        await first_frame(ws)
+        await ws.send(json.dumps({"type": "feature_flags", "data": {"supports_preview_metadata": True}}))
+        reply = await first_frame(ws)
+        assert reply == {"type": "feature_flags", "data": {
+            "supports_preview_metadata": True, "max_upload_size": 104857600,
+            "extension": {"manager": {"supports_v4": True}}}}
+
+
+async def test_fresh_run_follows_the_observed_event_order(box: Box) -> None:
+    async with box.ws("c1") as ws:
+        await first_frame(ws)
+        pid = await box.post_prompt(image_graph(), "c1")
+        frames = await until_end(ws, pid)
+    assert types(frames) == ["status", "status", "execution_start", "execution_cached", "progress_state", "executing",
+                             "progress_state", "progress_state", "executing", "executed", "progress_state",
+                             "execution_success", "status", "executing"]
+    assert [f["data"]["status"]["exec_info"]["queue_remaining"] for f in frames if f["type"] == "status"] == [1, 1, 0]
+    assert frames[3]["data"]["nodes"] == [] and isinstance(frames[2]["data"]["timestamp"], int)
+    assert frames[2]["data"]["timestamp"] > 1_700_000_000_000, "timestamps are ms"
+    assert frames[4]["data"]["nodes"] == {"1": {"value": 0.0, "max": 1.0, "state": "running", "node_id": "1",
+                                                "prompt_id": pid, "display_node_id": "1", "parent_node_id": None,
+                                                "real_node_id": "1"}}
+    assert frames[5]["data"] == {"node": "1", "display_node": "1", "prompt_id": pid}
+    assert set(frames[7]["data"]["nodes"]) == {"1", "2"} and frames[7]["data"]["nodes"]["2"]["state"] == "running"
+    assert frames[9]["data"] == {"node": "2", "display_node": "2", "prompt_id": pid, "output": {
+        "images": [{"filename": "smoke_00001_.png", "subfolder": "smoke", "type": "output"}]}}
+
+
+async def test_identical_resubmit_takes_the_cached_path_with_the_old_filename(box: Box) -> None:
+    graph = image_graph(color=123)
+    async with box.ws("c2") as ws:
+        await first_frame(ws)
+        await until_end(ws, await box.post_prompt(graph, "c2"))
+        pid = await box.post_prompt(graph, "c2")
+        frames = await until_end(ws, pid)
+    assert types(frames) == ["status", "status", "execution_start", "execution_cached", "executed", "progress_state",
+                             "execution_success", "status", "executing"]
+    assert frames[3]["data"]["nodes"] == ["1", "2"]
+    assert frames[4]["data"]["output"]["images"][0]["filename"] == "smoke_00001_.png"
+    node = frames[5]["data"]["nodes"]
+    assert list(node) == ["2"] and node["2"]["value"] == 1 and isinstance(node["2"]["value"], int)
+    assert sorted(p.name for p in (box.sim.output_dir / "smoke").iterdir()) == ["smoke_00001_.png"], "nothing new written"
+
+
+async def test_txt2img_loads_the_checkpoint_reports_steps_and_keeps_the_weights(box: Box) -> None:
+    async with box.ws("c3") as ws:
+        await first_frame(ws)
+        pid = await box.post_prompt(txt2img(steps=4), "c3")
+        frames = await until_end(ws, pid)
+    progress = [f["data"] for f in frames if isinstance(f, dict) and f["type"] == "progress"]
+    assert progress == [{"value": i, "max": 4, "prompt_id": pid, "node": "3"} for i in range(1, 5)]
+    executing = [f["data"]["node"] for f in frames if isinstance(f, dict) and f["type"] == "executing"]
+    assert executing[:1] == ["4"] and executing.index("4") < executing.index("3") < executing.index("8") < executing.index("9")
+    assert box.sim.loaded() == {SDXL: 6 * GIB}
+    assert box.used() == FLOOR + 6 * GIB, "smart memory keeps the weights, the sampling memory is released"
+    assert box.sim.executed == 1
+
+
+async def test_loading_another_checkpoint_unloads_the_first(box: Box) -> None:
+    async with box.ws("c4") as ws:
+        await first_frame(ws)
+        await until_end(ws, await box.post_prompt(txt2img(SDXL), "c4"))
+        await until_end(ws, await box.post_prompt(txt2img(SD15), "c4"))
+    assert box.sim.loaded() == {SD15: 2 * GIB}
+    assert box.used() == FLOOR + 2 * GIB
+
+
+async def test_events_are_targeted_to_the_owner_and_ownerless_prompts_only_broadcast_progress(box: Box) -> None:
+    async with box.ws("owner") as owner, box.ws("other") as other:
+        await first_frame(owner)
+        await first_frame(other)
+        pid = await box.post_prompt(txt2img(steps=2), "owner")
+        owned = await until_end(owner, pid)
+        anon = await box.post_prompt(txt2img(steps=2))
+        history = await box.history(anon)
+        # `other` saw only broadcasts: status for both prompts, plus progress for the ownerless one.
+        await asyncio.sleep(0)
+        seen: list[dict[str, Any]] = []
+        while True:
+            try:
+                seen.append(json.loads(await asyncio.wait_for(other.recv(), timeout=0.3)))
+            except TimeoutError:
+                break
+    assert "execution_start" in types(owned)
+    assert set(types(seen)) == {"status", "progress", "progress_state"}
+    assert all(f["data"]["prompt_id"] == anon for f in seen if f["type"] != "status")
+    assert history["status"]["status_str"] == "success"
+
+
+async def test_previews_use_type_1_jpeg_or_type_4_with_metadata_when_negotiated() -> None:
+    gpu = SimulatedGpu(total_bytes=24 * GIB)
+    sim, server = await make_box(gpu, fast_config(previews=True))
+    try:
+        async with httpx.AsyncClient(base_url=server.url) as http, \
+                ws_connect(server.port, "/ws?clientId=plain") as plain, \
+                ws_connect(server.port, "/ws?clientId=meta") as meta:
+            await first_frame(plain)
+            await first_frame(meta)
+            await meta.send(json.dumps({"type": "feature_flags", "data": {"supports_preview_metadata": True}}))
+            await first_frame(meta)
+            r1 = await http.post("/prompt", json={"prompt": txt2img(steps=2), "client_id": "plain"})
+            frames_plain = await until_end(plain, r1.json()["prompt_id"])
+            r2 = await http.post("/prompt", json={"prompt": txt2img(steps=2), "client_id": "meta"})
+            frames_meta = await until_end(meta, r2.json()["prompt_id"])
+    finally:
+        await sim.stop()
+    binary = [f for f in frames_plain if isinstance(f, bytes)]
+    assert len(binary) == 2 and all(struct.unpack(">II", f[:8]) == (1, 1) for f in binary)
+    assert binary[0][8:10] == b"\xff\xd8", "JPEG payload after the two headers"
+    with_meta = [f for f in frames_meta if isinstance(f, bytes)]
+    assert len(with_meta) == 2
+    kind, length = struct.unpack(">II", with_meta[0][:8])
+    info = json.loads(with_meta[0][8:8 + length])
+    assert kind == 4 and info["node_id"] == "3" and info["prompt_id"] == r2.json()["prompt_id"]
+    assert info["image_type"] == "image/jpeg" and with_meta[0][8 + length:][:2] == b"\xff\xd8"
+
+
+# -- queue, history, interrupt ----------------------------------------------------------------------
+
+async def test_queue_runs_in_number_order_and_shows_five_element_items(box: Box) -> None:
+    async with box.ws("q") as ws:
+        await first_frame(ws)
+        long_id = await box.post_prompt(txt2img(steps=2000), "q")
+        await until(lambda: _running(box), "the long prompt to start")
+        later = [await box.post_prompt(image_graph(), "q") for _ in range(2)]
+        front = await box.post_prompt(image_graph(), "q", front=True)
+        queue = (await box.http.get("/api/queue")).json()
+        assert [i[1] for i in queue["queue_running"]] == [long_id]
+        running = queue["queue_running"][0]
+        assert len(running) == 5 and running[0] == 0 and running[3] == {"client_id": "q"} and running[4] == ["9"]
+        assert sorted(i[1] for i in queue["queue_pending"]) == sorted([*later, front])
+        assert (await box.http.get("/prompt")).json() == {"exec_info": {"queue_remaining": 4}}
+        assert (await box.http.post("/interrupt", json={"prompt_id": long_id})).content == b""
+        order: list[str] = []
+        while len(order) < 4:
+            message = json.loads(await asyncio.wait_for(ws.recv(), timeout=10))
+            if message["type"] == "execution_start":
+                order.append(message["data"]["prompt_id"])
+    assert order[1:] == [front, *later], "front:true jumps the queue (negative number), then POST order"
+
+
+async def _running(box: Box) -> bool:
+    return bool((await box.http.get("/queue")).json()["queue_running"])
+
+
+async def test_interrupt_during_sampling_reports_execution_interrupted_then_end(box: Box) -> None:
+    async with box.ws("i") as ws:
+        await first_frame(ws)
+        pid = await box.post_prompt(txt2img(steps=2000), "i")
+        while True:
+            message = json.loads(await ws.recv())
+            if message["type"] == "progress":
+                break
+        r = await box.http.post("/interrupt")
+        assert r.status_code == 200 and r.content == b""
+        frames = await until_end(ws, pid)
+    tail = [f for f in frames if f["type"] not in ("progress", "progress_state")]
+    assert types(tail) == ["execution_interrupted", "status", "executing"]
+    data = tail[0]["data"]
+    assert data["node_id"] == "3" and data["node_type"] == "KSampler" and sorted(data["executed"]) == ["4", "5", "6", "7"]
+    entry = await box.history(pid)
+    assert entry["status"]["status_str"] == "error" and entry["status"]["completed"] is False
+    assert entry["status"]["messages"][-1][0] == "execution_interrupted"
+    assert box.used() == FLOOR + 6 * GIB, "the sampler's working memory is released on interrupt"
+
+
+async def test_interrupt_while_idle_is_dropped(box: Box) -> None:
+    assert (await box.http.post("/interrupt", content=b"")).status_code == 200
+    assert (await box.http.post("/interrupt", json={"prompt_id": "nope"})).status_code == 200
+    pid = await box.post_prompt(image_graph())
+    assert (await box.history(pid))["status"]["status_str"] == "success"
+
+
+async def test_history_entry_shape_paging_and_unknown_id(box: Box) -> None:
+    ids = []
+    for _ in range(3):
+        ids.append(await box.post_prompt(image_graph(), "h"))
+        await box.history(ids[-1])
+    entry = (await box.http.get(f"/history/{ids[0]}")).json()[ids[0]]
+    assert entry["prompt"][1] == ids[0] and entry["prompt"][3] == {"client_id": "h"} and entry["prompt"][4] == ["2"]
+    assert entry["outputs"]["2"]["images"][0]["type"] == "output"
+    assert entry["meta"] == {"2": {"node_id": "2", "display_node": "2", "parent_node": None, "real_node_id": "2"}}
+    assert [m[0] for m in entry["status"]["messages"]] == ["execution_start", "execution_cached", "execution_success"]
+    assert entry["status"]["status_str"] == "success" and entry["status"]["completed"] is True
+    assert (await box.http.get("/history/unknown")).json() == {}
+    assert list((await box.http.get("/history", params={"max_items": 2})).json()) == ids[1:]
+    assert list((await box.http.get("/api/history", params={"max_items": 1, "offset": 0})).json()) == ids[:1]
+    assert (await box.http.post("/history", json={"delete": [ids[0]]})).content == b""
+    assert list((await box.http.get("/history")).json()) == ids[1:]
+    await box.http.post("/history", json={"clear": True})
+    assert (await box.http.get("/history")).json() == {}
+
+
+# -- memory: OOM, /free -----------------------------------------------------------------------------
+
+async def test_injected_oom_sends_execution_error_and_unloads_everything(box: Box) -> None:
+    async with box.ws("o") as ws:
+        await first_frame(ws)
+        await until_end(ws, await box.post_prompt(txt2img(), "o"))
+        box.sim.fail_next_prompt_with_oom()
+        pid = await box.post_prompt(txt2img(), "o")
+        frames = await until_end(ws, pid)
+    assert types(frames)[-3:] == ["execution_error", "status", "executing"]
+    error = frames[-3]["data"]
+    assert error["exception_type"] == "torch.OutOfMemoryError" and error["exception_message"] == OOM_MESSAGE
+    assert error["node_id"] == "3" and error["node_type"] == "KSampler"
+    assert isinstance(error["traceback"], list) and error["traceback"]
+    assert error["current_inputs"]["steps"] == [4] and error["current_inputs"]["sampler_name"] == ["euler"]
+    assert set(error["current_outputs"]) == set(txt2img()) and isinstance(error["timestamp"], int)
+    assert box.sim.loaded() == {} and box.used() == FLOOR, "after an OOM ComfyUI unloads all models"
+    entry = await box.history(pid)
+    assert entry["status"]["status_str"] == "error" and entry["status"]["messages"][-1][0] == "execution_error"
+
+
+async def test_a_device_too_small_for_sampling_fails_at_the_ksampler() -> None:
+    gpu = SimulatedGpu(total_bytes=7 * GIB, reserved_bytes=0)
+    sim, server = await make_box(gpu, fast_config())
+    try:
+        async with httpx.AsyncClient(base_url=server.url) as http, \
+                ws_connect(server.port, "/ws?clientId=s") as ws:
+            await first_frame(ws)
+            pid = (await http.post("/prompt", json={"prompt": txt2img(), "client_id": "s"})).json()["prompt_id"]
+            frames = await until_end(ws, pid)
+    finally:
+        await sim.stop()
+    error = next(f["data"] for f in frames if f["type"] == "execution_error")
+    assert error["node_type"] == "KSampler" and sorted(error["executed"]) == ["4", "5", "6", "7"]
+    assert gpu.free_bytes() == 7 * GIB - FLOOR
+
+
+async def test_free_when_idle_returns_memory_after_the_delay_down_to_the_floor(box: Box) -> None:
+    await box.history(await box.post_prompt(txt2img()))
+    assert box.used() == FLOOR + 6 * GIB
+    r = await box.http.post("/free", json={"unload_models": True, "free_memory": True})
+    assert r.status_code == 200 and r.content == b"" and box.sim.frees == 1
+    await until(lambda: _async(box.sim.loaded() == {}), "the worker to unload")
+    stats = (await box.http.get("/system_stats")).json()["devices"][0]
+    if box.used() > FLOOR:  # inside free_delay_s: torch still reserves it, and counts it as free
+        assert stats["torch_vram_free"] == stats["torch_vram_total"] == 6 * GIB
+    await until(lambda: _async(box.used() == FLOOR), "the memory to come back")
+    stats = (await box.http.get("/system_stats")).json()["devices"][0]
+    assert stats["torch_vram_total"] == 0 and stats["vram_free"] == box.gpu.free_bytes()
+
+
+async def _async(value: bool) -> bool:
+    return value
+
+
+async def test_free_during_a_prompt_waits_until_it_finishes(box: Box) -> None:
+    async with box.ws("f") as ws:
+        await first_frame(ws)
+        pid = await box.post_prompt(txt2img(steps=30), "f")
+        while json.loads(await ws.recv())["type"] != "progress":
+            pass
+        assert (await box.http.post("/free", json={"unload_models": True, "free_memory": True})).status_code == 200
+        frames = await until_end(ws, pid)
+        assert types(frames)[-3:] == ["execution_success", "status", "executing"], "/free does not stop the prompt"
+    await until(lambda: _async(box.used() == FLOOR), "the deferred free")
+    assert box.sim.loaded() == {}
+
+
+async def test_free_with_both_flags_false_leaves_vram_alone(box: Box) -> None:
+    await box.history(await box.post_prompt(txt2img()))
+    await box.http.post("/free", json={"unload_models": False, "free_memory": False})
+    await asyncio.sleep(0.2)  # longer than free_delay_s: nothing may come back
+    assert box.used() == FLOOR + 6 * GIB and box.sim.loaded() == {SDXL: 6 * GIB}
+
+
+async def test_highvram_unload_keeps_the_weights_on_the_gpu() -> None:
+    gpu = SimulatedGpu(total_bytes=24 * GIB)
+    sim, server = await make_box(gpu, fast_config(argv=("main.py", "--highvram")))
+    try:
+        async with httpx.AsyncClient(base_url=server.url) as http:
+            pid = (await http.post("/prompt", json={"prompt": txt2img()})).json()["prompt_id"]
+            await until(lambda: _has_history(http, pid), "the prompt")
+            await http.post("/free", json={"unload_models": True})
+            await asyncio.sleep(0.2)
+            assert sim.pid is not None and gpu.used_by(sim.pid) == FLOOR + 6 * GIB
+            await http.post("/free", json={"unload_models": True, "free_memory": True})
+            await until(lambda: _async(gpu.used_by(sim.pid or 0) == FLOOR), "free_memory to drop the weights")
+    finally:
+        await sim.stop()
+
+
+async def _has_history(http: httpx.AsyncClient, pid: str) -> bool:
+    return bool((await http.get(f"/history/{pid}")).json())
+
+
+async def test_free_without_a_body_and_malformed_prompt_json_are_plain_500s(box: Box) -> None:
+    r = await box.http.post("/free")
+    assert r.status_code == 500 and r.headers["content-type"].startswith("text/plain")
+    r = await box.http.post("/prompt", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 500 and r.headers["content-type"].startswith("text/plain")
+    assert box.sim.frees == 0
+
+
+# -- stale running entry ----------------------------------------------------------------------------
+
+async def test_stale_running_entry_stays_in_queue_while_vram_sits_at_the_floor() -> None:
+    gpu = SimulatedGpu(total_bytes=24 * GIB)
+    sim, server = await make_box(gpu, fast_config(stale_running_entry=True))
+    try:
+        async with httpx.AsyncClient(base_url=server.url) as http:
+            queue = (await http.get("/queue")).json()
+            assert [i[1] for i in queue["queue_running"]] == [sim.stale_prompt_id]
+            assert sim.pid is not None and gpu.used_by(sim.pid) == FLOOR
+            pid = (await http.post("/prompt", json={"prompt": image_graph()})).json()["prompt_id"]
+            await until(lambda: _has_history(http, pid), "a new prompt to run past the stuck row")
+            queue = (await http.get("/queue")).json()
+            assert [i[1] for i in queue["queue_running"]] == [sim.stale_prompt_id]
+            assert (await http.get("/prompt")).json()["exec_info"]["queue_remaining"] == 1
+            assert gpu.used_by(sim.pid) == FLOOR
+    finally:
+        await sim.stop()
+
+
+# -- HTTP surface ----------------------------------------------------------------------------------
+
+async def test_system_stats_has_the_exact_shape_and_reads_the_simulated_gpu(box: Box) -> None:
+    await box.history(await box.post_prompt(txt2img()))
+    stats = (await box.http.get("/api/system_stats")).json()
+    assert list(stats) == ["system", "devices"] and len(stats["devices"]) == 1
+    system = stats["system"]
+    assert system["os"] == "posix" and system["comfyui_version"] == "0.3.64" and system["argv"] == ["main.py"]
+    assert isinstance(system["python_version"], str) and system["embedded_python"] is False
+    device = stats["devices"][0]
+    assert device["name"] == "cuda:0 Simulated RTX 4090 : cudaMallocAsync" and device["type"] == "cuda"
+    assert device["index"] == 0 and device["vram_total"] == 24 * GIB
+    assert device["vram_free"] == box.gpu.free_bytes()
+    assert device["torch_vram_total"] == 6 * GIB and device["torch_vram_free"] == 0
+
+
+async def test_the_process_is_in_the_gpu_with_its_context_floor(box: Box) -> None:
+    snapshot = box.gpu.read()
+    proc = next(p for p in snapshot.processes if p.pid == box.sim.pid)
+    assert proc.name == "python3" and proc.used_bytes == FLOOR
+    assert proc.cmdline == f"python3 /opt/ComfyUI/main.py --listen 127.0.0.1 --port {box.server.port}"
+
+
+async def test_origin_rule_rejects_mismatched_origin_on_loopback_for_http_and_ws(box: Box) -> None:
+    port = box.server.port
+    bad = [("127.0.0.1:8188", "https://comfy.example"), ("localhost:9000", "http://localhost:8188")]
+    for host, origin in bad:
+        r = await box.http.get("/system_stats", headers={"Host": host, "Origin": origin})
+        assert r.status_code == 403 and r.content == b"", f"{host} vs {origin}"
+    ok = [("comfy.example", "https://comfy.example"), (f"127.0.0.1:{port}", f"http://127.0.0.1:{port}"),
+          ("localhost:8188", "http://localhost")]  # Origin without port compares hostnames only
+    for host, origin in ok:
+        r = await box.http.get("/system_stats", headers={"Host": host, "Origin": origin})
+        assert r.status_code == 200, f"{host} with {origin} should pass"
+    with pytest.raises(InvalidStatus) as rejected:
+        async with box.ws("x", origin="http://localhost:3000"):
+            pass
+    assert rejected.value.response.status_code == 403
+    async with box.ws("y", origin=f"http://127.0.0.1:{port}") as ws:
+        assert (await first_frame(ws))["data"]["sid"] == "y"
+
+
+async def test_validation_errors_have_the_observed_bodies_and_still_count_numbers(box: Box) -> None:
+    async def post(body: dict[str, Any]) -> httpx.Response:
+        return await box.http.post("/prompt", json=body)
+
+    r = await post({"prompt": {"1": {"class_type": "NoSuchNode", "inputs": {}}}})
+    assert r.status_code == 400 and r.json() == {"error": {"type": "invalid_prompt", "message": "Cannot execute because node NoSuchNode does not exist.", "details": "Node ID '#1'", "extra_info": {}}, "node_errors": {}}
+    r = await post({"prompt": {"1": image_graph()["1"]}})
+    assert r.json() == {"error": {"type": "prompt_no_outputs", "message": "Prompt has no outputs", "details": "", "extra_info": {}}, "node_errors": {}}
+    r = await post({"prompt": {"1": image_graph()["1"], "2": {"class_type": "SaveImage", "inputs": {"filename_prefix": "x"}}}})
+    assert r.json() == {"error": {"type": "prompt_outputs_failed_validation", "message": "Prompt outputs failed validation", "details": "Required input is missing: images", "extra_info": {}}, "node_errors": {"2": {"errors": [{"type": "required_input_missing", "message": "Required input is missing", "details": "images", "extra_info": {"input_name": "images"}}], "dependent_outputs": ["2"], "class_type": "SaveImage"}}}
+    r = await post({"prompt": image_graph(width=0)})
+    assert r.json() == {"error": {"type": "prompt_outputs_failed_validation", "message": "Prompt outputs failed validation", "details": "", "extra_info": {}}, "node_errors": {"1": {"errors": [{"type": "value_smaller_than_min", "message": "Value 0 smaller than min of 1", "details": "width", "extra_info": {"input_name": "width", "input_config": ["INT", {"default": 512, "min": 1, "max": 16384, "step": 1}], "received_value": 0}}], "dependent_outputs": ["2"], "class_type": "EmptyImage"}}}
+    r = await post({"client_id": "x"})
+    assert r.json() == {"error": {"type": "no_prompt", "message": "No prompt provided", "details": "No prompt provided", "extra_info": {}}, "node_errors": {}}
+    r = await post({"prompt": txt2img(ckpt="missing.safetensors")})
+    error = r.json()["node_errors"]["4"]["errors"][0]
+    assert r.status_code == 400 and error["type"] == "value_not_in_list"
+    assert error["details"] == f"ckpt_name: 'missing.safetensors' not in {sorted([SDXL, SD15])!r}"
+    r = await post({"prompt": image_graph()})
+    assert r.status_code == 200 and r.json()["number"] == 6, "number counts every POST, rejected ones too"
+    assert r.headers["content-type"].startswith("application/json")
+
+
+async def test_partially_valid_prompt_is_queued_with_node_errors(box: Box) -> None:
+    graph = {**image_graph(), "3": {"class_type": "PreviewImage", "inputs": {}}}
+    r = await box.http.post("/prompt", json={"prompt": graph})
+    assert r.status_code == 200 and list(r.json()["node_errors"]) == ["3"]
+    entry = await box.history(r.json()["prompt_id"])
+    assert entry["prompt"][4] == ["2"] and list(entry["outputs"]) == ["2"]
+
+
+async def test_bodies_over_max_upload_size_get_413() -> None:
+    gpu = SimulatedGpu(total_bytes=24 * GIB)
+    sim, server = await make_box(gpu, fast_config(max_upload_size_mb=0.01))
+    try:
+        async with httpx.AsyncClient(base_url=server.url) as http:
+            r = await http.post("/prompt", content=b"x" * 20_000, headers={"content-type": "application/json"})
+            assert r.status_code == 413 and "Maximum request body size" in r.text
+            features = (await http.get("/features")).json()
+            assert features["max_upload_size"] == 10485
+    finally:
+        await sim.stop()
+
+
+async def test_view_serves_outputs_with_range_and_rejects_traversal(box: Box) -> None:
+    entry = await box.history(await box.post_prompt(image_graph(prefix="ComfyUI")))
+    image = entry["outputs"]["2"]["images"][0]
+    r = await box.http.get("/view", params={"filename": image["filename"], "type": "output", "subfolder": ""})
+    assert r.status_code == 200 and r.content.startswith(b"\x89PNG") and r.headers["content-type"] == "image/png"
+    assert r.headers["content-disposition"] == f'filename="{image["filename"]}"'
+    r2 = await box.http.get("/api/view", params={"filename": image["filename"]}, headers={"Range": "bytes=0-3"})
+    assert r2.status_code == 206 and r2.content == b"\x89PNG"
+    assert (await box.http.get("/view", params={"filename": "../secret"})).status_code == 400
+    assert (await box.http.get("/view", params={"filename": "x.png", "subfolder": "../.."})).status_code == 403
+    assert (await box.http.get("/view", params={"filename": "none.png"})).status_code == 404
+
+
+async def test_upload_renames_different_files_and_reuses_identical_ones(box: Box) -> None:
+    async def upload(data: bytes, **fields: str) -> dict[str, Any]:
+        r = await box.http.post("/upload/image", files={"image": ("cat.png", data, "image/png")}, data=fields)
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+    assert await upload(b"one") == {"name": "cat.png", "subfolder": "", "type": "input"}
+    assert (await upload(b"one"))["name"] == "cat.png", "identical content is reused"
+    assert (await upload(b"two"))["name"] == "cat (1).png"
+    assert (await upload(b"three", overwrite="true"))["name"] == "cat.png"
+    assert await upload(b"x", subfolder="pets", type="temp") == {"name": "cat.png", "subfolder": "pets", "type": "temp"}
+    r = await box.http.get("/view", params={"filename": "cat.png", "type": "input"})
+    assert r.content == b"three"
+    r = await box.http.post("/upload/image", data={"type": "input"}, files={"other": ("a", b"1")})
+    assert r.status_code == 400
+
+
+async def test_catalogue_routes_answer_under_both_prefixes(box: Box) -> None:
+    for prefix in ("", "/api"):
+        info = (await box.http.get(f"{prefix}/object_info")).json()
+        assert {"CheckpointLoaderSimple", "CLIPTextEncode", "EmptyLatentImage", "KSampler", "VAEDecode",
+                "SaveImage", "PreviewImage", "EmptyImage"} <= set(info)
+        one = (await box.http.get(f"{prefix}/object_info/CheckpointLoaderSimple")).json()
+        assert one["CheckpointLoaderSimple"]["input"]["required"]["ckpt_name"][0] == sorted([SDXL, SD15])
+        assert one["CheckpointLoaderSimple"]["output"] == ["MODEL", "CLIP", "VAE"]
+        assert (await box.http.get(f"{prefix}/models/checkpoints")).json() == sorted([SDXL, SD15])
+        assert (await box.http.get(f"{prefix}/models/nope")).status_code == 404
+        assert "checkpoints" in (await box.http.get(f"{prefix}/models")).json()
+        assert (await box.http.get(f"{prefix}/embeddings")).json() == []
+        assert (await box.http.get(f"{prefix}/extensions")).json() == []
+        assert (await box.http.get(f"{prefix}/features")).json()["supports_preview_metadata"] is True
+        assert (await box.http.get(f"{prefix}/queue")).json() == {"queue_running": [], "queue_pending": []}
+    r = await box.http.get("/")
+    assert r.status_code == 200 and "<html" in r.text
+
+
+def test_from_scenario_converts_gib_and_rejects_unknown_keys() -> None:
+    config = ComfySimConfig.from_scenario({"checkpoints": {SDXL: 6.5}, "context_floor_gb": 0.4, "free_delay_s": 0.5,
+                                           "stale_running_entry": True, "argv": ["main.py", "--highvram"]})
+    assert config.checkpoints == {SDXL: int(6.5 * GIB)} and config.context_floor_bytes == int(0.4 * GIB)
+    assert config.free_delay_s == 0.5 and config.stale_running_entry and config.argv == ("main.py", "--highvram")
+    with pytest.raises(ValueError, match="checkpoint"):
+        ComfySimConfig.from_scenario({"checkpoint": {}})
