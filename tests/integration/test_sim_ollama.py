@@ -428,3 +428,29 @@ def test_scenario_section_in_gib_and_unknown_keys_rejected() -> None:
     assert OllamaSimConfig.from_scenario({"models": [{"name": "phi3", "size_gb": 1}]}).models[0].name == "phi3:latest"
     with pytest.raises(ValueError, match="load_gbs"):
         OllamaSimConfig.from_scenario({"models": [], "load_gbs": 2.0})
+
+
+async def test_legacy_embeddings_and_v1_completions_embeddings_model(http: httpx.AsyncClient) -> None:
+    legacy = (await http.post("/api/embeddings", json={"model": "nomic-embed-text", "prompt": "x"})).json()
+    assert list(legacy) == ["embedding"] and len(legacy["embedding"]) == 384
+    assert (await http.post("/api/embeddings", json={"model": "nomic-embed-text"})).json() == {"embedding": []}
+    done = (await http.post("/v1/completions", json={"model": "llama3.2", "prompt": "x", "max_tokens": 2})).json()
+    assert done["object"] == "text_completion" and done["choices"][0]["finish_reason"] == "length"
+    vecs = (await http.post("/v1/embeddings", json={"model": "nomic-embed-text", "input": ["a", "b"]})).json()
+    assert [d["index"] for d in vecs["data"]] == [0, 1] and vecs["object"] == "list"
+    one = (await http.get("/v1/models/llama3.2:latest")).json()
+    assert one["id"] == "llama3.2:latest" and one["object"] == "model" and one["owned_by"] == "library"
+
+
+async def test_pending_queue_overflow_is_503(gpu: SimulatedGpu) -> None:
+    sim, base = await started(gpu, fast_config(max_queue=1, load_gbps=4 * GIB / 1e9 / 0.5))
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=10) as http:
+            first = asyncio.create_task(http.post("/api/generate", json={"model": "qwen2.5:7b"}))
+            await sim.wait_until(lambda: "qwen2.5:7b" in sim._sched.runners)
+            r = await http.post("/api/generate", json={"model": "llama3.2"})
+            assert r.status_code == 503
+            assert r.json() == {"error": "server busy, please try again.  maximum pending requests exceeded"}
+            assert (await first).json()["done_reason"] == "load"
+    finally:
+        await sim.stop()
