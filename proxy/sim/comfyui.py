@@ -43,6 +43,7 @@ OOM_MESSAGE = ("Allocation on device \nThis error means you ran out of memory on
 MODEL_FOLDERS = ["checkpoints", "configs", "loras", "vae", "text_encoders", "diffusion_models", "clip_vision",
                  "style_models", "embeddings", "diffusers", "vae_approx", "controlnet", "gligen", "upscale_models",
                  "custom_nodes", "hypernetworks", "photomaker", "classifiers", "model_patches", "audio_encoders"]
+DEFAULT_DEVICE_NAME = "cuda:0 Simulated RTX 4090 : cudaMallocAsync"
 # Binary websocket event types (protocol.py): 4-byte big-endian type, then the payload.
 PREVIEW_IMAGE = 1
 PREVIEW_IMAGE_WITH_METADATA = 4
@@ -62,7 +63,7 @@ class ComfySimConfig:
     version: str = "0.3.64"
     argv: tuple[str, ...] = ("main.py",)
     max_upload_size_mb: float = 100.0
-    device_name: str = "cuda:0 Simulated RTX 4090 : cudaMallocAsync"
+    device_name: str = DEFAULT_DEVICE_NAME
     previews: bool = False
 
     @classmethod
@@ -195,6 +196,13 @@ class ComfySim:
     @property
     def output_dir(self) -> Path:
         return self.base_dir / "output"
+
+    @property
+    def device_name(self) -> str:
+        """The configured name, or (left at the default) one built from the simulated GPU's name."""
+        if self.config.device_name == DEFAULT_DEVICE_NAME and self.gpu.name != "Simulated RTX 4090":
+            return f"cuda:0 {self.gpu.name} : cudaMallocAsync"
+        return self.config.device_name
 
     @property
     def highvram(self) -> bool:
@@ -664,7 +672,7 @@ class ComfySim:
                        "required_frontend_version": "1.27.10", "installed_templates_version": "0.1.94",
                        "required_templates_version": "0.1.94", "python_version": sys.version,
                        "pytorch_version": "2.8.0+cu128", "embedded_python": False, "argv": list(self.config.argv)},
-            "devices": [{"name": self.config.device_name, "type": "cuda", "index": 0,
+            "devices": [{"name": self.device_name, "type": "cuda", "index": 0,
                          "vram_total": self.gpu.total_bytes, "vram_free": self.gpu.free_bytes() + self._torch_cache,
                          "torch_vram_total": reserved, "torch_vram_free": min(self._torch_cache, reserved)}]})
 

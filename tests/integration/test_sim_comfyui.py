@@ -481,6 +481,31 @@ async def test_system_stats_has_the_exact_shape_and_reads_the_simulated_gpu(box:
     assert device["torch_vram_total"] == 6 * GIB and device["torch_vram_free"] == 0
 
 
+async def test_device_name_follows_the_simulated_gpu_unless_configured() -> None:
+    gpu = SimulatedGpu(total_bytes=16 * GIB, name="Simulated RTX 4080")
+    for config, expected in ((fast_config(), "cuda:0 Simulated RTX 4080 : cudaMallocAsync"),
+                             (fast_config(device_name="cuda:0 X : native"), "cuda:0 X : native")):
+        sim, server = await make_box(gpu, config)
+        try:
+            async with httpx.AsyncClient(base_url=server.url) as http:
+                assert (await http.get("/system_stats")).json()["devices"][0]["name"] == expected
+        finally:
+            await sim.stop()
+
+
+async def test_reconnecting_owner_gets_the_node_it_is_running(box: Box) -> None:
+    async with box.ws("r") as ws:
+        await first_frame(ws)
+        pid = await box.post_prompt(txt2img(steps=2000), "r")
+        while json.loads(await ws.recv())["type"] != "progress":
+            pass
+    async with box.ws("r") as again:
+        assert (await first_frame(again))["data"]["sid"] == "r"
+        assert await first_frame(again) == {"type": "executing", "data": {"node": "3"}}
+        await box.http.post("/interrupt", json={"prompt_id": pid})
+        assert types(await until_end(again, pid))[-3:] == ["execution_interrupted", "status", "executing"]
+
+
 async def test_the_process_is_in_the_gpu_with_its_context_floor(box: Box) -> None:
     snapshot = box.gpu.read()
     proc = next(p for p in snapshot.processes if p.pid == box.sim.pid)
