@@ -11,6 +11,7 @@ value wins. `"name": null` removes a shipped tenant. The user's file is never wr
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -334,6 +335,7 @@ def registry_from_dict(data: Mapping[str, Any]) -> Registry:
 
 
 def _validate(merged: Any, source: Path | None, prov: dict[tuple[str, ...], str]) -> Registry:
+    merged = copy.deepcopy(merged)  # never write into the caller's dicts
     if isinstance(merged.get("tenants"), dict):
         for name, body in merged["tenants"].items():
             if isinstance(body, dict):
