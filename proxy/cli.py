@@ -6,7 +6,9 @@ Errors become one line (or a short list) on stderr and an exit status; never a t
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import signal
 import sys
 from typing import Callable, Sequence
 
@@ -44,6 +46,65 @@ def cmd_tenants(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import demo_main
+
+    return asyncio.run(demo_main(args.scenario, args.check, with_proxy=not args.no_proxy))
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .nvml import NvmlReader
+    from .service import Proxy
+
+    registry = load_registry(args.config)
+
+    async def run() -> int:
+        proxy = Proxy(registry, NvmlReader())
+        await proxy.start()
+        for name, server in proxy.servers.items():
+            print(f"  {name:<12} {server.url}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await stop.wait()
+        finally:
+            await proxy.stop()
+        return 0
+
+    return asyncio.run(run())
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import httpx
+
+    registry = load_registry(args.config)
+    if not args.tenant:
+        raise HyperSwapError("--tenant is required", fix="hyperswap plan --tenant ollama --need-gb 8")
+    url = args.admin or f"http://{registry.config.admin.listen}"
+    params: dict[str, str] = {"tenant": args.tenant}
+    if args.need_gb is not None:
+        params["need_gb"] = str(args.need_gb)
+    try:
+        r = httpx.get(f"{url}/api/plan", params=params, timeout=10, trust_env=False)
+    except httpx.HTTPError as exc:
+        raise HyperSwapError(f"no proxy answering at {url}: {exc}", fix="start it with `hyperswap serve` (or `hyperswap demo`)") from None
+    body = r.json()
+    if r.status_code != 200:
+        raise HyperSwapError(body.get("error", r.text), fix=body.get("fix"))
+    if args.json:
+        print(json.dumps(body, indent=2))
+        return 0
+    plan = body["plan"]
+    print(plan["explanation"])
+    for rel in plan["releases"]:
+        print(f"  release {rel['tenant']:<12} ~{rel['expected_free_gib']} GiB  ({rel['reason']})")
+    for b in plan["blockers"]:
+        print(f"  blocker {b['name']:<20} pid {b['pid']}  {b['tenant']:<10} {b['vram_gib']} GiB  {b['reason']}: {b['detail']}")
+    return 0 if plan["feasible"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hyperswap", description=(
         "Share one GPU between Ollama, ComfyUI and other local AI apps: a transparent proxy that "
@@ -58,13 +119,18 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(run=run)
         return p
 
-    add("serve", "run the proxy: one listener per tenant plus the admin API", _not_available("serve", "the forwarding issue"))
-    add("demo", "run the proxy against a simulated GPU, Ollama and ComfyUI", _not_available("demo", "the simulator issue"))
+    add("serve", "run the proxy: one listener per tenant plus the admin API", cmd_serve)
+    demo = add("demo", "run the proxy against a simulated GPU, Ollama and ComfyUI (no GPU needed)", cmd_demo)
+    demo.add_argument("--scenario", default="default", help="default, tight, third-app, or a scenario file path")
+    demo.add_argument("--check", action="store_true", help="self-test every simulator route and one handoff, then exit 0/1")
+    demo.add_argument("--no-proxy", action="store_true", help="start only the simulated GPU box")
     add("check", "check every dependency (NVML, upstreams, config) and say how to fix what is broken",
         _not_available("check", "the self-knowledge issue"))
-    plan = add("plan", "print a dry-run release plan from a running proxy", _not_available("plan", "the arbitration issue"))
-    plan.add_argument("--tenant")
-    plan.add_argument("--need-gb", type=float)
+    plan = add("plan", "print a dry-run release plan from a running proxy", cmd_plan)
+    plan.add_argument("--tenant", help="the tenant that needs memory")
+    plan.add_argument("--need-gb", type=float, help="GiB it needs (default: its needs_vram_gb)")
+    plan.add_argument("--admin", metavar="URL", help="admin API URL (default: from tenants.json)")
+    plan.add_argument("--json", action="store_true")
     tenants = add("tenants", "print the merged tenant registry and where each value came from", cmd_tenants)
     tenants.add_argument("--json", action="store_true", help="machine-readable output")
     return parser

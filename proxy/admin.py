@@ -1,0 +1,179 @@
+"""The admin API (default 127.0.0.1:11400): tenants with live state, release, dry-run plans, decisions.
+
+Read-mostly: the only mutation is a release, which goes through the same handoff lock as requests.
+When a token is configured every mutating call needs `Authorization: Bearer <token>`.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any, Awaitable, Callable
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from .admission import Arbitration, gib
+from .errors import HyperSwapError
+from .tenants import GIB, Tenant
+from .watchdog import Watchdog
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def error(status: int, message: str, fix: str | None = None, **details: Any) -> JSONResponse:
+    body: dict[str, Any] = {"error": message}
+    if fix:
+        body["fix"] = fix
+    body.update(details)
+    return JSONResponse(body, status_code=status)
+
+
+class AdminApi:
+    def __init__(self, arb: Arbitration, watchdog: Watchdog, token: str | None = None) -> None:
+        self.arb = arb
+        self.watchdog = watchdog
+        self.token = token
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _guard(self, handler: Handler) -> Handler:
+        async def wrapped(request: Request) -> Response:
+            if self.token is not None:
+                auth = request.headers.get("authorization", "")
+                if not auth.lower().startswith("bearer "):
+                    return error(401, "this admin call needs a bearer token",
+                                 "send `Authorization: Bearer <token>` (the token from HYPERSWAP_ADMIN_TOKEN or admin.token_file)")
+                if not hmac.compare_digest(auth[7:].strip().encode(), self.token.encode()):
+                    return error(403, "wrong admin token", "use the token the proxy was started with")
+            return await handler(request)
+        return wrapped
+
+    @staticmethod
+    def _safe(handler: Handler) -> Handler:
+        async def wrapped(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except HyperSwapError as exc:
+                return JSONResponse(exc.to_json(), status_code=exc.status)
+        return wrapped
+
+    async def tenant_view(self, tenant: Tenant) -> dict[str, Any]:
+        snap = self.arb.last_snapshot or await self.arb.snapshot()
+        states = self.arb.states(snap)
+        traffic = self.arb.inflight.snapshot().get(tenant.name)
+        deadline = self.watchdog.idle_deadline(tenant.name)
+        now = self.arb.clock.now()
+        held = self.arb.held(snap, tenant.name)
+        state = states[tenant.name]
+        return {
+            "name": tenant.name,
+            "config": tenant.model_dump(mode="json"),
+            "vram_bytes": held, "vram_gb": gib(held),
+            "processes": [{"pid": p.process.pid, "name": p.process.name, "cmdline": p.process.cmdline,
+                           "vram_bytes": p.process.used_bytes, "vram_gb": gib(p.process.used_bytes)}
+                          for p in snap.processes_of(tenant.name)],
+            "busy": state.busy, "busy_reason": state.busy_reason,
+            "in_flight": traffic.in_flight if traffic else 0,
+            "jobs": list(traffic.jobs) if traffic else [],
+            "stale_jobs": self.arb.stale_jobs.get(tenant.name, []),
+            "last_activity_age_s": None if not traffic or traffic.last_activity is None else round(now - traffic.last_activity, 1),
+            "idle_release_in_s": None if deadline is None else round(max(0.0, deadline - now), 1),
+            "reclaimable": tenant.reclaimable,
+            "watchdog": (self.watchdog.last.reasons.get(tenant.name) if self.watchdog.last else None),
+            "estimated": snap.snapshot.source == "engine-estimate",
+        }
+
+    # -- routes -------------------------------------------------------------------------------
+    async def list_tenants(self, request: Request) -> Response:
+        await self.arb.snapshot()
+        return JSONResponse({"tenants": [await self.tenant_view(t) for t in self.arb.registry]})
+
+    async def get_tenant(self, request: Request) -> Response:
+        tenant = self.arb.registry.get(request.path_params["name"])
+        await self.arb.snapshot()
+        return JSONResponse(await self.tenant_view(tenant))
+
+    async def release(self, request: Request) -> Response:
+        tenant = self.arb.registry.get(request.path_params["name"])
+        if not tenant.reclaimable:
+            return error(409, tenant.not_reclaimable_reason, "this tenant cannot be released; stop it by hand if you need the memory",
+                         tenant=tenant.name, reason="not_reclaimable")
+        async with self.arb.handoff_lock:
+            snap = await self.arb.snapshot()
+            state = self.arb.states(snap)[tenant.name]
+            if state.busy:
+                return error(409, f"{tenant.name} is busy ({state.busy_reason}); a busy tenant is never released",
+                             "wait for its work to finish, or cancel it in the application", tenant=tenant.name, reason="busy")
+            held = self.arb.held(snap, tenant.name)
+            decision = self.arb.decisions.record("release", tenant.name, "admin", None, held_bytes=held)
+            result = await self.arb.execute_release(tenant, max(0, held - tenant.idle_vram_bytes), snap)
+            self.arb.decisions.update(decision, releases=[result.to_json()], ok=result.confirmed)
+        status = 200 if result.confirmed else 504 if result.error and "not back" in result.error else 502
+        return JSONResponse({"tenant": tenant.name, **result.to_json()}, status_code=status)
+
+    async def plan(self, request: Request) -> Response:
+        name = request.query_params.get("tenant")
+        raw_need = request.query_params.get("need_gb")
+        if not name:
+            return error(400, "missing query parameter 'tenant'", "GET /api/plan?tenant=ollama&need_gb=8")
+        tenant = self.arb.registry.get(name)
+        if raw_need is None:
+            need = tenant.needs_vram_bytes
+        else:
+            try:
+                need = int(float(raw_need) * GIB)
+            except ValueError:
+                return error(400, f"need_gb must be a number of GiB, got {raw_need!r}", "GET /api/plan?tenant=ollama&need_gb=8")
+            if need < 0:
+                return error(400, "need_gb must not be negative")
+        plan, _ = await self.arb.plan(name, need)
+        return JSONResponse({"dry_run": True, "plan": plan.to_json()})
+
+    async def decisions(self, request: Request) -> Response:
+        try:
+            limit = max(1, min(500, int(request.query_params.get("limit", "100"))))
+        except ValueError:
+            return error(400, "limit must be an integer")
+        return JSONResponse({"decisions": [d.to_json() for d in self.arb.decisions.recent(limit)]})
+
+    async def stats(self, request: Request) -> Response:
+        snap = await self.arb.snapshot()
+        dev = snap.snapshot.device
+        return JSONResponse({
+            "device": {"name": dev.name, "total_bytes": dev.total_bytes, "free_bytes": dev.free_bytes,
+                       "used_bytes": dev.used_bytes, "reserved_bytes": dev.reserved_bytes,
+                       "source": snap.snapshot.source, "notes": list(snap.snapshot.notes)},
+            "processes": [{"pid": p.process.pid, "name": p.process.name, "cmdline": p.process.cmdline,
+                           "tenant": p.tenant, "vram_bytes": p.process.used_bytes} for p in snap.processes],
+            "tenants": [await self.tenant_view(t) for t in self.arb.registry],
+            "decisions": [d.to_json() for d in self.arb.decisions.recent(20)],
+            "gpu_error": None if self.arb.last_read_error is None else {
+                "state": self.arb.last_read_error.state, "error": self.arb.last_read_error.message,
+                "fix": self.arb.last_read_error.fix},
+        })
+
+    async def not_found(self, request: Request) -> Response:
+        return error(404, f"no admin route {request.method} {request.url.path}", "see GET /api/tenants, /api/plan, /api/decisions")
+
+    def app(self) -> Starlette:
+        s = self._safe
+        routes = [
+            Route("/api/tenants", s(self.list_tenants), methods=["GET"]),
+            Route("/api/tenants/{name}", s(self.get_tenant), methods=["GET"]),
+            Route("/api/tenants/{name}/release", s(self._guard(self.release)), methods=["POST"]),
+            Route("/api/plan", s(self.plan), methods=["GET"]),
+            Route("/api/decisions", s(self.decisions), methods=["GET"]),
+            Route("/api/stats", s(self.stats), methods=["GET"]),
+        ]
+        app = Starlette(routes=routes)
+
+        async def not_found(request: Request, exc: Exception) -> Response:
+            return await self.not_found(request)
+
+        async def not_allowed(request: Request, exc: Exception) -> Response:
+            return error(405, f"{request.method} is not allowed on {request.url.path}")
+
+        app.add_exception_handler(404, not_found)
+        app.add_exception_handler(405, not_allowed)
+        return app

@@ -1,0 +1,350 @@
+"""The request path: classify -> estimate -> plan -> execute releases -> forward -> OOM retry.
+
+`Arbitration` owns the handoff: one at a time per device (an asyncio lock), GPU snapshots one at a
+time off the loop, reservations for loads that were admitted but have not reached the card yet, and
+the decision log. Plans come from the pure `arbiter.plan_release`; this module only does effects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Mapping
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from .arbiter import Plan, TenantState, plan_release
+from .attribution import AttributedSnapshot, Attributor
+from .clock import Clock
+from .decisions import Decision, DecisionLog
+from .engines import memory
+from .gpu import DeviceMemory, GpuProcess, GpuReader, GpuReadError, GpuSnapshot
+from .inflight import InFlight
+from .tenants import GIB, MIB, Registry, Tenant
+
+log = logging.getLogger("hyperswap.admission")
+
+CONFIRM_SLACK_BYTES = 64 * MIB  # a release is confirmed when the tenant is within this of its target
+OOM_HEADROOM_BYTES = 1 * GIB  # after an OOM the estimate was wrong: ask for this much more than is free
+
+
+def gib(n: int | None) -> float | None:
+    return None if n is None else round(n / GIB, 2)
+
+
+@dataclass(slots=True)
+class ReleaseResult:
+    tenant: str
+    expected_bytes: int
+    freed_bytes: int
+    duration_s: float
+    confirmed: bool
+    error: str | None = None
+    asked: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tenant": self.tenant, "expected_bytes": self.expected_bytes, "freed_bytes": self.freed_bytes,
+                "expected_gb": gib(self.expected_bytes), "freed_gb": gib(self.freed_bytes),
+                "duration_s": round(self.duration_s, 3), "confirmed": self.confirmed, "error": self.error,
+                "asked": self.asked}
+
+
+@dataclass(slots=True)
+class Handoff:
+    plan: Plan
+    releases: list[ReleaseResult]
+    decision: Decision | None
+
+    @property
+    def ok(self) -> bool:
+        return self.plan.feasible and all(r.confirmed for r in self.releases)
+
+
+@dataclass(slots=True)
+class _Reservation:
+    tenant: str
+    need: int
+    baseline: int  # what the tenant held when admitted; growth above it means the load arrived
+    count: int = 1
+
+
+class Arbitration:
+    def __init__(self, registry: Registry, reader: GpuReader, inflight: InFlight, clock: Clock,
+                 decisions: DecisionLog, control: httpx.AsyncClient | None = None) -> None:
+        self.registry = registry
+        self.reader = reader
+        self.attributor = Attributor(registry)
+        self.inflight = inflight
+        self.clock = clock
+        self.decisions = decisions
+        self.control = control or httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=2.0), trust_env=False)
+        self.catalog = memory.OllamaCatalog()
+        self.started_at = clock.now()  # idle deadlines of tenants never seen active count from here
+        self.handoff_lock = asyncio.Lock()
+        self._snapshot_lock = asyncio.Lock()
+        self._reservations: dict[str, _Reservation] = {}
+        self.last_snapshot: AttributedSnapshot | None = None
+        self.last_read_error: GpuReadError | None = None
+        self.stale_jobs: dict[str, list[str]] = {}  # tenant -> job ids whose VRAM says they are not running
+
+    # -- reading the card ---------------------------------------------------------------------
+    async def snapshot(self) -> AttributedSnapshot:
+        """One GPU read at a time, off the loop. A broken reader falls back to the engines' own reports."""
+        async with self._snapshot_lock:
+            try:
+                raw = await asyncio.to_thread(self.reader.read)
+                self.last_read_error = None
+            except GpuReadError as exc:
+                self.last_read_error = exc
+                raw = await self._engine_estimate()
+            except Exception as exc:  # a failing reader never stops traffic (invariant 10)
+                self.last_read_error = GpuReadError("unknown", f"GPU read failed: {exc!r}", "run `hyperswap check`")
+                raw = await self._engine_estimate()
+            snap = self.attributor.attribute(raw)
+            self.last_snapshot = snap
+            return snap
+
+    async def _engine_estimate(self) -> GpuSnapshot:
+        procs: list[GpuProcess] = []
+        for i, tenant in enumerate(self.registry):
+            held = await memory.self_reported_bytes(tenant, self.control) if tenant.upstream else None
+            if held is not None:
+                # A pseudo-process whose command line matches nothing but this tenant's name.
+                procs.append(GpuProcess(pid=-(i + 1), name=f"[{tenant.name} self-report]",
+                                        cmdline=f"[{tenant.name} self-report]", used_bytes=held))
+        prev = self.last_snapshot.snapshot.device if self.last_snapshot else None
+        total = prev.total_bytes if prev else 0
+        reserved = prev.reserved_bytes if prev else 0
+        used = sum(p.used_bytes or 0 for p in procs)
+        device = DeviceMemory(0, prev.name if prev else "unknown (GPU reader failed)", total, reserved,
+                              used + reserved, max(0, total - reserved - used))
+        return GpuSnapshot(device, tuple(procs), source="engine-estimate", taken_at=self.clock.now())
+
+    def held(self, snap: AttributedSnapshot, tenant: str) -> int:
+        if snap.snapshot.source == "engine-estimate":
+            return sum(p.process.used_bytes or 0 for p in snap.processes
+                       if p.process.name == f"[{tenant} self-report]")
+        return snap.held_by(tenant)
+
+    # -- busy ---------------------------------------------------------------------------------
+    def states(self, snap: AttributedSnapshot) -> dict[str, TenantState]:
+        """Busy = requests in flight, or queued jobs corroborated by the tenant's own VRAM (invariant 3)."""
+        traffic = self.inflight.snapshot()
+        out: dict[str, TenantState] = {}
+        stale: dict[str, list[str]] = {}
+        for tenant in self.registry:
+            t = traffic.get(tenant.name)
+            in_flight = t.in_flight if t else 0
+            jobs = tuple(t.jobs) if t else ()
+            busy, why = False, "idle"
+            if in_flight:
+                busy, why = True, f"{in_flight} GPU request(s) in flight"
+            elif jobs:
+                if self.held(snap, tenant.name) > tenant.idle_vram_bytes + CONFIRM_SLACK_BYTES:
+                    busy, why = True, f"{len(jobs)} queued job(s) and VRAM above its idle floor"
+                else:
+                    stale[tenant.name] = list(jobs)
+                    why = f"{len(jobs)} job(s) listed but VRAM at its idle floor: stale"
+            out[tenant.name] = TenantState(name=tenant.name, busy=busy, busy_reason=why, in_flight=in_flight)
+        self.stale_jobs = stale
+        return out
+
+    # -- planning -----------------------------------------------------------------------------
+    def _outstanding(self, snap: AttributedSnapshot, except_key: str) -> int:
+        """Memory promised to admitted loads that have not reached the card yet."""
+        total = 0
+        for key, r in self._reservations.items():
+            if key != except_key:
+                total += max(0, r.need - max(0, self.held(snap, r.tenant) - r.baseline))
+        return total
+
+    async def plan(self, requester: str, need_bytes: int, key: str = "") -> tuple[Plan, AttributedSnapshot]:
+        self.registry.get(requester)
+        snap = await self.snapshot()
+        extra = self._outstanding(snap, key or requester)
+        plan = plan_release(snap, self.registry, self.states(snap), requester, need_bytes + extra)
+        return plan, snap
+
+    async def reclaim(self, requester: str, need_bytes: int, trigger: str, *, key: str = "",
+                      kind: str = "plan") -> Handoff:
+        """Plan and, if needed and possible, execute. Callers hold `handoff_lock`."""
+        plan, snap = await self.plan(requester, need_bytes, key)
+        if not plan.starved:
+            return Handoff(plan, [], None)
+        decision = self.decisions.record("rejection" if not plan.feasible else kind, requester, trigger, plan.to_json())  # type: ignore[arg-type]
+        if not plan.feasible:
+            return Handoff(plan, [], decision)
+        results = [await self.execute_release(self.registry.get(r.tenant), r.expected_free_bytes, snap)
+                   for r in plan.releases]
+        self.decisions.update(decision, releases=[r.to_json() for r in results],
+                              ok=all(r.confirmed for r in results))
+        return Handoff(plan, results, decision)
+
+    async def execute_release(self, tenant: Tenant, expected: int, before: AttributedSnapshot | None = None) -> ReleaseResult:
+        """Ask, then confirm on the GPU: done when the memory is back, never on the engine's 200 (invariant 6)."""
+        before = before or await self.snapshot()
+        held_before = self.held(before, tenant.name)
+        target = max(held_before - expected, 0)
+        start = self.clock.now()
+        try:
+            asked = await memory.release(tenant, self.control)
+        except memory.ReleaseFailed as exc:
+            return ReleaseResult(tenant.name, expected, 0, self.clock.now() - start, False, str(exc))
+        deadline = start + tenant.release_timeout_s
+        held_now = held_before
+        while True:
+            snap = await self.snapshot()
+            held_now = self.held(snap, tenant.name)
+            if held_now <= target + CONFIRM_SLACK_BYTES:
+                return ReleaseResult(tenant.name, expected, held_before - held_now, self.clock.now() - start, True, asked=asked)
+            if self.clock.now() >= deadline:
+                return ReleaseResult(tenant.name, expected, max(0, held_before - held_now), self.clock.now() - start, False,
+                                     f"memory not back after {tenant.release_timeout_s:g} s", asked)
+            await self.clock.sleep(self.registry.config.proxy.release_poll_s)
+
+    # -- the request path ---------------------------------------------------------------------
+    async def admit(self, tenant: Tenant, request: Request | None, body: bytes, trigger: str,
+                    *, oom: bool = False) -> tuple[Handoff | None, memory.Need]:
+        """Make room for a GPU request. Waits for a handoff in progress (no 503) up to the queue
+        timeout; a client that goes away while waiting leaves the queue."""
+        need = await memory.estimate_need(tenant, request.url.path if request else "", body, self.control, self.catalog)
+        need_bytes = need.bytes
+        if oom:
+            snap = self.last_snapshot or await self.snapshot()
+            need_bytes = max(need_bytes, self.held(snap, tenant.name) + snap.snapshot.free_bytes + OOM_HEADROOM_BYTES)
+        timeout = self.registry.config.proxy.queue_timeout_s
+        acquired = await _acquire_or_disconnect(self.handoff_lock, request, timeout)
+        if not acquired:
+            return None, need
+        try:
+            handoff = await self.reclaim(tenant.name, need_bytes, trigger, key=need.key,
+                                         kind="oom_retry" if oom else "plan")
+            if handoff.plan.feasible:
+                self._reserve(need.key, tenant.name, need_bytes, handoff)
+            return handoff, need
+        finally:
+            self.handoff_lock.release()
+
+    def _reserve(self, key: str, tenant: str, need: int, handoff: Handoff) -> None:
+        r = self._reservations.get(key)
+        if r:
+            r.count += 1
+        else:
+            self._reservations[key] = _Reservation(tenant, need, handoff.plan.held_by_requester)
+
+    def unreserve(self, key: str) -> None:
+        r = self._reservations.get(key)
+        if r:
+            r.count -= 1
+            if r.count <= 0:
+                del self._reservations[key]
+
+
+async def _acquire_or_disconnect(lock: asyncio.Lock, request: Request | None, timeout: float) -> bool:
+    acquire = asyncio.ensure_future(lock.acquire())
+    watchers = [acquire]
+    gone: asyncio.Future[Any] | None = None
+    if request is not None:
+        gone = asyncio.ensure_future(_wait_disconnect(request))
+        watchers.append(gone)
+    done, _ = await asyncio.wait(watchers, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    if gone is not None:
+        gone.cancel()
+    if acquire in done:
+        return True
+    acquire.cancel()
+    try:
+        await acquire
+    except asyncio.CancelledError:
+        pass
+    else:  # acquired while we were cancelling
+        lock.release()
+    return False
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.25)
+
+
+def rejection_body(tenant: Tenant, handoff: Handoff, need: memory.Need) -> dict[str, Any]:
+    plan = handoff.plan
+    return {
+        "error": f"not enough GPU memory for {tenant.name}: {plan.explanation}",
+        "tenant": tenant.name,
+        "need_gb": gib(need.bytes),
+        "available_gb": gib(plan.free_bytes + plan.held_by_requester + sum(r.expected_free_bytes for r in plan.releases)),
+        "blockers": [{"pid": b.pid, "name": b.name, "tenant": b.tenant, "vram_gb": gib(b.vram_bytes), "reason": b.reason,
+                      "detail": b.detail} for b in plan.blockers],
+        "plan": plan.to_json(),
+        "fix": "stop or release one of the blockers, or raise this tenant's priority in tenants.json",
+    }
+
+
+class GpuAdmission:
+    """The listener's hook for GPU requests: admit, forward, and on an OOM answer reclaim and retry once."""
+
+    def __init__(self, arbitration: Arbitration) -> None:
+        self.arb = arbitration
+
+    async def handle(self, tenant: Tenant, request: Request, body: bytes,
+                     forward: Callable[[bytes], Awaitable[httpx.Response]]) -> httpx.Response | Response:
+        trigger = f"request {request.method} {request.url.path}"
+        handoff, need = await self.arb.admit(tenant, request, body, trigger)
+        if handoff is None:
+            return JSONResponse({"error": f"waited {self.arb.registry.config.proxy.queue_timeout_s:g} s for a GPU handoff in progress",
+                                 "tenant": tenant.name, "fix": "retry, or raise proxy.queue_timeout_s"}, status_code=503)
+        try:
+            if not handoff.plan.feasible:
+                return JSONResponse(rejection_body(tenant, handoff, need), status_code=507)
+            response = await forward(body)
+            if tenant.engine != "ollama" or response.status_code < 400:
+                return response
+            error_body = await response.aread()
+            await response.aclose()
+            if not memory.response_is_oom(tenant, response.status_code, error_body):
+                return _replay_response(response, error_body)
+            retry, _ = await self.arb.admit(tenant, request, body, f"OOM answer to {trigger}", oom=True)
+            outcome = "no plan" if retry is None or not retry.plan.feasible or not retry.plan.starved else "retried"
+            if outcome == "retried":
+                response = await forward(body)
+                if response.status_code < 400:
+                    self._record_retry(tenant, retry, "succeeded")
+                    return response
+                error_body = await response.aread()
+                await response.aclose()
+            self._record_retry(tenant, retry, "failed" if outcome == "retried" else outcome)
+            return _with_blockers(response, error_body, retry)
+        finally:
+            self.arb.unreserve(need.key)
+
+    def _record_retry(self, tenant: Tenant, handoff: Handoff | None, result: str) -> None:
+        if handoff is not None and handoff.decision is not None:
+            self.arb.decisions.update(handoff.decision, oom_retry=result)
+        else:
+            self.arb.decisions.record("oom_retry", tenant.name, "OOM answer", None, result=result)
+
+
+def _replay_response(upstream: httpx.Response, body: bytes) -> Response:
+    headers = {k: v for k, v in upstream.headers.items() if k.lower() not in ("content-length", "transfer-encoding", "connection")}
+    return Response(body, status_code=upstream.status_code, headers=headers)
+
+
+def _with_blockers(upstream: httpx.Response, body: bytes, handoff: Handoff | None) -> Response:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return _replay_response(upstream, body)
+    if isinstance(data, dict) and handoff is not None:
+        data["blockers"] = [{"pid": b.pid, "name": b.name, "tenant": b.tenant, "vram_gb": gib(b.vram_bytes),
+                             "reason": b.reason} for b in handoff.plan.blockers]
+        data["plan"] = handoff.plan.to_json()
+    return JSONResponse(data, status_code=upstream.status_code)
+
+
+def traffic_json(states: Mapping[str, TenantState]) -> dict[str, Any]:
+    return {name: {"busy": s.busy, "why": s.busy_reason, "in_flight": s.in_flight} for name, s in states.items()}

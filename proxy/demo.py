@@ -1,0 +1,299 @@
+"""`hyperswap demo`: the proxy in front of a simulated GPU, Ollama and ComfyUI, on loopback.
+
+`--check` runs a short self-test of every simulator route and one handoff through the proxy, prints
+the result and exits 0/1. Without it the demo runs until Ctrl-C and then stops everything it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Mapping
+
+import httpx
+from websockets.asyncio.client import connect as ws_connect
+
+from .service import Proxy
+from .sim.box import SimBox, load_scenario
+from .tenants import GIB, registry_from_dict
+
+DEFAULT_SIM_PORTS = {"ollama": 21434, "comfyui": 28188}
+
+
+@dataclass(slots=True)
+class Demo:
+    box: SimBox
+    proxy: Proxy | None
+
+    @property
+    def urls(self) -> dict[str, str]:
+        out = {f"{name} simulator": s.url for name, s in self.box.servers.items()}
+        if self.proxy:
+            out.update({f"{name} via proxy" if name != "admin" else "admin API": s.url
+                        for name, s in self.proxy.servers.items()})
+        return out
+
+    async def stop(self) -> None:
+        if self.proxy:
+            await self.proxy.stop()
+        await self.box.stop()
+
+
+async def start_demo(scenario: str = "default", *, sim_ports: Mapping[str, int] | None = None,
+                     proxy_ports: Mapping[str, int] | None = None, with_proxy: bool = True,
+                     watchdog: bool = True) -> Demo:
+    box = SimBox(load_scenario(scenario))
+    ports = {**DEFAULT_SIM_PORTS, **(sim_ports or {})}
+    await box.start(ollama_port=ports["ollama"], comfyui_port=ports["comfyui"])
+    proxy = None
+    if with_proxy:
+        try:
+            # The demo never reads the operator's tenants.json: shipped defaults + the scenario.
+            registry = registry_from_dict(box.tenant_overrides())
+            proxy = Proxy(registry, box.gpu, watchdog_enabled=watchdog)
+            await proxy.start(proxy_ports)
+        except BaseException:
+            await box.stop()
+            raise
+    return Demo(box, proxy)
+
+
+def describe(demo: Demo, scenario: str) -> str:
+    lines = [f"hyperswap demo: scenario {scenario!r} ({demo.box.scenario.description})",
+             f"simulated GPU: {demo.box.gpu.name}, {demo.box.gpu.total_bytes / GIB:.1f} GiB", ""]
+    for what, url in demo.urls.items():
+        lines.append(f"  {what:<22} {url}")
+    if demo.proxy:
+        o, c, a = demo.proxy.url("ollama"), demo.proxy.url("comfyui"), demo.proxy.url("admin")
+        big = max(demo.box.ollama.config.models, key=lambda m: m.size_bytes).name if demo.box.ollama else "llama3.1:8b"
+        lines += ["", "Try:",
+                  f"  curl -s {c}/prompt -d @examples/comfy_prompt.json      # ComfyUI loads a checkpoint",
+                  f"  curl -s {o}/api/generate -d '{{\"model\":\"{big}\",\"prompt\":\"hi\",\"stream\":false}}'   # Ollama needs it back",
+                  f"  curl -s {a}/api/decisions | python3 -m json.tool          # what the proxy decided and why"]
+    lines += ["", "Ctrl-C stops everything."]
+    return "\n".join(lines)
+
+
+# -- the self-test ---------------------------------------------------------------------------------
+
+Check = Callable[[], Awaitable[str]]
+
+
+def comfy_prompt(ckpt: str, seed: int | None = None) -> dict[str, Any]:
+    seed = seed if seed is not None else int(time.time() * 1000) % 1_000_000
+    return {
+        "4": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": ckpt}},
+        "5": {"class_type": "EmptyLatentImage", "inputs": {"width": 512, "height": 512, "batch_size": 1}},
+        "6": {"class_type": "CLIPTextEncode", "inputs": {"text": "a lighthouse at dusk", "clip": ["4", 1]}},
+        "7": {"class_type": "CLIPTextEncode", "inputs": {"text": "blurry", "clip": ["4", 1]}},
+        "3": {"class_type": "KSampler", "inputs": {"seed": seed, "steps": 4, "cfg": 7.0, "sampler_name": "euler",
+                                                   "scheduler": "normal", "denoise": 1.0, "model": ["4", 0],
+                                                   "positive": ["6", 0], "negative": ["7", 0], "latent_image": ["5", 0]}},
+        "8": {"class_type": "VAEDecode", "inputs": {"samples": ["3", 0], "vae": ["4", 2]}},
+        "9": {"class_type": "SaveImage", "inputs": {"filename_prefix": "demo", "images": ["8", 0]}},
+    }
+
+
+async def run_prompt(base: str, ckpt: str, client: httpx.AsyncClient, timeout_s: float = 30.0) -> list[dict[str, Any]]:
+    """Queue a prompt with a websocket open and return its messages up to the end marker."""
+    cid = uuid.uuid4().hex
+    ws_url = base.replace("http://", "ws://") + f"/ws?clientId={cid}"
+    async with ws_connect(ws_url, max_size=None, ping_interval=None) as ws:
+        json.loads(await ws.recv())  # status with sid
+        r = await client.post(f"{base}/prompt", json={"prompt": comfy_prompt(ckpt), "client_id": cid})
+        r.raise_for_status()
+        pid = r.json()["prompt_id"]
+        msgs: list[dict[str, Any]] = []
+        async with asyncio.timeout(timeout_s):
+            while True:
+                raw = await ws.recv()
+                if isinstance(raw, bytes):
+                    continue
+                m = json.loads(raw)
+                msgs.append(m)
+                if m["type"] == "executing" and m["data"].get("node") is None and m["data"].get("prompt_id") == pid:
+                    return msgs
+
+
+async def self_test(demo: Demo) -> list[tuple[str, bool, str]]:
+    results: list[tuple[str, bool, str]] = []
+    async with httpx.AsyncClient(timeout=60.0, trust_env=False) as client:
+        async def check(name: str, fn: Check) -> None:
+            try:
+                results.append((name, True, await fn()))
+            except Exception as exc:  # the report says what failed, never a traceback
+                results.append((name, False, f"{type(exc).__name__}: {exc}"))
+
+        def expect(r: httpx.Response, status: int = 200) -> httpx.Response:
+            if r.status_code != status:
+                raise AssertionError(f"{r.request.method} {r.request.url.path} answered {r.status_code}: {r.text[:160]}")
+            return r
+
+        if demo.box.ollama:
+            o = demo.box.servers["ollama"].url
+            small = min(demo.box.ollama.config.models, key=lambda m: m.size_bytes).name
+            chat_model = next(m.name for m in sorted(demo.box.ollama.config.models, key=lambda m: m.size_bytes)
+                              if "completion" in m.capabilities)
+
+            async def o_root() -> str:
+                return expect(await client.get(o + "/")).text
+
+            async def o_version() -> str:
+                return expect(await client.get(o + "/api/version")).json()["version"]
+
+            async def o_tags() -> str:
+                return f"{len(expect(await client.get(o + '/api/tags')).json()['models'])} models"
+
+            async def o_generate() -> str:
+                r = expect(await client.post(o + "/api/generate", json={"model": chat_model, "prompt": "hi"}))
+                lines = [json.loads(x) for x in r.text.splitlines() if x]
+                assert lines[-1]["done"] is True, lines[-1]
+                return f"{len(lines)} NDJSON lines"
+
+            async def o_chat() -> str:
+                r = expect(await client.post(o + "/api/chat", json={"model": chat_model, "stream": False,
+                                                                    "messages": [{"role": "user", "content": "hi"}]}))
+                return r.json()["message"]["content"][:30]
+
+            async def o_ps() -> str:
+                return ", ".join(m["name"] for m in expect(await client.get(o + "/api/ps")).json()["models"])
+
+            async def o_show() -> str:
+                return ",".join(expect(await client.post(o + "/api/show", json={"model": chat_model})).json().get("capabilities", []))
+
+            async def o_embed() -> str:
+                embed_model = next((m.name for m in demo.box.ollama.config.models if "embedding" in m.capabilities), small)
+                r = expect(await client.post(o + "/api/embed", json={"model": embed_model, "input": "hi"}))
+                return f"dim {len(r.json()['embeddings'][0])}"
+
+            async def o_v1() -> str:
+                r = expect(await client.post(o + "/v1/chat/completions", json={
+                    "model": chat_model, "stream": True, "messages": [{"role": "user", "content": "hi"}]}))
+                assert r.text.rstrip().endswith("data: [DONE]"), r.text[-80:]
+                return f"{r.text.count('data: ')} SSE events"
+
+            async def o_models() -> str:
+                return f"{len(expect(await client.get(o + '/v1/models')).json()['data'])} models"
+
+            async def o_pull_copy_delete() -> str:
+                r = expect(await client.post(o + "/api/pull", json={"model": "tinyllama:1.1b"}))
+                assert json.loads(r.text.splitlines()[-1])["status"] == "success"
+                expect(await client.post(o + "/api/copy", json={"source": "tinyllama:1.1b", "destination": "tiny-copy"}))
+                expect(await client.request("DELETE", o + "/api/delete", json={"model": "tiny-copy"}))
+                expect(await client.request("DELETE", o + "/api/delete", json={"model": "tinyllama:1.1b"}))
+                return "pull, copy, delete"
+
+            async def o_unload() -> str:
+                r = expect(await client.post(o + "/api/generate", json={"model": chat_model, "keep_alive": 0}))
+                return r.json()["done_reason"]
+
+            for name, fn in [("ollama GET /", o_root), ("ollama /api/version", o_version), ("ollama /api/tags", o_tags),
+                             ("ollama /api/generate", o_generate), ("ollama /api/chat", o_chat), ("ollama /api/ps", o_ps),
+                             ("ollama /api/show", o_show), ("ollama /api/embed", o_embed),
+                             ("ollama /v1/chat/completions", o_v1), ("ollama /v1/models", o_models),
+                             ("ollama pull/copy/delete", o_pull_copy_delete), ("ollama unload", o_unload)]:
+                await check(name, fn)
+
+        if demo.box.comfyui:
+            c = demo.box.servers["comfyui"].url
+            ckpts = demo.box.comfyui.config.checkpoints
+            small_ckpt = min(ckpts, key=lambda k: ckpts[k])
+
+            async def c_stats() -> str:
+                return expect(await client.get(c + "/system_stats")).json()["devices"][0]["name"]
+
+            async def c_api_prefix() -> str:
+                return str(expect(await client.get(c + "/api/queue")).json())
+
+            async def c_object_info() -> str:
+                return f"{len(expect(await client.get(c + '/object_info')).json())} nodes"
+
+            async def c_features() -> str:
+                return str(expect(await client.get(c + "/features")).json())
+
+            async def c_prompt() -> str:
+                msgs = await run_prompt(c, small_ckpt, client)
+                types = [m["type"] for m in msgs]
+                assert "execution_success" in types, types
+                return f"{len(msgs)} ws messages, ends with executing null"
+
+            async def c_history() -> str:
+                return f"{len(expect(await client.get(c + '/history')).json())} entries"
+
+            async def c_upload_view() -> str:
+                files = {"image": ("demo.png", b"\x89PNG\r\n\x1a\n" + b"0" * 64, "image/png")}
+                up = expect(await client.post(c + "/upload/image", files=files)).json()
+                r = await client.get(c + "/view", params={"filename": up["name"], "type": "input"},
+                                     headers={"Range": "bytes=0-7"})
+                expect(r, 206)
+                return f"uploaded {up['name']}, Range -> 206"
+
+            async def c_free() -> str:
+                expect(await client.post(c + "/free", json={"unload_models": True, "free_memory": True}))
+                return "200 (memory comes back later)"
+
+            for name, fn in [("comfyui /system_stats", c_stats), ("comfyui /api/ prefix", c_api_prefix),
+                             ("comfyui /object_info", c_object_info), ("comfyui /features", c_features),
+                             ("comfyui /prompt + /ws", c_prompt), ("comfyui /history", c_history),
+                             ("comfyui upload + view", c_upload_view), ("comfyui /free", c_free)]:
+                await check(name, fn)
+
+        if demo.proxy and demo.box.ollama and demo.box.comfyui:
+            await check("proxy: handoff ComfyUI -> Ollama", lambda: _handoff_check(demo, client))
+    return results
+
+
+async def _handoff_check(demo: Demo, client: httpx.AsyncClient) -> str:
+    assert demo.proxy and demo.box.ollama and demo.box.comfyui
+    ckpts = demo.box.comfyui.config.checkpoints
+    big_ckpt = max(ckpts, key=lambda k: ckpts[k])
+    await run_prompt(demo.proxy.url("comfyui"), big_ckpt, client)
+    free = demo.box.gpu.free_bytes()
+    # The largest installed model that cannot load while ComfyUI holds its checkpoint but fits the card.
+    usable = demo.box.gpu.total_bytes - demo.box.gpu.reserved_bytes
+    candidates = [m for m in demo.box.ollama.config.models if "completion" in m.capabilities
+                  and free < m.size_bytes + GIB <= usable]
+    if not candidates:
+        return "skipped: no model in this scenario needs ComfyUI's memory"
+    model = min(candidates, key=lambda m: m.size_bytes)
+    r = await client.post(demo.proxy.url("ollama") + "/api/generate",
+                          json={"model": model.name, "prompt": "hi", "stream": False})
+    if r.status_code == 507:
+        blockers = ", ".join(f"{b['name']} ({b['reason']})" for b in r.json()["blockers"])
+        return f"507 for {model.name}: blocked by {blockers}"
+    if r.status_code != 200:
+        raise AssertionError(f"{model.name} through the proxy answered {r.status_code}: {r.text[:200]}")
+    released = [d for d in demo.proxy.decisions.recent() if d.kind == "plan" and d.tenant == "ollama"]
+    assert released, "the proxy loaded the model without a handoff"
+    return f"{model.name} loaded after releasing {[x['tenant'] for x in released[-1].outcome.get('releases', [])]}"
+
+
+def print_report(results: list[tuple[str, bool, str]]) -> bool:
+    for name, ok, detail in results:
+        print(f"  {'ok  ' if ok else 'FAIL'} {name:<34} {detail}")
+    failed = [r for r in results if not r[1]]
+    print(f"\n{len(results) - len(failed)} passed, {len(failed)} failed")
+    return not failed
+
+
+async def demo_main(scenario: str, check: bool, with_proxy: bool = True) -> int:
+    demo = await start_demo(scenario, with_proxy=with_proxy, watchdog=not check)
+    try:
+        print(describe(demo, scenario), flush=True)
+        if check:
+            print("\nself-test:")
+            return 0 if print_report(await self_test(demo)) else 1
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        print("\nstopping...", file=sys.stderr)
+        return 0
+    finally:
+        await demo.stop()

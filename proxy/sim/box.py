@@ -1,0 +1,111 @@
+"""The simulated GPU box: one scenario file -> a simulated GPU, its extra processes, and the two
+simulated engines on loopback. Used by `hyperswap demo` and by the integration tests."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..errors import ConfigError
+from ..servers import RunningServer
+from .comfyui import ComfySim, ComfySimConfig
+from .gpu import GIB, SimulatedGpu
+from .ollama import OllamaSim, OllamaSimConfig
+
+SCENARIOS = Path(__file__).with_name("scenarios")
+
+
+class _GpuSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = "Simulated RTX 4090"
+    total_gb: float = 24.0
+    reserved_gb: float = 0.3
+
+
+class _ProcessSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    cmdline: str
+    vram_gb: float
+    pid: int | None = None
+    unknown_memory: bool = False
+
+
+class Scenario(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    description: str = ""
+    gpu: _GpuSpec = Field(default_factory=_GpuSpec)
+    processes: list[_ProcessSpec] = Field(default_factory=list)
+    ollama: dict[str, Any] | None = Field(default_factory=dict)  # None: no Ollama in this box
+    comfyui: dict[str, Any] | None = Field(default_factory=dict)
+    tenants: dict[str, Any] = Field(default_factory=dict)  # merged over the registry like a user tenants.json
+
+
+def scenario_names() -> list[str]:
+    return sorted(p.stem for p in SCENARIOS.glob("*.json"))
+
+
+def load_scenario(name_or_path: str) -> Scenario:
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = SCENARIOS / f"{name_or_path}.json"
+    if not path.exists():
+        raise ConfigError(f"no scenario {name_or_path!r}", fix=f"use one of: {', '.join(scenario_names())}, or a path to a scenario file")
+    try:
+        return Scenario.model_validate(json.loads(path.read_text()))
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}") from None
+    except ValidationError as exc:
+        problems = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
+        raise ConfigError(f"scenario {path} does not match the schema", problems=problems) from None
+
+
+@dataclass(slots=True)
+class SimBox:
+    scenario: Scenario
+    gpu: SimulatedGpu = field(init=False)
+    ollama: OllamaSim | None = field(init=False, default=None)
+    comfyui: ComfySim | None = field(init=False, default=None)
+    servers: dict[str, RunningServer] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        g = self.scenario.gpu
+        self.gpu = SimulatedGpu(total_bytes=int(g.total_gb * GIB), reserved_bytes=int(g.reserved_gb * GIB), name=g.name)
+        for p in self.scenario.processes:
+            self.gpu.spawn(p.name, p.cmdline, int(p.vram_gb * GIB), pid=p.pid, unknown_memory=p.unknown_memory)
+        try:
+            if self.scenario.ollama is not None:
+                self.ollama = OllamaSim(self.gpu, OllamaSimConfig.from_scenario(self.scenario.ollama))
+            if self.scenario.comfyui is not None:
+                self.comfyui = ComfySim(self.gpu, ComfySimConfig.from_scenario(self.scenario.comfyui))
+        except (ValueError, TypeError, ValidationError) as exc:
+            raise ConfigError(f"scenario does not match the simulators' schema: {exc}") from None
+
+    async def start(self, host: str = "127.0.0.1", ollama_port: int = 0, comfyui_port: int = 0) -> None:
+        try:
+            if self.ollama is not None:
+                self.servers["ollama"] = await self.ollama.start(host, ollama_port)
+            if self.comfyui is not None:
+                self.servers["comfyui"] = await self.comfyui.start(host, comfyui_port)
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def stop(self) -> None:
+        for sim in (self.comfyui, self.ollama):
+            if sim is not None:
+                await sim.stop()
+        self.servers.clear()
+
+    def tenant_overrides(self) -> dict[str, Any]:
+        """A tenants.json fragment pointing each engine tenant at its simulator, plus the scenario's tenants."""
+        tenants: dict[str, Any] = {name: body for name, body in self.scenario.tenants.items()}
+        for name, server in self.servers.items():
+            tenants.setdefault(name, {})
+            if isinstance(tenants[name], dict):
+                tenants[name] = {**tenants[name], "upstream": server.url}
+        return {"tenants": tenants}
