@@ -317,10 +317,11 @@ class OllamaSim:
         return data
 
     def _lookup(self, name: object) -> SimModel | None:
+        """Names compare case-insensitively, with ":latest" implied."""
         if not isinstance(name, str) or not name:
             return None
-        return self._catalog.models.get(normalise_name(name).lower()) or next(
-            (m for k, m in self._catalog.models.items() if k.lower() == normalise_name(name).lower()), None)
+        wanted = normalise_name(name).lower()
+        return next((m for key, m in self._catalog.models.items() if key.lower() == wanted), None)
 
     def _require(self, name: object) -> SimModel:
         model = self._lookup(name)
