@@ -19,7 +19,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import unquote
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -37,6 +37,7 @@ from .gpu import SimulatedGpu, SimulatedOutOfMemory
 
 GIB = 2**30
 JSON = dict[str, Any]
+ProgressFn = Callable[[str, float, float, str], None]  # (node id, value, max, state) -> progress_state
 
 OOM_MESSAGE = ("Allocation on device \nThis error means you ran out of memory on your GPU.\n\n"
                "TIPS: If the workflow worked before you might have accidentally set the batch_size to a large number.")
@@ -497,7 +498,7 @@ class ComfySim:
         targeted("executing", {"node": None, "prompt_id": prompt_id})
 
     async def _run_node(self, nid: str, graph: JSON, prompt_id: str, cid: str | None,
-                        progress_state: Any) -> tuple[JSON | None, float]:
+                        progress_state: ProgressFn) -> tuple[JSON | None, float]:
         """Execute one node; returns (ui output or None, the progress max it finished at)."""
         node = graph[nid]
         kind, inputs = node["class_type"], node.get("inputs") or {}
@@ -511,7 +512,8 @@ class ComfySim:
         await asyncio.sleep(0)
         return None, 1.0
 
-    async def _sample(self, nid: str, graph: JSON, prompt_id: str, cid: str | None, progress_state: Any) -> int:
+    async def _sample(self, nid: str, graph: JSON, prompt_id: str, cid: str | None,
+                      progress_state: ProgressFn) -> int:
         ckpt = _upstream_checkpoint(graph, nid)
         if ckpt is not None:
             await self._ensure_loaded(ckpt, nid, "KSampler")  # load_models_gpu() if /free moved it out
