@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from typing import AsyncIterator, Callable
 
@@ -113,12 +114,19 @@ class RelayResponse(Response):
 
 
 class Forwarder:
-    """One httpx client per tenant, created on first use."""
+    """httpx clients per tenant, created on first use.
 
-    def __init__(self, *, max_keepalive: int = 256) -> None:
-        self._clients: dict[str, httpx.AsyncClient] = {}
+    A tenant gets `pool_shards` clients used round-robin: httpcore's pool does work proportional to
+    (connections x waiting requests) per request, so one pool collapses under concurrency (bench:
+    64 concurrent small GETs, 1 pool ~450 rps, 16 pools ~1150 rps on 2 cores).
+    """
+
+    def __init__(self, *, max_keepalive: int = 256, pool_shards: int = 16) -> None:
+        self._clients: dict[str, list[httpx.AsyncClient]] = {}
+        self._next: dict[str, itertools.cycle[httpx.AsyncClient]] = {}
         self._adapters: dict[str, EngineAdapter] = {}
         self.max_keepalive = max_keepalive
+        self.pool_shards = max(1, pool_shards)
 
     def adapter(self, tenant: Tenant) -> EngineAdapter:
         adapter = self._adapters.get(tenant.name)
@@ -127,19 +135,24 @@ class Forwarder:
         return adapter
 
     def client(self, tenant: Tenant) -> httpx.AsyncClient:
-        client = self._clients.get(tenant.name)
-        if client is None:
-            t = tenant.timeouts
-            client = httpx.AsyncClient(
-                # httpx defaults (5 s everywhere, 100 connections, 20 keep-alive) cut model loads
-                # and throttle concurrent streams: no read timeout, no pool cap.
-                timeout=httpx.Timeout(connect=t.connect_s, read=t.read_s, write=t.write_s, pool=t.pool_s),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=self.max_keepalive,
-                                    keepalive_expiry=KEEPALIVE_EXPIRY_S),
-                follow_redirects=False, trust_env=False,
-            )
-            self._clients[tenant.name] = client
-        return client
+        shards = self._next.get(tenant.name)
+        if shards is None:
+            clients = [self._new_client(tenant) for _ in range(self.pool_shards)]
+            self._clients[tenant.name] = clients
+            shards = self._next[tenant.name] = itertools.cycle(clients)
+        return next(shards)
+
+    def _new_client(self, tenant: Tenant) -> httpx.AsyncClient:
+        t = tenant.timeouts
+        return httpx.AsyncClient(
+            # httpx defaults (5 s everywhere, 100 connections, 20 keep-alive) cut model loads
+            # and throttle concurrent streams: no read timeout, no pool cap.
+            timeout=httpx.Timeout(connect=t.connect_s, read=t.read_s, write=t.write_s, pool=t.pool_s),
+            limits=httpx.Limits(max_connections=None,
+                                max_keepalive_connections=max(1, self.max_keepalive // self.pool_shards),
+                                keepalive_expiry=KEEPALIVE_EXPIRY_S),
+            follow_redirects=False, trust_env=False,
+        )
 
     def _url(self, tenant: Tenant, raw_path: bytes, query: bytes) -> httpx.URL:
         base = httpx.URL(tenant.upstream or "")
@@ -279,9 +292,10 @@ class Forwarder:
                     await task
 
     async def aclose(self) -> None:
-        clients, self._clients = list(self._clients.values()), {}
-        for client in clients:
-            await client.aclose()
+        groups, self._clients, self._next = list(self._clients.values()), {}, {}
+        for clients in groups:
+            for client in clients:
+                await client.aclose()
 
 
 def _sendable(code: int) -> int:
