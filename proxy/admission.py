@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from .arbiter import Plan, TenantState, plan_release
-from .attribution import AttributedSnapshot, Attributor
+from .attribution import AttributedProcess, AttributedSnapshot, Attributor
 from .clock import Clock
 from .decisions import Decision, DecisionLog
 from .engines import memory
@@ -58,6 +58,7 @@ class Handoff:
     plan: Plan
     releases: list[ReleaseResult]
     decision: Decision | None
+    snapshot: AttributedSnapshot | None = None
 
     @property
     def ok(self) -> bool:
@@ -90,44 +91,49 @@ class Arbitration:
         self.last_snapshot: AttributedSnapshot | None = None
         self.last_read_error: GpuReadError | None = None
         self.stale_jobs: dict[str, list[str]] = {}  # tenant -> job ids whose VRAM says they are not running
+        self.queued_elsewhere: dict[str, tuple[str, ...]] = {}  # tenant -> jobs its own queue says run (watchdog reads it)
 
     # -- reading the card ---------------------------------------------------------------------
     async def snapshot(self) -> AttributedSnapshot:
         """One GPU read at a time, off the loop. A broken reader falls back to the engines' own reports."""
         async with self._snapshot_lock:
             try:
-                raw = await asyncio.to_thread(self.reader.read)
+                snap = self.attributor.attribute(await asyncio.to_thread(self.reader.read))
                 self.last_read_error = None
-            except GpuReadError as exc:
-                self.last_read_error = exc
-                raw = await self._engine_estimate()
             except Exception as exc:  # a failing reader never stops traffic (invariant 10)
-                self.last_read_error = GpuReadError("unknown", f"GPU read failed: {exc!r}", "run `hyperswap check`")
-                raw = await self._engine_estimate()
-            snap = self.attributor.attribute(raw)
+                self.last_read_error = exc if isinstance(exc, GpuReadError) else GpuReadError(
+                    "unknown", f"GPU read failed: {exc!r}", "run `hyperswap check`")
+                snap = await self._engine_estimate()
             self.last_snapshot = snap
             return snap
 
-    async def _engine_estimate(self) -> GpuSnapshot:
-        procs: list[GpuProcess] = []
+    async def _engine_estimate(self) -> AttributedSnapshot:
+        """What the engines say about themselves, marked as an estimate (invariant 10).
+
+        ComfyUI's /system_stats carries device-wide total and free (cudaMemGetInfo); without it
+        the last good reading's total is used, and with neither the total is unknown (0)."""
+        procs: list[AttributedProcess] = []
+        device: DeviceMemory | None = None
         for i, tenant in enumerate(self.registry):
-            held = await memory.self_reported_bytes(tenant, self.control) if tenant.upstream else None
+            if not tenant.upstream:
+                continue
+            held = await memory.self_reported_bytes(tenant, self.control)
             if held is not None:
-                # A pseudo-process whose command line matches nothing but this tenant's name.
-                procs.append(GpuProcess(pid=-(i + 1), name=f"[{tenant.name} self-report]",
-                                        cmdline=f"[{tenant.name} self-report]", used_bytes=held))
-        prev = self.last_snapshot.snapshot.device if self.last_snapshot else None
-        total = prev.total_bytes if prev else 0
-        reserved = prev.reserved_bytes if prev else 0
-        used = sum(p.used_bytes or 0 for p in procs)
-        device = DeviceMemory(0, prev.name if prev else "unknown (GPU reader failed)", total, reserved,
-                              used + reserved, max(0, total - reserved - used))
-        return GpuSnapshot(device, tuple(procs), source="engine-estimate", taken_at=self.clock.now())
+                proc = GpuProcess(pid=-(i + 1), name=f"[{tenant.name} self-report]", cmdline="", used_bytes=held)
+                procs.append(AttributedProcess(proc, tenant.name))
+            if device is None and tenant.engine == "comfyui":
+                device = await memory.comfy_device(tenant, self.control)
+        if device is None:
+            prev = self.last_snapshot.snapshot.device if self.last_snapshot else None
+            total = prev.total_bytes if prev and self.last_snapshot and not self.last_snapshot.estimated else 0
+            used = sum(p.process.used_bytes or 0 for p in procs)
+            device = DeviceMemory(0, prev.name if prev else "unknown (GPU reader failed)", total, 0, used,
+                                  max(0, total - used))
+        raw = GpuSnapshot(device, tuple(p.process for p in procs), source="engine-estimate", taken_at=self.clock.now(),
+                          notes=("GPU reader failed: memory figures are the engines' own estimates",))
+        return AttributedSnapshot(raw, tuple(procs))
 
     def held(self, snap: AttributedSnapshot, tenant: str) -> int:
-        if snap.snapshot.source == "engine-estimate":
-            return sum(p.process.used_bytes or 0 for p in snap.processes
-                       if p.process.name == f"[{tenant} self-report]")
         return snap.held_by(tenant)
 
     # -- busy ---------------------------------------------------------------------------------
@@ -139,7 +145,7 @@ class Arbitration:
         for tenant in self.registry:
             t = traffic.get(tenant.name)
             in_flight = t.in_flight if t else 0
-            jobs = tuple(t.jobs) if t else ()
+            jobs = tuple(dict.fromkeys((*(t.jobs if t else ()), *self.queued_elsewhere.get(tenant.name, ()))))
             busy, why = False, "idle"
             if in_flight:
                 busy, why = True, f"{in_flight} GPU request(s) in flight"
@@ -162,27 +168,28 @@ class Arbitration:
                 total += max(0, r.need - max(0, self.held(snap, r.tenant) - r.baseline))
         return total
 
-    async def plan(self, requester: str, need_bytes: int, key: str = "") -> tuple[Plan, AttributedSnapshot]:
+    async def plan(self, requester: str, need_bytes: int, key: str = "",
+                   snap: AttributedSnapshot | None = None) -> tuple[Plan, AttributedSnapshot]:
         self.registry.get(requester)
-        snap = await self.snapshot()
+        snap = snap or await self.snapshot()
         extra = self._outstanding(snap, key or requester)
         plan = plan_release(snap, self.registry, self.states(snap), requester, need_bytes + extra)
         return plan, snap
 
     async def reclaim(self, requester: str, need_bytes: int, trigger: str, *, key: str = "",
-                      kind: str = "plan") -> Handoff:
+                      kind: str = "plan", snap: AttributedSnapshot | None = None) -> Handoff:
         """Plan and, if needed and possible, execute. Callers hold `handoff_lock`."""
-        plan, snap = await self.plan(requester, need_bytes, key)
+        plan, snap = await self.plan(requester, need_bytes, key, snap)
         if not plan.starved:
-            return Handoff(plan, [], None)
+            return Handoff(plan, [], None, snap)
         decision = self.decisions.record("rejection" if not plan.feasible else kind, requester, trigger, plan.to_json())  # type: ignore[arg-type]
         if not plan.feasible:
-            return Handoff(plan, [], decision)
+            return Handoff(plan, [], decision, snap)
         results = [await self.execute_release(self.registry.get(r.tenant), r.expected_free_bytes, snap)
                    for r in plan.releases]
         self.decisions.update(decision, releases=[r.to_json() for r in results],
                               ok=all(r.confirmed for r in results))
-        return Handoff(plan, results, decision)
+        return Handoff(plan, results, decision, snap)
 
     async def execute_release(self, tenant: Tenant, expected: int, before: AttributedSnapshot | None = None) -> ReleaseResult:
         """Ask, then confirm on the GPU: done when the memory is back, never on the engine's 200 (invariant 6)."""
@@ -221,8 +228,12 @@ class Arbitration:
         if not acquired:
             return None, need
         try:
+            snap = await self.snapshot()
+            if snap.snapshot.device.total_bytes == 0:
+                # Nothing to plan with (reader broken, no engine reports the card): forward, never block.
+                return Handoff(_unplanned(tenant.name, need_bytes), [], None, snap), need
             handoff = await self.reclaim(tenant.name, need_bytes, trigger, key=need.key,
-                                         kind="oom_retry" if oom else "plan")
+                                         kind="oom_retry" if oom else "plan", snap=snap)
             if handoff.plan.feasible:
                 self._reserve(need.key, tenant.name, need_bytes, handoff)
             return handoff, need
@@ -271,6 +282,20 @@ async def _wait_disconnect(request: Request) -> None:
         await asyncio.sleep(0.25)
 
 
+def _unplanned(requester: str, need: int) -> Plan:
+    return Plan(requester, need, 0, 0, True, False, (), (), "card size unknown (GPU reader failed): forwarded without a plan", True)
+
+
+def blockers_json(handoff: Handoff) -> list[dict[str, Any]]:
+    snap = handoff.snapshot
+    out = []
+    for b in handoff.plan.blockers:
+        proc = snap.snapshot.process(b.pid) if snap is not None and b.pid is not None else None
+        out.append({"pid": b.pid, "name": b.name, "cmdline": proc.cmdline if proc else "", "tenant": b.tenant,
+                    "vram_gb": gib(b.vram_bytes), "reason": b.reason, "detail": b.detail})
+    return out
+
+
 def rejection_body(tenant: Tenant, handoff: Handoff, need: memory.Need) -> dict[str, Any]:
     plan = handoff.plan
     return {
@@ -278,8 +303,7 @@ def rejection_body(tenant: Tenant, handoff: Handoff, need: memory.Need) -> dict[
         "tenant": tenant.name,
         "need_gb": gib(need.bytes),
         "available_gb": gib(plan.free_bytes + plan.held_by_requester + sum(r.expected_free_bytes for r in plan.releases)),
-        "blockers": [{"pid": b.pid, "name": b.name, "tenant": b.tenant, "vram_gb": gib(b.vram_bytes), "reason": b.reason,
-                      "detail": b.detail} for b in plan.blockers],
+        "blockers": blockers_json(handoff),
         "plan": plan.to_json(),
         "fix": "stop or release one of the blockers, or raise this tenant's priority in tenants.json",
     }
@@ -340,8 +364,7 @@ def _with_blockers(upstream: httpx.Response, body: bytes, handoff: Handoff | Non
     except ValueError:
         return _replay_response(upstream, body)
     if isinstance(data, dict) and handoff is not None:
-        data["blockers"] = [{"pid": b.pid, "name": b.name, "tenant": b.tenant, "vram_gb": gib(b.vram_bytes),
-                             "reason": b.reason} for b in handoff.plan.blockers]
+        data["blockers"] = blockers_json(handoff)
         data["plan"] = handoff.plan.to_json()
     return JSONResponse(data, status_code=upstream.status_code)
 

@@ -19,7 +19,7 @@ import httpx
 from websockets.asyncio.client import connect as ws_connect
 
 from .service import Proxy
-from .sim.box import SimBox, load_scenario
+from .sim.box import Scenario, SimBox, load_scenario
 from .tenants import GIB, registry_from_dict
 
 DEFAULT_SIM_PORTS = {"ollama": 21434, "comfyui": 28188}
@@ -44,10 +44,10 @@ class Demo:
         await self.box.stop()
 
 
-async def start_demo(scenario: str = "default", *, sim_ports: Mapping[str, int] | None = None,
+async def start_demo(scenario: str | Scenario = "default", *, sim_ports: Mapping[str, int] | None = None,
                      proxy_ports: Mapping[str, int] | None = None, with_proxy: bool = True,
                      watchdog: bool = True) -> Demo:
-    box = SimBox(load_scenario(scenario))
+    box = SimBox(load_scenario(scenario) if isinstance(scenario, str) else scenario)
     ports = {**DEFAULT_SIM_PORTS, **(sim_ports or {})}
     await box.start(ollama_port=ports["ollama"], comfyui_port=ports["comfyui"])
     proxy = None

@@ -49,6 +49,7 @@ class Watchdog:
             report.reasons["*"] = "a handoff is in progress"
             self.last = report
             return report
+        await self._read_queues(report)
         snap = await arb.snapshot()
         states = arb.states(snap)
         for tenant in arb.registry:
@@ -87,6 +88,17 @@ class Watchdog:
                 report.reasons[name] = "released after idle timeout"
         self.last = report
         return report
+
+    async def _read_queues(self, report: TickReport) -> None:
+        """Jobs the engine's own queue says are running (clients that bypass the proxy, or stale rows)."""
+        for tenant in self.arb.registry:
+            if tenant.engine != "comfyui" or not tenant.upstream:
+                continue
+            try:
+                self.arb.queued_elsewhere[tenant.name] = tuple(await memory.comfy_running_prompts(tenant, self.arb.control))
+            except (httpx.HTTPError, ValueError, memory.ReleaseFailed) as exc:
+                self.arb.queued_elsewhere.pop(tenant.name, None)
+                report.reasons[tenant.name] = f"cannot read /queue: {exc}"
 
     async def _relieve_spill(self, name: str, spilled: list[dict[str, object]], report: TickReport) -> None:
         need = sum(int(m.get("size", 0)) for m in spilled)  # type: ignore[call-overload]

@@ -174,6 +174,21 @@ async def comfy_running_prompts(tenant: Tenant, client: httpx.AsyncClient) -> li
     return [item[1] for item in r.json().get("queue_running") or [] if isinstance(item, list) and len(item) > 1]
 
 
+async def comfy_device(tenant: Tenant, client: httpx.AsyncClient) -> "DeviceMemory | None":
+    """ComfyUI's device-wide figures (cudaMemGetInfo), for when NVML is broken."""
+    from ..gpu import DeviceMemory
+
+    try:
+        r = await client.get(f"{_base(tenant)}/system_stats")
+        dev = (r.json().get("devices") or [{}])[0]
+        total, free = int(dev["vram_total"]), int(dev["vram_free"])
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError, ReleaseFailed):
+        return None
+    if total <= 0:
+        return None
+    return DeviceMemory(int(dev.get("index") or 0), str(dev.get("name", "")), total, 0, total - free, free)
+
+
 async def self_reported_bytes(tenant: Tenant, client: httpx.AsyncClient) -> int | None:
     """The engine's own idea of its VRAM (used when NVML is broken; marked as an estimate)."""
     try:

@@ -1,0 +1,234 @@
+"""Arbitration end to end: the proxy in front of the simulated box, real sockets, real wire formats."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import httpx
+import pytest
+from websockets.asyncio.client import connect as ws_connect
+
+from proxy.demo import comfy_prompt, run_prompt
+from proxy.gpu import GpuReadError
+from proxy.tenants import GIB
+
+from boxes import DemoFactory, fast
+
+OOM = "llama runner process has terminated: cudaMalloc failed: out of memory"
+
+
+def decisions(demo, kind: str | None = None, tenant: str | None = None):  # type: ignore[no-untyped-def]
+    return [d for d in demo.proxy.decisions.recent() if (kind is None or d.kind == kind)
+            and (tenant is None or d.tenant == tenant)]
+
+
+async def generate(http: httpx.AsyncClient, demo, model: str) -> httpx.Response:  # type: ignore[no-untyped-def]
+    return await http.post(demo.proxy.url("ollama") + "/api/generate",
+                           json={"model": model, "prompt": "hi", "stream": False})
+
+
+def comfy_held(demo) -> int:  # type: ignore[no-untyped-def]
+    return demo.box.gpu.used_by(demo.box.comfyui.pid)
+
+
+async def test_ollama_load_reclaims_an_idle_comfyui_first(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box("default")
+    await run_prompt(demo.proxy.url("comfyui"), "flux1-dev-fp8.safetensors", http)
+    assert comfy_held(demo) > 11 * GIB, "ComfyUI should keep its checkpoint after the prompt (smart memory)"
+
+    r = await generate(http, demo, "gemma3:27b")
+
+    assert r.status_code == 200, r.text
+    plan = decisions(demo, "plan", "ollama")[-1]
+    assert [x["tenant"] for x in plan.outcome["releases"]] == ["comfyui"]
+    assert plan.outcome["releases"][0]["confirmed"] is True
+    assert plan.outcome["releases"][0]["freed_bytes"] > 11 * GIB
+    assert comfy_held(demo) < 0.5 * GIB, "ComfyUI keeps only its CUDA context floor"
+    ps = (await http.get(demo.box.servers["ollama"].url + "/api/ps")).json()["models"]
+    assert [(m["name"], m["size_vram"] == m["size"]) for m in ps] == [("gemma3:27b", True)], "loaded fully on the GPU"
+
+
+async def test_busy_comfyui_is_never_released_and_the_507_says_busy(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box("default")
+    cid = uuid.uuid4().hex
+    base = demo.proxy.url("comfyui")
+    prompt = comfy_prompt("flux1-dev-fp8.safetensors")
+    prompt["3"]["inputs"]["steps"] = 2000  # ~4 s of sampling at the fast step time
+    async with ws_connect(base.replace("http", "ws") + f"/ws?clientId={cid}") as ws:
+        await ws.recv()
+        queued = await http.post(base + "/prompt", json={"prompt": prompt, "client_id": cid})
+        assert queued.status_code == 200
+        async with asyncio.timeout(5):
+            while comfy_held(demo) < 11 * GIB:
+                await asyncio.sleep(0.01)
+        r = await generate(http, demo, "gemma3:27b")
+        assert r.status_code == 507, r.text
+        body = r.json()
+        comfy = [b for b in body["blockers"] if b["tenant"] == "comfyui"]
+        assert comfy and comfy[0]["reason"] == "busy", body["blockers"]
+        assert demo.box.comfyui.frees == 0, "a busy tenant was asked to free"
+        await http.post(base + "/interrupt")
+
+
+async def test_higher_priority_comfyui_takes_memory_back_from_idle_ollama(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    sc = fast("default", tenants={"comfyui": {"priority": 60, "model_vram_gb": {"flux1-dev-fp8.safetensors": 13.5}}})
+    demo = await box(sc)
+    assert (await generate(http, demo, "gemma3:27b")).status_code == 200
+    assert demo.box.ollama.loaded(), "gemma should be resident"
+
+    msgs = await run_prompt(demo.proxy.url("comfyui"), "flux1-dev-fp8.safetensors", http)
+
+    assert "execution_success" in [m["type"] for m in msgs], [m["type"] for m in msgs]
+    plan = decisions(demo, "plan", "comfyui")[-1]
+    assert [x["tenant"] for x in plan.outcome["releases"]] == ["ollama"]
+    assert not demo.box.ollama.loaded()
+
+
+async def test_tight_card_answers_507_naming_the_unmanaged_speech_relay(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box("tight")
+    r = await generate(http, demo, "mistral-small:22b")
+    assert r.status_code == 507, r.text
+    body = r.json()
+    assert body["tenant"] == "ollama" and body["need_gb"] == pytest.approx(14.4, abs=0.01)
+    relay = [b for b in body["blockers"] if b["pid"] == 4242]
+    assert len(relay) == 1
+    assert {k: relay[0][k] for k in ("name", "tenant", "vram_gb", "reason")} == {
+        "name": "python", "tenant": "unmanaged", "vram_gb": 0.84, "reason": "unmanaged"}
+    assert "stt_relay.py" in relay[0]["cmdline"]
+    assert body["available_gb"] < body["need_gb"]
+    assert not demo.box.ollama.loaded(), "nothing was loaded"
+    assert decisions(demo, "rejection", "ollama"), "the 507 is in the decision log"
+
+
+async def test_oom_answer_is_reclaimed_and_retried_once(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box("default")
+    await run_prompt(demo.proxy.url("comfyui"), "sd_xl_base_1.0.safetensors", http)
+    demo.box.ollama.fail_next_load_with(OOM)  # a foreign allocation raced the load
+
+    r = await generate(http, demo, "llama3.1:8b")
+
+    assert r.status_code == 200, r.text
+    retry = decisions(demo, "oom_retry", "ollama")
+    assert retry and retry[-1].outcome["oom_retry"] == "succeeded"
+    assert [x["tenant"] for x in retry[-1].outcome["releases"]] == ["comfyui"]
+
+
+async def test_oom_with_nothing_to_release_reaches_the_client_with_blockers(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box("default")
+    demo.box.ollama.fail_next_load_with(OOM)
+    r = await generate(http, demo, "llama3.1:8b")
+    assert r.status_code == 500
+    body = r.json()
+    assert body["error"] == OOM, "the engine's error is passed through unchanged"
+    assert {b["name"] for b in body["blockers"]} >= {"Xorg", "gnome-shell"}
+
+
+async def test_spill_to_cpu_makes_ollama_starved_and_reclaims_comfyui(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box("default")
+    await run_prompt(demo.proxy.url("comfyui"), "flux1-dev-fp8.safetensors", http)
+    # A client talking to Ollama directly: the proxy only sees the spill afterwards.
+    r = await http.post(demo.box.servers["ollama"].url + "/api/generate", json={"model": "gemma3:27b", "prompt": "x", "stream": False})
+    assert r.status_code == 200
+    ps = (await http.get(demo.box.servers["ollama"].url + "/api/ps")).json()["models"][0]
+    assert ps["size_vram"] < ps["size"], "precondition: the model spilled"
+
+    report = await demo.proxy.watchdog.tick()
+
+    spill = decisions(demo, "spill", "ollama")
+    assert spill and [x["tenant"] for x in spill[-1].outcome["releases"]] == ["comfyui"], report
+    assert "starved" in report.reasons["ollama"]
+
+
+async def test_idle_comfyui_is_released_after_its_idle_timeout(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box(fast("default", tenants={"comfyui": {"idle_release_after_s": 0.3}}))
+    await run_prompt(demo.proxy.url("comfyui"), "sd_xl_base_1.0.safetensors", http)
+    first = await demo.proxy.watchdog.tick()
+    assert first.reasons["comfyui"].startswith("idle release in") or "busy" in first.reasons["comfyui"], first.reasons
+    await asyncio.sleep(0.4)
+
+    report = await demo.proxy.watchdog.tick()
+
+    assert report.reasons["comfyui"] == "released after idle timeout", report.reasons
+    assert comfy_held(demo) < 0.5 * GIB
+    assert decisions(demo, "idle_release", "comfyui")[-1].outcome["ok"] is True
+    again = await demo.proxy.watchdog.tick()
+    assert "idle floor" in again.reasons["comfyui"], "released once, not every tick"
+
+
+async def test_stale_running_entry_does_not_make_comfyui_busy(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box(fast("default", comfyui={"stale_running_entry": True}))
+    queue = (await http.get(demo.box.servers["comfyui"].url + "/queue")).json()
+    assert queue["queue_running"], "precondition: the scenario leaves a running row"
+    report = await demo.proxy.watchdog.tick()
+    view = (await http.get(demo.proxy.url("admin") + "/api/tenants/comfyui")).json()
+    assert view["busy"] is False
+    assert view["stale_jobs"] == [queue["queue_running"][0][1]]
+    assert any("stale" in a for a in report.actions), report.actions
+
+
+async def test_concurrent_loads_share_one_handoff(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box("default")
+    await run_prompt(demo.proxy.url("comfyui"), "flux1-dev-fp8.safetensors", http)
+    frees_before = demo.box.comfyui.frees
+
+    results = await asyncio.gather(*(generate(http, demo, "gemma3:27b") for _ in range(4)))
+
+    assert [r.status_code for r in results] == [200] * 4, [r.text for r in results]
+    assert demo.box.comfyui.frees - frees_before == 1, "ComfyUI was asked to free more than once"
+    assert len([d for d in decisions(demo, "plan", "ollama") if d.outcome.get("releases")]) == 1
+
+
+async def test_third_app_is_attributed_and_its_release_answers_409(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box("third-app")
+    admin = demo.proxy.url("admin")
+    view = (await http.get(admin + "/api/tenants/stt")).json()
+    assert view["vram_gb"] == 0.84 and [p["pid"] for p in view["processes"]] == [4242]
+    r = await http.post(admin + "/api/tenants/stt/release")
+    assert r.status_code == 409
+    assert "no API to give memory back" in r.json()["error"] and r.json()["reason"] == "not_reclaimable"
+
+
+async def test_admin_release_reports_the_bytes_freed_as_measured(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box("default")
+    admin = demo.proxy.url("admin")
+    await run_prompt(demo.proxy.url("comfyui"), "sd_xl_base_1.0.safetensors", http)
+
+    dry = (await http.get(admin + "/api/plan", params={"tenant": "ollama", "need_gb": 20})).json()
+    assert dry["dry_run"] and [x["tenant"] for x in dry["plan"]["releases"]] == ["comfyui"]
+    assert comfy_held(demo) > 6 * GIB, "a dry run executes nothing"
+
+    r = await http.post(admin + "/api/tenants/comfyui/release")
+    assert r.status_code == 200, r.text
+    assert r.json()["confirmed"] is True and r.json()["freed_gb"] == pytest.approx(6.5, abs=0.05)
+    assert (await http.post(admin + "/api/tenants/nope/release")).status_code == 404
+    assert (await http.get(admin + "/api/plan", params={"tenant": "ollama", "need_gb": "lots"})).status_code == 400
+    log = (await http.get(admin + "/api/decisions")).json()["decisions"]
+    assert log[-1]["kind"] == "release" and log[-1]["outcome"]["ok"] is True
+
+
+async def test_a_failing_gpu_reader_never_stops_traffic(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box("default")
+    demo.box.gpu.fail_with = GpuReadError("driver_mismatch", "Driver/library version mismatch", "reboot")
+    r = await generate(http, demo, "llama3.1:8b")
+    assert r.status_code == 200, r.text
+    stats = (await http.get(demo.proxy.url("admin") + "/api/stats")).json()
+    assert stats["gpu_error"]["state"] == "driver_mismatch"
+    assert stats["device"]["source"] == "engine-estimate"
+    ollama = next(t for t in stats["tenants"] if t["name"] == "ollama")
+    assert ollama["estimated"] is True and ollama["vram_gb"] > 4
+
+
+async def test_admin_token_guards_release(box: DemoFactory, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HYPERSWAP_ADMIN_TOKEN", "s3cret")
+    demo = await box("default")
+    url = demo.proxy.url("admin") + "/api/tenants/comfyui/release"
+    assert (await http.post(url)).status_code == 401
+    assert (await http.post(url, headers={"Authorization": "Bearer wrong"})).status_code == 403
+    assert (await http.post(url, headers={"Authorization": "Bearer s3cret"})).status_code == 200
+    assert (await http.get(demo.proxy.url("admin") + "/api/tenants")).status_code == 200, "reads stay open"
+
+
+def test_module_json_is_valid() -> None:
+    assert json.loads(json.dumps(comfy_prompt("x")))
