@@ -53,7 +53,9 @@ def split_host_port(address: str) -> tuple[str, int]:
 async def start_server(app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *, name: str = "",
                        ws_ping_interval: float | None = None) -> RunningServer:
     """Bind first (so port 0 can be read back and a busy port fails here), then serve."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    # proto must say TCP: asyncio only sets TCP_NODELAY on accepted sockets whose proto is
+    # IPPROTO_TCP, and without it Nagle + delayed ACK add ~40 ms to small responses.
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -66,7 +68,9 @@ async def start_server(app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *, 
         app, log_level="warning", access_log=False, lifespan="off",
         # A ComfyUI socket may idle for hours: no pings of our own, no idle close.
         ws_ping_interval=ws_ping_interval, ws_ping_timeout=None, ws_max_size=64 * 2**20,
-        timeout_keep_alive=75, h11_max_incomplete_event_size=1 << 20,
+        timeout_keep_alive=75,
+        # Transparent: the upstream's own Server and Date headers are relayed, so add none of ours.
+        server_header=False, date_header=False,
     )
     server = _Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]), name=f"uvicorn:{name or port}")
