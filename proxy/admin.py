@@ -12,7 +12,7 @@ from typing import Any, Awaitable, Callable
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from .admission import Arbitration, gib
 from .errors import HyperSwapError
@@ -156,7 +156,7 @@ class AdminApi:
     async def not_found(self, request: Request) -> Response:
         return error(404, f"no admin route {request.method} {request.url.path}", "see GET /api/tenants, /api/plan, /api/decisions")
 
-    def app(self) -> Starlette:
+    def app(self, extra_routes: list[BaseRoute] | None = None) -> Starlette:
         s = self._safe
         routes = [
             Route("/api/tenants", s(self.list_tenants), methods=["GET"]),
@@ -165,6 +165,7 @@ class AdminApi:
             Route("/api/plan", s(self.plan), methods=["GET"]),
             Route("/api/decisions", s(self.decisions), methods=["GET"]),
             Route("/api/stats", s(self.stats), methods=["GET"]),
+            *(extra_routes or []),
         ]
         app = Starlette(routes=routes)
 

@@ -17,6 +17,7 @@ from .admission import Arbitration, GpuAdmission
 from .clock import Clock, SystemClock
 from .decisions import DecisionLog
 from .errors import ConfigError
+from .extensions import Extension, ExtensionFactory, default_extensions
 from .forward import Forwarder
 from .gpu import GpuReader
 from .inflight import InFlight
@@ -49,6 +50,8 @@ class Proxy:
     reader: GpuReader
     clock: Clock = field(default_factory=SystemClock)
     watchdog_enabled: bool = True
+    extension_factories: list[ExtensionFactory] | None = None  # None: default_extensions()
+    config_path: Path | None = None  # the tenants.json in use, for the health check
     inflight: InFlight = field(init=False)
     forwarder: Forwarder = field(init=False)
     decisions: DecisionLog = field(init=False)
@@ -56,6 +59,7 @@ class Proxy:
     watchdog: Watchdog = field(init=False)
     servers: dict[str, RunningServer] = field(init=False, default_factory=dict)
     _pollers: list[object] = field(init=False, default_factory=list)
+    extensions: list[Extension] = field(init=False, default_factory=list)
     token: str | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
@@ -65,6 +69,8 @@ class Proxy:
         self.arbitration = Arbitration(self.registry, self.reader, self.inflight, self.clock, self.decisions)
         self.watchdog = Watchdog(self.arbitration)
         self.token = admin_token(self.registry)
+        factories = default_extensions() if self.extension_factories is None else self.extension_factories
+        self.extensions = [make(self) for make in factories]
         host, _ = split_host_port(self.registry.config.admin.listen)
         if host not in LOOPBACK and not self.token:
             raise ConfigError(
@@ -84,8 +90,11 @@ class Proxy:
                 self._pollers.append(app.state.poller)
                 self.servers[tenant.name] = await start_server(app, host, ports.get(tenant.name, port), name=tenant.name)
             host, port = split_host_port(self.registry.config.admin.listen)
+            for ext in self.extensions:
+                await ext.start()
             admin = AdminApi(self.arbitration, self.watchdog, self.token)
-            self.servers["admin"] = await start_server(admin.app(), host, ports.get("admin", port), name="admin")
+            extra = [route for ext in self.extensions for route in ext.routes()]
+            self.servers["admin"] = await start_server(admin.app(extra), host, ports.get("admin", port), name="admin")
         except OSError as exc:
             await self.stop()
             raise ConfigError(f"cannot listen: {exc}",
@@ -101,6 +110,8 @@ class Proxy:
         for server in list(self.servers.values()):
             await server.stop()
         self.servers.clear()
+        for ext in reversed(self.extensions):
+            await ext.stop()
         await self.forwarder.aclose()
         await self.arbitration.control.aclose()
 

@@ -1,0 +1,29 @@
+"""Admin-side features that plug into the proxy: each adds routes to the admin listener and may run
+background work (telemetry writer, events ticker). Read-mostly: they observe the proxy's owners
+(arbitration, inflight, decisions, watchdog) and never take part in a handoff."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Protocol
+
+from starlette.routing import BaseRoute
+
+if TYPE_CHECKING:
+    from .service import Proxy
+
+
+class Extension(Protocol):
+    def routes(self) -> list[BaseRoute]: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+ExtensionFactory = Callable[["Proxy"], Extension]
+
+
+def default_extensions() -> list[ExtensionFactory]:
+    """Every extension the proxy runs, in start order (stopped in reverse). One line each."""
+    factories: list[ExtensionFactory] = []
+    return factories
