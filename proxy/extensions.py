@@ -26,4 +26,7 @@ ExtensionFactory = Callable[["Proxy"], Extension]
 def default_extensions() -> list[ExtensionFactory]:
     """Every extension the proxy runs, in start order (stopped in reverse). One line each."""
     factories: list[ExtensionFactory] = []
+    from .health import health_extension; factories.append(health_extension)  # /api/health, /api/engines
+    from .events import events_extension; factories.append(events_extension)  # /api/events (SSE)
+    from .openapi import OpenApiExtension; factories.append(OpenApiExtension)  # /openapi.json
     return factories

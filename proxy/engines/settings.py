@@ -1,0 +1,286 @@
+"""What each engine is configured to do, read from the engine itself, and what that means for arbitration.
+
+Pure parsing and interpretation, plus two small readers whose inputs are injectable (the systemctl
+runner, the /proc root) so tests use fake output. Nothing here is a hard-coded claim about a
+running engine: every value shown comes from systemd, /proc/<pid>/environ, or the engine's API;
+only the defaults (what the engine does when a variable is unset) are knowledge.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Literal, Mapping, Sequence
+
+from ..tenants import GIB
+
+SettingSource = Literal["systemd", "environ", "default (not set)"]
+SettingStatus = Literal["ok", "note", "deferred", "warn"]
+
+# (argv, timeout_s) -> stdout; raises OSError / subprocess errors on failure.
+CommandRunner = Callable[[Sequence[str], float], str]
+
+OLLAMA_VARS = ("OLLAMA_NUM_PARALLEL", "OLLAMA_MAX_LOADED_MODELS", "OLLAMA_KEEP_ALIVE", "OLLAMA_FLASH_ATTENTION",
+               "OLLAMA_KV_CACHE_TYPE", "OLLAMA_CONTEXT_LENGTH", "OLLAMA_GPU_OVERHEAD")
+
+
+@dataclass(frozen=True, slots=True)
+class EnvRead:
+    """One attempt to read an engine's environment."""
+
+    source: Literal["systemd", "environ"]
+    values: Mapping[str, str] | None  # None: not read (see error)
+    error: str | None = None
+    where: str = ""  # the unit or /proc path
+
+    def to_json(self) -> dict[str, Any]:
+        return {"source": self.source, "where": self.where, "ok": self.values is not None, "error": self.error,
+                "variables": None if self.values is None else len(self.values)}
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    name: str
+    value: str | None
+    source: SettingSource
+    meaning: str
+    status: SettingStatus = "ok"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "value": self.value, "source": self.source, "meaning": self.meaning,
+                "status": self.status}
+
+
+# -- parsing -----------------------------------------------------------------------------------------
+
+def parse_systemd_environment(text: str) -> dict[str, str]:
+    """`systemctl show --property=Environment` output: `Environment=A=1 "B=two words"` (one line, or several)."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line.startswith("Environment="):
+            continue
+        try:
+            words = shlex.split(line[len("Environment="):])
+        except ValueError:  # unbalanced quotes: take the plain words
+            words = line[len("Environment="):].split()
+        for word in words:
+            key, sep, value = word.partition("=")
+            if sep and key:
+                out[key] = value
+    return out
+
+
+def parse_environ(data: bytes) -> dict[str, str]:
+    """/proc/<pid>/environ: NUL-separated KEY=VALUE."""
+    out: dict[str, str] = {}
+    for item in data.split(b"\0"):
+        key, sep, value = item.decode("utf-8", "replace").partition("=")
+        if sep and key:
+            out[key] = value
+    return out
+
+
+def version_tuple(version: str | None) -> tuple[int, ...] | None:
+    if not version:
+        return None
+    parts: list[int] = []
+    for piece in version.lstrip("v").split("-")[0].split("."):
+        if not piece.isdigit():
+            break
+        parts.append(int(piece))
+    return tuple(parts) or None
+
+
+# -- readers (injectable) -------------------------------------------------------------------------------
+
+def run_command(argv: Sequence[str], timeout_s: float) -> str:
+    done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout_s, check=True)
+    return done.stdout
+
+
+def read_systemd_env(unit: str = "ollama", runner: CommandRunner = run_command, timeout_s: float = 2.0) -> EnvRead:
+    """The unit's Environment= (what the service is started with). Never raises."""
+    where = f"systemctl show {unit}"
+    try:
+        text = runner(["systemctl", "show", unit, "--property=Environment"], timeout_s)
+    except FileNotFoundError:
+        return EnvRead("systemd", None, "systemctl is not installed (no systemd here)", where)
+    except subprocess.TimeoutExpired:
+        return EnvRead("systemd", None, f"systemctl did not answer within {timeout_s:g} s", where)
+    except subprocess.CalledProcessError as exc:
+        return EnvRead("systemd", None, f"systemctl failed (exit {exc.returncode}): {(exc.stderr or '').strip()[:200]}", where)
+    except OSError as exc:
+        return EnvRead("systemd", None, f"cannot run systemctl: {exc}", where)
+    return EnvRead("systemd", parse_systemd_environment(text), None, where)
+
+
+def read_proc_environ(pid: int, proc_root: Path = Path("/proc")) -> EnvRead:
+    """The running process's environment. Readable only as root or the same user. Never raises."""
+    path = proc_root / str(pid) / "environ"
+    try:
+        data = path.read_bytes()
+    except PermissionError:
+        return EnvRead("environ", None, f"permission denied reading {path} (run the proxy as the engine's user, or as root)",
+                       str(path))
+    except FileNotFoundError:
+        return EnvRead("environ", None, f"{path} does not exist (process gone, or another PID namespace)", str(path))
+    except OSError as exc:
+        return EnvRead("environ", None, f"cannot read {path}: {exc}", str(path))
+    return EnvRead("environ", parse_environ(data), None, str(path))
+
+
+# -- Ollama: what each variable means ------------------------------------------------------------------------
+
+def _truthy(value: str) -> bool:
+    return value.strip().lower() in ("1", "true", "yes", "on", "t")
+
+
+def _ollama_meaning(name: str, value: str | None, version: tuple[int, ...] | None) -> tuple[str, SettingStatus]:
+    if name == "OLLAMA_NUM_PARALLEL":
+        if value is None:
+            if version is not None and version < (0, 10):
+                return "auto (4, or 1 when memory is tight) before Ollama 0.10: KV cache is sized for that many slots", "note"
+            value = "1"
+            prefix = "default 1 (Ollama 0.10+): "
+        else:
+            prefix = ""
+        if value.strip() == "1":
+            return (prefix + "one request at a time per model: an unload asked for while a generation runs queues behind it "
+                    "(a release is reported as deferred, not failed)"), "deferred"
+        if value.strip() == "0":
+            return "auto (pre-0.10 meaning): 4 slots, or 1 when memory is tight", "note"
+        return f"{value} parallel slots per model: the KV cache (and the VRAM a load needs) grows {value}x", "note"
+    if name == "OLLAMA_MAX_LOADED_MODELS":
+        if value is None or value.strip() == "0":
+            return "default 0 = 3 per GPU: several models stay resident, so one load can push others out", "ok"
+        if value.strip() == "1":
+            return "1: every swap between models evicts the loaded one (each switch pays a full reload)", "warn"
+        return f"at most {value} models resident at once", "ok"
+    if name == "OLLAMA_KEEP_ALIVE":
+        shown = value if value is not None else "5m"
+        v = shown.strip()
+        if v.startswith("-"):
+            return "models never unload by themselves: only the proxy's releases give their VRAM back", "note"
+        if v in ("0", "0s", "0m"):
+            return "models unload right after each request: nothing stays resident, every request reloads", "note"
+        return f"a model stays loaded {shown} after its last request; the proxy releases it sooner when another tenant needs the memory", "ok"
+    if name == "OLLAMA_FLASH_ATTENTION":
+        if value is None:
+            return "off unless the model enables it: the KV cache stays f16 and quantised KV types are ignored", "ok"
+        return ("on: smaller attention buffers, and OLLAMA_KV_CACHE_TYPE can shrink the KV cache" if _truthy(value)
+                else "off: KV cache stays f16"), "ok"
+    if name == "OLLAMA_KV_CACHE_TYPE":
+        if value is None or value.strip() in ("", "f16"):
+            return "f16 KV cache (default): context_allowance_gb should cover the full-precision cache", "ok"
+        return f"{value} KV cache (needs flash attention): context takes less VRAM than f16, so context_allowance_gb can be smaller", "note"
+    if name == "OLLAMA_CONTEXT_LENGTH":
+        if value is None or value.strip() == "0":
+            return "default: context sized by Ollama (4096 in 0.9-0.15, VRAM-tiered later); context_allowance_gb covers it", "ok"
+        return f"every load gets a {value}-token context (x NUM_PARALLEL): check that context_allowance_gb covers its KV cache", "note"
+    if name == "OLLAMA_GPU_OVERHEAD":
+        if value is None or value.strip() == "0":
+            return "0 bytes kept back per GPU (default)", "ok"
+        try:
+            return f"{int(value) / GIB:.2f} GiB per GPU kept back by Ollama: loads plan with that much less free memory", "note"
+        except ValueError:
+            return f"{value!r} is not a byte count: Ollama ignores it", "warn"
+    return "", "ok"
+
+
+def ollama_settings(systemd: EnvRead | None, environ: EnvRead | None, version: str | None) -> list[Setting]:
+    """Each OLLAMA_* variable with where its value came from. The running process's environ wins
+    when it could be read (it is what the process actually has); else the systemd unit's."""
+    vt = version_tuple(version)
+    out: list[Setting] = []
+    for name in OLLAMA_VARS:
+        value: str | None = None
+        source: SettingSource = "default (not set)"
+        if environ is not None and environ.values is not None:
+            if name in environ.values:
+                value, source = environ.values[name], "environ"
+        elif systemd is not None and systemd.values is not None and name in systemd.values:
+            value, source = systemd.values[name], "systemd"
+        meaning, status = _ollama_meaning(name, value, vt)
+        out.append(Setting(name, value, source, meaning, status))
+    return out
+
+
+# -- ComfyUI --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class ComfyStats:
+    version: str | None
+    pytorch_version: str | None
+    python_version: str | None
+    device_name: str | None
+    argv: tuple[str, ...] | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": self.version, "pytorch_version": self.pytorch_version, "python_version": self.python_version,
+                "device_name": self.device_name, "argv": None if self.argv is None else list(self.argv)}
+
+
+def _str(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def parse_system_stats(data: Any) -> ComfyStats:
+    """Tolerant: any field may be missing or of another type (older builds, trimmed payloads)."""
+    system = data.get("system") if isinstance(data, dict) else None
+    system = system if isinstance(system, dict) else {}
+    devices = data.get("devices") if isinstance(data, dict) else None
+    first = devices[0] if isinstance(devices, list) and devices and isinstance(devices[0], dict) else {}
+    argv = system.get("argv")
+    return ComfyStats(
+        version=_str(system.get("comfyui_version")),
+        pytorch_version=_str(system.get("pytorch_version")),
+        python_version=_str(system.get("python_version")),
+        device_name=_str(first.get("name")),
+        argv=tuple(str(a) for a in argv) if isinstance(argv, list) else None,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    flag: str
+    value: str | None
+    meaning: str
+    status: SettingStatus
+
+    def to_json(self) -> dict[str, Any]:
+        return {"flag": self.flag, "value": self.value, "meaning": self.meaning, "status": self.status}
+
+
+def comfy_flags(argv: Sequence[str]) -> list[Flag]:
+    """The memory-relevant flags ComfyUI was started with."""
+    args = list(argv)
+    out: list[Flag] = []
+
+    def value_of(flag: str) -> str | None:
+        for i, a in enumerate(args):
+            if a == flag and i + 1 < len(args):
+                return args[i + 1]
+            if a.startswith(flag + "="):
+                return a.split("=", 1)[1]
+        return None
+
+    for flag in ("--highvram", "--gpu-only"):
+        if flag in args:
+            out.append(Flag(flag, None, "the offload device is the GPU itself: POST /free with unload_models keeps the "
+                            "weights in VRAM, so a release frees little; drop the flag for HyperSwap to reclaim ComfyUI", "warn"))
+    if "--disable-smart-memory" in args:
+        out.append(Flag("--disable-smart-memory", None, "ComfyUI unloads every model after each prompt: little to reclaim "
+                        "when idle, but every prompt reloads its checkpoint", "note"))
+    reserve = value_of("--reserve-vram")
+    if reserve is not None or "--reserve-vram" in args:
+        out.append(Flag("--reserve-vram", reserve, f"ComfyUI keeps {reserve} GiB of the card unused for others: "
+                        "it plans with that much less free memory", "note"))
+    for flag in ("--lowvram", "--novram"):
+        if flag in args:
+            out.append(Flag(flag, None, "models load partially and stream weights: smaller VRAM footprint, slower prompts", "note"))
+    if "--cpu" in args:
+        out.append(Flag("--cpu", None, "ComfyUI runs on the CPU: it holds no VRAM to reclaim", "note"))
+    return out

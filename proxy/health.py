@@ -1,0 +1,533 @@
+"""Self-check: `GET /api/health`, `GET /api/engines` (admin listener) and `hyperswap check`.
+
+Health is one entry per dependency, each saying what is wrong, what that breaks for the user, and
+the command or setting that fixes it. Checks run concurrently with a timeout each; a check that
+raises is reported as failed with its exception text and never takes the endpoint down.
+
+The unmanaged-VRAM entry states what unmanaged processes cost: which installed Ollama models would
+fit the card without them but do not with them. ComfyUI's floor comes from a small in-memory ring
+of per-tenant VRAM samples (taken at each health call and on a timer from the last snapshot).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Literal, Sequence
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+from websockets.asyncio.client import connect as ws_connect
+
+from .attribution import AttributedSnapshot
+from .engines import settings as es
+from .errors import ConfigError, HyperSwapError
+from .nvml import CONTAINER_NOTE
+from .tenants import GIB, Tenant, load_registry
+
+if TYPE_CHECKING:
+    from .service import Proxy
+
+Status = Literal["ok", "degraded", "failed"]
+_RANK: dict[str, int] = {"ok": 0, "degraded": 1, "failed": 2}
+
+CHECK_TIMEOUT_S = 3.0
+SAMPLE_INTERVAL_S = 10.0
+SAMPLES_KEPT = 360  # an hour at the default interval
+STALE_FIX = 'POST /queue {"clear":true} or restart ComfyUI'
+
+
+@dataclass(frozen=True, slots=True)
+class HealthEntry:
+    name: str
+    status: Status
+    problem: str | None = None
+    impact: str | None = None
+    fix: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "status": self.status, "problem": self.problem, "impact": self.impact, "fix": self.fix}
+
+
+def worst(statuses: Sequence[str]) -> Status:
+    rank = max((_RANK.get(s, 2) for s in statuses), default=0)
+    return ("ok", "degraded", "failed")[rank]  # type: ignore[return-value]
+
+
+Check = Callable[[AttributedSnapshot], Awaitable["HealthEntry | list[HealthEntry]"]]
+
+
+@dataclass(frozen=True, slots=True)
+class NamedCheck:
+    name: str
+    run: Check
+
+
+@dataclass(slots=True)
+class EnvReaders:
+    """How /api/engines reads an engine's environment; tests inject fakes.
+
+    host None: read the host (systemd, /proc) only when the GPU reader is NVML; with a simulated
+    GPU the pids are fictional and the host's services are not the simulated engines."""
+
+    systemctl: es.CommandRunner = es.run_command
+    proc_root: Path = Path("/proc")
+    host: bool | None = None
+    timeout_s: float = 2.0
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def _short_cmd(cmdline: str, name: str) -> str:
+    """`python stt_relay.py --model x` -> `python stt_relay.py`: enough to recognise it."""
+    words = cmdline.split()
+    if not words:
+        return name
+    out = [words[0].rsplit("/", 1)[-1]]
+    if len(words) > 1 and not words[1].startswith("-"):
+        out.append(words[1].rsplit("/", 1)[-1])
+    return " ".join(out)
+
+
+class HealthExtension:
+    def __init__(self, proxy: "Proxy", *, timeout_s: float = CHECK_TIMEOUT_S, sample_interval_s: float = SAMPLE_INTERVAL_S,
+                 env: EnvReaders | None = None) -> None:
+        self.proxy = proxy
+        self.timeout_s = timeout_s
+        self.sample_interval_s = sample_interval_s
+        self.env = env or EnvReaders()
+        self.samples: dict[str, deque[tuple[float, int]]] = {}
+        self._client: httpx.AsyncClient | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.checks: list[NamedCheck] = [
+            NamedCheck("nvml", self.check_nvml),
+            NamedCheck("upstreams", self.check_upstreams),
+            NamedCheck("comfyui websocket", self.check_comfy_ws),
+            NamedCheck("configuration", self.check_config),
+            NamedCheck("telemetry", self.check_telemetry),
+            NamedCheck("stale queue entries", self.check_stale),
+            NamedCheck("unmanaged VRAM", self.check_unmanaged),
+        ]
+
+    # -- extension interface ---------------------------------------------------------------------
+    def routes(self) -> list[BaseRoute]:
+        return [Route("/api/health", self.health_route, methods=["GET"]),
+                Route("/api/engines", self.engines_route, methods=["GET"])]
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._sampler(), name="hyperswap:health-sampler")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=min(2.0, self.timeout_s)),
+                                             trust_env=False)
+        return self._client
+
+    # -- VRAM samples ----------------------------------------------------------------------------
+    def sample(self, snap: AttributedSnapshot) -> None:
+        if snap.estimated:
+            return  # engine self-reports are not floors
+        now = self.proxy.clock.now()
+        for tenant in self.proxy.registry:
+            ring = self.samples.setdefault(tenant.name, deque(maxlen=SAMPLES_KEPT))
+            ring.append((now, snap.held_by(tenant.name)))
+
+    def floor(self, tenant: str) -> int | None:
+        ring = self.samples.get(tenant)
+        return min(b for _, b in ring) if ring else None
+
+    async def _sampler(self) -> None:
+        while True:
+            await self.proxy.clock.sleep(self.sample_interval_s)
+            snap = self.proxy.arbitration.last_snapshot
+            try:
+                if snap is None:
+                    snap = await self.proxy.arbitration.snapshot()
+                self.sample(snap)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a sample is best effort; the next health call samples again
+                pass
+
+    # -- running the checks ----------------------------------------------------------------------
+    async def _run_one(self, check: NamedCheck, snap: AttributedSnapshot) -> list[HealthEntry]:
+        try:
+            result = await asyncio.wait_for(check.run(snap), self.timeout_s)
+        except asyncio.TimeoutError:
+            return [HealthEntry(check.name, "failed", f"the check did not finish within {self.timeout_s:g} s",
+                                "this dependency's state is unknown", "run `hyperswap check` again; if it repeats, the dependency hangs")]
+        except Exception as exc:  # noqa: BLE001 - a broken check is reported, never raised
+            return [HealthEntry(check.name, "failed", f"the check raised {type(exc).__name__}: {exc}",
+                                "this dependency's state is unknown", "see the proxy's log; report it if it repeats")]
+        return result if isinstance(result, list) else [result]
+
+    async def report(self) -> dict[str, Any]:
+        arb = self.proxy.arbitration
+        try:
+            snap = await asyncio.wait_for(arb.snapshot(), self.timeout_s)
+        except (asyncio.TimeoutError, Exception):
+            snap = arb.last_snapshot
+        if snap is None:
+            return {"status": "failed", "entries": [HealthEntry(
+                "nvml", "failed", "no GPU snapshot could be taken", "arbitration has nothing to plan with",
+                "run `nvidia-smi`; see the proxy's log").to_json()]}
+        arb.states(snap)  # refreshes stale_jobs from the queues the watchdog read
+        self.sample(snap)
+        results = await asyncio.gather(*(self._run_one(c, snap) for c in self.checks))
+        entries = [e for group in results for e in group]
+        return {"status": worst([e.status for e in entries]), "entries": [e.to_json() for e in entries],
+                "checked_at": time.time()}
+
+    async def health_route(self, request: Request) -> Response:
+        return JSONResponse(await self.report())
+
+    # -- the checks ------------------------------------------------------------------------------
+    async def check_nvml(self, snap: AttributedSnapshot) -> HealthEntry:
+        err = self.proxy.arbitration.last_read_error
+        if err is not None:
+            return HealthEntry("nvml", "failed", f"{err.state}: {err.message}",
+                               "the proxy cannot see which process holds GPU memory: arbitration falls back to the "
+                               "engines' own estimates and cannot see other programs' memory", err.fix)
+        raw = snap.snapshot
+        if raw.source == "simulated":
+            return HealthEntry("nvml", "ok", f"simulated GPU ({raw.device.name}, {_gib(raw.device.total_bytes)})")
+        if CONTAINER_NOTE in raw.notes:
+            return HealthEntry("nvml", "degraded", CONTAINER_NOTE,
+                               "GPU memory cannot be attributed to tenants: every process looks unmanaged, so plans "
+                               "cannot release the right tenant", "run the proxy with --pid=host (Docker) or hostPID: true (Kubernetes)")
+        unknown = [p for p in raw.processes if p.used_bytes is None]
+        if unknown:
+            return HealthEntry("nvml", "degraded",
+                               f"the driver does not report per-process memory for {len(unknown)} process(es) "
+                               f"({', '.join(f'{p.name} pid {p.pid}' for p in unknown[:5])}) (WSL or MIG?)",
+                               "what those processes hold is unknown, so plans may under-count what a release frees",
+                               "run on native Linux without MIG for per-process figures; set idle_vram_gb/needs_vram_gb by hand")
+        note = "; ".join(raw.notes)
+        return HealthEntry("nvml", "ok", f"{raw.device.name}: {len(raw.processes)} GPU process(es) visible"
+                           + (f" ({note})" if note else ""))
+
+    def _fix_upstream(self, tenant: Tenant) -> str:
+        where = self.proxy.config_path or self.proxy.registry.source
+        start = {"ollama": "start Ollama (`systemctl start ollama` or `ollama serve`)",
+                 "comfyui": "start ComfyUI (`python main.py`)"}.get(tenant.engine, f"start {tenant.name}")
+        return f"{start}, or correct tenants.{tenant.name}.upstream ({tenant.upstream}) in {where or 'tenants.json'}"
+
+    async def _check_upstream(self, tenant: Tenant) -> HealthEntry:
+        name = f"upstream {tenant.name}"
+        if not tenant.upstream:
+            return HealthEntry(name, "ok", "no upstream (VRAM-only tenant)")
+        impact = (f"requests to {tenant.listen or 'its listener'} answer 502, and the proxy cannot ask {tenant.name} "
+                  "for memory back")
+        path = {"ollama": "/api/version", "comfyui": "/system_stats"}.get(tenant.engine, "/")
+        try:
+            r = await self.client.get(tenant.upstream + path)
+        except httpx.HTTPError as exc:
+            return HealthEntry(name, "failed", f"cannot reach {tenant.upstream}: {type(exc).__name__}: {exc}".rstrip(": "),
+                               impact, self._fix_upstream(tenant))
+        if tenant.engine == "generic":
+            if r.status_code >= 500:
+                return HealthEntry(name, "degraded", f"GET {tenant.upstream}/ answered {r.status_code}", impact,
+                                   f"check {tenant.name}'s own log")
+            return HealthEntry(name, "ok", f"reachable at {tenant.upstream} (GET / answered {r.status_code})")
+        if r.status_code != 200:
+            return HealthEntry(name, "degraded", f"GET {tenant.upstream}{path} answered {r.status_code}",
+                               f"{tenant.name} answers but not as a {tenant.engine} server: releases and need estimates may fail",
+                               f"check that tenants.{tenant.name}.upstream points at {tenant.engine}")
+        try:
+            data = r.json()
+        except ValueError:
+            data = None
+        if tenant.engine == "ollama":
+            version = data.get("version") if isinstance(data, dict) else None
+        else:
+            version = es.parse_system_stats(data).version
+        return HealthEntry(name, "ok", f"reachable at {tenant.upstream}, {tenant.engine} version {version or 'unknown'}")
+
+    async def check_upstreams(self, snap: AttributedSnapshot) -> list[HealthEntry]:
+        tenants = list(self.proxy.registry)
+        results = await asyncio.gather(*(self._check_upstream(t) for t in tenants), return_exceptions=True)
+        return [r if isinstance(r, HealthEntry) else
+                HealthEntry(f"upstream {t.name}", "failed", f"the check raised {type(r).__name__}: {r}",
+                            "this upstream's state is unknown", "see the proxy's log")
+                for t, r in zip(tenants, results)]
+
+    async def _check_ws(self, tenant: Tenant) -> HealthEntry:
+        name = f"comfyui websocket {tenant.name}"
+        assert tenant.upstream
+        url = tenant.upstream.replace("http://", "ws://", 1).replace("https://", "wss://", 1)
+        url += f"/ws?clientId=hyperswap-health-{uuid.uuid4().hex[:8]}"
+        impact = ("ComfyUI jobs cannot be followed: the UI shows no progress, and the proxy cannot see when a "
+                  "prompt finishes (busy state falls back to polling)")
+        try:
+            async with ws_connect(url, open_timeout=self.timeout_s, ping_interval=None, close_timeout=1.0) as ws:
+                raw = await ws.recv()
+        except Exception as exc:  # noqa: BLE001 - connection refused, handshake, protocol: all mean "broken"
+            return HealthEntry(name, "failed", f"cannot open {url.split('?')[0]}: {type(exc).__name__}: {exc}", impact,
+                               self._fix_upstream(tenant))
+        try:
+            frame = json.loads(raw)
+        except (TypeError, ValueError):
+            frame = None
+        sid = frame.get("data", {}).get("sid") if isinstance(frame, dict) and isinstance(frame.get("data"), dict) else None
+        if not isinstance(frame, dict) or frame.get("type") != "status" or not sid:
+            return HealthEntry(name, "degraded", f"the first websocket frame was not a status frame with a sid: {str(raw)[:120]}",
+                               impact, f"check that tenants.{tenant.name}.upstream points at ComfyUI")
+        return HealthEntry(name, "ok", f"status frame with sid from {url.split('?')[0]}")
+
+    async def check_comfy_ws(self, snap: AttributedSnapshot) -> list[HealthEntry]:
+        tenants = [t for t in self.proxy.registry if t.engine == "comfyui" and t.upstream]
+        return list(await asyncio.gather(*(self._check_ws(t) for t in tenants)))
+
+    async def check_config(self, snap: AttributedSnapshot) -> HealthEntry:
+        path = self.proxy.config_path or self.proxy.registry.source
+        if path is None:
+            return HealthEntry("configuration", "ok", "shipped defaults (no tenants.json in use)")
+        try:
+            await asyncio.to_thread(load_registry, path)
+        except ConfigError as exc:
+            problems = "; ".join(exc.problems)
+            return HealthEntry("configuration", "failed", f"{exc.message}" + (f": {problems}" if problems else ""),
+                               "the running proxy keeps the configuration it started with, but the next start fails",
+                               exc.fix or f"fix {path}")
+        return HealthEntry("configuration", "ok", f"{path}: valid")
+
+    async def check_telemetry(self, snap: AttributedSnapshot) -> HealthEntry:
+        store = getattr(self.proxy, "telemetry", None)
+        if store is None:
+            return HealthEntry("telemetry", "ok", "not configured: history is kept in memory only",
+                               "history is lost on restart", "configure the telemetry store to keep history")
+        error = getattr(store, "last_error", None)
+        if error:
+            return HealthEntry("telemetry", "degraded", f"the telemetry store failed: {error}",
+                               "history and charts miss recent samples", "check the store's path and disk space")
+        where = getattr(store, "path", None)
+        return HealthEntry("telemetry", "ok", f"telemetry store{f' at {where}' if where else ''} configured")
+
+    async def check_stale(self, snap: AttributedSnapshot) -> list[HealthEntry]:
+        stale = self.proxy.arbitration.stale_jobs
+        if not stale:
+            return [HealthEntry("stale queue entries", "ok", "none")]
+        out = []
+        for tenant, ids in stale.items():
+            upstream = self.proxy.registry.get(tenant).upstream if tenant in self.proxy.registry else None
+            out.append(HealthEntry(
+                f"stale queue entries {tenant}", "degraded",
+                f"{tenant} lists {len(ids)} job(s) as running but holds only its idle VRAM: prompt id(s) {', '.join(ids)}",
+                "clients polling the queue wait on a job that never finishes; the proxy does not count it as busy",
+                STALE_FIX + (f" (at {upstream})" if upstream else "")))
+        return out
+
+    async def check_unmanaged(self, snap: AttributedSnapshot) -> list[HealthEntry]:
+        dev = snap.snapshot.device
+        unmanaged = snap.unmanaged()
+        held = sum(p.process.used_bytes or 0 for p in unmanaged)
+        unknown = [p for p in unmanaged if p.process.used_bytes is None]
+        if not unmanaged:
+            return [HealthEntry("unmanaged VRAM", "ok", "no unmanaged GPU processes")]
+        who = ", ".join(f"{_short_cmd(p.process.cmdline, p.process.name)} (pid {p.process.pid}, "
+                        f"{_gib(p.process.used_bytes) if p.process.used_bytes is not None else 'unknown amount'})"
+                        for p in unmanaged)
+        fix = ("stop or move " + ", ".join(f"pid {p.process.pid}" for p in unmanaged)
+               + ", or add a tenant for it in tenants.json (match + release) so the proxy can ask it for memory")
+        if dev.total_bytes <= 0:
+            return [HealthEntry("unmanaged VRAM", "degraded", f"unmanaged processes hold {_gib(held)}: {who}",
+                                "the card's size is unknown, so the cost cannot be stated", fix)]
+        usable = dev.total_bytes - dev.reserved_bytes
+        pinned = sum(snap.held_by(t.name) for t in self.proxy.registry if not t.reclaimable)
+        out: list[HealthEntry] = []
+        for tenant in self.proxy.registry:
+            if tenant.engine != "ollama" or not tenant.upstream:
+                continue
+            floors = 0
+            for other in self.proxy.registry:
+                if other.name == tenant.name or not other.reclaimable:
+                    continue
+                floor = self.floor(other.name) if other.engine == "comfyui" else None
+                floors += floor if floor is not None else min(other.idle_vram_bytes, snap.held_by(other.name))
+            without = usable - pinned - floors
+            actual = without - held
+            try:
+                r = await self.client.get(tenant.upstream + "/api/tags")
+                r.raise_for_status()
+                models = [(str(m["name"]), int(m["size"])) for m in r.json().get("models") or []]
+            except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
+                out.append(HealthEntry(f"unmanaged VRAM ({tenant.name})", "degraded",
+                                       f"unmanaged processes hold {_gib(held)}: {who}; {tenant.name}'s models could not be "
+                                       f"read ({type(exc).__name__})", f"{tenant.name} can use at most {_gib(actual)} "
+                                       f"instead of {_gib(without)}", fix))
+                continue
+            needs = []
+            for name, size in models:
+                override = tenant.model_vram_gb.get(name)
+                needs.append((name, int(override * GIB) if override is not None else size + tenant.context_allowance_bytes))
+            hurt = [(n, b) for n, b in needs if actual < b <= without]  # too large for the card at all: nobody's fault
+            if hurt:
+                names = ", ".join(f"{n} ({_gib(b)})" for n, b in hurt)
+                out.append(HealthEntry(
+                    f"unmanaged VRAM ({tenant.name})", "degraded",
+                    f"{len(hurt)} model(s) fit within {_gib(without)} but not the {_gib(actual)} actually available: "
+                    f"held by {who}",
+                    f"{tenant.name} cannot load {names} fully on the GPU: loads answer 507 naming these processes", fix))
+            else:
+                out.append(HealthEntry(
+                    f"unmanaged VRAM ({tenant.name})", "ok",
+                    f"unmanaged processes hold {_gib(held)} ({who}); every installed {tenant.name} model that fits "
+                    f"{_gib(without)} still fits the {_gib(actual)} left"
+                    + (f" ({len(unknown)} process(es) of unknown size not counted)" if unknown else "")))
+        return out or [HealthEntry("unmanaged VRAM", "ok", f"unmanaged processes hold {_gib(held)}: {who}")]
+
+    # -- /api/engines ------------------------------------------------------------------------------
+    def _host_reads(self, snap: AttributedSnapshot | None) -> bool:
+        if self.env.host is not None:
+            return self.env.host
+        return snap is not None and snap.snapshot.source == "nvml"
+
+    async def engine_view(self, tenant: Tenant, snap: AttributedSnapshot | None) -> dict[str, Any]:
+        view: dict[str, Any] = {"tenant": tenant.name, "engine": tenant.engine, "upstream": tenant.upstream,
+                                "reachable": False, "error": None}
+        if tenant.engine == "ollama":
+            return await self._ollama_view(tenant, snap, view)
+        return await self._comfy_view(tenant, view)
+
+    async def _ollama_view(self, tenant: Tenant, snap: AttributedSnapshot | None, view: dict[str, Any]) -> dict[str, Any]:
+        version: str | None = None
+        if tenant.upstream:
+            try:
+                r = await self.client.get(tenant.upstream + "/api/version")
+                view["reachable"] = True
+                data = r.json() if r.status_code == 200 else None
+                version = data.get("version") if isinstance(data, dict) and isinstance(data.get("version"), str) else None
+            except httpx.HTTPError as exc:
+                view["error"] = f"cannot reach {tenant.upstream}: {type(exc).__name__}: {exc}"
+            except ValueError:
+                pass
+        view["version"] = version
+        reads: list[es.EnvRead] = []
+        systemd: es.EnvRead | None = None
+        environ: es.EnvRead | None = None
+        if self._host_reads(snap):
+            systemd = await asyncio.to_thread(es.read_systemd_env, "ollama", self.env.systemctl, self.env.timeout_s)
+            reads.append(systemd)
+            procs = snap.processes_of(tenant.name) if snap else ()
+            if procs:
+                # The server and its runners share the environment that matters; prefer `ollama serve`.
+                proc = min(procs, key=lambda p: (0 if "serve" in p.process.cmdline else 1, p.process.pid)).process
+                environ = await asyncio.to_thread(es.read_proc_environ, proc.pid, self.env.proc_root)
+            else:
+                environ = es.EnvRead("environ", None, f"no {tenant.name} process on the GPU (nothing loaded): "
+                                     "its environment cannot be found by attribution", "")
+            reads.append(environ)
+        view["env_sources"] = [r.to_json() for r in reads] or [
+            {"source": "host", "ok": False, "error": "simulated GPU: the host's systemd and /proc are not the simulated engines'",
+             "where": "", "variables": None}]
+        view["settings"] = [s.to_json() for s in es.ollama_settings(systemd, environ, version)]
+        return view
+
+    async def _comfy_view(self, tenant: Tenant, view: dict[str, Any]) -> dict[str, Any]:
+        stats = es.parse_system_stats(None)
+        if tenant.upstream:
+            try:
+                r = await self.client.get(tenant.upstream + "/system_stats")
+                view["reachable"] = True
+                try:
+                    stats = es.parse_system_stats(r.json())
+                except ValueError:
+                    view["error"] = f"/system_stats answered {r.status_code} without JSON"
+            except httpx.HTTPError as exc:
+                view["error"] = f"cannot reach {tenant.upstream}: {type(exc).__name__}: {exc}"
+        view.update(stats.to_json())
+        view["flags"] = [f.to_json() for f in es.comfy_flags(stats.argv or ())]
+        if stats.argv is None and view["reachable"]:
+            view["flags_note"] = "system_stats has no argv (older ComfyUI): start flags unknown"
+        return view
+
+    async def engines_route(self, request: Request) -> Response:
+        snap = self.proxy.arbitration.last_snapshot
+        if snap is None:
+            try:
+                snap = await self.proxy.arbitration.snapshot()
+            except Exception:  # noqa: BLE001 - engines are still described without a snapshot
+                snap = None
+        tenants = [t for t in self.proxy.registry if t.engine in ("ollama", "comfyui")]
+        views = await asyncio.gather(*(self.engine_view(t, snap) for t in tenants), return_exceptions=True)
+        out = [v if isinstance(v, dict) else {"tenant": t.name, "engine": t.engine, "error": f"{type(v).__name__}: {v}"}
+               for t, v in zip(tenants, views)]
+        return JSONResponse({"engines": out})
+
+
+def health_extension(proxy: "Proxy") -> HealthExtension:
+    return HealthExtension(proxy)
+
+
+# -- the CLI ---------------------------------------------------------------------------------------
+
+def _admin_url(config: str | None, admin_url: str | None) -> str:
+    if admin_url:
+        return admin_url.rstrip("/") if "://" in admin_url else f"http://{admin_url.rstrip('/')}"
+    listen = load_registry(config).config.admin.listen
+    host, _, port = listen.rpartition(":")
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
+    return f"http://{host}:{port}"
+
+
+def format_report(body: dict[str, Any]) -> str:
+    lines = []
+    for e in body.get("entries") or []:
+        lines.append(f"{e.get('status', '?'):<9} {e.get('name', '?')}: {e.get('problem') or 'ok'}")
+        if e.get("status") != "ok":
+            if e.get("impact"):
+                lines.append(f"          impact: {e['impact']}")
+            if e.get("fix"):
+                lines.append(f"          fix:    {e['fix']}")
+    lines.append(f"overall: {body.get('status', '?')}")
+    return "\n".join(lines)
+
+
+def check_main(config: str | None, admin_url: str | None, as_json: bool) -> int:
+    """`hyperswap check`: the running proxy's /api/health. 1 on any failure, 2 when no proxy answers."""
+    try:
+        base = _admin_url(config, admin_url)
+    except HyperSwapError as exc:
+        print(exc.one_line(), file=sys.stderr)
+        return exc.exit_code
+    url = base + "/api/health"
+    try:
+        with httpx.Client(timeout=httpx.Timeout(30.0, connect=3.0), trust_env=False) as client:
+            r = client.get(url)
+    except httpx.HTTPError as exc:
+        print(f"error: no HyperSwap proxy answers at {base} ({type(exc).__name__}) "
+              "(fix: start it with `hyperswap serve`, or pass --admin URL / --config PATH)", file=sys.stderr)
+        return 2
+    try:
+        body = r.json()
+    except ValueError:
+        body = None
+    if r.status_code != 200 or not isinstance(body, dict) or "entries" not in body:
+        print(f"error: {url} answered {r.status_code} without a health report (is that a HyperSwap admin listener?)",
+              file=sys.stderr)
+        return 2
+    print(json.dumps(body, indent=2) if as_json else format_report(body))
+    return 1 if any(e.get("status") == "failed" for e in body["entries"]) else 0
