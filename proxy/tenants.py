@@ -171,7 +171,7 @@ class AdminSpec(_Strict):
 
 class ProxySettings(_Strict):
     watchdog_interval_s: float = 1.0
-    release_poll_s: float = 0.1
+    release_poll_s: float = 0.05  # NVML reads are sub-millisecond; 50 ms bounds the added wait
     queue_timeout_s: float = 300.0
 
 
