@@ -1,0 +1,327 @@
+"""GET /api/events: server-sent events for the dashboard and anyone who wants to watch.
+
+Frames (each with an `id:` line; the stream opens with a `retry:` hint so EventSource reconnects):
+- `catalog`: the installed models per tenant (Ollama /api/tags names and sizes, ComfyUI checkpoint
+  names). Large and rarely changing, so it goes in a subscriber's first frame and again only when it
+  changes. One background task refreshes it at most every `catalog_refresh_s`, for all subscribers.
+- `stats`: one a second: device, tenants (VRAM, busy, in flight, idle-release countdown), processes,
+  recent decision ids. Small on purpose: no tenant config, no catalog.
+- `decision`: every Decision recorded or updated in the decision log, as it happens.
+
+Each subscriber has a bounded queue: a slow one loses its oldest stats frames (the next one
+supersedes them) and older catalogs, never a decision; one so far behind that decisions alone pass
+the bound is closed instead, and on reconnect (Last-Event-ID) gets the decisions it missed from a
+small replay ring. Nothing here ever waits on a subscriber, so the proxy and other subscribers go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, AsyncIterator, Literal
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import BaseRoute, Route
+
+from .admission import gib
+from .attribution import AttributedSnapshot
+from .decisions import Decision
+from .tenants import Tenant
+
+if TYPE_CHECKING:
+    from .service import Proxy
+
+log = logging.getLogger("hyperswap.events")
+
+FrameKind = Literal["stats", "catalog", "decision"]
+
+
+@dataclass(frozen=True, slots=True)
+class EventsSettings:
+    tick_s: float = 1.0
+    catalog_refresh_s: float = 10.0
+    stats_backlog: int = 2  # stats frames a subscriber may have queued; older ones are dropped
+    max_queued: int = 1000  # past this (decisions alone) the subscriber is closed, never silently trimmed
+    replay: int = 200  # decision frames kept for Last-Event-ID on reconnect
+    retry_ms: int = 2000
+    first_catalog_wait_s: float = 2.0  # a subscriber right after start-up waits this long for the first catalog
+    catalog_timeout_s: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    seq: int
+    kind: FrameKind
+    data: bytes
+
+
+def encode(seq: int, kind: FrameKind, payload: Any) -> Frame:
+    body = json.dumps(payload, separators=(",", ":"), default=str)  # one line: no newline inside `data:`
+    return Frame(seq, kind, f"id: {seq}\nevent: {kind}\ndata: {body}\n\n".encode())
+
+
+@dataclass(slots=True, eq=False)  # identity: kept in a set
+class _Subscriber:
+    settings: EventsSettings
+    frames: deque[Frame] = field(default_factory=deque)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    stats_queued: int = 0
+    overflowed: bool = False
+    closing: bool = False
+    dropped_stats: int = 0
+
+    def push(self, frame: Frame) -> None:
+        if frame.kind == "stats":
+            if self.stats_queued >= self.settings.stats_backlog:
+                self._drop_oldest("stats")
+                self.dropped_stats += 1
+            self.stats_queued += 1
+        elif frame.kind == "catalog":
+            self._drop_oldest("catalog")  # superseded by this one
+        self.frames.append(frame)
+        if len(self.frames) > self.settings.max_queued:
+            self.overflowed = True
+        self.wake.set()
+
+    def _drop_oldest(self, kind: FrameKind) -> None:
+        for i, f in enumerate(self.frames):
+            if f.kind == kind:
+                del self.frames[i]
+                if kind == "stats":
+                    self.stats_queued -= 1
+                return
+
+    def pop(self) -> Frame:
+        frame = self.frames.popleft()
+        if frame.kind == "stats":
+            self.stats_queued -= 1
+        return frame
+
+
+# -- payloads -------------------------------------------------------------------------------------
+
+def tenant_stats(proxy: Proxy, snap: AttributedSnapshot, tenant: Tenant, busy: bool, busy_reason: str) -> dict[str, Any]:
+    arb = proxy.arbitration
+    traffic = arb.inflight.snapshot().get(tenant.name)
+    deadline = proxy.watchdog.idle_deadline(tenant.name)
+    now = arb.clock.now()
+    held = arb.held(snap, tenant.name)
+    return {
+        "name": tenant.name, "engine": tenant.engine, "priority": tenant.priority,
+        "vram_bytes": held, "vram_gb": gib(held),
+        "busy": busy, "busy_reason": busy_reason,
+        "in_flight": traffic.in_flight if traffic else 0,
+        "jobs": list(traffic.jobs) if traffic else [],
+        "stale_jobs": arb.stale_jobs.get(tenant.name, []),
+        "last_activity_age_s": None if not traffic or traffic.last_activity is None else round(now - traffic.last_activity, 1),
+        "idle_release_in_s": None if deadline is None else round(max(0.0, deadline - now), 1),
+        "reclaimable": tenant.reclaimable,
+        "pids": [p.process.pid for p in snap.processes_of(tenant.name)],
+    }
+
+
+async def stats_payload(proxy: Proxy, snap: AttributedSnapshot | None = None, recent: int = 20) -> dict[str, Any]:
+    """One stats frame's body (no catalog, no tenant config: those are large and static)."""
+    arb = proxy.arbitration
+    snap = snap or await arb.snapshot()
+    states = arb.states(snap)
+    dev = snap.snapshot.device
+    tenants = [tenant_stats(proxy, snap, t, states[t.name].busy, states[t.name].busy_reason) for t in arb.registry]
+    err = arb.last_read_error
+    return {
+        "device": {"name": dev.name, "total_bytes": dev.total_bytes, "free_bytes": dev.free_bytes,
+                   "used_bytes": dev.used_bytes, "reserved_bytes": dev.reserved_bytes,
+                   "source": snap.snapshot.source, "notes": list(snap.snapshot.notes)},
+        "tenants": tenants,
+        "processes": [{"pid": p.process.pid, "name": p.process.name, "tenant": p.tenant,
+                       "vram_bytes": p.process.used_bytes} for p in snap.processes],
+        "in_flight": sum(t["in_flight"] for t in tenants),
+        "busy": [t["name"] for t in tenants if t["busy"]],
+        "decision_ids": [d.id for d in arb.decisions.recent(recent)],
+        "handoff_in_progress": arb.handoff_lock.locked(),
+        "gpu_error": None if err is None else {"state": err.state, "error": err.message, "fix": err.fix},
+    }
+
+
+async def tenant_catalog(tenant: Tenant, client: httpx.AsyncClient, timeout_s: float) -> dict[str, Any] | None:
+    """What this tenant has installed, or None for engines without a catalog. Raises httpx errors."""
+    if not tenant.upstream:
+        return None
+    base = tenant.upstream.rstrip("/")
+    if tenant.engine == "ollama":
+        r = await client.get(f"{base}/api/tags", timeout=timeout_s)
+        r.raise_for_status()
+        models = [{"name": str(m.get("name")), "size_bytes": int(m["size"]) if m.get("size") is not None else None}
+                  for m in r.json().get("models") or []]
+        return {"engine": tenant.engine, "models": sorted(models, key=lambda m: m["name"])}
+    if tenant.engine == "comfyui":
+        r = await client.get(f"{base}/models/checkpoints", timeout=timeout_s)
+        r.raise_for_status()
+        return {"engine": tenant.engine, "models": [{"name": str(n), "size_bytes": None} for n in sorted(r.json())]}
+    return None
+
+
+# -- the extension --------------------------------------------------------------------------------
+
+class EventsExtension:
+    def __init__(self, proxy: Proxy, settings: EventsSettings | None = None) -> None:
+        self.proxy = proxy
+        self.settings = settings or EventsSettings()
+        self._seq = itertools.count(1)
+        self._subs: set[_Subscriber] = set()
+        self._replay: deque[Frame] = deque(maxlen=self.settings.replay)
+        self.catalog: dict[str, Any] | None = None
+        self._catalog_frame: Frame | None = None
+        self._catalog_ready = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._unsubscribe: Any = None
+        self.last_stats_frame: Frame | None = None
+
+    @property
+    def subscriber_count(self) -> int:
+        return len(self._subs)
+
+    def routes(self) -> list[BaseRoute]:
+        return [Route("/api/events", self.events, methods=["GET"])]
+
+    async def start(self) -> None:
+        self._unsubscribe = self.proxy.decisions.subscribe(self._on_decision)
+        self._tasks = [asyncio.create_task(self._tick_loop(), name="events:stats"),
+                       asyncio.create_task(self._catalog_loop(), name="events:catalog")]
+
+    async def stop(self) -> None:
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        self._close_all()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        self._tasks.clear()
+
+    # -- fan-out (never awaits: called from inside handoffs) ----------------------------------
+    def _broadcast(self, frame: Frame) -> None:
+        for sub in self._subs:
+            sub.push(frame)
+
+    def _on_decision(self, d: Decision) -> None:
+        frame = encode(next(self._seq), "decision", d.to_json())
+        self._replay.append(frame)
+        self._broadcast(frame)
+
+    def _close_all(self) -> None:
+        for sub in self._subs:
+            sub.closing = True
+            sub.wake.set()
+
+    def _admin_stopping(self) -> bool:
+        # The proxy stops its servers before its extensions; an open stream would hold uvicorn's
+        # shutdown until its force-exit timeout, so streams end as soon as the admin server is told to exit.
+        admin = self.proxy.servers.get("admin")
+        return admin is not None and admin.server.should_exit
+
+    # -- background work ----------------------------------------------------------------------
+    async def _tick_loop(self) -> None:
+        clock = self.proxy.clock
+        while True:
+            if self._admin_stopping():
+                self._close_all()
+            elif self._subs:
+                try:
+                    frame = encode(next(self._seq), "stats", await stats_payload(self.proxy))
+                    self.last_stats_frame = frame
+                    self._broadcast(frame)
+                except Exception:  # a bad tick must not end the stream for everyone
+                    log.exception("events: stats frame failed")
+            await clock.sleep(self.settings.tick_s)
+
+    async def refresh_catalog(self) -> bool:
+        """Fetch every tenant's catalog; broadcast it if it changed. True when it changed."""
+        client = self.proxy.arbitration.control
+        catalog: dict[str, Any] = {}
+        previous = self.catalog or {}
+        for tenant in self.proxy.registry:
+            try:
+                entry = await tenant_catalog(tenant, client, self.settings.catalog_timeout_s)
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+                old = previous.get(tenant.name) or {"engine": tenant.engine, "models": []}
+                entry = {**old, "error": f"could not list models: {exc.__class__.__name__}: {exc}"}
+            if entry is not None:
+                catalog[tenant.name] = entry
+        changed = catalog != self.catalog
+        if changed:
+            self.catalog = catalog
+            self._catalog_frame = encode(next(self._seq), "catalog", {"tenants": catalog})
+            self._broadcast(self._catalog_frame)
+        self._catalog_ready.set()
+        return changed
+
+    async def _catalog_loop(self) -> None:
+        while True:
+            try:
+                await self.refresh_catalog()
+            except Exception:
+                log.exception("events: catalog refresh failed")
+                self._catalog_ready.set()
+            await self.proxy.clock.sleep(self.settings.catalog_refresh_s)
+
+    # -- the route ----------------------------------------------------------------------------
+    async def events(self, request: Request) -> Response:
+        last_id = _int_or_none(request.headers.get("last-event-id"))
+        sub = _Subscriber(self.settings)
+        self._subs.add(sub)  # from now on decisions queue up for it, so none is missed while we start
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(self._stream(sub, last_id), media_type="text/event-stream", headers=headers)
+
+    async def _stream(self, sub: _Subscriber, last_id: int | None) -> AsyncIterator[bytes]:
+        try:
+            yield f"retry: {self.settings.retry_ms}\n\n".encode()
+            if not self._catalog_ready.is_set():
+                try:
+                    await asyncio.wait_for(self._catalog_ready.wait(), self.settings.first_catalog_wait_s)
+                except asyncio.TimeoutError:
+                    pass
+            # A catalog broadcast while waiting is already queued; send the current one first and drop that copy.
+            sub._drop_oldest("catalog")
+            if self._catalog_frame is not None:
+                yield self._catalog_frame.data
+            if last_id is not None:
+                queued = {f.seq for f in sub.frames}
+                for f in list(self._replay):
+                    if f.seq > last_id and f.seq not in queued:
+                        yield f.data
+            yield encode(next(self._seq), "stats", await stats_payload(self.proxy)).data
+            while not sub.overflowed:
+                if sub.frames:
+                    yield sub.pop().data
+                    continue
+                if sub.closing:
+                    break
+                sub.wake.clear()
+                await sub.wake.wait()
+        finally:
+            self._subs.discard(sub)
+            if sub.overflowed:
+                log.warning("events: closed a subscriber %d frames behind (it reconnects with Last-Event-ID)",
+                            len(sub.frames))
+
+
+def _int_or_none(raw: str | None) -> int | None:
+    try:
+        return int(raw) if raw else None
+    except ValueError:
+        return None
+
+
+def events_extension(proxy: Proxy) -> EventsExtension:
+    return EventsExtension(proxy)

@@ -1,0 +1,378 @@
+"""GET /openapi.json: an OpenAPI 3.1 document of the admin API.
+
+Bodies are pydantic models here (documentation only: the handlers build plain dicts), turned into
+JSON Schema by pydantic. The served document lists the routes actually mounted on the admin app, so
+it never promises one that is not there; a mounted route with no operation below shows up marked
+`x-undocumented` (the tests fail on that, so a new route gets its entry here).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any, Iterable, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.json_schema import models_json_schema
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+if TYPE_CHECKING:
+    from .service import Proxy
+
+JSON = dict[str, Any]
+REF = "#/components/schemas/{model}"
+
+
+class _Doc(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class Error(_Doc):
+    """Every error answer: a sentence, and a hint where one helps. Extra keys give details."""
+    error: str
+    fix: str | None = Field(default=None, description="what to do about it")
+    tenant: str | None = None
+    reason: str | None = Field(default=None, description="machine-readable, e.g. busy, not_reclaimable")
+
+
+class Release(_Doc):
+    tenant: str
+    expected_free_bytes: int
+    expected_free_gib: float | None
+    pids: list[int]
+    reason: str
+
+
+class Blocker(_Doc):
+    pid: int | None
+    name: str
+    tenant: str
+    vram_bytes: int | None
+    vram_gib: float | None = None
+    reason: str = Field(description="why it could not be released: busy, not_reclaimable, priority, unmanaged, ...")
+    detail: str
+
+
+class Plan(_Doc):
+    """A release plan as computed by the arbiter (logged before it runs)."""
+    requester: str
+    need_bytes: int
+    need_gib: float | None
+    free_bytes: int
+    free_gib: float | None
+    held_by_requester_bytes: int
+    held_by_requester_gib: float | None
+    feasible: bool
+    starved: bool = Field(description="free + already held is below the need (only then is anything released)")
+    estimated: bool = Field(description="memory figures are the engines' own reports (GPU reader failed)")
+    releases: list[Release]
+    blockers: list[Blocker]
+    explanation: str
+
+
+class DryRun(_Doc):
+    dry_run: Literal[True]
+    plan: Plan
+
+
+class RejectionBlocker(_Doc):
+    pid: int | None
+    name: str
+    cmdline: str
+    tenant: str
+    vram_gb: float | None
+    reason: str
+    detail: str
+
+
+class Rejection(_Doc):
+    """The 507 a tenant's listener answers when no plan frees enough memory."""
+    error: str
+    tenant: str
+    need_gb: float | None
+    available_gb: float | None
+    blockers: list[RejectionBlocker]
+    plan: Plan
+    fix: str
+
+
+class ReleaseResult(_Doc):
+    tenant: str
+    expected_bytes: int
+    freed_bytes: int = Field(description="as measured on the GPU, not as the engine claimed")
+    expected_gb: float | None
+    freed_gb: float | None
+    duration_s: float
+    confirmed: bool
+    error: str | None
+    asked: JSON = Field(description="what the engine was asked and answered")
+
+
+class Process(_Doc):
+    pid: int
+    name: str
+    cmdline: str | None = None
+    tenant: str | None = None
+    vram_bytes: int | None
+    vram_gb: float | None = None
+
+
+class TenantView(_Doc):
+    name: str
+    config: JSON
+    vram_bytes: int
+    vram_gb: float | None
+    processes: list[Process]
+    busy: bool
+    busy_reason: str
+    in_flight: int
+    jobs: list[str]
+    stale_jobs: list[str]
+    last_activity_age_s: float | None
+    idle_release_in_s: float | None = Field(description="seconds until the idle release; null: never")
+    reclaimable: bool
+    watchdog: str | None
+    estimated: bool
+
+
+class TenantList(_Doc):
+    tenants: list[TenantView]
+
+
+class Decision(_Doc):
+    id: int
+    at: float = Field(description="unix seconds")
+    kind: Literal["plan", "release", "rejection", "oom_retry", "idle_release", "spill", "stale_job"]
+    tenant: str
+    trigger: str
+    plan: Plan | None
+    outcome: JSON
+
+
+class DecisionList(_Doc):
+    decisions: list[Decision]
+
+
+class Device(_Doc):
+    name: str
+    total_bytes: int
+    free_bytes: int
+    used_bytes: int
+    reserved_bytes: int
+    source: str = Field(description="nvml, simulated, or engine-estimate")
+    notes: list[str]
+
+
+class GpuError(_Doc):
+    state: str
+    error: str
+    fix: str
+
+
+class Stats(_Doc):
+    device: Device
+    processes: list[Process]
+    tenants: list[TenantView]
+    decisions: list[Decision]
+    gpu_error: GpuError | None
+
+
+class StatsTenant(_Doc):
+    name: str
+    engine: str
+    priority: int
+    vram_bytes: int
+    vram_gb: float | None
+    busy: bool
+    busy_reason: str
+    in_flight: int
+    jobs: list[str]
+    stale_jobs: list[str]
+    last_activity_age_s: float | None
+    idle_release_in_s: float | None
+    reclaimable: bool
+    pids: list[int]
+
+
+class StatsFrame(_Doc):
+    """`data:` of an `event: stats` frame on /api/events (one a second)."""
+    device: Device
+    tenants: list[StatsTenant]
+    processes: list[Process]
+    in_flight: int
+    busy: list[str]
+    decision_ids: list[int]
+    handoff_in_progress: bool
+    gpu_error: GpuError | None
+
+
+class CatalogModel(_Doc):
+    name: str
+    size_bytes: int | None = Field(description="Ollama's size on disk; null for ComfyUI checkpoints")
+
+
+class TenantCatalog(_Doc):
+    engine: str
+    models: list[CatalogModel]
+    error: str | None = None
+
+
+class CatalogFrame(_Doc):
+    """`data:` of an `event: catalog` frame: sent first, then only when it changes."""
+    tenants: dict[str, TenantCatalog]
+
+
+MODELS: tuple[type[BaseModel], ...] = (Error, DryRun, Rejection, ReleaseResult, TenantList, TenantView, DecisionList,
+                                       Stats, StatsFrame, CatalogFrame)
+
+
+def _ref(model: type[BaseModel]) -> JSON:
+    return {"$ref": REF.format(model=model.__name__)}
+
+
+def _json(description: str, schema: JSON | type[BaseModel]) -> JSON:
+    s = _ref(schema) if isinstance(schema, type) else schema
+    return {"description": description, "content": {"application/json": {"schema": s}}}
+
+
+def _err(description: str) -> JSON:
+    return _json(description, Error)
+
+
+ANY_OBJECT: JSON = {"type": "object", "additionalProperties": True}
+NAME = {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}, "description": "tenant name"}
+
+
+def _operations() -> dict[str, dict[str, JSON]]:
+    return {
+        "/api/tenants": {"get": {
+            "summary": "Every tenant with its live state", "operationId": "listTenants",
+            "responses": {"200": _json("tenants", TenantList)}}},
+        "/api/tenants/{name}": {"get": {
+            "summary": "One tenant with its live state", "operationId": "getTenant", "parameters": [NAME],
+            "responses": {"200": _json("the tenant", TenantView), "404": _err("no such tenant")}}},
+        "/api/tenants/{name}/release": {"post": {
+            "summary": "Release an idle tenant's GPU memory now", "operationId": "releaseTenant",
+            "description": "Goes through the same handoff lock as requests. Done when the GPU shows the memory back.",
+            "parameters": [NAME], "security": [{"bearer": []}],
+            "responses": {
+                "200": _json("released and confirmed on the GPU", ReleaseResult),
+                "401": _err("a token is configured and none was sent"),
+                "403": _err("wrong token"),
+                "404": _err("no such tenant"),
+                "409": _err("busy, or the tenant has no release strategy (reason says which)"),
+                "502": _json("the engine refused or failed the release", ReleaseResult),
+                "504": _json("the memory was not back before the tenant's release_timeout_s", ReleaseResult)}}},
+        "/api/plan": {"get": {
+            "summary": "Dry-run plan: what would be released for a tenant to get need_gb", "operationId": "plan",
+            "parameters": [
+                {"name": "tenant", "in": "query", "required": True, "schema": {"type": "string"}},
+                {"name": "need_gb", "in": "query", "required": False, "schema": {"type": "number", "minimum": 0},
+                 "description": "GiB; default: the tenant's needs_vram_gb"}],
+            "responses": {"200": _json("the plan; nothing is executed", DryRun),
+                          "400": _err("missing tenant or bad need_gb"), "404": _err("no such tenant")}}},
+        "/api/decisions": {"get": {
+            "summary": "Recent decisions (plans, releases, rejections, retries), oldest first", "operationId": "decisions",
+            "parameters": [{"name": "limit", "in": "query", "required": False,
+                            "schema": {"type": "integer", "minimum": 1, "maximum": 500, "default": 100}}],
+            "responses": {"200": _json("decisions", DecisionList), "400": _err("limit is not an integer")}}},
+        "/api/stats": {"get": {
+            "summary": "Device, processes, tenants and recent decisions in one call", "operationId": "stats",
+            "responses": {"200": _json("stats", Stats)}}},
+        "/api/events": {"get": {
+            "summary": "Server-sent events: catalog (first, then on change), stats (1/s), decision (each)",
+            "operationId": "events",
+            "description": ("text/event-stream. Every frame has `id:`; the stream starts with `retry:`. Send "
+                            "`Last-Event-ID` on reconnect to get the decisions missed. `data:` is JSON: "
+                            "StatsFrame, CatalogFrame or Decision."),
+            "parameters": [{"name": "Last-Event-ID", "in": "header", "required": False, "schema": {"type": "integer"}}],
+            "responses": {"200": {"description": "the stream", "content": {"text/event-stream": {
+                "schema": {"type": "string"},
+                "x-event-data": {"stats": _ref(StatsFrame), "catalog": _ref(CatalogFrame),
+                                 "decision": {"$ref": REF.format(model="Decision")}}}}}}}},
+        "/api/health": {"get": {
+            "summary": "Self-check: GPU reader, engines, config", "operationId": "health",
+            "responses": {"200": _json("healthy or degraded (the body says which)", ANY_OBJECT),
+                          "503": _json("failed, with the fix", ANY_OBJECT)}}},
+        "/api/engines": {"get": {
+            "summary": "Each tenant's engine: reachable, version, what it reports about itself", "operationId": "engines",
+            "responses": {"200": _json("engines", ANY_OBJECT)}}},
+        "/api/history": {"get": {
+            "summary": "Stored history (telemetry) of memory, tenants and decisions", "operationId": "history",
+            "responses": {"200": _json("history", ANY_OBJECT), "400": _err("bad query parameter")}}},
+        "/metrics": {"get": {
+            "summary": "Prometheus metrics", "operationId": "metrics",
+            "responses": {"200": {"description": "Prometheus text exposition format",
+                                  "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+        "/openapi.json": {"get": {
+            "summary": "This document", "operationId": "openapi",
+            "responses": {"200": _json("OpenAPI 3.1", ANY_OBJECT)}}},
+    }
+
+
+def _schemas() -> JSON:
+    _, top = models_json_schema([(m, "serialization") for m in MODELS], ref_template=REF)
+    return dict(sorted(top.get("$defs", {}).items()))
+
+
+def openapi_document(mounted: Iterable[tuple[str, str]] | None = None) -> JSON:
+    """The document. `mounted`: (path, lower-case method) pairs actually served; None: every known one."""
+    ops = _operations()
+    if mounted is None:
+        paths = ops
+    else:
+        paths = {}
+        for path, method in sorted(mounted):
+            op = ops.get(path, {}).get(method)
+            if op is None:
+                op = {"summary": f"{method.upper()} {path}", "x-undocumented": True,
+                      "responses": {"default": {"description": "not described yet"}}}
+            paths.setdefault(path, {})[method] = op
+    for path, methods in paths.items():
+        for op in methods.values():
+            if "{name}" in path:
+                op.setdefault("responses", {}).setdefault("404", _err("no such tenant"))
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "HyperSwap admin API", "version": "1",
+                 "description": "Tenants sharing one GPU: live state, dry-run plans, releases, decisions, events."},
+        "servers": [{"url": "http://127.0.0.1:11400"}],
+        "paths": copy.deepcopy(paths),
+        "components": {
+            "schemas": _schemas(),
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
+                                           "description": "the token from HYPERSWAP_ADMIN_TOKEN or admin.token_file; "
+                                                          "needed only when one is configured"}},
+        },
+    }
+
+
+def routes_of(app_routes: Iterable[BaseRoute]) -> list[tuple[str, str]]:
+    """(path, method) of each plain route; HEAD goes with GET and is not listed."""
+    out: list[tuple[str, str]] = []
+    for route in app_routes:
+        if isinstance(route, Route):
+            out += [(route.path, m.lower()) for m in sorted(route.methods or ()) if m != "HEAD"]
+    return out
+
+
+class OpenApiExtension:
+    def __init__(self, proxy: Proxy) -> None:
+        self.proxy = proxy
+
+    def routes(self) -> list[BaseRoute]:
+        return [Route("/openapi.json", self.document, methods=["GET"])]
+
+    async def document(self, request: Request) -> Response:
+        doc = openapi_document(routes_of(request.app.routes))
+        host = request.headers.get("host")
+        if host:
+            doc["servers"] = [{"url": f"{request.url.scheme}://{host}"}]
+        return JSONResponse(doc)
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
