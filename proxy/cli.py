@@ -93,10 +93,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     body = r.json()
     if r.status_code != 200:
         raise HyperSwapError(body.get("error", r.text), fix=body.get("fix"))
+    plan = body["plan"]
     if args.json:
         print(json.dumps(body, indent=2))
-        return 0
-    plan = body["plan"]
+        return 0 if plan["feasible"] else 1
     print(plan["explanation"])
     for rel in plan["releases"]:
         print(f"  release {rel['tenant']:<12} ~{rel['expected_free_gib']} GiB  ({rel['reason']})")

@@ -245,32 +245,58 @@ async def self_test(demo: Demo) -> list[tuple[str, bool, str]]:
 
         if demo.proxy and demo.box.ollama and demo.box.comfyui:
             await check("proxy: handoff ComfyUI -> Ollama", lambda: _handoff_check(demo, client))
+        if demo.proxy and demo.box.ollama:
+            await check("proxy: 507 names the blockers", lambda: _rejection_check(demo, client))
     return results
 
 
+async def _unload_ollama(demo: Demo, client: httpx.AsyncClient) -> None:
+    assert demo.box.ollama
+    base = demo.box.servers["ollama"].url
+    for m in (await client.get(base + "/api/ps")).json()["models"]:
+        await client.post(base + "/api/generate", json={"model": m["name"], "keep_alive": 0})
+    await demo.box.ollama.wait_until(lambda: not demo.box.ollama.loaded(), timeout_s=15)  # type: ignore[union-attr]
+
+
 async def _handoff_check(demo: Demo, client: httpx.AsyncClient) -> str:
+    """ComfyUI holds its largest checkpoint; an Ollama model that only fits once ComfyUI lets go."""
     assert demo.proxy and demo.box.ollama and demo.box.comfyui
+    await _unload_ollama(demo, client)
     ckpts = demo.box.comfyui.config.checkpoints
-    big_ckpt = max(ckpts, key=lambda k: ckpts[k])
-    await run_prompt(demo.proxy.url("comfyui"), big_ckpt, client)
+    await run_prompt(demo.proxy.url("comfyui"), max(ckpts, key=lambda k: ckpts[k]), client)
     free = demo.box.gpu.free_bytes()
-    # The largest installed model that cannot load while ComfyUI holds its checkpoint but fits the card.
-    usable = demo.box.gpu.total_bytes - demo.box.gpu.reserved_bytes
+    comfy_held = demo.box.gpu.used_by(demo.box.comfyui.pid or 0)
+    allowance = demo.proxy.registry.get("ollama").context_allowance_bytes
     candidates = [m for m in demo.box.ollama.config.models if "completion" in m.capabilities
-                  and free < m.size_bytes + GIB <= usable]
+                  and free < m.size_bytes + allowance <= free + comfy_held - demo.box.comfyui.config.context_floor_bytes]
     if not candidates:
-        return "skipped: no model in this scenario needs ComfyUI's memory"
+        return "not applicable: no model in this scenario needs ComfyUI's memory"
     model = min(candidates, key=lambda m: m.size_bytes)
     r = await client.post(demo.proxy.url("ollama") + "/api/generate",
                           json={"model": model.name, "prompt": "hi", "stream": False})
-    if r.status_code == 507:
-        blockers = ", ".join(f"{b['name']} ({b['reason']})" for b in r.json()["blockers"])
-        return f"507 for {model.name}: blocked by {blockers}"
     if r.status_code != 200:
         raise AssertionError(f"{model.name} through the proxy answered {r.status_code}: {r.text[:200]}")
-    released = [d for d in demo.proxy.decisions.recent() if d.kind == "plan" and d.tenant == "ollama"]
-    assert released, "the proxy loaded the model without a handoff"
-    return f"{model.name} loaded after releasing {[x['tenant'] for x in released[-1].outcome.get('releases', [])]}"
+    plans = [d for d in demo.proxy.decisions.recent() if d.kind == "plan" and d.tenant == "ollama"]
+    assert plans, "the proxy loaded the model without a handoff"
+    released = [(x["tenant"], x["freed_gb"]) for x in plans[-1].outcome.get("releases", [])]
+    return f"{model.name} loaded after releasing " + ", ".join(f"{t} ({gb} GiB)" for t, gb in released)
+
+
+async def _rejection_check(demo: Demo, client: httpx.AsyncClient) -> str:
+    """The largest model, when even releasing everyone reclaimable cannot make room: 507 with blockers."""
+    assert demo.proxy and demo.box.ollama
+    await _unload_ollama(demo, client)
+    biggest = max((m for m in demo.box.ollama.config.models if "completion" in m.capabilities), key=lambda m: m.size_bytes)
+    r = await client.post(demo.proxy.url("ollama") + "/api/generate",
+                          json={"model": biggest.name, "prompt": "hi", "stream": False})
+    if r.status_code == 200:
+        return f"not applicable: {biggest.name} fits this card once others are released"
+    if r.status_code != 507:
+        raise AssertionError(f"{biggest.name} answered {r.status_code}: {r.text[:200]}")
+    body = r.json()
+    blockers = ", ".join(f"{b['cmdline'] or b['name']} (pid {b['pid']}, {b['vram_gb']} GiB, {b['reason']})"
+                         for b in body["blockers"] if b["reason"] == "unmanaged")
+    return f"507 for {biggest.name} (needs {body['need_gb']} GiB, {body['available_gb']} GiB reachable): {blockers or 'no unmanaged blocker'}"
 
 
 def print_report(results: list[tuple[str, bool, str]]) -> bool:

@@ -1,0 +1,52 @@
+"""`hyperswap demo`: the self-test passes on every shipped scenario; `hyperswap plan` reads a running proxy."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from boxes import DemoFactory
+
+from proxy.cli import main
+from proxy.demo import describe, self_test
+from proxy.sim.box import scenario_names
+
+
+def test_the_three_required_scenarios_ship() -> None:
+    assert {"default", "tight", "third-app"} <= set(scenario_names())
+
+
+@pytest.mark.parametrize("name", ["default", "tight", "third-app"])
+async def test_demo_self_test_passes(box: DemoFactory, name: str) -> None:
+    demo = await box(name)
+    results = await self_test(demo)
+    failed = [(n, d) for n, ok, d in results if not ok]
+    assert not failed, failed
+    assert len(results) >= 20
+    text = describe(demo, name)
+    assert demo.proxy is not None and demo.proxy.url("admin") in text and "Try:" in text
+
+
+async def test_tight_demo_handoff_names_the_speech_relay(box: DemoFactory) -> None:
+    demo = await box("tight")
+    results = dict((n, d) for n, ok, d in await self_test(demo))
+    assert "loaded after releasing comfyui" in results["proxy: handoff ComfyUI -> Ollama"]
+    rejection = results["proxy: 507 names the blockers"]
+    assert rejection.startswith("507 for mistral-small:22b") and "python stt_relay.py --model large-v3 (pid 4242, 0.84 GiB, unmanaged)" in rejection
+
+
+async def test_plan_command_prints_a_dry_run_from_the_running_proxy(box: DemoFactory, capsys: pytest.CaptureFixture[str]) -> None:
+    demo = await box("tight")
+    admin = demo.proxy.url("admin")
+    rc = await asyncio.to_thread(main, ["plan", "--tenant", "ollama", "--need-gb", "15", "--admin", admin, "--json"])
+    body = json.loads(capsys.readouterr().out)
+    assert rc == 1 and body["plan"]["feasible"] is False, "15 GiB cannot fit a 16 GiB card with the relay and desktop"
+    rc = await asyncio.to_thread(main, ["plan", "--tenant", "ollama", "--need-gb", "2", "--admin", admin])
+    assert rc == 0 and "ollama" in capsys.readouterr().out
+
+
+def test_plan_command_without_a_proxy_says_how_to_start_one(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--tenant", "ollama", "--admin", "http://127.0.0.1:9"]) == 1
+    err = capsys.readouterr().err
+    assert "no proxy answering" in err and "hyperswap serve" in err and "Traceback" not in err
