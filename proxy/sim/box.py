@@ -88,12 +88,20 @@ class SimBox:
     async def start(self, host: str = "127.0.0.1", ollama_port: int = 0, comfyui_port: int = 0) -> None:
         try:
             if self.ollama is not None:
-                self.servers["ollama"] = await self.ollama.start(host, ollama_port)
+                self.servers["ollama"] = await self._start(self.ollama, host, ollama_port)
             if self.comfyui is not None:
-                self.servers["comfyui"] = await self.comfyui.start(host, comfyui_port)
+                self.servers["comfyui"] = await self._start(self.comfyui, host, comfyui_port)
         except BaseException:
             await self.stop()
             raise
+
+    @staticmethod
+    async def _start(sim: OllamaSim | ComfySim, host: str, port: int) -> RunningServer:
+        try:
+            return await sim.start(host, port)
+        except OSError as exc:
+            raise ConfigError(f"cannot start the {type(sim).__name__} simulator on {host}:{port}: {exc.strerror}",
+                              fix="another demo (or the real engine) holds that port: stop it first") from None
 
     async def stop(self) -> None:
         for sim in (self.comfyui, self.ollama):
