@@ -310,10 +310,92 @@ def rejection_body(tenant: Tenant, handoff: Handoff, need: memory.Need) -> dict[
 
 
 class GpuAdmission:
-    """The listener's hook for GPU requests: admit, forward, and on an OOM answer reclaim and retry once."""
+    """The listener's hook for GPU requests: admit, forward, and on an OOM answer reclaim and retry once.
+
+    Ollama's OOM is an HTTP answer: the kept body is replayed. ComfyUI's arrives later, as an
+    `execution_error` frame on a websocket passing through the proxy: the same graph is re-queued
+    for the same client_id, read back from ComfyUI's own /history entry.
+    """
 
     def __init__(self, arbitration: Arbitration) -> None:
         self.arb = arbitration
+        self._requeued: dict[str, str] = {}  # new prompt id -> the OOM'd prompt it retries
+        self._seen_oom: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def on_frame(self, tenant: Tenant, text: str) -> None:
+        """Called for every upstream text frame of a tenant's websockets (cheap filter first)."""
+        if "execution_error" not in text or "OutOfMemoryError" not in text:
+            return
+        try:
+            event = json.loads(text)
+        except ValueError:
+            return
+        if not memory.comfy_event_is_oom(event):
+            return
+        prompt_id = str((event.get("data") or {}).get("prompt_id", ""))
+        if not prompt_id or prompt_id in self._seen_oom:
+            return  # several sockets can carry the same frame
+        self._seen_oom.add(prompt_id)
+        if len(self._seen_oom) > 4096:
+            self._seen_oom.pop()
+        task = asyncio.create_task(self._retry_prompt(tenant, prompt_id))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _retry_prompt(self, tenant: Tenant, prompt_id: str) -> None:
+        if prompt_id in self._requeued:
+            self.arb.decisions.record("oom_retry", tenant.name, f"second OOM of prompt {self._requeued[prompt_id]}",
+                                      None, result="failed", prompt_id=prompt_id)
+            return
+        entry = await self._history_entry(tenant, prompt_id)
+        if entry is None:
+            self.arb.decisions.record("oom_retry", tenant.name, f"OOM of prompt {prompt_id}", None,
+                                      result="not retried: prompt not in ComfyUI's history")
+            return
+        graph, extra = entry
+        body = json.dumps({"prompt": graph}).encode()
+        handoff, need = await self.arb.admit(tenant, None, body, f"OOM of ComfyUI prompt {prompt_id}", oom=True)
+        try:
+            if handoff is None or not handoff.plan.feasible or not handoff.plan.starved:
+                self._record_retry(tenant, handoff, "no plan")
+                return
+            payload: dict[str, Any] = {"prompt": graph, "extra_data": extra}
+            if extra.get("client_id"):
+                payload["client_id"] = extra["client_id"]
+            r = await self.arb.control.post(f"{tenant.upstream}/prompt", json=payload)
+            new_id = r.json().get("prompt_id") if r.status_code == 200 else None
+            if not new_id:
+                self._record_retry(tenant, handoff, f"re-queue refused: {r.status_code}")
+                return
+            self._requeued[new_id] = prompt_id
+            self.arb.inflight.track_job(tenant.name, new_id)
+            self._record_retry(tenant, handoff, "requeued")
+            if handoff.decision is not None:
+                self.arb.decisions.update(handoff.decision, requeued_as=new_id, prompt_id=prompt_id)
+        except (httpx.HTTPError, ValueError) as exc:
+            self._record_retry(tenant, handoff, f"re-queue failed: {exc}")
+        finally:
+            self.arb.unreserve(need.key)
+
+    async def _history_entry(self, tenant: Tenant, prompt_id: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """ComfyUI writes history before its end marker; the error frame comes just before that."""
+        for _ in range(50):
+            try:
+                r = await self.arb.control.get(f"{tenant.upstream}/history/{prompt_id}")
+                item = r.json().get(prompt_id) if r.status_code == 200 else None
+            except (httpx.HTTPError, ValueError):
+                item = None
+            if isinstance(item, dict) and isinstance(item.get("prompt"), list) and len(item["prompt"]) >= 4:
+                graph, extra = item["prompt"][2], item["prompt"][3]
+                if isinstance(graph, dict) and isinstance(extra, dict):
+                    return graph, extra
+            await self.arb.clock.sleep(0.1)
+        return None
+
+    async def aclose(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
 
     async def handle(self, tenant: Tenant, request: Request, body: bytes,
                      forward: Callable[[bytes], Awaitable[httpx.Response]]) -> httpx.Response | Response:

@@ -57,6 +57,7 @@ class Proxy:
     decisions: DecisionLog = field(init=False)
     arbitration: Arbitration = field(init=False)
     watchdog: Watchdog = field(init=False)
+    admission: GpuAdmission = field(init=False)
     servers: dict[str, RunningServer] = field(init=False, default_factory=dict)
     _pollers: list[object] = field(init=False, default_factory=list)
     extensions: list[Extension] = field(init=False, default_factory=list)
@@ -68,6 +69,7 @@ class Proxy:
         self.decisions = DecisionLog(self.clock)
         self.arbitration = Arbitration(self.registry, self.reader, self.inflight, self.clock, self.decisions)
         self.watchdog = Watchdog(self.arbitration)
+        self.admission = GpuAdmission(self.arbitration)
         self.token = admin_token(self.registry)
         factories = default_extensions() if self.extension_factories is None else self.extension_factories
         self.extensions = [make(self) for make in factories]
@@ -80,7 +82,7 @@ class Proxy:
     async def start(self, ports: Mapping[str, int] | None = None) -> None:
         """Bind every listener. `ports` overrides a listener's port by name ("admin" or a tenant)."""
         ports = dict(ports or {})
-        admission = GpuAdmission(self.arbitration)
+        admission = self.admission
         try:
             for tenant in self.registry:
                 if not tenant.listen:
@@ -104,6 +106,7 @@ class Proxy:
 
     async def stop(self) -> None:
         await self.watchdog.stop()
+        await self.admission.aclose()
         for poller in self._pollers:
             await poller.stop()  # type: ignore[attr-defined]
         self._pollers.clear()
