@@ -42,6 +42,7 @@ _RANK: dict[str, int] = {"ok": 0, "degraded": 1, "failed": 2}
 CHECK_TIMEOUT_S = 3.0
 SAMPLE_INTERVAL_S = 10.0
 SAMPLES_KEPT = 360  # an hour at the default interval
+FLOOR_WINDOW_S = 3600.0
 STALE_FIX = 'POST /queue {"clear":true} or restart ComfyUI'
 
 
@@ -314,17 +315,41 @@ class HealthExtension:
                                exc.fix or f"fix {path}")
         return HealthEntry("configuration", "ok", f"{path}: valid")
 
-    async def check_telemetry(self, snap: AttributedSnapshot) -> HealthEntry:
+    def telemetry(self) -> Any:
+        """The telemetry store, found without importing it: `proxy.telemetry`, else the extension
+        that offers `healthy()`; None when there is none."""
         store = getattr(self.proxy, "telemetry", None)
+        if store is not None:
+            return store
+        return next((e for e in self.proxy.extensions if callable(getattr(e, "healthy", None))), None)
+
+    async def check_telemetry(self, snap: AttributedSnapshot) -> HealthEntry:
+        store = self.telemetry()
         if store is None:
-            return HealthEntry("telemetry", "ok", "not configured: history is kept in memory only",
-                               "history is lost on restart", "configure the telemetry store to keep history")
-        error = getattr(store, "last_error", None)
-        if error:
-            return HealthEntry("telemetry", "degraded", f"the telemetry store failed: {error}",
-                               "history and charts miss recent samples", "check the store's path and disk space")
-        where = getattr(store, "path", None)
-        return HealthEntry("telemetry", "ok", f"telemetry store{f' at {where}' if where else ''} configured")
+            return HealthEntry("telemetry", "degraded", "not configured: history is kept in memory only",
+                               "history, charts and VRAM floors are lost on restart", "enable the telemetry store")
+        healthy = getattr(store, "healthy", None)
+        if callable(healthy):
+            ok, text = healthy()
+            if ok:
+                return HealthEntry("telemetry", "ok", str(text))
+            return HealthEntry("telemetry", "degraded", str(text), "history and charts miss what happens now",
+                               "check HYPERSWAP_TELEMETRY points at a writable file with free disk space, then restart")
+        return HealthEntry("telemetry", "ok", "telemetry store configured")
+
+    def comfy_floor(self, tenant: str) -> int | None:
+        """Smallest VRAM seen recently: the telemetry's samples when there are any, else this ring's."""
+        store = self.telemetry()
+        min_vram = getattr(store, "min_vram", None)
+        if callable(min_vram):
+            try:
+                value = min_vram(tenant, FLOOR_WINDOW_S)
+            except Exception:  # noqa: BLE001 - fall back to our own samples
+                value = None
+            ring = self.floor(tenant)
+            if isinstance(value, int):
+                return value if ring is None else min(value, ring)
+        return self.floor(tenant)
 
     async def check_stale(self, snap: AttributedSnapshot) -> list[HealthEntry]:
         stale = self.proxy.arbitration.stale_jobs
@@ -365,7 +390,7 @@ class HealthExtension:
             for other in self.proxy.registry:
                 if other.name == tenant.name or not other.reclaimable:
                     continue
-                floor = self.floor(other.name) if other.engine == "comfyui" else None
+                floor = self.comfy_floor(other.name) if other.engine == "comfyui" else None
                 floors += floor if floor is not None else min(other.idle_vram_bytes, snap.held_by(other.name))
             without = usable - pinned - floors
             actual = without - held
@@ -465,12 +490,11 @@ class HealthExtension:
         return view
 
     async def engines_route(self, request: Request) -> Response:
-        snap = self.proxy.arbitration.last_snapshot
-        if snap is None:
-            try:
-                snap = await self.proxy.arbitration.snapshot()
-            except Exception:  # noqa: BLE001 - engines are still described without a snapshot
-                snap = None
+        arb = self.proxy.arbitration
+        try:
+            snap: AttributedSnapshot | None = await asyncio.wait_for(arb.snapshot(), self.timeout_s)
+        except Exception:  # noqa: BLE001 - engines are still described without a fresh snapshot
+            snap = arb.last_snapshot
         tenants = [t for t in self.proxy.registry if t.engine in ("ollama", "comfyui")]
         views = await asyncio.gather(*(self.engine_view(t, snap) for t in tenants), return_exceptions=True)
         out = [v if isinstance(v, dict) else {"tenant": t.name, "engine": t.engine, "error": f"{type(v).__name__}: {v}"}
