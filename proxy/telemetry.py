@@ -1,0 +1,537 @@
+"""The telemetry store: what the proxy saw over time, in one SQLite file.
+
+Per-tenant VRAM (downsampled to one row per tenant per window with min/max/last), decisions,
+releases with measured freed bytes and durations, 507s, OOM retries, and model loads inferred from
+a tenant's VRAM growth between samples. Read by `GET /api/history`, the health check (`min_vram`)
+and the dashboard.
+
+sqlite3 never runs on the event loop: writes go through a queue drained by one writer thread
+(batched into transactions); reads run in `asyncio.to_thread` on their own connection (WAL mode
+lets them run beside the writer). `close()` drains the queue fully before closing, so rows handed
+in just before shutdown are kept. A full queue drops rows (counted) rather than block traffic.
+
+Path: `HYPERSWAP_TELEMETRY` (a path; empty or "off" disables), else
+`$XDG_STATE_HOME/hyperswap/telemetry.sqlite3` (`~/.local/state/...`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import queue
+import sqlite3
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from .clock import Clock
+from .decisions import Decision
+from .tenants import MIB
+
+if TYPE_CHECKING:
+    from .attribution import AttributedSnapshot
+    from .service import Proxy
+
+log = logging.getLogger("hyperswap.telemetry")
+
+ENV_VAR = "HYPERSWAP_TELEMETRY"
+DEFAULT_RETENTION_DAYS = 30.0
+DEFAULT_MAX_ROWS = 500_000  # per table; about 10 s samples of 5 tenants for 100 days
+DEFAULT_WINDOW_S = 10.0
+DEFAULT_QUEUE_MAX = 100_000
+RECENT_HORIZON_S = 3600.0  # min_vram looks back at most this far, from memory
+LOAD_GROWTH_MIN_BYTES = 256 * MIB  # growth between two samples above this counts as a model load
+PRUNE_EVERY_ROWS = 5_000
+
+Kind = Literal["vram", "decisions", "releases", "rejections", "oom_retries", "model_loads"]
+KINDS: tuple[Kind, ...] = ("vram", "decisions", "releases", "rejections", "oom_retries", "model_loads")
+
+_SCHEMA: dict[Kind, str] = {
+    "vram": "at REAL NOT NULL, tenant TEXT NOT NULL, window_s REAL NOT NULL, samples INTEGER NOT NULL,"
+            " min_bytes INTEGER NOT NULL, max_bytes INTEGER NOT NULL, last_bytes INTEGER NOT NULL",
+    "decisions": "at REAL NOT NULL, decision_id INTEGER NOT NULL, kind TEXT NOT NULL, tenant TEXT NOT NULL,"
+                 " trigger TEXT NOT NULL, ok INTEGER, outcome TEXT NOT NULL",
+    "releases": "at REAL NOT NULL, decision_id INTEGER NOT NULL, tenant TEXT NOT NULL, requester TEXT NOT NULL,"
+                " expected_bytes INTEGER NOT NULL, freed_bytes INTEGER NOT NULL, duration_s REAL NOT NULL,"
+                " confirmed INTEGER NOT NULL, error TEXT",
+    "rejections": "at REAL NOT NULL, decision_id INTEGER NOT NULL, tenant TEXT NOT NULL, trigger TEXT NOT NULL,"
+                  " need_bytes INTEGER, blockers TEXT NOT NULL",
+    "oom_retries": "at REAL NOT NULL, decision_id INTEGER NOT NULL, tenant TEXT NOT NULL, result TEXT NOT NULL",
+    "model_loads": "at REAL NOT NULL, tenant TEXT NOT NULL, started_at REAL NOT NULL, duration_s REAL NOT NULL,"
+                   " grown_bytes INTEGER NOT NULL, gbps REAL",
+}
+_COLUMNS: dict[Kind, tuple[str, ...]] = {
+    k: tuple(part.strip().split()[0] for part in schema.split(",")) for k, schema in _SCHEMA.items()
+}
+
+
+def default_path(env: Mapping[str, str] | None = None) -> Path | None:
+    """Where the store lives, or None when the operator turned it off."""
+    env = os.environ if env is None else env
+    raw = env.get(ENV_VAR)
+    if raw is not None:
+        raw = raw.strip()
+        return None if raw in ("", "off") else Path(raw).expanduser()
+    state = env.get("XDG_STATE_HOME") or str(Path(env.get("HOME", str(Path.home()))) / ".local" / "state")
+    return Path(state) / "hyperswap" / "telemetry.sqlite3"
+
+
+@dataclass(frozen=True, slots=True)
+class _Flush:
+    done: threading.Event
+
+
+_STOP = object()
+
+
+class TelemetryStore:
+    """The SQLite file and its writer thread. `submit` is safe from any thread and never blocks."""
+
+    def __init__(self, path: Path, *, retention_days: float = DEFAULT_RETENTION_DAYS,
+                 max_rows: int = DEFAULT_MAX_ROWS, queue_max: int = DEFAULT_QUEUE_MAX,
+                 wall: Clock | None = None) -> None:
+        self.path = path
+        self.retention_days = retention_days
+        self.max_rows = max_rows
+        self._wall = wall
+        self._queue: queue.Queue[object] = queue.Queue(maxsize=queue_max)
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.dropped = 0
+        self.written = 0
+        self.last_error: str | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def open(self) -> None:
+        """Create the file and tables (blocking: call off the loop) and start the writer."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        conn = self._connect()
+        try:
+            with conn:
+                for kind, schema in _SCHEMA.items():
+                    conn.execute(f"CREATE TABLE IF NOT EXISTS {kind} ({schema})")
+                    conn.execute(f"CREATE INDEX IF NOT EXISTS {kind}_at ON {kind} (at)")
+            self._prune(conn)
+        finally:
+            conn.close()
+        self._thread = threading.Thread(target=self._run, name="hyperswap-telemetry", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Write everything submitted so far, then close (blocking)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is None:
+            return
+        self._queue.put(_STOP)  # blocks only if full: shutdown waits for the writer, never drops
+        self._thread.join()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def backlog(self) -> int:
+        return self._queue.qsize()
+
+    # -- writing ------------------------------------------------------------------------------
+    def submit(self, kind: Kind, row: Mapping[str, Any]) -> bool:
+        """Queue one row; False (and counted) if the store is closed or the queue is full."""
+        if self._closed:
+            self.dropped += 1
+            return False
+        try:
+            self._queue.put_nowait((kind, tuple(row.get(c) for c in _COLUMNS[kind])))
+        except queue.Full:
+            self.dropped += 1
+            return False
+        return True
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until every row submitted before this call is written (blocking)."""
+        if not self.alive:
+            return False
+        marker = _Flush(threading.Event())
+        try:
+            self._queue.put(marker, timeout=timeout_s)
+        except queue.Full:
+            return False
+        return marker.done.wait(timeout_s)
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, timeout=10.0)
+        conn.execute("PRAGMA journal_mode=WAL")  # readers beside the writer
+        conn.execute("PRAGMA synchronous=NORMAL")
+        return conn
+
+    def _run(self) -> None:
+        conn = self._connect()
+        since_prune = 0
+        try:
+            stop = False
+            while not stop:
+                batch = [self._queue.get()]
+                while len(batch) < 1000:  # one transaction per burst
+                    try:
+                        batch.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+                rows: dict[str, list[tuple[Any, ...]]] = {}
+                flushes: list[_Flush] = []
+                for item in batch:
+                    if item is _STOP:
+                        stop = True  # still write the rest of this batch: nothing after STOP was accepted
+                    elif isinstance(item, _Flush):
+                        flushes.append(item)
+                    else:
+                        kind, values = item  # type: ignore[misc]
+                        rows.setdefault(kind, []).append(values)
+                if stop:  # rows that raced in after STOP (submit checked _closed just before) are kept too
+                    while True:
+                        try:
+                            item = self._queue.get_nowait()
+                        except queue.Empty:
+                            break
+                        if isinstance(item, tuple):
+                            rows.setdefault(item[0], []).append(item[1])
+                        elif isinstance(item, _Flush):
+                            flushes.append(item)
+                try:
+                    with conn:
+                        for kind, values in rows.items():
+                            cols = _COLUMNS[kind]  # type: ignore[index]
+                            conn.executemany(f"INSERT INTO {kind} ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
+                                             values)
+                    n = sum(len(v) for v in rows.values())
+                    self.written += n
+                    self.last_error = None  # health shows the current state; `dropped` keeps the history
+                    since_prune += n
+                    if since_prune >= PRUNE_EVERY_ROWS:
+                        self._prune(conn)
+                        since_prune = 0
+                except sqlite3.Error as exc:  # a full disk must not kill the writer: count, log, go on
+                    self.last_error = f"{type(exc).__name__}: {exc}"
+                    self.dropped += sum(len(v) for v in rows.values())
+                    log.warning("telemetry write failed: %s", self.last_error)
+                for f in flushes:
+                    f.done.set()
+        finally:
+            conn.close()
+
+    def _prune(self, conn: sqlite3.Connection) -> None:
+        """Bounded retention: rows older than retention_days, then the oldest beyond max_rows."""
+        cutoff = self._now_wall() - self.retention_days * 86400.0
+        with conn:
+            for kind in KINDS:
+                conn.execute(f"DELETE FROM {kind} WHERE at < ?", (cutoff,))
+                conn.execute(f"DELETE FROM {kind} WHERE rowid <= (SELECT MAX(rowid) FROM {kind}) - ?", (self.max_rows,))
+
+    def _now_wall(self) -> float:
+        return self._wall.wall() if self._wall is not None else time.time()
+
+    # -- reading (blocking: call off the loop) -------------------------------------------------
+    def query(self, kind: Kind, since: float = 0.0, limit: int = 1000, tenant: str | None = None) -> list[dict[str, Any]]:
+        """Rows of one kind at or after `since` (unix seconds), oldest first, at most `limit` (the newest)."""
+        cols = _COLUMNS[kind]
+        sql = f"SELECT {', '.join(cols)} FROM {kind} WHERE at >= ?"
+        args: list[Any] = [since]
+        if tenant is not None:
+            sql += " AND tenant = ?"
+            args.append(tenant)
+        sql += " ORDER BY at DESC, rowid DESC LIMIT ?"
+        args.append(limit)
+        conn = sqlite3.connect(self.path, timeout=10.0)
+        try:
+            rows = conn.execute(sql, args).fetchall()
+        finally:
+            conn.close()
+        out = []
+        for values in reversed(rows):
+            row = dict(zip(cols, values))
+            for key in ("outcome", "blockers"):
+                if isinstance(row.get(key), str):
+                    row[key] = json.loads(row[key])
+            for key in ("ok", "confirmed"):
+                if row.get(key) is not None:
+                    row[key] = bool(row[key])
+            out.append(row)
+        return out
+
+    def count(self, kind: Kind) -> int:
+        conn = sqlite3.connect(self.path, timeout=10.0)
+        try:
+            return int(conn.execute(f"SELECT COUNT(*) FROM {kind}").fetchone()[0])
+        finally:
+            conn.close()
+
+
+@dataclass(slots=True)
+class _Window:
+    start: float  # wall seconds, aligned to the window
+    samples: int
+    min_bytes: int
+    max_bytes: int
+    last_bytes: int
+
+
+@dataclass(slots=True)
+class _Growth:
+    started_at: float  # wall
+    started_mono: float
+    start_bytes: int
+    last_mono: float
+    last_bytes: int
+
+
+class VramRecorder:
+    """Turns snapshots into downsampled VRAM rows, recent minima and inferred model loads.
+
+    Runs on the loop (pure bookkeeping); only finished rows go to the store. A model load is a run
+    of consecutive samples where the tenant's VRAM grew by more than LOAD_GROWTH_MIN_BYTES each;
+    its speed is the growth over the time between the first and last samples of the run, so it is
+    as coarse as the sampling (a load shorter than one interval reads as one interval)."""
+
+    def __init__(self, store: TelemetryStore | None, clock: Clock, window_s: float = DEFAULT_WINDOW_S) -> None:
+        self.store = store
+        self.clock = clock
+        self.window_s = window_s
+        self._windows: dict[str, _Window] = {}
+        self._recent: dict[str, deque[tuple[float, int]]] = {}  # tenant -> (mono, bytes)
+        self._prev: dict[str, tuple[float, int]] = {}
+        self._growth: dict[str, _Growth] = {}
+        self._last_taken: float | None = None
+
+    def observe_snapshot(self, snap: AttributedSnapshot, tenants: Sequence[str]) -> None:
+        """Record every named tenant's VRAM from a snapshot (once per snapshot)."""
+        if self._last_taken is not None and snap.snapshot.taken_at == self._last_taken:
+            return
+        self._last_taken = snap.snapshot.taken_at
+        for name in tenants:
+            self.observe(name, snap.held_by(name))
+
+    def observe(self, tenant: str, held: int) -> None:
+        mono, wall = self.clock.now(), self.clock.wall()
+        recent = self._recent.setdefault(tenant, deque())
+        recent.append((mono, held))
+        while recent and recent[0][0] < mono - RECENT_HORIZON_S:
+            recent.popleft()
+        self._track_load(tenant, mono, wall, held)
+        start = wall - (wall % self.window_s)
+        w = self._windows.get(tenant)
+        if w is not None and w.start != start:
+            self._emit(tenant, w)
+            w = None
+        if w is None:
+            self._windows[tenant] = _Window(start, 1, held, held, held)
+        else:
+            w.samples += 1
+            w.min_bytes = min(w.min_bytes, held)
+            w.max_bytes = max(w.max_bytes, held)
+            w.last_bytes = held
+
+    def flush(self) -> None:
+        """Write the open windows and loads (at shutdown)."""
+        for tenant, w in self._windows.items():
+            self._emit(tenant, w)
+        self._windows.clear()
+        for tenant in list(self._growth):
+            self._end_load(tenant)
+
+    def min_vram(self, tenant: str, window_s: float) -> int | None:
+        cutoff = self.clock.now() - window_s
+        values = [b for t, b in self._recent.get(tenant, ()) if t >= cutoff]
+        return min(values) if values else None
+
+    def _track_load(self, tenant: str, mono: float, wall: float, held: int) -> None:
+        prev = self._prev.get(tenant)
+        self._prev[tenant] = (mono, held)
+        if prev is None:
+            return
+        growing = held - prev[1] > LOAD_GROWTH_MIN_BYTES
+        g = self._growth.get(tenant)
+        if growing and g is None:
+            self._growth[tenant] = _Growth(wall - (mono - prev[0]), prev[0], prev[1], mono, held)
+        elif growing and g is not None:
+            g.last_mono, g.last_bytes = mono, held
+        elif g is not None:
+            self._end_load(tenant)
+
+    def _end_load(self, tenant: str) -> None:
+        g = self._growth.pop(tenant)
+        duration = g.last_mono - g.started_mono
+        grown = g.last_bytes - g.start_bytes
+        if self.store is not None:
+            self.store.submit("model_loads", {
+                "at": g.started_at + duration, "tenant": tenant, "started_at": g.started_at, "duration_s": duration,
+                "grown_bytes": grown, "gbps": grown / 1e9 / duration if duration > 0 else None})
+
+    def _emit(self, tenant: str, w: _Window) -> None:
+        if self.store is not None:
+            self.store.submit("vram", {"at": w.start, "tenant": tenant, "window_s": self.window_s, "samples": w.samples,
+                                       "min_bytes": w.min_bytes, "max_bytes": w.max_bytes, "last_bytes": w.last_bytes})
+
+
+def decision_rows(d: Decision, seen: set[str]) -> list[tuple[Kind, dict[str, Any]]]:
+    """Rows a decision adds, once each: a decision is notified at record and again at each update,
+    so `seen` (per decision) remembers which parts were already written."""
+    out: list[tuple[Kind, dict[str, Any]]] = []
+    outcome = d.outcome
+    final = "ok" in outcome or d.kind == "rejection" or (d.kind == "oom_retry" and "result" in outcome)
+    if final and "decision" not in seen:
+        seen.add("decision")
+        out.append(("decisions", {"at": d.at, "decision_id": d.id, "kind": d.kind, "tenant": d.tenant, "trigger": d.trigger,
+                                  "ok": outcome.get("ok"), "outcome": json.dumps(outcome, default=str)}))
+    if "releases" in outcome and "releases" not in seen:
+        seen.add("releases")
+        for r in outcome["releases"]:
+            out.append(("releases", {"at": d.at, "decision_id": d.id, "tenant": r.get("tenant", ""), "requester": d.tenant,
+                                     "expected_bytes": r.get("expected_bytes", 0), "freed_bytes": r.get("freed_bytes", 0),
+                                     "duration_s": r.get("duration_s", 0.0), "confirmed": bool(r.get("confirmed")),
+                                     "error": r.get("error")}))
+    if d.kind == "rejection" and d.trigger.startswith("request ") and "rejection" not in seen:
+        seen.add("rejection")
+        plan = d.plan or {}
+        out.append(("rejections", {"at": d.at, "decision_id": d.id, "tenant": d.tenant, "trigger": d.trigger,
+                                   "need_bytes": plan.get("need_bytes"),
+                                   "blockers": json.dumps(plan.get("blockers", []), default=str)}))
+    result = outcome.get("oom_retry", outcome.get("result") if d.kind == "oom_retry" else None)
+    if result is not None and "oom_retry" not in seen:
+        seen.add("oom_retry")
+        out.append(("oom_retries", {"at": d.at, "decision_id": d.id, "tenant": d.tenant, "result": str(result)}))
+    return out
+
+
+class Telemetry:
+    """The extension: samples VRAM from the proxy's snapshots, records decisions, serves /api/history.
+
+    Looked up by name (`name == "telemetry"`) by the health check, which uses `healthy()` and
+    `min_vram()`."""
+
+    name = "telemetry"
+
+    def __init__(self, proxy: Proxy, path: Path | None | Literal["default"] = "default", *,
+                 sample_interval_s: float = 1.0, window_s: float = DEFAULT_WINDOW_S,
+                 retention_days: float = DEFAULT_RETENTION_DAYS, max_rows: int = DEFAULT_MAX_ROWS) -> None:
+        self.proxy = proxy
+        self.path = default_path() if path == "default" else path
+        self.sample_interval_s = sample_interval_s
+        self.store: TelemetryStore | None = None
+        if self.path is not None:
+            self.store = TelemetryStore(self.path, retention_days=retention_days, max_rows=max_rows, wall=proxy.clock)
+        self.recorder = VramRecorder(self.store, proxy.clock, window_s)
+        self.open_error: str | None = None
+        self._seen: dict[int, set[str]] = {}
+        self._unsubscribe: Any = None
+        self._task: asyncio.Task[None] | None = None
+
+    # -- extension ------------------------------------------------------------------------------
+    def routes(self) -> list[BaseRoute]:
+        return [Route("/api/history", self.history, methods=["GET"])]
+
+    async def start(self) -> None:
+        if self.store is not None:
+            try:
+                await asyncio.to_thread(self.store.open)
+            except (OSError, sqlite3.Error) as exc:  # telemetry never stops the proxy; health reports it
+                self.open_error = f"cannot open {self.path}: {exc}"
+                log.warning("telemetry off: %s", self.open_error)
+                self.store = None
+                self.recorder.store = None
+        self._unsubscribe = self.proxy.decisions.subscribe(self.on_decision)
+        self._task = asyncio.get_running_loop().create_task(self._sample_loop(), name="telemetry-sampler")
+
+    async def stop(self) -> None:
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self.sample()
+        self.recorder.flush()
+        if self.store is not None:
+            await asyncio.to_thread(self.store.close)
+
+    # -- for the health check ---------------------------------------------------------------------
+    def healthy(self) -> tuple[bool, str]:
+        if self.path is None:
+            return True, f"telemetry off ({ENV_VAR}=off)"
+        if self.open_error is not None:
+            return False, self.open_error
+        if self.store is None or not self.store.alive:
+            return False, "telemetry writer is not running"
+        if self.store.last_error is not None:
+            return False, f"telemetry writes failing: {self.store.last_error} ({self.store.dropped} rows dropped)"
+        if self.store.dropped:
+            return False, f"telemetry queue overflowed: {self.store.dropped} rows dropped"
+        return True, f"telemetry writing to {self.path} ({self.store.written} rows)"
+
+    def min_vram(self, tenant: str, window_s: float) -> int | None:
+        """The tenant's smallest VRAM over the last window_s seconds of samples (kept in memory, up to an hour)."""
+        return self.recorder.min_vram(tenant, window_s)
+
+    # -- observing ----------------------------------------------------------------------------------
+    def sample(self) -> None:
+        snap = self.proxy.arbitration.last_snapshot
+        if snap is not None:
+            self.recorder.observe_snapshot(snap, [t.name for t in self.proxy.registry])
+
+    async def _sample_loop(self) -> None:
+        # Reads the snapshot the request path and the watchdog already took: no GPU reads of its own.
+        while True:
+            self.sample()
+            await asyncio.sleep(self.sample_interval_s)
+
+    def on_decision(self, d: Decision) -> None:
+        seen = self._seen.setdefault(d.id, set())
+        while len(self._seen) > 1024:  # decisions finish in seconds; old ids can go
+            del self._seen[next(iter(self._seen))]
+        self.sample()  # VRAM around every decision
+        if self.store is None:
+            return
+        for kind, row in decision_rows(d, seen):
+            self.store.submit(kind, row)
+
+    # -- /api/history ---------------------------------------------------------------------------------
+    async def history(self, request: Request) -> Response:
+        q = request.query_params
+        try:
+            since = float(q.get("since", "0"))
+            limit = max(1, min(10_000, int(q.get("limit", "1000"))))
+        except ValueError:
+            return JSONResponse({"error": "since must be unix seconds and limit an integer",
+                                 "fix": "GET /api/history?since=1796000000&kind=releases&limit=100"}, status_code=400)
+        kinds = [k.strip() for k in q.get("kind", ",".join(KINDS)).split(",") if k.strip()]
+        unknown = [k for k in kinds if k not in KINDS]
+        if unknown:
+            return JSONResponse({"error": f"unknown history kind(s): {', '.join(unknown)}",
+                                 "fix": f"use one or more of: {', '.join(KINDS)}"}, status_code=400)
+        if self.store is None:
+            return JSONResponse({"error": "telemetry is off", "reason": self.open_error or f"{ENV_VAR}=off",
+                                 "fix": f"unset {ENV_VAR} (or point it at a writable file) and restart"}, status_code=503)
+        tenant = q.get("tenant")
+        store = self.store
+
+        def read() -> dict[str, list[dict[str, Any]]]:
+            store.flush()  # read what was submitted before this request
+            return {k: store.query(k, since, limit, tenant) for k in kinds}  # type: ignore[arg-type]
+
+        rows = await asyncio.to_thread(read)
+        return JSONResponse({"since": since, "kinds": kinds, "rows": rows})
+
+
+def telemetry_extension(proxy: Proxy) -> Telemetry:
+    return Telemetry(proxy)

@@ -1,0 +1,192 @@
+"""The telemetry store: durable writes off the loop, bounded retention, downsampling, inferred loads."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from proxy.clock import FakeClock
+from proxy.decisions import DecisionLog
+from proxy.telemetry import TelemetryStore, VramRecorder, decision_rows, default_path
+from proxy.tenants import GIB, MIB
+
+
+def store_at(tmp_path: Path, clock: FakeClock | None = None, **kw: object) -> TelemetryStore:
+    store = TelemetryStore(tmp_path / "t.sqlite3", wall=clock or FakeClock(), **kw)  # type: ignore[arg-type]
+    store.open()
+    return store
+
+
+def oom_row(i: int, at: float = 1_796_000_000.0) -> dict[str, object]:
+    return {"at": at, "decision_id": i, "tenant": "ollama", "result": "succeeded"}
+
+
+def test_rows_submitted_just_before_close_are_all_written(tmp_path: Path) -> None:
+    store = store_at(tmp_path)
+    for i in range(1000):
+        assert store.submit("oom_retries", oom_row(i))
+    store.close()
+
+    reopened = TelemetryStore(tmp_path / "t.sqlite3")
+    assert reopened.count("oom_retries") == 1000, "rows queued before close were lost"
+    assert store.dropped == 0
+
+
+def test_submit_after_close_is_dropped_and_counted(tmp_path: Path) -> None:
+    store = store_at(tmp_path)
+    store.close()
+    assert store.submit("oom_retries", oom_row(1)) is False
+    assert store.dropped == 1
+
+
+def test_a_full_queue_drops_rows_instead_of_blocking(tmp_path: Path) -> None:
+    store = TelemetryStore(tmp_path / "t.sqlite3", queue_max=3)  # not opened: nothing drains the queue
+    results = [store.submit("oom_retries", oom_row(i)) for i in range(5)]
+    assert results == [True, True, True, False, False]
+    assert store.dropped == 2
+
+
+def test_query_reads_back_rows_since_a_time_oldest_first(tmp_path: Path) -> None:
+    store = store_at(tmp_path)
+    for i, at in enumerate((100.0, 200.0, 300.0)):
+        store.submit("oom_retries", oom_row(i, at))
+    assert store.flush()
+    rows = store.query("oom_retries", since=150.0)
+    assert [(r["at"], r["decision_id"]) for r in rows] == [(200.0, 1), (300.0, 2)]
+    assert [r["decision_id"] for r in store.query("oom_retries", limit=1)] == [2], "limit keeps the newest"
+    store.close()
+
+
+def test_rows_older_than_retention_are_deleted_on_open(tmp_path: Path) -> None:
+    clock = FakeClock()
+    now = clock.wall()
+    store = store_at(tmp_path, clock, retention_days=7)
+    store.submit("oom_retries", oom_row(1, now - 8 * 86400))
+    store.submit("oom_retries", oom_row(2, now - 1 * 86400))
+    store.close()
+
+    again = store_at(tmp_path, clock, retention_days=7)
+    assert [r["decision_id"] for r in again.query("oom_retries")] == [2]
+    again.close()
+
+
+def test_each_table_keeps_at_most_max_rows_newest(tmp_path: Path) -> None:
+    store = store_at(tmp_path, max_rows=10)
+    for i in range(25):
+        store.submit("oom_retries", oom_row(i))
+    store.close()
+    again = store_at(tmp_path, max_rows=10)
+    assert [r["decision_id"] for r in again.query("oom_retries")] == list(range(15, 25))
+    again.close()
+
+
+def test_a_failing_write_is_counted_and_the_writer_keeps_going(tmp_path: Path) -> None:
+    store = store_at(tmp_path)
+    conn = sqlite3.connect(tmp_path / "t.sqlite3")
+    conn.execute("DROP TABLE oom_retries")
+    conn.commit()
+    conn.close()
+    store.submit("oom_retries", oom_row(1))
+    assert store.flush()
+    assert store.last_error is not None and "oom_retries" in store.last_error
+    store.submit("decisions", {"at": 1.0, "decision_id": 1, "kind": "plan", "tenant": "t", "trigger": "x", "outcome": "{}"})
+    assert store.flush() and store.alive
+    assert store.last_error is None and store.dropped == 1
+    assert store.count("decisions") == 1
+    store.close()
+
+
+def test_vram_is_downsampled_to_one_row_per_tenant_per_window(tmp_path: Path) -> None:
+    clock = FakeClock(start=1000.0, wall_start=1_796_000_000.0)  # wall aligned to a 10 s window
+    store = store_at(tmp_path, clock)
+    rec = VramRecorder(store, clock, window_s=10.0)
+    for held in (3 * GIB, 1 * GIB, 2 * GIB):
+        rec.observe("comfyui", held)
+        clock.advance(3.0)
+    rec.observe("comfyui", 5 * GIB)  # t = 9 s: same window
+    clock.advance(2.0)
+    rec.observe("comfyui", 4 * GIB)  # t = 11 s: next window closes the first
+    assert store.flush()
+    rows = store.query("vram")
+    assert len(rows) == 1
+    assert {k: rows[0][k] for k in ("tenant", "samples", "min_bytes", "max_bytes", "last_bytes", "at")} == {
+        "tenant": "comfyui", "samples": 4, "min_bytes": 1 * GIB, "max_bytes": 5 * GIB, "last_bytes": 5 * GIB,
+        "at": 1_796_000_000.0}
+    rec.flush()
+    assert store.flush() and len(store.query("vram")) == 2, "flush writes the open window"
+    store.close()
+
+
+def test_min_vram_is_the_smallest_sample_inside_the_window() -> None:
+    clock = FakeClock()
+    rec = VramRecorder(None, clock)
+    assert rec.min_vram("comfyui", 60.0) is None, "no samples: unknown, not zero"
+    rec.observe("comfyui", 400 * MIB)
+    clock.advance(100.0)
+    rec.observe("comfyui", 12 * GIB)
+    clock.advance(10.0)
+    rec.observe("comfyui", 11 * GIB)
+    assert rec.min_vram("comfyui", 60.0) == 11 * GIB
+    assert rec.min_vram("comfyui", 200.0) == 400 * MIB
+
+
+def test_vram_growth_across_samples_is_recorded_as_one_model_load_with_its_speed(tmp_path: Path) -> None:
+    clock = FakeClock()
+    store = store_at(tmp_path, clock)
+    rec = VramRecorder(store, clock)
+    for held in (0, 4 * GIB, 8 * GIB, 10 * GIB, 10 * GIB):  # one sample a second
+        rec.observe("ollama", held)
+        clock.advance(1.0)
+    assert store.flush()
+    loads = store.query("model_loads")
+    assert len(loads) == 1, loads
+    assert loads[0]["grown_bytes"] == 10 * GIB and loads[0]["duration_s"] == pytest.approx(3.0)
+    assert loads[0]["gbps"] == pytest.approx(10 * GIB / 1e9 / 3.0)
+    store.close()
+
+
+def test_small_vram_wobble_is_not_a_model_load(tmp_path: Path) -> None:
+    clock = FakeClock()
+    rec = VramRecorder(None, clock)
+    for held in (GIB, GIB + 100 * MIB, GIB + 200 * MIB):
+        rec.observe("ollama", held)
+        clock.advance(1.0)
+    assert not rec._growth
+
+
+def test_a_decision_notified_at_record_and_update_is_written_once() -> None:
+    log = DecisionLog(FakeClock())
+    seen: set[str] = set()
+    rows: list[tuple[str, dict[str, object]]] = []
+    log.subscribe(lambda d: rows.extend(decision_rows(d, seen)))
+    d = log.record("oom_retry", "ollama", "OOM answer to request POST /api/generate", {"need_bytes": 5})
+    release = {"tenant": "comfyui", "expected_bytes": 6 * GIB, "freed_bytes": 6 * GIB, "duration_s": 0.4,
+               "confirmed": True, "error": None}
+    log.update(d, releases=[release], ok=True)
+    log.update(d, oom_retry="succeeded")
+    kinds = [k for k, _ in rows]
+    assert sorted(kinds) == ["decisions", "oom_retries", "releases"], kinds
+    rel = next(r for k, r in rows if k == "releases")
+    assert (rel["tenant"], rel["requester"], rel["freed_bytes"], rel["duration_s"]) == ("comfyui", "ollama", 6 * GIB, 0.4)
+
+
+def test_only_request_rejections_count_as_507s() -> None:
+    log = DecisionLog(FakeClock())
+    plan = {"need_bytes": 15 * GIB, "blockers": [{"pid": 4242, "tenant": "unmanaged"}]}
+    request = decision_rows(log.record("rejection", "ollama", "request POST /api/generate", plan), set())
+    watchdog = decision_rows(log.record("rejection", "ollama", "watchdog: spilling", plan), set())
+    assert [k for k, _ in request] == ["decisions", "rejections"]
+    assert [k for k, _ in watchdog] == ["decisions"]
+
+
+def test_path_comes_from_the_env_var_and_off_disables() -> None:
+    assert default_path({ENV: "off"}) is None
+    assert default_path({ENV: ""}) is None
+    assert default_path({ENV: "/data/t.db"}) == Path("/data/t.db")
+    assert default_path({"HOME": "/home/u"}) == Path("/home/u/.local/state/hyperswap/telemetry.sqlite3")
+    assert default_path({"HOME": "/home/u", "XDG_STATE_HOME": "/s"}) == Path("/s/hyperswap/telemetry.sqlite3")
+
+
+ENV = "HYPERSWAP_TELEMETRY"
