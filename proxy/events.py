@@ -211,8 +211,10 @@ class EventsExtension:
 
     # -- fan-out (never awaits: called from inside handoffs) ----------------------------------
     def _broadcast(self, frame: Frame) -> None:
-        for sub in self._subs:
+        for sub in list(self._subs):
             sub.push(frame)
+            if sub.overflowed:  # its stream ends on wake; stop feeding it even if it never ran
+                self._subs.discard(sub)
 
     def _on_decision(self, d: Decision) -> None:
         frame = encode(next(self._seq), "decision", d.to_json())
@@ -279,11 +281,11 @@ class EventsExtension:
     async def events(self, request: Request) -> Response:
         last_id = _int_or_none(request.headers.get("last-event-id"))
         sub = _Subscriber(self.settings)
-        self._subs.add(sub)  # from now on decisions queue up for it, so none is missed while we start
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return StreamingResponse(self._stream(sub, last_id), media_type="text/event-stream", headers=headers)
 
     async def _stream(self, sub: _Subscriber, last_id: int | None) -> AsyncIterator[bytes]:
+        self._subs.add(sub)  # from now on decisions queue up for it, so none is missed while we start
         try:
             yield f"retry: {self.settings.retry_ms}\n\n".encode()
             if not self._catalog_ready.is_set():
