@@ -297,7 +297,7 @@ def _operations() -> dict[str, dict[str, JSON]]:
         "/api/engines": {"get": {
             "summary": "Each tenant's engine: reachable, version, what it reports about itself", "operationId": "engines",
             "responses": {"200": _json("engines", {"type": "object", "required": ["engines"],
-                                                   "properties": {"engines": ANY_OBJECT}})}}},
+                                                   "properties": {"engines": {"type": "array", "items": ANY_OBJECT}}})}}},
         "/api/history": {"get": {
             "summary": "Stored history (telemetry) of memory, tenants and decisions", "operationId": "history",
             "responses": {"200": _json("history", ANY_OBJECT), "400": _err("bad query parameter")}}},
