@@ -28,5 +28,7 @@ def default_extensions() -> list[ExtensionFactory]:
     factories: list[ExtensionFactory] = []
     from .health import health_extension; factories.append(health_extension)  # /api/health, /api/engines
     from .events import events_extension; factories.append(events_extension)  # /api/events (SSE)
+    from .telemetry import telemetry_extension; factories.append(telemetry_extension)  # SQLite history, /api/history
+    from .metrics import metrics_extension; factories.append(metrics_extension)  # /metrics (Prometheus)
     from .openapi import OpenApiExtension; factories.append(OpenApiExtension)  # /openapi.json
     return factories

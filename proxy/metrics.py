@@ -1,0 +1,186 @@
+"""`GET /metrics` on the admin listener: Prometheus text format, one CollectorRegistry per proxy.
+
+Gauges are read at scrape time from the proxy's owners (the last GPU snapshot, the in-flight
+counts) by a custom collector; counters and the handoff histogram are fed by observing the
+decision log and the in-flight changes, never by hooks in the request path. No pid labels (pids
+churn and would explode the series count).
+
+Series:
+- hyperswap_gpu_memory_{total,used,free}_bytes, hyperswap_tenant_vram_bytes{tenant},
+  hyperswap_unmanaged_vram_bytes, hyperswap_gpu_snapshot_age_seconds,
+  hyperswap_gpu_snapshot_source_info{source,device}: from `arbitration.last_snapshot` (one GPU
+  read if none was taken yet). source is nvml | simulated | engine-estimate.
+- hyperswap_inflight_requests{tenant}, hyperswap_queued_jobs{tenant}: from `InFlight`.
+- hyperswap_requests_total{tenant,outcome}: GPU requests that left flight (pass-through requests
+  are not counted in flight, so not here). outcome: `rejected` (answered 507), `oom_error` (the
+  engine's OOM reached the client: the retry failed or had no plan), `completed` (everything else
+  that was forwarded, whatever the engine answered, and 503s after a queue timeout, which the
+  decision log does not see). A 507 or OOM decision is recorded before its request leaves flight,
+  so the next departure of that tenant is counted with that outcome: the totals are exact, the
+  pairing with one request is not.
+- hyperswap_handoff_seconds: histogram of the time handoffs spent releasing (sum of the releases'
+  duration_s) for decisions from the planner with at least one release: kinds plan, oom_retry, spill.
+- hyperswap_releases_total{tenant,result}: every executed release (requests, watchdog, admin);
+  result confirmed | timeout (memory not back in time) | error (the engine refused or was down).
+- hyperswap_oom_retries_total{tenant,result}: succeeded | failed | no plan.
+- hyperswap_rejections_total{tenant}: 507s.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.metrics_core import GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from .attribution import UNMANAGED
+from .decisions import Decision
+from .inflight import TenantTraffic
+
+if TYPE_CHECKING:
+    from .service import Proxy
+
+# Handoffs on real cards take from a fraction of a second (Ollama unload) to tens (a big ComfyUI free).
+HANDOFF_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
+HANDOFF_KINDS = ("plan", "oom_retry", "spill")
+_SEEN_MAX = 1024  # decision ids remembered to count each part once (decisions finish in seconds)
+
+
+def release_result(release: dict[str, object]) -> str:
+    if release.get("confirmed"):
+        return "confirmed"
+    return "timeout" if "not back" in str(release.get("error") or "") else "error"
+
+
+class _LiveCollector(Collector):
+    """Gauges computed at scrape time: nothing to keep in sync."""
+
+    def __init__(self, proxy: Proxy) -> None:
+        self.proxy = proxy
+
+    def collect(self) -> Iterable[Metric]:
+        proxy = self.proxy
+        tenants = [t.name for t in proxy.registry]
+        snap = proxy.arbitration.last_snapshot
+        total = GaugeMetricFamily("hyperswap_gpu_memory_total_bytes", "GPU memory on the card")
+        used = GaugeMetricFamily("hyperswap_gpu_memory_used_bytes", "GPU memory in use, every process")
+        free = GaugeMetricFamily("hyperswap_gpu_memory_free_bytes", "GPU memory free")
+        age = GaugeMetricFamily("hyperswap_gpu_snapshot_age_seconds", "Seconds since the GPU snapshot these figures come from")
+        held = GaugeMetricFamily("hyperswap_tenant_vram_bytes", "GPU memory held by a tenant's processes", labels=["tenant"])
+        unmanaged = GaugeMetricFamily("hyperswap_unmanaged_vram_bytes", "GPU memory held by processes no tenant matches")
+        source = InfoMetricFamily("hyperswap_gpu_snapshot_source", "Where the GPU figures come from", labels=["source", "device"])
+        if snap is not None:
+            dev = snap.snapshot.device
+            total.add_metric([], dev.total_bytes)
+            used.add_metric([], dev.used_bytes)
+            free.add_metric([], dev.free_bytes)
+            age.add_metric([], max(0.0, proxy.clock.now() - snap.snapshot.taken_at))
+            for name in tenants:
+                held.add_metric([name], snap.held_by(name))
+            unmanaged.add_metric([], snap.held_by(UNMANAGED))
+            source.add_metric([snap.snapshot.source, dev.name], {})
+        yield from (total, used, free, age, held, unmanaged, source)
+        traffic = proxy.inflight.snapshot()
+        inflight = GaugeMetricFamily("hyperswap_inflight_requests", "GPU requests in flight through the proxy", labels=["tenant"])
+        jobs = GaugeMetricFamily("hyperswap_queued_jobs", "Engine jobs the proxy saw queued and not yet finished", labels=["tenant"])
+        for name in tenants:
+            t = traffic.get(name)
+            inflight.add_metric([name], t.in_flight if t else 0)
+            jobs.add_metric([name], len(t.jobs) if t else 0)
+        yield inflight
+        yield jobs
+
+
+class Metrics:
+    """The /metrics extension."""
+
+    name = "metrics"
+
+    def __init__(self, proxy: Proxy) -> None:
+        self.proxy = proxy
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_LiveCollector(proxy))
+        self.requests = Counter("hyperswap_requests", "GPU requests that left flight, by outcome",
+                                ["tenant", "outcome"], registry=self.registry)
+        self.handoff = Histogram("hyperswap_handoff_seconds", "Time a handoff spent releasing memory",
+                                 buckets=HANDOFF_BUCKETS, registry=self.registry)
+        self.releases = Counter("hyperswap_releases", "Executed releases, by the released tenant and result",
+                                ["tenant", "result"], registry=self.registry)
+        self.oom_retries = Counter("hyperswap_oom_retries", "OOM answers reclaimed and retried, by result",
+                                   ["tenant", "result"], registry=self.registry)
+        self.rejections = Counter("hyperswap_rejections", "Requests answered 507 (no plan frees enough)",
+                                  ["tenant"], registry=self.registry)
+        self._seen: OrderedDict[int, set[str]] = OrderedDict()
+        self._in_flight: dict[str, int] = {}
+        self._pending: dict[str, list[str]] = {}  # tenant -> outcomes of requests about to leave flight
+        self._unsubscribe: Callable[[], None] | None = None
+        for tenant in proxy.registry:  # series exist from the first scrape, at zero
+            for outcome in ("completed", "rejected", "oom_error"):
+                self.requests.labels(tenant.name, outcome)
+            self.rejections.labels(tenant.name)
+
+    # -- extension ----------------------------------------------------------------------------
+    def routes(self) -> list[BaseRoute]:
+        return [Route("/metrics", self.scrape, methods=["GET"])]
+
+    async def start(self) -> None:
+        self._unsubscribe = self.proxy.decisions.subscribe(self.on_decision)
+        self.proxy.inflight.on_change.append(self.on_traffic)
+
+    async def stop(self) -> None:
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+        if self.on_traffic in self.proxy.inflight.on_change:
+            self.proxy.inflight.on_change.remove(self.on_traffic)
+
+    async def scrape(self, request: Request) -> Response:
+        if self.proxy.arbitration.last_snapshot is None:
+            await self.proxy.arbitration.snapshot()  # first scrape before any request: read the card once
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_PLAIN_0_0_4)
+
+    # -- observing ------------------------------------------------------------------------------
+    def on_traffic(self, tenant: str, traffic: TenantTraffic) -> None:
+        before = self._in_flight.get(tenant, 0)
+        self._in_flight[tenant] = traffic.in_flight
+        for _ in range(max(0, before - traffic.in_flight)):
+            pending = self._pending.get(tenant)
+            self.requests.labels(tenant, pending.pop(0) if pending else "completed").inc()
+
+    def _first(self, d: Decision, part: str) -> bool:
+        seen = self._seen.get(d.id)
+        if seen is None:
+            seen = self._seen[d.id] = set()
+            while len(self._seen) > _SEEN_MAX:
+                self._seen.popitem(last=False)
+        if part in seen:
+            return False
+        seen.add(part)
+        return True
+
+    def on_decision(self, d: Decision) -> None:
+        outcome = d.outcome
+        if d.kind == "rejection" and d.trigger.startswith("request ") and self._first(d, "rejection"):
+            self.rejections.labels(d.tenant).inc()
+            self._pending.setdefault(d.tenant, []).append("rejected")
+        releases = outcome.get("releases")
+        if isinstance(releases, list) and self._first(d, "releases"):
+            for r in releases:
+                self.releases.labels(str(r.get("tenant", "")), release_result(r)).inc()
+            if releases and d.kind in HANDOFF_KINDS:
+                self.handoff.observe(sum(float(r.get("duration_s") or 0.0) for r in releases))
+        result = outcome.get("oom_retry", outcome.get("result") if d.kind == "oom_retry" else None)
+        if result is not None and self._first(d, "oom_retry"):
+            self.oom_retries.labels(d.tenant, str(result)).inc()
+            if result != "succeeded":
+                self._pending.setdefault(d.tenant, []).append("oom_error")
+
+
+def metrics_extension(proxy: Proxy) -> Metrics:
+    return Metrics(proxy)

@@ -1,0 +1,154 @@
+"""/metrics and /api/history on the simulated box: scraped and parsed after a handoff and a 507."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.demo import comfy_prompt, run_prompt
+from proxy.metrics import Metrics
+from proxy.telemetry import Telemetry
+from proxy.tenants import GIB
+
+from boxes import DemoFactory
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+async def scrape(http: httpx.AsyncClient, demo) -> Samples:  # type: ignore[no-untyped-def]
+    r = await http.get(demo.proxy.url("admin") + "/metrics")
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    out: Samples = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    key = (name, frozenset(labels.items()))
+    assert key in samples, f"no sample {name}{labels}; have {sorted(k for k in samples if k[0] == name)}"
+    return samples[key]
+
+
+def extension(demo, cls):  # type: ignore[no-untyped-def]
+    return next(e for e in demo.proxy.extensions if isinstance(e, cls))
+
+
+async def handoff_then_507(demo, http: httpx.AsyncClient) -> None:  # type: ignore[no-untyped-def]
+    """ComfyUI keeps flux (11.9 GiB); Ollama's gemma3:27b takes it back; ComfyUI, lower priority, then gets a 507."""
+    await run_prompt(demo.proxy.url("comfyui"), "flux1-dev-fp8.safetensors", http)
+    r = await http.post(demo.proxy.url("ollama") + "/api/generate", json={"model": "gemma3:27b", "prompt": "hi", "stream": False})
+    assert r.status_code == 200, r.text
+    r = await http.post(demo.proxy.url("comfyui") + "/prompt", json={"prompt": comfy_prompt("flux1-dev-fp8.safetensors")})
+    assert r.status_code == 507, r.text
+
+
+@pytest.fixture(autouse=True)
+def _telemetry_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path / "telemetry.sqlite3"
+    monkeypatch.setenv("HYPERSWAP_TELEMETRY", str(path))
+    return path
+
+
+async def test_metrics_count_a_handoff_and_a_507_on_the_simulated_box(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box("default")
+    await handoff_then_507(demo, http)
+
+    m = await scrape(http, demo)
+
+    assert value(m, "hyperswap_releases_total", tenant="comfyui", result="confirmed") == 1
+    assert value(m, "hyperswap_handoff_seconds_count") == 1
+    assert value(m, "hyperswap_handoff_seconds_sum") > 0
+    assert value(m, "hyperswap_rejections_total", tenant="comfyui") == 1
+    assert value(m, "hyperswap_rejections_total", tenant="ollama") == 0
+    assert value(m, "hyperswap_requests_total", tenant="comfyui", outcome="rejected") == 1
+    assert value(m, "hyperswap_requests_total", tenant="comfyui", outcome="completed") == 1, "the first prompt"
+    assert value(m, "hyperswap_requests_total", tenant="ollama", outcome="completed") == 1
+    assert value(m, "hyperswap_inflight_requests", tenant="ollama") == 0
+    assert value(m, "hyperswap_gpu_memory_total_bytes") == demo.box.gpu.total_bytes
+    used, free = value(m, "hyperswap_gpu_memory_used_bytes"), value(m, "hyperswap_gpu_memory_free_bytes")
+    assert used > 16 * GIB and free < 8 * GIB
+    assert value(m, "hyperswap_tenant_vram_bytes", tenant="ollama") > 16 * GIB
+    assert value(m, "hyperswap_tenant_vram_bytes", tenant="comfyui") < 0.5 * GIB
+    assert value(m, "hyperswap_gpu_snapshot_source_info", source="simulated", device=demo.box.gpu.name) == 1
+    assert all("pid" not in dict(labels) for _, labels in m), "pid labels would churn series"
+
+
+async def test_unmanaged_vram_and_a_507_on_the_tight_box(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box("tight")
+    r = await http.post(demo.proxy.url("ollama") + "/api/generate", json={"model": "mistral-small:22b", "prompt": "hi", "stream": False})
+    assert r.status_code == 507, r.text
+
+    m = await scrape(http, demo)
+
+    assert value(m, "hyperswap_unmanaged_vram_bytes") == pytest.approx(0.84 * GIB, rel=0.01), "the speech relay"
+    assert value(m, "hyperswap_rejections_total", tenant="ollama") == 1
+    assert value(m, "hyperswap_requests_total", tenant="ollama", outcome="rejected") == 1
+    assert value(m, "hyperswap_requests_total", tenant="ollama", outcome="completed") == 0
+    assert value(m, "hyperswap_handoff_seconds_count") == 0, "a 507 is not a handoff"
+
+
+async def test_first_scrape_reads_the_card_and_two_proxies_keep_separate_counters(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    a = await box("tight")
+    b = await box("tight")
+    assert a.proxy.arbitration.last_snapshot is None
+    r = await http.post(a.proxy.url("ollama") + "/api/generate", json={"model": "mistral-small:22b", "prompt": "hi", "stream": False})
+    assert r.status_code == 507
+
+    mb = await scrape(http, b)
+    ma = await scrape(http, a)
+
+    assert value(mb, "hyperswap_gpu_memory_total_bytes") == b.box.gpu.total_bytes, "first scrape takes a snapshot"
+    assert value(ma, "hyperswap_rejections_total", tenant="ollama") == 1
+    assert value(mb, "hyperswap_rejections_total", tenant="ollama") == 0, "counters leaked between proxies"
+
+
+async def test_history_has_the_release_with_freed_bytes_and_the_507(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box("default")
+    await handoff_then_507(demo, http)
+    base = demo.proxy.url("admin")
+
+    rows = (await http.get(base + "/api/history", params={"since": 0})).json()["rows"]
+
+    releases = rows["releases"]
+    assert [(r["tenant"], r["requester"], r["confirmed"]) for r in releases] == [("comfyui", "ollama", True)]
+    assert releases[0]["freed_bytes"] > 11 * GIB and releases[0]["duration_s"] > 0
+    assert [(r["tenant"], r["trigger"]) for r in rows["rejections"]] == [("comfyui", "request POST /prompt")]
+    assert {d["kind"] for d in rows["decisions"]} == {"plan", "rejection"}
+    only = (await http.get(base + "/api/history", params={"kind": "releases", "since": releases[0]["at"] + 1})).json()
+    assert only["kinds"] == ["releases"] and only["rows"] == {"releases": []}
+    bad = await http.get(base + "/api/history", params={"kind": "nope"})
+    assert bad.status_code == 400 and "nope" in bad.json()["error"]
+
+
+async def test_history_survives_a_restart_and_vram_samples_and_loads_are_written(
+        box: DemoFactory, http: httpx.AsyncClient, _telemetry_file: Path) -> None:
+    demo = await box("default")
+    await handoff_then_507(demo, http)
+    tel = extension(demo, Telemetry)
+    assert tel.healthy()[0], tel.healthy()
+    assert tel.min_vram("ollama", 3600.0) is not None
+    await demo.stop()  # flushes open windows, drains the queue
+
+    from proxy.telemetry import TelemetryStore
+    store = TelemetryStore(_telemetry_file)
+    vram = store.query("vram", tenant="ollama")
+    assert vram and max(r["max_bytes"] for r in vram) > 16 * GIB
+    loads = store.query("model_loads", tenant="ollama")
+    assert loads and loads[-1]["grown_bytes"] > 16 * GIB, "gemma's load was seen as VRAM growth"
+    assert store.count("releases") == 1 and store.count("rejections") == 1
+
+
+async def test_telemetry_off_answers_503_and_stays_healthy(box: DemoFactory, http: httpx.AsyncClient,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HYPERSWAP_TELEMETRY", "off")
+    demo = await box("tight")
+    r = await http.get(demo.proxy.url("admin") + "/api/history")
+    assert r.status_code == 503 and r.json()["error"] == "telemetry is off"
+    assert extension(demo, Telemetry).healthy()[0]
+    assert isinstance(extension(demo, Metrics), Metrics)
