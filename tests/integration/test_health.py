@@ -317,3 +317,19 @@ def test_check_without_a_running_proxy_is_one_clear_line(capsys: pytest.CaptureF
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: no HyperSwap proxy answers at")
     assert "Traceback" not in captured.err
+
+
+def test_check_finds_the_admin_listener_in_the_config_and_reports_a_bad_config(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = tmp_path / "tenants.json"
+    cfg.write_text(json.dumps({"admin": {"listen": f"127.0.0.1:{port}"}}))
+    assert check_main(str(cfg), None, False) == 2
+    assert f"127.0.0.1:{port}" in capsys.readouterr().err
+
+    cfg.write_text("{not json")
+    assert check_main(str(cfg), None, False) == 2
+    err = capsys.readouterr().err
+    assert "invalid JSON" in err and "Traceback" not in err
