@@ -17,13 +17,6 @@ from .errors import HyperSwapError
 from .tenants import Registry, field_value, load_registry
 
 
-def _not_available(command: str, issue: str) -> Callable[[argparse.Namespace], int]:
-    def run(_: argparse.Namespace) -> int:
-        print(f"hyperswap {command}: not available yet in {__version__} (arrives with {issue})", file=sys.stderr)
-        return 2
-    return run
-
-
 def cmd_tenants(args: argparse.Namespace) -> int:
     registry = load_registry(args.config)
     if args.json:
@@ -76,6 +69,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return asyncio.run(run())
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    from .health import check_main
+
+    return check_main(args.config, args.admin, args.json)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     import httpx
 
@@ -124,8 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--scenario", default="default", help="default, tight, third-app, or a scenario file path")
     demo.add_argument("--check", action="store_true", help="self-test every simulator route and one handoff, then exit 0/1")
     demo.add_argument("--no-proxy", action="store_true", help="start only the simulated GPU box")
-    add("check", "check every dependency (NVML, upstreams, config) and say how to fix what is broken",
-        _not_available("check", "the self-knowledge issue"))
+    check = add("check", "check every dependency of a running proxy (NVML, upstreams, config) and say how to fix what is broken",
+                cmd_check)
+    check.add_argument("--admin", metavar="URL", help="admin API URL (default: from tenants.json)")
+    check.add_argument("--json", action="store_true")
     plan = add("plan", "print a dry-run release plan from a running proxy", cmd_plan)
     plan.add_argument("--tenant", help="the tenant that needs memory")
     plan.add_argument("--need-gb", type=float, help="GiB it needs (default: its needs_vram_gb)")
