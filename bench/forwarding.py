@@ -63,29 +63,8 @@ def upstream_app():  # type: ignore[no-untyped-def]
                              Route("/api/blobs/{d}", upload, methods=["POST"])])
 
 
-def tcp_nodelay_patch() -> None:
-    """proxy.servers binds socket.socket(AF_INET, SOCK_STREAM) with proto 0, and asyncio only sets
-    TCP_NODELAY on accepted sockets whose proto is IPPROTO_TCP: every response sent in two writes
-    (headers, body) then waits ~40 ms for the delayed ACK. Until servers.py passes IPPROTO_TCP,
-    the bench does it here (--no-nodelay-fix shows the unpatched numbers)."""
-    import socket
-
-    import proxy.servers as servers
-
-    class _Sock(socket.socket):
-        def __init__(self, family: int = -1, type: int = -1, proto: int = -1, fileno: int | None = None) -> None:
-            if fileno is None and type == socket.SOCK_STREAM and proto in (-1, 0):
-                proto = socket.IPPROTO_TCP
-            super().__init__(family, type, proto, fileno)
-
-    servers.socket = type("socket_shim", (), {**{k: getattr(socket, k) for k in dir(socket) if not k.startswith("__")},
-                                              "socket": _Sock})  # type: ignore[assignment]
-
-
-async def serve(role: str, upstream: str | None, nodelay_fix: bool) -> None:
+async def serve(role: str, upstream: str | None) -> None:
     sys.path.insert(0, str(ROOT))
-    if nodelay_fix:
-        tcp_nodelay_patch()
     from proxy.servers import start_server
 
     if role == "upstream":
@@ -103,9 +82,8 @@ async def serve(role: str, upstream: str | None, nodelay_fix: bool) -> None:
     await asyncio.Event().wait()
 
 
-def spawn(role: str, upstream: str | None, nodelay_fix: bool) -> tuple[subprocess.Popen[str], str]:
-    args = [sys.executable, __file__, "--serve", role] + (["--upstream", upstream] if upstream else []) \
-        + ([] if nodelay_fix else ["--no-nodelay-fix"])
+def spawn(role: str, upstream: str | None) -> tuple[subprocess.Popen[str], str]:
+    args = [sys.executable, __file__, "--serve", role] + (["--upstream", upstream] if upstream else [])
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     assert proc.stdout is not None
     port = int(proc.stdout.readline())
@@ -210,9 +188,9 @@ async def upload(client: httpx.AsyncClient, url: str, proc: psutil.Process | Non
     return out
 
 
-async def run(quick: bool, nodelay_fix: bool) -> dict[str, object]:
-    up_proc, up_url = spawn("upstream", None, nodelay_fix)
-    px_proc, px_url = spawn("proxy", up_url, nodelay_fix)
+async def run(quick: bool) -> dict[str, object]:
+    up_proc, up_url = spawn("upstream", None)
+    px_proc, px_url = spawn("proxy", up_url)
     base = {"direct": up_url, "proxy": px_url}
     try:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
@@ -227,7 +205,7 @@ async def run(quick: bool, nodelay_fix: bool) -> dict[str, object]:
             p.terminate()
             p.wait(5)
     return {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
-            "tcp_nodelay_fix": nodelay_fix, "quick": quick,
+            "quick": quick,
             "c1": c1, "c64": c64, "stream": stream, "upload": {"direct": up_direct, "proxy": up_proxy},
             "added": {"c1_p50_ms": c1["proxy"]["p50_ms"] - c1["direct"]["p50_ms"],
                       "c64_p99_ms": c64["proxy"]["p99_ms"] - c64["direct"]["p99_ms"],
@@ -262,12 +240,11 @@ def main() -> None:
     parser.add_argument("--serve", choices=["upstream", "proxy"])
     parser.add_argument("--upstream")
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
-    parser.add_argument("--no-nodelay-fix", action="store_true", help="serve with proxy.servers as it is (Nagle on)")
     args = parser.parse_args()
     if args.serve:
-        asyncio.run(serve(args.serve, args.upstream, not args.no_nodelay_fix))
+        asyncio.run(serve(args.serve, args.upstream))
         return
-    result = asyncio.run(run(args.quick, not args.no_nodelay_fix))
+    result = asyncio.run(run(args.quick))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import ssl
 from typing import AsyncIterator, Callable
 
 import anyio
@@ -125,6 +126,7 @@ class Forwarder:
         self._clients: dict[str, list[httpx.AsyncClient]] = {}
         self._next: dict[str, itertools.cycle[httpx.AsyncClient]] = {}
         self._adapters: dict[str, EngineAdapter] = {}
+        self._ssl: ssl.SSLContext | None = None  # one for all clients: each load costs ~30 ms
         self.max_keepalive = max_keepalive
         self.pool_shards = max(1, pool_shards)
 
@@ -144,7 +146,10 @@ class Forwarder:
 
     def _new_client(self, tenant: Tenant) -> httpx.AsyncClient:
         t = tenant.timeouts
+        if self._ssl is None:
+            self._ssl = httpx.create_ssl_context()
         return httpx.AsyncClient(
+            verify=self._ssl,
             # httpx defaults (5 s everywhere, 100 connections, 20 keep-alive) cut model loads
             # and throttle concurrent streams: no read timeout, no pool cap.
             timeout=httpx.Timeout(connect=t.connect_s, read=t.read_s, write=t.write_s, pool=t.pool_s),
@@ -158,21 +163,25 @@ class Forwarder:
         base = httpx.URL(tenant.upstream or "")
         return base.copy_with(raw_path=raw_path + (b"?" + query if query else b""))
 
-    async def open(self, tenant: Tenant, request: Request, body: bytes | AsyncIterator[bytes]) -> httpx.Response:
-        """Send the request upstream; return once its status and headers arrived (body unread)."""
-        scope = request.scope
+    async def open(self, tenant: Tenant, request: Request | Scope,
+                   body: bytes | AsyncIterator[bytes]) -> httpx.Response:
+        """Send the request upstream; return once its status and headers arrived (body unread).
+        `request` is a Starlette Request or the bare ASGI scope (the listener's passthrough path)."""
+        scope: Scope = request.scope if isinstance(request, Request) else request
+        method: str = scope["method"]
         raw_path: bytes = scope.get("raw_path") or scope["path"].encode("utf-8")
+        client_addr = scope.get("client")
         headers = self.adapter(tenant).upstream_headers(
-            _latin1(request.headers.raw), client_ip=request.client.host if request.client else None,
+            _latin1(scope["headers"]), client_ip=client_addr[0] if client_addr else None,
             scheme=scope.get("scheme", "http"))
         if isinstance(body, bytes):
             # A replayed (buffered) body: its length is known, whatever the client framed it with.
             headers = [(k, v) for k, v in headers if k.lower() != "content-length"]
-            if body or request.method not in ("GET", "HEAD"):
+            if body or method not in ("GET", "HEAD"):
                 headers.append(("content-length", str(len(body))))
         client = self.client(tenant)
         upstream_request = httpx.Request(
-            request.method, self._url(tenant, raw_path, scope.get("query_string", b"")),
+            method, self._url(tenant, raw_path, scope.get("query_string", b"")),
             headers=headers, content=body,
             # Built by hand so httpx adds none of its default headers (Accept-Encoding etc.).
             extensions={"timeout": client.timeout.as_dict()},

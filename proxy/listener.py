@@ -3,6 +3,10 @@
 GPU requests (per the engine adapter) are read up to `replay_body_max_bytes` so admission can plan
 and retry once after an OOM, counted in flight, then relayed; everything else streams straight.
 Tenant listeners never expose admin routes: every path belongs to the engine.
+
+The listener is a bare ASGI callable, not a Starlette app: every path and method belongs to the
+engine, so Route matching, the middleware stack and a Request per passthrough request were pure
+cost (bench: ~0.3 ms of the proxy's added latency per small GET).
 """
 
 from __future__ import annotations
@@ -12,10 +16,10 @@ import zlib
 from typing import AsyncIterator, Awaitable, Callable, Protocol
 
 import httpx
-from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.datastructures import State
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import BaseRoute, Route, WebSocketRoute
+from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket
 
 from .errors import HyperSwapError
@@ -25,8 +29,6 @@ from .tenants import Tenant
 
 log = logging.getLogger("hyperswap.listener")
 
-METHODS = ["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT",
-           "PROPFIND", "MKCOL", "COPY", "MOVE", "LOCK", "UNLOCK", "PROPPATCH", "QUERY"]
 JOB_RESPONSE_MAX = 1 << 20  # a POST /prompt answer is tiny; never hold more than this
 
 
@@ -68,8 +70,34 @@ def _decoded(body: bytes, encoding: str) -> bytes:
     return body if not encoding or encoding == "identity" else b""
 
 
+class TenantApp:
+    """The ASGI app of one tenant listener; `state.poller` is the tenant's job poller."""
+
+    def __init__(self, http: Callable[[Scope, Receive, Send], Awaitable[None]],
+                 ws: Callable[[WebSocket], Awaitable[None]], poller: JobPoller) -> None:
+        self._http = http
+        self._ws = ws
+        self.state = State()
+        self.state.poller = poller
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "websocket":
+            await self._ws(WebSocket(scope, receive, send))
+        elif kind == "lifespan":  # nothing to start: answer so a server with lifespan on proceeds
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+
+
 def tenant_app(tenant: Tenant, forwarder: Forwarder, inflight: InFlight, admission: Admission | None = None,
-               *, job_poll_s: float = 1.0) -> Starlette:
+               *, job_poll_s: float = 1.0) -> TenantApp:
     adapter = forwarder.adapter(tenant)
     name = tenant.name
 
@@ -81,14 +109,22 @@ def tenant_app(tenant: Tenant, forwarder: Forwarder, inflight: InFlight, admissi
     def error_response(exc: HyperSwapError) -> Response:
         return JSONResponse(exc.to_json(), status_code=exc.status)
 
-    async def http(request: Request) -> Response:
-        method, path = request.method, request.url.path
-        if adapter.classify(method, path) == "passthrough":
+    async def http(scope: Scope, receive: Receive, send: Send) -> None:
+        method: str = scope["method"]
+        if adapter.classify(method, scope["path"]) == "passthrough":
             try:
-                upstream = await forwarder.open(tenant, request, request.stream())
+                upstream = await forwarder.open(tenant, scope, _body_stream(scope, receive))
             except HyperSwapError as exc:
-                return error_response(exc)
-            return forwarder.relay(tenant, upstream, on_close=lambda: None)
+                response: Response = error_response(exc)
+            else:
+                response = forwarder.relay(tenant, upstream, on_close=_nothing)
+            await response(scope, receive, send)
+            return
+        response = await gpu(Request(scope, receive))
+        await response(scope, receive, send)
+
+    async def gpu(request: Request) -> Response:
+        method, path = request.method, request.url.path
 
         token = inflight.begin(name)
         try:
@@ -144,10 +180,29 @@ def tenant_app(tenant: Tenant, forwarder: Forwarder, inflight: InFlight, admissi
     async def ws(websocket: WebSocket) -> None:
         await forwarder.websocket(tenant, websocket, on_upstream_text=on_text)
 
-    routes: list[BaseRoute] = [
-        WebSocketRoute("/{path:path}", ws),
-        Route("/{path:path}", http, methods=METHODS),
-    ]
-    app = Starlette(routes=routes)
-    app.state.poller = poller
-    return app
+    return TenantApp(http, ws, poller)
+
+
+def _nothing() -> None:
+    pass
+
+
+def _body_stream(scope: Scope, receive: Receive) -> AsyncIterator[bytes] | bytes:
+    """The request body as it arrives; b"" when the client framed none, so a bodyless GET goes
+    upstream bodyless too (a stream would make httpx send it chunked)."""
+    for name, value in scope["headers"]:
+        if name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0"):
+            return _receive_body(receive)
+    return b""
+
+
+async def _receive_body(receive: Receive) -> AsyncIterator[bytes]:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()  # abort upstream: ending the stream would send a truncated body as whole
+        chunk = message.get("body", b"")
+        if chunk:
+            yield chunk
+        if not message.get("more_body", False):
+            return
