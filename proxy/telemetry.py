@@ -11,7 +11,8 @@ lets them run beside the writer). `close()` drains the queue fully before closin
 in just before shutdown are kept. A full queue drops rows (counted) rather than block traffic.
 
 Path: `HYPERSWAP_TELEMETRY` (a path; empty or "off" disables), else
-`$XDG_STATE_HOME/hyperswap/telemetry.sqlite3` (`~/.local/state/...`).
+`$XDG_STATE_HOME/hyperswap/telemetry.sqlite3` (`~/.local/state/...`); a proxy on the simulated
+GPU (the demo) defaults to `telemetry-sim.sqlite3` beside it.
 """
 
 from __future__ import annotations
@@ -425,6 +426,9 @@ class Telemetry:
                  retention_days: float = DEFAULT_RETENTION_DAYS, max_rows: int = DEFAULT_MAX_ROWS) -> None:
         self.proxy = proxy
         self.path = default_path() if path == "default" else path
+        if path == "default" and self.path is not None and _simulated(proxy) and ENV_VAR not in os.environ:
+            # The demo's simulated card must not mix into the history of the operator's real one.
+            self.path = self.path.with_name("telemetry-sim.sqlite3")
         self.sample_interval_s = sample_interval_s
         self.store: TelemetryStore | None = None
         if self.path is not None:
@@ -531,6 +535,11 @@ class Telemetry:
 
         rows = await asyncio.to_thread(read)
         return JSONResponse({"since": since, "kinds": kinds, "rows": rows})
+
+
+def _simulated(proxy: Proxy) -> bool:
+    from .sim.gpu import SimulatedGpu
+    return isinstance(proxy.reader, SimulatedGpu)
 
 
 def telemetry_extension(proxy: Proxy) -> Telemetry:

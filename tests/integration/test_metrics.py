@@ -152,3 +152,12 @@ async def test_telemetry_off_answers_503_and_stays_healthy(box: DemoFactory, htt
     assert r.status_code == 503 and r.json()["error"] == "telemetry is off"
     assert extension(demo, Telemetry).healthy()[0]
     assert isinstance(extension(demo, Metrics), Metrics)
+
+
+async def test_the_demo_box_writes_its_own_file_not_the_real_cards_history(box: DemoFactory,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HYPERSWAP_TELEMETRY")
+    demo = await box("tight")
+    tel = extension(demo, Telemetry)
+    assert tel.path is not None and tel.path.name == "telemetry-sim.sqlite3"
+    assert tel.path.parent == Path.home() / ".local" / "state" / "hyperswap"
