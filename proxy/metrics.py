@@ -168,7 +168,7 @@ class Metrics:
         outcome = d.outcome
         if d.kind == "rejection" and d.trigger.startswith("request ") and self._first(d, "rejection"):
             self.rejections.labels(d.tenant).inc()
-            self._pending.setdefault(d.tenant, []).append("rejected")
+            self._expect(d.tenant, "rejected")
         releases = outcome.get("releases")
         if isinstance(releases, list) and self._first(d, "releases"):
             for r in releases:
@@ -179,7 +179,12 @@ class Metrics:
         if result is not None and self._first(d, "oom_retry"):
             self.oom_retries.labels(d.tenant, str(result)).inc()
             if result != "succeeded":
-                self._pending.setdefault(d.tenant, []).append("oom_error")
+                self._expect(d.tenant, "oom_error")
+
+    def _expect(self, tenant: str, outcome: str) -> None:
+        pending = self._pending.setdefault(tenant, [])
+        if len(pending) < _SEEN_MAX:  # bounded even if a decision ever came without its request
+            pending.append(outcome)
 
 
 def metrics_extension(proxy: Proxy) -> Metrics:
