@@ -63,7 +63,7 @@ def upstream_app():  # type: ignore[no-untyped-def]
                              Route("/api/blobs/{d}", upload, methods=["POST"])])
 
 
-async def serve(role: str, upstream: str | None) -> None:
+async def serve(role: str, upstream: str | None, shards: int) -> None:
     sys.path.insert(0, str(ROOT))
     from proxy.servers import start_server
 
@@ -76,14 +76,15 @@ async def serve(role: str, upstream: str | None) -> None:
         from proxy.tenants import Tenant
 
         tenant = Tenant(name="bench", engine="ollama", upstream=upstream)
-        app = tenant_app(tenant, Forwarder(), InFlight())
+        app = tenant_app(tenant, Forwarder(pool_shards=shards), InFlight())
     server = await start_server(app, name=role)
     print(server.port, flush=True)
     await asyncio.Event().wait()
 
 
-def spawn(role: str, upstream: str | None) -> tuple[subprocess.Popen[str], str]:
-    args = [sys.executable, __file__, "--serve", role] + (["--upstream", upstream] if upstream else [])
+def spawn(role: str, upstream: str | None, shards: int = 16, loop: str = "asyncio") -> tuple[subprocess.Popen[str], str]:
+    args = [sys.executable, __file__, "--serve", role, "--shards", str(shards), "--loop", loop] \
+        + (["--upstream", upstream] if upstream else [])
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     assert proc.stdout is not None
     port = int(proc.stdout.readline())
@@ -188,9 +189,9 @@ async def upload(client: httpx.AsyncClient, url: str, proc: psutil.Process | Non
     return out
 
 
-async def run(quick: bool) -> dict[str, object]:
+async def run(quick: bool, shards: int, loop: str) -> dict[str, object]:
     up_proc, up_url = spawn("upstream", None)
-    px_proc, px_url = spawn("proxy", up_url)
+    px_proc, px_url = spawn("proxy", up_url, shards, loop)
     base = {"direct": up_url, "proxy": px_url}
     try:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
@@ -205,7 +206,7 @@ async def run(quick: bool) -> dict[str, object]:
             p.terminate()
             p.wait(5)
     return {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
-            "quick": quick,
+            "quick": quick, "proxy_pool_shards": shards, "proxy_loop": loop,
             "c1": c1, "c64": c64, "stream": stream, "upload": {"direct": up_direct, "proxy": up_proxy},
             "added": {"c1_p50_ms": c1["proxy"]["p50_ms"] - c1["direct"]["p50_ms"],
                       "c64_p99_ms": c64["proxy"]["p99_ms"] - c64["direct"]["p99_ms"],
@@ -240,11 +241,17 @@ def main() -> None:
     parser.add_argument("--serve", choices=["upstream", "proxy"])
     parser.add_argument("--upstream")
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
+    parser.add_argument("--shards", type=int, default=16, help="the proxy's httpx pools per tenant")
+    parser.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio", help="the proxy's event loop")
     args = parser.parse_args()
     if args.serve:
-        asyncio.run(serve(args.serve, args.upstream))
+        if args.serve == "proxy" and args.loop == "uvloop":
+            import uvloop
+            uvloop.run(serve(args.serve, args.upstream, args.shards))
+        else:
+            asyncio.run(serve(args.serve, args.upstream, args.shards))
         return
-    result = asyncio.run(run(args.quick))
+    result = asyncio.run(run(args.quick, args.shards, args.loop))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))
