@@ -402,6 +402,8 @@ class GpuAdmission:
         trigger = f"request {request.method} {request.url.path}"
         handoff, need = await self.arb.admit(tenant, request, body, trigger)
         if handoff is None:
+            self.arb.decisions.record("rejection", tenant.name, trigger, None, status=503,
+                                      reason=f"queue timeout ({self.arb.registry.config.proxy.queue_timeout_s:g} s)")
             return JSONResponse({"error": f"waited {self.arb.registry.config.proxy.queue_timeout_s:g} s for a GPU handoff in progress",
                                  "tenant": tenant.name, "fix": "retry, or raise proxy.queue_timeout_s"}, status_code=503)
         try:

@@ -543,4 +543,12 @@ def _simulated(proxy: Proxy) -> bool:
 
 
 def telemetry_extension(proxy: Proxy) -> Telemetry:
-    return Telemetry(proxy)
+    """tenants.json `telemetry` wins over $HYPERSWAP_TELEMETRY, which wins over the default path."""
+    spec = proxy.registry.config.telemetry
+    if spec.path is None:
+        path: Path | None | Literal["default"] = "default"
+    elif spec.path.strip().lower() in ("", "off"):
+        path = None
+    else:
+        path = Path(spec.path).expanduser()
+    return Telemetry(proxy, path, retention_days=spec.retention_days, max_rows=spec.max_rows)

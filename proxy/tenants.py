@@ -175,9 +175,16 @@ class ProxySettings(_Strict):
     queue_timeout_s: float = 300.0
 
 
+class TelemetrySettings(_Strict):
+    path: str | None = Field(default=None, description="SQLite file; null = ~/.local/state/hyperswap/telemetry.sqlite3, 'off' disables")
+    retention_days: float = 30.0
+    max_rows: int = 500_000
+
+
 class Config(_Strict):
     admin: AdminSpec = Field(default_factory=AdminSpec)
     proxy: ProxySettings = Field(default_factory=ProxySettings)
+    telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
     tenants: dict[str, Tenant] = Field(default_factory=dict)
 
     @model_validator(mode="after")

@@ -15,7 +15,7 @@ def _isolated_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.setenv("XDG_CONFIG_HOME", str(home / ".config"))
     monkeypatch.setenv("XDG_STATE_HOME", str(home / ".local" / "state"))
-    for var in ("HYPERSWAP_CONFIG", "HYPERSWAP_ADMIN_TOKEN"):
+    for var in ("HYPERSWAP_CONFIG", "HYPERSWAP_ADMIN_TOKEN", "HYPERSWAP_TELEMETRY"):
         monkeypatch.delenv(var, raising=False)
     # Loopback only: never let a client pick up a proxy from the environment.
     for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
