@@ -36,6 +36,9 @@ class Admission(Protocol):
     async def handle(self, tenant: Tenant, request: Request, body: bytes,
                      forward: Callable[[bytes], Awaitable[httpx.Response]]) -> httpx.Response | Response: ...
 
+    def on_frame(self, tenant: Tenant, text: str) -> None:
+        """Every upstream websocket text frame (ComfyUI's OOM arrives as one); must be cheap."""
+
 
 async def _read_up_to(request: Request, limit: int) -> tuple[bytes, AsyncIterator[bytes] | None]:
     """The whole body if it fits in `limit`, else (prefix, iterator yielding prefix then the rest)."""
@@ -176,6 +179,8 @@ def tenant_app(tenant: Tenant, forwarder: Forwarder, inflight: InFlight, admissi
         job_id = adapter.job_done_from_frame(text)
         if job_id is not None:
             inflight.finish_job(name, job_id)
+        if admission is not None:
+            admission.on_frame(tenant, text)
 
     async def ws(websocket: WebSocket) -> None:
         await forwarder.websocket(tenant, websocket, on_upstream_text=on_text)

@@ -232,3 +232,35 @@ async def test_admin_token_guards_release(box: DemoFactory, http: httpx.AsyncCli
 
 def test_module_json_is_valid() -> None:
     assert json.loads(json.dumps(comfy_prompt("x")))
+
+
+async def test_comfyui_oom_is_reclaimed_and_the_prompt_requeued_for_the_same_client(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    # ComfyUI outranks Ollama here, and asks for little up front: the OOM is what reveals the need.
+    demo = await box(fast("default", tenants={"comfyui": {"priority": 60, "needs_vram_gb": 1.0}}))
+    assert (await generate(http, demo, "gemma3:27b")).status_code == 200
+    demo.box.comfyui.fail_next_prompt_with_oom()
+    cid = uuid.uuid4().hex
+    base = demo.proxy.url("comfyui")
+    async with ws_connect(base.replace("http", "ws") + f"/ws?clientId={cid}", max_queue=None) as ws:
+        await ws.recv()
+        first = (await http.post(base + "/prompt", json={"prompt": comfy_prompt("sd_xl_base_1.0.safetensors"),
+                                                          "client_id": cid})).json()["prompt_id"]
+        ends: list[str] = []
+        errors: list[str] = []
+        async with asyncio.timeout(15):
+            while len(ends) < 2:
+                raw = await ws.recv()
+                if isinstance(raw, bytes):
+                    continue
+                m = json.loads(raw)
+                if m["type"] == "execution_error":
+                    errors.append(m["data"]["exception_type"])
+                if m["type"] == "executing" and m["data"].get("node") is None:
+                    ends.append(m["data"]["prompt_id"])
+    assert errors == ["torch.OutOfMemoryError"]
+    assert ends[0] == first and ends[1] != first, "the same client sees the re-queued prompt run"
+    history = (await http.get(base + f"/history/{ends[1]}")).json()[ends[1]]
+    assert history["status"]["status_str"] == "success"
+    assert history["prompt"][3]["client_id"] == cid
+    retry = decisions(demo, "oom_retry", "comfyui")[-1]
+    assert retry.outcome["oom_retry"] == "requeued" and [x["tenant"] for x in retry.outcome["releases"]] == ["ollama"]
