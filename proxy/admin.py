@@ -10,6 +10,8 @@ import hmac
 from typing import Any, Awaitable, Callable
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -167,7 +169,11 @@ class AdminApi:
             Route("/api/stats", s(self.stats), methods=["GET"]),
             *(extra_routes or []),
         ]
-        app = Starlette(routes=routes)
+        # No CORS unless configured: a web page on another origin must not drive the admin API.
+        cors = self.arb.registry.config.admin.cors_origins
+        middleware = [Middleware(CORSMiddleware, allow_origins=cors, allow_methods=["GET", "POST"],
+                                 allow_headers=["Authorization", "Content-Type"])] if cors else []
+        app = Starlette(routes=routes, middleware=middleware)
 
         async def not_found(request: Request, exc: Exception) -> Response:
             return await self.not_found(request)

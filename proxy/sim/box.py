@@ -43,6 +43,7 @@ class Scenario(BaseModel):
     ollama: dict[str, Any] | None = Field(default_factory=dict)  # None: no Ollama in this box
     comfyui: dict[str, Any] | None = Field(default_factory=dict)
     tenants: dict[str, Any] = Field(default_factory=dict)  # merged over the registry like a user tenants.json
+    settings: dict[str, Any] = Field(default_factory=dict)  # other tenants.json sections: admin, proxy, telemetry
 
 
 def scenario_names() -> list[str]:
@@ -116,4 +117,4 @@ class SimBox:
             tenants.setdefault(name, {})
             if isinstance(tenants[name], dict):
                 tenants[name] = {**tenants[name], "upstream": server.url}
-        return {"tenants": tenants}
+        return {**self.scenario.settings, "tenants": tenants}
