@@ -107,7 +107,7 @@ if __name__ == "__main__":
     result = asyncio.run(main(parser.parse_args().rounds))
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2))
-    print(f"| rounds | direct (engines' own) median | through proxy median | overhead median | overhead p90 | target |")
-    print(f"|---|---|---|---|---|---|")
+    print("| rounds | direct (engines' own) median | through proxy median | overhead median | overhead p90 | target |")
+    print("|---|---|---|---|---|---|")
     print(f"| {result['rounds']} | {result['direct_median_s'] * 1000:.0f} ms | {result['proxied_median_s'] * 1000:.0f} ms "
           f"| {result['overhead_median_ms']:.1f} ms | {result['overhead_p90_ms']:.1f} ms | <= 50 ms |")

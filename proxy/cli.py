@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 from . import __version__
 from .errors import HyperSwapError
-from .tenants import Registry, field_value, load_registry
+from .tenants import field_value, load_registry
 
 
 def cmd_tenants(args: argparse.Namespace) -> int:

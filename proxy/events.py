@@ -29,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
+from .tasks import cancel_and_wait
 from .admission import gib
 from .attribution import AttributedSnapshot
 from .decisions import Decision
@@ -200,13 +201,7 @@ class EventsExtension:
             self._unsubscribe()
             self._unsubscribe = None
         self._close_all()
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._tasks)
         self._tasks.clear()
 
     # -- fan-out (never awaits: called from inside handoffs) ----------------------------------

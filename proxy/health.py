@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 from websockets.asyncio.client import connect as ws_connect
 
+from .tasks import cancel_and_wait
 from .attribution import AttributedSnapshot
 from .engines import settings as es
 from .errors import ConfigError, HyperSwapError
@@ -129,13 +130,8 @@ class HealthExtension:
         self._task = asyncio.create_task(self._sampler(), name="hyperswap:health-sampler")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if self._client is not None:
             await self._client.aclose()
             self._client = None

@@ -14,6 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterator, Mapping
 
+from .tasks import cancel_and_wait
 from .clock import Clock, SystemClock
 
 log = logging.getLogger("hyperswap.inflight")
@@ -181,7 +182,4 @@ class JobPoller:
                     self.inflight.finish_job(self.tenant, job_id)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)

@@ -18,7 +18,6 @@ GPU (the demo) defaults to `telemetry-sim.sqlite3` beside it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -35,6 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from .tasks import cancel_and_wait
 from .clock import Clock
 from .decisions import Decision
 from .tenants import MIB
@@ -459,11 +459,8 @@ class Telemetry:
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         self.sample()
         self.recorder.flush()
         if self.store is not None:

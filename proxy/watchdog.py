@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from .tasks import cancel_and_wait
 from .admission import Arbitration, gib
 from .engines import memory
 from .tenants import GIB
@@ -118,12 +119,7 @@ class Watchdog:
         self._task = asyncio.create_task(self._loop(), name="hyperswap:watchdog")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
 
     async def _loop(self) -> None:
         interval = self.arb.registry.config.proxy.watchdog_interval_s

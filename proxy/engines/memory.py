@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 import httpx
 
+from ..gpu import DeviceMemory
 from ..tenants import GIB, Tenant
 
 log = logging.getLogger("hyperswap.engines")
@@ -174,10 +175,8 @@ async def comfy_running_prompts(tenant: Tenant, client: httpx.AsyncClient) -> li
     return [item[1] for item in r.json().get("queue_running") or [] if isinstance(item, list) and len(item) > 1]
 
 
-async def comfy_device(tenant: Tenant, client: httpx.AsyncClient) -> "DeviceMemory | None":
+async def comfy_device(tenant: Tenant, client: httpx.AsyncClient) -> DeviceMemory | None:
     """ComfyUI's device-wide figures (cudaMemGetInfo), for when NVML is broken."""
-    from ..gpu import DeviceMemory
-
     try:
         r = await client.get(f"{_base(tenant)}/system_stats")
         dev = (r.json().get("devices") or [{}])[0]
