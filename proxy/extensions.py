@@ -30,5 +30,6 @@ def default_extensions() -> list[ExtensionFactory]:
     from .events import events_extension; factories.append(events_extension)  # /api/events (SSE)
     from .telemetry import telemetry_extension; factories.append(telemetry_extension)  # SQLite history, /api/history
     from .metrics import metrics_extension; factories.append(metrics_extension)  # /metrics (Prometheus)
+    from .dashboard import dashboard_extension; factories.append(dashboard_extension)  # / and /static/{path} (the dashboard)
     from .openapi import OpenApiExtension; factories.append(OpenApiExtension)  # /openapi.json
     return factories

@@ -305,6 +305,15 @@ def _operations() -> dict[str, dict[str, JSON]]:
             "summary": "Prometheus metrics", "operationId": "metrics",
             "responses": {"200": {"description": "Prometheus text exposition format",
                                   "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+        "/": {"get": {
+            "summary": "The dashboard (HTML page; live over /api/events)", "operationId": "dashboard",
+            "responses": {"200": {"description": "the page", "content": {"text/html": {"schema": {"type": "string"}}}}}}},
+        "/static/{path}": {"get": {
+            "summary": "The dashboard's static files (app.js, app.css)", "operationId": "dashboardStatic",
+            "parameters": [{"name": "path", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "responses": {"200": {"description": "the file", "content": {"text/javascript": {"schema": {"type": "string"}},
+                                                                     "text/css": {"schema": {"type": "string"}}}},
+                          "404": _err("no such dashboard file")}}},
         "/openapi.json": {"get": {
             "summary": "This document", "operationId": "openapi",
             "responses": {"200": _json("OpenAPI 3.1", ANY_OBJECT)}}},

@@ -1,0 +1,282 @@
+// HyperSwap dashboard: plain JS, no build step. Everything comes from the admin API on this origin.
+"use strict";
+(() => {
+  const GIB = 1024 ** 3;
+  const STALE_AFTER_MS = 3000;
+  const HEALTH_POLL_MS = 3000;
+  const ENGINES_POLL_MS = 30000;
+  const HISTORY_MS = 5 * 60 * 1000;
+  const MAX_DECISIONS = 200;
+  const PALETTE = ["#3b6fd8", "#8b5cf6", "#0e9f8e", "#d9822b", "#d6457a", "#5f8f1c", "#7c6a55"];
+  const DESKTOP_COLOR = "#7b8594";
+  const TOKEN_KEY = "hyperswap.token";
+
+  const ui = {
+    stats: null, catalog: {}, engines: {}, health: null, healthCollapsed: false,
+    decisions: new Map(), history: [], colors: new Map(), lastFrameAt: 0, results: new Map(),
+  };
+  const $ = (id) => document.getElementById(id);
+
+  function el(tag, attrs = {}, ...children) {
+    const node = document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs)) {
+      if (v === null || v === undefined || v === false) continue;
+      if (k === "text") node.textContent = v;
+      else if (k === "dataset") Object.assign(node.dataset, v);
+      else node.setAttribute(k, v === true ? "" : String(v));
+    }
+    for (const c of children) if (c !== null && c !== undefined) node.append(c);
+    return node;
+  }
+  const gib = (bytes) => (bytes === null || bytes === undefined ? "–" : `${(bytes / GIB).toFixed(bytes >= 10 * GIB ? 1 : 2)} GiB`);
+  const secs = (s) => (s === null || s === undefined ? "–" : s >= 120 ? `${Math.floor(s / 60)} min ${Math.round(s % 60)} s` : `${s.toFixed(s < 10 ? 1 : 0)} s`);
+  const clock = (epoch_s) => new Date(epoch_s * 1000).toLocaleTimeString([], { hour12: false });
+
+  function colorOf(tenant) {
+    if (!ui.colors.has(tenant.name)) {
+      const c = tenant.engine === "generic" && !tenant.reclaimable ? DESKTOP_COLOR : PALETTE[ui.colors.size % PALETTE.length];
+      ui.colors.set(tenant.name, c);
+    }
+    return ui.colors.get(tenant.name);
+  }
+
+  // -- the stream ------------------------------------------------------------------------------
+  function connect() {
+    const es = new EventSource("/api/events");  // reconnects by itself, with Last-Event-ID
+    const seen = () => { ui.lastFrameAt = Date.now(); markStale(); };
+    es.addEventListener("stats", (ev) => { seen(); onStats(JSON.parse(ev.data)); });
+    es.addEventListener("catalog", (ev) => { seen(); ui.catalog = JSON.parse(ev.data).tenants || {}; renderTenants(); });
+    es.addEventListener("decision", (ev) => { seen(); onDecision(JSON.parse(ev.data)); });
+    es.addEventListener("error", () => markStale());
+  }
+  function markStale() {
+    const stale = Date.now() - ui.lastFrameAt > STALE_AFTER_MS;
+    $("stale").hidden = !stale;
+    document.body.classList.toggle("is-stale", stale);
+  }
+
+  function onStats(stats) {
+    ui.stats = stats;
+    const now = Date.now();
+    ui.history.push({ t: now, v: Object.fromEntries(stats.tenants.map((t) => [t.name, t.vram_bytes || 0])), total: stats.device.total_bytes });
+    while (ui.history.length && ui.history[0].t < now - HISTORY_MS) ui.history.shift();
+    const d = stats.device;
+    $("device").textContent = `${d.name} · ${d.source}${stats.handoff_in_progress ? " · handoff in progress" : ""}`;
+    renderBar(); renderTenants(); renderTimeline();
+  }
+
+  function onDecision(d) {
+    ui.decisions.set(d.id, d);  // an update re-sends the same id
+    if (ui.decisions.size > MAX_DECISIONS) ui.decisions.delete(ui.decisions.keys().next().value);
+    renderDecisions();
+  }
+
+  // -- memory bar ----------------------------------------------------------------------------
+  function renderBar() {
+    const s = ui.stats;
+    const total = s.device.total_bytes || 1;
+    const segs = [];
+    let accounted = 0;
+    for (const t of s.tenants) {
+      segs.push({ key: t.name, label: t.name, bytes: t.vram_bytes || 0, color: colorOf(t), cls: "tenant" });
+      accounted += t.vram_bytes || 0;
+    }
+    for (const p of s.processes.filter((p) => !p.tenant)) {
+      segs.push({ key: `pid-${p.pid}`, label: `${p.name} (${p.pid}, unmanaged)`, bytes: p.vram_bytes || 0, cls: "unmanaged" });
+      accounted += p.vram_bytes || 0;
+    }
+    const other = (s.device.used_bytes || 0) - accounted;
+    if (other > 0.005 * total) segs.push({ key: "other", label: "driver / reserved", bytes: other, color: "#b9c0ca", cls: "other" });
+    segs.push({ key: "free", label: "free", bytes: s.device.free_bytes || 0, cls: "free" });
+
+    const bar = $("membar"), legend = $("legend");
+    bar.replaceChildren(); legend.replaceChildren();
+    for (const g of segs) {
+      const share = g.bytes / total;
+      const seg = el("div", { class: `seg ${g.cls}`, title: `${g.label}: ${gib(g.bytes)}`, dataset: { segment: g.key, bytes: g.bytes } },
+        share > 0.08 ? `${g.label.split(" (")[0]} ${gib(g.bytes)}` : "");
+      seg.style.setProperty("flex-grow", String(g.bytes));
+      seg.style.setProperty("flex-basis", "0");
+      if (g.bytes === 0) seg.style.setProperty("min-width", "0");
+      if (g.color) seg.style.setProperty("background", g.color);
+      bar.append(seg);
+      const swatch = el("i");
+      if (g.color) swatch.style.setProperty("background", g.color);
+      else if (g.cls === "unmanaged") swatch.style.setProperty("background", "#c8323c");
+      else swatch.style.setProperty("background", "#d5dbe3");
+      legend.append(el("li", {}, swatch, `${g.label} ${gib(g.bytes)}`));
+    }
+    $("mem-total").textContent = `${gib(s.device.used_bytes)} used of ${gib(s.device.total_bytes)}`;
+  }
+
+  // -- tenant cards ----------------------------------------------------------------------------
+  function engineSummary(name) {
+    const e = ui.engines[name];
+    if (!e) return { sub: "", tip: "" };
+    if (e.error && !e.reachable) return { sub: `unreachable: ${e.error}`, tip: e.error };
+    if (e.settings) {
+      const short = e.settings.map((s) => `${s.name.replace(/^OLLAMA_/, "")}=${s.value ?? "default"}`);
+      const tip = e.settings.map((s) => `${s.name} = ${s.value ?? "(not set)"} [${s.source}]${s.status && s.status !== "ok" ? ` (${s.status})` : ""}\n  ${s.meaning}`);
+      return { sub: `${e.engine} ${e.version || ""} · ${short.slice(0, 3).join(" · ")}`, tip: [`${e.engine} ${e.version || ""} at ${e.upstream}`, ...tip].join("\n") };
+    }
+    const flags = (e.flags || []).length ? e.flags.join(" ") : "no flags";
+    const tip = [`${e.engine} ${e.version || ""} at ${e.upstream}`, `argv: ${(e.argv || []).join(" ")}`,
+      e.device_name ? `device: ${e.device_name}` : null, e.pytorch_version ? `pytorch ${e.pytorch_version}` : null,
+      e.python_version ? `python ${e.python_version}` : null].filter(Boolean);
+    return { sub: `${e.engine} ${e.version || ""} · ${flags}`, tip: tip.join("\n") };
+  }
+
+  function renderTenants() {
+    const s = ui.stats;
+    if (!s) return;
+    const box = $("tenants");
+    const focused = document.activeElement && document.activeElement.dataset ? document.activeElement.dataset.release : null;
+    box.replaceChildren();
+    for (const t of s.tenants) {
+      const eng = engineSummary(t.name);
+      const cat = ui.catalog[t.name];
+      const models = cat ? (cat.error ? `catalog error: ${cat.error}` : `${cat.models.length} installed`) : null;
+      const state = t.busy ? `busy: ${t.busy_reason}` : `idle${t.busy_reason && t.busy_reason !== "idle" ? `: ${t.busy_reason}` : ""}`;
+      const release = el("button", { type: "button", dataset: { release: t.name }, disabled: !t.reclaimable,
+        title: t.reclaimable ? `release ${t.name}'s GPU memory now` : "this tenant has no release strategy" }, "Release");
+      release.addEventListener("click", () => doRelease(t.name));
+      const res = ui.results.get(t.name);
+      const card = el("article", { class: "card", dataset: { tenant: t.name, busy: t.busy } },
+        el("div", { class: "top" }, el("h3", { text: t.name }), el("span", { class: `pill ${t.busy ? "busy" : "idle"}`, text: t.busy ? "busy" : "idle" })),
+        el("div", { class: "sub", title: eng.tip || null, dataset: { role: "engine" } }, eng.sub || t.engine),
+        el("dl", {},
+          el("dt", { text: "state" }), el("dd", { text: state }),
+          el("dt", { text: "in flight" }), el("dd", { text: String(t.in_flight) + (t.stale_jobs.length ? ` (${t.stale_jobs.length} stale)` : "") }),
+          el("dt", { text: "memory" }), el("dd", { text: gib(t.vram_bytes), dataset: { role: "vram" } }),
+          el("dt", { text: "idle release" }), el("dd", { text: t.idle_release_in_s === null ? "off" : `in ${secs(t.idle_release_in_s)}` }),
+          models ? el("dt", { text: "models" }) : null, models ? el("dd", { text: models, title: cat.models.map((m) => m.name).join("\n") }) : null),
+        el("div", { class: "actions" }, release,
+          res ? el("span", { class: `result ${res.ok ? "ok" : "err"}`, text: res.text, dataset: { role: "result" } }) : null));
+      card.style.setProperty("--c", colorOf(t));
+      box.append(card);
+    }
+    if (focused) { const b = box.querySelector(`[data-release="${CSS.escape(focused)}"]`); if (b) b.focus(); }
+  }
+
+  async function doRelease(name) {
+    if (!window.confirm(`Release ${name}'s GPU memory now? Its models will be unloaded.`)) return;
+    ui.results.set(name, { ok: true, text: "releasing…" }); renderTenants();
+    const headers = {};
+    const token = localStorage.getItem(TOKEN_KEY);
+    if (token) headers.Authorization = `Bearer ${token}`;
+    let result;
+    try {
+      const r = await fetch(`/api/tenants/${encodeURIComponent(name)}/release`, { method: "POST", headers });
+      const body = await r.json().catch(() => ({}));
+      if (r.ok) result = { ok: true, text: `freed ${body.freed_gb} GiB in ${body.duration_s} s` };
+      else if (body.freed_gb !== undefined) result = { ok: false, text: `${r.status}: freed ${body.freed_gb} GiB in ${body.duration_s} s: ${body.error || "not confirmed"}` };
+      else result = { ok: false, text: `${r.status}: ${body.error || r.statusText}${body.reason ? ` (${body.reason})` : ""}` };
+    } catch (err) {
+      result = { ok: false, text: `request failed: ${err}` };
+    }
+    ui.results.set(name, result); renderTenants();
+  }
+
+  // -- health ------------------------------------------------------------------------------------
+  async function pollHealth() {
+    try {
+      const r = await fetch("/api/health", { cache: "no-store" });
+      ui.health = await r.json();
+    } catch (err) {
+      ui.health = { status: "unreachable", entries: [{ name: "admin API", status: "failed", problem: String(err), impact: "the dashboard cannot read the proxy", fix: "is hyperswap running?" }] };
+    }
+    renderHealth();
+  }
+  function renderHealth() {
+    const h = ui.health, badge = $("health-badge"), panel = $("health");
+    const bad = (h.entries || []).filter((e) => e.status !== "ok");
+    badge.dataset.status = h.status;
+    badge.textContent = h.status === "ok" ? "health: ok" : `health: ${h.status} (${bad.length})`;
+    const open = bad.length > 0 && !ui.healthCollapsed;  // collapsed when all is well
+    badge.setAttribute("aria-expanded", String(open));
+    panel.hidden = !open;
+    panel.classList.toggle("degraded", h.status === "degraded");
+    panel.replaceChildren(el("h2", { text: `Health: ${h.status}` }), ...bad.map((e) => el("div", { class: "health-entry", dataset: { check: e.name } },
+      el("div", {}, el("span", { class: `st ${e.status}`, text: e.status }), el("b", { text: e.name }), e.problem || ""),
+      e.impact ? el("div", { class: "impact" }, el("span", { class: "muted", text: "impact: " }), e.impact) : null,
+      e.fix ? el("div", { class: "fix" }, el("span", { class: "muted", text: "fix: " }), el("code", { text: e.fix })) : null)));
+  }
+
+  async function pollEngines() {
+    try {
+      const r = await fetch("/api/engines", { cache: "no-store" });
+      const body = await r.json();
+      ui.engines = Object.fromEntries((body.engines || []).map((e) => [e.tenant, e]));
+      renderTenants();
+    } catch (err) { /* the cards keep their last subtitle */ }
+  }
+
+  // -- timeline ----------------------------------------------------------------------------------
+  function renderTimeline() {
+    const svg = $("timeline"), legend = $("timeline-legend");
+    const W = 600, H = 140, now = Date.now();
+    const total = (ui.history.length && ui.history[ui.history.length - 1].total) || 1;
+    const ns = "http://www.w3.org/2000/svg";
+    svg.replaceChildren();
+    for (const f of [0.25, 0.5, 0.75]) {
+      const line = document.createElementNS(ns, "line");
+      line.setAttribute("class", "grid");
+      line.setAttribute("x1", "0"); line.setAttribute("x2", String(W));
+      line.setAttribute("y1", String(H * f)); line.setAttribute("y2", String(H * f));
+      svg.append(line);
+    }
+    legend.replaceChildren();
+    for (const t of (ui.stats ? ui.stats.tenants : [])) {
+      const pts = ui.history.map((h) => `${(W * (1 - (now - h.t) / HISTORY_MS)).toFixed(1)},${(H - 4 - (H - 8) * (h.v[t.name] || 0) / total).toFixed(1)}`);
+      const pl = document.createElementNS(ns, "polyline");
+      pl.setAttribute("points", pts.join(" "));
+      pl.setAttribute("stroke", colorOf(t));
+      pl.dataset.tenant = t.name;
+      svg.append(pl);
+      const sw = el("i"); sw.style.setProperty("background", colorOf(t));
+      legend.append(el("li", {}, sw, `${t.name} ${gib(t.vram_bytes)}`));
+    }
+    legend.append(el("li", { text: `scale: 0 – ${gib(total)}` }));
+  }
+
+  // -- decisions ---------------------------------------------------------------------------------
+  function describe(d) {
+    const o = d.outcome || {}, p = d.plan;
+    const rel = (o.releases || []).map((r) => `${r.tenant}: freed ${r.freed_gb} GiB in ${r.duration_s} s${r.confirmed ? "" : ` (${r.error || "not confirmed"})`}`);
+    const blockers = p && p.blockers && p.blockers.length ? `blocked by ${p.blockers.map((b) => `${b.name} (${b.tenant}, ${b.reason}${b.vram_gib !== null ? `, ${b.vram_gib} GiB` : ""})`).join(", ")}` : "";
+    switch (d.kind) {
+      case "plan":
+        return `${d.tenant} needs ${p ? p.need_gib : "?"} GiB (free ${p ? p.free_gib : "?"}): ${p && p.releases.length ? "release " + p.releases.map((r) => `${r.tenant} ~${r.expected_free_gib} GiB`).join(", ") : "nothing to release"}${rel.length ? " → " + rel.join("; ") : " (running…)"}`;
+      case "release": case "idle_release":
+        return `${d.tenant} released (${d.trigger}): ${rel.length ? rel.join("; ") : `held ${gib(o.held_bytes)}, releasing…`}`;
+      case "rejection":
+        return `${o.status || 507} for ${d.tenant} (${d.trigger})${p ? `: needs ${p.need_gib} GiB, free ${p.free_gib} GiB` : ""}${blockers ? "; " + blockers : ""}${o.reason ? "; " + o.reason : ""}`;
+      case "oom_retry":
+        return `${d.tenant} OOM (${d.trigger}): ${typeof o.result === "string" ? o.result : JSON.stringify(o.result ?? o)}`;
+      default:
+        return `${d.tenant} (${d.trigger}) ${Object.keys(o).length ? JSON.stringify(o) : ""}`;
+    }
+  }
+  function renderDecisions() {
+    const list = $("decisions");
+    const items = [...ui.decisions.values()].sort((a, b) => b.id - a.id);
+    list.replaceChildren(...(items.length ? items.map((d) => el("li", { dataset: { decision: d.id, kind: d.kind } },
+      el("time", { text: clock(d.at) }), el("span", { class: `kind ${d.kind}`, text: d.kind.replace("_", " ") }), el("span", { text: describe(d) })))
+      : [el("li", { class: "empty", text: "no decisions yet" })]));
+  }
+
+  // -- start -------------------------------------------------------------------------------------
+  function start() {
+    const token = $("token");
+    token.value = localStorage.getItem(TOKEN_KEY) || "";
+    token.addEventListener("change", () => { if (token.value) localStorage.setItem(TOKEN_KEY, token.value); else localStorage.removeItem(TOKEN_KEY); });
+    $("health-badge").addEventListener("click", () => { ui.healthCollapsed = !ui.healthCollapsed; if (ui.health) renderHealth(); });
+    renderDecisions();
+    fetch("/api/decisions?limit=50").then((r) => r.json()).then((b) => (b.decisions || []).forEach(onDecision)).catch(() => {});
+    connect();
+    pollHealth(); setInterval(pollHealth, HEALTH_POLL_MS);
+    pollEngines(); setInterval(pollEngines, ENGINES_POLL_MS);
+    setInterval(markStale, 500);
+  }
+  document.addEventListener("DOMContentLoaded", start);
+})();

@@ -1,0 +1,95 @@
+"""The dashboard in Debian's Chromium against the simulated box: what an operator sees and clicks."""
+
+from __future__ import annotations
+
+import httpx
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from playwright.async_api import Dialog, Page
+
+from proxy.demo import Demo, run_prompt
+
+DemoFactory = Callable[..., Awaitable[Demo]]
+OpenDashboard = Callable[[Demo], Awaitable[tuple[Page, Any]]]
+
+WAIT_MS = 10_000
+
+
+async def segment_bytes(page: Page, key: str) -> int:
+    return int(await page.get_attribute(f'#membar [data-segment="{key}"]', "data-bytes") or "0")
+
+
+async def wait_segment_above(page: Page, key: str, floor: int) -> None:
+    await page.wait_for_function(
+        "([key, floor]) => { const s = document.querySelector(`#membar [data-segment=\"${key}\"]`);"
+        " return s && Number(s.dataset.bytes) > floor; }", arg=[key, floor], timeout=WAIT_MS)
+
+
+async def test_page_loads_clean_and_shows_every_tenant_of_the_scenario(box: DemoFactory, dashboard: OpenDashboard) -> None:
+    demo = await box("default")
+    page, console = await dashboard(demo)
+    for name in ("ollama", "comfyui", "desktop"):
+        await page.wait_for_selector(f'.card[data-tenant="{name}"]', timeout=WAIT_MS)
+    await page.wait_for_selector('#health-badge[data-status="ok"]', timeout=WAIT_MS)
+    sub = page.locator('.card[data-tenant="ollama"] [data-role="engine"]')
+    await sub.filter(has_text="0.12.3").wait_for(timeout=WAIT_MS)  # from GET /api/engines
+    assert "OLLAMA_NUM_PARALLEL" in (await sub.get_attribute("title") or ""), "full settings list belongs in the tooltip"
+    assert await page.is_hidden("#health"), "health details stay collapsed while every check is ok"
+    assert await page.is_disabled('.card[data-tenant="desktop"] button'), "the desktop has no release strategy"
+    assert not console.errors, console.errors
+
+
+async def test_memory_bar_grows_when_the_ollama_simulator_loads_a_model(box: DemoFactory, dashboard: OpenDashboard) -> None:
+    demo = await box("default")
+    page, console = await dashboard(demo)
+    await page.wait_for_selector('#membar [data-segment="ollama"]', state="attached", timeout=WAIT_MS)
+    before = await segment_bytes(page, "ollama")
+    async with httpx.AsyncClient(timeout=30.0, trust_env=False) as http:
+        r = await http.post(demo.box.servers["ollama"].url + "/api/generate",
+                            json={"model": "llama3.2:3b", "prompt": "hi", "stream": False})
+        assert r.status_code == 200, r.text
+    await wait_segment_above(page, "ollama", before)
+    assert await segment_bytes(page, "free") < demo.box.gpu.read().device.total_bytes
+    assert not console.errors, console.errors
+
+
+async def test_release_button_frees_an_idle_comfyui_and_shows_the_measured_result(box: DemoFactory, dashboard: OpenDashboard,
+                                                                                   artifacts: Path) -> None:
+    demo = await box("default")
+    assert demo.proxy is not None
+    page, console = await dashboard(demo)
+    async with httpx.AsyncClient(timeout=30.0, trust_env=False) as http:
+        await run_prompt(demo.proxy.url("comfyui"), "flux1-dev-fp8.safetensors", http)
+    await wait_segment_above(page, "comfyui", 10 * 1024**3)
+    dialogs: list[str] = []
+
+    async def accept(dialog: Dialog) -> None:
+        dialogs.append(dialog.message)
+        await dialog.accept()
+
+    page.on("dialog", accept)
+    await page.click('.card[data-tenant="comfyui"] button[data-release="comfyui"]')
+    result = page.locator('.card[data-tenant="comfyui"] [data-role="result"]')
+    await result.filter(has_text="freed").wait_for(timeout=WAIT_MS)
+    text = await result.inner_text()
+    assert dialogs and "comfyui" in dialogs[0], "a release is confirmed first"
+    assert " GiB in " in text and float(text.split("freed ")[1].split(" GiB")[0]) > 10, text
+    await page.locator('#decisions li[data-kind="release"]').filter(has_text="freed").wait_for(timeout=WAIT_MS)
+    await page.wait_for_function(
+        "() => Number(document.querySelector('#membar [data-segment=\"comfyui\"]').dataset.bytes) < 2 * 1024 ** 3",
+        timeout=WAIT_MS)
+    await page.screenshot(path=str(artifacts / "dashboard.png"), full_page=True)
+    assert not console.errors, console.errors
+
+
+async def test_a_failing_health_check_expands_with_its_fix(box: DemoFactory, dashboard: OpenDashboard, artifacts: Path) -> None:
+    demo = await box("default")
+    page, _ = await dashboard(demo)
+    await page.wait_for_selector('#health-badge[data-status="ok"]', timeout=WAIT_MS)
+    await demo.box.ollama.stop()
+    entry = page.locator('#health [data-check="upstream ollama"]')
+    await entry.wait_for(state="visible", timeout=WAIT_MS)
+    assert await page.get_attribute("#health-badge", "data-status") in ("failed", "degraded")
+    assert await entry.locator(".fix code").inner_text(), "a broken check shows its fix"
+    await page.screenshot(path=str(artifacts / "dashboard-health.png"), full_page=True)
