@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import httpx
+import asyncio
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from playwright.async_api import Dialog, Page
+import httpx
+import pytest
+from playwright.async_api import BrowserContext, Dialog, Page
 
 from proxy.demo import Demo, run_prompt
 
@@ -93,3 +95,38 @@ async def test_a_failing_health_check_expands_with_its_fix(box: DemoFactory, das
     assert await page.get_attribute("#health-badge", "data-status") in ("failed", "degraded")
     assert await entry.locator(".fix code").inner_text(), "a broken check shows its fix"
     await page.screenshot(path=str(artifacts / "dashboard-health.png"), full_page=True)
+
+
+
+async def test_stale_marker_shows_while_the_stream_is_down_and_clears_when_it_reconnects(
+        box: DemoFactory, browser: BrowserContext) -> None:
+    demo = await box("default")
+    assert demo.proxy is not None
+    page = browser.pages[0] if browser.pages else await browser.new_page()
+    await page.route("**/api/events", lambda route: route.abort())  # the stream is down from the start
+    await page.goto(demo.proxy.url("admin") + "/")
+    await page.wait_for_selector("#stale", state="visible", timeout=WAIT_MS)
+    await page.unroute("**/api/events")  # EventSource retries by itself
+    await page.wait_for_selector('.card[data-tenant="ollama"]', timeout=WAIT_MS)
+    await page.wait_for_selector("#stale", state="hidden", timeout=WAIT_MS)
+
+
+async def test_release_sends_the_token_from_the_token_field_and_shows_a_refusal_without_it(
+        box: DemoFactory, dashboard: OpenDashboard, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HYPERSWAP_ADMIN_TOKEN", "s3cret-for-the-test")
+    demo = await box("default")
+    page, _ = await dashboard(demo)
+    async with httpx.AsyncClient(timeout=30.0, trust_env=False) as http:
+        r = await http.post(demo.box.servers["ollama"].url + "/api/generate",
+                            json={"model": "llama3.2:3b", "prompt": "hi", "stream": False})
+        assert r.status_code == 200, r.text
+    await wait_segment_above(page, "ollama", 0)
+    page.on("dialog", lambda dialog: asyncio.ensure_future(dialog.accept()))
+    result = page.locator('.card[data-tenant="ollama"] [data-role="result"]')
+    await page.click('button[data-release="ollama"]')
+    await result.filter(has_text="401").wait_for(timeout=WAIT_MS)
+    await page.fill("#token", "s3cret-for-the-test")
+    await page.dispatch_event("#token", "change")
+    assert await page.evaluate("localStorage.getItem('hyperswap.token')") == "s3cret-for-the-test"
+    await page.click('button[data-release="ollama"]')
+    await result.filter(has_text="freed").wait_for(timeout=WAIT_MS)

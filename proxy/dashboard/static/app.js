@@ -115,9 +115,12 @@
     if (!e) return { sub: "", tip: "" };
     if (e.error && !e.reachable) return { sub: `unreachable: ${e.error}`, tip: e.error };
     if (e.settings) {
-      const short = e.settings.map((s) => `${s.name.replace(/^OLLAMA_/, "")}=${s.value ?? "default"}`);
+      // Subtitle: only what differs from the defaults, and how many settings deserve a look.
+      const set = e.settings.filter((s) => s.value !== null && s.value !== undefined).map((s) => `${s.name.replace(/^OLLAMA_/, "")}=${s.value}`);
+      const notes = e.settings.filter((s) => s.status && s.status !== "ok").length;
+      const short = [set.length ? set.join(" ") : "all defaults", notes ? `${notes} note${notes > 1 ? "s" : ""}` : null].filter(Boolean);
       const tip = e.settings.map((s) => `${s.name} = ${s.value ?? "(not set)"} [${s.source}]${s.status && s.status !== "ok" ? ` (${s.status})` : ""}\n  ${s.meaning}`);
-      return { sub: `${e.engine} ${e.version || ""} · ${short.slice(0, 3).join(" · ")}`, tip: [`${e.engine} ${e.version || ""} at ${e.upstream}`, ...tip].join("\n") };
+      return { sub: `${e.engine} ${e.version || ""} · ${short.join(" · ")}`, tip: [`${e.engine} ${e.version || ""} at ${e.upstream}`, ...tip].join("\n") };
     }
     const flags = (e.flags || []).length ? e.flags.join(" ") : "no flags";
     const tip = [`${e.engine} ${e.version || ""} at ${e.upstream}`, `argv: ${(e.argv || []).join(" ")}`,
@@ -273,6 +276,7 @@
     $("health-badge").addEventListener("click", () => { ui.healthCollapsed = !ui.healthCollapsed; if (ui.health) renderHealth(); });
     renderDecisions();
     fetch("/api/decisions?limit=50").then((r) => r.json()).then((b) => (b.decisions || []).forEach(onDecision)).catch(() => {});
+    ui.lastFrameAt = Date.now();  // stale only after STALE_AFTER_MS without a frame, not before the first one
     connect();
     pollHealth(); setInterval(pollHealth, HEALTH_POLL_MS);
     pollEngines(); setInterval(pollEngines, ENGINES_POLL_MS);
