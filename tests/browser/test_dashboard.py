@@ -81,6 +81,10 @@ async def test_release_button_frees_an_idle_comfyui_and_shows_the_measured_resul
     await page.wait_for_function(
         "() => Number(document.querySelector('#membar [data-segment=\"comfyui\"]').dataset.bytes) < 2 * 1024 ** 3",
         timeout=WAIT_MS)
+    async with httpx.AsyncClient(timeout=30.0, trust_env=False) as http:  # something on the card for the screenshot
+        await http.post(demo.box.servers["ollama"].url + "/api/generate",
+                        json={"model": "llama3.1:8b", "prompt": "hi", "stream": False})
+    await wait_segment_above(page, "ollama", 4 * 1024**3)
     await page.screenshot(path=str(artifacts / "dashboard.png"), full_page=True)
     assert not console.errors, console.errors
 

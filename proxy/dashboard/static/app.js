@@ -218,6 +218,8 @@
   function renderTimeline() {
     const svg = $("timeline"), legend = $("timeline-legend");
     const W = 600, H = 140, now = Date.now();
+    // The window grows with the page's age up to HISTORY_MS, so a fresh page is not one spike at the right edge.
+    const span = Math.min(HISTORY_MS, Math.max(60000, ui.history.length ? now - ui.history[0].t : 0));
     const total = (ui.history.length && ui.history[ui.history.length - 1].total) || 1;
     const ns = "http://www.w3.org/2000/svg";
     svg.replaceChildren();
@@ -230,7 +232,13 @@
     }
     legend.replaceChildren();
     for (const t of (ui.stats ? ui.stats.tenants : [])) {
-      const pts = ui.history.map((h) => `${(W * (1 - (now - h.t) / HISTORY_MS)).toFixed(1)},${(H - 4 - (H - 8) * (h.v[t.name] || 0) / total).toFixed(1)}`);
+      // Steps, not slopes: a frame's value holds until the next frame.
+      const pts = [];
+      ui.history.forEach((h, i) => {
+        const x = (W * (1 - (now - h.t) / span)).toFixed(1), y = (H - 4 - (H - 8) * (h.v[t.name] || 0) / total).toFixed(1);
+        if (i > 0) pts.push(`${x},${pts[pts.length - 1].split(",")[1]}`);
+        pts.push(`${x},${y}`);
+      });
       const pl = document.createElementNS(ns, "polyline");
       pl.setAttribute("points", pts.join(" "));
       pl.setAttribute("stroke", colorOf(t));
@@ -240,6 +248,7 @@
       legend.append(el("li", {}, sw, `${t.name} ${gib(t.vram_bytes)}`));
     }
     legend.append(el("li", { text: `scale: 0 – ${gib(total)}` }));
+    $("timeline-start").textContent = `−${Math.round(span / 60000)} min`;
   }
 
   // -- decisions ---------------------------------------------------------------------------------
