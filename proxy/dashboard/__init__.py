@@ -31,6 +31,8 @@ def load_static() -> dict[str, bytes]:
     """Every shipped static file by name (flat directory), with a known media type."""
     root = resources.files(__package__).joinpath("static")
     out: dict[str, bytes] = {}
+    if not root.is_dir():  # an install without the package data: the API still works, / says why
+        return out
     for entry in root.iterdir():
         suffix = "." + entry.name.rsplit(".", 1)[-1] if "." in entry.name else ""
         if entry.is_file() and suffix in MEDIA_TYPES:
@@ -52,6 +54,9 @@ class DashboardExtension:
                 Route("/static/{path}", self.static, methods=["GET"])]
 
     async def index(self, request: Request) -> Response:
+        if "index.html" not in self.files:
+            return JSONResponse({"error": "the dashboard's files are not installed (proxy/dashboard/static/)",
+                                 "fix": "reinstall hyperswap from a source that ships its package data"}, status_code=503)
         return Response(self.files["index.html"], media_type=_media_type("index.html"),
                         headers={"Cache-Control": "no-cache", "Content-Security-Policy": CSP})
 

@@ -134,3 +134,20 @@ async def test_release_sends_the_token_from_the_token_field_and_shows_a_refusal_
     assert await page.evaluate("localStorage.getItem('hyperswap.token')") == "s3cret-for-the-test"
     await page.click('button[data-release="ollama"]')
     await result.filter(has_text="freed").wait_for(timeout=WAIT_MS)
+
+
+async def test_dashboard_files_are_served_with_their_types_and_an_unknown_one_is_a_404(box: DemoFactory) -> None:
+    demo = await box("default")
+    assert demo.proxy is not None
+    base = demo.proxy.url("admin")
+    async with httpx.AsyncClient(timeout=10.0, trust_env=False) as http:
+        page = await http.get(base + "/")
+        js = await http.get(base + "/static/app.js")
+        css = await http.get(base + "/static/app.css")
+        missing = await http.get(base + "/static/nope.js")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "script-src 'self'" in page.headers["content-security-policy"], "no inline or third-party scripts"
+    assert js.headers["content-type"].startswith("text/javascript") and "EventSource" in js.text
+    assert css.headers["content-type"].startswith("text/css")
+    assert missing.status_code == 404 and "fix" in missing.json()
+    assert "http" not in page.text.replace('xmlns="http://www.w3.org/2000/svg"', ""), "no CDN: every asset is same-origin"
