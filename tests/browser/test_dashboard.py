@@ -151,3 +151,24 @@ async def test_dashboard_files_are_served_with_their_types_and_an_unknown_one_is
     assert css.headers["content-type"].startswith("text/css")
     assert missing.status_code == 404 and "fix" in missing.json()
     assert "http" not in page.text.replace('xmlns="http://www.w3.org/2000/svg"', ""), "no CDN: every asset is same-origin"
+
+
+async def test_decision_log_shows_a_507_with_its_blockers_and_an_oom_retry(box: DemoFactory, dashboard: OpenDashboard) -> None:
+    demo = await box("default")
+    assert demo.proxy is not None
+    page, console = await dashboard(demo)
+    await page.wait_for_selector('.card[data-tenant="ollama"]', timeout=WAIT_MS)
+    gib = 1024**3
+    plan = {"requester": "ollama", "need_bytes": 20 * gib, "need_gib": 20.0, "free_bytes": 3 * gib, "free_gib": 3.0,
+            "held_by_requester_bytes": 0, "held_by_requester_gib": 0.0, "feasible": False, "starved": True,
+            "estimated": False, "releases": [], "explanation": "not enough even after releases",
+            "blockers": [{"pid": 4321, "name": "stt_relay.py", "tenant": "unmanaged", "vram_bytes": 6 * gib,
+                          "vram_gib": 6.0, "reason": "unmanaged", "detail": "not a tenant"}]}
+    demo.proxy.decisions.record("rejection", "ollama", "POST /api/generate", plan, status=507)  # the path the SSE frame takes
+    demo.proxy.decisions.record("oom_retry", "comfyui", "OOM answer", None, result="retried after releasing ollama")
+    rejection = page.locator('#decisions li[data-kind="rejection"]')
+    await rejection.filter(has_text="stt_relay.py").wait_for(timeout=WAIT_MS)
+    text = await rejection.inner_text()
+    assert "507" in text and "stt_relay.py (unmanaged, 6 GiB)" in text and "needs 20 GiB" in text, text
+    await page.locator('#decisions li[data-kind="oom_retry"]').filter(has_text="retried after releasing").wait_for(timeout=WAIT_MS)
+    assert not console.errors, console.errors

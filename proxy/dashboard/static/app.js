@@ -255,7 +255,7 @@
   function describe(d) {
     const o = d.outcome || {}, p = d.plan;
     const rel = (o.releases || []).map((r) => `${r.tenant}: freed ${r.freed_gb} GiB in ${r.duration_s} s${r.confirmed ? "" : ` (${r.error || "not confirmed"})`}`);
-    const blockers = p && p.blockers && p.blockers.length ? `blocked by ${p.blockers.map((b) => `${b.name} (${b.tenant}, ${b.reason}${b.vram_gib !== null ? `, ${b.vram_gib} GiB` : ""})`).join(", ")}` : "";
+    const blockers = p && p.blockers && p.blockers.length ? `blocked by ${p.blockers.map((b) => `${b.name} (${[b.tenant !== b.reason ? b.tenant : null, b.reason, b.vram_gib !== null ? `${b.vram_gib} GiB` : null].filter(Boolean).join(", ")})`).join(", ")}` : "";
     switch (d.kind) {
       case "plan":
         return `${d.tenant} needs ${p ? p.need_gib : "?"} GiB (free ${p ? p.free_gib : "?"}): ${p && p.releases.length ? "release " + p.releases.map((r) => `${r.tenant} ~${r.expected_free_gib} GiB`).join(", ") : "nothing to release"}${rel.length ? " → " + rel.join("; ") : " (running…)"}`;
