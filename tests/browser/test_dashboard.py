@@ -107,7 +107,9 @@ async def test_stale_marker_shows_while_the_stream_is_down_and_clears_when_it_re
     demo = await box("default")
     assert demo.proxy is not None
     page = browser.pages[0] if browser.pages else await browser.new_page()
-    await page.route("**/api/events", lambda route: route.abort())  # the stream is down from the start
+    # The stream is down from the start: each attempt ends at once with no frame, and asks for a quick retry.
+    await page.route("**/api/events", lambda route: route.fulfill(
+        status=200, headers={"Content-Type": "text/event-stream"}, body="retry: 300\n\n"))
     await page.goto(demo.proxy.url("admin") + "/")
     await page.wait_for_selector("#stale", state="visible", timeout=WAIT_MS)
     await page.unroute("**/api/events")  # EventSource retries by itself
