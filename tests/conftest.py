@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import pytest
 
@@ -22,3 +23,25 @@ def _isolated_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
     return home
+
+
+@pytest.fixture
+async def box() -> AsyncIterator[Callable[..., Awaitable[Any]]]:
+    """Start whole simulated boxes (GPU, both engines, the proxy) on port 0 with fast delays:
+    `demo = await box("tight")` or `await box(fast_scenario(...))`; all stopped at teardown."""
+    from proxy.demo import Demo, start_demo
+    from proxy.sim.box import Scenario, fast_scenario
+
+    started: list[Demo] = []
+
+    async def make(scenario: "str | Scenario" = "default", **kw: Any) -> Demo:
+        sc = fast_scenario(scenario) if isinstance(scenario, str) else scenario
+        ports = {"ollama": 0, "comfyui": 0, "admin": 0, "stt": 0}
+        demo = await start_demo(sc, sim_ports={"ollama": 0, "comfyui": 0}, proxy_ports=ports,
+                                watchdog=kw.pop("watchdog", False), **kw)
+        started.append(demo)
+        return demo
+
+    yield make
+    for demo in started:
+        await demo.stop()

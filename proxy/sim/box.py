@@ -65,6 +65,20 @@ def load_scenario(name_or_path: str) -> Scenario:
         raise ConfigError(f"scenario {path} does not match the schema", problems=problems) from None
 
 
+def fast_scenario(name: str, **changes: Any) -> Scenario:
+    """A shipped scenario with the engines' delays cut to milliseconds (tests, benches), plus
+    changes per section: `fast_scenario("default", comfyui={"stale_running_entry": True})`."""
+    data = load_scenario(name).model_dump()
+    data["ollama"].update({"load_gbps": 200.0, "unload_delay_s": 0.15, "token_rate": 2000.0})
+    data["comfyui"].update({"free_delay_s": 0.15, "load_gbps": 200.0, "step_time_s": 0.002})
+    for section, values in changes.items():
+        if isinstance(data.get(section), dict):
+            data[section].update(values)
+        else:
+            data[section] = values
+    return Scenario.model_validate(data)
+
+
 @dataclass(slots=True)
 class SimBox:
     scenario: Scenario

@@ -5,44 +5,19 @@ Chromium must launch: a machine without it fails these tests (install `chromium`
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 import pytest
 from playwright.async_api import BrowserContext, Page, async_playwright
 
-from proxy.demo import Demo, start_demo
-from proxy.sim.box import Scenario, load_scenario
+from proxy.demo import Demo
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
-PORTS_ZERO = {"ollama": 0, "comfyui": 0, "admin": 0, "stt": 0}
 
 DemoFactory = Callable[..., Awaitable[Demo]]
-
-
-def fast(name: str) -> Scenario:
-    """A shipped scenario with delays cut to milliseconds (as the integration tests do)."""
-    data = load_scenario(name).model_dump()
-    data["ollama"].update({"load_gbps": 200.0, "unload_delay_s": 0.15, "token_rate": 2000.0})
-    data["comfyui"].update({"free_delay_s": 0.15, "load_gbps": 200.0, "step_time_s": 0.002})
-    return Scenario.model_validate(data)
-
-
-@pytest.fixture
-async def box() -> AsyncIterator[DemoFactory]:
-    started: list[Demo] = []
-
-    async def make(scenario: str = "default", **kw: Any) -> Demo:
-        demo = await start_demo(fast(scenario), sim_ports={"ollama": 0, "comfyui": 0}, proxy_ports=PORTS_ZERO,
-                                watchdog=kw.pop("watchdog", False), **kw)
-        started.append(demo)
-        return demo
-
-    yield make
-    for demo in started:
-        await demo.stop()
 
 
 @pytest.fixture
