@@ -31,5 +31,6 @@ def default_extensions() -> list[ExtensionFactory]:
     from .telemetry import telemetry_extension; factories.append(telemetry_extension)  # SQLite history, /api/history
     from .metrics import metrics_extension; factories.append(metrics_extension)  # /metrics (Prometheus)
     from .dashboard import dashboard_extension; factories.append(dashboard_extension)  # / and /static/{path} (the dashboard)
+    from .mcp_server import mcp_extension; factories.append(mcp_extension)  # /mcp (MCP tools, streamable HTTP)
     from .openapi import OpenApiExtension; factories.append(OpenApiExtension)  # /openapi.json
     return factories
