@@ -314,6 +314,14 @@ def _operations() -> dict[str, dict[str, JSON]]:
             "responses": {"200": {"description": "the file", "content": {"text/javascript": {"schema": {"type": "string"}},
                                                                      "text/css": {"schema": {"type": "string"}}}},
                           "404": _err("no such dashboard file")}}},
+        "/mcp": {method: {
+            "summary": f"MCP tools over streamable HTTP ({method.upper()})", "operationId": f"mcp{method.capitalize()}",
+            "description": ("Model Context Protocol endpoint (stateless, JSON answers): tools health, engines, "
+                            "tenants, plan (dry run) and release, each a call to this API. POST carries JSON-RPC; "
+                            "when a token is configured every call needs it."),
+            "security": [{"bearer": []}],
+            "responses": {"200": _json("a JSON-RPC answer", ANY_OBJECT), "401": _err("a token is configured and none was sent"),
+                          "403": _err("wrong token")}} for method in ("get", "post", "delete")},
         "/openapi.json": {"get": {
             "summary": "This document", "operationId": "openapi",
             "responses": {"200": _json("OpenAPI 3.1", ANY_OBJECT)}}},

@@ -1,0 +1,133 @@
+"""The MCP tools, driven by the official SDK's client: over streamable HTTP at /mcp on the demo box's
+admin listener, and over stdio against a subprocess `python -m proxy.mcp_server --admin URL`."""
+
+from __future__ import annotations
+
+import sys
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import httpx
+import httpx2
+import pytest
+from mcp import Client, StdioServerParameters
+from mcp.client.streamable_http import streamable_http_client
+
+from proxy.demo import Demo, run_prompt
+from proxy.tenants import GIB
+
+from boxes import DemoFactory
+
+TOOLS = {"health", "engines", "tenants", "plan", "release"}
+REPO = Path(__file__).resolve().parents[2]
+TOKEN = "mcp-test-token"
+
+
+@asynccontextmanager
+async def mcp_client(demo: Demo, token: str | None = None) -> AsyncIterator[Client]:
+    url = demo.proxy.url("admin") + "/mcp"
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with httpx2.AsyncClient(headers=headers, timeout=30.0, trust_env=False) as http:
+        async with Client(streamable_http_client(url, http_client=http)) as client:
+            yield client
+
+
+def text_of(result: Any) -> str:
+    return " ".join(getattr(c, "text", "") for c in result.content)
+
+
+async def test_http_lists_all_five_tools_with_input_and_output_schemas(box: DemoFactory) -> None:
+    demo = await box("default")
+    async with mcp_client(demo) as client:
+        tools = {t.name: t for t in (await client.list_tools()).tools}
+    assert set(tools) == TOOLS, sorted(tools)
+    assert tools["plan"].input_schema["required"] == ["tenant"], tools["plan"].input_schema
+    assert set(tools["plan"].input_schema["properties"]) == {"tenant", "need_gb"}
+    assert tools["release"].input_schema["required"] == ["tenant"], tools["release"].input_schema
+    assert all(t.output_schema for t in tools.values()), [n for n, t in tools.items() if not t.output_schema]
+    assert tools["release"].annotations.destructive_hint is True
+    assert tools["tenants"].annotations.read_only_hint is True
+
+
+async def test_http_read_tools_return_structured_admin_answers(box: DemoFactory) -> None:
+    demo = await box("default")
+    async with mcp_client(demo) as client:
+        health = await client.call_tool("health", {})
+        engines = await client.call_tool("engines", {})
+        tenants = await client.call_tool("tenants", {})
+        plan = await client.call_tool("plan", {"tenant": "ollama", "need_gb": 4})
+        missing = await client.call_tool("plan", {"tenant": "nosuch"})
+    assert not health.is_error, text_of(health)
+    assert {e["name"] for e in health.structured_content["entries"]} >= {"nvml", "upstream ollama"}
+    assert not engines.is_error, text_of(engines)
+    assert {e["tenant"] for e in engines.structured_content["engines"]} == {"ollama", "comfyui"}
+    assert not tenants.is_error, text_of(tenants)
+    assert {"ollama", "comfyui", "desktop"} <= {t["name"] for t in tenants.structured_content["tenants"]}
+    assert not plan.is_error, text_of(plan)
+    assert plan.structured_content["dry_run"] is True
+    assert plan.structured_content["plan"]["need_bytes"] == 4 * GIB
+    assert missing.is_error and "404" in text_of(missing), text_of(missing)
+
+
+async def test_http_release_of_idle_comfyui_returns_the_freed_bytes(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box("default")
+    await run_prompt(demo.proxy.url("comfyui"), "sd_xl_base_1.0.safetensors", http)
+    async with mcp_client(demo) as client:
+        result = await client.call_tool("release", {"tenant": "comfyui"})
+    assert not result.is_error, text_of(result)
+    body = result.structured_content
+    assert body["tenant"] == "comfyui" and body["confirmed"] is True, body
+    assert body["freed_bytes"] > 1 * GIB, body
+    assert [d.kind for d in demo.proxy.decisions.recent(5)][-1] == "release"
+
+
+async def test_http_release_of_the_desktop_is_a_tool_error_with_the_409_reason(box: DemoFactory) -> None:
+    demo = await box("default")
+    async with mcp_client(demo) as client:
+        result = await client.call_tool("release", {"tenant": "desktop"})
+    assert result.is_error, result
+    text = text_of(result)
+    assert "409" in text and "not_reclaimable" in text and "Fix:" in text, text
+
+
+async def test_http_with_admin_token_refuses_calls_without_it(box: DemoFactory, http: httpx.AsyncClient,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HYPERSWAP_ADMIN_TOKEN", TOKEN)
+    demo = await box("default")
+    url = demo.proxy.url("admin") + "/mcp"
+    bare = await http.post(url, json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"},
+                           headers={"Accept": "application/json, text/event-stream"})
+    assert bare.status_code == 401 and "fix" in bare.json(), bare.text
+    wrong = await http.post(url, json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"},
+                            headers={"Authorization": "Bearer nope", "Accept": "application/json, text/event-stream"})
+    assert wrong.status_code == 403, wrong.text
+    with pytest.raises(Exception):
+        async with mcp_client(demo) as client:
+            await client.list_tools()
+    async with mcp_client(demo, TOKEN) as client:
+        result = await client.call_tool("release", {"tenant": "desktop"})
+    # Past the gate, the admin API itself answered (409), so the token reached it.
+    assert result.is_error and "409" in text_of(result), text_of(result)
+
+
+async def test_stdio_server_lists_tools_and_reads_tenants_of_a_running_proxy(box: DemoFactory) -> None:
+    demo = await box("default")
+    params = StdioServerParameters(command=sys.executable,
+                                   args=["-m", "proxy.mcp_server", "--admin", demo.proxy.url("admin")],
+                                   cwd=str(REPO), env={"NO_PROXY": "127.0.0.1,localhost"})
+    async with Client(params) as client:
+        tools = {t.name for t in (await client.list_tools()).tools}
+        tenants = await client.call_tool("tenants", {})
+    assert tools == TOOLS, sorted(tools)
+    assert not tenants.is_error, text_of(tenants)
+    assert "comfyui" in {t["name"] for t in tenants.structured_content["tenants"]}
+
+
+async def test_stdio_server_says_so_when_no_proxy_answers() -> None:
+    # Port 1 on loopback: nothing listens there, so the connection is refused at once.
+    params = StdioServerParameters(command=sys.executable, args=["-m", "proxy.mcp_server", "--admin", "http://127.0.0.1:1"],
+                                   cwd=str(REPO))
+    async with Client(params) as client:
+        result = await client.call_tool("tenants", {})
+    assert result.is_error and "cannot reach" in text_of(result) and "hyperswap serve" in text_of(result), text_of(result)
