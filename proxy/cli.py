@@ -75,6 +75,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     return check_main(args.config, args.admin, args.json)
 
 
+def cmd_mcp(args: argparse.Namespace) -> int:
+    from .mcp_server import mcp_main
+
+    return mcp_main(args.config, args.admin)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     import httpx
 
@@ -132,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--need-gb", type=float, help="GiB it needs (default: its needs_vram_gb)")
     plan.add_argument("--admin", metavar="URL", help="admin API URL (default: from tenants.json)")
     plan.add_argument("--json", action="store_true")
+    mcp = add("mcp", "serve the MCP tools (health, engines, tenants, plan, release) over stdio for a running proxy", cmd_mcp)
+    mcp.add_argument("--admin", metavar="URL", help="admin API URL (default: from tenants.json)")
     tenants = add("tenants", "print the merged tenant registry and where each value came from", cmd_tenants)
     tenants.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
