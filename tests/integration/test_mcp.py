@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator
 import httpx
 import httpx2
 import pytest
-from mcp import Client, StdioServerParameters
+from mcp import Client, MCPError, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 
 from proxy.demo import Demo, run_prompt
@@ -102,9 +102,10 @@ async def test_http_with_admin_token_refuses_calls_without_it(box: DemoFactory, 
     wrong = await http.post(url, json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"},
                             headers={"Authorization": "Bearer nope", "Accept": "application/json, text/event-stream"})
     assert wrong.status_code == 403, wrong.text
-    with pytest.raises(Exception):
+    with pytest.raises(ExceptionGroup) as refused:
         async with mcp_client(demo) as client:
             await client.list_tools()
+    assert refused.group_contains(MCPError), refused.value  # the SDK's client surfaces the 401 as an MCP error
     async with mcp_client(demo, TOKEN) as client:
         result = await client.call_tool("release", {"tenant": "desktop"})
     # Past the gate, the admin API itself answered (409), so the token reached it.
