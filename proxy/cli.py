@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import signal
 import sys
 from typing import Callable, Sequence
@@ -39,8 +40,18 @@ def cmd_tenants(args: argparse.Namespace) -> int:
     return 0
 
 
+def _log_decisions() -> None:
+    """Decisions and releases as one JSON object per line on stderr; never request bodies."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    for noisy in ("httpx", "httpcore", "mcp", "uvicorn.access"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import demo_main
+
+    if not args.check:
+        _log_decisions()
 
     return asyncio.run(demo_main(args.scenario, args.check, with_proxy=not args.no_proxy))
 
@@ -50,6 +61,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .service import Proxy
 
     registry = load_registry(args.config)
+    _log_decisions()
 
     async def run() -> int:
         proxy = Proxy(registry, NvmlReader())
