@@ -118,12 +118,11 @@ class Process(_Doc):
     vram_gb: float | None = None
 
 
-class TenantView(_Doc):
+class _TenantLive(_Doc):
+    """The live state both /api/tenants and the events' stats frames carry."""
     name: str
-    config: JSON
     vram_bytes: int
     vram_gb: float | None
-    processes: list[Process]
     busy: bool
     busy_reason: str
     in_flight: int
@@ -132,6 +131,11 @@ class TenantView(_Doc):
     last_activity_age_s: float | None
     idle_release_in_s: float | None = Field(description="seconds until the idle release; null: never")
     reclaimable: bool
+
+
+class TenantView(_TenantLive):
+    config: JSON
+    processes: list[Process]
     watchdog: str | None
     estimated: bool
 
@@ -178,20 +182,9 @@ class Stats(_Doc):
     gpu_error: GpuError | None
 
 
-class StatsTenant(_Doc):
-    name: str
+class StatsTenant(_TenantLive):
     engine: str
     priority: int
-    vram_bytes: int
-    vram_gb: float | None
-    busy: bool
-    busy_reason: str
-    in_flight: int
-    jobs: list[str]
-    stale_jobs: list[str]
-    last_activity_age_s: float | None
-    idle_release_in_s: float | None
-    reclaimable: bool
     pids: list[int]
 
 
