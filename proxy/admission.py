@@ -11,7 +11,7 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
 
 import httpx
 from starlette.requests import Request
@@ -25,6 +25,9 @@ from .engines import memory
 from .gpu import DeviceMemory, GpuProcess, GpuReader, GpuReadError, GpuSnapshot
 from .inflight import InFlight
 from .tenants import GIB, MIB, Registry, Tenant
+
+if TYPE_CHECKING:
+    from .forward import UpstreamResponse
 
 log = logging.getLogger("hyperswap.admission")
 
@@ -398,7 +401,7 @@ class GpuAdmission:
             task.cancel()
 
     async def handle(self, tenant: Tenant, request: Request, body: bytes,
-                     forward: Callable[[bytes], Awaitable[httpx.Response]]) -> httpx.Response | Response:
+                     forward: Callable[[bytes], Awaitable[UpstreamResponse]]) -> UpstreamResponse | Response:
         trigger = f"request {request.method} {request.url.path}"
         handoff, need = await self.arb.admit(tenant, request, body, trigger)
         if handoff is None:
@@ -437,12 +440,12 @@ class GpuAdmission:
             self.arb.decisions.record("oom_retry", tenant.name, "OOM answer", None, result=result)
 
 
-def _replay_response(upstream: httpx.Response, body: bytes) -> Response:
+def _replay_response(upstream: UpstreamResponse, body: bytes) -> Response:
     headers = {k: v for k, v in upstream.headers.items() if k.lower() not in ("content-length", "transfer-encoding", "connection")}
     return Response(body, status_code=upstream.status_code, headers=headers)
 
 
-def _with_blockers(upstream: httpx.Response, body: bytes, handoff: Handoff | None) -> Response:
+def _with_blockers(upstream: UpstreamResponse, body: bytes, handoff: Handoff | None) -> Response:
     try:
         data = json.loads(body)
     except ValueError:

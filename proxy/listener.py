@@ -15,7 +15,6 @@ import logging
 import zlib
 from typing import AsyncIterator, Awaitable, Callable, Protocol
 
-import httpx
 from starlette.datastructures import State
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -23,7 +22,7 @@ from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket
 
 from .errors import HyperSwapError
-from .forward import Forwarder
+from .forward import Forwarder, UpstreamResponse
 from .inflight import InFlight, JobPoller
 from .tenants import Tenant
 
@@ -34,7 +33,7 @@ JOB_RESPONSE_MAX = 1 << 20  # a POST /prompt answer is tiny; never hold more tha
 
 class Admission(Protocol):
     async def handle(self, tenant: Tenant, request: Request, body: bytes,
-                     forward: Callable[[bytes], Awaitable[httpx.Response]]) -> httpx.Response | Response: ...
+                     forward: Callable[[bytes], Awaitable[UpstreamResponse]]) -> UpstreamResponse | Response: ...
 
     def on_frame(self, tenant: Tenant, text: str) -> None:
         """Every upstream websocket text frame (ComfyUI's OOM arrives as one); must be cheap."""
@@ -135,7 +134,7 @@ def tenant_app(tenant: Tenant, forwarder: Forwarder, inflight: InFlight, admissi
             if rest is not None:
                 log.info("%s: %s %s body exceeds replay_body_max_mb=%s: streamed without admission",
                          name, method, path, tenant.replay_body_max_mb)
-                result: httpx.Response | Response = await forwarder.open(tenant, request, rest)
+                result: UpstreamResponse | Response = await forwarder.open(tenant, request, rest)
             elif admission is not None:
                 result = await admission.handle(tenant, request, body,
                                                 lambda b: forwarder.open(tenant, request, b))
@@ -194,7 +193,7 @@ def _nothing() -> None:
 
 def _body_stream(scope: Scope, receive: Receive) -> AsyncIterator[bytes] | bytes:
     """The request body as it arrives; b"" when the client framed none, so a bodyless GET goes
-    upstream bodyless too (a stream would make httpx send it chunked)."""
+    upstream bodyless too (a stream would be sent chunked)."""
     for name, value in scope["headers"]:
         if name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0"):
             return _receive_body(receive)
