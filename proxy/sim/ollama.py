@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..clock import Clock, SystemClock
 from ..servers import RunningServer, start_server
 from .gpu import GIB, SimulatedGpu
-from .ollama_sched import CONTEXT_LENGTH, Lease, MemoryShort, Scheduler, ScheduleError
+from .ollama_sched import CONTEXT_LENGTH, ApiError, Lease, MemoryShort, Scheduler
 from .ollama_wire import (CORS_ALLOW_HEADERS, CORS_ALLOW_METHODS, KeepAliveError, dumps, embedding,
                           host_allowed, model_digest, normalise_name, ns, origin_allowed, parse_keep_alive,
                           parse_keep_alive_env, rfc3339_nano)
@@ -111,15 +111,6 @@ class OllamaSimConfig:
                    num_parallel=sc.num_parallel, max_queue=sc.max_queue, version=sc.version,
                    loopback_host_check=sc.loopback_host_check, origins=tuple(sc.origins),
                    response_tokens=sc.response_tokens)
-
-
-class _HttpError(Exception):
-    """An error answered before anything was written: {"error": message} (or the /v1 shape)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 @dataclass(slots=True)
@@ -295,7 +286,7 @@ class OllamaSim:
     async def _guard(self, handler: Handler, request: Request, send: Send, v1: bool) -> None:
         try:
             await handler(request, send)
-        except (_HttpError, ScheduleError) as exc:
+        except ApiError as exc:
             if v1:
                 kind = {400: "invalid_request_error", 404: "not_found_error"}.get(exc.status, "api_error")
                 body = {"error": {"message": exc.message, "type": kind, "param": None, "code": None}}
@@ -307,13 +298,13 @@ class OllamaSim:
     async def _json_body(self, request: Request) -> dict[str, Any]:
         raw = await request.body()
         if not raw.strip():
-            raise _HttpError(400, "missing request body")
+            raise ApiError(400, "missing request body")
         try:
             data = json.loads(raw)
         except json.JSONDecodeError as exc:
-            raise _HttpError(400, f"invalid character looking for beginning of value at offset {exc.pos}") from None
+            raise ApiError(400, f"invalid character looking for beginning of value at offset {exc.pos}") from None
         if not isinstance(data, dict):
-            raise _HttpError(400, "json: cannot unmarshal array into Go value of type api.Request")
+            raise ApiError(400, "json: cannot unmarshal array into Go value of type api.Request")
         return data
 
     def _lookup(self, name: object) -> SimModel | None:
@@ -326,7 +317,7 @@ class OllamaSim:
     def _require(self, name: object) -> SimModel:
         model = self._lookup(name)
         if model is None:
-            raise _HttpError(404, f"model '{name if isinstance(name, str) else ''}' not found")
+            raise ApiError(404, f"model '{name if isinstance(name, str) else ''}' not found")
         return model
 
     @staticmethod
@@ -334,7 +325,7 @@ class OllamaSim:
         try:
             return parse_keep_alive(data.get("keep_alive"))
         except KeepAliveError as exc:
-            raise _HttpError(400, str(exc)) from None
+            raise ApiError(400, str(exc)) from None
 
     def _now(self) -> str:
         return rfc3339_nano(self.clock.wall(), local=False)
@@ -405,10 +396,10 @@ class OllamaSim:
         data = await self._json_body(request)
         keep_alive = self._keep_alive(data)
         if data.get("raw") and (data.get("template") or data.get("system") or data.get("context")):
-            raise _HttpError(400, "raw mode does not support template, system, or context")
+            raise ApiError(400, "raw mode does not support template, system, or context")
         top = data.get("top_logprobs")
         if isinstance(top, int) and not 0 <= top <= 20:
-            raise _HttpError(400, "top_logprobs must be between 0 and 20")
+            raise ApiError(400, "top_logprobs must be between 0 and 20")
         name = data.get("model")
         m = self._require(name)
         prompt = data.get("prompt") or ""
@@ -421,7 +412,7 @@ class OllamaSim:
                                          "done_reason": "unload"})
             return
         if "completion" not in m.capabilities:
-            raise _HttpError(400, f"{json.dumps(name)} does not support generate")
+            raise ApiError(400, f"{json.dumps(name)} does not support generate")
         async with self._sched.lease(m.name, m.size_bytes, keep_alive) as lease:
             if not prompt:
                 await _send_json(send, 200, {**head, "created_at": self._now(), "response": "", "done": True,
@@ -436,7 +427,7 @@ class OllamaSim:
         keep_alive = self._keep_alive(data)
         name = data.get("model")
         if not name:
-            raise _HttpError(400, "model is required")
+            raise ApiError(400, "model is required")
         m = self._require(name)
         messages = data.get("messages") or []
         head = {"model": name, "created_at": ""}
@@ -449,9 +440,9 @@ class OllamaSim:
                                          "done_reason": "unload"})
             return
         if "completion" not in m.capabilities:
-            raise _HttpError(400, f"{json.dumps(name)} does not support chat")
+            raise ApiError(400, f"{json.dumps(name)} does not support chat")
         if data.get("tools") and "tools" not in m.capabilities:
-            raise _HttpError(400, f"{json.dumps(name)} does not support tools")
+            raise ApiError(400, f"{json.dumps(name)} does not support tools")
         async with self._sched.lease(m.name, m.size_bytes, keep_alive) as lease:
             if not messages:
                 await _send_json(send, 200, {**head, "created_at": self._now(), "message": empty, "done": True,
@@ -515,10 +506,10 @@ class OllamaSim:
         elif isinstance(raw, list) and all(isinstance(x, str) for x in raw):
             inputs = list(raw)
         else:
-            raise _HttpError(400, "invalid input type")
+            raise ApiError(400, "invalid input type")
         dims = data.get("dimensions") or EMBED_DIMS
         if not isinstance(dims, int) or dims < 1:
-            raise _HttpError(400, "dimensions must be a positive integer")
+            raise ApiError(400, "dimensions must be a positive integer")
         dims = min(dims, EMBED_DIMS)
         async with self._sched.lease(m.name, m.size_bytes, keep_alive) as lease:
             if not inputs:
@@ -550,7 +541,7 @@ class OllamaSim:
         data = await self._json_body(request)
         raw_name = data.get("model") or data.get("name")
         if not isinstance(raw_name, str) or not raw_name:
-            raise _HttpError(400, "invalid model name")
+            raise ApiError(400, "invalid model name")
         name = normalise_name(raw_name)
         existing = self._lookup(name)
         model = existing or SimModel(name=name, size_bytes=PULLED_SIZE)
@@ -603,9 +594,9 @@ class OllamaSim:
         source, dest = data.get("source"), data.get("destination")
         m = self._lookup(source)
         if m is None:
-            raise _HttpError(404, f"model {json.dumps(source if isinstance(source, str) else '')} not found")
+            raise ApiError(404, f"model {json.dumps(source if isinstance(source, str) else '')} not found")
         if not isinstance(dest, str) or not dest:
-            raise _HttpError(400, f"invalid destination name: {json.dumps(dest if isinstance(dest, str) else '')}")
+            raise ApiError(400, f"invalid destination name: {json.dumps(dest if isinstance(dest, str) else '')}")
         copy = replace(m, name=normalise_name(dest))
         self._catalog.models[copy.name] = copy
         self._catalog.modified[copy.name] = self.clock.wall()
@@ -616,13 +607,13 @@ class OllamaSim:
         hexpart = digest.removeprefix("sha256:").removeprefix("sha256-")
         if not digest.startswith(("sha256:", "sha256-")) or len(hexpart) != 64 or any(
                 c not in "0123456789abcdef" for c in hexpart):
-            raise _HttpError(400, "invalid digest format")
+            raise ApiError(400, "invalid digest format")
         return f"sha256:{hexpart}"
 
     async def _blob_head(self, request: Request, send: Send) -> None:
         digest = self._digest_param(request)
         if digest not in self._catalog.blobs:
-            raise _HttpError(404, f"blob {json.dumps(digest)} not found")
+            raise ApiError(404, f"blob {json.dumps(digest)} not found")
         await _send_plain(send, 200, b"", None)
 
     async def _blob_post(self, request: Request, send: Send) -> None:
@@ -637,7 +628,7 @@ class OllamaSim:
             size += len(chunk)
         got = f"sha256:{hasher.hexdigest()}"
         if got != digest:
-            raise _HttpError(400, f"digest mismatch, expected {json.dumps(digest)}, got {json.dumps(got)}")
+            raise ApiError(400, f"digest mismatch, expected {json.dumps(digest)}, got {json.dumps(got)}")
         self._catalog.blobs[digest] = size
         await _send_plain(send, 201, b"", None)
 
@@ -653,16 +644,16 @@ class OllamaSim:
         if chat:
             messages = data.get("messages")
             if not isinstance(messages, list) or not messages:
-                raise _HttpError(400, "[] is too short - 'messages'")
+                raise ApiError(400, "[] is too short - 'messages'")
             prompt_text = " ".join(str(x.get("content", "")) for x in messages if isinstance(x, dict))
         else:
             prompt_text = str(data.get("prompt") or "")
         name = data.get("model")
         if chat and not name:
-            raise _HttpError(400, "model is required")
+            raise ApiError(400, "model is required")
         m = self._require(name)
         if "completion" not in m.capabilities:
-            raise _HttpError(400, f"{json.dumps(name)} does not support {'chat' if chat else 'generate'}")
+            raise ApiError(400, f"{json.dumps(name)} does not support {'chat' if chat else 'generate'}")
         options: dict[str, Any] = {}
         if isinstance(data.get("max_tokens"), int):
             options["num_predict"] = data["max_tokens"]
@@ -719,7 +710,7 @@ class OllamaSim:
         elif isinstance(raw, list) and raw and all(isinstance(x, str) for x in raw):
             inputs = list(raw)
         else:
-            raise _HttpError(400, "invalid input")
+            raise ApiError(400, "invalid input")
         name = data.get("model")
         m = self._require(name)
         dims = data.get("dimensions") if isinstance(data.get("dimensions"), int) else EMBED_DIMS

@@ -27,7 +27,10 @@ LOAD_STEPS = 4  # memory is allocated in this many steps over the load time (wha
 MemoryShort = Literal["spill", "oom"]
 
 
-class ScheduleError(Exception):
+class ApiError(Exception):
+    """An error answered before anything was written: {"error": message} (or the /v1 shape).
+    Raised by request handlers and by the scheduler (load failures, a full queue)."""
+
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
@@ -95,7 +98,7 @@ class Scheduler:
             if runner.state == "loading":
                 await runner.ready.wait()
             if runner.state == "failed":
-                raise ScheduleError(500, runner.load_error or OOM_MESSAGE)
+                raise ApiError(500, runner.load_error or OOM_MESSAGE)
             yield Lease(runner, self.clock.now() - started)
         finally:
             self._release_ref(runner)
@@ -105,7 +108,7 @@ class Scheduler:
         if existing is not None and not existing.expiring and existing.state != "failed":
             return self._take(existing, keep_alive_s)  # fast path: no queue
         if self._pending >= self.max_queue:
-            raise ScheduleError(503, MAX_QUEUE_MESSAGE)
+            raise ApiError(503, MAX_QUEUE_MESSAGE)
         self._pending += 1
         # The pending loop owns the load: a requester that goes away does not stop it.
         task = asyncio.create_task(self._pending_loop(name, size, keep_alive_s), name=f"schedule:{name}")
@@ -188,12 +191,12 @@ class Scheduler:
                     self.gpu.allocate(runner.pid, chunk)
                     runner.size_vram += chunk
                 if fail is not None:
-                    raise ScheduleError(500, fail)
+                    raise ApiError(500, fail)
                 self._notify()
         except SimulatedOutOfMemory:
             self._fail(runner, OOM_MESSAGE)
-            raise ScheduleError(500, OOM_MESSAGE) from None
-        except ScheduleError as exc:
+            raise ApiError(500, OOM_MESSAGE) from None
+        except ApiError as exc:
             self._fail(runner, exc.message)
             raise
         except BaseException:
