@@ -252,6 +252,15 @@ async def test_public_host_reaches_loopback_ollama_without_403() -> None:
     assert headers["x-forwarded-for"] == "127.0.0.1" and headers["x-forwarded-proto"] == "http"
 
 
+async def test_forwarded_for_appends_the_socket_address_to_a_client_supplied_chain() -> None:
+    # A loopback client's own X-Forwarded-For must not become the address the proxy reports.
+    async with stack("ollama", ollama_like) as (proxy, _, _, _):
+        async with httpx.AsyncClient() as c:
+            through = await c.get(f"{proxy.url}/echo", headers={"X-Forwarded-For": "10.9.8.7"})
+    headers = dict(through.json()["headers"])
+    assert headers["x-forwarded-for"] == "10.9.8.7, 127.0.0.1"
+
+
 async def test_browser_opened_on_proxy_passes_comfyui_origin_check() -> None:
     async with stack("comfyui", comfyui_like) as (proxy, tenant, _, _):
         proxy_host = f"127.0.0.1:{proxy.port}"
