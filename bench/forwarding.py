@@ -63,7 +63,7 @@ def upstream_app():  # type: ignore[no-untyped-def]
                              Route("/api/blobs/{d}", upload, methods=["POST"])])
 
 
-async def serve(role: str, upstream: str | None, shards: int) -> None:
+async def serve(role: str, upstream: str | None) -> None:
     sys.path.insert(0, str(ROOT))
     from proxy.servers import start_server
 
@@ -76,14 +76,14 @@ async def serve(role: str, upstream: str | None, shards: int) -> None:
         from proxy.tenants import Tenant
 
         tenant = Tenant(name="bench", engine="ollama", upstream=upstream)
-        app = tenant_app(tenant, Forwarder(pool_shards=shards), InFlight())
+        app = tenant_app(tenant, Forwarder(), InFlight())
     server = await start_server(app, name=role)
     print(server.port, flush=True)
     await asyncio.Event().wait()
 
 
-def spawn(role: str, upstream: str | None, shards: int = 16, loop: str = "asyncio") -> tuple[subprocess.Popen[str], str]:
-    args = [sys.executable, __file__, "--serve", role, "--shards", str(shards), "--loop", loop] \
+def spawn(role: str, upstream: str | None, loop: str = "asyncio") -> tuple[subprocess.Popen[str], str]:
+    args = [sys.executable, __file__, "--serve", role, "--loop", loop] \
         + (["--upstream", upstream] if upstream else [])
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, cwd=ROOT)
     assert proc.stdout is not None
@@ -189,9 +189,9 @@ async def upload(client: httpx.AsyncClient, url: str, proc: psutil.Process | Non
     return out
 
 
-async def run(quick: bool, shards: int, loop: str) -> dict[str, object]:
+async def run(quick: bool, loop: str) -> dict[str, object]:
     up_proc, up_url = spawn("upstream", None)
-    px_proc, px_url = spawn("proxy", up_url, shards, loop)
+    px_proc, px_url = spawn("proxy", up_url, loop)
     base = {"direct": up_url, "proxy": px_url}
     try:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
@@ -206,7 +206,7 @@ async def run(quick: bool, shards: int, loop: str) -> dict[str, object]:
             p.terminate()
             p.wait(5)
     return {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
-            "quick": quick, "proxy_pool_shards": shards, "proxy_loop": loop,
+            "quick": quick, "proxy_loop": loop,
             "c1": c1, "c64": c64, "stream": stream, "upload": {"direct": up_direct, "proxy": up_proxy},
             "added": {"c1_p50_ms": c1["proxy"]["p50_ms"] - c1["direct"]["p50_ms"],
                       "c64_p99_ms": c64["proxy"]["p99_ms"] - c64["direct"]["p99_ms"],
@@ -241,17 +241,16 @@ def main() -> None:
     parser.add_argument("--serve", choices=["upstream", "proxy"])
     parser.add_argument("--upstream")
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
-    parser.add_argument("--shards", type=int, default=16, help="the proxy's httpx pools per tenant")
     parser.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio", help="the proxy's event loop")
     args = parser.parse_args()
     if args.serve:
         if args.serve == "proxy" and args.loop == "uvloop":
             import uvloop
-            uvloop.run(serve(args.serve, args.upstream, args.shards))
+            uvloop.run(serve(args.serve, args.upstream))
         else:
-            asyncio.run(serve(args.serve, args.upstream, args.shards))
+            asyncio.run(serve(args.serve, args.upstream))
         return
-    result = asyncio.run(run(args.quick, args.shards, args.loop))
+    result = asyncio.run(run(args.quick, args.loop))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))

@@ -9,9 +9,9 @@ The API is split so admission (plan, release, OOM retry) fits between the steps:
 `open()` sends the request and returns once the upstream's headers are in (an `UpstreamResponse`);
 `relay()` turns that open response into the client's response.
 
-The relayed requests go through aiohttp (one ClientSession per tenant): its per-request CPU is about
-half of httpx's (0.44 vs 0.83-0.95 ms measured on the bench box). httpx stays for the proxy's own
-small requests (job polls) and websockets stay on the websockets library.
+Relayed requests go through `http1.Pool` (one keep-alive pool per tenant; why not aiohttp or httpx
+is in that module). httpx stays for the proxy's own small requests (job polls) and websockets stay
+on the websockets library.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import ssl
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
-import aiohttp
 import httpx
 import websockets
 from starlette.requests import Request
@@ -31,9 +30,9 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 from websockets.asyncio.client import ClientConnection, connect
-from multidict import CIMultiDictProxy
-from yarl import URL
+from starlette.datastructures import Headers
 
+from . import http1
 from .engines import EngineAdapter, adapter_for, strip_hop_by_hop
 from .errors import HyperSwapError
 from .tenants import Tenant
@@ -42,9 +41,6 @@ log = logging.getLogger("hyperswap.forward")
 
 WS_MAX_SIZE = 256 * 2**20  # ComfyUI previews and outputs can be large; no small cap
 KEEPALIVE_EXPIRY_S = 75.0
-MAX_HEADER_FIELD = 65536  # aiohttp's 8 KiB default would 502 on a big cookie or CSP header
-# aiohttp adds these when absent; a transparent proxy sends only what the client sent.
-SKIP_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 
 
 class UpstreamError(HyperSwapError):
@@ -78,43 +74,42 @@ class UpstreamResponse:
 
     __slots__ = ("_response", "status_code")
 
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
+    def __init__(self, response: http1.Response) -> None:
         self._response = response
-        self.status_code: int = response.status
+        self.status_code: int = response.status_code
 
     @property
-    def headers(self) -> CIMultiDictProxy[str]:
-        """Case-insensitive, repeated names kept."""
+    def headers(self) -> Headers:
+        """Case-insensitive, repeated names kept (`getlist`)."""
         return self._response.headers
 
     @property
-    def raw_headers(self) -> tuple[tuple[bytes, bytes], ...]:
+    def raw_headers(self) -> list[tuple[bytes, bytes]]:
         return self._response.raw_headers
 
     async def aread(self) -> bytes:
         """The whole body (undecoded), then the connection goes back to the pool."""
         try:
-            return await self._response.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            return await self._response.aread()
+        except (OSError, TimeoutError) as exc:
             raise UpstreamError(f"upstream body broke: {type(exc).__name__}: {exc}", status=502) from None
         finally:
-            self._response.release()
+            self._response.close()
 
     def received_body(self) -> bytes | None:
         """The whole body when the upstream has already sent all of it, else None (read nothing)."""
-        content = self._response.content
-        return content.read_nowait() if content.is_eof() else None
+        return self._response.received_body()
 
     def aiter_raw(self) -> AsyncIterator[bytes]:
         """Body bytes as they arrive (chunked framing removed, content encoding untouched)."""
-        return self._response.content.iter_any()
+        return self._response.aiter_raw()
+
+    def close(self) -> None:
+        """A fully read body leaves a reusable connection; anything else is dropped so the upstream sees it."""
+        self._response.close()
 
     async def aclose(self) -> None:
-        # A fully read body leaves a reusable connection; anything else is closed so the upstream sees it.
-        if self._response.content.at_eof():
-            self._response.release()
-        else:
-            self._response.close()
+        self._response.close()
 
 
 class RelayResponse(Response):
@@ -143,9 +138,9 @@ class RelayResponse(Response):
                 return
             await self._stream(receive, send)
         finally:
-            # Shielded: a cancelled relay must still close the upstream (Ollama stops generating only then).
+            # Synchronous, so even a cancelled relay drops the upstream (Ollama stops generating only then).
             try:
-                await asyncio.shield(self.upstream.aclose())
+                self.upstream.close()
             finally:
                 self._finish()
 
@@ -176,9 +171,11 @@ class RelayResponse(Response):
                 raise
             relay.uncancel()  # the client went away: that ends this response, not the task
             return
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            # Headers are gone already: the status cannot change, end the body instead.
-            log.warning("upstream stream broke mid-response: %s", exc)
+        except (OSError, TimeoutError) as exc:
+            # The status is sent already; returning without the end of the body makes the server
+            # close the connection, so the client sees a broken answer, never a short one as whole.
+            log.warning("upstream stream broke mid-response: %s: %s", type(exc).__name__, exc)
+            return
         finally:
             state["streaming"] = False
             watcher.cancel()
@@ -196,25 +193,19 @@ class RelayResponse(Response):
 @dataclass(frozen=True, slots=True)
 class _TenantPools:
     tenant: Tenant
-    session: aiohttp.ClientSession  # relayed requests
-    base: str  # scheme://host:port of the upstream, joined to the raw path per request
+    relay: http1.Pool  # relayed requests
     client: httpx.AsyncClient  # the proxy's own small requests (job polls)
 
 
 class Forwarder:
-    """One aiohttp session per tenant (and an httpx client for job polls), created on first use.
+    """One relay pool per tenant (and an httpx client for job polls), created on first use."""
 
-    `pool_shards` is kept for callers of the httpx version and ignored: aiohttp's connector does not
-    collapse under concurrency the way one httpcore pool did.
-    """
-
-    def __init__(self, *, max_keepalive: int = 256, pool_shards: int = 1) -> None:
+    def __init__(self, *, max_keepalive: int = 256) -> None:
         self._pools: dict[str, _TenantPools] = {}
         self._adapters: dict[str, EngineAdapter] = {}
         self._retired: list[_TenantPools] = []
         self._ssl: ssl.SSLContext | None = None  # one for all sessions: each load costs ~30 ms
         self.max_keepalive = max_keepalive
-        self.pool_shards = max(1, pool_shards)
 
     def adapter(self, tenant: Tenant) -> EngineAdapter:
         adapter = self._adapters.get(tenant.name)
@@ -228,22 +219,16 @@ class Forwarder:
             if self._ssl is None:
                 self._ssl = httpx.create_ssl_context()
             t = tenant.timeouts
-            # No total or read timeout by default: a model load sends nothing for minutes.
-            timeout = aiohttp.ClientTimeout(total=None, connect=t.connect_s, sock_read=t.read_s)
-            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=KEEPALIVE_EXPIRY_S,
-                                             ssl=self._ssl, enable_cleanup_closed=False)
-            session = aiohttp.ClientSession(
-                connector=connector, timeout=timeout, cookie_jar=aiohttp.DummyCookieJar(),
-                auto_decompress=False, skip_auto_headers=SKIP_AUTO_HEADERS, trust_env=False,
-                max_field_size=MAX_HEADER_FIELD, max_line_size=MAX_HEADER_FIELD, raise_for_status=False)
+            # No read timeout by default: a model load sends nothing for minutes.
+            relay = http1.Pool(tenant.upstream or "", connect_s=t.connect_s, read_s=t.read_s, write_s=t.write_s,
+                               ssl_context=self._ssl, max_idle=self.max_keepalive, idle_expiry_s=KEEPALIVE_EXPIRY_S)
             # httpx defaults (5 s everywhere) would cut a slow history answer: same timeouts as relays.
             client = httpx.AsyncClient(
                 timeout=httpx.Timeout(connect=t.connect_s, read=t.read_s, write=t.write_s, pool=t.pool_s),
                 follow_redirects=False, trust_env=False, verify=self._ssl)
             if pools is not None:  # the tenant was reloaded: the old session stays open for responses in flight
                 self._retired.append(pools)
-            base = str(URL(tenant.upstream or "").origin())  # the raw path replaces any path in upstream
-            pools = self._pools[tenant.name] = _TenantPools(tenant, session, base, client)
+            pools = self._pools[tenant.name] = _TenantPools(tenant, relay, client)
         return pools
 
     def client(self, tenant: Tenant) -> httpx.AsyncClient:
@@ -270,14 +255,12 @@ class Forwarder:
                 headers.append(("content-length", str(len(body))))
             else:
                 data = None
-        pools = self._tenant_pools(tenant)
-        # encoded=True: the client's path and query go upstream byte for byte, never re-quoted.
-        url = URL(pools.base + raw_path.decode("latin-1") + ("?" + query.decode("latin-1") if query else ""),
-                  encoded=True)
+        # The client's path and query go upstream byte for byte (never re-quoted); any path in
+        # `upstream` is replaced by the client's.
+        target = raw_path + b"?" + query if query else raw_path
         try:
-            response = await pools.session.request(method, url, headers=headers, data=data,
-                                                   allow_redirects=False, compress=None)
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            response = await self._tenant_pools(tenant).relay.request(method, target, headers, data)
+        except (OSError, TimeoutError) as exc:
             raise _upstream_error(tenant, exc) from None
         return UpstreamResponse(response)
 
@@ -393,7 +376,7 @@ class Forwarder:
     async def aclose(self) -> None:
         groups, self._pools, self._retired = [*self._pools.values(), *self._retired], {}, []
         for pools in groups:
-            await pools.session.close()
+            pools.relay.close()
             await pools.client.aclose()
 
 

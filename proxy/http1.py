@@ -1,0 +1,390 @@
+"""A lean HTTP/1.1 client for relayed requests: one keep-alive pool per upstream, httptools parsing.
+
+Why hand-written: a relay needs only "send these exact bytes, hand back the status, headers and raw
+body as they arrive", and the general clients pay for much more on every request (cookies,
+redirects, auto headers, decoding, tracing, per-request timer objects). On the 2-core bench box,
+aiohttp's `ClientSession.request` was ~40 % of the proxy's CPU per small GET and httpx's twice that
+(bench/forwarding.py, py-spy). Parsing is httptools (llhttp, the parser uvicorn uses), so framing,
+chunked decoding and keep-alive rules are not ours.
+
+What it does and does not do:
+- Requests go out byte for byte as given (the caller owns every header); a streamed body goes
+  chunked unless the caller passed a Content-Length. Interim 1xx answers are skipped.
+- The body is never decoded: chunked framing is removed, Content-Encoding is left alone.
+- A pooled connection that turns out closed before any answer byte is retried once on a fresh one
+  when the body can be replayed (bytes); a streamed body is never replayed.
+- Timeouts: connect; read (no byte for that long: waiting for the head or between body chunks);
+  write (a stalled upload). None means wait forever (a model load is silent for minutes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+import time
+from collections import deque
+from typing import AsyncIterator
+from urllib.parse import urlsplit
+
+import httptools
+from starlette.datastructures import Headers
+
+RawHeaders = list[tuple[bytes, bytes]]
+Body = bytes | AsyncIterator[bytes] | None
+
+READ_BUFFER_HIGH = 1 << 20  # pause reading the upstream when this much body waits for a slow client
+IDLE_EXPIRY_S = 75.0
+
+
+class UpstreamClosed(ConnectionError):
+    """The upstream closed the connection before its answer ended."""
+
+
+class UpstreamProtocolError(ConnectionError):
+    """The upstream's answer is not valid HTTP/1.1."""
+
+
+class Response:
+    """An answer whose status and headers are in; the body is read with `aiter_raw`, `aread` or
+    `received_body`, and `close()` must be called once (it returns the connection to the pool
+    only when the exchange ended cleanly)."""
+
+    __slots__ = ("status_code", "raw_headers", "_conn", "_parser", "_head", "_chunks", "_buffered", "_waiter",
+                 "_complete", "_error", "_interim", "_framed", "_keep_alive", "_head_only", "_closed",
+                 "_body_task", "got_bytes", "__weakref__")
+
+    def __init__(self, conn: _Connection, *, head_only: bool) -> None:
+        self.status_code = 0
+        self.raw_headers: RawHeaders = []  # names lower-cased, repeats kept in order
+        self._conn = conn
+        self._parser = httptools.HttpResponseParser(self)
+        self._head: asyncio.Future[None] = conn.loop.create_future()
+        self._chunks: deque[bytes] = deque()
+        self._buffered = 0
+        self._waiter: asyncio.Future[None] | None = None
+        self._complete = False
+        self._error: BaseException | None = None
+        self._interim = False
+        self._framed = False  # Content-Length or chunked: an EOF before the end is a truncation
+        self._keep_alive = False
+        self._head_only = head_only
+        self._closed = False
+        self._body_task: asyncio.Task[None] | None = None
+        self.got_bytes = False
+
+    @property
+    def headers(self) -> Headers:
+        """Case-insensitive view; `getlist` keeps repeats."""
+        return Headers(raw=self.raw_headers)
+
+    # -- parser callbacks (httptools calls these from feed_data) ----------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.raw_headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if 100 <= status < 200 and status != 101:
+            self._interim = True  # 100 Continue, 103 Early Hints: the real answer follows
+            self.raw_headers = []
+            return
+        self.status_code = status
+        self._framed = any(n in (b"content-length", b"transfer-encoding") for n, _ in self.raw_headers)
+        self._keep_alive = self._parser.should_keep_alive()
+        if self._head_only:
+            # httptools cannot be told the request was HEAD; its answer has no body whatever it declares.
+            self._complete = True
+        if not self._head.done():
+            self._head.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        self._chunks.append(body)
+        self._buffered += len(body)
+        if self._buffered > READ_BUFFER_HIGH and self._conn.transport is not None:
+            self._conn.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
+        self._complete = True
+        self._keep_alive = self._keep_alive and self._parser.should_keep_alive()
+        self._wake()
+
+    # -- fed by the connection --------------------------------------------------------------
+    def _feed(self, data: bytes) -> None:
+        self.got_bytes = True
+        if self._complete or self._error is not None:
+            self._keep_alive = False  # bytes past the end: never reuse this connection
+            return
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(UpstreamProtocolError("the upstream switched protocols on a plain request"))
+        except httptools.HttpParserError as exc:
+            self._fail(UpstreamProtocolError(f"malformed answer from the upstream: {exc}"))
+
+    def _connection_lost(self, exc: BaseException | None) -> None:
+        if self._complete or self._error is not None:
+            return
+        if not self._head.done():
+            self._fail(UpstreamClosed("the upstream closed the connection before answering"))
+        elif not self._framed:  # no Content-Length, not chunked: the body ends where the connection does
+            self._complete = True
+            self._keep_alive = False
+            self._wake()
+        else:
+            self._fail(UpstreamClosed("the upstream closed the connection before the answer ended"))
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._error is None:
+            self._error = exc
+        self._keep_alive = False
+        if not self._head.done():
+            self._head.set_exception(exc)
+            self._head.exception()  # retrieved: whoever awaits it re-raises; nobody awaiting is fine too
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- reading ------------------------------------------------------------------------------
+    async def _wait_head(self, read_s: float | None) -> None:
+        if read_s is None:
+            await self._head
+        else:
+            await asyncio.wait_for(asyncio.shield(self._head), read_s)
+
+    def _take(self) -> bytes:
+        data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
+        self._chunks.clear()
+        if self._buffered > READ_BUFFER_HIGH and self._conn.transport is not None:
+            self._conn.transport.resume_reading()
+        self._buffered = 0
+        return data
+
+    def received_body(self) -> bytes | None:
+        """The whole body if the upstream has sent all of it already (the usual small answer), else None."""
+        if self._complete and self._error is None:
+            return self._take() if self._chunks else b""
+        return None
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        """Body bytes as they arrive (what arrived together is handed over together)."""
+        read_s = self._conn.pool.read_s
+        while True:
+            if self._chunks:
+                yield self._take()
+                continue
+            if self._error is not None:
+                raise self._error
+            if self._complete:
+                return
+            self._waiter = waiter = self._conn.loop.create_future()
+            try:
+                if read_s is None:
+                    await waiter
+                else:
+                    await asyncio.wait_for(waiter, read_s)
+            finally:
+                self._waiter = None
+
+    async def aread(self) -> bytes:
+        return b"".join([chunk async for chunk in self.aiter_raw()])
+
+    def close(self) -> None:
+        """Back to the pool if the exchange ended cleanly; otherwise the connection is dropped,
+        which is how the upstream learns the client went away (Ollama stops generating then)."""
+        if self._closed:
+            return
+        self._closed = True
+        sending = self._body_task is not None and not self._body_task.done()
+        if self._complete and self._keep_alive and self._error is None and not sending:
+            self._conn.release()
+        else:
+            if self._body_task is not None:
+                self._body_task.cancel()
+            self._conn.drop()
+
+    async def aclose(self) -> None:
+        self.close()
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, pool: Pool, loop: asyncio.AbstractEventLoop) -> None:
+        self.pool = pool
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.response: Response | None = None
+        self.lost = False
+        self.idle_since = 0.0
+        self._write_paused = False
+        self._drained: asyncio.Future[None] | None = None
+
+    # -- asyncio.Protocol -----------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if self.response is None:
+            self.drop()  # bytes on an idle connection (an idle timeout notice): the server is closing it
+            return
+        self.response._feed(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.pool._forget(self)
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_exception(UpstreamClosed("the upstream closed the connection while we were sending"))
+            self._drained.exception()
+        if self.response is not None:
+            self.response._connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    # -- used by the pool and the response ----------------------------------------------------
+    @property
+    def usable(self) -> bool:
+        return not self.lost and self.transport is not None and not self.transport.is_closing()
+
+    async def drain(self) -> None:
+        if self.lost:
+            raise UpstreamClosed("the upstream closed the connection while we were sending")
+        if not self._write_paused:
+            return
+        self._drained = self.loop.create_future()
+        try:
+            write_s = self.pool.write_s
+            await (self._drained if write_s is None else asyncio.wait_for(self._drained, write_s))
+        finally:
+            self._drained = None
+
+    def release(self) -> None:
+        self.response = None
+        if self.transport is not None:
+            self.transport.resume_reading()
+        self.pool._release(self)
+
+    def drop(self) -> None:
+        self.response = None
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class Pool:
+    """Keep-alive connections to one upstream (`http://host:port` or `https://...`), used LIFO."""
+
+    def __init__(self, upstream: str, *, connect_s: float | None = 5.0, read_s: float | None = None,
+                 write_s: float | None = None, ssl_context: ssl.SSLContext | None = None,
+                 max_idle: int = 256, idle_expiry_s: float = IDLE_EXPIRY_S) -> None:
+        parts = urlsplit(upstream)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) upstream: {upstream!r}")
+        self.host = parts.hostname
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.ssl = (ssl_context or ssl.create_default_context()) if parts.scheme == "https" else None
+        self.connect_s, self.read_s, self.write_s = connect_s, read_s, write_s
+        self.max_idle, self.idle_expiry_s = max_idle, idle_expiry_s
+        self._idle: deque[_Connection] = deque()
+        self._closed = False
+
+    async def request(self, method: str, target: bytes, headers: list[tuple[str, str]], body: Body) -> Response:
+        """Send one request; return when the answer's status and headers are in (body unread).
+        Raises OSError (refused, reset, UpstreamClosed, UpstreamProtocolError) or TimeoutError."""
+        streamed = body is not None and not isinstance(body, bytes)
+        has_length = any(k.lower() == "content-length" for k, _ in headers)
+        lines = [f"{method} ".encode("ascii") + target + b" HTTP/1.1\r\n"]
+        lines += [f"{k}: {v}\r\n".encode("latin-1") for k, v in headers]
+        if streamed and not has_length:
+            lines.append(b"transfer-encoding: chunked\r\n")
+        lines.append(b"\r\n")
+        head = b"".join(lines)
+        for attempt in (1, 2):
+            conn, reused = await self._acquire()
+            response = conn.response = Response(conn, head_only=method == "HEAD")
+            assert conn.transport is not None
+            try:
+                if streamed:
+                    conn.transport.write(head)
+                    response._body_task = asyncio.ensure_future(
+                        _send_body(conn, response, body, chunked=not has_length))  # type: ignore[arg-type]
+                else:
+                    conn.transport.write(head + body if body else head)  # type: ignore[operator]
+                await response._wait_head(self.read_s)
+                return response
+            except UpstreamClosed:
+                response.close()
+                # A kept-alive connection the upstream closed meanwhile: one fresh try if nothing was answered.
+                if attempt == 1 and reused and not streamed and not response.got_bytes:
+                    continue
+                raise
+            except BaseException:
+                response.close()
+                raise
+        raise AssertionError("unreachable")
+
+    async def _acquire(self) -> tuple[_Connection, bool]:
+        now = time.monotonic()
+        while self._idle:
+            conn = self._idle.pop()
+            if conn.usable and now - conn.idle_since < self.idle_expiry_s:
+                return conn, True
+            conn.drop()
+        loop = asyncio.get_running_loop()
+        connecting = loop.create_connection(lambda: _Connection(self, loop), self.host, self.port, ssl=self.ssl)
+        if self.connect_s is None:
+            _, conn = await connecting
+        else:
+            _, conn = await asyncio.wait_for(connecting, self.connect_s)
+        return conn, False
+
+    def _release(self, conn: _Connection) -> None:
+        if self._closed or not conn.usable or len(self._idle) >= self.max_idle:
+            conn.drop()
+            return
+        conn.idle_since = time.monotonic()
+        self._idle.append(conn)
+
+    def _forget(self, conn: _Connection) -> None:
+        with contextlib.suppress(ValueError):
+            self._idle.remove(conn)
+
+    @property
+    def idle_connections(self) -> int:
+        return len(self._idle)
+
+    def close(self) -> None:
+        """Close the idle connections; those in use close when their answer is closed."""
+        self._closed = True
+        while self._idle:
+            self._idle.pop().drop()
+
+
+async def _send_body(conn: _Connection, response: Response, body: AsyncIterator[bytes], *, chunked: bool) -> None:
+    """Stream a request body upstream with back-pressure; any failure ends the whole exchange."""
+    try:
+        async for chunk in body:
+            if not chunk or conn.transport is None:
+                continue
+            if chunked:
+                conn.transport.writelines((b"%x\r\n" % len(chunk), chunk, b"\r\n"))
+            else:
+                conn.transport.write(chunk)
+            await conn.drain()
+        if chunked and conn.transport is not None:
+            conn.transport.write(b"0\r\n\r\n")
+    except Exception as exc:
+        # The client's upload broke (it went away) or the upstream stopped reading: the upstream must
+        # see an aborted request, never a short body presented as whole.
+        response._fail(exc)
+        conn.drop()

@@ -1,0 +1,251 @@
+"""The relay's HTTP/1.1 client against a raw socket server that answers exactly the bytes a test gives."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from proxy.http1 import Pool, UpstreamClosed, UpstreamProtocolError
+
+SAFETY_S = 5.0
+
+# The test's handler gets each request as (head, body) and writes what it wants.
+Handler = Callable[[bytes, bytes, asyncio.StreamWriter], Awaitable[None]]
+
+
+class RawServer:
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.connections = 0
+        self.requests: list[tuple[bytes, bytes]] = []
+        self.eofs = 0  # connections the client ended (closed or reset)
+        self.server: asyncio.Server | None = None
+        self.reader: asyncio.StreamReader | None = None  # the connection being served
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self.reader = reader
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    body = await _read_body(reader, head)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    self.eofs += 1
+                    return
+                self.requests.append((head, body))
+                await self.handler(head, body, writer)
+                if writer.is_closing():
+                    return
+        finally:
+            writer.close()
+
+
+async def _read_body(reader: asyncio.StreamReader, head: bytes) -> bytes:
+    lower = head.lower()
+    if b"transfer-encoding: chunked" in lower:
+        out = b""
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+            chunk = await reader.readexactly(size + 2)
+            if size == 0:
+                return out
+            out += chunk[:-2]
+    for line in lower.split(b"\r\n"):
+        if line.startswith(b"content-length:"):
+            return await reader.readexactly(int(line.split(b":")[1]))
+    return b""
+
+
+@contextlib.asynccontextmanager
+async def raw_server(handler: Handler) -> AsyncIterator[RawServer]:
+    server = RawServer(handler)
+    server.server = await asyncio.start_server(server._serve, "127.0.0.1", 0)
+    try:
+        yield server
+    finally:
+        server.server.close()
+
+
+def answer(raw: bytes, *, then_close: bool = False) -> Handler:
+    async def handler(head: bytes, body: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(raw)
+        await writer.drain()
+        if then_close:
+            writer.close()
+    return handler
+
+
+OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+
+async def get(pool: Pool, path: bytes = b"/", method: str = "GET", body: bytes | AsyncIterator[bytes] | None = None,
+              headers: list[tuple[str, str]] | None = None) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    response = await asyncio.wait_for(pool.request(method, path, headers or [("host", "upstream")], body), SAFETY_S)
+    try:
+        data = await asyncio.wait_for(response.aread(), SAFETY_S)
+    finally:
+        response.close()
+    return response.status_code, response.raw_headers, data
+
+
+async def test_keep_alive_connection_is_reused_for_the_next_request() -> None:
+    async with raw_server(answer(OK)) as up:
+        pool = Pool(up.url)
+        assert (await get(pool))[2] == b"ok"
+        assert (await get(pool))[2] == b"ok"
+        pool.close()
+    assert up.connections == 1, "a kept-alive answer must leave its connection for the next request"
+
+
+async def test_request_goes_out_byte_for_byte() -> None:
+    async with raw_server(answer(OK)) as up:
+        pool = Pool(up.url)
+        await get(pool, b"/a%2Fb?q=%20x&y", method="DELETE", body=b'{"name":"m"}',
+                  headers=[("Host", "127.0.0.1:11434"), ("X-Custom", "1"), ("content-length", "12")])
+        pool.close()
+    head, body = up.requests[0]
+    assert head.startswith(b"DELETE /a%2Fb?q=%20x&y HTTP/1.1\r\n"), head
+    assert b"Host: 127.0.0.1:11434\r\nX-Custom: 1\r\ncontent-length: 12\r\n\r\n" in head
+    assert body == b'{"name":"m"}'
+
+
+async def test_interim_100_continue_is_skipped() -> None:
+    async with raw_server(answer(b"HTTP/1.1 100 Continue\r\n\r\n" + OK)) as up:
+        pool = Pool(up.url)
+        status, _, body = await get(pool)
+        pool.close()
+    assert (status, body) == (200, b"ok")
+
+
+async def test_head_answer_declaring_a_length_has_no_body_and_keeps_the_connection() -> None:
+    async def handler(head: bytes, body: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n" if head.startswith(b"HEAD") else OK)
+    async with raw_server(handler) as up:
+        pool = Pool(up.url)
+        status, headers, body = await get(pool, method="HEAD")
+        assert (status, body, dict(headers)[b"content-length"]) == (200, b"", b"5")
+        assert (await get(pool))[2] == b"ok", "the answer after a HEAD must be read from the right bytes"
+        pool.close()
+    assert up.connections == 1
+
+
+async def test_body_without_length_ends_when_the_upstream_closes() -> None:
+    async with raw_server(answer(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the end", then_close=True)) as up:
+        pool = Pool(up.url)
+        assert (await get(pool))[2] == b"until the end"
+        assert pool.idle_connections == 0, "a connection-close answer must not go back to the pool"
+        pool.close()
+
+
+async def test_truncated_body_is_an_error_not_a_short_answer() -> None:
+    async with raw_server(answer(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort", then_close=True)) as up:
+        pool = Pool(up.url)
+        with pytest.raises(UpstreamClosed):
+            await get(pool)
+        pool.close()
+
+
+async def test_chunked_answer_is_unframed_and_repeated_headers_kept() -> None:
+    raw = (b"HTTP/1.1 200 OK\r\nSet-Cookie: a=1\r\nSet-Cookie: b=2\r\nTransfer-Encoding: chunked\r\n\r\n"
+           b"3\r\none\r\n3\r\ntwo\r\n0\r\n\r\n")
+    async with raw_server(answer(raw)) as up:
+        pool = Pool(up.url)
+        _, headers, body = await get(pool)
+        pool.close()
+    assert body == b"onetwo"
+    assert [v for k, v in headers if k == b"set-cookie"] == [b"a=1", b"b=2"]
+
+
+async def test_connection_closed_while_idle_is_retried_once_on_a_fresh_one() -> None:
+    # The upstream answers keep-alive but closes the socket right after (as an idle timeout would).
+    async with raw_server(answer(OK, then_close=True)) as up:
+        pool = Pool(up.url)
+        await get(pool)
+        await asyncio.sleep(0.05)  # the close reaches us while the connection sits in the pool
+        assert (await get(pool, body=b"x", method="POST", headers=[("host", "h"), ("content-length", "1")]))[2] == b"ok"
+        pool.close()
+    assert up.connections == 2
+
+
+async def test_streamed_body_without_length_goes_chunked_with_length_goes_raw() -> None:
+    async def parts() -> AsyncIterator[bytes]:
+        yield b"hello "
+        yield b""
+        yield b"world"
+    async with raw_server(answer(OK)) as up:
+        pool = Pool(up.url)
+        await get(pool, method="POST", body=parts())
+        await get(pool, method="PUT", body=parts(), headers=[("host", "h"), ("content-length", "11")])
+        pool.close()
+    (chunked_head, chunked_body), (raw_head, raw_body) = up.requests
+    assert b"transfer-encoding: chunked" in chunked_head and chunked_body == b"hello world"
+    assert b"transfer-encoding" not in raw_head and raw_body == b"hello world"
+
+
+async def test_a_failing_upload_aborts_the_upstream_request() -> None:
+    async def broken() -> AsyncIterator[bytes]:
+        yield b"partial"
+        raise ConnectionResetError("client went away")
+    async with raw_server(answer(OK)) as up:
+        pool = Pool(up.url)
+        with pytest.raises(ConnectionResetError):
+            await get(pool, method="POST", body=broken())
+        await asyncio.sleep(0.05)
+        pool.close()
+    assert up.requests == [] and up.eofs == 1, "the upstream must see the request end without a complete body"
+
+
+async def test_malformed_answer_is_a_protocol_error() -> None:
+    async with raw_server(answer(b"SMTP ready\r\n\r\n")) as up:
+        pool = Pool(up.url)
+        with pytest.raises(UpstreamProtocolError):
+            await get(pool)
+        pool.close()
+
+
+async def test_read_timeout_applies_to_the_head() -> None:
+    async def silent(head: bytes, body: bytes, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(SAFETY_S)
+    async with raw_server(silent) as up:
+        pool = Pool(up.url, read_s=0.05)
+        with pytest.raises(TimeoutError):
+            await get(pool)
+        pool.close()
+
+
+async def test_refused_connection_is_an_os_error() -> None:
+    async with raw_server(answer(OK)) as up:
+        url = up.url
+    with pytest.raises(OSError):
+        await get(Pool(url))
+
+
+async def test_closing_an_unfinished_answer_drops_the_connection() -> None:
+    # Ollama stops generating only when its request's connection goes away.
+    client_left = asyncio.Event()
+
+    async def endless(head: bytes, body: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\ntoken\r\n")
+        await writer.drain()
+        assert up.reader is not None
+        with contextlib.suppress(ConnectionError):
+            await up.reader.read()  # b"" once the proxy's side is gone
+        client_left.set()
+
+    async with raw_server(endless) as up:
+        pool = Pool(up.url)
+        response = await pool.request("POST", b"/api/generate", [("host", "h"), ("content-length", "0")], b"")
+        first = await anext(aiter(response.aiter_raw()))
+        response.close()
+        await asyncio.wait_for(client_left.wait(), SAFETY_S)
+        assert first == b"token" and pool.idle_connections == 0
+        pool.close()
