@@ -21,7 +21,7 @@ from .arbiter import Plan, TenantState, plan_release
 from .attribution import AttributedProcess, AttributedSnapshot, Attributor
 from .clock import Clock
 from .decisions import Decision, DecisionLog
-from .engines import memory
+from .engines import memory, strip_hop_by_hop
 from .gpu import DeviceMemory, GpuProcess, GpuReader, GpuReadError, GpuSnapshot
 from .inflight import InFlight
 from .tenants import GIB, MIB, Registry, Tenant
@@ -441,8 +441,11 @@ class GpuAdmission:
 
 
 def _replay_response(upstream: UpstreamResponse, body: bytes) -> Response:
-    headers = {k: v for k, v in upstream.headers.items() if k.lower() not in ("content-length", "transfer-encoding", "connection")}
-    return Response(body, status_code=upstream.status_code, headers=headers)
+    """The upstream's answer, already read, as it was: repeated headers kept, framing re-done."""
+    response = Response(body, status_code=upstream.status_code)
+    kept = [(k, v) for k, v in strip_hop_by_hop(upstream.raw_headers) if k != b"content-length"]
+    response.raw_headers = [*kept, (b"content-length", b"%d" % len(body))]
+    return response
 
 
 def _with_blockers(upstream: UpstreamResponse, body: bytes, handoff: Handoff | None) -> Response:

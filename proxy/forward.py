@@ -122,8 +122,7 @@ class RelayResponse(Response):
         self.tap = tap
         self.background = None
         self.body = b""
-        headers = strip_hop_by_hop(_latin1(list(upstream.raw_headers)))
-        self.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+        self.raw_headers = strip_hop_by_hop(upstream.raw_headers)
         self._closed = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -245,14 +244,13 @@ class Forwarder:
         query: bytes = scope.get("query_string", b"")
         client_addr = scope.get("client")
         headers = self.adapter(tenant).upstream_headers(
-            _latin1(scope["headers"]), client_ip=client_addr[0] if client_addr else None,
-            scheme=scope.get("scheme", "http"))
+            scope["headers"], client_ip=client_addr[0] if client_addr else None, scheme=scope.get("scheme", "http"))
         data: bytes | AsyncIterator[bytes] | None = body
         if isinstance(body, bytes):
             # A replayed (buffered) body: its length is known, whatever the client framed it with.
-            headers = [(k, v) for k, v in headers if k.lower() != "content-length"]
+            headers = [(k, v) for k, v in headers if k != b"content-length"]
             if body or method not in ("GET", "HEAD"):
-                headers.append(("content-length", str(len(body))))
+                headers.append((b"content-length", b"%d" % len(body)))
             else:
                 data = None
         # The client's path and query go upstream byte for byte (never re-quoted); any path in
@@ -289,9 +287,8 @@ class Forwarder:
         adapter = self.adapter(tenant)
         scope = ws.scope
         client_scheme = scope.get("scheme", "ws")
-        headers = adapter.upstream_headers(
-            _latin1(ws.headers.raw), client_ip=ws.client.host if ws.client else None,
-            scheme=client_scheme, websocket=True)
+        headers = _latin1(adapter.upstream_headers(
+            ws.headers.raw, client_ip=ws.client.host if ws.client else None, scheme=client_scheme, websocket=True))
         origin = next((v for k, v in headers if k.lower() == "origin"), None)
         extra = [(k, v) for k, v in headers if k.lower() not in ("host", "origin")]
         ua = ws.headers.get("user-agent")

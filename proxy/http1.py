@@ -24,7 +24,7 @@ import contextlib
 import ssl
 import time
 from collections import deque
-from typing import AsyncIterator
+from typing import AsyncIterator, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -226,8 +226,7 @@ class _Connection(asyncio.Protocol):
 
     # -- asyncio.Protocol -----------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
 
     def data_received(self, data: bytes) -> None:
         if self.response is None:
@@ -298,13 +297,14 @@ class Pool:
         self._idle: deque[_Connection] = deque()
         self._closed = False
 
-    async def request(self, method: str, target: bytes, headers: list[tuple[str, str]], body: Body) -> Response:
+    async def request(self, method: str, target: bytes, headers: RawHeaders, body: Body) -> Response:
         """Send one request; return when the answer's status and headers are in (body unread).
         Raises OSError (refused, reset, UpstreamClosed, UpstreamProtocolError) or TimeoutError."""
         streamed = body is not None and not isinstance(body, bytes)
-        has_length = any(k.lower() == "content-length" for k, _ in headers)
-        lines = [f"{method} ".encode("ascii") + target + b" HTTP/1.1\r\n"]
-        lines += [f"{k}: {v}\r\n".encode("latin-1") for k, v in headers]
+        has_length = any(k.lower() == b"content-length" for k, _ in headers)
+        lines = [method.encode("ascii"), b" ", target, b" HTTP/1.1\r\n"]
+        for name, value in headers:
+            lines += (name, b": ", value, b"\r\n")
         if streamed and not has_length:
             lines.append(b"transfer-encoding: chunked\r\n")
         lines.append(b"\r\n")

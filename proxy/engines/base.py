@@ -12,27 +12,28 @@ from urllib.parse import urlsplit
 from ..tenants import Tenant
 
 RequestKind = Literal["gpu", "passthrough"]
-Header = tuple[str, str]
+# Raw bytes as ASGI and the wire carry them (latin-1); no decode/encode per request on the relay path.
+Header = tuple[bytes, bytes]
 
 # RFC 9110 section 7.6.1: meaningful for one connection only, never forwarded.
 HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-connection", "proxy-authenticate", "proxy-authorization",
-    "te", "trailer", "trailers", "transfer-encoding", "upgrade",
+    b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate", b"proxy-authorization",
+    b"te", b"trailer", b"trailers", b"transfer-encoding", b"upgrade",
 })
 # The websocket client library writes its own handshake; the client's would be wrong upstream.
 WS_HANDSHAKE = frozenset({
-    "host", "origin", "sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
-    "sec-websocket-protocol", "sec-websocket-accept", "user-agent",
+    b"host", b"origin", b"sec-websocket-key", b"sec-websocket-version", b"sec-websocket-extensions",
+    b"sec-websocket-protocol", b"sec-websocket-accept", b"user-agent",
 })
-FORWARDED = frozenset({"x-forwarded-for", "x-forwarded-proto", "x-forwarded-host"})
+FORWARDED = frozenset({b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host"})
 
 
 def strip_hop_by_hop(headers: Iterable[Header]) -> list[Header]:
-    """Drop hop-by-hop headers, including any the Connection header names."""
-    items = list(headers)
-    named = {token.strip().lower() for k, v in items if k.lower() == "connection" for token in v.split(",")}
-    return [(k, v) for k, v in items if k.lower() not in HOP_BY_HOP and k.lower() not in named
-            and not k.lower().startswith("proxy-")]
+    """Drop hop-by-hop headers, including any the Connection header names; names come out lower-case."""
+    items = [(k.lower(), v) for k, v in headers]
+    named = {token.strip().lower() for k, v in items if k == b"connection" for token in v.split(b",")}
+    return [(k, v) for k, v in items
+            if k not in HOP_BY_HOP and not k.startswith(b"proxy-") and (not named or k not in named)]
 
 
 def _origin_netloc(origin: str) -> str | None:
@@ -67,6 +68,7 @@ class EngineAdapter:
         self.upstream_scheme = upstream.scheme
         self.upstream_host = upstream.netloc  # what the engine believes its own Host is
         self.upstream_origin = f"{upstream.scheme}://{upstream.netloc}"
+        self._host_header = (b"host", self.upstream_host.encode("latin-1"))
 
     # -- classification -------------------------------------------------------------------
     def classify(self, method: str, path: str) -> RequestKind:
@@ -77,24 +79,29 @@ class EngineAdapter:
                          websocket: bool = False) -> list[Header]:
         """The request headers to send upstream: hop-by-hop stripped, Host/Origin per engine,
         X-Forwarded-* appended. `scheme` is the client-facing one (http, https, ws, wss)."""
-        client_host = next((v for k, v in headers if k.lower() == "host"), "")
-        out: list[Header] = []
+        client_host = b""
+        prior: list[bytes] = []
+        out: list[Header] = [self._host_header]
         for name, value in strip_hop_by_hop(headers):
-            low = name.lower()
-            if low == "host" or low in FORWARDED or (websocket and low in WS_HANDSHAKE and low != "origin"):
+            if name == b"host":
+                client_host = value
+            elif name in FORWARDED:
+                if name == b"x-forwarded-for":
+                    prior.append(value)
+            elif websocket and name in WS_HANDSHAKE and name != b"origin":
                 continue
-            if low == "origin":
-                value = self.rewrite_origin(value, client_host, scheme)
-            out.append((name, value))
-        out.insert(0, ("host", self.upstream_host))
-        prior = [v for k, v in headers if k.lower() == "x-forwarded-for"]
+            elif name == b"origin":
+                out.append((name, self.rewrite_origin(value.decode("latin-1"), client_host.decode("latin-1"),
+                                                      scheme).encode("latin-1")))
+            else:
+                out.append((name, value))
         if client_ip:
-            out.append(("x-forwarded-for", ", ".join(prior + [client_ip])))
-        elif prior:
-            out.append(("x-forwarded-for", ", ".join(prior)))
-        out.append(("x-forwarded-proto", "https" if scheme in ("https", "wss") else "http"))
+            prior.append(client_ip.encode("latin-1"))
+        if prior:
+            out.append((b"x-forwarded-for", b", ".join(prior)))
+        out.append((b"x-forwarded-proto", b"https" if scheme in ("https", "wss") else b"http"))
         if client_host:
-            out.append(("x-forwarded-host", client_host))
+            out.append((b"x-forwarded-host", client_host))
         return out
 
     def rewrite_origin(self, origin: str, client_host: str, scheme: str) -> str:

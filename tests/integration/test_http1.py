@@ -88,8 +88,8 @@ OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 
 
 async def get(pool: Pool, path: bytes = b"/", method: str = "GET", body: bytes | AsyncIterator[bytes] | None = None,
-              headers: list[tuple[str, str]] | None = None) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-    response = await asyncio.wait_for(pool.request(method, path, headers or [("host", "upstream")], body), SAFETY_S)
+              headers: list[tuple[bytes, bytes]] | None = None) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    response = await asyncio.wait_for(pool.request(method, path, headers or [(b"host", b"upstream")], body), SAFETY_S)
     try:
         data = await asyncio.wait_for(response.aread(), SAFETY_S)
     finally:
@@ -110,7 +110,7 @@ async def test_request_goes_out_byte_for_byte() -> None:
     async with raw_server(answer(OK)) as up:
         pool = Pool(up.url)
         await get(pool, b"/a%2Fb?q=%20x&y", method="DELETE", body=b'{"name":"m"}',
-                  headers=[("Host", "127.0.0.1:11434"), ("X-Custom", "1"), ("content-length", "12")])
+                  headers=[(b"Host", b"127.0.0.1:11434"), (b"X-Custom", b"1"), (b"content-length", b"12")])
         pool.close()
     head, body = up.requests[0]
     assert head.startswith(b"DELETE /a%2Fb?q=%20x&y HTTP/1.1\r\n"), head
@@ -171,7 +171,7 @@ async def test_connection_closed_while_idle_is_retried_once_on_a_fresh_one() -> 
         pool = Pool(up.url)
         await get(pool)
         await asyncio.sleep(0.05)  # the close reaches us while the connection sits in the pool
-        assert (await get(pool, body=b"x", method="POST", headers=[("host", "h"), ("content-length", "1")]))[2] == b"ok"
+        assert (await get(pool, body=b"x", method="POST", headers=[(b"host", b"h"), (b"content-length", b"1")]))[2] == b"ok"
         pool.close()
     assert up.connections == 2
 
@@ -184,7 +184,7 @@ async def test_streamed_body_without_length_goes_chunked_with_length_goes_raw() 
     async with raw_server(answer(OK)) as up:
         pool = Pool(up.url)
         await get(pool, method="POST", body=parts())
-        await get(pool, method="PUT", body=parts(), headers=[("host", "h"), ("content-length", "11")])
+        await get(pool, method="PUT", body=parts(), headers=[(b"host", b"h"), (b"content-length", b"11")])
         pool.close()
     (chunked_head, chunked_body), (raw_head, raw_body) = up.requests
     assert b"transfer-encoding: chunked" in chunked_head and chunked_body == b"hello world"
@@ -243,7 +243,7 @@ async def test_closing_an_unfinished_answer_drops_the_connection() -> None:
 
     async with raw_server(endless) as up:
         pool = Pool(up.url)
-        response = await pool.request("POST", b"/api/generate", [("host", "h"), ("content-length", "0")], b"")
+        response = await pool.request("POST", b"/api/generate", [(b"host", b"h"), (b"content-length", b"0")], b"")
         first = await anext(aiter(response.aiter_raw()))
         response.close()
         await asyncio.wait_for(client_left.wait(), SAFETY_S)

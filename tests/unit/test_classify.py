@@ -50,16 +50,20 @@ def test_hop_by_hop_headers_and_those_named_in_connection_are_stripped() -> None
     headers = [("Connection", "keep-alive, X-Secret"), ("Keep-Alive", "timeout=5"), ("TE", "trailers"),
                ("Transfer-Encoding", "chunked"), ("Upgrade", "h2c"), ("Proxy-Authorization", "x"),
                ("Trailer", "x"), ("X-Secret", "1"), ("Content-Type", "application/json")]
-    assert strip_hop_by_hop(headers) == [("Content-Type", "application/json")]
+    assert strip_hop_by_hop(_b(headers)) == [(b"content-type", b"application/json")]
 
 
-def _h(headers: list[tuple[str, str]]) -> dict[str, str]:
-    return {k.lower(): v for k, v in headers}
+def _b(headers: list[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
+    return [(k.encode(), v.encode()) for k, v in headers]
+
+
+def _h(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    return {k.decode().lower(): v.decode() for k, v in headers}
 
 
 def test_ollama_upstream_gets_its_own_host_and_forwarded_headers() -> None:
     a = OllamaAdapter(tenant("ollama"))
-    out = _h(a.upstream_headers([("Host", "llm.example.com"), ("X-Forwarded-For", "10.0.0.1")],
+    out = _h(a.upstream_headers(_b([("Host", "llm.example.com"), ("X-Forwarded-For", "10.0.0.1")]),
                                 client_ip="10.0.0.2", scheme="https"))
     assert out["host"] == "127.0.0.1:11434"
     assert out["x-forwarded-for"] == "10.0.0.1, 10.0.0.2"
@@ -69,14 +73,14 @@ def test_ollama_upstream_gets_its_own_host_and_forwarded_headers() -> None:
 
 def test_same_origin_browser_request_is_rewritten_to_the_upstream_origin() -> None:
     a = ComfyUIAdapter(tenant("comfyui", "http://127.0.0.1:8188"))
-    out = _h(a.upstream_headers([("Host", "127.0.0.1:8189"), ("Origin", "http://127.0.0.1:8189")],
+    out = _h(a.upstream_headers(_b([("Host", "127.0.0.1:8189"), ("Origin", "http://127.0.0.1:8189")]),
                                 client_ip="127.0.0.1", scheme="http"))
     assert (out["host"], out["origin"]) == ("127.0.0.1:8188", "http://127.0.0.1:8188")
 
 
 def test_same_origin_ignores_default_ports() -> None:
     a = ComfyUIAdapter(tenant("comfyui", "http://127.0.0.1:8188"))
-    out = _h(a.upstream_headers([("Host", "gpu.example.com"), ("Origin", "https://gpu.example.com")],
+    out = _h(a.upstream_headers(_b([("Host", "gpu.example.com"), ("Origin", "https://gpu.example.com")]),
                                 client_ip=None, scheme="https"))
     assert out["origin"] == "http://127.0.0.1:8188"
 
@@ -84,14 +88,14 @@ def test_same_origin_ignores_default_ports() -> None:
 @pytest.mark.parametrize("origin", ["http://evil.example", "http://127.0.0.1:3000", "null"])
 def test_cross_origin_request_keeps_its_origin_so_the_engine_still_refuses(origin: str) -> None:
     a = ComfyUIAdapter(tenant("comfyui", "http://127.0.0.1:8188"))
-    out = _h(a.upstream_headers([("Host", "127.0.0.1:8189"), ("Origin", origin)], client_ip=None, scheme="http"))
+    out = _h(a.upstream_headers(_b([("Host", "127.0.0.1:8189"), ("Origin", origin)]), client_ip=None, scheme="http"))
     assert out["origin"] == origin and out["host"] == "127.0.0.1:8188"
 
 
 def test_websocket_handshake_headers_are_left_to_the_client_library() -> None:
     a = ComfyUIAdapter(tenant("comfyui", "http://127.0.0.1:8188"))
-    out = _h(a.upstream_headers([("Host", "h:1"), ("Sec-WebSocket-Key", "k"), ("Sec-WebSocket-Version", "13"),
-                                 ("Upgrade", "websocket"), ("Connection", "Upgrade"), ("Cookie", "c=1")],
+    out = _h(a.upstream_headers(_b([("Host", "h:1"), ("Sec-WebSocket-Key", "k"), ("Sec-WebSocket-Version", "13"),
+                                 ("Upgrade", "websocket"), ("Connection", "Upgrade"), ("Cookie", "c=1")]),
                                 client_ip=None, scheme="ws", websocket=True))
     assert "sec-websocket-key" not in out and "upgrade" not in out and out["cookie"] == "c=1"
 
