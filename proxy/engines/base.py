@@ -6,7 +6,7 @@ One adapter instance per tenant. Subclasses override only what differs per engin
 
 from __future__ import annotations
 
-from typing import Iterable, Literal, Sequence
+from typing import Literal, Sequence
 from urllib.parse import urlsplit
 
 from ..tenants import Tenant
@@ -28,12 +28,16 @@ WS_HANDSHAKE = frozenset({
 FORWARDED = frozenset({b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host"})
 
 
-def strip_hop_by_hop(headers: Iterable[Header]) -> list[Header]:
-    """Drop hop-by-hop headers, including any the Connection header names; names come out lower-case."""
-    items = [(k.lower(), v) for k, v in headers]
-    named = {token.strip().lower() for k, v in items if k == b"connection" for token in v.split(b",")}
-    return [(k, v) for k, v in items
-            if k not in HOP_BY_HOP and not k.startswith(b"proxy-") and (not named or k not in named)]
+def strip_hop_by_hop(headers: Sequence[Header]) -> list[Header]:
+    """Drop hop-by-hop headers, including any the Connection header names.
+
+    Names must be lower-case, as ASGI servers and `http1` hand them over (HTTP names are case-insensitive)."""
+    out = [(k, v) for k, v in headers if k not in HOP_BY_HOP and not k.startswith(b"proxy-")]
+    if len(out) != len(headers):  # something was dropped: maybe a Connection header naming more
+        named = {token.strip().lower() for k, v in headers if k == b"connection" for token in v.split(b",")}
+        if named:
+            out = [(k, v) for k, v in out if k not in named]
+    return out
 
 
 def _origin_netloc(origin: str) -> str | None:
@@ -78,7 +82,8 @@ class EngineAdapter:
     def upstream_headers(self, headers: Sequence[Header], *, client_ip: str | None, scheme: str,
                          websocket: bool = False) -> list[Header]:
         """The request headers to send upstream: hop-by-hop stripped, Host/Origin per engine,
-        X-Forwarded-* appended. `scheme` is the client-facing one (http, https, ws, wss)."""
+        X-Forwarded-* appended. Names lower-case (ASGI's); `scheme` is the client-facing one
+        (http, https, ws, wss)."""
         client_host = b""
         prior: list[bytes] = []
         out: list[Header] = [self._host_header]

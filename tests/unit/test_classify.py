@@ -54,7 +54,8 @@ def test_hop_by_hop_headers_and_those_named_in_connection_are_stripped() -> None
 
 
 def _b(headers: list[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
-    return [(k.encode(), v.encode()) for k, v in headers]
+    """As an ASGI server hands them over: names lower-cased."""
+    return [(k.lower().encode(), v.encode()) for k, v in headers]
 
 
 def _h(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
