@@ -103,7 +103,7 @@ class _SpliceDown(asyncio.Protocol):
 
 async def serve(role: str, upstream: str | None) -> None:
     sys.path.insert(0, str(ROOT))
-    from proxy.servers import start_server
+    from proxy.servers import settle_heap, start_server
 
     if role == "splice":
         assert upstream is not None
@@ -123,6 +123,7 @@ async def serve(role: str, upstream: str | None) -> None:
         tenant = Tenant(name="bench", engine="ollama", upstream=upstream)
         app = tenant_app(tenant, Forwarder(), InFlight())
     server = await start_server(app, name=role)
+    settle_heap()  # as `hyperswap serve` does once started
     print(server.port, flush=True)
     await asyncio.Event().wait()
 

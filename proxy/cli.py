@@ -58,6 +58,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from .nvml import NvmlReader
+    from .servers import settle_heap
     from .service import Proxy
 
     registry = load_registry(args.config)
@@ -66,6 +67,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     async def run() -> int:
         proxy = Proxy(registry, NvmlReader())
         await proxy.start()
+        settle_heap()
         for name, server in proxy.servers.items():
             print(f"  {name:<12} {server.url}", flush=True)
         stop = asyncio.Event()

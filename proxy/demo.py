@@ -18,6 +18,7 @@ from typing import Any, Awaitable, Callable, Mapping
 import httpx
 from websockets.asyncio.client import connect as ws_connect
 
+from .servers import settle_heap
 from .service import Proxy
 from .sim.box import Scenario, SimBox, load_scenario
 from .tenants import GIB, registry_from_dict
@@ -309,6 +310,7 @@ def print_report(results: list[tuple[str, bool, str]]) -> bool:
 
 async def demo_main(scenario: str, check: bool, with_proxy: bool = True) -> int:
     demo = await start_demo(scenario, with_proxy=with_proxy, watchdog=not check)
+    settle_heap()
     try:
         print(describe(demo, scenario), flush=True)
         if check:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import socket
 from dataclasses import dataclass
 from typing import Iterator
@@ -43,6 +44,15 @@ class RunningServer:
         except asyncio.TimeoutError:
             self.server.force_exit = True
             await self.task
+
+
+def settle_heap() -> None:
+    """Call once everything is started: what exists now (modules, config, apps) lives as long as the
+    process, so the cyclic collector stops rescanning it. Without this, each full collection walked
+    that heap on the event loop and stalled every request in flight: 28-37 ms, three times per
+    bench/forwarding.py run (proxy c=64 p99 29-41 ms; 15-17 ms with it)."""
+    gc.collect()
+    gc.freeze()
 
 
 def split_host_port(address: str) -> tuple[str, int]:
