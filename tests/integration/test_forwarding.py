@@ -411,6 +411,29 @@ async def test_upstream_that_never_answers_gives_504() -> None:
     assert r.status_code == 504 and r.json()["tenant"] == "ollama"
 
 
+async def test_upstream_that_breaks_mid_stream_gives_the_client_a_broken_answer_not_a_short_one() -> None:
+    async def breaks(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"b\r\n{\"done\":0}\n\r\n")
+        await writer.drain()
+        writer.transport.abort()  # the engine crashed mid-generation
+
+    server = await asyncio.start_server(breaks, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with stack("ollama", None, upstream_url=f"http://127.0.0.1:{port}") as (proxy, _, inflight, _):
+            async with httpx.AsyncClient() as c:
+                async with c.stream("GET", f"{proxy.url}/api/tags") as r:
+                    received = b""
+                    with pytest.raises(httpx.RemoteProtocolError):
+                        async for chunk in r.aiter_raw():
+                            received += chunk
+            assert received == b'{"done":0}\n', "what the engine sent before it broke still reaches the client"
+    finally:
+        server.close()
+
+
 async def test_client_disconnect_closes_the_upstream_request() -> None:
     async with stack("generic", ollama_like) as (proxy, _, inflight, state):
         async with httpx.AsyncClient(timeout=None) as c:
