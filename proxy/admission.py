@@ -316,8 +316,9 @@ class GpuAdmission:
     """The listener's hook for GPU requests: admit, forward, and on an OOM answer reclaim and retry once.
 
     Ollama's OOM is an HTTP answer: the kept body is replayed. ComfyUI's arrives later, as an
-    `execution_error` frame on a websocket passing through the proxy: the same graph is re-queued
-    for the same client_id, read back from ComfyUI's own /history entry.
+    `execution_error` frame on a websocket passing through the proxy, or (for a client with no
+    websocket) in the /history entry the job poller reads: the same graph is re-queued for the same
+    client_id, read back from ComfyUI's own /history entry.
     """
 
     def __init__(self, arbitration: Arbitration) -> None:
@@ -334,11 +335,28 @@ class GpuAdmission:
             event = json.loads(text)
         except ValueError:
             return
-        if not memory.comfy_event_is_oom(event):
+        if isinstance(event, dict) and memory.comfy_event_is_oom(event):
+            self._oom(tenant, str((event.get("data") or {}).get("prompt_id", "")))
+
+    def on_job_end(self, tenant: Tenant, job_id: str, history: bytes) -> None:
+        """A prompt's end found by the history poll (its client never opened a websocket, so no
+        frame told us): ComfyUI keeps the execution_error in the entry's status messages."""
+        if b"execution_error" not in history or b"OutOfMemoryError" not in history:
             return
-        prompt_id = str((event.get("data") or {}).get("prompt_id", ""))
+        try:
+            entry = json.loads(history).get(job_id) or {}
+            messages = entry.get("status", {}).get("messages") or []
+        except (ValueError, AttributeError):
+            return
+        for message in messages:
+            if (isinstance(message, list) and len(message) == 2 and isinstance(message[1], dict)
+                    and memory.comfy_event_is_oom({"type": message[0], "data": message[1]})):
+                self._oom(tenant, job_id)
+                return
+
+    def _oom(self, tenant: Tenant, prompt_id: str) -> None:
         if not prompt_id or prompt_id in self._seen_oom:
-            return  # several sockets can carry the same frame
+            return  # several sockets, or a socket and the history poll, can report the same OOM
         self._seen_oom.add(prompt_id)
         if len(self._seen_oom) > 4096:
             self._seen_oom.pop()

@@ -272,14 +272,6 @@ class Forwarder:
         client = self.client(tenant)
         return await client.get(f"{tenant.upstream}{path}", headers={"host": self.adapter(tenant).upstream_host})
 
-    async def job_done(self, tenant: Tenant, job_id: str) -> bool:
-        adapter = self.adapter(tenant)
-        path = adapter.history_path(job_id)
-        if path is None:
-            return False
-        resp = await self.get(tenant, path)
-        return adapter.job_done_from_history(job_id, resp.status_code, resp.content)
-
     # -- websockets -----------------------------------------------------------------------
     async def websocket(self, tenant: Tenant, ws: WebSocket,
                         on_upstream_text: Callable[[str], None] | None = None) -> None:

@@ -153,7 +153,8 @@ JobCheck = Callable[[str], Awaitable[bool]]
 class JobPoller:
     """Polls the engine for the end of jobs no websocket reported (clients that never open one).
 
-    Runs while the tenant has jobs and stops by itself; `ensure_running()` restarts it.
+    Runs while the tenant has jobs and stops by itself; it starts again whenever anyone tracks a job
+    for the tenant (the listener after a POST /prompt, admission after re-queueing an OOM'd prompt).
     """
 
     def __init__(self, inflight: InFlight, tenant: str, check: JobCheck, *, interval_s: float = 1.0,
@@ -164,10 +165,21 @@ class JobPoller:
         self.interval_s = interval_s
         self.clock = clock or inflight.clock
         self._task: asyncio.Task[None] | None = None
+        self._stopped = False
+        inflight.on_change.append(self._on_change)
+
+    def _on_change(self, tenant: str, traffic: TenantTraffic) -> None:
+        if tenant == self.tenant and traffic.jobs:
+            self.ensure_running()
 
     def ensure_running(self) -> None:
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run(), name=f"jobpoll:{self.tenant}")
+        if self._stopped or (self._task is not None and not self._task.done()):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # tracked outside the loop (a unit test): nothing to poll with
+            return
+        self._task = loop.create_task(self._run(), name=f"jobpoll:{self.tenant}")
 
     async def _run(self) -> None:
         while self.inflight.jobs(self.tenant):
@@ -182,4 +194,7 @@ class JobPoller:
                     self.inflight.finish_job(self.tenant, job_id)
 
     async def stop(self) -> None:
+        self._stopped = True
+        with contextlib.suppress(ValueError):
+            self.inflight.on_change.remove(self._on_change)
         await cancel_and_wait(self._task)

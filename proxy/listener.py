@@ -38,6 +38,9 @@ class Admission(Protocol):
     def on_frame(self, tenant: Tenant, text: str) -> None:
         """Every upstream websocket text frame (ComfyUI's OOM arrives as one); must be cheap."""
 
+    def on_job_end(self, tenant: Tenant, job_id: str, history: bytes) -> None:
+        """A job's end seen by polling the engine's history (no websocket reported it)."""
+
 
 async def _read_up_to(request: Request, limit: int) -> tuple[bytes, AsyncIterator[bytes] | None]:
     """The whole body if it fits in `limit`, else (prefix, iterator yielding prefix then the rest)."""
@@ -104,7 +107,14 @@ def tenant_app(tenant: Tenant, forwarder: Forwarder, inflight: InFlight, admissi
     name = tenant.name
 
     async def check_job(job_id: str) -> bool:
-        return await forwarder.job_done(tenant, job_id)
+        path = adapter.history_path(job_id)
+        if path is None:
+            return False
+        resp = await forwarder.get(tenant, path)
+        done = adapter.job_done_from_history(job_id, resp.status_code, resp.content)
+        if done and admission is not None:
+            admission.on_job_end(tenant, job_id, resp.content)
+        return done
 
     poller = JobPoller(inflight, name, check_job, interval_s=job_poll_s)
 

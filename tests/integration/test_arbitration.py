@@ -264,3 +264,28 @@ async def test_comfyui_oom_is_reclaimed_and_the_prompt_requeued_for_the_same_cli
     assert history["prompt"][3]["client_id"] == cid
     retry = decisions(demo, "oom_retry", "comfyui")[-1]
     assert retry.outcome["oom_retry"] == "requeued" and [x["tenant"] for x in retry.outcome["releases"]] == ["ollama"]
+
+
+async def test_comfyui_oom_of_a_client_without_websocket_is_found_by_the_history_poll_and_requeued(
+        box: DemoFactory, http: httpx.AsyncClient) -> None:
+    # A script that POSTs /prompt and polls /history itself: no frame ever tells the proxy of the OOM.
+    demo = await box(fast("default", tenants={"comfyui": {"priority": 60, "needs_vram_gb": 1.0}}))
+    assert (await generate(http, demo, "gemma3:27b")).status_code == 200
+    demo.box.comfyui.fail_next_prompt_with_oom()
+    base = demo.proxy.url("comfyui")
+    first = (await http.post(base + "/prompt", json={"prompt": comfy_prompt("sd_xl_base_1.0.safetensors")})).json()["prompt_id"]
+    async with asyncio.timeout(15):
+        while not (retries := [d for d in decisions(demo, "oom_retry", "comfyui") if d.outcome.get("oom_retry")]):
+            await asyncio.sleep(0.05)
+        retry = retries[-1]
+        assert retry.outcome["oom_retry"] == "requeued", retry.outcome
+        requeued = retry.outcome["requeued_as"]
+        while not (await http.get(base + f"/history/{requeued}")).json():
+            await asyncio.sleep(0.05)
+        while demo.proxy.inflight.jobs("comfyui"):
+            await asyncio.sleep(0.05)  # the re-queued prompt is polled to its end too
+    failed = (await http.get(base + f"/history/{first}")).json()[first]
+    assert failed["status"]["status_str"] == "error"
+    done = (await http.get(base + f"/history/{requeued}")).json()[requeued]
+    assert done["status"]["status_str"] == "success", "the re-queued prompt must run once the memory is back"
+    assert [x["tenant"] for x in retry.outcome["releases"]] == ["ollama"]
