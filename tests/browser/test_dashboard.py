@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -11,6 +12,8 @@ import pytest
 from playwright.async_api import BrowserContext, Dialog, Page
 
 from proxy.demo import Demo, run_prompt
+from proxy.telemetry import Telemetry
+from proxy.tenants import GIB
 
 DemoFactory = Callable[..., Awaitable[Demo]]
 OpenDashboard = Callable[[Demo], Awaitable[tuple[Page, Any]]]
@@ -173,4 +176,24 @@ async def test_decision_log_shows_a_507_with_its_blockers_and_an_oom_retry(box: 
     text = await rejection.inner_text()
     assert "507" in text and "stt_relay.py (unmanaged, 6 GiB)" in text and "needs 20 GiB" in text, text
     await page.locator('#decisions li[data-kind="oom_retry"]').filter(has_text="retried after releasing").wait_for(timeout=WAIT_MS)
+    assert not console.errors, console.errors
+
+
+async def test_timeline_of_a_freshly_opened_page_starts_with_the_recorded_minutes(box: DemoFactory, dashboard: OpenDashboard) -> None:
+    demo = await box("default")
+    assert demo.proxy is not None
+    telemetry = next(e for e in demo.proxy.extensions if isinstance(e, Telemetry))
+    assert telemetry.store is not None, "the test box records telemetry (HOME is a temp dir)"
+    now = time.time()
+    # Three windows recorded before the page opened: ComfyUI held 6 GiB, then 2 GiB.
+    for ago, held in ((180, 6 * GIB), (120, 6 * GIB), (60, 2 * GIB)):
+        telemetry.store.submit("vram", {"at": now - ago, "tenant": "comfyui", "window_s": 10.0, "samples": 10,
+                                        "min_bytes": held, "max_bytes": held, "last_bytes": held})
+    assert telemetry.store.flush()
+    page, console = await dashboard(demo)
+    await page.locator("#timeline-start").filter(has_text="−3 min").wait_for(timeout=WAIT_MS)
+    line = page.locator('#timeline polyline[data-tenant="comfyui"]')
+    await line.wait_for(state="attached", timeout=WAIT_MS)
+    heights = {float(p.split(",")[1]) for p in (await line.get_attribute("points") or "").split()}
+    assert len(heights) >= 2, "the recorded 6 GiB and 2 GiB must both be drawn, not only the live value"
     assert not console.errors, console.errors

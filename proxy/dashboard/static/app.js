@@ -220,7 +220,7 @@
     const W = 600, H = 140, now = Date.now();
     // The window grows with the page's age up to HISTORY_MS, so a fresh page is not one spike at the right edge.
     const span = Math.min(HISTORY_MS, Math.max(60000, ui.history.length ? now - ui.history[0].t : 0));
-    const total = (ui.history.length && ui.history[ui.history.length - 1].total) || 1;
+    const total = (ui.stats && ui.stats.device.total_bytes) || 1;
     const ns = "http://www.w3.org/2000/svg";
     svg.replaceChildren();
     for (const f of [0.25, 0.5, 0.75]) {
@@ -249,6 +249,29 @@
     }
     legend.append(el("li", { text: `scale: 0 – ${gib(total)}` }));
     $("timeline-start").textContent = `−${Math.round(span / 60000)} min`;
+  }
+
+  // A page opened (or reloaded) mid-session draws the last minutes from the telemetry store
+  // instead of starting empty: one point per recorded window (10 s), each tenant's last value in it.
+  async function backfillTimeline() {
+    try {
+      const since = (Date.now() - HISTORY_MS) / 1000;
+      const r = await fetch(`/api/history?kind=vram&since=${since}&limit=5000`, { cache: "no-store" });
+      if (!r.ok) return;  // telemetry off: the timeline fills from the stream alone
+      const rows = ((await r.json()).rows || {}).vram || [];
+      const firstLive = ui.history.length ? ui.history[0].t : Infinity;
+      const past = [];
+      let v = {};
+      for (const row of rows) {  // oldest first; tenants' windows need not line up, so values carry forward
+        const t = Math.round((row.at + row.window_s) * 1000);
+        if (t >= firstLive) break;
+        v = { ...v, [row.tenant]: row.last_bytes };
+        if (past.length && past[past.length - 1].t === t) past[past.length - 1].v = v;
+        else past.push({ t, v, total: null });
+      }
+      ui.history.unshift(...past);
+      renderTimeline();
+    } catch (err) { /* the stream still fills the timeline */ }
   }
 
   // -- decisions ---------------------------------------------------------------------------------
@@ -287,6 +310,7 @@
     fetch("/api/decisions?limit=50").then((r) => r.json()).then((b) => (b.decisions || []).forEach(onDecision)).catch(() => {});
     ui.lastFrameAt = Date.now();  // stale only after STALE_AFTER_MS without a frame, not before the first one
     connect();
+    backfillTimeline();
     pollHealth(); setInterval(pollHealth, HEALTH_POLL_MS);
     pollEngines(); setInterval(pollEngines, ENGINES_POLL_MS);
     setInterval(markStale, 500);
