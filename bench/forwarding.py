@@ -313,7 +313,7 @@ def main() -> None:
     parser.add_argument("--serve", choices=["upstream", "proxy", "splice"])
     parser.add_argument("--upstream")
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
-    parser.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio", help="the proxy's event loop")
+    parser.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio", help="the relays' event loop (uvloop: pip install uvloop; the product runs asyncio)")
     args = parser.parse_args()
     if args.serve:
         if args.serve in ("proxy", "splice") and args.loop == "uvloop":
