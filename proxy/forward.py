@@ -40,7 +40,6 @@ from .tenants import Tenant
 log = logging.getLogger("hyperswap.forward")
 
 WS_MAX_SIZE = 256 * 2**20  # ComfyUI previews and outputs can be large; no small cap
-KEEPALIVE_EXPIRY_S = 75.0
 
 
 class UpstreamError(HyperSwapError):
@@ -220,7 +219,7 @@ class Forwarder:
             t = tenant.timeouts
             # No read timeout by default: a model load sends nothing for minutes.
             relay = http1.Pool(tenant.upstream or "", connect_s=t.connect_s, read_s=t.read_s, write_s=t.write_s,
-                               ssl_context=self._ssl, max_idle=self.max_keepalive, idle_expiry_s=KEEPALIVE_EXPIRY_S)
+                               ssl_context=self._ssl, max_idle=self.max_keepalive)
             # httpx defaults (5 s everywhere) would cut a slow history answer: same timeouts as relays.
             client = httpx.AsyncClient(
                 timeout=httpx.Timeout(connect=t.connect_s, read=t.read_s, write=t.write_s, pool=t.pool_s),

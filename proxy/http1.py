@@ -34,7 +34,9 @@ RawHeaders = list[tuple[bytes, bytes]]
 Body = bytes | AsyncIterator[bytes] | None
 
 READ_BUFFER_HIGH = 1 << 20  # pause reading the upstream when this much body waits for a slow client
-IDLE_EXPIRY_S = 75.0
+# Below aiohttp's (ComfyUI's server) 75 s keep-alive, so we drop an idle connection before the
+# engine does instead of racing its close with our next request.
+IDLE_EXPIRY_S = 60.0
 
 
 class UpstreamClosed(ConnectionError):
