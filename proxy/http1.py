@@ -11,10 +11,14 @@ What it does and does not do:
 - Requests go out byte for byte as given (the caller owns every header); a streamed body goes
   chunked unless the caller passed a Content-Length. Interim 1xx answers are skipped.
 - The body is never decoded: chunked framing is removed, Content-Encoding is left alone.
-- A pooled connection that turns out closed before any answer byte is retried once on a fresh one
-  when the body can be replayed (bytes); a streamed body is never replayed.
-- Timeouts: connect; read (no byte for that long: waiting for the head or between body chunks);
-  write (a stalled upload). None means wait forever (a model load is silent for minutes).
+- A pooled connection that turns out closed before any answer byte is retried once, on a new
+  connection, only for idempotent methods with a replayable (bytes) body: a POST that reached the
+  engine before the close must not run twice (a second generation, a second queued prompt).
+- Timeouts: connect; read (no byte for that long: waiting for the head once the request is sent,
+  or between body chunks); write (a stalled upload). None means wait forever (a model load is
+  silent for minutes).
+- Bytes after the end of an answer (a second answer, a body on a HEAD answer) are ignored and the
+  connection is not reused: they cannot belong to any request we sent.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ READ_BUFFER_HIGH = 1 << 20  # pause reading the upstream when this much body wai
 # Below aiohttp's (ComfyUI's server) 75 s keep-alive, so we drop an idle connection before the
 # engine does instead of racing its close with our next request.
 IDLE_EXPIRY_S = 60.0
+IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})  # RFC 9110 9.2.2
 
 
 class UpstreamClosed(ConnectionError):
@@ -53,7 +58,7 @@ class Response:
     only when the exchange ended cleanly)."""
 
     __slots__ = ("status_code", "raw_headers", "_conn", "_parser", "_head", "_chunks", "_buffered", "_waiter",
-                 "_complete", "_error", "_interim", "_framed", "_keep_alive", "_head_only", "_closed",
+                 "_complete", "_error", "_interim", "_framed", "_keep_alive", "_head_only", "_closed", "_stray",
                  "_body_task", "got_bytes", "__weakref__")
 
     def __init__(self, conn: _Connection, *, head_only: bool) -> None:
@@ -72,6 +77,7 @@ class Response:
         self._keep_alive = False
         self._head_only = head_only
         self._closed = False
+        self._stray = False  # the parser met bytes past the end of our answer
         self._body_task: asyncio.Task[None] | None = None
         self.got_bytes = False
 
@@ -81,10 +87,18 @@ class Response:
         return Headers(raw=self.raw_headers)
 
     # -- parser callbacks (httptools calls these from feed_data) ----------------------------
+    # One packet can hold more than our answer; anything after its end is stray (see _strayed).
+    def on_message_begin(self) -> None:
+        if self._complete:
+            self._strayed()
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.raw_headers.append((name.lower(), value))
+        if not self._stray:
+            self.raw_headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
+        if self._stray:
+            return
         status = self._parser.get_status_code()
         if 100 <= status < 200 and status != 101:
             self._interim = True  # 100 Continue, 103 Early Hints: the real answer follows
@@ -100,6 +114,9 @@ class Response:
             self._head.set_result(None)
 
     def on_body(self, body: bytes) -> None:
+        if self._complete:  # a body on a HEAD answer, or a second answer's
+            self._strayed()
+            return
         self._chunks.append(body)
         self._buffered += len(body)
         if self._buffered > READ_BUFFER_HIGH and self._conn.transport is not None:
@@ -107,12 +124,18 @@ class Response:
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self._stray:
+            return
         if self._interim:
             self._interim = False
             return
         self._complete = True
         self._keep_alive = self._keep_alive and self._parser.should_keep_alive()
         self._wake()
+
+    def _strayed(self) -> None:
+        self._stray = True
+        self._keep_alive = False
 
     # -- fed by the connection --------------------------------------------------------------
     def _feed(self, data: bytes) -> None:
@@ -132,10 +155,12 @@ class Response:
             return
         if not self._head.done():
             self._fail(UpstreamClosed("the upstream closed the connection before answering"))
-        elif not self._framed:  # no Content-Length, not chunked: the body ends where the connection does
+        elif not self._framed and exc is None:  # unframed: the body ends where the connection does, cleanly
             self._complete = True
             self._keep_alive = False
             self._wake()
+        elif exc is not None:  # a reset is never the end of a body, framed or not
+            self._fail(UpstreamClosed(f"the upstream connection broke before the answer ended: {exc}"))
         else:
             self._fail(UpstreamClosed("the upstream closed the connection before the answer ended"))
 
@@ -155,6 +180,13 @@ class Response:
 
     # -- reading ------------------------------------------------------------------------------
     async def _wait_head(self, read_s: float | None) -> None:
+        body = self._body_task
+        if read_s is not None and body is not None and not body.done():
+            # The read timeout counts the upstream's silence after our request; during an upload
+            # it owes us nothing (a stalled upload is the write timeout's).
+            await asyncio.wait((self._head, body), return_when=asyncio.FIRST_COMPLETED)
+            if self._head.done():
+                return self._head.result()
         if read_s is None:
             await self._head
         else:
@@ -204,7 +236,7 @@ class Response:
             return
         self._closed = True
         sending = self._body_task is not None and not self._body_task.done()
-        if self._complete and self._keep_alive and self._error is None and not sending:
+        if self._complete and self._keep_alive and not self._stray and self._error is None and not sending:
             self._conn.release()
         else:
             if self._body_task is not None:
@@ -311,8 +343,9 @@ class Pool:
             lines.append(b"transfer-encoding: chunked\r\n")
         lines.append(b"\r\n")
         head = b"".join(lines)
+        replayable = not streamed and method in IDEMPOTENT
         for attempt in (1, 2):
-            conn, reused = await self._acquire()
+            conn, reused = await self._acquire(fresh=attempt > 1)
             response = conn.response = Response(conn, head_only=method == "HEAD")
             assert conn.transport is not None
             try:
@@ -322,12 +355,13 @@ class Pool:
                         _send_body(conn, response, body, chunked=not has_length))  # type: ignore[arg-type]
                 else:
                     conn.transport.write(head + body if body else head)  # type: ignore[operator]
+                    await conn.drain()  # a big replayed body: the read timeout starts once it is out
                 await response._wait_head(self.read_s)
                 return response
             except UpstreamClosed:
                 response.close()
                 # A kept-alive connection the upstream closed meanwhile: one fresh try if nothing was answered.
-                if attempt == 1 and reused and not streamed and not response.got_bytes:
+                if attempt == 1 and reused and replayable and not response.got_bytes:
                     continue
                 raise
             except BaseException:
@@ -335,9 +369,9 @@ class Pool:
                 raise
         raise AssertionError("unreachable")
 
-    async def _acquire(self) -> tuple[_Connection, bool]:
+    async def _acquire(self, *, fresh: bool = False) -> tuple[_Connection, bool]:
         now = time.monotonic()
-        while self._idle:
+        while self._idle and not fresh:
             conn = self._idle.pop()
             if conn.usable and now - conn.idle_since < self.idle_expiry_s:
                 return conn, True

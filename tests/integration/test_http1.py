@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import struct
 from typing import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -248,4 +250,88 @@ async def test_closing_an_unfinished_answer_drops_the_connection() -> None:
         response.close()
         await asyncio.wait_for(client_left.wait(), SAFETY_S)
         assert first == b"token" and pool.idle_connections == 0
+        pool.close()
+
+
+def _answer_once_then_close_unanswered(first_answers: int = 1) -> Handler:
+    """Each connection answers its first request; a later one on the same connection is read and
+    closed without a byte, as an engine whose keep-alive ran out just as the request arrived."""
+    served: dict[int, int] = {}
+
+    async def handler(head: bytes, body: bytes, writer: asyncio.StreamWriter) -> None:
+        key = id(writer)
+        served[key] = served.get(key, 0) + 1
+        if served[key] <= first_answers:
+            writer.write(OK)
+            await writer.drain()
+        else:
+            writer.close()
+    return handler
+
+
+async def test_post_on_a_connection_closed_unanswered_is_not_sent_twice() -> None:
+    # The engine may have run it: a second generation or a second queued prompt is worse than a 502.
+    async with raw_server(_answer_once_then_close_unanswered()) as up:
+        pool = Pool(up.url)
+        await get(pool)
+        with pytest.raises(UpstreamClosed):
+            await get(pool, method="POST", body=b"{}", headers=[(b"host", b"h"), (b"content-length", b"2")])
+        pool.close()
+    assert [h.split(b" ")[0] for h, _ in up.requests] == [b"GET", b"POST"], "the POST must reach the engine once"
+
+
+async def test_idempotent_retry_takes_a_new_connection_not_another_pooled_one() -> None:
+    async with raw_server(_answer_once_then_close_unanswered()) as up:
+        pool = Pool(up.url)
+        await asyncio.gather(get(pool), get(pool))  # two pooled connections, both stale for a second request
+        assert pool.idle_connections == 2
+        status, _, body = await get(pool)
+        pool.close()
+    assert (status, body) == (200, b"ok")
+    assert up.connections == 3, "the retry must open a connection, not reuse the other stale one"
+
+
+async def test_read_timeout_does_not_run_while_the_upload_is_still_going() -> None:
+    # A slow upload is the client's pace; the upstream owes no answer until the body is in.
+    async def slow_upload() -> AsyncIterator[bytes]:
+        yield b"first "
+        await asyncio.sleep(0.5)  # ten read timeouts
+        yield b"second"
+    async with raw_server(answer(OK)) as up:
+        pool = Pool(up.url, read_s=0.05)
+        status, _, _ = await get(pool, method="POST", body=slow_upload())
+        pool.close()
+    assert status == 200 and up.requests[0][1] == b"first second"
+
+
+async def test_unframed_body_cut_by_a_reset_is_an_error_not_a_whole_answer() -> None:
+    async def resets(head: bytes, body: bytes, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\npartial")
+        await writer.drain()
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with RST
+        writer.transport.abort()
+    async with raw_server(resets) as up:
+        pool = Pool(up.url)
+        with pytest.raises(OSError):
+            await get(pool)
+        pool.close()
+
+
+async def test_bytes_after_the_answer_are_ignored_and_the_connection_not_reused() -> None:
+    second = b"HTTP/1.1 500 Internal Server Error\r\nX-Stray: 1\r\nContent-Length: 3\r\n\r\nbad"
+    async with raw_server(answer(OK + second)) as up:
+        pool = Pool(up.url)
+        status, headers, body = await get(pool)
+        assert (status, body) == (200, b"ok") and headers == [(b"content-length", b"2")]
+        assert pool.idle_connections == 0, "a connection with bytes nobody asked for must not be reused"
+        pool.close()
+
+
+async def test_a_body_on_a_head_answer_is_dropped_with_its_connection() -> None:
+    async with raw_server(answer(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")) as up:
+        pool = Pool(up.url)
+        status, _, body = await get(pool, method="HEAD")
+        assert (status, body) == (200, b"")
+        assert pool.idle_connections == 0
         pool.close()
