@@ -129,12 +129,12 @@ class RelayResponse(Response):
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             whole = self.upstream.received_body()
             if whole is not None:
-                # The usual small answer is in already: nothing to wait on, so no disconnect watcher.
+                # The usual small answer is in already: sent whole, in one piece.
                 if self.tap is not None and whole:
                     self.tap(whole)
                 await send({"type": "http.response.body", "body": whole, "more_body": False})
                 return
-            await self._stream(receive, send)
+            await self._stream(send)
         finally:
             # Synchronous, so even a cancelled relay drops the upstream (Ollama stops generating only then).
             try:
@@ -142,41 +142,19 @@ class RelayResponse(Response):
             finally:
                 self._finish()
 
-    async def _stream(self, receive: Receive, send: Send) -> None:
-        """Relay body chunks until the upstream ends; a client disconnect cancels the wait for the next one.
-
-        A plain asyncio task, not an anyio task group: the group's cancel scopes cost ~20 % of the
-        proxy's CPU per small request (py-spy, bench/forwarding.py at c=64)."""
-        relay = asyncio.current_task()
-        assert relay is not None
-        state = {"streaming": True, "client_left": False}
-
-        async def watch_disconnect() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            if state["streaming"]:
-                state["client_left"] = True
-                relay.cancel()
-
-        watcher = asyncio.ensure_future(watch_disconnect())
+    async def _stream(self, send: Send) -> None:
+        """Relay body chunks until the upstream ends. A client that leaves is noticed by the
+        listener's ClientLink, which cancels this task; `__call__`'s finally drops the upstream."""
         try:
             async for chunk in self.upstream.aiter_raw():
                 if self.tap is not None:
                     self.tap(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except asyncio.CancelledError:
-            if not state["client_left"]:
-                raise
-            relay.uncancel()  # the client went away: that ends this response, not the task
-            return
         except (OSError, TimeoutError) as exc:
             # The status is sent already; returning without the end of the body makes the server
             # close the connection, so the client sees a broken answer, never a short one as whole.
             log.warning("upstream stream broke mid-response: %s: %s", type(exc).__name__, exc)
             return
-        finally:
-            state["streaming"] = False
-            watcher.cancel()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _finish(self) -> None:
@@ -224,7 +202,10 @@ class Forwarder:
             client = httpx.AsyncClient(
                 timeout=httpx.Timeout(connect=t.connect_s, read=t.read_s, write=t.write_s, pool=t.pool_s),
                 follow_redirects=False, trust_env=False, verify=self._ssl)
-            if pools is not None:  # the tenant was reloaded: the old session stays open for responses in flight
+            if pools is not None:
+                # The tenant was reloaded: the old pool's idle connections go now, those in use when
+                # their answer ends; the old httpx client closes with the forwarder.
+                pools.relay.close()
                 self._retired.append(pools)
             pools = self._pools[tenant.name] = _TenantPools(tenant, relay, client)
         return pools

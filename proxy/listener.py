@@ -11,6 +11,7 @@ cost (bench: ~0.3 ms of the proxy's added latency per small GET).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import zlib
 from typing import AsyncIterator, Awaitable, Callable, Protocol
@@ -21,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket
 
+from .departure import ClientLink
 from .errors import HyperSwapError
 from .forward import Forwarder, UpstreamResponse
 from .inflight import InFlight, JobPoller
@@ -122,18 +124,29 @@ def tenant_app(tenant: Tenant, forwarder: Forwarder, inflight: InFlight, admissi
         return JSONResponse(exc.to_json(), status_code=exc.status)
 
     async def http(scope: Scope, receive: Receive, send: Send) -> None:
-        method: str = scope["method"]
-        if adapter.classify(method, scope["path"]) == "passthrough":
-            try:
-                upstream = await forwarder.open(tenant, scope, _body_stream(scope, receive))
-            except HyperSwapError as exc:
-                response: Response = error_response(exc)
+        link = ClientLink(scope, receive)
+        link.watch()
+        try:
+            if adapter.classify(scope["method"], scope["path"]) == "passthrough":
+                response = await passthrough(scope, link)
             else:
-                response = forwarder.relay(tenant, upstream, on_close=_nothing)
-            await response(scope, receive, send)
-            return
-        response = await gpu(Request(scope, receive))
-        await response(scope, receive, send)
+                response = await gpu(Request(scope, link.receive))
+            await response(scope, link.receive, send)
+        except asyncio.CancelledError:
+            if not link.absorb_cancel():
+                raise
+            log.debug("%s: client left %s %s; upstream request closed", name, scope["method"], scope["path"])
+        except ClientDisconnect:
+            log.debug("%s: client left while sending the body of %s %s", name, scope["method"], scope["path"])
+        finally:
+            link.close()
+
+    async def passthrough(scope: Scope, link: ClientLink) -> Response:
+        try:
+            upstream = await forwarder.open(tenant, scope, link.body())
+        except HyperSwapError as exc:
+            return error_response(exc)
+        return forwarder.relay(tenant, upstream, on_close=_nothing)
 
     async def gpu(request: Request) -> Response:
         method, path = request.method, request.url.path
@@ -199,24 +212,3 @@ def tenant_app(tenant: Tenant, forwarder: Forwarder, inflight: InFlight, admissi
 
 def _nothing() -> None:
     pass
-
-
-def _body_stream(scope: Scope, receive: Receive) -> AsyncIterator[bytes] | bytes:
-    """The request body as it arrives; b"" when the client framed none, so a bodyless GET goes
-    upstream bodyless too (a stream would be sent chunked)."""
-    for name, value in scope["headers"]:
-        if name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0"):
-            return _receive_body(receive)
-    return b""
-
-
-async def _receive_body(receive: Receive) -> AsyncIterator[bytes]:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientDisconnect()  # abort upstream: ending the stream would send a truncated body as whole
-        chunk = message.get("body", b"")
-        if chunk:
-            yield chunk
-        if not message.get("more_body", False):
-            return

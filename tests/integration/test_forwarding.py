@@ -12,6 +12,7 @@ import contextlib
 import gzip
 import ipaddress
 import json
+import logging
 import socket
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
@@ -22,11 +23,11 @@ import ollama
 import pytest
 import websockets
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route, WebSocketRoute
 from starlette.types import Receive, Scope, Send
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocket
 from websockets.asyncio.client import connect
 
 from proxy.clock import FakeClock
@@ -57,6 +58,7 @@ class Upstream:
     lines_seen: list[asyncio.Event] = field(default_factory=lambda: [asyncio.Event() for _ in range(4)])
     upload_started: asyncio.Event = field(default_factory=asyncio.Event)
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
+    request_arrived: asyncio.Event = field(default_factory=asyncio.Event)
     ws_closed_with: asyncio.Future[int] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     to_socket: asyncio.Queue[str] = field(default_factory=asyncio.Queue)
     history_done: set[str] = field(default_factory=set)
@@ -107,9 +109,12 @@ def ollama_like(state: Upstream) -> Starlette:
 
     async def blob(request: Request) -> Response:
         n = 0
-        async for chunk in request.stream():
-            n += len(chunk)
-            state.upload_started.set()
+        try:
+            async for chunk in request.stream():
+                n += len(chunk)
+                state.upload_started.set()
+        except ClientDisconnect:  # an aborted upload (the engine logs it and moves on)
+            return Response(status_code=400)
         return JSONResponse({"received": n})
 
     async def forever(request: Request) -> Response:
@@ -138,6 +143,27 @@ def ollama_like(state: Upstream) -> Starlette:
             while (await receive())["type"] != "http.disconnect":
                 pass
             state.disconnected.set()
+            return
+        if scope["path"] == "/silent":  # reads the request, then says nothing until the client goes away
+            state.request_arrived.set()
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            state.disconnected.set()
+            return
+        if scope["path"] == "/early":  # answers before reading the body, then acks each part as it comes
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+            await send({"type": "http.response.body", "body": b"started\n", "more_body": True})
+            received = 0
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                if message.get("body"):
+                    received += len(message["body"])
+                    await send({"type": "http.response.body", "body": b"got %d\n" % received, "more_body": True})
+                if not message.get("more_body", False):
+                    break
+            await send({"type": "http.response.body", "body": b"end\n"})
             return
         await inner(scope, receive, send)
 
@@ -442,6 +468,78 @@ async def test_client_disconnect_closes_the_upstream_request() -> None:
                 assert inflight.traffic("generic").in_flight == 1
         await within(state.disconnected.wait())  # the upstream saw its client (the proxy) go
         assert await inflight.wait_idle("generic", SAFETY_S), "a dropped client's request stops counting"
+
+
+@pytest.mark.parametrize("method", ["GET", "POST"], ids=["passthrough", "gpu"])
+async def test_client_leaving_before_the_answer_starts_closes_the_upstream_request(method: str) -> None:
+    # A non-streamed generation sends nothing until it is done: the proxy must still notice the client go.
+    async with stack("generic", ollama_like) as (proxy, _, inflight, state):
+        async with httpx.AsyncClient(timeout=None) as c:
+            waiting = asyncio.ensure_future(c.request(method, f"{proxy.url}/silent", content=b"{}" if method == "POST" else None))
+            await within(state.request_arrived.wait())
+            waiting.cancel()  # the client gives up and closes its connection
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiting
+        await within(state.disconnected.wait())
+        assert await inflight.wait_idle("generic", SAFETY_S)
+
+
+async def _raw_request(url: str, head: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    parts = urlsplit(url)
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    writer.write(head)
+    await writer.drain()
+    return reader, writer
+
+
+async def test_body_still_uploading_after_the_answer_started_reaches_the_upstream_whole(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # While the client still sends, the disconnect watch must not read (and lose) body chunks.
+    monkeypatch.setattr("proxy.departure.WATCH_AFTER_S", 0.0)
+    async with stack("ollama", ollama_like) as (proxy, _, _, _):
+        reader, writer = await _raw_request(proxy.url, b"POST /early HTTP/1.1\r\nHost: x\r\n"
+                                                       b"Transfer-Encoding: chunked\r\n\r\n")
+        try:
+            head = await within(reader.readuntil(b"\r\n\r\n"))
+            assert head.startswith(b"HTTP/1.1 200")
+            await within(reader.readuntil(b"started\n"))
+            for i in range(1, 11):  # one part at a time: a part taken by anyone else is never acked
+                writer.write(b"4\r\npart\r\n")
+                await writer.drain()
+                await within(reader.readuntil(b"got %d\n" % (4 * i)))
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            await within(reader.readuntil(b"end\n"))
+        finally:
+            writer.close()
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.mark.parametrize("path", ["/api/blobs/sha256-x", "/api/generate"], ids=["passthrough", "gpu"])
+async def test_upload_abandoned_half_way_ends_quietly_and_counts_nothing(path: str) -> None:
+    server_errors = _Records()
+    async with stack("ollama", ollama_like) as (proxy, _, inflight, state):
+        # After the servers started: uvicorn's logging set-up drops handlers, and its logger does
+        # not propagate to pytest's capture.
+        logging.getLogger("uvicorn.error").addHandler(server_errors)
+        reader, writer = await _raw_request(proxy.url, f"POST {path} HTTP/1.1\r\nHost: x\r\n"
+                                                       f"Content-Length: {2**20}\r\n\r\n".encode() + b"x" * 65536)
+        if path.startswith("/api/blobs"):
+            await within(state.upload_started.wait())  # the upstream is reading the streamed body
+        writer.transport.abort()
+        assert await inflight.wait_idle("ollama", SAFETY_S)
+        async with httpx.AsyncClient() as c:  # the listener still serves
+            assert (await c.get(f"{proxy.url}/echo")).status_code == 200
+        logging.getLogger("uvicorn.error").removeHandler(server_errors)
+    assert [r.getMessage() for r in server_errors.records] == [], "a client leaving is not a server error"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,126 @@
+"""ClientLink: one reader of receive(); the watch starts only after the body and cancels only its task."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from starlette.requests import ClientDisconnect
+
+from proxy import departure
+from proxy.departure import ClientLink, body_chunks
+
+WITH_BODY = {"type": "http", "headers": [(b"content-length", b"8")]}
+NO_BODY = {"type": "http", "headers": []}
+
+
+class FakeReceive:
+    """An ASGI receive fed by the test; counts who asked."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.calls = 0
+
+    async def __call__(self) -> dict[str, Any]:
+        self.calls += 1
+        return await self.queue.get()
+
+
+async def ticks(n: int = 5) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+@pytest.fixture(autouse=True)
+def watch_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(departure, "WATCH_AFTER_S", 0.0)
+
+
+async def serve_until_cancelled(link: ClientLink, started: asyncio.Event) -> str:
+    link.watch()
+    started.set()
+    try:
+        await asyncio.sleep(60)
+        return "not cancelled"
+    except asyncio.CancelledError:
+        if link.absorb_cancel():
+            return "client left"
+        raise
+    finally:
+        link.close()
+
+
+async def test_watch_never_takes_a_body_part_the_body_reader_has_not_read_yet() -> None:
+    receive = FakeReceive()
+    link = ClientLink(WITH_BODY, receive)
+    started = asyncio.Event()
+    serving = asyncio.create_task(serve_until_cancelled(link, started))
+    await started.wait()
+    await ticks()
+    # The body reader is busy (an upstream applying back-pressure): the part must wait for it.
+    receive.queue.put_nowait({"type": "http.request", "body": b"part", "more_body": True})
+    await ticks()
+    assert receive.queue.qsize() == 1 and receive.calls == 0, "only the body reader may read while the body is unread"
+    assert await link.receive() == {"type": "http.request", "body": b"part", "more_body": True}
+    receive.queue.put_nowait({"type": "http.request", "body": b"last", "more_body": False})
+    assert (await link.receive())["body"] == b"last"
+    await ticks()
+    assert receive.calls == 3, "after the body, the watch reads receive()"
+    receive.queue.put_nowait({"type": "http.disconnect"})
+    assert await asyncio.wait_for(serving, 5) == "client left"
+    assert link.left
+
+
+async def test_a_request_without_body_is_watched_from_the_start() -> None:
+    receive = FakeReceive()
+    link = ClientLink(NO_BODY, receive)
+    started = asyncio.Event()
+    serving = asyncio.create_task(serve_until_cancelled(link, started))
+    await started.wait()
+    receive.queue.put_nowait({"type": "http.disconnect"})
+    assert await asyncio.wait_for(serving, 5) == "client left"
+
+
+async def test_a_request_that_ends_before_the_delay_never_starts_a_watch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(departure, "WATCH_AFTER_S", 60.0)
+    receive = FakeReceive()
+    link = ClientLink(NO_BODY, receive)
+    link.watch()
+    await ticks()
+    link.close()
+    await ticks()
+    assert receive.calls == 0
+
+
+async def test_shutdown_cancelling_too_is_not_absorbed() -> None:
+    receive = FakeReceive()
+    link = ClientLink(NO_BODY, receive)
+    started = asyncio.Event()
+    serving = asyncio.create_task(serve_until_cancelled(link, started))
+    await started.wait()
+    await ticks()
+    receive.queue.put_nowait({"type": "http.disconnect"})
+    serving.cancel()  # the server stops at the same moment
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(serving, 5)
+
+
+async def test_client_leaving_mid_body_raises_for_the_reader_and_cancels_nothing() -> None:
+    receive = FakeReceive()
+    link = ClientLink(WITH_BODY, receive)
+    started = asyncio.Event()
+    serving = asyncio.create_task(serve_until_cancelled(link, started))
+    await started.wait()
+    receive.queue.put_nowait({"type": "http.request", "body": b"half", "more_body": True})
+    receive.queue.put_nowait({"type": "http.disconnect"})
+    parts = []
+    with pytest.raises(ClientDisconnect):
+        async for part in body_chunks(link):
+            parts.append(part)
+    assert parts == [b"half"] and link.left
+    await ticks()
+    assert not serving.done(), "the body's reader reports it; the serving task ends through that error"
+    serving.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await serving
