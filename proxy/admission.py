@@ -220,28 +220,47 @@ class Arbitration:
     async def admit(self, tenant: Tenant, request: Request | None, body: bytes, trigger: str,
                     *, oom: bool = False) -> tuple[Handoff | None, memory.Need]:
         """Make room for a GPU request. Waits for a handoff in progress (no 503) up to the queue
-        timeout; a client that goes away while waiting leaves the queue."""
+        timeout; a client that goes away while waiting leaves the queue (the listener cancels its task)."""
         need = await memory.estimate_need(tenant, request.url.path if request else "", body, self.control, self.catalog)
         need_bytes = need.bytes
         if oom:
             snap = self.last_snapshot or await self.snapshot()
             need_bytes = max(need_bytes, self.held(snap, tenant.name) + snap.snapshot.free_bytes + OOM_HEADROOM_BYTES)
-        timeout = self.registry.config.proxy.queue_timeout_s
-        acquired = await _acquire_or_disconnect(self.handoff_lock, request, timeout)
-        if not acquired:
+        if not await _acquire(self.handoff_lock, self.registry.config.proxy.queue_timeout_s):
             return None, need
+        # Once started, a handoff runs to its end even if the client leaves: a release stopped half
+        # way would leave the other tenant between states and the decision log without its outcome.
+        handoff = asyncio.ensure_future(self._handoff(tenant, need, need_bytes, trigger, oom))
+        try:
+            return await asyncio.shield(handoff), need
+        except asyncio.CancelledError:
+            handoff.add_done_callback(lambda done: self._abandoned(done, need.key))
+            raise
+
+    async def _handoff(self, tenant: Tenant, need: memory.Need, need_bytes: int, trigger: str,
+                       oom: bool) -> Handoff:
+        """Plan and release under `handoff_lock` (taken by the caller, released here)."""
         try:
             snap = await self.snapshot()
             if snap.snapshot.device.total_bytes == 0:
                 # Nothing to plan with (reader broken, no engine reports the card): forward, never block.
-                return Handoff(_unplanned(tenant.name, need_bytes), [], None, snap), need
+                return Handoff(_unplanned(tenant.name, need_bytes), [], None, snap)
             handoff = await self.reclaim(tenant.name, need_bytes, trigger, key=need.key,
                                          kind="oom_retry" if oom else "plan", snap=snap)
             if handoff.plan.feasible:
                 self._reserve(need.key, tenant.name, need_bytes, handoff)
-            return handoff, need
+            return handoff
         finally:
             self.handoff_lock.release()
+
+    def _abandoned(self, done: asyncio.Future[Handoff], key: str) -> None:
+        """The client left during its handoff: drop the reservation nobody will use."""
+        if done.cancelled():
+            return
+        if done.exception() is not None:
+            log.error("handoff of a departed request failed: %r", done.exception())
+        elif done.result().plan.feasible:
+            self.unreserve(key)
 
     def _reserve(self, key: str, tenant: str, need: int, handoff: Handoff) -> None:
         r = self._reservations.get(key)
@@ -258,31 +277,15 @@ class Arbitration:
                 del self._reservations[key]
 
 
-async def _acquire_or_disconnect(lock: asyncio.Lock, request: Request | None, timeout: float) -> bool:
-    acquire = asyncio.ensure_future(lock.acquire())
-    watchers = [acquire]
-    gone: asyncio.Future[Any] | None = None
-    if request is not None:
-        gone = asyncio.ensure_future(_wait_disconnect(request))
-        watchers.append(gone)
-    done, _ = await asyncio.wait(watchers, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    if gone is not None:
-        gone.cancel()
-    if acquire in done:
-        return True
-    acquire.cancel()
+async def _acquire(lock: asyncio.Lock, timeout: float) -> bool:
+    """Wait up to `timeout` for the lock. Cancel-safe: Lock.acquire never keeps a lock it was
+    cancelled on, so a client leaving the queue (its task cancelled) takes nothing with it."""
     try:
-        await acquire
-    except asyncio.CancelledError:
-        pass
-    else:  # acquired while we were cancelling
-        lock.release()
-    return False
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while not await request.is_disconnected():
-        await asyncio.sleep(0.25)
+        async with asyncio.timeout(timeout):
+            await lock.acquire()
+    except TimeoutError:
+        return False
+    return True
 
 
 def _unplanned(requester: str, need: int) -> Plan:

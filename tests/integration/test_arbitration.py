@@ -10,6 +10,7 @@ import httpx
 import pytest
 from websockets.asyncio.client import connect as ws_connect
 
+from proxy.admission import _acquire
 from proxy.demo import comfy_prompt, run_prompt
 from proxy.gpu import GpuReadError
 from proxy.tenants import GIB
@@ -178,6 +179,45 @@ async def test_concurrent_loads_share_one_handoff(box: DemoFactory, http: httpx.
     assert [r.status_code for r in results] == [200] * 4, [r.text for r in results]
     assert demo.box.comfyui.frees - frees_before == 1, "ComfyUI was asked to free more than once"
     assert len([d for d in decisions(demo, "plan", "ollama") if d.outcome.get("releases")]) == 1
+
+
+async def test_client_leaving_during_a_release_lets_the_release_finish_and_holds_nothing(
+        box: DemoFactory, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("proxy.departure.WATCH_AFTER_S", 0.0)
+    demo = await box("default")
+    await run_prompt(demo.proxy.url("comfyui"), "flux1-dev-fp8.safetensors", http)
+    leaving = asyncio.ensure_future(generate(http, demo, "gemma3:27b"))
+    while not decisions(demo, "plan", "ollama"):  # the handoff has started: ComfyUI is being asked to free
+        await asyncio.sleep(0.002)
+    plan = decisions(demo, "plan", "ollama")[-1]
+    assert "releases" not in plan.outcome, "precondition: the client leaves while the release runs"
+    leaving.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await leaving
+    arb = demo.proxy.arbitration
+    for _ in range(500):
+        if "releases" in plan.outcome and not arb._reservations and not arb.handoff_lock.locked():
+            break
+        await asyncio.sleep(0.01)
+    assert plan.outcome["releases"][0]["confirmed"] is True, "the release runs to its end and is recorded"
+    assert arb._reservations == {} and not arb.handoff_lock.locked(), "a departed request holds no memory and no lock"
+    assert demo.proxy.inflight.traffic("ollama").in_flight == 0
+    again = await generate(http, demo, "gemma3:27b")
+    assert again.status_code == 200, again.text
+
+
+async def test_client_leaving_the_handoff_queue_takes_no_lock_with_it() -> None:
+    lock = asyncio.Lock()
+    await lock.acquire()  # a handoff in progress
+    waiting = asyncio.ensure_future(_acquire(lock, 60))
+    await asyncio.sleep(0)
+    waiting.cancel()  # its client went away
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    lock.release()  # the handoff ends
+    await asyncio.sleep(0)
+    assert not lock.locked(), "the departed waiter must not end up holding the lock"
+    assert await _acquire(lock, 0.01) is True
 
 
 async def test_third_app_is_attributed_and_its_release_answers_409(box: DemoFactory, http: httpx.AsyncClient) -> None:
