@@ -17,6 +17,9 @@ What it does and does not do:
 - Timeouts: connect; read (no byte for that long: waiting for the head once the request is sent,
   or between body chunks); write (a stalled upload). None means wait forever (a model load is
   silent for minutes).
+  They are `asyncio.timeout` blocks, not `wait_for`: on 3.11, `wait_for` can swallow a
+  cancellation that lands as its future completes, and a cancellation is how a departed client
+  stops its relay.
 - Bytes after the end of an answer (a second answer, a body on a HEAD answer) are ignored and the
   connection is not reused: they cannot belong to any request we sent.
 """
@@ -190,7 +193,8 @@ class Response:
         if read_s is None:
             await self._head
         else:
-            await asyncio.wait_for(asyncio.shield(self._head), read_s)
+            async with asyncio.timeout(read_s):
+                await asyncio.shield(self._head)
 
     def _take(self) -> bytes:
         data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
@@ -222,7 +226,8 @@ class Response:
                 if read_s is None:
                     await waiter
                 else:
-                    await asyncio.wait_for(waiter, read_s)
+                    async with asyncio.timeout(read_s):
+                        await waiter
             finally:
                 self._waiter = None
 
@@ -298,7 +303,8 @@ class _Connection(asyncio.Protocol):
         self._drained = self.loop.create_future()
         try:
             write_s = self.pool.write_s
-            await (self._drained if write_s is None else asyncio.wait_for(self._drained, write_s))
+            async with asyncio.timeout(write_s):  # None: no limit
+                await self._drained
         finally:
             self._drained = None
 
@@ -378,10 +384,8 @@ class Pool:
             conn.drop()
         loop = asyncio.get_running_loop()
         connecting = loop.create_connection(lambda: _Connection(self, loop), self.host, self.port, ssl=self.ssl)
-        if self.connect_s is None:
+        async with asyncio.timeout(self.connect_s):  # None: no limit
             _, conn = await connecting
-        else:
-            _, conn = await asyncio.wait_for(connecting, self.connect_s)
         return conn, False
 
     def _release(self, conn: _Connection) -> None:
