@@ -248,10 +248,27 @@ async def upload(client: httpx.AsyncClient, url: str, proc: psutil.Process | Non
     return out
 
 
-async def run(quick: bool, loop: str) -> dict[str, object]:
+def pin_relays_apart(relays: list[int], others: list[int]) -> dict[str, list[int]]:
+    """The relays on the last CPU, this load generator and the upstream on the rest: what a
+    machine with a core to spare for the proxy looks like (both direct and proxied runs keep the
+    client and upstream on the same CPUs, so the difference is still the proxy's)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--pin needs at least two CPUs")
+    relay_cpu, rest = [cpus[-1]], cpus[:-1]
+    for pid in others:
+        psutil.Process(pid).cpu_affinity(rest)
+    os.sched_setaffinity(0, rest)
+    for pid in relays:
+        psutil.Process(pid).cpu_affinity(relay_cpu)
+    return {"relays": relay_cpu, "client_and_upstream": rest}
+
+
+async def run(quick: bool, loop: str, pin: bool = False) -> dict[str, object]:
     up_proc, up_url = spawn("upstream", None)
     px_proc, px_url = spawn("proxy", up_url, loop)
     sp_proc, sp_url = spawn("splice", up_url, loop)
+    pinned = pin_relays_apart([px_proc.pid, sp_proc.pid], [up_proc.pid]) if pin else None
     base = {"direct": up_url, "proxy": px_url}
     try:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
@@ -268,7 +285,7 @@ async def run(quick: bool, loop: str) -> dict[str, object]:
             p.terminate()
             p.wait(5)
     return {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
-            "quick": quick, "proxy_loop": loop,
+            "quick": quick, "proxy_loop": loop, "pinned": pinned,
             "c1": c1, "c64": c64, "stream": stream, "upload": {"direct": up_direct, "proxy": up_proxy},
             "added": {"c1_p50_ms": c1["proxy"]["p50_ms"] - c1["direct"]["p50_ms"],
                       "c64_p99_ms": c64["proxy"]["p99_ms"] - c64["direct"]["p99_ms"],
@@ -314,6 +331,8 @@ def main() -> None:
     parser.add_argument("--upstream")
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
     parser.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio", help="the relays' event loop (uvloop: pip install uvloop; the product runs asyncio)")
+    parser.add_argument("--pin", action="store_true",
+                        help="relays on a CPU of their own, client and upstream on the others (default: all share all)")
     args = parser.parse_args()
     if args.serve:
         if args.serve in ("proxy", "splice") and args.loop == "uvloop":
@@ -322,11 +341,12 @@ def main() -> None:
         else:
             asyncio.run(serve(args.serve, args.upstream))
         return
-    result = asyncio.run(run(args.quick, args.loop))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    result = asyncio.run(run(args.quick, args.loop, args.pin))
+    out = RESULTS.with_name("forwarding-pinned.json") if args.pin else RESULTS
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))
-    print(f"\nwritten to {RESULTS.relative_to(ROOT)}")
+    print(f"\nwritten to {out.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":
