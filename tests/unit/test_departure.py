@@ -51,12 +51,18 @@ async def serve_until_cancelled(link: ClientLink, started: asyncio.Event) -> str
         link.close()
 
 
-async def test_watch_never_takes_a_body_part_the_body_reader_has_not_read_yet() -> None:
+async def serving(scope: dict[str, Any]) -> tuple[FakeReceive, ClientLink, asyncio.Task[str]]:
+    """A request being served (watched) until its link cancels it."""
     receive = FakeReceive()
-    link = ClientLink(WITH_BODY, receive)
+    link = ClientLink(scope, receive)
     started = asyncio.Event()
-    serving = asyncio.create_task(serve_until_cancelled(link, started))
+    task = asyncio.create_task(serve_until_cancelled(link, started))
     await started.wait()
+    return receive, link, task
+
+
+async def test_watch_never_takes_a_body_part_the_body_reader_has_not_read_yet() -> None:
+    receive, link, task = await serving(WITH_BODY)
     await ticks()
     # The body reader is busy (an upstream applying back-pressure): the part must wait for it.
     receive.queue.put_nowait({"type": "http.request", "body": b"part", "more_body": True})
@@ -68,18 +74,14 @@ async def test_watch_never_takes_a_body_part_the_body_reader_has_not_read_yet() 
     await ticks()
     assert receive.calls == 3, "after the body, the watch reads receive()"
     receive.queue.put_nowait({"type": "http.disconnect"})
-    assert await asyncio.wait_for(serving, 5) == "client left"
+    assert await asyncio.wait_for(task, 5) == "client left"
     assert link.left
 
 
 async def test_a_request_without_body_is_watched_from_the_start() -> None:
-    receive = FakeReceive()
-    link = ClientLink(NO_BODY, receive)
-    started = asyncio.Event()
-    serving = asyncio.create_task(serve_until_cancelled(link, started))
-    await started.wait()
+    receive, link, task = await serving(NO_BODY)
     receive.queue.put_nowait({"type": "http.disconnect"})
-    assert await asyncio.wait_for(serving, 5) == "client left"
+    assert await asyncio.wait_for(task, 5) == "client left"
 
 
 async def test_a_request_that_ends_before_the_delay_never_starts_a_watch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -94,24 +96,16 @@ async def test_a_request_that_ends_before_the_delay_never_starts_a_watch(monkeyp
 
 
 async def test_shutdown_cancelling_too_is_not_absorbed() -> None:
-    receive = FakeReceive()
-    link = ClientLink(NO_BODY, receive)
-    started = asyncio.Event()
-    serving = asyncio.create_task(serve_until_cancelled(link, started))
-    await started.wait()
+    receive, link, task = await serving(NO_BODY)
     await ticks()
     receive.queue.put_nowait({"type": "http.disconnect"})
-    serving.cancel()  # the server stops at the same moment
+    task.cancel()  # the server stops at the same moment
     with pytest.raises(asyncio.CancelledError):
-        await asyncio.wait_for(serving, 5)
+        await asyncio.wait_for(task, 5)
 
 
 async def test_client_leaving_mid_body_raises_for_the_reader_and_cancels_nothing() -> None:
-    receive = FakeReceive()
-    link = ClientLink(WITH_BODY, receive)
-    started = asyncio.Event()
-    serving = asyncio.create_task(serve_until_cancelled(link, started))
-    await started.wait()
+    receive, link, task = await serving(WITH_BODY)
     receive.queue.put_nowait({"type": "http.request", "body": b"half", "more_body": True})
     receive.queue.put_nowait({"type": "http.disconnect"})
     parts = []
@@ -120,7 +114,7 @@ async def test_client_leaving_mid_body_raises_for_the_reader_and_cancels_nothing
             parts.append(part)
     assert parts == [b"half"] and link.left
     await ticks()
-    assert not serving.done(), "the body's reader reports it; the serving task ends through that error"
-    serving.cancel()
+    assert not task.done(), "the body's reader reports it; the serving task ends through that error"
+    task.cancel()
     with pytest.raises(asyncio.CancelledError):
-        await serving
+        await task
