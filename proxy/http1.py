@@ -148,10 +148,13 @@ class Response:
             return
         try:
             self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._fail(UpstreamProtocolError("the upstream switched protocols on a plain request"))
-        except httptools.HttpParserError as exc:
-            self._fail(UpstreamProtocolError(f"malformed answer from the upstream: {exc}"))
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            if self._complete:
+                self._strayed()  # junk after a whole answer (a body on a 204, bytes after a close) spoils nothing
+            elif isinstance(exc, httptools.HttpParserUpgrade):
+                self._fail(UpstreamProtocolError("the upstream switched protocols on a plain request"))
+            else:
+                self._fail(UpstreamProtocolError(f"malformed answer from the upstream: {exc}"))
 
     def _connection_lost(self, exc: BaseException | None) -> None:
         if self._complete or self._error is not None:
@@ -168,6 +171,9 @@ class Response:
             self._fail(UpstreamClosed("the upstream closed the connection before the answer ended"))
 
     def _fail(self, exc: BaseException) -> None:
+        self._keep_alive = False
+        if self._complete and self._error is None:
+            return  # the whole answer is in: our upload failing after it (an early 4xx, then a close) spoils nothing
         if self._error is None:
             self._error = exc
         self._keep_alive = False
@@ -292,6 +298,11 @@ class _Connection(asyncio.Protocol):
 
     # -- used by the pool and the response ----------------------------------------------------
     @property
+    def write_blocked(self) -> bool:
+        """The transport holds more than its high-water mark of unsent bytes."""
+        return self._write_paused
+
+    @property
     def usable(self) -> bool:
         return not self.lost and self.transport is not None and not self.transport.is_closing()
 
@@ -361,7 +372,10 @@ class Pool:
                         _send_body(conn, response, body, chunked=not has_length))  # type: ignore[arg-type]
                 else:
                     conn.transport.write(head + body if body else head)  # type: ignore[operator]
-                    await conn.drain()  # a big replayed body: the read timeout starts once it is out
+                    if conn.write_blocked:
+                        # A big replayed body still going out. The engine may answer before reading it
+                        # (Go answers a 4xx and closes with 256 KiB unread), so wait for both at once.
+                        response._body_task = asyncio.ensure_future(_finish_sending(conn, response))
                 await response._wait_head(self.read_s)
                 return response
             except UpstreamClosed:
@@ -408,6 +422,16 @@ class Pool:
         self._closed = True
         while self._idle:
             self._idle.pop().drop()
+
+
+async def _finish_sending(conn: _Connection, response: Response) -> None:
+    """Wait for a replayed body's tail to leave (write_s); a failure ends the exchange unless the
+    answer is already whole."""
+    try:
+        await conn.drain()
+    except Exception as exc:
+        response._fail(exc)
+        conn.drop()
 
 
 async def _send_body(conn: _Connection, response: Response, body: AsyncIterator[bytes], *, chunked: bool) -> None:

@@ -256,12 +256,11 @@ async def test_closing_an_unfinished_answer_drops_the_connection() -> None:
 def _answer_once_then_close_unanswered(first_answers: int = 1) -> Handler:
     """Each connection answers its first request; a later one on the same connection is read and
     closed without a byte, as an engine whose keep-alive ran out just as the request arrived."""
-    served: dict[int, int] = {}
+    served: dict[asyncio.StreamWriter, int] = {}  # held, so no id is reused by a later connection
 
     async def handler(head: bytes, body: bytes, writer: asyncio.StreamWriter) -> None:
-        key = id(writer)
-        served[key] = served.get(key, 0) + 1
-        if served[key] <= first_answers:
+        served[writer] = served.get(writer, 0) + 1
+        if served[writer] <= first_answers:
             writer.write(OK)
             await writer.drain()
         else:
@@ -333,5 +332,48 @@ async def test_a_body_on_a_head_answer_is_dropped_with_its_connection() -> None:
         pool = Pool(up.url)
         status, _, body = await get(pool, method="HEAD")
         assert (status, body) == (200, b"")
+        assert pool.idle_connections == 0
+        pool.close()
+
+
+@pytest.mark.parametrize("then", ["closes", "stays open"])
+async def test_an_early_answer_to_a_big_body_arrives_whole(then: str) -> None:
+    # Go's net/http answers a 4xx before reading a body and closes with more than 256 KiB unread;
+    # a replayed GPU body is up to replay_body_max_mb (16 MiB) of bytes.
+    done = asyncio.Event()
+
+    async def answers_early(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 8\r\n\r\ntoo big!")
+        await writer.drain()
+        if then == "closes":
+            writer.close()
+        else:
+            await done.wait()  # never reads the body
+
+    server = await asyncio.start_server(answers_early, "127.0.0.1", 0)
+    pool = Pool(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    body = b"x" * (16 << 20)
+    try:
+        status, _, answer_body = await get(pool, method="POST", body=body,
+                                           headers=[(b"host", b"h"), (b"content-length", b"%d" % len(body))])
+        assert (status, answer_body) == (413, b"too big!")
+        assert pool.idle_connections == 0, "a connection with an unsent body tail is never reused"
+    finally:
+        done.set()
+        pool.close()
+        server.close()
+
+
+@pytest.mark.parametrize("raw", [
+    OK + b"JUNK\r\n",  # not HTTP at all after a kept-alive answer
+    b"HTTP/1.1 204 No Content\r\n\r\n{}",  # a body on an answer that has none
+    b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok\r\n",  # bytes after a closing answer
+], ids=["junk", "body-on-204", "after-close"])
+async def test_malformed_bytes_after_a_whole_answer_spoil_nothing(raw: bytes) -> None:
+    async with raw_server(answer(raw)) as up:
+        pool = Pool(up.url)
+        status, _, body = await get(pool)
+        assert (status, body) == ((204, b"") if status == 204 else (200, b"ok"))
         assert pool.idle_connections == 0
         pool.close()
