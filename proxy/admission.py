@@ -8,6 +8,7 @@ the decision log. Plans come from the pure `arbiter.plan_release`; this module o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -62,6 +63,7 @@ class Handoff:
     releases: list[ReleaseResult]
     decision: Decision | None
     snapshot: AttributedSnapshot | None = None
+    reservation: str | None = None  # the key memory was reserved under; `Arbitration.settle` gives it back
 
     @property
     def ok(self) -> bool:
@@ -91,6 +93,7 @@ class Arbitration:
         self.handoff_lock = asyncio.Lock()
         self._snapshot_lock = asyncio.Lock()
         self._reservations: dict[str, _Reservation] = {}
+        self._handoffs: set[asyncio.Future[Handoff]] = set()  # running on after their client left
         self.last_snapshot: AttributedSnapshot | None = None
         self.last_read_error: GpuReadError | None = None
         self.stale_jobs: dict[str, list[str]] = {}  # tenant -> job ids whose VRAM says they are not running
@@ -234,7 +237,8 @@ class Arbitration:
         try:
             return await asyncio.shield(handoff), need
         except asyncio.CancelledError:
-            handoff.add_done_callback(lambda done: self._abandoned(done, need.key))
+            self._handoffs.add(handoff)
+            handoff.add_done_callback(self._abandoned)
             raise
 
     async def _handoff(self, tenant: Tenant, need: memory.Need, need_bytes: int, trigger: str,
@@ -249,18 +253,35 @@ class Arbitration:
                                          kind="oom_retry" if oom else "plan", snap=snap)
             if handoff.plan.feasible:
                 self._reserve(need.key, tenant.name, need_bytes, handoff)
+                handoff.reservation = need.key
             return handoff
         finally:
             self.handoff_lock.release()
 
-    def _abandoned(self, done: asyncio.Future[Handoff], key: str) -> None:
-        """The client left during its handoff: drop the reservation nobody will use."""
+    def _abandoned(self, done: asyncio.Future[Handoff]) -> None:
+        """The client left during its handoff: give back the reservation nobody will use."""
+        self._handoffs.discard(done)
         if done.cancelled():
             return
         if done.exception() is not None:
             log.error("handoff of a departed request failed: %r", done.exception())
-        elif done.result().plan.feasible:
-            self.unreserve(key)
+        else:
+            self.settle(done.result())
+
+    def settle(self, handoff: Handoff | None) -> None:
+        """The admitted request reached the engine (or gave up): its reservation ends. Idempotent,
+        and only ever the handoff's own, so it never eats another request's reservation."""
+        if handoff is not None and handoff.reservation is not None:
+            self._unreserve(handoff.reservation)
+            handoff.reservation = None
+
+    async def aclose(self) -> None:
+        for handoff in list(self._handoffs):
+            handoff.cancel()
+        for handoff in list(self._handoffs):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await handoff
+        await self.control.aclose()
 
     def _reserve(self, key: str, tenant: str, need: int, handoff: Handoff) -> None:
         r = self._reservations.get(key)
@@ -269,7 +290,7 @@ class Arbitration:
         else:
             self._reservations[key] = _Reservation(tenant, need, handoff.plan.held_by_requester)
 
-    def unreserve(self, key: str) -> None:
+    def _unreserve(self, key: str) -> None:
         r = self._reservations.get(key)
         if r:
             r.count -= 1
@@ -400,7 +421,7 @@ class GpuAdmission:
         except (httpx.HTTPError, ValueError) as exc:
             self._record_retry(tenant, handoff, f"re-queue failed: {exc}")
         finally:
-            self.arb.unreserve(need.key)
+            self.arb.settle(handoff)
 
     async def _history_entry(self, tenant: Tenant, prompt_id: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
         """ComfyUI writes history before its end marker; the error frame comes just before that."""
@@ -425,6 +446,7 @@ class GpuAdmission:
                      forward: Callable[[bytes], Awaitable[UpstreamResponse]]) -> UpstreamResponse | Response:
         trigger = f"request {request.method} {request.url.path}"
         handoff, need = await self.arb.admit(tenant, request, body, trigger)
+        retry: Handoff | None = None
         if handoff is None:
             self.arb.decisions.record("rejection", tenant.name, trigger, None, status=503,
                                       reason=f"queue timeout ({self.arb.registry.config.proxy.queue_timeout_s:g} s)")
@@ -452,7 +474,8 @@ class GpuAdmission:
             self._record_retry(tenant, retry, "failed" if outcome == "retried" else outcome)
             return _with_blockers(response, error_body, retry)
         finally:
-            self.arb.unreserve(need.key)
+            self.arb.settle(handoff)
+            self.arb.settle(retry)
 
     def _record_retry(self, tenant: Tenant, handoff: Handoff | None, result: str) -> None:
         if handoff is not None and handoff.decision is not None:

@@ -12,6 +12,10 @@ leaving shows up in two places, and `ClientLink` covers both:
 The watcher never runs while the body is being read (two readers would split the body between
 them), and it starts only once a request has lasted `WATCH_AFTER_S`: most requests end sooner,
 and a task per request costs ~9 µs against ~120 µs of relay CPU for a small GET (a timer ~1 µs).
+
+Not seen: a client that pipelines a second request behind a silent first one and then leaves.
+uvicorn marks only the queued request as disconnected, so the first one's receive() never says so
+(no engine client pipelines; browsers and the ollama/openai clients do not).
 """
 
 from __future__ import annotations

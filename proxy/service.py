@@ -116,7 +116,7 @@ class Proxy:
         for ext in reversed(self.extensions):
             await ext.stop()
         await self.forwarder.aclose()
-        await self.arbitration.control.aclose()
+        await self.arbitration.aclose()
 
     def url(self, name: str) -> str:
         return self.servers[name].url

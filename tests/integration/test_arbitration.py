@@ -114,6 +114,7 @@ async def test_oom_answer_is_reclaimed_and_retried_once(box: DemoFactory, http: 
     retry = decisions(demo, "oom_retry", "ollama")
     assert retry and retry[-1].outcome["oom_retry"] == "succeeded"
     assert [x["tenant"] for x in retry[-1].outcome["releases"]] == ["comfyui"]
+    assert demo.proxy.arbitration._reservations == {}, "both admissions (first try and retry) give their memory back"
 
 
 async def test_oom_with_nothing_to_release_reaches_the_client_with_blockers(box: DemoFactory, http: httpx.AsyncClient) -> None:
@@ -124,6 +125,7 @@ async def test_oom_with_nothing_to_release_reaches_the_client_with_blockers(box:
     body = r.json()
     assert body["error"] == OOM, "the engine's error is passed through unchanged"
     assert {b["name"] for b in body["blockers"]} >= {"Xorg", "gnome-shell"}
+    assert demo.proxy.arbitration._reservations == {}
 
 
 async def test_spill_to_cpu_makes_ollama_starved_and_reclaims_comfyui(box: DemoFactory, http: httpx.AsyncClient) -> None:
@@ -187,8 +189,9 @@ async def test_client_leaving_during_a_release_lets_the_release_finish_and_holds
     demo = await box("default")
     await run_prompt(demo.proxy.url("comfyui"), "flux1-dev-fp8.safetensors", http)
     leaving = asyncio.ensure_future(generate(http, demo, "gemma3:27b"))
-    while not decisions(demo, "plan", "ollama"):  # the handoff has started: ComfyUI is being asked to free
-        await asyncio.sleep(0.002)
+    async with asyncio.timeout(10):
+        while not decisions(demo, "plan", "ollama"):  # the handoff has started: ComfyUI is being asked to free
+            await asyncio.sleep(0.002)
     plan = decisions(demo, "plan", "ollama")[-1]
     assert "releases" not in plan.outcome, "precondition: the client leaves while the release runs"
     leaving.cancel()
@@ -217,6 +220,20 @@ async def test_client_leaving_the_handoff_queue_takes_no_lock_with_it() -> None:
     lock.release()  # the handoff ends
     await asyncio.sleep(0)
     assert not lock.locked(), "the departed waiter must not end up holding the lock"
+    assert await _acquire(lock, 0.01) is True
+
+
+async def test_client_leaving_just_as_the_lock_is_handed_to_it_gives_it_back() -> None:
+    lock = asyncio.Lock()
+    await lock.acquire()
+    waiting = asyncio.ensure_future(_acquire(lock, 60))
+    await asyncio.sleep(0)
+    lock.release()  # granted to the waiter, which has not run yet...
+    waiting.cancel()  # ...when its client goes away
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    await asyncio.sleep(0)
+    assert not lock.locked()
     assert await _acquire(lock, 0.01) is True
 
 
