@@ -487,8 +487,9 @@ class GpuAdmission:
 def _replay_response(upstream: UpstreamResponse, body: bytes) -> Response:
     """The upstream's answer, already read, as it was: repeated headers kept, framing re-done."""
     response = Response(body, status_code=upstream.status_code)
-    kept = [(k, v) for k, v in strip_hop_by_hop(upstream.raw_headers) if k != b"content-length"]
-    response.raw_headers = [*kept, (b"content-length", b"%d" % len(body))]
+    length = (b"content-length", b"%d" % len(body))
+    headers = [length if k == b"content-length" else (k, v) for k, v in strip_hop_by_hop(upstream.raw_headers)]
+    response.raw_headers = headers if length in headers else [*headers, length]  # order kept, as the engine sent it
     return response
 
 
