@@ -565,6 +565,26 @@ async def test_websocket_frames_and_close_codes_pass_both_ways() -> None:
         assert await within(state.ws_closed_with) == 4002, "client close code must reach the upstream"
 
 
+async def test_websocket_idle_for_hours_stays_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two hours pass on the loop's clock in 15 s steps, so every timer due in that time fires: an
+    # idle or read timeout on either leg ends the socket here (a bridge timing out after an hour does).
+    loop = asyncio.get_running_loop()
+    skew = [0.0]
+    real_time = loop.time
+    monkeypatch.setattr(loop, "time", lambda: real_time() + skew[0])
+    async with stack("comfyui", comfyui_like) as (proxy, _, _, state):
+        async with connect(f"ws://127.0.0.1:{proxy.port}/ws?clientId=c1", ping_interval=None) as ws:
+            await within(ws.recv())  # status
+            for _ in range(2 * 3600 // 15):
+                skew[0] += 15
+                for _ in range(3):
+                    await asyncio.sleep(0)  # let whatever fired run (a ping, a close)
+            state.to_socket.put_nowait("two hours later")
+            assert await within(ws.recv()) == "two hours later"
+            await ws.send("hello")
+            assert await within(ws.recv()) == "echo:hello"
+
+
 async def test_comfyui_prompt_stays_in_flight_until_ws_end_marker() -> None:
     async with stack("comfyui", comfyui_like) as (proxy, _, inflight, state):
         async with connect(f"ws://127.0.0.1:{proxy.port}/ws?clientId=c1") as ws:
