@@ -124,4 +124,3 @@ async def body_chunks(link: ClientLink) -> AsyncIterator[bytes]:
             yield chunk
         if not message.get("more_body", False):
             return
-

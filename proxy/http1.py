@@ -20,8 +20,10 @@ What it does and does not do:
   They are `asyncio.timeout` blocks, not `wait_for`: on 3.11, `wait_for` can swallow a
   cancellation that lands as its future completes, and a cancellation is how a departed client
   stops its relay.
-- Bytes after the end of an answer (a second answer, a body on a HEAD answer) are ignored and the
-  connection is not reused: they cannot belong to any request we sent.
+- Bytes after the end of an answer (a second answer, a body on a HEAD or 204 answer, junk) are
+  ignored and the connection is not reused: they cannot belong to any request we sent.
+- An answer that comes while a big body is still being sent (an early 4xx) is returned at once;
+  the connection is then dropped, not reused.
 """
 
 from __future__ import annotations
@@ -161,12 +163,12 @@ class Response:
             return
         if not self._head.done():
             self._fail(UpstreamClosed("the upstream closed the connection before answering"))
-        elif not self._framed and exc is None:  # unframed: the body ends where the connection does, cleanly
+        elif exc is not None:  # a reset is never the end of a body, framed or not
+            self._fail(UpstreamClosed(f"the upstream connection broke before the answer ended: {exc}"))
+        elif not self._framed:  # no Content-Length, not chunked: the body ends where the connection does
             self._complete = True
             self._keep_alive = False
             self._wake()
-        elif exc is not None:  # a reset is never the end of a body, framed or not
-            self._fail(UpstreamClosed(f"the upstream connection broke before the answer ended: {exc}"))
         else:
             self._fail(UpstreamClosed("the upstream closed the connection before the answer ended"))
 
@@ -176,7 +178,6 @@ class Response:
             return  # the whole answer is in: our upload failing after it (an early 4xx, then a close) spoils nothing
         if self._error is None:
             self._error = exc
-        self._keep_alive = False
         if not self._head.done():
             self._head.set_exception(exc)
             self._head.exception()  # retrieved: whoever awaits it re-raises; nobody awaiting is fine too
