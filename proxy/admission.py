@@ -8,7 +8,6 @@ the decision log. Plans come from the pure `arbiter.plan_release`; this module o
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -276,11 +275,13 @@ class Arbitration:
             handoff.reservation = None
 
     async def aclose(self) -> None:
-        for handoff in list(self._handoffs):
-            handoff.cancel()
-        for handoff in list(self._handoffs):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await handoff
+        # At shutdown a departed client's handoff is cut short: nobody is left to wait for it.
+        while self._handoffs:
+            pending = list(self._handoffs)
+            for handoff in pending:
+                handoff.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            self._handoffs.difference_update(pending)
         await self.control.aclose()
 
     def _reserve(self, key: str, tenant: str, need: int, handoff: Handoff) -> None:
@@ -350,6 +351,7 @@ class GpuAdmission:
         self._requeued: dict[str, str] = {}  # new prompt id -> the OOM'd prompt it retries
         self._seen_oom: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
 
     def on_frame(self, tenant: Tenant, text: str) -> None:
         """Called for every upstream text frame of a tenant's websockets (cheap filter first)."""
@@ -379,7 +381,7 @@ class GpuAdmission:
                 return
 
     def _oom(self, tenant: Tenant, prompt_id: str) -> None:
-        if not prompt_id or prompt_id in self._seen_oom:
+        if self._closed or not prompt_id or prompt_id in self._seen_oom:
             return  # several sockets, or a socket and the history poll, can report the same OOM
         self._seen_oom.add(prompt_id)
         if len(self._seen_oom) > 4096:
@@ -439,8 +441,11 @@ class GpuAdmission:
         return None
 
     async def aclose(self) -> None:
-        for task in list(self._tasks):
+        self._closed = True
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def handle(self, tenant: Tenant, request: Request, body: bytes,
                      forward: Callable[[bytes], Awaitable[UpstreamResponse]]) -> UpstreamResponse | Response:
@@ -462,6 +467,9 @@ class GpuAdmission:
             await response.aclose()
             if not memory.response_is_oom(tenant, response.status_code, error_body):
                 return _replay_response(response, error_body)
+            # The first try is over: its reservation goes before the retry reserves its bigger need
+            # (under the same key it would only have counted once more, with the old size and baseline).
+            self.arb.settle(handoff)
             retry, _ = await self.arb.admit(tenant, request, body, f"OOM answer to {trigger}", oom=True)
             outcome = "no plan" if retry is None or not retry.plan.feasible or not retry.plan.starved else "retried"
             if outcome == "retried":

@@ -23,7 +23,8 @@ What it does and does not do:
 - Bytes after the end of an answer (a second answer, a body on a HEAD or 204 answer, junk) are
   ignored and the connection is not reused: they cannot belong to any request we sent.
 - An answer that comes while a big body is still being sent (an early 4xx) is returned at once;
-  the connection is then dropped, not reused.
+  the connection is then dropped, not reused. If the engine never reads the rest, write_s (off by
+  default) ends the exchange, even mid-answer.
 """
 
 from __future__ import annotations

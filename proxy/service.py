@@ -106,13 +106,13 @@ class Proxy:
 
     async def stop(self) -> None:
         await self.watchdog.stop()
-        await self.admission.aclose()
         for poller in self._pollers:
             await poller.stop()  # type: ignore[attr-defined]
         self._pollers.clear()
         for server in list(self.servers.values()):
             await server.stop()
         self.servers.clear()
+        await self.admission.aclose()  # after the pollers and sockets that report OOMs are gone
         for ext in reversed(self.extensions):
             await ext.stop()
         await self.forwarder.aclose()

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from websockets.asyncio.client import connect as ws_connect
 
-from proxy.admission import _acquire
+from proxy.admission import Handoff, _acquire, _unplanned
 from proxy.demo import comfy_prompt, run_prompt
 from proxy.gpu import GpuReadError
 from proxy.tenants import GIB
@@ -207,6 +207,20 @@ async def test_client_leaving_during_a_release_lets_the_release_finish_and_holds
     assert demo.proxy.inflight.traffic("ollama").in_flight == 0
     again = await generate(http, demo, "gemma3:27b")
     assert again.status_code == 200, again.text
+
+
+async def test_each_admission_gives_back_only_its_own_reservation(box: DemoFactory) -> None:
+    demo = await box("default")
+    arb = demo.proxy.arbitration
+    admitted = Handoff(_unplanned("ollama", GIB), [], None)
+    arb._reserve("ollama:m", "ollama", GIB, admitted)
+    admitted.reservation = "ollama:m"
+    refused = Handoff(_unplanned("ollama", GIB), [], None)  # same model, nothing reserved (a 507, a queue timeout)
+    arb.settle(refused)
+    assert "ollama:m" in arb._reservations, "an admission that reserved nothing takes nothing from another"
+    arb.settle(admitted)
+    arb.settle(admitted)
+    assert arb._reservations == {}, "given back once, whoever calls again"
 
 
 async def test_client_leaving_the_handoff_queue_takes_no_lock_with_it() -> None:

@@ -568,6 +568,7 @@ async def test_websocket_frames_and_close_codes_pass_both_ways() -> None:
 async def test_websocket_idle_for_hours_stays_open(monkeypatch: pytest.MonkeyPatch) -> None:
     # Two hours pass on the loop's clock in 15 s steps, so every timer due in that time fires: an
     # idle or read timeout on either leg ends the socket here (a bridge timing out after an hour does).
+    # Pings are not caught: the peers here answer them at once, as browsers and aiohttp do.
     loop = asyncio.get_running_loop()
     skew = [0.0]
     real_time = loop.time
