@@ -252,7 +252,6 @@ class Arbitration:
                                          kind="oom_retry" if oom else "plan", snap=snap)
             if handoff.plan.feasible:
                 self._reserve(need.key, tenant.name, need_bytes, handoff)
-                handoff.reservation = need.key
             return handoff
         finally:
             self.handoff_lock.release()
@@ -290,6 +289,7 @@ class Arbitration:
             r.count += 1
         else:
             self._reservations[key] = _Reservation(tenant, need, handoff.plan.held_by_requester)
+        handoff.reservation = key
 
     def _unreserve(self, key: str) -> None:
         r = self._reservations.get(key)

@@ -214,7 +214,6 @@ async def test_each_admission_gives_back_only_its_own_reservation(box: DemoFacto
     arb = demo.proxy.arbitration
     admitted = Handoff(_unplanned("ollama", GIB), [], None)
     arb._reserve("ollama:m", "ollama", GIB, admitted)
-    admitted.reservation = "ollama:m"
     refused = Handoff(_unplanned("ollama", GIB), [], None)  # same model, nothing reserved (a 507, a queue timeout)
     arb.settle(refused)
     assert "ollama:m" in arb._reservations, "an admission that reserved nothing takes nothing from another"
