@@ -1,21 +1,28 @@
-"""The release planner. PURE: no I/O, no clock, and no engine names (invariant 1).
+"""The handoff's decisions. PURE: no I/O, no clock, and no engine names (invariant 1).
 
 `plan_release()` looks at one attributed snapshot, the registry and the tenants' busy states, and
-says what to release so the requester can reach its need, or who is in the way. It only reads data
-and returns data (a `Plan`); admission and the watchdog log it, return it, then execute it.
+says what to release so the requester can reach its need, whether waiting for busy tenants would
+help, or who is in the way for good. `schedule()` applies it to the queue of waiting requests and
+says, for each, run / wait / refuse. Both only read data and return data; admission, the handoff
+queue and the watchdog log the result, return it, then execute it.
 
 Rules (design.md, invariants 4 and 5):
-- The requester is starved only if free memory plus what it already holds is below its need.
-- Candidates are tenants other than the requester that hold memory, are idle, are reclaimable
-  (release kind is not `none`) and rank strictly below the requester in priority. They are released
-  lowest priority first (ties: larger holding first, then name), stopping once enough is freed.
+- The requester is starved only if free memory (less what admitted loads were promised and have
+  not reached the card yet) plus what it already holds is below its need.
+- A request takes memory from any idle, reclaimable tenant whatever its priority (idle memory serves
+  whoever asks), unless that tenant ranks above the requester and sets `protect_idle_memory`. The
+  watchdog's background relief of a starved busy tenant (mode "relief") takes only from tenants
+  strictly below it. Candidates are released lowest priority first (ties: larger holding first,
+  then name), stopping once enough is freed; then any release the final set does not need is
+  dropped, and nothing that would free 0 bytes is released.
 - A release frees what the tenant's processes hold above the floor it keeps when idle
   (`idle_vram_bytes`: a server that stays up keeps its CUDA context; a runner that exits keeps nothing).
+- A busy tenant is never released. Memory a busy, reclaimable tenant holds is waited for: the plan is
+  not feasible now but `possible`, and `wait_for` names the busy tenants. Only a need that cannot be
+  met even if every busy tenant went idle and every reclaimable one were released is impossible (507).
 - Every process that holds memory and is not released is named as a blocker with its reason.
   Processes whose memory the driver does not report are never counted on.
-- A need above the card's usable memory (total minus reserved) is infeasible whoever holds what.
-- An infeasible plan still shows the releases it considered (what they would free); callers answer
-  507 and execute none of them.
+- A need above the card's usable memory (total minus reserved) is impossible whoever holds what.
 
 A tenant with no entry in `states` is idle: busy comes from traffic the proxy saw, and none was seen.
 """
@@ -24,12 +31,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Literal, Mapping
+from typing import Iterable, Literal, Mapping, Sequence
 
 from .attribution import UNMANAGED, AttributedProcess, AttributedSnapshot
 from .tenants import GIB, Registry, Tenant
 
-BlockReason = Literal["busy", "not_reclaimable", "not_lower_priority", "unmanaged", "requester", "unknown_memory"]
+BlockReason = Literal["busy", "not_reclaimable", "protected", "not_lower_priority", "unmanaged", "requester",
+                     "unknown_memory"]
+PlanMode = Literal["request", "relief"]
 
 _MAX_NAMED = 4  # blockers named in the one-line explanation; the Plan lists them all
 
@@ -82,16 +91,26 @@ class Plan:
     need_bytes: int
     free_bytes: int
     held_by_requester: int
-    feasible: bool
+    feasible: bool  # enough now, with `releases`
     starved: bool
     releases: tuple[Release, ...]
     blockers: tuple[Blocker, ...]
     explanation: str
     estimated: bool
+    possible: bool = True  # enough once the busy tenants in `wait_for` finish; False: refuse (507)
+    wait_for: tuple[str, ...] = ()
+    promised_bytes: int = 0  # free memory already promised to admitted loads not on the card yet
+    reachable_bytes: int = 0  # free + held + every reclaimable tenant's memory, busy or idle: the most it could get
 
     @property
     def expected_free_bytes(self) -> int:
         return sum(r.expected_free_bytes for r in self.releases)
+
+    @property
+    def outcome(self) -> Literal["ready", "release", "wait", "impossible"]:
+        if self.feasible:
+            return "release" if self.releases else "ready"
+        return "wait" if self.possible else "impossible"
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -99,10 +118,15 @@ class Plan:
             "need_bytes": self.need_bytes, "need_gib": gib(self.need_bytes),
             "free_bytes": self.free_bytes, "free_gib": gib(self.free_bytes),
             "held_by_requester_bytes": self.held_by_requester, "held_by_requester_gib": gib(self.held_by_requester),
+            "promised_bytes": self.promised_bytes, "promised_gib": gib(self.promised_bytes),
+            "reachable_bytes": self.reachable_bytes, "reachable_gib": gib(self.reachable_bytes),
             "feasible": self.feasible,
+            "possible": self.possible,
+            "outcome": self.outcome,
             "starved": self.starved,
             "estimated": self.estimated,
             "releases": [r.to_json() for r in self.releases],
+            "wait_for": list(self.wait_for),
             "blockers": [b.to_json() for b in self.blockers],
             "explanation": self.explanation,
         }
@@ -130,87 +154,142 @@ def _holdings(snap: AttributedSnapshot) -> dict[str, _Holding]:
     return {t: _Holding(t, tuple(ps), sum(p.process.used_bytes or 0 for p in ps)) for t, ps in groups.items()}
 
 
-def _why_not(tenant: Tenant | None, requester: Tenant | None, state: TenantState | None) -> tuple[BlockReason, str] | None:
-    """Why this tenant cannot be released for the requester; None when it is a candidate.
-
-    Order: configuration reasons first (they do not go away by waiting), busy last."""
+def _why_never(tenant: Tenant | None, rprio: int, mode: PlanMode) -> tuple[BlockReason, str] | None:
+    """Why this tenant's memory can never serve the requester, busy or not; None when it can."""
     if tenant is None:
         return "unmanaged", "matches no tenant in tenants.json; the proxy cannot ask it for memory"
-    rprio = requester.priority if requester is not None else 0
     if not tenant.reclaimable:
         return "not_reclaimable", tenant.not_reclaimable_reason
-    if tenant.priority >= rprio:
-        return "not_lower_priority", f"priority {tenant.priority} is not below the requester's {rprio}"
-    if state is not None and state.busy:
-        why = state.busy_reason or (f"{state.in_flight} request(s) in flight" if state.in_flight else "busy")
-        return "busy", f"busy ({why}); a busy tenant is never released"
+    if mode == "relief" and tenant.priority >= rprio:
+        return "not_lower_priority", (f"priority {tenant.priority} is not below {rprio}: a busy tenant's background "
+                                      "relief only takes from tenants below it")
+    if mode == "request" and tenant.protect_idle_memory and tenant.priority > rprio:
+        return "protected", (f"priority {tenant.priority} above the requester's {rprio} and protect_idle_memory "
+                             "is set in tenants.json")
     return None
 
 
+def _busy_detail(state: TenantState) -> str:
+    why = state.busy_reason or (f"{state.in_flight} request(s) in flight" if state.in_flight else "busy")
+    return f"busy ({why}); a busy tenant is never released: the request waits for it to finish"
+
+
+def _release_reason(tenant: Tenant, rprio: int, unknown: int) -> str:
+    why = f"idle, priority {tenant.priority}" + (" < " if tenant.priority < rprio else " >= ") + str(rprio)
+    if unknown:
+        why += f"; {unknown} process(es) with unknown memory not counted"
+    return why
+
+
+def _choose(cands: Sequence[tuple[Tenant, _Holding, int]], shortfall: int) -> list[tuple[Tenant, _Holding, int]]:
+    """Lowest priority first until enough is freed, then drop any the rest already covers (a
+    higher-priority release alone may make a lower one unnecessary); never a release of 0 bytes."""
+    chosen: list[tuple[Tenant, _Holding, int]] = []
+    freed = 0
+    for c in cands:
+        if freed >= shortfall:
+            break
+        if c[2] > 0:
+            chosen.append(c)
+            freed += c[2]
+    if freed >= shortfall:
+        for c in list(chosen):
+            if freed - c[2] >= shortfall:
+                chosen.remove(c)
+                freed -= c[2]
+    return chosen
+
+
 def plan_release(snap: AttributedSnapshot, registry: Registry, states: Mapping[str, TenantState],
-                 requester: str, need_bytes: int) -> Plan:
+                 requester: str, need_bytes: int, *, promised: Mapping[str, int] | None = None,
+                 mode: PlanMode = "request") -> Plan:
+    """`promised`: tenant -> bytes admitted loads will still take from free memory (the requester's
+    own load excluded by the caller). `mode`: "request" (a request that needs memory) or "relief"
+    (the watchdog relieving a starved busy tenant: only tenants below it are candidates)."""
     free = snap.free_bytes
+    promised_bytes = sum(promised.values()) if promised else 0
     held = snap.held_by(requester)
     device = snap.snapshot.device
     capacity = device.total_bytes - device.reserved_bytes
     req_tenant = registry.tenants.get(requester)
     rprio = req_tenant.priority if req_tenant is not None else 0
-    is_starved = free + held < need_bytes
+    available = free - promised_bytes
+    is_starved = available + held < need_bytes
     estimated = snap.estimated
-    head = f"{requester} needs {_g(need_bytes)}, {_g(free)} free" + (f" + {_g(held)} already held" if held else "")
+    head = (f"{requester} needs {_g(need_bytes)}, {_g(free)} free" + (f" ({_g(promised_bytes)} promised to loads under way)"
+                                                                     if promised_bytes else "")
+            + (f" + {_g(held)} already held" if held else ""))
 
     if not is_starved:
         return Plan(requester, need_bytes, free, held, True, False, (), (),
-                    f"{head}: enough, no release needed", estimated)
+                    f"{head}: enough, no release needed", estimated, promised_bytes=promised_bytes,
+                    reachable_bytes=free + held)
 
-    shortfall = need_bytes - free - held
+    shortfall = need_bytes - available - held
     holdings = _holdings(snap)
     blockers: list[Blocker] = []
-    candidates: list[tuple[Tenant, _Holding, int]] = []
+    idle: list[tuple[Tenant, _Holding, int]] = []
+    waitable: list[tuple[Tenant, _Holding, int, TenantState]] = []
 
     for name, h in holdings.items():
         if name == requester:
             continue
         tenant = None if name == UNMANAGED else registry.tenants.get(name)
-        why = _why_not(tenant, req_tenant, states.get(name))
+        why = _why_never(tenant, rprio, mode)
+        state = states.get(name)
         if why is None:
             assert tenant is not None
             expected = max(0, h.known_bytes - tenant.idle_vram_bytes)
-            if expected == 0 and h.known_bytes > 0:
+            if state is not None and state.busy:
+                waitable.append((tenant, h, expected, state))
+                why = ("busy", _busy_detail(state))
+            elif expected == 0 and h.known_bytes > 0:
                 why = ("not_reclaimable",
                        f"holds only its idle floor of {_g(tenant.idle_vram_bytes)} (idle_vram_gb), which a release does not free")
+            elif expected == 0:
+                why = ("unknown_memory", "idle, but the driver does not report its memory, so no release is counted on")
             else:
-                candidates.append((tenant, h, expected))
+                idle.append((tenant, h, expected))
                 continue
         reason, detail = why
         blockers.extend(Blocker(ap.process.pid, ap.process.name, name, ap.process.used_bytes, reason, detail)
                         for ap in h.procs)
 
-    # lowest priority first; ties: larger holding first, then name (deterministic)
-    candidates.sort(key=lambda c: (c[0].priority, -c[1].known_bytes, c[0].name))
-    releases: list[Release] = []
-    freed = 0
-    for tenant, h, expected in candidates:
-        if freed >= shortfall:
-            break
-        unknown = [ap for ap in h.procs if ap.process.used_bytes is None]
-        why = f"idle, priority {tenant.priority} < {rprio}"
-        if unknown:
-            why += f"; {len(unknown)} process(es) with unknown memory not counted"
-        releases.append(Release(tenant.name, expected, tuple(ap.process.pid for ap in h.procs), why))
-        freed += expected
-
+    order = lambda c: (c[0].priority, -c[1].known_bytes, c[0].name)  # noqa: E731 - lowest priority first, deterministic
+    idle.sort(key=order)
+    waitable.sort(key=order)
+    chosen = _choose(idle, shortfall)
+    releases = tuple(Release(t.name, expected, tuple(ap.process.pid for ap in h.procs),
+                             _release_reason(t, rprio, sum(1 for ap in h.procs if ap.process.used_bytes is None)))
+                     for t, h, expected in chosen)
+    freed = sum(r.expected_free_bytes for r in releases)
+    idle_total = sum(c[2] for c in idle)
     too_large = need_bytes > capacity
     feasible = freed >= shortfall and not too_large
+    # Possible: every busy tenant went idle, every reclaimable one were released, and the loads
+    # promised now had come and gone (they are reclaimable in turn once their tenant is idle).
+    waitable_total = sum(c[2] for c in waitable)
+    reach = free + held + idle_total + waitable_total
+    possible = not too_large and reach >= need_bytes
+    wait_for: tuple[str, ...] = ()
+    if not feasible and possible:
+        # the busy tenants to wait for, in release order, until what they hold covers the shortfall
+        covered = idle_total
+        names: list[str] = []
+        for t, _h, expected, _s in waitable:
+            if covered >= shortfall:
+                break
+            names.append(t.name)
+            covered += expected
+        wait_for = tuple(names)
 
     if not feasible:
         # name every process in the way: unknown memory in released tenants was not counted on,
         # and the requester's own processes are listed so the numbers add up for a person
-        released = {r.tenant for r in releases}
-        for tenant_name in released:
-            for ap in holdings[tenant_name].procs:
+        for r in releases:
+            for ap in holdings[r.tenant].procs:
                 if ap.process.used_bytes is None:
-                    blockers.append(Blocker(ap.process.pid, ap.process.name, tenant_name, None, "unknown_memory",
+                    blockers.append(Blocker(ap.process.pid, ap.process.name, r.tenant, None, "unknown_memory",
                                             "released with its tenant, but the driver does not report its memory, so it is not counted on"))
         if requester in holdings:
             blockers.extend(Blocker(ap.process.pid, ap.process.name, requester, ap.process.used_bytes, "requester",
@@ -218,22 +297,142 @@ def plan_release(snap: AttributedSnapshot, registry: Registry, states: Mapping[s
                             for ap in holdings[requester].procs)
     blockers.sort(key=lambda b: (b.reason == "requester", -(b.vram_bytes or 0), b.tenant, b.pid or 0))
 
+    def plan(explanation: str, rel: tuple[Release, ...] = releases) -> Plan:
+        return Plan(requester, need_bytes, free, held, feasible, True, rel, tuple(blockers), explanation, estimated,
+                    possible, wait_for, promised_bytes, reach)
+
     if too_large:
-        explanation = (f"{head}: the model is too large for this card ({_g(capacity)} usable in all); "
-                       "no release can help")
-        return Plan(requester, need_bytes, free, held, False, True, (), tuple(blockers), explanation, estimated)
+        return plan(f"{head}: the model is too large for this card ({_g(capacity)} usable in all); no release can help", ())
 
     rel_text = ", ".join(
         f"{r.tenant} ({r.reason}" + (f", {_g(r.expected_free_bytes)})" if len(releases) > 1 else ")") for r in releases)
     if feasible:
-        explanation = f"{head}: release {rel_text} to free {_g(freed)}"
-    else:
-        in_way = [b for b in blockers if b.reason != "requester"]
-        named = "; ".join(
-            f"{b.tenant} {b.name or '?'} pid {b.pid} ({b.reason.replace('_', ' ')}, "
-            f"{_g(b.vram_bytes) if b.vram_bytes is not None else 'unknown'})" for b in in_way[:_MAX_NAMED])
-        more = f"; and {len(in_way) - _MAX_NAMED} more" if len(in_way) > _MAX_NAMED else ""
-        after = f" even after releasing {rel_text} ({_g(freed)})" if releases else ""
-        explanation = (f"{head}: short by {_g(shortfall - freed)}{after}; in the way: "
-                       f"{named or 'nothing the proxy can see'}{more}")
-    return Plan(requester, need_bytes, free, held, feasible, True, tuple(releases), tuple(blockers), explanation, estimated)
+        return plan(f"{head}: release {rel_text} to free {_g(freed)}")
+    if possible:
+        waiting = "; ".join(f"{t.name} ({s.busy_reason or 'busy'}, {_g(e)} above its floor)"
+                            for t, _h, e, s in waitable if t.name in wait_for)
+        return plan(f"{head}: short by {_g(shortfall - freed)}; waits for "
+                    + (f"busy {waiting} to finish" if waiting else
+                       "loads already admitted to reach the card and their tenants to go idle"), ())
+    in_way = [b for b in blockers if b.reason != "requester"]
+    named = "; ".join(
+        f"{b.tenant} {b.name or '?'} pid {b.pid} ({b.reason.replace('_', ' ')}, "
+        f"{_g(b.vram_bytes) if b.vram_bytes is not None else 'unknown'})" for b in in_way[:_MAX_NAMED])
+    more = f"; and {len(in_way) - _MAX_NAMED} more" if len(in_way) > _MAX_NAMED else ""
+    return plan(f"{head}: short by {_g(need_bytes - reach)} even if every reclaimable tenant were released; "
+                f"in the way: {named or 'nothing the proxy can see'}{more}")
+
+
+# -- the queue of requests waiting for memory ------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Waiter:
+    """A request that needs memory, waiting for its turn. `key` names the load: waiters with the
+    same key (one tenant, one model) share one handoff and one reservation."""
+    id: int
+    tenant: str
+    key: str
+    need_bytes: int
+    priority: int
+    arrived_at: float
+
+
+Action = Literal["run", "wait", "refuse"]
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    waiter: Waiter
+    action: Action
+    plan: Plan
+    reason: str
+    behind: int | None = None  # the waiter whose handoff or wait this one queues behind
+
+    def to_json(self) -> dict[str, object]:
+        return {"waiter": self.waiter.id, "tenant": self.waiter.tenant, "action": self.action, "reason": self.reason,
+                "behind": self.behind, "wait_for": list(self.plan.wait_for)}
+
+
+def aged(w: Waiter, now: float, starvation_after_s: float) -> bool:
+    return now - w.arrived_at >= starvation_after_s
+
+
+def queue_order(waiters: Iterable[Waiter], now: float, starvation_after_s: float) -> list[Waiter]:
+    """Higher priority first, then arrival. A waiter that has waited `starvation_after_s` goes ahead
+    of everyone who has not (aged waiters among themselves by arrival), so later higher-priority
+    arrivals can overtake a waiter for a bounded time only."""
+    def rank(w: Waiter) -> tuple[int, int, float, int]:
+        old = aged(w, now, starvation_after_s)
+        return (0 if old else 1, 0 if old else -w.priority, w.arrived_at, w.id)
+    return sorted(waiters, key=rank)
+
+
+def _promised_except(claims: Mapping[str, tuple[str, int]], key: str) -> dict[str, int]:
+    out: dict[str, int] = defaultdict(int)
+    for k, (tenant, n) in claims.items():
+        if k != key and n > 0:
+            out[tenant] += n
+    return dict(out)
+
+
+def _claim(claims: dict[str, tuple[str, int]], w: Waiter, plan: Plan) -> None:
+    n = max(0, w.need_bytes - plan.held_by_requester)
+    old = claims.get(w.key)
+    claims[w.key] = (w.tenant, max(n, old[1] if old else 0))
+
+
+def schedule(snap: AttributedSnapshot, registry: Registry, states: Mapping[str, TenantState],
+             waiters: Iterable[Waiter], promised: Mapping[str, tuple[str, int]], now: float,
+             starvation_after_s: float) -> tuple[Verdict, ...]:
+    """Who runs, who waits, who is refused, in queue order.
+
+    `promised`: load key -> (tenant, bytes) still to reach the card for loads already admitted.
+    - impossible (even after every busy tenant finished): refuse at once.
+    - a waiter's tenant that a waiter ahead waits for starts no new work: it queues behind (so the
+      one ahead is never overtaken by the very work that keeps it waiting).
+    - feasible now: run. Only one set of releases per pass (one handoff at a time); waiters of the
+      same load key join it; the others wait for the next pass, which sees the memory back.
+    - otherwise wait; what it counts on is claimed so that no later waiter takes it meanwhile.
+    """
+    claims = dict(promised)
+    holding_back: dict[str, Waiter] = {}  # tenant -> the first waiter ahead that waits for it
+    releasing: Waiter | None = None
+    claimers: list[Waiter] = []  # waiters ahead in this pass that run or count on memory
+    out: list[Verdict] = []
+    for w in queue_order(waiters, now, starvation_after_s):
+        plan = plan_release(snap, registry, states, w.tenant, w.need_bytes, promised=_promised_except(claims, w.key))
+        ahead = holding_back.get(w.tenant)
+        if not plan.possible:
+            out.append(Verdict(w, "refuse", plan, plan.explanation))
+            continue
+        if ahead is not None:
+            out.append(Verdict(w, "wait", plan, f"queued behind a {ahead.tenant} request (priority {ahead.priority}) "
+                                                f"that waits for {w.tenant} to finish", ahead.id))
+            _claim(claims, w, plan)
+            continue
+        if plan.feasible and plan.releases and releasing is not None and releasing.key != w.key:
+            out.append(Verdict(w, "wait", plan, f"queued behind the handoff to {releasing.tenant} in progress",
+                               releasing.id))
+            _claim(claims, w, plan)
+            continue
+        if plan.feasible:
+            if plan.releases and releasing is None:
+                releasing = w
+            out.append(Verdict(w, "run", plan, plan.explanation))
+            _claim(claims, w, plan)
+            claimers.append(w)
+            continue
+        for t in plan.wait_for:
+            holding_back.setdefault(t, w)
+        busy = ", ".join(f"{t} ({states[t].busy_reason})" if t in states else t for t in plan.wait_for)
+        first = claimers[0] if claimers else None
+        if busy:
+            out.append(Verdict(w, "wait", plan, f"queued behind {busy}"))
+        elif first is not None:
+            out.append(Verdict(w, "wait", plan, f"queued behind a {first.tenant} request that counts on the same memory",
+                               first.id))
+        else:
+            out.append(Verdict(w, "wait", plan, "queued until loads already admitted reach the card"))
+        _claim(claims, w, plan)
+        claimers.append(w)
+    return tuple(out)

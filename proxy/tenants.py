@@ -98,6 +98,8 @@ class Tenant(_Strict):
     upstream: str | None = None
     match: MatchRules = Field(default_factory=MatchRules)
     priority: int = 0
+    protect_idle_memory: bool = Field(
+        default=False, description="keep this tenant's idle memory from requesters of lower priority (off: idle memory serves whoever asks)")
     needs_vram_gb: float = 0.0
     release: ReleaseSpec = Field(default_factory=ReleaseSpec)
     idle_release_after_s: float | None = None
@@ -173,6 +175,10 @@ class ProxySettings(_Strict):
     watchdog_interval_s: float = 1.0
     release_poll_s: float = 0.05  # NVML reads are sub-millisecond; 50 ms bounds the added wait
     queue_timeout_s: float = 300.0
+    # A waiter overtaken by later higher-priority arrivals for this long goes ahead of them (no one starves).
+    starvation_after_s: float = 60.0
+    # Ollama's size_vram < size counts as a CPU spill only once the split held this long (a load grows).
+    spill_stable_s: float = 5.0
 
 
 class TelemetrySettings(_Strict):

@@ -2,51 +2,12 @@
 
 from __future__ import annotations
 
-import copy
 import json
-from typing import Any, Mapping
 
-from proxy.arbiter import Plan, TenantState, plan_release, starved
-from proxy.attribution import AttributedProcess, AttributedSnapshot, Attributor
-from proxy.gpu import DeviceMemory, GpuProcess, GpuSnapshot
-from proxy.tenants import GIB, Registry, registry_from_dict
-
-MIB = 2**20
-TOTAL = 24 * GIB
-RESERVED = 300 * MIB
-
-STT = {
-    "engine": "generic",
-    "match": {"process_names": [], "cmdline_patterns": ["stt_relay.py"]},
-    "priority": 45,
-    "release": {"kind": "http", "url": "/release"},
-    "idle_vram_gb": 0.0,
-}
-
-
-def registry(extra: Mapping[str, Any] | None = None) -> Registry:
-    # deep copy: registry_from_dict writes "name" into the dicts it is given
-    return registry_from_dict({"tenants": copy.deepcopy(dict(extra or {}))})
-
-
-def snap(procs: list[tuple[str, int, int | None]], *, free: int | None = None, total: int = TOTAL,
-         source: str = "simulated") -> AttributedSnapshot:
-    """procs: (tenant, pid, used bytes). Free defaults to total - reserved - what is held."""
-    held = sum(u or 0 for _, _, u in procs)
-    free = total - RESERVED - held if free is None else free
-    device = DeviceMemory(0, "test card", total, RESERVED, total - free - RESERVED, free)
-    gps = tuple(GpuProcess(pid, f"{tenant}-proc", f"{tenant} --serve", used, float(pid)) for tenant, pid, used in procs)
-    s = GpuSnapshot(device, gps, source=source)  # type: ignore[arg-type]
-    return AttributedSnapshot(s, tuple(AttributedProcess(p, t) for p, (t, _, _) in zip(gps, procs)))
-
-
-def idle(*names: str) -> dict[str, TenantState]:
-    return {n: TenantState(n, busy=False) for n in names}
-
-
-def busy(states: dict[str, TenantState], name: str, why: str = "1 request in flight") -> dict[str, TenantState]:
-    return {**states, name: TenantState(name, busy=True, busy_reason=why, in_flight=1)}
-
+from cards import STT, TOTAL, busy, idle, registry, snap
+from proxy.arbiter import Plan, plan_release, starved
+from proxy.attribution import Attributor
+from proxy.tenants import GIB
 
 def released(plan: Plan) -> list[str]:
     return [r.tenant for r in plan.releases]
@@ -78,6 +39,7 @@ def test_idle_lower_priority_tenant_is_released_down_to_its_floor() -> None:
     assert plan.releases[0].pids == (2,)
     assert plan.explanation == ("ollama needs 8.00 GiB, 3.00 GiB free: release comfyui "
                                 "(idle, priority 40 < 50) to free 6.50 GiB")
+    assert plan.outcome == "release" and plan.possible
 
 
 def test_busy_tenant_is_never_released() -> None:
@@ -99,12 +61,32 @@ def test_not_reclaimable_tenant_is_a_blocker_with_its_reason() -> None:
     assert "display server" in plan.blockers[0].detail  # the configured reason reaches the person
 
 
-def test_equal_or_higher_priority_tenant_is_not_released() -> None:
-    reg = registry({"other": {**STT, "priority": 50}})
+def test_idle_memory_of_a_higher_priority_tenant_serves_a_lower_requester() -> None:
+    reg = registry({"other": {**STT, "priority": 60}})
     s = snap([("other", 5, 6 * GIB)], free=1 * GIB)
     plan = plan_release(s, reg, idle("other"), "ollama", 4 * GIB)
-    assert plan.releases == ()
-    assert reasons(plan) == {5: "not_lower_priority"}
+    assert released(plan) == ["other"] and plan.feasible, plan.explanation
+    assert plan.releases[0].reason == "idle, priority 60 >= 50"
+
+
+def test_protect_idle_memory_keeps_it_from_lower_priority_requesters_only() -> None:
+    reg = registry({"other": {**STT, "priority": 60, "protect_idle_memory": True}})
+    s = snap([("other", 5, 6 * GIB)], free=1 * GIB)
+    plan = plan_release(s, reg, idle("other"), "ollama", 4 * GIB)
+    assert plan.releases == () and not plan.possible
+    assert reasons(plan) == {5: "protected"}
+    assert "protect_idle_memory" in plan.blockers[0].detail
+    # a requester above it may still take it
+    reg = registry({"other": {**STT, "priority": 40, "protect_idle_memory": True}})
+    assert released(plan_release(s, reg, idle("other"), "ollama", 4 * GIB)) == ["other"]
+
+
+def test_relief_of_a_starved_busy_tenant_takes_only_from_tenants_below_it() -> None:
+    reg = registry({"other": {**STT, "priority": 50}})
+    s = snap([("other", 5, 6 * GIB), ("comfyui", 2, 3 * GIB)], free=1 * GIB)
+    plan = plan_release(s, reg, idle("other", "comfyui"), "ollama", 6 * GIB, mode="relief")
+    assert released(plan) == ["comfyui"] and not plan.feasible
+    assert reasons(plan)[5] == "not_lower_priority"
 
 
 def test_unmanaged_process_is_named_as_blocker() -> None:
@@ -161,9 +143,8 @@ def test_need_larger_than_the_card_is_infeasible_and_blames_nobody() -> None:
 def test_unknown_memory_is_not_counted_on() -> None:
     s = snap([("comfyui", 2, None), ("unmanaged", 9, None)], free=GIB)
     plan = plan_release(s, registry(), idle("comfyui"), "ollama", 4 * GIB)
-    assert not plan.feasible
-    assert released(plan) == ["comfyui"]
-    assert plan.releases[0].expected_free_bytes == 0
+    assert not plan.feasible and not plan.possible
+    assert released(plan) == [], "a release expected to free 0 bytes is not made"
     assert reasons(plan) == {2: "unknown_memory", 9: "unmanaged"}
     assert "unknown" in plan.explanation
 
@@ -189,29 +170,64 @@ def test_three_tenants_release_lowest_first_then_the_next_only_if_still_short() 
     assert plan.expected_free_bytes == 7 * GIB
 
 
-def test_three_tenants_middle_priority_requester_may_only_take_from_below() -> None:
+def test_a_middle_priority_requester_takes_idle_memory_from_above_too_but_only_what_it_needs() -> None:
     reg = registry({"stt": STT})
     s = snap([("comfyui", 2, 4 * GIB + GIB // 2), ("ollama", 1, 6 * GIB)], free=GIB)
     plan = plan_release(s, reg, idle("comfyui", "ollama"), "stt", 7 * GIB)
-    assert released(plan) == ["comfyui"]
-    assert not plan.feasible  # ollama (50) outranks stt (45) and is never a candidate for it
-    assert reasons(plan) == {1: "not_lower_priority"}
+    # comfyui (40) first frees 4 GiB, still short; ollama (50) frees 6 GiB, which alone is enough: comfyui is dropped
+    assert released(plan) == ["ollama"] and plan.feasible, plan.explanation
 
 
-def test_priority_order_is_a_chain_no_pairwise_rule_can_express() -> None:
-    # Two hard-coded rules ("ollama evicts comfyui", "comfyui yields to ollama") cannot say that a
-    # third tenant sits between them, that the requester decides who is a candidate, or that a busy
-    # lower tenant is skipped for the next one up. One priority chain with busy states does.
+def test_priority_chain_decides_the_order_and_the_relief_of_a_busy_tenant() -> None:
     reg = registry({"stt": STT, "batch": {**STT, "priority": 30, "match": {"cmdline_patterns": ["batch"]}}})
     s = snap([("batch", 7, 3 * GIB), ("comfyui", 2, 4 * GIB + GIB // 2), ("stt", 3, 3 * GIB)], free=0)
     states = busy(idle("comfyui", "stt"), "batch")
     plan = plan_release(s, reg, states, "ollama", 6 * GIB)
     assert released(plan) == ["comfyui", "stt"]  # batch (30) is busy, so skip to 40 then 45
     assert reasons(plan) == {7: "busy"}
-    # comfyui asking: only batch is below it, and it is busy
+    # comfyui asking for itself: stt's idle memory serves it
     plan = plan_release(s, reg, states, "comfyui", 6 * GIB)
-    assert released(plan) == [] and not plan.feasible
+    assert released(plan) == ["stt"] and plan.feasible
+    # the watchdog relieving comfyui in the background: only batch is below it, and it is busy
+    plan = plan_release(s, reg, states, "comfyui", 6 * GIB, mode="relief")
+    assert released(plan) == [] and not plan.feasible and plan.possible and plan.wait_for == ("batch",)
     assert reasons(plan) == {7: "busy", 3: "not_lower_priority", 2: "requester"}
+
+
+def test_release_the_final_plan_does_not_need_is_dropped() -> None:
+    # issue 13.14: b 1 GiB at priority 0, c 4 GiB at priority 1, 3 GiB short: only c
+    reg = registry({"b": {**STT, "priority": 0, "match": {"cmdline_patterns": ["^b"]}},
+                    "c": {**STT, "priority": 1, "match": {"cmdline_patterns": ["^c"]}}})
+    s = snap([("b", 1, GIB), ("c", 2, 4 * GIB)], free=GIB)
+    plan = plan_release(s, reg, idle("b", "c"), "ollama", 4 * GIB)
+    assert released(plan) == ["c"] and plan.feasible
+
+
+def test_memory_held_by_a_busy_tenant_is_waited_for_not_refused() -> None:
+    s = snap([("comfyui", 2, 7 * GIB)], free=10 * GIB)
+    plan = plan_release(s, registry(), busy(idle(), "comfyui", "1 running job(s)"), "ollama", 16 * GIB)
+    assert not plan.feasible and plan.possible and plan.outcome == "wait"
+    assert plan.wait_for == ("comfyui",) and plan.releases == ()
+    assert "waits for busy comfyui (1 running job(s)" in plan.explanation
+
+
+def test_only_what_waiting_cannot_reach_is_impossible() -> None:
+    s = snap([("comfyui", 2, 7 * GIB), ("unmanaged", 9, 6 * GIB)], free=8 * GIB)
+    states = busy(idle(), "comfyui")
+    assert plan_release(s, registry(), states, "ollama", 14 * GIB).outcome == "wait"
+    plan = plan_release(s, registry(), states, "ollama", 16 * GIB)
+    assert plan.outcome == "impossible" and plan.wait_for == ()
+    assert reasons(plan) == {2: "busy", 9: "unmanaged"}
+    assert plan.reachable_bytes == 8 * GIB + 7 * GIB - GIB // 2
+    assert "even if every reclaimable tenant were released" in plan.explanation
+
+
+def test_memory_promised_to_admitted_loads_is_not_free() -> None:
+    s = snap([("comfyui", 2, 7 * GIB)], free=10 * GIB)
+    assert plan_release(s, registry(), idle("comfyui"), "ollama", 8 * GIB).outcome == "ready"
+    plan = plan_release(s, registry(), idle("comfyui"), "ollama", 8 * GIB, promised={"stt": 4 * GIB})
+    assert plan.outcome == "release" and released(plan) == ["comfyui"]
+    assert plan.promised_bytes == 4 * GIB
 
 
 def test_plan_is_json_serialisable_with_gib_for_people_and_bytes() -> None:
