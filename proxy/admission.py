@@ -1,8 +1,9 @@
-"""The request path: classify -> estimate -> plan -> execute releases -> forward -> OOM retry.
+"""The request path: classify -> estimate -> queue for memory -> forward -> OOM retry.
 
-`Arbitration` owns the handoff: one at a time per device (an asyncio lock), GPU snapshots one at a
-time off the loop, reservations for loads that were admitted but have not reached the card yet, and
-the decision log. Plans come from the pure `arbiter.plan_release`; this module only does effects.
+`Arbitration` owns the effects of a handoff: GPU snapshots one at a time off the loop, busy states,
+reservations for loads that were admitted but have not reached the card yet, releases confirmed on
+the card, the decision log. Who runs, waits or is refused is decided by the pure
+`arbiter.schedule`, driven by the `HandoffQueue`; a load already on the card skips the queue.
 """
 
 from __future__ import annotations
@@ -10,20 +11,22 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
 
 import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from .arbiter import Plan, TenantState, plan_release
+from .arbiter import Plan, PlanMode, TenantState, gib, plan_release
 from .attribution import AttributedProcess, AttributedSnapshot, Attributor
 from .clock import Clock
-from .decisions import Decision, DecisionLog
-from .engines import memory, strip_hop_by_hop
+from .decisions import DecisionLog
+from .engines import EngineAdapter, adapter_for, memory, strip_hop_by_hop
 from .gpu import DeviceMemory, GpuProcess, GpuReader, GpuReadError, GpuSnapshot
-from .inflight import InFlight
+from .handoff import Admitted, Handoff, HandoffQueue, ReleaseResult
+from .inflight import InFlight, TenantTraffic
+from .residency import Residency
 from .tenants import GIB, MIB, Registry, Tenant
 
 if TYPE_CHECKING:
@@ -33,48 +36,25 @@ log = logging.getLogger("hyperswap.admission")
 
 CONFIRM_SLACK_BYTES = 64 * MIB  # a release is confirmed when the tenant is within this of its target
 OOM_HEADROOM_BYTES = 1 * GIB  # after an OOM the estimate was wrong: ask for this much more than is free
+# A job the proxy relayed counts as busy at once, before its load reaches the card; after this long
+# with the tenant's VRAM still at its idle floor it is believed stale (invariant 3).
+JOB_LOAD_GRACE_S = 30.0
 
-
-def gib(n: int | None) -> float | None:
-    return None if n is None else round(n / GIB, 2)
-
-
-@dataclass(slots=True)
-class ReleaseResult:
-    tenant: str
-    expected_bytes: int
-    freed_bytes: int
-    duration_s: float
-    confirmed: bool
-    error: str | None = None
-    asked: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"tenant": self.tenant, "expected_bytes": self.expected_bytes, "freed_bytes": self.freed_bytes,
-                "expected_gb": gib(self.expected_bytes), "freed_gb": gib(self.freed_bytes),
-                "duration_s": round(self.duration_s, 3), "confirmed": self.confirmed, "error": self.error,
-                "asked": self.asked}
-
-
-@dataclass(slots=True)
-class Handoff:
-    plan: Plan
-    releases: list[ReleaseResult]
-    decision: Decision | None
-    snapshot: AttributedSnapshot | None = None
-    reservation: str | None = None  # the key memory was reserved under; `Arbitration.settle` gives it back
-
-    @property
-    def ok(self) -> bool:
-        return self.plan.feasible and all(r.confirmed for r in self.releases)
+__all__ = ["Admitted", "Arbitration", "GpuAdmission", "Handoff", "ReleaseResult", "gib"]
 
 
 @dataclass(slots=True)
 class _Reservation:
     tenant: str
-    need: int
+    need: int  # net: what the load adds to what the tenant held when admitted
     baseline: int  # what the tenant held when admitted; growth above it means the load arrived
     count: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class _QueueRead:
+    started_at: float  # monotonic time the engine's queue read began
+    job_ids: tuple[str, ...]
 
 
 class Arbitration:
@@ -88,15 +68,22 @@ class Arbitration:
         self.decisions = decisions
         self.control = control or httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=2.0), trust_env=False)
         self.catalog = memory.OllamaCatalog()
+        self.residency = Residency(clock)
+        self.queue = HandoffQueue(self)
         self.started_at = clock.now()  # idle deadlines of tenants never seen active count from here
-        self.handoff_lock = asyncio.Lock()
+        self.handoff_lock = asyncio.Lock()  # releases, one at a time: the queue, the watchdog, the admin API
         self._snapshot_lock = asyncio.Lock()
         self._reservations: dict[str, _Reservation] = {}
-        self._handoffs: set[asyncio.Future[Handoff]] = set()  # running on after their client left
+        self._settlers: set[asyncio.Task[None]] = set()
         self.last_snapshot: AttributedSnapshot | None = None
         self.last_read_error: GpuReadError | None = None
         self.stale_jobs: dict[str, list[str]] = {}  # tenant -> job ids whose VRAM says they are not running
-        self.queued_elsewhere: dict[str, tuple[str, ...]] = {}  # tenant -> jobs its own queue says run (watchdog reads it)
+        self._queue_reads: dict[str, _QueueRead] = {}  # tenant -> jobs its own queue said run (watchdog reads it)
+        inflight.on_change.append(self._traffic_changed)
+
+    def _traffic_changed(self, tenant: str, traffic: TenantTraffic) -> None:
+        if not traffic.busy:
+            self.queue.kick()  # a blocker may have gone idle: whoever waits for it is planned again now
 
     # -- reading the card ---------------------------------------------------------------------
     async def snapshot(self) -> AttributedSnapshot:
@@ -110,6 +97,9 @@ class Arbitration:
                     "unknown", f"GPU read failed: {exc!r}", "run `hyperswap check`")
                 snap = await self._engine_estimate()
             self.last_snapshot = snap
+            for tenant in self.registry:
+                if snap.held_by(tenant.name) <= tenant.idle_vram_bytes + CONFIRM_SLACK_BYTES:
+                    self.residency.forget(tenant.name)  # nothing of it is on the card any more
             return snap
 
     async def _engine_estimate(self) -> AttributedSnapshot:
@@ -142,54 +132,96 @@ class Arbitration:
         return snap.held_by(tenant)
 
     # -- busy ---------------------------------------------------------------------------------
+    def queue_read(self, tenant: str, started_at: float, job_ids: tuple[str, ...] | None) -> None:
+        """What the engine's own queue said was running, read from `started_at` (None: unreadable)."""
+        if job_ids is None:
+            self._queue_reads.pop(tenant, None)
+        else:
+            self._queue_reads[tenant] = _QueueRead(started_at, job_ids)
+
+    def _queue_rows(self, tenant: str, traffic: TenantTraffic | None) -> tuple[str, ...]:
+        """Rows of the engine's queue still worth believing: read after the proxy last saw the
+        tenant's traffic change (an older read may predate the end marker), minus jobs the proxy
+        saw end."""
+        read = self._queue_reads.get(tenant)
+        if read is None:
+            return ()
+        if traffic is not None and traffic.last_activity is not None and read.started_at < traffic.last_activity:
+            return ()
+        return tuple(j for j in read.job_ids if not self.inflight.finished(tenant, j))
+
     def states(self, snap: AttributedSnapshot) -> dict[str, TenantState]:
-        """Busy = requests in flight, or queued jobs corroborated by the tenant's own VRAM (invariant 3)."""
+        """Busy = requests in flight, jobs the proxy relayed (trusted while their load may still be
+        on its way, then corroborated by VRAM), or rows of the engine's own queue corroborated by
+        the tenant's VRAM above its idle floor (invariant 3)."""
         traffic = self.inflight.snapshot()
+        now = self.clock.now()
         out: dict[str, TenantState] = {}
         stale: dict[str, list[str]] = {}
         for tenant in self.registry:
             t = traffic.get(tenant.name)
             in_flight = t.in_flight if t else 0
-            jobs = tuple(dict.fromkeys((*(t.jobs if t else ()), *self.queued_elsewhere.get(tenant.name, ()))))
+            own = t.jobs if t else ()
+            rows = tuple(j for j in self._queue_rows(tenant.name, t) if j not in own)
+            above_floor = self.held(snap, tenant.name) > tenant.idle_vram_bytes + CONFIRM_SLACK_BYTES
+            fresh = own and (t is not None and t.newest_job_at is not None and now - t.newest_job_at < JOB_LOAD_GRACE_S)
             busy, why = False, "idle"
             if in_flight:
                 busy, why = True, f"{in_flight} GPU request(s) in flight"
-            elif jobs:
-                if self.held(snap, tenant.name) > tenant.idle_vram_bytes + CONFIRM_SLACK_BYTES:
-                    busy, why = True, f"{len(jobs)} queued job(s) and VRAM above its idle floor"
-                else:
-                    stale[tenant.name] = list(jobs)
-                    why = f"{len(jobs)} job(s) listed but VRAM at its idle floor: stale"
+            elif own and (above_floor or fresh):
+                busy, why = True, f"{len(own)} running job(s)" + ("" if above_floor else ", load on its way")
+            elif rows and above_floor:
+                busy, why = True, f"{len(rows)} job(s) in its own queue and VRAM above its idle floor"
+            elif own or rows:
+                stale[tenant.name] = list(dict.fromkeys((*own, *rows)))
+                why = f"{len(stale[tenant.name])} job(s) listed but VRAM at its idle floor: stale"
             out[tenant.name] = TenantState(name=tenant.name, busy=busy, busy_reason=why, in_flight=in_flight)
         self.stale_jobs = stale
         return out
 
     # -- planning -----------------------------------------------------------------------------
-    def _outstanding(self, snap: AttributedSnapshot, except_key: str) -> int:
-        """Memory promised to admitted loads that have not reached the card yet."""
-        total = 0
+    def promised(self, snap: AttributedSnapshot) -> dict[str, tuple[str, int]]:
+        """Load key -> (tenant, bytes) admitted loads will still take from free memory."""
+        out: dict[str, tuple[str, int]] = {}
         for key, r in self._reservations.items():
+            grown = max(0, self.held(snap, r.tenant) - r.baseline)
+            if r.need - grown > 0:
+                out[key] = (r.tenant, r.need - grown)
+        return out
+
+    def loading(self, key: str) -> bool:
+        """An admitted load under this key has not finished reaching the card."""
+        return key in self._reservations
+
+    def promised_by_tenant(self, snap: AttributedSnapshot, except_key: str = "") -> dict[str, int]:
+        out: dict[str, int] = {}
+        for key, (tenant, n) in self.promised(snap).items():
             if key != except_key:
-                total += max(0, r.need - max(0, self.held(snap, r.tenant) - r.baseline))
-        return total
+                out[tenant] = out.get(tenant, 0) + n
+        return out
 
     async def plan(self, requester: str, need_bytes: int, key: str = "",
-                   snap: AttributedSnapshot | None = None) -> tuple[Plan, AttributedSnapshot]:
+                   snap: AttributedSnapshot | None = None, *, mode: PlanMode = "request") -> tuple[Plan, AttributedSnapshot]:
+        """The plan a request would get now (the dry run of `GET /api/plan`, the watchdog's relief)."""
         self.registry.get(requester)
         snap = snap or await self.snapshot()
-        extra = self._outstanding(snap, key or requester)
-        plan = plan_release(snap, self.registry, self.states(snap), requester, need_bytes + extra)
+        plan = plan_release(snap, self.registry, self.states(snap), requester, need_bytes,
+                            promised=self.promised_by_tenant(snap, key or requester), mode=mode)
         return plan, snap
 
     async def reclaim(self, requester: str, need_bytes: int, trigger: str, *, key: str = "",
-                      kind: str = "plan", snap: AttributedSnapshot | None = None) -> Handoff:
-        """Plan and, if needed and possible, execute. Callers hold `handoff_lock`."""
-        plan, snap = await self.plan(requester, need_bytes, key, snap)
+                      kind: str = "plan", mode: PlanMode = "request",
+                      snap: AttributedSnapshot | None = None) -> Handoff:
+        """Plan and, if needed and possible now, execute. Callers hold `handoff_lock`."""
+        plan, snap = await self.plan(requester, need_bytes, key, snap, mode=mode)
         if not plan.starved:
             return Handoff(plan, [], None, snap)
-        decision = self.decisions.record("rejection" if not plan.feasible else kind, requester, trigger, plan.to_json())  # type: ignore[arg-type]
         if not plan.feasible:
-            return Handoff(plan, [], decision, snap)
+            return Handoff(plan, [], self.decisions.record("rejection", requester, trigger, plan.to_json()), snap)
+        return await self._release_all(plan, snap, trigger, kind)
+
+    async def _release_all(self, plan: Plan, snap: AttributedSnapshot, trigger: str, kind: str) -> Handoff:
+        decision = self.decisions.record(kind, plan.requester, trigger, plan.to_json())  # type: ignore[arg-type]
         results = [await self.execute_release(self.registry.get(r.tenant), r.expected_free_bytes, snap)
                    for r in plan.releases]
         self.decisions.update(decision, releases=[r.to_json() for r in results],
@@ -198,6 +230,7 @@ class Arbitration:
 
     async def execute_release(self, tenant: Tenant, expected: int, before: AttributedSnapshot | None = None) -> ReleaseResult:
         """Ask, then confirm on the GPU: done when the memory is back, never on the engine's 200 (invariant 6)."""
+        self.residency.forget(tenant.name)  # whatever it held is on its way off the card
         before = before or await self.snapshot()
         held_before = self.held(before, tenant.name)
         target = max(held_before - expected, 0)
@@ -218,53 +251,50 @@ class Arbitration:
                                      f"memory not back after {tenant.release_timeout_s:g} s", asked)
             await self.clock.sleep(self.registry.config.proxy.release_poll_s)
 
+    # -- the handoff queue's effects (HandoffEffects) -------------------------------------------
+    async def read(self) -> tuple[AttributedSnapshot, dict[str, TenantState], dict[str, tuple[str, int]]]:
+        if self.handoff_lock.locked():  # a release under way (watchdog, admin): plan with its outcome
+            async with self.handoff_lock:
+                pass
+        snap = await self.snapshot()
+        return snap, self.states(snap), self.promised(snap)
+
+    async def carry_out(self, plan: Plan, snap: AttributedSnapshot, trigger: str, kind: str) -> Handoff:
+        # Runs in the queue's own task: a release is never cut half way by a client leaving.
+        async with self.handoff_lock:
+            return await self._release_all(plan, snap, trigger, kind)
+
+    def reserve(self, key: str, handoff: Handoff) -> None:
+        plan = handoff.plan
+        r = self._reservations.get(key)
+        if r:
+            r.count += 1
+        else:
+            net = max(0, plan.need_bytes - plan.held_by_requester)
+            self._reservations[key] = _Reservation(plan.requester, net, plan.held_by_requester)
+        handoff.reservation = key
+
+    def abandon(self, handoff: Handoff) -> None:
+        self.settle(handoff)
+
     # -- the request path ---------------------------------------------------------------------
     async def admit(self, tenant: Tenant, request: Request | None, body: bytes, trigger: str,
-                    *, oom: bool = False) -> tuple[Handoff | None, memory.Need]:
-        """Make room for a GPU request. Waits for a handoff in progress (no 503) up to the queue
-        timeout; a client that goes away while waiting leaves the queue (the listener cancels its task)."""
+                    *, oom: bool = False) -> tuple[Admitted, memory.Need]:
+        """Make room for a GPU request: straight through when its load is already on the card and
+        nobody waits, else through the handoff queue (which may wait for busy tenants, up to the
+        queue timeout). A client that goes away while waiting leaves the queue."""
         need = await memory.estimate_need(tenant, request.url.path if request else "", body, self.control, self.catalog)
         need_bytes = need.bytes
         if oom:
+            self.residency.forget(tenant.name)
             snap = self.last_snapshot or await self.snapshot()
             need_bytes = max(need_bytes, self.held(snap, tenant.name) + snap.snapshot.free_bytes + OOM_HEADROOM_BYTES)
-        if not await _acquire(self.handoff_lock, self.registry.config.proxy.queue_timeout_s):
-            return None, need
-        # Once started, a handoff runs to its end even if the client leaves: a release stopped half
-        # way would leave the other tenant between states and the decision log without its outcome.
-        handoff = asyncio.ensure_future(self._handoff(tenant, need, need_bytes, trigger, oom))
-        try:
-            return await asyncio.shield(handoff), need
-        except asyncio.CancelledError:
-            self._handoffs.add(handoff)
-            handoff.add_done_callback(self._abandoned)
-            raise
-
-    async def _handoff(self, tenant: Tenant, need: memory.Need, need_bytes: int, trigger: str,
-                       oom: bool) -> Handoff:
-        """Plan and release under `handoff_lock` (taken by the caller, released here)."""
-        try:
-            snap = await self.snapshot()
-            if snap.snapshot.device.total_bytes == 0:
-                # Nothing to plan with (reader broken, no engine reports the card): forward, never block.
-                return Handoff(_unplanned(tenant.name, need_bytes), [], None, snap)
-            handoff = await self.reclaim(tenant.name, need_bytes, trigger, key=need.key,
-                                         kind="oom_retry" if oom else "plan", snap=snap)
-            if handoff.plan.feasible:
-                self._reserve(need.key, tenant.name, need_bytes, handoff)
-            return handoff
-        finally:
-            self.handoff_lock.release()
-
-    def _abandoned(self, done: asyncio.Future[Handoff]) -> None:
-        """The client left during its handoff: give back the reservation nobody will use."""
-        self._handoffs.discard(done)
-        if done.cancelled():
-            return
-        if done.exception() is not None:
-            log.error("handoff of a departed request failed: %r", done.exception())
-        else:
-            self.settle(done.result())
+        elif self.queue.empty and self.residency.holds(tenant.name, need.key):
+            plan = Plan(tenant.name, need_bytes, 0, 0, True, False, (), (),
+                        f"{need.what} is on the card already: forwarded without a plan", False)
+            return Admitted("run", Handoff(plan, [], None), "resident"), need
+        admitted = await self.queue.request(tenant, need.key, need_bytes, trigger, "oom_retry" if oom else "plan")
+        return admitted, need
 
     def settle(self, handoff: Handoff | None) -> None:
         """The admitted request reached the engine (or gave up): its reservation ends. Idempotent,
@@ -272,24 +302,29 @@ class Arbitration:
         if handoff is not None and handoff.reservation is not None:
             self._unreserve(handoff.reservation)
             handoff.reservation = None
+            self.queue.kick()
+
+    def settle_when_idle(self, handoff: Handoff | None) -> None:
+        """For a job that outlives its HTTP answer (a ComfyUI prompt loads after `POST /prompt`
+        returns): the reservation lasts until the tenant has nothing running any more."""
+        if handoff is None or handoff.reservation is None:
+            return
+        task = asyncio.create_task(self._settle_when_idle(handoff), name="hyperswap:settle")
+        self._settlers.add(task)
+        task.add_done_callback(self._settlers.discard)
+
+    async def _settle_when_idle(self, handoff: Handoff) -> None:
+        try:
+            await self.inflight.wait_idle(handoff.plan.requester)
+        finally:
+            self.settle(handoff)
 
     async def aclose(self) -> None:
-        # At shutdown a departed client's handoff is cut short: nobody is left to wait for it.
-        while self._handoffs:
-            pending = list(self._handoffs)
-            for handoff in pending:
-                handoff.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            self._handoffs.difference_update(pending)
+        await self.queue.aclose()
+        for task in list(self._settlers):
+            task.cancel()
+        await asyncio.gather(*self._settlers, return_exceptions=True)
         await self.control.aclose()
-
-    def _reserve(self, key: str, tenant: str, need: int, handoff: Handoff) -> None:
-        r = self._reservations.get(key)
-        if r:
-            r.count += 1
-        else:
-            self._reservations[key] = _Reservation(tenant, need, handoff.plan.held_by_requester)
-        handoff.reservation = key
 
     def _unreserve(self, key: str) -> None:
         r = self._reservations.get(key)
@@ -297,21 +332,6 @@ class Arbitration:
             r.count -= 1
             if r.count <= 0:
                 del self._reservations[key]
-
-
-async def _acquire(lock: asyncio.Lock, timeout: float) -> bool:
-    """Wait up to `timeout` for the lock. Cancel-safe: Lock.acquire never keeps a lock it was
-    cancelled on, so a client leaving the queue (its task cancelled) takes nothing with it."""
-    try:
-        async with asyncio.timeout(timeout):
-            await lock.acquire()
-    except TimeoutError:
-        return False
-    return True
-
-
-def _unplanned(requester: str, need: int) -> Plan:
-    return Plan(requester, need, 0, 0, True, False, (), (), "card size unknown (GPU reader failed): forwarded without a plan", True)
 
 
 def blockers_json(handoff: Handoff) -> list[dict[str, Any]]:
@@ -324,17 +344,46 @@ def blockers_json(handoff: Handoff) -> list[dict[str, Any]]:
     return out
 
 
+def _refusal_fix(handoff: Handoff) -> str:
+    reasons = {b.reason for b in handoff.plan.blockers}
+    total = handoff.snapshot.snapshot.device.total_bytes if handoff.snapshot else 0
+    if total and handoff.plan.need_bytes > total:
+        return "use a smaller model or quantisation: no release on this card can free that much"
+    fixes = []
+    if "unmanaged" in reasons:
+        fixes.append("stop the unmanaged processes named in blockers, or register them as a tenant with a release")
+    if "not_reclaimable" in reasons:
+        fixes.append("give the not-reclaimable tenants a release in tenants.json, or stop them")
+    if "protected" in reasons:
+        fixes.append("raise this tenant's priority, or unset protect_idle_memory on the protected tenant")
+    return "; ".join(fixes) or "free GPU memory held outside the proxy's tenants, or ask for less"
+
+
 def rejection_body(tenant: Tenant, handoff: Handoff, need: memory.Need) -> dict[str, Any]:
+    """507: the need cannot be met even once every busy tenant finished and every reclaimable one
+    were released."""
     plan = handoff.plan
     return {
         "error": f"not enough GPU memory for {tenant.name}: {plan.explanation}",
         "tenant": tenant.name,
         "need_gb": gib(need.bytes),
-        "available_gb": gib(plan.free_bytes + plan.held_by_requester + sum(r.expected_free_bytes for r in plan.releases)),
+        "available_gb": gib(plan.reachable_bytes),
         "blockers": blockers_json(handoff),
         "plan": plan.to_json(),
-        "fix": "stop or release one of the blockers, or raise this tenant's priority in tenants.json",
+        "fix": _refusal_fix(handoff),
     }
+
+
+def timeout_response(tenant: Tenant, admitted: Admitted, timeout_s: float) -> JSONResponse:
+    """503 past `proxy.queue_timeout_s`: waiting could still help, so say when to come back."""
+    handoff = admitted.handoff
+    retry_after = max(1, int(min(timeout_s, 30)))
+    body = {"error": f"{tenant.name} waited {timeout_s:g} s for GPU memory: {admitted.reason}",
+            "tenant": tenant.name, "waited_s": round(handoff.waited_s, 3),
+            "waiting_for": list(handoff.plan.wait_for), "blockers": blockers_json(handoff),
+            "plan": handoff.plan.to_json(),
+            "fix": "retry after the busy tenants finish (Retry-After), or raise proxy.queue_timeout_s in tenants.json"}
+    return JSONResponse(body, status_code=503, headers={"Retry-After": str(retry_after)})
 
 
 class GpuAdmission:
@@ -351,6 +400,7 @@ class GpuAdmission:
         self._requeued: dict[str, str] = {}  # new prompt id -> the OOM'd prompt it retries
         self._seen_oom: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._adapters: dict[str, EngineAdapter] = {}
         self._closed = False
 
     def on_frame(self, tenant: Tenant, text: str) -> None:
@@ -402,9 +452,10 @@ class GpuAdmission:
             return
         graph, extra = entry
         body = json.dumps({"prompt": graph}).encode()
-        handoff, need = await self.arb.admit(tenant, None, body, f"OOM of ComfyUI prompt {prompt_id}", oom=True)
+        admitted, need = await self.arb.admit(tenant, None, body, f"OOM of ComfyUI prompt {prompt_id}", oom=True)
+        handoff = admitted.handoff
         try:
-            if handoff is None or not handoff.plan.feasible or not handoff.plan.starved:
+            if admitted.outcome != "run" or not handoff.plan.feasible or not handoff.plan.starved:
                 self._record_retry(tenant, handoff, "no plan")
                 return
             payload: dict[str, Any] = {"prompt": graph, "extra_data": extra}
@@ -423,7 +474,7 @@ class GpuAdmission:
         except (httpx.HTTPError, ValueError) as exc:
             self._record_retry(tenant, handoff, f"re-queue failed: {exc}")
         finally:
-            self.arb.settle(handoff)
+            self.arb.settle_when_idle(handoff)  # the re-queued prompt loads after POST /prompt returns
 
     async def _history_entry(self, tenant: Tenant, prompt_id: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
         """ComfyUI writes history before its end marker; the error frame comes just before that."""
@@ -449,19 +500,28 @@ class GpuAdmission:
 
     async def handle(self, tenant: Tenant, request: Request, body: bytes,
                      forward: Callable[[bytes], Awaitable[UpstreamResponse]]) -> UpstreamResponse | Response:
+        adapter = self._adapter(tenant)
+        unloading = adapter.unload_target(request.url.path, body)
+        if unloading is not None:
+            # An unload loads nothing: it needs no memory, releases nobody and is never refused.
+            self.arb.residency.forget(tenant.name, memory.load_key(tenant, unloading))
+            return await forward(body)
         trigger = f"request {request.method} {request.url.path}"
-        handoff, need = await self.arb.admit(tenant, request, body, trigger)
+        admitted, need = await self.arb.admit(tenant, request, body, trigger)
+        handoff = admitted.handoff
         retry: Handoff | None = None
-        if handoff is None:
-            self.arb.decisions.record("rejection", tenant.name, trigger, None, status=503,
-                                      reason=f"queue timeout ({self.arb.registry.config.proxy.queue_timeout_s:g} s)")
-            return JSONResponse({"error": f"waited {self.arb.registry.config.proxy.queue_timeout_s:g} s for a GPU handoff in progress",
-                                 "tenant": tenant.name, "fix": "retry, or raise proxy.queue_timeout_s"}, status_code=503)
+        outlives = adapter.captures_job(request.method, request.url.path)
+        if admitted.outcome == "timeout":
+            self.arb.decisions.record("rejection", tenant.name, trigger, handoff.plan.to_json(), status=503,
+                                      reason=admitted.reason)
+            return timeout_response(tenant, admitted, self.arb.registry.config.proxy.queue_timeout_s)
+        if admitted.outcome == "refuse":
+            return JSONResponse(rejection_body(tenant, handoff, need), status_code=507)
         try:
-            if not handoff.plan.feasible:
-                return JSONResponse(rejection_body(tenant, handoff, need), status_code=507)
             response = await forward(body)
-            if tenant.engine != "ollama" or response.status_code < 400:
+            if response.status_code < 400:
+                self.arb.residency.loaded(tenant.name, need.key)
+            if not adapter.answers_oom or response.status_code < 400:
                 return response
             error_body = await response.aread()
             await response.aclose()
@@ -470,11 +530,14 @@ class GpuAdmission:
             # The first try is over: its reservation goes before the retry reserves its bigger need
             # (under the same key it would only have counted once more, with the old size and baseline).
             self.arb.settle(handoff)
-            retry, _ = await self.arb.admit(tenant, request, body, f"OOM answer to {trigger}", oom=True)
-            outcome = "no plan" if retry is None or not retry.plan.feasible or not retry.plan.starved else "retried"
+            again, _ = await self.arb.admit(tenant, request, body, f"OOM answer to {trigger}", oom=True)
+            retry = again.handoff
+            outcome = ("no plan" if again.outcome != "run" or not retry.plan.feasible or not retry.plan.starved
+                       else "retried")
             if outcome == "retried":
                 response = await forward(body)
                 if response.status_code < 400:
+                    self.arb.residency.loaded(tenant.name, need.key)
                     self._record_retry(tenant, retry, "succeeded")
                     return response
                 error_body = await response.aread()
@@ -482,8 +545,17 @@ class GpuAdmission:
             self._record_retry(tenant, retry, "failed" if outcome == "retried" else outcome)
             return _with_blockers(response, error_body, retry)
         finally:
-            self.arb.settle(handoff)
+            if outlives:
+                self.arb.settle_when_idle(handoff)  # the job loads after the answer: keep its memory promised
+            else:
+                self.arb.settle(handoff)
             self.arb.settle(retry)
+
+    def _adapter(self, tenant: Tenant) -> EngineAdapter:
+        adapter = self._adapters.get(tenant.name)
+        if adapter is None or adapter.tenant is not tenant:
+            adapter = self._adapters[tenant.name] = adapter_for(tenant)
+        return adapter
 
     def _record_retry(self, tenant: Tenant, handoff: Handoff | None, result: str) -> None:
         if handoff is not None and handoff.decision is not None:

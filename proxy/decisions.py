@@ -17,7 +17,7 @@ from .clock import Clock
 
 log = logging.getLogger("hyperswap.decisions")
 
-DecisionKind = Literal["plan", "release", "rejection", "oom_retry", "idle_release", "spill", "stale_job"]
+DecisionKind = Literal["plan", "queued", "release", "rejection", "oom_retry", "idle_release", "spill", "stale_job"]
 
 
 @dataclass(slots=True)

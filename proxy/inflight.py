@@ -29,6 +29,7 @@ class TenantTraffic:
     in_flight: int
     jobs: tuple[str, ...]
     last_activity: float | None
+    newest_job_at: float | None = None  # when the most recent of `jobs` was tracked
 
     @property
     def busy(self) -> bool:
@@ -52,6 +53,7 @@ class InFlight:
         self._counts: dict[str, int] = {}
         self._jobs: dict[str, dict[str, float]] = {}  # tenant -> job id -> tracked since
         self._early: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._finished: OrderedDict[tuple[str, str], None] = OrderedDict()  # ends seen, bounded
         self._last: dict[str, float] = {}
         self._idle_waiters: dict[str, list[asyncio.Future[None]]] = {}
         self.on_change: list[ChangeListener] = []
@@ -94,6 +96,9 @@ class InFlight:
     def finish_job(self, tenant: str, job_id: str) -> bool:
         """Stop counting a job. True if it was tracked; an unknown id is remembered as finished."""
         jobs = self._jobs.get(tenant, {})
+        self._finished[(tenant, job_id)] = None
+        while len(self._finished) > _EARLY_FINISH_MEMORY:
+            self._finished.popitem(last=False)
         if jobs.pop(job_id, None) is None:
             self._early[(tenant, job_id)] = None
             while len(self._early) > _EARLY_FINISH_MEMORY:
@@ -102,12 +107,18 @@ class InFlight:
         self._touch(tenant)
         return True
 
+    def finished(self, tenant: str, job_id: str) -> bool:
+        """Whether the proxy saw this job end (its end marker or history entry)."""
+        return (tenant, job_id) in self._finished
+
     def jobs(self, tenant: str) -> tuple[str, ...]:
         return tuple(self._jobs.get(tenant, {}))
 
     # -- reading ----------------------------------------------------------------------------
     def traffic(self, tenant: str) -> TenantTraffic:
-        return TenantTraffic(self._counts.get(tenant, 0), self.jobs(tenant), self._last.get(tenant))
+        jobs = self._jobs.get(tenant, {})
+        return TenantTraffic(self._counts.get(tenant, 0), tuple(jobs), self._last.get(tenant),
+                             max(jobs.values()) if jobs else None)
 
     def snapshot(self) -> Mapping[str, TenantTraffic]:
         names = set(self._counts) | set(self._jobs) | set(self._last)

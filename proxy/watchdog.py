@@ -9,13 +9,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
 from .tasks import cancel_and_wait
 from .admission import Arbitration, gib
 from .engines import memory
-from .tenants import GIB
+from .tenants import GIB, Tenant
 
 log = logging.getLogger("hyperswap.watchdog")
 
@@ -27,12 +28,21 @@ class TickReport:
     actions: list[str] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class _Placement:
+    """How Ollama placed one model, and since when it has held still."""
+    size: int
+    size_vram: int
+    since: float
+    reported: bool = False  # an impossible relief is logged once per placement, not every tick
+
+
 class Watchdog:
     def __init__(self, arb: Arbitration) -> None:
         self.arb = arb
         self.last: TickReport | None = None
         self._task: asyncio.Task[None] | None = None
-        self._spill_seen: set[str] = set()
+        self._placements: dict[tuple[str, str], _Placement] = {}
 
     def idle_deadline(self, tenant_name: str) -> float | None:
         """Monotonic time at which the tenant is released if it stays idle; None = never."""
@@ -62,14 +72,16 @@ class Watchdog:
             # Starvation first: Ollama spilling layers to the CPU wants memory now.
             if tenant.engine == "ollama" and tenant.upstream:
                 try:
-                    spilled = await memory.ollama_spill(tenant, arb.control)
+                    models = await memory.ollama_ps(tenant, arb.control)
                 except (httpx.HTTPError, ValueError, memory.ReleaseFailed) as exc:
-                    spilled = []
+                    models = None
                     report.reasons[name] = f"cannot read /api/ps: {exc}"
-                if spilled:
-                    await self._relieve_spill(tenant.name, spilled, report)
-                    continue
-                self._spill_seen.discard(name)
+                if models is not None:
+                    self._observe_residency(tenant, models)
+                    spilled = self._stable_spills(tenant, models, report)
+                    if spilled:
+                        await self._relieve_spill(tenant, spilled, held, report)
+                        continue
             deadline = self.idle_deadline(name)
             if deadline is None:
                 report.reasons.setdefault(name, "no idle release (idle_release_after_s is null or not reclaimable)")
@@ -85,6 +97,7 @@ class Watchdog:
                                                     idle_s=tenant.idle_release_after_s, held_bytes=held)
                     result = await arb.execute_release(tenant, held - tenant.idle_vram_bytes, snap)
                     arb.decisions.update(decision, releases=[result.to_json()], ok=result.confirmed)
+                arb.queue.kick()
                 report.actions.append(f"{name}: idle release freed {gib(result.freed_bytes)} GiB")
                 report.reasons[name] = "released after idle timeout"
         self.last = report
@@ -95,25 +108,88 @@ class Watchdog:
         for tenant in self.arb.registry:
             if tenant.engine != "comfyui" or not tenant.upstream:
                 continue
+            started = self.arb.clock.now()  # a row is only believed if read after the traffic last changed
             try:
-                self.arb.queued_elsewhere[tenant.name] = tuple(await memory.comfy_running_prompts(tenant, self.arb.control))
+                rows = tuple(await memory.comfy_running_prompts(tenant, self.arb.control))
             except (httpx.HTTPError, ValueError, memory.ReleaseFailed) as exc:
-                self.arb.queued_elsewhere.pop(tenant.name, None)
+                self.arb.queue_read(tenant.name, started, None)
                 report.reasons[tenant.name] = f"cannot read /queue: {exc}"
+            else:
+                self.arb.queue_read(tenant.name, started, rows)
 
-    async def _relieve_spill(self, name: str, spilled: list[dict[str, object]], report: TickReport) -> None:
-        need = sum(int(m.get("size", 0)) for m in spilled)  # type: ignore[call-overload]
-        models = ", ".join(str(m.get("name")) for m in spilled)
-        async with self.arb.handoff_lock:
-            handoff = await self.arb.reclaim(name, need, f"watchdog: {models} spilling to the CPU", kind="spill")
-        if not handoff.plan.starved:
+    def _observe_residency(self, tenant: Tenant, models: list[dict[str, Any]]) -> None:
+        """Ollama's own list says what is on the card: fully on the GPU and not about to expire
+        (its keep-alive deadline, minus two ticks of margin, ends the fast path)."""
+        clock = self.arb.clock
+        margin = 2 * self.arb.registry.config.proxy.watchdog_interval_s
+        loads: dict[str, float | None] = {}
+        for m in models:
+            if int(m.get("size_vram") or 0) < int(m.get("size") or 0):
+                continue
+            expires = memory.go_time(m.get("expires_at"))
+            if expires is None:
+                continue
+            loads[memory.load_key(tenant, m["name"])] = clock.now() + (expires - clock.wall()) - margin
+        self.arb.residency.observe(tenant.name, loads)
+
+    def _stable_spills(self, tenant: Tenant, models: list[dict[str, Any]], report: TickReport) -> list[dict[str, Any]]:
+        """Models on the CPU in part whose split has held still for `spill_stable_s` while no load of
+        them is under way: a model that is still loading grows into its place and is no spill."""
+        now = self.arb.clock.now()
+        stable_s = self.arb.registry.config.proxy.spill_stable_s
+        seen: set[tuple[str, str]] = set()
+        out = []
+        for m in models:
+            where = (tenant.name, str(m["name"]))
+            seen.add(where)
+            size, vram = int(m.get("size") or 0), int(m.get("size_vram") or 0)
+            p = self._placements.get(where)
+            if p is None or (p.size, p.size_vram) != (size, vram):
+                p = self._placements[where] = _Placement(size, vram, now)
+            if vram >= size:
+                continue
+            if self.arb.loading(memory.load_key(tenant, where[1])):
+                report.reasons[tenant.name] = f"{where[1]} is loading ({gib(vram)} of {gib(size)} GiB on the GPU so far)"
+                p.since = now
+            elif now - p.since < stable_s:
+                report.reasons[tenant.name] = (f"{where[1]} has {gib(vram)} of {gib(size)} GiB on the GPU: "
+                                               f"a spill if it holds still for {stable_s:g} s")
+            else:
+                out.append(m)
+        for where in [w for w in self._placements if w[0] == tenant.name and w not in seen]:
+            del self._placements[where]
+        return out
+
+    async def _relieve_spill(self, tenant: Tenant, spilled: list[dict[str, Any]], held: int, report: TickReport) -> None:
+        """Ollama holds a model partly on the CPU: plan for the whole model on the card, counting
+        what Ollama already holds once, and take memory only from tenants below it (relief)."""
+        name = tenant.name
+        first = str(spilled[0]["name"])
+        on_gpu = sum(int(m.get("size_vram") or 0) for m in spilled)
+        need = max(0, held - on_gpu) + sum(int(m.get("size") or 0) for m in spilled) + tenant.context_allowance_bytes
+        models = ", ".join(str(m["name"]) for m in spilled)
+        placements = [self._placements[(name, str(m["name"]))] for m in spilled]
+        plan, snap = await self.arb.plan(name, need, memory.load_key(tenant, first), mode="relief")
+        if not plan.starved:
             report.reasons[name] = f"{models} on the CPU in part but the card has room: waiting for Ollama to reload"
-        elif handoff.plan.feasible:
+            return
+        if not plan.feasible:
+            report.reasons[name] = f"starved (CPU spill) and no plan: {plan.explanation}"
+            if not all(p.reported for p in placements):
+                self.arb.decisions.record("spill", name, f"watchdog: {models} spilling to the CPU", plan.to_json(),
+                                          ok=False, result="no plan: logged once for this placement")
+                for p in placements:
+                    p.reported = True
+            return
+        async with self.arb.handoff_lock:
+            handoff = await self.arb.reclaim(name, need, f"watchdog: {models} spilling to the CPU",
+                                             key=memory.load_key(tenant, first), kind="spill", mode="relief")
+        self.arb.queue.kick()
+        if handoff.releases:
             report.actions.append(f"{name}: spill of {models}: released {[r.tenant for r in handoff.releases]}")
             report.reasons[name] = "starved (CPU spill): memory reclaimed; the model reloads on its next request"
         else:
-            report.reasons[name] = f"starved (CPU spill) and no plan: {handoff.plan.explanation}"
-        self._spill_seen.add(name)
+            report.reasons[name] = f"starved (CPU spill): {handoff.plan.explanation}"
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="hyperswap:watchdog")

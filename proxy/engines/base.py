@@ -65,6 +65,9 @@ class EngineAdapter:
     """Generic engine: every POST/PUT may load something onto the GPU; the rest passes through."""
 
     kind: str = "generic"
+    # Whether the engine's HTTP answer itself can say the GPU ran out of memory (then the request is
+    # retried once); an engine whose jobs outlive the answer reports it later, on a frame or in history.
+    answers_oom: bool = False
 
     def __init__(self, tenant: Tenant) -> None:
         self.tenant = tenant
@@ -77,6 +80,10 @@ class EngineAdapter:
     # -- classification -------------------------------------------------------------------
     def classify(self, method: str, path: str) -> RequestKind:
         return "gpu" if method.upper() in ("POST", "PUT") else "passthrough"
+
+    def unload_target(self, path: str, body: bytes) -> str | None:
+        """The model a GPU-route request only unloads (it loads nothing and needs no memory), if any."""
+        return None
 
     # -- headers --------------------------------------------------------------------------
     def upstream_headers(self, headers: Sequence[Header], *, client_ip: str | None, scheme: str,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from datetime import datetime
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -75,15 +76,21 @@ class OllamaCatalog:
         self.sizes = {m["name"]: int(m["size"]) for m in r.json().get("models") or []}
 
 
+def load_key(tenant: Tenant, model: str) -> str:
+    """Names one load: requests with the same key share one reservation, and residency is per key."""
+    return f"{tenant.name}:{OllamaCatalog.canonical(model) if tenant.engine == 'ollama' else model}"
+
+
 async def estimate_need(tenant: Tenant, path: str, body: bytes, client: httpx.AsyncClient,
                         catalog: OllamaCatalog) -> Need:
     """What the request needs in total on the card (the arbiter subtracts what the tenant already holds)."""
     data = _json(body)
     if tenant.engine == "ollama" and isinstance(data, dict) and isinstance(data.get("model"), str):
         model = OllamaCatalog.canonical(data["model"])
+        key = load_key(tenant, model)
         override = tenant.model_vram_gb.get(model, tenant.model_vram_gb.get(data["model"]))
         if override is not None:
-            return Need(int(override * GIB), f"{model} ({override:.2f} GiB, configured)", f"{tenant.name}:{model}")
+            return Need(int(override * GIB), f"{model} ({override:.2f} GiB, configured)", key)
         try:
             size = await catalog.size_of(tenant, client, model)
         except (httpx.HTTPError, ValueError) as exc:
@@ -92,15 +99,14 @@ async def estimate_need(tenant: Tenant, path: str, body: bytes, client: httpx.As
         if size is not None:
             total = size + tenant.context_allowance_bytes
             return Need(total, f"{model} ({size / GIB:.2f} GiB + {tenant.context_allowance_gb:.2f} GiB context allowance)",
-                        f"{tenant.name}:{model}")
-        return Need(tenant.needs_vram_bytes, f"{model} (size unknown: tenant need {tenant.needs_vram_gb:.2f} GiB)",
-                    f"{tenant.name}:{model}")
+                        key)
+        return Need(tenant.needs_vram_bytes, f"{model} (size unknown: tenant need {tenant.needs_vram_gb:.2f} GiB)", key)
     if tenant.engine == "comfyui" and isinstance(data, dict) and isinstance(data.get("prompt"), dict):
         for node in data["prompt"].values():
             ckpt = isinstance(node, dict) and (node.get("inputs") or {}).get("ckpt_name")
             if isinstance(ckpt, str) and ckpt in tenant.model_vram_gb:
                 gb = tenant.model_vram_gb[ckpt]
-                return Need(int(gb * GIB), f"{ckpt} ({gb:.2f} GiB, configured)", f"{tenant.name}:{ckpt}")
+                return Need(int(gb * GIB), f"{ckpt} ({gb:.2f} GiB, configured)", load_key(tenant, ckpt))
     return Need(tenant.needs_vram_bytes, f"{tenant.needs_vram_gb:.2f} GiB (needs_vram_gb)", tenant.name)
 
 
@@ -162,11 +168,21 @@ async def release(tenant: Tenant, client: httpx.AsyncClient) -> dict[str, Any]:
 
 # -- what the engine says about itself ---------------------------------------------------------------
 
-async def ollama_spill(tenant: Tenant, client: httpx.AsyncClient) -> list[dict[str, Any]]:
-    """Models Ollama runs partly on the CPU (size_vram < size): Ollama is starved."""
+async def ollama_ps(tenant: Tenant, client: httpx.AsyncClient) -> list[dict[str, Any]]:
+    """Ollama's loaded models (`/api/ps`), each with `size`, `size_vram` and `expires_at`."""
     r = await client.get(f"{_base(tenant)}/api/ps")
     r.raise_for_status()
-    return [m for m in r.json().get("models") or [] if int(m.get("size_vram", 0)) < int(m.get("size", 0))]
+    return [m for m in r.json().get("models") or [] if isinstance(m, dict) and isinstance(m.get("name"), str)]
+
+
+def go_time(value: object) -> float | None:
+    """An RFC 3339 timestamp as Go writes it (nanoseconds, offset or Z) in Unix seconds; None if unreadable."""
+    if not isinstance(value, str):
+        return None
+    try:
+        return datetime.fromisoformat(value).timestamp()
+    except ValueError:
+        return None
 
 
 async def comfy_running_prompts(tenant: Tenant, client: httpx.AsyncClient) -> list[str]:

@@ -7,6 +7,9 @@ upstream always gets the upstream's own Host (engine-wire-facts A.1). Its CORS c
 
 from __future__ import annotations
 
+import json
+import re
+
 from .base import EngineAdapter, RequestKind
 
 # POST routes that schedule a runner (load a model). /api/pull only downloads: no GPU.
@@ -16,10 +19,41 @@ GPU_ROUTES = frozenset({
 })
 
 
+# Ollama's unload path (engine-wire-facts A.3/A.4): keep_alive exactly 0 and nothing to run.
+UNLOAD_ROUTES = {"/api/generate": "prompt", "/api/chat": "messages"}
+# A Go duration string (time.ParseDuration): "0", "0s", "0m0s", "0.0h"...
+_GO_DURATION = re.compile(r"^[+-]?(?:(?:\d+\.?\d*|\.\d+)(?:ns|us|\u00b5s|ms|s|m|h))+$")
+
+
+def keep_alive_is_zero(value: object) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, (int, float)):
+        return value == 0
+    if isinstance(value, str):
+        if value == "0":
+            return True
+        return bool(_GO_DURATION.match(value)) and not any(c in "123456789" for c in value)
+    return False
+
+
 class OllamaAdapter(EngineAdapter):
     kind = "ollama"
+    answers_oom = True
 
     def classify(self, method: str, path: str) -> RequestKind:
         if method.upper() == "POST" and path.rstrip("/") in GPU_ROUTES:
             return "gpu"
         return "passthrough"
+
+    def unload_target(self, path: str, body: bytes) -> str | None:
+        work = UNLOAD_ROUTES.get(path.rstrip("/"))
+        if work is None or b"keep_alive" not in body:  # cheap filter: most requests never set it
+            return None
+        try:
+            data = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(data, dict) or not isinstance(data.get("model"), str) or data.get(work):
+            return None
+        return data["model"] if keep_alive_is_zero(data.get("keep_alive")) else None

@@ -13,7 +13,7 @@ from proxy.metrics import Metrics
 from proxy.telemetry import Telemetry
 from proxy.tenants import GIB
 
-from boxes import DemoFactory
+from boxes import DemoFactory, fast
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -40,7 +40,8 @@ def extension(demo, cls):  # type: ignore[no-untyped-def]
 
 
 async def handoff_then_507(demo, http: httpx.AsyncClient) -> None:  # type: ignore[no-untyped-def]
-    """ComfyUI keeps flux (11.9 GiB); Ollama's gemma3:27b takes it back; ComfyUI, lower priority, then gets a 507."""
+    """ComfyUI keeps flux (11.9 GiB); Ollama's gemma3:27b takes it back; ComfyUI, lower priority, then gets a
+    507 because Ollama protects its idle memory from lower priorities (the box comes from `protected_box`)."""
     await run_prompt(demo.proxy.url("comfyui"), "flux1-dev-fp8.safetensors", http)
     r = await http.post(demo.proxy.url("ollama") + "/api/generate", json={"model": "gemma3:27b", "prompt": "hi", "stream": False})
     assert r.status_code == 200, r.text
@@ -55,8 +56,12 @@ def _telemetry_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return path
 
 
+def protected(box: DemoFactory):  # type: ignore[no-untyped-def]
+    return box(fast("default", tenants={"ollama": {"protect_idle_memory": True}}))
+
+
 async def test_metrics_count_a_handoff_and_a_507_on_the_simulated_box(box: DemoFactory, http: httpx.AsyncClient) -> None:
-    demo = await box("default")
+    demo = await protected(box)
     await handoff_then_507(demo, http)
 
     m = await scrape(http, demo)
@@ -109,7 +114,7 @@ async def test_first_scrape_reads_the_card_and_two_proxies_keep_separate_counter
 
 
 async def test_history_has_the_release_with_freed_bytes_and_the_507(box: DemoFactory, http: httpx.AsyncClient) -> None:
-    demo = await box("default")
+    demo = await protected(box)
     await handoff_then_507(demo, http)
     base = demo.proxy.url("admin")
 
@@ -128,7 +133,7 @@ async def test_history_has_the_release_with_freed_bytes_and_the_507(box: DemoFac
 
 async def test_history_survives_a_restart_and_vram_samples_and_loads_are_written(
         box: DemoFactory, http: httpx.AsyncClient, _telemetry_file: Path) -> None:
-    demo = await box("default")
+    demo = await protected(box)
     await handoff_then_507(demo, http)
     tel = extension(demo, Telemetry)
     assert tel.healthy()[0], tel.healthy()

@@ -1,0 +1,42 @@
+"""Loads known to be on the card, so a request for one goes straight through.
+
+A request for a model its engine already holds needs no plan: reading the card and planning for it
+only added latency (with no GPU reader, two engine calls per request). A load is resident after the
+proxy admitted it and the engine answered it, or when the engine itself lists it fully on the GPU
+(Ollama's `/api/ps`, read by the watchdog), and stops being resident the moment anything may have
+taken it off the card: a release of its tenant, an unload passing through, an OOM, the tenant seen
+at its idle floor, the engine's own keep-alive deadline, or the engine no longer listing it.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from .clock import Clock
+
+
+class Residency:
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self._loads: dict[str, dict[str, float | None]] = {}  # tenant -> load key -> resident until (None: no deadline)
+
+    def holds(self, tenant: str, key: str) -> bool:
+        until = self._loads.get(tenant, {}).get(key, 0.0)
+        return until is None or until > self.clock.now()
+
+    def loaded(self, tenant: str, key: str) -> None:
+        """The engine answered an admitted request for this load: it is on the card now."""
+        self._loads.setdefault(tenant, {})[key] = None
+
+    def observe(self, tenant: str, loads: Mapping[str, float | None]) -> None:
+        """The engine's own list of what it holds (key -> resident until): it replaces ours."""
+        self._loads[tenant] = dict(loads)
+
+    def forget(self, tenant: str, key: str | None = None) -> None:
+        if key is None:
+            self._loads.pop(tenant, None)
+        else:
+            self._loads.get(tenant, {}).pop(key, None)
+
+    def keys(self, tenant: str) -> list[str]:
+        return [k for k in self._loads.get(tenant, {}) if self.holds(tenant, k)]

@@ -1,0 +1,291 @@
+"""The handoff scheduler: the pure `schedule()` and the queue that carries it out.
+
+The queue is driven as llama-swap's scheduler is tested: a recording fake of every effect (read the
+card, release, reserve, give back) and an injected clock that moves only when told to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from cards import STT, busy, idle, registry, snap
+from proxy.arbiter import Plan, TenantState, Waiter, queue_order, schedule
+from proxy.attribution import AttributedSnapshot
+from proxy.decisions import DecisionLog
+from proxy.handoff import Admitted, Handoff, HandoffQueue, ReleaseResult
+from proxy.tenants import GIB, Registry
+
+# -- the pure decision --------------------------------------------------------------------------
+
+_ids = itertools.count(1)
+
+
+def waiter(tenant: str, need_gib: float, *, at: float = 0.0, priority: int | None = None, key: str | None = None) -> Waiter:
+    prio = {"ollama": 50, "comfyui": 40, "stt": 45}[tenant] if priority is None else priority
+    return Waiter(next(_ids), tenant, key or f"{tenant}:m", int(need_gib * GIB), prio, at)
+
+
+def actions(verdicts: tuple[Any, ...]) -> list[tuple[str, str]]:
+    return [(v.waiter.tenant, v.action) for v in verdicts]
+
+
+def test_queue_order_is_priority_then_arrival_and_an_aged_waiter_goes_first() -> None:
+    low, high, high_later = waiter("comfyui", 1, at=0), waiter("ollama", 1, at=5), waiter("ollama", 1, at=6)
+    assert queue_order([high_later, low, high], now=10, starvation_after_s=60) == [high, high_later, low]
+    assert queue_order([high_later, low, high], now=60, starvation_after_s=60) == [low, high, high_later], \
+        "after 60 s the low-priority waiter goes ahead of everyone who arrived after it"
+
+
+def test_busy_holder_makes_the_request_wait_and_idle_holder_is_released() -> None:
+    s = snap([("comfyui", 2, 7 * GIB)], free=10 * GIB)
+    w = waiter("ollama", 16)
+    (v,) = schedule(s, registry(), busy(idle("ollama"), "comfyui", "1 running job(s)"), [w], {}, 0, 60)
+    assert v.action == "wait" and v.plan.wait_for == ("comfyui",) and "queued behind comfyui (1 running job(s))" == v.reason
+    (v,) = schedule(s, registry(), idle("ollama", "comfyui"), [w], {}, 0, 60)
+    assert v.action == "run" and [r.tenant for r in v.plan.releases] == ["comfyui"]
+
+
+def test_impossible_need_is_refused_at_once_even_behind_busy_tenants() -> None:
+    s = snap([("comfyui", 2, 7 * GIB), ("unmanaged", 9, 6 * GIB)], free=8 * GIB)
+    (v,) = schedule(s, registry(), busy(idle(), "comfyui"), [waiter("ollama", 16)], {}, 0, 60)
+    assert v.action == "refuse" and "unmanaged" in v.reason
+
+
+def test_work_of_the_tenant_a_waiter_waits_for_queues_behind_it() -> None:
+    # ollama (50) waits for a busy comfyui; a new comfyui prompt would fit, but running it would keep
+    # comfyui busy for ever and overtake the higher-priority waiter
+    s = snap([("comfyui", 2, 7 * GIB)], free=10 * GIB)
+    chat, prompt = waiter("ollama", 16, at=0), waiter("comfyui", 7, at=1)
+    verdicts = schedule(s, registry(), busy(idle(), "comfyui"), [prompt, chat], {}, 2, 60)
+    assert actions(verdicts) == [("ollama", "wait"), ("comfyui", "wait")]
+    assert verdicts[1].behind == chat.id and "waits for comfyui to finish" in verdicts[1].reason
+
+
+def test_higher_priority_request_that_fits_runs_past_a_lower_waiter_until_that_one_has_aged() -> None:
+    # comfyui (40) waits for a busy ollama; ollama's own next chat fits and outranks it...
+    s = snap([("ollama", 1, 16 * GIB)], free=7 * GIB)
+    prompt = waiter("comfyui", 10, at=0)
+    chat = waiter("ollama", 16, at=10)
+    states = busy(idle(), "ollama")
+    assert actions(schedule(s, registry(), states, [prompt, chat], {}, 11, 60)) == [("ollama", "run"), ("comfyui", "wait")]
+    # ...but once the prompt has waited 60 s, ollama starts nothing new until the prompt has had its turn
+    later = waiter("ollama", 16, at=70)
+    assert actions(schedule(s, registry(), states, [prompt, later], {}, 71, 60)) == [("comfyui", "wait"), ("ollama", "wait")]
+
+
+def test_same_load_joins_one_handoff_and_another_load_waits_for_the_next_pass() -> None:
+    reg = registry({"stt": STT})
+    s = snap([("comfyui", 2, 7 * GIB)], free=10 * GIB)
+    a, b, other = waiter("ollama", 16, at=0), waiter("ollama", 16, at=1), waiter("stt", 3, at=2)
+    verdicts = schedule(s, reg, idle("ollama", "comfyui", "stt"), [a, b, other], {}, 3, 60)
+    assert actions(verdicts) == [("ollama", "run"), ("ollama", "run"), ("stt", "wait")]
+    assert verdicts[2].behind == a.id
+
+
+def test_memory_promised_or_counted_on_ahead_is_not_taken_by_later_waiters() -> None:
+    s = snap([], free=10 * GIB)
+    reg = registry({"stt": STT})
+    # 8 GiB promised to an admitted load still on its way: 3 GiB do not fit
+    (v,) = schedule(s, reg, idle(), [waiter("stt", 3)], {"ollama:m": ("ollama", 8 * GIB)}, 0, 60)
+    assert v.action == "wait" and v.reason == "queued until loads already admitted reach the card"
+    # two waiters that each fit alone but not together: the first in order runs, the second waits
+    verdicts = schedule(s, reg, idle(), [waiter("stt", 6, at=1), waiter("ollama", 6, at=2)], {}, 3, 60)
+    assert actions(verdicts) == [("ollama", "run"), ("stt", "wait")]
+
+
+# -- the queue, with a recording fake of its effects ---------------------------------------------------
+
+class ManualClock:
+    """Time moves only on `advance()`; sleepers wake when it passes their deadline."""
+
+    def __init__(self) -> None:
+        self._now = 100.0
+        self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._seq = itertools.count()
+
+    def now(self) -> float:
+        return self._now
+
+    def wall(self) -> float:
+        return 1_796_000_000.0 + self._now
+
+    async def sleep(self, seconds: float) -> None:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._sleepers, (self._now + seconds, next(self._seq), fut))
+        await fut
+
+    async def advance(self, seconds: float) -> None:
+        self._now += seconds
+        while self._sleepers and self._sleepers[0][0] <= self._now:
+            _, _, fut = heapq.heappop(self._sleepers)
+            if not fut.done():
+                fut.set_result(None)
+        for _ in range(20):
+            await asyncio.sleep(0)
+
+
+@dataclass
+class Recorder:
+    """HandoffEffects with every effect written down. The card is `procs` and `free`; a release
+    frees its tenant down to its floor at once."""
+    registry: Registry
+    clock: ManualClock
+    procs: list[tuple[str, int, int | None]]
+    free: int
+    states: dict[str, TenantState] = field(default_factory=dict)
+    promised: dict[str, tuple[str, int]] = field(default_factory=dict)
+    log: list[tuple[Any, ...]] = field(default_factory=list)
+    decisions: DecisionLog = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.decisions = DecisionLog(self.clock)
+
+    def card(self) -> AttributedSnapshot:
+        return snap(self.procs, free=self.free)
+
+    async def read(self) -> tuple[AttributedSnapshot, dict[str, TenantState], dict[str, tuple[str, int]]]:
+        self.log.append(("read",))
+        return self.card(), dict(self.states), dict(self.promised)
+
+    async def carry_out(self, plan: Plan, snap: AttributedSnapshot, trigger: str, kind: str) -> Handoff:
+        self.log.append(("release", tuple(r.tenant for r in plan.releases)))
+        results = []
+        for r in plan.releases:
+            self.free += r.expected_free_bytes
+            floor = self.registry.get(r.tenant).idle_vram_bytes
+            self.procs = [(t, pid, floor if t == r.tenant else used) for t, pid, used in self.procs]
+            results.append(ReleaseResult(r.tenant, r.expected_free_bytes, r.expected_free_bytes, 0.0, True))
+        return Handoff(plan, results, self.decisions.record("plan", plan.requester, trigger, plan.to_json()), snap)
+
+    def reserve(self, key: str, handoff: Handoff) -> None:
+        self.log.append(("reserve", key))
+        handoff.reservation = key
+
+    def abandon(self, handoff: Handoff) -> None:
+        self.log.append(("abandon", handoff.reservation))
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock()
+
+
+def recorder(clock: ManualClock, **proxy: Any) -> Recorder:
+    reg = registry({"stt": STT}, proxy={"queue_timeout_s": 30.0, **proxy})
+    return Recorder(reg, clock, [("comfyui", 2, 7 * GIB)], free=10 * GIB)
+
+
+async def settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+async def test_a_waiter_is_admitted_the_moment_its_blocker_goes_idle_without_polling(clock: ManualClock) -> None:
+    fx = recorder(clock)
+    fx.states = busy(idle(), "comfyui", "1 running job(s)")
+    queue = HandoffQueue(fx)
+    chat = asyncio.ensure_future(queue.request(fx.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request"))
+    await settle()
+    assert not chat.done() and fx.log == [("read",)]
+    (w,) = queue.waiting()
+    assert w["waiting_for"] == ["comfyui"] and w["reason"] == "queued behind comfyui (1 running job(s))"
+    queued = fx.decisions.recent()[-1]
+    assert queued.kind == "queued" and queued.outcome["waiting_for"] == ["comfyui"]
+
+    fx.states = idle("comfyui")  # the prompt's end marker passed through
+    queue.kick()
+    admitted = await asyncio.wait_for(chat, 1)
+
+    assert admitted.outcome == "run" and clock.now() == 100.0, "woken by the event, not by a timer"
+    assert fx.log == [("read",), ("read",), ("release", ("comfyui",)), ("reserve", "ollama:gemma")]
+    assert queued.outcome["result"] == "admitted" and queued.outcome["ended_by"] == admitted.handoff.decision.id
+    assert queue.empty and queue.waits_s == [0.0]
+
+
+async def test_the_wait_ends_with_a_timeout_naming_what_it_waited_for(clock: ManualClock) -> None:
+    fx = recorder(clock)
+    fx.states = busy(idle(), "comfyui", "1 running job(s)")
+    queue = HandoffQueue(fx)
+    chat = asyncio.ensure_future(queue.request(fx.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request"))
+    await settle()
+    for _ in range(29):
+        await clock.advance(1.0)
+    assert not chat.done(), "still inside proxy.queue_timeout_s"
+    await clock.advance(1.0)
+    admitted: Admitted = await asyncio.wait_for(chat, 1)
+    assert admitted.outcome == "timeout" and admitted.handoff.waited_s == 30.0
+    assert "queued behind comfyui" in admitted.reason and admitted.handoff.plan.wait_for == ("comfyui",)
+    assert ("reserve", "ollama:gemma") not in fx.log and not any(e[0] == "release" for e in fx.log)
+    assert fx.decisions.recent()[-1].outcome["result"] == "timed out (503)"
+
+
+async def test_a_client_leaving_the_queue_takes_nothing_and_lets_the_next_one_run(clock: ManualClock) -> None:
+    fx = recorder(clock)
+    fx.procs = [("comfyui", 2, 7 * GIB)]
+    fx.free = 4 * GIB
+    fx.states = busy(idle(), "comfyui")
+    queue = HandoffQueue(fx)
+    first = asyncio.ensure_future(queue.request(fx.registry.get("ollama"), "ollama:big", 9 * GIB, "request"))
+    await settle()
+    second = asyncio.ensure_future(queue.request(fx.registry.get("stt"), "stt:m", 3 * GIB, "request"))
+    await settle()
+    assert [w["tenant"] for w in queue.waiting()] == ["ollama", "stt"]
+    assert not second.done(), "stt's 3 GiB would fit, but ollama ahead counts on that memory"
+
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    admitted = await asyncio.wait_for(second, 1)
+    assert admitted.outcome == "run" and fx.log[-1] == ("reserve", "stt:m")
+    assert ("reserve", "ollama:big") not in fx.log
+    left = [d for d in fx.decisions.recent() if d.kind == "queued" and d.tenant == "ollama"]
+    assert left[-1].outcome["result"] == "client left while waiting"
+
+
+async def test_an_impossible_need_is_refused_at_once_and_logged(clock: ManualClock) -> None:
+    fx = recorder(clock)
+    queue = HandoffQueue(fx)
+    admitted = await asyncio.wait_for(queue.request(fx.registry.get("ollama"), "ollama:huge", 40 * GIB, "request"), 1)
+    assert admitted.outcome == "refuse" and "too large for this card" in admitted.reason
+    assert fx.decisions.recent()[-1].kind == "rejection" and fx.log == [("read",)]
+
+
+async def test_concurrent_requests_for_one_load_share_one_release(clock: ManualClock) -> None:
+    fx = recorder(clock)
+    queue = HandoffQueue(fx)
+    ollama = fx.registry.get("ollama")
+    results = await asyncio.wait_for(asyncio.gather(
+        *(queue.request(ollama, "ollama:gemma", 16 * GIB, "request") for _ in range(3))), 1)
+    assert [a.outcome for a in results] == ["run"] * 3
+    assert [e for e in fx.log if e[0] == "release"] == [("release", ("comfyui",))]
+    assert [e for e in fx.log if e[0] == "reserve"] == [("reserve", "ollama:gemma")] * 3
+
+
+async def test_a_lower_priority_waiter_gets_its_turn_after_starvation_after_s(clock: ManualClock) -> None:
+    fx = recorder(clock, starvation_after_s=10.0, queue_timeout_s=100.0)
+    fx.procs = [("ollama", 1, 16 * GIB)]
+    fx.free = 7 * GIB
+    fx.states = busy(idle(), "ollama", "1 GPU request(s) in flight")
+    queue = HandoffQueue(fx)
+    ollama, comfy = fx.registry.get("ollama"), fx.registry.get("comfyui")
+    prompt = asyncio.ensure_future(queue.request(comfy, "comfyui", 10 * GIB, "request"))
+    await settle()
+    chat = await asyncio.wait_for(queue.request(ollama, "ollama:m", 16 * GIB, "request"), 1)
+    assert chat.outcome == "run", "a higher-priority request that fits overtakes a young waiter"
+    await clock.advance(10.0)
+    late_chat = asyncio.ensure_future(queue.request(ollama, "ollama:m", 16 * GIB, "request"))
+    await settle()
+    assert not late_chat.done(), "once the prompt has waited 10 s, ollama starts nothing new ahead of it"
+    assert queue.waiting()[1]["behind"] == queue.waiting()[0]["id"]
+    fx.states = idle("ollama")  # ollama's last generation ends
+    queue.kick()
+    assert (await asyncio.wait_for(prompt, 1)).outcome == "run"
+    assert [e for e in fx.log if e[0] == "release"] == [("release", ("ollama",))]
+    await queue.aclose()
+    late_chat.cancel()
