@@ -82,6 +82,7 @@ class AdminApi:
             "last_activity_age_s": None if not traffic or traffic.last_activity is None else round(now - traffic.last_activity, 1),
             "idle_release_in_s": None if deadline is None else round(max(0.0, deadline - now), 1),
             "reclaimable": tenant.reclaimable,
+            "waiting": [w for w in self.arb.queue.waiting() if w["tenant"] == tenant.name],
             "watchdog": (self.watchdog.last.reasons.get(tenant.name) if self.watchdog.last else None),
             "estimated": snap.snapshot.source == "engine-estimate",
         }

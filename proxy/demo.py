@@ -246,6 +246,11 @@ async def self_test(demo: Demo) -> list[tuple[str, bool, str]]:
 
         if demo.proxy and demo.box.ollama and demo.box.comfyui:
             await check("proxy: handoff ComfyUI -> Ollama", lambda: _handoff_check(demo, client))
+            await check("proxy: chat during a render waits", lambda: _chat_during_render(demo, client))
+            await check("proxy: prompt after a chat runs", lambda: _prompt_after_chat(demo, client))
+            await check("proxy: 3 rounds chat then image", lambda: _rounds(demo, client, 3))
+            await check("proxy: release after end marker", lambda: _release_after_end(demo, client))
+            await check("proxy: unload needs no memory", lambda: _unload_releases_nobody(demo, client))
         if demo.proxy and demo.box.ollama:
             await check("proxy: 507 names the blockers", lambda: _rejection_check(demo, client))
     return results
@@ -281,6 +286,125 @@ async def _handoff_check(demo: Demo, client: httpx.AsyncClient) -> str:
     assert plans, "the proxy loaded the model without a handoff"
     released = [(x["tenant"], x["freed_gb"]) for x in plans[-1].outcome.get("releases", [])]
     return f"{model.name} loaded after releasing " + ", ".join(f"{t} ({gb} GiB)" for t, gb in released)
+
+
+def _swap_pair(demo: Demo) -> tuple[str, str] | None:
+    """The smallest chat model and the largest checkpoint that cannot share this card: each load
+    needs the other one's memory. None when every pair fits."""
+    assert demo.proxy and demo.box.ollama and demo.box.comfyui
+    g, comfy, reg = demo.box.gpu, demo.box.comfyui.config, demo.proxy.registry
+    others = sum(int(p.vram_gb * GIB) for p in demo.box.scenario.processes)  # the desktop, unmanaged apps
+    usable = g.total_bytes - g.reserved_bytes - others
+    ckpt = max(comfy.checkpoints, key=lambda k: comfy.checkpoints[k])
+    comfy_uses = comfy.checkpoints[ckpt] + comfy.context_floor_bytes + comfy.working_bytes  # while sampling
+    allowance = reg.get("ollama").context_allowance_bytes
+    fits_alone = [m for m in demo.box.ollama.config.models if "completion" in m.capabilities
+                  and m.size_bytes + allowance <= usable - comfy.context_floor_bytes]
+    pair = [m for m in fits_alone if m.size_bytes + comfy_uses > usable]
+    return (min(pair, key=lambda m: m.size_bytes).name, ckpt) if pair else None
+
+
+async def _chat(demo: Demo, client: httpx.AsyncClient, model: str) -> None:
+    assert demo.proxy
+    r = await client.post(demo.proxy.url("ollama") + "/api/chat",
+                          json={"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": False})
+    if r.status_code != 200:
+        raise AssertionError(f"chat with {model} answered {r.status_code}: {r.text[:200]}")
+
+
+async def _render(demo: Demo, client: httpx.AsyncClient, ckpt: str) -> None:
+    assert demo.proxy
+    types = [m["type"] for m in await run_prompt(demo.proxy.url("comfyui"), ckpt, client, timeout_s=120)]
+    if "execution_success" not in types:
+        raise AssertionError(f"the prompt for {ckpt} did not succeed: {types}")
+
+
+def _not_applicable(demo: Demo) -> str:
+    return "not applicable: every chat model and checkpoint of this scenario fit on the card together"
+
+
+async def _chat_during_render(demo: Demo, client: httpx.AsyncClient) -> str:
+    """A chat whose model needs ComfyUI's memory, sent while a prompt renders: it waits, then runs."""
+    assert demo.proxy and demo.box.comfyui
+    pair = _swap_pair(demo)
+    if pair is None:
+        return _not_applicable(demo)
+    model, ckpt = pair
+    await _unload_ollama(demo, client)
+    started = time.monotonic()
+    rendering = asyncio.ensure_future(_render(demo, client, ckpt))
+    async with asyncio.timeout(30):
+        while not demo.proxy.inflight.traffic("comfyui").jobs:
+            await asyncio.sleep(0.01)
+    await _chat(demo, client, model)
+    if not rendering.done():
+        raise AssertionError("the chat was answered before the render ended: the busy tenant was not waited for")
+    await rendering
+    queued = [d for d in demo.proxy.decisions.recent() if d.kind == "queued" and d.tenant == "ollama"]
+    if not queued or queued[-1].outcome.get("result") != "admitted":
+        raise AssertionError("the chat never waited in the handoff queue")
+    waited = queued[-1].outcome["waited_s"]
+    return f"{model} waited {waited} s for the {ckpt} render, then ran ({time.monotonic() - started:.1f} s in all)"
+
+
+async def _prompt_after_chat(demo: Demo, client: httpx.AsyncClient) -> str:
+    """ComfyUI asks for memory an idle Ollama holds: whatever the priorities, idle memory serves it."""
+    assert demo.proxy
+    pair = _swap_pair(demo)
+    if pair is None:
+        return _not_applicable(demo)
+    model, ckpt = pair
+    await _chat(demo, client, model)
+    await _render(demo, client, ckpt)
+    plan = [d for d in demo.proxy.decisions.recent() if d.kind == "plan" and d.tenant == "comfyui"]
+    released = [r["tenant"] for r in plan[-1].outcome.get("releases", [])] if plan else []
+    return f"{ckpt} rendered after releasing {', '.join(released) or 'nobody'}"
+
+
+async def _rounds(demo: Demo, client: httpx.AsyncClient, rounds: int) -> str:
+    assert demo.proxy
+    pair = _swap_pair(demo)
+    if pair is None:
+        return _not_applicable(demo)
+    model, ckpt = pair
+    started = time.monotonic()
+    before = len(demo.proxy.decisions.recent(500))
+    for _ in range(rounds):
+        await _chat(demo, client, model)
+        await _render(demo, client, ckpt)
+    bad = [d for d in demo.proxy.decisions.recent(500)[before:] if d.kind in ("rejection", "oom_retry")]
+    if bad:
+        raise AssertionError(f"{len(bad)} refusal(s) or OOM retries: {bad[0].to_json()}")
+    return f"{rounds} x ({model} chat, {ckpt} render) in {time.monotonic() - started:.1f} s, no error"
+
+
+async def _release_after_end(demo: Demo, client: httpx.AsyncClient) -> str:
+    """The watchdog read ComfyUI's queue while the prompt ran; a release asked at its end marker is 200."""
+    assert demo.proxy and demo.box.comfyui
+    ckpts = demo.box.comfyui.config.checkpoints
+    rendering = asyncio.ensure_future(_render(demo, client, min(ckpts, key=lambda k: ckpts[k])))
+    async with asyncio.timeout(30):
+        while not demo.proxy.inflight.traffic("comfyui").jobs:
+            await asyncio.sleep(0.01)
+    await demo.proxy.watchdog.tick()
+    await rendering
+    r = await client.post(demo.proxy.url("admin") + "/api/tenants/comfyui/release")
+    if r.status_code != 200:
+        raise AssertionError(f"release right after the end marker answered {r.status_code}: {r.text[:200]}")
+    return f"200, {r.json()['freed_gb']} GiB back on the card"
+
+
+async def _unload_releases_nobody(demo: Demo, client: httpx.AsyncClient) -> str:
+    assert demo.proxy and demo.box.ollama
+    biggest = max(demo.box.ollama.config.models, key=lambda m: m.size_bytes).name
+    before = len(demo.proxy.decisions.recent(500))
+    r = await client.post(demo.proxy.url("ollama") + "/api/generate", json={"model": biggest, "keep_alive": 0})
+    if r.status_code != 200 or r.json().get("done_reason") != "unload":
+        raise AssertionError(f"unload of {biggest} answered {r.status_code}: {r.text[:200]}")
+    made = [d.kind for d in demo.proxy.decisions.recent(500)[before:]]
+    if made:
+        raise AssertionError(f"an unload made decisions: {made}")
+    return f"{biggest} unloaded, no plan, no release"
 
 
 async def _rejection_check(demo: Demo, client: httpx.AsyncClient) -> str:

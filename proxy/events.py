@@ -123,6 +123,7 @@ def tenant_stats(proxy: Proxy, snap: AttributedSnapshot, tenant: Tenant, busy: b
         "last_activity_age_s": None if not traffic or traffic.last_activity is None else round(now - traffic.last_activity, 1),
         "idle_release_in_s": None if deadline is None else round(max(0.0, deadline - now), 1),
         "reclaimable": tenant.reclaimable,
+        "waiting": [w for w in arb.queue.waiting() if w["tenant"] == tenant.name],
         "pids": [p.process.pid for p in snap.processes_of(tenant.name)],
     }
 
@@ -146,6 +147,7 @@ async def stats_payload(proxy: Proxy, snap: AttributedSnapshot | None = None, re
         "busy": [t["name"] for t in tenants if t["busy"]],
         "decision_ids": [d.id for d in arb.decisions.recent(recent)],
         "handoff_in_progress": arb.handoff_lock.locked(),
+        "queue": arb.queue.waiting(),
         "gpu_error": None if err is None else {"state": err.state, "error": err.message, "fix": err.fix},
     }
 

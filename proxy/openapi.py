@@ -63,7 +63,12 @@ class Plan(_Doc):
     free_gib: float | None
     held_by_requester_bytes: int
     held_by_requester_gib: float | None
-    feasible: bool
+    promised_bytes: int = Field(default=0, description="free memory already promised to admitted loads still on their way")
+    reachable_bytes: int = Field(default=0, description="free + held + every reclaimable tenant's memory, busy or idle")
+    feasible: bool = Field(description="enough now, with the releases listed")
+    possible: bool = Field(default=True, description="enough once the busy tenants in wait_for finish; false: 507")
+    outcome: Literal["ready", "release", "wait", "impossible"] | None = None
+    wait_for: list[str] = Field(default_factory=list, description="busy tenants the request waits for")
     starved: bool = Field(description="free + already held is below the need (only then is anything released)")
     estimated: bool = Field(description="memory figures are the engines' own reports (GPU reader failed)")
     releases: list[Release]
@@ -118,6 +123,21 @@ class Process(_Doc):
     vram_gb: float | None = None
 
 
+class Waiting(_Doc):
+    """A request waiting in the handoff queue for GPU memory."""
+    id: int
+    tenant: str
+    trigger: str
+    since: float = Field(description="unix seconds")
+    waited_s: float
+    need_bytes: int
+    need_gb: float | None
+    priority: int
+    waiting_for: list[str] = Field(description="busy tenants it waits for")
+    behind: int | None = Field(description="the waiting request it queues behind, if any")
+    reason: str
+
+
 class _TenantLive(_Doc):
     """The live state both /api/tenants and the events' stats frames carry."""
     name: str
@@ -131,6 +151,7 @@ class _TenantLive(_Doc):
     last_activity_age_s: float | None
     idle_release_in_s: float | None = Field(description="seconds until the idle release; null: never")
     reclaimable: bool
+    waiting: list[Waiting] = Field(default_factory=list, description="this tenant's requests waiting for memory")
 
 
 class TenantView(_TenantLive):
@@ -147,7 +168,7 @@ class TenantList(_Doc):
 class Decision(_Doc):
     id: int
     at: float = Field(description="unix seconds")
-    kind: Literal["plan", "release", "rejection", "oom_retry", "idle_release", "spill", "stale_job"]
+    kind: Literal["plan", "queued", "release", "rejection", "oom_retry", "idle_release", "spill", "stale_job"]
     tenant: str
     trigger: str
     plan: Plan | None
@@ -197,6 +218,7 @@ class StatsFrame(_Doc):
     busy: list[str]
     decision_ids: list[int]
     handoff_in_progress: bool
+    queue: list[Waiting] = Field(default_factory=list, description="every request waiting for memory, in arrival order")
     gpu_error: GpuError | None
 
 

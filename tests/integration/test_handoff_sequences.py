@@ -1,0 +1,173 @@
+"""The user's sequences on the simulated box, with the official `ollama` client and a websocket
+ComfyUI client: chat and image generation alternating on one card, as issue 12 names them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Any
+
+import httpx
+import ollama
+import pytest
+from websockets.asyncio.client import connect as ws_connect
+
+from proxy.demo import Demo, comfy_prompt, run_prompt
+from proxy.tenants import GIB
+
+from boxes import DemoFactory, fast
+
+README_CKPT = "sd_xl_base_1.0.safetensors"  # examples/comfy_prompt.json
+
+
+def decisions(demo: Demo, *kinds: str) -> list[Any]:
+    return [d for d in demo.proxy.decisions.recent(500) if d.kind in kinds]  # type: ignore[union-attr]
+
+
+def releases(demo: Demo) -> list[tuple[str, str]]:
+    """(requester, released tenant) of every handoff so far."""
+    return [(d.tenant, r["tenant"]) for d in decisions(demo, "plan", "oom_retry", "spill")
+            for r in d.outcome.get("releases", [])]
+
+
+async def chat(demo: Demo, model: str) -> ollama.ChatResponse:
+    client = ollama.AsyncClient(host=demo.proxy.url("ollama"))  # type: ignore[union-attr]
+    return await client.chat(model=model, messages=[{"role": "user", "content": "hi"}])
+
+
+async def render(demo: Demo, ckpt: str = README_CKPT, steps: int | None = None) -> list[dict[str, Any]]:
+    """A prompt through the proxy with its websocket open, up to the end marker."""
+    base = demo.proxy.url("comfyui")  # type: ignore[union-attr]
+    cid = uuid.uuid4().hex
+    prompt = comfy_prompt(ckpt)
+    if steps:
+        prompt["3"]["inputs"]["steps"] = steps
+    async with httpx.AsyncClient(timeout=30, trust_env=False) as http:
+        async with ws_connect(base.replace("http", "ws") + f"/ws?clientId={cid}", max_size=None) as ws:
+            await ws.recv()
+            r = await http.post(base + "/prompt", json={"prompt": prompt, "client_id": cid})
+            assert r.status_code == 200, r.text
+            msgs = []
+            async with asyncio.timeout(30):
+                while not msgs or not (msgs[-1]["type"] == "executing" and msgs[-1]["data"]["node"] is None):
+                    raw = await ws.recv()
+                    if isinstance(raw, str):
+                        msgs.append(json.loads(raw))
+    return msgs
+
+
+def succeeded(msgs: list[dict[str, Any]]) -> bool:
+    return "execution_success" in [m["type"] for m in msgs] and "execution_error" not in [m["type"] for m in msgs]
+
+
+async def test_a_prompt_sent_after_a_chat_takes_the_idle_chat_models_memory(box: DemoFactory) -> None:
+    demo = await box("default")
+    assert (await chat(demo, "gemma3:27b")).message.content
+    msgs = await render(demo)
+    assert succeeded(msgs), [m["type"] for m in msgs]
+    assert releases(demo) == [("comfyui", "ollama")], "the idle, higher-priority Ollama gave its memory to ComfyUI"
+
+
+async def test_a_chat_sent_while_the_readme_prompt_renders_waits_and_is_answered(box: DemoFactory) -> None:
+    demo = await box("default")
+    assert succeeded(await render(demo))  # ComfyUI holds its checkpoint, as after the README's first line
+    rendering = asyncio.ensure_future(render(demo, steps=400))
+    async with asyncio.timeout(5):
+        while not demo.proxy.inflight.traffic("comfyui").jobs:  # type: ignore[union-attr]
+            await asyncio.sleep(0.005)
+    answer = await chat(demo, "gemma3:27b")
+    assert answer.message.content and rendering.done(), "the chat was answered after the render ended"
+    assert succeeded(rendering.result())
+    queued = decisions(demo, "queued")
+    assert queued and queued[-1].tenant == "ollama" and queued[-1].outcome["result"] == "admitted"
+    assert not decisions(demo, "rejection")
+
+
+async def test_three_rounds_of_chat_then_image_complete_with_no_error(box: DemoFactory) -> None:
+    demo = await box("default")
+    for _ in range(3):
+        assert (await chat(demo, "gemma3:27b")).message.content
+        assert succeeded(await render(demo, "flux1-dev-fp8.safetensors"))
+    assert releases(demo) == [("comfyui", "ollama"), ("ollama", "comfyui")] * 2 + [("comfyui", "ollama")]
+    assert not decisions(demo, "rejection", "oom_retry")
+
+
+async def test_a_release_asked_right_after_the_end_marker_is_not_refused_as_busy(box: DemoFactory) -> None:
+    demo = await box("default")
+    admin = demo.proxy.url("admin")  # type: ignore[union-attr]
+    rendering = asyncio.ensure_future(render(demo, steps=300))
+    async with asyncio.timeout(5):
+        while demo.box.gpu.used_by(demo.box.comfyui.pid) < 6 * GIB:  # type: ignore[union-attr]
+            await asyncio.sleep(0.005)
+    await demo.proxy.watchdog.tick()  # type: ignore[union-attr] # reads ComfyUI's /queue with the prompt running
+    await rendering
+    async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
+        r = await http.post(admin + "/api/tenants/comfyui/release")
+    assert r.status_code == 200, r.text
+    assert r.json()["confirmed"] is True
+
+
+async def test_no_spill_is_seen_while_a_model_is_still_loading(box: DemoFactory) -> None:
+    sc = fast("default", ollama={"load_gbps": 10.0}, settings={"proxy": {"watchdog_interval_s": 0.05}})
+    demo = await box(sc, watchdog=True)
+    assert succeeded(await render(demo))
+    assert (await chat(demo, "gemma3:27b")).message.content  # ~1.7 s of loading, the watchdog polling /api/ps
+    assert not decisions(demo, "spill", "rejection"), [d.to_json() for d in decisions(demo, "spill", "rejection")]
+    assert releases(demo) == [("ollama", "comfyui")]
+
+
+async def test_an_unload_releases_nobody_and_is_never_refused(box: DemoFactory) -> None:
+    demo = await box("tight")  # the speech relay makes the biggest model impossible to load here
+    client = ollama.AsyncClient(host=demo.proxy.url("ollama"))  # type: ignore[union-attr]
+    for model in ("mistral-small:22b", "llama3.1:8b"):
+        done = await client.generate(model=model, keep_alive=0)
+        assert done.done_reason == "unload"
+        done = await client.chat(model=model, messages=[], keep_alive="0s")
+        assert done.done_reason == "unload"
+    assert not releases(demo) and not decisions(demo, "rejection", "queued", "plan")
+
+
+async def test_an_unload_through_the_proxy_leaves_an_idle_comfyui_alone(box: DemoFactory) -> None:
+    demo = await box("default")
+    assert succeeded(await render(demo, "flux1-dev-fp8.safetensors"))
+    await ollama.AsyncClient(host=demo.proxy.url("ollama")).generate(model="gemma3:27b", keep_alive=0)  # type: ignore[union-attr]
+    assert demo.box.comfyui.frees == 0 and not releases(demo)  # type: ignore[union-attr]
+
+
+async def test_an_impossible_need_still_answers_507_at_once(box: DemoFactory) -> None:
+    demo = await box("tight")
+    with pytest.raises(ollama.ResponseError) as err:
+        await chat(demo, "mistral-small:22b")
+    assert err.value.status_code == 507
+    assert "stt_relay.py" in str(err.value) or "unmanaged" in str(err.value)
+    assert not decisions(demo, "queued"), "refused without waiting"
+
+
+async def test_two_clients_alternating_do_not_swap_the_card_when_both_fit(box: DemoFactory) -> None:
+    demo = await box("default")
+    for _ in range(3):
+        assert (await chat(demo, "llama3.1:8b")).message.content
+        assert succeeded(await render(demo))
+    assert releases(demo) == [] and demo.box.comfyui.frees == 0  # type: ignore[union-attr]
+    assert list(demo.box.ollama.loaded()) == ["llama3.1:8b"]  # type: ignore[union-attr]
+
+
+async def test_a_request_for_a_model_already_on_the_card_skips_the_gpu_read(
+        box: DemoFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    demo = await box("default")
+    arb = demo.proxy.arbitration  # type: ignore[union-attr]
+    assert (await chat(demo, "llama3.2:3b")).message.content
+    reads = 0
+    snapshot = arb.snapshot
+
+    async def counting() -> Any:
+        nonlocal reads
+        reads += 1
+        return await snapshot()
+    monkeypatch.setattr(arb, "snapshot", counting)
+    for _ in range(3):
+        assert (await chat(demo, "llama3.2:3b")).message.content
+    assert reads == 0, "a resident model needs no plan"
+    assert (await chat(demo, "llama3.1:8b")).message.content
+    assert reads >= 1, "a model that is not on the card is planned for"
