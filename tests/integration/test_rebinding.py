@@ -3,7 +3,7 @@
 A rebinding page is served as attacker.example:PORT and its name then points at 127.0.0.1: the
 browser sends `Host: attacker.example:PORT` and, for a POST, `Origin: http://attacker.example:PORT`
 (same-origin as far as the browser knows). The tenant listeners refuse such a Host before anything
-reaches the engine.
+reaches the engine; the admin API refuses it with 421 and refuses cross-origin or form mutations.
 """
 
 from __future__ import annotations
@@ -150,3 +150,77 @@ async def test_several_host_headers_are_refused(box: DemoFactory) -> None:
     writer.close()
     assert answer.startswith(b"HTTP/1.1 4"), answer[:200]
     assert b"models" not in answer, "an ambiguous Host must not reach the engine"
+
+
+# -- admin API -------------------------------------------------------------------------------------------
+
+async def test_rebinding_page_cannot_read_admin_stats(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box("default")
+    a = demo.proxy.url("admin")
+    r = await http.get(a + "/api/stats", headers={"Host": "attacker.example:11400"})
+    body = _refusal(r, 421)
+    assert "cmdline" not in r.text and "admin.allowed_hosts" in body["fix"], body
+    for host in (urlsplit(a).netloc, f"localhost:{demo.proxy.servers['admin'].port}"):
+        assert (await http.get(a + "/api/stats", headers={"Host": host})).status_code == 200, host
+
+
+async def test_admin_host_check_covers_dashboard_events_and_mcp(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box("default")
+    a = demo.proxy.url("admin")
+    for path in ("/", "/api/events", "/metrics", "/openapi.json"):
+        _refusal(await http.get(a + path, headers={"Host": "attacker.example"}), 421)
+    mcp = await http.post(a + "/mcp", headers={"Host": "attacker.example", "Accept": "application/json, text/event-stream"},
+                          json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"})
+    _refusal(mcp, 421)
+    assert (await http.get(a + "/")).status_code == 200, "the dashboard on the admin's own address"
+
+
+async def test_cross_site_form_cannot_release_a_tenant(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    # A plain <form method=post> on any page: no preflight, Origin names that page.
+    demo = await box("default")
+    assert "llama3.2:3b" in await _loaded(demo, http)
+    r = await http.post(demo.proxy.url("admin") + "/api/tenants/ollama/release",
+                        headers={"Origin": "http://evil.example", "Content-Type": "application/x-www-form-urlencoded"},
+                        content=b"x=1")
+    body = _refusal(r, 403)
+    assert "evil.example" in body["error"] and "admin.cors_origins" in body["fix"], body
+    assert "llama3.2:3b" in demo.box.ollama.loaded(), "the form unloaded the model"  # type: ignore[union-attr]
+
+
+async def test_origin_null_cannot_release(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box("default")
+    r = await http.post(demo.proxy.url("admin") + "/api/tenants/ollama/release", headers={"Origin": "null"})
+    _refusal(r, 403)
+
+
+async def test_mutation_with_a_non_json_body_gets_415(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box("default")
+    url = demo.proxy.url("admin") + "/api/tenants/ollama/release"
+    for ctype in ("application/x-www-form-urlencoded", "text/plain", "multipart/form-data; boundary=x"):
+        body = _refusal(await http.post(url, headers={"Content-Type": ctype}, content=b"x=1"), 415)
+        assert "application/json" in body["fix"], body
+    _refusal(await http.post(url, content=b"x=1"), 415)  # a body without a Content-Type
+
+
+async def test_same_origin_dashboard_release_and_plain_clients_still_work(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box("default")
+    a = demo.proxy.url("admin")
+    url = a + "/api/tenants/ollama/release"
+    dashboard = await http.post(url, headers={"Origin": a})  # the dashboard's fetch: same origin, no body
+    assert dashboard.status_code == 200, dashboard.text
+    assert (await http.post(url)).status_code == 200, "curl -X POST (no Origin, no body)"
+    assert (await http.post(url, json={})).status_code == 200, "a JSON body"
+    port = demo.proxy.servers["admin"].port
+    assert (await http.post(url, headers={"Host": f"localhost:{port}", "Origin": f"http://localhost:{port}"})).status_code == 200
+
+
+async def test_configured_cors_origin_may_release(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box(fast("default", settings={"admin": {"cors_origins": ["http://dash.local"]}}))
+    r = await http.post(demo.proxy.url("admin") + "/api/tenants/ollama/release", headers={"Origin": "http://dash.local"})
+    assert r.status_code == 200 and r.headers.get("access-control-allow-origin") == "http://dash.local", r.text
+
+
+async def test_admin_allowed_hosts_lets_a_configured_name_read(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box(fast("default", settings={"admin": {"allowed_hosts": ["hyperswap.lan"]}}))
+    r = await http.get(demo.proxy.url("admin") + "/api/tenants", headers={"Host": "hyperswap.lan:11400"})
+    assert r.status_code == 200, r.text
