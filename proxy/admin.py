@@ -18,6 +18,8 @@ from starlette.routing import BaseRoute, Route
 
 from .admission import Arbitration, gib
 from .errors import HyperSwapError
+from .guards import AdminGuard
+from .hosts import listener_policy
 from .tenants import GIB, Tenant
 from .watchdog import Watchdog
 
@@ -171,9 +173,13 @@ class AdminApi:
             *(extra_routes or []),
         ]
         # No CORS unless configured: a web page on another origin must not drive the admin API.
-        cors = self.arb.registry.config.admin.cors_origins
+        spec = self.arb.registry.config.admin
+        cors = spec.cors_origins
         middleware = [Middleware(CORSMiddleware, allow_origins=cors, allow_methods=["GET", "POST"],
                                  allow_headers=["Authorization", "Content-Type"])] if cors else []
+        # Outermost: a rebinding page or a cross-site form is refused before CORS or any route sees it.
+        hosts = listener_policy(spec.listen.rpartition(":")[0], spec.allowed_hosts)
+        middleware.insert(0, Middleware(AdminGuard, hosts=hosts, cors_origins=cors))
         app = Starlette(routes=routes, middleware=middleware)
 
         async def not_found(request: Request, exc: Exception) -> Response:

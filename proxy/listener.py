@@ -25,6 +25,8 @@ from starlette.websockets import WebSocket
 from .departure import ClientLink
 from .errors import HyperSwapError
 from .forward import Forwarder, UpstreamResponse
+from .guards import host_header, refuse_tenant_host
+from .hosts import HostPolicy
 from .inflight import InFlight, JobPoller
 from .tenants import Tenant
 
@@ -81,14 +83,23 @@ class TenantApp:
     """The ASGI app of one tenant listener; `state.poller` is the tenant's job poller."""
 
     def __init__(self, http: Callable[[Scope, Receive, Send], Awaitable[None]],
-                 ws: Callable[[WebSocket], Awaitable[None]], poller: JobPoller) -> None:
+                 ws: Callable[[WebSocket], Awaitable[None]], poller: JobPoller,
+                 hosts: HostPolicy | None = None, name: str = "") -> None:
         self._http = http
         self._ws = ws
+        self._hosts = hosts or HostPolicy()
+        self._name = name
         self.state = State()
         self.state.poller = poller
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
+        if kind in ("http", "websocket"):
+            # Before anything reaches the engine: it gets its own Host from us and can no longer check.
+            host = host_header(scope)
+            if host is None or not self._hosts.allows(host):
+                await refuse_tenant_host(scope, receive, send, self._name, host)
+                return
         if kind == "http":
             await self._http(scope, receive, send)
         elif kind == "websocket":
@@ -207,7 +218,7 @@ def tenant_app(tenant: Tenant, forwarder: Forwarder, inflight: InFlight, admissi
     async def ws(websocket: WebSocket) -> None:
         await forwarder.websocket(tenant, websocket, on_upstream_text=on_text)
 
-    return TenantApp(http, ws, poller)
+    return TenantApp(http, ws, poller, adapter.host_policy(), name)
 
 
 def _nothing() -> None:

@@ -274,9 +274,11 @@ def _operations() -> dict[str, dict[str, JSON]]:
             "responses": {
                 "200": _json("released and confirmed on the GPU", ReleaseResult),
                 "401": _err("a token is configured and none was sent"),
-                "403": _err("wrong token"),
+                "403": _err("wrong token, or an Origin other than this admin's own or admin.cors_origins"),
                 "404": _err("no such tenant"),
                 "409": _err("busy, or the tenant has no release strategy (reason says which)"),
+                "415": _err("a body that is not JSON (send none, or Content-Type: application/json)"),
+                "421": _err("a Host that is not this admin listener's address (loopback, or admin.allowed_hosts)"),
                 "502": _json("the engine refused or failed the release", ReleaseResult),
                 "504": _json("the memory was not back before the tenant's release_timeout_s", ReleaseResult)}}},
         "/api/plan": {"get": {

@@ -48,6 +48,19 @@ def _host_port(value: str) -> str:
     return value
 
 
+_HOST_ENTRY = re.compile(r"^(\*|(\*\.)?[a-z0-9_]([a-z0-9_.-]*[a-z0-9_])?|[0-9a-f:.]+|\[[0-9a-f:.]+\])$")
+
+
+def _allowed_hosts(values: list[str]) -> list[str]:
+    """Host names without port: `gpu.example.com`, `*.example.com`, an address, or `*` (no check)."""
+    out = [v.strip().lower() for v in values]
+    for v in out:
+        if not _HOST_ENTRY.match(v) or (v.count(":") == 1 and not v.startswith("[")):
+            raise ValueError(f"expected a host name without port (like gpu.example.com, *.example.com, "
+                             f"192.168.1.5 or *), got {v!r}")
+    return out
+
+
 class MatchRules(_Strict):
     """How to recognise the tenant's GPU processes."""
 
@@ -109,6 +122,7 @@ class Tenant(_Strict):
     model_vram_gb: dict[str, float] = Field(default_factory=dict, description="per-model or per-checkpoint need overrides")
     timeouts: Timeouts = Field(default_factory=Timeouts)
     replay_body_max_mb: float = Field(default=16.0, description="GPU request bodies up to this size are kept for an OOM retry")
+    allowed_hosts: list[str] = Field(default_factory=list, description="Host names the listener answers besides loopback")
 
     @field_validator("listen")
     @classmethod
@@ -121,6 +135,8 @@ class Tenant(_Strict):
         if v is not None and not re.match(r"^https?://[^/\s]+", v):
             raise ValueError(f"expected an http:// or https:// URL, got {v!r}")
         return None if v is None else v.rstrip("/")
+
+    _hosts = field_validator("allowed_hosts")(_allowed_hosts)
 
     @model_validator(mode="after")
     def _nonnegative(self) -> "Tenant":
@@ -164,11 +180,14 @@ class AdminSpec(_Strict):
     token_env: str = "HYPERSWAP_ADMIN_TOKEN"
     token_file: str | None = None
     cors_origins: list[str] = Field(default_factory=list)
+    allowed_hosts: list[str] = Field(default_factory=list, description="Host names the admin API answers besides loopback")
 
     @field_validator("listen")
     @classmethod
     def _listen(cls, v: str) -> str:
         return _host_port(v)
+
+    _hosts = field_validator("allowed_hosts")(_allowed_hosts)
 
 
 class ProxySettings(_Strict):

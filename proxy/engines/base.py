@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Literal, Sequence
 from urllib.parse import urlsplit
 
+from ..hosts import HostPolicy, listener_policy
 from ..tenants import Tenant
 
 RequestKind = Literal["gpu", "passthrough"]
@@ -76,6 +77,15 @@ class EngineAdapter:
         self.upstream_host = upstream.netloc  # what the engine believes its own Host is
         self.upstream_origin = f"{upstream.scheme}://{upstream.netloc}"
         self._host_header = (b"host", self.upstream_host.encode("latin-1"))
+
+    # -- which Host the listener answers (DNS rebinding) ------------------------------------
+    def listen_host(self) -> str | None:
+        return self.tenant.listen.rpartition(":")[0] if self.tenant.listen else None
+
+    def host_policy(self) -> HostPolicy:
+        """Loopback, the listener's own address and the tenant's allowed_hosts (see proxy/hosts.py).
+        The engine gets its own Host from the proxy, so whatever it checks itself no longer applies."""
+        return listener_policy(self.listen_host(), self.tenant.allowed_hosts)
 
     # -- classification -------------------------------------------------------------------
     def classify(self, method: str, path: str) -> RequestKind:

@@ -1,15 +1,18 @@
 """Ollama: which routes load a model, and the Host rule of a loopback-bound server.
 
 Ollama bound to loopback answers 403 (empty body) to a Host it does not consider local, so the
-upstream always gets the upstream's own Host (engine-wire-facts A.1). Its CORS check passes
-`Origin == http://<Host>`, so the base same-origin rewrite keeps browser pages working.
+upstream always gets the upstream's own Host (engine-wire-facts A.1). That hides the client's Host
+from Ollama, so the listener applies Ollama's own Host rule first (`host_policy`). Its CORS check
+passes `Origin == http://<Host>`, so the base same-origin rewrite keeps browser pages working.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from urllib.parse import urlsplit
 
+from ..hosts import HostPolicy, is_loopback_host, listener_policy
 from .base import EngineAdapter, RequestKind
 
 # POST routes that schedule a runner (load a model). /api/pull only downloads: no GPU.
@@ -57,3 +60,11 @@ class OllamaAdapter(EngineAdapter):
         if not isinstance(data, dict) or not isinstance(data.get("model"), str) or data.get(work):
             return None
         return data["model"] if keep_alive_is_zero(data.get("keep_alive")) else None
+
+    def host_policy(self) -> HostPolicy:
+        """allowedHostsMiddleware, mirrored: what Ollama allows, plus the tenant's allowed_hosts.
+        Ollama checks Host only when bound to loopback; one on another address checks none, and
+        neither does a drop-in in front of it that listens off loopback itself."""
+        engine_checks = is_loopback_host(urlsplit(self.tenant.upstream or "http://127.0.0.1").hostname or "")
+        return listener_policy(self.listen_host(), self.tenant.allowed_hosts, engine_rule=True,
+                               engine_checks=engine_checks)

@@ -265,8 +265,8 @@ async def within(awaitable: Awaitable[object]) -> object:
 # Host / Origin
 
 
-async def test_public_host_reaches_loopback_ollama_without_403() -> None:
-    async with stack("ollama", ollama_like) as (proxy, tenant, _, _):
+async def test_allowed_public_host_reaches_loopback_ollama_without_403() -> None:
+    async with stack("ollama", ollama_like, allowed_hosts=["llm.example.com"]) as (proxy, tenant, _, _):
         async with httpx.AsyncClient() as c:
             direct = await c.get(f"{tenant.upstream}/echo", headers={"Host": "llm.example.com"})
             through = await c.get(f"{proxy.url}/echo", headers={"Host": "llm.example.com"})
@@ -497,7 +497,7 @@ async def test_body_still_uploading_after_the_answer_started_reaches_the_upstrea
     # While the client still sends, the disconnect watch must not read (and lose) body chunks.
     monkeypatch.setattr("proxy.departure.WATCH_AFTER_S", 0.0)
     async with stack("ollama", ollama_like) as (proxy, _, _, _):
-        reader, writer = await _raw_request(proxy.url, b"POST /early HTTP/1.1\r\nHost: x\r\n"
+        reader, writer = await _raw_request(proxy.url, b"POST /early HTTP/1.1\r\nHost: localhost\r\n"
                                                        b"Transfer-Encoding: chunked\r\n\r\n")
         try:
             head = await within(reader.readuntil(b"\r\n\r\n"))
@@ -530,7 +530,7 @@ async def test_upload_abandoned_half_way_ends_quietly_and_counts_nothing(path: s
         # After the servers started: uvicorn's logging set-up drops handlers, and its logger does
         # not propagate to pytest's capture.
         logging.getLogger("uvicorn.error").addHandler(server_errors)
-        reader, writer = await _raw_request(proxy.url, f"POST {path} HTTP/1.1\r\nHost: x\r\n"
+        reader, writer = await _raw_request(proxy.url, f"POST {path} HTTP/1.1\r\nHost: localhost\r\n"
                                                        f"Content-Length: {2**20}\r\n\r\n".encode() + b"x" * 65536)
         if path.startswith("/api/blobs"):
             await within(state.upload_started.wait())  # the upstream is reading the streamed body
