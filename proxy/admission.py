@@ -68,7 +68,8 @@ class Arbitration:
         self.decisions = decisions
         self.control = control or httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=2.0), trust_env=False)
         self.catalog = memory.OllamaCatalog()
-        self.residency = Residency(clock)
+        # confirmed again every watchdog tick; a load unconfirmed for two ticks is planned for again
+        self.residency = Residency(clock, fresh_s=2 * registry.config.proxy.watchdog_interval_s + 0.5)
         self.queue = HandoffQueue(self)
         self.started_at = clock.now()  # idle deadlines of tenants never seen active count from here
         self.handoff_lock = asyncio.Lock()  # releases, one at a time: the queue, the watchdog, the admin API

@@ -17,7 +17,7 @@ import asyncio
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping, Protocol
+from typing import Any, Literal, Mapping, Protocol
 
 from .arbiter import Plan, TenantState, Verdict, Waiter, gib, schedule
 from .attribution import AttributedSnapshot
@@ -110,7 +110,6 @@ class HandoffQueue:
         self._tickets: dict[int, _Ticket] = {}
         self._wake = asyncio.Event()
         self._driver: asyncio.Task[None] | None = None
-        self.on_change: list[Callable[[], None]] = []  # the events stream redraws the queue
         self.waits_s: list[float] = []  # finished waits, drained by the metrics collector
 
     # -- the request side ------------------------------------------------------------------------
@@ -189,7 +188,6 @@ class HandoffQueue:
                                     promised, self.fx.clock.now(), settings.starvation_after_s)
                 if await self._apply(verdicts, snap):
                     continue
-                self._changed()
                 await self._pause(self._next_pause())
         except asyncio.CancelledError:
             raise
@@ -199,8 +197,6 @@ class HandoffQueue:
                 self._tickets.pop(ticket.waiter.id, None)
                 if not ticket.future.done():
                     ticket.future.set_exception(exc)
-        finally:
-            self._changed()
 
     def _expire(self) -> None:
         timeout = self.fx.registry.config.proxy.queue_timeout_s
@@ -303,13 +299,6 @@ class HandoffQueue:
         if ticket.queued is not None:
             self.fx.decisions.update(ticket.queued, result=why,
                                      waited_s=round(self.fx.clock.now() - ticket.waiter.arrived_at, 3))
-
-    def _changed(self) -> None:
-        for fn in list(self.on_change):
-            try:
-                fn()
-            except Exception:  # a broken subscriber must not break a handoff
-                log.exception("queue listener failed")
 
 
 def _no_plan(w: Waiter) -> Plan:

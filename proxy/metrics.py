@@ -24,6 +24,10 @@ Series:
   result confirmed | timeout (memory not back in time) | error (the engine refused or was down).
 - hyperswap_oom_retries_total{tenant,result}: succeeded | failed | no plan.
 - hyperswap_rejections_total{tenant}: 507s.
+- hyperswap_queue_waiting{tenant}: requests waiting in the handoff queue now (from the queue).
+- hyperswap_queue_wait_seconds: histogram of how long requests that had to wait waited, however
+  it ended (admitted, 507, 503, client left), from the `queued` decisions' outcomes.
+- hyperswap_queue_timeouts_total{tenant}: 503s after `proxy.queue_timeout_s`.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ if TYPE_CHECKING:
 # Handoffs on real cards take from a fraction of a second (Ollama unload) to tens (a big ComfyUI free).
 HANDOFF_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 HANDOFF_KINDS = ("plan", "oom_retry", "spill")
+# A wait lasts as long as the busy tenant's job: a chat's seconds to a long render's minutes.
+WAIT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _SEEN_MAX = 1024  # decision ids remembered to count each part once (decisions finish in seconds)
 
 
@@ -95,6 +101,14 @@ class _LiveCollector(Collector):
             jobs.add_metric([name], len(t.jobs) if t else 0)
         yield inflight
         yield jobs
+        waiting = GaugeMetricFamily("hyperswap_queue_waiting", "Requests waiting in the handoff queue for GPU memory",
+                                    labels=["tenant"])
+        counts: dict[str, int] = {name: 0 for name in tenants}
+        for w in proxy.arbitration.queue.waiting():
+            counts[w["tenant"]] = counts.get(w["tenant"], 0) + 1
+        for name, n in counts.items():
+            waiting.add_metric([name], n)
+        yield waiting
 
 
 class Metrics:
@@ -116,6 +130,10 @@ class Metrics:
                                    ["tenant", "result"], registry=self.registry)
         self.rejections = Counter("hyperswap_rejections", "Requests answered 507 (no plan frees enough)",
                                   ["tenant"], registry=self.registry)
+        self.waits = Histogram("hyperswap_queue_wait_seconds", "How long requests that had to wait for memory waited",
+                               buckets=WAIT_BUCKETS, registry=self.registry)
+        self.timeouts = Counter("hyperswap_queue_timeouts", "Requests answered 503 after proxy.queue_timeout_s",
+                                ["tenant"], registry=self.registry)
         self._seen: OrderedDict[int, set[str]] = OrderedDict()
         self._in_flight: dict[str, int] = {}
         self._pending: dict[str, list[str]] = {}  # tenant -> outcomes of requests about to leave flight
@@ -124,6 +142,7 @@ class Metrics:
             for outcome in ("completed", "rejected", "oom_error"):
                 self.requests.labels(tenant.name, outcome)
             self.rejections.labels(tenant.name)
+            self.timeouts.labels(tenant.name)
 
     # -- extension ----------------------------------------------------------------------------
     def routes(self) -> list[BaseRoute]:
@@ -166,9 +185,13 @@ class Metrics:
 
     def on_decision(self, d: Decision) -> None:
         outcome = d.outcome
-        if d.kind == "rejection" and d.trigger.startswith("request ") and self._first(d, "rejection"):
+        if d.kind == "rejection" and outcome.get("status") == 503 and self._first(d, "timeout"):
+            self.timeouts.labels(d.tenant).inc()
+        elif d.kind == "rejection" and d.trigger.startswith("request ") and self._first(d, "rejection"):
             self.rejections.labels(d.tenant).inc()
             self._expect(d.tenant, "rejected")
+        if d.kind == "queued" and "waited_s" in outcome and self._first(d, "waited"):
+            self.waits.observe(float(outcome["waited_s"]))
         releases = outcome.get("releases")
         if isinstance(releases, list) and self._first(d, "releases"):
             for r in releases:

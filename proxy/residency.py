@@ -6,6 +6,10 @@ proxy admitted it and the engine answered it, or when the engine itself lists it
 (Ollama's `/api/ps`, read by the watchdog), and stops being resident the moment anything may have
 taken it off the card: a release of its tenant, an unload passing through, an OOM, the tenant seen
 at its idle floor, the engine's own keep-alive deadline, or the engine no longer listing it.
+
+What the proxy cannot see (a client unloading the model directly at the engine) is bounded by
+`fresh_s`: a load not confirmed again within it (by another answer, or by the watchdog reading the
+engine's list every tick) stops being resident, and the next request is planned for as usual.
 """
 
 from __future__ import annotations
@@ -16,21 +20,22 @@ from .clock import Clock
 
 
 class Residency:
-    def __init__(self, clock: Clock) -> None:
+    def __init__(self, clock: Clock, fresh_s: float = 2.0) -> None:
         self.clock = clock
-        self._loads: dict[str, dict[str, float | None]] = {}  # tenant -> load key -> resident until (None: no deadline)
+        self.fresh_s = fresh_s
+        self._loads: dict[str, dict[str, float]] = {}  # tenant -> load key -> resident until (monotonic)
 
     def holds(self, tenant: str, key: str) -> bool:
-        until = self._loads.get(tenant, {}).get(key, 0.0)
-        return until is None or until > self.clock.now()
+        return self._loads.get(tenant, {}).get(key, 0.0) > self.clock.now()
 
     def loaded(self, tenant: str, key: str) -> None:
         """The engine answered an admitted request for this load: it is on the card now."""
-        self._loads.setdefault(tenant, {})[key] = None
+        self._loads.setdefault(tenant, {})[key] = self.clock.now() + self.fresh_s
 
-    def observe(self, tenant: str, loads: Mapping[str, float | None]) -> None:
-        """The engine's own list of what it holds (key -> resident until): it replaces ours."""
-        self._loads[tenant] = dict(loads)
+    def observe(self, tenant: str, loads: Mapping[str, float]) -> None:
+        """The engine's own list of what it holds (key -> its own unload deadline): it replaces ours."""
+        cap = self.clock.now() + self.fresh_s
+        self._loads[tenant] = {key: min(until, cap) for key, until in loads.items()}
 
     def forget(self, tenant: str, key: str | None = None) -> None:
         if key is None:

@@ -388,7 +388,7 @@ def decision_rows(d: Decision, seen: set[str]) -> list[tuple[Kind, dict[str, Any
     so `seen` (per decision) remembers which parts were already written."""
     out: list[tuple[Kind, dict[str, Any]]] = []
     outcome = d.outcome
-    final = "ok" in outcome or d.kind == "rejection" or (d.kind == "oom_retry" and "result" in outcome)
+    final = ("ok" in outcome or d.kind == "rejection" or (d.kind in ("oom_retry", "queued") and "result" in outcome))
     if final and "decision" not in seen:
         seen.add("decision")
         out.append(("decisions", {"at": d.at, "decision_id": d.id, "kind": d.kind, "tenant": d.tenant, "trigger": d.trigger,
@@ -400,14 +400,15 @@ def decision_rows(d: Decision, seen: set[str]) -> list[tuple[Kind, dict[str, Any
                                      "expected_bytes": r.get("expected_bytes", 0), "freed_bytes": r.get("freed_bytes", 0),
                                      "duration_s": r.get("duration_s", 0.0), "confirmed": bool(r.get("confirmed")),
                                      "error": r.get("error")}))
-    if d.kind == "rejection" and d.trigger.startswith("request ") and "rejection" not in seen:
+    if (d.kind == "rejection" and d.trigger.startswith("request ") and outcome.get("status") != 503
+            and "rejection" not in seen):  # a 503 after the queue timeout is a wait that ran out, not a 507
         seen.add("rejection")
         plan = d.plan or {}
         out.append(("rejections", {"at": d.at, "decision_id": d.id, "tenant": d.tenant, "trigger": d.trigger,
                                    "need_bytes": plan.get("need_bytes"),
                                    "blockers": json.dumps(plan.get("blockers", []), default=str)}))
     result = outcome.get("oom_retry", outcome.get("result") if d.kind == "oom_retry" else None)
-    if result is not None and "oom_retry" not in seen:
+    if result is not None and d.kind != "queued" and "oom_retry" not in seen:
         seen.add("oom_retry")
         out.append(("oom_retries", {"at": d.at, "decision_id": d.id, "tenant": d.tenant, "result": str(result)}))
     return out

@@ -122,7 +122,7 @@ class Watchdog:
         (its keep-alive deadline, minus two ticks of margin, ends the fast path)."""
         clock = self.arb.clock
         margin = 2 * self.arb.registry.config.proxy.watchdog_interval_s
-        loads: dict[str, float | None] = {}
+        loads: dict[str, float] = {}
         for m in models:
             if int(m.get("size_vram") or 0) < int(m.get("size") or 0):
                 continue

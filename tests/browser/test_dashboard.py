@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import httpx
 import pytest
 from playwright.async_api import BrowserContext, Dialog, Page
+from websockets.asyncio.client import connect as ws_connect
 
-from proxy.demo import Demo, run_prompt
+from proxy.demo import Demo, comfy_prompt, run_prompt
 from proxy.telemetry import Telemetry
 from proxy.tenants import GIB
 
@@ -196,4 +198,28 @@ async def test_timeline_of_a_freshly_opened_page_starts_with_the_recorded_minute
     await line.wait_for(state="attached", timeout=WAIT_MS)
     heights = {float(p.split(",")[1]) for p in (await line.get_attribute("points") or "").split()}
     assert len(heights) >= 2, "the recorded 6 GiB and 2 GiB must both be drawn, not only the live value"
+    assert not console.errors, console.errors
+
+
+async def test_a_chat_waiting_for_a_render_shows_on_its_card_until_it_runs(box: DemoFactory, dashboard: OpenDashboard) -> None:
+    demo = await box("default")
+    page, console = await dashboard(demo)
+    base = demo.proxy.url("comfyui")
+    async with httpx.AsyncClient(timeout=30.0, trust_env=False) as http:
+        await run_prompt(base, "flux1-dev-fp8.safetensors", http)
+        cid = uuid.uuid4().hex
+        prompt = comfy_prompt("flux1-dev-fp8.safetensors")
+        prompt["3"]["inputs"]["steps"] = 1500  # ~3 s of sampling: long enough to see the wait
+        async with ws_connect(base.replace("http", "ws") + f"/ws?clientId={cid}") as ws:
+            await ws.recv()
+            assert (await http.post(base + "/prompt", json={"prompt": prompt, "client_id": cid})).status_code == 200
+            while not demo.proxy.inflight.traffic("comfyui").jobs:
+                await asyncio.sleep(0.01)
+            chat = asyncio.ensure_future(http.post(demo.proxy.url("ollama") + "/api/generate",
+                                                   json={"model": "gemma3:27b", "prompt": "hi", "stream": False}))
+            waiting = page.locator('.card[data-tenant="ollama"] [data-role="waiting"]')
+            await waiting.filter(has_text="queued behind comfyui").wait_for(timeout=WAIT_MS)
+            assert "waiting for memory" in (await page.text_content("#device") or "")
+            assert (await chat).status_code == 200, "answered once the render ended"
+    await page.wait_for_selector('.card[data-tenant="ollama"][data-waiting="0"]', timeout=WAIT_MS)
     assert not console.errors, console.errors

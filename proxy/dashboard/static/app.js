@@ -61,7 +61,9 @@
     ui.history.push({ t: now, v: Object.fromEntries(stats.tenants.map((t) => [t.name, t.vram_bytes || 0])), total: stats.device.total_bytes });
     while (ui.history.length && ui.history[0].t < now - HISTORY_MS) ui.history.shift();
     const d = stats.device;
-    $("device").textContent = `${d.name} · ${d.source}${stats.handoff_in_progress ? " · handoff in progress" : ""}`;
+    const waiting = (stats.queue || []).length;
+    $("device").textContent = `${d.name} · ${d.source}${stats.handoff_in_progress ? " · handoff in progress" : ""}` +
+      (waiting ? ` · ${waiting} request${waiting > 1 ? "s" : ""} waiting for memory` : "");
     renderBar(); renderTenants(); renderTimeline();
   }
 
@@ -144,11 +146,17 @@
         title: t.reclaimable ? `release ${t.name}'s GPU memory now` : "this tenant has no release strategy" }, "Release");
       release.addEventListener("click", () => doRelease(t.name));
       const res = ui.results.get(t.name);
-      const card = el("article", { class: "card", dataset: { tenant: t.name, busy: t.busy } },
-        el("div", { class: "top" }, el("h3", { text: t.name }), el("span", { class: `pill ${t.busy ? "busy" : "idle"}`, text: t.busy ? "busy" : "idle" })),
+      const waits = t.waiting || [];
+      const waitText = waits.map((w) => `${w.trigger}, ${secs(w.waited_s)}: ${w.reason}`).join("\n");
+      const card = el("article", { class: "card", dataset: { tenant: t.name, busy: t.busy, waiting: waits.length } },
+        el("div", { class: "top" }, el("h3", { text: t.name }),
+          waits.length ? el("span", { class: "pill waiting", text: `${waits.length} waiting`, title: waitText }) : null,
+          el("span", { class: `pill ${t.busy ? "busy" : "idle"}`, text: t.busy ? "busy" : "idle" })),
         el("div", { class: "sub", title: eng.tip || null, dataset: { role: "engine" } }, eng.sub || t.engine),
         el("dl", {},
           el("dt", { text: "state" }), el("dd", { text: state }),
+          waits.length ? el("dt", { text: "waiting" }) : null,
+          waits.length ? el("dd", { text: `${secs(waits[0].waited_s)}: ${waits[0].reason}`, title: waitText, dataset: { role: "waiting" } }) : null,
           el("dt", { text: "in flight" }), el("dd", { text: String(t.in_flight) + (t.stale_jobs.length ? ` (${t.stale_jobs.length} stale)` : "") }),
           el("dt", { text: "memory" }), el("dd", { text: gib(t.vram_bytes), dataset: { role: "vram" } }),
           el("dt", { text: "idle release" }), el("dd", { text: t.idle_release_in_s === null ? "off" : `in ${secs(t.idle_release_in_s)}` }),
