@@ -583,7 +583,3 @@ def _with_blockers(upstream: UpstreamResponse, body: bytes, handoff: Handoff | N
         data["blockers"] = blockers_json(handoff)
         data["plan"] = handoff.plan.to_json()
     return JSONResponse(data, status_code=upstream.status_code)
-
-
-def traffic_json(states: Mapping[str, TenantState]) -> dict[str, Any]:
-    return {name: {"busy": s.busy, "why": s.busy_reason, "in_flight": s.in_flight} for name, s in states.items()}

@@ -13,7 +13,7 @@ import ollama
 import pytest
 from websockets.asyncio.client import connect as ws_connect
 
-from proxy.demo import Demo, comfy_prompt, run_prompt
+from proxy.demo import Demo, comfy_prompt
 from proxy.tenants import GIB
 
 from boxes import DemoFactory, fast
