@@ -127,7 +127,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hyperswap", description=(
         "Share one GPU between Ollama, ComfyUI and other local AI apps: a transparent proxy that "
-        "reclaims VRAM from idle, lower-priority apps before a load."))
+        "reclaims VRAM from idle apps before a load and waits for busy ones."))
     parser.add_argument("--version", action="version", version=f"hyperswap {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
