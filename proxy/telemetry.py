@@ -9,6 +9,8 @@ sqlite3 never runs on the event loop: writes go through a queue drained by one w
 (batched into transactions); reads run in `asyncio.to_thread` on their own connection (WAL mode
 lets them run beside the writer). `close()` drains the queue fully before closing, so rows handed
 in just before shutdown are kept. A full queue drops rows (counted) rather than block traffic.
+The one read on the loop: the newest decision id, once at construction, before anything listens,
+so decision ids continue across restarts.
 
 Path: `HYPERSWAP_TELEMETRY` (a path; empty or "off" disables), else
 `$XDG_STATE_HOME/hyperswap/telemetry.sqlite3` (`~/.local/state/...`); a proxy on the simulated
@@ -74,6 +76,7 @@ _SCHEMA: dict[Kind, str] = {
 _COLUMNS: dict[Kind, tuple[str, ...]] = {
     k: tuple(part.strip().split()[0] for part in schema.split(",")) for k, schema in _SCHEMA.items()
 }
+_WITH_DECISION_ID: tuple[Kind, ...] = tuple(k for k in KINDS if "decision_id" in _COLUMNS[k])
 
 
 def default_path(env: Mapping[str, str] | None = None) -> Path | None:
@@ -122,6 +125,8 @@ class TelemetryStore:
                 for kind, schema in _SCHEMA.items():
                     conn.execute(f"CREATE TABLE IF NOT EXISTS {kind} ({schema})")
                     conn.execute(f"CREATE INDEX IF NOT EXISTS {kind}_at ON {kind} (at)")
+                for kind in _WITH_DECISION_ID:  # last_decision_id() at the next start
+                    conn.execute(f"CREATE INDEX IF NOT EXISTS {kind}_decision ON {kind} (decision_id)")
             self._prune(conn)
         finally:
             conn.close()
@@ -158,6 +163,19 @@ class TelemetryStore:
             self.dropped += 1
             return False
         return True
+
+    def last_decision_id(self) -> int:
+        """The newest decision id stored (0: none, or no file yet). Blocking; read-only."""
+        if not self.path.exists():
+            return 0
+        conn = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, timeout=10.0)
+        try:
+            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            ids = [conn.execute(f"SELECT MAX(decision_id) FROM {kind}").fetchone()[0]
+                   for kind in _WITH_DECISION_ID if kind in tables]
+        finally:
+            conn.close()
+        return max((int(i) for i in ids if i is not None), default=0)
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every row submitted before this call is written (blocking)."""
@@ -434,11 +452,24 @@ class Telemetry:
         self.store: TelemetryStore | None = None
         if self.path is not None:
             self.store = TelemetryStore(self.path, retention_days=retention_days, max_rows=max_rows, wall=proxy.clock)
+            self._continue_decision_ids(self.store)
         self.recorder = VramRecorder(self.store, proxy.clock, window_s)
         self.open_error: str | None = None
         self._seen: dict[int, set[str]] = {}
         self._unsubscribe: Any = None
         self._task: asyncio.Task[None] | None = None
+
+    def _continue_decision_ids(self, store: TelemetryStore) -> None:
+        """Ids restarted at 1 on every start, so the store held one id for several decisions and a
+        release joined to the wrong one. Continue after the store's newest instead (ids stay small
+        integers, in time order). Read here, at construction, before any listener exists, so no
+        decision takes an id first: one blocking read of an index, the only one on the loop."""
+        try:
+            last = store.last_decision_id()
+        except (OSError, sqlite3.Error) as exc:  # start() reports a file it cannot use
+            log.warning("telemetry: cannot read the last decision id from %s: %s", store.path, exc)
+            return
+        self.proxy.decisions.continue_after(last)
 
     # -- extension ------------------------------------------------------------------------------
     def routes(self) -> list[BaseRoute]:
