@@ -8,9 +8,10 @@ and the dashboard.
 sqlite3 never runs on the event loop: writes go through a queue drained by one writer thread
 (batched into transactions); reads run in `asyncio.to_thread` on their own connection (WAL mode
 lets them run beside the writer). `close()` drains the queue fully before closing, so rows handed
-in just before shutdown are kept. A full queue drops rows (counted) rather than block traffic.
-The one read on the loop: the newest decision id, once at construction, before anything listens,
-so decision ids continue across restarts.
+in just before shutdown are kept. A full queue drops rows (counted) rather than block traffic;
+health tells such a loss, or failing writes, as current until a write succeeds, then as past with
+when. The one read on the loop: the newest decision id, once at construction, before anything
+listens, so decision ids continue across restarts.
 
 Path: `HYPERSWAP_TELEMETRY` (a path; empty or "off" disables), else
 `$XDG_STATE_HOME/hyperswap/telemetry.sqlite3` (`~/.local/state/...`); a proxy on the simulated
@@ -29,6 +30,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
 
@@ -95,6 +97,22 @@ class _Flush:
     done: threading.Event
 
 
+@dataclass(slots=True)
+class Loss:
+    """One episode of dropped rows (a full queue, or failing writes), over once a write succeeds."""
+
+    cause: str
+    rows: int
+    first_at: float  # wall seconds
+    last_at: float
+    ended_at: float | None = None  # the first successful write after it
+
+
+def when(at: float) -> str:
+    """A wall time as people read it in health: local, with its offset."""
+    return datetime.fromtimestamp(at).astimezone().isoformat(timespec="seconds")
+
+
 _STOP = object()
 
 
@@ -114,6 +132,8 @@ class TelemetryStore:
         self.dropped = 0
         self.written = 0
         self.last_error: str | None = None
+        self.loss: Loss | None = None  # the current or the last episode of dropped rows
+        self._loss_lock = threading.Lock()  # submit (the loop) and the writer thread both count
 
     # -- lifecycle ----------------------------------------------------------------------------
     def open(self) -> None:
@@ -160,9 +180,45 @@ class TelemetryStore:
         try:
             self._queue.put_nowait((kind, tuple(row.get(c) for c in _COLUMNS[kind])))
         except queue.Full:
-            self.dropped += 1
+            self._lose(1, "queue full: the writer could not keep up")
             return False
         return True
+
+    def _lose(self, rows: int, cause: str) -> None:
+        with self._loss_lock:
+            self.dropped += rows
+            now = self._now_wall()
+            loss = self.loss
+            if loss is None or loss.ended_at is not None:
+                self.loss = Loss(cause, rows, now, now)
+            else:
+                loss.rows += rows
+                loss.last_at = now
+                loss.cause = cause
+
+    def _wrote(self) -> None:
+        self.last_error = None
+        if self.loss is not None and self.loss.ended_at is None:
+            with self._loss_lock:
+                if self.loss is not None and self.loss.ended_at is None:
+                    self.loss.ended_at = self._now_wall()
+
+    def health(self) -> tuple[bool, str]:
+        """(ok, what to show): a loss going on now fails; one that ended is told as past, with when."""
+        loss = self.loss
+        if self.last_error is not None:
+            since = f" since {when(loss.first_at)}" if loss is not None else ""
+            rows = f" ({loss.rows} {_rows(loss.rows)} dropped)" if loss is not None else ""
+            return False, f"telemetry writes failing{since}: {self.last_error}{rows}"
+        if loss is not None and loss.ended_at is None:
+            return False, f"telemetry dropping rows since {when(loss.first_at)}: {loss.cause}, {loss.rows} {_rows(loss.rows)} so far"
+        text = f"telemetry writing to {self.path} ({self.written} rows)"
+        if loss is not None:
+            span = (f"at {when(loss.first_at)}" if when(loss.first_at) == when(loss.last_at)
+                    else f"from {when(loss.first_at)} to {when(loss.last_at)}")
+            text += (f"; earlier {loss.rows} {_rows(loss.rows)} dropped {span} ({loss.cause}); "
+                     f"writes succeed again since {when(loss.ended_at or loss.last_at)}")
+        return True, text
 
     def last_decision_id(self) -> int:
         """The newest decision id stored (0: none, or no file yet). Blocking; read-only."""
@@ -234,14 +290,15 @@ class TelemetryStore:
                                              values)
                     n = sum(len(v) for v in rows.values())
                     self.written += n
-                    self.last_error = None  # health shows the current state; `dropped` keeps the history
+                    if n:
+                        self._wrote()  # health tells a loss that ended as past, not as now
                     since_prune += n
                     if since_prune >= PRUNE_EVERY_ROWS:
                         self._prune(conn)
                         since_prune = 0
                 except sqlite3.Error as exc:  # a full disk must not kill the writer: count, log, go on
                     self.last_error = f"{type(exc).__name__}: {exc}"
-                    self.dropped += sum(len(v) for v in rows.values())
+                    self._lose(sum(len(v) for v in rows.values()), f"writes failed: {self.last_error}")
                     log.warning("telemetry write failed: %s", self.last_error)
                 for f in flushes:
                     f.done.set()
@@ -506,11 +563,7 @@ class Telemetry:
             return False, self.open_error
         if self.store is None or not self.store.alive:
             return False, "telemetry writer is not running"
-        if self.store.last_error is not None:
-            return False, f"telemetry writes failing: {self.store.last_error} ({self.store.dropped} rows dropped)"
-        if self.store.dropped:
-            return False, f"telemetry queue overflowed: {self.store.dropped} rows dropped"
-        return True, f"telemetry writing to {self.path} ({self.store.written} rows)"
+        return self.store.health()
 
     def min_vram(self, tenant: str, window_s: float) -> int | None:
         """The tenant's smallest VRAM over the last window_s seconds of samples (kept in memory, up to an hour)."""
@@ -564,6 +617,10 @@ class Telemetry:
 
         rows = await asyncio.to_thread(read)
         return JSONResponse({"since": since, "kinds": kinds, "rows": rows})
+
+
+def _rows(n: int) -> str:
+    return "row" if n == 1 else "rows"
 
 
 def _simulated(proxy: Proxy) -> bool:
