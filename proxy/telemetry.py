@@ -41,6 +41,8 @@ from starlette.routing import BaseRoute, Route
 from .tasks import cancel_and_wait
 from .clock import Clock
 from .decisions import Decision
+from .errors import HyperSwapError
+from .query import integer, optional_number
 from .tenants import MIB
 
 if TYPE_CHECKING:
@@ -57,6 +59,7 @@ DEFAULT_QUEUE_MAX = 100_000
 RECENT_HORIZON_S = 3600.0  # min_vram looks back at most this far, from memory
 LOAD_GROWTH_MIN_BYTES = 256 * MIB  # growth between two samples above this counts as a model load
 PRUNE_EVERY_ROWS = 5_000
+HISTORY_LIMIT_MAX = 10_000  # rows per kind in one /api/history answer
 
 Kind = Literal["vram", "decisions", "releases", "rejections", "oom_retries", "model_loads"]
 KINDS: tuple[Kind, ...] = ("vram", "decisions", "releases", "rejections", "oom_retries", "model_loads")
@@ -594,12 +597,12 @@ class Telemetry:
     # -- /api/history ---------------------------------------------------------------------------------
     async def history(self, request: Request) -> Response:
         q = request.query_params
+        example = "GET /api/history?since=1796000000&kind=releases&limit=100"
         try:
-            since = float(q.get("since", "0"))
-            limit = max(1, min(10_000, int(q.get("limit", "1000"))))
-        except ValueError:
-            return JSONResponse({"error": "since must be unix seconds and limit an integer",
-                                 "fix": "GET /api/history?since=1796000000&kind=releases&limit=100"}, status_code=400)
+            since = optional_number(q, "since", low=0, example=f"unix seconds, like {example}") or 0.0
+            limit = integer(q, "limit", 1000, low=1, high=HISTORY_LIMIT_MAX, example=example)
+        except HyperSwapError as exc:
+            return JSONResponse(exc.to_json(), status_code=exc.status)
         kinds = [k.strip() for k in q.get("kind", ",".join(KINDS)).split(",") if k.strip()]
         unknown = [k for k in kinds if k not in KINDS]
         if unknown:
