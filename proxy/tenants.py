@@ -84,7 +84,7 @@ BOUNDS: dict[str, Bound] = {
     "read_s": Bound(0, DAY_S, "s", low_open=True),
     "write_s": Bound(0, DAY_S, "s", low_open=True),
     "pool_s": Bound(0, DAY_S, "s", low_open=True),
-    "watchdog_interval_s": Bound(0.1, 3600, "s"),  # each tick reads the GPU
+    "watchdog_interval_s": Bound(0.05, 3600, "s"),  # each tick reads the GPU and polls the engines
     "release_poll_s": Bound(0.01, 10, "s"),  # each poll reads the GPU
     "queue_timeout_s": Bound(0, DAY_S, "s"),  # 0: never wait for a handoff, answer 503 at once
     "retention_days": Bound(0, 3650, "days", low_open=True),  # 0 would delete every row at open

@@ -209,7 +209,7 @@ NONSENSE: list[tuple[str, str, str]] = [
     (_tenant('"release_timeout_s": 0'), "tenants.ollama.release_timeout_s", "> 0"),
     (_tenant('"idle_release_after_s": -1'), "tenants.ollama.idle_release_after_s", ">= 0"),
     (_tenant('"priority": 10000000000'), "tenants.ollama.priority", "1000000"),
-    ('{"proxy": {"watchdog_interval_s": 0}}', "proxy.watchdog_interval_s", ">= 0.1"),
+    ('{"proxy": {"watchdog_interval_s": 0}}', "proxy.watchdog_interval_s", ">= 0.05"),
     ('{"proxy": {"release_poll_s": 0}}', "proxy.release_poll_s", ">= 0.01"),
     ('{"proxy": {"queue_timeout_s": -1}}', "proxy.queue_timeout_s", ">= 0"),
     (_tenant('"upstream": "http://127.0.0.1:99999"'), "tenants.ollama.upstream", "1-65535"),
@@ -257,7 +257,7 @@ def test_nonsense_in_memory_is_refused_too() -> None:
 
 def test_bounds_admit_the_sensible_edges(tmp_path: Path) -> None:
     cfg = write(tmp_path / "t.json", {
-        "proxy": {"queue_timeout_s": 0, "watchdog_interval_s": 0.1, "release_poll_s": 0.01},
+        "proxy": {"queue_timeout_s": 0, "watchdog_interval_s": 0.05, "release_poll_s": 0.01},
         "telemetry": {"retention_days": 0.5, "max_rows": 1},
         "tenants": {"ollama": {"needs_vram_gb": 16384, "idle_release_after_s": 0, "replay_body_max_mb": 0,
                                "upstream": "http://[::1]:11434/", "priority": -1000000},
