@@ -20,7 +20,8 @@ from .admission import Arbitration, gib
 from .errors import HyperSwapError
 from .guards import AdminGuard
 from .hosts import listener_policy
-from .tenants import GIB, Tenant
+from .query import integer, optional_number
+from .tenants import GIB, MAX_GIB, Tenant
 from .watchdog import Watchdog
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -119,27 +120,17 @@ class AdminApi:
 
     async def plan(self, request: Request) -> Response:
         name = request.query_params.get("tenant")
-        raw_need = request.query_params.get("need_gb")
         if not name:
             return error(400, "missing query parameter 'tenant'", "GET /api/plan?tenant=ollama&need_gb=8")
+        need_gb = optional_number(request.query_params, "need_gb", low=0, high=MAX_GIB,
+                                  example="GiB, like GET /api/plan?tenant=ollama&need_gb=8")
         tenant = self.arb.registry.get(name)
-        if raw_need is None:
-            need = tenant.needs_vram_bytes
-        else:
-            try:
-                need = int(float(raw_need) * GIB)
-            except ValueError:
-                return error(400, f"need_gb must be a number of GiB, got {raw_need!r}", "GET /api/plan?tenant=ollama&need_gb=8")
-            if need < 0:
-                return error(400, "need_gb must not be negative")
+        need = tenant.needs_vram_bytes if need_gb is None else int(need_gb * GIB)
         plan, _ = await self.arb.plan(name, need)
         return JSONResponse({"dry_run": True, "plan": plan.to_json()})
 
     async def decisions(self, request: Request) -> Response:
-        try:
-            limit = max(1, min(500, int(request.query_params.get("limit", "100"))))
-        except ValueError:
-            return error(400, "limit must be an integer")
+        limit = integer(request.query_params, "limit", 100, low=1, high=500, example="GET /api/decisions?limit=100")
         return JSONResponse({"decisions": [d.to_json() for d in self.arb.decisions.recent(limit)]})
 
     async def stats(self, request: Request) -> Response:
@@ -186,7 +177,9 @@ class AdminApi:
             return await self.not_found(request)
 
         async def not_allowed(request: Request, exc: Exception) -> Response:
-            return error(405, f"{request.method} is not allowed on {request.url.path}")
+            answer = error(405, f"{request.method} is not allowed on {request.url.path}")
+            answer.headers.update(getattr(exc, "headers", None) or {})  # Allow: what the route takes
+            return answer
 
         app.add_exception_handler(404, not_found)
         app.add_exception_handler(405, not_allowed)

@@ -6,7 +6,6 @@ ring for `GET /api/decisions`, and handed to subscribers (the events stream, tel
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 from collections import deque
@@ -39,12 +38,18 @@ class DecisionLog:
     def __init__(self, clock: Clock, maxlen: int = 500) -> None:
         self._clock = clock
         self._entries: deque[Decision] = deque(maxlen=maxlen)
-        self._ids = itertools.count(1)
+        self._last_id = 0
         self._subscribers: list[Callable[[Decision], None]] = []
+
+    def continue_after(self, last_id: int) -> None:
+        """Number the next decision after `last_id` (the telemetry store's newest), so an id names
+        one decision across restarts; never goes back."""
+        self._last_id = max(self._last_id, last_id)
 
     def record(self, kind: DecisionKind, tenant: str, trigger: str, plan: dict[str, Any] | None = None,
                **outcome: Any) -> Decision:
-        d = Decision(next(self._ids), self._clock.wall(), kind, tenant, trigger, plan, dict(outcome))
+        self._last_id += 1
+        d = Decision(self._last_id, self._clock.wall(), kind, tenant, trigger, plan, dict(outcome))
         self._entries.append(d)
         log.info(json.dumps({"decision": d.to_json()}, default=str))
         self._notify(d)

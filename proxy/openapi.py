@@ -17,6 +17,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from .telemetry import HISTORY_LIMIT_MAX, KINDS
+from .tenants import MAX_GIB
+
 if TYPE_CHECKING:
     from .service import Proxy
 
@@ -285,15 +288,17 @@ def _operations() -> dict[str, dict[str, JSON]]:
             "summary": "Dry-run plan: what would be released for a tenant to get need_gb", "operationId": "plan",
             "parameters": [
                 {"name": "tenant", "in": "query", "required": True, "schema": {"type": "string"}},
-                {"name": "need_gb", "in": "query", "required": False, "schema": {"type": "number", "minimum": 0},
+                {"name": "need_gb", "in": "query", "required": False,
+                 "schema": {"type": "number", "minimum": 0, "maximum": MAX_GIB},
                  "description": "GiB; default: the tenant's needs_vram_gb"}],
             "responses": {"200": _json("the plan; nothing is executed", DryRun),
-                          "400": _err("missing tenant or bad need_gb"), "404": _err("no such tenant")}}},
+                          "400": _err("missing tenant, or need_gb not a finite number in range"),
+                          "404": _err("no such tenant")}}},
         "/api/decisions": {"get": {
             "summary": "Recent decisions (plans, releases, rejections, retries), oldest first", "operationId": "decisions",
             "parameters": [{"name": "limit", "in": "query", "required": False,
                             "schema": {"type": "integer", "minimum": 1, "maximum": 500, "default": 100}}],
-            "responses": {"200": _json("decisions", DecisionList), "400": _err("limit is not an integer")}}},
+            "responses": {"200": _json("decisions", DecisionList), "400": _err("limit is not an integer from 1 to 500")}}},
         "/api/stats": {"get": {
             "summary": "Device, processes, tenants and recent decisions in one call", "operationId": "stats",
             "responses": {"200": _json("stats", Stats)}}},
@@ -317,7 +322,18 @@ def _operations() -> dict[str, dict[str, JSON]]:
                                                    "properties": {"engines": {"type": "array", "items": ANY_OBJECT}}})}}},
         "/api/history": {"get": {
             "summary": "Stored history (telemetry) of memory, tenants and decisions", "operationId": "history",
-            "responses": {"200": _json("history", ANY_OBJECT), "400": _err("bad query parameter")}}},
+            "parameters": [
+                {"name": "since", "in": "query", "required": False, "schema": {"type": "number", "minimum": 0},
+                 "description": "unix seconds; rows at or after it (default 0: all kept)"},
+                {"name": "kind", "in": "query", "required": False, "schema": {"type": "string"},
+                 "description": f"comma-separated, of: {', '.join(KINDS)} (default: all)"},
+                {"name": "tenant", "in": "query", "required": False, "schema": {"type": "string"}},
+                {"name": "limit", "in": "query", "required": False,
+                 "schema": {"type": "integer", "minimum": 1, "maximum": HISTORY_LIMIT_MAX, "default": 1000},
+                 "description": "rows per kind, the newest"}],
+            "responses": {"200": _json("history", ANY_OBJECT),
+                          "400": _err("since not finite unix seconds, limit out of range, or an unknown kind"),
+                          "503": _err("telemetry is off")}}},
         "/metrics": {"get": {
             "summary": "Prometheus metrics", "operationId": "metrics",
             "responses": {"200": {"description": "Prometheus text exposition format",
@@ -350,9 +366,21 @@ def _schemas() -> JSON:
     return dict(sorted(top.get("$defs", {}).items()))
 
 
-def openapi_document(mounted: Iterable[tuple[str, str]] | None = None) -> JSON:
-    """The document. `mounted`: (path, lower-case method) pairs actually served; None: every known one."""
+def _without_auth(ops: dict[str, dict[str, JSON]]) -> None:
+    """No token configured: nothing needs Authorization, and nothing answers 401 or 403."""
+    for methods in ops.values():
+        for op in methods.values():
+            if op.pop("security", None) is not None:
+                for status in ("401", "403"):
+                    op["responses"].pop(status, None)
+
+
+def openapi_document(mounted: Iterable[tuple[str, str]] | None = None, *, token: bool = True) -> JSON:
+    """The document. `mounted`: (path, lower-case method) pairs actually served; None: every known one.
+    `token`: whether the proxy runs with an admin token (only then do guarded calls need it)."""
     ops = _operations()
+    if not token:
+        _without_auth(ops)
     if mounted is None:
         paths = ops
     else:
@@ -399,7 +427,7 @@ class OpenApiExtension:
         return [Route("/openapi.json", self.document, methods=["GET"])]
 
     async def document(self, request: Request) -> Response:
-        doc = openapi_document(routes_of(request.app.routes))
+        doc = openapi_document(routes_of(request.app.routes), token=self.proxy.token is not None)
         host = request.headers.get("host")
         if host:
             doc["servers"] = [{"url": f"{request.url.scheme}://{host}"}]

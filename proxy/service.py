@@ -6,8 +6,10 @@ simulated GPU. Ports of 0 are read back (tests); the registry's addresses are th
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
@@ -42,6 +44,29 @@ def admin_token(registry: Registry, env: Mapping[str, str] | None = None) -> str
         if token:
             return token
     return env.get(spec.token_env) or None
+
+
+def listen_error(exc: OSError, who: str, address: str, source: Path | None) -> ConfigError:
+    """A bind failure as the operator needs it: which listener, which address, which file, and the
+    fix for that errno (a taken port and a host that does not resolve need different ones)."""
+    key = "admin.listen" if who == "admin" else f"tenants.{who}.listen"
+    where = f"{key} in {source}" if source else f"{key} in a tenants.json of your own (--config PATH)"
+    host, _, port = address.rpartition(":")
+    if isinstance(exc, socket.gaierror):
+        fix = f"{host} does not resolve: use an IP address (127.0.0.1) or a name in /etc/hosts in {where}"
+    elif exc.errno == errno.EADDRINUSE:
+        fix = (f"another program holds port {port} (`ss -ltnp 'sport = :{port}'` names it): stop it, "
+               f"or choose another port in {where}")
+    elif exc.errno == errno.EADDRNOTAVAIL:
+        fix = f"{host} is not an address of this machine: use 127.0.0.1 or one `ip -brief addr` lists in {where}"
+    elif exc.errno == errno.EACCES:
+        fix = (f"ports below 1024 need root or CAP_NET_BIND_SERVICE: use a port of 1024 or more in {where}, "
+               "or grant the capability")
+    else:
+        fix = f"check {where}"
+    what = "the admin API" if who == "admin" else f"tenant {who}"
+    reason = exc.strerror or str(exc)
+    return ConfigError(f"{what} cannot listen on {address}: {reason}", fix=fix)
 
 
 @dataclass(slots=True)
@@ -83,6 +108,7 @@ class Proxy:
         """Bind every listener. `ports` overrides a listener's port by name ("admin" or a tenant)."""
         ports = dict(ports or {})
         admission = self.admission
+        binding: tuple[str, str] | None = None  # (who, host:port) while a bind is under way
         try:
             for tenant in self.registry:
                 if not tenant.listen:
@@ -90,17 +116,21 @@ class Proxy:
                 host, port = split_host_port(tenant.listen)
                 app = tenant_app(tenant, self.forwarder, self.inflight, admission)
                 self._pollers.append(app.state.poller)
+                binding = (tenant.name, f"{host}:{ports.get(tenant.name, port)}")
                 self.servers[tenant.name] = await start_server(app, host, ports.get(tenant.name, port), name=tenant.name)
+                binding = None
             host, port = split_host_port(self.registry.config.admin.listen)
             for ext in self.extensions:
                 await ext.start()
             admin = AdminApi(self.arbitration, self.watchdog, self.token)
             extra = [route for ext in self.extensions for route in ext.routes()]
+            binding = ("admin", f"{host}:{ports.get('admin', port)}")
             self.servers["admin"] = await start_server(admin.app(extra), host, ports.get("admin", port), name="admin")
         except OSError as exc:
             await self.stop()
-            raise ConfigError(f"cannot listen: {exc}",
-                              fix="another program holds that port: stop it, or change 'listen' in tenants.json") from None
+            if binding is None:
+                raise ConfigError(f"cannot start: {exc}") from None
+            raise listen_error(exc, *binding, self.config_path or self.registry.source) from None
         if self.watchdog_enabled:
             self.watchdog.start()
 

@@ -8,7 +8,10 @@ and the dashboard.
 sqlite3 never runs on the event loop: writes go through a queue drained by one writer thread
 (batched into transactions); reads run in `asyncio.to_thread` on their own connection (WAL mode
 lets them run beside the writer). `close()` drains the queue fully before closing, so rows handed
-in just before shutdown are kept. A full queue drops rows (counted) rather than block traffic.
+in just before shutdown are kept. A full queue drops rows (counted) rather than block traffic;
+health tells such a loss, or failing writes, as current until a write succeeds, then as past with
+when. The one read on the loop: the newest decision id, once at construction, before anything
+listens, so decision ids continue across restarts.
 
 Path: `HYPERSWAP_TELEMETRY` (a path; empty or "off" disables), else
 `$XDG_STATE_HOME/hyperswap/telemetry.sqlite3` (`~/.local/state/...`); a proxy on the simulated
@@ -27,6 +30,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
 
@@ -37,6 +41,8 @@ from starlette.routing import BaseRoute, Route
 from .tasks import cancel_and_wait
 from .clock import Clock
 from .decisions import Decision
+from .errors import HyperSwapError
+from .query import integer, optional_number
 from .tenants import MIB
 
 if TYPE_CHECKING:
@@ -53,6 +59,7 @@ DEFAULT_QUEUE_MAX = 100_000
 RECENT_HORIZON_S = 3600.0  # min_vram looks back at most this far, from memory
 LOAD_GROWTH_MIN_BYTES = 256 * MIB  # growth between two samples above this counts as a model load
 PRUNE_EVERY_ROWS = 5_000
+HISTORY_LIMIT_MAX = 10_000  # rows per kind in one /api/history answer
 
 Kind = Literal["vram", "decisions", "releases", "rejections", "oom_retries", "model_loads"]
 KINDS: tuple[Kind, ...] = ("vram", "decisions", "releases", "rejections", "oom_retries", "model_loads")
@@ -74,6 +81,7 @@ _SCHEMA: dict[Kind, str] = {
 _COLUMNS: dict[Kind, tuple[str, ...]] = {
     k: tuple(part.strip().split()[0] for part in schema.split(",")) for k, schema in _SCHEMA.items()
 }
+_WITH_DECISION_ID: tuple[Kind, ...] = tuple(k for k in KINDS if "decision_id" in _COLUMNS[k])
 
 
 def default_path(env: Mapping[str, str] | None = None) -> Path | None:
@@ -90,6 +98,22 @@ def default_path(env: Mapping[str, str] | None = None) -> Path | None:
 @dataclass(frozen=True, slots=True)
 class _Flush:
     done: threading.Event
+
+
+@dataclass(slots=True)
+class Loss:
+    """One episode of dropped rows (a full queue, or failing writes), over once a write succeeds."""
+
+    cause: str
+    rows: int
+    first_at: float  # wall seconds
+    last_at: float
+    ended_at: float | None = None  # the first successful write after it
+
+
+def when(at: float) -> str:
+    """A wall time as people read it in health: local, with its offset."""
+    return datetime.fromtimestamp(at).astimezone().isoformat(timespec="seconds")
 
 
 _STOP = object()
@@ -111,6 +135,8 @@ class TelemetryStore:
         self.dropped = 0
         self.written = 0
         self.last_error: str | None = None
+        self.loss: Loss | None = None  # the current or the last episode of dropped rows
+        self._loss_lock = threading.Lock()  # submit (the loop) and the writer thread both count
 
     # -- lifecycle ----------------------------------------------------------------------------
     def open(self) -> None:
@@ -122,6 +148,8 @@ class TelemetryStore:
                 for kind, schema in _SCHEMA.items():
                     conn.execute(f"CREATE TABLE IF NOT EXISTS {kind} ({schema})")
                     conn.execute(f"CREATE INDEX IF NOT EXISTS {kind}_at ON {kind} (at)")
+                for kind in _WITH_DECISION_ID:  # last_decision_id() at the next start
+                    conn.execute(f"CREATE INDEX IF NOT EXISTS {kind}_decision ON {kind} (decision_id)")
             self._prune(conn)
         finally:
             conn.close()
@@ -155,9 +183,58 @@ class TelemetryStore:
         try:
             self._queue.put_nowait((kind, tuple(row.get(c) for c in _COLUMNS[kind])))
         except queue.Full:
-            self.dropped += 1
+            self._lose(1, "queue full: the writer could not keep up")
             return False
         return True
+
+    def _lose(self, rows: int, cause: str) -> None:
+        with self._loss_lock:
+            self.dropped += rows
+            now = self._now_wall()
+            loss = self.loss
+            if loss is None or loss.ended_at is not None:
+                self.loss = Loss(cause, rows, now, now)
+            else:
+                loss.rows += rows
+                loss.last_at = now
+                loss.cause = cause
+
+    def _wrote(self) -> None:
+        self.last_error = None
+        if self.loss is not None and self.loss.ended_at is None:
+            with self._loss_lock:
+                if self.loss is not None and self.loss.ended_at is None:
+                    self.loss.ended_at = self._now_wall()
+
+    def health(self) -> tuple[bool, str]:
+        """(ok, what to show): a loss going on now fails; one that ended is told as past, with when."""
+        loss = self.loss
+        if self.last_error is not None:
+            since = f" since {when(loss.first_at)}" if loss is not None else ""
+            rows = f" ({loss.rows} {_rows(loss.rows)} dropped)" if loss is not None else ""
+            return False, f"telemetry writes failing{since}: {self.last_error}{rows}"
+        if loss is not None and loss.ended_at is None:
+            return False, f"telemetry dropping rows since {when(loss.first_at)}: {loss.cause}, {loss.rows} {_rows(loss.rows)} so far"
+        text = f"telemetry writing to {self.path} ({self.written} rows)"
+        if loss is not None:
+            span = (f"at {when(loss.first_at)}" if when(loss.first_at) == when(loss.last_at)
+                    else f"from {when(loss.first_at)} to {when(loss.last_at)}")
+            text += (f"; earlier {loss.rows} {_rows(loss.rows)} dropped {span} ({loss.cause}); "
+                     f"writes succeed again since {when(loss.ended_at or loss.last_at)}")
+        return True, text
+
+    def last_decision_id(self) -> int:
+        """The newest decision id stored (0: none, or no file yet). Blocking; read-only."""
+        if not self.path.exists():
+            return 0
+        conn = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, timeout=10.0)
+        try:
+            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            ids = [conn.execute(f"SELECT MAX(decision_id) FROM {kind}").fetchone()[0]
+                   for kind in _WITH_DECISION_ID if kind in tables]
+        finally:
+            conn.close()
+        return max((int(i) for i in ids if i is not None), default=0)
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every row submitted before this call is written (blocking)."""
@@ -216,14 +293,15 @@ class TelemetryStore:
                                              values)
                     n = sum(len(v) for v in rows.values())
                     self.written += n
-                    self.last_error = None  # health shows the current state; `dropped` keeps the history
+                    if n:
+                        self._wrote()  # health tells a loss that ended as past, not as now
                     since_prune += n
                     if since_prune >= PRUNE_EVERY_ROWS:
                         self._prune(conn)
                         since_prune = 0
                 except sqlite3.Error as exc:  # a full disk must not kill the writer: count, log, go on
                     self.last_error = f"{type(exc).__name__}: {exc}"
-                    self.dropped += sum(len(v) for v in rows.values())
+                    self._lose(sum(len(v) for v in rows.values()), f"writes failed: {self.last_error}")
                     log.warning("telemetry write failed: %s", self.last_error)
                 for f in flushes:
                     f.done.set()
@@ -434,11 +512,24 @@ class Telemetry:
         self.store: TelemetryStore | None = None
         if self.path is not None:
             self.store = TelemetryStore(self.path, retention_days=retention_days, max_rows=max_rows, wall=proxy.clock)
+            self._continue_decision_ids(self.store)
         self.recorder = VramRecorder(self.store, proxy.clock, window_s)
         self.open_error: str | None = None
         self._seen: dict[int, set[str]] = {}
         self._unsubscribe: Any = None
         self._task: asyncio.Task[None] | None = None
+
+    def _continue_decision_ids(self, store: TelemetryStore) -> None:
+        """Ids restarted at 1 on every start, so the store held one id for several decisions and a
+        release joined to the wrong one. Continue after the store's newest instead (ids stay small
+        integers, in time order). Read here, at construction, before any listener exists, so no
+        decision takes an id first: one blocking read of an index, the only one on the loop."""
+        try:
+            last = store.last_decision_id()
+        except (OSError, sqlite3.Error) as exc:  # start() reports a file it cannot use
+            log.warning("telemetry: cannot read the last decision id from %s: %s", store.path, exc)
+            return
+        self.proxy.decisions.continue_after(last)
 
     # -- extension ------------------------------------------------------------------------------
     def routes(self) -> list[BaseRoute]:
@@ -475,11 +566,7 @@ class Telemetry:
             return False, self.open_error
         if self.store is None or not self.store.alive:
             return False, "telemetry writer is not running"
-        if self.store.last_error is not None:
-            return False, f"telemetry writes failing: {self.store.last_error} ({self.store.dropped} rows dropped)"
-        if self.store.dropped:
-            return False, f"telemetry queue overflowed: {self.store.dropped} rows dropped"
-        return True, f"telemetry writing to {self.path} ({self.store.written} rows)"
+        return self.store.health()
 
     def min_vram(self, tenant: str, window_s: float) -> int | None:
         """The tenant's smallest VRAM over the last window_s seconds of samples (kept in memory, up to an hour)."""
@@ -510,12 +597,12 @@ class Telemetry:
     # -- /api/history ---------------------------------------------------------------------------------
     async def history(self, request: Request) -> Response:
         q = request.query_params
+        example = "GET /api/history?since=1796000000&kind=releases&limit=100"
         try:
-            since = float(q.get("since", "0"))
-            limit = max(1, min(10_000, int(q.get("limit", "1000"))))
-        except ValueError:
-            return JSONResponse({"error": "since must be unix seconds and limit an integer",
-                                 "fix": "GET /api/history?since=1796000000&kind=releases&limit=100"}, status_code=400)
+            since = optional_number(q, "since", low=0, example=f"unix seconds, like {example}") or 0.0
+            limit = integer(q, "limit", 1000, low=1, high=HISTORY_LIMIT_MAX, example=example)
+        except HyperSwapError as exc:
+            return JSONResponse(exc.to_json(), status_code=exc.status)
         kinds = [k.strip() for k in q.get("kind", ",".join(KINDS)).split(",") if k.strip()]
         unknown = [k for k in kinds if k not in KINDS]
         if unknown:
@@ -533,6 +620,10 @@ class Telemetry:
 
         rows = await asyncio.to_thread(read)
         return JSONResponse({"since": since, "kinds": kinds, "rows": rows})
+
+
+def _rows(n: int) -> str:
+    return "row" if n == 1 else "rows"
 
 
 def _simulated(proxy: Proxy) -> bool:

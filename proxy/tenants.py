@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Literal, Mapping
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from .errors import ConfigError, UnknownTenant
 
@@ -29,6 +31,9 @@ MIB = 2**20
 ENV_CONFIG = "HYPERSWAP_CONFIG"
 SHIPPED_DEFAULTS = Path(__file__).with_name("defaults") / "tenants.json"
 
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+MAX_DEPTH = 32  # JSON nesting; release.body is the only free-form part and needs a few levels
+
 EngineKind = Literal["ollama", "comfyui", "generic"]
 ReleaseKind = Literal["ollama_unload", "comfyui_free", "http", "none"]
 
@@ -37,14 +42,103 @@ def user_config_path() -> Path:
     return Path(os.path.expanduser("~")) / ".config" / "hyperswap" / "tenants.json"
 
 
+# ---------------------------------------------------------------------------------------------
+# Bounds: every number in the file has a sane range, so nonsense fails at load with its path
+# instead of at run time (1e300 GiB made every request 500, a negative timeout made every request
+# 504 at once, a 0 s watchdog interval spun a core).
+
+DAY_S = 86400.0
+MAX_GIB = 16384.0  # 16 TiB: far above any card, far below where a byte count stops being exact
+
+
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """[low, high] in `unit`; `low_open`: low itself is refused (a zero timeout would fire at once)."""
+
+    low: float
+    high: float
+    unit: str = ""
+    low_open: bool = False
+
+    def problem(self, value: float) -> str | None:
+        too_low = value <= self.low if self.low_open else value < self.low
+        if not too_low and value <= self.high:
+            return None
+        unit = f" {self.unit}" if self.unit else ""
+        return f"must be {'>' if self.low_open else '>='} {_num(self.low)} and <= {_num(self.high)}{unit}, got {_num(value)}"
+
+
+def _num(x: float) -> str:
+    if isinstance(x, int) and abs(x) >= 10**15:
+        return f"a {x.bit_length()}-bit integer"  # float(x) could overflow
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
+
+
+# By field name (the README's tenants.json reference lists them); names not here fall back to their
+# suffix, so a field added later gets a range too.
+BOUNDS: dict[str, Bound] = {
+    "priority": Bound(-1_000_000, 1_000_000),
+    "release_timeout_s": Bound(0, 3600, "s", low_open=True),
+    "idle_release_after_s": Bound(0, 30 * DAY_S, "s"),  # 0: release as soon as it goes idle
+    "connect_s": Bound(0, 3600, "s", low_open=True),
+    "read_s": Bound(0, DAY_S, "s", low_open=True),
+    "write_s": Bound(0, DAY_S, "s", low_open=True),
+    "pool_s": Bound(0, DAY_S, "s", low_open=True),
+    "watchdog_interval_s": Bound(0.05, 3600, "s"),  # each tick reads the GPU and polls the engines
+    "release_poll_s": Bound(0.01, 10, "s"),  # each poll reads the GPU
+    "queue_timeout_s": Bound(0, DAY_S, "s"),  # 0: never wait for a handoff, answer 503 at once
+    "retention_days": Bound(0, 3650, "days", low_open=True),  # 0 would delete every row at open
+    "max_rows": Bound(1, 100_000_000, "rows"),
+    "replay_body_max_mb": Bound(0, 1024, "MiB"),  # kept in memory while the request runs
+}
+SUFFIX_BOUNDS: dict[str, Bound] = {"_gb": Bound(0, MAX_GIB, "GiB"), "_s": Bound(0, DAY_S, "s")}
+
+
+def bound_for(field: str) -> Bound | None:
+    if field in BOUNDS:
+        return BOUNDS[field]
+    return next((b for suffix, b in SUFFIX_BOUNDS.items() if field.endswith(suffix)), None)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _in_bounds(cls, value: Any, info: ValidationInfo) -> Any:
+        bound = bound_for(info.field_name or "")
+        if bound is None:
+            return value
+        if isinstance(value, dict):  # model_vram_gb: one bound for every entry
+            for key, inner in value.items():
+                problem = bound.problem(inner) if _number(inner) else None
+                if problem:
+                    raise ValueError(f"{key!r} {problem}")
+        elif _number(value):
+            problem = bound.problem(value)
+            if problem:
+                raise ValueError(problem)
+        return value
+
+
+def _no_spaces(value: str) -> None:
+    if any(c.isspace() or not c.isprintable() for c in value):
+        raise ValueError(f"{value!r} contains a space or control character")
 
 
 def _host_port(value: str) -> str:
+    _no_spaces(value)
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not sep or not host or not port.isdigit():
         raise ValueError(f"expected host:port (like 127.0.0.1:11435), got {value!r}")
+    if int(port) == 0:
+        raise ValueError("port 0 picks a new random port at every start, so no client could find it: use a fixed port 1-65535")
+    if int(port) > 65535:
+        raise ValueError(f"port {port} is out of range: use 1-65535")
     return value
 
 
@@ -59,6 +153,24 @@ def _allowed_hosts(values: list[str]) -> list[str]:
             raise ValueError(f"expected a host name without port (like gpu.example.com, *.example.com, "
                              f"192.168.1.5 or *), got {v!r}")
     return out
+
+
+def _upstream_url(value: str) -> str:
+    _no_spaces(value)
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+    except ValueError:  # a port that is no number or out of range, a broken [v6] address
+        raise ValueError(f"expected http(s)://host:port with a port 1-65535, got {value!r}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"expected an http:// or https:// URL, got {value!r}")
+    if port == 0:
+        raise ValueError(f"port 0 in {value!r}: use the engine's port (1-65535)")
+    # Relays send each request's own path to host:port, so anything more would be silently ignored.
+    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username or parts.password:
+        raise ValueError(f"expected only scheme://host:port, got {value!r}: a path, query or user here would be "
+                         "ignored (each request keeps its own path)")
+    return value.rstrip("/")
 
 
 class MatchRules(_Strict):
@@ -132,19 +244,12 @@ class Tenant(_Strict):
     @field_validator("upstream")
     @classmethod
     def _upstream(cls, v: str | None) -> str | None:
-        if v is not None and not re.match(r"^https?://[^/\s]+", v):
-            raise ValueError(f"expected an http:// or https:// URL, got {v!r}")
-        return None if v is None else v.rstrip("/")
+        return None if v is None else _upstream_url(v)
 
     _hosts = field_validator("allowed_hosts")(_allowed_hosts)
 
     @model_validator(mode="after")
-    def _nonnegative(self) -> "Tenant":
-        for field in ("needs_vram_gb", "idle_vram_gb", "context_allowance_gb", "release_timeout_s", "replay_body_max_mb"):
-            if getattr(self, field) < 0:
-                raise ValueError(f"{field} must not be negative")
-        if self.idle_release_after_s is not None and self.idle_release_after_s < 0:
-            raise ValueError("idle_release_after_s must be null (never) or >= 0")
+    def _listen_needs_upstream(self) -> "Tenant":  # number ranges: BOUNDS
         if self.listen and not self.upstream:
             raise ValueError("a tenant with 'listen' needs an 'upstream' to forward to")
         return self
@@ -212,6 +317,17 @@ class Config(_Strict):
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
     tenants: dict[str, Tenant] = Field(default_factory=dict)
 
+    @field_validator("tenants")
+    @classmethod
+    def _names(cls, tenants: dict[str, Tenant]) -> dict[str, Tenant]:
+        for name in tenants:
+            if not name:
+                raise ValueError("a tenant name must not be empty")
+            if not TENANT_NAME.fullmatch(name):
+                raise ValueError(f"tenant name {name!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a "
+                                 "letter or digit (it appears in URLs, metrics and logs)")
+        return tenants
+
     @model_validator(mode="after")
     def _ports_unique(self) -> "Config":
         seen: dict[str, str] = {self.admin.listen: "admin"}
@@ -274,6 +390,7 @@ _FRIENDLY = {
     "dict_type": "expected an object",
     "model_type": "expected an object",
     "list_type": "expected a list",
+    "finite_number": "expected a finite number (not NaN or Infinity)",
     "missing": "required field is missing",
     "extra_forbidden": "unknown key (check the spelling against the README's tenants.json reference)",
 }
@@ -292,6 +409,26 @@ def _problems(exc: ValidationError) -> list[str]:
     return out
 
 
+class _RepeatedKeys(dict[str, Any]):
+    """A JSON object that named a key twice (json keeps the last silently; we refuse it)."""
+
+    repeated: list[str]
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    repeated: list[str] = []
+    for key, value in pairs:
+        if key in out:
+            repeated.append(key)
+        out[key] = value
+    if not repeated:
+        return out
+    marked = _RepeatedKeys(out)
+    marked.repeated = repeated
+    return marked
+
+
 def _read_json(path: Path) -> Any:
     try:
         text = path.read_text(encoding="utf-8")
@@ -301,10 +438,61 @@ def _read_json(path: Path) -> Any:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}") from None
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_object)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}:{exc.lineno}:{exc.colno}: invalid JSON: {exc.msg}",
                           fix="fix the JSON at that line and column") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: JSON nested too deeply to read",
+                          fix=f"a tenants.json needs a few levels; keep it under {MAX_DEPTH}") from None
+    except ValueError as exc:  # an integer literal of thousands of digits
+        raise ConfigError(f"{path}: a number cannot be read: {exc}", fix="write numbers of a sensible size") from None
+
+
+def _non_finite(value: float) -> str:
+    return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+
+
+def tree_problems(data: Any) -> tuple[list[str], bool]:
+    """What JSON allows but a configuration must not hold, each with its path: a key given twice,
+    NaN or Infinity (also a literal too large for a float), nesting deeper than MAX_DEPTH. Also
+    whether anything was too deep to go on with. Iterative: a deep document cannot overflow the stack."""
+    problems: list[str] = []
+    too_deep = False
+    stack: list[tuple[tuple[str, ...], Any]] = [((), data)]
+    while stack:
+        path, value = stack.pop()
+        where = ".".join(path) or "(top level)"
+        if len(path) > MAX_DEPTH:
+            problems.append(f"{where}: nested deeper than {MAX_DEPTH} levels")
+            too_deep = True
+            continue
+        if isinstance(value, _RepeatedKeys):
+            problems += [f"{where}: key {key!r} twice (JSON would silently keep the last one): remove one"
+                         for key in dict.fromkeys(value.repeated)]
+        if isinstance(value, float) and not math.isfinite(value):
+            why = "" if math.isnan(value) else " (a literal too large for a float reads as Infinity)"
+            problems.append(f"{where}: {_non_finite(value)} is not a number a configuration can use{why}: "
+                            "write a finite number")
+        elif isinstance(value, dict):
+            stack += [((*path, str(k)), v) for k, v in reversed(value.items())]
+        elif isinstance(value, list):
+            stack += [((*path, str(i)), v) for i, v in reversed(list(enumerate(value)))]
+    return problems, too_deep
+
+
+def _schema_error(where: str, problems: list[str]) -> ConfigError:
+    return ConfigError(f"{where} does not match the schema", problems=problems,
+                       fix="correct the fields listed above; see the README's tenants.json reference")
+
+
+def _check_tree(data: Any, where: str) -> list[str]:
+    """The tree's problems, to be listed with the schema's; raised at once when merging and
+    validating would recurse too deep."""
+    problems, too_deep = tree_problems(data)
+    if too_deep:
+        raise _schema_error(where, problems)
+    return problems
 
 
 def _merge(base: Any, override: Any, path: tuple[str, ...], prov: dict[tuple[str, ...], str]) -> Any:
@@ -348,36 +536,42 @@ def load_registry(path: str | os.PathLike[str] | None = None, *, env: Mapping[st
     source = _resolve(path, env)
     prov: dict[tuple[str, ...], str] = {}
     merged = defaults
+    early: list[str] = []
     if source is not None:
         user = _read_json(source)
+        early = _check_tree(user, str(source))
         if not isinstance(user, dict):
             raise ConfigError(f"{source}: the top level must be a JSON object", problems=["(top level): expected an object"])
         tenants = user.get("tenants")
         if tenants is not None and not isinstance(tenants, dict):
             raise ConfigError(f"{source} does not match the schema", problems=["tenants: expected an object"])
         merged = _merge(defaults, user, (), prov)
-    return _validate(merged, source, prov)
+    return _validate(merged, source, prov, early)
 
 
 def registry_from_dict(data: Mapping[str, Any]) -> Registry:
     """Build a registry from an in-memory config (tests, scenarios), with shipped defaults merged under it."""
     prov: dict[tuple[str, ...], str] = {}
+    early = _check_tree(data, "the configuration")
     merged = _merge(_read_json(SHIPPED_DEFAULTS), dict(data), (), prov)
-    return _validate(merged, None, prov)
+    return _validate(merged, None, prov, early)
 
 
-def _validate(merged: Any, source: Path | None, prov: dict[tuple[str, ...], str]) -> Registry:
+def _validate(merged: Any, source: Path | None, prov: dict[tuple[str, ...], str], early: list[str]) -> Registry:
+    """`early`: the tree's problems (tree_problems), listed with the schema's."""
     merged = copy.deepcopy(merged)  # never write into the caller's dicts
     if isinstance(merged.get("tenants"), dict):
         for name, body in merged["tenants"].items():
             if isinstance(body, dict):
                 body.setdefault("name", name)
+    where = str(source) if source else "the configuration"
     try:
         config = Config.model_validate(merged)
     except ValidationError as exc:
-        where = str(source) if source else "the configuration"
-        raise ConfigError(f"{where} does not match the schema", problems=_problems(exc),
-                          fix="correct the fields listed above; see the README's tenants.json reference") from None
+        named = {p.split(": ", 1)[0] for p in early}  # a NaN is named once, by the tree's message
+        raise _schema_error(where, early + [p for p in _problems(exc) if p.split(": ", 1)[0] not in named]) from None
+    if early:
+        raise _schema_error(where, early)
     for name, tenant in config.tenants.items():
         if tenant.name != name:
             raise ConfigError(f"{source}: tenant key {name!r} and its name {tenant.name!r} differ",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -11,6 +12,9 @@ from proxy.clock import FakeClock
 from proxy.decisions import DecisionLog
 from proxy.telemetry import TelemetryStore, VramRecorder, decision_rows, default_path
 from proxy.tenants import GIB, MIB
+
+if TYPE_CHECKING:
+    from proxy.service import Proxy
 
 
 def store_at(tmp_path: Path, clock: FakeClock | None = None, **kw: object) -> TelemetryStore:
@@ -190,3 +194,90 @@ def test_path_comes_from_the_env_var_and_off_disables() -> None:
 
 
 ENV = "HYPERSWAP_TELEMETRY"
+
+
+# -- ids unique across restarts; a past loss reported as past ---------------------------------------
+
+def proxy_with_telemetry(path: Path, clock: FakeClock | None = None) -> "Proxy":
+    from proxy.service import Proxy
+    from proxy.sim.gpu import SimulatedGpu
+    from proxy.telemetry import telemetry_extension
+    from proxy.tenants import registry_from_dict
+
+    return Proxy(registry_from_dict({"telemetry": {"path": str(path)}}), SimulatedGpu(), clock or FakeClock(),
+                 watchdog_enabled=False, extension_factories=[telemetry_extension])
+
+
+async def test_decision_ids_continue_after_the_stores_last_across_restarts(tmp_path: Path) -> None:
+    path = tmp_path / "t.sqlite3"
+    ids: list[int] = []
+    for _run in range(2):
+        proxy = proxy_with_telemetry(path)
+        (tel,) = proxy.extensions
+        await tel.start()
+        for _ in range(3):
+            d = proxy.decisions.record("release", "comfyui", "admin", None)
+            proxy.decisions.update(d, ok=True)
+            ids.append(d.id)
+        await tel.stop()
+    assert len(set(ids)) == 6, f"a restart reused decision ids: {ids}"
+    stored = [r["decision_id"] for r in TelemetryStore(path).query("decisions")]
+    assert sorted(stored) == sorted(ids) and len(set(stored)) == 6, stored
+
+
+def test_decision_log_continues_after_an_id_and_never_goes_back() -> None:
+    log = DecisionLog(FakeClock())
+    log.continue_after(41)
+    assert log.record("plan", "ollama", "x").id == 42
+    log.continue_after(7)
+    assert log.record("plan", "ollama", "x").id == 43
+
+
+def _when(at: float) -> str:
+    from datetime import datetime
+    return datetime.fromtimestamp(at).astimezone().isoformat(timespec="seconds")
+
+
+async def test_after_a_disk_full_episode_health_reports_it_as_past_with_when(tmp_path: Path) -> None:
+    clock = FakeClock()
+    path = tmp_path / "t.sqlite3"
+    proxy = proxy_with_telemetry(path, clock)
+    (tel,) = proxy.extensions
+    await tel.start()
+    store = tel.store
+    assert store is not None
+    conn = sqlite3.connect(path)
+    conn.execute("ALTER TABLE oom_retries RENAME TO full_disk")  # every write to it fails, like a full disk
+    conn.commit()
+    failed_at = clock.wall()
+    store.submit("oom_retries", oom_row(1))
+    assert store.flush()
+    ok, text = tel.healthy()
+    assert not ok and "failing" in text, text
+
+    clock.advance(90.0)
+    conn.execute("ALTER TABLE full_disk RENAME TO oom_retries")  # space again
+    conn.commit()
+    conn.close()
+    store.submit("oom_retries", oom_row(2))
+    assert store.flush()
+    ok, text = tel.healthy()
+    assert ok, f"writes succeed again, yet health says: {text}"
+    assert "overflowed" not in text and "failing" not in text, text
+    assert "1 row" in text and _when(failed_at) in text and _when(clock.wall()) in text, text
+    await tel.stop()
+
+
+def test_a_queue_overflow_is_current_until_the_writer_catches_up_then_past(tmp_path: Path) -> None:
+    clock = FakeClock()
+    store = TelemetryStore(tmp_path / "t.sqlite3", queue_max=2, wall=clock)  # not opened: nothing drains yet
+    for i in range(3):
+        store.submit("oom_retries", oom_row(i))
+    ok, text = store.health()
+    assert not ok and "queue" in text and _when(clock.wall()) in text, text
+    clock.advance(5.0)
+    store.open()
+    assert store.flush()
+    ok, text = store.health()
+    assert ok and "1 row" in text and "queue" in text, text
+    store.close()

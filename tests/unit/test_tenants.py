@@ -9,7 +9,7 @@ import pytest
 
 from proxy.cli import main
 from proxy.errors import ConfigError
-from proxy.tenants import GIB, SHIPPED_DEFAULTS, load_registry, user_config_path
+from proxy.tenants import GIB, SHIPPED_DEFAULTS, load_registry, registry_from_dict, user_config_path
 
 
 def write(path: Path, data: object) -> Path:
@@ -186,3 +186,82 @@ def test_cli_version_and_help_list_every_command(capsys: pytest.CaptureFixture[s
     out = capsys.readouterr().out
     for cmd in ("serve", "demo", "check", "plan", "tenants", "--version"):
         assert cmd in out
+
+
+# -- nonsense is refused at load (exit 2, the JSON path, no traceback) ---------------------------
+
+def _tenant(body: str) -> str:
+    return '{"tenants": {"ollama": {%s}}}' % body
+
+
+NONSENSE: list[tuple[str, str, str]] = [
+    # (config text, the path the message must name, a word the message must contain)
+    (_tenant('"needs_vram_gb": NaN'), "tenants.ollama.needs_vram_gb", "NaN"),
+    (_tenant('"needs_vram_gb": Infinity'), "tenants.ollama.needs_vram_gb", "Infinity"),
+    (_tenant('"needs_vram_gb": -Infinity'), "tenants.ollama.needs_vram_gb", "Infinity"),
+    (_tenant('"needs_vram_gb": 1e300'), "tenants.ollama.needs_vram_gb", "16384"),
+    (_tenant('"context_allowance_gb": 1e400'), "tenants.ollama.context_allowance_gb", "Infinity"),
+    (_tenant('"model_vram_gb": {"llama3.1:8b": 1e300}'), "tenants.ollama.model_vram_gb", "16384"),
+    (_tenant('"release": {"kind": "http", "url": "/free", "body": {"x": NaN}}'), "tenants.ollama.release.body.x", "NaN"),
+    (_tenant('"timeouts": {"connect_s": -5}'), "tenants.ollama.timeouts.connect_s", "> 0"),
+    (_tenant('"timeouts": {"read_s": -1}'), "tenants.ollama.timeouts.read_s", "> 0"),
+    (_tenant('"timeouts": {"read_s": 0}'), "tenants.ollama.timeouts.read_s", "> 0"),
+    (_tenant('"release_timeout_s": 0'), "tenants.ollama.release_timeout_s", "> 0"),
+    (_tenant('"idle_release_after_s": -1'), "tenants.ollama.idle_release_after_s", ">= 0"),
+    (_tenant('"priority": 10000000000'), "tenants.ollama.priority", "1000000"),
+    ('{"proxy": {"watchdog_interval_s": 0}}', "proxy.watchdog_interval_s", ">= 0.05"),
+    ('{"proxy": {"release_poll_s": 0}}', "proxy.release_poll_s", ">= 0.01"),
+    ('{"proxy": {"queue_timeout_s": -1}}', "proxy.queue_timeout_s", ">= 0"),
+    (_tenant('"upstream": "http://127.0.0.1:99999"'), "tenants.ollama.upstream", "1-65535"),
+    (_tenant('"upstream": "http://127.0.0.1:0"'), "tenants.ollama.upstream", "1-65535"),
+    (_tenant('"upstream": "http://exa mple.com"'), "tenants.ollama.upstream", "space"),
+    (_tenant('"upstream": "http://127.0.0.1:11434/api"'), "tenants.ollama.upstream", "path"),
+    (_tenant('"listen": "127.0.0.1:0"'), "tenants.ollama.listen", "port 0"),
+    ('{"admin": {"listen": "127.0.0.1:0"}}', "admin.listen", "port 0"),
+    (_tenant('"listen": "exa mple:11435"'), "tenants.ollama.listen", "space"),
+    ('{"tenants": {"": {"priority": 1}}}', "tenants", "empty"),
+    ('{"tenants": {"my app": {"priority": 1}}}', "tenants", "'my app'"),
+    ('{"telemetry": {"retention_days": -1}}', "telemetry.retention_days", "> 0"),
+    ('{"telemetry": {"max_rows": 0}}', "telemetry.max_rows", ">= 1"),
+    (_tenant('"replay_body_max_mb": 1e9'), "tenants.ollama.replay_body_max_mb", "1024"),
+    (_tenant('"priority": 1, "priority": 2'), "tenants.ollama", "'priority' twice"),
+    ('{"tenants": {"ollama": {"priority": 1}, "ollama": {"priority": 2}}}', "tenants", "'ollama' twice"),
+    ('{"tenants": {}, "tenants": {}}', "(top level)", "'tenants' twice"),
+    (_tenant('"release": {"kind": "http", "url": "/free", "body": %s}' % ('{"a": ' * 40 + '1' + '}' * 40)),
+     "tenants.ollama.release.body.a.a", "nested deeper than"),
+    ('[' * 100_000 + ']' * 100_000, "", "nested too deeply"),
+    (_tenant('"priority": 1%s' % ("0" * 5000)), "", "number cannot be read"),
+    (_tenant('"priority": 1%s' % ("0" * 400)), "tenants.ollama.priority", "1329-bit integer"),
+]
+
+
+@pytest.mark.parametrize("text,path,word", NONSENSE, ids=[f"{n}-{p or 'deep'}" for n, (_, p, _w) in enumerate(NONSENSE)])
+def test_nonsense_is_refused_with_its_path_exit_2_and_no_traceback(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, path: str, word: str) -> None:
+    cfg = write(tmp_path / "t.json", text)
+    assert main(["tenants", "--config", str(cfg)]) == 2, f"accepted: {text[:120]}"
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert str(cfg) in err, f"the message names no file: {err}"
+    problem = next((line.strip() for line in err.splitlines() if line.strip().startswith(path)), None) if path else err
+    assert problem is not None, f"no problem names {path}: {err}"
+    assert word in problem, f"{word!r} not in {problem!r}"
+
+
+def test_nonsense_in_memory_is_refused_too() -> None:
+    """Scenarios and tests build registries from dicts: the same checks apply."""
+    with pytest.raises(ConfigError) as err:
+        registry_from_dict({"tenants": {"ollama": {"needs_vram_gb": float("nan")}}})
+    assert any(p.startswith("tenants.ollama.needs_vram_gb") for p in err.value.problems), err.value.problems
+
+
+def test_bounds_admit_the_sensible_edges(tmp_path: Path) -> None:
+    cfg = write(tmp_path / "t.json", {
+        "proxy": {"queue_timeout_s": 0, "watchdog_interval_s": 0.05, "release_poll_s": 0.01},
+        "telemetry": {"retention_days": 0.5, "max_rows": 1},
+        "tenants": {"ollama": {"needs_vram_gb": 16384, "idle_release_after_s": 0, "replay_body_max_mb": 0,
+                               "upstream": "http://[::1]:11434/", "priority": -1000000},
+                    "stt-relay_2.x": {"needs_vram_gb": 0.84}}})
+    reg = load_registry(cfg)
+    assert reg.get("ollama").upstream == "http://[::1]:11434"
+    assert reg.config.proxy.queue_timeout_s == 0
