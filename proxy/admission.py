@@ -254,9 +254,8 @@ class Arbitration:
 
     # -- the handoff queue's effects (HandoffEffects) -------------------------------------------
     async def read(self) -> tuple[AttributedSnapshot, dict[str, TenantState], dict[str, tuple[str, int]]]:
-        if self.handoff_lock.locked():  # a release under way (watchdog, admin): plan with its outcome
-            async with self.handoff_lock:
-                pass
+        # No wait for a release under way (the watchdog's, the admin's): a request that needs no
+        # release runs now; one that does waits for the lock in carry_out.
         snap = await self.snapshot()
         return snap, self.states(snap), self.promised(snap)
 

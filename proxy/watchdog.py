@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from .tasks import cancel_and_wait
-from .admission import Arbitration, gib
+from .admission import CONFIRM_SLACK_BYTES, Arbitration, gib
 from .engines import memory
 from .tenants import GIB, Tenant
 
@@ -37,21 +37,52 @@ class _Placement:
     reported: bool = False  # an impossible relief is logged once per placement, not every tick
 
 
+@dataclass(slots=True)
+class _Fruitless:
+    """Idle releases of one tenant that freed nothing since its traffic last changed."""
+    count: int
+    activity: float | None  # the tenant's last activity when they were counted
+    at: float  # when the last of them ended
+
+
+MAX_IDLE_BACKOFF = 64  # the wait after fruitless idle releases doubles up to 64 x idle_release_after_s
+
+
 class Watchdog:
     def __init__(self, arb: Arbitration) -> None:
         self.arb = arb
         self.last: TickReport | None = None
         self._task: asyncio.Task[None] | None = None
         self._placements: dict[tuple[str, str], _Placement] = {}
+        self._fruitless: dict[str, _Fruitless] = {}
 
     def idle_deadline(self, tenant_name: str) -> float | None:
-        """Monotonic time at which the tenant is released if it stays idle; None = never."""
+        """Monotonic time at which the tenant is released if it stays idle; None = never.
+
+        An idle release that freed nothing (an engine whose memory a release cannot reach) would
+        otherwise repeat every idle period, each time waiting out its release timeout: after n such
+        releases in a row the wait is idle_release_after_s x 2^n (at most x 64), counted from the
+        last one. Any traffic of the tenant, or a release that frees memory, starts over."""
         tenant = self.arb.registry.get(tenant_name)
         if tenant.idle_release_after_s is None or not tenant.reclaimable:
             return None
         traffic = self.arb.inflight.snapshot().get(tenant_name)
-        last = traffic.last_activity if traffic and traffic.last_activity is not None else self.arb.started_at
+        activity = traffic.last_activity if traffic else None
+        last = activity if activity is not None else self.arb.started_at
+        fruitless = self._fruitless.get(tenant_name)
+        if fruitless is not None and fruitless.activity == activity:
+            return fruitless.at + tenant.idle_release_after_s * min(2 ** fruitless.count, MAX_IDLE_BACKOFF)
         return last + tenant.idle_release_after_s
+
+    def _idle_released(self, name: str, freed: int, at: float) -> None:
+        traffic = self.arb.inflight.snapshot().get(name)
+        activity = traffic.last_activity if traffic else None
+        if freed > CONFIRM_SLACK_BYTES:
+            self._fruitless.pop(name, None)
+            return
+        prev = self._fruitless.get(name)
+        count = prev.count + 1 if prev is not None and prev.activity == activity else 1
+        self._fruitless[name] = _Fruitless(count, activity, at)
 
     async def tick(self) -> TickReport:
         arb = self.arb
@@ -93,10 +124,14 @@ class Watchdog:
                 report.reasons[name] = f"idle release in {deadline - report.at:.0f} s"
             else:
                 async with arb.handoff_lock:
+                    if arb.inflight.busy(name):  # work arrived while the lock was taken
+                        report.reasons[name] = "busy again: idle release skipped"
+                        continue
                     decision = arb.decisions.record("idle_release", name, "watchdog idle", None,
                                                     idle_s=tenant.idle_release_after_s, held_bytes=held)
                     result = await arb.execute_release(tenant, held - tenant.idle_vram_bytes, snap)
                     arb.decisions.update(decision, releases=[result.to_json()], ok=result.confirmed)
+                self._idle_released(name, result.freed_bytes, arb.clock.now())
                 arb.queue.kick()
                 report.actions.append(f"{name}: idle release freed {gib(result.freed_bytes)} GiB")
                 report.reasons[name] = "released after idle timeout"

@@ -350,3 +350,37 @@ async def test_comfyui_oom_of_a_client_without_websocket_is_found_by_the_history
     done = (await http.get(base + f"/history/{requeued}")).json()[requeued]
     assert done["status"]["status_str"] == "success", "the re-queued prompt must run once the memory is back"
     assert [x["tenant"] for x in retry.outcome["releases"]] == ["ollama"]
+
+
+async def test_an_idle_release_that_frees_nothing_backs_off_and_never_holds_up_a_prompt(
+        box: DemoFactory, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A ComfyUI whose /free gives nothing back (models held by a custom node, say).
+    demo = await box(fast("default", tenants={"comfyui": {"idle_release_after_s": 0.2, "release_timeout_s": 1.0}}))
+    await run_prompt(demo.proxy.url("comfyui"), "sd_xl_base_1.0.safetensors", http)
+    sim = demo.box.comfyui
+    monkeypatch.setattr(sim, "_apply_free", lambda: setattr(sim, "_free_flags", {}))  # flags taken, nothing freed
+    watchdog = demo.proxy.watchdog
+    await asyncio.sleep(0.25)
+    releasing = asyncio.ensure_future(watchdog.tick())  # waits its 1 s release timeout under the lock
+    async with asyncio.timeout(5):
+        while not demo.proxy.arbitration.handoff_lock.locked():
+            await asyncio.sleep(0.005)
+    started = asyncio.get_running_loop().time()
+    queued = await http.post(demo.proxy.url("comfyui") + "/prompt", json={"prompt": comfy_prompt("sd_xl_base_1.0.safetensors")})
+    took = asyncio.get_running_loop().time() - started
+    assert queued.status_code == 200, queued.text
+    assert not releasing.done(), f"the prompt ({took:.2f} s) waited for the fruitless release"
+    await releasing
+    clock = demo.proxy.arbitration.clock
+    for n in (1, 2):
+        deadline = watchdog.idle_deadline("comfyui")
+        assert deadline is not None and deadline - clock.now() > 0.2 * 2 ** n - 0.15, \
+            f"after {n} fruitless release(s) the next waits 0.2 s x {2 ** n}"
+        if n == 2:
+            break
+        await asyncio.sleep(max(0.0, deadline - clock.now()) + 0.02)
+        report = await watchdog.tick()
+        assert report.reasons["comfyui"] == "released after idle timeout", report.reasons
+    again = await watchdog.tick()
+    assert again.reasons["comfyui"].startswith("idle release in"), again.reasons
+    assert len(decisions(demo, "idle_release", "comfyui")) == 2
