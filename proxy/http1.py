@@ -10,7 +10,13 @@ chunked decoding and keep-alive rules are not ours.
 What it does and does not do:
 - Requests go out byte for byte as given (the caller owns every header); a streamed body goes
   chunked unless the caller passed a Content-Length. Interim 1xx answers are skipped.
-- The body is never decoded: chunked framing is removed, Content-Encoding is left alone.
+- The body is never decoded: chunked framing is removed, Content-Encoding is left alone. Trailers
+  after a chunked body are dropped (an ASGI server has no way to send them on).
+- An answer this relay cannot pass on is an UpstreamProtocolError (502 at the listener): a 101 to
+  a request that asked for no upgrade, and a transfer coding other than chunked (`gzip, chunked`).
+  The latter is refused, not relayed: the ASGI server frames the client's answer itself, so the
+  coding could only be dropped (the client would get gzip bytes labelled as plain) or turned into
+  a Content-Encoding, which changes what the body's validators and ranges refer to.
 - A pooled connection that turns out closed before any answer byte is retried once, on a new
   connection, only for idempotent methods with a replayable (bytes) body: a POST that reached the
   engine before the close must not run twice (a second generation, a second queued prompt).
@@ -55,7 +61,11 @@ class UpstreamClosed(ConnectionError):
 
 
 class UpstreamProtocolError(ConnectionError):
-    """The upstream's answer is not valid HTTP/1.1."""
+    """The upstream's answer is not valid HTTP/1.1, or not one this relay can pass on."""
+
+
+class _StopParsing(Exception):
+    """Raised in a parser callback to stop httptools at once; the reason is already recorded."""
 
 
 class Response:
@@ -65,7 +75,7 @@ class Response:
 
     __slots__ = ("status_code", "raw_headers", "_conn", "_parser", "_head", "_chunks", "_buffered", "_waiter",
                  "_complete", "_error", "_interim", "_framed", "_keep_alive", "_head_only", "_closed", "_stray",
-                 "_body_task", "got_bytes", "__weakref__")
+                 "_in_head", "_body_task", "got_bytes", "__weakref__")
 
     def __init__(self, conn: _Connection, *, head_only: bool) -> None:
         self.status_code = 0
@@ -84,6 +94,7 @@ class Response:
         self._head_only = head_only
         self._closed = False
         self._stray = False  # the parser met bytes past the end of our answer
+        self._in_head = False  # between the start of an answer and the end of its headers
         self._body_task: asyncio.Task[None] | None = None
         self.got_bytes = False
 
@@ -97,19 +108,27 @@ class Response:
     def on_message_begin(self) -> None:
         if self._complete:
             self._strayed()
+        else:
+            self._in_head = True
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if not self._stray:
+        # httptools reports a chunked body's trailers here too, after the headers: never ours to add.
+        if self._in_head:
             self.raw_headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
-        if self._stray:
-            return
+        if not self._in_head:
+            return  # a stray answer's head
+        self._in_head = False
         status = self._parser.get_status_code()
         if 100 <= status < 200 and status != 101:
             self._interim = True  # 100 Continue, 103 Early Hints: the real answer follows
             self.raw_headers = []
             return
+        refusal = _unrelayable(status, self.raw_headers)
+        if refusal is not None:
+            self._fail(UpstreamProtocolError(refusal))
+            raise _StopParsing  # its body is never read: the connection is dropped with it
         self.status_code = status
         self._framed = any(n in (b"content-length", b"transfer-encoding") for n, _ in self.raw_headers)
         self._keep_alive = self._parser.should_keep_alive()
@@ -152,6 +171,8 @@ class Response:
         try:
             self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            if self._error is not None:
+                return  # a callback refused the answer and said why
             if self._complete:
                 self._strayed()  # junk after a whole answer (a body on a 204, bytes after a close) spoils nothing
             elif isinstance(exc, httptools.HttpParserUpgrade):
@@ -258,6 +279,19 @@ class Response:
 
     async def aclose(self) -> None:
         self.close()
+
+
+def _unrelayable(status: int, headers: RawHeaders) -> str | None:
+    """Why an answer cannot be relayed as it is, or None."""
+    if status == 101:
+        # Upgrade is hop-by-hop: no request we send asks for one, so no 101 can be an answer to it.
+        return "the upstream answered 101 Switching Protocols to a request that asked for no upgrade"
+    codings = [c.strip().lower() for n, v in headers if n == b"transfer-encoding" for c in v.split(b",")]
+    codings = [c for c in codings if c]
+    if codings and codings != [b"chunked"]:
+        listed = b", ".join(codings).decode("latin-1")
+        return f"the upstream used Transfer-Encoding: {listed}; only chunked can be passed on"
+    return None
 
 
 class _Connection(asyncio.Protocol):

@@ -377,3 +377,28 @@ async def test_malformed_bytes_after_a_whole_answer_spoil_nothing(raw: bytes, ex
         assert (status, body) == expected
         assert pool.idle_connections == 0
         pool.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Answers the relay cannot pass on
+
+
+async def test_a_101_to_a_plain_request_is_a_protocol_error_and_drops_the_connection() -> None:
+    raw = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
+    async with raw_server(answer(raw)) as up:
+        pool = Pool(up.url)
+        with pytest.raises(UpstreamProtocolError, match="101"):
+            await get(pool)
+        assert pool.idle_connections == 0
+        pool.close()
+
+
+async def test_a_transfer_coding_other_than_chunked_is_a_protocol_error() -> None:
+    import gzip
+    packed = gzip.compress(b"hello")
+    raw = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(packed), packed)
+    async with raw_server(answer(raw)) as up:
+        pool = Pool(up.url)
+        with pytest.raises(UpstreamProtocolError, match="gzip"):
+            await get(pool)
+        pool.close()
