@@ -17,6 +17,9 @@ h11_max_incomplete_event_size), and nginx and Envoy ship all of them on by defau
   client still sends for up to a second, so the client reads the answer rather than a reset
   (nginx's lingering close). At most 64 connections per listener linger; past that, a refused
   connection is reset at once.
+- `scope["extensions"]["hyperswap.abort"](scope)`: ends an answer that cannot be completed (its
+  upstream broke) by closing the connection; the client sees the answer cut short and uvicorn
+  logs nothing ("ASGI callable returned without completing response" otherwise).
 
 Refusals are logged at most once per 10 s per status, with how many there were.
 """
@@ -38,6 +41,7 @@ from uvicorn.server import ServerState
 
 log = logging.getLogger("hyperswap.inbound")
 
+ABORT = "hyperswap.abort"  # the scope extension that ends an unfinished answer
 LOG_EVERY_S = 10.0
 
 
@@ -116,6 +120,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().__init__(config, server_state, app_state, _loop)
         self.guard = guard
         self.limits = guard.limits
+        self._extensions = {ABORT: self._abort}
         self._head_timer: asyncio.TimerHandle | None = None
         self._linger_timer: asyncio.TimerHandle | None = None
         self._in_message = False  # from the first byte of a request to the end of its body
@@ -190,6 +195,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._begun += 1
         self._head_read = self._head_bytes = self._target_bytes = self._headers = 0
         super().on_message_begin()
+        self.scope["extensions"] = self._extensions
 
     def on_url(self, url: bytes) -> None:
         self._target_bytes += len(url)
@@ -264,3 +270,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.guard.lingering += 1
         transport.write_eof()  # the answer is all we send; the client's EOF ends the connection
         self._linger_timer = self.loop.call_later(self.limits.linger_s, transport.abort)
+
+    # -- ending an answer that cannot be completed ------------------------------------------------------
+    def _abort(self, scope: dict[str, Any]) -> None:
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is scope and not cycle.response_complete:
+            # Disconnected: uvicorn takes the unfinished answer as the client's leaving, not an app error.
+            cycle.disconnected = True
+            cycle.keep_alive = False
+        if not self.transport.is_closing():
+            self.transport.close()  # what was sent still goes out; then the client sees the end
