@@ -1,8 +1,9 @@
 """Run ASGI apps under uvicorn inside the current event loop (several per process).
 
 Used by `hyperswap serve` (one listener per tenant plus admin), by the demo (simulators too) and by
-the tests (port 0, read back). Every listener gets the client-side limits of `inbound.py`, and the
-loop logs failed accepts (out of descriptors) once per interval, not a traceback per attempt.
+the tests (port 0, read back). Every listener gets the client-side limits of `inbound.py`; the
+loop logs failed accepts (out of descriptors) once per interval, not a traceback per attempt; and
+listeners stop together (`stop_servers`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import resource
 import socket
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import uvicorn
 from starlette.types import ASGIApp
@@ -23,6 +24,8 @@ from .inbound import Guard, InboundLimits, Throttle
 
 log = logging.getLogger("hyperswap.servers")
 
+DRAIN_S = 5.0  # what requests in flight get, in all, to finish when the listeners stop
+END_S = 2.0  # then, once their connections are closed, to notice it and end
 ACCEPT_FAILED = "socket.accept() out of system resource"  # asyncio's message for EMFILE, ENFILE, ENOBUFS, ENOMEM
 
 
@@ -46,13 +49,61 @@ class RunningServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    async def stop(self) -> None:
-        self.server.should_exit = True
-        try:
-            await asyncio.wait_for(asyncio.shield(self.task), timeout=5)
-        except asyncio.TimeoutError:
-            self.server.force_exit = True
-            await self.task
+    @property
+    def requests_running(self) -> int:
+        return len(self.server.server_state.tasks)
+
+    async def stop(self, drain_s: float = DRAIN_S) -> None:
+        await stop_servers([self], drain_s)
+
+    def cut_connections(self) -> None:
+        """Close every client connection now (also one uvicorn is already closing, as a websocket
+        whose client does not read): relays see their client leave and end quietly."""
+        for connection in list(self.server.server_state.connections):
+            transport = getattr(connection, "transport", None)
+            if transport is not None:
+                transport.abort()
+
+    def cancel_requests(self) -> int:
+        tasks = list(self.server.server_state.tasks)
+        for task in tasks:
+            task.cancel()
+        return len(tasks)
+
+
+async def stop_servers(servers: Sequence[RunningServer], drain_s: float = DRAIN_S) -> None:
+    """Stop listeners together, bounded in total. Each stops accepting and closes its idle
+    connections at once; the requests in flight get drain_s in all to finish; then their
+    connections are closed (clients see the answer cut short; each relay sees its client leave and
+    drops its upstream request), and anything still running END_S later is cancelled."""
+    running = [s for s in servers if not s.task.done()]
+    for s in running:
+        s.server.should_exit = True
+    pending = await _wait_for_servers(running, drain_s)
+    if pending:
+        requests = sum(s.requests_running for s in pending)
+        log.warning("shutdown: %d request(s) on %s still running after %g s: closing their connections",
+                    requests, ", ".join(s.name or str(s.port) for s in pending), drain_s)
+        for s in pending:
+            s.cut_connections()
+        pending = await _wait_for_servers(pending, END_S)
+    if pending:
+        cancelled = 0
+        for s in pending:
+            s.server.force_exit = True
+            cancelled += s.cancel_requests()
+        log.error("shutdown: %d request(s) did not end when their clients were disconnected: cancelled", cancelled)
+        pending = await _wait_for_servers(pending, END_S)
+    for s in servers:
+        if s.task.done() and not s.task.cancelled() and s.task.exception() is not None:
+            raise s.task.exception()  # type: ignore[misc]
+
+
+async def _wait_for_servers(servers: list[RunningServer], timeout_s: float) -> list[RunningServer]:
+    """Wait until these servers' tasks end or the time is up; those still running."""
+    if servers:
+        await asyncio.wait([s.task for s in servers], timeout=timeout_s)
+    return [s for s in servers if not s.task.done()]
 
 
 def settle_heap() -> None:
