@@ -16,7 +16,10 @@ h11_max_incomplete_event_size), and nginx and Envoy ship all of them on by defau
 - A refusal is answered, then the connection is closed after reading (and dropping) what the
   client still sends for up to a second, so the client reads the answer rather than a reset
   (nginx's lingering close). At most 64 connections per listener linger; past that, a refused
-  connection is reset at once.
+  connection is reset at once. A head refused while an earlier request on the same connection is
+  still being answered gets no answer of its own: the connection ends after that answer.
+- Why not uvicorn's limit_concurrency: it counts connections and tasks only once a head is whole
+  (so slow heads are never stopped) and answers 503 to requests on connections already accepted.
 - `scope["extensions"]["hyperswap.abort"](scope)`: ends an answer that cannot be completed (its
   upstream broke) by closing the connection; the client sees the answer cut short and uvicorn
   logs nothing ("ASGI callable returned without completing response" otherwise).
@@ -256,6 +259,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._disarm_head_timer()
         self._closing = True
         self.guard.refused(status, reason, self.client)
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            # A head pipelined behind a request still being answered: a refusal written now would land
+            # in (or before) that answer. The connection ends after it instead; the rest is dropped.
+            cycle.keep_alive = False
+            return
         body = json.dumps({"error": reason, "fix": _FIX[status].format(**asdict(self.limits))}).encode()
         self.transport.write(b"".join((
             STATUS_LINE[status], b"content-type: application/json\r\n",

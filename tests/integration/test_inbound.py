@@ -189,6 +189,18 @@ async def test_a_request_pipelined_behind_a_big_body_is_not_taken_for_a_big_head
     assert json.loads(answers[0][2]) == {"body": len(body)}
 
 
+async def test_an_oversized_head_pipelined_behind_a_stream_never_lands_inside_its_answer() -> None:
+    async with served() as (server, upstream):
+        reader, writer = await open_to(server)
+        writer.write(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n" + request(headers=[("X-Big", "a" * 9000)]))
+        head = await within(reader.readuntil(b"\r\n\r\n"))
+        upstream.more.set()
+        rest = await within(reader.read())  # the connection ends after the stream's answer
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 200") and b"chunked" in head.lower()
+    assert rest.endswith(b"last\n\r\n0\r\n\r\n") and b"HTTP/1.1" not in rest, rest
+
+
 # ---------------------------------------------------------------------------------------------
 # Header timeout
 
