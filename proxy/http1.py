@@ -454,21 +454,24 @@ class Pool:
     async def _acquire(self, *, fresh: bool = False) -> tuple[_Connection, bool]:
         """A connection for one exchange, and whether it was used before. `fresh`: a new one (a
         retry after a stale pooled connection must not meet another stale one)."""
-        if not fresh:
-            conn = self._take_idle()
-            if conn is not None:
-                return conn, True
-        if self._open < self.max_connections and not self._waiters:
-            self._open += 1
-            return await self._dial(), False
-        handed = await self._wait_turn()
-        if handed is None:
-            return await self._dial(), False
-        if not fresh:
-            return handed, True
-        handed.counted = False  # keep its slot to dial with
-        handed.drop()
-        return await self._dial(), False
+        while True:
+            if not fresh:
+                conn = self._take_idle()
+                if conn is not None:
+                    return conn, True
+            if self._open < self.max_connections and not self._waiters:
+                self._open += 1
+                return await self._dial(), False
+            handed = await self._wait_turn()
+            if handed is None:
+                return await self._dial(), False
+            if handed.usable and not fresh:
+                return handed, True
+            if handed.counted:  # a retry wants a new one: keep its slot to dial with
+                handed.counted = False
+                handed.drop()
+                return await self._dial(), False
+            # Closed by the upstream before we got to it, its slot freed with it: wait again.
 
     def _take_idle(self) -> _Connection | None:
         now = asyncio.get_running_loop().time()

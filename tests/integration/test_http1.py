@@ -447,6 +447,22 @@ async def test_a_waiter_cancelled_as_a_connection_is_handed_to_it_passes_it_on()
     assert up.connections == 1
 
 
+async def test_a_connection_handed_to_a_waiter_and_closed_before_it_resumes_is_not_used() -> None:
+    async with raw_server(answer(OK)) as up:
+        pool = Pool(up.url, max_connections=1)
+        holding = await pool.request("GET", b"/", [(b"host", b"h")], None)
+        await holding.aread()
+        conn = holding._conn
+        waiting = asyncio.ensure_future(get(pool))
+        await _until(lambda: bool(pool._waiters))
+        holding.close()  # hands the connection to the waiter...
+        conn.connection_lost(None)  # ...and the upstream closes it before the waiter runs
+        assert (await waiting)[2] == b"ok"
+        assert pool.open_connections == 1
+        pool.close()
+    assert up.connections == 2
+
+
 async def test_many_waiters_leaving_leave_no_slot_taken() -> None:
     gate = asyncio.Event()
     async with raw_server(_held(gate)) as up:
