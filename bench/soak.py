@@ -120,7 +120,7 @@ class Tally:
 async def one_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, tally: Tally, timeout_s: float) -> bool:
     """One generation stream on a kept-alive connection; False when the connection is unusable."""
     body = b'{"model": "soak", "prompt": "hi"}'
-    writer.write(b"POST /api/generate HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\n"
+    writer.write(b"POST /api/generate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     async with asyncio.timeout(timeout_s):
         head = await reader.readuntil(b"\r\n\r\n")

@@ -693,11 +693,11 @@ async def test_a_bodiless_answer_with_a_content_length_keeps_the_connection_and_
     async with raw_upstream(answer_for) as url:
         async with stack("generic", None, upstream_url=url) as (proxy, _, _, _):
             logging.getLogger("uvicorn.error").addHandler(server_errors)
-            reader, writer = await _raw_request(proxy.url, b"GET /first HTTP/1.1\r\nHost: x\r\n\r\n"
-                                                           b"GET /second HTTP/1.1\r\nHost: x\r\n\r\n")
+            reader, writer = await _raw_request(proxy.url, b"GET /first HTTP/1.1\r\nHost: localhost\r\n\r\n"
+                                                           b"GET /second HTTP/1.1\r\nHost: localhost\r\n\r\n")
             try:
                 first, second = await _read_answer(reader), await _read_answer(reader)
-                writer.write(b"GET /third HTTP/1.1\r\nHost: x\r\n\r\n")
+                writer.write(b"GET /third HTTP/1.1\r\nHost: localhost\r\n\r\n")
                 third = await _read_answer(reader)
             finally:
                 writer.close()

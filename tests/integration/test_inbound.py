@@ -117,7 +117,7 @@ async def exchange(server: RunningServer, data: bytes) -> tuple[int, dict[str, s
 
 
 def request(target: str = "/", headers: list[tuple[str, str]] | None = None) -> bytes:
-    lines = [f"GET {target} HTTP/1.1", "Host: x", *(f"{k}: {v}" for k, v in headers or [])]
+    lines = [f"GET {target} HTTP/1.1", "Host: localhost", *(f"{k}: {v}" for k, v in headers or [])]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
@@ -159,7 +159,7 @@ async def test_a_huge_header_is_refused_before_it_has_all_arrived() -> None:
     async with served() as (server, upstream):
         reader, writer = await open_to(server)
         answer = asyncio.ensure_future(read_answer(reader))
-        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        writer.write(b"GET / HTTP/1.1\r\nHost: localhost\r\nX-Big: ")
         block = b"a" * 65536
         sent = 0
         with contextlib.suppress(ConnectionError):
@@ -176,7 +176,7 @@ async def test_a_huge_header_is_refused_before_it_has_all_arrived() -> None:
 
 async def test_a_request_pipelined_behind_a_big_body_is_not_taken_for_a_big_head() -> None:
     body = b"b" * 200_000
-    first = b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    first = b"POST /upload HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n" % len(body) + body
     second = request(headers=[("X-Pad", "p" * 4000)])
     async with served() as (server, _):
         reader, writer = await open_to(server)
@@ -192,7 +192,7 @@ async def test_a_request_pipelined_behind_a_big_body_is_not_taken_for_a_big_head
 async def test_an_oversized_head_pipelined_behind_a_stream_never_lands_inside_its_answer() -> None:
     async with served() as (server, upstream):
         reader, writer = await open_to(server)
-        writer.write(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n" + request(headers=[("X-Big", "a" * 9000)]))
+        writer.write(b"GET /stream HTTP/1.1\r\nHost: localhost\r\n\r\n" + request(headers=[("X-Big", "a" * 9000)]))
         head = await within(reader.readuntil(b"\r\n\r\n"))
         upstream.more.set()
         rest = await within(reader.read())  # the connection ends after the stream's answer
@@ -208,7 +208,7 @@ async def test_an_oversized_head_pipelined_behind_a_stream_never_lands_inside_it
 async def test_a_head_that_stops_arriving_gets_408_and_the_connection_ends() -> None:
     async with served(InboundLimits(header_timeout_s=0.1)) as (server, upstream):
         reader, writer = await open_to(server)
-        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow")  # and nothing more: slowloris
+        writer.write(b"GET / HTTP/1.1\r\nHost: localhost\r\nX-Slow")  # and nothing more: slowloris
         status, _, body = await read_answer(reader)
         assert await within(reader.read()) == b""
         writer.close()
@@ -237,11 +237,11 @@ async def test_the_header_timeout_never_cuts_a_slow_upload_a_long_stream_or_a_we
     limits = InboundLimits(header_timeout_s=0.05)
     async with served(limits, through_proxy=True) as (proxy, upstream):
         reader, writer = await open_to(proxy)
-        writer.write(b"POST /upload HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nhello")
+        writer.write(b"POST /upload HTTP/1.1\r\nHost: localhost\r\nContent-Length: 10\r\n\r\nhello")
         await asyncio.sleep(0.3)  # six header timeouts
         writer.write(b"world")
         assert json.loads((await read_answer(reader))[2]) == {"body": 10}
-        writer.write(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+        writer.write(b"GET /stream HTTP/1.1\r\nHost: localhost\r\n\r\n")
         await within(reader.readuntil(b"first\n"))
         async with connect(f"ws://127.0.0.1:{proxy.port}/ws") as ws:
             await asyncio.sleep(0.3)
@@ -259,7 +259,7 @@ async def test_the_header_timeout_never_cuts_a_slow_upload_a_long_stream_or_a_we
 async def test_connections_past_the_cap_get_503_while_a_stream_and_a_websocket_go_on() -> None:
     async with served(InboundLimits(max_connections=2), through_proxy=True) as (proxy, upstream):
         reader, writer = await open_to(proxy)
-        writer.write(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+        writer.write(b"GET /stream HTTP/1.1\r\nHost: localhost\r\n\r\n")
         await within(reader.readuntil(b"first\n"))
         async with connect(f"ws://127.0.0.1:{proxy.port}/ws") as ws:
             status, headers, body, rest = await exchange(proxy, request())

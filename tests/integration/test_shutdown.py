@@ -77,7 +77,7 @@ async def open_streams(proxy: Proxy) -> list[tuple[asyncio.StreamReader, asyncio
     async def one(i: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         server = proxy.servers["ollama" if i % 2 else "comfyui"]
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        writer.write(b"GET /stream/%d HTTP/1.1\r\nHost: x\r\n\r\n" % i)
+        writer.write(b"GET /stream/%d HTTP/1.1\r\nHost: localhost\r\n\r\n" % i)
         await reader.readuntil(b"token\n\r\n")
         return reader, writer
     return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(STREAMS))), SAFETY_S)
