@@ -9,9 +9,15 @@ The API is split so admission (plan, release, OOM retry) fits between the steps:
 `open()` sends the request and returns once the upstream's headers are in (an `UpstreamResponse`);
 `relay()` turns that open response into the client's response.
 
-Relayed requests go through `http1.Pool` (one keep-alive pool per tenant; why not aiohttp or httpx
-is in that module). httpx stays for the proxy's own small requests (job polls) and websockets stay
-on the websockets library.
+Relayed requests go through `http1.Pool` (one keep-alive pool per tenant, at most
+`max_connections` to each upstream; why not aiohttp or httpx is in that module). httpx stays for
+the proxy's own small requests (job polls) and websockets stay on the websockets library.
+
+Errors: an upstream that refuses the connection or sends an answer the relay cannot pass on (a
+101 to a plain request, a transfer coding other than chunked) is a 502; one that does not answer
+in time a 504; every connection to it staying busy for pool_s a 503. An upstream that breaks once
+its answer has started cannot change the status any more: the client's connection is closed, so
+it sees the answer cut short, and the relay logs one line.
 """
 
 from __future__ import annotations
@@ -35,11 +41,13 @@ from starlette.datastructures import Headers
 from . import http1
 from .engines import EngineAdapter, adapter_for, strip_hop_by_hop
 from .errors import HyperSwapError
+from .inbound import ABORT
 from .tenants import Tenant
 
 log = logging.getLogger("hyperswap.forward")
 
 WS_MAX_SIZE = 256 * 2**20  # ComfyUI previews and outputs can be large; no small cap
+BODILESS = frozenset({204, 304})  # RFC 9110 6.4.1: never a body, whatever the headers say
 
 
 class UpstreamError(HyperSwapError):
@@ -51,6 +59,14 @@ class UpstreamError(HyperSwapError):
 def _upstream_error(tenant: Tenant, exc: Exception) -> UpstreamError:
     upstream = tenant.upstream or ""
     details = {"tenant": tenant.name, "upstream": upstream}
+    if isinstance(exc, http1.PoolTimeout):
+        return UpstreamError(f"{tenant.name}: every connection to upstream {upstream} stayed busy ({exc})",
+                             fix=f"retry later; to let requests wait longer for a free connection, raise "
+                                 f"tenants.{tenant.name}.timeouts.pool_s in tenants.json", status=503, details=details)
+    if isinstance(exc, http1.UpstreamProtocolError):
+        return UpstreamError(f"{tenant.name}: upstream {upstream} sent an answer the proxy cannot relay: {exc}",
+                             fix=f"check that tenants.{tenant.name}.upstream in tenants.json is the engine's own HTTP "
+                                 f"address, not another proxy's or a websocket-only port", status=502, details=details)
     if isinstance(exc, (httpx.TimeoutException, TimeoutError)):
         return UpstreamError(f"{tenant.name}: upstream {upstream} did not answer in time ({type(exc).__name__})",
                              fix=f"check that {tenant.name} is running and responsive, or raise "
@@ -114,14 +130,22 @@ class UpstreamResponse:
 class RelayResponse(Response):
     """Streams an open upstream response to the client and closes it when either side ends."""
 
-    def __init__(self, upstream: UpstreamResponse, on_close: OnClose, tap: Tap | None = None) -> None:
+    def __init__(self, upstream: UpstreamResponse, on_close: OnClose, tap: Tap | None = None,
+                 tenant_name: str = "") -> None:
         self.upstream = upstream
         self.status_code = upstream.status_code
         self.on_close = on_close
         self.tap = tap
+        self.tenant_name = tenant_name
         self.background = None
         self.body = b""
         self.raw_headers = strip_hop_by_hop(upstream.raw_headers)
+        if self.status_code in BODILESS:
+            # A 304 may carry the representation's Content-Length (RFC 9110 8.6), a 204 should not;
+            # uvicorn takes it as the length of the body it must send and resets the connection when
+            # none comes. A cache does not update Content-Length from a 304 (RFC 9111 3.2), so the
+            # client loses nothing.
+            self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
         self._closed = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -134,7 +158,7 @@ class RelayResponse(Response):
                     self.tap(whole)
                 await send({"type": "http.response.body", "body": whole, "more_body": False})
                 return
-            await self._stream(send)
+            await self._stream(scope, send)
         finally:
             # Synchronous, so even a cancelled relay drops the upstream (Ollama stops generating only then).
             try:
@@ -142,20 +166,31 @@ class RelayResponse(Response):
             finally:
                 self._finish()
 
-    async def _stream(self, send: Send) -> None:
+    async def _stream(self, scope: Scope, send: Send) -> None:
         """Relay body chunks until the upstream ends. A client that leaves is noticed by the
         listener's ClientLink, which cancels this task; `__call__`'s finally drops the upstream."""
+        relayed = 0
         try:
             async for chunk in self.upstream.aiter_raw():
                 if self.tap is not None:
                     self.tap(chunk)
+                relayed += len(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (OSError, TimeoutError) as exc:
-            # The status is sent already; returning without the end of the body makes the server
-            # close the connection, so the client sees a broken answer, never a short one as whole.
-            log.warning("upstream stream broke mid-response: %s: %s", type(exc).__name__, exc)
+            self._broke(scope, relayed, exc)
             return
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _broke(self, scope: Scope, relayed: int, exc: Exception) -> None:
+        """The upstream broke after the status went out: the client must see a broken answer, never
+        a short one as whole, so its connection is closed (the listener's abort extension does it
+        without uvicorn's error line; elsewhere returning unfinished has the server do it)."""
+        log.warning("%s: upstream broke mid-answer to %s %s after %d body bytes (%s: %s); the client's "
+                    "connection was closed, so it sees the answer cut short", self.tenant_name or "relay",
+                    scope.get("method"), scope.get("path"), relayed, type(exc).__name__, exc)
+        abort = scope.get("extensions", {}).get(ABORT)
+        if abort is not None:
+            abort(scope)
 
     def _finish(self) -> None:
         if not self._closed:
@@ -176,12 +211,13 @@ class _TenantPools:
 class Forwarder:
     """One relay pool per tenant (and an httpx client for job polls), created on first use."""
 
-    def __init__(self, *, max_keepalive: int = 256) -> None:
+    def __init__(self, *, max_keepalive: int = 256, max_connections: int = http1.MAX_CONNECTIONS) -> None:
         self._pools: dict[str, _TenantPools] = {}
         self._adapters: dict[str, EngineAdapter] = {}
         self._retired: list[_TenantPools] = []
         self._ssl: ssl.SSLContext | None = None  # one for all sessions: each load costs ~30 ms
         self.max_keepalive = max_keepalive
+        self.max_connections = max_connections  # per upstream
 
     def adapter(self, tenant: Tenant) -> EngineAdapter:
         adapter = self._adapters.get(tenant.name)
@@ -196,8 +232,11 @@ class Forwarder:
                 self._ssl = httpx.create_ssl_context()
             t = tenant.timeouts
             # No read timeout by default: a model load sends nothing for minutes.
+            # A request waits for a free connection at most pool_s (POOL_WAIT_S when unset), then 503.
             relay = http1.Pool(tenant.upstream or "", connect_s=t.connect_s, read_s=t.read_s, write_s=t.write_s,
-                               ssl_context=self._ssl, max_idle=self.max_keepalive)
+                               ssl_context=self._ssl, max_idle=self.max_keepalive,
+                               max_connections=self.max_connections,
+                               pool_s=t.pool_s if t.pool_s is not None else http1.POOL_WAIT_S)
             # httpx defaults (5 s everywhere) would cut a slow history answer: same timeouts as relays.
             client = httpx.AsyncClient(
                 timeout=httpx.Timeout(connect=t.connect_s, read=t.read_s, write=t.write_s, pool=t.pool_s),
@@ -245,7 +284,7 @@ class Forwarder:
     def relay(self, tenant: Tenant, upstream_response: UpstreamResponse, on_close: OnClose,
               *, tap: Tap | None = None) -> Response:
         """A response that streams the upstream body and calls on_close exactly once at the end."""
-        return RelayResponse(upstream_response, on_close, tap)
+        return RelayResponse(upstream_response, on_close, tap, tenant.name)
 
     async def get(self, tenant: Tenant, path: str) -> httpx.Response:
         """A small GET of the proxy's own (job polls), read fully."""

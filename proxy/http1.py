@@ -10,7 +10,17 @@ chunked decoding and keep-alive rules are not ours.
 What it does and does not do:
 - Requests go out byte for byte as given (the caller owns every header); a streamed body goes
   chunked unless the caller passed a Content-Length. Interim 1xx answers are skipped.
-- The body is never decoded: chunked framing is removed, Content-Encoding is left alone.
+- The body is never decoded: chunked framing is removed, Content-Encoding is left alone. Trailers
+  after a chunked body are dropped (an ASGI server has no way to send them on).
+- An answer this relay cannot pass on is an UpstreamProtocolError (502 at the listener): a 101 to
+  a request that asked for no upgrade, and a transfer coding other than chunked (`gzip, chunked`).
+  The latter is refused, not relayed: the ASGI server frames the client's answer itself, so the
+  coding could only be dropped (the client would get gzip bytes labelled as plain) or turned into
+  a Content-Encoding, which changes what the body's validators and ranges refer to.
+- Connections per upstream are capped (max_connections, in use, idle or being dialled); a request
+  that finds none free waits its turn, first come first served, up to pool_s, then PoolTimeout.
+  Idle connections are closed by a timer once idle_expiry_s passes, not only when the next
+  request comes along.
 - A pooled connection that turns out closed before any answer byte is retried once, on a new
   connection, only for idempotent methods with a replayable (bytes) body: a POST that reached the
   engine before the close must not run twice (a second generation, a second queued prompt).
@@ -32,7 +42,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
-import time
 from collections import deque
 from typing import AsyncIterator, cast
 from urllib.parse import urlsplit
@@ -48,6 +57,10 @@ READ_BUFFER_HIGH = 1 << 20  # pause reading the upstream when this much body wai
 # engine does instead of racing its close with our next request.
 IDLE_EXPIRY_S = 60.0
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})  # RFC 9110 9.2.2
+# A local engine serves a handful of requests at once (Ollama's OLLAMA_NUM_PARALLEL); beyond this
+# many connections a burst queues here instead of costing a socket (two descriptors) per request.
+MAX_CONNECTIONS = 1024
+POOL_WAIT_S = 30.0  # how long a request waits for a free connection when the tenant sets no pool_s
 
 
 class UpstreamClosed(ConnectionError):
@@ -55,7 +68,15 @@ class UpstreamClosed(ConnectionError):
 
 
 class UpstreamProtocolError(ConnectionError):
-    """The upstream's answer is not valid HTTP/1.1."""
+    """The upstream's answer is not valid HTTP/1.1, or not one this relay can pass on."""
+
+
+class PoolTimeout(TimeoutError):
+    """Every connection to the upstream stayed busy for as long as a request may wait for one."""
+
+
+class _StopParsing(Exception):
+    """Raised in a parser callback to stop httptools at once; the reason is already recorded."""
 
 
 class Response:
@@ -65,7 +86,7 @@ class Response:
 
     __slots__ = ("status_code", "raw_headers", "_conn", "_parser", "_head", "_chunks", "_buffered", "_waiter",
                  "_complete", "_error", "_interim", "_framed", "_keep_alive", "_head_only", "_closed", "_stray",
-                 "_body_task", "got_bytes", "__weakref__")
+                 "_in_head", "_body_task", "got_bytes", "__weakref__")
 
     def __init__(self, conn: _Connection, *, head_only: bool) -> None:
         self.status_code = 0
@@ -84,6 +105,7 @@ class Response:
         self._head_only = head_only
         self._closed = False
         self._stray = False  # the parser met bytes past the end of our answer
+        self._in_head = False  # between the start of an answer and the end of its headers
         self._body_task: asyncio.Task[None] | None = None
         self.got_bytes = False
 
@@ -97,19 +119,27 @@ class Response:
     def on_message_begin(self) -> None:
         if self._complete:
             self._strayed()
+        else:
+            self._in_head = True
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if not self._stray:
+        # httptools reports a chunked body's trailers here too, after the headers: never ours to add.
+        if self._in_head:
             self.raw_headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
-        if self._stray:
-            return
+        if not self._in_head:
+            return  # a stray answer's head
+        self._in_head = False
         status = self._parser.get_status_code()
         if 100 <= status < 200 and status != 101:
             self._interim = True  # 100 Continue, 103 Early Hints: the real answer follows
             self.raw_headers = []
             return
+        refusal = _unrelayable(status, self.raw_headers)
+        if refusal is not None:
+            self._fail(UpstreamProtocolError(refusal))
+            raise _StopParsing  # its body is never read: the connection is dropped with it
         self.status_code = status
         self._framed = any(n in (b"content-length", b"transfer-encoding") for n, _ in self.raw_headers)
         self._keep_alive = self._parser.should_keep_alive()
@@ -152,6 +182,8 @@ class Response:
         try:
             self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            if self._error is not None:
+                return  # a callback refused the answer and said why
             if self._complete:
                 self._strayed()  # junk after a whole answer (a body on a 204, bytes after a close) spoils nothing
             elif isinstance(exc, httptools.HttpParserUpgrade):
@@ -260,6 +292,19 @@ class Response:
         self.close()
 
 
+def _unrelayable(status: int, headers: RawHeaders) -> str | None:
+    """Why an answer cannot be relayed as it is, or None."""
+    if status == 101:
+        # Upgrade is hop-by-hop: no request we send asks for one, so no 101 can be an answer to it.
+        return "the upstream answered 101 Switching Protocols to a request that asked for no upgrade"
+    codings = [c.strip().lower() for n, v in headers if n == b"transfer-encoding" for c in v.split(b",")]
+    codings = [c for c in codings if c]
+    if codings and codings != [b"chunked"]:
+        listed = b", ".join(codings).decode("latin-1")
+        return f"the upstream used Transfer-Encoding: {listed}; only chunked can be passed on"
+    return None
+
+
 class _Connection(asyncio.Protocol):
     def __init__(self, pool: Pool, loop: asyncio.AbstractEventLoop) -> None:
         self.pool = pool
@@ -267,6 +312,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.response: Response | None = None
         self.lost = False
+        self.counted = False  # holds one of the pool's max_connections slots until it is retired
         self.idle_since = 0.0
         self._write_paused = False
         self._drained: asyncio.Future[None] | None = None
@@ -284,6 +330,7 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         self.pool._forget(self)
+        self.pool._retire(self)
         if self._drained is not None and not self._drained.done():
             self._drained.set_exception(UpstreamClosed("the upstream closed the connection while we were sending"))
             self._drained.exception()
@@ -331,28 +378,40 @@ class _Connection(asyncio.Protocol):
         self.response = None
         if self.transport is not None:
             self.transport.abort()
+        self.pool._retire(self)
 
 
 class Pool:
-    """Keep-alive connections to one upstream (`http://host:port` or `https://...`), used LIFO."""
+    """Keep-alive connections to one upstream (`http://host:port` or `https://...`), used LIFO,
+    at most max_connections at once."""
 
     def __init__(self, upstream: str, *, connect_s: float | None = 5.0, read_s: float | None = None,
                  write_s: float | None = None, ssl_context: ssl.SSLContext | None = None,
-                 max_idle: int = 256, idle_expiry_s: float = IDLE_EXPIRY_S) -> None:
+                 max_idle: int = 256, idle_expiry_s: float = IDLE_EXPIRY_S,
+                 max_connections: int = MAX_CONNECTIONS, pool_s: float | None = POOL_WAIT_S) -> None:
         parts = urlsplit(upstream)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) upstream: {upstream!r}")
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, not {max_connections}")
         self.host = parts.hostname
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
         self.ssl = (ssl_context or ssl.create_default_context()) if parts.scheme == "https" else None
-        self.connect_s, self.read_s, self.write_s = connect_s, read_s, write_s
+        self.connect_s, self.read_s, self.write_s, self.pool_s = connect_s, read_s, write_s, pool_s
         self.max_idle, self.idle_expiry_s = max_idle, idle_expiry_s
-        self._idle: deque[_Connection] = deque()
+        self.max_connections = max_connections
+        self._idle: deque[_Connection] = deque()  # oldest on the left; taken from the right
+        self._open = 0  # slots taken: connections open or being dialled, and slots handed to a waiter
+        # Requests waiting for a connection, first come first served. A waiter is handed a free
+        # connection, or None: a slot of its own to dial with.
+        self._waiters: deque[asyncio.Future[_Connection | None]] = deque()
+        self._reaper: asyncio.TimerHandle | None = None
         self._closed = False
 
     async def request(self, method: str, target: bytes, headers: RawHeaders, body: Body) -> Response:
         """Send one request; return when the answer's status and headers are in (body unread).
-        Raises OSError (refused, reset, UpstreamClosed, UpstreamProtocolError) or TimeoutError."""
+        Raises OSError (refused, reset, UpstreamClosed, UpstreamProtocolError) or TimeoutError
+        (PoolTimeout when no connection came free in time)."""
         streamed = body is not None and not isinstance(body, bytes)
         has_length = any(k.lower() == b"content-length" for k, _ in headers)
         lines = [method.encode("ascii"), b" ", target, b" HTTP/1.1\r\n"]
@@ -391,25 +450,134 @@ class Pool:
                 raise
         raise AssertionError("unreachable")
 
+    # -- connections and slots --------------------------------------------------------------------
     async def _acquire(self, *, fresh: bool = False) -> tuple[_Connection, bool]:
-        now = time.monotonic()
-        while self._idle and not fresh:
+        """A connection for one exchange, and whether it was used before. `fresh`: a new one (a
+        retry after a stale pooled connection must not meet another stale one)."""
+        while True:
+            if not fresh:
+                conn = self._take_idle()
+                if conn is not None:
+                    return conn, True
+            if self._open < self.max_connections and not self._waiters:
+                self._open += 1
+                return await self._dial(), False
+            handed = await self._wait_turn()
+            if handed is None:
+                return await self._dial(), False
+            if handed.usable and not fresh:
+                return handed, True
+            if handed.counted:  # a retry wants a new one: keep its slot to dial with
+                handed.counted = False
+                handed.drop()
+                return await self._dial(), False
+            # Closed by the upstream before we got to it, its slot freed with it: wait again.
+
+    def _take_idle(self) -> _Connection | None:
+        now = asyncio.get_running_loop().time()
+        while self._idle:
             conn = self._idle.pop()
             if conn.usable and now - conn.idle_since < self.idle_expiry_s:
-                return conn, True
+                return conn
             conn.drop()
+        return None
+
+    async def _dial(self) -> _Connection:
+        """Open a connection in a slot the caller holds; a failure gives the slot back."""
         loop = asyncio.get_running_loop()
-        connecting = loop.create_connection(lambda: _Connection(self, loop), self.host, self.port, ssl=self.ssl)
-        async with asyncio.timeout(self.connect_s):  # None: no limit
-            _, conn = await connecting
-        return conn, False
+        made: list[_Connection] = []
+
+        def protocol() -> _Connection:
+            conn = _Connection(self, loop)
+            conn.counted = True  # the slot is the connection's from now on
+            made.append(conn)
+            return conn
+
+        try:
+            connecting = loop.create_connection(protocol, self.host, self.port, ssl=self.ssl)
+            async with asyncio.timeout(self.connect_s):  # None: no limit
+                _, conn = await connecting
+        except BaseException:
+            if made:
+                made[0].drop()
+            else:
+                self._free_slot()
+            raise
+        if not conn.usable:  # closed by the upstream before we got to it
+            conn.drop()
+            raise UpstreamClosed("the upstream closed the connection as soon as it was opened")
+        return conn
+
+    async def _wait_turn(self) -> _Connection | None:
+        """Wait for a free connection or slot (first come first served), at most pool_s."""
+        turn: asyncio.Future[_Connection | None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(turn)
+        try:
+            async with asyncio.timeout(self.pool_s):  # None: no limit
+                return await turn
+        except BaseException as exc:
+            if turn.done() and not turn.cancelled():
+                self._pass_on(turn.result())  # handed over just as we gave up: the next waiter's
+            else:
+                turn.cancel()
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(turn)
+            if isinstance(exc, TimeoutError):
+                raise PoolTimeout(f"all {self.max_connections} connections to {self.host}:{self.port} stayed busy "
+                                  f"for {self.pool_s:g} s") from None
+            raise
+
+    def _hand_over(self, conn: _Connection | None) -> bool:
+        """Give a free connection (or, with None, a slot) to the longest waiter; False if none waits."""
+        while self._waiters:
+            turn = self._waiters.popleft()
+            if not turn.done():
+                turn.set_result(conn)
+                return True
+        return False
+
+    def _pass_on(self, conn: _Connection | None) -> None:
+        if conn is None:
+            self._free_slot()
+        else:
+            self._release(conn)
+
+    def _free_slot(self) -> None:
+        if not self._hand_over(None):
+            self._open -= 1
+
+    def _retire(self, conn: _Connection) -> None:
+        """A connection is gone (dropped or closed by the upstream): its slot is free, once."""
+        if conn.counted:
+            conn.counted = False
+            self._free_slot()
 
     def _release(self, conn: _Connection) -> None:
-        if self._closed or not conn.usable or len(self._idle) >= self.max_idle:
+        if self._closed or not conn.usable:
             conn.drop()
             return
-        conn.idle_since = time.monotonic()
+        if self._hand_over(conn):
+            return
+        if len(self._idle) >= self.max_idle:
+            conn.drop()
+            return
+        conn.idle_since = conn.loop.time()
         self._idle.append(conn)
+        if self._reaper is None:
+            self._reaper = conn.loop.call_later(self.idle_expiry_s, self._reap)
+
+    def _reap(self) -> None:
+        """Close the connections idle for idle_expiry_s (the oldest are on the left), then wait for the next."""
+        self._reaper = None
+        if not self._idle:
+            return
+        loop = self._idle[0].loop
+        now = loop.time()
+        while self._idle and now - self._idle[0].idle_since >= self.idle_expiry_s:
+            self._idle.popleft().drop()
+        if self._idle and not self._closed:
+            delay = max(self._idle[0].idle_since + self.idle_expiry_s - now, 0.0)
+            self._reaper = loop.call_later(delay, self._reap)
 
     def _forget(self, conn: _Connection) -> None:
         with contextlib.suppress(ValueError):
@@ -419,9 +587,17 @@ class Pool:
     def idle_connections(self) -> int:
         return len(self._idle)
 
+    @property
+    def open_connections(self) -> int:
+        """Connections open or being dialled (and slots handed to a waiter about to dial)."""
+        return self._open
+
     def close(self) -> None:
         """Close the idle connections; those in use close when their answer is closed."""
         self._closed = True
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper = None
         while self._idle:
             self._idle.pop().drop()
 

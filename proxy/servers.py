@@ -1,7 +1,9 @@
 """Run ASGI apps under uvicorn inside the current event loop (several per process).
 
 Used by `hyperswap serve` (one listener per tenant plus admin), by the demo (simulators too) and by
-the tests (port 0, read back).
+the tests (port 0, read back). Every listener gets the client-side limits of `inbound.py`; the
+loop logs failed accepts (out of descriptors) once per interval, not a traceback per attempt; and
+listeners stop together (`stop_servers`).
 """
 
 from __future__ import annotations
@@ -9,12 +11,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
+import resource
 import socket
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator, Sequence
 
 import uvicorn
 from starlette.types import ASGIApp
+
+from .inbound import Guard, InboundLimits, Throttle
+
+log = logging.getLogger("hyperswap.servers")
+
+DRAIN_S = 5.0  # what requests in flight get, in all, to finish when the listeners stop
+END_S = 2.0  # then, once their connections are closed, to notice it and end
+ACCEPT_FAILED = "socket.accept() out of system resource"  # asyncio's message for EMFILE, ENFILE, ENOBUFS, ENOMEM
 
 
 class _Server(uvicorn.Server):
@@ -37,13 +49,61 @@ class RunningServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    async def stop(self) -> None:
-        self.server.should_exit = True
-        try:
-            await asyncio.wait_for(asyncio.shield(self.task), timeout=5)
-        except asyncio.TimeoutError:
-            self.server.force_exit = True
-            await self.task
+    @property
+    def requests_running(self) -> int:
+        return len(self.server.server_state.tasks)
+
+    async def stop(self, drain_s: float = DRAIN_S) -> None:
+        await stop_servers([self], drain_s)
+
+    def cut_connections(self) -> None:
+        """Close every client connection now (also one uvicorn is already closing, as a websocket
+        whose client does not read): relays see their client leave and end quietly."""
+        for connection in list(self.server.server_state.connections):
+            transport = getattr(connection, "transport", None)
+            if transport is not None:
+                transport.abort()
+
+    def cancel_requests(self) -> int:
+        tasks = list(self.server.server_state.tasks)
+        for task in tasks:
+            task.cancel()
+        return len(tasks)
+
+
+async def stop_servers(servers: Sequence[RunningServer], drain_s: float = DRAIN_S) -> None:
+    """Stop listeners together, bounded in total. Each stops accepting and closes its idle
+    connections at once; the requests in flight get drain_s in all to finish; then their
+    connections are closed (clients see the answer cut short; each relay sees its client leave and
+    drops its upstream request), and anything still running END_S later is cancelled."""
+    running = [s for s in servers if not s.task.done()]
+    for s in running:
+        s.server.should_exit = True
+    pending = await _wait_for_servers(running, drain_s)
+    if pending:
+        requests = sum(s.requests_running for s in pending)
+        log.warning("shutdown: %d request(s) on %s still running after %g s: closing their connections",
+                    requests, ", ".join(s.name or str(s.port) for s in pending), drain_s)
+        for s in pending:
+            s.cut_connections()
+        pending = await _wait_for_servers(pending, END_S)
+    if pending:
+        cancelled = 0
+        for s in pending:
+            s.server.force_exit = True
+            cancelled += s.cancel_requests()
+        log.error("shutdown: %d request(s) did not end when their clients were disconnected: cancelled", cancelled)
+        pending = await _wait_for_servers(pending, END_S)
+    for s in servers:
+        if s.task.done() and not s.task.cancelled() and s.task.exception() is not None:
+            raise s.task.exception()  # type: ignore[misc]
+
+
+async def _wait_for_servers(servers: list[RunningServer], timeout_s: float) -> list[RunningServer]:
+    """Wait until these servers' tasks end or the time is up; those still running."""
+    if servers:
+        await asyncio.wait([s.task for s in servers], timeout=timeout_s)
+    return [s for s in servers if not s.task.done()]
 
 
 def settle_heap() -> None:
@@ -55,14 +115,51 @@ def settle_heap() -> None:
     gc.freeze()
 
 
+class _AcceptFailures:
+    """The loop's exception handler: asyncio reports each failed accept of a listener out of
+    descriptors with a traceback, and retries every second per listener (a proxy at its descriptor
+    limit logged 172,031 of them, 75 MB in 35 s). Those become one line per interval with a count;
+    everything else goes to the handler that was there before."""
+
+    def __init__(self, previous: Any) -> None:
+        self.previous = previous
+        self.throttle = Throttle()
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if context.get("message") != ACCEPT_FAILED:
+            if self.previous is not None:
+                self.previous(loop, context)
+            else:
+                loop.default_exception_handler(context)
+            return
+        held = self.throttle.ready()
+        if held is None:
+            return
+        sock = context.get("socket")
+        where = ":".join(str(part) for part in sock.getsockname()[:2]) if sock is not None else "a listener"
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        more = f" ({held} more since the last such line)" if held else ""
+        log.error("cannot accept connections on %s: %s%s; new clients wait in the backlog until descriptors "
+                  "free up. Fix: raise the open-file limit (ulimit -n, now %d) or lower the connection caps",
+                  where, context.get("exception"), more, soft)
+
+
+def log_accept_failures_once_per_interval(loop: asyncio.AbstractEventLoop) -> None:
+    """Install `_AcceptFailures` on this loop (once)."""
+    if not isinstance(loop.get_exception_handler(), _AcceptFailures):
+        loop.set_exception_handler(_AcceptFailures(loop.get_exception_handler()))
+
+
 def split_host_port(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     return host, int(port)
 
 
 async def start_server(app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *, name: str = "",
-                       ws_ping_interval: float | None = None) -> RunningServer:
-    """Bind first (so port 0 can be read back and a busy port fails here), then serve."""
+                       ws_ping_interval: float | None = None, limits: InboundLimits | None = None) -> RunningServer:
+    """Bind first (so port 0 can be read back and a busy port fails here), then serve, with the
+    client-side limits of `inbound.py` (`limits`, or the defaults)."""
+    log_accept_failures_once_per_interval(asyncio.get_running_loop())
     # proto must say TCP: asyncio only sets TCP_NODELAY on accepted sockets whose proto is
     # IPPROTO_TCP, and without it Nagle + delayed ACK add ~40 ms to small responses.
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -74,8 +171,9 @@ async def start_server(app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *, 
         raise
     sock.listen(2048)
     sock.setblocking(False)
+    guard = Guard(name or f"{host}:{sock.getsockname()[1]}", limits)
     config = uvicorn.Config(
-        app, log_level="warning", access_log=False, lifespan="off",
+        app, log_level="warning", access_log=False, lifespan="off", http=guard.protocol,  # type: ignore[arg-type]
         # A ComfyUI socket may idle for hours: no pings of our own, no idle close.
         ws_ping_interval=ws_ping_interval, ws_ping_timeout=None, ws_max_size=64 * 2**20,
         timeout_keep_alive=75,

@@ -24,7 +24,7 @@ from .forward import Forwarder
 from .gpu import GpuReader
 from .inflight import InFlight
 from .listener import tenant_app
-from .servers import RunningServer, split_host_port, start_server
+from .servers import DRAIN_S, RunningServer, split_host_port, start_server, stop_servers
 from .tenants import Registry
 from .watchdog import Watchdog
 
@@ -77,6 +77,7 @@ class Proxy:
     watchdog_enabled: bool = True
     extension_factories: list[ExtensionFactory] | None = None  # None: default_extensions()
     config_path: Path | None = None  # the tenants.json in use, for the health check
+    drain_s: float = DRAIN_S  # on stop, what requests in flight get, in all, to finish
     inflight: InFlight = field(init=False)
     forwarder: Forwarder = field(init=False)
     decisions: DecisionLog = field(init=False)
@@ -139,8 +140,8 @@ class Proxy:
         for poller in self._pollers:
             await poller.stop()  # type: ignore[attr-defined]
         self._pollers.clear()
-        for server in list(self.servers.values()):
-            await server.stop()
+        # All listeners drain together, bounded in total (one after another took 5 s each).
+        await stop_servers(list(self.servers.values()), self.drain_s)
         self.servers.clear()
         await self.admission.aclose()  # after the pollers and sockets that report OOMs are gone
         for ext in reversed(self.extensions):

@@ -237,10 +237,11 @@ def comfyui_like(state: Upstream) -> Starlette:
 
 @contextlib.asynccontextmanager
 async def stack(engine: str, upstream_app: Callable[[Upstream], Starlette] | None, *, upstream_url: str | None = None,
-                clock: FakeClock | None = None, **tenant_fields: object) -> AsyncIterator[tuple[RunningServer, Tenant, InFlight, Upstream]]:
+                clock: FakeClock | None = None, max_connections: int = 1024,
+                **tenant_fields: object) -> AsyncIterator[tuple[RunningServer, Tenant, InFlight, Upstream]]:
     state = Upstream()
     servers: list[RunningServer] = []
-    forwarder = Forwarder()
+    forwarder = Forwarder(max_connections=max_connections)
     try:
         if upstream_app is not None:
             up = await start_server(upstream_app(state), name="upstream")
@@ -437,7 +438,8 @@ async def test_upstream_that_never_answers_gives_504() -> None:
     assert r.status_code == 504 and r.json()["tenant"] == "ollama"
 
 
-async def test_upstream_that_breaks_mid_stream_gives_the_client_a_broken_answer_not_a_short_one() -> None:
+async def test_upstream_that_breaks_mid_stream_gives_the_client_a_broken_answer_not_a_short_one(
+        caplog: pytest.LogCaptureFixture) -> None:
     async def breaks(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -449,15 +451,24 @@ async def test_upstream_that_breaks_mid_stream_gives_the_client_a_broken_answer_
     port = server.sockets[0].getsockname()[1]
     try:
         async with stack("ollama", None, upstream_url=f"http://127.0.0.1:{port}") as (proxy, _, inflight, _):
-            async with httpx.AsyncClient() as c:
-                async with c.stream("GET", f"{proxy.url}/api/tags") as r:
-                    received = b""
-                    with pytest.raises(httpx.RemoteProtocolError):
-                        async for chunk in r.aiter_raw():
-                            received += chunk
+            server_errors = _Records()
+            logging.getLogger("uvicorn.error").addHandler(server_errors)
+            try:
+                with caplog.at_level(logging.WARNING, logger="hyperswap"):
+                    async with httpx.AsyncClient() as c:
+                        async with c.stream("GET", f"{proxy.url}/api/tags") as r:
+                            received = b""
+                            with pytest.raises(httpx.RemoteProtocolError):
+                                async for chunk in r.aiter_raw():
+                                    received += chunk
+            finally:
+                logging.getLogger("uvicorn.error").removeHandler(server_errors)
             assert received == b'{"done":0}\n', "what the engine sent before it broke still reaches the client"
     finally:
         server.close()
+    assert [r.getMessage() for r in server_errors.records] == [], "the relay's own line says it; uvicorn adds none"
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("hyperswap")]
+    assert len(lines) == 1 and "broke mid-answer to GET /api/tags after 11 body bytes" in lines[0], lines
 
 
 async def test_client_disconnect_closes_the_upstream_request() -> None:
@@ -633,3 +644,97 @@ async def test_official_ollama_client_streams_generate_through_proxy() -> None:
                 state.lines_seen[len(words) - 1].set()
         assert part.done and part.done_reason == "stop"
     assert words == ["w0", "w1", "w2", "w3"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Answers with no body, answers the proxy cannot relay, the per-upstream connection cap
+
+
+@contextlib.asynccontextmanager
+async def raw_upstream(answer_for: Callable[[bytes], bytes]) -> AsyncIterator[str]:
+    """An engine that answers each request head (bodiless requests only) with the bytes given."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                writer.write(answer_for(head))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+
+
+async def _read_answer(reader: asyncio.StreamReader) -> tuple[bytes, dict[bytes, bytes], bytes]:
+    head = await within(reader.readuntil(b"\r\n\r\n"))
+    status, *lines = head[:-4].split(b"\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(b":") for line in lines)}
+    bodiless = status.split()[1] in (b"204", b"304")
+    body = b"" if bodiless else await within(reader.readexactly(int(headers.get(b"content-length", b"0"))))
+    return status, headers, body
+
+
+@pytest.mark.parametrize("status", [b"204 No Content", b"304 Not Modified"])
+async def test_a_bodiless_answer_with_a_content_length_keeps_the_connection_and_what_is_pipelined_behind(
+        status: bytes) -> None:
+    # RFC 9110 8.6 lets a 304 carry the representation's Content-Length; some engines send one on a 204 too.
+    def answer_for(head: bytes) -> bytes:
+        if head.startswith(b"GET /first "):
+            return b"HTTP/1.1 " + status + b"\r\nContent-Length: 5\r\nETag: \"e1\"\r\n\r\n"
+        return b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+    server_errors = _Records()
+    async with raw_upstream(answer_for) as url:
+        async with stack("generic", None, upstream_url=url) as (proxy, _, _, _):
+            logging.getLogger("uvicorn.error").addHandler(server_errors)
+            reader, writer = await _raw_request(proxy.url, b"GET /first HTTP/1.1\r\nHost: localhost\r\n\r\n"
+                                                           b"GET /second HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            try:
+                first, second = await _read_answer(reader), await _read_answer(reader)
+                writer.write(b"GET /third HTTP/1.1\r\nHost: localhost\r\n\r\n")
+                third = await _read_answer(reader)
+            finally:
+                writer.close()
+                logging.getLogger("uvicorn.error").removeHandler(server_errors)
+    assert first[0] == b"HTTP/1.1 " + status and first[1][b"etag"] == b'"e1"' and first[2] == b""
+    assert (second[0], second[2]) == (b"HTTP/1.1 200 OK", b"ok"), "the pipelined request must be answered"
+    assert (third[0], third[2]) == (b"HTTP/1.1 200 OK", b"ok"), "the connection must stay open"
+    assert [r.getMessage() for r in server_errors.records] == []
+
+
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+], ids=["101-on-a-plain-get", "gzip-transfer-coding"])
+async def test_an_answer_the_proxy_cannot_relay_gives_502_naming_tenant_and_upstream(answer: bytes) -> None:
+    async with raw_upstream(lambda head: answer) as url:
+        async with stack("ollama", None, upstream_url=url) as (proxy, tenant, _, _):
+            async with httpx.AsyncClient() as c:
+                r = await c.get(f"{proxy.url}/api/tags")
+                assert (await c.get(f"{proxy.url}/api/tags")).status_code == 502, "and again on the next request"
+    body = r.json()
+    assert r.status_code == 502, r.content
+    assert body["tenant"] == "ollama" and body["upstream"] == tenant.upstream and body["fix"]
+    assert "cannot relay" in body["error"]
+
+
+async def test_requests_past_the_per_upstream_cap_wait_then_get_503() -> None:
+    async with stack("generic", ollama_like, max_connections=1, timeouts=Timeouts(pool_s=0.1)) as (proxy, _, _, state):
+        async with httpx.AsyncClient(timeout=None) as c:
+            holding = asyncio.ensure_future(c.get(f"{proxy.url}/silent"))  # holds the only connection
+            await within(state.request_arrived.wait())
+            refused = await c.get(f"{proxy.url}/echo")
+            holding.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await holding
+            await within(state.disconnected.wait())
+            after = await c.get(f"{proxy.url}/echo")
+    body = refused.json()
+    assert refused.status_code == 503 and body["tenant"] == "generic" and "pool_s" in body["fix"], body
+    assert after.status_code == 200, "the connection freed by the client that left must serve the next request"

@@ -10,7 +10,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from proxy.http1 import Pool, UpstreamClosed, UpstreamProtocolError
+from proxy.http1 import Pool, PoolTimeout, UpstreamClosed, UpstreamProtocolError
 
 SAFETY_S = 5.0
 
@@ -376,4 +376,138 @@ async def test_malformed_bytes_after_a_whole_answer_spoil_nothing(raw: bytes, ex
         status, _, body = await get(pool)
         assert (status, body) == expected
         assert pool.idle_connections == 0
+        pool.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Connections per upstream: a cap, a bounded wait for a free one, idle ones reaped on a timer
+
+
+async def _until(pred: Callable[[], bool]) -> None:
+    async def poll() -> None:
+        while not pred():
+            await asyncio.sleep(0.005)
+    await asyncio.wait_for(poll(), SAFETY_S)
+
+
+def _held(gate: asyncio.Event) -> Handler:
+    async def handler(head: bytes, body: bytes, writer: asyncio.StreamWriter) -> None:
+        await gate.wait()
+        writer.write(OK)
+        await writer.drain()
+    return handler
+
+
+async def test_connections_per_upstream_are_capped_and_a_request_waits_its_turn() -> None:
+    gate = asyncio.Event()
+    async with raw_server(_held(gate)) as up:
+        pool = Pool(up.url, max_connections=2)
+        requests = [asyncio.ensure_future(get(pool)) for _ in range(3)]
+        await _until(lambda: len(up.requests) == 2)
+        for _ in range(20):
+            await asyncio.sleep(0)  # room for a third connection to be dialled, if anything would dial it
+        assert up.connections == 2 and pool.open_connections == 2, "a third connection was opened past the cap"
+        gate.set()
+        answers = await asyncio.gather(*requests)
+        pool.close()
+    assert [body for _, _, body in answers] == [b"ok"] * 3
+    assert up.connections == 2, "the waiting request must be served on a connection that came free"
+
+
+async def test_waiting_for_a_free_connection_is_bounded() -> None:
+    gate = asyncio.Event()
+    async with raw_server(_held(gate)) as up:
+        pool = Pool(up.url, max_connections=1, pool_s=0.05)
+        first = asyncio.ensure_future(get(pool))
+        await _until(lambda: len(up.requests) == 1)
+        with pytest.raises(PoolTimeout):
+            await get(pool)
+        gate.set()
+        assert (await first)[2] == b"ok"
+        assert (await get(pool))[2] == b"ok", "a request that gave up must leave no slot taken"
+        pool.close()
+    assert up.connections == 1
+
+
+async def test_a_waiter_cancelled_as_a_connection_is_handed_to_it_passes_it_on() -> None:
+    # A client that leaves while its request waits for a connection must not take the connection with it.
+    async with raw_server(answer(OK)) as up:
+        pool = Pool(up.url, max_connections=1)
+        holding = await pool.request("GET", b"/", [(b"host", b"h")], None)
+        await holding.aread()
+        waiting = asyncio.ensure_future(pool.request("GET", b"/", [(b"host", b"h")], None))  # no wait_for task between
+        await _until(lambda: bool(pool._waiters))
+        holding.close()  # hands the connection to the waiter's turn...
+        waiting.cancel()  # ...which is cancelled before it resumes
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert (pool.open_connections, pool.idle_connections) == (1, 1), "the connection must go back to the pool"
+        assert (await get(pool))[2] == b"ok"
+        pool.close()
+    assert up.connections == 1
+
+
+async def test_a_connection_handed_to_a_waiter_and_closed_before_it_resumes_is_not_used() -> None:
+    async with raw_server(answer(OK)) as up:
+        pool = Pool(up.url, max_connections=1)
+        holding = await pool.request("GET", b"/", [(b"host", b"h")], None)
+        await holding.aread()
+        conn = holding._conn
+        waiting = asyncio.ensure_future(get(pool))
+        await _until(lambda: bool(pool._waiters))
+        holding.close()  # hands the connection to the waiter...
+        conn.connection_lost(None)  # ...and the upstream closes it before the waiter runs
+        assert (await waiting)[2] == b"ok"
+        assert pool.open_connections == 1
+        pool.close()
+    assert up.connections == 2
+
+
+async def test_many_waiters_leaving_leave_no_slot_taken() -> None:
+    gate = asyncio.Event()
+    async with raw_server(_held(gate)) as up:
+        pool = Pool(up.url, max_connections=2)
+        held = [asyncio.ensure_future(get(pool)) for _ in range(2)]
+        await _until(lambda: len(up.requests) == 2)
+        leaving = [asyncio.ensure_future(get(pool)) for _ in range(10)]
+        await _until(lambda: len(pool._waiters) == 10)
+        for task in leaving[::2]:
+            task.cancel()
+        gate.set()
+        await asyncio.gather(*held, *leaving[1::2])
+        await asyncio.gather(*leaving[::2], return_exceptions=True)
+        assert pool.open_connections == 2 and pool.idle_connections == 2
+        pool.close()
+    assert up.connections == 2
+
+
+async def test_idle_connections_are_closed_by_a_timer_without_a_next_request() -> None:
+    async with raw_server(answer(OK)) as up:
+        pool = Pool(up.url, idle_expiry_s=0.05)
+        await asyncio.gather(get(pool), get(pool))
+        assert pool.idle_connections == 2
+        await _until(lambda: up.eofs == 2)  # the upstream saw both closed, with no request to notice them
+        assert (pool.idle_connections, pool.open_connections) == (0, 0)
+        assert (await get(pool))[2] == b"ok"
+        pool.close()
+
+
+async def test_a_101_to_a_plain_request_is_a_protocol_error_and_drops_the_connection() -> None:
+    raw = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
+    async with raw_server(answer(raw)) as up:
+        pool = Pool(up.url)
+        with pytest.raises(UpstreamProtocolError, match="101"):
+            await get(pool)
+        assert pool.idle_connections == 0 and pool.open_connections == 0
+        pool.close()
+
+
+async def test_a_transfer_coding_other_than_chunked_is_a_protocol_error() -> None:
+    import gzip
+    packed = gzip.compress(b"hello")
+    raw = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(packed), packed)
+    async with raw_server(answer(raw)) as up:
+        pool = Pool(up.url)
+        with pytest.raises(UpstreamProtocolError, match="gzip"):
+            await get(pool)
         pool.close()

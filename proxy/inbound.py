@@ -1,0 +1,291 @@
+"""The client side of every listener: uvicorn's httptools protocol with the limits a server facing
+clients needs. uvicorn's httptools protocol has none of them (its h11 one has only
+h11_max_incomplete_event_size), and nginx and Envoy ship all of them on by default.
+
+- The request head, checked as it arrives: the request target at most 8 KiB (414, nginx's
+  line size), each header line at most 8 KiB, the whole head at most 64 KiB (about Envoy's 60 KiB)
+  and 100 headers (Envoy's count) (431). httptools joins a header's pieces by copying, so without
+  a cap a 200 MiB header cost 84 s of CPU and 840 MiB; now it costs one read past the limit.
+- Header timeout: a head must be whole within 10 s of the connection opening, or of a kept-alive
+  connection's next read that leaves a head unfinished (408; a connection that sent nothing is
+  just closed). The timer runs only while a head is incomplete, so a long stream, a slow upload
+  or a websocket is never cut by it.
+- Connections: at most 2048 open per listener (websockets and streams count, and are never cut);
+  one more is answered 503 and closed. Together with the header timeout this bounds what slow
+  clients can hold: without it two slowloris clients took the proxy to 20,000 descriptors.
+- A refusal is answered, then the connection is closed after reading (and dropping) what the
+  client still sends for up to a second, so the client reads the answer rather than a reset
+  (nginx's lingering close). At most 64 connections per listener linger; past that, a refused
+  connection is reset at once. A head refused while an earlier request on the same connection is
+  still being answered gets no answer of its own: the connection ends after that answer.
+- Why not uvicorn's limit_concurrency: it counts connections and tasks only once a head is whole
+  (so slow heads are never stopped) and answers 503 to requests on connections already accepted.
+- `scope["extensions"]["hyperswap.abort"](scope)`: ends an answer that cannot be completed (its
+  upstream broke) by closing the connection; the client sees the answer cut short and uvicorn
+  logs nothing ("ASGI callable returned without completing response" otherwise).
+
+Refusals are logged at most once per 10 s per status, with how many there were.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import httptools
+from uvicorn.config import Config
+from uvicorn.protocols.http.flow_control import FlowControl
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.server import ServerState
+
+log = logging.getLogger("hyperswap.inbound")
+
+ABORT = "hyperswap.abort"  # the scope extension that ends an unfinished answer
+LOG_EVERY_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class InboundLimits:
+    max_target_bytes: int = 8 * 1024
+    max_header_line_bytes: int = 8 * 1024  # name + value
+    max_head_bytes: int = 64 * 1024  # the request target and every header line together
+    max_headers: int = 100
+    header_timeout_s: float = 10.0
+    max_connections: int = 2048
+    linger_s: float = 1.0
+    max_lingering: int = 64
+
+
+class Throttle:
+    """Says when something may be logged again (at most once per interval) and how many times it
+    was held back meanwhile."""
+
+    def __init__(self, interval_s: float = LOG_EVERY_S, now: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s = interval_s
+        self._now = now
+        self._next = float("-inf")
+        self._held = 0
+
+    def ready(self) -> int | None:
+        """The number held back since the last log if it is time to log again, else None."""
+        now = self._now()
+        if now < self._next:
+            self._held += 1
+            return None
+        held, self._held = self._held, 0
+        self._next = now + self.interval_s
+        return held
+
+
+class Guard:
+    """One listener's limits and its throttled log of what they refused."""
+
+    def __init__(self, name: str, limits: InboundLimits | None = None) -> None:
+        self.name = name
+        self.limits = limits or InboundLimits()
+        self.lingering = 0
+        self._throttles: dict[int, Throttle] = {}
+
+    def refused(self, status: int, reason: str, client: tuple[str, int] | None) -> None:
+        held = self._throttles.setdefault(status, Throttle()).ready()
+        if held is None:
+            return
+        who = f"{client[0]}:{client[1]}" if client else "a client"
+        more = f" ({held} more {status}s since the last such line)" if held else ""
+        log.warning("%s listener: answered %d to %s: %s%s", self.name, status, who, reason, more)
+
+    def protocol(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
+                 _loop: asyncio.AbstractEventLoop | None = None) -> GuardedHttpProtocol:
+        """uvicorn's `http` protocol factory for this listener."""
+        return GuardedHttpProtocol(config, server_state, app_state, _loop, guard=self)
+
+
+_FIX = {
+    408: "send the request head at once; the proxy waits {header_timeout_s:g} s for it",
+    414: "shorten the request target (path and query) to at most {max_target_bytes} bytes",
+    431: "send fewer or smaller headers: at most {max_headers} headers, {max_header_line_bytes} bytes per "
+         "header line and {max_head_bytes} bytes in all",
+    503: "retry later, or close idle connections to this listener: it serves at most {max_connections} at once",
+}
+
+
+class _HeadRefused(Exception):
+    """Raised in a parser callback to stop httptools; the refusal is recorded on the protocol."""
+
+
+class GuardedHttpProtocol(HttpToolsProtocol):
+    def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
+                 _loop: asyncio.AbstractEventLoop | None = None, *, guard: Guard) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self.guard = guard
+        self.limits = guard.limits
+        self._extensions = {ABORT: self._abort}
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._linger_timer: asyncio.TimerHandle | None = None
+        self._in_message = False  # from the first byte of a request to the end of its body
+        self._in_head = False  # from the first byte of a request to the end of its headers
+        self._begun = 0  # requests begun in the read being parsed
+        self._head_read = 0  # bytes of reads that ended inside the current head
+        self._head_bytes = 0  # the current head's target and header lines, as parsed
+        self._target_bytes = 0
+        self._headers = 0
+        self._refusal: tuple[int, str] | None = None
+        self._closing = False  # refused and answered: what the client still sends is dropped
+
+    # -- connection ---------------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if len(self.connections) >= self.limits.max_connections:
+            self.transport = transport
+            self.flow = FlowControl(transport)
+            self.client = transport.get_extra_info("peername")
+            self._refuse(503, f"this listener already has {len(self.connections)} connections open")
+            return
+        super().connection_made(transport)
+        self._arm_head_timer()  # a connection that never sends a whole head is closed
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head_timer()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
+            self.guard.lingering -= 1
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        # uvicorn's, plus the head checks around the parser.
+        if self._closing:
+            return
+        self._unset_keepalive_if_required()
+        starts_fresh = not self._in_message
+        self._begun = 0
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+            return
+        except httptools.HttpParserError:
+            if self._refusal is not None:
+                self._refuse(*self._refusal)
+            else:
+                msg = "Invalid HTTP request received."
+                self.logger.warning(msg)
+                self.send_400_response(msg)
+            return
+        if self._in_head:
+            self._head_unfinished(len(data), starts_fresh)
+
+    def _head_unfinished(self, read: int, starts_fresh: bool) -> None:
+        """A read ended inside a head: count it (httptools holds a header's pieces where the
+        callbacks cannot see them) and make sure the header timeout runs."""
+        if self._begun == 0 or (self._begun == 1 and starts_fresh):
+            self._head_read += read  # the whole read belongs to this head
+        # else the head began behind another request in this read: counted from the next read
+        if self._head_read > self.limits.max_head_bytes:
+            self._refuse(431, f"the request head is over {self.limits.max_head_bytes} bytes")
+        elif self._head_timer is None:
+            self._arm_head_timer()
+
+    # -- parser callbacks ------------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self._in_message = self._in_head = True
+        self._begun += 1
+        self._head_read = self._head_bytes = self._target_bytes = self._headers = 0
+        super().on_message_begin()
+        self.scope["extensions"] = self._extensions
+
+    def on_url(self, url: bytes) -> None:
+        self._target_bytes += len(url)
+        if self._target_bytes > self.limits.max_target_bytes:
+            self._stop(414, f"the request target is over {self.limits.max_target_bytes} bytes")
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        line = len(name) + len(value)
+        self._headers += 1
+        self._head_bytes += line
+        limits = self.limits
+        if line > limits.max_header_line_bytes:
+            self._stop(431, f"the header {name[:64].decode('latin-1')!r} is over {limits.max_header_line_bytes} bytes")
+        if self._headers > limits.max_headers:
+            self._stop(431, f"the request has more than {limits.max_headers} headers")
+        if self._head_bytes + self._target_bytes > limits.max_head_bytes:
+            self._stop(431, f"the request head is over {limits.max_head_bytes} bytes")
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._disarm_head_timer()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._in_message = False
+        super().on_message_complete()
+
+    def _stop(self, status: int, reason: str) -> None:
+        self._refusal = (status, reason)
+        raise _HeadRefused(reason)
+
+    # -- header timeout ---------------------------------------------------------------------------
+    def _arm_head_timer(self) -> None:
+        self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_timed_out)
+
+    def _disarm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self._closing or self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            # A request is being served; a head pipelined behind it waits for it (reading is paused).
+            self._arm_head_timer()
+        elif not self._in_message:
+            self.transport.close()  # connected and said nothing: no request to answer
+        else:
+            self._refuse(408, f"the request head did not arrive within {self.limits.header_timeout_s:g} s")
+
+    # -- refusing ---------------------------------------------------------------------------------
+    def _refuse(self, status: int, reason: str) -> None:
+        """Answer `status` with {"error", "fix"}, then close after a lingering read."""
+        self._disarm_head_timer()
+        self._closing = True
+        self.guard.refused(status, reason, self.client)
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            # A head pipelined behind a request still being answered: a refusal written now would land
+            # in (or before) that answer. The connection ends after it instead; the rest is dropped.
+            cycle.keep_alive = False
+            return
+        body = json.dumps({"error": reason, "fix": _FIX[status].format(**asdict(self.limits))}).encode()
+        self.transport.write(b"".join((
+            STATUS_LINE[status], b"content-type: application/json\r\n",
+            b"content-length: %d\r\n" % len(body), b"connection: close\r\n\r\n", body)))
+        self._linger()
+
+    def _linger(self) -> None:
+        transport = self.transport
+        if self.guard.lingering >= self.limits.max_lingering or not transport.can_write_eof():
+            transport.close()
+            return
+        self.guard.lingering += 1
+        transport.write_eof()  # the answer is all we send; the client's EOF ends the connection
+        self._linger_timer = self.loop.call_later(self.limits.linger_s, transport.abort)
+
+    # -- ending an answer that cannot be completed ------------------------------------------------------
+    def _abort(self, scope: dict[str, Any]) -> None:
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is scope and not cycle.response_complete:
+            # Disconnected: uvicorn takes the unfinished answer as the client's leaving, not an app error.
+            cycle.disconnected = True
+            cycle.keep_alive = False
+        if not self.transport.is_closing():
+            self.transport.close()  # what was sent still goes out; then the client sees the end

@@ -1,0 +1,343 @@
+"""The client side of every listener (proxy/inbound.py, proxy/servers.py): request-head limits, the
+header timeout, the connection cap, and failed accepts logged once per interval. Raw sockets on
+loopback; nothing here measures time, the waits only turn a hang into a failure."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import AsyncIterator
+
+import pytest
+from websockets.asyncio.client import connect
+
+from proxy.forward import Forwarder
+from proxy.inbound import InboundLimits
+from proxy.inflight import InFlight
+from proxy.listener import tenant_app
+from proxy.servers import ACCEPT_FAILED, RunningServer, start_server
+from proxy.tenants import Tenant
+
+SAFETY_S = 10.0
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Upstream:
+    """An engine stand-in that records the requests it got: `/stream` sends a line, then the
+    rest once `more` is set; `/ws` echoes; anything else answers 200 with the request's size."""
+
+    def __init__(self) -> None:
+        self.heads: list[int] = []  # bytes of headers per request seen
+        self.more = asyncio.Event()
+
+    async def __call__(self, scope: dict, receive, send) -> None:  # type: ignore[no-untyped-def]
+        if scope["type"] == "websocket":
+            await receive()
+            await send({"type": "websocket.accept"})
+            while (message := await receive())["type"] == "websocket.receive":
+                await send({"type": "websocket.send", "text": "echo:" + (message.get("text") or "")})
+            return
+        self.heads.append(sum(len(k) + len(v) for k, v in scope["headers"]))
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        if scope["path"] == "/stream":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+            await send({"type": "http.response.body", "body": b"first\n", "more_body": True})
+            await self.more.wait()
+            await send({"type": "http.response.body", "body": b"last\n"})
+            return
+        answer = json.dumps({"body": len(body)}).encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(answer))]})
+        await send({"type": "http.response.body", "body": answer})
+
+
+@contextlib.asynccontextmanager
+async def served(limits: InboundLimits | None = None, *,
+                 through_proxy: bool = False) -> AsyncIterator[tuple[RunningServer, Upstream]]:
+    """The upstream app on a listener with these limits, or behind a tenant listener that has them."""
+    upstream = Upstream()
+    servers: list[RunningServer] = []
+    forwarder = Forwarder()
+    try:
+        if through_proxy:
+            # The proxy adds X-Forwarded-For/-Proto/-Host: the engine stand-in takes a few more headers.
+            engine = await start_server(upstream, name="engine", limits=InboundLimits(max_headers=200))  # type: ignore[arg-type]
+            servers.append(engine)
+            tenant = Tenant(name="generic", engine="generic", upstream=engine.url)
+            app = tenant_app(tenant, forwarder, InFlight())
+            servers.append(await start_server(app, name="generic", limits=limits))
+        else:
+            servers.append(await start_server(upstream, name="plain", limits=limits))  # type: ignore[arg-type]
+        yield servers[-1], upstream
+    finally:
+        upstream.more.set()
+        for server in reversed(servers):
+            await server.stop()
+        await forwarder.aclose()
+
+
+async def within(awaitable):  # type: ignore[no-untyped-def]
+    return await asyncio.wait_for(awaitable, SAFETY_S)
+
+
+async def open_to(server: RunningServer) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", server.port)
+
+
+async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    head = await within(reader.readuntil(b"\r\n\r\n"))
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
+    body = await within(reader.readexactly(int(headers.get("content-length", "0"))))
+    return int(lines[0].split()[1]), headers, body
+
+
+async def exchange(server: RunningServer, data: bytes) -> tuple[int, dict[str, str], bytes, bytes]:
+    """Send these bytes on a new connection; the answer, and what follows it before EOF when it
+    closes the connection."""
+    reader, writer = await open_to(server)
+    try:
+        writer.write(data)
+        status, headers, body = await read_answer(reader)
+        rest = await within(reader.read()) if headers.get("connection") == "close" else b""
+        return status, headers, body, rest
+    finally:
+        writer.close()
+
+
+def request(target: str = "/", headers: list[tuple[str, str]] | None = None) -> bytes:
+    lines = [f"GET {target} HTTP/1.1", "Host: localhost", *(f"{k}: {v}" for k, v in headers or [])]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+# ---------------------------------------------------------------------------------------------
+# Request-head limits
+
+
+@pytest.mark.parametrize("what, data, status", [
+    ("a header line over 8 KiB", request(headers=[("X-Big", "a" * 8200)]), 431),
+    ("more than 100 headers", request(headers=[(f"X-{i}", "1") for i in range(101)]), 431),
+    ("a head over 64 KiB in lines under 8 KiB", request(headers=[(f"X-{i}", "a" * 7000) for i in range(10)]), 431),
+    ("a request target over 8 KiB", request("/" + "a" * 8200), 414),
+], ids=["line", "count", "total", "target"])
+async def test_an_oversized_request_head_is_refused_and_never_forwarded(what: str, data: bytes, status: int) -> None:
+    async with served(through_proxy=True) as (proxy, upstream):
+        got, headers, body, rest = await exchange(proxy, data)
+        assert got == status, f"{what}: answered {got}"
+        answer = json.loads(body)
+        assert answer["error"] and answer["fix"], answer
+        assert headers["connection"] == "close" and rest == b"", "the connection must end after the refusal"
+        assert upstream.heads == [], f"{what} must not reach the engine"
+        assert (await exchange(proxy, request()))[0] == 200, "the listener keeps serving"
+
+
+async def test_heads_at_the_limits_pass_whole() -> None:
+    at_limits = [
+        request(headers=[("X-Big", "a" * (8192 - len("x-big")))]),
+        request(headers=[(f"X-{i}", "1") for i in range(99)]),  # and Host: 100
+        request("/" + "a" * 8191),
+    ]
+    async with served(through_proxy=True) as (proxy, upstream):
+        for data in at_limits:
+            assert (await exchange(proxy, data))[0] == 200
+    assert len(upstream.heads) == 3
+
+
+async def test_a_huge_header_is_refused_before_it_has_all_arrived() -> None:
+    # 64 MiB in 64 KiB writes: refused after about one read past the limit, while the client still sends.
+    async with served() as (server, upstream):
+        reader, writer = await open_to(server)
+        answer = asyncio.ensure_future(read_answer(reader))
+        writer.write(b"GET / HTTP/1.1\r\nHost: localhost\r\nX-Big: ")
+        block = b"a" * 65536
+        sent = 0
+        with contextlib.suppress(ConnectionError):
+            while not answer.done() and sent < 64 << 20:
+                writer.write(block)
+                await within(writer.drain())
+                sent += len(block)
+        status, _, body = await within(answer)
+        writer.close()
+    assert status == 431 and "over 65536 bytes" in json.loads(body)["error"]
+    assert sent < 16 << 20, f"the client could send {sent >> 20} MiB of one header before the refusal"
+    assert upstream.heads == []
+
+
+async def test_a_request_pipelined_behind_a_big_body_is_not_taken_for_a_big_head() -> None:
+    body = b"b" * 200_000
+    first = b"POST /upload HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    second = request(headers=[("X-Pad", "p" * 4000)])
+    async with served() as (server, _):
+        reader, writer = await open_to(server)
+        writer.write(first + second[:100])  # the second head starts in the same reads as the body's end
+        await writer.drain()
+        writer.write(second[100:])
+        answers = [await read_answer(reader), await read_answer(reader)]
+        writer.close()
+    assert [status for status, _, _ in answers] == [200, 200]
+    assert json.loads(answers[0][2]) == {"body": len(body)}
+
+
+async def test_an_oversized_head_pipelined_behind_a_stream_never_lands_inside_its_answer() -> None:
+    async with served() as (server, upstream):
+        reader, writer = await open_to(server)
+        writer.write(b"GET /stream HTTP/1.1\r\nHost: localhost\r\n\r\n" + request(headers=[("X-Big", "a" * 9000)]))
+        head = await within(reader.readuntil(b"\r\n\r\n"))
+        upstream.more.set()
+        rest = await within(reader.read())  # the connection ends after the stream's answer
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 200") and b"chunked" in head.lower()
+    assert rest.endswith(b"last\n\r\n0\r\n\r\n") and b"HTTP/1.1" not in rest, rest
+
+
+# ---------------------------------------------------------------------------------------------
+# Header timeout
+
+
+async def test_a_head_that_stops_arriving_gets_408_and_the_connection_ends() -> None:
+    async with served(InboundLimits(header_timeout_s=0.1)) as (server, upstream):
+        reader, writer = await open_to(server)
+        writer.write(b"GET / HTTP/1.1\r\nHost: localhost\r\nX-Slow")  # and nothing more: slowloris
+        status, _, body = await read_answer(reader)
+        assert await within(reader.read()) == b""
+        writer.close()
+    assert status == 408 and json.loads(body)["fix"]
+    assert upstream.heads == []
+
+
+async def test_a_connection_that_sends_nothing_is_closed_without_an_answer() -> None:
+    async with served(InboundLimits(header_timeout_s=0.1)) as (server, _):
+        reader, writer = await open_to(server)
+        assert await within(reader.read()) == b""
+        writer.close()
+
+
+async def test_the_header_timeout_covers_the_next_head_on_a_kept_alive_connection() -> None:
+    async with served(InboundLimits(header_timeout_s=0.1)) as (server, _):
+        reader, writer = await open_to(server)
+        writer.write(request())
+        assert (await read_answer(reader))[0] == 200
+        writer.write(b"GET / HTTP/1.1\r\nHo")
+        assert (await read_answer(reader))[0] == 408
+        writer.close()
+
+
+async def test_the_header_timeout_never_cuts_a_slow_upload_a_long_stream_or_a_websocket() -> None:
+    limits = InboundLimits(header_timeout_s=0.05)
+    async with served(limits, through_proxy=True) as (proxy, upstream):
+        reader, writer = await open_to(proxy)
+        writer.write(b"POST /upload HTTP/1.1\r\nHost: localhost\r\nContent-Length: 10\r\n\r\nhello")
+        await asyncio.sleep(0.3)  # six header timeouts
+        writer.write(b"world")
+        assert json.loads((await read_answer(reader))[2]) == {"body": 10}
+        writer.write(b"GET /stream HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        await within(reader.readuntil(b"first\n"))
+        async with connect(f"ws://127.0.0.1:{proxy.port}/ws") as ws:
+            await asyncio.sleep(0.3)
+            await ws.send("still there")
+            assert await within(ws.recv()) == "echo:still there"
+        upstream.more.set()
+        await within(reader.readuntil(b"last\n"))
+        writer.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Connection cap
+
+
+async def test_connections_past_the_cap_get_503_while_a_stream_and_a_websocket_go_on() -> None:
+    async with served(InboundLimits(max_connections=2), through_proxy=True) as (proxy, upstream):
+        reader, writer = await open_to(proxy)
+        writer.write(b"GET /stream HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        await within(reader.readuntil(b"first\n"))
+        async with connect(f"ws://127.0.0.1:{proxy.port}/ws") as ws:
+            status, headers, body, rest = await exchange(proxy, request())
+            assert status == 503 and headers["connection"] == "close" and rest == b""
+            assert json.loads(body)["fix"]
+            await ws.send("after the refusal")
+            assert await within(ws.recv()) == "echo:after the refusal", "an open websocket is never cut"
+        upstream.more.set()
+        await within(reader.readuntil(b"last\n"))
+        writer.close()
+        await asyncio.sleep(0)
+        for _ in range(100):  # the closed connections leave the count as their close is seen
+            status = (await exchange(proxy, request()))[0]
+            if status == 200:
+                break
+            await asyncio.sleep(0.01)
+        assert status == 200, "a connection must be accepted again once others closed"
+
+
+# ---------------------------------------------------------------------------------------------
+# Failed accepts
+
+
+async def test_failed_accepts_are_logged_once_per_interval_without_tracebacks(caplog: pytest.LogCaptureFixture) -> None:
+    async def app(scope, receive, send):  # type: ignore[no-untyped-def]
+        pass
+
+    server = await start_server(app, name="plain")  # type: ignore[arg-type]
+    try:
+        loop = asyncio.get_running_loop()
+        with caplog.at_level(logging.ERROR):
+            for _ in range(1000):
+                loop.call_exception_handler({"message": ACCEPT_FAILED, "exception": OSError(24, "Too many open files"),
+                                             "socket": server.server.servers[0].sockets[0]})
+            loop.call_exception_handler({"message": "something else", "exception": ValueError("x")})
+    finally:
+        await server.stop()
+    accept_lines = [r for r in caplog.records if "accept" in r.getMessage()]
+    assert len(accept_lines) == 1 and accept_lines[0].exc_info is None, [r.getMessage() for r in accept_lines]
+    assert "Too many open files" in accept_lines[0].getMessage()
+    assert any(r.getMessage() == "something else" for r in caplog.records), "other loop errors still get logged"
+
+
+CHILD = """
+import asyncio, os, resource, sys
+sys.path.insert(0, {root!r})
+from proxy.servers import start_server
+
+async def app(scope, receive, send):
+    pass
+
+async def main():
+    server = await start_server(app, name="tight")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 4, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    print(server.port, flush=True)
+    await asyncio.sleep(3.5)  # asyncio retries a failed accept every second
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/fd")
+async def test_a_listener_out_of_descriptors_logs_one_line_not_a_traceback_per_retry() -> None:
+    child = subprocess.Popen([sys.executable, "-c", CHILD.format(root=str(ROOT))], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    clients: list[asyncio.StreamWriter] = []
+    try:
+        assert child.stdout is not None
+        port = int(await within(asyncio.to_thread(child.stdout.readline)))
+        for _ in range(12):
+            _, writer = await asyncio.open_connection("127.0.0.1", port)  # the backlog accepts them all
+            clients.append(writer)
+        _, stderr = await within(asyncio.to_thread(child.communicate))
+    finally:
+        for writer in clients:
+            writer.close()
+        if child.poll() is None:
+            child.kill()
+    lines = [line for line in stderr.splitlines() if "accept" in line]
+    assert len(lines) == 1 and "Too many open files" in lines[0], stderr
+    assert "Traceback" not in stderr, stderr

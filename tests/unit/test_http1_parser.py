@@ -1,0 +1,100 @@
+"""The relay client's answer parsing, fed packet by packet through a mock transport (the way uvicorn
+tests its protocols): every answer is fed whole, split at every byte boundary, and byte by byte,
+and must read the same every time."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Iterator
+
+import pytest
+
+from proxy.http1 import Pool, Response, UpstreamProtocolError, _Connection
+
+
+class MockTransport:
+    """Just what a connection asks of its transport."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+        self.closed = False
+        self.reading = True
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def abort(self) -> None:
+        self.closed = True
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+
+def splits(raw: bytes) -> Iterator[tuple[str, list[bytes]]]:
+    yield "whole", [raw]
+    for i in range(1, len(raw)):
+        yield f"split at {i}", [raw[:i], raw[i:]]
+    yield "byte by byte", [raw[i:i + 1] for i in range(len(raw))]
+
+
+def fed(packets: list[bytes], *, head_only: bool = False) -> tuple[Response, _Connection]:
+    """A response on a pooled connection after the upstream sent these packets."""
+    pool = Pool("http://upstream.invalid:80")
+    conn = _Connection(pool, asyncio.get_running_loop())
+    conn.connection_made(MockTransport())  # type: ignore[arg-type]
+    response = conn.response = Response(conn, head_only=head_only)
+    for packet in packets:
+        conn.data_received(packet)
+    return response, conn
+
+
+CHUNKED_WITH_TRAILERS = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\nTrailer: Set-Cookie\r\n\r\n"
+    b"3\r\none\r\n3\r\ntwo\r\n0\r\nSet-Cookie: session=stolen\r\nX-Checksum: 1\r\n\r\n")
+
+
+async def test_trailers_never_become_headers_however_the_packets_fall() -> None:
+    for how, packets in splits(CHUNKED_WITH_TRAILERS):
+        response, _ = fed(packets)
+        assert response.raw_headers == [(b"content-type", b"text/plain"), (b"transfer-encoding", b"chunked"),
+                                         (b"trailer", b"Set-Cookie")], f"{how}: a trailer was added to the headers"
+        assert response.received_body() == b"onetwo", how
+        assert response._complete and response._keep_alive, f"{how}: the answer must end and keep its connection"
+
+
+async def test_headers_after_an_interim_answer_are_the_final_answers_only() -> None:
+    raw = b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    for how, packets in splits(raw):
+        response, _ = fed(packets)
+        assert (response.status_code, response.raw_headers) == (200, [(b"content-length", b"2")]), how
+        assert response.received_body() == b"ok", how
+
+
+@pytest.mark.parametrize("raw", [
+    b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n\x81\x02hi",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n4\r\n\x1f\x8b\x08\x00\r\n0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\nConnection: close\r\n\r\n\x1f\x8b\x08\x00",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: gzip\r\n\r\n",
+], ids=["101-to-a-plain-request", "gzip-then-chunked", "gzip-alone", "codings-over-two-headers"])
+async def test_an_answer_the_relay_cannot_pass_on_is_a_protocol_error(raw: bytes) -> None:
+    for how, packets in splits(raw):
+        response, conn = fed(packets)
+        assert isinstance(response._error, UpstreamProtocolError), f"{how}: got {response._error!r}"
+        assert response.status_code == 0 and response.received_body() is None, how
+        response.close()
+        assert conn.transport is not None and conn.transport.is_closing(), f"{how}: its connection must be dropped"
+
+
+@pytest.mark.parametrize("status", [204, 304])
+async def test_a_bodiless_status_with_a_content_length_ends_at_its_head(status: int) -> None:
+    raw = b"HTTP/1.1 %d X\r\nContent-Length: 5\r\nETag: \"e\"\r\n\r\n" % status
+    for how, packets in splits(raw):
+        response, _ = fed(packets)
+        assert response.status_code == status and response.received_body() == b"", how
+        assert response._keep_alive, f"{how}: the connection stays usable"
