@@ -430,6 +430,12 @@ class GpuAdmission:
                 self._oom(tenant, job_id)
                 return
 
+    def on_job_lost(self, tenant: Tenant, job_id: str) -> None:
+        self.arb.decisions.record("stale_job", tenant.name, "job reconciliation", None, job_id=job_id,
+                                  reason=f"{job_id} is in neither {tenant.name}'s queue nor its history (deleted from "
+                                         "the queue, or the engine restarted): no longer counted as running")
+        self.arb.queue.kick()
+
     def _oom(self, tenant: Tenant, prompt_id: str) -> None:
         if self._closed or not prompt_id or prompt_id in self._seen_oom:
             return  # several sockets, or a socket and the history poll, can report the same OOM

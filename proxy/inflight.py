@@ -12,7 +12,7 @@ import itertools
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Iterator, Mapping
+from typing import Awaitable, Callable, Iterator, Literal, Mapping
 
 from .tasks import cancel_and_wait
 from .clock import Clock, SystemClock
@@ -158,24 +158,33 @@ class InFlight:
                     fut.set_result(None)
 
 
-JobCheck = Callable[[str], Awaitable[bool]]
+JobFate = Literal["running", "done", "lost"]
+# Checks a batch of job ids against the engine: each one running, done (its end is in the engine's
+# history), or lost (in neither its queue nor its history: deleted from the queue, or the engine
+# restarted). Ids it could not tell about are left out.
+JobCheck = Callable[[tuple[str, ...]], Awaitable[Mapping[str, JobFate]]]
+JobLost = Callable[[str], None]
 
 
 class JobPoller:
-    """Polls the engine for the end of jobs no websocket reported (clients that never open one).
+    """Reconciles the tenant's jobs with the engine: ends the jobs no websocket reported (clients
+    that never open one) and the jobs the engine no longer has at all.
 
     Runs while the tenant has jobs and stops by itself; it starts again whenever anyone tracks a job
     for the tenant (the listener after a POST /prompt, admission after re-queueing an OOM'd prompt).
+    `check_soon()` runs the next round at once (a relayed queue delete or clear).
     """
 
     def __init__(self, inflight: InFlight, tenant: str, check: JobCheck, *, interval_s: float = 1.0,
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None, on_lost: JobLost | None = None) -> None:
         self.inflight = inflight
         self.tenant = tenant
         self.check = check
         self.interval_s = interval_s
         self.clock = clock or inflight.clock
+        self.on_lost = on_lost
         self._task: asyncio.Task[None] | None = None
+        self._soon = asyncio.Event()
         self._stopped = False
         inflight.on_change.append(self._on_change)
 
@@ -192,17 +201,35 @@ class JobPoller:
             return
         self._task = loop.create_task(self._run(), name=f"jobpoll:{self.tenant}")
 
+    def check_soon(self) -> None:
+        self._soon.set()
+
+    async def _pause(self) -> None:
+        if self._soon.is_set():
+            return
+        sleeper = asyncio.ensure_future(self.clock.sleep(self.interval_s))
+        poke = asyncio.ensure_future(self._soon.wait())
+        try:
+            await asyncio.wait({sleeper, poke}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            sleeper.cancel()
+            poke.cancel()
+
     async def _run(self) -> None:
         while self.inflight.jobs(self.tenant):
-            await self.clock.sleep(self.interval_s)
-            for job_id in self.inflight.jobs(self.tenant):
-                try:
-                    done = await self.check(job_id)
-                except Exception as exc:  # the engine being down must not kill the poller
-                    log.debug("job poll for %s/%s failed: %s", self.tenant, job_id, exc)
+            await self._pause()
+            self._soon.clear()
+            jobs = self.inflight.jobs(self.tenant)
+            try:
+                fates = await self.check(jobs)
+            except Exception as exc:  # the engine being down must not kill the poller
+                log.debug("job poll for %s failed: %s", self.tenant, exc)
+                continue
+            for job_id, fate in fates.items():
+                if fate == "running" or not self.inflight.finish_job(self.tenant, job_id):
                     continue
-                if done:
-                    self.inflight.finish_job(self.tenant, job_id)
+                if fate == "lost" and self.on_lost is not None:
+                    self.on_lost(job_id)
 
     async def stop(self) -> None:
         self._stopped = True

@@ -27,7 +27,7 @@ from .errors import HyperSwapError
 from .forward import Forwarder, UpstreamResponse
 from .guards import host_header, refuse_tenant_host
 from .hosts import HostPolicy
-from .inflight import InFlight, JobPoller
+from .inflight import InFlight, JobFate, JobPoller
 from .tenants import Tenant
 
 log = logging.getLogger("hyperswap.listener")
@@ -44,6 +44,9 @@ class Admission(Protocol):
 
     def on_job_end(self, tenant: Tenant, job_id: str, history: bytes) -> None:
         """A job's end seen by polling the engine's history (no websocket reported it)."""
+
+    def on_job_lost(self, tenant: Tenant, job_id: str) -> None:
+        """A job the engine has in neither its queue nor its history: no longer counted."""
 
 
 async def _read_up_to(request: Request, limit: int) -> tuple[bytes, AsyncIterator[bytes] | None]:
@@ -119,17 +122,36 @@ def tenant_app(tenant: Tenant, forwarder: Forwarder, inflight: InFlight, admissi
     adapter = forwarder.adapter(tenant)
     name = tenant.name
 
-    async def check_job(job_id: str) -> bool:
-        path = adapter.history_path(job_id)
-        if path is None:
-            return False
-        resp = await forwarder.get(tenant, path)
-        done = adapter.job_done_from_history(job_id, resp.status_code, resp.content)
-        if done and admission is not None:
-            admission.on_job_end(tenant, job_id, resp.content)
-        return done
+    async def check_jobs(job_ids: tuple[str, ...]) -> dict[str, JobFate]:
+        """Each job's fate from the engine's own queue and history: a job in neither has been deleted
+        or lost with a restarted engine. Read the queue first: a job that ends meanwhile is then in
+        the history (ComfyUI writes it as it drops the job from the queue)."""
+        queued: frozenset[str] | None = None
+        queue_path = adapter.queue_path()
+        if queue_path is not None:
+            resp = await forwarder.get(tenant, queue_path)
+            queued = adapter.job_ids_from_queue(resp.status_code, resp.content)
+        fates: dict[str, JobFate] = {}
+        for job_id in job_ids:
+            path = adapter.history_path(job_id)
+            if path is None:
+                continue
+            resp = await forwarder.get(tenant, path)
+            if adapter.job_done_from_history(job_id, resp.status_code, resp.content):
+                fates[job_id] = "done"
+                if admission is not None:
+                    admission.on_job_end(tenant, job_id, resp.content)
+            elif resp.status_code == 200 and queued is not None and job_id not in queued:
+                fates[job_id] = "lost"
+            else:
+                fates[job_id] = "running"
+        return fates
 
-    poller = JobPoller(inflight, name, check_job, interval_s=job_poll_s)
+    def job_lost(job_id: str) -> None:
+        if admission is not None:
+            admission.on_job_lost(tenant, job_id)
+
+    poller = JobPoller(inflight, name, check_jobs, interval_s=job_poll_s, on_lost=job_lost)
 
     def error_response(exc: HyperSwapError) -> Response:
         return JSONResponse(exc.to_json(), status_code=exc.status)
@@ -157,6 +179,8 @@ def tenant_app(tenant: Tenant, forwarder: Forwarder, inflight: InFlight, admissi
             upstream = await forwarder.open(tenant, scope, link.body())
         except HyperSwapError as exc:
             return error_response(exc)
+        if adapter.drops_jobs(scope["method"], scope["path"]):
+            return forwarder.relay(tenant, upstream, on_close=poller.check_soon)  # a queue delete or clear
         return forwarder.relay(tenant, upstream, on_close=_nothing)
 
     async def gpu(request: Request) -> Response:

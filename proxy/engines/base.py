@@ -158,3 +158,15 @@ class EngineAdapter:
 
     def job_done_from_history(self, job_id: str, status: int, body: bytes) -> bool:
         return False
+
+    def queue_path(self) -> str | None:
+        """Where the engine lists the jobs it still has (None: it does not say)."""
+        return None
+
+    def job_ids_from_queue(self, status: int, body: bytes) -> frozenset[str] | None:
+        """Every job id the engine's queue answer lists, running or pending; None if unreadable."""
+        return None
+
+    def drops_jobs(self, method: str, path: str) -> bool:
+        """Whether this request can remove queued jobs (a queue delete or clear)."""
+        return False

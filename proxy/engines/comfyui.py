@@ -13,6 +13,7 @@ import json
 from .base import EngineAdapter, RequestKind
 
 PROMPT_ROUTES = frozenset({"/prompt", "/api/prompt"})
+QUEUE_ROUTES = frozenset({"/queue", "/api/queue"})  # POST {"delete": [...]} / {"clear": true}
 
 
 class ComfyUIAdapter(EngineAdapter):
@@ -63,3 +64,27 @@ class ComfyUIAdapter(EngineAdapter):
         except ValueError:
             return False
         return isinstance(data, dict) and job_id in data
+
+    def queue_path(self) -> str | None:
+        return "/queue"
+
+    def job_ids_from_queue(self, status: int, body: bytes) -> frozenset[str] | None:
+        # {"queue_running": [[number, prompt_id, graph, extra, outputs], ...], "queue_pending": [...]}
+        if status != 200:
+            return None
+        try:
+            data = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(data, dict):
+            return None
+        ids = set()
+        for section in ("queue_running", "queue_pending"):
+            rows = data.get(section)
+            if not isinstance(rows, list):
+                return None
+            ids.update(row[1] for row in rows if isinstance(row, list) and len(row) > 1 and isinstance(row[1], str))
+        return frozenset(ids)
+
+    def drops_jobs(self, method: str, path: str) -> bool:
+        return method.upper() == "POST" and path.rstrip("/") in QUEUE_ROUTES

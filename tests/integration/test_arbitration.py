@@ -384,3 +384,22 @@ async def test_an_idle_release_that_frees_nothing_backs_off_and_never_holds_up_a
     again = await watchdog.tick()
     assert again.reasons["comfyui"].startswith("idle release in"), again.reasons
     assert len(decisions(demo, "idle_release", "comfyui")) == 2
+
+
+async def test_a_prompt_deleted_from_comfyuis_queue_stops_counting_as_busy(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    # Issue 14.1: prompt B queued behind a slow A, then deleted with the web UI's cross.
+    demo = await box("default")
+    base = demo.proxy.url("comfyui")
+    slow = comfy_prompt("sd_xl_base_1.0.safetensors")
+    slow["3"]["inputs"]["steps"] = 300  # ~0.6 s
+    a = (await http.post(base + "/prompt", json={"prompt": slow})).json()["prompt_id"]
+    b = (await http.post(base + "/prompt", json={"prompt": comfy_prompt("sd_xl_base_1.0.safetensors", seed=7)})).json()["prompt_id"]
+    assert set(demo.proxy.inflight.jobs("comfyui")) == {a, b}
+    assert (await http.post(base + "/queue", json={"delete": [b]})).status_code == 200
+    async with asyncio.timeout(10):
+        while demo.proxy.inflight.jobs("comfyui"):
+            await asyncio.sleep(0.02)
+    lost = decisions(demo, "stale_job", "comfyui")
+    assert [d.outcome["job_id"] for d in lost] == [b], "A ended normally; B was in neither queue nor history"
+    r = await http.post(demo.proxy.url("admin") + "/api/tenants/comfyui/release")
+    assert r.status_code == 200, r.text

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from proxy.clock import FakeClock
-from proxy.inflight import InFlight, JobPoller
+from proxy.inflight import InFlight, JobFate, JobPoller
 
 
 async def settle() -> None:
@@ -21,9 +21,9 @@ async def test_poller_restarts_for_a_job_tracked_after_it_stopped() -> None:
     finished: set[str] = set()
     checked: list[str] = []
 
-    async def check(job_id: str) -> bool:
-        checked.append(job_id)
-        return job_id in finished
+    async def check(jobs: tuple[str, ...]) -> dict[str, JobFate]:
+        checked.extend(jobs)
+        return {j: "done" if j in finished else "running" for j in jobs}
 
     poller = JobPoller(inflight, "comfyui", check, interval_s=1.0)
     inflight.track_job("comfyui", "first")
@@ -44,9 +44,9 @@ async def test_stopped_poller_ignores_later_jobs_and_other_tenants() -> None:
     inflight = InFlight(FakeClock())
     checked: list[str] = []
 
-    async def check(job_id: str) -> bool:
-        checked.append(job_id)
-        return False
+    async def check(jobs: tuple[str, ...]) -> dict[str, JobFate]:
+        checked.extend(jobs)
+        return {}
 
     poller = JobPoller(inflight, "comfyui", check)
     inflight.track_job("other", "x")
@@ -60,5 +60,20 @@ async def test_stopped_poller_ignores_later_jobs_and_other_tenants() -> None:
 
 def test_tracking_outside_an_event_loop_does_not_raise() -> None:
     inflight = InFlight(FakeClock())
-    JobPoller(inflight, "comfyui", lambda job_id: asyncio.sleep(0, result=True))
+    JobPoller(inflight, "comfyui", lambda jobs: asyncio.sleep(0, result={}))
     assert inflight.track_job("comfyui", "p1")
+
+
+async def test_a_job_the_engine_no_longer_has_ends_and_is_reported_once() -> None:
+    inflight = InFlight(FakeClock())
+    lost: list[str] = []
+
+    async def check(jobs: tuple[str, ...]) -> dict[str, JobFate]:
+        return {j: "lost" if j == "deleted" else "running" for j in jobs}
+
+    poller = JobPoller(inflight, "comfyui", check, on_lost=lost.append)
+    inflight.track_job("comfyui", "deleted")
+    inflight.track_job("comfyui", "queued")
+    await settle()
+    assert inflight.jobs("comfyui") == ("queued",) and lost == ["deleted"]
+    await poller.stop()
