@@ -182,3 +182,33 @@ def test_without_a_tree_the_simulated_path_goes_by_rules_and_says_nothing() -> N
                                            gpu_proc(4002, "python3", "python3 /opt/ComfyUI/main.py --listen 127.0.0.1")))
     assert [(p.tenant, p.by) for p in snap.processes] == [("ollama", "name"), ("comfyui", "pattern")]
     assert snap.snapshot.notes == ()
+
+
+async def test_the_proxys_snapshot_attributes_by_port_and_carries_the_notes(fp: FakeProc) -> None:
+    # the whole path the admission and the admin API use: NVML reader on a fixture /proc -> Arbitration
+    from test_nvml import CLK_TCK, FakeNvml, entry
+
+    from proxy.admission import Arbitration
+    from proxy.clock import FakeClock
+    from proxy.decisions import DecisionLog
+    from proxy.inflight import InFlight
+    from proxy.nvml import NvmlReader
+
+    reg = registry({"ollama": {"upstream": "http://127.0.0.1:11434"},
+                    "comfyui": {"upstream": "http://192.0.2.10:8188"}})  # TEST-NET: never this machine
+    port = fp.listen("127.0.0.1", 11434)
+    fp.process(800, "llmd", ["/opt/llm/llmd"], sockets=[port])
+    fp.process(801, "llmd-worker", ["/opt/llm/llmd-worker"], ppid=800)
+    fp.write_net()
+    nvml = FakeNvml()
+    nvml.compute = [entry(801, 3 * 2**30)]
+    clock = FakeClock(start=50.0)
+    arb = Arbitration(reg, NvmlReader(nvml=nvml, proc_root=fp.root, clock=clock, clk_tck=CLK_TCK),  # type: ignore[arg-type]
+                      InFlight(clock), clock, DecisionLog(clock))
+    try:
+        snap = await arb.snapshot()
+    finally:
+        await arb.aclose()
+    assert [(p.tenant, p.by) for p in snap.processes] == [("ollama", "port")]
+    assert snap.held_by("ollama") == 3 * 2**30
+    assert any("comfyui" in n and "not this machine" in n for n in snap.snapshot.notes), snap.snapshot.notes
