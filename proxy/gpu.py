@@ -8,7 +8,7 @@ Readers are blocking (C calls, /proc reads): callers run `read()` off the event 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Iterator, Literal, Mapping, Protocol
 
 SnapshotSource = Literal["nvml", "simulated", "engine-estimate"]
 
@@ -39,12 +39,54 @@ class DeviceMemory:
 
 
 @dataclass(frozen=True, slots=True)
+class Listener:
+    """A listening TCP socket of this machine's network namespace (/proc/net/tcp, tcp6: state 0A)."""
+
+    inode: int
+    address: str  # "127.0.0.1", "0.0.0.0", "::", "::1"; IPv4-mapped IPv6 shown as IPv4
+    port: int
+    uid: int  # the socket's owner uid: whose processes can hold it, barring handed-over sockets
+
+
+@dataclass(frozen=True, slots=True)
+class ProcNode:
+    """One process of the tree: a GPU process or one of its ancestors."""
+
+    pid: int
+    ppid: int
+    name: str  # comm
+    uid: int | None  # effective uid, read only when `sockets` is None; None: not read or unknown
+    sockets: frozenset[int] | None  # inodes of the Listeners it holds; None: /proc/<pid>/fd unreadable
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessTree:
+    """The GPU processes, their ancestors and the listening sockets they hold, read once per snapshot.
+
+    Only readers that see this machine's /proc fill it in (NVML); the simulated GPU and the engines'
+    own estimates leave `GpuSnapshot.tree` None, and attribution then goes by match rules alone."""
+
+    listeners: tuple[Listener, ...] = ()
+    nodes: Mapping[int, ProcNode] = field(default_factory=dict, hash=False)  # pid -> node; never mutated
+
+    def lineage(self, pid: int, max_depth: int = 64) -> Iterator[ProcNode]:
+        """The process itself, then its parent, up to (not including) init; stops at a loop or a gap."""
+        seen: set[int] = set()
+        node = self.nodes.get(pid)
+        while node is not None and node.pid > 1 and node.pid not in seen and len(seen) < max_depth:
+            seen.add(node.pid)
+            yield node
+            node = self.nodes.get(node.ppid)
+
+
+@dataclass(frozen=True, slots=True)
 class GpuSnapshot:
     device: DeviceMemory
     processes: tuple[GpuProcess, ...] = ()
     source: SnapshotSource = "nvml"
     taken_at: float = 0.0  # clock.now() when read
     notes: tuple[str, ...] = field(default_factory=tuple)  # e.g. "pids not visible in /proc (container)"
+    tree: ProcessTree | None = None  # None: the reader cannot see the processes' /proc (simulated, estimates)
 
     @property
     def estimated(self) -> bool:

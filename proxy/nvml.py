@@ -3,6 +3,10 @@
 Blocking (C calls and /proc reads): callers run `read()` off the event loop, one at a time.
 Every failure becomes a `GpuReadError` with a health state and a fix; nothing else escapes `read()`.
 
+Process tree: the GPU processes' ancestors and the listening sockets they hold
+(`proxy.proctree`), read once per snapshot in the same thread, so attribution can go by the
+tenant's upstream port without touching /proc on the event loop.
+
 Process start time: field 22 of /proc/<pid>/stat (`starttime`, clock ticks since boot) divided by
 SC_CLK_TCK, so `GpuProcess.start_time` is float seconds since boot. With the pid it identifies a
 process across PID reuse; it is not a wall-clock time.
@@ -18,7 +22,8 @@ from types import ModuleType
 from typing import Literal
 
 from .clock import Clock, SystemClock
-from .gpu import DeviceMemory, GpuProcess, GpuReadError, GpuSnapshot
+from .gpu import DeviceMemory, GpuProcess, GpuReadError, GpuSnapshot, ProcessTree
+from .proctree import FdLinks, ProcTreeReader, read_fd_links
 
 CONTAINER_NOTE = ("GPU processes are not visible in this PID namespace (container?): "
                   "run with --pid=host / hostPID: true for per-process attribution")
@@ -87,9 +92,10 @@ class NvmlReader:
     """`GpuReader` over NVML. `nvml` injects a pynvml-like module (tests); by default it is imported lazily."""
 
     def __init__(self, index: int = 0, *, proc_root: Path = Path("/proc"), nvml: ModuleType | None = None,
-                 clock: Clock | None = None, clk_tck: int | None = None) -> None:
+                 clock: Clock | None = None, clk_tck: int | None = None, fd_links: FdLinks = read_fd_links) -> None:
         self.index = index
         self.proc_root = proc_root
+        self._tree_reader = ProcTreeReader(proc_root, fd_links=fd_links)
         self._nvml = nvml
         self._clock = clock or SystemClock()
         self._clk_tck = clk_tck or os.sysconf("SC_CLK_TCK")
@@ -194,10 +200,20 @@ class NvmlReader:
         processes = self._merge(compute, graphics)
         if processes and not any(self._visible(p.pid) for p in processes):
             notes.append(CONTAINER_NOTE)
+        tree = self._tree(processes, notes)
         device = DeviceMemory(index=self.index, name=self._name, total_bytes=total, reserved_bytes=reserved,
                               used_bytes=used, free_bytes=free, uuid=self._uuid)
         return GpuSnapshot(device=device, processes=processes, source="nvml", taken_at=self._clock.now(),
-                           notes=tuple(notes))
+                           notes=tuple(notes), tree=tree)
+
+    def _tree(self, processes: tuple[GpuProcess, ...], notes: list[str]) -> ProcessTree | None:
+        """Who holds which listening socket; a failure here costs attribution by port, never the read."""
+        try:
+            return self._tree_reader.read(p.pid for p in processes)
+        except Exception as exc:  # noqa: BLE001 - attribution falls back to the match rules
+            notes.append(f"process tree unreadable ({type(exc).__name__}: {exc}): "
+                         "processes attributed by name and pattern only")
+            return None
 
     def _merge(self, compute: list[object], graphics: list[object]) -> tuple[GpuProcess, ...]:
         used: dict[int, int | None] = {}

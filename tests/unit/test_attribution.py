@@ -110,3 +110,41 @@ def test_attributed_snapshot_helpers_sum_known_bytes() -> None:
     assert [p.process.pid for p in s.unmanaged()] == [4]
     assert s.held_by("comfyui") == 0
     assert s.snapshot.device.total_bytes == 24 * GIB
+
+
+COMFYUI_COMMAND_LINES = [
+    "python main.py --cpu --listen 127.0.0.1",
+    "python main.py --port 8188",
+    "python3 main.py --highvram --listen",
+    "/opt/comfy/main.py",
+    "python main.py --listen=0.0.0.0",
+    "/usr/bin/python3 ./main.py --lowvram --preview-method auto",
+    "python main.py --reserve-vram 1.5",
+    "python /srv/comfy-portable/main.py",
+    "python3 /opt/ComfyUI/main.py --listen 127.0.0.1 --port 28188",  # the simulator's
+]
+
+NOT_COMFYUI_COMMAND_LINES = [
+    "python main.py",  # any project's entry point: only its port can tell (attribution by port)
+    "python main.py --port 9000",
+    "python main.py --port 81880",
+    "python main.py --cpu",
+    "python main.py --host 0.0.0.0 --port 8080",
+    "python /home/u/project/main.py --epochs 10",
+    "python train_main.py --listen",
+    "python domain.py --listen",
+    "uvicorn main:app --port 8188",
+    "python webui.py --listen",
+]
+
+
+def test_shipped_comfyui_patterns_match_common_comfyui_command_lines() -> None:
+    a = Attributor(registry())
+    missed = [c for c in COMFYUI_COMMAND_LINES if a.match(proc(1, "python3", c)) != "comfyui"]
+    assert missed == [], f"ComfyUI command lines the shipped patterns miss: {missed}"
+
+
+def test_shipped_comfyui_patterns_leave_unrelated_main_py_scripts_alone() -> None:
+    a = Attributor(registry())
+    taken = [c for c in NOT_COMFYUI_COMMAND_LINES if a.match(proc(1, "python", c)) != UNMANAGED]
+    assert taken == [], f"unrelated command lines the shipped comfyui patterns claim: {taken}"

@@ -243,3 +243,36 @@ def test_lazily_imported_module_errors_are_mapped_by_their_class(monkeypatch: py
     with pytest.raises(GpuReadError) as info:
         NvmlReader(proc_root=proc_root).read()
     assert info.value.state == "library_missing"
+
+
+def test_snapshot_carries_the_process_tree_with_socket_owners(nvml: FakeNvml, proc_root: Path) -> None:
+    from proctrees import FakeProc
+
+    fp = FakeProc(proc_root)
+    port = fp.listen("127.0.0.1", 11434)
+    fp.process(800, "llmd", ["/opt/llmd", "serve"], sockets=[port])
+    fp.process(801, "llmd-worker", ["/opt/llmd-worker"], ppid=800)
+    fp.write_net()
+    nvml.compute = [entry(801, GIB)]
+    snap = reader(nvml, proc_root).read()
+    assert snap.tree is not None and [n.pid for n in snap.tree.lineage(801)] == [801, 800]
+    assert snap.tree.nodes[800].sockets == frozenset({port})
+    assert snap.notes == ()
+
+
+def test_a_failing_process_tree_read_costs_the_tree_not_the_snapshot(nvml: FakeNvml, proc_root: Path) -> None:
+    from proctrees import FakeProc
+
+    fp = FakeProc(proc_root)
+    fp.listen("127.0.0.1", 11434)
+    fp.process(801, "worker", ["worker"])
+    fp.write_net()
+    nvml.compute = [entry(801, GIB)]
+
+    def broken(fd_dir: str) -> list[str]:
+        raise RuntimeError("unexpected")
+
+    snap = NvmlReader(nvml=nvml, proc_root=proc_root, clock=FakeClock(start=50.0), clk_tck=CLK_TCK,  # type: ignore[arg-type]
+                      fd_links=broken).read()
+    assert snap.tree is None and [p.pid for p in snap.processes] == [801]
+    assert any("process tree unreadable" in n for n in snap.notes), snap.notes
