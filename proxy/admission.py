@@ -23,7 +23,7 @@ from .attribution import AttributedProcess, AttributedSnapshot, Attributor
 from .clock import Clock
 from .decisions import DecisionLog
 from .engines import EngineAdapter, adapter_for, memory, strip_hop_by_hop
-from .gpu import DeviceMemory, GpuProcess, GpuReader, GpuReadError, GpuSnapshot
+from .gpu import DeviceFigure, DeviceMemory, GpuProcess, GpuReader, GpuReadError, GpuSnapshot
 from .handoff import Admitted, Handoff, HandoffQueue, ReleaseResult
 from .inflight import InFlight, TenantTraffic
 from .residency import Residency
@@ -107,7 +107,8 @@ class Arbitration:
         """What the engines say about themselves, marked as an estimate (invariant 10).
 
         ComfyUI's /system_stats carries device-wide total and free (cudaMemGetInfo); without it
-        the last good reading's total is used, and with neither the total is unknown (0)."""
+        the last good reading's total is used, and with neither the total is unknown (0, marked
+        unknown). Used and free are then unknown too: self-reports do not see other programs."""
         procs: list[AttributedProcess] = []
         device: DeviceMemory | None = None
         for i, tenant in enumerate(self.registry):
@@ -123,8 +124,9 @@ class Arbitration:
             prev = self.last_snapshot.snapshot.device if self.last_snapshot else None
             total = prev.total_bytes if prev and self.last_snapshot and not self.last_snapshot.estimated else 0
             used = sum(p.process.used_bytes or 0 for p in procs)
+            unknown: set[DeviceFigure] = {"used", "free", "reserved"} | (set() if total else {"total"})
             device = DeviceMemory(0, prev.name if prev else "unknown (GPU reader failed)", total, 0, used,
-                                  max(0, total - used))
+                                  max(0, total - used), unknown=frozenset(unknown))
         raw = GpuSnapshot(device, tuple(p.process for p in procs), source="engine-estimate", taken_at=self.clock.now(),
                           notes=("GPU reader failed: memory figures are the engines' own estimates",))
         return AttributedSnapshot(raw, tuple(procs))
