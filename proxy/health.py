@@ -31,8 +31,9 @@ from .tasks import cancel_and_wait
 from .attribution import AttributedSnapshot
 from .engines import settings as es
 from .errors import ConfigError, HyperSwapError
-from .nvml import CONTAINER_NOTE
+from .nvml import CONTAINER_NOTE, NvmlReader
 from .tenants import GIB, Tenant, load_registry
+from .visibility import capabilities, summary
 
 if TYPE_CHECKING:
     from .service import Proxy
@@ -195,8 +196,9 @@ class HealthExtension:
         self.sample(snap)
         results = await asyncio.gather(*(self._run_one(c, snap) for c in self.checks))
         entries = [e for group in results for e in group]
+        caps = capabilities(snap, arb.last_read_error)
         return {"status": worst([e.status for e in entries]), "entries": [e.to_json() for e in entries],
-                "checked_at": time.time()}
+                "capabilities": [c.to_json() for c in caps], "checked_at": time.time()}
 
     async def health_route(self, request: Request) -> Response:
         return JSONResponse(await self.report())
@@ -206,8 +208,8 @@ class HealthExtension:
         err = self.proxy.arbitration.last_read_error
         if err is not None:
             return HealthEntry("nvml", "failed", f"{err.state}: {err.message}",
-                               "the proxy cannot see which process holds GPU memory: arbitration falls back to the "
-                               "engines' own estimates and cannot see other programs' memory", err.fix)
+                               "the proxy cannot see which process holds GPU memory; "
+                               + summary(capabilities(snap, err)), err.fix)
         raw = snap.snapshot
         if raw.source == "simulated":
             return HealthEntry("nvml", "ok", f"simulated GPU ({raw.device.name}, {_gib(raw.device.total_bytes)})")

@@ -241,8 +241,32 @@ class CatalogFrame(_Doc):
     tenants: dict[str, TenantCatalog]
 
 
+class HealthEntry(_Doc):
+    name: str
+    status: Literal["ok", "degraded", "failed", "unknown"] = Field(
+        description="unknown: the check cannot run (what it looks at cannot be seen); problem says why")
+    problem: str | None
+    impact: str | None
+    fix: str | None
+
+
+class Capability(_Doc):
+    name: Literal["forwarding", "in-flight tracking", "arbitration", "confirmed releases"]
+    status: Literal["ok", "estimated", "off"] = Field(description="estimated: on the engines' own reports")
+    detail: str
+
+
+class HealthReport(_Doc):
+    status: Literal["ok", "degraded", "failed"] = Field(description="the worst entry's (unknown counts as degraded)")
+    entries: list[HealthEntry]
+    capabilities: list[Capability] = Field(description="what works now: without a GPU reader, forwarding and in-flight "
+                                                       "tracking do; arbitration is estimated or off; releases are not "
+                                                       "confirmed")
+    checked_at: float | None = Field(default=None, description="unix seconds")
+
+
 MODELS: tuple[type[BaseModel], ...] = (Error, DryRun, Rejection, ReleaseResult, TenantList, TenantView, DecisionList,
-                                       Stats, StatsFrame, CatalogFrame)
+                                       Stats, StatsFrame, CatalogFrame, HealthReport)
 
 
 def _ref(model: type[BaseModel]) -> JSON:
@@ -314,8 +338,10 @@ def _operations() -> dict[str, dict[str, JSON]]:
                 "x-event-data": {"stats": _ref(StatsFrame), "catalog": _ref(CatalogFrame),
                                  "decision": {"$ref": REF.format(model="Decision")}}}}}}}},
         "/api/health": {"get": {
-            "summary": "Self-check: GPU reader, engines, config", "operationId": "health",
-            "responses": {"200": _json("always 200: each check says ok, degraded or failed, with its fix", ANY_OBJECT)}}},
+            "summary": "Self-check: GPU reader, engines, config, and what works without a GPU reader",
+            "operationId": "health",
+            "responses": {"200": _json("always 200: each check says ok, degraded, failed or unknown (cannot run), with "
+                                       "its fix", HealthReport)}}},
         "/api/engines": {"get": {
             "summary": "Each tenant's engine: reachable, version, what it reports about itself", "operationId": "engines",
             "responses": {"200": _json("engines", {"type": "object", "required": ["engines"],

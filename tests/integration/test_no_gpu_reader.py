@@ -1,0 +1,198 @@
+"""`hyperswap serve` on a machine without NVML (no driver, no library, a container without the
+device): it says so at start, and every admin answer is true there. Never claim what cannot be
+seen: an unknown value is absent or null, not 0 and not "ok"; a release the card did not confirm
+is "estimated".
+
+The proxy runs through `cli.serve` (what `hyperswap serve` runs) with the real NVML reader over a
+pynvml whose library is missing, the Ollama simulator, and a ComfyUI started with --cpu (a small
+fake: the simulator has no CPU mode). The GPU reader is then blind and no engine reports a card,
+so the card's size is unknown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket
+
+from proxy.cli import serve
+from proxy.gpu import GpuReadError
+from proxy.health import EnvReaders, HealthExtension
+from proxy.nvml import NvmlReader
+from proxy.servers import RunningServer, start_server
+from proxy.service import Proxy
+from proxy.sim.box import Scenario, SimBox
+from proxy.tenants import GIB, registry_from_dict
+
+from boxes import ALL_PORTS_ZERO, DemoFactory, fast
+
+HOST_RAM = int(24.04 * GIB)  # what a --cpu ComfyUI reports as torch_vram_total: host RAM, not VRAM
+
+
+def nvml_without_library() -> types.ModuleType:
+    """pynvml on a machine without the driver: nvmlInit raises NVMLError_LibraryNotFound."""
+    nvml = types.ModuleType("pynvml")
+
+    class NVMLError(Exception):
+        pass
+
+    missing = type("NVMLError_LibraryNotFound", (NVMLError,), {})
+
+    def init() -> None:
+        raise missing("NVML Shared Library Not Found")
+
+    nvml.NVMLError = NVMLError  # type: ignore[attr-defined]
+    nvml.NVMLError_LibraryNotFound = missing  # type: ignore[attr-defined]
+    nvml.nvmlInit = init  # type: ignore[attr-defined]
+    nvml.nvmlShutdown = lambda: None  # type: ignore[attr-defined]
+    return nvml
+
+
+class CpuComfyUI:
+    """ComfyUI started with --cpu, as its API shows it (wire facts B.5): one device of type "cpu",
+    index null, whose "vram" figures are host RAM."""
+
+    def __init__(self) -> None:
+        self.frees = 0
+
+    def app(self) -> Starlette:
+        async def stats(request: Request) -> Response:
+            return JSONResponse({
+                "system": {"os": "posix", "ram_total": HOST_RAM, "ram_free": 20 * GIB, "comfyui_version": "0.8.0",
+                           "python_version": "3.12.3", "pytorch_version": "2.8.0+cpu", "embedded_python": False,
+                           "argv": ["main.py", "--cpu"]},
+                "devices": [{"name": "cpu", "type": "cpu", "index": None, "vram_total": int(23.54 * GIB),
+                             "vram_free": 20 * GIB, "torch_vram_total": HOST_RAM, "torch_vram_free": 20 * GIB}]})
+
+        async def free(request: Request) -> Response:
+            self.frees += 1
+            return Response(status_code=200)
+
+        async def queue(request: Request) -> Response:
+            return JSONResponse({"queue_running": [], "queue_pending": []})
+
+        async def checkpoints(request: Request) -> Response:
+            return JSONResponse(["v1-5-pruned-emaonly.safetensors"])
+
+        async def ws(socket: WebSocket) -> None:
+            await socket.accept()
+            await socket.send_text(json.dumps({"type": "status", "data": {"status": {"exec_info": {"queue_remaining": 0}},
+                                                                          "sid": "cpu"}}))
+            await socket.close()
+
+        return Starlette(routes=[Route("/system_stats", stats), Route("/free", free, methods=["POST"]),
+                                 Route("/queue", queue), Route("/models/checkpoints", checkpoints),
+                                 WebSocketRoute("/ws", ws)])
+
+
+def fake_systemctl(text: str | None) -> Any:
+    """`systemctl show` with fixed output; None: systemctl is not installed (a container)."""
+    calls: list[list[str]] = []
+
+    def run(argv: Sequence[str], timeout_s: float) -> str:
+        calls.append(list(argv))
+        if text is None:
+            raise FileNotFoundError("systemctl")
+        return text
+
+    run.calls = calls  # type: ignore[attr-defined]
+    return run
+
+
+@dataclass(slots=True)
+class Served:
+    proxy: Proxy
+    box: SimBox
+    comfy: CpuComfyUI
+    out: io.StringIO
+    err: io.StringIO
+    systemctl: Any
+
+    @property
+    def admin(self) -> str:
+        return self.proxy.url("admin")
+
+
+Serve = Callable[..., Awaitable[Served]]
+
+
+@pytest.fixture
+async def served(tmp_path: Path) -> AsyncIterator[Serve]:
+    """`hyperswap serve` without NVML in front of the Ollama simulator and a --cpu ComfyUI."""
+    stops: list[Callable[[], Awaitable[None]]] = []
+
+    async def make(systemctl: str | None = None) -> Served:
+        scenario = Scenario.model_validate({**fast("default").model_dump(), "comfyui": None})
+        box = SimBox(scenario)
+        await box.start()
+        comfy = CpuComfyUI()
+        comfy_server: RunningServer = await start_server(comfy.app(), "127.0.0.1", 0)
+        overrides = box.tenant_overrides()
+        overrides["tenants"]["comfyui"] = {"upstream": comfy_server.url, "release_timeout_s": 1.0}
+        proxy = Proxy(registry_from_dict(overrides), NvmlReader(nvml=nvml_without_library()))
+        runner = fake_systemctl(systemctl)
+        health = next(e for e in proxy.extensions if isinstance(e, HealthExtension))
+        health.env = EnvReaders(systemctl=runner, proc_root=tmp_path)  # host None: decided by the reader
+        stop, out, err = asyncio.Event(), io.StringIO(), io.StringIO()
+        task = asyncio.create_task(serve(proxy, stop, ALL_PORTS_ZERO, out=out, err=err))
+
+        async def teardown() -> None:
+            stop.set()
+            await task
+            await comfy_server.stop()
+            await box.stop()
+
+        stops.append(teardown)
+        async with asyncio.timeout(15):
+            while not err.getvalue() and not task.done():
+                await asyncio.sleep(0.02)
+        if task.done():
+            task.result()  # raises what went wrong
+        return Served(proxy, box, comfy, out, err, runner)
+
+    yield make
+    for teardown in reversed(stops):
+        await teardown()
+
+
+async def test_serve_without_nvml_prints_one_line_saying_what_works_and_what_does_not(served: Serve) -> None:
+    s = await served()
+    lines = s.err.getvalue().splitlines()
+    assert len(lines) == 1, f"one clear line on stderr, got {lines}"
+    line = lines[0]
+    assert line.startswith("hyperswap: no GPU reader (library_missing: "), line
+    assert "works: forwarding, in-flight tracking" in line, line
+    assert "does not work: arbitration (" in line and "forwarded without a plan" in line, line
+    assert "confirmed releases (" in line, line
+    assert "fix: install the NVIDIA driver" in line, line
+    assert "admin" in s.out.getvalue(), "the addresses still go to stdout"
+
+
+async def test_health_without_nvml_says_what_works_and_what_does_not(served: Serve, http: httpx.AsyncClient) -> None:
+    s = await served()
+    body = (await http.get(s.admin + "/api/health")).json()
+    caps = {c["name"]: c["status"] for c in body["capabilities"]}
+    assert caps == {"forwarding": "ok", "in-flight tracking": "ok", "arbitration": "off", "confirmed releases": "off"}
+    nvml = next(e for e in body["entries"] if e["name"] == "nvml")
+    assert nvml["status"] == "failed" and nvml["problem"].startswith("library_missing:")
+    assert "works: forwarding, in-flight tracking" in nvml["impact"], nvml["impact"]
+    assert "does not work: arbitration" in nvml["impact"] and "confirmed releases" in nvml["impact"], nvml["impact"]
+
+
+async def test_health_of_a_working_reader_says_everything_works(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box("default")
+    body = (await http.get(demo.proxy.url("admin") + "/api/health")).json()
+    assert {c["name"]: c["status"] for c in body["capabilities"]} == {
+        "forwarding": "ok", "in-flight tracking": "ok", "arbitration": "ok", "confirmed releases": "ok"}
