@@ -22,6 +22,7 @@ from .guards import AdminGuard
 from .hosts import listener_policy
 from .query import integer, optional_number
 from .tenants import GIB, MAX_GIB, Tenant
+from .visibility import device_json, tenant_vram
 from .watchdog import Watchdog
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -69,7 +70,7 @@ class AdminApi:
         traffic = self.arb.inflight.snapshot().get(tenant.name)
         deadline = self.watchdog.idle_deadline(tenant.name)
         now = self.arb.clock.now()
-        held = self.arb.held(snap, tenant.name)
+        held = tenant_vram(snap, tenant.name)  # None: nobody could see it (no GPU reader, no self-report)
         state = states[tenant.name]
         return {
             "name": tenant.name,
@@ -135,11 +136,8 @@ class AdminApi:
 
     async def stats(self, request: Request) -> Response:
         snap = await self.arb.snapshot()
-        dev = snap.snapshot.device
         return JSONResponse({
-            "device": {"name": dev.name, "total_bytes": dev.total_bytes, "free_bytes": dev.free_bytes,
-                       "used_bytes": dev.used_bytes, "reserved_bytes": dev.reserved_bytes,
-                       "source": snap.snapshot.source, "notes": list(snap.snapshot.notes)},
+            "device": device_json(snap),
             "processes": [{"pid": p.process.pid, "name": p.process.name, "cmdline": p.process.cmdline,
                            "tenant": p.tenant, "vram_bytes": p.process.used_bytes} for p in snap.processes],
             "tenants": [await self.tenant_view(t) for t in self.arb.registry],

@@ -38,8 +38,10 @@ from .visibility import capabilities, summary
 if TYPE_CHECKING:
     from .service import Proxy
 
-Status = Literal["ok", "degraded", "failed"]
-_RANK: dict[str, int] = {"ok": 0, "degraded": 1, "failed": 2}
+# "unknown": the check cannot run (what it looks at cannot be seen); it says why. The overall
+# status then is at least degraded: nobody can say all is well.
+Status = Literal["ok", "degraded", "failed", "unknown"]
+_RANK: dict[str, int] = {"ok": 0, "degraded": 1, "unknown": 1, "failed": 2}
 
 CHECK_TIMEOUT_S = 3.0
 SAMPLE_INTERVAL_S = 10.0
@@ -364,6 +366,12 @@ class HealthExtension:
         return out
 
     async def check_unmanaged(self, snap: AttributedSnapshot) -> list[HealthEntry]:
+        if snap.estimated:  # no process list: "no unmanaged processes" would be a claim nobody checked
+            err = self.proxy.arbitration.last_read_error
+            return [HealthEntry("unmanaged VRAM", "unknown",
+                                "cannot be checked: without a GPU reader no process outside the tenants' engines is visible",
+                                "memory other programs hold is not counted: a load may still run out of memory",
+                                err.fix if err else "fix the GPU reader (see the nvml entry)")]
         dev = snap.snapshot.device
         unmanaged = snap.unmanaged()
         held = sum(p.process.used_bytes or 0 for p in unmanaged)

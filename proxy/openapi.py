@@ -144,7 +144,7 @@ class Waiting(_Doc):
 class _TenantLive(_Doc):
     """The live state both /api/tenants and the events' stats frames carry."""
     name: str
-    vram_bytes: int
+    vram_bytes: int | None = Field(description="null when nobody could see it (no GPU reader and no report of its own)")
     vram_gb: float | None
     busy: bool
     busy_reason: str
@@ -183,11 +183,13 @@ class DecisionList(_Doc):
 
 
 class Device(_Doc):
+    """Unknown is not zero: a figure nobody measured is null (without a GPU reader: used, free and
+    reserved; the total too when no engine reports the card)."""
     name: str
-    total_bytes: int
-    free_bytes: int
-    used_bytes: int
-    reserved_bytes: int
+    total_bytes: int | None
+    free_bytes: int | None
+    used_bytes: int | None
+    reserved_bytes: int | None
     source: str = Field(description="nvml, simulated, or engine-estimate")
     notes: list[str]
 

@@ -14,10 +14,37 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .attribution import AttributedSnapshot
+from .attribution import UNMANAGED, AttributedSnapshot
 from .gpu import GpuReadError
 
 CapabilityStatus = Literal["ok", "estimated", "off"]
+
+
+def device_json(snap: AttributedSnapshot) -> dict[str, Any]:
+    """The device as the admin API and the event stream show it: unknown figures are null."""
+    raw = snap.snapshot
+    dev = raw.device
+    return {"name": dev.name, "total_bytes": dev.figure("total"), "free_bytes": dev.figure("free"),
+            "used_bytes": dev.figure("used"), "reserved_bytes": dev.figure("reserved"),
+            "source": raw.source, "notes": list(raw.notes)}
+
+
+def sees(snap: AttributedSnapshot, tenant: str) -> bool:
+    """Whether the snapshot knows what this tenant holds. From the engines' own reports only the
+    tenants that answered are known; a VRAM-only tenant (the desktop) or a silent engine is not."""
+    if not snap.estimated:
+        return True
+    return tenant != UNMANAGED and any(p.tenant == tenant for p in snap.processes)
+
+
+def tenant_vram(snap: AttributedSnapshot, tenant: str) -> int | None:
+    """What a tenant holds, or None when nobody could see it."""
+    return snap.held_by(tenant) if sees(snap, tenant) else None
+
+
+def unmanaged_vram(snap: AttributedSnapshot) -> int | None:
+    """What processes outside every tenant hold; None without a GPU reader (they are invisible)."""
+    return None if snap.estimated else snap.held_by(UNMANAGED)
 
 
 @dataclass(frozen=True, slots=True)

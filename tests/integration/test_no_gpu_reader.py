@@ -196,3 +196,45 @@ async def test_health_of_a_working_reader_says_everything_works(box: DemoFactory
     body = (await http.get(demo.proxy.url("admin") + "/api/health")).json()
     assert {c["name"]: c["status"] for c in body["capabilities"]} == {
         "forwarding": "ok", "in-flight tracking": "ok", "arbitration": "ok", "confirmed releases": "ok"}
+
+
+async def test_an_unknown_card_is_null_in_stats_and_absent_from_metrics_not_zero(served: Serve,
+                                                                                  http: httpx.AsyncClient) -> None:
+    s = await served()
+    stats = (await http.get(s.admin + "/api/stats")).json()
+    device = stats["device"]
+    assert device["source"] == "engine-estimate"
+    assert {k: device[k] for k in ("total_bytes", "free_bytes", "used_bytes", "reserved_bytes")} == {
+        "total_bytes": None, "free_bytes": None, "used_bytes": None, "reserved_bytes": None}, device
+    vram = {t["name"]: t["vram_bytes"] for t in stats["tenants"]}
+    assert vram == {"ollama": 0, "comfyui": 0, "desktop": None}, "the desktop reports nothing: its VRAM is unknown"
+
+    text = (await http.get(s.admin + "/metrics")).text
+    samples = [line for line in text.splitlines() if line and not line.startswith("#")]
+    for name in ("hyperswap_gpu_memory_total_bytes", "hyperswap_gpu_memory_free_bytes",
+                 "hyperswap_gpu_memory_used_bytes", "hyperswap_unmanaged_vram_bytes"):
+        assert not [x for x in samples if x.startswith(name + " ")], f"{name} has a sample for an unknown value"
+    assert not [x for x in samples if x.startswith('hyperswap_tenant_vram_bytes{tenant="desktop"}')]
+    assert 'hyperswap_tenant_vram_bytes{tenant="ollama"} 0.0' in samples
+
+    health = (await http.get(s.admin + "/api/health")).json()
+    unmanaged = next(e for e in health["entries"] if e["name"] == "unmanaged VRAM")
+    assert unmanaged["status"] == "unknown", unmanaged
+    assert "cannot be checked" in unmanaged["problem"] and "no unmanaged GPU processes" not in unmanaged["problem"]
+    assert unmanaged["fix"], "a check that cannot run says how to make it run"
+    assert health["status"] == "failed"
+
+
+async def test_a_card_reported_by_comfyui_keeps_its_size_but_nothing_unmeasured(box: DemoFactory,
+                                                                                 http: httpx.AsyncClient) -> None:
+    demo = await box("default")
+    demo.box.gpu.fail_with = GpuReadError("driver_mismatch", "Driver/library version mismatch", "reboot")
+    admin = demo.proxy.url("admin")
+    device = (await http.get(admin + "/api/stats")).json()["device"]
+    assert device["total_bytes"] == 24 * GIB and device["free_bytes"] is not None, "ComfyUI's cudaMemGetInfo figures"
+    assert device["reserved_bytes"] is None, "cudaMemGetInfo has no driver-reserved figure"
+    text = (await http.get(admin + "/metrics")).text
+    assert "hyperswap_gpu_memory_total_bytes " in text
+    assert not [x for x in text.splitlines() if x.startswith("hyperswap_unmanaged_vram_bytes ")]
+    caps = {c["name"]: c["status"] for c in (await http.get(admin + "/api/health")).json()["capabilities"]}
+    assert caps["arbitration"] == "estimated" and caps["confirmed releases"] == "off"

@@ -108,7 +108,8 @@
       else swatch.style.setProperty("background", "#d5dbe3");
       legend.append(el("li", {}, swatch, `${g.label} ${gib(g.bytes)}`));
     }
-    $("mem-total").textContent = `${gib(s.device.used_bytes)} used of ${gib(s.device.total_bytes)}`;
+    $("mem-total").textContent = s.device.total_bytes === null || s.device.total_bytes === undefined
+      ? "card size unknown (no GPU reader)" : `${gib(s.device.used_bytes)} used of ${gib(s.device.total_bytes)}`;
   }
 
   // -- tenant cards ----------------------------------------------------------------------------
@@ -228,7 +229,9 @@
     const W = 600, H = 140, now = Date.now();
     // The window grows with the page's age up to HISTORY_MS, so a fresh page is not one spike at the right edge.
     const span = Math.min(HISTORY_MS, Math.max(60000, ui.history.length ? now - ui.history[0].t : 0));
-    const total = (ui.stats && ui.stats.device.total_bytes) || 1;
+    // Card size unknown (no GPU reader): scale to the largest holding drawn instead.
+    const peak = Math.max(1, ...ui.history.flatMap((h) => Object.values(h.v).map((v) => v || 0)));
+    const total = (ui.stats && ui.stats.device.total_bytes) || peak;
     const ns = "http://www.w3.org/2000/svg";
     svg.replaceChildren();
     for (const f of [0.25, 0.5, 0.75]) {
