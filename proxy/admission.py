@@ -18,7 +18,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from .arbiter import Plan, PlanMode, TenantState, gib, plan_release
+from .arbiter import Plan, PlanMode, TenantState, gib, plan_release, unplanned_plan
 from .attribution import AttributedProcess, AttributedSnapshot, Attributor
 from .clock import Clock
 from .decisions import DecisionLog
@@ -208,6 +208,8 @@ class Arbitration:
         """The plan a request would get now (the dry run of `GET /api/plan`, the watchdog's relief)."""
         self.registry.get(requester)
         snap = snap or await self.snapshot()
+        if not snap.snapshot.device.size_known:  # as the handoff queue does: forwarded without a plan
+            return unplanned_plan(requester, need_bytes), snap
         plan = plan_release(snap, self.registry, self.states(snap), requester, need_bytes,
                             promised=self.promised_by_tenant(snap, key or requester), mode=mode)
         return plan, snap

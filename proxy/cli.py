@@ -133,7 +133,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(body, indent=2))
         return 0 if plan["feasible"] else 1
-    print(plan["explanation"])
+    print(f"{plan.get('outcome') or ('ready' if plan['feasible'] else 'impossible')}: {plan['explanation']}")
     for rel in plan["releases"]:
         print(f"  release {rel['tenant']:<12} ~{rel['expected_free_gib']} GiB  ({rel['reason']})")
     for b in plan["blockers"]:

@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Protocol
 
-from .arbiter import Plan, TenantState, Verdict, Waiter, gib, schedule
+from .arbiter import Plan, TenantState, Verdict, Waiter, gib, schedule, unplanned_plan
 from .attribution import AttributedSnapshot
 from .clock import Clock
 from .decisions import Decision, DecisionLog
@@ -180,7 +180,7 @@ class HandoffQueue:
                 snap, states, promised = await self.fx.read()
                 if not self._tickets:
                     break
-                if snap.snapshot.device.total_bytes == 0:
+                if not snap.snapshot.device.size_known:
                     self._forward_unplanned(snap)
                     continue
                 settings = self.fx.registry.config.proxy
@@ -268,8 +268,7 @@ class HandoffQueue:
     def _forward_unplanned(self, snap: AttributedSnapshot) -> None:
         """Nothing to plan with (reader broken, no engine reports the card): forward, never block."""
         for ticket in list(self._tickets.values()):
-            plan = Plan(ticket.waiter.tenant, ticket.waiter.need_bytes, 0, 0, True, False, (), (),
-                        "card size unknown (GPU reader failed): forwarded without a plan", True)
+            plan = unplanned_plan(ticket.waiter.tenant, ticket.waiter.need_bytes)  # what GET /api/plan says too
             self._resolve(ticket, Admitted("run", Handoff(plan, [], None, snap), plan.explanation))
 
     # -- bookkeeping -----------------------------------------------------------------------------

@@ -62,15 +62,18 @@ class Plan(_Doc):
     requester: str
     need_bytes: int
     need_gib: float | None
-    free_bytes: int
+    free_bytes: int | None = Field(description="null when unplanned: nothing was measured")
     free_gib: float | None
-    held_by_requester_bytes: int
+    held_by_requester_bytes: int | None
     held_by_requester_gib: float | None
     promised_bytes: int = Field(default=0, description="free memory already promised to admitted loads still on their way")
-    reachable_bytes: int = Field(default=0, description="free + held + every reclaimable tenant's memory, busy or idle")
+    reachable_bytes: int | None = Field(default=0, description="free + held + every reclaimable tenant's memory, busy "
+                                                                 "or idle; null when unplanned")
     feasible: bool = Field(description="enough now, with the releases listed")
     possible: bool = Field(default=True, description="enough once the busy tenants in wait_for finish; false: 507")
-    outcome: Literal["ready", "release", "wait", "impossible"] | None = None
+    outcome: Literal["ready", "release", "wait", "impossible", "unplanned"] | None = Field(
+        default=None, description="unplanned: the card's size is unknown (no GPU reader, no engine reports the "
+                                  "device), so the request is forwarded without a plan; the explanation says why")
     wait_for: list[str] = Field(default_factory=list, description="busy tenants the request waits for")
     starved: bool = Field(description="free + already held is below the need (only then is anything released)")
     estimated: bool = Field(description="memory figures are the engines' own reports (GPU reader failed)")

@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
-from proxy.cli import serve
+from proxy.cli import main, serve
 from proxy.gpu import GpuReadError
 from proxy.health import EnvReaders, HealthExtension
 from proxy.nvml import NvmlReader
@@ -238,3 +238,22 @@ async def test_a_card_reported_by_comfyui_keeps_its_size_but_nothing_unmeasured(
     assert not [x for x in text.splitlines() if x.startswith("hyperswap_unmanaged_vram_bytes ")]
     caps = {c["name"]: c["status"] for c in (await http.get(admin + "/api/health")).json()["capabilities"]}
     assert caps["arbitration"] == "estimated" and caps["confirmed releases"] == "off"
+
+
+async def test_plan_without_a_card_size_answers_what_a_request_gets(served: Serve, http: httpx.AsyncClient,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    s = await served()
+    dry = (await http.get(s.admin + "/api/plan", params={"tenant": "ollama", "need_gb": 8})).json()["plan"]
+    assert dry["outcome"] == "unplanned", dry
+    assert dry["explanation"].startswith("forwarded without a plan: the card's size is unknown"), dry["explanation"]
+    assert "too large" not in dry["explanation"]
+    assert dry["feasible"] is True and dry["free_bytes"] is None and dry["estimated"] is True
+
+    r = await http.post(s.proxy.url("ollama") + "/api/generate",
+                        json={"model": "llama3.1:8b", "prompt": "hi", "stream": False})
+    assert r.status_code == 200, "and a request is indeed forwarded"
+
+    capsys.readouterr()
+    rc = await asyncio.to_thread(main, ["plan", "--tenant", "ollama", "--need-gb", "8", "--admin", s.admin])
+    out = capsys.readouterr().out
+    assert rc == 0 and out.startswith("unplanned: forwarded without a plan"), out
