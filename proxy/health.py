@@ -80,8 +80,9 @@ class NamedCheck:
 class EnvReaders:
     """How /api/engines reads an engine's environment; tests inject fakes.
 
-    host None: read the host (systemd, /proc) only when the GPU reader is NVML; with a simulated
-    GPU the pids are fictional and the host's services are not the simulated engines."""
+    host None: read the host (systemd, /proc) only when the GPU reader is NVML (working or not:
+    the host is the engines' host either way); with a simulated GPU the pids are fictional and the
+    host's services are not the simulated engines."""
 
     systemctl: es.CommandRunner = es.run_command
     proc_root: Path = Path("/proc")
@@ -431,10 +432,10 @@ class HealthExtension:
         return out or [HealthEntry("unmanaged VRAM", "ok", f"unmanaged processes hold {_gib(held)}: {who}")]
 
     # -- /api/engines ------------------------------------------------------------------------------
-    def _host_reads(self, snap: AttributedSnapshot | None) -> bool:
+    def _host_reads(self) -> bool:
         if self.env.host is not None:
             return self.env.host
-        return snap is not None and snap.snapshot.source == "nvml"
+        return isinstance(self.proxy.reader, NvmlReader)  # a simulated GPU's engines are not the host's
 
     async def engine_view(self, tenant: Tenant, snap: AttributedSnapshot | None) -> dict[str, Any]:
         view: dict[str, Any] = {"tenant": tenant.name, "engine": tenant.engine, "upstream": tenant.upstream,
@@ -459,11 +460,14 @@ class HealthExtension:
         reads: list[es.EnvRead] = []
         systemd: es.EnvRead | None = None
         environ: es.EnvRead | None = None
-        if self._host_reads(snap):
+        if self._host_reads():
             systemd = await asyncio.to_thread(es.read_systemd_env, "ollama", self.env.systemctl, self.env.timeout_s)
             reads.append(systemd)
             procs = snap.processes_of(tenant.name) if snap else ()
-            if procs:
+            if snap is None or snap.estimated:
+                environ = es.EnvRead("environ", None, "the GPU reader failed, so no process of "
+                                     f"{tenant.name} can be found by attribution: its environment was not read", "")
+            elif procs:
                 # The server and its runners share the environment that matters; prefer `ollama serve`.
                 proc = min(procs, key=lambda p: (0 if "serve" in p.process.cmdline else 1, p.process.pid)).process
                 environ = await asyncio.to_thread(es.read_proc_environ, proc.pid, self.env.proc_root)

@@ -257,3 +257,21 @@ async def test_plan_without_a_card_size_answers_what_a_request_gets(served: Serv
     rc = await asyncio.to_thread(main, ["plan", "--tenant", "ollama", "--need-gb", "8", "--admin", s.admin])
     out = capsys.readouterr().out
     assert rc == 0 and out.startswith("unplanned: forwarded without a plan"), out
+
+
+async def test_engines_under_serve_without_nvml_say_only_what_was_read(served: Serve, http: httpx.AsyncClient) -> None:
+    s = await served(systemctl=None)  # no systemd either (a container)
+    view = next(e for e in (await http.get(s.admin + "/api/engines")).json()["engines"] if e["tenant"] == "ollama")
+    assert s.systemctl.calls, "the host is the engines' host under serve: systemd is asked"
+    assert not any("simulated" in (src.get("error") or "") for src in view["env_sources"]), view["env_sources"]
+    environ = next(src for src in view["env_sources"] if src["source"] == "environ")
+    assert "GPU reader failed" in environ["error"], environ
+    assert {x["source"] for x in view["settings"]} == {"unknown"}, "nothing was read: no setting is a default"
+
+
+async def test_engines_without_nvml_report_what_the_systemd_unit_says(served: Serve, http: httpx.AsyncClient) -> None:
+    s = await served(systemctl="Environment=OLLAMA_KEEP_ALIVE=-1\n")
+    view = next(e for e in (await http.get(s.admin + "/api/engines")).json()["engines"] if e["tenant"] == "ollama")
+    settings = {x["name"]: x for x in view["settings"]}
+    assert (settings["OLLAMA_KEEP_ALIVE"]["value"], settings["OLLAMA_KEEP_ALIVE"]["source"]) == ("-1", "systemd")
+    assert settings["OLLAMA_NUM_PARALLEL"]["source"] == "default (not set)", "the unit was read and does not set it"

@@ -119,14 +119,20 @@
     if (e.error && !e.reachable) return { sub: `unreachable: ${e.error}`, tip: e.error };
     if (e.settings) {
       // Subtitle: only what differs from the defaults, and how many settings deserve a look.
+      // A setting nobody could read is unknown, never "default".
+      const unknown = e.settings.filter((s) => s.source === "unknown").length;
       const set = e.settings.filter((s) => s.value !== null && s.value !== undefined).map((s) => `${s.name.replace(/^OLLAMA_/, "")}=${s.value}`);
-      const notes = e.settings.filter((s) => s.status && s.status !== "ok").length;
-      const short = [set.length ? set.join(" ") : "all defaults", notes ? `${notes} note${notes > 1 ? "s" : ""}` : null].filter(Boolean);
-      const tip = e.settings.map((s) => `${s.name} = ${s.value ?? "(not set)"} [${s.source}]${s.status && s.status !== "ok" ? ` (${s.status})` : ""}\n  ${s.meaning}`);
+      const notes = e.settings.filter((s) => s.status && s.status !== "ok" && s.status !== "unknown").length;
+      const base = set.length ? set.join(" ") : unknown === e.settings.length ? "settings not read" : "all defaults";
+      const short = [base, unknown && unknown < e.settings.length ? `${unknown} unknown` : null,
+        notes ? `${notes} note${notes > 1 ? "s" : ""}` : null].filter(Boolean);
+      const tip = e.settings.map((s) => `${s.name} = ${s.value ?? (s.source === "unknown" ? "(unknown)" : "(not set)")} [${s.source}]${s.status && s.status !== "ok" ? ` (${s.status})` : ""}\n  ${s.meaning}`);
       return { sub: `${e.engine} ${e.version || ""} · ${short.join(" · ")}`, tip: [`${e.engine} ${e.version || ""} at ${e.upstream}`, ...tip].join("\n") };
     }
-    const flags = (e.flags || []).length ? e.flags.join(" ") : "no flags";
+    // Flags are objects ({flag, value, meaning, status}): show each as it was typed.
+    const flags = (e.flags || []).length ? e.flags.map((f) => (f.value === null || f.value === undefined ? f.flag : `${f.flag} ${f.value}`)).join(" ") : "no flags";
     const tip = [`${e.engine} ${e.version || ""} at ${e.upstream}`, `argv: ${(e.argv || []).join(" ")}`,
+      ...(e.flags || []).map((f) => `${f.flag}: ${f.meaning}`),
       e.device_name ? `device: ${e.device_name}` : null, e.pytorch_version ? `pytorch ${e.pytorch_version}` : null,
       e.python_version ? `python ${e.python_version}` : null].filter(Boolean);
     return { sub: `${e.engine} ${e.version || ""} · ${flags}`, tip: tip.join("\n") };
