@@ -116,7 +116,8 @@ class AdminApi:
             decision = self.arb.decisions.record("release", tenant.name, "admin", None, held_bytes=held)
             result = await self.arb.execute_release(tenant, max(0, held - tenant.idle_vram_bytes), snap)
             self.arb.decisions.update(decision, releases=[result.to_json()], ok=result.confirmed)
-        status = 200 if result.confirmed else 504 if result.error and "not back" in result.error else 502
+        done = result.confirmed or (result.estimated and result.error is None)  # estimated: the engine's report
+        status = 200 if done else 504 if result.error and "not back" in result.error else 502
         return JSONResponse({"tenant": tenant.name, **result.to_json()}, status_code=status)
 
     async def plan(self, request: Request) -> Response:

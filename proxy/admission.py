@@ -249,11 +249,12 @@ class Arbitration:
         while True:
             snap = await self.snapshot()
             held_now = self.held(snap, tenant.name)
-            if held_now <= target + CONFIRM_SLACK_BYTES:
-                return ReleaseResult(tenant.name, expected, held_before - held_now, self.clock.now() - start, True, asked=asked)
+            if held_now <= target + CONFIRM_SLACK_BYTES:  # on the engines' reports alone it is an estimate
+                return ReleaseResult(tenant.name, expected, held_before - held_now, self.clock.now() - start,
+                                     not snap.estimated, asked=asked, estimated=snap.estimated)
             if self.clock.now() >= deadline:
                 return ReleaseResult(tenant.name, expected, max(0, held_before - held_now), self.clock.now() - start, False,
-                                     f"memory not back after {tenant.release_timeout_s:g} s", asked)
+                                     f"memory not back after {tenant.release_timeout_s:g} s", asked, snap.estimated)
             await self.clock.sleep(self.registry.config.proxy.release_poll_s)
 
     # -- the handoff queue's effects (HandoffEffects) -------------------------------------------

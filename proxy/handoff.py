@@ -36,15 +36,19 @@ class ReleaseResult:
     expected_bytes: int
     freed_bytes: int
     duration_s: float
-    confirmed: bool
+    confirmed: bool  # the card showed the memory back (invariant 6)
     error: str | None = None
     asked: dict[str, Any] = field(default_factory=dict)
+    # Judged from the engines' own reports (no GPU reader): never `confirmed`, and `freed_bytes` is
+    # what the engine says, not what the card shows. Ollama drops a model from /api/ps before its
+    # memory is back.
+    estimated: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {"tenant": self.tenant, "expected_bytes": self.expected_bytes, "freed_bytes": self.freed_bytes,
                 "expected_gb": gib(self.expected_bytes), "freed_gb": gib(self.freed_bytes),
-                "duration_s": round(self.duration_s, 3), "confirmed": self.confirmed, "error": self.error,
-                "asked": self.asked}
+                "duration_s": round(self.duration_s, 3), "confirmed": self.confirmed, "estimated": self.estimated,
+                "error": self.error, "asked": self.asked}
 
 
 @dataclass(slots=True)

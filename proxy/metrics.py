@@ -23,7 +23,8 @@ Series:
 - hyperswap_handoff_seconds: histogram of the time handoffs spent releasing (sum of the releases'
   duration_s) for decisions from the planner with at least one release: kinds plan, oom_retry, spill.
 - hyperswap_releases_total{tenant,result}: every executed release (requests, watchdog, admin);
-  result confirmed | timeout (memory not back in time) | error (the engine refused or was down).
+  result confirmed (the card showed the memory back) | estimated (no GPU reader: the engine's own
+  report said so) | timeout (memory not back in time) | error (the engine refused or was down).
 - hyperswap_oom_retries_total{tenant,result}: succeeded | failed | no plan.
 - hyperswap_rejections_total{tenant}: 507s.
 - hyperswap_queue_waiting{tenant}: requests waiting in the handoff queue now (from the queue).
@@ -63,6 +64,8 @@ _SEEN_MAX = 1024  # decision ids remembered to count each part once (decisions f
 def release_result(release: dict[str, object]) -> str:
     if release.get("confirmed"):
         return "confirmed"
+    if release.get("estimated") and not release.get("error"):
+        return "estimated"  # the engine's own report said so; the card was not read
     return "timeout" if "not back" in str(release.get("error") or "") else "error"
 
 

@@ -111,11 +111,14 @@ class Rejection(_Doc):
 class ReleaseResult(_Doc):
     tenant: str
     expected_bytes: int
-    freed_bytes: int = Field(description="as measured on the GPU, not as the engine claimed")
+    freed_bytes: int = Field(description="as measured on the GPU; when estimated, as the engine's own report says")
     expected_gb: float | None
     freed_gb: float | None
     duration_s: float
-    confirmed: bool
+    confirmed: bool = Field(description="the card showed the memory back")
+    estimated: bool = Field(default=False, description="no GPU reader: judged from the engine's own report (Ollama's "
+                                                       "/api/ps, ComfyUI's /system_stats), which may say so before "
+                                                       "the memory is back; never confirmed")
     error: str | None
     asked: JSON = Field(description="what the engine was asked and answered")
 
@@ -301,10 +304,12 @@ def _operations() -> dict[str, dict[str, JSON]]:
             "responses": {"200": _json("the tenant", TenantView), "404": _err("no such tenant")}}},
         "/api/tenants/{name}/release": {"post": {
             "summary": "Release an idle tenant's GPU memory now", "operationId": "releaseTenant",
-            "description": "Goes through the same handoff lock as requests. Done when the GPU shows the memory back.",
+            "description": ("Goes through the same handoff lock as requests. Done when the GPU shows the memory back "
+                            "(confirmed), or without a GPU reader when the engine's own report says so (estimated)."),
             "parameters": [NAME], "security": [{"bearer": []}],
             "responses": {
-                "200": _json("released and confirmed on the GPU", ReleaseResult),
+                "200": _json("released: confirmed on the GPU, or estimated from the engine's own report (no GPU "
+                             "reader)", ReleaseResult),
                 "401": _err("a token is configured and none was sent"),
                 "403": _err("wrong token, or an Origin other than this admin's own or admin.cors_origins"),
                 "404": _err("no such tenant"),

@@ -275,3 +275,29 @@ async def test_engines_without_nvml_report_what_the_systemd_unit_says(served: Se
     settings = {x["name"]: x for x in view["settings"]}
     assert (settings["OLLAMA_KEEP_ALIVE"]["value"], settings["OLLAMA_KEEP_ALIVE"]["source"]) == ("-1", "systemd")
     assert settings["OLLAMA_NUM_PARALLEL"]["source"] == "default (not set)", "the unit was read and does not set it"
+
+
+async def test_a_release_judged_on_the_engines_reports_is_estimated_not_confirmed(box: DemoFactory,
+                                                                                   http: httpx.AsyncClient) -> None:
+    demo = await box("default")
+    r = await http.post(demo.box.servers["ollama"].url + "/api/generate",
+                        json={"model": "llama3.1:8b", "prompt": "hi", "stream": False})
+    assert r.status_code == 200
+    demo.box.gpu.fail_with = GpuReadError("driver_mismatch", "Driver/library version mismatch", "reboot")
+    admin = demo.proxy.url("admin")
+    r = await http.post(admin + "/api/tenants/ollama/release")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["confirmed"] is False and body["estimated"] is True, body
+    assert body["error"] is None and body["freed_gb"] > 4
+    log = (await http.get(admin + "/api/decisions")).json()["decisions"]
+    assert log[-1]["outcome"]["releases"][0]["estimated"] is True and log[-1]["outcome"]["ok"] is False
+    metrics = (await http.get(admin + "/metrics")).text
+    assert 'hyperswap_releases_total{result="estimated",tenant="ollama"} 1.0' in metrics, \
+        [x for x in metrics.splitlines() if x.startswith("hyperswap_releases_total")]
+
+    demo.box.gpu.fail_with = None  # the card is back: a release is confirmed on it again
+    await http.post(demo.box.servers["ollama"].url + "/api/generate",
+                    json={"model": "llama3.1:8b", "prompt": "hi", "stream": False})
+    body = (await http.post(admin + "/api/tenants/ollama/release")).json()
+    assert body["confirmed"] is True and body["estimated"] is False, body

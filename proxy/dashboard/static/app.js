@@ -294,7 +294,7 @@
   // -- decisions ---------------------------------------------------------------------------------
   function describe(d) {
     const o = d.outcome || {}, p = d.plan;
-    const rel = (o.releases || []).map((r) => `${r.tenant}: freed ${r.freed_gb} GiB in ${r.duration_s} s${r.confirmed ? "" : ` (${r.error || "not confirmed"})`}`);
+    const rel = (o.releases || []).map((r) => `${r.tenant}: freed ${r.freed_gb} GiB in ${r.duration_s} s${r.confirmed ? "" : r.estimated && !r.error ? " (estimated: the engine's own report, the card was not read)" : ` (${r.error || "not confirmed"})`}`);
     const blockers = p && p.blockers && p.blockers.length ? `blocked by ${p.blockers.map((b) => `${b.name} (${[b.tenant !== b.reason ? b.tenant : null, b.reason, b.vram_gib !== null ? `${b.vram_gib} GiB` : null].filter(Boolean).join(", ")})`).join(", ")}` : "";
     switch (d.kind) {
       case "plan":
