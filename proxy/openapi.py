@@ -121,6 +121,10 @@ class ReleaseResult(_Doc):
                                                        "the memory is back; never confirmed")
     error: str | None
     asked: JSON = Field(description="what the engine was asked and answered")
+    fix: str | None = Field(default=None, description="on 502 and 504: what to do about it")
+    reason: Literal["cpu"] | None = Field(default=None, description="cpu: the engine runs on the CPU and holds no GPU "
+                                                                    "memory; nothing was asked")
+    note: str | None = None
 
 
 class Process(_Doc):
@@ -309,15 +313,13 @@ def _operations() -> dict[str, dict[str, JSON]]:
             "parameters": [NAME], "security": [{"bearer": []}],
             "responses": {
                 "200": _json("released: confirmed on the GPU, or estimated from the engine's own report (no GPU "
-                             "reader)", ReleaseResult),
+                             "reader); or nothing to release (reason cpu: the engine runs on the CPU)", ReleaseResult),
                 "401": _err("a token is configured and none was sent"),
-                "403": _err("wrong token, or an Origin other than this admin's own or admin.cors_origins"),
                 "404": _err("no such tenant"),
                 "409": _err("busy, or the tenant has no release strategy (reason says which)"),
-                "415": _err("a body that is not JSON (send none, or Content-Type: application/json)"),
-                "421": _err("a Host that is not this admin listener's address (loopback, or admin.allowed_hosts)"),
-                "502": _json("the engine refused or failed the release", ReleaseResult),
-                "504": _json("the memory was not back before the tenant's release_timeout_s", ReleaseResult)}}},
+                "502": _json("the engine refused or failed the release (error, fix)", ReleaseResult),
+                "504": _json("the memory was not back before the tenant's release_timeout_s (error, fix)",
+                             ReleaseResult)}}},
         "/api/plan": {"get": {
             "summary": "Dry-run plan: what would be released for a tenant to get need_gb", "operationId": "plan",
             "parameters": [
@@ -376,7 +378,8 @@ def _operations() -> dict[str, dict[str, JSON]]:
                                   "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
         "/": {"get": {
             "summary": "The dashboard (HTML page; live over /api/events)", "operationId": "dashboard",
-            "responses": {"200": {"description": "the page", "content": {"text/html": {"schema": {"type": "string"}}}}}}},
+            "responses": {"200": {"description": "the page", "content": {"text/html": {"schema": {"type": "string"}}}},
+                          "503": _err("the dashboard's files are not installed")}}},
         "/static/{path}": {"get": {
             "summary": "The dashboard's static files (app.js, app.css)", "operationId": "dashboardStatic",
             "parameters": [{"name": "path", "in": "path", "required": True, "schema": {"type": "string"}}],
@@ -390,7 +393,9 @@ def _operations() -> dict[str, dict[str, JSON]]:
                             "when a token is configured every call needs it."),
             "security": [{"bearer": []}],
             "responses": {"200": _json("a JSON-RPC answer", ANY_OBJECT), "401": _err("a token is configured and none was sent"),
-                          "403": _err("wrong token")}} for method in ("get", "post", "delete")},
+                          "403": _err("wrong token" + ("" if method == "get" else ", or an Origin other than this "
+                                                       "admin's own or admin.cors_origins"))}}
+                for method in ("get", "post", "delete")},
         "/openapi.json": {"get": {
             "summary": "This document", "operationId": "openapi",
             "responses": {"200": _json("OpenAPI 3.1", ANY_OBJECT)}}},
@@ -403,12 +408,26 @@ def _schemas() -> JSON:
 
 
 def _without_auth(ops: dict[str, dict[str, JSON]]) -> None:
-    """No token configured: nothing needs Authorization, and nothing answers 401 or 403."""
+    """No token configured: nothing needs Authorization, and nothing answers 401 or 403 for a token
+    (a mutation's 403 for a foreign Origin stays: `_guard_answers`)."""
     for methods in ops.values():
         for op in methods.values():
             if op.pop("security", None) is not None:
                 for status in ("401", "403"):
                     op["responses"].pop(status, None)
+
+
+def _guard_answers(method: str, op: JSON) -> None:
+    """What the admin listener's guard answers before any route runs (proxy/guards.py): 421 to a
+    foreign Host on every call; 403 to a foreign Origin and 415 to a non-JSON body on a mutation."""
+    responses = op.setdefault("responses", {})
+    responses.setdefault("421", _err("a Host that is not this admin listener's address (loopback, its listen "
+                                     "address, or admin.allowed_hosts)"))
+    if method in ("get", "head"):
+        return
+    origin = "an Origin other than this admin's own or admin.cors_origins"
+    responses.setdefault("403", _err(f"wrong token, or {origin}" if "security" in op else origin))
+    responses.setdefault("415", _err("a body that is not JSON (send none, or Content-Type: application/json)"))
 
 
 def openapi_document(mounted: Iterable[tuple[str, str]] | None = None, *, token: bool = True) -> JSON:
@@ -428,9 +447,11 @@ def openapi_document(mounted: Iterable[tuple[str, str]] | None = None, *, token:
                       "responses": {"default": {"description": "not described yet"}}}
             paths.setdefault(path, {})[method] = op
     for path, methods in paths.items():
-        for op in methods.values():
+        for method, op in methods.items():
             if "{name}" in path:
                 op.setdefault("responses", {}).setdefault("404", _err("no such tenant"))
+            if not op.get("x-undocumented"):
+                _guard_answers(method, op)
     return {
         "openapi": "3.1.0",
         "info": {"title": "HyperSwap admin API", "version": "1",

@@ -28,6 +28,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
 from proxy.cli import main, serve
+from proxy.demo import run_prompt
 from proxy.gpu import GpuReadError
 from proxy.health import EnvReaders, HealthExtension
 from proxy.nvml import NvmlReader
@@ -275,6 +276,43 @@ async def test_engines_without_nvml_report_what_the_systemd_unit_says(served: Se
     settings = {x["name"]: x for x in view["settings"]}
     assert (settings["OLLAMA_KEEP_ALIVE"]["value"], settings["OLLAMA_KEEP_ALIVE"]["source"]) == ("-1", "systemd")
     assert settings["OLLAMA_NUM_PARALLEL"]["source"] == "default (not set)", "the unit was read and does not set it"
+
+
+async def test_a_cpu_comfyui_holds_no_vram_and_its_release_is_a_200_that_says_so(served: Serve,
+                                                                                  http: httpx.AsyncClient) -> None:
+    s = await served()
+    tenant = (await http.get(s.admin + "/api/tenants/comfyui")).json()
+    assert tenant["vram_bytes"] == 0, f"host RAM shown as VRAM: {tenant['vram_gb']} GiB"
+    device = (await http.get(s.admin + "/api/stats")).json()["device"]
+    assert device["total_bytes"] is None and device["name"] != "cpu", "host RAM is not a card"
+
+    r = await http.post(s.admin + "/api/tenants/comfyui/release")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["reason"] == "cpu" and "runs on the CPU" in body["note"], body
+    assert body["freed_bytes"] == 0 and body["confirmed"] is False and body["estimated"] is False
+    assert s.comfy.frees == 0, "nothing is asked of an engine that holds no GPU memory"
+    log = (await http.get(s.admin + "/api/decisions")).json()["decisions"]
+    assert log[-1]["kind"] == "release" and "runs on the CPU" in log[-1]["outcome"]["result"]
+
+
+async def test_a_release_not_back_in_time_is_a_504_with_a_fix(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box(fast("default", comfyui={"free_delay_s": 30.0},
+                          tenants={"comfyui": {"release_timeout_s": 0.3}}))
+    await run_prompt(demo.proxy.url("comfyui"), "sd_xl_base_1.0.safetensors", http)
+    r = await http.post(demo.proxy.url("admin") + "/api/tenants/comfyui/release")
+    assert r.status_code == 504, r.text
+    body = r.json()
+    assert "not back" in body["error"] and "release_timeout_s" in body["fix"], body
+
+
+async def test_a_release_the_engine_refuses_is_a_502_with_a_fix(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box("default")
+    await demo.box.comfyui.stop()
+    r = await http.post(demo.proxy.url("admin") + "/api/tenants/comfyui/release")
+    assert r.status_code == 502, r.text
+    body = r.json()
+    assert body["error"] and "hyperswap check" in body["fix"], body
 
 
 async def test_a_release_judged_on_the_engines_reports_is_estimated_not_confirmed(box: DemoFactory,

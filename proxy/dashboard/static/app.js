@@ -300,7 +300,8 @@
       case "plan":
         return `${d.tenant} needs ${p ? p.need_gib : "?"} GiB (free ${p ? p.free_gib : "?"}): ${p && p.releases.length ? "release " + p.releases.map((r) => `${r.tenant} ~${r.expected_free_gib} GiB`).join(", ") : "nothing to release"}${rel.length ? " → " + rel.join("; ") : " (running…)"}`;
       case "release": case "idle_release":
-        return `${d.tenant} released (${d.trigger}): ${rel.length ? rel.join("; ") : `held ${gib(o.held_bytes)}, releasing…`}`;
+        if (o.result) return `${d.tenant} (${d.trigger}): ${o.result}`;
+        return `${d.tenant} release (${d.trigger}): ${rel.length ? rel.join("; ") : `held ${gib(o.held_bytes)}, releasing…`}`;
       case "rejection":
         return `${o.status || 507} for ${d.tenant} (${d.trigger})${p ? `: needs ${p.need_gib} GiB, free ${p.free_gib} GiB` : ""}${blockers ? "; " + blockers : ""}${o.reason ? "; " + o.reason : ""}`;
       case "oom_retry":
