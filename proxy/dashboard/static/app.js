@@ -169,7 +169,7 @@
           el("dt", { text: "idle release" }), el("dd", { text: t.idle_release_in_s === null ? "off" : `in ${secs(t.idle_release_in_s)}` }),
           models ? el("dt", { text: "models" }) : null, models ? el("dd", { text: models, title: cat.models.map((m) => m.name).join("\n") }) : null),
         el("div", { class: "actions" }, release,
-          res ? el("span", { class: `result ${res.ok ? "ok" : "err"}`, text: res.text, dataset: { role: "result" } }) : null));
+          res ? el("span", { class: `result ${res.cls}`, text: res.text, dataset: { role: "result", result: res.cls } }) : null));
       card.style.setProperty("--c", colorOf(t));
       box.append(card);
     }
@@ -178,7 +178,7 @@
 
   async function doRelease(name) {
     if (!window.confirm(`Release ${name}'s GPU memory now? Its models will be unloaded.`)) return;
-    ui.results.set(name, { ok: true, text: "releasing…" }); renderTenants();
+    ui.results.set(name, { cls: "none", text: "releasing…" }); renderTenants();
     const headers = {};
     const token = localStorage.getItem(TOKEN_KEY);
     if (token) headers.Authorization = `Bearer ${token}`;
@@ -186,13 +186,21 @@
     try {
       const r = await fetch(`/api/tenants/${encodeURIComponent(name)}/release`, { method: "POST", headers });
       const body = await r.json().catch(() => ({}));
-      if (r.ok) result = { ok: true, text: `freed ${body.freed_gb} GiB in ${body.duration_s} s` };
-      else if (body.freed_gb !== undefined) result = { ok: false, text: `${r.status}: freed ${body.freed_gb} GiB in ${body.duration_s} s: ${body.error || "not confirmed"}` };
-      else result = { ok: false, text: `${r.status}: ${body.error || r.statusText}${body.reason ? ` (${body.reason})` : ""}` };
+      if (r.ok) result = releaseResult(body);
+      else if (body.freed_gb !== undefined) result = { cls: "err", text: `${r.status}: freed ${body.freed_gb} GiB in ${body.duration_s} s: ${body.error || "not confirmed"}` };
+      else result = { cls: "err", text: `${r.status}: ${body.error || r.statusText}${body.reason ? ` (${body.reason})` : ""}` };
     } catch (err) {
-      result = { ok: false, text: `request failed: ${err}` };
+      result = { cls: "err", text: `request failed: ${err}` };
     }
     ui.results.set(name, result); renderTenants();
+  }
+
+  // A 200 is not always good news: green only when the card showed memory back.
+  function releaseResult(body) {
+    if (body.reason === "cpu") return { cls: "none", text: body.note || "nothing to release: it runs on the CPU" };
+    if (body.estimated) return { cls: "warn", text: `estimated: ${body.freed_gb} GiB freed in ${body.duration_s} s by the engine's own report (the card was not read)` };
+    if (!body.freed_bytes) return { cls: "none", text: `freed nothing (0 GiB) in ${body.duration_s} s` };
+    return { cls: "ok", text: `freed ${body.freed_gb} GiB in ${body.duration_s} s` };
   }
 
   // -- health ------------------------------------------------------------------------------------
@@ -310,11 +318,26 @@
         return `${d.tenant} (${d.trigger}) ${Object.keys(o).length ? JSON.stringify(o) : ""}`;
     }
   }
+  // A release's badge says how it ended: "released" (green) only when the card showed memory back.
+  function releaseState(d) {
+    const o = d.outcome || {}, rels = o.releases || [];
+    if (o.result) return ["nothing", "nothing to release"];
+    if (!rels.length) return ["pending", "releasing"];
+    if (rels.some((r) => r.error)) return ["failed", "release failed"];
+    if (rels.some((r) => !r.confirmed)) return ["estimated", "estimated"];
+    if (!rels.some((r) => r.freed_bytes > 0)) return ["nothing", "freed nothing"];
+    return ["released", "released"];
+  }
+  function kindBadge(d) {
+    if (d.kind !== "release" && d.kind !== "idle_release") return el("span", { class: `kind ${d.kind}`, text: d.kind.replace("_", " ") });
+    const [state, text] = releaseState(d);
+    return el("span", { class: `kind ${d.kind} r-${state}`, text: d.kind === "idle_release" ? `idle: ${text}` : text, dataset: { result: state } });
+  }
   function renderDecisions() {
     const list = $("decisions");
     const items = [...ui.decisions.values()].sort((a, b) => b.id - a.id);
     list.replaceChildren(...(items.length ? items.map((d) => el("li", { dataset: { decision: d.id, kind: d.kind } },
-      el("time", { text: clock(d.at) }), el("span", { class: `kind ${d.kind}`, text: d.kind.replace("_", " ") }), el("span", { text: describe(d) })))
+      el("time", { text: clock(d.at) }), kindBadge(d), el("span", { text: describe(d) })))
       : [el("li", { class: "empty", text: "no decisions yet" })]));
   }
 
