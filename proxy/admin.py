@@ -16,12 +16,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from .admission import Arbitration, gib
+from .admission import Arbitration, ReleaseResult, gib
+from .engines import memory
 from .errors import HyperSwapError
 from .guards import AdminGuard
 from .hosts import listener_policy
 from .query import integer, optional_number
 from .tenants import GIB, MAX_GIB, Tenant
+from .visibility import device_json, tenant_vram
 from .watchdog import Watchdog
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -33,6 +35,22 @@ def error(status: int, message: str, fix: str | None = None, **details: Any) -> 
         body["fix"] = fix
     body.update(details)
     return JSONResponse(body, status_code=status)
+
+
+def release_answer(tenant: Tenant, result: ReleaseResult) -> JSONResponse:
+    """200 when the card confirmed the memory back, or the engine's own report says so (estimated:
+    no GPU reader); 504 when it was not back in time; 502 when the engine refused or was down."""
+    body: dict[str, Any] = {"tenant": tenant.name, **result.to_json()}
+    if result.confirmed or (result.estimated and result.error is None):
+        return JSONResponse(body, status_code=200)
+    if result.error and "not back" in result.error:
+        seen = "the engine's own report" if result.estimated else "the card"
+        body["fix"] = (f"{seen} still shows {tenant.name}'s memory: see what holds it (GET /api/tenants/{tenant.name}), "
+                       f"or give it longer (tenants.{tenant.name}.release_timeout_s)")
+        return JSONResponse(body, status_code=504)
+    body["fix"] = (f"check that {tenant.name} runs and answers at {tenant.upstream or 'its release URL'} "
+                   "(`hyperswap check`), then release again")
+    return JSONResponse(body, status_code=502)
 
 
 class AdminApi:
@@ -69,7 +87,7 @@ class AdminApi:
         traffic = self.arb.inflight.snapshot().get(tenant.name)
         deadline = self.watchdog.idle_deadline(tenant.name)
         now = self.arb.clock.now()
-        held = self.arb.held(snap, tenant.name)
+        held = tenant_vram(snap, tenant.name)  # None: nobody could see it (no GPU reader, no self-report)
         state = states[tenant.name]
         return {
             "name": tenant.name,
@@ -105,6 +123,8 @@ class AdminApi:
         if not tenant.reclaimable:
             return error(409, tenant.not_reclaimable_reason, "this tenant cannot be released; stop it by hand if you need the memory",
                          tenant=tenant.name, reason="not_reclaimable")
+        if await memory.runs_on_cpu(tenant, self.arb.control):
+            return self._nothing_on_the_card(tenant)
         async with self.arb.handoff_lock:
             snap = await self.arb.snapshot()
             state = self.arb.states(snap)[tenant.name]
@@ -115,8 +135,15 @@ class AdminApi:
             decision = self.arb.decisions.record("release", tenant.name, "admin", None, held_bytes=held)
             result = await self.arb.execute_release(tenant, max(0, held - tenant.idle_vram_bytes), snap)
             self.arb.decisions.update(decision, releases=[result.to_json()], ok=result.confirmed)
-        status = 200 if result.confirmed else 504 if result.error and "not back" in result.error else 502
-        return JSONResponse({"tenant": tenant.name, **result.to_json()}, status_code=status)
+        return release_answer(tenant, result)
+
+    def _nothing_on_the_card(self, tenant: Tenant) -> Response:
+        """A CPU engine holds no GPU memory: nothing is asked, and the answer says why."""
+        note = (f"{tenant.name} runs on the CPU (its /system_stats device type is cpu): it holds no GPU memory, "
+                "so there is nothing to release")
+        self.arb.decisions.record("release", tenant.name, "admin", None, held_bytes=0, result=note, ok=True)
+        body = ReleaseResult(tenant.name, 0, 0, 0.0, False).to_json()
+        return JSONResponse({"tenant": tenant.name, **body, "reason": "cpu", "note": note})
 
     async def plan(self, request: Request) -> Response:
         name = request.query_params.get("tenant")
@@ -135,11 +162,8 @@ class AdminApi:
 
     async def stats(self, request: Request) -> Response:
         snap = await self.arb.snapshot()
-        dev = snap.snapshot.device
         return JSONResponse({
-            "device": {"name": dev.name, "total_bytes": dev.total_bytes, "free_bytes": dev.free_bytes,
-                       "used_bytes": dev.used_bytes, "reserved_bytes": dev.reserved_bytes,
-                       "source": snap.snapshot.source, "notes": list(snap.snapshot.notes)},
+            "device": device_json(snap),
             "processes": [{"pid": p.process.pid, "name": p.process.name, "cmdline": p.process.cmdline,
                            "tenant": p.tenant, "vram_bytes": p.process.used_bytes} for p in snap.processes],
             "tenants": [await self.tenant_view(t) for t in self.arb.registry],
@@ -177,7 +201,9 @@ class AdminApi:
             return await self.not_found(request)
 
         async def not_allowed(request: Request, exc: Exception) -> Response:
-            answer = error(405, f"{request.method} is not allowed on {request.url.path}")
+            allow = (getattr(exc, "headers", None) or {}).get("Allow", "")
+            answer = error(405, f"{request.method} is not allowed on {request.url.path}",
+                           f"use {allow} (GET /openapi.json lists every route)" if allow else None)
             answer.headers.update(getattr(exc, "headers", None) or {})  # Allow: what the route takes
             return answer
 

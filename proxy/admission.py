@@ -18,12 +18,12 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from .arbiter import Plan, PlanMode, TenantState, gib, plan_release
+from .arbiter import Plan, PlanMode, TenantState, gib, plan_release, unplanned_plan
 from .attribution import AttributedProcess, AttributedSnapshot, Attributor
 from .clock import Clock
 from .decisions import DecisionLog
 from .engines import EngineAdapter, adapter_for, memory, strip_hop_by_hop
-from .gpu import DeviceMemory, GpuProcess, GpuReader, GpuReadError, GpuSnapshot
+from .gpu import DeviceFigure, DeviceMemory, GpuProcess, GpuReader, GpuReadError, GpuSnapshot
 from .handoff import Admitted, Handoff, HandoffQueue, ReleaseResult
 from .inflight import InFlight, TenantTraffic
 from .residency import Residency
@@ -107,7 +107,8 @@ class Arbitration:
         """What the engines say about themselves, marked as an estimate (invariant 10).
 
         ComfyUI's /system_stats carries device-wide total and free (cudaMemGetInfo); without it
-        the last good reading's total is used, and with neither the total is unknown (0)."""
+        the last good reading's total is used, and with neither the total is unknown (0, marked
+        unknown). Used and free are then unknown too: self-reports do not see other programs."""
         procs: list[AttributedProcess] = []
         device: DeviceMemory | None = None
         for i, tenant in enumerate(self.registry):
@@ -123,8 +124,9 @@ class Arbitration:
             prev = self.last_snapshot.snapshot.device if self.last_snapshot else None
             total = prev.total_bytes if prev and self.last_snapshot and not self.last_snapshot.estimated else 0
             used = sum(p.process.used_bytes or 0 for p in procs)
+            unknown: set[DeviceFigure] = {"used", "free", "reserved"} | (set() if total else {"total"})
             device = DeviceMemory(0, prev.name if prev else "unknown (GPU reader failed)", total, 0, used,
-                                  max(0, total - used))
+                                  max(0, total - used), unknown=frozenset(unknown))
         raw = GpuSnapshot(device, tuple(p.process for p in procs), source="engine-estimate", taken_at=self.clock.now(),
                           notes=("GPU reader failed: memory figures are the engines' own estimates",))
         return AttributedSnapshot(raw, tuple(procs))
@@ -206,6 +208,8 @@ class Arbitration:
         """The plan a request would get now (the dry run of `GET /api/plan`, the watchdog's relief)."""
         self.registry.get(requester)
         snap = snap or await self.snapshot()
+        if not snap.snapshot.device.size_known:  # as the handoff queue does: forwarded without a plan
+            return unplanned_plan(requester, need_bytes), snap
         plan = plan_release(snap, self.registry, self.states(snap), requester, need_bytes,
                             promised=self.promised_by_tenant(snap, key or requester), mode=mode)
         return plan, snap
@@ -245,11 +249,12 @@ class Arbitration:
         while True:
             snap = await self.snapshot()
             held_now = self.held(snap, tenant.name)
-            if held_now <= target + CONFIRM_SLACK_BYTES:
-                return ReleaseResult(tenant.name, expected, held_before - held_now, self.clock.now() - start, True, asked=asked)
+            if held_now <= target + CONFIRM_SLACK_BYTES:  # on the engines' reports alone it is an estimate
+                return ReleaseResult(tenant.name, expected, held_before - held_now, self.clock.now() - start,
+                                     not snap.estimated, asked=asked, estimated=snap.estimated)
             if self.clock.now() >= deadline:
                 return ReleaseResult(tenant.name, expected, max(0, held_before - held_now), self.clock.now() - start, False,
-                                     f"memory not back after {tenant.release_timeout_s:g} s", asked)
+                                     f"memory not back after {tenant.release_timeout_s:g} s", asked, snap.estimated)
             await self.clock.sleep(self.registry.config.proxy.release_poll_s)
 
     # -- the handoff queue's effects (HandoffEffects) -------------------------------------------

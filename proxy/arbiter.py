@@ -39,6 +39,7 @@ from .tenants import GIB, Registry, Tenant
 BlockReason = Literal["busy", "not_reclaimable", "protected", "not_lower_priority", "unmanaged", "requester",
                      "unknown_memory"]
 PlanMode = Literal["request", "relief"]
+Outcome = Literal["ready", "release", "wait", "impossible", "unplanned"]
 
 _MAX_NAMED = 4  # blockers named in the one-line explanation; the Plan lists them all
 
@@ -101,25 +102,32 @@ class Plan:
     wait_for: tuple[str, ...] = ()
     promised_bytes: int = 0  # free memory already promised to admitted loads not on the card yet
     reachable_bytes: int = 0  # free + held + every reclaimable tenant's memory, busy or idle: the most it could get
+    unplanned: bool = False  # nothing to plan with (the card's size is unknown): forwarded as it is
 
     @property
     def expected_free_bytes(self) -> int:
         return sum(r.expected_free_bytes for r in self.releases)
 
     @property
-    def outcome(self) -> Literal["ready", "release", "wait", "impossible"]:
+    def outcome(self) -> Outcome:
+        if self.unplanned:
+            return "unplanned"
         if self.feasible:
             return "release" if self.releases else "ready"
         return "wait" if self.possible else "impossible"
 
     def to_json(self) -> dict[str, object]:
+        # an unplanned request was measured against nothing: its figures are unknown, not 0
+        free = None if self.unplanned else self.free_bytes
+        held = None if self.unplanned else self.held_by_requester
+        reach = None if self.unplanned else self.reachable_bytes
         return {
             "requester": self.requester,
             "need_bytes": self.need_bytes, "need_gib": gib(self.need_bytes),
-            "free_bytes": self.free_bytes, "free_gib": gib(self.free_bytes),
-            "held_by_requester_bytes": self.held_by_requester, "held_by_requester_gib": gib(self.held_by_requester),
+            "free_bytes": free, "free_gib": gib(free),
+            "held_by_requester_bytes": held, "held_by_requester_gib": gib(held),
             "promised_bytes": self.promised_bytes, "promised_gib": gib(self.promised_bytes),
-            "reachable_bytes": self.reachable_bytes, "reachable_gib": gib(self.reachable_bytes),
+            "reachable_bytes": reach, "reachable_gib": gib(reach),
             "feasible": self.feasible,
             "possible": self.possible,
             "outcome": self.outcome,
@@ -130,6 +138,16 @@ class Plan:
             "blockers": [b.to_json() for b in self.blockers],
             "explanation": self.explanation,
         }
+
+
+UNPLANNED_WHY = "the card's size is unknown (the GPU reader failed and no engine reports the device)"
+
+
+def unplanned_plan(requester: str, need_bytes: int) -> Plan:
+    """What a request gets when there is nothing to plan with: forwarded as it is, never held back
+    or refused (invariant 10). The dry run and the handoff queue both answer this."""
+    return Plan(requester, need_bytes, 0, 0, True, False, (), (), f"forwarded without a plan: {UNPLANNED_WHY}",
+                True, unplanned=True)
 
 
 def starved(snap: AttributedSnapshot, registry: Registry, tenant: str, need_bytes: int) -> bool:

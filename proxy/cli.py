@@ -11,11 +11,15 @@ import json
 import logging
 import signal
 import sys
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence, TextIO
 
 from . import __version__
 from .errors import HyperSwapError
 from .tenants import field_value, load_registry
+from .visibility import start_notice
+
+if TYPE_CHECKING:
+    from .service import Proxy
 
 
 def cmd_tenants(args: argparse.Namespace) -> int:
@@ -56,6 +60,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return asyncio.run(demo_main(args.scenario, args.check, with_proxy=not args.no_proxy))
 
 
+async def serve(proxy: Proxy, stop: asyncio.Event, ports: Mapping[str, int] | None = None, *,
+                out: TextIO | None = None, err: TextIO | None = None,
+                started: Callable[[], None] | None = None) -> int:
+    """Run a built proxy until `stop` is set: its addresses on `out`; on `err`, one line when it
+    starts without a GPU reader, saying what works and what does not (never a silent start)."""
+    await proxy.start(ports)
+    try:
+        if started is not None:
+            started()
+        for name, server in proxy.servers.items():
+            print(f"  {name:<12} {server.url}", file=out or sys.stdout, flush=True)
+        arb = proxy.arbitration
+        await arb.snapshot()  # the first GPU read: a missing reader is told now, not at the first load
+        notice = start_notice(arb.last_snapshot, arb.last_read_error)
+        if notice:
+            print(notice, file=err or sys.stderr, flush=True)
+        await stop.wait()
+    finally:
+        await proxy.stop()
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from .nvml import NvmlReader
     from .servers import settle_heap
@@ -65,20 +91,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _log_decisions()
 
     async def run() -> int:
-        proxy = Proxy(registry, NvmlReader())
-        await proxy.start()
-        settle_heap()
-        for name, server in proxy.servers.items():
-            print(f"  {name:<12} {server.url}", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        try:
-            await stop.wait()
-        finally:
-            await proxy.stop()
-        return 0
+        return await serve(Proxy(registry, NvmlReader()), stop, started=settle_heap)
 
     return asyncio.run(run())
 
@@ -116,7 +133,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(body, indent=2))
         return 0 if plan["feasible"] else 1
-    print(plan["explanation"])
+    print(f"{plan.get('outcome') or ('ready' if plan['feasible'] else 'impossible')}: {plan['explanation']}")
     for rel in plan["releases"]:
         print(f"  release {rel['tenant']:<12} ~{rel['expected_free_gib']} GiB  ({rel['reason']})")
     for b in plan["blockers"]:

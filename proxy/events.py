@@ -34,6 +34,7 @@ from .admission import gib
 from .attribution import AttributedSnapshot
 from .decisions import Decision
 from .tenants import Tenant
+from .visibility import device_json, tenant_vram
 
 if TYPE_CHECKING:
     from .service import Proxy
@@ -112,7 +113,7 @@ def tenant_stats(proxy: Proxy, snap: AttributedSnapshot, tenant: Tenant, busy: b
     traffic = arb.inflight.snapshot().get(tenant.name)
     deadline = proxy.watchdog.idle_deadline(tenant.name)
     now = arb.clock.now()
-    held = arb.held(snap, tenant.name)
+    held = tenant_vram(snap, tenant.name)  # None: nobody could see it
     return {
         "name": tenant.name, "engine": tenant.engine, "priority": tenant.priority,
         "vram_bytes": held, "vram_gb": gib(held),
@@ -133,13 +134,10 @@ async def stats_payload(proxy: Proxy, snap: AttributedSnapshot | None = None, re
     arb = proxy.arbitration
     snap = snap or await arb.snapshot()
     states = arb.states(snap)
-    dev = snap.snapshot.device
     tenants = [tenant_stats(proxy, snap, t, states[t.name].busy, states[t.name].busy_reason) for t in arb.registry]
     err = arb.last_read_error
     return {
-        "device": {"name": dev.name, "total_bytes": dev.total_bytes, "free_bytes": dev.free_bytes,
-                   "used_bytes": dev.used_bytes, "reserved_bytes": dev.reserved_bytes,
-                   "source": snap.snapshot.source, "notes": list(snap.snapshot.notes)},
+        "device": device_json(snap),
         "tenants": tenants,
         "processes": [{"pid": p.process.pid, "name": p.process.name, "tenant": p.tenant,
                        "vram_bytes": p.process.used_bytes} for p in snap.processes],

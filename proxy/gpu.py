@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Literal, Mapping, Protocol
 
 SnapshotSource = Literal["nvml", "simulated", "engine-estimate"]
+DeviceFigure = Literal["total", "reserved", "used", "free"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,18 @@ class DeviceMemory:
     used_bytes: int
     free_bytes: int
     uuid: str = ""
+    # Figures nobody measured (the engines' reports do not cover them): shown as null, never as 0.
+    # The arbiter still gets an int here; `size_known` says whether it may plan with them at all.
+    unknown: frozenset[DeviceFigure] = frozenset()
+
+    def figure(self, name: DeviceFigure) -> int | None:
+        """A figure as the admin API shows it: None when it was not measured."""
+        return None if name in self.unknown else int(getattr(self, f"{name}_bytes"))
+
+    @property
+    def size_known(self) -> bool:
+        """The card's size is known: without it no plan can be made (requests go unplanned)."""
+        return "total" not in self.unknown and self.total_bytes > 0
 
 
 @dataclass(frozen=True, slots=True)

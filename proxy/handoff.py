@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Protocol
 
-from .arbiter import Plan, TenantState, Verdict, Waiter, gib, schedule
+from .arbiter import Plan, TenantState, Verdict, Waiter, gib, schedule, unplanned_plan
 from .attribution import AttributedSnapshot
 from .clock import Clock
 from .decisions import Decision, DecisionLog
@@ -36,15 +36,19 @@ class ReleaseResult:
     expected_bytes: int
     freed_bytes: int
     duration_s: float
-    confirmed: bool
+    confirmed: bool  # the card showed the memory back (invariant 6)
     error: str | None = None
     asked: dict[str, Any] = field(default_factory=dict)
+    # Judged from the engines' own reports (no GPU reader): never `confirmed`, and `freed_bytes` is
+    # what the engine says, not what the card shows. Ollama drops a model from /api/ps before its
+    # memory is back.
+    estimated: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {"tenant": self.tenant, "expected_bytes": self.expected_bytes, "freed_bytes": self.freed_bytes,
                 "expected_gb": gib(self.expected_bytes), "freed_gb": gib(self.freed_bytes),
-                "duration_s": round(self.duration_s, 3), "confirmed": self.confirmed, "error": self.error,
-                "asked": self.asked}
+                "duration_s": round(self.duration_s, 3), "confirmed": self.confirmed, "estimated": self.estimated,
+                "error": self.error, "asked": self.asked}
 
 
 @dataclass(slots=True)
@@ -180,7 +184,7 @@ class HandoffQueue:
                 snap, states, promised = await self.fx.read()
                 if not self._tickets:
                     break
-                if snap.snapshot.device.total_bytes == 0:
+                if not snap.snapshot.device.size_known:
                     self._forward_unplanned(snap)
                     continue
                 settings = self.fx.registry.config.proxy
@@ -268,8 +272,7 @@ class HandoffQueue:
     def _forward_unplanned(self, snap: AttributedSnapshot) -> None:
         """Nothing to plan with (reader broken, no engine reports the card): forward, never block."""
         for ticket in list(self._tickets.values()):
-            plan = Plan(ticket.waiter.tenant, ticket.waiter.need_bytes, 0, 0, True, False, (), (),
-                        "card size unknown (GPU reader failed): forwarded without a plan", True)
+            plan = unplanned_plan(ticket.waiter.tenant, ticket.waiter.need_bytes)  # what GET /api/plan says too
             self._resolve(ticket, Admitted("run", Handoff(plan, [], None, snap), plan.explanation))
 
     # -- bookkeeping -----------------------------------------------------------------------------

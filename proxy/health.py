@@ -31,14 +31,17 @@ from .tasks import cancel_and_wait
 from .attribution import AttributedSnapshot
 from .engines import settings as es
 from .errors import ConfigError, HyperSwapError
-from .nvml import CONTAINER_NOTE
+from .nvml import CONTAINER_NOTE, NvmlReader
 from .tenants import GIB, Tenant, load_registry
+from .visibility import capabilities, summary
 
 if TYPE_CHECKING:
     from .service import Proxy
 
-Status = Literal["ok", "degraded", "failed"]
-_RANK: dict[str, int] = {"ok": 0, "degraded": 1, "failed": 2}
+# "unknown": the check cannot run (what it looks at cannot be seen); it says why. The overall
+# status then is at least degraded: nobody can say all is well.
+Status = Literal["ok", "degraded", "failed", "unknown"]
+_RANK: dict[str, int] = {"ok": 0, "degraded": 1, "unknown": 1, "failed": 2}
 
 CHECK_TIMEOUT_S = 3.0
 SAMPLE_INTERVAL_S = 10.0
@@ -77,8 +80,9 @@ class NamedCheck:
 class EnvReaders:
     """How /api/engines reads an engine's environment; tests inject fakes.
 
-    host None: read the host (systemd, /proc) only when the GPU reader is NVML; with a simulated
-    GPU the pids are fictional and the host's services are not the simulated engines."""
+    host None: read the host (systemd, /proc) only when the GPU reader is NVML (working or not:
+    the host is the engines' host either way); with a simulated GPU the pids are fictional and the
+    host's services are not the simulated engines."""
 
     systemctl: es.CommandRunner = es.run_command
     proc_root: Path = Path("/proc")
@@ -195,8 +199,9 @@ class HealthExtension:
         self.sample(snap)
         results = await asyncio.gather(*(self._run_one(c, snap) for c in self.checks))
         entries = [e for group in results for e in group]
+        caps = capabilities(snap, arb.last_read_error)
         return {"status": worst([e.status for e in entries]), "entries": [e.to_json() for e in entries],
-                "checked_at": time.time()}
+                "capabilities": [c.to_json() for c in caps], "checked_at": time.time()}
 
     async def health_route(self, request: Request) -> Response:
         return JSONResponse(await self.report())
@@ -206,8 +211,8 @@ class HealthExtension:
         err = self.proxy.arbitration.last_read_error
         if err is not None:
             return HealthEntry("nvml", "failed", f"{err.state}: {err.message}",
-                               "the proxy cannot see which process holds GPU memory: arbitration falls back to the "
-                               "engines' own estimates and cannot see other programs' memory", err.fix)
+                               "the proxy cannot see which process holds GPU memory; "
+                               + summary(capabilities(snap, err)), err.fix)
         raw = snap.snapshot
         if raw.source == "simulated":
             return HealthEntry("nvml", "ok", f"simulated GPU ({raw.device.name}, {_gib(raw.device.total_bytes)})")
@@ -362,6 +367,12 @@ class HealthExtension:
         return out
 
     async def check_unmanaged(self, snap: AttributedSnapshot) -> list[HealthEntry]:
+        if snap.estimated:  # no process list: "no unmanaged processes" would be a claim nobody checked
+            err = self.proxy.arbitration.last_read_error
+            return [HealthEntry("unmanaged VRAM", "unknown",
+                                "cannot be checked: without a GPU reader no process outside the tenants' engines is visible",
+                                "memory other programs hold is not counted: a load may still run out of memory",
+                                err.fix if err else "fix the GPU reader (see the nvml entry)")]
         dev = snap.snapshot.device
         unmanaged = snap.unmanaged()
         held = sum(p.process.used_bytes or 0 for p in unmanaged)
@@ -421,10 +432,10 @@ class HealthExtension:
         return out or [HealthEntry("unmanaged VRAM", "ok", f"unmanaged processes hold {_gib(held)}: {who}")]
 
     # -- /api/engines ------------------------------------------------------------------------------
-    def _host_reads(self, snap: AttributedSnapshot | None) -> bool:
+    def _host_reads(self) -> bool:
         if self.env.host is not None:
             return self.env.host
-        return snap is not None and snap.snapshot.source == "nvml"
+        return isinstance(self.proxy.reader, NvmlReader)  # a simulated GPU's engines are not the host's
 
     async def engine_view(self, tenant: Tenant, snap: AttributedSnapshot | None) -> dict[str, Any]:
         view: dict[str, Any] = {"tenant": tenant.name, "engine": tenant.engine, "upstream": tenant.upstream,
@@ -449,11 +460,14 @@ class HealthExtension:
         reads: list[es.EnvRead] = []
         systemd: es.EnvRead | None = None
         environ: es.EnvRead | None = None
-        if self._host_reads(snap):
+        if self._host_reads():
             systemd = await asyncio.to_thread(es.read_systemd_env, "ollama", self.env.systemctl, self.env.timeout_s)
             reads.append(systemd)
             procs = snap.processes_of(tenant.name) if snap else ()
-            if procs:
+            if snap is None or snap.estimated:
+                environ = es.EnvRead("environ", None, "the GPU reader failed, so no process of "
+                                     f"{tenant.name} can be found by attribution: its environment was not read", "")
+            elif procs:
                 # The server and its runners share the environment that matters; prefer `ollama serve`.
                 proc = min(procs, key=lambda p: (0 if "serve" in p.process.cmdline else 1, p.process.pid)).process
                 environ = await asyncio.to_thread(es.read_proc_environ, proc.pid, self.env.proc_root)

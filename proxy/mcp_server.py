@@ -47,7 +47,7 @@ MUTATING = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempote
 class HealthEntry(BaseModel):
     model_config = ConfigDict(extra="allow")
     name: str
-    status: str = Field(description="ok, degraded or failed")
+    status: str = Field(description="ok, degraded, failed, or unknown (the check cannot run; problem says why)")
     problem: str | None
     impact: str | None
     fix: str | None

@@ -9,7 +9,9 @@ Series:
 - hyperswap_gpu_memory_{total,used,free}_bytes, hyperswap_tenant_vram_bytes{tenant},
   hyperswap_unmanaged_vram_bytes, hyperswap_gpu_snapshot_age_seconds,
   hyperswap_gpu_snapshot_source_info{source,device}: from `arbitration.last_snapshot` (one GPU
-  read if none was taken yet). source is nvml | simulated | engine-estimate.
+  read if none was taken yet). source is nvml | simulated | engine-estimate. A figure nobody
+  measured has no sample (never a 0): without a GPU reader the unmanaged VRAM, the tenants that
+  report nothing about themselves, and the card's used/free (and total, when no engine reports it).
 - hyperswap_inflight_requests{tenant}, hyperswap_queued_jobs{tenant}: from `InFlight`.
 - hyperswap_requests_total{tenant,outcome}: GPU requests that left flight (pass-through requests
   are not counted in flight, so not here). outcome: `rejected` (answered 507), `oom_error` (the
@@ -21,7 +23,8 @@ Series:
 - hyperswap_handoff_seconds: histogram of the time handoffs spent releasing (sum of the releases'
   duration_s) for decisions from the planner with at least one release: kinds plan, oom_retry, spill.
 - hyperswap_releases_total{tenant,result}: every executed release (requests, watchdog, admin);
-  result confirmed | timeout (memory not back in time) | error (the engine refused or was down).
+  result confirmed (the card showed the memory back) | estimated (no GPU reader: the engine's own
+  report said so) | timeout (memory not back in time) | error (the engine refused or was down).
 - hyperswap_oom_retries_total{tenant,result}: succeeded | failed | no plan.
 - hyperswap_rejections_total{tenant}: 507s.
 - hyperswap_queue_waiting{tenant}: requests waiting in the handoff queue now (from the queue).
@@ -43,9 +46,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from .attribution import UNMANAGED
 from .decisions import Decision
 from .inflight import TenantTraffic
+from .visibility import tenant_vram, unmanaged_vram
 
 if TYPE_CHECKING:
     from .service import Proxy
@@ -61,6 +64,8 @@ _SEEN_MAX = 1024  # decision ids remembered to count each part once (decisions f
 def release_result(release: dict[str, object]) -> str:
     if release.get("confirmed"):
         return "confirmed"
+    if release.get("estimated") and not release.get("error"):
+        return "estimated"  # the engine's own report said so; the card was not read
     return "timeout" if "not back" in str(release.get("error") or "") else "error"
 
 
@@ -83,13 +88,16 @@ class _LiveCollector(Collector):
         source = InfoMetricFamily("hyperswap_gpu_snapshot_source", "Where the GPU figures come from", labels=["source", "device"])
         if snap is not None:
             dev = snap.snapshot.device
-            total.add_metric([], dev.total_bytes)
-            used.add_metric([], dev.used_bytes)
-            free.add_metric([], dev.free_bytes)
+            # unknown is not zero: a figure nobody measured gets no sample at all
+            for family, value in ((total, dev.figure("total")), (used, dev.figure("used")), (free, dev.figure("free")),
+                                  (unmanaged, unmanaged_vram(snap))):
+                if value is not None:
+                    family.add_metric([], value)
             age.add_metric([], max(0.0, proxy.clock.now() - snap.snapshot.taken_at))
             for name in tenants:
-                held.add_metric([name], snap.held_by(name))
-            unmanaged.add_metric([], snap.held_by(UNMANAGED))
+                vram = tenant_vram(snap, name)
+                if vram is not None:
+                    held.add_metric([name], vram)
             source.add_metric([snap.snapshot.source, dev.name], {})
         yield from (total, used, free, age, held, unmanaged, source)
         traffic = proxy.inflight.snapshot()

@@ -62,15 +62,18 @@ class Plan(_Doc):
     requester: str
     need_bytes: int
     need_gib: float | None
-    free_bytes: int
+    free_bytes: int | None = Field(description="null when unplanned: nothing was measured")
     free_gib: float | None
-    held_by_requester_bytes: int
+    held_by_requester_bytes: int | None
     held_by_requester_gib: float | None
     promised_bytes: int = Field(default=0, description="free memory already promised to admitted loads still on their way")
-    reachable_bytes: int = Field(default=0, description="free + held + every reclaimable tenant's memory, busy or idle")
+    reachable_bytes: int | None = Field(default=0, description="free + held + every reclaimable tenant's memory, busy "
+                                                                 "or idle; null when unplanned")
     feasible: bool = Field(description="enough now, with the releases listed")
     possible: bool = Field(default=True, description="enough once the busy tenants in wait_for finish; false: 507")
-    outcome: Literal["ready", "release", "wait", "impossible"] | None = None
+    outcome: Literal["ready", "release", "wait", "impossible", "unplanned"] | None = Field(
+        default=None, description="unplanned: the card's size is unknown (no GPU reader, no engine reports the "
+                                  "device), so the request is forwarded without a plan; the explanation says why")
     wait_for: list[str] = Field(default_factory=list, description="busy tenants the request waits for")
     starved: bool = Field(description="free + already held is below the need (only then is anything released)")
     estimated: bool = Field(description="memory figures are the engines' own reports (GPU reader failed)")
@@ -108,13 +111,20 @@ class Rejection(_Doc):
 class ReleaseResult(_Doc):
     tenant: str
     expected_bytes: int
-    freed_bytes: int = Field(description="as measured on the GPU, not as the engine claimed")
+    freed_bytes: int = Field(description="as measured on the GPU; when estimated, as the engine's own report says")
     expected_gb: float | None
     freed_gb: float | None
     duration_s: float
-    confirmed: bool
+    confirmed: bool = Field(description="the card showed the memory back")
+    estimated: bool = Field(default=False, description="no GPU reader: judged from the engine's own report (Ollama's "
+                                                       "/api/ps, ComfyUI's /system_stats), which may say so before "
+                                                       "the memory is back; never confirmed")
     error: str | None
     asked: JSON = Field(description="what the engine was asked and answered")
+    fix: str | None = Field(default=None, description="on 502 and 504: what to do about it")
+    reason: Literal["cpu"] | None = Field(default=None, description="cpu: the engine runs on the CPU and holds no GPU "
+                                                                    "memory; nothing was asked")
+    note: str | None = None
 
 
 class Process(_Doc):
@@ -144,7 +154,7 @@ class Waiting(_Doc):
 class _TenantLive(_Doc):
     """The live state both /api/tenants and the events' stats frames carry."""
     name: str
-    vram_bytes: int
+    vram_bytes: int | None = Field(description="null when nobody could see it (no GPU reader and no report of its own)")
     vram_gb: float | None
     busy: bool
     busy_reason: str
@@ -183,11 +193,13 @@ class DecisionList(_Doc):
 
 
 class Device(_Doc):
+    """Unknown is not zero: a figure nobody measured is null (without a GPU reader: used, free and
+    reserved; the total too when no engine reports the card)."""
     name: str
-    total_bytes: int
-    free_bytes: int
-    used_bytes: int
-    reserved_bytes: int
+    total_bytes: int | None
+    free_bytes: int | None
+    used_bytes: int | None
+    reserved_bytes: int | None
     source: str = Field(description="nvml, simulated, or engine-estimate")
     notes: list[str]
 
@@ -241,8 +253,32 @@ class CatalogFrame(_Doc):
     tenants: dict[str, TenantCatalog]
 
 
+class HealthEntry(_Doc):
+    name: str
+    status: Literal["ok", "degraded", "failed", "unknown"] = Field(
+        description="unknown: the check cannot run (what it looks at cannot be seen); problem says why")
+    problem: str | None
+    impact: str | None
+    fix: str | None
+
+
+class Capability(_Doc):
+    name: Literal["forwarding", "in-flight tracking", "arbitration", "confirmed releases"]
+    status: Literal["ok", "estimated", "off"] = Field(description="estimated: on the engines' own reports")
+    detail: str
+
+
+class HealthReport(_Doc):
+    status: Literal["ok", "degraded", "failed"] = Field(description="the worst entry's (unknown counts as degraded)")
+    entries: list[HealthEntry]
+    capabilities: list[Capability] = Field(description="what works now: without a GPU reader, forwarding and in-flight "
+                                                       "tracking do; arbitration is estimated or off; releases are not "
+                                                       "confirmed")
+    checked_at: float | None = Field(default=None, description="unix seconds")
+
+
 MODELS: tuple[type[BaseModel], ...] = (Error, DryRun, Rejection, ReleaseResult, TenantList, TenantView, DecisionList,
-                                       Stats, StatsFrame, CatalogFrame)
+                                       Stats, StatsFrame, CatalogFrame, HealthReport)
 
 
 def _ref(model: type[BaseModel]) -> JSON:
@@ -272,18 +308,18 @@ def _operations() -> dict[str, dict[str, JSON]]:
             "responses": {"200": _json("the tenant", TenantView), "404": _err("no such tenant")}}},
         "/api/tenants/{name}/release": {"post": {
             "summary": "Release an idle tenant's GPU memory now", "operationId": "releaseTenant",
-            "description": "Goes through the same handoff lock as requests. Done when the GPU shows the memory back.",
+            "description": ("Goes through the same handoff lock as requests. Done when the GPU shows the memory back "
+                            "(confirmed), or without a GPU reader when the engine's own report says so (estimated)."),
             "parameters": [NAME], "security": [{"bearer": []}],
             "responses": {
-                "200": _json("released and confirmed on the GPU", ReleaseResult),
+                "200": _json("released: confirmed on the GPU, or estimated from the engine's own report (no GPU "
+                             "reader); or nothing to release (reason cpu: the engine runs on the CPU)", ReleaseResult),
                 "401": _err("a token is configured and none was sent"),
-                "403": _err("wrong token, or an Origin other than this admin's own or admin.cors_origins"),
                 "404": _err("no such tenant"),
                 "409": _err("busy, or the tenant has no release strategy (reason says which)"),
-                "415": _err("a body that is not JSON (send none, or Content-Type: application/json)"),
-                "421": _err("a Host that is not this admin listener's address (loopback, or admin.allowed_hosts)"),
-                "502": _json("the engine refused or failed the release", ReleaseResult),
-                "504": _json("the memory was not back before the tenant's release_timeout_s", ReleaseResult)}}},
+                "502": _json("the engine refused or failed the release (error, fix)", ReleaseResult),
+                "504": _json("the memory was not back before the tenant's release_timeout_s (error, fix)",
+                             ReleaseResult)}}},
         "/api/plan": {"get": {
             "summary": "Dry-run plan: what would be released for a tenant to get need_gb", "operationId": "plan",
             "parameters": [
@@ -314,8 +350,10 @@ def _operations() -> dict[str, dict[str, JSON]]:
                 "x-event-data": {"stats": _ref(StatsFrame), "catalog": _ref(CatalogFrame),
                                  "decision": {"$ref": REF.format(model="Decision")}}}}}}}},
         "/api/health": {"get": {
-            "summary": "Self-check: GPU reader, engines, config", "operationId": "health",
-            "responses": {"200": _json("always 200: each check says ok, degraded or failed, with its fix", ANY_OBJECT)}}},
+            "summary": "Self-check: GPU reader, engines, config, and what works without a GPU reader",
+            "operationId": "health",
+            "responses": {"200": _json("always 200: each check says ok, degraded, failed or unknown (cannot run), with "
+                                       "its fix", HealthReport)}}},
         "/api/engines": {"get": {
             "summary": "Each tenant's engine: reachable, version, what it reports about itself", "operationId": "engines",
             "responses": {"200": _json("engines", {"type": "object", "required": ["engines"],
@@ -340,7 +378,8 @@ def _operations() -> dict[str, dict[str, JSON]]:
                                   "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
         "/": {"get": {
             "summary": "The dashboard (HTML page; live over /api/events)", "operationId": "dashboard",
-            "responses": {"200": {"description": "the page", "content": {"text/html": {"schema": {"type": "string"}}}}}}},
+            "responses": {"200": {"description": "the page", "content": {"text/html": {"schema": {"type": "string"}}}},
+                          "503": _err("the dashboard's files are not installed")}}},
         "/static/{path}": {"get": {
             "summary": "The dashboard's static files (app.js, app.css)", "operationId": "dashboardStatic",
             "parameters": [{"name": "path", "in": "path", "required": True, "schema": {"type": "string"}}],
@@ -354,7 +393,9 @@ def _operations() -> dict[str, dict[str, JSON]]:
                             "when a token is configured every call needs it."),
             "security": [{"bearer": []}],
             "responses": {"200": _json("a JSON-RPC answer", ANY_OBJECT), "401": _err("a token is configured and none was sent"),
-                          "403": _err("wrong token")}} for method in ("get", "post", "delete")},
+                          "403": _err("wrong token" + ("" if method == "get" else ", or an Origin other than this "
+                                                       "admin's own or admin.cors_origins"))}}
+                for method in ("get", "post", "delete")},
         "/openapi.json": {"get": {
             "summary": "This document", "operationId": "openapi",
             "responses": {"200": _json("OpenAPI 3.1", ANY_OBJECT)}}},
@@ -367,12 +408,26 @@ def _schemas() -> JSON:
 
 
 def _without_auth(ops: dict[str, dict[str, JSON]]) -> None:
-    """No token configured: nothing needs Authorization, and nothing answers 401 or 403."""
+    """No token configured: nothing needs Authorization, and nothing answers 401 or 403 for a token
+    (a mutation's 403 for a foreign Origin stays: `_guard_answers`)."""
     for methods in ops.values():
         for op in methods.values():
             if op.pop("security", None) is not None:
                 for status in ("401", "403"):
                     op["responses"].pop(status, None)
+
+
+def _guard_answers(method: str, op: JSON) -> None:
+    """What the admin listener's guard answers before any route runs (proxy/guards.py): 421 to a
+    foreign Host on every call; 403 to a foreign Origin and 415 to a non-JSON body on a mutation."""
+    responses = op.setdefault("responses", {})
+    responses.setdefault("421", _err("a Host that is not this admin listener's address (loopback, its listen "
+                                     "address, or admin.allowed_hosts)"))
+    if method in ("get", "head"):
+        return
+    origin = "an Origin other than this admin's own or admin.cors_origins"
+    responses.setdefault("403", _err(f"wrong token, or {origin}" if "security" in op else origin))
+    responses.setdefault("415", _err("a body that is not JSON (send none, or Content-Type: application/json)"))
 
 
 def openapi_document(mounted: Iterable[tuple[str, str]] | None = None, *, token: bool = True) -> JSON:
@@ -392,9 +447,11 @@ def openapi_document(mounted: Iterable[tuple[str, str]] | None = None, *, token:
                       "responses": {"default": {"description": "not described yet"}}}
             paths.setdefault(path, {})[method] = op
     for path, methods in paths.items():
-        for op in methods.values():
+        for method, op in methods.items():
             if "{name}" in path:
                 op.setdefault("responses", {}).setdefault("404", _err("no such tenant"))
+            if not op.get("x-undocumented"):
+                _guard_answers(method, op)
     return {
         "openapi": "3.1.0",
         "info": {"title": "HyperSwap admin API", "version": "1",

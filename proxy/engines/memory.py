@@ -191,17 +191,44 @@ async def comfy_running_prompts(tenant: Tenant, client: httpx.AsyncClient) -> li
     return [item[1] for item in r.json().get("queue_running") or [] if isinstance(item, list) and len(item) > 1]
 
 
-async def comfy_device(tenant: Tenant, client: httpx.AsyncClient) -> DeviceMemory | None:
-    """ComfyUI's device-wide figures (cudaMemGetInfo), for when NVML is broken."""
+async def _comfy_torch_device(tenant: Tenant, client: httpx.AsyncClient) -> dict[str, Any] | None:
+    """The first (torch) device of ComfyUI's /system_stats; None when unreadable."""
     try:
         r = await client.get(f"{_base(tenant)}/system_stats")
         dev = (r.json().get("devices") or [{}])[0]
+    except (httpx.HTTPError, ValueError, TypeError, AttributeError, IndexError, ReleaseFailed):
+        return None
+    return dev if isinstance(dev, dict) else None
+
+
+def _on_cpu(dev: Mapping[str, Any]) -> bool:
+    """ComfyUI started with --cpu lists device type "cpu": its "vram" figures are host RAM."""
+    return dev.get("type") == "cpu"
+
+
+async def runs_on_cpu(tenant: Tenant, client: httpx.AsyncClient) -> bool:
+    """The engine says it computes on the CPU, so it holds no GPU memory (ComfyUI --cpu)."""
+    if tenant.engine != "comfyui" or not tenant.upstream:
+        return False
+    dev = await _comfy_torch_device(tenant, client)
+    return dev is not None and _on_cpu(dev)
+
+
+async def comfy_device(tenant: Tenant, client: httpx.AsyncClient) -> DeviceMemory | None:
+    """ComfyUI's device-wide figures (cudaMemGetInfo), for when NVML is broken. None on the CPU:
+    host RAM is not a card."""
+    dev = await _comfy_torch_device(tenant, client)
+    if dev is None or _on_cpu(dev):
+        return None
+    try:
         total, free = int(dev["vram_total"]), int(dev["vram_free"])
-    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError, ReleaseFailed):
+    except (KeyError, TypeError, ValueError):
         return None
     if total <= 0:
         return None
-    return DeviceMemory(int(dev.get("index") or 0), str(dev.get("name", "")), total, 0, total - free, free)
+    # cudaMemGetInfo has no driver-reserved figure: that one stays unknown
+    return DeviceMemory(int(dev.get("index") or 0), str(dev.get("name", "")), total, 0, total - free, free,
+                        unknown=frozenset({"reserved"}))
 
 
 async def self_reported_bytes(tenant: Tenant, client: httpx.AsyncClient) -> int | None:
@@ -211,9 +238,12 @@ async def self_reported_bytes(tenant: Tenant, client: httpx.AsyncClient) -> int 
             r = await client.get(f"{_base(tenant)}/api/ps")
             return sum(int(m.get("size_vram", 0)) for m in r.json().get("models") or [])
         if tenant.engine == "comfyui":
-            r = await client.get(f"{_base(tenant)}/system_stats")
-            dev = (r.json().get("devices") or [{}])[0]
+            dev = await _comfy_torch_device(tenant, client)
+            if dev is None:
+                return None
+            if _on_cpu(dev):
+                return 0  # torch_vram_total is host RAM there: it holds no VRAM at all
             return int(dev.get("torch_vram_total", 0)) + tenant.idle_vram_bytes
-    except (httpx.HTTPError, ValueError, ReleaseFailed, AttributeError):
+    except (httpx.HTTPError, ValueError, ReleaseFailed, AttributeError, TypeError):
         return None
     return None

@@ -16,8 +16,10 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 
 from ..tenants import GIB
 
-SettingSource = Literal["systemd", "environ", "default (not set)"]
-SettingStatus = Literal["ok", "note", "deferred", "warn"]
+# "unknown": neither the process's environment nor the systemd unit could be read, so the value is
+# not known (never presented as a default nobody checked).
+SettingSource = Literal["systemd", "environ", "default (not set)", "unknown"]
+SettingStatus = Literal["ok", "note", "deferred", "warn", "unknown"]
 
 # (argv, timeout_s) -> stdout; raises OSError / subprocess errors on failure.
 CommandRunner = Callable[[Sequence[str], float], str]
@@ -192,8 +194,12 @@ def _ollama_meaning(name: str, value: str | None, version: tuple[int, ...] | Non
 
 def ollama_settings(systemd: EnvRead | None, environ: EnvRead | None, version: str | None) -> list[Setting]:
     """Each OLLAMA_* variable with where its value came from. The running process's environ wins
-    when it could be read (it is what the process actually has); else the systemd unit's."""
+    when it could be read (it is what the process actually has); else the systemd unit's; with
+    neither read, every setting is unknown."""
     vt = version_tuple(version)
+    read = [r for r in (environ, systemd) if r is not None and r.values is not None]
+    if not read:
+        return [_unknown_setting(name, vt) for name in OLLAMA_VARS]
     out: list[Setting] = []
     for name in OLLAMA_VARS:
         value: str | None = None
@@ -206,6 +212,12 @@ def ollama_settings(systemd: EnvRead | None, environ: EnvRead | None, version: s
         meaning, status = _ollama_meaning(name, value, vt)
         out.append(Setting(name, value, source, meaning, status))
     return out
+
+
+def _unknown_setting(name: str, version: tuple[int, ...] | None) -> Setting:
+    default, _ = _ollama_meaning(name, None, version)
+    return Setting(name, None, "unknown", f"not read (neither Ollama's environment nor its systemd unit could be "
+                   f"read); if unset: {default}", "unknown")
 
 
 # -- ComfyUI --------------------------------------------------------------------------------------------

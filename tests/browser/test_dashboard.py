@@ -14,6 +14,8 @@ from playwright.async_api import BrowserContext, Dialog, Page
 from websockets.asyncio.client import connect as ws_connect
 
 from proxy.demo import Demo, comfy_prompt, run_prompt
+from proxy.gpu import GpuReadError
+from proxy.sim.box import fast_scenario as fast
 from proxy.telemetry import Telemetry
 from proxy.tenants import GIB
 
@@ -222,4 +224,55 @@ async def test_a_chat_waiting_for_a_render_shows_on_its_card_until_it_runs(box: 
             assert "waiting for memory" in (await page.text_content("#device") or "")
             assert (await chat).status_code == 200, "answered once the render ended"
     await page.wait_for_selector('.card[data-tenant="ollama"][data-waiting="0"]', timeout=WAIT_MS)
+    assert not console.errors, console.errors
+
+
+async def test_comfyui_subtitle_names_its_start_flags(box: DemoFactory, dashboard: OpenDashboard) -> None:
+    demo = await box(fast("default", comfyui={"argv": ["main.py", "--highvram", "--reserve-vram", "1.5"]}))
+    page, console = await dashboard(demo)
+    sub = page.locator('.card[data-tenant="comfyui"] [data-role="engine"]')
+    await sub.filter(has_text="0.3.64").wait_for(timeout=WAIT_MS)  # from GET /api/engines
+    text = await sub.inner_text()
+    assert "[object Object]" not in text and "--highvram --reserve-vram 1.5" in text, text
+    assert "--highvram: " in (await sub.get_attribute("title") or ""), "each flag's meaning belongs in the tooltip"
+    assert not console.errors, console.errors
+
+
+def accept_dialogs(page: Page) -> None:
+    page.on("dialog", lambda dialog: asyncio.ensure_future(dialog.accept()))
+
+
+async def test_a_release_that_freed_nothing_is_not_shown_as_released(box: DemoFactory, dashboard: OpenDashboard) -> None:
+    demo = await box("default")
+    page, console = await dashboard(demo)
+    await page.wait_for_selector('.card[data-tenant="comfyui"]', timeout=WAIT_MS)
+    accept_dialogs(page)
+    await page.click('button[data-release="comfyui"]')  # ComfyUI idles at its floor: nothing above it to free
+    result = page.locator('.card[data-tenant="comfyui"] [data-role="result"]')
+    await result.filter(has_text="freed nothing").wait_for(timeout=WAIT_MS)
+    assert await result.get_attribute("data-result") == "none", "no green for a release that freed nothing"
+    badge = page.locator('#decisions li[data-kind="release"] .kind')
+    await badge.filter(has_text="freed nothing").wait_for(timeout=WAIT_MS)
+    assert await badge.get_attribute("data-result") == "nothing"
+    assert not console.errors, console.errors
+
+
+async def test_a_release_judged_on_the_engines_report_shows_as_estimated(box: DemoFactory,
+                                                                          dashboard: OpenDashboard) -> None:
+    demo = await box("default")
+    page, console = await dashboard(demo)
+    async with httpx.AsyncClient(timeout=30.0, trust_env=False) as http:
+        r = await http.post(demo.box.servers["ollama"].url + "/api/generate",
+                            json={"model": "llama3.2:3b", "prompt": "hi", "stream": False})
+        assert r.status_code == 200, r.text
+    await wait_segment_above(page, "ollama", 0)
+    demo.box.gpu.fail_with = GpuReadError("driver_mismatch", "Driver/library version mismatch", "reboot")
+    accept_dialogs(page)
+    await page.click('button[data-release="ollama"]')
+    result = page.locator('.card[data-tenant="ollama"] [data-role="result"]')
+    await result.filter(has_text="estimated").wait_for(timeout=WAIT_MS)
+    assert await result.get_attribute("data-result") == "warn", await result.inner_text()
+    badge = page.locator('#decisions li[data-kind="release"] .kind')
+    await badge.filter(has_text="estimated").wait_for(timeout=WAIT_MS)
+    assert await badge.get_attribute("data-result") == "estimated"
     assert not console.errors, console.errors

@@ -89,7 +89,7 @@ def test_num_parallel_one_is_deferred_not_failed() -> None:
 
 
 def test_unset_num_parallel_before_0_10_is_auto() -> None:
-    s = by_name(es.ollama_settings(None, None, "0.9.6"))["OLLAMA_NUM_PARALLEL"]
+    s = by_name(es.ollama_settings(None, es.EnvRead("environ", {}), "0.9.6"))["OLLAMA_NUM_PARALLEL"]
     assert (s.value, s.source) == (None, "default (not set)")
     assert "auto" in s.meaning and s.status != "deferred"
 
@@ -118,9 +118,19 @@ def test_unreadable_environ_falls_back_to_systemd() -> None:
 
 
 def test_every_ollama_variable_is_reported_with_a_meaning() -> None:
-    out = es.ollama_settings(None, None, None)
+    out = es.ollama_settings(None, es.EnvRead("environ", {}), None)
     assert [s.name for s in out] == list(es.OLLAMA_VARS)
     assert all(s.meaning and s.source == "default (not set)" for s in out)
+
+
+def test_settings_nobody_could_read_are_unknown_not_defaults() -> None:
+    failed = es.EnvRead("systemd", None, "systemctl is not installed (no systemd here)")
+    for systemd, environ in ((None, None), (failed, None), (failed, es.EnvRead("environ", None, "permission denied"))):
+        out = es.ollama_settings(systemd, environ, "0.12.3")
+        assert [s.name for s in out] == list(es.OLLAMA_VARS)
+        wrong = [(s.name, s.source) for s in out if (s.value, s.source, s.status) != (None, "unknown", "unknown")]
+        assert not wrong, f"nothing was read, yet these claim a source: {wrong}"
+        assert all(s.meaning.startswith("not read") and "if unset:" in s.meaning for s in out), out
 
 
 def test_gpu_overhead_is_shown_in_gib() -> None:

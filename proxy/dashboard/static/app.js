@@ -108,7 +108,8 @@
       else swatch.style.setProperty("background", "#d5dbe3");
       legend.append(el("li", {}, swatch, `${g.label} ${gib(g.bytes)}`));
     }
-    $("mem-total").textContent = `${gib(s.device.used_bytes)} used of ${gib(s.device.total_bytes)}`;
+    $("mem-total").textContent = s.device.total_bytes === null || s.device.total_bytes === undefined
+      ? "card size unknown (no GPU reader)" : `${gib(s.device.used_bytes)} used of ${gib(s.device.total_bytes)}`;
   }
 
   // -- tenant cards ----------------------------------------------------------------------------
@@ -118,14 +119,20 @@
     if (e.error && !e.reachable) return { sub: `unreachable: ${e.error}`, tip: e.error };
     if (e.settings) {
       // Subtitle: only what differs from the defaults, and how many settings deserve a look.
+      // A setting nobody could read is unknown, never "default".
+      const unknown = e.settings.filter((s) => s.source === "unknown").length;
       const set = e.settings.filter((s) => s.value !== null && s.value !== undefined).map((s) => `${s.name.replace(/^OLLAMA_/, "")}=${s.value}`);
-      const notes = e.settings.filter((s) => s.status && s.status !== "ok").length;
-      const short = [set.length ? set.join(" ") : "all defaults", notes ? `${notes} note${notes > 1 ? "s" : ""}` : null].filter(Boolean);
-      const tip = e.settings.map((s) => `${s.name} = ${s.value ?? "(not set)"} [${s.source}]${s.status && s.status !== "ok" ? ` (${s.status})` : ""}\n  ${s.meaning}`);
+      const notes = e.settings.filter((s) => s.status && s.status !== "ok" && s.status !== "unknown").length;
+      const base = set.length ? set.join(" ") : unknown === e.settings.length ? "settings not read" : "all defaults";
+      const short = [base, unknown && unknown < e.settings.length ? `${unknown} unknown` : null,
+        notes ? `${notes} note${notes > 1 ? "s" : ""}` : null].filter(Boolean);
+      const tip = e.settings.map((s) => `${s.name} = ${s.value ?? (s.source === "unknown" ? "(unknown)" : "(not set)")} [${s.source}]${s.status && s.status !== "ok" ? ` (${s.status})` : ""}\n  ${s.meaning}`);
       return { sub: `${e.engine} ${e.version || ""} · ${short.join(" · ")}`, tip: [`${e.engine} ${e.version || ""} at ${e.upstream}`, ...tip].join("\n") };
     }
-    const flags = (e.flags || []).length ? e.flags.join(" ") : "no flags";
+    // Flags are objects ({flag, value, meaning, status}): show each as it was typed.
+    const flags = (e.flags || []).length ? e.flags.map((f) => (f.value === null || f.value === undefined ? f.flag : `${f.flag} ${f.value}`)).join(" ") : "no flags";
     const tip = [`${e.engine} ${e.version || ""} at ${e.upstream}`, `argv: ${(e.argv || []).join(" ")}`,
+      ...(e.flags || []).map((f) => `${f.flag}: ${f.meaning}`),
       e.device_name ? `device: ${e.device_name}` : null, e.pytorch_version ? `pytorch ${e.pytorch_version}` : null,
       e.python_version ? `python ${e.python_version}` : null].filter(Boolean);
     return { sub: `${e.engine} ${e.version || ""} · ${flags}`, tip: tip.join("\n") };
@@ -162,7 +169,7 @@
           el("dt", { text: "idle release" }), el("dd", { text: t.idle_release_in_s === null ? "off" : `in ${secs(t.idle_release_in_s)}` }),
           models ? el("dt", { text: "models" }) : null, models ? el("dd", { text: models, title: cat.models.map((m) => m.name).join("\n") }) : null),
         el("div", { class: "actions" }, release,
-          res ? el("span", { class: `result ${res.ok ? "ok" : "err"}`, text: res.text, dataset: { role: "result" } }) : null));
+          res ? el("span", { class: `result ${res.cls}`, text: res.text, dataset: { role: "result", result: res.cls } }) : null));
       card.style.setProperty("--c", colorOf(t));
       box.append(card);
     }
@@ -171,7 +178,7 @@
 
   async function doRelease(name) {
     if (!window.confirm(`Release ${name}'s GPU memory now? Its models will be unloaded.`)) return;
-    ui.results.set(name, { ok: true, text: "releasing…" }); renderTenants();
+    ui.results.set(name, { cls: "none", text: "releasing…" }); renderTenants();
     const headers = {};
     const token = localStorage.getItem(TOKEN_KEY);
     if (token) headers.Authorization = `Bearer ${token}`;
@@ -179,13 +186,21 @@
     try {
       const r = await fetch(`/api/tenants/${encodeURIComponent(name)}/release`, { method: "POST", headers });
       const body = await r.json().catch(() => ({}));
-      if (r.ok) result = { ok: true, text: `freed ${body.freed_gb} GiB in ${body.duration_s} s` };
-      else if (body.freed_gb !== undefined) result = { ok: false, text: `${r.status}: freed ${body.freed_gb} GiB in ${body.duration_s} s: ${body.error || "not confirmed"}` };
-      else result = { ok: false, text: `${r.status}: ${body.error || r.statusText}${body.reason ? ` (${body.reason})` : ""}` };
+      if (r.ok) result = releaseResult(body);
+      else if (body.freed_gb !== undefined) result = { cls: "err", text: `${r.status}: freed ${body.freed_gb} GiB in ${body.duration_s} s: ${body.error || "not confirmed"}` };
+      else result = { cls: "err", text: `${r.status}: ${body.error || r.statusText}${body.reason ? ` (${body.reason})` : ""}` };
     } catch (err) {
-      result = { ok: false, text: `request failed: ${err}` };
+      result = { cls: "err", text: `request failed: ${err}` };
     }
     ui.results.set(name, result); renderTenants();
+  }
+
+  // A 200 is not always good news: green only when the card showed memory back.
+  function releaseResult(body) {
+    if (body.reason === "cpu") return { cls: "none", text: body.note || "nothing to release: it runs on the CPU" };
+    if (body.estimated) return { cls: "warn", text: `estimated: ${body.freed_gb} GiB freed in ${body.duration_s} s by the engine's own report (the card was not read)` };
+    if (!body.freed_bytes) return { cls: "none", text: `freed nothing (0 GiB) in ${body.duration_s} s` };
+    return { cls: "ok", text: `freed ${body.freed_gb} GiB in ${body.duration_s} s` };
   }
 
   // -- health ------------------------------------------------------------------------------------
@@ -228,7 +243,9 @@
     const W = 600, H = 140, now = Date.now();
     // The window grows with the page's age up to HISTORY_MS, so a fresh page is not one spike at the right edge.
     const span = Math.min(HISTORY_MS, Math.max(60000, ui.history.length ? now - ui.history[0].t : 0));
-    const total = (ui.stats && ui.stats.device.total_bytes) || 1;
+    // Card size unknown (no GPU reader): scale to the largest holding drawn instead.
+    const peak = Math.max(1, ...ui.history.flatMap((h) => Object.values(h.v).map((v) => v || 0)));
+    const total = (ui.stats && ui.stats.device.total_bytes) || peak;
     const ns = "http://www.w3.org/2000/svg";
     svg.replaceChildren();
     for (const f of [0.25, 0.5, 0.75]) {
@@ -285,13 +302,14 @@
   // -- decisions ---------------------------------------------------------------------------------
   function describe(d) {
     const o = d.outcome || {}, p = d.plan;
-    const rel = (o.releases || []).map((r) => `${r.tenant}: freed ${r.freed_gb} GiB in ${r.duration_s} s${r.confirmed ? "" : ` (${r.error || "not confirmed"})`}`);
+    const rel = (o.releases || []).map((r) => `${r.tenant}: freed ${r.freed_gb} GiB in ${r.duration_s} s${r.confirmed ? "" : r.estimated && !r.error ? " (estimated: the engine's own report, the card was not read)" : ` (${r.error || "not confirmed"})`}`);
     const blockers = p && p.blockers && p.blockers.length ? `blocked by ${p.blockers.map((b) => `${b.name} (${[b.tenant !== b.reason ? b.tenant : null, b.reason, b.vram_gib !== null ? `${b.vram_gib} GiB` : null].filter(Boolean).join(", ")})`).join(", ")}` : "";
     switch (d.kind) {
       case "plan":
         return `${d.tenant} needs ${p ? p.need_gib : "?"} GiB (free ${p ? p.free_gib : "?"}): ${p && p.releases.length ? "release " + p.releases.map((r) => `${r.tenant} ~${r.expected_free_gib} GiB`).join(", ") : "nothing to release"}${rel.length ? " → " + rel.join("; ") : " (running…)"}`;
       case "release": case "idle_release":
-        return `${d.tenant} released (${d.trigger}): ${rel.length ? rel.join("; ") : `held ${gib(o.held_bytes)}, releasing…`}`;
+        if (o.result) return `${d.tenant} (${d.trigger}): ${o.result}`;
+        return `${d.tenant} release (${d.trigger}): ${rel.length ? rel.join("; ") : `held ${gib(o.held_bytes)}, releasing…`}`;
       case "rejection":
         return `${o.status || 507} for ${d.tenant} (${d.trigger})${p ? `: needs ${p.need_gib} GiB, free ${p.free_gib} GiB` : ""}${blockers ? "; " + blockers : ""}${o.reason ? "; " + o.reason : ""}`;
       case "oom_retry":
@@ -300,11 +318,26 @@
         return `${d.tenant} (${d.trigger}) ${Object.keys(o).length ? JSON.stringify(o) : ""}`;
     }
   }
+  // A release's badge says how it ended: "released" (green) only when the card showed memory back.
+  function releaseState(d) {
+    const o = d.outcome || {}, rels = o.releases || [];
+    if (o.result) return ["nothing", "nothing to release"];
+    if (!rels.length) return ["pending", "releasing"];
+    if (rels.some((r) => r.error)) return ["failed", "release failed"];
+    if (rels.some((r) => !r.confirmed)) return ["estimated", "estimated"];
+    if (!rels.some((r) => r.freed_bytes > 0)) return ["nothing", "freed nothing"];
+    return ["released", "released"];
+  }
+  function kindBadge(d) {
+    if (d.kind !== "release" && d.kind !== "idle_release") return el("span", { class: `kind ${d.kind}`, text: d.kind.replace("_", " ") });
+    const [state, text] = releaseState(d);
+    return el("span", { class: `kind ${d.kind} r-${state}`, text: d.kind === "idle_release" ? `idle: ${text}` : text, dataset: { result: state } });
+  }
   function renderDecisions() {
     const list = $("decisions");
     const items = [...ui.decisions.values()].sort((a, b) => b.id - a.id);
     list.replaceChildren(...(items.length ? items.map((d) => el("li", { dataset: { decision: d.id, kind: d.kind } },
-      el("time", { text: clock(d.at) }), el("span", { class: `kind ${d.kind}`, text: d.kind.replace("_", " ") }), el("span", { text: describe(d) })))
+      el("time", { text: clock(d.at) }), kindBadge(d), el("span", { text: describe(d) })))
       : [el("li", { class: "empty", text: "no decisions yet" })]));
   }
 

@@ -1,0 +1,98 @@
+"""What the proxy can honestly say about the card, and what still works without a GPU reader.
+
+Never claim what cannot be seen: a figure nobody measured is null (and no sample in /metrics),
+never 0; a tenant whose memory nobody reported has an unknown holding, not an empty one. NVML is
+what sees every process on the card. Without it (no driver, no library, a container without the
+device) forwarding and in-flight tracking go on (invariant 10), plans run on the engines' own
+reports when one of them reports the card's size and are skipped otherwise, and no release is
+confirmed on the card. `capabilities()` says which, for /api/health and the line `hyperswap serve`
+prints at start.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .attribution import UNMANAGED, AttributedSnapshot
+from .gpu import GpuReadError
+
+CapabilityStatus = Literal["ok", "estimated", "off"]
+
+
+def device_json(snap: AttributedSnapshot) -> dict[str, Any]:
+    """The device as the admin API and the event stream show it: unknown figures are null."""
+    raw = snap.snapshot
+    dev = raw.device
+    return {"name": dev.name, "total_bytes": dev.figure("total"), "free_bytes": dev.figure("free"),
+            "used_bytes": dev.figure("used"), "reserved_bytes": dev.figure("reserved"),
+            "source": raw.source, "notes": list(raw.notes)}
+
+
+def sees(snap: AttributedSnapshot, tenant: str) -> bool:
+    """Whether the snapshot knows what this tenant holds. From the engines' own reports only the
+    tenants that answered are known; a VRAM-only tenant (the desktop) or a silent engine is not."""
+    if not snap.estimated:
+        return True
+    return tenant != UNMANAGED and any(p.tenant == tenant for p in snap.processes)
+
+
+def tenant_vram(snap: AttributedSnapshot, tenant: str) -> int | None:
+    """What a tenant holds, or None when nobody could see it."""
+    return snap.held_by(tenant) if sees(snap, tenant) else None
+
+
+def unmanaged_vram(snap: AttributedSnapshot) -> int | None:
+    """What processes outside every tenant hold; None without a GPU reader (they are invisible)."""
+    return None if snap.estimated else snap.held_by(UNMANAGED)
+
+
+@dataclass(frozen=True, slots=True)
+class Capability:
+    name: str
+    status: CapabilityStatus
+    detail: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"name": self.name, "status": self.status, "detail": self.detail}
+
+
+def capabilities(snap: AttributedSnapshot | None, error: GpuReadError | None) -> list[Capability]:
+    """What works now, from the last snapshot and the reader's last error."""
+    out = [Capability("forwarding", "ok", "every listener forwards requests and websockets unchanged"),
+           Capability("in-flight tracking", "ok", "busy state comes from the traffic through the proxy")]
+    if error is None and snap is not None and not snap.estimated:
+        return out + [Capability("arbitration", "ok", f"plans from the card's own figures ({snap.snapshot.source})"),
+                      Capability("confirmed releases", "ok", "a release is done when the card shows the memory back")]
+    if snap is not None and snap.snapshot.device.size_known:
+        arbitration = Capability(
+            "arbitration", "estimated",
+            "plans use the engines' own reports (ComfyUI's device figures, Ollama's /api/ps); memory held by "
+            "other programs is invisible, so a load may still run out of memory")
+    else:
+        arbitration = Capability(
+            "arbitration", "off",
+            "the card's size is unknown (no engine reports the device): GPU requests are forwarded without a plan, "
+            "nothing is released for them and nothing is refused")
+    return out + [arbitration, Capability(
+        "confirmed releases", "off",
+        "the card cannot be read: a release ends when the engine's own report says its memory is gone, marked estimated")]
+
+
+def summary(caps: list[Capability]) -> str:
+    """`works: forwarding, ...; estimated: ...; does not work: ...` in one line."""
+    groups = {"ok": "works", "estimated": "estimated", "off": "does not work"}
+    parts = []
+    for status, label in groups.items():
+        names = [c.name if status == "ok" else f"{c.name} ({c.detail})" for c in caps if c.status == status]
+        if names:
+            parts.append(f"{label}: {', '.join(names)}")
+    return "; ".join(parts)
+
+
+def start_notice(snap: AttributedSnapshot | None, error: GpuReadError | None) -> str | None:
+    """The one line `hyperswap serve` prints on stderr when it starts without a GPU reader."""
+    if error is None:
+        return None
+    return (f"hyperswap: no GPU reader ({error.state}: {error.message}); "
+            f"{summary(capabilities(snap, error))}; fix: {error.fix}")

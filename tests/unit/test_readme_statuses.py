@@ -1,0 +1,51 @@
+"""The README's table of admin statuses states every answer /openapi.json documents, route by route."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from proxy.openapi import openapi_document
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def readme_statuses() -> dict[tuple[str, str], set[str]]:
+    """(METHOD, path) -> statuses, from the rows of the `### Statuses` table."""
+    text = README.read_text()
+    table = text.split("### Statuses", 1)[1].split("\n\n", 3)[2]
+    out: dict[tuple[str, str], set[str]] = {}
+    for row in table.splitlines()[2:]:
+        route, statuses = row.strip("|").split("|")[:2]
+        codes = set(re.findall(r"`(\d{3})`", statuses))
+        for method, path in re.findall(r"`([A-Z]+) ([^`]+)`", route):
+            out[(method, path)] = codes
+    return out
+
+
+def test_readme_states_every_status_the_openapi_document_lists() -> None:
+    stated = readme_statuses()
+    doc = openapi_document(token=True)
+    missing = {}
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            key = (method.upper(), path)
+            assert key in stated, f"{method.upper()} {path} has no row in the README's Statuses table"
+            gap = set(op["responses"]) - stated[key]
+            extra = stated[key] - set(op["responses"])
+            if gap or extra:
+                missing[key] = {"not in README": sorted(gap), "not in /openapi.json": sorted(extra)}
+    assert not missing, missing
+
+
+def test_every_documented_error_has_an_error_and_a_fix() -> None:
+    doc = openapi_document()
+    schemas = doc["components"]["schemas"]
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            for status, answer in op["responses"].items():
+                if not status.startswith(("4", "5")) or "content" not in answer:
+                    continue
+                ref = answer["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[-1]
+                props = schemas[ref]["properties"]
+                assert {"error", "fix"} <= set(props), f"{method.upper()} {path} {status}: {ref} lacks error or fix"
