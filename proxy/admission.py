@@ -78,6 +78,7 @@ class Arbitration:
         self._settlers: set[asyncio.Task[None]] = set()
         self.last_snapshot: AttributedSnapshot | None = None
         self.last_read_error: GpuReadError | None = None
+        self._measured_device: DeviceMemory | None = None  # the last device figures a reader measured
         self.stale_jobs: dict[str, list[str]] = {}  # tenant -> job ids whose VRAM says they are not running
         self._queue_reads: dict[str, _QueueRead] = {}  # tenant -> jobs its own queue said run (watchdog reads it)
         inflight.on_change.append(self._traffic_changed)
@@ -93,6 +94,7 @@ class Arbitration:
             try:
                 snap = self.attributor.attribute(await asyncio.to_thread(self.reader.read))
                 self.last_read_error = None
+                self._measured_device = snap.snapshot.device
             except Exception as exc:  # a failing reader never stops traffic (invariant 10)
                 self.last_read_error = exc if isinstance(exc, GpuReadError) else GpuReadError(
                     "unknown", f"GPU read failed: {exc!r}", "run `hyperswap check`")
@@ -121,8 +123,9 @@ class Arbitration:
             if device is None and tenant.engine == "comfyui":
                 device = await memory.comfy_device(tenant, self.control)
         if device is None:
-            prev = self.last_snapshot.snapshot.device if self.last_snapshot else None
-            total = prev.total_bytes if prev and self.last_snapshot and not self.last_snapshot.estimated else 0
+            # the card does not shrink when its reader breaks: the last measured total stays true
+            prev = self._measured_device
+            total = prev.total_bytes if prev else 0
             used = sum(p.process.used_bytes or 0 for p in procs)
             unknown: set[DeviceFigure] = {"used", "free", "reserved"} | (set() if total else {"total"})
             device = DeviceMemory(0, prev.name if prev else "unknown (GPU reader failed)", total, 0, used,

@@ -339,3 +339,22 @@ async def test_a_release_judged_on_the_engines_reports_is_estimated_not_confirme
                     json={"model": "llama3.1:8b", "prompt": "hi", "stream": False})
     body = (await http.post(admin + "/api/tenants/ollama/release")).json()
     assert body["confirmed"] is True and body["estimated"] is False, body
+
+
+async def test_a_reader_that_breaks_later_keeps_the_cards_measured_size(box: DemoFactory) -> None:
+    """After a driver update the reader fails until the reboot: the card did not shrink, so plans go
+    on with its last measured total through every failed read, not just the first."""
+    data = fast("default").model_dump()
+    data.update(comfyui=None, tenants={"comfyui": None})  # no engine left that reports the card
+    demo = await box(Scenario.model_validate(data))
+    arb = demo.proxy.arbitration  # type: ignore[union-attr]
+    measured = (await arb.snapshot()).snapshot.device.total_bytes
+
+    class Broken:
+        def read(self) -> Any:
+            raise GpuReadError("driver_mismatch", "Driver/library version mismatch", "reboot")
+
+    arb.reader = Broken()
+    for _ in range(3):
+        snap = await arb.snapshot()
+        assert snap.estimated and snap.snapshot.device.total_bytes == measured
