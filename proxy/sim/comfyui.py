@@ -31,7 +31,8 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ..clock import Clock, SystemClock
 from ..servers import RunningServer, start_server
-from .comfyui_nodes import Accepted, NodeClass, Rejected, catalogue, dependencies, execution_order, validate
+from .comfyui_nodes import (Accepted, NodeClass, Rejected, Unhandled, catalogue, dependencies, execution_order,
+                            validate)
 from .comfyui_wire import AIOHTTP_500, FAKE_JPEG, OriginAndSizeMiddleware, parse_multipart, png_bytes
 from .gpu import SimulatedGpu, SimulatedOutOfMemory
 
@@ -48,6 +49,7 @@ DEFAULT_DEVICE_NAME = "cuda:0 Simulated RTX 4090 : cudaMallocAsync"
 # Binary websocket event types (protocol.py): 4-byte big-endian type, then the payload.
 PREVIEW_IMAGE = 1
 PREVIEW_IMAGE_WITH_METADATA = 4
+SENSITIVE_EXTRA_DATA_KEYS = ("auth_token_comfy_org", "api_key_comfy_org")
 _INDEX_HTML = ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"UTF-8\"><title>ComfyUI</title></head>"
                "<body><div id=\"vue-app\"></div><p>Simulated ComfyUI</p></body></html>\n")
 
@@ -570,35 +572,40 @@ class ComfySim:
         return _json({"exec_info": {"queue_remaining": self._queue_remaining()}})
 
     async def _post_prompt(self, request: Request) -> Response:
+        """server.py post_prompt(): Python's own `in` and indexing on whatever JSON arrived, so a list
+        body is a 400 no_prompt, and a number or null body an unhandled 500."""
         body = await self._read_json(request)
-        if not isinstance(body, dict):
-            raise _BadBody()
-        if "number" in body:
-            number: int | float = float(body["number"])
-        else:
-            number = -self._number if body.get("front") else self._number
-            self._number += 1
-        if "prompt" not in body:
+        number = self._next_number(body)
+        if not _has(body, "prompt"):
             return _json({"error": {"type": "no_prompt", "message": "No prompt provided",
                                     "details": "No prompt provided", "extra_info": {}}, "node_errors": {}}, 400)
-        graph = body["prompt"]
-        result = validate(graph, self._classes)
+        graph = _item(body, "prompt")
+        prompt_id = str(body["prompt_id"]) if "prompt_id" in body else str(uuid.uuid4())
+        targets = body["partial_execution_targets"] if "partial_execution_targets" in body else None
+        result = validate(graph, self._classes, targets)
+        extra_data = _extra_data(body)
         if isinstance(result, Rejected):
             return _json(result.body, 400)
         assert isinstance(result, Accepted)
-        outputs = list(result.outputs)
-        targets = body.get("partial_execution_targets")
-        if isinstance(targets, list):
-            outputs = [o for o in outputs if o in targets]
-        prompt_id = str(body.get("prompt_id") or uuid.uuid4())
-        extra_data = dict(body.get("extra_data") or {})
-        if "client_id" in body:
-            extra_data["client_id"] = body["client_id"]
-        item = _Item(number, prompt_id, graph, extra_data, outputs)
+        _stamp(extra_data)
+        item = _Item(number, prompt_id, graph, extra_data, list(result.outputs))
         heapq.heappush(self._heap, (number, prompt_id, next(self._seq), item))
         self._broadcast_status()
         self._wake.set()
         return _json({"prompt_id": prompt_id, "number": number, "node_errors": result.node_errors})
+
+    def _next_number(self, body: Any) -> int | float:
+        """An explicit "number" is the priority; otherwise the counter, which every such POST advances."""
+        if _has(body, "number"):
+            try:
+                return float(_item(body, "number"))
+            except (TypeError, ValueError) as exc:
+                raise _BadBody() from exc
+        number = self._number
+        if _has(body, "front") and _item(body, "front"):
+            number = -number
+        self._number += 1
+        return number
 
     async def _get_queue(self, request: Request) -> Response:
         return _json({"queue_running": [i.wire() for i in self._running.values()],
@@ -788,7 +795,7 @@ class ComfySim:
         async def bad_body(request: Request, exc: Exception) -> Response:
             return PlainTextResponse(AIOHTTP_500, status_code=500)
 
-        app = Starlette(routes=routes, exception_handlers={_BadBody: bad_body})
+        app = Starlette(routes=routes, exception_handlers={_BadBody: bad_body, Unhandled: bad_body})
         return OriginAndSizeMiddleware(app, int(self.config.max_upload_size_mb * 1024 * 1024))
 
 
@@ -798,6 +805,44 @@ def _dispatch(handlers: dict[str, Any]) -> Any:
         response: Response = await handler(request)
         return response
     return endpoint
+
+
+def _has(container: Any, key: str) -> bool:
+    """`key in json_data` as server.py writes it: a list or a string answers, anything else raises."""
+    try:
+        return key in container
+    except TypeError as exc:
+        raise _BadBody() from exc
+
+
+def _item(container: Any, key: str) -> Any:
+    try:
+        return container[key]
+    except (TypeError, KeyError, IndexError) as exc:
+        raise _BadBody() from exc
+
+
+def _extra_data(body: JSON) -> Any:
+    """The client's extra_data object itself (not a copy), with client_id added as server.py does."""
+    extra_data = body["extra_data"] if "extra_data" in body else {}
+    if "client_id" in body:
+        try:
+            extra_data["client_id"] = body["client_id"]
+        except TypeError as exc:
+            raise _BadBody() from exc
+    return extra_data
+
+
+def _stamp(extra_data: Any) -> None:
+    """What an accepted prompt's extra_data becomes: execution.SENSITIVE_EXTRA_DATA_KEYS removed (they
+    never reach the queue or history), then create_time in ms (added with the jobs API, 0.8.0)."""
+    try:
+        for key in SENSITIVE_EXTRA_DATA_KEYS:
+            if key in extra_data:
+                extra_data.pop(key)
+        extra_data["create_time"] = _ms()
+    except (TypeError, AttributeError) as exc:
+        raise _BadBody() from exc
 
 
 def _meta(nid: str) -> JSON:

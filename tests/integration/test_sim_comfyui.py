@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -278,7 +279,8 @@ async def test_queue_runs_in_number_order_and_shows_five_element_items(box: Box)
         queue = (await box.http.get("/api/queue")).json()
         assert [i[1] for i in queue["queue_running"]] == [long_id]
         running = queue["queue_running"][0]
-        assert len(running) == 5 and running[0] == 0 and running[3] == {"client_id": "q"} and running[4] == ["9"]
+        assert len(running) == 5 and running[0] == 0 and running[4] == ["9"]
+        assert running[3] == {"client_id": "q", "create_time": running[3]["create_time"]}
         assert sorted(i[1] for i in queue["queue_pending"]) == sorted([*later, front])
         assert (await box.http.get("/prompt")).json() == {"exec_info": {"queue_remaining": 4}}
         assert (await box.http.post("/interrupt", json={"prompt_id": long_id})).content == b""
@@ -328,7 +330,8 @@ async def test_history_entry_shape_paging_and_unknown_id(box: Box) -> None:
         ids.append(await box.post_prompt(image_graph(), "h"))
         await box.history(ids[-1])
     entry = (await box.http.get(f"/history/{ids[0]}")).json()[ids[0]]
-    assert entry["prompt"][1] == ids[0] and entry["prompt"][3] == {"client_id": "h"} and entry["prompt"][4] == ["2"]
+    assert entry["prompt"][1] == ids[0] and entry["prompt"][4] == ["2"]
+    assert list(entry["prompt"][3]) == ["client_id", "create_time"] and entry["prompt"][3]["client_id"] == "h"
     assert entry["outputs"]["2"]["images"][0]["type"] == "output"
     assert entry["meta"] == {"2": {"node_id": "2", "display_node": "2", "parent_node": None, "real_node_id": "2"}}
     assert [m[0] for m in entry["status"]["messages"]] == ["execution_start", "execution_cached", "execution_success"]
@@ -553,6 +556,113 @@ async def test_validation_errors_have_the_observed_bodies_and_still_count_number
     r = await post({"prompt": image_graph()})
     assert r.status_code == 200 and r.json()["number"] == 6, "number counts every POST, rejected ones too"
     assert r.headers["content-type"].startswith("application/json")
+
+
+def saved(images: Any) -> dict[str, Any]:
+    """An EmptyImage -> SaveImage graph whose SaveImage.images input is `images`."""
+    return {**image_graph(), "2": {"class_type": "SaveImage", "inputs": {"images": images, "filename_prefix": "x"}}}
+
+
+async def test_a_link_to_a_missing_node_is_an_exception_during_validation(box: Box) -> None:
+    r = await box.http.post("/prompt", json={"prompt": saved(["99", 0])})
+    assert r.status_code == 400
+    body = r.json()
+    assert body["error"] == {"type": "prompt_outputs_failed_validation", "message": "Prompt outputs failed validation",
+                             "details": "Exception when validating node: '99'", "extra_info": {}}
+    (error,) = body["node_errors"]["2"]["errors"]
+    assert body["node_errors"]["2"]["dependent_outputs"] == ["2"] and body["node_errors"]["2"]["class_type"] == "SaveImage"
+    assert (error["type"], error["message"], error["details"]) == ("exception_during_validation",
+                                                                   "Exception when validating node", "'99'")
+    assert error["extra_info"]["exception_type"] == "KeyError"
+    assert all(isinstance(line, str) for line in error["extra_info"]["traceback"]) and error["extra_info"]["traceback"]
+    assert (await box.http.get("/queue")).json()["queue_pending"] == [] and box.sim.executed == 0, "nothing ran"
+
+
+async def test_a_bad_link_further_up_is_an_inner_exception_on_the_node_that_holds_it(box: Box) -> None:
+    graph = txt2img()
+    graph["8"]["inputs"]["samples"] = ["99", 0]
+    r = await box.http.post("/prompt", json={"prompt": graph})
+    assert r.status_code == 400 and r.json()["error"]["details"] == "", "the output's own inputs are fine"
+    errors = r.json()["node_errors"]
+    assert list(errors) == ["8"] and errors["8"]["dependent_outputs"] == ["9"]
+    (error,) = errors["8"]["errors"]
+    assert error["type"] == "exception_during_inner_validation" and error["details"] == "'99'"
+    extra = error["extra_info"]
+    assert extra["input_name"] == "images" and extra["input_config"] == ["IMAGE", {}] and extra["linked_node"] == ["8", 0]
+    assert extra["exception_type"] == "KeyError" and extra["exception_message"] == "'99'"
+
+
+@pytest.mark.parametrize(("images", "kind", "details"), [
+    (["1", 3], "exception_during_validation", "tuple index out of range"),
+    (["1"], "bad_linked_input", "images"),
+    (["1", 0, 1], "bad_linked_input", "images"),
+])
+async def test_malformed_links_fail_like_execution_py(box: Box, images: list[Any], kind: str, details: str) -> None:
+    r = await box.http.post("/prompt", json={"prompt": saved(images)})
+    error = r.json()["node_errors"]["2"]["errors"][0]
+    assert r.status_code == 400 and (error["type"], error["details"]) == (kind, details)
+
+
+async def test_a_link_of_the_wrong_type_is_a_return_type_mismatch(box: Box) -> None:
+    graph = txt2img()
+    graph["9"]["inputs"]["images"] = ["4", 0]  # the checkpoint's MODEL into SaveImage.images
+    r = await box.http.post("/prompt", json={"prompt": graph})
+    error = r.json()["node_errors"]["9"]["errors"][0]
+    assert error["type"] == "return_type_mismatch"
+    assert error["details"] == "images, received_type(MODEL) mismatch input_type(IMAGE)"
+    assert error["extra_info"] == {"input_name": "images", "input_config": ["IMAGE", {}], "received_type": "MODEL",
+                                   "linked_node": ["4", 0]}
+
+
+async def test_widget_values_are_converted_like_python_and_bad_ones_are_invalid_input_type(box: Box) -> None:
+    graph = image_graph()
+    graph["1"]["inputs"]["width"] = "abc"
+    r = await box.http.post("/prompt", json={"prompt": graph})
+    error = r.json()["node_errors"]["1"]["errors"][0]
+    assert error["type"] == "invalid_input_type" and error["message"] == "Failed to convert an input value to a INT value"
+    assert error["details"] == "width, abc, invalid literal for int() with base 10: 'abc'"
+    graph["1"]["inputs"]["width"] = "64"
+    entry = await box.history(await box.post_prompt(graph))
+    assert entry["prompt"][2]["1"]["inputs"]["width"] == 64, "ComfyUI stores the converted value in the prompt"
+
+
+@pytest.mark.parametrize(("body", "status", "kind"), [
+    ([], 400, "no_prompt"), (["client_id"], 400, "no_prompt"), ("text", 400, "no_prompt"),
+    ({"prompt": []}, 400, "prompt_no_outputs"), ({"prompt": ""}, 400, "prompt_no_outputs"),
+    (5, 500, None), (None, 500, None), (["prompt"], 500, None), ({"prompt": ["1"]}, 500, None),
+    ({"prompt": 5}, 500, None), ({"prompt": {"1": 5}}, 500, None), ({"prompt": {"1": "no class"}}, 400, "invalid_prompt"),
+])
+async def test_prompt_bodies_of_other_json_types_get_what_server_py_does(box: Box, body: Any, status: int,
+                                                                         kind: str | None) -> None:
+    r = await box.http.post("/prompt", content=json.dumps(body), headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    if kind is None:
+        assert r.headers["content-type"].startswith("text/plain")
+    else:
+        assert r.json()["error"]["type"] == kind
+
+
+async def test_a_list_body_still_counts_a_number(box: Box) -> None:
+    await box.http.post("/prompt", json=[])
+    await box.http.post("/prompt", json=5)  # raises before the counter
+    r = await box.http.post("/prompt", json={"prompt": image_graph()})
+    assert r.json()["number"] == 1
+
+
+async def test_partial_execution_targets_pick_outputs_before_validation(box: Box) -> None:
+    r = await box.http.post("/prompt", json={"prompt": image_graph(), "partial_execution_targets": ["7"]})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "prompt_no_outputs"
+    graph = {**image_graph(), "3": {"class_type": "PreviewImage", "inputs": {}}}
+    r = await box.http.post("/prompt", json={"prompt": graph, "partial_execution_targets": ["2"]})
+    assert r.status_code == 200 and r.json()["node_errors"] == {}, "the invalid output was never a target"
+
+
+async def test_queue_and_history_carry_create_time_but_not_the_api_keys(box: Box) -> None:
+    before = int(time.time() * 1000)
+    pid = await box.post_prompt(image_graph(), "k", extra_data={"api_key_comfy_org": "secret", "extra_pnginfo": {}})
+    extra = (await box.history(pid))["prompt"][3]
+    assert list(extra) == ["extra_pnginfo", "client_id", "create_time"]
+    assert before <= extra["create_time"] <= int(time.time() * 1000)
 
 
 async def test_partially_valid_prompt_is_queued_with_node_errors(box: Box) -> None:
