@@ -27,7 +27,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import FileResponse, HTMLResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.types import Receive, Scope, Send
+from starlette.websockets import WebSocket, WebSocketClose, WebSocketDisconnect
 
 from ..clock import Clock, SystemClock
 from ..servers import RunningServer, start_server
@@ -44,11 +45,13 @@ OOM_MESSAGE = ("Allocation on device \nThis error means you ran out of memory on
                "TIPS: If the workflow worked before you might have accidentally set the batch_size to a large number.")
 MODEL_FOLDERS = ["checkpoints", "configs", "loras", "vae", "text_encoders", "diffusion_models", "clip_vision",
                  "style_models", "embeddings", "diffusers", "vae_approx", "controlnet", "gligen", "upscale_models",
-                 "custom_nodes", "hypernetworks", "photomaker", "classifiers", "model_patches", "audio_encoders"]
+                 "latent_upscale_models", "custom_nodes", "hypernetworks", "photomaker", "classifiers", "model_patches",
+                 "audio_encoders"]
 DEFAULT_DEVICE_NAME = "cuda:0 Simulated RTX 4090 : cudaMallocAsync"
 # Binary websocket event types (protocol.py): 4-byte big-endian type, then the payload.
 PREVIEW_IMAGE = 1
 PREVIEW_IMAGE_WITH_METADATA = 4
+_ALL_METHODS = ["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT"]
 SENSITIVE_EXTRA_DATA_KEYS = ("auth_token_comfy_org", "api_key_comfy_org")
 _INDEX_HTML = ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"UTF-8\"><title>ComfyUI</title></head>"
                "<body><div id=\"vue-app\"></div><p>Simulated ComfyUI</p></body></html>\n")
@@ -676,7 +679,8 @@ class ComfySim:
         held = self.gpu.used_by(self.pid) if self.pid is not None else 0
         reserved = max(0, held - self.config.context_floor_bytes)
         return _json({
-            "system": {"os": "posix", "ram_total": os.sysconf("SC_PHYS_PAGES") * page,
+            # sys.platform: the real 0.8.0 answered "linux" (0.3.64's source read os.name, "posix").
+            "system": {"os": "linux", "ram_total": os.sysconf("SC_PHYS_PAGES") * page,
                        "ram_free": os.sysconf("SC_AVPHYS_PAGES") * page, "comfyui_version": self.config.version,
                        "required_frontend_version": "1.27.10", "installed_templates_version": "0.1.94",
                        "required_templates_version": "0.1.94", "python_version": sys.version,
@@ -770,6 +774,7 @@ class ComfySim:
 
     def _build_app(self) -> OriginAndSizeMiddleware:
         plain: list[tuple[str, Any, list[str]]] = [
+            ("/", self._index, ["GET"]),
             ("/prompt", self._get_prompt, ["GET"]), ("/prompt", self._post_prompt, ["POST"]),
             ("/queue", self._get_queue, ["GET"]), ("/queue", self._post_queue, ["POST"]),
             ("/history", self._get_history, ["GET"]), ("/history", self._post_history, ["POST"]),
@@ -786,25 +791,46 @@ class ComfySim:
         for path, handler, methods in plain:
             for method in methods:
                 by_path.setdefault(path, {})[method] = handler
-        routes: list[BaseRoute] = [Route("/", self._index, methods=["GET"])]
+        routes: list[BaseRoute] = []
         for prefix in ("", "/api"):
             for path, handlers in by_path.items():
-                routes.append(Route(prefix + path, _dispatch(handlers), methods=list(handlers)))
+                routes.append(Route(prefix + path, _dispatch(handlers), methods=_ALL_METHODS))  # _dispatch: 404/405
             routes.append(WebSocketRoute(prefix + "/ws", self._ws))
 
         async def bad_body(request: Request, exc: Exception) -> Response:
             return PlainTextResponse(AIOHTTP_500, status_code=500)
 
         app = Starlette(routes=routes, exception_handlers={_BadBody: bad_body, Unhandled: bad_body})
+        app.router.default = _unrouted_app
+        app.router.redirect_slashes = False  # aiohttp does not redirect /prompt/ to /prompt: a missing file
         return OriginAndSizeMiddleware(app, int(self.config.max_upload_size_mb * 1024 * 1024))
 
 
 def _dispatch(handlers: dict[str, Any]) -> Any:
     async def endpoint(request: Request) -> Response:
-        handler = handlers["GET" if request.method == "HEAD" else request.method]
+        handler = handlers.get("GET" if request.method == "HEAD" else request.method)
+        if handler is None:
+            return _unrouted(request.method, set(handlers))
         response: Response = await handler(request)
         return response
     return endpoint
+
+
+def _unrouted(method: str, allowed: set[str]) -> Response:
+    """aiohttp with ComfyUI's static route on the web root, which takes every path for GET and HEAD:
+    a path no route takes is a missing file (404, empty body), even a POST-only route asked with GET;
+    other methods get 405 with the route's methods plus the static route's in Allow."""
+    if method in ("GET", "HEAD"):
+        return Response(status_code=404)
+    return PlainTextResponse("405: Method Not Allowed", status_code=405,
+                             headers={"Allow": ",".join(sorted(allowed | {"GET", "HEAD"}))})
+
+
+async def _unrouted_app(scope: Scope, receive: Receive, send: Send) -> None:
+    if scope["type"] == "websocket":
+        await WebSocketClose()(scope, receive, send)  # before accept: the server answers 403
+        return
+    await _unrouted(scope["method"], set())(scope, receive, send)
 
 
 def _has(container: Any, key: str) -> bool:

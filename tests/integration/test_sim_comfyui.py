@@ -475,7 +475,8 @@ async def test_system_stats_has_the_exact_shape_and_reads_the_simulated_gpu(box:
     stats = (await box.http.get("/api/system_stats")).json()
     assert list(stats) == ["system", "devices"] and len(stats["devices"]) == 1
     system = stats["system"]
-    assert system["os"] == "posix" and system["comfyui_version"] == "0.3.64" and system["argv"] == ["main.py"]
+    assert system["os"] == "linux", "sys.platform, as the real 0.8.0 answered"
+    assert system["comfyui_version"] == "0.3.64" and system["argv"] == ["main.py"]
     assert isinstance(system["python_version"], str) and system["embedded_python"] is False
     device = stats["devices"][0]
     assert device["name"] == "cuda:0 Simulated RTX 4090 : cudaMallocAsync" and device["type"] == "cuda"
@@ -733,6 +734,35 @@ async def test_catalogue_routes_answer_under_both_prefixes(box: Box) -> None:
         assert (await box.http.get(f"{prefix}/queue")).json() == {"queue_running": [], "queue_pending": []}
     r = await box.http.get("/")
     assert r.status_code == 200 and "<html" in r.text
+
+
+async def test_models_lists_latent_upscale_models_after_upscale_models(box: Box) -> None:
+    folders = (await box.http.get("/models")).json()
+    assert folders[folders.index("upscale_models") + 1] == "latent_upscale_models"
+    assert (await box.http.get("/api/models/latent_upscale_models")).json() == []
+
+
+@pytest.mark.parametrize("path", ["/nope", "/api/nope", "/interrupt", "/api/free", "/prompt/", "/api"])
+async def test_a_get_no_route_takes_is_a_404_with_an_empty_body(box: Box, path: str) -> None:
+    for method in ("GET", "HEAD"):
+        r = await box.http.request(method, path)
+        assert (r.status_code, r.content) == (404, b""), (method, path)
+
+
+@pytest.mark.parametrize(("method", "path", "allow"), [
+    ("POST", "/nope", "GET,HEAD"), ("DELETE", "/prompt", "GET,HEAD,POST"), ("PUT", "/api/interrupt", "GET,HEAD,POST"),
+    ("POST", "/system_stats", "GET,HEAD"), ("PATCH", "/", "GET,HEAD"),
+])
+async def test_other_methods_get_aiohttps_405_text_with_allow(box: Box, method: str, path: str, allow: str) -> None:
+    r = await box.http.request(method, path)
+    assert (r.status_code, r.text, r.headers["allow"]) == (405, "405: Method Not Allowed", allow)
+    assert r.headers["content-type"] == "text/plain; charset=utf-8"
+
+
+async def test_options_is_answered_by_the_middleware_on_any_path(box: Box) -> None:
+    for path in ("/prompt", "/nope"):
+        r = await box.http.options(path)
+        assert (r.status_code, r.content) == (200, b""), path
 
 
 def test_from_scenario_converts_gib_and_rejects_unknown_keys() -> None:
