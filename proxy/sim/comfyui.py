@@ -271,18 +271,27 @@ class ComfySim:
     def _broadcast_status(self) -> None:
         self._send("status", {"status": {"exec_info": {"queue_remaining": self._queue_remaining()}}}, None)
 
-    def _send_preview(self, prompt_id: str, node_id: str, sid: str | None) -> None:
-        targets = list(self._sockets.values()) if sid is None else [c for c in (self._sockets.get(sid),) if c]
+    def _send_bytes(self, frame: bytes, sid: str | None) -> None:
+        targets = self._sockets.values() if sid is None else [c for c in (self._sockets.get(sid),) if c]
         for client in targets:
-            if client.preview_metadata:
-                meta = json.dumps({"node_id": node_id, "prompt_id": prompt_id, "display_node_id": node_id,
-                                   "parent_node_id": None, "real_node_id": node_id,
-                                   "image_type": "image/jpeg"}).encode()
-                frame = (PREVIEW_IMAGE_WITH_METADATA.to_bytes(4, "big") + len(meta).to_bytes(4, "big")
-                         + meta + FAKE_JPEG)
-            else:
-                frame = PREVIEW_IMAGE.to_bytes(4, "big") + (1).to_bytes(4, "big") + FAKE_JPEG  # 1 = JPEG
             client.outbox.put_nowait(frame)
+
+    def _wants_metadata(self, sid: str | None) -> bool:
+        """feature_flags.supports_feature() for the prompt's owner; an ownerless prompt never has it."""
+        client = self._sockets.get(sid) if sid is not None else None
+        return client is not None and client.preview_metadata
+
+    def _report(self, nid: str, value: int | float, maximum: int | float, prompt_id: str, cid: str | None,
+                progress_state: ProgressFn, image: tuple[str, bytes] | None = None) -> None:
+        """main.py's progress hook: progress_state, a type-4 image for an owner that negotiated preview
+        metadata, progress, then the plain type-1 image for an owner that did not (or everyone)."""
+        progress_state(nid, value, maximum, "running")
+        metadata = self._wants_metadata(cid)
+        if image is not None and metadata:
+            self._send_bytes(_image_with_metadata(image, nid, prompt_id), cid)
+        self._send("progress", {"value": value, "max": maximum, "prompt_id": prompt_id, "node": nid}, cid)
+        if image is not None and not metadata:
+            self._send_bytes(_plain_image(image), cid)
 
     async def _ws(self, websocket: WebSocket) -> None:
         await websocket.accept()
@@ -514,6 +523,8 @@ class ComfySim:
             return None, await self._sample(nid, graph, prompt_id, cid, progress_state)
         if kind in ("SaveImage", "PreviewImage"):
             return {"images": [self._save(kind, inputs)]}, 1.0
+        if kind == "SaveImageWebsocket":
+            return None, await self._send_images(nid, graph, prompt_id, cid, progress_state)
         await asyncio.sleep(0)
         return None, 1.0
 
@@ -533,13 +544,23 @@ class ComfySim:
                 await self.clock.sleep(self.config.step_time_s)
                 if self._interrupt:  # the sampler callback checks the flag every step
                     raise _Interrupted(nid, "KSampler")
-                progress_state(nid, step, steps, "running")
-                if self.config.previews:
-                    self._send_preview(prompt_id, nid, cid)
-                self._send("progress", {"value": step, "max": steps, "prompt_id": prompt_id, "node": nid}, cid)
+                preview = ("JPEG", FAKE_JPEG) if self.config.previews else None
+                self._report(nid, step, steps, prompt_id, cid, progress_state, preview)
         finally:
             self._release_now(self.config.working_bytes)
         return steps
+
+    async def _send_images(self, nid: str, graph: JSON, prompt_id: str, cid: str | None,
+                           progress_state: ProgressFn) -> int:
+        """SaveImageWebsocket: each image of the batch as a PNG through the progress bar (no files, no
+        UI output, so no "executed"); progress counts 0 .. batch-1 and the node finishes at the batch size."""
+        batch = _batch_size(graph, nid)
+        for step in range(batch):
+            if self._interrupt:  # the progress hook checks the flag
+                raise _Interrupted(nid, "SaveImageWebsocket")
+            self._report(nid, step, batch, prompt_id, cid, progress_state, ("PNG", png_bytes()))
+            await asyncio.sleep(0)
+        return batch
 
     def _save(self, kind: str, inputs: JSON) -> JSON:
         if kind == "SaveImage":
@@ -875,6 +896,9 @@ def _meta(nid: str) -> JSON:
     return {"node_id": nid, "display_node": nid, "parent_node": None, "real_node_id": nid}
 
 
+_FRESH = itertools.count()
+
+
 def _signatures(graph: JSON) -> dict[str, str]:
     """Classic cache key: class and inputs, with links replaced by the upstream node's signature."""
     memo: dict[str, str] = {}
@@ -886,6 +910,8 @@ def _signatures(graph: JSON) -> dict[str, str]:
             return "cycle"
         node = graph[nid]
         parts: list[Any] = [node["class_type"]]
+        if node["class_type"] == "SaveImageWebsocket":
+            parts.append(next(_FRESH))  # its IS_CHANGED returns time.time(): never cached
         for name, value in sorted((node.get("inputs") or {}).items()):
             if isinstance(value, list) and len(value) == 2 and isinstance(value[0], str) and value[0] in graph:
                 parts.append([name, sig(value[0], trail + (nid,)), value[1]])
@@ -895,6 +921,35 @@ def _signatures(graph: JSON) -> dict[str, str]:
         return memo[nid]
 
     return {nid: sig(nid, ()) for nid in graph}
+
+
+def _plain_image(image: tuple[str, bytes]) -> bytes:
+    """Binary type 1: image format (1 JPEG, 2 PNG), then the encoded image."""
+    kind, data = image
+    return PREVIEW_IMAGE.to_bytes(4, "big") + (2 if kind == "PNG" else 1).to_bytes(4, "big") + data
+
+
+def _image_with_metadata(image: tuple[str, bytes], nid: str, prompt_id: str) -> bytes:
+    """Binary type 4: JSON length, the JSON (json.dumps, image_type added last), then the image."""
+    kind, data = image
+    meta = json.dumps({"node_id": nid, "prompt_id": prompt_id, "display_node_id": nid, "parent_node_id": None,
+                       "real_node_id": nid, "image_type": "image/png" if kind == "PNG" else "image/jpeg"}).encode()
+    return PREVIEW_IMAGE_WITH_METADATA.to_bytes(4, "big") + len(meta).to_bytes(4, "big") + meta + data
+
+
+def _batch_size(graph: JSON, nid: str) -> int:
+    """How many images reach a node: the batch_size of the EmptyImage or EmptyLatentImage upstream."""
+    seen: set[str] = set()
+    stack = [nid]
+    while stack:
+        cur = stack.pop()
+        if cur in seen:
+            continue
+        seen.add(cur)
+        if graph[cur]["class_type"] in ("EmptyImage", "EmptyLatentImage"):
+            return int((graph[cur].get("inputs") or {}).get("batch_size", 1))
+        stack.extend(dependencies(graph, cur))
+    return 1
 
 
 def _upstream_checkpoint(graph: JSON, nid: str) -> str | None:

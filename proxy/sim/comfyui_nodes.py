@@ -95,6 +95,9 @@ def catalogue(checkpoints: list[str]) -> dict[str, NodeClass]:
                   (("width", _int(512, 1, _MAX_RES)), ("height", _int(512, 1, _MAX_RES)),
                    ("batch_size", _int(1, 1, 4096)), ("color", _int(0, 0, 0xFFFFFF))),
                   ("IMAGE",), ("IMAGE",)),
+        # Shipped in ComfyUI's custom_nodes/ (websocket_image_save.py): images go out as binary frames.
+        NodeClass("SaveImageWebsocket", "SaveImageWebsocket", "api/image", (("images", ["IMAGE", {}]),), (), (),
+                  output_node=True, python_module="custom_nodes.websocket_image_save"),
     ]
     return {n.name: n for n in nodes}
 

@@ -267,6 +267,58 @@ async def test_previews_use_type_1_jpeg_or_type_4_with_metadata_when_negotiated(
     assert info["image_type"] == "image/jpeg" and with_meta[0][8 + length:][:2] == b"\xff\xd8"
 
 
+def ws_graph(batch: int = 2) -> dict[str, Any]:
+    return {"1": {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 64, "batch_size": batch, "color": 7}},
+            "2": {"class_type": "SaveImageWebsocket", "inputs": {"images": ["1", 0]}}}
+
+
+async def test_save_image_websocket_sends_each_image_as_a_binary_png_frame(box: Box) -> None:
+    async with box.ws("sw") as ws:
+        await first_frame(ws)
+        pid = await box.post_prompt(ws_graph(batch=2), "sw")
+        frames = await until_end(ws, pid)
+        again = await until_end(ws, await box.post_prompt(ws_graph(batch=2), "sw"))
+    node2 = frames[types(frames).index("executing", 6):]
+    assert types(node2)[:8] == ["executing", "progress_state", "progress", "binary",
+                                "progress_state", "progress", "binary", "progress_state"]
+    binary = [f for f in frames if isinstance(f, bytes)]
+    assert len(binary) == 2 and all(struct.unpack(">II", f[:8]) == (1, 2) for f in binary), "type 1, format 2 (PNG)"
+    assert binary[0][8:16] == b"\x89PNG\r\n\x1a\n"
+    progress = [f["data"] for f in frames if isinstance(f, dict) and f["type"] == "progress"]
+    assert progress == [{"value": i, "max": 2, "prompt_id": pid, "node": "2"} for i in (0, 1)]
+    last_state = [f for f in frames if isinstance(f, dict) and f["type"] == "progress_state"][-1]["data"]["nodes"]["2"]
+    assert (last_state["value"], last_state["max"], last_state["state"]) == (2, 2, "finished")
+    assert "executed" not in types(frames), "no UI output"
+    assert (await box.history(pid))["outputs"] == {}
+    assert not list(box.sim.output_dir.rglob("*.png")), "nothing written to disk"
+    cached = next(f for f in again if isinstance(f, dict) and f["type"] == "execution_cached")
+    assert cached["data"]["nodes"] == ["1"], "IS_CHANGED is time.time(): the node runs every time"
+    assert len([f for f in again if isinstance(f, bytes)]) == 2
+
+
+async def test_save_image_websocket_sends_type_4_to_an_owner_with_preview_metadata(box: Box) -> None:
+    async with box.ws("swm") as ws:
+        await first_frame(ws)
+        await ws.send(json.dumps({"type": "feature_flags", "data": {"supports_preview_metadata": True}}))
+        await first_frame(ws)
+        pid = await box.post_prompt(ws_graph(batch=1), "swm")
+        frames = await until_end(ws, pid)
+    (frame,) = [f for f in frames if isinstance(f, bytes)]
+    kind, length = struct.unpack(">II", frame[:8])
+    assert kind == 4 and frame[8 + length:][:4] == b"\x89PNG"
+    assert json.loads(frame[8:8 + length]) == {"node_id": "2", "prompt_id": pid, "display_node_id": "2",
+                                               "parent_node_id": None, "real_node_id": "2", "image_type": "image/png"}
+    at = frames.index(frame)
+    assert types(frames)[at - 1:at + 2] == ["progress_state", "binary", "progress"], "type 4 goes before progress"
+
+
+async def test_object_info_has_save_image_websocket(box: Box) -> None:
+    info = (await box.http.get("/object_info/SaveImageWebsocket")).json()["SaveImageWebsocket"]
+    assert info["output_node"] is True and info["output"] == [] and info["category"] == "api/image"
+    assert info["input"]["required"] == {"images": ["IMAGE", {}]}
+    assert info["python_module"] == "custom_nodes.websocket_image_save"
+
+
 # -- queue, history, interrupt ----------------------------------------------------------------------
 
 async def test_queue_runs_in_number_order_and_shows_five_element_items(box: Box) -> None:
