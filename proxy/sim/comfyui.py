@@ -34,6 +34,7 @@ from ..clock import Clock, SystemClock
 from ..servers import RunningServer, start_server
 from .comfyui_nodes import (Accepted, NodeClass, Rejected, Unhandled, catalogue, dependencies, execution_order,
                             validate)
+from .comfyui_jobs import BadQuery, find_job, list_jobs, parse_query
 from .comfyui_wire import AIOHTTP_500, FAKE_JPEG, OriginAndSizeMiddleware, parse_multipart, png_bytes
 from .gpu import SimulatedGpu, SimulatedOutOfMemory
 
@@ -253,7 +254,8 @@ class ComfySim:
         prompt_id = str(uuid.uuid4())
         graph = {"1": {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 64, "batch_size": 1, "color": 0}},
                  "2": {"class_type": "SaveImage", "inputs": {"images": ["1", 0], "filename_prefix": "ComfyUI"}}}
-        self._running[prompt_id] = _Item(self._number, prompt_id, graph, {"client_id": uuid.uuid4().hex}, ["2"])
+        extra_data = {"client_id": uuid.uuid4().hex, "create_time": _ms()}
+        self._running[prompt_id] = _Item(self._number, prompt_id, graph, extra_data, ["2"])
         self._number += 1
         self.stale_prompt_id = prompt_id
 
@@ -632,8 +634,8 @@ class ComfySim:
         return number
 
     async def _get_queue(self, request: Request) -> Response:
-        return _json({"queue_running": [i.wire() for i in self._running.values()],
-                      "queue_pending": [entry[3].wire() for entry in self._heap]})
+        running, queued = self._queue_lists()
+        return _json({"queue_running": running, "queue_pending": queued})
 
     async def _post_queue(self, request: Request) -> Response:
         body = await self._read_json(request)
@@ -664,6 +666,25 @@ class ComfySim:
         prompt_id = request.path_params["prompt_id"]
         entry = self._history.get(prompt_id)
         return _json({prompt_id: entry} if entry is not None else {})
+
+    def _queue_lists(self) -> tuple[list[list[Any]], list[list[Any]]]:
+        return [i.wire() for i in self._running.values()], [entry[3].wire() for entry in self._heap]
+
+    async def _get_jobs(self, request: Request) -> Response:
+        params = {key: request.query_params.getlist(key) for key in request.query_params}
+        try:
+            query = parse_query(params)
+        except BadQuery as exc:
+            return _json({"error": str(exc)}, 400)
+        running, queued = self._queue_lists()
+        jobs, total = list_jobs(query, running, queued, self._history)
+        return _json({"jobs": jobs, "pagination": {"offset": query.offset, "limit": query.limit, "total": total,
+                                                   "has_more": query.offset + len(jobs) < total}})
+
+    async def _get_job(self, request: Request) -> Response:
+        running, queued = self._queue_lists()
+        job = find_job(request.path_params["job_id"], running, queued, self._history)
+        return _json(job, 200) if job is not None else _json({"error": "Job not found"}, 404)
 
     async def _post_history(self, request: Request) -> Response:
         body = await self._read_json(request)
@@ -800,6 +821,8 @@ class ComfySim:
             ("/queue", self._get_queue, ["GET"]), ("/queue", self._post_queue, ["POST"]),
             ("/history", self._get_history, ["GET"]), ("/history", self._post_history, ["POST"]),
             ("/history/{prompt_id}", self._get_history_item, ["GET"]),
+            # Registered with its /api in the path, so the prefixing also makes /api/api/jobs (as in server.py).
+            ("/api/jobs", self._get_jobs, ["GET"]), ("/api/jobs/{job_id}", self._get_job, ["GET"]),
             ("/interrupt", self._interrupt_route, ["POST"]), ("/free", self._free, ["POST"]),
             ("/system_stats", self._system_stats, ["GET"]), ("/features", self._features_route, ["GET"]),
             ("/object_info", self._object_info, ["GET"]), ("/object_info/{node_class}", self._object_info_one, ["GET"]),

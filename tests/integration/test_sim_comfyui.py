@@ -397,6 +397,68 @@ async def test_history_entry_shape_paging_and_unknown_id(box: Box) -> None:
     assert (await box.http.get("/history")).json() == {}
 
 
+# -- jobs API (0.8.0) -------------------------------------------------------------------------------
+
+async def test_jobs_lists_a_finished_prompt_with_its_preview_and_pagination(box: Box) -> None:
+    pid = await box.post_prompt(image_graph(prefix="jobs/run"), "j")
+    entry = await box.history(pid)
+    body = (await box.http.get("/api/jobs")).json()
+    assert body["pagination"] == {"offset": 0, "limit": None, "total": 1, "has_more": False}
+    (job,) = body["jobs"]
+    messages = dict(entry["status"]["messages"])
+    assert job == {"id": pid, "status": "completed", "priority": 0, "create_time": entry["prompt"][3]["create_time"],
+                   "execution_start_time": messages["execution_start"]["timestamp"],
+                   "execution_end_time": messages["execution_success"]["timestamp"], "outputs_count": 1,
+                   "preview_output": {**entry["outputs"]["2"]["images"][0], "nodeId": "2", "mediaType": "images"}}
+    one = (await box.http.get(f"/api/jobs/{pid}")).json()
+    assert one == {**job, "outputs": entry["outputs"], "execution_status": entry["status"],
+                   "workflow": {"prompt": entry["prompt"][2], "extra_data": entry["prompt"][3]}}
+    assert (await box.http.get("/api/api/jobs")).json() == body, "the route's /api gets the /api prefix too"
+    r = await box.http.get("/jobs")
+    assert (r.status_code, r.content) == (404, b""), "there is no /jobs without the prefix"
+    r = await box.http.get("/api/jobs/no-such-job")
+    assert (r.status_code, r.json()) == (404, {"error": "Job not found"})
+
+
+async def test_jobs_shows_running_and_pending_prompts_filters_sorts_and_pages(box: Box) -> None:
+    long_id = await box.post_prompt(txt2img(steps=2000), "jp")
+    await until(lambda: _running(box), "the long prompt to start")
+    pending = [await box.post_prompt(image_graph(), "jp") for _ in range(2)]
+    jobs = (await box.http.get("/api/jobs")).json()["jobs"]
+    assert [(j["id"], j["status"]) for j in jobs] == [(pending[1], "pending"), (pending[0], "pending"),
+                                                      (long_id, "in_progress")], "newest create_time first"
+    assert set(jobs[0]) == {"id", "status", "priority", "create_time", "outputs_count"} and jobs[0]["outputs_count"] == 0
+    page = (await box.http.get("/api/jobs", params={"status": "pending", "sort_order": "asc", "limit": 1})).json()
+    assert [j["id"] for j in page["jobs"]] == [pending[0]]
+    assert page["pagination"] == {"offset": 0, "limit": 1, "total": 2, "has_more": True}
+    assert (await box.http.get(f"/api/jobs/{long_id}")).json()["status"] == "in_progress"
+    await box.http.post("/interrupt", json={"prompt_id": long_id})
+    await box.history(long_id)
+    stopped = (await box.http.get(f"/api/jobs/{long_id}")).json()
+    assert stopped["status"] == "failed" and "execution_error" not in stopped, "0.8.0: an interrupted job is failed"
+
+
+async def test_jobs_reports_an_execution_error(box: Box) -> None:
+    box.sim.fail_next_prompt_with_oom()
+    pid = await box.post_prompt(txt2img())
+    await box.history(pid)
+    job = (await box.http.get("/api/jobs", params={"status": "failed"})).json()["jobs"][0]
+    assert job["id"] == pid and job["status"] == "failed"
+    assert job["execution_error"]["exception_type"] == "torch.OutOfMemoryError" and job["outputs_count"] == 0
+
+
+@pytest.mark.parametrize(("params", "message"), [
+    ({"status": "done"}, "Invalid status value(s): done. Valid values: pending, in_progress, completed, failed"),
+    ({"sort_by": "name"}, "sort_by must be 'created_at' or 'execution_duration'"),
+    ({"sort_order": "up"}, "sort_order must be 'asc' or 'desc'"),
+    ({"limit": "x"}, "limit must be an integer"), ({"limit": "0"}, "limit must be a positive integer"),
+    ({"offset": "x"}, "offset must be an integer"),
+])
+async def test_jobs_rejects_bad_parameters_with_400(box: Box, params: dict[str, str], message: str) -> None:
+    r = await box.http.get("/api/jobs", params=params)
+    assert (r.status_code, r.json()) == (400, {"error": message})
+
+
 # -- memory: OOM, /free -----------------------------------------------------------------------------
 
 async def test_injected_oom_sends_execution_error_and_unloads_everything(box: Box) -> None:
