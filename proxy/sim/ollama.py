@@ -22,10 +22,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..clock import Clock, SystemClock
 from ..servers import RunningServer, start_server
 from .gpu import GIB, SimulatedGpu
+from .ollama_decode import CHAT, COPY, DELETE, EMBED, EMBEDDING, GENERATE, PULL, SHOW, GoJSONError, Struct, decode
 from .ollama_sched import CONTEXT_LENGTH, ApiError, Lease, MemoryShort, Scheduler
 from .ollama_wire import (CORS_ALLOW_HEADERS, CORS_ALLOW_METHODS, KeepAliveError, dumps, embedding,
                           host_allowed, model_digest, normalise_name, ns, origin_allowed, parse_keep_alive,
-                          parse_keep_alive_env, rfc3339_nano)
+                          parse_keep_alive_env, qualified_name, rfc3339_nano)
 
 JSON_TYPE = "application/json; charset=utf-8"
 NDJSON_TYPE = "application/x-ndjson"
@@ -33,6 +34,7 @@ SSE_TYPE = "text/event-stream"
 TEXT_TYPE = "text/plain; charset=utf-8"
 EMBED_DIMS = 384
 PULLED_SIZE = 2 * GIB
+HARMONY_FAMILIES = ("gptoss", "gpt-oss")  # shouldUseHarmony(): the only models taking think "high"/"medium"/"low"
 _WORDS = ("The", " sky", " is", " blue", " because", " of", " Rayleigh", " scattering", " of", " sunlight",
           " by", " the", " air", ".", " Shorter", " wavelengths", " scatter", " more", ",", " so")
 
@@ -295,17 +297,30 @@ class OllamaSim:
             await _send_plain(send, exc.status, dumps(body), JSON_TYPE)
 
     # -- helpers --------------------------------------------------------------------------------------
-    async def _json_body(self, request: Request) -> dict[str, Any]:
+    async def _json_body(self, request: Request, go_type: str = "api.Request") -> dict[str, Any]:
+        """A body for the /v1 handlers: JSON that must be an object."""
         raw = await request.body()
         if not raw.strip():
             raise ApiError(400, "missing request body")
         try:
             data = json.loads(raw)
         except json.JSONDecodeError as exc:
-            raise ApiError(400, f"invalid character looking for beginning of value at offset {exc.pos}") from None
+            raise ApiError(400, _syntax_error(exc)) from None
         if not isinstance(data, dict):
-            raise ApiError(400, "json: cannot unmarshal array into Go value of type api.Request")
+            raise ApiError(400, f"json: cannot unmarshal {_json_kind(data)} into Go value of type {go_type}")
         return data
+
+    async def _bind(self, request: Request, spec: Struct) -> dict[str, Any]:
+        """gin's ShouldBindJSON into the handler's request struct: Go's decoding and its error texts."""
+        raw = await request.body()
+        if not raw.strip():
+            raise ApiError(400, "missing request body")
+        try:
+            return decode(raw, spec)
+        except json.JSONDecodeError as exc:
+            raise ApiError(400, _syntax_error(exc)) from None
+        except GoJSONError as exc:
+            raise ApiError(400, str(exc)) from None
 
     def _lookup(self, name: object) -> SimModel | None:
         """Names compare case-insensitively, with ":latest" implied."""
@@ -319,6 +334,17 @@ class OllamaSim:
         if model is None:
             raise ApiError(404, f"model '{name if isinstance(name, str) else ''}' not found")
         return model
+
+    @staticmethod
+    def _check_capabilities(m: SimModel, name: object, wanted: list[str], verb: str) -> None:
+        """Model.CheckCapabilities through scheduleRunner: no completion is '"m" does not support
+        generate|chat'; anything else missing names the model in full, the capabilities joined by
+        newlines (errors.Join): 'registry.ollama.ai/library/m:latest does not support tools'."""
+        missing = [cap for cap in wanted if cap not in m.capabilities]
+        if "completion" in missing:
+            raise ApiError(400, f"{json.dumps(name)} does not support {verb}")
+        if missing:
+            raise ApiError(400, f"{qualified_name(m.name)} does not support " + "\n".join(missing))
 
     @staticmethod
     def _keep_alive(data: dict[str, Any]) -> float | None:
@@ -376,7 +402,7 @@ class OllamaSim:
         await _send_json(send, 200, {"models": entries})
 
     async def _show(self, request: Request, send: Send) -> None:
-        data = await self._json_body(request)
+        data = await self._bind(request, SHOW)
         name = data.get("model") or data.get("name")
         m = self._require(name)
         params = int(float(m.parameter_size.rstrip("BbMm") or 0) * (1e9 if m.parameter_size[-1:] in "Bb" else 1e6))
@@ -392,14 +418,10 @@ class OllamaSim:
 
     # -- routes: generation ---------------------------------------------------------------------------
     async def _generate(self, request: Request, send: Send) -> None:
+        """GenerateHandler (v0.12.3): the model must exist, then unload, raw, think and capability checks."""
         started = self.clock.now()
-        data = await self._json_body(request)
+        data = await self._bind(request, GENERATE)
         keep_alive = self._keep_alive(data)
-        if data.get("raw") and (data.get("template") or data.get("system") or data.get("context")):
-            raise ApiError(400, "raw mode does not support template, system, or context")
-        top = data.get("top_logprobs")
-        if isinstance(top, int) and not 0 <= top <= 20:
-            raise ApiError(400, "top_logprobs must be between 0 and 20")
         name = data.get("model")
         m = self._require(name)
         prompt = data.get("prompt") or ""
@@ -411,8 +433,13 @@ class OllamaSim:
             await _send_json(send, 200, {**head, "created_at": self._now(), "response": "", "done": True,
                                          "done_reason": "unload"})
             return
-        if "completion" not in m.capabilities:
-            raise ApiError(400, f"{json.dumps(name)} does not support generate")
+        if data.get("raw") and (data.get("template") or data.get("system") or data.get("context")):
+            raise ApiError(400, "raw mode does not support template, system, or context")
+        think = data.get("think")
+        if isinstance(think, str) and m.family not in HARMONY_FAMILIES:
+            raise ApiError(400, f"think value {json.dumps(think)} is not supported for this model")
+        wanted = ["completion"] + (["insert"] if data.get("suffix") else []) + (["thinking"] if think else [])
+        self._check_capabilities(m, name, wanted, "generate")
         async with self._sched.lease(m.name, m.size_bytes, keep_alive) as lease:
             if not prompt:
                 await _send_json(send, 200, {**head, "created_at": self._now(), "response": "", "done": True,
@@ -422,8 +449,9 @@ class OllamaSim:
                                    context=not data.get("raw"), prompt_tokens=_count(prompt))
 
     async def _chat(self, request: Request, send: Send) -> None:
+        """ChatHandler (v0.12.3): a model name, the model, unload, then capability checks."""
         started = self.clock.now()
-        data = await self._json_body(request)
+        data = await self._bind(request, CHAT)
         keep_alive = self._keep_alive(data)
         name = data.get("model")
         if not name:
@@ -432,17 +460,16 @@ class OllamaSim:
         messages = data.get("messages") or []
         head = {"model": name, "created_at": ""}
         empty = {"role": "assistant", "content": ""}
-        if not messages and keep_alive == 0:
+        # v0.12.3 tests int(keep_alive.Seconds()) == 0 here: any keep_alive under a second unloads.
+        if not messages and keep_alive is not None and 0 <= keep_alive < 1:
             self.unload_requests += 1
             self._sched.expire(m.name)
             self._notify()
             await _send_json(send, 200, {**head, "created_at": self._now(), "message": empty, "done": True,
                                          "done_reason": "unload"})
             return
-        if "completion" not in m.capabilities:
-            raise ApiError(400, f"{json.dumps(name)} does not support chat")
-        if data.get("tools") and "tools" not in m.capabilities:
-            raise ApiError(400, f"{json.dumps(name)} does not support tools")
+        wanted = ["completion"] + (["tools"] if data.get("tools") else []) + (["thinking"] if data.get("think") else [])
+        self._check_capabilities(m, name, wanted, "chat")
         async with self._sched.lease(m.name, m.size_bytes, keep_alive) as lease:
             if not messages:
                 await _send_json(send, 200, {**head, "created_at": self._now(), "message": empty, "done": True,
@@ -494,7 +521,7 @@ class OllamaSim:
     # -- routes: embeddings ---------------------------------------------------------------------------
     async def _embed(self, request: Request, send: Send) -> None:
         started = self.clock.now()
-        data = await self._json_body(request)
+        data = await self._bind(request, EMBED)
         keep_alive = self._keep_alive(data)
         name = data.get("model")
         m = self._require(name)
@@ -524,7 +551,7 @@ class OllamaSim:
                                          "prompt_eval_count": sum(_count(t) for t in inputs)})
 
     async def _embeddings(self, request: Request, send: Send) -> None:
-        data = await self._json_body(request)
+        data = await self._bind(request, EMBEDDING)
         keep_alive = self._keep_alive(data)
         m = self._require(data.get("model"))
         prompt = data.get("prompt") or ""
@@ -538,7 +565,7 @@ class OllamaSim:
 
     # -- routes: model management ---------------------------------------------------------------------
     async def _pull(self, request: Request, send: Send) -> None:
-        data = await self._json_body(request)
+        data = await self._bind(request, PULL)
         raw_name = data.get("model") or data.get("name")
         if not isinstance(raw_name, str) or not raw_name:
             raise ApiError(400, "invalid model name")
@@ -581,7 +608,7 @@ class OllamaSim:
         await _send_stream(send, NDJSON_TYPE, lines())
 
     async def _delete(self, request: Request, send: Send) -> None:
-        data = await self._json_body(request)
+        data = await self._bind(request, DELETE)
         name = data.get("model") or data.get("name")
         m = self._require(name)
         self._sched.expire(m.name)
@@ -590,7 +617,7 @@ class OllamaSim:
         await _send_plain(send, 200, b"", None)
 
     async def _copy(self, request: Request, send: Send) -> None:
-        data = await self._json_body(request)
+        data = await self._bind(request, COPY)
         source, dest = data.get("source"), data.get("destination")
         m = self._lookup(source)
         if m is None:
@@ -640,7 +667,7 @@ class OllamaSim:
         await self._v1_generate(request, send, chat=False)
 
     async def _v1_generate(self, request: Request, send: Send, *, chat: bool) -> None:
-        data = await self._json_body(request)
+        data = await self._json_body(request, "openai.ChatCompletionRequest" if chat else "openai.CompletionRequest")
         if chat:
             messages = data.get("messages")
             if not isinstance(messages, list) or not messages:
@@ -703,7 +730,7 @@ class OllamaSim:
                 await _send_stream(send, SSE_TYPE, events())
 
     async def _v1_embeddings(self, request: Request, send: Send) -> None:
-        data = await self._json_body(request)
+        data = await self._json_body(request, "openai.EmbedRequest")
         raw = data.get("input")
         if isinstance(raw, str) and raw:
             inputs = [raw]
@@ -747,6 +774,19 @@ class _Asgi:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._target(scope, receive, send)
+
+
+def _syntax_error(exc: json.JSONDecodeError) -> str:
+    return f"invalid character looking for beginning of value at offset {exc.pos}"
+
+
+def _json_kind(value: Any) -> str:
+    """The JSON kind as Go's UnmarshalTypeError names it."""
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float)):
+        return "number"
+    return {list: "array", str: "string"}.get(type(value), "object")
 
 
 def _count(text: str) -> int:

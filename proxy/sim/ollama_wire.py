@@ -120,6 +120,13 @@ def normalise_name(name: str) -> str:
     return base if ":" in last else f"{base}:latest"
 
 
+def qualified_name(name: str) -> str:
+    """model.Name.String(): registry host and namespace filled in ("registry.ollama.ai/library/m:latest")."""
+    parts = normalise_name(name).split("/")
+    defaults = ["registry.ollama.ai", "library"]
+    return "/".join(defaults[: max(0, 3 - len(parts))] + parts)
+
+
 def model_digest(name: str) -> str:
     """64 hex, deterministic from the name (the manifest digest shown by /api/tags)."""
     return hashlib.sha256(f"manifest:{normalise_name(name)}".encode()).hexdigest()

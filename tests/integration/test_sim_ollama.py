@@ -325,6 +325,98 @@ async def test_keep_alive_is_sticky_and_expiry_unloads(sim: OllamaSim, http: htt
     assert gpu.free_bytes() == gpu.total_bytes
 
 
+# -- request decoding (Go's encoding/json) ----------------------------------------------------------
+
+@pytest.mark.parametrize(("path", "body", "message"), [
+    ("/api/generate", {"model": "llama3.2", "prompt": 5},
+     "json: cannot unmarshal number into Go struct field GenerateRequest.prompt of type string"),
+    ("/api/generate", {"model": "llama3.2", "stream": "no"},
+     "json: cannot unmarshal string into Go struct field GenerateRequest.stream of type bool"),
+    ("/api/generate", {"model": "llama3.2", "context": [1, 2.5]},
+     "json: cannot unmarshal number 2.5 into Go struct field GenerateRequest.context of type int"),
+    ("/api/generate", {"model": "llama3.2", "options": [1]},
+     "json: cannot unmarshal array into Go struct field GenerateRequest.options of type map[string]interface {}"),
+    ("/api/generate", [{"model": "llama3.2"}], "json: cannot unmarshal array into Go value of type api.GenerateRequest"),
+    ("/api/generate", {"model": "llama3.2", "prompt": 5, "keep_alive": "5d"}, 'time: unknown unit "d" in duration "5d"'),
+    ("/api/generate", {"model": "llama3.2", "think": "max"},
+     'invalid think value: "max" (must be "high", "medium", "low", true, or false)'),
+    ("/api/generate", {"model": "llama3.2", "think": 1}, 'think must be a boolean or string ("high", "medium", "low")'),
+    ("/api/chat", {"model": "llama3.2", "messages": [{"role": "user", "content": 5}]},
+     "json: cannot unmarshal number into Go struct field ChatRequest.messages.content of type string"),
+    ("/api/chat", {"model": "llama3.2", "messages": "hi"},
+     "json: cannot unmarshal string into Go struct field ChatRequest.messages of type []api.Message"),
+    ("/api/chat", {"model": "llama3.2", "messages": ["hi"]},
+     "json: cannot unmarshal string into Go struct field ChatRequest.messages of type api.Alias"),
+    ("/api/chat", {"model": "llama3.2", "tools": [{"function": {"name": 5}}]},
+     "json: cannot unmarshal number into Go struct field ToolFunction.tools.function.name of type string"),
+    ("/api/embed", {"model": "nomic-embed-text", "input": "x", "dimensions": "8"},
+     "json: cannot unmarshal string into Go struct field EmbedRequest.dimensions of type int"),
+    ("/api/embeddings", {"model": "nomic-embed-text", "prompt": ["x"]},
+     "json: cannot unmarshal array into Go struct field EmbeddingRequest.prompt of type string"),
+    ("/api/pull", {"model": 5}, "json: cannot unmarshal number into Go struct field PullRequest.model of type string"),
+    ("/api/show", {"model": True}, "json: cannot unmarshal bool into Go struct field ShowRequest.model of type string"),
+    ("/api/copy", {"source": "llama3.2", "destination": {}},
+     "json: cannot unmarshal object into Go struct field CopyRequest.destination of type string"),
+])
+async def test_wrong_json_types_are_400_with_gos_unmarshal_text(sim: OllamaSim, http: httpx.AsyncClient, path: str,
+                                                               body: object, message: str) -> None:
+    r = await http.post(path, json=body)
+    assert (r.status_code, r.json()) == (400, {"error": message})
+    assert sim.loads == 0
+
+
+async def test_keys_match_case_insensitively_and_bytes_after_the_json_are_ignored(http: httpx.AsyncClient) -> None:
+    r = await http.post("/api/generate", json={"Model": "llama3.2", "PROMPT": "hi", "Stream": False})
+    assert r.status_code == 200 and r.json()["done_reason"] == "stop" and r.json()["model"] == "llama3.2"
+    r = await http.post("/api/generate", content=b'{"model": "llama3.2", "stream": false, "prompt": "x"} trailing')
+    assert r.status_code == 200 and r.json()["response"]
+    r = await http.post("/api/generate", content=b"null")
+    assert (r.status_code, r.json()) == (404, {"error": "model '' not found"}), "null decodes to the zero request"
+
+
+# -- capabilities -----------------------------------------------------------------------------------
+
+async def test_think_on_a_model_without_thinking_is_400_before_loading(sim: OllamaSim, http: httpx.AsyncClient) -> None:
+    r = await http.post("/api/generate", json={"model": "llama3.2", "prompt": "x", "think": True})
+    assert (r.status_code, r.json()) == (400, {"error": "registry.ollama.ai/library/llama3.2:latest does not support thinking"})
+    r = await http.post("/api/chat", json={"model": "llama3.2", "think": True})
+    assert r.status_code == 400 and r.json()["error"].endswith(" does not support thinking"), "load-only too"
+    r = await http.post("/api/generate", json={"model": "llama3.2", "prompt": "x", "think": "high"})
+    assert (r.status_code, r.json()) == (400, {"error": 'think value "high" is not supported for this model'})
+    assert sim.loads == 0
+    r = await http.post("/api/generate", json={"model": "llama3.2", "prompt": "x", "think": False, "stream": False})
+    assert r.status_code == 200, "think false is fine"
+
+
+async def test_missing_capabilities_are_joined_and_completion_comes_first(http: httpx.AsyncClient) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    r = await http.post("/api/chat", json={"model": "llama3.2", "messages": [{"role": "user", "content": "x"}],
+                                           "tools": tools, "think": True})
+    assert r.json() == {"error": "registry.ollama.ai/library/llama3.2:latest does not support tools\nthinking"}
+    r = await http.post("/api/generate", json={"model": "llama3.2", "prompt": "x", "suffix": "y"})
+    assert r.json() == {"error": "registry.ollama.ai/library/llama3.2:latest does not support insert"}
+    r = await http.post("/api/generate", json={"model": "nomic-embed-text", "prompt": "x", "think": True})
+    assert r.json() == {"error": '"nomic-embed-text" does not support generate'}
+
+
+async def test_a_thinking_model_accepts_think(gpu: SimulatedGpu) -> None:
+    qwen3 = SimModel("qwen3:8b", GIB, family="qwen3", capabilities=("completion", "thinking"))
+    sim, base = await started(gpu, fast_config(models=(qwen3,)))
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=10) as http:
+            r = await http.post("/api/chat", json={"model": "qwen3:8b", "think": True, "stream": False,
+                                                   "messages": [{"role": "user", "content": "x"}]})
+            assert r.status_code == 200 and r.json()["done_reason"] == "stop"
+    finally:
+        await sim.stop()
+
+
+async def test_chat_unloads_for_any_keep_alive_under_a_second_generate_only_for_zero(http: httpx.AsyncClient) -> None:
+    assert (await http.post("/api/chat", json={"model": "llama3.2", "keep_alive": 0.5})).json()["done_reason"] == "unload"
+    r = await http.post("/api/generate", json={"model": "llama3.2", "keep_alive": 0.5})
+    assert r.json()["done_reason"] == "load", "GenerateHandler tests the duration for exactly 0"
+
+
 # -- streaming edge cases ---------------------------------------------------------------------------
 
 async def test_error_after_first_chunk_is_an_error_line_without_done(sim: OllamaSim,
