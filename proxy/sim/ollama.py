@@ -26,7 +26,7 @@ from .ollama_decode import CHAT, COPY, DELETE, EMBED, EMBEDDING, GENERATE, PULL,
 from .ollama_sched import CONTEXT_LENGTH, ApiError, Lease, MemoryShort, Scheduler
 from .ollama_wire import (CORS_ALLOW_HEADERS, CORS_ALLOW_METHODS, KeepAliveError, dumps, embedding,
                           host_allowed, model_digest, normalise_name, ns, origin_allowed, parse_keep_alive,
-                          parse_keep_alive_env, qualified_name, rfc3339_nano)
+                          parse_keep_alive_env, qualified_name, rfc3339_nano, trailing_slash_redirect)
 
 JSON_TYPE = "application/json; charset=utf-8"
 NDJSON_TYPE = "application/x-ndjson"
@@ -226,6 +226,8 @@ class OllamaSim:
         if scope["type"] != "http":
             return
         request = Request(scope, receive)
+        if await self._redirected(request, send):
+            return
         headers = request.headers
         host = headers.get("host", "")
         origin = headers.get("origin")
@@ -275,6 +277,20 @@ class OllamaSim:
         if route in ("/api/generate", "/api/chat", "/v1/chat/completions", "/v1/completions"):
             self.cancellations += 1
             self._notify()
+
+    async def _redirected(self, request: Request, send: Send) -> bool:
+        """gin's trailing-slash redirect: decided by the router before any middleware (no CORS or Host
+        check), when the path is not routed for this method but the path without its slash is."""
+        path, method = request.url.path, request.method
+        if path == "/" or not path.endswith("/") or method in (self._match(path)[1] or {}):
+            return False
+        if method not in (self._match(path[:-1])[1] or {}):
+            return False
+        redirect = trailing_slash_redirect(method, path, request.url.query,
+                                           request.headers.get("x-forwarded-prefix", ""))
+        headers = [(b"location", redirect.location.encode())]
+        await _send_raw(send, redirect.status, redirect.body, redirect.content_type, headers)
+        return True
 
     def _match(self, path: str) -> tuple[str, dict[str, Handler] | None]:
         if path in self._routes:

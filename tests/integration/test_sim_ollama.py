@@ -474,6 +474,32 @@ async def test_unknown_path_and_wrong_method_bodies(http: httpx.AsyncClient) -> 
     assert (await http.get("/api/version")).json() == {"version": "0.12.3"}
 
 
+async def test_a_trailing_slash_redirects_like_gin_301_for_get_307_otherwise(http: httpx.AsyncClient) -> None:
+    r = await http.get("/api/tags/")
+    assert (r.status_code, r.headers["location"], r.headers["content-type"]) == (301, "/api/tags", "text/html; charset=utf-8")
+    assert r.text == '<a href="/api/tags">Moved Permanently</a>.\n\n'
+    r = await http.post("/api/generate/", json={"model": "llama3.2"})
+    assert (r.status_code, r.headers["location"], r.content) == (307, "/api/generate", b"")
+    assert "content-type" not in r.headers
+    r = await http.head("/api/version/")
+    assert (r.status_code, r.headers["location"], r.headers["content-type"]) == (307, "/api/version", "text/html; charset=utf-8")
+    r = await http.get("/v1/models/llama3.2:latest/", params={"x": "1"})
+    assert (r.status_code, r.headers["location"]) == (301, "/v1/models/llama3.2:latest?x=1")
+    followed = await http.post("/api/generate/", json={"model": "llama3.2"}, follow_redirects=True)
+    assert followed.json()["done_reason"] == "load", "307 keeps the method and the body"
+
+
+async def test_trailing_slash_redirect_comes_before_the_host_check_and_takes_a_forwarded_prefix(
+        http: httpx.AsyncClient) -> None:
+    r = await http.get("/api/tags/", headers={"Host": "llm.example.com"})
+    assert r.status_code == 301, "the router redirects before any middleware runs"
+    r = await http.get("/api/tags/", headers={"X-Forwarded-Prefix": "/ollama/"})
+    assert r.headers["location"] == "/ollama/api/tags"
+    r = await http.get("/api/generate/")
+    assert (r.status_code, r.text) == (404, "404 page not found"), "not routed for GET even without the slash"
+    assert (await http.get("/api/nothing/")).status_code == 404
+
+
 async def test_delete_and_copy_answer_empty_200(http: httpx.AsyncClient) -> None:
     r = await http.post("/api/copy", json={"source": "llama3.2", "destination": "mine"})
     assert r.status_code == 200 and r.content == b""
