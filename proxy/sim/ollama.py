@@ -33,7 +33,6 @@ NDJSON_TYPE = "application/x-ndjson"
 SSE_TYPE = "text/event-stream"
 TEXT_TYPE = "text/plain; charset=utf-8"
 EMBED_DIMS = 384
-PULLED_SIZE = 2 * GIB
 HARMONY_FAMILIES = ("gptoss", "gpt-oss")  # shouldUseHarmony(): the only models taking think "high"/"medium"/"low"
 _WORDS = ("The", " sky", " is", " blue", " because", " of", " Rayleigh", " scattering", " of", " sunlight",
           " by", " the", " air", ".", " Shorter", " wavelengths", " scatter", " more", ",", " so")
@@ -47,6 +46,22 @@ class SimModel:
     parameter_size: str = "3.2B"
     quantization_level: str = "Q4_K_M"
     capabilities: tuple[str, ...] = ("completion",)  # ("embedding",) for embedding-only models
+
+
+_MB = 1000**2
+# What the simulated registry has besides the configured models (the real library's sizes).
+DEFAULT_REGISTRY: tuple[SimModel, ...] = (
+    SimModel("tinyllama:latest", 637 * _MB, parameter_size="1B", quantization_level="Q4_0"),
+    SimModel("tinyllama:1.1b", 637 * _MB, parameter_size="1B", quantization_level="Q4_0"),
+    SimModel("phi3:latest", 2200 * _MB, family="phi3", parameter_size="3.8B", quantization_level="Q4_0"),
+    SimModel("phi3:mini", 2200 * _MB, family="phi3", parameter_size="3.8B", quantization_level="Q4_0"),
+    SimModel("llama3.2:latest", 2000 * _MB),
+    SimModel("llama3.2:3b", 2000 * _MB),
+    SimModel("llama3.2:1b", 1300 * _MB, parameter_size="1.2B", quantization_level="Q8_0"),
+    SimModel("qwen2.5:0.5b", 398 * _MB, family="qwen2", parameter_size="494.03M"),
+    SimModel("nomic-embed-text:latest", 274 * _MB, family="nomic-bert", parameter_size="137M",
+             quantization_level="F16", capabilities=("embedding",)),
+)
 
 
 class _ScenarioModel(BaseModel):
@@ -74,6 +89,7 @@ class _Scenario(BaseModel):
     loopback_host_check: bool = True
     origins: list[str] = []
     response_tokens: int = Field(12, ge=1)
+    registry: list[_ScenarioModel] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +107,7 @@ class OllamaSimConfig:
     loopback_host_check: bool = True
     origins: tuple[str, ...] = ()  # OLLAMA_ORIGINS
     response_tokens: int = 12
+    registry: tuple[SimModel, ...] | None = None  # what /api/pull finds; None: DEFAULT_REGISTRY + models
 
     @classmethod
     def from_scenario(cls, section: dict[str, Any]) -> OllamaSimConfig:
@@ -104,15 +121,20 @@ class OllamaSimConfig:
             parse_keep_alive_env(sc.keep_alive_default)
         except KeepAliveError as exc:
             raise ValueError(f"invalid ollama scenario section: keep_alive_default: {exc}") from None
-        models = tuple(SimModel(name=normalise_name(m.name), size_bytes=int(m.size_gb * GIB), family=m.family,
-                                parameter_size=m.parameter_size, quantization_level=m.quantization_level,
-                                capabilities=tuple(m.capabilities)) for m in sc.models)
+        models = tuple(_sim_model(m) for m in sc.models)
+        registry = tuple(_sim_model(m) for m in sc.registry) if sc.registry is not None else None
         return cls(models=models, load_gbps=sc.load_gbps, token_rate=sc.token_rate,
                    unload_delay_s=sc.unload_delay_s, keep_alive_default=sc.keep_alive_default,
                    memory_short=sc.memory_short, max_loaded_models=sc.max_loaded_models,
                    num_parallel=sc.num_parallel, max_queue=sc.max_queue, version=sc.version,
                    loopback_host_check=sc.loopback_host_check, origins=tuple(sc.origins),
-                   response_tokens=sc.response_tokens)
+                   response_tokens=sc.response_tokens, registry=registry)
+
+
+def _sim_model(m: _ScenarioModel) -> SimModel:
+    return SimModel(name=normalise_name(m.name), size_bytes=int(m.size_gb * GIB), family=m.family,
+                    parameter_size=m.parameter_size, quantization_level=m.quantization_level,
+                    capabilities=tuple(m.capabilities))
 
 
 @dataclass(slots=True)
@@ -581,47 +603,44 @@ class OllamaSim:
 
     # -- routes: model management ---------------------------------------------------------------------
     async def _pull(self, request: Request, send: Send) -> None:
+        """PullHandler: 'pulling manifest', then the layers of a model the simulated registry has, or
+        'pull model manifest: file does not exist' (an NDJSON error line after the 200, or a 500 with
+        stream false). waitForStream answers stream false with a bare application/json."""
         data = await self._bind(request, PULL)
         raw_name = data.get("model") or data.get("name")
         if not isinstance(raw_name, str) or not raw_name:
             raise ApiError(400, "invalid model name")
-        name = normalise_name(raw_name)
-        existing = self._lookup(name)
-        model = existing or SimModel(name=name, size_bytes=PULLED_SIZE)
-        layers = [(hashlib.sha256(f"layer:{name}:{i}".encode()).hexdigest(), size)
-                  for i, size in enumerate((model.size_bytes - 12_000, 12_000))]
-
-        def progress() -> list[dict[str, Any]]:
-            out: list[dict[str, Any]] = [{"status": "pulling manifest"}]
-            for digest, size in layers:
-                for k in (0, size // 2, size):
-                    line: dict[str, Any] = {"status": f"pulling {digest[:12]}", "digest": f"sha256:{digest}",
-                                            "total": size}
-                    if k:
-                        line["completed"] = k
-                    out.append(line)
-            out += [{"status": "verifying sha256 digest"}, {"status": "writing manifest"}, {"status": "success"}]
-            return out
-
-        def finish() -> None:
-            self._catalog.models[model.name] = model
-            self._catalog.modified[model.name] = self.clock.wall()
-            for digest, size in layers:
-                self._catalog.blobs[f"sha256:{digest}"] = size
-
-        if data.get("stream", True) is False:
-            finish()
-            await _send_json(send, 200, {"status": "success"})
+        model = self._in_registry(normalise_name(raw_name))
+        lines: list[dict[str, Any]] = [{"status": "pulling manifest"}]
+        lines += _pull_progress(model) if model else [{"error": "pull model manifest: file does not exist"}]
+        if data.get("stream") is False:
+            if model:
+                self._add_pulled(model)
+            last = lines[-1]
+            await _send_raw(send, 500 if "error" in last else 200, dumps(last), "application/json")
             return
 
-        async def lines() -> AsyncIterator[bytes]:
-            for line in progress():
-                if line["status"] == "success":
-                    finish()
+        async def stream() -> AsyncIterator[bytes]:
+            for line in lines:
+                if model and line.get("status") == "success":
+                    self._add_pulled(model)
                 await asyncio.sleep(0)
                 yield dumps(line) + b"\n"
 
-        await _send_stream(send, NDJSON_TYPE, lines())
+        await _send_stream(send, NDJSON_TYPE, stream())
+
+    def _in_registry(self, name: str) -> SimModel | None:
+        """The simulated registry: config.registry, else the default one plus the configured models."""
+        catalog = self.config.registry if self.config.registry is not None else DEFAULT_REGISTRY + self.config.models
+        wanted = name.lower()
+        found = next((m for m in catalog if normalise_name(m.name).lower() == wanted), None)
+        return replace(found, name=normalise_name(found.name)) if found else None
+
+    def _add_pulled(self, model: SimModel) -> None:
+        self._catalog.models[model.name] = model
+        self._catalog.modified[model.name] = self.clock.wall()
+        for digest, size in _layers(model):
+            self._catalog.blobs[f"sha256:{digest}"] = size
 
     async def _delete(self, request: Request, send: Send) -> None:
         data = await self._bind(request, DELETE)
@@ -790,6 +809,24 @@ class _Asgi:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._target(scope, receive, send)
+
+
+def _layers(model: SimModel) -> list[tuple[str, int]]:
+    """(digest hex, size) of a pulled model's blobs: the weights and a small config."""
+    return [(hashlib.sha256(f"layer:{model.name}:{i}".encode()).hexdigest(), size)
+            for i, size in enumerate((model.size_bytes - 12_000, 12_000))]
+
+
+def _pull_progress(model: SimModel) -> list[dict[str, Any]]:
+    """The NDJSON lines after 'pulling manifest': each layer at 0, half and all, then the end."""
+    out: list[dict[str, Any]] = []
+    for digest, size in _layers(model):
+        for done in (0, size // 2, size):
+            line: dict[str, Any] = {"status": f"pulling {digest[:12]}", "digest": f"sha256:{digest}", "total": size}
+            if done:
+                line["completed"] = done
+            out.append(line)
+    return out + [{"status": "verifying sha256 digest"}, {"status": "writing manifest"}, {"status": "success"}]
 
 
 def _syntax_error(exc: json.JSONDecodeError) -> str:

@@ -113,10 +113,34 @@ async def test_ollama_client_pull_streams_progress_and_adds_the_model(sim: Ollam
     layer = next(p for p in lines if p.status and p.status.startswith("pulling ") and p.total)
     assert layer.digest and layer.digest.startswith("sha256:") and layer.status == f"pulling {layer.digest[7:19]}"
     tags = {m.model: m.size for m in (await client.list()).models}
-    assert tags["phi3:mini"] == 2 * GIB, "unknown names pull as 2 GiB"
+    assert tags["phi3:mini"] == 2_200_000_000, "the simulated registry's phi3:mini"
     deleted = await client.delete("phi3:mini")
     assert deleted.status == "success"
     assert "phi3:mini" not in {m.model for m in (await client.list()).models}
+
+
+async def test_pulling_a_model_the_registry_does_not_have_fails_after_the_manifest_line(sim: OllamaSim,
+                                                                                     http: httpx.AsyncClient) -> None:
+    r = await http.post("/api/pull", json={"model": "no-such-model"})
+    assert (r.status_code, r.headers["content-type"]) == (200, "application/x-ndjson")
+    assert [json.loads(line) for line in r.text.splitlines()] == [
+        {"status": "pulling manifest"}, {"error": "pull model manifest: file does not exist"}]
+    r = await http.post("/api/pull", json={"model": "no-such-model", "stream": False})
+    assert (r.status_code, r.headers["content-type"]) == (500, "application/json")
+    assert r.json() == {"error": "pull model manifest: file does not exist"}
+    with pytest.raises(ollama.ResponseError, match="file does not exist"):
+        [p async for p in await ollama.AsyncClient(host=url(sim)).pull("no-such-model", stream=True)]
+    assert "no-such-model:latest" not in {m["name"] for m in (await http.get("/api/tags")).json()["models"]}
+    await http.post("/api/copy", json={"source": "llama3.2", "destination": "mine"})
+    r = await http.post("/api/pull", json={"model": "mine", "stream": False})
+    assert r.status_code == 500, "a local copy is not in the registry"
+    r = await http.post("/api/pull", json={"model": "QWEN2.5:7b", "stream": False})
+    assert (r.status_code, r.json(), r.headers["content-type"]) == (200, {"status": "success"}, "application/json")
+
+
+def test_scenario_registry_replaces_the_default_one() -> None:
+    cfg = OllamaSimConfig.from_scenario({"models": [], "registry": [{"name": "mine", "size_gb": 1.5}]})
+    assert cfg.registry is not None and [(m.name, m.size_bytes) for m in cfg.registry] == [("mine:latest", int(1.5 * GIB))]
 
 
 # -- official openai client -------------------------------------------------------------------------
