@@ -435,7 +435,7 @@ class OllamaSim:
             m = self._catalog.models.get(r.name) or SimModel(r.name, r.size)
             entries.append({"name": r.name, "model": r.name, "size": r.size, "digest": model_digest(r.name),
                             "details": self._details(m), "expires_at": rfc3339_nano(r.expires_at_wall, local=True),
-                            "size_vram": r.size_vram if r.state == "ready" else self.gpu.used_by(r.pid),
+                            "size_vram": r.size_vram,
                             "context_length": CONTEXT_LENGTH})
         await _send_json(send, 200, {"models": entries})
 

@@ -192,8 +192,10 @@ async def test_model_is_listed_in_ps_while_loading_and_nothing_written_before(gp
             await sim.wait_until(lambda: "qwen2.5:7b" in sim._sched.runners)
             ps = (await http.get("/api/ps")).json()["models"]
             assert [m["name"] for m in ps] == ["qwen2.5:7b"] and not task.done()
+            assert ps[0]["size_vram"] == ps[0]["size"] == 4 * GIB, "Ollama's estimate from the start of the load"
             proc = next(p for p in gpu.read().processes if p.name == "ollama_llama_server")
             assert "runner --model /root/.ollama/models/blobs/sha256-" in proc.cmdline
+            assert proc.used_bytes is not None and proc.used_bytes < 4 * GIB, "the real VRAM is still growing"
             r = await task
             assert r.status_code == 200 and json.loads(r.text.splitlines()[-1])["load_duration"] >= 0.3e9
             assert sim.loads == 1 and sim.loaded() == {"qwen2.5:7b": 4 * GIB}
@@ -245,6 +247,24 @@ async def test_spill_loads_what_fits_and_reports_size_vram_below_size(gpu: Simul
             (entry,) = (await http.get("/api/ps")).json()["models"]
             assert entry["size"] == 4 * GIB and entry["size_vram"] == 3 * GIB, "spilled 1 GiB to CPU"
             assert gpu.used_by(foreign) == 5 * GIB
+    finally:
+        await sim.stop()
+
+
+async def test_spill_layout_is_fixed_at_the_start_so_a_foreign_allocation_meanwhile_is_an_oom(
+        gpu: SimulatedGpu) -> None:
+    foreign = gpu.spawn("python", "python main.py --listen", used_bytes=2 * GIB)
+    sim, base = await started(gpu, fast_config(load_gbps=4 * GIB / 1e9 / 0.4))
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=10) as http:
+            task = asyncio.create_task(http.post("/api/generate", json={"model": "qwen2.5:7b", "prompt": "x"}))
+            await sim.wait_until(lambda: "qwen2.5:7b" in sim._sched.runners)
+            (entry,) = (await http.get("/api/ps")).json()["models"]
+            assert (entry["size"], entry["size_vram"]) == (4 * GIB, 4 * GIB)
+            gpu.allocate(foreign, 3 * GIB)  # ComfyUI takes the room the layout counted on
+            r = await task
+            assert (r.status_code, r.json()) == (500, {"error": "llama runner process has terminated: "
+                                                                 "cudaMalloc failed: out of memory"})
     finally:
         await sim.stop()
 
