@@ -578,6 +578,12 @@ async def test_tags_shape_digest_and_local_time(http: httpx.AsyncClient) -> None
     assert entry["details"]["format"] == "gguf" and entry["size"] == LLAMA.size_bytes
 
 
+async def test_show_omits_what_is_empty(http: httpx.AsyncClient) -> None:
+    shown = (await http.post("/api/show", json={"model": "llama3.2"})).json()
+    assert list(shown) == ["modelfile", "parameters", "template", "details", "model_info", "capabilities",
+                           "modified_at"], "omitempty: no license, no tensors"
+
+
 async def test_embedding_only_model_refuses_generate(http: httpx.AsyncClient) -> None:
     r = await http.post("/api/generate", json={"model": "nomic-embed-text", "prompt": "x"})
     assert r.status_code == 400 and r.json() == {"error": '"nomic-embed-text" does not support generate'}
