@@ -27,11 +27,14 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import FileResponse, HTMLResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.types import Receive, Scope, Send
+from starlette.websockets import WebSocket, WebSocketClose, WebSocketDisconnect
 
 from ..clock import Clock, SystemClock
 from ..servers import RunningServer, start_server
-from .comfyui_nodes import Accepted, NodeClass, Rejected, catalogue, dependencies, execution_order, validate
+from .comfyui_nodes import (Accepted, NodeClass, Rejected, Unhandled, catalogue, dependencies, execution_order,
+                            validate)
+from .comfyui_jobs import BadQuery, find_job, list_jobs, parse_query
 from .comfyui_wire import AIOHTTP_500, FAKE_JPEG, OriginAndSizeMiddleware, parse_multipart, png_bytes
 from .gpu import SimulatedGpu, SimulatedOutOfMemory
 
@@ -43,11 +46,14 @@ OOM_MESSAGE = ("Allocation on device \nThis error means you ran out of memory on
                "TIPS: If the workflow worked before you might have accidentally set the batch_size to a large number.")
 MODEL_FOLDERS = ["checkpoints", "configs", "loras", "vae", "text_encoders", "diffusion_models", "clip_vision",
                  "style_models", "embeddings", "diffusers", "vae_approx", "controlnet", "gligen", "upscale_models",
-                 "custom_nodes", "hypernetworks", "photomaker", "classifiers", "model_patches", "audio_encoders"]
+                 "latent_upscale_models", "custom_nodes", "hypernetworks", "photomaker", "classifiers", "model_patches",
+                 "audio_encoders"]
 DEFAULT_DEVICE_NAME = "cuda:0 Simulated RTX 4090 : cudaMallocAsync"
 # Binary websocket event types (protocol.py): 4-byte big-endian type, then the payload.
 PREVIEW_IMAGE = 1
 PREVIEW_IMAGE_WITH_METADATA = 4
+_ALL_METHODS = ["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT"]
+SENSITIVE_EXTRA_DATA_KEYS = ("auth_token_comfy_org", "api_key_comfy_org")
 _INDEX_HTML = ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"UTF-8\"><title>ComfyUI</title></head>"
                "<body><div id=\"vue-app\"></div><p>Simulated ComfyUI</p></body></html>\n")
 
@@ -248,7 +254,8 @@ class ComfySim:
         prompt_id = str(uuid.uuid4())
         graph = {"1": {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 64, "batch_size": 1, "color": 0}},
                  "2": {"class_type": "SaveImage", "inputs": {"images": ["1", 0], "filename_prefix": "ComfyUI"}}}
-        self._running[prompt_id] = _Item(self._number, prompt_id, graph, {"client_id": uuid.uuid4().hex}, ["2"])
+        extra_data = {"client_id": uuid.uuid4().hex, "create_time": _ms()}
+        self._running[prompt_id] = _Item(self._number, prompt_id, graph, extra_data, ["2"])
         self._number += 1
         self.stale_prompt_id = prompt_id
 
@@ -266,18 +273,27 @@ class ComfySim:
     def _broadcast_status(self) -> None:
         self._send("status", {"status": {"exec_info": {"queue_remaining": self._queue_remaining()}}}, None)
 
-    def _send_preview(self, prompt_id: str, node_id: str, sid: str | None) -> None:
-        targets = list(self._sockets.values()) if sid is None else [c for c in (self._sockets.get(sid),) if c]
+    def _send_bytes(self, frame: bytes, sid: str | None) -> None:
+        targets = self._sockets.values() if sid is None else [c for c in (self._sockets.get(sid),) if c]
         for client in targets:
-            if client.preview_metadata:
-                meta = json.dumps({"node_id": node_id, "prompt_id": prompt_id, "display_node_id": node_id,
-                                   "parent_node_id": None, "real_node_id": node_id,
-                                   "image_type": "image/jpeg"}).encode()
-                frame = (PREVIEW_IMAGE_WITH_METADATA.to_bytes(4, "big") + len(meta).to_bytes(4, "big")
-                         + meta + FAKE_JPEG)
-            else:
-                frame = PREVIEW_IMAGE.to_bytes(4, "big") + (1).to_bytes(4, "big") + FAKE_JPEG  # 1 = JPEG
             client.outbox.put_nowait(frame)
+
+    def _wants_metadata(self, sid: str | None) -> bool:
+        """feature_flags.supports_feature() for the prompt's owner; an ownerless prompt never has it."""
+        client = self._sockets.get(sid) if sid is not None else None
+        return client is not None and client.preview_metadata
+
+    def _report(self, nid: str, value: int | float, maximum: int | float, prompt_id: str, cid: str | None,
+                progress_state: ProgressFn, image: tuple[str, bytes] | None = None) -> None:
+        """main.py's progress hook: progress_state, a type-4 image for an owner that negotiated preview
+        metadata, progress, then the plain type-1 image for an owner that did not (or everyone)."""
+        progress_state(nid, value, maximum, "running")
+        metadata = self._wants_metadata(cid)
+        if image is not None and metadata:
+            self._send_bytes(_image_with_metadata(image, nid, prompt_id), cid)
+        self._send("progress", {"value": value, "max": maximum, "prompt_id": prompt_id, "node": nid}, cid)
+        if image is not None and not metadata:
+            self._send_bytes(_plain_image(image), cid)
 
     async def _ws(self, websocket: WebSocket) -> None:
         await websocket.accept()
@@ -509,6 +525,8 @@ class ComfySim:
             return None, await self._sample(nid, graph, prompt_id, cid, progress_state)
         if kind in ("SaveImage", "PreviewImage"):
             return {"images": [self._save(kind, inputs)]}, 1.0
+        if kind == "SaveImageWebsocket":
+            return None, await self._send_images(nid, graph, prompt_id, cid, progress_state)
         await asyncio.sleep(0)
         return None, 1.0
 
@@ -528,13 +546,23 @@ class ComfySim:
                 await self.clock.sleep(self.config.step_time_s)
                 if self._interrupt:  # the sampler callback checks the flag every step
                     raise _Interrupted(nid, "KSampler")
-                progress_state(nid, step, steps, "running")
-                if self.config.previews:
-                    self._send_preview(prompt_id, nid, cid)
-                self._send("progress", {"value": step, "max": steps, "prompt_id": prompt_id, "node": nid}, cid)
+                preview = ("JPEG", FAKE_JPEG) if self.config.previews else None
+                self._report(nid, step, steps, prompt_id, cid, progress_state, preview)
         finally:
             self._release_now(self.config.working_bytes)
         return steps
+
+    async def _send_images(self, nid: str, graph: JSON, prompt_id: str, cid: str | None,
+                           progress_state: ProgressFn) -> int:
+        """SaveImageWebsocket: each image of the batch as a PNG through the progress bar (no files, no
+        UI output, so no "executed"); progress counts 0 .. batch-1 and the node finishes at the batch size."""
+        batch = _batch_size(graph, nid)
+        for step in range(batch):
+            if self._interrupt:  # the progress hook checks the flag
+                raise _Interrupted(nid, "SaveImageWebsocket")
+            self._report(nid, step, batch, prompt_id, cid, progress_state, ("PNG", png_bytes()))
+            await asyncio.sleep(0)
+        return batch
 
     def _save(self, kind: str, inputs: JSON) -> JSON:
         if kind == "SaveImage":
@@ -570,39 +598,44 @@ class ComfySim:
         return _json({"exec_info": {"queue_remaining": self._queue_remaining()}})
 
     async def _post_prompt(self, request: Request) -> Response:
+        """server.py post_prompt(): Python's own `in` and indexing on whatever JSON arrived, so a list
+        body is a 400 no_prompt, and a number or null body an unhandled 500."""
         body = await self._read_json(request)
-        if not isinstance(body, dict):
-            raise _BadBody()
-        if "number" in body:
-            number: int | float = float(body["number"])
-        else:
-            number = -self._number if body.get("front") else self._number
-            self._number += 1
-        if "prompt" not in body:
+        number = self._next_number(body)
+        if not _has(body, "prompt"):
             return _json({"error": {"type": "no_prompt", "message": "No prompt provided",
                                     "details": "No prompt provided", "extra_info": {}}, "node_errors": {}}, 400)
-        graph = body["prompt"]
-        result = validate(graph, self._classes)
+        graph = _item(body, "prompt")
+        prompt_id = str(body["prompt_id"]) if "prompt_id" in body else str(uuid.uuid4())
+        targets = body["partial_execution_targets"] if "partial_execution_targets" in body else None
+        result = validate(graph, self._classes, targets)
+        extra_data = _extra_data(body)
         if isinstance(result, Rejected):
             return _json(result.body, 400)
         assert isinstance(result, Accepted)
-        outputs = list(result.outputs)
-        targets = body.get("partial_execution_targets")
-        if isinstance(targets, list):
-            outputs = [o for o in outputs if o in targets]
-        prompt_id = str(body.get("prompt_id") or uuid.uuid4())
-        extra_data = dict(body.get("extra_data") or {})
-        if "client_id" in body:
-            extra_data["client_id"] = body["client_id"]
-        item = _Item(number, prompt_id, graph, extra_data, outputs)
+        _stamp(extra_data)
+        item = _Item(number, prompt_id, graph, extra_data, list(result.outputs))
         heapq.heappush(self._heap, (number, prompt_id, next(self._seq), item))
         self._broadcast_status()
         self._wake.set()
         return _json({"prompt_id": prompt_id, "number": number, "node_errors": result.node_errors})
 
+    def _next_number(self, body: Any) -> int | float:
+        """An explicit "number" is the priority; otherwise the counter, which every such POST advances."""
+        if _has(body, "number"):
+            try:
+                return float(_item(body, "number"))
+            except (TypeError, ValueError) as exc:
+                raise _BadBody() from exc
+        number = self._number
+        if _has(body, "front") and _item(body, "front"):
+            number = -number
+        self._number += 1
+        return number
+
     async def _get_queue(self, request: Request) -> Response:
-        return _json({"queue_running": [i.wire() for i in self._running.values()],
-                      "queue_pending": [entry[3].wire() for entry in self._heap]})
+        running, queued = self._queue_lists()
+        return _json({"queue_running": running, "queue_pending": queued})
 
     async def _post_queue(self, request: Request) -> Response:
         body = await self._read_json(request)
@@ -633,6 +666,25 @@ class ComfySim:
         prompt_id = request.path_params["prompt_id"]
         entry = self._history.get(prompt_id)
         return _json({prompt_id: entry} if entry is not None else {})
+
+    def _queue_lists(self) -> tuple[list[list[Any]], list[list[Any]]]:
+        return [i.wire() for i in self._running.values()], [entry[3].wire() for entry in self._heap]
+
+    async def _get_jobs(self, request: Request) -> Response:
+        params = {key: request.query_params.getlist(key) for key in request.query_params}
+        try:
+            query = parse_query(params)
+        except BadQuery as exc:
+            return _json({"error": str(exc)}, 400)
+        running, queued = self._queue_lists()
+        jobs, total = list_jobs(query, running, queued, self._history)
+        return _json({"jobs": jobs, "pagination": {"offset": query.offset, "limit": query.limit, "total": total,
+                                                   "has_more": query.offset + len(jobs) < total}})
+
+    async def _get_job(self, request: Request) -> Response:
+        running, queued = self._queue_lists()
+        job = find_job(request.path_params["job_id"], running, queued, self._history)
+        return _json(job, 200) if job is not None else _json({"error": "Job not found"}, 404)
 
     async def _post_history(self, request: Request) -> Response:
         body = await self._read_json(request)
@@ -669,7 +721,8 @@ class ComfySim:
         held = self.gpu.used_by(self.pid) if self.pid is not None else 0
         reserved = max(0, held - self.config.context_floor_bytes)
         return _json({
-            "system": {"os": "posix", "ram_total": os.sysconf("SC_PHYS_PAGES") * page,
+            # sys.platform: the real 0.8.0 answered "linux" (0.3.64's source read os.name, "posix").
+            "system": {"os": "linux", "ram_total": os.sysconf("SC_PHYS_PAGES") * page,
                        "ram_free": os.sysconf("SC_AVPHYS_PAGES") * page, "comfyui_version": self.config.version,
                        "required_frontend_version": "1.27.10", "installed_templates_version": "0.1.94",
                        "required_templates_version": "0.1.94", "python_version": sys.version,
@@ -763,10 +816,13 @@ class ComfySim:
 
     def _build_app(self) -> OriginAndSizeMiddleware:
         plain: list[tuple[str, Any, list[str]]] = [
+            ("/", self._index, ["GET"]),
             ("/prompt", self._get_prompt, ["GET"]), ("/prompt", self._post_prompt, ["POST"]),
             ("/queue", self._get_queue, ["GET"]), ("/queue", self._post_queue, ["POST"]),
             ("/history", self._get_history, ["GET"]), ("/history", self._post_history, ["POST"]),
             ("/history/{prompt_id}", self._get_history_item, ["GET"]),
+            # Registered with its /api in the path, so the prefixing also makes /api/api/jobs (as in server.py).
+            ("/api/jobs", self._get_jobs, ["GET"]), ("/api/jobs/{job_id}", self._get_job, ["GET"]),
             ("/interrupt", self._interrupt_route, ["POST"]), ("/free", self._free, ["POST"]),
             ("/system_stats", self._system_stats, ["GET"]), ("/features", self._features_route, ["GET"]),
             ("/object_info", self._object_info, ["GET"]), ("/object_info/{node_class}", self._object_info_one, ["GET"]),
@@ -779,29 +835,91 @@ class ComfySim:
         for path, handler, methods in plain:
             for method in methods:
                 by_path.setdefault(path, {})[method] = handler
-        routes: list[BaseRoute] = [Route("/", self._index, methods=["GET"])]
+        routes: list[BaseRoute] = []
         for prefix in ("", "/api"):
             for path, handlers in by_path.items():
-                routes.append(Route(prefix + path, _dispatch(handlers), methods=list(handlers)))
+                routes.append(Route(prefix + path, _dispatch(handlers), methods=_ALL_METHODS))  # _dispatch: 404/405
             routes.append(WebSocketRoute(prefix + "/ws", self._ws))
 
         async def bad_body(request: Request, exc: Exception) -> Response:
             return PlainTextResponse(AIOHTTP_500, status_code=500)
 
-        app = Starlette(routes=routes, exception_handlers={_BadBody: bad_body})
+        app = Starlette(routes=routes, exception_handlers={_BadBody: bad_body, Unhandled: bad_body})
+        app.router.default = _unrouted_app
+        app.router.redirect_slashes = False  # aiohttp does not redirect /prompt/ to /prompt: a missing file
         return OriginAndSizeMiddleware(app, int(self.config.max_upload_size_mb * 1024 * 1024))
 
 
 def _dispatch(handlers: dict[str, Any]) -> Any:
     async def endpoint(request: Request) -> Response:
-        handler = handlers["GET" if request.method == "HEAD" else request.method]
+        handler = handlers.get("GET" if request.method == "HEAD" else request.method)
+        if handler is None:
+            return _unrouted(request.method, set(handlers))
         response: Response = await handler(request)
         return response
     return endpoint
 
 
+def _unrouted(method: str, allowed: set[str]) -> Response:
+    """aiohttp with ComfyUI's static route on the web root, which takes every path for GET and HEAD:
+    a path no route takes is a missing file (404, empty body), even a POST-only route asked with GET;
+    other methods get 405 with the route's methods plus the static route's in Allow."""
+    if method in ("GET", "HEAD"):
+        return Response(status_code=404)
+    return PlainTextResponse("405: Method Not Allowed", status_code=405,
+                             headers={"Allow": ",".join(sorted(allowed | {"GET", "HEAD"}))})
+
+
+async def _unrouted_app(scope: Scope, receive: Receive, send: Send) -> None:
+    if scope["type"] == "websocket":
+        await WebSocketClose()(scope, receive, send)  # before accept: the server answers 403
+        return
+    await _unrouted(scope["method"], set())(scope, receive, send)
+
+
+def _has(container: Any, key: str) -> bool:
+    """`key in json_data` as server.py writes it: a list or a string answers, anything else raises."""
+    try:
+        return key in container
+    except TypeError as exc:
+        raise _BadBody() from exc
+
+
+def _item(container: Any, key: str) -> Any:
+    try:
+        return container[key]
+    except (TypeError, KeyError, IndexError) as exc:
+        raise _BadBody() from exc
+
+
+def _extra_data(body: JSON) -> Any:
+    """The client's extra_data object itself (not a copy), with client_id added as server.py does."""
+    extra_data = body["extra_data"] if "extra_data" in body else {}
+    if "client_id" in body:
+        try:
+            extra_data["client_id"] = body["client_id"]
+        except TypeError as exc:
+            raise _BadBody() from exc
+    return extra_data
+
+
+def _stamp(extra_data: Any) -> None:
+    """What an accepted prompt's extra_data becomes: execution.SENSITIVE_EXTRA_DATA_KEYS removed (they
+    never reach the queue or history), then create_time in ms (added with the jobs API, 0.8.0)."""
+    try:
+        for key in SENSITIVE_EXTRA_DATA_KEYS:
+            if key in extra_data:
+                extra_data.pop(key)
+        extra_data["create_time"] = _ms()
+    except (TypeError, AttributeError) as exc:
+        raise _BadBody() from exc
+
+
 def _meta(nid: str) -> JSON:
     return {"node_id": nid, "display_node": nid, "parent_node": None, "real_node_id": nid}
+
+
+_FRESH = itertools.count()
 
 
 def _signatures(graph: JSON) -> dict[str, str]:
@@ -815,6 +933,8 @@ def _signatures(graph: JSON) -> dict[str, str]:
             return "cycle"
         node = graph[nid]
         parts: list[Any] = [node["class_type"]]
+        if node["class_type"] == "SaveImageWebsocket":
+            parts.append(next(_FRESH))  # its IS_CHANGED returns time.time(): never cached
         for name, value in sorted((node.get("inputs") or {}).items()):
             if isinstance(value, list) and len(value) == 2 and isinstance(value[0], str) and value[0] in graph:
                 parts.append([name, sig(value[0], trail + (nid,)), value[1]])
@@ -824,6 +944,35 @@ def _signatures(graph: JSON) -> dict[str, str]:
         return memo[nid]
 
     return {nid: sig(nid, ()) for nid in graph}
+
+
+def _plain_image(image: tuple[str, bytes]) -> bytes:
+    """Binary type 1: image format (1 JPEG, 2 PNG), then the encoded image."""
+    kind, data = image
+    return PREVIEW_IMAGE.to_bytes(4, "big") + (2 if kind == "PNG" else 1).to_bytes(4, "big") + data
+
+
+def _image_with_metadata(image: tuple[str, bytes], nid: str, prompt_id: str) -> bytes:
+    """Binary type 4: JSON length, the JSON (json.dumps, image_type added last), then the image."""
+    kind, data = image
+    meta = json.dumps({"node_id": nid, "prompt_id": prompt_id, "display_node_id": nid, "parent_node_id": None,
+                       "real_node_id": nid, "image_type": "image/png" if kind == "PNG" else "image/jpeg"}).encode()
+    return PREVIEW_IMAGE_WITH_METADATA.to_bytes(4, "big") + len(meta).to_bytes(4, "big") + meta + data
+
+
+def _batch_size(graph: JSON, nid: str) -> int:
+    """How many images reach a node: the batch_size of the EmptyImage or EmptyLatentImage upstream."""
+    seen: set[str] = set()
+    stack = [nid]
+    while stack:
+        cur = stack.pop()
+        if cur in seen:
+            continue
+        seen.add(cur)
+        if graph[cur]["class_type"] in ("EmptyImage", "EmptyLatentImage"):
+            return int((graph[cur].get("inputs") or {}).get("batch_size", 1))
+        stack.extend(dependencies(graph, cur))
+    return 1
 
 
 def _upstream_checkpoint(graph: JSON, nid: str) -> str | None:

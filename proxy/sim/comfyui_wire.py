@@ -48,7 +48,8 @@ def origin_rejected(host: str | None, origin: str | None) -> bool:
 
 
 class OriginAndSizeMiddleware:
-    """The default origin_only_middleware plus aiohttp's client_max_size (413 by Content-Length)."""
+    """The default origin_only_middleware (its 403, then OPTIONS answered 200 before any route) plus
+    aiohttp's client_max_size (413 by Content-Length)."""
 
     def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
         self.app = app
@@ -65,6 +66,9 @@ class OriginAndSizeMiddleware:
                 await send({"type": "websocket.close", "code": 1008})  # before accept: uvicorn answers 403
             else:
                 await _plain(send, 403, b"")
+            return
+        if scope["type"] == "http" and scope["method"] == "OPTIONS":
+            await _plain(send, 200, b"")  # answered by the middleware, whatever the path
             return
         if scope["type"] == "http":
             length = headers.get("content-length", "")

@@ -22,17 +22,18 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ..clock import Clock, SystemClock
 from ..servers import RunningServer, start_server
 from .gpu import GIB, SimulatedGpu
+from .ollama_decode import CHAT, COPY, DELETE, EMBED, EMBEDDING, GENERATE, PULL, SHOW, GoJSONError, Struct, decode
 from .ollama_sched import CONTEXT_LENGTH, ApiError, Lease, MemoryShort, Scheduler
 from .ollama_wire import (CORS_ALLOW_HEADERS, CORS_ALLOW_METHODS, KeepAliveError, dumps, embedding,
                           host_allowed, model_digest, normalise_name, ns, origin_allowed, parse_keep_alive,
-                          parse_keep_alive_env, rfc3339_nano)
+                          parse_keep_alive_env, qualified_name, rfc3339_nano, trailing_slash_redirect)
 
 JSON_TYPE = "application/json; charset=utf-8"
 NDJSON_TYPE = "application/x-ndjson"
 SSE_TYPE = "text/event-stream"
 TEXT_TYPE = "text/plain; charset=utf-8"
 EMBED_DIMS = 384
-PULLED_SIZE = 2 * GIB
+HARMONY_FAMILIES = ("gptoss", "gpt-oss")  # shouldUseHarmony(): the only models taking think "high"/"medium"/"low"
 _WORDS = ("The", " sky", " is", " blue", " because", " of", " Rayleigh", " scattering", " of", " sunlight",
           " by", " the", " air", ".", " Shorter", " wavelengths", " scatter", " more", ",", " so")
 
@@ -45,6 +46,22 @@ class SimModel:
     parameter_size: str = "3.2B"
     quantization_level: str = "Q4_K_M"
     capabilities: tuple[str, ...] = ("completion",)  # ("embedding",) for embedding-only models
+
+
+_MB = 1000**2
+# What the simulated registry has besides the configured models (the real library's sizes).
+DEFAULT_REGISTRY: tuple[SimModel, ...] = (
+    SimModel("tinyllama:latest", 637 * _MB, parameter_size="1B", quantization_level="Q4_0"),
+    SimModel("tinyllama:1.1b", 637 * _MB, parameter_size="1B", quantization_level="Q4_0"),
+    SimModel("phi3:latest", 2200 * _MB, family="phi3", parameter_size="3.8B", quantization_level="Q4_0"),
+    SimModel("phi3:mini", 2200 * _MB, family="phi3", parameter_size="3.8B", quantization_level="Q4_0"),
+    SimModel("llama3.2:latest", 2000 * _MB),
+    SimModel("llama3.2:3b", 2000 * _MB),
+    SimModel("llama3.2:1b", 1300 * _MB, parameter_size="1.2B", quantization_level="Q8_0"),
+    SimModel("qwen2.5:0.5b", 398 * _MB, family="qwen2", parameter_size="494.03M"),
+    SimModel("nomic-embed-text:latest", 274 * _MB, family="nomic-bert", parameter_size="137M",
+             quantization_level="F16", capabilities=("embedding",)),
+)
 
 
 class _ScenarioModel(BaseModel):
@@ -72,6 +89,7 @@ class _Scenario(BaseModel):
     loopback_host_check: bool = True
     origins: list[str] = []
     response_tokens: int = Field(12, ge=1)
+    registry: list[_ScenarioModel] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +107,7 @@ class OllamaSimConfig:
     loopback_host_check: bool = True
     origins: tuple[str, ...] = ()  # OLLAMA_ORIGINS
     response_tokens: int = 12
+    registry: tuple[SimModel, ...] | None = None  # what /api/pull finds; None: DEFAULT_REGISTRY + models
 
     @classmethod
     def from_scenario(cls, section: dict[str, Any]) -> OllamaSimConfig:
@@ -102,15 +121,20 @@ class OllamaSimConfig:
             parse_keep_alive_env(sc.keep_alive_default)
         except KeepAliveError as exc:
             raise ValueError(f"invalid ollama scenario section: keep_alive_default: {exc}") from None
-        models = tuple(SimModel(name=normalise_name(m.name), size_bytes=int(m.size_gb * GIB), family=m.family,
-                                parameter_size=m.parameter_size, quantization_level=m.quantization_level,
-                                capabilities=tuple(m.capabilities)) for m in sc.models)
+        models = tuple(_sim_model(m) for m in sc.models)
+        registry = tuple(_sim_model(m) for m in sc.registry) if sc.registry is not None else None
         return cls(models=models, load_gbps=sc.load_gbps, token_rate=sc.token_rate,
                    unload_delay_s=sc.unload_delay_s, keep_alive_default=sc.keep_alive_default,
                    memory_short=sc.memory_short, max_loaded_models=sc.max_loaded_models,
                    num_parallel=sc.num_parallel, max_queue=sc.max_queue, version=sc.version,
                    loopback_host_check=sc.loopback_host_check, origins=tuple(sc.origins),
-                   response_tokens=sc.response_tokens)
+                   response_tokens=sc.response_tokens, registry=registry)
+
+
+def _sim_model(m: _ScenarioModel) -> SimModel:
+    return SimModel(name=normalise_name(m.name), size_bytes=int(m.size_gb * GIB), family=m.family,
+                    parameter_size=m.parameter_size, quantization_level=m.quantization_level,
+                    capabilities=tuple(m.capabilities))
 
 
 @dataclass(slots=True)
@@ -224,6 +248,8 @@ class OllamaSim:
         if scope["type"] != "http":
             return
         request = Request(scope, receive)
+        if await self._redirected(request, send):
+            return
         headers = request.headers
         host = headers.get("host", "")
         origin = headers.get("origin")
@@ -274,6 +300,20 @@ class OllamaSim:
             self.cancellations += 1
             self._notify()
 
+    async def _redirected(self, request: Request, send: Send) -> bool:
+        """gin's trailing-slash redirect: decided by the router before any middleware (no CORS or Host
+        check), when the path is not routed for this method but the path without its slash is."""
+        path, method = request.url.path, request.method
+        if path == "/" or not path.endswith("/") or method in (self._match(path)[1] or {}):
+            return False
+        if method not in (self._match(path[:-1])[1] or {}):
+            return False
+        redirect = trailing_slash_redirect(method, path, request.url.query,
+                                           request.headers.get("x-forwarded-prefix", ""))
+        headers = [(b"location", redirect.location.encode())]
+        await _send_raw(send, redirect.status, redirect.body, redirect.content_type, headers)
+        return True
+
     def _match(self, path: str) -> tuple[str, dict[str, Handler] | None]:
         if path in self._routes:
             return path, self._routes[path]
@@ -295,17 +335,30 @@ class OllamaSim:
             await _send_plain(send, exc.status, dumps(body), JSON_TYPE)
 
     # -- helpers --------------------------------------------------------------------------------------
-    async def _json_body(self, request: Request) -> dict[str, Any]:
+    async def _json_body(self, request: Request, go_type: str = "api.Request") -> dict[str, Any]:
+        """A body for the /v1 handlers: JSON that must be an object."""
         raw = await request.body()
         if not raw.strip():
             raise ApiError(400, "missing request body")
         try:
             data = json.loads(raw)
         except json.JSONDecodeError as exc:
-            raise ApiError(400, f"invalid character looking for beginning of value at offset {exc.pos}") from None
+            raise ApiError(400, _syntax_error(exc)) from None
         if not isinstance(data, dict):
-            raise ApiError(400, "json: cannot unmarshal array into Go value of type api.Request")
+            raise ApiError(400, f"json: cannot unmarshal {_json_kind(data)} into Go value of type {go_type}")
         return data
+
+    async def _bind(self, request: Request, spec: Struct) -> dict[str, Any]:
+        """gin's ShouldBindJSON into the handler's request struct: Go's decoding and its error texts."""
+        raw = await request.body()
+        if not raw.strip():
+            raise ApiError(400, "missing request body")
+        try:
+            return decode(raw, spec)
+        except json.JSONDecodeError as exc:
+            raise ApiError(400, _syntax_error(exc)) from None
+        except GoJSONError as exc:
+            raise ApiError(400, str(exc)) from None
 
     def _lookup(self, name: object) -> SimModel | None:
         """Names compare case-insensitively, with ":latest" implied."""
@@ -319,6 +372,17 @@ class OllamaSim:
         if model is None:
             raise ApiError(404, f"model '{name if isinstance(name, str) else ''}' not found")
         return model
+
+    @staticmethod
+    def _check_capabilities(m: SimModel, name: object, wanted: list[str], verb: str) -> None:
+        """Model.CheckCapabilities through scheduleRunner: no completion is '"m" does not support
+        generate|chat'; anything else missing names the model in full, the capabilities joined by
+        newlines (errors.Join): 'registry.ollama.ai/library/m:latest does not support tools'."""
+        missing = [cap for cap in wanted if cap not in m.capabilities]
+        if "completion" in missing:
+            raise ApiError(400, f"{json.dumps(name)} does not support {verb}")
+        if missing:
+            raise ApiError(400, f"{qualified_name(m.name)} does not support " + "\n".join(missing))
 
     @staticmethod
     def _keep_alive(data: dict[str, Any]) -> float | None:
@@ -371,35 +435,32 @@ class OllamaSim:
             m = self._catalog.models.get(r.name) or SimModel(r.name, r.size)
             entries.append({"name": r.name, "model": r.name, "size": r.size, "digest": model_digest(r.name),
                             "details": self._details(m), "expires_at": rfc3339_nano(r.expires_at_wall, local=True),
-                            "size_vram": r.size_vram if r.state == "ready" else self.gpu.used_by(r.pid),
+                            "size_vram": r.size_vram,
                             "context_length": CONTEXT_LENGTH})
         await _send_json(send, 200, {"models": entries})
 
     async def _show(self, request: Request, send: Send) -> None:
-        data = await self._json_body(request)
+        data = await self._bind(request, SHOW)
         name = data.get("model") or data.get("name")
         m = self._require(name)
         params = int(float(m.parameter_size.rstrip("BbMm") or 0) * (1e9 if m.parameter_size[-1:] in "Bb" else 1e6))
+        # ShowResponse fields are omitempty: no license and no tensors here, so neither key is sent.
         await _send_json(send, 200, {
-            "license": "", "modelfile": f"# Modelfile generated by \"ollama show\"\nFROM {m.name}\n",
+            "modelfile": f"# Modelfile generated by \"ollama show\"\nFROM {m.name}\n",
             "parameters": "stop                           \"<|eot_id|>\"",
             "template": "{{ .Prompt }}", "details": self._details(m),
             "model_info": {"general.architecture": m.family, "general.parameter_count": params,
                            f"{m.family}.context_length": 131072, f"{m.family}.embedding_length": 3072,
                            "tokenizer.ggml.tokens": [] if not data.get("verbose") else ["<s>", "</s>"]},
-            "tensors": [], "capabilities": list(m.capabilities),
+            "capabilities": list(m.capabilities),
             "modified_at": rfc3339_nano(self._catalog.modified[m.name], local=True)})
 
     # -- routes: generation ---------------------------------------------------------------------------
     async def _generate(self, request: Request, send: Send) -> None:
+        """GenerateHandler (v0.12.3): the model must exist, then unload, raw, think and capability checks."""
         started = self.clock.now()
-        data = await self._json_body(request)
+        data = await self._bind(request, GENERATE)
         keep_alive = self._keep_alive(data)
-        if data.get("raw") and (data.get("template") or data.get("system") or data.get("context")):
-            raise ApiError(400, "raw mode does not support template, system, or context")
-        top = data.get("top_logprobs")
-        if isinstance(top, int) and not 0 <= top <= 20:
-            raise ApiError(400, "top_logprobs must be between 0 and 20")
         name = data.get("model")
         m = self._require(name)
         prompt = data.get("prompt") or ""
@@ -411,8 +472,13 @@ class OllamaSim:
             await _send_json(send, 200, {**head, "created_at": self._now(), "response": "", "done": True,
                                          "done_reason": "unload"})
             return
-        if "completion" not in m.capabilities:
-            raise ApiError(400, f"{json.dumps(name)} does not support generate")
+        if data.get("raw") and (data.get("template") or data.get("system") or data.get("context")):
+            raise ApiError(400, "raw mode does not support template, system, or context")
+        think = data.get("think")
+        if isinstance(think, str) and m.family not in HARMONY_FAMILIES:
+            raise ApiError(400, f"think value {json.dumps(think)} is not supported for this model")
+        wanted = ["completion"] + (["insert"] if data.get("suffix") else []) + (["thinking"] if think else [])
+        self._check_capabilities(m, name, wanted, "generate")
         async with self._sched.lease(m.name, m.size_bytes, keep_alive) as lease:
             if not prompt:
                 await _send_json(send, 200, {**head, "created_at": self._now(), "response": "", "done": True,
@@ -422,8 +488,9 @@ class OllamaSim:
                                    context=not data.get("raw"), prompt_tokens=_count(prompt))
 
     async def _chat(self, request: Request, send: Send) -> None:
+        """ChatHandler (v0.12.3): a model name, the model, unload, then capability checks."""
         started = self.clock.now()
-        data = await self._json_body(request)
+        data = await self._bind(request, CHAT)
         keep_alive = self._keep_alive(data)
         name = data.get("model")
         if not name:
@@ -432,17 +499,16 @@ class OllamaSim:
         messages = data.get("messages") or []
         head = {"model": name, "created_at": ""}
         empty = {"role": "assistant", "content": ""}
-        if not messages and keep_alive == 0:
+        # v0.12.3 tests int(keep_alive.Seconds()) == 0 here: any keep_alive under a second unloads.
+        if not messages and keep_alive is not None and 0 <= keep_alive < 1:
             self.unload_requests += 1
             self._sched.expire(m.name)
             self._notify()
             await _send_json(send, 200, {**head, "created_at": self._now(), "message": empty, "done": True,
                                          "done_reason": "unload"})
             return
-        if "completion" not in m.capabilities:
-            raise ApiError(400, f"{json.dumps(name)} does not support chat")
-        if data.get("tools") and "tools" not in m.capabilities:
-            raise ApiError(400, f"{json.dumps(name)} does not support tools")
+        wanted = ["completion"] + (["tools"] if data.get("tools") else []) + (["thinking"] if data.get("think") else [])
+        self._check_capabilities(m, name, wanted, "chat")
         async with self._sched.lease(m.name, m.size_bytes, keep_alive) as lease:
             if not messages:
                 await _send_json(send, 200, {**head, "created_at": self._now(), "message": empty, "done": True,
@@ -494,7 +560,7 @@ class OllamaSim:
     # -- routes: embeddings ---------------------------------------------------------------------------
     async def _embed(self, request: Request, send: Send) -> None:
         started = self.clock.now()
-        data = await self._json_body(request)
+        data = await self._bind(request, EMBED)
         keep_alive = self._keep_alive(data)
         name = data.get("model")
         m = self._require(name)
@@ -524,7 +590,7 @@ class OllamaSim:
                                          "prompt_eval_count": sum(_count(t) for t in inputs)})
 
     async def _embeddings(self, request: Request, send: Send) -> None:
-        data = await self._json_body(request)
+        data = await self._bind(request, EMBEDDING)
         keep_alive = self._keep_alive(data)
         m = self._require(data.get("model"))
         prompt = data.get("prompt") or ""
@@ -538,50 +604,47 @@ class OllamaSim:
 
     # -- routes: model management ---------------------------------------------------------------------
     async def _pull(self, request: Request, send: Send) -> None:
-        data = await self._json_body(request)
+        """PullHandler: 'pulling manifest', then the layers of a model the simulated registry has, or
+        'pull model manifest: file does not exist' (an NDJSON error line after the 200, or a 500 with
+        stream false). waitForStream answers stream false with a bare application/json."""
+        data = await self._bind(request, PULL)
         raw_name = data.get("model") or data.get("name")
         if not isinstance(raw_name, str) or not raw_name:
             raise ApiError(400, "invalid model name")
-        name = normalise_name(raw_name)
-        existing = self._lookup(name)
-        model = existing or SimModel(name=name, size_bytes=PULLED_SIZE)
-        layers = [(hashlib.sha256(f"layer:{name}:{i}".encode()).hexdigest(), size)
-                  for i, size in enumerate((model.size_bytes - 12_000, 12_000))]
-
-        def progress() -> list[dict[str, Any]]:
-            out: list[dict[str, Any]] = [{"status": "pulling manifest"}]
-            for digest, size in layers:
-                for k in (0, size // 2, size):
-                    line: dict[str, Any] = {"status": f"pulling {digest[:12]}", "digest": f"sha256:{digest}",
-                                            "total": size}
-                    if k:
-                        line["completed"] = k
-                    out.append(line)
-            out += [{"status": "verifying sha256 digest"}, {"status": "writing manifest"}, {"status": "success"}]
-            return out
-
-        def finish() -> None:
-            self._catalog.models[model.name] = model
-            self._catalog.modified[model.name] = self.clock.wall()
-            for digest, size in layers:
-                self._catalog.blobs[f"sha256:{digest}"] = size
-
-        if data.get("stream", True) is False:
-            finish()
-            await _send_json(send, 200, {"status": "success"})
+        model = self._in_registry(normalise_name(raw_name))
+        lines: list[dict[str, Any]] = [{"status": "pulling manifest"}]
+        lines += _pull_progress(model) if model else [{"error": "pull model manifest: file does not exist"}]
+        if data.get("stream") is False:
+            if model:
+                self._add_pulled(model)
+            last = lines[-1]
+            await _send_raw(send, 500 if "error" in last else 200, dumps(last), "application/json")
             return
 
-        async def lines() -> AsyncIterator[bytes]:
-            for line in progress():
-                if line["status"] == "success":
-                    finish()
+        async def stream() -> AsyncIterator[bytes]:
+            for line in lines:
+                if model and line.get("status") == "success":
+                    self._add_pulled(model)
                 await asyncio.sleep(0)
                 yield dumps(line) + b"\n"
 
-        await _send_stream(send, NDJSON_TYPE, lines())
+        await _send_stream(send, NDJSON_TYPE, stream())
+
+    def _in_registry(self, name: str) -> SimModel | None:
+        """The simulated registry: config.registry, else the default one plus the configured models."""
+        catalog = self.config.registry if self.config.registry is not None else DEFAULT_REGISTRY + self.config.models
+        wanted = name.lower()
+        found = next((m for m in catalog if normalise_name(m.name).lower() == wanted), None)
+        return replace(found, name=normalise_name(found.name)) if found else None
+
+    def _add_pulled(self, model: SimModel) -> None:
+        self._catalog.models[model.name] = model
+        self._catalog.modified[model.name] = self.clock.wall()
+        for digest, size in _layers(model):
+            self._catalog.blobs[f"sha256:{digest}"] = size
 
     async def _delete(self, request: Request, send: Send) -> None:
-        data = await self._json_body(request)
+        data = await self._bind(request, DELETE)
         name = data.get("model") or data.get("name")
         m = self._require(name)
         self._sched.expire(m.name)
@@ -590,7 +653,7 @@ class OllamaSim:
         await _send_plain(send, 200, b"", None)
 
     async def _copy(self, request: Request, send: Send) -> None:
-        data = await self._json_body(request)
+        data = await self._bind(request, COPY)
         source, dest = data.get("source"), data.get("destination")
         m = self._lookup(source)
         if m is None:
@@ -640,7 +703,7 @@ class OllamaSim:
         await self._v1_generate(request, send, chat=False)
 
     async def _v1_generate(self, request: Request, send: Send, *, chat: bool) -> None:
-        data = await self._json_body(request)
+        data = await self._json_body(request, "openai.ChatCompletionRequest" if chat else "openai.CompletionRequest")
         if chat:
             messages = data.get("messages")
             if not isinstance(messages, list) or not messages:
@@ -703,7 +766,7 @@ class OllamaSim:
                 await _send_stream(send, SSE_TYPE, events())
 
     async def _v1_embeddings(self, request: Request, send: Send) -> None:
-        data = await self._json_body(request)
+        data = await self._json_body(request, "openai.EmbedRequest")
         raw = data.get("input")
         if isinstance(raw, str) and raw:
             inputs = [raw]
@@ -747,6 +810,37 @@ class _Asgi:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._target(scope, receive, send)
+
+
+def _layers(model: SimModel) -> list[tuple[str, int]]:
+    """(digest hex, size) of a pulled model's blobs: the weights and a small config."""
+    return [(hashlib.sha256(f"layer:{model.name}:{i}".encode()).hexdigest(), size)
+            for i, size in enumerate((model.size_bytes - 12_000, 12_000))]
+
+
+def _pull_progress(model: SimModel) -> list[dict[str, Any]]:
+    """The NDJSON lines after 'pulling manifest': each layer at 0, half and all, then the end."""
+    out: list[dict[str, Any]] = []
+    for digest, size in _layers(model):
+        for done in (0, size // 2, size):
+            line: dict[str, Any] = {"status": f"pulling {digest[:12]}", "digest": f"sha256:{digest}", "total": size}
+            if done:
+                line["completed"] = done
+            out.append(line)
+    return out + [{"status": "verifying sha256 digest"}, {"status": "writing manifest"}, {"status": "success"}]
+
+
+def _syntax_error(exc: json.JSONDecodeError) -> str:
+    return f"invalid character looking for beginning of value at offset {exc.pos}"
+
+
+def _json_kind(value: Any) -> str:
+    """The JSON kind as Go's UnmarshalTypeError names it."""
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float)):
+        return "number"
+    return {list: "array", str: "string"}.get(type(value), "object")
 
 
 def _count(text: str) -> int:

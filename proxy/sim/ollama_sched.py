@@ -48,7 +48,7 @@ class Runner:
     keep_alive_s: float
     sem: asyncio.Semaphore
     state: Literal["loading", "ready", "failed"] = "loading"
-    size_vram: int = 0
+    size_vram: int = 0  # Ollama's estimate, fixed when the load starts
     refs: int = 0
     expiring: bool = False
     expires_at_wall: float = 0.0
@@ -162,7 +162,7 @@ class Scheduler:
         port = next(self._ports)
         pid = self.gpu.spawn(RUNNER_NAME, self._cmdline(name, port))
         runner = Runner(name=name, size=size, pid=pid, port=port, keep_alive_s=ka,
-                        sem=asyncio.Semaphore(self.num_parallel))
+                        sem=asyncio.Semaphore(self.num_parallel), size_vram=self._vram_estimate(size))
         runner.refs = 1
         runner.expires_at_wall = self._expiry_wall(ka)  # estimated while loading
         self.runners[name] = runner
@@ -171,25 +171,28 @@ class Scheduler:
         await self._load(runner)
         return runner
 
+    def _vram_estimate(self, size: int) -> int:
+        """The layout decided before the load: all of it on the GPU, or (spill) what fits now. This is
+        the size_vram /api/ps reports from the start; the runner then allocates it step by step."""
+        return size if self.memory_short == "oom" else max(0, min(size, self.gpu.free_bytes()))
+
     def _cmdline(self, name: str, port: int) -> str:
         return (f"{RUNNER_PATH} runner --model /root/.ollama/models/blobs/sha256-{blob_digest(name)} "
                 f"--ctx-size {CONTEXT_LENGTH * self.num_parallel} --batch-size 512 --n-gpu-layers 999 "
                 f"--threads 8 --parallel {self.num_parallel} --port {port}")
 
     async def _load(self, runner: Runner) -> None:
+        """Allocate the planned VRAM in LOAD_STEPS steps; memory taken meanwhile by another process makes
+        the allocation fail like cudaMalloc (the layout was fixed before the load)."""
         load_s = runner.size / (self.load_gbps * 1e9) if self.load_gbps > 0 else 0.0
-        step = runner.size // LOAD_STEPS
+        plan = runner.size_vram
+        step = plan // LOAD_STEPS
         fail = self.fail_next_load
         self.fail_next_load = None
         try:
             for i in range(LOAD_STEPS):
                 await self.clock.sleep(load_s / LOAD_STEPS)
-                chunk = step if i < LOAD_STEPS - 1 else runner.size - step * (LOAD_STEPS - 1)
-                if self.memory_short == "spill":
-                    runner.size_vram += self.gpu.allocate_up_to(runner.pid, chunk)
-                else:
-                    self.gpu.allocate(runner.pid, chunk)
-                    runner.size_vram += chunk
+                self.gpu.allocate(runner.pid, step if i < LOAD_STEPS - 1 else plan - step * (LOAD_STEPS - 1))
                 if fail is not None:
                     raise ApiError(500, fail)
                 self._notify()

@@ -8,9 +8,11 @@ import hashlib
 import ipaddress
 import json
 import math
+import posixpath
 import re
 import socket
 import struct
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -120,6 +122,13 @@ def normalise_name(name: str) -> str:
     return base if ":" in last else f"{base}:latest"
 
 
+def qualified_name(name: str) -> str:
+    """model.Name.String(): registry host and namespace filled in ("registry.ollama.ai/library/m:latest")."""
+    parts = normalise_name(name).split("/")
+    defaults = ["registry.ollama.ai", "library"]
+    return "/".join(defaults[: max(0, 3 - len(parts))] + parts)
+
+
 def model_digest(name: str) -> str:
     """64 hex, deterministic from the name (the manifest digest shown by /api/tags)."""
     return hashlib.sha256(f"manifest:{normalise_name(name)}".encode()).hexdigest()
@@ -202,6 +211,44 @@ def origin_allowed(origin: str, extra: tuple[str, ...]) -> bool:
 
 CORS_ALLOW_HEADERS = "Authorization, Content-Type, User-Agent, Accept, X-Requested-With, OpenAI-Beta, x-stainless-*"
 CORS_ALLOW_METHODS = "GET,POST,PUT,PATCH,DELETE,HEAD,OPTIONS"
+
+
+# -- gin's RedirectTrailingSlash (v1.10) ------------------------------------------------------------
+
+_UNSAFE_PREFIX = re.compile(r"[^a-zA-Z0-9/-]+")
+_REPEATED_SLASH = re.compile(r"/{2,}")
+_HTML_ESCAPES = str.maketrans({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&#34;", "'": "&#39;"})
+
+
+@dataclass(frozen=True, slots=True)
+class Redirect:
+    status: int
+    location: str
+    content_type: str | None
+    body: bytes
+
+
+def _go_clean(path: str) -> str:
+    """Go's path.Clean ("" is ".", a rooted path keeps one leading slash)."""
+    return posixpath.normpath(_REPEATED_SLASH.sub("/", path)) if path else "."
+
+
+def trailing_slash_redirect(method: str, path: str, query: str, forwarded_prefix: str) -> Redirect:
+    """What gin answers for /api/tags/ when only /api/tags is routed (for this method): a redirect to
+    the path without the slash, 301 for GET and 307 for every other method (HEAD too), written by
+    net/http's Redirect (an HTML body for GET only). X-Forwarded-Prefix, cleaned, goes in front."""
+    prefix = _go_clean(forwarded_prefix)
+    target = path
+    if prefix != ".":
+        target = _REPEATED_SLASH.sub("/", _UNSAFE_PREFIX.sub("", prefix)) + "/" + path
+    target = target[:-1] if len(target) > 1 and target.endswith("/") else target + "/"
+    trailing = target.endswith("/")
+    target = _go_clean(target) + ("/" if trailing and target != "/" else "")  # Redirect cleans, keeps a slash
+    location = target + (f"?{query}" if query else "")
+    status = 301 if method == "GET" else 307
+    content_type = "text/html; charset=utf-8" if method in ("GET", "HEAD") else None
+    body = f'<a href="{location.translate(_HTML_ESCAPES)}">Moved Permanently</a>.\n\n'.encode() if method == "GET" else b""
+    return Redirect(status, location, content_type, body)
 
 
 def dumps(obj: Any) -> bytes:

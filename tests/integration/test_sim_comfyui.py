@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -266,6 +267,58 @@ async def test_previews_use_type_1_jpeg_or_type_4_with_metadata_when_negotiated(
     assert info["image_type"] == "image/jpeg" and with_meta[0][8 + length:][:2] == b"\xff\xd8"
 
 
+def ws_graph(batch: int = 2) -> dict[str, Any]:
+    return {"1": {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 64, "batch_size": batch, "color": 7}},
+            "2": {"class_type": "SaveImageWebsocket", "inputs": {"images": ["1", 0]}}}
+
+
+async def test_save_image_websocket_sends_each_image_as_a_binary_png_frame(box: Box) -> None:
+    async with box.ws("sw") as ws:
+        await first_frame(ws)
+        pid = await box.post_prompt(ws_graph(batch=2), "sw")
+        frames = await until_end(ws, pid)
+        again = await until_end(ws, await box.post_prompt(ws_graph(batch=2), "sw"))
+    node2 = frames[types(frames).index("executing", 6):]
+    assert types(node2)[:8] == ["executing", "progress_state", "progress", "binary",
+                                "progress_state", "progress", "binary", "progress_state"]
+    binary = [f for f in frames if isinstance(f, bytes)]
+    assert len(binary) == 2 and all(struct.unpack(">II", f[:8]) == (1, 2) for f in binary), "type 1, format 2 (PNG)"
+    assert binary[0][8:16] == b"\x89PNG\r\n\x1a\n"
+    progress = [f["data"] for f in frames if isinstance(f, dict) and f["type"] == "progress"]
+    assert progress == [{"value": i, "max": 2, "prompt_id": pid, "node": "2"} for i in (0, 1)]
+    last_state = [f for f in frames if isinstance(f, dict) and f["type"] == "progress_state"][-1]["data"]["nodes"]["2"]
+    assert (last_state["value"], last_state["max"], last_state["state"]) == (2, 2, "finished")
+    assert "executed" not in types(frames), "no UI output"
+    assert (await box.history(pid))["outputs"] == {}
+    assert not list(box.sim.output_dir.rglob("*.png")), "nothing written to disk"
+    cached = next(f for f in again if isinstance(f, dict) and f["type"] == "execution_cached")
+    assert cached["data"]["nodes"] == ["1"], "IS_CHANGED is time.time(): the node runs every time"
+    assert len([f for f in again if isinstance(f, bytes)]) == 2
+
+
+async def test_save_image_websocket_sends_type_4_to_an_owner_with_preview_metadata(box: Box) -> None:
+    async with box.ws("swm") as ws:
+        await first_frame(ws)
+        await ws.send(json.dumps({"type": "feature_flags", "data": {"supports_preview_metadata": True}}))
+        await first_frame(ws)
+        pid = await box.post_prompt(ws_graph(batch=1), "swm")
+        frames = await until_end(ws, pid)
+    (frame,) = [f for f in frames if isinstance(f, bytes)]
+    kind, length = struct.unpack(">II", frame[:8])
+    assert kind == 4 and frame[8 + length:][:4] == b"\x89PNG"
+    assert json.loads(frame[8:8 + length]) == {"node_id": "2", "prompt_id": pid, "display_node_id": "2",
+                                               "parent_node_id": None, "real_node_id": "2", "image_type": "image/png"}
+    at = frames.index(frame)
+    assert types(frames)[at - 1:at + 2] == ["progress_state", "binary", "progress"], "type 4 goes before progress"
+
+
+async def test_object_info_has_save_image_websocket(box: Box) -> None:
+    info = (await box.http.get("/object_info/SaveImageWebsocket")).json()["SaveImageWebsocket"]
+    assert info["output_node"] is True and info["output"] == [] and info["category"] == "api/image"
+    assert info["input"]["required"] == {"images": ["IMAGE", {}]}
+    assert info["python_module"] == "custom_nodes.websocket_image_save"
+
+
 # -- queue, history, interrupt ----------------------------------------------------------------------
 
 async def test_queue_runs_in_number_order_and_shows_five_element_items(box: Box) -> None:
@@ -278,7 +331,8 @@ async def test_queue_runs_in_number_order_and_shows_five_element_items(box: Box)
         queue = (await box.http.get("/api/queue")).json()
         assert [i[1] for i in queue["queue_running"]] == [long_id]
         running = queue["queue_running"][0]
-        assert len(running) == 5 and running[0] == 0 and running[3] == {"client_id": "q"} and running[4] == ["9"]
+        assert len(running) == 5 and running[0] == 0 and running[4] == ["9"]
+        assert running[3] == {"client_id": "q", "create_time": running[3]["create_time"]}
         assert sorted(i[1] for i in queue["queue_pending"]) == sorted([*later, front])
         assert (await box.http.get("/prompt")).json() == {"exec_info": {"queue_remaining": 4}}
         assert (await box.http.post("/interrupt", json={"prompt_id": long_id})).content == b""
@@ -328,7 +382,8 @@ async def test_history_entry_shape_paging_and_unknown_id(box: Box) -> None:
         ids.append(await box.post_prompt(image_graph(), "h"))
         await box.history(ids[-1])
     entry = (await box.http.get(f"/history/{ids[0]}")).json()[ids[0]]
-    assert entry["prompt"][1] == ids[0] and entry["prompt"][3] == {"client_id": "h"} and entry["prompt"][4] == ["2"]
+    assert entry["prompt"][1] == ids[0] and entry["prompt"][4] == ["2"]
+    assert list(entry["prompt"][3]) == ["client_id", "create_time"] and entry["prompt"][3]["client_id"] == "h"
     assert entry["outputs"]["2"]["images"][0]["type"] == "output"
     assert entry["meta"] == {"2": {"node_id": "2", "display_node": "2", "parent_node": None, "real_node_id": "2"}}
     assert [m[0] for m in entry["status"]["messages"]] == ["execution_start", "execution_cached", "execution_success"]
@@ -340,6 +395,68 @@ async def test_history_entry_shape_paging_and_unknown_id(box: Box) -> None:
     assert list((await box.http.get("/history")).json()) == ids[1:]
     await box.http.post("/history", json={"clear": True})
     assert (await box.http.get("/history")).json() == {}
+
+
+# -- jobs API (0.8.0) -------------------------------------------------------------------------------
+
+async def test_jobs_lists_a_finished_prompt_with_its_preview_and_pagination(box: Box) -> None:
+    pid = await box.post_prompt(image_graph(prefix="jobs/run"), "j")
+    entry = await box.history(pid)
+    body = (await box.http.get("/api/jobs")).json()
+    assert body["pagination"] == {"offset": 0, "limit": None, "total": 1, "has_more": False}
+    (job,) = body["jobs"]
+    messages = dict(entry["status"]["messages"])
+    assert job == {"id": pid, "status": "completed", "priority": 0, "create_time": entry["prompt"][3]["create_time"],
+                   "execution_start_time": messages["execution_start"]["timestamp"],
+                   "execution_end_time": messages["execution_success"]["timestamp"], "outputs_count": 1,
+                   "preview_output": {**entry["outputs"]["2"]["images"][0], "nodeId": "2", "mediaType": "images"}}
+    one = (await box.http.get(f"/api/jobs/{pid}")).json()
+    assert one == {**job, "outputs": entry["outputs"], "execution_status": entry["status"],
+                   "workflow": {"prompt": entry["prompt"][2], "extra_data": entry["prompt"][3]}}
+    assert (await box.http.get("/api/api/jobs")).json() == body, "the route's /api gets the /api prefix too"
+    r = await box.http.get("/jobs")
+    assert (r.status_code, r.content) == (404, b""), "there is no /jobs without the prefix"
+    r = await box.http.get("/api/jobs/no-such-job")
+    assert (r.status_code, r.json()) == (404, {"error": "Job not found"})
+
+
+async def test_jobs_shows_running_and_pending_prompts_filters_sorts_and_pages(box: Box) -> None:
+    long_id = await box.post_prompt(txt2img(steps=2000), "jp")
+    await until(lambda: _running(box), "the long prompt to start")
+    pending = [await box.post_prompt(image_graph(), "jp") for _ in range(2)]
+    jobs = (await box.http.get("/api/jobs")).json()["jobs"]
+    assert [(j["id"], j["status"]) for j in jobs] == [(pending[1], "pending"), (pending[0], "pending"),
+                                                      (long_id, "in_progress")], "newest create_time first"
+    assert set(jobs[0]) == {"id", "status", "priority", "create_time", "outputs_count"} and jobs[0]["outputs_count"] == 0
+    page = (await box.http.get("/api/jobs", params={"status": "pending", "sort_order": "asc", "limit": 1})).json()
+    assert [j["id"] for j in page["jobs"]] == [pending[0]]
+    assert page["pagination"] == {"offset": 0, "limit": 1, "total": 2, "has_more": True}
+    assert (await box.http.get(f"/api/jobs/{long_id}")).json()["status"] == "in_progress"
+    await box.http.post("/interrupt", json={"prompt_id": long_id})
+    await box.history(long_id)
+    stopped = (await box.http.get(f"/api/jobs/{long_id}")).json()
+    assert stopped["status"] == "failed" and "execution_error" not in stopped, "0.8.0: an interrupted job is failed"
+
+
+async def test_jobs_reports_an_execution_error(box: Box) -> None:
+    box.sim.fail_next_prompt_with_oom()
+    pid = await box.post_prompt(txt2img())
+    await box.history(pid)
+    job = (await box.http.get("/api/jobs", params={"status": "failed"})).json()["jobs"][0]
+    assert job["id"] == pid and job["status"] == "failed"
+    assert job["execution_error"]["exception_type"] == "torch.OutOfMemoryError" and job["outputs_count"] == 0
+
+
+@pytest.mark.parametrize(("params", "message"), [
+    ({"status": "done"}, "Invalid status value(s): done. Valid values: pending, in_progress, completed, failed"),
+    ({"sort_by": "name"}, "sort_by must be 'created_at' or 'execution_duration'"),
+    ({"sort_order": "up"}, "sort_order must be 'asc' or 'desc'"),
+    ({"limit": "x"}, "limit must be an integer"), ({"limit": "0"}, "limit must be a positive integer"),
+    ({"offset": "x"}, "offset must be an integer"),
+])
+async def test_jobs_rejects_bad_parameters_with_400(box: Box, params: dict[str, str], message: str) -> None:
+    r = await box.http.get("/api/jobs", params=params)
+    assert (r.status_code, r.json()) == (400, {"error": message})
 
 
 # -- memory: OOM, /free -----------------------------------------------------------------------------
@@ -472,7 +589,8 @@ async def test_system_stats_has_the_exact_shape_and_reads_the_simulated_gpu(box:
     stats = (await box.http.get("/api/system_stats")).json()
     assert list(stats) == ["system", "devices"] and len(stats["devices"]) == 1
     system = stats["system"]
-    assert system["os"] == "posix" and system["comfyui_version"] == "0.3.64" and system["argv"] == ["main.py"]
+    assert system["os"] == "linux", "sys.platform, as the real 0.8.0 answered"
+    assert system["comfyui_version"] == "0.3.64" and system["argv"] == ["main.py"]
     assert isinstance(system["python_version"], str) and system["embedded_python"] is False
     device = stats["devices"][0]
     assert device["name"] == "cuda:0 Simulated RTX 4090 : cudaMallocAsync" and device["type"] == "cuda"
@@ -555,6 +673,113 @@ async def test_validation_errors_have_the_observed_bodies_and_still_count_number
     assert r.headers["content-type"].startswith("application/json")
 
 
+def saved(images: Any) -> dict[str, Any]:
+    """An EmptyImage -> SaveImage graph whose SaveImage.images input is `images`."""
+    return {**image_graph(), "2": {"class_type": "SaveImage", "inputs": {"images": images, "filename_prefix": "x"}}}
+
+
+async def test_a_link_to_a_missing_node_is_an_exception_during_validation(box: Box) -> None:
+    r = await box.http.post("/prompt", json={"prompt": saved(["99", 0])})
+    assert r.status_code == 400
+    body = r.json()
+    assert body["error"] == {"type": "prompt_outputs_failed_validation", "message": "Prompt outputs failed validation",
+                             "details": "Exception when validating node: '99'", "extra_info": {}}
+    (error,) = body["node_errors"]["2"]["errors"]
+    assert body["node_errors"]["2"]["dependent_outputs"] == ["2"] and body["node_errors"]["2"]["class_type"] == "SaveImage"
+    assert (error["type"], error["message"], error["details"]) == ("exception_during_validation",
+                                                                   "Exception when validating node", "'99'")
+    assert error["extra_info"]["exception_type"] == "KeyError"
+    assert all(isinstance(line, str) for line in error["extra_info"]["traceback"]) and error["extra_info"]["traceback"]
+    assert (await box.http.get("/queue")).json()["queue_pending"] == [] and box.sim.executed == 0, "nothing ran"
+
+
+async def test_a_bad_link_further_up_is_an_inner_exception_on_the_node_that_holds_it(box: Box) -> None:
+    graph = txt2img()
+    graph["8"]["inputs"]["samples"] = ["99", 0]
+    r = await box.http.post("/prompt", json={"prompt": graph})
+    assert r.status_code == 400 and r.json()["error"]["details"] == "", "the output's own inputs are fine"
+    errors = r.json()["node_errors"]
+    assert list(errors) == ["8"] and errors["8"]["dependent_outputs"] == ["9"]
+    (error,) = errors["8"]["errors"]
+    assert error["type"] == "exception_during_inner_validation" and error["details"] == "'99'"
+    extra = error["extra_info"]
+    assert extra["input_name"] == "images" and extra["input_config"] == ["IMAGE", {}] and extra["linked_node"] == ["8", 0]
+    assert extra["exception_type"] == "KeyError" and extra["exception_message"] == "'99'"
+
+
+@pytest.mark.parametrize(("images", "kind", "details"), [
+    (["1", 3], "exception_during_validation", "tuple index out of range"),
+    (["1"], "bad_linked_input", "images"),
+    (["1", 0, 1], "bad_linked_input", "images"),
+])
+async def test_malformed_links_fail_like_execution_py(box: Box, images: list[Any], kind: str, details: str) -> None:
+    r = await box.http.post("/prompt", json={"prompt": saved(images)})
+    error = r.json()["node_errors"]["2"]["errors"][0]
+    assert r.status_code == 400 and (error["type"], error["details"]) == (kind, details)
+
+
+async def test_a_link_of_the_wrong_type_is_a_return_type_mismatch(box: Box) -> None:
+    graph = txt2img()
+    graph["9"]["inputs"]["images"] = ["4", 0]  # the checkpoint's MODEL into SaveImage.images
+    r = await box.http.post("/prompt", json={"prompt": graph})
+    error = r.json()["node_errors"]["9"]["errors"][0]
+    assert error["type"] == "return_type_mismatch"
+    assert error["details"] == "images, received_type(MODEL) mismatch input_type(IMAGE)"
+    assert error["extra_info"] == {"input_name": "images", "input_config": ["IMAGE", {}], "received_type": "MODEL",
+                                   "linked_node": ["4", 0]}
+
+
+async def test_widget_values_are_converted_like_python_and_bad_ones_are_invalid_input_type(box: Box) -> None:
+    graph = image_graph()
+    graph["1"]["inputs"]["width"] = "abc"
+    r = await box.http.post("/prompt", json={"prompt": graph})
+    error = r.json()["node_errors"]["1"]["errors"][0]
+    assert error["type"] == "invalid_input_type" and error["message"] == "Failed to convert an input value to a INT value"
+    assert error["details"] == "width, abc, invalid literal for int() with base 10: 'abc'"
+    graph["1"]["inputs"]["width"] = "64"
+    entry = await box.history(await box.post_prompt(graph))
+    assert entry["prompt"][2]["1"]["inputs"]["width"] == 64, "ComfyUI stores the converted value in the prompt"
+
+
+@pytest.mark.parametrize(("body", "status", "kind"), [
+    ([], 400, "no_prompt"), (["client_id"], 400, "no_prompt"), ("text", 400, "no_prompt"),
+    ({"prompt": []}, 400, "prompt_no_outputs"), ({"prompt": ""}, 400, "prompt_no_outputs"),
+    (5, 500, None), (None, 500, None), (["prompt"], 500, None), ({"prompt": ["1"]}, 500, None),
+    ({"prompt": 5}, 500, None), ({"prompt": {"1": 5}}, 500, None), ({"prompt": {"1": "no class"}}, 400, "invalid_prompt"),
+])
+async def test_prompt_bodies_of_other_json_types_get_what_server_py_does(box: Box, body: Any, status: int,
+                                                                         kind: str | None) -> None:
+    r = await box.http.post("/prompt", content=json.dumps(body), headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    if kind is None:
+        assert r.headers["content-type"].startswith("text/plain")
+    else:
+        assert r.json()["error"]["type"] == kind
+
+
+async def test_a_list_body_still_counts_a_number(box: Box) -> None:
+    await box.http.post("/prompt", json=[])
+    await box.http.post("/prompt", json=5)  # raises before the counter
+    r = await box.http.post("/prompt", json={"prompt": image_graph()})
+    assert r.json()["number"] == 1
+
+
+async def test_partial_execution_targets_pick_outputs_before_validation(box: Box) -> None:
+    r = await box.http.post("/prompt", json={"prompt": image_graph(), "partial_execution_targets": ["7"]})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "prompt_no_outputs"
+    graph = {**image_graph(), "3": {"class_type": "PreviewImage", "inputs": {}}}
+    r = await box.http.post("/prompt", json={"prompt": graph, "partial_execution_targets": ["2"]})
+    assert r.status_code == 200 and r.json()["node_errors"] == {}, "the invalid output was never a target"
+
+
+async def test_queue_and_history_carry_create_time_but_not_the_api_keys(box: Box) -> None:
+    before = int(time.time() * 1000)
+    pid = await box.post_prompt(image_graph(), "k", extra_data={"api_key_comfy_org": "secret", "extra_pnginfo": {}})
+    extra = (await box.history(pid))["prompt"][3]
+    assert list(extra) == ["extra_pnginfo", "client_id", "create_time"]
+    assert before <= extra["create_time"] <= int(time.time() * 1000)
+
+
 async def test_partially_valid_prompt_is_queued_with_node_errors(box: Box) -> None:
     graph = {**image_graph(), "3": {"class_type": "PreviewImage", "inputs": {}}}
     r = await box.http.post("/prompt", json={"prompt": graph})
@@ -623,6 +848,35 @@ async def test_catalogue_routes_answer_under_both_prefixes(box: Box) -> None:
         assert (await box.http.get(f"{prefix}/queue")).json() == {"queue_running": [], "queue_pending": []}
     r = await box.http.get("/")
     assert r.status_code == 200 and "<html" in r.text
+
+
+async def test_models_lists_latent_upscale_models_after_upscale_models(box: Box) -> None:
+    folders = (await box.http.get("/models")).json()
+    assert folders[folders.index("upscale_models") + 1] == "latent_upscale_models"
+    assert (await box.http.get("/api/models/latent_upscale_models")).json() == []
+
+
+@pytest.mark.parametrize("path", ["/nope", "/api/nope", "/interrupt", "/api/free", "/prompt/", "/api"])
+async def test_a_get_no_route_takes_is_a_404_with_an_empty_body(box: Box, path: str) -> None:
+    for method in ("GET", "HEAD"):
+        r = await box.http.request(method, path)
+        assert (r.status_code, r.content) == (404, b""), (method, path)
+
+
+@pytest.mark.parametrize(("method", "path", "allow"), [
+    ("POST", "/nope", "GET,HEAD"), ("DELETE", "/prompt", "GET,HEAD,POST"), ("PUT", "/api/interrupt", "GET,HEAD,POST"),
+    ("POST", "/system_stats", "GET,HEAD"), ("PATCH", "/", "GET,HEAD"),
+])
+async def test_other_methods_get_aiohttps_405_text_with_allow(box: Box, method: str, path: str, allow: str) -> None:
+    r = await box.http.request(method, path)
+    assert (r.status_code, r.text, r.headers["allow"]) == (405, "405: Method Not Allowed", allow)
+    assert r.headers["content-type"] == "text/plain; charset=utf-8"
+
+
+async def test_options_is_answered_by_the_middleware_on_any_path(box: Box) -> None:
+    for path in ("/prompt", "/nope"):
+        r = await box.http.options(path)
+        assert (r.status_code, r.content) == (200, b""), path
 
 
 def test_from_scenario_converts_gib_and_rejects_unknown_keys() -> None:

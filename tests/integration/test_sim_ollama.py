@@ -113,10 +113,34 @@ async def test_ollama_client_pull_streams_progress_and_adds_the_model(sim: Ollam
     layer = next(p for p in lines if p.status and p.status.startswith("pulling ") and p.total)
     assert layer.digest and layer.digest.startswith("sha256:") and layer.status == f"pulling {layer.digest[7:19]}"
     tags = {m.model: m.size for m in (await client.list()).models}
-    assert tags["phi3:mini"] == 2 * GIB, "unknown names pull as 2 GiB"
+    assert tags["phi3:mini"] == 2_200_000_000, "the simulated registry's phi3:mini"
     deleted = await client.delete("phi3:mini")
     assert deleted.status == "success"
     assert "phi3:mini" not in {m.model for m in (await client.list()).models}
+
+
+async def test_pulling_a_model_the_registry_does_not_have_fails_after_the_manifest_line(sim: OllamaSim,
+                                                                                     http: httpx.AsyncClient) -> None:
+    r = await http.post("/api/pull", json={"model": "no-such-model"})
+    assert (r.status_code, r.headers["content-type"]) == (200, "application/x-ndjson")
+    assert [json.loads(line) for line in r.text.splitlines()] == [
+        {"status": "pulling manifest"}, {"error": "pull model manifest: file does not exist"}]
+    r = await http.post("/api/pull", json={"model": "no-such-model", "stream": False})
+    assert (r.status_code, r.headers["content-type"]) == (500, "application/json")
+    assert r.json() == {"error": "pull model manifest: file does not exist"}
+    with pytest.raises(ollama.ResponseError, match="file does not exist"):
+        [p async for p in await ollama.AsyncClient(host=url(sim)).pull("no-such-model", stream=True)]
+    assert "no-such-model:latest" not in {m["name"] for m in (await http.get("/api/tags")).json()["models"]}
+    await http.post("/api/copy", json={"source": "llama3.2", "destination": "mine"})
+    r = await http.post("/api/pull", json={"model": "mine", "stream": False})
+    assert r.status_code == 500, "a local copy is not in the registry"
+    r = await http.post("/api/pull", json={"model": "QWEN2.5:7b", "stream": False})
+    assert (r.status_code, r.json(), r.headers["content-type"]) == (200, {"status": "success"}, "application/json")
+
+
+def test_scenario_registry_replaces_the_default_one() -> None:
+    cfg = OllamaSimConfig.from_scenario({"models": [], "registry": [{"name": "mine", "size_gb": 1.5}]})
+    assert cfg.registry is not None and [(m.name, m.size_bytes) for m in cfg.registry] == [("mine:latest", int(1.5 * GIB))]
 
 
 # -- official openai client -------------------------------------------------------------------------
@@ -168,8 +192,10 @@ async def test_model_is_listed_in_ps_while_loading_and_nothing_written_before(gp
             await sim.wait_until(lambda: "qwen2.5:7b" in sim._sched.runners)
             ps = (await http.get("/api/ps")).json()["models"]
             assert [m["name"] for m in ps] == ["qwen2.5:7b"] and not task.done()
+            assert ps[0]["size_vram"] == ps[0]["size"] == 4 * GIB, "Ollama's estimate from the start of the load"
             proc = next(p for p in gpu.read().processes if p.name == "ollama_llama_server")
             assert "runner --model /root/.ollama/models/blobs/sha256-" in proc.cmdline
+            assert proc.used_bytes is not None and proc.used_bytes < 4 * GIB, "the real VRAM is still growing"
             r = await task
             assert r.status_code == 200 and json.loads(r.text.splitlines()[-1])["load_duration"] >= 0.3e9
             assert sim.loads == 1 and sim.loaded() == {"qwen2.5:7b": 4 * GIB}
@@ -221,6 +247,24 @@ async def test_spill_loads_what_fits_and_reports_size_vram_below_size(gpu: Simul
             (entry,) = (await http.get("/api/ps")).json()["models"]
             assert entry["size"] == 4 * GIB and entry["size_vram"] == 3 * GIB, "spilled 1 GiB to CPU"
             assert gpu.used_by(foreign) == 5 * GIB
+    finally:
+        await sim.stop()
+
+
+async def test_spill_layout_is_fixed_at_the_start_so_a_foreign_allocation_meanwhile_is_an_oom(
+        gpu: SimulatedGpu) -> None:
+    foreign = gpu.spawn("python", "python main.py --listen", used_bytes=2 * GIB)
+    sim, base = await started(gpu, fast_config(load_gbps=4 * GIB / 1e9 / 0.4))
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=10) as http:
+            task = asyncio.create_task(http.post("/api/generate", json={"model": "qwen2.5:7b", "prompt": "x"}))
+            await sim.wait_until(lambda: "qwen2.5:7b" in sim._sched.runners)
+            (entry,) = (await http.get("/api/ps")).json()["models"]
+            assert (entry["size"], entry["size_vram"]) == (4 * GIB, 4 * GIB)
+            gpu.allocate(foreign, 3 * GIB)  # ComfyUI takes the room the layout counted on
+            r = await task
+            assert (r.status_code, r.json()) == (500, {"error": "llama runner process has terminated: "
+                                                                 "cudaMalloc failed: out of memory"})
     finally:
         await sim.stop()
 
@@ -325,6 +369,98 @@ async def test_keep_alive_is_sticky_and_expiry_unloads(sim: OllamaSim, http: htt
     assert gpu.free_bytes() == gpu.total_bytes
 
 
+# -- request decoding (Go's encoding/json) ----------------------------------------------------------
+
+@pytest.mark.parametrize(("path", "body", "message"), [
+    ("/api/generate", {"model": "llama3.2", "prompt": 5},
+     "json: cannot unmarshal number into Go struct field GenerateRequest.prompt of type string"),
+    ("/api/generate", {"model": "llama3.2", "stream": "no"},
+     "json: cannot unmarshal string into Go struct field GenerateRequest.stream of type bool"),
+    ("/api/generate", {"model": "llama3.2", "context": [1, 2.5]},
+     "json: cannot unmarshal number 2.5 into Go struct field GenerateRequest.context of type int"),
+    ("/api/generate", {"model": "llama3.2", "options": [1]},
+     "json: cannot unmarshal array into Go struct field GenerateRequest.options of type map[string]interface {}"),
+    ("/api/generate", [{"model": "llama3.2"}], "json: cannot unmarshal array into Go value of type api.GenerateRequest"),
+    ("/api/generate", {"model": "llama3.2", "prompt": 5, "keep_alive": "5d"}, 'time: unknown unit "d" in duration "5d"'),
+    ("/api/generate", {"model": "llama3.2", "think": "max"},
+     'invalid think value: "max" (must be "high", "medium", "low", true, or false)'),
+    ("/api/generate", {"model": "llama3.2", "think": 1}, 'think must be a boolean or string ("high", "medium", "low")'),
+    ("/api/chat", {"model": "llama3.2", "messages": [{"role": "user", "content": 5}]},
+     "json: cannot unmarshal number into Go struct field ChatRequest.messages.content of type string"),
+    ("/api/chat", {"model": "llama3.2", "messages": "hi"},
+     "json: cannot unmarshal string into Go struct field ChatRequest.messages of type []api.Message"),
+    ("/api/chat", {"model": "llama3.2", "messages": ["hi"]},
+     "json: cannot unmarshal string into Go struct field ChatRequest.messages of type api.Alias"),
+    ("/api/chat", {"model": "llama3.2", "tools": [{"function": {"name": 5}}]},
+     "json: cannot unmarshal number into Go struct field ToolFunction.tools.function.name of type string"),
+    ("/api/embed", {"model": "nomic-embed-text", "input": "x", "dimensions": "8"},
+     "json: cannot unmarshal string into Go struct field EmbedRequest.dimensions of type int"),
+    ("/api/embeddings", {"model": "nomic-embed-text", "prompt": ["x"]},
+     "json: cannot unmarshal array into Go struct field EmbeddingRequest.prompt of type string"),
+    ("/api/pull", {"model": 5}, "json: cannot unmarshal number into Go struct field PullRequest.model of type string"),
+    ("/api/show", {"model": True}, "json: cannot unmarshal bool into Go struct field ShowRequest.model of type string"),
+    ("/api/copy", {"source": "llama3.2", "destination": {}},
+     "json: cannot unmarshal object into Go struct field CopyRequest.destination of type string"),
+])
+async def test_wrong_json_types_are_400_with_gos_unmarshal_text(sim: OllamaSim, http: httpx.AsyncClient, path: str,
+                                                               body: object, message: str) -> None:
+    r = await http.post(path, json=body)
+    assert (r.status_code, r.json()) == (400, {"error": message})
+    assert sim.loads == 0
+
+
+async def test_keys_match_case_insensitively_and_bytes_after_the_json_are_ignored(http: httpx.AsyncClient) -> None:
+    r = await http.post("/api/generate", json={"Model": "llama3.2", "PROMPT": "hi", "Stream": False})
+    assert r.status_code == 200 and r.json()["done_reason"] == "stop" and r.json()["model"] == "llama3.2"
+    r = await http.post("/api/generate", content=b'{"model": "llama3.2", "stream": false, "prompt": "x"} trailing')
+    assert r.status_code == 200 and r.json()["response"]
+    r = await http.post("/api/generate", content=b"null")
+    assert (r.status_code, r.json()) == (404, {"error": "model '' not found"}), "null decodes to the zero request"
+
+
+# -- capabilities -----------------------------------------------------------------------------------
+
+async def test_think_on_a_model_without_thinking_is_400_before_loading(sim: OllamaSim, http: httpx.AsyncClient) -> None:
+    r = await http.post("/api/generate", json={"model": "llama3.2", "prompt": "x", "think": True})
+    assert (r.status_code, r.json()) == (400, {"error": "registry.ollama.ai/library/llama3.2:latest does not support thinking"})
+    r = await http.post("/api/chat", json={"model": "llama3.2", "think": True})
+    assert r.status_code == 400 and r.json()["error"].endswith(" does not support thinking"), "load-only too"
+    r = await http.post("/api/generate", json={"model": "llama3.2", "prompt": "x", "think": "high"})
+    assert (r.status_code, r.json()) == (400, {"error": 'think value "high" is not supported for this model'})
+    assert sim.loads == 0
+    r = await http.post("/api/generate", json={"model": "llama3.2", "prompt": "x", "think": False, "stream": False})
+    assert r.status_code == 200, "think false is fine"
+
+
+async def test_missing_capabilities_are_joined_and_completion_comes_first(http: httpx.AsyncClient) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    r = await http.post("/api/chat", json={"model": "llama3.2", "messages": [{"role": "user", "content": "x"}],
+                                           "tools": tools, "think": True})
+    assert r.json() == {"error": "registry.ollama.ai/library/llama3.2:latest does not support tools\nthinking"}
+    r = await http.post("/api/generate", json={"model": "llama3.2", "prompt": "x", "suffix": "y"})
+    assert r.json() == {"error": "registry.ollama.ai/library/llama3.2:latest does not support insert"}
+    r = await http.post("/api/generate", json={"model": "nomic-embed-text", "prompt": "x", "think": True})
+    assert r.json() == {"error": '"nomic-embed-text" does not support generate'}
+
+
+async def test_a_thinking_model_accepts_think(gpu: SimulatedGpu) -> None:
+    qwen3 = SimModel("qwen3:8b", GIB, family="qwen3", capabilities=("completion", "thinking"))
+    sim, base = await started(gpu, fast_config(models=(qwen3,)))
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=10) as http:
+            r = await http.post("/api/chat", json={"model": "qwen3:8b", "think": True, "stream": False,
+                                                   "messages": [{"role": "user", "content": "x"}]})
+            assert r.status_code == 200 and r.json()["done_reason"] == "stop"
+    finally:
+        await sim.stop()
+
+
+async def test_chat_unloads_for_any_keep_alive_under_a_second_generate_only_for_zero(http: httpx.AsyncClient) -> None:
+    assert (await http.post("/api/chat", json={"model": "llama3.2", "keep_alive": 0.5})).json()["done_reason"] == "unload"
+    r = await http.post("/api/generate", json={"model": "llama3.2", "keep_alive": 0.5})
+    assert r.json()["done_reason"] == "load", "GenerateHandler tests the duration for exactly 0"
+
+
 # -- streaming edge cases ---------------------------------------------------------------------------
 
 async def test_error_after_first_chunk_is_an_error_line_without_done(sim: OllamaSim,
@@ -382,6 +518,32 @@ async def test_unknown_path_and_wrong_method_bodies(http: httpx.AsyncClient) -> 
     assert (await http.get("/api/version")).json() == {"version": "0.12.3"}
 
 
+async def test_a_trailing_slash_redirects_like_gin_301_for_get_307_otherwise(http: httpx.AsyncClient) -> None:
+    r = await http.get("/api/tags/")
+    assert (r.status_code, r.headers["location"], r.headers["content-type"]) == (301, "/api/tags", "text/html; charset=utf-8")
+    assert r.text == '<a href="/api/tags">Moved Permanently</a>.\n\n'
+    r = await http.post("/api/generate/", json={"model": "llama3.2"})
+    assert (r.status_code, r.headers["location"], r.content) == (307, "/api/generate", b"")
+    assert "content-type" not in r.headers
+    r = await http.head("/api/version/")
+    assert (r.status_code, r.headers["location"], r.headers["content-type"]) == (307, "/api/version", "text/html; charset=utf-8")
+    r = await http.get("/v1/models/llama3.2:latest/", params={"x": "1"})
+    assert (r.status_code, r.headers["location"]) == (301, "/v1/models/llama3.2:latest?x=1")
+    followed = await http.post("/api/generate/", json={"model": "llama3.2"}, follow_redirects=True)
+    assert followed.json()["done_reason"] == "load", "307 keeps the method and the body"
+
+
+async def test_trailing_slash_redirect_comes_before_the_host_check_and_takes_a_forwarded_prefix(
+        http: httpx.AsyncClient) -> None:
+    r = await http.get("/api/tags/", headers={"Host": "llm.example.com"})
+    assert r.status_code == 301, "the router redirects before any middleware runs"
+    r = await http.get("/api/tags/", headers={"X-Forwarded-Prefix": "/ollama/"})
+    assert r.headers["location"] == "/ollama/api/tags"
+    r = await http.get("/api/generate/")
+    assert (r.status_code, r.text) == (404, "404 page not found"), "not routed for GET even without the slash"
+    assert (await http.get("/api/nothing/")).status_code == 404
+
+
 async def test_delete_and_copy_answer_empty_200(http: httpx.AsyncClient) -> None:
     r = await http.post("/api/copy", json={"source": "llama3.2", "destination": "mine"})
     assert r.status_code == 200 and r.content == b""
@@ -414,6 +576,12 @@ async def test_tags_shape_digest_and_local_time(http: httpx.AsyncClient) -> None
     assert len(entry["digest"]) == 64 and all(c in "0123456789abcdef" for c in entry["digest"])
     assert datetime.fromisoformat(entry["modified_at"]).tzinfo is not None
     assert entry["details"]["format"] == "gguf" and entry["size"] == LLAMA.size_bytes
+
+
+async def test_show_omits_what_is_empty(http: httpx.AsyncClient) -> None:
+    shown = (await http.post("/api/show", json={"model": "llama3.2"})).json()
+    assert list(shown) == ["modelfile", "parameters", "template", "details", "model_info", "capabilities",
+                           "modified_at"], "omitempty: no license, no tensors"
 
 
 async def test_embedding_only_model_refuses_generate(http: httpx.AsyncClient) -> None:
