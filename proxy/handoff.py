@@ -23,6 +23,7 @@ from .arbiter import Plan, TenantState, Verdict, Waiter, gib, schedule, unplanne
 from .attribution import AttributedSnapshot
 from .clock import Clock
 from .decisions import Decision, DecisionLog
+from .tasks import sleep_or_wake
 from .tenants import Registry, Tenant
 
 log = logging.getLogger("hyperswap.handoff")
@@ -192,7 +193,7 @@ class HandoffQueue:
                                     promised, self.fx.clock.now(), settings.starvation_after_s)
                 if await self._apply(verdicts, snap):
                     continue
-                await self._pause(self._next_pause())
+                await sleep_or_wake(self.fx.clock, self._next_pause(), self._wake)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # never leave a waiter hanging on a broken pass
@@ -220,17 +221,6 @@ class HandoffQueue:
         next_aging = min((t.waiter.arrived_at + starvation for t in self._tickets.values()
                           if t.waiter.arrived_at + starvation > now), default=now + REPLAN_S)
         return max(0.0, min(REPLAN_S, first_deadline - now, next_aging - now))
-
-    async def _pause(self, seconds: float) -> None:
-        if self._wake.is_set():
-            return
-        sleeper = asyncio.ensure_future(self.fx.clock.sleep(seconds))
-        waker = asyncio.ensure_future(self._wake.wait())
-        try:
-            await asyncio.wait({sleeper, waker}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            sleeper.cancel()
-            waker.cancel()
 
     async def _apply(self, verdicts: tuple[Verdict, ...], snap: AttributedSnapshot) -> bool:
         """Carry out one pass. True when anyone left the queue (the next pass sees a new state)."""

@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterator, Literal, Mapping
 
-from .tasks import cancel_and_wait
+from .tasks import cancel_and_wait, sleep_or_wake
 from .clock import Clock, SystemClock
 
 log = logging.getLogger("hyperswap.inflight")
@@ -204,20 +204,9 @@ class JobPoller:
     def check_soon(self) -> None:
         self._soon.set()
 
-    async def _pause(self) -> None:
-        if self._soon.is_set():
-            return
-        sleeper = asyncio.ensure_future(self.clock.sleep(self.interval_s))
-        poke = asyncio.ensure_future(self._soon.wait())
-        try:
-            await asyncio.wait({sleeper, poke}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            sleeper.cancel()
-            poke.cancel()
-
     async def _run(self) -> None:
         while self.inflight.jobs(self.tenant):
-            await self._pause()
+            await sleep_or_wake(self.clock, self.interval_s, self._soon)
             self._soon.clear()
             jobs = self.inflight.jobs(self.tenant)
             try:

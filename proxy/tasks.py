@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 from typing import Any, Iterable
 
+from .clock import Clock
+
 
 async def cancel_and_wait(tasks: "asyncio.Task[Any] | Iterable[asyncio.Task[Any]] | None") -> None:
     """Cancel, then wait until each task has really finished (so nothing runs after stop())."""
@@ -17,3 +19,16 @@ async def cancel_and_wait(tasks: "asyncio.Task[Any] | Iterable[asyncio.Task[Any]
     for task in group:
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+async def sleep_or_wake(clock: Clock, seconds: float, wake: asyncio.Event) -> None:
+    """Sleep on the injected clock, or less if `wake` is set meanwhile (or already is)."""
+    if wake.is_set():
+        return
+    sleeper = asyncio.ensure_future(clock.sleep(seconds))
+    waker = asyncio.ensure_future(wake.wait())
+    try:
+        await asyncio.wait({sleeper, waker}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        sleeper.cancel()
+        waker.cancel()

@@ -28,12 +28,7 @@ class ComfyUIAdapter(EngineAdapter):
         return self.classify(method, path) == "gpu"
 
     def job_id_from_response(self, status: int, body: bytes) -> str | None:
-        if status != 200:
-            return None
-        try:
-            data = json.loads(body)
-        except ValueError:
-            return None
+        data = _ok_json(status, body)
         pid = data.get("prompt_id") if isinstance(data, dict) else None
         return pid if isinstance(pid, str) and pid else None
 
@@ -70,12 +65,7 @@ class ComfyUIAdapter(EngineAdapter):
 
     def job_ids_from_queue(self, status: int, body: bytes) -> frozenset[str] | None:
         # {"queue_running": [[number, prompt_id, graph, extra, outputs], ...], "queue_pending": [...]}
-        if status != 200:
-            return None
-        try:
-            data = json.loads(body)
-        except ValueError:
-            return None
+        data = _ok_json(status, body)
         if not isinstance(data, dict):
             return None
         ids = set()
@@ -88,3 +78,13 @@ class ComfyUIAdapter(EngineAdapter):
 
     def drops_jobs(self, method: str, path: str) -> bool:
         return method.upper() == "POST" and path.rstrip("/") in QUEUE_ROUTES
+
+
+def _ok_json(status: int, body: bytes) -> object:
+    """The JSON of a 200 answer; None for any other status or a body that is not JSON."""
+    if status != 200:
+        return None
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
