@@ -72,6 +72,14 @@ async def ttfb(client: httpx.AsyncClient, url: str, model: str = MODEL) -> float
     return elapsed
 
 
+async def start_box(watchdog: bool = False) -> Demo:
+    """The bench scenario, every port picked by the system."""
+    demo = await start_demo(scenario(), sim_ports={"ollama": 0, "comfyui": 0},
+                            proxy_ports={"ollama": 0, "comfyui": 0, "admin": 0}, watchdog=watchdog)
+    assert demo.proxy and demo.box.ollama and demo.box.comfyui
+    return demo
+
+
 async def reset(demo: Demo, client: httpx.AsyncClient) -> None:
     """Ollama holds nothing (unloaded through the proxy, as a client would, so it knows the model left
     the card) and ComfyUI holds the large checkpoint, idle."""
@@ -84,8 +92,7 @@ async def reset(demo: Demo, client: httpx.AsyncClient) -> None:
 
 
 async def main(rounds: int) -> dict[str, object]:
-    demo = await start_demo(scenario(), sim_ports={"ollama": 0, "comfyui": 0},
-                            proxy_ports={"ollama": 0, "comfyui": 0, "admin": 0}, watchdog=False)
+    demo = await start_box()
     assert demo.proxy and demo.box.ollama and demo.box.comfyui
     comfy_direct = demo.box.servers["comfyui"].url
     ollama_direct = demo.box.servers["ollama"].url
@@ -138,8 +145,7 @@ async def _render_until_end(base: str, steps: int, started: asyncio.Event) -> fl
 
 
 async def wait_for_busy(rounds: int) -> dict[str, object]:
-    demo = await start_demo(scenario(), sim_ports={"ollama": 0, "comfyui": 0},
-                            proxy_ports={"ollama": 0, "comfyui": 0, "admin": 0}, watchdog=False)
+    demo = await start_box()
     assert demo.proxy and demo.box.ollama and demo.box.comfyui
     comfy_direct, ollama_direct = demo.box.servers["comfyui"].url, demo.box.servers["ollama"].url
     gpu, floor = demo.box.gpu, demo.box.comfyui.config.context_floor_bytes
@@ -185,8 +191,7 @@ async def resident(rounds: int) -> dict[str, object]:
     small = "llama3.2:3b"
     out: dict[str, object] = {"rounds": rounds, "model": small}
     for reader in ("simulated", "broken"):
-        demo = await start_demo(scenario(), sim_ports={"ollama": 0, "comfyui": 0},
-                                proxy_ports={"ollama": 0, "comfyui": 0, "admin": 0}, watchdog=True)
+        demo = await start_box(watchdog=True)
         assert demo.proxy
         if reader == "broken":
             demo.proxy.arbitration.reader = _BrokenReader()

@@ -18,7 +18,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from .arbiter import Plan, PlanMode, TenantState, gib, plan_release, unplanned_plan
+from .arbiter import Plan, PlanMode, TenantState, gib, plan_release, promised_by_tenant, unplanned_plan
 from .attribution import AttributedProcess, AttributedSnapshot, Attributor
 from .clock import Clock
 from .decisions import DecisionLog
@@ -199,13 +199,6 @@ class Arbitration:
         """An admitted load under this key has not finished reaching the card."""
         return key in self._reservations
 
-    def promised_by_tenant(self, snap: AttributedSnapshot, except_key: str = "") -> dict[str, int]:
-        out: dict[str, int] = {}
-        for key, (tenant, n) in self.promised(snap).items():
-            if key != except_key:
-                out[tenant] = out.get(tenant, 0) + n
-        return out
-
     async def plan(self, requester: str, need_bytes: int, key: str = "",
                    snap: AttributedSnapshot | None = None, *, mode: PlanMode = "request") -> tuple[Plan, AttributedSnapshot]:
         """The plan a request would get now (the dry run of `GET /api/plan`, the watchdog's relief)."""
@@ -214,27 +207,8 @@ class Arbitration:
         if not snap.snapshot.device.size_known:  # as the handoff queue does: forwarded without a plan
             return unplanned_plan(requester, need_bytes), snap
         plan = plan_release(snap, self.registry, self.states(snap), requester, need_bytes,
-                            promised=self.promised_by_tenant(snap, key or requester), mode=mode)
+                            promised=promised_by_tenant(self.promised(snap), key or requester), mode=mode)
         return plan, snap
-
-    async def reclaim(self, requester: str, need_bytes: int, trigger: str, *, key: str = "",
-                      kind: str = "plan", mode: PlanMode = "request",
-                      snap: AttributedSnapshot | None = None) -> Handoff:
-        """Plan and, if needed and possible now, execute. Callers hold `handoff_lock`."""
-        plan, snap = await self.plan(requester, need_bytes, key, snap, mode=mode)
-        if not plan.starved:
-            return Handoff(plan, [], None, snap)
-        if not plan.feasible:
-            return Handoff(plan, [], self.decisions.record("rejection", requester, trigger, plan.to_json()), snap)
-        return await self._release_all(plan, snap, trigger, kind)
-
-    async def _release_all(self, plan: Plan, snap: AttributedSnapshot, trigger: str, kind: str) -> Handoff:
-        decision = self.decisions.record(kind, plan.requester, trigger, plan.to_json())  # type: ignore[arg-type]
-        results = [await self.execute_release(self.registry.get(r.tenant), r.expected_free_bytes, snap)
-                   for r in plan.releases]
-        self.decisions.update(decision, releases=[r.to_json() for r in results],
-                              ok=all(r.confirmed for r in results))
-        return Handoff(plan, results, decision, snap)
 
     async def execute_release(self, tenant: Tenant, expected: int, before: AttributedSnapshot | None = None) -> ReleaseResult:
         """Ask, then confirm on the GPU: done when the memory is back, never on the engine's 200 (invariant 6)."""
@@ -268,9 +242,16 @@ class Arbitration:
         return snap, self.states(snap), self.promised(snap)
 
     async def carry_out(self, plan: Plan, snap: AttributedSnapshot, trigger: str, kind: str) -> Handoff:
-        # Runs in the queue's own task: a release is never cut half way by a client leaving.
+        """Record the plan, run its releases under the handoff lock, record how they went. The queue
+        calls it from its own task (a release is never cut half way by a client leaving), the
+        watchdog for a spill's relief."""
         async with self.handoff_lock:
-            return await self._release_all(plan, snap, trigger, kind)
+            decision = self.decisions.record(kind, plan.requester, trigger, plan.to_json())  # type: ignore[arg-type]
+            results = [await self.execute_release(self.registry.get(r.tenant), r.expected_free_bytes, snap)
+                       for r in plan.releases]
+            self.decisions.update(decision, releases=[r.to_json() for r in results],
+                                  ok=all(r.confirmed for r in results))
+        return Handoff(plan, results, decision, snap)
 
     def reserve(self, key: str, handoff: Handoff) -> None:
         plan = handoff.plan
@@ -354,8 +335,8 @@ def blockers_json(handoff: Handoff) -> list[dict[str, Any]]:
 
 def _refusal_fix(handoff: Handoff) -> str:
     reasons = {b.reason for b in handoff.plan.blockers}
-    total = handoff.snapshot.snapshot.device.total_bytes if handoff.snapshot else 0
-    if total and handoff.plan.need_bytes > total:
+    device = handoff.snapshot.snapshot.device if handoff.snapshot else None
+    if device is not None and device.total_bytes and handoff.plan.need_bytes > device.total_bytes - device.reserved_bytes:
         return "use a smaller model or quantisation: no release on this card can free that much"
     fixes = []
     if "unmanaged" in reasons:
@@ -403,12 +384,12 @@ class GpuAdmission:
     client_id, read back from ComfyUI's own /history entry.
     """
 
-    def __init__(self, arbitration: Arbitration) -> None:
+    def __init__(self, arbitration: Arbitration, adapter: Callable[[Tenant], EngineAdapter] = adapter_for) -> None:
         self.arb = arbitration
+        self._adapter = adapter  # the forwarder's per-tenant adapters
         self._requeued: dict[str, str] = {}  # new prompt id -> the OOM'd prompt it retries
         self._seen_oom: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._adapters: dict[str, EngineAdapter] = {}
         self._closed = False
 
     def on_frame(self, tenant: Tenant, text: str) -> None:
@@ -564,12 +545,6 @@ class GpuAdmission:
             else:
                 self.arb.settle(handoff)
             self.arb.settle(retry)
-
-    def _adapter(self, tenant: Tenant) -> EngineAdapter:
-        adapter = self._adapters.get(tenant.name)
-        if adapter is None or adapter.tenant is not tenant:
-            adapter = self._adapters[tenant.name] = adapter_for(tenant)
-        return adapter
 
     def _record_retry(self, tenant: Tenant, handoff: Handoff | None, result: str) -> None:
         if handoff is not None and handoff.decision is not None:

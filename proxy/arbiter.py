@@ -385,7 +385,8 @@ def queue_order(waiters: Iterable[Waiter], now: float, starvation_after_s: float
     return sorted(waiters, key=rank)
 
 
-def _promised_except(claims: Mapping[str, tuple[str, int]], key: str) -> dict[str, int]:
+def promised_by_tenant(claims: Mapping[str, tuple[str, int]], key: str) -> dict[str, int]:
+    """Load key -> (tenant, bytes) summed per tenant, leaving out the load `key` itself."""
     out: dict[str, int] = defaultdict(int)
     for k, (tenant, n) in claims.items():
         if k != key and n > 0:
@@ -418,7 +419,7 @@ def schedule(snap: AttributedSnapshot, registry: Registry, states: Mapping[str, 
     claimers: list[Waiter] = []  # waiters ahead in this pass that run or count on memory
     out: list[Verdict] = []
     for w in queue_order(waiters, now, starvation_after_s):
-        plan = plan_release(snap, registry, states, w.tenant, w.need_bytes, promised=_promised_except(claims, w.key))
+        plan = plan_release(snap, registry, states, w.tenant, w.need_bytes, promised=promised_by_tenant(claims, w.key))
         ahead = holding_back.get(w.tenant)
         if not plan.possible:
             out.append(Verdict(w, "refuse", plan, plan.explanation))

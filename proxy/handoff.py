@@ -115,7 +115,6 @@ class HandoffQueue:
         self._tickets: dict[int, _Ticket] = {}
         self._wake = asyncio.Event()
         self._driver: asyncio.Task[None] | None = None
-        self.waits_s: list[float] = []  # finished waits, drained by the metrics collector
 
     # -- the request side ------------------------------------------------------------------------
     @property
@@ -270,8 +269,6 @@ class HandoffQueue:
         self._tickets.pop(ticket.waiter.id, None)
         admitted.handoff.waited_s = self.fx.clock.now() - ticket.waiter.arrived_at
         if ticket.queued is not None:
-            self.waits_s.append(admitted.handoff.waited_s)
-            del self.waits_s[:-1024]
             ended = {"run": "admitted", "refuse": "refused (507)", "timeout": "timed out (503)"}[admitted.outcome]
             self.fx.decisions.update(ticket.queued, result=ended, waited_s=round(admitted.handoff.waited_s, 3),
                                      ended_by=admitted.handoff.decision.id if admitted.handoff.decision else None,

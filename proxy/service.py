@@ -95,7 +95,7 @@ class Proxy:
         self.decisions = DecisionLog(self.clock)
         self.arbitration = Arbitration(self.registry, self.reader, self.inflight, self.clock, self.decisions)
         self.watchdog = Watchdog(self.arbitration)
-        self.admission = GpuAdmission(self.arbitration)
+        self.admission = GpuAdmission(self.arbitration, self.forwarder.adapter)
         self.token = admin_token(self.registry)
         factories = default_extensions() if self.extension_factories is None else self.extension_factories
         self.extensions = [make(self) for make in factories]

@@ -216,9 +216,7 @@ class Watchdog:
                 for p in placements:
                     p.reported = True
             return
-        async with self.arb.handoff_lock:
-            handoff = await self.arb.reclaim(name, need, f"watchdog: {models} spilling to the CPU",
-                                             key=memory.load_key(tenant, first), kind="spill", mode="relief")
+        handoff = await self.arb.carry_out(plan, snap, f"watchdog: {models} spilling to the CPU", "spill")
         self.arb.queue.kick()
         if handoff.releases:
             report.actions.append(f"{name}: spill of {models}: released {[r.tenant for r in handoff.releases]}")

@@ -205,7 +205,7 @@ async def test_a_waiter_is_admitted_the_moment_its_blocker_goes_idle_without_pol
     assert admitted.outcome == "run" and clock.now() == 100.0, "woken by the event, not by a timer"
     assert fx.log == [("read",), ("read",), ("release", ("comfyui",)), ("reserve", "ollama:gemma")]
     assert queued.outcome["result"] == "admitted" and queued.outcome["ended_by"] == admitted.handoff.decision.id
-    assert queue.empty and queue.waits_s == [0.0]
+    assert queue.empty and queued.outcome["waited_s"] == 0.0
 
 
 async def test_the_wait_ends_with_a_timeout_naming_what_it_waited_for(clock: ManualClock) -> None:
