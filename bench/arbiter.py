@@ -19,8 +19,8 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from proxy.arbiter import TenantState, plan_release  # noqa: E402
-from proxy.attribution import Attributor  # noqa: E402
+from proxy.handoff.arbiter import TenantState, plan_release  # noqa: E402
+from proxy.gpu.attribution import Attributor  # noqa: E402
 from proxy.sim.gpu import SimulatedGpu  # noqa: E402
 from proxy.tenants import GIB, MIB, Registry, registry_from_dict  # noqa: E402
 

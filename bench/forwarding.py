@@ -103,7 +103,7 @@ class _SpliceDown(asyncio.Protocol):
 
 async def serve(role: str, upstream: str | None) -> None:
     sys.path.insert(0, str(ROOT))
-    from proxy.servers import settle_heap, start_server
+    from proxy.relay.servers import settle_heap, start_server
 
     if role == "splice":
         assert upstream is not None
@@ -115,9 +115,9 @@ async def serve(role: str, upstream: str | None) -> None:
     if role == "upstream":
         app = upstream_app()
     else:
-        from proxy.forward import Forwarder
-        from proxy.inflight import InFlight
-        from proxy.listener import tenant_app
+        from proxy.relay.forward import Forwarder
+        from proxy.handoff.inflight import InFlight
+        from proxy.relay.listener import tenant_app
         from proxy.tenants import Tenant
 
         tenant = Tenant(name="bench", engine="ollama", upstream=upstream)

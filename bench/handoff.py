@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from proxy.demo import Demo, comfy_prompt, run_prompt, start_demo  # noqa: E402
-from proxy.gpu import GpuReadError, GpuSnapshot  # noqa: E402
+from proxy.gpu.snapshot import GpuReadError, GpuSnapshot  # noqa: E402
 from proxy.sim.box import Scenario, load_scenario  # noqa: E402
 from proxy.tenants import GIB  # noqa: E402
 

@@ -85,10 +85,10 @@ async def serve_upstream(stream_s: float, gap_s: float) -> None:
 
 async def serve_proxy(upstream: str) -> None:
     sys.path.insert(0, str(ROOT))
-    from proxy.forward import Forwarder
-    from proxy.inflight import InFlight
-    from proxy.listener import tenant_app
-    from proxy.servers import settle_heap, start_server
+    from proxy.relay.forward import Forwarder
+    from proxy.handoff.inflight import InFlight
+    from proxy.relay.listener import tenant_app
+    from proxy.relay.servers import settle_heap, start_server
     from proxy.tenants import Tenant
 
     tenant = Tenant(name="soak", engine="ollama", upstream=upstream)

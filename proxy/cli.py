@@ -13,13 +13,13 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence, TextIO
 
-from . import __version__
-from .errors import HyperSwapError
-from .tenants import field_value, load_registry
-from .visibility import start_notice
+from proxy import __version__
+from proxy.errors import HyperSwapError
+from proxy.tenants import field_value, load_registry
+from proxy.gpu.visibility import start_notice
 
 if TYPE_CHECKING:
-    from .service import Proxy
+    from proxy.service import Proxy
 
 
 def cmd_tenants(args: argparse.Namespace) -> int:
@@ -52,7 +52,7 @@ def _log_decisions() -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import demo_main
+    from proxy.demo import demo_main
 
     if not args.check:
         _log_decisions()
@@ -83,9 +83,9 @@ async def serve(proxy: Proxy, stop: asyncio.Event, ports: Mapping[str, int] | No
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .nvml import NvmlReader
-    from .servers import settle_heap
-    from .service import Proxy
+    from proxy.gpu.nvml import NvmlReader
+    from proxy.relay.servers import settle_heap
+    from proxy.service import Proxy
 
     registry = load_registry(args.config)
     _log_decisions()
@@ -101,13 +101,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from .health import check_main
+    from proxy.admin.health import check_main
 
     return check_main(args.config, args.admin, args.json)
 
 
 def cmd_mcp(args: argparse.Namespace) -> int:
-    from .mcp_server import mcp_main
+    from proxy.admin.mcp_tools import mcp_main
 
     return mcp_main(args.config, args.admin)
 

@@ -18,10 +18,10 @@ from typing import Any, Awaitable, Callable, Mapping
 import httpx
 from websockets.asyncio.client import connect as ws_connect
 
-from .servers import settle_heap
-from .service import Proxy
-from .sim.box import Scenario, SimBox, load_scenario
-from .tenants import GIB, registry_from_dict
+from proxy.relay.servers import settle_heap
+from proxy.service import Proxy
+from proxy.sim.box import Scenario, SimBox, load_scenario
+from proxy.tenants import GIB, registry_from_dict
 
 DEFAULT_SIM_PORTS = {"ollama": 21434, "comfyui": 28188}
 

@@ -14,19 +14,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-from .admin import AdminApi
-from .admission import Arbitration, GpuAdmission
-from .clock import Clock, SystemClock
-from .decisions import DecisionLog
-from .errors import ConfigError
-from .extensions import Extension, ExtensionFactory, default_extensions
-from .forward import Forwarder
-from .gpu import GpuReader
-from .inflight import InFlight
-from .listener import tenant_app
-from .servers import DRAIN_S, RunningServer, split_host_port, start_server, stop_servers
-from .tenants import Registry
-from .watchdog import Watchdog
+from proxy.admin.api import AdminApi
+from proxy.handoff.admission import Arbitration, GpuAdmission
+from proxy.clock import Clock, SystemClock
+from proxy.handoff.decisions import DecisionLog
+from proxy.errors import ConfigError
+from proxy.admin.extensions import Extension, ExtensionFactory, default_extensions
+from proxy.relay.forward import Forwarder
+from proxy.gpu.snapshot import GpuReader
+from proxy.handoff.inflight import InFlight
+from proxy.relay.listener import tenant_app
+from proxy.relay.servers import DRAIN_S, RunningServer, split_host_port, start_server, stop_servers
+from proxy.tenants import Registry
+from proxy.handoff.watchdog import Watchdog
 
 log = logging.getLogger("hyperswap")
 

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 from typing import Any, Iterable
 
-from .clock import Clock
+from proxy.clock import Clock
 
 
 async def cancel_and_wait(tasks: "asyncio.Task[Any] | Iterable[asyncio.Task[Any]] | None") -> None:

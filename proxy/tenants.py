@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from .errors import ConfigError, UnknownTenant
+from proxy.errors import ConfigError, UnknownTenant
 
 GIB = 2**30
 MIB = 2**20

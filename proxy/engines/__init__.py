@@ -5,11 +5,11 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Mapping
 
-from ..tenants import Tenant
-from .base import EngineAdapter, RequestKind, strip_hop_by_hop
-from .comfyui import ComfyUIAdapter
-from .generic import GenericAdapter
-from .ollama import OllamaAdapter
+from proxy.tenants import Tenant
+from proxy.engines.base import EngineAdapter, RequestKind, strip_hop_by_hop
+from proxy.engines.comfyui import ComfyUIAdapter
+from proxy.engines.generic import GenericAdapter
+from proxy.engines.ollama import OllamaAdapter
 
 ADAPTERS: Mapping[str, type[EngineAdapter]] = MappingProxyType({
     "ollama": OllamaAdapter,

@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Literal, Sequence
 from urllib.parse import urlsplit
 
-from ..hosts import HostPolicy, listener_policy
-from ..tenants import Tenant
+from proxy.relay.hosts import HostPolicy, listener_policy
+from proxy.tenants import Tenant
 
 RequestKind = Literal["gpu", "passthrough"]
 # Raw bytes as ASGI and the wire carry them (latin-1); no decode/encode per request on the relay path.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from .base import EngineAdapter, RequestKind
+from proxy.engines.base import EngineAdapter, RequestKind
 
 PROMPT_ROUTES = frozenset({"/prompt", "/api/prompt"})
 QUEUE_ROUTES = frozenset({"/queue", "/api/queue"})  # POST {"delete": [...]} / {"clear": true}

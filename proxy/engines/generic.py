@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import EngineAdapter
+from proxy.engines.base import EngineAdapter
 
 
 class GenericAdapter(EngineAdapter):

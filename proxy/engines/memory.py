@@ -15,8 +15,8 @@ from typing import Any, Mapping
 
 import httpx
 
-from ..gpu import DeviceMemory
-from ..tenants import GIB, Tenant
+from proxy.gpu.snapshot import DeviceMemory
+from proxy.tenants import GIB, Tenant
 
 log = logging.getLogger("hyperswap.engines")
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Sequence
 
-from ..tenants import GIB
+from proxy.tenants import GIB
 
 # "unknown": neither the process's environment nor the systemd unit could be read, so the value is
 # not known (never presented as a default nobody checked).

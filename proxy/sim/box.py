@@ -10,11 +10,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..errors import ConfigError
-from ..servers import RunningServer
-from .comfyui import ComfySim, ComfySimConfig
-from .gpu import GIB, SimulatedGpu
-from .ollama import OllamaSim, OllamaSimConfig
+from proxy.errors import ConfigError
+from proxy.relay.servers import RunningServer
+from proxy.sim.comfyui import ComfySim, ComfySimConfig
+from proxy.sim.gpu import GIB, SimulatedGpu
+from proxy.sim.ollama import OllamaSim, OllamaSimConfig
 
 SCENARIOS = Path(__file__).with_name("scenarios")
 

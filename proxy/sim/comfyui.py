@@ -30,13 +30,13 @@ from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketClose, WebSocketDisconnect
 
-from ..clock import Clock, SystemClock
-from ..servers import RunningServer, start_server
-from .comfyui_nodes import (Accepted, NodeClass, Rejected, Unhandled, catalogue, dependencies, execution_order,
+from proxy.clock import Clock, SystemClock
+from proxy.relay.servers import RunningServer, start_server
+from proxy.sim.comfyui_nodes import (Accepted, NodeClass, Rejected, Unhandled, catalogue, dependencies, execution_order,
                             validate)
-from .comfyui_jobs import BadQuery, find_job, list_jobs, parse_query
-from .comfyui_wire import AIOHTTP_500, FAKE_JPEG, OriginAndSizeMiddleware, parse_multipart, png_bytes
-from .gpu import SimulatedGpu, SimulatedOutOfMemory
+from proxy.sim.comfyui_jobs import BadQuery, find_job, list_jobs, parse_query
+from proxy.sim.comfyui_wire import AIOHTTP_500, FAKE_JPEG, OriginAndSizeMiddleware, parse_multipart, png_bytes
+from proxy.sim.gpu import SimulatedGpu, SimulatedOutOfMemory
 
 GIB = 2**30
 JSON = dict[str, Any]

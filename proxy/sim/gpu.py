@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..gpu import DeviceMemory, GpuProcess, GpuSnapshot
+from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot
 
 GIB = 2**30
 

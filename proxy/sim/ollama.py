@@ -19,12 +19,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..clock import Clock, SystemClock
-from ..servers import RunningServer, start_server
-from .gpu import GIB, SimulatedGpu
-from .ollama_decode import CHAT, COPY, DELETE, EMBED, EMBEDDING, GENERATE, PULL, SHOW, GoJSONError, Struct, decode
-from .ollama_sched import CONTEXT_LENGTH, ApiError, Lease, MemoryShort, Scheduler
-from .ollama_wire import (CORS_ALLOW_HEADERS, CORS_ALLOW_METHODS, KeepAliveError, dumps, embedding,
+from proxy.clock import Clock, SystemClock
+from proxy.relay.servers import RunningServer, start_server
+from proxy.sim.gpu import GIB, SimulatedGpu
+from proxy.sim.ollama_decode import CHAT, COPY, DELETE, EMBED, EMBEDDING, GENERATE, PULL, SHOW, GoJSONError, Struct, decode
+from proxy.sim.ollama_sched import CONTEXT_LENGTH, ApiError, Lease, MemoryShort, Scheduler
+from proxy.sim.ollama_wire import (CORS_ALLOW_HEADERS, CORS_ALLOW_METHODS, KeepAliveError, dumps, embedding,
                           host_allowed, model_digest, normalise_name, ns, origin_allowed, parse_keep_alive,
                           parse_keep_alive_env, qualified_name, rfc3339_nano, trailing_slash_redirect)
 

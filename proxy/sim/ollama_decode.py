@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .ollama_wire import KeepAliveError, parse_keep_alive
+from proxy.sim.ollama_wire import KeepAliveError, parse_keep_alive
 
 JSON = dict[str, Any]
 _INT64 = range(-(2**63), 2**63)

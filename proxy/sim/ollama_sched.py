@@ -13,9 +13,9 @@ import math
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Literal
 
-from ..clock import Clock
-from .gpu import SimulatedGpu, SimulatedOutOfMemory
-from .ollama_wire import GO_MAX_DURATION_S, blob_digest
+from proxy.clock import Clock
+from proxy.sim.gpu import SimulatedGpu, SimulatedOutOfMemory
+from proxy.sim.ollama_wire import GO_MAX_DURATION_S, blob_digest
 
 RUNNER_NAME = "ollama_llama_server"
 RUNNER_PATH = "/usr/local/lib/ollama/runners/cuda_v12/ollama_llama_server"

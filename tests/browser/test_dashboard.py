@@ -14,9 +14,9 @@ from playwright.async_api import BrowserContext, Dialog, Page
 from websockets.asyncio.client import connect as ws_connect
 
 from proxy.demo import Demo, comfy_prompt, run_prompt
-from proxy.gpu import GpuReadError
+from proxy.gpu.snapshot import GpuReadError
 from proxy.sim.box import fast_scenario as fast
-from proxy.telemetry import Telemetry
+from proxy.admin.telemetry import Telemetry
 from proxy.tenants import GIB
 
 DemoFactory = Callable[..., Awaitable[Demo]]

@@ -7,7 +7,7 @@ import httpx
 import pytest
 from boxes import DemoFactory
 
-from proxy.openapi import openapi_document
+from proxy.admin.openapi import openapi_document
 
 
 # One box per test (starting one costs about a second); the bad values are looped over inside.

@@ -10,10 +10,10 @@ import httpx
 import pytest
 from websockets.asyncio.client import connect as ws_connect
 
-from proxy.arbiter import Plan
-from proxy.handoff import Handoff
+from proxy.handoff.arbiter import Plan
+from proxy.handoff.queue import Handoff
 from proxy.demo import comfy_prompt, run_prompt
-from proxy.gpu import GpuReadError
+from proxy.gpu.snapshot import GpuReadError
 from proxy.tenants import GIB
 
 from boxes import DemoFactory, fast
@@ -203,7 +203,7 @@ async def test_concurrent_loads_share_one_handoff(box: DemoFactory, http: httpx.
 
 async def test_client_leaving_during_a_release_lets_the_release_finish_and_holds_nothing(
         box: DemoFactory, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("proxy.departure.WATCH_AFTER_S", 0.0)
+    monkeypatch.setattr("proxy.relay.departure.WATCH_AFTER_S", 0.0)
     demo = await box("default")
     await run_prompt(demo.proxy.url("comfyui"), "flux1-dev-fp8.safetensors", http)
     leaving = asyncio.ensure_future(generate(http, demo, "gemma3:27b"))

@@ -12,10 +12,10 @@ import pytest
 from boxes import ALL_PORTS_ZERO, DemoFactory, fast
 from starlette.routing import Route
 
-from proxy.admin import AdminApi
+from proxy.admin.api import AdminApi
 from proxy.demo import Demo, run_prompt
-from proxy.events import EventsExtension, EventsSettings, _Subscriber, encode
-from proxy.openapi import OpenApiExtension, openapi_document
+from proxy.admin.events import EventsExtension, EventsSettings, _Subscriber, encode
+from proxy.admin.openapi import OpenApiExtension, openapi_document
 from proxy.service import Proxy
 from proxy.sim.box import SimBox
 from proxy.tenants import registry_from_dict

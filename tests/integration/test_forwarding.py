@@ -31,10 +31,10 @@ from starlette.websockets import WebSocket
 from websockets.asyncio.client import connect
 
 from proxy.clock import FakeClock
-from proxy.forward import Forwarder
-from proxy.inflight import InFlight
-from proxy.listener import tenant_app
-from proxy.servers import RunningServer, start_server
+from proxy.relay.forward import Forwarder
+from proxy.handoff.inflight import InFlight
+from proxy.relay.listener import tenant_app
+from proxy.relay.servers import RunningServer, start_server
 from proxy.tenants import Tenant, Timeouts
 
 SAFETY_S = 10.0  # only to turn a deadlock into a failure, never to measure
@@ -506,7 +506,7 @@ async def _raw_request(url: str, head: bytes) -> tuple[asyncio.StreamReader, asy
 async def test_body_still_uploading_after_the_answer_started_reaches_the_upstream_whole(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # While the client still sends, the disconnect watch must not read (and lose) body chunks.
-    monkeypatch.setattr("proxy.departure.WATCH_AFTER_S", 0.0)
+    monkeypatch.setattr("proxy.relay.departure.WATCH_AFTER_S", 0.0)
     async with stack("ollama", ollama_like) as (proxy, _, _, _):
         reader, writer = await _raw_request(proxy.url, b"POST /early HTTP/1.1\r\nHost: localhost\r\n"
                                                        b"Transfer-Encoding: chunked\r\n\r\n")

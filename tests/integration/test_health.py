@@ -16,10 +16,10 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
-from proxy.attribution import AttributedSnapshot
-from proxy.gpu import GpuReadError
-from proxy.health import EnvReaders, HealthEntry, HealthExtension, NamedCheck, check_main
-from proxy.servers import start_server
+from proxy.gpu.attribution import AttributedSnapshot
+from proxy.gpu.snapshot import GpuReadError
+from proxy.admin.health import EnvReaders, HealthEntry, HealthExtension, NamedCheck, check_main
+from proxy.relay.servers import start_server
 
 from boxes import DemoFactory, fast
 

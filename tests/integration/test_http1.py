@@ -10,7 +10,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from proxy.http1 import Pool, PoolTimeout, UpstreamClosed, UpstreamProtocolError
+from proxy.relay.http1 import Pool, PoolTimeout, UpstreamClosed, UpstreamProtocolError
 
 SAFETY_S = 5.0
 

@@ -17,11 +17,11 @@ from typing import AsyncIterator
 import pytest
 from websockets.asyncio.client import connect
 
-from proxy.forward import Forwarder
-from proxy.inbound import InboundLimits
-from proxy.inflight import InFlight
-from proxy.listener import tenant_app
-from proxy.servers import ACCEPT_FAILED, RunningServer, start_server
+from proxy.relay.forward import Forwarder
+from proxy.relay.inbound import InboundLimits
+from proxy.handoff.inflight import InFlight
+from proxy.relay.listener import tenant_app
+from proxy.relay.servers import ACCEPT_FAILED, RunningServer, start_server
 from proxy.tenants import Tenant
 
 SAFETY_S = 10.0
@@ -306,7 +306,7 @@ async def test_failed_accepts_are_logged_once_per_interval_without_tracebacks(ca
 CHILD = """
 import asyncio, os, resource, sys
 sys.path.insert(0, {root!r})
-from proxy.servers import start_server
+from proxy.relay.servers import start_server
 
 async def app(scope, receive, send):
     pass

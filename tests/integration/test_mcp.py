@@ -1,5 +1,5 @@
 """The MCP tools, driven by the official SDK's client: over streamable HTTP at /mcp on the demo box's
-admin listener, and over stdio against a subprocess `python -m proxy.mcp_server --admin URL`."""
+admin listener, and over stdio against a subprocess `python -m proxy.admin.mcp_tools --admin URL`."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ async def test_http_with_admin_token_refuses_calls_without_it(box: DemoFactory, 
 async def test_stdio_server_lists_tools_and_reads_tenants_of_a_running_proxy(box: DemoFactory) -> None:
     demo = await box("default")
     params = StdioServerParameters(command=sys.executable,
-                                   args=["-m", "proxy.mcp_server", "--admin", demo.proxy.url("admin")],
+                                   args=["-m", "proxy.admin.mcp_tools", "--admin", demo.proxy.url("admin")],
                                    cwd=str(REPO), env={"NO_PROXY": "127.0.0.1,localhost"})
     async with Client(params) as client:
         tools = {t.name for t in (await client.list_tools()).tools}
@@ -127,7 +127,7 @@ async def test_stdio_server_lists_tools_and_reads_tenants_of_a_running_proxy(box
 
 async def test_stdio_server_says_so_when_no_proxy_answers() -> None:
     # Port 1 on loopback: nothing listens there, so the connection is refused at once.
-    params = StdioServerParameters(command=sys.executable, args=["-m", "proxy.mcp_server", "--admin", "http://127.0.0.1:1"],
+    params = StdioServerParameters(command=sys.executable, args=["-m", "proxy.admin.mcp_tools", "--admin", "http://127.0.0.1:1"],
                                    cwd=str(REPO))
     async with Client(params) as client:
         result = await client.call_tool("tenants", {})

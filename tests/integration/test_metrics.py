@@ -9,8 +9,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.demo import comfy_prompt, run_prompt
-from proxy.metrics import Metrics
-from proxy.telemetry import Telemetry
+from proxy.admin.metrics import Metrics
+from proxy.admin.telemetry import Telemetry
 from proxy.tenants import GIB
 
 from boxes import DemoFactory, fast
@@ -140,7 +140,7 @@ async def test_history_survives_a_restart_and_vram_samples_and_loads_are_written
     assert tel.min_vram("ollama", 3600.0) is not None
     await demo.stop()  # flushes open windows, drains the queue
 
-    from proxy.telemetry import TelemetryStore
+    from proxy.admin.telemetry import TelemetryStore
     store = TelemetryStore(_telemetry_file)
     vram = store.query("vram", tenant="ollama")
     assert vram and max(r["max_bytes"] for r in vram) > 16 * GIB

@@ -29,10 +29,10 @@ from starlette.websockets import WebSocket
 
 from proxy.cli import main, serve
 from proxy.demo import run_prompt
-from proxy.gpu import GpuReadError
-from proxy.health import EnvReaders, HealthExtension
-from proxy.nvml import NvmlReader
-from proxy.servers import RunningServer, start_server
+from proxy.gpu.snapshot import GpuReadError
+from proxy.admin.health import EnvReaders, HealthExtension
+from proxy.gpu.nvml import NvmlReader
+from proxy.relay.servers import RunningServer, start_server
 from proxy.service import Proxy
 from proxy.sim.box import Scenario, SimBox
 from proxy.tenants import GIB, registry_from_dict

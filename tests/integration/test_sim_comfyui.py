@@ -15,7 +15,7 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import InvalidStatus
 
-from proxy.servers import RunningServer
+from proxy.relay.servers import RunningServer
 from proxy.sim.comfyui import OOM_MESSAGE, ComfySim, ComfySimConfig
 from proxy.sim.gpu import GIB, SimulatedGpu
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import copy
 from typing import Any, Mapping
 
-from proxy.arbiter import TenantState
-from proxy.attribution import AttributedProcess, AttributedSnapshot
-from proxy.gpu import DeviceMemory, GpuProcess, GpuSnapshot
+from proxy.handoff.arbiter import TenantState
+from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
+from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot
 from proxy.tenants import GIB, Registry, registry_from_dict
 
 MIB = 2**20

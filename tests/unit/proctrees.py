@@ -17,7 +17,7 @@ import struct
 from pathlib import Path
 from typing import Iterable
 
-from proxy.gpu import DeviceMemory, GpuProcess, GpuSnapshot, ProcessTree
+from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot, ProcessTree
 
 GIB = 2**30
 CLK_TCK = 100

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from cards import STT, TOTAL, busy, idle, registry, snap
-from proxy.arbiter import Plan, plan_release, starved
-from proxy.attribution import Attributor
+from proxy.handoff.arbiter import Plan, plan_release, starved
+from proxy.gpu.attribution import Attributor
 from proxy.tenants import GIB
 
 def released(plan: Plan) -> list[str]:

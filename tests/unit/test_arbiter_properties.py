@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cards import busy, idle, snap
-from proxy.arbiter import TenantState, plan_release
-from proxy.attribution import AttributedSnapshot
+from proxy.handoff.arbiter import TenantState, plan_release
+from proxy.gpu.attribution import AttributedSnapshot
 from proxy.tenants import GIB, Registry, registry_from_dict
 
 MIB = 2**20

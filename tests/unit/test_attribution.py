@@ -5,8 +5,8 @@ from __future__ import annotations
 import copy
 from typing import Any, Mapping
 
-from proxy.attribution import UNMANAGED, Attributor
-from proxy.gpu import DeviceMemory, GpuProcess, GpuSnapshot
+from proxy.gpu.attribution import UNMANAGED, Attributor
+from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot
 from proxy.tenants import GIB, Registry, registry_from_dict
 
 

@@ -10,10 +10,10 @@ from typing import Any, Mapping
 import pytest
 from proctrees import FakeProc, gpu_proc, snapshot
 
-from proxy.attribution import UNMANAGED, Attributor
-from proxy.gpu import ProcessTree
-from proxy.hosts import IpAddress
-from proxy.proctree import read_process_tree
+from proxy.gpu.attribution import UNMANAGED, Attributor
+from proxy.gpu.snapshot import ProcessTree
+from proxy.relay.hosts import IpAddress
+from proxy.gpu.proctree import read_process_tree
 from proxy.tenants import Registry, registry_from_dict
 
 OLLAMA_UID = 997  # Ollama's service user
@@ -188,11 +188,11 @@ async def test_the_proxys_snapshot_attributes_by_port_and_carries_the_notes(fp: 
     # the whole path the admission and the admin API use: NVML reader on a fixture /proc -> Arbitration
     from test_nvml import CLK_TCK, FakeNvml, entry
 
-    from proxy.admission import Arbitration
+    from proxy.handoff.admission import Arbitration
     from proxy.clock import FakeClock
-    from proxy.decisions import DecisionLog
-    from proxy.inflight import InFlight
-    from proxy.nvml import NvmlReader
+    from proxy.handoff.decisions import DecisionLog
+    from proxy.handoff.inflight import InFlight
+    from proxy.gpu.nvml import NvmlReader
 
     reg = registry({"ollama": {"upstream": "http://127.0.0.1:11434"},
                     "comfyui": {"upstream": "http://192.0.2.10:8188"}})  # TEST-NET: never this machine

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from starlette.requests import ClientDisconnect
 
-from proxy import departure
-from proxy.departure import ClientLink, body_chunks
+from proxy.relay import departure
+from proxy.relay.departure import ClientLink, body_chunks
 
 WITH_BODY = {"type": "http", "headers": [(b"content-length", b"8")]}
 NO_BODY = {"type": "http", "headers": []}

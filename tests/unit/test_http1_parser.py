@@ -9,7 +9,7 @@ from typing import Iterator
 
 import pytest
 
-from proxy.http1 import Pool, Response, UpstreamProtocolError, _Connection
+from proxy.relay.http1 import Pool, Response, UpstreamProtocolError, _Connection
 
 
 class MockTransport:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from proxy.clock import FakeClock
-from proxy.inflight import InFlight, JobFate, JobPoller
+from proxy.handoff.inflight import InFlight, JobFate, JobPoller
 
 
 async def settle() -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from proctrees import FakeProc
 
-from proxy.gpu import Listener
-from proxy.proctree import ProcTreeReader, parse_listeners, read_process_tree
+from proxy.gpu.snapshot import Listener
+from proxy.gpu.proctree import ProcTreeReader, parse_listeners, read_process_tree
 
 
 @pytest.fixture
@@ -115,7 +115,7 @@ def test_without_netlink_the_listeners_come_from_proc_net(fp: FakeProc, monkeypa
     def refused() -> tuple[Listener, ...]:
         raise PermissionError(1, "Operation not permitted")
 
-    monkeypatch.setattr("proxy.proctree.read_listeners_netlink", refused)
+    monkeypatch.setattr("proxy.gpu.proctree.read_listeners_netlink", refused)
     port = fp.listen("127.0.0.1", 11434)
     fp.process(800, "llmd", ["llmd"], sockets=[port])
     fp.write_net()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from proxy.openapi import openapi_document
+from proxy.admin.openapi import openapi_document
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from proxy.clock import FakeClock
-from proxy.residency import Residency
+from proxy.handoff.residency import Residency
 
 
 def test_an_answered_load_is_resident_until_it_goes_unconfirmed_for_fresh_s() -> None:

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 
 from cards import STT, busy, idle, registry, snap
-from proxy.arbiter import Plan, TenantState, Waiter, queue_order, schedule
-from proxy.attribution import AttributedSnapshot
-from proxy.decisions import DecisionLog
-from proxy.handoff import Admitted, Handoff, HandoffQueue, ReleaseResult
+from proxy.handoff.arbiter import Plan, TenantState, Waiter, queue_order, schedule
+from proxy.gpu.attribution import AttributedSnapshot
+from proxy.handoff.decisions import DecisionLog
+from proxy.handoff.queue import Admitted, Handoff, HandoffQueue, ReleaseResult
 from proxy.tenants import GIB, Registry
 
 # -- the pure decision --------------------------------------------------------------------------

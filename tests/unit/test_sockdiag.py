@@ -8,8 +8,8 @@ import struct
 
 import pytest
 
-from proxy.gpu import Listener
-from proxy.sockdiag import NLMSG_DONE, NLMSG_ERROR, SOCK_DIAG_BY_FAMILY, TCP_LISTEN, parse_messages, read_listeners_netlink
+from proxy.gpu.snapshot import Listener
+from proxy.gpu.sockdiag import NLMSG_DONE, NLMSG_ERROR, SOCK_DIAG_BY_FAMILY, TCP_LISTEN, parse_messages, read_listeners_netlink
 
 
 def message(kind: int, payload: bytes) -> bytes:

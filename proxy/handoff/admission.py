@@ -18,19 +18,19 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from .arbiter import Plan, PlanMode, TenantState, gib, plan_release, promised_by_tenant, unplanned_plan
-from .attribution import AttributedProcess, AttributedSnapshot, Attributor
-from .clock import Clock
-from .decisions import DecisionLog
-from .engines import EngineAdapter, adapter_for, memory, strip_hop_by_hop
-from .gpu import DeviceFigure, DeviceMemory, GpuProcess, GpuReader, GpuReadError, GpuSnapshot
-from .handoff import Admitted, Handoff, HandoffQueue, ReleaseResult
-from .inflight import InFlight, TenantTraffic
-from .residency import Residency
-from .tenants import GIB, MIB, Registry, Tenant
+from proxy.handoff.arbiter import Plan, PlanMode, TenantState, gib, plan_release, promised_by_tenant, unplanned_plan
+from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot, Attributor
+from proxy.clock import Clock
+from proxy.handoff.decisions import DecisionLog
+from proxy.engines import EngineAdapter, adapter_for, memory, strip_hop_by_hop
+from proxy.gpu.snapshot import DeviceFigure, DeviceMemory, GpuProcess, GpuReader, GpuReadError, GpuSnapshot
+from proxy.handoff.queue import Admitted, Handoff, HandoffQueue, ReleaseResult
+from proxy.handoff.inflight import InFlight, TenantTraffic
+from proxy.handoff.residency import Residency
+from proxy.tenants import GIB, MIB, Registry, Tenant
 
 if TYPE_CHECKING:
-    from .forward import UpstreamResponse
+    from proxy.relay.forward import UpstreamResponse
 
 log = logging.getLogger("hyperswap.admission")
 

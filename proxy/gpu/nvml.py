@@ -4,7 +4,7 @@ Blocking (C calls and /proc reads): callers run `read()` off the event loop, one
 Every failure becomes a `GpuReadError` with a health state and a fix; nothing else escapes `read()`.
 
 Process tree: the GPU processes' ancestors and the listening sockets they hold
-(`proxy.proctree`), read once per snapshot in the same thread, so attribution can go by the
+(`proxy.gpu.proctree`), read once per snapshot in the same thread, so attribution can go by the
 tenant's upstream port without touching /proc on the event loop.
 
 Process start time: field 22 of /proc/<pid>/stat (`starttime`, clock ticks since boot) divided by
@@ -21,9 +21,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Literal
 
-from .clock import Clock, SystemClock
-from .gpu import DeviceMemory, GpuProcess, GpuReadError, GpuSnapshot, ProcessTree
-from .proctree import FdLinks, ProcTreeReader, read_fd_links
+from proxy.clock import Clock, SystemClock
+from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuReadError, GpuSnapshot, ProcessTree
+from proxy.gpu.proctree import FdLinks, ProcTreeReader, read_fd_links
 
 CONTAINER_NOTE = ("GPU processes are not visible in this PID namespace (container?): "
                   "run with --pid=host / hostPID: true for per-process attribution")

@@ -38,11 +38,11 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 from websockets.asyncio.client import ClientConnection, connect
 from starlette.datastructures import Headers
 
-from . import http1
-from .engines import EngineAdapter, adapter_for, strip_hop_by_hop
-from .errors import HyperSwapError
-from .inbound import ABORT
-from .tenants import Tenant
+from proxy.relay import http1
+from proxy.engines import EngineAdapter, adapter_for, strip_hop_by_hop
+from proxy.errors import HyperSwapError
+from proxy.relay.inbound import ABORT
+from proxy.tenants import Tenant
 
 log = logging.getLogger("hyperswap.forward")
 

@@ -16,15 +16,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from .admission import Arbitration, ReleaseResult, gib
-from .engines import memory
-from .errors import HyperSwapError
-from .guards import AdminGuard
-from .hosts import listener_policy
-from .query import integer, optional_number
-from .tenants import GIB, MAX_GIB, Tenant
-from .visibility import device_json, tenant_vram
-from .watchdog import Watchdog
+from proxy.handoff.admission import Arbitration, ReleaseResult, gib
+from proxy.engines import memory
+from proxy.errors import HyperSwapError
+from proxy.relay.guards import AdminGuard
+from proxy.relay.hosts import listener_policy
+from proxy.admin.query import integer, optional_number
+from proxy.tenants import GIB, MAX_GIB, Tenant
+from proxy.gpu.visibility import device_json, tenant_vram
+from proxy.handoff.watchdog import Watchdog
 
 Handler = Callable[[Request], Awaitable[Response]]
 

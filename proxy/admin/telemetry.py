@@ -38,16 +38,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from .tasks import cancel_and_wait
-from .clock import Clock
-from .decisions import Decision
-from .errors import HyperSwapError
-from .query import integer, optional_number
-from .tenants import MIB
+from proxy.tasks import cancel_and_wait
+from proxy.clock import Clock
+from proxy.handoff.decisions import Decision
+from proxy.errors import HyperSwapError
+from proxy.admin.query import integer, optional_number
+from proxy.tenants import MIB
 
 if TYPE_CHECKING:
-    from .attribution import AttributedSnapshot
-    from .service import Proxy
+    from proxy.gpu.attribution import AttributedSnapshot
+    from proxy.service import Proxy
 
 log = logging.getLogger("hyperswap.telemetry")
 
@@ -627,7 +627,7 @@ def _rows(n: int) -> str:
 
 
 def _simulated(proxy: Proxy) -> bool:
-    from .sim.gpu import SimulatedGpu
+    from proxy.sim.gpu import SimulatedGpu
     return isinstance(proxy.reader, SimulatedGpu)
 
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import httpx
 
-from .tasks import cancel_and_wait
-from .admission import CONFIRM_SLACK_BYTES, Arbitration, gib
-from .engines import memory
-from .tenants import GIB, Tenant
+from proxy.tasks import cancel_and_wait
+from proxy.handoff.admission import CONFIRM_SLACK_BYTES, Arbitration, gib
+from proxy.engines import memory
+from proxy.tenants import GIB, Tenant
 
 log = logging.getLogger("hyperswap.watchdog")
 

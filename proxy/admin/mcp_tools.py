@@ -2,13 +2,13 @@
 
 One code path: every tool is a call to the admin API over HTTP, so the tools answer exactly what
 the REST API answers. Served two ways:
-- stdio (`python -m proxy.mcp_server --admin URL`, or `mcp_main`) against a running proxy; the
+- stdio (`python -m proxy.admin.mcp_tools --admin URL`, or `mcp_main`) against a running proxy; the
   admin token, when the proxy has one, comes from HYPERSWAP_ADMIN_TOKEN;
 - streamable HTTP at /mcp on the admin listener (`mcp_extension`), calling the admin API over
   loopback. When the proxy has a token the whole /mcp endpoint needs `Authorization: Bearer`.
 
-Named mcp_server.py, not mcp.py: inside the package a `proxy/mcp.py` would not shadow the SDK for
-absolute imports, but `python -m proxy.mcp` run from proxy/ or any sys.path slip would, and
+Named mcp_tools.py, not mcp.py: inside the package a `proxy/admin/mcp.py` would not shadow the SDK for
+absolute imports, but `python -m proxy.admin.mcp` run from proxy/admin/ or any sys.path slip would, and
 `from . import mcp` next to `import mcp` reads as a trap.
 """
 
@@ -32,11 +32,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
-from .openapi import DryRun, ReleaseResult, TenantList
-from .tenants import MAX_GIB
+from proxy.admin.openapi import DryRun, ReleaseResult, TenantList
+from proxy.tenants import MAX_GIB
 
 if TYPE_CHECKING:
-    from .service import Proxy
+    from proxy.service import Proxy
 
 TOKEN_ENV = "HYPERSWAP_ADMIN_TOKEN"
 TIMEOUT_S = 60.0  # a release waits for the GPU to show the memory back (release_timeout_s)
@@ -250,8 +250,8 @@ def mcp_extension(proxy: Proxy) -> McpExtension:
 def mcp_main(config: str | None, admin_url: str | None) -> int:
     """`hyperswap mcp`: the MCP tools over stdio, against the proxy whose admin listener is at
     `admin_url` (or the one `config`'s admin.listen names). Never writes to stdout but the protocol."""
-    from .errors import HyperSwapError
-    from .health import _admin_url
+    from proxy.errors import HyperSwapError
+    from proxy.admin.health import _admin_url
 
     try:
         base = _admin_url(config, admin_url)
@@ -269,7 +269,7 @@ def mcp_main(config: str | None, admin_url: str | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m proxy.mcp_server", description="HyperSwap MCP tools over stdio")
+    p = argparse.ArgumentParser(prog="python -m proxy.admin.mcp_tools", description="HyperSwap MCP tools over stdio")
     p.add_argument("--config", help="tenants.json whose admin.listen names the proxy")
     p.add_argument("--admin", help="admin API URL of a running proxy, e.g. http://127.0.0.1:11400")
     args = p.parse_args(argv)

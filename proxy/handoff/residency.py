@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from .clock import Clock
+from proxy.clock import Clock
 
 
 class Residency:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
-from .errors import HyperSwapError
+from proxy.errors import HyperSwapError
 
 
 class BadQuery(HyperSwapError):

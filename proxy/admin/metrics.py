@@ -46,12 +46,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from .decisions import Decision
-from .inflight import TenantTraffic
-from .visibility import tenant_vram, unmanaged_vram
+from proxy.handoff.decisions import Decision
+from proxy.handoff.inflight import TenantTraffic
+from proxy.gpu.visibility import tenant_vram, unmanaged_vram
 
 if TYPE_CHECKING:
-    from .service import Proxy
+    from proxy.service import Proxy
 
 # Handoffs on real cards take from a fraction of a second (Ollama unload) to tens (a big ComfyUI free).
 HANDOFF_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)

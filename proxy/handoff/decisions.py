@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
-from .clock import Clock
+from proxy.clock import Clock
 
 log = logging.getLogger("hyperswap.decisions")
 

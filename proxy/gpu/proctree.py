@@ -2,7 +2,7 @@
 
 Attribution by port needs two facts /proc gives: which process holds the listening socket of a
 tenant's upstream port (/proc/net/tcp and tcp6 list listening sockets, state 0A, with their inode,
-as does netlink sock_diag, much faster: `proxy.sockdiag`; /proc/<pid>/fd/* link to `socket:[inode]`),
+as does netlink sock_diag, much faster: `proxy.gpu.sockdiag`; /proc/<pid>/fd/* link to `socket:[inode]`),
 and which processes descend from it (field 4 of
 /proc/<pid>/stat is the parent). Only the GPU processes and their ancestors are read, never every
 process: a GPU process belongs to a port's owner exactly when the owner is in its lineage, so the
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-from .gpu import Listener, ProcessTree, ProcNode
-from .sockdiag import read_listeners_netlink
+from proxy.gpu.snapshot import Listener, ProcessTree, ProcNode
+from proxy.gpu.sockdiag import read_listeners_netlink
 
 LISTEN_STATE = "0A"  # TCP_LISTEN as /proc/net/tcp prints it
 MAX_DEPTH = 64  # a lineage longer than this is a loop or a fork bomb: stop reading
@@ -156,7 +156,7 @@ def _held(base: str, inodes: frozenset[int], fd_links: FdLinks) -> frozenset[int
 class ProcTreeReader:
     """Reads the tree once per snapshot, remembering what each process held (see the module doc).
 
-    Listeners come from netlink sock_diag when reading this machine's /proc (`proxy.sockdiag`: the
+    Listeners come from netlink sock_diag when reading this machine's /proc (`proxy.gpu.sockdiag`: the
     /proc/net files cost milliseconds on a large machine), from `<proc_root>/net` otherwise (fixture
     trees) or when netlink is not available."""
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import socket
 import struct
 
-from .gpu import Listener
+from proxy.gpu.snapshot import Listener
 
 NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20

@@ -20,7 +20,7 @@ from typing import Any, Iterator, Sequence
 import uvicorn
 from starlette.types import ASGIApp
 
-from .inbound import Guard, InboundLimits, Throttle
+from proxy.relay.inbound import Guard, InboundLimits, Throttle
 
 log = logging.getLogger("hyperswap.servers")
 

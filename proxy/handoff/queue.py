@@ -19,12 +19,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping, Protocol
 
-from .arbiter import Plan, TenantState, Verdict, Waiter, gib, schedule, unplanned_plan
-from .attribution import AttributedSnapshot
-from .clock import Clock
-from .decisions import Decision, DecisionLog
-from .tasks import sleep_or_wake
-from .tenants import Registry, Tenant
+from proxy.handoff.arbiter import Plan, TenantState, Verdict, Waiter, gib, schedule, unplanned_plan
+from proxy.gpu.attribution import AttributedSnapshot
+from proxy.clock import Clock
+from proxy.handoff.decisions import Decision, DecisionLog
+from proxy.tasks import sleep_or_wake
+from proxy.tenants import Registry, Tenant
 
 log = logging.getLogger("hyperswap.handoff")
 

@@ -39,9 +39,9 @@ from dataclasses import dataclass, replace
 from typing import Callable, Literal
 from urllib.parse import urlsplit
 
-from .gpu import GpuProcess, GpuSnapshot, Listener, ProcessTree, ProcNode
-from .hosts import IpAddress, is_local_address, parse_ip
-from .tenants import Registry, Tenant
+from proxy.gpu.snapshot import GpuProcess, GpuSnapshot, Listener, ProcessTree, ProcNode
+from proxy.relay.hosts import IpAddress, is_local_address, parse_ip
+from proxy.tenants import Registry, Tenant
 
 UNMANAGED = "unmanaged"
 COMM_MAX = 15  # TASK_COMM_LEN - 1 on Linux

@@ -29,15 +29,15 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
-from .tasks import cancel_and_wait
-from .admission import gib
-from .attribution import AttributedSnapshot
-from .decisions import Decision
-from .tenants import Tenant
-from .visibility import device_json, tenant_vram
+from proxy.tasks import cancel_and_wait
+from proxy.handoff.admission import gib
+from proxy.gpu.attribution import AttributedSnapshot
+from proxy.handoff.decisions import Decision
+from proxy.tenants import Tenant
+from proxy.gpu.visibility import device_json, tenant_vram
 
 if TYPE_CHECKING:
-    from .service import Proxy
+    from proxy.service import Proxy
 
 log = logging.getLogger("hyperswap.events")
 

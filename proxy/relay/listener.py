@@ -22,13 +22,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket
 
-from .departure import ClientLink
-from .errors import HyperSwapError
-from .forward import Forwarder, UpstreamResponse
-from .guards import host_header, refuse_tenant_host
-from .hosts import HostPolicy
-from .inflight import InFlight, JobFate, JobPoller
-from .tenants import Tenant
+from proxy.relay.departure import ClientLink
+from proxy.errors import HyperSwapError
+from proxy.relay.forward import Forwarder, UpstreamResponse
+from proxy.relay.guards import host_header, refuse_tenant_host
+from proxy.relay.hosts import HostPolicy
+from proxy.handoff.inflight import InFlight, JobFate, JobPoller
+from proxy.tenants import Tenant
 
 log = logging.getLogger("hyperswap.listener")
 

@@ -17,11 +17,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from .telemetry import HISTORY_LIMIT_MAX, KINDS
-from .tenants import MAX_GIB
+from proxy.admin.telemetry import HISTORY_LIMIT_MAX, KINDS
+from proxy.tenants import MAX_GIB
 
 if TYPE_CHECKING:
-    from .service import Proxy
+    from proxy.service import Proxy
 
 JSON = dict[str, Any]
 REF = "#/components/schemas/{model}"

@@ -33,8 +33,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Literal, Mapping, Sequence
 
-from .attribution import UNMANAGED, AttributedProcess, AttributedSnapshot
-from .tenants import GIB, Registry, Tenant
+from proxy.gpu.attribution import UNMANAGED, AttributedProcess, AttributedSnapshot
+from proxy.tenants import GIB, Registry, Tenant
 
 BlockReason = Literal["busy", "not_reclaimable", "protected", "not_lower_priority", "unmanaged", "requester",
                      "unknown_memory"]

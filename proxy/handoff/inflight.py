@@ -14,8 +14,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterator, Literal, Mapping
 
-from .tasks import cancel_and_wait, sleep_or_wake
-from .clock import Clock, SystemClock
+from proxy.tasks import cancel_and_wait, sleep_or_wake
+from proxy.clock import Clock, SystemClock
 
 log = logging.getLogger("hyperswap.inflight")
 

@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 if TYPE_CHECKING:
-    from ..service import Proxy
+    from proxy.service import Proxy
 
 MEDIA_TYPES: dict[str, str] = {
     ".html": "text/html; charset=utf-8",

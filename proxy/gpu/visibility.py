@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .attribution import UNMANAGED, AttributedSnapshot
-from .gpu import GpuReadError
+from proxy.gpu.attribution import UNMANAGED, AttributedSnapshot
+from proxy.gpu.snapshot import GpuReadError
 
 CapabilityStatus = Literal["ok", "estimated", "off"]
 

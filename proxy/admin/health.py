@@ -27,16 +27,16 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 from websockets.asyncio.client import connect as ws_connect
 
-from .tasks import cancel_and_wait
-from .attribution import AttributedSnapshot
-from .engines import settings as es
-from .errors import ConfigError, HyperSwapError
-from .nvml import CONTAINER_NOTE, NvmlReader
-from .tenants import GIB, Tenant, load_registry
-from .visibility import capabilities, summary
+from proxy.tasks import cancel_and_wait
+from proxy.gpu.attribution import AttributedSnapshot
+from proxy.engines import settings as es
+from proxy.errors import ConfigError, HyperSwapError
+from proxy.gpu.nvml import CONTAINER_NOTE, NvmlReader
+from proxy.tenants import GIB, Tenant, load_registry
+from proxy.gpu.visibility import capabilities, summary
 
 if TYPE_CHECKING:
-    from .service import Proxy
+    from proxy.service import Proxy
 
 # "unknown": the check cannot run (what it looks at cannot be seen); it says why. The overall
 # status then is at least degraded: nobody can say all is well.
@@ -317,7 +317,7 @@ class HealthExtension:
         return HealthEntry("configuration", "ok", f"{path}: valid")
 
     def telemetry(self) -> Any:
-        """The telemetry store, found without importing it: `proxy.telemetry`, else the extension
+        """The telemetry store, found without importing it: `proxy.admin.telemetry`, else the extension
         that offers `healthy()`; None when there is none."""
         store = getattr(self.proxy, "telemetry", None)
         if store is not None:
