@@ -13,14 +13,15 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from proxy.handoff.arbiter import TenantState, plan_release  # noqa: E402
 from proxy.gpu.attribution import Attributor  # noqa: E402
+from proxy.handoff.arbiter import TenantState, plan_release  # noqa: E402
 from proxy.sim.gpu import SimulatedGpu  # noqa: E402
 from proxy.tenants import GIB, MIB, Registry, registry_from_dict  # noqa: E402
 

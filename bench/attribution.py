@@ -19,8 +19,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT / "tests" / "unit"))  # the fixture /proc builder th
 from proctrees import FakeProc, gpu_proc, snapshot  # noqa: E402
 
 from proxy.gpu.attribution import Attributor  # noqa: E402
-from proxy.gpu.snapshot import GpuProcess  # noqa: E402
 from proxy.gpu.proctree import ProcTreeReader, read_fd_links, read_listeners, read_process_tree  # noqa: E402
+from proxy.gpu.snapshot import GpuProcess  # noqa: E402
 from proxy.gpu.sockdiag import read_listeners_netlink  # noqa: E402
 from proxy.tenants import registry_from_dict  # noqa: E402
 

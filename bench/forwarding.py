@@ -18,8 +18,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import AsyncIterator
 
 import httpx
 import psutil
@@ -115,8 +115,8 @@ async def serve(role: str, upstream: str | None) -> None:
     if role == "upstream":
         app = upstream_app()
     else:
-        from proxy.relay.forward import Forwarder
         from proxy.handoff.inflight import InFlight
+        from proxy.relay.forward import Forwarder
         from proxy.relay.listener import tenant_app
         from proxy.tenants import Tenant
 

@@ -85,8 +85,8 @@ async def serve_upstream(stream_s: float, gap_s: float) -> None:
 
 async def serve_proxy(upstream: str) -> None:
     sys.path.insert(0, str(ROOT))
-    from proxy.relay.forward import Forwarder
     from proxy.handoff.inflight import InFlight
+    from proxy.relay.forward import Forwarder
     from proxy.relay.listener import tenant_app
     from proxy.relay.servers import settle_heap, start_server
     from proxy.tenants import Tenant

@@ -11,12 +11,13 @@ import json
 import logging
 import signal
 import sys
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence, TextIO
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, TextIO
 
 from proxy import __version__
 from proxy.errors import HyperSwapError
-from proxy.tenants import field_value, load_registry
 from proxy.gpu.visibility import start_notice
+from proxy.tenants import field_value, load_registry
 
 if TYPE_CHECKING:
     from proxy.service import Proxy

@@ -12,8 +12,9 @@ import signal
 import sys
 import time
 import uuid
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any
 
 import httpx
 from websockets.asyncio.client import connect as ws_connect

@@ -6,7 +6,7 @@ at the CLI edge it becomes one line on stderr and an exit status. Never a traceb
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 
 class HyperSwapError(Exception):

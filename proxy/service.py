@@ -10,23 +10,23 @@ import errno
 import logging
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
 
 from proxy.admin.api import AdminApi
-from proxy.handoff.admission import Arbitration, GpuAdmission
-from proxy.clock import Clock, SystemClock
-from proxy.handoff.decisions import DecisionLog
-from proxy.errors import ConfigError
 from proxy.admin.extensions import Extension, ExtensionFactory, default_extensions
-from proxy.relay.forward import Forwarder
+from proxy.clock import Clock, SystemClock
+from proxy.errors import ConfigError
 from proxy.gpu.snapshot import GpuReader
+from proxy.handoff.admission import Arbitration, GpuAdmission
+from proxy.handoff.decisions import DecisionLog
 from proxy.handoff.inflight import InFlight
+from proxy.handoff.watchdog import Watchdog
+from proxy.relay.forward import Forwarder
 from proxy.relay.listener import tenant_app
 from proxy.relay.servers import DRAIN_S, RunningServer, split_host_port, start_server, stop_servers
 from proxy.tenants import Registry
-from proxy.handoff.watchdog import Watchdog
 
 log = logging.getLogger("hyperswap")
 

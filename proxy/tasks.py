@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from proxy.clock import Clock
 
 
-async def cancel_and_wait(tasks: "asyncio.Task[Any] | Iterable[asyncio.Task[Any]] | None") -> None:
+async def cancel_and_wait(tasks: asyncio.Task[Any] | Iterable[asyncio.Task[Any]] | None) -> None:
     """Cancel, then wait until each task has really finished (so nothing runs after stop())."""
     if tasks is None:
         return

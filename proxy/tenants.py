@@ -16,9 +16,10 @@ import json
 import math
 import os
 import re
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Literal, Mapping
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -202,7 +203,7 @@ class ReleaseSpec(_Strict):
     free_memory: bool = True
 
     @model_validator(mode="after")
-    def _http_needs_url(self) -> "ReleaseSpec":
+    def _http_needs_url(self) -> ReleaseSpec:
         if self.kind == "http" and not self.url:
             raise ValueError("release kind 'http' needs a 'url' (absolute, or a path on the upstream)")
         return self
@@ -249,7 +250,7 @@ class Tenant(_Strict):
     _hosts = field_validator("allowed_hosts")(_allowed_hosts)
 
     @model_validator(mode="after")
-    def _listen_needs_upstream(self) -> "Tenant":  # number ranges: BOUNDS
+    def _listen_needs_upstream(self) -> Tenant:  # number ranges: BOUNDS
         if self.listen and not self.upstream:
             raise ValueError("a tenant with 'listen' needs an 'upstream' to forward to")
         return self
@@ -329,7 +330,7 @@ class Config(_Strict):
         return tenants
 
     @model_validator(mode="after")
-    def _ports_unique(self) -> "Config":
+    def _ports_unique(self) -> Config:
         seen: dict[str, str] = {self.admin.listen: "admin"}
         for name, t in self.tenants.items():
             if t.listen and t.listen in seen:
@@ -371,7 +372,7 @@ class Registry:
             known = ", ".join(self.config.tenants) or "none"
             raise UnknownTenant(f"unknown tenant {name!r}", fix=f"use one of: {known}") from None
 
-    def with_tenants(self, tenants: Mapping[str, Tenant]) -> "Registry":
+    def with_tenants(self, tenants: Mapping[str, Tenant]) -> Registry:
         cfg = self.config.model_copy(update={"tenants": dict(tenants)})
         return Registry(cfg, self.source, self.provenance)
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import pytest
 
@@ -34,7 +35,7 @@ async def box() -> AsyncIterator[Callable[..., Awaitable[Any]]]:
 
     started: list[Demo] = []
 
-    async def make(scenario: "str | Scenario" = "default", **kw: Any) -> Demo:
+    async def make(scenario: str | Scenario = "default", **kw: Any) -> Demo:
         sc = fast_scenario(scenario) if isinstance(scenario, str) else scenario
         ports = {"ollama": 0, "comfyui": 0, "admin": 0, "stt": 0}
         demo = await start_demo(sc, sim_ports={"ollama": 0, "comfyui": 0}, proxy_ports=ports,

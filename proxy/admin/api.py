@@ -7,7 +7,8 @@ When a token is configured every mutating call needs `Authorization: Bearer <tok
 from __future__ import annotations
 
 import hmac
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -16,15 +17,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from proxy.handoff.admission import Arbitration, ReleaseResult, gib
+from proxy.admin.query import integer, optional_number
 from proxy.engines import memory
 from proxy.errors import HyperSwapError
+from proxy.gpu.visibility import device_json, tenant_vram
+from proxy.handoff.admission import Arbitration, ReleaseResult, gib
+from proxy.handoff.watchdog import Watchdog
 from proxy.relay.guards import AdminGuard
 from proxy.relay.hosts import listener_policy
-from proxy.admin.query import integer, optional_number
 from proxy.tenants import GIB, MAX_GIB, Tenant
-from proxy.gpu.visibility import device_json, tenant_vram
-from proxy.handoff.watchdog import Watchdog
 
 Handler = Callable[[Request], Awaitable[Response]]
 

@@ -21,20 +21,21 @@ import itertools
 import json
 import logging
 from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
-from proxy.tasks import cancel_and_wait
-from proxy.handoff.admission import gib
 from proxy.gpu.attribution import AttributedSnapshot
-from proxy.handoff.decisions import Decision
-from proxy.tenants import Tenant
 from proxy.gpu.visibility import device_json, tenant_vram
+from proxy.handoff.admission import gib
+from proxy.handoff.decisions import Decision
+from proxy.tasks import cancel_and_wait
+from proxy.tenants import Tenant
 
 if TYPE_CHECKING:
     from proxy.service import Proxy
@@ -286,7 +287,7 @@ class EventsExtension:
             if not self._catalog_ready.is_set():
                 try:
                     await asyncio.wait_for(self._catalog_ready.wait(), self.settings.first_catalog_wait_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
             # A catalog broadcast while waiting is already queued; send the current one first and drop that copy.
             sub._drop_oldest("catalog")

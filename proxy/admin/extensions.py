@@ -4,7 +4,8 @@ background work (telemetry writer, events ticker). Read-mostly: they observe the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 from starlette.routing import BaseRoute
 

@@ -17,9 +17,10 @@ import sys
 import time
 import uuid
 from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
 from starlette.requests import Request
@@ -27,13 +28,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 from websockets.asyncio.client import connect as ws_connect
 
-from proxy.tasks import cancel_and_wait
-from proxy.gpu.attribution import AttributedSnapshot
 from proxy.engines import settings as es
 from proxy.errors import ConfigError, HyperSwapError
+from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.nvml import CONTAINER_NOTE, NvmlReader
-from proxy.tenants import GIB, Tenant, load_registry
 from proxy.gpu.visibility import capabilities, summary
+from proxy.tasks import cancel_and_wait
+from proxy.tenants import GIB, Tenant, load_registry
 
 if TYPE_CHECKING:
     from proxy.service import Proxy
@@ -106,7 +107,7 @@ def _short_cmd(cmdline: str, name: str) -> str:
 
 
 class HealthExtension:
-    def __init__(self, proxy: "Proxy", *, timeout_s: float = CHECK_TIMEOUT_S, sample_interval_s: float = SAMPLE_INTERVAL_S,
+    def __init__(self, proxy: Proxy, *, timeout_s: float = CHECK_TIMEOUT_S, sample_interval_s: float = SAMPLE_INTERVAL_S,
                  env: EnvReaders | None = None) -> None:
         self.proxy = proxy
         self.timeout_s = timeout_s
@@ -177,10 +178,10 @@ class HealthExtension:
     async def _run_one(self, check: NamedCheck, snap: AttributedSnapshot) -> list[HealthEntry]:
         try:
             result = await asyncio.wait_for(check.run(snap), self.timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return [HealthEntry(check.name, "failed", f"the check did not finish within {self.timeout_s:g} s",
                                 "this dependency's state is unknown", "run `hyperswap check` again; if it repeats, the dependency hangs")]
-        except Exception as exc:  # noqa: BLE001 - a broken check is reported, never raised
+        except Exception as exc:
             return [HealthEntry(check.name, "failed", f"the check raised {type(exc).__name__}: {exc}",
                                 "this dependency's state is unknown", "see the proxy's log; report it if it repeats")]
         return result if isinstance(result, list) else [result]
@@ -189,7 +190,7 @@ class HealthExtension:
         arb = self.proxy.arbitration
         try:
             snap = await asyncio.wait_for(arb.snapshot(), self.timeout_s)
-        except (asyncio.TimeoutError, Exception):
+        except (TimeoutError, Exception):
             snap = arb.last_snapshot
         if snap is None:
             return {"status": "failed", "entries": [HealthEntry(
@@ -286,7 +287,7 @@ class HealthExtension:
         try:
             async with ws_connect(url, open_timeout=self.timeout_s, ping_interval=None, close_timeout=1.0) as ws:
                 raw = await ws.recv()
-        except Exception as exc:  # noqa: BLE001 - connection refused, handshake, protocol: all mean "broken"
+        except Exception as exc:
             return HealthEntry(name, "failed", f"cannot open {url.split('?')[0]}: {type(exc).__name__}: {exc}", impact,
                                self._fix_upstream(tenant))
         try:
@@ -345,7 +346,7 @@ class HealthExtension:
         if callable(min_vram):
             try:
                 value = min_vram(tenant, FLOOR_WINDOW_S)
-            except Exception:  # noqa: BLE001 - fall back to our own samples
+            except Exception:
                 value = None
             ring = self.floor(tenant)
             if isinstance(value, int):
@@ -503,7 +504,7 @@ class HealthExtension:
         arb = self.proxy.arbitration
         try:
             snap: AttributedSnapshot | None = await asyncio.wait_for(arb.snapshot(), self.timeout_s)
-        except Exception:  # noqa: BLE001 - engines are still described without a fresh snapshot
+        except Exception:
             snap = arb.last_snapshot
         tenants = [t for t in self.proxy.registry if t.engine in ("ollama", "comfyui")]
         views = await asyncio.gather(*(self.engine_view(t, snap) for t in tenants), return_exceptions=True)
@@ -512,7 +513,7 @@ class HealthExtension:
         return JSONResponse({"engines": out})
 
 
-def health_extension(proxy: "Proxy") -> HealthExtension:
+def health_extension(proxy: Proxy) -> HealthExtension:
     return HealthExtension(proxy)
 
 

@@ -21,7 +21,8 @@ import json
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING, Annotated, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, Any
 from urllib.parse import quote
 
 import httpx
@@ -236,7 +237,7 @@ class McpExtension:
         self._stopping.set()
         try:
             await asyncio.wait_for(self._task, timeout=5)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._task.cancel()
         self._task = None
 
@@ -250,8 +251,8 @@ def mcp_extension(proxy: Proxy) -> McpExtension:
 def mcp_main(config: str | None, admin_url: str | None) -> int:
     """`hyperswap mcp`: the MCP tools over stdio, against the proxy whose admin listener is at
     `admin_url` (or the one `config`'s admin.listen names). Never writes to stdout but the protocol."""
-    from proxy.errors import HyperSwapError
     from proxy.admin.health import _admin_url
+    from proxy.errors import HyperSwapError
 
     try:
         base = _admin_url(config, admin_url)

@@ -36,7 +36,8 @@ Series:
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
@@ -46,9 +47,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
+from proxy.gpu.visibility import tenant_vram, unmanaged_vram
 from proxy.handoff.decisions import Decision
 from proxy.handoff.inflight import TenantTraffic
-from proxy.gpu.visibility import tenant_vram, unmanaged_vram
 
 if TYPE_CHECKING:
     from proxy.service import Proxy

@@ -9,7 +9,8 @@ it never promises one that is not there; a mounted route with no operation below
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any, Iterable, Literal
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema

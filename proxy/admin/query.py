@@ -8,7 +8,7 @@ number read here is finite and inside the range the OpenAPI document states.
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 from proxy.errors import HyperSwapError
 

@@ -29,20 +29,21 @@ import sqlite3
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from proxy.tasks import cancel_and_wait
-from proxy.clock import Clock
-from proxy.handoff.decisions import Decision
-from proxy.errors import HyperSwapError
 from proxy.admin.query import integer, optional_number
+from proxy.clock import Clock
+from proxy.errors import HyperSwapError
+from proxy.handoff.decisions import Decision
+from proxy.tasks import cancel_and_wait
 from proxy.tenants import MIB
 
 if TYPE_CHECKING:
@@ -500,7 +501,7 @@ class Telemetry:
 
     name = "telemetry"
 
-    def __init__(self, proxy: Proxy, path: Path | None | Literal["default"] = "default", *,
+    def __init__(self, proxy: Proxy, path: Path | Literal["default"] | None = "default", *,
                  sample_interval_s: float = 1.0, window_s: float = DEFAULT_WINDOW_S,
                  retention_days: float = DEFAULT_RETENTION_DAYS, max_rows: int = DEFAULT_MAX_ROWS) -> None:
         self.proxy = proxy
@@ -635,7 +636,7 @@ def telemetry_extension(proxy: Proxy) -> Telemetry:
     """tenants.json `telemetry` wins over $HYPERSWAP_TELEMETRY, which wins over the default path."""
     spec = proxy.registry.config.telemetry
     if spec.path is None:
-        path: Path | None | Literal["default"] = "default"
+        path: Path | Literal["default"] | None = "default"
     elif spec.path.strip().lower() in ("", "off"):
         path = None
     else:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Mapping
 
-from proxy.tenants import Tenant
 from proxy.engines.base import EngineAdapter, RequestKind, strip_hop_by_hop
 from proxy.engines.comfyui import ComfyUIAdapter
 from proxy.engines.generic import GenericAdapter
 from proxy.engines.ollama import OllamaAdapter
+from proxy.tenants import Tenant
 
 ADAPTERS: Mapping[str, type[EngineAdapter]] = MappingProxyType({
     "ollama": OllamaAdapter,

@@ -6,7 +6,8 @@ One adapter instance per tenant. Subclasses override only what differs per engin
 
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 from urllib.parse import urlsplit
 
 from proxy.relay.hosts import HostPolicy, listener_policy

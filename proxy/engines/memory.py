@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
-from datetime import datetime
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from datetime import datetime
+from typing import Any
 
 import httpx
 

@@ -12,8 +12,8 @@ import json
 import re
 from urllib.parse import urlsplit
 
-from proxy.relay.hosts import HostPolicy, is_loopback_host, listener_policy
 from proxy.engines.base import EngineAdapter, RequestKind
+from proxy.relay.hosts import HostPolicy, is_loopback_host, listener_policy
 
 # POST routes that schedule a runner (load a model). /api/pull only downloads: no GPU.
 GPU_ROUTES = frozenset({

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import shlex
 import subprocess
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Literal
 
 from proxy.tenants import GIB
 

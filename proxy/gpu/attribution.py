@@ -35,8 +35,9 @@ import re
 import socket
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable, Literal
+from typing import Literal
 from urllib.parse import urlsplit
 
 from proxy.gpu.snapshot import GpuProcess, GpuSnapshot, Listener, ProcessTree, ProcNode

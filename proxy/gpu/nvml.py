@@ -22,8 +22,8 @@ from types import ModuleType
 from typing import Literal
 
 from proxy.clock import Clock, SystemClock
-from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuReadError, GpuSnapshot, ProcessTree
 from proxy.gpu.proctree import FdLinks, ProcTreeReader, read_fd_links
+from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuReadError, GpuSnapshot, ProcessTree
 
 CONTAINER_NOTE = ("GPU processes are not visible in this PID namespace (container?): "
                   "run with --pid=host / hostPID: true for per-process attribution")
@@ -118,7 +118,7 @@ class NvmlReader:
             self._name = _text(nvml.nvmlDeviceGetName(handle))
             try:
                 self._uuid = _text(nvml.nvmlDeviceGetUUID(handle))
-            except Exception:  # noqa: BLE001 - the uuid is cosmetic
+            except Exception:
                 self._uuid = ""
             self._handle = handle
         return nvml, self._handle
@@ -128,7 +128,7 @@ class NvmlReader:
         if self._handle is not None and self._nvml is not None:
             try:
                 self._nvml.nvmlShutdown()
-            except Exception:  # noqa: BLE001 - already broken; the next init says how
+            except Exception:
                 pass
         self._handle = None
 
@@ -139,7 +139,7 @@ class NvmlReader:
                 return int(m.total), int(m.reserved), int(m.used), int(m.free)
             except TypeError:
                 pass  # an old pynvml without the version argument
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 if not _is(exc, nvml, "NVMLError_NotSupported", "NVMLError_FunctionNotFound",
                            "NVMLError_ArgumentVersionMismatch"):
                     raise
@@ -150,7 +150,7 @@ class NvmlReader:
     def _running(self, nvml: ModuleType, handle: object, fn: str, notes: list[str]) -> list[object]:
         try:
             return list(getattr(nvml, fn)(handle) or [])
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             if _is(exc, nvml, "NVMLError_NotSupported"):
                 kind = "compute" if "Compute" in fn else "graphics"
                 notes.append(f"the driver does not list {kind} processes on this device (not supported)")
@@ -194,7 +194,7 @@ class NvmlReader:
             notes: list[str] = []
             compute = self._running(nvml, handle, "nvmlDeviceGetComputeRunningProcesses", notes)
             graphics = self._running(nvml, handle, "nvmlDeviceGetGraphicsRunningProcesses", notes)
-        except Exception as exc:  # noqa: BLE001 - every failure becomes a health state
+        except Exception as exc:
             self._reset()
             raise map_error(exc, self._nvml) from None  # self._nvml: set by the lazy import, None if it failed
         processes = self._merge(compute, graphics)
@@ -210,7 +210,7 @@ class NvmlReader:
         """Who holds which listening socket; a failure here costs attribution by port, never the read."""
         try:
             return self._tree_reader.read(p.pid for p in processes)
-        except Exception as exc:  # noqa: BLE001 - attribution falls back to the match rules
+        except Exception as exc:
             notes.append(f"process tree unreadable ({type(exc).__name__}: {exc}): "
                          "processes attributed by name and pattern only")
             return None
@@ -220,7 +220,7 @@ class NvmlReader:
         kinds: dict[int, set[str]] = {}
         for kind, entries in (("compute", compute), ("graphics", graphics)):
             for e in entries:
-                pid = int(getattr(e, "pid"))
+                pid = int(e.pid)
                 mem = getattr(e, "usedGpuMemory", None)
                 # pynvml maps NVML_VALUE_NOT_AVAILABLE to None; guard the raw sentinel too
                 mem = None if mem is None or int(mem) >= _NOT_AVAILABLE else int(mem)

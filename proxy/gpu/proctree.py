@@ -24,9 +24,9 @@ import os
 import socket
 import struct
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
 
 from proxy.gpu.snapshot import Listener, ProcessTree, ProcNode
 from proxy.gpu.sockdiag import read_listeners_netlink

@@ -7,8 +7,9 @@ Readers are blocking (C calls, /proc reads): callers run `read()` off the event 
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Iterator, Literal, Mapping, Protocol
+from typing import Literal, Protocol
 
 SnapshotSource = Literal["nvml", "simulated", "engine-estimate"]
 DeviceFigure = Literal["total", "reserved", "used", "free"]

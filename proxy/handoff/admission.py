@@ -11,21 +11,22 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from proxy.handoff.arbiter import Plan, PlanMode, TenantState, gib, plan_release, promised_by_tenant, unplanned_plan
-from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot, Attributor
 from proxy.clock import Clock
-from proxy.handoff.decisions import DecisionLog
 from proxy.engines import EngineAdapter, adapter_for, memory, strip_hop_by_hop
+from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot, Attributor
 from proxy.gpu.snapshot import DeviceFigure, DeviceMemory, GpuProcess, GpuReader, GpuReadError, GpuSnapshot
-from proxy.handoff.queue import Admitted, Handoff, HandoffQueue, ReleaseResult
+from proxy.handoff.arbiter import Plan, PlanMode, TenantState, gib, plan_release, promised_by_tenant, unplanned_plan
+from proxy.handoff.decisions import DecisionLog
 from proxy.handoff.inflight import InFlight, TenantTraffic
+from proxy.handoff.queue import Admitted, Handoff, HandoffQueue, ReleaseResult
 from proxy.handoff.residency import Residency
 from proxy.tenants import GIB, MIB, Registry, Tenant
 

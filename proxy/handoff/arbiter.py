@@ -30,8 +30,9 @@ A tenant with no entry in `states` is idle: busy comes from traffic the proxy sa
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Literal, Mapping, Sequence
+from typing import Literal
 
 from proxy.gpu.attribution import UNMANAGED, AttributedProcess, AttributedSnapshot
 from proxy.tenants import GIB, Registry, Tenant

@@ -11,11 +11,12 @@ import contextlib
 import itertools
 import logging
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Iterator, Literal, Mapping
+from typing import Literal
 
-from proxy.tasks import cancel_and_wait, sleep_or_wake
 from proxy.clock import Clock, SystemClock
+from proxy.tasks import cancel_and_wait, sleep_or_wake
 
 log = logging.getLogger("hyperswap.inflight")
 
@@ -135,7 +136,7 @@ class InFlight:
         self._idle_waiters.setdefault(tenant, []).append(fut)
         try:
             await asyncio.wait_for(fut, timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         finally:
             waiters = self._idle_waiters.get(tenant, [])

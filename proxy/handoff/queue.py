@@ -16,12 +16,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Protocol
+from typing import Any, Literal, Protocol
 
-from proxy.handoff.arbiter import Plan, TenantState, Verdict, Waiter, gib, schedule, unplanned_plan
-from proxy.gpu.attribution import AttributedSnapshot
 from proxy.clock import Clock
+from proxy.gpu.attribution import AttributedSnapshot
+from proxy.handoff.arbiter import Plan, TenantState, Verdict, Waiter, gib, schedule, unplanned_plan
 from proxy.handoff.decisions import Decision, DecisionLog
 from proxy.tasks import sleep_or_wake
 from proxy.tenants import Registry, Tenant

@@ -14,7 +14,7 @@ engine's list every tick) stops being resident, and the next request is planned 
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from proxy.clock import Clock
 

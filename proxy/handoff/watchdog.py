@@ -13,9 +13,9 @@ from typing import Any
 
 import httpx
 
-from proxy.tasks import cancel_and_wait
-from proxy.handoff.admission import CONFIRM_SLACK_BYTES, Arbitration, gib
 from proxy.engines import memory
+from proxy.handoff.admission import CONFIRM_SLACK_BYTES, Arbitration, gib
+from proxy.tasks import cancel_and_wait
 from proxy.tenants import GIB, Tenant
 
 log = logging.getLogger("hyperswap.watchdog")
@@ -242,4 +242,4 @@ class Watchdog:
             await asyncio.sleep(interval)
 
 
-__all__ = ["Watchdog", "TickReport", "GIB"]
+__all__ = ["GIB", "TickReport", "Watchdog"]

@@ -21,7 +21,8 @@ uvicorn marks only the queued request as disconnected, so the first one's receiv
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.requests import ClientDisconnect
 from starlette.types import Message, Receive, Scope
@@ -39,8 +40,17 @@ def _has_body(scope: Scope) -> bool:
 class ClientLink:
     """Wraps one request's `receive`; `receive` here is what every body reader must use."""
 
-    __slots__ = ("_receive", "_task", "_timer", "_watcher", "_has_body", "_body_done", "_watch_wanted", "_cancelled",
-                 "left")
+    __slots__ = (
+        "_body_done",
+        "_cancelled",
+        "_has_body",
+        "_receive",
+        "_task",
+        "_timer",
+        "_watch_wanted",
+        "_watcher",
+        "left",
+    )
 
     def __init__(self, scope: Scope, receive: Receive) -> None:
         self._receive = receive

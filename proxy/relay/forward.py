@@ -26,21 +26,21 @@ import asyncio
 import contextlib
 import logging
 import ssl
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
 
 import httpx
 import websockets
+from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 from websockets.asyncio.client import ClientConnection, connect
-from starlette.datastructures import Headers
 
-from proxy.relay import http1
 from proxy.engines import EngineAdapter, adapter_for, strip_hop_by_hop
 from proxy.errors import HyperSwapError
+from proxy.relay import http1
 from proxy.relay.inbound import ABORT
 from proxy.tenants import Tenant
 
@@ -324,7 +324,7 @@ class Forwarder:
             await ws.send_denial_response(Response(exc.response.body or b"", status_code=status)) \
                 if "websocket.http.response" in scope.get("extensions", {}) else await ws.close(1008)
             return
-        except (OSError, asyncio.TimeoutError, websockets.InvalidHandshake) as exc:
+        except (TimeoutError, OSError, websockets.InvalidHandshake) as exc:
             log.warning("%s: cannot open upstream websocket: %s", tenant.name, exc)
             err = _upstream_error(tenant, exc if not isinstance(exc, asyncio.TimeoutError) else httpx.ConnectTimeout(str(exc)))
             if "websocket.http.response" in scope.get("extensions", {}):

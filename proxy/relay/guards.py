@@ -9,7 +9,7 @@ Every refusal is `{"error", "fix", ...}` JSON.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse, Response

@@ -43,7 +43,8 @@ import asyncio
 import contextlib
 import ssl
 from collections import deque
-from typing import AsyncIterator, cast
+from collections.abc import AsyncIterator
+from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -84,9 +85,28 @@ class Response:
     `received_body`, and `close()` must be called once (it returns the connection to the pool
     only when the exchange ended cleanly)."""
 
-    __slots__ = ("status_code", "raw_headers", "_conn", "_parser", "_head", "_chunks", "_buffered", "_waiter",
-                 "_complete", "_error", "_interim", "_framed", "_keep_alive", "_head_only", "_closed", "_stray",
-                 "_in_head", "_body_task", "got_bytes", "__weakref__")
+    __slots__ = (
+        "__weakref__",
+        "_body_task",
+        "_buffered",
+        "_chunks",
+        "_closed",
+        "_complete",
+        "_conn",
+        "_error",
+        "_framed",
+        "_head",
+        "_head_only",
+        "_in_head",
+        "_interim",
+        "_keep_alive",
+        "_parser",
+        "_stray",
+        "_waiter",
+        "got_bytes",
+        "raw_headers",
+        "status_code",
+    )
 
     def __init__(self, conn: _Connection, *, head_only: bool) -> None:
         self.status_code = 0

@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import zlib
-from typing import AsyncIterator, Awaitable, Callable, Protocol
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol
 
 from starlette.datastructures import State
 from starlette.requests import ClientDisconnect, Request
@@ -22,12 +23,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket
 
-from proxy.relay.departure import ClientLink
 from proxy.errors import HyperSwapError
+from proxy.handoff.inflight import InFlight, JobFate, JobPoller
+from proxy.relay.departure import ClientLink
 from proxy.relay.forward import Forwarder, UpstreamResponse
 from proxy.relay.guards import host_header, refuse_tenant_host
 from proxy.relay.hosts import HostPolicy
-from proxy.handoff.inflight import InFlight, JobFate, JobPoller
 from proxy.tenants import Tenant
 
 log = logging.getLogger("hyperswap.listener")

@@ -14,8 +14,9 @@ import gc
 import logging
 import resource
 import socket
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import uvicorn
 from starlette.types import ASGIApp

@@ -17,9 +17,10 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import unquote
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -32,9 +33,8 @@ from starlette.websockets import WebSocket, WebSocketClose, WebSocketDisconnect
 
 from proxy.clock import Clock, SystemClock
 from proxy.relay.servers import RunningServer, start_server
-from proxy.sim.comfyui_nodes import (Accepted, NodeClass, Rejected, Unhandled, catalogue, dependencies, execution_order,
-                            validate)
 from proxy.sim.comfyui_jobs import BadQuery, find_job, list_jobs, parse_query
+from proxy.sim.comfyui_nodes import Accepted, NodeClass, Rejected, Unhandled, catalogue, dependencies, execution_order, validate
 from proxy.sim.comfyui_wire import AIOHTTP_500, FAKE_JPEG, OriginAndSizeMiddleware, parse_multipart, png_bytes
 from proxy.sim.gpu import SimulatedGpu, SimulatedOutOfMemory
 

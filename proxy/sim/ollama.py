@@ -12,8 +12,9 @@ import asyncio
 import hashlib
 import json
 import random
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator, Awaitable, Callable, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
@@ -24,9 +25,23 @@ from proxy.relay.servers import RunningServer, start_server
 from proxy.sim.gpu import GIB, SimulatedGpu
 from proxy.sim.ollama_decode import CHAT, COPY, DELETE, EMBED, EMBEDDING, GENERATE, PULL, SHOW, GoJSONError, Struct, decode
 from proxy.sim.ollama_sched import CONTEXT_LENGTH, ApiError, Lease, MemoryShort, Scheduler
-from proxy.sim.ollama_wire import (CORS_ALLOW_HEADERS, CORS_ALLOW_METHODS, KeepAliveError, dumps, embedding,
-                          host_allowed, model_digest, normalise_name, ns, origin_allowed, parse_keep_alive,
-                          parse_keep_alive_env, qualified_name, rfc3339_nano, trailing_slash_redirect)
+from proxy.sim.ollama_wire import (
+    CORS_ALLOW_HEADERS,
+    CORS_ALLOW_METHODS,
+    KeepAliveError,
+    dumps,
+    embedding,
+    host_allowed,
+    model_digest,
+    normalise_name,
+    ns,
+    origin_allowed,
+    parse_keep_alive,
+    parse_keep_alive_env,
+    qualified_name,
+    rfc3339_nano,
+    trailing_slash_redirect,
+)
 
 JSON_TYPE = "application/json; charset=utf-8"
 NDJSON_TYPE = "application/x-ndjson"

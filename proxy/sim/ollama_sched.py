@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Literal
+from typing import Literal
 
 from proxy.clock import Clock
 from proxy.sim.gpu import SimulatedGpu, SimulatedOutOfMemory

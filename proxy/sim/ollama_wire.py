@@ -13,7 +13,7 @@ import re
 import socket
 import struct
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 FOREVER_S = math.inf
@@ -91,9 +91,9 @@ def parse_keep_alive_env(text: str) -> float:
 def rfc3339_nano(unix_s: float, *, local: bool) -> str:
     """Go's RFC3339Nano: fraction with trailing zeros trimmed, "Z" for UTC, else +hh:mm."""
     try:
-        dt = datetime.fromtimestamp(unix_s, tz=timezone.utc)
+        dt = datetime.fromtimestamp(unix_s, tz=UTC)
     except (OverflowError, OSError, ValueError):
-        dt = datetime(9999, 12, 31, tzinfo=timezone.utc)
+        dt = datetime(9999, 12, 31, tzinfo=UTC)
     if local:
         dt = dt.astimezone()
     out = dt.strftime("%Y-%m-%dT%H:%M:%S")

@@ -4,8 +4,8 @@ Chromium must launch: a machine without it fails these tests (install `chromium`
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import AsyncIterator, Awaitable, Callable
 
 import pytest
 from playwright.async_api import BrowserContext, Page, async_playwright

@@ -5,18 +5,19 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import httpx
 import pytest
 from playwright.async_api import BrowserContext, Dialog, Page
 from websockets.asyncio.client import connect as ws_connect
 
+from proxy.admin.telemetry import Telemetry
 from proxy.demo import Demo, comfy_prompt, run_prompt
 from proxy.gpu.snapshot import GpuReadError
 from proxy.sim.box import fast_scenario as fast
-from proxy.admin.telemetry import Telemetry
 from proxy.tenants import GIB
 
 DemoFactory = Callable[..., Awaitable[Demo]]

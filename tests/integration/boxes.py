@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from proxy.demo import Demo
 from proxy.sim.box import fast_scenario as fast

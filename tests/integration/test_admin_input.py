@@ -9,7 +9,6 @@ from boxes import DemoFactory
 
 from proxy.admin.openapi import openapi_document
 
-
 # One box per test (starting one costs about a second); the bad values are looped over inside.
 
 async def test_plan_refuses_a_need_that_is_no_sane_gib_amount_with_400(box: DemoFactory, http: httpx.AsyncClient) -> None:

@@ -8,15 +8,14 @@ import uuid
 
 import httpx
 import pytest
+from boxes import DemoFactory, fast
 from websockets.asyncio.client import connect as ws_connect
 
-from proxy.handoff.arbiter import Plan
-from proxy.handoff.queue import Handoff
 from proxy.demo import comfy_prompt, run_prompt
 from proxy.gpu.snapshot import GpuReadError
+from proxy.handoff.arbiter import Plan
+from proxy.handoff.queue import Handoff
 from proxy.tenants import GIB
-
-from boxes import DemoFactory, fast
 
 OOM = "llama runner process has terminated: cudaMalloc failed: out of memory"
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 import httpx
 import pytest
@@ -13,9 +14,9 @@ from boxes import ALL_PORTS_ZERO, DemoFactory, fast
 from starlette.routing import Route
 
 from proxy.admin.api import AdminApi
-from proxy.demo import Demo, run_prompt
 from proxy.admin.events import EventsExtension, EventsSettings, _Subscriber, encode
 from proxy.admin.openapi import OpenApiExtension, openapi_document
+from proxy.demo import Demo, run_prompt
 from proxy.service import Proxy
 from proxy.sim.box import SimBox
 from proxy.tenants import registry_from_dict

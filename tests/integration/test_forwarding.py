@@ -14,8 +14,8 @@ import ipaddress
 import json
 import logging
 import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable
 from urllib.parse import urlsplit
 
 import httpx
@@ -31,8 +31,8 @@ from starlette.websockets import WebSocket
 from websockets.asyncio.client import connect
 
 from proxy.clock import FakeClock
-from proxy.relay.forward import Forwarder
 from proxy.handoff.inflight import InFlight
+from proxy.relay.forward import Forwarder
 from proxy.relay.listener import tenant_app
 from proxy.relay.servers import RunningServer, start_server
 from proxy.tenants import Tenant, Timeouts

@@ -11,12 +11,11 @@ from typing import Any
 import httpx
 import ollama
 import pytest
+from boxes import DemoFactory, fast
 from websockets.asyncio.client import connect as ws_connect
 
 from proxy.demo import Demo, comfy_prompt
 from proxy.tenants import GIB
-
-from boxes import DemoFactory, fast
 
 README_CKPT = "sd_xl_base_1.0.safetensors"  # examples/comfy_prompt.json
 

@@ -6,22 +6,22 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import httpx
 import pytest
+from boxes import DemoFactory, fast
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
+from proxy.admin.health import EnvReaders, HealthEntry, HealthExtension, NamedCheck, check_main
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import GpuReadError
-from proxy.admin.health import EnvReaders, HealthEntry, HealthExtension, NamedCheck, check_main
 from proxy.relay.servers import start_server
-
-from boxes import DemoFactory, fast
 
 KEYS = {"name", "status", "problem", "impact", "fix"}
 

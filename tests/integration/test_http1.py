@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import socket
 import struct
-from typing import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 

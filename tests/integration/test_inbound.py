@@ -11,15 +11,15 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import AsyncIterator
 
 import pytest
 from websockets.asyncio.client import connect
 
+from proxy.handoff.inflight import InFlight
 from proxy.relay.forward import Forwarder
 from proxy.relay.inbound import InboundLimits
-from proxy.handoff.inflight import InFlight
 from proxy.relay.listener import tenant_app
 from proxy.relay.servers import ACCEPT_FAILED, RunningServer, start_server
 from proxy.tenants import Tenant

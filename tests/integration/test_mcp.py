@@ -4,20 +4,20 @@ admin listener, and over stdio against a subprocess `python -m proxy.admin.mcp_t
 from __future__ import annotations
 
 import sys
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import httpx
 import httpx2
 import pytest
+from boxes import DemoFactory
 from mcp import Client, MCPError, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 
 from proxy.demo import Demo, run_prompt
 from proxy.tenants import GIB
-
-from boxes import DemoFactory
 
 TOOLS = {"health", "engines", "tenants", "plan", "release"}
 REPO = Path(__file__).resolve().parents[2]

@@ -6,14 +6,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from boxes import DemoFactory, fast
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.demo import comfy_prompt, run_prompt
 from proxy.admin.metrics import Metrics
 from proxy.admin.telemetry import Telemetry
+from proxy.demo import comfy_prompt, run_prompt
 from proxy.tenants import GIB
-
-from boxes import DemoFactory, fast
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

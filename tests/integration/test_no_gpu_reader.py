@@ -15,29 +15,29 @@ import asyncio
 import io
 import json
 import types
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
 
 import httpx
 import pytest
+from boxes import ALL_PORTS_ZERO, DemoFactory, fast
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
+from proxy.admin.health import EnvReaders, HealthExtension
 from proxy.cli import main, serve
 from proxy.demo import run_prompt
-from proxy.gpu.snapshot import GpuReadError
-from proxy.admin.health import EnvReaders, HealthExtension
 from proxy.gpu.nvml import NvmlReader
+from proxy.gpu.snapshot import GpuReadError
 from proxy.relay.servers import RunningServer, start_server
 from proxy.service import Proxy
 from proxy.sim.box import Scenario, SimBox
 from proxy.tenants import GIB, registry_from_dict
-
-from boxes import ALL_PORTS_ZERO, DemoFactory, fast
 
 HOST_RAM = int(24.04 * GIB)  # what a --cpu ComfyUI reports as torch_vram_total: host RAM, not VRAM
 

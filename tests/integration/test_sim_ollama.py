@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from collections.abc import AsyncIterator
 from datetime import datetime
-from typing import AsyncIterator
 
 import httpx
 import ollama

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from proxy.handoff.arbiter import TenantState
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot
+from proxy.handoff.arbiter import TenantState
 from proxy.tenants import GIB, Registry, registry_from_dict
 
 MIB = 2**20

@@ -14,8 +14,8 @@ import ipaddress
 import itertools
 import os
 import struct
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot, ProcessTree
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 
 from cards import STT, TOTAL, busy, idle, registry, snap
-from proxy.handoff.arbiter import Plan, plan_release, starved
+
 from proxy.gpu.attribution import Attributor
+from proxy.handoff.arbiter import Plan, plan_release, starved
 from proxy.tenants import GIB
+
 
 def released(plan: Plan) -> list[str]:
     return [r.tenant for r in plan.releases]

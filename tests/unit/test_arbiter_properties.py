@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from cards import busy, idle, snap
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cards import busy, idle, snap
-from proxy.handoff.arbiter import TenantState, plan_release
 from proxy.gpu.attribution import AttributedSnapshot
+from proxy.handoff.arbiter import TenantState, plan_release
 from proxy.tenants import GIB, Registry, registry_from_dict
 
 MIB = 2**20

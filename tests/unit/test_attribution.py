@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from proxy.gpu.attribution import UNMANAGED, Attributor
 from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot

@@ -4,16 +4,17 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import pytest
 from proctrees import FakeProc, gpu_proc, snapshot
 
 from proxy.gpu.attribution import UNMANAGED, Attributor
+from proxy.gpu.proctree import read_process_tree
 from proxy.gpu.snapshot import ProcessTree
 from proxy.relay.hosts import IpAddress
-from proxy.gpu.proctree import read_process_tree
 from proxy.tenants import Registry, registry_from_dict
 
 OLLAMA_UID = 997  # Ollama's service user
@@ -188,11 +189,11 @@ async def test_the_proxys_snapshot_attributes_by_port_and_carries_the_notes(fp: 
     # the whole path the admission and the admin API use: NVML reader on a fixture /proc -> Arbitration
     from test_nvml import CLK_TCK, FakeNvml, entry
 
-    from proxy.handoff.admission import Arbitration
     from proxy.clock import FakeClock
+    from proxy.gpu.nvml import NvmlReader
+    from proxy.handoff.admission import Arbitration
     from proxy.handoff.decisions import DecisionLog
     from proxy.handoff.inflight import InFlight
-    from proxy.gpu.nvml import NvmlReader
 
     reg = registry({"ollama": {"upstream": "http://127.0.0.1:11434"},
                     "comfyui": {"upstream": "http://192.0.2.10:8188"}})  # TEST-NET: never this machine

@@ -5,7 +5,7 @@ and must read the same every time."""
 from __future__ import annotations
 
 import asyncio
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from proxy.clock import FakeClock
-from proxy.gpu.snapshot import GpuReadError
 from proxy.gpu.nvml import CONTAINER_NOTE, NvmlReader
+from proxy.gpu.snapshot import GpuReadError
 
 GIB = 2**30
 CLK_TCK = 100

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from proctrees import FakeProc
 
-from proxy.gpu.snapshot import Listener
 from proxy.gpu.proctree import ProcTreeReader, parse_listeners, read_process_tree
+from proxy.gpu.snapshot import Listener
 
 
 @pytest.fixture

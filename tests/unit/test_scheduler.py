@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-
 from cards import STT, busy, idle, registry, snap
-from proxy.handoff.arbiter import Plan, TenantState, Waiter, queue_order, schedule
+
 from proxy.gpu.attribution import AttributedSnapshot
+from proxy.handoff.arbiter import Plan, TenantState, Waiter, queue_order, schedule
 from proxy.handoff.decisions import DecisionLog
 from proxy.handoff.queue import Admitted, Handoff, HandoffQueue, ReleaseResult
 from proxy.tenants import GIB, Registry

@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from proxy.admin.telemetry import TelemetryStore, VramRecorder, decision_rows, default_path
 from proxy.clock import FakeClock
 from proxy.handoff.decisions import DecisionLog
-from proxy.admin.telemetry import TelemetryStore, VramRecorder, decision_rows, default_path
 from proxy.tenants import GIB, MIB
 
 if TYPE_CHECKING:
@@ -198,10 +198,10 @@ ENV = "HYPERSWAP_TELEMETRY"
 
 # -- ids unique across restarts; a past loss reported as past ---------------------------------------
 
-def proxy_with_telemetry(path: Path, clock: FakeClock | None = None) -> "Proxy":
+def proxy_with_telemetry(path: Path, clock: FakeClock | None = None) -> Proxy:
+    from proxy.admin.telemetry import telemetry_extension
     from proxy.service import Proxy
     from proxy.sim.gpu import SimulatedGpu
-    from proxy.admin.telemetry import telemetry_extension
     from proxy.tenants import registry_from_dict
 
     return Proxy(registry_from_dict({"telemetry": {"path": str(path)}}), SimulatedGpu(), clock or FakeClock(),
