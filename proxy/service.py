@@ -93,7 +93,8 @@ class Proxy:
         self.inflight = InFlight(self.clock)
         self.forwarder = Forwarder()
         self.decisions = DecisionLog(self.clock)
-        self.arbitration = Arbitration(self.registry, self.reader, self.inflight, self.clock, self.decisions)
+        self.arbitration = Arbitration(self.registry, self.reader, self.inflight, self.clock, self.decisions,
+                                       adapter=self.forwarder.adapter)
         self.watchdog = Watchdog(self.arbitration)
         self.admission = GpuAdmission(self.arbitration, self.forwarder.adapter)
         self.token = admin_token(self.registry)

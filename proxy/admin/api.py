@@ -18,7 +18,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from proxy.admin.query import integer, optional_number
-from proxy.engines import memory
 from proxy.errors import HyperSwapError
 from proxy.gpu.visibility import device_json, tenant_vram
 from proxy.handoff.admission import Arbitration, ReleaseResult, gib
@@ -124,7 +123,7 @@ class AdminApi:
         if not tenant.reclaimable:
             return error(409, tenant.not_reclaimable_reason, "this tenant cannot be released; stop it by hand if you need the memory",
                          tenant=tenant.name, reason="not_reclaimable")
-        if await memory.runs_on_cpu(tenant, self.arb.control):
+        if await self.arb.adapter(tenant).runs_on_cpu(self.arb.control):
             return self._nothing_on_the_card(tenant)
         async with self.arb.handoff_lock:
             snap = await self.arb.snapshot()

@@ -151,24 +151,6 @@ async def stats_payload(proxy: Proxy, snap: AttributedSnapshot | None = None, re
     }
 
 
-async def tenant_catalog(tenant: Tenant, client: httpx.AsyncClient, timeout_s: float) -> dict[str, Any] | None:
-    """What this tenant has installed, or None for engines without a catalog. Raises httpx errors."""
-    if not tenant.upstream:
-        return None
-    base = tenant.upstream.rstrip("/")
-    if tenant.engine == "ollama":
-        r = await client.get(f"{base}/api/tags", timeout=timeout_s)
-        r.raise_for_status()
-        models = [{"name": str(m.get("name")), "size_bytes": int(m["size"]) if m.get("size") is not None else None}
-                  for m in r.json().get("models") or []]
-        return {"engine": tenant.engine, "models": sorted(models, key=lambda m: m["name"])}
-    if tenant.engine == "comfyui":
-        r = await client.get(f"{base}/models/checkpoints", timeout=timeout_s)
-        r.raise_for_status()
-        return {"engine": tenant.engine, "models": [{"name": str(n), "size_bytes": None} for n in sorted(r.json())]}
-    return None
-
-
 # -- the extension --------------------------------------------------------------------------------
 
 class EventsExtension:
@@ -250,7 +232,7 @@ class EventsExtension:
         previous = self.catalog or {}
         for tenant in self.proxy.registry:
             try:
-                entry = await tenant_catalog(tenant, client, self.settings.catalog_timeout_s)
+                entry = await self.proxy.arbitration.adapter(tenant).catalog(client, self.settings.catalog_timeout_s)
             except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
                 old = previous.get(tenant.name) or {"engine": tenant.engine, "models": []}
                 entry = {**old, "error": f"could not list models: {exc.__class__.__name__}: {exc}"}

@@ -28,7 +28,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 from websockets.asyncio.client import connect as ws_connect
 
-from proxy.engines import settings as es
+from proxy.engines import EngineAdapter
+from proxy.engines.settings import EnvReaders
 from proxy.errors import ConfigError, HyperSwapError
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.nvml import CONTAINER_NOTE, NvmlReader
@@ -75,20 +76,6 @@ Check = Callable[[AttributedSnapshot], Awaitable["HealthEntry | list[HealthEntry
 class NamedCheck:
     name: str
     run: Check
-
-
-@dataclass(slots=True)
-class EnvReaders:
-    """How /api/engines reads an engine's environment; tests inject fakes.
-
-    host None: read the host (systemd, /proc) only when the GPU reader is NVML (working or not:
-    the host is the engines' host either way); with a simulated GPU the pids are fictional and the
-    host's services are not the simulated engines."""
-
-    systemctl: es.CommandRunner = es.run_command
-    proc_root: Path = Path("/proc")
-    host: bool | None = None
-    timeout_s: float = 2.0
 
 
 def _gib(n: int) -> str:
@@ -232,10 +219,12 @@ class HealthExtension:
         return HealthEntry("nvml", "ok", f"{raw.device.name}: {len(raw.processes)} GPU process(es) visible"
                            + (f" ({note})" if note else ""))
 
+    def adapter(self, tenant: Tenant) -> EngineAdapter:
+        return self.proxy.arbitration.adapter(tenant)
+
     def _fix_upstream(self, tenant: Tenant) -> str:
         where = self.proxy.config_path or self.proxy.registry.source
-        start = {"ollama": "start Ollama (`systemctl start ollama` or `ollama serve`)",
-                 "comfyui": "start ComfyUI (`python main.py`)"}.get(tenant.engine, f"start {tenant.name}")
+        start = self.adapter(tenant).start_hint or f"start {tenant.name}"
         return f"{start}, or correct tenants.{tenant.name}.upstream ({tenant.upstream}) in {where or 'tenants.json'}"
 
     async def _check_upstream(self, tenant: Tenant) -> HealthEntry:
@@ -244,13 +233,14 @@ class HealthExtension:
             return HealthEntry(name, "ok", "no upstream (VRAM-only tenant)")
         impact = (f"requests to {tenant.listen or 'its listener'} answer 502, and the proxy cannot ask {tenant.name} "
                   "for memory back")
-        path = {"ollama": "/api/version", "comfyui": "/system_stats"}.get(tenant.engine, "/")
+        adapter = self.adapter(tenant)
+        path = adapter.probe_path
         try:
             r = await self.client.get(tenant.upstream + path)
         except httpx.HTTPError as exc:
             return HealthEntry(name, "failed", f"cannot reach {tenant.upstream}: {type(exc).__name__}: {exc}".rstrip(": "),
                                impact, self._fix_upstream(tenant))
-        if tenant.engine == "generic":
+        if not adapter.probe_strict:  # an app of its own: any answer below 500 is alive
             if r.status_code >= 500:
                 return HealthEntry(name, "degraded", f"GET {tenant.upstream}/ answered {r.status_code}", impact,
                                    f"check {tenant.name}'s own log")
@@ -263,10 +253,7 @@ class HealthExtension:
             data = r.json()
         except ValueError:
             data = None
-        if tenant.engine == "ollama":
-            version = data.get("version") if isinstance(data, dict) else None
-        else:
-            version = es.parse_system_stats(data).version
+        version = adapter.version_from_probe(data)
         return HealthEntry(name, "ok", f"reachable at {tenant.upstream}, {tenant.engine} version {version or 'unknown'}")
 
     async def check_upstreams(self, snap: AttributedSnapshot) -> list[HealthEntry]:
@@ -301,7 +288,7 @@ class HealthExtension:
         return HealthEntry(name, "ok", f"status frame with sid from {url.split('?')[0]}")
 
     async def check_comfy_ws(self, snap: AttributedSnapshot) -> list[HealthEntry]:
-        tenants = [t for t in self.proxy.registry if t.engine == "comfyui" and t.upstream]
+        tenants = [t for t in self.proxy.registry if self.adapter(t).status_websocket and t.upstream]
         return list(await asyncio.gather(*(self._check_ws(t) for t in tenants)))
 
     async def check_config(self, snap: AttributedSnapshot) -> HealthEntry:
@@ -392,30 +379,25 @@ class HealthExtension:
         pinned = sum(snap.held_by(t.name) for t in self.proxy.registry if not t.reclaimable)
         out: list[HealthEntry] = []
         for tenant in self.proxy.registry:
-            if tenant.engine != "ollama" or not tenant.upstream:
+            adapter = self.adapter(tenant)
+            if not adapter.sized_catalog or not tenant.upstream:
                 continue
             floors = 0
             for other in self.proxy.registry:
                 if other.name == tenant.name or not other.reclaimable:
                     continue
-                floor = self.comfy_floor(other.name) if other.engine == "comfyui" else None
+                floor = self.comfy_floor(other.name) if self.adapter(other).floor_from_samples else None
                 floors += floor if floor is not None else min(other.idle_vram_bytes, snap.held_by(other.name))
             without = usable - pinned - floors
             actual = without - held
             try:
-                r = await self.client.get(tenant.upstream + "/api/tags")
-                r.raise_for_status()
-                models = [(str(m["name"]), int(m["size"])) for m in r.json().get("models") or []]
+                needs = await adapter.installed_needs(self.client)
             except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
                 out.append(HealthEntry(f"unmanaged VRAM ({tenant.name})", "degraded",
                                        f"unmanaged processes hold {_gib(held)}: {who}; {tenant.name}'s models could not be "
                                        f"read ({type(exc).__name__})", f"{tenant.name} can use at most {_gib(actual)} "
                                        f"instead of {_gib(without)}", fix))
                 continue
-            needs = []
-            for name, size in models:
-                override = tenant.model_vram_gb.get(name)
-                needs.append((name, int(override * GIB) if override is not None else size + tenant.context_allowance_bytes))
             hurt = [(n, b) for n, b in needs if actual < b <= without]  # too large for the card at all: nobody's fault
             if hurt:
                 names = ", ".join(f"{n} ({_gib(b)})" for n, b in hurt)
@@ -438,67 +420,9 @@ class HealthExtension:
             return self.env.host
         return isinstance(self.proxy.reader, NvmlReader)  # a simulated GPU's engines are not the host's
 
-    async def engine_view(self, tenant: Tenant, snap: AttributedSnapshot | None) -> dict[str, Any]:
-        view: dict[str, Any] = {"tenant": tenant.name, "engine": tenant.engine, "upstream": tenant.upstream,
-                                "reachable": False, "error": None}
-        if tenant.engine == "ollama":
-            return await self._ollama_view(tenant, snap, view)
-        return await self._comfy_view(tenant, view)
-
-    async def _ollama_view(self, tenant: Tenant, snap: AttributedSnapshot | None, view: dict[str, Any]) -> dict[str, Any]:
-        version: str | None = None
-        if tenant.upstream:
-            try:
-                r = await self.client.get(tenant.upstream + "/api/version")
-                view["reachable"] = True
-                data = r.json() if r.status_code == 200 else None
-                version = data.get("version") if isinstance(data, dict) and isinstance(data.get("version"), str) else None
-            except httpx.HTTPError as exc:
-                view["error"] = f"cannot reach {tenant.upstream}: {type(exc).__name__}: {exc}"
-            except ValueError:
-                pass
-        view["version"] = version
-        reads: list[es.EnvRead] = []
-        systemd: es.EnvRead | None = None
-        environ: es.EnvRead | None = None
-        if self._host_reads():
-            systemd = await asyncio.to_thread(es.read_systemd_env, "ollama", self.env.systemctl, self.env.timeout_s)
-            reads.append(systemd)
-            procs = snap.processes_of(tenant.name) if snap else ()
-            if snap is None or snap.estimated:
-                environ = es.EnvRead("environ", None, "the GPU reader failed, so no process of "
-                                     f"{tenant.name} can be found by attribution: its environment was not read", "")
-            elif procs:
-                # The server and its runners share the environment that matters; prefer `ollama serve`.
-                proc = min(procs, key=lambda p: (0 if "serve" in p.process.cmdline else 1, p.process.pid)).process
-                environ = await asyncio.to_thread(es.read_proc_environ, proc.pid, self.env.proc_root)
-            else:
-                environ = es.EnvRead("environ", None, f"no {tenant.name} process on the GPU (nothing loaded): "
-                                     "its environment cannot be found by attribution", "")
-            reads.append(environ)
-        view["env_sources"] = [r.to_json() for r in reads] or [
-            {"source": "host", "ok": False, "error": "simulated GPU: the host's systemd and /proc are not the simulated engines'",
-             "where": "", "variables": None}]
-        view["settings"] = [s.to_json() for s in es.ollama_settings(systemd, environ, version)]
-        return view
-
-    async def _comfy_view(self, tenant: Tenant, view: dict[str, Any]) -> dict[str, Any]:
-        stats = es.parse_system_stats(None)
-        if tenant.upstream:
-            try:
-                r = await self.client.get(tenant.upstream + "/system_stats")
-                view["reachable"] = True
-                try:
-                    stats = es.parse_system_stats(r.json())
-                except ValueError:
-                    view["error"] = f"/system_stats answered {r.status_code} without JSON"
-            except httpx.HTTPError as exc:
-                view["error"] = f"cannot reach {tenant.upstream}: {type(exc).__name__}: {exc}"
-        view.update(stats.to_json())
-        view["flags"] = [f.to_json() for f in es.comfy_flags(stats.argv or ())]
-        if stats.argv is None and view["reachable"]:
-            view["flags_note"] = "system_stats has no argv (older ComfyUI): start flags unknown"
-        return view
+    async def engine_view(self, tenant: Tenant, snap: AttributedSnapshot | None) -> dict[str, Any] | None:
+        """What the tenant's engine reports about itself; None for an engine that reports nothing."""
+        return await self.adapter(tenant).settings_view(self.client, snap, self.env, self._host_reads())
 
     async def engines_route(self, request: Request) -> Response:
         arb = self.proxy.arbitration
@@ -506,10 +430,10 @@ class HealthExtension:
             snap: AttributedSnapshot | None = await asyncio.wait_for(arb.snapshot(), self.timeout_s)
         except Exception:
             snap = arb.last_snapshot
-        tenants = [t for t in self.proxy.registry if t.engine in ("ollama", "comfyui")]
+        tenants = list(self.proxy.registry)
         views = await asyncio.gather(*(self.engine_view(t, snap) for t in tenants), return_exceptions=True)
         out = [v if isinstance(v, dict) else {"tenant": t.name, "engine": t.engine, "error": f"{type(v).__name__}: {v}"}
-               for t, v in zip(tenants, views)]
+               for t, v in zip(tenants, views) if v is not None]
         return JSONResponse({"engines": out})
 
 

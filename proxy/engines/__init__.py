@@ -1,26 +1,13 @@
-"""One adapter per engine kind; the tenant's `engine` field picks it."""
+"""One adapter per engine kind; the tenant's `engine` field picks it (see `registry`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from types import MappingProxyType
-
 from proxy.engines.base import EngineAdapter, RequestKind, strip_hop_by_hop
 from proxy.engines.comfyui import ComfyUIAdapter
+from proxy.engines.common import Need, ReleaseFailed
 from proxy.engines.generic import GenericAdapter
 from proxy.engines.ollama import OllamaAdapter
-from proxy.tenants import Tenant
+from proxy.engines.registry import ADAPTERS, AdapterCache, adapter_for
 
-ADAPTERS: Mapping[str, type[EngineAdapter]] = MappingProxyType({
-    "ollama": OllamaAdapter,
-    "comfyui": ComfyUIAdapter,
-    "generic": GenericAdapter,
-})
-
-
-def adapter_for(tenant: Tenant) -> EngineAdapter:
-    return ADAPTERS.get(tenant.engine, GenericAdapter)(tenant)
-
-
-__all__ = ["ADAPTERS", "ComfyUIAdapter", "EngineAdapter", "GenericAdapter", "OllamaAdapter",
-           "RequestKind", "adapter_for", "strip_hop_by_hop"]
+__all__ = ["ADAPTERS", "AdapterCache", "ComfyUIAdapter", "EngineAdapter", "GenericAdapter", "Need", "OllamaAdapter",
+           "ReleaseFailed", "RequestKind", "adapter_for", "strip_hop_by_hop"]

@@ -1,17 +1,31 @@
-"""The engine adapter base: what a request needs (GPU or not) and how headers cross the proxy.
+"""The engine adapter base: an engine kind's whole contract with the proxy, with the generic
+(any HTTP app) behaviour as the default.
 
-One adapter instance per tenant. Subclasses override only what differs per engine; later methods
-(release, OOM reading, estimates) are added beside these without changing the request side.
+One adapter instance per tenant. Subclasses override only what differs per engine. The contract:
+- request side: classify, unload target, headers, job markers (ids, end frames, history, queue);
+- memory side: load keys, estimate need, release, read an OOM from an answer, a frame or a
+  history entry, self-reported memory, device report, CPU-only check, catalog, spill and queue probes;
+- admin side: how health probes the engine and what /api/engines shows about its settings.
+Nobody outside `proxy/engines/` switches on an engine's name: they ask its adapter.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
+import httpx
+
+from proxy.engines.common import Need, release_by_strategy
+from proxy.engines.settings import EnvReaders
+from proxy.gpu.attribution import AttributedSnapshot
+from proxy.gpu.snapshot import DeviceMemory
 from proxy.relay.hosts import HostPolicy, listener_policy
 from proxy.tenants import Tenant
+
+# One loaded model as the engine places it (Ollama's /api/ps rows: name, size, size_vram, expires_at).
+Placement = dict[str, Any]
 
 RequestKind = Literal["gpu", "passthrough"]
 # Raw bytes as ASGI and the wire carry them (latin-1); no decode/encode per request on the relay path.
@@ -171,3 +185,89 @@ class EngineAdapter:
     def drops_jobs(self, method: str, path: str) -> bool:
         """Whether this request can remove queued jobs (a queue delete or clear)."""
         return False
+
+    # -- memory: what a request needs, how to get memory back -------------------------------
+    def load_key(self, model: str) -> str:
+        """Names one load: requests with the same key share one reservation, and residency is per key."""
+        return f"{self.tenant.name}:{model}"
+
+    async def estimate_need(self, path: str, body: bytes, client: httpx.AsyncClient) -> Need:
+        """What the request needs in total on the card (the arbiter subtracts what the tenant already holds)."""
+        t = self.tenant
+        return Need(t.needs_vram_bytes, f"{t.needs_vram_gb:.2f} GiB (needs_vram_gb)", t.name)
+
+    async def release(self, client: httpx.AsyncClient) -> dict[str, Any]:
+        """Ask for the memory back (the tenant's `release.kind`). Raises ReleaseFailed."""
+        return await release_by_strategy(self.tenant, client)
+
+    # -- out of memory ------------------------------------------------------------------------
+    def response_is_oom(self, status: int, body: bytes) -> bool:
+        """An HTTP answer that says the GPU ran out of memory (only where `answers_oom`)."""
+        return False
+
+    def oom_job_from_frame(self, text: str) -> str | None:
+        """The job id a websocket text frame reports an out-of-memory failure of, if any."""
+        return None
+
+    def oom_in_history(self, job_id: str, body: bytes) -> bool:
+        """Whether a finished job's history entry says it failed for lack of GPU memory."""
+        return False
+
+    # -- what the engine says about itself (no GPU reader: invariant 10) ----------------------
+    async def self_reported_bytes(self, client: httpx.AsyncClient) -> int | None:
+        """The engine's own idea of its VRAM, marked as an estimate; None when it does not say."""
+        return None
+
+    async def device_report(self, client: httpx.AsyncClient) -> DeviceMemory | None:
+        """The card's figures as the engine reports them; None when it does not (or runs on the CPU)."""
+        return None
+
+    async def runs_on_cpu(self, client: httpx.AsyncClient) -> bool:
+        """The engine says it computes on the CPU, so it holds no GPU memory."""
+        return False
+
+    async def catalog(self, client: httpx.AsyncClient, timeout_s: float) -> dict[str, Any] | None:
+        """The installed models ({"engine", "models": [{"name", "size_bytes"}]}), or None for an
+        engine without a catalog. Raises httpx errors."""
+        return None
+
+    # Whether `installed_needs` lists the installed models with the memory each would need.
+    sized_catalog: bool = False
+
+    async def installed_needs(self, client: httpx.AsyncClient) -> list[tuple[str, int]]:
+        """(model, bytes a load needs) for every installed model. Raises httpx errors."""
+        return []
+
+    # -- probes the watchdog runs ---------------------------------------------------------------
+    # Where the engine lists how it placed each loaded model (GPU or CPU in part); None: it does not.
+    placements_path: str | None = None
+
+    async def placements(self, client: httpx.AsyncClient) -> list[Placement]:
+        """The loaded models and where they sit (spill probe). Raises httpx errors."""
+        return []
+
+    async def running_jobs(self, client: httpx.AsyncClient) -> list[str]:
+        """Job ids the engine's own queue says are running now (at `queue_path()`). Raises httpx errors."""
+        return []
+
+    # -- health and /api/engines ----------------------------------------------------------------
+    probe_path: str = "/"  # what health GETs to see the engine answer
+    probe_strict: bool = False  # True: only a 200 with the engine's own answer is healthy; else any status < 500
+    start_hint: str | None = None  # how to start the engine, for a fix text
+    status_websocket: bool = False  # the engine greets a websocket with a status frame health can check
+    # Its idle footprint varies (caches grow and shrink), so health takes the smallest it saw as the floor.
+    floor_from_samples: bool = False
+
+    def version_from_probe(self, data: Any) -> str | None:
+        """The engine's version from the JSON answer to `probe_path`."""
+        return None
+
+    async def settings_view(self, client: httpx.AsyncClient, snap: AttributedSnapshot | None, env: EnvReaders,
+                            host_reads: bool) -> dict[str, Any] | None:
+        """What /api/engines shows: reachable, version, the settings that matter for memory and where
+        each came from; None for an engine that reports nothing about itself."""
+        return None
+
+    def _view(self) -> dict[str, Any]:
+        t = self.tenant
+        return {"tenant": t.name, "engine": t.engine, "upstream": t.upstream, "reachable": False, "error": None}

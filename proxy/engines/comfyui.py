@@ -4,20 +4,47 @@ A prompt is busy from the POST /prompt answer ({"prompt_id": P, ...}) until the 
 {"type":"executing","data":{"node":null,"prompt_id":P}} or until /history/P lists it.
 Host/Origin: the base same-origin rewrite (see EngineAdapter.rewrite_origin) matches ComfyUI's
 origin_only_middleware, which 403s when a loopback Host differs from the Origin's host:port.
+Memory: an OOM arrives as an `execution_error` frame (or in the /history entry), /system_stats
+reports the torch device (self-report, device figures, `--cpu`), /models/checkpoints is the catalog.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from typing import Any
 
+import httpx
+
+from proxy.engines import settings as es
 from proxy.engines.base import EngineAdapter, RequestKind
+from proxy.engines.common import Need, ReleaseFailed, json_or_none, upstream_of
+from proxy.gpu.attribution import AttributedSnapshot
+from proxy.gpu.snapshot import DeviceMemory
+from proxy.tenants import GIB
 
 PROMPT_ROUTES = frozenset({"/prompt", "/api/prompt"})
 QUEUE_ROUTES = frozenset({"/queue", "/api/queue"})  # POST {"delete": [...]} / {"clear": true}
+# ComfyUI classifies only torch's OOM exception as OOM (model_management.OOM_EXCEPTION).
+COMFY_OOM_TYPES = ("torch.OutOfMemoryError", "torch.cuda.OutOfMemoryError")
+
+
+def comfy_event_is_oom(event: Mapping[str, Any]) -> bool:
+    return event.get("type") == "execution_error" and (event.get("data") or {}).get("exception_type") in COMFY_OOM_TYPES
+
+
+def _on_cpu(dev: Mapping[str, Any]) -> bool:
+    """ComfyUI started with --cpu lists device type "cpu": its "vram" figures are host RAM."""
+    return dev.get("type") == "cpu"
 
 
 class ComfyUIAdapter(EngineAdapter):
     kind = "comfyui"
+    probe_path = "/system_stats"
+    probe_strict = True
+    start_hint = "start ComfyUI (`python main.py`)"
+    status_websocket = True
+    floor_from_samples = True
 
     def classify(self, method: str, path: str) -> RequestKind:
         if method.upper() == "POST" and path.rstrip("/") in PROMPT_ROUTES:
@@ -78,6 +105,121 @@ class ComfyUIAdapter(EngineAdapter):
 
     def drops_jobs(self, method: str, path: str) -> bool:
         return method.upper() == "POST" and path.rstrip("/") in QUEUE_ROUTES
+
+    # -- memory ---------------------------------------------------------------------------------
+    async def estimate_need(self, path: str, body: bytes, client: httpx.AsyncClient) -> Need:
+        """A checkpoint with a configured size (model_vram_gb) needs that; else the tenant's need."""
+        tenant = self.tenant
+        data = json_or_none(body)
+        if isinstance(data, dict) and isinstance(data.get("prompt"), dict):
+            for node in data["prompt"].values():
+                ckpt = isinstance(node, dict) and (node.get("inputs") or {}).get("ckpt_name")
+                if isinstance(ckpt, str) and ckpt in tenant.model_vram_gb:
+                    gb = tenant.model_vram_gb[ckpt]
+                    return Need(int(gb * GIB), f"{ckpt} ({gb:.2f} GiB, configured)", self.load_key(ckpt))
+        return await super().estimate_need(path, body, client)
+
+    def oom_job_from_frame(self, text: str) -> str | None:
+        if "execution_error" not in text or "OutOfMemoryError" not in text:  # cheap filter first
+            return None
+        try:
+            event = json.loads(text)
+        except ValueError:
+            return None
+        if isinstance(event, dict) and comfy_event_is_oom(event):
+            return str((event.get("data") or {}).get("prompt_id", ""))
+        return None
+
+    def oom_in_history(self, job_id: str, body: bytes) -> bool:
+        """ComfyUI keeps the execution_error in the history entry's status messages."""
+        if b"execution_error" not in body or b"OutOfMemoryError" not in body:
+            return False
+        try:
+            entry = json.loads(body).get(job_id) or {}
+            messages = entry.get("status", {}).get("messages") or []
+        except (ValueError, AttributeError):
+            return False
+        return any(isinstance(message, list) and len(message) == 2 and isinstance(message[1], dict)
+                   and comfy_event_is_oom({"type": message[0], "data": message[1]}) for message in messages)
+
+    async def _torch_device(self, client: httpx.AsyncClient) -> dict[str, Any] | None:
+        """The first (torch) device of ComfyUI's /system_stats; None when unreadable."""
+        try:
+            r = await client.get(f"{upstream_of(self.tenant)}/system_stats")
+            dev = (r.json().get("devices") or [{}])[0]
+        except (httpx.HTTPError, ValueError, TypeError, AttributeError, IndexError, ReleaseFailed):
+            return None
+        return dev if isinstance(dev, dict) else None
+
+    async def self_reported_bytes(self, client: httpx.AsyncClient) -> int | None:
+        dev = await self._torch_device(client)
+        if dev is None:
+            return None
+        if _on_cpu(dev):
+            return 0  # torch_vram_total is host RAM there: it holds no VRAM at all
+        try:
+            return int(dev.get("torch_vram_total", 0)) + self.tenant.idle_vram_bytes
+        except (ValueError, TypeError):
+            return None
+
+    async def device_report(self, client: httpx.AsyncClient) -> DeviceMemory | None:
+        """ComfyUI's device-wide figures (cudaMemGetInfo), for when NVML is broken. None on the CPU:
+        host RAM is not a card."""
+        dev = await self._torch_device(client)
+        if dev is None or _on_cpu(dev):
+            return None
+        try:
+            total, free = int(dev["vram_total"]), int(dev["vram_free"])
+        except (KeyError, TypeError, ValueError):
+            return None
+        if total <= 0:
+            return None
+        # cudaMemGetInfo has no driver-reserved figure: that one stays unknown
+        return DeviceMemory(int(dev.get("index") or 0), str(dev.get("name", "")), total, 0, total - free, free,
+                            unknown=frozenset({"reserved"}))
+
+    async def runs_on_cpu(self, client: httpx.AsyncClient) -> bool:
+        if not self.tenant.upstream:
+            return False
+        dev = await self._torch_device(client)
+        return dev is not None and _on_cpu(dev)
+
+    async def catalog(self, client: httpx.AsyncClient, timeout_s: float) -> dict[str, Any] | None:
+        if not self.tenant.upstream:
+            return None
+        r = await client.get(f"{self.tenant.upstream.rstrip('/')}/models/checkpoints", timeout=timeout_s)
+        r.raise_for_status()
+        return {"engine": self.tenant.engine, "models": [{"name": str(n), "size_bytes": None} for n in sorted(r.json())]}
+
+    async def running_jobs(self, client: httpx.AsyncClient) -> list[str]:
+        r = await client.get(f"{upstream_of(self.tenant)}/queue")
+        r.raise_for_status()
+        return [item[1] for item in r.json().get("queue_running") or [] if isinstance(item, list) and len(item) > 1]
+
+    # -- health and /api/engines ----------------------------------------------------------------
+    def version_from_probe(self, data: Any) -> str | None:
+        return es.parse_system_stats(data).version
+
+    async def settings_view(self, client: httpx.AsyncClient, snap: AttributedSnapshot | None, env: es.EnvReaders,
+                            host_reads: bool) -> dict[str, Any] | None:
+        tenant = self.tenant
+        view = self._view()
+        stats = es.parse_system_stats(None)
+        if tenant.upstream:
+            try:
+                r = await client.get(tenant.upstream + "/system_stats")
+                view["reachable"] = True
+                try:
+                    stats = es.parse_system_stats(r.json())
+                except ValueError:
+                    view["error"] = f"/system_stats answered {r.status_code} without JSON"
+            except httpx.HTTPError as exc:
+                view["error"] = f"cannot reach {tenant.upstream}: {type(exc).__name__}: {exc}"
+        view.update(stats.to_json())
+        view["flags"] = [f.to_json() for f in es.comfy_flags(stats.argv or ())]
+        if stats.argv is None and view["reachable"]:
+            view["flags_note"] = "system_stats has no argv (older ComfyUI): start flags unknown"
+        return view
 
 
 def _ok_json(status: int, body: bytes) -> object:

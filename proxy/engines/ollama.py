@@ -1,4 +1,5 @@
-"""Ollama: which routes load a model, and the Host rule of a loopback-bound server.
+"""Ollama: which routes load a model, the Host rule of a loopback-bound server, model sizes from
+/api/tags, OOM answers, /api/ps (self-report and CPU spill), and the OLLAMA_* settings.
 
 Ollama bound to loopback answers 403 (empty body) to a Host it does not consider local, so the
 upstream always gets the upstream's own Host (engine-wire-facts A.1). That hides the client's Host
@@ -8,12 +9,28 @@ passes `Origin == http://<Host>`, so the base same-origin rewrite keeps browser 
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import re
+from typing import Any
 from urllib.parse import urlsplit
 
-from proxy.engines.base import EngineAdapter, RequestKind
+import httpx
+
+from proxy.engines import settings as es
+from proxy.engines.base import EngineAdapter, Placement, RequestKind
+from proxy.engines.common import Need, ReleaseFailed, json_or_none, upstream_of
+from proxy.gpu.attribution import AttributedSnapshot
 from proxy.relay.hosts import HostPolicy, is_loopback_host, listener_policy
+from proxy.tenants import GIB, Tenant
+
+log = logging.getLogger("hyperswap.engines")
+
+# Ollama's own classifier (llm/status.go IsOutOfMemory): case-insensitive substrings.
+OLLAMA_OOM_MARKERS = ("out of memory", "out of device memory", "cudamalloc failed", "hipmalloc failed",
+                      "failed to allocate", "allocation failed", "not enough memory", "insufficient memory",
+                      "vk_error_out_of_device_memory", "unable to allocate cuda")
 
 # POST routes that schedule a runner (load a model). /api/pull only downloads: no GPU.
 GPU_ROUTES = frozenset({
@@ -40,9 +57,45 @@ def keep_alive_is_zero(value: object) -> bool:
     return False
 
 
+def ollama_error_is_oom(message: str) -> bool:
+    low = message.lower()
+    return any(marker in low for marker in OLLAMA_OOM_MARKERS) and "system memory" not in low
+
+
+class OllamaCatalog:
+    """Installed model sizes from /api/tags, refreshed when a name is not found."""
+
+    def __init__(self) -> None:
+        self.sizes: dict[str, int] = {}
+
+    @staticmethod
+    def canonical(name: str) -> str:
+        return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
+
+    async def size_of(self, tenant: Tenant, client: httpx.AsyncClient, model: str) -> int | None:
+        key = self.canonical(model)
+        if key not in self.sizes:
+            await self.refresh(tenant, client)
+        return self.sizes.get(key)
+
+    async def refresh(self, tenant: Tenant, client: httpx.AsyncClient) -> None:
+        r = await client.get(f"{upstream_of(tenant)}/api/tags")
+        r.raise_for_status()
+        self.sizes = {m["name"]: int(m["size"]) for m in r.json().get("models") or []}
+
+
 class OllamaAdapter(EngineAdapter):
     kind = "ollama"
     answers_oom = True
+    sized_catalog = True
+    placements_path = "/api/ps"
+    probe_path = "/api/version"
+    probe_strict = True
+    start_hint = "start Ollama (`systemctl start ollama` or `ollama serve`)"
+
+    def __init__(self, tenant: Tenant) -> None:
+        super().__init__(tenant)
+        self.sizes = OllamaCatalog()  # per adapter, so per tenant: refreshed when a name is missing
 
     def classify(self, method: str, path: str) -> RequestKind:
         if method.upper() == "POST" and path.rstrip("/") in GPU_ROUTES:
@@ -68,3 +121,116 @@ class OllamaAdapter(EngineAdapter):
         engine_checks = is_loopback_host(urlsplit(self.tenant.upstream or "http://127.0.0.1").hostname or "")
         return listener_policy(self.listen_host(), self.tenant.allowed_hosts, engine_rule=True,
                                engine_checks=engine_checks)
+
+    # -- memory ---------------------------------------------------------------------------------
+    def load_key(self, model: str) -> str:
+        return f"{self.tenant.name}:{OllamaCatalog.canonical(model)}"
+
+    async def estimate_need(self, path: str, body: bytes, client: httpx.AsyncClient) -> Need:
+        """The model's size on disk plus the context allowance, unless configured per model."""
+        tenant = self.tenant
+        data = json_or_none(body)
+        if not (isinstance(data, dict) and isinstance(data.get("model"), str)):
+            return await super().estimate_need(path, body, client)
+        model = OllamaCatalog.canonical(data["model"])
+        key = self.load_key(model)
+        override = tenant.model_vram_gb.get(model, tenant.model_vram_gb.get(data["model"]))
+        if override is not None:
+            return Need(int(override * GIB), f"{model} ({override:.2f} GiB, configured)", key)
+        try:
+            size = await self.sizes.size_of(tenant, client, model)
+        except (httpx.HTTPError, ValueError) as exc:
+            log.warning("cannot read Ollama's model sizes: %s", exc)
+            size = None
+        if size is not None:
+            total = size + tenant.context_allowance_bytes
+            return Need(total, f"{model} ({size / GIB:.2f} GiB + {tenant.context_allowance_gb:.2f} GiB context allowance)",
+                        key)
+        return Need(tenant.needs_vram_bytes, f"{model} (size unknown: tenant need {tenant.needs_vram_gb:.2f} GiB)", key)
+
+    def response_is_oom(self, status: int, body: bytes) -> bool:
+        if status < 400:
+            return False
+        data = json_or_none(body)
+        message = data.get("error") if isinstance(data, dict) else None
+        if isinstance(message, dict):  # the /v1 error shape
+            message = message.get("message")
+        return isinstance(message, str) and ollama_error_is_oom(message)
+
+    async def self_reported_bytes(self, client: httpx.AsyncClient) -> int | None:
+        try:
+            r = await client.get(f"{upstream_of(self.tenant)}/api/ps")
+            return sum(int(m.get("size_vram", 0)) for m in r.json().get("models") or [])
+        except (httpx.HTTPError, ValueError, ReleaseFailed, AttributeError, TypeError):
+            return None
+
+    async def catalog(self, client: httpx.AsyncClient, timeout_s: float) -> dict[str, Any] | None:
+        if not self.tenant.upstream:
+            return None
+        r = await client.get(f"{self.tenant.upstream.rstrip('/')}/api/tags", timeout=timeout_s)
+        r.raise_for_status()
+        models = [{"name": str(m.get("name")), "size_bytes": int(m["size"]) if m.get("size") is not None else None}
+                  for m in r.json().get("models") or []]
+        return {"engine": self.tenant.engine, "models": sorted(models, key=lambda m: m["name"])}
+
+    async def installed_needs(self, client: httpx.AsyncClient) -> list[tuple[str, int]]:
+        tenant = self.tenant
+        r = await client.get(upstream_of(tenant) + "/api/tags")
+        r.raise_for_status()
+        needs = []
+        for m in r.json().get("models") or []:
+            name, size = str(m["name"]), int(m["size"])
+            override = tenant.model_vram_gb.get(name)
+            needs.append((name, int(override * GIB) if override is not None else size + tenant.context_allowance_bytes))
+        return needs
+
+    async def placements(self, client: httpx.AsyncClient) -> list[Placement]:
+        """Ollama's loaded models (`/api/ps`), each with `size`, `size_vram` and `expires_at`."""
+        r = await client.get(f"{upstream_of(self.tenant)}/api/ps")
+        r.raise_for_status()
+        return [m for m in r.json().get("models") or [] if isinstance(m, dict) and isinstance(m.get("name"), str)]
+
+    # -- health and /api/engines ----------------------------------------------------------------
+    def version_from_probe(self, data: Any) -> str | None:
+        version = data.get("version") if isinstance(data, dict) else None
+        return version if isinstance(version, str) else None
+
+    async def settings_view(self, client: httpx.AsyncClient, snap: AttributedSnapshot | None, env: es.EnvReaders,
+                            host_reads: bool) -> dict[str, Any] | None:
+        tenant = self.tenant
+        view = self._view()
+        version: str | None = None
+        if tenant.upstream:
+            try:
+                r = await client.get(tenant.upstream + "/api/version")
+                view["reachable"] = True
+                data = r.json() if r.status_code == 200 else None
+                version = data.get("version") if isinstance(data, dict) and isinstance(data.get("version"), str) else None
+            except httpx.HTTPError as exc:
+                view["error"] = f"cannot reach {tenant.upstream}: {type(exc).__name__}: {exc}"
+            except ValueError:
+                pass
+        view["version"] = version
+        reads: list[es.EnvRead] = []
+        systemd: es.EnvRead | None = None
+        environ: es.EnvRead | None = None
+        if host_reads:
+            systemd = await asyncio.to_thread(es.read_systemd_env, "ollama", env.systemctl, env.timeout_s)
+            reads.append(systemd)
+            procs = snap.processes_of(tenant.name) if snap else ()
+            if snap is None or snap.estimated:
+                environ = es.EnvRead("environ", None, "the GPU reader failed, so no process of "
+                                     f"{tenant.name} can be found by attribution: its environment was not read", "")
+            elif procs:
+                # The server and its runners share the environment that matters; prefer `ollama serve`.
+                proc = min(procs, key=lambda p: (0 if "serve" in p.process.cmdline else 1, p.process.pid)).process
+                environ = await asyncio.to_thread(es.read_proc_environ, proc.pid, env.proc_root)
+            else:
+                environ = es.EnvRead("environ", None, f"no {tenant.name} process on the GPU (nothing loaded): "
+                                     "its environment cannot be found by attribution", "")
+            reads.append(environ)
+        view["env_sources"] = [r.to_json() for r in reads] or [
+            {"source": "host", "ok": False, "error": "simulated GPU: the host's systemd and /proc are not the simulated engines'",
+             "where": "", "variables": None}]
+        view["settings"] = [s.to_json() for s in es.ollama_settings(systemd, environ, version)]
+        return view

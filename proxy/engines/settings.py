@@ -135,6 +135,20 @@ def read_proc_environ(pid: int, proc_root: Path = Path("/proc")) -> EnvRead:
     return EnvRead("environ", parse_environ(data), None, str(path))
 
 
+@dataclass(slots=True)
+class EnvReaders:
+    """How /api/engines reads an engine's environment; tests inject fakes.
+
+    host None: read the host (systemd, /proc) only when the GPU reader is NVML (working or not:
+    the host is the engines' host either way); with a simulated GPU the pids are fictional and the
+    host's services are not the simulated engines."""
+
+    systemctl: CommandRunner = run_command
+    proc_root: Path = Path("/proc")
+    host: bool | None = None
+    timeout_s: float = 2.0
+
+
 # -- Ollama: what each variable means ------------------------------------------------------------------------
 
 def _truthy(value: str) -> bool:

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from proxy.clock import Clock
-from proxy.engines import EngineAdapter, adapter_for, memory, strip_hop_by_hop
+from proxy.engines import AdapterCache, EngineAdapter, Need, ReleaseFailed, strip_hop_by_hop
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot, Attributor
 from proxy.gpu.snapshot import DeviceFigure, DeviceMemory, GpuProcess, GpuReader, GpuReadError, GpuSnapshot
 from proxy.handoff.arbiter import Plan, PlanMode, TenantState, gib, plan_release, promised_by_tenant, unplanned_plan
@@ -60,7 +60,8 @@ class _QueueRead:
 
 class Arbitration:
     def __init__(self, registry: Registry, reader: GpuReader, inflight: InFlight, clock: Clock,
-                 decisions: DecisionLog, control: httpx.AsyncClient | None = None) -> None:
+                 decisions: DecisionLog, control: httpx.AsyncClient | None = None,
+                 adapter: Callable[[Tenant], EngineAdapter] | None = None) -> None:
         self.registry = registry
         self.reader = reader
         self.attributor = Attributor(registry)
@@ -68,7 +69,9 @@ class Arbitration:
         self.clock = clock
         self.decisions = decisions
         self.control = control or httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=2.0), trust_env=False)
-        self.catalog = memory.OllamaCatalog()
+        # Each tenant's engine adapter (the forwarder's, when the service passes it): one per tenant,
+        # so what an adapter learns (Ollama's model sizes) is learnt once.
+        self.adapter: Callable[[Tenant], EngineAdapter] = adapter or AdapterCache()
         # confirmed again every watchdog tick; a load unconfirmed for two ticks is planned for again
         self.residency = Residency(clock, fresh_s=2 * registry.config.proxy.watchdog_interval_s + 0.5)
         self.queue = HandoffQueue(self)
@@ -117,12 +120,13 @@ class Arbitration:
         for i, tenant in enumerate(self.registry):
             if not tenant.upstream:
                 continue
-            held = await memory.self_reported_bytes(tenant, self.control)
+            adapter = self.adapter(tenant)
+            held = await adapter.self_reported_bytes(self.control)
             if held is not None:
                 proc = GpuProcess(pid=-(i + 1), name=f"[{tenant.name} self-report]", cmdline="", used_bytes=held)
                 procs.append(AttributedProcess(proc, tenant.name))
-            if device is None and tenant.engine == "comfyui":
-                device = await memory.comfy_device(tenant, self.control)
+            if device is None:
+                device = await adapter.device_report(self.control)
         if device is None:
             # the card does not shrink when its reader breaks: the last measured total stays true
             prev = self._measured_device
@@ -219,8 +223,8 @@ class Arbitration:
         target = max(held_before - expected, 0)
         start = self.clock.now()
         try:
-            asked = await memory.release(tenant, self.control)
-        except memory.ReleaseFailed as exc:
+            asked = await self.adapter(tenant).release(self.control)
+        except ReleaseFailed as exc:
             return ReleaseResult(tenant.name, expected, 0, self.clock.now() - start, False, str(exc))
         deadline = start + tenant.release_timeout_s
         held_now = held_before
@@ -269,11 +273,11 @@ class Arbitration:
 
     # -- the request path ---------------------------------------------------------------------
     async def admit(self, tenant: Tenant, request: Request | None, body: bytes, trigger: str,
-                    *, oom: bool = False) -> tuple[Admitted, memory.Need]:
+                    *, oom: bool = False) -> tuple[Admitted, Need]:
         """Make room for a GPU request: straight through when its load is already on the card and
         nobody waits, else through the handoff queue (which may wait for busy tenants, up to the
         queue timeout). A client that goes away while waiting leaves the queue."""
-        need = await memory.estimate_need(tenant, request.url.path if request else "", body, self.control, self.catalog)
+        need = await self.adapter(tenant).estimate_need(request.url.path if request else "", body, self.control)
         need_bytes = need.bytes
         if oom:
             self.residency.forget(tenant.name)
@@ -349,7 +353,7 @@ def _refusal_fix(handoff: Handoff) -> str:
     return "; ".join(fixes) or "free GPU memory held outside the proxy's tenants, or ask for less"
 
 
-def rejection_body(tenant: Tenant, handoff: Handoff, need: memory.Need) -> dict[str, Any]:
+def rejection_body(tenant: Tenant, handoff: Handoff, need: Need) -> dict[str, Any]:
     """507: the need cannot be met even once every busy tenant finished and every reclaimable one
     were released."""
     plan = handoff.plan
@@ -385,40 +389,25 @@ class GpuAdmission:
     client_id, read back from ComfyUI's own /history entry.
     """
 
-    def __init__(self, arbitration: Arbitration, adapter: Callable[[Tenant], EngineAdapter] = adapter_for) -> None:
+    def __init__(self, arbitration: Arbitration, adapter: Callable[[Tenant], EngineAdapter] | None = None) -> None:
         self.arb = arbitration
-        self._adapter = adapter  # the forwarder's per-tenant adapters
+        self._adapter = adapter or arbitration.adapter  # the forwarder's per-tenant adapters
         self._requeued: dict[str, str] = {}  # new prompt id -> the OOM'd prompt it retries
         self._seen_oom: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
 
     def on_frame(self, tenant: Tenant, text: str) -> None:
-        """Called for every upstream text frame of a tenant's websockets (cheap filter first)."""
-        if "execution_error" not in text or "OutOfMemoryError" not in text:
-            return
-        try:
-            event = json.loads(text)
-        except ValueError:
-            return
-        if isinstance(event, dict) and memory.comfy_event_is_oom(event):
-            self._oom(tenant, str((event.get("data") or {}).get("prompt_id", "")))
+        """Called for every upstream text frame of a tenant's websockets (the adapter filters cheaply first)."""
+        job_id = self._adapter(tenant).oom_job_from_frame(text)
+        if job_id is not None:
+            self._oom(tenant, job_id)
 
     def on_job_end(self, tenant: Tenant, job_id: str, history: bytes) -> None:
         """A prompt's end found by the history poll (its client never opened a websocket, so no
-        frame told us): ComfyUI keeps the execution_error in the entry's status messages."""
-        if b"execution_error" not in history or b"OutOfMemoryError" not in history:
-            return
-        try:
-            entry = json.loads(history).get(job_id) or {}
-            messages = entry.get("status", {}).get("messages") or []
-        except (ValueError, AttributeError):
-            return
-        for message in messages:
-            if (isinstance(message, list) and len(message) == 2 and isinstance(message[1], dict)
-                    and memory.comfy_event_is_oom({"type": message[0], "data": message[1]})):
-                self._oom(tenant, job_id)
-                return
+        frame told us): the engine's history entry says whether it ran out of memory."""
+        if self._adapter(tenant).oom_in_history(job_id, history):
+            self._oom(tenant, job_id)
 
     def on_job_lost(self, tenant: Tenant, job_id: str) -> None:
         self.arb.decisions.record("stale_job", tenant.name, "job reconciliation", None, job_id=job_id,
@@ -500,7 +489,7 @@ class GpuAdmission:
         unloading = adapter.unload_target(request.url.path, body)
         if unloading is not None:
             # An unload loads nothing: it needs no memory, releases nobody and is never refused.
-            self.arb.residency.forget(tenant.name, memory.load_key(tenant, unloading))
+            self.arb.residency.forget(tenant.name, adapter.load_key(unloading))
             return await forward(body)
         trigger = f"request {request.method} {request.url.path}"
         admitted, need = await self.arb.admit(tenant, request, body, trigger)
@@ -521,7 +510,7 @@ class GpuAdmission:
                 return response
             error_body = await response.aread()
             await response.aclose()
-            if not memory.response_is_oom(tenant, response.status_code, error_body):
+            if not adapter.response_is_oom(response.status_code, error_body):
                 return _replay_response(response, error_body)
             # The first try is over: its reservation goes before the retry reserves its bigger need
             # (under the same key it would only have counted once more, with the old size and baseline).

@@ -13,7 +13,8 @@ from typing import Any
 
 import httpx
 
-from proxy.engines import memory
+from proxy.engines import ReleaseFailed
+from proxy.engines.common import go_time
 from proxy.handoff.admission import CONFIRM_SLACK_BYTES, Arbitration, gib
 from proxy.tasks import cancel_and_wait
 from proxy.tenants import GIB, Tenant
@@ -101,12 +102,13 @@ class Watchdog:
             if name in arb.stale_jobs:
                 report.actions.append(f"{name}: stale queue entries {arb.stale_jobs[name]}")
             # Starvation first: Ollama spilling layers to the CPU wants memory now.
-            if tenant.engine == "ollama" and tenant.upstream:
+            adapter = arb.adapter(tenant)
+            if adapter.placements_path and tenant.upstream:  # the engine says where each model sits
                 try:
-                    models = await memory.ollama_ps(tenant, arb.control)
-                except (httpx.HTTPError, ValueError, memory.ReleaseFailed) as exc:
+                    models = await adapter.placements(arb.control)
+                except (httpx.HTTPError, ValueError, ReleaseFailed) as exc:
                     models = None
-                    report.reasons[name] = f"cannot read /api/ps: {exc}"
+                    report.reasons[name] = f"cannot read {adapter.placements_path}: {exc}"
                 if models is not None:
                     self._observe_residency(tenant, models)
                     spilled = self._stable_spills(tenant, models, report)
@@ -141,14 +143,16 @@ class Watchdog:
     async def _read_queues(self, report: TickReport) -> None:
         """Jobs the engine's own queue says are running (clients that bypass the proxy, or stale rows)."""
         for tenant in self.arb.registry:
-            if tenant.engine != "comfyui" or not tenant.upstream:
+            adapter = self.arb.adapter(tenant)
+            queue_path = adapter.queue_path()
+            if queue_path is None or not tenant.upstream:
                 continue
             started = self.arb.clock.now()  # a row is only believed if read after the traffic last changed
             try:
-                rows = tuple(await memory.comfy_running_prompts(tenant, self.arb.control))
-            except (httpx.HTTPError, ValueError, memory.ReleaseFailed) as exc:
+                rows = tuple(await adapter.running_jobs(self.arb.control))
+            except (httpx.HTTPError, ValueError, ReleaseFailed) as exc:
                 self.arb.queue_read(tenant.name, started, None)
-                report.reasons[tenant.name] = f"cannot read /queue: {exc}"
+                report.reasons[tenant.name] = f"cannot read {queue_path}: {exc}"
             else:
                 self.arb.queue_read(tenant.name, started, rows)
 
@@ -157,14 +161,15 @@ class Watchdog:
         (its keep-alive deadline, minus two ticks of margin, ends the fast path)."""
         clock = self.arb.clock
         margin = 2 * self.arb.registry.config.proxy.watchdog_interval_s
+        adapter = self.arb.adapter(tenant)
         loads: dict[str, float] = {}
         for m in models:
             if int(m.get("size_vram") or 0) < int(m.get("size") or 0):
                 continue
-            expires = memory.go_time(m.get("expires_at"))
+            expires = go_time(m.get("expires_at"))
             if expires is None:
                 continue
-            loads[memory.load_key(tenant, m["name"])] = clock.now() + (expires - clock.wall()) - margin
+            loads[adapter.load_key(m["name"])] = clock.now() + (expires - clock.wall()) - margin
         self.arb.residency.observe(tenant.name, loads)
 
     def _stable_spills(self, tenant: Tenant, models: list[dict[str, Any]], report: TickReport) -> list[dict[str, Any]]:
@@ -183,7 +188,7 @@ class Watchdog:
                 p = self._placements[where] = _Placement(size, vram, now)
             if vram >= size:
                 continue
-            if self.arb.loading(memory.load_key(tenant, where[1])):
+            if self.arb.loading(self.arb.adapter(tenant).load_key(where[1])):
                 report.reasons[tenant.name] = f"{where[1]} is loading ({gib(vram)} of {gib(size)} GiB on the GPU so far)"
                 p.since = now
             elif now - p.since < stable_s:
@@ -204,7 +209,7 @@ class Watchdog:
         need = max(0, held - on_gpu) + sum(int(m.get("size") or 0) for m in spilled) + tenant.context_allowance_bytes
         models = ", ".join(str(m["name"]) for m in spilled)
         placements = [self._placements[(name, str(m["name"]))] for m in spilled]
-        plan, snap = await self.arb.plan(name, need, memory.load_key(tenant, first), mode="relief")
+        plan, snap = await self.arb.plan(name, need, self.arb.adapter(tenant).load_key(first), mode="relief")
         if not plan.starved:
             report.reasons[name] = f"{models} on the CPU in part but the card has room: waiting for Ollama to reload"
             return

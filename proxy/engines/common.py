@@ -1,0 +1,83 @@
+"""Engine-neutral pieces every adapter shares: what a load needs, a failed release, the release
+strategies chosen by `release.kind` in tenants.json, and small wire helpers.
+
+Nothing here knows an engine by name; `proxy/engines/<kind>.py` does.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import httpx
+
+from proxy.tenants import Tenant
+
+
+class ReleaseFailed(Exception):
+    """The engine refused or could not be reached when asked for memory back."""
+
+
+@dataclass(frozen=True, slots=True)
+class Need:
+    bytes: int
+    what: str  # "llama3.1:8b (4.90 GiB + 1.00 GiB context allowance)"
+    key: str  # identifies the load: concurrent requests with the same key share one reservation
+
+
+def json_or_none(body: bytes) -> Any:
+    try:
+        return json.loads(body) if body else None
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def upstream_of(tenant: Tenant) -> str:
+    if not tenant.upstream:
+        raise ReleaseFailed(f"tenant {tenant.name!r} has no upstream to call")
+    return tenant.upstream
+
+
+def go_time(value: object) -> float | None:
+    """An RFC 3339 timestamp as Go writes it (nanoseconds, offset or Z) in Unix seconds; None if unreadable."""
+    if not isinstance(value, str):
+        return None
+    try:
+        return datetime.fromisoformat(value).timestamp()
+    except ValueError:
+        return None
+
+
+async def release_by_strategy(tenant: Tenant, client: httpx.AsyncClient) -> dict[str, Any]:
+    """Ask the tenant for its memory back the way its `release.kind` says. Returns what was asked;
+    the caller confirms on the GPU."""
+    kind = tenant.release.kind
+    try:
+        if kind == "ollama_unload":
+            r = await client.get(f"{upstream_of(tenant)}/api/ps")
+            r.raise_for_status()
+            models = [m["name"] for m in r.json().get("models") or []]
+            for name in models:
+                u = await client.post(f"{upstream_of(tenant)}/api/generate", json={"model": name, "keep_alive": 0})
+                if u.status_code >= 400:
+                    raise ReleaseFailed(f"Ollama refused to unload {name}: {u.status_code} {u.text[:200]}")
+            return {"call": "keep_alive 0", "models": models}
+        if kind == "comfyui_free":
+            payload = {"unload_models": tenant.release.unload_models, "free_memory": tenant.release.free_memory}
+            r = await client.post(f"{upstream_of(tenant)}/free", json=payload)
+            if r.status_code >= 400:
+                raise ReleaseFailed(f"ComfyUI refused /free: {r.status_code}")
+            return {"call": "POST /free", **payload}
+        if kind == "http":
+            url = tenant.release.url or ""
+            if url.startswith("/"):
+                url = upstream_of(tenant) + url
+            r = await client.request(tenant.release.method, url, json=tenant.release.body)
+            if r.status_code >= 400:
+                raise ReleaseFailed(f"release call {tenant.release.method} {url} answered {r.status_code}")
+            return {"call": f"{tenant.release.method} {url}", "status": r.status_code}
+    except httpx.HTTPError as exc:
+        raise ReleaseFailed(f"cannot reach {tenant.name} at {tenant.upstream}: {exc}") from exc
+    raise ReleaseFailed(tenant.not_reclaimable_reason)
