@@ -1,0 +1,72 @@
+"""The engine seam: only proxy/engines/ knows engines by name; everything else asks an adapter."""
+
+from __future__ import annotations
+
+import ast
+import typing
+from pathlib import Path
+
+import httpx
+
+from proxy.engines import ADAPTERS, AdapterCache, EngineAdapter, adapter_for
+from proxy.tenants import EngineKind, registry_from_dict
+
+PROXY = Path(__file__).resolve().parents[2] / "proxy"
+
+
+def engine_switches(source: str, where: str) -> list[str]:
+    """`x.engine == ...`, `!=`, `in`, `not in` (either side), as `where:line: code`."""
+    out = []
+    for node in ast.walk(ast.parse(source, where)):
+        if not isinstance(node, ast.Compare):
+            continue
+        names_engine = any(isinstance(s, ast.Attribute) and s.attr == "engine" for s in (node.left, *node.comparators))
+        if names_engine and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops):
+            out.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+    out += [f"{where}:{i}: {line.strip()}" for i, line in enumerate(source.splitlines(), 1) if "engine ==" in line]
+    return sorted(set(out))
+
+
+def test_no_module_outside_engines_switches_on_an_engine_name() -> None:
+    offenders = [hit for path in sorted(PROXY.rglob("*.py")) if not path.is_relative_to(PROXY / "engines")
+                 for hit in engine_switches(path.read_text(), str(path.relative_to(PROXY.parent)))]
+    assert not offenders, "ask the tenant's adapter (proxy/engines/) instead of switching on its name:\n" + "\n".join(offenders)
+
+
+def test_the_check_finds_every_form_of_switch() -> None:
+    src = 'if tenant.engine == "ollama" or "comfyui" != t.engine or t.engine in ("a",):\n    pass\n'
+    found = engine_switches(src, "x.py")
+    assert len(found) == 3 + 1, found  # three comparisons, and the line the grep finds
+
+
+def test_every_engine_kind_tenants_json_accepts_has_an_adapter_and_no_more() -> None:
+    assert set(ADAPTERS) == set(typing.get_args(EngineKind)), "registry.ADAPTERS and tenants.EngineKind must list the same kinds"
+    for kind, cls in ADAPTERS.items():
+        assert issubclass(cls, EngineAdapter) and cls.kind == kind, (kind, cls)
+
+
+def test_adapter_cache_keeps_one_adapter_per_tenant_until_its_config_changes() -> None:
+    reg = registry_from_dict({"tenants": {"ollama": {"engine": "ollama", "upstream": "http://127.0.0.1:1"}}})
+    cache = AdapterCache()
+    tenant = reg.get("ollama")
+    first = cache(tenant)
+    assert cache(tenant) is first, "what an adapter learns (model sizes) must be kept"
+    assert cache(tenant.model_copy()) is not first, "a new configuration object gets a new adapter"
+    assert type(adapter_for(tenant)).__name__ == "OllamaAdapter"
+
+
+async def test_generic_adapter_reports_nothing_it_cannot_see() -> None:
+    reg = registry_from_dict({"tenants": {"app": {"engine": "generic", "upstream": "http://127.0.0.1:1"}}})
+    adapter = adapter_for(reg.get("app"))
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise AssertionError(f"a generic adapter must not call its engine: {request.url}")
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(refuse)) as client:
+        assert await adapter.self_reported_bytes(client) is None, "unknown is None, never 0"
+        assert await adapter.device_report(client) is None
+        assert await adapter.catalog(client, 1.0) is None
+        assert await adapter.settings_view(client, None, None, False) is None  # type: ignore[arg-type]
+        assert adapter.placements_path is None and adapter.queue_path() is None
+        assert adapter.oom_job_from_frame('{"type":"execution_error"}') is None
+        assert not adapter.response_is_oom(500, b'{"error":"out of memory"}'), "a generic app's 500 is passed through"
