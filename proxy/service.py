@@ -16,6 +16,7 @@ from pathlib import Path
 
 from proxy.admin.api import AdminApi
 from proxy.admin.extensions import Extension, ExtensionFactory, default_extensions
+from proxy.admin.view import ProxyView
 from proxy.clock import Clock, SystemClock
 from proxy.errors import ConfigError
 from proxy.gpu.snapshot import GpuReader
@@ -88,6 +89,7 @@ class Proxy:
     _pollers: list[object] = field(init=False, default_factory=list)
     extensions: list[Extension] = field(init=False, default_factory=list)
     token: str | None = field(init=False, default=None)
+    view: ProxyView = field(init=False)  # what extensions get: read-only, never the Proxy itself
 
     def __post_init__(self) -> None:
         self.inflight = InFlight(self.clock)
@@ -99,7 +101,8 @@ class Proxy:
         self.admission = GpuAdmission(self.arbitration, self.forwarder.adapter)
         self.token = admin_token(self.registry)
         factories = default_extensions() if self.extension_factories is None else self.extension_factories
-        self.extensions = [make(self) for make in factories]
+        self.view = ProxyView(self)
+        self.extensions = [make(self.view) for make in factories]
         host, _ = split_host_port(self.registry.config.admin.listen)
         if host not in LOOPBACK and not self.token:
             raise ConfigError(

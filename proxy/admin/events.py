@@ -23,22 +23,20 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import httpx
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
+from proxy.admin.view import ProxyView
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.visibility import device_json, tenant_vram
 from proxy.handoff.admission import gib
 from proxy.handoff.decisions import Decision
 from proxy.tasks import cancel_and_wait
 from proxy.tenants import Tenant
-
-if TYPE_CHECKING:
-    from proxy.service import Proxy
 
 log = logging.getLogger("hyperswap.events")
 
@@ -109,7 +107,7 @@ class _Subscriber:
 
 # -- payloads -------------------------------------------------------------------------------------
 
-def tenant_stats(proxy: Proxy, snap: AttributedSnapshot, tenant: Tenant, busy: bool, busy_reason: str) -> dict[str, Any]:
+def tenant_stats(proxy: ProxyView, snap: AttributedSnapshot, tenant: Tenant, busy: bool, busy_reason: str) -> dict[str, Any]:
     arb = proxy.arbitration
     traffic = arb.inflight.snapshot().get(tenant.name)
     deadline = proxy.watchdog.idle_deadline(tenant.name)
@@ -130,7 +128,7 @@ def tenant_stats(proxy: Proxy, snap: AttributedSnapshot, tenant: Tenant, busy: b
     }
 
 
-async def stats_payload(proxy: Proxy, snap: AttributedSnapshot | None = None, recent: int = 20) -> dict[str, Any]:
+async def stats_payload(proxy: ProxyView, snap: AttributedSnapshot | None = None, recent: int = 20) -> dict[str, Any]:
     """One stats frame's body (no catalog, no tenant config: those are large and static)."""
     arb = proxy.arbitration
     snap = snap or await arb.snapshot()
@@ -154,7 +152,7 @@ async def stats_payload(proxy: Proxy, snap: AttributedSnapshot | None = None, re
 # -- the extension --------------------------------------------------------------------------------
 
 class EventsExtension:
-    def __init__(self, proxy: Proxy, settings: EventsSettings | None = None) -> None:
+    def __init__(self, proxy: ProxyView, settings: EventsSettings | None = None) -> None:
         self.proxy = proxy
         self.settings = settings or EventsSettings()
         self._seq = itertools.count(1)
@@ -303,5 +301,5 @@ def _int_or_none(raw: str | None) -> int | None:
         return None
 
 
-def events_extension(proxy: Proxy) -> EventsExtension:
+def events_extension(proxy: ProxyView) -> EventsExtension:
     return EventsExtension(proxy)

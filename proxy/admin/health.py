@@ -19,8 +19,7 @@ import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import httpx
 from starlette.requests import Request
@@ -28,6 +27,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 from websockets.asyncio.client import connect as ws_connect
 
+from proxy.admin.address import admin_base_url
+from proxy.admin.view import ProxyView
 from proxy.engines import EngineAdapter
 from proxy.engines.settings import EnvReaders
 from proxy.errors import ConfigError, HyperSwapError
@@ -36,9 +37,6 @@ from proxy.gpu.nvml import CONTAINER_NOTE, NvmlReader
 from proxy.gpu.visibility import capabilities, summary
 from proxy.tasks import cancel_and_wait
 from proxy.tenants import GIB, Tenant, load_registry
-
-if TYPE_CHECKING:
-    from proxy.service import Proxy
 
 # "unknown": the check cannot run (what it looks at cannot be seen); it says why. The overall
 # status then is at least degraded: nobody can say all is well.
@@ -69,6 +67,15 @@ def worst(statuses: Sequence[str]) -> Status:
     return ("ok", "degraded", "failed")[rank]  # type: ignore[return-value]
 
 
+@runtime_checkable
+class TelemetryReadings(Protocol):
+    """What health reads from the telemetry extension: its own health, and recent VRAM minima."""
+
+    def healthy(self) -> tuple[bool, str]: ...
+
+    def min_vram(self, tenant: str, window_s: float) -> int | None: ...
+
+
 Check = Callable[[AttributedSnapshot], Awaitable["HealthEntry | list[HealthEntry]"]]
 
 
@@ -94,7 +101,7 @@ def _short_cmd(cmdline: str, name: str) -> str:
 
 
 class HealthExtension:
-    def __init__(self, proxy: Proxy, *, timeout_s: float = CHECK_TIMEOUT_S, sample_interval_s: float = SAMPLE_INTERVAL_S,
+    def __init__(self, proxy: ProxyView, *, timeout_s: float = CHECK_TIMEOUT_S, sample_interval_s: float = SAMPLE_INTERVAL_S,
                  env: EnvReaders | None = None) -> None:
         self.proxy = proxy
         self.timeout_s = timeout_s
@@ -304,35 +311,29 @@ class HealthExtension:
                                exc.fix or f"fix {path}")
         return HealthEntry("configuration", "ok", f"{path}: valid")
 
-    def telemetry(self) -> Any:
-        """The telemetry store, found without importing it: `proxy.admin.telemetry`, else the extension
-        that offers `healthy()`; None when there is none."""
-        store = getattr(self.proxy, "telemetry", None)
-        if store is not None:
-            return store
-        return next((e for e in self.proxy.extensions if callable(getattr(e, "healthy", None))), None)
+    def telemetry(self) -> TelemetryReadings | None:
+        """The telemetry extension (it calls itself "telemetry"), looked up by name without importing
+        it; None when none runs."""
+        ext = self.proxy.extension("telemetry")
+        return ext if isinstance(ext, TelemetryReadings) else None
 
     async def check_telemetry(self, snap: AttributedSnapshot) -> HealthEntry:
         store = self.telemetry()
         if store is None:
             return HealthEntry("telemetry", "degraded", "not configured: history is kept in memory only",
                                "history, charts and VRAM floors are lost on restart", "enable the telemetry store")
-        healthy = getattr(store, "healthy", None)
-        if callable(healthy):
-            ok, text = healthy()
-            if ok:
-                return HealthEntry("telemetry", "ok", str(text))
-            return HealthEntry("telemetry", "degraded", str(text), "history and charts miss what happens now",
-                               "check HYPERSWAP_TELEMETRY points at a writable file with free disk space, then restart")
-        return HealthEntry("telemetry", "ok", "telemetry store configured")
+        ok, text = store.healthy()
+        if ok:
+            return HealthEntry("telemetry", "ok", str(text))
+        return HealthEntry("telemetry", "degraded", str(text), "history and charts miss what happens now",
+                           "check HYPERSWAP_TELEMETRY points at a writable file with free disk space, then restart")
 
     def comfy_floor(self, tenant: str) -> int | None:
         """Smallest VRAM seen recently: the telemetry's samples when there are any, else this ring's."""
         store = self.telemetry()
-        min_vram = getattr(store, "min_vram", None)
-        if callable(min_vram):
+        if store is not None:
             try:
-                value = min_vram(tenant, FLOOR_WINDOW_S)
+                value = store.min_vram(tenant, FLOOR_WINDOW_S)
             except Exception:
                 value = None
             ring = self.floor(tenant)
@@ -437,20 +438,11 @@ class HealthExtension:
         return JSONResponse({"engines": out})
 
 
-def health_extension(proxy: Proxy) -> HealthExtension:
+def health_extension(proxy: ProxyView) -> HealthExtension:
     return HealthExtension(proxy)
 
 
 # -- the CLI ---------------------------------------------------------------------------------------
-
-def _admin_url(config: str | None, admin_url: str | None) -> str:
-    if admin_url:
-        return admin_url.rstrip("/") if "://" in admin_url else f"http://{admin_url.rstrip('/')}"
-    listen = load_registry(config).config.admin.listen
-    host, _, port = listen.rpartition(":")
-    host = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
-    return f"http://{host}:{port}"
-
 
 def format_report(body: dict[str, Any]) -> str:
     lines = []
@@ -468,7 +460,7 @@ def format_report(body: dict[str, Any]) -> str:
 def check_main(config: str | None, admin_url: str | None, as_json: bool) -> int:
     """`hyperswap check`: the running proxy's /api/health. 1 on any failure, 2 when no proxy answers."""
     try:
-        base = _admin_url(config, admin_url)
+        base = admin_base_url(config, admin_url)
     except HyperSwapError as exc:
         print(exc.one_line(), file=sys.stderr)
         return exc.exit_code

@@ -22,7 +22,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 from urllib.parse import quote
 
 import httpx
@@ -34,10 +34,8 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
 from proxy.admin.openapi import DryRun, ReleaseResult, TenantList
+from proxy.admin.view import ProxyView
 from proxy.tenants import MAX_GIB
-
-if TYPE_CHECKING:
-    from proxy.service import Proxy
 
 TOKEN_ENV = "HYPERSWAP_ADMIN_TOKEN"
 TIMEOUT_S = 60.0  # a release waits for the GPU to show the memory back (release_timeout_s)
@@ -201,7 +199,7 @@ def _loopback(url: str) -> str:
 class McpExtension:
     """/mcp on the admin listener. Stateless JSON answers: no session outlives a request, so stop() is quick."""
 
-    def __init__(self, proxy: Proxy) -> None:
+    def __init__(self, proxy: ProxyView) -> None:
         self.proxy = proxy
         admin = AdminClient(lambda: _loopback(proxy.servers["admin"].url), lambda: proxy.token)
         self.server = build_server(admin)
@@ -242,7 +240,7 @@ class McpExtension:
         self._task = None
 
 
-def mcp_extension(proxy: Proxy) -> McpExtension:
+def mcp_extension(proxy: ProxyView) -> McpExtension:
     return McpExtension(proxy)
 
 
@@ -251,11 +249,11 @@ def mcp_extension(proxy: Proxy) -> McpExtension:
 def mcp_main(config: str | None, admin_url: str | None) -> int:
     """`hyperswap mcp`: the MCP tools over stdio, against the proxy whose admin listener is at
     `admin_url` (or the one `config`'s admin.listen names). Never writes to stdout but the protocol."""
-    from proxy.admin.health import _admin_url
+    from proxy.admin.address import admin_base_url
     from proxy.errors import HyperSwapError
 
     try:
-        base = _admin_url(config, admin_url)
+        base = admin_base_url(config, admin_url)
     except HyperSwapError as exc:
         print(exc.one_line(), file=sys.stderr)
         return 2

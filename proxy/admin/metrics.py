@@ -37,7 +37,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
@@ -47,12 +46,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
+from proxy.admin.view import ProxyView
 from proxy.gpu.visibility import tenant_vram, unmanaged_vram
 from proxy.handoff.decisions import Decision
 from proxy.handoff.inflight import TenantTraffic
-
-if TYPE_CHECKING:
-    from proxy.service import Proxy
 
 # Handoffs on real cards take from a fraction of a second (Ollama unload) to tens (a big ComfyUI free).
 HANDOFF_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
@@ -73,7 +70,7 @@ def release_result(release: dict[str, object]) -> str:
 class _LiveCollector(Collector):
     """Gauges computed at scrape time: nothing to keep in sync."""
 
-    def __init__(self, proxy: Proxy) -> None:
+    def __init__(self, proxy: ProxyView) -> None:
         self.proxy = proxy
 
     def collect(self) -> Iterable[Metric]:
@@ -125,7 +122,7 @@ class Metrics:
 
     name = "metrics"
 
-    def __init__(self, proxy: Proxy) -> None:
+    def __init__(self, proxy: ProxyView) -> None:
         self.proxy = proxy
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_LiveCollector(proxy))
@@ -219,5 +216,5 @@ class Metrics:
             pending.append(outcome)
 
 
-def metrics_extension(proxy: Proxy) -> Metrics:
+def metrics_extension(proxy: ProxyView) -> Metrics:
     return Metrics(proxy)

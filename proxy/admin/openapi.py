@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
@@ -19,10 +19,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from proxy.admin.telemetry import HISTORY_LIMIT_MAX, KINDS
+from proxy.admin.view import ProxyView
 from proxy.tenants import MAX_GIB
-
-if TYPE_CHECKING:
-    from proxy.service import Proxy
 
 JSON = dict[str, Any]
 REF = "#/components/schemas/{model}"
@@ -478,7 +476,7 @@ def routes_of(app_routes: Iterable[BaseRoute]) -> list[tuple[str, str]]:
 
 
 class OpenApiExtension:
-    def __init__(self, proxy: Proxy) -> None:
+    def __init__(self, proxy: ProxyView) -> None:
         self.proxy = proxy
 
     def routes(self) -> list[BaseRoute]:

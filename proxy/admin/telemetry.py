@@ -40,6 +40,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from proxy.admin.query import integer, optional_number
+from proxy.admin.view import ProxyView
 from proxy.clock import Clock
 from proxy.errors import HyperSwapError
 from proxy.handoff.decisions import Decision
@@ -48,7 +49,6 @@ from proxy.tenants import MIB
 
 if TYPE_CHECKING:
     from proxy.gpu.attribution import AttributedSnapshot
-    from proxy.service import Proxy
 
 log = logging.getLogger("hyperswap.telemetry")
 
@@ -501,12 +501,12 @@ class Telemetry:
 
     name = "telemetry"
 
-    def __init__(self, proxy: Proxy, path: Path | Literal["default"] | None = "default", *,
+    def __init__(self, proxy: ProxyView, path: Path | Literal["default"] | None = "default", *,
                  sample_interval_s: float = 1.0, window_s: float = DEFAULT_WINDOW_S,
                  retention_days: float = DEFAULT_RETENTION_DAYS, max_rows: int = DEFAULT_MAX_ROWS) -> None:
         self.proxy = proxy
         self.path = default_path() if path == "default" else path
-        if path == "default" and self.path is not None and _simulated(proxy) and ENV_VAR not in os.environ:
+        if path == "default" and self.path is not None and proxy.simulated_gpu and ENV_VAR not in os.environ:
             # The demo's simulated card must not mix into the history of the operator's real one.
             self.path = self.path.with_name("telemetry-sim.sqlite3")
         self.sample_interval_s = sample_interval_s
@@ -627,12 +627,7 @@ def _rows(n: int) -> str:
     return "row" if n == 1 else "rows"
 
 
-def _simulated(proxy: Proxy) -> bool:
-    from proxy.sim.gpu import SimulatedGpu
-    return isinstance(proxy.reader, SimulatedGpu)
-
-
-def telemetry_extension(proxy: Proxy) -> Telemetry:
+def telemetry_extension(proxy: ProxyView) -> Telemetry:
     """tenants.json `telemetry` wins over $HYPERSWAP_TELEMETRY, which wins over the default path."""
     spec = proxy.registry.config.telemetry
     if spec.path is None:

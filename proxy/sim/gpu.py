@@ -35,6 +35,7 @@ class _Proc:
 
 
 class SimulatedGpu:
+    simulated = True  # what the proxy's admin side asks (`ProxyView.simulated_gpu`) instead of importing this
     def __init__(self, total_bytes: int = 24 * GIB, reserved_bytes: int = 300 * 2**20,
                  name: str = "Simulated RTX 4090", first_pid: int = 4000) -> None:
         self.total_bytes = total_bytes

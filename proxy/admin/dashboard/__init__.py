@@ -8,14 +8,12 @@ the package once, at start, so a page load never touches the disk.
 from __future__ import annotations
 
 from importlib import resources
-from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-if TYPE_CHECKING:
-    from proxy.service import Proxy
+from proxy.admin.view import ProxyView
 
 MEDIA_TYPES: dict[str, str] = {
     ".html": "text/html; charset=utf-8",
@@ -45,7 +43,7 @@ def _media_type(name: str) -> str:
 
 
 class DashboardExtension:
-    def __init__(self, proxy: Proxy) -> None:
+    def __init__(self, proxy: ProxyView) -> None:
         self.proxy = proxy
         self.files: dict[str, bytes] = load_static()
 
@@ -74,5 +72,5 @@ class DashboardExtension:
         return None
 
 
-def dashboard_extension(proxy: Proxy) -> DashboardExtension:
+def dashboard_extension(proxy: ProxyView) -> DashboardExtension:
     return DashboardExtension(proxy)

@@ -1,0 +1,115 @@
+"""What an admin-side feature sees of the proxy: a narrow, read-only view, not the `Proxy` itself.
+
+Extensions (health, events, metrics, telemetry, MCP, OpenAPI, the dashboard, and whatever comes
+next) observe the proxy's owners and never take part in a handoff. They get the attributes they
+have always used, under the same names, as read-only properties over the running proxy (so a
+test that changes `proxy.config_path` is seen at once), plus an explicit lookup of each other by
+name. This module imports no extension and not `proxy.service`, so no import circle runs through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import Protocol
+
+from starlette.routing import BaseRoute
+
+from proxy.clock import Clock
+from proxy.gpu.snapshot import GpuReader
+from proxy.handoff.admission import Arbitration
+from proxy.handoff.decisions import DecisionLog
+from proxy.handoff.inflight import InFlight
+from proxy.handoff.watchdog import Watchdog
+from proxy.relay.servers import RunningServer
+from proxy.tenants import Registry
+
+
+class Extension(Protocol):
+    """An admin-side feature: routes on the admin listener and background work. One that others
+    may look up (`ProxyView.extension`) says so with a class attribute `name`."""
+
+    def routes(self) -> list[BaseRoute]: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+class ProxyParts(Protocol):
+    """What the view reads from the proxy (`proxy.service.Proxy` is one)."""
+
+    registry: Registry
+    reader: GpuReader
+    clock: Clock
+    config_path: Path | None
+    inflight: InFlight
+    decisions: DecisionLog
+    arbitration: Arbitration
+    watchdog: Watchdog
+    servers: dict[str, RunningServer]
+    extensions: list[Extension]
+    token: str | None
+
+
+class ProxyView:
+    """The proxy as an extension sees it. Every attribute is read-only; the objects behind them are
+    the proxy's own (read-mostly: an extension observes them, it does not replace them)."""
+
+    __slots__ = ("_proxy", "_servers")
+
+    def __init__(self, proxy: ProxyParts) -> None:
+        self._proxy = proxy
+        self._servers: Mapping[str, RunningServer] = MappingProxyType(proxy.servers)
+
+    @property
+    def registry(self) -> Registry:
+        return self._proxy.registry
+
+    @property
+    def reader(self) -> GpuReader:
+        return self._proxy.reader
+
+    @property
+    def simulated_gpu(self) -> bool:
+        """The card is the simulator's (the demo, the tests): its engines are not the host's."""
+        return getattr(self._proxy.reader, "simulated", False) is True
+
+    @property
+    def clock(self) -> Clock:
+        return self._proxy.clock
+
+    @property
+    def config_path(self) -> Path | None:
+        return self._proxy.config_path
+
+    @property
+    def inflight(self) -> InFlight:
+        return self._proxy.inflight
+
+    @property
+    def decisions(self) -> DecisionLog:
+        return self._proxy.decisions
+
+    @property
+    def arbitration(self) -> Arbitration:
+        return self._proxy.arbitration
+
+    @property
+    def watchdog(self) -> Watchdog:
+        return self._proxy.watchdog
+
+    @property
+    def servers(self) -> Mapping[str, RunningServer]:
+        """The running listeners by name ("admin" or a tenant), as they are now."""
+        return self._servers
+
+    @property
+    def token(self) -> str | None:
+        return self._proxy.token
+
+    def extension(self, name: str) -> Extension | None:
+        """The running extension that calls itself `name` (its class attribute `name`), if any.
+        The caller checks it offers what it needs (a runtime-checkable protocol of its own)."""
+        return next((ext for ext in self._proxy.extensions if getattr(ext, "name", None) == name), None)
