@@ -17,10 +17,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from proxy.admin import views
 from proxy.admin.query import integer, optional_number
 from proxy.errors import HyperSwapError
-from proxy.gpu.visibility import device_json, tenant_vram
-from proxy.handoff.admission import Arbitration, ReleaseResult, gib
+from proxy.handoff.admission import Arbitration, ReleaseResult
 from proxy.handoff.watchdog import Watchdog
 from proxy.relay.guards import AdminGuard
 from proxy.relay.hosts import listener_policy
@@ -41,9 +41,9 @@ def release_answer(tenant: Tenant, result: ReleaseResult) -> JSONResponse:
     """200 when the card confirmed the memory back, or the engine's own report says so (estimated:
     no GPU reader); 504 when it was not back in time; 502 when the engine refused or was down."""
     body: dict[str, Any] = {"tenant": tenant.name, **result.to_json()}
-    if result.confirmed or (result.estimated and result.error is None):
+    if result.result in ("confirmed", "estimated"):
         return JSONResponse(body, status_code=200)
-    if result.error and "not back" in result.error:
+    if result.result == "timeout":
         seen = "the engine's own report" if result.estimated else "the card"
         body["fix"] = (f"{seen} still shows {tenant.name}'s memory: see what holds it (GET /api/tenants/{tenant.name}), "
                        f"or give it longer (tenants.{tenant.name}.release_timeout_s)")
@@ -83,30 +83,8 @@ class AdminApi:
 
     async def tenant_view(self, tenant: Tenant) -> dict[str, Any]:
         snap = self.arb.last_snapshot or await self.arb.snapshot()
-        states = self.arb.states(snap)
-        traffic = self.arb.inflight.snapshot().get(tenant.name)
-        deadline = self.watchdog.idle_deadline(tenant.name)
-        now = self.arb.clock.now()
-        held = tenant_vram(snap, tenant.name)  # None: nobody could see it (no GPU reader, no self-report)
-        state = states[tenant.name]
-        return {
-            "name": tenant.name,
-            "config": tenant.model_dump(mode="json"),
-            "vram_bytes": held, "vram_gb": gib(held),
-            "processes": [{"pid": p.process.pid, "name": p.process.name, "cmdline": p.process.cmdline,
-                           "vram_bytes": p.process.used_bytes, "vram_gb": gib(p.process.used_bytes)}
-                          for p in snap.processes_of(tenant.name)],
-            "busy": state.busy, "busy_reason": state.busy_reason,
-            "in_flight": traffic.in_flight if traffic else 0,
-            "jobs": list(traffic.jobs) if traffic else [],
-            "stale_jobs": self.arb.stale_jobs.get(tenant.name, []),
-            "last_activity_age_s": None if not traffic or traffic.last_activity is None else round(now - traffic.last_activity, 1),
-            "idle_release_in_s": None if deadline is None else round(max(0.0, deadline - now), 1),
-            "reclaimable": tenant.reclaimable,
-            "waiting": [w for w in self.arb.queue.waiting() if w["tenant"] == tenant.name],
-            "watchdog": (self.watchdog.last.reasons.get(tenant.name) if self.watchdog.last else None),
-            "estimated": snap.snapshot.source == "engine-estimate",
-        }
+        state = self.arb.states(snap)[tenant.name]
+        return views.dump(views.tenant_view(self.arb, self.watchdog, snap, tenant, state))
 
     # -- routes -------------------------------------------------------------------------------
     async def list_tenants(self, request: Request) -> Response:
@@ -162,16 +140,15 @@ class AdminApi:
 
     async def stats(self, request: Request) -> Response:
         snap = await self.arb.snapshot()
-        return JSONResponse({
-            "device": device_json(snap),
-            "processes": [{"pid": p.process.pid, "name": p.process.name, "cmdline": p.process.cmdline,
-                           "tenant": p.tenant, "vram_bytes": p.process.used_bytes} for p in snap.processes],
-            "tenants": [await self.tenant_view(t) for t in self.arb.registry],
-            "decisions": [d.to_json() for d in self.arb.decisions.recent(20)],
-            "gpu_error": None if self.arb.last_read_error is None else {
-                "state": self.arb.last_read_error.state, "error": self.arb.last_read_error.message,
-                "fix": self.arb.last_read_error.fix},
-        })
+        states = self.arb.states(snap)
+        stats = views.Stats(
+            device=views.device_view(snap),
+            processes=[views.card_process(p) for p in snap.processes],
+            tenants=[views.tenant_view(self.arb, self.watchdog, snap, t, states[t.name]) for t in self.arb.registry],
+            decisions=[views.Decision.model_validate(d.to_json()) for d in self.arb.decisions.recent(20)],
+            gpu_error=views.gpu_error_view(self.arb.last_read_error),
+        )
+        return JSONResponse(views.dump(stats))
 
     async def not_found(self, request: Request) -> Response:
         return error(404, f"no admin route {request.method} {request.url.path}", "see GET /api/tenants, /api/plan, /api/decisions")

@@ -30,13 +30,11 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
+from proxy.admin import views
 from proxy.admin.view import ProxyView
 from proxy.gpu.attribution import AttributedSnapshot
-from proxy.gpu.visibility import device_json, tenant_vram
-from proxy.handoff.admission import gib
 from proxy.handoff.decisions import Decision
 from proxy.tasks import cancel_and_wait
-from proxy.tenants import Tenant
 
 log = logging.getLogger("hyperswap.events")
 
@@ -107,46 +105,24 @@ class _Subscriber:
 
 # -- payloads -------------------------------------------------------------------------------------
 
-def tenant_stats(proxy: ProxyView, snap: AttributedSnapshot, tenant: Tenant, busy: bool, busy_reason: str) -> dict[str, Any]:
-    arb = proxy.arbitration
-    traffic = arb.inflight.snapshot().get(tenant.name)
-    deadline = proxy.watchdog.idle_deadline(tenant.name)
-    now = arb.clock.now()
-    held = tenant_vram(snap, tenant.name)  # None: nobody could see it
-    return {
-        "name": tenant.name, "engine": tenant.engine, "priority": tenant.priority,
-        "vram_bytes": held, "vram_gb": gib(held),
-        "busy": busy, "busy_reason": busy_reason,
-        "in_flight": traffic.in_flight if traffic else 0,
-        "jobs": list(traffic.jobs) if traffic else [],
-        "stale_jobs": arb.stale_jobs.get(tenant.name, []),
-        "last_activity_age_s": None if not traffic or traffic.last_activity is None else round(now - traffic.last_activity, 1),
-        "idle_release_in_s": None if deadline is None else round(max(0.0, deadline - now), 1),
-        "reclaimable": tenant.reclaimable,
-        "waiting": [w for w in arb.queue.waiting() if w["tenant"] == tenant.name],
-        "pids": [p.process.pid for p in snap.processes_of(tenant.name)],
-    }
-
-
 async def stats_payload(proxy: ProxyView, snap: AttributedSnapshot | None = None, recent: int = 20) -> dict[str, Any]:
     """One stats frame's body (no catalog, no tenant config: those are large and static)."""
     arb = proxy.arbitration
     snap = snap or await arb.snapshot()
     states = arb.states(snap)
-    tenants = [tenant_stats(proxy, snap, t, states[t.name].busy, states[t.name].busy_reason) for t in arb.registry]
-    err = arb.last_read_error
-    return {
-        "device": device_json(snap),
-        "tenants": tenants,
-        "processes": [{"pid": p.process.pid, "name": p.process.name, "tenant": p.tenant,
-                       "vram_bytes": p.process.used_bytes} for p in snap.processes],
-        "in_flight": sum(t["in_flight"] for t in tenants),
-        "busy": [t["name"] for t in tenants if t["busy"]],
-        "decision_ids": [d.id for d in arb.decisions.recent(recent)],
-        "handoff_in_progress": arb.handoff_lock.locked(),
-        "queue": arb.queue.waiting(),
-        "gpu_error": None if err is None else {"state": err.state, "error": err.message, "fix": err.fix},
-    }
+    tenants = [views.stats_tenant(arb, proxy.watchdog, snap, t, states[t.name]) for t in arb.registry]
+    frame = views.StatsFrame(
+        device=views.device_view(snap),
+        tenants=tenants,
+        processes=[views.card_process(p, cmdline=False) for p in snap.processes],
+        in_flight=sum(t.in_flight for t in tenants),
+        busy=[t.name for t in tenants if t.busy],
+        decision_ids=[d.id for d in arb.decisions.recent(recent)],
+        handoff_in_progress=arb.handoff_lock.locked(),
+        queue=[views.Waiting.model_validate(w) for w in arb.queue.waiting()],
+        gpu_error=views.gpu_error_view(arb.last_read_error),
+    )
+    return views.dump(frame)
 
 
 # -- the extension --------------------------------------------------------------------------------
@@ -216,7 +192,8 @@ class EventsExtension:
                 self._close_all()
             elif self._subs:
                 try:
-                    frame = encode(next(self._seq), "stats", await stats_payload(self.proxy))
+                    payload = await stats_payload(self.proxy)
+                    frame = encode(next(self._seq), "stats", payload)
                     self.last_stats_frame = frame
                     self._broadcast(frame)
                 except Exception:  # a bad tick must not end the stream for everyone
@@ -278,7 +255,8 @@ class EventsExtension:
                 for f in list(self._replay):
                     if f.seq > last_id and f.seq not in queued:
                         yield f.data
-            yield encode(next(self._seq), "stats", await stats_payload(self.proxy)).data
+            payload = await stats_payload(self.proxy)  # its id is taken once it is built: ids rise in sending order
+            yield encode(next(self._seq), "stats", payload).data
             while not sub.overflowed:
                 if sub.frames:
                     yield sub.pop().data

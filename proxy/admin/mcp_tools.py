@@ -29,39 +29,18 @@ import httpx
 from mcp.server import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.types import ToolAnnotations
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
-from proxy.admin.openapi import DryRun, ReleaseResult, TenantList
 from proxy.admin.view import ProxyView
+from proxy.admin.views import DryRun, EngineList, HealthReport, ReleaseResult, TenantList
 from proxy.tenants import MAX_GIB
 
 TOKEN_ENV = "HYPERSWAP_ADMIN_TOKEN"
 TIMEOUT_S = 60.0  # a release waits for the GPU to show the memory back (release_timeout_s)
 READ_ONLY = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True, open_world_hint=False)
 MUTATING = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=False, open_world_hint=False)
-
-
-class HealthEntry(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    name: str
-    status: str = Field(description="ok, degraded, failed, or unknown (the check cannot run; problem says why)")
-    problem: str | None
-    impact: str | None
-    fix: str | None
-
-
-class HealthReport(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    status: str = Field(description="the worst entry's status")
-    entries: list[HealthEntry]
-    checked_at: float | None = Field(default=None, description="unix seconds")
-
-
-class EngineList(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    engines: list[dict[str, Any]] = Field(description="per tenant: reachable, version, what the engine reports")
 
 
 class AdminClient:

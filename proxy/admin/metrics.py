@@ -47,6 +47,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from proxy.admin.view import ProxyView
+from proxy.admin.views import DecisionOutcome, ReleaseOutcome
 from proxy.gpu.visibility import tenant_vram, unmanaged_vram
 from proxy.handoff.decisions import Decision
 from proxy.handoff.inflight import TenantTraffic
@@ -60,11 +61,8 @@ _SEEN_MAX = 1024  # decision ids remembered to count each part once (decisions f
 
 
 def release_result(release: dict[str, object]) -> str:
-    if release.get("confirmed"):
-        return "confirmed"
-    if release.get("estimated") and not release.get("error"):
-        return "estimated"  # the engine's own report said so; the card was not read
-    return "timeout" if "not back" in str(release.get("error") or "") else "error"
+    """confirmed | estimated | timeout | error, as the release itself recorded it."""
+    return ReleaseOutcome.model_validate(release).verdict
 
 
 class _LiveCollector(Collector):
@@ -190,23 +188,23 @@ class Metrics:
         return True
 
     def on_decision(self, d: Decision) -> None:
-        outcome = d.outcome
-        if d.kind == "rejection" and outcome.get("status") == 503 and self._first(d, "timeout"):
+        outcome = DecisionOutcome.model_validate(d.outcome)
+        if d.kind == "rejection" and outcome.status == 503 and self._first(d, "timeout"):
             self.timeouts.labels(d.tenant).inc()
         elif d.kind == "rejection" and d.trigger.startswith("request ") and self._first(d, "rejection"):
             self.rejections.labels(d.tenant).inc()
             self._expect(d.tenant, "rejected")
-        if d.kind == "queued" and "waited_s" in outcome and self._first(d, "waited"):
-            self.waits.observe(float(outcome["waited_s"]))
-        releases = outcome.get("releases")
-        if isinstance(releases, list) and self._first(d, "releases"):
+        if d.kind == "queued" and outcome.waited_s is not None and self._first(d, "waited"):
+            self.waits.observe(outcome.waited_s)
+        releases = outcome.releases
+        if releases is not None and self._first(d, "releases"):
             for r in releases:
-                self.releases.labels(str(r.get("tenant", "")), release_result(r)).inc()
+                self.releases.labels(r.tenant, r.verdict).inc()
             if releases and d.kind in HANDOFF_KINDS:
-                self.handoff.observe(sum(float(r.get("duration_s") or 0.0) for r in releases))
-        result = outcome.get("oom_retry", outcome.get("result") if d.kind == "oom_retry" else None)
+                self.handoff.observe(sum(r.duration_s for r in releases))
+        result = outcome.retry_result(d.kind)
         if result is not None and self._first(d, "oom_retry"):
-            self.oom_retries.labels(d.tenant, str(result)).inc()
+            self.oom_retries.labels(d.tenant, result).inc()
             if result != "succeeded":
                 self._expect(d.tenant, "oom_error")
 

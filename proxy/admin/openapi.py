@@ -1,7 +1,7 @@
 """GET /openapi.json: an OpenAPI 3.1 document of the admin API.
 
-Bodies are pydantic models here (documentation only: the handlers build plain dicts), turned into
-JSON Schema by pydantic. The served document lists the routes actually mounted on the admin app, so
+Bodies are the pydantic models of `proxy.admin.views` (the same ones the handlers build their
+answers with), turned into JSON Schema by pydantic. The served document lists the routes actually mounted on the admin app, so
 it never promises one that is not there; a mounted route with no operation below shows up marked
 `x-undocumented` (the tests fail on that, so a new route gets its entry here).
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -20,264 +20,27 @@ from starlette.routing import BaseRoute, Route
 
 from proxy.admin.telemetry import HISTORY_LIMIT_MAX, KINDS
 from proxy.admin.view import ProxyView
+from proxy.admin.views import (
+    CatalogFrame,
+    DecisionList,
+    DryRun,
+    EngineList,
+    Error,
+    HealthReport,
+    Rejection,
+    ReleaseResult,
+    Stats,
+    StatsFrame,
+    TenantList,
+    TenantView,
+)
 from proxy.tenants import MAX_GIB
 
 JSON = dict[str, Any]
 REF = "#/components/schemas/{model}"
 
-
-class _Doc(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class Error(_Doc):
-    """Every error answer: a sentence, and a hint where one helps. Extra keys give details."""
-    error: str
-    fix: str | None = Field(default=None, description="what to do about it")
-    tenant: str | None = None
-    reason: str | None = Field(default=None, description="machine-readable, e.g. busy, not_reclaimable")
-
-
-class Release(_Doc):
-    tenant: str
-    expected_free_bytes: int
-    expected_free_gib: float | None
-    pids: list[int]
-    reason: str
-
-
-class Blocker(_Doc):
-    pid: int | None
-    name: str
-    tenant: str
-    vram_bytes: int | None
-    vram_gib: float | None = None
-    reason: str = Field(description="why it could not be released: busy, not_reclaimable, priority, unmanaged, ...")
-    detail: str
-
-
-class Plan(_Doc):
-    """A release plan as computed by the arbiter (logged before it runs)."""
-    requester: str
-    need_bytes: int
-    need_gib: float | None
-    free_bytes: int | None = Field(description="null when unplanned: nothing was measured")
-    free_gib: float | None
-    held_by_requester_bytes: int | None
-    held_by_requester_gib: float | None
-    promised_bytes: int = Field(default=0, description="free memory already promised to admitted loads still on their way")
-    reachable_bytes: int | None = Field(default=0, description="free + held + every reclaimable tenant's memory, busy "
-                                                                 "or idle; null when unplanned")
-    feasible: bool = Field(description="enough now, with the releases listed")
-    possible: bool = Field(default=True, description="enough once the busy tenants in wait_for finish; false: 507")
-    outcome: Literal["ready", "release", "wait", "impossible", "unplanned"] | None = Field(
-        default=None, description="unplanned: the card's size is unknown (no GPU reader, no engine reports the "
-                                  "device), so the request is forwarded without a plan; the explanation says why")
-    wait_for: list[str] = Field(default_factory=list, description="busy tenants the request waits for")
-    starved: bool = Field(description="free + already held is below the need (only then is anything released)")
-    estimated: bool = Field(description="memory figures are the engines' own reports (GPU reader failed)")
-    releases: list[Release]
-    blockers: list[Blocker]
-    explanation: str
-
-
-class DryRun(_Doc):
-    dry_run: Literal[True]
-    plan: Plan
-
-
-class RejectionBlocker(_Doc):
-    pid: int | None
-    name: str
-    cmdline: str
-    tenant: str
-    vram_gb: float | None
-    reason: str
-    detail: str
-
-
-class Rejection(_Doc):
-    """The 507 a tenant's listener answers when no plan frees enough memory."""
-    error: str
-    tenant: str
-    need_gb: float | None
-    available_gb: float | None
-    blockers: list[RejectionBlocker]
-    plan: Plan
-    fix: str
-
-
-class ReleaseResult(_Doc):
-    tenant: str
-    expected_bytes: int
-    freed_bytes: int = Field(description="as measured on the GPU; when estimated, as the engine's own report says")
-    expected_gb: float | None
-    freed_gb: float | None
-    duration_s: float
-    confirmed: bool = Field(description="the card showed the memory back")
-    estimated: bool = Field(default=False, description="no GPU reader: judged from the engine's own report (Ollama's "
-                                                       "/api/ps, ComfyUI's /system_stats), which may say so before "
-                                                       "the memory is back; never confirmed")
-    error: str | None
-    asked: JSON = Field(description="what the engine was asked and answered")
-    fix: str | None = Field(default=None, description="on 502 and 504: what to do about it")
-    reason: Literal["cpu"] | None = Field(default=None, description="cpu: the engine runs on the CPU and holds no GPU "
-                                                                    "memory; nothing was asked")
-    note: str | None = None
-
-
-class Process(_Doc):
-    pid: int
-    name: str
-    cmdline: str | None = None
-    tenant: str | None = None
-    vram_bytes: int | None
-    vram_gb: float | None = None
-
-
-class Waiting(_Doc):
-    """A request waiting in the handoff queue for GPU memory."""
-    id: int
-    tenant: str
-    trigger: str
-    since: float = Field(description="unix seconds")
-    waited_s: float
-    need_bytes: int
-    need_gb: float | None
-    priority: int
-    waiting_for: list[str] = Field(description="busy tenants it waits for")
-    behind: int | None = Field(description="the waiting request it queues behind, if any")
-    reason: str
-
-
-class _TenantLive(_Doc):
-    """The live state both /api/tenants and the events' stats frames carry."""
-    name: str
-    vram_bytes: int | None = Field(description="null when nobody could see it (no GPU reader and no report of its own)")
-    vram_gb: float | None
-    busy: bool
-    busy_reason: str
-    in_flight: int
-    jobs: list[str]
-    stale_jobs: list[str]
-    last_activity_age_s: float | None
-    idle_release_in_s: float | None = Field(description="seconds until the idle release; null: never")
-    reclaimable: bool
-    waiting: list[Waiting] = Field(default_factory=list, description="this tenant's requests waiting for memory")
-
-
-class TenantView(_TenantLive):
-    config: JSON
-    processes: list[Process]
-    watchdog: str | None
-    estimated: bool
-
-
-class TenantList(_Doc):
-    tenants: list[TenantView]
-
-
-class Decision(_Doc):
-    id: int
-    at: float = Field(description="unix seconds")
-    kind: Literal["plan", "queued", "release", "rejection", "oom_retry", "idle_release", "spill", "stale_job"]
-    tenant: str
-    trigger: str
-    plan: Plan | None
-    outcome: JSON
-
-
-class DecisionList(_Doc):
-    decisions: list[Decision]
-
-
-class Device(_Doc):
-    """Unknown is not zero: a figure nobody measured is null (without a GPU reader: used, free and
-    reserved; the total too when no engine reports the card)."""
-    name: str
-    total_bytes: int | None
-    free_bytes: int | None
-    used_bytes: int | None
-    reserved_bytes: int | None
-    source: str = Field(description="nvml, simulated, or engine-estimate")
-    notes: list[str]
-
-
-class GpuError(_Doc):
-    state: str
-    error: str
-    fix: str
-
-
-class Stats(_Doc):
-    device: Device
-    processes: list[Process]
-    tenants: list[TenantView]
-    decisions: list[Decision]
-    gpu_error: GpuError | None
-
-
-class StatsTenant(_TenantLive):
-    engine: str
-    priority: int
-    pids: list[int]
-
-
-class StatsFrame(_Doc):
-    """`data:` of an `event: stats` frame on /api/events (one a second)."""
-    device: Device
-    tenants: list[StatsTenant]
-    processes: list[Process]
-    in_flight: int
-    busy: list[str]
-    decision_ids: list[int]
-    handoff_in_progress: bool
-    queue: list[Waiting] = Field(default_factory=list, description="every request waiting for memory, in arrival order")
-    gpu_error: GpuError | None
-
-
-class CatalogModel(_Doc):
-    name: str
-    size_bytes: int | None = Field(description="Ollama's size on disk; null for ComfyUI checkpoints")
-
-
-class TenantCatalog(_Doc):
-    engine: str
-    models: list[CatalogModel]
-    error: str | None = None
-
-
-class CatalogFrame(_Doc):
-    """`data:` of an `event: catalog` frame: sent first, then only when it changes."""
-    tenants: dict[str, TenantCatalog]
-
-
-class HealthEntry(_Doc):
-    name: str
-    status: Literal["ok", "degraded", "failed", "unknown"] = Field(
-        description="unknown: the check cannot run (what it looks at cannot be seen); problem says why")
-    problem: str | None
-    impact: str | None
-    fix: str | None
-
-
-class Capability(_Doc):
-    name: Literal["forwarding", "in-flight tracking", "arbitration", "confirmed releases"]
-    status: Literal["ok", "estimated", "off"] = Field(description="estimated: on the engines' own reports")
-    detail: str
-
-
-class HealthReport(_Doc):
-    status: Literal["ok", "degraded", "failed"] = Field(description="the worst entry's (unknown counts as degraded)")
-    entries: list[HealthEntry]
-    capabilities: list[Capability] = Field(description="what works now: without a GPU reader, forwarding and in-flight "
-                                                       "tracking do; arbitration is estimated or off; releases are not "
-                                                       "confirmed")
-    checked_at: float | None = Field(default=None, description="unix seconds")
-
-
 MODELS: tuple[type[BaseModel], ...] = (Error, DryRun, Rejection, ReleaseResult, TenantList, TenantView, DecisionList,
-                                       Stats, StatsFrame, CatalogFrame, HealthReport)
+                                       Stats, StatsFrame, CatalogFrame, HealthReport, EngineList)
 
 
 def _ref(model: type[BaseModel]) -> JSON:
@@ -355,8 +118,7 @@ def _operations() -> dict[str, dict[str, JSON]]:
                                        "its fix", HealthReport)}}},
         "/api/engines": {"get": {
             "summary": "Each tenant's engine: reachable, version, what it reports about itself", "operationId": "engines",
-            "responses": {"200": _json("engines", {"type": "object", "required": ["engines"],
-                                                   "properties": {"engines": {"type": "array", "items": ANY_OBJECT}}})}}},
+            "responses": {"200": _json("engines", EngineList)}}},
         "/api/history": {"get": {
             "summary": "Stored history (telemetry) of memory, tenants and decisions", "operationId": "history",
             "parameters": [

@@ -41,6 +41,7 @@ from starlette.routing import BaseRoute, Route
 
 from proxy.admin.query import integer, optional_number
 from proxy.admin.view import ProxyView
+from proxy.admin.views import DecisionOutcome
 from proxy.clock import Clock
 from proxy.errors import HyperSwapError
 from proxy.handoff.decisions import Decision
@@ -466,30 +467,29 @@ def decision_rows(d: Decision, seen: set[str]) -> list[tuple[Kind, dict[str, Any
     """Rows a decision adds, once each: a decision is notified at record and again at each update,
     so `seen` (per decision) remembers which parts were already written."""
     out: list[tuple[Kind, dict[str, Any]]] = []
-    outcome = d.outcome
-    final = ("ok" in outcome or d.kind == "rejection" or (d.kind in ("oom_retry", "queued") and "result" in outcome))
+    outcome = DecisionOutcome.model_validate(d.outcome)
+    final = outcome.final or d.kind == "rejection" or (d.kind in ("oom_retry", "queued") and outcome.result is not None)
     if final and "decision" not in seen:
         seen.add("decision")
         out.append(("decisions", {"at": d.at, "decision_id": d.id, "kind": d.kind, "tenant": d.tenant, "trigger": d.trigger,
-                                  "ok": outcome.get("ok"), "outcome": json.dumps(outcome, default=str)}))
-    if "releases" in outcome and "releases" not in seen:
+                                  "ok": outcome.ok, "outcome": json.dumps(d.outcome, default=str)}))
+    if outcome.releases is not None and "releases" not in seen:
         seen.add("releases")
-        for r in outcome["releases"]:
-            out.append(("releases", {"at": d.at, "decision_id": d.id, "tenant": r.get("tenant", ""), "requester": d.tenant,
-                                     "expected_bytes": r.get("expected_bytes", 0), "freed_bytes": r.get("freed_bytes", 0),
-                                     "duration_s": r.get("duration_s", 0.0), "confirmed": bool(r.get("confirmed")),
-                                     "error": r.get("error")}))
-    if (d.kind == "rejection" and d.trigger.startswith("request ") and outcome.get("status") != 503
+        for r in outcome.releases:
+            out.append(("releases", {"at": d.at, "decision_id": d.id, "tenant": r.tenant, "requester": d.tenant,
+                                     "expected_bytes": r.expected_bytes, "freed_bytes": r.freed_bytes,
+                                     "duration_s": r.duration_s, "confirmed": r.confirmed, "error": r.error}))
+    if (d.kind == "rejection" and d.trigger.startswith("request ") and outcome.status != 503
             and "rejection" not in seen):  # a 503 after the queue timeout is a wait that ran out, not a 507
         seen.add("rejection")
         plan = d.plan or {}
         out.append(("rejections", {"at": d.at, "decision_id": d.id, "tenant": d.tenant, "trigger": d.trigger,
                                    "need_bytes": plan.get("need_bytes"),
                                    "blockers": json.dumps(plan.get("blockers", []), default=str)}))
-    result = outcome.get("oom_retry", outcome.get("result") if d.kind == "oom_retry" else None)
+    result = outcome.retry_result(d.kind)
     if result is not None and d.kind != "queued" and "oom_retry" not in seen:
         seen.add("oom_retry")
-        out.append(("oom_retries", {"at": d.at, "decision_id": d.id, "tenant": d.tenant, "result": str(result)}))
+        out.append(("oom_retries", {"at": d.at, "decision_id": d.id, "tenant": d.tenant, "result": result}))
     return out
 
 

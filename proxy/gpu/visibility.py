@@ -12,21 +12,12 @@ prints at start.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from proxy.gpu.attribution import UNMANAGED, AttributedSnapshot
 from proxy.gpu.snapshot import GpuReadError
 
 CapabilityStatus = Literal["ok", "estimated", "off"]
-
-
-def device_json(snap: AttributedSnapshot) -> dict[str, Any]:
-    """The device as the admin API and the event stream show it: unknown figures are null."""
-    raw = snap.snapshot
-    dev = raw.device
-    return {"name": dev.name, "total_bytes": dev.figure("total"), "free_bytes": dev.figure("free"),
-            "used_bytes": dev.figure("used"), "reserved_bytes": dev.figure("reserved"),
-            "source": raw.source, "notes": list(raw.notes)}
 
 
 def sees(snap: AttributedSnapshot, tenant: str) -> bool:

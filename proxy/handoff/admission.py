@@ -236,7 +236,8 @@ class Arbitration:
                                      not snap.estimated, asked=asked, estimated=snap.estimated)
             if self.clock.now() >= deadline:
                 return ReleaseResult(tenant.name, expected, max(0, held_before - held_now), self.clock.now() - start, False,
-                                     f"memory not back after {tenant.release_timeout_s:g} s", asked, snap.estimated)
+                                     f"memory not back after {tenant.release_timeout_s:g} s", asked, snap.estimated,
+                                     timed_out=True)
             await self.clock.sleep(self.registry.config.proxy.release_poll_s)
 
     # -- the handoff queue's effects (HandoffEffects) -------------------------------------------

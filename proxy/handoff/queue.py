@@ -29,6 +29,7 @@ from proxy.tenants import Registry, Tenant
 
 log = logging.getLogger("hyperswap.handoff")
 
+ReleaseVerdict = Literal["confirmed", "estimated", "timeout", "error"]
 REPLAN_S = 1.0  # safety net only: every change the proxy can see kicks the queue at once
 
 
@@ -45,12 +46,22 @@ class ReleaseResult:
     # what the engine says, not what the card shows. Ollama drops a model from /api/ps before its
     # memory is back.
     estimated: bool = False
+    timed_out: bool = False  # asked, but the memory was not back within the tenant's release_timeout_s
+
+    @property
+    def result(self) -> ReleaseVerdict:
+        """How it ended, for those that count releases (metrics, telemetry, the admin API's status)."""
+        if self.confirmed:
+            return "confirmed"
+        if self.estimated and self.error is None:
+            return "estimated"  # the engine's own report said so; the card was not read
+        return "timeout" if self.timed_out else "error"
 
     def to_json(self) -> dict[str, Any]:
         return {"tenant": self.tenant, "expected_bytes": self.expected_bytes, "freed_bytes": self.freed_bytes,
                 "expected_gb": gib(self.expected_bytes), "freed_gb": gib(self.freed_bytes),
                 "duration_s": round(self.duration_s, 3), "confirmed": self.confirmed, "estimated": self.estimated,
-                "error": self.error, "asked": self.asked}
+                "error": self.error, "asked": self.asked, "result": self.result}
 
 
 @dataclass(slots=True)

@@ -1,0 +1,402 @@
+"""The admin side's payloads as typed views, built once: the tenant view, the device, GPU errors,
+decisions and their outcomes. The admin API, the events stream, MCP, metrics, telemetry and the
+OpenAPI document all use these models, so what is served, what is parsed and what is documented
+cannot drift apart (a test validates live answers against /openapi.json).
+
+Models keep unknown keys (`extra="allow"`): a payload that grows a field stays valid, and the
+document says what is promised. Answers are dumped with `exclude_unset`, so a field nobody set
+is left out rather than invented (unknown is absent or null, never a made-up default).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
+from proxy.gpu.snapshot import GpuReadError
+from proxy.gpu.visibility import tenant_vram
+from proxy.handoff.admission import Arbitration
+from proxy.handoff.arbiter import TenantState, gib
+from proxy.handoff.queue import ReleaseVerdict
+from proxy.handoff.watchdog import Watchdog
+from proxy.tenants import Tenant
+
+JSON = dict[str, Any]
+
+
+class _Doc(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class Error(_Doc):
+    """Every error answer: a sentence, and a hint where one helps. Extra keys give details."""
+    error: str
+    fix: str | None = Field(default=None, description="what to do about it")
+    tenant: str | None = None
+    reason: str | None = Field(default=None, description="machine-readable, e.g. busy, not_reclaimable")
+
+
+class Release(_Doc):
+    tenant: str
+    expected_free_bytes: int
+    expected_free_gib: float | None
+    pids: list[int]
+    reason: str
+
+
+class Blocker(_Doc):
+    pid: int | None
+    name: str
+    tenant: str
+    vram_bytes: int | None
+    vram_gib: float | None = None
+    reason: str = Field(description="why it could not be released: busy, not_reclaimable, priority, unmanaged, ...")
+    detail: str
+
+
+class Plan(_Doc):
+    """A release plan as computed by the arbiter (logged before it runs)."""
+    requester: str
+    need_bytes: int
+    need_gib: float | None
+    free_bytes: int | None = Field(description="null when unplanned: nothing was measured")
+    free_gib: float | None
+    held_by_requester_bytes: int | None
+    held_by_requester_gib: float | None
+    promised_bytes: int = Field(default=0, description="free memory already promised to admitted loads still on their way")
+    promised_gib: float | None = None
+    reachable_bytes: int | None = Field(default=0, description="free + held + every reclaimable tenant's memory, busy "
+                                                                 "or idle; null when unplanned")
+    reachable_gib: float | None = None
+    feasible: bool = Field(description="enough now, with the releases listed")
+    possible: bool = Field(default=True, description="enough once the busy tenants in wait_for finish; false: 507")
+    outcome: Literal["ready", "release", "wait", "impossible", "unplanned"] | None = Field(
+        default=None, description="unplanned: the card's size is unknown (no GPU reader, no engine reports the "
+                                  "device), so the request is forwarded without a plan; the explanation says why")
+    wait_for: list[str] = Field(default_factory=list, description="busy tenants the request waits for")
+    starved: bool = Field(description="free + already held is below the need (only then is anything released)")
+    estimated: bool = Field(description="memory figures are the engines' own reports (GPU reader failed)")
+    releases: list[Release]
+    blockers: list[Blocker]
+    explanation: str
+
+
+class DryRun(_Doc):
+    dry_run: Literal[True]
+    plan: Plan
+
+
+class RejectionBlocker(_Doc):
+    pid: int | None
+    name: str
+    cmdline: str
+    tenant: str
+    vram_gb: float | None
+    reason: str
+    detail: str
+
+
+class Rejection(_Doc):
+    """The 507 a tenant's listener answers when no plan frees enough memory."""
+    error: str
+    tenant: str
+    need_gb: float | None
+    available_gb: float | None
+    blockers: list[RejectionBlocker]
+    plan: Plan
+    fix: str
+
+
+class ReleaseResult(_Doc):
+    tenant: str
+    expected_bytes: int
+    freed_bytes: int = Field(description="as measured on the GPU; when estimated, as the engine's own report says")
+    expected_gb: float | None
+    freed_gb: float | None
+    duration_s: float
+    confirmed: bool = Field(description="the card showed the memory back")
+    estimated: bool = Field(default=False, description="no GPU reader: judged from the engine's own report (Ollama's "
+                                                       "/api/ps, ComfyUI's /system_stats), which may say so before "
+                                                       "the memory is back; never confirmed")
+    error: str | None
+    asked: JSON = Field(description="what the engine was asked and answered")
+    fix: str | None = Field(default=None, description="on 502 and 504: what to do about it")
+    reason: Literal["cpu"] | None = Field(default=None, description="cpu: the engine runs on the CPU and holds no GPU "
+                                                                    "memory; nothing was asked")
+    note: str | None = None
+    result: ReleaseVerdict | None = Field(default=None, description=(
+        "confirmed (the card showed the memory back), estimated (the engine's own report said so), timeout "
+        "(not back within release_timeout_s) or error (the engine refused or was down)"))
+
+
+class Process(_Doc):
+    pid: int
+    name: str
+    cmdline: str | None = None
+    tenant: str | None = None
+    vram_bytes: int | None
+    vram_gb: float | None = None
+
+
+class Waiting(_Doc):
+    """A request waiting in the handoff queue for GPU memory."""
+    id: int
+    tenant: str
+    trigger: str
+    since: float = Field(description="unix seconds")
+    waited_s: float
+    need_bytes: int
+    need_gb: float | None
+    priority: int
+    waiting_for: list[str] = Field(description="busy tenants it waits for")
+    behind: int | None = Field(description="the waiting request it queues behind, if any")
+    reason: str
+
+
+class _TenantLive(_Doc):
+    """The live state both /api/tenants and the events' stats frames carry."""
+    name: str
+    vram_bytes: int | None = Field(description="null when nobody could see it (no GPU reader and no report of its own)")
+    vram_gb: float | None
+    busy: bool
+    busy_reason: str
+    in_flight: int
+    jobs: list[str]
+    stale_jobs: list[str]
+    last_activity_age_s: float | None
+    idle_release_in_s: float | None = Field(description="seconds until the idle release; null: never")
+    reclaimable: bool
+    waiting: list[Waiting] = Field(default_factory=list, description="this tenant's requests waiting for memory")
+
+
+class TenantView(_TenantLive):
+    config: JSON
+    processes: list[Process]
+    watchdog: str | None
+    estimated: bool
+
+
+class TenantList(_Doc):
+    tenants: list[TenantView]
+
+
+class Decision(_Doc):
+    id: int
+    at: float = Field(description="unix seconds")
+    kind: Literal["plan", "queued", "release", "rejection", "oom_retry", "idle_release", "spill", "stale_job"]
+    tenant: str
+    trigger: str
+    plan: Plan | None
+    outcome: JSON
+
+
+class DecisionList(_Doc):
+    decisions: list[Decision]
+
+
+class Device(_Doc):
+    """Unknown is not zero: a figure nobody measured is null (without a GPU reader: used, free and
+    reserved; the total too when no engine reports the card)."""
+    name: str
+    total_bytes: int | None
+    free_bytes: int | None
+    used_bytes: int | None
+    reserved_bytes: int | None
+    source: str = Field(description="nvml, simulated, or engine-estimate")
+    notes: list[str]
+
+
+class GpuError(_Doc):
+    state: str
+    error: str
+    fix: str
+
+
+class Stats(_Doc):
+    device: Device
+    processes: list[Process]
+    tenants: list[TenantView]
+    decisions: list[Decision]
+    gpu_error: GpuError | None
+
+
+class StatsTenant(_TenantLive):
+    engine: str
+    priority: int
+    pids: list[int]
+
+
+class StatsFrame(_Doc):
+    """`data:` of an `event: stats` frame on /api/events (one a second)."""
+    device: Device
+    tenants: list[StatsTenant]
+    processes: list[Process]
+    in_flight: int
+    busy: list[str]
+    decision_ids: list[int]
+    handoff_in_progress: bool
+    queue: list[Waiting] = Field(default_factory=list, description="every request waiting for memory, in arrival order")
+    gpu_error: GpuError | None
+
+
+class CatalogModel(_Doc):
+    name: str
+    size_bytes: int | None = Field(description="Ollama's size on disk; null for ComfyUI checkpoints")
+
+
+class TenantCatalog(_Doc):
+    engine: str
+    models: list[CatalogModel]
+    error: str | None = None
+
+
+class CatalogFrame(_Doc):
+    """`data:` of an `event: catalog` frame: sent first, then only when it changes."""
+    tenants: dict[str, TenantCatalog]
+
+
+class HealthEntry(_Doc):
+    name: str
+    status: Literal["ok", "degraded", "failed", "unknown"] = Field(
+        description="unknown: the check cannot run (what it looks at cannot be seen); problem says why")
+    problem: str | None
+    impact: str | None
+    fix: str | None
+
+
+class Capability(_Doc):
+    name: Literal["forwarding", "in-flight tracking", "arbitration", "confirmed releases"]
+    status: Literal["ok", "estimated", "off"] = Field(description="estimated: on the engines' own reports")
+    detail: str
+
+
+class HealthReport(_Doc):
+    status: Literal["ok", "degraded", "failed"] = Field(description="the worst entry's (unknown counts as degraded)")
+    entries: list[HealthEntry]
+    capabilities: list[Capability] = Field(default_factory=list, description=(
+        "what works now: without a GPU reader, forwarding and in-flight tracking do; arbitration is estimated or "
+        "off; releases are not confirmed (absent when no GPU snapshot could be taken at all)"))
+    checked_at: float | None = Field(default=None, description="unix seconds")
+
+
+class EngineList(_Doc):
+    engines: list[JSON] = Field(description="per tenant whose engine reports about itself: reachable, version, settings")
+
+
+# -- decision outcomes, for those that count them (metrics, telemetry) ----------------------------------
+
+class ReleaseOutcome(_Doc):
+    """One executed release as a decision's outcome lists it (`ReleaseResult.to_json`)."""
+    tenant: str = ""
+    expected_bytes: int = 0
+    freed_bytes: int = 0
+    duration_s: float = 0.0
+    confirmed: bool = False
+    estimated: bool = False
+    error: str | None = None
+    result: ReleaseVerdict | None = None
+
+    @property
+    def verdict(self) -> ReleaseVerdict:
+        """How it ended, as the release itself said; from the flags for an entry written without it."""
+        if self.result is not None:
+            return self.result
+        if self.confirmed:
+            return "confirmed"
+        return "estimated" if self.estimated and not self.error else "error"
+
+
+class DecisionOutcome(_Doc):
+    """A decision's outcome, typed where it is read: every key is optional (an outcome grows as
+    the handoff goes on: notified at record, then at each update)."""
+    ok: bool | None = None
+    releases: list[ReleaseOutcome] | None = None
+    status: int | None = None  # a rejection's HTTP status: 507, or 503 after the queue timeout
+    result: str | None = None  # queued: admitted | ...; oom_retry: succeeded | failed | no plan | ...
+    oom_retry: str | None = None  # a plan decision's retry result, once the retry ran
+    waited_s: float | None = None  # queued: how long the request waited
+
+    def retry_result(self, kind: str) -> str | None:
+        """The OOM retry's result: on the plan it retried with, or the oom_retry decision's own."""
+        if self.oom_retry is not None:
+            return self.oom_retry
+        return self.result if kind == "oom_retry" else None
+
+    @property
+    def final(self) -> bool:
+        return self.ok is not None
+
+
+# -- builders: each view is made here and nowhere else ----------------------------------------------
+
+def dump(model: BaseModel) -> JSON:
+    """A view as the JSON answer carries it."""
+    return model.model_dump(mode="json", exclude_unset=True)
+
+
+def device_view(snap: AttributedSnapshot) -> Device:
+    """The device: unknown figures are null."""
+    raw = snap.snapshot
+    dev = raw.device
+    return Device(name=dev.name, total_bytes=dev.figure("total"), free_bytes=dev.figure("free"),
+                  used_bytes=dev.figure("used"), reserved_bytes=dev.figure("reserved"), source=raw.source,
+                  notes=list(raw.notes))
+
+
+def gpu_error_view(err: GpuReadError | None) -> GpuError | None:
+    return None if err is None else GpuError(state=err.state, error=err.message, fix=err.fix)
+
+
+def tenant_process(p: AttributedProcess) -> Process:
+    """A tenant's process, as its tenant view lists it."""
+    return Process(pid=p.process.pid, name=p.process.name, cmdline=p.process.cmdline,
+                   vram_bytes=p.process.used_bytes, vram_gb=gib(p.process.used_bytes))
+
+
+def card_process(p: AttributedProcess, *, cmdline: bool = True) -> Process:
+    """A process on the card with its tenant (the stats frame leaves the command line out: it is large)."""
+    if cmdline:
+        return Process(pid=p.process.pid, name=p.process.name, cmdline=p.process.cmdline, tenant=p.tenant,
+                       vram_bytes=p.process.used_bytes)
+    return Process(pid=p.process.pid, name=p.process.name, tenant=p.tenant, vram_bytes=p.process.used_bytes)
+
+
+def _live(arb: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, tenant: Tenant, state: TenantState) -> JSON:
+    """The live fields /api/tenants and the events' stats frames share (`_TenantLive`)."""
+    traffic = arb.inflight.snapshot().get(tenant.name)
+    deadline = watchdog.idle_deadline(tenant.name)
+    now = arb.clock.now()
+    held = tenant_vram(snap, tenant.name)  # None: nobody could see it (no GPU reader, no self-report)
+    return {
+        "name": tenant.name,
+        "vram_bytes": held, "vram_gb": gib(held),
+        "busy": state.busy, "busy_reason": state.busy_reason,
+        "in_flight": traffic.in_flight if traffic else 0,
+        "jobs": list(traffic.jobs) if traffic else [],
+        "stale_jobs": arb.stale_jobs.get(tenant.name, []),
+        "last_activity_age_s": None if not traffic or traffic.last_activity is None else round(now - traffic.last_activity, 1),
+        "idle_release_in_s": None if deadline is None else round(max(0.0, deadline - now), 1),
+        "reclaimable": tenant.reclaimable,
+        "waiting": [w for w in arb.queue.waiting() if w["tenant"] == tenant.name],
+    }
+
+
+def tenant_view(arb: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, tenant: Tenant,
+                state: TenantState) -> TenantView:
+    """One tenant with its configuration and live state (GET /api/tenants, /api/stats, MCP)."""
+    return TenantView(
+        **_live(arb, watchdog, snap, tenant, state),
+        config=tenant.model_dump(mode="json"),
+        processes=[tenant_process(p) for p in snap.processes_of(tenant.name)],
+        watchdog=watchdog.last.reasons.get(tenant.name) if watchdog.last else None,
+        estimated=snap.snapshot.source == "engine-estimate",
+    )
+
+
+def stats_tenant(arb: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, tenant: Tenant,
+                 state: TenantState) -> StatsTenant:
+    """One tenant in an events stats frame: the live state, small (no config, no catalog)."""
+    return StatsTenant(**_live(arb, watchdog, snap, tenant, state), engine=tenant.engine, priority=tenant.priority,
+                       pids=[p.process.pid for p in snap.processes_of(tenant.name)])
