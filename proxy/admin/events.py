@@ -255,8 +255,10 @@ class EventsExtension:
                 for f in list(self._replay):
                     if f.seq > last_id and f.seq not in queued:
                         yield f.data
-            payload = await stats_payload(self.proxy)  # its id is taken once it is built: ids rise in sending order
-            yield encode(next(self._seq), "stats", payload).data
+            payload = await stats_payload(self.proxy)
+            while sub.stats_queued:  # ticks queued while it was built are older: this one supersedes them
+                sub._drop_oldest("stats")
+            yield encode(next(self._seq), "stats", payload).data  # its id taken once built: stats ids rise
             while not sub.overflowed:
                 if sub.frames:
                     yield sub.pop().data
