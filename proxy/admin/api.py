@@ -66,7 +66,8 @@ class AdminApi:
                 auth = request.headers.get("authorization", "")
                 if not auth.lower().startswith("bearer "):
                     return error(401, "this admin call needs a bearer token",
-                                 "send `Authorization: Bearer <token>` (the token from HYPERSWAP_ADMIN_TOKEN or admin.token_file)")
+                                 "send `Authorization: Bearer <token>` "
+                                 "(the token from HYPERSWAP_ADMIN_TOKEN or admin.token_file)")
                 if not hmac.compare_digest(auth[7:].strip().encode(), self.token.encode()):
                     return error(403, "wrong admin token", "use the token the proxy was started with")
             return await handler(request)
@@ -99,7 +100,8 @@ class AdminApi:
     async def release(self, request: Request) -> Response:
         tenant = self.arb.registry.get(request.path_params["name"])
         if not tenant.reclaimable:
-            return error(409, tenant.not_reclaimable_reason, "this tenant cannot be released; stop it by hand if you need the memory",
+            return error(409, tenant.not_reclaimable_reason,
+                         "this tenant cannot be released; stop it by hand if you need the memory",
                          tenant=tenant.name, reason="not_reclaimable")
         if await self.arb.adapter(tenant).runs_on_cpu(self.arb.control):
             return self._nothing_on_the_card(tenant)
@@ -151,7 +153,8 @@ class AdminApi:
         return JSONResponse(views.dump(stats))
 
     async def not_found(self, request: Request) -> Response:
-        return error(404, f"no admin route {request.method} {request.url.path}", "see GET /api/tenants, /api/plan, /api/decisions")
+        return error(404, f"no admin route {request.method} {request.url.path}",
+                     "see GET /api/tenants, /api/plan, /api/decisions")
 
     def app(self, extra_routes: list[BaseRoute] | None = None) -> Starlette:
         s = self._safe

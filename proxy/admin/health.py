@@ -64,7 +64,8 @@ class HealthEntry:
 
 def worst(statuses: Sequence[str]) -> Status:
     rank = max((_RANK.get(s, 2) for s in statuses), default=0)
-    return ("ok", "degraded", "failed")[rank]  # type: ignore[return-value]
+    ranked: tuple[Status, ...] = ("ok", "degraded", "failed")
+    return ranked[rank]
 
 
 @runtime_checkable
@@ -174,7 +175,8 @@ class HealthExtension:
             result = await asyncio.wait_for(check.run(snap), self.timeout_s)
         except TimeoutError:
             return [HealthEntry(check.name, "failed", f"the check did not finish within {self.timeout_s:g} s",
-                                "this dependency's state is unknown", "run `hyperswap check` again; if it repeats, the dependency hangs")]
+                                "this dependency's state is unknown",
+                                "run `hyperswap check` again; if it repeats, the dependency hangs")]
         except Exception as exc:
             return [HealthEntry(check.name, "failed", f"the check raised {type(exc).__name__}: {exc}",
                                 "this dependency's state is unknown", "see the proxy's log; report it if it repeats")]
@@ -182,6 +184,7 @@ class HealthExtension:
 
     async def report(self) -> dict[str, Any]:
         arb = self.proxy.arbitration
+        snap: AttributedSnapshot | None
         try:
             snap = await asyncio.wait_for(arb.snapshot(), self.timeout_s)
         except (TimeoutError, Exception):
@@ -214,7 +217,8 @@ class HealthExtension:
         if CONTAINER_NOTE in raw.notes:
             return HealthEntry("nvml", "degraded", CONTAINER_NOTE,
                                "GPU memory cannot be attributed to tenants: every process looks unmanaged, so plans "
-                               "cannot release the right tenant", "run the proxy with --pid=host (Docker) or hostPID: true (Kubernetes)")
+                               "cannot release the right tenant",
+                               "run the proxy with --pid=host (Docker) or hostPID: true (Kubernetes)")
         unknown = [p for p in raw.processes if p.used_bytes is None]
         if unknown:
             return HealthEntry("nvml", "degraded",
@@ -269,7 +273,7 @@ class HealthExtension:
         return [r if isinstance(r, HealthEntry) else
                 HealthEntry(f"upstream {t.name}", "failed", f"the check raised {type(r).__name__}: {r}",
                             "this upstream's state is unknown", "see the proxy's log")
-                for t, r in zip(tenants, results)]
+                for t, r in zip(tenants, results, strict=True)]
 
     async def _check_ws(self, tenant: Tenant) -> HealthEntry:
         name = f"comfyui websocket {tenant.name}"
@@ -434,7 +438,7 @@ class HealthExtension:
         tenants = list(self.proxy.registry)
         views = await asyncio.gather(*(self.engine_view(t, snap) for t in tenants), return_exceptions=True)
         out = [v if isinstance(v, dict) else {"tenant": t.name, "engine": t.engine, "error": f"{type(v).__name__}: {v}"}
-               for t, v in zip(tenants, views) if v is not None]
+               for t, v in zip(tenants, views, strict=True) if v is not None]
         return JSONResponse({"engines": out})
 
 

@@ -121,7 +121,8 @@ def build_server(admin: AdminClient) -> MCPServer:
     @server.tool(annotations=READ_ONLY)
     async def plan(
         tenant: Annotated[str, Field(description="the tenant that would need the memory, e.g. ollama")],
-        need_gb: Annotated[float | None, Field(ge=0, le=MAX_GIB, description="GiB needed; default: the tenant's needs_vram_gb")] = None,
+        need_gb: Annotated[float | None, Field(ge=0, le=MAX_GIB,
+                                               description="GiB needed; default: the tenant's needs_vram_gb")] = None,
     ) -> DryRun:
         """Dry run: what would be released for `tenant` to get `need_gb` GiB, and what blocks it. Executes nothing."""
         params = {"tenant": tenant}

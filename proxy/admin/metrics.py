@@ -98,7 +98,8 @@ class _LiveCollector(Collector):
         yield from (total, used, free, age, held, unmanaged, source)
         traffic = proxy.inflight.snapshot()
         inflight = GaugeMetricFamily("hyperswap_inflight_requests", "GPU requests in flight through the proxy", labels=["tenant"])
-        jobs = GaugeMetricFamily("hyperswap_queued_jobs", "Engine jobs the proxy saw queued and not yet finished", labels=["tenant"])
+        jobs = GaugeMetricFamily("hyperswap_queued_jobs", "Engine jobs the proxy saw queued and not yet finished",
+                                 labels=["tenant"])
         for name in tenants:
             t = traffic.get(name)
             inflight.add_metric([name], t.in_flight if t else 0)

@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -216,7 +216,8 @@ class TelemetryStore:
             rows = f" ({loss.rows} {_rows(loss.rows)} dropped)" if loss is not None else ""
             return False, f"telemetry writes failing{since}: {self.last_error}{rows}"
         if loss is not None and loss.ended_at is None:
-            return False, f"telemetry dropping rows since {when(loss.first_at)}: {loss.cause}, {loss.rows} {_rows(loss.rows)} so far"
+            return False, (f"telemetry dropping rows since {when(loss.first_at)}: {loss.cause}, "
+                           f"{loss.rows} {_rows(loss.rows)} so far")
         text = f"telemetry writing to {self.path} ({self.written} rows)"
         if loss is not None:
             span = (f"at {when(loss.first_at)}" if when(loss.first_at) == when(loss.last_at)
@@ -275,8 +276,8 @@ class TelemetryStore:
                     elif isinstance(item, _Flush):
                         flushes.append(item)
                     else:
-                        kind, values = item  # type: ignore[misc]
-                        rows.setdefault(kind, []).append(values)
+                        queued_kind, queued_row = cast(tuple[str, tuple[Any, ...]], item)  # what submit() queues
+                        rows.setdefault(queued_kind, []).append(queued_row)
                 if stop:  # rows that raced in after STOP (submit checked _closed just before) are kept too
                     while True:
                         try:
@@ -339,7 +340,7 @@ class TelemetryStore:
             conn.close()
         out = []
         for values in reversed(rows):
-            row = dict(zip(cols, values))
+            row = dict(zip(cols, values, strict=True))
             for key in ("outcome", "blockers"):
                 if isinstance(row.get(key), str):
                     row[key] = json.loads(row[key])

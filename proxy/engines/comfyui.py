@@ -95,7 +95,7 @@ class ComfyUIAdapter(EngineAdapter):
         data = _ok_json(status, body)
         if not isinstance(data, dict):
             return None
-        ids = set()
+        ids: set[str] = set()
         for section in ("queue_running", "queue_pending"):
             rows = data.get(section)
             if not isinstance(rows, list):

@@ -183,7 +183,8 @@ def _ollama_meaning(name: str, value: str | None, version: tuple[int, ...] | Non
             return "models never unload by themselves: only the proxy's releases give their VRAM back", "note"
         if v in ("0", "0s", "0m"):
             return "models unload right after each request: nothing stays resident, every request reloads", "note"
-        return f"a model stays loaded {shown} after its last request; the proxy releases it sooner when another tenant needs the memory", "ok"
+        return (f"a model stays loaded {shown} after its last request; the proxy releases it sooner when another "
+                "tenant needs the memory"), "ok"
     if name == "OLLAMA_FLASH_ATTENTION":
         if value is None:
             return "off unless the model enables it: the KV cache stays f16 and quantised KV types are ignored", "ok"
@@ -192,11 +193,13 @@ def _ollama_meaning(name: str, value: str | None, version: tuple[int, ...] | Non
     if name == "OLLAMA_KV_CACHE_TYPE":
         if value is None or value.strip() in ("", "f16"):
             return "f16 KV cache (default): context_allowance_gb should cover the full-precision cache", "ok"
-        return f"{value} KV cache (needs flash attention): context takes less VRAM than f16, so context_allowance_gb can be smaller", "note"
+        return (f"{value} KV cache (needs flash attention): context takes less VRAM than f16, so "
+                "context_allowance_gb can be smaller"), "note"
     if name == "OLLAMA_CONTEXT_LENGTH":
         if value is None or value.strip() == "0":
             return "default: context sized by Ollama (4096 in 0.9-0.15, VRAM-tiered later); context_allowance_gb covers it", "ok"
-        return f"every load gets a {value}-token context (x NUM_PARALLEL): check that context_allowance_gb covers its KV cache", "note"
+        return (f"every load gets a {value}-token context (x NUM_PARALLEL): check that context_allowance_gb "
+                "covers its KV cache"), "note"
     if name == "OLLAMA_GPU_OVERHEAD":
         if value is None or value.strip() == "0":
             return "0 bytes kept back per GPU (default)", "ok"
@@ -307,7 +310,8 @@ def comfy_flags(argv: Sequence[str]) -> list[Flag]:
                         "it plans with that much less free memory", "note"))
     for flag in ("--lowvram", "--novram"):
         if flag in args:
-            out.append(Flag(flag, None, "models load partially and stream weights: smaller VRAM footprint, slower prompts", "note"))
+            out.append(Flag(flag, None, "models load partially and stream weights: smaller VRAM footprint, slower prompts",
+                            "note"))
     if "--cpu" in args:
         out.append(Flag("--cpu", None, "ComfyUI runs on the CPU: it holds no VRAM to reclaim", "note"))
     return out

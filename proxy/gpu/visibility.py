@@ -53,8 +53,8 @@ def capabilities(snap: AttributedSnapshot | None, error: GpuReadError | None) ->
     out = [Capability("forwarding", "ok", "every listener forwards requests and websockets unchanged"),
            Capability("in-flight tracking", "ok", "busy state comes from the traffic through the proxy")]
     if error is None and snap is not None and not snap.estimated:
-        return out + [Capability("arbitration", "ok", f"plans from the card's own figures ({snap.snapshot.source})"),
-                      Capability("confirmed releases", "ok", "a release is done when the card shows the memory back")]
+        return [*out, Capability("arbitration", "ok", f"plans from the card's own figures ({snap.snapshot.source})"),
+                Capability("confirmed releases", "ok", "a release is done when the card shows the memory back")]
     if snap is not None and snap.snapshot.device.size_known:
         arbitration = Capability(
             "arbitration", "estimated",
@@ -65,7 +65,7 @@ def capabilities(snap: AttributedSnapshot | None, error: GpuReadError | None) ->
             "arbitration", "off",
             "the card's size is unknown (no engine reports the device): GPU requests are forwarded without a plan, "
             "nothing is released for them and nothing is refused")
-    return out + [arbitration, Capability(
+    return [*out, arbitration, Capability(
         "confirmed releases", "off",
         "the card cannot be read: a release ends when the engine's own report says its memory is gone, marked estimated")]
 

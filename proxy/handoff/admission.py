@@ -438,7 +438,7 @@ class GpuAdmission:
             return
         graph, extra = entry
         body = json.dumps({"prompt": graph}).encode()
-        admitted, need = await self.arb.admit(tenant, None, body, f"OOM of ComfyUI prompt {prompt_id}", oom=True)
+        admitted, _need = await self.arb.admit(tenant, None, body, f"OOM of ComfyUI prompt {prompt_id}", oom=True)
         handoff = admitted.handoff
         try:
             if admitted.outcome != "run" or not handoff.plan.feasible or not handoff.plan.starved:
