@@ -12,6 +12,7 @@ Nobody outside `proxy/engines/` switches on an engine's name: they ask its adapt
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -26,6 +27,13 @@ from proxy.tenants import Tenant
 
 # One loaded model as the engine places it (Ollama's /api/ps rows: name, size, size_vram, expires_at).
 Placement = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class JobReplay:
+    """A job that failed for lack of memory, as the engine kept it, ready to be submitted again."""
+    body: bytes  # the request body as if submitted afresh: its need is estimated from it
+    payload: dict[str, Any]  # what resubmits it (same client, same extra data)
 
 RequestKind = Literal["gpu", "passthrough"]
 # Raw bytes as ASGI and the wire carry them (latin-1); no decode/encode per request on the relay path.
@@ -212,6 +220,14 @@ class EngineAdapter:
     def oom_in_history(self, job_id: str, body: bytes) -> bool:
         """Whether a finished job's history entry says it failed for lack of GPU memory."""
         return False
+
+    async def job_replay(self, client: httpx.AsyncClient, job_id: str) -> JobReplay | None:
+        """The failed job as the engine kept it, to submit again; None when it is not (yet) there."""
+        return None
+
+    async def resubmit(self, client: httpx.AsyncClient, replay: JobReplay) -> tuple[str | None, int]:
+        """Submit the job again: (the new job id or None when refused, the HTTP status). Raises httpx errors."""
+        return None, 0
 
     # -- what the engine says about itself (no GPU reader: invariant 10) ----------------------
     async def self_reported_bytes(self, client: httpx.AsyncClient) -> int | None:

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 
 from proxy.engines import settings as es
-from proxy.engines.base import EngineAdapter, RequestKind
+from proxy.engines.base import EngineAdapter, JobReplay, RequestKind
 from proxy.engines.common import Need, ReleaseFailed, json_or_none, upstream_of
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory
@@ -141,6 +141,28 @@ class ComfyUIAdapter(EngineAdapter):
             return False
         return any(isinstance(message, list) and len(message) == 2 and isinstance(message[1], dict)
                    and comfy_event_is_oom({"type": message[0], "data": message[1]}) for message in messages)
+
+    async def job_replay(self, client: httpx.AsyncClient, job_id: str) -> JobReplay | None:
+        """The prompt's graph and extra data from /history/{id} (ComfyUI writes history before its end marker)."""
+        try:
+            r = await client.get(f"{upstream_of(self.tenant)}/history/{job_id}")
+            item = r.json().get(job_id) if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError, ReleaseFailed):
+            return None
+        if not (isinstance(item, dict) and isinstance(item.get("prompt"), list) and len(item["prompt"]) >= 4):
+            return None
+        graph, extra = item["prompt"][2], item["prompt"][3]
+        if not (isinstance(graph, dict) and isinstance(extra, dict)):
+            return None
+        payload: dict[str, Any] = {"prompt": graph, "extra_data": extra}
+        if extra.get("client_id"):
+            payload["client_id"] = extra["client_id"]  # its websocket sees the new prompt's progress
+        return JobReplay(json.dumps({"prompt": graph}).encode(), payload)
+
+    async def resubmit(self, client: httpx.AsyncClient, replay: JobReplay) -> tuple[str | None, int]:
+        r = await client.post(f"{upstream_of(self.tenant)}/prompt", json=replay.payload)
+        new_id = r.json().get("prompt_id") if r.status_code == 200 else None
+        return (new_id if isinstance(new_id, str) and new_id else None), r.status_code
 
     async def _torch_device(self, client: httpx.AsyncClient) -> dict[str, Any] | None:
         """The first (torch) device of ComfyUI's /system_stats; None when unreadable."""

@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 
 from proxy.clock import Clock
 from proxy.engines import AdapterCache, EngineAdapter, Need, ReleaseFailed, strip_hop_by_hop
+from proxy.engines.base import JobReplay
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot, Attributor
 from proxy.gpu.snapshot import DeviceFigure, DeviceMemory, GpuProcess, GpuReader, GpuReadError, GpuSnapshot
 from proxy.handoff.arbiter import Plan, PlanMode, TenantState, gib, plan_release, promised_by_tenant, unplanned_plan
@@ -431,49 +432,38 @@ class GpuAdmission:
             self.arb.decisions.record("oom_retry", tenant.name, f"second OOM of prompt {self._requeued[prompt_id]}",
                                       None, result="failed", prompt_id=prompt_id)
             return
-        entry = await self._history_entry(tenant, prompt_id)
-        if entry is None:
+        adapter = self._adapter(tenant)
+        replay = await self._job_replay(adapter, prompt_id)
+        if replay is None:
             self.arb.decisions.record("oom_retry", tenant.name, f"OOM of prompt {prompt_id}", None,
                                       result="not retried: prompt not in ComfyUI's history")
             return
-        graph, extra = entry
-        body = json.dumps({"prompt": graph}).encode()
-        admitted, _need = await self.arb.admit(tenant, None, body, f"OOM of ComfyUI prompt {prompt_id}", oom=True)
+        admitted, _need = await self.arb.admit(tenant, None, replay.body, f"OOM of ComfyUI prompt {prompt_id}", oom=True)
         handoff = admitted.handoff
         try:
             if admitted.outcome != "run" or not handoff.plan.feasible or not handoff.plan.starved:
                 self._record_retry(tenant, handoff, "no plan")
                 return
-            payload: dict[str, Any] = {"prompt": graph, "extra_data": extra}
-            if extra.get("client_id"):
-                payload["client_id"] = extra["client_id"]
-            r = await self.arb.control.post(f"{tenant.upstream}/prompt", json=payload)
-            new_id = r.json().get("prompt_id") if r.status_code == 200 else None
+            new_id, status = await adapter.resubmit(self.arb.control, replay)
             if not new_id:
-                self._record_retry(tenant, handoff, f"re-queue refused: {r.status_code}")
+                self._record_retry(tenant, handoff, f"re-queue refused: {status}")
                 return
             self._requeued[new_id] = prompt_id
             self.arb.inflight.track_job(tenant.name, new_id)
             self._record_retry(tenant, handoff, "requeued")
             if handoff.decision is not None:
                 self.arb.decisions.update(handoff.decision, requeued_as=new_id, prompt_id=prompt_id)
-        except (httpx.HTTPError, ValueError) as exc:
+        except (httpx.HTTPError, ValueError, ReleaseFailed) as exc:
             self._record_retry(tenant, handoff, f"re-queue failed: {exc}")
         finally:
             self.arb.settle_when_idle(handoff)  # the re-queued prompt loads after POST /prompt returns
 
-    async def _history_entry(self, tenant: Tenant, prompt_id: str) -> tuple[dict[str, Any], dict[str, Any]] | None:
-        """ComfyUI writes history before its end marker; the error frame comes just before that."""
+    async def _job_replay(self, adapter: EngineAdapter, job_id: str) -> JobReplay | None:
+        """The engine writes the failed job down shortly after its error frame: look for a while."""
         for _ in range(50):
-            try:
-                r = await self.arb.control.get(f"{tenant.upstream}/history/{prompt_id}")
-                item = r.json().get(prompt_id) if r.status_code == 200 else None
-            except (httpx.HTTPError, ValueError):
-                item = None
-            if isinstance(item, dict) and isinstance(item.get("prompt"), list) and len(item["prompt"]) >= 4:
-                graph, extra = item["prompt"][2], item["prompt"][3]
-                if isinstance(graph, dict) and isinstance(extra, dict):
-                    return graph, extra
+            replay = await adapter.job_replay(self.arb.control, job_id)
+            if replay is not None:
+                return replay
             await self.arb.clock.sleep(0.1)
         return None
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import ast
+import json
 import typing
 from pathlib import Path
 
 import httpx
+import respx
 
 from proxy.engines import ADAPTERS, AdapterCache, EngineAdapter, adapter_for
 from proxy.tenants import EngineKind, registry_from_dict
@@ -70,3 +72,21 @@ async def test_generic_adapter_reports_nothing_it_cannot_see() -> None:
         assert adapter.placements_path is None and adapter.queue_path() is None
         assert adapter.oom_job_from_frame('{"type":"execution_error"}') is None
         assert not adapter.response_is_oom(500, b'{"error":"out of memory"}'), "a generic app's 500 is passed through"
+
+
+async def test_comfyui_adapter_replays_a_failed_prompt_from_its_history() -> None:
+    reg = registry_from_dict({"tenants": {"comfyui": {"engine": "comfyui", "upstream": "http://127.0.0.1:8188"}}})
+    adapter = adapter_for(reg.get("comfyui"))
+    graph = {"3": {"class_type": "KSampler", "inputs": {}}}
+    entry = {"p1": {"prompt": [7, "p1", graph, {"client_id": "c9"}, []], "status": {"messages": [
+        ["execution_error", {"prompt_id": "p1", "exception_type": "torch.OutOfMemoryError"}]]}}}
+    with respx.mock(assert_all_called=True) as mock:
+        mock.get("http://127.0.0.1:8188/history/p1").respond(200, json=entry)
+        posted = mock.post("http://127.0.0.1:8188/prompt").respond(200, json={"prompt_id": "p2", "number": 8})
+        async with httpx.AsyncClient() as client:
+            replay = await adapter.job_replay(client, "p1")
+            assert replay is not None and json.loads(replay.body) == {"prompt": graph}
+            assert await adapter.resubmit(client, replay) == ("p2", 200)
+    assert json.loads(posted.calls.last.request.content) == {"prompt": graph, "extra_data": {"client_id": "c9"},
+                                                             "client_id": "c9"}, "the same client sees the retry"
+    assert adapter.oom_in_history("p1", json.dumps(entry).encode())
