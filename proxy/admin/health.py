@@ -277,9 +277,9 @@ class HealthExtension:
 
     async def _check_ws(self, tenant: Tenant) -> HealthEntry:
         name = f"comfyui websocket {tenant.name}"
-        assert tenant.upstream
-        url = tenant.upstream.replace("http://", "ws://", 1).replace("https://", "wss://", 1)
-        url += f"/ws?clientId=hyperswap-health-{uuid.uuid4().hex[:8]}"
+        adapter = self.adapter(tenant)
+        url = adapter.status_websocket(f"hyperswap-health-{uuid.uuid4().hex[:8]}")
+        assert url is not None  # check_comfy_ws picks tenants that have one
         impact = ("ComfyUI jobs cannot be followed: the UI shows no progress, and the proxy cannot see when a "
                   "prompt finishes (busy state falls back to polling)")
         try:
@@ -288,18 +288,13 @@ class HealthExtension:
         except Exception as exc:
             return HealthEntry(name, "failed", f"cannot open {url.split('?')[0]}: {type(exc).__name__}: {exc}", impact,
                                self._fix_upstream(tenant))
-        try:
-            frame = json.loads(raw)
-        except (TypeError, ValueError):
-            frame = None
-        sid = frame.get("data", {}).get("sid") if isinstance(frame, dict) and isinstance(frame.get("data"), dict) else None
-        if not isinstance(frame, dict) or frame.get("type") != "status" or not sid:
+        if not adapter.is_status_frame(raw):
             return HealthEntry(name, "degraded", f"the first websocket frame was not a status frame with a sid: {str(raw)[:120]}",
                                impact, f"check that tenants.{tenant.name}.upstream points at ComfyUI")
         return HealthEntry(name, "ok", f"status frame with sid from {url.split('?')[0]}")
 
     async def check_comfy_ws(self, snap: AttributedSnapshot) -> list[HealthEntry]:
-        tenants = [t for t in self.proxy.registry if self.adapter(t).status_websocket and t.upstream]
+        tenants = [t for t in self.proxy.registry if self.adapter(t).status_websocket("") is not None]
         return list(await asyncio.gather(*(self._check_ws(t) for t in tenants)))
 
     async def check_config(self, snap: AttributedSnapshot) -> HealthEntry:

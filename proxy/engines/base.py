@@ -270,7 +270,15 @@ class EngineAdapter:
     probe_path: str = "/"  # what health GETs to see the engine answer
     probe_strict: bool = False  # True: only a 200 with the engine's own answer is healthy; else any status < 500
     start_hint: str | None = None  # how to start the engine, for a fix text
-    status_websocket: bool = False  # the engine greets a websocket with a status frame health can check
+
+    def status_websocket(self, client_id: str) -> str | None:
+        """The websocket URL where the engine greets a client with a status frame (health opens it);
+        None when it has none."""
+        return None
+
+    def is_status_frame(self, text: str | bytes) -> bool:
+        """Whether the first frame on `status_websocket` is the engine's greeting."""
+        return False
     # Its idle footprint varies (caches grow and shrink), so health takes the smallest it saw as the floor.
     floor_from_samples: bool = False
 

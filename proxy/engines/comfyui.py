@@ -43,7 +43,6 @@ class ComfyUIAdapter(EngineAdapter):
     probe_path = "/system_stats"
     probe_strict = True
     start_hint = "start ComfyUI (`python main.py`)"
-    status_websocket = True
     floor_from_samples = True
 
     def classify(self, method: str, path: str) -> RequestKind:
@@ -221,6 +220,21 @@ class ComfyUIAdapter(EngineAdapter):
     # -- health and /api/engines ----------------------------------------------------------------
     def version_from_probe(self, data: Any) -> str | None:
         return es.parse_system_stats(data).version
+
+    def status_websocket(self, client_id: str) -> str | None:
+        if not self.tenant.upstream:
+            return None
+        url = self.tenant.upstream.replace("http://", "ws://", 1).replace("https://", "wss://", 1)
+        return f"{url}/ws?clientId={client_id}"
+
+    def is_status_frame(self, text: str | bytes) -> bool:
+        """{"type": "status", "data": {"sid": ..., "status": {...}}}: ComfyUI's greeting."""
+        try:
+            frame = json.loads(text)
+        except (TypeError, ValueError):
+            return False
+        data = frame.get("data") if isinstance(frame, dict) else None
+        return isinstance(data, dict) and frame.get("type") == "status" and bool(data.get("sid"))
 
     async def settings_view(self, client: httpx.AsyncClient, snap: AttributedSnapshot | None, env: es.EnvReaders,
                             host_reads: bool) -> dict[str, Any] | None:
