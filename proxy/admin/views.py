@@ -182,6 +182,63 @@ class TenantList(_Doc):
     tenants: list[TenantView]
 
 
+# -- decision outcomes, for those that count them (metrics, telemetry) ----------------------------------
+
+class ReleaseOutcome(_Doc):
+    """One executed release as a decision's outcome lists it (`ReleaseResult.to_json`)."""
+    tenant: str = ""
+    expected_bytes: int = 0
+    freed_bytes: int = 0
+    duration_s: float = 0.0
+    confirmed: bool = False
+    estimated: bool = False
+    error: str | None = None
+    result: ReleaseVerdict | None = None
+    expected_gb: float | None = None
+    freed_gb: float | None = None
+    asked: JSON | None = Field(default=None, description="what the engine was asked and answered")
+
+    @property
+    def verdict(self) -> ReleaseVerdict:
+        """How it ended, as the release itself said; from the flags for an entry written without it."""
+        if self.result is not None:
+            return self.result
+        if self.confirmed:
+            return "confirmed"
+        return "estimated" if self.estimated and not self.error else "error"
+
+
+class DecisionOutcome(_Doc):
+    """A decision's outcome: every key is optional (an outcome grows as the handoff goes on:
+    notified at record, then at each update). Metrics and telemetry read it typed."""
+    ok: bool | None = None
+    releases: list[ReleaseOutcome] | None = None
+    status: int | None = None  # a rejection's HTTP status: 507, or 503 after the queue timeout
+    result: str | None = None  # queued: admitted | ...; oom_retry: succeeded | failed | no plan | ...
+    oom_retry: str | None = None  # a plan decision's retry result, once the retry ran
+    waited_s: float | None = None  # queued: how long the request waited
+    reason: str | None = None
+    held_bytes: int | None = Field(default=None, description="release, idle_release: what the tenant held when asked")
+    idle_s: float | None = Field(default=None, description="idle_release: the tenant's idle_release_after_s")
+    waiting_for: list[str] | None = Field(default=None, description="queued: the busy tenants it waits for")
+    behind: int | None = Field(default=None, description="queued: the waiting request it queues behind")
+    ended_by: int | None = Field(default=None, description="queued: the decision that ended the wait")
+    ended_with: str | None = None
+    requeued_as: str | None = Field(default=None, description="a ComfyUI prompt retried after an OOM: the new prompt id")
+    prompt_id: str | None = None
+    job_id: str | None = Field(default=None, description="stale_job: the job no longer counted as running")
+
+    def retry_result(self, kind: str) -> str | None:
+        """The OOM retry's result: on the plan it retried with, or the oom_retry decision's own."""
+        if self.oom_retry is not None:
+            return self.oom_retry
+        return self.result if kind == "oom_retry" else None
+
+    @property
+    def final(self) -> bool:
+        return self.ok is not None
+
+
 class Decision(_Doc):
     id: int
     at: float = Field(description="unix seconds")
@@ -189,7 +246,7 @@ class Decision(_Doc):
     tenant: str
     trigger: str
     plan: Plan | None
-    outcome: JSON
+    outcome: DecisionOutcome
 
 
 class DecisionList(_Doc):
@@ -283,50 +340,6 @@ class HealthReport(_Doc):
 
 class EngineList(_Doc):
     engines: list[JSON] = Field(description="per tenant whose engine reports about itself: reachable, version, settings")
-
-
-# -- decision outcomes, for those that count them (metrics, telemetry) ----------------------------------
-
-class ReleaseOutcome(_Doc):
-    """One executed release as a decision's outcome lists it (`ReleaseResult.to_json`)."""
-    tenant: str = ""
-    expected_bytes: int = 0
-    freed_bytes: int = 0
-    duration_s: float = 0.0
-    confirmed: bool = False
-    estimated: bool = False
-    error: str | None = None
-    result: ReleaseVerdict | None = None
-
-    @property
-    def verdict(self) -> ReleaseVerdict:
-        """How it ended, as the release itself said; from the flags for an entry written without it."""
-        if self.result is not None:
-            return self.result
-        if self.confirmed:
-            return "confirmed"
-        return "estimated" if self.estimated and not self.error else "error"
-
-
-class DecisionOutcome(_Doc):
-    """A decision's outcome, typed where it is read: every key is optional (an outcome grows as
-    the handoff goes on: notified at record, then at each update)."""
-    ok: bool | None = None
-    releases: list[ReleaseOutcome] | None = None
-    status: int | None = None  # a rejection's HTTP status: 507, or 503 after the queue timeout
-    result: str | None = None  # queued: admitted | ...; oom_retry: succeeded | failed | no plan | ...
-    oom_retry: str | None = None  # a plan decision's retry result, once the retry ran
-    waited_s: float | None = None  # queued: how long the request waited
-
-    def retry_result(self, kind: str) -> str | None:
-        """The OOM retry's result: on the plan it retried with, or the oom_retry decision's own."""
-        if self.oom_retry is not None:
-            return self.oom_retry
-        return self.result if kind == "oom_retry" else None
-
-    @property
-    def final(self) -> bool:
-        return self.ok is not None
 
 
 # -- builders: each view is made here and nowhere else ----------------------------------------------
