@@ -19,9 +19,25 @@ from proxy.engines.registry import adapter_for
 from proxy.gpu.snapshot import DeviceMemory
 from proxy.tenants import Tenant
 
-__all__ = ["COMFY_OOM_TYPES", "OLLAMA_OOM_MARKERS", "Need", "OllamaCatalog", "ReleaseFailed", "comfy_device",
-           "comfy_event_is_oom", "go_time", "load_key", "ollama_error_is_oom", "placements", "release",
-           "response_is_oom", "runs_on_cpu", "self_reported_bytes"]
+__all__ = [
+    "COMFY_OOM_TYPES",
+    "OLLAMA_OOM_MARKERS",
+    "Need",
+    "OllamaCatalog",
+    "ReleaseFailed",
+    "comfy_device",
+    "comfy_event_is_oom",
+    "comfy_running_prompts",
+    "go_time",
+    "load_key",
+    "ollama_error_is_oom",
+    "ollama_ps",
+    "placements",
+    "release",
+    "response_is_oom",
+    "runs_on_cpu",
+    "self_reported_bytes",
+]
 
 
 def load_key(tenant: Tenant, model: str) -> str:
@@ -38,6 +54,16 @@ async def release(tenant: Tenant, client: httpx.AsyncClient) -> dict[str, Any]:
 
 async def placements(tenant: Tenant, client: httpx.AsyncClient) -> list[Placement]:
     return await adapter_for(tenant).placements(client)
+
+
+async def ollama_ps(tenant: Tenant, client: httpx.AsyncClient) -> list[Placement]:
+    """Ollama's loaded models (`/api/ps`): the tenant's placements."""
+    return await placements(tenant, client)
+
+
+async def comfy_running_prompts(tenant: Tenant, client: httpx.AsyncClient) -> list[str]:
+    """The prompt ids ComfyUI's /queue says run now: the tenant's running jobs."""
+    return await adapter_for(tenant).running_jobs(client)
 
 
 async def runs_on_cpu(tenant: Tenant, client: httpx.AsyncClient) -> bool:
