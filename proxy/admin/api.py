@@ -7,7 +7,7 @@ When a token is configured every mutating call needs `Authorization: Bearer <tok
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from starlette.applications import Starlette
@@ -55,10 +55,14 @@ def release_answer(tenant: Tenant, result: ReleaseResult) -> JSONResponse:
 
 
 class AdminApi:
-    def __init__(self, arb: Arbitration, watchdog: Watchdog, token: str | None = None) -> None:
+    def __init__(self, arb: Arbitration, watchdog: Watchdog, token: str | None = None,
+                 listeners: Mapping[str, str] | None = None) -> None:
         self.arb = arb
         self.watchdog = watchdog
         self.token = token
+        # Where each tenant's listener really answers (a port of 0 in tenants.json is read back):
+        # `hyperswap verify` reaches the engines through these.
+        self.listeners = dict(listeners or {})
 
     # -- helpers ----------------------------------------------------------------------------
     def _guard(self, handler: Handler) -> Handler:
@@ -107,6 +111,7 @@ class AdminApi:
             "waiting": [w for w in self.arb.queue.waiting() if w["tenant"] == tenant.name],
             "watchdog": (self.watchdog.last.reasons.get(tenant.name) if self.watchdog.last else None),
             "estimated": snap.snapshot.source == "engine-estimate",
+            "listening": self.listeners.get(tenant.name),
         }
 
     # -- routes -------------------------------------------------------------------------------
