@@ -243,9 +243,9 @@ class Verify:
         ok = r.status_code < 500 if t.engine not in PROBE_PATHS else r.status_code == 200
         if not ok:
             self.found.unreachable[t.name] = "upstream"
-            exc = Unexpected(f"GET {path} through {t.url}", r)
-            raise StageFailed(f"{t.name} ({t.upstream}) is not answering through the proxy: {exc}", impact=impact,
-                              fix=exc.fix() or f"start {t.name}, or correct tenants.{t.name}.upstream ({t.upstream})")
+            answer = Unexpected(f"GET {path} through {t.url}", r)
+            raise StageFailed(f"{t.name} ({t.upstream}) is not answering through the proxy: {answer}", impact=impact,
+                              fix=answer.fix() or f"start {t.name}, or correct tenants.{t.name}.upstream ({t.upstream})")
         return f"{t.url}{path} -> {t.upstream}: {r.status_code}"
 
     async def stage_generation(self) -> str:
@@ -470,7 +470,7 @@ class Verify:
                               f"{plan.get('explanation')}", impact="a load larger than the card would be forwarded and "
                               "fail with out of memory instead of a clear 507", fix="report it with this output")
         detail = f"dry run: {gib(need)} on the {gib(total)} card is refused ({plan.get('explanation')})"
-        if t.engine == GENERATES:
+        if t.engine == GENERATES and t.url:
             usable = int(total) - int(self.found.device.get("reserved_bytes") or 0)
             client = self._ollama(t)
             big = [m for m in await client.models() if m.size + t.context_allowance_bytes > usable]

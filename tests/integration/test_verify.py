@@ -1,0 +1,163 @@
+"""`hyperswap verify` against simulated boxes: it passes on the demo, and each stage's failure is
+driven for real (engine down, a release that never shows on the card, out of memory, a model
+larger than the card)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import httpx
+import pytest
+from boxes import DemoFactory, fast
+
+from proxy.demo import Demo
+from proxy.verify import Options, Report, Verify
+
+# A box where an out-of-memory can be staged safely: the proxy plans 4 GiB for a ComfyUI graph whose
+# checkpoint takes 6.5, and an 18 GiB model leaves 5.15 GiB free, between the two.
+OOM_BOX = dict(comfyui={"checkpoints": {"sd_xl_base_1.0.safetensors": 6.5}},
+               tenants={"comfyui": {"needs_vram_gb": 4.0}},
+               ollama={"models": [{"name": "llama3.2:3b", "size_gb": 2.0}, {"name": "filler:18b", "size_gb": 18.0}]})
+
+
+async def verify(demo: Demo, http: httpx.AsyncClient, *, yes: bool = True) -> Report:
+    assert demo.proxy is not None
+    return await Verify(Options(admin=demo.proxy.url("admin"), yes=yes, stage_timeout_s=60), http).run()
+
+
+def statuses(report: Report) -> dict[str, str]:
+    return {s.name: s.status for s in report.stages}
+
+
+def stage(report: Report, name: str) -> str:
+    result = report.result(name)
+    assert result is not None, f"no stage {name!r} in {statuses(report)}"
+    return result.detail
+
+
+async def test_verify_passes_on_the_demo_box_and_proves_a_reclaim(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box("default")
+    report = await verify(demo, http)
+    assert report.passed, report.text()
+    s = statuses(report)
+    for name in ("proxy", "upstream ollama", "upstream comfyui", "ollama generation", "comfyui graph", "reclaim",
+                 "507 too large"):
+        assert s[name] == "pass", report.text()
+    assert "the proxy released comfyui" in stage(report, "reclaim") and "on the GPU" in stage(report, "reclaim")
+    # The demo's ComfyUI need (10 GiB) covers every graph it has: no OOM can be staged, and it says why.
+    assert s["out of memory"] == "skip" and "between" in stage(report, "out of memory")
+    # What verify loaded is gone again; nothing of Ollama's stays on the card.
+    assert demo.box.ollama is not None and not demo.box.ollama.loaded()
+
+
+async def test_without_consent_nothing_is_released(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box("default")
+    report = await verify(demo, http, yes=False)
+    s = statuses(report)
+    assert s["reclaim"] == "skip" and "--yes" in stage(report, "reclaim")
+    assert s["out of memory"] == "skip" and "--yes" in stage(report, "out of memory")
+    assert s["ollama generation"] == "pass" and s["comfyui graph"] == "pass"
+    assert demo.proxy is not None
+    assert not [d for d in demo.proxy.decisions.recent(500) if d.kind in ("release", "idle_release")
+                or d.outcome.get("releases")], "verify released a tenant without consent"
+
+
+async def test_an_engine_that_is_down_fails_its_stage_and_skips_what_needs_it(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box("default")
+    assert demo.box.ollama is not None
+    await demo.box.ollama.stop()
+    report = await verify(demo, http)
+    assert not report.passed
+    down = report.result("upstream ollama")
+    assert down is not None and down.status == "fail", report.text()
+    assert "not answering through the proxy" in down.detail and down.fix and down.impact
+    assert statuses(report)["ollama generation"] == "skip" and "not reachable" in stage(report, "ollama generation")
+    assert statuses(report)["comfyui graph"] == "pass"
+
+
+async def test_a_release_that_never_shows_on_the_card_fails_the_reclaim(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    # ComfyUI answers /free but its memory comes back only after 10 minutes; the proxy waits 0.5 s.
+    demo = await box(fast("default", comfyui={"free_delay_s": 600}, tenants={"comfyui": {"release_timeout_s": 0.5}}))
+    report = await verify(demo, http)
+    result = report.result("reclaim")
+    assert result is not None and result.status == "fail", report.text()
+    assert "never showed on the card" in result.detail and "release_timeout_s" in (result.fix or "")
+    assert not report.passed
+
+
+async def test_an_out_of_memory_is_staged_and_the_proxy_retry_is_confirmed(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box(fast("default", **OOM_BOX))
+    report = await verify(demo, http)
+    assert statuses(report)["out of memory"] == "pass", report.text()
+    detail = stage(report, "out of memory")
+    assert "ran out of memory" in detail and "released ollama" in detail and "succeeded" in detail
+    assert report.passed, report.text()
+
+
+async def test_an_out_of_memory_the_proxy_cannot_recover_fails_the_stage(box: DemoFactory, http: httpx.AsyncClient,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    demo = await box(fast("default", **OOM_BOX))
+    assert demo.box.comfyui is not None
+    comfy = demo.box.comfyui
+    first = comfy.fail_next_prompt_with_oom
+
+    async def fail_the_retry_too() -> None:  # every prompt after the staged one runs out of memory as well
+        while True:
+            await asyncio.sleep(0.005)
+            first()
+
+    original = Verify.stage_oom
+
+    async def staged(self: Verify) -> str:
+        task = asyncio.create_task(fail_the_retry_too())
+        try:
+            return await original(self)
+        finally:
+            task.cancel()
+
+    monkeypatch.setattr(Verify, "stage_oom", staged)
+    report = await verify(demo, http)
+    result = report.result("out of memory")
+    assert result is not None and result.status == "fail", report.text()
+    assert "failed too" in result.detail and "OutOfMemoryError" in result.detail, result.detail
+    assert "needs_vram_gb" in (result.fix or "") and result.impact
+
+
+async def test_a_model_larger_than_the_card_fails_the_generation_and_is_refused_with_507(
+        box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box(fast("default", ollama={"models": [{"name": "huge:70b", "size_gb": 40.0}]}))
+    report = await verify(demo, http)
+    gen = report.result("ollama generation")
+    assert gen is not None and gen.status == "fail" and "cannot be loaded on this card" in gen.detail, report.text()
+    assert "smaller model" in (gen.fix or "")
+    assert statuses(report)["507 too large"] == "pass"
+    assert "huge:70b (40.00 GiB)" in stage(report, "507 too large") and ": 507" in stage(report, "507 too large")
+    assert not report.passed
+
+
+async def test_the_cli_verifies_a_demo_box_as_a_subprocess(box: DemoFactory) -> None:
+    """What CI runs: the real command line, `hyperswap verify --yes --json`, against a demo."""
+    demo = await box("default")
+    assert demo.proxy is not None
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy.cli", "verify", "--admin", demo.proxy.url("admin"), "--yes", "--json",
+        "--stage-timeout", "60", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 300)
+    assert proc.returncode == 0, (out.decode(), err.decode())
+    body = json.loads(out)
+    assert body["status"] == "pass" and body["counts"]["fail"] == 0
+    assert {s["name"] for s in body["stages"] if s["status"] == "pass"} >= {"proxy", "ollama generation", "comfyui graph",
+                                                                              "reclaim", "507 too large"}
+    assert all({"name", "status", "seconds", "detail", "impact", "fix"} <= set(s) for s in body["stages"])
+
+
+async def test_the_cli_without_a_proxy_fails_with_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
+    from proxy.cli import main
+
+    rc = await asyncio.to_thread(main, ["verify", "--admin", "http://127.0.0.1:9", "--json"])
+    body = json.loads(capsys.readouterr().out)
+    assert rc == 1 and body["status"] == "fail"
+    assert [s["name"] for s in body["stages"]] == ["proxy"]
+    assert "hyperswap serve" in body["stages"][0]["fix"]
