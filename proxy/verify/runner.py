@@ -192,7 +192,8 @@ class Verify:
 
     # -- consent -----------------------------------------------------------------------------------
     async def _decide_consent(self) -> None:
-        held = [t for t in self.found.tenants.values() if t.reclaimable and (t.vram_bytes or 0) > 0]
+        held = [t for t in self.found.tenants.values() if t.reclaimable
+                and (t.vram_bytes or 0) > int(float(t.config.get("idle_vram_gb") or 0) * GIB)]
         ollama = next((t for t in self.found.tenants.values() if t.engine == GENERATES and t.url
                        and t.name not in self.found.unreachable), None)
         if ollama is not None:
@@ -203,11 +204,11 @@ class Verify:
         if self.options.yes:
             self.consent = True
             return
-        models = ", ".join(self.found.ollama_before or {}) or "none"
-        text = ("verify loads a small model and a small graph, then makes the proxy release idle tenants to prove "
-                "the handoff: " + (", ".join(f"{t.name} (holds {gib(t.vram_bytes)})" for t in held) or "nobody holds memory now")
-                + f". Ollama models loaded now ({models}) are loaded again at the end; ComfyUI loads its checkpoint "
-                "again on its next prompt. Busy tenants are never touched.")
+        models = ", ".join(self.found.ollama_before or {})
+        text = ("verify loads a small model and a small graph, then makes the proxy release idle tenants to prove the "
+                "handoff (" + (", ".join(f"{t.name} holds {gib(t.vram_bytes)}" for t in held) or "nobody holds memory now")
+                + ")." + (f" The Ollama models loaded now ({models}) are loaded again at the end." if models else "")
+                + " ComfyUI loads its checkpoint again on its next prompt. Busy tenants are never touched.")
         self.say(text)
         if self.options.interactive and self.ask is not None:
             self.consent = await asyncio.to_thread(self.ask, "Go ahead? [y/N] ")

@@ -138,8 +138,8 @@ async def test_a_model_larger_than_the_card_fails_the_generation_and_is_refused_
 
 
 async def test_the_cli_verifies_a_demo_box_as_a_subprocess(box: DemoFactory) -> None:
-    """What CI runs: the real command line, `hyperswap verify --yes --json`, against a demo."""
-    demo = await box("default")
+    """What CI runs: the real command line, `hyperswap verify --yes --json`, against a demo with its watchdog on."""
+    demo = await box("default", watchdog=True)
     assert demo.proxy is not None
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "proxy.cli", "verify", "--admin", demo.proxy.url("admin"), "--yes", "--json",
@@ -161,3 +161,16 @@ async def test_the_cli_without_a_proxy_fails_with_the_fix(capsys: pytest.Capture
     assert rc == 1 and body["status"] == "fail"
     assert [s["name"] for s in body["stages"]] == ["proxy"]
     assert "hyperswap serve" in body["stages"][0]["fix"]
+
+
+async def test_what_verify_unloads_is_loaded_again_and_what_it_loads_is_unloaded(box: DemoFactory,
+                                                                                 http: httpx.AsyncClient) -> None:
+    demo = await box(fast("default", **OOM_BOX))
+    assert demo.box.ollama is not None
+    # The user's model, loaded before verify; the out-of-memory stage has to unload it to stage the fill.
+    r = await http.post(demo.box.servers["ollama"].url + "/api/generate", json={"model": "llama3.2:3b"})
+    assert r.status_code == 200
+    report = await verify(demo, http)
+    assert statuses(report)["out of memory"] == "pass", report.text()
+    assert statuses(report)["restore"] == "pass" and "loaded again llama3.2:3b" in stage(report, "restore")
+    assert set(demo.box.ollama.loaded()) == {"llama3.2:3b"}, "filler:18b (verify's own load) should be gone"

@@ -186,3 +186,32 @@ def test_the_verdict_needs_a_stage_that_ran_and_no_failure() -> None:
     failed = Report("x", [StageResult("a", "pass", 0, "ok"), StageResult("b", "fail", 0, "bad", "breaks", "fix it")])
     assert not failed.passed and failed.to_json()["counts"] == {"pass": 1, "fail": 1, "skip": 0}
     assert "breaks: breaks" in failed.text() and "fix:    fix it" in failed.text()
+
+
+@pytest.mark.parametrize("answer", [True, False])
+async def test_at_a_terminal_verify_says_what_it_would_unload_and_asks(answer: bool) -> None:
+    box = FakeBox()
+    box.tenants = [tenant_view(vram=3 * GIB)]
+    said: list[str] = []
+    asked: list[str] = []
+
+    def ask(question: str) -> bool:
+        asked.append(question)
+        return answer
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(box.handler)) as http:
+        report = await Verify(Options(admin=ADMIN, interactive=True), http, ask=ask, say=said.append).run()
+    assert asked == ["Go ahead? [y/N] "]
+    assert "ollama holds 3.00 GiB" in said[0] and "never touched" in said[0]
+    reclaim = result(report, "reclaim").detail
+    if answer:
+        assert "no comfyui tenant" in reclaim  # past the consent check
+    else:
+        assert "needs consent (run with --yes)" in reclaim and said[-1].startswith("no consent")
+
+
+async def test_without_a_terminal_and_without_yes_nothing_is_asked_and_releasing_stages_skip() -> None:
+    asked: list[str] = []
+    async with httpx.AsyncClient(transport=httpx.MockTransport(FakeBox().handler)) as http:
+        report = await Verify(Options(admin=ADMIN), http, ask=lambda q: asked.append(q) or True).run()
+    assert asked == [] and "needs consent" in result(report, "out of memory").detail
