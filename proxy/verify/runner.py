@@ -448,14 +448,19 @@ class Verify:
             raise StageSkipped("the card's free memory is unknown (no GPU reader): an out-of-memory cannot be staged")
         return int(free)
 
-    async def _oom_retry(self, tenant: str, mark: int, prompt_id: str) -> dict[str, Any]:
-        """The proxy's decision about this OOM: it reads ComfyUI's history, then plans (bounded by the stage)."""
-        while True:
+    async def _oom_retry(self, tenant: str, mark: int, prompt_id: str, wait_s: float = 30.0) -> dict[str, Any]:
+        """The proxy's decision about this OOM: it reads ComfyUI's history first, then plans and re-queues."""
+        deadline = self.clock.now() + wait_s
+        while self.clock.now() < deadline:
             for d in await self._decisions_after(mark, tenant):
                 mine = d["outcome"].get("prompt_id") == prompt_id or prompt_id in str(d.get("trigger"))
                 if mine and d["outcome"].get("oom_retry"):  # set once the retry is decided
                     return d
             await self.clock.sleep(0.1)
+        raise StageFailed(f"{tenant} ran out of memory on prompt {prompt_id} and the proxy decided nothing within {wait_s:g} s",
+                          impact="a prompt that runs out of memory is not retried although idle tenants hold memory",
+                          fix=f"check that {tenant}'s websocket and /history reach the proxy (`hyperswap check`), "
+                              "then see the proxy's log")
 
     async def stage_too_large(self) -> str:
         total = self.found.device.get("total_bytes")

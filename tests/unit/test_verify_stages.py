@@ -215,3 +215,14 @@ async def test_without_a_terminal_and_without_yes_nothing_is_asked_and_releasing
     async with httpx.AsyncClient(transport=httpx.MockTransport(FakeBox().handler)) as http:
         report = await Verify(Options(admin=ADMIN), http, ask=lambda q: asked.append(q) or True).run()
     assert asked == [] and "needs consent" in result(report, "out of memory").detail
+
+
+async def test_an_oom_the_proxy_never_acts_on_fails_with_what_to_check() -> None:
+    from proxy.clock import FakeClock
+    from proxy.verify.report import StageFailed
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(FakeBox().handler)) as http:
+        verify = Verify(Options(admin=ADMIN), http, clock=FakeClock())
+        with pytest.raises(StageFailed) as caught:
+            await verify._oom_retry("comfyui", 0, "p-1")
+    assert "decided nothing within 30 s" in caught.value.detail and "hyperswap check" in caught.value.fix
