@@ -212,8 +212,13 @@ async def test_at_a_terminal_verify_says_what_it_would_unload_and_asks(answer: b
 
 async def test_without_a_terminal_and_without_yes_nothing_is_asked_and_releasing_stages_skip() -> None:
     asked: list[str] = []
+
+    def ask(question: str) -> bool:
+        asked.append(question)
+        return True
+
     async with httpx.AsyncClient(transport=httpx.MockTransport(FakeBox().handler)) as http:
-        report = await Verify(Options(admin=ADMIN), http, ask=lambda q: asked.append(q) or True).run()
+        report = await Verify(Options(admin=ADMIN), http, ask=ask).run()
     assert asked == [] and "needs consent" in result(report, "out of memory").detail
 
 
