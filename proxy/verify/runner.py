@@ -356,10 +356,16 @@ class Verify:
                               impact=impact, fix="see GET /api/decisions; report it with this output")
         reclaimable = holder.vram_bytes - int(float(holder.config.get("idle_vram_gb") or 0) * GIB)
         freed = holder.vram_bytes - after
-        if not releases[-1].get("confirmed") or freed < reclaimable / 2:
+        last = releases[-1]
+        if last.get("estimated") and not last.get("error"):
+            # No GPU reader: the engines' own reports say the handoff happened; the card cannot say so.
+            raise StageSkipped(f"{model.name} loaded after the proxy released {holder.name} ({gib(holder.vram_bytes)} -> "
+                               f"{gib(after)} by its own report), but without a GPU reader the card cannot confirm the "
+                               "release: fix the GPU reader (`hyperswap check`) to verify it")
+        if not last.get("confirmed") or freed < reclaimable / 2:
             raise StageFailed(
                 f"{holder.name}'s release never showed on the card: it held {gib(holder.vram_bytes)}, holds {gib(after)} "
-                f"now ({releases[-1].get('error') or 'not confirmed'})", impact=impact,
+                f"now ({last.get('error') or 'not confirmed'})", impact=impact,
                 fix=(f"see GET /api/tenants/{holder.name} and {holder.name}'s log: an engine that answers its release "
                      f"but keeps the memory needs a stronger release (release.free_memory), or give it longer "
                      f"(tenants.{holder.name}.release_timeout_s)"))
@@ -380,8 +386,25 @@ class Verify:
         await self._nobody_busy()
         declared_gb = (comfy_t.config.get("model_vram_gb") or {}).get(ckpt or "")
         declared = int(float(declared_gb) * GIB) if declared_gb is not None else comfy_t.needs_vram_bytes
+        # Before touching anything: the proxy makes `declared` less what ComfyUI holds free for a graph,
+        # and the graph loads `held` less the same floor, so a window exists only if held > declared.
+        if held <= declared:
+            raise StageSkipped(f"the proxy plans {gib(declared)} for a {comfy_t.name} graph, at least the {gib(held)} the "
+                               f"{ckpt} graph took: it cannot run out of memory through the proxy, so no out-of-memory "
+                               "can be provoked safely (the retry is covered by the tests on a simulated box)")
+        stats = await self.admin.stats()
+        await self._free_after(ollama_t, stats)  # skips now, before unloading anything, without a GPU reader
         client = self._ollama(ollama_t)
-        for name in await client.loaded():  # the window below is measured with Ollama empty
+        models = await self._generation_models(client)
+        floor_guess = min(held, int(float(comfy_t.config.get("idle_vram_gb") or 0) * GIB))
+        ollama_now = (await self.admin.tenant(ollama_t.name)).vram_bytes or 0
+        comfy_now = (await self.admin.tenant(comfy_t.name)).vram_bytes or 0
+        free_guess = int(stats["device"]["free_bytes"]) + ollama_now + max(0, comfy_now - floor_guess)
+        lo, hi = declared - floor_guess, held - floor_guess
+        if not [m for m in models if lo <= free_guess - m.size < hi]:
+            raise StageSkipped(f"no installed {ollama_t.name} model leaves free memory between {gib(lo)} and {gib(hi)} "
+                               f"(about {gib(free_guess)} free with both emptied): an out-of-memory cannot be staged safely")
+        for name in await client.loaded():  # the window is measured with Ollama empty
             await client.unload(name)
         await self._wait_empty(ollama_t.name)
         try:
@@ -392,17 +415,11 @@ class Verify:
                          f"see GET /api/tenants/{comfy_t.name}") from None
         self.found.released_comfy = True
         floor = (await self.admin.tenant(comfy_t.name)).vram_bytes or 0
-        weights = held - floor
-        planned = declared - floor  # what the proxy makes free for a graph: its need less what the tenant holds
-        if weights <= planned:
-            raise StageSkipped(f"the proxy makes {gib(planned)} free for a {comfy_t.name} graph, more than the "
-                               f"{gib(weights)} the {ckpt} graph loads: this graph cannot run out of memory through the "
-                               "proxy, so no out-of-memory can be provoked safely (the retry is covered by the tests)")
         free = await self._free_after(ollama_t)
         # Free memory between what the proxy plans for and what the graph really loads: the proxy sees
         # room, the engine runs out, and only ComfyUI's own allocation fails (it unloads and reports).
-        lo, hi = planned, weights
-        fits = [m for m in await self._generation_models(client) if lo <= free - m.size < hi]
+        lo, hi = declared - floor, held - floor
+        fits = [m for m in models if lo <= free - m.size < hi]
         if not fits:
             raise StageSkipped(f"no installed {ollama_t.name} model leaves free memory between {gib(lo)} and {gib(hi)} "
                                f"({gib(free)} free now): an out-of-memory cannot be staged safely")
@@ -442,10 +459,12 @@ class Verify:
         while (await self.admin.tenant(tenant)).vram_bytes:
             await self.clock.sleep(0.1)
 
-    async def _free_after(self, tenant: TenantInfo) -> int:
-        free = (await self.admin.stats()).get("device", {}).get("free_bytes")
-        if free is None:
-            raise StageSkipped("the card's free memory is unknown (no GPU reader): an out-of-memory cannot be staged")
+    async def _free_after(self, tenant: TenantInfo, stats: Mapping[str, Any] | None = None) -> int:
+        device = (stats if stats is not None else await self.admin.stats()).get("device") or {}
+        free = device.get("free_bytes")
+        if free is None or device.get("source") == "engine-estimate":
+            raise StageSkipped("without a GPU reader the card's free memory is unknown or an estimate: an "
+                               "out-of-memory is not staged on a guess")
         return int(free)
 
     async def _oom_retry(self, tenant: str, mark: int, prompt_id: str, wait_s: float = 30.0) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import pytest
 from boxes import DemoFactory, fast
 
 from proxy.demo import Demo
+from proxy.gpu.snapshot import GpuReadError
 from proxy.verify import Options, Report, Verify
 
 # A box where an out-of-memory can be staged safely: the proxy plans 4 GiB for a ComfyUI graph whose
@@ -48,8 +49,10 @@ async def test_verify_passes_on_the_demo_box_and_proves_a_reclaim(box: DemoFacto
     assert "the proxy released comfyui" in stage(report, "reclaim") and "on the GPU" in stage(report, "reclaim")
     # The demo's ComfyUI need (10 GiB) covers every graph it has: no OOM can be staged, and it says why.
     assert s["out of memory"] == "skip" and "between" in stage(report, "out of memory")
-    # What verify loaded is gone again; nothing of Ollama's stays on the card.
-    assert demo.box.ollama is not None and not demo.box.ollama.loaded()
+    # What verify loaded is unloaded again: nothing of Ollama's stays on the card.
+    assert "unloaded what verify loaded (gemma3:27b, llama3.2:3b)" in stage(report, "restore")
+    assert demo.box.ollama is not None
+    await demo.box.ollama.wait_until(lambda: not demo.box.ollama.loaded(), timeout_s=10)  # type: ignore[union-attr]
 
 
 async def test_without_consent_nothing_is_released(box: DemoFactory, http: httpx.AsyncClient) -> None:
@@ -174,3 +177,14 @@ async def test_what_verify_unloads_is_loaded_again_and_what_it_loads_is_unloaded
     assert statuses(report)["out of memory"] == "pass", report.text()
     assert statuses(report)["restore"] == "pass" and "loaded again llama3.2:3b" in stage(report, "restore")
     assert set(demo.box.ollama.loaded()) == {"llama3.2:3b"}, "filler:18b (verify's own load) should be gone"
+
+
+async def test_without_a_gpu_reader_nothing_is_claimed_that_the_card_did_not_confirm(box: DemoFactory,
+                                                                                   http: httpx.AsyncClient) -> None:
+    demo = await box("default")
+    demo.box.gpu.fail_with = GpuReadError("driver_mismatch", "Driver/library version mismatch", "reboot")
+    report = await verify(demo, http)
+    s = statuses(report)
+    assert s["reclaim"] == "skip" and "cannot confirm the release" in stage(report, "reclaim"), report.text()
+    assert s["out of memory"] == "skip" and "not staged on a guess" in stage(report, "out of memory")
+    assert "Driver/library version mismatch" in stage(report, "proxy")
