@@ -293,7 +293,8 @@ class Verify:
         except Unexpected as exc:
             raise _fails(exc, f"{whose} graph was refused", f"{t.name} prompts through the proxy fail",
                          "check the graph in ComfyUI's own UI (missing models or nodes show there)") from None
-        self.found.graph, self.found.graph_ckpt = graph, ckpt
+        if run.ok:  # later stages run this graph again
+            self.found.graph, self.found.graph_ckpt = graph, ckpt
         return run, ckpt, whose
 
     async def stage_graph(self) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -14,7 +15,7 @@ from boxes import DemoFactory, fast
 
 from proxy.demo import Demo
 from proxy.gpu.snapshot import GpuReadError
-from proxy.verify import Options, Report, Verify
+from proxy.verify import Options, Report, Verify, load_graph
 
 # A box where an out-of-memory can be staged safely: the proxy plans 4 GiB for a ComfyUI graph whose
 # checkpoint takes 6.5, and an 18 GiB model leaves 5.15 GiB free, between the two.
@@ -188,3 +189,12 @@ async def test_without_a_gpu_reader_nothing_is_claimed_that_the_card_did_not_con
     assert s["reclaim"] == "skip" and "cannot confirm the release" in stage(report, "reclaim"), report.text()
     assert s["out of memory"] == "skip" and "not staged on a guess" in stage(report, "out of memory")
     assert "Driver/library version mismatch" in stage(report, "proxy")
+
+
+async def test_the_users_own_graph_is_what_runs(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box("default")
+    assert demo.proxy is not None
+    graph = load_graph(str(Path(__file__).resolve().parents[2] / "examples" / "comfy_prompt.json"))
+    report = await Verify(Options(admin=demo.proxy.url("admin"), yes=False, comfy_graph=graph, stage_timeout_s=60), http).run()
+    assert statuses(report)["comfyui graph"] == "pass", report.text()
+    assert stage(report, "comfyui graph").startswith("your graph (sd_xl_base_1.0.safetensors) ran through")

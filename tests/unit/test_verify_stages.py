@@ -231,3 +231,29 @@ async def test_an_oom_the_proxy_never_acts_on_fails_with_what_to_check() -> None
         with pytest.raises(StageFailed) as caught:
             await verify._oom_retry("comfyui", 0, "p-1")
     assert "decided nothing within 30 s" in caught.value.detail and "hyperswap check" in caught.value.fix
+
+
+async def test_a_graph_that_fails_is_not_run_again_by_the_reclaim() -> None:
+    from proxy.verify.clients import GraphRun
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(FakeBox().handler)) as http:
+        verify = Verify(Options(admin=ADMIN, yes=True), http)
+        failed = GraphRun("p-1", False, "torch.OutOfMemoryError", "Allocation on device", "websocket")
+
+        async def graph(t: Any) -> tuple[dict[str, Any], str, str]:
+            return {"1": {"class_type": "X", "inputs": {}}}, "x.safetensors", "your"
+
+        class Comfy:
+            async def run(self, g: Any) -> GraphRun:
+                return failed
+
+        verify._graph = graph  # type: ignore[method-assign]
+        verify._comfy = lambda t: Comfy()  # type: ignore[assignment,method-assign,return-value]
+        run, _, _ = await verify._run_graph(tenant_info())
+    assert run is failed and verify.found.graph is None
+
+
+def tenant_info() -> Any:
+    from proxy.verify.clients import TenantInfo
+
+    return TenantInfo.from_json(tenant_view("comfyui"))
