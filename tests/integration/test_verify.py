@@ -17,6 +17,8 @@ from proxy.demo import Demo
 from proxy.gpu.snapshot import GpuReadError
 from proxy.verify import Options, Report, Verify, load_graph
 
+EXAMPLE_GRAPH = Path(__file__).resolve().parents[2] / "examples" / "comfy_prompt.json"
+
 # A box where an out-of-memory can be staged safely: the proxy plans 4 GiB for a ComfyUI graph whose
 # checkpoint takes 6.5, and an 18 GiB model leaves 5.15 GiB free, between the two.
 OOM_BOX = dict(comfyui={"checkpoints": {"sd_xl_base_1.0.safetensors": 6.5}},
@@ -194,7 +196,7 @@ async def test_without_a_gpu_reader_nothing_is_claimed_that_the_card_did_not_con
 async def test_the_users_own_graph_is_what_runs(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("default")
     assert demo.proxy is not None
-    graph = load_graph(str(Path(__file__).resolve().parents[2] / "examples" / "comfy_prompt.json"))
+    graph = load_graph(str(EXAMPLE_GRAPH))
     report = await Verify(Options(admin=demo.proxy.url("admin"), yes=False, comfy_graph=graph, stage_timeout_s=60), http).run()
     assert statuses(report)["comfyui graph"] == "pass", report.text()
     assert stage(report, "comfyui graph").startswith("your graph (sd_xl_base_1.0.safetensors) ran through")
