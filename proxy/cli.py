@@ -108,10 +108,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from proxy.admin.health import _admin_url
-    from proxy.verify import verify_main
+    from proxy.verify import admin_url, verify_main
 
-    return verify_main(_admin_url(args.config, args.admin), yes=args.yes, as_json=args.json, comfy_graph=args.comfy_graph,
+    return verify_main(admin_url(args.config, args.admin), yes=args.yes, as_json=args.json, comfy_graph=args.comfy_graph,
                        checkpoint=args.comfy_checkpoint, stage_timeout_s=args.stage_timeout)
 
 
@@ -134,7 +133,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         r = httpx.get(f"{url}/api/plan", params=params, timeout=10, trust_env=False)
     except httpx.HTTPError as exc:
-        raise HyperSwapError(f"no proxy answering at {url}: {exc}", fix="start it with `hyperswap serve` (or `hyperswap demo`)") from None
+        raise HyperSwapError(f"no proxy answering at {url}: {exc}",
+                             fix="start it with `hyperswap serve` (or `hyperswap demo`)") from None
     body = r.json()
     if r.status_code != 200:
         raise HyperSwapError(body.get("error", r.text), fix=body.get("fix"))
@@ -181,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--json", action="store_true", help="machine-readable report")
     verify.add_argument("--comfy-graph", metavar="FILE", help="your ComfyUI graph in API format (default: a minimal "
                         "graph built from the installed nodes)")
-    verify.add_argument("--comfy-checkpoint", metavar="NAME", help="the checkpoint of the minimal graph (default: the first listed)")
+    verify.add_argument("--comfy-checkpoint", metavar="NAME",
+                        help="the checkpoint of the minimal graph (default: the first listed)")
     verify.add_argument("--stage-timeout", type=float, default=180.0, metavar="SECONDS", help="the most one stage may take")
     plan = add("plan", "print a dry-run release plan from a running proxy", cmd_plan)
     plan.add_argument("--tenant", help="the tenant that needs memory")

@@ -257,3 +257,14 @@ def tenant_info() -> Any:
     from proxy.verify.clients import TenantInfo
 
     return TenantInfo.from_json(tenant_view("comfyui"))
+
+
+def test_the_admin_url_comes_from_the_flag_or_the_configuration(tmp_path: Path) -> None:
+    from proxy.verify import admin_url
+
+    assert admin_url(None, "127.0.0.1:9000") == "http://127.0.0.1:9000"
+    assert admin_url(None, "http://h:1/") == "http://h:1"
+    config = tmp_path / "tenants.json"
+    config.write_text(json.dumps({"admin": {"listen": "0.0.0.0:11999", "token_env": "X"}}))
+    assert admin_url(str(config), None) == "http://127.0.0.1:11999"
+    assert admin_url(None, None) == "http://127.0.0.1:11400"  # the shipped default
