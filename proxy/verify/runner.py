@@ -69,6 +69,14 @@ class _Found:
     graph_held: int | None = None  # what the render tenant held right after the graph
 
 
+class _NoCandidate(Exception):
+    """This direction of the reclaim cannot be staged with what is installed; the reason says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 def _fails(exc: Unexpected, what: str, impact: str, fix: str) -> StageFailed:
     return StageFailed(f"{what}: {exc}", impact=impact, fix=exc.fix() or fix)
 
@@ -313,23 +321,28 @@ class Verify:
                 f"{t.name} holds {gib(held)} after it")
 
     async def stage_reclaim(self) -> str:
+        """One tenant needs memory another holds idle: ComfyUI holds a checkpoint and an Ollama model
+        needs it, else (no model that large) Ollama holds a model and the ComfyUI graph needs it."""
         self._need_consent("reclaim")
-        holder_t, needer_t = self._tenant(RENDERS), self._tenant(GENERATES)
+        comfy_t, ollama_t = self._tenant(RENDERS), self._tenant(GENERATES)
         if self.found.graph is None:
-            raise StageSkipped(f"the {holder_t.name} graph did not run, so {holder_t.name} holds nothing to reclaim")
+            raise StageSkipped(f"the {comfy_t.name} graph did not run, so the handoff cannot be staged")
         await self._nobody_busy()
+        try:
+            return await self._reclaim_for_generation(comfy_t, ollama_t)
+        except _NoCandidate as first:
+            try:
+                return await self._reclaim_for_graph(comfy_t, ollama_t)
+            except _NoCandidate as second:
+                raise StageSkipped(f"{first.reason}; and {second.reason}") from None
+
+    async def _reclaim_for_generation(self, holder_t: TenantInfo, needer_t: TenantInfo) -> str:
         # A fresh graph right before: the holder's idle timer starts again and cannot free it mid-stage.
         run, _, _ = await self._run_graph(holder_t)
         if not run.ok:
             raise StageFailed(f"the graph before the reclaim failed: {run.error_type}: {run.error}",
                               impact=f"{holder_t.name} prompts through the proxy fail", fix=f"see {holder_t.name}'s log")
-        holder = await self.admin.tenant(holder_t.name)
-        if holder.vram_bytes is None:
-            raise StageSkipped(f"what {holder.name} holds cannot be seen (no GPU reader): a release cannot be confirmed")
-        if holder.idle_release_in_s is not None and holder.idle_release_in_s < self.options.stage_timeout_s:
-            raise StageSkipped(f"{holder.name}'s idle timer frees it in {holder.idle_release_in_s:g} s, within this "
-                               "stage's time: its release could not be told from the timer's (raise "
-                               f"tenants.{holder.name}.idle_release_after_s above {self.options.stage_timeout_s:g} s)")
+        holder = await self._holder(holder_t.name)
         client = self._ollama(needer_t)
         chosen: tuple[OllamaModel, dict[str, Any]] | None = None
         for model in await self._generation_models(client):
@@ -338,8 +351,8 @@ class Verify:
                 chosen = (model, plan)
                 break
         if chosen is None:
-            raise StageSkipped(f"no installed {needer_t.name} model needs the {gib(holder.vram_bytes)} {holder.name} "
-                               "holds: each fits beside it, or not on this card at all")
+            raise _NoCandidate(f"no installed {needer_t.name} model needs the {gib(holder.vram_bytes)} {holder.name} "
+                               "holds (each fits beside it, or not on this card at all)")
         model, plan = chosen
         self.say(f"reclaim: loading {model.name} makes the proxy release {holder.name} ({gib(holder.vram_bytes)})")
         mark = await self._last_decision_id()
@@ -347,20 +360,83 @@ class Verify:
         await self._generate(needer_t, client, model)
         took = self.clock.now() - started
         self.found.released_comfy = True
+        after, release = await self._confirm_release(needer_t.name, holder, mark, model.name)
+        on_gpu = (await client.loaded()).get(model.name, 0)
+        if on_gpu <= 0:
+            raise StageFailed(f"{model.name} is not on the GPU after {holder.name}'s release",
+                              impact=f"{model.name} runs from the CPU or not at all",
+                              fix=f"see GET /api/decisions and {needer_t.name}'s log")
+        return (f"{model.name} needed {gib(plan['need_bytes'])}: the proxy released {holder.name} "
+                f"({gib(holder.vram_bytes)} -> {gib(after)} on the card, {release.get('duration_s')} s) and "
+                f"{model.name} loaded ({gib(on_gpu)} on the GPU) in {took:.2f} s")
+
+    async def _reclaim_for_graph(self, needer_t: TenantInfo, holder_t: TenantInfo) -> str:
+        try:  # ComfyUI down to its floor, so its graph has to load again and needs the card
+            await self.admin.release(needer_t.name)
+        except Unexpected as exc:
+            raise _fails(exc, f"{needer_t.name} could not be released to stage the handoff",
+                         f"loads that need {needer_t.name}'s idle memory wait for its release, then fail",
+                         f"see GET /api/tenants/{needer_t.name}") from None
+        self.found.released_comfy = True
+        client = self._ollama(holder_t)
+        # The largest model that loads without anyone released (its own eviction aside)...
+        model = None
+        for m in sorted(await self._generation_models(client), key=lambda m: -m.size):
+            plan = await self.admin.plan(holder_t.name, m.size + holder_t.context_allowance_bytes)
+            if plan.get("feasible") and not plan.get("releases"):
+                model = m
+                break
+        if model is None:
+            raise _NoCandidate(f"no installed {holder_t.name} model loads beside {needer_t.name} without a release")
+        # ...loaded right before, so Ollama's own keep-alive timer is fresh and cannot free it mid-stage.
+        await self._generate(holder_t, client, model)
+        graph_plan = await self.admin.plan(needer_t.name)
+        if holder_t.name not in [r["tenant"] for r in graph_plan.get("releases") or []]:
+            raise _NoCandidate(f"with {model.name} on the card a {needer_t.name} graph still fits "
+                               f"({graph_plan.get('explanation')})")
+        holder = await self._holder(holder_t.name)
+        self.say(f"reclaim: the {needer_t.name} graph makes the proxy release {holder.name} ({gib(holder.vram_bytes)})")
+        mark = await self._last_decision_id()
+        started = self.clock.now()
+        run, ckpt, _ = await self._run_graph(needer_t)
+        took = self.clock.now() - started
+        if not run.ok:
+            raise StageFailed(f"the graph after {holder.name}'s release failed: {run.error_type}: {run.error}",
+                              impact=f"{needer_t.name} prompts fail although the proxy made room",
+                              fix=f"raise tenants.{needer_t.name}.needs_vram_gb to what its graphs take")
+        after, release = await self._confirm_release(needer_t.name, holder, mark, f"the {ckpt} graph")
+        now = (await self.admin.tenant(needer_t.name)).vram_bytes
+        return (f"a {needer_t.name} graph needed {gib(graph_plan['need_bytes'])} while {model.name} held the card: the "
+                f"proxy released {holder.name} ({gib(holder.vram_bytes)} -> {gib(after)} on the card, "
+                f"{release.get('duration_s')} s) and the {ckpt} graph ran ({needer_t.name} holds {gib(now)}) in {took:.2f} s")
+
+    async def _holder(self, name: str) -> TenantInfo:
+        holder = await self.admin.tenant(name)
+        if holder.vram_bytes is None:
+            raise StageSkipped(f"what {name} holds cannot be seen (no GPU reader): a release cannot be confirmed")
+        if holder.idle_release_in_s is not None and holder.idle_release_in_s < self.options.stage_timeout_s:
+            raise StageSkipped(f"{name}'s idle timer frees it in {holder.idle_release_in_s:g} s, within this "
+                               "stage's time: its release could not be told from the timer's (raise "
+                               f"tenants.{name}.idle_release_after_s above {self.options.stage_timeout_s:g} s)")
+        return holder
+
+    async def _confirm_release(self, requester: str, holder: TenantInfo, mark: int, what: str) -> tuple[int, dict[str, Any]]:
+        """The proxy's plan for the load released the holder, and the card shows its memory back."""
+        assert holder.vram_bytes is not None
         after = (await self.admin.tenant(holder.name)).vram_bytes or 0
-        releases = [r for d in await self._decisions_after(mark, needer_t.name) if d["kind"] == "plan"
+        releases = [r for d in await self._decisions_after(mark, requester) if d["kind"] == "plan"
                     for r in d["outcome"].get("releases") or [] if r.get("tenant") == holder.name]
         impact = (f"loads that need {holder.name}'s idle memory wait for the release timeout, then spill to the CPU "
                   "or run out of memory")
         if not releases:
-            raise StageFailed(f"{model.name} loaded but the proxy's decisions show no release of {holder.name}",
+            raise StageFailed(f"{what} loaded but the proxy's decisions show no release of {holder.name}",
                               impact=impact, fix="see GET /api/decisions; report it with this output")
         reclaimable = holder.vram_bytes - int(float(holder.config.get("idle_vram_gb") or 0) * GIB)
         freed = holder.vram_bytes - after
         last = releases[-1]
         if last.get("estimated") and not last.get("error"):
             # No GPU reader: the engines' own reports say the handoff happened; the card cannot say so.
-            raise StageSkipped(f"{model.name} loaded after the proxy released {holder.name} ({gib(holder.vram_bytes)} -> "
+            raise StageSkipped(f"{what} loaded after the proxy released {holder.name} ({gib(holder.vram_bytes)} -> "
                                f"{gib(after)} by its own report), but without a GPU reader the card cannot confirm the "
                                "release: fix the GPU reader (`hyperswap check`) to verify it")
         if not last.get("confirmed") or freed < reclaimable / 2:
@@ -370,13 +446,7 @@ class Verify:
                 fix=(f"see GET /api/tenants/{holder.name} and {holder.name}'s log: an engine that answers its release "
                      f"but keeps the memory needs a stronger release (release.free_memory), or give it longer "
                      f"(tenants.{holder.name}.release_timeout_s)"))
-        on_gpu = (await client.loaded()).get(model.name, 0)
-        if on_gpu <= 0:
-            raise StageFailed(f"{model.name} is not on the GPU after {holder.name}'s release", impact=impact,
-                              fix=f"see GET /api/decisions and {needer_t.name}'s log")
-        return (f"{model.name} needed {gib(plan['need_bytes'])}: the proxy released {holder.name} "
-                f"({gib(holder.vram_bytes)} -> {gib(after)} on the card, {releases[-1].get('duration_s')} s) and "
-                f"{model.name} loaded ({gib(on_gpu)} on the GPU) in {took:.2f} s")
+        return after, last
 
     async def stage_oom(self) -> str:
         self._need_consent("out of memory")

@@ -200,3 +200,15 @@ async def test_the_users_own_graph_is_what_runs(box: DemoFactory, http: httpx.As
     report = await Verify(Options(admin=demo.proxy.url("admin"), yes=False, comfy_graph=graph, stage_timeout_s=60), http).run()
     assert statuses(report)["comfyui graph"] == "pass", report.text()
     assert stage(report, "comfyui graph").startswith("your graph (sd_xl_base_1.0.safetensors) ran through")
+
+
+async def test_when_no_model_needs_comfyuis_memory_the_reclaim_runs_the_other_way(box: DemoFactory,
+                                                                                  http: httpx.AsyncClient) -> None:
+    # third-app: every Ollama model fits beside ComfyUI's checkpoint, but the largest leaves a graph too little.
+    demo = await box("third-app")
+    report = await verify(demo, http)
+    assert statuses(report)["reclaim"] == "pass", report.text()
+    detail = stage(report, "reclaim")
+    assert "a comfyui graph needed 10.00 GiB while qwen2.5:14b held the card" in detail
+    assert "the proxy released ollama" in detail and "graph ran" in detail
+    assert report.passed, report.text()
