@@ -302,7 +302,7 @@ class ComfyClient:
             if m.get("type") == "execution_error":
                 error_type = str(data.get("exception_type"))
                 message = str(data.get("exception_message") or error_type).strip()
-                error = message.splitlines()[0] if message else error_type
+                error = message.splitlines()[0].strip() if message else error_type
             if m.get("type") == "execution_interrupted":
                 error_type, error = "interrupted", "the prompt was interrupted"
             if m.get("type") == "executing" and data.get("node") is None:
@@ -318,7 +318,7 @@ class ComfyClient:
                 for kind, data in status.get("messages") or []:
                     if kind == "execution_error" and isinstance(data, dict):
                         error_type = str(data.get("exception_type"))
-                        error = str(data.get("exception_message") or error_type).strip().splitlines()[0]
+                        error = str(data.get("exception_message") or error_type).strip().splitlines()[0].strip()
                 ok = status.get("status_str") == "success"
                 return GraphRun(pid, ok, None if ok else error_type or "error", None if ok else error, "history")
             await self.clock.sleep(0.1)

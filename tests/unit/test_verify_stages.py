@@ -268,3 +268,32 @@ def test_the_admin_url_comes_from_the_flag_or_the_configuration(tmp_path: Path) 
     config.write_text(json.dumps({"admin": {"listen": "0.0.0.0:11999", "token_env": "X"}}))
     assert admin_url(str(config), None) == "http://127.0.0.1:11999"
     assert admin_url(None, None) == "http://127.0.0.1:11400"  # the shipped default
+
+
+async def test_without_a_websocket_the_graph_is_followed_through_history() -> None:
+    from contextlib import AbstractAsyncContextManager
+
+    from proxy.clock import FakeClock
+    from proxy.verify.clients import ComfyClient, WsConnection
+
+    polls = {"n": 0}
+
+    def comfy(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/prompt":
+            assert json.loads(request.content)["client_id"].startswith("hyperswap-verify-")
+            return httpx.Response(200, json={"prompt_id": "p-1", "number": 0, "node_errors": {}})
+        polls["n"] += 1
+        if polls["n"] < 3:  # not finished yet: ComfyUI answers {} for a prompt not in its history
+            return httpx.Response(200, json={})
+        oom = {"prompt_id": "p-1", "exception_type": "torch.OutOfMemoryError",
+               "exception_message": "Allocation on device \nThis error means"}
+        return httpx.Response(200, json={"p-1": {"status": {"status_str": "error", "completed": False,
+                                                            "messages": [["execution_error", oom]]}}})
+
+    def no_ws(url: str) -> AbstractAsyncContextManager[WsConnection]:
+        raise OSError("websocket refused")
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(comfy)) as http:
+        run = await ComfyClient("http://comfy.test", http, no_ws, FakeClock()).run({"1": {"class_type": "X", "inputs": {}}})
+    assert (run.ok, run.followed, run.error_type) == (False, "history", "torch.OutOfMemoryError")
+    assert run.error == "Allocation on device" and polls["n"] == 3
