@@ -15,7 +15,7 @@ from boxes import DemoFactory, fast
 
 from proxy.demo import Demo
 from proxy.gpu.snapshot import GpuReadError
-from proxy.verify import Options, Report, Verify, load_graph
+from proxy.verify import Options, Report, Verify, load_graph, runner, stages
 
 EXAMPLE_GRAPH = Path(__file__).resolve().parents[2] / "examples" / "comfy_prompt.json"
 
@@ -114,16 +114,14 @@ async def test_an_out_of_memory_the_proxy_cannot_recover_fails_the_stage(box: De
             await asyncio.sleep(0.005)
             first()
 
-    original = Verify.stage_oom
-
-    async def staged(self: Verify) -> str:
+    async def staged(v: Verify) -> str:
         task = asyncio.create_task(fail_the_retry_too())
         try:
-            return await original(self)
+            return await stages.check_out_of_memory(v)
         finally:
             task.cancel()
 
-    monkeypatch.setattr(Verify, "stage_oom", staged)
+    monkeypatch.setattr(runner, "STAGES", tuple((n, staged if n == "out of memory" else f) for n, f in runner.STAGES))
     report = await verify(demo, http)
     result = report.result("out of memory")
     assert result is not None and result.status == "fail", report.text()

@@ -13,7 +13,7 @@ import pytest
 
 from proxy.errors import HyperSwapError
 from proxy.tenants import GIB
-from proxy.verify import Options, Report, Verify, load_graph
+from proxy.verify import Options, Report, Verify, load_graph, stages
 from proxy.verify.clients import minimal_graph
 from proxy.verify.report import StageResult, StageSkipped
 
@@ -129,7 +129,7 @@ async def test_a_busy_tenant_is_never_disturbed() -> None:
     box.tenants = [tenant_view(busy=True)]
     async with httpx.AsyncClient(transport=httpx.MockTransport(box.handler)) as http:
         with pytest.raises(StageSkipped) as caught:
-            await Verify(Options(admin=ADMIN, yes=True), http)._nobody_busy()
+            await Verify(Options(admin=ADMIN, yes=True), http).nobody_busy()
     assert "ollama (1 request in flight) busy" in caught.value.reason
     assert "never disturbs running work" in caught.value.reason
 
@@ -229,7 +229,7 @@ async def test_an_oom_the_proxy_never_acts_on_fails_with_what_to_check() -> None
     async with httpx.AsyncClient(transport=httpx.MockTransport(FakeBox().handler)) as http:
         verify = Verify(Options(admin=ADMIN), http, clock=FakeClock())
         with pytest.raises(StageFailed) as caught:
-            await verify._oom_retry("comfyui", 0, "p-1")
+            await stages._oom_retry(verify, "comfyui", 0, "p-1")
     assert "decided nothing within 30 s" in caught.value.detail and "hyperswap check" in caught.value.fix
 
 
@@ -247,9 +247,9 @@ async def test_a_graph_that_fails_is_not_run_again_by_the_reclaim() -> None:
             async def run(self, g: Any) -> GraphRun:
                 return failed
 
-        verify._graph = graph  # type: ignore[method-assign]
-        verify._comfy = lambda t: Comfy()  # type: ignore[assignment,method-assign,return-value]
-        run, _, _ = await verify._run_graph(tenant_info())
+        verify.graph_for = graph  # type: ignore[method-assign]
+        verify.comfy = lambda t: Comfy()  # type: ignore[assignment,method-assign,return-value]
+        run, _, _ = await verify.run_graph(tenant_info())
     assert run is failed and verify.found.graph is None
 
 
