@@ -35,6 +35,7 @@ def fails(exc: Unexpected, what: str, impact: str, fix: str) -> StageFailed:
 
 
 async def check_proxy(v: Verify) -> str:
+    """The admin API answers: the tenants and the card as the proxy sees them."""
     try:
         tenants = await v.admin.tenants()
         stats = await v.admin.stats()
@@ -51,6 +52,7 @@ async def check_proxy(v: Verify) -> str:
 
 
 async def check_upstream(v: Verify, t: TenantInfo) -> str:
+    """The engine answers through its drop-in port (a 502 from the proxy: the engine is down)."""
     assert t.url
     path = PROBE_PATHS.get(t.engine, "/")
     impact = f"clients of {t.name} at {t.url} get errors, and the proxy cannot ask {t.name} for memory back"
@@ -70,6 +72,7 @@ async def check_upstream(v: Verify, t: TenantInfo) -> str:
 
 
 async def check_generation(v: Verify) -> str:
+    """A few tokens from the smallest installed model that can generate, through the proxy."""
     t = v.tenant_of(GENERATES)
     client = v.ollama(t)
     model = (await v.generation_models(client))[0]
@@ -82,6 +85,7 @@ async def check_generation(v: Verify) -> str:
 
 
 async def check_graph(v: Verify) -> str:
+    """The user's graph, or a minimal one, through the proxy to its end marker; what it leaves held."""
     t = v.tenant_of(RENDERS)
     await v.plan_allows(t, None, f"a {t.name} graph")
     run, ckpt, whose = await v.run_graph(t)
@@ -231,6 +235,8 @@ async def _confirm_release(v: Verify, requester: str, holder: TenantInfo, mark: 
 
 
 async def check_out_of_memory(v: Verify) -> str:
+    """Staged only where safe: free memory between what the proxy plans for a graph and what its
+    checkpoint really takes, so only ComfyUI's own allocation fails; the proxy must retry it."""
     v.need_consent("out of memory")
     comfy_t, ollama_t = v.tenant_of(RENDERS), v.tenant_of(GENERATES)
     ckpt, held = v.found.graph_ckpt, v.found.graph_held
@@ -324,6 +330,7 @@ async def _oom_retry(v: Verify, tenant: str, mark: int, prompt_id: str, wait_s: 
 
 
 async def check_too_large(v: Verify) -> str:
+    """More than the card is refused: a dry-run plan, and a real 507 for an installed model that large."""
     total = v.found.device.get("total_bytes")
     t = next((t for t in v.found.tenants.values() if t.url and t.name not in v.found.unreachable), None)
     if t is None:
@@ -353,6 +360,7 @@ async def check_too_large(v: Verify) -> str:
 
 
 async def restore(v: Verify) -> str:
+    """Ollama models verify unloaded are loaded again; those it loaded itself are unloaded."""
     notes: list[str] = []
     ollama = next((t for t in v.found.tenants.values() if t.engine == GENERATES and t.url
                    and t.name not in v.found.unreachable), None)
