@@ -210,3 +210,14 @@ async def test_when_no_model_needs_comfyuis_memory_the_reclaim_runs_the_other_wa
     assert "a comfyui graph needed 10.00 GiB while qwen2.5:14b held the card" in detail
     assert "the proxy released ollama" in detail and "graph ran" in detail
     assert report.passed, report.text()
+
+
+async def test_a_holder_whose_idle_timer_would_fire_mid_stage_is_not_used_for_the_reclaim(
+        box: DemoFactory, http: httpx.AsyncClient) -> None:
+    # ComfyUI's idle release fires 20 s after its last prompt: within the stage's 60 s, so a release
+    # seen during the stage could be the timer's, not the handoff's.
+    demo = await box(fast("default", tenants={"comfyui": {"idle_release_after_s": 20}}), watchdog=True)
+    report = await verify(demo, http)
+    result = report.result("reclaim")
+    assert result is not None and result.status == "skip", report.text()
+    assert "idle timer frees it in" in result.detail and "idle_release_after_s above 60 s" in result.detail
