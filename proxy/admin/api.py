@@ -7,7 +7,7 @@ When a token is configured every mutating call needs `Authorization: Bearer <tok
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from starlette.applications import Starlette
@@ -54,10 +54,14 @@ def release_answer(tenant: Tenant, result: ReleaseResult) -> JSONResponse:
 
 
 class AdminApi:
-    def __init__(self, arb: Arbitration, watchdog: Watchdog, token: str | None = None) -> None:
+    def __init__(self, arb: Arbitration, watchdog: Watchdog, token: str | None = None,
+                 listeners: Mapping[str, str] | None = None) -> None:
         self.arb = arb
         self.watchdog = watchdog
         self.token = token
+        # Where each tenant's listener really answers (a port of 0 in tenants.json is read back):
+        # `hyperswap verify` reaches the engines through these.
+        self.listeners = dict(listeners or {})
 
     # -- helpers ----------------------------------------------------------------------------
     def _guard(self, handler: Handler) -> Handler:
@@ -85,7 +89,8 @@ class AdminApi:
     async def tenant_view(self, tenant: Tenant) -> dict[str, Any]:
         snap = self.arb.last_snapshot or await self.arb.snapshot()
         state = self.arb.states(snap)[tenant.name]
-        return views.dump(views.tenant_view(self.arb, self.watchdog, snap, tenant, state))
+        return views.dump(views.tenant_view(self.arb, self.watchdog, snap, tenant, state,
+                                            self.listeners.get(tenant.name)))
 
     # -- routes -------------------------------------------------------------------------------
     async def list_tenants(self, request: Request) -> Response:
@@ -146,7 +151,8 @@ class AdminApi:
         stats = views.Stats(
             device=views.device_view(snap),
             processes=[views.card_process(p) for p in snap.processes],
-            tenants=[views.tenant_view(self.arb, self.watchdog, snap, t, states[t.name]) for t in self.arb.registry],
+            tenants=[views.tenant_view(self.arb, self.watchdog, snap, t, states[t.name], self.listeners.get(t.name))
+                     for t in self.arb.registry],
             decisions=[views.Decision.model_validate(d.to_json()) for d in self.arb.decisions.recent(20)],
             gpu_error=views.gpu_error_view(self.arb.last_read_error),
         )

@@ -176,6 +176,7 @@ class TenantView(_TenantLive):
     processes: list[Process]
     watchdog: str | None
     estimated: bool
+    listening: str | None = Field(default=None, description="the URL the tenant's listener answers at; null: no listener")
 
 
 class TenantList(_Doc):
@@ -397,14 +398,16 @@ def _live(arb: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, tenant
 
 
 def tenant_view(arb: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, tenant: Tenant,
-                state: TenantState) -> TenantView:
-    """One tenant with its configuration and live state (GET /api/tenants, /api/stats, MCP)."""
+                state: TenantState, listening: str | None = None) -> TenantView:
+    """One tenant with its configuration and live state (GET /api/tenants, /api/stats, MCP);
+    `listening`: where its listener really answers (a port of 0 read back)."""
     return TenantView(
         **_live(arb, watchdog, snap, tenant, state),
         config=tenant.model_dump(mode="json"),
         processes=[tenant_process(p) for p in snap.processes_of(tenant.name)],
         watchdog=watchdog.last.reasons.get(tenant.name) if watchdog.last else None,
         estimated=snap.snapshot.source == "engine-estimate",
+        listening=listening,
     )
 
 

@@ -116,13 +116,24 @@ def cycles(edges: list[Edge]) -> list[list[str]]:
     return found
 
 
+# Circles known and left to their owners, each with why; the test fails on any other, and when one
+# of these is gone (then delete its line here).
+KNOWN_CIRCLES = {
+    # `hyperswap verify`: the stages annotate the runner they are handed (a type-only import back);
+    # a Protocol of what the stages use would cut it.
+    ("proxy.verify.runner", "proxy.verify.stages"),
+}
+
+
 def test_modules_under_proxy_import_each_other_in_no_circle() -> None:
     edges = import_edges()
     assert len(edges) > 100, f"the walk found only {len(edges)} imports: it is not reading the package"
-    found = cycles(edges)
+    found = [c for c in cycles(edges) if tuple(c) not in KNOWN_CIRCLES]
     detail = "\n".join(f"{e.source}:{e.line} -> {e.target}" for e in edges
                        if any(e.source in c and e.target in c for c in found))
     assert not found, f"import circles: {found}\n{detail}"
+    gone = KNOWN_CIRCLES - {tuple(c) for c in cycles(edges)}
+    assert not gone, f"these circles are gone: remove them from KNOWN_CIRCLES: {gone}"
 
 
 def test_the_circle_check_finds_a_circle(tmp_path: Path) -> None:
