@@ -64,6 +64,38 @@ def read_cuda_env(proc_root: Path, pid: int) -> tuple[tuple[str, str], ...] | No
     return parse_environ(raw)
 
 
+def _parent(proc_root: Path, pid: int) -> int | None:
+    try:
+        stat = (proc_root / str(pid) / "stat").read_text(encoding="utf-8", errors="replace")
+        return int(stat.rpartition(")")[2].split()[1])  # field 4, after comm (which may hold ')')
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def lineage_cuda_env(proc_root: Path, pid: int, cache: dict[int, tuple[tuple[str, str], ...] | None] | None = None,
+                     max_depth: int = 64) -> tuple[tuple[str, str], ...] | None:
+    """A process's CUDA device variables, the outermost CUDA_VISIBLE_DEVICES of its lineage (up to,
+    not including, init) winning: what a server started with bounds every runner it starts (Ollama
+    narrows each runner's own variable to the card it chose for that one model)."""
+    memo = {} if cache is None else cache
+
+    def env(p: int) -> tuple[tuple[str, str], ...] | None:
+        if p not in memo:
+            memo[p] = read_cuda_env(proc_root, p)
+        return memo[p]
+
+    chosen = env(pid)
+    seen = {pid}
+    parent = _parent(proc_root, pid)
+    while parent is not None and parent > 1 and parent not in seen and len(seen) < max_depth:
+        seen.add(parent)
+        outer = env(parent)
+        if outer is not None and any(k == "CUDA_VISIBLE_DEVICES" for k, _ in outer):
+            chosen = outer
+        parent = _parent(proc_root, parent)
+    return chosen
+
+
 def parse_environ(raw: bytes) -> tuple[tuple[str, str], ...]:
     out = []
     for entry in raw.split(b"\0"):

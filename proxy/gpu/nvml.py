@@ -27,7 +27,7 @@ from types import ModuleType
 from typing import Literal
 
 from proxy.clock import Clock, SystemClock
-from proxy.gpu.devices import read_cuda_env
+from proxy.gpu.devices import lineage_cuda_env
 from proxy.gpu.proctree import FdLinks, ProcTreeReader, read_fd_links
 from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuReadError, GpuSnapshot, ProcessTree
 
@@ -229,32 +229,14 @@ class NvmlReader:
         tree = self._tree(unique, notes)
         several = len(devices) > 1
         if several:
-            processes = self._with_cuda_env(processes, tree)
+            processes = self._with_cuda_env(processes)
         return GpuSnapshot(device=devices[0], processes=tuple(processes), source="nvml", taken_at=self._clock.now(),
                            notes=tuple(dict.fromkeys(notes)), tree=tree, devices=tuple(devices) if several else ())
 
-    def _with_cuda_env(self, processes: list[GpuProcess], tree: ProcessTree | None) -> list[GpuProcess]:
-        """Each process's CUDA device variables, the outermost CUDA_VISIBLE_DEVICES of its lineage
-        winning: what a server started with bounds every runner it starts (Ollama narrows its
-        runners' own variable to the card it chose for that one model)."""
+    def _with_cuda_env(self, processes: list[GpuProcess]) -> list[GpuProcess]:
+        """Each process's CUDA device variables, read from its lineage's environ (proxy/gpu/devices.py)."""
         cache: dict[int, tuple[tuple[str, str], ...] | None] = {}
-
-        def env(pid: int) -> tuple[tuple[str, str], ...] | None:
-            if pid not in cache:
-                cache[pid] = read_cuda_env(self.proc_root, pid)
-            return cache[pid]
-
-        out = []
-        for p in processes:
-            own = env(p.pid)
-            chosen = own
-            lineage = [n.pid for n in tree.lineage(p.pid)][1:] if tree is not None else []
-            for pid in lineage:
-                outer = env(pid)
-                if outer is not None and any(k == "CUDA_VISIBLE_DEVICES" for k, _ in outer):
-                    chosen = outer
-            out.append(replace(p, cuda_env=chosen))
-        return out
+        return [replace(p, cuda_env=lineage_cuda_env(self.proc_root, p.pid, cache)) for p in processes]
 
     def _tree(self, processes: tuple[GpuProcess, ...], notes: list[str]) -> ProcessTree | None:
         """Who holds which listening socket; a failure here costs attribution by port, never the read."""
