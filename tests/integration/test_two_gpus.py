@@ -46,10 +46,15 @@ async def test_a_load_on_gpu_1_releases_nothing_on_gpu_0(box: DemoFactory, http:
     plan = (await http.get(f"{admin}/api/plan", params={"tenant": "comfyui", "need_gb": 15})).json()["plan"]
     assert plan["device"]["index"] == 1 and plan["releases"] == [], plan["explanation"]
 
+    health = {e["name"]: e for e in (await http.get(f"{admin}/api/health")).json()["entries"]}
+    assert health["gpu devices ollama"]["status"] == "ok" and "pinned" in health["gpu devices ollama"]["problem"]
+    assert "--cuda-device 1" in health["gpu devices comfyui"]["problem"]
+
 
 async def test_a_need_too_large_for_gpu_1_is_a_507_naming_gpu_1(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box(fast("two-gpus", comfyui={"checkpoints": {"huge.safetensors": 18.0}},
-                          tenants={"comfyui": {"model_vram_gb": {"huge.safetensors": 18.0}}}))
+                          tenants={"comfyui": {"model_vram_gb": {"huge.safetensors": 18.0}},
+                                   "ollama": {"devices": [5]}}))
     assert demo.proxy is not None
     r = await http.post(demo.proxy.url("comfyui") + "/prompt", json={"prompt": comfy_prompt("huge.safetensors")})
     assert r.status_code == 507, r.text
@@ -58,3 +63,7 @@ async def test_a_need_too_large_for_gpu_1_is_a_507_naming_gpu_1(box: DemoFactory
     assert body["plan"]["device"]["index"] == 1
     assert body["error"].startswith("not enough GPU memory for comfyui: GPU 1 (Simulated RTX 4080)"), body["error"]
     assert "fix" in body
+
+    health = {e["name"]: e for e in (await http.get(demo.proxy.url("admin") + "/api/health")).json()["entries"]}
+    pin = health["gpu devices ollama"]
+    assert pin["status"] == "degraded" and "no such device" in pin["problem"] and "tenants.ollama.devices" in pin["fix"]
