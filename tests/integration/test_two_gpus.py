@@ -46,6 +46,11 @@ async def test_a_load_on_gpu_1_releases_nothing_on_gpu_0(box: DemoFactory, http:
     plan = (await http.get(f"{admin}/api/plan", params={"tenant": "comfyui", "need_gb": 15})).json()["plan"]
     assert plan["device"]["index"] == 1 and plan["releases"] == [], plan["explanation"]
 
+    metrics = (await http.get(f"{admin}/metrics")).text
+    assert 'hyperswap_gpu_card_memory_total_bytes{index="1",name="Simulated RTX 4080"} 1.7179869184e+10' in metrics
+    assert 'hyperswap_tenant_card_vram_bytes{index="1",tenant="comfyui"}' in metrics
+    assert "hyperswap_gpu_memory_total_bytes 4.294967296e+10" in metrics, "the host's total is both cards"
+
     health = {e["name"]: e for e in (await http.get(f"{admin}/api/health")).json()["entries"]}
     assert health["gpu devices ollama"]["status"] == "ok" and "pinned" in health["gpu devices ollama"]["problem"]
     assert "--cuda-device 1" in health["gpu devices comfyui"]["problem"]
