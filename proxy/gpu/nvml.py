@@ -115,6 +115,7 @@ class NvmlReader:
         self._clock = clock or SystemClock()
         self._clk_tck = clk_tck or os.sysconf("SC_CLK_TCK")
         self._handles: list[_Device] | None = None
+        self._cuda_envs: dict[tuple[int, float | None], tuple[tuple[str, str], ...] | None] = {}
         self._mem_v2 = True  # flips to False once the driver says v2 is not supported
 
     # -- NVML ----------------------------------------------------------------------------------
@@ -234,9 +235,20 @@ class NvmlReader:
                            notes=tuple(dict.fromkeys(notes)), tree=tree, devices=tuple(devices) if several else ())
 
     def _with_cuda_env(self, processes: list[GpuProcess]) -> list[GpuProcess]:
-        """Each process's CUDA device variables, read from its lineage's environ (proxy/gpu/devices.py)."""
+        """Each process's CUDA device variables, read from its lineage's environ (proxy/gpu/devices.py).
+        A process's environ is the one it started with: read once per process (pid and start time)."""
         cache: dict[int, tuple[tuple[str, str], ...] | None] = {}
-        return [replace(p, cuda_env=lineage_cuda_env(self.proc_root, p.pid, cache)) for p in processes]
+        known: dict[tuple[int, float | None], tuple[tuple[str, str], ...] | None] = {}
+        out = []
+        for p in processes:
+            key = p.identity
+            if key in self._cuda_envs and p.start_time is not None:
+                known[key] = self._cuda_envs[key]
+            elif key not in known:
+                known[key] = lineage_cuda_env(self.proc_root, p.pid, cache)
+            out.append(replace(p, cuda_env=known[key]))
+        self._cuda_envs = known  # only the processes on the cards now are remembered
+        return out
 
     def _tree(self, processes: tuple[GpuProcess, ...], notes: list[str]) -> ProcessTree | None:
         """Who holds which listening socket; a failure here costs attribution by port, never the read."""

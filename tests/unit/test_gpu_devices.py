@@ -170,8 +170,9 @@ def test_every_card_is_read_and_each_process_entry_names_its_card(tmp_path: Path
     write_proc(tmp_path, 101, 100, "ollama", ["/usr/bin/ollama", "runner"], {"CUDA_VISIBLE_DEVICES": "GPU-fake-1"})
     write_proc(tmp_path, 200, 1, "python3", ["python3", "main.py", "--cuda-device", "0"], None)
     nvml.per_card = {"handle0": [entry(101, 3 * GIB), entry(200, 5 * GIB)], "handle1": [entry(101, 4 * GIB)]}
-    snap = NvmlReader(nvml=nvml, proc_root=tmp_path, clock=FakeClock(start=1.0), clk_tck=CLK_TCK,
-                      fd_links=lambda _: []).read()
+    reader = NvmlReader(nvml=nvml, proc_root=tmp_path, clock=FakeClock(start=1.0), clk_tck=CLK_TCK,
+                        fd_links=lambda _: [])
+    snap = reader.read()
     assert [d.index for d in snap.devices] == [0, 1] and snap.several_devices
     assert [d.uuid for d in snap.all_devices] == ["GPU-fake-0", "GPU-fake-1"]
     assert sorted((p.pid, p.device, p.used_bytes) for p in snap.processes) == [
@@ -181,6 +182,10 @@ def test_every_card_is_read_and_each_process_entry_names_its_card(tmp_path: Path
     assert dict(runner.cuda_env or ()) == {"CUDA_VISIBLE_DEVICES": "0,1"}
     assert next(p for p in snap.processes if p.pid == 200).cuda_env is None  # environ unreadable
     assert snap.on_device(1).device.index == 1 and [p.pid for p in snap.on_device(1).processes] == [101]
+    # a process's environ is the one it started with: read once, not on every snapshot
+    (tmp_path / "100" / "environ").write_bytes(b"CUDA_VISIBLE_DEVICES=1\0")
+    again = next(p for p in reader.read().processes if p.pid == 101)
+    assert dict(again.cuda_env or ()) == {"CUDA_VISIBLE_DEVICES": "0,1"}
 
 
 def test_a_one_card_host_reads_as_before(tmp_path: Path) -> None:
