@@ -23,12 +23,15 @@ from __future__ import annotations
 import re
 import shlex
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from proxy.gpu.snapshot import DeviceMemory, GpuProcess
 from proxy.tenants import Registry, Tenant
+
+if TYPE_CHECKING:
+    from proxy.gpu.attribution import AttributedSnapshot  # which imports Placement from here
 
 CUDA_KEYS = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
 PlacementSource = Literal["pinned", "discovered", "any"]
@@ -223,6 +226,13 @@ class DevicePlacer:
         self.registry = registry
         self._device_flag = device_flag
         self._found: dict[str, Evidence] = {}
+
+    def place(self, snap: AttributedSnapshot) -> AttributedSnapshot:
+        """The snapshot with every tenant's placement; on one card it is returned as it is."""
+        if not snap.snapshot.several_devices:
+            return snap
+        return replace(snap, placement=self.placements(snap.snapshot.all_devices,
+                                                        [(p.process, p.tenant) for p in snap.processes]))
 
     def placements(self, devices: Sequence[DeviceMemory], processes: AttributedLike) -> dict[str, Placement]:
         """`processes`: the snapshot's (process, tenant) pairs. A runner's environment is inherited

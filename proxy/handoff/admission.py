@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -97,10 +97,7 @@ class Arbitration:
         """One GPU read at a time, off the loop. A broken reader falls back to the engines' own reports."""
         async with self._snapshot_lock:
             try:
-                snap = self.attributor.attribute(await asyncio.to_thread(self.reader.read))
-                if snap.snapshot.several_devices:
-                    snap = replace(snap, placement=self.placer.placements(
-                        snap.snapshot.all_devices, [(p.process, p.tenant) for p in snap.processes]))
+                snap = self.placer.place(self.attributor.attribute(await asyncio.to_thread(self.reader.read)))
                 self.last_read_error = None
                 self._measured_device = snap.snapshot.device
             except Exception as exc:  # a failing reader never stops traffic (invariant 10)
