@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -246,6 +246,3 @@ class DevicePlacer:
                     break
         return {t.name: place(t, devices, self._found.get(t.name)) for t in self.registry}
 
-
-def placements_json(placements: Mapping[str, Placement]) -> dict[str, dict[str, object]]:
-    return {name: p.to_json() for name, p in placements.items()}
