@@ -170,6 +170,9 @@ class Recorder:
     def abandon(self, handoff: Handoff) -> None:
         self.log.append(("abandon", handoff.reservation))
 
+    def prepare_load(self, tenant: str, model: str) -> None:
+        self.log.append(("prepare_load", tenant, model))
+
 
 @pytest.fixture
 def clock() -> ManualClock:
