@@ -185,7 +185,8 @@ class ModelsExtension:
     def record_load(self, record: LoadRecord) -> LoadRecord:
         record = self.loads.add(record)
         self.catalog.files_changed(())  # nothing to drop: the engine's read left the files cached
-        self.proxy.decisions.record("model_load", record.tenant, f"{record.model} loaded", None, **record.to_json())
+        row = {k: v for k, v in record.to_json().items() if k != "tenant"}
+        self.proxy.decisions.record("model_load", record.tenant, f"{record.model} loaded", None, **row)
         self._keep_recent_warm()
         return record
 
@@ -247,6 +248,8 @@ class ModelsExtension:
         tenant = request.query_params.get("tenant")
         if tenant is not None and tenant not in self.proxy.registry.tenants:
             return _error(404, f"no tenant {tenant!r}", "GET /api/tenants lists them", tenant=tenant)
+        if self.proxy.arbitration.last_snapshot is None:
+            await self.proxy.arbitration.snapshot()  # ComfyUI's folders come from its command line on the card
         return JSONResponse(await asyncio.to_thread(self.listing, tenant))
 
     async def _target(self, request: Request) -> tuple[ModelFiles | None, Response | None]:
@@ -260,6 +263,8 @@ class ModelsExtension:
             return None, _error(400, "the body must be an object with exactly a tenant and a model, both strings", example)
         if body["tenant"] not in self.proxy.registry.tenants:
             return None, _error(404, f"no tenant {body['tenant']!r}", "GET /api/tenants lists them", tenant=body["tenant"])
+        if self.proxy.arbitration.last_snapshot is None:
+            await self.proxy.arbitration.snapshot()
         files = await asyncio.to_thread(self.catalog.find, body["tenant"], body["model"])
         if files is None:
             return None, _error(404, f"{body['tenant']} has no model {body['model']!r} on disk", example,

@@ -84,8 +84,9 @@ class ModelCatalog:
         if hit is not None and not fresh and self.now() - hit[0] < LOCATE_TTL_S:
             return hit[1]
         out = {t.name: f for t in self.registry if (f := self.tenant_files(t)) is not None}
-        with self._lock:
-            self._located = (self.now(), out)
+        if not any(f.unknown_reason for f in out.values()):  # e.g. ComfyUI not seen yet: look again next time
+            with self._lock:
+                self._located = (self.now(), out)
         return out
 
     def models(self, tenant: str | None = None) -> list[ModelFiles]:
