@@ -106,6 +106,8 @@ async def test_without_warm_during_release_the_load_reads_cold_from_disk(box: De
     (load,) = [x for x in loads if x["model"] == "gemma3:27b"]
     assert load["resident_before_percent"] < 5 and load["class"] == "cold", load
     assert (await models(http, demo))["gemma3:27b"]["warm"] is None
+    metrics = (await http.get(demo.proxy.url("admin") + "/metrics")).text
+    assert 'hyperswap_model_load_gbps_count{class="cold",tenant="ollama"} 1.0' in metrics, metrics[-2000:]
 
 
 async def test_model_files_have_health_entries(box: DemoFactory, http: httpx.AsyncClient) -> None:
