@@ -27,6 +27,7 @@ from starlette.routing import BaseRoute, Route
 from proxy.engines import EngineAdapter, adapter_for
 from proxy.errors import HyperSwapError
 from proxy.models.catalog import ModelCatalog
+from proxy.models.frames import FrameTimer, loader_nodes
 from proxy.models.loads import MIN_LOAD_S, LoadLog, LoadRecord
 from proxy.models.locate import ModelFiles
 from proxy.models.pagecache import PageCacheProbe, SystemPageCache
@@ -112,6 +113,7 @@ class ModelsExtension:
         self.loads = LoadLog()
         self.recent: OrderedDict[str, tuple[str, str]] = OrderedDict()  # key -> (tenant, model), newest last
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._frames: dict[str, FrameTimer] = {}  # tenant -> checkpoint loads expected in its execution frames
 
     def margin_bytes(self) -> int:
         return int(self.settings.warm_margin_gb * GIB)
@@ -164,15 +166,19 @@ class ModelsExtension:
             return None  # already in RAM: nothing to read
         return self.warmer.start(files.key, files.files, files.size_bytes, reason)
 
-    def loading(self, tenant: Tenant, model: str) -> Callable[[UpstreamResponse], UpstreamResponse] | None:
+    def loading(self, tenant: Tenant, model: str, body: bytes) -> Callable[[UpstreamResponse], UpstreamResponse] | None:
         adapter = adapter_for(tenant)
-        if type(adapter).load_seconds is EngineAdapter.load_seconds:
-            return None  # this engine does not say how long its loads take
         self._used(tenant.name, model)
         files = next((m for m in self.catalog.models(tenant.name) if m.name in _names(model)), None)
         if files is None:
             return None
         before = self.catalog.residency_of(files).fraction  # cachestat: microseconds per file
+        if adapter.model_layout == "comfyui":  # the load runs after the answer: timed from its frames
+            self._frames.setdefault(tenant.name, FrameTimer(time.monotonic)).expect(
+                loader_nodes(body, model), (files, before))
+            return None
+        if type(adapter).load_seconds is EngineAdapter.load_seconds:
+            return None  # this engine does not say how long its loads take
 
         def done(tail: bytes) -> None:
             seconds = adapter.load_seconds(tail)
@@ -181,6 +187,15 @@ class ModelsExtension:
                                             f"{adapter.kind} load_duration"))
 
         return lambda response: _TimedResponse(response, done)
+
+    def on_frame(self, tenant: Tenant, text: str) -> None:
+        timer = self._frames.get(tenant.name)
+        if timer is None or not timer.expected:
+            return
+        for (files, before), seconds in timer.on_frame(text):
+            if seconds >= MIN_LOAD_S:
+                self.record_load(LoadRecord(time.time(), tenant.name, files.name, files.size_bytes, seconds, before,
+                                            "comfyui execution frames"))
 
     def record_load(self, record: LoadRecord) -> LoadRecord:
         record = self.loads.add(record)

@@ -58,8 +58,11 @@ class LoadHooks(Protocol):
     def prepare_load(self, tenant: str, model: str) -> None:
         """Memory is about to be released (or waited for) for this load: warm its files meanwhile."""
 
-    def loading(self, tenant: Tenant, model: str) -> Callable[[UpstreamResponse], UpstreamResponse] | None:
+    def loading(self, tenant: Tenant, model: str, body: bytes) -> Callable[[UpstreamResponse], UpstreamResponse] | None:
         """Just before forwarding a load: a wrapper for the engine's answer that times it, or None."""
+
+    def on_frame(self, tenant: Tenant, text: str) -> None:
+        """Every upstream websocket text frame (ComfyUI's execution frames time its checkpoint loads)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -411,6 +414,8 @@ class GpuAdmission:
 
     def on_frame(self, tenant: Tenant, text: str) -> None:
         """Called for every upstream text frame of a tenant's websockets (cheap filter first)."""
+        if self.arb.load_hooks is not None:
+            self.arb.load_hooks.on_frame(tenant, text)
         if "execution_error" not in text or "OutOfMemoryError" not in text:
             return
         try:
@@ -530,7 +535,8 @@ class GpuAdmission:
         if admitted.outcome == "refuse":
             return JSONResponse(rejection_body(tenant, handoff, need), status_code=507)
         hooks = self.arb.load_hooks
-        watch = hooks.loading(tenant, need.model) if hooks is not None and need.model else None
+        loads = hooks is not None and need.model is not None and admitted.reason != "resident"  # resident: no load
+        watch = hooks.loading(tenant, need.model, body) if hooks is not None and need.model and loads else None
         try:
             response = await forward(body)
             if response.status_code < 400:

@@ -72,7 +72,8 @@ class WarmJob:
                 "read_gbps": round(self.read_bytes / 1e9 / took, 3) if took else None}
 
 
-def warm_files(job: WarmJob, margin_bytes: int, mem_available: MemAvailable, chunk_bytes: int = CHUNK_BYTES) -> WarmJob:
+def warm_files(job: WarmJob, margin_bytes: int, mem_available: MemAvailable, chunk_bytes: int = CHUNK_BYTES,
+               advice: int = os.POSIX_FADV_SEQUENTIAL) -> WarmJob:
     """Blocking: read the job's files into the page cache. Ends `done`, `stopped` (its flag was set),
     `margin` (memory would fall below the margin) or `failed` (a file could not be read)."""
     buf = bytearray(chunk_bytes)
@@ -85,7 +86,7 @@ def warm_files(job: WarmJob, margin_bytes: int, mem_available: MemAvailable, chu
             job.state, job.stop_reason = "failed", f"cannot open {path}: {exc.strerror or exc}"
             return job
         try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # twice the readahead window
+            os.posix_fadvise(fd, 0, 0, advice)  # sequential: twice the readahead window
             while True:
                 if job.stop_flag.is_set():
                     job.state, job.stop_reason = "stopped", "stopped on request"
@@ -119,6 +120,7 @@ class Warmer:
         self.mem_available = mem_available
         self.on_files_changed = on_files_changed
         self.chunk_bytes = chunk_bytes
+        self.advice = os.POSIX_FADV_SEQUENTIAL  # the bench sets RANDOM: no readahead past what it paced
         self.kept = kept
         self.jobs: dict[str, WarmJob] = {}  # newest last; finished ones kept for the API, `kept` at most
         self._tasks: dict[str, asyncio.Task[WarmJob]] = {}
@@ -147,7 +149,8 @@ class Warmer:
                     return job
                 job.started_at = time.time()
                 self.on_files_changed(job.files)
-                await asyncio.to_thread(warm_files, job, self.margin_bytes(), self.mem_available, self.chunk_bytes)
+                await asyncio.to_thread(warm_files, job, self.margin_bytes(), self.mem_available, self.chunk_bytes,
+                                        self.advice)
         except Exception as exc:  # a broken warm must never break a handoff
             job.state, job.stop_reason = "failed", f"{type(exc).__name__}: {exc}"
             log.exception("warming %s failed", job.key)

@@ -125,3 +125,13 @@ async def test_warming_needs_the_token_when_one_is_configured(box: DemoFactory, 
     body = {"tenant": "ollama", "model": "llama3.2:3b"}
     assert (await http.post(url, json=body)).status_code == 401
     assert (await http.post(url, json=body, headers={"Authorization": "Bearer secret"})).status_code == 202
+
+
+async def test_a_comfyui_checkpoint_load_is_timed_from_its_execution_frames(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box(fast_scenario("default", comfyui={"load_gbps": 20.0}))
+    assert demo.proxy is not None
+    await run_prompt(demo.proxy.url("comfyui"), CKPT, http)
+    loads = (await http.get(demo.proxy.url("admin") + "/api/models/loads")).json()["loads"]
+    (load,) = [x for x in loads if x["tenant"] == "comfyui"]
+    assert load["model"] == CKPT and load["source"] == "comfyui execution frames"
+    assert load["seconds"] >= 11.9 / 20.0 * 0.9, "the simulated load takes size / load_gbps"
