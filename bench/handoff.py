@@ -228,7 +228,7 @@ async def warm_during_release(rounds: int, ram_gbps: float, disk_gbps: float) ->
 
     data = load_scenario("default").model_dump()
     data["ollama"].update({"load_gbps": ram_gbps, "disk_gbps": disk_gbps, "token_rate": 1000.0})
-    data["comfyui"].update({"load_gbps": 200.0, "disk_gbps": None, "step_time_s": 0.001})
+    data["comfyui"].update({"load_gbps": 200.0, "disk_gbps": None, "step_time_s": 0.05})
     demo = await start_demo(Scenario.model_validate(data), sim_ports={"ollama": 0, "comfyui": 0},
                             proxy_ports={"ollama": 0, "comfyui": 0, "admin": 0}, watchdog=False)
     assert demo.proxy and demo.box.files and demo.box.ollama
@@ -245,19 +245,29 @@ async def warm_during_release(rounds: int, ram_gbps: float, disk_gbps: float) ->
     if not demo.box.files.drop_all():
         raise SystemExit(f"{demo.box.files.root}: this file system cannot drop pages (tmpfs?): nothing to measure")
     settings = ext.settings
-    times: dict[str, list[float]] = {"off": [], "on": [], "warm": []}
-    residency: dict[str, list[float]] = {"off": [], "on": [], "warm": []}
+    modes = ("off", "on", "warm", "wait-off", "wait-on")
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    residency: dict[str, list[float]] = {m: [] for m in modes}
     released: list[float] = []
     try:
         async with httpx.AsyncClient(timeout=120, trust_env=False) as client:
             for _ in range(rounds):
-                for mode in ("off", "on", "warm"):
+                for mode in modes:
                     await reset(demo, client)
-                    ext.settings = settings.model_copy(update={"warm_during_release": mode == "on"})
+                    ext.settings = settings.model_copy(update={"warm_during_release": mode in ("on", "wait-on")})
                     demo.box.files.drop_all()
                     if mode == "warm":
                         demo.box.files.engine_read(demo.box.files.ollama_blob(MODEL))
-                    times[mode].append(await ttfb(client, demo.proxy.url("ollama")))
+                    if mode.startswith("wait"):  # the request arrives while ComfyUI renders (10 s) and waits for it
+                        started = asyncio.Event()
+                        rendering = asyncio.ensure_future(_render_until_end(demo.proxy.url("comfyui"), 200, started))
+                        await started.wait()
+                        chat = asyncio.ensure_future(ttfb(client, demo.proxy.url("ollama")))
+                        end = await rendering
+                        await chat
+                        times[mode].append(time.perf_counter() - end)  # from the end marker, as --wait
+                    else:
+                        times[mode].append(await ttfb(client, demo.proxy.url("ollama")))
                     await ext.warmer.wait(f"ollama:{MODEL}")
                     load = next(r for r in reversed(ext.loads.records) if r.model == MODEL)
                     residency[mode].append(load.resident_before or 0.0)
@@ -299,7 +309,9 @@ if __name__ == "__main__":
               f"{r['release_median_s']:.2f} s | request -> first byte (median of {r['rounds']}) | file in RAM when the load started |")
         print("|---|---:|---:|")
         for mode, what in (("off", "cold file, warm-during-release off"), ("on", "cold file, warm-during-release on"),
-                           ("warm", "file already in RAM (keep_warm_models)")):
+                           ("warm", "file already in RAM (keep_warm_models)"),
+                           ("wait-off", "queued behind a 10 s render, cold file, warming off (from the end marker)"),
+                           ("wait-on", "queued behind a 10 s render, cold file, warmed while waiting (from the end marker)")):
             print(f"| {what} | {r[f'{mode}_median_s']:.2f} s | {100 * r[f'{mode}_resident_before_median']:.0f} % |")  # type: ignore[operator]
         sys.exit(0)
     if args.resident:

@@ -132,6 +132,7 @@ class ModelsExtension:
     async def start(self) -> None:
         from proxy.admin.health import HealthExtension, NamedCheck
         self.proxy.arbitration.load_hooks = self
+        self._spawn(asyncio.to_thread(self.catalog.all_files), "hyperswap:locate")  # before the first load
         for ext in self.proxy.extensions:
             if isinstance(ext, HealthExtension):
                 ext.checks.append(NamedCheck("model files", self.health_entries))
@@ -166,13 +167,17 @@ class ModelsExtension:
             return None  # already in RAM: nothing to read
         return self.warmer.start(files.key, files.files, files.size_bytes, reason)
 
-    def loading(self, tenant: Tenant, model: str, body: bytes) -> Callable[[UpstreamResponse], UpstreamResponse] | None:
+    async def loading(self, tenant: Tenant, model: str, body: bytes) -> Callable[[UpstreamResponse], UpstreamResponse] | None:
         adapter = adapter_for(tenant)
         self._used(tenant.name, model)
-        files = next((m for m in self.catalog.models(tenant.name) if m.name in _names(model)), None)
+
+        def look() -> tuple[ModelFiles | None, float | None]:  # off the loop: may walk directories
+            files = self.catalog.find(tenant.name, model)
+            return files, (self.catalog.residency_of(files).fraction if files is not None else None)
+
+        files, before = await asyncio.to_thread(look)
         if files is None:
             return None
-        before = self.catalog.residency_of(files).fraction  # cachestat: microseconds per file
         if adapter.model_layout == "comfyui":  # the load runs after the answer: timed from its frames
             self._frames.setdefault(tenant.name, FrameTimer(time.monotonic)).expect(
                 loader_nodes(body, model), (files, before))
@@ -184,7 +189,7 @@ class ModelsExtension:
             seconds = adapter.load_seconds(tail)
             if seconds is not None and seconds >= MIN_LOAD_S:
                 self.record_load(LoadRecord(time.time(), tenant.name, files.name, files.size_bytes, seconds, before,
-                                            f"{adapter.kind} load_duration"))
+                                            f"{adapter.kind} load_duration"), files.files)
 
         return lambda response: _TimedResponse(response, done)
 
@@ -195,11 +200,11 @@ class ModelsExtension:
         for (files, before), seconds in timer.on_frame(text):
             if seconds >= MIN_LOAD_S:
                 self.record_load(LoadRecord(time.time(), tenant.name, files.name, files.size_bytes, seconds, before,
-                                            "comfyui execution frames"))
+                                            "comfyui execution frames"), files.files)
 
-    def record_load(self, record: LoadRecord) -> LoadRecord:
+    def record_load(self, record: LoadRecord, paths: tuple[str, ...] = ()) -> LoadRecord:
         record = self.loads.add(record)
-        self.catalog.files_changed(())  # nothing to drop: the engine's read left the files cached
+        self.catalog.files_changed(paths)  # the engine read them: a reading from before the load is stale
         row = {k: v for k, v in record.to_json().items() if k != "tenant"}
         self.proxy.decisions.record("model_load", record.tenant, f"{record.model} loaded", None, **row)
         self._keep_recent_warm()

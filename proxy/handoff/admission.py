@@ -58,8 +58,9 @@ class LoadHooks(Protocol):
     def prepare_load(self, tenant: str, model: str) -> None:
         """Memory is about to be released (or waited for) for this load: warm its files meanwhile."""
 
-    def loading(self, tenant: Tenant, model: str, body: bytes) -> Callable[[UpstreamResponse], UpstreamResponse] | None:
-        """Just before forwarding a load: a wrapper for the engine's answer that times it, or None."""
+    async def loading(self, tenant: Tenant, model: str, body: bytes) -> Callable[[UpstreamResponse], UpstreamResponse] | None:
+        """Just before forwarding a load (its residency is read now): a wrapper for the engine's answer
+        that times it, or None."""
 
     def on_frame(self, tenant: Tenant, text: str) -> None:
         """Every upstream websocket text frame (ComfyUI's execution frames time its checkpoint loads)."""
@@ -536,7 +537,7 @@ class GpuAdmission:
             return JSONResponse(rejection_body(tenant, handoff, need), status_code=507)
         hooks = self.arb.load_hooks
         loads = hooks is not None and need.model is not None and admitted.reason != "resident"  # resident: no load
-        watch = hooks.loading(tenant, need.model, body) if hooks is not None and need.model and loads else None
+        watch = await hooks.loading(tenant, need.model, body) if hooks is not None and need.model and loads else None
         try:
             response = await forward(body)
             if response.status_code < 400:

@@ -17,6 +17,7 @@ from proxy.models.pagecache import ModelResidency, PageCacheProbe, ResidencyCach
 from proxy.tenants import Registry, Tenant
 
 LOCATE_TTL_S = 10.0  # a model pulled or deleted shows up within this
+UNKNOWN_TTL_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +39,7 @@ class ModelCatalog:
         self.home = home
         self.now = now
         self.residency = ResidencyCache(probe, now, residency_ttl_s)
-        self._located: tuple[float, dict[str, TenantFiles]] | None = None
+        self._located: tuple[float, dict[str, TenantFiles]] | None = None  # (expires at, found)
         self._lock = threading.Lock()
 
     # -- where ----------------------------------------------------------------------------------
@@ -81,13 +82,33 @@ class ModelCatalog:
     def all_files(self, fresh: bool = False) -> dict[str, TenantFiles]:
         with self._lock:
             hit = self._located
-        if hit is not None and not fresh and self.now() - hit[0] < LOCATE_TTL_S:
-            return hit[1]
-        out = {t.name: f for t in self.registry if (f := self.tenant_files(t)) is not None}
-        if not any(f.unknown_reason for f in out.values()):  # e.g. ComfyUI not seen yet: look again next time
-            with self._lock:
-                self._located = (self.now(), out)
+        if not fresh and hit is not None and self.now() < hit[0]:
+            if not any(f.unknown_reason for f in hit[1].values()):
+                return hit[1]
+            # a tenant whose place was unknown (ComfyUI not seen yet) is looked at again; the others are kept
+            out = {n: (self.tenant_files(self.registry.get(n)) or f) if f.unknown_reason else f for n, f in hit[1].items()}
+        else:
+            out = {t.name: f for t in self.registry if (f := self.tenant_files(t)) is not None}
+        # e.g. ComfyUI not seen running yet: look again soon
+        ttl = UNKNOWN_TTL_S if any(f.unknown_reason for f in out.values()) else LOCATE_TTL_S
+        with self._lock:
+            self._located = (self.now() + ttl, out)
         return out
+
+    def stale(self) -> bool:
+        with self._lock:
+            hit = self._located
+        return hit is None or self.now() >= hit[0]
+
+    def cached_models(self, tenant: str) -> list[ModelFiles] | None:
+        """What the last look found, however old (None: never looked): for the request path, which
+        must not walk directories."""
+        with self._lock:
+            hit = self._located
+        if hit is None:
+            return None
+        found = hit[1].get(tenant)
+        return found.located.models if found is not None else []
 
     def models(self, tenant: str | None = None) -> list[ModelFiles]:
         return [m for name, f in self.all_files().items() if tenant in (None, name) for m in f.located.models]

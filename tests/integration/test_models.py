@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
+from proxy.admin.models_api import ModelsExtension
 from proxy.demo import Demo, run_prompt
 from proxy.sim.box import Scenario, fast_scenario
 from tests.integration.boxes import DemoFactory
@@ -135,3 +136,25 @@ async def test_a_comfyui_checkpoint_load_is_timed_from_its_execution_frames(box:
     (load,) = [x for x in loads if x["tenant"] == "comfyui"]
     assert load["model"] == CKPT and load["source"] == "comfyui execution frames"
     assert load["seconds"] >= 11.9 / 20.0 * 0.9, "the simulated load takes size / load_gbps"
+
+
+async def test_keep_warm_models_warms_the_most_recently_used_models_again(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box(slow_loads(keep_warm_models=2))
+    cold_or_skip(demo)
+    assert demo.proxy is not None and demo.box.files is not None
+    for model in ("llama3.2:3b", "llama3.1:8b"):
+        r = await http.post(demo.proxy.url("ollama") + "/api/generate", json={"model": model, "prompt": "hi", "stream": False})
+        assert r.status_code == 200
+    demo.box.files.drop_all()  # the page cache let both go
+    ext = next(e for e in demo.proxy.extensions if isinstance(e, ModelsExtension))
+    ext.catalog.residency.invalidate()  # what the proxy read before is at most residency_ttl_s old: not wait it out
+    r = await http.post(demo.proxy.url("ollama") + "/api/generate", json={"model": "qwen2.5:14b", "prompt": "hi", "stream": False})
+    assert r.status_code == 200
+    for _ in range(200):
+        listed = await models(http, demo)
+        if listed["llama3.1:8b"]["warm"] and listed["llama3.1:8b"]["warm"]["state"] == "done":
+            break
+        await asyncio.sleep(0.02)
+    assert listed["llama3.1:8b"]["residency"]["resident_percent"] > 95, "one of the 2 most recently used"
+    assert listed["llama3.1:8b"]["warm"]["reason"].startswith("keep the 2"), listed["llama3.1:8b"]
+    assert listed["llama3.2:3b"]["residency"]["resident_percent"] < 5, "the third most recent stays cold"
