@@ -536,7 +536,7 @@ class GpuAdmission:
         if admitted.outcome == "refuse":
             return JSONResponse(rejection_body(tenant, handoff, need), status_code=507)
         hooks = self.arb.load_hooks
-        loads = hooks is not None and need.model is not None and admitted.reason != "resident"  # resident: no load
+        loads = need.model is not None and admitted.reason != "resident"  # on the card already: nothing to time
         watch = await hooks.loading(tenant, need.model, body) if hooks is not None and need.model and loads else None
         try:
             response = await forward(body)
