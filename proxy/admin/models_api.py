@@ -145,6 +145,13 @@ class ModelsExtension:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.warmer.aclose()
 
+    async def settled(self) -> None:
+        """Until the background work started so far (locates, warms it asked for) is done: tests, benches."""
+        while self._tasks or any(j.active for j in self.warmer.jobs.values()):
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            for key in [k for k, j in self.warmer.jobs.items() if j.active]:
+                await self.warmer.wait(key)
+
     def _spawn(self, coro: Awaitable[Any], name: str) -> None:
         task: asyncio.Task[Any] = asyncio.ensure_future(coro)
         task.set_name(name)

@@ -145,8 +145,9 @@ async def test_keep_warm_models_warms_the_most_recently_used_models_again(box: D
     for model in ("llama3.2:3b", "llama3.1:8b"):
         r = await http.post(demo.proxy.url("ollama") + "/api/generate", json={"model": model, "prompt": "hi", "stream": False})
         assert r.status_code == 200
-    demo.box.files.drop_all()  # the page cache let both go
     ext = next(e for e in demo.proxy.extensions if isinstance(e, ModelsExtension))
+    await ext.settled()  # the policy's look after the second load is over
+    demo.box.files.drop_all()  # the page cache let both go
     ext.catalog.residency.invalidate()  # what the proxy read before is at most residency_ttl_s old: not wait it out
     r = await http.post(demo.proxy.url("ollama") + "/api/generate",
                         json={"model": "qwen2.5:14b", "prompt": "hi", "stream": False})
