@@ -173,6 +173,7 @@ class TenantView(_TenantLive):
     processes: list[Process]
     watchdog: str | None
     estimated: bool
+    listening: str | None = Field(default=None, description="the URL the tenant's listener answers at; null: no listener")
 
 
 class TenantList(_Doc):
