@@ -34,7 +34,7 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
 from proxy.admin.view import ProxyView
-from proxy.admin.views import DryRun, EngineList, HealthReport, ReleaseResult, TenantList
+from proxy.admin.views import DryRun, EngineList, HealthReport, ModelList, ReleaseResult, TenantList
 from proxy.tenants import MAX_GIB
 
 TOKEN_ENV = "HYPERSWAP_ADMIN_TOKEN"
@@ -129,6 +129,13 @@ def build_server(admin: AdminClient) -> MCPServer:
         if need_gb is not None:
             params["need_gb"] = repr(float(need_gb))
         return DryRun.model_validate(await admin.call("GET", "/api/plan", params=params))
+
+    @server.tool(annotations=READ_ONLY)
+    async def models(tenant: Annotated[str | None, Field(description="one tenant, e.g. ollama; default: all")] = None
+                     ) -> ModelList:
+        """Each tenant's model files: size, how much is in host RAM (page cache; a cold file loads at disk speed),
+        and any warm in progress. Residency the proxy cannot read is null with the reason, never 0."""
+        return ModelList.model_validate(await admin.call("GET", "/api/models", params={"tenant": tenant} if tenant else None))
 
     @server.tool(annotations=MUTATING)
     async def release(tenant: Annotated[str, Field(description="the tenant to release, e.g. comfyui")]) -> ReleaseResult:

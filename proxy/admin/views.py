@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
 from proxy.gpu.snapshot import GpuReadError
-from proxy.gpu.visibility import tenant_vram
+from proxy.gpu.visibility import device_json, tenant_devices_json, tenant_vram
 from proxy.handoff.admission import Arbitration
 from proxy.handoff.arbiter import TenantState, gib
 from proxy.handoff.queue import ReleaseVerdict
@@ -81,6 +81,13 @@ class Plan(_Doc):
     releases: list[Release]
     blockers: list[Blocker]
     explanation: str
+    device: PlanDevice | None = Field(default=None, description="only on a host with several GPUs: the card planned on")
+
+
+class PlanDevice(_Doc):
+    index: int = Field(description="NVML index (`nvidia-smi -L`)")
+    name: str
+    uuid: str | None = Field(default=None, description="in a 507's `device`")
 
 
 class DryRun(_Doc):
@@ -107,6 +114,8 @@ class Rejection(_Doc):
     blockers: list[RejectionBlocker]
     plan: Plan
     fix: str
+    device: PlanDevice | None = Field(default=None, description="only on a host with several GPUs: the card that "
+                                                                "has not enough memory (another may have room)")
 
 
 class ReleaseResult(_Doc):
@@ -169,6 +178,22 @@ class _TenantLive(_Doc):
     idle_release_in_s: float | None = Field(description="seconds until the idle release; null: never")
     reclaimable: bool
     waiting: list[Waiting] = Field(default_factory=list, description="this tenant's requests waiting for memory")
+    devices: TenantDevices | None = Field(default=None, description="only on a host with several GPUs")
+
+
+class CardHolding(_Doc):
+    index: int
+    name: str
+    vram_bytes: int
+
+
+class TenantDevices(_Doc):
+    """Only on a host with several GPUs: the cards the tenant's engine loads on, and why."""
+    devices: list[int] | None = Field(description="NVML indices; null: any device")
+    source: Literal["pinned", "discovered", "any"] = Field(
+        description="pinned: `devices` in tenants.json; discovered: its process's --cuda-device or CUDA_VISIBLE_DEVICES")
+    detail: str
+    vram_by_device: list[CardHolding]
 
 
 class TenantView(_TenantLive):
@@ -228,6 +253,14 @@ class DecisionOutcome(_Doc):
     requeued_as: str | None = Field(default=None, description="a ComfyUI prompt retried after an OOM: the new prompt id")
     prompt_id: str | None = None
     job_id: str | None = Field(default=None, description="stale_job: the job no longer counted as running")
+    # model_load: a load the engine timed itself (proxy/models/loads.py)
+    model: str | None = None
+    size_bytes: int | None = None
+    seconds: float | None = None
+    gbps: float | None = None
+    resident_before_percent: float | None = None
+    source: str | None = None
+    load_class: str | None = Field(default=None, alias="class", description="model_load: warm, cold or unknown")
 
     def retry_result(self, kind: str) -> str | None:
         """The OOM retry's result: on the plan it retried with, or the oom_retry decision's own."""
@@ -243,7 +276,8 @@ class DecisionOutcome(_Doc):
 class Decision(_Doc):
     id: int
     at: float = Field(description="unix seconds")
-    kind: Literal["plan", "queued", "release", "rejection", "oom_retry", "idle_release", "spill", "stale_job"]
+    kind: Literal["plan", "queued", "release", "rejection", "oom_retry", "idle_release", "spill", "stale_job",
+                  "model_load"]
     tenant: str
     trigger: str
     plan: Plan | None
@@ -264,6 +298,20 @@ class Device(_Doc):
     reserved_bytes: int | None
     source: str = Field(description="nvml, simulated, or engine-estimate")
     notes: list[str]
+    devices: list[Card] | None = Field(default=None, description="only on a host with several GPUs: each card (the "
+                                                                 "figures above are then the whole host's sums)")
+
+
+class Card(_Doc):
+    index: int
+    name: str
+    uuid: str
+    total_bytes: int | None
+    free_bytes: int | None
+    used_bytes: int | None
+    reserved_bytes: int | None
+    tenants: dict[str, int] = Field(description="bytes each tenant (and `unmanaged`) holds on this card")
+    placed: list[str] = Field(description="tenants pinned to or discovered on this card")
 
 
 class GpuError(_Doc):
@@ -339,6 +387,10 @@ class HealthReport(_Doc):
     checked_at: float | None = Field(default=None, description="unix seconds")
 
 
+class ModelList(_Doc):
+    tenants: list[JSON] = Field(description="per tenant: its model files with size and page-cache residency")
+
+
 class EngineList(_Doc):
     engines: list[JSON] = Field(description="per tenant whose engine reports about itself: reachable, version, settings")
 
@@ -347,16 +399,12 @@ class EngineList(_Doc):
 
 def dump(model: BaseModel) -> JSON:
     """A view as the JSON answer carries it."""
-    return model.model_dump(mode="json", exclude_unset=True)
+    return model.model_dump(mode="json", exclude_unset=True, by_alias=True)
 
 
 def device_view(snap: AttributedSnapshot) -> Device:
     """The device: unknown figures are null."""
-    raw = snap.snapshot
-    dev = raw.device
-    return Device(name=dev.name, total_bytes=dev.figure("total"), free_bytes=dev.figure("free"),
-                  used_bytes=dev.figure("used"), reserved_bytes=dev.figure("reserved"), source=raw.source,
-                  notes=list(raw.notes))
+    return Device.model_validate(device_json(snap))  # several cards: the host's sums and each card
 
 
 def gpu_error_view(err: GpuReadError | None) -> GpuError | None:
@@ -394,6 +442,7 @@ def _live(arb: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, tenant
         "idle_release_in_s": None if deadline is None else round(max(0.0, deadline - now), 1),
         "reclaimable": tenant.reclaimable,
         "waiting": [w for w in arb.queue.waiting() if w["tenant"] == tenant.name],
+        **tenant_devices_json(snap, tenant.name),  # several cards: where it loads, what it holds on each
     }
 
 

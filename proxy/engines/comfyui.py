@@ -44,6 +44,8 @@ class ComfyUIAdapter(EngineAdapter):
     probe_strict = True
     start_hint = "start ComfyUI (`python main.py`)"
     floor_from_samples = True
+    device_flag = "--cuda-device"  # main.py sets CUDA_VISIBLE_DEVICES from it before torch starts
+    model_layout = "comfyui"
 
     def classify(self, method: str, path: str) -> RequestKind:
         if method.upper() == "POST" and path.rstrip("/") in PROMPT_ROUTES:
@@ -111,11 +113,14 @@ class ComfyUIAdapter(EngineAdapter):
         tenant = self.tenant
         data = json_or_none(body)
         if isinstance(data, dict) and isinstance(data.get("prompt"), dict):
+            named: str | None = None  # the checkpoint it loads, for the model files (proxy/models)
             for node in data["prompt"].values():
                 ckpt = isinstance(node, dict) and (node.get("inputs") or {}).get("ckpt_name")
                 if isinstance(ckpt, str) and ckpt in tenant.model_vram_gb:
                     gb = tenant.model_vram_gb[ckpt]
-                    return Need(int(gb * GIB), f"{ckpt} ({gb:.2f} GiB, configured)", self.load_key(ckpt))
+                    return Need(int(gb * GIB), f"{ckpt} ({gb:.2f} GiB, configured)", self.load_key(ckpt), ckpt)
+                named = named or (ckpt if isinstance(ckpt, str) else None)
+            return Need(tenant.needs_vram_bytes, f"{tenant.needs_vram_gb:.2f} GiB (needs_vram_gb)", tenant.name, named)
         return await super().estimate_need(path, body, client)
 
     def oom_job_from_frame(self, text: str) -> str | None:

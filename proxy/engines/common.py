@@ -25,6 +25,7 @@ class Need:
     bytes: int
     what: str  # "llama3.1:8b (4.90 GiB + 1.00 GiB context allowance)"
     key: str  # identifies the load: concurrent requests with the same key share one reservation
+    model: str | None = None  # the model or checkpoint it loads, when the request names one (model files)
 
 
 def json_or_none(body: bytes) -> Any:

@@ -97,6 +97,12 @@ class OllamaAdapter(EngineAdapter):
         super().__init__(tenant)
         self.sizes = OllamaCatalog()  # per adapter, so per tenant: refreshed when a name is missing
 
+    model_layout = "ollama"
+    def load_seconds(self, answer_tail: bytes) -> float | None:
+        """`load_duration` (ns) on the final line of a generation, chat or embed answer."""
+        from proxy.models.loads import ollama_load_seconds
+        return ollama_load_seconds(answer_tail)
+
     def classify(self, method: str, path: str) -> RequestKind:
         if method.upper() == "POST" and path.rstrip("/") in GPU_ROUTES:
             return "gpu"
@@ -136,7 +142,7 @@ class OllamaAdapter(EngineAdapter):
         key = self.load_key(model)
         override = tenant.model_vram_gb.get(model, tenant.model_vram_gb.get(data["model"]))
         if override is not None:
-            return Need(int(override * GIB), f"{model} ({override:.2f} GiB, configured)", key)
+            return Need(int(override * GIB), f"{model} ({override:.2f} GiB, configured)", key, model)
         try:
             size = await self.sizes.size_of(tenant, client, model)
         except (httpx.HTTPError, ValueError) as exc:
@@ -145,8 +151,9 @@ class OllamaAdapter(EngineAdapter):
         if size is not None:
             total = size + tenant.context_allowance_bytes
             return Need(total, f"{model} ({size / GIB:.2f} GiB + {tenant.context_allowance_gb:.2f} GiB context allowance)",
-                        key)
-        return Need(tenant.needs_vram_bytes, f"{model} (size unknown: tenant need {tenant.needs_vram_gb:.2f} GiB)", key)
+                        key, model)
+        return Need(tenant.needs_vram_bytes, f"{model} (size unknown: tenant need {tenant.needs_vram_gb:.2f} GiB)", key,
+                    model)
 
     def response_is_oom(self, status: int, body: bytes) -> bool:
         if status < 400:
