@@ -254,6 +254,7 @@ class DecisionOutcome(_Doc):
     prompt_id: str | None = None
     job_id: str | None = Field(default=None, description="stale_job: the job no longer counted as running")
     # model_load: a load the engine timed itself (proxy/models/loads.py)
+    at: float | None = Field(default=None, description="model_load: when the load ended (unix seconds)")
     model: str | None = None
     size_bytes: int | None = None
     seconds: float | None = None
