@@ -17,7 +17,8 @@ from proxy.clock import Clock
 
 log = logging.getLogger("hyperswap.decisions")
 
-DecisionKind = Literal["plan", "queued", "release", "rejection", "oom_retry", "idle_release", "spill", "stale_job"]
+DecisionKind = Literal["plan", "queued", "release", "rejection", "oom_retry", "idle_release", "spill", "stale_job",
+                       "gpu_drift", "gpu_apply"]
 
 
 @dataclass(slots=True)

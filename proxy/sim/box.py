@@ -14,6 +14,7 @@ from proxy.errors import ConfigError
 from proxy.relay.servers import RunningServer
 from proxy.sim.comfyui import ComfySim, ComfySimConfig
 from proxy.sim.gpu import GIB, SimulatedGpu
+from proxy.sim.gpu_settings import SimulatedCardSettings, SimulatedSettingsSpec
 from proxy.sim.ollama import OllamaSim, OllamaSimConfig
 
 SCENARIOS = Path(__file__).with_name("scenarios")
@@ -24,6 +25,7 @@ class _GpuSpec(BaseModel):
     name: str = "Simulated RTX 4090"
     total_gb: float = 24.0
     reserved_gb: float = 0.3
+    settings: SimulatedSettingsSpec = Field(default_factory=SimulatedSettingsSpec)  # power limit, clocks, fans
 
 
 class _ProcessSpec(BaseModel):
@@ -90,6 +92,7 @@ class SimBox:
     def __post_init__(self) -> None:
         g = self.scenario.gpu
         self.gpu = SimulatedGpu(total_bytes=int(g.total_gb * GIB), reserved_bytes=int(g.reserved_gb * GIB), name=g.name)
+        self.gpu.card_settings = SimulatedCardSettings(name=g.name, spec=g.settings)
         for p in self.scenario.processes:
             self.gpu.spawn(p.name, p.cmdline, int(p.vram_gb * GIB), pid=p.pid, unknown_memory=p.unknown_memory)
         try:

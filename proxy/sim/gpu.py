@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot
+from proxy.sim.gpu_settings import SimulatedCardSettings
 
 GIB = 2**30
 
@@ -45,6 +46,7 @@ class SimulatedGpu:
         self._lock = threading.Lock()
         self.reads = 0
         self.fail_with: Exception | None = None  # set to make read() raise (health tests)
+        self.card_settings = SimulatedCardSettings(name=name)  # power limit, clocks, fans: GET /api/gpu
 
     # -- processes ------------------------------------------------------------------------
     def spawn(self, name: str, cmdline: str, used_bytes: int = 0, *, pid: int | None = None,
