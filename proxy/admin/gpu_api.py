@@ -122,7 +122,7 @@ class GpuSettingsExtension:
                                 err.fix if err else "wait for the first check")]
         entries: list[HealthEntry] = []
         now = k.clock.wall()
-        err = k.apply_error
+        apply_error = k.apply_error
         for c in view.checks:
             name = f"gpu profile {c.setting}"
             if c.status == "drift":
@@ -130,8 +130,8 @@ class GpuSettingsExtension:
                 if not profile.apply:
                     fix = "set gpu_profile.apply to true in tenants.json (the proxy then writes it; needs root)" + \
                           (f", or by hand: {c.by_hand}" if c.by_hand else "")
-                elif err is not None:
-                    fix = err.fix
+                elif apply_error is not None:
+                    fix = apply_error.fix
                 else:
                     fix = f"none needed: the proxy writes it at the next check (every {profile.check_interval_s:g} s)"
                 entries.append(HealthEntry(name, "degraded", f"GPU {view.index}: {c.note}"
@@ -150,11 +150,11 @@ class GpuSettingsExtension:
                                            "set gpu_profile.apply to true: the proxy then sets it at start and after "
                                            "each reset of the card" if not profile.apply else
                                            "wait for the next check; see the gpu profile apply entry"))
-        if err is not None:
-            entries.append(HealthEntry("gpu profile apply", "failed" if err.kind == "no_permission" else "degraded",
-                                       err.message + (f" (attempt {k.apply_failures}; next in "
+        if apply_error is not None:
+            entries.append(HealthEntry("gpu profile apply", "failed" if apply_error.kind == "no_permission" else "degraded",
+                                       apply_error.message + (f" (attempt {k.apply_failures}; next in "
                                                       f"{max(0.0, k.next_apply_at - k.clock.now()):.0f} s)"),
-                                       "the card keeps the settings above instead of the profile's", err.fix))
+                                       "the card keeps the settings above instead of the profile's", apply_error.fix))
         if not entries:
             shown = "; ".join(f"{NAMES[c.setting]} {c.note}" for c in view.checks if c.status == "ok")
             verb = "applied and matching" if profile.apply else "matching (compare only, apply is off)"

@@ -148,8 +148,8 @@ class GpuSettingsKeeper:
 
     def _track_drift(self, view: DeviceView, checks: tuple[FieldCheck, ...]) -> None:
         now = self.clock.wall()
-        before = set(view.drift_since)
-        drifting = {c.setting for c in checks if c.status == "drift"}
+        before: set[str] = set(view.drift_since)
+        drifting: set[str] = {c.setting for c in checks if c.status == "drift"}
         for setting in drifting - before:
             view.drift_since[setting] = now
         for setting in before - drifting:
@@ -185,7 +185,7 @@ class GpuSettingsKeeper:
             after = compare(profile, reread)
         except GpuReadError as exc:
             view.error = exc
-        still = [c.setting for c in after if c.status == "drift"]
+        still: list[str] = [c.setting for c in after if c.status == "drift"]
         ok = not errors and not still
         if ok:
             self._rewrite_pending = None

@@ -105,7 +105,7 @@ class GpuSettings:
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for name in self.__slots__:  # type: ignore[attr-defined]
+        for name in self.__slots__:
             value = getattr(self, name)
             if name == "fans":
                 value = None if value is None else [f.to_json() for f in value]

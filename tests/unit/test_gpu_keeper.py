@@ -90,7 +90,7 @@ async def test_drift_ending_is_logged_as_resolved() -> None:
 
 
 async def test_apply_writes_the_drifting_settings_through_the_writer_and_logs_it() -> None:
-    keeper, card, writer, log, _ = make({"power_limit_w": 300, "fan_policy": "manual", "fan_speed_percent": 55, "apply": True})
+    keeper, _card, writer, log, _ = make({"power_limit_w": 300, "fan_policy": "manual", "fan_speed_percent": 55, "apply": True})
     await keeper.check()
     assert [c for _, c in writer.writes] == [SettingChange("power_limit_w", 300.0), SettingChange("fan_speed_percent", 55, fan=0),
                                              SettingChange("fan_speed_percent", 55, fan=1)]
@@ -102,7 +102,7 @@ async def test_apply_writes_the_drifting_settings_through_the_writer_and_logs_it
 
 
 async def test_without_permission_the_error_says_root_and_retries_back_off() -> None:
-    keeper, card, writer, log, clock = make({"power_limit_w": 300, "apply": True})
+    keeper, _card, writer, log, clock = make({"power_limit_w": 300, "apply": True})
     writer.fail = SettingsWriteError("no_permission", "no permission (NVML answered Insufficient Permissions)", ROOT_FIX)
     await keeper.check()
     assert keeper.apply_error is not None and keeper.apply_error.kind == "no_permission"
@@ -128,7 +128,7 @@ async def test_a_value_the_card_ignores_counts_as_a_failed_apply() -> None:
         def write(self, index: int, change: SettingChange) -> None:
             self.writes.append((index, change))  # accepted, but the card does not change
 
-    keeper, card, writer, _, _ = make({"power_limit_w": 300, "apply": True}, writer=None)
+    keeper, card, _writer, _, _ = make({"power_limit_w": 300, "apply": True}, writer=None)
     keeper.writer = Ignoring(card)
     await keeper.check()
     assert keeper.apply_error is not None and "still shows power_limit_w" in keeper.apply_error.message
@@ -148,7 +148,7 @@ async def test_after_a_driver_reset_the_profile_is_written_again() -> None:
 
 
 async def test_after_the_card_could_not_be_read_unreadable_settings_are_written_again() -> None:
-    keeper, card, writer, _, _ = make({"locked_clocks_mhz": {"min": 900, "max": 2100}, "apply": True},
+    keeper, _card, writer, _, _ = make({"locked_clocks_mhz": {"min": 900, "max": 2100}, "apply": True},
                                       {"readable_locked_clocks": False})
     await keeper.check()
     keeper.source.down = True  # type: ignore[union-attr]
@@ -160,7 +160,8 @@ async def test_after_the_card_could_not_be_read_unreadable_settings_are_written_
 
 
 async def test_unsupported_settings_are_never_written() -> None:
-    keeper, _, writer, _, _ = make({"power_limit_w": 300, "fan_policy": "auto", "apply": True}, {"unsupported": ["power_limit_w", "fans"]})
+    keeper, _, writer, _, _ = make({"power_limit_w": 300, "fan_policy": "auto", "apply": True},
+                                   {"unsupported": ["power_limit_w", "fans"]})
     await keeper.check()
     assert writer.writes == []
     assert [c.status for c in keeper.devices[0].checks] == ["unsupported", "unsupported"]
@@ -168,7 +169,7 @@ async def test_unsupported_settings_are_never_written() -> None:
 
 @pytest.mark.parametrize("apply", [False, True])
 async def test_a_card_that_cannot_be_read_is_kept_as_an_error_never_raised(apply: bool) -> None:
-    keeper, _, writer, _, _ = make({"power_limit_w": 300, "apply": apply}, writer=NeverWriter())
+    keeper, _, _writer, _, _ = make({"power_limit_w": 300, "apply": apply}, writer=NeverWriter())
     keeper.source.down = True  # type: ignore[union-attr]
     await keeper.check()
     assert keeper.devices[0].error is not None and keeper.devices[0].settings is None

@@ -98,7 +98,7 @@ def nvml() -> FakeNvml:
 
 
 def reader(nvml: FakeNvml) -> NvmlSettingsReader:
-    return NvmlSettingsReader(nvml=nvml, wall=lambda: 1_796_000_000.0)  # type: ignore[arg-type]
+    return NvmlSettingsReader(nvml=nvml, wall=lambda: 1_796_000_000.0)
 
 
 def test_reads_every_setting_in_watts_and_megahertz(nvml: FakeNvml) -> None:

@@ -71,14 +71,14 @@ def test_no_test_can_reach_the_real_writer() -> None:
     (SettingChange("fan_speed_percent", 60, fan=0), ("fan_speed", "h1", 0, 60)),
 ])
 def test_each_setting_becomes_one_nvml_set_call(nvml: FakeNvml, change: SettingChange, call: tuple[Any, ...]) -> None:
-    NvmlSettingsWriter(nvml=nvml).write(1, change)  # type: ignore[arg-type]
+    NvmlSettingsWriter(nvml=nvml).write(1, change)
     assert nvml.calls == [("init",), call]
 
 
 def test_no_permission_says_root_is_needed(nvml: FakeNvml) -> None:
     nvml.error = nvml.NVMLError_NoPermission("Insufficient Permissions")
     with pytest.raises(SettingsWriteError) as info:
-        NvmlSettingsWriter(nvml=nvml).write(0, SettingChange("power_limit_w", 300.0))  # type: ignore[arg-type]
+        NvmlSettingsWriter(nvml=nvml).write(0, SettingChange("power_limit_w", 300.0))
     assert info.value.kind == "no_permission" and info.value.fix == ROOT_FIX and "root" in ROOT_FIX
     assert "power_limit_w = 300.0" in info.value.message
 
@@ -91,5 +91,5 @@ def test_no_permission_says_root_is_needed(nvml: FakeNvml) -> None:
 def test_driver_refusals_map_to_kinds_with_fixes(nvml: FakeNvml, error: str, kind: str, fix_word: str) -> None:
     nvml.error = getattr(nvml, error)("boom")
     with pytest.raises(SettingsWriteError) as info:
-        NvmlSettingsWriter(nvml=nvml).write(0, SettingChange("gpc_clock_offset_mhz", 100))  # type: ignore[arg-type]
+        NvmlSettingsWriter(nvml=nvml).write(0, SettingChange("gpc_clock_offset_mhz", 100))
     assert info.value.kind == kind and fix_word in info.value.fix
