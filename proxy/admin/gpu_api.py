@@ -44,7 +44,8 @@ def backend_for(reader: object) -> tuple[SettingsSource | None, SettingsWriter |
     if card is not None:
         return card, card, ""
     if isinstance(reader, NvmlReader):
-        return NvmlSettingsReader(), NvmlSettingsWriter(), ""
+        # the same pynvml module as the memory reader (one a test injected, else imported on first use)
+        return NvmlSettingsReader(nvml=reader._nvml), NvmlSettingsWriter(), ""
     return None, None, "the GPU reader in use cannot read the card's settings (no NVML)"
 
 
@@ -102,6 +103,8 @@ class GpuSettingsExtension:
         await self._fresh()
         k, profile = self.keeper, self.keeper.profile
         if profile is None:
+            if k.source is None or k.list_error is not None:
+                return []  # nothing to compare, and nothing read: the nvml entry says why
             return [HealthEntry("gpu profile", "ok", "no gpu_profile in tenants.json: the card's settings are read "
                                 "(GET /api/gpu), never written")]
         if k.source is None or k.list_error is not None:

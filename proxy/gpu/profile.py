@@ -123,7 +123,11 @@ def _fans(p: GpuProfile, s: GpuSettings) -> list[FieldCheck]:
                 "noise and temperatures differ from the profile")
         out.append(FieldCheck("fan_policy", "drift", policy, shown, f"fans are {shown}, the profile wants {policy}", cost))
     want = p.fan_speed_percent
-    if want is not None:
+    rng = s.fan_speed_range_percent
+    if want is not None and rng is not None and not rng[0] <= want <= rng[1]:
+        out.append(FieldCheck("fan_speed_percent", "unsupported", want, [f.speed_percent for f in s.fans],
+                              f"{want} % is outside the fans' range ({rng[0]}-{rng[1]} %)"))
+    elif want is not None:
         speeds = [f.speed_percent for f in s.fans]
         if any(v is None for v in speeds):
             reasons = {s.unavailable.get(f"fans[{f.index}].speed") for f in s.fans if f.speed_percent is None}
@@ -175,7 +179,7 @@ def plan_changes(profile: GpuProfile, settings: GpuSettings, checks: tuple[Field
         out.append(SettingChange("mem_clock_offset_mhz", profile.mem_clock_offset_mhz))
     fans = settings.fans or ()
     if profile.fan_policy == "manual" and profile.fan_speed_percent is not None:
-        if wanted("fan_policy") or wanted("fan_speed_percent"):
+        if status.get("fan_speed_percent") != "unsupported" and (wanted("fan_policy") or wanted("fan_speed_percent")):
             # setting a speed puts the fan under manual control
             out.extend(SettingChange("fan_speed_percent", profile.fan_speed_percent, fan=f.index) for f in fans)
     elif profile.fan_policy == "auto" and wanted("fan_policy"):

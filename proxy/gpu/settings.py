@@ -98,6 +98,7 @@ class GpuSettings:
     mem_clock_offset_mhz: int | None = None
     mem_clock_offset_range_mhz: tuple[int, int] | None = None
     fans: tuple[FanState, ...] | None = None  # (): the card reports no fans it controls
+    fan_speed_range_percent: tuple[int, int] | None = None  # what a manual speed may be
     persistence_mode: bool | None = None
     temperature_c: int | None = None
     clock_event_reasons: tuple[str, ...] | None = None
@@ -267,6 +268,9 @@ class NvmlSettingsReader:
         count = f.call("fans", "nvmlDeviceGetNumFans", handle, convert=int)
         if count is None:
             return
+        if count:
+            f.call("fan_speed_range_percent", "nvmlDeviceGetMinMaxFanSpeed", handle,
+                   convert=lambda v: (int(v[0]), int(v[1])))
         fans: list[FanState] = []
         for i in range(count):
             probe = _Fields(f.nvml)

@@ -101,11 +101,10 @@ class NvmlSettingsWriter:
             nvml.nvmlDeviceSetGpcClkVfOffset(handle, int(v))  # type: ignore[arg-type]
         elif change.setting == "mem_clock_offset_mhz":
             nvml.nvmlDeviceSetMemClkVfOffset(handle, int(v))  # type: ignore[arg-type]
-        elif change.setting == "fan_policy":
-            policy = getattr(nvml, "NVML_FAN_POLICY_MANUAL", 1) if v == "manual" else \
-                getattr(nvml, "NVML_FAN_POLICY_TEMPERATURE_CONTINOUS_SW", 0)
-            nvml.nvmlDeviceSetFanControlPolicy(handle, change.fan or 0, policy)
+        elif change.setting == "fan_policy" and v == "auto":
+            nvml.nvmlDeviceSetDefaultFanSpeed_v2(handle, change.fan or 0)  # back to the driver's own curve
         elif change.setting == "fan_speed_percent":
+            # NVML puts the fan under manual control with this call; the speed floor is checked by the caller
             nvml.nvmlDeviceSetFanSpeed_v2(handle, change.fan or 0, int(v))  # type: ignore[arg-type]
         else:  # pragma: no cover - SettingName is closed
             raise ValueError(f"unknown setting {change.setting!r}")

@@ -27,7 +27,7 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "locked_clocks_mhz": ("locked_clocks_mhz",),
     "gpc_clock_offset_mhz": ("gpc_clock_offset_mhz", "gpc_clock_offset_range_mhz"),
     "mem_clock_offset_mhz": ("mem_clock_offset_mhz", "mem_clock_offset_range_mhz"),
-    "fans": ("fans",),
+    "fans": ("fans", "fan_speed_range_percent"),
 }
 Unsupportable = Literal["power_limit_w", "locked_clocks_mhz", "gpc_clock_offset_mhz", "mem_clock_offset_mhz", "fans"]
 
@@ -48,6 +48,7 @@ class SimulatedSettingsSpec(BaseModel):
     mem_clock_offset_range_mhz: tuple[int, int] = (-2000, 6000)
     fans: int = 2
     fan_speed_percent: int = 30
+    fan_speed_range_percent: tuple[int, int] = (30, 100)
     fan_policy: str = "auto"
     persistence_mode: bool = True
     temperature_c: int = 41
@@ -120,6 +121,7 @@ class SimulatedCardSettings:
             "mem_clock_offset_mhz": st.mem_clock_offset_mhz, "mem_clock_offset_range_mhz": spec.mem_clock_offset_range_mhz,
             "fans": tuple(FanState(i, sp, po if po in ("auto", "manual") else None)  # type: ignore[arg-type]
                           for i, (sp, po) in enumerate(zip(st.fan_speeds, st.fan_policies, strict=True))),
+            "fan_speed_range_percent": spec.fan_speed_range_percent if spec.fans else None,
             "persistence_mode": st.persistence_mode, "temperature_c": spec.temperature_c,
             "clock_event_reasons": ("gpu_idle",),
         }
@@ -170,7 +172,7 @@ class SimulatedCardSettings:
                 if v == "auto":
                     st.fan_speeds[change.fan] = spec.fan_speed_percent
             elif change.setting == "fan_speed_percent" and change.fan is not None and change.fan < len(st.fan_speeds) \
-                    and isinstance(v, int):
+                    and isinstance(v, int) and spec.fan_speed_range_percent[0] <= v <= spec.fan_speed_range_percent[1]:
                 st.fan_policies[change.fan] = "manual"
                 st.fan_speeds[change.fan] = v
             else:

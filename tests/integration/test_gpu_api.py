@@ -3,17 +3,22 @@ Writes go to the simulated card only (its own SettingsWriter); the real NVML wri
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import httpx
 from boxes import DemoFactory, fast
 
-from proxy.admin.gpu_api import GpuSettingsExtension
+from proxy.admin.gpu_api import GpuSettingsExtension, gpu_extension
+from proxy.gpu.nvml import NvmlReader
 from proxy.gpu.settings_writer import ROOT_FIX
+from proxy.service import Proxy
+from proxy.tenants import registry_from_dict
 
 
-def gpu_ext(demo: Any) -> GpuSettingsExtension:
-    return next(e for e in demo.proxy.extensions if isinstance(e, GpuSettingsExtension))
+def gpu_ext(demo_or_proxy: Any) -> GpuSettingsExtension:
+    proxy = getattr(demo_or_proxy, "proxy", demo_or_proxy)
+    return next(e for e in proxy.extensions if isinstance(e, GpuSettingsExtension))
 
 
 async def get(http: httpx.AsyncClient, demo: Any, path: str) -> Any:
@@ -102,3 +107,28 @@ async def test_a_profile_for_a_gpu_that_is_not_there_fails_with_the_indices(box:
     demo = await box(with_profile({"power_limit_w": 300.0, "device": 3}))
     e = entries(await get(http, demo, "/api/health"))["gpu profile"]
     assert e["status"] == "failed" and "gpu_profile.device 3" in e["problem"] and e["fix"].endswith("0")
+
+
+def nvml_without_library() -> types.ModuleType:
+    """pynvml on a machine without the driver: nvmlInit raises NVMLError_LibraryNotFound."""
+    nvml = types.ModuleType("pynvml")
+    missing = type("NVMLError_LibraryNotFound", (Exception,), {})
+
+    def init() -> None:
+        raise missing("NVML Shared Library Not Found")
+
+    nvml.NVMLError_LibraryNotFound = missing  # type: ignore[attr-defined]
+    nvml.nvmlInit = init  # type: ignore[attr-defined]
+    return nvml
+
+
+async def test_without_nvml_the_profile_cannot_be_compared_and_nothing_is_written() -> None:
+    reader = NvmlReader(nvml=nvml_without_library())
+    proxy = Proxy(registry_from_dict({"gpu_profile": {"power_limit_w": 300, "apply": True}}), reader,
+                  extension_factories=[gpu_extension])
+    ext = gpu_ext(proxy)
+    (e,) = await ext.gpu_health()  # the real NVML writer raises under tests: a write would fail this test
+    assert e.status == "unknown" and "library_missing" in (e.problem or "") and "install" in (e.fix or "")
+    assert ext.keeper.to_json()["list_error"]["state"] == "library_missing"
+    quiet = Proxy(registry_from_dict({}), reader, extension_factories=[gpu_extension])
+    assert await gpu_ext(quiet).gpu_health() == [], "no profile and no card: nothing to claim (the nvml entry says why)"

@@ -18,7 +18,8 @@ def card(**kw: Any) -> GpuSettings:
                                 power_limit_default_w=450.0, power_limit_range_w=(150.0, 600.0), max_graphics_clock_mhz=3000,
                                 gpc_clock_offset_mhz=0, gpc_clock_offset_range_mhz=(-500, 500), mem_clock_offset_mhz=0,
                                 mem_clock_offset_range_mhz=(-1000, 1000),
-                                fans=(FanState(0, 30, "auto"), FanState(1, 31, "auto")), persistence_mode=True,
+                                fans=(FanState(0, 30, "auto"), FanState(1, 31, "auto")), fan_speed_range_percent=(30, 100),
+                                persistence_mode=True,
                                 unavailable={"locked_clocks_mhz": LOCKED_CLOCKS_UNREADABLE})
     base.update(kw)
     return GpuSettings(**base)
@@ -152,3 +153,11 @@ def test_a_setting_that_was_ok_and_falls_back_to_default_signals_a_reset() -> No
     after = card()  # back to the 450 W default
     reason = reset_reason(before, compare(p, before), after, compare(p, after), read_failed_between=False)
     assert reason is not None and "power_limit_w" in reason
+
+
+def test_a_manual_fan_speed_below_the_cards_floor_is_unsupported_and_never_written() -> None:
+    p = profile(fan_policy="manual", fan_speed_percent=10)
+    checks = compare(p, card())
+    assert status(checks) == {"fan_policy": "drift", "fan_speed_percent": "unsupported"}
+    assert "30-100 %" in checks[1].note
+    assert plan_changes(p, card(), checks, rewrite_unreadable=True) == [], "a fan too slow could overheat the card"

@@ -75,6 +75,7 @@ class FakeNvml(types.ModuleType):
             "nvmlDeviceGetMemClkVfOffset": lambda h: -200,
             "nvmlDeviceGetMemClkMinMaxVfOffset": lambda h: (-2000, 6000),
             "nvmlDeviceGetNumFans": lambda h: self.fans,
+            "nvmlDeviceGetMinMaxFanSpeed": lambda h: [30, 100],
             "nvmlDeviceGetFanSpeed_v2": lambda h, i: 0 if i == 0 else 35,
             "nvmlDeviceGetFanControlPolicy_v2": lambda h, i: 1 if i == 1 else 0,
             "nvmlDeviceGetPersistenceMode": lambda h: 1,
@@ -112,6 +113,7 @@ def test_reads_every_setting_in_watts_and_megahertz(nvml: FakeNvml) -> None:
     assert (s.gpc_clock_offset_mhz, s.gpc_clock_offset_range_mhz) == (150, (-1000, 1000))
     assert (s.mem_clock_offset_mhz, s.mem_clock_offset_range_mhz) == (-200, (-2000, 6000))
     assert [(f.index, f.speed_percent, f.policy) for f in s.fans or ()] == [(0, 0, "auto"), (1, 35, "manual")]
+    assert s.fan_speed_range_percent == (30, 100)
     assert (s.persistence_mode, s.temperature_c) == (True, 47)
     assert s.clock_event_reasons == ("gpu_idle", "sw_power_cap")
 

@@ -17,7 +17,6 @@ class FakeNvml(types.ModuleType):
         self.NVMLError = type("NVMLError", (Exception,), {})
         for name in ("NotSupported", "NoPermission", "InvalidArgument", "GpuIsLost", "FunctionNotFound"):
             setattr(self, f"NVMLError_{name}", type(f"NVMLError_{name}", (self.NVMLError,), {}))
-        self.NVML_FAN_POLICY_TEMPERATURE_CONTINOUS_SW, self.NVML_FAN_POLICY_MANUAL = 0, 1
         self.calls: list[tuple[Any, ...]] = []
         self.error: Exception | None = None
 
@@ -44,8 +43,8 @@ class FakeNvml(types.ModuleType):
     def nvmlDeviceSetMemClkVfOffset(self, h: str, v: int) -> None:
         self._record("mem", h, v)
 
-    def nvmlDeviceSetFanControlPolicy(self, h: str, fan: int, policy: int) -> None:
-        self._record("fan_policy", h, fan, policy)
+    def nvmlDeviceSetDefaultFanSpeed_v2(self, h: str, fan: int) -> None:
+        self._record("fan_default", h, fan)
 
     def nvmlDeviceSetFanSpeed_v2(self, h: str, fan: int, speed: int) -> None:
         self._record("fan_speed", h, fan, speed)
@@ -67,7 +66,7 @@ def test_no_test_can_reach_the_real_writer() -> None:
     (SettingChange("locked_clocks_mhz", (1000, 2500)), ("locked", "h1", 1000, 2500)),
     (SettingChange("gpc_clock_offset_mhz", -150), ("gpc", "h1", -150)),
     (SettingChange("mem_clock_offset_mhz", 800), ("mem", "h1", 800)),
-    (SettingChange("fan_policy", "auto", fan=1), ("fan_policy", "h1", 1, 0)),
+    (SettingChange("fan_policy", "auto", fan=1), ("fan_default", "h1", 1)),
     (SettingChange("fan_speed_percent", 60, fan=0), ("fan_speed", "h1", 0, 60)),
 ])
 def test_each_setting_becomes_one_nvml_set_call(nvml: FakeNvml, change: SettingChange, call: tuple[Any, ...]) -> None:
