@@ -148,11 +148,14 @@ class GpuSettingsExtension:
                     any(ch.startswith(c.setting) for ch in k.last_apply.changes)
                 if written:
                     continue  # written without error and re-written after each suspected reset
+                if "permission" in c.note:
+                    fix = "run the proxy as root: NVML shows this setting only to root"
+                elif not profile.apply:
+                    fix = "set gpu_profile.apply to true: the proxy then sets it at start and after each reset of the card"
+                else:
+                    fix = "wait for the next check; see the gpu profile apply entry"
                 entries.append(HealthEntry(name, "unknown", f"GPU {view.index}: {c.note}",
-                                           f"whether the card runs with the profile's {NAMES[c.setting]} is unknown",
-                                           "set gpu_profile.apply to true: the proxy then sets it at start and after "
-                                           "each reset of the card" if not profile.apply else
-                                           "wait for the next check; see the gpu profile apply entry"))
+                                           f"whether the card runs with the profile's {NAMES[c.setting]} is unknown", fix))
         if apply_error is not None:
             entries.append(HealthEntry("gpu profile apply", "failed" if apply_error.kind == "no_permission" else "degraded",
                                        apply_error.message + (f" (attempt {k.apply_failures}; next in "
