@@ -132,3 +132,16 @@ async def test_without_nvml_the_profile_cannot_be_compared_and_nothing_is_writte
     assert ext.keeper.to_json()["list_error"]["state"] == "library_missing"
     quiet = Proxy(registry_from_dict({}), reader, extension_factories=[gpu_extension])
     assert await gpu_ext(quiet).gpu_health() == [], "no profile and no card: nothing to claim (the nvml entry says why)"
+
+
+async def test_locked_clocks_nvml_cannot_read_are_unknown_until_the_proxy_writes_them(box: DemoFactory,
+                                                                                      http: httpx.AsyncClient) -> None:
+    locked = {"locked_clocks_mhz": {"min": 900, "max": 2100}}
+    compare_only = await box(with_profile(locked, {"readable_locked_clocks": False}))
+    e = entries(await get(http, compare_only, "/api/health"))["gpu profile locked_clocks_mhz"]
+    assert e["status"] == "unknown" and "reads locked clocks back" in e["problem"] and "apply to true" in e["fix"]
+    applied = await box(with_profile({**locked, "apply": True}, {"readable_locked_clocks": False}))
+    await gpu_ext(applied).keeper.check()
+    health = entries(await get(http, applied, "/api/health"))
+    assert list(health) == ["gpu profile"] and health["gpu profile"]["status"] == "ok"
+    assert [c.setting for _, c in applied.box.gpu.card_settings.writes] == ["locked_clocks_mhz"]
