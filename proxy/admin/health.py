@@ -435,8 +435,8 @@ class HealthExtension:
 
     async def check_gpu_profile(self, snap: AttributedSnapshot) -> list[HealthEntry]:
         """The card's settings against gpu_profile, from the extension that keeps them (proxy.admin.gpu_api)."""
-        keeper = next((e for e in self.proxy.extensions if callable(getattr(e, "gpu_health", None))), None)
-        return [] if keeper is None else list(await keeper.gpu_health())  # type: ignore[union-attr]
+        gpu_health = next((fn for e in self.proxy.extensions if callable(fn := getattr(e, "gpu_health", None))), None)
+        return [] if gpu_health is None else list(await gpu_health())
 
     # -- /api/engines ------------------------------------------------------------------------------
     def _host_reads(self) -> bool:
