@@ -29,6 +29,7 @@ NOT_SUPPORTED = "not supported by this card or driver"
 NO_PERMISSION = "no permission to read it (NVML answered Insufficient Permissions): run the proxy as root to see it"
 # NVML can set locked clocks but has no call that reads them back.
 LOCKED_CLOCKS_UNREADABLE = "NVML has no call that reads locked clocks back (it can only set and reset them)"
+ZERO_REPORTED = "the driver reports 0: not set or not applicable on this card"
 NOT_LOCKED = "not locked: the driver picks the clocks"  # a reader that can see locked clocks, and none are set
 
 # nvmlClocksEventReason* bits (the same bits as the older nvmlClocksThrottleReason*), by the names shown.
@@ -137,8 +138,10 @@ class _Fields:
     def _is(self, exc: BaseException, names: tuple[str, ...]) -> bool:
         return any(isinstance(c := getattr(self.nvml, n, None), type) and isinstance(exc, c) for n in names)
 
-    def call(self, names: str | tuple[str, ...], fn_name: str, *args: Any, convert: Callable[[Any], Any] = lambda v: v) -> Any:
-        """Call `nvml.<fn_name>(*args)`; on failure mark every field in `names` unavailable and return None."""
+    def call(self, names: str | tuple[str, ...], fn_name: str, *args: Any, convert: Callable[[Any], Any] = lambda v: v,
+             zero_is_unknown: bool = False) -> Any:
+        """Call `nvml.<fn_name>(*args)`; on failure mark every field in `names` unavailable and return None.
+        `zero_is_unknown`: a 0 from the driver means "not set here" (a power limit, a maximum clock), not a value."""
         fields = (names,) if isinstance(names, str) else names
         fn = getattr(self.nvml, fn_name, None)
         if fn is None:
@@ -156,15 +159,21 @@ class _Fields:
                 else:
                     reason = f"NVML {fn_name} failed: {type(exc).__name__}: {exc}"
             else:
-                for f in fields:
-                    self.values.setdefault(f, value)
-                return value
+                if not (zero_is_unknown and _zero(value)):
+                    for f in fields:
+                        self.values.setdefault(f, value)
+                    return value
+                reason = ZERO_REPORTED
         for f in fields:
             self.unavailable.setdefault(f, reason)
         return None
 
     def set(self, name: str, value: Any) -> None:
         self.values[name] = value
+
+
+def _zero(value: Any) -> bool:
+    return not any(value) if isinstance(value, tuple) else not value
 
 
 def _w(milliwatts: Any) -> float:
@@ -231,11 +240,12 @@ class NvmlSettingsReader:
 
     @staticmethod
     def _power(f: _Fields, nvml: ModuleType, handle: object) -> None:
-        f.call("power_limit_w", "nvmlDeviceGetPowerManagementLimit", handle, convert=_w)
-        f.call("power_limit_default_w", "nvmlDeviceGetPowerManagementDefaultLimit", handle, convert=_w)
+        f.call("power_limit_w", "nvmlDeviceGetPowerManagementLimit", handle, convert=_w, zero_is_unknown=True)
+        f.call("power_limit_default_w", "nvmlDeviceGetPowerManagementDefaultLimit", handle, convert=_w,
+               zero_is_unknown=True)
         f.call("power_limit_range_w", "nvmlDeviceGetPowerManagementLimitConstraints", handle,
-               convert=lambda v: (_w(v[0]), _w(v[1])))
-        f.call("enforced_power_limit_w", "nvmlDeviceGetEnforcedPowerLimit", handle, convert=_w)
+               convert=lambda v: (_w(v[0]), _w(v[1])), zero_is_unknown=True)
+        f.call("enforced_power_limit_w", "nvmlDeviceGetEnforcedPowerLimit", handle, convert=_w, zero_is_unknown=True)
         f.call("power_draw_w", "nvmlDeviceGetPowerUsage", handle, convert=_w)
 
     @staticmethod
@@ -246,14 +256,16 @@ class NvmlSettingsReader:
         f.call("graphics_clock_mhz", "nvmlDeviceGetClockInfo", handle, graphics, convert=int)
         f.call("sm_clock_mhz", "nvmlDeviceGetClockInfo", handle, sm, convert=int)
         f.call("memory_clock_mhz", "nvmlDeviceGetClockInfo", handle, mem, convert=int)
-        f.call("max_graphics_clock_mhz", "nvmlDeviceGetMaxClockInfo", handle, graphics, convert=int)
-        f.call("max_memory_clock_mhz", "nvmlDeviceGetMaxClockInfo", handle, mem, convert=int)
-        f.call("applications_graphics_clock_mhz", "nvmlDeviceGetApplicationsClock", handle, graphics, convert=int)
-        f.call("applications_memory_clock_mhz", "nvmlDeviceGetApplicationsClock", handle, mem, convert=int)
+        f.call("max_graphics_clock_mhz", "nvmlDeviceGetMaxClockInfo", handle, graphics, convert=int, zero_is_unknown=True)
+        f.call("max_memory_clock_mhz", "nvmlDeviceGetMaxClockInfo", handle, mem, convert=int, zero_is_unknown=True)
+        f.call("applications_graphics_clock_mhz", "nvmlDeviceGetApplicationsClock", handle, graphics, convert=int,
+               zero_is_unknown=True)
+        f.call("applications_memory_clock_mhz", "nvmlDeviceGetApplicationsClock", handle, mem, convert=int,
+               zero_is_unknown=True)
         f.call("default_applications_graphics_clock_mhz", "nvmlDeviceGetDefaultApplicationsClock", handle, graphics,
-               convert=int)
+               convert=int, zero_is_unknown=True)
         f.call("default_applications_memory_clock_mhz", "nvmlDeviceGetDefaultApplicationsClock", handle, mem,
-               convert=int)
+               convert=int, zero_is_unknown=True)
 
     @staticmethod
     def _offsets(f: _Fields, handle: object) -> None:

@@ -11,7 +11,14 @@ from typing import Any
 
 import pytest
 
-from proxy.gpu.settings import LOCKED_CLOCKS_UNREADABLE, NO_PERMISSION, NOT_SUPPORTED, NvmlSettingsReader, decode_reasons
+from proxy.gpu.settings import (
+    LOCKED_CLOCKS_UNREADABLE,
+    NO_PERMISSION,
+    NOT_SUPPORTED,
+    ZERO_REPORTED,
+    NvmlSettingsReader,
+    decode_reasons,
+)
 from proxy.gpu.snapshot import GpuReadError
 
 
@@ -38,6 +45,8 @@ class FakeNvml(types.ModuleType):
         self.fail: dict[str, Exception] = {}  # function name -> what it raises
         self.fans = 2
         self.reasons = 0x1 | 0x4
+        self.app_clocks = {0: 1800, 2: 10501}
+        self.limits = [150_000, 600_000]
 
     def _check(self, name: str) -> None:
         if name in self.fail:
@@ -63,12 +72,12 @@ class FakeNvml(types.ModuleType):
         values: dict[str, Callable[..., Any]] = {
             "nvmlDeviceGetPowerManagementLimit": lambda h: 300_000,
             "nvmlDeviceGetPowerManagementDefaultLimit": lambda h: 450_000,
-            "nvmlDeviceGetPowerManagementLimitConstraints": lambda h: [150_000, 600_000],
+            "nvmlDeviceGetPowerManagementLimitConstraints": lambda h: self.limits,
             "nvmlDeviceGetEnforcedPowerLimit": lambda h: 300_000,
             "nvmlDeviceGetPowerUsage": lambda h: 31_456,
             "nvmlDeviceGetClockInfo": lambda h, t: {0: 210, 1: 210, 2: 405}[t],
             "nvmlDeviceGetMaxClockInfo": lambda h, t: {0: 3120, 2: 10501}[t],
-            "nvmlDeviceGetApplicationsClock": lambda h, t: {0: 1800, 2: 10501}[t],
+            "nvmlDeviceGetApplicationsClock": lambda h, t: self.app_clocks[t],
             "nvmlDeviceGetDefaultApplicationsClock": lambda h, t: {0: 1800, 2: 10501}[t],
             "nvmlDeviceGetGpcClkVfOffset": lambda h: 150,
             "nvmlDeviceGetGpcClkMinMaxVfOffset": lambda h: (-1000, 1000),
@@ -222,3 +231,13 @@ def test_a_missing_library_is_library_missing(monkeypatch: pytest.MonkeyPatch) -
     with pytest.raises(GpuReadError) as info:
         NvmlSettingsReader().device_indices()
     assert info.value.state == "library_missing"
+
+
+def test_a_zero_where_zero_means_not_set_is_null_with_the_reason(nvml: FakeNvml) -> None:
+    nvml.app_clocks = {0: 0, 2: 0}
+    nvml.limits = [0, 0]
+    s = reader(nvml).read_settings(0)
+    assert (s.applications_graphics_clock_mhz, s.applications_memory_clock_mhz, s.power_limit_range_w) == (None, None, None)
+    assert s.unavailable["applications_graphics_clock_mhz"] == ZERO_REPORTED
+    assert s.unavailable["power_limit_range_w"] == ZERO_REPORTED
+    assert s.fans is not None and s.fans[0].speed_percent == 0, "a fan speed of 0 is a reading, not a gap"
