@@ -62,6 +62,13 @@ class DeviceView:
     drift_since: dict[str, float] = field(default_factory=dict)  # setting -> unix seconds
     read_failed_since_ok: bool = False
 
+    def lost(self, error: GpuReadError) -> None:
+        """The card could not be read: what was read before is no longer a claim anyone can make."""
+        self.error = error
+        self.settings = None
+        self.checks = ()
+        self.read_failed_since_ok = True
+
     def to_json(self, profiled: bool) -> dict[str, Any]:
         out: dict[str, Any] = {"index": self.index, "settings": self.settings.to_json() if self.settings else None,
                                "error": None if self.error is None else
@@ -116,15 +123,14 @@ class GpuSettingsKeeper:
         except GpuReadError as exc:
             self.list_error = exc
             for view in self.devices.values():
-                view.read_failed_since_ok = True
+                view.lost(exc)
             return
         for index in indices:
             view = self.devices.setdefault(index, DeviceView(index))
             try:
                 settings = await asyncio.to_thread(source.read_settings, index)
             except GpuReadError as exc:
-                view.error = exc
-                view.read_failed_since_ok = True
+                view.lost(exc)
                 continue
             view.error = None
             view.settings = settings
