@@ -107,6 +107,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     return check_main(args.config, args.admin, args.json)
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    from proxy.verify import admin_url, verify_main
+
+    return verify_main(admin_url(args.config, args.admin), yes=args.yes, as_json=args.json, comfy_graph=args.comfy_graph,
+                       checkpoint=args.comfy_checkpoint, stage_timeout_s=args.stage_timeout)
+
+
 def cmd_mcp(args: argparse.Namespace) -> int:
     from proxy.admin.mcp_tools import mcp_main
 
@@ -126,7 +133,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         r = httpx.get(f"{url}/api/plan", params=params, timeout=10, trust_env=False)
     except httpx.HTTPError as exc:
-        raise HyperSwapError(f"no proxy answering at {url}: {exc}", fix="start it with `hyperswap serve` (or `hyperswap demo`)") from None
+        raise HyperSwapError(f"no proxy answering at {url}: {exc}",
+                             fix="start it with `hyperswap serve` (or `hyperswap demo`)") from None
     body = r.json()
     if r.status_code != 200:
         raise HyperSwapError(body.get("error", r.text), fix=body.get("fix"))
@@ -165,6 +173,17 @@ def build_parser() -> argparse.ArgumentParser:
                 cmd_check)
     check.add_argument("--admin", metavar="URL", help="admin API URL (default: from tenants.json)")
     check.add_argument("--json", action="store_true")
+    verify = add("verify", "prove end to end, through a running proxy, that the arbitration works on this box: "
+                 "engines, a generation, a graph, a reclaim, out of memory, a 507", cmd_verify)
+    verify.add_argument("--admin", metavar="URL", help="admin API URL (default: from tenants.json)")
+    verify.add_argument("--yes", action="store_true", help="consent to releasing idle tenants (needed to run "
+                        "the reclaim and out-of-memory stages without asking)")
+    verify.add_argument("--json", action="store_true", help="machine-readable report")
+    verify.add_argument("--comfy-graph", metavar="FILE", help="your ComfyUI graph in API format (default: a minimal "
+                        "graph built from the installed nodes)")
+    verify.add_argument("--comfy-checkpoint", metavar="NAME",
+                        help="the checkpoint of the minimal graph (default: the first listed)")
+    verify.add_argument("--stage-timeout", type=float, default=180.0, metavar="SECONDS", help="the most one stage may take")
     plan = add("plan", "print a dry-run release plan from a running proxy", cmd_plan)
     plan.add_argument("--tenant", help="the tenant that needs memory")
     plan.add_argument("--need-gb", type=float, help="GiB it needs (default: its needs_vram_gb)")
