@@ -77,6 +77,13 @@ class TelemetryReadings(Protocol):
     def min_vram(self, tenant: str, window_s: float) -> int | None: ...
 
 
+@runtime_checkable
+class GpuHealth(Protocol):
+    """What health reads from the GPU settings extension: its entries against gpu_profile."""
+
+    async def gpu_health(self) -> list[HealthEntry]: ...
+
+
 Check = Callable[[AttributedSnapshot], Awaitable["HealthEntry | list[HealthEntry]"]]
 
 
@@ -120,6 +127,7 @@ class HealthExtension:
             NamedCheck("telemetry", self.check_telemetry),
             NamedCheck("stale queue entries", self.check_stale),
             NamedCheck("unmanaged VRAM", self.check_unmanaged),
+            NamedCheck("gpu profile", self.check_gpu_profile),
             NamedCheck("gpu devices", self.check_devices),
         ]
 
@@ -432,6 +440,11 @@ class HealthExtension:
                     f"{_gib(without)} still fits the {_gib(actual)} left"
                     + (f" ({len(unknown)} process(es) of unknown size not counted)" if unknown else "")))
         return out or [HealthEntry("unmanaged VRAM", "ok", f"unmanaged processes hold {_gib(held)}: {who}")]
+
+    async def check_gpu_profile(self, snap: AttributedSnapshot) -> list[HealthEntry]:
+        """The card's settings against gpu_profile, from the extension that keeps them (proxy.admin.gpu_api)."""
+        ext = self.proxy.extension("gpu")  # explicit lookup by name, without importing it
+        return list(await ext.gpu_health()) if isinstance(ext, GpuHealth) else []
 
     # -- /api/engines ------------------------------------------------------------------------------
     def _host_reads(self) -> bool:

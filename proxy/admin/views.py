@@ -278,7 +278,7 @@ class Decision(_Doc):
     id: int
     at: float = Field(description="unix seconds")
     kind: Literal["plan", "queued", "release", "rejection", "oom_retry", "idle_release", "spill", "stale_job",
-                  "model_load"]
+                  "gpu_drift", "gpu_apply", "model_load"]
     tenant: str
     trigger: str
     plan: Plan | None
