@@ -186,6 +186,17 @@ def _operations() -> dict[str, dict[str, JSON]]:
         "/api/models/loads": {"get": {
             "summary": "Recent model loads: bytes, seconds, GB/s, residency before, warm or cold", "operationId": "modelLoads",
             "responses": {"200": _json("loads and the warm/cold thresholds measured on this machine", ANY_OBJECT)}}},
+        "/api/gpu": {"get": {
+            "summary": "The GPU's own settings per device, and gpu_profile against them", "operationId": "gpu",
+            "description": ("Power limit, clocks, clock offsets, fans, persistence mode, temperature and clock event "
+                            "reasons, read through NVML (or the simulated card). A null field is unknown, never 0: "
+                            "settings.unavailable says why (not supported, no permission). With a gpu_profile, the "
+                            "profile's device carries one check per setting (ok, drift, unsupported, unreadable)."),
+            "responses": {"200": _json("the settings", {
+                "type": "object", "required": ["devices", "profile", "apply"],
+                "properties": {"devices": {"type": "array", "items": ANY_OBJECT},
+                               "profile": {"anyOf": [ANY_OBJECT, {"type": "null"}]},
+                               "apply": {"anyOf": [ANY_OBJECT, {"type": "null"}]}}})}}},
         "/openapi.json": {"get": {
             "summary": "This document", "operationId": "openapi",
             "responses": {"200": _json("OpenAPI 3.1", ANY_OBJECT)}}},
