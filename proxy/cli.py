@@ -104,7 +104,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     from proxy.admin.health import check_main
 
+    if args.ready_within is not None:  # the systemd unit's ExecStartPost gate
+        from proxy.deploy.gate import ready_gate
+
+        return ready_gate(args.config, args.admin, args.json, args.ready_within)
     return check_main(args.config, args.admin, args.json)
+
+
+def cmd_install(args: argparse.Namespace) -> int:
+    from proxy.deploy.install import main as deploy_main
+
+    return deploy_main(args, "install")
+
+
+def cmd_uninstall(args: argparse.Namespace) -> int:
+    from proxy.deploy.install import main as deploy_main
+
+    return deploy_main(args, "uninstall")
 
 
 def cmd_mcp(args: argparse.Namespace) -> int:
@@ -126,7 +142,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         r = httpx.get(f"{url}/api/plan", params=params, timeout=10, trust_env=False)
     except httpx.HTTPError as exc:
-        raise HyperSwapError(f"no proxy answering at {url}: {exc}", fix="start it with `hyperswap serve` (or `hyperswap demo`)") from None
+        raise HyperSwapError(f"no proxy answering at {url}: {exc}",
+                             fix="start it with `hyperswap serve` (or `hyperswap demo`)") from None
     body = r.json()
     if r.status_code != 200:
         raise HyperSwapError(body.get("error", r.text), fix=body.get("fix"))
@@ -165,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
                 cmd_check)
     check.add_argument("--admin", metavar="URL", help="admin API URL (default: from tenants.json)")
     check.add_argument("--json", action="store_true")
+    check.add_argument("--ready-within", type=float, metavar="SECONDS",
+                       help="wait up to SECONDS for the proxy to answer, print the report, exit 0 once it does "
+                       "whatever its dependencies say (2 if it never answers): the service's start gate")
     plan = add("plan", "print a dry-run release plan from a running proxy", cmd_plan)
     plan.add_argument("--tenant", help="the tenant that needs memory")
     plan.add_argument("--need-gb", type=float, help="GiB it needs (default: its needs_vram_gb)")
@@ -172,6 +192,15 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true")
     mcp = add("mcp", "serve the MCP tools (health, engines, tenants, plan, release) over stdio for a running proxy", cmd_mcp)
     mcp.add_argument("--admin", metavar="URL", help="admin API URL (default: from tenants.json)")
+    from proxy.deploy.install import add_arguments as deploy_arguments
+
+    install = sub.add_parser("install", help="run as a service on the engines' own ports (11434, 8188), the engines "
+                             "moved behind it (--dry-run prints every file and command)")
+    install.set_defaults(run=cmd_install)
+    deploy_arguments(install, "install")
+    uninstall = sub.add_parser("uninstall", help="undo `hyperswap install` exactly")
+    uninstall.set_defaults(run=cmd_uninstall)
+    deploy_arguments(uninstall, "uninstall")
     tenants = add("tenants", "print the merged tenant registry and where each value came from", cmd_tenants)
     tenants.add_argument("--json", action="store_true", help="machine-readable output")
     return parser

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from proxy.engines.base import EngineAdapter, RequestKind
+from proxy.engines.base import EngineAdapter, Relocation, RequestKind
 
 PROMPT_ROUTES = frozenset({"/prompt", "/api/prompt"})
 QUEUE_ROUTES = frozenset({"/queue", "/api/queue"})  # POST {"delete": [...]} / {"clear": true}
@@ -78,6 +78,10 @@ class ComfyUIAdapter(EngineAdapter):
 
     def drops_jobs(self, method: str, path: str) -> bool:
         return method.upper() == "POST" and path.rstrip("/") in QUEUE_ROUTES
+
+    def relocation(self, port: int) -> Relocation:
+        """ComfyUI ships no service: its `--port` flag (with `--listen` left at its 127.0.0.1 default)."""
+        return Relocation(port=port, instruction=f"python main.py --port {port}")
 
 
 def _ok_json(status: int, body: bytes) -> object:

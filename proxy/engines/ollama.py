@@ -12,7 +12,7 @@ import json
 import re
 from urllib.parse import urlsplit
 
-from proxy.engines.base import EngineAdapter, RequestKind
+from proxy.engines.base import EngineAdapter, Relocation, RequestKind
 from proxy.relay.hosts import HostPolicy, is_loopback_host, listener_policy
 
 # POST routes that schedule a runner (load a model). /api/pull only downloads: no GPU.
@@ -68,3 +68,8 @@ class OllamaAdapter(EngineAdapter):
         engine_checks = is_loopback_host(urlsplit(self.tenant.upstream or "http://127.0.0.1").hostname or "")
         return listener_policy(self.listen_host(), self.tenant.allowed_hosts, engine_rule=True,
                                engine_checks=engine_checks)
+
+    def relocation(self, port: int) -> Relocation:
+        """OLLAMA_HOST sets where `ollama serve` listens; the Linux installer's unit is ollama.service."""
+        return Relocation(port=port, service="ollama.service", environment={"OLLAMA_HOST": f"127.0.0.1:{port}"},
+                          instruction=f"OLLAMA_HOST=127.0.0.1:{port} ollama serve")

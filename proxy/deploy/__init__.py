@@ -1,0 +1,1 @@
+"""Deployment: `hyperswap install` / `uninstall`, the systemd units, the start gate, pod attribution's wiring."""
