@@ -85,6 +85,7 @@ async def serve(proxy: Proxy, stop: asyncio.Event, ports: Mapping[str, int] | No
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from proxy.gpu.nvml import NvmlReader
+    from proxy.gpu.pods import with_pods
     from proxy.relay.servers import settle_heap
     from proxy.service import Proxy
 
@@ -96,7 +97,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        return await serve(Proxy(registry, NvmlReader()), stop, started=settle_heap)
+        return await serve(Proxy(registry, with_pods(NvmlReader())), stop, started=settle_heap)
 
     return asyncio.run(run())
 

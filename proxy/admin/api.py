@@ -95,7 +95,8 @@ class AdminApi:
             "config": tenant.model_dump(mode="json"),
             "vram_bytes": held, "vram_gb": gib(held),
             "processes": [{"pid": p.process.pid, "name": p.process.name, "cmdline": p.process.cmdline,
-                           "vram_bytes": p.process.used_bytes, "vram_gb": gib(p.process.used_bytes)}
+                           "vram_bytes": p.process.used_bytes, "vram_gb": gib(p.process.used_bytes),
+                           "pod": p.pod.to_json() if p.pod else None}
                           for p in snap.processes_of(tenant.name)],
             "busy": state.busy, "busy_reason": state.busy_reason,
             "in_flight": traffic.in_flight if traffic else 0,
@@ -166,7 +167,8 @@ class AdminApi:
         return JSONResponse({
             "device": device_json(snap),
             "processes": [{"pid": p.process.pid, "name": p.process.name, "cmdline": p.process.cmdline,
-                           "tenant": p.tenant, "vram_bytes": p.process.used_bytes} for p in snap.processes],
+                           "tenant": p.tenant, "vram_bytes": p.process.used_bytes,
+                           "pod": p.pod.to_json() if p.pod else None} for p in snap.processes],
             "tenants": [await self.tenant_view(t) for t in self.arb.registry],
             "decisions": [d.to_json() for d in self.arb.decisions.recent(20)],
             "gpu_error": None if self.arb.last_read_error is None else {

@@ -141,7 +141,8 @@ async def stats_payload(proxy: Proxy, snap: AttributedSnapshot | None = None, re
         "device": device_json(snap),
         "tenants": tenants,
         "processes": [{"pid": p.process.pid, "name": p.process.name, "tenant": p.tenant,
-                       "vram_bytes": p.process.used_bytes} for p in snap.processes],
+                       "vram_bytes": p.process.used_bytes, "pod": p.pod.to_json() if p.pod else None}
+                      for p in snap.processes],
         "in_flight": sum(t["in_flight"] for t in tenants),
         "busy": [t["name"] for t in tenants if t["busy"]],
         "decision_ids": [d.id for d in arb.decisions.recent(recent)],

@@ -128,6 +128,12 @@ class ReleaseResult(_Doc):
     note: str | None = None
 
 
+class PodName(_Doc):
+    namespace: str
+    name: str
+    container: str | None
+
+
 class Process(_Doc):
     pid: int
     name: str
@@ -135,6 +141,7 @@ class Process(_Doc):
     tenant: str | None = None
     vram_bytes: int | None
     vram_gb: float | None = None
+    pod: PodName | None = Field(default=None, description="the Kubernetes pod it runs in; null off Kubernetes or unknown")
 
 
 class Waiting(_Doc):
