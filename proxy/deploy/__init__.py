@@ -1,1 +1,1 @@
-"""Deployment: `hyperswap install` / `uninstall`, the systemd units, the start gate, pod attribution's wiring."""
+"""Deployment: `hyperswap install` / `uninstall`, the systemd units they write, and the units' start gate."""

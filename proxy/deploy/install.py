@@ -160,7 +160,9 @@ def port_conflicts(moves: Sequence[Move], registry: Registry, holders: Holders) 
         for h in holders(m.proxy_port):
             if h.pid is None or engine_of(h, m.tenant):
                 continue  # the engine itself: it moves off before the proxy binds
-            problems.append(f"port {m.proxy_port} (for {m.tenant}'s proxy): {h.describe()}")
+            problems.append(f"port {m.proxy_port} (for {m.tenant}'s proxy): {h.describe()}; if that is {m.tenant} "
+                            f"itself (its match rules do not name it), stop it, install, then start it with "
+                            f"`{m.relocation.instruction}`")
         for h in holders(m.engine_port):
             problems.append(f"port {m.engine_port} (for {m.tenant}'s engine): {h.describe()}")
     return problems
