@@ -109,6 +109,7 @@ class Plan:
     after: tuple[Command, ...] = ()
     notes: tuple[str, ...] = ()  # what a person does by hand (ComfyUI's flag, a root-only drop-in)
     record: dict[str, Any] | None = field(default=None, hash=False)  # install: what to keep for uninstall
+    remove_dirs: tuple[str, ...] = ()  # uninstall: folders install created, removed when empty
 
 
 def _host_port(listen: str) -> tuple[str, int]:
@@ -246,6 +247,7 @@ def plan_uninstall(lay: Layout, read: Callable[[str], str | None], *, force: boo
         record = json.loads(text)
         entries = [(str(f["path"]), f["previous"], str(f["written_sha256"])) for f in record["files"]]
         services = [str(s) for s in record.get("services", [])]
+        created = tuple(str(d) for d in record.get("created_dirs", []))
         moves = list(record.get("moves", []))
     except (ValueError, KeyError, TypeError) as exc:
         raise HyperSwapError(f"the install record {lay.record} is unreadable ({exc})",
@@ -268,7 +270,7 @@ def plan_uninstall(lay: Layout, read: Callable[[str], str | None], *, force: boo
     after += [Command(("systemctl", "try-restart", s), f"{s} back on its own port") for s in services]
     notes = [f"{m['tenant']}: start it on its own port again (it was moved with `{m['by_hand']}`)"
              for m in moves if m.get("by_hand")]
-    return Plan("uninstall", lay, (), before, tuple(files), tuple(after), tuple(notes))
+    return Plan("uninstall", lay, (), before, tuple(files), tuple(after), tuple(notes), remove_dirs=created)
 
 
 # -- effects -----------------------------------------------------------------------------------
@@ -308,14 +310,23 @@ class Files:
         os.replace(tmp, target)  # never a half-written unit or config
 
     def remove(self, path: str) -> None:
-        target = self.at(path)
-        target.unlink(missing_ok=True)
-        parent = target.parent
-        if parent.name.endswith(".d") and parent != self.root:  # a drop-in folder install made: gone when empty
-            try:
-                parent.rmdir()
-            except OSError:
-                pass
+        self.at(path).unlink(missing_ok=True)
+
+    def missing_dirs(self, paths: Iterable[str]) -> list[str]:
+        """The folders that writing these files would create (as target paths), deepest first."""
+        out: set[str] = set()
+        for path in paths:
+            parent = Path(path).parent
+            while parent != parent.parent and not self.at(str(parent)).exists():
+                out.add(str(parent))
+                parent = parent.parent
+        return sorted(out, key=lambda d: (-d.count("/"), d))
+
+    def remove_dir_if_empty(self, path: str) -> None:
+        try:
+            self.at(path).rmdir()
+        except OSError:
+            pass  # something else lives there now (or it is gone): leave it
 
 
 def describe(plan: Plan, out: TextIO, *, dry_run: bool) -> None:
@@ -335,6 +346,8 @@ def describe(plan: Plan, out: TextIO, *, dry_run: bool) -> None:
             print("".join("    " + line for line in f.content.splitlines(keepends=True)).rstrip("\n"), file=out)
     if plan.record is not None:
         print(f"\n{verb} write {plan.layout.record}    # what was there before, for `hyperswap uninstall`", file=out)
+    if plan.remove_dirs:
+        print(f"\n{verb} remove, when empty, the folders install created: {', '.join(plan.remove_dirs)}", file=out)
     for c in plan.after:
         print(f"\n{verb} run: {' '.join(c.argv)}    # {c.why}", file=out)
     for n in plan.notes:
@@ -354,12 +367,15 @@ def apply(plan: Plan, files: Files, runner: Runner, err: TextIO) -> int:
     if not run_all(plan.before):
         return 1
     if plan.record is not None:  # the record first: an install cut short can still be undone
-        files.write(plan.layout.record, json.dumps(plan.record, indent=2) + "\n")
+        created = files.missing_dirs([plan.layout.record, *(f.path for f in plan.files)])
+        files.write(plan.layout.record, json.dumps({**plan.record, "created_dirs": created}, indent=2) + "\n")
     for f in plan.files:
         if f.content is None:
             files.remove(f.path)
         else:
             files.write(f.path, f.content)
+    for d in plan.remove_dirs:
+        files.remove_dir_if_empty(d)
     return 0 if run_all(plan.after) else 1
 
 

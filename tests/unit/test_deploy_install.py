@@ -96,11 +96,21 @@ def test_uninstall_restores_exactly_what_was_there(tmp_path: Path) -> None:
     assert "python main.py --port 8189" in out  # ComfyUI goes back by hand too
 
 
-def test_uninstall_removes_every_file_install_created(tmp_path: Path) -> None:
+def test_uninstall_removes_every_file_and_folder_install_created(tmp_path: Path) -> None:
+    (tmp_path / "etc/systemd/system").mkdir(parents=True)  # there before: stays
     assert run("install", tmp_path)[0] == 0
+    assert (tmp_path / "etc/systemd/system/ollama.service.d").is_dir()
     assert run("uninstall", tmp_path)[0] == 0
     assert snapshot(tmp_path) == {}
-    assert not (tmp_path / "etc/systemd/system/ollama.service.d").exists()
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["etc", "etc/systemd", "etc/systemd/system"]
+
+
+def test_a_folder_install_created_that_holds_something_else_now_stays(tmp_path: Path) -> None:
+    assert run("install", tmp_path)[0] == 0
+    theirs = tmp_path / "etc/hyperswap/notes.txt"
+    theirs.write_text("mine")
+    assert run("uninstall", tmp_path)[0] == 0
+    assert snapshot(tmp_path) == {"etc/hyperswap/notes.txt": "mine"}
 
 
 def test_uninstall_refuses_a_file_changed_since_install_unless_forced(tmp_path: Path) -> None:
