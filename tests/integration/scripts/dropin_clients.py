@@ -35,9 +35,8 @@ def deploy(action: str, root: Path) -> str:
     return out.getvalue()
 
 
-async def clients(config: Path) -> None:
+async def clients(config: Path, moved: dict[str, dict[str, str]]) -> None:
     box = SimBox(fast_scenario("default"))
-    moved = json.loads(config.read_text())["tenants"]
     await box.start(ollama_port=int(moved["ollama"]["upstream"].rsplit(":", 1)[1]),
                     comfyui_port=int(moved["comfyui"]["upstream"].rsplit(":", 1)[1]))
     proxy = Proxy(load_registry(str(config)), box.gpu, watchdog_enabled=False)
@@ -64,7 +63,8 @@ def main() -> None:
     root = Path(sys.argv[1])
     os.environ.pop("OLLAMA_HOST", None)
     deploy("install", root)  # nothing listens yet in this namespace: every port is free
-    asyncio.run(clients(root / "etc/hyperswap/tenants.json"))
+    config = root / "etc/hyperswap/tenants.json"
+    asyncio.run(clients(config, json.loads(config.read_text())["tenants"]))
     deploy("uninstall", root)
     assert not any(p.is_file() for p in root.rglob("*")), "uninstall left files"
     print("OK")
