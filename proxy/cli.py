@@ -124,6 +124,13 @@ def cmd_uninstall(args: argparse.Namespace) -> int:
     return deploy_main(args, "uninstall")
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    from proxy.verify import admin_url, verify_main
+
+    return verify_main(admin_url(args.config, args.admin), yes=args.yes, as_json=args.json, comfy_graph=args.comfy_graph,
+                       checkpoint=args.comfy_checkpoint, stage_timeout_s=args.stage_timeout)
+
+
 def cmd_mcp(args: argparse.Namespace) -> int:
     from proxy.admin.mcp_tools import mcp_main
 
@@ -186,6 +193,17 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--ready-within", type=float, metavar="SECONDS",
                        help="wait up to SECONDS for the proxy to answer, print the report, exit 0 once it does "
                        "whatever its dependencies say (2 if it never answers): the service's start gate")
+    verify = add("verify", "prove end to end, through a running proxy, that the arbitration works on this box: "
+                 "engines, a generation, a graph, a reclaim, out of memory, a 507", cmd_verify)
+    verify.add_argument("--admin", metavar="URL", help="admin API URL (default: from tenants.json)")
+    verify.add_argument("--yes", action="store_true", help="consent to releasing idle tenants (needed to run "
+                        "the reclaim and out-of-memory stages without asking)")
+    verify.add_argument("--json", action="store_true", help="machine-readable report")
+    verify.add_argument("--comfy-graph", metavar="FILE", help="your ComfyUI graph in API format (default: a minimal "
+                        "graph built from the installed nodes)")
+    verify.add_argument("--comfy-checkpoint", metavar="NAME",
+                        help="the checkpoint of the minimal graph (default: the first listed)")
+    verify.add_argument("--stage-timeout", type=float, default=180.0, metavar="SECONDS", help="the most one stage may take")
     plan = add("plan", "print a dry-run release plan from a running proxy", cmd_plan)
     plan.add_argument("--tenant", help="the tenant that needs memory")
     plan.add_argument("--need-gb", type=float, help="GiB it needs (default: its needs_vram_gb)")

@@ -76,7 +76,8 @@ def describe(demo: Demo, scenario: str) -> str:
         lines += ["", "Try:",
                   f"  curl -s {c}/prompt -d @examples/comfy_prompt.json      # ComfyUI loads a checkpoint",
                   f"  curl -s {o}/api/generate -d '{{\"model\":\"{big}\",\"prompt\":\"hi\",\"stream\":false}}'   # Ollama needs it back",
-                  f"  curl -s {a}/api/decisions | python3 -m json.tool          # what the proxy decided and why"]
+                  f"  curl -s {a}/api/decisions | python3 -m json.tool          # what the proxy decided and why",
+                  f"  curl -s {a}/api/models | python3 -m json.tool             # model files: size, how much is in RAM"]
     lines += ["", "Ctrl-C stops everything."]
     return "\n".join(lines)
 

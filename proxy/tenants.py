@@ -91,6 +91,7 @@ BOUNDS: dict[str, Bound] = {
     "retention_days": Bound(0, 3650, "days", low_open=True),  # 0 would delete every row at open
     "max_rows": Bound(1, 100_000_000, "rows"),
     "replay_body_max_mb": Bound(0, 1024, "MiB"),  # kept in memory while the request runs
+    "keep_warm_models": Bound(0, 1000, "models"),
 }
 SUFFIX_BOUNDS: dict[str, Bound] = {"_gb": Bound(0, MAX_GIB, "GiB"), "_s": Bound(0, DAY_S, "s")}
 
@@ -254,6 +255,16 @@ class Tenant(_Strict):
     timeouts: Timeouts = Field(default_factory=Timeouts)
     replay_body_max_mb: float = Field(default=16.0, description="GPU request bodies up to this size are kept for an OOM retry")
     allowed_hosts: list[str] = Field(default_factory=list, description="Host names the listener answers besides loopback")
+    model_paths: list[str] = Field(default_factory=list,
+                                   description="where its model files are (absolute paths); replaces what the proxy finds itself")
+
+    @field_validator("model_paths")
+    @classmethod
+    def _model_paths(cls, values: list[str]) -> list[str]:
+        for v in values:
+            if not (v.startswith("/") or v.startswith("~")) or "\0" in v:
+                raise ValueError(f"expected an absolute path (/srv/models or ~/models), got {v!r}")
+        return values
 
     @field_validator("listen")
     @classmethod
@@ -322,6 +333,10 @@ class ProxySettings(_Strict):
     starvation_after_s: float = 60.0
     # Ollama's size_vram < size counts as a CPU spill only once the split held this long (a load grows).
     spill_stable_s: float = 5.0
+    # Model files are read into RAM only while MemAvailable stays above this (never into swap).
+    warm_margin_gb: float = 4.0
+    warm_during_release: bool = True  # read the next model's files while the other tenant releases
+    keep_warm_models: int = 0  # keep the N most recently used models' files in RAM (0: off)
 
 
 class TelemetrySettings(_Strict):

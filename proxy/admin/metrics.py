@@ -31,6 +31,9 @@ Series:
 - hyperswap_queue_wait_seconds: histogram of how long requests that had to wait waited, however
   it ended (admitted, 507, 503, client left), from the `queued` decisions' outcomes.
 - hyperswap_queue_timeouts_total{tenant}: 503s after `proxy.queue_timeout_s`.
+- hyperswap_model_load_gbps{tenant,class}: histogram of model load speeds the engines reported (Ollama's
+  load_duration and the model's size), from the `model_load` decisions; class warm | cold | unknown
+  (proxy/models/loads.py: split by this machine's own loads).
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ from proxy.handoff.inflight import TenantTraffic
 if TYPE_CHECKING:
     from proxy.service import Proxy
 
+# From a network disk's tenth of a GB/s to RAM at several GB/s.
+LOAD_GBPS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0)
 # Handoffs on real cards take from a fraction of a second (Ollama unload) to tens (a big ComfyUI free).
 HANDOFF_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 HANDOFF_KINDS = ("plan", "oom_retry", "spill")
@@ -141,6 +146,8 @@ class Metrics:
                                   ["tenant"], registry=self.registry)
         self.waits = Histogram("hyperswap_queue_wait_seconds", "How long requests that had to wait for memory waited",
                                buckets=WAIT_BUCKETS, registry=self.registry)
+        self.load_speed = Histogram("hyperswap_model_load_gbps", "Model load speed (GB/s of 1e9 bytes), warm or cold",
+                                    ["tenant", "class"], buckets=LOAD_GBPS_BUCKETS, registry=self.registry)
         self.timeouts = Counter("hyperswap_queue_timeouts", "Requests answered 503 after proxy.queue_timeout_s",
                                 ["tenant"], registry=self.registry)
         self._seen: OrderedDict[int, set[str]] = OrderedDict()
@@ -207,6 +214,8 @@ class Metrics:
                 self.releases.labels(str(r.get("tenant", "")), release_result(r)).inc()
             if releases and d.kind in HANDOFF_KINDS:
                 self.handoff.observe(sum(float(r.get("duration_s") or 0.0) for r in releases))
+        if d.kind == "model_load" and self._first(d, "load"):
+            self.load_speed.labels(d.tenant, str(outcome.get("class") or "unknown")).observe(float(outcome.get("gbps") or 0.0))
         result = outcome.get("oom_retry", outcome.get("result") if d.kind == "oom_retry" else None)
         if result is not None and self._first(d, "oom_retry"):
             self.oom_retries.labels(d.tenant, str(result)).inc()

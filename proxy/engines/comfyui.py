@@ -18,6 +18,7 @@ QUEUE_ROUTES = frozenset({"/queue", "/api/queue"})  # POST {"delete": [...]} / {
 
 class ComfyUIAdapter(EngineAdapter):
     kind = "comfyui"
+    model_layout = "comfyui"
 
     def classify(self, method: str, path: str) -> RequestKind:
         if method.upper() == "POST" and path.rstrip("/") in PROMPT_ROUTES:

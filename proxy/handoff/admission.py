@@ -13,7 +13,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 from starlette.requests import Request
@@ -52,6 +52,20 @@ class _Reservation:
     count: int = 1
 
 
+class LoadHooks(Protocol):
+    """What the model-files extension does around a load (proxy/admin/models_api.py). Never blocks."""
+
+    def prepare_load(self, tenant: str, model: str) -> None:
+        """Memory is about to be released (or waited for) for this load: warm its files meanwhile."""
+
+    async def loading(self, tenant: Tenant, model: str, body: bytes) -> Callable[[UpstreamResponse], UpstreamResponse] | None:
+        """Just before forwarding a load (its residency is read now): a wrapper for the engine's answer
+        that times it, or None."""
+
+    def on_frame(self, tenant: Tenant, text: str) -> None:
+        """Every upstream websocket text frame (ComfyUI's execution frames time its checkpoint loads)."""
+
+
 @dataclass(frozen=True, slots=True)
 class _QueueRead:
     started_at: float  # monotonic time the engine's queue read began
@@ -82,6 +96,7 @@ class Arbitration:
         self._measured_device: DeviceMemory | None = None  # the last device figures a reader measured
         self.stale_jobs: dict[str, list[str]] = {}  # tenant -> job ids whose VRAM says they are not running
         self._queue_reads: dict[str, _QueueRead] = {}  # tenant -> jobs its own queue said run (watchdog reads it)
+        self.load_hooks: LoadHooks | None = None  # set by the model-files extension
         inflight.on_change.append(self._traffic_changed)
 
     def _traffic_changed(self, tenant: str, traffic: TenantTraffic) -> None:
@@ -267,6 +282,10 @@ class Arbitration:
     def abandon(self, handoff: Handoff) -> None:
         self.settle(handoff)
 
+    def prepare_load(self, tenant: str, model: str) -> None:
+        if self.load_hooks is not None:
+            self.load_hooks.prepare_load(tenant, model)
+
     # -- the request path ---------------------------------------------------------------------
     async def admit(self, tenant: Tenant, request: Request | None, body: bytes, trigger: str,
                     *, oom: bool = False) -> tuple[Admitted, memory.Need]:
@@ -283,7 +302,8 @@ class Arbitration:
             plan = Plan(tenant.name, need_bytes, 0, 0, True, False, (), (),
                         f"{need.what} is on the card already: forwarded without a plan", False)
             return Admitted("run", Handoff(plan, [], None), "resident"), need
-        admitted = await self.queue.request(tenant, need.key, need_bytes, trigger, "oom_retry" if oom else "plan")
+        admitted = await self.queue.request(tenant, need.key, need_bytes, trigger, "oom_retry" if oom else "plan",
+                                            model=need.model)
         return admitted, need
 
     def settle(self, handoff: Handoff | None) -> None:
@@ -395,6 +415,8 @@ class GpuAdmission:
 
     def on_frame(self, tenant: Tenant, text: str) -> None:
         """Called for every upstream text frame of a tenant's websockets (cheap filter first)."""
+        if self.arb.load_hooks is not None:
+            self.arb.load_hooks.on_frame(tenant, text)
         if "execution_error" not in text or "OutOfMemoryError" not in text:
             return
         try:
@@ -513,10 +535,15 @@ class GpuAdmission:
             return timeout_response(tenant, admitted, self.arb.registry.config.proxy.queue_timeout_s)
         if admitted.outcome == "refuse":
             return JSONResponse(rejection_body(tenant, handoff, need), status_code=507)
+        hooks = self.arb.load_hooks
+        loads = need.model is not None and admitted.reason != "resident"  # on the card already: nothing to time
+        watch = await hooks.loading(tenant, need.model, body) if hooks is not None and need.model and loads else None
         try:
             response = await forward(body)
             if response.status_code < 400:
                 self.arb.residency.loaded(tenant.name, need.key)
+                if watch is not None:
+                    response = watch(response)  # reads the engine's own load time as the answer passes
             if not adapter.answers_oom or response.status_code < 400:
                 return response
             error_body = await response.aread()

@@ -97,6 +97,10 @@ class HandoffEffects(Protocol):
     def abandon(self, handoff: Handoff) -> None:
         """An admitted request whose client left before using it: give back what was promised."""
 
+    def prepare_load(self, tenant: str, model: str) -> None:
+        """This load will run once memory is released or a busy tenant finishes: let its files be
+        read into RAM meanwhile (warm-during-release). Must not block."""
+
 
 @dataclass(slots=True, eq=False)
 class _Ticket:
@@ -107,6 +111,7 @@ class _Ticket:
     since_wall: float
     verdict: Verdict | None = None
     queued: Decision | None = None  # the "queued" decision, recorded when it first had to wait
+    model: str | None = None  # what the load reads from disk, for `prepare_load`
 
 
 class HandoffQueue:
@@ -127,12 +132,13 @@ class HandoffQueue:
         if self._tickets:
             self._wake.set()
 
-    async def request(self, tenant: Tenant, key: str, need_bytes: int, trigger: str, kind: str = "plan") -> Admitted:
+    async def request(self, tenant: Tenant, key: str, need_bytes: int, trigger: str, kind: str = "plan",
+                      model: str | None = None) -> Admitted:
         """Wait for this load's turn. A client that leaves (its task cancelled) leaves the queue and
         gives back anything it was promised meanwhile."""
         clock = self.fx.clock
         w = Waiter(next(self._ids), tenant.name, key, need_bytes, tenant.priority, clock.now())
-        ticket = _Ticket(w, trigger, kind, asyncio.get_running_loop().create_future(), clock.wall())
+        ticket = _Ticket(w, trigger, kind, asyncio.get_running_loop().create_future(), clock.wall(), model=model)
         self._tickets[w.id] = ticket
         self._start_driver()
         try:
@@ -244,6 +250,8 @@ class HandoffQueue:
         shared: Handoff | None = None
         if releasing is not None:
             ticket, v = releasing
+            if ticket.model:  # the disk read overlaps the release instead of following it
+                self.fx.prepare_load(v.waiter.tenant, ticket.model)
             shared = await self.fx.carry_out(v.plan, snap, ticket.trigger, ticket.kind)
         for ticket, v in runs:
             if self._tickets.get(v.waiter.id) is not ticket:
@@ -281,6 +289,8 @@ class HandoffQueue:
 
     def _note_wait(self, ticket: _Ticket, v: Verdict) -> None:
         if ticket.queued is None:
+            if ticket.model:  # waiting for a busy tenant is time the disk can use
+                self.fx.prepare_load(v.waiter.tenant, ticket.model)
             ticket.queued = self.fx.decisions.record("queued", v.waiter.tenant, ticket.trigger, v.plan.to_json(),
                                                      reason=v.reason, waiting_for=list(v.plan.wait_for), behind=v.behind)
         elif ticket.queued.outcome.get("reason") != v.reason:

@@ -4,7 +4,7 @@ simulated engines on loopback. Used by `hyperswap demo` and by the integration t
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ from proxy.errors import ConfigError
 from proxy.relay.servers import RunningServer
 from proxy.sim.comfyui import ComfySim, ComfySimConfig
 from proxy.sim.gpu import GIB, SimulatedGpu
+from proxy.sim.model_files import SimModelFiles
 from proxy.sim.ollama import OllamaSim, OllamaSimConfig
 
 SCENARIOS = Path(__file__).with_name("scenarios")
@@ -44,6 +45,7 @@ class Scenario(BaseModel):
     comfyui: dict[str, Any] | None = Field(default_factory=dict)
     tenants: dict[str, Any] = Field(default_factory=dict)  # merged over the registry like a user tenants.json
     settings: dict[str, Any] = Field(default_factory=dict)  # other tenants.json sections: admin, proxy, telemetry
+    model_files: bool = True  # back the models with real (sparse, 1/1024) files: residency and warming show
 
 
 def scenario_names() -> list[str]:
@@ -69,8 +71,8 @@ def fast_scenario(name: str, **changes: Any) -> Scenario:
     """A shipped scenario with the engines' delays cut to milliseconds (tests, benches), plus
     changes per section: `fast_scenario("default", comfyui={"stale_running_entry": True})`."""
     data = load_scenario(name).model_dump()
-    data["ollama"].update({"load_gbps": 200.0, "unload_delay_s": 0.15, "token_rate": 2000.0})
-    data["comfyui"].update({"free_delay_s": 0.15, "load_gbps": 200.0, "step_time_s": 0.002})
+    data["ollama"].update({"load_gbps": 200.0, "disk_gbps": None, "unload_delay_s": 0.15, "token_rate": 2000.0})
+    data["comfyui"].update({"free_delay_s": 0.15, "load_gbps": 200.0, "disk_gbps": None, "step_time_s": 0.002})
     for section, values in changes.items():
         if isinstance(data.get(section), dict):
             data[section].update(values)
@@ -86,6 +88,7 @@ class SimBox:
     ollama: OllamaSim | None = field(init=False, default=None)
     comfyui: ComfySim | None = field(init=False, default=None)
     servers: dict[str, RunningServer] = field(init=False, default_factory=dict)
+    files: SimModelFiles | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         g = self.scenario.gpu
@@ -102,6 +105,8 @@ class SimBox:
 
     async def start(self, host: str = "127.0.0.1", ollama_port: int = 0, comfyui_port: int = 0) -> None:
         try:
+            if self.scenario.model_files:
+                self.files = self._write_model_files()
             if self.ollama is not None:
                 self.servers["ollama"] = await self._start(self.ollama, host, ollama_port)
             if self.comfyui is not None:
@@ -123,6 +128,27 @@ class SimBox:
             if sim is not None:
                 await sim.stop()
         self.servers.clear()
+        if self.files is not None:
+            self.files.cleanup()
+            self.files = None
+
+    def _write_model_files(self) -> SimModelFiles:
+        """Stand-in files for every model, out of the page cache (cold, as after a reboot). ComfyUI
+        is started with --base-directory there, as a real one would be, so the proxy finds its
+        folders from its command line; Ollama's store is named by model_paths (tenant_overrides)."""
+        files = SimModelFiles()
+        if self.ollama is not None:
+            for m in self.ollama.config.models:
+                files.add_ollama_model(m.name, m.size_bytes)
+            self.ollama.files = files
+        if self.comfyui is not None:
+            for name, size in self.comfyui.config.checkpoints.items():
+                files.add_comfy_checkpoint(name, size)
+            argv = (*self.comfyui.config.argv, "--base-directory", str(files.comfy_base))
+            self.comfyui.config = replace(self.comfyui.config, argv=argv)
+            self.comfyui.files = files
+        files.drop_all()
+        return files
 
     def tenant_overrides(self) -> dict[str, Any]:
         """A tenants.json fragment pointing each engine tenant at its simulator, plus the scenario's tenants."""
@@ -131,4 +157,6 @@ class SimBox:
             tenants.setdefault(name, {})
             if isinstance(tenants[name], dict):
                 tenants[name] = {**tenants[name], "upstream": server.url}
+        if self.files is not None and "ollama" in self.servers and isinstance(tenants["ollama"], dict):
+            tenants["ollama"].setdefault("model_paths", [str(self.files.ollama_root)])
         return {**self.scenario.settings, "tenants": tenants}
