@@ -157,6 +157,28 @@ def _allowed_hosts(values: list[str]) -> list[str]:
     return out
 
 
+_DEVICE_UUID = re.compile(r"(GPU|MIG)-[0-9A-Za-z-]+")
+
+
+def _device_list(values: list[int | str] | None) -> list[int | str] | None:
+    """`devices`: NVML indices (0, 1, ...) or UUIDs as `nvidia-smi -L` prints them (GPU-..., MIG-...)."""
+    if values is None:
+        return None
+    if not values:
+        raise ValueError("an empty list pins the tenant to no GPU: leave devices out (any device) or name one, like [0]")
+    seen: set[str] = set()
+    for v in values:
+        if isinstance(v, int) and v < 0:
+            raise ValueError(f"{v} is not a device index: NVML counts from 0 (`nvidia-smi -L`)")
+        if isinstance(v, str) and not _DEVICE_UUID.fullmatch(v):
+            raise ValueError(f"{v!r} is neither a device index nor a UUID like 'GPU-8f2c...' (`nvidia-smi -L` lists them)")
+        key = str(v).lower()
+        if key in seen:
+            raise ValueError(f"{v!r} is listed twice")
+        seen.add(key)
+    return values
+
+
 def _upstream_url(value: str) -> str:
     _no_spaces(value)
     try:
@@ -255,6 +277,9 @@ class Tenant(_Strict):
     timeouts: Timeouts = Field(default_factory=Timeouts)
     replay_body_max_mb: float = Field(default=16.0, description="GPU request bodies up to this size are kept for an OOM retry")
     allowed_hosts: list[str] = Field(default_factory=list, description="Host names the listener answers besides loopback")
+    devices: list[int | str] | None = Field(
+        default=None, description="GPUs this tenant's engine uses on a host with several: NVML indices (0) or UUIDs "
+                                  "(GPU-...); unset: discovered from the engine's process, else any device")
     model_paths: list[str] = Field(default_factory=list,
                                    description="where its model files are (absolute paths); replaces what the proxy finds itself")
 
@@ -277,6 +302,7 @@ class Tenant(_Strict):
         return None if v is None else _upstream_url(v)
 
     _hosts = field_validator("allowed_hosts")(_allowed_hosts)
+    _devices = field_validator("devices")(_device_list)
 
     @model_validator(mode="after")
     def _listen_needs_upstream(self) -> Tenant:  # number ranges: BOUNDS

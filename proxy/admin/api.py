@@ -20,7 +20,7 @@ from starlette.routing import BaseRoute, Route
 from proxy.admin.query import integer, optional_number
 from proxy.engines import memory
 from proxy.errors import HyperSwapError
-from proxy.gpu.visibility import device_json, tenant_vram
+from proxy.gpu.visibility import device_json, tenant_devices_json, tenant_vram
 from proxy.handoff.admission import Arbitration, ReleaseResult, gib
 from proxy.handoff.watchdog import Watchdog
 from proxy.relay.guards import AdminGuard
@@ -115,6 +115,7 @@ class AdminApi:
             "watchdog": (self.watchdog.last.reasons.get(tenant.name) if self.watchdog.last else None),
             "estimated": snap.snapshot.source == "engine-estimate",
             "listening": self.listeners.get(tenant.name),
+            **tenant_devices_json(snap, tenant.name),  # several cards: where it loads, what it holds on each
         }
 
     # -- routes -------------------------------------------------------------------------------

@@ -12,6 +12,9 @@ Series:
   read if none was taken yet). source is nvml | simulated | engine-estimate. A figure nobody
   measured has no sample (never a 0): without a GPU reader the unmanaged VRAM, the tenants that
   report nothing about themselves, and the card's used/free (and total, when no engine reports it).
+- On a host with several GPUs the three memory gauges are the whole host's sums, and each card has
+  hyperswap_gpu_card_memory_{total,used,free}_bytes{index,name} and
+  hyperswap_tenant_card_vram_bytes{tenant,index} (absent on one card).
 - hyperswap_inflight_requests{tenant}, hyperswap_queued_jobs{tenant}: from `InFlight`.
 - hyperswap_requests_total{tenant,outcome}: GPU requests that left flight (pass-through requests
   are not counted in flight, so not here). outcome: `rejected` (answered 507), `oom_error` (the
@@ -50,11 +53,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from proxy.gpu.visibility import tenant_vram, unmanaged_vram
+from proxy.gpu.visibility import device_json, devices_json, tenant_vram, unmanaged_vram
 from proxy.handoff.decisions import Decision
 from proxy.handoff.inflight import TenantTraffic
 
 if TYPE_CHECKING:
+    from proxy.gpu.attribution import AttributedSnapshot
     from proxy.service import Proxy
 
 # From a network disk's tenth of a GB/s to RAM at several GB/s.
@@ -93,9 +97,9 @@ class _LiveCollector(Collector):
         unmanaged = GaugeMetricFamily("hyperswap_unmanaged_vram_bytes", "GPU memory held by processes no tenant matches")
         source = InfoMetricFamily("hyperswap_gpu_snapshot_source", "Where the GPU figures come from", labels=["source", "device"])
         if snap is not None:
-            dev = snap.snapshot.device
+            whole = device_json(snap)  # one card: its figures; several: the host's sums
             # unknown is not zero: a figure nobody measured gets no sample at all
-            for family, value in ((total, dev.figure("total")), (used, dev.figure("used")), (free, dev.figure("free")),
+            for family, value in ((total, whole["total_bytes"]), (used, whole["used_bytes"]), (free, whole["free_bytes"]),
                                   (unmanaged, unmanaged_vram(snap))):
                 if value is not None:
                     family.add_metric([], value)
@@ -104,8 +108,10 @@ class _LiveCollector(Collector):
                 vram = tenant_vram(snap, name)
                 if vram is not None:
                     held.add_metric([name], vram)
-            source.add_metric([snap.snapshot.source, dev.name], {})
+            source.add_metric([snap.snapshot.source, whole["name"]], {})
         yield from (total, used, free, age, held, unmanaged, source)
+        if snap is not None and snap.snapshot.several_devices:
+            yield from _card_families(snap)
         traffic = proxy.inflight.snapshot()
         inflight = GaugeMetricFamily("hyperswap_inflight_requests", "GPU requests in flight through the proxy", labels=["tenant"])
         jobs = GaugeMetricFamily("hyperswap_queued_jobs", "Engine jobs the proxy saw queued and not yet finished", labels=["tenant"])
@@ -123,6 +129,24 @@ class _LiveCollector(Collector):
         for name, n in counts.items():
             waiting.add_metric([name], n)
         yield waiting
+
+
+def _card_families(snap: AttributedSnapshot) -> list[Metric]:
+    """Several GPUs: each card's memory and what each tenant holds on it."""
+    labels = ["index", "name"]
+    total = GaugeMetricFamily("hyperswap_gpu_card_memory_total_bytes", "GPU memory on one card", labels=labels)
+    used = GaugeMetricFamily("hyperswap_gpu_card_memory_used_bytes", "GPU memory in use on one card", labels=labels)
+    free = GaugeMetricFamily("hyperswap_gpu_card_memory_free_bytes", "GPU memory free on one card", labels=labels)
+    held = GaugeMetricFamily("hyperswap_tenant_card_vram_bytes", "GPU memory a tenant's processes hold on one card",
+                             labels=["tenant", "index"])
+    for card in devices_json(snap):
+        key = [str(card["index"]), str(card["name"])]
+        for family, name in ((total, "total_bytes"), (used, "used_bytes"), (free, "free_bytes")):
+            if card[name] is not None:
+                family.add_metric(key, card[name])
+        for tenant, n in card["tenants"].items():
+            held.add_metric([tenant, str(card["index"])], n)
+    return [total, used, free, held]
 
 
 class Metrics:

@@ -81,6 +81,13 @@ class Plan(_Doc):
     releases: list[Release]
     blockers: list[Blocker]
     explanation: str
+    device: PlanDevice | None = Field(default=None, description="only on a host with several GPUs: the card planned on")
+
+
+class PlanDevice(_Doc):
+    index: int = Field(description="NVML index (`nvidia-smi -L`)")
+    name: str
+    uuid: str | None = Field(default=None, description="in a 507's `device`")
 
 
 class DryRun(_Doc):
@@ -107,6 +114,8 @@ class Rejection(_Doc):
     blockers: list[RejectionBlocker]
     plan: Plan
     fix: str
+    device: PlanDevice | None = Field(default=None, description="only on a host with several GPUs: the card that "
+                                                                "has not enough memory (another may have room)")
 
 
 class ReleaseResult(_Doc):
@@ -175,7 +184,23 @@ class _TenantLive(_Doc):
     waiting: list[Waiting] = Field(default_factory=list, description="this tenant's requests waiting for memory")
 
 
+class CardHolding(_Doc):
+    index: int
+    name: str
+    vram_bytes: int
+
+
+class TenantDevices(_Doc):
+    """Only on a host with several GPUs: the cards the tenant's engine loads on, and why."""
+    devices: list[int] | None = Field(description="NVML indices; null: any device")
+    source: Literal["pinned", "discovered", "any"] = Field(
+        description="pinned: `devices` in tenants.json; discovered: its process's --cuda-device or CUDA_VISIBLE_DEVICES")
+    detail: str
+    vram_by_device: list[CardHolding]
+
+
 class TenantView(_TenantLive):
+    devices: TenantDevices | None = Field(default=None, description="only on a host with several GPUs")
     config: JSON
     processes: list[Process]
     watchdog: str | None
@@ -211,6 +236,20 @@ class Device(_Doc):
     reserved_bytes: int | None
     source: str = Field(description="nvml, simulated, or engine-estimate")
     notes: list[str]
+    devices: list[Card] | None = Field(default=None, description="only on a host with several GPUs: each card (the "
+                                                                 "figures above are then the whole host's sums)")
+
+
+class Card(_Doc):
+    index: int
+    name: str
+    uuid: str
+    total_bytes: int | None
+    free_bytes: int | None
+    used_bytes: int | None
+    reserved_bytes: int | None
+    tenants: dict[str, int] = Field(description="bytes each tenant (and `unmanaged`) holds on this card")
+    placed: list[str] = Field(description="tenants pinned to or discovered on this card")
 
 
 class GpuError(_Doc):

@@ -82,6 +82,9 @@ class EngineAdapter:
     # Whether the engine's HTTP answer itself can say the GPU ran out of memory (then the request is
     # retried once); an engine whose jobs outlive the answer reports it later, on a frame or in history.
     answers_oom: bool = False
+    # The command-line flag that picks the engine's GPU on a host with several (proxy/gpu/devices.py);
+    # None: the engine has none, and only CUDA_VISIBLE_DEVICES in its environment says.
+    device_flag: str | None = None
     # How its model files are laid out on disk (proxy/models/locate.py): "ollama" (manifests and
     # blobs), "comfyui" (model folders), or None (only the tenant's model_paths say).
     model_layout: str | None = None

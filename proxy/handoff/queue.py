@@ -22,8 +22,9 @@ from typing import Any, Literal, Protocol
 
 from proxy.clock import Clock
 from proxy.gpu.attribution import AttributedSnapshot
-from proxy.handoff.arbiter import Plan, TenantState, Verdict, Waiter, gib, schedule, unplanned_plan
+from proxy.handoff.arbiter import Plan, TenantState, Verdict, Waiter, gib, unplanned_plan
 from proxy.handoff.decisions import Decision, DecisionLog
+from proxy.handoff.devices import schedule_on_devices
 from proxy.tasks import sleep_or_wake
 from proxy.tenants import Registry, Tenant
 
@@ -195,8 +196,9 @@ class HandoffQueue:
                     self._forward_unplanned(snap)
                     continue
                 settings = self.fx.registry.config.proxy
-                verdicts = schedule(snap, self.fx.registry, states, [t.waiter for t in self._tickets.values()],
-                                    promised, self.fx.clock.now(), settings.starvation_after_s)
+                verdicts = schedule_on_devices(snap, self.fx.registry, states,
+                                               [t.waiter for t in self._tickets.values()],
+                                               promised, self.fx.clock.now(), settings.starvation_after_s)
                 if await self._apply(verdicts, snap):
                     continue
                 await sleep_or_wake(self.fx.clock, self._next_pause(), self._wake)

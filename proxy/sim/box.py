@@ -1,19 +1,20 @@
-"""The simulated GPU box: one scenario file -> a simulated GPU, its extra processes, and the two
-simulated engines on loopback. Used by `hyperswap demo` and by the integration tests."""
+"""The simulated GPU box: one scenario file -> a simulated GPU (or several: `gpus`), its extra
+processes, and the two simulated engines on loopback (each on the card `engines` names). Used by
+`hyperswap demo` and by the integration tests."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from proxy.errors import ConfigError
 from proxy.relay.servers import RunningServer
 from proxy.sim.comfyui import ComfySim, ComfySimConfig
-from proxy.sim.gpu import GIB, SimulatedGpu
+from proxy.sim.gpu import GIB, SimulatedDevice, SimulatedGpu
 from proxy.sim.model_files import SimModelFiles
 from proxy.sim.ollama import OllamaSim, OllamaSimConfig
 
@@ -34,12 +35,23 @@ class _ProcessSpec(BaseModel):
     vram_gb: float
     pid: int | None = None
     unknown_memory: bool = False
+    gpu: int = Field(default=0, ge=0)  # the card it holds memory on (an index into `gpus`)
+
+
+class _EngineSpec(BaseModel):
+    """Where a simulated engine runs on a box with several cards, and what its process environment
+    says (CUDA_VISIBLE_DEVICES, as /proc/<pid>/environ would show it)."""
+    model_config = ConfigDict(extra="forbid")
+    gpu: int = Field(default=0, ge=0)
+    env: dict[str, str] = Field(default_factory=dict)
 
 
 class Scenario(BaseModel):
     model_config = ConfigDict(extra="forbid")
     description: str = ""
     gpu: _GpuSpec = Field(default_factory=_GpuSpec)
+    gpus: list[_GpuSpec] = Field(default_factory=list)  # several cards: replaces `gpu` (index 0 first)
+    engines: dict[Literal["ollama", "comfyui"], _EngineSpec] = Field(default_factory=dict)
     processes: list[_ProcessSpec] = Field(default_factory=list)
     ollama: dict[str, Any] | None = Field(default_factory=dict)  # None: no Ollama in this box
     comfyui: dict[str, Any] | None = Field(default_factory=dict)
@@ -91,17 +103,30 @@ class SimBox:
     files: SimModelFiles | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        g = self.scenario.gpu
+        cards = self.scenario.gpus or [self.scenario.gpu]
+        g = cards[0]
         self.gpu = SimulatedGpu(total_bytes=int(g.total_gb * GIB), reserved_bytes=int(g.reserved_gb * GIB), name=g.name)
-        for p in self.scenario.processes:
-            self.gpu.spawn(p.name, p.cmdline, int(p.vram_gb * GIB), pid=p.pid, unknown_memory=p.unknown_memory)
+        for more in cards[1:]:
+            self.gpu.add_device(int(more.total_gb * GIB), int(more.reserved_gb * GIB), more.name)
         try:
+            for p in self.scenario.processes:
+                self.gpu.device(p.gpu).spawn(p.name, p.cmdline, int(p.vram_gb * GIB), pid=p.pid,
+                                             unknown_memory=p.unknown_memory)
             if self.scenario.ollama is not None:
-                self.ollama = OllamaSim(self.gpu, OllamaSimConfig.from_scenario(self.scenario.ollama))
+                self.ollama = OllamaSim(self._card("ollama"), OllamaSimConfig.from_scenario(self.scenario.ollama))
             if self.scenario.comfyui is not None:
-                self.comfyui = ComfySim(self.gpu, ComfySimConfig.from_scenario(self.scenario.comfyui))
+                self.comfyui = ComfySim(self._card("comfyui"), ComfySimConfig.from_scenario(self.scenario.comfyui))
         except (ValueError, TypeError, ValidationError) as exc:
             raise ConfigError(f"scenario does not match the simulators' schema: {exc}") from None
+
+    def _card(self, engine: Literal["ollama", "comfyui"]) -> SimulatedGpu | SimulatedDevice:
+        """The whole GPU on a one-card box (as before); on several, the card the scenario names."""
+        spec = self.scenario.engines.get(engine)
+        if self.gpu.device_count == 1 and spec is None:
+            return self.gpu
+        spec = spec or _EngineSpec()
+        env = tuple(sorted(spec.env.items())) or None
+        return self.gpu.device(spec.gpu, cuda_env=env)
 
     async def start(self, host: str = "127.0.0.1", ollama_port: int = 0, comfyui_port: int = 0) -> None:
         try:

@@ -36,7 +36,7 @@ from proxy.relay.servers import RunningServer, start_server
 from proxy.sim.comfyui_jobs import BadQuery, find_job, list_jobs, parse_query
 from proxy.sim.comfyui_nodes import Accepted, NodeClass, Rejected, Unhandled, catalogue, dependencies, execution_order, validate
 from proxy.sim.comfyui_wire import AIOHTTP_500, FAKE_JPEG, OriginAndSizeMiddleware, parse_multipart, png_bytes
-from proxy.sim.gpu import SimulatedGpu, SimulatedOutOfMemory
+from proxy.sim.gpu import SimulatedCard, SimulatedOutOfMemory
 from proxy.sim.model_files import SimModelFiles, load_seconds
 
 GIB = 2**30
@@ -164,7 +164,7 @@ def _ms() -> int:
 
 
 class ComfySim:
-    def __init__(self, gpu: SimulatedGpu, config: ComfySimConfig, *, clock: Clock | None = None) -> None:
+    def __init__(self, gpu: SimulatedCard, config: ComfySimConfig, *, clock: Clock | None = None) -> None:
         self.gpu = gpu
         self.config = config
         self.clock: Clock = clock or SystemClock()

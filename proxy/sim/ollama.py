@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from proxy.clock import Clock, SystemClock
 from proxy.relay.servers import RunningServer, start_server
-from proxy.sim.gpu import GIB, SimulatedGpu
+from proxy.sim.gpu import GIB, SimulatedCard
 from proxy.sim.model_files import SimModelFiles, load_seconds
 from proxy.sim.ollama_decode import CHAT, COPY, DELETE, EMBED, EMBEDDING, GENERATE, PULL, SHOW, GoJSONError, Struct, decode
 from proxy.sim.ollama_sched import CONTEXT_LENGTH, ApiError, Lease, MemoryShort, Scheduler
@@ -170,7 +170,7 @@ Handler = Callable[[Request, Send], Awaitable[None]]
 class OllamaSim:
     """The simulator. Observable counters are plain attributes for the proxy's tests."""
 
-    def __init__(self, gpu: SimulatedGpu, config: OllamaSimConfig, *, clock: Clock | None = None) -> None:
+    def __init__(self, gpu: SimulatedCard, config: OllamaSimConfig, *, clock: Clock | None = None) -> None:
         self.gpu = gpu
         self.config = config
         self.clock: Clock = clock or SystemClock()

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from proxy.clock import Clock
-from proxy.sim.gpu import SimulatedGpu, SimulatedOutOfMemory
+from proxy.sim.gpu import SimulatedCard, SimulatedOutOfMemory
 from proxy.sim.ollama_wire import GO_MAX_DURATION_S, blob_digest
 
 RUNNER_NAME = "ollama_llama_server"
@@ -66,7 +66,7 @@ class Lease:
 
 
 class Scheduler:
-    def __init__(self, gpu: SimulatedGpu, clock: Clock, *, load_gbps: float, unload_delay_s: float,
+    def __init__(self, gpu: SimulatedCard, clock: Clock, *, load_gbps: float, unload_delay_s: float,
                  default_keep_alive_s: float, memory_short: MemoryShort, max_loaded: int, num_parallel: int,
                  max_queue: int, notify: Callable[[], None],
                  load_time: Callable[[str, int], float] | None = None) -> None:

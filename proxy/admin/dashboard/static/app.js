@@ -112,6 +112,20 @@
     }
     $("mem-total").textContent = s.device.total_bytes === null || s.device.total_bytes === undefined
       ? "card size unknown (no GPU reader)" : `${gib(s.device.used_bytes)} used of ${gib(s.device.total_bytes)}`;
+    renderDevices();
+  }
+
+  // Several GPUs: the bar above is the whole host; one line per card says what each tenant holds there.
+  function renderDevices() {
+    const cards = ui.stats.device.devices || [];
+    const list = $("devices");
+    list.hidden = cards.length < 2;
+    list.replaceChildren(...cards.map((d) => {
+      const held = Object.entries(d.tenants || {}).map(([t, b]) => `${t} ${gib(b)}`).join(", ") || "nothing held";
+      const size = d.total_bytes === null ? "size unknown" : `${gib(d.used_bytes)} used of ${gib(d.total_bytes)}`;
+      const placed = (d.placed || []).length ? ` · placed here: ${d.placed.join(", ")}` : "";
+      return el("li", { dataset: { device: d.index } }, `GPU ${d.index} ${d.name}: ${size} · ${held}${placed}`);
+    }));
   }
 
   // -- tenant cards ----------------------------------------------------------------------------
