@@ -91,6 +91,13 @@ BOUNDS: dict[str, Bound] = {
     "retention_days": Bound(0, 3650, "days", low_open=True),  # 0 would delete every row at open
     "max_rows": Bound(1, 100_000_000, "rows"),
     "replay_body_max_mb": Bound(0, 1024, "MiB"),  # kept in memory while the request runs
+    # gpu_profile: wide enough for any card; the card's own range is checked against what NVML reports
+    "power_limit_w": Bound(1, 5000, "W"),
+    "gpc_clock_offset_mhz": Bound(-5000, 5000, "MHz"),
+    "mem_clock_offset_mhz": Bound(-10000, 10000, "MHz"),
+    "fan_speed_percent": Bound(0, 100, "%"),
+    "device": Bound(0, 63),
+    "check_interval_s": Bound(1, 3600, "s"),  # each check reads the card's settings through NVML
     "keep_warm_models": Bound(0, 1000, "models"),
 }
 SUFFIX_BOUNDS: dict[str, Bound] = {"_gb": Bound(0, MAX_GIB, "GiB"), "_s": Bound(0, DAY_S, "s")}
@@ -371,11 +378,52 @@ class TelemetrySettings(_Strict):
     max_rows: int = 500_000
 
 
+class LockedClocks(_Strict):
+    min: int = Field(ge=0, le=20000, description="MHz")
+    max: int = Field(ge=0, le=20000, description="MHz")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> LockedClocks:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min} MHz) must not be above max ({self.max} MHz)")
+        return self
+
+
+GPU_PROFILE_SETTINGS = ("power_limit_w", "locked_clocks_mhz", "gpc_clock_offset_mhz", "mem_clock_offset_mhz",
+                        "fan_policy", "fan_speed_percent")
+
+
+class GpuProfile(_Strict):
+    """The GPU settings the operator wants (`gpu_profile` in tenants.json). Read and compared always;
+    written only with `apply: true` (and the root permission NVML needs to write)."""
+
+    apply: bool = Field(default=False, description="write the profile to the card (needs root); off: compare only")
+    device: int = Field(default=0, description="the GPU's NVML index")
+    power_limit_w: float | None = None
+    locked_clocks_mhz: LockedClocks | None = Field(default=None, description="graphics clock range {min, max} in MHz")
+    gpc_clock_offset_mhz: int | None = None
+    mem_clock_offset_mhz: int | None = None
+    fan_policy: Literal["auto", "manual"] | None = None
+    fan_speed_percent: int | None = Field(default=None, description="every fan, with fan_policy manual")
+    check_interval_s: float = 30.0
+
+    @model_validator(mode="after")
+    def _coherent(self) -> GpuProfile:
+        if all(getattr(self, name) is None for name in GPU_PROFILE_SETTINGS):
+            raise ValueError("sets nothing: give at least one of " + ", ".join(GPU_PROFILE_SETTINGS))
+        if self.fan_speed_percent is not None and self.fan_policy != "manual":
+            raise ValueError("fan_speed_percent needs fan_policy \"manual\" (the driver ignores a speed under \"auto\")")
+        if self.fan_policy == "manual" and self.fan_speed_percent is None:
+            raise ValueError("fan_policy \"manual\" needs fan_speed_percent (else the fans keep whatever speed they had)")
+        return self
+
+
 class Config(_Strict):
     admin: AdminSpec = Field(default_factory=AdminSpec)
     proxy: ProxySettings = Field(default_factory=ProxySettings)
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
     tenants: dict[str, Tenant] = Field(default_factory=dict)
+    gpu_profile: GpuProfile | None = None
 
     @field_validator("tenants")
     @classmethod

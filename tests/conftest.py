@@ -26,6 +26,19 @@ def _isolated_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest
     return home
 
 
+@pytest.fixture(autouse=True)
+def _no_real_gpu_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The NVML settings writer is the one way the proxy changes a card (power limit, clocks, fans):
+    under the tests it raises instead of loading the real NVML, so no test can touch a card.
+    Tests of its call mapping inject a fake pynvml; everything else replaces the writer."""
+    from proxy.gpu.settings_writer import NvmlSettingsWriter, RealWriterBlocked
+
+    def blocked() -> None:
+        raise RealWriterBlocked("a test reached the real NVML settings writer: inject a fake pynvml or a recorder")
+
+    monkeypatch.setattr(NvmlSettingsWriter, "_real_nvml", staticmethod(blocked))
+
+
 @pytest.fixture
 async def box() -> AsyncIterator[Callable[..., Awaitable[Any]]]:
     """Start whole simulated boxes (GPU, both engines, the proxy) on port 0 with fast delays:

@@ -124,6 +124,7 @@ class HealthExtension:
             NamedCheck("telemetry", self.check_telemetry),
             NamedCheck("stale queue entries", self.check_stale),
             NamedCheck("unmanaged VRAM", self.check_unmanaged),
+            NamedCheck("gpu profile", self.check_gpu_profile),
             NamedCheck("gpu devices", self.check_devices),
         ]
 
@@ -449,6 +450,11 @@ class HealthExtension:
                     f"{_gib(without)} still fits the {_gib(actual)} left"
                     + (f" ({len(unknown)} process(es) of unknown size not counted)" if unknown else "")))
         return out or [HealthEntry("unmanaged VRAM", "ok", f"unmanaged processes hold {_gib(held)}: {who}")]
+
+    async def check_gpu_profile(self, snap: AttributedSnapshot) -> list[HealthEntry]:
+        """The card's settings against gpu_profile, from the extension that keeps them (proxy.admin.gpu_api)."""
+        gpu_health = next((fn for e in self.proxy.extensions if callable(fn := getattr(e, "gpu_health", None))), None)
+        return [] if gpu_health is None else list(await gpu_health())
 
     # -- /api/engines ------------------------------------------------------------------------------
     def _host_reads(self) -> bool:

@@ -215,7 +215,8 @@ class TenantList(_Doc):
 class Decision(_Doc):
     id: int
     at: float = Field(description="unix seconds")
-    kind: Literal["plan", "queued", "release", "rejection", "oom_retry", "idle_release", "spill", "stale_job"]
+    kind: Literal["plan", "queued", "release", "rejection", "oom_retry", "idle_release", "spill", "stale_job",
+                  "gpu_drift", "gpu_apply", "model_load"]
     tenant: str
     trigger: str
     plan: Plan | None
@@ -411,6 +412,17 @@ def _operations() -> dict[str, dict[str, JSON]]:
             "summary": "Each tenant's engine: reachable, version, what it reports about itself", "operationId": "engines",
             "responses": {"200": _json("engines", {"type": "object", "required": ["engines"],
                                                    "properties": {"engines": {"type": "array", "items": ANY_OBJECT}}})}}},
+        "/api/gpu": {"get": {
+            "summary": "The GPU's own settings per device, and gpu_profile against them", "operationId": "gpu",
+            "description": ("Power limit, clocks, clock offsets, fans, persistence mode, temperature and clock event "
+                            "reasons, read through NVML (or the simulated card). A null field is unknown, never 0: "
+                            "settings.unavailable says why (not supported, no permission). With a gpu_profile, the "
+                            "profile's device carries one check per setting (ok, drift, unsupported, unreadable)."),
+            "responses": {"200": _json("the settings", {
+                "type": "object", "required": ["devices", "profile", "apply"],
+                "properties": {"devices": {"type": "array", "items": ANY_OBJECT},
+                               "profile": {"anyOf": [ANY_OBJECT, {"type": "null"}]},
+                               "apply": {"anyOf": [ANY_OBJECT, {"type": "null"}]}}})}}},
         "/api/history": {"get": {
             "summary": "Stored history (telemetry) of memory, tenants and decisions", "operationId": "history",
             "parameters": [

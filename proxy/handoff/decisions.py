@@ -17,8 +17,9 @@ from proxy.clock import Clock
 
 log = logging.getLogger("hyperswap.decisions")
 
+# model_load: an observation (a load's speed), recorded for the history; gpu_*: proxy/gpu/keeper.py
 DecisionKind = Literal["plan", "queued", "release", "rejection", "oom_retry", "idle_release", "spill", "stale_job",
-                       "model_load"]  # model_load: an observation (a load's speed), recorded for the history
+                       "gpu_drift", "gpu_apply", "model_load"]
 
 
 @dataclass(slots=True)

@@ -15,6 +15,7 @@ from proxy.errors import ConfigError
 from proxy.relay.servers import RunningServer
 from proxy.sim.comfyui import ComfySim, ComfySimConfig
 from proxy.sim.gpu import GIB, SimulatedDevice, SimulatedGpu
+from proxy.sim.gpu_settings import SimulatedCardSettings, SimulatedSettingsSpec
 from proxy.sim.model_files import SimModelFiles
 from proxy.sim.ollama import OllamaSim, OllamaSimConfig
 
@@ -26,6 +27,7 @@ class _GpuSpec(BaseModel):
     name: str = "Simulated RTX 4090"
     total_gb: float = 24.0
     reserved_gb: float = 0.3
+    settings: SimulatedSettingsSpec = Field(default_factory=SimulatedSettingsSpec)  # power limit, clocks, fans
 
 
 class _ProcessSpec(BaseModel):
@@ -108,6 +110,7 @@ class SimBox:
         self.gpu = SimulatedGpu(total_bytes=int(g.total_gb * GIB), reserved_bytes=int(g.reserved_gb * GIB), name=g.name)
         for more in cards[1:]:
             self.gpu.add_device(int(more.total_gb * GIB), int(more.reserved_gb * GIB), more.name)
+        self.gpu.card_settings = SimulatedCardSettings(name=g.name, spec=g.settings)  # card 0's power limit, clocks, fans
         try:
             for p in self.scenario.processes:
                 self.gpu.device(p.gpu).spawn(p.name, p.cmdline, int(p.vram_gb * GIB), pid=p.pid,

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot
+from proxy.sim.gpu_settings import SimulatedCardSettings
 
 GIB = 2**30
 
@@ -58,6 +59,7 @@ class SimulatedGpu:
         self._more: list[_Card] = []  # devices 1, 2, ...; device 0 is this object's own figures
         self.reads = 0
         self.fail_with: Exception | None = None  # set to make read() raise (health tests)
+        self.card_settings = SimulatedCardSettings(name=name)  # power limit, clocks, fans: GET /api/gpu
 
     # -- processes ------------------------------------------------------------------------
     def add_device(self, total_bytes: int, reserved_bytes: int = 300 * 2**20, name: str = "Simulated RTX 4090") -> int:

@@ -279,6 +279,24 @@ async def test_a_release_judged_on_the_engines_report_shows_as_estimated(box: De
     assert not console.errors, console.errors
 
 
+async def test_gpu_panel_shows_the_cards_settings_and_the_profiles_drift(box: DemoFactory, dashboard: OpenDashboard,
+                                                                          artifacts: Path) -> None:
+    demo = await box("gpu-drift")
+    page, console = await dashboard(demo)
+    drift = page.locator('#gpu-settings [data-setting="power_limit_w"][data-status="drift"]')
+    await drift.wait_for(timeout=WAIT_MS)
+    assert "450 W" in await drift.inner_text() and "300 W" in await drift.inner_text()
+    panel = await page.locator("#gpu-settings").inner_text()
+    assert "Simulated RTX 4090" in panel and "150\u2013600 W" in panel and "63 °C" in panel
+    assert "profile compared (apply off)" in panel
+    # application clocks: unknown on this card, shown as a dash with the reason on hover, never as 0
+    assert "not supported" in (await page.locator("#gpu-settings dd [title]").first.get_attribute("title") or "")
+    logged = page.locator('#decisions [data-kind="gpu_drift"]').filter(has_text="GPU 0: power limit is 450 W")
+    await logged.wait_for(timeout=WAIT_MS)
+    await page.screenshot(path=str(artifacts / "dashboard-gpu.png"), full_page=True)
+    assert not console.errors, console.errors
+
+
 async def test_two_gpus_show_one_line_per_card_with_what_each_tenant_holds_there(box: DemoFactory,
                                                                                   dashboard: OpenDashboard) -> None:
     demo = await box("two-gpus")

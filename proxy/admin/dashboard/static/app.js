@@ -381,6 +381,12 @@
         return `${d.tenant} loaded ${o.model}: ${gib(o.size_bytes)} in ${o.seconds} s = ${o.gbps} GB/s, ${o.class || "unclassified"} (${o.resident_before_percent === null ? "residency unknown" : `${o.resident_before_percent} % in RAM before`})`;
       case "oom_retry":
         return `${d.tenant} OOM (${d.trigger}): ${typeof o.result === "string" ? o.result : JSON.stringify(o.result ?? o)}`;
+      case "gpu_drift":  // proxy/gpu/keeper.py
+        return o.drifting && o.drifting.length ? `GPU ${o.device}: ${o.drifting.map((c) => c.note).join("; ")}`
+          : `GPU ${o.device}: settings match gpu_profile again (${(o.resolved || []).join(", ")})`;
+      case "gpu_apply":
+        return `GPU ${o.device} ${d.trigger}: ${(o.changes || []).join(", ")}${o.ok === true ? " → done" : o.ok === false
+          ? ` → failed: ${(o.errors || []).map((e) => e.error).join("; ") || "still off: " + (o.still_drifting || []).join(", ")}` : " (writing…)"}`;
       default:
         return `${d.tenant} (${d.trigger}) ${Object.keys(o).length ? JSON.stringify(o) : ""}`;
     }

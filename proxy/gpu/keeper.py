@@ -1,0 +1,239 @@
+"""Keeps an eye on the GPU's own settings: reads every card, compares the profile's card with
+`gpu_profile`, remembers since when each setting drifts, logs drift as a decision, and, only with
+`gpu_profile.apply: true`, writes the profile back through the one `SettingsWriter`.
+
+Writes happen when a setting drifts, and for settings NVML cannot read back (locked clocks) at the
+first check and whenever the card looks reset (`profile.reset_reason`). A failed write (no root, a
+value the driver refuses, the card gone) backs off: 30 s, then doubling up to 30 min.
+
+Reads and writes are blocking NVML calls: they run in a worker thread; the decision log is only
+touched on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from proxy.clock import Clock
+from proxy.gpu.profile import FieldCheck, compare, plan_changes, reset_reason
+from proxy.gpu.settings import GpuSettings, SettingsSource
+from proxy.gpu.settings_writer import SettingChange, SettingsWriteError, SettingsWriter
+from proxy.gpu.snapshot import GpuReadError
+from proxy.tenants import GpuProfile
+
+BACKOFF_S = 30.0
+BACKOFF_MAX_S = 1800.0
+TRIGGER = "gpu settings check"
+
+
+class DecisionRecorder(Protocol):
+    """The slice of `proxy.handoff.decisions.DecisionLog` the keeper uses."""
+
+    def record(self, kind: Any, tenant: str, trigger: str, plan: dict[str, Any] | None = None,
+               **outcome: Any) -> Any: ...
+
+    def update(self, d: Any, **outcome: Any) -> None: ...
+
+
+@dataclass(slots=True)
+class ApplyAttempt:
+    at: float  # unix seconds
+    reason: str
+    changes: list[str]
+    ok: bool
+    errors: list[dict[str, str]]
+    still_drifting: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"at": self.at, "reason": self.reason, "changes": self.changes, "ok": self.ok, "errors": self.errors,
+                "still_drifting": self.still_drifting}
+
+
+@dataclass(slots=True)
+class DeviceView:
+    """What the keeper knows about one card."""
+
+    index: int
+    settings: GpuSettings | None = None
+    error: GpuReadError | None = None
+    checks: tuple[FieldCheck, ...] = ()
+    drift_since: dict[str, float] = field(default_factory=dict)  # setting -> unix seconds
+    read_failed_since_ok: bool = False
+
+    def lost(self, error: GpuReadError) -> None:
+        """The card could not be read: what was read before is no longer a claim anyone can make."""
+        self.error = error
+        self.settings = None
+        self.checks = ()
+        self.read_failed_since_ok = True
+
+    def to_json(self, profiled: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {"index": self.index, "settings": self.settings.to_json() if self.settings else None,
+                               "error": None if self.error is None else
+                               {"state": self.error.state, "error": self.error.message, "fix": self.error.fix}}
+        if profiled:
+            out["profile"] = [dict(c.to_json(), since=self.drift_since.get(c.setting)) for c in self.checks]
+        return out
+
+
+class GpuSettingsKeeper:
+    def __init__(self, source: SettingsSource | None, writer: SettingsWriter | None, profile: GpuProfile | None,
+                 clock: Clock, decisions: DecisionRecorder, *, no_source_reason: str = "",
+                 backoff_s: float = BACKOFF_S, backoff_max_s: float = BACKOFF_MAX_S) -> None:
+        self.source = source
+        self.writer = writer
+        self.profile = profile
+        self.clock = clock
+        self.decisions = decisions
+        self.no_source_reason = no_source_reason
+        self.backoff_s = backoff_s
+        self.backoff_max_s = backoff_max_s
+        self.devices: dict[int, DeviceView] = {}
+        self.list_error: GpuReadError | None = None
+        self.checked_at: float | None = None
+        self.last_apply: ApplyAttempt | None = None
+        self.apply_error: SettingsWriteError | None = None
+        self.apply_failures = 0
+        self.next_apply_at = 0.0  # monotonic
+        self._profiled_before: GpuSettings | None = None
+        self._profiled_checks: tuple[FieldCheck, ...] = ()
+        self._rewrite_pending: str | None = None  # a reset seen and not yet answered by a successful apply
+        self._lock = asyncio.Lock()
+
+    @property
+    def interval_s(self) -> float:
+        return self.profile.check_interval_s if self.profile else 30.0
+
+    # -- one check -----------------------------------------------------------------------------
+    async def check(self) -> None:
+        """Read every card; compare, log and (opt-in) apply for the profile's card. Never raises for
+        a card that cannot be read: the failure is kept for /api/gpu and health."""
+        async with self._lock:
+            await self._check()
+
+    async def _check(self) -> None:
+        if self.source is None:
+            return
+        source = self.source
+        try:
+            indices = await asyncio.to_thread(source.device_indices)
+            self.list_error = None
+        except GpuReadError as exc:
+            self.list_error = exc
+            for view in self.devices.values():
+                view.lost(exc)
+            return
+        for index in indices:
+            view = self.devices.setdefault(index, DeviceView(index))
+            try:
+                settings = await asyncio.to_thread(source.read_settings, index)
+            except GpuReadError as exc:
+                view.lost(exc)
+                continue
+            view.error = None
+            view.settings = settings
+            if self.profile is not None and index == self.profile.device:
+                await self._keep(view, self.profile, settings)
+            view.read_failed_since_ok = False
+        self.checked_at = self.clock.wall()
+
+    async def _keep(self, view: DeviceView, profile: GpuProfile, settings: GpuSettings) -> None:
+        checks = compare(profile, settings)
+        reset = reset_reason(self._profiled_before, self._profiled_checks, settings, checks,
+                             read_failed_between=view.read_failed_since_ok)
+        self._track_drift(view, checks)
+        if reset is not None:
+            self._rewrite_pending = reset
+        if profile.apply and self.writer is not None:
+            checks = await self._apply(view, profile, settings, checks, self._rewrite_pending)
+            self._track_drift(view, checks)
+        self._profiled_before = view.settings
+        self._profiled_checks = view.checks
+
+    def _track_drift(self, view: DeviceView, checks: tuple[FieldCheck, ...]) -> None:
+        now = self.clock.wall()
+        before: set[str] = set(view.drift_since)
+        drifting: set[str] = {c.setting for c in checks if c.status == "drift"}
+        for setting in drifting - before:
+            view.drift_since[setting] = now
+        for setting in before - drifting:
+            del view.drift_since[setting]
+        view.checks = checks
+        if drifting != before:
+            self.decisions.record(
+                "gpu_drift", "", TRIGGER, None, device=view.index,
+                drifting=[c.to_json() for c in checks if c.status == "drift"],
+                started=sorted(drifting - before), resolved=sorted(before - drifting))
+
+    async def _apply(self, view: DeviceView, profile: GpuProfile, settings: GpuSettings,
+                     checks: tuple[FieldCheck, ...], reset: str | None) -> tuple[FieldCheck, ...]:
+        changes = plan_changes(profile, settings, checks, rewrite_unreadable=reset is not None)
+        if not changes or self.clock.now() < self.next_apply_at:
+            return checks
+        drifting = [c.setting for c in checks if c.status == "drift"]
+        reason = reset if reset is not None else f"drift: {', '.join(drifting)}"
+        decision = self.decisions.record("gpu_apply", "", f"gpu_profile.apply ({reason})", None, device=view.index,
+                                         changes=[c.describe() for c in changes])
+        errors: list[SettingsWriteError] = []
+        writer = self.writer
+        assert writer is not None
+        for change in changes:
+            try:
+                await asyncio.to_thread(writer.write, view.index, change)
+            except SettingsWriteError as exc:
+                errors.append(exc)
+        after = checks
+        try:
+            reread = await asyncio.to_thread(self.source.read_settings, view.index)  # type: ignore[union-attr]
+            view.settings = reread
+            after = compare(profile, reread)
+        except GpuReadError as exc:
+            view.error = exc
+        still: list[str] = [c.setting for c in after if c.status == "drift"]
+        ok = not errors and not still
+        if ok:
+            self._rewrite_pending = None
+        self._settle(ok, errors, still, changes, view.index)
+        self.last_apply = ApplyAttempt(self.clock.wall(), reason, [c.describe() for c in changes], ok,
+                                       [{"kind": e.kind, "error": e.message, "fix": e.fix} for e in errors], still)
+        self.decisions.update(decision, ok=ok, errors=self.last_apply.errors, still_drifting=still,
+                              next_attempt_in_s=None if ok else round(self.next_apply_at - self.clock.now(), 1))
+        return after
+
+    def _settle(self, ok: bool, errors: list[SettingsWriteError], still: list[str], changes: list[SettingChange],
+                index: int) -> None:
+        if ok:
+            self.apply_failures = 0
+            self.apply_error = None
+            self.next_apply_at = 0.0
+            return
+        self.apply_failures += 1
+        delay = min(self.backoff_s * 2 ** (self.apply_failures - 1), self.backoff_max_s)
+        self.next_apply_at = self.clock.now() + delay
+        if errors:
+            self.apply_error = errors[0]
+        else:
+            self.apply_error = SettingsWriteError(
+                "failed", f"GPU {index} still shows {', '.join(still)} off the profile after writing it "
+                "(the driver clamped or ignored the value)", "check the card's ranges in GET /api/gpu and the profile")
+
+    # -- the view --------------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        p = self.profile
+        return {
+            "checked_at": self.checked_at,
+            "source_error": (self.no_source_reason or "no settings reader") if self.source is None else None,
+            "list_error": None if self.list_error is None else
+            {"state": self.list_error.state, "error": self.list_error.message, "fix": self.list_error.fix},
+            "devices": [v.to_json(p is not None and v.index == p.device) for _, v in sorted(self.devices.items())],
+            "profile": None if p is None else p.model_dump(mode="json"),
+            "apply": None if p is None else {
+                "enabled": p.apply, "last": self.last_apply.to_json() if self.last_apply else None,
+                "error": None if self.apply_error is None else
+                {"kind": self.apply_error.kind, "error": self.apply_error.message, "fix": self.apply_error.fix},
+                "failures": self.apply_failures,
+                "next_attempt_in_s": (round(max(0.0, self.next_apply_at - self.clock.now()), 1)
+                                      if self.apply_failures else None)},
+        }
