@@ -85,6 +85,7 @@ async def serve(proxy: Proxy, stop: asyncio.Event, ports: Mapping[str, int] | No
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from proxy.gpu.nvml import NvmlReader
+    from proxy.gpu.pods import with_pods
     from proxy.relay.servers import settle_heap
     from proxy.service import Proxy
 
@@ -96,7 +97,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        return await serve(Proxy(registry, NvmlReader()), stop, started=settle_heap)
+        return await serve(Proxy(registry, with_pods(NvmlReader())), stop, started=settle_heap)
 
     return asyncio.run(run())
 
@@ -104,7 +105,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     from proxy.admin.health import check_main
 
+    if args.ready_within is not None:  # the systemd unit's ExecStartPost gate
+        from proxy.deploy.gate import ready_gate
+
+        return ready_gate(args.config, args.admin, args.json, args.ready_within)
     return check_main(args.config, args.admin, args.json)
+
+
+def cmd_install(args: argparse.Namespace) -> int:
+    from proxy.deploy.install import main as deploy_main
+
+    return deploy_main(args, "install")
+
+
+def cmd_uninstall(args: argparse.Namespace) -> int:
+    from proxy.deploy.install import main as deploy_main
+
+    return deploy_main(args, "uninstall")
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -173,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
                 cmd_check)
     check.add_argument("--admin", metavar="URL", help="admin API URL (default: from tenants.json)")
     check.add_argument("--json", action="store_true")
+    check.add_argument("--ready-within", type=float, metavar="SECONDS",
+                       help="wait up to SECONDS for the proxy to answer, print the report, exit 0 once it does "
+                       "whatever its dependencies say (2 if it never answers): the service's start gate")
     verify = add("verify", "prove end to end, through a running proxy, that the arbitration works on this box: "
                  "engines, a generation, a graph, a reclaim, out of memory, a 507", cmd_verify)
     verify.add_argument("--admin", metavar="URL", help="admin API URL (default: from tenants.json)")
@@ -191,6 +211,15 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true")
     mcp = add("mcp", "serve the MCP tools (health, engines, tenants, plan, release) over stdio for a running proxy", cmd_mcp)
     mcp.add_argument("--admin", metavar="URL", help="admin API URL (default: from tenants.json)")
+    from proxy.deploy.install import add_arguments as deploy_arguments
+
+    install = sub.add_parser("install", help="run as a service on the engines' own ports (11434, 8188), the engines "
+                             "moved behind it (--dry-run prints every file and command)")
+    install.set_defaults(run=cmd_install)
+    deploy_arguments(install, "install")
+    uninstall = sub.add_parser("uninstall", help="undo `hyperswap install` exactly")
+    uninstall.set_defaults(run=cmd_uninstall)
+    deploy_arguments(uninstall, "uninstall")
     tenants = add("tenants", "print the merged tenant registry and where each value came from", cmd_tenants)
     tenants.add_argument("--json", action="store_true", help="machine-readable output")
     return parser

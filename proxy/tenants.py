@@ -204,11 +204,29 @@ def _upstream_url(value: str) -> str:
     return value.rstrip("/")
 
 
+class PodMatch(_Strict):
+    """A Kubernetes pod this tenant's processes run in: its namespace and/or labels (all must match)."""
+
+    namespace: str | None = Field(default=None, description="the pod's namespace")
+    labels: dict[str, str] = Field(default_factory=dict, description="labels the pod carries, every one with this value")
+
+    @model_validator(mode="after")
+    def _not_everything(self) -> PodMatch:
+        if self.namespace is None and not self.labels:
+            raise ValueError("name a namespace or at least one label (an empty pod rule would match every pod)")
+        return self
+
+    def matches(self, namespace: str, labels: Mapping[str, str]) -> bool:
+        return (self.namespace is None or self.namespace == namespace) and all(
+            labels.get(k) == v for k, v in self.labels.items())
+
+
 class MatchRules(_Strict):
     """How to recognise the tenant's GPU processes."""
 
     process_names: list[str] = Field(default_factory=list, description="exact process names (comm or argv[0] basename)")
     cmdline_patterns: list[str] = Field(default_factory=list, description="regular expressions searched in the command line")
+    pod: PodMatch | None = Field(default=None, description="on Kubernetes: the pod's namespace and labels")
 
     @field_validator("cmdline_patterns")
     @classmethod

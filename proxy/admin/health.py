@@ -450,7 +450,8 @@ class HealthExtension:
     def _host_reads(self) -> bool:
         if self.env.host is not None:
             return self.env.host
-        return isinstance(self.proxy.reader, NvmlReader)  # a simulated GPU's engines are not the host's
+        reader = getattr(self.proxy.reader, "inner", self.proxy.reader)  # under proxy.gpu.pods.PodAwareReader
+        return isinstance(reader, NvmlReader)  # a simulated GPU's engines are not the host's
 
     async def engine_view(self, tenant: Tenant, snap: AttributedSnapshot | None) -> dict[str, Any] | None:
         """What the tenant's engine reports about itself; None for an engine that reports nothing."""

@@ -140,6 +140,12 @@ class ReleaseResult(_Doc):
         "(not back within release_timeout_s) or error (the engine refused or was down)"))
 
 
+class PodName(_Doc):
+    namespace: str
+    name: str
+    container: str | None
+
+
 class Process(_Doc):
     pid: int
     name: str
@@ -147,6 +153,7 @@ class Process(_Doc):
     tenant: str | None = None
     vram_bytes: int | None
     vram_gb: float | None = None
+    pod: PodName | None = Field(default=None, description="the Kubernetes pod it runs in; null off Kubernetes or unknown")
 
 
 class Waiting(_Doc):
@@ -415,15 +422,19 @@ def gpu_error_view(err: GpuReadError | None) -> GpuError | None:
 def tenant_process(p: AttributedProcess) -> Process:
     """A tenant's process, as its tenant view lists it."""
     return Process(pid=p.process.pid, name=p.process.name, cmdline=p.process.cmdline,
-                   vram_bytes=p.process.used_bytes, vram_gb=gib(p.process.used_bytes))
+                   vram_bytes=p.process.used_bytes, vram_gb=gib(p.process.used_bytes), pod=_pod(p))
 
 
 def card_process(p: AttributedProcess, *, cmdline: bool = True) -> Process:
     """A process on the card with its tenant (the stats frame leaves the command line out: it is large)."""
     if cmdline:
         return Process(pid=p.process.pid, name=p.process.name, cmdline=p.process.cmdline, tenant=p.tenant,
-                       vram_bytes=p.process.used_bytes)
-    return Process(pid=p.process.pid, name=p.process.name, tenant=p.tenant, vram_bytes=p.process.used_bytes)
+                       vram_bytes=p.process.used_bytes, pod=_pod(p))
+    return Process(pid=p.process.pid, name=p.process.name, tenant=p.tenant, vram_bytes=p.process.used_bytes, pod=_pod(p))
+
+
+def _pod(p: AttributedProcess) -> PodName | None:
+    return PodName.model_validate(p.pod.to_json()) if p.pod else None
 
 
 def _live(arb: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, tenant: Tenant, state: TenantState) -> JSON:

@@ -11,8 +11,8 @@ Nobody outside `proxy/engines/` switches on an engine's name: they ask its adapt
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -83,6 +83,17 @@ def same_origin(origin: str, host: str, scheme: str) -> bool:
         return False
     default = ":443" if scheme in ("https", "wss") else ":80"
     return netloc == host.lower().removesuffix(default)
+
+
+@dataclass(frozen=True, slots=True)
+class Relocation:
+    """How an engine is moved to another loopback port, so the proxy can take the engine's own
+    (`hyperswap install`): a systemd drop-in for its service, and what to tell a person who starts it by hand."""
+
+    port: int
+    service: str | None = None  # the systemd unit that runs it, where the engine ships one
+    environment: Mapping[str, str] = field(default_factory=dict)  # set by the drop-in (and by hand)
+    instruction: str = ""  # one line: how to start it on `port` yourself
 
 
 class EngineAdapter:
@@ -305,3 +316,8 @@ class EngineAdapter:
     def _view(self) -> dict[str, Any]:
         t = self.tenant
         return {"tenant": t.name, "engine": t.engine, "upstream": t.upstream, "reachable": False, "error": None}
+
+    # -- deployment -------------------------------------------------------------------------
+    def relocation(self, port: int) -> Relocation | None:
+        """How to move this engine onto `port` of 127.0.0.1; None: no known way (a generic app's own flags)."""
+        return None

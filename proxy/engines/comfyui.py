@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 
 from proxy.engines import settings as es
-from proxy.engines.base import EngineAdapter, JobReplay, RequestKind
+from proxy.engines.base import EngineAdapter, JobReplay, Relocation, RequestKind
 from proxy.engines.common import Need, ReleaseFailed, json_or_none, upstream_of
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory
@@ -261,6 +261,10 @@ class ComfyUIAdapter(EngineAdapter):
         if stats.argv is None and view["reachable"]:
             view["flags_note"] = "system_stats has no argv (older ComfyUI): start flags unknown"
         return view
+
+    def relocation(self, port: int) -> Relocation:
+        """ComfyUI ships no service: its `--port` flag (with `--listen` left at its 127.0.0.1 default)."""
+        return Relocation(port=port, instruction=f"python main.py --port {port}")
 
 
 def _ok_json(status: int, body: bytes) -> object:

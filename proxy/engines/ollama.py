@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from proxy.engines import settings as es
-from proxy.engines.base import EngineAdapter, Placement, RequestKind
+from proxy.engines.base import EngineAdapter, Placement, Relocation, RequestKind
 from proxy.engines.common import Need, ReleaseFailed, json_or_none, upstream_of
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.relay.hosts import HostPolicy, is_loopback_host, listener_policy
@@ -241,3 +241,8 @@ class OllamaAdapter(EngineAdapter):
              "where": "", "variables": None}]
         view["settings"] = [s.to_json() for s in es.ollama_settings(systemd, environ, version)]
         return view
+
+    def relocation(self, port: int) -> Relocation:
+        """OLLAMA_HOST sets where `ollama serve` listens; the Linux installer's unit is ollama.service."""
+        return Relocation(port=port, service="ollama.service", environment={"OLLAMA_HOST": f"127.0.0.1:{port}"},
+                          instruction=f"OLLAMA_HOST=127.0.0.1:{port} ollama serve")

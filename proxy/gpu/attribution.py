@@ -10,6 +10,8 @@ engine. Evidence, strongest first:
    first in registry order. Skipped where the reader has no tree (the simulated GPU: its pids are
    not in /proc), for an upstream on another machine, and for a lineage whose sockets could not be
    read (another user's processes): those fall back to the rules below, and the snapshot says so.
+   **Pod.** On Kubernetes, a process in a pod whose namespace and labels a tenant's `match.pod`
+   names belongs to it (the snapshot's `pods`, from `proxy.gpu.pods`), first tenant in registry order.
 2. **Name.** An exact name match (comm, or the basename of argv[0], against `match.process_names`),
    first tenant in registry order wins. Linux truncates comm to 15 characters
    (`ollama_llama_server` shows as `ollama_llama_se`), so a 15-character comm also matches a
@@ -41,9 +43,10 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from proxy.gpu.devices import Placement
+from proxy.gpu.pods import PodRef
 from proxy.gpu.snapshot import GpuProcess, GpuSnapshot, Listener, ProcessTree, ProcNode
 from proxy.relay.hosts import IpAddress, is_local_address, parse_ip
-from proxy.tenants import Registry, Tenant
+from proxy.tenants import PodMatch, Registry, Tenant
 
 UNMANAGED = "unmanaged"
 COMM_MAX = 15  # TASK_COMM_LEN - 1 on Linux
@@ -54,7 +57,7 @@ SERVICE_MANAGERS = frozenset({"systemd"})
 NOTE_PIDS_MAX = 5
 LOCALHOST: frozenset[IpAddress] = frozenset({ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1")})
 
-Basis = Literal["port", "name", "pattern"]
+Basis = Literal["port", "pod", "name", "pattern"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +65,7 @@ class AttributedProcess:
     process: GpuProcess
     tenant: str
     by: Basis | None = None  # the evidence; None: no rule matched (unmanaged), or not attributed here (self-reports)
+    pod: PodRef | None = None  # the Kubernetes pod it runs in, when known
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +111,7 @@ class _Rules:
     names: frozenset[str]
     truncated: tuple[str, ...]  # names longer than COMM_MAX: a 15-char comm may be their prefix
     patterns: tuple[re.Pattern[str], ...]
+    pod: PodMatch | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,9 +185,11 @@ class Attributor:
                 names=frozenset(t.match.process_names),
                 truncated=tuple(n for n in t.match.process_names if len(n) > COMM_MAX),
                 patterns=tuple(re.compile(p) for p in t.match.cmdline_patterns),
+                pod=t.match.pod,
             )
             for t in registry
         )
+        self._pod_rules = tuple(r for r in self._rules if r.pod is not None)
         self._upstreams: list[_Upstream] = []
         self._remote: list[tuple[str, str]] = []  # (tenant, host) whose engine is not on this machine
         for order, t in enumerate(registry):
@@ -225,6 +232,14 @@ class Attributor:
                     return _Verdict(r.tenant, "pattern")
         return _Verdict(UNMANAGED, None)
 
+    def _by_pod(self, pod: PodRef | None) -> _Verdict | None:
+        if pod is None:
+            return None
+        for r in self._pod_rules:
+            if r.pod is not None and r.pod.matches(pod.namespace, pod.labels):
+                return _Verdict(r.tenant, "pod")
+        return None
+
     # -- ports -----------------------------------------------------------------------------------
     def _owners(self, tree: ProcessTree | None) -> _Owners:
         """Which listening sockets serve a tenant's upstream: once per snapshot, a few dozen sockets."""
@@ -259,11 +274,11 @@ class Attributor:
         return None, tuple(blind)
 
     # -- one process -----------------------------------------------------------------------------
-    def tenant_of(self, process: GpuProcess, tree: ProcessTree | None = None) -> str:
-        return self._verdict(process, tree, self._owners(tree))[0].tenant
+    def tenant_of(self, process: GpuProcess, tree: ProcessTree | None = None, pod: PodRef | None = None) -> str:
+        return self._verdict(process, tree, self._owners(tree), pod)[0].tenant
 
     def _verdict(self, process: GpuProcess, tree: ProcessTree | None,
-                 owners: _Owners) -> tuple[_Verdict, tuple[ProcNode, ...]]:
+                 owners: _Owners, pod: PodRef | None = None) -> tuple[_Verdict, tuple[ProcNode, ...]]:
         """The verdict, and the unreadable processes that kept the port from deciding it."""
         by_port = tree is not None and bool(owners.tenant_of)
         # without a start time a pid is not an identity: never cached
@@ -274,7 +289,7 @@ class Attributor:
                 cached = self._cache.get(key)
                 if cached is not None:
                     self._cache.move_to_end(key)
-                    if cached.by == "port" or not by_port:
+                    if cached.by in ("port", "pod") or (not by_port and (pod is None or not self._pod_rules)):
                         self.hits += 1
                         return cached, ()
         blind: tuple[ProcNode, ...] = ()
@@ -282,6 +297,9 @@ class Attributor:
             tenant, blind = self._by_port(process.pid, tree, owners)
             if tenant is not None:
                 return self._store(key, _Verdict(tenant, "port")), ()
+        by_pod = self._by_pod(pod)
+        if by_pod is not None:
+            return self._store(key, by_pod), blind
         if cached is not None:
             with self._lock:
                 self.hits += 1
@@ -305,8 +323,9 @@ class Attributor:
         processes: list[AttributedProcess] = []
         blind: dict[int, ProcNode] = {}
         for p in snapshot.processes:
-            verdict, unread = self._verdict(p, tree, owners)
-            processes.append(AttributedProcess(p, verdict.tenant, verdict.by))
+            pod = snapshot.pods.get(p.pid)
+            verdict, unread = self._verdict(p, tree, owners, pod)
+            processes.append(AttributedProcess(p, verdict.tenant, verdict.by, pod))
             for n in unread:
                 blind[n.pid] = n
         notes = self._notes(tree, tuple(blind.values()))

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
+
+if TYPE_CHECKING:
+    from proxy.gpu.pods import PodRef
 
 SnapshotSource = Literal["nvml", "simulated", "engine-estimate"]
 DeviceFigure = Literal["total", "reserved", "used", "free"]
@@ -105,6 +108,7 @@ class GpuSnapshot:
     taken_at: float = 0.0  # clock.now() when read
     notes: tuple[str, ...] = field(default_factory=tuple)  # e.g. "pids not visible in /proc (container)"
     tree: ProcessTree | None = None  # None: the reader cannot see the processes' /proc (simulated, estimates)
+    pods: Mapping[int, PodRef] = field(default_factory=dict, hash=False)  # pid -> its Kubernetes pod (proxy.gpu.pods)
     # Every device the reader saw, by NVML index, when there are several; `device` is then the first
     # and `processes` holds every device's entries (each with its `device`). Empty: one device only.
     devices: tuple[DeviceMemory, ...] = ()

@@ -85,7 +85,8 @@
       accounted += t.vram_bytes || 0;
     }
     for (const p of s.processes.filter((p) => !p.tenant)) {
-      segs.push({ key: `pid-${p.pid}`, label: `${p.name} (${p.pid}, unmanaged)`, bytes: p.vram_bytes || 0, cls: "unmanaged" });
+      const who = p.pod ? `pod ${p.pod.namespace}/${p.pod.name}` : p.name;
+      segs.push({ key: `pid-${p.pid}`, label: `${who} (${p.pid}, unmanaged)`, bytes: p.vram_bytes || 0, cls: "unmanaged" });
       accounted += p.vram_bytes || 0;
     }
     const other = (s.device.used_bytes || 0) - accounted;
@@ -170,6 +171,7 @@
       const res = ui.results.get(t.name);
       const waits = t.waiting || [];
       const waitText = waits.map((w) => `${w.trigger}, ${secs(w.waited_s)}: ${w.reason}`).join("\n");
+      const pods = [...new Set(s.processes.filter((p) => p.tenant === t.name && p.pod).map((p) => `${p.pod.namespace}/${p.pod.name}`))];
       const card = el("article", { class: "card", dataset: { tenant: t.name, busy: t.busy, waiting: waits.length } },
         el("div", { class: "top" }, el("h3", { text: t.name }),
           waits.length ? el("span", { class: "pill waiting", text: `${waits.length} waiting`, title: waitText }) : null,
@@ -181,6 +183,8 @@
           waits.length ? el("dd", { text: `${secs(waits[0].waited_s)}: ${waits[0].reason}`, title: waitText, dataset: { role: "waiting" } }) : null,
           el("dt", { text: "in flight" }), el("dd", { text: String(t.in_flight) + (t.stale_jobs.length ? ` (${t.stale_jobs.length} stale)` : "") }),
           el("dt", { text: "memory" }), el("dd", { text: gib(t.vram_bytes), dataset: { role: "vram" } }),
+          pods.length ? el("dt", { text: pods.length > 1 ? "pods" : "pod" }) : null,
+          pods.length ? el("dd", { text: pods.join(", "), dataset: { role: "pods" } }) : null,
           el("dt", { text: "idle release" }), el("dd", { text: t.idle_release_in_s === null ? "off" : `in ${secs(t.idle_release_in_s)}` }),
           models ? el("dt", { text: "models" }) : null, models ? el("dd", { text: models, title: cat.models.map((m) => m.name).join("\n") }) : null),
         el("div", { class: "actions" }, release,

@@ -1,0 +1,1 @@
+"""Deployment: `hyperswap install` / `uninstall`, the systemd units they write, and the units' start gate."""
