@@ -14,7 +14,8 @@ from collections.abc import Callable
 
 import httpx
 
-from proxy.admin.health import _admin_url, check_main
+from proxy.admin.address import admin_base_url
+from proxy.admin.health import check_main
 from proxy.errors import HyperSwapError
 
 
@@ -39,7 +40,7 @@ def wait_answering(url: str, within_s: float, *, get: Callable[[str], int] | Non
 
 def ready_gate(config: str | None, admin_url: str | None, as_json: bool, within_s: float) -> int:
     try:
-        base = _admin_url(config, admin_url)
+        base = admin_base_url(config, admin_url)
     except HyperSwapError as exc:
         print(exc.one_line())
         return exc.exit_code
