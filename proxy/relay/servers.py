@@ -30,12 +30,64 @@ END_S = 2.0  # then, once their connections are closed, to notice it and end
 ACCEPT_FAILED = "socket.accept() out of system resource"  # asyncio's message for EMFILE, ENFILE, ENOBUFS, ENOMEM
 
 
+STOP_POLL_S = 0.005  # how often a stopping server looks whether its connections and requests are gone
+
+
 class _Server(uvicorn.Server):
-    """uvicorn.Server that leaves signals alone: the CLI owns them and stops every server at once."""
+    """uvicorn.Server that leaves signals alone (the CLI owns them and stops every server at once) and
+    stops as soon as it is asked: uvicorn looks at `should_exit` every 0.1 s, then waits 0.1 s more
+    and polls for the connections to close every 0.1 s; a test's few listeners, stopped that way,
+    took 0.2-0.6 s each time (about a third of the suite)."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        self._exit_asked = asyncio.Event()
+        super().__init__(config)
+
+    @property
+    def should_exit(self) -> bool:
+        return self._exit_asked.is_set()
+
+    @should_exit.setter
+    def should_exit(self, value: bool) -> None:
+        if value:
+            self._exit_asked.set()
+        else:
+            self._exit_asked.clear()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+    async def main_loop(self) -> None:
+        """uvicorn's once-per-0.1 s housekeeping tick, ended at once when asked to exit."""
+        counter = 0
+        while not await self.on_tick(counter):
+            counter = (counter + 1) % 864_000
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._exit_asked.wait(), 0.1)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's order (stop accepting; ask every connection to close once its answer is out; wait
+        for the connections, then for the requests) with short polls. No timeout of its own:
+        `stop_servers` bounds the drain and sets `force_exit` to end the wait."""
+        for server in self.servers:
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        for connection in list(self.server_state.connections):
+            connection.shutdown()
+        await self._until_empty(self.server_state.connections)
+        await self._until_empty(self.server_state.tasks)
+        for server in self.servers:
+            await server.wait_closed()
+        if not self.force_exit:
+            await self.lifespan.shutdown()
+
+    async def _until_empty(self, items: set[Any]) -> None:
+        """Until uvicorn's callbacks have emptied one of its sets, or `force_exit` is set."""
+        # Polled: uvicorn signals neither with an event, and a connection has nothing to await.
+        while items and not self.force_exit:  # noqa: ASYNC110
+            await asyncio.sleep(STOP_POLL_S)
 
 
 @dataclass(slots=True)

@@ -3,6 +3,7 @@ simulated engines on loopback. Used by `hyperswap demo` and by the integration t
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,10 +120,14 @@ class SimBox:
                               fix="another demo (or the real engine) holds that port: stop it first") from None
 
     async def stop(self) -> None:
-        for sim in (self.comfyui, self.ollama):
-            if sim is not None:
-                await sim.stop()
+        """Both simulators stop together, each draining its own listener; the first error is raised
+        once both are done."""
+        sims = [sim for sim in (self.comfyui, self.ollama) if sim is not None]
+        outcomes = await asyncio.gather(*(sim.stop() for sim in sims), return_exceptions=True)
         self.servers.clear()
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
 
     def tenant_overrides(self) -> dict[str, Any]:
         """A tenants.json fragment pointing each engine tenant at its simulator, plus the scenario's tenants."""
