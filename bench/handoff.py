@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 from proxy.demo import Demo, comfy_prompt, run_prompt, start_demo  # noqa: E402
 from proxy.gpu.snapshot import GpuReadError, GpuSnapshot  # noqa: E402
 from proxy.sim.box import Scenario, load_scenario  # noqa: E402
+from proxy.tasks import poll_until  # noqa: E402
 from proxy.tenants import GIB  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "handoff.json"
@@ -101,13 +102,12 @@ async def main(rounds: int) -> dict[str, object]:
     proxied_s: list[float] = []
     try:
         async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
+            floor = demo.box.comfyui.config.context_floor_bytes
             for _ in range(rounds):
                 await reset(demo, client)
                 start = time.perf_counter()
-                floor = demo.box.comfyui.config.context_floor_bytes
                 await client.post(comfy_direct + "/free", json={"unload_models": True, "free_memory": True})
-                while gpu.used_by(demo.box.comfyui.pid) > floor + 64 * 2**20:
-                    await asyncio.sleep(0.001)
+                await poll_until(lambda: gpu.used_by(demo.box.comfyui.pid) <= floor + 64 * 2**20, 0.001)
                 released = time.perf_counter() - start
                 direct_s.append(released + await ttfb(client, ollama_direct))
 
@@ -115,7 +115,7 @@ async def main(rounds: int) -> dict[str, object]:
                 proxied_s.append(await ttfb(client, demo.proxy.url("ollama")))
     finally:
         await demo.stop()
-    overhead = [p - d for p, d in zip(proxied_s, direct_s)]
+    overhead = [p - d for p, d in zip(proxied_s, direct_s, strict=True)]
     return {
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()},
         "rounds": rounds,
@@ -158,8 +158,7 @@ async def wait_for_busy(rounds: int) -> dict[str, object]:
                 started = asyncio.Event()
                 end = await _render_until_end(comfy_direct, 200, started)
                 await client.post(comfy_direct + "/free", json={"unload_models": True, "free_memory": True})
-                while gpu.used_by(demo.box.comfyui.pid) > floor + 64 * 2**20:
-                    await asyncio.sleep(0.001)
+                await poll_until(lambda: gpu.used_by(demo.box.comfyui.pid) <= floor + 64 * 2**20, 0.001)
                 first = await ttfb(client, ollama_direct)
                 del first
                 direct_s.append(time.perf_counter() - end)
@@ -174,7 +173,7 @@ async def wait_for_busy(rounds: int) -> dict[str, object]:
                 proxied_s.append(time.perf_counter() - end)
     finally:
         await demo.stop()
-    added = [p - d for p, d in zip(proxied_s, direct_s)]
+    added = [p - d for p, d in zip(proxied_s, direct_s, strict=True)]
     return {"rounds": rounds, "direct_median_s": statistics.median(direct_s),
             "proxied_median_s": statistics.median(proxied_s),
             "added_median_ms": statistics.median(added) * 1000, "target_ms": 50}

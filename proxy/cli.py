@@ -126,7 +126,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         r = httpx.get(f"{url}/api/plan", params=params, timeout=10, trust_env=False)
     except httpx.HTTPError as exc:
-        raise HyperSwapError(f"no proxy answering at {url}: {exc}", fix="start it with `hyperswap serve` (or `hyperswap demo`)") from None
+        raise HyperSwapError(f"no proxy answering at {url}: {exc}",
+                             fix="start it with `hyperswap serve` (or `hyperswap demo`)") from None
     body = r.json()
     if r.status_code != 200:
         raise HyperSwapError(body.get("error", r.text), fix=body.get("fix"))

@@ -22,6 +22,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from proxy.relay.inbound import Guard, InboundLimits, Throttle
+from proxy.tasks import poll_until
 
 log = logging.getLogger("hyperswap.servers")
 
@@ -76,18 +77,14 @@ class _Server(uvicorn.Server):
             sock.close()
         for connection in list(self.server_state.connections):
             connection.shutdown()
-        await self._until_empty(self.server_state.connections)
-        await self._until_empty(self.server_state.tasks)
+        # uvicorn empties these sets from its callbacks and signals neither with an event.
+        state = self.server_state
+        await poll_until(lambda: not state.connections or self.force_exit, STOP_POLL_S)
+        await poll_until(lambda: not state.tasks or self.force_exit, STOP_POLL_S)
         for server in self.servers:
             await server.wait_closed()
         if not self.force_exit:
             await self.lifespan.shutdown()
-
-    async def _until_empty(self, items: set[Any]) -> None:
-        """Until uvicorn's callbacks have emptied one of its sets, or `force_exit` is set."""
-        # Polled: uvicorn signals neither with an event, and a connection has nothing to await.
-        while items and not self.force_exit:  # noqa: ASYNC110
-            await asyncio.sleep(STOP_POLL_S)
 
 
 @dataclass(slots=True)

@@ -56,7 +56,8 @@ def load_scenario(name_or_path: str) -> Scenario:
     if not path.suffix:
         path = SCENARIOS / f"{name_or_path}.json"
     if not path.exists():
-        raise ConfigError(f"no scenario {name_or_path!r}", fix=f"use one of: {', '.join(scenario_names())}, or a path to a scenario file")
+        raise ConfigError(f"no scenario {name_or_path!r}",
+                          fix=f"use one of: {', '.join(scenario_names())}, or a path to a scenario file")
     try:
         return Scenario.model_validate(json.loads(path.read_text()))
     except json.JSONDecodeError as exc:
