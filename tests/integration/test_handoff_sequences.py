@@ -32,8 +32,8 @@ def releases(demo: Demo) -> list[tuple[str, str]]:
 
 
 async def chat(demo: Demo, model: str) -> ollama.ChatResponse:
-    client = ollama.AsyncClient(host=demo.proxy.url("ollama"))  # type: ignore[union-attr]
-    return await client.chat(model=model, messages=[{"role": "user", "content": "hi"}])
+    async with ollama.AsyncClient(host=demo.proxy.url("ollama")) as client:  # type: ignore[union-attr]
+        return await client.chat(model=model, messages=[{"role": "user", "content": "hi"}])
 
 
 async def render(demo: Demo, ckpt: str = README_CKPT, steps: int | None = None) -> list[dict[str, Any]]:
