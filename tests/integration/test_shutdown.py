@@ -87,8 +87,8 @@ async def open_streams(proxy: Proxy) -> list[tuple[asyncio.StreamReader, asyncio
 async def refuses(port: int) -> bool:
     try:
         _, writer = await asyncio.open_connection("127.0.0.1", port)
-    except ConnectionRefusedError:
-        return True
+    except (ConnectionRefusedError, ConnectionResetError):
+        return True  # reset: the listener closed with this connection still in its backlog
     writer.close()
     return False
 
