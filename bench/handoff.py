@@ -19,6 +19,16 @@ client to the Ollama request's first byte:
 Resident (`--resident`): time to first byte of a streamed generation of a model already on the card,
 direct vs through the proxy, interleaved, with the simulated GPU reader and with a broken one
 (the engines' self-reports are the fallback, which used to cost two engine calls per request).
+Warm during release (`--warm`): the handoff ComfyUI -> Ollama (gemma3:27b, 17.4 GB) with the model's
+file cold in the page cache, timed request -> first byte through the proxy, three ways interleaved:
+- off:  proxy.warm_during_release false: the release, then a load that reads the file from disk;
+- on:   the proxy reads the file into RAM while ComfyUI releases; the load reads what is cached
+        by then at RAM speed and the rest from disk;
+- warm: the file already in RAM (what proxy.keep_warm_models gives a model used recently).
+The simulated load reads at --ram-gbps from the page cache and --disk-gbps from disk, by the
+residency of its stand-in file measured at the start of the load. The stand-in files are 1/1024 of
+the model's size (sparse), so the proxy's warm of them is throttled to --disk-gbps of the full size:
+it reads like a disk would, and only the part read before the load starts is won.
 Also: plan_release for 10 tenants / 200 processes is in bench/arbiter.py.
 """
 
@@ -210,11 +220,75 @@ async def resident(rounds: int) -> dict[str, object]:
     return out
 
 
+async def warm_during_release(rounds: int, ram_gbps: float, disk_gbps: float) -> dict[str, object]:
+    from proxy.admin.models_api import ModelsExtension
+    from proxy.models.warm import read_mem_available
+    from proxy.sim.model_files import SCALE
+
+    data = load_scenario("default").model_dump()
+    data["ollama"].update({"load_gbps": ram_gbps, "disk_gbps": disk_gbps, "token_rate": 1000.0})
+    data["comfyui"].update({"load_gbps": 200.0, "disk_gbps": None, "step_time_s": 0.05})
+    demo = await start_demo(Scenario.model_validate(data), sim_ports={"ollama": 0, "comfyui": 0},
+                            proxy_ports={"ollama": 0, "comfyui": 0, "admin": 0}, watchdog=False)
+    assert demo.proxy and demo.box.files and demo.box.ollama
+    ext = next(e for e in demo.proxy.extensions if isinstance(e, ModelsExtension))
+    chunk = 256 * 1024
+    ext.warmer.chunk_bytes = chunk
+    ext.warmer.advice = os.POSIX_FADV_RANDOM  # no kernel readahead: 1/1024 files would read 1024x ahead of the pace
+
+    def disk_paced() -> int | None:  # called before each chunk, in the warm's thread
+        time.sleep(chunk * SCALE / (disk_gbps * 1e9))
+        return read_mem_available()
+
+    ext.warmer.mem_available = disk_paced
+    if not demo.box.files.drop_all():
+        raise SystemExit(f"{demo.box.files.root}: this file system cannot drop pages (tmpfs?): nothing to measure")
+    settings = ext.settings
+    modes = ("off", "on", "warm", "wait-off", "wait-on")
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    residency: dict[str, list[float]] = {m: [] for m in modes}
+    released: list[float] = []
+    try:
+        async with httpx.AsyncClient(timeout=120, trust_env=False) as client:
+            for _ in range(rounds):
+                for mode in modes:
+                    await reset(demo, client)
+                    ext.settings = settings.model_copy(update={"warm_during_release": mode in ("on", "wait-on")})
+                    demo.box.files.drop_all()
+                    if mode == "warm":
+                        demo.box.files.engine_read(demo.box.files.ollama_blob(MODEL))
+                    if mode.startswith("wait"):  # the request arrives while ComfyUI renders (10 s) and waits for it
+                        started = asyncio.Event()
+                        rendering = asyncio.ensure_future(_render_until_end(demo.proxy.url("comfyui"), 200, started))
+                        await started.wait()
+                        chat = asyncio.ensure_future(ttfb(client, demo.proxy.url("ollama")))
+                        end = await rendering
+                        await chat
+                        times[mode].append(time.perf_counter() - end)  # from the end marker, as --wait
+                    else:
+                        times[mode].append(await ttfb(client, demo.proxy.url("ollama")))
+                    await ext.warmer.wait(f"ollama:{MODEL}")
+                    load = next(r for r in reversed(ext.loads.records) if r.model == MODEL)
+                    residency[mode].append(load.resident_before or 0.0)
+                    plan = next(d for d in reversed(demo.proxy.decisions.recent()) if d.kind == "plan")
+                    released.append(sum(r["duration_s"] for r in plan.outcome.get("releases", [])))
+    finally:
+        ext.settings = settings
+        await demo.stop()
+    return {"rounds": rounds, "ram_gbps": ram_gbps, "disk_gbps": disk_gbps, "model": MODEL,
+            "release_median_s": statistics.median(released),
+            **{f"{m}_median_s": statistics.median(v) for m, v in times.items()},
+            **{f"{m}_resident_before_median": statistics.median(v) for m, v in residency.items()}}
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--wait", action="store_true", help="measure the wait-for-busy path instead")
     parser.add_argument("--resident", action="store_true", help="measure a model already on the card instead")
+    parser.add_argument("--warm", action="store_true", help="measure the handoff with and without warm-during-release")
+    parser.add_argument("--ram-gbps", type=float, default=2.63, help="--warm: load speed from the page cache (GB/s)")
+    parser.add_argument("--disk-gbps", type=float, default=1.3, help="--warm: load and read speed from disk (GB/s)")
     args = parser.parse_args()
     RESULTS.parent.mkdir(exist_ok=True)
     machine = {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()}
@@ -225,6 +299,20 @@ if __name__ == "__main__":
         print("|---|---|---|---|---|")
         print(f"| {w['rounds']} | {w['direct_median_s'] * 1000:.0f} ms | {w['proxied_median_s'] * 1000:.0f} ms "
               f"| {w['added_median_ms']:.1f} ms | <= 50 ms |")
+        sys.exit(0)
+    if args.warm:
+        r = {**asyncio.run(warm_during_release(min(args.rounds, 3) if args.rounds == 10 else args.rounds,
+                                               args.ram_gbps, args.disk_gbps)), "machine": machine}
+        (RESULTS.parent / "handoff-warm.json").write_text(json.dumps(r, indent=2))
+        print(f"| {MODEL}, RAM {args.ram_gbps} GB/s, disk {args.disk_gbps} GB/s, ComfyUI's release "
+              f"{r['release_median_s']:.2f} s | request -> first byte (median of {r['rounds']}) "
+              "| file in RAM when the load started |")
+        print("|---|---:|---:|")
+        for mode, what in (("off", "cold file, warm-during-release off"), ("on", "cold file, warm-during-release on"),
+                           ("warm", "file already in RAM (keep_warm_models)"),
+                           ("wait-off", "queued behind a 10 s render, cold file, warming off (from the end marker)"),
+                           ("wait-on", "queued behind a 10 s render, cold file, warmed while waiting (from the end marker)")):
+            print(f"| {what} | {r[f'{mode}_median_s']:.2f} s | {100 * r[f'{mode}_resident_before_median']:.0f} % |")  # type: ignore[operator]
         sys.exit(0)
     if args.resident:
         r = {**asyncio.run(resident(max(args.rounds, 50))), "machine": machine}

@@ -107,6 +107,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     return check_main(args.config, args.admin, args.json)
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    from proxy.verify import admin_url, verify_main
+
+    return verify_main(admin_url(args.config, args.admin), yes=args.yes, as_json=args.json, comfy_graph=args.comfy_graph,
+                       checkpoint=args.comfy_checkpoint, stage_timeout_s=args.stage_timeout)
+
+
 def cmd_mcp(args: argparse.Namespace) -> int:
     from proxy.admin.mcp_tools import mcp_main
 
@@ -159,13 +166,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     add("serve", "run the proxy: one listener per tenant plus the admin API", cmd_serve)
     demo = add("demo", "run the proxy against a simulated GPU, Ollama and ComfyUI (no GPU needed)", cmd_demo)
-    demo.add_argument("--scenario", default="default", help="default, tight, third-app, or a scenario file path")
+    demo.add_argument("--scenario", default="default", help="default, tight, third-app, two-gpus, or a scenario file path")
     demo.add_argument("--check", action="store_true", help="self-test every simulator route and one handoff, then exit 0/1")
     demo.add_argument("--no-proxy", action="store_true", help="start only the simulated GPU box")
     check = add("check", "check every dependency of a running proxy (NVML, upstreams, config) and say how to fix what is broken",
                 cmd_check)
     check.add_argument("--admin", metavar="URL", help="admin API URL (default: from tenants.json)")
     check.add_argument("--json", action="store_true")
+    verify = add("verify", "prove end to end, through a running proxy, that the arbitration works on this box: "
+                 "engines, a generation, a graph, a reclaim, out of memory, a 507", cmd_verify)
+    verify.add_argument("--admin", metavar="URL", help="admin API URL (default: from tenants.json)")
+    verify.add_argument("--yes", action="store_true", help="consent to releasing idle tenants (needed to run "
+                        "the reclaim and out-of-memory stages without asking)")
+    verify.add_argument("--json", action="store_true", help="machine-readable report")
+    verify.add_argument("--comfy-graph", metavar="FILE", help="your ComfyUI graph in API format (default: a minimal "
+                        "graph built from the installed nodes)")
+    verify.add_argument("--comfy-checkpoint", metavar="NAME",
+                        help="the checkpoint of the minimal graph (default: the first listed)")
+    verify.add_argument("--stage-timeout", type=float, default=180.0, metavar="SECONDS", help="the most one stage may take")
     plan = add("plan", "print a dry-run release plan from a running proxy", cmd_plan)
     plan.add_argument("--tenant", help="the tenant that needs memory")
     plan.add_argument("--need-gb", type=float, help="GiB it needs (default: its needs_vram_gb)")

@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from websockets.asyncio.client import connect as ws_connect
@@ -67,8 +67,7 @@ async def start_demo(scenario: str | Scenario = "default", *, sim_ports: Mapping
 
 
 def describe(demo: Demo, scenario: str) -> str:
-    lines = [f"hyperswap demo: scenario {scenario!r} ({demo.box.scenario.description})",
-             f"simulated GPU: {demo.box.gpu.name}, {demo.box.gpu.total_bytes / GIB:.1f} GiB", ""]
+    lines = [f"hyperswap demo: scenario {scenario!r} ({demo.box.scenario.description})", *_cards(demo), ""]
     for what, url in demo.urls.items():
         lines.append(f"  {what:<22} {url}")
     if demo.proxy:
@@ -76,11 +75,25 @@ def describe(demo: Demo, scenario: str) -> str:
         big = max(demo.box.ollama.config.models, key=lambda m: m.size_bytes).name if demo.box.ollama else "llama3.1:8b"
         lines += ["", "Try:",
                   f"  curl -s {c}/prompt -d @examples/comfy_prompt.json      # ComfyUI loads a checkpoint",
-                  f"  curl -s {o}/api/generate -d '{{\"model\":\"{big}\",\"prompt\":\"hi\",\"stream\":false}}'"
-                  "   # Ollama needs it back",
-                  f"  curl -s {a}/api/decisions | python3 -m json.tool          # what the proxy decided and why"]
+                  f"  curl -s {o}/api/generate -d '{{\"model\":\"{big}\",\"prompt\":\"hi\",\"stream\":false}}'   "
+                  + ("# Ollama needs it back" if demo.box.gpu.device_count == 1 else "# on its own GPU: nothing released"),
+                  f"  curl -s {a}/api/decisions | python3 -m json.tool          # what the proxy decided and why",
+                  f"  curl -s {a}/api/models | python3 -m json.tool             # model files: size, how much is in RAM"]
     lines += ["", "Ctrl-C stops everything."]
     return "\n".join(lines)
+
+
+def _cards(demo: Demo) -> list[str]:
+    g = demo.box.gpu
+    if g.device_count == 1:
+        return [f"simulated GPU: {g.name}, {g.total_bytes / GIB:.1f} GiB"]
+    cards = [g.device(i) for i in range(g.device_count)]
+    return [f"simulated GPU {c.index}: {c.name}, {c.total_bytes / GIB:.1f} GiB" for c in cards]
+
+
+def _engine_card(demo: Demo, engine: Literal["ollama", "comfyui"]) -> int:
+    spec = demo.box.scenario.engines.get(engine)
+    return spec.gpu if spec is not None else 0
 
 
 # -- the self-test ---------------------------------------------------------------------------------
@@ -255,6 +268,8 @@ async def self_test(demo: Demo) -> list[tuple[str, bool, str]]:
             await check("proxy: 3 rounds chat then image", lambda: _rounds(demo, client, 3))
             await check("proxy: release after end marker", lambda: _release_after_end(demo, client))
             await check("proxy: unload needs no memory", lambda: _unload_releases_nobody(demo, client))
+        if demo.proxy and demo.box.ollama and demo.box.comfyui and demo.box.gpu.device_count > 1:
+            await check("proxy: one GPU's load keeps the other's", lambda: _cards_apart(demo, client))
         if demo.proxy and demo.box.ollama:
             await check("proxy: 507 names the blockers", lambda: _rejection_check(demo, client))
     return results
@@ -296,6 +311,8 @@ def _swap_pair(demo: Demo) -> tuple[str, str] | None:
     """The smallest chat model and the largest checkpoint that cannot share this card: each load
     needs the other one's memory. None when every pair fits."""
     assert demo.proxy and demo.box.ollama and demo.box.comfyui
+    if _engine_card(demo, "ollama") != _engine_card(demo, "comfyui"):
+        return None  # on separate cards no load needs the other's memory
     g, comfy, reg = demo.box.gpu, demo.box.comfyui.config, demo.proxy.registry
     others = sum(int(p.vram_gb * GIB) for p in demo.box.scenario.processes)  # the desktop, unmanaged apps
     usable = g.total_bytes - g.reserved_bytes - others
@@ -324,7 +341,32 @@ async def _render(demo: Demo, client: httpx.AsyncClient, ckpt: str) -> None:
 
 
 def _not_applicable(demo: Demo) -> str:
+    if _engine_card(demo, "ollama") != _engine_card(demo, "comfyui"):
+        return "not applicable: Ollama and ComfyUI run on separate GPUs"
     return "not applicable: every chat model and checkpoint of this scenario fit on the card together"
+
+
+async def _cards_apart(demo: Demo, client: httpx.AsyncClient) -> str:
+    """Several GPUs: Ollama holds its largest chat model on its card, ComfyUI then loads its largest
+    checkpoint on the other: nothing of Ollama's is released, and its model stays loaded."""
+    assert demo.proxy and demo.box.ollama and demo.box.comfyui
+    o_card, c_card = _engine_card(demo, "ollama"), _engine_card(demo, "comfyui")
+    if o_card == c_card:
+        return "not applicable: Ollama and ComfyUI share a card"
+    model = max((m for m in demo.box.ollama.config.models if "completion" in m.capabilities), key=lambda m: m.size_bytes)
+    ckpts = demo.box.comfyui.config.checkpoints
+    ckpt = max(ckpts, key=lambda k: ckpts[k])
+    await _chat(demo, client, model.name)
+    before = len(demo.proxy.decisions.recent(500))
+    await _render(demo, client, ckpt)
+    released = [r["tenant"] for d in demo.proxy.decisions.recent(500)[before:]
+                for r in (d.outcome.get("releases") or []) if r.get("tenant") == "ollama"]
+    if released:
+        raise AssertionError(f"a load on GPU {c_card} released Ollama on GPU {o_card}")
+    loaded = [m["name"] for m in (await client.get(demo.box.servers["ollama"].url + "/api/ps")).json()["models"]]
+    if model.name not in loaded:
+        raise AssertionError(f"{model.name} is no longer loaded after the render on GPU {c_card}: {loaded}")
+    return f"{ckpt} rendered on GPU {c_card}; {model.name} stayed on GPU {o_card}, nothing released"
 
 
 async def _chat_during_render(demo: Demo, client: httpx.AsyncClient) -> str:

@@ -123,7 +123,8 @@ class Proxy:
             host, port = split_host_port(self.registry.config.admin.listen)
             for ext in self.extensions:
                 await ext.start()
-            admin = AdminApi(self.arbitration, self.watchdog, self.token)
+            admin = AdminApi(self.arbitration, self.watchdog, self.token,
+                             listeners={name: server.url for name, server in self.servers.items()})
             extra = [route for ext in self.extensions for route in ext.routes()]
             binding = ("admin", f"{host}:{ports.get('admin', port)}")
             self.servers["admin"] = await start_server(admin.app(extra), host, ports.get("admin", port), name="admin")

@@ -91,6 +91,7 @@ BOUNDS: dict[str, Bound] = {
     "retention_days": Bound(0, 3650, "days", low_open=True),  # 0 would delete every row at open
     "max_rows": Bound(1, 100_000_000, "rows"),
     "replay_body_max_mb": Bound(0, 1024, "MiB"),  # kept in memory while the request runs
+    "keep_warm_models": Bound(0, 1000, "models"),
 }
 SUFFIX_BOUNDS: dict[str, Bound] = {"_gb": Bound(0, MAX_GIB, "GiB"), "_s": Bound(0, DAY_S, "s")}
 
@@ -154,6 +155,28 @@ def _allowed_hosts(values: list[str]) -> list[str]:
             raise ValueError(f"expected a host name without port (like gpu.example.com, *.example.com, "
                              f"192.168.1.5 or *), got {v!r}")
     return out
+
+
+_DEVICE_UUID = re.compile(r"(GPU|MIG)-[0-9A-Za-z-]+")
+
+
+def _device_list(values: list[int | str] | None) -> list[int | str] | None:
+    """`devices`: NVML indices (0, 1, ...) or UUIDs as `nvidia-smi -L` prints them (GPU-..., MIG-...)."""
+    if values is None:
+        return None
+    if not values:
+        raise ValueError("an empty list pins the tenant to no GPU: leave devices out (any device) or name one, like [0]")
+    seen: set[str] = set()
+    for v in values:
+        if isinstance(v, int) and v < 0:
+            raise ValueError(f"{v} is not a device index: NVML counts from 0 (`nvidia-smi -L`)")
+        if isinstance(v, str) and not _DEVICE_UUID.fullmatch(v):
+            raise ValueError(f"{v!r} is neither a device index nor a UUID like 'GPU-8f2c...' (`nvidia-smi -L` lists them)")
+        key = str(v).lower()
+        if key in seen:
+            raise ValueError(f"{v!r} is listed twice")
+        seen.add(key)
+    return values
 
 
 def _upstream_url(value: str) -> str:
@@ -237,6 +260,19 @@ class Tenant(_Strict):
     timeouts: Timeouts = Field(default_factory=Timeouts)
     replay_body_max_mb: float = Field(default=16.0, description="GPU request bodies up to this size are kept for an OOM retry")
     allowed_hosts: list[str] = Field(default_factory=list, description="Host names the listener answers besides loopback")
+    devices: list[int | str] | None = Field(
+        default=None, description="GPUs this tenant's engine uses on a host with several: NVML indices (0) or UUIDs "
+                                  "(GPU-...); unset: discovered from the engine's process, else any device")
+    model_paths: list[str] = Field(default_factory=list,
+                                   description="where its model files are (absolute paths); replaces what the proxy finds itself")
+
+    @field_validator("model_paths")
+    @classmethod
+    def _model_paths(cls, values: list[str]) -> list[str]:
+        for v in values:
+            if not (v.startswith("/") or v.startswith("~")) or "\0" in v:
+                raise ValueError(f"expected an absolute path (/srv/models or ~/models), got {v!r}")
+        return values
 
     @field_validator("listen")
     @classmethod
@@ -249,6 +285,7 @@ class Tenant(_Strict):
         return None if v is None else _upstream_url(v)
 
     _hosts = field_validator("allowed_hosts")(_allowed_hosts)
+    _devices = field_validator("devices")(_device_list)
 
     @model_validator(mode="after")
     def _listen_needs_upstream(self) -> Tenant:  # number ranges: BOUNDS
@@ -305,6 +342,10 @@ class ProxySettings(_Strict):
     starvation_after_s: float = 60.0
     # Ollama's size_vram < size counts as a CPU spill only once the split held this long (a load grows).
     spill_stable_s: float = 5.0
+    # Model files are read into RAM only while MemAvailable stays above this (never into swap).
+    warm_margin_gb: float = 4.0
+    warm_during_release: bool = True  # read the next model's files while the other tenant releases
+    keep_warm_models: int = 0  # keep the N most recently used models' files in RAM (0: off)
 
 
 class TelemetrySettings(_Strict):

@@ -7,7 +7,7 @@ When a token is configured every mutating call needs `Authorization: Bearer <tok
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from starlette.applications import Starlette
@@ -20,7 +20,7 @@ from starlette.routing import BaseRoute, Route
 from proxy.admin.query import integer, optional_number
 from proxy.engines import memory
 from proxy.errors import HyperSwapError
-from proxy.gpu.visibility import device_json, tenant_vram
+from proxy.gpu.visibility import device_json, tenant_devices_json, tenant_vram
 from proxy.handoff.admission import Arbitration, ReleaseResult, gib
 from proxy.handoff.watchdog import Watchdog
 from proxy.relay.guards import AdminGuard
@@ -55,10 +55,14 @@ def release_answer(tenant: Tenant, result: ReleaseResult) -> JSONResponse:
 
 
 class AdminApi:
-    def __init__(self, arb: Arbitration, watchdog: Watchdog, token: str | None = None) -> None:
+    def __init__(self, arb: Arbitration, watchdog: Watchdog, token: str | None = None,
+                 listeners: Mapping[str, str] | None = None) -> None:
         self.arb = arb
         self.watchdog = watchdog
         self.token = token
+        # Where each tenant's listener really answers (a port of 0 in tenants.json is read back):
+        # `hyperswap verify` reaches the engines through these.
+        self.listeners = dict(listeners or {})
 
     # -- helpers ----------------------------------------------------------------------------
     def _guard(self, handler: Handler) -> Handler:
@@ -67,7 +71,8 @@ class AdminApi:
                 auth = request.headers.get("authorization", "")
                 if not auth.lower().startswith("bearer "):
                     return error(401, "this admin call needs a bearer token",
-                                 "send `Authorization: Bearer <token>` (the token from HYPERSWAP_ADMIN_TOKEN or admin.token_file)")
+                                 "send `Authorization: Bearer <token>` "
+                                 "(the token from HYPERSWAP_ADMIN_TOKEN or admin.token_file)")
                 if not hmac.compare_digest(auth[7:].strip().encode(), self.token.encode()):
                     return error(403, "wrong admin token", "use the token the proxy was started with")
             return await handler(request)
@@ -101,12 +106,15 @@ class AdminApi:
             "in_flight": traffic.in_flight if traffic else 0,
             "jobs": list(traffic.jobs) if traffic else [],
             "stale_jobs": self.arb.stale_jobs.get(tenant.name, []),
-            "last_activity_age_s": None if not traffic or traffic.last_activity is None else round(now - traffic.last_activity, 1),
+            "last_activity_age_s": (None if not traffic or traffic.last_activity is None
+                                    else round(now - traffic.last_activity, 1)),
             "idle_release_in_s": None if deadline is None else round(max(0.0, deadline - now), 1),
             "reclaimable": tenant.reclaimable,
             "waiting": [w for w in self.arb.queue.waiting() if w["tenant"] == tenant.name],
             "watchdog": (self.watchdog.last.reasons.get(tenant.name) if self.watchdog.last else None),
             "estimated": snap.snapshot.source == "engine-estimate",
+            "listening": self.listeners.get(tenant.name),
+            **tenant_devices_json(snap, tenant.name),  # several cards: where it loads, what it holds on each
         }
 
     # -- routes -------------------------------------------------------------------------------
@@ -122,7 +130,8 @@ class AdminApi:
     async def release(self, request: Request) -> Response:
         tenant = self.arb.registry.get(request.path_params["name"])
         if not tenant.reclaimable:
-            return error(409, tenant.not_reclaimable_reason, "this tenant cannot be released; stop it by hand if you need the memory",
+            return error(409, tenant.not_reclaimable_reason,
+                         "this tenant cannot be released; stop it by hand if you need the memory",
                          tenant=tenant.name, reason="not_reclaimable")
         if await memory.runs_on_cpu(tenant, self.arb.control):
             return self._nothing_on_the_card(tenant)
@@ -175,7 +184,8 @@ class AdminApi:
         })
 
     async def not_found(self, request: Request) -> Response:
-        return error(404, f"no admin route {request.method} {request.url.path}", "see GET /api/tenants, /api/plan, /api/decisions")
+        return error(404, f"no admin route {request.method} {request.url.path}",
+                     "see GET /api/tenants, /api/plan, /api/decisions")
 
     def app(self, extra_routes: list[BaseRoute] | None = None) -> Starlette:
         s = self._safe

@@ -31,7 +31,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from proxy.gpu.attribution import AttributedSnapshot
-from proxy.gpu.visibility import device_json, tenant_vram
+from proxy.gpu.visibility import device_json, tenant_devices_json, tenant_vram
 from proxy.handoff.admission import gib
 from proxy.handoff.decisions import Decision
 from proxy.tasks import cancel_and_wait
@@ -127,6 +127,7 @@ def tenant_stats(proxy: Proxy, snap: AttributedSnapshot, tenant: Tenant, busy: b
         "reclaimable": tenant.reclaimable,
         "waiting": [w for w in arb.queue.waiting() if w["tenant"] == tenant.name],
         "pids": [p.process.pid for p in snap.processes_of(tenant.name)],
+        **tenant_devices_json(snap, tenant.name),  # several cards: where it loads, what it holds on each
     }
 
 

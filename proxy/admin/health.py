@@ -124,6 +124,7 @@ class HealthExtension:
             NamedCheck("telemetry", self.check_telemetry),
             NamedCheck("stale queue entries", self.check_stale),
             NamedCheck("unmanaged VRAM", self.check_unmanaged),
+            NamedCheck("gpu devices", self.check_devices),
         ]
 
     # -- extension interface ---------------------------------------------------------------------
@@ -365,6 +366,23 @@ class HealthExtension:
                 f"{tenant} lists {len(ids)} job(s) as running but holds only its idle VRAM: prompt id(s) {', '.join(ids)}",
                 "clients polling the queue wait on a job that never finishes; the proxy does not count it as busy",
                 STALE_FIX + (f" (at {upstream})" if upstream else "")))
+        return out
+
+    async def check_devices(self, snap: AttributedSnapshot) -> list[HealthEntry]:
+        """Several GPUs: which card each engine tenant loads on, and why (proxy/gpu/devices.py). None on one card."""
+        if not snap.snapshot.several_devices:
+            return []
+        out = []
+        for tenant in self.proxy.registry:
+            placement = snap.placement.get(tenant.name)
+            if not tenant.upstream or placement is None:
+                continue
+            if tenant.devices and placement.source == "any":
+                out.append(HealthEntry(f"gpu devices {tenant.name}", "degraded", placement.detail,
+                                       "its requests are planned on every card, not the one it really uses",
+                                       f"name a card `nvidia-smi -L` lists in tenants.{tenant.name}.devices"))
+            else:
+                out.append(HealthEntry(f"gpu devices {tenant.name}", "ok", placement.detail))
         return out
 
     async def check_unmanaged(self, snap: AttributedSnapshot) -> list[HealthEntry]:

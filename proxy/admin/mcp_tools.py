@@ -66,6 +66,11 @@ class EngineList(BaseModel):
     engines: list[dict[str, Any]] = Field(description="per tenant: reachable, version, what the engine reports")
 
 
+class ModelList(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    tenants: list[dict[str, Any]] = Field(description="per tenant: its model files with size and page-cache residency")
+
+
 class AdminClient:
     """The admin API over HTTP. `base_url` and `token` are read at call time (the in-process admin
     listener's port is known only once it is bound)."""
@@ -151,6 +156,13 @@ def build_server(admin: AdminClient) -> MCPServer:
         if need_gb is not None:
             params["need_gb"] = repr(float(need_gb))
         return DryRun.model_validate(await admin.call("GET", "/api/plan", params=params))
+
+    @server.tool(annotations=READ_ONLY)
+    async def models(tenant: Annotated[str | None, Field(description="one tenant, e.g. ollama; default: all")] = None
+                     ) -> ModelList:
+        """Each tenant's model files: size, how much is in host RAM (page cache; a cold file loads at disk speed),
+        and any warm in progress. Residency the proxy cannot read is null with the reason, never 0."""
+        return ModelList.model_validate(await admin.call("GET", "/api/models", params={"tenant": tenant} if tenant else None))
 
     @server.tool(annotations=MUTATING)
     async def release(tenant: Annotated[str, Field(description="the tenant to release, e.g. comfyui")]) -> ReleaseResult:

@@ -12,6 +12,9 @@ Series:
   read if none was taken yet). source is nvml | simulated | engine-estimate. A figure nobody
   measured has no sample (never a 0): without a GPU reader the unmanaged VRAM, the tenants that
   report nothing about themselves, and the card's used/free (and total, when no engine reports it).
+- On a host with several GPUs the three memory gauges are the whole host's sums, and each card has
+  hyperswap_gpu_card_memory_{total,used,free}_bytes{index,name} and
+  hyperswap_tenant_card_vram_bytes{tenant,index} (absent on one card).
 - hyperswap_inflight_requests{tenant}, hyperswap_queued_jobs{tenant}: from `InFlight`.
 - hyperswap_requests_total{tenant,outcome}: GPU requests that left flight (pass-through requests
   are not counted in flight, so not here). outcome: `rejected` (answered 507), `oom_error` (the
@@ -31,6 +34,9 @@ Series:
 - hyperswap_queue_wait_seconds: histogram of how long requests that had to wait waited, however
   it ended (admitted, 507, 503, client left), from the `queued` decisions' outcomes.
 - hyperswap_queue_timeouts_total{tenant}: 503s after `proxy.queue_timeout_s`.
+- hyperswap_model_load_gbps{tenant,class}: histogram of model load speeds the engines reported (Ollama's
+  load_duration and the model's size), from the `model_load` decisions; class warm | cold | unknown
+  (proxy/models/loads.py: split by this machine's own loads).
 """
 
 from __future__ import annotations
@@ -47,13 +53,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from proxy.gpu.visibility import tenant_vram, unmanaged_vram
+from proxy.gpu.visibility import device_json, devices_json, tenant_vram, unmanaged_vram
 from proxy.handoff.decisions import Decision
 from proxy.handoff.inflight import TenantTraffic
 
 if TYPE_CHECKING:
+    from proxy.gpu.attribution import AttributedSnapshot
     from proxy.service import Proxy
 
+# From a network disk's tenth of a GB/s to RAM at several GB/s.
+LOAD_GBPS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0)
 # Handoffs on real cards take from a fraction of a second (Ollama unload) to tens (a big ComfyUI free).
 HANDOFF_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 HANDOFF_KINDS = ("plan", "oom_retry", "spill")
@@ -88,9 +97,9 @@ class _LiveCollector(Collector):
         unmanaged = GaugeMetricFamily("hyperswap_unmanaged_vram_bytes", "GPU memory held by processes no tenant matches")
         source = InfoMetricFamily("hyperswap_gpu_snapshot_source", "Where the GPU figures come from", labels=["source", "device"])
         if snap is not None:
-            dev = snap.snapshot.device
+            whole = device_json(snap)  # one card: its figures; several: the host's sums
             # unknown is not zero: a figure nobody measured gets no sample at all
-            for family, value in ((total, dev.figure("total")), (used, dev.figure("used")), (free, dev.figure("free")),
+            for family, value in ((total, whole["total_bytes"]), (used, whole["used_bytes"]), (free, whole["free_bytes"]),
                                   (unmanaged, unmanaged_vram(snap))):
                 if value is not None:
                     family.add_metric([], value)
@@ -99,8 +108,10 @@ class _LiveCollector(Collector):
                 vram = tenant_vram(snap, name)
                 if vram is not None:
                     held.add_metric([name], vram)
-            source.add_metric([snap.snapshot.source, dev.name], {})
+            source.add_metric([snap.snapshot.source, whole["name"]], {})
         yield from (total, used, free, age, held, unmanaged, source)
+        if snap is not None and snap.snapshot.several_devices:
+            yield from _card_families(snap)
         traffic = proxy.inflight.snapshot()
         inflight = GaugeMetricFamily("hyperswap_inflight_requests", "GPU requests in flight through the proxy", labels=["tenant"])
         jobs = GaugeMetricFamily("hyperswap_queued_jobs", "Engine jobs the proxy saw queued and not yet finished", labels=["tenant"])
@@ -118,6 +129,24 @@ class _LiveCollector(Collector):
         for name, n in counts.items():
             waiting.add_metric([name], n)
         yield waiting
+
+
+def _card_families(snap: AttributedSnapshot) -> list[Metric]:
+    """Several GPUs: each card's memory and what each tenant holds on it."""
+    labels = ["index", "name"]
+    total = GaugeMetricFamily("hyperswap_gpu_card_memory_total_bytes", "GPU memory on one card", labels=labels)
+    used = GaugeMetricFamily("hyperswap_gpu_card_memory_used_bytes", "GPU memory in use on one card", labels=labels)
+    free = GaugeMetricFamily("hyperswap_gpu_card_memory_free_bytes", "GPU memory free on one card", labels=labels)
+    held = GaugeMetricFamily("hyperswap_tenant_card_vram_bytes", "GPU memory a tenant's processes hold on one card",
+                             labels=["tenant", "index"])
+    for card in devices_json(snap):
+        key = [str(card["index"]), str(card["name"])]
+        for family, name in ((total, "total_bytes"), (used, "used_bytes"), (free, "free_bytes")):
+            if card[name] is not None:
+                family.add_metric(key, card[name])
+        for tenant, n in card["tenants"].items():
+            held.add_metric([tenant, str(card["index"])], n)
+    return [total, used, free, held]
 
 
 class Metrics:
@@ -141,6 +170,8 @@ class Metrics:
                                   ["tenant"], registry=self.registry)
         self.waits = Histogram("hyperswap_queue_wait_seconds", "How long requests that had to wait for memory waited",
                                buckets=WAIT_BUCKETS, registry=self.registry)
+        self.load_speed = Histogram("hyperswap_model_load_gbps", "Model load speed (GB/s of 1e9 bytes), warm or cold",
+                                    ["tenant", "class"], buckets=LOAD_GBPS_BUCKETS, registry=self.registry)
         self.timeouts = Counter("hyperswap_queue_timeouts", "Requests answered 503 after proxy.queue_timeout_s",
                                 ["tenant"], registry=self.registry)
         self._seen: OrderedDict[int, set[str]] = OrderedDict()
@@ -207,6 +238,8 @@ class Metrics:
                 self.releases.labels(str(r.get("tenant", "")), release_result(r)).inc()
             if releases and d.kind in HANDOFF_KINDS:
                 self.handoff.observe(sum(float(r.get("duration_s") or 0.0) for r in releases))
+        if d.kind == "model_load" and self._first(d, "load"):
+            self.load_speed.labels(d.tenant, str(outcome.get("class") or "unknown")).observe(float(outcome.get("gbps") or 0.0))
         result = outcome.get("oom_retry", outcome.get("result") if d.kind == "oom_retry" else None)
         if result is not None and self._first(d, "oom_retry"):
             self.oom_retries.labels(d.tenant, str(result)).inc()

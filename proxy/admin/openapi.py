@@ -81,6 +81,13 @@ class Plan(_Doc):
     releases: list[Release]
     blockers: list[Blocker]
     explanation: str
+    device: PlanDevice | None = Field(default=None, description="only on a host with several GPUs: the card planned on")
+
+
+class PlanDevice(_Doc):
+    index: int = Field(description="NVML index (`nvidia-smi -L`)")
+    name: str
+    uuid: str | None = Field(default=None, description="in a 507's `device`")
 
 
 class DryRun(_Doc):
@@ -107,6 +114,8 @@ class Rejection(_Doc):
     blockers: list[RejectionBlocker]
     plan: Plan
     fix: str
+    device: PlanDevice | None = Field(default=None, description="only on a host with several GPUs: the card that "
+                                                                "has not enough memory (another may have room)")
 
 
 class ReleaseResult(_Doc):
@@ -168,11 +177,28 @@ class _TenantLive(_Doc):
     waiting: list[Waiting] = Field(default_factory=list, description="this tenant's requests waiting for memory")
 
 
+class CardHolding(_Doc):
+    index: int
+    name: str
+    vram_bytes: int
+
+
+class TenantDevices(_Doc):
+    """Only on a host with several GPUs: the cards the tenant's engine loads on, and why."""
+    devices: list[int] | None = Field(description="NVML indices; null: any device")
+    source: Literal["pinned", "discovered", "any"] = Field(
+        description="pinned: `devices` in tenants.json; discovered: its process's --cuda-device or CUDA_VISIBLE_DEVICES")
+    detail: str
+    vram_by_device: list[CardHolding]
+
+
 class TenantView(_TenantLive):
+    devices: TenantDevices | None = Field(default=None, description="only on a host with several GPUs")
     config: JSON
     processes: list[Process]
     watchdog: str | None
     estimated: bool
+    listening: str | None = Field(default=None, description="the URL the tenant's listener answers at; null: no listener")
 
 
 class TenantList(_Doc):
@@ -203,6 +229,20 @@ class Device(_Doc):
     reserved_bytes: int | None
     source: str = Field(description="nvml, simulated, or engine-estimate")
     notes: list[str]
+    devices: list[Card] | None = Field(default=None, description="only on a host with several GPUs: each card (the "
+                                                                 "figures above are then the whole host's sums)")
+
+
+class Card(_Doc):
+    index: int
+    name: str
+    uuid: str
+    total_bytes: int | None
+    free_bytes: int | None
+    used_bytes: int | None
+    reserved_bytes: int | None
+    tenants: dict[str, int] = Field(description="bytes each tenant (and `unmanaged`) holds on this card")
+    placed: list[str] = Field(description="tenants pinned to or discovered on this card")
 
 
 class GpuError(_Doc):
@@ -299,6 +339,11 @@ ANY_OBJECT: JSON = {"type": "object", "additionalProperties": True}
 NAME = {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}, "description": "tenant name"}
 
 
+MODEL_BODY: JSON = {"required": True, "content": {"application/json": {"schema": {
+    "type": "object", "required": ["tenant", "model"], "additionalProperties": False,
+    "properties": {"tenant": {"type": "string", "minLength": 1}, "model": {"type": "string", "minLength": 1}}}}}}
+
+
 def _operations() -> dict[str, dict[str, JSON]]:
     return {
         "/api/tenants": {"get": {
@@ -390,13 +435,37 @@ def _operations() -> dict[str, dict[str, JSON]]:
         "/mcp": {method: {
             "summary": f"MCP tools over streamable HTTP ({method.upper()})", "operationId": f"mcp{method.capitalize()}",
             "description": ("Model Context Protocol endpoint (stateless, JSON answers): tools health, engines, "
-                            "tenants, plan (dry run) and release, each a call to this API. POST carries JSON-RPC; "
+                            "tenants, models, plan (dry run) and release, each a call to this API. POST carries JSON-RPC; "
                             "when a token is configured every call needs it."),
             "security": [{"bearer": []}],
             "responses": {"200": _json("a JSON-RPC answer", ANY_OBJECT), "401": _err("a token is configured and none was sent"),
                           "403": _err("wrong token" + ("" if method == "get" else ", or an Origin other than this "
                                                        "admin's own or admin.cors_origins"))}}
                 for method in ("get", "post", "delete")},
+        "/api/models": {"get": {
+            "summary": "Each tenant's model files with size and page-cache residency", "operationId": "models",
+            "description": ("Residency is measured (cachestat, else mmap + mincore); a file the proxy may not read is "
+                            "null with unknown_reason, never 0. Readings are kept a few seconds and dropped by a warm."),
+            "parameters": [{"name": "tenant", "in": "query", "required": False, "schema": {"type": "string"}}],
+            "responses": {"200": _json("models per tenant, MemAvailable, the warm margin and warms in progress", ANY_OBJECT),
+                          "404": _err("no such tenant")}}},
+        "/api/models/warm": {"post": {
+            "summary": "Read a model's files into the page cache (stops at proxy.warm_margin_gb)", "operationId": "warmModel",
+            "security": [{"bearer": []}], "requestBody": MODEL_BODY,
+            "responses": {"202": _json("the warm started (or the one already running)", ANY_OBJECT),
+                          "400": _err("the body is not {tenant, model}"), "401": _err("a token is configured and none was sent"),
+                          "404": _err("no such tenant, or no such model on disk"),
+                          "409": _err("MemAvailable is already at or below the margin, or cannot be read")}}},
+        "/api/models/stop": {"post": {
+            "summary": "Stop a warm in progress", "operationId": "stopWarm",
+            "security": [{"bearer": []}], "requestBody": MODEL_BODY,
+            "responses": {"200": _json("the warm, stopped", ANY_OBJECT),
+                          "400": _err("the body is not {tenant, model}"), "401": _err("a token is configured and none was sent"),
+                          "404": _err("no such tenant, or no such model on disk"),
+                          "409": _err("no warm of that model is in progress")}}},
+        "/api/models/loads": {"get": {
+            "summary": "Recent model loads: bytes, seconds, GB/s, residency before, warm or cold", "operationId": "modelLoads",
+            "responses": {"200": _json("loads and the warm/cold thresholds measured on this machine", ANY_OBJECT)}}},
         "/openapi.json": {"get": {
             "summary": "This document", "operationId": "openapi",
             "responses": {"200": _json("OpenAPI 3.1", ANY_OBJECT)}}},

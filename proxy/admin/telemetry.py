@@ -62,8 +62,8 @@ LOAD_GROWTH_MIN_BYTES = 256 * MIB  # growth between two samples above this count
 PRUNE_EVERY_ROWS = 5_000
 HISTORY_LIMIT_MAX = 10_000  # rows per kind in one /api/history answer
 
-Kind = Literal["vram", "decisions", "releases", "rejections", "oom_retries", "model_loads"]
-KINDS: tuple[Kind, ...] = ("vram", "decisions", "releases", "rejections", "oom_retries", "model_loads")
+Kind = Literal["vram", "decisions", "releases", "rejections", "oom_retries", "model_loads", "load_speeds"]
+KINDS: tuple[Kind, ...] = ("vram", "decisions", "releases", "rejections", "oom_retries", "model_loads", "load_speeds")
 
 _SCHEMA: dict[Kind, str] = {
     "vram": "at REAL NOT NULL, tenant TEXT NOT NULL, window_s REAL NOT NULL, samples INTEGER NOT NULL,"
@@ -78,6 +78,10 @@ _SCHEMA: dict[Kind, str] = {
     "oom_retries": "at REAL NOT NULL, decision_id INTEGER NOT NULL, tenant TEXT NOT NULL, result TEXT NOT NULL",
     "model_loads": "at REAL NOT NULL, tenant TEXT NOT NULL, started_at REAL NOT NULL, duration_s REAL NOT NULL,"
                    " grown_bytes INTEGER NOT NULL, gbps REAL",
+    # loads the engines timed themselves (proxy/models/loads.py): residency before, warm or cold
+    "load_speeds": "at REAL NOT NULL, decision_id INTEGER NOT NULL, tenant TEXT NOT NULL, model TEXT NOT NULL,"
+                   " size_bytes INTEGER NOT NULL, seconds REAL NOT NULL, gbps REAL NOT NULL,"
+                   " resident_before_percent REAL, class TEXT, source TEXT NOT NULL",
 }
 _COLUMNS: dict[Kind, tuple[str, ...]] = {
     k: tuple(part.strip().split()[0] for part in schema.split(",")) for k, schema in _SCHEMA.items()
@@ -486,6 +490,13 @@ def decision_rows(d: Decision, seen: set[str]) -> list[tuple[Kind, dict[str, Any
         out.append(("rejections", {"at": d.at, "decision_id": d.id, "tenant": d.tenant, "trigger": d.trigger,
                                    "need_bytes": plan.get("need_bytes"),
                                    "blockers": json.dumps(plan.get("blockers", []), default=str)}))
+    if d.kind == "model_load" and "load" not in seen:
+        seen.add("load")
+        out.append(("load_speeds", {"at": d.at, "decision_id": d.id, "tenant": d.tenant, "model": outcome.get("model", ""),
+                                    "size_bytes": outcome.get("size_bytes", 0), "seconds": outcome.get("seconds", 0.0),
+                                    "gbps": outcome.get("gbps", 0.0),
+                                    "resident_before_percent": outcome.get("resident_before_percent"),
+                                    "class": outcome.get("class"), "source": outcome.get("source", "")}))
     result = outcome.get("oom_retry", outcome.get("result") if d.kind == "oom_retry" else None)
     if result is not None and d.kind != "queued" and "oom_retry" not in seen:
         seen.add("oom_retry")

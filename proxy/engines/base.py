@@ -70,6 +70,12 @@ class EngineAdapter:
     # Whether the engine's HTTP answer itself can say the GPU ran out of memory (then the request is
     # retried once); an engine whose jobs outlive the answer reports it later, on a frame or in history.
     answers_oom: bool = False
+    # The command-line flag that picks the engine's GPU on a host with several (proxy/gpu/devices.py);
+    # None: the engine has none, and only CUDA_VISIBLE_DEVICES in its environment says.
+    device_flag: str | None = None
+    # How its model files are laid out on disk (proxy/models/locate.py): "ollama" (manifests and
+    # blobs), "comfyui" (model folders), or None (only the tenant's model_paths say).
+    model_layout: str | None = None
 
     def __init__(self, tenant: Tenant) -> None:
         self.tenant = tenant
@@ -166,6 +172,10 @@ class EngineAdapter:
 
     def job_ids_from_queue(self, status: int, body: bytes) -> frozenset[str] | None:
         """Every job id the engine's queue answer lists, running or pending; None if unreadable."""
+        return None
+
+    def load_seconds(self, answer_tail: bytes) -> float | None:
+        """How long the engine says its model load took, from the end of its answer (None: it does not say)."""
         return None
 
     def drops_jobs(self, method: str, path: str) -> bool:

@@ -18,6 +18,8 @@ QUEUE_ROUTES = frozenset({"/queue", "/api/queue"})  # POST {"delete": [...]} / {
 
 class ComfyUIAdapter(EngineAdapter):
     kind = "comfyui"
+    device_flag = "--cuda-device"  # main.py sets CUDA_VISIBLE_DEVICES from it before torch starts
+    model_layout = "comfyui"
 
     def classify(self, method: str, path: str) -> RequestKind:
         if method.upper() == "POST" and path.rstrip("/") in PROMPT_ROUTES:

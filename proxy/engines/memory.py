@@ -38,6 +38,7 @@ class Need:
     bytes: int
     what: str  # "llama3.1:8b (4.90 GiB + 1.00 GiB context allowance)"
     key: str  # identifies the load: concurrent requests with the same key share one reservation
+    model: str | None = None  # the model or checkpoint it loads, when the request names one (model files)
 
 
 def _json(body: bytes) -> Any:
@@ -91,7 +92,7 @@ async def estimate_need(tenant: Tenant, path: str, body: bytes, client: httpx.As
         key = load_key(tenant, model)
         override = tenant.model_vram_gb.get(model, tenant.model_vram_gb.get(data["model"]))
         if override is not None:
-            return Need(int(override * GIB), f"{model} ({override:.2f} GiB, configured)", key)
+            return Need(int(override * GIB), f"{model} ({override:.2f} GiB, configured)", key, model)
         try:
             size = await catalog.size_of(tenant, client, model)
         except (httpx.HTTPError, ValueError) as exc:
@@ -100,14 +101,18 @@ async def estimate_need(tenant: Tenant, path: str, body: bytes, client: httpx.As
         if size is not None:
             total = size + tenant.context_allowance_bytes
             return Need(total, f"{model} ({size / GIB:.2f} GiB + {tenant.context_allowance_gb:.2f} GiB context allowance)",
-                        key)
-        return Need(tenant.needs_vram_bytes, f"{model} (size unknown: tenant need {tenant.needs_vram_gb:.2f} GiB)", key)
+                        key, model)
+        return Need(tenant.needs_vram_bytes, f"{model} (size unknown: tenant need {tenant.needs_vram_gb:.2f} GiB)", key,
+                    model)
     if tenant.engine == "comfyui" and isinstance(data, dict) and isinstance(data.get("prompt"), dict):
+        named: str | None = None
         for node in data["prompt"].values():
             ckpt = isinstance(node, dict) and (node.get("inputs") or {}).get("ckpt_name")
             if isinstance(ckpt, str) and ckpt in tenant.model_vram_gb:
                 gb = tenant.model_vram_gb[ckpt]
-                return Need(int(gb * GIB), f"{ckpt} ({gb:.2f} GiB, configured)", load_key(tenant, ckpt))
+                return Need(int(gb * GIB), f"{ckpt} ({gb:.2f} GiB, configured)", load_key(tenant, ckpt), ckpt)
+            named = named or (ckpt if isinstance(ckpt, str) else None)
+        return Need(tenant.needs_vram_bytes, f"{tenant.needs_vram_gb:.2f} GiB (needs_vram_gb)", tenant.name, named)
     return Need(tenant.needs_vram_bytes, f"{tenant.needs_vram_gb:.2f} GiB (needs_vram_gb)", tenant.name)
 
 

@@ -43,6 +43,12 @@ def keep_alive_is_zero(value: object) -> bool:
 class OllamaAdapter(EngineAdapter):
     kind = "ollama"
     answers_oom = True
+    model_layout = "ollama"
+
+    def load_seconds(self, answer_tail: bytes) -> float | None:
+        """`load_duration` (ns) on the final line of a generation, chat or embed answer."""
+        from proxy.models.loads import ollama_load_seconds
+        return ollama_load_seconds(answer_tail)
 
     def classify(self, method: str, path: str) -> RequestKind:
         if method.upper() == "POST" and path.rstrip("/") in GPU_ROUTES:

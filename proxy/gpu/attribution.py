@@ -35,11 +35,12 @@ import re
 import socket
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Literal
 from urllib.parse import urlsplit
 
+from proxy.gpu.devices import Placement
 from proxy.gpu.snapshot import GpuProcess, GpuSnapshot, Listener, ProcessTree, ProcNode
 from proxy.relay.hosts import IpAddress, is_local_address, parse_ip
 from proxy.tenants import Registry, Tenant
@@ -67,6 +68,15 @@ class AttributedProcess:
 class AttributedSnapshot:
     snapshot: GpuSnapshot
     processes: tuple[AttributedProcess, ...]
+    # tenant -> the devices its engine uses (proxy/gpu/devices.py), on a host with several; empty: one device
+    placement: Mapping[str, Placement] = field(default_factory=dict, hash=False)
+
+    def on_device(self, index: int) -> AttributedSnapshot:
+        """The snapshot of one card: its figures and the processes' entries on it (pure; see GpuSnapshot.on_device)."""
+        if not self.snapshot.several_devices:
+            return self
+        return AttributedSnapshot(self.snapshot.on_device(index),
+                                  tuple(p for p in self.processes if p.process.device == index), self.placement)
 
     @property
     def free_bytes(self) -> int:

@@ -1,4 +1,9 @@
-"""The NVML reader: one device's memory and processes through nvidia-ml-py (`pynvml`).
+"""The NVML reader: every device's memory and processes through nvidia-ml-py (`pynvml`).
+
+One device (a one-GPU host, or `index` given) gives the snapshot it always did. Several give one
+snapshot with every device in `GpuSnapshot.devices` and each process entry tagged with its device
+(a process on two cards: two entries), plus, for placing tenants on cards (proxy/gpu/devices.py),
+the CUDA device variables of each GPU process's lineage from /proc/<pid>/environ.
 
 Blocking (C calls and /proc reads): callers run `read()` off the event loop, one at a time.
 Every failure becomes a `GpuReadError` with a health state and a fix; nothing else escapes `read()`.
@@ -16,12 +21,13 @@ from __future__ import annotations
 
 import importlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Literal, Protocol
 
 from proxy.clock import Clock, SystemClock
+from proxy.gpu.devices import lineage_cuda_env
 from proxy.gpu.proctree import FdLinks, ProcTreeReader, read_fd_links
 from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuReadError, GpuSnapshot, ProcessTree
 
@@ -92,6 +98,14 @@ def _kind(listed_as: set[str]) -> Literal["compute", "graphics", "both"]:
 
 
 @dataclass(frozen=True, slots=True)
+class _Device:
+    index: int
+    handle: object
+    name: str
+    uuid: str
+
+
+@dataclass(frozen=True, slots=True)
 class ProcInfo:
     name: str
     cmdline: str
@@ -103,9 +117,10 @@ def _text(value: object) -> str:
 
 
 class NvmlReader:
-    """`GpuReader` over NVML. `nvml` injects a pynvml-like module (tests); by default it is imported lazily."""
+    """`GpuReader` over NVML. `nvml` injects a pynvml-like module (tests); by default it is imported lazily.
+    `index`: read that device only; None (the default): every device NVML counts."""
 
-    def __init__(self, index: int = 0, *, proc_root: Path = Path("/proc"), nvml: ModuleType | None = None,
+    def __init__(self, index: int | None = None, *, proc_root: Path = Path("/proc"), nvml: ModuleType | None = None,
                  clock: Clock | None = None, clk_tck: int | None = None, fd_links: FdLinks = read_fd_links) -> None:
         self.index = index
         self.proc_root = proc_root
@@ -113,9 +128,8 @@ class NvmlReader:
         self._nvml = nvml
         self._clock = clock or SystemClock()
         self._clk_tck = clk_tck or os.sysconf("SC_CLK_TCK")
-        self._handle: object | None = None
-        self._name = ""
-        self._uuid = ""
+        self._handles: list[_Device] | None = None
+        self._cuda_envs: dict[tuple[int, float | None], tuple[tuple[str, str], ...] | None] = {}
         self._mem_v2 = True  # flips to False once the driver says v2 is not supported
 
     # -- NVML ----------------------------------------------------------------------------------
@@ -124,27 +138,34 @@ class NvmlReader:
             self._nvml = importlib.import_module("pynvml")
         return self._nvml
 
-    def _ensure(self) -> tuple[ModuleType, object]:
+    def _ensure(self) -> tuple[ModuleType, list[_Device]]:
         nvml = self._module()
-        if self._handle is None:
-            nvml.nvmlInit()  # on failure _handle stays None: the next read retries
-            handle = nvml.nvmlDeviceGetHandleByIndex(self.index)
-            self._name = _text(nvml.nvmlDeviceGetName(handle))
-            try:
-                self._uuid = _text(nvml.nvmlDeviceGetUUID(handle))
-            except Exception:
-                self._uuid = ""
-            self._handle = handle
-        return nvml, self._handle
+        if self._handles is None:
+            nvml.nvmlInit()  # on failure _handles stays None: the next read retries
+            count = getattr(nvml, "nvmlDeviceGetCount", None)
+            if self.index is not None:
+                indices = [self.index]
+            else:  # no count (an old binding) or none counted: device 0, which raises NVML's own error if absent
+                indices = list(range(int(count()))) if count is not None else []
+            handles = []
+            for index in indices or [0]:
+                handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                try:
+                    uuid = _text(nvml.nvmlDeviceGetUUID(handle))
+                except Exception:
+                    uuid = ""
+                handles.append(_Device(index, handle, _text(nvml.nvmlDeviceGetName(handle)), uuid))
+            self._handles = handles
+        return nvml, self._handles
 
     def _reset(self) -> None:
         """After a failure, start over (nvmlInit again) on the next read."""
-        if self._handle is not None and self._nvml is not None:
+        if self._handles is not None and self._nvml is not None:
             try:
                 self._nvml.nvmlShutdown()
             except Exception:
                 pass
-        self._handle = None
+        self._handles = None
 
     def _memory(self, nvml: ModuleType, handle: object) -> tuple[int, int, int, int]:
         if self._mem_v2 and hasattr(nvml, "nvmlMemory_v2"):
@@ -202,23 +223,46 @@ class NvmlReader:
 
     # -- the reader interface ------------------------------------------------------------------
     def read(self) -> GpuSnapshot:
+        notes: list[str] = []
+        devices: list[DeviceMemory] = []
+        processes: list[GpuProcess] = []
         try:
-            nvml, handle = self._ensure()
-            total, reserved, used, free = self._memory(nvml, handle)
-            notes: list[str] = []
-            compute = self._running(nvml, handle, "nvmlDeviceGetComputeRunningProcesses", notes)
-            graphics = self._running(nvml, handle, "nvmlDeviceGetGraphicsRunningProcesses", notes)
+            nvml, handles = self._ensure()
+            for d in handles:
+                total, reserved, used, free = self._memory(nvml, d.handle)
+                compute = self._running(nvml, d.handle, "nvmlDeviceGetComputeRunningProcesses", notes)
+                graphics = self._running(nvml, d.handle, "nvmlDeviceGetGraphicsRunningProcesses", notes)
+                devices.append(DeviceMemory(index=d.index, name=d.name, total_bytes=total, reserved_bytes=reserved,
+                                            used_bytes=used, free_bytes=free, uuid=d.uuid))
+                processes.extend(self._merge(compute, graphics, d.index))
         except Exception as exc:
             self._reset()
             raise map_error(exc, self._nvml) from None  # self._nvml: set by the lazy import, None if it failed
-        processes = self._merge(compute, graphics)
         if processes and not any(self._visible(p.pid) for p in processes):
             notes.append(CONTAINER_NOTE)
-        tree = self._tree(processes, notes)
-        device = DeviceMemory(index=self.index, name=self._name, total_bytes=total, reserved_bytes=reserved,
-                              used_bytes=used, free_bytes=free, uuid=self._uuid)
-        return GpuSnapshot(device=device, processes=processes, source="nvml", taken_at=self._clock.now(),
-                           notes=tuple(notes), tree=tree)
+        unique = tuple({p.pid: p for p in processes}.values())
+        tree = self._tree(unique, notes)
+        several = len(devices) > 1
+        if several:
+            processes = self._with_cuda_env(processes)
+        return GpuSnapshot(device=devices[0], processes=tuple(processes), source="nvml", taken_at=self._clock.now(),
+                           notes=tuple(dict.fromkeys(notes)), tree=tree, devices=tuple(devices) if several else ())
+
+    def _with_cuda_env(self, processes: list[GpuProcess]) -> list[GpuProcess]:
+        """Each process's CUDA device variables, read from its lineage's environ (proxy/gpu/devices.py).
+        A process's environ is the one it started with: read once per process (pid and start time)."""
+        cache: dict[int, tuple[tuple[str, str], ...] | None] = {}
+        known: dict[tuple[int, float | None], tuple[tuple[str, str], ...] | None] = {}
+        out = []
+        for p in processes:
+            key = p.identity
+            if key in self._cuda_envs and p.start_time is not None:
+                known[key] = self._cuda_envs[key]
+            elif key not in known:
+                known[key] = lineage_cuda_env(self.proc_root, p.pid, cache)
+            out.append(replace(p, cuda_env=known[key]))
+        self._cuda_envs = known  # only the processes on the cards now are remembered
+        return out
 
     def _tree(self, processes: tuple[GpuProcess, ...], notes: list[str]) -> ProcessTree | None:
         """Who holds which listening socket; a failure here costs attribution by port, never the read."""
@@ -229,7 +273,7 @@ class NvmlReader:
                          "processes attributed by name and pattern only")
             return None
 
-    def _merge(self, compute: list[_ProcessEntry], graphics: list[_ProcessEntry]) -> tuple[GpuProcess, ...]:
+    def _merge(self, compute: list[_ProcessEntry], graphics: list[_ProcessEntry], device: int = 0) -> tuple[GpuProcess, ...]:
         used: dict[int, int | None] = {}
         kinds: dict[int, set[str]] = {}
         for listed_as, entries in (("compute", compute), ("graphics", graphics)):
@@ -249,5 +293,5 @@ class NvmlReader:
         for pid in sorted(used):
             info = self.proc_info(pid)
             out.append(GpuProcess(pid=pid, name=info.name, cmdline=info.cmdline, used_bytes=used[pid],
-                                  start_time=info.start_time, kind=_kind(kinds[pid])))
+                                  start_time=info.start_time, kind=_kind(kinds[pid]), device=device))
         return tuple(out)

@@ -8,7 +8,7 @@ Readers are blocking (C calls, /proc reads): callers run `read()` off the event 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
 SnapshotSource = Literal["nvml", "simulated", "engine-estimate"]
@@ -23,6 +23,10 @@ class GpuProcess:
     used_bytes: int | None  # None: the driver cannot tell (WSL, some MIG setups); unknown is not zero
     start_time: float | None = None  # from /proc/<pid>/stat; with pid it identifies the process across PID reuse
     kind: Literal["compute", "graphics", "both"] = "compute"
+    device: int = 0  # the NVML index of the device this entry's memory is on (a process on two cards: two entries)
+    # CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER from /proc/<pid>/environ, as read (absent keys: unset);
+    # None: not read or unreadable (another user's process, the simulator)
+    cuda_env: tuple[tuple[str, str], ...] | None = None
 
     @property
     def identity(self) -> tuple[int, float | None]:
@@ -101,6 +105,27 @@ class GpuSnapshot:
     taken_at: float = 0.0  # clock.now() when read
     notes: tuple[str, ...] = field(default_factory=tuple)  # e.g. "pids not visible in /proc (container)"
     tree: ProcessTree | None = None  # None: the reader cannot see the processes' /proc (simulated, estimates)
+    # Every device the reader saw, by NVML index, when there are several; `device` is then the first
+    # and `processes` holds every device's entries (each with its `device`). Empty: one device only.
+    devices: tuple[DeviceMemory, ...] = ()
+
+    @property
+    def all_devices(self) -> tuple[DeviceMemory, ...]:
+        return self.devices or (self.device,)
+
+    @property
+    def several_devices(self) -> bool:
+        return len(self.devices) > 1
+
+    def on_device(self, index: int) -> GpuSnapshot:
+        """This snapshot as if the card `index` were the only one: its figures and its processes."""
+        if not self.several_devices:
+            return self
+        device = next((d for d in self.devices if d.index == index), None)
+        if device is None:
+            raise KeyError(f"no device {index} in this snapshot")
+        return replace(self, device=device, processes=tuple(p for p in self.processes if p.device == index),
+                       devices=())
 
     @property
     def estimated(self) -> bool:
@@ -115,7 +140,7 @@ class GpuSnapshot:
 
 
 class GpuReader(Protocol):
-    """Reads one device. Blocking; may raise `GpuReadError`."""
+    """Reads the devices it was given (one, or every device of the host). Blocking; may raise `GpuReadError`."""
 
     def read(self) -> GpuSnapshot: ...
 

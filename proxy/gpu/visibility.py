@@ -15,18 +15,67 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from proxy.gpu.attribution import UNMANAGED, AttributedSnapshot
-from proxy.gpu.snapshot import GpuReadError
+from proxy.gpu.snapshot import DeviceFigure, GpuReadError
 
 CapabilityStatus = Literal["ok", "estimated", "off"]
 
 
 def device_json(snap: AttributedSnapshot) -> dict[str, Any]:
-    """The device as the admin API and the event stream show it: unknown figures are null."""
+    """The device as the admin API and the event stream show it: unknown figures are null. On a
+    host with several cards: the whole host's figures (the sums), and `devices_json` per card."""
     raw = snap.snapshot
+    if raw.several_devices:
+        cards = raw.all_devices
+        def total(name: DeviceFigure) -> int | None:
+            figures = [d.figure(name) for d in cards]
+            return None if any(f is None for f in figures) else sum(f or 0 for f in figures)
+        return {"name": f"{len(cards)} GPUs: " + ", ".join(f"{d.index}: {d.name}" for d in cards),
+                "total_bytes": total("total"), "free_bytes": total("free"), "used_bytes": total("used"),
+                "reserved_bytes": total("reserved"), "source": raw.source, "notes": list(raw.notes),
+                "devices": devices_json(snap)}
     dev = raw.device
     return {"name": dev.name, "total_bytes": dev.figure("total"), "free_bytes": dev.figure("free"),
             "used_bytes": dev.figure("used"), "reserved_bytes": dev.figure("reserved"),
             "source": raw.source, "notes": list(raw.notes)}
+
+
+def held_by_device(snap: AttributedSnapshot, tenant: str) -> dict[int, int]:
+    """Card index -> bytes the tenant's processes hold there (known amounts only)."""
+    out: dict[int, int] = {}
+    for p in snap.processes:
+        if p.tenant == tenant and p.process.used_bytes is not None:
+            out[p.process.device] = out.get(p.process.device, 0) + p.process.used_bytes
+    return out
+
+
+def devices_json(snap: AttributedSnapshot) -> list[dict[str, Any]]:
+    """Each card with its figures and what each tenant (and `unmanaged`) holds on it."""
+    out = []
+    for d in snap.snapshot.all_devices:
+        held: dict[str, int] = {}
+        for p in snap.processes:
+            if p.process.device == d.index and p.process.used_bytes:
+                held[p.tenant] = held.get(p.tenant, 0) + p.process.used_bytes
+        out.append({"index": d.index, "name": d.name, "uuid": d.uuid, "total_bytes": d.figure("total"),
+                    "free_bytes": d.figure("free"), "used_bytes": d.figure("used"),
+                    "reserved_bytes": d.figure("reserved"), "tenants": held,
+                    "placed": sorted(t for t, pl in snap.placement.items() if pl.devices and d.index in pl.devices)})
+    return out
+
+
+def tenant_devices_json(snap: AttributedSnapshot, tenant: str) -> dict[str, Any]:
+    """A tenant's cards for its view: where it may load (pinned, discovered or any, and why) and
+    what it holds on each. Empty on a one-card host, whose views stay as they were."""
+    if not snap.snapshot.several_devices:
+        return {}
+    placement = snap.placement.get(tenant)
+    held = held_by_device(snap, tenant)
+    return {"devices": {
+        **(placement.to_json() if placement is not None else
+           {"devices": None, "source": "any", "detail": "not placed yet: may use any device"}),
+        "vram_by_device": [{"index": d.index, "name": d.name, "vram_bytes": held.get(d.index, 0)}
+                           for d in snap.snapshot.all_devices],
+    }}
 
 
 def sees(snap: AttributedSnapshot, tenant: str) -> bool:

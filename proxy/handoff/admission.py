@@ -13,7 +13,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 from starlette.requests import Request
@@ -22,8 +22,10 @@ from starlette.responses import JSONResponse, Response
 from proxy.clock import Clock
 from proxy.engines import EngineAdapter, adapter_for, memory, strip_hop_by_hop
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot, Attributor
+from proxy.gpu.devices import DevicePlacer
 from proxy.gpu.snapshot import DeviceFigure, DeviceMemory, GpuProcess, GpuReader, GpuReadError, GpuSnapshot
-from proxy.handoff.arbiter import Plan, PlanMode, TenantState, gib, plan_release, promised_by_tenant, unplanned_plan
+from proxy.handoff import devices
+from proxy.handoff.arbiter import Plan, PlanMode, TenantState, gib, promised_by_tenant, unplanned_plan
 from proxy.handoff.decisions import DecisionLog
 from proxy.handoff.inflight import InFlight, TenantTraffic
 from proxy.handoff.queue import Admitted, Handoff, HandoffQueue, ReleaseResult
@@ -50,6 +52,21 @@ class _Reservation:
     need: int  # net: what the load adds to what the tenant held when admitted
     baseline: int  # what the tenant held when admitted; growth above it means the load arrived
     count: int = 1
+    device: int | None = None  # the card it was admitted on, on a host with several
+
+
+class LoadHooks(Protocol):
+    """What the model-files extension does around a load (proxy/admin/models_api.py). Never blocks."""
+
+    def prepare_load(self, tenant: str, model: str) -> None:
+        """Memory is about to be released (or waited for) for this load: warm its files meanwhile."""
+
+    async def loading(self, tenant: Tenant, model: str, body: bytes) -> Callable[[UpstreamResponse], UpstreamResponse] | None:
+        """Just before forwarding a load (its residency is read now): a wrapper for the engine's answer
+        that times it, or None."""
+
+    def on_frame(self, tenant: Tenant, text: str) -> None:
+        """Every upstream websocket text frame (ComfyUI's execution frames time its checkpoint loads)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +81,7 @@ class Arbitration:
         self.registry = registry
         self.reader = reader
         self.attributor = Attributor(registry)
+        self.placer = DevicePlacer(registry, lambda t: adapter_for(t).device_flag)  # which card each tenant uses
         self.inflight = inflight
         self.clock = clock
         self.decisions = decisions
@@ -82,6 +100,7 @@ class Arbitration:
         self._measured_device: DeviceMemory | None = None  # the last device figures a reader measured
         self.stale_jobs: dict[str, list[str]] = {}  # tenant -> job ids whose VRAM says they are not running
         self._queue_reads: dict[str, _QueueRead] = {}  # tenant -> jobs its own queue said run (watchdog reads it)
+        self.load_hooks: LoadHooks | None = None  # set by the model-files extension
         inflight.on_change.append(self._traffic_changed)
 
     def _traffic_changed(self, tenant: str, traffic: TenantTraffic) -> None:
@@ -93,7 +112,7 @@ class Arbitration:
         """One GPU read at a time, off the loop. A broken reader falls back to the engines' own reports."""
         async with self._snapshot_lock:
             try:
-                snap = self.attributor.attribute(await asyncio.to_thread(self.reader.read))
+                snap = self.placer.place(self.attributor.attribute(await asyncio.to_thread(self.reader.read)))
                 self.last_read_error = None
                 self._measured_device = snap.snapshot.device
             except Exception as exc:  # a failing reader never stops traffic (invariant 10)
@@ -191,7 +210,7 @@ class Arbitration:
         """Load key -> (tenant, bytes) admitted loads will still take from free memory."""
         out: dict[str, tuple[str, int]] = {}
         for key, r in self._reservations.items():
-            grown = max(0, self.held(snap, r.tenant) - r.baseline)
+            grown = max(0, devices.held_on(snap, r.tenant, r.device) - r.baseline)
             if r.need - grown > 0:
                 out[key] = (r.tenant, r.need - grown)
         return out
@@ -207,8 +226,8 @@ class Arbitration:
         snap = snap or await self.snapshot()
         if not snap.snapshot.device.size_known:  # as the handoff queue does: forwarded without a plan
             return unplanned_plan(requester, need_bytes), snap
-        plan = plan_release(snap, self.registry, self.states(snap), requester, need_bytes,
-                            promised=promised_by_tenant(self.promised(snap), key or requester), mode=mode)
+        plan = devices.plan_on_devices(snap, self.registry, self.states(snap), requester, need_bytes,
+                                       promised=promised_by_tenant(self.promised(snap), key or requester), mode=mode)
         return plan, snap
 
     async def execute_release(self, tenant: Tenant, expected: int, before: AttributedSnapshot | None = None) -> ReleaseResult:
@@ -261,11 +280,15 @@ class Arbitration:
             r.count += 1
         else:
             net = max(0, plan.need_bytes - plan.held_by_requester)
-            self._reservations[key] = _Reservation(plan.requester, net, plan.held_by_requester)
+            self._reservations[key] = _Reservation(plan.requester, net, plan.held_by_requester, device=plan.device)
         handoff.reservation = key
 
     def abandon(self, handoff: Handoff) -> None:
         self.settle(handoff)
+
+    def prepare_load(self, tenant: str, model: str) -> None:
+        if self.load_hooks is not None:
+            self.load_hooks.prepare_load(tenant, model)
 
     # -- the request path ---------------------------------------------------------------------
     async def admit(self, tenant: Tenant, request: Request | None, body: bytes, trigger: str,
@@ -278,12 +301,13 @@ class Arbitration:
         if oom:
             self.residency.forget(tenant.name)
             snap = self.last_snapshot or await self.snapshot()
-            need_bytes = max(need_bytes, self.held(snap, tenant.name) + snap.snapshot.free_bytes + OOM_HEADROOM_BYTES)
+            need_bytes = max(need_bytes, self.held(snap, tenant.name) + devices.free_for(snap, tenant.name) + OOM_HEADROOM_BYTES)
         elif self.queue.empty and self.residency.holds(tenant.name, need.key):
             plan = Plan(tenant.name, need_bytes, 0, 0, True, False, (), (),
                         f"{need.what} is on the card already: forwarded without a plan", False)
             return Admitted("run", Handoff(plan, [], None), "resident"), need
-        admitted = await self.queue.request(tenant, need.key, need_bytes, trigger, "oom_retry" if oom else "plan")
+        admitted = await self.queue.request(tenant, need.key, need_bytes, trigger, "oom_retry" if oom else "plan",
+                                            model=need.model)
         return admitted, need
 
     def settle(self, handoff: Handoff | None) -> None:
@@ -336,7 +360,7 @@ def blockers_json(handoff: Handoff) -> list[dict[str, Any]]:
 
 def _refusal_fix(handoff: Handoff) -> str:
     reasons = {b.reason for b in handoff.plan.blockers}
-    device = handoff.snapshot.snapshot.device if handoff.snapshot else None
+    device = devices.device(handoff.snapshot, handoff.plan.device) if handoff.snapshot else None
     if device is not None and device.total_bytes and handoff.plan.need_bytes > device.total_bytes - device.reserved_bytes:
         return "use a smaller model or quantisation: no release on this card can free that much"
     fixes = []
@@ -353,7 +377,7 @@ def rejection_body(tenant: Tenant, handoff: Handoff, need: memory.Need) -> dict[
     """507: the need cannot be met even once every busy tenant finished and every reclaimable one
     were released."""
     plan = handoff.plan
-    return {
+    body: dict[str, Any] = {
         "error": f"not enough GPU memory for {tenant.name}: {plan.explanation}",
         "tenant": tenant.name,
         "need_gb": gib(need.bytes),
@@ -362,6 +386,10 @@ def rejection_body(tenant: Tenant, handoff: Handoff, need: memory.Need) -> dict[
         "plan": plan.to_json(),
         "fix": _refusal_fix(handoff),
     }
+    if plan.device is not None and handoff.snapshot is not None:  # a host with several cards: which one
+        dev = devices.device(handoff.snapshot, plan.device)
+        body["device"] = {"index": dev.index, "name": dev.name, "uuid": dev.uuid}
+    return body
 
 
 def timeout_response(tenant: Tenant, admitted: Admitted, timeout_s: float) -> JSONResponse:
@@ -395,6 +423,8 @@ class GpuAdmission:
 
     def on_frame(self, tenant: Tenant, text: str) -> None:
         """Called for every upstream text frame of a tenant's websockets (cheap filter first)."""
+        if self.arb.load_hooks is not None:
+            self.arb.load_hooks.on_frame(tenant, text)
         if "execution_error" not in text or "OutOfMemoryError" not in text:
             return
         try:
@@ -513,10 +543,15 @@ class GpuAdmission:
             return timeout_response(tenant, admitted, self.arb.registry.config.proxy.queue_timeout_s)
         if admitted.outcome == "refuse":
             return JSONResponse(rejection_body(tenant, handoff, need), status_code=507)
+        hooks = self.arb.load_hooks
+        loads = need.model is not None and admitted.reason != "resident"  # on the card already: nothing to time
+        watch = await hooks.loading(tenant, need.model, body) if hooks is not None and need.model and loads else None
         try:
             response = await forward(body)
             if response.status_code < 400:
                 self.arb.residency.loaded(tenant.name, need.key)
+                if watch is not None:
+                    response = watch(response)  # reads the engine's own load time as the answer passes
             if not adapter.answers_oom or response.status_code < 400:
                 return response
             error_body = await response.aread()

@@ -104,6 +104,8 @@ class Plan:
     promised_bytes: int = 0  # free memory already promised to admitted loads not on the card yet
     reachable_bytes: int = 0  # free + held + every reclaimable tenant's memory, busy or idle: the most it could get
     unplanned: bool = False  # nothing to plan with (the card's size is unknown): forwarded as it is
+    device: int | None = None  # the card planned on, on a host with several (proxy/handoff/devices.py); None: one card
+    device_name: str = ""
 
     @property
     def expected_free_bytes(self) -> int:
@@ -122,7 +124,7 @@ class Plan:
         free = None if self.unplanned else self.free_bytes
         held = None if self.unplanned else self.held_by_requester
         reach = None if self.unplanned else self.reachable_bytes
-        return {
+        out: dict[str, object] = {
             "requester": self.requester,
             "need_bytes": self.need_bytes, "need_gib": gib(self.need_bytes),
             "free_bytes": free, "free_gib": gib(free),
@@ -139,6 +141,9 @@ class Plan:
             "blockers": [b.to_json() for b in self.blockers],
             "explanation": self.explanation,
         }
+        if self.device is not None:  # only on a host with several cards: one card's plans stay as they were
+            out["device"] = {"index": self.device, "name": self.device_name}
+        return out
 
 
 UNPLANNED_WHY = "the card's size is unknown (the GPU reader failed and no engine reports the device)"

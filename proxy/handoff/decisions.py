@@ -17,7 +17,8 @@ from proxy.clock import Clock
 
 log = logging.getLogger("hyperswap.decisions")
 
-DecisionKind = Literal["plan", "queued", "release", "rejection", "oom_retry", "idle_release", "spill", "stale_job"]
+DecisionKind = Literal["plan", "queued", "release", "rejection", "oom_retry", "idle_release", "spill", "stale_job",
+                       "model_load"]  # model_load: an observation (a load's speed), recorded for the history
 
 
 @dataclass(slots=True)

@@ -22,8 +22,9 @@ from typing import Any, Literal, Protocol
 
 from proxy.clock import Clock
 from proxy.gpu.attribution import AttributedSnapshot
-from proxy.handoff.arbiter import Plan, TenantState, Verdict, Waiter, gib, schedule, unplanned_plan
+from proxy.handoff.arbiter import Plan, TenantState, Verdict, Waiter, gib, unplanned_plan
 from proxy.handoff.decisions import Decision, DecisionLog
+from proxy.handoff.devices import schedule_on_devices
 from proxy.tasks import sleep_or_wake
 from proxy.tenants import Registry, Tenant
 
@@ -97,6 +98,10 @@ class HandoffEffects(Protocol):
     def abandon(self, handoff: Handoff) -> None:
         """An admitted request whose client left before using it: give back what was promised."""
 
+    def prepare_load(self, tenant: str, model: str) -> None:
+        """This load will run once memory is released or a busy tenant finishes: let its files be
+        read into RAM meanwhile (warm-during-release). Must not block."""
+
 
 @dataclass(slots=True, eq=False)
 class _Ticket:
@@ -107,6 +112,7 @@ class _Ticket:
     since_wall: float
     verdict: Verdict | None = None
     queued: Decision | None = None  # the "queued" decision, recorded when it first had to wait
+    model: str | None = None  # what the load reads from disk, for `prepare_load`
 
 
 class HandoffQueue:
@@ -127,12 +133,13 @@ class HandoffQueue:
         if self._tickets:
             self._wake.set()
 
-    async def request(self, tenant: Tenant, key: str, need_bytes: int, trigger: str, kind: str = "plan") -> Admitted:
+    async def request(self, tenant: Tenant, key: str, need_bytes: int, trigger: str, kind: str = "plan",
+                      model: str | None = None) -> Admitted:
         """Wait for this load's turn. A client that leaves (its task cancelled) leaves the queue and
         gives back anything it was promised meanwhile."""
         clock = self.fx.clock
         w = Waiter(next(self._ids), tenant.name, key, need_bytes, tenant.priority, clock.now())
-        ticket = _Ticket(w, trigger, kind, asyncio.get_running_loop().create_future(), clock.wall())
+        ticket = _Ticket(w, trigger, kind, asyncio.get_running_loop().create_future(), clock.wall(), model=model)
         self._tickets[w.id] = ticket
         self._start_driver()
         try:
@@ -189,8 +196,9 @@ class HandoffQueue:
                     self._forward_unplanned(snap)
                     continue
                 settings = self.fx.registry.config.proxy
-                verdicts = schedule(snap, self.fx.registry, states, [t.waiter for t in self._tickets.values()],
-                                    promised, self.fx.clock.now(), settings.starvation_after_s)
+                verdicts = schedule_on_devices(snap, self.fx.registry, states,
+                                               [t.waiter for t in self._tickets.values()],
+                                               promised, self.fx.clock.now(), settings.starvation_after_s)
                 if await self._apply(verdicts, snap):
                     continue
                 await sleep_or_wake(self.fx.clock, self._next_pause(), self._wake)
@@ -244,6 +252,8 @@ class HandoffQueue:
         shared: Handoff | None = None
         if releasing is not None:
             ticket, v = releasing
+            if ticket.model:  # the disk read overlaps the release instead of following it
+                self.fx.prepare_load(v.waiter.tenant, ticket.model)
             shared = await self.fx.carry_out(v.plan, snap, ticket.trigger, ticket.kind)
         for ticket, v in runs:
             if self._tickets.get(v.waiter.id) is not ticket:
@@ -281,6 +291,8 @@ class HandoffQueue:
 
     def _note_wait(self, ticket: _Ticket, v: Verdict) -> None:
         if ticket.queued is None:
+            if ticket.model:  # waiting for a busy tenant is time the disk can use
+                self.fx.prepare_load(v.waiter.tenant, ticket.model)
             ticket.queued = self.fx.decisions.record("queued", v.waiter.tenant, ticket.trigger, v.plan.to_json(),
                                                      reason=v.reason, waiting_for=list(v.plan.wait_for), behind=v.behind)
         elif ticket.queued.outcome.get("reason") != v.reason:

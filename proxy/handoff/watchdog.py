@@ -15,6 +15,7 @@ import httpx
 
 from proxy.engines import memory
 from proxy.handoff.admission import CONFIRM_SLACK_BYTES, Arbitration, gib
+from proxy.handoff.devices import held_details
 from proxy.tasks import cancel_and_wait
 from proxy.tenants import GIB, Tenant
 
@@ -128,7 +129,8 @@ class Watchdog:
                         report.reasons[name] = "busy again: idle release skipped"
                         continue
                     decision = arb.decisions.record("idle_release", name, "watchdog idle", None,
-                                                    idle_s=tenant.idle_release_after_s, held_bytes=held)
+                                                    idle_s=tenant.idle_release_after_s, held_bytes=held,
+                                                    **held_details(snap, name))
                     result = await arb.execute_release(tenant, held - tenant.idle_vram_bytes, snap)
                     arb.decisions.update(decision, releases=[result.to_json()], ok=result.confirmed)
                 self._idle_released(name, result.freed_bytes, arb.clock.now())

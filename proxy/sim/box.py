@@ -1,20 +1,22 @@
-"""The simulated GPU box: one scenario file -> a simulated GPU, its extra processes, and the two
-simulated engines on loopback. Used by `hyperswap demo` and by the integration tests."""
+"""The simulated GPU box: one scenario file -> a simulated GPU (or several: `gpus`), its extra
+processes, and the two simulated engines on loopback (each on the card `engines` names). Used by
+`hyperswap demo` and by the integration tests."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from proxy.errors import ConfigError
 from proxy.relay.servers import RunningServer
 from proxy.sim.comfyui import ComfySim, ComfySimConfig
-from proxy.sim.gpu import GIB, SimulatedGpu
+from proxy.sim.gpu import GIB, SimulatedDevice, SimulatedGpu
+from proxy.sim.model_files import SimModelFiles
 from proxy.sim.ollama import OllamaSim, OllamaSimConfig
 
 SCENARIOS = Path(__file__).with_name("scenarios")
@@ -34,17 +36,29 @@ class _ProcessSpec(BaseModel):
     vram_gb: float
     pid: int | None = None
     unknown_memory: bool = False
+    gpu: int = Field(default=0, ge=0)  # the card it holds memory on (an index into `gpus`)
+
+
+class _EngineSpec(BaseModel):
+    """Where a simulated engine runs on a box with several cards, and what its process environment
+    says (CUDA_VISIBLE_DEVICES, as /proc/<pid>/environ would show it)."""
+    model_config = ConfigDict(extra="forbid")
+    gpu: int = Field(default=0, ge=0)
+    env: dict[str, str] = Field(default_factory=dict)
 
 
 class Scenario(BaseModel):
     model_config = ConfigDict(extra="forbid")
     description: str = ""
     gpu: _GpuSpec = Field(default_factory=_GpuSpec)
+    gpus: list[_GpuSpec] = Field(default_factory=list)  # several cards: replaces `gpu` (index 0 first)
+    engines: dict[Literal["ollama", "comfyui"], _EngineSpec] = Field(default_factory=dict)
     processes: list[_ProcessSpec] = Field(default_factory=list)
     ollama: dict[str, Any] | None = Field(default_factory=dict)  # None: no Ollama in this box
     comfyui: dict[str, Any] | None = Field(default_factory=dict)
     tenants: dict[str, Any] = Field(default_factory=dict)  # merged over the registry like a user tenants.json
     settings: dict[str, Any] = Field(default_factory=dict)  # other tenants.json sections: admin, proxy, telemetry
+    model_files: bool = True  # back the models with real (sparse, 1/1024) files: residency and warming show
 
 
 def scenario_names() -> list[str]:
@@ -71,8 +85,8 @@ def fast_scenario(name: str, **changes: Any) -> Scenario:
     """A shipped scenario with the engines' delays cut to milliseconds (tests, benches), plus
     changes per section: `fast_scenario("default", comfyui={"stale_running_entry": True})`."""
     data = load_scenario(name).model_dump()
-    data["ollama"].update({"load_gbps": 200.0, "unload_delay_s": 0.15, "token_rate": 2000.0})
-    data["comfyui"].update({"free_delay_s": 0.15, "load_gbps": 200.0, "step_time_s": 0.002})
+    data["ollama"].update({"load_gbps": 200.0, "disk_gbps": None, "unload_delay_s": 0.15, "token_rate": 2000.0})
+    data["comfyui"].update({"free_delay_s": 0.15, "load_gbps": 200.0, "disk_gbps": None, "step_time_s": 0.002})
     for section, values in changes.items():
         if isinstance(data.get(section), dict):
             data[section].update(values)
@@ -88,22 +102,38 @@ class SimBox:
     ollama: OllamaSim | None = field(init=False, default=None)
     comfyui: ComfySim | None = field(init=False, default=None)
     servers: dict[str, RunningServer] = field(init=False, default_factory=dict)
+    files: SimModelFiles | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        g = self.scenario.gpu
+        cards = self.scenario.gpus or [self.scenario.gpu]
+        g = cards[0]
         self.gpu = SimulatedGpu(total_bytes=int(g.total_gb * GIB), reserved_bytes=int(g.reserved_gb * GIB), name=g.name)
-        for p in self.scenario.processes:
-            self.gpu.spawn(p.name, p.cmdline, int(p.vram_gb * GIB), pid=p.pid, unknown_memory=p.unknown_memory)
+        for more in cards[1:]:
+            self.gpu.add_device(int(more.total_gb * GIB), int(more.reserved_gb * GIB), more.name)
         try:
+            for p in self.scenario.processes:
+                self.gpu.device(p.gpu).spawn(p.name, p.cmdline, int(p.vram_gb * GIB), pid=p.pid,
+                                             unknown_memory=p.unknown_memory)
             if self.scenario.ollama is not None:
-                self.ollama = OllamaSim(self.gpu, OllamaSimConfig.from_scenario(self.scenario.ollama))
+                self.ollama = OllamaSim(self._card("ollama"), OllamaSimConfig.from_scenario(self.scenario.ollama))
             if self.scenario.comfyui is not None:
-                self.comfyui = ComfySim(self.gpu, ComfySimConfig.from_scenario(self.scenario.comfyui))
+                self.comfyui = ComfySim(self._card("comfyui"), ComfySimConfig.from_scenario(self.scenario.comfyui))
         except (ValueError, TypeError, ValidationError) as exc:
             raise ConfigError(f"scenario does not match the simulators' schema: {exc}") from None
 
+    def _card(self, engine: Literal["ollama", "comfyui"]) -> SimulatedGpu | SimulatedDevice:
+        """The whole GPU on a one-card box (as before); on several, the card the scenario names."""
+        spec = self.scenario.engines.get(engine)
+        if self.gpu.device_count == 1 and spec is None:
+            return self.gpu
+        spec = spec or _EngineSpec()
+        env = tuple(sorted(spec.env.items())) or None
+        return self.gpu.device(spec.gpu, cuda_env=env)
+
     async def start(self, host: str = "127.0.0.1", ollama_port: int = 0, comfyui_port: int = 0) -> None:
         try:
+            if self.scenario.model_files:
+                self.files = self._write_model_files()
             if self.ollama is not None:
                 self.servers["ollama"] = await self._start(self.ollama, host, ollama_port)
             if self.comfyui is not None:
@@ -126,9 +156,30 @@ class SimBox:
         sims = [sim for sim in (self.comfyui, self.ollama) if sim is not None]
         outcomes = await asyncio.gather(*(sim.stop() for sim in sims), return_exceptions=True)
         self.servers.clear()
+        if self.files is not None:
+            self.files.cleanup()
+            self.files = None
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 raise outcome
+
+    def _write_model_files(self) -> SimModelFiles:
+        """Stand-in files for every model, out of the page cache (cold, as after a reboot). ComfyUI
+        is started with --base-directory there, as a real one would be, so the proxy finds its
+        folders from its command line; Ollama's store is named by model_paths (tenant_overrides)."""
+        files = SimModelFiles()
+        if self.ollama is not None:
+            for m in self.ollama.config.models:
+                files.add_ollama_model(m.name, m.size_bytes)
+            self.ollama.files = files
+        if self.comfyui is not None:
+            for name, size in self.comfyui.config.checkpoints.items():
+                files.add_comfy_checkpoint(name, size)
+            argv = (*self.comfyui.config.argv, "--base-directory", str(files.comfy_base))
+            self.comfyui.config = replace(self.comfyui.config, argv=argv)
+            self.comfyui.files = files
+        files.drop_all()
+        return files
 
     def tenant_overrides(self) -> dict[str, Any]:
         """A tenants.json fragment pointing each engine tenant at its simulator, plus the scenario's tenants."""
@@ -137,4 +188,6 @@ class SimBox:
             tenants.setdefault(name, {})
             if isinstance(tenants[name], dict):
                 tenants[name] = {**tenants[name], "upstream": server.url}
+        if self.files is not None and "ollama" in self.servers and isinstance(tenants["ollama"], dict):
+            tenants["ollama"].setdefault("model_paths", [str(self.files.ollama_root)])
         return {**self.scenario.settings, "tenants": tenants}

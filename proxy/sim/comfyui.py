@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import FileResponse, HTMLResponse, PlainTextResponse, Response
@@ -36,7 +36,8 @@ from proxy.relay.servers import RunningServer, start_server
 from proxy.sim.comfyui_jobs import BadQuery, find_job, list_jobs, parse_query
 from proxy.sim.comfyui_nodes import Accepted, NodeClass, Rejected, Unhandled, catalogue, dependencies, execution_order, validate
 from proxy.sim.comfyui_wire import AIOHTTP_500, FAKE_JPEG, OriginAndSizeMiddleware, parse_multipart, png_bytes
-from proxy.sim.gpu import SimulatedGpu, SimulatedOutOfMemory
+from proxy.sim.gpu import SimulatedCard, SimulatedOutOfMemory
+from proxy.sim.model_files import SimModelFiles, load_seconds
 
 GIB = 2**30
 JSON = dict[str, Any]
@@ -65,7 +66,8 @@ class ComfySimConfig:
     step_time_s: float = 0.02                   # per KSampler step
     working_bytes: int = int(1.5 * GIB)         # held while sampling, released after
     free_delay_s: float = 0.3                   # between the worker acting on /free and the memory coming back
-    load_gbps: float = 4.0                      # GiB/s from disk to VRAM
+    load_gbps: float = 4.0                      # GiB/s to VRAM (from the page cache, when disk_gbps is set)
+    disk_gbps: float | None = None              # GiB/s from disk: load time follows the file's residency
     stale_running_entry: bool = False
     version: str = "0.3.64"
     argv: tuple[str, ...] = ("main.py",)
@@ -89,6 +91,7 @@ class ComfySimConfig:
             working_bytes=int(s.working_gb * GIB) if s.working_gb is not None else base.working_bytes,
             free_delay_s=base.free_delay_s if s.free_delay_s is None else s.free_delay_s,
             load_gbps=base.load_gbps if s.load_gbps is None else s.load_gbps,
+            disk_gbps=s.disk_gbps,
             stale_running_entry=s.stale_running_entry,
             version=s.version or base.version,
             argv=tuple(s.argv) if s.argv is not None else base.argv,
@@ -106,6 +109,7 @@ class _ScenarioSection(BaseModel):
     working_gb: float | None = None
     free_delay_s: float | None = None
     load_gbps: float | None = None
+    disk_gbps: float | None = Field(None, gt=0)
     stale_running_entry: bool = False
     version: str | None = None
     argv: list[str] | None = None
@@ -160,7 +164,7 @@ def _ms() -> int:
 
 
 class ComfySim:
-    def __init__(self, gpu: SimulatedGpu, config: ComfySimConfig, *, clock: Clock | None = None) -> None:
+    def __init__(self, gpu: SimulatedCard, config: ComfySimConfig, *, clock: Clock | None = None) -> None:
         self.gpu = gpu
         self.config = config
         self.clock: Clock = clock or SystemClock()
@@ -172,6 +176,7 @@ class ComfySim:
         self._timers: set[asyncio.Task[None]] = set()
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self.base_dir = Path()
+        self.files: SimModelFiles | None = None  # real stand-in files: load times follow their residency
         self._classes: dict[str, NodeClass] = catalogue(sorted(config.checkpoints))
         self._sockets: dict[str, _Client] = {}
         self._heap: list[tuple[int | float, str, int, _Item]] = []
@@ -375,8 +380,17 @@ class ComfySim:
             self._allocate(size)
         except SimulatedOutOfMemory as exc:
             raise _OutOfMemory(node_id, node_type) from exc
-        await self.clock.sleep(size / (self.config.load_gbps * GIB))
+        await self.clock.sleep(self._load_seconds(name, size))
         self._loaded[name] = size
+
+    def _load_seconds(self, name: str, size: int) -> float:
+        files, disk = self.files, self.config.disk_gbps
+        if files is None or disk is None:
+            return load_seconds(size, 1.0, self.config.load_gbps, None, GIB)
+        path = files.comfy_checkpoint(name)
+        resident = files.resident(path)
+        files.engine_read(path)
+        return load_seconds(size, resident, self.config.load_gbps, disk, GIB)
 
     def _check_oom(self) -> None:
         if self._oom_next:

@@ -22,7 +22,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from proxy.clock import Clock, SystemClock
 from proxy.relay.servers import RunningServer, start_server
-from proxy.sim.gpu import GIB, SimulatedGpu
+from proxy.sim.gpu import GIB, SimulatedCard
+from proxy.sim.model_files import SimModelFiles, load_seconds
 from proxy.sim.ollama_decode import CHAT, COPY, DELETE, EMBED, EMBEDDING, GENERATE, PULL, SHOW, GoJSONError, Struct, decode
 from proxy.sim.ollama_sched import CONTEXT_LENGTH, ApiError, Lease, MemoryShort, Scheduler
 from proxy.sim.ollama_wire import (
@@ -93,6 +94,7 @@ class _Scenario(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     models: list[_ScenarioModel] = []
     load_gbps: float = Field(2.0, gt=0)
+    disk_gbps: float | None = Field(None, gt=0)
     token_rate: float = Field(200.0, gt=0)
     unload_delay_s: float = Field(0.5, ge=0)
     keep_alive_default: str = "5m"
@@ -110,7 +112,8 @@ class _Scenario(BaseModel):
 @dataclass(frozen=True, slots=True)
 class OllamaSimConfig:
     models: tuple[SimModel, ...]
-    load_gbps: float = 2.0  # GB/s of 1e9 bytes
+    load_gbps: float = 2.0  # GB/s of 1e9 bytes (from the page cache, when disk_gbps is set)
+    disk_gbps: float | None = None  # from disk: a load's time then follows its file's residency (model_files.py)
     token_rate: float = 200.0  # tokens/s
     unload_delay_s: float = 0.5  # from the unload reply to the memory really back in the GPU
     keep_alive_default: str = "5m"  # OLLAMA_KEEP_ALIVE
@@ -138,7 +141,7 @@ class OllamaSimConfig:
             raise ValueError(f"invalid ollama scenario section: keep_alive_default: {exc}") from None
         models = tuple(_sim_model(m) for m in sc.models)
         registry = tuple(_sim_model(m) for m in sc.registry) if sc.registry is not None else None
-        return cls(models=models, load_gbps=sc.load_gbps, token_rate=sc.token_rate,
+        return cls(models=models, load_gbps=sc.load_gbps, disk_gbps=sc.disk_gbps, token_rate=sc.token_rate,
                    unload_delay_s=sc.unload_delay_s, keep_alive_default=sc.keep_alive_default,
                    memory_short=sc.memory_short, max_loaded_models=sc.max_loaded_models,
                    num_parallel=sc.num_parallel, max_queue=sc.max_queue, version=sc.version,
@@ -167,7 +170,7 @@ Handler = Callable[[Request, Send], Awaitable[None]]
 class OllamaSim:
     """The simulator. Observable counters are plain attributes for the proxy's tests."""
 
-    def __init__(self, gpu: SimulatedGpu, config: OllamaSimConfig, *, clock: Clock | None = None) -> None:
+    def __init__(self, gpu: SimulatedCard, config: OllamaSimConfig, *, clock: Clock | None = None) -> None:
         self.gpu = gpu
         self.config = config
         self.clock: Clock = clock or SystemClock()
@@ -183,12 +186,13 @@ class OllamaSim:
             self._catalog.modified[m.name] = now - 86400.0
         self._changed = asyncio.Event()
         self._fail_stream: tuple[str, int] | None = None
+        self.files: SimModelFiles | None = None  # real stand-in files: load times follow their residency
         self._sched = Scheduler(
             gpu, self.clock, load_gbps=config.load_gbps, unload_delay_s=config.unload_delay_s,
             default_keep_alive_s=parse_keep_alive_env(config.keep_alive_default),
             memory_short=config.memory_short,
             max_loaded=config.max_loaded_models or 3, num_parallel=config.num_parallel,
-            max_queue=config.max_queue, notify=self._notify)
+            max_queue=config.max_queue, notify=self._notify, load_time=self._load_seconds)
         self._app = _Asgi(self._asgi)
         self._routes: dict[str, dict[str, Handler]] = {
             "/": {"GET": self._root, "HEAD": self._root},
@@ -210,6 +214,16 @@ class OllamaSim:
             "/v1/models": {"GET": self._v1_models},
             "/v1/models/:model": {"GET": self._v1_model},
         }
+
+    def _load_seconds(self, name: str, size: int) -> float:
+        """From RAM at load_gbps, from disk at disk_gbps, by how much of the model's file is cached."""
+        files, disk = self.files, self.config.disk_gbps
+        if files is None or disk is None:
+            return load_seconds(size, 1.0, self.config.load_gbps, None)
+        blob = files.ollama_blob(name)
+        resident = files.resident(blob)
+        files.engine_read(blob)
+        return load_seconds(size, resident, self.config.load_gbps, disk)
 
     # -- public API ---------------------------------------------------------------------------------
     @property

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from proxy.clock import Clock
-from proxy.sim.gpu import SimulatedGpu, SimulatedOutOfMemory
+from proxy.sim.gpu import SimulatedCard, SimulatedOutOfMemory
 from proxy.sim.ollama_wire import GO_MAX_DURATION_S, blob_digest
 
 RUNNER_NAME = "ollama_llama_server"
@@ -66,9 +66,10 @@ class Lease:
 
 
 class Scheduler:
-    def __init__(self, gpu: SimulatedGpu, clock: Clock, *, load_gbps: float, unload_delay_s: float,
+    def __init__(self, gpu: SimulatedCard, clock: Clock, *, load_gbps: float, unload_delay_s: float,
                  default_keep_alive_s: float, memory_short: MemoryShort, max_loaded: int, num_parallel: int,
-                 max_queue: int, notify: Callable[[], None]) -> None:
+                 max_queue: int, notify: Callable[[], None],
+                 load_time: Callable[[str, int], float] | None = None) -> None:
         self.gpu = gpu
         self.clock = clock
         self.load_gbps = load_gbps
@@ -79,6 +80,7 @@ class Scheduler:
         self.num_parallel = num_parallel
         self.max_queue = max_queue
         self._notify = notify
+        self._load_time = load_time  # (model, bytes) -> seconds; None: bytes / load_gbps
         self.runners: dict[str, Runner] = {}
         self.releasing: dict[int, str] = {}  # pid -> model name, killed but memory not yet back
         self._release_tasks: set[asyncio.Task[None]] = set()
@@ -185,7 +187,10 @@ class Scheduler:
     async def _load(self, runner: Runner) -> None:
         """Allocate the planned VRAM in LOAD_STEPS steps; memory taken meanwhile by another process makes
         the allocation fail like cudaMalloc (the layout was fixed before the load)."""
-        load_s = runner.size / (self.load_gbps * 1e9) if self.load_gbps > 0 else 0.0
+        if self._load_time is not None:
+            load_s = self._load_time(runner.name, runner.size)
+        else:
+            load_s = runner.size / (self.load_gbps * 1e9) if self.load_gbps > 0 else 0.0
         plan = runner.size_vram
         step = plan // LOAD_STEPS
         fail = self.fail_next_load

@@ -279,3 +279,24 @@ async def test_a_release_judged_on_the_engines_report_shows_as_estimated(box: De
     await badge.filter(has_text="estimated").wait_for(timeout=WAIT_MS)
     assert await badge.get_attribute("data-result") == "estimated"
     assert not console.errors, console.errors
+
+
+async def test_two_gpus_show_one_line_per_card_with_what_each_tenant_holds_there(box: DemoFactory,
+                                                                                  dashboard: OpenDashboard) -> None:
+    demo = await box("two-gpus")
+    page, console = await dashboard(demo)
+    await page.wait_for_selector('#devices li[data-device="1"]', timeout=WAIT_MS)
+    card1 = page.locator('#devices li[data-device="1"]')
+    await card1.filter(has_text="comfyui").wait_for(timeout=WAIT_MS)
+    assert "Simulated RTX 4080" in await card1.inner_text()
+    assert "ollama" not in await page.locator('#devices li[data-device="1"]').inner_text()
+    assert "placed here: ollama" in await page.locator('#devices li[data-device="0"]').inner_text()
+    assert not console.errors, console.errors
+
+
+async def test_one_gpu_shows_no_per_card_lines(box: DemoFactory, dashboard: OpenDashboard) -> None:
+    demo = await box("default")
+    page, console = await dashboard(demo)
+    await page.wait_for_selector('#membar [data-segment="free"]', state="attached", timeout=WAIT_MS)
+    assert await page.is_hidden("#devices")
+    assert not console.errors, console.errors

@@ -19,7 +19,7 @@ from mcp.client.streamable_http import streamable_http_client
 from proxy.demo import Demo, run_prompt
 from proxy.tenants import GIB
 
-TOOLS = {"health", "engines", "tenants", "plan", "release"}
+TOOLS = {"health", "engines", "tenants", "plan", "release", "models"}
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "mcp-test-token"
 
@@ -37,7 +37,7 @@ def text_of(result: Any) -> str:
     return " ".join(getattr(c, "text", "") for c in result.content)
 
 
-async def test_http_lists_all_five_tools_with_input_and_output_schemas(box: DemoFactory) -> None:
+async def test_http_lists_all_six_tools_with_input_and_output_schemas(box: DemoFactory) -> None:
     demo = await box("default")
     async with mcp_client(demo) as client:
         tools = {t.name: t for t in (await client.list_tools()).tools}
@@ -132,3 +132,13 @@ async def test_stdio_server_says_so_when_no_proxy_answers() -> None:
     async with Client(params) as client:
         result = await client.call_tool("tenants", {})
     assert result.is_error and "cannot reach" in text_of(result) and "hyperswap serve" in text_of(result), text_of(result)
+
+
+async def test_the_models_tool_lists_model_files_with_residency(box: DemoFactory) -> None:
+    demo = await box("default")
+    async with mcp_client(demo) as client:
+        result = await client.call_tool("models", {"tenant": "ollama"})
+    assert not result.is_error, text_of(result)
+    (ollama,) = result.structured_content["tenants"]
+    gemma = next(m for m in ollama["models"] if m["name"] == "gemma3:27b")
+    assert gemma["size_gb"] == 16.2 and "resident_percent" in gemma["residency"]

@@ -170,6 +170,9 @@ class Recorder:
     def abandon(self, handoff: Handoff) -> None:
         self.log.append(("abandon", handoff.reservation))
 
+    def prepare_load(self, tenant: str, model: str) -> None:
+        self.log.append(("prepare_load", tenant, model))
+
 
 @pytest.fixture
 def clock() -> ManualClock:
@@ -289,3 +292,34 @@ async def test_a_lower_priority_waiter_gets_its_turn_after_starvation_after_s(cl
     assert [e for e in fx.log if e[0] == "release"] == [("release", ("ollama",))]
     await queue.aclose()
     late_chat.cancel()
+
+
+async def test_the_next_models_files_are_warmed_before_the_release_runs_not_after(clock: ManualClock) -> None:
+    fx = recorder(clock)
+    queue = HandoffQueue(fx)
+    admitted = await asyncio.wait_for(queue.request(fx.registry.get("ollama"), "ollama:gemma3:27b", 16 * GIB,
+                                                    "request", model="gemma3:27b"), 1)
+    assert admitted.outcome == "run"
+    assert fx.log[1:] == [("prepare_load", "ollama", "gemma3:27b"), ("release", ("comfyui",)),
+                          ("reserve", "ollama:gemma3:27b")], "the disk read must overlap the release"
+
+
+async def test_a_load_waiting_for_a_busy_tenant_warms_its_files_while_it_waits(clock: ManualClock) -> None:
+    fx = recorder(clock)
+    fx.states = busy(idle(), "comfyui", "1 running job(s)")
+    queue = HandoffQueue(fx)
+    chat = asyncio.ensure_future(queue.request(fx.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request",
+                                               model="gemma"))
+    await settle()
+    assert not chat.done() and fx.log == [("read",), ("prepare_load", "ollama", "gemma")]
+    fx.states = idle()
+    queue.kick()
+    await asyncio.wait_for(chat, 1)
+    assert fx.log.count(("prepare_load", "ollama", "gemma")) == 2, "asked once while waiting, once before releasing"
+
+
+async def test_a_load_that_names_no_model_warms_nothing(clock: ManualClock) -> None:
+    fx = recorder(clock)
+    queue = HandoffQueue(fx)
+    await asyncio.wait_for(queue.request(fx.registry.get("ollama"), "ollama", 16 * GIB, "request"), 1)
+    assert not any(e[0] == "prepare_load" for e in fx.log)

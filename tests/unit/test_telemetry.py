@@ -281,3 +281,21 @@ def test_a_queue_overflow_is_current_until_the_writer_catches_up_then_past(tmp_p
     ok, text = store.health()
     assert ok and "1 row" in text and "queue" in text, text
     store.close()
+
+
+def test_a_model_load_is_stored_as_a_load_speed_row_in_the_history(tmp_path: Path) -> None:
+    from proxy.models.loads import LoadRecord
+    record = LoadRecord(1000.0, "ollama", "gemma3:27b", 17 * 10**9, 8.5, 0.0, "ollama load_duration", "cold")
+    outcome = {k: v for k, v in record.to_json().items() if k != "tenant"}
+    d = DecisionLog(FakeClock()).record("model_load", "ollama", "gemma3:27b loaded", None, **outcome)
+    rows = decision_rows(d, set())
+    assert [k for k, _ in rows] == ["load_speeds"], "an observation, not a decision row"
+    store = TelemetryStore(tmp_path / "t.sqlite3")
+    store.open()
+    store.submit("load_speeds", rows[0][1])
+    store.close()
+    store = TelemetryStore(tmp_path / "t.sqlite3")
+    store.open()
+    (row,) = store.query("load_speeds")
+    store.close()
+    assert (row["model"], row["gbps"], row["class"], row["resident_before_percent"]) == ("gemma3:27b", 2.0, "cold", 0.0)

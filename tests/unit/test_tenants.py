@@ -265,3 +265,17 @@ def test_bounds_admit_the_sensible_edges(tmp_path: Path) -> None:
     reg = load_registry(cfg)
     assert reg.get("ollama").upstream == "http://[::1]:11434"
     assert reg.config.proxy.queue_timeout_s == 0
+
+
+def test_model_files_settings_are_checked_like_the_others(tmp_path: Path) -> None:
+    cfg = write(tmp_path / "t.json", {"tenants": {"stt": {"model_paths": ["models/whisper"]}},
+                                      "proxy": {"warm_margin_gb": -1, "keep_warm_models": 5000}})
+    with pytest.raises(ConfigError) as err:
+        load_registry(cfg)
+    problems = " | ".join(err.value.problems)
+    assert "tenants.stt.model_paths" in problems and "absolute path" in problems, problems
+    assert "proxy.warm_margin_gb: must be >= 0" in problems and "proxy.keep_warm_models: must be >= 0 and <= 1000" in problems
+    ok = load_registry(write(tmp_path / "ok.json", {"tenants": {"stt": {"model_paths": ["~/models", "/srv/m"]}},
+                                                    "proxy": {"warm_margin_gb": 2, "keep_warm_models": 3}}))
+    assert ok.get("stt").model_paths == ["~/models", "/srv/m"] and ok.config.proxy.keep_warm_models == 3
+    assert ok.config.proxy.warm_during_release is True

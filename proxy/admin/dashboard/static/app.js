@@ -5,6 +5,7 @@
   const STALE_AFTER_MS = 3000;
   const HEALTH_POLL_MS = 3000;
   const ENGINES_POLL_MS = 30000;
+  const MODELS_POLL_MS = 4000;
   const HISTORY_MS = 5 * 60 * 1000;
   const MAX_DECISIONS = 200;
   const PALETTE = ["#3b6fd8", "#8b5cf6", "#0e9f8e", "#d9822b", "#d6457a", "#5f8f1c", "#7c6a55"];
@@ -12,7 +13,7 @@
   const TOKEN_KEY = "hyperswap.token";
 
   const ui = {
-    stats: null, catalog: {}, engines: {}, health: null, healthCollapsed: false,
+    stats: null, catalog: {}, engines: {}, health: null, healthCollapsed: false, models: null, loads: null,
     decisions: new Map(), history: [], colors: new Map(), lastFrameAt: 0, results: new Map(),
   };
   const $ = (id) => document.getElementById(id);
@@ -110,6 +111,20 @@
     }
     $("mem-total").textContent = s.device.total_bytes === null || s.device.total_bytes === undefined
       ? "card size unknown (no GPU reader)" : `${gib(s.device.used_bytes)} used of ${gib(s.device.total_bytes)}`;
+    renderDevices();
+  }
+
+  // Several GPUs: the bar above is the whole host; one line per card says what each tenant holds there.
+  function renderDevices() {
+    const cards = ui.stats.device.devices || [];
+    const list = $("devices");
+    list.hidden = cards.length < 2;
+    list.replaceChildren(...cards.map((d) => {
+      const held = Object.entries(d.tenants || {}).map(([t, b]) => `${t} ${gib(b)}`).join(", ") || "nothing held";
+      const size = d.total_bytes === null ? "size unknown" : `${gib(d.used_bytes)} used of ${gib(d.total_bytes)}`;
+      const placed = (d.placed || []).length ? ` · placed here: ${d.placed.join(", ")}` : "";
+      return el("li", { dataset: { device: d.index } }, `GPU ${d.index} ${d.name}: ${size} · ${held}${placed}`);
+    }));
   }
 
   // -- tenant cards ----------------------------------------------------------------------------
@@ -237,6 +252,52 @@
     } catch (err) { /* the cards keep their last subtitle */ }
   }
 
+  // -- model files in RAM ------------------------------------------------------------------------
+  async function pollModels() {
+    try {
+      const [m, l] = await Promise.all([fetch("/api/models", { cache: "no-store" }), fetch("/api/models/loads", { cache: "no-store" })]);
+      if (m.ok) ui.models = await m.json();
+      if (l.ok) ui.loads = await l.json();
+      renderModels();
+    } catch (err) { /* the table keeps its last state */ }
+  }
+  function residencyCell(r) {
+    if (r.resident_percent === null) return el("td", { class: "unknown", title: r.unknown_reason || "", text: "unknown" });
+    return el("td", { class: r.resident_percent >= 90 ? "hot" : null, text: `${r.resident_percent} %` });
+  }
+  function renderModels() {
+    const body = $("models").tBodies[0], m = ui.models;
+    if (!m) return;
+    $("models-mem").textContent = m.mem_available_bytes === null ? "MemAvailable unknown"
+      : `MemAvailable ${gib(m.mem_available_bytes)}, warming stops at ${gib(m.warm_margin_bytes)}`;
+    const rows = [];
+    for (const t of m.tenants) {
+      if (t.unknown_reason || t.problems.length) rows.push(el("tr", { dataset: { tenant: t.tenant } }, el("td", { text: t.tenant }),
+        el("td", { colspan: "5", class: "unknown", text: t.unknown_reason || t.problems.map((p) => `${p.problem} (fix: ${p.fix})`).join("; ") })));
+      for (const x of t.models) {
+        const w = x.warm, active = w && (w.state === "running" || w.state === "queued");
+        const btn = el("button", { type: "button", dataset: { model: x.key }, text: active ? "stop" : "warm" });
+        btn.addEventListener("click", () => warmAction(active ? "stop" : "warm", x.tenant, x.name));
+        rows.push(el("tr", { dataset: { model: x.key } }, el("td", { text: x.tenant }), el("td", { text: x.name }),
+          el("td", { text: gib(x.size_bytes) }), residencyCell(x.residency),
+          el("td", { title: w && w.stop_reason ? w.stop_reason : "", text: w ? `${w.state} (${w.reason})` : "–" }), el("td", {}, btn)));
+      }
+    }
+    body.replaceChildren(...(rows.length ? rows : [el("tr", {}, el("td", { colspan: "6", class: "empty", text: "no model files found" }))]));
+    const loads = (ui.loads && ui.loads.loads) || [], th = ui.loads && ui.loads.thresholds;
+    const last = loads.slice(-5).reverse().map((r) => `${r.model} ${r.gbps} GB/s ${r.class || "?"}`).join(" · ");
+    $("loads").textContent = loads.length ? `loads: ${last}${th && th.split_gbps ? ` — warm/cold split ${th.split_gbps} GB/s (measured here)` : ""}` : "no model loads timed yet";
+  }
+  async function warmAction(action, tenant, model) {
+    const headers = { "Content-Type": "application/json" };
+    const token = localStorage.getItem(TOKEN_KEY);
+    if (token) headers.Authorization = `Bearer ${token}`;
+    try {
+      await fetch(`/api/models/${action}`, { method: "POST", headers, body: JSON.stringify({ tenant, model }) });
+    } catch (err) { /* shown by the next poll */ }
+    pollModels();
+  }
+
   // -- timeline ----------------------------------------------------------------------------------
   function renderTimeline() {
     const svg = $("timeline"), legend = $("timeline-legend");
@@ -312,6 +373,8 @@
         return `${d.tenant} release (${d.trigger}): ${rel.length ? rel.join("; ") : `held ${gib(o.held_bytes)}, releasing…`}`;
       case "rejection":
         return `${o.status || 507} for ${d.tenant} (${d.trigger})${p ? `: needs ${p.need_gib} GiB, free ${p.free_gib} GiB` : ""}${blockers ? "; " + blockers : ""}${o.reason ? "; " + o.reason : ""}`;
+      case "model_load":
+        return `${d.tenant} loaded ${o.model}: ${gib(o.size_bytes)} in ${o.seconds} s = ${o.gbps} GB/s, ${o.class || "unclassified"} (${o.resident_before_percent === null ? "residency unknown" : `${o.resident_before_percent} % in RAM before`})`;
       case "oom_retry":
         return `${d.tenant} OOM (${d.trigger}): ${typeof o.result === "string" ? o.result : JSON.stringify(o.result ?? o)}`;
       default:
@@ -354,6 +417,7 @@
     backfillTimeline();
     pollHealth(); setInterval(pollHealth, HEALTH_POLL_MS);
     pollEngines(); setInterval(pollEngines, ENGINES_POLL_MS);
+    pollModels(); setInterval(pollModels, MODELS_POLL_MS);
     setInterval(markStale, 500);
   }
   document.addEventListener("DOMContentLoaded", start);

@@ -1,0 +1,363 @@
+"""Model files in RAM, as an admin extension: `/api/models` (each tenant's models with size and
+page-cache residency), warming one (`POST /api/models/warm`) and stopping a warm
+(`POST /api/models/stop`), `/api/models/loads` (load speeds, warm or cold), a health entry, and the
+handoff's `LoadHooks`: warm the next model's files while the other tenant releases, and time each
+load from the engine's own answer.
+
+Proxy attributes used: registry, arbitration (last_snapshot, load_hooks), decisions, token, extensions
+(to add a health check). Everything that touches the disk runs off the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from proxy.engines import EngineAdapter, adapter_for
+from proxy.errors import HyperSwapError
+from proxy.models.catalog import ModelCatalog
+from proxy.models.frames import FrameTimer, loader_nodes
+from proxy.models.loads import MIN_LOAD_S, LoadLog, LoadRecord
+from proxy.models.locate import ModelFiles
+from proxy.models.pagecache import PageCacheProbe, SystemPageCache
+from proxy.models.warm import MemAvailable, Warmer, WarmJob, may_read, read_mem_available
+from proxy.relay.forward import UpstreamResponse
+from proxy.tenants import GIB, Tenant
+
+if TYPE_CHECKING:
+    from proxy.admin.health import HealthEntry
+    from proxy.gpu.attribution import AttributedSnapshot
+    from proxy.service import Proxy
+
+log = logging.getLogger("hyperswap.models")
+
+TAIL_BYTES = 4096  # Ollama's final line (with load_duration) fits well inside this
+WARM_ENOUGH = 0.9  # a model this resident is not warmed again by the keep-recent policy
+
+
+def _error(status: int, message: str, fix: str, **details: Any) -> JSONResponse:
+    return JSONResponse({"error": message, "fix": fix, **details}, status_code=status)
+
+
+class _TimedResponse(UpstreamResponse):
+    """The engine's answer, relayed unchanged, with its last bytes kept: once it ends, `done(tail)`."""
+
+    __slots__ = ("_done", "_tail")
+
+    def __init__(self, inner: UpstreamResponse, done: Callable[[bytes], None]) -> None:
+        super().__init__(inner._response)  # the same open response: nothing is read or copied twice
+        self._tail = b""
+        self._done: Callable[[bytes], None] | None = done
+
+    def _keep(self, chunk: bytes) -> None:
+        self._tail = (self._tail + chunk)[-TAIL_BYTES:]
+
+    def received_body(self) -> bytes | None:
+        body = super().received_body()
+        if body is not None:
+            self._keep(body)
+        return body
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        async for chunk in super().aiter_raw():
+            self._keep(chunk)
+            yield chunk
+
+    def aiter_raw(self) -> AsyncIterator[bytes]:
+        return self._chunks()
+
+    async def aread(self) -> bytes:
+        body = await super().aread()
+        self._keep(body)
+        self._finish()
+        return body
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._finish()
+
+    def _finish(self) -> None:
+        done, self._done = self._done, None
+        if done is not None:
+            try:
+                done(self._tail)
+            except Exception:  # a load record must never break an answer
+                log.exception("recording a model load failed")
+
+
+class ModelsExtension:
+    name = "models"
+
+    def __init__(self, proxy: Proxy, *, probe: PageCacheProbe | None = None,
+                 mem_available: MemAvailable = read_mem_available, env: dict[str, str] | None = None,
+                 home: Path | None = None) -> None:
+        self.proxy = proxy
+        self.settings = proxy.registry.config.proxy
+        self.catalog = ModelCatalog(proxy.registry, probe or SystemPageCache(), cmdlines=self._cmdlines,
+                                    env=env, home=home)
+        self.mem_available = mem_available
+        self.warmer = Warmer(self.margin_bytes, mem_available, self.catalog.files_changed)
+        self.loads = LoadLog()
+        self.recent: OrderedDict[str, tuple[str, str]] = OrderedDict()  # key -> (tenant, model), newest last
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._frames: dict[str, FrameTimer] = {}  # tenant -> checkpoint loads expected in its execution frames
+
+    def margin_bytes(self) -> int:
+        return int(self.settings.warm_margin_gb * GIB)
+
+    def _cmdlines(self, tenant: str) -> list[str]:
+        snap = self.proxy.arbitration.last_snapshot
+        return [p.process.cmdline for p in snap.processes_of(tenant)] if snap is not None else []
+
+    # -- extension ------------------------------------------------------------------------------
+    def routes(self) -> list[BaseRoute]:
+        return [Route("/api/models", self.list_route, methods=["GET"]),
+                Route("/api/models/warm", self._guarded(self.warm_route), methods=["POST"]),
+                Route("/api/models/stop", self._guarded(self.stop_route), methods=["POST"]),
+                Route("/api/models/loads", self.loads_route, methods=["GET"])]
+
+    async def start(self) -> None:
+        from proxy.admin.health import HealthExtension, NamedCheck
+        self.proxy.arbitration.load_hooks = self
+        self._spawn(asyncio.to_thread(self.catalog.all_files), "hyperswap:locate")  # before the first load
+        for ext in self.proxy.extensions:
+            if isinstance(ext, HealthExtension):
+                ext.checks.append(NamedCheck("model files", self.health_entries))
+
+    async def stop(self) -> None:
+        if self.proxy.arbitration.load_hooks is self:
+            self.proxy.arbitration.load_hooks = None
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.warmer.aclose()
+
+    async def settled(self) -> None:
+        """Until the background work started so far (locates, warms it asked for) is done: tests, benches."""
+        while self._tasks or any(j.active for j in self.warmer.jobs.values()):
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            for key in [k for k, j in self.warmer.jobs.items() if j.active]:
+                await self.warmer.wait(key)
+
+    def _spawn(self, coro: Awaitable[Any], name: str) -> None:
+        task: asyncio.Task[Any] = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- the handoff's hooks (admission.LoadHooks) ----------------------------------------------
+    def prepare_load(self, tenant: str, model: str) -> None:
+        self._used(tenant, model)
+        if self.settings.warm_during_release:
+            self._spawn(self._warm_quietly(tenant, model, "handoff: read while memory is released"),
+                        f"hyperswap:prepare:{tenant}:{model}")
+
+    async def _warm_quietly(self, tenant: str, model: str, reason: str) -> WarmJob | None:
+        files = await asyncio.to_thread(self.catalog.find, tenant, model)
+        if files is None:
+            return None
+        residency = await asyncio.to_thread(self.catalog.residency_of, files)
+        if residency.fraction is not None and residency.fraction >= 0.999:
+            return None  # already in RAM: nothing to read
+        return self.warmer.start(files.key, files.files, files.size_bytes, reason)
+
+    async def loading(self, tenant: Tenant, model: str, body: bytes) -> Callable[[UpstreamResponse], UpstreamResponse] | None:
+        adapter = adapter_for(tenant)
+        self._used(tenant.name, model)
+
+        def look() -> tuple[ModelFiles | None, float | None]:  # off the loop: may walk directories
+            files = self.catalog.find(tenant.name, model)
+            return files, (self.catalog.residency_of(files).fraction if files is not None else None)
+
+        files, before = await asyncio.to_thread(look)
+        if files is None:
+            return None
+        if adapter.model_layout == "comfyui":  # the load runs after the answer: timed from its frames
+            self._frames.setdefault(tenant.name, FrameTimer(time.monotonic)).expect(
+                loader_nodes(body, model), (files, before))
+            return None
+        if type(adapter).load_seconds is EngineAdapter.load_seconds:
+            return None  # this engine does not say how long its loads take
+
+        def done(tail: bytes) -> None:
+            seconds = adapter.load_seconds(tail)
+            if seconds is not None and seconds >= MIN_LOAD_S:
+                self.record_load(LoadRecord(time.time(), tenant.name, files.name, files.size_bytes, seconds, before,
+                                            f"{adapter.kind} load_duration"), files.files)
+
+        return lambda response: _TimedResponse(response, done)
+
+    def on_frame(self, tenant: Tenant, text: str) -> None:
+        timer = self._frames.get(tenant.name)
+        if timer is None or not timer.expected:
+            return
+        for (files, before), seconds in timer.on_frame(text):
+            if seconds >= MIN_LOAD_S:
+                self.record_load(LoadRecord(time.time(), tenant.name, files.name, files.size_bytes, seconds, before,
+                                            "comfyui execution frames"), files.files)
+
+    def record_load(self, record: LoadRecord, paths: tuple[str, ...] = ()) -> LoadRecord:
+        record = self.loads.add(record)
+        self.catalog.files_changed(paths)  # the engine read them: a reading from before the load is stale
+        row = {k: v for k, v in record.to_json().items() if k != "tenant"}
+        self.proxy.decisions.record("model_load", record.tenant, f"{record.model} loaded", None, **row)
+        self._keep_recent_warm()
+        return record
+
+    def _used(self, tenant: str, model: str) -> None:
+        key = f"{tenant}:{model}"
+        self.recent.pop(key, None)
+        self.recent[key] = (tenant, model)
+        while len(self.recent) > 100:
+            self.recent.popitem(last=False)
+
+    def _keep_recent_warm(self) -> None:
+        """Optional policy (proxy.keep_warm_models = N): the N most recently used models stay in RAM."""
+        n = self.settings.keep_warm_models
+        for tenant, model in list(self.recent.values())[-n:] if n else []:
+            self._spawn(self._warm_quietly(tenant, model, f"keep the {n} most recently used warm"),
+                        f"hyperswap:keep-warm:{tenant}:{model}")
+
+    # -- views ----------------------------------------------------------------------------------
+    def model_json(self, m: ModelFiles, files: bool = False) -> dict[str, Any]:
+        r = self.catalog.residency_of(m)
+        job = self.warmer.jobs.get(m.key)
+        return {"tenant": m.tenant, "name": m.name, "folder": m.folder, "key": m.key, "size_bytes": m.size_bytes,
+                "size_gb": round(m.size_bytes / GIB, 3), "file_count": len(m.files), "residency": r.to_json(files),
+                "warm": job.to_json() if job else None}
+
+    def listing(self, tenant: str | None) -> dict[str, Any]:
+        everything = self.catalog.all_files()
+        tenants = []
+        for name, found in everything.items():
+            if tenant not in (None, name):
+                continue
+            tenants.append({"tenant": name, "layout": found.layout, "looked_in": list(found.looked_in),
+                            "roots": found.located.roots, "unknown_reason": found.unknown_reason,
+                            "problems": [p.to_json() for p in found.located.problems],
+                            "models": [self.model_json(m) for m in found.located.models]})
+        available = self.mem_available()
+        return {"tenants": tenants, "mem_available_bytes": available, "warm_margin_bytes": self.margin_bytes(),
+                "warming": [j.to_json() for j in self.warmer.jobs.values() if j.active],
+                "method": getattr(self.catalog.residency.probe, "method", None)}
+
+    # -- routes ---------------------------------------------------------------------------------
+    def _guarded(self, handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        async def wrapped(request: Request) -> Response:
+            token = self.proxy.token
+            if token is not None:
+                auth = request.headers.get("authorization", "")
+                if not auth.lower().startswith("bearer "):
+                    return _error(401, "this admin call needs a bearer token",
+                                  "send `Authorization: Bearer <token>` (from HYPERSWAP_ADMIN_TOKEN or admin.token_file)")
+                if not hmac.compare_digest(auth[7:].strip().encode(), token.encode()):
+                    return _error(403, "wrong admin token", "use the token the proxy was started with")
+            try:
+                return await handler(request)
+            except HyperSwapError as exc:
+                return JSONResponse(exc.to_json(), status_code=exc.status)
+        return wrapped
+
+    async def list_route(self, request: Request) -> Response:
+        tenant = request.query_params.get("tenant")
+        if tenant is not None and tenant not in self.proxy.registry.tenants:
+            return _error(404, f"no tenant {tenant!r}", "GET /api/tenants lists them", tenant=tenant)
+        if self.proxy.arbitration.last_snapshot is None:
+            await self.proxy.arbitration.snapshot()  # ComfyUI's folders come from its command line on the card
+        return JSONResponse(await asyncio.to_thread(self.listing, tenant))
+
+    async def _target(self, request: Request) -> tuple[ModelFiles | None, Response | None]:
+        example = 'send {"tenant": "ollama", "model": "llama3.1:8b"} (GET /api/models lists them)'
+        try:
+            body = json.loads(await request.body() or b"null")
+        except ValueError:
+            return None, _error(400, "the body is not JSON", example)
+        if (not isinstance(body, dict) or set(body) != {"tenant", "model"}
+                or not all(isinstance(v, str) and v for v in body.values())):
+            return None, _error(400, "the body must be an object with exactly a tenant and a model, both strings", example)
+        if body["tenant"] not in self.proxy.registry.tenants:
+            return None, _error(404, f"no tenant {body['tenant']!r}", "GET /api/tenants lists them", tenant=body["tenant"])
+        if self.proxy.arbitration.last_snapshot is None:
+            await self.proxy.arbitration.snapshot()
+        files = await asyncio.to_thread(self.catalog.find, body["tenant"], body["model"])
+        if files is None:
+            return None, _error(404, f"{body['tenant']} has no model {body['model']!r} on disk", example,
+                                tenant=body["tenant"], model=body["model"])
+        return files, None
+
+    async def warm_route(self, request: Request) -> Response:
+        files, refused = await self._target(request)
+        if files is None:
+            return refused or _error(400, "no model named", "see GET /api/models")
+        why = may_read(self.mem_available(), 0, self.margin_bytes())
+        if why is not None:
+            return _error(409, f"not warming {files.key}: {why}",
+                          "free host memory, or lower proxy.warm_margin_gb in tenants.json", key=files.key)
+        job = self.warmer.start(files.key, files.files, files.size_bytes, "admin")
+        return JSONResponse({"warm": job.to_json(), "model": self.model_json(files)}, status_code=202)
+
+    async def stop_route(self, request: Request) -> Response:
+        files, refused = await self._target(request)
+        if files is None:
+            return refused or _error(400, "no model named", "see GET /api/models")
+        job = self.warmer.stop(files.key)
+        if job is None or (job.state not in ("queued", "running") and not job.stop_flag.is_set()):
+            return _error(409, f"no warm of {files.key} is in progress", "POST /api/models/warm starts one", key=files.key)
+        await self.warmer.wait(files.key)
+        return JSONResponse({"warm": job.to_json()})
+
+    async def loads_route(self, request: Request) -> Response:
+        return JSONResponse({"loads": [r.to_json() for r in self.loads.records],
+                             "thresholds": self.loads.thresholds().to_json()})
+
+    # -- health ---------------------------------------------------------------------------------
+    async def health_entries(self, snap: AttributedSnapshot) -> list[HealthEntry]:
+        from proxy.admin.health import HealthEntry
+        everything = await asyncio.to_thread(self.catalog.all_files)
+        out = []
+        for name, found in everything.items():
+            problems = found.located.problems
+            if found.unknown_reason:
+                out.append(HealthEntry(f"model files {name}", "unknown", found.unknown_reason,
+                                       "residency, warming and warm-during-release are off for it",
+                                       f"set tenants.{name}.model_paths to its model folders' parent directory"))
+            elif problems:
+                out.append(HealthEntry(f"model files {name}", "degraded", "; ".join(p.problem for p in problems),
+                                       "its models' residency is unknown and they are not warmed before a load",
+                                       problems[0].fix))
+            else:
+                out.append(HealthEntry(f"model files {name}", "ok",
+                                       f"{len(found.located.models)} model(s) in {', '.join(found.located.roots) or '-'}"))
+        verdict = self.loads.verdict()
+        if verdict.dominates:
+            speeds = (f" at a median {verdict.cold_gbps:.2f} GB/s from disk vs {verdict.warm_gbps:.2f} GB/s from RAM"
+                      if verdict.cold_gbps and verdict.warm_gbps else "")
+            out.append(HealthEntry("model load speed", "degraded",
+                                   f"{verdict.cold} of the last {verdict.classified} model loads read from disk{speeds}",
+                                   "each handoff waits for a disk read of the next model",
+                                   "keep the models you alternate between in RAM (proxy.keep_warm_models), "
+                                   "or add host RAM; warm-during-release (proxy.warm_during_release) hides part of it"))
+        return out
+
+
+def _names(model: str) -> set[str]:
+    return {model, f"{model}:latest"} if ":" not in model.rsplit("/", 1)[-1] else {model}
+
+
+def models_extension(proxy: Proxy) -> ModelsExtension:
+    return ModelsExtension(proxy)
+
+

@@ -1,0 +1,181 @@
+"""Reading model files into the page cache ahead of a load, never at the price of swapping.
+
+`warm_files` reads each file start to end with sequential-readahead advice, in chunks, and before
+every chunk asks `may_read`: only while MemAvailable stays above the margin after that chunk. It
+runs in a worker thread; `Warmer` owns the jobs on the event loop (one read at a time, since two
+would only share the disk), lets them be stopped, and tells the residency cache which files changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+log = logging.getLogger("hyperswap.models")
+
+CHUNK_BYTES = 8 << 20
+WarmState = Literal["queued", "running", "done", "stopped", "margin", "failed"]
+MemAvailable = Callable[[], "int | None"]
+
+
+def read_mem_available(path: Path = Path("/proc/meminfo")) -> int | None:
+    """MemAvailable in bytes (the kernel's estimate of what can be used without swapping), or None."""
+    try:
+        for line in path.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def may_read(available: int | None, chunk: int, margin: int) -> str | None:
+    """None when `chunk` more bytes of page cache keep MemAvailable at or above `margin`; else why not.
+    Unknown MemAvailable stops a warm: it could be pushing the machine into swap, and nobody could tell."""
+    if available is None:
+        return "MemAvailable cannot be read (/proc/meminfo): warming stops rather than risk swapping"
+    if available - chunk < margin:
+        return (f"MemAvailable {available / 2**30:.2f} GiB would fall below the margin of "
+                f"{margin / 2**30:.2f} GiB (proxy.warm_margin_gb)")
+    return None
+
+
+@dataclass(slots=True)
+class WarmJob:
+    key: str  # "tenant:model"
+    files: tuple[str, ...]
+    total_bytes: int
+    reason: str  # "admin", "handoff", "keep recent"
+    state: WarmState = "queued"
+    read_bytes: int = 0
+    stop_reason: str | None = None
+    started_at: float | None = None  # wall
+    ended_at: float | None = None
+    stop_flag: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def active(self) -> bool:
+        return self.state in ("queued", "running")
+
+    def to_json(self) -> dict[str, Any]:
+        took = None if self.started_at is None else (self.ended_at or time.time()) - self.started_at
+        return {"key": self.key, "state": self.state, "reason": self.reason, "total_bytes": self.total_bytes,
+                "read_bytes": self.read_bytes, "stop_reason": self.stop_reason, "started_at": self.started_at,
+                "ended_at": self.ended_at, "duration_s": None if took is None else round(took, 3),
+                "read_gbps": round(self.read_bytes / 1e9 / took, 3) if took else None}
+
+
+def warm_files(job: WarmJob, margin_bytes: int, mem_available: MemAvailable, chunk_bytes: int = CHUNK_BYTES,
+               advice: int = os.POSIX_FADV_SEQUENTIAL) -> WarmJob:
+    """Blocking: read the job's files into the page cache. Ends `done`, `stopped` (its flag was set),
+    `margin` (memory would fall below the margin) or `failed` (a file could not be read)."""
+    buf = bytearray(chunk_bytes)
+    view = memoryview(buf)
+    job.state = "running"
+    for path in job.files:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            job.state, job.stop_reason = "failed", f"cannot open {path}: {exc.strerror or exc}"
+            return job
+        try:
+            os.posix_fadvise(fd, 0, 0, advice)  # sequential: twice the readahead window
+            while True:
+                if job.stop_flag.is_set():
+                    job.state, job.stop_reason = "stopped", "stopped on request"
+                    return job
+                why = may_read(mem_available(), chunk_bytes, margin_bytes)
+                if why is not None:
+                    job.state, job.stop_reason = "margin", why
+                    return job
+                n = os.readv(fd, [view])
+                if n <= 0:
+                    break
+                job.read_bytes += n
+        except OSError as exc:
+            job.state, job.stop_reason = "failed", f"reading {path} failed: {exc.strerror or exc}"
+            return job
+        finally:
+            os.close(fd)
+    job.state = "done"
+    return job
+
+
+class Warmer:
+    """The warm jobs: at most one reading at a time, one job per model key (asking again while it
+    runs returns the running one). `on_files_changed` hears every file whose residency a job changed,
+    when it starts and when it ends."""
+
+    def __init__(self, margin_bytes: Callable[[], int], mem_available: MemAvailable = read_mem_available,
+                 on_files_changed: Callable[[Sequence[str]], None] = lambda _paths: None,
+                 chunk_bytes: int = CHUNK_BYTES, kept: int = 50) -> None:
+        self.margin_bytes = margin_bytes
+        self.mem_available = mem_available
+        self.on_files_changed = on_files_changed
+        self.chunk_bytes = chunk_bytes
+        self.advice = os.POSIX_FADV_SEQUENTIAL  # the bench sets RANDOM: no readahead past what it paced
+        self.kept = kept
+        self.jobs: dict[str, WarmJob] = {}  # newest last; finished ones kept for the API, `kept` at most
+        self._tasks: dict[str, asyncio.Task[WarmJob]] = {}
+        self._disk = asyncio.Lock()
+
+    def start(self, key: str, files: Sequence[str], total_bytes: int, reason: str) -> WarmJob:
+        current = self.jobs.get(key)
+        if current is not None and current.active:
+            return current
+        job = WarmJob(key, tuple(files), total_bytes, reason)
+        self.jobs.pop(key, None)
+        self.jobs[key] = job
+        while len(self.jobs) > self.kept:
+            oldest = next((k for k, j in self.jobs.items() if not j.active), None)
+            if oldest is None:
+                break
+            del self.jobs[oldest]
+        self._tasks[key] = asyncio.create_task(self._run(job), name=f"hyperswap:warm:{key}")
+        return job
+
+    async def _run(self, job: WarmJob) -> WarmJob:
+        try:
+            async with self._disk:
+                if job.stop_flag.is_set():
+                    job.state, job.stop_reason = "stopped", "stopped before it started"
+                    return job
+                job.started_at = time.time()
+                self.on_files_changed(job.files)
+                await asyncio.to_thread(warm_files, job, self.margin_bytes(), self.mem_available, self.chunk_bytes,
+                                        self.advice)
+        except Exception as exc:  # a broken warm must never break a handoff
+            job.state, job.stop_reason = "failed", f"{type(exc).__name__}: {exc}"
+            log.exception("warming %s failed", job.key)
+        finally:
+            job.ended_at = time.time()
+            self.on_files_changed(job.files)
+            self._tasks.pop(job.key, None)
+        log.info("warm %s: %s, %d of %d bytes%s", job.key, job.state, job.read_bytes, job.total_bytes,
+                 f" ({job.stop_reason})" if job.stop_reason else "")
+        return job
+
+    def stop(self, key: str) -> WarmJob | None:
+        job = self.jobs.get(key)
+        if job is not None and job.active:
+            job.stop_flag.set()
+        return job
+
+    async def wait(self, key: str) -> WarmJob | None:
+        task = self._tasks.get(key)
+        if task is not None:
+            await asyncio.shield(task)
+        return self.jobs.get(key)
+
+    async def aclose(self) -> None:
+        for job in self.jobs.values():
+            job.stop_flag.set()
+        tasks = list(self._tasks.values())
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,392 @@
+"""The stages of `hyperswap verify`, one function each over the runner's state (`Verify`): each
+returns what it proved, or raises StageFailed (what broke, what that breaks, the fix) or
+StageSkipped (why it could not run here)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from proxy.tenants import GIB
+from proxy.verify.clients import OllamaModel, TenantInfo, Unexpected, gib
+from proxy.verify.report import StageFailed, StageSkipped
+
+if TYPE_CHECKING:
+    from proxy.verify.runner import Verify
+
+# The path that proves an engine answers (through the proxy): what each engine kind serves cheaply.
+PROBE_PATHS = {"ollama": "/api/version", "comfyui": "/system_stats"}
+# The engine kinds whose wire verify speaks for the generation, graph, reclaim and OOM stages.
+GENERATES, RENDERS = "ollama", "comfyui"
+
+
+class NoCandidate(Exception):
+    """This direction of the reclaim cannot be staged with what is installed; the reason says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def fails(exc: Unexpected, what: str, impact: str, fix: str) -> StageFailed:
+    """An unexpected answer as a failed stage; the proxy's own fix wins when it gave one."""
+    return StageFailed(f"{what}: {exc}", impact=impact, fix=exc.fix() or fix)
+
+
+async def check_proxy(v: Verify) -> str:
+    """The admin API answers: the tenants and the card as the proxy sees them."""
+    try:
+        tenants = await v.admin.tenants()
+        stats = await v.admin.stats()
+    except (httpx.HTTPError, Unexpected, ValueError, KeyError) as exc:
+        raise StageFailed(f"no HyperSwap admin API answers at {v.admin.base}: {type(exc).__name__}: {exc}",
+                          impact="nothing can be verified: clients reach no proxy, so nothing arbitrates the GPU",
+                          fix="start it with `hyperswap serve` (or `hyperswap demo`), or pass --admin URL") from None
+    v.found.tenants = {t.name: t for t in tenants}
+    v.found.device = stats.get("device") or {}
+    dev = v.found.device
+    gpu_note = "" if stats.get("gpu_error") is None else f"; GPU reader: {stats['gpu_error'].get('error')}"
+    return (f"admin API at {v.admin.base}: {len(tenants)} tenant(s) ({', '.join(v.found.tenants)}), "
+            f"GPU {dev.get('name')} {gib(dev.get('total_bytes'))} ({dev.get('source')}){gpu_note}")
+
+
+async def check_upstream(v: Verify, t: TenantInfo) -> str:
+    """The engine answers through its drop-in port (a 502 from the proxy: the engine is down)."""
+    assert t.url
+    path = PROBE_PATHS.get(t.engine, "/")
+    impact = f"clients of {t.name} at {t.url} get errors, and the proxy cannot ask {t.name} for memory back"
+    try:
+        r = await v.http.get(t.url + path)
+    except httpx.HTTPError as exc:
+        v.found.unreachable[t.name] = "listener"
+        raise StageFailed(f"the proxy's listener for {t.name} does not answer at {t.url}: {type(exc).__name__}",
+                          impact=impact, fix=f"check tenants.{t.name}.listen and restart `hyperswap serve`") from None
+    ok = r.status_code < 500 if t.engine not in PROBE_PATHS else r.status_code == 200
+    if not ok:
+        v.found.unreachable[t.name] = "upstream"
+        answer = Unexpected(f"GET {path} through {t.url}", r)
+        raise StageFailed(f"{t.name} ({t.upstream}) is not answering through the proxy: {answer}", impact=impact,
+                          fix=answer.fix() or f"start {t.name}, or correct tenants.{t.name}.upstream ({t.upstream})")
+    return f"{t.url}{path} -> {t.upstream}: {r.status_code}"
+
+
+async def check_generation(v: Verify) -> str:
+    """A few tokens from the smallest installed model that can generate, through the proxy."""
+    t = v.tenant_of(GENERATES)
+    client = v.ollama(t)
+    model = (await v.generation_models(client))[0]
+    plan = await v.plan_allows(t, model.size + t.context_allowance_bytes, model.name)
+    started = v.clock.now()
+    body = await v.generate(t, client, model)
+    released = ", ".join(r["tenant"] for r in plan.get("releases") or [])
+    return (f"{model.name} ({gib(model.size)}, the smallest installed) answered {body.get('eval_count', '?')} token(s) "
+            f"through {t.url} in {v.clock.now() - started:.2f} s" + (f", after releasing {released}" if released else ""))
+
+
+async def check_graph(v: Verify) -> str:
+    """The user's graph, or a minimal one, through the proxy to its end marker; what it leaves held."""
+    t = v.tenant_of(RENDERS)
+    await v.plan_allows(t, None, f"a {t.name} graph")
+    run, ckpt, whose = await v.run_graph(t)
+    if not run.ok:
+        raise StageFailed(f"{whose} graph ({ckpt}) ended with {run.error_type}: {run.error}",
+                          impact=f"{t.name} prompts through the proxy fail",
+                          fix=(f"raise tenants.{t.name}.needs_vram_gb: the proxy made less room than the graph takes"
+                               if run.error_type and "OutOfMemory" in run.error_type
+                               else f"run the graph in {t.name}'s own UI and read its log"))
+    held = (await v.admin.tenant(t.name)).vram_bytes
+    v.found.graph_held = held
+    return (f"{whose} graph ({ckpt or 'no checkpoint'}) ran through {t.url}, followed by {run.followed}; "
+            f"{t.name} holds {gib(held)} after it")
+
+
+async def check_reclaim(v: Verify) -> str:
+    """One tenant needs memory another holds idle: ComfyUI holds a checkpoint and an Ollama model
+    needs it, else (no model that large) Ollama holds a model and the ComfyUI graph needs it."""
+    v.need_consent("reclaim")
+    comfy_t, ollama_t = v.tenant_of(RENDERS), v.tenant_of(GENERATES)
+    if v.found.graph is None:
+        raise StageSkipped(f"the {comfy_t.name} graph did not run, so the handoff cannot be staged")
+    await v.nobody_busy()
+    try:
+        return await _reclaim_for_generation(v, comfy_t, ollama_t)
+    except NoCandidate as first:
+        try:
+            return await _reclaim_for_graph(v, comfy_t, ollama_t)
+        except NoCandidate as second:
+            raise StageSkipped(f"{first.reason}; and {second.reason}") from None
+
+
+async def _reclaim_for_generation(v: Verify, holder_t: TenantInfo, needer_t: TenantInfo) -> str:
+    # A fresh graph right before: the holder's idle timer starts again and cannot free it mid-stage.
+    run, _, _ = await v.run_graph(holder_t)
+    if not run.ok:
+        raise StageFailed(f"the graph before the reclaim failed: {run.error_type}: {run.error}",
+                          impact=f"{holder_t.name} prompts through the proxy fail", fix=f"see {holder_t.name}'s log")
+    holder = await _holder(v, holder_t.name)
+    client = v.ollama(needer_t)
+    chosen: tuple[OllamaModel, dict[str, Any]] | None = None
+    for model in await v.generation_models(client):
+        plan = await v.admin.plan(needer_t.name, model.size + needer_t.context_allowance_bytes)
+        if plan.get("feasible") and holder.name in [r["tenant"] for r in plan.get("releases") or []]:
+            chosen = (model, plan)
+            break
+    if chosen is None:
+        raise NoCandidate(f"no installed {needer_t.name} model needs the {gib(holder.vram_bytes)} {holder.name} "
+                           "holds (each fits beside it, or not on this card at all)")
+    model, plan = chosen
+    v.say(f"reclaim: loading {model.name} makes the proxy release {holder.name} ({gib(holder.vram_bytes)})")
+    mark = await v.last_decision_id()
+    started = v.clock.now()
+    await v.generate(needer_t, client, model)
+    took = v.clock.now() - started
+    v.found.released_comfy = True
+    after, release = await _confirm_release(v, needer_t.name, holder, mark, model.name)
+    on_gpu = (await client.loaded()).get(model.name, 0)
+    if on_gpu <= 0:
+        raise StageFailed(f"{model.name} is not on the GPU after {holder.name}'s release",
+                          impact=f"{model.name} runs from the CPU or not at all",
+                          fix=f"see GET /api/decisions and {needer_t.name}'s log")
+    return (f"{model.name} needed {gib(plan['need_bytes'])}: the proxy released {holder.name} "
+            f"({gib(holder.vram_bytes)} -> {gib(after)} on the card, {release.get('duration_s')} s) and "
+            f"{model.name} loaded ({gib(on_gpu)} on the GPU) in {took:.2f} s")
+
+
+async def _reclaim_for_graph(v: Verify, needer_t: TenantInfo, holder_t: TenantInfo) -> str:
+    try:  # ComfyUI down to its floor, so its graph has to load again and needs the card
+        await v.admin.release(needer_t.name)
+    except Unexpected as exc:
+        raise fails(exc, f"{needer_t.name} could not be released to stage the handoff",
+                     f"loads that need {needer_t.name}'s idle memory wait for its release, then fail",
+                     f"see GET /api/tenants/{needer_t.name}") from None
+    v.found.released_comfy = True
+    client = v.ollama(holder_t)
+    # The largest model that loads without anyone released (its own eviction aside)...
+    model = None
+    for m in sorted(await v.generation_models(client), key=lambda m: -m.size):
+        plan = await v.admin.plan(holder_t.name, m.size + holder_t.context_allowance_bytes)
+        if plan.get("feasible") and not plan.get("releases"):
+            model = m
+            break
+    if model is None:
+        raise NoCandidate(f"no installed {holder_t.name} model loads beside {needer_t.name} without a release")
+    # ...loaded right before, so Ollama's own keep-alive timer is fresh and cannot free it mid-stage.
+    await v.generate(holder_t, client, model)
+    graph_plan = await v.admin.plan(needer_t.name)
+    if holder_t.name not in [r["tenant"] for r in graph_plan.get("releases") or []]:
+        raise NoCandidate(f"with {model.name} on the card a {needer_t.name} graph still fits "
+                           f"({graph_plan.get('explanation')})")
+    holder = await _holder(v, holder_t.name)
+    v.say(f"reclaim: the {needer_t.name} graph makes the proxy release {holder.name} ({gib(holder.vram_bytes)})")
+    mark = await v.last_decision_id()
+    started = v.clock.now()
+    run, ckpt, _ = await v.run_graph(needer_t)
+    took = v.clock.now() - started
+    if not run.ok:
+        raise StageFailed(f"the graph after {holder.name}'s release failed: {run.error_type}: {run.error}",
+                          impact=f"{needer_t.name} prompts fail although the proxy made room",
+                          fix=f"raise tenants.{needer_t.name}.needs_vram_gb to what its graphs take")
+    after, release = await _confirm_release(v, needer_t.name, holder, mark, f"the {ckpt} graph")
+    now = (await v.admin.tenant(needer_t.name)).vram_bytes
+    return (f"a {needer_t.name} graph needed {gib(graph_plan['need_bytes'])} while {model.name} held the card: the "
+            f"proxy released {holder.name} ({gib(holder.vram_bytes)} -> {gib(after)} on the card, "
+            f"{release.get('duration_s')} s) and the {ckpt} graph ran ({needer_t.name} holds {gib(now)}) in {took:.2f} s")
+
+
+async def _holder(v: Verify, name: str) -> TenantInfo:
+    holder = await v.admin.tenant(name)
+    if holder.vram_bytes is None:
+        raise StageSkipped(f"what {name} holds cannot be seen (no GPU reader): a release cannot be confirmed")
+    if holder.idle_release_in_s is not None and holder.idle_release_in_s < v.options.stage_timeout_s:
+        raise StageSkipped(f"{name}'s idle timer frees it in {holder.idle_release_in_s:g} s, within this "
+                           "stage's time: its release could not be told from the timer's (raise "
+                           f"tenants.{name}.idle_release_after_s above {v.options.stage_timeout_s:g} s)")
+    return holder
+
+
+async def _confirm_release(v: Verify, requester: str, holder: TenantInfo, mark: int, what: str) -> tuple[int, dict[str, Any]]:
+    """The proxy's plan for the load released the holder, and the card shows its memory back."""
+    assert holder.vram_bytes is not None
+    after = (await v.admin.tenant(holder.name)).vram_bytes or 0
+    releases = [r for d in await v.decisions_after(mark, requester) if d["kind"] == "plan"
+                for r in d["outcome"].get("releases") or [] if r.get("tenant") == holder.name]
+    impact = (f"loads that need {holder.name}'s idle memory wait for the release timeout, then spill to the CPU "
+              "or run out of memory")
+    if not releases:
+        raise StageFailed(f"{what} loaded but the proxy's decisions show no release of {holder.name}",
+                          impact=impact, fix="see GET /api/decisions; report it with this output")
+    reclaimable = holder.vram_bytes - int(float(holder.config.get("idle_vram_gb") or 0) * GIB)
+    freed = holder.vram_bytes - after
+    last = releases[-1]
+    if last.get("estimated") and not last.get("error"):
+        # No GPU reader: the engines' own reports say the handoff happened; the card cannot say so.
+        raise StageSkipped(f"{what} loaded after the proxy released {holder.name} ({gib(holder.vram_bytes)} -> "
+                           f"{gib(after)} by its own report), but without a GPU reader the card cannot confirm the "
+                           "release: fix the GPU reader (`hyperswap check`) to verify it")
+    if not last.get("confirmed") or freed < reclaimable / 2:
+        raise StageFailed(
+            f"{holder.name}'s release never showed on the card: it held {gib(holder.vram_bytes)}, holds {gib(after)} "
+            f"now ({last.get('error') or 'not confirmed'})", impact=impact,
+            fix=(f"see GET /api/tenants/{holder.name} and {holder.name}'s log: an engine that answers its release "
+                 f"but keeps the memory needs a stronger release (release.free_memory), or give it longer "
+                 f"(tenants.{holder.name}.release_timeout_s)"))
+    return after, last
+
+
+async def check_out_of_memory(v: Verify) -> str:
+    """Staged only where safe: free memory between what the proxy plans for a graph and what its
+    checkpoint really takes, so only ComfyUI's own allocation fails; the proxy must retry it."""
+    v.need_consent("out of memory")
+    comfy_t, ollama_t = v.tenant_of(RENDERS), v.tenant_of(GENERATES)
+    ckpt, held = v.found.graph_ckpt, v.found.graph_held
+    if v.found.graph is None or held is None:
+        raise StageSkipped(f"the {comfy_t.name} graph did not run, so its footprint is unknown")
+    await v.nobody_busy()
+    declared_gb = (comfy_t.config.get("model_vram_gb") or {}).get(ckpt or "")
+    declared = int(float(declared_gb) * GIB) if declared_gb is not None else comfy_t.needs_vram_bytes
+    # Before touching anything: the proxy makes `declared` less what ComfyUI holds free for a graph,
+    # and the graph loads `held` less the same floor, so a window exists only if held > declared.
+    if held <= declared:
+        raise StageSkipped(f"the proxy plans {gib(declared)} for a {comfy_t.name} graph, at least the {gib(held)} the "
+                           f"{ckpt} graph took: it cannot run out of memory through the proxy, so no out-of-memory "
+                           "can be provoked safely (the retry is covered by the tests on a simulated box)")
+    stats = await v.admin.stats()
+    await v.free_memory(ollama_t, stats)  # skips now, before unloading anything, without a GPU reader
+    client = v.ollama(ollama_t)
+    models = await v.generation_models(client)
+    floor_guess = min(held, int(float(comfy_t.config.get("idle_vram_gb") or 0) * GIB))
+    ollama_now = (await v.admin.tenant(ollama_t.name)).vram_bytes or 0
+    comfy_now = (await v.admin.tenant(comfy_t.name)).vram_bytes or 0
+    free_guess = int(stats["device"]["free_bytes"]) + ollama_now + max(0, comfy_now - floor_guess)
+    lo, hi = declared - floor_guess, held - floor_guess
+    if not [m for m in models if lo <= free_guess - m.size < hi]:
+        raise StageSkipped(f"no installed {ollama_t.name} model leaves free memory between {gib(lo)} and {gib(hi)} "
+                           f"(about {gib(free_guess)} free with both emptied): an out-of-memory cannot be staged safely")
+    for name in await client.loaded():  # the window is measured with Ollama empty
+        await client.unload(name)
+    await v.wait_empty(ollama_t.name)
+    try:
+        await v.admin.release(comfy_t.name)  # its checkpoint off the card: the graph loads it again
+    except Unexpected as exc:
+        raise fails(exc, f"{comfy_t.name} could not be released to stage the out-of-memory",
+                     f"loads that need {comfy_t.name}'s idle memory wait for its release, then fail",
+                     f"see GET /api/tenants/{comfy_t.name}") from None
+    v.found.released_comfy = True
+    floor = (await v.admin.tenant(comfy_t.name)).vram_bytes or 0
+    free = await v.free_memory(ollama_t)
+    # Free memory between what the proxy plans for and what the graph really loads: the proxy sees
+    # room, the engine runs out, and only ComfyUI's own allocation fails (it unloads and reports).
+    lo, hi = declared - floor, held - floor
+    fits = [m for m in models if lo <= free - m.size < hi]
+    if not fits:
+        raise StageSkipped(f"no installed {ollama_t.name} model leaves free memory between {gib(lo)} and {gib(hi)} "
+                           f"({gib(free)} free now): an out-of-memory cannot be staged safely")
+    model = min(fits, key=lambda m: abs(free - m.size - (lo + hi) / 2))
+    v.say(f"out of memory: {model.name} fills the card so the {ckpt} graph cannot load beside it")
+    await v.generate(ollama_t, client, model)
+    free = await v.free_memory(ollama_t)
+    if not lo <= free < hi:
+        raise StageSkipped(f"with {model.name} loaded {gib(free)} is free, outside {gib(lo)}..{gib(hi)}: not staged")
+    mark = await v.last_decision_id()
+    graph = v.found.graph
+    run = await v.comfy(comfy_t).run(graph)
+    if run.ok:
+        raise StageSkipped(f"{comfy_t.name} ran the graph in {gib(free)} without running out of memory (it may load "
+                           "part of a model at a time): the out-of-memory path was not reached")
+    if not run.error_type or "OutOfMemory" not in run.error_type:
+        raise StageFailed(f"the graph failed with {run.error_type}: {run.error}", impact=f"{comfy_t.name} prompts fail",
+                          fix=f"see {comfy_t.name}'s log")
+    retry = await _oom_retry(v, comfy_t.name, mark, run.prompt_id)
+    outcome = retry["outcome"]
+    if outcome.get("oom_retry") != "requeued" or not outcome.get("requeued_as"):
+        raise StageFailed(f"{comfy_t.name} ran out of memory and the proxy did not retry: {outcome.get('oom_retry')}",
+                          impact="a prompt that runs out of memory fails although idle tenants hold memory",
+                          fix=f"see GET /api/decisions (decision {retry['id']}) and the proxy's log")
+    again = await v.comfy(comfy_t).wait_history(str(outcome["requeued_as"]))
+    if not again.ok:
+        raise StageFailed(f"the retried prompt {again.prompt_id} failed too: {again.error_type}: {again.error}",
+                          impact="a prompt that runs out of memory fails even after the proxy made room",
+                          fix=f"raise tenants.{comfy_t.name}.needs_vram_gb to what its graphs take")
+    released = ", ".join(f"{r['tenant']} ({r.get('freed_gb')} GiB)" for r in outcome.get("releases") or [])
+    return (f"with {model.name} on the card ({gib(free)} free), the {ckpt} graph ran out of memory in "
+            f"{comfy_t.name}; the proxy released {released or 'nobody'} and re-queued it as {again.prompt_id}, "
+            "which succeeded")
+
+
+async def _oom_retry(v: Verify, tenant: str, mark: int, prompt_id: str, wait_s: float = 30.0) -> dict[str, Any]:
+    """The proxy's decision about this OOM: it reads ComfyUI's history first, then plans and re-queues."""
+    deadline = v.clock.now() + wait_s
+    while v.clock.now() < deadline:
+        for d in await v.decisions_after(mark, tenant):
+            mine = d["outcome"].get("prompt_id") == prompt_id or prompt_id in str(d.get("trigger"))
+            if mine and d["outcome"].get("oom_retry"):  # set once the retry is decided
+                return d
+        await v.clock.sleep(0.1)
+    raise StageFailed(f"{tenant} ran out of memory on prompt {prompt_id} and the proxy decided nothing within {wait_s:g} s",
+                      impact="a prompt that runs out of memory is not retried although idle tenants hold memory",
+                      fix=f"check that {tenant}'s websocket and /history reach the proxy (`hyperswap check`), "
+                          "then see the proxy's log")
+
+
+async def check_too_large(v: Verify) -> str:
+    """More than the card is refused: a dry-run plan, and a real 507 for an installed model that large."""
+    total = v.found.device.get("total_bytes")
+    t = next((t for t in v.found.tenants.values() if t.url and t.name not in v.found.unreachable), None)
+    if t is None:
+        raise StageSkipped("no tenant reachable through the proxy")
+    if total is None:
+        raise StageSkipped("the card's size is unknown (no GPU reader and no engine reports it)")
+    need = int(total) + GIB
+    plan = await v.admin.plan(t.name, need)
+    if plan.get("feasible") or plan.get("possible", True):
+        raise StageFailed(f"the proxy's plan for {gib(need)} on a {gib(total)} card is {plan.get('outcome')}: "
+                          f"{plan.get('explanation')}", impact="a load larger than the card would be forwarded and "
+                          "fail with out of memory instead of a clear 507", fix="report it with this output")
+    detail = f"dry run: {gib(need)} on the {gib(total)} card is refused ({plan.get('explanation')})"
+    if t.engine == GENERATES and t.url:
+        usable = int(total) - int(v.found.device.get("reserved_bytes") or 0)
+        client = v.ollama(t)
+        big = [m for m in await client.models() if m.size + t.context_allowance_bytes > usable]
+        if big:
+            r = await v.http.post(t.url + "/api/generate", json={"model": big[0].name, "prompt": "hi", "stream": False})
+            body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+            if r.status_code != 507 or "blockers" not in body:
+                raise StageFailed(f"{big[0].name} ({gib(big[0].size)}) answered {r.status_code}, not 507",
+                                  impact="a model larger than the card is not refused with the processes in the way",
+                                  fix="report it with this output")
+            detail += f"; {big[0].name} ({gib(big[0].size)}) through {t.url}: 507 ({body.get('fix')})"
+    return detail
+
+
+async def restore(v: Verify) -> str:
+    """Ollama models verify unloaded are loaded again; those it loaded itself are unloaded."""
+    notes: list[str] = []
+    ollama = next((t for t in v.found.tenants.values() if t.engine == GENERATES and t.url
+                   and t.name not in v.found.unreachable), None)
+    if ollama is not None:
+        client = v.ollama(ollama)
+        now = await client.loaded()
+        mine = [m for m in v.found.loaded_by_us if m in now]
+        for name in mine:
+            await client.unload(name)
+        back = [m for m in (v.found.ollama_before or {}) if m not in now]
+        failed = []
+        for name in back:
+            try:
+                await client.load(name)
+            except Unexpected as exc:
+                failed.append(f"{name}: {exc}")
+        if failed:
+            raise StageFailed(f"could not load again what verify unloaded: {'; '.join(failed)}",
+                              impact="the first request to these models waits for their load",
+                              fix=f"load them again yourself (`ollama run {back[0]}`)")
+        if mine:
+            notes.append(f"unloaded what verify loaded ({', '.join(sorted(mine))})")
+        if back:
+            notes.append(f"loaded again {', '.join(back)}")
+    if v.found.released_comfy:
+        notes.append("ComfyUI loads its checkpoint again on its next prompt")
+    if not notes:
+        raise StageSkipped("nothing to restore: verify left every model as it found it")
+    return "; ".join(notes)

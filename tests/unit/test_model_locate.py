@@ -1,0 +1,134 @@
+"""Where model files are: Ollama's manifests -> blobs, ComfyUI's folders from its command line and
+extra_model_paths.yaml, model_paths for any tenant; missing or unreadable directories as problems."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from proxy.models.catalog import ModelCatalog
+from proxy.models.locate import (
+    argv_of,
+    comfy_argv_paths,
+    comfy_folders,
+    ollama_name_parts,
+    ollama_roots,
+    ollama_store,
+    parse_extra_model_paths,
+    plain_files,
+)
+from proxy.models.pagecache import FileResidency
+from proxy.tenants import registry_from_dict
+
+
+def manifest(root: Path, where: str, layers: dict[str, int]) -> None:
+    path = root / "manifests" / where
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"schemaVersion": 2, "config": {"digest": "sha256:c0", "size": 10},
+                                "layers": [{"mediaType": "application/vnd.ollama.image.model", "digest": f"sha256:{d}",
+                                            "size": s} for d, s in layers.items()]}))
+    for digest, size in [*layers.items(), ("c0", 10)]:
+        blob = root / "blobs" / f"sha256-{digest}"
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(b"x" * size)
+
+
+def test_ollama_names_resolve_as_ollama_parses_them() -> None:
+    assert ollama_name_parts("llama3.2") == ("registry.ollama.ai", "library", "llama3.2", "latest")
+    assert ollama_name_parts("llama3.2:3b") == ("registry.ollama.ai", "library", "llama3.2", "3b")
+    assert ollama_name_parts("me/tuned:q4") == ("registry.ollama.ai", "me", "tuned", "q4")
+    assert ollama_name_parts("hf.co/org/repo:Q8") == ("hf.co", "org", "repo", "Q8")
+
+
+def test_an_ollama_store_lists_each_model_with_its_blobs_and_manifest_sizes(tmp_path: Path) -> None:
+    manifest(tmp_path, "registry.ollama.ai/library/llama3.2/3b", {"aa": 100, "ab": 5})
+    manifest(tmp_path, "registry.ollama.ai/me/tuned/latest", {"bb": 50})
+    manifest(tmp_path, "hf.co/org/repo/Q8", {"cc": 7})
+    found = ollama_store("ollama", tmp_path)
+    by_name = {m.name: m for m in found.models}
+    assert set(by_name) == {"llama3.2:3b", "me/tuned:latest", "hf.co/org/repo:Q8"}, by_name
+    llama = by_name["llama3.2:3b"]
+    assert llama.size_bytes == 115 and str(tmp_path / "blobs" / "sha256-aa") in llama.files
+    assert str(tmp_path / "blobs" / "sha256-c0") in llama.files and llama.key == "ollama:llama3.2:3b"
+    assert found.problems == []
+
+
+def test_ollama_roots_follow_ollama_models_else_the_home_and_the_service_user(tmp_path: Path) -> None:
+    assert ollama_roots({"OLLAMA_MODELS": "/srv/models"}) == [Path("/srv/models")]
+    assert ollama_roots({}, home=tmp_path) == [tmp_path / ".ollama" / "models", Path("/usr/share/ollama/.ollama/models")]
+
+
+def test_a_missing_ollama_store_is_a_problem_with_a_fix(tmp_path: Path) -> None:
+    found = ollama_store("ollama", tmp_path / "nope")
+    assert found.models == [] and found.problems and "model_paths" in found.problems[0].fix
+
+
+def test_comfyui_base_and_extra_configs_come_from_its_command_line() -> None:
+    base, configs = comfy_argv_paths(["python3", "/opt/ComfyUI/main.py", "--listen", "--extra-model-paths-config",
+                                      "/etc/a.yaml", "/etc/b.yaml", "--port", "8188"])
+    assert base == Path("/opt/ComfyUI")
+    assert configs == [Path("/opt/ComfyUI/extra_model_paths.yaml"), Path("/etc/a.yaml"), Path("/etc/b.yaml")]
+    base, _ = comfy_argv_paths(["python", "main.py", "--base-directory=/data/comfy"])
+    assert base == Path("/data/comfy")
+    assert comfy_argv_paths(["python", "main.py"]) == (None, []), "a relative main.py says nothing"
+    assert argv_of(["ollama serve", "python3 /opt/ComfyUI/main.py --listen"])[1] == "/opt/ComfyUI/main.py"
+
+
+def test_extra_model_paths_yaml_resolves_against_base_path_and_the_file(tmp_path: Path) -> None:
+    text = ("a111:\n    base_path: /srv/sd/\n    checkpoints: models/Stable-diffusion\n"
+            "    loras: |\n        models/Lora\n        models/LyCORIS\n"
+            "other:\n    base_path: rel\n    is_default: true\n    vae: vae\n")
+    out = parse_extra_model_paths(text, tmp_path)
+    assert out["checkpoints"] == [Path("/srv/sd/models/Stable-diffusion")]
+    assert out["loras"] == [Path("/srv/sd/models/Lora"), Path("/srv/sd/models/LyCORIS")]
+    assert out["vae"] == [tmp_path / "rel" / "vae"]
+
+
+def test_comfyui_folders_list_model_files_with_their_names_under_the_folder(tmp_path: Path) -> None:
+    (tmp_path / "models" / "checkpoints" / "sdxl").mkdir(parents=True)
+    (tmp_path / "models" / "checkpoints" / "sdxl" / "base.safetensors").write_bytes(b"1" * 30)
+    (tmp_path / "models" / "checkpoints" / "put_checkpoints_here").write_text("")
+    extra = tmp_path / "elsewhere"
+    extra.mkdir()
+    (extra / "detail.safetensors").write_bytes(b"2" * 3)
+    found = comfy_folders("comfyui", [tmp_path / "models"], {"loras": [extra]})
+    assert {(m.folder, m.name, m.size_bytes) for m in found.models} == {
+        ("checkpoints", "sdxl/base.safetensors", 30), ("loras", "detail.safetensors", 3)}
+    missing = comfy_folders("comfyui", [tmp_path / "gone"], {})
+    assert missing.problems and "does not exist" in missing.problems[0].problem
+
+
+def test_model_paths_of_any_tenant_are_files_or_directories_of_files(tmp_path: Path) -> None:
+    (tmp_path / "whisper.bin").write_bytes(b"w")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.onnx").write_bytes(b"aa")
+    found = plain_files("stt", [tmp_path / "whisper.bin", tmp_path / "d", tmp_path / "nope"])
+    assert {m.name for m in found.models} == {"whisper.bin", "a.onnx"}
+    assert len(found.problems) == 1 and "model_paths" in found.problems[0].fix
+
+
+class _Probe:
+    def measure(self, path: str) -> FileResidency:
+        return FileResidency(path, 1, 1, "cachestat")
+
+    def drop(self, path: str) -> None:
+        pass
+
+
+def test_the_catalog_finds_models_per_tenant_by_the_name_a_request_uses(tmp_path: Path) -> None:
+    manifest(tmp_path / "ollama", "registry.ollama.ai/library/gemma3/latest", {"g1": 10})
+    (tmp_path / "comfy" / "models" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "comfy" / "models" / "checkpoints" / "sd.safetensors").write_bytes(b"s")
+    reg = registry_from_dict({"tenants": {"ollama": {"model_paths": [str(tmp_path / "ollama")]}}})
+    cmdlines = {"comfyui": [f"python3 /x/main.py --base-directory {tmp_path / 'comfy'}"]}
+    catalog = ModelCatalog(reg, _Probe(), cmdlines=lambda t: cmdlines.get(t, []), env={}, home=tmp_path)
+    gemma = catalog.find("ollama", "gemma3")
+    assert gemma is not None and gemma.name == "gemma3:latest"
+    assert catalog.find("comfyui", "sd.safetensors") is not None
+    assert catalog.find("ollama", "absent") is None
+    files = catalog.all_files()
+    assert files["ollama"].located.problems == []
+    assert "desktop" not in files, "a VRAM-only tenant without model_paths has nothing to list"
+    cmdlines.clear()
+    unseen = ModelCatalog(reg, _Probe(), cmdlines=lambda t: [], env={}, home=tmp_path).all_files()["comfyui"]
+    assert unseen.unknown_reason and "not seen" in unseen.unknown_reason

@@ -1,0 +1,299 @@
+"""`hyperswap verify`'s stages against a faked proxy (httpx.MockTransport): each failure says what
+it breaks and how to fix it; the graph it builds and the graphs it reads; the report's verdict."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from proxy.errors import HyperSwapError
+from proxy.tenants import GIB
+from proxy.verify import Options, Report, Verify, load_graph, stages
+from proxy.verify.clients import minimal_graph
+from proxy.verify.report import StageResult, StageSkipped
+
+ADMIN, OLLAMA = "http://admin.test", "http://ollama.test"
+
+
+def tenant_view(name: str = "ollama", *, busy: bool = False, vram: int = 0) -> dict[str, Any]:
+    return {"name": name, "config": {"engine": "ollama", "listen": "127.0.0.1:11435", "upstream": "http://127.0.0.1:11434",
+                                     "needs_vram_gb": 6.0, "context_allowance_gb": 1.0},
+            "listening": OLLAMA, "busy": busy, "busy_reason": "1 request in flight" if busy else "idle",
+            "in_flight": int(busy), "waiting": [], "vram_bytes": vram, "reclaimable": True, "idle_release_in_s": None}
+
+
+class FakeBox:
+    """An admin API and one Ollama behind the proxy; `answers` overrides a route's answer."""
+
+    def __init__(self, **answers: httpx.Response) -> None:
+        self.answers = answers
+        self.tenants = [tenant_view()]
+        self.seen: list[str] = []
+
+    def handler(self, request: httpx.Request) -> httpx.Response:
+        key = f"{request.method} {request.url.host}{request.url.path}"
+        self.seen.append(key)
+        if key in self.answers:
+            return self.answers[key]
+        routes: dict[str, Any] = {
+            "GET admin.test/api/tenants": {"tenants": self.tenants},
+            "GET admin.test/api/tenants/ollama": self.tenants[0],
+            "GET admin.test/api/stats": {"device": {"name": "Fake 24G", "total_bytes": 24 * GIB, "free_bytes": 20 * GIB,
+                                                    "reserved_bytes": 0, "source": "nvml"}, "gpu_error": None},
+            "GET admin.test/api/plan": {"plan": {"feasible": False, "possible": False, "outcome": "impossible",
+                                                  "releases": [], "explanation": "too large for this card"}}
+            if float(request.url.params.get("need_gb", "0")) > 24 else
+            {"plan": {"feasible": True, "possible": True, "outcome": "ready", "releases": [], "explanation": "fits"}},
+            "GET admin.test/api/decisions": {"decisions": []},
+            "GET ollama.test/api/version": {"version": "0.12.3"},
+            "GET ollama.test/api/tags": {"models": [{"name": "tiny:1b", "size": GIB}]},
+            "POST ollama.test/api/show": {"capabilities": ["completion"]},
+            "GET ollama.test/api/ps": {"models": []},
+            "POST ollama.test/api/generate": {"response": "hi", "done": True, "eval_count": 2},
+        }
+        if key not in routes:
+            return httpx.Response(404, json={"error": f"no fake route {key}"})
+        return httpx.Response(200, json=routes[key])
+
+
+async def run(box: FakeBox, **options: Any) -> Report:
+    async with httpx.AsyncClient(transport=httpx.MockTransport(box.handler)) as http:
+        return await Verify(Options(admin=ADMIN, **options), http).run()
+
+
+def result(report: Report, name: str) -> StageResult:
+    found = report.result(name)
+    assert found is not None, f"no stage {name}: {[s.name for s in report.stages]}"
+    return found
+
+
+async def test_a_fake_box_passes_what_it_can_and_skips_the_rest_with_reasons() -> None:
+    report = await run(FakeBox(), yes=True)
+    assert result(report, "ollama generation").status == "pass"
+    assert result(report, "comfyui graph").status == "skip" and "no comfyui tenant" in result(report, "comfyui graph").detail
+    assert result(report, "507 too large").status == "pass"
+    assert report.passed, report.text()
+
+
+async def test_no_proxy_fails_the_first_stage_and_runs_nothing_else() -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(refuse)) as http:
+        report = await Verify(Options(admin=ADMIN), http).run()
+    assert [s.name for s in report.stages] == ["proxy"] and not report.passed
+    assert "hyperswap serve" in (report.stages[0].fix or "") and report.stages[0].impact
+
+
+async def test_the_engine_behind_the_proxy_down_fails_upstream_with_the_proxys_fix() -> None:
+    down = httpx.Response(502, json={"error": "ollama is not answering at http://127.0.0.1:11434",
+                                     "fix": "start Ollama (`systemctl start ollama`)"})
+    report = await run(FakeBox(**{"GET ollama.test/api/version": down}), yes=True)
+    up = result(report, "upstream ollama")
+    assert up.status == "fail" and "502" in up.detail and up.fix == "start Ollama (`systemctl start ollama`)"
+    assert result(report, "ollama generation").status == "skip"
+    assert not report.passed
+
+
+async def test_an_out_of_memory_answer_fails_the_generation_with_the_allowance_fix() -> None:
+    oom = httpx.Response(500, json={"error": "llama runner process has terminated: cudaMalloc failed: out of memory"})
+    report = await run(FakeBox(**{"POST ollama.test/api/generate": oom}), yes=True)
+    gen = result(report, "ollama generation")
+    assert gen.status == "fail" and "ran out of GPU memory" in gen.detail
+    assert "context_allowance_gb" in (gen.fix or "")
+
+
+async def test_a_507_from_the_proxy_fails_the_generation_naming_the_fix() -> None:
+    refused = httpx.Response(507, json={"error": "not enough GPU memory for ollama", "fix": "stop pid 4242"})
+    report = await run(FakeBox(**{"POST ollama.test/api/generate": refused}), yes=True)
+    gen = result(report, "ollama generation")
+    assert gen.status == "fail" and "refused" in gen.detail and gen.fix == "stop pid 4242"
+
+
+async def test_a_proxy_that_would_admit_more_than_the_card_fails_the_507_stage() -> None:
+    admits = httpx.Response(200, json={"plan": {"feasible": True, "possible": True, "outcome": "ready", "releases": [],
+                                                "explanation": "fits"}})
+    report = await run(FakeBox(**{"GET admin.test/api/plan": admits}), yes=True)
+    too_large = result(report, "507 too large")
+    assert too_large.status == "fail" and "25.00 GiB on a 24.00 GiB card" in too_large.detail
+
+
+async def test_a_busy_tenant_is_never_disturbed() -> None:
+    """The reclaim and OOM stages check this before they touch anything."""
+    box = FakeBox()
+    box.tenants = [tenant_view(busy=True)]
+    async with httpx.AsyncClient(transport=httpx.MockTransport(box.handler)) as http:
+        with pytest.raises(StageSkipped) as caught:
+            await Verify(Options(admin=ADMIN, yes=True), http).nobody_busy()
+    assert "ollama (1 request in flight) busy" in caught.value.reason
+    assert "never disturbs running work" in caught.value.reason
+
+
+async def test_a_stage_that_hangs_fails_after_its_timeout() -> None:
+    box = FakeBox()
+
+    async def slow(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/api/generate":
+            await asyncio.sleep(30)
+        return box.handler(request)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(slow)) as http:
+        report = await Verify(Options(admin=ADMIN, yes=True, stage_timeout_s=0.2), http).run()
+    gen = result(report, "ollama generation")
+    assert gen.status == "fail" and "did not finish within 0.2 s" in gen.detail and "--stage-timeout" in (gen.fix or "")
+
+
+def test_the_minimal_graph_reads_v1_and_v3_combos_and_saves_nothing() -> None:
+    info = {
+        "CheckpointLoaderSimple": {"input": {"required": {"ckpt_name": [["b.safetensors", "a.safetensors"], {}]}}},
+        "EmptyLatentImage": {}, "CLIPTextEncode": {}, "VAEDecode": {}, "PreviewImage": {}, "SaveImage": {},
+        "KSampler": {"input": {"required": {"sampler_name": ["COMBO", {"options": ["dpmpp_2m", "euler"]}],
+                                            "scheduler": ["COMBO", {"options": ["karras"]}]}}},
+    }
+    graph, ckpt = minimal_graph(info, None, seed=7)
+    assert ckpt == "b.safetensors"
+    sampler = next(n for n in graph.values() if n["class_type"] == "KSampler")["inputs"]
+    assert (sampler["sampler_name"], sampler["scheduler"], sampler["steps"]) == ("euler", "karras", 1)
+    assert any(n["class_type"] == "PreviewImage" for n in graph.values())
+    assert minimal_graph(info, "a.safetensors", seed=7)[1] == "a.safetensors"
+    with pytest.raises(LookupError, match=r"no checkpoint 'c\.safetensors'"):
+        minimal_graph(info, "c.safetensors", seed=7)
+    with pytest.raises(LookupError, match="KSampler"):
+        minimal_graph({k: v for k, v in info.items() if k != "KSampler"}, None, seed=7)
+
+
+def test_graphs_are_read_bare_or_as_a_prompt_body_and_the_ui_format_is_refused(tmp_path: Path) -> None:
+    graph = {"1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": "x.safetensors"}}}
+    (tmp_path / "bare.json").write_text(json.dumps(graph))
+    (tmp_path / "body.json").write_text(json.dumps({"prompt": graph}))
+    (tmp_path / "ui.json").write_text(json.dumps({"nodes": [], "links": [], "version": 0.4}))
+    assert load_graph(str(tmp_path / "bare.json")) == graph == load_graph(str(tmp_path / "body.json"))
+    with pytest.raises(HyperSwapError, match="API format") as caught:
+        load_graph(str(tmp_path / "ui.json"))
+    assert caught.value.fix and "Export (API)" in caught.value.fix
+    with pytest.raises(HyperSwapError, match="cannot read"):
+        load_graph(str(tmp_path / "missing.json"))
+
+
+def test_the_verdict_needs_a_stage_that_ran_and_no_failure() -> None:
+    assert not Report("x", [StageResult("a", "skip", 0, "why")]).passed
+    assert Report("x", [StageResult("a", "pass", 0, "ok"), StageResult("b", "skip", 0, "why")]).passed
+    failed = Report("x", [StageResult("a", "pass", 0, "ok"), StageResult("b", "fail", 0, "bad", "breaks", "fix it")])
+    assert not failed.passed and failed.to_json()["counts"] == {"pass": 1, "fail": 1, "skip": 0}
+    assert "breaks: breaks" in failed.text() and "fix:    fix it" in failed.text()
+
+
+@pytest.mark.parametrize("answer", [True, False])
+async def test_at_a_terminal_verify_says_what_it_would_unload_and_asks(answer: bool) -> None:
+    box = FakeBox()
+    box.tenants = [tenant_view(vram=3 * GIB)]
+    said: list[str] = []
+    asked: list[str] = []
+
+    def ask(question: str) -> bool:
+        asked.append(question)
+        return answer
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(box.handler)) as http:
+        report = await Verify(Options(admin=ADMIN, interactive=True), http, ask=ask, say=said.append).run()
+    assert asked == ["Go ahead? [y/N] "]
+    assert "ollama holds 3.00 GiB" in said[0] and "never touched" in said[0]
+    reclaim = result(report, "reclaim").detail
+    if answer:
+        assert "no comfyui tenant" in reclaim  # past the consent check
+    else:
+        assert "needs consent (run with --yes)" in reclaim and said[-1].startswith("no consent")
+
+
+async def test_without_a_terminal_and_without_yes_nothing_is_asked_and_releasing_stages_skip() -> None:
+    asked: list[str] = []
+
+    def ask(question: str) -> bool:
+        asked.append(question)
+        return True
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(FakeBox().handler)) as http:
+        report = await Verify(Options(admin=ADMIN), http, ask=ask).run()
+    assert asked == [] and "needs consent" in result(report, "out of memory").detail
+
+
+async def test_an_oom_the_proxy_never_acts_on_fails_with_what_to_check() -> None:
+    from proxy.clock import FakeClock
+    from proxy.verify.report import StageFailed
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(FakeBox().handler)) as http:
+        verify = Verify(Options(admin=ADMIN), http, clock=FakeClock())
+        with pytest.raises(StageFailed) as caught:
+            await stages._oom_retry(verify, "comfyui", 0, "p-1")
+    assert "decided nothing within 30 s" in caught.value.detail and "hyperswap check" in caught.value.fix
+
+
+async def test_a_graph_that_fails_is_not_run_again_by_the_reclaim() -> None:
+    from proxy.verify.clients import GraphRun
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(FakeBox().handler)) as http:
+        verify = Verify(Options(admin=ADMIN, yes=True), http)
+        failed = GraphRun("p-1", False, "torch.OutOfMemoryError", "Allocation on device", "websocket")
+
+        async def graph(t: Any) -> tuple[dict[str, Any], str, str]:
+            return {"1": {"class_type": "X", "inputs": {}}}, "x.safetensors", "your"
+
+        class Comfy:
+            async def run(self, g: Any) -> GraphRun:
+                return failed
+
+        verify.graph_for = graph  # type: ignore[method-assign]
+        verify.comfy = lambda t: Comfy()  # type: ignore[assignment,method-assign,return-value]
+        run, _, _ = await verify.run_graph(tenant_info())
+    assert run is failed and verify.found.graph is None
+
+
+def tenant_info() -> Any:
+    from proxy.verify.clients import TenantInfo
+
+    return TenantInfo.from_json(tenant_view("comfyui"))
+
+
+def test_the_admin_url_comes_from_the_flag_or_the_configuration(tmp_path: Path) -> None:
+    from proxy.verify import admin_url
+
+    assert admin_url(None, "127.0.0.1:9000") == "http://127.0.0.1:9000"
+    assert admin_url(None, "http://h:1/") == "http://h:1"
+    config = tmp_path / "tenants.json"
+    config.write_text(json.dumps({"admin": {"listen": "0.0.0.0:11999", "token_env": "X"}}))
+    assert admin_url(str(config), None) == "http://127.0.0.1:11999"
+    assert admin_url(None, None) == "http://127.0.0.1:11400"  # the shipped default
+
+
+async def test_without_a_websocket_the_graph_is_followed_through_history() -> None:
+    from contextlib import AbstractAsyncContextManager
+
+    from proxy.clock import FakeClock
+    from proxy.verify.clients import ComfyClient, WsConnection
+
+    polls = {"n": 0}
+
+    def comfy(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/prompt":
+            assert json.loads(request.content)["client_id"].startswith("hyperswap-verify-")
+            return httpx.Response(200, json={"prompt_id": "p-1", "number": 0, "node_errors": {}})
+        polls["n"] += 1
+        if polls["n"] < 3:  # not finished yet: ComfyUI answers {} for a prompt not in its history
+            return httpx.Response(200, json={})
+        oom = {"prompt_id": "p-1", "exception_type": "torch.OutOfMemoryError",
+               "exception_message": "Allocation on device \nThis error means"}
+        return httpx.Response(200, json={"p-1": {"status": {"status_str": "error", "completed": False,
+                                                            "messages": [["execution_error", oom]]}}})
+
+    def no_ws(url: str) -> AbstractAsyncContextManager[WsConnection]:
+        raise OSError("websocket refused")
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(comfy)) as http:
+        run = await ComfyClient("http://comfy.test", http, no_ws, FakeClock()).run({"1": {"class_type": "X", "inputs": {}}})
+    assert (run.ok, run.followed, run.error_type) == (False, "history", "torch.OutOfMemoryError")
+    assert run.error == "Allocation on device" and polls["n"] == 3
