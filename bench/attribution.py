@@ -72,7 +72,7 @@ def build(root: Path, n_procs: int) -> list[GpuProcess]:
 
 def full_scan(root: Path) -> dict[int, int]:
     """What an every-process owner map (`ss -p`, lsof) costs: every pid's fds, for comparison."""
-    inodes = {l.inode for l in read_listeners(root)}
+    inodes = {listener.inode for listener in read_listeners(root)}
     owners: dict[int, int] = {}
     for d in root.iterdir():
         if d.name.isdigit():

@@ -82,7 +82,7 @@ class _SpliceDown(asyncio.Protocol):
         self.down = transport
         self.up: asyncio.BaseTransport | None = None
         self.early: list[bytes] = []
-        asyncio.ensure_future(self._connect())
+        self.connecting = asyncio.ensure_future(self._connect())  # held: the loop keeps only a weak reference
 
     async def _connect(self) -> None:
         up, _ = await asyncio.get_running_loop().create_connection(lambda: _SpliceUp(self.down), *self.upstream)
@@ -330,7 +330,8 @@ def main() -> None:
     parser.add_argument("--serve", choices=["upstream", "proxy", "splice"])
     parser.add_argument("--upstream")
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
-    parser.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio", help="the relays' event loop (uvloop: pip install uvloop; the product runs asyncio)")
+    parser.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio",
+                        help="the relays' event loop (uvloop: pip install uvloop; the product runs asyncio)")
     parser.add_argument("--pin", action="store_true",
                         help="relays on a CPU of their own, client and upstream on the others (default: all share all)")
     args = parser.parse_args()

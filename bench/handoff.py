@@ -54,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 from proxy.demo import Demo, comfy_prompt, run_prompt, start_demo  # noqa: E402
 from proxy.gpu.snapshot import GpuReadError, GpuSnapshot  # noqa: E402
 from proxy.sim.box import Scenario, load_scenario  # noqa: E402
+from proxy.tasks import poll_until  # noqa: E402
 from proxy.tenants import GIB  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "handoff.json"
@@ -111,13 +112,12 @@ async def main(rounds: int) -> dict[str, object]:
     proxied_s: list[float] = []
     try:
         async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
+            floor = demo.box.comfyui.config.context_floor_bytes
             for _ in range(rounds):
                 await reset(demo, client)
                 start = time.perf_counter()
-                floor = demo.box.comfyui.config.context_floor_bytes
                 await client.post(comfy_direct + "/free", json={"unload_models": True, "free_memory": True})
-                while gpu.used_by(demo.box.comfyui.pid) > floor + 64 * 2**20:
-                    await asyncio.sleep(0.001)
+                await poll_until(lambda: gpu.used_by(demo.box.comfyui.pid) <= floor + 64 * 2**20, 0.001)
                 released = time.perf_counter() - start
                 direct_s.append(released + await ttfb(client, ollama_direct))
 
@@ -125,7 +125,7 @@ async def main(rounds: int) -> dict[str, object]:
                 proxied_s.append(await ttfb(client, demo.proxy.url("ollama")))
     finally:
         await demo.stop()
-    overhead = [p - d for p, d in zip(proxied_s, direct_s)]
+    overhead = [p - d for p, d in zip(proxied_s, direct_s, strict=True)]
     return {
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()},
         "rounds": rounds,
@@ -168,8 +168,7 @@ async def wait_for_busy(rounds: int) -> dict[str, object]:
                 started = asyncio.Event()
                 end = await _render_until_end(comfy_direct, 200, started)
                 await client.post(comfy_direct + "/free", json={"unload_models": True, "free_memory": True})
-                while gpu.used_by(demo.box.comfyui.pid) > floor + 64 * 2**20:
-                    await asyncio.sleep(0.001)
+                await poll_until(lambda: gpu.used_by(demo.box.comfyui.pid) <= floor + 64 * 2**20, 0.001)
                 first = await ttfb(client, ollama_direct)
                 del first
                 direct_s.append(time.perf_counter() - end)
@@ -184,7 +183,7 @@ async def wait_for_busy(rounds: int) -> dict[str, object]:
                 proxied_s.append(time.perf_counter() - end)
     finally:
         await demo.stop()
-    added = [p - d for p, d in zip(proxied_s, direct_s)]
+    added = [p - d for p, d in zip(proxied_s, direct_s, strict=True)]
     return {"rounds": rounds, "direct_median_s": statistics.median(direct_s),
             "proxied_median_s": statistics.median(proxied_s),
             "added_median_ms": statistics.median(added) * 1000, "target_ms": 50}
@@ -306,7 +305,8 @@ if __name__ == "__main__":
                                                args.ram_gbps, args.disk_gbps)), "machine": machine}
         (RESULTS.parent / "handoff-warm.json").write_text(json.dumps(r, indent=2))
         print(f"| {MODEL}, RAM {args.ram_gbps} GB/s, disk {args.disk_gbps} GB/s, ComfyUI's release "
-              f"{r['release_median_s']:.2f} s | request -> first byte (median of {r['rounds']}) | file in RAM when the load started |")
+              f"{r['release_median_s']:.2f} s | request -> first byte (median of {r['rounds']}) "
+              "| file in RAM when the load started |")
         print("|---|---:|---:|")
         for mode, what in (("off", "cold file, warm-during-release off"), ("on", "cold file, warm-during-release on"),
                            ("warm", "file already in RAM (keep_warm_models)"),

@@ -22,6 +22,7 @@ from websockets.asyncio.client import connect as ws_connect
 from proxy.relay.servers import settle_heap
 from proxy.service import Proxy
 from proxy.sim.box import Scenario, SimBox, load_scenario
+from proxy.tasks import poll_until
 from proxy.tenants import GIB, registry_from_dict
 
 DEFAULT_SIM_PORTS = {"ollama": 21434, "comfyui": 28188}
@@ -152,9 +153,10 @@ async def self_test(demo: Demo) -> list[tuple[str, bool, str]]:
 
         if demo.box.ollama:
             o = demo.box.servers["ollama"].url
-            small = min(demo.box.ollama.config.models, key=lambda m: m.size_bytes).name
-            chat_model = next(m.name for m in sorted(demo.box.ollama.config.models, key=lambda m: m.size_bytes)
-                              if "completion" in m.capabilities)
+            models = demo.box.ollama.config.models
+            small = min(models, key=lambda m: m.size_bytes).name
+            chat_model = next(m.name for m in sorted(models, key=lambda m: m.size_bytes) if "completion" in m.capabilities)
+            embed_model = next((m.name for m in models if "embedding" in m.capabilities), small)
 
             async def o_root() -> str:
                 return expect(await client.get(o + "/")).text
@@ -180,10 +182,10 @@ async def self_test(demo: Demo) -> list[tuple[str, bool, str]]:
                 return ", ".join(m["name"] for m in expect(await client.get(o + "/api/ps")).json()["models"])
 
             async def o_show() -> str:
-                return ",".join(expect(await client.post(o + "/api/show", json={"model": chat_model})).json().get("capabilities", []))
+                shown = expect(await client.post(o + "/api/show", json={"model": chat_model})).json()
+                return ",".join(shown.get("capabilities", []))
 
             async def o_embed() -> str:
-                embed_model = next((m.name for m in demo.box.ollama.config.models if "embedding" in m.capabilities), small)
                 r = expect(await client.post(o + "/api/embed", json={"model": embed_model, "input": "hi"}))
                 return f"dim {len(r.json()['embeddings'][0])}"
 
@@ -377,9 +379,9 @@ async def _chat_during_render(demo: Demo, client: httpx.AsyncClient) -> str:
     await _unload_ollama(demo, client)
     started = time.monotonic()
     rendering = asyncio.ensure_future(_render(demo, client, ckpt))
+    inflight = demo.proxy.inflight
     async with asyncio.timeout(30):
-        while not demo.proxy.inflight.traffic("comfyui").jobs:
-            await asyncio.sleep(0.01)
+        await poll_until(lambda: inflight.traffic("comfyui").jobs, 0.01)
     await _chat(demo, client, model)
     if not rendering.done():
         raise AssertionError("the chat was answered before the render ended: the busy tenant was not waited for")
@@ -427,9 +429,9 @@ async def _release_after_end(demo: Demo, client: httpx.AsyncClient) -> str:
     assert demo.proxy and demo.box.comfyui
     ckpts = demo.box.comfyui.config.checkpoints
     rendering = asyncio.ensure_future(_render(demo, client, min(ckpts, key=lambda k: ckpts[k])))
+    inflight = demo.proxy.inflight
     async with asyncio.timeout(30):
-        while not demo.proxy.inflight.traffic("comfyui").jobs:
-            await asyncio.sleep(0.01)
+        await poll_until(lambda: inflight.traffic("comfyui").jobs, 0.01)
     await demo.proxy.watchdog.tick()
     await rendering
     r = await client.post(demo.proxy.url("admin") + "/api/tenants/comfyui/release")
@@ -465,7 +467,8 @@ async def _rejection_check(demo: Demo, client: httpx.AsyncClient) -> str:
     body = r.json()
     blockers = ", ".join(f"{b['cmdline'] or b['name']} (pid {b['pid']}, {b['vram_gb']} GiB, {b['reason']})"
                          for b in body["blockers"] if b["reason"] == "unmanaged")
-    return f"507 for {biggest.name} (needs {body['need_gb']} GiB, {body['available_gb']} GiB reachable): {blockers or 'no unmanaged blocker'}"
+    return (f"507 for {biggest.name} (needs {body['need_gb']} GiB, {body['available_gb']} GiB reachable): "
+            f"{blockers or 'no unmanaged blocker'}")
 
 
 def print_report(results: list[tuple[str, bool, str]]) -> bool:

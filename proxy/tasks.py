@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterable
+import inspect
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from proxy.clock import Clock
@@ -33,3 +34,17 @@ async def sleep_or_wake(clock: Clock, seconds: float, wake: asyncio.Event) -> No
     finally:
         sleeper.cancel()
         waker.cancel()
+
+
+async def poll_until(predicate: Callable[[], object], every_s: float = 0.005) -> None:
+    """Return once `predicate()` (or what it returns, if that is awaitable) is truthy, looking every
+    `every_s`. Only for state that changes with no event to wait on (a simulated GPU's memory,
+    uvicorn's connection set, counters another object owns, an HTTP endpoint); bound the wait with
+    `asyncio.timeout`."""
+    # The one polling loop: ASYNC110's "use an Event" has no event to use here.
+    while not await _resolved(predicate()):  # noqa: ASYNC110
+        await asyncio.sleep(every_s)
+
+
+async def _resolved(value: object) -> object:
+    return await value if inspect.isawaitable(value) else value

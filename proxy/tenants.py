@@ -273,7 +273,8 @@ class Tenant(_Strict):
     match: MatchRules = Field(default_factory=MatchRules)
     priority: int = 0
     protect_idle_memory: bool = Field(
-        default=False, description="keep this tenant's idle memory from requesters of lower priority (off: idle memory serves whoever asks)")
+        default=False,
+        description="keep this tenant's idle memory from requesters of lower priority (off: idle memory serves whoever asks)")
     needs_vram_gb: float = 0.0
     release: ReleaseSpec = Field(default_factory=ReleaseSpec)
     idle_release_after_s: float | None = None
@@ -373,7 +374,8 @@ class ProxySettings(_Strict):
 
 
 class TelemetrySettings(_Strict):
-    path: str | None = Field(default=None, description="SQLite file; null = ~/.local/state/hyperswap/telemetry.sqlite3, 'off' disables")
+    path: str | None = Field(
+        default=None, description="SQLite file; null = ~/.local/state/hyperswap/telemetry.sqlite3, 'off' disables")
     retention_days: float = 30.0
     max_rows: int = 500_000
 
@@ -610,11 +612,11 @@ def _merge(base: Any, override: Any, path: tuple[str, ...], prov: dict[tuple[str
         for key, value in override.items():
             if key in out and value is None and path == ("tenants",):
                 del out[key]  # "desktop": null removes a shipped tenant
-                prov[path + (key,)] = "removed"
+                prov[(*path, key)] = "removed"
                 continue
-            out[key] = _merge(out.get(key), value, path + (key,), prov) if key in out else value
+            out[key] = _merge(out.get(key), value, (*path, key), prov) if key in out else value
             if not (isinstance(value, dict) and isinstance(base.get(key), dict)):
-                _mark_user(value, path + (key,), prov)
+                _mark_user(value, (*path, key), prov)
         return out
     return override
 
@@ -622,7 +624,7 @@ def _merge(base: Any, override: Any, path: tuple[str, ...], prov: dict[tuple[str
 def _mark_user(value: Any, path: tuple[str, ...], prov: dict[tuple[str, ...], str]) -> None:
     if isinstance(value, dict) and value:
         for key, inner in value.items():
-            _mark_user(inner, path + (key,), prov)
+            _mark_user(inner, (*path, key), prov)
     else:
         prov[path] = "user"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -57,5 +58,8 @@ async def box() -> AsyncIterator[Callable[..., Awaitable[Any]]]:
         return demo
 
     yield make
-    for demo in started:
-        await demo.stop()
+    # Together: each demo's listeners drain at once (one after another cost a test ~0.6 s per box).
+    outcomes = await asyncio.gather(*(demo.stop() for demo in started), return_exceptions=True)
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome

@@ -251,7 +251,7 @@ class Attributor:
             if up is not None:
                 tenant_of[listener.inode] = (up.order, up.tenant)
         seen = {i for n in tree.nodes.values() if n.sockets for i in n.sockets}
-        unplaced = frozenset(l.uid for l in tree.listeners if l.inode in tenant_of and l.inode not in seen)
+        unplaced = frozenset(lst.uid for lst in tree.listeners if lst.inode in tenant_of and lst.inode not in seen)
         return _Owners(tenant_of, unplaced)
 
     @staticmethod

@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import ModuleType
-from typing import Literal
+from typing import Literal, Protocol
 
 from proxy.clock import Clock, SystemClock
 from proxy.gpu.devices import lineage_cuda_env
@@ -36,7 +36,8 @@ CONTAINER_NOTE = ("GPU processes are not visible in this PID namespace (containe
 
 _FIXES: dict[str, str] = {
     "library_missing": ("install the NVIDIA driver (it ships libnvidia-ml.so.1) and nvidia-ml-py; in a container, "
-                        "run with the NVIDIA container toolkit (--gpus all) so the library is mounted, or run outside the container"),
+                        "run with the NVIDIA container toolkit (--gpus all) so the library is mounted, "
+                        "or run outside the container"),
     "driver_not_loaded": "load the NVIDIA kernel driver (reboot, or `sudo modprobe nvidia`) and check `nvidia-smi`",
     "no_permission": "run as a user that can open /dev/nvidia* (the video group), or check the container's device access",
     "gpu_lost": "the GPU fell off the bus: reboot the machine (and check power and cooling)",
@@ -81,6 +82,19 @@ def map_error(exc: BaseException, nvml: ModuleType | None) -> GpuReadError:
     if _is(exc, nvml, "NVMLError_GpuIsLost"):
         return _err("gpu_lost", f"the GPU is lost ({text})")
     return _err("unknown", f"NVML read failed: {type(exc).__name__}: {text}")
+
+
+class _ProcessEntry(Protocol):
+    """What the code reads of pynvml's process entries (usedGpuMemory is read with getattr: it may be
+    missing or None)."""
+
+    pid: int
+
+
+def _kind(listed_as: set[str]) -> Literal["compute", "graphics", "both"]:
+    if len(listed_as) == 2:
+        return "both"
+    return "compute" if "compute" in listed_as else "graphics"
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +182,7 @@ class NvmlReader:
         m = nvml.nvmlDeviceGetMemoryInfo(handle)
         return int(m.total), 0, int(m.used), int(m.free)
 
-    def _running(self, nvml: ModuleType, handle: object, fn: str, notes: list[str]) -> list[object]:
+    def _running(self, nvml: ModuleType, handle: object, fn: str, notes: list[str]) -> list[_ProcessEntry]:
         try:
             return list(getattr(nvml, fn)(handle) or [])
         except Exception as exc:
@@ -259,16 +273,16 @@ class NvmlReader:
                          "processes attributed by name and pattern only")
             return None
 
-    def _merge(self, compute: list[object], graphics: list[object], device: int = 0) -> tuple[GpuProcess, ...]:
+    def _merge(self, compute: list[_ProcessEntry], graphics: list[_ProcessEntry], device: int = 0) -> tuple[GpuProcess, ...]:
         used: dict[int, int | None] = {}
         kinds: dict[int, set[str]] = {}
-        for kind, entries in (("compute", compute), ("graphics", graphics)):
+        for listed_as, entries in (("compute", compute), ("graphics", graphics)):
             for e in entries:
                 pid = int(e.pid)
                 mem = getattr(e, "usedGpuMemory", None)
                 # pynvml maps NVML_VALUE_NOT_AVAILABLE to None; guard the raw sentinel too
                 mem = None if mem is None or int(mem) >= _NOT_AVAILABLE else int(mem)
-                kinds.setdefault(pid, set()).add(kind)
+                kinds.setdefault(pid, set()).add(listed_as)
                 if pid not in used:
                     used[pid] = mem
                 elif mem is not None:
@@ -278,8 +292,6 @@ class NvmlReader:
         out = []
         for pid in sorted(used):
             info = self.proc_info(pid)
-            k = kinds[pid]
-            kind: Literal["compute", "graphics", "both"] = "both" if len(k) == 2 else ("compute" if "compute" in k else "graphics")
             out.append(GpuProcess(pid=pid, name=info.name, cmdline=info.cmdline, used_bytes=used[pid],
-                                  start_time=info.start_time, kind=kind, device=device))
+                                  start_time=info.start_time, kind=_kind(kinds[pid]), device=device))
         return tuple(out)

@@ -101,7 +101,7 @@ def read_listeners(proc_root: Path) -> tuple[Listener, ...]:
                 out += parse_listeners(f.read().decode("ascii", "replace"))
         except OSError:
             continue  # no IPv6, or /proc/net hidden
-    return tuple(l for l in out if l.inode)  # inode 0: a socket being torn down, no holder to find
+    return tuple(listener for listener in out if listener.inode)  # inode 0: a socket being torn down, no holder to find
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +190,7 @@ class ProcTreeReader:
         return read_listeners(self.proc_root)
 
     def _read(self, pids: list[int], listeners: tuple[Listener, ...]) -> ProcessTree:
-        inodes = frozenset(l.inode for l in listeners)
+        inodes = frozenset(listener.inode for listener in listeners)
         memo = self._held if inodes == self._inodes else {}
         nodes: dict[int, ProcNode] = {}
         fresh: dict[tuple[int, int], frozenset[int] | None] = {}

@@ -259,9 +259,12 @@ def plan_release(snap: AttributedSnapshot, registry: Registry, states: Mapping[s
         if name == requester:
             continue
         tenant = None if name == UNMANAGED else registry.tenants.get(name)
-        why = _why_never(tenant, rprio, mode)
+        never = _why_never(tenant, rprio, mode)
         state = states.get(name)
-        if why is None:
+        why: tuple[BlockReason, str]
+        if never is not None:
+            why = never
+        else:
             assert tenant is not None
             expected = max(0, h.known_bytes - tenant.idle_vram_bytes)
             if state is not None and state.busy:
@@ -314,7 +317,8 @@ def plan_release(snap: AttributedSnapshot, registry: Registry, states: Mapping[s
             for ap in holdings[r.tenant].procs:
                 if ap.process.used_bytes is None:
                     blockers.append(Blocker(ap.process.pid, ap.process.name, r.tenant, None, "unknown_memory",
-                                            "released with its tenant, but the driver does not report its memory, so it is not counted on"))
+                                            "released with its tenant, but the driver does not report its memory, "
+                                            "so it is not counted on"))
         if requester in holdings:
             blockers.extend(Blocker(ap.process.pid, ap.process.name, requester, ap.process.used_bytes, "requester",
                                     "already held by the requester; counted toward its need")

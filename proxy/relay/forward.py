@@ -37,6 +37,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 from websockets.asyncio.client import ClientConnection, connect
+from websockets.typing import Subprotocol
 
 from proxy.engines import EngineAdapter, adapter_for, strip_hop_by_hop
 from proxy.errors import HyperSwapError
@@ -188,8 +189,8 @@ class RelayResponse(Response):
         log.warning("%s: upstream broke mid-answer to %s %s after %d body bytes (%s: %s); the client's "
                     "connection was closed, so it sees the answer cut short", self.tenant_name or "relay",
                     scope.get("method"), scope.get("path"), relayed, type(exc).__name__, exc)
-        abort = scope.get("extensions", {}).get(ABORT)
-        if abort is not None:
+        abort = scope.get("extensions", {}).get(ABORT, {}).get("abort")
+        if callable(abort):
             abort(scope)
 
     def _finish(self) -> None:
@@ -305,7 +306,8 @@ class Forwarder:
         ua = ws.headers.get("user-agent")
         if ua:
             extra.append(("User-Agent", ua))
-        subprotocols = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
+        offered = ws.headers.get("sec-websocket-protocol", "").split(",")
+        subprotocols = [Subprotocol(p.strip()) for p in offered if p.strip()]
         base = httpx.URL(tenant.upstream or "")
         raw_path: bytes = scope.get("raw_path") or scope["path"].encode("utf-8")
         query: bytes = scope.get("query_string", b"")
@@ -370,7 +372,7 @@ class Forwarder:
 
         tasks = [asyncio.create_task(client_to_upstream()), asyncio.create_task(upstream_to_client())]
         try:
-            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 if not task.cancelled() and task.exception() is not None:
                     log.warning("websocket bridge ended with %r", task.exception())

@@ -20,7 +20,7 @@ h11_max_incomplete_event_size), and nginx and Envoy ship all of them on by defau
   still being answered gets no answer of its own: the connection ends after that answer.
 - Why not uvicorn's limit_concurrency: it counts connections and tasks only once a head is whole
   (so slow heads are never stopped) and answers 503 to requests on connections already accepted.
-- `scope["extensions"]["hyperswap.abort"](scope)`: ends an answer that cannot be completed (its
+- `scope["extensions"]["hyperswap.abort"]["abort"](scope)`: ends an answer that cannot be completed (its
   upstream broke) by closing the connection; the client sees the answer cut short and uvicorn
   logs nothing ("ASGI callable returned without completing response" otherwise).
 
@@ -124,7 +124,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().__init__(config, server_state, app_state, _loop)
         self.guard = guard
         self.limits = guard.limits
-        self._extensions = {ABORT: self._abort}
+        # ASGI extensions are dicts of the extension's own data: ours holds the one callable.
+        self._extensions: dict[str, dict[object, object]] = {ABORT: {"abort": self._abort}}
         self._head_timer: asyncio.TimerHandle | None = None
         self._linger_timer: asyncio.TimerHandle | None = None
         self._in_message = False  # from the first byte of a request to the end of its body

@@ -4,6 +4,7 @@ processes, and the two simulated engines on loopback (each on the card `engines`
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -71,7 +72,8 @@ def load_scenario(name_or_path: str) -> Scenario:
     if not path.suffix:
         path = SCENARIOS / f"{name_or_path}.json"
     if not path.exists():
-        raise ConfigError(f"no scenario {name_or_path!r}", fix=f"use one of: {', '.join(scenario_names())}, or a path to a scenario file")
+        raise ConfigError(f"no scenario {name_or_path!r}",
+                          fix=f"use one of: {', '.join(scenario_names())}, or a path to a scenario file")
     try:
         return Scenario.model_validate(json.loads(path.read_text()))
     except json.JSONDecodeError as exc:
@@ -152,13 +154,17 @@ class SimBox:
                               fix="another demo (or the real engine) holds that port: stop it first") from None
 
     async def stop(self) -> None:
-        for sim in (self.comfyui, self.ollama):
-            if sim is not None:
-                await sim.stop()
+        """Both simulators stop together, each draining its own listener; the first error is raised
+        once both are done."""
+        sims = [sim for sim in (self.comfyui, self.ollama) if sim is not None]
+        outcomes = await asyncio.gather(*(sim.stop() for sim in sims), return_exceptions=True)
         self.servers.clear()
         if self.files is not None:
             self.files.cleanup()
             self.files = None
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
 
     def _write_model_files(self) -> SimModelFiles:
         """Stand-in files for every model, out of the page cache (cold, as after a reboot). ComfyUI

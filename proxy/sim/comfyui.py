@@ -951,7 +951,7 @@ def _signatures(graph: JSON) -> dict[str, str]:
             parts.append(next(_FRESH))  # its IS_CHANGED returns time.time(): never cached
         for name, value in sorted((node.get("inputs") or {}).items()):
             if isinstance(value, list) and len(value) == 2 and isinstance(value[0], str) and value[0] in graph:
-                parts.append([name, sig(value[0], trail + (nid,)), value[1]])
+                parts.append([name, sig(value[0], (*trail, nid)), value[1]])
             else:
                 parts.append([name, value])
         memo[nid] = json.dumps(parts, sort_keys=True, default=str)

@@ -240,7 +240,7 @@ def _validate_node(graph: JSON, nid: Any, classes: dict[str, NodeClass], validat
             continue
         info = [conf[0], conf[1] if len(conf) > 1 else {}]
         if isinstance(inputs[name], list):
-            error, linked_ok = _link_error(graph, name, info, inputs[name], classes, validated, trail + (nid,))
+            error, linked_ok = _link_error(graph, name, info, inputs[name], classes, validated, (*trail, nid))
             valid = valid and linked_ok
         else:
             error = _literal_error(inputs, name, info)

@@ -12,7 +12,7 @@ import asyncio
 import hashlib
 import json
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -289,7 +289,8 @@ class OllamaSim:
                 return
             cors_headers = [(b"access-control-allow-origin", origin.encode()), (b"vary", b"Origin")]
             if request.method == "OPTIONS":
-                await _send_raw(send, 204, b"", None, cors_headers + [
+                await _send_raw(send, 204, b"", None, [
+                    *cors_headers,
                     (b"access-control-allow-methods", CORS_ALLOW_METHODS.encode()),
                     (b"access-control-allow-headers", CORS_ALLOW_HEADERS.encode()),
                     (b"access-control-max-age", b"43200")])
@@ -356,6 +357,7 @@ class OllamaSim:
         try:
             await handler(request, send)
         except ApiError as exc:
+            body: dict[str, Any]
             if v1:
                 kind = {400: "invalid_request_error", 404: "not_found_error"}.get(exc.status, "api_error")
                 body = {"error": {"message": exc.message, "type": kind, "param": None, "code": None}}
@@ -805,7 +807,9 @@ class OllamaSim:
             raise ApiError(400, "invalid input")
         name = data.get("model")
         m = self._require(name)
-        dims = data.get("dimensions") if isinstance(data.get("dimensions"), int) else EMBED_DIMS
+        dims = data.get("dimensions")
+        if not isinstance(dims, int):
+            dims = EMBED_DIMS
         async with self._sched.lease(m.name, m.size_bytes, None) as lease:
             async with lease.runner.sem:
                 await self._token_pause()
@@ -856,11 +860,14 @@ def _pull_progress(model: SimModel) -> list[dict[str, Any]]:
             if done:
                 line["completed"] = done
             out.append(line)
-    return out + [{"status": "verifying sha256 digest"}, {"status": "writing manifest"}, {"status": "success"}]
+    return [*out, {"status": "verifying sha256 digest"}, {"status": "writing manifest"}, {"status": "success"}]
 
 
 def _syntax_error(exc: json.JSONDecodeError) -> str:
     return f"invalid character looking for beginning of value at offset {exc.pos}"
+
+
+_KINDS_BY_TYPE: dict[type, str] = {list: "array", str: "string"}
 
 
 def _json_kind(value: Any) -> str:
@@ -869,7 +876,7 @@ def _json_kind(value: Any) -> str:
         return "bool"
     if isinstance(value, (int, float)):
         return "number"
-    return {list: "array", str: "string"}.get(type(value), "object")
+    return _KINDS_BY_TYPE.get(type(value), "object")
 
 
 def _count(text: str) -> int:
@@ -884,7 +891,7 @@ async def _wait_disconnect(receive: Receive) -> None:
 
 
 def _with_headers(send: Send, extra: list[tuple[bytes, bytes]]) -> Send:
-    async def wrapped(message: dict[str, Any]) -> None:
+    async def wrapped(message: MutableMapping[str, Any]) -> None:
         if message["type"] == "http.response.start":
             message = {**message, "headers": list(message.get("headers", [])) + extra}
         await send(message)

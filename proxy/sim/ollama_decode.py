@@ -38,7 +38,7 @@ class _Num(str):
     """A JSON number literal, kept as written (Go quotes it in "number 1.5")."""
 
 
-class _Obj(list):  # type: ignore[type-arg]
+class _Obj(list[tuple[str, Any]]):
     """A JSON object as its (key, value) pairs in document order, repeats included."""
 
 

@@ -325,8 +325,8 @@ class Scheduler:
             runner.ready.set()
             runner.idle.set()
         self.runners.clear()
-        for task in list(self._release_tasks):
-            task.cancel()
+        for release in list(self._release_tasks):
+            release.cancel()
         await asyncio.gather(*list(self._release_tasks), return_exceptions=True)
         for pid in list(self.releasing):
             self.gpu.kill(pid)

@@ -187,10 +187,11 @@ def host_allowed(host_header: str) -> bool:
     return any(host.endswith("." + tld) for tld in ("localhost", "local", "internal"))
 
 
-_DEFAULT_ORIGINS = tuple(
-    f"{scheme}://{h}{port}" for h in ("localhost", "127.0.0.1", "0.0.0.0")
-    for scheme in ("http", "https") for port in ("", ":*")
-) + ("app://*", "file://*", "tauri://*", "vscode-webview://*", "vscode-file://*")
+_DEFAULT_ORIGINS = (
+    *(f"{scheme}://{h}{port}" for h in ("localhost", "127.0.0.1", "0.0.0.0")
+      for scheme in ("http", "https") for port in ("", ":*")),
+    "app://*", "file://*", "tauri://*", "vscode-webview://*", "vscode-file://*",
+)
 _EXTENSION_SCHEMES = ("chrome-extension://", "safari-extension://", "moz-extension://", "ms-browser-extension://")
 
 

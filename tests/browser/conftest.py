@@ -38,7 +38,8 @@ class Console:
 
     def __init__(self, page: Page) -> None:
         self.errors: list[str] = []
-        page.on("console", lambda msg: self.errors.append(f"console: {msg.text} ({msg.location.get('url')})") if msg.type == "error" else None)
+        page.on("console", lambda msg: self.errors.append(f"console: {msg.text} ({msg.location.get('url')})")
+                if msg.type == "error" else None)
         page.on("pageerror", lambda exc: self.errors.append(f"pageerror: {exc}"))
 
 

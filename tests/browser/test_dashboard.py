@@ -18,6 +18,7 @@ from proxy.admin.telemetry import Telemetry
 from proxy.demo import Demo, comfy_prompt, run_prompt
 from proxy.gpu.snapshot import GpuReadError
 from proxy.sim.box import fast_scenario as fast
+from proxy.tasks import poll_until
 from proxy.tenants import GIB
 
 DemoFactory = Callable[..., Awaitable[Demo]]
@@ -180,11 +181,13 @@ async def test_decision_log_shows_a_507_with_its_blockers_and_an_oom_retry(box: 
     await rejection.filter(has_text="stt_relay.py").wait_for(timeout=WAIT_MS)
     text = await rejection.inner_text()
     assert "507" in text and "stt_relay.py (unmanaged, 6 GiB)" in text and "needs 20 GiB" in text, text
-    await page.locator('#decisions li[data-kind="oom_retry"]').filter(has_text="retried after releasing").wait_for(timeout=WAIT_MS)
+    retried = page.locator('#decisions li[data-kind="oom_retry"]').filter(has_text="retried after releasing")
+    await retried.wait_for(timeout=WAIT_MS)
     assert not console.errors, console.errors
 
 
-async def test_timeline_of_a_freshly_opened_page_starts_with_the_recorded_minutes(box: DemoFactory, dashboard: OpenDashboard) -> None:
+async def test_timeline_of_a_freshly_opened_page_starts_with_the_recorded_minutes(
+        box: DemoFactory, dashboard: OpenDashboard) -> None:
     demo = await box("default")
     assert demo.proxy is not None
     telemetry = next(e for e in demo.proxy.extensions if isinstance(e, Telemetry))
@@ -196,7 +199,7 @@ async def test_timeline_of_a_freshly_opened_page_starts_with_the_recorded_minute
                                         "min_bytes": held, "max_bytes": held, "last_bytes": held})
     assert telemetry.store.flush()
     page, console = await dashboard(demo)
-    await page.locator("#timeline-start").filter(has_text="−3 min").wait_for(timeout=WAIT_MS)
+    await page.locator("#timeline-start").filter(has_text="\N{MINUS SIGN}3 min").wait_for(timeout=WAIT_MS)
     line = page.locator('#timeline polyline[data-tenant="comfyui"]')
     await line.wait_for(state="attached", timeout=WAIT_MS)
     heights = {float(p.split(",")[1]) for p in (await line.get_attribute("points") or "").split()}
@@ -216,8 +219,7 @@ async def test_a_chat_waiting_for_a_render_shows_on_its_card_until_it_runs(box: 
         async with ws_connect(base.replace("http", "ws") + f"/ws?clientId={cid}") as ws:
             await ws.recv()
             assert (await http.post(base + "/prompt", json={"prompt": prompt, "client_id": cid})).status_code == 200
-            while not demo.proxy.inflight.traffic("comfyui").jobs:
-                await asyncio.sleep(0.01)
+            await poll_until(lambda: demo.proxy.inflight.traffic("comfyui").jobs, 0.01)
             chat = asyncio.ensure_future(http.post(demo.proxy.url("ollama") + "/api/generate",
                                                    json={"model": "gemma3:27b", "prompt": "hi", "stream": False}))
             waiting = page.locator('.card[data-tenant="ollama"] [data-role="waiting"]')

@@ -72,24 +72,35 @@ def fuzz(base_url: str, document: dict[str, Any], headers: dict[str, str]) -> tu
         if operation.path in SKIPPED:
             continue
         for mode, checks in CHECKS.items():
-
-            @settings(max_examples=MAX_EXAMPLES, derandomize=True, database=None, deadline=None,
-                      phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
-            @given(case=operation.as_strategy(generation_mode=mode))
-            def run(case: Any) -> None:
-                nonlocal sent
-                sent += 1
-                case.call_and_validate(base_url=base_url, headers=headers, checks=checks, timeout=30)
-
-            try:
-                run()
-            except Unsatisfiable:
+            count, problem = fuzz_operation(operation, mode, checks, base_url, headers)
+            sent += count
+            if isinstance(problem, Unsatisfiable):
                 if mode is GenerationMode.POSITIVE:
-                    raise
+                    raise problem
                 # nothing to make invalid: no parameters, or only strings that take any value
-            except (Exception, BaseExceptionGroup) as exc:
-                failures.append(f"{mode.value} {operation.method.upper()} {operation.path}: {describe(exc)}")
+            elif problem is not None:
+                failures.append(f"{mode.value} {operation.method.upper()} {operation.path}: {describe(problem)}")
     return failures, sent
+
+
+def fuzz_operation(operation: Any, mode: GenerationMode, checks: list[Any], base_url: str,
+                   headers: dict[str, str]) -> tuple[int, BaseException | None]:
+    """One operation in one mode: the requests sent, and what went wrong (None: nothing)."""
+    sent = 0
+
+    @settings(max_examples=MAX_EXAMPLES, derandomize=True, database=None, deadline=None,
+              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(case=operation.as_strategy(generation_mode=mode))
+    def run(case: Any) -> None:
+        nonlocal sent
+        sent += 1
+        case.call_and_validate(base_url=base_url, headers=headers, checks=checks, timeout=30)
+
+    try:
+        run()
+    except (Exception, BaseExceptionGroup) as exc:
+        return sent, exc
+    return sent, None
 
 
 @pytest.mark.parametrize("token", [None, TOKEN], ids=["no-token", "token"])

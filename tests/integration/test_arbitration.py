@@ -14,7 +14,9 @@ from websockets.asyncio.client import connect as ws_connect
 from proxy.demo import comfy_prompt, run_prompt
 from proxy.gpu.snapshot import GpuReadError
 from proxy.handoff.arbiter import Plan
+from proxy.handoff.decisions import Decision
 from proxy.handoff.queue import Handoff
+from proxy.tasks import poll_until
 from proxy.tenants import GIB
 
 OOM = "llama runner process has terminated: cudaMalloc failed: out of memory"
@@ -63,12 +65,10 @@ async def test_chat_during_a_render_waits_for_it_and_busy_comfyui_is_never_relea
         queued = await http.post(base + "/prompt", json={"prompt": prompt, "client_id": cid})
         assert queued.status_code == 200
         async with asyncio.timeout(5):
-            while comfy_held(demo) < 11 * GIB:
-                await asyncio.sleep(0.01)
+            await poll_until(lambda: comfy_held(demo) >= 11 * GIB, 0.01)
         chat = asyncio.ensure_future(generate(http, demo, "gemma3:27b"))
         async with asyncio.timeout(5):
-            while not [w for w in demo.proxy.arbitration.queue.waiting() if w["waiting_for"]]:
-                await asyncio.sleep(0.005)
+            await poll_until(lambda: [w for w in demo.proxy.arbitration.queue.waiting() if w["waiting_for"]])
         waiting = demo.proxy.arbitration.queue.waiting()[0]
         assert waiting["tenant"] == "ollama" and waiting["waiting_for"] == ["comfyui"], waiting
         assert demo.box.comfyui.frees == 0, "a busy tenant was asked to free"
@@ -145,7 +145,8 @@ async def test_spill_to_cpu_makes_ollama_starved_and_reclaims_comfyui(box: DemoF
     demo = await box(fast("default", settings={"proxy": {"spill_stable_s": 0.2}}))
     await run_prompt(demo.proxy.url("comfyui"), "flux1-dev-fp8.safetensors", http)
     # A client talking to Ollama directly: the proxy only sees the spill afterwards.
-    r = await http.post(demo.box.servers["ollama"].url + "/api/generate", json={"model": "gemma3:27b", "prompt": "x", "stream": False})
+    r = await http.post(demo.box.servers["ollama"].url + "/api/generate",
+                        json={"model": "gemma3:27b", "prompt": "x", "stream": False})
     assert r.status_code == 200
     ps = (await http.get(demo.box.servers["ollama"].url + "/api/ps")).json()["models"][0]
     assert ps["size_vram"] < ps["size"], "precondition: the model spilled"
@@ -207,8 +208,8 @@ async def test_client_leaving_during_a_release_lets_the_release_finish_and_holds
     await run_prompt(demo.proxy.url("comfyui"), "flux1-dev-fp8.safetensors", http)
     leaving = asyncio.ensure_future(generate(http, demo, "gemma3:27b"))
     async with asyncio.timeout(10):
-        while not decisions(demo, "plan", "ollama"):  # the handoff has started: ComfyUI is being asked to free
-            await asyncio.sleep(0.002)
+        # Until the handoff has started: ComfyUI is being asked to free.
+        await poll_until(lambda: decisions(demo, "plan", "ollama"), 0.002)
     plan = decisions(demo, "plan", "ollama")[-1]
     assert "releases" not in plan.outcome, "precondition: the client leaves while the release runs"
     leaving.cancel()
@@ -294,7 +295,8 @@ def test_module_json_is_valid() -> None:
     assert json.loads(json.dumps(comfy_prompt("x")))
 
 
-async def test_comfyui_oom_is_reclaimed_and_the_prompt_requeued_for_the_same_client(box: DemoFactory, http: httpx.AsyncClient) -> None:
+async def test_comfyui_oom_is_reclaimed_and_the_prompt_requeued_for_the_same_client(
+        box: DemoFactory, http: httpx.AsyncClient) -> None:
     # ComfyUI outranks Ollama here, and asks for little up front: the OOM is what reveals the need.
     demo = await box(fast("default", tenants={"comfyui": {"priority": 60, "needs_vram_gb": 1.0}}))
     assert (await generate(http, demo, "gemma3:27b")).status_code == 200
@@ -335,15 +337,16 @@ async def test_comfyui_oom_of_a_client_without_websocket_is_found_by_the_history
     base = demo.proxy.url("comfyui")
     first = (await http.post(base + "/prompt", json={"prompt": comfy_prompt("sd_xl_base_1.0.safetensors")})).json()["prompt_id"]
     async with asyncio.timeout(15):
-        while not (retries := [d for d in decisions(demo, "oom_retry", "comfyui") if d.outcome.get("oom_retry")]):
-            await asyncio.sleep(0.05)
-        retry = retries[-1]
+        def retries() -> list[Decision]:
+            return [d for d in decisions(demo, "oom_retry", "comfyui") if d.outcome.get("oom_retry")]
+        await poll_until(retries, 0.05)
+        retry = retries()[-1]
         assert retry.outcome["oom_retry"] == "requeued", retry.outcome
         requeued = retry.outcome["requeued_as"]
-        while not (await http.get(base + f"/history/{requeued}")).json():
-            await asyncio.sleep(0.05)
-        while demo.proxy.inflight.jobs("comfyui"):
-            await asyncio.sleep(0.05)  # the re-queued prompt is polled to its end too
+        async def history_lists_it() -> bool:
+            return bool((await http.get(base + f"/history/{requeued}")).json())
+        await poll_until(history_lists_it, 0.05)
+        await poll_until(lambda: not demo.proxy.inflight.jobs("comfyui"), 0.05)  # the re-queued prompt is polled to its end too
     failed = (await http.get(base + f"/history/{first}")).json()[first]
     assert failed["status"]["status_str"] == "error"
     done = (await http.get(base + f"/history/{requeued}")).json()[requeued]
@@ -362,8 +365,7 @@ async def test_an_idle_release_that_frees_nothing_backs_off_and_never_holds_up_a
     await asyncio.sleep(0.25)
     releasing = asyncio.ensure_future(watchdog.tick())  # waits its 1 s release timeout under the lock
     async with asyncio.timeout(5):
-        while not demo.proxy.arbitration.handoff_lock.locked():
-            await asyncio.sleep(0.005)
+        await poll_until(demo.proxy.arbitration.handoff_lock.locked)
     started = asyncio.get_running_loop().time()
     queued = await http.post(demo.proxy.url("comfyui") + "/prompt", json={"prompt": comfy_prompt("sd_xl_base_1.0.safetensors")})
     took = asyncio.get_running_loop().time() - started
@@ -392,12 +394,12 @@ async def test_a_prompt_deleted_from_comfyuis_queue_stops_counting_as_busy(box: 
     slow = comfy_prompt("sd_xl_base_1.0.safetensors")
     slow["3"]["inputs"]["steps"] = 300  # ~0.6 s
     a = (await http.post(base + "/prompt", json={"prompt": slow})).json()["prompt_id"]
-    b = (await http.post(base + "/prompt", json={"prompt": comfy_prompt("sd_xl_base_1.0.safetensors", seed=7)})).json()["prompt_id"]
+    quick = comfy_prompt("sd_xl_base_1.0.safetensors", seed=7)
+    b = (await http.post(base + "/prompt", json={"prompt": quick})).json()["prompt_id"]
     assert set(demo.proxy.inflight.jobs("comfyui")) == {a, b}
     assert (await http.post(base + "/queue", json={"delete": [b]})).status_code == 200
     async with asyncio.timeout(10):
-        while demo.proxy.inflight.jobs("comfyui"):
-            await asyncio.sleep(0.02)
+        await poll_until(lambda: not demo.proxy.inflight.jobs("comfyui"), 0.02)
     lost = decisions(demo, "stale_job", "comfyui")
     assert [d.outcome["job_id"] for d in lost] == [b], "A ended normally; B was in neither queue nor history"
     r = await http.post(demo.proxy.url("admin") + "/api/tenants/comfyui/release")

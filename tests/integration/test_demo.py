@@ -33,7 +33,8 @@ async def test_tight_demo_handoff_names_the_speech_relay(box: DemoFactory) -> No
     results = dict((n, d) for n, ok, d in await self_test(demo))
     assert "loaded after releasing comfyui" in results["proxy: handoff ComfyUI -> Ollama"]
     rejection = results["proxy: 507 names the blockers"]
-    assert rejection.startswith("507 for mistral-small:22b") and "python stt_relay.py --model large-v3 (pid 4242, 0.84 GiB, unmanaged)" in rejection
+    assert rejection.startswith("507 for mistral-small:22b"), rejection
+    assert "python stt_relay.py --model large-v3 (pid 4242, 0.84 GiB, unmanaged)" in rejection, rejection
 
 
 async def test_plan_command_prints_a_dry_run_from_the_running_proxy(box: DemoFactory, capsys: pytest.CaptureFixture[str]) -> None:

@@ -19,6 +19,7 @@ from proxy.admin.openapi import OpenApiExtension, openapi_document
 from proxy.demo import Demo, run_prompt
 from proxy.service import Proxy
 from proxy.sim.box import SimBox
+from proxy.tasks import poll_until
 from proxy.tenants import registry_from_dict
 
 FAST = EventsSettings(tick_s=0.05, catalog_refresh_s=0.1)
@@ -138,8 +139,7 @@ async def test_client_disconnect_removes_the_subscriber(events_box: tuple[Demo, 
         await next_event(sse(r), "stats")
         assert ext.subscriber_count == 1
     async with asyncio.timeout(5):
-        while ext.subscriber_count:
-            await asyncio.sleep(0.01)
+        await poll_until(lambda: not ext.subscriber_count, 0.01)
 
 
 async def test_reconnect_with_last_event_id_replays_missed_decisions(events_box: tuple[Demo, EventsExtension],
@@ -174,7 +174,7 @@ def test_a_subscriber_too_far_behind_on_decisions_is_closed_not_trimmed() -> Non
 
 async def test_stats_frame_is_small_without_the_catalog(events_box: tuple[Demo, EventsExtension],
                                                         http: httpx.AsyncClient) -> None:
-    demo, ext = events_box
+    demo, _ext = events_box
     async with http.stream("GET", demo.proxy.url("admin") + "/api/events") as r:
         frames = sse(r)
         catalog = await next_event(frames, "catalog")

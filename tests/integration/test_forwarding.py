@@ -35,6 +35,7 @@ from proxy.handoff.inflight import InFlight
 from proxy.relay.forward import Forwarder
 from proxy.relay.listener import tenant_app
 from proxy.relay.servers import RunningServer, start_server
+from proxy.tasks import poll_until
 from proxy.tenants import Tenant, Timeouts
 
 SAFETY_S = 10.0  # only to turn a deadlock into a failure, never to measure
@@ -289,7 +290,7 @@ async def test_forwarded_for_appends_the_socket_address_to_a_client_supplied_cha
 
 
 async def test_browser_opened_on_proxy_passes_comfyui_origin_check() -> None:
-    async with stack("comfyui", comfyui_like) as (proxy, tenant, _, _):
+    async with stack("comfyui", comfyui_like) as (proxy, _tenant, _, _):
         proxy_host = f"127.0.0.1:{proxy.port}"
         async with httpx.AsyncClient() as c:
             same = await c.get(f"{proxy.url}/", headers={"Origin": f"http://{proxy_host}"})
@@ -450,7 +451,7 @@ async def test_upstream_that_breaks_mid_stream_gives_the_client_a_broken_answer_
     server = await asyncio.start_server(breaks, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     try:
-        async with stack("ollama", None, upstream_url=f"http://127.0.0.1:{port}") as (proxy, _, inflight, _):
+        async with stack("ollama", None, upstream_url=f"http://127.0.0.1:{port}") as (proxy, _, _inflight, _):
             server_errors = _Records()
             logging.getLogger("uvicorn.error").addHandler(server_errors)
             try:
@@ -541,8 +542,8 @@ async def test_upload_abandoned_half_way_ends_quietly_and_counts_nothing(path: s
         # After the servers started: uvicorn's logging set-up drops handlers, and its logger does
         # not propagate to pytest's capture.
         logging.getLogger("uvicorn.error").addHandler(server_errors)
-        reader, writer = await _raw_request(proxy.url, f"POST {path} HTTP/1.1\r\nHost: localhost\r\n"
-                                                       f"Content-Length: {2**20}\r\n\r\n".encode() + b"x" * 65536)
+        _reader, writer = await _raw_request(proxy.url, f"POST {path} HTTP/1.1\r\nHost: localhost\r\n"
+                                                        f"Content-Length: {2**20}\r\n\r\n".encode() + b"x" * 65536)
         if path.startswith("/api/blobs"):
             await within(state.upload_started.wait())  # the upstream is reading the streamed body
         writer.transport.abort()
@@ -626,8 +627,7 @@ async def test_comfyui_prompt_without_socket_ends_via_history_poll() -> None:
 
 
 async def _until(pred: Callable[[], bool]) -> None:
-    while not pred():
-        await asyncio.sleep(0)
+    await poll_until(pred, 0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from boxes import DemoFactory, fast
 from websockets.asyncio.client import connect as ws_connect
 
 from proxy.demo import Demo, comfy_prompt
+from proxy.tasks import poll_until
 from proxy.tenants import GIB
 
 README_CKPT = "sd_xl_base_1.0.safetensors"  # examples/comfy_prompt.json
@@ -31,8 +32,8 @@ def releases(demo: Demo) -> list[tuple[str, str]]:
 
 
 async def chat(demo: Demo, model: str) -> ollama.ChatResponse:
-    client = ollama.AsyncClient(host=demo.proxy.url("ollama"))  # type: ignore[union-attr]
-    return await client.chat(model=model, messages=[{"role": "user", "content": "hi"}])
+    async with ollama.AsyncClient(host=demo.proxy.url("ollama")) as client:  # type: ignore[union-attr]
+        return await client.chat(model=model, messages=[{"role": "user", "content": "hi"}])
 
 
 async def render(demo: Demo, ckpt: str = README_CKPT, steps: int | None = None) -> list[dict[str, Any]]:
@@ -73,8 +74,7 @@ async def test_a_chat_sent_while_the_readme_prompt_renders_waits_and_is_answered
     assert succeeded(await render(demo))  # ComfyUI holds its checkpoint, as after the README's first line
     rendering = asyncio.ensure_future(render(demo, steps=400))
     async with asyncio.timeout(5):
-        while not demo.proxy.inflight.traffic("comfyui").jobs:  # type: ignore[union-attr]
-            await asyncio.sleep(0.005)
+        await poll_until(lambda: demo.proxy.inflight.traffic("comfyui").jobs)  # type: ignore[union-attr]
     answer = await chat(demo, "gemma3:27b")
     assert answer.message.content and rendering.done(), "the chat was answered after the render ended"
     assert succeeded(rendering.result())
@@ -97,8 +97,7 @@ async def test_a_release_asked_right_after_the_end_marker_is_not_refused_as_busy
     admin = demo.proxy.url("admin")  # type: ignore[union-attr]
     rendering = asyncio.ensure_future(render(demo, steps=300))
     async with asyncio.timeout(5):
-        while demo.box.gpu.used_by(demo.box.comfyui.pid) < 6 * GIB:  # type: ignore[union-attr]
-            await asyncio.sleep(0.005)
+        await poll_until(lambda: demo.box.gpu.used_by(demo.box.comfyui.pid) >= 6 * GIB)  # type: ignore[union-attr]
     await demo.proxy.watchdog.tick()  # type: ignore[union-attr] # reads ComfyUI's /queue with the prompt running
     await rendering
     async with httpx.AsyncClient(trust_env=False, timeout=30) as http:

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from proxy.relay.http1 import Pool, PoolTimeout, UpstreamClosed, UpstreamProtocolError
+from proxy.tasks import poll_until
 
 SAFETY_S = 5.0
 
@@ -384,10 +385,7 @@ async def test_malformed_bytes_after_a_whole_answer_spoil_nothing(raw: bytes, ex
 
 
 async def _until(pred: Callable[[], bool]) -> None:
-    async def poll() -> None:
-        while not pred():
-            await asyncio.sleep(0.005)
-    await asyncio.wait_for(poll(), SAFETY_S)
+    await asyncio.wait_for(poll_until(pred), SAFETY_S)
 
 
 def _held(gate: asyncio.Event) -> Handler:

@@ -9,7 +9,6 @@ import contextlib
 import json
 import logging
 import os
-import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -313,7 +312,8 @@ async def app(scope, receive, send):
 
 async def main():
     server = await start_server(app, name="tight")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 4, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 4, hard))
     print(server.port, flush=True)
     await asyncio.sleep(3.5)  # asyncio retries a failed accept every second
 
@@ -323,21 +323,24 @@ asyncio.run(main())
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/fd")
 async def test_a_listener_out_of_descriptors_logs_one_line_not_a_traceback_per_retry() -> None:
-    child = subprocess.Popen([sys.executable, "-c", CHILD.format(root=str(ROOT))], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", CHILD.format(root=str(ROOT)), stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     clients: list[asyncio.StreamWriter] = []
     try:
         assert child.stdout is not None
-        port = int(await within(asyncio.to_thread(child.stdout.readline)))
+        port = int(await within(child.stdout.readline()))
         for _ in range(12):
             _, writer = await asyncio.open_connection("127.0.0.1", port)  # the backlog accepts them all
             clients.append(writer)
-        _, stderr = await within(asyncio.to_thread(child.communicate))
+        _, err = await within(child.communicate())
+        stderr = err.decode()
     finally:
         for writer in clients:
             writer.close()
-        if child.poll() is None:
+        if child.returncode is None:
             child.kill()
+            await child.wait()
     lines = [line for line in stderr.splitlines() if "accept" in line]
     assert len(lines) == 1 and "Too many open files" in lines[0], stderr
     assert "Traceback" not in stderr, stderr

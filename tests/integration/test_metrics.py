@@ -15,6 +15,7 @@ from proxy.demo import comfy_prompt, run_prompt
 from proxy.tenants import GIB
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+TOO_BIG = {"model": "mistral-small:22b", "prompt": "hi", "stream": False}  # more than the "tight" box can ever hold
 
 
 async def scrape(http: httpx.AsyncClient, demo) -> Samples:  # type: ignore[no-untyped-def]
@@ -85,7 +86,7 @@ async def test_metrics_count_a_handoff_and_a_507_on_the_simulated_box(box: DemoF
 
 async def test_unmanaged_vram_and_a_507_on_the_tight_box(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("tight")
-    r = await http.post(demo.proxy.url("ollama") + "/api/generate", json={"model": "mistral-small:22b", "prompt": "hi", "stream": False})
+    r = await http.post(demo.proxy.url("ollama") + "/api/generate", json=TOO_BIG)
     assert r.status_code == 507, r.text
 
     m = await scrape(http, demo)
@@ -97,11 +98,12 @@ async def test_unmanaged_vram_and_a_507_on_the_tight_box(box: DemoFactory, http:
     assert value(m, "hyperswap_handoff_seconds_count") == 0, "a 507 is not a handoff"
 
 
-async def test_first_scrape_reads_the_card_and_two_proxies_keep_separate_counters(box: DemoFactory, http: httpx.AsyncClient) -> None:
+async def test_first_scrape_reads_the_card_and_two_proxies_keep_separate_counters(
+        box: DemoFactory, http: httpx.AsyncClient) -> None:
     a = await box("tight")
     b = await box("tight")
     assert a.proxy.arbitration.last_snapshot is None
-    r = await http.post(a.proxy.url("ollama") + "/api/generate", json={"model": "mistral-small:22b", "prompt": "hi", "stream": False})
+    r = await http.post(a.proxy.url("ollama") + "/api/generate", json=TOO_BIG)
     assert r.status_code == 507
 
     mb = await scrape(http, b)

@@ -37,6 +37,7 @@ from proxy.gpu.snapshot import GpuReadError
 from proxy.relay.servers import RunningServer, start_server
 from proxy.service import Proxy
 from proxy.sim.box import Scenario, SimBox
+from proxy.tasks import poll_until
 from proxy.tenants import GIB, registry_from_dict
 
 HOST_RAM = int(24.04 * GIB)  # what a --cpu ComfyUI reports as torch_vram_total: host RAM, not VRAM
@@ -157,8 +158,7 @@ async def served(tmp_path: Path) -> AsyncIterator[Serve]:
 
         stops.append(teardown)
         async with asyncio.timeout(15):
-            while not err.getvalue() and not task.done():
-                await asyncio.sleep(0.02)
+            await poll_until(lambda: err.getvalue() or task.done(), 0.02)
         if task.done():
             task.result()  # raises what went wrong
         return Served(proxy, box, comfy, out, err, runner)

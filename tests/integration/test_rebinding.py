@@ -92,7 +92,8 @@ async def test_local_names_ollama_accepts_pass_through_the_drop_in(box: DemoFact
         assert r.status_code == 200, f"Ollama allows {host}, so must the drop-in: {r.status_code} {r.text}"
 
 
-async def test_same_origin_page_works_and_foreign_origin_is_left_for_ollama_to_refuse(box: DemoFactory, http: httpx.AsyncClient) -> None:
+async def test_same_origin_page_works_and_foreign_origin_is_left_for_ollama_to_refuse(
+        box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("default")
     o = demo.proxy.url("ollama")
     own = urlsplit(o).netloc
@@ -117,7 +118,8 @@ async def test_allowed_hosts_lets_a_configured_name_reach_ollama(box: DemoFactor
     _refusal(other, 403)
 
 
-async def test_rebinding_page_cannot_reach_comfyui_although_comfyui_would_answer_it(box: DemoFactory, http: httpx.AsyncClient) -> None:
+async def test_rebinding_page_cannot_reach_comfyui_although_comfyui_would_answer_it(
+        box: DemoFactory, http: httpx.AsyncClient) -> None:
     # ComfyUI compares Origin with Host only for a loopback Host: a rebinding page passes it directly.
     demo = await box("default")
     host = "attacker.example:8189"

@@ -13,6 +13,7 @@ import pytest
 
 from proxy.service import Proxy
 from proxy.sim.gpu import SimulatedGpu
+from proxy.tasks import poll_until
 from proxy.tenants import registry_from_dict
 
 SAFETY_S = 15.0
@@ -86,8 +87,8 @@ async def open_streams(proxy: Proxy) -> list[tuple[asyncio.StreamReader, asyncio
 async def refuses(port: int) -> bool:
     try:
         _, writer = await asyncio.open_connection("127.0.0.1", port)
-    except ConnectionRefusedError:
-        return True
+    except (ConnectionRefusedError, ConnectionResetError):
+        return True  # reset: the listener closed with this connection still in its backlog
     writer.close()
     return False
 
@@ -111,10 +112,9 @@ async def test_listeners_drain_together_and_streams_that_finish_in_time_end_whol
         ports = [s.port for s in proxy.servers.values()]
         stopping = asyncio.ensure_future(proxy.stop())
 
-        async def all_refuse() -> None:
-            while not all([await refuses(port) for port in ports]):
-                await asyncio.sleep(0.01)
-        await asyncio.wait_for(all_refuse(), SAFETY_S)
+        async def all_refuse() -> bool:
+            return all([await refuses(port) for port in ports])
+        await asyncio.wait_for(poll_until(all_refuse, 0.01), SAFETY_S)
         # One after another, a listener stops accepting only once the one before it is done (drained, or
         # given up on after its own 5 s); together, every tenant listener is still draining its streams.
         tenants = [proxy.servers[name] for name in ("ollama", "comfyui")]
@@ -145,10 +145,7 @@ async def test_streams_past_the_drain_are_cut_quietly_with_one_line(caplog: pyte
                 tails.append(await asyncio.wait_for(reader.read(), SAFETY_S))
             writer.close()
 
-        async def upstream_requests_dropped() -> None:
-            while engine.open:
-                await asyncio.sleep(0.01)
-        await asyncio.wait_for(upstream_requests_dropped(), SAFETY_S)
+        await asyncio.wait_for(poll_until(lambda: not engine.open, 0.01), SAFETY_S)  # upstream requests dropped
     assert left == [], f"{len(left)} requests still running after stop()"
     assert not any(tail.endswith(b"0\r\n\r\n") for tail in tails), "a cut stream must not look whole"
     assert [r.getMessage() for r in server_log.records if r.levelno >= logging.WARNING] == [], \

@@ -650,20 +650,35 @@ async def test_origin_rule_rejects_mismatched_origin_on_loopback_for_http_and_ws
         assert (await first_frame(ws))["data"]["sid"] == "y"
 
 
+def refusal(kind: str, message: str, details: str = "", node_errors: dict[str, Any] | None = None) -> dict[str, Any]:
+    """ComfyUI's 400 body for a refused prompt, as observed."""
+    return {"error": {"type": kind, "message": message, "details": details, "extra_info": {}},
+            "node_errors": node_errors or {}}
+
+
 async def test_validation_errors_have_the_observed_bodies_and_still_count_numbers(box: Box) -> None:
     async def post(body: dict[str, Any]) -> httpx.Response:
         return await box.http.post("/prompt", json=body)
 
     r = await post({"prompt": {"1": {"class_type": "NoSuchNode", "inputs": {}}}})
-    assert r.status_code == 400 and r.json() == {"error": {"type": "invalid_prompt", "message": "Cannot execute because node NoSuchNode does not exist.", "details": "Node ID '#1'", "extra_info": {}}, "node_errors": {}}
+    assert r.status_code == 400 and r.json() == refusal(
+        "invalid_prompt", "Cannot execute because node NoSuchNode does not exist.", "Node ID '#1'")
     r = await post({"prompt": {"1": image_graph()["1"]}})
-    assert r.json() == {"error": {"type": "prompt_no_outputs", "message": "Prompt has no outputs", "details": "", "extra_info": {}}, "node_errors": {}}
+    assert r.json() == refusal("prompt_no_outputs", "Prompt has no outputs")
     r = await post({"prompt": {"1": image_graph()["1"], "2": {"class_type": "SaveImage", "inputs": {"filename_prefix": "x"}}}})
-    assert r.json() == {"error": {"type": "prompt_outputs_failed_validation", "message": "Prompt outputs failed validation", "details": "Required input is missing: images", "extra_info": {}}, "node_errors": {"2": {"errors": [{"type": "required_input_missing", "message": "Required input is missing", "details": "images", "extra_info": {"input_name": "images"}}], "dependent_outputs": ["2"], "class_type": "SaveImage"}}}
+    missing = {"type": "required_input_missing", "message": "Required input is missing", "details": "images",
+               "extra_info": {"input_name": "images"}}
+    assert r.json() == refusal("prompt_outputs_failed_validation", "Prompt outputs failed validation",
+                               "Required input is missing: images",
+                               {"2": {"errors": [missing], "dependent_outputs": ["2"], "class_type": "SaveImage"}})
     r = await post({"prompt": image_graph(width=0)})
-    assert r.json() == {"error": {"type": "prompt_outputs_failed_validation", "message": "Prompt outputs failed validation", "details": "", "extra_info": {}}, "node_errors": {"1": {"errors": [{"type": "value_smaller_than_min", "message": "Value 0 smaller than min of 1", "details": "width", "extra_info": {"input_name": "width", "input_config": ["INT", {"default": 512, "min": 1, "max": 16384, "step": 1}], "received_value": 0}}], "dependent_outputs": ["2"], "class_type": "EmptyImage"}}}
+    too_small = {"type": "value_smaller_than_min", "message": "Value 0 smaller than min of 1", "details": "width",
+                 "extra_info": {"input_name": "width", "received_value": 0,
+                                "input_config": ["INT", {"default": 512, "min": 1, "max": 16384, "step": 1}]}}
+    assert r.json() == refusal("prompt_outputs_failed_validation", "Prompt outputs failed validation", "",
+                               {"1": {"errors": [too_small], "dependent_outputs": ["2"], "class_type": "EmptyImage"}})
     r = await post({"client_id": "x"})
-    assert r.json() == {"error": {"type": "no_prompt", "message": "No prompt provided", "details": "No prompt provided", "extra_info": {}}, "node_errors": {}}
+    assert r.json() == refusal("no_prompt", "No prompt provided", "No prompt provided")
     r = await post({"prompt": txt2img(ckpt="missing.safetensors")})
     error = r.json()["node_errors"]["4"]["errors"][0]
     assert r.status_code == 400 and error["type"] == "value_not_in_list"

@@ -38,7 +38,7 @@ def snap(procs: list[tuple[str, int, int | None]], *, free: int | None = None, t
     device = DeviceMemory(0, "test card", total, RESERVED, total - free - RESERVED, free)
     gps = tuple(GpuProcess(pid, f"{tenant}-proc", f"{tenant} --serve", used, float(pid)) for tenant, pid, used in procs)
     s = GpuSnapshot(device, gps, source=source)  # type: ignore[arg-type]
-    return AttributedSnapshot(s, tuple(AttributedProcess(p, t) for p, (t, _, _) in zip(gps, procs)))
+    return AttributedSnapshot(s, tuple(AttributedProcess(p, t) for p, (t, _, _) in zip(gps, procs, strict=True)))
 
 
 def idle(*names: str) -> dict[str, TenantState]:

@@ -79,7 +79,7 @@ async def test_watch_never_takes_a_body_part_the_body_reader_has_not_read_yet() 
 
 
 async def test_a_request_without_body_is_watched_from_the_start() -> None:
-    receive, link, task = await serving(NO_BODY)
+    receive, _link, task = await serving(NO_BODY)
     receive.queue.put_nowait({"type": "http.disconnect"})
     assert await asyncio.wait_for(task, 5) == "client left"
 
@@ -96,7 +96,7 @@ async def test_a_request_that_ends_before_the_delay_never_starts_a_watch(monkeyp
 
 
 async def test_shutdown_cancelling_too_is_not_absorbed() -> None:
-    receive, link, task = await serving(NO_BODY)
+    receive, _link, task = await serving(NO_BODY)
     await ticks()
     receive.queue.put_nowait({"type": "http.disconnect"})
     task.cancel()  # the server stops at the same moment

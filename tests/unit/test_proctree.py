@@ -120,4 +120,4 @@ def test_without_netlink_the_listeners_come_from_proc_net(fp: FakeProc, monkeypa
     fp.process(800, "llmd", ["llmd"], sockets=[port])
     fp.write_net()
     tree = ProcTreeReader(fp.root, netlink=True).read([800])
-    assert [l.port for l in tree.listeners] == [11434] and tree.nodes[800].sockets == frozenset({port})
+    assert [listener.port for listener in tree.listeners] == [11434] and tree.nodes[800].sockets == frozenset({port})

@@ -48,4 +48,4 @@ def test_live_dump_finds_a_loopback_listener_we_opened() -> None:
             listeners = read_listeners_netlink()
         except OSError as exc:
             pytest.skip(f"netlink sock_diag not available here: {exc}")
-        assert [(l.address, l.port) for l in listeners if l.port == port] == [("127.0.0.1", port)]
+        assert [(lst.address, lst.port) for lst in listeners if lst.port == port] == [("127.0.0.1", port)]

@@ -191,7 +191,7 @@ def test_cli_version_and_help_list_every_command(capsys: pytest.CaptureFixture[s
 # -- nonsense is refused at load (exit 2, the JSON path, no traceback) ---------------------------
 
 def _tenant(body: str) -> str:
-    return '{"tenants": {"ollama": {%s}}}' % body
+    return '{"tenants": {"ollama": {' + body + '}}}'
 
 
 NONSENSE: list[tuple[str, str, str]] = [
