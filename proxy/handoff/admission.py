@@ -152,7 +152,9 @@ class Arbitration:
             prev = self._measured_device
             total = prev.total_bytes if prev else 0
             used = sum(p.process.used_bytes or 0 for p in procs)
-            unknown: set[DeviceFigure] = {"used", "free", "reserved"} | (set() if total else {"total"})
+            unknown: set[DeviceFigure] = {"used", "free", "reserved"}
+            if not total:
+                unknown.add("total")
             device = DeviceMemory(0, prev.name if prev else "unknown (GPU reader failed)", total, 0, used,
                                   max(0, total - used), unknown=frozenset(unknown))
         raw = GpuSnapshot(device, tuple(p.process for p in procs), source="engine-estimate", taken_at=self.clock.now(),
