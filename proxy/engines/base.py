@@ -289,6 +289,7 @@ class EngineAdapter:
 
     # -- health and /api/engines ----------------------------------------------------------------
     probe_path: str = "/"  # what health GETs to see the engine answer
+    verify_role: str | None = None  # what `hyperswap verify` drives it as: "generates", "renders" or nothing
     probe_strict: bool = False  # True: only a 200 with the engine's own answer is healthy; else any status < 500
     start_hint: str | None = None  # how to start the engine, for a fix text
 

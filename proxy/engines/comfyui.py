@@ -42,6 +42,7 @@ class ComfyUIAdapter(EngineAdapter):
     kind = "comfyui"
     probe_path = "/system_stats"
     probe_strict = True
+    verify_role = "renders"
     start_hint = "start ComfyUI (`python main.py`)"
     floor_from_samples = True
     device_flag = "--cuda-device"  # main.py sets CUDA_VISIBLE_DEVICES from it before torch starts

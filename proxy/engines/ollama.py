@@ -91,6 +91,7 @@ class OllamaAdapter(EngineAdapter):
     placements_path = "/api/ps"
     probe_path = "/api/version"
     probe_strict = True
+    verify_role = "generates"
     start_hint = "start Ollama (`systemctl start ollama` or `ollama serve`)"
 
     def __init__(self, tenant: Tenant) -> None:

@@ -37,7 +37,7 @@ from proxy.verify.clients import (
     minimal_graph,
 )
 from proxy.verify.report import Report, StageFailed, StageResult, StageSkipped
-from proxy.verify.stages import GENERATES, fails
+from proxy.verify.stages import GENERATES, fails, kinds_for, role_of
 
 
 @dataclass(slots=True)
@@ -140,11 +140,11 @@ class Verify:
         return result.status == "pass"
 
     # -- helpers -----------------------------------------------------------------------------------
-    def tenant_of(self, kind: str) -> TenantInfo:
+    def tenant_of(self, role: str) -> TenantInfo:
         """The first tenant of an engine kind that clients reach through a listener, and that answered."""
-        t = next((t for t in self.found.tenants.values() if t.engine == kind and t.url), None)
+        t = next((t for t in self.found.tenants.values() if role_of(t) == role and t.url), None)
         if t is None:
-            raise StageSkipped(f"no {kind} tenant with a listener in this proxy's configuration")
+            raise StageSkipped(f"no {kinds_for(role)} tenant with a listener in this proxy's configuration")
         if t.name in self.found.unreachable:
             raise StageSkipped(f"{t.name} is not reachable through the proxy (see upstream {t.name})")
         return t
@@ -196,7 +196,7 @@ class Verify:
     async def _decide_consent(self) -> None:
         held = [t for t in self.found.tenants.values() if t.reclaimable
                 and (t.vram_bytes or 0) > int(float(t.config.get("idle_vram_gb") or 0) * GIB)]
-        ollama = next((t for t in self.found.tenants.values() if t.engine == GENERATES and t.url
+        ollama = next((t for t in self.found.tenants.values() if role_of(t) == GENERATES and t.url
                        and t.name not in self.found.unreachable), None)
         if ollama is not None:
             try:

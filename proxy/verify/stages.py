@@ -8,6 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from proxy.engines.base import EngineAdapter
+from proxy.engines.generic import GenericAdapter
+from proxy.engines.registry import ADAPTERS
 from proxy.tenants import GIB
 from proxy.verify.clients import OllamaModel, TenantInfo, Unexpected, gib
 from proxy.verify.report import StageFailed, StageSkipped
@@ -15,10 +18,22 @@ from proxy.verify.report import StageFailed, StageSkipped
 if TYPE_CHECKING:
     from proxy.verify.runner import Verify
 
-# The path that proves an engine answers (through the proxy): what each engine kind serves cheaply.
-PROBE_PATHS = {"ollama": "/api/version", "comfyui": "/system_stats"}
-# The engine kinds whose wire verify speaks for the generation, graph, reclaim and OOM stages.
-GENERATES, RENDERS = "ollama", "comfyui"
+# The roles verify drives (the generation, graph, reclaim and OOM stages); each engine kind's adapter
+# says which role its wire plays (`EngineAdapter.verify_role`), so no engine name is spelt here.
+GENERATES, RENDERS = "generates", "renders"
+
+
+def adapter_class(kind: str) -> type[EngineAdapter]:
+    return ADAPTERS.get(kind, GenericAdapter)
+
+
+def role_of(t: TenantInfo) -> str | None:
+    return adapter_class(t.engine).verify_role
+
+
+def kinds_for(role: str) -> str:
+    """The engine kinds that play a role, for messages: "comfyui"."""
+    return " or ".join(kind for kind, cls in ADAPTERS.items() if cls.verify_role == role)
 
 
 class NoCandidate(Exception):
@@ -54,7 +69,8 @@ async def check_proxy(v: Verify) -> str:
 async def check_upstream(v: Verify, t: TenantInfo) -> str:
     """The engine answers through its drop-in port (a 502 from the proxy: the engine is down)."""
     assert t.url
-    path = PROBE_PATHS.get(t.engine, "/")
+    probe = adapter_class(t.engine)
+    path = probe.probe_path
     impact = f"clients of {t.name} at {t.url} get errors, and the proxy cannot ask {t.name} for memory back"
     try:
         r = await v.http.get(t.url + path)
@@ -62,7 +78,7 @@ async def check_upstream(v: Verify, t: TenantInfo) -> str:
         v.found.unreachable[t.name] = "listener"
         raise StageFailed(f"the proxy's listener for {t.name} does not answer at {t.url}: {type(exc).__name__}",
                           impact=impact, fix=f"check tenants.{t.name}.listen and restart `hyperswap serve`") from None
-    ok = r.status_code < 500 if t.engine not in PROBE_PATHS else r.status_code == 200
+    ok = r.status_code == 200 if probe.probe_strict else r.status_code < 500
     if not ok:
         v.found.unreachable[t.name] = "upstream"
         answer = Unexpected(f"GET {path} through {t.url}", r)
@@ -344,7 +360,7 @@ async def check_too_large(v: Verify) -> str:
                           f"{plan.get('explanation')}", impact="a load larger than the card would be forwarded and "
                           "fail with out of memory instead of a clear 507", fix="report it with this output")
     detail = f"dry run: {gib(need)} on the {gib(total)} card is refused ({plan.get('explanation')})"
-    if t.engine == GENERATES and t.url:
+    if role_of(t) == GENERATES and t.url:
         usable = int(total) - int(v.found.device.get("reserved_bytes") or 0)
         client = v.ollama(t)
         big = [m for m in await client.models() if m.size + t.context_allowance_bytes > usable]
@@ -362,7 +378,7 @@ async def check_too_large(v: Verify) -> str:
 async def restore(v: Verify) -> str:
     """Ollama models verify unloaded are loaded again; those it loaded itself are unloaded."""
     notes: list[str] = []
-    ollama = next((t for t in v.found.tenants.values() if t.engine == GENERATES and t.url
+    ollama = next((t for t in v.found.tenants.values() if role_of(t) == GENERATES and t.url
                    and t.name not in v.found.unreachable), None)
     if ollama is not None:
         client = v.ollama(ollama)

@@ -29,15 +29,21 @@ def engine_switches(source: str, where: str) -> list[str]:
     return sorted(set(out))
 
 
-# Not the proxy itself: `hyperswap verify` is a client of a running proxy that drives Ollama and
-# ComfyUI through their own APIs on purpose; its `engine` is the admin API's field, not a Tenant's.
-CLIENTS = (PROXY / "engines", PROXY / "verify")
+# The adapters are where engine names belong; `hyperswap verify` asks them too (`verify_role`).
+CLIENTS = (PROXY / "engines",)
 
 
 def test_no_module_outside_engines_switches_on_an_engine_name() -> None:
     offenders = [hit for path in sorted(PROXY.rglob("*.py")) if not any(path.is_relative_to(c) for c in CLIENTS)
                  for hit in engine_switches(path.read_text(), str(path.relative_to(PROXY.parent)))]
     assert not offenders, "ask the tenant's adapter (proxy/engines/) instead of switching on its name:\n" + "\n".join(offenders)
+
+
+def test_the_grep_of_the_issue_finds_nothing_outside_engines_dashboard_included() -> None:
+    hits = [f"{path}:{i}" for path in sorted(PROXY.rglob("*")) if path.suffix in (".py", ".js", ".html")
+            and not path.is_relative_to(PROXY / "engines")
+            for i, line in enumerate(path.read_text().splitlines(), 1) if "engine ==" in line]
+    assert not hits, hits
 
 
 def test_the_check_finds_every_form_of_switch() -> None:

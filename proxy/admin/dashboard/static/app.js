@@ -35,7 +35,7 @@
 
   function colorOf(tenant) {
     if (!ui.colors.has(tenant.name)) {
-      const c = tenant.engine === "generic" && !tenant.reclaimable ? DESKTOP_COLOR : PALETTE[ui.colors.size % PALETTE.length];
+      const c = !tenant.reclaimable ? DESKTOP_COLOR : PALETTE[ui.colors.size % PALETTE.length];
       ui.colors.set(tenant.name, c);
     }
     return ui.colors.get(tenant.name);
