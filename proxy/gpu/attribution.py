@@ -42,9 +42,8 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 from urllib.parse import urlsplit
 
-from proxy.gpu.devices import Placement
-from proxy.gpu.pods import PodRef
-from proxy.gpu.snapshot import GpuProcess, GpuSnapshot, Listener, ProcessTree, ProcNode
+from proxy.gpu.placement import Placement
+from proxy.gpu.snapshot import GpuProcess, GpuSnapshot, Listener, PodRef, ProcessTree, ProcNode
 from proxy.relay.hosts import IpAddress, is_local_address, parse_ip
 from proxy.tenants import PodMatch, Registry, Tenant
 

@@ -25,35 +25,18 @@ import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
+from proxy.gpu.placement import Placement
 from proxy.gpu.snapshot import DeviceMemory, GpuProcess
 from proxy.tenants import Registry, Tenant
 
 if TYPE_CHECKING:
-    from proxy.gpu.attribution import AttributedSnapshot  # which imports Placement from here
+    from proxy.gpu.attribution import AttributedSnapshot
 
 CUDA_KEYS = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
-PlacementSource = Literal["pinned", "discovered", "any"]
 _INDEX = re.compile(r"\d+")
 _UUID = re.compile(r"(GPU|MIG)-[0-9A-Za-z-]+")
-
-
-@dataclass(frozen=True, slots=True)
-class Placement:
-    """Where a tenant's engine runs. `devices` None: any device of the host."""
-
-    tenant: str
-    devices: tuple[int, ...] | None
-    source: PlacementSource
-    detail: str
-
-    def allows(self, index: int) -> bool:
-        return self.devices is None or index in self.devices
-
-    def to_json(self) -> dict[str, object]:
-        return {"devices": None if self.devices is None else list(self.devices), "source": self.source,
-                "detail": self.detail}
 
 
 # -- reading /proc (blocking: the reader's thread) ------------------------------------------------

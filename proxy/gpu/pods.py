@@ -25,14 +25,14 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Protocol
 
 import httpx
 
-from proxy.gpu.snapshot import GpuReader, GpuSnapshot
+from proxy.gpu.snapshot import GpuReader, GpuSnapshot, PodRef
 
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 _ID = r"[0-9a-f]{64}"
@@ -49,19 +49,6 @@ class ContainerRef:
     container_id: str
     runtime: str | None = None  # "containerd", "cri-o", "docker": from the cgroup name; None for the cgroupfs layout
     pod_uid: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class PodRef:
-    """The pod a process runs in, as the dashboard and the API show it, and what tenants match on."""
-
-    namespace: str
-    name: str
-    container: str | None = None
-    labels: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), hash=False)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"namespace": self.namespace, "name": self.name, "container": self.container}
 
 
 def container_from_cgroup(text: str) -> ContainerRef | None:

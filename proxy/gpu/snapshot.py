@@ -9,13 +9,24 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Literal, Protocol
-
-if TYPE_CHECKING:
-    from proxy.gpu.pods import PodRef
+from types import MappingProxyType
+from typing import Any, Literal, Protocol
 
 SnapshotSource = Literal["nvml", "simulated", "engine-estimate"]
 DeviceFigure = Literal["total", "reserved", "used", "free"]
+
+
+@dataclass(frozen=True, slots=True)
+class PodRef:
+    """The pod a process runs in, as the dashboard and the API show it, and what tenants match on."""
+
+    namespace: str
+    name: str
+    container: str | None = None
+    labels: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), hash=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"namespace": self.namespace, "name": self.name, "container": self.container}
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,8 +10,7 @@ from typing import Any
 from playwright.async_api import Page
 
 from proxy.demo import Demo
-from proxy.gpu.pods import PodRef
-from proxy.gpu.snapshot import GpuSnapshot
+from proxy.gpu.snapshot import GpuSnapshot, PodRef
 
 DemoFactory = Callable[..., Awaitable[Demo]]
 OpenDashboard = Callable[[Demo], Awaitable[tuple[Page, Any]]]

@@ -8,8 +8,7 @@ from types import MappingProxyType
 import httpx
 from boxes import DemoFactory
 
-from proxy.gpu.pods import PodRef
-from proxy.gpu.snapshot import GpuSnapshot
+from proxy.gpu.snapshot import GpuSnapshot, PodRef
 
 
 class WithPods:

@@ -119,12 +119,6 @@ def cycles(edges: list[Edge]) -> list[list[str]]:
 # Circles known and left to their owners, each with why; the test fails on any other, and when one
 # of these is gone (then delete its line here).
 KNOWN_CIRCLES = {
-    # Kubernetes pods: the snapshot's processes carry a PodRef from gpu/pods.py, which reads snapshots
-    # (GpuSnapshot, GpuReader) to wrap the NVML reader; PodRef in a module of its own would cut it.
-    ("proxy.gpu.pods", "proxy.gpu.snapshot"),
-    # several GPUs: the placer annotates the attributed snapshot it places, which carries its Placement
-    # (a type-only import back); Placement in a module of its own would cut it.
-    ("proxy.gpu.attribution", "proxy.gpu.devices"),
     # `hyperswap verify`: the stages annotate the runner they are handed (a type-only import back);
     # a Protocol of what the stages use would cut it.
     ("proxy.verify.runner", "proxy.verify.stages"),
