@@ -29,6 +29,7 @@
     for (const c of children) if (c !== null && c !== undefined) node.append(c);
     return node;
   }
+  window.hyperswapDom = { el };  // gpu.js (loaded after this file) builds its panel with the same helper
   const gib = (bytes) => (bytes === null || bytes === undefined ? "–" : `${(bytes / GIB).toFixed(bytes >= 10 * GIB ? 1 : 2)} GiB`);
   const secs = (s) => (s === null || s === undefined ? "–" : s >= 120 ? `${Math.floor(s / 60)} min ${Math.round(s % 60)} s` : `${s.toFixed(s < 10 ? 1 : 0)} s`);
   const clock = (epoch_s) => new Date(epoch_s * 1000).toLocaleTimeString([], { hour12: false });

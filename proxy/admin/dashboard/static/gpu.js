@@ -4,17 +4,7 @@
 (() => {
   const POLL_MS = 5000;
   const $ = (id) => document.getElementById(id);
-  function el(tag, attrs = {}, ...children) {
-    const node = document.createElement(tag);
-    for (const [k, v] of Object.entries(attrs)) {
-      if (v === null || v === undefined || v === false) continue;
-      if (k === "text") node.textContent = v;
-      else if (k === "dataset") Object.assign(node.dataset, v);
-      else node.setAttribute(k, v === true ? "" : String(v));
-    }
-    for (const c of children) if (c !== null && c !== undefined) node.append(c);
-    return node;
-  }
+  const { el } = window.hyperswapDom;  // from app.js
   const unknown = (s, field) => el("span", { class: "muted", title: (s.unavailable || {})[field] || "not read", text: "–" });
   const val = (s, field, fmt) => (s[field] === null || s[field] === undefined ? unknown(s, field) : fmt(s[field]));
   const range = (r, unit) => (r ? ` (${r[0]}–${r[1]} ${unit})` : "");
