@@ -8,33 +8,13 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from proxy.engines.base import EngineAdapter
-from proxy.engines.generic import GenericAdapter
-from proxy.engines.registry import ADAPTERS
 from proxy.tenants import GIB
 from proxy.verify.clients import OllamaModel, TenantInfo, Unexpected, gib
 from proxy.verify.report import StageFailed, StageSkipped
+from proxy.verify.roles import GENERATES, RENDERS, adapter_class, fails, role_of
 
 if TYPE_CHECKING:
-    from proxy.verify.runner import Verify
-
-# The roles verify drives (the generation, graph, reclaim and OOM stages); each engine kind's adapter
-# says which role its wire plays (`EngineAdapter.verify_role`), so no engine name is spelt here.
-GENERATES, RENDERS = "generates", "renders"
-
-
-def adapter_class(kind: str) -> type[EngineAdapter]:
-    return ADAPTERS.get(kind, GenericAdapter)
-
-
-def role_of(t: TenantInfo) -> str | None:
-    return adapter_class(t.engine).verify_role
-
-
-def kinds_for(role: str) -> str:
-    """The engine kinds that play a role, for messages: "comfyui"."""
-    return " or ".join(kind for kind, cls in ADAPTERS.items() if cls.verify_role == role)
-
+    from proxy.verify.session import Session
 
 class NoCandidate(Exception):
     """This direction of the reclaim cannot be staged with what is installed; the reason says why."""
@@ -44,12 +24,7 @@ class NoCandidate(Exception):
         self.reason = reason
 
 
-def fails(exc: Unexpected, what: str, impact: str, fix: str) -> StageFailed:
-    """An unexpected answer as a failed stage; the proxy's own fix wins when it gave one."""
-    return StageFailed(f"{what}: {exc}", impact=impact, fix=exc.fix() or fix)
-
-
-async def check_proxy(v: Verify) -> str:
+async def check_proxy(v: Session) -> str:
     """The admin API answers: the tenants and the card as the proxy sees them."""
     try:
         tenants = await v.admin.tenants()
@@ -66,7 +41,7 @@ async def check_proxy(v: Verify) -> str:
             f"GPU {dev.get('name')} {gib(dev.get('total_bytes'))} ({dev.get('source')}){gpu_note}")
 
 
-async def check_upstream(v: Verify, t: TenantInfo) -> str:
+async def check_upstream(v: Session, t: TenantInfo) -> str:
     """The engine answers through its drop-in port (a 502 from the proxy: the engine is down)."""
     assert t.url
     probe = adapter_class(t.engine)
@@ -87,7 +62,7 @@ async def check_upstream(v: Verify, t: TenantInfo) -> str:
     return f"{t.url}{path} -> {t.upstream}: {r.status_code}"
 
 
-async def check_generation(v: Verify) -> str:
+async def check_generation(v: Session) -> str:
     """A few tokens from the smallest installed model that can generate, through the proxy."""
     t = v.tenant_of(GENERATES)
     client = v.ollama(t)
@@ -100,7 +75,7 @@ async def check_generation(v: Verify) -> str:
             f"through {t.url} in {v.clock.now() - started:.2f} s" + (f", after releasing {released}" if released else ""))
 
 
-async def check_graph(v: Verify) -> str:
+async def check_graph(v: Session) -> str:
     """The user's graph, or a minimal one, through the proxy to its end marker; what it leaves held."""
     t = v.tenant_of(RENDERS)
     await v.plan_allows(t, None, f"a {t.name} graph")
@@ -117,7 +92,7 @@ async def check_graph(v: Verify) -> str:
             f"{t.name} holds {gib(held)} after it")
 
 
-async def check_reclaim(v: Verify) -> str:
+async def check_reclaim(v: Session) -> str:
     """One tenant needs memory another holds idle: ComfyUI holds a checkpoint and an Ollama model
     needs it, else (no model that large) Ollama holds a model and the ComfyUI graph needs it."""
     v.need_consent("reclaim")
@@ -134,7 +109,7 @@ async def check_reclaim(v: Verify) -> str:
             raise StageSkipped(f"{first.reason}; and {second.reason}") from None
 
 
-async def _reclaim_for_generation(v: Verify, holder_t: TenantInfo, needer_t: TenantInfo) -> str:
+async def _reclaim_for_generation(v: Session, holder_t: TenantInfo, needer_t: TenantInfo) -> str:
     # A fresh graph right before: the holder's idle timer starts again and cannot free it mid-stage.
     run, _, _ = await v.run_graph(holder_t)
     if not run.ok:
@@ -169,7 +144,7 @@ async def _reclaim_for_generation(v: Verify, holder_t: TenantInfo, needer_t: Ten
             f"{model.name} loaded ({gib(on_gpu)} on the GPU) in {took:.2f} s")
 
 
-async def _reclaim_for_graph(v: Verify, needer_t: TenantInfo, holder_t: TenantInfo) -> str:
+async def _reclaim_for_graph(v: Session, needer_t: TenantInfo, holder_t: TenantInfo) -> str:
     try:  # ComfyUI down to its floor, so its graph has to load again and needs the card
         await v.admin.release(needer_t.name)
     except Unexpected as exc:
@@ -210,7 +185,7 @@ async def _reclaim_for_graph(v: Verify, needer_t: TenantInfo, holder_t: TenantIn
             f"{release.get('duration_s')} s) and the {ckpt} graph ran ({needer_t.name} holds {gib(now)}) in {took:.2f} s")
 
 
-async def _holder(v: Verify, name: str) -> TenantInfo:
+async def _holder(v: Session, name: str) -> TenantInfo:
     holder = await v.admin.tenant(name)
     if holder.vram_bytes is None:
         raise StageSkipped(f"what {name} holds cannot be seen (no GPU reader): a release cannot be confirmed")
@@ -221,7 +196,7 @@ async def _holder(v: Verify, name: str) -> TenantInfo:
     return holder
 
 
-async def _confirm_release(v: Verify, requester: str, holder: TenantInfo, mark: int, what: str) -> tuple[int, dict[str, Any]]:
+async def _confirm_release(v: Session, requester: str, holder: TenantInfo, mark: int, what: str) -> tuple[int, dict[str, Any]]:
     """The proxy's plan for the load released the holder, and the card shows its memory back."""
     assert holder.vram_bytes is not None
     after = (await v.admin.tenant(holder.name)).vram_bytes or 0
@@ -250,7 +225,7 @@ async def _confirm_release(v: Verify, requester: str, holder: TenantInfo, mark: 
     return after, last
 
 
-async def check_out_of_memory(v: Verify) -> str:
+async def check_out_of_memory(v: Session) -> str:
     """Staged only where safe: free memory between what the proxy plans for a graph and what its
     checkpoint really takes, so only ComfyUI's own allocation fails; the proxy must retry it."""
     v.need_consent("out of memory")
@@ -330,7 +305,7 @@ async def check_out_of_memory(v: Verify) -> str:
             "which succeeded")
 
 
-async def _oom_retry(v: Verify, tenant: str, mark: int, prompt_id: str, wait_s: float = 30.0) -> dict[str, Any]:
+async def _oom_retry(v: Session, tenant: str, mark: int, prompt_id: str, wait_s: float = 30.0) -> dict[str, Any]:
     """The proxy's decision about this OOM: it reads ComfyUI's history first, then plans and re-queues."""
     deadline = v.clock.now() + wait_s
     while v.clock.now() < deadline:
@@ -345,7 +320,7 @@ async def _oom_retry(v: Verify, tenant: str, mark: int, prompt_id: str, wait_s: 
                           "then see the proxy's log")
 
 
-async def check_too_large(v: Verify) -> str:
+async def check_too_large(v: Session) -> str:
     """More than the card is refused: a dry-run plan, and a real 507 for an installed model that large."""
     total = v.found.device.get("total_bytes")
     t = next((t for t in v.found.tenants.values() if t.url and t.name not in v.found.unreachable), None)
@@ -375,7 +350,7 @@ async def check_too_large(v: Verify) -> str:
     return detail
 
 
-async def restore(v: Verify) -> str:
+async def restore(v: Session) -> str:
     """Ollama models verify unloaded are loaded again; those it loaded itself are unloaded."""
     notes: list[str] = []
     ollama = next((t for t in v.found.tenants.values() if role_of(t) == GENERATES and t.url

@@ -118,11 +118,7 @@ def cycles(edges: list[Edge]) -> list[list[str]]:
 
 # Circles known and left to their owners, each with why; the test fails on any other, and when one
 # of these is gone (then delete its line here).
-KNOWN_CIRCLES = {
-    # `hyperswap verify`: the stages annotate the runner they are handed (a type-only import back);
-    # a Protocol of what the stages use would cut it.
-    ("proxy.verify.runner", "proxy.verify.stages"),
-}
+KNOWN_CIRCLES: set[tuple[str, ...]] = set()
 
 
 def test_modules_under_proxy_import_each_other_in_no_circle() -> None:
