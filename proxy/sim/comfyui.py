@@ -974,8 +974,8 @@ def _image_with_metadata(image: tuple[str, bytes], nid: str, prompt_id: str) -> 
     return PREVIEW_IMAGE_WITH_METADATA.to_bytes(4, "big") + len(meta).to_bytes(4, "big") + meta + data
 
 
-def _batch_size(graph: JSON, nid: str) -> int:
-    """How many images reach a node: the batch_size of the EmptyImage or EmptyLatentImage upstream."""
+def _nearest_upstream(graph: JSON, nid: str, class_types: tuple[str, ...]) -> JSON | None:
+    """The first node of one of these classes found walking up from a node (itself included), or None."""
     seen: set[str] = set()
     stack = [nid]
     while stack:
@@ -983,25 +983,22 @@ def _batch_size(graph: JSON, nid: str) -> int:
         if cur in seen:
             continue
         seen.add(cur)
-        if graph[cur]["class_type"] in ("EmptyImage", "EmptyLatentImage"):
-            return int((graph[cur].get("inputs") or {}).get("batch_size", 1))
+        if graph[cur]["class_type"] in class_types:
+            return graph[cur]
         stack.extend(dependencies(graph, cur))
-    return 1
+    return None
+
+
+def _batch_size(graph: JSON, nid: str) -> int:
+    """How many images reach a node: the batch_size of the EmptyImage or EmptyLatentImage upstream."""
+    node = _nearest_upstream(graph, nid, ("EmptyImage", "EmptyLatentImage"))
+    return 1 if node is None else int((node.get("inputs") or {}).get("batch_size", 1))
 
 
 def _upstream_checkpoint(graph: JSON, nid: str) -> str | None:
-    seen: set[str] = set()
-    stack = [nid]
-    while stack:
-        cur = stack.pop()
-        if cur in seen:
-            continue
-        seen.add(cur)
-        if graph[cur]["class_type"] == "CheckpointLoaderSimple":
-            name = (graph[cur].get("inputs") or {}).get("ckpt_name")
-            return name if isinstance(name, str) else None
-        stack.extend(dependencies(graph, cur))
-    return None
+    node = _nearest_upstream(graph, nid, ("CheckpointLoaderSimple",))
+    name = None if node is None else (node.get("inputs") or {}).get("ckpt_name")
+    return name if isinstance(name, str) else None
 
 
 def _format_inputs(inputs: JSON) -> JSON:
