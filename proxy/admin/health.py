@@ -35,6 +35,7 @@ from proxy.errors import ConfigError, HyperSwapError
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.nvml import CONTAINER_NOTE, NvmlReader
 from proxy.gpu.visibility import capabilities, summary
+from proxy.relay.tls import client_ssl_context
 from proxy.tasks import cancel_and_wait
 from proxy.tenants import GIB, Tenant, load_registry
 
@@ -150,7 +151,7 @@ class HealthExtension:
     def client(self) -> httpx.AsyncClient:
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=min(2.0, self.timeout_s)),
-                                             trust_env=False)
+                                             trust_env=False, verify=client_ssl_context())
         return self._client
 
     # -- VRAM samples ----------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from starlette.types import Receive, Scope, Send
 
 from proxy.admin.view import ProxyView
 from proxy.admin.views import DryRun, EngineList, HealthReport, ModelList, ReleaseResult, TenantList
+from proxy.relay.tls import client_ssl_context
 from proxy.tenants import MAX_GIB
 
 TOKEN_ENV = "HYPERSWAP_ADMIN_TOKEN"
@@ -62,7 +63,8 @@ class AdminClient:
         if mutating and token:
             headers["Authorization"] = f"Bearer {token}"
         try:
-            async with httpx.AsyncClient(timeout=TIMEOUT_S, trust_env=False, transport=self.transport) as client:
+            async with httpx.AsyncClient(timeout=TIMEOUT_S, trust_env=False, transport=self.transport,
+                                         verify=client_ssl_context()) as client:
                 r = await client.request(method, base + path, params=params, headers=headers)
         except httpx.HTTPError as exc:
             raise ToolError(f"cannot reach the HyperSwap admin API at {base} ({type(exc).__name__}: {exc}). "

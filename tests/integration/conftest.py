@@ -6,9 +6,10 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
+from boxes import LOOPBACK_TLS
 
 
 @pytest.fixture
 async def http() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=30.0, trust_env=False) as client:
+    async with httpx.AsyncClient(verify=LOOPBACK_TLS, timeout=30.0, trust_env=False) as client:
         yield client

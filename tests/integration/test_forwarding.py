@@ -22,6 +22,7 @@ import httpx
 import ollama
 import pytest
 import websockets
+from boxes import LOOPBACK_TLS
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -269,7 +270,7 @@ async def within(awaitable: Awaitable[object]) -> object:
 
 async def test_allowed_public_host_reaches_loopback_ollama_without_403() -> None:
     async with stack("ollama", ollama_like, allowed_hosts=["llm.example.com"]) as (proxy, tenant, _, _):
-        async with httpx.AsyncClient() as c:
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS) as c:
             direct = await c.get(f"{tenant.upstream}/echo", headers={"Host": "llm.example.com"})
             through = await c.get(f"{proxy.url}/echo", headers={"Host": "llm.example.com"})
     assert direct.status_code == 403 and direct.content == b"", "the test upstream should mimic Ollama's Host rule"
@@ -283,7 +284,7 @@ async def test_allowed_public_host_reaches_loopback_ollama_without_403() -> None
 async def test_forwarded_for_appends_the_socket_address_to_a_client_supplied_chain() -> None:
     # A loopback client's own X-Forwarded-For must not become the address the proxy reports.
     async with stack("ollama", ollama_like) as (proxy, _, _, _):
-        async with httpx.AsyncClient() as c:
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS) as c:
             through = await c.get(f"{proxy.url}/echo", headers={"X-Forwarded-For": "10.9.8.7"})
     headers = dict(through.json()["headers"])
     assert headers["x-forwarded-for"] == "10.9.8.7, 127.0.0.1"
@@ -292,7 +293,7 @@ async def test_forwarded_for_appends_the_socket_address_to_a_client_supplied_cha
 async def test_browser_opened_on_proxy_passes_comfyui_origin_check() -> None:
     async with stack("comfyui", comfyui_like) as (proxy, _tenant, _, _):
         proxy_host = f"127.0.0.1:{proxy.port}"
-        async with httpx.AsyncClient() as c:
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS) as c:
             same = await c.get(f"{proxy.url}/", headers={"Origin": f"http://{proxy_host}"})
             cross = await c.get(f"{proxy.url}/", headers={"Origin": "http://evil.example"})
             other_port = await c.get(f"{proxy.url}/", headers={"Origin": "http://127.0.0.1:3000"})
@@ -322,7 +323,7 @@ async def test_websocket_origin_rule_matches_http() -> None:
 async def test_each_ndjson_line_reaches_client_before_the_next_is_produced() -> None:
     async with stack("ollama", ollama_like) as (proxy, _, inflight, state):
         got: list[dict[str, object]] = []
-        async with httpx.AsyncClient(timeout=None) as c:
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS, timeout=None) as c:
             async with c.stream("POST", f"{proxy.url}/api/generate", json={"model": "m", "prompt": "hi"}) as r:
                 assert r.headers["content-type"] == "application/x-ndjson"
                 assert inflight.traffic("ollama").in_flight == 1, "a generate stream counts as in flight"
@@ -338,7 +339,7 @@ async def test_each_ndjson_line_reaches_client_before_the_next_is_produced() -> 
 async def test_sse_events_are_flushed_one_by_one() -> None:
     async with stack("ollama", ollama_like) as (proxy, _, _, state):
         events: list[str] = []
-        async with httpx.AsyncClient(timeout=None) as c:
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS, timeout=None) as c:
             async with c.stream("POST", f"{proxy.url}/v1/chat/completions", json={}) as r:
                 lines = r.aiter_lines()
                 while len(events) < 4:
@@ -352,7 +353,7 @@ async def test_sse_events_are_flushed_one_by_one() -> None:
 
 async def test_range_request_gets_206_with_the_slice() -> None:
     async with stack("ollama", ollama_like) as (proxy, _, _, _):
-        async with httpx.AsyncClient() as c:
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS) as c:
             r = await c.get(f"{proxy.url}/range", headers={"Range": "bytes=10-19"})
     assert r.status_code == 206 and r.content == bytes(range(10, 20))
     assert r.headers["content-range"] == "bytes 10-19/1024"
@@ -360,7 +361,7 @@ async def test_range_request_gets_206_with_the_slice() -> None:
 
 async def test_delete_body_and_query_string_are_forwarded() -> None:
     async with stack("ollama", ollama_like) as (proxy, _, _, _):
-        async with httpx.AsyncClient() as c:
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS) as c:
             r = await c.request("DELETE", f"{proxy.url}/echo?a=1&b=%2F", content=b'{"model":"m"}')
     data = r.json()
     assert (data["method"], data["body"], data["query"]) == ("DELETE", '{"model":"m"}', "a=1&b=%2F")
@@ -368,7 +369,7 @@ async def test_delete_body_and_query_string_are_forwarded() -> None:
 
 async def test_compressed_bytes_pass_untouched_and_nothing_is_added() -> None:
     async with stack("ollama", ollama_like) as (proxy, _, _, state):
-        async with httpx.AsyncClient() as c:
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS) as c:
             async with c.stream("GET", f"{proxy.url}/gz", headers={"Accept-Encoding": "gzip"}) as r:
                 raw = b"".join([chunk async for chunk in r.aiter_raw()])
             await c.get(f"{proxy.url}/echo", headers={"Connection": "keep-alive, X-Hop", "X-Hop": "1",
@@ -390,14 +391,14 @@ async def _chunks(n_mib: int, gate: asyncio.Event, head_mib: int = 1) -> AsyncIt
 
 async def test_big_upload_streams_through_passthrough() -> None:
     async with stack("ollama", ollama_like) as (proxy, _, _, state):
-        async with httpx.AsyncClient(timeout=None) as c:
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS, timeout=None) as c:
             r = await c.post(f"{proxy.url}/api/blobs/sha256-x", content=_chunks(64, state.upload_started))
     assert r.json() == {"received": 64 * 2**20}
 
 
 async def test_gpu_body_over_replay_limit_streams_without_buffering() -> None:
     async with stack("generic", ollama_like, replay_body_max_mb=1.0) as (proxy, _, inflight, state):
-        async with httpx.AsyncClient(timeout=None) as c:
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS, timeout=None) as c:
             r = await c.post(f"{proxy.url}/upload", content=_chunks(8, state.upload_started, head_mib=2))
         assert await inflight.wait_idle("generic", SAFETY_S)
     assert r.json() == {"received": 8 * 2**20}
@@ -413,7 +414,7 @@ async def test_closed_port_gives_502_naming_tenant_and_upstream() -> None:
     port = sock.getsockname()[1]
     sock.close()
     async with stack("ollama", None, upstream_url=f"http://127.0.0.1:{port}") as (proxy, tenant, inflight, _):
-        async with httpx.AsyncClient() as c:
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS) as c:
             r = await c.post(f"{proxy.url}/api/generate", json={"model": "m"})
         assert inflight.traffic("ollama").in_flight == 0
     body = r.json()
@@ -432,7 +433,7 @@ async def test_upstream_that_never_answers_gives_504() -> None:
     try:
         async with stack("ollama", None, upstream_url=f"http://127.0.0.1:{port}",
                          timeouts=Timeouts(read_s=0.2)) as (proxy, _, _, _):
-            async with httpx.AsyncClient() as c:
+            async with httpx.AsyncClient(verify=LOOPBACK_TLS) as c:
                 r = await c.get(f"{proxy.url}/api/tags")
     finally:
         server.close()
@@ -456,7 +457,7 @@ async def test_upstream_that_breaks_mid_stream_gives_the_client_a_broken_answer_
             logging.getLogger("uvicorn.error").addHandler(server_errors)
             try:
                 with caplog.at_level(logging.WARNING, logger="hyperswap"):
-                    async with httpx.AsyncClient() as c:
+                    async with httpx.AsyncClient(verify=LOOPBACK_TLS) as c:
                         async with c.stream("GET", f"{proxy.url}/api/tags") as r:
                             received = b""
                             with pytest.raises(httpx.RemoteProtocolError):
@@ -474,7 +475,7 @@ async def test_upstream_that_breaks_mid_stream_gives_the_client_a_broken_answer_
 
 async def test_client_disconnect_closes_the_upstream_request() -> None:
     async with stack("generic", ollama_like) as (proxy, _, inflight, state):
-        async with httpx.AsyncClient(timeout=None) as c:
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS, timeout=None) as c:
             async with c.stream("POST", f"{proxy.url}/forever", content=b"{}") as r:
                 assert (await within(r.aiter_raw().__anext__())) == b"tick\n"
                 assert inflight.traffic("generic").in_flight == 1
@@ -486,7 +487,7 @@ async def test_client_disconnect_closes_the_upstream_request() -> None:
 async def test_client_leaving_before_the_answer_starts_closes_the_upstream_request(method: str) -> None:
     # A non-streamed generation sends nothing until it is done: the proxy must still notice the client go.
     async with stack("generic", ollama_like) as (proxy, _, inflight, state):
-        async with httpx.AsyncClient(timeout=None) as c:
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS, timeout=None) as c:
             waiting = asyncio.ensure_future(c.request(method, f"{proxy.url}/silent", content=b"{}" if method == "POST" else None))
             await within(state.request_arrived.wait())
             waiting.cancel()  # the client gives up and closes its connection
@@ -548,7 +549,7 @@ async def test_upload_abandoned_half_way_ends_quietly_and_counts_nothing(path: s
             await within(state.upload_started.wait())  # the upstream is reading the streamed body
         writer.transport.abort()
         assert await inflight.wait_idle("ollama", SAFETY_S)
-        async with httpx.AsyncClient() as c:  # the listener still serves
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS) as c:  # the listener still serves
             assert (await c.get(f"{proxy.url}/echo")).status_code == 200
         logging.getLogger("uvicorn.error").removeHandler(server_errors)
     assert [r.getMessage() for r in server_errors.records] == [], "a client leaving is not a server error"
@@ -602,7 +603,7 @@ async def test_comfyui_prompt_stays_in_flight_until_ws_end_marker() -> None:
     async with stack("comfyui", comfyui_like) as (proxy, _, inflight, state):
         async with connect(f"ws://127.0.0.1:{proxy.port}/ws?clientId=c1") as ws:
             await within(ws.recv())
-            async with httpx.AsyncClient() as c:
+            async with httpx.AsyncClient(verify=LOOPBACK_TLS) as c:
                 r = await c.post(f"{proxy.url}/prompt", json={"prompt": {}, "client_id": "c1", "prompt_id": "P1"})
             assert r.json()["prompt_id"] == "P1"
             await within(_until(lambda: inflight.traffic("comfyui").in_flight == 0))
@@ -617,7 +618,7 @@ async def test_comfyui_prompt_stays_in_flight_until_ws_end_marker() -> None:
 
 async def test_comfyui_prompt_without_socket_ends_via_history_poll() -> None:
     async with stack("comfyui", comfyui_like, clock=FakeClock()) as (proxy, _, inflight, state):
-        async with httpx.AsyncClient() as c:
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS) as c:
             r = await c.post(f"{proxy.url}/api/prompt", json={"prompt": {}})
         pid = r.json()["prompt_id"]
         await within(_until(lambda: inflight.traffic("comfyui").jobs == (pid,)))
@@ -636,7 +637,7 @@ async def _until(pred: Callable[[], bool]) -> None:
 
 async def test_official_ollama_client_streams_generate_through_proxy() -> None:
     async with stack("ollama", ollama_like) as (proxy, _, _, state):
-        client = ollama.AsyncClient(host=proxy.url)
+        client = ollama.AsyncClient(host=proxy.url, verify=LOOPBACK_TLS)
         words: list[str] = []
         async for part in await client.generate(model="m", prompt="hi", stream=True):
             words.append(part.response)
@@ -715,7 +716,7 @@ async def test_a_bodiless_answer_with_a_content_length_keeps_the_connection_and_
 async def test_an_answer_the_proxy_cannot_relay_gives_502_naming_tenant_and_upstream(answer: bytes) -> None:
     async with raw_upstream(lambda head: answer) as url:
         async with stack("ollama", None, upstream_url=url) as (proxy, tenant, _, _):
-            async with httpx.AsyncClient() as c:
+            async with httpx.AsyncClient(verify=LOOPBACK_TLS) as c:
                 r = await c.get(f"{proxy.url}/api/tags")
                 assert (await c.get(f"{proxy.url}/api/tags")).status_code == 502, "and again on the next request"
     body = r.json()
@@ -726,7 +727,7 @@ async def test_an_answer_the_proxy_cannot_relay_gives_502_naming_tenant_and_upst
 
 async def test_requests_past_the_per_upstream_cap_wait_then_get_503() -> None:
     async with stack("generic", ollama_like, max_connections=1, timeouts=Timeouts(pool_s=0.1)) as (proxy, _, _, state):
-        async with httpx.AsyncClient(timeout=None) as c:
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS, timeout=None) as c:
             holding = asyncio.ensure_future(c.get(f"{proxy.url}/silent"))  # holds the only connection
             await within(state.request_arrived.wait())
             refused = await c.get(f"{proxy.url}/echo")

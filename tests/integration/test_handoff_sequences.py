@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import ollama
 import pytest
-from boxes import DemoFactory, fast
+from boxes import LOOPBACK_TLS, DemoFactory, fast
 from websockets.asyncio.client import connect as ws_connect
 
 from proxy.demo import Demo, comfy_prompt
@@ -32,7 +32,7 @@ def releases(demo: Demo) -> list[tuple[str, str]]:
 
 
 async def chat(demo: Demo, model: str) -> ollama.ChatResponse:
-    async with ollama.AsyncClient(host=demo.proxy.url("ollama")) as client:  # type: ignore[union-attr]
+    async with ollama.AsyncClient(host=demo.proxy.url("ollama"), verify=LOOPBACK_TLS) as client:  # type: ignore[union-attr]
         return await client.chat(model=model, messages=[{"role": "user", "content": "hi"}])
 
 
@@ -43,7 +43,7 @@ async def render(demo: Demo, ckpt: str = README_CKPT, steps: int | None = None) 
     prompt = comfy_prompt(ckpt)
     if steps:
         prompt["3"]["inputs"]["steps"] = steps
-    async with httpx.AsyncClient(timeout=30, trust_env=False) as http:
+    async with httpx.AsyncClient(verify=LOOPBACK_TLS, timeout=30, trust_env=False) as http:
         async with ws_connect(base.replace("http", "ws") + f"/ws?clientId={cid}", max_size=None) as ws:
             await ws.recv()
             r = await http.post(base + "/prompt", json={"prompt": prompt, "client_id": cid})
@@ -100,7 +100,7 @@ async def test_a_release_asked_right_after_the_end_marker_is_not_refused_as_busy
         await poll_until(lambda: demo.box.gpu.used_by(demo.box.comfyui.pid) >= 6 * GIB)  # type: ignore[union-attr]
     await demo.proxy.watchdog.tick()  # type: ignore[union-attr] # reads ComfyUI's /queue with the prompt running
     await rendering
-    async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
+    async with httpx.AsyncClient(verify=LOOPBACK_TLS, trust_env=False, timeout=30) as http:
         r = await http.post(admin + "/api/tenants/comfyui/release")
     assert r.status_code == 200, r.text
     assert r.json()["confirmed"] is True
@@ -117,7 +117,7 @@ async def test_no_spill_is_seen_while_a_model_is_still_loading(box: DemoFactory)
 
 async def test_an_unload_releases_nobody_and_is_never_refused(box: DemoFactory) -> None:
     demo = await box("tight")  # the speech relay makes the biggest model impossible to load here
-    client = ollama.AsyncClient(host=demo.proxy.url("ollama"))  # type: ignore[union-attr]
+    client = ollama.AsyncClient(host=demo.proxy.url("ollama"), verify=LOOPBACK_TLS)  # type: ignore[union-attr]
     for model in ("mistral-small:22b", "llama3.1:8b"):
         done = await client.generate(model=model, keep_alive=0)
         assert done.done_reason == "unload"
@@ -129,7 +129,7 @@ async def test_an_unload_releases_nobody_and_is_never_refused(box: DemoFactory) 
 async def test_an_unload_through_the_proxy_leaves_an_idle_comfyui_alone(box: DemoFactory) -> None:
     demo = await box("default")
     assert succeeded(await render(demo, "flux1-dev-fp8.safetensors"))
-    await ollama.AsyncClient(host=demo.proxy.url("ollama")).generate(model="gemma3:27b", keep_alive=0)  # type: ignore[union-attr]
+    await ollama.AsyncClient(host=demo.proxy.url("ollama"), verify=LOOPBACK_TLS).generate(model="gemma3:27b", keep_alive=0)  # type: ignore[union-attr]
     assert demo.box.comfyui.frees == 0 and not releases(demo)  # type: ignore[union-attr]
 
 

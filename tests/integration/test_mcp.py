@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import httpx2
 import pytest
-from boxes import DemoFactory
+from boxes import LOOPBACK_TLS, DemoFactory
 from mcp import Client, MCPError, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 
@@ -28,7 +28,7 @@ TOKEN = "mcp-test-token"
 async def mcp_client(demo: Demo, token: str | None = None) -> AsyncIterator[Client]:
     url = demo.proxy.url("admin") + "/mcp"
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    async with httpx2.AsyncClient(headers=headers, timeout=30.0, trust_env=False) as http:
+    async with httpx2.AsyncClient(verify=LOOPBACK_TLS, headers=headers, timeout=30.0, trust_env=False) as http:
         async with Client(streamable_http_client(url, http_client=http)) as client:
             yield client
 

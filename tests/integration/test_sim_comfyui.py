@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+from boxes import LOOPBACK_TLS
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import InvalidStatus
 
@@ -89,7 +90,7 @@ async def make_box(gpu: SimulatedGpu, config: ComfySimConfig) -> tuple[ComfySim,
 async def box() -> AsyncIterator[Box]:
     gpu = SimulatedGpu(total_bytes=24 * GIB)
     sim, server = await make_box(gpu, fast_config())
-    async with httpx.AsyncClient(base_url=server.url) as http:
+    async with httpx.AsyncClient(verify=LOOPBACK_TLS, base_url=server.url) as http:
         yield Box(gpu, sim, server, http)
     await sim.stop()
 
@@ -243,7 +244,7 @@ async def test_previews_use_type_1_jpeg_or_type_4_with_metadata_when_negotiated(
     gpu = SimulatedGpu(total_bytes=24 * GIB)
     sim, server = await make_box(gpu, fast_config(previews=True))
     try:
-        async with httpx.AsyncClient(base_url=server.url) as http, \
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS, base_url=server.url) as http, \
                 ws_connect(server.port, "/ws?clientId=plain") as plain, \
                 ws_connect(server.port, "/ws?clientId=meta") as meta:
             await first_frame(plain)
@@ -484,7 +485,7 @@ async def test_a_device_too_small_for_sampling_fails_at_the_ksampler() -> None:
     gpu = SimulatedGpu(total_bytes=7 * GIB, reserved_bytes=0)
     sim, server = await make_box(gpu, fast_config())
     try:
-        async with httpx.AsyncClient(base_url=server.url) as http, \
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS, base_url=server.url) as http, \
                 ws_connect(server.port, "/ws?clientId=s") as ws:
             await first_frame(ws)
             pid = (await http.post("/prompt", json={"prompt": txt2img(), "client_id": "s"})).json()["prompt_id"]
@@ -538,7 +539,7 @@ async def test_highvram_unload_keeps_the_weights_on_the_gpu() -> None:
     gpu = SimulatedGpu(total_bytes=24 * GIB)
     sim, server = await make_box(gpu, fast_config(argv=("main.py", "--highvram")))
     try:
-        async with httpx.AsyncClient(base_url=server.url) as http:
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS, base_url=server.url) as http:
             pid = (await http.post("/prompt", json={"prompt": txt2img()})).json()["prompt_id"]
             await until(lambda: _has_history(http, pid), "the prompt")
             await http.post("/free", json={"unload_models": True})
@@ -568,7 +569,7 @@ async def test_stale_running_entry_stays_in_queue_while_vram_sits_at_the_floor()
     gpu = SimulatedGpu(total_bytes=24 * GIB)
     sim, server = await make_box(gpu, fast_config(stale_running_entry=True))
     try:
-        async with httpx.AsyncClient(base_url=server.url) as http:
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS, base_url=server.url) as http:
             queue = (await http.get("/queue")).json()
             assert [i[1] for i in queue["queue_running"]] == [sim.stale_prompt_id]
             assert sim.pid is not None and gpu.used_by(sim.pid) == FLOOR
@@ -605,7 +606,7 @@ async def test_device_name_follows_the_simulated_gpu_unless_configured() -> None
                              (fast_config(device_name="cuda:0 X : native"), "cuda:0 X : native")):
         sim, server = await make_box(gpu, config)
         try:
-            async with httpx.AsyncClient(base_url=server.url) as http:
+            async with httpx.AsyncClient(verify=LOOPBACK_TLS, base_url=server.url) as http:
                 assert (await http.get("/system_stats")).json()["devices"][0]["name"] == expected
         finally:
             await sim.stop()
@@ -807,7 +808,7 @@ async def test_bodies_over_max_upload_size_get_413() -> None:
     gpu = SimulatedGpu(total_bytes=24 * GIB)
     sim, server = await make_box(gpu, fast_config(max_upload_size_mb=0.01))
     try:
-        async with httpx.AsyncClient(base_url=server.url) as http:
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS, base_url=server.url) as http:
             r = await http.post("/prompt", content=b"x" * 20_000, headers={"content-type": "application/json"})
             assert r.status_code == 413 and "Maximum request body size" in r.text
             features = (await http.get("/features")).json()

@@ -12,6 +12,7 @@ import httpx
 import ollama
 import openai
 import pytest
+from boxes import LOOPBACK_TLS
 
 from proxy.sim.gpu import GIB, SimulatedGpu
 from proxy.sim.ollama import OllamaSim, OllamaSimConfig, SimModel
@@ -51,7 +52,7 @@ async def sim(gpu: SimulatedGpu) -> AsyncIterator[OllamaSim]:
 @pytest.fixture
 async def http(sim: OllamaSim) -> AsyncIterator[httpx.AsyncClient]:
     assert sim.server is not None
-    async with httpx.AsyncClient(base_url=sim.server.url, timeout=10) as client:
+    async with httpx.AsyncClient(verify=LOOPBACK_TLS, base_url=sim.server.url, timeout=10) as client:
         yield client
 
 
@@ -63,7 +64,7 @@ def url(sim: OllamaSim) -> str:
 # -- official ollama client -------------------------------------------------------------------------
 
 async def test_ollama_client_lists_shows_and_generates(sim: OllamaSim) -> None:
-    client = ollama.AsyncClient(host=url(sim))
+    client = ollama.AsyncClient(host=url(sim), verify=LOOPBACK_TLS)
     listed = await client.list()
     names = {m.model for m in listed.models}
     assert names == {"llama3.2:latest", "qwen2.5:7b", "nomic-embed-text:latest"}
@@ -82,7 +83,7 @@ async def test_ollama_client_lists_shows_and_generates(sim: OllamaSim) -> None:
 
 
 async def test_ollama_client_chat_ps_embed_and_unload(sim: OllamaSim, gpu: SimulatedGpu) -> None:
-    client = ollama.AsyncClient(host=url(sim))
+    client = ollama.AsyncClient(host=url(sim), verify=LOOPBACK_TLS)
     reply = await client.chat(model="llama3.2", messages=[{"role": "user", "content": "hello"}])
     assert reply.message.role == "assistant" and reply.message.content and reply.done_reason == "stop"
     chunks = [c async for c in await client.chat(model="llama3.2", messages=[{"role": "user", "content": "x"}],
@@ -106,7 +107,7 @@ async def test_ollama_client_chat_ps_embed_and_unload(sim: OllamaSim, gpu: Simul
 
 
 async def test_ollama_client_pull_streams_progress_and_adds_the_model(sim: OllamaSim) -> None:
-    client = ollama.AsyncClient(host=url(sim))
+    client = ollama.AsyncClient(host=url(sim), verify=LOOPBACK_TLS)
     lines = [p async for p in await client.pull("phi3:mini", stream=True)]
     statuses = [p.status for p in lines]
     assert statuses[0] == "pulling manifest" and statuses[-1] == "success"
@@ -129,7 +130,7 @@ async def test_pulling_a_model_the_registry_does_not_have_fails_after_the_manife
     assert (r.status_code, r.headers["content-type"]) == (500, "application/json")
     assert r.json() == {"error": "pull model manifest: file does not exist"}
     with pytest.raises(ollama.ResponseError, match="file does not exist"):
-        [p async for p in await ollama.AsyncClient(host=url(sim)).pull("no-such-model", stream=True)]
+        [p async for p in await ollama.AsyncClient(host=url(sim), verify=LOOPBACK_TLS).pull("no-such-model", stream=True)]
     assert "no-such-model:latest" not in {m["name"] for m in (await http.get("/api/tags")).json()["models"]}
     await http.post("/api/copy", json={"source": "llama3.2", "destination": "mine"})
     r = await http.post("/api/pull", json={"model": "mine", "stream": False})
@@ -187,7 +188,7 @@ async def test_v1_errors_use_the_openai_shape(http: httpx.AsyncClient) -> None:
 async def test_model_is_listed_in_ps_while_loading_and_nothing_written_before(gpu: SimulatedGpu) -> None:
     sim, base = await started(gpu, fast_config(load_gbps=4 * GIB / 1e9 / 0.4))  # 4 GiB in 0.4 s
     try:
-        async with httpx.AsyncClient(base_url=base, timeout=10) as http:
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS, base_url=base, timeout=10) as http:
             task = asyncio.create_task(http.post("/api/generate", json={"model": "qwen2.5:7b", "prompt": "x"}))
             await sim.wait_until(lambda: "qwen2.5:7b" in sim._sched.runners)
             ps = (await http.get("/api/ps")).json()["models"]
@@ -241,7 +242,7 @@ async def test_spill_loads_what_fits_and_reports_size_vram_below_size(gpu: Simul
     foreign = gpu.spawn("python", "python main.py --listen", used_bytes=5 * GIB)  # ComfyUI, say
     sim, base = await started(gpu, fast_config())
     try:
-        async with httpx.AsyncClient(base_url=base, timeout=10) as http:
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS, base_url=base, timeout=10) as http:
             r = await http.post("/api/generate", json={"model": "qwen2.5:7b", "prompt": "x", "stream": False})
             assert r.status_code == 200
             (entry,) = (await http.get("/api/ps")).json()["models"]
@@ -256,7 +257,7 @@ async def test_spill_layout_is_fixed_at_the_start_so_a_foreign_allocation_meanwh
     foreign = gpu.spawn("python", "python main.py --listen", used_bytes=2 * GIB)
     sim, base = await started(gpu, fast_config(load_gbps=4 * GIB / 1e9 / 0.4))
     try:
-        async with httpx.AsyncClient(base_url=base, timeout=10) as http:
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS, base_url=base, timeout=10) as http:
             task = asyncio.create_task(http.post("/api/generate", json={"model": "qwen2.5:7b", "prompt": "x"}))
             await sim.wait_until(lambda: "qwen2.5:7b" in sim._sched.runners)
             (entry,) = (await http.get("/api/ps")).json()["models"]
@@ -273,7 +274,7 @@ async def test_oom_mode_answers_500_and_the_runner_is_gone(gpu: SimulatedGpu) ->
     gpu.spawn("python", "python main.py", used_bytes=5 * GIB)
     sim, base = await started(gpu, fast_config(memory_short="oom"))
     try:
-        async with httpx.AsyncClient(base_url=base, timeout=10) as http:
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS, base_url=base, timeout=10) as http:
             r = await http.post("/api/generate", json={"model": "qwen2.5:7b", "prompt": "x"})
             assert r.status_code == 500
             assert r.json() == {"error": "llama runner process has terminated: cudaMalloc failed: out of memory"}
@@ -295,7 +296,7 @@ async def test_eviction_picks_shortest_keep_alive_then_name_not_lru(gpu: Simulat
               SimModel("d:latest", 2 * GIB))
     sim, base = await started(gpu6, fast_config(models=models))
     try:
-        async with httpx.AsyncClient(base_url=base, timeout=10) as http:
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS, base_url=base, timeout=10) as http:
             await http.post("/api/generate", json={"model": "a", "keep_alive": "1h"})
             await http.post("/api/generate", json={"model": "b", "keep_alive": "10m"})
             await http.post("/api/generate", json={"model": "c", "keep_alive": "10m"})
@@ -310,7 +311,7 @@ async def test_eviction_picks_shortest_keep_alive_then_name_not_lru(gpu: Simulat
 async def test_max_loaded_models_is_enforced_by_eviction(gpu: SimulatedGpu) -> None:
     sim, base = await started(gpu, fast_config(max_loaded_models=1))
     try:
-        async with httpx.AsyncClient(base_url=base, timeout=10) as http:
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS, base_url=base, timeout=10) as http:
             await http.post("/api/generate", json={"model": "llama3.2"})
             r = await http.post("/api/embed", json={"model": "nomic-embed-text", "input": []})
             assert r.json() == {"model": "nomic-embed-text", "embeddings": []}, "empty input only loads"
@@ -322,7 +323,7 @@ async def test_max_loaded_models_is_enforced_by_eviction(gpu: SimulatedGpu) -> N
 async def test_num_parallel_one_serialises_generations(gpu: SimulatedGpu) -> None:
     sim, base = await started(gpu, fast_config(token_rate=50.0, response_tokens=500))
     try:
-        async with httpx.AsyncClient(base_url=base, timeout=10) as http:
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS, base_url=base, timeout=10) as http:
             async with http.stream("POST", "/api/generate", json={"model": "llama3.2", "prompt": "x"}) as stream:
                 await stream.aiter_lines().__anext__()
                 second = asyncio.create_task(http.post("/api/generate", json={
@@ -447,7 +448,7 @@ async def test_a_thinking_model_accepts_think(gpu: SimulatedGpu) -> None:
     qwen3 = SimModel("qwen3:8b", GIB, family="qwen3", capabilities=("completion", "thinking"))
     sim, base = await started(gpu, fast_config(models=(qwen3,)))
     try:
-        async with httpx.AsyncClient(base_url=base, timeout=10) as http:
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS, base_url=base, timeout=10) as http:
             r = await http.post("/api/chat", json={"model": "qwen3:8b", "think": True, "stream": False,
                                                    "messages": [{"role": "user", "content": "x"}]})
             assert r.status_code == 200 and r.json()["done_reason"] == "stop"
@@ -476,7 +477,7 @@ async def test_error_after_first_chunk_is_an_error_line_without_done(sim: Ollama
 async def test_client_disconnect_stops_generation(gpu: SimulatedGpu) -> None:
     sim, base = await started(gpu, fast_config(token_rate=50.0, response_tokens=500))
     try:
-        async with httpx.AsyncClient(base_url=base, timeout=10) as http:
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS, base_url=base, timeout=10) as http:
             async with http.stream("POST", "/api/generate", json={"model": "llama3.2", "prompt": "x"}) as stream:
                 lines = stream.aiter_lines()
                 await lines.__anext__()
@@ -613,7 +614,7 @@ async def test_legacy_embeddings_and_v1_completions_embeddings_model(http: httpx
 async def test_pending_queue_overflow_is_503(gpu: SimulatedGpu) -> None:
     sim, base = await started(gpu, fast_config(max_queue=1, load_gbps=4 * GIB / 1e9 / 0.5))
     try:
-        async with httpx.AsyncClient(base_url=base, timeout=10) as http:
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS, base_url=base, timeout=10) as http:
             first = asyncio.create_task(http.post("/api/generate", json={"model": "qwen2.5:7b"}))
             await sim.wait_until(lambda: "qwen2.5:7b" in sim._sched.runners)
             r = await http.post("/api/generate", json={"model": "llama3.2"})

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import ollama
 import openai
-from boxes import DemoFactory
+from boxes import LOOPBACK_TLS, DemoFactory
 from websockets.asyncio.client import connect as ws_connect
 
 from proxy.demo import comfy_prompt
@@ -38,7 +38,7 @@ def stable(value: Any) -> Any:
 
 
 async def ollama_flows(base: str, models: dict[str, str]) -> dict[str, Any]:
-    client = ollama.AsyncClient(host=base)
+    client = ollama.AsyncClient(host=base, verify=LOOPBACK_TLS)
     small, embedder = models["small"], models["embed"]
     out: dict[str, Any] = {}
     out["list"] = stable(await client.list())

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import httpx
 import ollama
-from boxes import DemoFactory, fast
+from boxes import LOOPBACK_TLS, DemoFactory, fast
 
 from proxy.demo import comfy_prompt, run_prompt
 
@@ -16,7 +16,7 @@ async def test_a_load_on_gpu_1_releases_nothing_on_gpu_0(box: DemoFactory, http:
     demo = await box("two-gpus")
     assert demo.proxy is not None
     admin = demo.proxy.url("admin")
-    client = ollama.AsyncClient(host=demo.proxy.url("ollama"))
+    client = ollama.AsyncClient(host=demo.proxy.url("ollama"), verify=LOOPBACK_TLS)
 
     # Ollama fills most of GPU 0 with its largest model, through the proxy, with the official client
     answer = await client.generate(model="gemma3:27b", prompt="why is the sky blue?", stream=False)
