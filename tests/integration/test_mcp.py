@@ -16,6 +16,7 @@ from boxes import LOOPBACK_TLS, DemoFactory
 from mcp import Client, MCPError, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 
+from proxy.admin.mcp_tools import AdminClient, build_server
 from proxy.demo import Demo, run_prompt
 from proxy.tenants import GIB
 
@@ -125,11 +126,11 @@ async def test_stdio_server_lists_tools_and_reads_tenants_of_a_running_proxy(box
     assert "comfyui" in {t["name"] for t in tenants.structured_content["tenants"]}
 
 
-async def test_stdio_server_says_so_when_no_proxy_answers() -> None:
-    # Port 1 on loopback: nothing listens there, so the connection is refused at once.
-    params = StdioServerParameters(command=sys.executable, args=["-m", "proxy.admin.mcp_tools", "--admin", "http://127.0.0.1:1"],
-                                   cwd=str(REPO))
-    async with Client(params) as client:
+async def test_the_tools_say_so_when_no_proxy_answers() -> None:
+    # Port 1 on loopback: nothing listens there, so the connection is refused at once. The server is
+    # the one `hyperswap mcp` builds, here in-process: the stdio transport is the test above's.
+    server = build_server(AdminClient(lambda: "http://127.0.0.1:1", lambda: None))
+    async with Client(server) as client:
         result = await client.call_tool("tenants", {})
     assert result.is_error and "cannot reach" in text_of(result) and "hyperswap serve" in text_of(result), text_of(result)
 
