@@ -253,11 +253,12 @@ def graph_checkpoint(graph: Mapping[str, Any]) -> str | None:
 
 
 class ComfyClient:
-    def __init__(self, base: str, http: httpx.AsyncClient, ws: WsConnect, clock: Clock) -> None:
+    def __init__(self, base: str, http: httpx.AsyncClient, ws: WsConnect, clock: Clock, poll_s: float = 0.1) -> None:
         self.base = base
         self.http = http
         self.ws = ws
         self.clock = clock
+        self.poll_s = poll_s
 
     async def object_info(self) -> dict[str, Any]:
         r = await self.http.get(self.base + "/object_info")
@@ -321,4 +322,4 @@ class ComfyClient:
                         error = str(data.get("exception_message") or error_type).strip().splitlines()[0].strip()
                 ok = status.get("status_str") == "success"
                 return GraphRun(pid, ok, None if ok else error_type or "error", None if ok else error, "history")
-            await self.clock.sleep(0.1)
+            await self.clock.sleep(self.poll_s)

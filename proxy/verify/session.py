@@ -38,6 +38,9 @@ class Options:
     comfy_graph: dict[str, Any] | None = None
     comfy_checkpoint: str | None = None
     stage_timeout_s: float = 180.0
+    # How often a wait looks again (memory back on the card, a graph's history, the proxy's OOM
+    # decision). Each look is one admin or engine request; the tests look more often.
+    poll_s: float = 0.1
 
 
 Ask = Callable[[str], bool]
@@ -93,7 +96,7 @@ class Session:
 
     def comfy(self, t: TenantInfo) -> ComfyClient:
         assert t.url
-        return ComfyClient(t.url, self.http, self.ws, self.clock)
+        return ComfyClient(t.url, self.http, self.ws, self.clock, self.options.poll_s)
 
     def need_consent(self, what: str) -> None:
         if not self.consent:
@@ -196,7 +199,7 @@ class Session:
     async def wait_empty(self, tenant: str) -> None:
         """An unload answers before the memory is back; the card says when it is (bounded by the stage)."""
         while (await self.admin.tenant(tenant)).vram_bytes:
-            await self.clock.sleep(0.1)
+            await self.clock.sleep(self.options.poll_s)
 
     async def free_memory(self, tenant: TenantInfo, stats: Mapping[str, Any] | None = None) -> int:
         device = (stats if stats is not None else await self.admin.stats()).get("device") or {}

@@ -313,7 +313,7 @@ async def _oom_retry(v: Session, tenant: str, mark: int, prompt_id: str, wait_s:
             mine = d["outcome"].get("prompt_id") == prompt_id or prompt_id in str(d.get("trigger"))
             if mine and d["outcome"].get("oom_retry"):  # set once the retry is decided
                 return d
-        await v.clock.sleep(0.1)
+        await v.clock.sleep(v.options.poll_s)
     raise StageFailed(f"{tenant} ran out of memory on prompt {prompt_id} and the proxy decided nothing within {wait_s:g} s",
                       impact="a prompt that runs out of memory is not retried although idle tenants hold memory",
                       fix=f"check that {tenant}'s websocket and /history reach the proxy (`hyperswap check`), "

@@ -24,11 +24,12 @@ EXAMPLE_GRAPH = Path(__file__).resolve().parents[2] / "examples" / "comfy_prompt
 OOM_BOX = dict(comfyui={"checkpoints": {"sd_xl_base_1.0.safetensors": 6.5}},
                tenants={"comfyui": {"needs_vram_gb": 4.0}},
                ollama={"models": [{"name": "llama3.2:3b", "size_gb": 2.0}, {"name": "filler:18b", "size_gb": 18.0}]})
+POLL_S = 0.02  # verify's waits look again this often (0.1 s by default): the simulated box answers in milliseconds
 
 
 async def verify(demo: Demo, http: httpx.AsyncClient, *, yes: bool = True) -> Report:
     assert demo.proxy is not None
-    return await Verify(Options(admin=demo.proxy.url("admin"), yes=yes, stage_timeout_s=60), http).run()
+    return await Verify(Options(admin=demo.proxy.url("admin"), yes=yes, stage_timeout_s=60, poll_s=POLL_S), http).run()
 
 
 def statuses(report: Report) -> dict[str, str]:
@@ -84,8 +85,8 @@ async def test_an_engine_that_is_down_fails_its_stage_and_skips_what_needs_it(bo
 
 
 async def test_a_release_that_never_shows_on_the_card_fails_the_reclaim(box: DemoFactory, http: httpx.AsyncClient) -> None:
-    # ComfyUI answers /free but its memory comes back only after 10 minutes; the proxy waits 0.5 s.
-    demo = await box(fast("default", comfyui={"free_delay_s": 600}, tenants={"comfyui": {"release_timeout_s": 0.5}}))
+    # ComfyUI answers /free but its memory comes back only after 10 minutes; the proxy waits 0.2 s.
+    demo = await box(fast("default", comfyui={"free_delay_s": 600}, tenants={"comfyui": {"release_timeout_s": 0.2}}))
     report = await verify(demo, http)
     result = report.result("reclaim")
     assert result is not None and result.status == "fail", report.text()
@@ -195,7 +196,8 @@ async def test_the_users_own_graph_is_what_runs(box: DemoFactory, http: httpx.As
     demo = await box("default")
     assert demo.proxy is not None
     graph = load_graph(str(EXAMPLE_GRAPH))
-    report = await Verify(Options(admin=demo.proxy.url("admin"), yes=False, comfy_graph=graph, stage_timeout_s=60), http).run()
+    report = await Verify(Options(admin=demo.proxy.url("admin"), yes=False, comfy_graph=graph, stage_timeout_s=60,
+                                 poll_s=POLL_S), http).run()
     assert statuses(report)["comfyui graph"] == "pass", report.text()
     assert stage(report, "comfyui graph").startswith("your graph (sd_xl_base_1.0.safetensors) ran through")
 
