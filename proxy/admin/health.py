@@ -38,6 +38,7 @@ from proxy.gpu.visibility import capabilities, summary
 from proxy.handoff.devices import candidates, shares
 from proxy.tasks import cancel_and_wait
 from proxy.tenants import GIB, Tenant, load_registry
+from proxy.tls import client_context
 
 # "unknown": the check cannot run (what it looks at cannot be seen); it says why. The overall
 # status then is at least degraded: nobody can say all is well.
@@ -182,7 +183,7 @@ class HealthExtension:
     def client(self) -> httpx.AsyncClient:
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=min(2.0, self.timeout_s)),
-                                             trust_env=False)
+                                             trust_env=False, verify=client_context())
         return self._client
 
     # -- VRAM samples ----------------------------------------------------------------------------
@@ -549,7 +550,7 @@ def check_main(config: str | None, admin_url: str | None, as_json: bool) -> int:
         return exc.exit_code
     url = base + "/api/health"
     try:
-        with httpx.Client(timeout=httpx.Timeout(30.0, connect=3.0), trust_env=False) as client:
+        with httpx.Client(timeout=httpx.Timeout(30.0, connect=3.0), trust_env=False, verify=client_context()) as client:
             r = client.get(url)
     except httpx.HTTPError as exc:
         print(f"error: no HyperSwap proxy answers at {base} ({type(exc).__name__}) "
