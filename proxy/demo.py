@@ -24,6 +24,7 @@ from proxy.service import Proxy
 from proxy.sim.box import Scenario, SimBox, fast_scenario, load_scenario
 from proxy.tasks import poll_until
 from proxy.tenants import GIB, registry_from_dict
+from proxy.tls import client_context
 
 DEFAULT_SIM_PORTS = {"ollama": 21434, "comfyui": 28188}
 
@@ -139,7 +140,7 @@ async def run_prompt(base: str, ckpt: str, client: httpx.AsyncClient, timeout_s:
 
 async def self_test(demo: Demo) -> list[tuple[str, bool, str]]:
     results: list[tuple[str, bool, str]] = []
-    async with httpx.AsyncClient(timeout=60.0, trust_env=False) as client:
+    async with httpx.AsyncClient(timeout=60.0, trust_env=False, verify=client_context()) as client:
         async def check(name: str, fn: Check) -> None:
             try:
                 results.append((name, True, await fn()))

@@ -31,8 +31,8 @@ from proxy.handoff.decisions import DecisionLog
 from proxy.handoff.inflight import InFlight, TenantTraffic
 from proxy.handoff.queue import Admitted, Handoff, HandoffQueue, ReleaseResult
 from proxy.handoff.residency import Residency
-from proxy.relay.tls import client_ssl_context
 from proxy.tenants import GIB, MIB, Registry, Tenant
+from proxy.tls import client_context
 
 if TYPE_CHECKING:
     from proxy.relay.forward import UpstreamResponse
@@ -88,7 +88,7 @@ class Arbitration:
         self.clock = clock
         self.decisions = decisions
         self.control = control or httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=2.0), trust_env=False,
-                                                        verify=client_ssl_context())
+                                                    verify=client_context())
         # Each tenant's engine adapter (the forwarder's, when the service passes it): one per tenant,
         # so what an adapter learns (Ollama's model sizes) is learnt once.
         self.adapter: Callable[[Tenant], EngineAdapter] = adapter or AdapterCache()

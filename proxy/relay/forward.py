@@ -42,8 +42,8 @@ from proxy.engines import EngineAdapter, adapter_for, strip_hop_by_hop
 from proxy.errors import HyperSwapError
 from proxy.relay import http1
 from proxy.relay.inbound import ABORT
-from proxy.relay.tls import client_ssl_context
 from proxy.tenants import Tenant
+from proxy.tls import client_context
 
 log = logging.getLogger("hyperswap.forward")
 
@@ -229,17 +229,16 @@ class Forwarder:
         pools = self._pools.get(tenant.name)
         if pools is None or pools.tenant is not tenant:
             t = tenant.timeouts
-            tls = client_ssl_context(trust_env=True)  # the CA bundle is read once per process
             # No read timeout by default: a model load sends nothing for minutes.
             # A request waits for a free connection at most pool_s (POOL_WAIT_S when unset), then 503.
             relay = http1.Pool(tenant.upstream or "", connect_s=t.connect_s, read_s=t.read_s, write_s=t.write_s,
-                               ssl_context=tls, max_idle=self.max_keepalive,
+                               ssl_context=client_context(), max_idle=self.max_keepalive,
                                max_connections=self.max_connections,
                                pool_s=t.pool_s if t.pool_s is not None else http1.POOL_WAIT_S)
             # httpx defaults (5 s everywhere) would cut a slow history answer: same timeouts as relays.
             client = httpx.AsyncClient(
                 timeout=httpx.Timeout(connect=t.connect_s, read=t.read_s, write=t.write_s, pool=t.pool_s),
-                follow_redirects=False, trust_env=False, verify=tls)
+                follow_redirects=False, trust_env=False, verify=client_context())
             if pools is not None:
                 # The tenant was reloaded: the old pool's idle connections go now, those in use when
                 # their answer ends; the old httpx client closes with the forwarder.
