@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
+import pytest_asyncio
 
 
 @pytest.fixture(autouse=True)
@@ -40,10 +42,10 @@ def _no_real_gpu_writes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(NvmlSettingsWriter, "_real_nvml", staticmethod(blocked))
 
 
-@pytest.fixture
-async def box() -> AsyncIterator[Callable[..., Awaitable[Any]]]:
+@asynccontextmanager
+async def started_boxes() -> AsyncIterator[Callable[..., Awaitable[Any]]]:
     """Start whole simulated boxes (GPU, both engines, the proxy) on port 0 with fast delays:
-    `demo = await box("tight")` or `await box(fast_scenario(...))`; all stopped at teardown."""
+    `demo = await make("tight")` or `await make(fast_scenario(...))`; all stopped on exit."""
     from proxy.demo import Demo, start_demo
     from proxy.sim.box import Scenario, fast_scenario
 
@@ -63,3 +65,18 @@ async def box() -> AsyncIterator[Callable[..., Awaitable[Any]]]:
     for outcome in outcomes:
         if isinstance(outcome, BaseException):
             raise outcome
+
+
+@pytest.fixture
+async def box() -> AsyncIterator[Callable[..., Awaitable[Any]]]:
+    """Simulated boxes for this test, on its own event loop (see `started_boxes`); all stopped at teardown."""
+    async with started_boxes() as make:
+        yield make
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def box_on_the_session_loop() -> AsyncIterator[Callable[..., Awaitable[Any]]]:
+    """The same, still one set per test and stopped at its teardown, but on the worker's shared event
+    loop: for tests that run there to share a long-lived resource (tests/browser's Chromium)."""
+    async with started_boxes() as make:
+        yield make
