@@ -75,8 +75,8 @@ async def chromium(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Ch
         for key, value in env.items():
             mp.setenv(key, value)
         pw = await async_playwright().start()
+    chromium = Chromium(pw, env)
     try:
-        chromium = Chromium(pw, env)
         await chromium.launch()
         yield chromium
     finally:

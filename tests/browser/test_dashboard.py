@@ -52,6 +52,13 @@ async def test_page_loads_clean_and_shows_every_tenant_of_the_scenario(box: Demo
     assert not console.errors, console.errors
 
 
+async def test_each_test_gets_a_browser_context_with_nothing_stored(browser: BrowserContext) -> None:
+    # One Chromium serves the worker's tests: only a fresh context per test keeps one test's token
+    # (localStorage) or cookies from reaching the next.
+    assert await browser.storage_state() == {"cookies": [], "origins": []}
+    assert not browser.pages
+
+
 async def test_memory_bar_grows_when_the_ollama_simulator_loads_a_model(box: DemoFactory, dashboard: OpenDashboard) -> None:
     demo = await box("default")
     page, console = await dashboard(demo)
