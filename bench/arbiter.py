@@ -10,15 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from timing import timed  # noqa: E402  (bench/timing.py: the shared loop)
 
 from proxy.gpu.attribution import Attributor  # noqa: E402
 from proxy.handoff.arbiter import TenantState, plan_release  # noqa: E402
@@ -56,20 +55,6 @@ def build_gpu(reg: Registry) -> SimulatedGpu:
         name, cmd = kinds[n % len(kinds)]
         gpu.spawn(name, f"{cmd} {n}", per)
     return gpu
-
-
-def timed(fn: Callable[[], object], runs: int) -> dict[str, float]:
-    for _ in range(min(50, runs)):
-        fn()
-    samples = []
-    for _ in range(runs):
-        t0 = time.perf_counter_ns()
-        fn()
-        samples.append((time.perf_counter_ns() - t0) / 1e6)
-    samples.sort()
-    return {"runs": runs, "median_ms": statistics.median(samples),
-            "p99_ms": samples[min(len(samples) - 1, int(len(samples) * 0.99))],
-            "max_ms": samples[-1]}
 
 
 def main() -> int:

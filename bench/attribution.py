@@ -15,11 +15,8 @@ import argparse
 import json
 import platform
 import random
-import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "unit"))  # the fixture /proc builder the tests use
 
 from proctrees import FakeProc, gpu_proc, snapshot  # noqa: E402
+from timing import timed  # noqa: E402  (bench/timing.py: the shared loop)
 
 from proxy.gpu.attribution import Attributor  # noqa: E402
 from proxy.gpu.proctree import ProcTreeReader, read_fd_links, read_listeners, read_process_tree  # noqa: E402
@@ -80,19 +78,6 @@ def full_scan(root: Path) -> dict[int, int]:
                 if link.startswith("socket:[") and int(link[8:-1]) in inodes:
                     owners[int(link[8:-1])] = int(d.name)
     return owners
-
-
-def timed(fn: Callable[[], object], runs: int) -> dict[str, float]:
-    for _ in range(min(20, runs)):
-        fn()
-    samples = []
-    for _ in range(runs):
-        t0 = time.perf_counter_ns()
-        fn()
-        samples.append((time.perf_counter_ns() - t0) / 1e6)
-    samples.sort()
-    return {"runs": runs, "median_ms": statistics.median(samples),
-            "p99_ms": samples[min(len(samples) - 1, int(len(samples) * 0.99))], "max_ms": samples[-1]}
 
 
 def live(results: dict[str, dict[str, float]], runs: int) -> None:

@@ -58,7 +58,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not args.check:
         _log_decisions()
 
-    return asyncio.run(demo_main(args.scenario, args.check, with_proxy=not args.no_proxy))
+    return asyncio.run(demo_main(args.scenario, args.check, with_proxy=not args.no_proxy, fast=args.fast))
 
 
 async def serve(proxy: Proxy, stop: asyncio.Event, ports: Mapping[str, int] | None = None, *,
@@ -186,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--scenario", default="default", help="default, tight, third-app, two-gpus, or a scenario file path")
     demo.add_argument("--check", action="store_true", help="self-test every simulator route and one handoff, then exit 0/1")
     demo.add_argument("--no-proxy", action="store_true", help="start only the simulated GPU box")
+    demo.add_argument("--fast", action="store_true",
+                      help="cut the simulated engines' load, unload and step times to milliseconds (a quick --check)")
     check = add("check", "check every dependency of a running proxy (NVML, upstreams, config) and say how to fix what is broken",
                 cmd_check)
     check.add_argument("--admin", metavar="URL", help="admin API URL (default: from tenants.json)")

@@ -32,11 +32,13 @@ from proxy.admin.view import ProxyView
 from proxy.engines import EngineAdapter
 from proxy.engines.settings import EnvReaders
 from proxy.errors import ConfigError, HyperSwapError
-from proxy.gpu.attribution import AttributedSnapshot
+from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
 from proxy.gpu.nvml import CONTAINER_NOTE, NvmlReader
 from proxy.gpu.visibility import capabilities, summary
+from proxy.handoff.devices import candidates, shares
 from proxy.tasks import cancel_and_wait
 from proxy.tenants import GIB, Tenant, load_registry
+from proxy.tls import client_context
 
 # "unknown": the check cannot run (what it looks at cannot be seen); it says why. The overall
 # status then is at least degraded: nobody can say all is well.
@@ -97,6 +99,37 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
+def _who(processes: Sequence[AttributedProcess]) -> str:
+    return ", ".join(f"{_short_cmd(p.process.cmdline, p.process.name)} (pid {p.process.pid}, "
+                     f"{_gib(p.process.used_bytes) if p.process.used_bytes is not None else 'unknown amount'})"
+                     for p in processes)
+
+
+def _held(room: Sequence[_Room]) -> int:
+    return sum(r.held for r in room)
+
+
+def _where(room: Sequence[_Room]) -> str:
+    """Who holds memory, card by card: `python relay.py (pid 7, 8.00 GiB) on GPU 0` (no card named with one)."""
+    return "; ".join(_who(r.unmanaged) + (f" on {r.where}" if r.where else "") for r in room if r.unmanaged)
+
+
+def _fix(processes: Sequence[AttributedProcess]) -> str:
+    return ("stop or move " + ", ".join(f"pid {p.process.pid}" for p in processes)
+            + ", or add a tenant for it in tenants.json (match + release) so the proxy can ask it for memory")
+
+
+@dataclass(frozen=True, slots=True)
+class _Room:
+    """One card as a tenant's loads see it (HealthExtension._room_on)."""
+
+    where: str  # "GPU 1" on a host with several cards, else ""
+    unmanaged: tuple[AttributedProcess, ...]
+    held: int  # known bytes the unmanaged processes hold there
+    without: int  # room for the tenant were they gone
+    actual: int  # room with them
+
+
 def _short_cmd(cmdline: str, name: str) -> str:
     """`python stt_relay.py --model x` -> `python stt_relay.py`: enough to recognise it."""
     words = cmdline.split()
@@ -150,7 +183,7 @@ class HealthExtension:
     def client(self) -> httpx.AsyncClient:
         if self._client is None:
             self._client = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s, connect=min(2.0, self.timeout_s)),
-                                             trust_env=False)
+                                             trust_env=False, verify=client_context())
         return self._client
 
     # -- VRAM samples ----------------------------------------------------------------------------
@@ -388,58 +421,77 @@ class HealthExtension:
                                 "cannot be checked: without a GPU reader no process outside the tenants' engines is visible",
                                 "memory other programs hold is not counted: a load may still run out of memory",
                                 err.fix if err else "fix the GPU reader (see the nvml entry)")]
-        dev = snap.snapshot.device
         unmanaged = snap.unmanaged()
         held = sum(p.process.used_bytes or 0 for p in unmanaged)
-        unknown = [p for p in unmanaged if p.process.used_bytes is None]
         if not unmanaged:
             return [HealthEntry("unmanaged VRAM", "ok", "no unmanaged GPU processes")]
-        who = ", ".join(f"{_short_cmd(p.process.cmdline, p.process.name)} (pid {p.process.pid}, "
-                        f"{_gib(p.process.used_bytes) if p.process.used_bytes is not None else 'unknown amount'})"
-                        for p in unmanaged)
-        fix = ("stop or move " + ", ".join(f"pid {p.process.pid}" for p in unmanaged)
-               + ", or add a tenant for it in tenants.json (match + release) so the proxy can ask it for memory")
-        if dev.total_bytes <= 0:
-            return [HealthEntry("unmanaged VRAM", "degraded", f"unmanaged processes hold {_gib(held)}: {who}",
-                                "the card's size is unknown, so the cost cannot be stated", fix)]
-        usable = dev.total_bytes - dev.reserved_bytes
-        pinned = sum(snap.held_by(t.name) for t in self.proxy.registry if not t.reclaimable)
+        who = _who(unmanaged)
+        fix = _fix(unmanaged)
         out: list[HealthEntry] = []
         for tenant in self.proxy.registry:
             adapter = self.adapter(tenant)
             if not adapter.sized_catalog or not tenant.upstream:
                 continue
-            floors = 0
-            for other in self.proxy.registry:
-                if other.name == tenant.name or not other.reclaimable:
-                    continue
-                floor = self.comfy_floor(other.name) if self.adapter(other).floor_from_samples else None
-                floors += floor if floor is not None else min(other.idle_vram_bytes, snap.held_by(other.name))
-            without = usable - pinned - floors
-            actual = without - held
+            room = [r for r in (self._room_on(snap, tenant, i) for i in candidates(snap, tenant.name)) if r is not None]
+            if not room:
+                return [HealthEntry("unmanaged VRAM", "degraded", f"unmanaged processes hold {_gib(held)}: {who}",
+                                    "the card's size is unknown, so the cost cannot be stated", fix)]
+            if not any(r.unmanaged for r in room):
+                cards = ", ".join(r.where for r in room)
+                out.append(HealthEntry(f"unmanaged VRAM ({tenant.name})", "ok",
+                                       f"no unmanaged GPU processes on {cards}" if cards else "no unmanaged GPU processes"))
+                continue
+            # a load goes to whichever of the tenant's cards has room: the best card with the unmanaged
+            # processes (actual) against the best card were they gone (widest)
+            actual, widest = max(r.actual for r in room), max(r.without for r in room)
             try:
                 needs = await adapter.installed_needs(self.client)
             except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
                 out.append(HealthEntry(f"unmanaged VRAM ({tenant.name})", "degraded",
-                                       f"unmanaged processes hold {_gib(held)}: {who}; {tenant.name}'s models could not be "
-                                       f"read ({type(exc).__name__})", f"{tenant.name} can use at most {_gib(actual)} "
-                                       f"instead of {_gib(without)}", fix))
+                                       f"unmanaged processes hold {_gib(_held(room))}: {_where(room)}; {tenant.name}'s "
+                                       f"models could not be read ({type(exc).__name__})",
+                                       f"{tenant.name} can use at most {_gib(actual)} instead of {_gib(widest)}",
+                                       _fix([p for r in room for p in r.unmanaged])))
                 continue
-            hurt = [(n, b) for n, b in needs if actual < b <= without]  # too large for the card at all: nobody's fault
+            hurt = [(n, b) for n, b in needs if actual < b <= widest]  # too large for every card: nobody's fault
             if hurt:
                 names = ", ".join(f"{n} ({_gib(b)})" for n, b in hurt)
+                blocking = [r for r in room if r.unmanaged and r.without >= min(b for _, b in hurt)]
                 out.append(HealthEntry(
                     f"unmanaged VRAM ({tenant.name})", "degraded",
-                    f"{len(hurt)} model(s) fit within {_gib(without)} but not the {_gib(actual)} actually available: "
-                    f"held by {who}",
-                    f"{tenant.name} cannot load {names} fully on the GPU: loads answer 507 naming these processes", fix))
+                    f"{len(hurt)} model(s) fit within {_gib(widest)} but not the {_gib(actual)} actually available: "
+                    f"held by {_where(blocking)}",
+                    f"{tenant.name} cannot load {names} fully on the GPU: loads answer 507 naming these processes",
+                    _fix([p for r in blocking for p in r.unmanaged])))
             else:
+                unknown = sum(1 for r in room for p in r.unmanaged if p.process.used_bytes is None)
                 out.append(HealthEntry(
                     f"unmanaged VRAM ({tenant.name})", "ok",
-                    f"unmanaged processes hold {_gib(held)} ({who}); every installed {tenant.name} model that fits "
-                    f"{_gib(without)} still fits the {_gib(actual)} left"
-                    + (f" ({len(unknown)} process(es) of unknown size not counted)" if unknown else "")))
+                    f"unmanaged processes hold {_gib(_held(room))} ({_where(room)}); every installed {tenant.name} model "
+                    f"that fits {_gib(widest)} still fits the {_gib(actual)} left"
+                    + (f" ({unknown} process(es) of unknown size not counted)" if unknown else "")))
         return out or [HealthEntry("unmanaged VRAM", "ok", f"unmanaged processes hold {_gib(held)}: {who}")]
+
+    def _room_on(self, snap: AttributedSnapshot, tenant: Tenant, index: int) -> _Room | None:
+        """What one card leaves a tenant's loads: its usable memory less the pinned tenants and the
+        other reclaimable tenants' floors there (`without`), then less the unmanaged processes on it
+        (`actual`). None: the card's size is unknown. With one card, the whole snapshot."""
+        card = snap.on_device(index)
+        dev = card.snapshot.device
+        if dev.total_bytes <= 0:
+            return None
+        unmanaged = card.unmanaged()
+        held = sum(p.process.used_bytes or 0 for p in unmanaged)
+        pinned = sum(card.held_by(t.name) for t in self.proxy.registry if not t.reclaimable)
+        floors = 0
+        for other in self.proxy.registry:
+            if other.name == tenant.name or not other.reclaimable or not shares(snap, other.name, index):
+                continue
+            floor = self.comfy_floor(other.name) if self.adapter(other).floor_from_samples else None
+            floors += floor if floor is not None else min(other.idle_vram_bytes, card.held_by(other.name))
+        without = dev.total_bytes - dev.reserved_bytes - pinned - floors
+        where = f"GPU {index}" if snap.snapshot.several_devices else ""
+        return _Room(where, unmanaged, held, without, without - held)
 
     async def check_gpu_profile(self, snap: AttributedSnapshot) -> list[HealthEntry]:
         """The card's settings against gpu_profile, from the extension that keeps them (proxy.admin.gpu_api)."""
@@ -498,7 +550,7 @@ def check_main(config: str | None, admin_url: str | None, as_json: bool) -> int:
         return exc.exit_code
     url = base + "/api/health"
     try:
-        with httpx.Client(timeout=httpx.Timeout(30.0, connect=3.0), trust_env=False) as client:
+        with httpx.Client(timeout=httpx.Timeout(30.0, connect=3.0), trust_env=False, verify=client_context()) as client:
             r = client.get(url)
     except httpx.HTTPError as exc:
         print(f"error: no HyperSwap proxy answers at {base} ({type(exc).__name__}) "

@@ -36,6 +36,7 @@ from starlette.types import Receive, Scope, Send
 from proxy.admin.view import ProxyView
 from proxy.admin.views import DryRun, EngineList, HealthReport, ModelList, ReleaseResult, TenantList
 from proxy.tenants import MAX_GIB
+from proxy.tls import client_context
 
 TOKEN_ENV = "HYPERSWAP_ADMIN_TOKEN"
 TIMEOUT_S = 60.0  # a release waits for the GPU to show the memory back (release_timeout_s)
@@ -62,7 +63,8 @@ class AdminClient:
         if mutating and token:
             headers["Authorization"] = f"Bearer {token}"
         try:
-            async with httpx.AsyncClient(timeout=TIMEOUT_S, trust_env=False, transport=self.transport) as client:
+            async with httpx.AsyncClient(timeout=TIMEOUT_S, trust_env=False, transport=self.transport,
+                                         verify=client_context()) as client:
                 r = await client.request(method, base + path, params=params, headers=headers)
         except httpx.HTTPError as exc:
             raise ToolError(f"cannot reach the HyperSwap admin API at {base} ({type(exc).__name__}: {exc}). "
@@ -184,42 +186,61 @@ def _loopback(url: str) -> str:
 
 
 class McpExtension:
-    """/mcp on the admin listener. Stateless JSON answers: no session outlives a request, so stop() is quick."""
+    """/mcp on the admin listener. Stateless JSON answers: no session outlives a request, so stop() is quick.
+
+    The SDK's server is built and its session manager started on the first /mcp request, not with
+    the proxy: building the tools' schemas costs ~130 ms of CPU, which every `hyperswap serve` start
+    (and every test's proxy) paid whether or not an MCP client ever came."""
 
     def __init__(self, proxy: ProxyView) -> None:
         self.proxy = proxy
-        admin = AdminClient(lambda: _loopback(proxy.servers["admin"].url), lambda: proxy.token)
-        self.server = build_server(admin)
-        host = proxy.registry.config.admin.listen.rpartition(":")[0].strip("[]") or "127.0.0.1"
-        # host decides the SDK's DNS-rebinding check: on for loopback listeners, off for public ones (token-guarded).
-        self.server.streamable_http_app(streamable_http_path="/mcp", stateless_http=True, json_response=True, host=host)
-        self.app = _BearerGate(self.server.session_manager.handle_request, proxy.token)
+        self.admin = AdminClient(lambda: _loopback(proxy.servers["admin"].url), lambda: proxy.token)
+        self.server: MCPServer | None = None
+        self.app = _BearerGate(self._serve, proxy.token)
         self._stopping = asyncio.Event()
+        self._starting = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
 
     def routes(self) -> list[BaseRoute]:
         return [Route("/mcp", self.app, methods=["GET", "POST", "DELETE"])]
 
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._stopping.is_set():
+            return await _json(send, 503, {"error": "the proxy is stopping", "fix": "retry once it is running again"})
+        server = await self._running()
+        await server.session_manager.handle_request(scope, receive, send)
+
+    async def _running(self) -> MCPServer:
+        async with self._starting:
+            if self.server is None or self._task is None:
+                server = build_server(self.admin)
+                host = self.proxy.registry.config.admin.listen.rpartition(":")[0].strip("[]") or "127.0.0.1"
+                # host decides the SDK's DNS-rebinding check: on for loopback listeners, off for public ones (token-guarded).
+                server.streamable_http_app(streamable_http_path="/mcp", stateless_http=True, json_response=True, host=host)
+                started = asyncio.Event()
+
+                async def run() -> None:
+                    # The session manager's task group must be entered and left by one task: this one.
+                    async with server.session_manager.run():
+                        started.set()
+                        await self._stopping.wait()
+
+                task = asyncio.create_task(run(), name="mcp-session-manager")
+                waiter = asyncio.create_task(started.wait())
+                await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                if task.done():
+                    task.result()  # raises what broke the start
+                self.server, self._task = server, task
+            return self.server
+
     async def start(self) -> None:
-        started = asyncio.Event()
-
-        async def run() -> None:
-            # The session manager's task group must be entered and left by one task: this one.
-            async with self.server.session_manager.run():
-                started.set()
-                await self._stopping.wait()
-
-        self._task = asyncio.create_task(run(), name="mcp-session-manager")
-        waiter = asyncio.create_task(started.wait())
-        await asyncio.wait({self._task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
-        if self._task.done():
-            self._task.result()  # raises what broke the start
+        """Nothing to start until the first /mcp request (see the class)."""
 
     async def stop(self) -> None:
+        self._stopping.set()
         if self._task is None:
             return
-        self._stopping.set()
         try:
             await asyncio.wait_for(self._task, timeout=5)
         except TimeoutError:

@@ -16,7 +16,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +26,7 @@ from starlette.routing import BaseRoute, Route
 
 from proxy.admin.view import ProxyView
 from proxy.engines import EngineAdapter, adapter_for
+from proxy.engines.settings import read_proc_environ
 from proxy.errors import HyperSwapError
 from proxy.models.catalog import ModelCatalog
 from proxy.models.frames import FrameTimer, loader_nodes
@@ -103,11 +104,12 @@ class ModelsExtension:
 
     def __init__(self, proxy: ProxyView, *, probe: PageCacheProbe | None = None,
                  mem_available: MemAvailable = read_mem_available, env: dict[str, str] | None = None,
-                 home: Path | None = None) -> None:
+                 home: Path | None = None, proc_root: Path = Path("/proc")) -> None:
         self.proxy = proxy
         self.settings = proxy.registry.config.proxy
+        self.proc_root = proc_root
         self.catalog = ModelCatalog(proxy.registry, probe or SystemPageCache(), cmdlines=self._cmdlines,
-                                    env=env, home=home)
+                                    env=env, home=home, engine_env=self._engine_env)
         self.mem_available = mem_available
         self.warmer = Warmer(self.margin_bytes, mem_available, self.catalog.files_changed)
         self.loads = LoadLog()
@@ -121,6 +123,20 @@ class ModelsExtension:
     def _cmdlines(self, tenant: str) -> list[str]:
         snap = self.proxy.arbitration.last_snapshot
         return [p.process.cmdline for p in snap.processes_of(tenant)] if snap is not None else []
+
+    def _engine_env(self, tenant: Tenant) -> Mapping[str, str] | None:
+        """The environment the tenant's engine runs with (where Ollama keeps its models is its own
+        OLLAMA_MODELS and HOME, not the proxy's): /proc/<pid>/environ of one of its GPU processes (a
+        runner inherits its server's). None when none is on the card, when the reader does not see
+        this host's processes (a simulated GPU's pids are fictional), or when none can be read."""
+        snap = self.proxy.arbitration.last_snapshot
+        if snap is None or snap.snapshot.tree is None:
+            return None
+        for p in snap.processes_of(tenant.name):
+            read = read_proc_environ(p.process.pid, self.proc_root)
+            if read.values is not None:
+                return read.values
+        return None
 
     # -- extension ------------------------------------------------------------------------------
     def routes(self) -> list[BaseRoute]:

@@ -109,6 +109,8 @@ class EngineAdapter:
     # How its model files are laid out on disk (proxy/models/locate.py): "ollama" (manifests and
     # blobs), "comfyui" (model folders), or None (only the tenant's model_paths say).
     model_layout: str | None = None
+    # The systemd unit the engine's Linux installer ships (its Environment= is the engine's), or None.
+    service_unit: str | None = None
 
     def __init__(self, tenant: Tenant) -> None:
         self.tenant = tenant

@@ -99,6 +99,7 @@ class OllamaAdapter(EngineAdapter):
         self.sizes = OllamaCatalog()  # per adapter, so per tenant: refreshed when a name is missing
 
     model_layout = "ollama"
+    service_unit = "ollama.service"
     def load_seconds(self, answer_tail: bytes) -> float | None:
         """`load_duration` (ns) on the final line of a generation, chat or embed answer."""
         from proxy.models.loads import ollama_load_seconds
@@ -223,7 +224,7 @@ class OllamaAdapter(EngineAdapter):
         systemd: es.EnvRead | None = None
         environ: es.EnvRead | None = None
         if host_reads:
-            systemd = await asyncio.to_thread(es.read_systemd_env, "ollama", env.systemctl, env.timeout_s)
+            systemd = await asyncio.to_thread(es.read_systemd_env, self.service_unit, env.systemctl, env.timeout_s)
             reads.append(systemd)
             procs = snap.processes_of(tenant.name) if snap else ()
             if snap is None or snap.estimated:
@@ -245,5 +246,5 @@ class OllamaAdapter(EngineAdapter):
 
     def relocation(self, port: int) -> Relocation:
         """OLLAMA_HOST sets where `ollama serve` listens; the Linux installer's unit is ollama.service."""
-        return Relocation(port=port, service="ollama.service", environment={"OLLAMA_HOST": f"127.0.0.1:{port}"},
+        return Relocation(port=port, service=self.service_unit, environment={"OLLAMA_HOST": f"127.0.0.1:{port}"},
                           instruction=f"OLLAMA_HOST=127.0.0.1:{port} ollama serve")

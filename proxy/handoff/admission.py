@@ -32,6 +32,7 @@ from proxy.handoff.inflight import InFlight, TenantTraffic
 from proxy.handoff.queue import Admitted, Handoff, HandoffQueue, ReleaseResult
 from proxy.handoff.residency import Residency
 from proxy.tenants import GIB, MIB, Registry, Tenant
+from proxy.tls import client_context
 
 if TYPE_CHECKING:
     from proxy.relay.forward import UpstreamResponse
@@ -86,7 +87,8 @@ class Arbitration:
         self.inflight = inflight
         self.clock = clock
         self.decisions = decisions
-        self.control = control or httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=2.0), trust_env=False)
+        self.control = control or httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=2.0), trust_env=False,
+                                                    verify=client_context())
         # Each tenant's engine adapter (the forwarder's, when the service passes it): one per tenant,
         # so what an adapter learns (Ollama's model sizes) is learnt once.
         self.adapter: Callable[[Tenant], EngineAdapter] = adapter or AdapterCache()

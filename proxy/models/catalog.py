@@ -32,9 +32,13 @@ class TenantFiles:
 class ModelCatalog:
     def __init__(self, registry: Registry, probe: PageCacheProbe, *, cmdlines: Callable[[str], Sequence[str]],
                  env: Mapping[str, str] | None = None, home: Path | None = None,
+                 engine_env: Callable[[Tenant], Mapping[str, str] | None] = lambda tenant: None,
                  now: Callable[[], float] = time.monotonic, residency_ttl_s: float = 5.0) -> None:
         self.registry = registry
         self.cmdlines = cmdlines  # tenant -> command lines of its processes (from the GPU snapshot)
+        # The engine's own environment decides where it keeps its models (OLLAMA_MODELS, HOME); when
+        # it cannot be read (None), the proxy's environment is the best guess.
+        self.engine_env = engine_env
         self.env = dict(os.environ if env is None else env)
         self.home = home
         self.now = now
@@ -48,7 +52,8 @@ class ModelCatalog:
         layout = adapter_for(tenant).model_layout
         paths = [Path(os.path.expanduser(p)) for p in tenant.model_paths]
         if layout == "ollama":
-            roots = paths or locate.ollama_roots(self.env, self.home)
+            engine = None if paths else self.engine_env(tenant)
+            roots = paths or (locate.ollama_roots(engine) if engine is not None else locate.ollama_roots(self.env, self.home))
             parts = [locate.ollama_store(tenant.name, r) for r in roots if paths or r.exists()]
             found = locate.merge(parts)
             if not parts:

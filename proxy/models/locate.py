@@ -129,10 +129,11 @@ def ollama_store(tenant: str, root: Path) -> Located:
 
 def ollama_roots(env: Mapping[str, str], home: Path | None = None) -> list[Path]:
     """Where Ollama keeps its models, in the order Ollama would look: OLLAMA_MODELS, else the home of
-    the user running it (this user's, then the Linux service user's)."""
+    the user running it (`home`, else the environment's HOME, else this user's; then the Linux
+    service user's)."""
     if env.get("OLLAMA_MODELS"):
         return [Path(env["OLLAMA_MODELS"]).expanduser()]
-    home = home or Path.home()
+    home = home or (Path(env["HOME"]) if env.get("HOME") else Path.home())
     return [home / ".ollama" / "models", Path("/usr/share/ollama/.ollama/models")]
 
 

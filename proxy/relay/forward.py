@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import ssl
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -44,6 +43,7 @@ from proxy.errors import HyperSwapError
 from proxy.relay import http1
 from proxy.relay.inbound import ABORT
 from proxy.tenants import Tenant
+from proxy.tls import client_context
 
 log = logging.getLogger("hyperswap.forward")
 
@@ -216,7 +216,6 @@ class Forwarder:
         self._pools: dict[str, _TenantPools] = {}
         self._adapters: dict[str, EngineAdapter] = {}
         self._retired: list[_TenantPools] = []
-        self._ssl: ssl.SSLContext | None = None  # one for all sessions: each load costs ~30 ms
         self.max_keepalive = max_keepalive
         self.max_connections = max_connections  # per upstream
 
@@ -229,19 +228,17 @@ class Forwarder:
     def _tenant_pools(self, tenant: Tenant) -> _TenantPools:
         pools = self._pools.get(tenant.name)
         if pools is None or pools.tenant is not tenant:
-            if self._ssl is None:
-                self._ssl = httpx.create_ssl_context()
             t = tenant.timeouts
             # No read timeout by default: a model load sends nothing for minutes.
             # A request waits for a free connection at most pool_s (POOL_WAIT_S when unset), then 503.
             relay = http1.Pool(tenant.upstream or "", connect_s=t.connect_s, read_s=t.read_s, write_s=t.write_s,
-                               ssl_context=self._ssl, max_idle=self.max_keepalive,
+                               ssl_context=client_context(), max_idle=self.max_keepalive,
                                max_connections=self.max_connections,
                                pool_s=t.pool_s if t.pool_s is not None else http1.POOL_WAIT_S)
             # httpx defaults (5 s everywhere) would cut a slow history answer: same timeouts as relays.
             client = httpx.AsyncClient(
                 timeout=httpx.Timeout(connect=t.connect_s, read=t.read_s, write=t.write_s, pool=t.pool_s),
-                follow_redirects=False, trust_env=False, verify=self._ssl)
+                follow_redirects=False, trust_env=False, verify=client_context())
             if pools is not None:
                 # The tenant was reloaded: the old pool's idle connections go now, those in use when
                 # their answer ends; the old httpx client closes with the forwarder.

@@ -12,6 +12,7 @@ import httpx
 
 from proxy.errors import HyperSwapError
 from proxy.tenants import load_registry
+from proxy.tls import client_context
 from proxy.verify.clients import loopback
 from proxy.verify.report import Report, StageResult
 from proxy.verify.runner import Options, Verify
@@ -56,7 +57,8 @@ async def run_verify(options: Options, *, out: TextIO, err: TextIO, as_json: boo
             one = Report(options.admin, [result])
             print(one.text().split("\n\n")[0], file=out, flush=True)
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(options.stage_timeout_s, connect=5.0), trust_env=False) as http:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(options.stage_timeout_s, connect=5.0), trust_env=False,
+                                 verify=client_context()) as http:
         verify = Verify(options, http, ask=_ask, on_result=on_result, say=lambda text: print(text, file=err, flush=True))
         return await verify.run()
 

@@ -231,7 +231,7 @@ async def test_engines_reads_ollama_env_from_systemd_then_from_the_processes_env
     assert s["OLLAMA_KEEP_ALIVE"]["source"] == "default (not set)"
     environ = next(x for x in view["env_sources"] if x["source"] == "environ")
     assert environ["ok"] is False and "no ollama process" in environ["error"]
-    assert systemctl.calls == [["systemctl", "show", "ollama", "--property=Environment"]]
+    assert systemctl.calls == [["systemctl", "show", "ollama.service", "--property=Environment"]]
 
     # A loaded model gives attribution a process; its (fake) /proc environ is what the process really has.
     r = await http.post(demo.box.servers["ollama"].url + "/api/generate", json={"model": "llama3.1:8b", "prompt": "hi",

@@ -71,3 +71,26 @@ async def test_a_need_too_large_for_gpu_1_is_a_507_naming_gpu_1(box: DemoFactory
     health = {e["name"]: e for e in (await http.get(demo.proxy.url("admin") + "/api/health")).json()["entries"]}
     pin = health["gpu devices ollama"]
     assert pin["status"] == "degraded" and "no such device" in pin["problem"] and "tenants.ollama.devices" in pin["fix"]
+
+
+async def _ollama_unmanaged_entry(demo: object, http: httpx.AsyncClient) -> dict[str, object]:
+    body = (await http.get(demo.proxy.url("admin") + "/api/health")).json()  # type: ignore[attr-defined]
+    return next(e for e in body["entries"] if e["name"] == "unmanaged VRAM (ollama)")
+
+
+async def test_an_unmanaged_process_on_gpu_1_costs_ollama_on_gpu_0_nothing(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box("two-gpus")
+    demo.box.gpu.spawn("python", "python stt_relay.py --model large-v3", 15 * 2**30, device=1)
+    e = await _ollama_unmanaged_entry(demo, http)
+    # gemma3:27b (16.2 GiB) fits GPU 0's 23.7 usable GiB whatever GPU 1 holds
+    assert e["status"] == "ok", e
+    assert "stt_relay.py" not in str(e["problem"]), "a process on GPU 1 was counted against GPU 0"
+
+
+async def test_an_unmanaged_process_on_gpu_0_is_named_with_its_card(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box("two-gpus")
+    demo.box.gpu.spawn("python", "python stt_relay.py --model large-v3", 8 * 2**30, device=0)
+    e = await _ollama_unmanaged_entry(demo, http)
+    assert e["status"] == "degraded", e
+    assert "GPU 0" in str(e["problem"]) and "stt_relay.py" in str(e["problem"]), e
+    assert "gemma3:27b" in str(e["impact"]), e

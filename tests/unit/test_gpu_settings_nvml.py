@@ -5,11 +5,11 @@ never 0; a failure of the whole card raises GpuReadError like the memory reader.
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+from fake_pynvml import FakePynvmlBase
 
 from proxy.gpu.settings import (
     LOCKED_CLOCKS_UNREADABLE,
@@ -22,26 +22,13 @@ from proxy.gpu.settings import (
 from proxy.gpu.snapshot import GpuReadError
 
 
-class FakeNvml(types.ModuleType):
+class FakeNvml(FakePynvmlBase):
     """The slice of pynvml the settings reader uses; return shapes as pynvml's (milliwatts, MHz, lists)."""
 
     def __init__(self) -> None:
-        super().__init__("pynvml")
-
-        class NVMLError(Exception):
-            def __eq__(self, other: object) -> bool:
-                return isinstance(other, NVMLError) and str(other) == str(self)
-
-            __hash__ = None  # type: ignore[assignment]
-
-        self.NVMLError = NVMLError
-        for name in ("NotSupported", "NoPermission", "GpuIsLost", "FunctionNotFound", "Unknown", "DriverNotLoaded",
-                     "InvalidArgument", "LibraryNotFound", "Uninitialized"):
-            setattr(self, f"NVMLError_{name}", type(f"NVMLError_{name}", (NVMLError,), {}))
+        super().__init__()
         self.NVML_CLOCK_GRAPHICS, self.NVML_CLOCK_SM, self.NVML_CLOCK_MEM = 0, 1, 2
         self.NVML_TEMPERATURE_GPU = 0
-        self.init_calls = 0
-        self.shutdown_calls = 0
         self.fail: dict[str, Exception] = {}  # function name -> what it raises
         self.fans = 2
         self.reasons = 0x1 | 0x4
@@ -51,12 +38,6 @@ class FakeNvml(types.ModuleType):
     def _check(self, name: str) -> None:
         if name in self.fail:
             raise self.fail[name]
-
-    def nvmlInit(self) -> None:
-        self.init_calls += 1
-
-    def nvmlShutdown(self) -> None:
-        self.shutdown_calls += 1
 
     def nvmlDeviceGetCount(self) -> int:
         return 2

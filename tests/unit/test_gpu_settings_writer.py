@@ -3,24 +3,24 @@ errors, and the guard that keeps every test away from a real card."""
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import pytest
+from fake_pynvml import FakePynvmlBase
 
 from proxy.gpu.settings_writer import ROOT_FIX, NvmlSettingsWriter, RealWriterBlocked, SettingChange, SettingsWriteError
 
 
-class FakeNvml(types.ModuleType):
+class FakeNvml(FakePynvmlBase):
+    """The setters the writer calls, each recorded in order after nvmlInit; `error` makes them raise."""
+
     def __init__(self) -> None:
-        super().__init__("pynvml")
-        self.NVMLError = type("NVMLError", (Exception,), {})
-        for name in ("NotSupported", "NoPermission", "InvalidArgument", "GpuIsLost", "FunctionNotFound"):
-            setattr(self, f"NVMLError_{name}", type(f"NVMLError_{name}", (self.NVMLError,), {}))
+        super().__init__()
         self.calls: list[tuple[Any, ...]] = []
         self.error: Exception | None = None
 
     def nvmlInit(self) -> None:
+        super().nvmlInit()
         self.calls.append(("init",))
 
     def nvmlDeviceGetHandleByIndex(self, index: int) -> str:

@@ -9,6 +9,8 @@ tested or replaced one without the other (the admin features and the service wer
 from __future__ import annotations
 
 import ast
+import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,21 +62,29 @@ def _targets(node: ast.Import | ast.ImportFrom, source: str, is_package: bool, k
     return out
 
 
-def import_edges(root: Path = ROOT) -> list[Edge]:
+def _imports(node: ast.AST, in_function: bool = False) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
+    """Every import statement under `node`, and whether it sits inside a function (one walk)."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            yield child, in_function
+        else:
+            yield from _imports(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+
+@functools.cache  # the package's files do not change during a run; two tests read the same graph
+def _edges_of(root: Path) -> tuple[Edge, ...]:
     known = modules(root)
     edges: list[Edge] = []
     for source, path in known.items():
-        tree = ast.parse(path.read_text(), str(path))
-        in_function: set[int] = set()
-        for fn in ast.walk(tree):
-            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-                in_function.update(id(n) for n in ast.walk(fn) if n is not fn)
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                for target in _targets(node, source, path.name == "__init__.py", known):
-                    if target != source and target != "proxy":
-                        edges.append(Edge(source, target, node.lineno, id(node) not in in_function))
-    return edges
+        for node, in_function in _imports(ast.parse(path.read_text(), str(path))):
+            for target in _targets(node, source, path.name == "__init__.py", known):
+                if target != source and target != "proxy":
+                    edges.append(Edge(source, target, node.lineno, not in_function))
+    return tuple(edges)
+
+
+def import_edges(root: Path = ROOT) -> list[Edge]:
+    return list(_edges_of(root))
 
 
 def cycles(edges: list[Edge]) -> list[list[str]]:

@@ -132,3 +132,48 @@ def test_the_catalog_finds_models_per_tenant_by_the_name_a_request_uses(tmp_path
     cmdlines.clear()
     unseen = ModelCatalog(reg, _Probe(), cmdlines=lambda t: [], env={}, home=tmp_path).all_files()["comfyui"]
     assert unseen.unknown_reason and "not seen" in unseen.unknown_reason
+
+
+def test_ollamas_own_environment_says_where_its_models_are_not_the_proxys(tmp_path: Path) -> None:
+    manifest(tmp_path / "theirs", "registry.ollama.ai/library/gemma3/latest", {"g1": 10})
+    manifest(tmp_path / "ours", "registry.ollama.ai/library/llama3.2/latest", {"l1": 10})
+    manifest(tmp_path / "svc-home" / ".ollama" / "models", "registry.ollama.ai/library/qwen3/latest", {"q1": 10})
+    reg = registry_from_dict({})
+    proxy_env = {"OLLAMA_MODELS": str(tmp_path / "ours")}
+    engine: dict[str, dict[str, str] | None] = {"ollama": {"OLLAMA_MODELS": str(tmp_path / "theirs")}}
+
+    def catalog() -> ModelCatalog:
+        return ModelCatalog(reg, _Probe(), cmdlines=lambda t: [], env=proxy_env, home=tmp_path,
+                            engine_env=lambda tenant: engine.get(tenant.name))
+
+    assert [m.name for m in catalog().models("ollama")] == ["gemma3:latest"]
+    engine["ollama"] = {"HOME": str(tmp_path / "svc-home")}  # no OLLAMA_MODELS: its user's home
+    assert [m.name for m in catalog().models("ollama")] == ["qwen3:latest"]
+    engine["ollama"] = None  # unreadable (not on the card, no permission): the proxy's environment is the guess
+    assert [m.name for m in catalog().models("ollama")] == ["llama3.2:latest"]
+
+
+def test_the_models_extension_reads_the_engines_environment_only_from_this_hosts_processes(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from proxy.admin.models_api import ModelsExtension
+    from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
+    from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot, ProcessTree
+
+    (tmp_path / "proc" / "700").mkdir(parents=True)  # a runner whose environ this user may not read: none here
+    (tmp_path / "proc" / "701").mkdir(parents=True)
+    (tmp_path / "proc" / "701" / "environ").write_bytes(b"HOME=/srv/ollama\0OLLAMA_MODELS=/data/models\0")
+    reg = registry_from_dict({})
+    card = DeviceMemory(0, "card", 24 * 2**30, 0, 0, 24 * 2**30)
+    procs = tuple(AttributedProcess(GpuProcess(pid, "ollama", "ollama runner", 2**30), "ollama") for pid in (700, 701))
+
+    def ext_seeing(tree: ProcessTree | None) -> ModelsExtension:
+        snap = AttributedSnapshot(GpuSnapshot(card, tuple(p.process for p in procs), tree=tree), procs)
+        view = SimpleNamespace(registry=reg, arbitration=SimpleNamespace(last_snapshot=snap))
+        return ModelsExtension(view, probe=_Probe(), env={}, home=tmp_path, proc_root=tmp_path / "proc")  # type: ignore[arg-type]
+
+    ollama = reg.tenants["ollama"]
+    assert ext_seeing(ProcessTree())._engine_env(ollama) == {"HOME": "/srv/ollama", "OLLAMA_MODELS": "/data/models"}
+    # a reader that does not see this host's /proc (simulated GPU, engines' estimates): its pids are not these
+    assert ext_seeing(None)._engine_env(ollama) is None
+    assert ext_seeing(ProcessTree()).catalog.tenant_files(ollama).looked_in == ("/data/models",)  # type: ignore[union-attr]

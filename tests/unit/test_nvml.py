@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fake_pynvml import FakePynvmlBase
 
 from proxy.clock import FakeClock
 from proxy.gpu.nvml import CONTAINER_NOTE, NvmlReader
@@ -17,40 +18,18 @@ GIB = 2**30
 CLK_TCK = 100
 
 
-class FakeNvml(types.ModuleType):
-    """The slice of pynvml the reader uses. Error classes mimic pynvml: unhashable (they define __eq__)."""
+class FakeNvml(FakePynvmlBase):
+    """The slice of pynvml the reader uses (errors and init/shutdown counts from FakePynvmlBase)."""
 
     def __init__(self) -> None:
-        super().__init__("pynvml")
-
-        class NVMLError(Exception):
-            def __eq__(self, other: object) -> bool:
-                return isinstance(other, NVMLError) and str(other) == str(self)
-
-            __hash__ = None  # type: ignore[assignment]
-
-        self.NVMLError = NVMLError
-        for name in ("LibraryNotFound", "DriverNotLoaded", "NoPermission", "GpuIsLost", "NotSupported",
-                     "FunctionNotFound", "ArgumentVersionMismatch", "Unknown"):
-            setattr(self, f"NVMLError_{name}", type(f"NVMLError_{name}", (NVMLError,), {}))
+        super().__init__()
         self.NVMLLibraryMismatchError = type("NVMLLibraryMismatchError", (Exception,), {})
         self.nvmlMemory_v2 = 0x02000028
-        self.init_calls = 0
-        self.shutdown_calls = 0
-        self.init_error: Exception | None = None
         self.mem_error: Exception | None = None
         self.v2_supported = True
         self.compute: list[Any] = []
         self.graphics: list[Any] = []
         self.mem = types.SimpleNamespace(total=24 * GIB, reserved=300 * 2**20, used=10 * GIB, free=14 * GIB - 300 * 2**20)
-
-    def nvmlInit(self) -> None:
-        self.init_calls += 1
-        if self.init_error is not None:
-            raise self.init_error
-
-    def nvmlShutdown(self) -> None:
-        self.shutdown_calls += 1
 
     def nvmlDeviceGetHandleByIndex(self, index: int) -> str:
         return f"handle{index}"
