@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+import contextlib
+import gc
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -40,6 +43,33 @@ def _no_real_gpu_writes(monkeypatch: pytest.MonkeyPatch) -> None:
         raise RealWriterBlocked("a test reached the real NVML settings writer: inject a fake pynvml or a recorder")
 
     monkeypatch.setattr(NvmlSettingsWriter, "_real_nvml", staticmethod(blocked))
+
+
+def _open_descriptors() -> set[tuple[str, str]] | None:
+    """(descriptor, what it points at) for each open descriptor; None where /proc is not there."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return None
+    found = set()
+    for name in names:
+        with contextlib.suppress(OSError):  # closed meanwhile (listdir's own)
+            found.add((name, os.readlink(f"/proc/self/fd/{name}")))
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _unclosed_sockets_fail_their_own_test() -> Iterator[None]:
+    """A socket or transport nobody closed is found by the garbage collector, whenever it runs,
+    and its ResourceWarning (an error here) would land on whichever test runs then. Collecting
+    when a test ends with a descriptor open that it did not find pins it on the test that leaked
+    it (one still held by a captured log record's traceback fails the next test instead). Only
+    then: a collection after every test cost 0.1 to 1.5 s each on 2 cores; this check ~0.1 ms."""
+    before = _open_descriptors()
+    yield
+    after = _open_descriptors()
+    if before is not None and after is not None and after - before:
+        gc.collect()
 
 
 @asynccontextmanager
