@@ -15,6 +15,7 @@ from playwright.async_api import BrowserContext, Dialog, Page
 from websockets.asyncio.client import connect as ws_connect
 
 from proxy.admin.telemetry import Telemetry
+from proxy.clock import Clock
 from proxy.demo import Demo, comfy_prompt, run_prompt
 from proxy.gpu.snapshot import GpuReadError
 from proxy.sim.box import fast_scenario as fast
@@ -49,6 +50,13 @@ async def test_page_loads_clean_and_shows_every_tenant_of_the_scenario(box: Demo
     assert await page.is_hidden("#health"), "health details stay collapsed while every check is ok"
     assert await page.is_disabled('.card[data-tenant="desktop"] button'), "the desktop has no release strategy"
     assert not console.errors, console.errors
+
+
+async def test_each_test_gets_a_browser_context_with_nothing_stored(browser: BrowserContext) -> None:
+    # One Chromium serves the worker's tests: only a fresh context per test keeps one test's token
+    # (localStorage) or cookies from reaching the next.
+    assert await browser.storage_state() == {"cookies": [], "origins": []}
+    assert not browser.pages
 
 
 async def test_memory_bar_grows_when_the_ollama_simulator_loads_a_model(box: DemoFactory, dashboard: OpenDashboard) -> None:
@@ -98,28 +106,35 @@ async def test_release_button_frees_an_idle_comfyui_and_shows_the_measured_resul
     assert not console.errors, console.errors
 
 
-async def test_a_failing_health_check_expands_with_its_fix(box: DemoFactory, dashboard: OpenDashboard, artifacts: Path) -> None:
+async def test_a_failing_health_check_expands_with_its_fix(box: DemoFactory, browser: BrowserContext,
+                                                         dashboard: OpenDashboard, app_timers: dict[str, int],
+                                                         artifacts: Path) -> None:
     demo = await box("default")
+    await browser.clock.install()
     page, _ = await dashboard(demo)
     await page.wait_for_selector('#health-badge[data-status="ok"]', timeout=WAIT_MS)
     await demo.box.ollama.stop()
+    await page.clock.fast_forward(app_timers["HEALTH_POLL_MS"])  # the page's next health poll, now
     entry = page.locator('#health [data-check="upstream ollama"]')
     await entry.wait_for(state="visible", timeout=WAIT_MS)
     assert await page.get_attribute("#health-badge", "data-status") in ("failed", "degraded")
     assert await entry.locator(".fix code").inner_text(), "a broken check shows its fix"
+    # The jump also aged the last stream frame past the stale mark; the next frame clears it.
+    await page.wait_for_selector("#stale", state="hidden", timeout=WAIT_MS)
     await page.screenshot(path=str(artifacts / "dashboard-health.png"), full_page=True)
 
 
-
 async def test_stale_marker_shows_while_the_stream_is_down_and_clears_when_it_reconnects(
-        box: DemoFactory, browser: BrowserContext) -> None:
+        box: DemoFactory, browser: BrowserContext, app_timers: dict[str, int]) -> None:
     demo = await box("default")
     assert demo.proxy is not None
+    await browser.clock.install()
     page = browser.pages[0] if browser.pages else await browser.new_page()
     # The stream is down from the start: each attempt ends at once with no frame, and asks for a quick retry.
     await page.route("**/api/events", lambda route: route.fulfill(
         status=200, headers={"Content-Type": "text/event-stream"}, body="retry: 300\n\n"))
     await page.goto(demo.proxy.url("admin") + "/")
+    await page.clock.fast_forward(app_timers["STALE_AFTER_MS"] + 500)  # that long without a frame, without waiting it out
     await page.wait_for_selector("#stale", state="visible", timeout=WAIT_MS)
     await page.unroute("**/api/events")  # EventSource retries by itself
     await page.wait_for_selector('.card[data-tenant="ollama"]', timeout=WAIT_MS)
@@ -207,16 +222,39 @@ async def test_timeline_of_a_freshly_opened_page_starts_with_the_recorded_minute
     assert not console.errors, console.errors
 
 
+class HeldClock:
+    """A simulator's clock whose sleeps wait for the test's go: a render that lasts until the test has
+    seen what it looks for, however loaded the machine, and not a step longer."""
+
+    def __init__(self, inner: Clock) -> None:
+        self.inner = inner
+        self.go = asyncio.Event()
+
+    def now(self) -> float:
+        return self.inner.now()
+
+    def wall(self) -> float:
+        return self.inner.wall()
+
+    async def sleep(self, seconds: float) -> None:
+        await self.go.wait()
+        await self.inner.sleep(seconds)
+
+
 async def test_a_chat_waiting_for_a_render_shows_on_its_card_until_it_runs(box: DemoFactory, dashboard: OpenDashboard) -> None:
     demo = await box("default")
+    assert demo.proxy is not None and demo.box.comfyui is not None
     page, console = await dashboard(demo)
     base = demo.proxy.url("comfyui")
     async with httpx.AsyncClient(timeout=30.0, trust_env=False) as http:
-        await run_prompt(base, "flux1-dev-fp8.safetensors", http)
+        await run_prompt(base, "flux1-dev-fp8.safetensors", http)  # the checkpoint is loaded: the next render only samples
+        held = HeldClock(demo.box.comfyui.clock)
+        demo.box.comfyui.clock = held  # its sampling steps wait for held.go
         cid = uuid.uuid4().hex
         prompt = comfy_prompt("flux1-dev-fp8.safetensors")
-        prompt["3"]["inputs"]["steps"] = 1500  # ~3 s of sampling: long enough to see the wait
-        async with ws_connect(base.replace("http", "ws") + f"/ws?clientId={cid}") as ws:
+        # max_queue=None: the socket reads every frame as it comes; with a full receive queue it stops
+        # reading, never sees the server's close frame and waits out its 10 s close timeout.
+        async with ws_connect(base.replace("http", "ws") + f"/ws?clientId={cid}", max_queue=None) as ws:
             await ws.recv()
             assert (await http.post(base + "/prompt", json={"prompt": prompt, "client_id": cid})).status_code == 200
             await poll_until(lambda: demo.proxy.inflight.traffic("comfyui").jobs, 0.01)
@@ -225,6 +263,8 @@ async def test_a_chat_waiting_for_a_render_shows_on_its_card_until_it_runs(box: 
             waiting = page.locator('.card[data-tenant="ollama"] [data-role="waiting"]')
             await waiting.filter(has_text="queued behind comfyui").wait_for(timeout=WAIT_MS)
             assert "waiting for memory" in (await page.text_content("#device") or "")
+            assert not chat.done(), "the chat waits while the render holds the card"
+            held.go.set()  # the render runs to its end
             assert (await chat).status_code == 200, "answered once the render ended"
     await page.wait_for_selector('.card[data-tenant="ollama"][data-waiting="0"]', timeout=WAIT_MS)
     assert not console.errors, console.errors

@@ -424,9 +424,11 @@ async def test_closed_port_gives_502_naming_tenant_and_upstream() -> None:
 
 async def test_upstream_that_never_answers_gives_504() -> None:
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.read(65536)
-        await asyncio.sleep(SAFETY_S)
-        writer.close()
+        try:
+            await reader.read(65536)
+            await asyncio.sleep(SAFETY_S)
+        finally:  # cancelled when the test's loop closes: the connection must not outlive it
+            writer.close()
 
     server = await asyncio.start_server(silent, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
@@ -637,12 +639,12 @@ async def _until(pred: Callable[[], bool]) -> None:
 
 async def test_official_ollama_client_streams_generate_through_proxy() -> None:
     async with stack("ollama", ollama_like) as (proxy, _, _, state):
-        client = ollama.AsyncClient(host=proxy.url, verify=LOOPBACK_TLS)
         words: list[str] = []
-        async for part in await client.generate(model="m", prompt="hi", stream=True):
-            words.append(part.response)
-            if len(words) <= 3:
-                state.lines_seen[len(words) - 1].set()
+        async with ollama.AsyncClient(host=proxy.url, verify=LOOPBACK_TLS) as client:
+            async for part in await client.generate(model="m", prompt="hi", stream=True):
+                words.append(part.response)
+                if len(words) <= 3:
+                    state.lines_seen[len(words) - 1].set()
         assert part.done and part.done_reason == "stop"
     assert words == ["w0", "w1", "w2", "w3"]
 

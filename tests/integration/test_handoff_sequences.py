@@ -117,19 +117,20 @@ async def test_no_spill_is_seen_while_a_model_is_still_loading(box: DemoFactory)
 
 async def test_an_unload_releases_nobody_and_is_never_refused(box: DemoFactory) -> None:
     demo = await box("tight")  # the speech relay makes the biggest model impossible to load here
-    client = ollama.AsyncClient(host=demo.proxy.url("ollama"), verify=LOOPBACK_TLS)  # type: ignore[union-attr]
-    for model in ("mistral-small:22b", "llama3.1:8b"):
-        done = await client.generate(model=model, keep_alive=0)
-        assert done.done_reason == "unload"
-        done = await client.chat(model=model, messages=[], keep_alive="0s")
-        assert done.done_reason == "unload"
+    async with ollama.AsyncClient(host=demo.proxy.url("ollama"), verify=LOOPBACK_TLS) as client:  # type: ignore[union-attr]
+        for model in ("mistral-small:22b", "llama3.1:8b"):
+            done = await client.generate(model=model, keep_alive=0)
+            assert done.done_reason == "unload"
+            done = await client.chat(model=model, messages=[], keep_alive="0s")
+            assert done.done_reason == "unload"
     assert not releases(demo) and not decisions(demo, "rejection", "queued", "plan")
 
 
 async def test_an_unload_through_the_proxy_leaves_an_idle_comfyui_alone(box: DemoFactory) -> None:
     demo = await box("default")
     assert succeeded(await render(demo, "flux1-dev-fp8.safetensors"))
-    await ollama.AsyncClient(host=demo.proxy.url("ollama"), verify=LOOPBACK_TLS).generate(model="gemma3:27b", keep_alive=0)  # type: ignore[union-attr]
+    async with ollama.AsyncClient(host=demo.proxy.url("ollama"), verify=LOOPBACK_TLS) as client:  # type: ignore[union-attr]
+        await client.generate(model="gemma3:27b", keep_alive=0)
     assert demo.box.comfyui.frees == 0 and not releases(demo)  # type: ignore[union-attr]
 
 

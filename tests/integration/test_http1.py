@@ -344,13 +344,14 @@ async def test_an_early_answer_to_a_big_body_arrives_whole(then: str) -> None:
     done = asyncio.Event()
 
     async def answers_early(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 8\r\n\r\ntoo big!")
-        await writer.drain()
-        if then == "closes":
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 8\r\n\r\ntoo big!")
+            await writer.drain()
+            if then == "stays open":
+                await done.wait()  # never reads the body
+        finally:
             writer.close()
-        else:
-            await done.wait()  # never reads the body
 
     server = await asyncio.start_server(answers_early, "127.0.0.1", 0)
     pool = Pool(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")

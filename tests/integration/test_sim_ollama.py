@@ -56,6 +56,19 @@ async def http(sim: OllamaSim) -> AsyncIterator[httpx.AsyncClient]:
         yield client
 
 
+# The official clients are closed at teardown: an unclosed one leaves its sockets to the garbage collector.
+@pytest.fixture
+async def client(sim: OllamaSim) -> AsyncIterator[ollama.AsyncClient]:
+    async with ollama.AsyncClient(host=url(sim), verify=LOOPBACK_TLS) as c:
+        yield c
+
+
+@pytest.fixture
+async def openai_client(sim: OllamaSim) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=url(sim) + "/v1", api_key="x") as c:
+        yield c
+
+
 def url(sim: OllamaSim) -> str:
     assert sim.server is not None
     return sim.server.url
@@ -63,8 +76,7 @@ def url(sim: OllamaSim) -> str:
 
 # -- official ollama client -------------------------------------------------------------------------
 
-async def test_ollama_client_lists_shows_and_generates(sim: OllamaSim) -> None:
-    client = ollama.AsyncClient(host=url(sim), verify=LOOPBACK_TLS)
+async def test_ollama_client_lists_shows_and_generates(sim: OllamaSim, client: ollama.AsyncClient) -> None:
     listed = await client.list()
     names = {m.model for m in listed.models}
     assert names == {"llama3.2:latest", "qwen2.5:7b", "nomic-embed-text:latest"}
@@ -82,8 +94,7 @@ async def test_ollama_client_lists_shows_and_generates(sim: OllamaSim) -> None:
     assert parts[-1].eval_count == 6 and parts[0].eval_count is None, "metrics only on the final chunk"
 
 
-async def test_ollama_client_chat_ps_embed_and_unload(sim: OllamaSim, gpu: SimulatedGpu) -> None:
-    client = ollama.AsyncClient(host=url(sim), verify=LOOPBACK_TLS)
+async def test_ollama_client_chat_ps_embed_and_unload(sim: OllamaSim, gpu: SimulatedGpu, client: ollama.AsyncClient) -> None:
     reply = await client.chat(model="llama3.2", messages=[{"role": "user", "content": "hello"}])
     assert reply.message.role == "assistant" and reply.message.content and reply.done_reason == "stop"
     chunks = [c async for c in await client.chat(model="llama3.2", messages=[{"role": "user", "content": "x"}],
@@ -106,8 +117,7 @@ async def test_ollama_client_chat_ps_embed_and_unload(sim: OllamaSim, gpu: Simul
     assert "llama3.2:latest" not in {m.model for m in (await client.ps()).models}
 
 
-async def test_ollama_client_pull_streams_progress_and_adds_the_model(sim: OllamaSim) -> None:
-    client = ollama.AsyncClient(host=url(sim), verify=LOOPBACK_TLS)
+async def test_ollama_client_pull_streams_progress_and_adds_the_model(sim: OllamaSim, client: ollama.AsyncClient) -> None:
     lines = [p async for p in await client.pull("phi3:mini", stream=True)]
     statuses = [p.status for p in lines]
     assert statuses[0] == "pulling manifest" and statuses[-1] == "success"
@@ -120,8 +130,8 @@ async def test_ollama_client_pull_streams_progress_and_adds_the_model(sim: Ollam
     assert "phi3:mini" not in {m.model for m in (await client.list()).models}
 
 
-async def test_pulling_a_model_the_registry_does_not_have_fails_after_the_manifest_line(sim: OllamaSim,
-                                                                                     http: httpx.AsyncClient) -> None:
+async def test_pulling_a_model_the_registry_does_not_have_fails_after_the_manifest_line(
+        http: httpx.AsyncClient, client: ollama.AsyncClient) -> None:
     r = await http.post("/api/pull", json={"model": "no-such-model"})
     assert (r.status_code, r.headers["content-type"]) == (200, "application/x-ndjson")
     assert [json.loads(line) for line in r.text.splitlines()] == [
@@ -130,7 +140,7 @@ async def test_pulling_a_model_the_registry_does_not_have_fails_after_the_manife
     assert (r.status_code, r.headers["content-type"]) == (500, "application/json")
     assert r.json() == {"error": "pull model manifest: file does not exist"}
     with pytest.raises(ollama.ResponseError, match="file does not exist"):
-        [p async for p in await ollama.AsyncClient(host=url(sim), verify=LOOPBACK_TLS).pull("no-such-model", stream=True)]
+        [p async for p in await client.pull("no-such-model", stream=True)]
     assert "no-such-model:latest" not in {m["name"] for m in (await http.get("/api/tags")).json()["models"]}
     await http.post("/api/copy", json={"source": "llama3.2", "destination": "mine"})
     r = await http.post("/api/pull", json={"model": "mine", "stream": False})
@@ -146,8 +156,8 @@ def test_scenario_registry_replaces_the_default_one() -> None:
 
 # -- official openai client -------------------------------------------------------------------------
 
-async def test_openai_client_chat_streamed_and_not_and_models(sim: OllamaSim) -> None:
-    client = openai.AsyncOpenAI(base_url=url(sim) + "/v1", api_key="x")
+async def test_openai_client_chat_streamed_and_not_and_models(openai_client: openai.AsyncOpenAI) -> None:
+    client = openai_client
     done = await client.chat.completions.create(model="llama3.2", messages=[{"role": "user", "content": "hi"}])
     assert done.choices[0].message.content and done.choices[0].finish_reason == "stop"
     assert done.usage is not None and done.usage.completion_tokens == 6

@@ -38,7 +38,11 @@ def stable(value: Any) -> Any:
 
 
 async def ollama_flows(base: str, models: dict[str, str]) -> dict[str, Any]:
-    client = ollama.AsyncClient(host=base, verify=LOOPBACK_TLS)
+    async with ollama.AsyncClient(host=base, verify=LOOPBACK_TLS) as client:
+        return await _ollama_flows(client, models)
+
+
+async def _ollama_flows(client: ollama.AsyncClient, models: dict[str, str]) -> dict[str, Any]:
     small, embedder = models["small"], models["embed"]
     out: dict[str, Any] = {}
     out["list"] = stable(await client.list())
@@ -62,14 +66,13 @@ async def ollama_flows(base: str, models: dict[str, str]) -> dict[str, Any]:
 
 
 async def openai_flows(base: str, model: str) -> dict[str, Any]:
-    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
     messages: Any = [{"role": "user", "content": "hi"}]
-    whole = await client.chat.completions.create(model=model, messages=messages)
-    stream = await client.chat.completions.create(model=model, messages=messages, stream=True,
-                                                  stream_options={"include_usage": True})
-    chunks = [c async for c in stream]
-    models = await client.models.list()
-    await client.close()
+    async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0) as client:
+        whole = await client.chat.completions.create(model=model, messages=messages)
+        stream = await client.chat.completions.create(model=model, messages=messages, stream=True,
+                                                      stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+        models = await client.models.list()
     return {"whole": stable(whole), "chunks": stable(chunks), "models": sorted(m.id for m in models.data)}
 
 

@@ -16,19 +16,18 @@ async def test_a_load_on_gpu_1_releases_nothing_on_gpu_0(box: DemoFactory, http:
     demo = await box("two-gpus")
     assert demo.proxy is not None
     admin = demo.proxy.url("admin")
-    client = ollama.AsyncClient(host=demo.proxy.url("ollama"), verify=LOOPBACK_TLS)
+    async with ollama.AsyncClient(host=demo.proxy.url("ollama"), verify=LOOPBACK_TLS) as client:
+        # Ollama fills most of GPU 0 with its largest model, through the proxy, with the official client
+        answer = await client.generate(model="gemma3:27b", prompt="why is the sky blue?", stream=False)
+        assert answer.done and answer.response
+        # ComfyUI loads a 11.9 GiB checkpoint on GPU 1: on one 24 GiB card this would need Ollama's memory
+        messages = await run_prompt(demo.proxy.url("comfyui"), "flux1-dev-fp8.safetensors", http)
+        assert "execution_success" in [m["type"] for m in messages]
 
-    # Ollama fills most of GPU 0 with its largest model, through the proxy, with the official client
-    answer = await client.generate(model="gemma3:27b", prompt="why is the sky blue?", stream=False)
-    assert answer.done and answer.response
-    # ComfyUI loads a 11.9 GiB checkpoint on GPU 1: on one 24 GiB card this would need Ollama's memory
-    messages = await run_prompt(demo.proxy.url("comfyui"), "flux1-dev-fp8.safetensors", http)
-    assert "execution_success" in [m["type"] for m in messages]
-
-    released = [r["tenant"] for d in (await http.get(f"{admin}/api/decisions")).json()["decisions"]
-                for r in (d["outcome"].get("releases") or [])]
-    assert "ollama" not in released, f"a load on GPU 1 released Ollama on GPU 0: {released}"
-    assert "gemma3:27b" in [m.model for m in (await client.ps()).models], "Ollama's model left GPU 0"
+        released = [r["tenant"] for d in (await http.get(f"{admin}/api/decisions")).json()["decisions"]
+                    for r in (d["outcome"].get("releases") or [])]
+        assert "ollama" not in released, f"a load on GPU 1 released Ollama on GPU 0: {released}"
+        assert "gemma3:27b" in [m.model for m in (await client.ps()).models], "Ollama's model left GPU 0"
 
     tenants = {t["name"]: t for t in (await http.get(f"{admin}/api/tenants")).json()["tenants"]}
     assert tenants["ollama"]["devices"]["source"] == "pinned" and tenants["ollama"]["devices"]["devices"] == [0]
