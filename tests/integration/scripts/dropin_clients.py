@@ -43,11 +43,12 @@ async def clients(config: Path, moved: dict[str, dict[str, str]]) -> None:
     await proxy.start()
     try:
         assert proxy.servers["ollama"].url.endswith(":11434") and proxy.servers["comfyui"].url.endswith(":8188")
-        client = ollama.AsyncClient()  # no host given: OLLAMA_HOST unset, so 127.0.0.1:11434 as the CLI uses
-        names = [m.model for m in (await client.list()).models]
-        assert "llama3.2:3b" in names, names
-        answer = await client.generate(model="llama3.2:3b", prompt="hi", stream=False)
-        assert answer.done and answer.response, answer
+        # no host given: OLLAMA_HOST unset, so 127.0.0.1:11434 as the CLI uses
+        async with ollama.AsyncClient() as client:
+            names = [m.model for m in (await client.list()).models]
+            assert "llama3.2:3b" in names, names
+            answer = await client.generate(model="llama3.2:3b", prompt="hi", stream=False)
+            assert answer.done and answer.response, answer
         async with httpx.AsyncClient(trust_env=False) as http:
             stats = await http.get("http://127.0.0.1:8188/system_stats", headers={"Origin": "http://127.0.0.1:8188"})
             assert stats.status_code == 200 and "devices" in stats.json(), stats.text
