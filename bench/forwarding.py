@@ -117,11 +117,11 @@ async def serve(role: str, upstream: str | None) -> None:
     else:
         from proxy.handoff.inflight import InFlight
         from proxy.relay.forward import Forwarder
-        from proxy.relay.listener import tenant_app
+        from proxy.relay.listener import TenantApp
         from proxy.tenants import Tenant
 
         tenant = Tenant(name="bench", engine="ollama", upstream=upstream)
-        app = tenant_app(tenant, Forwarder(), InFlight())
+        app = TenantApp(tenant, Forwarder(), InFlight())
     server = await start_server(app, name=role)
     settle_heap()  # as `hyperswap serve` does once started
     print(server.port, flush=True)

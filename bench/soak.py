@@ -87,12 +87,12 @@ async def serve_proxy(upstream: str) -> None:
     sys.path.insert(0, str(ROOT))
     from proxy.handoff.inflight import InFlight
     from proxy.relay.forward import Forwarder
-    from proxy.relay.listener import tenant_app
+    from proxy.relay.listener import TenantApp
     from proxy.relay.servers import settle_heap, start_server
     from proxy.tenants import Tenant
 
     tenant = Tenant(name="soak", engine="ollama", upstream=upstream)
-    server = await start_server(tenant_app(tenant, Forwarder(), InFlight()), name="soak")
+    server = await start_server(TenantApp(tenant, Forwarder(), InFlight()), name="soak")
     settle_heap()  # as `hyperswap serve` does once started
     print(server.port, flush=True)
     await asyncio.Event().wait()

@@ -20,12 +20,13 @@ from proxy.admin.view import ProxyView
 from proxy.clock import Clock, SystemClock
 from proxy.errors import ConfigError
 from proxy.gpu.snapshot import GpuReader
-from proxy.handoff.admission import Arbitration, GpuAdmission
+from proxy.handoff.arbitration import Arbitration
 from proxy.handoff.decisions import DecisionLog
 from proxy.handoff.inflight import InFlight
 from proxy.handoff.watchdog import Watchdog
 from proxy.relay.forward import Forwarder
-from proxy.relay.listener import tenant_app
+from proxy.relay.gpu_gate import GpuGate
+from proxy.relay.listener import TenantApp
 from proxy.relay.servers import DRAIN_S, RunningServer, split_host_port, start_server, stop_servers
 from proxy.tenants import Registry
 
@@ -84,7 +85,7 @@ class Proxy:
     decisions: DecisionLog = field(init=False)
     arbitration: Arbitration = field(init=False)
     watchdog: Watchdog = field(init=False)
-    admission: GpuAdmission = field(init=False)
+    admission: GpuGate = field(init=False)
     servers: dict[str, RunningServer] = field(init=False, default_factory=dict)
     _pollers: list[object] = field(init=False, default_factory=list)
     extensions: list[Extension] = field(init=False, default_factory=list)
@@ -98,7 +99,7 @@ class Proxy:
         self.arbitration = Arbitration(self.registry, self.reader, self.inflight, self.clock, self.decisions,
                                        adapter=self.forwarder.adapter)
         self.watchdog = Watchdog(self.arbitration)
-        self.admission = GpuAdmission(self.arbitration, self.forwarder.adapter)
+        self.admission = GpuGate(self.arbitration, self.forwarder.adapter)
         self.token = admin_token(self.registry)
         factories = default_extensions() if self.extension_factories is None else self.extension_factories
         self.view = ProxyView(self)
@@ -119,8 +120,8 @@ class Proxy:
                 if not tenant.listen:
                     continue
                 host, port = split_host_port(tenant.listen)
-                app = tenant_app(tenant, self.forwarder, self.inflight, admission)
-                self._pollers.append(app.state.poller)
+                app = TenantApp(tenant, self.forwarder, self.inflight, admission)
+                self._pollers.append(app.poller)
                 binding = (tenant.name, f"{host}:{ports.get(tenant.name, port)}")
                 self.servers[tenant.name] = await start_server(app, host, ports.get(tenant.name, port), name=tenant.name)
                 binding = None

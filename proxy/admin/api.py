@@ -20,7 +20,8 @@ from starlette.routing import BaseRoute, Route
 from proxy.admin import views
 from proxy.admin.query import integer, optional_number
 from proxy.errors import HyperSwapError
-from proxy.handoff.admission import Arbitration, ReleaseResult
+from proxy.handoff.arbitration import Arbitration, ReleaseResult
+from proxy.handoff.queue import release_whole
 from proxy.handoff.watchdog import Watchdog
 from proxy.relay.guards import AdminGuard
 from proxy.relay.hosts import listener_policy
@@ -110,17 +111,16 @@ class AdminApi:
                          tenant=tenant.name, reason="not_reclaimable")
         if await self.arb.adapter(tenant).runs_on_cpu(self.arb.control):
             return self._nothing_on_the_card(tenant)
-        async with self.arb.handoff_lock:
-            snap = await self.arb.snapshot()
-            state = self.arb.states(snap)[tenant.name]
-            if state.busy:
-                return error(409, f"{tenant.name} is busy ({state.busy_reason}); a busy tenant is never released",
-                             "wait for its work to finish, or cancel it in the application", tenant=tenant.name, reason="busy")
-            held = self.arb.held(snap, tenant.name)
-            decision = self.arb.decisions.record("release", tenant.name, "admin", None, held_bytes=held)
-            result = await self.arb.execute_release(tenant, max(0, held - tenant.idle_vram_bytes), snap)
-            self.arb.decisions.update(decision, releases=[result.to_json()], ok=result.confirmed)
-        return release_answer(tenant, result)
+        snap = await self.arb.snapshot()
+        state = self.arb.states(snap)[tenant.name]
+        if not state.busy:  # the release path checks again when its turn comes (another may be under way)
+            order = release_whole(snap, tenant, "admin", "release", "asked by the admin API")
+            (result,) = (await self.arb.queue.release(order)).results
+            if not result.busy:
+                return release_answer(tenant, result)
+            state = self.arb.states(await self.arb.snapshot())[tenant.name]
+        return error(409, f"{tenant.name} is busy ({state.busy_reason}); a busy tenant is never released",
+                     "wait for its work to finish, or cancel it in the application", tenant=tenant.name, reason="busy")
 
     def _nothing_on_the_card(self, tenant: Tenant) -> Response:
         """A CPU engine holds no GPU memory: nothing is asked, and the answer says why."""

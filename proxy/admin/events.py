@@ -118,7 +118,7 @@ async def stats_payload(proxy: ProxyView, snap: AttributedSnapshot | None = None
         in_flight=sum(t.in_flight for t in tenants),
         busy=[t.name for t in tenants if t.busy],
         decision_ids=[d.id for d in arb.decisions.recent(recent)],
-        handoff_in_progress=arb.handoff_lock.locked(),
+        handoff_in_progress=bool(arb.queue.releasing) or arb.handoff_lock.locked(),
         queue=[views.Waiting.model_validate(w) for w in arb.queue.waiting()],
         gpu_error=views.gpu_error_view(arb.last_read_error),
     )

@@ -35,6 +35,7 @@ from proxy.errors import ConfigError, HyperSwapError
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
 from proxy.gpu.nvml import CONTAINER_NOTE, NvmlReader
 from proxy.gpu.visibility import capabilities, summary
+from proxy.handoff.busy import stale_jobs
 from proxy.handoff.devices import candidates, shares
 from proxy.tasks import cancel_and_wait
 from proxy.tenants import GIB, Tenant, load_registry
@@ -236,7 +237,6 @@ class HealthExtension:
             return {"status": "failed", "entries": [HealthEntry(
                 "nvml", "failed", "no GPU snapshot could be taken", "arbitration has nothing to plan with",
                 "run `nvidia-smi`; see the proxy's log").to_json()]}
-        arb.states(snap)  # refreshes stale_jobs from the queues the watchdog read
         self.sample(snap)
         results = await asyncio.gather(*(self._run_one(c, snap) for c in self.checks))
         entries = [e for group in results for e in group]
@@ -384,7 +384,7 @@ class HealthExtension:
         return self.floor(tenant)
 
     async def check_stale(self, snap: AttributedSnapshot) -> list[HealthEntry]:
-        stale = self.proxy.arbitration.stale_jobs
+        stale = stale_jobs(self.proxy.arbitration.states(snap))  # from the queues the watchdog read
         if not stale:
             return [HealthEntry("stale queue entries", "ok", "none")]
         out = []

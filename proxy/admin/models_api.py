@@ -1,10 +1,11 @@
 """Model files in RAM, as an admin extension: `/api/models` (each tenant's models with size and
 page-cache residency), warming one (`POST /api/models/warm`) and stopping a warm
 (`POST /api/models/stop`), `/api/models/loads` (load speeds, warm or cold), a health entry, and the
-handoff's `LoadHooks`: warm the next model's files while the other tenant releases, and time each
-load from the engine's own answer.
+handoff's hooks: warm the next model's files while the other tenant releases (`PrepareLoad`), and
+time each load from the engine's own answer (the GPU gate's `LoadHooks`).
 
-ProxyView attributes used: registry, arbitration (last_snapshot, load_hooks), decisions, token, extension("health")
+ProxyView attributes used: registry, arbitration (last_snapshot, load_hooks), gate (load_hooks), decisions, token,
+extension("health")
 (to add a health check). Everything that touches the disk runs off the loop.
 """
 
@@ -148,6 +149,7 @@ class ModelsExtension:
     async def start(self) -> None:
         from proxy.admin.health import HealthExtension, NamedCheck
         self.proxy.arbitration.load_hooks = self
+        self.proxy.gate.load_hooks = self
         self._spawn(asyncio.to_thread(self.catalog.all_files), "hyperswap:locate")  # before the first load
         health = self.proxy.extension("health")  # explicit lookup by name
         if isinstance(health, HealthExtension):
@@ -156,6 +158,8 @@ class ModelsExtension:
     async def stop(self) -> None:
         if self.proxy.arbitration.load_hooks is self:
             self.proxy.arbitration.load_hooks = None
+        if self.proxy.gate.load_hooks is self:
+            self.proxy.gate.load_hooks = None
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -18,10 +18,11 @@ from starlette.routing import BaseRoute
 
 from proxy.clock import Clock
 from proxy.gpu.snapshot import GpuReader
-from proxy.handoff.admission import Arbitration
+from proxy.handoff.arbitration import Arbitration
 from proxy.handoff.decisions import DecisionLog
 from proxy.handoff.inflight import InFlight
 from proxy.handoff.watchdog import Watchdog
+from proxy.relay.gpu_gate import GpuGate
 from proxy.relay.servers import RunningServer
 from proxy.tenants import Registry
 
@@ -47,6 +48,7 @@ class ProxyParts(Protocol):
     inflight: InFlight
     decisions: DecisionLog
     arbitration: Arbitration
+    admission: GpuGate
     watchdog: Watchdog
     servers: dict[str, RunningServer]
     extensions: list[Extension]
@@ -95,6 +97,11 @@ class ProxyView:
     @property
     def arbitration(self) -> Arbitration:
         return self._proxy.arbitration
+
+    @property
+    def gate(self) -> GpuGate:
+        """The tenant listeners' GPU gate (admission, forwarding, the OOM retry)."""
+        return self._proxy.admission
 
     @property
     def watchdog(self) -> Watchdog:

@@ -17,8 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
 from proxy.gpu.snapshot import GpuReadError
 from proxy.gpu.visibility import device_json, tenant_devices_json, tenant_vram
-from proxy.handoff.admission import Arbitration
 from proxy.handoff.arbiter import TenantState, gib
+from proxy.handoff.arbitration import Arbitration
 from proxy.handoff.queue import ReleaseVerdict
 from proxy.handoff.watchdog import Watchdog
 from proxy.tenants import Tenant
@@ -449,7 +449,7 @@ def _live(arb: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, tenant
         "busy": state.busy, "busy_reason": state.busy_reason,
         "in_flight": traffic.in_flight if traffic else 0,
         "jobs": list(traffic.jobs) if traffic else [],
-        "stale_jobs": arb.stale_jobs.get(tenant.name, []),
+        "stale_jobs": list(state.stale_jobs),
         "last_activity_age_s": None if not traffic or traffic.last_activity is None else round(now - traffic.last_activity, 1),
         "idle_release_in_s": None if deadline is None else round(max(0.0, deadline - now), 1),
         "reclaimable": tenant.reclaimable,

@@ -59,6 +59,7 @@ class TenantState:
     busy: bool
     busy_reason: str = ""
     in_flight: int = 0
+    stale_jobs: tuple[str, ...] = ()  # listed as running, but its VRAM says not (proxy/handoff/busy.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -410,22 +411,36 @@ def _claim(claims: dict[str, tuple[str, int]], w: Waiter, plan: Plan) -> None:
     claims[w.key] = (w.tenant, max(n, old[1] if old else 0))
 
 
+@dataclass(frozen=True, slots=True)
+class Releasing:
+    """A release under way (the queue's own handoff, or one the watchdog or the admin API started):
+    the scheduler's state between passes, since it never waits for a release to end."""
+    tenants: tuple[str, ...]  # being released: their memory is spoken for, their new work waits
+    key: str | None = None  # the load it makes room for; waiters of that load join it (None: no load)
+    waiter: int | None = None  # the waiter it was started for, for `Verdict.behind`
+    requester: str = ""  # whose load it makes room for ("" for the watchdog's and the admin's)
+
+
 def schedule(snap: AttributedSnapshot, registry: Registry, states: Mapping[str, TenantState],
              waiters: Iterable[Waiter], promised: Mapping[str, tuple[str, int]], now: float,
-             starvation_after_s: float) -> tuple[Verdict, ...]:
+             starvation_after_s: float, releasing: Sequence[Releasing] = ()) -> tuple[Verdict, ...]:
     """Who runs, who waits, who is refused, in queue order.
 
     `promised`: load key -> (tenant, bytes) still to reach the card for loads already admitted.
     - impossible (even after every busy tenant finished): refuse at once.
     - a waiter's tenant that a waiter ahead waits for starts no new work: it queues behind (so the
       one ahead is never overtaken by the very work that keeps it waiting).
-    - feasible now: run. Only one set of releases per pass (one handoff at a time); waiters of the
-      same load key join it; the others wait for the next pass, which sees the memory back.
+    - feasible now: run. One set of releases at a time (`releasing`: those under way, each pass
+      starts at most one more only when none is); waiters of the same load key join it; the others
+      wait for a pass that sees the memory back. Work that needs no release runs meanwhile.
+    - a waiter whose own tenant is being released for another load waits for that release to end
+      (the memory is promised to that load: new work would take it back under the release). A
+      release with no load behind it (the watchdog's idle release, the admin's) holds back no work.
     - otherwise wait; what it counts on is claimed so that no later waiter takes it meanwhile.
     """
     claims = dict(promised)
     holding_back: dict[str, Waiter] = {}  # tenant -> the first waiter ahead that waits for it
-    releasing: Waiter | None = None
+    starting: Waiter | None = None  # the waiter whose releases this pass starts
     claimers: list[Waiter] = []  # waiters ahead in this pass that run or count on memory
     out: list[Verdict] = []
     for w in queue_order(waiters, now, starvation_after_s):
@@ -434,19 +449,31 @@ def schedule(snap: AttributedSnapshot, registry: Registry, states: Mapping[str, 
         if not plan.possible:
             out.append(Verdict(w, "refuse", plan, plan.explanation))
             continue
+        own = next((r for r in releasing if r.key is not None and w.tenant in r.tenants), None)
+        if own is not None:
+            out.append(Verdict(w, "wait", plan, f"queued behind the release of {w.tenant} in progress", own.waiter))
+            _claim(claims, w, plan)
+            continue
         if ahead is not None:
             out.append(Verdict(w, "wait", plan, f"queued behind a {ahead.tenant} request (priority {ahead.priority}) "
                                                 f"that waits for {w.tenant} to finish", ahead.id))
             _claim(claims, w, plan)
             continue
-        if plan.feasible and plan.releases and releasing is not None and releasing.key != w.key:
-            out.append(Verdict(w, "wait", plan, f"queued behind the handoff to {releasing.tenant} in progress",
-                               releasing.id))
-            _claim(claims, w, plan)
-            continue
+        if plan.feasible and plan.releases:
+            joined = next((r for r in releasing if r.key is not None and r.key == w.key), None)
+            other = next((r for r in releasing if r is not joined), None)
+            if other is not None and joined is None:
+                out.append(Verdict(w, "wait", plan, _behind_release(other), other.waiter))
+                _claim(claims, w, plan)
+                continue
+            if starting is not None and starting.key != w.key:
+                out.append(Verdict(w, "wait", plan, f"queued behind the handoff to {starting.tenant} in progress",
+                                   starting.id))
+                _claim(claims, w, plan)
+                continue
         if plan.feasible:
-            if plan.releases and releasing is None:
-                releasing = w
+            if plan.releases and starting is None:
+                starting = w
             out.append(Verdict(w, "run", plan, plan.explanation))
             _claim(claims, w, plan)
             claimers.append(w)
@@ -465,3 +492,9 @@ def schedule(snap: AttributedSnapshot, registry: Registry, states: Mapping[str, 
         _claim(claims, w, plan)
         claimers.append(w)
     return tuple(out)
+
+
+def _behind_release(r: Releasing) -> str:
+    if r.requester:
+        return f"queued behind the handoff to {r.requester} in progress"
+    return f"queued behind the release of {', '.join(r.tenants)} in progress"

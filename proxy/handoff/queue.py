@@ -1,14 +1,23 @@
-"""The handoff queue: the effects side of `arbiter.schedule`.
+"""The handoff scheduler: the effects side of `arbiter.schedule`, and the one owner of what is under way.
 
 Requests that need memory wait here as `Waiter`s. One driver task (alive only while someone waits)
-reads the card, asks the pure scheduler who runs, waits or is refused, and carries that out:
-releases of idle tenants (one handoff at a time, under the handoff lock), reservations for the
-admitted loads, a 507 for the impossible, a 503 with `Retry-After` past `proxy.queue_timeout_s`.
+reads the card, asks the pure scheduler who runs, waits or is refused, and carries that out
+without ever awaiting an effect: a release runs as a task of its own that reports back when the
+card shows the memory (or its timeout says it failed), the way llama-swap's scheduler starts a
+swap and hears `OnSwapDone`. Meanwhile the driver goes on planning, so work that needs no release
+(a model already on the card, a load that fits) is admitted in the same pass. "One handoff at a
+time" is state here (`Releasing`, handed to every pass), not a lock the driver waits on.
+
+Every release, the queue's own, the watchdog's and the admin API's, goes through `release()`: it
+marks the tenants as being released, runs the effect, records the decision, and always wakes the
+queue when it ends.
 
 The plan runs again as soon as something that could change it happens (`kick()`: a request or a
-job ended, a reservation settled, a waiter left) and, as a safety net, every `REPLAN_S` while
-anyone waits. Every effect goes through `HandoffEffects`, so unit tests drive the queue with a
-recording fake and an injected clock, without sockets.
+job ended, a reservation settled, a release ended, a waiter left). While anyone waits the card is
+also read again every `REPLAN_S`: memory that comes back outside the proxy (a process exiting, an
+admitted load reaching the card, an engine's own unload) sends no event. Every effect goes through
+`HandoffEffects`, so unit tests drive the queue with a recording fake and an injected clock,
+without sockets.
 """
 
 from __future__ import annotations
@@ -22,8 +31,8 @@ from typing import Any, Literal, Protocol
 
 from proxy.clock import Clock
 from proxy.gpu.attribution import AttributedSnapshot
-from proxy.handoff.arbiter import Plan, TenantState, Verdict, Waiter, gib, unplanned_plan
-from proxy.handoff.decisions import Decision, DecisionLog
+from proxy.handoff.arbiter import Plan, Release, Releasing, TenantState, Verdict, Waiter, gib, unplanned_plan
+from proxy.handoff.decisions import Decision, DecisionKind, DecisionLog
 from proxy.handoff.devices import schedule_on_devices
 from proxy.tasks import sleep_or_wake
 from proxy.tenants import Registry, Tenant
@@ -31,7 +40,7 @@ from proxy.tenants import Registry, Tenant
 log = logging.getLogger("hyperswap.handoff")
 
 ReleaseVerdict = Literal["confirmed", "estimated", "timeout", "error"]
-REPLAN_S = 1.0  # safety net only: every change the proxy can see kicks the queue at once
+REPLAN_S = 1.0  # the card is read again this often while anyone waits: memory freed outside the proxy sends no event
 
 
 @dataclass(slots=True)
@@ -48,6 +57,7 @@ class ReleaseResult:
     # memory is back.
     estimated: bool = False
     timed_out: bool = False  # asked, but the memory was not back within the tenant's release_timeout_s
+    busy: bool = False  # not asked: the tenant had work again when its turn came (a busy tenant is never released)
 
     @property
     def result(self) -> ReleaseVerdict:
@@ -90,6 +100,31 @@ class Admitted:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class ReleaseOrder:
+    """One release to run, whoever asked: the queue for a plan, the watchdog (idle deadline, spill
+    relief) or the admin API. Recorded as one decision of `kind` before anything is asked."""
+    requester: str  # the decision's tenant: whose load the memory is for, or the tenant released
+    releases: tuple[Release, ...]
+    trigger: str  # "request POST /api/generate", "watchdog idle", "admin"
+    kind: DecisionKind
+    plan: Plan | None = None  # the plan it carries out (None: a release with no load behind it)
+    snapshot: AttributedSnapshot | None = None  # the card the order was made on
+    details: Mapping[str, Any] = field(default_factory=dict)  # more fields for the decision
+
+
+@dataclass(slots=True)
+class Released:
+    """How a `ReleaseOrder` went: the decision recorded for it and each tenant's result."""
+    order: ReleaseOrder
+    results: list[ReleaseResult]
+    decision: Decision | None
+
+    @property
+    def ok(self) -> bool:
+        return all(r.confirmed for r in self.results)
+
+
 class HandoffEffects(Protocol):
     """Everything the queue does to the world. `Arbitration` is the real one."""
 
@@ -100,8 +135,10 @@ class HandoffEffects(Protocol):
     async def read(self) -> tuple[AttributedSnapshot, Mapping[str, TenantState], Mapping[str, tuple[str, int]]]:
         """The card, the tenants' busy states and the memory promised to admitted loads (by load key)."""
 
-    async def carry_out(self, plan: Plan, snap: AttributedSnapshot, trigger: str, kind: str) -> Handoff:
-        """Record the plan, release what it says under the handoff lock, wait for the memory."""
+    async def carry_out(self, order: ReleaseOrder) -> Released:
+        """Record the order, release what it says under the handoff lock (never a tenant that is
+        busy by then), wait for the memory. Run by `HandoffQueue.release` as a task, never awaited
+        by the driver."""
 
     def reserve(self, key: str, handoff: Handoff) -> None:
         """Promise the admitted load its memory until it reaches the card."""
@@ -118,19 +155,40 @@ class HandoffEffects(Protocol):
 class _Ticket:
     waiter: Waiter
     trigger: str
-    kind: str  # "plan" or "oom_retry": the decision kind if releases run
+    kind: DecisionKind  # "plan" or "oom_retry": the decision kind if releases run
     future: asyncio.Future[Admitted]
     since_wall: float
     verdict: Verdict | None = None
     queued: Decision | None = None  # the "queued" decision, recorded when it first had to wait
     model: str | None = None  # what the load reads from disk, for `prepare_load`
+    joined: _Underway | None = None  # the release it waits on: admitted when that reports back
+
+
+@dataclass(slots=True, eq=False)
+class _Underway:
+    """A release running as a task: what the next passes must leave alone, and who waits on it."""
+    state: Releasing
+    order: ReleaseOrder
+    task: asyncio.Task[Released] | None = None
+
+    @property
+    def claim(self) -> tuple[str, int] | None:
+        """What the load it makes room for will take from memory that is free now (the rest comes
+        from the release): promised to it, so no later waiter takes it meanwhile."""
+        plan = self.order.plan
+        if plan is None or self.state.key is None:
+            return None
+        return plan.requester, max(0, plan.need_bytes - plan.held_by_requester - plan.expected_free_bytes)
 
 
 class HandoffQueue:
+    """The scheduler: one owner of the waiting requests and the releases under way."""
+
     def __init__(self, effects: HandoffEffects) -> None:
         self.fx = effects
         self._ids = itertools.count(1)
         self._tickets: dict[int, _Ticket] = {}
+        self._underway: list[_Underway] = []
         self._wake = asyncio.Event()
         self._driver: asyncio.Task[None] | None = None
 
@@ -139,15 +197,20 @@ class HandoffQueue:
     def empty(self) -> bool:
         return not self._tickets
 
+    @property
+    def releasing(self) -> tuple[Releasing, ...]:
+        """The releases under way, whoever started them."""
+        return tuple(u.state for u in self._underway)
+
     def kick(self) -> None:
         """Something that can change a plan happened: run the scheduler again now."""
         if self._tickets:
             self._wake.set()
 
-    async def request(self, tenant: Tenant, key: str, need_bytes: int, trigger: str, kind: str = "plan",
+    async def request(self, tenant: Tenant, key: str, need_bytes: int, trigger: str, kind: DecisionKind = "plan",
                       model: str | None = None) -> Admitted:
         """Wait for this load's turn. A client that leaves (its task cancelled) leaves the queue and
-        gives back anything it was promised meanwhile."""
+        gives back anything it was promised meanwhile; a release started for it runs to its end."""
         clock = self.fx.clock
         w = Waiter(next(self._ids), tenant.name, key, need_bytes, tenant.priority, clock.now())
         ticket = _Ticket(w, trigger, kind, asyncio.get_running_loop().create_future(), clock.wall(), model=model)
@@ -169,14 +232,64 @@ class HandoffQueue:
         out = []
         for t in self._tickets.values():
             v = t.verdict
+            if t.joined is not None:
+                reason = f"releasing {', '.join(t.joined.state.tenants)} for it"
+            else:
+                reason = v.reason if v and v.action == "wait" else "being planned"
             out.append({"id": t.waiter.id, "tenant": t.waiter.tenant, "trigger": t.trigger,
                         "since": round(t.since_wall, 3), "waited_s": round(now - t.waiter.arrived_at, 3),
                         "need_bytes": t.waiter.need_bytes, "need_gb": gib(t.waiter.need_bytes),
                         "priority": t.waiter.priority,
-                        "waiting_for": list(v.plan.wait_for) if v else [],
-                        "behind": v.behind if v else None,
-                        "reason": v.reason if v and v.action == "wait" else "being planned"})
+                        "waiting_for": list(v.plan.wait_for) if v and t.joined is None else [],
+                        "behind": v.behind if v and t.joined is None else None,
+                        "reason": reason})
         return sorted(out, key=lambda d: d["id"])
+
+    # -- the one release path --------------------------------------------------------------------
+    def release(self, order: ReleaseOrder, *, key: str | None = None, waiter: int | None = None) -> asyncio.Task[Released]:
+        """Start a release as a task and return at once. Its tenants count as being released until
+        it ends (their new work waits, no other plan takes their memory); when it ends the waiters
+        that joined it are admitted and the queue is woken. Callers other than the driver (the
+        watchdog, the admin API) may await the task: the driver never does."""
+        state = Releasing(tuple(r.tenant for r in order.releases), key, waiter,
+                          order.requester if key is not None else "")
+        underway = _Underway(state, order)
+        self._underway.append(underway)
+        task = asyncio.create_task(self.fx.carry_out(order), name=f"hyperswap:release:{','.join(state.tenants)}")
+        underway.task = task
+        task.add_done_callback(lambda t: self._release_done(underway, t))
+        return task
+
+    def _release_done(self, underway: _Underway, task: asyncio.Task[Released]) -> None:
+        """OnSwapDone: the release ended (or failed); admit whoever joined it, plan the rest again."""
+        if underway in self._underway:
+            self._underway.remove(underway)
+        joined = [t for t in self._tickets.values() if t.joined is underway]
+        if task.cancelled():
+            for ticket in joined:
+                self._tickets.pop(ticket.waiter.id, None)
+                ticket.future.cancel()
+        elif (exc := task.exception()) is not None:
+            log.error("release of %s failed", ", ".join(underway.state.tenants), exc_info=exc)
+            for ticket in joined:
+                self._tickets.pop(ticket.waiter.id, None)
+                if not ticket.future.done():
+                    ticket.future.set_exception(exc)
+        elif any(r.busy for r in task.result().results):
+            for ticket in joined:  # a tenant it counted on had work again: plan them again
+                ticket.joined = None
+        else:
+            released = task.result()
+            plan = underway.order.plan
+            for ticket in joined:
+                handoff = Handoff(plan or _no_plan(ticket.waiter), released.results, released.decision,
+                                  underway.order.snapshot)
+                self.fx.reserve(ticket.waiter.key, handoff)
+                reason = ticket.verdict.reason if ticket.verdict else (plan.explanation if plan else "released")
+                self._resolve(ticket, Admitted("run", handoff, reason))
+        self._wake.set()
+        if self._tickets:
+            self._start_driver()
 
     # -- the driver ------------------------------------------------------------------------------
     def _start_driver(self) -> None:
@@ -189,62 +302,79 @@ class HandoffQueue:
             if not ticket.future.done():
                 ticket.future.cancel()
         self._tickets.clear()
+        tasks: list[asyncio.Task[Any]] = [u.task for u in self._underway if u.task is not None]
         if self._driver is not None:
-            self._driver.cancel()
-            await asyncio.gather(self._driver, return_exceptions=True)
+            tasks.append(self._driver)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _planned(self) -> list[_Ticket]:
+        """The tickets each pass plans for: those not already waiting on a release under way."""
+        return [t for t in self._tickets.values() if t.joined is None]
 
     async def _drive(self) -> None:
         try:
             while self._tickets:
                 self._wake.clear()
                 self._expire()
-                if not self._tickets:
-                    break
-                snap, states, promised = await self.fx.read()
-                if not self._tickets:
-                    break
-                if not snap.snapshot.device.size_known:
-                    self._forward_unplanned(snap)
+                if not self._planned():
+                    if not self._tickets:
+                        break
+                    await self._wake.wait()  # only waiters of releases under way: they report back
                     continue
+                snap, states, promised = await self.fx.read()
+                pending = self._planned()
+                if not pending:
+                    continue
+                if not snap.snapshot.device.size_known:
+                    self._forward_unplanned(snap, pending)
+                    continue
+                claims = dict(promised)
+                for u in self._underway:
+                    if (claim := u.claim) is not None and u.state.key is not None:
+                        claims[u.state.key] = claim
                 settings = self.fx.registry.config.proxy
-                verdicts = schedule_on_devices(snap, self.fx.registry, states,
-                                               [t.waiter for t in self._tickets.values()],
-                                               promised, self.fx.clock.now(), settings.starvation_after_s)
-                if await self._apply(verdicts, snap):
+                verdicts = schedule_on_devices(snap, self.fx.registry, states, [t.waiter for t in pending],
+                                               claims, self.fx.clock.now(), settings.starvation_after_s,
+                                               self.releasing)
+                if self._apply(verdicts, snap):
                     continue
                 await sleep_or_wake(self.fx.clock, self._next_pause(), self._wake)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # never leave a waiter hanging on a broken pass
             log.exception("handoff queue failed")
-            for ticket in list(self._tickets.values()):
+            for ticket in self._planned():
                 self._tickets.pop(ticket.waiter.id, None)
                 if not ticket.future.done():
                     ticket.future.set_exception(exc)
 
     def _expire(self) -> None:
+        """Past `proxy.queue_timeout_s`: 503. A waiter whose release is under way is not cut off:
+        the release has a timeout of its own, and its memory is coming."""
         timeout = self.fx.registry.config.proxy.queue_timeout_s
         now = self.fx.clock.now()
-        for ticket in list(self._tickets.values()):
+        for ticket in self._planned():
             if now - ticket.waiter.arrived_at >= timeout:
                 plan = ticket.verdict.plan if ticket.verdict else None
-                reason = (f"waited {timeout:g} s (proxy.queue_timeout_s): "
-                          + (ticket.verdict.reason if ticket.verdict else "no plan could be made"))
-                self._resolve(ticket, Admitted("timeout", Handoff(plan or _no_plan(ticket.waiter), [], None), reason))
+                why = ticket.verdict.reason if ticket.verdict else "no plan could be made"
+                self._resolve(ticket, Admitted("timeout", Handoff(plan or _no_plan(ticket.waiter), [], None), why))
 
     def _next_pause(self) -> float:
         timeout = self.fx.registry.config.proxy.queue_timeout_s
         now = self.fx.clock.now()
-        first_deadline = min(t.waiter.arrived_at + timeout for t in self._tickets.values())
+        planned = self._planned()
+        first_deadline = min((t.waiter.arrived_at + timeout for t in planned), default=now + REPLAN_S)
         starvation = self.fx.registry.config.proxy.starvation_after_s
-        next_aging = min((t.waiter.arrived_at + starvation for t in self._tickets.values()
+        next_aging = min((t.waiter.arrived_at + starvation for t in planned
                           if t.waiter.arrived_at + starvation > now), default=now + REPLAN_S)
         return max(0.0, min(REPLAN_S, first_deadline - now, next_aging - now))
 
-    async def _apply(self, verdicts: tuple[Verdict, ...], snap: AttributedSnapshot) -> bool:
-        """Carry out one pass. True when anyone left the queue (the next pass sees a new state)."""
+    def _apply(self, verdicts: tuple[Verdict, ...], snap: AttributedSnapshot) -> bool:
+        """Carry out one pass, awaiting nothing. True when anyone left the queue (the next pass
+        sees a new state)."""
         progressed = False
-        runs: list[tuple[_Ticket, Verdict]] = []
         for v in verdicts:
             ticket = self._tickets.get(v.waiter.id)
             if ticket is None:
@@ -257,32 +387,30 @@ class HandoffQueue:
                 progressed = True
             elif v.action == "wait":
                 self._note_wait(ticket, v)
-            else:
-                runs.append((ticket, v))
-        releasing = next(((t, v) for t, v in runs if v.plan.releases), None)
-        shared: Handoff | None = None
-        if releasing is not None:
-            ticket, v = releasing
-            if ticket.model:  # the disk read overlaps the release instead of following it
-                self.fx.prepare_load(v.waiter.tenant, ticket.model)
-            shared = await self.fx.carry_out(v.plan, snap, ticket.trigger, ticket.kind)
-        for ticket, v in runs:
-            if self._tickets.get(v.waiter.id) is not ticket:
-                continue  # left during the releases
-            if shared is not None and v.plan.releases and v.waiter.key == releasing[1].waiter.key:  # type: ignore[index]
-                handoff = Handoff(shared.plan, shared.releases, shared.decision, shared.snapshot)
             elif v.plan.releases:
-                continue  # another load's releases ran in this pass; plan again with the memory back
+                self._join_or_start(ticket, v, snap)
             else:
                 handoff = Handoff(v.plan, [], None, snap)
-            self.fx.reserve(v.waiter.key, handoff)
-            self._resolve(ticket, Admitted("run", handoff, v.reason))
-            progressed = True
-        return progressed or shared is not None
+                self.fx.reserve(v.waiter.key, handoff)
+                self._resolve(ticket, Admitted("run", handoff, v.reason))
+                progressed = True
+        return progressed
 
-    def _forward_unplanned(self, snap: AttributedSnapshot) -> None:
+    def _join_or_start(self, ticket: _Ticket, v: Verdict, snap: AttributedSnapshot) -> None:
+        """A load that runs once its releases are done: join the release under way for the same load,
+        or start one (the pure scheduler lets at most one start while none is under way)."""
+        underway = next((u for u in self._underway if u.state.key == v.waiter.key), None)
+        if underway is None:
+            if ticket.model:  # the disk read overlaps the release instead of following it
+                self.fx.prepare_load(v.waiter.tenant, ticket.model)
+            order = ReleaseOrder(v.waiter.tenant, v.plan.releases, ticket.trigger, ticket.kind, v.plan, snap)
+            self.release(order, key=v.waiter.key, waiter=v.waiter.id)
+            underway = self._underway[-1]
+        ticket.joined = underway
+
+    def _forward_unplanned(self, snap: AttributedSnapshot, pending: list[_Ticket]) -> None:
         """Nothing to plan with (reader broken, no engine reports the card): forward, never block."""
-        for ticket in list(self._tickets.values()):
+        for ticket in pending:
             plan = unplanned_plan(ticket.waiter.tenant, ticket.waiter.need_bytes)  # what GET /api/plan says too
             self._resolve(ticket, Admitted("run", Handoff(plan, [], None, snap), plan.explanation))
 
@@ -313,6 +441,16 @@ class HandoffQueue:
         if ticket.queued is not None:
             self.fx.decisions.update(ticket.queued, result=why,
                                      waited_s=round(self.fx.clock.now() - ticket.waiter.arrived_at, 3))
+
+
+def release_whole(snap: AttributedSnapshot, tenant: Tenant, trigger: str, kind: DecisionKind, why: str,
+                  **details: Any) -> ReleaseOrder:
+    """An order to release all a tenant holds above its idle floor, for no load in particular (the
+    watchdog's idle release, the admin API's release)."""
+    held = snap.held_by(tenant.name)
+    pids = tuple(p.process.pid for p in snap.processes if p.tenant == tenant.name)
+    release = Release(tenant.name, max(0, held - tenant.idle_vram_bytes), pids, why)
+    return ReleaseOrder(tenant.name, (release,), trigger, kind, None, snap, {"held_bytes": held, **details})
 
 
 def _no_plan(w: Waiter) -> Plan:

@@ -15,8 +15,9 @@ import httpx
 
 from proxy.engines import ReleaseFailed
 from proxy.engines.common import go_time
-from proxy.handoff.admission import CONFIRM_SLACK_BYTES, Arbitration, gib
+from proxy.handoff.arbitration import CONFIRM_SLACK_BYTES, Arbitration, gib
 from proxy.handoff.devices import held_details
+from proxy.handoff.queue import ReleaseOrder, release_whole
 from proxy.tasks import cancel_and_wait
 from proxy.tenants import GIB, Tenant
 
@@ -89,7 +90,7 @@ class Watchdog:
     async def tick(self) -> TickReport:
         arb = self.arb
         report = TickReport(at=arb.clock.now())
-        if arb.handoff_lock.locked():
+        if arb.queue.releasing or arb.handoff_lock.locked():
             report.reasons["*"] = "a handoff is in progress"
             self.last = report
             return report
@@ -100,8 +101,8 @@ class Watchdog:
             name = tenant.name
             state = states[name]
             held = arb.held(snap, name)
-            if name in arb.stale_jobs:
-                report.actions.append(f"{name}: stale queue entries {arb.stale_jobs[name]}")
+            if state.stale_jobs:
+                report.actions.append(f"{name}: stale queue entries {list(state.stale_jobs)}")
             # Starvation first: Ollama spilling layers to the CPU wants memory now.
             adapter = arb.adapter(tenant)
             if adapter.placements_path and tenant.upstream:  # the engine says where each model sits
@@ -126,17 +127,13 @@ class Watchdog:
             elif report.at < deadline:
                 report.reasons[name] = f"idle release in {deadline - report.at:.0f} s"
             else:
-                async with arb.handoff_lock:
-                    if arb.inflight.busy(name):  # work arrived while the lock was taken
-                        report.reasons[name] = "busy again: idle release skipped"
-                        continue
-                    decision = arb.decisions.record("idle_release", name, "watchdog idle", None,
-                                                    idle_s=tenant.idle_release_after_s, held_bytes=held,
-                                                    **held_details(snap, name))
-                    result = await arb.execute_release(tenant, held - tenant.idle_vram_bytes, snap)
-                    arb.decisions.update(decision, releases=[result.to_json()], ok=result.confirmed)
+                order = release_whole(snap, tenant, "watchdog idle", "idle_release", "idle timeout",
+                                      idle_s=tenant.idle_release_after_s, **held_details(snap, name))
+                (result,) = (await arb.queue.release(order)).results
+                if result.busy:  # work arrived before the release's turn came
+                    report.reasons[name] = "busy again: idle release skipped"
+                    continue
                 self._idle_released(name, result.freed_bytes, arb.clock.now())
-                arb.queue.kick()
                 report.actions.append(f"{name}: idle release freed {gib(result.freed_bytes)} GiB")
                 report.reasons[name] = "released after idle timeout"
         self.last = report
@@ -223,13 +220,13 @@ class Watchdog:
                 for p in placements:
                     p.reported = True
             return
-        handoff = await self.arb.carry_out(plan, snap, f"watchdog: {models} spilling to the CPU", "spill")
-        self.arb.queue.kick()
-        if handoff.releases:
-            report.actions.append(f"{name}: spill of {models}: released {[r.tenant for r in handoff.releases]}")
+        order = ReleaseOrder(name, plan.releases, f"watchdog: {models} spilling to the CPU", "spill", plan, snap)
+        released = await self.arb.queue.release(order)
+        if released.results:
+            report.actions.append(f"{name}: spill of {models}: released {[r.tenant for r in released.results]}")
             report.reasons[name] = "starved (CPU spill): memory reclaimed; the model reloads on its next request"
         else:
-            report.reasons[name] = f"starved (CPU spill): {handoff.plan.explanation}"
+            report.reasons[name] = f"starved (CPU spill): {plan.explanation}"
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="hyperswap:watchdog")

@@ -17,18 +17,16 @@ import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
-from starlette.datastructures import State
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket
 
 from proxy.errors import HyperSwapError
-from proxy.handoff.inflight import InFlight, JobFate, JobPoller
+from proxy.handoff.inflight import InFlight, JobFate, JobPoller, Token
 from proxy.relay.departure import ClientLink
 from proxy.relay.forward import Forwarder, UpstreamResponse
 from proxy.relay.guards import host_header, refuse_tenant_host
-from proxy.relay.hosts import HostPolicy
 from proxy.tenants import Tenant
 
 log = logging.getLogger("hyperswap.listener")
@@ -84,17 +82,19 @@ def _decoded(body: bytes, encoding: str) -> bytes:
 
 
 class TenantApp:
-    """The ASGI app of one tenant listener; `state.poller` is the tenant's job poller."""
+    """The ASGI app of one tenant listener: Host check, then every path to the engine, GPU requests
+    through the admission hook, websockets relayed with their frames watched. `poller` is the
+    tenant's job poller (jobs the engine runs after its answer, for clients with no websocket)."""
 
-    def __init__(self, http: Callable[[Scope, Receive, Send], Awaitable[None]],
-                 ws: Callable[[WebSocket], Awaitable[None]], poller: JobPoller,
-                 hosts: HostPolicy | None = None, name: str = "") -> None:
-        self._http = http
-        self._ws = ws
-        self._hosts = hosts or HostPolicy()
-        self._name = name
-        self.state = State()
-        self.state.poller = poller
+    def __init__(self, tenant: Tenant, forwarder: Forwarder, inflight: InFlight, admission: Admission | None = None,
+                 *, job_poll_s: float = 1.0) -> None:
+        self.tenant = tenant
+        self.forwarder = forwarder
+        self.inflight = inflight
+        self.admission = admission
+        self.adapter = forwarder.adapter(tenant)
+        self._hosts = self.adapter.host_policy()
+        self.poller = JobPoller(inflight, tenant.name, self._check_jobs, interval_s=job_poll_s, on_lost=self._job_lost)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -102,12 +102,12 @@ class TenantApp:
             # Before anything reaches the engine: it gets its own Host from us and can no longer check.
             host = host_header(scope)
             if host is None or not self._hosts.allows(host):
-                await refuse_tenant_host(scope, receive, send, self._name, host)
+                await refuse_tenant_host(scope, receive, send, self.tenant.name, host)
                 return
         if kind == "http":
             await self._http(scope, receive, send)
         elif kind == "websocket":
-            await self._ws(WebSocket(scope, receive, send))
+            await self.forwarder.websocket(self.tenant, WebSocket(scope, receive, send), on_upstream_text=self._on_text)
         elif kind == "lifespan":  # nothing to start: answer so a server with lifespan on proceeds
             while True:
                 message = await receive()
@@ -117,101 +117,67 @@ class TenantApp:
                     await send({"type": "lifespan.shutdown.complete"})
                     return
 
-
-def tenant_app(tenant: Tenant, forwarder: Forwarder, inflight: InFlight, admission: Admission | None = None,
-               *, job_poll_s: float = 1.0) -> TenantApp:
-    adapter = forwarder.adapter(tenant)
-    name = tenant.name
-
-    async def check_jobs(job_ids: tuple[str, ...]) -> dict[str, JobFate]:
-        """Each job's fate from the engine's own queue and history: a job in neither has been deleted
-        or lost with a restarted engine. Read the queue first: a job that ends meanwhile is then in
-        the history (ComfyUI writes it as it drops the job from the queue)."""
-        queued: frozenset[str] | None = None
-        queue_path = adapter.queue_path()
-        if queue_path is not None:
-            resp = await forwarder.get(tenant, queue_path)
-            queued = adapter.job_ids_from_queue(resp.status_code, resp.content)
-        fates: dict[str, JobFate] = {}
-        for job_id in job_ids:
-            path = adapter.history_path(job_id)
-            if path is None:
-                continue
-            resp = await forwarder.get(tenant, path)
-            if adapter.job_done_from_history(job_id, resp.status_code, resp.content):
-                fates[job_id] = "done"
-                if admission is not None:
-                    admission.on_job_end(tenant, job_id, resp.content)
-            elif resp.status_code == 200 and queued is not None and job_id not in queued:
-                fates[job_id] = "lost"
-            else:
-                fates[job_id] = "running"
-        return fates
-
-    def job_lost(job_id: str) -> None:
-        if admission is not None:
-            admission.on_job_lost(tenant, job_id)
-
-    poller = JobPoller(inflight, name, check_jobs, interval_s=job_poll_s, on_lost=job_lost)
-
-    def error_response(exc: HyperSwapError) -> Response:
-        return JSONResponse(exc.to_json(), status_code=exc.status)
-
-    async def http(scope: Scope, receive: Receive, send: Send) -> None:
+    # -- HTTP ------------------------------------------------------------------------------------
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         link = ClientLink(scope, receive)
         link.watch()
         try:
-            if adapter.classify(scope["method"], scope["path"]) == "passthrough":
-                response = await passthrough(scope, link)
+            if self.adapter.classify(scope["method"], scope["path"]) == "passthrough":
+                response = await self._passthrough(scope, link)
             else:
-                response = await gpu(Request(scope, link.receive))
+                response = await self._gpu(Request(scope, link.receive))
             await response(scope, link.receive, send)
         except asyncio.CancelledError:
             if not link.absorb_cancel():
                 raise
-            log.debug("%s: client left %s %s; upstream request closed", name, scope["method"], scope["path"])
+            log.debug("%s: client left %s %s; upstream request closed", self.tenant.name, scope["method"], scope["path"])
         except ClientDisconnect:
-            log.debug("%s: client left while sending the body of %s %s", name, scope["method"], scope["path"])
+            log.debug("%s: client left while sending the body of %s %s", self.tenant.name, scope["method"], scope["path"])
         finally:
             link.close()
 
-    async def passthrough(scope: Scope, link: ClientLink) -> Response:
+    async def _passthrough(self, scope: Scope, link: ClientLink) -> Response:
         try:
-            upstream = await forwarder.open(tenant, scope, link.body())
+            upstream = await self.forwarder.open(self.tenant, scope, link.body())
         except HyperSwapError as exc:
-            return error_response(exc)
-        if adapter.drops_jobs(scope["method"], scope["path"]):
-            return forwarder.relay(tenant, upstream, on_close=poller.check_soon)  # a queue delete or clear
-        return forwarder.relay(tenant, upstream, on_close=_nothing)
+            return _error_response(exc)
+        if self.adapter.drops_jobs(scope["method"], scope["path"]):  # a queue delete or clear
+            return self.forwarder.relay(self.tenant, upstream, on_close=self.poller.check_soon)
+        return self.forwarder.relay(self.tenant, upstream, on_close=_nothing)
 
-    async def gpu(request: Request) -> Response:
+    async def _gpu(self, request: Request) -> Response:
+        """A request that may load something: counted in flight until its answer ends (a job the
+        engine runs after answering, until that job ends)."""
+        tenant, forwarder, inflight = self.tenant, self.forwarder, self.inflight
         method, path = request.method, request.url.path
-
-        token = inflight.begin(name)
+        token = inflight.begin(tenant.name)
         try:
             body, rest = await _read_up_to(request, tenant.replay_body_max_bytes)
             if rest is not None:
                 log.info("%s: %s %s body exceeds replay_body_max_mb=%s: streamed without admission",
-                         name, method, path, tenant.replay_body_max_mb)
+                         tenant.name, method, path, tenant.replay_body_max_mb)
                 result: UpstreamResponse | Response = await forwarder.open(tenant, request, rest)
-            elif admission is not None:
-                result = await admission.handle(tenant, request, body,
-                                                lambda b: forwarder.open(tenant, request, b))
+            elif self.admission is not None:
+                result = await self.admission.handle(tenant, request, body,
+                                                     lambda b: forwarder.open(tenant, request, b))
             else:
                 result = await forwarder.open(tenant, request, body)
         except HyperSwapError as exc:
             inflight.end(token)
-            return error_response(exc)
+            return _error_response(exc)
         except BaseException:
             inflight.end(token)
             raise
         if isinstance(result, Response):
             inflight.end(token)
             return result
-
-        if not adapter.captures_job(method, path):
+        if not self.adapter.captures_job(method, path):
             return forwarder.relay(tenant, result, on_close=lambda: inflight.end(token))
+        return self._relay_job_answer(result, token)
 
+    def _relay_job_answer(self, result: UpstreamResponse, token: Token) -> Response:
+        """Relay the answer that names a job (ComfyUI's prompt id), reading the id off it as it passes;
+        the job is tracked before the request stops counting, so the tenant never looks idle between."""
         seen: list[bytes] = []
         size = [0]
         status = result.status_code
@@ -223,27 +189,56 @@ def tenant_app(tenant: Tenant, forwarder: Forwarder, inflight: InFlight, admissi
             size[0] += len(chunk)
 
         def on_close() -> None:
-            # Track the job before the request stops counting, so the tenant never looks idle between.
             try:
-                job_id = adapter.job_id_from_response(status, _decoded(b"".join(seen), encoding))
-                if job_id is not None and inflight.track_job(name, job_id):
-                    poller.ensure_running()
+                job_id = self.adapter.job_id_from_response(status, _decoded(b"".join(seen), encoding))
+                if job_id is not None and self.inflight.track_job(self.tenant.name, job_id):
+                    self.poller.ensure_running()
             finally:
-                inflight.end(token)
+                self.inflight.end(token)
 
-        return forwarder.relay(tenant, result, on_close=on_close, tap=tap)
+        return self.forwarder.relay(self.tenant, result, on_close=on_close, tap=tap)
 
-    def on_text(text: str) -> None:
-        job_id = adapter.job_done_from_frame(text)
+    # -- jobs ------------------------------------------------------------------------------------
+    def _on_text(self, text: str) -> None:
+        job_id = self.adapter.job_done_from_frame(text)
         if job_id is not None:
-            inflight.finish_job(name, job_id)
-        if admission is not None:
-            admission.on_frame(tenant, text)
+            self.inflight.finish_job(self.tenant.name, job_id)
+        if self.admission is not None:
+            self.admission.on_frame(self.tenant, text)
 
-    async def ws(websocket: WebSocket) -> None:
-        await forwarder.websocket(tenant, websocket, on_upstream_text=on_text)
+    async def _check_jobs(self, job_ids: tuple[str, ...]) -> dict[str, JobFate]:
+        """Each job's fate from the engine's own queue and history: a job in neither has been deleted
+        or lost with a restarted engine. Read the queue first: a job that ends meanwhile is then in
+        the history (ComfyUI writes it as it drops the job from the queue)."""
+        tenant, adapter = self.tenant, self.adapter
+        queued: frozenset[str] | None = None
+        queue_path = adapter.queue_path()
+        if queue_path is not None:
+            resp = await self.forwarder.get(tenant, queue_path)
+            queued = adapter.job_ids_from_queue(resp.status_code, resp.content)
+        fates: dict[str, JobFate] = {}
+        for job_id in job_ids:
+            path = adapter.history_path(job_id)
+            if path is None:
+                continue
+            resp = await self.forwarder.get(tenant, path)
+            if adapter.job_done_from_history(job_id, resp.status_code, resp.content):
+                fates[job_id] = "done"
+                if self.admission is not None:
+                    self.admission.on_job_end(tenant, job_id, resp.content)
+            elif resp.status_code == 200 and queued is not None and job_id not in queued:
+                fates[job_id] = "lost"
+            else:
+                fates[job_id] = "running"
+        return fates
 
-    return TenantApp(http, ws, poller, adapter.host_policy(), name)
+    def _job_lost(self, job_id: str) -> None:
+        if self.admission is not None:
+            self.admission.on_job_lost(self.tenant, job_id)
+
+
+def _error_response(exc: HyperSwapError) -> Response:
+    return JSONResponse(exc.to_json(), status_code=exc.status)
 
 
 def _nothing() -> None:

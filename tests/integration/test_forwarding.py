@@ -34,7 +34,7 @@ from websockets.asyncio.client import connect
 from proxy.clock import FakeClock
 from proxy.handoff.inflight import InFlight
 from proxy.relay.forward import Forwarder
-from proxy.relay.listener import tenant_app
+from proxy.relay.listener import TenantApp
 from proxy.relay.servers import RunningServer, start_server
 from proxy.tasks import poll_until
 from proxy.tenants import Tenant, Timeouts
@@ -251,7 +251,7 @@ async def stack(engine: str, upstream_app: Callable[[Upstream], Starlette] | Non
             upstream_url = up.url
         tenant = Tenant(name=engine, engine=engine, upstream=upstream_url, **tenant_fields)  # type: ignore[arg-type]
         inflight = InFlight(clock or FakeClock())
-        proxy = await start_server(tenant_app(tenant, forwarder, inflight, job_poll_s=0.01), name="proxy")
+        proxy = await start_server(TenantApp(tenant, forwarder, inflight, job_poll_s=0.01), name="proxy")
         servers.append(proxy)
         yield proxy, tenant, inflight, state
     finally:

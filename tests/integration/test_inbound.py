@@ -19,7 +19,7 @@ from websockets.asyncio.client import connect
 from proxy.handoff.inflight import InFlight
 from proxy.relay.forward import Forwarder
 from proxy.relay.inbound import InboundLimits
-from proxy.relay.listener import tenant_app
+from proxy.relay.listener import TenantApp
 from proxy.relay.servers import ACCEPT_FAILED, RunningServer, start_server
 from proxy.tenants import Tenant
 
@@ -74,7 +74,7 @@ async def served(limits: InboundLimits | None = None, *,
             engine = await start_server(upstream, name="engine", limits=InboundLimits(max_headers=200))  # type: ignore[arg-type]
             servers.append(engine)
             tenant = Tenant(name="generic", engine="generic", upstream=engine.url)
-            app = tenant_app(tenant, forwarder, InFlight())
+            app = TenantApp(tenant, forwarder, InFlight())
             servers.append(await start_server(app, name="generic", limits=limits))
         else:
             servers.append(await start_server(upstream, name="plain", limits=limits))  # type: ignore[arg-type]

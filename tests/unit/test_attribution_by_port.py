@@ -191,7 +191,7 @@ async def test_the_proxys_snapshot_attributes_by_port_and_carries_the_notes(fp: 
 
     from proxy.clock import FakeClock
     from proxy.gpu.nvml import NvmlReader
-    from proxy.handoff.admission import Arbitration
+    from proxy.handoff.arbitration import Arbitration
     from proxy.handoff.decisions import DecisionLog
     from proxy.handoff.inflight import InFlight
 

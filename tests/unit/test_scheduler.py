@@ -16,9 +16,9 @@ import pytest
 from cards import STT, busy, idle, registry, snap
 
 from proxy.gpu.attribution import AttributedSnapshot
-from proxy.handoff.arbiter import Plan, TenantState, Waiter, queue_order, schedule
+from proxy.handoff.arbiter import Releasing, TenantState, Waiter, queue_order, schedule
 from proxy.handoff.decisions import DecisionLog
-from proxy.handoff.queue import Admitted, Handoff, HandoffQueue, ReleaseResult
+from proxy.handoff.queue import Admitted, Handoff, HandoffQueue, Released, ReleaseOrder, ReleaseResult, release_whole
 from proxy.tenants import GIB, Registry
 
 # -- the pure decision --------------------------------------------------------------------------
@@ -141,6 +141,7 @@ class Recorder:
     states: dict[str, TenantState] = field(default_factory=dict)
     promised: dict[str, tuple[str, int]] = field(default_factory=dict)
     log: list[tuple[Any, ...]] = field(default_factory=list)
+    busy_at_release: set[str] = field(default_factory=set)  # tenants that have work again when their turn comes
     decisions: DecisionLog = field(init=False)
 
     def __post_init__(self) -> None:
@@ -153,15 +154,20 @@ class Recorder:
         self.log.append(("read",))
         return self.card(), dict(self.states), dict(self.promised)
 
-    async def carry_out(self, plan: Plan, snap: AttributedSnapshot, trigger: str, kind: str) -> Handoff:
-        self.log.append(("release", tuple(r.tenant for r in plan.releases)))
+    async def carry_out(self, order: ReleaseOrder) -> Released:
+        self.log.append(("release", tuple(r.tenant for r in order.releases)))
         results = []
-        for r in plan.releases:
+        for r in order.releases:
+            if r.tenant in self.busy_at_release:
+                results.append(ReleaseResult(r.tenant, r.expected_free_bytes, 0, 0.0, False, "busy", busy=True))
+                continue
             self.free += r.expected_free_bytes
             floor = self.registry.get(r.tenant).idle_vram_bytes
             self.procs = [(t, pid, floor if t == r.tenant else used) for t, pid, used in self.procs]
             results.append(ReleaseResult(r.tenant, r.expected_free_bytes, r.expected_free_bytes, 0.0, True))
-        return Handoff(plan, results, self.decisions.record("plan", plan.requester, trigger, plan.to_json()), snap)
+        decision = self.decisions.record(order.kind, order.requester, order.trigger,
+                                         order.plan.to_json() if order.plan else None)
+        return Released(order, results, decision)
 
     def reserve(self, key: str, handoff: Handoff) -> None:
         self.log.append(("reserve", key))
@@ -323,3 +329,123 @@ async def test_a_load_that_names_no_model_warms_nothing(clock: ManualClock) -> N
     queue = HandoffQueue(fx)
     await asyncio.wait_for(queue.request(fx.registry.get("ollama"), "ollama", 16 * GIB, "request"), 1)
     assert not any(e[0] == "prepare_load" for e in fx.log)
+
+
+# -- the queue never awaits an effect ---------------------------------------------------------------
+
+class GatedRecorder(Recorder):
+    """A recorder whose releases hold until `gate` opens: a release that takes its time on the card."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.gate = asyncio.Event()
+
+    async def carry_out(self, order: ReleaseOrder) -> Released:
+        self.log.append(("release started", tuple(r.tenant for r in order.releases)))
+        await self.gate.wait()
+        return await super().carry_out(order)
+
+
+def gated(clock: ManualClock) -> GatedRecorder:
+    reg = registry({"stt": STT}, proxy={"queue_timeout_s": 30.0})
+    # ollama holds its model (16 GiB) on the card; comfyui idle with 5 GiB; 1 GiB free
+    return GatedRecorder(reg, clock, [("ollama", 1, 16 * GIB), ("comfyui", 2, 5 * GIB)], free=1 * GIB)
+
+
+async def test_a_request_for_a_resident_model_is_admitted_during_another_tenants_release(clock: ManualClock) -> None:
+    fx = gated(clock)
+    queue = HandoffQueue(fx)
+    stt = asyncio.ensure_future(queue.request(fx.registry.get("stt"), "stt:m", 4 * GIB, "request"))
+    await settle()
+    assert ("release started", ("comfyui",)) in fx.log and not stt.done()
+    chat = asyncio.ensure_future(queue.request(fx.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request"))
+    await settle()
+    assert chat.done(), "a chat for a model already on the card waited for comfyui's release to end"
+    assert chat.result().outcome == "run" and not stt.done()
+    fx.gate.set()
+    admitted = await asyncio.wait_for(stt, 1)
+    assert admitted.outcome == "run" and [r.tenant for r in admitted.handoff.releases] == ["comfyui"]
+    await queue.aclose()
+
+
+async def test_an_admin_release_wakes_a_waiter_at_once(clock: ManualClock) -> None:
+    fx = recorder(clock)
+    fx.states = busy(idle(), "comfyui", "1 running job(s)")
+    queue = HandoffQueue(fx)
+    chat = asyncio.ensure_future(queue.request(fx.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request"))
+    await settle()
+    assert not chat.done()
+    fx.states = idle("comfyui")  # its prompt ended, but nothing told the queue (no kick)
+    order = release_whole(snap(fx.procs, free=fx.free), fx.registry.get("comfyui"), "admin", "release", "admin")
+    released = await asyncio.wait_for(queue.release(order), 1)
+    assert released.ok
+    admitted = await asyncio.wait_for(chat, 1)
+    assert admitted.outcome == "run" and admitted.handoff.releases == [], "the admin's release freed the memory"
+    assert clock.now() == 100.0, "woken by the release's end, not by the replan timer"
+
+
+async def test_new_work_of_a_tenant_being_released_waits_for_the_release_to_end(clock: ManualClock) -> None:
+    fx = gated(clock)
+    queue = HandoffQueue(fx)
+    stt = asyncio.ensure_future(queue.request(fx.registry.get("stt"), "stt:m", 4 * GIB, "request"))
+    await settle()
+    prompt = asyncio.ensure_future(queue.request(fx.registry.get("comfyui"), "comfyui", 1 * GIB, "request"))
+    await settle()
+    assert not prompt.done(), "a prompt would load comfyui's models again under its own release"
+    (mine,) = [w for w in queue.waiting() if w["tenant"] == "comfyui"]
+    assert mine["reason"] == "queued behind the release of comfyui in progress"
+    (theirs,) = [w for w in queue.waiting() if w["tenant"] == "stt"]
+    assert theirs["reason"] == "releasing comfyui for it" and mine["behind"] == theirs["id"]
+    fx.gate.set()
+    assert (await asyncio.wait_for(stt, 1)).outcome == "run"
+    assert (await asyncio.wait_for(prompt, 1)).outcome == "run"
+    assert [e for e in fx.log if e[0] == "release"] == [("release", ("comfyui",))]
+
+
+async def test_one_release_at_a_time_the_same_load_joins_it_another_waits(clock: ManualClock) -> None:
+    fx = gated(clock)
+    fx.procs = [("ollama", 1, 10 * GIB), ("comfyui", 2, 5 * GIB)]
+    queue = HandoffQueue(fx)
+    first = asyncio.ensure_future(queue.request(fx.registry.get("stt"), "stt:m", 4 * GIB, "request"))
+    await settle()
+    second = asyncio.ensure_future(queue.request(fx.registry.get("stt"), "stt:m", 4 * GIB, "request"))
+    other = asyncio.ensure_future(queue.request(fx.registry.get("comfyui"), "comfyui:x", 12 * GIB, "request"))
+    await settle()
+    assert [e for e in fx.log if e[0] == "release started"] == [("release started", ("comfyui",))]
+    assert not (first.done() or second.done() or other.done())
+    fx.gate.set()
+    a, b = await asyncio.wait_for(asyncio.gather(first, second), 1)
+    assert a.handoff.decision is b.handoff.decision, "the same load shares one handoff"
+    await queue.aclose()
+    other.cancel()
+
+
+async def test_a_release_whose_tenant_had_work_again_admits_nobody_and_plans_again(clock: ManualClock) -> None:
+    fx = gated(clock)
+    queue = HandoffQueue(fx)
+    stt = asyncio.ensure_future(queue.request(fx.registry.get("stt"), "stt:m", 4 * GIB, "request"))
+    await settle()
+    fx.states = busy(idle(), "comfyui", "1 GPU request(s) in flight")
+    fx.busy_at_release = {"comfyui"}
+    fx.gate.set()
+    admitted = await asyncio.wait_for(stt, 1)
+    assert [r.tenant for r in admitted.handoff.releases] == ["ollama"], \
+        "comfyui was not released: the waiter was planned again (idle ollama instead), not run on memory that never came"
+    assert [e for e in fx.log if e[0] == "release"] == [("release", ("comfyui",)), ("release", ("ollama",))]
+
+
+def test_schedule_with_a_release_under_way_runs_what_needs_no_release_and_holds_the_rest() -> None:
+    s = snap([("ollama", 1, 16 * GIB), ("comfyui", 2, 5 * GIB)], free=1 * GIB)
+    reg = registry({"stt": STT})
+    underway = (Releasing(("comfyui",), "stt:m", 99, "stt"),)
+    chat, same, other, prompt = (waiter("ollama", 16, at=1), waiter("stt", 4, at=2, key="stt:m"),
+                                 waiter("stt", 5, at=3, key="stt:other"), waiter("comfyui", 1, at=4))
+    verdicts = schedule(s, reg, idle("ollama", "comfyui", "stt"), [chat, same, other, prompt],
+                        {"stt:m": ("stt", 0)}, 5, 60, underway)
+    assert actions(verdicts) == [("ollama", "run"), ("stt", "run"), ("stt", "wait"), ("comfyui", "wait")]
+    assert verdicts[2].reason == "queued behind the handoff to stt in progress" and verdicts[2].behind == 99
+    assert verdicts[3].reason == "queued behind the release of comfyui in progress"
+    idle_release = (Releasing(("comfyui",)),)  # the watchdog's: no load waits for that memory
+    verdicts = schedule(s, reg, idle("ollama", "comfyui", "stt"), [prompt, other], {}, 5, 60, idle_release)
+    assert actions(verdicts) == [("stt", "wait"), ("comfyui", "run")], "an idle release holds back none of its work"
+    assert verdicts[0].reason == "queued behind the release of comfyui in progress"

@@ -1,0 +1,275 @@
+"""The GPU gate: what a tenant listener does with a GPU request. Admit it (the handoff queue may
+hold it, then it runs, or gets 507 or 503), forward it, and on an out-of-memory answer reclaim and
+retry once. Everything here that builds an HTTP answer is the relay's; the decisions are the
+handoff's (`Arbitration`, `HandoffQueue`, the pure arbiter).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from proxy.engines import EngineAdapter, Need, ReleaseFailed, strip_hop_by_hop
+from proxy.engines.base import JobReplay
+from proxy.handoff import devices
+from proxy.handoff.arbiter import gib
+from proxy.handoff.arbitration import Arbitration
+from proxy.handoff.queue import Admitted, Handoff
+from proxy.relay.forward import UpstreamResponse
+from proxy.tenants import Tenant
+
+log = logging.getLogger("hyperswap.gate")
+
+
+class LoadHooks(Protocol):
+    """What the model-files extension does around a load (proxy/admin/models_api.py). Never blocks."""
+
+    async def loading(self, tenant: Tenant, model: str, body: bytes) -> Callable[[UpstreamResponse], UpstreamResponse] | None:
+        """Just before forwarding a load (its residency is read now): a wrapper for the engine's answer
+        that times it, or None."""
+
+    def on_frame(self, tenant: Tenant, text: str) -> None:
+        """Every upstream websocket text frame (ComfyUI's execution frames time its checkpoint loads)."""
+
+
+def blockers_json(handoff: Handoff) -> list[dict[str, Any]]:
+    snap = handoff.snapshot
+    out = []
+    for b in handoff.plan.blockers:
+        proc = snap.snapshot.process(b.pid) if snap is not None and b.pid is not None else None
+        out.append({"pid": b.pid, "name": b.name, "cmdline": proc.cmdline if proc else "", "tenant": b.tenant,
+                    "vram_gb": gib(b.vram_bytes), "reason": b.reason, "detail": b.detail})
+    return out
+
+
+def _refusal_fix(handoff: Handoff) -> str:
+    reasons = {b.reason for b in handoff.plan.blockers}
+    device = devices.device(handoff.snapshot, handoff.plan.device) if handoff.snapshot else None
+    if device is not None and device.total_bytes and handoff.plan.need_bytes > device.total_bytes - device.reserved_bytes:
+        return "use a smaller model or quantisation: no release on this card can free that much"
+    fixes = []
+    if "unmanaged" in reasons:
+        fixes.append("stop the unmanaged processes named in blockers, or register them as a tenant with a release")
+    if "not_reclaimable" in reasons:
+        fixes.append("give the not-reclaimable tenants a release in tenants.json, or stop them")
+    if "protected" in reasons:
+        fixes.append("raise this tenant's priority, or unset protect_idle_memory on the protected tenant")
+    return "; ".join(fixes) or "free GPU memory held outside the proxy's tenants, or ask for less"
+
+
+def rejection_body(tenant: Tenant, handoff: Handoff, need: Need) -> dict[str, Any]:
+    """507: the need cannot be met even once every busy tenant finished and every reclaimable one
+    were released."""
+    plan = handoff.plan
+    body: dict[str, Any] = {
+        "error": f"not enough GPU memory for {tenant.name}: {plan.explanation}",
+        "tenant": tenant.name,
+        "need_gb": gib(need.bytes),
+        "available_gb": gib(plan.reachable_bytes),
+        "blockers": blockers_json(handoff),
+        "plan": plan.to_json(),
+        "fix": _refusal_fix(handoff),
+    }
+    if plan.device is not None and handoff.snapshot is not None:  # a host with several cards: which one
+        dev = devices.device(handoff.snapshot, plan.device)
+        body["device"] = {"index": dev.index, "name": dev.name, "uuid": dev.uuid}
+    return body
+
+
+def timeout_response(tenant: Tenant, admitted: Admitted, timeout_s: float) -> JSONResponse:
+    """503 past `proxy.queue_timeout_s`: waiting could still help, so say when to come back."""
+    handoff = admitted.handoff
+    retry_after = max(1, int(min(timeout_s, 30)))
+    body = {"error": f"{tenant.name} waited {timeout_s:g} s for GPU memory: {admitted.reason}",
+            "tenant": tenant.name, "waited_s": round(handoff.waited_s, 3),
+            "waiting_for": list(handoff.plan.wait_for), "blockers": blockers_json(handoff),
+            "plan": handoff.plan.to_json(),
+            "fix": "retry after the busy tenants finish (Retry-After), or raise proxy.queue_timeout_s in tenants.json"}
+    return JSONResponse(body, status_code=503, headers={"Retry-After": str(retry_after)})
+
+
+class GpuGate:
+    """The listener's hook for GPU requests: admit, forward, and on an OOM answer reclaim and retry once.
+
+    Ollama's OOM is an HTTP answer: the kept body is replayed. ComfyUI's arrives later, as an
+    `execution_error` frame on a websocket passing through the proxy, or (for a client with no
+    websocket) in the /history entry the job poller reads: the same graph is re-queued for the same
+    client_id, read back from ComfyUI's own /history entry.
+    """
+
+    def __init__(self, arbitration: Arbitration, adapter: Callable[[Tenant], EngineAdapter] | None = None) -> None:
+        self.arb = arbitration
+        self._adapter = adapter or arbitration.adapter  # the forwarder's per-tenant adapters
+        self.load_hooks: LoadHooks | None = None  # set by the model-files extension
+        self._requeued: dict[str, str] = {}  # new prompt id -> the OOM'd prompt it retries
+        self._seen_oom: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    def on_frame(self, tenant: Tenant, text: str) -> None:
+        """Called for every upstream text frame of a tenant's websockets (the adapter filters cheaply first)."""
+        if self.load_hooks is not None:
+            self.load_hooks.on_frame(tenant, text)
+        job_id = self._adapter(tenant).oom_job_from_frame(text)
+        if job_id is not None:
+            self._oom(tenant, job_id)
+
+    def on_job_end(self, tenant: Tenant, job_id: str, history: bytes) -> None:
+        """A prompt's end found by the history poll (its client never opened a websocket, so no
+        frame told us): the engine's history entry says whether it ran out of memory."""
+        if self._adapter(tenant).oom_in_history(job_id, history):
+            self._oom(tenant, job_id)
+
+    def on_job_lost(self, tenant: Tenant, job_id: str) -> None:
+        self.arb.decisions.record("stale_job", tenant.name, "job reconciliation", None, job_id=job_id,
+                                  reason=f"{job_id} is in neither {tenant.name}'s queue nor its history (deleted from "
+                                         "the queue, or the engine restarted): no longer counted as running")
+        self.arb.queue.kick()
+
+    def _oom(self, tenant: Tenant, prompt_id: str) -> None:
+        if self._closed or not prompt_id or prompt_id in self._seen_oom:
+            return  # several sockets, or a socket and the history poll, can report the same OOM
+        self._seen_oom.add(prompt_id)
+        if len(self._seen_oom) > 4096:
+            self._seen_oom.pop()
+        task = asyncio.create_task(self._retry_prompt(tenant, prompt_id))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _retry_prompt(self, tenant: Tenant, prompt_id: str) -> None:
+        if prompt_id in self._requeued:
+            self.arb.decisions.record("oom_retry", tenant.name, f"second OOM of prompt {self._requeued[prompt_id]}",
+                                      None, result="failed", prompt_id=prompt_id)
+            return
+        adapter = self._adapter(tenant)
+        replay = await self._job_replay(adapter, prompt_id)
+        if replay is None:
+            self.arb.decisions.record("oom_retry", tenant.name, f"OOM of prompt {prompt_id}", None,
+                                      result="not retried: prompt not in ComfyUI's history")
+            return
+        admitted, _need = await self.arb.admit(tenant, "", replay.body, f"OOM of ComfyUI prompt {prompt_id}", oom=True)
+        handoff = admitted.handoff
+        try:
+            if admitted.outcome != "run" or not handoff.plan.feasible or not handoff.plan.starved:
+                self._record_retry(tenant, handoff, "no plan")
+                return
+            new_id, status = await adapter.resubmit(self.arb.control, replay)
+            if not new_id:
+                self._record_retry(tenant, handoff, f"re-queue refused: {status}")
+                return
+            self._requeued[new_id] = prompt_id
+            self.arb.inflight.track_job(tenant.name, new_id)
+            self._record_retry(tenant, handoff, "requeued")
+            if handoff.decision is not None:
+                self.arb.decisions.update(handoff.decision, requeued_as=new_id, prompt_id=prompt_id)
+        except (httpx.HTTPError, ValueError, ReleaseFailed) as exc:
+            self._record_retry(tenant, handoff, f"re-queue failed: {exc}")
+        finally:
+            self.arb.settle_when_idle(handoff)  # the re-queued prompt loads after POST /prompt returns
+
+    async def _job_replay(self, adapter: EngineAdapter, job_id: str) -> JobReplay | None:
+        """The engine writes the failed job down shortly after its error frame: look for a while."""
+        for _ in range(50):
+            replay = await adapter.job_replay(self.arb.control, job_id)
+            if replay is not None:
+                return replay
+            await self.arb.clock.sleep(0.1)
+        return None
+
+    async def aclose(self) -> None:
+        self._closed = True
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def handle(self, tenant: Tenant, request: Request, body: bytes,
+                     forward: Callable[[bytes], Awaitable[UpstreamResponse]]) -> UpstreamResponse | Response:
+        adapter = self._adapter(tenant)
+        unloading = adapter.unload_target(request.url.path, body)
+        if unloading is not None:
+            # An unload loads nothing: it needs no memory, releases nobody and is never refused.
+            self.arb.residency.forget(tenant.name, adapter.load_key(unloading))
+            return await forward(body)
+        trigger = f"request {request.method} {request.url.path}"
+        admitted, need = await self.arb.admit(tenant, request.url.path, body, trigger)
+        handoff = admitted.handoff
+        retry: Handoff | None = None
+        outlives = adapter.captures_job(request.method, request.url.path)
+        if admitted.outcome == "timeout":
+            self.arb.decisions.record("rejection", tenant.name, trigger, handoff.plan.to_json(), status=503,
+                                      reason=admitted.reason)
+            return timeout_response(tenant, admitted, self.arb.registry.config.proxy.queue_timeout_s)
+        if admitted.outcome == "refuse":
+            return JSONResponse(rejection_body(tenant, handoff, need), status_code=507)
+        hooks = self.load_hooks
+        loads = need.model is not None and admitted.reason != "resident"  # on the card already: nothing to time
+        watch = await hooks.loading(tenant, need.model, body) if hooks is not None and need.model and loads else None
+        try:
+            response = await forward(body)
+            if response.status_code < 400:
+                self.arb.residency.loaded(tenant.name, need.key)
+                if watch is not None:
+                    response = watch(response)  # reads the engine's own load time as the answer passes
+            if not adapter.answers_oom or response.status_code < 400:
+                return response
+            error_body = await response.aread()
+            await response.aclose()
+            if not adapter.response_is_oom(response.status_code, error_body):
+                return _replay_response(response, error_body)
+            # The first try is over: its reservation goes before the retry reserves its bigger need
+            # (under the same key it would only have counted once more, with the old size and baseline).
+            self.arb.settle(handoff)
+            again, _ = await self.arb.admit(tenant, request.url.path, body, f"OOM answer to {trigger}", oom=True)
+            retry = again.handoff
+            outcome = ("no plan" if again.outcome != "run" or not retry.plan.feasible or not retry.plan.starved
+                       else "retried")
+            if outcome == "retried":
+                response = await forward(body)
+                if response.status_code < 400:
+                    self.arb.residency.loaded(tenant.name, need.key)
+                    self._record_retry(tenant, retry, "succeeded")
+                    return response
+                error_body = await response.aread()
+                await response.aclose()
+            self._record_retry(tenant, retry, "failed" if outcome == "retried" else outcome)
+            return _with_blockers(response, error_body, retry)
+        finally:
+            if outlives:
+                self.arb.settle_when_idle(handoff)  # the job loads after the answer: keep its memory promised
+            else:
+                self.arb.settle(handoff)
+            self.arb.settle(retry)
+
+    def _record_retry(self, tenant: Tenant, handoff: Handoff | None, result: str) -> None:
+        if handoff is not None and handoff.decision is not None:
+            self.arb.decisions.update(handoff.decision, oom_retry=result)
+        else:
+            self.arb.decisions.record("oom_retry", tenant.name, "OOM answer", None, result=result)
+
+
+def _replay_response(upstream: UpstreamResponse, body: bytes) -> Response:
+    """The upstream's answer, already read, as it was: repeated headers kept, framing re-done."""
+    response = Response(body, status_code=upstream.status_code)
+    length = (b"content-length", b"%d" % len(body))
+    headers = [length if k == b"content-length" else (k, v) for k, v in strip_hop_by_hop(upstream.raw_headers)]
+    response.raw_headers = headers if length in headers else [*headers, length]  # order kept, as the engine sent it
+    return response
+
+
+def _with_blockers(upstream: UpstreamResponse, body: bytes, handoff: Handoff | None) -> Response:
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return _replay_response(upstream, body)
+    if isinstance(data, dict) and handoff is not None:
+        data["blockers"] = blockers_json(handoff)
+        data["plan"] = handoff.plan.to_json()
+    return JSONResponse(data, status_code=upstream.status_code)
