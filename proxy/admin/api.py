@@ -22,8 +22,8 @@ from proxy.admin.query import integer, optional_number
 from proxy.errors import HyperSwapError
 from proxy.handoff.admission import Arbitration, ReleaseResult
 from proxy.handoff.watchdog import Watchdog
+from proxy.hosts import listener_policy
 from proxy.relay.guards import AdminGuard
-from proxy.relay.hosts import listener_policy
 from proxy.tenants import GIB, MAX_GIB, Tenant
 
 Handler = Callable[[Request], Awaitable[Response]]

@@ -22,7 +22,7 @@ from proxy.engines.common import Need, release_by_strategy
 from proxy.engines.settings import EnvReaders
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory
-from proxy.relay.hosts import HostPolicy, listener_policy
+from proxy.hosts import HostPolicy, listener_policy
 from proxy.tenants import Tenant
 
 # One loaded model as the engine places it (Ollama's /api/ps rows: name, size, size_vram, expires_at).

@@ -22,7 +22,7 @@ from proxy.engines import settings as es
 from proxy.engines.base import EngineAdapter, Placement, Relocation, RequestKind
 from proxy.engines.common import Need, ReleaseFailed, json_or_none, upstream_of
 from proxy.gpu.attribution import AttributedSnapshot
-from proxy.relay.hosts import HostPolicy, is_loopback_host, listener_policy
+from proxy.hosts import HostPolicy, is_loopback_host, listener_policy
 from proxy.tenants import GIB, Tenant
 
 log = logging.getLogger("hyperswap.engines")
