@@ -43,6 +43,7 @@ GPU_ROUTES = frozenset({
 UNLOAD_ROUTES = {"/api/generate": "prompt", "/api/chat": "messages"}
 # A Go duration string (time.ParseDuration): "0", "0s", "0m0s", "0.0h"...
 _GO_DURATION = re.compile(r"^[+-]?(?:(?:\d+\.?\d*|\.\d+)(?:ns|us|\u00b5s|ms|s|m|h))+$")
+_LOAD_DURATION = re.compile(rb'"load_duration"\s*:\s*(\d+)')
 
 
 def keep_alive_is_zero(value: object) -> bool:
@@ -55,6 +56,12 @@ def keep_alive_is_zero(value: object) -> bool:
             return True
         return bool(_GO_DURATION.match(value)) and not any(c in "123456789" for c in value)
     return False
+
+
+def ollama_load_seconds(tail: bytes) -> float | None:
+    """The last `load_duration` (int64 nanoseconds) in the end of an Ollama answer, in seconds."""
+    found = _LOAD_DURATION.findall(tail)
+    return int(found[-1]) / 1e9 if found else None
 
 
 def ollama_error_is_oom(message: str) -> bool:
@@ -102,7 +109,6 @@ class OllamaAdapter(EngineAdapter):
     service_unit = "ollama.service"
     def load_seconds(self, answer_tail: bytes) -> float | None:
         """`load_duration` (ns) on the final line of a generation, chat or embed answer."""
-        from proxy.models.loads import ollama_load_seconds
         return ollama_load_seconds(answer_tail)
 
     def classify(self, method: str, path: str) -> RequestKind:
