@@ -21,6 +21,7 @@ import httpx
 from proxy.engines import settings as es
 from proxy.engines.base import EngineAdapter, Placement, Relocation, RequestKind
 from proxy.engines.common import Need, ReleaseFailed, json_or_none, upstream_of
+from proxy.engines.model_files import FileHints, TenantFiles, ollama_tenant_files
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.hosts import HostPolicy, is_loopback_host, listener_policy
 from proxy.tenants import GIB, Tenant
@@ -105,11 +106,15 @@ class OllamaAdapter(EngineAdapter):
         super().__init__(tenant)
         self.sizes = OllamaCatalog()  # per adapter, so per tenant: refreshed when a name is missing
 
-    model_layout = "ollama"
     service_unit = "ollama.service"
+
     def load_seconds(self, answer_tail: bytes) -> float | None:
         """`load_duration` (ns) on the final line of a generation, chat or embed answer."""
         return ollama_load_seconds(answer_tail)
+
+    def model_files(self, hints: FileHints) -> TenantFiles:
+        """Ollama's store (manifests and blobs) under OLLAMA_MODELS or its user's home, or model_paths."""
+        return ollama_tenant_files(self.tenant, hints)
 
     def classify(self, method: str, path: str) -> RequestKind:
         if method.upper() == "POST" and path.rstrip("/") in GPU_ROUTES:
