@@ -65,16 +65,6 @@ class ModelCatalog:
             hit = self._located
         return hit is None or self.now() >= hit[0]
 
-    def cached_models(self, tenant: str) -> list[ModelFiles] | None:
-        """What the last look found, however old (None: never looked): for the request path, which
-        must not walk directories."""
-        with self._lock:
-            hit = self._located
-        if hit is None:
-            return None
-        found = hit[1].get(tenant)
-        return found.located.models if found is not None else []
-
     def models(self, tenant: str | None = None) -> list[ModelFiles]:
         return [m for name, f in self.all_files().items() if tenant in (None, name) for m in f.located.models]
 
