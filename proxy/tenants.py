@@ -481,10 +481,6 @@ class Registry:
             known = ", ".join(self.config.tenants) or "none"
             raise UnknownTenant(f"unknown tenant {name!r}", fix=f"use one of: {known}") from None
 
-    def with_tenants(self, tenants: Mapping[str, Tenant]) -> Registry:
-        cfg = self.config.model_copy(update={"tenants": dict(tenants)})
-        return Registry(cfg, self.source, self.provenance)
-
 
 # ---------------------------------------------------------------------------------------------
 # Loading

@@ -23,8 +23,8 @@ from proxy.errors import HyperSwapError
 from proxy.handoff.arbitration import Arbitration, ReleaseResult
 from proxy.handoff.queue import release_whole
 from proxy.handoff.watchdog import Watchdog
+from proxy.hosts import listener_policy
 from proxy.relay.guards import AdminGuard
-from proxy.relay.hosts import listener_policy
 from proxy.tenants import GIB, MAX_GIB, Tenant
 
 Handler = Callable[[Request], Awaitable[Response]]

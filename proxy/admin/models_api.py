@@ -27,12 +27,12 @@ from starlette.routing import BaseRoute, Route
 
 from proxy.admin.view import ProxyView
 from proxy.engines import EngineAdapter, adapter_for
+from proxy.engines.model_files import ModelFiles
 from proxy.engines.settings import read_proc_environ
 from proxy.errors import HyperSwapError
 from proxy.models.catalog import ModelCatalog
 from proxy.models.frames import FrameTimer, loader_nodes
 from proxy.models.loads import MIN_LOAD_S, LoadLog, LoadRecord
-from proxy.models.locate import ModelFiles
 from proxy.models.pagecache import PageCacheProbe, SystemPageCache
 from proxy.models.warm import MemAvailable, Warmer, WarmJob, may_read, read_mem_available
 from proxy.relay.forward import UpstreamResponse
@@ -205,9 +205,9 @@ class ModelsExtension:
         files, before = await asyncio.to_thread(look)
         if files is None:
             return None
-        if adapter.model_layout == "comfyui":  # the load runs after the answer: timed from its frames
+        if adapter.load_timed_from_frames:  # the load runs after the answer
             self._frames.setdefault(tenant.name, FrameTimer(time.monotonic)).expect(
-                loader_nodes(body, model), (files, before))
+                loader_nodes(body, model), (files, before, f"{adapter.kind} execution frames"))
             return None
         if type(adapter).load_seconds is EngineAdapter.load_seconds:
             return None  # this engine does not say how long its loads take
@@ -224,10 +224,10 @@ class ModelsExtension:
         timer = self._frames.get(tenant.name)
         if timer is None or not timer.expected:
             return
-        for (files, before), seconds in timer.on_frame(text):
+        for (files, before, source), seconds in timer.on_frame(text):
             if seconds >= MIN_LOAD_S:
                 self.record_load(LoadRecord(time.time(), tenant.name, files.name, files.size_bytes, seconds, before,
-                                            "comfyui execution frames"), files.files)
+                                            source), files.files)
 
     def record_load(self, record: LoadRecord, paths: tuple[str, ...] = ()) -> LoadRecord:
         record = self.loads.add(record)

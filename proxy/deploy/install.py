@@ -35,7 +35,7 @@ from proxy.engines.base import Relocation
 from proxy.errors import HyperSwapError
 from proxy.gpu.attribution import Attributor
 from proxy.gpu.snapshot import GpuProcess
-from proxy.relay.hosts import is_loopback_host
+from proxy.hosts import is_loopback_host
 from proxy.tenants import Registry, registry_from_dict
 
 RECORD_VERSION = 1

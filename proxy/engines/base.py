@@ -19,10 +19,11 @@ from urllib.parse import urlsplit
 import httpx
 
 from proxy.engines.common import Need, release_by_strategy
+from proxy.engines.model_files import FileHints, TenantFiles, plain_tenant_files
 from proxy.engines.settings import EnvReaders
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory
-from proxy.relay.hosts import HostPolicy, listener_policy
+from proxy.hosts import HostPolicy, listener_policy
 from proxy.tenants import Tenant
 
 # One loaded model as the engine places it (Ollama's /api/ps rows: name, size, size_vram, expires_at).
@@ -106,9 +107,9 @@ class EngineAdapter:
     # The command-line flag that picks the engine's GPU on a host with several (proxy/gpu/devices.py);
     # None: the engine has none, and only CUDA_VISIBLE_DEVICES in its environment says.
     device_flag: str | None = None
-    # How its model files are laid out on disk (proxy/models/locate.py): "ollama" (manifests and
-    # blobs), "comfyui" (model folders), or None (only the tenant's model_paths say).
-    model_layout: str | None = None
+    # Whether its model loads run after the answer (a queued job), so they are timed from the engine's
+    # progress frames (proxy/models/frames.py) instead of from the answer (`load_seconds`).
+    load_timed_from_frames: bool = False
     # The systemd unit the engine's Linux installer ships (its Environment= is the engine's), or None.
     service_unit: str | None = None
 
@@ -212,6 +213,11 @@ class EngineAdapter:
     def load_seconds(self, answer_tail: bytes) -> float | None:
         """How long the engine says its model load took, from the end of its answer (None: it does not say)."""
         return None
+
+    def model_files(self, hints: FileHints) -> TenantFiles | None:
+        """Where the engine's model files are (blocking: it walks directories). The generic engine has
+        no layout of its own: only the tenant's model_paths say (None: nothing to look for)."""
+        return plain_tenant_files(self.tenant)
 
     def drops_jobs(self, method: str, path: str) -> bool:
         """Whether this request can remove queued jobs (a queue delete or clear)."""

@@ -19,6 +19,7 @@ import httpx
 from proxy.engines import settings as es
 from proxy.engines.base import EngineAdapter, JobReplay, Relocation, RequestKind
 from proxy.engines.common import Need, ReleaseFailed, json_or_none, upstream_of
+from proxy.engines.model_files import FileHints, TenantFiles, comfyui_tenant_files
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory
 from proxy.tenants import GIB
@@ -46,7 +47,11 @@ class ComfyUIAdapter(EngineAdapter):
     start_hint = "start ComfyUI (`python main.py`)"
     floor_from_samples = True
     device_flag = "--cuda-device"  # main.py sets CUDA_VISIBLE_DEVICES from it before torch starts
-    model_layout = "comfyui"
+    load_timed_from_frames = True  # a prompt's checkpoint loads when its job runs, after /prompt answered
+
+    def model_files(self, hints: FileHints) -> TenantFiles:
+        """ComfyUI's model folders (checkpoints, vae, ...) under its base directory and extra_model_paths."""
+        return comfyui_tenant_files(self.tenant, hints)
 
     def classify(self, method: str, path: str) -> RequestKind:
         if method.upper() == "POST" and path.rstrip("/") in PROMPT_ROUTES:

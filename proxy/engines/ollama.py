@@ -21,8 +21,9 @@ import httpx
 from proxy.engines import settings as es
 from proxy.engines.base import EngineAdapter, Placement, Relocation, RequestKind
 from proxy.engines.common import Need, ReleaseFailed, json_or_none, upstream_of
+from proxy.engines.model_files import FileHints, TenantFiles, ollama_tenant_files
 from proxy.gpu.attribution import AttributedSnapshot
-from proxy.relay.hosts import HostPolicy, is_loopback_host, listener_policy
+from proxy.hosts import HostPolicy, is_loopback_host, listener_policy
 from proxy.tenants import GIB, Tenant
 
 log = logging.getLogger("hyperswap.engines")
@@ -43,6 +44,7 @@ GPU_ROUTES = frozenset({
 UNLOAD_ROUTES = {"/api/generate": "prompt", "/api/chat": "messages"}
 # A Go duration string (time.ParseDuration): "0", "0s", "0m0s", "0.0h"...
 _GO_DURATION = re.compile(r"^[+-]?(?:(?:\d+\.?\d*|\.\d+)(?:ns|us|\u00b5s|ms|s|m|h))+$")
+_LOAD_DURATION = re.compile(rb'"load_duration"\s*:\s*(\d+)')
 
 
 def keep_alive_is_zero(value: object) -> bool:
@@ -55,6 +57,12 @@ def keep_alive_is_zero(value: object) -> bool:
             return True
         return bool(_GO_DURATION.match(value)) and not any(c in "123456789" for c in value)
     return False
+
+
+def ollama_load_seconds(tail: bytes) -> float | None:
+    """The last `load_duration` (int64 nanoseconds) in the end of an Ollama answer, in seconds."""
+    found = _LOAD_DURATION.findall(tail)
+    return int(found[-1]) / 1e9 if found else None
 
 
 def ollama_error_is_oom(message: str) -> bool:
@@ -98,12 +106,15 @@ class OllamaAdapter(EngineAdapter):
         super().__init__(tenant)
         self.sizes = OllamaCatalog()  # per adapter, so per tenant: refreshed when a name is missing
 
-    model_layout = "ollama"
     service_unit = "ollama.service"
+
     def load_seconds(self, answer_tail: bytes) -> float | None:
         """`load_duration` (ns) on the final line of a generation, chat or embed answer."""
-        from proxy.models.loads import ollama_load_seconds
         return ollama_load_seconds(answer_tail)
+
+    def model_files(self, hints: FileHints) -> TenantFiles:
+        """Ollama's store (manifests and blobs) under OLLAMA_MODELS or its user's home, or model_paths."""
+        return ollama_tenant_files(self.tenant, hints)
 
     def classify(self, method: str, path: str) -> RequestKind:
         if method.upper() == "POST" and path.rstrip("/") in GPU_ROUTES:

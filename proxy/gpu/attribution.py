@@ -44,7 +44,7 @@ from urllib.parse import urlsplit
 
 from proxy.gpu.placement import Placement
 from proxy.gpu.snapshot import GpuProcess, GpuSnapshot, Listener, PodRef, ProcessTree, ProcNode
-from proxy.relay.hosts import IpAddress, is_local_address, parse_ip
+from proxy.hosts import IpAddress, is_local_address, parse_ip
 from proxy.tenants import PodMatch, Registry, Tenant
 
 UNMANAGED = "unmanaged"

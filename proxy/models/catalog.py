@@ -1,5 +1,6 @@
-"""Each tenant's model files and how much of them is in RAM: locate (cached briefly: it walks
-directories) plus residency (cached briefly, invalidated by warms). Blocking: call off the loop."""
+"""Each tenant's model files and how much of them is in RAM: where its adapter finds them (cached
+briefly: it walks directories) plus residency (cached briefly, invalidated by warms). Blocking: call
+off the loop."""
 
 from __future__ import annotations
 
@@ -7,26 +8,15 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from proxy.engines import adapter_for
-from proxy.models import locate
-from proxy.models.locate import Located, LocateProblem, ModelFiles
+from proxy.engines.model_files import FileHints, Located, ModelFiles, TenantFiles
 from proxy.models.pagecache import ModelResidency, PageCacheProbe, ResidencyCache, summed
 from proxy.tenants import Registry, Tenant
 
 LOCATE_TTL_S = 10.0  # a model pulled or deleted shows up within this
 UNKNOWN_TTL_S = 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class TenantFiles:
-    tenant: str
-    layout: str | None
-    located: Located
-    looked_in: tuple[str, ...]
-    unknown_reason: str | None = None  # where the files are cannot be said (ComfyUI not seen running)
 
 
 class ModelCatalog:
@@ -48,41 +38,11 @@ class ModelCatalog:
 
     # -- where ----------------------------------------------------------------------------------
     def tenant_files(self, tenant: Tenant) -> TenantFiles | None:
-        """None: nothing to look for (a tenant with no known layout and no model_paths)."""
-        layout = adapter_for(tenant).model_layout
-        paths = [Path(os.path.expanduser(p)) for p in tenant.model_paths]
-        if layout == "ollama":
-            engine = None if paths else self.engine_env(tenant)
-            roots = paths or (locate.ollama_roots(engine) if engine is not None else locate.ollama_roots(self.env, self.home))
-            parts = [locate.ollama_store(tenant.name, r) for r in roots if paths or r.exists()]
-            found = locate.merge(parts)
-            if not parts:
-                found.problems.append(LocateProblem(
-                    tenant.name, ", ".join(map(str, roots)), f"no Ollama models directory in {', '.join(map(str, roots))}",
-                    f"set tenants.{tenant.name}.model_paths to Ollama's models directory (its OLLAMA_MODELS)"))
-            return TenantFiles(tenant.name, layout, found, tuple(map(str, roots)))
-        if layout == "comfyui":
-            if paths:
-                return TenantFiles(tenant.name, layout, locate.comfy_folders(tenant.name, paths, {}), tuple(map(str, paths)))
-            argv = locate.argv_of(self.cmdlines(tenant.name))
-            base, configs = locate.comfy_argv_paths(argv)
-            if base is None:
-                why = ("its command line was not seen (no process of it on the GPU yet)" if not argv else
-                       "its command line names neither --base-directory nor an absolute main.py path")
-                return TenantFiles(tenant.name, layout, Located(), (), f"ComfyUI's model folders are unknown: {why}")
-            extra: dict[str, list[Path]] = {}
-            for config in configs:
-                try:
-                    parsed = locate.parse_extra_model_paths(config.read_text(), config.parent)
-                except OSError:
-                    continue  # the default extra_model_paths.yaml is optional; ComfyUI skips a missing one too
-                for folder, dirs in parsed.items():
-                    extra.setdefault(folder, []).extend(dirs)
-            found = locate.comfy_folders(tenant.name, [base / "models"], extra)
-            return TenantFiles(tenant.name, layout, found, (str(base / "models"), *map(str, configs)))
-        if paths:
-            return TenantFiles(tenant.name, layout, locate.plain_files(tenant.name, paths), tuple(map(str, paths)))
-        return None
+        """Where the tenant's adapter says its files are; None: nothing to look for (an engine with no
+        layout of its own and no model_paths)."""
+        hints = FileHints(self.env, self.home, engine_env=lambda: self.engine_env(tenant),
+                          cmdlines=lambda: self.cmdlines(tenant.name))
+        return adapter_for(tenant).model_files(hints)
 
     def all_files(self, fresh: bool = False) -> dict[str, TenantFiles]:
         with self._lock:
@@ -104,16 +64,6 @@ class ModelCatalog:
         with self._lock:
             hit = self._located
         return hit is None or self.now() >= hit[0]
-
-    def cached_models(self, tenant: str) -> list[ModelFiles] | None:
-        """What the last look found, however old (None: never looked): for the request path, which
-        must not walk directories."""
-        with self._lock:
-            hit = self._located
-        if hit is None:
-            return None
-        found = hit[1].get(tenant)
-        return found.located.models if found is not None else []
 
     def models(self, tenant: str | None = None) -> list[ModelFiles]:
         return [m for name, f in self.all_files().items() if tenant in (None, name) for m in f.located.models]

@@ -9,7 +9,6 @@ classified by its own residency when that was measured, else it stays unclassifi
 
 from __future__ import annotations
 
-import re
 import statistics
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -19,9 +18,8 @@ from typing import Any, Literal
 LoadClass = Literal["warm", "cold"]
 WARM_RESIDENT = 0.9
 COLD_RESIDENT = 0.1
-MIN_LOAD_S = 0.05  # Ollama reports a load_duration on every answer; below this no file was read
+MIN_LOAD_S = 0.05  # an engine may time every answer's load (Ollama: load_duration); below this no file was read
 COLD_DOMINATES = 0.5  # health: more than half of the recent classified loads were cold
-_LOAD_DURATION = re.compile(rb'"load_duration"\s*:\s*(\d+)')
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,12 +42,6 @@ class LoadRecord:
                 "seconds": round(self.seconds, 4), "gbps": round(self.gbps, 3),
                 "resident_before_percent": None if self.resident_before is None else round(100 * self.resident_before, 1),
                 "source": self.source, "class": self.load_class}
-
-
-def ollama_load_seconds(tail: bytes) -> float | None:
-    """The last `load_duration` (int64 nanoseconds) in the end of an Ollama answer, in seconds."""
-    found = _LOAD_DURATION.findall(tail)
-    return int(found[-1]) / 1e9 if found else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
 from proxy.engines.base import same_origin
-from proxy.relay.hosts import HostPolicy, host_name
+from proxy.hosts import HostPolicy, host_name
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 SHOWN_MAX = 200  # a Host echoed in an answer is the client's; keep the echo short

@@ -14,7 +14,7 @@ from proctrees import FakeProc, gpu_proc, snapshot
 from proxy.gpu.attribution import UNMANAGED, Attributor
 from proxy.gpu.proctree import read_process_tree
 from proxy.gpu.snapshot import ProcessTree
-from proxy.relay.hosts import IpAddress
+from proxy.hosts import IpAddress
 from proxy.tenants import Registry, registry_from_dict
 
 OLLAMA_UID = 997  # Ollama's service user

@@ -29,14 +29,56 @@ def engine_switches(source: str, where: str) -> list[str]:
     return sorted(set(out))
 
 
+# An adapter's attributes that name a kind of engine (or of its files): comparing one to a string is a
+# switch on the engine, whatever string it is.
+KIND_ATTRIBUTES = frozenset({"model_layout", "layout"})
+# Strings that name an engine kind: every kind tenants.json accepts.
+KIND_NAMES = frozenset(typing.get_args(EngineKind))
+
+
+def _strings(node: ast.expr) -> list[str]:
+    """The string literals a compared operand is or lists (`"x"`, `("x", "y")`, `{"x"}`)."""
+    items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+    return [n.value for n in items if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+
+
+def kind_switches(source: str, where: str) -> list[str]:
+    """The other shapes of the same switch, as `where:line: code`: an adapter's kind attribute
+    (`adapter.model_layout == "comfyui"`) compared to any string, and anything compared to (or matched
+    against) an engine kind's name (`layout = adapter.model_layout; if layout == "ollama"`)."""
+    out = []
+    for node in ast.walk(ast.parse(source, where)):
+        if isinstance(node, ast.Compare):
+            sides = (node.left, *node.comparators)
+            strings = [v for s in sides for v in _strings(s)]
+            names_kind = any(isinstance(s, ast.Attribute) and s.attr in KIND_ATTRIBUTES for s in sides)
+            if (names_kind and strings) or KIND_NAMES.intersection(strings):
+                out.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.match_case) and KIND_NAMES.intersection(
+                n.value for n in ast.walk(node.pattern) if isinstance(n, ast.Constant)):
+            out.append(f"{where}:{node.pattern.lineno}: case {ast.unparse(node.pattern)}")
+    return sorted(set(out))
+
+
 # The adapters are where engine names belong; `hyperswap verify` asks them too (`verify_role`).
 CLIENTS = (PROXY / "engines",)
+# The simulators are engines by name, and the demo runs them under tenants named after them.
+SIMULATED = (PROXY / "sim", PROXY / "demo.py")
 
 
 def test_no_module_outside_engines_switches_on_an_engine_name() -> None:
     offenders = [hit for path in sorted(PROXY.rglob("*.py")) if not any(path.is_relative_to(c) for c in CLIENTS)
                  for hit in engine_switches(path.read_text(), str(path.relative_to(PROXY.parent)))]
     assert not offenders, "ask the tenant's adapter (proxy/engines/) instead of switching on its name:\n" + "\n".join(offenders)
+
+
+def test_no_module_outside_engines_compares_an_adapter_kind_or_an_engine_name() -> None:
+    offenders = [hit for path in sorted(PROXY.rglob("*.py"))
+                 if not any(path.is_relative_to(c) for c in (*CLIENTS, *SIMULATED))
+                 for hit in kind_switches(path.read_text(), str(path.relative_to(PROXY.parent)))]
+    assert not offenders, ("a comparison of an adapter's kind or an engine's name is an engine switch: give the "
+                           "adapter a method or an attribute that says what it means (proxy/engines/):\n"
+                           + "\n".join(offenders))
 
 
 def test_the_grep_of_the_issue_finds_nothing_outside_engines_dashboard_included() -> None:
@@ -50,6 +92,15 @@ def test_the_check_finds_every_form_of_switch() -> None:
     src = 'if tenant.engine == "ollama" or "comfyui" != t.engine or t.engine in ("a",):\n    pass\n'
     found = engine_switches(src, "x.py")
     assert len(found) == 3 + 1, found  # three comparisons, and the line the grep finds
+
+
+def test_the_check_finds_every_form_of_kind_switch() -> None:
+    src = ('if adapter.model_layout == "comfyui" or found.layout in ("a", "b"):\n    pass\n'
+           'layout = adapter.model_layout\nif layout == "ollama" or "generic" != x:\n    pass\n'
+           'match layout:\n    case "comfyui":\n        pass\n'
+           'if d.kind == "rejection" or name in {"x"}:\n    pass\n')  # not a kind: left alone
+    found = kind_switches(src, "x.py")
+    assert [f.split(":")[1] for f in found] == ["1", "1", "4", "4", "7"], found  # two each on lines 1 and 4
 
 
 def test_every_engine_kind_tenants_json_accepts_has_an_adapter_and_no_more() -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from proxy.engines import adapter_for
 from proxy.errors import ConfigError
-from proxy.relay.hosts import HostPolicy, IpAddress, host_name, listener_policy
+from proxy.hosts import HostPolicy, IpAddress, host_name, listener_policy
 from proxy.sim.ollama_wire import host_allowed as ollama_sim_allows
 from proxy.tenants import Tenant, registry_from_dict
 

@@ -3,7 +3,9 @@ loads (not constants), and the health verdict when cold loads dominate."""
 
 from __future__ import annotations
 
-from proxy.models.loads import LoadLog, LoadRecord, classify, cold_share, ollama_load_seconds, thresholds
+from proxy.engines import adapter_for
+from proxy.models.loads import LoadLog, LoadRecord, classify, cold_share, thresholds
+from proxy.tenants import registry_from_dict
 
 GB = 10**9
 
@@ -12,7 +14,9 @@ def rec(gbps: float, resident: float | None, model: str = "m") -> LoadRecord:
     return LoadRecord(0.0, "ollama", model, 10 * GB, 10 / gbps, resident, "ollama load_duration")
 
 
-def test_load_duration_is_read_from_the_last_line_of_an_answer() -> None:
+def test_the_ollama_adapter_reads_load_duration_from_the_last_line_of_an_answer() -> None:
+    reg = registry_from_dict({"tenants": {"ollama": {"engine": "ollama", "upstream": "http://127.0.0.1:1"}}})
+    ollama_load_seconds = adapter_for(reg.get("ollama")).load_seconds
     tail = (b'{"model":"m","response":"x","done":false}\n'
             b'{"model":"m","done":true,"total_duration":9000000000,"load_duration":4250000000,"eval_count":3}\n')
     assert ollama_load_seconds(tail) == 4.25

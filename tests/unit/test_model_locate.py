@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from proxy.models.catalog import ModelCatalog
-from proxy.models.locate import (
+from proxy.engines import adapter_for
+from proxy.engines.model_files import (
+    FileHints,
     argv_of,
     comfy_argv_paths,
     comfy_folders,
@@ -17,6 +18,7 @@ from proxy.models.locate import (
     parse_extra_model_paths,
     plain_files,
 )
+from proxy.models.catalog import ModelCatalog
 from proxy.models.pagecache import FileResidency
 from proxy.tenants import registry_from_dict
 
@@ -105,6 +107,31 @@ def test_model_paths_of_any_tenant_are_files_or_directories_of_files(tmp_path: P
     found = plain_files("stt", [tmp_path / "whisper.bin", tmp_path / "d", tmp_path / "nope"])
     assert {m.name for m in found.models} == {"whisper.bin", "a.onnx"}
     assert len(found.problems) == 1 and "model_paths" in found.problems[0].fix
+
+
+def test_each_adapter_locates_its_own_files_and_asks_only_what_it_needs(tmp_path: Path) -> None:
+    manifest(tmp_path / "store", "registry.ollama.ai/library/gemma3/latest", {"g1": 10})
+    (tmp_path / "comfy" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "comfy" / "checkpoints" / "sd.safetensors").write_bytes(b"s")
+    (tmp_path / "whisper.bin").write_bytes(b"w")
+    reg = registry_from_dict({"tenants": {
+        "ollama": {"model_paths": [str(tmp_path / "store")]},
+        "comfyui": {"model_paths": [str(tmp_path / "comfy")]},
+        "stt": {"engine": "generic", "upstream": "http://127.0.0.1:1", "model_paths": [str(tmp_path / "whisper.bin")]},
+        "app": {"engine": "generic", "upstream": "http://127.0.0.1:2"}}})
+
+    def not_asked() -> list[str]:
+        raise AssertionError("model_paths replace what would be found: the engine's environment and command line are not read")
+
+    hints = FileHints({}, tmp_path, engine_env=not_asked, cmdlines=not_asked)  # type: ignore[arg-type]
+    found = {t.name: adapter_for(t).model_files(hints) for t in reg}
+    layouts = {name: (f.layout, [m.name for m in f.located.models]) for name, f in found.items() if f is not None}
+    assert layouts["ollama"] == ("ollama", ["gemma3:latest"]), layouts
+    assert layouts["comfyui"] == ("comfyui", ["sd.safetensors"]), layouts
+    assert layouts["stt"] == (None, ["whisper.bin"]), layouts
+    assert found["app"] is None, "a generic tenant without model_paths has nothing to look for"
+    flags = {t.name: adapter_for(t).load_timed_from_frames for t in reg}
+    assert flags["comfyui"] and not flags["ollama"] and not flags["stt"], "ComfyUI's loads run after its answer"
 
 
 class _Probe:

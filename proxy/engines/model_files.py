@@ -1,4 +1,5 @@
-"""Where each tenant's model files are.
+"""Where each tenant's model files are: what an adapter's `model_files()` answers (the models/ layer
+caches it and measures how much of it is in RAM).
 
 - Ollama's store: `<root>/manifests/<host>/<namespace>/<model>/<tag>` (JSON: layers with digests)
   and `<root>/blobs/sha256-<hex>`. The root is `OLLAMA_MODELS`, else `~/.ollama/models` and the
@@ -10,7 +11,7 @@
   for ComfyUI: model folders' parent; otherwise files, or directories of files, one model each).
 
 Pure over the file system: paths in, `Located` out; problems (missing or unreadable directories)
-are data with a fix, never exceptions.
+are data with a fix, never exceptions. Blocking (it walks directories): call it off the loop.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from __future__ import annotations
 import json
 import os
 import shlex
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from proxy.tenants import Tenant
 
 OLLAMA_DEFAULT_HOST = "registry.ollama.ai"
 OLLAMA_DEFAULT_NAMESPACE = "library"
@@ -61,7 +64,54 @@ class Located:
     problems: list[LocateProblem] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class TenantFiles:
+    tenant: str
+    layout: str | None  # how the files are laid out ("ollama", "comfyui"; None: model_paths as given): shown, never compared
+    located: Located
+    looked_in: tuple[str, ...]
+    unknown_reason: str | None = None  # where the files are cannot be said (ComfyUI not seen running)
+
+
+@dataclass(frozen=True, slots=True)
+class FileHints:
+    """What an adapter may look at to find its engine's model files. The callables are asked only
+    by an adapter that needs them (reading another process's environment is not free)."""
+
+    env: Mapping[str, str]  # the proxy's own environment: the best guess when the engine's cannot be read
+    home: Path | None
+    engine_env: Callable[[], Mapping[str, str] | None]  # the engine's own environment; None: unreadable
+    cmdlines: Callable[[], Sequence[str]]  # command lines of the engine's processes (from the GPU snapshot)
+
+
+def configured_paths(tenant: Tenant) -> list[Path]:
+    """The tenant's model_paths from tenants.json, `~` expanded: they replace what would be found."""
+    return [Path(os.path.expanduser(p)) for p in tenant.model_paths]
+
+
+def plain_tenant_files(tenant: Tenant) -> TenantFiles | None:
+    """Only model_paths say (None: nothing to look for)."""
+    paths = configured_paths(tenant)
+    if not paths:
+        return None
+    return TenantFiles(tenant.name, None, plain_files(tenant.name, paths), tuple(map(str, paths)))
+
+
 # -- Ollama ---------------------------------------------------------------------------------------
+
+def ollama_tenant_files(tenant: Tenant, hints: FileHints) -> TenantFiles:
+    """The stores under model_paths, else where the engine's environment (else the proxy's) says."""
+    paths = configured_paths(tenant)
+    engine = None if paths else hints.engine_env()
+    roots = paths or (ollama_roots(engine) if engine is not None else ollama_roots(hints.env, hints.home))
+    parts = [ollama_store(tenant.name, r) for r in roots if paths or r.exists()]
+    found = merge(parts)
+    if not parts:
+        found.problems.append(LocateProblem(
+            tenant.name, ", ".join(map(str, roots)), f"no Ollama models directory in {', '.join(map(str, roots))}",
+            f"set tenants.{tenant.name}.model_paths to Ollama's models directory (its OLLAMA_MODELS)"))
+    return TenantFiles(tenant.name, "ollama", found, tuple(map(str, roots)))
+
 
 def ollama_name_parts(name: str) -> tuple[str, str, str, str]:
     """"llama3.2:3b" -> (registry.ollama.ai, library, llama3.2, 3b), as Ollama's model name parser does."""
@@ -138,6 +188,30 @@ def ollama_roots(env: Mapping[str, str], home: Path | None = None) -> list[Path]
 
 
 # -- ComfyUI ---------------------------------------------------------------------------------------
+
+def comfyui_tenant_files(tenant: Tenant, hints: FileHints) -> TenantFiles:
+    """The model folders under model_paths, else the ones its command line names (unknown until seen)."""
+    layout = "comfyui"
+    paths = configured_paths(tenant)
+    if paths:
+        return TenantFiles(tenant.name, layout, comfy_folders(tenant.name, paths, {}), tuple(map(str, paths)))
+    argv = argv_of(hints.cmdlines())
+    base, configs = comfy_argv_paths(argv)
+    if base is None:
+        why = ("its command line was not seen (no process of it on the GPU yet)" if not argv else
+               "its command line names neither --base-directory nor an absolute main.py path")
+        return TenantFiles(tenant.name, layout, Located(), (), f"ComfyUI's model folders are unknown: {why}")
+    extra: dict[str, list[Path]] = {}
+    for config in configs:
+        try:
+            parsed = parse_extra_model_paths(config.read_text(), config.parent)
+        except OSError:
+            continue  # the default extra_model_paths.yaml is optional; ComfyUI skips a missing one too
+        for folder, dirs in parsed.items():
+            extra.setdefault(folder, []).extend(dirs)
+    found = comfy_folders(tenant.name, [base / "models"], extra)
+    return TenantFiles(tenant.name, layout, found, (str(base / "models"), *map(str, configs)))
+
 
 def comfy_argv_paths(argv: Sequence[str]) -> tuple[Path | None, list[Path]]:
     """(base directory, extra model path configs) from ComfyUI's command line."""
