@@ -44,6 +44,25 @@ def _start_time(pid: int) -> int | None:
         return None
 
 
+def _live_member(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs. A zombie (dead, waiting for its new parent to
+    reap it) still answers kill(0) but holds no memory: it does not count. True off Linux."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return True
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+            return True
+    return False
+
+
 class ProcessController:
     kind = "process"
 
@@ -161,7 +180,7 @@ class ProcessController:
             os.killpg(pgid, 0)
         except (ProcessLookupError, PermissionError):  # gone, or the number is someone else's now
             return False
-        return True
+        return _live_member(pgid)
 
     async def _group_gone(self, pgid: int, deadline: float) -> None:
         """Wait, polling with a short backoff, until no process of the group is left or the deadline passes."""
