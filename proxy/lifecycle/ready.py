@@ -4,6 +4,10 @@ The probe is an HTTP GET answering a status (the engine adapter's `ready_path`, 
 `ready`) or, for an app that says nothing, its upstream port accepting a connection. Polls back off
 from 10 ms to 200 ms: a cold start adds at most ~200 ms beyond the app's own start-to-ready time,
 never a fixed sleep. The clock is injected for the deadline and the pauses.
+
+A TCP probe only fits an app that opens its port once it serves: a container's published port is
+opened by Docker's proxy before the app inside listens, and llama-server listens while it still
+loads its model (answering 503 on /health), so those want an HTTP `ready` path.
 """
 
 from __future__ import annotations
