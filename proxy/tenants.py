@@ -16,13 +16,24 @@ import json
 import math
 import os
 import re
+import shutil
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from proxy.errors import ConfigError, UnknownTenant
 
@@ -36,7 +47,11 @@ TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 MAX_DEPTH = 32  # JSON nesting; release.body is the only free-form part and needs a few levels
 
 EngineKind = Literal["ollama", "comfyui", "generic"]
-ReleaseKind = Literal["ollama_unload", "comfyui_free", "http", "none"]
+ReleaseKind = Literal["ollama_unload", "comfyui_free", "http", "none", "process", "systemd", "docker"]
+# The kinds that release a tenant by stopping it, and so can start it again (proxy/lifecycle/).
+LIFECYCLE_KINDS = frozenset({"process", "systemd", "docker"})
+DEFAULT_STOP_TIMEOUT_S = 10.0  # process: SIGTERM, then SIGKILL after this; docker: `stop?t=`
+DEFAULT_DOCKER_SOCKET = "/var/run/docker.sock"
 
 
 def user_config_path() -> Path:
@@ -80,6 +95,9 @@ def _num(x: float) -> str:
 BOUNDS: dict[str, Bound] = {
     "priority": Bound(-1_000_000, 1_000_000),
     "release_timeout_s": Bound(0, 3600, "s", low_open=True),
+    "timeout_s": Bound(0, 3600, "s", low_open=True),  # one release step's own timeout
+    "stop_timeout_s": Bound(0, 3600, "s"),  # 0: SIGKILL (docker: kill) at once
+    "start_timeout_s": Bound(0, 3600, "s", low_open=True),
     "idle_release_after_s": Bound(0, 30 * DAY_S, "s"),  # 0: release as soon as it goes idle
     "connect_s": Bound(0, 3600, "s", low_open=True),
     "read_s": Bound(0, DAY_S, "s", low_open=True),
@@ -239,21 +257,200 @@ class MatchRules(_Strict):
         return patterns
 
 
+HttpMethod = Literal["GET", "POST", "PUT", "DELETE"]
+
+
+def _call_url(value: str) -> str:
+    _no_spaces(value)
+    if value.startswith("/"):
+        return value
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"expected a path on the upstream (like /wake_up) or an http(s):// URL, got {value!r}")
+    return value
+
+
+class HttpCall(_Strict):
+    """One HTTP call the proxy makes to the app: the shape of an `http` release (method, url, body)."""
+
+    method: HttpMethod = "POST"
+    url: str = Field(description="absolute URL, or a path on the upstream")
+    body: dict[str, Any] | None = Field(default=None, description="JSON body to send")
+
+    _url = field_validator("url")(_call_url)
+
+
+# Fields that belong to some release kinds only, and the kinds that need them. A field named for
+# another kind is refused at its own path, so a typo in `kind` cannot silently drop a command.
+KIND_FIELDS: Mapping[str, frozenset[str]] = {
+    "resume": frozenset({"http"}),
+    "command": frozenset({"process"}),
+    "cwd": frozenset({"process"}),
+    "env": frozenset({"process"}),
+    "stop_timeout_s": frozenset({"process", "docker"}),
+    "unit": frozenset({"systemd"}),
+    "scope": frozenset({"systemd"}),
+    "container": frozenset({"docker"}),
+    "socket": frozenset({"docker"}),
+}
+REQUIRED_FIELDS: Mapping[str, str] = {"command": "process", "unit": "systemd", "container": "docker"}
+
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# systemd unit names (systemd.unit(5)): no leading '-', so a name can never read as an option.
+UNIT_NAME = re.compile(r"[A-Za-z0-9_:.\\@][A-Za-z0-9_:.\\@-]{0,254}")
+# Docker container names and ids ([a-zA-Z0-9][a-zA-Z0-9_.-]+, or hex): safe in a URL path as they are.
+CONTAINER_NAME = re.compile(r"/?[A-Za-z0-9][A-Za-z0-9_.-]{0,254}")
+
+
 class ReleaseSpec(_Strict):
-    """How to ask the tenant for its memory back."""
+    """How to ask the tenant for its memory back (one step, when `release` is a list of steps).
+
+    The lifecycle kinds (`process`, `systemd`, `docker`) release by stopping the app, and start it
+    again when a request arrives for it (proxy/lifecycle/)."""
 
     kind: ReleaseKind = "none"
     reason: str | None = Field(default=None, description="kind none: why it cannot be released (shown in 409s)")
-    method: Literal["GET", "POST", "PUT", "DELETE"] = "POST"
+    method: HttpMethod = "POST"
     url: str | None = Field(default=None, description="kind http: absolute URL, or a path on the upstream")
     body: dict[str, Any] | None = Field(default=None, description="kind http: JSON body to send")
     unload_models: bool = True
     free_memory: bool = True
+    timeout_s: float | None = Field(
+        default=None, description="how long this step may take until the card shows the memory back; "
+                                  "null: the tenant's release_timeout_s")
+    resume: HttpCall | None = Field(default=None, description="kind http: the call that wakes the app before its next "
+                                                               "request is forwarded (vLLM's /wake_up)")
+    command: list[str] | None = Field(default=None, validate_default=True,
+                                      description="kind process: the command the proxy runs and owns, argv style")
+    cwd: str | None = Field(default=None, description="kind process: its working directory (absolute)")
+    env: dict[str, str] | None = Field(default=None, description="kind process: added to the proxy's environment")
+    stop_timeout_s: float | None = Field(
+        default=None, description=f"kinds process and docker: SIGTERM, then SIGKILL after this long "
+                                  f"(default {DEFAULT_STOP_TIMEOUT_S:g})")
+    unit: str | None = Field(default=None, validate_default=True, description="kind systemd: the unit, like comfyui.service")
+    scope: Literal["system", "user"] | None = Field(
+        default=None, description="kind systemd: the system manager (default) or the user's (`systemctl --user`)")
+    container: str | None = Field(default=None, validate_default=True, description="kind docker: container name or id")
+    socket: str | None = Field(default=None, description=f"kind docker: the Engine API's Unix socket "
+                                                         f"(default {DEFAULT_DOCKER_SOCKET}; Podman's works too)")
+
+    @field_validator(*KIND_FIELDS)
+    @classmethod
+    def _for_its_kind(cls, value: Any, info: ValidationInfo) -> Any:
+        kind = info.data.get("kind")
+        field = info.field_name or ""
+        if kind is None:  # the kind itself is wrong: that error is enough
+            return value
+        if value is None:
+            if REQUIRED_FIELDS.get(field) == kind:
+                raise ValueError(f"release kind {kind!r} needs {field!r}")
+            return value
+        if kind not in KIND_FIELDS[field]:
+            kinds = " or ".join(repr(k) for k in sorted(KIND_FIELDS[field]))
+            raise ValueError(f"only release kind {kinds} takes {field!r} (this release is kind {kind!r})")
+        return value
+
+    @field_validator("command")
+    @classmethod
+    def _command(cls, value: list[str] | None) -> list[str] | None:
+        if value is None:
+            return value
+        if not value or not value[0]:
+            raise ValueError("expected the program and its arguments, like [\"llama-server\", \"--port\", \"8081\"]")
+        if any("\0" in arg for arg in value):
+            raise ValueError("an argument contains a NUL character")
+        if "/" in value[0] and not value[0].startswith("/"):
+            raise ValueError(f"{value[0]!r}: give the program as an absolute path or a bare name found on PATH")
+        return value
+
+    @field_validator("cwd", "socket")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        if value is not None and (not value.startswith(("/", "~")) or "\0" in value):
+            raise ValueError(f"expected an absolute path, got {value!r}")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        for key, inner in (value or {}).items():
+            if not ENV_NAME.fullmatch(key):
+                raise ValueError(f"{key!r} is not an environment variable name (letters, digits, '_')")
+            if "\0" in inner:
+                raise ValueError(f"{key!r}: the value contains a NUL character")
+        return value
+
+    @field_validator("unit")
+    @classmethod
+    def _unit(cls, value: str | None) -> str | None:
+        if value is not None and not UNIT_NAME.fullmatch(value):
+            raise ValueError(f"{value!r} is not a systemd unit name (like comfyui.service)")
+        return value
+
+    @field_validator("container")
+    @classmethod
+    def _container(cls, value: str | None) -> str | None:
+        if value is not None and not CONTAINER_NAME.fullmatch(value):
+            raise ValueError(f"{value!r} is not a container name or id (letters, digits, '_', '.', '-')")
+        return value.lstrip("/") if value is not None else None
 
     @model_validator(mode="after")
     def _http_needs_url(self) -> ReleaseSpec:
         if self.kind == "http" and not self.url:
             raise ValueError("release kind 'http' needs a 'url' (absolute, or a path on the upstream)")
+        return self
+
+    @property
+    def stops(self) -> bool:
+        """This step stops the app (and so the proxy can start it again)."""
+        return self.kind in LIFECYCLE_KINDS
+
+    @property
+    def effective_stop_timeout_s(self) -> float:
+        return DEFAULT_STOP_TIMEOUT_S if self.stop_timeout_s is None else self.stop_timeout_s
+
+    @property
+    def effective_scope(self) -> Literal["system", "user"]:
+        return self.scope or "system"
+
+    @property
+    def effective_socket(self) -> str:
+        return self.socket or DEFAULT_DOCKER_SOCKET
+
+
+# Tags of the two shapes `release` takes; _problems leaves them out of an error's path.
+_ONE_STEP, _STEPS = "(one release)", "(release steps)"
+
+
+def _release_shape(value: Any) -> str:
+    return _STEPS if isinstance(value, list) else _ONE_STEP
+
+
+Release = Annotated[Annotated[ReleaseSpec, Tag(_ONE_STEP)] | Annotated[list[ReleaseSpec], Tag(_STEPS)],
+                    Discriminator(_release_shape)]
+
+
+class ReadySpec(_Strict):
+    """When a started tenant is ready for requests: an HTTP path answering a status, or its port open."""
+
+    path: str | None = Field(default=None, description="GET this path on the upstream; null: the engine's own "
+                                                        "(Ollama /api/version, ComfyUI /system_stats), else the port")
+    status: int = Field(default=200, ge=100, le=599, description="the status that means ready")
+    tcp: bool = Field(default=False, description="ready as soon as the upstream port accepts a connection")
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, value: str | None) -> str | None:
+        if value is not None:
+            _no_spaces(value)
+            if not value.startswith("/"):
+                raise ValueError(f"expected a path on the upstream starting with '/', got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _one_way(self) -> ReadySpec:
+        if self.tcp and self.path is not None:
+            raise ValueError("give either a path or tcp: true, not both")
         return self
 
 
@@ -276,7 +473,9 @@ class Tenant(_Strict):
         default=False,
         description="keep this tenant's idle memory from requesters of lower priority (off: idle memory serves whoever asks)")
     needs_vram_gb: float = 0.0
-    release: ReleaseSpec = Field(default_factory=ReleaseSpec)
+    release: Release = Field(default_factory=ReleaseSpec,
+                             description="how to get its memory back: one release, or a list of steps tried in order "
+                                         "until the card shows the memory back")
     idle_release_after_s: float | None = None
     idle_vram_gb: float = Field(default=0.0, description="VRAM held when idle (its CUDA context floor)")
     release_timeout_s: float = 10.0
@@ -290,6 +489,43 @@ class Tenant(_Strict):
                                   "(GPU-...); unset: discovered from the engine's process, else any device")
     model_paths: list[str] = Field(default_factory=list,
                                    description="where its model files are (absolute paths); replaces what the proxy finds itself")
+    ready: ReadySpec | None = Field(
+        default=None, description="a tenant the proxy starts (release kind process, systemd or docker): when it is "
+                                  "ready after a start; null: the engine's own probe, else the upstream port")
+    start_timeout_s: float = Field(default=120.0, description="a tenant the proxy starts: how long a start may take "
+                                                              "until ready")
+
+    @field_validator("release")
+    @classmethod
+    def _release_steps(cls, value: ReleaseSpec | list[ReleaseSpec], info: ValidationInfo) -> ReleaseSpec | list[ReleaseSpec]:
+        steps = value if isinstance(value, list) else [value]
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("an empty list releases nothing: give one release, or steps tried in order")
+            if any(step.kind == "none" for step in value):
+                raise ValueError("a step of kind 'none' releases nothing: leave it out of the list, or make release "
+                                 "one object of kind 'none'")
+            stopping = [i for i, step in enumerate(value) if step.stops]
+            if len(stopping) > 1:
+                raise ValueError(f"steps {stopping} each stop the app: give at most one step of kind process, "
+                                 "systemd or docker (the one that also starts it again)")
+            if stopping and stopping[0] != len(value) - 1:
+                raise ValueError(f"step {stopping[0]} stops the app, so the steps after it have nothing left to "
+                                 "release: make the stopping step the last")
+        if any(step.stops for step in steps) and "upstream" in info.data and not info.data["upstream"]:
+            raise ValueError("a tenant the proxy stops and starts needs an 'upstream' (where it is probed for "
+                             "readiness after a start)")
+        return value
+
+    @field_validator("ready")
+    @classmethod
+    def _ready_only_when_started(cls, value: ReadySpec | None, info: ValidationInfo) -> ReadySpec | None:
+        release = info.data.get("release")
+        steps = release if isinstance(release, list) else [release] if release is not None else []
+        if value is not None and release is not None and not any(step.stops for step in steps):
+            raise ValueError("'ready' applies to a tenant the proxy starts: one whose release is of kind process, "
+                             "systemd or docker")
+        return value
 
     @field_validator("model_paths")
     @classmethod
@@ -337,11 +573,26 @@ class Tenant(_Strict):
 
     @property
     def reclaimable(self) -> bool:
-        return self.release.kind != "none"
+        return any(step.kind != "none" for step in self.release_steps)
 
     @property
     def not_reclaimable_reason(self) -> str:
-        return self.release.reason or f"tenant {self.name!r} has no release strategy (release.kind is 'none' in tenants.json)"
+        return self.release_steps[0].reason or (
+            f"tenant {self.name!r} has no release strategy (release.kind is 'none' in tenants.json)")
+
+    @property
+    def release_steps(self) -> tuple[ReleaseSpec, ...]:
+        """The release as steps tried in order (one step when `release` is one object)."""
+        return tuple(self.release) if isinstance(self.release, list) else (self.release,)
+
+    @property
+    def lifecycle(self) -> ReleaseSpec | None:
+        """The step that stops the app and starts it again (kind process, systemd or docker), if any."""
+        return next((step for step in self.release_steps if step.stops), None)
+
+    def release_path(self, step: int) -> str:
+        """Where a release step sits in tenants.json, for messages (`tenants.llama.release.1`)."""
+        return f"tenants.{self.name}.release" + (f".{step}" if isinstance(self.release, list) else "")
 
 
 class AdminSpec(_Strict):
@@ -505,8 +756,11 @@ _FRIENDLY = {
 def _problems(exc: ValidationError) -> list[str]:
     out = []
     for err in exc.errors():
-        path = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        loc = err["loc"]
+        path = ".".join(str(p) for p in loc if p not in (_ONE_STEP, _STEPS)) or "(top level)"
         msg = _FRIENDLY.get(err["type"])
+        if loc and loc[-1] in (_ONE_STEP, _STEPS) and err["type"] in ("model_type", "list_type"):
+            msg = "expected an object (one release) or a list of them (steps tried in order)"
         if msg is None:
             msg = err["msg"].removeprefix("Value error, ")
             if err["type"] == "literal_error":
@@ -652,7 +906,7 @@ def load_registry(path: str | os.PathLike[str] | None = None, *, env: Mapping[st
         if tenants is not None and not isinstance(tenants, dict):
             raise ConfigError(f"{source} does not match the schema", problems=["tenants: expected an object"])
         merged = _merge(defaults, user, (), prov)
-    return _validate(merged, source, prov, early)
+    return _validate(merged, source, prov, early, env)
 
 
 def registry_from_dict(data: Mapping[str, Any]) -> Registry:
@@ -660,10 +914,37 @@ def registry_from_dict(data: Mapping[str, Any]) -> Registry:
     prov: dict[tuple[str, ...], str] = {}
     early = _check_tree(data, "the configuration")
     merged = _merge(_read_json(SHIPPED_DEFAULTS), dict(data), (), prov)
-    return _validate(merged, None, prov, early)
+    return _validate(merged, None, prov, early, os.environ)
 
 
-def _validate(merged: Any, source: Path | None, prov: dict[tuple[str, ...], str], early: list[str]) -> Registry:
+def command_problems(config: Config, env: Mapping[str, str]) -> list[str]:
+    """What can be known at load about the commands `process` releases run: the program exists and
+    is executable (an absolute path, or a bare name on the PATH the child gets: its `env`'s PATH,
+    else the proxy's), and the working directory exists. Each problem names its path in tenants.json."""
+    problems: list[str] = []
+    for tenant in config.tenants.values():
+        for i, step in enumerate(tenant.release_steps):
+            if step.kind != "process" or not step.command:
+                continue
+            where = tenant.release_path(i)
+            program = step.command[0]
+            search = (step.env or {}).get("PATH", env.get("PATH", os.defpath))
+            if program.startswith("/"):
+                if not os.path.isfile(program):
+                    problems.append(f"{where}.command.0: {program} does not exist (or is not a file)")
+                elif not os.access(program, os.X_OK):
+                    problems.append(f"{where}.command.0: {program} is not executable (chmod +x, or run it "
+                                    "through its interpreter)")
+            elif shutil.which(program, path=search) is None:
+                problems.append(f"{where}.command.0: {program!r} is not found on PATH ({search}): install it, give "
+                                "its absolute path, or set PATH in release.env")
+            if step.cwd is not None and not os.path.isdir(os.path.expanduser(step.cwd)):
+                problems.append(f"{where}.cwd: {step.cwd} is not a directory")
+    return problems
+
+
+def _validate(merged: Any, source: Path | None, prov: dict[tuple[str, ...], str], early: list[str],
+              env: Mapping[str, str]) -> Registry:
     """`early`: the tree's problems (tree_problems), listed with the schema's."""
     merged = copy.deepcopy(merged)  # never write into the caller's dicts
     if isinstance(merged.get("tenants"), dict):
@@ -682,6 +963,11 @@ def _validate(merged: Any, source: Path | None, prov: dict[tuple[str, ...], str]
         if tenant.name != name:
             raise ConfigError(f"{source}: tenant key {name!r} and its name {tenant.name!r} differ",
                               problems=[f"tenants.{name}.name: must equal the key {name!r} (or be left out)"])
+    missing = command_problems(config, env)
+    if missing:
+        raise ConfigError(f"{where}: a command the proxy would run cannot be found", problems=missing,
+                          fix="correct the paths listed above; the proxy checks them at load so a start never "
+                              "fails for it later")
     return Registry(config, source, _field_sources(config, prov))
 
 

@@ -18,13 +18,13 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from proxy.engines.common import Need, release_by_strategy
+from proxy.engines.common import Need, release_by_strategy, resume_by_strategy
 from proxy.engines.model_files import FileHints, TenantFiles, plain_tenant_files
 from proxy.engines.settings import EnvReaders
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory
 from proxy.hosts import HostPolicy, listener_policy
-from proxy.tenants import Tenant
+from proxy.tenants import ReleaseSpec, Tenant
 
 # One loaded model as the engine places it (Ollama's /api/ps rows: name, size, size_vram, expires_at).
 Placement = dict[str, Any]
@@ -233,9 +233,15 @@ class EngineAdapter:
         t = self.tenant
         return Need(t.needs_vram_bytes, f"{t.needs_vram_gb:.2f} GiB (needs_vram_gb)", t.name)
 
-    async def release(self, client: httpx.AsyncClient) -> dict[str, Any]:
-        """Ask for the memory back (the tenant's `release.kind`). Raises ReleaseFailed."""
-        return await release_by_strategy(self.tenant, client)
+    async def release(self, client: httpx.AsyncClient, step: ReleaseSpec | None = None) -> dict[str, Any]:
+        """Ask for the memory back (the tenant's `release.kind`; `step`: one of its release steps, default
+        the first). Raises ReleaseFailed."""
+        return await release_by_strategy(self.tenant, client, step)
+
+    async def resume(self, client: httpx.AsyncClient, step: ReleaseSpec) -> dict[str, Any] | None:
+        """Wake the app after `step` released it (its `resume` call), before the next request is
+        forwarded; None when there is nothing to call. Raises ReleaseFailed."""
+        return await resume_by_strategy(self.tenant, client, step)
 
     # -- out of memory ------------------------------------------------------------------------
     def response_is_oom(self, status: int, body: bytes) -> bool:
@@ -297,6 +303,10 @@ class EngineAdapter:
 
     # -- health and /api/engines ----------------------------------------------------------------
     probe_path: str = "/"  # what health GETs to see the engine answer
+    # After the proxy starts the tenant (proxy/lifecycle/): the path that answers 200 once the engine
+    # serves requests; None: ready as soon as its upstream port accepts a connection. tenants.json's
+    # `ready` overrides it.
+    ready_path: str | None = None
     verify_role: str | None = None  # what `hyperswap verify` drives it as: "generates", "renders" or nothing
     probe_strict: bool = False  # True: only a 200 with the engine's own answer is healthy; else any status < 500
     start_hint: str | None = None  # how to start the engine, for a fix text

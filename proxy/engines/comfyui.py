@@ -42,6 +42,7 @@ def _on_cpu(dev: Mapping[str, Any]) -> bool:
 class ComfyUIAdapter(EngineAdapter):
     kind = "comfyui"
     probe_path = "/system_stats"
+    ready_path = "/system_stats"  # served once the prompt server runs (custom nodes loaded)
     probe_strict = True
     verify_role = "renders"
     start_hint = "start ComfyUI (`python main.py`)"

@@ -98,6 +98,7 @@ class OllamaAdapter(EngineAdapter):
     sized_catalog = True
     placements_path = "/api/ps"
     probe_path = "/api/version"
+    ready_path = "/api/version"  # answers 200 as soon as the server accepts requests
     probe_strict = True
     verify_role = "generates"
     start_hint = "start Ollama (`systemctl start ollama` or `ollama serve`)"

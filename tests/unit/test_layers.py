@@ -18,7 +18,7 @@ from test_imports import ROOT, Edge, import_edges, modules
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core", ("proxy.tenants", "proxy.errors", "proxy.clock", "proxy.tasks", "proxy.tls", "proxy.hosts")),
     ("gpu", ("proxy.gpu",)),
-    ("engines", ("proxy.engines",)),
+    ("engines", ("proxy.engines", "proxy.lifecycle")),  # lifecycle: how an engine is started and stopped
     ("models", ("proxy.models",)),
     ("handoff", ("proxy.handoff",)),
     ("relay", ("proxy.relay",)),

@@ -1,0 +1,49 @@
+"""From a tenant in tenants.json to its controller and its state machine: the one place that maps
+a release kind to a controller class."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+from proxy.clock import Clock
+from proxy.lifecycle.controller import Controller
+from proxy.lifecycle.docker import DockerController
+from proxy.lifecycle.process import ProcessController
+from proxy.lifecycle.ready import probe_for, probe_readiness
+from proxy.lifecycle.state import Backoff, OnDone, TenantLifecycle
+from proxy.lifecycle.systemd import SystemdController
+from proxy.tenants import Tenant
+
+
+def controller_for(tenant: Tenant, *, clock: Clock, state_dir: Path | None = None,
+                   systemctl: str | Sequence[str] = "systemctl",
+                   docker_transport: httpx.AsyncBaseTransport | None = None) -> Controller | None:
+    """The controller of the tenant's stopping release step; None when its release stops nothing."""
+    spec = tenant.lifecycle
+    if spec is None:
+        return None
+    if spec.kind == "process":
+        return ProcessController.from_spec(tenant.name, spec, clock=clock, state_dir=state_dir)
+    if spec.kind == "systemd":
+        return SystemdController.from_spec(spec, systemctl=systemctl, clock=clock)
+    if spec.kind == "docker":
+        return DockerController.from_spec(spec, transport=docker_transport)
+    raise ValueError(f"release kind {spec.kind!r} has no lifecycle controller")
+
+
+def lifecycle_for(tenant: Tenant, engine_ready_path: str | None, *, clock: Clock, state_dir: Path | None = None,
+                  systemctl: str | Sequence[str] = "systemctl", docker_transport: httpx.AsyncBaseTransport | None = None,
+                  client: httpx.AsyncClient | None = None, backoff: Backoff | None = None,
+                  on_report: OnDone | None = None) -> TenantLifecycle | None:
+    """The tenant's state machine, with its controller and readiness probe (`engine_ready_path`:
+    `adapter_for(tenant).ready_path`); None for a tenant the proxy does not start and stop."""
+    controller = controller_for(tenant, clock=clock, state_dir=state_dir, systemctl=systemctl,
+                                docker_transport=docker_transport)
+    if controller is None:
+        return None
+    ready = probe_readiness(probe_for(tenant, engine_ready_path), clock, exited=controller.exited, client=client)
+    return TenantLifecycle(tenant.name, controller, ready, start_timeout_s=tenant.start_timeout_s, clock=clock,
+                           backoff=backoff, on_report=on_report)

@@ -1,0 +1,80 @@
+"""What every lifecycle controller offers: start, stop and status of one app tenants.json names.
+
+A controller is the edge where the effect happens (a child process, `systemctl`, the Docker Engine
+API); it knows nothing of requests, memory or busy state. The state machine (`state.py`) decides
+when to call it, and the scheduler starts those calls as tasks that report back, never awaiting one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Sequence
+from typing import Literal, Protocol, TypeVar
+
+from proxy.clock import Clock
+from proxy.errors import HyperSwapError
+
+Status = Literal["running", "stopped", "unknown"]
+JSON = dict[str, object]
+T = TypeVar("T")
+
+
+class LifecycleError(HyperSwapError):
+    """A start, stop or status that failed: the message, a fix, and the app's last output lines."""
+
+    status = 503
+
+    def __init__(self, message: str, *, fix: str | None = None, output: Sequence[str] = ()) -> None:
+        super().__init__(message, fix=fix, details={"output": list(output)} if output else None)
+        self.output = tuple(output)
+
+
+class Controller(Protocol):
+    """Starts and stops one app. Every method is safe to call in any state (start when running and
+    stop when stopped do nothing); the caller serialises start against stop (`TenantLifecycle`)."""
+
+    kind: str
+
+    async def start(self) -> None:
+        """Start the app (returns once it is launched, not once it is ready). Raises LifecycleError."""
+
+    async def stop(self) -> None:
+        """Stop the app and return once it is gone. Raises LifecycleError."""
+
+    async def status(self) -> Status:
+        """Whether the app runs now; `unknown` when it cannot be told (never raises)."""
+
+    def describe(self) -> JSON:
+        """What it controls and its state, JSON-ready, for the admin API and health."""
+
+    def output(self) -> tuple[str, ...]:
+        """The app's last output lines, oldest first (only a process the proxy runs has them)."""
+
+    def exited(self) -> str | None:
+        """Why the app ended, when the controller knows without any I/O (a child that exited); else None."""
+
+    async def check(self) -> list[str]:
+        """Problems found without changing anything (an unknown unit, no such container, an unreachable
+        socket, an orphan of an earlier run), each with its fix; empty when all is well."""
+
+    async def aclose(self) -> None:
+        """At the proxy's shutdown: stop what this controller itself started (a child process);
+        units and containers keep running and are adopted by the next proxy."""
+
+
+async def within(clock: Clock, timeout_s: float, awaitable: Awaitable[T]) -> tuple[bool, T | None]:
+    """Await `awaitable` for at most `timeout_s` on the injected clock: (finished, its result).
+    When the time runs out first the awaitable is cancelled."""
+    task = asyncio.ensure_future(awaitable)
+    sleeper = asyncio.ensure_future(clock.sleep(timeout_s))
+    try:
+        await asyncio.wait({task, sleeper}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        sleeper.cancel()
+    if task.done():
+        return True, task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return False, None

@@ -1,0 +1,129 @@
+"""A container the proxy stops and starts (release kind `docker`), through the Docker Engine API on
+its Unix socket (`/var/run/docker.sock`, or Podman's compatible socket): no docker CLI needed.
+
+Calls (Engine API, unversioned paths, which the daemon serves as its own version):
+  POST /containers/{id}/start      204 started, 304 already running, 404 no such container
+  POST /containers/{id}/stop?t=N   204 stopped, 304 already stopped, 404; the daemon sends the
+                                   container's stop signal, then SIGKILL after N seconds
+  GET  /containers/{id}/json       200 with State.Running (and State.Paused), 404
+Errors come as `{"message": "..."}`. A container running when the proxy starts is adopted; at
+shutdown it is left running.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+from proxy.lifecycle.controller import JSON, LifecycleError, Status
+from proxy.tenants import DEFAULT_DOCKER_SOCKET, DEFAULT_STOP_TIMEOUT_S, ReleaseSpec
+
+REQUEST_TIMEOUT_S = 30.0  # beyond the stop's own t=N
+
+
+class DockerController:
+    kind = "docker"
+
+    def __init__(self, container: str, socket: str = DEFAULT_DOCKER_SOCKET, *,
+                 stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S, transport: httpx.AsyncBaseTransport | None = None,
+                 request_timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+        self.container = container
+        self.socket = os.path.expanduser(socket)
+        self.stop_timeout_s = stop_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self._client = httpx.AsyncClient(transport=transport or httpx.AsyncHTTPTransport(uds=self.socket),
+                                         base_url="http://docker", timeout=request_timeout_s, trust_env=False)
+        self._path = f"/containers/{quote(container, safe='')}"
+        self._last_error: str | None = None
+
+    @classmethod
+    def from_spec(cls, spec: ReleaseSpec, *, transport: httpx.AsyncBaseTransport | None = None) -> DockerController:
+        if spec.container is None:
+            raise ValueError(f"release kind {spec.kind!r} has no container")
+        return cls(spec.container, spec.effective_socket, stop_timeout_s=spec.effective_stop_timeout_s,
+                   transport=transport)
+
+    def _unreachable(self, exc: Exception) -> LifecycleError:
+        if not os.path.exists(self.socket):
+            fix = (f"no socket at {self.socket}: start Docker (`systemctl start docker`), or point release.socket at "
+                   "Podman's (`systemctl --user enable --now podman.socket`, then $XDG_RUNTIME_DIR/podman/podman.sock)")
+        elif not os.access(self.socket, os.R_OK | os.W_OK):
+            fix = f"the proxy's user may not use {self.socket}: add it to the socket's group (usually `docker`)"
+        else:
+            fix = f"check that the Docker daemon behind {self.socket} runs (`systemctl status docker`)"
+        return LifecycleError(f"cannot reach the Docker Engine API at {self.socket}: {exc}", fix=fix)
+
+    async def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            return await self._client.request(method, self._path + path, **kwargs)
+        except httpx.TransportError as exc:
+            error = self._unreachable(exc)
+            self._last_error = error.message
+            raise error from None
+
+    def _refused(self, what: str, r: httpx.Response) -> LifecycleError:
+        if r.status_code == 404:
+            return LifecycleError(f"no such container: {self.container!r} (Docker at {self.socket})",
+                                  fix="check release.container in tenants.json against `docker ps -a`; "
+                                      "create the container first (the proxy starts and stops it, never creates it)")
+        try:
+            message = str(r.json().get("message") or r.text)
+        except ValueError:
+            message = r.text
+        return LifecycleError(f"Docker refused to {what} container {self.container!r}: {r.status_code} {message[:300]}",
+                              fix=f"see `docker logs --tail 50 {self.container}`")
+
+    async def _act(self, what: str, path: str, **kwargs: Any) -> None:
+        r = await self._call("POST", path, **kwargs)
+        if r.status_code not in (204, 304):  # 304: already started / already stopped
+            error = self._refused(what, r)
+            self._last_error = error.message
+            raise error
+        self._last_error = None
+
+    async def start(self) -> None:
+        await self._act("start", "/start")
+
+    async def stop(self) -> None:
+        t = math.ceil(self.stop_timeout_s)
+        await self._act("stop", "/stop", params={"t": t}, timeout=t + self.request_timeout_s)
+
+    async def _inspect(self) -> dict[str, Any]:
+        r = await self._call("GET", "/json")
+        if r.status_code != 200:
+            raise self._refused("inspect", r)
+        data = r.json()
+        return data if isinstance(data, dict) else {}
+
+    async def status(self) -> Status:
+        try:
+            state = (await self._inspect()).get("State") or {}
+        except (LifecycleError, ValueError):
+            return "unknown"
+        return "running" if state.get("Running") or state.get("Paused") else "stopped"
+
+    def describe(self) -> JSON:
+        return {"kind": self.kind, "container": self.container, "socket": self.socket, "error": self._last_error}
+
+    def output(self) -> tuple[str, ...]:
+        return ()
+
+    def exited(self) -> str | None:
+        return None
+
+    async def check(self) -> list[str]:
+        try:
+            await self._inspect()
+        except LifecycleError as exc:
+            return [exc.one_line().removeprefix("error: ")]
+        except ValueError:
+            return [f"the Docker Engine API at {self.socket} answered no JSON for container {self.container!r}"]
+        return []
+
+    async def aclose(self) -> None:
+        """Closes the connection; the container is left as it is (the next proxy adopts it)."""
+        await self._client.aclose()

@@ -1,0 +1,250 @@
+"""The lifecycle state machine with fakes: one start shared by concurrent requests, failure and
+backoff, never stopped while busy, starts and stops as tasks that report back."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from proxy.clock import FakeClock
+from proxy.lifecycle import Backoff, Lifecycle, LifecycleError, LifecycleReport, Status, TenantLifecycle
+
+
+class FakeController:
+    """Starts and stops when the test says (`gate`), counting calls."""
+
+    kind = "fake"
+
+    def __init__(self) -> None:
+        self.running = False
+        self.starts = 0
+        self.stops = 0
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.fail_start: str | None = None
+        self.lines: tuple[str, ...] = ()
+
+    async def start(self) -> None:
+        self.starts += 1
+        await self.gate.wait()
+        if self.fail_start:
+            self.lines = ("loading model", self.fail_start)
+            raise LifecycleError(self.fail_start, fix="check the model path", output=self.lines)
+        self.running = True
+
+    async def stop(self) -> None:
+        self.stops += 1
+        await self.gate.wait()
+        self.running = False
+
+    async def status(self) -> Status:
+        return "running" if self.running else "stopped"
+
+    def describe(self) -> dict[str, object]:
+        return {"kind": self.kind, "running": self.running}
+
+    def output(self) -> tuple[str, ...]:
+        return self.lines
+
+    def exited(self) -> str | None:
+        return None
+
+    async def check(self) -> list[str]:
+        return []
+
+    async def aclose(self) -> None:
+        self.running = False
+
+
+class Ready:
+    """Readiness the test controls: ready at once, or failing, recording the time it was given."""
+
+    def __init__(self) -> None:
+        self.given: list[float] = []
+        self.fail: str | None = None
+
+    async def __call__(self, timeout_s: float) -> None:
+        self.given.append(timeout_s)
+        if self.fail:
+            raise LifecycleError(self.fail)
+
+
+def machine(ctl: FakeController | None = None, ready: Ready | None = None, **kwargs: object) -> tuple[
+        TenantLifecycle, FakeController, Ready, FakeClock, list[LifecycleReport]]:
+    ctl, ready, clock, reports = ctl or FakeController(), ready or Ready(), FakeClock(), []
+    lc = TenantLifecycle("llama", ctl, ready, start_timeout_s=30.0, clock=clock, backoff=Backoff(1.0, 8.0),
+                         on_report=reports.append, **kwargs)  # type: ignore[arg-type]
+    return lc, ctl, ready, clock, reports
+
+
+# -- the pure part ---------------------------------------------------------------------------------
+
+
+def test_backoff_doubles_from_the_first_delay_up_to_its_cap() -> None:
+    assert [Backoff(1.0, 8.0).after(n) for n in range(6)] == [0.0, 1.0, 2.0, 4.0, 8.0, 8.0]
+    assert Backoff(1.0, 60.0).after(10_000) == 60.0, "no overflow after many failures"
+
+
+def test_a_failed_start_backs_off_and_a_success_forgets_the_failures() -> None:
+    s = Lifecycle().starting(0.0).start_failed(0.0, "port in use", None, ("bind: address in use",), Backoff(1.0, 8.0))
+    assert (s.state, s.failures, s.retry_at, s.output) == ("failed", 1, 1.0, ("bind: address in use",))
+    assert s.start_refused(0.5) is not None and "port in use" in s.start_refused(0.5)  # type: ignore[operator]
+    assert s.start_refused(1.0) is None
+    s = s.starting(1.0).start_failed(1.0, "again", None, (), Backoff(1.0, 8.0))
+    assert (s.failures, s.retry_at) == (2, 3.0)
+    assert s.starting(3.0).started(4.0) == Lifecycle("running", 4.0)
+
+
+def test_stop_is_refused_while_busy_or_starting() -> None:
+    running = Lifecycle("running", 0.0)
+    assert running.stop_refused(busy=True) is not None and "never stopped" in running.stop_refused(busy=True)  # type: ignore[operator]
+    assert running.stop_refused(busy=False) is None
+    assert Lifecycle("starting", 0.0).stop_refused(busy=False) is not None
+    assert running.adopted("stopped", 5.0).state == "stopped" and running.adopted("running", 5.0).state == "running"
+
+
+# -- the owner of the effects ------------------------------------------------------------------------
+
+
+async def test_concurrent_requests_share_one_start_and_see_it_starting() -> None:
+    lc, ctl, ready, _, reports = machine()
+    ctl.gate.clear()
+    waiters = [asyncio.create_task(lc.ensure_running()) for _ in range(5)]
+    await asyncio.sleep(0)
+    assert lc.state == "starting"
+    ctl.gate.set()
+    outcomes = await asyncio.gather(*waiters)
+    assert ctl.starts == 1 and len(ready.given) == 1, "five requests, one start, one readiness wait"
+    assert all(o is outcomes[0] for o in outcomes), "every caller gets the same outcome"
+    assert lc.state == "running" and reports == [outcomes[0]] and outcomes[0].ok
+    assert (await lc.ensure_running()).ok and ctl.starts == 1, "running: nothing more is started"
+
+
+async def test_a_caller_that_goes_away_does_not_cancel_the_shared_start() -> None:
+    lc, ctl, _, _, _ = machine()
+    ctl.gate.clear()
+    first = asyncio.create_task(lc.ensure_running())
+    second = asyncio.create_task(lc.ensure_running())
+    await asyncio.sleep(0)
+    first.cancel()
+    ctl.gate.set()
+    assert (await second).ok and lc.state == "running"
+
+
+async def test_the_scheduler_begins_a_start_without_awaiting_it_and_hears_back() -> None:
+    lc, ctl, _, _, _ = machine()
+    ctl.gate.clear()
+    heard: list[LifecycleReport] = []
+    future = lc.begin_start(on_done=heard.append)  # a plain call: returns at once
+    assert not future.done() and lc.state == "starting" and heard == []
+    ctl.gate.set()
+    report = await future
+    await asyncio.sleep(0)  # done callbacks run on the next loop turn
+    assert heard == [report] and report.action == "start" and report.ok
+
+
+async def test_a_failed_start_reports_the_reason_and_output_then_backs_off() -> None:
+    lc, ctl, _, clock, reports = machine()
+    ctl.fail_start = "model file not found"
+    report = await lc.begin_start()
+    assert (report.ok, report.state, report.error, report.output) == (
+        False, "failed", "model file not found", ("loading model", "model file not found"))
+    assert report.retry_in_s == 1.0 and reports == [report]
+    assert ctl.stops == 1, "whatever a failed start launched is stopped"
+    with pytest.raises(LifecycleError) as err:
+        await lc.ensure_running()
+    assert "its last start failed (model file not found)" in err.value.message and ctl.starts == 1, "backing off"
+    assert err.value.to_json()["output"] == ["loading model", "model file not found"]
+    view = lc.view()
+    assert view["state"] == "failed" and view["failures"] == 1 and view["retry_in_s"] == 1.0
+    clock.advance(1.0)
+    ctl.fail_start = None
+    assert (await lc.ensure_running()).ok and ctl.starts == 2 and lc.snapshot.failures == 0
+
+
+async def test_backoff_grows_with_each_failure_and_force_skips_it() -> None:
+    lc, ctl, ready, clock, _ = machine()
+    ready.fail = "not ready within 30 s"
+    assert (await lc.begin_start()).retry_in_s == 1.0
+    clock.advance(1.0)
+    assert (await lc.begin_start()).retry_in_s == 2.0
+    refused = await lc.begin_start()
+    assert refused.refused and not refused.ok and ctl.starts == 2
+    assert not (await lc.begin_start(force=True)).ok and ctl.starts == 3, "the admin's start button tries now"
+
+
+async def test_a_busy_tenant_is_never_stopped() -> None:
+    lc, ctl, _, _, reports = machine()
+    await lc.ensure_running()
+    report = await lc.begin_stop(busy=lambda: True)
+    assert report.refused and not report.ok and "busy" in (report.error or "")
+    assert ctl.stops == 0 and lc.state == "running" and reports[-1].action == "start", "a refusal runs nothing"
+    assert (await lc.begin_stop(busy=lambda: False)).ok
+    assert ctl.stops == 1 and lc.state == "stopped" and not ctl.running
+
+
+async def test_a_starting_tenant_is_not_stopped_and_a_start_during_a_stop_follows_it() -> None:
+    lc, ctl, _, _, _ = machine()
+    ctl.gate.clear()
+    start = lc.begin_start()
+    assert (await lc.begin_stop(busy=lambda: False)).refused
+    ctl.gate.set()
+    await start
+    ctl.gate.clear()
+    stop = lc.begin_stop(busy=lambda: False)
+    assert lc.state == "stopping"
+    again = asyncio.create_task(lc.ensure_running())
+    await asyncio.sleep(0)
+    assert lc.state == "stopping" and ctl.starts == 1, "the start waits for the stop"
+    ctl.gate.set()
+    assert (await stop).ok and (await again).ok
+    assert (ctl.starts, ctl.stops, lc.state) == (2, 1, "running")
+
+
+async def test_concurrent_stops_share_one_and_a_stopped_tenant_needs_none() -> None:
+    lc, ctl, _, _, _ = machine()
+    assert (await lc.begin_stop(busy=lambda: False)).ok and ctl.stops == 0
+    await lc.ensure_running()
+    ctl.gate.clear()
+    a, b = lc.begin_stop(busy=lambda: False), lc.begin_stop(busy=lambda: True)
+    ctl.gate.set()
+    assert (await a) is (await b) and ctl.stops == 1
+
+
+async def test_readiness_gets_what_is_left_of_the_start_timeout() -> None:
+    lc, ctl, ready, clock, _ = machine()
+
+    async def slow_start() -> None:
+        clock.advance(12.0)
+        ctl.running = True
+
+    ctl.start = slow_start  # type: ignore[method-assign]
+    await lc.ensure_running()
+    assert ready.given == [18.0]
+
+
+async def test_a_stop_that_leaves_it_running_is_reported_and_keeps_it_running() -> None:
+    lc, ctl, _, _, _ = machine()
+    await lc.ensure_running()
+
+    async def stubborn() -> None:
+        ctl.stops += 1
+
+    ctl.stop = stubborn  # type: ignore[method-assign]
+    report = await lc.begin_stop(busy=lambda: False)
+    assert not report.ok and report.error == "it still runs after the stop" and lc.state == "running"
+
+
+async def test_adopt_takes_over_what_runs_and_aclose_stops_a_start_under_way() -> None:
+    ctl = FakeController()
+    ctl.running = True
+    lc, _, _, _, _ = machine(ctl)
+    assert (await lc.adopt()).state == "running"
+    ctl.running = False
+    assert (await lc.adopt()).state == "stopped"
+    ctl.gate.clear()
+    start = lc.begin_start()
+    await asyncio.sleep(0)
+    await lc.aclose()
+    assert start.cancelled() and not ctl.running
