@@ -24,6 +24,7 @@ from proxy.handoff.arbitration import Arbitration
 from proxy.handoff.decisions import DecisionLog
 from proxy.handoff.inflight import InFlight
 from proxy.handoff.watchdog import Watchdog
+from proxy.lifecycle.build import default_state_dir
 from proxy.relay.forward import Forwarder
 from proxy.relay.gpu_gate import GpuGate
 from proxy.relay.listener import TenantApp
@@ -80,6 +81,7 @@ class Proxy:
     extension_factories: list[ExtensionFactory] | None = None  # None: default_extensions()
     config_path: Path | None = None  # the tenants.json in use, for the health check
     drain_s: float = DRAIN_S  # on stop, what requests in flight get, in all, to finish
+    lifecycle_dir: Path | None = None  # pidfiles of the apps the proxy starts (None: ~/.local/state/hyperswap/lifecycle)
     inflight: InFlight = field(init=False)
     forwarder: Forwarder = field(init=False)
     decisions: DecisionLog = field(init=False)
@@ -97,7 +99,8 @@ class Proxy:
         self.forwarder = Forwarder()
         self.decisions = DecisionLog(self.clock)
         self.arbitration = Arbitration(self.registry, self.reader, self.inflight, self.clock, self.decisions,
-                                       adapter=self.forwarder.adapter)
+                                       adapter=self.forwarder.adapter,
+                                       state_dir=self.lifecycle_dir or default_state_dir())
         self.watchdog = Watchdog(self.arbitration)
         self.admission = GpuGate(self.arbitration, self.forwarder.adapter)
         self.token = admin_token(self.registry)
@@ -138,6 +141,7 @@ class Proxy:
             if binding is None:
                 raise ConfigError(f"cannot start: {exc}") from None
             raise listen_error(exc, *binding, self.config_path or self.registry.source) from None
+        await self.arbitration.lifecycles.adopt()  # a unit or container already up runs on
         if self.watchdog_enabled:
             self.watchdog.start()
 
@@ -153,7 +157,7 @@ class Proxy:
         for ext in reversed(self.extensions):
             await ext.stop()
         await self.forwarder.aclose()
-        await self.arbitration.aclose()
+        await self.arbitration.aclose()  # with the apps the proxy started itself
 
     def url(self, name: str) -> str:
         return self.servers[name].url

@@ -131,6 +131,7 @@ class ReleaseResult(_Doc):
                                                        "the memory is back; never confirmed")
     error: str | None
     asked: JSON = Field(description="what the engine was asked and answered")
+    steps: list[ReleaseStep] | None = Field(default=None, description="each release step tried, in order")
     fix: str | None = Field(default=None, description="on 502 and 504: what to do about it")
     reason: Literal["cpu"] | None = Field(default=None, description="cpu: the engine runs on the CPU and holds no GPU "
                                                                     "memory; nothing was asked")
@@ -217,6 +218,16 @@ class TenantList(_Doc):
 
 # -- decision outcomes, for those that count them (metrics, telemetry) ----------------------------------
 
+class ReleaseStep(_Doc):
+    """One step of a release that escalates (tenants.json `release` as a list): what it freed."""
+    step: int = Field(description="its index in the tenant's release list")
+    kind: str = Field(description="its release kind (http, comfyui, process, systemd, docker, ...)")
+    freed_bytes: int = Field(description="what the card (or, estimated, the engine) showed back after it")
+    duration_s: float
+    result: ReleaseVerdict
+    error: str | None = None
+
+
 class ReleaseOutcome(_Doc):
     """One executed release as a decision's outcome lists it (`ReleaseResult.to_json`)."""
     tenant: str = ""
@@ -230,6 +241,8 @@ class ReleaseOutcome(_Doc):
     expected_gb: float | None = None
     freed_gb: float | None = None
     asked: JSON | None = Field(default=None, description="what the engine was asked and answered")
+    steps: list[ReleaseStep] | None = Field(default=None, description="each step tried, in order, until one freed "
+                                                                       "the memory")
 
     @property
     def verdict(self) -> ReleaseVerdict:
@@ -269,6 +282,16 @@ class DecisionOutcome(_Doc):
     resident_before_percent: float | None = None
     source: str | None = None
     load_class: str | None = Field(default=None, alias="class", description="model_load: warm, cold or unknown")
+    not_released_busy: list[str] | None = Field(default=None, description="tenants of the plan that had work again "
+                                                                          "when the release's turn came: not released")
+    # start, stop, resume: a lifecycle tenant started or stopped, a soft release's resume call
+    state: str | None = Field(default=None, description="start, stop: the tenant's lifecycle state after it")
+    duration_s: float | None = None
+    error: str | None = None
+    fix: str | None = None
+    output: list[str] | None = Field(default=None, description="start, stop: the app's last output lines")
+    retry_in_s: float | None = Field(default=None, description="a failed start: when the next may begin")
+    asked: JSON | None = Field(default=None, description="resume: what the app was asked and answered")
 
     def retry_result(self, kind: str) -> str | None:
         """The OOM retry's result: on the plan it retried with, or the oom_retry decision's own."""
@@ -285,7 +308,7 @@ class Decision(_Doc):
     id: int
     at: float = Field(description="unix seconds")
     kind: Literal["plan", "queued", "release", "rejection", "oom_retry", "idle_release", "spill", "stale_job",
-                  "gpu_drift", "gpu_apply", "model_load"]
+                  "gpu_drift", "gpu_apply", "model_load", "start", "stop", "resume"]
     tenant: str
     trigger: str
     plan: Plan | None

@@ -233,6 +233,11 @@ class EngineAdapter:
         t = self.tenant
         return Need(t.needs_vram_bytes, f"{t.needs_vram_gb:.2f} GiB (needs_vram_gb)", t.name)
 
+    @property
+    def start_need_bytes(self) -> int:
+        """The memory planned for a start (or a resume) of a stopped tenant, before its request's own need."""
+        return self.tenant.needs_vram_bytes if self.starts_loaded else self.tenant.idle_vram_bytes
+
     async def release(self, client: httpx.AsyncClient, step: ReleaseSpec | None = None) -> dict[str, Any]:
         """Ask for the memory back (the tenant's `release.kind`; `step`: one of its release steps, default
         the first). Raises ReleaseFailed."""
@@ -307,6 +312,10 @@ class EngineAdapter:
     # serves requests; None: ready as soon as its upstream port accepts a connection. tenants.json's
     # `ready` overrides it.
     ready_path: str | None = None
+    # What a start takes on the card before any request loads something: a generic app loads its
+    # model as it starts (needs_vram_gb); an engine that loads per request (Ollama, ComfyUI) only
+    # its runtime (idle_vram_gb).
+    starts_loaded: bool = True
     verify_role: str | None = None  # what `hyperswap verify` drives it as: "generates", "renders" or nothing
     probe_strict: bool = False  # True: only a 200 with the engine's own answer is healthy; else any status < 500
     start_hint: str | None = None  # how to start the engine, for a fix text

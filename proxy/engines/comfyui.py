@@ -43,6 +43,7 @@ class ComfyUIAdapter(EngineAdapter):
     kind = "comfyui"
     probe_path = "/system_stats"
     ready_path = "/system_stats"  # served once the prompt server runs (custom nodes loaded)
+    starts_loaded = False  # checkpoints load per prompt
     probe_strict = True
     verify_role = "renders"
     start_hint = "start ComfyUI (`python main.py`)"

@@ -99,6 +99,7 @@ class OllamaAdapter(EngineAdapter):
     placements_path = "/api/ps"
     probe_path = "/api/version"
     ready_path = "/api/version"  # answers 200 as soon as the server accepts requests
+    starts_loaded = False  # models load per request
     probe_strict = True
     verify_role = "generates"
     start_hint = "start Ollama (`systemctl start ollama` or `ollama serve`)"

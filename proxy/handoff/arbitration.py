@@ -13,7 +13,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 import httpx
 
@@ -27,9 +28,10 @@ from proxy.handoff.arbiter import Plan, PlanMode, TenantState, gib, promised_by_
 from proxy.handoff.busy import CONFIRM_SLACK_BYTES, QueueRead, busy_states
 from proxy.handoff.decisions import DecisionLog
 from proxy.handoff.inflight import InFlight, TenantTraffic
+from proxy.handoff.lifecycles import Lifecycles
 from proxy.handoff.queue import Admitted, Handoff, HandoffQueue, Released, ReleaseOrder, ReleaseResult
 from proxy.handoff.residency import Residency
-from proxy.tenants import GIB, Registry, Tenant
+from proxy.tenants import GIB, Registry, ReleaseSpec, Tenant
 from proxy.tls import client_context
 
 log = logging.getLogger("hyperswap.arbitration")
@@ -58,7 +60,8 @@ class PrepareLoad(Protocol):
 class Arbitration:
     def __init__(self, registry: Registry, reader: GpuReader, inflight: InFlight, clock: Clock,
                  decisions: DecisionLog, control: httpx.AsyncClient | None = None,
-                 adapter: Callable[[Tenant], EngineAdapter] | None = None) -> None:
+                 adapter: Callable[[Tenant], EngineAdapter] | None = None, *,
+                 lifecycles: Lifecycles | None = None, state_dir: Path | None = None) -> None:
         self.registry = registry
         self.reader = reader
         self.attributor = Attributor(registry)
@@ -74,6 +77,10 @@ class Arbitration:
         # confirmed again every watchdog tick; a load unconfirmed for two ticks is planned for again
         self.residency = Residency(clock, fresh_s=2 * registry.config.proxy.watchdog_interval_s + 0.5)
         self.queue = HandoffQueue(self)
+        # tenants the proxy stops and starts, or that owe a resume: started before their next request
+        self.lifecycles = lifecycles or Lifecycles(registry, self.adapter, clock, decisions, self.control,
+                                                   state_dir=state_dir)
+        self.lifecycles.on_change.append(lambda _tenant: self.queue.kick())
         self.started_at = clock.now()  # idle deadlines of tenants never seen active count from here
         self.handoff_lock = asyncio.Lock()  # releases, one at a time: the queue, the watchdog, the admin API
         self._snapshot_lock = asyncio.Lock()
@@ -182,29 +189,87 @@ class Arbitration:
         return plan, snap
 
     async def execute_release(self, tenant: Tenant, expected: int, before: AttributedSnapshot | None = None) -> ReleaseResult:
-        """Ask, then confirm on the GPU: done when the memory is back, never on the engine's 200 (invariant 6)."""
+        """Ask, then confirm on the GPU: done when the memory is back, never on the engine's 200 (invariant 6).
+        A tenant whose `release` is a list tries each step in order (each within its own timeout) until
+        one gives the memory back; a stopping step stops the app, only while it is idle (invariant 7)."""
         self.residency.forget(tenant.name)  # whatever it held is on its way off the card
         before = before or await self.snapshot()
         held_before = self.held(before, tenant.name)
-        target = max(held_before - expected, 0)
         start = self.clock.now()
+        steps = [(i, s) for i, s in enumerate(tenant.release_steps) if s.kind != "none"]
+        result = ReleaseResult(tenant.name, expected, 0, 0.0, False, "no release step")
+        trail: list[dict[str, Any]] = []  # for a release that escalates: what each step freed
+        held = held_before
+        for i, step in steps:
+            result = await self._release_step(tenant, step, expected, held_before, held)
+            after = held_before - result.freed_bytes
+            trail.append({"step": i, "kind": step.kind, "freed_bytes": max(0, held - after),
+                          "duration_s": round(result.duration_s, 3), "result": result.result, "error": result.error})
+            held = after
+            if result.result in ("confirmed", "estimated"):
+                if not step.stops:
+                    self.lifecycles.released(tenant, step)
+                break
+            if result.busy:
+                break  # work arrived: no later step may stop it either
+        result.steps = trail if len(steps) > 1 else []
+        result.freed_bytes = max(0, held_before - held)
+        result.duration_s = self.clock.now() - start
+        return result
+
+    async def _release_step(self, tenant: Tenant, step: ReleaseSpec, expected: int, held_before: int,
+                            held_now: int) -> ReleaseResult:
+        """One step: ask (or stop the app), then watch the card until the tenant is down to its target."""
+        stops = step.stops
+        target = 0 if stops else max(held_before - expected, 0)
+        began = self.clock.now()
         try:
-            asked = await self.adapter(tenant).release(self.control)
+            if stops:
+                report = await self.lifecycles.stop(tenant, lambda: self.stop_blocked(tenant.name))
+                asked: dict[str, object] = {"stop": report.to_json()}
+                if not report.ok:
+                    return ReleaseResult(tenant.name, expected, held_before - held_now, self.clock.now() - began, False,
+                                         report.error, asked, busy=report.refused and report.state == "running")
+            else:
+                asked = await self.adapter(tenant).release(self.control, step)
         except ReleaseFailed as exc:
-            return ReleaseResult(tenant.name, expected, 0, self.clock.now() - start, False, str(exc))
-        deadline = start + tenant.release_timeout_s
-        held_now = held_before
+            return ReleaseResult(tenant.name, expected, held_before - held_now, self.clock.now() - began, False, str(exc))
+        timeout_s = step.timeout_s if step.timeout_s is not None else tenant.release_timeout_s
+        deadline = began + timeout_s
         while True:
             snap = await self.snapshot()
             held_now = self.held(snap, tenant.name)
             if held_now <= target + CONFIRM_SLACK_BYTES:  # on the engines' reports alone it is an estimate
-                return ReleaseResult(tenant.name, expected, held_before - held_now, self.clock.now() - start,
+                return ReleaseResult(tenant.name, expected, held_before - held_now, self.clock.now() - began,
                                      not snap.estimated, asked=asked, estimated=snap.estimated)
             if self.clock.now() >= deadline:
-                return ReleaseResult(tenant.name, expected, max(0, held_before - held_now), self.clock.now() - start, False,
-                                     f"memory not back after {tenant.release_timeout_s:g} s", asked, snap.estimated,
+                return ReleaseResult(tenant.name, expected, max(0, held_before - held_now), self.clock.now() - began,
+                                     False, f"memory not back after {timeout_s:g} s", asked, snap.estimated,
                                      timed_out=True)
             await self.clock.sleep(self.registry.config.proxy.release_poll_s)
+
+    def stop_blocked(self, tenant: str) -> bool:
+        """A stop would cut work: a GPU request or job in flight, or any request, stream or websocket open."""
+        return self.inflight.busy(tenant) or self.inflight.connections(tenant) > 0
+
+    # -- waking a tenant that sleeps ------------------------------------------------------------
+    async def wake(self, tenant: Tenant, trigger: str) -> Admitted | None:
+        """A request reached a tenant that is stopped (or owes a resume): make room for it like for a
+        load (idle tenants released, busy ones waited for, 507 only when impossible), then start it
+        (concurrent requests share one start) or resume it. None: it is awake, forward. An Admitted
+        that is not "run" is the queue's refusal or timeout. Raises LifecycleError (503) when the
+        start fails."""
+        if not self.lifecycles.dormant(tenant.name):
+            return None
+        need = self.adapter(tenant).start_need_bytes
+        admitted = await self.queue.request(tenant, f"{tenant.name}:wake", need, trigger)
+        if admitted.outcome != "run":
+            return admitted
+        try:
+            await self.lifecycles.wake(tenant)
+        finally:
+            self.settle(admitted.handoff)  # it is up: what it loaded is on the card, measured from now
+        return admitted
 
     # -- the handoff queue's effects (HandoffEffects) -------------------------------------------
     async def read(self) -> tuple[AttributedSnapshot, dict[str, TenantState], dict[str, tuple[str, int]]]:
@@ -303,6 +368,7 @@ class Arbitration:
 
     async def aclose(self) -> None:
         await self.queue.aclose()
+        await self.lifecycles.aclose()
         for task in list(self._settlers):
             task.cancel()
         await asyncio.gather(*self._settlers, return_exceptions=True)

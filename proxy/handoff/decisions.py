@@ -19,7 +19,7 @@ log = logging.getLogger("hyperswap.decisions")
 
 # model_load: an observation (a load's speed), recorded for the history; gpu_*: proxy/gpu/keeper.py
 DecisionKind = Literal["plan", "queued", "release", "rejection", "oom_retry", "idle_release", "spill", "stale_job",
-                       "gpu_drift", "gpu_apply", "model_load"]
+                       "gpu_drift", "gpu_apply", "model_load", "start", "stop", "resume"]
 
 
 @dataclass(slots=True)

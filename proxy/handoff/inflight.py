@@ -57,6 +57,7 @@ class InFlight:
         self._finished: OrderedDict[tuple[str, str], None] = OrderedDict()  # ends seen, bounded
         self._last: dict[str, float] = {}
         self._idle_waiters: dict[str, list[asyncio.Future[None]]] = {}
+        self._connections: dict[str, int] = {}  # tenant -> open client requests and websockets of any kind
         self.on_change: list[ChangeListener] = []
 
     # -- requests -------------------------------------------------------------------------
@@ -82,6 +83,21 @@ class InFlight:
             yield token
         finally:
             self.end(token)
+
+    # -- connections ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def connection(self, tenant: str) -> Iterator[None]:
+        """Any request or websocket open on the tenant's listener, GPU or not. Not busy for a
+        release (a UI poll loads nothing), but a tenant the proxy would stop must have none: a stop
+        would cut a stream or a websocket in the middle."""
+        self._connections[tenant] = self._connections.get(tenant, 0) + 1
+        try:
+            yield
+        finally:
+            self._connections[tenant] -= 1
+
+    def connections(self, tenant: str) -> int:
+        return self._connections.get(tenant, 0)
 
     # -- jobs -----------------------------------------------------------------------------
     def track_job(self, tenant: str, job_id: str) -> bool:

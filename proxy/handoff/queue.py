@@ -58,6 +58,7 @@ class ReleaseResult:
     estimated: bool = False
     timed_out: bool = False  # asked, but the memory was not back within the tenant's release_timeout_s
     busy: bool = False  # not asked: the tenant had work again when its turn came (a busy tenant is never released)
+    steps: list[dict[str, Any]] = field(default_factory=list)  # each release step tried, for a release that escalates
 
     @property
     def result(self) -> ReleaseVerdict:
@@ -72,7 +73,8 @@ class ReleaseResult:
         return {"tenant": self.tenant, "expected_bytes": self.expected_bytes, "freed_bytes": self.freed_bytes,
                 "expected_gb": gib(self.expected_bytes), "freed_gb": gib(self.freed_bytes),
                 "duration_s": round(self.duration_s, 3), "confirmed": self.confirmed, "estimated": self.estimated,
-                "error": self.error, "asked": self.asked, "result": self.result}
+                "error": self.error, "asked": self.asked, "result": self.result,
+                **({"steps": self.steps} if self.steps else {})}
 
 
 @dataclass(slots=True)

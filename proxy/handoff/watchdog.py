@@ -117,12 +117,16 @@ class Watchdog:
                     if spilled:
                         await self._relieve_spill(tenant, spilled, held, report)
                         continue
+            machine = arb.lifecycles.machine(name)
             deadline = self.idle_deadline(name)
-            if deadline is None:
+            if machine is not None and machine.state != "running":
+                report.reasons[name] = f"{machine.state}: the proxy starts it on its next request"
+            elif deadline is None:
                 report.reasons.setdefault(name, "no idle release (idle_release_after_s is null or not reclaimable)")
             elif state.busy:
                 report.reasons[name] = f"busy: {state.busy_reason}"
-            elif held <= tenant.idle_vram_bytes + 64 * 2**20:
+            elif held <= tenant.idle_vram_bytes + 64 * 2**20 and machine is None:
+                # a tenant the proxy stops is stopped when idle whatever it holds (llama-swap's ttl)
                 report.reasons[name] = f"holds only its idle floor ({gib(held)} GiB)"
             elif report.at < deadline:
                 report.reasons[name] = f"idle release in {deadline - report.at:.0f} s"
@@ -130,8 +134,8 @@ class Watchdog:
                 order = release_whole(snap, tenant, "watchdog idle", "idle_release", "idle timeout",
                                       idle_s=tenant.idle_release_after_s, **held_details(snap, name))
                 (result,) = (await arb.queue.release(order)).results
-                if result.busy:  # work arrived before the release's turn came
-                    report.reasons[name] = "busy again: idle release skipped"
+                if result.busy:  # work arrived before the release's turn came, or a stop would cut it
+                    report.reasons[name] = f"busy again: idle release skipped ({result.error})"
                     continue
                 self._idle_released(name, result.freed_bytes, arb.clock.now())
                 report.actions.append(f"{name}: idle release freed {gib(result.freed_bytes)} GiB")

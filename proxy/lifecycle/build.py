@@ -3,7 +3,8 @@ a release kind to a controller class."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -16,6 +17,14 @@ from proxy.lifecycle.ready import probe_for, probe_readiness
 from proxy.lifecycle.state import Backoff, OnDone, TenantLifecycle
 from proxy.lifecycle.systemd import SystemdController
 from proxy.tenants import Tenant
+
+
+def default_state_dir(env: Mapping[str, str] | None = None) -> Path:
+    """Where a `process` tenant's pidfile lives, so a restarted proxy can name an orphan of its last
+    run: `$XDG_STATE_HOME/hyperswap/lifecycle` (`~/.local/state/...`)."""
+    env = os.environ if env is None else env
+    state = env.get("XDG_STATE_HOME") or str(Path(env.get("HOME", str(Path.home()))) / ".local" / "state")
+    return Path(state) / "hyperswap" / "lifecycle"
 
 
 def controller_for(tenant: Tenant, *, clock: Clock, state_dir: Path | None = None,

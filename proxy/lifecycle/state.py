@@ -119,8 +119,10 @@ class LifecycleReport:
 
     def error_for_client(self) -> LifecycleError:
         """The failed start as the 503 a held request gets."""
-        return LifecycleError(f"tenant {self.tenant!r} could not be started: {self.error}", fix=self.fix,
-                              output=self.output)
+        err = LifecycleError(f"tenant {self.tenant!r} could not be started: {self.error}", fix=self.fix,
+                             output=self.output)
+        err.details.update({"tenant": self.tenant, "state": self.state, "retry_in_s": self.retry_in_s})
+        return err
 
 
 OnDone = Callable[[LifecycleReport], None]

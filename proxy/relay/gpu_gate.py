@@ -22,6 +22,7 @@ from proxy.handoff import devices
 from proxy.handoff.arbiter import gib
 from proxy.handoff.arbitration import Arbitration
 from proxy.handoff.queue import Admitted, Handoff
+from proxy.lifecycle.controller import LifecycleError
 from proxy.relay.forward import UpstreamResponse
 from proxy.tenants import Tenant
 
@@ -190,6 +191,24 @@ class GpuGate:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    async def wake(self, tenant: Tenant, what: str) -> Response | None:
+        """Before anything reaches a tenant that sleeps (stopped by the proxy, or owing a resume): room
+        is made for it like for a load, then it is started (one start shared by every request that
+        waits for it). None: it is awake, forward. Else the answer: 507, 503 after the queue timeout,
+        or 503 with the reason and the app's last output lines when the start failed."""
+        try:
+            admitted = await self.arb.wake(tenant, f"start of {tenant.name} for {what}")
+        except LifecycleError as exc:
+            return JSONResponse(exc.to_json(), status_code=exc.status, headers={"Retry-After": _retry_after(exc)})
+        if admitted is None or admitted.outcome == "run":
+            return None
+        if admitted.outcome == "timeout":
+            self.arb.decisions.record("rejection", tenant.name, f"start for {what}", admitted.handoff.plan.to_json(),
+                                      status=503, reason=admitted.reason)
+            return timeout_response(tenant, admitted, self.arb.registry.config.proxy.queue_timeout_s)
+        need = Need(self._adapter(tenant).start_need_bytes, f"the start of {tenant.name}", f"{tenant.name}:wake")
+        return JSONResponse(rejection_body(tenant, admitted.handoff, need), status_code=507)
+
     async def handle(self, tenant: Tenant, request: Request, body: bytes,
                      forward: Callable[[bytes], Awaitable[UpstreamResponse]]) -> UpstreamResponse | Response:
         adapter = self._adapter(tenant)
@@ -253,6 +272,12 @@ class GpuGate:
             self.arb.decisions.update(handoff.decision, oom_retry=result)
         else:
             self.arb.decisions.record("oom_retry", tenant.name, "OOM answer", None, result=result)
+
+
+def _retry_after(exc: LifecycleError) -> str:
+    """A failed start may be tried again after its backoff: say when (at least 1 s)."""
+    retry = exc.details.get("retry_in_s")
+    return str(max(1, round(retry))) if isinstance(retry, (int, float)) else "1"
 
 
 def _replay_response(upstream: UpstreamResponse, body: bytes) -> Response:

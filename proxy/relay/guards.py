@@ -38,7 +38,7 @@ def _shown(host: str | None) -> str:
     return "(several Host headers)" if host is None else host[:SHOWN_MAX]
 
 
-async def _answer(scope: Scope, receive: Receive, send: Send, response: Response) -> None:
+async def answer(scope: Scope, receive: Receive, send: Send, response: Response) -> None:
     """An HTTP answer, or for a websocket handshake the same answer instead of the upgrade."""
     if scope["type"] == "http":
         await response(scope, receive, send)
@@ -61,7 +61,7 @@ def tenant_host_refusal(tenant: str, host: str | None) -> JSONResponse:
 
 
 async def refuse_tenant_host(scope: Scope, receive: Receive, send: Send, tenant: str, host: str | None) -> None:
-    await _answer(scope, receive, send, tenant_host_refusal(tenant, host))
+    await answer(scope, receive, send, tenant_host_refusal(tenant, host))
 
 
 def _json_or_empty(headers: Headers) -> bool:
@@ -85,7 +85,7 @@ class AdminGuard:
         if scope["type"] in ("http", "websocket"):
             refusal = self.refusal(scope)
             if refusal is not None:
-                await _answer(scope, receive, send, refusal)
+                await answer(scope, receive, send, refusal)
                 return
         await self.app(scope, receive, send)
 

@@ -26,7 +26,7 @@ from proxy.errors import HyperSwapError
 from proxy.handoff.inflight import InFlight, JobFate, JobPoller, Token
 from proxy.relay.departure import ClientLink
 from proxy.relay.forward import Forwarder, UpstreamResponse
-from proxy.relay.guards import host_header, refuse_tenant_host
+from proxy.relay.guards import answer, host_header, refuse_tenant_host
 from proxy.tenants import Tenant
 
 log = logging.getLogger("hyperswap.listener")
@@ -46,6 +46,10 @@ class Admission(Protocol):
 
     def on_job_lost(self, tenant: Tenant, job_id: str) -> None:
         """A job the engine has in neither its queue nor its history: no longer counted."""
+
+    async def wake(self, tenant: Tenant, what: str) -> Response | None:
+        """Before forwarding to a tenant that sleeps (stopped, or owing a resume): start it, or say
+        why not (the answer); None: forward."""
 
 
 async def _read_up_to(request: Request, limit: int) -> tuple[bytes, AsyncIterator[bytes] | None]:
@@ -94,6 +98,8 @@ class TenantApp:
         self.admission = admission
         self.adapter = forwarder.adapter(tenant)
         self._hosts = self.adapter.host_policy()
+        # a tenant the proxy may stop, or whose release owes a resume: woken before each request
+        self._sleeps = tenant.lifecycle is not None or any(s.resume is not None for s in tenant.release_steps)
         self.poller = JobPoller(inflight, tenant.name, self._check_jobs, interval_s=job_poll_s, on_lost=self._job_lost)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -105,9 +111,16 @@ class TenantApp:
                 await refuse_tenant_host(scope, receive, send, self.tenant.name, host)
                 return
         if kind == "http":
-            await self._http(scope, receive, send)
+            with self.inflight.connection(self.tenant.name):  # a stop never cuts it (TenantLifecycle)
+                await self._http(scope, receive, send)
         elif kind == "websocket":
-            await self.forwarder.websocket(self.tenant, WebSocket(scope, receive, send), on_upstream_text=self._on_text)
+            with self.inflight.connection(self.tenant.name):
+                refusal = await self._wake(scope) if self._sleeps else None
+                if refusal is not None:
+                    await answer(scope, receive, send, refusal)
+                    return
+                await self.forwarder.websocket(self.tenant, WebSocket(scope, receive, send),
+                                               on_upstream_text=self._on_text)
         elif kind == "lifespan":  # nothing to start: answer so a server with lifespan on proceeds
             while True:
                 message = await receive()
@@ -122,7 +135,10 @@ class TenantApp:
         link = ClientLink(scope, receive)
         link.watch()
         try:
-            if self.adapter.classify(scope["method"], scope["path"]) == "passthrough":
+            refusal = await self._wake(scope) if self._sleeps else None
+            if refusal is not None:
+                response = refusal
+            elif self.adapter.classify(scope["method"], scope["path"]) == "passthrough":
                 response = await self._passthrough(scope, link)
             else:
                 response = await self._gpu(Request(scope, link.receive))
@@ -197,6 +213,11 @@ class TenantApp:
                 self.inflight.end(token)
 
         return self.forwarder.relay(self.tenant, result, on_close=on_close, tap=tap)
+
+    async def _wake(self, scope: Scope) -> Response | None:
+        if self.admission is None:
+            return None
+        return await self.admission.wake(self.tenant, f"{scope.get('method', 'websocket')} {scope['path']}")
 
     # -- jobs ------------------------------------------------------------------------------------
     def _on_text(self, text: str) -> None:

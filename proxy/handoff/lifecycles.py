@@ -1,0 +1,145 @@
+"""Tenants that sleep: stopped by the proxy (a lifecycle tenant: `process`, `systemd`, `docker`), or
+released by a soft step with a `resume` call (vLLM's /sleep and /wake_up). One owner of their state:
+which ones must be woken before their next request, the shared wake under way for each, and every
+start and stop as a decision.
+
+The scheduler never awaits a start or a stop (invariant 11): a stop is a step of a release, which
+runs as a task of its own; a start is awaited by the requests that need the tenant (they share one),
+after the queue has made room for it like for a load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+import httpx
+
+from proxy.clock import Clock
+from proxy.engines import EngineAdapter, ReleaseFailed
+from proxy.handoff.decisions import DecisionLog
+from proxy.lifecycle.build import lifecycle_for
+from proxy.lifecycle.controller import LifecycleError
+from proxy.lifecycle.state import LifecycleReport, TenantLifecycle
+from proxy.tenants import ReleaseSpec, Tenant
+
+log = logging.getLogger("hyperswap.lifecycle")
+
+Busy = Callable[[], bool]
+
+
+class Lifecycles:
+    def __init__(self, tenants: Iterable[Tenant], adapter: Callable[[Tenant], EngineAdapter], clock: Clock,
+                 decisions: DecisionLog, control: httpx.AsyncClient, *, state_dir: Path | None = None,
+                 controllers: Mapping[str, TenantLifecycle] | None = None) -> None:
+        """`controllers`: tenant -> a ready-made state machine (tests); otherwise built from tenants.json."""
+        self._adapter = adapter
+        self._clock = clock
+        self._decisions = decisions
+        self._control = control
+        self._tenants = {t.name: t for t in tenants}
+        self._machines: dict[str, TenantLifecycle] = dict(controllers or {})
+        for t in self._tenants.values():
+            if t.name in self._machines or t.lifecycle is None:
+                continue
+            machine = lifecycle_for(t, adapter(t).ready_path, clock=clock, state_dir=state_dir, client=control)
+            if machine is not None:
+                self._machines[t.name] = machine
+        for machine in self._machines.values():
+            machine.on_report = self._record
+        self._resume: dict[str, ReleaseSpec] = {}  # tenant -> the released step whose resume call is owed
+        self._resuming: dict[str, asyncio.Task[None]] = {}
+        self.on_change: list[Callable[[str], None]] = []  # a start or stop ended (the queue is kicked)
+
+    def __contains__(self, tenant: str) -> bool:
+        return tenant in self._machines
+
+    def machine(self, tenant: str) -> TenantLifecycle | None:
+        return self._machines.get(tenant)
+
+    def machines(self) -> Mapping[str, TenantLifecycle]:
+        return dict(self._machines)
+
+    def dormant(self, tenant: str) -> bool:
+        """Must be woken (started, or its resume called) before a request is forwarded to it."""
+        machine = self._machines.get(tenant)
+        return tenant in self._resume or (machine is not None and machine.state != "running")
+
+    async def adopt(self) -> None:
+        """At the proxy's start: a unit or container already up is adopted as running."""
+        for name, machine in self._machines.items():
+            try:
+                await machine.adopt()
+            except Exception as exc:  # an unreachable socket is a health entry, not a failed start of the proxy
+                log.warning("%s: could not read its state at start: %s", name, exc)
+
+    # -- releasing -----------------------------------------------------------------------------------
+    async def stop(self, tenant: Tenant, busy: Busy) -> LifecycleReport:
+        """Stop the tenant if it is idle; awaited by a release task (never by the scheduler)."""
+        machine = self._machines.get(tenant.name)
+        if machine is None:
+            return LifecycleReport(tenant.name, "stop", False, "running", error="no lifecycle controller", refused=True)
+        return await machine.begin_stop(busy)
+
+    def released(self, tenant: Tenant, step: ReleaseSpec) -> None:
+        """A soft release step freed the memory: its `resume` call is owed before the next request."""
+        if step.resume is not None:
+            self._resume[tenant.name] = step
+
+    # -- waking --------------------------------------------------------------------------------------
+    async def wake(self, tenant: Tenant) -> LifecycleReport | None:
+        """Start the tenant (sharing a start under way) or call its owed resume; raises LifecycleError
+        (a 503 with the reason and the app's last output lines) when it cannot be woken."""
+        machine = self._machines.get(tenant.name)
+        if machine is not None and machine.state != "running":
+            return await machine.ensure_running()
+        if tenant.name in self._resume:
+            task = self._resuming.get(tenant.name)
+            if task is None:
+                task = asyncio.create_task(self._run_resume(tenant), name=f"hyperswap:resume:{tenant.name}")
+                self._resuming[tenant.name] = task
+            await asyncio.shield(task)
+        return None
+
+    async def _run_resume(self, tenant: Tenant) -> None:
+        step = self._resume[tenant.name]
+        started = self._clock.now()
+        try:
+            asked = await self._adapter(tenant).resume(self._control, step)
+        except (ReleaseFailed, httpx.HTTPError) as exc:
+            self._decisions.record("resume", tenant.name, "request to a released tenant", None, ok=False,
+                                   error=str(exc), duration_s=round(self._clock.now() - started, 3))
+            raise LifecycleError(f"tenant {tenant.name!r} could not be resumed: {exc}",
+                                 fix=f"check that {tenant.name} answers its resume call "
+                                     "(tenants.json release.resume), then send the request again") from exc
+        finally:
+            self._resuming.pop(tenant.name, None)
+        self._resume.pop(tenant.name, None)
+        self._decisions.record("resume", tenant.name, "request to a released tenant", None, ok=True, asked=asked,
+                               duration_s=round(self._clock.now() - started, 3))
+        self._changed(tenant.name)
+
+    # -- plumbing ------------------------------------------------------------------------------------
+    def _record(self, report: LifecycleReport) -> None:
+        """Every start and stop that ran, as a decision with its duration."""
+        self._decisions.record(report.action, report.tenant, f"lifecycle {report.action}", None,
+                               ok=report.ok, state=report.state, duration_s=round(report.duration_s, 3),
+                               error=report.error, fix=report.fix, output=list(report.output[-10:]),
+                               retry_in_s=report.retry_in_s)
+        self._changed(report.tenant)
+
+    def _changed(self, tenant: str) -> None:
+        for fn in list(self.on_change):
+            fn(tenant)
+
+    async def aclose(self) -> None:
+        """At the proxy's stop: what it started itself (a child process) stops with it; units and
+        containers are left running for the next proxy to adopt."""
+        for task in list(self._resuming.values()):
+            task.cancel()
+        for machine in self._machines.values():
+            with contextlib.suppress(Exception):
+                await machine.aclose()

@@ -1,0 +1,106 @@
+"""Tenants the proxy stops and starts (release kind `process`), with a real child process: started
+on the first request to its listener, stopped by a release, started again by the next request."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+import httpx
+from boxes import DemoFactory, fast
+
+from proxy.tasks import poll_until
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def app_tenant(port: int, folder: Path, **extra: object) -> dict[str, object]:
+    """A generic tenant whose app is Python's own HTTP server, run and owned by the proxy."""
+    (folder / "hello.txt").write_text("hello from the app\n")
+    return {
+        "engine": "generic",
+        "listen": f"127.0.0.1:{free_port()}",
+        "upstream": f"http://127.0.0.1:{port}",
+        "match": {"process_names": [], "cmdline_patterns": [f"http.server {port}"]},
+        "priority": 30,
+        "needs_vram_gb": 1.0,
+        "release": {"kind": "process", "stop_timeout_s": 2,
+                    "command": [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
+                                "--directory", str(folder)]},
+        **extra,
+    }
+
+
+async def test_a_process_tenant_starts_on_its_first_request_stops_on_release_and_starts_again(
+        box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
+    port = free_port()
+    demo = await box(fast("default", tenants={"app": app_tenant(port, tmp_path)}))
+    assert demo.proxy is not None
+    machine = demo.proxy.arbitration.lifecycles.machine("app")
+    assert machine is not None and machine.state == "stopped", "nothing runs before the first request"
+
+    first = await http.get(demo.proxy.url("app") + "/hello.txt")
+    assert first.status_code == 200 and first.text == "hello from the app\n", first.text
+    assert machine.state == "running"
+    starts = [d for d in demo.proxy.decisions.recent() if d.kind == "start"]
+    assert len(starts) == 1 and starts[0].outcome["ok"] is True
+
+    released = await http.post(demo.proxy.url("admin") + "/api/tenants/app/release")
+    assert released.status_code == 200, released.text
+    assert machine.state == "stopped"
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0, "the app's port still answers after its stop"
+
+    again = await http.get(demo.proxy.url("app") + "/hello.txt")
+    assert again.status_code == 200 and machine.state == "running"
+    assert [d.kind for d in demo.proxy.decisions.recent() if d.kind in ("start", "stop")] == ["start", "stop", "start"]
+
+
+async def test_concurrent_requests_share_one_start(box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
+    import asyncio
+
+    port = free_port()
+    demo = await box(fast("default", tenants={"app": app_tenant(port, tmp_path)}))
+    assert demo.proxy is not None
+    answers = await asyncio.gather(*(http.get(demo.proxy.url("app") + "/hello.txt") for _ in range(5)))
+    assert [a.status_code for a in answers] == [200] * 5
+    assert len([d for d in demo.proxy.decisions.recent() if d.kind == "start"]) == 1
+
+
+async def test_a_start_that_fails_answers_503_with_the_apps_last_lines(
+        box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
+    port = free_port()
+    script = "import sys; print('loading model /models/q.gguf'); print('error: out of memory', file=sys.stderr); sys.exit(3)"
+    tenant = app_tenant(port, tmp_path)
+    tenant["release"] = {"kind": "process", "command": [sys.executable, "-c", script]}
+    tenant["start_timeout_s"] = 5
+    demo = await box(fast("default", tenants={"app": tenant}))
+    assert demo.proxy is not None
+    answer = await http.get(demo.proxy.url("app") + "/hello.txt")
+    assert answer.status_code == 503, answer.text
+    body = answer.json()
+    assert "could not be started" in body["error"] and "error: out of memory" in body["output"], body
+    assert int(answer.headers["retry-after"]) >= 1
+    machine = demo.proxy.arbitration.lifecycles.machine("app")
+    assert machine is not None and machine.state == "failed"
+    again = await http.get(demo.proxy.url("app") + "/hello.txt")
+    assert again.status_code == 503 and "next try is allowed" in again.json()["error"], "backs off before trying again"
+
+
+async def test_the_proxy_stops_what_it_started_when_it_stops(box: DemoFactory, http: httpx.AsyncClient,
+                                                             tmp_path: Path) -> None:
+    port = free_port()
+    demo = await box(fast("default", tenants={"app": app_tenant(port, tmp_path)}))
+    assert demo.proxy is not None
+    assert (await http.get(demo.proxy.url("app") + "/hello.txt")).status_code == 200
+    await demo.stop()
+
+    def closed() -> bool:
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", port)) != 0
+    await poll_until(closed)
