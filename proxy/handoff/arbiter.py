@@ -23,7 +23,9 @@ Rules (design.md, invariants 4 and 5):
 - A busy tenant is never released. Memory a busy, reclaimable tenant holds is waited for: the plan is
   not feasible now but `possible`, and `wait_for` names the busy tenants. Only a need that cannot be
   met even if every busy tenant went idle and every reclaimable one were released is impossible (507).
-- Every process that holds memory and is not released is named as a blocker with its reason.
+- Every process that holds memory and is not released is named as a blocker with its reason. A
+  plan that waits or is refused lists the idle releases it counts on; only a feasible plan's run
+  (a waiting request is planned again once the busy tenants finish).
   Processes whose memory the driver does not report are never counted on.
 - A need above the card's usable memory (total minus reserved) is impossible whoever holds what.
 
@@ -272,8 +274,9 @@ class PlanFacts:
 
     @property
     def releases(self) -> tuple[Release, ...]:
-        """The releases the Plan lists: none when no release can help or the request waits."""
-        return () if self.too_large or (self.possible and not self.feasible) else self.chosen
+        """The releases the Plan lists: the chosen ones, also when the request waits (it counts on
+        them) or is refused (they are named, not in the way); none when no release can help."""
+        return () if self.too_large else self.chosen
 
 
 def _classify(h: _Holding, tenant: Tenant | None, state: TenantState | None, rprio: int,
