@@ -132,9 +132,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_mcp(args: argparse.Namespace) -> int:
-    from proxy.admin.mcp_tools import mcp_main
+    from proxy.admin.mcp_extra import load_mcp_tools
 
-    return mcp_main(args.config, args.admin)
+    code: int = load_mcp_tools().mcp_main(args.config, args.admin)  # McpNotInstalled: one line, exit 2
+    return code
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

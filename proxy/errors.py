@@ -57,3 +57,20 @@ class UnknownTenant(HyperSwapError):
 
 class NotAvailableYet(HyperSwapError):
     exit_code = 2
+
+
+class McpNotInstalled(HyperSwapError):
+    """The MCP tools' SDK is an optional extra (`pip install 'hyperswap[mcp]'`) and is not installed."""
+
+    status = 501
+    exit_code = 2
+
+    def __init__(self) -> None:
+        super().__init__("the MCP tools need the optional mcp package, which is not installed",
+                         fix="pip install 'hyperswap[mcp]'")
+
+    @staticmethod
+    def caused(exc: ImportError) -> bool:
+        """The import failed because the SDK (or a module of it) is missing; any other import error
+        is a bug to show, not an extra to suggest."""
+        return (exc.name or "").partition(".")[0] == "mcp"

@@ -27,7 +27,7 @@ def default_extensions() -> list[ExtensionFactory]:
     from proxy.admin.metrics import metrics_extension; factories.append(metrics_extension)  # /metrics (Prometheus)
     from proxy.admin.dashboard import dashboard_extension; factories.append(dashboard_extension)  # / and /static/{path} (the dashboard)
     from proxy.admin.models_api import models_extension; factories.append(models_extension)  # /api/models: model files in RAM, warming, load speeds
-    from proxy.admin.mcp_tools import mcp_extension; factories.append(mcp_extension)  # /mcp (MCP tools, streamable HTTP)
+    from proxy.admin.mcp_extra import mcp_extension; factories.append(mcp_extension)  # /mcp (MCP tools, streamable HTTP; 501 without the [mcp] extra)
     from proxy.admin.gpu_api import gpu_extension; factories.append(gpu_extension)  # /api/gpu, gpu_profile drift and apply
     from proxy.admin.openapi import OpenApiExtension; factories.append(OpenApiExtension)  # /openapi.json
     return factories

@@ -26,17 +26,25 @@ from typing import Annotated, Any
 from urllib.parse import quote
 
 import httpx
-from mcp.server import MCPServer
-from mcp.server.mcpserver.exceptions import ToolError
-from mcp.types import ToolAnnotations
 from pydantic import Field
 from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
 from proxy.admin.view import ProxyView
 from proxy.admin.views import DryRun, EngineList, HealthReport, ModelList, ReleaseResult, TenantList
+from proxy.errors import McpNotInstalled
 from proxy.tenants import MAX_GIB
 from proxy.tls import client_context
+
+try:
+    from mcp.server import MCPServer
+    from mcp.server.mcpserver.exceptions import ToolError
+    from mcp.types import ToolAnnotations
+except ImportError as exc:  # the [mcp] extra is not installed
+    if __name__ == "__main__" and McpNotInstalled.caused(exc):  # `python -m proxy.admin.mcp_tools`: as the CLI says it
+        print(McpNotInstalled().one_line(), file=sys.stderr)
+        sys.exit(2)
+    raise  # an import: proxy.admin.mcp_extra turns it into a 501 at /mcp, or the CLI's one line
 
 TOKEN_ENV = "HYPERSWAP_ADMIN_TOKEN"
 TIMEOUT_S = 60.0  # a release waits for the GPU to show the memory back (release_timeout_s)

@@ -4,7 +4,10 @@
 says what to release so the requester can reach its need, whether waiting for busy tenants would
 help, or who is in the way for good. `schedule()` applies it to the queue of waiting requests and
 says, for each, run / wait / refuse. Both only read data and return data; admission, the handoff
-queue and the watchdog log the result, return it, then execute it.
+queue and the watchdog log the result, return it, then execute it. `plan_release()` is two steps
+read on their own: `decide()` gathers the facts (`PlanFacts`: holdings, candidates, the releases
+chosen, the busy tenants waited for, the blockers with their reasons, the shortfall), and
+`explain()` writes the plan's one line from those facts alone.
 
 Rules (design.md, invariants 4 and 5):
 - The requester is starved only if free memory (less what admitted loads were promised and have
@@ -20,7 +23,9 @@ Rules (design.md, invariants 4 and 5):
 - A busy tenant is never released. Memory a busy, reclaimable tenant holds is waited for: the plan is
   not feasible now but `possible`, and `wait_for` names the busy tenants. Only a need that cannot be
   met even if every busy tenant went idle and every reclaimable one were released is impossible (507).
-- Every process that holds memory and is not released is named as a blocker with its reason.
+- Every process that holds memory and is not released is named as a blocker with its reason. A
+  plan that waits or is refused lists the idle releases it counts on; only a feasible plan's run
+  (a waiting request is planned again once the busy tenants finish).
   Processes whose memory the driver does not report are never counted on.
 - A need above the card's usable memory (total minus reserved) is impossible whoever holds what.
 
@@ -206,23 +211,221 @@ def _release_reason(tenant: Tenant, rprio: int, unknown: int) -> str:
     return why
 
 
-def _choose(cands: Sequence[tuple[Tenant, _Holding, int]], shortfall: int) -> list[tuple[Tenant, _Holding, int]]:
+def _choose(cands: Sequence[_Candidate], shortfall: int) -> list[_Candidate]:
     """Lowest priority first until enough is freed, then drop any the rest already covers (a
     higher-priority release alone may make a lower one unnecessary); never a release of 0 bytes."""
-    chosen: list[tuple[Tenant, _Holding, int]] = []
+    chosen: list[_Candidate] = []
     freed = 0
     for c in cands:
         if freed >= shortfall:
             break
-        if c[2] > 0:
+        if c.expected > 0:
             chosen.append(c)
-            freed += c[2]
+            freed += c.expected
     if freed >= shortfall:
         for c in list(chosen):
-            if freed - c[2] >= shortfall:
+            if freed - c.expected >= shortfall:
                 chosen.remove(c)
-                freed -= c[2]
+                freed -= c.expected
     return chosen
+
+
+# -- deciding: the facts a plan is made of ---------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    """A tenant whose memory may serve the requester: idle now (`state` None), or busy and waited for."""
+    tenant: Tenant
+    holding: _Holding
+    expected: int  # what its release frees: its known memory above its idle floor
+    state: TenantState | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PlanFacts:
+    """What `decide()` found, before a word is written about it: `explain()` turns it into the
+    plan's one line, `plan_release()` into the Plan."""
+    requester: str
+    need_bytes: int
+    free_bytes: int
+    promised_bytes: int
+    held_bytes: int  # by the requester, counted toward its need
+    capacity_bytes: int  # the card's total less what it reserves
+    shortfall: int  # what free (less promised) and held memory lack; <= 0: not starved
+    reachable: int  # free + held + every candidate's memory, busy or idle: the most the requester could get
+    feasible: bool = True  # enough now, with the chosen releases
+    # enough once every busy tenant went idle, every reclaimable one were released, and the loads
+    # promised now had come and gone (they are reclaimable in turn once their tenant is idle)
+    possible: bool = True
+    freed: int = 0  # what the chosen releases free
+    holdings: tuple[_Holding, ...] = ()  # per tenant, its processes holding memory (the requester's too)
+    idle: tuple[_Candidate, ...] = ()  # idle candidates, in release order
+    waitable: tuple[_Candidate, ...] = ()  # busy candidates, in release order
+    chosen: tuple[Release, ...] = ()  # the releases taken from `idle`
+    waited: tuple[_Candidate, ...] = ()  # the busy candidates the request waits for (a prefix of `waitable`)
+    blockers: tuple[Blocker, ...] = ()  # sorted: biggest first, the requester's own last
+
+    @property
+    def starved(self) -> bool:
+        return self.shortfall > 0
+
+    @property
+    def too_large(self) -> bool:
+        return self.need_bytes > self.capacity_bytes
+
+    @property
+    def releases(self) -> tuple[Release, ...]:
+        """The releases the Plan lists: the chosen ones, also when the request waits (it counts on
+        them) or is refused (they are named, not in the way); none when no release can help."""
+        return () if self.too_large else self.chosen
+
+
+def _classify(h: _Holding, tenant: Tenant | None, state: TenantState | None, rprio: int,
+              mode: PlanMode) -> tuple[_Candidate | None, tuple[BlockReason, str] | None]:
+    """A holder as a candidate, a blocker's reason, or both (a busy candidate is waited for and in the way now)."""
+    never = _why_never(tenant, rprio, mode)
+    if never is not None:
+        return None, never
+    assert tenant is not None  # an unmanaged holder is never a candidate
+    expected = max(0, h.known_bytes - tenant.idle_vram_bytes)
+    if state is not None and state.busy:
+        return _Candidate(tenant, h, expected, state), ("busy", _busy_detail(state))
+    if expected > 0:
+        return _Candidate(tenant, h, expected), None
+    if h.known_bytes > 0:
+        return None, ("not_reclaimable", f"holds only its idle floor of {_g(tenant.idle_vram_bytes)} (idle_vram_gb), "
+                                         "which a release does not free")
+    return None, ("unknown_memory", "idle, but the driver does not report its memory, so no release is counted on")
+
+
+def _sort_holders(holdings: Mapping[str, _Holding], registry: Registry, states: Mapping[str, TenantState],
+                  requester: str, rprio: int, mode: PlanMode) -> tuple[list[_Candidate], list[_Candidate], list[Blocker]]:
+    """Every holder but the requester: idle candidates, busy candidates, and the blockers, each
+    process of a holder that is in the way named with its tenant's reason."""
+    idle: list[_Candidate] = []
+    waitable: list[_Candidate] = []
+    blockers: list[Blocker] = []
+    for name, h in holdings.items():
+        if name == requester:
+            continue
+        tenant = None if name == UNMANAGED else registry.tenants.get(name)
+        cand, why = _classify(h, tenant, states.get(name), rprio, mode)
+        if cand is not None:
+            (idle if cand.state is None else waitable).append(cand)
+        if why is not None:
+            reason, detail = why
+            blockers.extend(Blocker(ap.process.pid, ap.process.name, name, ap.process.used_bytes, reason, detail)
+                            for ap in h.procs)
+    order = lambda c: (c.tenant.priority, -c.holding.known_bytes, c.tenant.name)  # noqa: E731 - lowest priority first, deterministic
+    return sorted(idle, key=order), sorted(waitable, key=order), blockers
+
+
+def _release_of(c: _Candidate, rprio: int) -> Release:
+    unknown = sum(1 for ap in c.holding.procs if ap.process.used_bytes is None)
+    return Release(c.tenant.name, c.expected, tuple(ap.process.pid for ap in c.holding.procs),
+                   _release_reason(c.tenant, rprio, unknown))
+
+
+def _to_wait_for(waitable: Sequence[_Candidate], covered: int, shortfall: int) -> tuple[_Candidate, ...]:
+    """The busy candidates to wait for, in release order, until what they hold covers the shortfall."""
+    waited: list[_Candidate] = []
+    for c in waitable:
+        if covered >= shortfall:
+            break
+        waited.append(c)
+        covered += c.expected
+    return tuple(waited)
+
+
+def _named_when_short(releases: Sequence[Release], holdings: Mapping[str, _Holding], requester: str) -> list[Blocker]:
+    """The rest of the processes a plan short of memory names: unknown memory in released tenants
+    was not counted on, and the requester's own processes are listed so the numbers add up for a person."""
+    out = [Blocker(ap.process.pid, ap.process.name, r.tenant, None, "unknown_memory",
+                   "released with its tenant, but the driver does not report its memory, so it is not counted on")
+           for r in releases for ap in holdings[r.tenant].procs if ap.process.used_bytes is None]
+    if requester in holdings:
+        out.extend(Blocker(ap.process.pid, ap.process.name, requester, ap.process.used_bytes, "requester",
+                           "already held by the requester; counted toward its need")
+                   for ap in holdings[requester].procs)
+    return out
+
+
+def decide(snap: AttributedSnapshot, registry: Registry, states: Mapping[str, TenantState],
+           requester: str, need_bytes: int, *, promised: Mapping[str, int] | None = None,
+           mode: PlanMode = "request") -> PlanFacts:
+    """The facts of `plan_release()`, arguments as there: who holds what, who could give it, what
+    is chosen, who is waited for, who is in the way and why."""
+    free = snap.free_bytes
+    promised_bytes = sum(promised.values()) if promised else 0
+    held = snap.held_by(requester)
+    capacity = snap.snapshot.device.total_bytes - snap.snapshot.device.reserved_bytes
+    shortfall = need_bytes - (free - promised_bytes) - held
+    if shortfall <= 0:
+        return PlanFacts(requester, need_bytes, free, promised_bytes, held, capacity, shortfall, free + held)
+    req_tenant = registry.tenants.get(requester)
+    rprio = req_tenant.priority if req_tenant is not None else 0
+    holdings = _holdings(snap)
+    idle, waitable, blockers = _sort_holders(holdings, registry, states, requester, rprio, mode)
+    chosen = tuple(_release_of(c, rprio) for c in _choose(idle, shortfall))
+    freed = sum(r.expected_free_bytes for r in chosen)
+    idle_total = sum(c.expected for c in idle)
+    reachable = free + held + idle_total + sum(c.expected for c in waitable)
+    too_large = need_bytes > capacity
+    feasible = freed >= shortfall and not too_large
+    possible = not too_large and reachable >= need_bytes
+    waited: tuple[_Candidate, ...] = ()
+    if not feasible:
+        blockers += _named_when_short(chosen, holdings, requester)
+        if possible:
+            waited = _to_wait_for(waitable, idle_total, shortfall)
+    blockers.sort(key=lambda b: (b.reason == "requester", -(b.vram_bytes or 0), b.tenant, b.pid or 0))
+    return PlanFacts(requester, need_bytes, free, promised_bytes, held, capacity, shortfall, reachable, feasible, possible,
+                     freed, tuple(holdings.values()), tuple(idle), tuple(waitable), chosen, waited, tuple(blockers))
+
+
+# -- explaining: the plan's one line, from the facts alone -----------------------------------------
+
+def _head(f: PlanFacts) -> str:
+    return (f"{f.requester} needs {_g(f.need_bytes)}, {_g(f.free_bytes)} free"
+            + (f" ({_g(f.promised_bytes)} promised to loads under way)" if f.promised_bytes else "")
+            + (f" + {_g(f.held_bytes)} already held" if f.held_bytes else ""))
+
+
+def _releases_text(releases: Sequence[Release]) -> str:
+    sizes = len(releases) > 1  # one release's size is the total the line ends with
+    return ", ".join(f"{r.tenant} ({r.reason}" + (f", {_g(r.expected_free_bytes)})" if sizes else ")") for r in releases)
+
+
+def _waiting_text(waited: Sequence[_Candidate]) -> str:
+    if not waited:
+        return "loads already admitted to reach the card and their tenants to go idle"
+    busy = "; ".join(f"{c.tenant.name} ({(c.state.busy_reason if c.state else '') or 'busy'}, "
+                     f"{_g(c.expected)} above its floor)" for c in waited)
+    return f"busy {busy} to finish"
+
+
+def _in_the_way_text(blockers: Sequence[Blocker]) -> str:
+    in_way = [b for b in blockers if b.reason != "requester"]
+    named = "; ".join(
+        f"{b.tenant} {b.name or '?'} pid {b.pid} ({b.reason.replace('_', ' ')}, "
+        f"{_g(b.vram_bytes) if b.vram_bytes is not None else 'unknown'})" for b in in_way[:_MAX_NAMED])
+    more = f"; and {len(in_way) - _MAX_NAMED} more" if len(in_way) > _MAX_NAMED else ""
+    return f"{named or 'nothing the proxy can see'}{more}"
+
+
+def explain(f: PlanFacts) -> str:
+    """The plan's one-line explanation."""
+    head = _head(f)
+    if not f.starved:
+        return f"{head}: enough, no release needed"
+    if f.too_large:
+        return f"{head}: the model is too large for this card ({_g(f.capacity_bytes)} usable in all); no release can help"
+    if f.feasible:
+        return f"{head}: release {_releases_text(f.chosen)} to free {_g(f.freed)}"
+    if f.possible:
+        return f"{head}: short by {_g(f.shortfall - f.freed)}; waits for {_waiting_text(f.waited)}"
+    return (f"{head}: short by {_g(f.need_bytes - f.reachable)} even if every reclaimable tenant were released; "
+            f"in the way: {_in_the_way_text(f.blockers)}")
 
 
 def plan_release(snap: AttributedSnapshot, registry: Registry, states: Mapping[str, TenantState],
@@ -231,125 +434,10 @@ def plan_release(snap: AttributedSnapshot, registry: Registry, states: Mapping[s
     """`promised`: tenant -> bytes admitted loads will still take from free memory (the requester's
     own load excluded by the caller). `mode`: "request" (a request that needs memory) or "relief"
     (the watchdog relieving a starved busy tenant: only tenants below it are candidates)."""
-    free = snap.free_bytes
-    promised_bytes = sum(promised.values()) if promised else 0
-    held = snap.held_by(requester)
-    device = snap.snapshot.device
-    capacity = device.total_bytes - device.reserved_bytes
-    req_tenant = registry.tenants.get(requester)
-    rprio = req_tenant.priority if req_tenant is not None else 0
-    available = free - promised_bytes
-    is_starved = available + held < need_bytes
-    estimated = snap.estimated
-    head = (f"{requester} needs {_g(need_bytes)}, {_g(free)} free" + (f" ({_g(promised_bytes)} promised to loads under way)"
-                                                                     if promised_bytes else "")
-            + (f" + {_g(held)} already held" if held else ""))
-
-    if not is_starved:
-        return Plan(requester, need_bytes, free, held, True, False, (), (),
-                    f"{head}: enough, no release needed", estimated, promised_bytes=promised_bytes,
-                    reachable_bytes=free + held)
-
-    shortfall = need_bytes - available - held
-    holdings = _holdings(snap)
-    blockers: list[Blocker] = []
-    idle: list[tuple[Tenant, _Holding, int]] = []
-    waitable: list[tuple[Tenant, _Holding, int, TenantState]] = []
-
-    for name, h in holdings.items():
-        if name == requester:
-            continue
-        tenant = None if name == UNMANAGED else registry.tenants.get(name)
-        never = _why_never(tenant, rprio, mode)
-        state = states.get(name)
-        why: tuple[BlockReason, str]
-        if never is not None:
-            why = never
-        else:
-            assert tenant is not None
-            expected = max(0, h.known_bytes - tenant.idle_vram_bytes)
-            if state is not None and state.busy:
-                waitable.append((tenant, h, expected, state))
-                why = ("busy", _busy_detail(state))
-            elif expected == 0 and h.known_bytes > 0:
-                why = ("not_reclaimable",
-                       f"holds only its idle floor of {_g(tenant.idle_vram_bytes)} (idle_vram_gb), which a release does not free")
-            elif expected == 0:
-                why = ("unknown_memory", "idle, but the driver does not report its memory, so no release is counted on")
-            else:
-                idle.append((tenant, h, expected))
-                continue
-        reason, detail = why
-        blockers.extend(Blocker(ap.process.pid, ap.process.name, name, ap.process.used_bytes, reason, detail)
-                        for ap in h.procs)
-
-    order = lambda c: (c[0].priority, -c[1].known_bytes, c[0].name)  # noqa: E731 - lowest priority first, deterministic
-    idle.sort(key=order)
-    waitable.sort(key=order)
-    chosen = _choose(idle, shortfall)
-    releases = tuple(Release(t.name, expected, tuple(ap.process.pid for ap in h.procs),
-                             _release_reason(t, rprio, sum(1 for ap in h.procs if ap.process.used_bytes is None)))
-                     for t, h, expected in chosen)
-    freed = sum(r.expected_free_bytes for r in releases)
-    idle_total = sum(c[2] for c in idle)
-    too_large = need_bytes > capacity
-    feasible = freed >= shortfall and not too_large
-    # Possible: every busy tenant went idle, every reclaimable one were released, and the loads
-    # promised now had come and gone (they are reclaimable in turn once their tenant is idle).
-    waitable_total = sum(c[2] for c in waitable)
-    reach = free + held + idle_total + waitable_total
-    possible = not too_large and reach >= need_bytes
-    wait_for: tuple[str, ...] = ()
-    if not feasible and possible:
-        # the busy tenants to wait for, in release order, until what they hold covers the shortfall
-        covered = idle_total
-        names: list[str] = []
-        for t, _h, expected, _s in waitable:
-            if covered >= shortfall:
-                break
-            names.append(t.name)
-            covered += expected
-        wait_for = tuple(names)
-
-    if not feasible:
-        # name every process in the way: unknown memory in released tenants was not counted on,
-        # and the requester's own processes are listed so the numbers add up for a person
-        for r in releases:
-            for ap in holdings[r.tenant].procs:
-                if ap.process.used_bytes is None:
-                    blockers.append(Blocker(ap.process.pid, ap.process.name, r.tenant, None, "unknown_memory",
-                                            "released with its tenant, but the driver does not report its memory, "
-                                            "so it is not counted on"))
-        if requester in holdings:
-            blockers.extend(Blocker(ap.process.pid, ap.process.name, requester, ap.process.used_bytes, "requester",
-                                    "already held by the requester; counted toward its need")
-                            for ap in holdings[requester].procs)
-    blockers.sort(key=lambda b: (b.reason == "requester", -(b.vram_bytes or 0), b.tenant, b.pid or 0))
-
-    def plan(explanation: str, rel: tuple[Release, ...] = releases) -> Plan:
-        return Plan(requester, need_bytes, free, held, feasible, True, rel, tuple(blockers), explanation, estimated,
-                    possible, wait_for, promised_bytes, reach)
-
-    if too_large:
-        return plan(f"{head}: the model is too large for this card ({_g(capacity)} usable in all); no release can help", ())
-
-    rel_text = ", ".join(
-        f"{r.tenant} ({r.reason}" + (f", {_g(r.expected_free_bytes)})" if len(releases) > 1 else ")") for r in releases)
-    if feasible:
-        return plan(f"{head}: release {rel_text} to free {_g(freed)}")
-    if possible:
-        waiting = "; ".join(f"{t.name} ({s.busy_reason or 'busy'}, {_g(e)} above its floor)"
-                            for t, _h, e, s in waitable if t.name in wait_for)
-        return plan(f"{head}: short by {_g(shortfall - freed)}; waits for "
-                    + (f"busy {waiting} to finish" if waiting else
-                       "loads already admitted to reach the card and their tenants to go idle"), ())
-    in_way = [b for b in blockers if b.reason != "requester"]
-    named = "; ".join(
-        f"{b.tenant} {b.name or '?'} pid {b.pid} ({b.reason.replace('_', ' ')}, "
-        f"{_g(b.vram_bytes) if b.vram_bytes is not None else 'unknown'})" for b in in_way[:_MAX_NAMED])
-    more = f"; and {len(in_way) - _MAX_NAMED} more" if len(in_way) > _MAX_NAMED else ""
-    return plan(f"{head}: short by {_g(need_bytes - reach)} even if every reclaimable tenant were released; "
-                f"in the way: {named or 'nothing the proxy can see'}{more}")
+    f = decide(snap, registry, states, requester, need_bytes, promised=promised, mode=mode)
+    return Plan(requester, need_bytes, f.free_bytes, f.held_bytes, f.feasible, f.starved, f.releases, f.blockers,
+                explain(f), snap.estimated, f.possible, tuple(c.tenant.name for c in f.waited), f.promised_bytes,
+                f.reachable)
 
 
 # -- the queue of requests waiting for memory ------------------------------------------------------

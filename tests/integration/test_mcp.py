@@ -3,6 +3,7 @@ admin listener, and over stdio against a subprocess `python -m proxy.admin.mcp_t
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -143,3 +144,35 @@ async def test_the_models_tool_lists_model_files_with_residency(box: DemoFactory
     (ollama,) = result.structured_content["tenants"]
     gemma = next(m for m in ollama["models"] if m["name"] == "gemma3:27b")
     assert gemma["size_gb"] == 16.2 and "resident_percent" in gemma["residency"]
+
+
+# -- without the optional SDK (`pip install 'hyperswap[mcp]'`) ----------------------------------------
+
+def hide_mcp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As if the [mcp] extra were not installed: None in sys.modules for the SDK and each module of it."""
+    for name in [n for n in sys.modules if n == "mcp" or n.startswith("mcp.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "mcp", None)
+    monkeypatch.delitem(sys.modules, "proxy.admin.mcp_tools", raising=False)
+
+
+async def test_without_the_sdk_the_proxy_runs_and_its_mcp_route_answers_501_with_the_fix(
+        box: DemoFactory, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    hide_mcp(monkeypatch)
+    demo = await box("default")
+    url = demo.proxy.url("admin")
+    r = await http.post(url + "/mcp", json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"},
+                        headers={"Accept": "application/json, text/event-stream"})
+    assert r.status_code == 501, r.text
+    assert r.json() == {"error": "the MCP tools need the optional mcp package, which is not installed",
+                        "fix": "pip install 'hyperswap[mcp]'"}, r.text
+    assert (await http.get(url + "/api/tenants")).status_code == 200  # the rest of the admin API is there
+
+
+def test_python_m_mcp_tools_without_the_sdk_says_how_to_install_it_and_exits_2() -> None:
+    code = "import runpy, sys; sys.modules['mcp'] = None; runpy.run_module('proxy.admin.mcp_tools', run_name='__main__')"
+    done = subprocess.run([sys.executable, "-c", code, "--admin", "http://127.0.0.1:1"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == "" and done.stderr == ("error: the MCP tools need the optional mcp package, which is not "
+                                                 "installed (fix: pip install 'hyperswap[mcp]')\n"), done.stderr

@@ -213,6 +213,22 @@ def test_memory_held_by_a_busy_tenant_is_waited_for_not_refused() -> None:
     assert "waits for busy comfyui (1 running job(s)" in plan.explanation
 
 
+def test_a_plan_that_waits_lists_the_idle_releases_it_counts_on() -> None:
+    # issue 27.6: stt idle with 3 GiB, comfyui busy with 10 GiB, 1 GiB free, ollama needs 8 GiB: the
+    # plan waits for comfyui and already counts stt's 3 GiB ("short by 4.00 GiB" = 7 - 3), so stt is
+    # in its releases, not left out of both releases and blockers
+    reg = registry({"stt": STT})
+    s = snap([("comfyui", 2, 10 * GIB), ("stt", 3, 3 * GIB)], free=GIB)
+    plan = plan_release(s, reg, busy(idle("stt"), "comfyui", "1 running job(s)"), "ollama", 8 * GIB)
+    assert plan.outcome == "wait" and plan.wait_for == ("comfyui",)
+    assert released(plan) == ["stt"], f"stt's idle 3 GiB is counted on but not listed: {plan.to_json()}"
+    assert reasons(plan) == {2: "busy"}
+    assert plan.explanation == ("ollama needs 8.00 GiB, 1.00 GiB free: short by 4.00 GiB; "
+                                "waits for busy comfyui (1 running job(s), 9.50 GiB above its floor) to finish")
+    listed = {pid for r in plan.releases for pid in r.pids} | {b.pid for b in plan.blockers}
+    assert listed == {2, 3}, f"every holder released or named, got {listed}"
+
+
 def test_only_what_waiting_cannot_reach_is_impossible() -> None:
     s = snap([("comfyui", 2, 7 * GIB), ("unmanaged", 9, 6 * GIB)], free=8 * GIB)
     states = busy(idle(), "comfyui")

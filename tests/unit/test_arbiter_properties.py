@@ -128,3 +128,18 @@ def test_every_process_holding_memory_in_a_refused_plan_is_released_in_it_or_nam
     for ap in card.processes:
         if ap.tenant not in released and (ap.process.used_bytes or 0) > 0:
             assert ap.process.pid in named, f"pid {ap.process.pid} ({ap.tenant}) holds memory but is not named"
+
+
+@PROPERTY
+@given(worlds())
+def test_every_process_holding_memory_in_a_waiting_plan_is_released_in_it_or_named(world: Any) -> None:
+    # issue 27.6: idle reclaimable holders of a plan that waits were in neither list
+    reg, card, states, requester, need = world
+    plan = plan_release(card, reg, states, requester, need)
+    if plan.outcome != "wait":
+        return
+    named = {b.pid for b in plan.blockers}
+    released = {r.tenant for r in plan.releases}
+    for ap in card.processes:
+        if ap.tenant not in released and (ap.process.used_bytes or 0) > 0:
+            assert ap.process.pid in named, f"pid {ap.process.pid} ({ap.tenant}) holds memory but is not named"
