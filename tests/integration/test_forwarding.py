@@ -619,13 +619,16 @@ async def test_comfyui_prompt_stays_in_flight_until_ws_end_marker() -> None:
 
 
 async def test_comfyui_prompt_without_socket_ends_via_history_poll() -> None:
-    async with stack("comfyui", comfyui_like, clock=ManualClock()) as (proxy, _, inflight, state):
+    clock = ManualClock()
+    async with stack("comfyui", comfyui_like, clock=clock) as (proxy, _, inflight, state):
         async with httpx.AsyncClient(verify=LOOPBACK_TLS) as c:
             r = await c.post(f"{proxy.url}/api/prompt", json={"prompt": {}})
         pid = r.json()["prompt_id"]
         await within(_until(lambda: inflight.traffic("comfyui").jobs == (pid,)))
+        await clock.advance(60.0)  # the poller's turn comes while /history is still empty
         assert not await inflight.wait_idle("comfyui", 0.05), "history still empty: the job is running"
         state.history_done.add(pid)
+        await clock.advance(60.0)  # its next turn
         assert await inflight.wait_idle("comfyui", SAFETY_S), "the poller must see /history list the prompt"
 
 
