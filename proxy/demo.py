@@ -19,6 +19,7 @@ from typing import Any, Literal
 import httpx
 from websockets.asyncio.client import connect as ws_connect
 
+from proxy.clock import Clock, SystemClock
 from proxy.relay.servers import settle_heap
 from proxy.service import Proxy
 from proxy.sim.box import Scenario, SimBox, fast_scenario, load_scenario
@@ -50,8 +51,11 @@ class Demo:
 
 async def start_demo(scenario: str | Scenario = "default", *, sim_ports: Mapping[str, int] | None = None,
                      proxy_ports: Mapping[str, int] | None = None, with_proxy: bool = True,
-                     watchdog: bool = True) -> Demo:
-    box = SimBox(load_scenario(scenario) if isinstance(scenario, str) else scenario)
+                     watchdog: bool = True, clock: Clock | None = None) -> Demo:
+    """The simulated box and the proxy in front of it, all on one clock (the system's unless given:
+    tests give a ticking ManualClock to jump past the proxy's thresholds)."""
+    clock = clock or SystemClock()
+    box = SimBox(load_scenario(scenario) if isinstance(scenario, str) else scenario, clock)
     ports = {**DEFAULT_SIM_PORTS, **(sim_ports or {})}
     await box.start(ollama_port=ports["ollama"], comfyui_port=ports["comfyui"])
     proxy = None
@@ -59,7 +63,7 @@ async def start_demo(scenario: str | Scenario = "default", *, sim_ports: Mapping
         try:
             # The demo never reads the operator's tenants.json: shipped defaults + the scenario.
             registry = registry_from_dict(box.tenant_overrides())
-            proxy = Proxy(registry, box.gpu, watchdog_enabled=watchdog)
+            proxy = Proxy(registry, box.gpu, clock, watchdog_enabled=watchdog)
             await proxy.start(proxy_ports)
         except BaseException:
             await box.stop()

@@ -594,7 +594,7 @@ class Telemetry:
         # Reads the snapshot the request path and the watchdog already took: no GPU reads of its own.
         while True:
             self.sample()
-            await asyncio.sleep(self.sample_interval_s)
+            await self.proxy.clock.sleep(self.sample_interval_s)
 
     def on_decision(self, d: Decision) -> None:
         seen = self._seen.setdefault(d.id, set())

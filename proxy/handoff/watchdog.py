@@ -247,7 +247,7 @@ class Watchdog:
                 raise
             except Exception:
                 log.exception("watchdog tick failed")
-            await asyncio.sleep(interval)
+            await self.arb.clock.sleep(interval)
 
 
 __all__ = ["GIB", "TickReport", "Watchdog"]

@@ -213,10 +213,13 @@ async def start_server(app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *, 
     )
     server = _Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]), name=f"uvicorn:{name or port}")
-    while not server.started:
+
+    def started() -> bool:  # uvicorn sets a flag, no event
         if task.done():
             task.result()  # raises the startup error
             raise RuntimeError(f"server {name} stopped during start-up")
-        await asyncio.sleep(0.005)
+        return bool(server.started)
+
+    await poll_until(started)
     bound = sock.getsockname()[1]
     return RunningServer(name=name, host=host, port=bound, server=server, task=task)

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from proxy.clock import Clock, SystemClock
 from proxy.errors import ConfigError
 from proxy.relay.servers import RunningServer
 from proxy.sim.comfyui import ComfySim, ComfySimConfig
@@ -100,6 +101,7 @@ def fast_scenario(name: str, **changes: Any) -> Scenario:
 @dataclass(slots=True)
 class SimBox:
     scenario: Scenario
+    clock: Clock = field(default_factory=SystemClock)  # both simulators' time (model loads, steps, keep-alive)
     gpu: SimulatedGpu = field(init=False)
     ollama: OllamaSim | None = field(init=False, default=None)
     comfyui: ComfySim | None = field(init=False, default=None)
@@ -118,9 +120,11 @@ class SimBox:
                 self.gpu.device(p.gpu).spawn(p.name, p.cmdline, int(p.vram_gb * GIB), pid=p.pid,
                                              unknown_memory=p.unknown_memory)
             if self.scenario.ollama is not None:
-                self.ollama = OllamaSim(self._card("ollama"), OllamaSimConfig.from_scenario(self.scenario.ollama))
+                self.ollama = OllamaSim(self._card("ollama"), OllamaSimConfig.from_scenario(self.scenario.ollama),
+                                        clock=self.clock)
             if self.scenario.comfyui is not None:
-                self.comfyui = ComfySim(self._card("comfyui"), ComfySimConfig.from_scenario(self.scenario.comfyui))
+                self.comfyui = ComfySim(self._card("comfyui"), ComfySimConfig.from_scenario(self.scenario.comfyui),
+                                        clock=self.clock)
         except (ValueError, TypeError, ValidationError) as exc:
             raise ConfigError(f"scenario does not match the simulators' schema: {exc}") from None
 

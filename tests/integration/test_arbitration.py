@@ -11,6 +11,7 @@ import pytest
 from boxes import DemoFactory, fast
 from websockets.asyncio.client import connect as ws_connect
 
+from proxy.clock import ManualClock
 from proxy.demo import comfy_prompt, run_prompt
 from proxy.gpu.snapshot import GpuReadError
 from proxy.handoff.arbiter import Plan
@@ -142,7 +143,8 @@ async def test_oom_with_nothing_to_release_reaches_the_client_with_blockers(box:
 
 
 async def test_spill_to_cpu_makes_ollama_starved_and_reclaims_comfyui(box: DemoFactory, http: httpx.AsyncClient) -> None:
-    demo = await box(fast("default", settings={"proxy": {"spill_stable_s": 0.2}}))
+    clock = ManualClock(ticking=True)
+    demo = await box(fast("default", settings={"proxy": {"spill_stable_s": 30.0}}), clock=clock)
     await run_prompt(demo.proxy.url("comfyui"), "flux1-dev-fp8.safetensors", http)
     # A client talking to Ollama directly: the proxy only sees the spill afterwards.
     r = await http.post(demo.box.servers["ollama"].url + "/api/generate",
@@ -154,7 +156,7 @@ async def test_spill_to_cpu_makes_ollama_starved_and_reclaims_comfyui(box: DemoF
     first = await demo.proxy.watchdog.tick()
     assert not decisions(demo, "spill"), "a split seen once may still be a load growing: no spill yet"
     assert "a spill if it holds still" in first.reasons["ollama"], first.reasons
-    await asyncio.sleep(0.25)
+    await clock.advance(31.0)  # the split held still past spill_stable_s
     report = await demo.proxy.watchdog.tick()
 
     spill = decisions(demo, "spill", "ollama")
@@ -163,11 +165,12 @@ async def test_spill_to_cpu_makes_ollama_starved_and_reclaims_comfyui(box: DemoF
 
 
 async def test_idle_comfyui_is_released_after_its_idle_timeout(box: DemoFactory, http: httpx.AsyncClient) -> None:
-    demo = await box(fast("default", tenants={"comfyui": {"idle_release_after_s": 0.3}}))
+    clock = ManualClock(ticking=True)
+    demo = await box(fast("default", tenants={"comfyui": {"idle_release_after_s": 30.0}}), clock=clock)
     await run_prompt(demo.proxy.url("comfyui"), "sd_xl_base_1.0.safetensors", http)
     first = await demo.proxy.watchdog.tick()
     assert first.reasons["comfyui"].startswith("idle release in") or "busy" in first.reasons["comfyui"], first.reasons
-    await asyncio.sleep(0.4)
+    await clock.advance(31.0)
 
     report = await demo.proxy.watchdog.tick()
 
@@ -216,10 +219,9 @@ async def test_client_leaving_during_a_release_lets_the_release_finish_and_holds
     with pytest.raises(asyncio.CancelledError):
         await leaving
     arb = demo.proxy.arbitration
-    for _ in range(500):
-        if "releases" in plan.outcome and not arb._reservations and not arb.handoff_lock.locked():
-            break
-        await asyncio.sleep(0.01)
+    async with asyncio.timeout(5):  # the release's own end: no event to wait on from here
+        await poll_until(lambda: "releases" in plan.outcome and not arb._reservations and not arb.handoff_lock.locked(),
+                         0.01)
     assert plan.outcome["releases"][0]["confirmed"] is True, "the release runs to its end and is recorded"
     assert arb._reservations == {} and not arb.handoff_lock.locked(), "a departed request holds no memory and no lock"
     assert demo.proxy.inflight.traffic("ollama").in_flight == 0
@@ -357,12 +359,14 @@ async def test_comfyui_oom_of_a_client_without_websocket_is_found_by_the_history
 async def test_an_idle_release_that_frees_nothing_backs_off_and_never_holds_up_a_prompt(
         box: DemoFactory, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
     # A ComfyUI whose /free gives nothing back (models held by a custom node, say).
-    demo = await box(fast("default", tenants={"comfyui": {"idle_release_after_s": 0.2, "release_timeout_s": 1.0}}))
+    clock = ManualClock(ticking=True)
+    demo = await box(fast("default", tenants={"comfyui": {"idle_release_after_s": 0.2, "release_timeout_s": 1.0}}),
+                     clock=clock)
     await run_prompt(demo.proxy.url("comfyui"), "sd_xl_base_1.0.safetensors", http)
     sim = demo.box.comfyui
     monkeypatch.setattr(sim, "_apply_free", lambda: setattr(sim, "_free_flags", {}))  # flags taken, nothing freed
     watchdog = demo.proxy.watchdog
-    await asyncio.sleep(0.25)
+    await clock.advance(0.25)
     releasing = asyncio.ensure_future(watchdog.tick())  # waits its 1 s release timeout under the lock
     async with asyncio.timeout(5):
         await poll_until(demo.proxy.arbitration.handoff_lock.locked)
@@ -372,14 +376,13 @@ async def test_an_idle_release_that_frees_nothing_backs_off_and_never_holds_up_a
     assert queued.status_code == 200, queued.text
     assert not releasing.done(), f"the prompt ({took:.2f} s) waited for the fruitless release"
     await releasing
-    clock = demo.proxy.arbitration.clock
     for n in (1, 2):
         deadline = watchdog.idle_deadline("comfyui")
         assert deadline is not None and deadline - clock.now() > 0.2 * 2 ** n - 0.15, \
             f"after {n} fruitless release(s) the next waits 0.2 s x {2 ** n}"
         if n == 2:
             break
-        await asyncio.sleep(max(0.0, deadline - clock.now()) + 0.02)
+        await clock.advance(max(0.0, deadline - clock.now()) + 0.02)
         report = await watchdog.tick()
         assert report.reasons["comfyui"] == "released after idle timeout", report.reasons
     again = await watchdog.tick()

@@ -31,7 +31,7 @@ from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket
 from websockets.asyncio.client import connect
 
-from proxy.clock import FakeClock
+from proxy.clock import ManualClock
 from proxy.handoff.inflight import InFlight
 from proxy.relay.forward import Forwarder
 from proxy.relay.listener import TenantApp
@@ -239,7 +239,7 @@ def comfyui_like(state: Upstream) -> Starlette:
 
 @contextlib.asynccontextmanager
 async def stack(engine: str, upstream_app: Callable[[Upstream], Starlette] | None, *, upstream_url: str | None = None,
-                clock: FakeClock | None = None, max_connections: int = 1024,
+                clock: ManualClock | None = None, max_connections: int = 1024,
                 **tenant_fields: object) -> AsyncIterator[tuple[RunningServer, Tenant, InFlight, Upstream]]:
     state = Upstream()
     servers: list[RunningServer] = []
@@ -250,7 +250,7 @@ async def stack(engine: str, upstream_app: Callable[[Upstream], Starlette] | Non
             servers.append(up)
             upstream_url = up.url
         tenant = Tenant(name=engine, engine=engine, upstream=upstream_url, **tenant_fields)  # type: ignore[arg-type]
-        inflight = InFlight(clock or FakeClock())
+        inflight = InFlight(clock or ManualClock())
         proxy = await start_server(TenantApp(tenant, forwarder, inflight, job_poll_s=0.01), name="proxy")
         servers.append(proxy)
         yield proxy, tenant, inflight, state
@@ -619,13 +619,16 @@ async def test_comfyui_prompt_stays_in_flight_until_ws_end_marker() -> None:
 
 
 async def test_comfyui_prompt_without_socket_ends_via_history_poll() -> None:
-    async with stack("comfyui", comfyui_like, clock=FakeClock()) as (proxy, _, inflight, state):
+    clock = ManualClock()
+    async with stack("comfyui", comfyui_like, clock=clock) as (proxy, _, inflight, state):
         async with httpx.AsyncClient(verify=LOOPBACK_TLS) as c:
             r = await c.post(f"{proxy.url}/api/prompt", json={"prompt": {}})
         pid = r.json()["prompt_id"]
         await within(_until(lambda: inflight.traffic("comfyui").jobs == (pid,)))
+        await clock.advance(60.0)  # the poller's turn comes while /history is still empty
         assert not await inflight.wait_idle("comfyui", 0.05), "history still empty: the job is running"
         state.history_done.add(pid)
+        await clock.advance(60.0)  # its next turn
         assert await inflight.wait_idle("comfyui", SAFETY_S), "the poller must see /history list the prompt"
 
 

@@ -13,6 +13,7 @@ import pytest
 from proxy.admin.models_api import ModelsExtension
 from proxy.demo import Demo, run_prompt
 from proxy.sim.box import Scenario, fast_scenario
+from proxy.tasks import poll_until
 from tests.integration.boxes import DemoFactory
 
 CKPT = "flux1-dev-fp8.safetensors"
@@ -56,11 +57,14 @@ async def test_a_warm_reads_the_files_in_and_the_listing_shows_it_at_once(box: D
     admin = demo.proxy.url("admin")  # type: ignore[union-attr]
     r = await http.post(admin + "/api/models/warm", json={"tenant": "ollama", "model": "llama3.1:8b"})
     assert r.status_code == 202, r.text
-    for _ in range(200):
+    async def warmed() -> bool:  # the warm runs in a thread: no event to wait on from here
+        nonlocal m
         m = (await models(http, demo))["llama3.1:8b"]
-        if m["warm"]["state"] == "done":
-            break
-        await asyncio.sleep(0.02)
+        return bool(m["warm"]["state"] == "done")
+
+    m: dict[str, Any] = {}
+    async with asyncio.timeout(10):
+        await poll_until(warmed, 0.02)
     assert m["warm"]["state"] == "done" and m["residency"]["resident_percent"] > 95, m
     r = await http.post(admin + "/api/models/stop", json={"tenant": "ollama", "model": "llama3.1:8b"})
     assert r.status_code == 409 and "no warm" in r.json()["error"]
@@ -153,11 +157,14 @@ async def test_keep_warm_models_warms_the_most_recently_used_models_again(box: D
     r = await http.post(demo.proxy.url("ollama") + "/api/generate",
                         json={"model": "qwen2.5:14b", "prompt": "hi", "stream": False})
     assert r.status_code == 200
-    for _ in range(200):
+    async def rewarmed() -> bool:
+        nonlocal listed
         listed = await models(http, demo)
-        if listed["llama3.1:8b"]["warm"] and listed["llama3.1:8b"]["warm"]["state"] == "done":
-            break
-        await asyncio.sleep(0.02)
+        return bool(listed["llama3.1:8b"]["warm"] and listed["llama3.1:8b"]["warm"]["state"] == "done")
+
+    listed: dict[str, Any] = {}
+    async with asyncio.timeout(10):
+        await poll_until(rewarmed, 0.02)
     assert listed["llama3.1:8b"]["residency"]["resident_percent"] > 95, "one of the 2 most recently used"
     assert listed["llama3.1:8b"]["warm"]["reason"].startswith("keep the 2"), listed["llama3.1:8b"]
     assert listed["llama3.2:3b"]["residency"]["resident_percent"] < 5, "the third most recent stays cold"

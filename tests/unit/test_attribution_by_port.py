@@ -189,7 +189,7 @@ async def test_the_proxys_snapshot_attributes_by_port_and_carries_the_notes(fp: 
     # the whole path the admission and the admin API use: NVML reader on a fixture /proc -> Arbitration
     from test_nvml import CLK_TCK, FakeNvml, entry
 
-    from proxy.clock import FakeClock
+    from proxy.clock import ManualClock
     from proxy.gpu.nvml import NvmlReader
     from proxy.handoff.arbitration import Arbitration
     from proxy.handoff.decisions import DecisionLog
@@ -203,7 +203,7 @@ async def test_the_proxys_snapshot_attributes_by_port_and_carries_the_notes(fp: 
     fp.write_net()
     nvml = FakeNvml()
     nvml.compute = [entry(801, 3 * 2**30)]
-    clock = FakeClock(start=50.0)
+    clock = ManualClock(start=50.0)
     arb = Arbitration(reg, NvmlReader(nvml=nvml, proc_root=fp.root, clock=clock, clk_tck=CLK_TCK),  # type: ignore[arg-type]
                       InFlight(clock), clock, DecisionLog(clock))
     try:

@@ -2,44 +2,42 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+
 import httpx
 import pytest
 
+from proxy.clock import ManualClock
 from proxy.deploy import gate
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def now(self) -> float:
-        return self.t
-
-    def sleep(self, s: float) -> None:
-        self.t += s
+def plain_sleep(clock: ManualClock) -> Callable[[float], None]:
+    """The gate runs before any event loop (systemd's ExecStartPost): its sleep is a plain call."""
+    return lambda seconds: asyncio.run(clock.advance(seconds))
 
 
 def test_waits_until_the_admin_api_answers() -> None:
-    clock, calls = FakeClock(), []
+    clock, calls = ManualClock(start=0.0), []
 
     def get(url: str) -> int:
-        calls.append(clock.t)
-        if clock.t < 1.0:
+        calls.append(clock.now())
+        if clock.now() < 1.0:
             raise httpx.ConnectError("refused")
         return 200
 
-    assert gate.wait_answering("http://127.0.0.1:1/api/health", 30, get=get, sleep=clock.sleep, now=clock.now)
+    assert gate.wait_answering("http://127.0.0.1:1/api/health", 30, get=get, sleep=plain_sleep(clock), now=clock.now)
     assert len(calls) == 5 and calls[-1] == 1.0
 
 
 def test_gives_up_after_the_deadline() -> None:
-    clock = FakeClock()
+    clock = ManualClock(start=0.0)
 
     def get(url: str) -> int:
         raise httpx.ConnectError("refused")
 
-    assert not gate.wait_answering("http://x", 2, get=get, sleep=clock.sleep, now=clock.now)
-    assert clock.t == pytest.approx(2.0)
+    assert not gate.wait_answering("http://x", 2, get=get, sleep=plain_sleep(clock), now=clock.now)
+    assert clock.now() == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize(("check_rc", "gate_rc"), [(0, 0), (1, 0), (2, 2)])

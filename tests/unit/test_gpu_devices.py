@@ -10,7 +10,7 @@ import pytest
 from cards import registry
 from test_nvml import CLK_TCK, GIB, FakeNvml, entry
 
-from proxy.clock import FakeClock
+from proxy.clock import ManualClock
 from proxy.engines import adapter_for
 from proxy.errors import ConfigError
 from proxy.gpu.devices import (
@@ -170,7 +170,7 @@ def test_every_card_is_read_and_each_process_entry_names_its_card(tmp_path: Path
     write_proc(tmp_path, 101, 100, "ollama", ["/usr/bin/ollama", "runner"], {"CUDA_VISIBLE_DEVICES": "GPU-fake-1"})
     write_proc(tmp_path, 200, 1, "python3", ["python3", "main.py", "--cuda-device", "0"], None)
     nvml.per_card = {"handle0": [entry(101, 3 * GIB), entry(200, 5 * GIB)], "handle1": [entry(101, 4 * GIB)]}
-    reader = NvmlReader(nvml=nvml, proc_root=tmp_path, clock=FakeClock(start=1.0), clk_tck=CLK_TCK,
+    reader = NvmlReader(nvml=nvml, proc_root=tmp_path, clock=ManualClock(start=1.0), clk_tck=CLK_TCK,
                         fd_links=lambda _: [])
     snap = reader.read()
     assert [d.index for d in snap.devices] == [0, 1] and snap.several_devices
@@ -192,7 +192,7 @@ def test_a_one_card_host_reads_as_before(tmp_path: Path) -> None:
     nvml = FakeNvml()  # no device count in the binding: card 0 only
     nvml.compute = [entry(300, 2 * GIB)]
     write_proc(tmp_path, 300, 1, "ollama", ["ollama", "serve"], {"CUDA_VISIBLE_DEVICES": "0"})
-    snap = NvmlReader(nvml=nvml, proc_root=tmp_path, clock=FakeClock(start=1.0), clk_tck=CLK_TCK,
+    snap = NvmlReader(nvml=nvml, proc_root=tmp_path, clock=ManualClock(start=1.0), clk_tck=CLK_TCK,
                       fd_links=lambda _: []).read()
     assert snap.devices == () and not snap.several_devices and snap.all_devices == (snap.device,)
     assert snap.processes[0].cuda_env is None, "environ is only read where there is a card to choose"

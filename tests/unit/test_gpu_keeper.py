@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from proxy.clock import FakeClock
+from proxy.clock import ManualClock
 from proxy.gpu.keeper import GpuSettingsKeeper
 from proxy.gpu.settings_writer import ROOT_FIX, SettingChange, SettingsWriteError
 from proxy.gpu.snapshot import GpuReadError
@@ -54,9 +54,9 @@ class FlakySource:
 
 
 def make(profile: dict[str, Any], spec: dict[str, Any] | None = None, *, writer: Any = None
-         ) -> tuple[GpuSettingsKeeper, SimulatedCardSettings, Any, DecisionLog, FakeClock]:
+         ) -> tuple[GpuSettingsKeeper, SimulatedCardSettings, Any, DecisionLog, ManualClock]:
     card = SimulatedCardSettings(spec=SimulatedSettingsSpec.model_validate(spec or {}))
-    clock = FakeClock()
+    clock = ManualClock()
     log = DecisionLog(clock)
     w = writer if writer is not None else RecordingWriter(card)
     keeper = GpuSettingsKeeper(FlakySource(card), w, GpuProfile.model_validate(profile), clock, log)
@@ -70,7 +70,7 @@ def kinds(log: DecisionLog) -> list[str]:
 async def test_drift_without_apply_is_logged_with_its_start_and_nothing_is_written() -> None:
     keeper, card, _, log, clock = make({"power_limit_w": 300}, writer=NeverWriter())
     await keeper.check()
-    clock.advance(120)
+    await clock.advance(120)
     await keeper.check()
     view = keeper.devices[0]
     assert [c.status for c in view.checks] == ["drift"]
@@ -108,17 +108,17 @@ async def test_without_permission_the_error_says_root_and_retries_back_off() -> 
     assert keeper.apply_error is not None and keeper.apply_error.kind == "no_permission"
     assert keeper.to_json()["apply"]["error"]["fix"] == ROOT_FIX
     assert next(d for d in log.recent() if d.kind == "gpu_apply").outcome["ok"] is False
-    clock.advance(29)
+    await clock.advance(29)
     await keeper.check()
     assert len(writer.writes) == 1, "no retry within the first 30 s"
-    clock.advance(2)
+    await clock.advance(2)
     await keeper.check()
     assert len(writer.writes) == 2
-    clock.advance(59)
+    await clock.advance(59)
     await keeper.check()
     assert len(writer.writes) == 2, "the second wait doubles to 60 s"
     writer.fail = None
-    clock.advance(2)
+    await clock.advance(2)
     await keeper.check()
     assert len(writer.writes) == 3 and keeper.apply_error is None and keeper.apply_failures == 0
 

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from proxy.clock import FakeClock
+from proxy.clock import ManualClock
 from proxy.lifecycle import Backoff, Lifecycle, LifecycleError, LifecycleReport, Status, TenantLifecycle
 
 
@@ -71,8 +71,8 @@ class Ready:
 
 
 def machine(ctl: FakeController | None = None, ready: Ready | None = None, **kwargs: object) -> tuple[
-        TenantLifecycle, FakeController, Ready, FakeClock, list[LifecycleReport]]:
-    ctl, ready, clock, reports = ctl or FakeController(), ready or Ready(), FakeClock(), []
+        TenantLifecycle, FakeController, Ready, ManualClock, list[LifecycleReport]]:
+    ctl, ready, clock, reports = ctl or FakeController(), ready or Ready(), ManualClock(), []
     lc = TenantLifecycle("llama", ctl, ready, start_timeout_s=30.0, clock=clock, backoff=Backoff(1.0, 8.0),
                          on_report=reports.append, **kwargs)  # type: ignore[arg-type]
     return lc, ctl, ready, clock, reports
@@ -158,7 +158,7 @@ async def test_a_failed_start_reports_the_reason_and_output_then_backs_off() -> 
     assert err.value.to_json()["output"] == ["loading model", "model file not found"]
     view = lc.view()
     assert view["state"] == "failed" and view["failures"] == 1 and view["retry_in_s"] == 1.0
-    clock.advance(1.0)
+    await clock.advance(1.0)
     ctl.fail_start = None
     assert (await lc.ensure_running()).ok and ctl.starts == 2 and lc.snapshot.failures == 0
 
@@ -167,7 +167,7 @@ async def test_backoff_grows_with_each_failure_and_force_skips_it() -> None:
     lc, ctl, ready, clock, _ = machine()
     ready.fail = "not ready within 30 s"
     assert (await lc.begin_start()).retry_in_s == 1.0
-    clock.advance(1.0)
+    await clock.advance(1.0)
     assert (await lc.begin_start()).retry_in_s == 2.0
     refused = await lc.begin_start()
     assert refused.refused and not refused.ok and ctl.starts == 2
@@ -216,7 +216,7 @@ async def test_readiness_gets_what_is_left_of_the_start_timeout() -> None:
     lc, ctl, ready, clock, _ = machine()
 
     async def slow_start() -> None:
-        clock.advance(12.0)
+        await clock.advance(12.0)
         ctl.running = True
 
     ctl.start = slow_start  # type: ignore[method-assign]

@@ -12,6 +12,7 @@ import httpx
 import pytest
 import respx
 
+from proxy.clock import ManualClock
 from proxy.errors import ConfigError
 from proxy.gpu.attribution import Attributor
 from proxy.gpu.pods import (
@@ -103,54 +104,47 @@ class FakeSource:
         return body
 
 
-class Clock:
-    t = 100.0
-
-    def now(self) -> float:
-        return self.t
-
-
-def resolver(source: FakeSource, cgroups: dict[int, str], clock: Clock) -> PodResolver:
+def resolver(source: FakeSource, cgroups: dict[int, str], clock: ManualClock) -> PodResolver:
     return PodResolver(source, refresh_s=30, min_refresh_s=5, now=clock.now,
                        cgroup=lambda root, pid: cgroups.get(pid, ""))
 
 
-def test_resolver_reads_the_pod_list_once_per_refresh_period() -> None:
-    clock, source = Clock(), FakeSource([pod_list()])
+async def test_resolver_reads_the_pod_list_once_per_refresh_period() -> None:
+    clock, source = ManualClock(), FakeSource([pod_list()])
     r = resolver(source, {10: cgroup("containerd-v2-systemd.txt"), 11: cgroup("host-session-v2.txt")}, clock)
     pods = r.resolve([10, 11])
     assert set(pods) == {10} and pods[10].name == "ollama-7d9c5b8f6-x2k4p"
-    clock.t += 10
+    await clock.advance(10)
     r.resolve([10, 11])
     assert source.calls == 1, "a known container needs no new read"
-    clock.t += 25
+    await clock.advance(25)
     r.resolve([10])
     assert source.calls == 2, "the list is read again after refresh_s"
 
 
-def test_a_new_container_rereads_the_list_at_most_every_min_refresh() -> None:
-    clock = Clock()
+async def test_a_new_container_rereads_the_list_at_most_every_min_refresh() -> None:
+    clock = ManualClock()
     source = FakeSource([{"items": []}, pod_list()])
     r = resolver(source, {10: cgroup("containerd-v2-systemd.txt")}, clock)
     assert r.resolve([10]) == {} and source.calls == 1
-    clock.t += 1
+    await clock.advance(1)
     assert r.resolve([10]) == {} and source.calls == 1, "not sooner than min_refresh_s"
-    clock.t += 5
+    await clock.advance(5)
     assert r.resolve([10])[10].namespace == "ai" and source.calls == 2
 
 
 def test_no_container_processes_never_read_the_list() -> None:
     source = FakeSource([pod_list()])
-    assert resolver(source, {1: cgroup("host-service-v2.txt")}, Clock()).resolve([1]) == {}
+    assert resolver(source, {1: cgroup("host-service-v2.txt")}, ManualClock()).resolve([1]) == {}
     assert source.calls == 0
 
 
-def test_a_failed_read_keeps_the_last_index_and_says_why() -> None:
-    clock = Clock()
+async def test_a_failed_read_keeps_the_last_index_and_says_why() -> None:
+    clock = ManualClock()
     source = FakeSource([pod_list(), PodListError("listing the pods of node n answered 403")])
     r = resolver(source, {10: cgroup("containerd-v2-systemd.txt")}, clock)
     assert 10 in r.resolve([10]) and r.error is None
-    clock.t += 31
+    await clock.advance(31)
     assert 10 in r.resolve([10]) and r.error is not None and "403" in r.error
 
 
@@ -248,7 +242,7 @@ class StaticReader:
 def test_the_pod_aware_reader_adds_pods_and_notes_a_failed_list() -> None:
     snap = GpuSnapshot(DEVICE, (GpuProcess(10, "ollama", "", 1, 1.0),), source="nvml", tree=ProcessTree())
     source = FakeSource([PodListError("cannot list the pods of node n: refused")])
-    reader = PodAwareReader(StaticReader(snap), resolver(source, {10: cgroup("containerd-v2-systemd.txt")}, Clock()))
+    reader = PodAwareReader(StaticReader(snap), resolver(source, {10: cgroup("containerd-v2-systemd.txt")}, ManualClock()))
     out = reader.read()
     assert dict(out.pods) == {} and out.notes == ("pods: cannot list the pods of node n: refused",)
     simulated = GpuSnapshot(DEVICE, (GpuProcess(10, "ollama", "", 1, 1.0),), source="simulated")

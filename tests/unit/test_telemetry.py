@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from proxy.admin.telemetry import TelemetryStore, VramRecorder, decision_rows, default_path
-from proxy.clock import FakeClock
+from proxy.clock import ManualClock
 from proxy.handoff.decisions import DecisionLog
 from proxy.tenants import GIB, MIB
 
@@ -17,8 +17,8 @@ if TYPE_CHECKING:
     from proxy.service import Proxy
 
 
-def store_at(tmp_path: Path, clock: FakeClock | None = None, **kw: object) -> TelemetryStore:
-    store = TelemetryStore(tmp_path / "t.sqlite3", wall=clock or FakeClock(), **kw)  # type: ignore[arg-type]
+def store_at(tmp_path: Path, clock: ManualClock | None = None, **kw: object) -> TelemetryStore:
+    store = TelemetryStore(tmp_path / "t.sqlite3", wall=clock or ManualClock(), **kw)  # type: ignore[arg-type]
     store.open()
     return store
 
@@ -64,7 +64,7 @@ def test_query_reads_back_rows_since_a_time_oldest_first(tmp_path: Path) -> None
 
 
 def test_rows_older_than_retention_are_deleted_on_open(tmp_path: Path) -> None:
-    clock = FakeClock()
+    clock = ManualClock()
     now = clock.wall()
     store = store_at(tmp_path, clock, retention_days=7)
     store.submit("oom_retries", oom_row(1, now - 8 * 86400))
@@ -102,15 +102,15 @@ def test_a_failing_write_is_counted_and_the_writer_keeps_going(tmp_path: Path) -
     store.close()
 
 
-def test_vram_is_downsampled_to_one_row_per_tenant_per_window(tmp_path: Path) -> None:
-    clock = FakeClock(start=1000.0, wall_start=1_796_000_000.0)  # wall aligned to a 10 s window
+async def test_vram_is_downsampled_to_one_row_per_tenant_per_window(tmp_path: Path) -> None:
+    clock = ManualClock(start=1000.0, wall_start=1_796_000_000.0)  # wall aligned to a 10 s window
     store = store_at(tmp_path, clock)
     rec = VramRecorder(store, clock, window_s=10.0)
     for held in (3 * GIB, 1 * GIB, 2 * GIB):
         rec.observe("comfyui", held)
-        clock.advance(3.0)
+        await clock.advance(3.0)
     rec.observe("comfyui", 5 * GIB)  # t = 9 s: same window
-    clock.advance(2.0)
+    await clock.advance(2.0)
     rec.observe("comfyui", 4 * GIB)  # t = 11 s: next window closes the first
     assert store.flush()
     rows = store.query("vram")
@@ -123,26 +123,26 @@ def test_vram_is_downsampled_to_one_row_per_tenant_per_window(tmp_path: Path) ->
     store.close()
 
 
-def test_min_vram_is_the_smallest_sample_inside_the_window() -> None:
-    clock = FakeClock()
+async def test_min_vram_is_the_smallest_sample_inside_the_window() -> None:
+    clock = ManualClock()
     rec = VramRecorder(None, clock)
     assert rec.min_vram("comfyui", 60.0) is None, "no samples: unknown, not zero"
     rec.observe("comfyui", 400 * MIB)
-    clock.advance(100.0)
+    await clock.advance(100.0)
     rec.observe("comfyui", 12 * GIB)
-    clock.advance(10.0)
+    await clock.advance(10.0)
     rec.observe("comfyui", 11 * GIB)
     assert rec.min_vram("comfyui", 60.0) == 11 * GIB
     assert rec.min_vram("comfyui", 200.0) == 400 * MIB
 
 
-def test_vram_growth_across_samples_is_recorded_as_one_model_load_with_its_speed(tmp_path: Path) -> None:
-    clock = FakeClock()
+async def test_vram_growth_across_samples_is_recorded_as_one_model_load_with_its_speed(tmp_path: Path) -> None:
+    clock = ManualClock()
     store = store_at(tmp_path, clock)
     rec = VramRecorder(store, clock)
     for held in (0, 4 * GIB, 8 * GIB, 10 * GIB, 10 * GIB):  # one sample a second
         rec.observe("ollama", held)
-        clock.advance(1.0)
+        await clock.advance(1.0)
     assert store.flush()
     loads = store.query("model_loads")
     assert len(loads) == 1, loads
@@ -151,17 +151,17 @@ def test_vram_growth_across_samples_is_recorded_as_one_model_load_with_its_speed
     store.close()
 
 
-def test_small_vram_wobble_is_not_a_model_load(tmp_path: Path) -> None:
-    clock = FakeClock()
+async def test_small_vram_wobble_is_not_a_model_load(tmp_path: Path) -> None:
+    clock = ManualClock()
     rec = VramRecorder(None, clock)
     for held in (GIB, GIB + 100 * MIB, GIB + 200 * MIB):
         rec.observe("ollama", held)
-        clock.advance(1.0)
+        await clock.advance(1.0)
     assert not rec._growth
 
 
 def test_a_decision_notified_at_record_and_update_is_written_once() -> None:
-    log = DecisionLog(FakeClock())
+    log = DecisionLog(ManualClock())
     seen: set[str] = set()
     rows: list[tuple[str, dict[str, object]]] = []
     log.subscribe(lambda d: rows.extend(decision_rows(d, seen)))
@@ -177,7 +177,7 @@ def test_a_decision_notified_at_record_and_update_is_written_once() -> None:
 
 
 def test_only_request_rejections_count_as_507s() -> None:
-    log = DecisionLog(FakeClock())
+    log = DecisionLog(ManualClock())
     plan = {"need_bytes": 15 * GIB, "blockers": [{"pid": 4242, "tenant": "unmanaged"}]}
     request = decision_rows(log.record("rejection", "ollama", "request POST /api/generate", plan), set())
     watchdog = decision_rows(log.record("rejection", "ollama", "watchdog: spilling", plan), set())
@@ -198,13 +198,13 @@ ENV = "HYPERSWAP_TELEMETRY"
 
 # -- ids unique across restarts; a past loss reported as past ---------------------------------------
 
-def proxy_with_telemetry(path: Path, clock: FakeClock | None = None) -> Proxy:
+def proxy_with_telemetry(path: Path, clock: ManualClock | None = None) -> Proxy:
     from proxy.admin.telemetry import telemetry_extension
     from proxy.service import Proxy
     from proxy.sim.gpu import SimulatedGpu
     from proxy.tenants import registry_from_dict
 
-    return Proxy(registry_from_dict({"telemetry": {"path": str(path)}}), SimulatedGpu(), clock or FakeClock(),
+    return Proxy(registry_from_dict({"telemetry": {"path": str(path)}}), SimulatedGpu(), clock or ManualClock(),
                  watchdog_enabled=False, extension_factories=[telemetry_extension])
 
 
@@ -226,7 +226,7 @@ async def test_decision_ids_continue_after_the_stores_last_across_restarts(tmp_p
 
 
 def test_decision_log_continues_after_an_id_and_never_goes_back() -> None:
-    log = DecisionLog(FakeClock())
+    log = DecisionLog(ManualClock())
     log.continue_after(41)
     assert log.record("plan", "ollama", "x").id == 42
     log.continue_after(7)
@@ -239,7 +239,7 @@ def _when(at: float) -> str:
 
 
 async def test_after_a_disk_full_episode_health_reports_it_as_past_with_when(tmp_path: Path) -> None:
-    clock = FakeClock()
+    clock = ManualClock()
     path = tmp_path / "t.sqlite3"
     proxy = proxy_with_telemetry(path, clock)
     (tel,) = proxy.extensions
@@ -255,7 +255,7 @@ async def test_after_a_disk_full_episode_health_reports_it_as_past_with_when(tmp
     ok, text = tel.healthy()
     assert not ok and "failing" in text, text
 
-    clock.advance(90.0)
+    await clock.advance(90.0)
     conn.execute("ALTER TABLE full_disk RENAME TO oom_retries")  # space again
     conn.commit()
     conn.close()
@@ -268,14 +268,14 @@ async def test_after_a_disk_full_episode_health_reports_it_as_past_with_when(tmp
     await tel.stop()
 
 
-def test_a_queue_overflow_is_current_until_the_writer_catches_up_then_past(tmp_path: Path) -> None:
-    clock = FakeClock()
+async def test_a_queue_overflow_is_current_until_the_writer_catches_up_then_past(tmp_path: Path) -> None:
+    clock = ManualClock()
     store = TelemetryStore(tmp_path / "t.sqlite3", queue_max=2, wall=clock)  # not opened: nothing drains yet
     for i in range(3):
         store.submit("oom_retries", oom_row(i))
     ok, text = store.health()
     assert not ok and "queue" in text and _when(clock.wall()) in text, text
-    clock.advance(5.0)
+    await clock.advance(5.0)
     store.open()
     assert store.flush()
     ok, text = store.health()
@@ -287,7 +287,7 @@ def test_a_model_load_is_stored_as_a_load_speed_row_in_the_history(tmp_path: Pat
     from proxy.models.loads import LoadRecord
     record = LoadRecord(1000.0, "ollama", "gemma3:27b", 17 * 10**9, 8.5, 0.0, "ollama load_duration", "cold")
     outcome = {k: v for k, v in record.to_json().items() if k != "tenant"}
-    d = DecisionLog(FakeClock()).record("model_load", "ollama", "gemma3:27b loaded", None, **outcome)
+    d = DecisionLog(ManualClock()).record("model_load", "ollama", "gemma3:27b loaded", None, **outcome)
     rows = decision_rows(d, set())
     assert [k for k, _ in rows] == ["load_speeds"], "an observation, not a decision row"
     store = TelemetryStore(tmp_path / "t.sqlite3")

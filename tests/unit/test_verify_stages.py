@@ -223,13 +223,18 @@ async def test_without_a_terminal_and_without_yes_nothing_is_asked_and_releasing
 
 
 async def test_an_oom_the_proxy_never_acts_on_fails_with_what_to_check() -> None:
-    from proxy.clock import FakeClock
+    from proxy.clock import ManualClock
     from proxy.verify.report import StageFailed
 
     async with httpx.AsyncClient(transport=httpx.MockTransport(FakeBox().handler)) as http:
-        verify = Verify(Options(admin=ADMIN), http, clock=FakeClock())
+        clock = ManualClock()
+        verify = Verify(Options(admin=ADMIN), http, clock=clock)
+        retry = asyncio.ensure_future(stages._oom_retry(verify, "comfyui", 0, "p-1"))
+        await clock.advance(29.0)
+        assert not retry.done(), "gave up before its 30 s"
+        await clock.advance(2.0)
         with pytest.raises(StageFailed) as caught:
-            await stages._oom_retry(verify, "comfyui", 0, "p-1")
+            await retry
     assert "decided nothing within 30 s" in caught.value.detail and "hyperswap check" in caught.value.fix
 
 
@@ -273,7 +278,7 @@ def test_the_admin_url_comes_from_the_flag_or_the_configuration(tmp_path: Path) 
 async def test_without_a_websocket_the_graph_is_followed_through_history() -> None:
     from contextlib import AbstractAsyncContextManager
 
-    from proxy.clock import FakeClock
+    from proxy.clock import ManualClock
     from proxy.verify.clients import ComfyClient, WsConnection
 
     polls = {"n": 0}
@@ -294,6 +299,10 @@ async def test_without_a_websocket_the_graph_is_followed_through_history() -> No
         raise OSError("websocket refused")
 
     async with httpx.AsyncClient(transport=httpx.MockTransport(comfy)) as http:
-        run = await ComfyClient("http://comfy.test", http, no_ws, FakeClock()).run({"1": {"class_type": "X", "inputs": {}}})
+        clock = ManualClock()
+        client = ComfyClient("http://comfy.test", http, no_ws, clock)
+        following = asyncio.ensure_future(client.run({"1": {"class_type": "X", "inputs": {}}}))
+        await clock.advance(60.0)  # the history polls, each woken in turn
+        run = await following
     assert (run.ok, run.followed, run.error_type) == (False, "history", "torch.OutOfMemoryError")
     assert run.error == "Allocation on device" and polls["n"] == 3

@@ -5,7 +5,7 @@ from __future__ import annotations
 from proxy.admin.metrics import release_result
 from proxy.admin.telemetry import decision_rows
 from proxy.admin.views import DecisionOutcome, ReleaseOutcome
-from proxy.clock import FakeClock
+from proxy.clock import ManualClock
 from proxy.handoff.decisions import DecisionLog
 from proxy.handoff.queue import ReleaseResult
 
@@ -36,7 +36,7 @@ def test_retry_results_come_from_the_plan_or_the_oom_retry_decision() -> None:
 
 
 def test_telemetry_rows_come_from_the_typed_outcome() -> None:
-    log = DecisionLog(FakeClock())
+    log = DecisionLog(ManualClock())
     rows: list[tuple[str, dict[str, object]]] = []
     seen: set[str] = set()
     log.subscribe(lambda d: rows.extend(decision_rows(d, seen)))
