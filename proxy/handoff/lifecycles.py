@@ -53,6 +53,7 @@ class Lifecycles:
         self._resume: dict[str, ReleaseSpec] = {}  # tenant -> the released step whose resume call is owed
         self._resuming: dict[str, asyncio.Task[None]] = {}
         self.on_change: list[Callable[[str], None]] = []  # a start or stop ended (the queue is kicked)
+        self.on_report: list[Callable[[LifecycleReport], None]] = []  # every start and stop that ran (metrics, events)
 
     def __contains__(self, tenant: str) -> bool:
         return tenant in self._machines
@@ -129,6 +130,11 @@ class Lifecycles:
                                ok=report.ok, state=report.state, duration_s=round(report.duration_s, 3),
                                error=report.error, fix=report.fix, output=list(report.output[-10:]),
                                retry_in_s=report.retry_in_s)
+        for fn in list(self.on_report):
+            try:
+                fn(report)
+            except Exception:  # a broken subscriber must not break a start
+                log.exception("lifecycle subscriber failed")
         self._changed(report.tenant)
 
     def _changed(self, tenant: str) -> None:
