@@ -6,6 +6,7 @@ When a token is configured every mutating call needs `Authorization: Bearer <tok
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -115,7 +116,7 @@ class AdminApi:
         state = self.arb.states(snap)[tenant.name]
         if not state.busy:  # the release path checks again when its turn comes (another may be under way)
             order = release_whole(snap, tenant, "admin", "release", "asked by the admin API")
-            (result,) = (await self.arb.queue.release(order)).results
+            (result,) = (await asyncio.shield(self.arb.queue.release(order))).results
             if not result.busy:
                 return release_answer(tenant, result)
             state = self.arb.states(await self.arb.snapshot())[tenant.name]

@@ -252,7 +252,8 @@ class HandoffQueue:
         """Start a release as a task and return at once. Its tenants count as being released until
         it ends (their new work waits, no other plan takes their memory); when it ends the waiters
         that joined it are admitted and the queue is woken. Callers other than the driver (the
-        watchdog, the admin API) may await the task: the driver never does."""
+        watchdog, the admin API) may await the task, shielded (a caller that goes away must not cut a
+        release half way): the driver never awaits it."""
         state = Releasing(tuple(r.tenant for r in order.releases), key, waiter,
                           order.requester if key is not None else "")
         underway = _Underway(state, order)

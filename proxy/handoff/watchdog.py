@@ -133,7 +133,7 @@ class Watchdog:
             else:
                 order = release_whole(snap, tenant, "watchdog idle", "idle_release", "idle timeout",
                                       idle_s=tenant.idle_release_after_s, **held_details(snap, name))
-                (result,) = (await arb.queue.release(order)).results
+                (result,) = (await asyncio.shield(arb.queue.release(order))).results
                 if result.busy:  # work arrived before the release's turn came, or a stop would cut it
                     report.reasons[name] = f"busy again: idle release skipped ({result.error})"
                     continue
@@ -225,7 +225,7 @@ class Watchdog:
                     p.reported = True
             return
         order = ReleaseOrder(name, plan.releases, f"watchdog: {models} spilling to the CPU", "spill", plan, snap)
-        released = await self.arb.queue.release(order)
+        released = await asyncio.shield(self.arb.queue.release(order))  # never cut half way
         if released.results:
             report.actions.append(f"{name}: spill of {models}: released {[r.tenant for r in released.results]}")
             report.reasons[name] = "starved (CPU spill): memory reclaimed; the model reloads on its next request"
