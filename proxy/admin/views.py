@@ -14,12 +14,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from proxy.decision import DecisionKind
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
 from proxy.gpu.snapshot import GpuReadError
 from proxy.gpu.visibility import device_json, tenant_devices_json, tenant_vram
 from proxy.handoff.arbiter import TenantState, gib
 from proxy.handoff.arbitration import Arbitration
-from proxy.handoff.queue import ReleaseVerdict
+from proxy.handoff.decisions import ReleaseVerdict
 from proxy.handoff.watchdog import Watchdog
 from proxy.tenants import Tenant
 
@@ -215,7 +216,7 @@ class TenantList(_Doc):
     tenants: list[TenantView]
 
 
-# -- decision outcomes, for those that count them (metrics, telemetry) ----------------------------------
+# -- decision outcomes: the rendering of the typed events (proxy/handoff/decisions.py) ------------------
 
 class ReleaseOutcome(_Doc):
     """One executed release as a decision's outcome lists it (`ReleaseResult.to_json`)."""
@@ -231,19 +232,10 @@ class ReleaseOutcome(_Doc):
     freed_gb: float | None = None
     asked: JSON | None = Field(default=None, description="what the engine was asked and answered")
 
-    @property
-    def verdict(self) -> ReleaseVerdict:
-        """How it ended, as the release itself said; from the flags for an entry written without it."""
-        if self.result is not None:
-            return self.result
-        if self.confirmed:
-            return "confirmed"
-        return "estimated" if self.estimated and not self.error else "error"
-
 
 class DecisionOutcome(_Doc):
-    """A decision's outcome: every key is optional (an outcome grows as the handoff goes on:
-    notified at record, then at each update). Metrics and telemetry read it typed."""
+    """A decision's outcome: its events' facts merged (proxy/handoff/decisions.py), so every key is
+    optional: an outcome grows as the decision goes on (a handoff's releases come with its second event)."""
     ok: bool | None = None
     releases: list[ReleaseOutcome] | None = None
     status: int | None = None  # a rejection's HTTP status: 507, or 503 after the queue timeout
@@ -269,23 +261,14 @@ class DecisionOutcome(_Doc):
     resident_before_percent: float | None = None
     source: str | None = None
     load_class: str | None = Field(default=None, alias="class", description="model_load: warm, cold or unknown")
-
-    def retry_result(self, kind: str) -> str | None:
-        """The OOM retry's result: on the plan it retried with, or the oom_retry decision's own."""
-        if self.oom_retry is not None:
-            return self.oom_retry
-        return self.result if kind == "oom_retry" else None
-
-    @property
-    def final(self) -> bool:
-        return self.ok is not None
+    duration_s: float | None = Field(default=None, description="start, stop: how long the lifecycle step took")
+    error: str | None = Field(default=None, description="start, stop: why it failed")
 
 
 class Decision(_Doc):
     id: int
     at: float = Field(description="unix seconds")
-    kind: Literal["plan", "queued", "release", "rejection", "oom_retry", "idle_release", "spill", "stale_job",
-                  "gpu_drift", "gpu_apply", "model_load"]
+    kind: DecisionKind
     tenant: str
     trigger: str
     plan: Plan | None
