@@ -22,6 +22,7 @@ from proxy.admin import views
 from proxy.admin.query import integer, optional_number
 from proxy.errors import HyperSwapError
 from proxy.handoff.arbitration import Arbitration, ReleaseResult
+from proxy.handoff.decisions import NothingToRelease
 from proxy.handoff.queue import release_whole
 from proxy.handoff.watchdog import Watchdog
 from proxy.hosts import listener_policy
@@ -127,7 +128,7 @@ class AdminApi:
         """A CPU engine holds no GPU memory: nothing is asked, and the answer says why."""
         note = (f"{tenant.name} runs on the CPU (its /system_stats device type is cpu): it holds no GPU memory, "
                 "so there is nothing to release")
-        self.arb.decisions.record("release", tenant.name, "admin", None, held_bytes=0, result=note, ok=True)
+        self.arb.decisions.emit(NothingToRelease(tenant=tenant.name, trigger="admin", reason=note))
         body = ReleaseResult(tenant.name, 0, 0, 0.0, False).to_json()
         return JSONResponse({"tenant": tenant.name, **body, "reason": "cpu", "note": note})
 

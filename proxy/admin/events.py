@@ -6,7 +6,8 @@ Frames (each with an `id:` line; the stream opens with a `retry:` hint so EventS
   changes. One background task refreshes it at most every `catalog_refresh_s`, for all subscribers.
 - `stats`: one a second: device, tenants (VRAM, busy, in flight, idle-release countdown), processes,
   recent decision ids. Small on purpose: no tenant config, no catalog.
-- `decision`: every Decision recorded or updated in the decision log, as it happens.
+- `decision`: a decision as it stands after each of its events (the shape of GET /api/decisions:
+  a later fact, like a handoff's results, re-sends its decision's id with the fact merged in).
 
 Each subscriber has a bounded queue: a slow one loses its oldest stats frames (the next one
 supersedes them) and older catalogs, never a decision; one so far behind that decisions alone pass
@@ -32,8 +33,8 @@ from starlette.routing import BaseRoute, Route
 
 from proxy.admin import views
 from proxy.admin.view import ProxyView
+from proxy.decision import DecisionEvent
 from proxy.gpu.attribution import AttributedSnapshot
-from proxy.handoff.decisions import Decision
 from proxy.tasks import cancel_and_wait
 
 log = logging.getLogger("hyperswap.events")
@@ -168,8 +169,11 @@ class EventsExtension:
             if sub.overflowed:  # its stream ends on wake; stop feeding it even if it never ran
                 self._subs.discard(sub)
 
-    def _on_decision(self, d: Decision) -> None:
-        frame = encode(next(self._seq), "decision", d.to_json())
+    def _on_decision(self, event: DecisionEvent) -> None:
+        view = self.proxy.decisions.view_of(event)  # the decision with this fact merged in: the dashboard's shape
+        if view is None:
+            return  # a later fact of a decision too old to be kept: there is no entry left to show it in
+        frame = encode(next(self._seq), "decision", view.to_json())
         self._replay.append(frame)
         self._broadcast(frame)
 

@@ -32,7 +32,7 @@ Series:
 - hyperswap_rejections_total{tenant}: 507s.
 - hyperswap_queue_waiting{tenant}: requests waiting in the handoff queue now (from the queue).
 - hyperswap_queue_wait_seconds: histogram of how long requests that had to wait waited, however
-  it ended (admitted, 507, 503, client left), from the `queued` decisions' outcomes.
+  it ended (admitted, 507, 503, client left), from the `QueueEnded` events.
 - hyperswap_queue_timeouts_total{tenant}: 503s after `proxy.queue_timeout_s`.
 - hyperswap_model_load_gbps{tenant,class}: histogram of model load speeds the engines reported (Ollama's
   load_duration and the model's size), from the `model_load` decisions; class warm | cold | unknown
@@ -41,7 +41,6 @@ Series:
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -54,9 +53,9 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from proxy.admin.view import ProxyView
-from proxy.admin.views import DecisionOutcome, ReleaseOutcome
+from proxy.decision import DecisionEvent
 from proxy.gpu.visibility import device_json, devices_json, tenant_vram, unmanaged_vram
-from proxy.handoff.decisions import Decision
+from proxy.handoff.decisions import HandoffFinished, ModelLoad, OomRetry, QueueEnded, Rejected
 from proxy.handoff.inflight import TenantTraffic
 
 if TYPE_CHECKING:
@@ -69,12 +68,7 @@ HANDOFF_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 HANDOFF_KINDS = ("plan", "oom_retry", "spill")
 # A wait lasts as long as the busy tenant's job: a chat's seconds to a long render's minutes.
 WAIT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-_SEEN_MAX = 1024  # decision ids remembered to count each part once (decisions finish in seconds)
-
-
-def release_result(release: dict[str, object]) -> str:
-    """confirmed | estimated | timeout | error, as the release itself recorded it."""
-    return ReleaseOutcome.model_validate(release).verdict
+_PENDING_MAX = 1024  # outcomes waiting for their request to leave flight, per tenant
 
 
 class _LiveCollector(Collector):
@@ -173,7 +167,6 @@ class Metrics:
                                     ["tenant", "class"], buckets=LOAD_GBPS_BUCKETS, registry=self.registry)
         self.timeouts = Counter("hyperswap_queue_timeouts", "Requests answered 503 after proxy.queue_timeout_s",
                                 ["tenant"], registry=self.registry)
-        self._seen: OrderedDict[int, set[str]] = OrderedDict()
         self._in_flight: dict[str, int] = {}
         self._pending: dict[str, list[str]] = {}  # tenant -> outcomes of requests about to leave flight
         self._unsubscribe: Callable[[], None] | None = None
@@ -211,43 +204,31 @@ class Metrics:
             pending = self._pending.get(tenant)
             self.requests.labels(tenant, pending.pop(0) if pending else "completed").inc()
 
-    def _first(self, d: Decision, part: str) -> bool:
-        seen = self._seen.get(d.id)
-        if seen is None:
-            seen = self._seen[d.id] = set()
-            while len(self._seen) > _SEEN_MAX:
-                self._seen.popitem(last=False)
-        if part in seen:
-            return False
-        seen.add(part)
-        return True
-
-    def on_decision(self, d: Decision) -> None:
-        outcome = DecisionOutcome.model_validate(d.outcome)
-        if d.kind == "rejection" and outcome.status == 503 and self._first(d, "timeout"):
-            self.timeouts.labels(d.tenant).inc()
-        elif d.kind == "rejection" and d.trigger.startswith("request ") and self._first(d, "rejection"):
-            self.rejections.labels(d.tenant).inc()
-            self._expect(d.tenant, "rejected")
-        if d.kind == "queued" and outcome.waited_s is not None and self._first(d, "waited"):
-            self.waits.observe(outcome.waited_s)
-        releases = outcome.releases
-        if releases is not None and self._first(d, "releases"):
-            for r in releases:
-                self.releases.labels(r.tenant, r.verdict).inc()
-            if releases and d.kind in HANDOFF_KINDS:
-                self.handoff.observe(sum(r.duration_s for r in releases))
-        if d.kind == "model_load" and self._first(d, "load"):
-            self.load_speed.labels(d.tenant, outcome.load_class or "unknown").observe(outcome.gbps or 0.0)
-        result = outcome.retry_result(d.kind)
-        if result is not None and self._first(d, "oom_retry"):
-            self.oom_retries.labels(d.tenant, result).inc()
-            if result != "succeeded":
-                self._expect(d.tenant, "oom_error")
+    def on_decision(self, event: DecisionEvent) -> None:
+        """Each event is emitted once, so each counts once."""
+        match event:
+            case Rejected(status=503):
+                self.timeouts.labels(event.tenant).inc()
+            case Rejected() if event.answered_request:
+                self.rejections.labels(event.tenant).inc()
+                self._expect(event.tenant, "rejected")
+            case QueueEnded():
+                self.waits.observe(event.waited_s)
+            case HandoffFinished():
+                for r in event.releases:
+                    self.releases.labels(r.tenant, r.result).inc()
+                if event.releases and event.kind in HANDOFF_KINDS:
+                    self.handoff.observe(sum(r.duration_s for r in event.releases))
+            case ModelLoad(load=load):
+                self.load_speed.labels(event.tenant, load.load_class or "unknown").observe(load.gbps)
+            case OomRetry(result=result):
+                self.oom_retries.labels(event.tenant, result).inc()
+                if result != "succeeded":
+                    self._expect(event.tenant, "oom_error")
 
     def _expect(self, tenant: str, outcome: str) -> None:
         pending = self._pending.setdefault(tenant, [])
-        if len(pending) < _SEEN_MAX:  # bounded even if a decision ever came without its request
+        if len(pending) < _PENDING_MAX:  # bounded even if a decision ever came without its request
             pending.append(outcome)
 
 

@@ -30,6 +30,7 @@ from proxy.engines import EngineAdapter, adapter_for
 from proxy.engines.model_files import ModelFiles
 from proxy.engines.settings import read_proc_environ
 from proxy.errors import HyperSwapError
+from proxy.handoff.decisions import ModelLoad
 from proxy.models.catalog import ModelCatalog
 from proxy.models.frames import FrameTimer, loader_nodes
 from proxy.models.loads import MIN_LOAD_S, LoadLog, LoadRecord
@@ -232,8 +233,7 @@ class ModelsExtension:
     def record_load(self, record: LoadRecord, paths: tuple[str, ...] = ()) -> LoadRecord:
         record = self.loads.add(record)
         self.catalog.files_changed(paths)  # the engine read them: a reading from before the load is stale
-        row = {k: v for k, v in record.to_json().items() if k != "tenant"}
-        self.proxy.decisions.record("model_load", record.tenant, f"{record.model} loaded", None, **row)
+        self.proxy.decisions.emit(ModelLoad(tenant=record.tenant, trigger=f"{record.model} loaded", load=record))
         self._keep_recent_warm()
         return record
 

@@ -41,10 +41,23 @@ from starlette.routing import BaseRoute, Route
 
 from proxy.admin.query import integer, optional_number
 from proxy.admin.view import ProxyView
-from proxy.admin.views import DecisionOutcome
 from proxy.clock import Clock
+from proxy.decision import DecisionEvent
 from proxy.errors import HyperSwapError
-from proxy.handoff.decisions import Decision
+from proxy.gpu.keeper import GpuApplyFinished
+from proxy.handoff.decisions import (
+    DecisionView,
+    HandoffFinished,
+    LifecycleStart,
+    LifecycleStop,
+    ModelLoad,
+    NothingToRelease,
+    OomRetry,
+    QueueEnded,
+    Rejected,
+    SpillNoPlan,
+)
+from proxy.models.loads import LoadRecord
 from proxy.tasks import cancel_and_wait
 from proxy.tenants import MIB
 
@@ -468,40 +481,51 @@ class VramRecorder:
                                        "min_bytes": w.min_bytes, "max_bytes": w.max_bytes, "last_bytes": w.last_bytes})
 
 
-def decision_rows(d: Decision, seen: set[str]) -> list[tuple[Kind, dict[str, Any]]]:
-    """Rows a decision adds, once each: a decision is notified at record and again at each update,
-    so `seen` (per decision) remembers which parts were already written."""
+# The events that complete a decision worth a `decisions` row (its whole view, with every fact merged):
+# what ran, how a wait ended, a refusal, a write to the card. An OOM retry with no decision of its
+# own is one too (`OomRetry.handoff_id` None). Observations have tables of their own (load_speeds) or none.
+_COMPLETING = (HandoffFinished, QueueEnded, Rejected, NothingToRelease, SpillNoPlan, GpuApplyFinished, LifecycleStart,
+               LifecycleStop)
+
+
+def decision_rows(event: DecisionEvent, view: DecisionView | None) -> list[tuple[Kind, dict[str, Any]]]:
+    """The rows an event adds (each event is emitted once, so each row is written once). `view` is its
+    decision as it stands after it (None: no longer kept); rows are dated and numbered by the decision."""
+    at = view.at if view is not None else event.at
+    decision_id = event.id if (target := event.target()) is None else target
     out: list[tuple[Kind, dict[str, Any]]] = []
-    outcome = DecisionOutcome.model_validate(d.outcome)
-    final = outcome.final or d.kind == "rejection" or (d.kind in ("oom_retry", "queued") and outcome.result is not None)
-    if final and "decision" not in seen:
-        seen.add("decision")
-        out.append(("decisions", {"at": d.at, "decision_id": d.id, "kind": d.kind, "tenant": d.tenant, "trigger": d.trigger,
-                                  "ok": outcome.ok, "outcome": json.dumps(d.outcome, default=str)}))
-    if outcome.releases is not None and "releases" not in seen:
-        seen.add("releases")
-        for r in outcome.releases:
-            out.append(("releases", {"at": d.at, "decision_id": d.id, "tenant": r.tenant, "requester": d.tenant,
+    if view is not None and _completes(event):
+        out.append(("decisions", {"at": at, "decision_id": decision_id, "kind": view.kind, "tenant": view.tenant,
+                                  "trigger": view.trigger, "ok": view.outcome.get("ok"),
+                                  "outcome": json.dumps(view.outcome, default=str)}))
+    match event:
+        case HandoffFinished(releases=releases):
+            out.extend(("releases", {"at": at, "decision_id": decision_id, "tenant": r.tenant, "requester": event.tenant,
                                      "expected_bytes": r.expected_bytes, "freed_bytes": r.freed_bytes,
-                                     "duration_s": r.duration_s, "confirmed": r.confirmed, "error": r.error}))
-    if (d.kind == "rejection" and d.trigger.startswith("request ") and outcome.status != 503
-            and "rejection" not in seen):  # a 503 after the queue timeout is a wait that ran out, not a 507
-        seen.add("rejection")
-        plan = d.plan or {}
-        out.append(("rejections", {"at": d.at, "decision_id": d.id, "tenant": d.tenant, "trigger": d.trigger,
-                                   "need_bytes": plan.get("need_bytes"),
-                                   "blockers": json.dumps(plan.get("blockers", []), default=str)}))
-    if d.kind == "model_load" and "load" not in seen:
-        seen.add("load")
-        out.append(("load_speeds", {"at": d.at, "decision_id": d.id, "tenant": d.tenant, "model": outcome.model or "",
-                                    "size_bytes": outcome.size_bytes or 0, "seconds": outcome.seconds or 0.0,
-                                    "gbps": outcome.gbps or 0.0, "resident_before_percent": outcome.resident_before_percent,
-                                    "class": outcome.load_class, "source": outcome.source or ""}))
-    result = outcome.retry_result(d.kind)
-    if result is not None and d.kind != "queued" and "oom_retry" not in seen:
-        seen.add("oom_retry")
-        out.append(("oom_retries", {"at": d.at, "decision_id": d.id, "tenant": d.tenant, "result": result}))
+                                     "duration_s": r.duration_s, "confirmed": r.confirmed, "error": r.error})
+                       for r in releases)
+        case Rejected(status=507) if event.answered_request:  # a 503 after the queue timeout is a wait that ran out
+            out.append(("rejections", {"at": at, "decision_id": decision_id, "tenant": event.tenant,
+                                       "trigger": event.trigger, "need_bytes": event.plan.need_bytes,
+                                       "blockers": json.dumps([b.to_json() for b in event.plan.blockers], default=str)}))
+        case ModelLoad(load=load):
+            out.append(("load_speeds", {"at": at, "decision_id": decision_id, "tenant": event.tenant, "model": load.model,
+                                        "size_bytes": load.size_bytes, **_load_figures(load)}))
+        case OomRetry(result=result):
+            out.append(("oom_retries", {"at": at, "decision_id": decision_id, "tenant": event.tenant, "result": result}))
     return out
+
+
+def _completes(event: DecisionEvent) -> bool:
+    return isinstance(event, _COMPLETING) or (isinstance(event, OomRetry) and event.handoff_id is None)
+
+
+def _load_figures(load: LoadRecord) -> dict[str, Any]:
+    """As the load's own rendering rounds them (proxy/models/loads.py)."""
+    rendered = load.to_json()
+    return {"seconds": rendered["seconds"], "gbps": rendered["gbps"],
+            "resident_before_percent": rendered["resident_before_percent"], "class": load.load_class,
+            "source": load.source}
 
 
 class Telemetry:
@@ -527,7 +551,6 @@ class Telemetry:
             self._continue_decision_ids(self.store)
         self.recorder = VramRecorder(self.store, proxy.clock, window_s)
         self.open_error: str | None = None
-        self._seen: dict[int, set[str]] = {}
         self._unsubscribe: Any = None
         self._task: asyncio.Task[None] | None = None
 
@@ -596,14 +619,11 @@ class Telemetry:
             self.sample()
             await self.proxy.clock.sleep(self.sample_interval_s)
 
-    def on_decision(self, d: Decision) -> None:
-        seen = self._seen.setdefault(d.id, set())
-        while len(self._seen) > 1024:  # decisions finish in seconds; old ids can go
-            del self._seen[next(iter(self._seen))]
+    def on_decision(self, event: DecisionEvent) -> None:
         self.sample()  # VRAM around every decision
         if self.store is None:
             return
-        for kind, row in decision_rows(d, seen):
+        for kind, row in decision_rows(event, self.proxy.decisions.view_of(event)):
             self.store.submit(kind, row)
 
     # -- /api/history ---------------------------------------------------------------------------------

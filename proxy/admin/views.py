@@ -14,12 +14,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from proxy.decision import DecisionKind
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
 from proxy.gpu.snapshot import GpuReadError
 from proxy.gpu.visibility import device_json, tenant_devices_json, tenant_vram
 from proxy.handoff.arbiter import TenantState, gib
 from proxy.handoff.arbitration import Arbitration
-from proxy.handoff.queue import ReleaseVerdict
+from proxy.handoff.decisions import ReleaseVerdict
 from proxy.handoff.watchdog import Watchdog
 from proxy.tenants import Tenant
 
@@ -216,7 +217,7 @@ class TenantList(_Doc):
     tenants: list[TenantView]
 
 
-# -- decision outcomes, for those that count them (metrics, telemetry) ----------------------------------
+# -- decision outcomes: the rendering of the typed events (proxy/handoff/decisions.py) ------------------
 
 class ReleaseStep(_Doc):
     """One step of a release that escalates (tenants.json `release` as a list): what it freed."""
@@ -244,19 +245,10 @@ class ReleaseOutcome(_Doc):
     steps: list[ReleaseStep] | None = Field(default=None, description="each step tried, in order, until one freed "
                                                                        "the memory")
 
-    @property
-    def verdict(self) -> ReleaseVerdict:
-        """How it ended, as the release itself said; from the flags for an entry written without it."""
-        if self.result is not None:
-            return self.result
-        if self.confirmed:
-            return "confirmed"
-        return "estimated" if self.estimated and not self.error else "error"
-
 
 class DecisionOutcome(_Doc):
-    """A decision's outcome: every key is optional (an outcome grows as the handoff goes on:
-    notified at record, then at each update). Metrics and telemetry read it typed."""
+    """A decision's outcome: its events' facts merged (proxy/handoff/decisions.py), so every key is
+    optional: an outcome grows as the decision goes on (a handoff's releases come with its second event)."""
     ok: bool | None = None
     releases: list[ReleaseOutcome] | None = None
     status: int | None = None  # a rejection's HTTP status: 507, or 503 after the queue timeout
@@ -286,29 +278,18 @@ class DecisionOutcome(_Doc):
                                                                           "when the release's turn came: not released")
     # start, stop, resume: a lifecycle tenant started or stopped, a soft release's resume call
     state: str | None = Field(default=None, description="start, stop: the tenant's lifecycle state after it")
-    duration_s: float | None = None
-    error: str | None = None
+    duration_s: float | None = Field(default=None, description="start, stop, resume: how long it took")
+    error: str | None = Field(default=None, description="start, stop, resume: why it failed")
     fix: str | None = None
     output: list[str] | None = Field(default=None, description="start, stop: the app's last output lines")
     retry_in_s: float | None = Field(default=None, description="a failed start: when the next may begin")
     asked: JSON | None = Field(default=None, description="resume: what the app was asked and answered")
 
-    def retry_result(self, kind: str) -> str | None:
-        """The OOM retry's result: on the plan it retried with, or the oom_retry decision's own."""
-        if self.oom_retry is not None:
-            return self.oom_retry
-        return self.result if kind == "oom_retry" else None
-
-    @property
-    def final(self) -> bool:
-        return self.ok is not None
-
 
 class Decision(_Doc):
     id: int
     at: float = Field(description="unix seconds")
-    kind: Literal["plan", "queued", "release", "rejection", "oom_retry", "idle_release", "spill", "stale_job",
-                  "gpu_drift", "gpu_apply", "model_load", "start", "stop", "resume"]
+    kind: DecisionKind
     tenant: str
     trigger: str
     plan: Plan | None

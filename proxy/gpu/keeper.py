@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal
 
 from proxy.clock import Clock
+from proxy.decision import DecisionSink, FollowUp, Opening
 from proxy.gpu.profile import FieldCheck, compare, plan_changes, reset_reason
 from proxy.gpu.settings import GpuSettings, SettingsSource
 from proxy.gpu.settings_writer import SettingChange, SettingsWriteError, SettingsWriter
@@ -28,13 +29,48 @@ BACKOFF_MAX_S = 1800.0
 TRIGGER = "gpu settings check"
 
 
-class DecisionRecorder(Protocol):
-    """The slice of `proxy.handoff.decisions.DecisionLog` the keeper uses."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GpuDrift(Opening):
+    """Which of a card's settings started or stopped drifting from `gpu_profile`."""
 
-    def record(self, kind: Any, tenant: str, trigger: str, plan: dict[str, Any] | None = None,
-               **outcome: Any) -> Any: ...
+    name = "gpu_drift"
+    kind: Literal["gpu_drift"] = "gpu_drift"
+    device: int
+    drifting: tuple[FieldCheck, ...]  # every setting that drifts now
+    started: tuple[str, ...]
+    resolved: tuple[str, ...]
 
-    def update(self, d: Any, **outcome: Any) -> None: ...
+    def facts(self) -> dict[str, Any]:
+        return {"device": self.device, "drifting": [c.to_json() for c in self.drifting],
+                "started": list(self.started), "resolved": list(self.resolved)}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GpuApplyStarted(Opening):
+    """The profile is about to be written to a card (logged before the first write)."""
+
+    name = "gpu_apply_started"
+    kind: Literal["gpu_apply"] = "gpu_apply"
+    device: int
+    changes: tuple[str, ...]
+
+    def facts(self) -> dict[str, Any]:
+        return {"device": self.device, "changes": list(self.changes)}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GpuApplyFinished(FollowUp):
+    """How the writes went, read back from the card."""
+
+    name = "gpu_apply_finished"
+    ok: bool
+    errors: tuple[dict[str, str], ...]  # kind, error, fix
+    still_drifting: tuple[str, ...]
+    next_attempt_in_s: float | None  # after a failure: the back-off
+
+    def facts(self) -> dict[str, Any]:
+        return {"ok": self.ok, "errors": list(self.errors), "still_drifting": list(self.still_drifting),
+                "next_attempt_in_s": self.next_attempt_in_s}
 
 
 @dataclass(slots=True)
@@ -80,7 +116,7 @@ class DeviceView:
 
 class GpuSettingsKeeper:
     def __init__(self, source: SettingsSource | None, writer: SettingsWriter | None, profile: GpuProfile | None,
-                 clock: Clock, decisions: DecisionRecorder, *, no_source_reason: str = "",
+                 clock: Clock, decisions: DecisionSink, *, no_source_reason: str = "",
                  backoff_s: float = BACKOFF_S, backoff_max_s: float = BACKOFF_MAX_S) -> None:
         self.source = source
         self.writer = writer
@@ -162,10 +198,9 @@ class GpuSettingsKeeper:
             del view.drift_since[setting]
         view.checks = checks
         if drifting != before:
-            self.decisions.record(
-                "gpu_drift", "", TRIGGER, None, device=view.index,
-                drifting=[c.to_json() for c in checks if c.status == "drift"],
-                started=sorted(drifting - before), resolved=sorted(before - drifting))
+            self.decisions.emit(GpuDrift(
+                tenant="", trigger=TRIGGER, device=view.index, drifting=tuple(c for c in checks if c.status == "drift"),
+                started=tuple(sorted(drifting - before)), resolved=tuple(sorted(before - drifting))))
 
     async def _apply(self, view: DeviceView, profile: GpuProfile, settings: GpuSettings,
                      checks: tuple[FieldCheck, ...], reset: str | None) -> tuple[FieldCheck, ...]:
@@ -174,8 +209,8 @@ class GpuSettingsKeeper:
             return checks
         drifting = [c.setting for c in checks if c.status == "drift"]
         reason = reset if reset is not None else f"drift: {', '.join(drifting)}"
-        decision = self.decisions.record("gpu_apply", "", f"gpu_profile.apply ({reason})", None, device=view.index,
-                                         changes=[c.describe() for c in changes])
+        started = self.decisions.emit(GpuApplyStarted(tenant="", trigger=f"gpu_profile.apply ({reason})", device=view.index,
+                                                      changes=tuple(c.describe() for c in changes)))
         errors: list[SettingsWriteError] = []
         writer = self.writer
         assert writer is not None
@@ -198,8 +233,9 @@ class GpuSettingsKeeper:
         self._settle(ok, errors, still, changes, view.index)
         self.last_apply = ApplyAttempt(self.clock.wall(), reason, [c.describe() for c in changes], ok,
                                        [{"kind": e.kind, "error": e.message, "fix": e.fix} for e in errors], still)
-        self.decisions.update(decision, ok=ok, errors=self.last_apply.errors, still_drifting=still,
-                              next_attempt_in_s=None if ok else round(self.next_apply_at - self.clock.now(), 1))
+        self.decisions.emit(GpuApplyFinished(
+            tenant="", trigger=started.trigger, refers_to=started.id, ok=ok, errors=tuple(self.last_apply.errors),
+            still_drifting=tuple(still), next_attempt_in_s=None if ok else round(self.next_apply_at - self.clock.now(), 1)))
         return after
 
     def _settle(self, ok: bool, errors: list[SettingsWriteError], still: list[str], changes: list[SettingChange],

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -26,7 +26,7 @@ from proxy.gpu.snapshot import DeviceFigure, DeviceMemory, GpuProcess, GpuReader
 from proxy.handoff import devices
 from proxy.handoff.arbiter import Plan, PlanMode, TenantState, gib, promised_by_tenant, unplanned_plan
 from proxy.handoff.busy import CONFIRM_SLACK_BYTES, QueueRead, busy_states
-from proxy.handoff.decisions import DecisionLog
+from proxy.handoff.decisions import DecisionLog, HandoffFinished, HandoffStarted
 from proxy.handoff.inflight import InFlight, TenantTraffic
 from proxy.handoff.lifecycles import Lifecycles
 from proxy.handoff.queue import Admitted, Handoff, HandoffQueue, Released, ReleaseOrder, ReleaseResult
@@ -212,10 +212,8 @@ class Arbitration:
                 break
             if result.busy:
                 break  # work arrived: no later step may stop it either
-        result.steps = trail if len(steps) > 1 else []
-        result.freed_bytes = max(0, held_before - held)
-        result.duration_s = self.clock.now() - start
-        return result
+        return replace(result, steps=tuple(trail) if len(steps) > 1 else (),
+                       freed_bytes=max(0, held_before - held), duration_s=self.clock.now() - start)
 
     async def _release_step(self, tenant: Tenant, step: ReleaseSpec, expected: int, held_before: int,
                             held_now: int) -> ReleaseResult:
@@ -279,7 +277,7 @@ class Arbitration:
 
     async def carry_out(self, order: ReleaseOrder) -> Released:
         """The effect behind `HandoffQueue.release`, the one release path: under the handoff lock,
-        record the order, release each tenant that is still idle (invariant 5: a busy one is never
+        log the order, release each tenant that is still idle (invariant 5: a busy one is never
         released) and wait for the card to show the memory back. Run as a task, so a release is
         never cut half way by a client leaving and the scheduler never waits for it."""
         contended = self.handoff_lock.locked()
@@ -295,16 +293,15 @@ class Arbitration:
             todo = [r for r in order.releases if r not in busy]
             if not todo:
                 return Released(order, skipped, None)  # nothing was asked: nothing to record
-            details = dict(order.details)
-            if skipped:
-                details["not_released_busy"] = [r.tenant for r in skipped]
-            decision = self.decisions.record(order.kind, order.requester, order.trigger,
-                                             order.plan.to_json() if order.plan else None, **details)
+            started = self.decisions.emit(HandoffStarted(
+                kind=order.kind, tenant=order.requester, trigger=order.trigger, plan=order.plan,
+                held_bytes=order.held_bytes, held_by_device=order.held_by_device, idle_s=order.idle_s,
+                not_released_busy=tuple(r.tenant for r in skipped)))
             results = [await self.execute_release(self.registry.get(r.tenant), r.expected_free_bytes, snap)
                        for r in todo]
-            self.decisions.update(decision, releases=[r.to_json() for r in results],
-                                  ok=all(r.confirmed for r in results))
-        return Released(order, [*results, *skipped], decision)
+            self.decisions.emit(HandoffFinished(kind=order.kind, tenant=order.requester, trigger=order.trigger,
+                                                refers_to=started.id, releases=tuple(results)))
+        return Released(order, [*results, *skipped], started)
 
     def reserve(self, key: str, handoff: Handoff) -> None:
         plan = handoff.plan

@@ -1,79 +1,448 @@
-"""The decision log: every plan, release, rejection and retry, as data.
+"""The decision log: every plan, release, wait, rejection and retry, as typed events.
 
-Each entry is logged as one JSON line (people grep them) *before* the plan runs, kept in a bounded
-ring for `GET /api/decisions`, and handed to subscribers (the events stream, telemetry).
+Each decision is told by immutable events (the base is proxy/decision.py), each emitted once, when
+its fact is known: a handoff is logged when it starts, before anything is asked (invariant 2), and
+its results come as a second event that refers to it by id, never by changing the first. Who emits:
+
+- `Queued` (queue.py): a request first has to wait; `WaitChanged` when what it waits for changes;
+  `QueueEnded` (admitted, refused, timed out, client left) with how long it waited and the decision
+  that ended the wait.
+- `HandoffStarted` / `HandoffFinished` (arbitration.py `carry_out`, the one release path for the
+  queue's plans and OOM retries, the watchdog's spill relief and idle releases, the admin API).
+- `Rejected`: 507 (queue.py) or 503 after the queue timeout (relay/gpu_gate.py).
+- `OomRetry`, `StaleJob` (relay/gpu_gate.py); `SpillNoPlan` (watchdog.py); `NothingToRelease`
+  (admin/api.py: a CPU engine); `ModelLoad` (admin/models_api.py); `GpuDrift`, `GpuApplyStarted`,
+  `GpuApplyFinished` (gpu/keeper.py); `LifecycleStart`, `LifecycleStop` (a lifecycle tenant's start
+  and stop, with how long it took and how it ended).
+
+The log numbers them, writes each as one JSON line (`{"decision": {...}}`; people grep them), keeps
+a bounded ring of the decisions as people read them (`DecisionView`: an opening event with the facts
+of its follow-ups merged into its `outcome`, the shape of `GET /api/decisions`), and hands each event
+to its subscribers (metrics, telemetry, the events stream), which match on the type.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from proxy.clock import Clock
+from proxy.decision import DecisionEvent, DecisionKind, E, FollowUp, Opening
+from proxy.handoff.arbiter import Plan, gib
+from proxy.models.loads import LoadRecord
 
 log = logging.getLogger("hyperswap.decisions")
 
-# model_load: an observation (a load's speed), recorded for the history; gpu_*: proxy/gpu/keeper.py
-DecisionKind = Literal["plan", "queued", "release", "rejection", "oom_retry", "idle_release", "spill", "stale_job",
-                       "gpu_drift", "gpu_apply", "model_load", "start", "stop", "resume"]
+__all__ = [
+    "DecisionEvent",
+    "DecisionKind",
+    "DecisionLog",
+    "DecisionView",
+    "FollowUp",
+    "HandoffFinished",
+    "HandoffKind",
+    "HandoffStarted",
+    "LifecycleStart",
+    "LifecycleStop",
+    "ModelLoad",
+    "NothingToRelease",
+    "OomRetry",
+    "Opening",
+    "QueueEnd",
+    "QueueEnded",
+    "Queued",
+    "Rejected",
+    "ReleaseResult",
+    "ReleaseVerdict",
+    "Resumed",
+    "SpillNoPlan",
+    "StaleJob",
+    "WaitChanged",
+]
+
+ReleaseVerdict = Literal["confirmed", "estimated", "timeout", "error"]
+# The decisions that release: a request's plan, its OOM retry, the watchdog's spill relief and idle
+# release, the admin API's release.
+HandoffKind = Literal["plan", "oom_retry", "spill", "idle_release", "release"]
+QueueEnd = Literal["admitted", "refused (507)", "timed out (503)", "client left while waiting"]
 
 
-@dataclass(slots=True)
-class Decision:
+@dataclass(frozen=True, slots=True)
+class ReleaseResult:
+    tenant: str
+    expected_bytes: int
+    freed_bytes: int
+    duration_s: float
+    confirmed: bool  # the card showed the memory back (invariant 6)
+    error: str | None = None
+    asked: dict[str, Any] = field(default_factory=dict)
+    # Judged from the engines' own reports (no GPU reader): never `confirmed`, and `freed_bytes` is
+    # what the engine says, not what the card shows. Ollama drops a model from /api/ps before its
+    # memory is back.
+    estimated: bool = False
+    timed_out: bool = False  # asked, but the memory was not back within the tenant's release_timeout_s
+    busy: bool = False  # not asked: the tenant had work again when its turn came (a busy tenant is never released)
+    steps: tuple[dict[str, Any], ...] = ()  # each release step tried, for a release that escalates
+
+    @property
+    def result(self) -> ReleaseVerdict:
+        """How it ended, for those that count releases (metrics, telemetry, the admin API's status)."""
+        if self.confirmed:
+            return "confirmed"
+        if self.estimated and self.error is None:
+            return "estimated"  # the engine's own report said so; the card was not read
+        return "timeout" if self.timed_out else "error"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tenant": self.tenant, "expected_bytes": self.expected_bytes, "freed_bytes": self.freed_bytes,
+                "expected_gb": gib(self.expected_bytes), "freed_gb": gib(self.freed_bytes),
+                "duration_s": round(self.duration_s, 3), "confirmed": self.confirmed, "estimated": self.estimated,
+                "error": self.error, "asked": self.asked, "result": self.result,
+                **({"steps": list(self.steps)} if self.steps else {})}
+
+
+# -- the handoff queue ----------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Queued(Opening):
+    """A request that needs memory first has to wait (for busy tenants, or behind another waiter)."""
+
+    name = "queued"
+    kind: Literal["queued"] = "queued"
+    plan: Plan
+    reason: str
+    behind: int | None = None  # the waiting request it queues behind
+
+    def plan_json(self) -> dict[str, object] | None:
+        return self.plan.to_json()
+
+    def facts(self) -> dict[str, Any]:
+        return {"reason": self.reason, "waiting_for": list(self.plan.wait_for), "behind": self.behind}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WaitChanged(FollowUp):
+    """What a queued request waits for changed (another tenant, another waiter ahead of it)."""
+
+    name = "wait_changed"
+    reason: str
+    waiting_for: tuple[str, ...]
+    behind: int | None = None
+
+    def facts(self) -> dict[str, Any]:
+        return {"reason": self.reason, "waiting_for": list(self.waiting_for), "behind": self.behind}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QueueEnded(FollowUp):
+    """A wait is over: how, after how long, and (admitted or refused) the decision that ended it."""
+
+    name = "queue_ended"
+    result: QueueEnd
+    waited_s: float
+    ended_by: int | None = None  # the handoff that made room, or the 507
+    ended_with: str | None = None  # the scheduler's reason; None: the client left
+
+    def facts(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"result": self.result, "waited_s": round(self.waited_s, 3)}
+        if self.ended_with is not None:
+            out.update(ended_by=self.ended_by, ended_with=self.ended_with)
+        return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Rejected(Opening):
+    """A request refused: 507 (not even once every busy tenant finished) or 503 (the queue timed out)."""
+
+    name = "rejected"
+    kind: Literal["rejection"] = "rejection"
+    plan: Plan
+    status: Literal[503, 507]
+    reason: str
+
+    @property
+    def answered_request(self) -> bool:
+        """A client's request got this answer (an OOM retry refused answers the engine's own error instead)."""
+        return self.trigger.startswith("request ")
+
+    def plan_json(self) -> dict[str, object] | None:
+        return self.plan.to_json()
+
+    def facts(self) -> dict[str, Any]:
+        return {"status": self.status, "reason": self.reason}
+
+
+# -- releases -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HandoffStarted(Opening):
+    """A release about to run, logged before anything is asked (invariant 2): `tenant` is whose load
+    the memory is for, or the tenant released when no load is behind it."""
+
+    name = "handoff_started"
+    kind: HandoffKind
+    plan: Plan | None = None
+    held_bytes: int | None = None  # a whole-tenant release: what it held when asked
+    held_by_device: Mapping[int, int] = field(default_factory=dict)  # the same per card, on a host with several
+    idle_s: float | None = None  # an idle release: the tenant's idle_release_after_s
+    not_released_busy: tuple[str, ...] = ()  # tenants of the plan that had work again when its turn came
+
+    def plan_json(self) -> dict[str, object] | None:
+        return self.plan.to_json() if self.plan is not None else None
+
+    def facts(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.held_bytes is not None:
+            out["held_bytes"] = self.held_bytes
+        if self.held_by_device:
+            out["held_by_device"] = {str(i): n for i, n in self.held_by_device.items()}
+        if self.idle_s is not None:
+            out["idle_s"] = self.idle_s
+        if self.not_released_busy:
+            out["not_released_busy"] = list(self.not_released_busy)
+        return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HandoffFinished(FollowUp):
+    """How each release of a handoff went (confirmed on the card, estimated, timed out, refused)."""
+
+    name = "handoff_finished"
+    kind: HandoffKind  # the started handoff's kind
+    releases: tuple[ReleaseResult, ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(r.confirmed for r in self.releases)
+
+    def facts(self) -> dict[str, Any]:
+        return {"releases": [r.to_json() for r in self.releases], "ok": self.ok}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NothingToRelease(Opening):
+    """A release asked of a tenant that holds nothing on the card (a CPU engine): nothing was asked."""
+
+    name = "nothing_to_release"
+    kind: Literal["release"] = "release"
+    reason: str
+
+    def facts(self) -> dict[str, Any]:
+        return {"held_bytes": 0, "result": self.reason, "ok": True}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SpillNoPlan(Opening):
+    """The watchdog saw a tenant spill to the CPU and no plan could relieve it (logged once per placement)."""
+
+    name = "spill_no_plan"
+    kind: Literal["spill"] = "spill"
+    plan: Plan
+
+    def plan_json(self) -> dict[str, object] | None:
+        return self.plan.to_json()
+
+    def facts(self) -> dict[str, Any]:
+        return {"ok": False, "result": "no plan: logged once for this placement"}
+
+
+# -- the GPU gate ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OomRetry(Opening):
+    """How the retry after an out-of-memory answer ended: "succeeded", "failed", "no plan",
+    "requeued"... When the retry got a decision from the queue (a handoff that released memory for
+    it, or a 507), it is a fact of that decision (`handoff_id`) and shows in its entry as
+    `oom_retry`; else an entry of its own, with `result`."""
+
+    name = "oom_retry"
+    kind: Literal["oom_retry"] = "oom_retry"
+    result: str
+    handoff_id: int | None = None  # the retry's HandoffStarted (or Rejected)
+    prompt_id: str | None = None  # a ComfyUI prompt: the one that ran out of memory
+    requeued_as: str | None = None  # ... and the prompt id it was queued again as
+
+    def target(self) -> int | None:
+        return self.handoff_id
+
+    def facts(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"oom_retry" if self.handoff_id is not None else "result": self.result}
+        if self.requeued_as is not None:
+            out["requeued_as"] = self.requeued_as
+        if self.prompt_id is not None:
+            out["prompt_id"] = self.prompt_id
+        return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StaleJob(Opening):
+    """A job counted as running is in neither the engine's queue nor its history: no longer counted."""
+
+    name = "stale_job"
+    kind: Literal["stale_job"] = "stale_job"
+    job_id: str
+    reason: str
+
+    def facts(self) -> dict[str, Any]:
+        return {"job_id": self.job_id, "reason": self.reason}
+
+
+# -- observations and the lifecycle -----------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelLoad(Opening):
+    """A load the engine timed itself (proxy/models/loads.py), kept for the history of load speeds."""
+
+    name = "model_load"
+    kind: Literal["model_load"] = "model_load"
+    load: LoadRecord
+
+    def facts(self) -> dict[str, Any]:
+        return {k: v for k, v in self.load.to_json().items() if k != "tenant"}
+
+
+LifecycleResult = Literal["ok", "failed", "refused"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _LifecycleEvent(Opening):
+    """How a start or stop of a lifecycle tenant ended, with how long it took."""
+
+    result: LifecycleResult
+    duration_s: float
+    state: str  # the tenant's lifecycle state after it
+    error: str | None = None
+    fix: str | None = None
+    output: tuple[str, ...] = ()  # the app's last output lines (a failed start, a stop that failed)
+    retry_in_s: float | None = None  # a failed start: when the next may begin
+
+    def facts(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"result": self.result, "ok": self.result == "ok", "state": self.state,
+                               "duration_s": round(self.duration_s, 3)}
+        if self.error is not None:
+            out.update(error=self.error, fix=self.fix, output=list(self.output[-10:]), retry_in_s=self.retry_in_s)
+        return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LifecycleStart(_LifecycleEvent):
+    """A lifecycle tenant was started (emitted when its readiness answered, or the start failed)."""
+
+    name = "lifecycle_start"
+    kind: Literal["start"] = "start"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LifecycleStop(_LifecycleEvent):
+    """A lifecycle tenant was stopped (idle only: invariant 7), once it is down or the stop failed."""
+
+    name = "lifecycle_stop"
+    kind: Literal["stop"] = "stop"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Resumed(Opening):
+    """A tenant released by a soft step with a `resume` call was woken before its next request."""
+
+    name = "resumed"
+    kind: Literal["resume"] = "resume"
+    ok: bool
+    duration_s: float
+    asked: dict[str, Any] | None = None
+    error: str | None = None
+
+    def facts(self) -> dict[str, Any]:
+        return {"ok": self.ok, "duration_s": round(self.duration_s, 3), "asked": self.asked, "error": self.error}
+
+
+# -- the view and the log ---------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class DecisionView:
+    """A decision as GET /api/decisions, the events stream and the dashboard show it: its opening
+    event's fields, with every later fact merged into `outcome` (a new view each time: never changed)."""
+
     id: int
-    at: float  # unix seconds
+    at: float  # unix seconds, when it opened
     kind: DecisionKind
     tenant: str
-    trigger: str  # what asked: "request POST /api/generate", "watchdog idle", "admin"
-    plan: dict[str, Any] | None = None
-    outcome: dict[str, Any] = field(default_factory=dict)
+    trigger: str
+    plan: dict[str, object] | None
+    outcome: Mapping[str, Any]
+
+    @classmethod
+    def of(cls, event: Opening) -> DecisionView:
+        return cls(event.id, event.at, event.kind, event.tenant, event.trigger, event.plan_json(), event.facts())
+
+    def merged(self, event: DecisionEvent) -> DecisionView:
+        return replace(self, outcome={**self.outcome, **event.facts()})
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "at": round(self.at, 3), "kind": self.kind, "tenant": self.tenant,
-                "trigger": self.trigger, "plan": self.plan, "outcome": self.outcome}
+                "trigger": self.trigger, "plan": self.plan, "outcome": dict(self.outcome)}
 
 
 class DecisionLog:
+    """The one owner of the decision events: numbers them, logs them, keeps the recent decisions."""
+
     def __init__(self, clock: Clock, maxlen: int = 500) -> None:
         self._clock = clock
-        self._entries: deque[Decision] = deque(maxlen=maxlen)
+        self._maxlen = maxlen
+        self._views: OrderedDict[int, DecisionView] = OrderedDict()
+        self._events: deque[DecisionEvent] = deque(maxlen=maxlen)
         self._last_id = 0
-        self._subscribers: list[Callable[[Decision], None]] = []
+        self._subscribers: list[Callable[[DecisionEvent], None]] = []
 
     def continue_after(self, last_id: int) -> None:
         """Number the next decision after `last_id` (the telemetry store's newest), so an id names
         one decision across restarts; never goes back."""
         self._last_id = max(self._last_id, last_id)
 
-    def record(self, kind: DecisionKind, tenant: str, trigger: str, plan: dict[str, Any] | None = None,
-               **outcome: Any) -> Decision:
+    def emit(self, event: E) -> E:
+        """Number and stamp the event, log it as one JSON line, fold it into its decision's view and
+        hand it to the subscribers. Returns the event as emitted (with its id)."""
         self._last_id += 1
-        d = Decision(self._last_id, self._clock.wall(), kind, tenant, trigger, plan, dict(outcome))
-        self._entries.append(d)
-        log.info(json.dumps({"decision": d.to_json()}, default=str))
-        self._notify(d)
-        return d
+        event = replace(event, id=self._last_id, at=self._clock.wall())
+        self._events.append(event)
+        log.info(json.dumps({"decision": event.to_json()}, default=str))
+        target = event.target()
+        if target is None and isinstance(event, Opening):
+            self._views[event.id] = DecisionView.of(event)
+            while len(self._views) > self._maxlen:
+                self._views.popitem(last=False)
+        elif target is not None and (view := self._views.get(target)) is not None:
+            self._views[target] = view.merged(event)
+        self._notify(event)
+        return event
 
-    def update(self, d: Decision, **outcome: Any) -> None:
-        """Add the outcome once it is known (the plan was logged before it ran)."""
-        d.outcome.update(outcome)
-        log.info(json.dumps({"outcome": {"id": d.id, **d.outcome}}, default=str))
-        self._notify(d)
+    def recent(self, limit: int = 100) -> list[DecisionView]:
+        """The newest decisions, oldest first, each with what is known of it so far."""
+        return list(self._views.values())[-limit:]
 
-    def recent(self, limit: int = 100) -> list[Decision]:
-        return list(self._entries)[-limit:]
+    def view(self, decision_id: int) -> DecisionView | None:
+        """A decision as it stands now (None: too old, no longer kept)."""
+        return self._views.get(decision_id)
 
-    def subscribe(self, fn: Callable[[Decision], None]) -> Callable[[], None]:
+    def view_of(self, event: DecisionEvent) -> DecisionView | None:
+        """The decision an event opened or is a later fact of, as it stands after it."""
+        target = event.target()
+        return self._views.get(event.id if target is None else target)
+
+    def events(self, limit: int = 500) -> list[DecisionEvent]:
+        """The newest events as emitted, oldest first."""
+        return list(self._events)[-limit:]
+
+    def subscribe(self, fn: Callable[[DecisionEvent], None]) -> Callable[[], None]:
         self._subscribers.append(fn)
         return lambda: self._subscribers.remove(fn)
 
-    def _notify(self, d: Decision) -> None:
+    def _notify(self, event: DecisionEvent) -> None:
         for fn in list(self._subscribers):
             try:
-                fn(d)
+                fn(event)
             except Exception:  # a broken subscriber must not break a handoff
                 log.exception("decision subscriber failed")

@@ -19,7 +19,6 @@ from dataclasses import replace
 
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory
-from proxy.gpu.visibility import held_by_device
 from proxy.handoff.arbiter import (
     Plan,
     PlanMode,
@@ -130,11 +129,3 @@ def free_for(snap: AttributedSnapshot, tenant: str) -> int:
     if not snap.snapshot.several_devices:
         return snap.free_bytes
     return max(device(snap, i).free_bytes for i in candidates(snap, tenant))
-
-
-
-def held_details(snap: AttributedSnapshot, tenant: str) -> dict[str, object]:
-    """For a decision's record: what the tenant holds on each card (nothing extra on one card)."""
-    if not snap.snapshot.several_devices:
-        return {}
-    return {"held_by_device": {str(i): n for i, n in held_by_device(snap, tenant).items()}}

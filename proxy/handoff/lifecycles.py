@@ -20,7 +20,7 @@ import httpx
 
 from proxy.clock import Clock
 from proxy.engines import EngineAdapter, ReleaseFailed
-from proxy.handoff.decisions import DecisionLog
+from proxy.handoff.decisions import DecisionLog, LifecycleResult, LifecycleStart, LifecycleStop, Resumed
 from proxy.lifecycle.build import lifecycle_for
 from proxy.lifecycle.controller import LifecycleError
 from proxy.lifecycle.state import LifecycleReport, TenantLifecycle
@@ -111,25 +111,26 @@ class Lifecycles:
         try:
             asked = await self._adapter(tenant).resume(self._control, step)
         except (ReleaseFailed, httpx.HTTPError) as exc:
-            self._decisions.record("resume", tenant.name, "request to a released tenant", None, ok=False,
-                                   error=str(exc), duration_s=round(self._clock.now() - started, 3))
+            self._decisions.emit(Resumed(tenant=tenant.name, trigger="request to a released tenant", ok=False,
+                                         duration_s=self._clock.now() - started, error=str(exc)))
             raise LifecycleError(f"tenant {tenant.name!r} could not be resumed: {exc}",
                                  fix=f"check that {tenant.name} answers its resume call "
                                      "(tenants.json release.resume), then send the request again") from exc
         finally:
             self._resuming.pop(tenant.name, None)
         self._resume.pop(tenant.name, None)
-        self._decisions.record("resume", tenant.name, "request to a released tenant", None, ok=True, asked=asked,
-                               duration_s=round(self._clock.now() - started, 3))
+        self._decisions.emit(Resumed(tenant=tenant.name, trigger="request to a released tenant", ok=True,
+                                     duration_s=self._clock.now() - started, asked=asked))
         self._changed(tenant.name)
 
     # -- plumbing ------------------------------------------------------------------------------------
     def _record(self, report: LifecycleReport) -> None:
         """Every start and stop that ran, as a decision with its duration."""
-        self._decisions.record(report.action, report.tenant, f"lifecycle {report.action}", None,
-                               ok=report.ok, state=report.state, duration_s=round(report.duration_s, 3),
-                               error=report.error, fix=report.fix, output=list(report.output[-10:]),
-                               retry_in_s=report.retry_in_s)
+        event = LifecycleStart if report.action == "start" else LifecycleStop
+        result: LifecycleResult = "ok" if report.ok else "refused" if report.refused else "failed"
+        self._decisions.emit(event(tenant=report.tenant, trigger=f"lifecycle {report.action}", result=result,
+                                   duration_s=report.duration_s, state=report.state, error=report.error,
+                                   fix=report.fix, output=report.output, retry_in_s=report.retry_in_s))
         for fn in list(self.on_report):
             try:
                 fn(report)

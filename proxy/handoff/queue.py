@@ -31,57 +31,33 @@ from typing import Any, Literal, Protocol
 
 from proxy.clock import Clock
 from proxy.gpu.attribution import AttributedSnapshot
+from proxy.gpu.visibility import held_by_device
 from proxy.handoff.arbiter import Plan, Release, Releasing, TenantState, Verdict, Waiter, gib, unplanned_plan
-from proxy.handoff.decisions import Decision, DecisionKind, DecisionLog
+from proxy.handoff.decisions import (
+    DecisionLog,
+    HandoffKind,
+    HandoffStarted,
+    Queued,
+    QueueEnd,
+    QueueEnded,
+    Rejected,
+    ReleaseResult,
+    WaitChanged,
+)
 from proxy.handoff.devices import schedule_on_devices
 from proxy.tasks import sleep_or_wake
 from proxy.tenants import Registry, Tenant
 
 log = logging.getLogger("hyperswap.handoff")
 
-ReleaseVerdict = Literal["confirmed", "estimated", "timeout", "error"]
 REPLAN_S = 1.0  # the card is read again this often while anyone waits: memory freed outside the proxy sends no event
-
-
-@dataclass(slots=True)
-class ReleaseResult:
-    tenant: str
-    expected_bytes: int
-    freed_bytes: int
-    duration_s: float
-    confirmed: bool  # the card showed the memory back (invariant 6)
-    error: str | None = None
-    asked: dict[str, Any] = field(default_factory=dict)
-    # Judged from the engines' own reports (no GPU reader): never `confirmed`, and `freed_bytes` is
-    # what the engine says, not what the card shows. Ollama drops a model from /api/ps before its
-    # memory is back.
-    estimated: bool = False
-    timed_out: bool = False  # asked, but the memory was not back within the tenant's release_timeout_s
-    busy: bool = False  # not asked: the tenant had work again when its turn came (a busy tenant is never released)
-    steps: list[dict[str, Any]] = field(default_factory=list)  # each release step tried, for a release that escalates
-
-    @property
-    def result(self) -> ReleaseVerdict:
-        """How it ended, for those that count releases (metrics, telemetry, the admin API's status)."""
-        if self.confirmed:
-            return "confirmed"
-        if self.estimated and self.error is None:
-            return "estimated"  # the engine's own report said so; the card was not read
-        return "timeout" if self.timed_out else "error"
-
-    def to_json(self) -> dict[str, Any]:
-        return {"tenant": self.tenant, "expected_bytes": self.expected_bytes, "freed_bytes": self.freed_bytes,
-                "expected_gb": gib(self.expected_bytes), "freed_gb": gib(self.freed_bytes),
-                "duration_s": round(self.duration_s, 3), "confirmed": self.confirmed, "estimated": self.estimated,
-                "error": self.error, "asked": self.asked, "result": self.result,
-                **({"steps": self.steps} if self.steps else {})}
 
 
 @dataclass(slots=True)
 class Handoff:
     plan: Plan
     releases: list[ReleaseResult]
-    decision: Decision | None
+    decision: HandoffStarted | Rejected | None  # the handoff that made room for it, or its 507
     snapshot: AttributedSnapshot | None = None
     reservation: str | None = None  # the key memory was reserved under; `Arbitration.settle` gives it back
     waited_s: float = 0.0
@@ -92,6 +68,7 @@ class Handoff:
 
 
 Outcome = Literal["run", "refuse", "timeout"]
+_QUEUE_END: dict[Outcome, QueueEnd] = {"run": "admitted", "refuse": "refused (507)", "timeout": "timed out (503)"}
 
 
 @dataclass(slots=True)
@@ -109,10 +86,12 @@ class ReleaseOrder:
     requester: str  # the decision's tenant: whose load the memory is for, or the tenant released
     releases: tuple[Release, ...]
     trigger: str  # "request POST /api/generate", "watchdog idle", "admin"
-    kind: DecisionKind
+    kind: HandoffKind
     plan: Plan | None = None  # the plan it carries out (None: a release with no load behind it)
     snapshot: AttributedSnapshot | None = None  # the card the order was made on
-    details: Mapping[str, Any] = field(default_factory=dict)  # more fields for the decision
+    held_bytes: int | None = None  # a whole-tenant release: what the tenant held, for the decision
+    held_by_device: Mapping[int, int] = field(default_factory=dict)  # the same per card, on a host with several
+    idle_s: float | None = None  # an idle release: the tenant's idle_release_after_s, for the decision
 
 
 @dataclass(slots=True)
@@ -120,7 +99,7 @@ class Released:
     """How a `ReleaseOrder` went: the decision recorded for it and each tenant's result."""
     order: ReleaseOrder
     results: list[ReleaseResult]
-    decision: Decision | None
+    decision: HandoffStarted | None  # None: nothing was asked (every tenant had work again)
 
     @property
     def ok(self) -> bool:
@@ -157,11 +136,12 @@ class HandoffEffects(Protocol):
 class _Ticket:
     waiter: Waiter
     trigger: str
-    kind: DecisionKind  # "plan" or "oom_retry": the decision kind if releases run
+    kind: HandoffKind  # "plan" or "oom_retry": the decision kind if releases run
     future: asyncio.Future[Admitted]
     since_wall: float
     verdict: Verdict | None = None
-    queued: Decision | None = None  # the "queued" decision, recorded when it first had to wait
+    queued: Queued | None = None  # emitted when it first had to wait
+    wait_reason: str = ""  # what the last `Queued` or `WaitChanged` said it waits for
     model: str | None = None  # what the load reads from disk, for `prepare_load`
     joined: _Underway | None = None  # the release it waits on: admitted when that reports back
 
@@ -209,7 +189,7 @@ class HandoffQueue:
         if self._tickets:
             self._wake.set()
 
-    async def request(self, tenant: Tenant, key: str, need_bytes: int, trigger: str, kind: DecisionKind = "plan",
+    async def request(self, tenant: Tenant, key: str, need_bytes: int, trigger: str, kind: HandoffKind = "plan",
                       model: str | None = None) -> Admitted:
         """Wait for this load's turn. A client that leaves (its task cancelled) leaves the queue and
         gives back anything it was promised meanwhile; a release started for it runs to its end."""
@@ -384,8 +364,8 @@ class HandoffQueue:
                 continue
             ticket.verdict = v
             if v.action == "refuse":
-                decision = self.fx.decisions.record("rejection", v.waiter.tenant, ticket.trigger, v.plan.to_json(),
-                                                    status=507, reason=v.reason)
+                decision = self.fx.decisions.emit(Rejected(tenant=v.waiter.tenant, trigger=ticket.trigger, plan=v.plan,
+                                                           status=507, reason=v.reason))
                 self._resolve(ticket, Admitted("refuse", Handoff(v.plan, [], decision, snap), v.reason))
                 progressed = True
             elif v.action == "wait":
@@ -422,10 +402,11 @@ class HandoffQueue:
         self._tickets.pop(ticket.waiter.id, None)
         admitted.handoff.waited_s = self.fx.clock.now() - ticket.waiter.arrived_at
         if ticket.queued is not None:
-            ended = {"run": "admitted", "refuse": "refused (507)", "timeout": "timed out (503)"}[admitted.outcome]
-            self.fx.decisions.update(ticket.queued, result=ended, waited_s=round(admitted.handoff.waited_s, 3),
-                                     ended_by=admitted.handoff.decision.id if admitted.handoff.decision else None,
-                                     ended_with=admitted.reason)
+            ended = _QUEUE_END[admitted.outcome]
+            by = admitted.handoff.decision
+            self.fx.decisions.emit(QueueEnded(tenant=ticket.queued.tenant, trigger=ticket.trigger, refers_to=ticket.queued.id,
+                                              result=ended, waited_s=admitted.handoff.waited_s,
+                                              ended_by=by.id if by is not None else None, ended_with=admitted.reason))
         if not ticket.future.done():
             ticket.future.set_result(admitted)
         elif admitted.outcome == "run":
@@ -435,25 +416,29 @@ class HandoffQueue:
         if ticket.queued is None:
             if ticket.model:  # waiting for a busy tenant is time the disk can use
                 self.fx.prepare_load(v.waiter.tenant, ticket.model)
-            ticket.queued = self.fx.decisions.record("queued", v.waiter.tenant, ticket.trigger, v.plan.to_json(),
-                                                     reason=v.reason, waiting_for=list(v.plan.wait_for), behind=v.behind)
-        elif ticket.queued.outcome.get("reason") != v.reason:
-            self.fx.decisions.update(ticket.queued, reason=v.reason, waiting_for=list(v.plan.wait_for), behind=v.behind)
+            ticket.queued = self.fx.decisions.emit(Queued(tenant=v.waiter.tenant, trigger=ticket.trigger, plan=v.plan,
+                                                          reason=v.reason, behind=v.behind))
+        elif ticket.wait_reason != v.reason:
+            self.fx.decisions.emit(WaitChanged(tenant=v.waiter.tenant, trigger=ticket.trigger, refers_to=ticket.queued.id,
+                                               reason=v.reason, waiting_for=v.plan.wait_for, behind=v.behind))
+        ticket.wait_reason = v.reason
 
-    def _note_end(self, ticket: _Ticket, why: str) -> None:
+    def _note_end(self, ticket: _Ticket, why: QueueEnd) -> None:
         if ticket.queued is not None:
-            self.fx.decisions.update(ticket.queued, result=why,
-                                     waited_s=round(self.fx.clock.now() - ticket.waiter.arrived_at, 3))
+            self.fx.decisions.emit(QueueEnded(tenant=ticket.queued.tenant, trigger=ticket.trigger,
+                                              refers_to=ticket.queued.id, result=why,
+                                              waited_s=self.fx.clock.now() - ticket.waiter.arrived_at))
 
 
-def release_whole(snap: AttributedSnapshot, tenant: Tenant, trigger: str, kind: DecisionKind, why: str,
-                  **details: Any) -> ReleaseOrder:
+def release_whole(snap: AttributedSnapshot, tenant: Tenant, trigger: str, kind: HandoffKind, why: str,
+                  idle_s: float | None = None) -> ReleaseOrder:
     """An order to release all a tenant holds above its idle floor, for no load in particular (the
     watchdog's idle release, the admin API's release)."""
     held = snap.held_by(tenant.name)
     pids = tuple(p.process.pid for p in snap.processes if p.tenant == tenant.name)
     release = Release(tenant.name, max(0, held - tenant.idle_vram_bytes), pids, why)
-    return ReleaseOrder(tenant.name, (release,), trigger, kind, None, snap, {"held_bytes": held, **details})
+    by_device = held_by_device(snap, tenant.name) if snap.snapshot.several_devices else {}
+    return ReleaseOrder(tenant.name, (release,), trigger, kind, None, snap, held, by_device, idle_s)
 
 
 def _no_plan(w: Waiter) -> Plan:

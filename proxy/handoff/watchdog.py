@@ -16,7 +16,7 @@ import httpx
 from proxy.engines import ReleaseFailed
 from proxy.engines.common import go_time
 from proxy.handoff.arbitration import CONFIRM_SLACK_BYTES, Arbitration, gib
-from proxy.handoff.devices import held_details
+from proxy.handoff.decisions import SpillNoPlan
 from proxy.handoff.queue import ReleaseOrder, release_whole
 from proxy.tasks import cancel_and_wait
 from proxy.tenants import GIB, Tenant
@@ -132,7 +132,7 @@ class Watchdog:
                 report.reasons[name] = f"idle release in {deadline - report.at:.0f} s"
             else:
                 order = release_whole(snap, tenant, "watchdog idle", "idle_release", "idle timeout",
-                                      idle_s=tenant.idle_release_after_s, **held_details(snap, name))
+                                      idle_s=tenant.idle_release_after_s)
                 (result,) = (await asyncio.shield(arb.queue.release(order))).results
                 if result.busy:  # work arrived before the release's turn came, or a stop would cut it
                     report.reasons[name] = f"busy again: idle release skipped ({result.error})"
@@ -219,8 +219,8 @@ class Watchdog:
         if not plan.feasible:
             report.reasons[name] = f"starved (CPU spill) and no plan: {plan.explanation}"
             if not all(p.reported for p in placements):
-                self.arb.decisions.record("spill", name, f"watchdog: {models} spilling to the CPU", plan.to_json(),
-                                          ok=False, result="no plan: logged once for this placement")
+                self.arb.decisions.emit(SpillNoPlan(tenant=name, trigger=f"watchdog: {models} spilling to the CPU",
+                                                    plan=plan))
                 for p in placements:
                     p.reported = True
             return

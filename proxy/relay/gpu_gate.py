@@ -21,6 +21,7 @@ from proxy.engines.base import JobReplay
 from proxy.handoff import devices
 from proxy.handoff.arbiter import gib
 from proxy.handoff.arbitration import Arbitration
+from proxy.handoff.decisions import OomRetry, Rejected, StaleJob
 from proxy.handoff.queue import Admitted, Handoff
 from proxy.lifecycle.controller import LifecycleError
 from proxy.relay.forward import UpstreamResponse
@@ -129,9 +130,10 @@ class GpuGate:
             self._oom(tenant, job_id)
 
     def on_job_lost(self, tenant: Tenant, job_id: str) -> None:
-        self.arb.decisions.record("stale_job", tenant.name, "job reconciliation", None, job_id=job_id,
-                                  reason=f"{job_id} is in neither {tenant.name}'s queue nor its history (deleted from "
-                                         "the queue, or the engine restarted): no longer counted as running")
+        self.arb.decisions.emit(StaleJob(
+            tenant=tenant.name, trigger="job reconciliation", job_id=job_id,
+            reason=f"{job_id} is in neither {tenant.name}'s queue nor its history (deleted from the queue, or the "
+                   "engine restarted): no longer counted as running"))
         self.arb.queue.kick()
 
     def _oom(self, tenant: Tenant, prompt_id: str) -> None:
@@ -146,14 +148,14 @@ class GpuGate:
 
     async def _retry_prompt(self, tenant: Tenant, prompt_id: str) -> None:
         if prompt_id in self._requeued:
-            self.arb.decisions.record("oom_retry", tenant.name, f"second OOM of prompt {self._requeued[prompt_id]}",
-                                      None, result="failed", prompt_id=prompt_id)
+            self.arb.decisions.emit(OomRetry(tenant=tenant.name, trigger=f"second OOM of prompt {self._requeued[prompt_id]}",
+                                             result="failed", prompt_id=prompt_id))
             return
         adapter = self._adapter(tenant)
         replay = await self._job_replay(adapter, prompt_id)
         if replay is None:
-            self.arb.decisions.record("oom_retry", tenant.name, f"OOM of prompt {prompt_id}", None,
-                                      result="not retried: prompt not in ComfyUI's history")
+            self.arb.decisions.emit(OomRetry(tenant=tenant.name, trigger=f"OOM of prompt {prompt_id}",
+                                             result="not retried: prompt not in ComfyUI's history"))
             return
         admitted, _need = await self.arb.admit(tenant, "", replay.body, f"OOM of ComfyUI prompt {prompt_id}", oom=True)
         handoff = admitted.handoff
@@ -167,9 +169,7 @@ class GpuGate:
                 return
             self._requeued[new_id] = prompt_id
             self.arb.inflight.track_job(tenant.name, new_id)
-            self._record_retry(tenant, handoff, "requeued")
-            if handoff.decision is not None:
-                self.arb.decisions.update(handoff.decision, requeued_as=new_id, prompt_id=prompt_id)
+            self._record_retry(tenant, handoff, "requeued", prompt_id=prompt_id, requeued_as=new_id)
         except (httpx.HTTPError, ValueError, ReleaseFailed) as exc:
             self._record_retry(tenant, handoff, f"re-queue failed: {exc}")
         finally:
@@ -203,8 +203,8 @@ class GpuGate:
         if admitted is None or admitted.outcome == "run":
             return None
         if admitted.outcome == "timeout":
-            self.arb.decisions.record("rejection", tenant.name, f"start for {what}", admitted.handoff.plan.to_json(),
-                                      status=503, reason=admitted.reason)
+            self.arb.decisions.emit(Rejected(tenant=tenant.name, trigger=f"start for {what}",
+                                             plan=admitted.handoff.plan, status=503, reason=admitted.reason))
             return timeout_response(tenant, admitted, self.arb.registry.config.proxy.queue_timeout_s)
         need = Need(self._adapter(tenant).start_need_bytes, f"the start of {tenant.name}", f"{tenant.name}:wake")
         return JSONResponse(rejection_body(tenant, admitted.handoff, need), status_code=507)
@@ -223,8 +223,8 @@ class GpuGate:
         retry: Handoff | None = None
         outlives = adapter.captures_job(request.method, request.url.path)
         if admitted.outcome == "timeout":
-            self.arb.decisions.record("rejection", tenant.name, trigger, handoff.plan.to_json(), status=503,
-                                      reason=admitted.reason)
+            self.arb.decisions.emit(Rejected(tenant=tenant.name, trigger=trigger, plan=handoff.plan, status=503,
+                                             reason=admitted.reason))
             return timeout_response(tenant, admitted, self.arb.registry.config.proxy.queue_timeout_s)
         if admitted.outcome == "refuse":
             return JSONResponse(rejection_body(tenant, handoff, need), status_code=507)
@@ -267,11 +267,14 @@ class GpuGate:
                 self.arb.settle(handoff)
             self.arb.settle(retry)
 
-    def _record_retry(self, tenant: Tenant, handoff: Handoff | None, result: str) -> None:
-        if handoff is not None and handoff.decision is not None:
-            self.arb.decisions.update(handoff.decision, oom_retry=result)
-        else:
-            self.arb.decisions.record("oom_retry", tenant.name, "OOM answer", None, result=result)
+    def _record_retry(self, tenant: Tenant, handoff: Handoff | None, result: str, *, prompt_id: str | None = None,
+                      requeued_as: str | None = None) -> None:
+        """Once, when the retry's result is known: a fact of the decision the retry got from the queue
+        (the handoff that made room for it, or its 507), if it got one."""
+        started = handoff.decision if handoff is not None else None
+        self.arb.decisions.emit(OomRetry(tenant=tenant.name, trigger="OOM answer", result=result,
+                                         handoff_id=started.id if started is not None else None,
+                                         prompt_id=prompt_id, requeued_as=requeued_as))
 
 
 def _retry_after(exc: LifecycleError) -> str:

@@ -18,6 +18,8 @@ from proxy.admin.telemetry import Telemetry
 from proxy.clock import Clock
 from proxy.demo import Demo, comfy_prompt, run_prompt
 from proxy.gpu.snapshot import GpuReadError
+from proxy.handoff.arbiter import Blocker, Plan
+from proxy.handoff.decisions import OomRetry, Rejected
 from proxy.sim.box import fast_scenario as fast
 from proxy.tasks import poll_until
 from proxy.tenants import GIB
@@ -185,13 +187,12 @@ async def test_decision_log_shows_a_507_with_its_blockers_and_an_oom_retry(box: 
     page, console = await dashboard(demo)
     await page.wait_for_selector('.card[data-tenant="ollama"]', timeout=WAIT_MS)
     gib = 1024**3
-    plan = {"requester": "ollama", "need_bytes": 20 * gib, "need_gib": 20.0, "free_bytes": 3 * gib, "free_gib": 3.0,
-            "held_by_requester_bytes": 0, "held_by_requester_gib": 0.0, "feasible": False, "starved": True,
-            "estimated": False, "releases": [], "explanation": "not enough even after releases",
-            "blockers": [{"pid": 4321, "name": "stt_relay.py", "tenant": "unmanaged", "vram_bytes": 6 * gib,
-                          "vram_gib": 6.0, "reason": "unmanaged", "detail": "not a tenant"}]}
-    demo.proxy.decisions.record("rejection", "ollama", "POST /api/generate", plan, status=507)  # the path the SSE frame takes
-    demo.proxy.decisions.record("oom_retry", "comfyui", "OOM answer", None, result="retried after releasing ollama")
+    blocker = Blocker(4321, "stt_relay.py", "unmanaged", 6 * gib, "unmanaged", "not a tenant")
+    plan = Plan("ollama", 20 * gib, 3 * gib, 0, False, True, (), (blocker,), "not enough even after releases", False,
+                possible=False)
+    decisions = demo.proxy.decisions  # the path the SSE frame takes
+    decisions.emit(Rejected(tenant="ollama", trigger="POST /api/generate", plan=plan, status=507, reason="too big"))
+    decisions.emit(OomRetry(tenant="comfyui", trigger="OOM answer", result="retried after releasing ollama"))
     rejection = page.locator('#decisions li[data-kind="rejection"]')
     await rejection.filter(has_text="stt_relay.py").wait_for(timeout=WAIT_MS)
     text = await rejection.inner_text()

@@ -15,7 +15,7 @@ from proxy.clock import ManualClock
 from proxy.demo import comfy_prompt, run_prompt
 from proxy.gpu.snapshot import GpuReadError
 from proxy.handoff.arbiter import Plan
-from proxy.handoff.decisions import Decision
+from proxy.handoff.decisions import DecisionView
 from proxy.handoff.queue import Handoff
 from proxy.tasks import poll_until
 from proxy.tenants import GIB
@@ -219,10 +219,14 @@ async def test_client_leaving_during_a_release_lets_the_release_finish_and_holds
     with pytest.raises(asyncio.CancelledError):
         await leaving
     arb = demo.proxy.arbitration
+    def now() -> DecisionView:  # a view is never changed: its later facts come as a new one
+        view = demo.proxy.decisions.view(plan.id)
+        assert view is not None
+        return view
     async with asyncio.timeout(5):  # the release's own end: no event to wait on from here
-        await poll_until(lambda: "releases" in plan.outcome and not arb._reservations and not arb.handoff_lock.locked(),
-                         0.01)
-    assert plan.outcome["releases"][0]["confirmed"] is True, "the release runs to its end and is recorded"
+        await poll_until(lambda: "releases" in now().outcome and not arb._reservations
+                         and not arb.handoff_lock.locked(), 0.01)
+    assert now().outcome["releases"][0]["confirmed"] is True, "the release runs to its end and is recorded"
     assert arb._reservations == {} and not arb.handoff_lock.locked(), "a departed request holds no memory and no lock"
     assert demo.proxy.inflight.traffic("ollama").in_flight == 0
     again = await generate(http, demo, "gemma3:27b")
@@ -339,7 +343,7 @@ async def test_comfyui_oom_of_a_client_without_websocket_is_found_by_the_history
     base = demo.proxy.url("comfyui")
     first = (await http.post(base + "/prompt", json={"prompt": comfy_prompt("sd_xl_base_1.0.safetensors")})).json()["prompt_id"]
     async with asyncio.timeout(15):
-        def retries() -> list[Decision]:
+        def retries() -> list[DecisionView]:
             return [d for d in decisions(demo, "oom_retry", "comfyui") if d.outcome.get("oom_retry")]
         await poll_until(retries, 0.05)
         retry = retries()[-1]

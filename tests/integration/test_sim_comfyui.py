@@ -426,7 +426,9 @@ async def test_jobs_shows_running_and_pending_prompts_filters_sorts_and_pages(bo
     await until(lambda: _running(box), "the long prompt to start")
     pending = [await box.post_prompt(image_graph(), "jp") for _ in range(2)]
     jobs = (await box.http.get("/api/jobs")).json()["jobs"]
-    assert [(j["id"], j["status"]) for j in jobs] == [(pending[1], "pending"), (pending[0], "pending"),
+    times = {j["id"]: j["create_time"] for j in jobs}
+    newest_first = sorted(pending, key=lambda p: -times[p])  # two posts in one millisecond tie: queue order, as ComfyUI sorts
+    assert [(j["id"], j["status"]) for j in jobs] == [*((p, "pending") for p in newest_first),
                                                       (long_id, "in_progress")], "newest create_time first"
     assert set(jobs[0]) == {"id", "status", "priority", "create_time", "outputs_count"} and jobs[0]["outputs_count"] == 0
     page = (await box.http.get("/api/jobs", params={"status": "pending", "sort_order": "asc", "limit": 1})).json()

@@ -15,7 +15,8 @@ from proxy.gpu.devices import Placement
 from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot
 from proxy.gpu.visibility import device_json, devices_json, tenant_devices_json
 from proxy.handoff.arbiter import plan_release, schedule
-from proxy.handoff.devices import candidates, free_for, held_details, plan_on_devices, schedule_on_devices
+from proxy.handoff.devices import candidates, free_for, plan_on_devices, schedule_on_devices
+from proxy.handoff.queue import release_whole
 from proxy.tenants import GIB
 
 SIZES = {0: 24 * GIB, 1: 16 * GIB}
@@ -88,7 +89,8 @@ def test_one_card_plans_are_the_arbiters_own() -> None:
     states = idle("comfyui")
     assert plan_on_devices(s, registry(), states, "ollama", 8 * GIB) == plan_release(s, registry(), states, "ollama", 8 * GIB)
     assert "device" not in plan_on_devices(s, registry(), states, "ollama", 8 * GIB).to_json()
-    assert held_details(s, "comfyui") == {} and tenant_devices_json(s, "comfyui") == {}
+    whole = release_whole(s, registry().get("comfyui"), "admin", "release", "asked")
+    assert whole.held_by_device == {} and tenant_devices_json(s, "comfyui") == {}
     assert "devices" not in device_json(s)
 
 
@@ -130,5 +132,5 @@ def test_views_show_memory_per_card_and_where_each_tenant_loads() -> None:
     view = tenant_devices_json(s, "ollama")["devices"]
     assert view["devices"] is None and view["source"] == "any"
     assert [d["vram_bytes"] for d in view["vram_by_device"]] == [10 * GIB, 2 * GIB]
-    assert held_details(s, "ollama") == {"held_by_device": {"0": 10 * GIB, "1": 2 * GIB}}
+    assert release_whole(s, registry().get("ollama"), "admin", "release", "asked").held_by_device == {0: 10 * GIB, 1: 2 * GIB}
     assert s.held_by("ollama") == 12 * GIB and s.on_device(1).held_by("ollama") == 2 * GIB

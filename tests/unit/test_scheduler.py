@@ -17,7 +17,7 @@ from cards import STT, busy, idle, registry, snap
 
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.handoff.arbiter import Releasing, TenantState, Waiter, queue_order, schedule
-from proxy.handoff.decisions import DecisionLog
+from proxy.handoff.decisions import DecisionLog, HandoffStarted, Queued, QueueEnded
 from proxy.handoff.queue import Admitted, Handoff, HandoffQueue, Released, ReleaseOrder, ReleaseResult, release_whole
 from proxy.tenants import GIB, Registry
 
@@ -165,8 +165,8 @@ class Recorder:
             floor = self.registry.get(r.tenant).idle_vram_bytes
             self.procs = [(t, pid, floor if t == r.tenant else used) for t, pid, used in self.procs]
             results.append(ReleaseResult(r.tenant, r.expected_free_bytes, r.expected_free_bytes, 0.0, True))
-        decision = self.decisions.record(order.kind, order.requester, order.trigger,
-                                         order.plan.to_json() if order.plan else None)
+        decision = self.decisions.emit(HandoffStarted(kind=order.kind, tenant=order.requester, trigger=order.trigger,
+                                                      plan=order.plan))
         return Released(order, results, decision)
 
     def reserve(self, key: str, handoff: Handoff) -> None:
@@ -204,8 +204,8 @@ async def test_a_waiter_is_admitted_the_moment_its_blocker_goes_idle_without_pol
     assert not chat.done() and fx.log == [("read",)]
     (w,) = queue.waiting()
     assert w["waiting_for"] == ["comfyui"] and w["reason"] == "queued behind comfyui (1 running job(s))"
-    queued = fx.decisions.recent()[-1]
-    assert queued.kind == "queued" and queued.outcome["waiting_for"] == ["comfyui"]
+    (queued,) = [e for e in fx.decisions.events() if isinstance(e, Queued)]
+    assert queued.plan.wait_for == ("comfyui",) and fx.decisions.recent()[-1].outcome["waiting_for"] == ["comfyui"]
 
     fx.states = idle("comfyui")  # the prompt's end marker passed through
     queue.kick()
@@ -213,8 +213,13 @@ async def test_a_waiter_is_admitted_the_moment_its_blocker_goes_idle_without_pol
 
     assert admitted.outcome == "run" and clock.now() == 100.0, "woken by the event, not by a timer"
     assert fx.log == [("read",), ("read",), ("release", ("comfyui",)), ("reserve", "ollama:gemma")]
-    assert queued.outcome["result"] == "admitted" and queued.outcome["ended_by"] == admitted.handoff.decision.id
-    assert queue.empty and queued.outcome["waited_s"] == 0.0
+    assert admitted.handoff.decision is not None
+    (ended,) = [e for e in fx.decisions.events() if isinstance(e, QueueEnded)]
+    assert ended.refers_to == queued.id and ended.result == "admitted" and ended.ended_by == admitted.handoff.decision.id
+    assert queue.empty and ended.waited_s == 0.0
+    view = fx.decisions.view(queued.id)
+    assert view is not None and view.outcome["result"] == "admitted", "the queued entry shows how its wait ended"
+    assert view.outcome["ended_by"] == admitted.handoff.decision.id and view.outcome["waited_s"] == 0.0
 
 
 async def test_the_wait_ends_with_a_timeout_naming_what_it_waited_for(clock: ManualClock) -> None:
@@ -232,6 +237,7 @@ async def test_the_wait_ends_with_a_timeout_naming_what_it_waited_for(clock: Man
     assert "queued behind comfyui" in admitted.reason and admitted.handoff.plan.wait_for == ("comfyui",)
     assert ("reserve", "ollama:gemma") not in fx.log and not any(e[0] == "release" for e in fx.log)
     assert fx.decisions.recent()[-1].outcome["result"] == "timed out (503)"
+    assert [e.result for e in fx.decisions.events() if isinstance(e, QueueEnded)] == ["timed out (503)"]
 
 
 async def test_a_client_leaving_the_queue_takes_nothing_and_lets_the_next_one_run(clock: ManualClock) -> None:

@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import pytest
 
 from proxy.admin.telemetry import TelemetryStore, VramRecorder, decision_rows, default_path
 from proxy.clock import ManualClock
-from proxy.handoff.decisions import DecisionLog
+from proxy.handoff.arbiter import Blocker, Plan
+from proxy.handoff.decisions import (
+    DecisionLog,
+    HandoffFinished,
+    HandoffStarted,
+    ModelLoad,
+    OomRetry,
+    Rejected,
+    ReleaseResult,
+    StaleJob,
+)
 from proxy.tenants import GIB, MIB
 
 if TYPE_CHECKING:
@@ -160,29 +170,43 @@ async def test_small_vram_wobble_is_not_a_model_load(tmp_path: Path) -> None:
     assert not rec._growth
 
 
-def test_a_decision_notified_at_record_and_update_is_written_once() -> None:
+def plan(need: int = 5 * GIB, *blockers: Blocker) -> Plan:
+    return Plan("ollama", need, 0, 0, False, True, (), blockers, "test", False)
+
+
+def test_each_event_of_a_handoff_adds_its_rows_once_under_the_decisions_id() -> None:
     log = DecisionLog(ManualClock())
-    seen: set[str] = set()
     rows: list[tuple[str, dict[str, object]]] = []
-    log.subscribe(lambda d: rows.extend(decision_rows(d, seen)))
-    d = log.record("oom_retry", "ollama", "OOM answer to request POST /api/generate", {"need_bytes": 5})
-    release = {"tenant": "comfyui", "expected_bytes": 6 * GIB, "freed_bytes": 6 * GIB, "duration_s": 0.4,
-               "confirmed": True, "error": None}
-    log.update(d, releases=[release], ok=True)
-    log.update(d, oom_retry="succeeded")
+    log.subscribe(lambda e: rows.extend(decision_rows(e, log.view_of(e))))
+    started = log.emit(HandoffStarted(kind="oom_retry", tenant="ollama", trigger="OOM answer to request POST /api/generate",
+                                      plan=plan()))
+    assert rows == [], "a handoff that has not run yet has no row"
+    release = ReleaseResult("comfyui", 6 * GIB, 6 * GIB, 0.4, True)
+    log.emit(HandoffFinished(kind="oom_retry", tenant="ollama", trigger=started.trigger, refers_to=started.id,
+                             releases=(release,)))
+    log.emit(OomRetry(tenant="ollama", trigger="OOM answer", result="succeeded", handoff_id=started.id))
     kinds = [k for k, _ in rows]
     assert sorted(kinds) == ["decisions", "oom_retries", "releases"], kinds
+    assert {r["decision_id"] for _, r in rows} == {started.id}, "every row names the decision, not its later events"
     rel = next(r for k, r in rows if k == "releases")
     assert (rel["tenant"], rel["requester"], rel["freed_bytes"], rel["duration_s"]) == ("comfyui", "ollama", 6 * GIB, 0.4)
+    decision = next(r for k, r in rows if k == "decisions")
+    assert decision["kind"] == "oom_retry" and decision["ok"] is True and '"releases"' in str(decision["outcome"])
 
 
 def test_only_request_rejections_count_as_507s() -> None:
     log = DecisionLog(ManualClock())
-    plan = {"need_bytes": 15 * GIB, "blockers": [{"pid": 4242, "tenant": "unmanaged"}]}
-    request = decision_rows(log.record("rejection", "ollama", "request POST /api/generate", plan), set())
-    watchdog = decision_rows(log.record("rejection", "ollama", "watchdog: spilling", plan), set())
+    refused = plan(15 * GIB, Blocker(4242, "stt_relay.py", "unmanaged", 6 * GIB, "unmanaged", "not a tenant"))
+
+    def rows(trigger: str, status: Literal[503, 507] = 507) -> list[tuple[str, dict[str, object]]]:
+        event = log.emit(Rejected(tenant="ollama", trigger=trigger, plan=refused, status=status, reason="no room"))
+        return decision_rows(event, log.view_of(event))
+
+    request = rows("request POST /api/generate")
     assert [k for k, _ in request] == ["decisions", "rejections"]
-    assert [k for k, _ in watchdog] == ["decisions"]
+    assert request[1][1]["need_bytes"] == 15 * GIB and '"pid": 4242' in str(request[1][1]["blockers"])
+    assert [k for k, _ in rows("OOM answer to request POST /api/generate")] == ["decisions"]
+    assert [k for k, _ in rows("request POST /api/generate", 503)] == ["decisions"], "a 503 is a wait that ran out"
 
 
 def test_path_comes_from_the_env_var_and_off_disables() -> None:
@@ -216,8 +240,9 @@ async def test_decision_ids_continue_after_the_stores_last_across_restarts(tmp_p
         (tel,) = proxy.extensions
         await tel.start()
         for _ in range(3):
-            d = proxy.decisions.record("release", "comfyui", "admin", None)
-            proxy.decisions.update(d, ok=True)
+            d = proxy.decisions.emit(HandoffStarted(kind="release", tenant="comfyui", trigger="admin"))
+            proxy.decisions.emit(HandoffFinished(kind="release", tenant="comfyui", trigger="admin", refers_to=d.id,
+                                                 releases=()))
             ids.append(d.id)
         await tel.stop()
     assert len(set(ids)) == 6, f"a restart reused decision ids: {ids}"
@@ -228,9 +253,9 @@ async def test_decision_ids_continue_after_the_stores_last_across_restarts(tmp_p
 def test_decision_log_continues_after_an_id_and_never_goes_back() -> None:
     log = DecisionLog(ManualClock())
     log.continue_after(41)
-    assert log.record("plan", "ollama", "x").id == 42
+    assert log.emit(StaleJob(tenant="comfyui", trigger="x", job_id="a", reason="gone")).id == 42
     log.continue_after(7)
-    assert log.record("plan", "ollama", "x").id == 43
+    assert log.emit(StaleJob(tenant="comfyui", trigger="x", job_id="b", reason="gone")).id == 43
 
 
 def _when(at: float) -> str:
@@ -286,9 +311,9 @@ async def test_a_queue_overflow_is_current_until_the_writer_catches_up_then_past
 def test_a_model_load_is_stored_as_a_load_speed_row_in_the_history(tmp_path: Path) -> None:
     from proxy.models.loads import LoadRecord
     record = LoadRecord(1000.0, "ollama", "gemma3:27b", 17 * 10**9, 8.5, 0.0, "ollama load_duration", "cold")
-    outcome = {k: v for k, v in record.to_json().items() if k != "tenant"}
-    d = DecisionLog(ManualClock()).record("model_load", "ollama", "gemma3:27b loaded", None, **outcome)
-    rows = decision_rows(d, set())
+    log = DecisionLog(ManualClock())
+    d = log.emit(ModelLoad(tenant="ollama", trigger="gemma3:27b loaded", load=record))
+    rows = decision_rows(d, log.view_of(d))
     assert [k for k, _ in rows] == ["load_speeds"], "an observation, not a decision row"
     store = TelemetryStore(tmp_path / "t.sqlite3")
     store.open()

@@ -1,0 +1,89 @@
+"""What every decision event is: a typed, immutable fact, emitted once, when it is known.
+
+A decision (a plan carried out, a wait, a rejection, an OOM retry, a GPU settings write...) is
+told as events: one that opens it (`Opening`: an entry of `GET /api/decisions`, with its kind) and,
+for those that take time, later facts about it (`FollowUp`: they carry the id of the decision they
+refer to and never change it). The decision log (proxy/handoff/decisions.py) numbers them, logs each
+as one JSON line, and keeps the view people and the dashboard read: an opening with its follow-ups'
+facts merged into its `outcome`.
+
+Here, in the core, so every layer can emit: the GPU settings keeper (proxy/gpu/) defines its own
+events, the handoff layer the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Protocol, TypeVar
+
+# The kinds of decisions GET /api/decisions lists. model_load: an observation (a load's speed), kept
+# for the history; gpu_*: proxy/gpu/keeper.py; start/stop: a lifecycle tenant started or stopped.
+DecisionKind = Literal["plan", "queued", "release", "rejection", "oom_retry", "idle_release", "spill", "stale_job",
+                       "gpu_drift", "gpu_apply", "model_load", "start", "stop", "resume"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DecisionEvent:
+    """The base: whose decision, what asked for it, and (given by the log) its id and time."""
+
+    name: ClassVar[str] = "event"  # the event's name in its log line: "queued", "handoff_finished"...
+    tenant: str  # the tenant it is about ("" for the card itself)
+    trigger: str  # what asked: "request POST /api/generate", "watchdog idle", "admin"
+    id: int = 0  # numbered by the log when emitted (0: not emitted yet)
+    at: float = 0.0  # unix seconds, stamped by the log
+
+    def target(self) -> int | None:
+        """The id of the earlier decision this event is a later fact of; None: it opens a decision."""
+        return None
+
+    def facts(self) -> dict[str, Any]:
+        """What it adds to its decision's `outcome`, as JSON."""
+        return {}
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON log line's body (one object per line: people grep them)."""
+        out: dict[str, Any] = {"id": self.id, "at": round(self.at, 3), "event": self.name}
+        target = self.target()
+        if target is not None:
+            out["refers_to"] = target
+        out.update(self._head())
+        out.update({"tenant": self.tenant, "trigger": self.trigger, "outcome": self.facts()})
+        return out
+
+    def _head(self) -> dict[str, Any]:
+        return {}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Opening(DecisionEvent):
+    """An event that opens a decision of its own: an entry of GET /api/decisions."""
+
+    kind: DecisionKind
+
+    def plan_json(self) -> dict[str, object] | None:
+        """The plan it carries out or answers with, as JSON; None: no plan."""
+        return None
+
+    def _head(self) -> dict[str, Any]:
+        return {"kind": self.kind, "plan": self.plan_json()}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FollowUp(DecisionEvent):
+    """A later fact about an earlier decision (its result, how a wait ended): merged into its view."""
+
+    refers_to: int  # the id of the decision it is a fact of
+
+    def target(self) -> int | None:
+        return self.refers_to
+
+
+E = TypeVar("E", bound=DecisionEvent)
+
+
+class DecisionSink(Protocol):
+    """Where events go: `proxy.handoff.decisions.DecisionLog`, for layers that come before it."""
+
+    def emit(self, event: E) -> E:
+        """Number, log and hand on the event; returns it with its id and time."""
+        ...
