@@ -106,6 +106,7 @@ BOUNDS: dict[str, Bound] = {
     "watchdog_interval_s": Bound(0.05, 3600, "s"),  # each tick reads the GPU and polls the engines
     "release_poll_s": Bound(0.01, 10, "s"),  # each poll reads the GPU
     "queue_timeout_s": Bound(0, DAY_S, "s"),  # 0: never wait for a handoff, answer 503 at once
+    "job_lost_after_s": Bound(0, DAY_S, "s", low_open=True),
     "retention_days": Bound(0, 3650, "days", low_open=True),  # 0 would delete every row at open
     "max_rows": Bound(1, 100_000_000, "rows"),
     "replay_body_max_mb": Bound(0, 1024, "MiB"),  # kept in memory while the request runs
@@ -618,6 +619,9 @@ class ProxySettings(_Strict):
     starvation_after_s: float = 60.0
     # Ollama's size_vram < size counts as a CPU spill only once the split held this long (a load grows).
     spill_stable_s: float = 5.0
+    # A job the proxy relayed, of an engine whose queue cannot be read (down, restarting): still busy
+    # for this long after the last good read (it may be running), then ended with a stale_job decision.
+    job_lost_after_s: float = 120.0
     # Model files are read into RAM only while MemAvailable stays above this (never into swap).
     warm_margin_gb: float = 4.0
     warm_during_release: bool = True  # read the next model's files while the other tenant releases

@@ -111,10 +111,10 @@ class AdminApi:
             return error(409, tenant.not_reclaimable_reason,
                          "this tenant cannot be released; stop it by hand if you need the memory",
                          tenant=tenant.name, reason="not_reclaimable")
-        if await self.arb.adapter(tenant).runs_on_cpu(self.arb.control):
-            return self._nothing_on_the_card(tenant)
         snap = await self.arb.snapshot()
         state = self.arb.states(snap)[tenant.name]
+        if not state.busy and await self.arb.adapter(tenant).runs_on_cpu(self.arb.control):
+            return self._nothing_on_the_card(tenant)  # (busy first: a busy tenant's answer is 409 wherever it runs)
         if not state.busy:  # the release path checks again when its turn comes (another may be under way)
             order = release_whole(snap, tenant, "admin", "release", "asked by the admin API")
             (result,) = (await asyncio.shield(self.arb.queue.release(order))).results
@@ -129,7 +129,7 @@ class AdminApi:
         note = (f"{tenant.name} runs on the CPU (its /system_stats device type is cpu): it holds no GPU memory, "
                 "so there is nothing to release")
         self.arb.decisions.emit(NothingToRelease(tenant=tenant.name, trigger="admin", reason=note))
-        body = ReleaseResult(tenant.name, 0, 0, 0.0, False).to_json()
+        body = {**ReleaseResult(tenant.name, 0, 0, 0.0, False).to_json(), "result": "not_on_gpu"}
         return JSONResponse({"tenant": tenant.name, **body, "reason": "cpu", "note": note})
 
     async def plan(self, request: Request) -> Response:

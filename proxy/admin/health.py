@@ -35,7 +35,6 @@ from proxy.errors import ConfigError, HyperSwapError
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
 from proxy.gpu.nvml import CONTAINER_NOTE, NvmlReader
 from proxy.gpu.visibility import capabilities, summary
-from proxy.handoff.busy import stale_jobs
 from proxy.handoff.devices import candidates, shares
 from proxy.tasks import cancel_and_wait
 from proxy.tenants import GIB, Tenant, load_registry
@@ -384,17 +383,36 @@ class HealthExtension:
         return self.floor(tenant)
 
     async def check_stale(self, snap: AttributedSnapshot) -> list[HealthEntry]:
-        stale = stale_jobs(self.proxy.arbitration.states(snap))  # from the queues the watchdog read
+        """Jobs counted as running that the evidence says are not (proxy/handoff/busy.py). Clearing
+        the engine's queue is advised only on positive evidence that an entry is dead: listed while its
+        tenant holds only its idle floor on a card that shows its memory."""
+        states = self.proxy.arbitration.states(snap)  # from the queues the watchdog read
+        stale = {name: s for name, s in states.items() if s.stale_jobs}
         if not stale:
             return [HealthEntry("stale queue entries", "ok", "none")]
         out = []
-        for tenant, ids in stale.items():
+        for tenant, state in stale.items():
+            ids = ", ".join(state.stale_jobs)
             upstream = self.proxy.registry.get(tenant).upstream if tenant in self.proxy.registry else None
-            out.append(HealthEntry(
-                f"stale queue entries {tenant}", "degraded",
-                f"{tenant} lists {len(ids)} job(s) as running but holds only its idle VRAM: prompt id(s) {', '.join(ids)}",
-                "clients polling the queue wait on a job that never finishes; the proxy does not count it as busy",
-                STALE_FIX + (f" (at {upstream})" if upstream else "")))
+            at = f" (at {upstream})" if upstream else ""
+            if state.stale_why == "vram":
+                out.append(HealthEntry(
+                    f"stale queue entries {tenant}", "degraded",
+                    f"{tenant} lists {len(state.stale_jobs)} job(s) as running but holds only its idle VRAM: "
+                    f"prompt id(s) {ids}",
+                    "clients polling the queue wait on a job that never finishes; the proxy does not count it as busy",
+                    STALE_FIX + at))
+            elif state.stale_why == "unreachable":
+                out.append(HealthEntry(
+                    f"stale queue entries {tenant}", "degraded",
+                    f"{tenant}'s queue has not answered for proxy.job_lost_after_s: job(s) {ids} no longer counted",
+                    "their clients get no result from this run of the engine",
+                    f"check that {tenant} runs and answers{at} (`hyperswap check`); send the jobs again once it does"))
+            else:
+                out.append(HealthEntry(
+                    f"stale queue entries {tenant}", "ok",
+                    f"{tenant}'s own queue no longer lists job(s) {ids}: they end once its history shows them",
+                    "none: the proxy no longer counts them as running"))
         return out
 
     async def check_devices(self, snap: AttributedSnapshot) -> list[HealthEntry]:

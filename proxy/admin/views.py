@@ -137,9 +137,10 @@ class ReleaseResult(_Doc):
     reason: Literal["cpu"] | None = Field(default=None, description="cpu: the engine runs on the CPU and holds no GPU "
                                                                     "memory; nothing was asked")
     note: str | None = None
-    result: ReleaseVerdict | None = Field(default=None, description=(
+    result: ReleaseVerdict | Literal["not_on_gpu"] | None = Field(default=None, description=(
         "confirmed (the card showed the memory back), estimated (the engine's own report said so), timeout "
-        "(not back within release_timeout_s) or error (the engine refused or was down)"))
+        "(not back within release_timeout_s), error (the engine refused or was down), or not_on_gpu (the "
+        "engine computes on the CPU and holds nothing on the card: nothing was asked)"))
 
 
 class PodName(_Doc):
@@ -456,7 +457,7 @@ def _live(arb: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, tenant
         "stale_jobs": list(state.stale_jobs),
         "last_activity_age_s": None if not traffic or traffic.last_activity is None else round(now - traffic.last_activity, 1),
         "idle_release_in_s": None if deadline is None else round(max(0.0, deadline - now), 1),
-        "reclaimable": tenant.reclaimable,
+        "reclaimable": tenant.reclaimable and tenant.name not in arb.cpu_tenants,  # on the CPU: nothing to take
         "waiting": [w for w in arb.queue.waiting() if w["tenant"] == tenant.name],
         **tenant_devices_json(snap, tenant.name),  # several cards: where it loads, what it holds on each
     }

@@ -64,7 +64,9 @@ class TenantState:
     busy: bool
     busy_reason: str = ""
     in_flight: int = 0
-    stale_jobs: tuple[str, ...] = ()  # listed as running, but its VRAM says not (proxy/handoff/busy.py)
+    stale_jobs: tuple[str, ...] = ()  # listed as running, but the evidence says not (proxy/handoff/busy.py)
+    stale_why: str = ""  # "vram": at its idle floor on the card; "unlisted": its own queue no longer lists them;
+    # "unreachable": its queue has not answered for proxy.job_lost_after_s
 
 
 @dataclass(frozen=True, slots=True)

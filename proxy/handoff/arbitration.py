@@ -90,6 +90,8 @@ class Arbitration:
         self.last_read_error: GpuReadError | None = None
         self._measured_device: DeviceMemory | None = None  # the last device figures a reader measured
         self._queue_reads: dict[str, QueueRead] = {}  # tenant -> jobs its own queue said run (watchdog reads it)
+        self._unreachable_since: dict[str, float] = {}  # tenant -> since when its queue does not answer
+        self.cpu_tenants: set[str] = set()  # engines that said they compute on the CPU (the watchdog asks)
         self.load_hooks: PrepareLoad | None = None  # set by the model-files extension
         inflight.on_change.append(self._traffic_changed)
 
@@ -152,16 +154,30 @@ class Arbitration:
 
     # -- busy ---------------------------------------------------------------------------------
     def queue_read(self, tenant: str, started_at: float, job_ids: tuple[str, ...] | None) -> None:
-        """What the engine's own queue said was running, read from `started_at` (None: unreadable)."""
+        """What the engine's own queue said was running, read from `started_at` (None: it did not
+        answer; since when is kept until it answers again)."""
         if job_ids is None:
             self._queue_reads.pop(tenant, None)
+            self._unreachable_since.setdefault(tenant, started_at)
         else:
             self._queue_reads[tenant] = QueueRead(started_at, job_ids)
+            self._unreachable_since.pop(tenant, None)
+
+    def on_cpu(self, tenant: str, cpu: bool) -> None:
+        """What the engine said of its device (the watchdog asks): an engine on the CPU holds nothing on
+        the card, so neither its busy state nor a release can be judged by its VRAM."""
+        if cpu:
+            self.cpu_tenants.add(tenant)
+        else:
+            self.cpu_tenants.discard(tenant)
 
     def states(self, snap: AttributedSnapshot) -> dict[str, TenantState]:
         """Every tenant's busy state now, by the pure rule in proxy/handoff/busy.py (writes nothing)."""
         return busy_states(self.registry, self.inflight.snapshot(), self._queue_reads, self.inflight.finished,
-                           snap.held_by, self.clock.now())
+                           snap.held_by, self.clock.now(),
+                           observable=lambda name: not snap.estimated and name not in self.cpu_tenants,
+                           unreachable_since=self._unreachable_since,
+                           job_lost_after_s=self.registry.config.proxy.job_lost_after_s)
 
     # -- planning -----------------------------------------------------------------------------
     def promised(self, snap: AttributedSnapshot) -> dict[str, tuple[str, int]]:

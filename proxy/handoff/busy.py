@@ -2,14 +2,20 @@
 each tenant holds on the card, and the time. It reads nothing and writes nothing, so the dry run
 of `GET /api/plan` and a health check change no state.
 
-Busy never comes from GPU utilisation, shared by every tenant (design.md, invariant 3). A tenant is
-busy while:
+Busy never comes from GPU utilisation, shared by every tenant (design.md, invariant 3), only from
+evidence the proxy has. A tenant is busy while:
 - a GPU request of it is in flight through the proxy;
-- a job the proxy relayed (a ComfyUI prompt id) has not ended, and either the tenant's VRAM is above
-  its idle floor or the job is younger than `JOB_LOAD_GRACE_S` (its load may still be on its way);
-- its own queue lists running jobs, read after its traffic last changed, and its VRAM is above its
-  idle floor (clients that bypass the proxy).
-Jobs listed while the tenant holds only its idle floor are stale: reported, not counted.
+- a job the proxy relayed (a ComfyUI prompt id) has not ended, and
+  - where its VRAM is observable (a GPU reader, an engine on the card): the VRAM is above its idle
+    floor, or the job is younger than `JOB_LOAD_GRACE_S` (its load may still be on its way);
+  - where it is not (an engine on the CPU, no GPU reader): a read of its own queue made after its
+    traffic last changed lists the job, or the job is younger than the grace, or no such read exists
+    yet; an engine whose queue cannot be read keeps its jobs busy for `job_lost_after_s`;
+- its own queue lists running jobs, read after its traffic last changed (clients that bypass the
+  proxy), corroborated by VRAM above the floor where VRAM is observable.
+A job is stale only on positive evidence that it is not running: listed while the tenant holds only
+its idle floor on a card that shows it ("vram"), missing from a fresh read of its queue ("unlisted"),
+or its engine silent past `job_lost_after_s` ("unreachable"). Stale jobs are reported, not counted.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ CONFIRM_SLACK_BYTES = 64 * MIB  # within this of its idle floor a tenant holds "
 # A job the proxy relayed counts as busy at once, before its load reaches the card; after this long
 # with the tenant's VRAM still at its idle floor it is believed stale (invariant 3).
 JOB_LOAD_GRACE_S = 30.0
+DEFAULT_JOB_LOST_AFTER_S = 120.0  # proxy.job_lost_after_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,52 +42,88 @@ class QueueRead:
     job_ids: tuple[str, ...]
 
 
-def queue_rows(read: QueueRead | None, traffic: TenantTraffic | None, finished: Callable[[str], bool]) -> tuple[str, ...]:
+@dataclass(frozen=True, slots=True)
+class Evidence:
+    """What the proxy knows of one tenant besides its traffic."""
+    held: int  # bytes on the card (0 when nothing of it is seen)
+    observable: bool = True  # its VRAM can be read: a GPU reader, and an engine on the card (not the CPU)
+    rows: tuple[str, ...] | None = None  # its queue's running jobs, read after its traffic last changed; None: no such read
+    unreachable_for: float | None = None  # its queue has not answered for this long (None: it answers)
+
+
+def queue_rows(read: QueueRead | None, traffic: TenantTraffic | None,
+               finished: Callable[[str], bool]) -> tuple[str, ...] | None:
     """Rows of the engine's queue still worth believing: read after the proxy last saw the tenant's
-    traffic change (an older read may predate the end marker), minus jobs the proxy saw end."""
+    traffic change (an older read may predate the end marker), minus jobs the proxy saw end. None:
+    no read to believe."""
     if read is None:
-        return ()
+        return None
     if traffic is not None and traffic.last_activity is not None and read.started_at < traffic.last_activity:
-        return ()
+        return None
     return tuple(j for j in read.job_ids if not finished(j))
 
 
-def tenant_state(tenant: Tenant, traffic: TenantTraffic | None, rows: tuple[str, ...], held: int,
-                 now: float) -> TenantState:
-    """One tenant's busy state. `rows`: its own queue's running jobs (from `queue_rows`)."""
+def tenant_state(tenant: Tenant, traffic: TenantTraffic | None, ev: Evidence, now: float,
+                 job_lost_after_s: float = DEFAULT_JOB_LOST_AFTER_S) -> TenantState:
+    """One tenant's busy state from its traffic and the evidence."""
     in_flight = traffic.in_flight if traffic else 0
     own = traffic.jobs if traffic else ()
-    rows = tuple(j for j in rows if j not in own)
-    above_floor = held > tenant.idle_vram_bytes + CONFIRM_SLACK_BYTES
+    rows = ev.rows or ()
+    others = tuple(j for j in rows if j not in own)
+    above_floor = ev.held > tenant.idle_vram_bytes + CONFIRM_SLACK_BYTES
     fresh = bool(own) and traffic is not None and traffic.newest_job_at is not None \
         and now - traffic.newest_job_at < JOB_LOAD_GRACE_S
-    if in_flight:
-        return TenantState(tenant.name, True, f"{in_flight} GPU request(s) in flight", in_flight)
-    if own and (above_floor or fresh):
-        why = f"{len(own)} running job(s)" + ("" if above_floor else ", load on its way")
+
+    def busy(why: str) -> TenantState:
         return TenantState(tenant.name, True, why, in_flight)
-    if rows and above_floor:
-        return TenantState(tenant.name, True, f"{len(rows)} job(s) in its own queue and VRAM above its idle floor",
-                           in_flight)
-    if own or rows:
-        stale = tuple(dict.fromkeys((*own, *rows)))
-        return TenantState(tenant.name, False, f"{len(stale)} job(s) listed but VRAM at its idle floor: stale",
-                           in_flight, stale_jobs=stale)
+
+    def stale(jobs: tuple[str, ...], why: str, text: str) -> TenantState:
+        jobs = tuple(dict.fromkeys(jobs))
+        return TenantState(tenant.name, False, f"{len(jobs)} job(s) listed but {text}: stale", in_flight,
+                           stale_jobs=jobs, stale_why=why)
+
+    if in_flight:
+        return busy(f"{in_flight} GPU request(s) in flight")
+    if own:
+        if ev.unreachable_for is not None:
+            if ev.unreachable_for < job_lost_after_s:
+                return busy(f"{len(own)} running job(s); its queue has not answered for {ev.unreachable_for:.0f} s")
+            return stale(own, "unreachable", f"its queue has not answered for {ev.unreachable_for:.0f} s")
+        if ev.observable:
+            if above_floor or fresh:
+                return busy(f"{len(own)} running job(s)" + ("" if above_floor else ", load on its way"))
+            return stale((*own, *others), "vram", "VRAM at its idle floor")
+        if fresh or ev.rows is None or any(j in rows for j in own):
+            return busy(f"{len(own)} running job(s)" + (", listed by its own queue" if ev.rows else ""))
+        return stale(own, "unlisted", "its own queue no longer lists them")
+    if others:
+        if not ev.observable:
+            return busy(f"{len(others)} job(s) in its own queue")
+        if above_floor:
+            return busy(f"{len(others)} job(s) in its own queue and VRAM above its idle floor")
+        return stale(others, "vram", "VRAM at its idle floor")
     return TenantState(tenant.name, False, "idle", in_flight)
 
 
 def busy_states(tenants: Iterable[Tenant], traffic: Mapping[str, TenantTraffic], reads: Mapping[str, QueueRead],
-                finished: Callable[[str, str], bool], held: Callable[[str], int], now: float) -> dict[str, TenantState]:
+                finished: Callable[[str, str], bool], held: Callable[[str], int], now: float, *,
+                observable: Callable[[str], bool] = lambda name: True,
+                unreachable_since: Mapping[str, float] | None = None,
+                job_lost_after_s: float = DEFAULT_JOB_LOST_AFTER_S) -> dict[str, TenantState]:
     """Every tenant's state. `finished(tenant, job)`: the proxy saw that job end; `held(tenant)`:
-    what the tenant holds on the card (bytes)."""
+    what the tenant holds on the card (bytes); `observable(tenant)`: its VRAM can be read;
+    `unreachable_since`: tenant -> when its queue last failed to answer, since the last good read."""
     out: dict[str, TenantState] = {}
+    down = unreachable_since or {}
     for tenant in tenants:
         t = traffic.get(tenant.name)
         rows = queue_rows(reads.get(tenant.name), t, functools.partial(finished, tenant.name))
-        out[tenant.name] = tenant_state(tenant, t, rows, held(tenant.name), now)
+        since = down.get(tenant.name)
+        ev = Evidence(held(tenant.name), observable(tenant.name), rows, None if since is None else max(0.0, now - since))
+        out[tenant.name] = tenant_state(tenant, t, ev, now, job_lost_after_s)
     return out
 
 
 def stale_jobs(states: Mapping[str, TenantState]) -> dict[str, list[str]]:
-    """Tenant -> job ids listed as running while its VRAM says they are not."""
+    """Tenant -> job ids listed as running while the evidence says they are not."""
     return {name: list(s.stale_jobs) for name, s in states.items() if s.stale_jobs}

@@ -15,8 +15,9 @@ import httpx
 
 from proxy.engines import ReleaseFailed
 from proxy.engines.common import go_time
+from proxy.handoff.arbiter import TenantState
 from proxy.handoff.arbitration import CONFIRM_SLACK_BYTES, Arbitration, gib
-from proxy.handoff.decisions import SpillNoPlan
+from proxy.handoff.decisions import SpillNoPlan, StaleJob
 from proxy.handoff.queue import ReleaseOrder, release_whole
 from proxy.tasks import cancel_and_wait
 from proxy.tenants import GIB, Tenant
@@ -67,8 +68,8 @@ class Watchdog:
         releases in a row the wait is idle_release_after_s x 2^n (at most x 64), counted from the
         last one. Any traffic of the tenant, or a release that frees memory, starts over."""
         tenant = self.arb.registry.get(tenant_name)
-        if tenant.idle_release_after_s is None or not tenant.reclaimable:
-            return None
+        if tenant.idle_release_after_s is None or not tenant.reclaimable or tenant_name in self.arb.cpu_tenants:
+            return None  # (an engine on the CPU has nothing on the card to release)
         traffic = self.arb.inflight.snapshot().get(tenant_name)
         activity = traffic.last_activity if traffic else None
         last = activity if activity is not None else self.arb.started_at
@@ -103,6 +104,7 @@ class Watchdog:
             held = arb.held(snap, name)
             if state.stale_jobs:
                 report.actions.append(f"{name}: stale queue entries {list(state.stale_jobs)}")
+                self._end_lost_jobs(name, state, report)
             # Starvation first: Ollama spilling layers to the CPU wants memory now.
             adapter = arb.adapter(tenant)
             if adapter.placements_path and tenant.upstream:  # the engine says where each model sits
@@ -122,12 +124,13 @@ class Watchdog:
             if machine is not None and machine.state != "running":
                 report.reasons[name] = f"{machine.state}: the proxy starts it on its next request"
             elif deadline is None:
-                report.reasons.setdefault(name, "no idle release (idle_release_after_s is null or not reclaimable)")
+                report.reasons.setdefault(name, "no idle release (idle_release_after_s is null, not reclaimable, or on the CPU)")
             elif state.busy:
                 report.reasons[name] = f"busy: {state.busy_reason}"
             elif held <= tenant.idle_vram_bytes + 64 * 2**20 and machine is None:
                 # a tenant the proxy stops is stopped when idle whatever it holds (llama-swap's ttl)
-                report.reasons[name] = f"holds only its idle floor ({gib(held)} GiB)"
+                report.reasons[name] = (f"holds {gib(held)} GiB, within its idle floor of "
+                                        f"{gib(tenant.idle_vram_bytes)} GiB (idle_vram_gb): nothing to release")
             elif report.at < deadline:
                 report.reasons[name] = f"idle release in {deadline - report.at:.0f} s"
             else:
@@ -158,6 +161,24 @@ class Watchdog:
                 report.reasons[tenant.name] = f"cannot read {queue_path}: {exc}"
             else:
                 self.arb.queue_read(tenant.name, started, rows)
+            try:  # an engine on the CPU holds nothing on the card: its VRAM proves nothing either way
+                self.arb.on_cpu(tenant.name, await adapter.runs_on_cpu(self.arb.control))
+            except (httpx.HTTPError, ValueError, ReleaseFailed):
+                pass  # unknown: what it said last stands
+
+    def _end_lost_jobs(self, name: str, state: TenantState, report: TickReport) -> None:
+        """Jobs of an engine whose queue has not answered for proxy.job_lost_after_s: ended, each with
+        a stale_job decision saying why (a job lost with an engine that never comes back)."""
+        if state.stale_why != "unreachable":
+            return
+        for job_id in state.stale_jobs:
+            if self.arb.inflight.finish_job(name, job_id):
+                lost_after = self.arb.registry.config.proxy.job_lost_after_s
+                self.arb.decisions.emit(StaleJob(
+                    tenant=name, trigger="watchdog: engine not answering", job_id=job_id,
+                    reason=f"{name}'s queue has not answered for {lost_after:g} s (proxy.job_lost_after_s): "
+                           f"{job_id} is no longer counted as running"))
+                report.actions.append(f"{name}: {job_id} ended, its engine silent for {lost_after:g} s")
 
     def _observe_residency(self, tenant: Tenant, models: list[dict[str, Any]]) -> None:
         """Ollama's own list says what is on the card: fully on the GPU and not about to expire

@@ -1,12 +1,15 @@
-"""The busy rule (proxy/handoff/busy.py) as a table: traffic, the engine's own queue, VRAM and time in,
-one tenant's state out. Pure: nothing is read or written."""
+"""The busy rule (proxy/handoff/busy.py) as a table: traffic, the engine's own queue, VRAM, whether
+VRAM can be seen at all, and time in; one tenant's state out. Pure: nothing is read or written.
+
+The cases of issue 27: an engine on the CPU (its VRAM is always 0) with a prompt longer than the
+load grace, an engine outage shorter and longer than proxy.job_lost_after_s, the engine back."""
 
 from __future__ import annotations
 
 import pytest
 from cards import registry
 
-from proxy.handoff.busy import JOB_LOAD_GRACE_S, QueueRead, busy_states, queue_rows, stale_jobs, tenant_state
+from proxy.handoff.busy import JOB_LOAD_GRACE_S, Evidence, QueueRead, busy_states, queue_rows, stale_jobs, tenant_state
 from proxy.handoff.inflight import TenantTraffic
 from proxy.tenants import GIB
 
@@ -14,56 +17,150 @@ REG = registry()
 COMFY = REG.get("comfyui")
 FLOOR = COMFY.idle_vram_bytes
 NOW = 1000.0
+LOST = 120.0  # proxy.job_lost_after_s
 
 
 def traffic(in_flight: int = 0, jobs: tuple[str, ...] = (), last: float | None = 900.0,
-            newest_job_at: float | None = None) -> TenantTraffic:
-    return TenantTraffic(in_flight, jobs, last, newest_job_at)
+            job_age: float | None = None) -> TenantTraffic:
+    return TenantTraffic(in_flight, jobs, last, None if job_age is None else NOW - job_age)
 
 
-# (case, traffic, own queue rows, held bytes) -> (busy, reason, stale jobs)
+ON_CARD = dict(observable=True)
+ON_CPU = dict(observable=False)  # an engine on the CPU, or no GPU reader: VRAM proves nothing
+OLD = JOB_LOAD_GRACE_S + 13.7  # a prompt running longer than the load grace (43.7 s, as observed)
+
+# (case, traffic, evidence) -> (busy, reason, stale jobs, why)
 CASES = [
-    ("nothing seen", None, (), FLOOR, False, "idle", ()),
-    ("a request in flight, VRAM at its floor", traffic(1), (), FLOOR, True, "1 GPU request(s) in flight", ()),
-    ("a request in flight on a CPU engine (holds nothing)", traffic(2), (), 0, True, "2 GPU request(s) in flight", ()),
-    ("a relayed job with its load on the card", traffic(jobs=("p1",), newest_job_at=990.0), (), FLOOR + 6 * GIB,
-     True, "1 running job(s)", ()),
-    ("a relayed job whose load is on its way", traffic(jobs=("p1",), newest_job_at=NOW - 1), (), FLOOR,
-     True, "1 running job(s), load on its way", ()),
-    ("a relayed job past the grace with VRAM at its floor: stale",
-     traffic(jobs=("p1",), newest_job_at=NOW - JOB_LOAD_GRACE_S), (), FLOOR, False,
-     "1 job(s) listed but VRAM at its idle floor: stale", ("p1",)),
-    ("rows of its own queue with VRAM above the floor (a client past the proxy)", traffic(), ("q1", "q2"),
-     FLOOR + GIB, True, "2 job(s) in its own queue and VRAM above its idle floor", ()),
-    ("rows of its own queue at the floor: stale", traffic(), ("q1",), FLOOR, False,
-     "1 job(s) listed but VRAM at its idle floor: stale", ("q1",)),
-    ("a relayed job also listed by its queue counts once", traffic(jobs=("p1",), newest_job_at=NOW - 1), ("p1",), FLOOR,
-     True, "1 running job(s), load on its way", ()),
-    ("the engine down (no queue read) with a relayed job past the grace", traffic(jobs=("p1",), newest_job_at=NOW - 60),
-     (), 0, False, "1 job(s) listed but VRAM at its idle floor: stale", ("p1",)),
+    ("nothing seen", None, Evidence(FLOOR), False, "idle", (), ""),
+    ("a request in flight, VRAM at its floor", traffic(1), Evidence(FLOOR), True, "1 GPU request(s) in flight", (), ""),
+    ("a request in flight on a CPU engine", traffic(2), Evidence(0, **ON_CPU), True, "2 GPU request(s) in flight", (), ""),
+    ("a relayed job with its load on the card", traffic(jobs=("p1",), job_age=OLD), Evidence(FLOOR + 6 * GIB),
+     True, "1 running job(s)", (), ""),
+    ("a relayed job whose load is on its way", traffic(jobs=("p1",), job_age=1), Evidence(FLOOR),
+     True, "1 running job(s), load on its way", (), ""),
+    ("on the card, past the grace, VRAM at its floor: stale", traffic(jobs=("p1",), job_age=OLD), Evidence(FLOOR),
+     False, "1 job(s) listed but VRAM at its idle floor: stale", ("p1",), "vram"),
+    ("on the CPU, a long prompt its queue lists: busy to its end", traffic(jobs=("p1",), job_age=OLD),
+     Evidence(0, rows=("p1",), **ON_CPU), True, "1 running job(s), listed by its own queue", (), ""),
+    ("on the CPU, no read since its traffic changed: still busy", traffic(jobs=("p1",), job_age=OLD),
+     Evidence(0, rows=None, **ON_CPU), True, "1 running job(s)", (), ""),
+    ("on the CPU, a fresh read that no longer lists it: stale", traffic(jobs=("p1",), job_age=OLD),
+     Evidence(0, rows=("p9",), **ON_CPU), False, "1 job(s) listed but its own queue no longer lists them: stale",
+     ("p1",), "unlisted"),
+    ("an outage shorter than job_lost_after_s: still busy", traffic(jobs=("p1",), job_age=OLD),
+     Evidence(FLOOR, unreachable_for=45.0), True, "1 running job(s); its queue has not answered for 45 s", (), ""),
+    ("an outage longer than job_lost_after_s: stale, lost with the engine", traffic(jobs=("p1",), job_age=300),
+     Evidence(FLOOR, unreachable_for=LOST), False, "1 job(s) listed but its queue has not answered for 120 s: stale",
+     ("p1",), "unreachable"),
+    ("the engine back, its queue lists the job again", traffic(jobs=("p1",), job_age=300),
+     Evidence(0, rows=("p1",), **ON_CPU), True, "1 running job(s), listed by its own queue", (), ""),
+    ("rows of its own queue, VRAM above the floor (a client past the proxy)", traffic(), Evidence(FLOOR + GIB, rows=("q1", "q2")),
+     True, "2 job(s) in its own queue and VRAM above its idle floor", (), ""),
+    ("rows of its own queue at the floor on the card: stale", traffic(), Evidence(FLOOR, rows=("q1",)),
+     False, "1 job(s) listed but VRAM at its idle floor: stale", ("q1",), "vram"),
+    ("rows of its own queue on the CPU: a fresh read is evidence enough", traffic(), Evidence(0, rows=("q1",), **ON_CPU),
+     True, "1 job(s) in its own queue", (), ""),
 ]
 
 
-@pytest.mark.parametrize(("case", "seen", "rows", "held", "is_busy", "reason", "stale"), CASES, ids=[c[0] for c in CASES])
-def test_busy_rule(case: str, seen: TenantTraffic | None, rows: tuple[str, ...], held: int, is_busy: bool,
-                   reason: str, stale: tuple[str, ...]) -> None:
-    state = tenant_state(COMFY, seen, rows, held, NOW)
-    assert (state.busy, state.busy_reason, state.stale_jobs) == (is_busy, reason, stale), case
+@pytest.mark.parametrize(("case", "seen", "ev", "is_busy", "reason", "stale", "why"), CASES, ids=[c[0] for c in CASES])
+def test_busy_rule(case: str, seen: TenantTraffic | None, ev: Evidence, is_busy: bool, reason: str,
+                   stale: tuple[str, ...], why: str) -> None:
+    state = tenant_state(COMFY, seen, ev, NOW, LOST)
+    assert (state.busy, state.busy_reason, state.stale_jobs, state.stale_why) == (is_busy, reason, stale, why), case
 
 
 def test_a_queue_read_older_than_the_last_traffic_change_is_not_believed() -> None:
     seen = traffic(last=500.0)
-    assert queue_rows(QueueRead(499.0, ("q1",)), seen, lambda job: False) == (), "read before the end marker passed"
+    assert queue_rows(QueueRead(499.0, ("q1",)), seen, lambda job: False) is None, "read before the end marker passed"
     assert queue_rows(QueueRead(501.0, ("q1", "q2")), seen, lambda job: job == "q2") == ("q1",), \
         "a job the proxy saw end is not counted however the queue lists it"
-    assert queue_rows(None, seen, lambda job: False) == ()
+    assert queue_rows(None, seen, lambda job: False) is None
 
 
 def test_busy_states_covers_every_tenant_and_changes_nothing() -> None:
-    seen = {"comfyui": traffic(jobs=("p1",), newest_job_at=NOW - 60)}
+    seen = {"comfyui": traffic(jobs=("p1",), job_age=60)}
     reads = {"comfyui": QueueRead(950.0, ("p1", "p2"))}
     before = (dict(seen), dict(reads))
     states = busy_states(REG, seen, reads, lambda tenant, job: False, lambda name: FLOOR, NOW)
     assert set(states) == {t.name for t in REG}
     assert stale_jobs(states) == {"comfyui": ["p1", "p2"]} and not states["ollama"].busy
     assert (seen, reads) == before, "the busy rule writes nothing"
+
+
+def test_on_the_cpu_the_same_reads_make_the_prompt_busy() -> None:
+    seen = {"comfyui": traffic(jobs=("p1",), job_age=60)}
+    reads = {"comfyui": QueueRead(950.0, ("p1",))}
+    on_card = busy_states(REG, seen, reads, lambda t, j: False, lambda name: 0, NOW)
+    on_cpu = busy_states(REG, seen, reads, lambda t, j: False, lambda name: 0, NOW, observable=lambda name: False)
+    assert not on_card["comfyui"].busy, "on the card, 0 bytes past the grace says the prompt is not running"
+    assert on_cpu["comfyui"].busy, "on the CPU the card says nothing: the queue's listing decides"
+
+
+def test_an_engine_silent_since_a_time_is_judged_against_job_lost_after_s() -> None:
+    seen = {"comfyui": traffic(jobs=("p1",), job_age=300)}
+    args = (REG, seen, {}, lambda t, j: False, lambda name: FLOOR + GIB, NOW)
+    short = busy_states(*args, unreachable_since={"comfyui": NOW - 60}, job_lost_after_s=LOST)
+    long = busy_states(*args, unreachable_since={"comfyui": NOW - 121}, job_lost_after_s=LOST)
+    assert short["comfyui"].busy and not long["comfyui"].busy and long["comfyui"].stale_why == "unreachable"
+
+
+async def test_the_arbitration_judges_a_cpu_engine_by_its_queue_and_ends_jobs_of_an_engine_gone_for_good() -> None:
+    """The wiring: what the watchdog learns (the engine's device, its queue reads, silence) reaches the rule."""
+    from proxy.clock import ManualClock
+    from proxy.handoff.arbitration import Arbitration
+    from proxy.handoff.decisions import DecisionLog
+    from proxy.handoff.inflight import InFlight
+    from proxy.sim.gpu import SimulatedGpu
+
+    clock = ManualClock()
+    inflight = InFlight(clock)
+    arb = Arbitration(REG, SimulatedGpu(), inflight, clock, DecisionLog(clock))
+    try:
+        inflight.track_job("comfyui", "p1")
+        await clock.advance(JOB_LOAD_GRACE_S + 13.7)
+        arb.queue_read("comfyui", clock.now(), ("p1",))  # ComfyUI's /queue lists the prompt running
+        snap = await arb.snapshot()
+        assert not arb.states(snap)["comfyui"].busy, "on the card, a prompt holding nothing past the grace is stale"
+        arb.on_cpu("comfyui", True)
+        assert arb.states(snap)["comfyui"].busy, "a --cpu ComfyUI's running prompt is reported idle at 43.7 s"
+        arb.queue_read("comfyui", clock.now(), None)  # the engine stops answering
+        await clock.advance(REG.config.proxy.job_lost_after_s - 1)
+        assert arb.states(snap)["comfyui"].busy, "an outage shorter than job_lost_after_s keeps the job busy"
+        await clock.advance(1)
+        state = arb.states(snap)["comfyui"]
+        assert not state.busy and state.stale_why == "unreachable" and state.stale_jobs == ("p1",)
+    finally:
+        await arb.aclose()
+
+
+async def test_the_watchdog_ends_the_jobs_of_an_engine_silent_past_job_lost_after_s() -> None:
+    import socket
+
+    from proxy.clock import ManualClock
+    from proxy.handoff.arbitration import Arbitration
+    from proxy.handoff.decisions import DecisionLog
+    from proxy.handoff.inflight import InFlight
+    from proxy.handoff.watchdog import Watchdog
+    from proxy.sim.gpu import SimulatedGpu
+
+    with socket.socket() as s:  # a port nothing listens on: the engine is down
+        s.bind(("127.0.0.1", 0))
+        down = f"http://127.0.0.1:{s.getsockname()[1]}"
+    reg = registry({"comfyui": {"upstream": down}, "ollama": {"upstream": down}}, proxy={"job_lost_after_s": 60})
+    clock = ManualClock()
+    inflight = InFlight(clock)
+    log = DecisionLog(clock)
+    arb = Arbitration(reg, SimulatedGpu(), inflight, clock, log)
+    try:
+        inflight.track_job("comfyui", "p1")
+        await Watchdog(arb).tick()  # the first failed read: silent since now
+        assert inflight.jobs("comfyui") == ("p1",)
+        await clock.advance(60)
+        report = await Watchdog(arb).tick()
+        assert inflight.jobs("comfyui") == (), "a job lost with an engine that never comes back is never ended"
+        (lost,) = [d for d in log.recent() if d.kind == "stale_job"]
+        assert lost.outcome["job_id"] == "p1" and "job_lost_after_s" in lost.outcome["reason"]
+        assert any("p1 ended" in a for a in report.actions)
+    finally:
+        await arb.aclose()
