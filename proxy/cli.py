@@ -159,13 +159,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = body["plan"]
     if args.json:
         print(json.dumps(body, indent=2))
-        return 0 if plan["feasible"] else 1
+        return 0 if plan["feasible"] or plan.get("outcome") == "unplanned" else 1
     print(f"{plan.get('outcome') or ('ready' if plan['feasible'] else 'impossible')}: {plan['explanation']}")
     for rel in plan["releases"]:
         print(f"  release {rel['tenant']:<12} ~{rel['expected_free_gib']} GiB  ({rel['reason']})")
     for b in plan["blockers"]:
         print(f"  blocker {b['name']:<20} pid {b['pid']}  {b['tenant']:<10} {b['vram_gib']} GiB  {b['reason']}: {b['detail']}")
-    return 0 if plan["feasible"] else 1
+    return 0 if plan["feasible"] or plan.get("outcome") == "unplanned" else 1  # unplanned: forwarded as it is
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -71,13 +71,15 @@ class Plan(_Doc):
     reachable_bytes: int | None = Field(default=0, description="free + held + every reclaimable tenant's memory, busy "
                                                                  "or idle; null when unplanned")
     reachable_gib: float | None = None
-    feasible: bool = Field(description="enough now, with the releases listed")
-    possible: bool = Field(default=True, description="enough once the busy tenants in wait_for finish; false: 507")
+    feasible: bool | None = Field(description="enough now, with the releases listed; null: unknown (unplanned)")
+    possible: bool | None = Field(default=True, description="enough once the busy tenants in wait_for finish; "
+                                                            "false: 507; null: unknown (unplanned)")
     outcome: Literal["ready", "release", "wait", "impossible", "unplanned"] | None = Field(
         default=None, description="unplanned: the card's size is unknown (no GPU reader, no engine reports the "
                                   "device), so the request is forwarded without a plan; the explanation says why")
     wait_for: list[str] = Field(default_factory=list, description="busy tenants the request waits for")
-    starved: bool = Field(description="free + already held is below the need (only then is anything released)")
+    starved: bool | None = Field(description="free + already held is below the need (only then is anything released); "
+                                            "null: unknown (unplanned)")
     estimated: bool = Field(description="memory figures are the engines' own reports (GPU reader failed)")
     releases: list[Release]
     blockers: list[Blocker]

@@ -112,7 +112,7 @@ class Session:
         """The proxy's own dry-run for this load: refused loads fail here, and a load that would
         release someone runs only with consent."""
         plan = await self.admin.plan(tenant.name, need)
-        if not plan.get("possible", plan.get("feasible")):
+        if plan.get("outcome") != "unplanned" and not plan.get("possible", plan.get("feasible")):
             raise StageFailed(f"{what} cannot be loaded on this card: {plan.get('explanation')}",
                               impact=f"{tenant.name} answers 507 to it through the proxy",
                               fix="use a smaller model, or free the memory the plan's blockers hold")

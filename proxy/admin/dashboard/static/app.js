@@ -31,6 +31,7 @@
   }
   window.hyperswapDom = { el };  // gpu.js (loaded after this file) builds its panel with the same helper
   const gib = (bytes) => (bytes === null || bytes === undefined ? "–" : `${(bytes / GIB).toFixed(bytes >= 10 * GIB ? 1 : 2)} GiB`);
+  const known = (bytes) => (bytes === null || bytes === undefined ? "unknown" : gib(bytes));
   const secs = (s) => (s === null || s === undefined ? "–" : s >= 120 ? `${Math.floor(s / 60)} min ${Math.round(s % 60)} s` : `${s.toFixed(s < 10 ? 1 : 0)} s`);
   const clock = (epoch_s) => new Date(epoch_s * 1000).toLocaleTimeString([], { hour12: false });
 
@@ -82,24 +83,25 @@
     const segs = [];
     let accounted = 0;
     for (const t of s.tenants) {
-      segs.push({ key: t.name, label: t.name, bytes: t.vram_bytes || 0, color: colorOf(t), cls: "tenant" });
+      segs.push({ key: t.name, label: t.name, bytes: t.vram_bytes || 0, raw: t.vram_bytes, color: colorOf(t), cls: "tenant" });
       accounted += t.vram_bytes || 0;
     }
     for (const p of s.processes.filter((p) => !p.tenant)) {
       const who = p.pod ? `pod ${p.pod.namespace}/${p.pod.name}` : p.name;
-      segs.push({ key: `pid-${p.pid}`, label: `${who} (${p.pid}, unmanaged)`, bytes: p.vram_bytes || 0, cls: "unmanaged" });
+      segs.push({ key: `pid-${p.pid}`, label: `${who} (${p.pid}, unmanaged)`, bytes: p.vram_bytes || 0, raw: p.vram_bytes, cls: "unmanaged" });
       accounted += p.vram_bytes || 0;
     }
     const other = (s.device.used_bytes || 0) - accounted;
     if (other > 0.005 * total) segs.push({ key: "other", label: "driver / reserved", bytes: other, color: "#b9c0ca", cls: "other" });
-    segs.push({ key: "free", label: "free", bytes: s.device.free_bytes || 0, cls: "free" });
+    segs.push({ key: "free", label: "free", bytes: s.device.free_bytes || 0, raw: s.device.free_bytes, cls: "free" });
 
     const bar = $("membar"), legend = $("legend");
     bar.replaceChildren(); legend.replaceChildren();
     for (const g of segs) {
       const share = g.bytes / total;
-      const seg = el("div", { class: `seg ${g.cls}`, title: `${g.label}: ${gib(g.bytes)}`, dataset: { segment: g.key, bytes: g.bytes } },
-        share > 0.08 ? `${g.label.split(" (")[0]} ${gib(g.bytes)}` : "");
+      const shown = "raw" in g ? known(g.raw) : gib(g.bytes);  // the API's null is unknown, never 0
+      const seg = el("div", { class: `seg ${g.cls}`, title: `${g.label}: ${shown}`, dataset: { segment: g.key, bytes: g.bytes } },
+        share > 0.08 ? `${g.label.split(" (")[0]} ${shown}` : "");
       seg.style.setProperty("flex-grow", String(g.bytes));
       seg.style.setProperty("flex-basis", "0");
       if (g.bytes === 0) seg.style.setProperty("min-width", "0");
@@ -109,7 +111,7 @@
       if (g.color) swatch.style.setProperty("background", g.color);
       else if (g.cls === "unmanaged") swatch.style.setProperty("background", "#c8323c");
       else swatch.style.setProperty("background", "#d5dbe3");
-      legend.append(el("li", {}, swatch, `${g.label} ${gib(g.bytes)}`));
+      legend.append(el("li", {}, swatch, `${g.label} ${shown}`));
     }
     $("mem-total").textContent = s.device.total_bytes === null || s.device.total_bytes === undefined
       ? "card size unknown (no GPU reader)" : `${gib(s.device.used_bytes)} used of ${gib(s.device.total_bytes)}`;
