@@ -113,6 +113,7 @@ class ReleaseOrder:
     plan: Plan | None = None  # the plan it carries out (None: a release with no load behind it)
     snapshot: AttributedSnapshot | None = None  # the card the order was made on
     details: Mapping[str, Any] = field(default_factory=dict)  # more fields for the decision
+    stop: bool = False  # only the steps that stop the app (the admin's stop of a tenant the proxy starts)
 
 
 @dataclass(slots=True)
@@ -453,6 +454,16 @@ def release_whole(snap: AttributedSnapshot, tenant: Tenant, trigger: str, kind: 
     pids = tuple(p.process.pid for p in snap.processes if p.tenant == tenant.name)
     release = Release(tenant.name, max(0, held - tenant.idle_vram_bytes), pids, why)
     return ReleaseOrder(tenant.name, (release,), trigger, kind, None, snap, {"held_bytes": held, **details})
+
+
+def stop_whole(snap: AttributedSnapshot, tenant: Tenant, trigger: str, why: str) -> ReleaseOrder:
+    """An order to stop a tenant the proxy starts (the admin API's stop): a release through its
+    stopping step alone (soft steps before it skipped), so all it holds goes, its idle floor too."""
+    held = snap.held_by(tenant.name)
+    pids = tuple(p.process.pid for p in snap.processes if p.tenant == tenant.name)
+    release = Release(tenant.name, held, pids, why)
+    return ReleaseOrder(tenant.name, (release,), trigger, "release", None, snap, {"held_bytes": held},
+                        stop=True)
 
 
 def _no_plan(w: Waiter) -> Plan:
