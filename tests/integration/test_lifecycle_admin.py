@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 from boxes import DemoFactory, fast, free_port, port_open, process_tenant
+from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.demo import Demo
 
@@ -119,3 +120,34 @@ async def test_start_and_stop_need_the_token_when_one_is_set(box: DemoFactory, h
     assert not port_open(port)
     ok = await http.post(admin + "/api/tenants/app/start", headers={"Authorization": "Bearer lifecycle-token"})
     assert ok.status_code == 200 and port_open(port), ok.text
+
+
+async def test_metrics_count_starts_stops_and_failed_starts(box: DemoFactory, http: httpx.AsyncClient,
+                                                             tmp_path: Path) -> None:
+    port = free_port()
+    bad = process_tenant(free_port(), tmp_path, release={"kind": "process", "command": [sys.executable, "-c", "exit(3)"]})
+    demo = await box(fast("default", tenants={"app": process_tenant(port, tmp_path), "bad": bad}))
+    assert demo.proxy is not None
+    admin = demo.proxy.url("admin")
+
+    async def samples() -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+        text = (await http.get(admin + "/metrics")).text
+        return {(s.name, frozenset(s.labels.items())): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    app, failing = frozenset({("tenant", "app")}), frozenset({("tenant", "bad")})
+    before = await samples()
+    assert before[("hyperswap_lifecycle_starts_total", app)] == 0, "series exist at zero"
+    assert before[("hyperswap_lifecycle_state", app | {("state", "stopped")})] == 1
+    assert (await http.get(demo.proxy.url("app") + "/hello.txt")).status_code == 200  # a request starts it
+    assert (await http.post(admin + "/api/tenants/app/stop")).status_code == 200
+    assert (await http.post(admin + "/api/tenants/bad/start")).status_code == 503
+    after = await samples()
+    assert after[("hyperswap_lifecycle_starts_total", app)] == 1
+    assert after[("hyperswap_lifecycle_start_seconds_count", app)] == 1
+    assert after[("hyperswap_lifecycle_stops_total", app | {("result", "ok")})] == 1
+    assert after[("hyperswap_lifecycle_state", app | {("state", "stopped")})] == 1
+    assert after[("hyperswap_lifecycle_failed_starts_total", failing)] == 1
+    assert after[("hyperswap_lifecycle_starts_total", failing)] == 0
+    assert after[("hyperswap_lifecycle_state", failing | {("state", "failed")})] == 1
+    assert ("hyperswap_lifecycle_state", frozenset({("tenant", "ollama"), ("state", "running")})) not in after
