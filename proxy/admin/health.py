@@ -287,6 +287,10 @@ class HealthExtension:
         name = f"upstream {tenant.name}"
         if not tenant.upstream:
             return HealthEntry(name, "ok", "no upstream (VRAM-only tenant)")
+        machine = self.proxy.arbitration.lifecycles.machine(tenant.name)
+        if machine is not None and machine.state != "running":  # not up on purpose: its lifecycle entry says more
+            return HealthEntry(name, "ok", f"{machine.state}: a tenant the proxy starts and stops (its next request "
+                                           f"starts it; see lifecycle {tenant.name})")
         impact = (f"requests to {tenant.listen or 'its listener'} answer 502, and the proxy cannot ask {tenant.name} "
                   "for memory back")
         adapter = self.adapter(tenant)

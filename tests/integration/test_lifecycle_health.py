@@ -64,3 +64,7 @@ async def test_a_lifecycle_tenant_that_is_well_is_an_ok_entry(box: DemoFactory, 
     report = (await http.get(demo.proxy.url("admin") + "/api/health")).json()
     (entry,) = [e for e in report["entries"] if e["name"] == "lifecycle app"]
     assert entry["status"] == "ok" and entry["problem"].startswith("stopped for") and "http.server" in entry["problem"]
+    (upstream,) = [e for e in report["entries"] if e["name"] == "upstream app"]
+    assert upstream["status"] == "ok" and upstream["problem"].startswith("stopped"), \
+        f"a tenant stopped on purpose is no unreachable upstream: {upstream}"
+    assert report["status"] == "ok", [e for e in report["entries"] if e["status"] != "ok"]
