@@ -151,3 +151,19 @@ async def test_metrics_count_starts_stops_and_failed_starts(box: DemoFactory, ht
     assert after[("hyperswap_lifecycle_starts_total", failing)] == 0
     assert after[("hyperswap_lifecycle_state", failing | {("state", "failed")})] == 1
     assert ("hyperswap_lifecycle_state", frozenset({("tenant", "ollama"), ("state", "running")})) not in after
+
+
+async def test_the_admin_stop_of_an_escalating_tenant_skips_the_soft_steps(box: DemoFactory, http: httpx.AsyncClient,
+                                                                           tmp_path: Path) -> None:
+    port = free_port()
+    app = process_tenant(port, tmp_path)
+    app["release"] = [{"kind": "http", "url": "/free", "timeout_s": 1}, app["release"]]
+    demo = await box(fast("default", tenants={"app": app}))
+    assert demo.proxy is not None
+    admin = demo.proxy.url("admin")
+    assert (await http.post(admin + "/api/tenants/app/start")).status_code == 200
+    stopped = await http.post(admin + "/api/tenants/app/stop")
+    assert stopped.status_code == 200, stopped.text
+    release = stopped.json()["release"]
+    assert "stop" in release["asked"] and "steps" not in release, f"only the stopping step runs: {release}"
+    assert not port_open(port)
