@@ -20,12 +20,15 @@ from starlette.routing import BaseRoute, Route
 
 from proxy.admin import views
 from proxy.admin.query import integer, optional_number
+from proxy.engines import Need
 from proxy.errors import HyperSwapError
 from proxy.handoff.arbitration import Arbitration, ReleaseResult
-from proxy.handoff.decisions import NothingToRelease
-from proxy.handoff.queue import release_whole
+from proxy.handoff.decisions import NothingToRelease, Rejected
+from proxy.handoff.queue import Admitted, release_whole, stop_whole
 from proxy.handoff.watchdog import Watchdog
 from proxy.hosts import listener_policy
+from proxy.lifecycle.state import TenantLifecycle
+from proxy.relay.gpu_gate import rejection_body
 from proxy.relay.guards import AdminGuard
 from proxy.tenants import GIB, MAX_GIB, Tenant
 
@@ -46,14 +49,20 @@ def release_answer(tenant: Tenant, result: ReleaseResult) -> JSONResponse:
     body: dict[str, Any] = {"tenant": tenant.name, **result.to_json()}
     if result.result in ("confirmed", "estimated"):
         return JSONResponse(body, status_code=200)
+    body["fix"] = release_fix(tenant, result)
+    return JSONResponse(body, status_code=504 if result.result == "timeout" else 502)
+
+
+def release_fix(tenant: Tenant, result: ReleaseResult) -> str:
+    """What to do about a release that failed (timeout: 504; refused or down: 502)."""
     if result.result == "timeout":
         seen = "the engine's own report" if result.estimated else "the card"
-        body["fix"] = (f"{seen} still shows {tenant.name}'s memory: see what holds it (GET /api/tenants/{tenant.name}), "
-                       f"or give it longer (tenants.{tenant.name}.release_timeout_s)")
-        return JSONResponse(body, status_code=504)
-    body["fix"] = (f"check that {tenant.name} runs and answers at {tenant.upstream or 'its release URL'} "
-                   "(`hyperswap check`), then release again")
-    return JSONResponse(body, status_code=502)
+        return (f"{seen} still shows {tenant.name}'s memory: see what holds it (GET /api/tenants/{tenant.name}), "
+                f"or give it longer (tenants.{tenant.name}.release_timeout_s)")
+    if tenant.lifecycle is not None:
+        return f"see why it did not stop (GET /api/tenants/{tenant.name}: lifecycle.error, its output), then stop again"
+    return (f"check that {tenant.name} runs and answers at {tenant.upstream or 'its release URL'} "
+            "(`hyperswap check`), then release again")
 
 
 class AdminApi:
@@ -124,6 +133,93 @@ class AdminApi:
         return error(409, f"{tenant.name} is busy ({state.busy_reason}); a busy tenant is never released",
                      "wait for its work to finish, or cancel it in the application", tenant=tenant.name, reason="busy")
 
+    # -- tenants the proxy starts and stops --------------------------------------------------------
+    def _lifecycle(self, tenant: Tenant, action: str) -> TenantLifecycle | Response:
+        """The tenant's state machine, or the 409 for a tenant the proxy does not start and stop."""
+        machine = self.arb.lifecycles.machine(tenant.name)
+        if machine is not None:
+            return machine
+        kinds = ", ".join(s.kind for s in tenant.release_steps) or "none"
+        return error(409, f"{tenant.name} is not a tenant the proxy starts and stops (release kind {kinds}): "
+                          f"it cannot {action} it",
+                     "only a tenant whose release in tenants.json is of kind process, systemd or docker is started "
+                     "and stopped by the proxy; start or stop this one yourself", tenant=tenant.name,
+                     reason="not_lifecycle", lifecycle=None)
+
+    def _lifecycle_answer(self, tenant: Tenant, machine: TenantLifecycle, action: str,
+                          status: int = 200, **fields: Any) -> JSONResponse:
+        body: dict[str, Any] = {"tenant": tenant.name, "action": action, "ok": True, **fields,
+                                "lifecycle": machine.view()}
+        return JSONResponse(body, status_code=status)
+
+    async def start(self, request: Request) -> Response:
+        """Start a tenant the proxy starts: its memory planned exactly as for a request that wakes it
+        (507 when impossible, 503 past the queue timeout), then started past any backoff."""
+        tenant = self.arb.registry.get(request.path_params["name"])
+        machine = self._lifecycle(tenant, "start")
+        if isinstance(machine, Response):
+            return machine
+        if machine.state == "running":
+            return self._lifecycle_answer(tenant, machine, "start", note=f"{tenant.name} runs already: nothing to do")
+        outcome = await self.arb.start(tenant, "admin start")
+        if isinstance(outcome, Admitted):
+            return self._start_not_admitted(tenant, machine, outcome)
+        if outcome.ok:
+            return self._lifecycle_answer(tenant, machine, "start", report=outcome.to_json())
+        err = outcome.error_for_client()
+        body = {**err.to_json(), "reason": "start_failed", "lifecycle": machine.view()}
+        body.pop("state", None)
+        retry = outcome.retry_in_s
+        return JSONResponse(body, status_code=503,
+                            headers={"Retry-After": str(max(1, round(retry))) if retry is not None else "1"})
+
+    def _start_not_admitted(self, tenant: Tenant, machine: TenantLifecycle, admitted: Admitted) -> Response:
+        """The queue refused the start's memory (507: impossible) or it waited past the queue timeout (503)."""
+        handoff = admitted.handoff
+        if admitted.outcome == "timeout":
+            timeout_s = self.arb.registry.config.proxy.queue_timeout_s
+            self.arb.decisions.emit(Rejected(tenant=tenant.name, trigger="admin start", plan=handoff.plan, status=503,
+                                             reason=admitted.reason))
+            return JSONResponse(
+                {"error": f"the start of {tenant.name} waited {timeout_s:g} s for GPU memory: {admitted.reason}",
+                 "fix": "start it again once the busy tenants finish (Retry-After), or raise proxy.queue_timeout_s "
+                        "in tenants.json",
+                 "tenant": tenant.name, "reason": "queue_timeout", "waited_s": round(handoff.waited_s, 3),
+                 "waiting_for": list(handoff.plan.wait_for), "lifecycle": machine.view()},
+                status_code=503, headers={"Retry-After": str(max(1, int(min(timeout_s, 30))))})
+        need = Need(self.arb.adapter(tenant).start_need_bytes, f"the start of {tenant.name}", f"{tenant.name}:wake")
+        return JSONResponse(rejection_body(tenant, handoff, need), status_code=507)
+
+    async def stop(self, request: Request) -> Response:
+        """Stop an idle tenant the proxy starts, through the one release path (its stopping step)."""
+        tenant = self.arb.registry.get(request.path_params["name"])
+        machine = self._lifecycle(tenant, "stop")
+        if isinstance(machine, Response):
+            return machine
+        if machine.state == "stopped":
+            return self._lifecycle_answer(tenant, machine, "stop", note=f"{tenant.name} is stopped already: nothing to do")
+        if machine.state == "starting":
+            return error(409, f"{tenant.name} is starting: it is stopped only once it runs and is idle",
+                         "wait for the start to end, then stop it", tenant=tenant.name, reason="starting",
+                         lifecycle=machine.view())
+        snap = await self.arb.snapshot()
+        state = self.arb.states(snap)[tenant.name]
+        if not state.busy and not self.arb.stop_blocked(tenant.name):  # the release path checks again in its turn
+            order = stop_whole(snap, tenant, "admin stop", "stop asked by the admin API")
+            (result,) = (await self.arb.queue.release(order)).results
+            if result.result in ("confirmed", "estimated"):
+                return self._lifecycle_answer(tenant, machine, "stop", release=result.to_json())
+            if not result.busy:
+                return error(504 if result.result == "timeout" else 502,
+                             f"{tenant.name} could not be stopped: {result.error or result.result}",
+                             release_fix(tenant, result), tenant=tenant.name, reason="stop_failed",
+                             release=result.to_json(), lifecycle=machine.view())
+            state = self.arb.states(await self.arb.snapshot())[tenant.name]
+        why = state.busy_reason if state.busy else "a request, stream or websocket is open"
+        return error(409, f"{tenant.name} is busy ({why}); a busy tenant is never stopped",
+                     "wait for its work to finish, or cancel it in the application", tenant=tenant.name,
+                     reason="busy", lifecycle=machine.view())
+
     def _nothing_on_the_card(self, tenant: Tenant) -> Response:
         """A CPU engine holds no GPU memory: nothing is asked, and the answer says why."""
         note = (f"{tenant.name} runs on the CPU (its /system_stats device type is cpu): it holds no GPU memory, "
@@ -170,6 +266,8 @@ class AdminApi:
             Route("/api/tenants", s(self.list_tenants), methods=["GET"]),
             Route("/api/tenants/{name}", s(self.get_tenant), methods=["GET"]),
             Route("/api/tenants/{name}/release", s(self._guard(self.release)), methods=["POST"]),
+            Route("/api/tenants/{name}/start", s(self._guard(self.start)), methods=["POST"]),
+            Route("/api/tenants/{name}/stop", s(self._guard(self.stop)), methods=["POST"]),
             Route("/api/plan", s(self.plan), methods=["GET"]),
             Route("/api/decisions", s(self.decisions), methods=["GET"]),
             Route("/api/stats", s(self.stats), methods=["GET"]),

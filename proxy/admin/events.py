@@ -8,6 +8,9 @@ Frames (each with an `id:` line; the stream opens with a `retry:` hint so EventS
   recent decision ids. Small on purpose: no tenant config, no catalog.
 - `decision`: a decision as it stands after each of its events (the shape of GET /api/decisions:
   a later fact, like a handoff's results, re-sends its decision's id with the fact merged in).
+- `lifecycle`: a tenant the proxy starts and stops changed state: at once when a start or stop
+  ends (with its report, from `Lifecycles.on_report`), and within a tick for the changes on the way
+  (starting, stopping; no report).
 
 Each subscriber has a bounded queue: a slow one loses its oldest stats frames (the next one
 supersedes them) and older catalogs, never a decision; one so far behind that decisions alone pass
@@ -18,6 +21,7 @@ small replay ring. Nothing here ever waits on a subscriber, so the proxy and oth
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -35,11 +39,12 @@ from proxy.admin import views
 from proxy.admin.view import ProxyView
 from proxy.decision import DecisionEvent
 from proxy.gpu.attribution import AttributedSnapshot
+from proxy.lifecycle.state import LifecycleReport
 from proxy.tasks import cancel_and_wait
 
 log = logging.getLogger("hyperswap.events")
 
-FrameKind = Literal["stats", "catalog", "decision"]
+FrameKind = Literal["stats", "catalog", "decision", "lifecycle"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +146,7 @@ class EventsExtension:
         self._tasks: list[asyncio.Task[None]] = []
         self._unsubscribe: Any = None
         self.last_stats_frame: Frame | None = None
+        self._lifecycle_sent: dict[str, str] = {}  # tenant -> the state its last lifecycle frame said
 
     @property
     def subscriber_count(self) -> int:
@@ -151,6 +157,9 @@ class EventsExtension:
 
     async def start(self) -> None:
         self._unsubscribe = self.proxy.decisions.subscribe(self._on_decision)
+        lifecycles = self.proxy.arbitration.lifecycles
+        lifecycles.on_report.append(self._on_lifecycle)
+        self._lifecycle_sent = {name: m.state for name, m in lifecycles.machines().items()}
         self._tasks = [asyncio.create_task(self._tick_loop(), name="events:stats"),
                        asyncio.create_task(self._catalog_loop(), name="events:catalog")]
 
@@ -158,6 +167,8 @@ class EventsExtension:
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
+        with contextlib.suppress(ValueError):
+            self.proxy.arbitration.lifecycles.on_report.remove(self._on_lifecycle)
         self._close_all()
         await cancel_and_wait(self._tasks)
         self._tasks.clear()
@@ -176,6 +187,25 @@ class EventsExtension:
         frame = encode(next(self._seq), "decision", view.to_json())
         self._replay.append(frame)
         self._broadcast(frame)
+
+    def _on_lifecycle(self, report: LifecycleReport) -> None:
+        self._lifecycle_frame(report.tenant, report)
+
+    def _lifecycle_frame(self, tenant: str, report: LifecycleReport | None) -> None:
+        machine = self.proxy.arbitration.lifecycles.machine(tenant)
+        if machine is None:
+            return
+        view = machine.view()
+        self._lifecycle_sent[tenant] = str(view["state"])
+        frame = views.LifecycleFrame(tenant=tenant, lifecycle=views.Lifecycle.model_validate(view),
+                                     report=None if report is None else views.LifecycleReport.model_validate(report.to_json()))
+        self._broadcast(encode(next(self._seq), "lifecycle", views.dump(frame)))
+
+    def _lifecycle_changes(self) -> None:
+        """States that changed with no report (a start or stop on its way): one frame each."""
+        for name, machine in self.proxy.arbitration.lifecycles.machines().items():
+            if self._lifecycle_sent.get(name) != machine.state:
+                self._lifecycle_frame(name, None)
 
     def _close_all(self) -> None:
         for sub in self._subs:
@@ -196,6 +226,7 @@ class EventsExtension:
                 self._close_all()
             elif self._subs:
                 try:
+                    self._lifecycle_changes()
                     payload = await stats_payload(self.proxy)
                     frame = encode(next(self._seq), "stats", payload)
                     self.last_stats_frame = frame

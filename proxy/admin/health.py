@@ -36,6 +36,7 @@ from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
 from proxy.gpu.nvml import CONTAINER_NOTE, NvmlReader
 from proxy.gpu.visibility import capabilities, summary
 from proxy.handoff.devices import candidates, shares
+from proxy.lifecycle.state import TenantLifecycle
 from proxy.tasks import cancel_and_wait
 from proxy.tenants import GIB, Tenant, load_registry
 from proxy.tls import client_context
@@ -162,6 +163,7 @@ class HealthExtension:
             NamedCheck("unmanaged VRAM", self.check_unmanaged),
             NamedCheck("gpu profile", self.check_gpu_profile),
             NamedCheck("gpu devices", self.check_devices),
+            NamedCheck("lifecycle", self.check_lifecycles),
         ]
 
     # -- extension interface ---------------------------------------------------------------------
@@ -284,6 +286,10 @@ class HealthExtension:
         name = f"upstream {tenant.name}"
         if not tenant.upstream:
             return HealthEntry(name, "ok", "no upstream (VRAM-only tenant)")
+        machine = self.proxy.arbitration.lifecycles.machine(tenant.name)
+        if machine is not None and machine.state != "running":  # not up on purpose: its lifecycle entry says more
+            return HealthEntry(name, "ok", f"{machine.state}: a tenant the proxy starts and stops (its next request "
+                                           f"starts it; see lifecycle {tenant.name})")
         impact = (f"requests to {tenant.listen or 'its listener'} answer 502, and the proxy cannot ask {tenant.name} "
                   "for memory back")
         adapter = self.adapter(tenant)
@@ -351,6 +357,17 @@ class HealthExtension:
                                "the running proxy keeps the configuration it started with, but the next start fails",
                                exc.fix or f"fix {path}")
         return HealthEntry("configuration", "ok", f"{path}: valid")
+
+    async def check_lifecycles(self, snap: AttributedSnapshot) -> list[HealthEntry]:
+        """Each tenant the proxy starts and stops: a failed start with its error and fix, and what its
+        controller finds wrong without changing anything (an orphan of an earlier run, named and never
+        killed; an unknown unit; a missing container; an unreachable Docker socket)."""
+        machines = self.proxy.arbitration.lifecycles.machines()
+        found = await asyncio.gather(*(m.controller.check() for m in machines.values()), return_exceptions=True)
+        entries: list[HealthEntry] = []
+        for (name, machine), problems in zip(machines.items(), found, strict=True):
+            entries += lifecycle_entries(name, machine, problems)
+        return entries
 
     def telemetry(self) -> TelemetryReadings | None:
         """The telemetry extension (it calls itself "telemetry"), looked up by name without importing
@@ -538,6 +555,53 @@ class HealthExtension:
         out = [v if isinstance(v, dict) else {"tenant": t.name, "engine": t.engine, "error": f"{type(v).__name__}: {v}"}
                for t, v in zip(tenants, views, strict=True) if v is not None]
         return JSONResponse({"engines": out})
+
+
+def split_fix(problem: str) -> tuple[str, str | None]:
+    """A controller's problem line, `what is wrong (fix: what to do)`, as (problem, fix)."""
+    text, sep, fix = problem.rpartition(" (fix: ")
+    if not sep or not fix.endswith(")"):
+        return problem, None
+    return text, fix[:-1]
+
+
+def lifecycle_entries(name: str, machine: TenantLifecycle, problems: list[str] | BaseException) -> list[HealthEntry]:
+    """Health of one tenant the proxy starts and stops: its state, and its controller's problems."""
+    entry = f"lifecycle {name}"
+    view = machine.view()
+    what = describe_controller(machine.controller.describe())
+    if isinstance(problems, BaseException):
+        problems = [f"its check raised {type(problems).__name__}: {problems} (fix: see the proxy's log)"]
+    out: list[HealthEntry] = []
+    if machine.state == "failed":
+        retry = view["retry_in_s"]
+        last = machine.snapshot.output[-1:]
+        out.append(HealthEntry(
+            entry, "failed",
+            f"its last start failed ({view['failures']} in a row): {machine.snapshot.error}"
+            + (f"; its last output line: {last[0]}" if last else ""),
+            f"requests to {name} answer 503 " + (f"until the next try in {retry:.0f} s" if retry else "until a start works"),
+            machine.snapshot.fix or f"see its output (GET /api/tenants/{name}), correct the cause, then start it "
+                                    f"(POST /api/tenants/{name}/start, or the dashboard's Start button)"))
+    for problem in problems:
+        text, fix = split_fix(problem)
+        out.append(HealthEntry(entry, "failed", text,
+                               f"the proxy cannot start and stop {name} as tenants.json says ({what})",
+                               fix or f"see `hyperswap check` and release of tenants.{name} in tenants.json"))
+    if not out:
+        out.append(HealthEntry(entry, "ok", f"{machine.state} for {view['for_s']:.0f} s ({what})"))
+    return out
+
+
+def describe_controller(d: dict[str, Any]) -> str:
+    """`process: llama-server -m q.gguf`, `systemd unit comfyui.service`, `docker container tts`."""
+    if d.get("kind") == "process":
+        return "process: " + " ".join(str(w) for w in d.get("command") or [])[:120]
+    if d.get("kind") == "systemd":
+        return f"systemd {d.get('scope', 'system')} unit {d.get('unit')}"
+    if d.get("kind") == "docker":
+        return f"docker container {d.get('container')} at {d.get('socket')}"
+    return str(d.get("kind"))
 
 
 def health_extension(proxy: ProxyView) -> HealthExtension:

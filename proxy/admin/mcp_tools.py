@@ -1,4 +1,4 @@
-"""MCP tools over the admin API: health, engines, tenants, plan (dry run), release.
+"""MCP tools over the admin API: health, engines, tenants, plan (dry run), release, start, stop.
 
 One code path: every tool is a call to the admin API over HTTP, so the tools answer exactly what
 the REST API answers. Served two ways:
@@ -31,7 +31,7 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
 from proxy.admin.view import ProxyView
-from proxy.admin.views import DryRun, EngineList, HealthReport, ModelList, ReleaseResult, TenantList
+from proxy.admin.views import DryRun, EngineList, HealthReport, LifecycleAnswer, ModelList, ReleaseResult, TenantList
 from proxy.errors import McpNotInstalled
 from proxy.tenants import MAX_GIB
 from proxy.tls import client_context
@@ -108,7 +108,8 @@ def build_server(admin: AdminClient) -> MCPServer:
     server: MCPServer = MCPServer(
         "hyperswap", title="HyperSwap",
         instructions=("HyperSwap shares one GPU between Ollama, ComfyUI and other apps. Read `tenants` and `plan` "
-                      "before `release`: a release unloads a tenant's models to free GPU memory."),
+                      "before `release`: a release unloads a tenant's models to free GPU memory. `start` and "
+                      "`stop` act on tenants the proxy starts and stops (their `lifecycle` in `tenants`)."),
         warn_on_duplicate_tools=False)
     # MCPServer() calls logging.basicConfig(INFO): the proxy's logging is not the SDK's to set.
     root.handlers[:], root.level = saved[0], saved[1]
@@ -125,7 +126,8 @@ def build_server(admin: AdminClient) -> MCPServer:
 
     @server.tool(annotations=READ_ONLY)
     async def tenants() -> TenantList:
-        """Every tenant sharing the GPU with its live state: VRAM held, busy and why, idle-release timer, reclaimable."""
+        """Every tenant sharing the GPU with its live state: VRAM held, busy and why, idle-release timer, reclaimable,
+        and for a tenant the proxy starts and stops its lifecycle (running, stopped, starting, stopping, failed)."""
         return TenantList.model_validate(await admin.call("GET", "/api/tenants"))
 
     @server.tool(annotations=READ_ONLY)
@@ -153,6 +155,23 @@ def build_server(admin: AdminClient) -> MCPServer:
         release strategy. Returns the bytes freed as measured on the GPU."""
         path = f"/api/tenants/{quote(tenant, safe='')}/release"
         return ReleaseResult.model_validate(await admin.call("POST", path, mutating=True))
+
+    @server.tool(annotations=MUTATING)
+    async def start(tenant: Annotated[str, Field(description="a tenant the proxy starts and stops, e.g. llama")]
+                    ) -> LifecycleAnswer:
+        """Start a tenant the proxy starts and stops (release kind process, systemd or docker): its GPU memory is
+        made free first as for a request (idle tenants released), then it is started and awaited until ready.
+        Refused for other tenants; fails with the reason and the app's last output lines."""
+        path = f"/api/tenants/{quote(tenant, safe='')}/start"
+        return LifecycleAnswer.model_validate(await admin.call("POST", path, mutating=True))
+
+    @server.tool(annotations=MUTATING)
+    async def stop(tenant: Annotated[str, Field(description="a tenant the proxy starts and stops, e.g. llama")]
+                   ) -> LifecycleAnswer:
+        """Stop an idle tenant the proxy starts and stops, freeing all its GPU memory; its next request starts it
+        again. Refused for a busy or starting tenant and for one the proxy does not start and stop."""
+        path = f"/api/tenants/{quote(tenant, safe='')}/stop"
+        return LifecycleAnswer.model_validate(await admin.call("POST", path, mutating=True))
 
     return server
 

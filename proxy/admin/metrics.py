@@ -37,6 +37,13 @@ Series:
 - hyperswap_model_load_gbps{tenant,class}: histogram of model load speeds the engines reported (Ollama's
   load_duration and the model's size), from the `model_load` decisions; class warm | cold | unknown
   (proxy/models/loads.py: split by this machine's own loads).
+- Tenants the proxy starts and stops (release kind process, systemd, docker), from
+  `Lifecycles.on_report` (every start and stop that ran; a refused one never began):
+  hyperswap_lifecycle_starts_total{tenant} (starts that ended ready),
+  hyperswap_lifecycle_failed_starts_total{tenant} (failed or timed out),
+  hyperswap_lifecycle_start_seconds{tenant} (histogram: from the start to ready, successful starts),
+  hyperswap_lifecycle_stops_total{tenant,result} (result ok | failed); and at scrape time
+  hyperswap_lifecycle_state{tenant,state}: 1 for the state it is in, 0 for the others.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ from proxy.decision import DecisionEvent
 from proxy.gpu.visibility import device_json, devices_json, tenant_vram, unmanaged_vram
 from proxy.handoff.decisions import HandoffFinished, ModelLoad, OomRetry, QueueEnded, Rejected
 from proxy.handoff.inflight import TenantTraffic
+from proxy.lifecycle.state import LifecycleReport
 
 if TYPE_CHECKING:
     from proxy.gpu.attribution import AttributedSnapshot
@@ -69,6 +77,9 @@ HANDOFF_KINDS = ("plan", "oom_retry", "spill")
 # A wait lasts as long as the busy tenant's job: a chat's seconds to a long render's minutes.
 WAIT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _PENDING_MAX = 1024  # outcomes waiting for their request to leave flight, per tenant
+# A server's start to ready: a small model's second to a large one's minutes.
+START_BUCKETS = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+LIFECYCLE_STATES = ("running", "stopped", "starting", "stopping", "failed")
 
 
 class _LiveCollector(Collector):
@@ -122,6 +133,14 @@ class _LiveCollector(Collector):
         for name, n in counts.items():
             waiting.add_metric([name], n)
         yield waiting
+        machines = proxy.arbitration.lifecycles.machines()
+        if machines:
+            state = GaugeMetricFamily("hyperswap_lifecycle_state", "A tenant the proxy starts and stops: 1 for the "
+                                      "state it is in", labels=["tenant", "state"])
+            for name, machine in machines.items():
+                for s in LIFECYCLE_STATES:
+                    state.add_metric([name, s], 1 if machine.state == s else 0)
+            yield state
 
 
 def _card_families(snap: AttributedSnapshot) -> list[Metric]:
@@ -167,6 +186,14 @@ class Metrics:
                                     ["tenant", "class"], buckets=LOAD_GBPS_BUCKETS, registry=self.registry)
         self.timeouts = Counter("hyperswap_queue_timeouts", "Requests answered 503 after proxy.queue_timeout_s",
                                 ["tenant"], registry=self.registry)
+        self.starts = Counter("hyperswap_lifecycle_starts", "Starts of a tenant the proxy starts that ended ready",
+                              ["tenant"], registry=self.registry)
+        self.failed_starts = Counter("hyperswap_lifecycle_failed_starts", "Starts that failed or timed out",
+                                     ["tenant"], registry=self.registry)
+        self.start_seconds = Histogram("hyperswap_lifecycle_start_seconds", "From a start to ready (successful starts)",
+                                       ["tenant"], buckets=START_BUCKETS, registry=self.registry)
+        self.stops = Counter("hyperswap_lifecycle_stops", "Stops of a tenant the proxy starts, by result",
+                             ["tenant", "result"], registry=self.registry)
         self._in_flight: dict[str, int] = {}
         self._pending: dict[str, list[str]] = {}  # tenant -> outcomes of requests about to leave flight
         self._unsubscribe: Callable[[], None] | None = None
@@ -175,6 +202,12 @@ class Metrics:
                 self.requests.labels(tenant.name, outcome)
             self.rejections.labels(tenant.name)
             self.timeouts.labels(tenant.name)
+        for name in proxy.arbitration.lifecycles.machines():
+            self.starts.labels(name)
+            self.failed_starts.labels(name)
+            self.start_seconds.labels(name)
+            for result in ("ok", "failed"):
+                self.stops.labels(name, result)
 
     # -- extension ----------------------------------------------------------------------------
     def routes(self) -> list[BaseRoute]:
@@ -183,11 +216,14 @@ class Metrics:
     async def start(self) -> None:
         self._unsubscribe = self.proxy.decisions.subscribe(self.on_decision)
         self.proxy.inflight.on_change.append(self.on_traffic)
+        self.proxy.arbitration.lifecycles.on_report.append(self.on_lifecycle)
 
     async def stop(self) -> None:
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
+        if self.on_lifecycle in self.proxy.arbitration.lifecycles.on_report:
+            self.proxy.arbitration.lifecycles.on_report.remove(self.on_lifecycle)
         if self.on_traffic in self.proxy.inflight.on_change:
             self.proxy.inflight.on_change.remove(self.on_traffic)
 
@@ -203,6 +239,19 @@ class Metrics:
         for _ in range(max(0, before - traffic.in_flight)):
             pending = self._pending.get(tenant)
             self.requests.labels(tenant, pending.pop(0) if pending else "completed").inc()
+
+    def on_lifecycle(self, report: LifecycleReport) -> None:
+        """A start or stop that ran (a refused one is never reported)."""
+        if report.refused:
+            return
+        if report.action == "start":
+            if report.ok:
+                self.starts.labels(report.tenant).inc()
+                self.start_seconds.labels(report.tenant).observe(report.duration_s)
+            else:
+                self.failed_starts.labels(report.tenant).inc()
+        else:
+            self.stops.labels(report.tenant, "ok" if report.ok else "failed").inc()
 
     def on_decision(self, event: DecisionEvent) -> None:
         """Each event is emitted once, so each counts once."""

@@ -28,6 +28,9 @@ from proxy.admin.views import (
     EngineList,
     Error,
     HealthReport,
+    LifecycleAnswer,
+    LifecycleFrame,
+    LifecycleRefusal,
     Rejection,
     ReleaseResult,
     Stats,
@@ -41,7 +44,8 @@ JSON = dict[str, Any]
 REF = "#/components/schemas/{model}"
 
 MODELS: tuple[type[BaseModel], ...] = (Error, DryRun, Rejection, ReleaseResult, TenantList, TenantView, DecisionList,
-                                       Stats, StatsFrame, CatalogFrame, HealthReport, EngineList)
+                                       Stats, StatsFrame, CatalogFrame, HealthReport, EngineList, LifecycleAnswer,
+                                       LifecycleRefusal, LifecycleFrame)
 
 
 def _ref(model: type[BaseModel]) -> JSON:
@@ -88,6 +92,36 @@ def _operations() -> dict[str, dict[str, JSON]]:
                 "502": _json("the engine refused or failed the release (error, fix)", ReleaseResult),
                 "504": _json("the memory was not back before the tenant's release_timeout_s (error, fix)",
                              ReleaseResult)}}},
+        "/api/tenants/{name}/start": {"post": {
+            "summary": "Start a tenant the proxy starts and stops (release kind process, systemd or docker)",
+            "operationId": "startTenant",
+            "description": ("Its memory is planned exactly as for a request that wakes it (idle tenants released, busy "
+                            "ones waited for), then it is started and its readiness awaited; a start under way is "
+                            "shared, and the backoff after a failed start is skipped (an explicit ask)."),
+            "parameters": [NAME], "security": [{"bearer": []}],
+            "responses": {
+                "200": _json("running: started now (report), or already (note)", LifecycleAnswer),
+                "401": _err("a token is configured and none was sent"),
+                "404": _err("no such tenant"),
+                "409": _json("not a tenant the proxy starts and stops (reason not_lifecycle)", LifecycleRefusal),
+                "503": _json("the start failed or timed out (reason start_failed: error, fix, the app's last output "
+                             "lines, Retry-After), or waited past proxy.queue_timeout_s for memory (reason "
+                             "queue_timeout)", LifecycleRefusal),
+                "507": _json("not enough GPU memory for the start even once every busy tenant finished", Rejection)}}},
+        "/api/tenants/{name}/stop": {"post": {
+            "summary": "Stop an idle tenant the proxy starts and stops", "operationId": "stopTenant",
+            "description": ("Through the one release path (recorded as a release decision, in the handoff queue's "
+                            "turn) with the tenant's stopping step alone. A busy tenant is never stopped."),
+            "parameters": [NAME], "security": [{"bearer": []}],
+            "responses": {
+                "200": _json("stopped (release: confirmed on the GPU, or estimated without a GPU reader), or "
+                             "already (note)", LifecycleAnswer),
+                "401": _err("a token is configured and none was sent"),
+                "404": _err("no such tenant"),
+                "409": _json("busy, starting, or not a tenant the proxy starts and stops (reason says which)",
+                             LifecycleRefusal),
+                "502": _json("the stop failed (reason stop_failed: error, fix, the release)", LifecycleRefusal),
+                "504": _json("stopped, but its memory was not back before release_timeout_s", LifecycleRefusal)}}},
         "/api/plan": {"get": {
             "summary": "Dry-run plan: what would be released for a tenant to get need_gb", "operationId": "plan",
             "parameters": [
@@ -107,16 +141,18 @@ def _operations() -> dict[str, dict[str, JSON]]:
             "summary": "Device, processes, tenants and recent decisions in one call", "operationId": "stats",
             "responses": {"200": _json("stats", Stats)}}},
         "/api/events": {"get": {
-            "summary": "Server-sent events: catalog (first, then on change), stats (1/s), decision (each)",
+            "summary": "Server-sent events: catalog (first, then on change), stats (1/s), decision (each), "
+                       "lifecycle (each state change of a tenant the proxy starts)",
             "operationId": "events",
             "description": ("text/event-stream. Every frame has `id:`; the stream starts with `retry:`. Send "
                             "`Last-Event-ID` on reconnect to get the decisions missed. `data:` is JSON: "
-                            "StatsFrame, CatalogFrame or Decision."),
+                            "StatsFrame, CatalogFrame, Decision or LifecycleFrame."),
             "parameters": [{"name": "Last-Event-ID", "in": "header", "required": False, "schema": {"type": "integer"}}],
             "responses": {"200": {"description": "the stream", "content": {"text/event-stream": {
                 "schema": {"type": "string"},
                 "x-event-data": {"stats": _ref(StatsFrame), "catalog": _ref(CatalogFrame),
-                                 "decision": {"$ref": REF.format(model="Decision")}}}}}}}},
+                                 "decision": {"$ref": REF.format(model="Decision")},
+                                 "lifecycle": _ref(LifecycleFrame)}}}}}}},
         "/api/health": {"get": {
             "summary": "Self-check: GPU reader, engines, config, and what works without a GPU reader",
             "operationId": "health",
@@ -156,8 +192,8 @@ def _operations() -> dict[str, dict[str, JSON]]:
         "/mcp": {method: {
             "summary": f"MCP tools over streamable HTTP ({method.upper()})", "operationId": f"mcp{method.capitalize()}",
             "description": ("Model Context Protocol endpoint (stateless, JSON answers): tools health, engines, "
-                            "tenants, models, plan (dry run) and release, each a call to this API. POST carries JSON-RPC; "
-                            "when a token is configured every call needs it."),
+                            "tenants, models, plan (dry run), release, start and stop, each a call to this API. "
+                            "POST carries JSON-RPC; when a token is configured every call needs it."),
             "security": [{"bearer": []}],
             "responses": {"200": _json("a JSON-RPC answer", ANY_OBJECT), "401": _err("a token is configured and none was sent"),
                           "403": _err("wrong token" + ("" if method == "get" else ", or an Origin other than this "

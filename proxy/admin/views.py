@@ -176,6 +176,38 @@ class Waiting(_Doc):
     reason: str
 
 
+class LifecycleController(_Doc):
+    """What a lifecycle tenant's controller runs or reaches (the fields of its kind only)."""
+    kind: Literal["process", "systemd", "docker"]
+    command: list[str] | None = Field(default=None, description="process: the command the proxy runs, argv style")
+    cwd: str | None = Field(default=None, description="process: its working directory (null: the proxy's)")
+    pid: int | None = Field(default=None, description="process: the child's pid while it runs")
+    running: bool | None = Field(default=None, description="process: the child the proxy started runs now")
+    exit_code: int | None = Field(default=None, description="process: how the last child ended (null: runs, or none)")
+    orphan: JSON | None = Field(default=None, description="process: a child of an earlier run of the proxy that still "
+                                                         "runs (pid, pgid); named in health, never killed")
+    unit: str | None = Field(default=None, description="systemd: the unit")
+    scope: Literal["system", "user"] | None = Field(default=None, description="systemd: the manager it is reached in")
+    container: str | None = Field(default=None, description="docker: container name or id")
+    socket: str | None = Field(default=None, description="docker: the Engine API's Unix socket")
+    error: str | None = Field(default=None, description="docker: the last call's error (null: it worked)")
+    output: list[str] | None = Field(default=None, description="process: its last output lines; systemd: the last "
+                                                               "systemctl call's")
+
+
+class Lifecycle(_Doc):
+    """A tenant the proxy starts and stops (release kind process, systemd or docker): its state now."""
+    state: Literal["running", "stopped", "starting", "stopping", "failed"]
+    for_s: float = Field(description="seconds in this state")
+    error: str | None = Field(description="why the last start (or stop) failed")
+    fix: str | None
+    output: list[str] = Field(description="a failed start: the app's last output lines")
+    failures: int = Field(description="consecutive failed starts")
+    retry_in_s: float | None = Field(description="after a failed start: seconds until a request may start it again "
+                                                 "(the admin's start does not wait)")
+    controller: LifecycleController
+
+
 class _TenantLive(_Doc):
     """The live state both /api/tenants and the events' stats frames carry."""
     name: str
@@ -191,6 +223,8 @@ class _TenantLive(_Doc):
     reclaimable: bool
     waiting: list[Waiting] = Field(default_factory=list, description="this tenant's requests waiting for memory")
     devices: TenantDevices | None = Field(default=None, description="only on a host with several GPUs")
+    lifecycle: Lifecycle | None = Field(default=None, description="a tenant the proxy starts and stops: its state; "
+                                                                  "null for the others")
 
 
 class CardHolding(_Doc):
@@ -362,6 +396,56 @@ class StatsFrame(_Doc):
     gpu_error: GpuError | None
 
 
+class LifecycleReport(_Doc):
+    """How one start or stop ended, or why it never began (refused)."""
+    tenant: str
+    action: Literal["start", "stop"]
+    ok: bool
+    state: Literal["running", "stopped", "starting", "stopping", "failed"] = Field(description="the state after it")
+    duration_s: float
+    error: str | None
+    fix: str | None
+    output: list[str]
+    retry_in_s: float | None
+    refused: bool = Field(description="it never began (busy, starting, backing off)")
+
+
+class LifecycleFrame(_Doc):
+    """`data:` of an `event: lifecycle` frame: a tenant the proxy starts and stops changed state."""
+    tenant: str
+    lifecycle: Lifecycle
+    report: LifecycleReport | None = Field(description="the start or stop that just ended; null: a change seen "
+                                                       "on its way (starting, stopping)")
+
+
+class LifecycleAnswer(_Doc):
+    """`POST /api/tenants/{name}/start` and `/stop`: what was done and the tenant's state after it."""
+    tenant: str
+    action: Literal["start", "stop"]
+    ok: Literal[True]
+    note: str | None = Field(default=None, description="nothing was done, and why (it already ran, or was stopped)")
+    report: LifecycleReport | None = Field(default=None, description="start: how the start went")
+    release: ReleaseResult | None = Field(default=None, description="stop: the release that stopped it, as "
+                                                                    "/release answers it")
+    lifecycle: Lifecycle
+
+
+class LifecycleRefusal(_Doc):
+    """A start or stop that was refused or failed: the reason, a fix, and the tenant's state."""
+    error: str
+    fix: str | None = Field(default=None, description="what to do about it")
+    tenant: str | None = None
+    reason: str | None = Field(default=None, description="not_lifecycle, busy, starting, start_failed, "
+                                                         "queue_timeout, stop_failed")
+    output: list[str] | None = Field(default=None, description="a failed start: the app's last output lines")
+    retry_in_s: float | None = Field(default=None, description="a failed start: seconds before a request may "
+                                                               "start it again")
+    waited_s: float | None = Field(default=None, description="queue_timeout: how long the start waited for memory")
+    waiting_for: list[str] | None = Field(default=None, description="queue_timeout: the busy tenants it waited for")
+    release: ReleaseResult | None = Field(default=None, description="stop_failed: the release that tried")
+    lifecycle: Lifecycle | None = Field(default=None, description="null for a tenant the proxy does not start")
+
+
 class CatalogModel(_Doc):
     name: str
     size_bytes: int | None = Field(description="Ollama's size on disk; null for ComfyUI checkpoints")
@@ -444,6 +528,12 @@ def _pod(p: AttributedProcess) -> PodName | None:
     return PodName.model_validate(p.pod.to_json()) if p.pod else None
 
 
+def lifecycle_view(arb: Arbitration, tenant: str) -> Lifecycle | None:
+    """A tenant the proxy starts and stops: its state now; None for the others."""
+    machine = arb.lifecycles.machine(tenant)
+    return None if machine is None else Lifecycle.model_validate(machine.view())
+
+
 def _live(arb: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, tenant: Tenant, state: TenantState) -> JSON:
     """The live fields /api/tenants and the events' stats frames share (`_TenantLive`)."""
     traffic = arb.inflight.snapshot().get(tenant.name)
@@ -462,6 +552,7 @@ def _live(arb: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, tenant
         "reclaimable": tenant.reclaimable and tenant.name not in arb.cpu_tenants,  # on the CPU: nothing to take
         "waiting": [w for w in arb.queue.waiting() if w["tenant"] == tenant.name],
         **tenant_devices_json(snap, tenant.name),  # several cards: where it loads, what it holds on each
+        "lifecycle": lifecycle_view(arb, tenant.name),
     }
 
 

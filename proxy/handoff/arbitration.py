@@ -31,6 +31,7 @@ from proxy.handoff.inflight import InFlight, TenantTraffic
 from proxy.handoff.lifecycles import Lifecycles
 from proxy.handoff.queue import Admitted, Handoff, HandoffQueue, Released, ReleaseOrder, ReleaseResult
 from proxy.handoff.residency import Residency
+from proxy.lifecycle.state import LifecycleReport
 from proxy.tenants import GIB, Registry, ReleaseSpec, Tenant
 from proxy.tls import client_context
 
@@ -204,15 +205,17 @@ class Arbitration:
                                        promised=promised_by_tenant(self.promised(snap), key or requester), mode=mode)
         return plan, snap
 
-    async def execute_release(self, tenant: Tenant, expected: int, before: AttributedSnapshot | None = None) -> ReleaseResult:
+    async def execute_release(self, tenant: Tenant, expected: int, before: AttributedSnapshot | None = None,
+                              *, stop: bool = False) -> ReleaseResult:
         """Ask, then confirm on the GPU: done when the memory is back, never on the engine's 200 (invariant 6).
         A tenant whose `release` is a list tries each step in order (each within its own timeout) until
-        one gives the memory back; a stopping step stops the app, only while it is idle (invariant 7)."""
+        one gives the memory back; a stopping step stops the app, only while it is idle (invariant 7).
+        `stop`: only the step that stops the app (the admin's stop), the soft ones before it skipped."""
         self.residency.forget(tenant.name)  # whatever it held is on its way off the card
         before = before or await self.snapshot()
         held_before = self.held(before, tenant.name)
         start = self.clock.now()
-        steps = [(i, s) for i, s in enumerate(tenant.release_steps) if s.kind != "none"]
+        steps = [(i, s) for i, s in enumerate(tenant.release_steps) if s.kind != "none" and (s.stops or not stop)]
         result = ReleaseResult(tenant.name, expected, 0, 0.0, False, "no release step")
         trail: list[dict[str, Any]] = []  # for a release that escalates: what each step freed
         held = held_before
@@ -285,6 +288,20 @@ class Arbitration:
             self.settle(admitted.handoff)  # it is up: what it loaded is on the card, measured from now
         return admitted
 
+    async def start(self, tenant: Tenant, trigger: str) -> Admitted | LifecycleReport:
+        """The admin's start of a tenant the proxy starts: room is made for it exactly as for a request
+        that wakes it (`wake`), then it is started, past any backoff after a failed start (an explicit
+        ask), sharing a start under way. The queue's refusal or timeout (an Admitted that is not
+        "run"), or the start's report (ok, or failed with the reason and the app's last lines)."""
+        need = self.adapter(tenant).start_need_bytes
+        admitted = await self.queue.request(tenant, f"{tenant.name}:wake", need, trigger)
+        if admitted.outcome != "run":
+            return admitted
+        try:
+            return await self.lifecycles.start(tenant, force=True)
+        finally:
+            self.settle(admitted.handoff)  # it is up (or failed): what it holds is measured from now
+
     # -- the handoff queue's effects (HandoffEffects) -------------------------------------------
     async def read(self) -> tuple[AttributedSnapshot, dict[str, TenantState], dict[str, tuple[str, int]]]:
         # No wait for a release under way: the scheduler knows which are (`HandoffQueue.releasing`).
@@ -313,7 +330,8 @@ class Arbitration:
                 kind=order.kind, tenant=order.requester, trigger=order.trigger, plan=order.plan,
                 held_bytes=order.held_bytes, held_by_device=order.held_by_device, idle_s=order.idle_s,
                 not_released_busy=tuple(r.tenant for r in skipped)))
-            results = [await self.execute_release(self.registry.get(r.tenant), r.expected_free_bytes, snap)
+            results = [await self.execute_release(self.registry.get(r.tenant), r.expected_free_bytes, snap,
+                                                  stop=order.stop)
                        for r in todo]
             self.decisions.emit(HandoffFinished(kind=order.kind, tenant=order.requester, trigger=order.trigger,
                                                 refers_to=started.id, releases=tuple(results)))

@@ -105,6 +105,15 @@ class Lifecycles:
             await asyncio.shield(task)
         return None
 
+    async def start(self, tenant: Tenant, *, force: bool = False) -> LifecycleReport:
+        """Start the tenant (sharing a start under way) and return how it went, never raising: the
+        admin's start (`force`: past the backoff after a failed start). Cancelling the caller does not
+        cancel the start."""
+        machine = self._machines.get(tenant.name)
+        if machine is None:
+            return LifecycleReport(tenant.name, "start", False, "running", error="no lifecycle controller", refused=True)
+        return await asyncio.shield(machine.begin_start(force=force))
+
     async def _run_resume(self, tenant: Tenant) -> None:
         step = self._resume[tenant.name]
         started = self._clock.now()

@@ -92,6 +92,7 @@ class ReleaseOrder:
     held_bytes: int | None = None  # a whole-tenant release: what the tenant held, for the decision
     held_by_device: Mapping[int, int] = field(default_factory=dict)  # the same per card, on a host with several
     idle_s: float | None = None  # an idle release: the tenant's idle_release_after_s, for the decision
+    stop: bool = False  # only the steps that stop the app (the admin's stop of a tenant the proxy starts)
 
 
 @dataclass(slots=True)
@@ -439,6 +440,15 @@ def release_whole(snap: AttributedSnapshot, tenant: Tenant, trigger: str, kind: 
     release = Release(tenant.name, max(0, held - tenant.idle_vram_bytes), pids, why)
     by_device = held_by_device(snap, tenant.name) if snap.snapshot.several_devices else {}
     return ReleaseOrder(tenant.name, (release,), trigger, kind, None, snap, held, by_device, idle_s)
+
+
+def stop_whole(snap: AttributedSnapshot, tenant: Tenant, trigger: str, why: str) -> ReleaseOrder:
+    """An order to stop a tenant the proxy starts (the admin API's stop): a release through its
+    stopping step alone (soft steps before it skipped), so all it holds goes, its idle floor too."""
+    held = snap.held_by(tenant.name)
+    pids = tuple(p.process.pid for p in snap.processes if p.tenant == tenant.name)
+    release = Release(tenant.name, held, pids, why)
+    return ReleaseOrder(tenant.name, (release,), trigger, "release", None, snap, held_bytes=held, stop=True)
 
 
 def _no_plan(w: Waiter) -> Plan:

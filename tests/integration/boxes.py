@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import socket
+import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from proxy.demo import Demo
 from proxy.sim.box import fast_scenario as fast
@@ -14,4 +17,36 @@ DemoFactory = Callable[..., Awaitable[Demo]]
 # client, 60-140 ms here, and the suite builds hundreds of them (they all speak plain HTTP anyway).
 LOOPBACK_TLS = client_context()
 
-__all__ = ["ALL_PORTS_ZERO", "LOOPBACK_TLS", "DemoFactory", "fast"]
+
+
+def free_port() -> int:
+    """A loopback port free now (for an app the proxy starts: its command needs the number)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def process_tenant(port: int, folder: Path, **extra: object) -> dict[str, object]:
+    """A generic tenant whose app is Python's own HTTP server on `port`, run and owned by the proxy
+    (release kind `process`), serving `folder` (with a hello.txt)."""
+    (folder / "hello.txt").write_text("hello from the app\n")
+    return {
+        "engine": "generic",
+        "listen": f"127.0.0.1:{free_port()}",
+        "upstream": f"http://127.0.0.1:{port}",
+        "match": {"process_names": [], "cmdline_patterns": [f"http.server {port}"]},
+        "priority": 30,
+        "needs_vram_gb": 1.0,
+        "release": {"kind": "process", "stop_timeout_s": 2,
+                    "command": [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
+                                "--directory", str(folder)]},
+        **extra,
+    }
+
+
+__all__ = ["ALL_PORTS_ZERO", "LOOPBACK_TLS", "DemoFactory", "fast", "free_port", "port_open", "process_tenant"]

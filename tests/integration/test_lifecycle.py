@@ -8,38 +8,15 @@ import sys
 from pathlib import Path
 
 import httpx
-from boxes import DemoFactory, fast
+from boxes import DemoFactory, fast, free_port, process_tenant
 
 from proxy.tasks import poll_until
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def app_tenant(port: int, folder: Path, **extra: object) -> dict[str, object]:
-    """A generic tenant whose app is Python's own HTTP server, run and owned by the proxy."""
-    (folder / "hello.txt").write_text("hello from the app\n")
-    return {
-        "engine": "generic",
-        "listen": f"127.0.0.1:{free_port()}",
-        "upstream": f"http://127.0.0.1:{port}",
-        "match": {"process_names": [], "cmdline_patterns": [f"http.server {port}"]},
-        "priority": 30,
-        "needs_vram_gb": 1.0,
-        "release": {"kind": "process", "stop_timeout_s": 2,
-                    "command": [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
-                                "--directory", str(folder)]},
-        **extra,
-    }
 
 
 async def test_a_process_tenant_starts_on_its_first_request_stops_on_release_and_starts_again(
         box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
     port = free_port()
-    demo = await box(fast("default", tenants={"app": app_tenant(port, tmp_path)}))
+    demo = await box(fast("default", tenants={"app": process_tenant(port, tmp_path)}))
     assert demo.proxy is not None
     machine = demo.proxy.arbitration.lifecycles.machine("app")
     assert machine is not None and machine.state == "stopped", "nothing runs before the first request"
@@ -65,7 +42,7 @@ async def test_concurrent_requests_share_one_start(box: DemoFactory, http: httpx
     import asyncio
 
     port = free_port()
-    demo = await box(fast("default", tenants={"app": app_tenant(port, tmp_path)}))
+    demo = await box(fast("default", tenants={"app": process_tenant(port, tmp_path)}))
     assert demo.proxy is not None
     answers = await asyncio.gather(*(http.get(demo.proxy.url("app") + "/hello.txt") for _ in range(5)))
     assert [a.status_code for a in answers] == [200] * 5
@@ -76,7 +53,7 @@ async def test_a_start_that_fails_answers_503_with_the_apps_last_lines(
         box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
     port = free_port()
     script = "import sys; print('loading model /models/q.gguf'); print('error: out of memory', file=sys.stderr); sys.exit(3)"
-    tenant = app_tenant(port, tmp_path)
+    tenant = process_tenant(port, tmp_path)
     tenant["release"] = {"kind": "process", "command": [sys.executable, "-c", script]}
     tenant["start_timeout_s"] = 5
     demo = await box(fast("default", tenants={"app": tenant}))
@@ -95,7 +72,7 @@ async def test_a_start_that_fails_answers_503_with_the_apps_last_lines(
 async def test_the_proxy_stops_what_it_started_when_it_stops(box: DemoFactory, http: httpx.AsyncClient,
                                                              tmp_path: Path) -> None:
     port = free_port()
-    demo = await box(fast("default", tenants={"app": app_tenant(port, tmp_path)}))
+    demo = await box(fast("default", tenants={"app": process_tenant(port, tmp_path)}))
     assert demo.proxy is not None
     assert (await http.get(demo.proxy.url("app") + "/hello.txt")).status_code == 200
     await demo.stop()

@@ -9,15 +9,18 @@ without documenting it fails here, not in a client).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
-from boxes import DemoFactory
+from boxes import DemoFactory, fast, free_port, process_tenant
 from jsonschema import Draft202012Validator
 
 from proxy.demo import run_prompt
 from proxy.gpu.snapshot import GpuReadError
+from proxy.tasks import poll_until
 
 JSON = dict[str, Any]
 
@@ -156,3 +159,48 @@ async def test_answers_without_a_gpu_reader_match_the_document_too(box: DemoFact
     assert stats["device"]["reserved_bytes"] is None, "ComfyUI reports no reserved figure: null, never 0"
     await call(http, doc, admin, "GET", "/api/tenants", "/api/tenants", 200)
     await call(http, doc, admin, "GET", "/api/health", "/api/health", 200)
+
+
+async def test_lifecycle_answers_and_frames_match_the_document(box: DemoFactory, http: httpx.AsyncClient,
+                                                               tmp_path: Path) -> None:
+    """A tenant the proxy starts and stops: its lifecycle in /api/tenants, the start and stop answers,
+    the refusals, and the event stream's lifecycle frames, all as documented."""
+    demo = await box(fast("default", tenants={"app": process_tenant(free_port(), tmp_path)}))
+    admin = demo.proxy.url("admin")
+    doc = (await http.get(admin + "/openapi.json")).json()
+    frames = doc["paths"]["/api/events"]["get"]["responses"]["200"]["content"]["text/event-stream"]["x-event-data"]
+    seen: list[JSON] = []
+
+    async def watch() -> None:
+        async with http.stream("GET", admin + "/api/events") as stream:
+            event: str | None = None
+            async for line in stream.aiter_lines():
+                if line.startswith("event: "):
+                    event = line[7:]
+                elif line.startswith("data: ") and event == "lifecycle":
+                    seen.append(json.loads(line[6:]))
+
+    watcher = asyncio.create_task(watch())
+    try:
+        checked = [
+            ("GET", "/api/tenants", "/api/tenants", 200),
+            ("POST", "/api/tenants/{name}/start", "/api/tenants/app/start", 200),
+            ("POST", "/api/tenants/{name}/start", "/api/tenants/app/start", 200),  # runs already: a note
+            ("GET", "/api/tenants/{name}", "/api/tenants/app", 200),
+            ("GET", "/api/stats", "/api/stats", 200),
+            ("POST", "/api/tenants/{name}/stop", "/api/tenants/app/stop", 200),
+            ("POST", "/api/tenants/{name}/stop", "/api/tenants/ollama/stop", 409),
+            ("POST", "/api/tenants/{name}/start", "/api/tenants/desktop/start", 409),
+            ("POST", "/api/tenants/{name}/start", "/api/tenants/no-such-tenant/start", 404),
+        ]
+        answers = [await call(http, doc, admin, method, route, url, status) for method, route, url, status in checked]
+        assert answers[1]["lifecycle"]["state"] == "running" and answers[5]["lifecycle"]["state"] == "stopped"
+        async with asyncio.timeout(10):
+            await poll_until(lambda: len([f for f in seen if f["report"] is not None]) >= 2)  # start's, stop's
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+    assert [f["report"]["action"] for f in seen if f["report"]] == ["start", "stop"], seen
+    for frame in seen:
+        check(doc, frames["lifecycle"], frame, "a lifecycle frame")

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import httpx2
 import pytest
-from boxes import LOOPBACK_TLS, DemoFactory
+from boxes import LOOPBACK_TLS, DemoFactory, fast, free_port, port_open, process_tenant
 from mcp import Client, MCPError, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 
@@ -21,7 +21,7 @@ from proxy.admin.mcp_tools import AdminClient, build_server
 from proxy.demo import Demo, run_prompt
 from proxy.tenants import GIB
 
-TOOLS = {"health", "engines", "tenants", "plan", "release", "models"}
+TOOLS = {"health", "engines", "tenants", "plan", "release", "models", "start", "stop"}
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "mcp-test-token"
 
@@ -39,7 +39,7 @@ def text_of(result: Any) -> str:
     return " ".join(getattr(c, "text", "") for c in result.content)
 
 
-async def test_http_lists_all_six_tools_with_input_and_output_schemas(box: DemoFactory) -> None:
+async def test_http_lists_all_eight_tools_with_input_and_output_schemas(box: DemoFactory) -> None:
     demo = await box("default")
     async with mcp_client(demo) as client:
         tools = {t.name: t for t in (await client.list_tools()).tools}
@@ -49,6 +49,7 @@ async def test_http_lists_all_six_tools_with_input_and_output_schemas(box: DemoF
     assert tools["release"].input_schema["required"] == ["tenant"], tools["release"].input_schema
     assert all(t.output_schema for t in tools.values()), [n for n, t in tools.items() if not t.output_schema]
     assert tools["release"].annotations.destructive_hint is True
+    assert tools["start"].input_schema["required"] == tools["stop"].input_schema["required"] == ["tenant"]
     assert tools["tenants"].annotations.read_only_hint is True
 
 
@@ -91,6 +92,23 @@ async def test_http_release_of_the_desktop_is_a_tool_error_with_the_409_reason(b
     assert result.is_error, result
     text = text_of(result)
     assert "409" in text and "not_reclaimable" in text and "Fix:" in text, text
+
+
+async def test_http_start_and_stop_a_process_tenant_and_see_its_lifecycle(box: DemoFactory, tmp_path: Path) -> None:
+    port = free_port()
+    demo = await box(fast("default", tenants={"app": process_tenant(port, tmp_path)}))
+    async with mcp_client(demo) as client:
+        started = await client.call_tool("start", {"tenant": "app"})
+        listed = await client.call_tool("tenants", {})
+        stopped = await client.call_tool("stop", {"tenant": "app"})
+        refused = await client.call_tool("stop", {"tenant": "ollama"})
+    assert not started.is_error, text_of(started)
+    assert started.structured_content["lifecycle"]["state"] == "running", started.structured_content
+    lifecycles = {t["name"]: t["lifecycle"] for t in listed.structured_content["tenants"]}
+    assert lifecycles["app"]["state"] == "running" and lifecycles["ollama"] is None, lifecycles
+    assert not stopped.is_error and stopped.structured_content["lifecycle"]["state"] == "stopped", text_of(stopped)
+    assert not port_open(port)
+    assert refused.is_error and "409" in text_of(refused) and "not_lifecycle" in text_of(refused), text_of(refused)
 
 
 async def test_http_with_admin_token_refuses_calls_without_it(box: DemoFactory, http: httpx.AsyncClient,

@@ -50,6 +50,7 @@
     es.addEventListener("stats", (ev) => { seen(); onStats(JSON.parse(ev.data)); });
     es.addEventListener("catalog", (ev) => { seen(); ui.catalog = JSON.parse(ev.data).tenants || {}; renderTenants(); });
     es.addEventListener("decision", (ev) => { seen(); onDecision(JSON.parse(ev.data)); });
+    es.addEventListener("lifecycle", (ev) => { seen(); onLifecycle(JSON.parse(ev.data)); });
     es.addEventListener("error", () => markStale());
   }
   function markStale() {
@@ -68,6 +69,14 @@
     $("device").textContent = `${d.name} · ${d.source}${stats.handoff_in_progress ? " · handoff in progress" : ""}` +
       (waiting ? ` · ${waiting} request${waiting > 1 ? "s" : ""} waiting for memory` : "");
     renderBar(); renderTenants(); renderTimeline();
+  }
+
+  // A tenant the proxy starts and stops changed state: shown at once, not at the next stats frame.
+  function onLifecycle(frame) {
+    const t = ui.stats && ui.stats.tenants.find((x) => x.name === frame.tenant);
+    if (!t) return;
+    t.lifecycle = frame.lifecycle;
+    renderTenants();
   }
 
   function onDecision(d) {
@@ -161,7 +170,9 @@
     const s = ui.stats;
     if (!s) return;
     const box = $("tenants");
-    const focused = document.activeElement && document.activeElement.dataset ? document.activeElement.dataset.release : null;
+    const active = document.activeElement && document.activeElement.dataset ? document.activeElement.dataset : {};
+    const focusKey = ["release", "start", "stop"].find((k) => active[k]);
+    const focused = focusKey ? `[data-${focusKey}="${CSS.escape(active[focusKey])}"]` : null;
     box.replaceChildren();
     for (const t of s.tenants) {
       const eng = engineSummary(t.name);
@@ -171,6 +182,8 @@
       const release = el("button", { type: "button", dataset: { release: t.name }, disabled: !t.reclaimable,
         title: t.reclaimable ? `release ${t.name}'s GPU memory now` : "this tenant has no release strategy" }, "Release");
       release.addEventListener("click", () => doRelease(t.name));
+      const lc = t.lifecycle;
+      const lifecycleButtons = lc ? lifecycleActions(t) : [];
       const res = ui.results.get(t.name);
       const waits = t.waiting || [];
       const waitText = waits.map((w) => `${w.trigger}, ${secs(w.waited_s)}: ${w.reason}`).join("\n");
@@ -178,10 +191,14 @@
       const card = el("article", { class: "card", dataset: { tenant: t.name, busy: t.busy, waiting: waits.length } },
         el("div", { class: "top" }, el("h3", { text: t.name }),
           waits.length ? el("span", { class: "pill waiting", text: `${waits.length} waiting`, title: waitText }) : null,
+          lc ? el("span", { class: `pill lc ${lc.state}`, text: lc.state, dataset: { role: "lifecycle", state: lc.state },
+            title: lifecycleTip(lc) }) : null,
           el("span", { class: `pill ${t.busy ? "busy" : "idle"}`, text: t.busy ? "busy" : "idle" })),
         el("div", { class: "sub", title: eng.tip || null, dataset: { role: "engine" } }, eng.sub || t.engine),
         el("dl", {},
           el("dt", { text: "state" }), el("dd", { text: state }),
+          lc ? el("dt", { text: "app" }) : null,
+          lc ? el("dd", { text: lifecycleText(lc), title: lifecycleTip(lc), dataset: { role: "app" } }) : null,
           waits.length ? el("dt", { text: "waiting" }) : null,
           waits.length ? el("dd", { text: `${secs(waits[0].waited_s)}: ${waits[0].reason}`, title: waitText, dataset: { role: "waiting" } }) : null,
           el("dt", { text: "in flight" }), el("dd", { text: String(t.in_flight) + (t.stale_jobs.length ? ` (${t.stale_jobs.length} stale)` : "") }),
@@ -190,12 +207,62 @@
           pods.length ? el("dd", { text: pods.join(", "), dataset: { role: "pods" } }) : null,
           el("dt", { text: "idle release" }), el("dd", { text: t.idle_release_in_s === null ? "off" : `in ${secs(t.idle_release_in_s)}` }),
           models ? el("dt", { text: "models" }) : null, models ? el("dd", { text: models, title: cat.models.map((m) => m.name).join("\n") }) : null),
-        el("div", { class: "actions" }, release,
+        el("div", { class: "actions" }, release, ...lifecycleButtons,
           res ? el("span", { class: `result ${res.cls}`, text: res.text, dataset: { role: "result", result: res.cls } }) : null));
       card.style.setProperty("--c", colorOf(t));
       box.append(card);
     }
-    if (focused) { const b = box.querySelector(`[data-release="${CSS.escape(focused)}"]`); if (b) b.focus(); }
+    if (focused) { const b = box.querySelector(focused); if (b) b.focus(); }
+  }
+
+  // -- tenants the proxy starts and stops --------------------------------------------------------
+  function lifecycleText(lc) {
+    const base = `${lc.state} for ${secs(lc.for_s)}`;
+    if (lc.state === "failed") return `${base}: ${lc.error || "start failed"}${lc.retry_in_s ? ` (next try in ${secs(lc.retry_in_s)})` : ""}`;
+    return base;
+  }
+  function lifecycleTip(lc) {
+    const c = lc.controller || {};
+    const what = c.kind === "process" ? `process: ${(c.command || []).join(" ")}` : c.kind === "systemd" ? `systemd unit ${c.unit} (${c.scope})`
+      : c.kind === "docker" ? `docker container ${c.container} at ${c.socket}` : c.kind;
+    return [what, lc.error ? `error: ${lc.error}` : null, lc.fix ? `fix: ${lc.fix}` : null,
+      lc.output && lc.output.length ? `last output:\n${lc.output.slice(-10).join("\n")}` : null].filter(Boolean).join("\n");
+  }
+  function lifecycleActions(t) {
+    const lc = t.lifecycle;
+    const start = el("button", { type: "button", dataset: { start: t.name }, disabled: lc.state === "running" || lc.state === "starting",
+      title: lc.state === "running" ? `${t.name} runs` : `start ${t.name} now (its GPU memory is made free first)` }, "Start");
+    start.addEventListener("click", () => doLifecycle("start", t.name));
+    const busy = t.busy || t.in_flight > 0;
+    const stop = el("button", { type: "button", dataset: { stop: t.name },
+      disabled: lc.state === "stopped" || lc.state === "stopping" || lc.state === "starting" || busy,
+      title: busy ? "a busy tenant is never stopped" : `stop ${t.name}; its next request starts it again` }, "Stop");
+    stop.addEventListener("click", () => doLifecycle("stop", t.name));
+    return [start, stop];
+  }
+  async function doLifecycle(action, name) {
+    if (action === "stop" && !window.confirm(`Stop ${name}? Its next request starts it again.`)) return;
+    ui.results.set(name, { cls: "none", text: action === "start" ? "starting…" : "stopping…" }); renderTenants();
+    const headers = {};
+    const token = localStorage.getItem(TOKEN_KEY);
+    if (token) headers.Authorization = `Bearer ${token}`;
+    let result;
+    try {
+      const r = await fetch(`/api/tenants/${encodeURIComponent(name)}/${action}`, { method: "POST", headers });
+      const body = await r.json().catch(() => ({}));
+      if (r.ok && body.note) result = { cls: "none", text: body.note };
+      else if (r.ok && action === "start") result = { cls: "ok", text: `started, ready in ${body.report ? body.report.duration_s : "?"} s` };
+      else if (r.ok) result = { cls: "ok", text: `stopped${body.release ? `: freed ${body.release.freed_gb} GiB in ${body.release.duration_s} s` : ""}` };
+      else {
+        const last = body.output && body.output.length ? ` (last output: ${body.output[body.output.length - 1]})` : "";
+        result = { cls: "err", text: `${r.status}: ${body.error || r.statusText}${last}` };
+      }
+      const t = ui.stats && ui.stats.tenants.find((x) => x.name === name);
+      if (t && body.lifecycle) t.lifecycle = body.lifecycle;
+    } catch (err) {
+      result = { cls: "err", text: `request failed: ${err}` };
+    }
+    ui.results.set(name, result); renderTenants();
   }
 
   async function doRelease(name) {
@@ -390,6 +457,13 @@
       case "gpu_apply":
         return `GPU ${o.device} ${d.trigger}: ${(o.changes || []).join(", ")}${o.ok === true ? " → done" : o.ok === false
           ? ` → failed: ${(o.errors || []).map((e) => e.error).join("; ") || "still off: " + (o.still_drifting || []).join(", ")}` : " (writing…)"}`;
+      case "start":  // a tenant the proxy starts (proxy/handoff/lifecycles.py)
+        if (o.ok) return `${d.tenant} started, ready in ${o.duration_s} s`;
+        return `${d.tenant} start failed after ${o.duration_s} s: ${o.error || "?"}${o.output && o.output.length ? ` (last output: ${o.output[o.output.length - 1]})` : ""}`;
+      case "stop":
+        return o.ok ? `${d.tenant} stopped in ${o.duration_s} s` : `${d.tenant} stop failed: ${o.error || "?"}`;
+      case "resume":
+        return o.ok ? `${d.tenant} resumed in ${o.duration_s} s` : `${d.tenant} resume failed: ${o.error || "?"}`;
       default:
         return `${d.tenant} (${d.trigger}) ${Object.keys(o).length ? JSON.stringify(o) : ""}`;
     }
