@@ -3,8 +3,6 @@ child (Python's own HTTP server) on the simulated box, driven from Chromium."""
 
 from __future__ import annotations
 
-import socket
-import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -13,6 +11,7 @@ from playwright.async_api import Dialog, Page
 
 from proxy.demo import Demo
 from proxy.sim.box import fast_scenario as fast
+from tests.integration.boxes import free_port, port_open, process_tenant
 
 DemoFactory = Callable[..., Awaitable[Demo]]
 OpenDashboard = Callable[[Demo], Awaitable[tuple[Page, Any]]]
@@ -20,30 +19,10 @@ OpenDashboard = Callable[[Demo], Awaitable[tuple[Page, Any]]]
 WAIT_MS = 15_000
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def port_open(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def app_tenant(port: int, folder: Path) -> dict[str, object]:
-    return {"engine": "generic", "listen": f"127.0.0.1:{free_port()}", "upstream": f"http://127.0.0.1:{port}",
-            "match": {"process_names": [], "cmdline_patterns": [f"http.server {port}"]},
-            "priority": 30, "needs_vram_gb": 1.0,
-            "release": {"kind": "process", "stop_timeout_s": 2,
-                        "command": [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
-                                    "--directory", str(folder)]}}
-
-
 async def test_start_and_stop_buttons_run_and_stop_a_process_tenant(box: DemoFactory, dashboard: OpenDashboard,
                                                                      tmp_path: Path, artifacts: Path) -> None:
     port = free_port()
-    demo = await box(fast("default", tenants={"app": app_tenant(port, tmp_path)}))
+    demo = await box(fast("default", tenants={"app": process_tenant(port, tmp_path)}))
     page, console = await dashboard(demo)
     card = '.card[data-tenant="app"]'
     state = page.locator(f'{card} [data-role="lifecycle"]')
@@ -79,7 +58,7 @@ async def test_the_start_button_needs_the_token_when_one_is_set(box: DemoFactory
                                                                 tmp_path: Path, monkeypatch: Any) -> None:
     monkeypatch.setenv("HYPERSWAP_ADMIN_TOKEN", "dash-token")
     port = free_port()
-    demo = await box(fast("default", tenants={"app": app_tenant(port, tmp_path)}))
+    demo = await box(fast("default", tenants={"app": process_tenant(port, tmp_path)}))
     page, console = await dashboard(demo)
     card = '.card[data-tenant="app"]'
     await page.click(f'{card} button[data-start="app"]')
