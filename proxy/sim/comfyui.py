@@ -1,4 +1,4 @@
-"""A simulated ComfyUI server (v0.3.64 / 0.8.0 wire format) on a real loopback socket.
+"""A simulated ComfyUI 0.8.0 server on a real loopback socket.
 
 HTTP + websocket, one prompt worker, smart-memory model residency in a SimulatedGpu, /free applied by
 the worker (when idle or right after the running prompt) with the memory coming back free_delay_s
