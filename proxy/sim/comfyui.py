@@ -1,4 +1,4 @@
-"""A simulated ComfyUI server (v0.3.64 / 0.8.0 wire format) on a real loopback socket.
+"""A simulated ComfyUI 0.8.0 server on a real loopback socket.
 
 HTTP + websocket, one prompt worker, smart-memory model residency in a SimulatedGpu, /free applied by
 the worker (when idle or right after the running prompt) with the memory coming back free_delay_s
@@ -35,11 +35,17 @@ from proxy.clock import Clock, SystemClock
 from proxy.relay.servers import RunningServer, start_server
 from proxy.sim.comfyui_jobs import BadQuery, find_job, list_jobs, parse_query
 from proxy.sim.comfyui_nodes import Accepted, NodeClass, Rejected, Unhandled, catalogue, dependencies, execution_order, validate
-from proxy.sim.comfyui_wire import AIOHTTP_500, FAKE_JPEG, OriginAndSizeMiddleware, parse_multipart, png_bytes
+from proxy.sim.comfyui_userdata import BadJson, UserData, raw_segment
+from proxy.sim.comfyui_wire import AIOHTTP_500, FAKE_JPEG, AiohttpHeaders, OriginAndSizeMiddleware, parse_multipart, png_bytes
 from proxy.sim.gpu import SimulatedCard, SimulatedOutOfMemory
 from proxy.sim.model_files import SimModelFiles, load_seconds
 
 GIB = 2**30
+# What a 0.8.0 install reports: its requirements.txt pins (frontend 1.35.9 from v0.7.0 to v0.8.2;
+# templates: v0.7.0's pin, see README) and the torch the observed server ran (2.9.1; the CUDA wheel).
+FRONTEND_VERSION = "1.35.9"
+TEMPLATES_VERSION = "0.7.64"
+TORCH_VERSION = "2.9.1+cu128"
 JSON = dict[str, Any]
 ProgressFn = Callable[[str, float, float, str], None]  # (node id, value, max, state) -> progress_state
 
@@ -69,7 +75,7 @@ class ComfySimConfig:
     load_gbps: float = 4.0                      # GiB/s to VRAM (from the page cache, when disk_gbps is set)
     disk_gbps: float | None = None              # GiB/s from disk: load time follows the file's residency
     stale_running_entry: bool = False
-    version: str = "0.3.64"
+    version: str = "0.8.0"
     argv: tuple[str, ...] = ("main.py",)
     max_upload_size_mb: float = 100.0
     device_name: str = DEFAULT_DEVICE_NAME
@@ -226,6 +232,7 @@ class ComfySim:
         self.base_dir = Path(self._tmp.name)
         for sub in ("output", "input", "temp"):
             (self.base_dir / sub).mkdir()
+        (self.base_dir / "user").mkdir()  # UserManager makes the user directory at start
         self._wake = asyncio.Event()
         self._server = await start_server(self.app, host, port, name="comfyui-sim")
         extra = " ".join(a for a in self.config.argv[1:])
@@ -738,9 +745,9 @@ class ComfySim:
             # sys.platform: the real 0.8.0 answered "linux" (0.3.64's source read os.name, "posix").
             "system": {"os": "linux", "ram_total": os.sysconf("SC_PHYS_PAGES") * page,
                        "ram_free": os.sysconf("SC_AVPHYS_PAGES") * page, "comfyui_version": self.config.version,
-                       "required_frontend_version": "1.27.10", "installed_templates_version": "0.1.94",
-                       "required_templates_version": "0.1.94", "python_version": sys.version,
-                       "pytorch_version": "2.8.0+cu128", "embedded_python": False, "argv": list(self.config.argv)},
+                       "required_frontend_version": FRONTEND_VERSION, "installed_templates_version": TEMPLATES_VERSION,
+                       "required_templates_version": TEMPLATES_VERSION, "python_version": sys.version,
+                       "pytorch_version": TORCH_VERSION, "embedded_python": False, "argv": list(self.config.argv)},
             "devices": [{"name": self.device_name, "type": "cuda", "index": 0,
                          "vram_total": self.gpu.total_bytes, "vram_free": self.gpu.free_bytes() + self._torch_cache,
                          "torch_vram_total": reserved, "torch_vram_free": min(self._torch_cache, reserved)}]})
@@ -828,7 +835,32 @@ class ComfySim:
             path.write_bytes(image.data)
         return _json({"name": filename, "subfolder": subfolder, "type": kind})
 
-    def _build_app(self) -> OriginAndSizeMiddleware:
+    @property
+    def user_data(self) -> UserData:
+        """The user directory (`<base>/user`, user "default"): saved workflows, comfy.settings.json."""
+        return UserData(self.base_dir / "user")
+
+    def _one_segment(self, route: str, handler: Callable[[UserData, Request, str], Any]) -> Any:
+        """A handler of an aiohttp `<route>/{name}` route: one raw segment, else nothing takes the path."""
+        async def endpoint(request: Request) -> Response:
+            value = raw_segment(request, route)
+            if value is None:
+                return _unrouted(request.method, set())
+            response: Response = await handler(self.user_data, request, value)
+            return response
+        return endpoint
+
+    async def _userdata_list(self, request: Request) -> Response:
+        return await self.user_data.list(request)
+
+    async def _get_settings(self, request: Request) -> Response:
+        return await self.user_data.get_settings(request)
+
+    async def _post_settings(self, request: Request) -> Response:
+        return await self.user_data.post_settings(request)
+
+    def _build_app(self) -> AiohttpHeaders:
+        one = self._one_segment
         plain: list[tuple[str, Any, list[str]]] = [
             ("/", self._index, ["GET"]),
             ("/prompt", self._get_prompt, ["GET"]), ("/prompt", self._post_prompt, ["POST"]),
@@ -843,6 +875,14 @@ class ComfySim:
             ("/view", self._view, ["GET"]), ("/upload/image", self._upload_image, ["POST"]),
             ("/models", self._models, ["GET"]), ("/models/{folder}", self._models_folder, ["GET"]),
             ("/embeddings", self._list_empty, ["GET"]), ("/extensions", self._list_empty, ["GET"]),
+            # app/user_manager.py and app/app_settings.py (single user)
+            ("/userdata", self._userdata_list, ["GET"]),
+            ("/userdata/{file:path}", one("/userdata", UserData.get), ["GET"]),
+            ("/userdata/{file:path}", one("/userdata", UserData.post), ["POST"]),
+            ("/userdata/{file:path}", one("/userdata", UserData.delete), ["DELETE"]),
+            ("/settings", self._get_settings, ["GET"]), ("/settings", self._post_settings, ["POST"]),
+            ("/settings/{id:path}", one("/settings", UserData.get_setting), ["GET"]),
+            ("/settings/{id:path}", one("/settings", UserData.post_setting), ["POST"]),
         ]
         # Group methods per path so a wrong method gets 405, as aiohttp does.
         by_path: dict[str, dict[str, Any]] = {}
@@ -858,10 +898,10 @@ class ComfySim:
         async def bad_body(request: Request, exc: Exception) -> Response:
             return PlainTextResponse(AIOHTTP_500, status_code=500)
 
-        app = Starlette(routes=routes, exception_handlers={_BadBody: bad_body, Unhandled: bad_body})
+        app = Starlette(routes=routes, exception_handlers={_BadBody: bad_body, Unhandled: bad_body, BadJson: bad_body})
         app.router.default = _unrouted_app
         app.router.redirect_slashes = False  # aiohttp does not redirect /prompt/ to /prompt: a missing file
-        return OriginAndSizeMiddleware(app, int(self.config.max_upload_size_mb * 1024 * 1024))
+        return AiohttpHeaders(OriginAndSizeMiddleware(app, int(self.config.max_upload_size_mb * 1024 * 1024)))
 
 
 def _dispatch(handlers: dict[str, Any]) -> Any:
@@ -879,9 +919,23 @@ def _unrouted(method: str, allowed: set[str]) -> Response:
     a path no route takes is a missing file (404, empty body), even a POST-only route asked with GET;
     other methods get 405 with the route's methods plus the static route's in Allow."""
     if method in ("GET", "HEAD"):
-        return Response(status_code=404)
+        return _MissingFile()
     return PlainTextResponse("405: Method Not Allowed", status_code=405,
                              headers={"Allow": ",".join(sorted(allowed | {"GET", "HEAD"}))})
+
+
+class _MissingFile(Response):
+    """The static route's answer for a file that is not there (aiohttp >= 3.10: a FileResponse whose
+    stat fails sets 404 and sends its empty body): no Content-Length, so HTTP/1.1 streams it chunked,
+    typed application/octet-stream by AiohttpHeaders."""
+
+    def __init__(self) -> None:
+        super().__init__(status_code=404)
+        self.raw_headers = []
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 404, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
 
 
 async def _unrouted_app(scope: Scope, receive: Receive, send: Send) -> None:

@@ -18,9 +18,20 @@ SCHEDULERS = ["simple", "sgm_uniform", "karras", "exponential", "ddim_uniform", 
 _MAX_RES = 16384
 
 
-def _int(default: int, lo: int, hi: int, step: int = 1) -> list[Any]:
-    return ["INT", {"default": default, "min": lo, "max": hi, "step": step}]
+def _int(default: int, lo: int, hi: int, step: int | None = None, tooltip: str | None = None,
+         **extra: Any) -> list[Any]:
+    """An INT input's config with the keys in nodes.py's order (step only where nodes.py gives one)."""
+    conf: JSON = {"default": default, "min": lo, "max": hi}
+    if step is not None:
+        conf["step"] = step
+    conf.update(extra)
+    if tooltip is not None:
+        conf["tooltip"] = tooltip
+    return ["INT", conf]
 
+
+def _in(kind: Any, tooltip: str) -> list[Any]:
+    return [kind, {"tooltip": tooltip}]
 
 @dataclass(frozen=True, slots=True)
 class NodeClass:
@@ -35,6 +46,7 @@ class NodeClass:
     optional: tuple[tuple[str, list[Any]], ...] = ()
     hidden: tuple[tuple[str, str], ...] = ()
     python_module: str = "nodes"
+    output_tooltips: tuple[str, ...] | None = None
 
     def inputs(self) -> Iterator[tuple[str, list[Any], bool]]:
         """(name, config, required) for every required then optional input."""
@@ -54,49 +66,83 @@ class NodeClass:
             "output_name": list(self.output_name), "name": self.name, "display_name": self.display_name,
             "description": self.description, "python_module": self.python_module, "category": self.category,
             "output_node": self.output_node,
+            **({"output_tooltips": list(self.output_tooltips)} if self.output_tooltips is not None else {}),
         }
 
 
 def catalogue(checkpoints: list[str]) -> dict[str, NodeClass]:
-    """Node classes; the checkpoint combo is read from the configured files, like ComfyUI reads disk."""
+    """Node classes as nodes.py defines them (INPUT_TYPES, OUTPUT_TOOLTIPS, DESCRIPTION); the checkpoint
+    combo is read from the configured files, like ComfyUI reads disk."""
     hidden = (("prompt", "PROMPT"), ("extra_pnginfo", "EXTRA_PNGINFO"))
+    save_description = "Saves the input images to your ComfyUI output directory."
     nodes = [
         NodeClass("CheckpointLoaderSimple", "Load Checkpoint", "loaders",
-                  (("ckpt_name", [list(checkpoints), {"tooltip": "The name of the checkpoint (model) to load."}]),),
+                  (("ckpt_name", _in(list(checkpoints), "The name of the checkpoint (model) to load.")),),
                   ("MODEL", "CLIP", "VAE"), ("MODEL", "CLIP", "VAE"),
-                  description="Loads a diffusion model checkpoint, diffusion models are used to denoise latents."),
+                  description="Loads a diffusion model checkpoint, diffusion models are used to denoise latents.",
+                  output_tooltips=("The model used for denoising latents.",
+                                   "The CLIP model used for encoding text prompts.",
+                                   "The VAE model used for encoding and decoding images to and from latent space.")),
         NodeClass("CLIPTextEncode", "CLIP Text Encode (Prompt)", "conditioning",
-                  (("text", ["STRING", {"multiline": True, "dynamicPrompts": True}]), ("clip", ["CLIP", {}])),
+                  (("text", ["STRING", {"multiline": True, "dynamicPrompts": True,
+                                        "tooltip": "The text to be encoded."}]),
+                   ("clip", _in("CLIP", "The CLIP model used for encoding the text."))),
                   ("CONDITIONING",), ("CONDITIONING",),
-                  description="Encodes a text prompt using a CLIP model into an embedding."),
+                  description="Encodes a text prompt using a CLIP model into an embedding that can be used to guide "
+                              "the diffusion model towards generating specific images.",
+                  output_tooltips=("A conditioning containing the embedded text used to guide the diffusion model.",)),
         NodeClass("EmptyLatentImage", "Empty Latent Image", "latent",
-                  (("width", _int(512, 16, _MAX_RES, 8)), ("height", _int(512, 16, _MAX_RES, 8)),
-                   ("batch_size", _int(1, 1, 4096))),
-                  ("LATENT",), ("LATENT",), description="Create a new batch of empty latent images."),
+                  (("width", _int(512, 16, _MAX_RES, 8, "The width of the latent images in pixels.")),
+                   ("height", _int(512, 16, _MAX_RES, 8, "The height of the latent images in pixels.")),
+                   ("batch_size", _int(1, 1, 4096, None, "The number of latent images in the batch."))),
+                  ("LATENT",), ("LATENT",),
+                  description="Create a new batch of empty latent images to be denoised via sampling.",
+                  output_tooltips=("The empty latent image batch.",)),
         NodeClass("KSampler", "KSampler", "sampling",
-                  (("model", ["MODEL", {}]), ("seed", _int(0, 0, 0xFFFFFFFFFFFFFFFF)),
-                   ("steps", _int(20, 1, 10000)),
-                   ("cfg", ["FLOAT", {"default": 8.0, "min": 0.0, "max": 100.0, "step": 0.1, "round": 0.01}]),
-                   ("sampler_name", [SAMPLERS, {}]), ("scheduler", [SCHEDULERS, {}]),
-                   ("positive", ["CONDITIONING", {}]), ("negative", ["CONDITIONING", {}]),
-                   ("latent_image", ["LATENT", {}]),
-                   ("denoise", ["FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.01}])),
-                  ("LATENT",), ("LATENT",), description="Uses the provided model to denoise the latent image."),
+                  (("model", _in("MODEL", "The model used for denoising the input latent.")),
+                   ("seed", _int(0, 0, 0xFFFFFFFFFFFFFFFF, None, "The random seed used for creating the noise.",
+                                 control_after_generate=True)),
+                   ("steps", _int(20, 1, 10000, None, "The number of steps used in the denoising process.")),
+                   ("cfg", ["FLOAT", {"default": 8.0, "min": 0.0, "max": 100.0, "step": 0.1, "round": 0.01,
+                                      "tooltip": "The Classifier-Free Guidance scale balances creativity and adherence "
+                                                 "to the prompt. Higher values result in images more closely matching "
+                                                 "the prompt however too high values will negatively impact quality."}]),
+                   ("sampler_name", _in(SAMPLERS, "The algorithm used when sampling, this can affect the quality, "
+                                                  "speed, and style of the generated output.")),
+                   ("scheduler", _in(SCHEDULERS, "The scheduler controls how noise is gradually removed to form "
+                                                 "the image.")),
+                   ("positive", _in("CONDITIONING", "The conditioning describing the attributes you want to include "
+                                                    "in the image.")),
+                   ("negative", _in("CONDITIONING", "The conditioning describing the attributes you want to exclude "
+                                                    "from the image.")),
+                   ("latent_image", _in("LATENT", "The latent image to denoise.")),
+                   ("denoise", ["FLOAT", {"default": 1.0, "min": 0.0, "max": 1.0, "step": 0.01,
+                                          "tooltip": "The amount of denoising applied, lower values will maintain the "
+                                                     "structure of the initial image allowing for image to image "
+                                                     "sampling."}])),
+                  ("LATENT",), ("LATENT",),
+                  description="Uses the provided model, positive and negative conditioning to denoise the latent image.",
+                  output_tooltips=("The denoised latent.",)),
         NodeClass("VAEDecode", "VAE Decode", "latent",
-                  (("samples", ["LATENT", {}]), ("vae", ["VAE", {}])), ("IMAGE",), ("IMAGE",),
-                  description="Decodes latent images back into pixel space images."),
+                  (("samples", _in("LATENT", "The latent to be decoded.")),
+                   ("vae", _in("VAE", "The VAE model used for decoding the latent."))), ("IMAGE",), ("IMAGE",),
+                  description="Decodes latent images back into pixel space images.",
+                  output_tooltips=("The decoded image.",)),
         NodeClass("SaveImage", "Save Image", "image",
-                  (("images", ["IMAGE", {}]), ("filename_prefix", ["STRING", {"default": "ComfyUI"}])),
-                  (), (), output_node=True, hidden=hidden,
-                  description="Saves the input images to your ComfyUI output directory."),
-        NodeClass("PreviewImage", "Preview Image", "image", (("images", ["IMAGE", {}]),), (), (),
-                  output_node=True, hidden=hidden, description="Saves the input images to your ComfyUI output directory."),
+                  (("images", _in("IMAGE", "The images to save.")),
+                   ("filename_prefix", ["STRING", {"default": "ComfyUI", "tooltip": (
+                       "The prefix for the file to save. This may include formatting information such as "
+                       "%date:yyyy-MM-dd% or %Empty Latent Image.width% to include values from nodes.")}])),
+                  (), (), output_node=True, hidden=hidden, description=save_description),
+        # PreviewImage subclasses SaveImage: its own INPUT_TYPES (no tooltips), SaveImage's DESCRIPTION.
+        NodeClass("PreviewImage", "Preview Image", "image", (("images", ["IMAGE"]),), (), (),
+                  output_node=True, hidden=hidden, description=save_description),
         NodeClass("EmptyImage", "EmptyImage", "image",
-                  (("width", _int(512, 1, _MAX_RES)), ("height", _int(512, 1, _MAX_RES)),
-                   ("batch_size", _int(1, 1, 4096)), ("color", _int(0, 0, 0xFFFFFF))),
+                  (("width", _int(512, 1, _MAX_RES, 1)), ("height", _int(512, 1, _MAX_RES, 1)),
+                   ("batch_size", _int(1, 1, 4096)), ("color", _int(0, 0, 0xFFFFFF, 1, display="color"))),
                   ("IMAGE",), ("IMAGE",)),
         # Shipped in ComfyUI's custom_nodes/ (websocket_image_save.py): images go out as binary frames.
-        NodeClass("SaveImageWebsocket", "SaveImageWebsocket", "api/image", (("images", ["IMAGE", {}]),), (), (),
+        NodeClass("SaveImageWebsocket", "SaveImageWebsocket", "api/image", (("images", ["IMAGE"]),), (), (),
                   output_node=True, python_module="custom_nodes.websocket_image_save"),
     ]
     return {n.name: n for n in nodes}

@@ -4,15 +4,54 @@ from __future__ import annotations
 
 import email.parser
 import email.policy
+import email.utils
 import ipaddress
 import struct
+import sys
 import zlib
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 AIOHTTP_500 = "500 Internal Server Error\n\nServer got itself in trouble"
+# aiohttp's SERVER_SOFTWARE: "Python/<major>.<minor> aiohttp/<version>"; 3.13.3 is what 0.8.0-era installs
+# resolved (requirements.txt asks aiohttp>=3.11.8).
+AIOHTTP_VERSION = "3.13.3"
+SERVER_SOFTWARE = f"Python/{sys.version_info[0]}.{sys.version_info[1]} aiohttp/{AIOHTTP_VERSION}"
+
+
+class AiohttpHeaders:
+    """What aiohttp's StreamResponse._prepare_headers adds to every response it sends: `Date` and
+    `Server` (setdefault), and `Content-Type: application/octet-stream` on a response that set none,
+    unless its body must be empty (HEAD, 1xx, 204, 304). The websocket upgrade's 101 carries Date and
+    Server too."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        head = scope["type"] == "http" and scope["method"] == "HEAD"
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] in ("http.response.start", "websocket.accept"):
+                headers = list(message.get("headers") or [])
+                names = {k.lower() for k, _ in headers}
+                status = message.get("status", 101)
+                empty = head or status < 200 or status in (204, 304)
+                if message["type"] == "http.response.start" and not empty and b"content-type" not in names:
+                    headers.append((b"content-type", b"application/octet-stream"))
+                if b"date" not in names:
+                    headers.append((b"date", email.utils.formatdate(usegmt=True).encode()))
+                if b"server" not in names:
+                    headers.append((b"server", SERVER_SOFTWARE.encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
 
 
 def _is_loopback(hostname: str) -> bool:

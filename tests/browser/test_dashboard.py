@@ -275,7 +275,7 @@ async def test_comfyui_subtitle_names_its_start_flags(box: DemoFactory, dashboar
     demo = await box(fast("default", comfyui={"argv": ["main.py", "--highvram", "--reserve-vram", "1.5"]}))
     page, console = await dashboard(demo)
     sub = page.locator('.card[data-tenant="comfyui"] [data-role="engine"]')
-    await sub.filter(has_text="0.3.64").wait_for(timeout=WAIT_MS)  # from GET /api/engines
+    await sub.filter(has_text="0.8.0").wait_for(timeout=WAIT_MS)  # from GET /api/engines
     text = await sub.inner_text()
     assert "[object Object]" not in text and "--highvram --reserve-vram 1.5" in text, text
     assert "--highvram: " in (await sub.get_attribute("title") or ""), "each flag's meaning belongs in the tooltip"

@@ -51,7 +51,7 @@ async def test_healthy_default_box_is_ok_with_versions_and_simulated_gpu(box: De
     assert [e for e in body["entries"] if e["status"] != "ok" and e["name"] != "telemetry"] == []
     assert "simulated GPU" in entry(body, "nvml")["problem"]
     assert "0.12.3" in entry(body, "upstream ollama")["problem"]
-    assert "0.3.64" in entry(body, "upstream comfyui")["problem"]
+    assert "0.8.0" in entry(body, "upstream comfyui")["problem"]
     assert entry(body, "upstream desktop")["problem"] == "no upstream (VRAM-only tenant)"
     assert "sid" in entry(body, "comfyui websocket comfyui")["problem"]
 
@@ -260,7 +260,7 @@ async def test_engines_describes_comfyui_from_system_stats(box: DemoFactory, htt
     demo = await box(fast("default", comfyui={"argv": ["main.py", "--highvram", "--reserve-vram", "1.5"]}))
     engines = (await http.get(demo.proxy.url("admin") + "/api/engines")).json()["engines"]
     comfy = next(e for e in engines if e["engine"] == "comfyui")
-    assert comfy["version"] == "0.3.64" and comfy["pytorch_version"] == "2.8.0+cu128"
+    assert comfy["version"] == "0.8.0" and comfy["pytorch_version"] == "2.9.1+cu128"
     assert "Simulated" in comfy["device_name"]
     flags = {f["flag"]: f for f in comfy["flags"]}
     assert flags["--highvram"]["status"] == "warn" and "/free" in flags["--highvram"]["meaning"]

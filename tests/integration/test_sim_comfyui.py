@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import json
+import re
 import struct
 import time
 import uuid
@@ -316,7 +318,7 @@ async def test_save_image_websocket_sends_type_4_to_an_owner_with_preview_metada
 async def test_object_info_has_save_image_websocket(box: Box) -> None:
     info = (await box.http.get("/object_info/SaveImageWebsocket")).json()["SaveImageWebsocket"]
     assert info["output_node"] is True and info["output"] == [] and info["category"] == "api/image"
-    assert info["input"]["required"] == {"images": ["IMAGE", {}]}
+    assert info["input"]["required"] == {"images": ["IMAGE"]}
     assert info["python_module"] == "custom_nodes.websocket_image_save"
 
 
@@ -593,7 +595,7 @@ async def test_system_stats_has_the_exact_shape_and_reads_the_simulated_gpu(box:
     assert list(stats) == ["system", "devices"] and len(stats["devices"]) == 1
     system = stats["system"]
     assert system["os"] == "linux", "sys.platform, as the real 0.8.0 answered"
-    assert system["comfyui_version"] == "0.3.64" and system["argv"] == ["main.py"]
+    assert system["comfyui_version"] == "0.8.0" and system["argv"] == ["main.py"]
     assert isinstance(system["python_version"], str) and system["embedded_python"] is False
     device = stats["devices"][0]
     assert device["name"] == "cuda:0 Simulated RTX 4090 : cudaMallocAsync" and device["type"] == "cuda"
@@ -721,7 +723,8 @@ async def test_a_bad_link_further_up_is_an_inner_exception_on_the_node_that_hold
     (error,) = errors["8"]["errors"]
     assert error["type"] == "exception_during_inner_validation" and error["details"] == "'99'"
     extra = error["extra_info"]
-    assert extra["input_name"] == "images" and extra["input_config"] == ["IMAGE", {}] and extra["linked_node"] == ["8", 0]
+    assert extra["input_name"] == "images" and extra["linked_node"] == ["8", 0]
+    assert extra["input_config"] == ["IMAGE", {"tooltip": "The images to save."}]
     assert extra["exception_type"] == "KeyError" and extra["exception_message"] == "'99'"
 
 
@@ -743,7 +746,8 @@ async def test_a_link_of_the_wrong_type_is_a_return_type_mismatch(box: Box) -> N
     error = r.json()["node_errors"]["9"]["errors"][0]
     assert error["type"] == "return_type_mismatch"
     assert error["details"] == "images, received_type(MODEL) mismatch input_type(IMAGE)"
-    assert error["extra_info"] == {"input_name": "images", "input_config": ["IMAGE", {}], "received_type": "MODEL",
+    assert error["extra_info"] == {"input_name": "images", "input_config": ["IMAGE", {"tooltip": "The images to save."}],
+                                   "received_type": "MODEL",
                                    "linked_node": ["4", 0]}
 
 
@@ -904,3 +908,154 @@ def test_from_scenario_converts_gib_and_rejects_unknown_keys() -> None:
     assert config.free_delay_s == 0.5 and config.stale_running_entry and config.argv == ("main.py", "--highvram")
     with pytest.raises(ValueError, match="checkpoint"):
         ComfySimConfig.from_scenario({"checkpoint": {}})
+
+
+# -- 0.8.0: versions, aiohttp headers, object_info as nodes.py, /userdata and /settings (issue 27) ----
+
+async def test_system_stats_reports_0_8_0_with_its_frontend_and_torch(box: Box) -> None:
+    system = (await box.http.get("/system_stats")).json()["system"]
+    assert system["comfyui_version"] == "0.8.0"
+    assert system["required_frontend_version"] == "1.35.9" and system["pytorch_version"] == "2.9.1+cu128"
+    assert system["installed_templates_version"] == system["required_templates_version"] == "0.7.64"
+
+
+async def test_every_response_carries_aiohttps_date_and_server(box: Box) -> None:
+    for method, path in (("GET", "/system_stats"), ("POST", "/interrupt"), ("GET", "/nope"), ("OPTIONS", "/x"),
+                         ("PATCH", "/"), ("HEAD", "/queue")):
+        r = await box.http.request(method, path)
+        assert re.fullmatch(r"Python/3\.\d+ aiohttp/3\.13\.3", r.headers["server"]), (method, path, r.headers)
+        assert r.headers["date"].endswith(" GMT") and email.utils.parsedate_to_datetime(r.headers["date"]), path
+
+
+async def test_empty_answers_are_typed_octet_stream_as_aiohttp_types_them(box: Box) -> None:
+    for method, path, body in (("POST", "/interrupt", None), ("POST", "/free", {"unload_models": True}),
+                               ("POST", "/queue", {"clear": True}), ("GET", "/models/nope", None),
+                               ("OPTIONS", "/prompt", None)):
+        r = await box.http.request(method, path, json=body)
+        assert (r.status_code, r.content) in ((200, b""), (404, b"")), (method, path)
+        assert r.headers["content-type"] == "application/octet-stream", (method, path)
+        assert r.headers["content-length"] == "0", (method, path)
+
+
+async def test_an_unrouted_get_is_the_static_routes_missing_file(box: Box) -> None:
+    """aiohttp >= 3.10: the static root's FileResponse sets 404 and streams an empty body (chunked)."""
+    r = await box.http.get("/nope.js")
+    assert (r.status_code, r.content) == (404, b"")
+    assert r.headers["content-type"] == "application/octet-stream" and r.headers["transfer-encoding"] == "chunked"
+    assert "content-length" not in r.headers
+    head = await box.http.head("/nope")
+    assert head.status_code == 404 and "content-type" not in head.headers
+
+
+async def test_the_websocket_upgrade_carries_date_and_server(box: Box) -> None:
+    async with box.ws("abc") as ws:
+        assert ws.response is not None
+        assert ws.response.headers["Server"].startswith("Python/3.")
+        assert ws.response.headers["Date"].endswith(" GMT")
+
+
+async def test_object_info_follows_nodes_py(box: Box) -> None:
+    info = (await box.http.get("/object_info")).json()
+    empty = info["EmptyImage"]["input"]["required"]
+    assert empty["color"] == ["INT", {"default": 0, "min": 0, "max": 0xFFFFFF, "step": 1, "display": "color"}]
+    assert empty["batch_size"] == ["INT", {"default": 1, "min": 1, "max": 4096}], "no step in nodes.py"
+    latent = info["EmptyLatentImage"]["input"]["required"]
+    assert latent["batch_size"] == ["INT", {"default": 1, "min": 1, "max": 4096,
+                                            "tooltip": "The number of latent images in the batch."}]
+    assert latent["width"][1] == {"default": 512, "min": 16, "max": 16384, "step": 8,
+                                  "tooltip": "The width of the latent images in pixels."}
+    sampler = info["KSampler"]
+    assert sampler["input"]["required"]["seed"] == ["INT", {
+        "default": 0, "min": 0, "max": 0xFFFFFFFFFFFFFFFF, "control_after_generate": True,
+        "tooltip": "The random seed used for creating the noise."}]
+    assert sampler["output_tooltips"] == ["The denoised latent."]
+    assert sampler["description"] == "Uses the provided model, positive and negative conditioning to denoise the latent image."
+    assert info["VAEDecode"]["input"]["required"]["vae"] == ["VAE", {"tooltip": "The VAE model used for decoding the latent."}]
+    assert info["PreviewImage"]["input"]["required"] == {"images": ["IMAGE"]}
+    assert "output_tooltips" not in info["SaveImage"] and "output_tooltips" not in info["EmptyImage"]
+    assert info["CheckpointLoaderSimple"]["output_tooltips"][2].startswith("The VAE model")
+
+
+async def test_a_validation_error_shows_the_input_config_with_its_tooltip(box: Box) -> None:
+    graph = txt2img()
+    graph["5"]["inputs"]["batch_size"] = 0
+    r = await box.http.post("/prompt", json={"prompt": graph})
+    error = r.json()["node_errors"]["5"]["errors"][0]
+    assert error["extra_info"]["input_config"] == ["INT", {"default": 1, "min": 1, "max": 4096,
+                                                           "tooltip": "The number of latent images in the batch."}]
+
+
+async def test_a_workflow_is_saved_listed_read_and_deleted_like_the_web_ui_does(box: Box) -> None:
+    listing = await box.http.get("/api/userdata", params={"dir": "workflows", "recurse": "true", "split": "false",
+                                                          "full_info": "true"})
+    assert (listing.status_code, listing.text) == (404, "Directory not found")
+    assert listing.headers["content-type"] == "text/plain; charset=utf-8"
+    workflow = b'{"last_node_id": 9, "nodes": []}'
+    saved = await box.http.post("/api/userdata/workflows%2Fmy%20flow.json?overwrite=false&full_info=true",
+                                content=workflow)
+    assert saved.status_code == 200 and saved.headers["content-type"] == "application/json; charset=utf-8"
+    info = saved.json()
+    assert info["path"] == "workflows/my flow.json" and info["size"] == len(workflow)
+    assert isinstance(info["modified"], float) and isinstance(info["created"], float), "getmtime(): seconds"
+    again = await box.http.post("/api/userdata/workflows%2Fmy%20flow.json?overwrite=false", content=b"{}")
+    assert (again.status_code, again.text) == (409, "File already exists")
+    plain = await box.http.post("/userdata/workflows%2Fmy%20flow.json", content=workflow)
+    assert plain.json() == "workflows/my flow.json", "overwrite defaults to true; the answer is the relative path"
+    listed = (await box.http.get("/api/userdata", params={"dir": "workflows", "recurse": "true",
+                                                          "full_info": "true"})).json()
+    assert [(e["path"], e["size"]) for e in listed] == [("my flow.json", len(workflow))]
+    assert (await box.http.get("/userdata?dir=workflows")).json() == ["my flow.json"]
+    assert (await box.http.get("/userdata?dir=workflows&split=true")).json() == [["my flow.json", "my flow.json"]]
+    read = await box.http.get("/api/userdata/workflows%2Fmy%20flow.json")
+    assert (read.status_code, read.content) == (200, workflow)
+    assert read.headers["content-type"] == "application/json" and read.headers["content-length"] == str(len(workflow))
+    assert re.fullmatch(r'"[0-9a-f]+-[0-9a-f]+"', read.headers["etag"]) and "last-modified" in read.headers
+    assert (box.sim.base_dir / "user" / "default" / "workflows" / "my flow.json").read_bytes() == workflow
+    deleted = await box.http.delete("/api/userdata/workflows%2Fmy%20flow.json")
+    assert (deleted.status_code, deleted.content) == (204, b"") and "content-type" not in deleted.headers
+    gone = await box.http.get("/api/userdata/workflows%2Fmy%20flow.json")
+    assert (gone.status_code, gone.content, gone.headers["content-type"]) == (404, b"", "application/octet-stream")
+    assert (await box.http.delete("/userdata/workflows%2Fmy%20flow.json")).status_code == 404
+
+
+async def test_userdata_refuses_paths_leaving_the_user_directory(box: Box) -> None:
+    for path in ("/userdata/..%2F..%2Fsecret.json", "/userdata/%2Fetc%2Fpasswd", "/userdata/%252E%252E%252Fx.json"):
+        for method in ("GET", "POST", "DELETE"):
+            r = await box.http.request(method, path, content=b"{}" if method == "POST" else None)
+            assert (r.status_code, r.content) == (403, b""), (method, path)
+            assert r.headers["content-type"] == "application/octet-stream"
+    listing = await box.http.get("/userdata", params={"dir": "../.."})
+    assert (listing.status_code, listing.text) == (403, "Invalid directory")
+    missing = await box.http.get("/userdata")
+    assert (missing.status_code, missing.text) == (400, "Directory not provided")
+    assert not (box.sim.base_dir / "secret.json").exists() and not (box.sim.base_dir / "x.json").exists()
+
+
+async def test_a_literal_slash_in_the_file_name_is_a_path_no_route_takes(box: Box) -> None:
+    """aiohttp's {file} is one segment: /userdata/a/b is left to the static route (GET 404, POST 405)."""
+    r = await box.http.post("/userdata/workflows/a.json", content=b"{}")
+    assert (r.status_code, r.text, r.headers["allow"]) == (405, "405: Method Not Allowed", "GET,HEAD")
+    get = await box.http.get("/userdata/workflows/a.json")
+    assert (get.status_code, get.content) == (404, b"") and "content-length" not in get.headers
+
+
+async def test_settings_are_read_merged_and_stored_in_comfy_settings_json(box: Box) -> None:
+    assert (await box.http.get("/api/settings")).json() == {}
+    missing = await box.http.get("/api/settings/Comfy.Locale")
+    assert (missing.status_code, missing.text) == (200, "null")
+    posted = await box.http.post("/api/settings", json={"Comfy.Locale": "en", "Comfy.ColorPalette": "dark"})
+    assert (posted.status_code, posted.content, posted.headers["content-type"]) == (200, b"", "application/octet-stream")
+    one = await box.http.post("/api/settings/Comfy.Locale", json="fr")
+    assert (one.status_code, one.content) == (200, b"")
+    assert (await box.http.get("/settings")).json() == {"Comfy.Locale": "fr", "Comfy.ColorPalette": "dark"}
+    assert (await box.http.get("/settings/Comfy.ColorPalette")).json() == "dark"
+    stored = box.sim.base_dir / "user" / "default" / "comfy.settings.json"
+    assert stored.read_text() == json.dumps({"Comfy.Locale": "fr", "Comfy.ColorPalette": "dark"}, indent=4)
+    as_file = await box.http.get("/userdata/comfy.settings.json")
+    assert as_file.json() == {"Comfy.Locale": "fr", "Comfy.ColorPalette": "dark"}
+
+
+async def test_settings_bodies_that_are_not_json_are_aiohttps_500(box: Box) -> None:
+    for path, body in (("/settings", b"{"), ("/settings/Comfy.Locale", b""), ("/settings", b"[1]")):
+        r = await box.http.post(path, content=body)
+        assert (r.status_code, r.text) == (500, "500 Internal Server Error\n\nServer got itself in trouble"), path
