@@ -3,6 +3,7 @@ on the first request to its listener, stopped by a release, started again by the
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import sys
 from pathlib import Path
@@ -81,3 +82,53 @@ async def test_the_proxy_stops_what_it_started_when_it_stops(box: DemoFactory, h
         with socket.socket() as s:
             return s.connect_ex(("127.0.0.1", port)) != 0
     await poll_until(closed)
+
+
+async def test_a_soft_release_with_resume_wakes_the_app_before_its_next_request(
+        box: DemoFactory, http: httpx.AsyncClient) -> None:
+    """vLLM's shape: release = POST /sleep, resume = POST /wake_up, called once before the next request
+    is forwarded (and not before a request that came while it was awake)."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from proxy.relay.servers import start_server
+
+    calls: list[str] = []
+    asleep = [False]
+
+    async def sleep(request: Request) -> JSONResponse:
+        calls.append("sleep")
+        asleep[0] = True
+        return JSONResponse({})
+
+    async def wake_up(request: Request) -> JSONResponse:
+        calls.append("wake_up")
+        asleep[0] = False
+        return JSONResponse({})
+
+    async def models(request: Request) -> JSONResponse:
+        calls.append("models")
+        return JSONResponse({"asleep": asleep[0]}, status_code=503 if asleep[0] else 200)
+
+    app = Starlette(routes=[Route("/sleep", sleep, methods=["POST"]), Route("/wake_up", wake_up, methods=["POST"]),
+                            Route("/v1/models", models)])
+    server = await start_server(app, name="vllm")
+    try:
+        tenant = {"engine": "generic", "listen": f"127.0.0.1:{free_port()}", "upstream": server.url,
+                  "match": {"process_names": [], "cmdline_patterns": ["vllm serve"]}, "priority": 30,
+                  "needs_vram_gb": 1.0, "release": {"kind": "http", "url": "/sleep", "resume": {"url": "/wake_up"}}}
+        demo = await box(fast("default", tenants={"vllm": tenant}))
+        assert demo.proxy is not None
+        first = await http.get(demo.proxy.url("vllm") + "/v1/models")
+        assert first.status_code == 200 and calls == ["models"], "awake: nothing is called before it"
+        released = await http.post(demo.proxy.url("admin") + "/api/tenants/vllm/release")
+        assert released.status_code == 200 and calls[-1] == "sleep", released.text
+        answers = await asyncio.gather(*(http.get(demo.proxy.url("vllm") + "/v1/models") for _ in range(3)))
+        assert [a.status_code for a in answers] == [200] * 3, [a.text for a in answers]
+        assert calls.count("wake_up") == 1 and calls.index("wake_up") < calls.index("models", 2), \
+            "woken once, before the first request after the release reached it"
+        assert [d.kind for d in demo.proxy.decisions.recent() if d.kind == "resume"] == ["resume"]
+    finally:
+        await server.stop()
