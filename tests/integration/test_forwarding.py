@@ -422,6 +422,48 @@ async def test_closed_port_gives_502_naming_tenant_and_upstream() -> None:
     assert body["error"] and body["fix"]
 
 
+FAILED = (b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 21\r\ncontent-type: text/plain; charset=utf-8\r\n"
+          b"\r\nInternal Server Error")
+
+
+async def _serve_failing_then_closing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """llama.cpp's server behind llama-cpp-python (uvicorn, Starlette): a body that is not JSON makes
+    the app raise; Starlette answers 500 without Connection: close and uvicorn closes the connection
+    once it has logged the traceback, a few ms later (measured: the next request has been sent by
+    then). Here: the 500, then the next request on that connection goes unanswered, the connection closed."""
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in head.lower().split(b"\r\n")
+                           if line.startswith(b"content-length:")), 0)
+            body = await reader.readexactly(length)
+            if body == b"not json":
+                writer.write(FAILED)
+                await writer.drain()
+                await reader.readuntil(b"\r\n\r\n")
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 11\r\ncontent-type: application/json\r\n\r\n{\"ok\": true}")
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    finally:
+        writer.close()
+
+
+async def test_a_post_after_an_engine_failure_goes_on_a_fresh_connection_not_into_the_one_it_closes() -> None:
+    server = await asyncio.start_server(_serve_failing_then_closing, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with stack("generic", None, upstream_url=f"http://127.0.0.1:{port}") as (proxy, _, _, _):
+            async with httpx.AsyncClient(verify=LOOPBACK_TLS) as c:
+                failed = await c.post(f"{proxy.url}/v1/completions", content=b"not json")
+                after = await c.post(f"{proxy.url}/v1/completions", json={"prompt": "x"})
+    finally:
+        server.close()
+    assert failed.status_code == 500 and failed.content == b"Internal Server Error"
+    assert after.status_code == 200, f"the next POST must reach the engine, not a closed connection: {after.content!r}"
+
+
 async def test_upstream_that_never_answers_gives_504() -> None:
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
