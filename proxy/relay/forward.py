@@ -72,9 +72,29 @@ def _upstream_error(tenant: Tenant, exc: Exception) -> UpstreamError:
         return UpstreamError(f"{tenant.name}: upstream {upstream} did not answer in time ({type(exc).__name__})",
                              fix=f"check that {tenant.name} is running and responsive, or raise "
                                  f"tenants.{tenant.name}.timeouts in tenants.json", status=504, details=details)
+    if isinstance(exc, http1.UpstreamClosed):
+        # It accepted the connection, so it runs there: "start it" would be false.
+        return UpstreamError(f"{tenant.name}: upstream {upstream} accepted the connection, then {_what_it_did(exc)} "
+                             f"without answering", status=502, details=details,
+                             fix=f"retry the request (the proxy does not send a request the engine may have started "
+                                 f"twice); if it keeps happening, {tenant.name}'s own log says why it drops requests "
+                                 f"(an error on an earlier request, a crash, a connection limit)")
+    if isinstance(exc, ConnectionRefusedError):
+        return UpstreamError(f"{tenant.name}: upstream {upstream} refused the connection: nothing listens there",
+                             fix=f"start {tenant.name} or correct tenants.{tenant.name}.upstream in tenants.json",
+                             status=502, details=details)
     return UpstreamError(f"{tenant.name}: cannot reach upstream {upstream} ({type(exc).__name__}: {exc})",
                          fix=f"start {tenant.name} or correct tenants.{tenant.name}.upstream in tenants.json",
                          status=502, details=details)
+
+
+def _what_it_did(exc: http1.UpstreamClosed) -> str:
+    text = str(exc)
+    if "reset" in text:
+        return "reset the connection"
+    if "while we were sending" in text:
+        return "closed the connection while the request was being sent"
+    return "closed the connection"
 
 
 def _latin1(raw: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:

@@ -224,7 +224,8 @@ class Response:
         if self._complete or self._error is not None:
             return
         if not self._head.done():
-            self._fail(UpstreamClosed("the upstream closed the connection before answering"))
+            self._fail(UpstreamClosed("the upstream closed the connection before answering" if exc is None
+                                      else f"the upstream reset the connection before answering ({exc})"))
         elif exc is not None:  # a reset is never the end of a body, framed or not
             self._fail(UpstreamClosed(f"the upstream connection broke before the answer ended: {exc}"))
         elif not self._framed:  # no Content-Length, not chunked: the body ends where the connection does

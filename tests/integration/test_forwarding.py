@@ -14,6 +14,7 @@ import ipaddress
 import json
 import logging
 import socket
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -419,7 +420,32 @@ async def test_closed_port_gives_502_naming_tenant_and_upstream() -> None:
         assert inflight.traffic("ollama").in_flight == 0
     body = r.json()
     assert r.status_code == 502 and body["tenant"] == "ollama" and body["upstream"] == tenant.upstream
-    assert body["error"] and body["fix"]
+    assert "refused" in body["error"], f"the error must say the connection was refused: {body['error']}"
+    assert body["fix"].startswith("start ollama"), body["fix"]
+
+
+@pytest.mark.parametrize("how", ["close", "reset"])
+async def test_an_engine_that_drops_the_request_after_accepting_it_gives_a_502_saying_so_not_start_it(
+        how: str) -> None:
+    async def drops(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        if how == "reset":  # linger 0: the close is a RST
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.close()
+
+    server = await asyncio.start_server(drops, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with stack("ollama", None, upstream_url=f"http://127.0.0.1:{port}") as (proxy, _, _, _):
+            async with httpx.AsyncClient(verify=LOOPBACK_TLS) as c:
+                r = await c.post(f"{proxy.url}/api/generate", json={"model": "m"})
+    finally:
+        server.close()
+    body = r.json()
+    assert r.status_code == 502, r.content
+    said = {"close": "closed the connection", "reset": "reset the connection"}[how]
+    assert said in body["error"] and "accepted" in body["error"], f"the error must say what happened: {body['error']}"
+    assert "start ollama" not in body["fix"] and "retry" in body["fix"], f"the engine is up; the fix: {body['fix']}"
 
 
 FAILED = (b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 21\r\ncontent-type: text/plain; charset=utf-8\r\n"
