@@ -20,6 +20,11 @@ from proxy.tasks import cancel_and_wait, sleep_or_wake
 
 log = logging.getLogger("hyperswap.inflight")
 
+# Bytes of a counted request passing mark activity at most this often per tenant: the mark is one
+# clock read and a compare per relayed chunk, and last_activity_age_s is shown to a tenth of a second
+# but only read against idle timers of minutes.
+ACTIVITY_RESOLUTION_S = 1.0
+
 # Job ids finished before anyone tracked them (a cached ComfyUI prompt can end, over the socket,
 # before the proxy has parsed the POST /prompt answer). Bounded: old ids fall out.
 _EARLY_FINISH_MEMORY = 1024
@@ -75,6 +80,14 @@ class InFlight:
             return
         self._counts[tenant] -= 1
         self._touch(tenant)
+
+    def active(self, tenant: str) -> None:
+        """Bytes of a counted request passed (a relayed chunk): activity is now, so it counts from a
+        request's last byte, not its start. At most once per ACTIVITY_RESOLUTION_S, and listeners
+        are not told: nothing they act on (counts, jobs, busy) changed."""
+        now = self.clock.now()
+        if now - self._last.get(tenant, -ACTIVITY_RESOLUTION_S) >= ACTIVITY_RESOLUTION_S:
+            self._last[tenant] = now
 
     @contextlib.contextmanager
     def request(self, tenant: str) -> Iterator[Token]:

@@ -103,6 +103,7 @@ def _latin1(raw: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
 
 OnClose = Callable[[], None]
 Tap = Callable[[bytes], None]
+Activity = Callable[[], None]  # a chunk of a streamed answer passed
 
 
 class UpstreamResponse:
@@ -152,8 +153,9 @@ class RelayResponse(Response):
     """Streams an open upstream response to the client and closes it when either side ends."""
 
     def __init__(self, upstream: UpstreamResponse, on_close: OnClose, tap: Tap | None = None,
-                 tenant_name: str = "") -> None:
+                 tenant_name: str = "", activity: Activity | None = None) -> None:
         self.upstream = upstream
+        self.activity = activity
         self.status_code = upstream.status_code
         self.on_close = on_close
         self.tap = tap
@@ -195,6 +197,8 @@ class RelayResponse(Response):
             async for chunk in self.upstream.aiter_raw():
                 if self.tap is not None:
                     self.tap(chunk)
+                if self.activity is not None:
+                    self.activity()
                 relayed += len(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (OSError, TimeoutError) as exc:
@@ -300,9 +304,10 @@ class Forwarder:
         return UpstreamResponse(response)
 
     def relay(self, tenant: Tenant, upstream_response: UpstreamResponse, on_close: OnClose,
-              *, tap: Tap | None = None) -> Response:
-        """A response that streams the upstream body and calls on_close exactly once at the end."""
-        return RelayResponse(upstream_response, on_close, tap, tenant.name)
+              *, tap: Tap | None = None, activity: Activity | None = None) -> Response:
+        """A response that streams the upstream body and calls on_close exactly once at the end
+        (and `activity` as each streamed chunk passes)."""
+        return RelayResponse(upstream_response, on_close, tap, tenant.name, activity)
 
     async def get(self, tenant: Tenant, path: str) -> httpx.Response:
         """A small GET of the proxy's own (job polls), read fully."""

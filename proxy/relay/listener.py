@@ -15,6 +15,7 @@ import asyncio
 import logging
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from typing import Protocol
 
 from starlette.requests import ClientDisconnect, Request
@@ -188,7 +189,8 @@ class TenantApp:
             inflight.end(token)
             return result
         if not self.adapter.captures_job(method, path):
-            return forwarder.relay(tenant, result, on_close=lambda: inflight.end(token))
+            return forwarder.relay(tenant, result, on_close=lambda: inflight.end(token),
+                                   activity=partial(inflight.active, tenant.name))
         return self._relay_job_answer(result, token)
 
     def _relay_job_answer(self, result: UpstreamResponse, token: Token) -> Response:
@@ -212,7 +214,8 @@ class TenantApp:
             finally:
                 self.inflight.end(token)
 
-        return self.forwarder.relay(self.tenant, result, on_close=on_close, tap=tap)
+        return self.forwarder.relay(self.tenant, result, on_close=on_close, tap=tap,
+                                    activity=partial(self.inflight.active, self.tenant.name))
 
     async def _wake(self, scope: Scope) -> Response | None:
         if self.admission is None:

@@ -337,6 +337,27 @@ async def test_each_ndjson_line_reaches_client_before_the_next_is_produced() -> 
     assert [g["response"] for g in got] == ["w0", "w1", "w2", "w3"] and got[-1]["done"] is True
 
 
+async def test_activity_counts_from_the_last_relayed_chunk_not_from_the_request_start() -> None:
+    # A long generation: last_activity_age_s in /api/tenants must stay near 0 while chunks flow.
+    clock = ManualClock()
+    async with stack("ollama", ollama_like, clock=clock) as (proxy, _, inflight, state):
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS, timeout=None) as c:
+            async with c.stream("POST", f"{proxy.url}/api/generate", json={"model": "m", "prompt": "hi"}) as r:
+                started = clock.now()
+                lines = r.aiter_lines()
+                for i in range(3):
+                    await within(lines.__anext__())
+                    if i < 2:
+                        await clock.advance(5.0)
+                        state.lines_seen[i].set()
+                activity = inflight.traffic("ollama").last_activity
+                state.lines_seen[2].set()
+                async for _ in lines:
+                    pass
+    assert activity == started + 10.0, (f"the third line passed 10 s after the start, but activity is "
+                                        f"{None if activity is None else activity - started:+.1f} s from it")
+
+
 async def test_sse_events_are_flushed_one_by_one() -> None:
     async with stack("ollama", ollama_like) as (proxy, _, _, state):
         events: list[str] = []
