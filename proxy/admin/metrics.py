@@ -18,11 +18,12 @@ Series:
 - hyperswap_inflight_requests{tenant}, hyperswap_queued_jobs{tenant}: from `InFlight`.
 - hyperswap_requests_total{tenant,outcome}: GPU requests that left flight (pass-through requests
   are not counted in flight, so not here). outcome: `rejected` (answered 507), `oom_error` (the
-  engine's OOM reached the client: the retry failed or had no plan), `completed` (everything else
-  that was forwarded, whatever the engine answered, and 503s after a queue timeout, which the
-  decision log does not see). A 507 or OOM decision is recorded before its request leaves flight,
-  so the next departure of that tenant is counted with that outcome: the totals are exact, the
-  pairing with one request is not.
+  engine's OOM reached the client: the retry failed or had no plan), else by the status the client
+  got: `completed` (below 400), `client_error` (4xx), `server_error` (5xx: the engine's, or the
+  proxy's 502/503/504), `unanswered` (the client left before any answer). A 200 stream that ends
+  with an error line counts as completed (the status is all that is known). A 507 or OOM decision
+  is recorded before its request leaves flight, so the next departure of that tenant is counted
+  with that outcome: the totals are exact, the pairing with one request is not.
 - hyperswap_handoff_seconds: histogram of the time handoffs spent releasing (sum of the releases'
   duration_s) for decisions from the planner with at least one release: kinds plan, oom_retry, spill.
 - hyperswap_releases_total{tenant,result}: every executed release (requests, watchdog, admin);
@@ -57,7 +58,6 @@ from proxy.admin.view import ProxyView
 from proxy.admin.views import DecisionOutcome, ReleaseOutcome
 from proxy.gpu.visibility import device_json, devices_json, tenant_vram, unmanaged_vram
 from proxy.handoff.decisions import Decision
-from proxy.handoff.inflight import TenantTraffic
 
 if TYPE_CHECKING:
     from proxy.gpu.attribution import AttributedSnapshot
@@ -174,11 +174,10 @@ class Metrics:
         self.timeouts = Counter("hyperswap_queue_timeouts", "Requests answered 503 after proxy.queue_timeout_s",
                                 ["tenant"], registry=self.registry)
         self._seen: OrderedDict[int, set[str]] = OrderedDict()
-        self._in_flight: dict[str, int] = {}
         self._pending: dict[str, list[str]] = {}  # tenant -> outcomes of requests about to leave flight
         self._unsubscribe: Callable[[], None] | None = None
         for tenant in proxy.registry:  # series exist from the first scrape, at zero
-            for outcome in ("completed", "rejected", "oom_error"):
+            for outcome in REQUEST_OUTCOMES:
                 self.requests.labels(tenant.name, outcome)
             self.rejections.labels(tenant.name)
             self.timeouts.labels(tenant.name)
@@ -189,14 +188,14 @@ class Metrics:
 
     async def start(self) -> None:
         self._unsubscribe = self.proxy.decisions.subscribe(self.on_decision)
-        self.proxy.inflight.on_change.append(self.on_traffic)
+        self.proxy.inflight.on_departure.append(self.on_departure)
 
     async def stop(self) -> None:
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
-        if self.on_traffic in self.proxy.inflight.on_change:
-            self.proxy.inflight.on_change.remove(self.on_traffic)
+        if self.on_departure in self.proxy.inflight.on_departure:
+            self.proxy.inflight.on_departure.remove(self.on_departure)
 
     async def scrape(self, request: Request) -> Response:
         if self.proxy.arbitration.last_snapshot is None:
@@ -204,12 +203,9 @@ class Metrics:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_PLAIN_0_0_4)
 
     # -- observing ------------------------------------------------------------------------------
-    def on_traffic(self, tenant: str, traffic: TenantTraffic) -> None:
-        before = self._in_flight.get(tenant, 0)
-        self._in_flight[tenant] = traffic.in_flight
-        for _ in range(max(0, before - traffic.in_flight)):
-            pending = self._pending.get(tenant)
-            self.requests.labels(tenant, pending.pop(0) if pending else "completed").inc()
+    def on_departure(self, tenant: str, status: int | None) -> None:
+        pending = self._pending.get(tenant)
+        self.requests.labels(tenant, pending.pop(0) if pending else _by_status(status)).inc()
 
     def _first(self, d: Decision, part: str) -> bool:
         seen = self._seen.get(d.id)
@@ -249,6 +245,18 @@ class Metrics:
         pending = self._pending.setdefault(tenant, [])
         if len(pending) < _SEEN_MAX:  # bounded even if a decision ever came without its request
             pending.append(outcome)
+
+
+REQUEST_OUTCOMES = ("completed", "client_error", "server_error", "unanswered", "rejected", "oom_error")
+
+
+def _by_status(status: int | None) -> str:
+    """A departed request's outcome from the status its client got (507s and OOMs come from decisions)."""
+    if status is None:
+        return "unanswered"
+    if status < 400:
+        return "completed"
+    return "client_error" if status < 500 else "server_error"
 
 
 def metrics_extension(proxy: ProxyView) -> Metrics:

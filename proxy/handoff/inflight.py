@@ -49,6 +49,9 @@ class Token:
 
 
 ChangeListener = Callable[[str, TenantTraffic], None]
+# A request left flight: its tenant and the status its client got (None: no answer was started,
+# the client went away first).
+DepartureListener = Callable[[str, int | None], None]
 
 
 class InFlight:
@@ -64,6 +67,7 @@ class InFlight:
         self._idle_waiters: dict[str, list[asyncio.Future[None]]] = {}
         self._connections: dict[str, int] = {}  # tenant -> open client requests and websockets of any kind
         self.on_change: list[ChangeListener] = []
+        self.on_departure: list[DepartureListener] = []
 
     # -- requests -------------------------------------------------------------------------
     def begin(self, tenant: str) -> Token:
@@ -73,12 +77,17 @@ class InFlight:
         self._touch(tenant)
         return token
 
-    def end(self, token: Token) -> None:
-        """Idempotent: a second end of the same token is ignored."""
+    def end(self, token: Token, status: int | None = None) -> None:
+        """Idempotent: a second end of the same token is ignored. `status`: what the client got."""
         tenant = self._open.pop(token.serial, None)
         if tenant is None:
             return
         self._counts[tenant] -= 1
+        for listener in list(self.on_departure):
+            try:
+                listener(tenant, status)
+            except Exception:  # a broken subscriber must not break traffic
+                log.exception("departure listener failed")
         self._touch(tenant)
 
     def active(self, tenant: str) -> None:
