@@ -18,11 +18,12 @@ Series:
 - hyperswap_inflight_requests{tenant}, hyperswap_queued_jobs{tenant}: from `InFlight`.
 - hyperswap_requests_total{tenant,outcome}: GPU requests that left flight (pass-through requests
   are not counted in flight, so not here). outcome: `rejected` (answered 507), `oom_error` (the
-  engine's OOM reached the client: the retry failed or had no plan), `completed` (everything else
-  that was forwarded, whatever the engine answered, and 503s after a queue timeout, which the
-  decision log does not see). A 507 or OOM decision is recorded before its request leaves flight,
-  so the next departure of that tenant is counted with that outcome: the totals are exact, the
-  pairing with one request is not.
+  engine's OOM reached the client: the retry failed or had no plan), else by the status the client
+  got: `completed` (below 400), `client_error` (4xx), `server_error` (5xx: the engine's, or the
+  proxy's 502/503/504), `unanswered` (the client left before any answer). A 200 stream that ends
+  with an error line counts as completed (the status is all that is known). A 507 or OOM decision
+  is recorded before its request leaves flight, so the next departure of that tenant is counted
+  with that outcome: the totals are exact, the pairing with one request is not.
 - hyperswap_handoff_seconds: histogram of the time handoffs spent releasing (sum of the releases'
   duration_s) for decisions from the planner with at least one release: kinds plan, oom_retry, spill.
 - hyperswap_releases_total{tenant,result}: every executed release (requests, watchdog, admin);
@@ -63,7 +64,6 @@ from proxy.admin.view import ProxyView
 from proxy.decision import DecisionEvent
 from proxy.gpu.visibility import device_json, devices_json, tenant_vram, unmanaged_vram
 from proxy.handoff.decisions import HandoffFinished, ModelLoad, OomRetry, QueueEnded, Rejected
-from proxy.handoff.inflight import TenantTraffic
 from proxy.lifecycle.state import LifecycleReport
 
 if TYPE_CHECKING:
@@ -194,11 +194,10 @@ class Metrics:
                                        ["tenant"], buckets=START_BUCKETS, registry=self.registry)
         self.stops = Counter("hyperswap_lifecycle_stops", "Stops of a tenant the proxy starts, by result",
                              ["tenant", "result"], registry=self.registry)
-        self._in_flight: dict[str, int] = {}
         self._pending: dict[str, list[str]] = {}  # tenant -> outcomes of requests about to leave flight
         self._unsubscribe: Callable[[], None] | None = None
         for tenant in proxy.registry:  # series exist from the first scrape, at zero
-            for outcome in ("completed", "rejected", "oom_error"):
+            for outcome in REQUEST_OUTCOMES:
                 self.requests.labels(tenant.name, outcome)
             self.rejections.labels(tenant.name)
             self.timeouts.labels(tenant.name)
@@ -215,7 +214,7 @@ class Metrics:
 
     async def start(self) -> None:
         self._unsubscribe = self.proxy.decisions.subscribe(self.on_decision)
-        self.proxy.inflight.on_change.append(self.on_traffic)
+        self.proxy.inflight.on_departure.append(self.on_departure)
         self.proxy.arbitration.lifecycles.on_report.append(self.on_lifecycle)
 
     async def stop(self) -> None:
@@ -224,8 +223,8 @@ class Metrics:
             self._unsubscribe = None
         if self.on_lifecycle in self.proxy.arbitration.lifecycles.on_report:
             self.proxy.arbitration.lifecycles.on_report.remove(self.on_lifecycle)
-        if self.on_traffic in self.proxy.inflight.on_change:
-            self.proxy.inflight.on_change.remove(self.on_traffic)
+        if self.on_departure in self.proxy.inflight.on_departure:
+            self.proxy.inflight.on_departure.remove(self.on_departure)
 
     async def scrape(self, request: Request) -> Response:
         if self.proxy.arbitration.last_snapshot is None:
@@ -233,12 +232,9 @@ class Metrics:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_PLAIN_0_0_4)
 
     # -- observing ------------------------------------------------------------------------------
-    def on_traffic(self, tenant: str, traffic: TenantTraffic) -> None:
-        before = self._in_flight.get(tenant, 0)
-        self._in_flight[tenant] = traffic.in_flight
-        for _ in range(max(0, before - traffic.in_flight)):
-            pending = self._pending.get(tenant)
-            self.requests.labels(tenant, pending.pop(0) if pending else "completed").inc()
+    def on_departure(self, tenant: str, status: int | None) -> None:
+        pending = self._pending.get(tenant)
+        self.requests.labels(tenant, pending.pop(0) if pending else _by_status(status)).inc()
 
     def on_lifecycle(self, report: LifecycleReport) -> None:
         """A start or stop that ran (a refused one is never reported)."""
@@ -279,6 +275,18 @@ class Metrics:
         pending = self._pending.setdefault(tenant, [])
         if len(pending) < _PENDING_MAX:  # bounded even if a decision ever came without its request
             pending.append(outcome)
+
+
+REQUEST_OUTCOMES = ("completed", "client_error", "server_error", "unanswered", "rejected", "oom_error")
+
+
+def _by_status(status: int | None) -> str:
+    """A departed request's outcome from the status its client got (507s and OOMs come from decisions)."""
+    if status is None:
+        return "unanswered"
+    if status < 400:
+        return "completed"
+    return "client_error" if status < 500 else "server_error"
 
 
 def metrics_extension(proxy: ProxyView) -> Metrics:

@@ -27,7 +27,7 @@ from starlette.routing import BaseRoute, Route
 
 from proxy.admin.view import ProxyView
 from proxy.engines import EngineAdapter, adapter_for
-from proxy.engines.model_files import ModelFiles
+from proxy.engines.model_files import ModelFiles, files_summary
 from proxy.engines.settings import read_proc_environ
 from proxy.errors import HyperSwapError
 from proxy.handoff.decisions import ModelLoad
@@ -359,8 +359,7 @@ class ModelsExtension:
                                        "its models' residency is unknown and they are not warmed before a load",
                                        problems[0].fix))
             else:
-                out.append(HealthEntry(f"model files {name}", "ok",
-                                       f"{len(found.located.models)} model(s) in {', '.join(found.located.roots) or '-'}"))
+                out.append(HealthEntry(f"model files {name}", "ok", files_summary(found.located)))
         verdict = self.loads.verdict()
         if verdict.dominates:
             speeds = (f" at a median {verdict.cold_gbps:.2f} GB/s from disk vs {verdict.warm_gbps:.2f} GB/s from RAM"

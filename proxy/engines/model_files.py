@@ -340,6 +340,17 @@ def plain_files(tenant: str, paths: Sequence[Path]) -> Located:
     return found
 
 
+def files_summary(found: Located) -> str:
+    """What was found, for a health line: the folders, and model files that lie in none of them
+    (model_paths may name a file)."""
+    loose = [f for m in found.models for f in m.files
+             if not any(f == r or f.startswith(r.rstrip(os.sep) + os.sep) for r in found.roots)]
+    n = f"{len(found.models)} model(s)"
+    if not found.roots:
+        return f"{n}: {', '.join(loose)}" if loose else n
+    return f"{n} in {', '.join(found.roots)}" + (f" and {', '.join(loose)}" if loose else "")
+
+
 def merge(parts: Iterable[Located]) -> Located:
     out = Located()
     for part in parts:

@@ -20,6 +20,11 @@ from proxy.tasks import cancel_and_wait, sleep_or_wake
 
 log = logging.getLogger("hyperswap.inflight")
 
+# Bytes of a counted request passing mark activity at most this often per tenant: the mark is one
+# clock read and a compare per relayed chunk, and last_activity_age_s is shown to a tenth of a second
+# but only read against idle timers of minutes.
+ACTIVITY_RESOLUTION_S = 1.0
+
 # Job ids finished before anyone tracked them (a cached ComfyUI prompt can end, over the socket,
 # before the proxy has parsed the POST /prompt answer). Bounded: old ids fall out.
 _EARLY_FINISH_MEMORY = 1024
@@ -44,6 +49,9 @@ class Token:
 
 
 ChangeListener = Callable[[str, TenantTraffic], None]
+# A request left flight: its tenant and the status its client got (None: no answer was started,
+# the client went away first).
+DepartureListener = Callable[[str, int | None], None]
 
 
 class InFlight:
@@ -59,6 +67,7 @@ class InFlight:
         self._idle_waiters: dict[str, list[asyncio.Future[None]]] = {}
         self._connections: dict[str, int] = {}  # tenant -> open client requests and websockets of any kind
         self.on_change: list[ChangeListener] = []
+        self.on_departure: list[DepartureListener] = []
 
     # -- requests -------------------------------------------------------------------------
     def begin(self, tenant: str) -> Token:
@@ -68,13 +77,26 @@ class InFlight:
         self._touch(tenant)
         return token
 
-    def end(self, token: Token) -> None:
-        """Idempotent: a second end of the same token is ignored."""
+    def end(self, token: Token, status: int | None = None) -> None:
+        """Idempotent: a second end of the same token is ignored. `status`: what the client got."""
         tenant = self._open.pop(token.serial, None)
         if tenant is None:
             return
         self._counts[tenant] -= 1
+        for listener in list(self.on_departure):
+            try:
+                listener(tenant, status)
+            except Exception:  # a broken subscriber must not break traffic
+                log.exception("departure listener failed")
         self._touch(tenant)
+
+    def active(self, tenant: str) -> None:
+        """Bytes of a counted request passed (a relayed chunk): activity is now, so it counts from a
+        request's last byte, not its start. At most once per ACTIVITY_RESOLUTION_S, and listeners
+        are not told: nothing they act on (counts, jobs, busy) changed."""
+        now = self.clock.now()
+        if now - self._last.get(tenant, -ACTIVITY_RESOLUTION_S) >= ACTIVITY_RESOLUTION_S:
+            self._last[tenant] = now
 
     @contextlib.contextmanager
     def request(self, tenant: str) -> Iterator[Token]:

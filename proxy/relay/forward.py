@@ -72,9 +72,29 @@ def _upstream_error(tenant: Tenant, exc: Exception) -> UpstreamError:
         return UpstreamError(f"{tenant.name}: upstream {upstream} did not answer in time ({type(exc).__name__})",
                              fix=f"check that {tenant.name} is running and responsive, or raise "
                                  f"tenants.{tenant.name}.timeouts in tenants.json", status=504, details=details)
+    if isinstance(exc, http1.UpstreamClosed):
+        # It accepted the connection, so it runs there: "start it" would be false.
+        return UpstreamError(f"{tenant.name}: upstream {upstream} accepted the connection, then {_what_it_did(exc)} "
+                             f"without answering", status=502, details=details,
+                             fix=f"retry the request (the proxy does not send a request the engine may have started "
+                                 f"twice); if it keeps happening, {tenant.name}'s own log says why it drops requests "
+                                 f"(an error on an earlier request, a crash, a connection limit)")
+    if isinstance(exc, ConnectionRefusedError):
+        return UpstreamError(f"{tenant.name}: upstream {upstream} refused the connection: nothing listens there",
+                             fix=f"start {tenant.name} or correct tenants.{tenant.name}.upstream in tenants.json",
+                             status=502, details=details)
     return UpstreamError(f"{tenant.name}: cannot reach upstream {upstream} ({type(exc).__name__}: {exc})",
                          fix=f"start {tenant.name} or correct tenants.{tenant.name}.upstream in tenants.json",
                          status=502, details=details)
+
+
+def _what_it_did(exc: http1.UpstreamClosed) -> str:
+    text = str(exc)
+    if "reset" in text:
+        return "reset the connection"
+    if "while we were sending" in text:
+        return "closed the connection while the request was being sent"
+    return "closed the connection"
 
 
 def _latin1(raw: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
@@ -83,6 +103,7 @@ def _latin1(raw: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
 
 OnClose = Callable[[], None]
 Tap = Callable[[bytes], None]
+Activity = Callable[[], None]  # a chunk of a streamed answer passed
 
 
 class UpstreamResponse:
@@ -132,8 +153,9 @@ class RelayResponse(Response):
     """Streams an open upstream response to the client and closes it when either side ends."""
 
     def __init__(self, upstream: UpstreamResponse, on_close: OnClose, tap: Tap | None = None,
-                 tenant_name: str = "") -> None:
+                 tenant_name: str = "", activity: Activity | None = None) -> None:
         self.upstream = upstream
+        self.activity = activity
         self.status_code = upstream.status_code
         self.on_close = on_close
         self.tap = tap
@@ -175,6 +197,8 @@ class RelayResponse(Response):
             async for chunk in self.upstream.aiter_raw():
                 if self.tap is not None:
                     self.tap(chunk)
+                if self.activity is not None:
+                    self.activity()
                 relayed += len(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (OSError, TimeoutError) as exc:
@@ -280,9 +304,10 @@ class Forwarder:
         return UpstreamResponse(response)
 
     def relay(self, tenant: Tenant, upstream_response: UpstreamResponse, on_close: OnClose,
-              *, tap: Tap | None = None) -> Response:
-        """A response that streams the upstream body and calls on_close exactly once at the end."""
-        return RelayResponse(upstream_response, on_close, tap, tenant.name)
+              *, tap: Tap | None = None, activity: Activity | None = None) -> Response:
+        """A response that streams the upstream body and calls on_close exactly once at the end
+        (and `activity` as each streamed chunk passes)."""
+        return RelayResponse(upstream_response, on_close, tap, tenant.name, activity)
 
     async def get(self, tenant: Tenant, path: str) -> httpx.Response:
         """A small GET of the proxy's own (job polls), read fully."""

@@ -21,7 +21,11 @@ What it does and does not do:
   that finds none free waits its turn, first come first served, up to pool_s, then PoolTimeout.
   Idle connections are closed by a timer once idle_expiry_s passes, not only when the next
   request comes along.
-- A pooled connection that turns out closed before any answer byte is retried once, on a new
+- A pooled connection is looked at before it carries a request: a zero-timeout poll of its socket
+  finds a close (or stray bytes) that arrived since the loop last ran, and a fresh connection is
+  used instead. A connection that answered 5xx is not pooled at all: engines close it after a
+  server error without saying so, a few ms after the answer (uvicorn after Starlette's 500).
+- A pooled connection that still turns out closed before any answer byte is retried once, on a new
   connection, only for idempotent methods with a replayable (bytes) body: a POST that reached the
   engine before the close must not run twice (a second generation, a second queued prompt).
 - Timeouts: connect; read (no byte for that long: waiting for the head once the request is sent,
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import select
 import ssl
 from collections import deque
 from collections.abc import AsyncIterator
@@ -162,7 +167,11 @@ class Response:
             raise _StopParsing  # its body is never read: the connection is dropped with it
         self.status_code = status
         self._framed = any(n in (b"content-length", b"transfer-encoding") for n, _ in self.raw_headers)
-        self._keep_alive = self._parser.should_keep_alive()
+        # After a server error the engine may close the connection without saying so, and later
+        # than the answer: uvicorn closes it once it has logged the app's traceback, a few ms after
+        # Starlette's 500 went out (llama-cpp-python's server; measured, a POST sent meanwhile is
+        # lost). A fresh connection costs one connect; a lost POST cannot be retried.
+        self._keep_alive = self._parser.should_keep_alive() and status < 500
         if self._head_only:
             # httptools cannot be told the request was HEAD; its answer has no body whatever it declares.
             self._complete = True
@@ -215,7 +224,8 @@ class Response:
         if self._complete or self._error is not None:
             return
         if not self._head.done():
-            self._fail(UpstreamClosed("the upstream closed the connection before answering"))
+            self._fail(UpstreamClosed("the upstream closed the connection before answering" if exc is None
+                                      else f"the upstream reset the connection before answering ({exc})"))
         elif exc is not None:  # a reset is never the end of a body, framed or not
             self._fail(UpstreamClosed(f"the upstream connection broke before the answer ended: {exc}"))
         elif not self._framed:  # no Content-Length, not chunked: the body ends where the connection does
@@ -375,6 +385,20 @@ class _Connection(asyncio.Protocol):
     def usable(self) -> bool:
         return not self.lost and self.transport is not None and not self.transport.is_closing()
 
+    def readable(self) -> bool:
+        """Whether the socket of this idle connection has something to read: the upstream's close
+        (EOF or a reset) or bytes nobody asked for; either way it must carry no request. asyncio
+        reads a socket only when the loop runs, so a close that came since is in the socket, not
+        yet seen here; a zero-timeout poll of the socket finds it (what urllib3 and httpcore do
+        before reusing a connection)."""
+        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+        if sock is None:
+            return False
+        try:
+            return _readable_now(sock.fileno())
+        except (OSError, ValueError):
+            return True  # a socket that cannot be polled is no socket to send on
+
     async def drain(self) -> None:
         if self.lost:
             raise UpstreamClosed("the upstream closed the connection while we were sending")
@@ -485,7 +509,7 @@ class Pool:
             handed = await self._wait_turn()
             if handed is None:
                 return await self._dial(), False
-            if handed.usable and not fresh:
+            if handed.usable and not fresh and not handed.readable():
                 return handed, True
             if handed.counted:  # a retry wants a new one: keep its slot to dial with
                 handed.counted = False
@@ -497,7 +521,7 @@ class Pool:
         now = asyncio.get_running_loop().time()
         while self._idle:
             conn = self._idle.pop()
-            if conn.usable and now - conn.idle_since < self.idle_expiry_s:
+            if conn.usable and now - conn.idle_since < self.idle_expiry_s and not conn.readable():
                 return conn
             conn.drop()
         return None
@@ -620,6 +644,16 @@ class Pool:
             self._reaper = None
         while self._idle:
             self._idle.pop().drop()
+
+
+def _readable_now(fd: int) -> bool:
+    """A zero-timeout poll: whether reading `fd` would not block (data, EOF, reset or an error)."""
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLPRI)
+        return bool(poller.poll(0))
+    readable, _, errored = select.select([fd], [], [fd], 0)
+    return bool(readable or errored)
 
 
 async def _finish_sending(conn: _Connection, response: Response) -> None:

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from typing import Protocol
 
 from starlette.requests import ClientDisconnect, Request
@@ -179,16 +180,18 @@ class TenantApp:
             else:
                 result = await forwarder.open(tenant, request, body)
         except HyperSwapError as exc:
-            inflight.end(token)
+            inflight.end(token, exc.status)
             return _error_response(exc)
         except BaseException:
             inflight.end(token)
             raise
         if isinstance(result, Response):
-            inflight.end(token)
+            inflight.end(token, result.status_code)
             return result
+        status = result.status_code
         if not self.adapter.captures_job(method, path):
-            return forwarder.relay(tenant, result, on_close=lambda: inflight.end(token))
+            return forwarder.relay(tenant, result, on_close=lambda: inflight.end(token, status),
+                                   activity=partial(inflight.active, tenant.name))
         return self._relay_job_answer(result, token)
 
     def _relay_job_answer(self, result: UpstreamResponse, token: Token) -> Response:
@@ -210,9 +213,10 @@ class TenantApp:
                 if job_id is not None and self.inflight.track_job(self.tenant.name, job_id):
                     self.poller.ensure_running()
             finally:
-                self.inflight.end(token)
+                self.inflight.end(token, status)
 
-        return self.forwarder.relay(self.tenant, result, on_close=on_close, tap=tap)
+        return self.forwarder.relay(self.tenant, result, on_close=on_close, tap=tap,
+                                    activity=partial(self.inflight.active, self.tenant.name))
 
     async def _wake(self, scope: Scope) -> Response | None:
         if self.admission is None:

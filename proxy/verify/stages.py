@@ -46,6 +46,10 @@ async def check_upstream(v: Session, t: TenantInfo) -> str:
     assert t.url
     probe = adapter_class(t.engine)
     path = probe.probe_path
+    ready = t.config.get("ready") or {}
+    judged_by_ready = not probe.probe_strict and bool(ready.get("path"))
+    if judged_by_ready:  # an app of its own: the path tenants.json says answers once it serves
+        path = str(ready["path"])
     impact = f"clients of {t.name} at {t.url} get errors, and the proxy cannot ask {t.name} for memory back"
     try:
         r = await v.http.get(t.url + path)
@@ -53,12 +57,23 @@ async def check_upstream(v: Session, t: TenantInfo) -> str:
         v.found.unreachable[t.name] = "listener"
         raise StageFailed(f"the proxy's listener for {t.name} does not answer at {t.url}: {type(exc).__name__}",
                           impact=impact, fix=f"check tenants.{t.name}.listen and restart `hyperswap serve`") from None
-    ok = r.status_code == 200 if probe.probe_strict else r.status_code < 500
+    if judged_by_ready:
+        ok = r.status_code == int(ready.get("status") or 200)
+    else:
+        ok = r.status_code == 200 if probe.probe_strict else r.status_code < 500
     if not ok:
         v.found.unreachable[t.name] = "upstream"
         answer = Unexpected(f"GET {path} through {t.url}", r)
         raise StageFailed(f"{t.name} ({t.upstream}) is not answering through the proxy: {answer}", impact=impact,
                           fix=answer.fix() or f"start {t.name}, or correct tenants.{t.name}.upstream ({t.upstream})")
+    if judged_by_ready:
+        return (f"{t.url}{path} -> {t.upstream}: {r.status_code}, ready as tenants.{t.name}.ready says; "
+                f"not exercised: any request of {t.name}'s own (verify knows none)")
+    if not probe.probe_strict:
+        # A generic app: any answer shows its port accepts connections, nothing about the app itself.
+        return (f"{t.url}{path} -> {t.upstream}: {t.name}'s upstream accepted a connection (GET {path} answered "
+                f"{r.status_code}); not exercised: any request of {t.name}'s own (verify knows none; "
+                f"tenants.{t.name}.ready.path names one it can judge)")
     return f"{t.url}{path} -> {t.upstream}: {r.status_code}"
 
 

@@ -14,6 +14,7 @@ import ipaddress
 import json
 import logging
 import socket
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -336,6 +337,27 @@ async def test_each_ndjson_line_reaches_client_before_the_next_is_produced() -> 
     assert [g["response"] for g in got] == ["w0", "w1", "w2", "w3"] and got[-1]["done"] is True
 
 
+async def test_activity_counts_from_the_last_relayed_chunk_not_from_the_request_start() -> None:
+    # A long generation: last_activity_age_s in /api/tenants must stay near 0 while chunks flow.
+    clock = ManualClock()
+    async with stack("ollama", ollama_like, clock=clock) as (proxy, _, inflight, state):
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS, timeout=None) as c:
+            async with c.stream("POST", f"{proxy.url}/api/generate", json={"model": "m", "prompt": "hi"}) as r:
+                started = clock.now()
+                lines = r.aiter_lines()
+                for i in range(3):
+                    await within(lines.__anext__())
+                    if i < 2:
+                        await clock.advance(5.0)
+                        state.lines_seen[i].set()
+                activity = inflight.traffic("ollama").last_activity
+                state.lines_seen[2].set()
+                async for _ in lines:
+                    pass
+    assert activity == started + 10.0, (f"the third line passed 10 s after the start, but activity is "
+                                        f"{None if activity is None else activity - started:+.1f} s from it")
+
+
 async def test_sse_events_are_flushed_one_by_one() -> None:
     async with stack("ollama", ollama_like) as (proxy, _, _, state):
         events: list[str] = []
@@ -419,7 +441,74 @@ async def test_closed_port_gives_502_naming_tenant_and_upstream() -> None:
         assert inflight.traffic("ollama").in_flight == 0
     body = r.json()
     assert r.status_code == 502 and body["tenant"] == "ollama" and body["upstream"] == tenant.upstream
-    assert body["error"] and body["fix"]
+    assert "refused" in body["error"], f"the error must say the connection was refused: {body['error']}"
+    assert body["fix"].startswith("start ollama"), body["fix"]
+
+
+@pytest.mark.parametrize("how", ["close", "reset"])
+async def test_an_engine_that_drops_the_request_after_accepting_it_gives_a_502_saying_so_not_start_it(
+        how: str) -> None:
+    async def drops(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        if how == "reset":  # linger 0: the close is a RST
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.close()
+
+    server = await asyncio.start_server(drops, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with stack("ollama", None, upstream_url=f"http://127.0.0.1:{port}") as (proxy, _, _, _):
+            async with httpx.AsyncClient(verify=LOOPBACK_TLS) as c:
+                r = await c.post(f"{proxy.url}/api/generate", json={"model": "m"})
+    finally:
+        server.close()
+    body = r.json()
+    assert r.status_code == 502, r.content
+    said = {"close": "closed the connection", "reset": "reset the connection"}[how]
+    assert said in body["error"] and "accepted" in body["error"], f"the error must say what happened: {body['error']}"
+    assert "start ollama" not in body["fix"] and "retry" in body["fix"], f"the engine is up; the fix: {body['fix']}"
+
+
+FAILED = (b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 21\r\ncontent-type: text/plain; charset=utf-8\r\n"
+          b"\r\nInternal Server Error")
+
+
+async def _serve_failing_then_closing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """llama.cpp's server behind llama-cpp-python (uvicorn, Starlette): a body that is not JSON makes
+    the app raise; Starlette answers 500 without Connection: close and uvicorn closes the connection
+    once it has logged the traceback, a few ms later (measured: the next request has been sent by
+    then). Here: the 500, then the next request on that connection goes unanswered, the connection closed."""
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next((int(line.split(b":")[1]) for line in head.lower().split(b"\r\n")
+                           if line.startswith(b"content-length:")), 0)
+            body = await reader.readexactly(length)
+            if body == b"not json":
+                writer.write(FAILED)
+                await writer.drain()
+                await reader.readuntil(b"\r\n\r\n")
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 11\r\ncontent-type: application/json\r\n\r\n{\"ok\": true}")
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    finally:
+        writer.close()
+
+
+async def test_a_post_after_an_engine_failure_goes_on_a_fresh_connection_not_into_the_one_it_closes() -> None:
+    server = await asyncio.start_server(_serve_failing_then_closing, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with stack("generic", None, upstream_url=f"http://127.0.0.1:{port}") as (proxy, _, _, _):
+            async with httpx.AsyncClient(verify=LOOPBACK_TLS) as c:
+                failed = await c.post(f"{proxy.url}/v1/completions", content=b"not json")
+                after = await c.post(f"{proxy.url}/v1/completions", json={"prompt": "x"})
+    finally:
+        server.close()
+    assert failed.status_code == 500 and failed.content == b"Internal Server Error"
+    assert after.status_code == 200, f"the next POST must reach the engine, not a closed connection: {after.content!r}"
 
 
 async def test_upstream_that_never_answers_gives_504() -> None:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import socket
 import struct
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -278,6 +279,59 @@ async def test_post_on_a_connection_closed_unanswered_is_not_sent_twice() -> Non
             await get(pool, method="POST", body=b"{}", headers=[(b"host", b"h"), (b"content-length", b"2")])
         pool.close()
     assert [h.split(b" ")[0] for h, _ in up.requests] == [b"GET", b"POST"], "the POST must reach the engine once"
+
+
+def _read_request(conn: socket.socket) -> bytes:
+    """One request with a Content-Length body (or none) off a blocking socket."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += conn.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next((int(line.split(b":")[1]) for line in head.lower().split(b"\r\n")
+                   if line.startswith(b"content-length:")), 0)
+    while len(body) < length:
+        body += conn.recv(65536)
+    return head
+
+
+async def test_a_close_that_reached_the_socket_before_the_loop_saw_it_is_found_before_a_post_is_sent() -> None:
+    # The engine answers keep-alive (no Connection: close), then closes the connection. The close is
+    # in our socket before the next POST, but the event loop has not run since: only a look at the
+    # socket itself finds it. A POST sent there is lost (never retried: the engine may have run it).
+    listener = socket.create_server(("127.0.0.1", 0))
+    may_close, closed = threading.Event(), threading.Event()
+    heads: list[bytes] = []
+
+    def engine() -> None:  # a thread with blocking sockets: it closes while the test's loop is held
+        with listener:
+            first, _ = listener.accept()
+            with first:
+                heads.append(_read_request(first))
+                first.sendall(OK)
+                may_close.wait(SAFETY_S)
+            closed.set()
+            listener.settimeout(SAFETY_S)
+            try:
+                fresh, _ = listener.accept()
+            except TimeoutError:
+                return  # no fresh connection came: the test's assertion says why
+            with fresh:
+                heads.append(_read_request(fresh))
+                fresh.sendall(OK)
+
+    thread = threading.Thread(target=engine, daemon=True)
+    thread.start()
+    pool = Pool(f"http://127.0.0.1:{listener.getsockname()[1]}")
+    try:
+        assert (await get(pool))[2] == b"ok"
+        may_close.set()
+        assert closed.wait(SAFETY_S)  # holds the loop: the engine's FIN reaches our socket unseen
+        status, _, body = await get(pool, method="POST", body=b"{}", headers=[(b"host", b"h"), (b"content-length", b"2")])
+    finally:
+        pool.close()
+        thread.join(SAFETY_S)
+    assert (status, body) == (200, b"ok"), "the POST must go on a fresh connection, not into the closed one"
+    assert [h.split(b" ")[0] for h in heads] == [b"GET", b"POST"], "the POST reached the engine once"
 
 
 async def test_idempotent_retry_takes_a_new_connection_not_another_pooled_one() -> None:

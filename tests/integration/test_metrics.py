@@ -167,3 +167,22 @@ async def test_the_demo_box_writes_its_own_file_not_the_real_cards_history(box: 
     tel = extension(demo, Telemetry)
     assert tel.path is not None and tel.path.name == "telemetry-sim.sqlite3"
     assert tel.path.parent == Path.home() / ".local" / "state" / "hyperswap"
+
+
+async def test_requests_are_counted_by_the_status_their_client_got_a_500_is_not_completed(
+        box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box(fast("default"))
+    demo.box.ollama.fail_next_load_with("llama runner process has terminated: exit status 2")
+    failed = await http.post(demo.proxy.url("ollama") + "/api/generate",
+                             json={"model": "llama3.2:3b", "prompt": "hi", "stream": False})
+    unknown = await http.post(demo.proxy.url("ollama") + "/api/generate",
+                              json={"model": "no-such-model", "prompt": "hi", "stream": False})
+    fine = await http.post(demo.proxy.url("ollama") + "/api/generate",
+                           json={"model": "llama3.2:3b", "prompt": "hi", "stream": False})
+    assert (failed.status_code, unknown.status_code, fine.status_code) == (500, 404, 200), (failed.text, unknown.text)
+
+    m = await scrape(http, demo)
+
+    assert value(m, "hyperswap_requests_total", tenant="ollama", outcome="server_error") == 1, "the runner's 500"
+    assert value(m, "hyperswap_requests_total", tenant="ollama", outcome="client_error") == 1, "the unknown model's 404"
+    assert value(m, "hyperswap_requests_total", tenant="ollama", outcome="completed") == 1, "only the 200"

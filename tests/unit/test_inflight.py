@@ -76,3 +76,21 @@ async def test_a_job_the_engine_no_longer_has_ends_and_is_reported_once() -> Non
     await clock.advance(POLL_S)  # one poll
     assert inflight.jobs("comfyui") == ("queued",) and lost == ["deleted"]
     await poller.stop()
+
+
+async def test_bytes_passing_mark_activity_at_most_once_a_second_without_telling_listeners() -> None:
+    clock = ManualClock()
+    inflight = InFlight(clock)
+    heard: list[str] = []
+    token = inflight.begin("t")
+    inflight.on_change.append(lambda tenant, _: heard.append(tenant))
+    start = clock.now()
+    await clock.advance(0.5)
+    inflight.active("t")
+    assert inflight.traffic("t").last_activity == start, "within a second of the last mark: not marked again"
+    await clock.advance(0.6)
+    inflight.active("t")
+    assert inflight.traffic("t").last_activity == start + 1.1
+    assert heard == [], "activity alone changes nothing a listener acts on (busy, counts, jobs)"
+    inflight.end(token)
+    assert inflight.traffic("t").last_activity == start + 1.1 and heard == ["t"]

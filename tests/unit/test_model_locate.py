@@ -12,6 +12,7 @@ from proxy.engines.model_files import (
     argv_of,
     comfy_argv_paths,
     comfy_folders,
+    files_summary,
     ollama_name_parts,
     ollama_roots,
     ollama_store,
@@ -204,3 +205,14 @@ def test_the_models_extension_reads_the_engines_environment_only_from_this_hosts
     # a reader that does not see this host's /proc (simulated GPU, engines' estimates): its pids are not these
     assert ext_seeing(None)._engine_env(ollama) is None
     assert ext_seeing(ProcessTree()).catalog.tenant_files(ollama).looked_in == ("/data/models",)  # type: ignore[union-attr]
+
+
+def test_the_health_text_names_a_model_file_given_as_model_paths_not_a_dash(tmp_path: Path) -> None:
+    (tmp_path / "whisper.bin").write_bytes(b"w")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.onnx").write_bytes(b"aa")
+    one_file = plain_files("stt", [tmp_path / "whisper.bin"])
+    assert files_summary(one_file) == f"1 model(s): {tmp_path / 'whisper.bin'}"
+    both = plain_files("stt", [tmp_path / "d", tmp_path / "whisper.bin"])
+    assert files_summary(both) == f"2 model(s) in {tmp_path / 'd'} and {tmp_path / 'whisper.bin'}"
+    assert files_summary(plain_files("stt", [tmp_path / "d"])) == f"1 model(s) in {tmp_path / 'd'}"

@@ -306,3 +306,33 @@ async def test_without_a_websocket_the_graph_is_followed_through_history() -> No
         run = await following
     assert (run.ok, run.followed, run.error_type) == (False, "history", "torch.OutOfMemoryError")
     assert run.error == "Allocation on device" and polls["n"] == 3
+
+
+def generic_view(ready: dict[str, Any] | None = None) -> dict[str, Any]:
+    config: dict[str, Any] = {"engine": "generic", "listen": "127.0.0.1:9001", "upstream": "http://127.0.0.1:9000"}
+    if ready is not None:
+        config |= {"ready": ready, "release": {"kind": "process", "command": ["stt"]}}
+    return {"name": "stt", "config": config, "listening": "http://stt.test", "busy": False, "busy_reason": "idle",
+            "in_flight": 0, "waiting": [], "vram_bytes": 0, "reclaimable": True, "idle_release_in_s": None}
+
+
+async def test_a_generic_tenant_without_a_ready_path_passes_on_its_port_and_says_that_is_all_it_judged() -> None:
+    box = FakeBox(**{"GET stt.test/": httpx.Response(404, text="Not Found")})
+    box.tenants.append(generic_view())
+    up = result(await run(box, yes=True), "upstream stt")
+    assert up.status == "pass", up
+    assert "accepted a connection" in up.detail and "ready.path" in up.detail, up.detail
+    assert "not exercised" in up.detail, f"a 404 from GET / proves the port, not the app: {up.detail}"
+
+
+async def test_a_generic_tenant_with_a_ready_path_is_judged_by_it_not_by_a_404_from_the_root() -> None:
+    box = FakeBox(**{"GET stt.test/": httpx.Response(404, text="Not Found"),
+                     "GET stt.test/health": httpx.Response(503, text="loading")})
+    box.tenants.append(generic_view({"path": "/health", "status": 200}))
+    up = result(await run(box, yes=True), "upstream stt")
+    assert up.status == "fail" and "/health" in up.detail and "503" in up.detail, up
+
+    box = FakeBox(**{"GET stt.test/health": httpx.Response(200, text="ok")})
+    box.tenants.append(generic_view({"path": "/health", "status": 200}))
+    up = result(await run(box, yes=True), "upstream stt")
+    assert up.status == "pass" and "/health" in up.detail and "tenants.stt.ready" in up.detail, up
