@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, TextIO
 from proxy import __version__
 from proxy.errors import HyperSwapError
 from proxy.gpu.visibility import start_notice
-from proxy.tenants import field_value, load_registry
+from proxy.tenants import SETTINGS_SECTIONS, field_value, load_registry, setting_value
 
 if TYPE_CHECKING:
     from proxy.service import Proxy
@@ -26,8 +26,13 @@ if TYPE_CHECKING:
 def cmd_tenants(args: argparse.Namespace) -> int:
     registry = load_registry(args.config)
     if args.json:
+        config = registry.config
         out = {
             "source": str(registry.source) if registry.source else None,
+            "settings": {section: {"config": getattr(config, section).model_dump(mode="json"),
+                                   "sources": {k.split(".", 1)[1]: v for k, v in registry.settings_provenance.items()
+                                               if k.split(".", 1)[0] == section}}
+                         for section in SETTINGS_SECTIONS if getattr(config, section) is not None},
             "tenants": {
                 name: {"config": t.model_dump(mode="json"), "sources": dict(registry.provenance[name])}
                 for name, t in registry.tenants.items()
@@ -36,6 +41,14 @@ def cmd_tenants(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
         return 0
     print(f"configuration: {registry.source or 'shipped defaults only (no user file)'}")
+    section = None
+    for dotted, source in registry.settings_provenance.items():
+        head = dotted.split(".", 1)[0]
+        if head != section:
+            section = head
+            print(f"\n{section}")
+        value = json.dumps(setting_value(registry.config, dotted))
+        print(f"  {dotted.split('.', 1)[1]:<28} {value:<48} [{source}]")
     for name, tenant in registry.tenants.items():
         print(f"\n{name}  ({tenant.engine}, priority {tenant.priority}, "
               f"{'reclaimable' if tenant.reclaimable else 'not reclaimable'})")
@@ -55,10 +68,14 @@ def _log_decisions() -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     from proxy.demo import demo_main
 
+    if args.config is not None and args.no_proxy:
+        raise HyperSwapError("--config sets the proxy's settings, and --no-proxy starts no proxy",
+                             fix="drop one of them")
     if not args.check:
         _log_decisions()
 
-    return asyncio.run(demo_main(args.scenario, args.check, with_proxy=not args.no_proxy, fast=args.fast))
+    return asyncio.run(demo_main(args.scenario, args.check, with_proxy=not args.no_proxy, fast=args.fast,
+                                 config=args.config))
 
 
 async def serve(proxy: Proxy, stop: asyncio.Event, ports: Mapping[str, int] | None = None, *,
@@ -142,8 +159,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import httpx
 
     registry = load_registry(args.config)
-    if not args.tenant:
-        raise HyperSwapError("--tenant is required", fix="hyperswap plan --tenant ollama --need-gb 8")
     url = args.admin or f"http://{registry.config.admin.listen}"
     params: dict[str, str] = {"tenant": args.tenant}
     if args.need_gb is not None:
@@ -163,9 +178,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"{plan.get('outcome') or ('ready' if plan['feasible'] else 'impossible')}: {plan['explanation']}")
     for rel in plan["releases"]:
         print(f"  release {rel['tenant']:<12} ~{rel['expected_free_gib']} GiB  ({rel['reason']})")
+    # The requester's own processes are in the plan for its numbers (what it holds counts toward its
+    # need); they are not in its way, so they are listed apart, not as blockers.
     for b in plan["blockers"]:
-        print(f"  blocker {b['name']:<20} pid {b['pid']}  {b['tenant']:<10} {b['vram_gib']} GiB  {b['reason']}: {b['detail']}")
+        if b["reason"] == "requester":
+            print(f"  held    {b['name']:<20} pid {b['pid']}  {b['tenant']:<10} {b['vram_gib']} GiB  "
+                  "(the requester's own: counts toward its need)")
+        else:
+            print(f"  blocker {b['name']:<20} pid {b['pid']}  {b['tenant']:<10} {b['vram_gib']} GiB  "
+                  f"{b['reason']}: {b['detail']}")
     return 0 if plan["feasible"] or plan.get("outcome") == "unplanned" else 1  # unplanned: forwarded as it is
+
+
+class _ScenarioNames:
+    """The demo's scenarios as shipped, listed when `demo --help` is printed (read then: the simulators
+    load only for the demo, and the list never goes stale)."""
+
+    def __str__(self) -> str:
+        from proxy.demo import scenario_names
+
+        return ", ".join(scenario_names())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -184,13 +216,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     add("serve", "run the proxy: one listener per tenant plus the admin API", cmd_serve)
     demo = add("demo", "run the proxy against a simulated GPU, Ollama and ComfyUI (no GPU needed)", cmd_demo)
-    demo.add_argument("--scenario", default="default", help="default, tight, third-app, two-gpus, or a scenario file path")
+    demo.set_defaults(config=None)
+    for action in demo._actions:
+        if action.dest == "config":
+            action.help = ("a tenants.json whose settings (proxy, admin, telemetry, gpu_profile, tenants) apply over "
+                           "the scenario's; the simulated engines keep their simulators as upstream (default: none: "
+                           "the demo never reads your tenants.json unless named here)")
+    scenario = demo.add_argument("--scenario", default="default",
+                                 help="%(scenarios)s, or a scenario file path (default: %(default)s)")
+    setattr(scenario, "scenarios", _ScenarioNames())  # noqa: B010 (argparse expands %(scenarios)s from the action)
     demo.add_argument("--check", action="store_true", help="self-test every simulator route and one handoff, then exit 0/1")
     demo.add_argument("--no-proxy", action="store_true", help="start only the simulated GPU box")
     demo.add_argument("--fast", action="store_true",
                       help="cut the simulated engines' load, unload and step times to milliseconds (a quick --check)")
-    check = add("check", "check every dependency of a running proxy (NVML, upstreams, config) and say how to fix what is broken",
-                cmd_check)
+    check = add("check", "check every dependency of a running proxy (NVML, upstreams, config) and say how to fix what "
+                "is broken; exits 0 when no check failed, 1 when one did, 2 when no proxy answers", cmd_check)
     check.add_argument("--admin", metavar="URL", help="admin API URL (default: from tenants.json)")
     check.add_argument("--json", action="store_true")
     check.add_argument("--ready-within", type=float, metavar="SECONDS",
@@ -208,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the checkpoint of the minimal graph (default: the first listed)")
     verify.add_argument("--stage-timeout", type=float, default=180.0, metavar="SECONDS", help="the most one stage may take")
     plan = add("plan", "print a dry-run release plan from a running proxy", cmd_plan)
-    plan.add_argument("--tenant", help="the tenant that needs memory")
+    plan.add_argument("--tenant", required=True, metavar="NAME", help="the tenant that needs memory")
     plan.add_argument("--need-gb", type=float, help="GiB it needs (default: its needs_vram_gb)")
     plan.add_argument("--admin", metavar="URL", help="admin API URL (default: from tenants.json)")
     plan.add_argument("--json", action="store_true")

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import httpx
@@ -23,17 +27,21 @@ from proxy.clock import Clock, SystemClock
 from proxy.relay.servers import settle_heap
 from proxy.service import Proxy
 from proxy.sim.box import Scenario, SimBox, fast_scenario, load_scenario
+from proxy.sim.box import scenario_names as scenario_names  # for `demo --help` (cli.py never imports proxy.sim)
 from proxy.tasks import poll_until
-from proxy.tenants import GIB, registry_from_dict
+from proxy.tenants import GIB, load_registry_over, registry_from_dict
 from proxy.tls import client_context
 
 DEFAULT_SIM_PORTS = {"ollama": 21434, "comfyui": 28188}
+EXAMPLE_CKPT = "sd_xl_base_1.0.safetensors"  # examples/comfy_prompt.json's
 
 
 @dataclass(slots=True)
 class Demo:
     box: SimBox
     proxy: Proxy | None
+    config: Path | None = None  # the tenants.json applied over the scenario (--config)
+    workdir: Path | None = field(default=None)  # the files the "Try:" lines name; removed on stop
 
     @property
     def urls(self) -> dict[str, str]:
@@ -44,42 +52,79 @@ class Demo:
         return out
 
     async def stop(self) -> None:
-        if self.proxy:
-            await self.proxy.stop()
-        await self.box.stop()
+        try:
+            if self.proxy:
+                await self.proxy.stop()
+            await self.box.stop()
+        finally:
+            if self.workdir is not None:
+                shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def example_prompt(self) -> Path:
+        """A ComfyUI graph for this box's checkpoints, written once to a file of the demo's own (an
+        absolute path: the "Try:" line works from any folder, and from an installed wheel)."""
+        if self.workdir is None:
+            self.workdir = Path(tempfile.mkdtemp(prefix="hyperswap-demo-"))
+        path = self.workdir / "comfy_prompt.json"
+        if not path.exists():
+            ckpts = self.box.comfyui.config.checkpoints if self.box.comfyui else {}
+            ckpt = EXAMPLE_CKPT if EXAMPLE_CKPT in ckpts else max(ckpts, key=lambda k: ckpts[k], default=EXAMPLE_CKPT)
+            path.write_text(json.dumps({"prompt": comfy_prompt(ckpt, seed=42)}, indent=1) + "\n")
+        return path
 
 
 async def start_demo(scenario: str | Scenario = "default", *, sim_ports: Mapping[str, int] | None = None,
                      proxy_ports: Mapping[str, int] | None = None, with_proxy: bool = True,
-                     watchdog: bool = True, clock: Clock | None = None) -> Demo:
+                     watchdog: bool = True, clock: Clock | None = None, config: str | os.PathLike[str] | None = None,
+                     scenario_name: str | None = None) -> Demo:
     """The simulated box and the proxy in front of it, all on one clock (the system's unless given:
-    tests give a ticking ManualClock to jump past the proxy's thresholds)."""
+    tests give a ticking ManualClock to jump past the proxy's thresholds). `config`: a tenants.json
+    whose settings apply over the scenario's (the simulated engines' upstreams stay the simulators')."""
     clock = clock or SystemClock()
+    name = scenario_name or (scenario if isinstance(scenario, str) else "custom")
     box = SimBox(load_scenario(scenario) if isinstance(scenario, str) else scenario, clock)
     ports = {**DEFAULT_SIM_PORTS, **(sim_ports or {})}
     await box.start(ollama_port=ports["ollama"], comfyui_port=ports["comfyui"])
     proxy = None
+    path = _absolute(config)
     if with_proxy:
         try:
-            # The demo never reads the operator's tenants.json: shipped defaults + the scenario.
-            registry = registry_from_dict(box.tenant_overrides())
-            proxy = Proxy(registry, box.gpu, clock, watchdog_enabled=watchdog)
+            # The demo never reads the operator's tenants.json unless --config names one: shipped
+            # defaults, the scenario, then that file.
+            if path is None:
+                registry = registry_from_dict(box.tenant_overrides())
+                note = f"demo scenario {name!r} over the shipped defaults (no tenants.json read)"
+            else:
+                pinned = {n: {"upstream": s.url} for n, s in box.servers.items()}
+                registry = load_registry_over(box.tenant_overrides(), path, pinned)
+                note = (f"demo scenario {name!r} with {path} applied over it (the simulated "
+                        f"{' and '.join(pinned) or 'engines'} keep their simulators as upstream)")
+            proxy = Proxy(registry, box.gpu, clock, watchdog_enabled=watchdog, config_note=note)
             await proxy.start(proxy_ports)
         except BaseException:
             await box.stop()
             raise
-    return Demo(box, proxy)
+    return Demo(box, proxy, path)
+
+
+def _absolute(config: str | os.PathLike[str] | None) -> Path | None:
+    """The --config path as health and the banner name it: absolute, whatever folder the demo ran in."""
+    return None if config is None else Path(os.path.abspath(config))
 
 
 def describe(demo: Demo, scenario: str) -> str:
-    lines = [f"hyperswap demo: scenario {scenario!r} ({demo.box.scenario.description})", *_cards(demo), ""]
+    lines = [f"hyperswap demo: scenario {scenario!r} ({demo.box.scenario.description})", *_cards(demo)]
+    if demo.config is not None:
+        lines.append(f"configuration: {demo.config} applied over the scenario (its proxy, admin and telemetry "
+                     "settings and tenants; the simulated engines keep their simulators as upstream)")
+    lines.append("")
     for what, url in demo.urls.items():
         lines.append(f"  {what:<22} {url}")
     if demo.proxy:
         o, c, a = demo.proxy.url("ollama"), demo.proxy.url("comfyui"), demo.proxy.url("admin")
         big = max(demo.box.ollama.config.models, key=lambda m: m.size_bytes).name if demo.box.ollama else "llama3.1:8b"
         lines += ["", "Try:",
-                  f"  curl -s {c}/prompt -d @examples/comfy_prompt.json      # ComfyUI loads a checkpoint",
+                  f"  curl -s {c}/prompt -d @{demo.example_prompt()}      # ComfyUI loads a checkpoint",
                   f"  curl -s {o}/api/generate -d '{{\"model\":\"{big}\",\"prompt\":\"hi\",\"stream\":false}}'   "
                   + ("# Ollama needs it back" if demo.box.gpu.device_count == 1 else "# on its own GPU: nothing released"),
                   f"  curl -s {a}/api/decisions | python3 -m json.tool          # what the proxy decided and why",
@@ -484,10 +529,12 @@ def print_report(results: list[tuple[str, bool, str]]) -> bool:
     return not failed
 
 
-async def demo_main(scenario: str, check: bool, with_proxy: bool = True, fast: bool = False) -> int:
+async def demo_main(scenario: str, check: bool, with_proxy: bool = True, fast: bool = False,
+                    config: str | None = None) -> int:
     # --fast: the same box with the engines' load, unload and step delays cut to milliseconds (what the
     # tests run on), so a check after an install takes seconds instead of a minute and a half.
-    demo = await start_demo(fast_scenario(scenario) if fast else scenario, with_proxy=with_proxy, watchdog=not check)
+    demo = await start_demo(fast_scenario(scenario) if fast else scenario, with_proxy=with_proxy, watchdog=not check,
+                            config=config, scenario_name=scenario)
     settle_heap()
     try:
         print(describe(demo, scenario), flush=True)

@@ -80,6 +80,7 @@ class Proxy:
     watchdog_enabled: bool = True
     extension_factories: list[ExtensionFactory] | None = None  # None: default_extensions()
     config_path: Path | None = None  # the tenants.json in use, for the health check
+    config_note: str | None = None  # how the configuration was put together, when not a tenants.json alone (the demo)
     drain_s: float = DRAIN_S  # on stop, what requests in flight get, in all, to finish
     lifecycle_dir: Path | None = None  # pidfiles of the apps the proxy starts (None: ~/.local/state/hyperswap/lifecycle)
     inflight: InFlight = field(init=False)

@@ -19,6 +19,7 @@ import re
 import shutil
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from dataclasses import field as dc_field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -715,6 +716,8 @@ class Registry:
     config: Config
     source: Path | None  # the user file, or None for shipped defaults alone
     provenance: Mapping[str, Mapping[str, str]]  # tenant -> dotted field -> "user" | "default"
+    # the other sections (admin, proxy, telemetry, gpu_profile): dotted field -> "user" | "default"
+    settings_provenance: Mapping[str, str] = dc_field(default_factory=dict)
 
     @property
     def tenants(self) -> Mapping[str, Tenant]:
@@ -913,6 +916,28 @@ def load_registry(path: str | os.PathLike[str] | None = None, *, env: Mapping[st
     return _validate(merged, source, prov, early, env)
 
 
+def load_registry_over(data: Mapping[str, Any], path: str | os.PathLike[str],
+                       pinned: Mapping[str, Mapping[str, Any]] | None = None) -> Registry:
+    """The shipped defaults, then `data` (the demo's scenario), then the file at `path` over both
+    (`hyperswap demo --config`): its admin, proxy, telemetry and gpu_profile sections and its tenants.
+    `pinned`: tenant fields the file cannot change (the simulators' upstreams); the source is the file."""
+    source = Path(path)
+    user = _read_json(source)
+    early = _check_tree(user, str(source))
+    if not isinstance(user, dict):
+        raise ConfigError(f"{source}: the top level must be a JSON object", problems=["(top level): expected an object"])
+    if user.get("tenants") is not None and not isinstance(user["tenants"], dict):
+        raise ConfigError(f"{source} does not match the schema", problems=["tenants: expected an object"])
+    prov: dict[tuple[str, ...], str] = {}
+    early += _check_tree(data, "the configuration")
+    merged = copy.deepcopy(_merge(_merge(_read_json(SHIPPED_DEFAULTS), dict(data), (), prov), user, (), prov))
+    for name, fields in (pinned or {}).items():
+        body = merged.get("tenants", {}).get(name)
+        if isinstance(body, dict):
+            body.update(fields)
+    return _validate(merged, source, prov, early, os.environ)
+
+
 def registry_from_dict(data: Mapping[str, Any]) -> Registry:
     """Build a registry from an in-memory config (tests, scenarios), with shipped defaults merged under it."""
     prov: dict[tuple[str, ...], str] = {}
@@ -972,7 +997,7 @@ def _validate(merged: Any, source: Path | None, prov: dict[tuple[str, ...], str]
         raise ConfigError(f"{where}: a command the proxy would run cannot be found", problems=missing,
                           fix="correct the paths listed above; the proxy checks them at load so a start never "
                               "fails for it later")
-    return Registry(config, source, _field_sources(config, prov))
+    return Registry(config, source, _field_sources(config, prov), _settings_sources(config, prov))
 
 
 def _leaves(value: Any, prefix: str) -> Iterator[tuple[str, Any]]:
@@ -981,6 +1006,29 @@ def _leaves(value: Any, prefix: str) -> Iterator[tuple[str, Any]]:
             yield from _leaves(v, f"{prefix}.{k}" if prefix else k)
     else:
         yield prefix, value
+
+
+SETTINGS_SECTIONS = ("admin", "proxy", "telemetry", "gpu_profile")
+
+
+def _settings_sources(config: Config, prov: dict[tuple[str, ...], str]) -> dict[str, str]:
+    """Each field of the sections other than `tenants`, dotted (`proxy.queue_timeout_s`): user or default."""
+    out: dict[str, str] = {}
+    for section in SETTINGS_SECTIONS:
+        value = getattr(config, section)
+        if value is None:
+            continue
+        for key in value.model_dump():
+            parts = (section, key)
+            user = any(src == "user" and (k[:2] == parts or k == (section,)) for k, src in prov.items())
+            out[f"{section}.{key}"] = "user" if user else "default"
+    return out
+
+
+def setting_value(config: Config, dotted: str) -> Any:
+    """A section's field as JSON would show it (`proxy.queue_timeout_s` -> 300.0)."""
+    section, key = dotted.split(".", 1)
+    return getattr(config, section).model_dump(mode="json")[key]
 
 
 def _field_sources(config: Config, prov: dict[tuple[str, ...], str]) -> dict[str, dict[str, str]]:

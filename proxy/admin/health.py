@@ -347,8 +347,10 @@ class HealthExtension:
 
     async def check_config(self, snap: AttributedSnapshot) -> HealthEntry:
         path = self.proxy.config_path or self.proxy.registry.source
+        # the demo: its scenario, and the file applied over it (a config_path set since names its own file)
+        note = self.proxy.config_note if self.proxy.config_path is None else None
         if path is None:
-            return HealthEntry("configuration", "ok", "shipped defaults (no tenants.json in use)")
+            return HealthEntry("configuration", "ok", note or "shipped defaults (no tenants.json in use)")
         try:
             await asyncio.to_thread(load_registry, path)
         except ConfigError as exc:
@@ -356,7 +358,7 @@ class HealthExtension:
             return HealthEntry("configuration", "failed", f"{exc.message}" + (f": {problems}" if problems else ""),
                                "the running proxy keeps the configuration it started with, but the next start fails",
                                exc.fix or f"fix {path}")
-        return HealthEntry("configuration", "ok", f"{path}: valid")
+        return HealthEntry("configuration", "ok", f"{note}; the file is valid" if note else f"{path}: valid")
 
     async def check_lifecycles(self, snap: AttributedSnapshot) -> list[HealthEntry]:
         """Each tenant the proxy starts and stops: a failed start with its error and fix, and what its

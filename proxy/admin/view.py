@@ -45,6 +45,7 @@ class ProxyParts(Protocol):
     reader: GpuReader
     clock: Clock
     config_path: Path | None
+    config_note: str | None
     inflight: InFlight
     decisions: DecisionLog
     arbitration: Arbitration
@@ -85,6 +86,11 @@ class ProxyView:
     @property
     def config_path(self) -> Path | None:
         return self._proxy.config_path
+
+    @property
+    def config_note(self) -> str | None:
+        """How the configuration was put together when no tenants.json alone says it (the demo's scenario)."""
+        return self._proxy.config_note
 
     @property
     def inflight(self) -> InFlight:

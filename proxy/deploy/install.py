@@ -23,7 +23,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 from urllib.parse import urlsplit
@@ -389,6 +389,41 @@ def exec_argv() -> list[str]:
     return [found] if found else [sys.executable, "-m", "proxy.cli"]
 
 
+HIDDEN_FROM_THE_SERVICE = ("/tmp", "/var/tmp")  # the system unit's PrivateTmp=yes gives it empty ones
+
+
+def _under_tmp(argv: Sequence[str]) -> tuple[str, str] | None:
+    """The first word of the command that lies under /tmp or /var/tmp, and which of them."""
+    for word in argv:
+        for folder in HIDDEN_FROM_THE_SERVICE:
+            if word.startswith(folder + "/"):
+                return word, folder
+    return None
+
+
+def exec_refusal(mode: Mode, argv: Sequence[str]) -> HyperSwapError | None:
+    """Why the service could not start this command: the system unit runs with PrivateTmp=yes, so
+    a HyperSwap installed under /tmp or /var/tmp (a virtual environment made there) is not there
+    for it, and every start would fail with "No such file or directory". None: nothing in the way."""
+    found = _under_tmp(argv)
+    if found is None or mode == "user":  # a user unit sees /tmp (emptied at boot: tmp_note says so)
+        return None
+    path, folder = found
+    return HyperSwapError(
+        f"the service would run {path}, under {folder}: the system unit has PrivateTmp=yes, so the service "
+        "sees an empty /tmp and /var/tmp and could never start",
+        fix="install HyperSwap outside /tmp (e.g. `python3 -m venv /opt/hyperswap && /opt/hyperswap/bin/pip install "
+            "hyperswap`, or pipx), then run that `hyperswap install`")
+
+
+def tmp_note(argv: Sequence[str]) -> str | None:
+    """A user service may run a program under /tmp, but /tmp is emptied at boot."""
+    found = _under_tmp(argv)
+    return None if found is None else (
+        f"the service runs {found[0]}, under {found[1]}, a folder that is emptied at boot: after a reboot it cannot "
+        "start; install HyperSwap elsewhere (a virtual environment in your home, or pipx) for a lasting service")
+
+
 def add_arguments(p: argparse.ArgumentParser, action: str) -> None:
     p.add_argument("--user", action="store_true", help="a user service (systemctl --user) instead of a system one")
     p.add_argument("--dry-run", action="store_true", help="print every file and command, change nothing")
@@ -433,11 +468,22 @@ def main(args: argparse.Namespace, action: str, *, runner: Runner | None = None,
             raise HyperSwapError(f"{lay.config} is not JSON ({exc})", fix="correct it, or move it away") from None
         if not isinstance(base, dict):
             raise HyperSwapError(f"{lay.config} is not a JSON object", fix="correct it, or move it away")
-        plan = plan_install(lay, base, exec_argv(), holders or holders_here, engine_ports=_engine_ports(args.port),
+        argv = exec_argv()
+        refusal = exec_refusal(mode, argv)
+        if refusal is not None and not args.dry_run:
+            raise refusal
+        plan = plan_install(lay, base, argv, holders or holders_here, engine_ports=_engine_ports(args.port),
                             skip=args.skip, start=not args.no_start, read=files.read)
+        note = tmp_note(argv) if mode == "user" else None
+        if note:
+            plan = replace(plan, notes=(*plan.notes, note))
     else:
+        refusal = None
         plan = plan_uninstall(lay, files.read, force=args.force)
     describe(plan, out, dry_run=args.dry_run)
+    if refusal is not None:  # a dry run shows the plan, and that install refuses it
+        print(f"\n{refusal.one_line()}\n(the real install refuses this and changes nothing)", file=err)
+        return refusal.exit_code
     if args.dry_run:
         return 0
     return apply(plan, files, runner or SystemRunner(), err)
