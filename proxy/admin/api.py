@@ -243,6 +243,21 @@ class AdminApi:
         limit = integer(request.query_params, "limit", 100, low=1, high=500, example="GET /api/decisions?limit=100")
         return JSONResponse({"decisions": [d.to_json() for d in self.arb.decisions.recent(limit)]})
 
+    async def decision(self, request: Request) -> Response:
+        """One decision, and the story of the request it belongs to (arrived, waited for whom, the
+        releases, the load, the first byte), with the decisions it is told from."""
+        raw = request.path_params["id"]
+        if not raw.isdigit():
+            return error(400, f"decision id {raw!r} is not a number", "GET /api/decisions/42 (ids from GET /api/decisions)")
+        log = self.arb.decisions
+        view = log.view(int(raw))
+        if view is None:
+            return error(404, f"no decision {raw} (too old, or never made)", "GET /api/decisions lists the kept ones")
+        story = log.story(view.id)
+        related = [v for i in (story.related if story else ()) if i != view.id and (v := log.view(i)) is not None]
+        return JSONResponse({"decision": view.to_json(), "story": story.to_json() if story else None,
+                             "related": [v.to_json() for v in related]})
+
     async def stats(self, request: Request) -> Response:
         snap = await self.arb.snapshot()
         states = self.arb.states(snap)
@@ -270,6 +285,7 @@ class AdminApi:
             Route("/api/tenants/{name}/stop", s(self._guard(self.stop)), methods=["POST"]),
             Route("/api/plan", s(self.plan), methods=["GET"]),
             Route("/api/decisions", s(self.decisions), methods=["GET"]),
+            Route("/api/decisions/{id}", s(self.decision), methods=["GET"]),
             Route("/api/stats", s(self.stats), methods=["GET"]),
             *(extra_routes or []),
         ]

@@ -195,7 +195,8 @@ class ModelsExtension:
             return None  # already in RAM: nothing to read
         return self.warmer.start(files.key, files.files, files.size_bytes, reason)
 
-    async def loading(self, tenant: Tenant, model: str, body: bytes) -> Callable[[UpstreamResponse], UpstreamResponse] | None:
+    async def loading(self, tenant: Tenant, model: str, body: bytes,
+                      request: int | None = None) -> Callable[[UpstreamResponse], UpstreamResponse] | None:
         adapter = adapter_for(tenant)
         self._used(tenant.name, model)
 
@@ -208,7 +209,7 @@ class ModelsExtension:
             return None
         if adapter.load_timed_from_frames:  # the load runs after the answer
             self._frames.setdefault(tenant.name, FrameTimer(time.monotonic)).expect(
-                loader_nodes(body, model), (files, before, f"{adapter.kind} execution frames"))
+                loader_nodes(body, model), (files, before, f"{adapter.kind} execution frames", request))
             return None
         if type(adapter).load_seconds is EngineAdapter.load_seconds:
             return None  # this engine does not say how long its loads take
@@ -216,8 +217,8 @@ class ModelsExtension:
         def done(tail: bytes) -> None:
             seconds = adapter.load_seconds(tail)
             if seconds is not None and seconds >= MIN_LOAD_S:
-                self.record_load(LoadRecord(time.time(), tenant.name, files.name, files.size_bytes, seconds, before,
-                                            f"{adapter.kind} load_duration"), files.files)
+                self.record_load(LoadRecord(time.time(), tenant.name, files.name, self.model_size(files), seconds, before,
+                                            f"{adapter.kind} load_duration"), files.files, request)
 
         return lambda response: _TimedResponse(response, done)
 
@@ -225,15 +226,16 @@ class ModelsExtension:
         timer = self._frames.get(tenant.name)
         if timer is None or not timer.expected:
             return
-        for (files, before, source), seconds in timer.on_frame(text):
+        for (files, before, source, request), seconds in timer.on_frame(text):
             if seconds >= MIN_LOAD_S:
-                self.record_load(LoadRecord(time.time(), tenant.name, files.name, files.size_bytes, seconds, before,
-                                            source), files.files)
+                self.record_load(LoadRecord(time.time(), tenant.name, files.name, self.model_size(files), seconds, before,
+                                            source), files.files, request)
 
-    def record_load(self, record: LoadRecord, paths: tuple[str, ...] = ()) -> LoadRecord:
+    def record_load(self, record: LoadRecord, paths: tuple[str, ...] = (), request: int | None = None) -> LoadRecord:
         record = self.loads.add(record)
         self.catalog.files_changed(paths)  # the engine read them: a reading from before the load is stale
-        self.proxy.decisions.emit(ModelLoad(tenant=record.tenant, trigger=f"{record.model} loaded", load=record))
+        self.proxy.decisions.emit(ModelLoad(tenant=record.tenant, trigger=f"{record.model} loaded", load=record,
+                                            request=request))
         self._keep_recent_warm()
         return record
 
@@ -252,11 +254,19 @@ class ModelsExtension:
                         f"hyperswap:keep-warm:{tenant}:{model}")
 
     # -- views ----------------------------------------------------------------------------------
+    def model_size(self, m: ModelFiles) -> int:
+        """What the model weighs: its files' size; on the demo's simulated box, whose files are small
+        stand-ins, the size of the model they stand for (so its loads' GB/s are the model's)."""
+        stands_for = [self.proxy.model_file_size(p) for p in m.files]
+        known = [s for s in stands_for if s is not None]
+        return sum(known) if known and len(known) == len(stands_for) else m.size_bytes
+
     def model_json(self, m: ModelFiles, files: bool = False) -> dict[str, Any]:
         r = self.catalog.residency_of(m)
         job = self.warmer.jobs.get(m.key)
-        return {"tenant": m.tenant, "name": m.name, "folder": m.folder, "key": m.key, "size_bytes": m.size_bytes,
-                "size_gb": round(m.size_bytes / GIB, 3), "file_count": len(m.files), "residency": r.to_json(files),
+        size = self.model_size(m)
+        return {"tenant": m.tenant, "name": m.name, "folder": m.folder, "key": m.key, "size_bytes": size,
+                "size_gb": round(size / GIB, 3), "file_count": len(m.files), "residency": r.to_json(files),
                 "warm": job.to_json() if job else None}
 
     def listing(self, tenant: str | None) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from proxy.admin.telemetry import HISTORY_LIMIT_MAX, KINDS
 from proxy.admin.view import ProxyView
 from proxy.admin.views import (
     CatalogFrame,
+    DecisionDetail,
     DecisionList,
     DryRun,
     EngineList,
@@ -44,6 +45,7 @@ JSON = dict[str, Any]
 REF = "#/components/schemas/{model}"
 
 MODELS: tuple[type[BaseModel], ...] = (Error, DryRun, Rejection, ReleaseResult, TenantList, TenantView, DecisionList,
+                                       DecisionDetail,
                                        Stats, StatsFrame, CatalogFrame, HealthReport, EngineList, LifecycleAnswer,
                                        LifecycleRefusal, LifecycleFrame)
 
@@ -137,6 +139,13 @@ def _operations() -> dict[str, dict[str, JSON]]:
             "parameters": [{"name": "limit", "in": "query", "required": False,
                             "schema": {"type": "integer", "minimum": 1, "maximum": 500, "default": 100}}],
             "responses": {"200": _json("decisions", DecisionList), "400": _err("limit is not an integer from 1 to 500")}}},
+        "/api/decisions/{id}": {"get": {
+            "summary": "One decision and the story of the request it belongs to: arrived, waited for whom, the "
+                       "releases and how long each took, the load, the first byte", "operationId": "decision",
+            "parameters": [{"name": "id", "in": "path", "required": True, "schema": {"type": "integer", "minimum": 0},
+                            "description": "a decision id (GET /api/decisions)"}],
+            "responses": {"200": _json("the decision and its request's story", DecisionDetail),
+                          "400": _err("the id is not a number"), "404": _err("no such decision kept")}}},
         "/api/stats": {"get": {
             "summary": "Device, processes, tenants and recent decisions in one call", "operationId": "stats",
             "responses": {"200": _json("stats", Stats)}}},

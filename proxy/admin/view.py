@@ -79,6 +79,14 @@ class ProxyView:
         """The card is the simulator's (the demo, the tests): its engines are not the host's."""
         return getattr(self._proxy.reader, "simulated", False) is True
 
+    def model_file_size(self, path: str) -> int | None:
+        """On a simulated box, the size of the model a stand-in file stands for (the demo's files are
+        small stand-ins, so sizes and load speeds are told as the model's); None on a real box, and
+        for any other file."""
+        sizes = getattr(self._proxy.reader, "model_file_sizes", None) if self.simulated_gpu else None
+        size = sizes(path) if callable(sizes) else None
+        return size if isinstance(size, int) else None
+
     @property
     def clock(self) -> Clock:
         return self._proxy.clock

@@ -321,6 +321,12 @@ class DecisionOutcome(_Doc):
     output: list[str] | None = Field(default=None, description="start, stop: the app's last output lines")
     retry_in_s: float | None = Field(default=None, description="a failed start: when the next may begin")
     asked: JSON | None = Field(default=None, description="resume: what the app was asked and answered")
+    request: int | None = Field(default=None, description="model_load: the decision of the request whose load it was "
+                                                          "(its wait, or the handoff it caused)")
+    # queued, plan: a request that waited or caused a handoff got its answer (FirstByte)
+    arrived_at: float | None = Field(default=None, description="when the request arrived (unix seconds)")
+    first_byte_s: float | None = Field(default=None, description="seconds from its arrival to its answer's first byte")
+    first_byte_status: int | None = Field(default=None, description="the HTTP status its answer began with")
 
 
 class Decision(_Doc):
@@ -335,6 +341,34 @@ class Decision(_Doc):
 
 class DecisionList(_Doc):
     decisions: list[Decision]
+
+
+class StoryStep(_Doc):
+    """One bar of a request's waterfall, in seconds from its arrival."""
+    kind: Literal["wait", "release", "load", "first_byte"]
+    text: str = Field(description="the bar's sentence: 'waited 4.1 s behind comfyui', 'released comfyui in 0.5 s'...")
+    start_s: float
+    duration_s: float
+    decision: int = Field(description="the decision it is told from")
+    tenant: str | None = Field(description="wait: whom it waited for; release: who was released; load: the requester")
+
+
+class RequestStory(_Doc):
+    """Why one GPU request that waited or caused a handoff took as long as it did."""
+    request: int = Field(description="the decision the story hangs on: the request's wait, else the handoff it caused")
+    tenant: str
+    trigger: str
+    arrived_at: float = Field(description="unix seconds")
+    first_byte_s: float | None = Field(description="null: no answer yet, or it was refused")
+    steps: list[StoryStep]
+    related: list[int] = Field(description="the decisions it is told from")
+
+
+class DecisionDetail(_Doc):
+    """`GET /api/decisions/{id}`: one decision, and the story of the request it belongs to."""
+    decision: Decision
+    story: RequestStory | None = Field(description="null: not a GPU request's that waited or caused a handoff")
+    related: list[Decision] = Field(description="the story's other decisions, as GET /api/decisions shows them")
 
 
 class Device(_Doc):

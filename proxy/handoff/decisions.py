@@ -10,14 +10,17 @@ its results come as a second event that refers to it by id, never by changing th
 - `HandoffStarted` / `HandoffFinished` (arbitration.py `carry_out`, the one release path for the
   queue's plans and OOM retries, the watchdog's spill relief and idle releases, the admin API).
 - `Rejected`: 507 (queue.py) or 503 after the queue timeout (relay/gpu_gate.py).
-- `OomRetry`, `StaleJob` (relay/gpu_gate.py); `SpillNoPlan` (watchdog.py); `NothingToRelease`
+- `OomRetry`, `StaleJob`, `FirstByte` (relay/gpu_gate.py: a request that waited or caused a handoff
+  got its answer's first byte); `SpillNoPlan` (watchdog.py); `NothingToRelease`
   (admin/api.py: a CPU engine); `ModelLoad` (admin/models_api.py); `GpuDrift`, `GpuApplyStarted`,
   `GpuApplyFinished` (gpu/keeper.py); `LifecycleStart`, `LifecycleStop` (a lifecycle tenant's start
   and stop, with how long it took and how it ended).
 
 The log numbers them, writes each as one JSON line (`{"decision": {...}}`; people grep them), keeps
 a bounded ring of the decisions as people read them (`DecisionView`: an opening event with the facts
-of its follow-ups merged into its `outcome`, the shape of `GET /api/decisions`), and hands each event
+of its follow-ups merged into its `outcome`, the shape of `GET /api/decisions`), tells one request's story from them
+(`request_story`: arrived, waited for whom, the releases, the load, the first byte;
+`GET /api/decisions/{id}`), and hands each event
 to its subscribers (metrics, telemetry, the events stream), which match on the type.
 """
 
@@ -42,6 +45,7 @@ __all__ = [
     "DecisionKind",
     "DecisionLog",
     "DecisionView",
+    "FirstByte",
     "FollowUp",
     "HandoffFinished",
     "HandoffKind",
@@ -58,10 +62,13 @@ __all__ = [
     "Rejected",
     "ReleaseResult",
     "ReleaseVerdict",
+    "RequestStory",
     "Resumed",
     "SpillNoPlan",
     "StaleJob",
+    "StoryStep",
     "WaitChanged",
+    "request_story",
 ]
 
 ReleaseVerdict = Literal["confirmed", "estimated", "timeout", "error"]
@@ -300,9 +307,28 @@ class ModelLoad(Opening):
     name = "model_load"
     kind: Literal["model_load"] = "model_load"
     load: LoadRecord
+    request: int | None = None  # the decision of the request whose load it was (its wait, or its handoff)
 
     def facts(self) -> dict[str, Any]:
-        return {k: v for k, v in self.load.to_json().items() if k != "tenant"}
+        out = {k: v for k, v in self.load.to_json().items() if k != "tenant"}
+        if self.request is not None:
+            out["request"] = self.request
+        return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FirstByte(FollowUp):
+    """The engine's answer began for a request that waited or caused a handoff: when the request
+    arrived and how long until the answer's first byte (a fact of its wait, or of its handoff)."""
+
+    name = "first_byte"
+    arrived_at: float  # unix seconds
+    after_s: float
+    status: int
+
+    def facts(self) -> dict[str, Any]:
+        return {"arrived_at": round(self.arrived_at, 3), "first_byte_s": round(self.after_s, 3),
+                "first_byte_status": self.status}
 
 
 LifecycleResult = Literal["ok", "failed", "refused"]
@@ -427,6 +453,10 @@ class DecisionLog:
         """A decision as it stands now (None: too old, no longer kept)."""
         return self._views.get(decision_id)
 
+    def story(self, decision_id: int) -> RequestStory | None:
+        """The story of the request a decision belongs to (see `request_story`)."""
+        return request_story(self._views, decision_id)
+
     def view_of(self, event: DecisionEvent) -> DecisionView | None:
         """The decision an event opened or is a later fact of, as it stands after it."""
         target = event.target()
@@ -446,3 +476,110 @@ class DecisionLog:
                 fn(event)
             except Exception:  # a broken subscriber must not break a handoff
                 log.exception("decision subscriber failed")
+
+
+# -- one request's story ----------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class StoryStep:
+    """One bar of a request's waterfall: seconds from its arrival."""
+
+    kind: Literal["wait", "release", "load", "first_byte"]
+    text: str
+    start_s: float
+    duration_s: float
+    decision: int  # the decision it is told from
+    tenant: str | None = None  # wait: whom it waited for; release: who was released; load: the requester
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "text": self.text, "start_s": round(self.start_s, 3),
+                "duration_s": round(self.duration_s, 3), "decision": self.decision, "tenant": self.tenant}
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStory:
+    """Why one GPU request took as long as it did, from the decision log."""
+
+    request: int  # the decision the story hangs on: the request's wait, else the handoff it caused
+    tenant: str
+    trigger: str
+    arrived_at: float
+    steps: tuple[StoryStep, ...]
+    related: tuple[int, ...]  # the decisions it is told from
+    first_byte_s: float | None  # None: no answer yet (or it was refused)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"request": self.request, "tenant": self.tenant, "trigger": self.trigger,
+                "arrived_at": round(self.arrived_at, 3), "first_byte_s": self.first_byte_s,
+                "steps": [x.to_json() for x in self.steps], "related": list(self.related)}
+
+
+def _is_request(v: DecisionView) -> bool:
+    return v.trigger.startswith("request ")
+
+
+def _story_root(views: Mapping[int, DecisionView], decision_id: int) -> DecisionView | None:
+    """The decision a request's story hangs on, from any decision of it."""
+    v = views.get(decision_id)
+    if v is None:
+        return None
+    if v.kind == "model_load":
+        request = v.outcome.get("request")
+        return views.get(request) if isinstance(request, int) else None
+    if v.kind == "plan" and _is_request(v):
+        waited = next((q for q in views.values() if q.kind == "queued" and q.outcome.get("ended_by") == v.id), None)
+        return waited or v
+    if v.kind == "queued" and _is_request(v):
+        return v
+    return None
+
+
+def request_story(views: Mapping[int, DecisionView], decision_id: int) -> RequestStory | None:
+    """The waterfall of the request `decision_id` belongs to (its wait, its handoff or its load):
+    None when that decision is no GPU request's that waited or caused a handoff (or is too old)."""
+    root = _story_root(views, decision_id)
+    if root is None:
+        return None
+    o = root.outcome
+    queued = root if root.kind == "queued" else None
+    ended_by = queued.outcome.get("ended_by") if queued is not None else None
+    handoff = views.get(ended_by) if isinstance(ended_by, int) else (root if root.kind == "plan" else None)
+    if handoff is not None and handoff.kind != "plan":
+        handoff = None  # a wait that ended in a 507
+    load = next((v for v in reversed(list(views.values())) if v.kind == "model_load" and v.outcome.get("request") == root.id),
+                None)
+    arrived = float(o.get("arrived_at") or root.at)
+    steps: list[StoryStep] = []
+    if queued is not None:
+        waited = float(queued.outcome.get("waited_s") or 0.0)
+        end = (handoff.at - arrived) if handoff is not None else waited
+        who = ", ".join(queued.outcome.get("waiting_for") or ()) or None
+        behind = f"behind {who}" if who else "in the queue"
+        result = queued.outcome.get("result")
+        text = f"waited {end:.1f} s {behind}" if result else f"waiting {behind}"
+        if result and result != "admitted":
+            text += f", then {result}"
+        steps.append(StoryStep("wait", text, 0.0, max(0.0, end), queued.id, who))
+    if handoff is not None:
+        start = handoff.at - arrived
+        for r in handoff.outcome.get("releases") or ():
+            duration = float(r.get("duration_s") or 0.0)
+            freed = r.get("freed_gb")
+            how = "" if r.get("confirmed") else f" ({r.get('error') or r.get('result') or 'not confirmed'})"
+            steps.append(StoryStep("release", f"released {r.get('tenant')} in {duration:.1f} s"
+                                   + (f", {freed} GiB back" if freed is not None else "") + how,
+                                   max(0.0, start), duration, handoff.id, r.get("tenant")))
+            start += duration
+    if load is not None:
+        seconds = float(load.outcome.get("seconds") or 0.0)
+        ended = float(load.outcome.get("at") or load.at)
+        steps.append(StoryStep("load", f"loaded {load.outcome.get('model')} in {seconds:.1f} s",
+                               max(0.0, ended - seconds - arrived), seconds, load.id, root.tenant))
+    first = o.get("first_byte_s")
+    if isinstance(first, (int, float)):
+        steps.append(StoryStep("first_byte", f"first byte after {first:.1f} s"
+                               + (f" ({o['first_byte_status']})" if o.get("first_byte_status", 200) >= 400 else ""),
+                               float(first), 0.0, root.id, None))
+    related = tuple(dict.fromkeys(v.id for v in (queued, handoff, load, root) if v is not None))
+    return RequestStory(root.id, root.tenant, root.trigger, arrived, tuple(steps), tuple(sorted(related)),
+                        float(first) if isinstance(first, (int, float)) else None)

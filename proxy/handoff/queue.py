@@ -61,6 +61,7 @@ class Handoff:
     snapshot: AttributedSnapshot | None = None
     reservation: str | None = None  # the key memory was reserved under; `Arbitration.settle` gives it back
     waited_s: float = 0.0
+    queued: int | None = None  # the request's `queued` decision, when it had to wait
 
     @property
     def ok(self) -> bool:
@@ -403,6 +404,7 @@ class HandoffQueue:
         self._tickets.pop(ticket.waiter.id, None)
         admitted.handoff.waited_s = self.fx.clock.now() - ticket.waiter.arrived_at
         if ticket.queued is not None:
+            admitted.handoff.queued = ticket.queued.id
             ended = _QUEUE_END[admitted.outcome]
             by = admitted.handoff.decision
             self.fx.decisions.emit(QueueEnded(tenant=ticket.queued.tenant, trigger=ticket.trigger, refers_to=ticket.queued.id,

@@ -21,7 +21,7 @@ from proxy.engines.base import JobReplay
 from proxy.handoff import devices
 from proxy.handoff.arbiter import gib
 from proxy.handoff.arbitration import Arbitration
-from proxy.handoff.decisions import OomRetry, Rejected, StaleJob
+from proxy.handoff.decisions import FirstByte, HandoffStarted, OomRetry, Rejected, StaleJob
 from proxy.handoff.queue import Admitted, Handoff
 from proxy.lifecycle.controller import LifecycleError
 from proxy.relay.forward import UpstreamResponse
@@ -33,9 +33,11 @@ log = logging.getLogger("hyperswap.gate")
 class LoadHooks(Protocol):
     """What the model-files extension does around a load (proxy/admin/models_api.py). Never blocks."""
 
-    async def loading(self, tenant: Tenant, model: str, body: bytes) -> Callable[[UpstreamResponse], UpstreamResponse] | None:
+    async def loading(self, tenant: Tenant, model: str, body: bytes,
+                      request: int | None = None) -> Callable[[UpstreamResponse], UpstreamResponse] | None:
         """Just before forwarding a load (its residency is read now): a wrapper for the engine's answer
-        that times it, or None."""
+        that times it, or None. `request`: the decision of the request (its wait or its handoff), which
+        the load's own decision names."""
 
     def on_frame(self, tenant: Tenant, text: str) -> None:
         """Every upstream websocket text frame (ComfyUI's execution frames time its checkpoint loads)."""
@@ -218,6 +220,7 @@ class GpuGate:
             self.arb.residency.forget(tenant.name, adapter.load_key(unloading))
             return await forward(body)
         trigger = f"request {request.method} {request.url.path}"
+        arrived, arrived_wall = self.arb.clock.now(), self.arb.clock.wall()
         admitted, need = await self.arb.admit(tenant, request.url.path, body, trigger)
         handoff = admitted.handoff
         retry: Handoff | None = None
@@ -230,9 +233,17 @@ class GpuGate:
             return JSONResponse(rejection_body(tenant, handoff, need), status_code=507)
         hooks = self.load_hooks
         loads = need.model is not None and admitted.reason != "resident"  # on the card already: nothing to time
-        watch = await hooks.loading(tenant, need.model, body) if hooks is not None and need.model and loads else None
+        # The request's story hangs on its wait, else on the handoff it caused (GET /api/decisions/{id}).
+        started = handoff.decision.id if isinstance(handoff.decision, HandoffStarted) else None
+        story = handoff.queued if handoff.queued is not None else started
+        watch = (await hooks.loading(tenant, need.model, body, story)
+                 if hooks is not None and need.model and loads else None)
         try:
             response = await forward(body)
+            if story is not None:
+                self.arb.decisions.emit(FirstByte(tenant=tenant.name, trigger=trigger, refers_to=story,
+                                                  arrived_at=arrived_wall, after_s=self.arb.clock.now() - arrived,
+                                                  status=response.status_code))
             if response.status_code < 400:
                 self.arb.residency.loaded(tenant.name, need.key)
                 if watch is not None:

@@ -141,6 +141,7 @@ class SimBox:
         try:
             if self.scenario.model_files:
                 self.files = self._write_model_files()
+                self.gpu.model_file_sizes = self.files.model_size
             if self.ollama is not None:
                 self.servers["ollama"] = await self._start(self.ollama, host, ollama_port)
             if self.comfyui is not None:
@@ -166,6 +167,7 @@ class SimBox:
         if self.files is not None:
             self.files.cleanup()
             self.files = None
+            self.gpu.model_file_sizes = None
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 raise outcome

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot
@@ -61,6 +62,9 @@ class SimulatedGpu:
         self.reads = 0
         self.fail_with: Exception | None = None  # set to make read() raise (health tests)
         self.card_settings = SimulatedCardSettings(name=name)  # power limit, clocks, fans: GET /api/gpu
+        # The box's model files are 1/SCALE stand-ins: the size of the model each stands for, by path
+        # (`ProxyView.model_file_size`), so sizes and load speeds are the model's, not the stand-in's.
+        self.model_file_sizes: Callable[[str], int | None] | None = None
 
     # -- processes ------------------------------------------------------------------------
     def add_device(self, total_bytes: int, reserved_bytes: int = 300 * 2**20, name: str = "Simulated RTX 4090") -> int:

@@ -41,6 +41,7 @@ class SimModelFiles:
         self.root = root
         self.probe = SystemPageCache()
         self.files: list[Path] = []
+        self.sizes: dict[str, int] = {}  # path -> the size of the model its stand-in file stands for
 
     @property
     def ollama_root(self) -> Path:
@@ -56,7 +57,12 @@ class SimModelFiles:
         with open(path, "wb") as f:
             f.truncate(max(4096, size_bytes // SCALE))
         self.files.append(path)
+        self.sizes[str(path)] = size_bytes
         return path
+
+    def model_size(self, path: str) -> int | None:
+        """The size of the model a stand-in file stands for (None: not one of these files)."""
+        return self.sizes.get(path)
 
     def ollama_blob(self, name: str) -> Path:
         return self.ollama_root / "blobs" / f"sha256-{blob_digest(name)}"

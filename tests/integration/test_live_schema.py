@@ -111,6 +111,11 @@ async def test_live_admin_answers_match_the_openapi_document(box: DemoFactory, h
     after = await call(http, doc, admin, "GET", "/api/decisions", "/api/decisions", 200)  # with the releases above
     kinds = {d["kind"] for d in after["decisions"]}
     assert {"plan", "release"} <= kinds, f"the traffic should have left plans and releases: {kinds}"
+    plan = next(d for d in after["decisions"] if d["kind"] == "plan" and d["trigger"].startswith("request "))
+    detail = await call(http, doc, admin, "GET", "/api/decisions/{id}", f"/api/decisions/{plan['id']}", 200)
+    assert detail["story"] is not None and detail["story"]["first_byte_s"] is not None, detail["story"]
+    await call(http, doc, admin, "GET", "/api/decisions/{id}", "/api/decisions/999999", 404)
+    await call(http, doc, admin, "GET", "/api/decisions/{id}", "/api/decisions/nope", 400)
     released = answers["/api/tenants/ollama/release"]
     assert released["result"] == "confirmed" and released["confirmed"] is True, released
     tenants = {t["name"]: t for t in answers["/api/tenants"]["tenants"]}

@@ -8,13 +8,15 @@
   const MODELS_POLL_MS = 4000;
   const HISTORY_MS = 5 * 60 * 1000;
   const MAX_DECISIONS = 200;
+  const MAX_STORIES = 5;
+  const STORY_DEBOUNCE_MS = 150;
   const PALETTE = ["#3b6fd8", "#8b5cf6", "#0e9f8e", "#d9822b", "#d6457a", "#5f8f1c", "#7c6a55"];
   const DESKTOP_COLOR = "#7b8594";
   const TOKEN_KEY = "hyperswap.token";
 
   const ui = {
     stats: null, catalog: {}, engines: {}, health: null, healthCollapsed: false, models: null, loads: null,
-    decisions: new Map(), history: [], colors: new Map(), lastFrameAt: 0, results: new Map(),
+    decisions: new Map(), history: [], colors: new Map(), lastFrameAt: 0, results: new Map(), stories: new Map(),
   };
   const $ = (id) => document.getElementById(id);
 
@@ -83,6 +85,57 @@
     ui.decisions.set(d.id, d);  // an update re-sends the same id
     if (ui.decisions.size > MAX_DECISIONS) ui.decisions.delete(ui.decisions.keys().next().value);
     renderDecisions();
+    const story = storyOf(d);
+    if (story !== null) fetchStory(story);
+  }
+
+  // -- a request's story: arrived, waited for whom, the releases, the load, the first byte -------
+  // A decision of a GPU request that waited (queued) or caused a handoff (plan), or the load it
+  // made: its story is asked of GET /api/decisions/{id}, which gathers it from the decision log.
+  function storyOf(d) {
+    const byRequest = (d.trigger || "").startsWith("request ");
+    if ((d.kind === "queued" || d.kind === "plan") && byRequest) return d.id;
+    if (d.kind === "model_load" && d.outcome && d.outcome.request) return d.outcome.request;
+    return null;
+  }
+  const storyTimers = new Map();
+  function fetchStory(id) {
+    clearTimeout(storyTimers.get(id));  // a burst of updates of one request: one fetch
+    storyTimers.set(id, setTimeout(async () => {
+      storyTimers.delete(id);
+      try {
+        const r = await fetch(`/api/decisions/${id}`, { cache: "no-store" });
+        if (!r.ok) return;
+        const body = await r.json();
+        if (!body.story) return;
+        ui.stories.set(body.story.request, body.story);
+        const keep = [...ui.stories.keys()].sort((a, b) => b - a).slice(0, MAX_STORIES);
+        for (const k of [...ui.stories.keys()]) if (!keep.includes(k)) ui.stories.delete(k);
+        renderStories();
+      } catch (err) { /* the next update asks again */ }
+    }, STORY_DEBOUNCE_MS));
+  }
+  function renderStories() {
+    const list = $("stories");
+    const items = [...ui.stories.values()].sort((a, b) => b.request - a.request);
+    list.replaceChildren(...(items.length ? items.map(renderStory)
+      : [el("li", { class: "empty", text: "no request has waited or caused a handoff yet" })]));
+  }
+  function renderStory(st) {
+    const end = Math.max(st.first_byte_s || 0, ...st.steps.map((x) => x.start_s + x.duration_s), 0.001);
+    const pct = (v) => `${Math.min(100, Math.max(0, (100 * v) / end)).toFixed(2)}%`;
+    const total = st.first_byte_s === null ? "no answer yet" : `first byte after ${secs(st.first_byte_s)}`;
+    const rows = st.steps.map((x) => {
+      const bar = el("span", { class: `bar ${x.kind}`, title: x.text });
+      bar.style.setProperty("left", pct(x.start_s));
+      if (x.kind !== "first_byte") bar.style.setProperty("width", pct(x.duration_s));
+      return el("div", { class: "step", dataset: { step: x.kind, decision: x.decision } },
+        el("span", { class: "label", text: x.text, title: x.text }), el("span", { class: "track" }, bar));
+    });
+    return el("li", { class: "story", dataset: { story: st.request, tenant: st.tenant } },
+      el("div", { class: "story-head" }, el("time", { text: clock(st.arrived_at) }),
+        el("b", { text: st.tenant }), ` ${st.trigger.replace(/^request /, "")}: ${total}`),
+      el("div", { class: "waterfall" }, ...rows));
   }
 
   // -- memory bar ----------------------------------------------------------------------------
@@ -105,12 +158,17 @@
     segs.push({ key: "free", label: "free", bytes: s.device.free_bytes || 0, raw: s.device.free_bytes, cls: "free" });
 
     const bar = $("membar"), legend = $("legend");
+    const barWidth = bar.clientWidth;
     bar.replaceChildren(); legend.replaceChildren();
     for (const g of segs) {
       const share = g.bytes / total;
       const shown = "raw" in g ? known(g.raw) : gib(g.bytes);  // the API's null is unknown, never 0
+      const name = g.label.split(" (")[0];
+      // The longest label that fits the segment's width (it is drawn at its final width: the bar
+      // animates towards it), else the name alone, else nothing: never a clipped label.
+      const label = [`${name} ${shown}`, name].find((text) => fits(text, share * barWidth)) || "";
       const seg = el("div", { class: `seg ${g.cls}`, title: `${g.label}: ${shown}`, dataset: { segment: g.key, bytes: g.bytes } },
-        share > 0.08 ? `${g.label.split(" (")[0]} ${shown}` : "");
+        label);
       seg.style.setProperty("flex-grow", String(g.bytes));
       seg.style.setProperty("flex-basis", "0");
       if (g.bytes === 0) seg.style.setProperty("min-width", "0");
@@ -125,6 +183,17 @@
     $("mem-total").textContent = s.device.total_bytes === null || s.device.total_bytes === undefined
       ? "card size unknown (no GPU reader)" : `${gib(s.device.used_bytes)} used of ${gib(s.device.total_bytes)}`;
     renderDevices();
+  }
+
+  const SEG_PADDING_PX = 12;  // room either side of a segment's label
+  let measure = null;
+  function fits(text, width) {
+    if (!measure) {
+      measure = document.createElement("canvas").getContext("2d");
+      const style = getComputedStyle($("membar"));
+      measure.font = `12px ${style.fontFamily}`;  // .seg's font size
+    }
+    return measure.measureText(text).width + SEG_PADDING_PX <= width;
   }
 
   // Several GPUs: the bar above is the whole host; one line per card says what each tenant holds there.
@@ -187,25 +256,39 @@
       const res = ui.results.get(t.name);
       const waits = t.waiting || [];
       const waitText = waits.map((w) => `${w.trigger}, ${secs(w.waited_s)}: ${w.reason}`).join("\n");
+      // A request waiting for memory is counted in flight, but it does no work on the card: a tenant
+      // whose only requests wait is "waiting", not busy.
+      const jobs = t.jobs || [];
+      const running = Math.max(0, t.in_flight - waits.length);
+      const onlyWaiting = waits.length > 0 && running === 0 && jobs.length === 0;
+      const pill = onlyWaiting ? "waiting" : t.busy ? "busy" : "idle";
+      const stateText = onlyWaiting ? `waiting for memory: ${waits[0].reason}` : state;
+      const flight = [running ? `${running} request${running > 1 ? "s" : ""}` : null,
+        jobs.length ? `${jobs.length} job${jobs.length > 1 ? "s" : ""}` : null,
+        waits.length ? `${waits.length} waiting` : null].filter(Boolean).join(", ") || "0";
+      // The idle release counts from the last activity; while the tenant works it cannot happen.
+      const idleRelease = t.idle_release_in_s === null ? "off"
+        : t.busy ? `not while ${onlyWaiting ? "waiting" : "busy"} (counts from its last activity)` : `in ${secs(t.idle_release_in_s)}`;
       const pods = [...new Set(s.processes.filter((p) => p.tenant === t.name && p.pod).map((p) => `${p.pod.namespace}/${p.pod.name}`))];
-      const card = el("article", { class: "card", dataset: { tenant: t.name, busy: t.busy, waiting: waits.length } },
+      const card = el("article", { class: "card", dataset: { tenant: t.name, busy: t.busy, waiting: waits.length, state: pill } },
         el("div", { class: "top" }, el("h3", { text: t.name }),
-          waits.length ? el("span", { class: "pill waiting", text: `${waits.length} waiting`, title: waitText }) : null,
+          waits.length && !onlyWaiting ? el("span", { class: "pill waiting", text: `${waits.length} waiting`, title: waitText }) : null,
           lc ? el("span", { class: `pill lc ${lc.state}`, text: lc.state, dataset: { role: "lifecycle", state: lc.state },
             title: lifecycleTip(lc) }) : null,
-          el("span", { class: `pill ${t.busy ? "busy" : "idle"}`, text: t.busy ? "busy" : "idle" })),
+          el("span", { class: `pill ${pill}`, text: pill, title: onlyWaiting ? waitText : null, dataset: { role: "state" } })),
         el("div", { class: "sub", title: eng.tip || null, dataset: { role: "engine" } }, eng.sub || t.engine),
         el("dl", {},
-          el("dt", { text: "state" }), el("dd", { text: state }),
+          el("dt", { text: "state" }), el("dd", { text: stateText, dataset: { role: "state-text" } }),
           lc ? el("dt", { text: "app" }) : null,
           lc ? el("dd", { text: lifecycleText(lc), title: lifecycleTip(lc), dataset: { role: "app" } }) : null,
           waits.length ? el("dt", { text: "waiting" }) : null,
           waits.length ? el("dd", { text: `${secs(waits[0].waited_s)}: ${waits[0].reason}`, title: waitText, dataset: { role: "waiting" } }) : null,
-          el("dt", { text: "in flight" }), el("dd", { text: String(t.in_flight) + (t.stale_jobs.length ? ` (${t.stale_jobs.length} stale)` : "") }),
+          el("dt", { text: "in flight" }), el("dd", { text: flight + (t.stale_jobs.length ? ` (${t.stale_jobs.length} stale)` : ""),
+            title: jobs.length ? `jobs: ${jobs.join(", ")}` : null, dataset: { role: "in-flight" } }),
           el("dt", { text: "memory" }), el("dd", { text: gib(t.vram_bytes), dataset: { role: "vram" } }),
           pods.length ? el("dt", { text: pods.length > 1 ? "pods" : "pod" }) : null,
           pods.length ? el("dd", { text: pods.join(", "), dataset: { role: "pods" } }) : null,
-          el("dt", { text: "idle release" }), el("dd", { text: t.idle_release_in_s === null ? "off" : `in ${secs(t.idle_release_in_s)}` }),
+          el("dt", { text: "idle release" }), el("dd", { text: idleRelease, dataset: { role: "idle-release" } }),
           models ? el("dt", { text: "models" }) : null, models ? el("dd", { text: models, title: cat.models.map((m) => m.name).join("\n") }) : null),
         el("div", { class: "actions" }, release, ...lifecycleButtons,
           res ? el("span", { class: `result ${res.cls}`, text: res.text, dataset: { role: "result", result: res.cls } }) : null));
@@ -449,6 +532,20 @@
         return `${o.status || 507} for ${d.tenant} (${d.trigger})${p ? `: needs ${p.need_gib} GiB, free ${p.free_gib} GiB` : ""}${blockers ? "; " + blockers : ""}${o.reason ? "; " + o.reason : ""}`;
       case "model_load":
         return `${d.tenant} loaded ${o.model}: ${gib(o.size_bytes)} in ${o.seconds} s = ${o.gbps} GB/s, ${o.class || "unclassified"} (${o.resident_before_percent === null ? "residency unknown" : `${o.resident_before_percent} % in RAM before`})`;
+      case "queued": {
+        const behind = (o.waiting_for || []).length ? `behind ${o.waiting_for.join(", ")}` : o.behind ? `behind request #${o.behind}` : "in the queue";
+        const why = o.ended_with || o.reason;
+        if (!o.result) return `${d.tenant} (${d.trigger}) waits for memory ${behind}${o.reason ? `: ${o.reason}` : ""}`;
+        const waited = secs(o.waited_s);
+        if (o.result === "admitted") return `${d.tenant} (${d.trigger}) waited ${waited} ${behind}, then ran${why ? ` (${why})` : ""}`;
+        if (o.result === "client left while waiting") return `${d.tenant} (${d.trigger}): the client left after waiting ${waited} ${behind}`;
+        return `${d.tenant} (${d.trigger}) waited ${waited} ${behind}, then ${o.result}${why ? `: ${why}` : ""}`;
+      }
+      case "stale_job":
+        return `${d.tenant}: job ${o.job_id} no longer counted as running: ${o.reason}`;
+      case "spill":
+        if (o.result) return `${d.tenant} spills to the CPU: ${o.result}`;
+        return `${d.tenant} spills to the CPU: ${rel.length ? "released " + rel.join("; ") : "releasing…"}`;
       case "oom_retry":
         return `${d.tenant} OOM (${d.trigger}): ${typeof o.result === "string" ? o.result : JSON.stringify(o.result ?? o)}`;
       case "gpu_drift":  // proxy/gpu/keeper.py
@@ -497,7 +594,7 @@
     token.value = localStorage.getItem(TOKEN_KEY) || "";
     token.addEventListener("change", () => { if (token.value) localStorage.setItem(TOKEN_KEY, token.value); else localStorage.removeItem(TOKEN_KEY); });
     $("health-badge").addEventListener("click", () => { ui.healthCollapsed = !ui.healthCollapsed; if (ui.health) renderHealth(); });
-    renderDecisions();
+    renderDecisions(); renderStories();
     fetch("/api/decisions?limit=50").then((r) => r.json()).then((b) => (b.decisions || []).forEach(onDecision)).catch(() => {});
     ui.lastFrameAt = Date.now();  // stale only after STALE_AFTER_MS without a frame, not before the first one
     connect();
