@@ -16,6 +16,7 @@ from proxy.gpu.profile import FieldCheck
 from proxy.handoff.arbiter import Blocker, Plan, Release
 from proxy.handoff.decisions import (
     DecisionLog,
+    FirstByte,
     HandoffFinished,
     HandoffStarted,
     LifecycleStart,
@@ -168,3 +169,36 @@ def test_every_decision_renders_in_the_shape_the_api_schema_and_the_dashboard_re
     assert by_kind["model_load"].outcome["class"] == "warm" and "tenant" not in by_kind["model_load"].outcome
     for event in events:
         json.dumps(event.to_json())  # every log line is JSON as it is, without a fallback
+
+
+async def test_a_requests_story_tells_its_wait_the_release_the_load_and_the_first_byte_from_any_of_its_decisions() -> None:
+    clock = ManualClock()
+    log = DecisionLog(clock)
+    arrived = clock.wall()
+    queued = log.emit(Queued(tenant="ollama", trigger="request POST /api/generate", plan=WAIT,
+                             reason="queued behind comfyui (1 running job(s))"))
+    await clock.advance(4.0)  # the render ends
+    started = log.emit(HandoffStarted(tenant="ollama", trigger="request POST /api/generate", kind="plan", plan=PLAN))
+    await clock.advance(0.5)
+    freed = ReleaseResult("comfyui", 7 * GIB, 7 * GIB, 0.5, True)
+    log.emit(HandoffFinished(tenant="ollama", trigger="request POST /api/generate", refers_to=started.id, kind="plan",
+                             releases=(freed,)))
+    log.emit(QueueEnded(tenant="ollama", trigger="request POST /api/generate", refers_to=queued.id, result="admitted",
+                        waited_s=4.5, ended_by=started.id, ended_with="release comfyui"))
+    await clock.advance(8.0)
+    load = log.emit(ModelLoad(tenant="ollama", trigger="gemma3:27b loaded", request=queued.id,
+                              load=LoadRecord(clock.wall(), "ollama", "gemma3:27b", 16 * GIB, 8.0, 1.0, "ollama")))
+    log.emit(FirstByte(tenant="ollama", trigger="request POST /api/generate", refers_to=queued.id, arrived_at=arrived,
+                       after_s=12.6, status=200))
+
+    story = log.story(started.id)
+    assert story is not None and story == log.story(queued.id) == log.story(load.id), "any of its decisions tells it"
+    assert story.request == queued.id and story.related == (queued.id, started.id, load.id)
+    assert [(s.kind, s.text) for s in story.steps] == [
+        ("wait", "waited 4.0 s behind comfyui"), ("release", "released comfyui in 0.5 s, 7.0 GiB back"),
+        ("load", "loaded gemma3:27b in 8.0 s"), ("first_byte", "first byte after 12.6 s")]
+    assert [s.start_s for s in story.steps] == [0.0, 4.0, 4.5, 12.6] and story.first_byte_s == 12.6
+    json_story = views.RequestStory.model_validate(story.to_json())
+    assert json_story.steps[1].tenant == "comfyui"
+    assert log.story(log.emit(StaleJob(tenant="comfyui", trigger="poll", job_id="x", reason="gone")).id) is None, \
+        "a decision of no request has no story"
