@@ -124,7 +124,7 @@
   function renderStory(st) {
     const end = Math.max(st.first_byte_s || 0, ...st.steps.map((x) => x.start_s + x.duration_s), 0.001);
     const pct = (v) => `${Math.min(100, Math.max(0, (100 * v) / end)).toFixed(2)}%`;
-    const total = st.first_byte_s === null ? "no answer yet" : `first byte after ${secs(st.first_byte_s)}`;
+    const total = st.first_byte_s === null ? "no answer yet" : `first byte after ${st.first_byte_s.toFixed(1)} s`;
     const rows = st.steps.map((x) => {
       const bar = el("span", { class: `bar ${x.kind}`, title: x.text });
       bar.style.setProperty("left", pct(x.start_s));
