@@ -24,6 +24,8 @@ HANG_FOREVER = {
         "an upstream that never answers: the pool's read timeout cuts it",
     ("unit/test_verify_stages.py", "test_a_stage_that_hangs_fails_after_its_timeout.slow"):
         "a stage that never ends: stage_timeout_s cuts it",
+    ("integration/test_lifecycle_health.py", "test_health_names_failed_starts_orphans_and_an_unreachable_docker_socket"):
+        "an orphaned child left by a crashed proxy, killed by the test",
     ("unit/test_departure.py", "serve_until_cancelled"):
         "a request being served until the departed client's link cancels it",
     ("unit/test_lifecycle_process.py", "STUBBORN"):
