@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import httpx
-from boxes import DemoFactory, fast, free_port, process_tenant
+from boxes import DemoFactory, fast, free_port, port_open, process_tenant
 
 from proxy.tasks import poll_until
 
@@ -132,3 +132,26 @@ async def test_a_soft_release_with_resume_wakes_the_app_before_its_next_request(
         assert [d.kind for d in demo.proxy.decisions.recent() if d.kind == "resume"] == ["resume"]
     finally:
         await server.stop()
+
+
+async def test_a_release_escalates_step_by_step_and_the_decision_says_which_step_did_what(
+        box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
+    """release = [POST /free on the app (Python's http.server answers 501 to a POST), then stop it]:
+    the first step fails, the second stops the app; both are in the release's steps, in order."""
+    port = free_port()
+    tenant = process_tenant(port, tmp_path)
+    stop = tenant["release"]
+    tenant["release"] = [{"kind": "http", "url": "/free", "timeout_s": 1}, stop]
+    demo = await box(fast("default", tenants={"app": tenant}))
+    assert demo.proxy is not None
+    assert (await http.get(demo.proxy.url("app") + "/hello.txt")).status_code == 200
+    released = await http.post(demo.proxy.url("admin") + "/api/tenants/app/release")
+    assert released.status_code == 200, released.text
+    steps = released.json()["steps"]
+    assert [(s["step"], s["kind"]) for s in steps] == [(0, "http"), (1, "process")], steps
+    assert steps[0]["result"] == "error" and "501" in steps[0]["error"], "the soft step was tried first and failed"
+    assert steps[1]["result"] in ("confirmed", "estimated"), "then the app was stopped"
+    machine = demo.proxy.arbitration.lifecycles.machine("app")
+    assert machine is not None and machine.state == "stopped" and not port_open(port)
+    (decision,) = [d for d in demo.proxy.decisions.recent() if d.kind == "release" and d.tenant == "app"]
+    assert [s["kind"] for s in decision.outcome["releases"][0]["steps"]] == ["http", "process"]
