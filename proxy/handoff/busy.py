@@ -8,7 +8,10 @@ busy while:
 - a job the proxy relayed (a ComfyUI prompt id) has not ended, and either the tenant's VRAM is above
   its idle floor or the job is younger than `JOB_LOAD_GRACE_S` (its load may still be on its way);
 - its own queue lists running jobs, read after its traffic last changed, and its VRAM is above its
-  idle floor (clients that bypass the proxy).
+  idle floor (clients that bypass the proxy);
+- it would be released by stopping it (its first release step stops the app) and any request,
+  stream or websocket is open on its listener: a stop would cut them (invariant 7), so a plan waits
+  for them instead of ordering a stop that is refused, planned again and refused again.
 Jobs listed while the tenant holds only its idle floor are stale: reported, not counted.
 """
 
@@ -56,6 +59,10 @@ def tenant_state(tenant: Tenant, traffic: TenantTraffic | None, rows: tuple[str,
         and now - traffic.newest_job_at < JOB_LOAD_GRACE_S
     if in_flight:
         return TenantState(tenant.name, True, f"{in_flight} GPU request(s) in flight", in_flight)
+    connections = traffic.connections if traffic else 0
+    if connections and released_by_stopping(tenant):
+        return TenantState(tenant.name, True, f"{connections} request(s), stream(s) or websocket(s) open: "
+                                              "a stop would cut them", in_flight)
     if own and (above_floor or fresh):
         why = f"{len(own)} running job(s)" + ("" if above_floor else ", load on its way")
         return TenantState(tenant.name, True, why, in_flight)
@@ -67,6 +74,13 @@ def tenant_state(tenant: Tenant, traffic: TenantTraffic | None, rows: tuple[str,
         return TenantState(tenant.name, False, f"{len(stale)} job(s) listed but VRAM at its idle floor: stale",
                            in_flight, stale_jobs=stale)
     return TenantState(tenant.name, False, "idle", in_flight)
+
+
+def released_by_stopping(tenant: Tenant) -> bool:
+    """Its release begins by stopping the app (a `process`, `systemd` or `docker` tenant), not with a
+    call that leaves it serving."""
+    steps = [s for s in tenant.release_steps if s.kind != "none"]
+    return bool(steps) and steps[0].stops
 
 
 def busy_states(tenants: Iterable[Tenant], traffic: Mapping[str, TenantTraffic], reads: Mapping[str, QueueRead],

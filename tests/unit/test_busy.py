@@ -3,6 +3,8 @@ one tenant's state out. Pure: nothing is read or written."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from cards import registry
 
@@ -67,3 +69,17 @@ def test_busy_states_covers_every_tenant_and_changes_nothing() -> None:
     assert set(states) == {t.name for t in REG}
     assert stale_jobs(states) == {"comfyui": ["p1", "p2"]} and not states["ollama"].busy
     assert (seen, reads) == before, "the busy rule writes nothing"
+
+
+def test_an_open_connection_keeps_a_tenant_released_by_stopping_busy_but_not_one_released_by_a_call() -> None:
+    """A stop would cut a stream or websocket (invariant 7): a tenant whose release stops it is busy
+    while one is open, so a plan waits for it instead of ordering a stop that is refused again and
+    again. A tenant released by a call (ComfyUI's /free) keeps serving: an open UI socket is no work."""
+    app = registry({"stt": {"engine": "generic", "upstream": "http://127.0.0.1:9", "needs_vram_gb": 3.0,
+                            "release": {"kind": "process", "command": [sys.executable, "-c", "pass"]}}}).get("stt")
+    assert app.lifecycle is not None, "the copy is a process tenant"
+    streaming = TenantTraffic(0, (), 900.0, None, connections=1)
+    state = tenant_state(app, streaming, (), 3 * GIB, NOW)
+    assert state.busy and "a stop would cut them" in state.busy_reason, state
+    assert not tenant_state(app, TenantTraffic(0, (), 900.0), (), 3 * GIB, NOW).busy, "no connection: idle"
+    assert not tenant_state(COMFY, streaming, (), FLOOR + GIB, NOW).busy, "a /free leaves its sockets alone"
