@@ -109,7 +109,21 @@ async def test_a_file_that_is_not_a_regular_one_inside_is_skipped_and_the_proxy_
     health = {e["name"]: e for e in (await http.get(demo.proxy.url("admin") + "/api/health")).json()["entries"]}
     entry = health["model files comfyui skipped"]
     assert entry["status"] == "degraded" and name in entry["problem"] and reason in entry["problem"], entry
-    assert all(j["read_bytes"] == 0 for k, j in ((k, j.to_json()) for k, j in ext.warmer.jobs.items()) if name in k)
+    assert all(j.read_bytes == 0 for k, j in ext.warmer.jobs.items() if name in k), "nothing of it was read"
+
+
+async def test_hyperswap_check_names_what_was_skipped_and_why(box: DemoFactory, capsys: pytest.CaptureFixture[str]) -> None:
+    from proxy.admin.health import check_main
+    demo = await box(fast_scenario("default"))
+    assert demo.proxy is not None
+    plant_fifo(demo)
+    plant_link_outside(demo)
+    ext = models_of(demo)
+    await ext.files(ext.catalog.all_files, True)
+    assert await asyncio.to_thread(check_main, None, demo.proxy.url("admin"), False) == 0  # degraded, not failed
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "model files comfyui skipped" in x)
+    assert "trap.safetensors: a FIFO" in line and "leak.safetensors: a link to" in line and "outside" in line, out
 
 
 async def test_a_sparse_file_is_warmed_only_as_far_as_it_occupies_the_disk(box: DemoFactory, http: httpx.AsyncClient) -> None:
