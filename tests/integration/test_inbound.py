@@ -297,6 +297,60 @@ async def test_connections_past_the_cap_get_503_while_a_stream_and_a_websocket_g
         assert (await exchange(proxy, request()))[0] == 200, "a connection must be accepted again once others closed"
 
 
+async def test_at_the_cap_connections_without_a_request_head_make_room_for_real_requests() -> None:
+    """A slowloris that reconnects as soon as it is cut keeps more half-open connections than the
+    cap; every real request is still served (issue 25: 5 of 66 were)."""
+    cap = 8
+    async with served(InboundLimits(max_connections=cap)) as (server, _upstream):
+        stop = asyncio.Event()
+        cut = 0
+        writers: list[asyncio.StreamWriter] = []
+
+        async def slowloris() -> None:
+            nonlocal cut
+            while not stop.is_set():
+                try:
+                    reader, writer = await open_to(server)
+                    writers.append(writer)
+                    writer.write(b"GET / HTTP/1.1\r\nHost: localhost\r\nX-Slow: ")  # never finished
+                    await reader.read()  # until the proxy closes it
+                    cut += 1
+                    writer.close()
+                except (ConnectionError, OSError):
+                    cut += 1
+                    await asyncio.sleep(0)
+
+        holders = [asyncio.ensure_future(slowloris()) for _ in range(cap + 4)]
+        try:
+            await asyncio.sleep(0.2)  # the listener is at its cap, half-open connections reconnecting
+            statuses = [(await exchange(server, request()))[0] for _ in range(30)]
+        finally:
+            stop.set()
+            for h in holders:
+                h.cancel()
+            await asyncio.gather(*holders, return_exceptions=True)
+            for writer in writers:
+                writer.close()
+            await asyncio.gather(*(w.wait_closed() for w in writers), return_exceptions=True)
+        assert statuses.count(200) == 30, f"real requests refused while half-open ones held the cap: {statuses}"
+        assert cut > 0, "the half-open connections were shed to make room"
+
+
+async def test_at_the_cap_with_every_connection_mid_request_a_new_one_is_still_refused() -> None:
+    async with served(InboundLimits(max_connections=2)) as (server, upstream):
+        streams = []
+        for _ in range(2):
+            reader, writer = await open_to(server)
+            writer.write(b"GET /stream HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            await within(reader.readuntil(b"first\n"))
+            streams.append(writer)
+        status = (await exchange(server, request()))[0]
+        assert status == 503, "connections that sent a whole head are never shed"
+        upstream.more.set()
+        for writer in streams:
+            writer.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # Failed accepts
 
