@@ -184,7 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add("serve", "run the proxy: one listener per tenant plus the admin API", cmd_serve)
     demo = add("demo", "run the proxy against a simulated GPU, Ollama and ComfyUI (no GPU needed)", cmd_demo)
-    demo.add_argument("--scenario", default="default", help="default, tight, third-app, two-gpus, or a scenario file path")
+    demo.add_argument("--scenario", default="default",
+                      help="default, tight, third-app, two-gpus, gpu-drift, lifecycle (a speech relay the proxy stops "
+                           "and starts), or a scenario file path")
     demo.add_argument("--check", action="store_true", help="self-test every simulator route and one handoff, then exit 0/1")
     demo.add_argument("--no-proxy", action="store_true", help="start only the simulated GPU box")
     demo.add_argument("--fast", action="store_true",

@@ -211,7 +211,7 @@ async def test_a_stage_that_hangs_fails_after_its_timeout() -> None:
 
     async def slow(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/api/generate":
-            await asyncio.sleep(30)
+            await asyncio.sleep(30)  # hangs: a stage that never ends (a fake; stage_timeout_s cuts it)
         return box.handler(request)
 
     async with httpx.AsyncClient(transport=httpx.MockTransport(slow)) as http:
