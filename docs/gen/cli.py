@@ -64,6 +64,8 @@ def _command(name: str, help_: str, parser: argparse.ArgumentParser) -> str:
              "```\n" + synopsis(f"hyperswap {name}", parser) + "\n```"]
     if rows:
         parts.append(table(("option", "required", "default", "meaning"), rows))
+    if parser.epilog:
+        parts.append(" ".join(parser.epilog.split()))
     return "\n\n".join(parts)
 
 
