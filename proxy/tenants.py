@@ -498,7 +498,7 @@ class Tenant(_Strict):
                              description="how to get its memory back: one release, or a list of steps tried in order "
                                          "until the card shows the memory back")
     idle_release_after_s: float | None = Field(default=None, description="release unasked after this long without GPU "
-                                                                        "traffic; null: never")
+                                                                        "traffic (0: as soon as it goes idle); null: never")
     idle_vram_gb: float = Field(default=0.0, description="GiB of VRAM it holds when idle (its CUDA context floor): a "
                                                          "\"running\" job while at the floor is stale")
     release_timeout_s: float = Field(default=10.0, description="how long a release may take until the card shows the "
@@ -508,7 +508,8 @@ class Tenant(_Strict):
     model_vram_gb: dict[str, float] = Field(default_factory=dict, description="per-model or per-checkpoint need "
                                                                                  "overrides in GiB")
     timeouts: Timeouts = Field(default_factory=Timeouts, description="upstream timeouts")
-    replay_body_max_mb: float = Field(default=16.0, description="GPU request bodies up to this size are kept for an OOM retry")
+    replay_body_max_mb: float = Field(default=16.0, description="GPU request bodies up to this size are kept for an "
+                                                                   "OOM retry (0: never kept)")
     allowed_hosts: list[str] = Field(
         default_factory=list, description="Host names the listener answers besides loopback (and, for Ollama, what Ollama "
         "allows): llm.example.com, *.example.com, an address, or * for no check (only behind your own auth); no port. "
