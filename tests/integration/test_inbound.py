@@ -322,7 +322,8 @@ async def test_at_the_cap_connections_without_a_request_head_make_room_for_real_
 
         holders = [asyncio.ensure_future(slowloris()) for _ in range(cap + 4)]
         try:
-            await asyncio.sleep(0.2)  # the listener is at its cap, half-open connections reconnecting
+            async with asyncio.timeout(SAFETY_S):  # the listener at its cap, half-open connections reconnecting
+                await poll_until(lambda: len(server.server.server_state.connections) >= cap and cut > 0)
             statuses = [(await exchange(server, request()))[0] for _ in range(30)]
         finally:
             stop.set()

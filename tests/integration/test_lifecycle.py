@@ -261,7 +261,8 @@ async def test_a_relay_transcribing_is_not_stopped_the_render_waits_and_runs_aft
         await poll_until(lambda: demo.proxy.inflight.busy("stt"))  # type: ignore[union-attr]
     rendering = asyncio.ensure_future(prompt(demo, http))
     async with asyncio.timeout(20):
-        await poll_until(lambda: any(w["tenant"] == "comfyui" for w in demo.proxy.arbitration.queue.waiting()))  # type: ignore[union-attr]
+        await poll_until(lambda: any(w["tenant"] == "comfyui" and w["waiting_for"]  # planned, not only arrived
+                                     for w in demo.proxy.arbitration.queue.waiting()))  # type: ignore[union-attr]
     waiting = next(w for w in demo.proxy.arbitration.queue.waiting() if w["tenant"] == "comfyui")
     assert "stt" in waiting["waiting_for"], waiting
     assert not rendering.done() and machine.state == "running" and pid in demo.box.gpu.real_pids()

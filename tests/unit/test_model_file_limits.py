@@ -19,6 +19,7 @@ from proxy.models.catalog import ModelCatalog
 from proxy.models.fileio import FileWork, FileWorkBusy
 from proxy.models.pagecache import SystemPageCache
 from proxy.models.warm import WarmJob, warm_files
+from proxy.tasks import poll_until
 from proxy.tenants import registry_from_dict
 
 BOUND_S = 5.0  # only turns a hang into a failure
@@ -203,9 +204,15 @@ def test_a_walk_is_capped_in_entries_and_says_so(tmp_path: Path) -> None:
 
 async def test_closing_the_model_file_threads_never_waits_on_a_stuck_read() -> None:
     work = FileWork("test", workers=1, max_queued=1)
-    stuck = threading.Event()
-    running = asyncio.ensure_future(work.run(stuck.wait))
-    await asyncio.sleep(0.05)
+    stuck, began = threading.Event(), threading.Event()
+
+    def stuck_read() -> None:
+        began.set()
+        stuck.wait()
+
+    running = asyncio.ensure_future(work.run(stuck_read))
+    async with asyncio.timeout(5):
+        await poll_until(began.is_set)  # the one worker holds it
     queued = asyncio.ensure_future(work.run(lambda: None))
     await asyncio.sleep(0)
     with pytest.raises(FileWorkBusy):
