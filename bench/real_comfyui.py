@@ -111,7 +111,7 @@ class Run:
         during = [s for s in self.samples if s.during]
         idle = [s for s in during if not s.busy]
         stale = [s for s in self.samples if s.stale_jobs]
-        worse = [s for s in self.samples for name, text in s.not_ok.items()
+        worse = [(s, name) for s in self.samples for name, text in s.not_ok.items()
                  if RANK.get(text.split(":", 1)[0], 9) > RANK.get(self.health_before.get(name, "ok: ").split(":", 1)[0], 9)]
         advice = [s for s in self.samples if any("stale queue" in n for n in s.not_ok)]
         after = [s for s in self.samples if not s.during and self.comfy_end_wall is not None]
@@ -128,7 +128,7 @@ class Run:
             "health_ok": health_ok,
             "health_before": self.health_status_before,
             "health_statuses_during": sorted({str(s.health) for s in during}),
-            "health_entries_worse": sorted({n for s in worse for n in s.not_ok}),
+            "health_entries_worse": {name: s.not_ok[name] for s, name in reversed(worse)},  # the first text of each
             "idle_after_end_s": None if idle_after is None or self.comfy_end_wall is None
             else round(idle_after.wall - self.comfy_end_wall, 2),
             "prompt_duration_s": None if self.duration_s is None else round(self.duration_s, 2),
@@ -301,6 +301,7 @@ async def main_async(args: argparse.Namespace) -> int:
                           f"health no worse than before {v['health_ok']} (overall {v['health_before']} before, "
                           f"{v['health_statuses_during']} during; not ok before: {sorted(run.health_before)}), "
                           f"prompt {v['prompt_duration_s']} s, idle {v['idle_after_end_s']} s after its end"
+                          + (f"; worse: {v['health_entries_worse']}" if v["health_entries_worse"] else "")
                           + (f"; problems: {v['problems']}" if v["problems"] else ""), file=sys.stderr, flush=True)
                 on_cpu = TENANT in getattr(proxy.arbitration, "cpu_tenants", ())  # (older proxies: none)
             finally:
