@@ -10,6 +10,10 @@ Setup (once; ComfyUI in its own virtual environment, outside this repository):
     python3 -m venv /tmp/comfy-venv
     /tmp/comfy-venv/bin/pip install torch==2.13.0 torchvision==0.28.0 -r /tmp/comfyui/requirements.txt
     ln -s "$PWD/bench/comfyui_nodes/hyperswap_bench.py" /tmp/comfyui/custom_nodes/
+
+torch and torchvision must be builds of one kind: PyPI's torchvision with a CPU-only torch (a
+`+cpu` wheel) stops ComfyUI at start with "operator torchvision::nms does not exist". torchaudio has
+no release for torch 2.13 on PyPI; without it ComfyUI only skips its audio nodes.
     cd /tmp/comfyui && /tmp/comfy-venv/bin/python main.py --cpu --listen 127.0.0.1 --port 8188
 
 `bench/comfyui_nodes/hyperswap_bench.py` is a custom node that keeps a prompt running for N seconds
