@@ -338,9 +338,12 @@ def comfyui_tenant_files(tenant: Tenant, hints: FileHints) -> TenantFiles:
     argv = argv_of(hints.cmdlines())
     base, configs = comfy_argv_paths(argv)
     if base is None:
-        why = ("its command line was not seen (no process of it on the GPU yet)" if not argv else
+        why = ("its command line was not seen: it is read from ComfyUI's process on the GPU, and there is none "
+               "(not started yet, or running with --cpu, which never has one)" if not argv else
                "its command line names neither --base-directory nor an absolute main.py path")
-        return TenantFiles(tenant.name, layout, Located(), (), f"ComfyUI's model folders are unknown: {why}")
+        return TenantFiles(tenant.name, layout, Located(), (),
+                           f"ComfyUI's model folders are unknown: {why}; set tenants.{tenant.name}.model_paths "
+                           "to its models folder")
     extra: dict[str, list[Path]] = {}
     for config in configs:
         try:
