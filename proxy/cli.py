@@ -145,7 +145,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from proxy.verify import admin_url, verify_main
 
     return verify_main(admin_url(args.config, args.admin), yes=args.yes, as_json=args.json, comfy_graph=args.comfy_graph,
-                       checkpoint=args.comfy_checkpoint, stage_timeout_s=args.stage_timeout)
+                       checkpoint=args.comfy_checkpoint, stage_timeout_s=args.stage_timeout, busy_wait_s=args.busy_wait)
 
 
 def cmd_mcp(args: argparse.Namespace) -> int:
@@ -247,6 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--comfy-checkpoint", metavar="NAME",
                         help="the checkpoint of the minimal graph (default: the first listed)")
     verify.add_argument("--stage-timeout", type=float, default=180.0, metavar="SECONDS", help="the most one stage may take")
+    verify.add_argument("--busy-wait", type=float, default=60.0, metavar="SECONDS",
+                        help="how long a stage that loads anything waits for busy tenants to finish before it is "
+                        "skipped (nothing is loaded or queued while a tenant is busy)")
+    verify.epilog = ("exit status: 0 verified (every stage that ran passed, the card confirmed it); 3 verified without "
+                     "arbitration (no GPU reader: every stage that ran passed, but no release, out of memory or "
+                     "refusal could be confirmed on the card); 1 NOT verified (a stage failed, or none passed); "
+                     "2 usage or configuration error")
     plan = add("plan", "print a dry-run release plan from a running proxy", cmd_plan)
     plan.add_argument("--tenant", required=True, metavar="NAME", help="the tenant that needs memory")
     plan.add_argument("--need-gb", type=float, help="GiB it needs (default: its needs_vram_gb)")

@@ -32,7 +32,7 @@ from proxy.tasks import poll_until
 from proxy.tenants import GIB, load_registry_over, registry_from_dict
 from proxy.tls import client_context
 
-DEFAULT_SIM_PORTS = {"ollama": 21434, "comfyui": 28188}
+DEFAULT_SIM_PORTS = {"ollama": 21434, "comfyui": 28188}  # "relay": the scenario's relay.port unless given
 EXAMPLE_CKPT = "sd_xl_base_1.0.safetensors"  # examples/comfy_prompt.json's
 
 
@@ -84,7 +84,7 @@ async def start_demo(scenario: str | Scenario = "default", *, sim_ports: Mapping
     name = scenario_name or (scenario if isinstance(scenario, str) else "custom")
     box = SimBox(load_scenario(scenario) if isinstance(scenario, str) else scenario, clock)
     ports = {**DEFAULT_SIM_PORTS, **(sim_ports or {})}
-    await box.start(ollama_port=ports["ollama"], comfyui_port=ports["comfyui"])
+    await box.start(ollama_port=ports["ollama"], comfyui_port=ports["comfyui"], relay_port=ports.get("relay"))
     proxy = None
     path = _absolute(config)
     if with_proxy:
@@ -96,6 +96,8 @@ async def start_demo(scenario: str | Scenario = "default", *, sim_ports: Mapping
                 note = f"demo scenario {name!r} over the shipped defaults (no tenants.json read)"
             else:
                 pinned = {n: {"upstream": s.url} for n, s in box.servers.items()}
+                if box.scenario.relay is not None and box.relay_port is not None:  # the lifecycle scenario's relay
+                    pinned[box.scenario.relay.tenant] = {"upstream": box.relay_tenant()["upstream"]}
                 registry = load_registry_over(box.tenant_overrides(), path, pinned)
                 note = (f"demo scenario {name!r} with {path} applied over it (the simulated "
                         f"{' and '.join(pinned) or 'engines'} keep their simulators as upstream)")
@@ -129,6 +131,11 @@ def describe(demo: Demo, scenario: str) -> str:
                   + ("# Ollama needs it back" if demo.box.gpu.device_count == 1 else "# on its own GPU: nothing released"),
                   f"  curl -s {a}/api/decisions | python3 -m json.tool          # what the proxy decided and why",
                   f"  curl -s {a}/api/models | python3 -m json.tool             # model files: size, how much is in RAM"]
+        relay = demo.box.scenario.relay
+        if relay is not None and relay.tenant in demo.proxy.servers:
+            r = demo.proxy.url(relay.tenant)
+            lines += [f"  curl -s {r}/v1/audio/transcriptions --data-binary @some.wav   # starts the speech relay "
+                      f"({relay.vram_gb:g} GiB); a render that needs it stops it"]
     lines += ["", "Ctrl-C stops everything."]
     return "\n".join(lines)
 
@@ -322,6 +329,8 @@ async def self_test(demo: Demo) -> list[tuple[str, bool, str]]:
             await check("proxy: one GPU's load keeps the other's", lambda: _cards_apart(demo, client))
         if demo.proxy and demo.box.ollama:
             await check("proxy: 507 names the blockers", lambda: _rejection_check(demo, client))
+        if demo.proxy and demo.box.comfyui and demo.box.scenario.relay is not None:
+            await check("proxy: relay stopped for a render", lambda: _relay_stopped_and_started(demo, client))
     return results
 
 
@@ -519,6 +528,53 @@ async def _rejection_check(demo: Demo, client: httpx.AsyncClient) -> str:
                          for b in body["blockers"] if b["reason"] == "unmanaged")
     return (f"507 for {biggest.name} (needs {body['need_gb']} GiB, {body['available_gb']} GiB reachable): "
             f"{blockers or 'no unmanaged blocker'}")
+
+
+async def _relay_stopped_and_started(demo: Demo, client: httpx.AsyncClient) -> str:
+    """The speech relay (a `process` tenant) runs after a request; a render that needs its memory
+    stops it (a `stop` decision, the child gone, its memory back on the card); the next request to
+    its listener starts it again (a `start` decision, 200)."""
+    assert demo.proxy and demo.box.comfyui and demo.box.scenario.relay
+    spec, proxy, gpu = demo.box.scenario.relay, demo.proxy, demo.box.gpu
+    name = spec.tenant
+    machine = proxy.arbitration.lifecycles.machine(name)
+    if machine is None:
+        raise AssertionError(f"{name} is not a tenant the proxy starts and stops")
+    if demo.box.ollama:
+        await _unload_ollama(demo, client)  # so that the render needs the relay's memory, not Ollama's
+    expect_ok(await client.post(proxy.url("admin") + "/api/tenants/comfyui/release"), "comfyui's release")
+    relay = proxy.url(name)
+    before = len(proxy.decisions.recent(500))
+    expect_ok(await client.get(relay + "/health"), f"the first request to {name}")
+    pid = machine.controller.describe().get("pid")
+    if machine.state != "running" or not isinstance(pid, int) or pid not in gpu.real_pids():
+        raise AssertionError(f"{name} is {machine.state} after its first request; on the card: {gpu.real_pids()}")
+    ckpts, reg = demo.box.comfyui.config.checkpoints, proxy.registry.get("comfyui")
+    ckpt = max(ckpts, key=lambda k: ckpts[k])
+    need = int(reg.model_vram_gb.get(ckpt, reg.needs_vram_gb) * GIB)
+    if need <= gpu.free_bytes() + gpu.used_by(demo.box.comfyui.pid or 0):
+        return f"not applicable: {ckpt} fits beside {name}"
+    await _render(demo, client, ckpt)
+    made = proxy.decisions.recent(500)[before:]
+    stops = [d for d in made if d.kind == "stop" and d.tenant == name]
+    if not stops or stops[-1].outcome.get("ok") is not True:
+        raise AssertionError(f"{ckpt} rendered but {name} was not stopped: {[(d.kind, d.tenant) for d in made]}")
+    if machine.state != "stopped" or pid in gpu.real_pids():
+        raise AssertionError(f"{name} is {machine.state} after its stop; pid {pid} on the card: {pid in gpu.real_pids()}")
+    stop_s = stops[-1].outcome.get("duration_s")
+    said = expect_ok(await client.post(relay + "/v1/audio/transcriptions", content=b"RIFF" + bytes(4096),
+                                       headers={"Content-Type": "audio/wav"}), f"the next request to {name}")
+    starts = [d for d in proxy.decisions.recent(500)[before:] if d.kind == "start" and d.tenant == name]
+    if len(starts) != 2 or machine.state != "running" or "text" not in said.json():
+        raise AssertionError(f"{name} was not started again: {len(starts)} start(s), {machine.state}, {said.text[:120]}")
+    return (f"{name} started ({starts[0].outcome.get('duration_s')} s), stopped for {ckpt} ({stop_s} s, "
+            f"{spec.vram_gb:g} GiB back), started again ({starts[1].outcome.get('duration_s')} s), 200")
+
+
+def expect_ok(r: httpx.Response, what: str) -> httpx.Response:
+    if r.status_code != 200:
+        raise AssertionError(f"{what} answered {r.status_code}: {r.text[:200]}")
+    return r
 
 
 def print_report(results: list[tuple[str, bool, str]]) -> bool:

@@ -91,7 +91,7 @@ def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
 
 
-# By field name (the README's tenants.json reference lists them); names not here fall back to their
+# By field name (docs/reference/tenants-json.md is generated from them); names not here fall back to their
 # suffix, so a field added later gets a range too.
 BOUNDS: dict[str, Bound] = {
     "priority": Bound(-1_000_000, 1_000_000),
@@ -244,8 +244,12 @@ class PodMatch(_Strict):
 class MatchRules(_Strict):
     """How to recognise the tenant's GPU processes."""
 
-    process_names: list[str] = Field(default_factory=list, description="exact process names (comm or argv[0] basename)")
-    cmdline_patterns: list[str] = Field(default_factory=list, description="regular expressions searched in the command line")
+    process_names: list[str] = Field(
+        default_factory=list, description="exact process names (comm, or argv[0] basename) that belong to this tenant, "
+        "where its port cannot tell")
+    cmdline_patterns: list[str] = Field(
+        default_factory=list, description="regular expressions searched in the command line when no tenant names the "
+        "process exactly (Ollama's runner subprocesses; ComfyUI's main.py with its flags)")
     pod: PodMatch | None = Field(default=None, description="on Kubernetes: the pod's namespace and labels")
 
     @field_validator("cmdline_patterns")
@@ -275,7 +279,7 @@ def _call_url(value: str) -> str:
 class HttpCall(_Strict):
     """One HTTP call the proxy makes to the app: the shape of an `http` release (method, url, body)."""
 
-    method: HttpMethod = "POST"
+    method: HttpMethod = Field(default="POST", description="the HTTP method")
     url: str = Field(description="absolute URL, or a path on the upstream")
     body: dict[str, Any] | None = Field(default=None, description="JSON body to send")
 
@@ -310,13 +314,16 @@ class ReleaseSpec(_Strict):
     The lifecycle kinds (`process`, `systemd`, `docker`) release by stopping the app, and start it
     again when a request arrives for it (proxy/lifecycle/)."""
 
-    kind: ReleaseKind = "none"
+    kind: ReleaseKind = Field(
+        default="none", description="how the memory is asked back: ollama_unload (every loaded model with keep_alive 0), "
+        "comfyui_free (POST /free), http (a call you configure), process, systemd or docker (stop the app, start it again "
+        "on its next request), or none (not reclaimable: a release answers 409 with the reason)")
     reason: str | None = Field(default=None, description="kind none: why it cannot be released (shown in 409s)")
-    method: HttpMethod = "POST"
+    method: HttpMethod = Field(default="POST", description="kind http: the HTTP method")
     url: str | None = Field(default=None, description="kind http: absolute URL, or a path on the upstream")
     body: dict[str, Any] | None = Field(default=None, description="kind http: JSON body to send")
-    unload_models: bool = True
-    free_memory: bool = True
+    unload_models: bool = Field(default=True, description="kind comfyui_free: ask ComfyUI to unload its models")
+    free_memory: bool = Field(default=True, description="kind comfyui_free: ask ComfyUI to free its cached memory too")
     timeout_s: float | None = Field(
         default=None, description="how long this step may take until the card shows the memory back; "
                                   "null: the tenant's release_timeout_s")
@@ -457,40 +464,65 @@ class ReadySpec(_Strict):
 
 
 class Timeouts(_Strict):
-    connect_s: float = 5.0
-    read_s: float | None = None  # a model load sends nothing for minutes
-    write_s: float | None = None
-    pool_s: float | None = None
+    """Timeouts of the proxy's connections to the tenant's upstream."""
+
+    connect_s: float = Field(default=5.0, description="connecting to the upstream")
+    read_s: float | None = Field(default=None, description="no byte from the engine for this long: its answer's head "
+                                                            "once the request is sent, or between body chunks; null: no "
+                                                            "limit (a model load sends nothing for minutes)")
+    write_s: float | None = Field(default=None, description="a stalled upload: the engine reads nothing of the request "
+                                                             "body for this long; null: no limit")
+    pool_s: float | None = Field(default=None, description="waiting for a free upstream connection when all 1024 are "
+                                                            "busy, then 503; null: 30 s")
 
 
 class Tenant(_Strict):
-    name: str = ""
-    engine: EngineKind = "generic"
-    description: str = ""
-    listen: str | None = None
-    upstream: str | None = None
-    match: MatchRules = Field(default_factory=MatchRules)
-    priority: int = 0
+    name: str = Field(default="", description="set from its key in tenants (leave it out)")
+    engine: EngineKind = Field(default="generic", description="selects the adapter: what needs the GPU, Host/Origin "
+                                                               "rules, how an out-of-memory failure shows")
+    description: str = Field(default="", description="words for people (the dashboard shows them)")
+    listen: str | None = Field(default=None, description="where the drop-in listens, host:port; absent for a VRAM-only "
+                                                          "tenant")
+    upstream: str | None = Field(default=None, description="where the engine really is, http(s)://host:port and "
+                                                            "nothing more (each request keeps its own path)")
+    match: MatchRules = Field(default_factory=MatchRules, description="how its GPU processes are recognised where its "
+                                                                       "port cannot tell")
+    priority: int = Field(default=0, description="order among waiting requests (higher first, then arrival) and the "
+                                                 "order idle tenants are released in (lowest first); the watchdog's "
+                                                 "relief of a starved busy tenant takes only from tenants below it")
     protect_idle_memory: bool = Field(
         default=False,
         description="keep this tenant's idle memory from requesters of lower priority (off: idle memory serves whoever asks)")
-    needs_vram_gb: float = 0.0
+    needs_vram_gb: float = Field(default=0.0, description="GiB it needs to work (ComfyUI prompts, a start); Ollama "
+                                                          "uses the model's size instead")
     release: Release = Field(default_factory=ReleaseSpec,
                              description="how to get its memory back: one release, or a list of steps tried in order "
                                          "until the card shows the memory back")
-    idle_release_after_s: float | None = None
-    idle_vram_gb: float = Field(default=0.0, description="VRAM held when idle (its CUDA context floor)")
-    release_timeout_s: float = 10.0
-    context_allowance_gb: float = Field(default=1.0, description="added to a model's size for context/KV cache")
-    model_vram_gb: dict[str, float] = Field(default_factory=dict, description="per-model or per-checkpoint need overrides")
-    timeouts: Timeouts = Field(default_factory=Timeouts)
-    replay_body_max_mb: float = Field(default=16.0, description="GPU request bodies up to this size are kept for an OOM retry")
-    allowed_hosts: list[str] = Field(default_factory=list, description="Host names the listener answers besides loopback")
+    idle_release_after_s: float | None = Field(default=None, description="release unasked after this long without GPU "
+                                                                        "traffic (0: as soon as it goes idle); null: never")
+    idle_vram_gb: float = Field(default=0.0, description="GiB of VRAM it holds when idle (its CUDA context floor): a "
+                                                         "\"running\" job while at the floor is stale")
+    release_timeout_s: float = Field(default=10.0, description="how long a release may take until the card shows the "
+                                                              "memory back")
+    context_allowance_gb: float = Field(default=1.0, description="GiB added to an Ollama model's size for its context "
+                                                                 "and KV cache")
+    model_vram_gb: dict[str, float] = Field(default_factory=dict, description="per-model or per-checkpoint need "
+                                                                                 "overrides in GiB")
+    timeouts: Timeouts = Field(default_factory=Timeouts, description="upstream timeouts")
+    replay_body_max_mb: float = Field(default=16.0, description="GPU request bodies up to this size are kept for an "
+                                                                   "OOM retry (0: never kept)")
+    allowed_hosts: list[str] = Field(
+        default_factory=list, description="Host names the listener answers besides loopback (and, for Ollama, what Ollama "
+        "allows): llm.example.com, *.example.com, an address, or * for no check (only behind your own auth); no port. "
+        "Any other Host gets 403")
     devices: list[int | str] | None = Field(
         default=None, description="GPUs this tenant's engine uses on a host with several: NVML indices (0) or UUIDs "
                                   "(GPU-...); unset: discovered from the engine's process, else any device")
     model_paths: list[str] = Field(default_factory=list,
-                                   description="where its model files are (absolute paths); replaces what the proxy finds itself")
+                                   description="where its model files are (absolute paths); replaces what the "
+                                                 "proxy finds itself (Ollama: its models directory, the one OLLAMA_MODELS "
+                                                 "names; ComfyUI: its models directory; any other tenant: model files, or "
+                                                 "directories of them)")
     ready: ReadySpec | None = Field(
         default=None, description="a tenant the proxy starts (release kind process, systemd or docker): when it is "
                                   "ready after a start; null: the engine's own probe, else the upstream port")
@@ -598,10 +630,14 @@ class Tenant(_Strict):
 
 
 class AdminSpec(_Strict):
-    listen: str = "127.0.0.1:11400"
-    token_env: str = "HYPERSWAP_ADMIN_TOKEN"
-    token_file: str | None = None
-    cors_origins: list[str] = Field(default_factory=list)
+    """The admin listener: API, dashboard, /metrics, /mcp."""
+
+    listen: str = Field(default="127.0.0.1:11400", description="host:port; off loopback it needs a bearer token")
+    token_env: str = Field(default="HYPERSWAP_ADMIN_TOKEN", description="the environment variable holding the bearer "
+                                                                        "token")
+    token_file: str | None = Field(default=None, description="a file holding the bearer token")
+    cors_origins: list[str] = Field(default_factory=list, description="web pages allowed to call the admin API "
+                                                                      "cross-origin")
     allowed_hosts: list[str] = Field(default_factory=list, description="Host names the admin API answers besides loopback")
 
     @field_validator("listen")
@@ -613,27 +649,34 @@ class AdminSpec(_Strict):
 
 
 class ProxySettings(_Strict):
-    watchdog_interval_s: float = 1.0
-    release_poll_s: float = 0.05  # NVML reads are sub-millisecond; 50 ms bounds the added wait
-    queue_timeout_s: float = 300.0
-    # A waiter overtaken by later higher-priority arrivals for this long goes ahead of them (no one starves).
-    starvation_after_s: float = 60.0
-    # Ollama's size_vram < size counts as a CPU spill only once the split held this long (a load grows).
-    spill_stable_s: float = 5.0
-    # A job the proxy relayed, of an engine whose queue cannot be read (down, restarting): still busy
-    # for this long after the last good read (it may be running), then ended with a stale_job decision.
-    job_lost_after_s: float = 120.0
-    # Model files are read into RAM only while MemAvailable stays above this (never into swap).
-    warm_margin_gb: float = 4.0
-    warm_during_release: bool = True  # read the next model's files while the other tenant releases
-    keep_warm_models: int = 0  # keep the N most recently used models' files in RAM (0: off)
+    """How the proxy plans, waits and watches."""
+
+    watchdog_interval_s: float = Field(default=1.0, description="how often the watchdog reads the GPU and polls the "
+                                                                "engines (idle release, CPU spill, stale jobs)")
+    # NVML reads are sub-millisecond; 50 ms bounds the added wait
+    release_poll_s: float = Field(default=0.05, description="how often the card is read while a release runs")
+    queue_timeout_s: float = Field(default=300.0, description="how long a request waits for memory before a 503 with "
+                                                              "Retry-After (0: answer 503 at once)")
+    starvation_after_s: float = Field(default=60.0, description="how long later higher-priority arrivals may run ahead "
+                                                                "of a waiter; then it goes ahead of them")
+    spill_stable_s: float = Field(default=5.0, description="how long Ollama's split (size_vram < size) must hold still "
+                                                           "to count as a CPU spill (a load grows)")
+    job_lost_after_s: float = Field(default=120.0, description="a relayed job of an engine whose queue cannot be read "
+                                                               "(down, restarting) stays busy this long after the last "
+                                                               "good read, then ends with a stale_job decision")
+    warm_margin_gb: float = Field(default=4.0, description="model files are read into RAM only while MemAvailable stays "
+                                                           "above this many GiB (never into swap)")
+    warm_during_release: bool = Field(default=True, description="read the next model's files while the other tenant "
+                                                                "releases")
+    keep_warm_models: int = Field(default=0, description="keep the N most recently used models' files in RAM (0: off)")
 
 
 class TelemetrySettings(_Strict):
     path: str | None = Field(
-        default=None, description="SQLite file; null = ~/.local/state/hyperswap/telemetry.sqlite3, 'off' disables")
-    retention_days: float = 30.0
-    max_rows: int = 500_000
+        default=None, description="SQLite file; null = ~/.local/state/hyperswap/telemetry.sqlite3, 'off' disables; "
+                                  "$HYPERSWAP_TELEMETRY sets it when this is null (a path; empty or off disables)")
+    retention_days: float = Field(default=30.0, description="rows older than this are deleted")
+    max_rows: int = Field(default=500_000, description="the most rows kept of each kind; the oldest go first")
 
 
 class LockedClocks(_Strict):
@@ -656,14 +699,17 @@ class GpuProfile(_Strict):
     written only with `apply: true` (and the root permission NVML needs to write)."""
 
     apply: bool = Field(default=False, description="write the profile to the card (needs root); off: compare only")
-    device: int = Field(default=0, description="the GPU's NVML index")
-    power_limit_w: float | None = None
+    device: int = Field(default=0, description="the NVML index of the GPU the profile is for (other cards are only read)")
+    power_limit_w: float | None = Field(default=None, description="the power limit in watts (the card's own range is "
+                                                                  "checked against NVML)")
     locked_clocks_mhz: LockedClocks | None = Field(default=None, description="graphics clock range {min, max} in MHz")
-    gpc_clock_offset_mhz: int | None = None
-    mem_clock_offset_mhz: int | None = None
-    fan_policy: Literal["auto", "manual"] | None = None
+    gpc_clock_offset_mhz: int | None = Field(default=None, description="graphics clock offset in MHz")
+    mem_clock_offset_mhz: int | None = Field(default=None, description="memory clock offset in MHz")
+    fan_policy: Literal["auto", "manual"] | None = Field(
+        default=None, description="auto (the driver's curve) or manual with fan_speed_percent (a speed outside the range "
+        "NVML gives for the fans is unsupported and never written: a fan held too slow does not follow the temperature)")
     fan_speed_percent: int | None = Field(default=None, description="every fan, with fan_policy manual")
-    check_interval_s: float = 30.0
+    check_interval_s: float = Field(default=30.0, description="how often the card is read and compared")
 
     @model_validator(mode="after")
     def _coherent(self) -> GpuProfile:
@@ -677,11 +723,12 @@ class GpuProfile(_Strict):
 
 
 class Config(_Strict):
-    admin: AdminSpec = Field(default_factory=AdminSpec)
-    proxy: ProxySettings = Field(default_factory=ProxySettings)
-    telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
-    tenants: dict[str, Tenant] = Field(default_factory=dict)
-    gpu_profile: GpuProfile | None = None
+    admin: AdminSpec = Field(default_factory=AdminSpec, description="the admin listener")
+    proxy: ProxySettings = Field(default_factory=ProxySettings, description="planning, waiting, watching")
+    telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings, description="the stored history")
+    tenants: dict[str, Tenant] = Field(default_factory=dict, description="the applications, by name")
+    gpu_profile: GpuProfile | None = Field(default=None, description="the GPU settings you want, compared (and with "
+                                                                     "apply, written)")
 
     @field_validator("tenants")
     @classmethod
@@ -756,7 +803,7 @@ _FRIENDLY = {
     "list_type": "expected a list",
     "finite_number": "expected a finite number (not NaN or Infinity)",
     "missing": "required field is missing",
-    "extra_forbidden": "unknown key (check the spelling against the README's tenants.json reference)",
+    "extra_forbidden": "unknown key (check the spelling against the tenants.json reference, docs/reference/tenants-json.md)",
 }
 
 
@@ -850,7 +897,7 @@ def tree_problems(data: Any) -> tuple[list[str], bool]:
 
 def _schema_error(where: str, problems: list[str]) -> ConfigError:
     return ConfigError(f"{where} does not match the schema", problems=problems,
-                       fix="correct the fields listed above; see the README's tenants.json reference")
+                       fix="correct the fields listed above; see the tenants.json reference, docs/reference/tenants-json.md")
 
 
 def _check_tree(data: Any, where: str) -> list[str]:

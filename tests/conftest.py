@@ -84,7 +84,7 @@ async def started_boxes() -> AsyncIterator[Callable[..., Awaitable[Any]]]:
     async def make(scenario: str | Scenario = "default", **kw: Any) -> Demo:
         sc = fast_scenario(scenario) if isinstance(scenario, str) else scenario
         ports = {"ollama": 0, "comfyui": 0, "admin": 0, "stt": 0}
-        demo = await start_demo(sc, sim_ports={"ollama": 0, "comfyui": 0}, proxy_ports=ports,
+        demo = await start_demo(sc, sim_ports={"ollama": 0, "comfyui": 0, "relay": 0}, proxy_ports=ports,
                                 watchdog=kw.pop("watchdog", False), **kw)
         started.append(demo)
         return demo

@@ -81,6 +81,37 @@ _PENDING_MAX = 1024  # outcomes waiting for their request to leave flight, per t
 START_BUCKETS = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 LIFECYCLE_STATES = ("running", "stopped", "starting", "stopping", "failed")
 
+# Every family the live collector can yield: name -> (help, labels). `describe()` lists them all, also
+# those that appear only on some hosts (several cards, tenants the proxy starts), for the registry's name
+# check and the generated metrics reference (docs/reference/metrics.md).
+LIVE_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "hyperswap_gpu_memory_total_bytes": ("GPU memory on the card", ()),
+    "hyperswap_gpu_memory_used_bytes": ("GPU memory in use, every process", ()),
+    "hyperswap_gpu_memory_free_bytes": ("GPU memory free", ()),
+    "hyperswap_gpu_snapshot_age_seconds": ("Seconds since the GPU snapshot these figures come from", ()),
+    "hyperswap_tenant_vram_bytes": ("GPU memory held by a tenant's processes", ("tenant",)),
+    "hyperswap_unmanaged_vram_bytes": ("GPU memory held by processes no tenant matches", ()),
+    "hyperswap_gpu_card_memory_total_bytes": ("GPU memory on one card", ("index", "name")),
+    "hyperswap_gpu_card_memory_used_bytes": ("GPU memory in use on one card", ("index", "name")),
+    "hyperswap_gpu_card_memory_free_bytes": ("GPU memory free on one card", ("index", "name")),
+    "hyperswap_tenant_card_vram_bytes": ("GPU memory a tenant's processes hold on one card", ("tenant", "index")),
+    "hyperswap_inflight_requests": ("GPU requests in flight through the proxy", ("tenant",)),
+    "hyperswap_queued_jobs": ("Engine jobs the proxy saw queued and not yet finished", ("tenant",)),
+    "hyperswap_queue_waiting": ("Requests waiting in the handoff queue for GPU memory", ("tenant",)),
+    "hyperswap_lifecycle_state": ("A tenant the proxy starts and stops: 1 for the state it is in", ("tenant", "state")),
+}
+SNAPSHOT_SOURCE = ("hyperswap_gpu_snapshot_source", "Where the GPU figures come from", ("source", "device"))
+
+
+def _gauge(name: str) -> GaugeMetricFamily:
+    help_, labels = LIVE_GAUGES[name]
+    return GaugeMetricFamily(name, help_, labels=list(labels) if labels else None)
+
+
+def _source_info() -> InfoMetricFamily:
+    name, help_, labels = SNAPSHOT_SOURCE
+    return InfoMetricFamily(name, help_, labels=list(labels))
+
 
 class _LiveCollector(Collector):
     """Gauges computed at scrape time: nothing to keep in sync."""
@@ -88,17 +119,21 @@ class _LiveCollector(Collector):
     def __init__(self, proxy: ProxyView) -> None:
         self.proxy = proxy
 
+    def describe(self) -> Iterable[Metric]:
+        """Every family `collect` may yield, without samples."""
+        return [*(_gauge(name) for name in LIVE_GAUGES), _source_info()]
+
     def collect(self) -> Iterable[Metric]:
         proxy = self.proxy
         tenants = [t.name for t in proxy.registry]
         snap = proxy.arbitration.last_snapshot
-        total = GaugeMetricFamily("hyperswap_gpu_memory_total_bytes", "GPU memory on the card")
-        used = GaugeMetricFamily("hyperswap_gpu_memory_used_bytes", "GPU memory in use, every process")
-        free = GaugeMetricFamily("hyperswap_gpu_memory_free_bytes", "GPU memory free")
-        age = GaugeMetricFamily("hyperswap_gpu_snapshot_age_seconds", "Seconds since the GPU snapshot these figures come from")
-        held = GaugeMetricFamily("hyperswap_tenant_vram_bytes", "GPU memory held by a tenant's processes", labels=["tenant"])
-        unmanaged = GaugeMetricFamily("hyperswap_unmanaged_vram_bytes", "GPU memory held by processes no tenant matches")
-        source = InfoMetricFamily("hyperswap_gpu_snapshot_source", "Where the GPU figures come from", labels=["source", "device"])
+        total = _gauge("hyperswap_gpu_memory_total_bytes")
+        used = _gauge("hyperswap_gpu_memory_used_bytes")
+        free = _gauge("hyperswap_gpu_memory_free_bytes")
+        age = _gauge("hyperswap_gpu_snapshot_age_seconds")
+        held = _gauge("hyperswap_tenant_vram_bytes")
+        unmanaged = _gauge("hyperswap_unmanaged_vram_bytes")
+        source = _source_info()
         if snap is not None:
             whole = device_json(snap)  # one card: its figures; several: the host's sums
             # unknown is not zero: a figure nobody measured gets no sample at all
@@ -116,17 +151,15 @@ class _LiveCollector(Collector):
         if snap is not None and snap.snapshot.several_devices:
             yield from _card_families(snap)
         traffic = proxy.inflight.snapshot()
-        inflight = GaugeMetricFamily("hyperswap_inflight_requests", "GPU requests in flight through the proxy", labels=["tenant"])
-        jobs = GaugeMetricFamily("hyperswap_queued_jobs", "Engine jobs the proxy saw queued and not yet finished",
-                                 labels=["tenant"])
+        inflight = _gauge("hyperswap_inflight_requests")
+        jobs = _gauge("hyperswap_queued_jobs")
         for name in tenants:
             t = traffic.get(name)
             inflight.add_metric([name], t.in_flight if t else 0)
             jobs.add_metric([name], len(t.jobs) if t else 0)
         yield inflight
         yield jobs
-        waiting = GaugeMetricFamily("hyperswap_queue_waiting", "Requests waiting in the handoff queue for GPU memory",
-                                    labels=["tenant"])
+        waiting = _gauge("hyperswap_queue_waiting")
         counts: dict[str, int] = {name: 0 for name in tenants}
         for w in proxy.arbitration.queue.waiting():
             counts[w["tenant"]] = counts.get(w["tenant"], 0) + 1
@@ -135,8 +168,7 @@ class _LiveCollector(Collector):
         yield waiting
         machines = proxy.arbitration.lifecycles.machines()
         if machines:
-            state = GaugeMetricFamily("hyperswap_lifecycle_state", "A tenant the proxy starts and stops: 1 for the "
-                                      "state it is in", labels=["tenant", "state"])
+            state = _gauge("hyperswap_lifecycle_state")
             for name, machine in machines.items():
                 for s in LIFECYCLE_STATES:
                     state.add_metric([name, s], 1 if machine.state == s else 0)
@@ -145,12 +177,10 @@ class _LiveCollector(Collector):
 
 def _card_families(snap: AttributedSnapshot) -> list[Metric]:
     """Several GPUs: each card's memory and what each tenant holds on it."""
-    labels = ["index", "name"]
-    total = GaugeMetricFamily("hyperswap_gpu_card_memory_total_bytes", "GPU memory on one card", labels=labels)
-    used = GaugeMetricFamily("hyperswap_gpu_card_memory_used_bytes", "GPU memory in use on one card", labels=labels)
-    free = GaugeMetricFamily("hyperswap_gpu_card_memory_free_bytes", "GPU memory free on one card", labels=labels)
-    held = GaugeMetricFamily("hyperswap_tenant_card_vram_bytes", "GPU memory a tenant's processes hold on one card",
-                             labels=["tenant", "index"])
+    total = _gauge("hyperswap_gpu_card_memory_total_bytes")
+    used = _gauge("hyperswap_gpu_card_memory_used_bytes")
+    free = _gauge("hyperswap_gpu_card_memory_free_bytes")
+    held = _gauge("hyperswap_tenant_card_vram_bytes")
     for card in devices_json(snap):
         key = [str(card["index"]), str(card["name"])]
         for family, name in ((total, "total_bytes"), (used, "used_bytes"), (free, "free_bytes")):
@@ -169,7 +199,8 @@ class Metrics:
     def __init__(self, proxy: ProxyView) -> None:
         self.proxy = proxy
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_LiveCollector(proxy))
+        self.live = _LiveCollector(proxy)
+        self.registry.register(self.live)
         self.requests = Counter("hyperswap_requests", "GPU requests that left flight, by outcome",
                                 ["tenant", "outcome"], registry=self.registry)
         self.handoff = Histogram("hyperswap_handoff_seconds", "Time a handoff spent releasing memory",

@@ -19,7 +19,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -32,6 +32,7 @@ from proxy.engines.settings import read_proc_environ
 from proxy.errors import HyperSwapError
 from proxy.handoff.decisions import ModelLoad
 from proxy.models.catalog import ModelCatalog
+from proxy.models.fileio import FileWorkBusy
 from proxy.models.frames import FrameTimer, loader_nodes
 from proxy.models.loads import MIN_LOAD_S, LoadLog, LoadRecord
 from proxy.models.pagecache import PageCacheProbe, SystemPageCache
@@ -47,6 +48,11 @@ log = logging.getLogger("hyperswap.models")
 
 TAIL_BYTES = 4096  # Ollama's final line (with load_duration) fits well inside this
 WARM_ENOUGH = 0.9  # a model this resident is not warmed again by the keep-recent policy
+LOOKUP_S = 1.0  # a GPU request waits at most this for its model's files; past it the load is just not timed
+ANSWER_S = 15.0  # an admin answer that needs the model files waits at most this, then says 503
+BUSY_FIX = "retry in a few seconds; if it persists, look for a model folder on a slow or hung file system"
+SKIPPED_SHOWN = 5
+T = TypeVar("T")
 
 
 def _error(status: int, message: str, fix: str, **details: Any) -> JSONResponse:
@@ -151,12 +157,25 @@ class ModelsExtension:
         from proxy.admin.health import HealthExtension, NamedCheck
         self.proxy.arbitration.load_hooks = self
         self.proxy.gate.load_hooks = self
-        self._spawn(asyncio.to_thread(self.catalog.all_files), "hyperswap:locate")  # before the first load
+        self._spawn(self._quietly(self.catalog.all_files), "hyperswap:locate")  # before the first load
         health = self.proxy.extension("health")  # explicit lookup by name
         if isinstance(health, HealthExtension):
             health.checks.append(NamedCheck("model files", self.health_entries))
 
+    async def files(self, fn: Callable[..., T], *args: Any, timeout_s: float | None = ANSWER_S) -> T:
+        """`fn(*args)` on the model-file threads (never the loop, never asyncio's default pool).
+        Raises FileWorkBusy (queue full, or closed) or TimeoutError."""
+        return await self.catalog.work.run(fn, *args, timeout_s=timeout_s)
+
+    async def _quietly(self, fn: Callable[..., T], *args: Any, timeout_s: float | None = ANSWER_S) -> T | None:
+        try:
+            return await self.files(fn, *args, timeout_s=timeout_s)
+        except (FileWorkBusy, TimeoutError) as exc:
+            log.info("model files: %s skipped (%s)", getattr(fn, "__name__", "work"), exc or "timed out")
+            return None
+
     async def stop(self) -> None:
+        self.catalog.work.close()  # nothing waits on a model-file read from here on
         if self.proxy.arbitration.load_hooks is self:
             self.proxy.arbitration.load_hooks = None
         if self.proxy.gate.load_hooks is self:
@@ -187,13 +206,13 @@ class ModelsExtension:
                         f"hyperswap:prepare:{tenant}:{model}")
 
     async def _warm_quietly(self, tenant: str, model: str, reason: str) -> WarmJob | None:
-        files = await asyncio.to_thread(self.catalog.find, tenant, model)
+        files = await self._quietly(self.catalog.find, tenant, model)
         if files is None:
             return None
-        residency = await asyncio.to_thread(self.catalog.residency_of, files)
-        if residency.fraction is not None and residency.fraction >= 0.999:
-            return None  # already in RAM: nothing to read
-        return self.warmer.start(files.key, files.files, files.size_bytes, reason)
+        residency = await self._quietly(self.catalog.residency_of, files)
+        if residency is None or (residency.fraction is not None and residency.fraction >= 0.999):
+            return None  # already in RAM (or cannot be said now): nothing to read
+        return self.warmer.start(files.key, files.files, files.size_bytes, reason, files.sizes)
 
     async def loading(self, tenant: Tenant, model: str, body: bytes,
                       request: int | None = None) -> Callable[[UpstreamResponse], UpstreamResponse] | None:
@@ -204,9 +223,11 @@ class ModelsExtension:
             files = self.catalog.find(tenant.name, model)
             return files, (self.catalog.residency_of(files).fraction if files is not None else None)
 
-        files, before = await asyncio.to_thread(look)
-        if files is None:
+        found = await self._quietly(look, timeout_s=LOOKUP_S)  # the request never waits long for this
+        files = found[0] if found is not None else None
+        if found is None or files is None:
             return None
+        before = found[1]
         if adapter.load_timed_from_frames:  # the load runs after the answer
             self._frames.setdefault(tenant.name, FrameTimer(time.monotonic)).expect(
                 loader_nodes(body, model), (files, before, f"{adapter.kind} execution frames", request))
@@ -278,6 +299,7 @@ class ModelsExtension:
             tenants.append({"tenant": name, "layout": found.layout, "looked_in": list(found.looked_in),
                             "roots": found.located.roots, "unknown_reason": found.unknown_reason,
                             "problems": [p.to_json() for p in found.located.problems],
+                            "skipped": [k.to_json() for k in found.located.skipped],
                             "models": [self.model_json(m) for m in found.located.models]})
         available = self.mem_available()
         return {"tenants": tenants, "mem_available_bytes": available, "warm_margin_bytes": self.margin_bytes(),
@@ -307,7 +329,10 @@ class ModelsExtension:
             return _error(404, f"no tenant {tenant!r}", "GET /api/tenants lists them", tenant=tenant)
         if self.proxy.arbitration.last_snapshot is None:
             await self.proxy.arbitration.snapshot()  # ComfyUI's folders come from its command line on the card
-        return JSONResponse(await asyncio.to_thread(self.listing, tenant))
+        try:
+            return JSONResponse(await self.files(self.listing, tenant))
+        except (FileWorkBusy, TimeoutError) as exc:
+            return _busy(exc)
 
     async def _target(self, request: Request) -> tuple[ModelFiles | None, Response | None]:
         example = 'send {"tenant": "ollama", "model": "llama3.1:8b"} (GET /api/models lists them)'
@@ -322,7 +347,10 @@ class ModelsExtension:
             return None, _error(404, f"no tenant {body['tenant']!r}", "GET /api/tenants lists them", tenant=body["tenant"])
         if self.proxy.arbitration.last_snapshot is None:
             await self.proxy.arbitration.snapshot()
-        files = await asyncio.to_thread(self.catalog.find, body["tenant"], body["model"])
+        try:
+            files = await self.files(self.catalog.find, body["tenant"], body["model"])
+        except (FileWorkBusy, TimeoutError) as exc:
+            return None, _busy(exc)
         if files is None:
             return None, _error(404, f"{body['tenant']} has no model {body['model']!r} on disk", example,
                                 tenant=body["tenant"], model=body["model"])
@@ -336,7 +364,7 @@ class ModelsExtension:
         if why is not None:
             return _error(409, f"not warming {files.key}: {why}",
                           "free host memory, or lower proxy.warm_margin_gb in tenants.json", key=files.key)
-        job = self.warmer.start(files.key, files.files, files.size_bytes, "admin")
+        job = self.warmer.start(files.key, files.files, files.size_bytes, "admin", files.sizes)
         return JSONResponse({"warm": job.to_json(), "model": self.model_json(files)}, status_code=202)
 
     async def stop_route(self, request: Request) -> Response:
@@ -356,10 +384,24 @@ class ModelsExtension:
     # -- health ---------------------------------------------------------------------------------
     async def health_entries(self, snap: AttributedSnapshot) -> list[HealthEntry]:
         from proxy.admin.health import HealthEntry
-        everything = await asyncio.to_thread(self.catalog.all_files)
+        try:
+            everything = await self.files(self.catalog.all_files)
+        except (FileWorkBusy, TimeoutError) as exc:
+            return [HealthEntry("model files", "unknown", f"the model folders could not be read in time ({exc or 'timed out'})",
+                                "residency and warming wait for them; traffic does not", BUSY_FIX)]
         out = []
         for name, found in everything.items():
             problems = found.located.problems
+            skipped = found.located.skipped
+            if skipped:
+                shown = "; ".join(f"{k.path}: {k.reason}" for k in skipped[:SKIPPED_SHOWN])
+                more = f" (and {len(skipped) - SKIPPED_SHOWN} more)" if len(skipped) > SKIPPED_SHOWN else ""
+                out.append(HealthEntry(f"model files {name} skipped", "degraded",
+                                       f"{len(skipped)} skipped: {shown}{more}",
+                                       "they are not listed, measured or warmed (only regular files inside the model "
+                                       "folders are)",
+                                       "remove them, or for a link to another folder, add that folder to "
+                                       f"tenants.{name}.model_paths"))
             if found.unknown_reason:
                 out.append(HealthEntry(f"model files {name}", "unknown", found.unknown_reason,
                                        "residency, warming and warm-during-release are off for it",
@@ -380,6 +422,12 @@ class ModelsExtension:
                                    "keep the models you alternate between in RAM (proxy.keep_warm_models), "
                                    "or add host RAM; warm-during-release (proxy.warm_during_release) hides part of it"))
         return out
+
+
+def _busy(exc: BaseException) -> JSONResponse:
+    response = _error(503, f"the model files could not be read in time ({exc or 'timed out'})", BUSY_FIX)
+    response.headers["retry-after"] = "5"
+    return response
 
 
 def _names(model: str) -> set[str]:

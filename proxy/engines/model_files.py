@@ -12,13 +12,28 @@ caches it and measures how much of it is in RAM).
 
 Pure over the file system: paths in, `Located` out; problems (missing or unreadable directories)
 are data with a fix, never exceptions. Blocking (it walks directories): call it off the loop.
+
+The rules (issue 25: a FIFO froze the proxy, a symlink read /etc/shadow, a walk per unknown name):
+- Regular files only. Anything else (FIFO, device, socket, directory) is skipped with the reason;
+  files are opened with `O_NONBLOCK | O_NOFOLLOW | O_CLOEXEC` and checked with `fstat` on the open
+  descriptor (`open_regular`), so a FIFO's open returns at once and a file swapped for a link or a
+  FIFO after it was listed is refused, not read.
+- Inside the folder a file was found in: each path is resolved and must stay inside that folder
+  (resolved too: a folder that is itself a link is the operator's choice), or inside a folder the
+  tenant lists in `model_paths`. A link that leaves is skipped and named (`Skipped`).
+- Ollama digests are `sha256:` + 64 hex digits before a blob path is built from one.
+- A walk is bounded: at most `MAX_DEPTH` levels and `MAX_ENTRIES` entries per folder; what was
+  left unlisted is said.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shlex
+import stat
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +46,11 @@ OLLAMA_DEFAULT_NAMESPACE = "library"
 COMFY_FOLDERS = ("checkpoints", "diffusion_models", "unet", "vae", "clip", "text_encoders", "clip_vision", "loras",
                  "controlnet", "upscale_models", "embeddings", "style_models", "hypernetworks", "gligen", "vae_approx")
 MODEL_SUFFIXES = (".safetensors", ".sft", ".ckpt", ".pt", ".pt2", ".pth", ".bin", ".gguf", ".pkl", ".onnx")
+MAX_DEPTH = 8  # folder levels below a model folder
+MAX_ENTRIES = 50_000  # files and directories listed per folder (a walk of 100,000 files took 2.3 s of CPU)
+MAX_MANIFEST_BYTES = 1 << 20  # an Ollama manifest is a few hundred bytes
+OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +58,9 @@ class ModelFiles:
     tenant: str
     name: str  # what requests call it: "llama3.2:3b", a checkpoint's name under its folder, a file name
     folder: str  # "ollama", "checkpoints", "vae", ... or "files"
-    files: tuple[str, ...]
+    files: tuple[str, ...]  # resolved paths, each inside the folder it was found in
     size_bytes: int
+    sizes: tuple[int, ...] = ()  # per file: the size the manifest gives (Ollama), else the size listed; () unknown
 
     @property
     def key(self) -> str:
@@ -57,11 +78,110 @@ class LocateProblem:
         return {"tenant": self.tenant, "path": self.path, "problem": self.problem, "fix": self.fix}
 
 
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """A file the proxy will not list, measure or read, and why (health and `hyperswap check` name it)."""
+
+    tenant: str
+    path: str
+    reason: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"tenant": self.tenant, "path": self.path, "reason": self.reason}
+
+
 @dataclass(slots=True)
 class Located:
     models: list[ModelFiles] = field(default_factory=list)
     roots: list[str] = field(default_factory=list)
     problems: list[LocateProblem] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+
+
+class NotRegular(OSError):
+    """`open_regular` refused a path: its message says what it is instead of a regular file."""
+
+
+def file_kind(mode: int) -> str | None:
+    """None for a regular file, else what it is (the reason it is skipped)."""
+    if stat.S_ISREG(mode):
+        return None
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISLNK, "a symbolic link")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def open_regular(path: str) -> tuple[int, os.stat_result]:
+    """Open `path` for reading without blocking and without following a link in its last part, and
+    only if it is a regular file: (fd, fstat). O_NONBLOCK makes the open of a FIFO return at once (for
+    reading it never waits for a writer); on a regular file it changes nothing. Raises NotRegular
+    (with what it is) or the OSError of the open. The caller closes the fd."""
+    try:
+        fd = os.open(path, OPEN_FLAGS)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise NotRegular(errno.ELOOP, f"{path} is a symbolic link (not followed)") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        kind = file_kind(st.st_mode)
+        if kind is not None:
+            raise NotRegular(errno.EINVAL, f"{path} is {kind}, not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def read_small(path: str, limit: int = MAX_MANIFEST_BYTES) -> bytes:
+    """A small regular file's bytes (a manifest, a YAML config), never more than `limit`."""
+    fd, st = open_regular(path)
+    try:
+        if st.st_size > limit:
+            raise NotRegular(errno.EFBIG, f"{path} is {st.st_size} bytes, more than {limit} for a file of this kind")
+        return os.read(fd, limit + 1)[:limit]
+    finally:
+        os.close(fd)
+
+
+def inside(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+class Fence:
+    """Where a tenant's files may resolve to: the folder each was found in, or a folder its
+    model_paths lists (the operator said so). Resolves each path once."""
+
+    def __init__(self, tenant: str, allowed: Sequence[Path] = ()) -> None:
+        self.tenant = tenant
+        self.allowed = [_real(p) for p in allowed]
+
+    def admit(self, path: Path, folder: Path, found: Located) -> Path | None:
+        """The resolved path when it is a regular file inside `folder` (resolved) or an allowed folder;
+        else None, with the skip recorded."""
+        real = _real(path)
+        home = _real(folder)
+        if not inside(real, home) and not any(inside(real, a) for a in self.allowed):
+            found.skipped.append(Skipped(self.tenant, str(path), f"a link to {real}, outside {home} (add the target's "
+                                         f"folder to tenants.{self.tenant}.model_paths to allow it)"))
+            return None
+        try:
+            mode = os.stat(real).st_mode  # stat never blocks on a FIFO; the open checks again (fstat)
+        except OSError as exc:
+            found.skipped.append(Skipped(self.tenant, str(path), f"cannot stat it: {exc.strerror or exc}"))
+            return None
+        kind = file_kind(mode)
+        if kind is not None:
+            found.skipped.append(Skipped(self.tenant, str(path), f"{kind}, not a regular file"))
+            return None
+        return real
+
+
+def _real(p: Path) -> Path:
+    return Path(os.path.realpath(p))
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +214,7 @@ def plain_tenant_files(tenant: Tenant) -> TenantFiles | None:
     paths = configured_paths(tenant)
     if not paths:
         return None
-    return TenantFiles(tenant.name, None, plain_files(tenant.name, paths), tuple(map(str, paths)))
+    return TenantFiles(tenant.name, None, plain_files(tenant.name, paths, Fence(tenant.name, paths)), tuple(map(str, paths)))
 
 
 # -- Ollama ---------------------------------------------------------------------------------------
@@ -104,7 +224,8 @@ def ollama_tenant_files(tenant: Tenant, hints: FileHints) -> TenantFiles:
     paths = configured_paths(tenant)
     engine = None if paths else hints.engine_env()
     roots = paths or (ollama_roots(engine) if engine is not None else ollama_roots(hints.env, hints.home))
-    parts = [ollama_store(tenant.name, r) for r in roots if paths or r.exists()]
+    fence = Fence(tenant.name, paths)
+    parts = [ollama_store(tenant.name, r, fence) for r in roots if paths or r.exists()]
     found = merge(parts)
     if not parts:
         found.problems.append(LocateProblem(
@@ -136,20 +257,26 @@ def blob_path(root: Path, digest: str) -> Path:
 
 
 def ollama_manifest_files(root: Path, manifest: Mapping[str, Any]) -> list[tuple[str, int]]:
-    """(blob path, size) of every layer (weights, projector, adapters, template) and the config."""
+    """(blob path, size) of every layer (weights, projector, adapters, template) and the config.
+    Raises ValueError on a digest that is not `sha256:` + 64 hex digits: no path is built from it."""
     out = []
     for layer in [*(manifest.get("layers") or []), manifest.get("config") or {}]:
         digest = layer.get("digest") if isinstance(layer, dict) else None
-        if isinstance(digest, str) and digest.startswith("sha256:"):
-            out.append((str(blob_path(root, digest)), int(layer.get("size") or 0)))
+        if digest is None:
+            continue
+        if not isinstance(digest, str) or not DIGEST.fullmatch(digest):
+            raise ValueError(f"a layer's digest {str(digest)[:80]!r} is not sha256: and 64 hex digits")
+        size = layer.get("size")
+        out.append((str(blob_path(root, digest)), size if isinstance(size, int) and size >= 0 else 0))
     return out
 
 
-def ollama_store(tenant: str, root: Path) -> Located:
+def ollama_store(tenant: str, root: Path, fence: Fence | None = None) -> Located:
     found = Located()
+    fence = fence or Fence(tenant)
     manifests = root / "manifests"
     try:
-        hosts = sorted(manifests.iterdir())
+        os.listdir(manifests)
     except PermissionError:
         found.problems.append(LocateProblem(tenant, str(manifests), f"permission denied listing {manifests}",
                                             "run the proxy as Ollama's user (or root), or add it to that user's group"))
@@ -159,21 +286,33 @@ def ollama_store(tenant: str, root: Path) -> Located:
                                             f"set tenants.{tenant}.model_paths to Ollama's models directory (OLLAMA_MODELS)"))
         return found
     found.roots.append(str(root))
-    for path in _files_under(hosts, depth=3):
+    for path in _files_under([manifests], depth=3, found=found, tenant=tenant):
         rel = path.relative_to(manifests).parts
         if len(rel) != 4:
             continue
+        real = fence.admit(path, manifests, found)
+        if real is None:
+            continue
         try:
-            manifest = json.loads(path.read_text())
+            manifest = json.loads(read_small(str(real)))
+            files = ollama_manifest_files(root, manifest) if isinstance(manifest, dict) else []
+        except NotRegular as exc:
+            found.skipped.append(Skipped(tenant, str(path), exc.strerror or str(exc)))
+            continue
         except (OSError, ValueError) as exc:
             found.problems.append(LocateProblem(tenant, str(path), f"unreadable manifest: {exc}",
                                                 "run `ollama list`; re-pull the model if it is broken"))
             continue
-        files = ollama_manifest_files(root, manifest) if isinstance(manifest, dict) else []
-        if not files:
-            continue
-        found.models.append(ModelFiles(tenant, ollama_display_name(*rel), "ollama", tuple(p for p, _ in files),
-                                       sum(s for _, s in files)))
+        blobs: list[tuple[str, int]] = []
+        for blob, size in files:
+            admitted = fence.admit(Path(blob), root / "blobs", found)
+            if admitted is None:
+                break
+            blobs.append((str(admitted), size))
+        if not blobs or len(blobs) != len(files):
+            continue  # a model with a skipped blob is skipped whole: its residency would be a partial sum
+        found.models.append(ModelFiles(tenant, ollama_display_name(*rel), "ollama", tuple(p for p, _ in blobs),
+                                       sum(s for _, s in blobs), tuple(s for _, s in blobs)))
     return found
 
 
@@ -194,22 +333,26 @@ def comfyui_tenant_files(tenant: Tenant, hints: FileHints) -> TenantFiles:
     layout = "comfyui"
     paths = configured_paths(tenant)
     if paths:
-        return TenantFiles(tenant.name, layout, comfy_folders(tenant.name, paths, {}), tuple(map(str, paths)))
+        return TenantFiles(tenant.name, layout, comfy_folders(tenant.name, paths, {}, Fence(tenant.name, paths)),
+                           tuple(map(str, paths)))
     argv = argv_of(hints.cmdlines())
     base, configs = comfy_argv_paths(argv)
     if base is None:
-        why = ("its command line was not seen (no process of it on the GPU yet)" if not argv else
+        why = ("its command line was not seen: it is read from ComfyUI's process on the GPU, and there is none "
+               "(not started yet, or running with --cpu, which never has one)" if not argv else
                "its command line names neither --base-directory nor an absolute main.py path")
-        return TenantFiles(tenant.name, layout, Located(), (), f"ComfyUI's model folders are unknown: {why}")
+        return TenantFiles(tenant.name, layout, Located(), (),
+                           f"ComfyUI's model folders are unknown: {why}; set tenants.{tenant.name}.model_paths "
+                           "to its models folder")
     extra: dict[str, list[Path]] = {}
     for config in configs:
         try:
-            parsed = parse_extra_model_paths(config.read_text(), config.parent)
+            parsed = parse_extra_model_paths(read_small(str(config)).decode("utf-8", "replace"), config.parent)
         except OSError:
             continue  # the default extra_model_paths.yaml is optional; ComfyUI skips a missing one too
         for folder, dirs in parsed.items():
             extra.setdefault(folder, []).extend(dirs)
-    found = comfy_folders(tenant.name, [base / "models"], extra)
+    found = comfy_folders(tenant.name, [base / "models"], extra, Fence(tenant.name))
     return TenantFiles(tenant.name, layout, found, (str(base / "models"), *map(str, configs)))
 
 
@@ -298,8 +441,10 @@ def _tiny_yaml(text: str) -> dict[str, dict[str, str]]:
     return out
 
 
-def comfy_folders(tenant: str, models_dirs: Sequence[Path], extra: Mapping[str, list[Path]]) -> Located:
+def comfy_folders(tenant: str, models_dirs: Sequence[Path], extra: Mapping[str, list[Path]],
+                  fence: Fence | None = None) -> Located:
     found = Located()
+    fence = fence or Fence(tenant)
     folders: list[tuple[str, Path]] = [(f, d / f) for d in models_dirs for f in COMFY_FOLDERS]
     folders += [(f, p) for f, paths in extra.items() for p in paths]
     for d in models_dirs:
@@ -315,25 +460,36 @@ def comfy_folders(tenant: str, models_dirs: Sequence[Path], extra: Mapping[str, 
     for folder, path in folders:
         if not path.is_dir():
             continue
-        for f in _files_under([path], depth=8):
-            if f.suffix.lower() in MODEL_SUFFIXES and str(f) not in seen:
-                seen.add(str(f))
-                found.models.append(ModelFiles(tenant, str(f.relative_to(path)), folder, (str(f),), _size(f)))
+        for f in _files_under([path], depth=MAX_DEPTH, found=found, tenant=tenant):
+            if f.suffix.lower() not in MODEL_SUFFIXES or str(f) in seen:
+                continue
+            seen.add(str(f))
+            real = fence.admit(f, path, found)
+            if real is not None:
+                size = _size(real)
+                found.models.append(ModelFiles(tenant, str(f.relative_to(path)), folder, (str(real),), size, (size,)))
     return found
 
 
 # -- any tenant --------------------------------------------------------------------------------------
 
-def plain_files(tenant: str, paths: Sequence[Path]) -> Located:
+def plain_files(tenant: str, paths: Sequence[Path], fence: Fence | None = None) -> Located:
     """model_paths of a tenant without a known layout: a file is a model; a directory holds one per file."""
     found = Located()
+    fence = fence or Fence(tenant, paths)
     for p in paths:
-        if p.is_file():
-            found.models.append(ModelFiles(tenant, p.name, "files", (str(p),), _size(p)))
-        elif p.is_dir():
+        if p.is_dir():
             found.roots.append(str(p))
-            for f in _files_under([p], depth=8):
-                found.models.append(ModelFiles(tenant, str(f.relative_to(p)), "files", (str(f),), _size(f)))
+            for f in _files_under([p], depth=MAX_DEPTH, found=found, tenant=tenant):
+                real = fence.admit(f, p, found)
+                if real is not None:
+                    size = _size(real)
+                    found.models.append(ModelFiles(tenant, str(f.relative_to(p)), "files", (str(real),), size, (size,)))
+        elif os.path.lexists(p):
+            real = fence.admit(p, p.parent, found)  # a file named in model_paths is allowed where it points
+            if real is not None:
+                size = _size(real)
+                found.models.append(ModelFiles(tenant, p.name, "files", (str(real),), size, (size,)))
         else:
             found.problems.append(LocateProblem(tenant, str(p), f"{p} does not exist or cannot be read",
                                                 f"fix tenants.{tenant}.model_paths in tenants.json"))
@@ -357,6 +513,7 @@ def merge(parts: Iterable[Located]) -> Located:
         out.models.extend(part.models)
         out.roots.extend(part.roots)
         out.problems.extend(part.problems)
+        out.skipped.extend(part.skipped)
     return out
 
 
@@ -372,17 +529,29 @@ def argv_of(cmdlines: Iterable[str]) -> list[str]:
     return []
 
 
-def _files_under(dirs: Iterable[Path], depth: int) -> list[Path]:
+def _files_under(dirs: Iterable[Path], depth: int, found: Located | None = None, tenant: str = "",
+                 max_entries: int | None = None) -> list[Path]:
+    """Every entry below each directory that is not a directory (links to directories are not
+    walked into; entries that are links are returned for the fence to judge), at most `depth`
+    levels down and `max_entries` entries per directory given: past that the walk stops and says so."""
+    cap = MAX_ENTRIES if max_entries is None else max_entries
     out: list[Path] = []
     for d in dirs:
-        if d.is_file():
-            out.append(d)
-            continue
-        for dirpath, dirnames, filenames in os.walk(d, onerror=lambda _e: None):
+        seen = 0
+        for dirpath, dirnames, filenames in os.walk(d, onerror=lambda _e: None):  # never follows links
             if len(Path(dirpath).relative_to(d).parts) >= depth:
+                if dirnames and found is not None:
+                    found.skipped.append(Skipped(tenant, str(Path(dirpath)), f"folders deeper than {depth} levels "
+                                                 f"below {d} are not listed"))
                 dirnames.clear()
+            seen += len(dirnames) + len(filenames)
             dirnames.sort()
             out.extend(Path(dirpath) / f for f in sorted(filenames) if not f.startswith("."))
+            if seen > cap:
+                if found is not None:
+                    found.skipped.append(Skipped(tenant, str(d), f"more than {cap} entries: the rest of {d} "
+                                                 "is not listed"))
+                break
     return out
 
 

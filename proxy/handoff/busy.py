@@ -16,6 +16,9 @@ evidence the proxy has. A tenant is busy while:
 A job is stale only on positive evidence that it is not running: listed while the tenant holds only
 its idle floor on a card that shows it ("vram"), missing from a fresh read of its queue ("unlisted"),
 or its engine silent past `job_lost_after_s` ("unreachable"). Stale jobs are reported, not counted.
+- it would be released by stopping it (its first release step stops the app) and any request,
+  stream or websocket is open on its listener: a stop would cut them (invariant 7), so a plan waits
+  for them instead of ordering a stop that is refused, planned again and refused again.
 """
 
 from __future__ import annotations
@@ -84,6 +87,9 @@ def tenant_state(tenant: Tenant, traffic: TenantTraffic | None, ev: Evidence, no
 
     if in_flight:
         return busy(f"{in_flight} GPU request(s) in flight")
+    connections = traffic.connections if traffic else 0
+    if connections and released_by_stopping(tenant):
+        return busy(f"{connections} request(s), stream(s) or websocket(s) open: a stop would cut them")
     if own:
         if ev.unreachable_for is not None:
             if ev.unreachable_for < job_lost_after_s:
@@ -103,6 +109,13 @@ def tenant_state(tenant: Tenant, traffic: TenantTraffic | None, ev: Evidence, no
             return busy(f"{len(others)} job(s) in its own queue and VRAM above its idle floor")
         return stale(others, "vram", "VRAM at its idle floor")
     return TenantState(tenant.name, False, "idle", in_flight)
+
+
+def released_by_stopping(tenant: Tenant) -> bool:
+    """Its release begins by stopping the app (a `process`, `systemd` or `docker` tenant), not with a
+    call that leaves it serving."""
+    steps = [s for s in tenant.release_steps if s.kind != "none"]
+    return bool(steps) and steps[0].stops
 
 
 def busy_states(tenants: Iterable[Tenant], traffic: Mapping[str, TenantTraffic], reads: Mapping[str, QueueRead],

@@ -36,6 +36,7 @@ class TenantTraffic:
     jobs: tuple[str, ...]
     last_activity: float | None
     newest_job_at: float | None = None  # when the most recent of `jobs` was tracked
+    connections: int = 0  # open client requests and websockets of any kind, GPU or not
 
     @property
     def busy(self) -> bool:
@@ -113,10 +114,12 @@ class InFlight:
         release (a UI poll loads nothing), but a tenant the proxy would stop must have none: a stop
         would cut a stream or a websocket in the middle."""
         self._connections[tenant] = self._connections.get(tenant, 0) + 1
+        self._touch(tenant)
         try:
             yield
         finally:
             self._connections[tenant] -= 1
+            self._touch(tenant)  # the queue hears it: a tenant that was kept from a stop may be stopped now
 
     def connections(self, tenant: str) -> int:
         return self._connections.get(tenant, 0)
@@ -157,7 +160,7 @@ class InFlight:
     def traffic(self, tenant: str) -> TenantTraffic:
         jobs = self._jobs.get(tenant, {})
         return TenantTraffic(self._counts.get(tenant, 0), tuple(jobs), self._last.get(tenant),
-                             max(jobs.values()) if jobs else None)
+                             max(jobs.values()) if jobs else None, self._connections.get(tenant, 0))
 
     def snapshot(self) -> Mapping[str, TenantTraffic]:
         names = set(self._counts) | set(self._jobs) | set(self._last)

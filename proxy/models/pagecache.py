@@ -15,10 +15,13 @@ import ctypes.util
 import errno
 import mmap
 import os
+import stat
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
+
+from proxy.engines.model_files import NotRegular, open_regular
 
 Method = Literal["cachestat", "mincore"]
 PAGE = mmap.PAGESIZE
@@ -74,6 +77,8 @@ def _libc() -> ctypes.CDLL:
 
 
 def _unreadable(path: str, exc: OSError) -> str:
+    if isinstance(exc, NotRegular):
+        return f"skipped: {exc.strerror}"
     if exc.errno in (errno.EACCES, errno.EPERM):
         return (f"permission denied opening {path}: run the proxy as the user that owns the model files "
                 "(or add it to their group), or as root")
@@ -96,11 +101,11 @@ class SystemPageCache:
 
     def measure(self, path: str) -> FileResidency:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd, st = open_regular(path)  # a FIFO, a device or a link is skipped, never waited on or read
         except OSError as exc:
             return FileResidency(path, _size_or_none(path), None, None, _unreadable(path, exc))
         try:
-            size = os.fstat(fd).st_size
+            size = st.st_size
             if self._cachestat:
                 cached = self._by_cachestat(fd)
                 if cached is not None:
@@ -144,7 +149,7 @@ class SystemPageCache:
         return cached
 
     def drop(self, path: str) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd, _st = open_regular(path)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
@@ -153,9 +158,10 @@ class SystemPageCache:
 
 def _size_or_none(path: str) -> int | None:
     try:
-        return os.stat(path).st_size  # a directory entry may be readable when the file is not
+        st = os.lstat(path)  # a directory entry may be readable when the file is not
     except OSError:
         return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
 class ResidencyCache:

@@ -2,7 +2,21 @@
 
 `warm_files` reads each file start to end with sequential-readahead advice, in chunks, and before
 every chunk asks `may_read`: only while MemAvailable stays above the margin after that chunk. It
-runs in a worker thread; `Warmer` owns the jobs on the event loop (one read at a time, since two
+runs on the model-file threads (`fileio.FileWork`, never asyncio's default pool);
+
+A warm is bounded (issue 25: `/dev/zero` read 720 GiB, a 100 GB sparse file put 14.5 GiB of zeros in
+the page cache):
+- only regular files, opened without blocking or following a link (`open_regular`);
+- each file at most what it would occupy: the least of its size when the warm started, the size
+  its manifest gives (Ollama's layer sizes), and its allocated blocks (`st_blocks * 512`). A sparse
+  file's holes are zeros the engine gets without a disk read, yet reading them fills the page cache
+  with zero pages that push real data out; so what a sparse file "would occupy" worth warming is
+  what the file system holds for it, and the warm stops there. (On a compressing file system, ZFS
+  or btrfs with compression, the allocated blocks are the compressed size: such a warm stops short
+  of the end rather than over it.);
+- the margin, rechecked before every chunk;
+- time: `60 s + bytes / 50 MB/s` (a disk slower than that gains nothing from a warm); past it the
+  warm ends `timeout`. `Warmer` owns the jobs on the event loop (one read at a time, since two
 would only share the disk), lets them be stopped, and tells the residency cache which files changed.
 """
 
@@ -18,10 +32,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from proxy.engines.model_files import NotRegular, open_regular
+from proxy.models.fileio import FileWork, FileWorkBusy
+
 log = logging.getLogger("hyperswap.models")
 
 CHUNK_BYTES = 8 << 20
-WarmState = Literal["queued", "running", "done", "stopped", "margin", "failed"]
+WARM_MIN_S = 60.0
+WARM_MIN_BPS = 50e6  # the time bound assumes at least this read speed
+WarmState = Literal["queued", "running", "done", "stopped", "margin", "timeout", "skipped", "failed"]
 MemAvailable = Callable[[], "int | None"]
 
 
@@ -53,6 +72,7 @@ class WarmJob:
     files: tuple[str, ...]
     total_bytes: int
     reason: str  # "admin", "handoff", "keep recent"
+    sizes: tuple[int, ...] = ()  # per file, what the manifest or listing said (0 or missing: unknown)
     state: WarmState = "queued"
     read_bytes: int = 0
     stop_reason: str | None = None
@@ -72,32 +92,58 @@ class WarmJob:
                 "read_gbps": round(self.read_bytes / 1e9 / took, 3) if took else None}
 
 
+def occupies(st: os.stat_result, expected: int = 0) -> int:
+    """What reading a file into the page cache should bring in at most: its size now, no more than
+    its manifest says (`expected`, 0: unknown), no more than its allocated blocks (a sparse file)."""
+    limit = st.st_size
+    if expected > 0:
+        limit = min(limit, expected)
+    return min(limit, st.st_blocks * 512)
+
+
+def time_bound_s(total_bytes: int) -> float:
+    return WARM_MIN_S + total_bytes / WARM_MIN_BPS
+
+
 def warm_files(job: WarmJob, margin_bytes: int, mem_available: MemAvailable, chunk_bytes: int = CHUNK_BYTES,
-               advice: int = os.POSIX_FADV_SEQUENTIAL) -> WarmJob:
-    """Blocking: read the job's files into the page cache. Ends `done`, `stopped` (its flag was set),
-    `margin` (memory would fall below the margin) or `failed` (a file could not be read)."""
+               advice: int = os.POSIX_FADV_SEQUENTIAL, now: Callable[[], float] = time.monotonic,
+               max_s: float | None = None) -> WarmJob:
+    """Blocking: read the job's files into the page cache, within the bounds above. Ends `done`,
+    `stopped` (its flag was set), `margin` (memory would fall below the margin), `timeout`,
+    `skipped` (a file is not a regular one) or `failed` (a file could not be read)."""
     buf = bytearray(chunk_bytes)
     view = memoryview(buf)
     job.state = "running"
-    for path in job.files:
+    bound_s = time_bound_s(job.total_bytes) if max_s is None else max_s
+    deadline = now() + bound_s
+    for i, path in enumerate(job.files):
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd, st = open_regular(path)
+        except NotRegular as exc:
+            job.state, job.stop_reason = "skipped", f"skipped: {exc.strerror}"
+            return job
         except OSError as exc:
             job.state, job.stop_reason = "failed", f"cannot open {path}: {exc.strerror or exc}"
             return job
+        left = occupies(st, job.sizes[i] if i < len(job.sizes) else 0)
         try:
-            os.posix_fadvise(fd, 0, 0, advice)  # sequential: twice the readahead window
-            while True:
+            os.posix_fadvise(fd, 0, left, advice)  # sequential: twice the readahead window
+            while left > 0:
                 if job.stop_flag.is_set():
                     job.state, job.stop_reason = "stopped", "stopped on request"
                     return job
-                why = may_read(mem_available(), chunk_bytes, margin_bytes)
+                if now() >= deadline:
+                    job.state, job.stop_reason = "timeout", f"not done within {bound_s:.0f} s (the warm's time bound)"
+                    return job
+                want = min(chunk_bytes, left)
+                why = may_read(mem_available(), want, margin_bytes)
                 if why is not None:
                     job.state, job.stop_reason = "margin", why
                     return job
-                n = os.readv(fd, [view])
+                n = os.readv(fd, [view[:want]])
                 if n <= 0:
                     break
+                left -= n
                 job.read_bytes += n
         except OSError as exc:
             job.state, job.stop_reason = "failed", f"reading {path} failed: {exc.strerror or exc}"
@@ -115,7 +161,7 @@ class Warmer:
 
     def __init__(self, margin_bytes: Callable[[], int], mem_available: MemAvailable = read_mem_available,
                  on_files_changed: Callable[[Sequence[str]], None] = lambda _paths: None,
-                 chunk_bytes: int = CHUNK_BYTES, kept: int = 50) -> None:
+                 chunk_bytes: int = CHUNK_BYTES, kept: int = 50, work: FileWork | None = None) -> None:
         self.margin_bytes = margin_bytes
         self.mem_available = mem_available
         self.on_files_changed = on_files_changed
@@ -125,12 +171,16 @@ class Warmer:
         self.jobs: dict[str, WarmJob] = {}  # newest last; finished ones kept for the API, `kept` at most
         self._tasks: dict[str, asyncio.Task[WarmJob]] = {}
         self._disk = asyncio.Lock()
+        # One thread of its own: a warm runs for seconds to minutes and must not hold up locating
+        # or residency (theirs is `ModelCatalog.work`); one at a time anyway (the disk is shared).
+        self.work = work or FileWork("warm", workers=1, max_queued=4)
 
-    def start(self, key: str, files: Sequence[str], total_bytes: int, reason: str) -> WarmJob:
+    def start(self, key: str, files: Sequence[str], total_bytes: int, reason: str,
+              sizes: Sequence[int] = ()) -> WarmJob:
         current = self.jobs.get(key)
         if current is not None and current.active:
             return current
-        job = WarmJob(key, tuple(files), total_bytes, reason)
+        job = WarmJob(key, tuple(files), total_bytes, reason, tuple(sizes))
         self.jobs.pop(key, None)
         self.jobs[key] = job
         while len(self.jobs) > self.kept:
@@ -149,8 +199,10 @@ class Warmer:
                     return job
                 job.started_at = time.time()
                 self.on_files_changed(job.files)
-                await asyncio.to_thread(warm_files, job, self.margin_bytes(), self.mem_available, self.chunk_bytes,
-                                        self.advice)
+                await self.work.run(warm_files, job, self.margin_bytes(), self.mem_available, self.chunk_bytes,
+                                    self.advice)
+        except FileWorkBusy as exc:
+            job.state, job.stop_reason = "stopped", f"not started: {exc}"
         except Exception as exc:  # a broken warm must never break a handoff
             job.state, job.stop_reason = "failed", f"{type(exc).__name__}: {exc}"
             log.exception("warming %s failed", job.key)
@@ -175,7 +227,10 @@ class Warmer:
         return self.jobs.get(key)
 
     async def aclose(self) -> None:
+        """Stop every warm and return without waiting on a read: a thread still inside one is
+        abandoned (fileio.FileWork), the job ends `stopped` here."""
         for job in self.jobs.values():
             job.stop_flag.set()
+        self.work.close()
         tasks = list(self._tasks.values())
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,11 +1,16 @@
 """The simulated GPU box: one scenario file -> a simulated GPU (or several: `gpus`), its extra
-processes, and the two simulated engines on loopback (each on the card `engines` names). Used by
-`hyperswap demo` and by the integration tests."""
+processes, the two simulated engines on loopback (each on the card `engines` names), and optionally
+a speech relay the proxy itself starts and stops (`relay`: a real child process, proxy/sim/relay.py,
+holding simulated memory while it runs). Used by `hyperswap demo` and by the integration tests."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+import socket
+import sys
+import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -50,6 +55,19 @@ class _EngineSpec(BaseModel):
     env: dict[str, str] = Field(default_factory=dict)
 
 
+class _RelaySpec(BaseModel):
+    """The speech relay as a `process` tenant: the proxy runs `python -m proxy.sim.relay` (through
+    sys.executable) on the first request to the tenant's listener and stops it when its memory is
+    needed. The tenant's other fields (listen, priority, ...) come from the scenario's `tenants`."""
+    model_config = ConfigDict(extra="forbid")
+    tenant: str = "stt"
+    vram_gb: float = Field(gt=0)
+    load_s: float = Field(default=1.0, ge=0)  # its model load, before it registers its memory and listens
+    port: int = Field(default=28300, ge=0, le=65535)  # the app's own port (the tenant's upstream); 0: a free one
+    model: str = "whisper-large-v3"
+    transcribe_s: float = Field(default=0.2, ge=0)  # one POST /v1/audio/transcriptions
+
+
 class Scenario(BaseModel):
     model_config = ConfigDict(extra="forbid")
     description: str = ""
@@ -62,6 +80,7 @@ class Scenario(BaseModel):
     tenants: dict[str, Any] = Field(default_factory=dict)  # merged over the registry like a user tenants.json
     settings: dict[str, Any] = Field(default_factory=dict)  # other tenants.json sections: admin, proxy, telemetry
     model_files: bool = True  # back the models with real (sparse, 1/1024) files: residency and warming show
+    relay: _RelaySpec | None = None  # a speech relay the proxy starts and stops (release kind `process`)
 
 
 def scenario_names() -> list[str]:
@@ -90,6 +109,8 @@ def fast_scenario(name: str, **changes: Any) -> Scenario:
     data = load_scenario(name).model_dump()
     data["ollama"].update({"load_gbps": 200.0, "disk_gbps": None, "unload_delay_s": 0.15, "token_rate": 2000.0})
     data["comfyui"].update({"free_delay_s": 0.15, "load_gbps": 200.0, "disk_gbps": None, "step_time_s": 0.002})
+    if data.get("relay"):
+        data["relay"].update({"load_s": 0.05, "transcribe_s": 0.01})
     for section, values in changes.items():
         if isinstance(data.get(section), dict):
             data[section].update(values)
@@ -107,6 +128,8 @@ class SimBox:
     comfyui: ComfySim | None = field(init=False, default=None)
     servers: dict[str, RunningServer] = field(init=False, default_factory=dict)
     files: SimModelFiles | None = field(init=False, default=None)
+    relay_port: int | None = field(init=False, default=None)  # the speech relay's own port, once the box started
+    gpu_dir: Path | None = field(init=False, default=None)  # where real processes register their memory
 
     def __post_init__(self) -> None:
         cards = self.scenario.gpus or [self.scenario.gpu]
@@ -137,8 +160,12 @@ class SimBox:
         env = tuple(sorted(spec.env.items())) or None
         return self.gpu.device(spec.gpu, cuda_env=env)
 
-    async def start(self, host: str = "127.0.0.1", ollama_port: int = 0, comfyui_port: int = 0) -> None:
+    async def start(self, host: str = "127.0.0.1", ollama_port: int = 0, comfyui_port: int = 0,
+                    relay_port: int | None = None) -> None:
+        """`relay_port`: the speech relay's own port (None: the scenario's; 0: a free one now)."""
         try:
+            if self.scenario.relay is not None:
+                self._prepare_relay(host, self.scenario.relay.port if relay_port is None else relay_port)
             if self.scenario.model_files:
                 self.files = self._write_model_files()
                 self.gpu.model_file_sizes = self.files.model_size
@@ -164,6 +191,10 @@ class SimBox:
         sims = [sim for sim in (self.comfyui, self.ollama) if sim is not None]
         outcomes = await asyncio.gather(*(sim.stop() for sim in sims), return_exceptions=True)
         self.servers.clear()
+        self.gpu.unwatch()
+        if self.gpu_dir is not None:
+            shutil.rmtree(self.gpu_dir, ignore_errors=True)
+            self.gpu_dir = None
         if self.files is not None:
             self.files.cleanup()
             self.files = None
@@ -190,9 +221,36 @@ class SimBox:
         files.drop_all()
         return files
 
+    def _prepare_relay(self, host: str, port: int) -> None:
+        """The folder the card watches for the relay's memory, and the relay's port (the proxy starts
+        the relay itself, later). A free port is picked and let go: the relay binds it when started."""
+        self.gpu_dir = Path(tempfile.mkdtemp(prefix="hyperswap-gpu-"))
+        self.gpu.watch(self.gpu_dir)
+        if port == 0:
+            with socket.socket() as s:
+                s.bind((host, 0))
+                port = int(s.getsockname()[1])
+        self.relay_port = port
+
+    def relay_tenant(self, host: str = "127.0.0.1") -> dict[str, Any]:
+        """The speech relay's tenants.json entry: a generic app the proxy runs (release kind `process`),
+        ready when its /health answers 200, needing the memory it registers."""
+        spec = self.scenario.relay
+        assert spec is not None and self.relay_port is not None and self.gpu_dir is not None, "start the box first"
+        command = [sys.executable, "-m", "proxy.sim.relay", "--host", host, "--port", str(self.relay_port),
+                   "--vram-gb", f"{spec.vram_gb:g}", "--load-s", f"{spec.load_s:g}", "--gpu-dir", str(self.gpu_dir),
+                   "--model", spec.model, "--transcribe-s", f"{spec.transcribe_s:g}"]
+        return {"engine": "generic", "upstream": f"http://{host}:{self.relay_port}",
+                "match": {"process_names": [], "cmdline_patterns": [rf"proxy\.sim\.relay .*--port {self.relay_port}\b"]},
+                "needs_vram_gb": spec.vram_gb, "ready": {"path": "/health"},
+                "release": {"kind": "process", "command": command, "stop_timeout_s": 5}}
+
     def tenant_overrides(self) -> dict[str, Any]:
         """A tenants.json fragment pointing each engine tenant at its simulator, plus the scenario's tenants."""
         tenants: dict[str, Any] = {name: body for name, body in self.scenario.tenants.items()}
+        if self.scenario.relay is not None and self.relay_port is not None:
+            name = self.scenario.relay.tenant
+            tenants[name] = {**self.relay_tenant(), **(tenants.get(name) or {})}
         for name, server in self.servers.items():
             tenants.setdefault(name, {})
             if isinstance(tenants[name], dict):

@@ -6,15 +6,26 @@ already answered); this object only holds the current truth.
 
 One card by default (the object itself is device 0); `add_device()` adds more, and `device(i)` is
 a view of card i with the same methods, for a simulator that runs on that card.
+
+Real processes hold simulated memory too (`watch(folder)`): an app the proxy starts as a child (the
+speech relay, `proxy/sim/relay.py`) writes `<pid>.json` (`{"vram_bytes": N}`) into the folder once its
+model is loaded; the card takes it if it fits (answering `<pid>.ok`) or refuses it like cudaMalloc
+(`<pid>.oom`, `{"requested", "free"}`). A taken process is listed with its real name and command line
+from /proc for exactly as long as it lives (a zombie no longer counts), as NVML shows a process's
+memory; then its files are removed and its memory is free again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import json
+import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot
 from proxy.sim.gpu_settings import SimulatedCardSettings
@@ -42,6 +53,44 @@ class _Proc:
 
 
 @dataclass(slots=True)
+class _Real:
+    """A real process holding simulated memory: its pid, the kernel's start time of it (so a reused
+    pid is never taken for it) and its registration file."""
+    proc: _Proc
+    kernel_start: int
+    file: Path
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks) of a live pid from /proc/<pid>/stat; None when gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return fields[0], int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _alive(pid: int, kernel_start: int | None = None) -> bool:
+    """Alive and not a zombie (a dead process waiting to be reaped holds no GPU memory); with
+    `kernel_start`, still the same process."""
+    stat = _proc_stat(pid)
+    return stat is not None and stat[0] not in ("Z", "X") and (kernel_start is None or stat[1] == kernel_start)
+
+
+def _describe(pid: int) -> tuple[str, str]:
+    """(name, command line) as NVML's users read them: /proc/<pid>/comm and /proc/<pid>/cmdline."""
+    try:
+        name = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        name = "?"
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").replace(b"\0", b" ").decode("utf-8", "replace")
+    except OSError:
+        cmdline = ""
+    return name, cmdline
+
+
+@dataclass(slots=True)
 class _Card:
     name: str
     total_bytes: int
@@ -65,6 +114,90 @@ class SimulatedGpu:
         # The box's model files are 1/SCALE stand-ins: the size of the model each stands for, by path
         # (`ProxyView.model_file_size`), so sizes and load speeds are the model's, not the stand-in's.
         self.model_file_sizes: Callable[[str], int | None] | None = None
+        # real processes that registered memory (`watch`), by pid; apart from the simulated ones, whose
+        # made-up pids a real one may share (`_procs` is addressed by the simulators, this never is)
+        self._real: dict[int, _Real] = {}
+        self._folder: Path | None = None
+        self._folder_device = 0
+        self._watcher: threading.Thread | None = None
+        self._stop_watching = threading.Event()
+
+    # -- real processes -------------------------------------------------------------------
+    def watch(self, folder: Path, *, device: int = 0, poll_s: float = 0.005) -> None:
+        """Take memory registrations of real processes from `folder` (see the module's docstring),
+        on card `device`. A thread answers them within `poll_s` (the app waits for the answer), and
+        every read of the card also looks, so a process that exited is never counted after."""
+        if self._watcher is not None:
+            raise RuntimeError("this simulated GPU already watches a folder")
+        if not 0 <= device < self.device_count:
+            raise ValueError(f"no simulated device {device}")
+        folder.mkdir(parents=True, exist_ok=True)
+        self._folder, self._folder_device = folder, device
+        self._stop_watching.clear()
+
+        def loop() -> None:
+            while not self._stop_watching.wait(poll_s):
+                with self._lock:
+                    self._sync_locked()
+
+        self._watcher = threading.Thread(target=loop, name="simulated-gpu-watch", daemon=True)
+        self._watcher.start()
+
+    def unwatch(self) -> None:
+        """Stop taking registrations; processes taken stay counted while they live (read() still looks)."""
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            self._stop_watching.set()
+            watcher.join()
+
+    def real_pids(self) -> list[int]:
+        """The real processes holding memory now."""
+        with self._lock:
+            self._sync_locked()
+            return sorted(self._real)
+
+    def _sync_locked(self) -> None:
+        """Drop real processes that ended; take (or refuse) new registrations."""
+        for pid, real in list(self._real.items()):
+            if not _alive(pid, real.kernel_start):
+                del self._real[pid]
+                for suffix in (".json", ".ok"):
+                    with contextlib.suppress(OSError):
+                        real.file.with_suffix(suffix).unlink()
+        folder = self._folder
+        if folder is None:
+            return
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            return
+        for name in names:
+            stem, _, ext = name.partition(".")
+            if ext != "json" or not stem.isdigit() or int(stem) in self._real:
+                continue
+            self._take_locked(int(stem), folder / name)
+
+    def _take_locked(self, pid: int, file: Path) -> None:
+        stat = _proc_stat(pid)
+        try:
+            nbytes = int(json.loads(file.read_text())["vram_bytes"])
+        except (OSError, ValueError, KeyError, TypeError):
+            nbytes = -1
+        if stat is None or stat[0] in ("Z", "X") or nbytes < 0:  # gone before it was seen, or unreadable
+            with contextlib.suppress(OSError):
+                file.unlink()
+            return
+        device = self._folder_device
+        free = self._free_locked(device)
+        if nbytes > free:  # as cudaMalloc: the app is told, and holds nothing
+            _write_atomic(file.with_suffix(".oom"), {"requested": nbytes, "free": free})
+            with contextlib.suppress(OSError):
+                file.unlink()
+            return
+        name, cmdline = _describe(pid)
+        proc = _Proc(pid, name, cmdline, nbytes, time.time(), device=device)
+        self._real[pid] = _Real(proc, stat[1], file)
+        _write_atomic(file.with_suffix(".ok"), {"vram_bytes": nbytes})
 
     # -- processes ------------------------------------------------------------------------
     def add_device(self, total_bytes: int, reserved_bytes: int = 300 * 2**20, name: str = "Simulated RTX 4090") -> int:
@@ -107,11 +240,17 @@ class SimulatedGpu:
     # -- memory ---------------------------------------------------------------------------
     def free_bytes(self, device: int = 0) -> int:
         with self._lock:
+            self._sync_locked()
             return self._free_locked(device)
 
     def _free_locked(self, device: int = 0) -> int:
         card = self._card(device)
-        return card.total_bytes - card.reserved_bytes - sum(p.used for p in self._procs.values() if p.device == device)
+        return card.total_bytes - card.reserved_bytes - self._used_locked(device)
+
+    def _used_locked(self, device: int) -> int:
+        """What every process on the card holds, simulated and real."""
+        return (sum(p.used for p in self._procs.values() if p.device == device)
+                + sum(r.proc.used for r in self._real.values() if r.proc.device == device))
 
     def used_by(self, pid: int) -> int:
         with self._lock:
@@ -121,6 +260,7 @@ class SimulatedGpu:
     def allocate(self, pid: int, nbytes: int) -> None:
         """Grow a process by nbytes, or raise SimulatedOutOfMemory (like cudaMalloc)."""
         with self._lock:
+            self._sync_locked()
             free = self._free_locked(self._procs[pid].device)
             if nbytes > free:
                 raise SimulatedOutOfMemory(nbytes, free)
@@ -129,6 +269,7 @@ class SimulatedGpu:
     def allocate_up_to(self, pid: int, nbytes: int) -> int:
         """Grow a process by as much of nbytes as fits; returns what was taken (partial offload)."""
         with self._lock:
+            self._sync_locked()
             take = max(0, min(nbytes, self._free_locked(self._procs[pid].device)))
             self._procs[pid].used += take
             return take
@@ -150,19 +291,29 @@ class SimulatedGpu:
             self.reads += 1
             if self.fail_with is not None:
                 raise self.fail_with
+            self._sync_locked()
             devices = []
             for i in range(self.device_count):
                 card = self._card(i)
-                used = sum(p.used for p in self._procs.values() if p.device == i)
+                used = self._used_locked(i)
                 devices.append(DeviceMemory(index=i, name=card.name, total_bytes=card.total_bytes,
                                             reserved_bytes=card.reserved_bytes, used_bytes=used + card.reserved_bytes,
                                             free_bytes=self._free_locked(i), uuid=f"GPU-simulated-{i}"))
             procs = tuple(GpuProcess(pid=p.pid, name=p.name, cmdline=p.cmdline,
                                      used_bytes=None if p.unknown_memory else p.used, start_time=p.start_time,
                                      device=p.device, cuda_env=p.cuda_env)
-                          for p in sorted(self._procs.values(), key=lambda p: p.pid))
+                          for p in sorted([*self._procs.values(), *(r.proc for r in self._real.values())],
+                                          key=lambda p: p.pid))
         return GpuSnapshot(device=devices[0], processes=procs, source="simulated", taken_at=time.monotonic(),
                            devices=tuple(devices) if len(devices) > 1 else ())
+
+
+def _write_atomic(path: Path, data: dict[str, int]) -> None:
+    """Whole or not at all: the reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with contextlib.suppress(OSError):
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)
 
 
 class SimulatedDevice:

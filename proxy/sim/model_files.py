@@ -1,7 +1,9 @@
 """Real files standing for the simulated models, so residency, warming and their effect on a load
 can be seen on the demo box.
 
-Each model gets a sparse file of 1/1024 of its size (a 16 GiB model: 16 MiB, no disk blocks), laid
+Each model gets a file of 1/1024 of its size (a 16 GiB model: 16 MiB), its blocks allocated but never
+written (`posix_fallocate`: no disk writes, no dirty pages; it reads as zeros): a warm reads what a
+file occupies on disk, and a sparse file occupies nothing (models/warm.py). Laid
 out as the real engine keeps it: an Ollama store (`manifests/...` naming the model's real size,
 `blobs/sha256-...`) and ComfyUI's `models/checkpoints/`. A simulated load measures how much of its
 file is in the page cache, reads it (as the engine would: it is cached afterwards) and takes
@@ -55,7 +57,11 @@ class SimModelFiles:
     def _sparse(self, path: Path, size_bytes: int) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "wb") as f:
-            f.truncate(max(4096, size_bytes // SCALE))
+            size = max(4096, size_bytes // SCALE)
+            try:
+                os.posix_fallocate(f.fileno(), 0, size)
+            except OSError:  # a file system without fallocate: sparse, and warms of it read nothing
+                f.truncate(size)
         self.files.append(path)
         self.sizes[str(path)] = size_bytes
         return path

@@ -64,15 +64,16 @@ async def run_verify(options: Options, *, out: TextIO, err: TextIO, as_json: boo
 
 
 def verify_main(admin: str, *, yes: bool, as_json: bool, comfy_graph: str | None, checkpoint: str | None,
-                stage_timeout_s: float, out: TextIO | None = None, err: TextIO | None = None) -> int:
-    """0 when every stage that ran passed, 1 otherwise."""
+                stage_timeout_s: float, busy_wait_s: float = 60.0, out: TextIO | None = None,
+                err: TextIO | None = None) -> int:
+    """The verdict's exit status: 0 verified, 3 verified without arbitration (no GPU reader), 1 otherwise."""
     out, err = out or sys.stdout, err or sys.stderr
     options = Options(admin=admin, yes=yes, interactive=not as_json and sys.stdin.isatty(),
                       comfy_graph=load_graph(comfy_graph) if comfy_graph else None, comfy_checkpoint=checkpoint,
-                      stage_timeout_s=stage_timeout_s)
+                      stage_timeout_s=stage_timeout_s, busy_wait_s=busy_wait_s)
     report = asyncio.run(run_verify(options, out=out, err=err, as_json=as_json))
     if as_json:
         print(json.dumps(report.to_json(), indent=2), file=out)
     else:
         print(report.text().rsplit("\n", 1)[-1], file=out)
-    return 0 if report.passed else 1
+    return report.exit_code

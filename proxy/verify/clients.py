@@ -154,11 +154,16 @@ class OllamaClient:
         return sorted((OllamaModel(str(m["name"]), int(m["size"])) for m in r.json().get("models") or []),
                       key=lambda m: (m.size, m.name))
 
-    async def can_generate(self, model: str) -> bool:
-        """From /api/show's capabilities; an Ollama too old to list them is given the benefit of the doubt."""
+    async def capabilities(self, model: str) -> list[str] | None:
+        """/api/show's capabilities ("completion", "embedding", ...); None from an Ollama too old to list them."""
         r = await self.http.post(self.base + "/api/show", json={"model": model})
         caps = r.json().get("capabilities") if r.status_code == 200 else None
-        return not isinstance(caps, list) or "completion" in caps
+        return [str(c) for c in caps] if isinstance(caps, list) else None
+
+    async def can_generate(self, model: str) -> bool:
+        """From /api/show's capabilities; an Ollama too old to list them is given the benefit of the doubt."""
+        caps = await self.capabilities(model)
+        return caps is None or "completion" in caps
 
     async def loaded(self) -> dict[str, int]:
         """Model -> size_vram of what Ollama holds now."""
@@ -175,10 +180,19 @@ class OllamaClient:
         body: dict[str, Any] = r.json()
         return body
 
-    async def load(self, model: str) -> None:
-        r = await self.http.post(self.base + "/api/generate", json={"model": model})
+    async def load(self, model: str) -> str:
+        """Load a model without a prompt, the way its kind allows: a generate call with no prompt, or for
+        an embedding-only model (which answers a generate call with 400) an embed call with no input.
+        Returns the call made."""
+        caps = await self.capabilities(model)
+        if caps is not None and "completion" not in caps and "embedding" in caps:
+            call, body = "/api/embed", {"model": model, "input": []}
+        else:
+            call, body = "/api/generate", {"model": model}
+        r = await self.http.post(self.base + call, json=body)
         if r.status_code != 200:
-            raise Unexpected(f"loading {model}", r)
+            raise Unexpected(f"loading {model} (POST {call})", r)
+        return call
 
     async def unload(self, model: str) -> None:
         r = await self.http.post(self.base + "/api/generate", json={"model": model, "keep_alive": 0})
@@ -242,6 +256,11 @@ def minimal_graph(object_info: Mapping[str, Any], checkpoint: str | None, seed: 
     if out_node == "SaveImage":
         graph["7"]["inputs"]["filename_prefix"] = "hyperswap-verify"
     return graph, ckpt
+
+
+def the_graph(checkpoint: str | None) -> str:
+    """A graph as the report names it: "the sd_xl_base_1.0.safetensors graph", never "the None graph"."""
+    return f"the {checkpoint} graph" if checkpoint else "the graph without a checkpoint"
 
 
 def graph_checkpoint(graph: Mapping[str, Any]) -> str | None:

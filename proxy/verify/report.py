@@ -1,7 +1,11 @@
 """What `hyperswap verify` found: one result per stage, as text for people and JSON for scripts.
 
-A stage passes, fails (saying what that breaks and how to fix it) or is skipped (saying why): a
-stage that could not run is never reported as passed.
+A stage passes, fails (saying what that breaks and how to fix it), is skipped (saying why; a skipped
+stage did nothing), or is incomplete (it changed something, says what, then stopped before it could
+prove its point): a stage that could not run is never reported as passed. The verdict says what the
+run proved: "verified", "verified without arbitration (no GPU reader)" (every check that ran passed,
+but without a GPU reader no release, out of memory or refusal could be confirmed on the card), or
+"NOT verified"; each has its own exit status (EXIT_CODES).
 """
 
 from __future__ import annotations
@@ -9,7 +13,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-Status = Literal["pass", "fail", "skip"]
+Status = Literal["pass", "fail", "skip", "incomplete"]
+STATUSES: tuple[Status, ...] = ("pass", "fail", "skip", "incomplete")
+
+VERIFIED = "verified"
+WITHOUT_ARBITRATION = "verified without arbitration (no GPU reader)"
+NOT_VERIFIED = "NOT verified"
+# The verdict as the command's exit status and the JSON report's "status" (2 stays the CLI's own
+# usage and configuration errors).
+EXIT_CODES = {VERIFIED: 0, NOT_VERIFIED: 1, WITHOUT_ARBITRATION: 3}
+JSON_STATUS = {VERIFIED: "pass", NOT_VERIFIED: "fail", WITHOUT_ARBITRATION: "pass-without-arbitration"}
 
 
 class StageFailed(Exception):
@@ -49,20 +62,33 @@ class Report:
     admin: str
     stages: list[StageResult] = field(default_factory=list)
     seconds: float = 0.0
+    # Whether the proxy reads the card (None: not known, the proxy never answered). Without a reader
+    # no release, out of memory or refusal can be confirmed, so the run cannot say "verified".
+    gpu_reader: bool | None = None
 
     @property
     def passed(self) -> bool:
-        """All stages that ran passed (skipped ones neither pass nor fail), and at least one ran."""
-        ran = [s for s in self.stages if s.status != "skip"]
-        return bool(ran) and all(s.status == "pass" for s in ran)
+        """No stage failed and at least one passed (skipped and incomplete ones neither pass nor fail)."""
+        return any(s.status == "pass" for s in self.stages) and not any(s.status == "fail" for s in self.stages)
+
+    @property
+    def verdict(self) -> str:
+        if not self.passed:
+            return NOT_VERIFIED
+        return WITHOUT_ARBITRATION if self.gpu_reader is False else VERIFIED
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.verdict]
 
     def result(self, name: str) -> StageResult | None:
         return next((s for s in self.stages if s.name == name), None)
 
     def to_json(self) -> dict[str, Any]:
-        counts = {k: sum(1 for s in self.stages if s.status == k) for k in ("pass", "fail", "skip")}
-        return {"status": "pass" if self.passed else "fail", "admin": self.admin, "seconds": round(self.seconds, 3),
-                "counts": counts, "stages": [s.to_json() for s in self.stages]}
+        counts = {k: sum(1 for s in self.stages if s.status == k) for k in STATUSES}
+        return {"status": JSON_STATUS[self.verdict], "verdict": self.verdict, "gpu_reader": self.gpu_reader,
+                "admin": self.admin, "seconds": round(self.seconds, 3), "counts": counts,
+                "stages": [s.to_json() for s in self.stages]}
 
     def text(self) -> str:
         lines = []
@@ -72,6 +98,7 @@ class Report:
                 lines.append(f"{'':<6}breaks: {s.impact}")
                 lines.append(f"{'':<6}fix:    {s.fix}")
         j = self.to_json()["counts"]
-        lines.append(f"\n{j['pass']} passed, {j['fail']} failed, {j['skip']} skipped in {self.seconds:.1f} s: "
-                     + ("verified" if self.passed else "NOT verified"))
+        incomplete = f", {j['incomplete']} incomplete" if j["incomplete"] else ""
+        lines.append(f"\n{j['pass']} passed, {j['fail']} failed, {j['skip']} skipped{incomplete} in {self.seconds:.1f} s: "
+                     + self.verdict)
         return "\n".join(lines)

@@ -3,9 +3,11 @@ proxy's own listeners, the way a client uses it.
 
 The stages are in stages.py, the state and steps they share in session.py; this is their order and runner.
 Stages run in order, each bounded by a timeout; a stage whose prerequisite failed is skipped with
-the reason. Nothing that could release a tenant runs without consent (`--yes`, or a yes at the
-prompt), nothing runs while a tenant is busy, and Ollama models that verify unloaded are loaded
-again at the end (models it loaded itself are unloaded).
+the reason. A skipped stage did nothing: each decides to skip before its first effect, and one that
+stops after an effect is reported incomplete, with what it did. Nothing that could release a tenant
+runs without consent (`--yes`, or a yes at the prompt), no stage loads anything while a tenant is
+busy (it waits, bounded, then skips), and what Ollama held when verify started is what it holds at
+the end (models verify unloaded are loaded again, models it loaded itself are unloaded).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class Verify(Session):
     async def run(self) -> Report:
         started = self.clock.now()
         if await self._stage("proxy", stages.check_proxy):
+            await self._remember_loaded()
             for t in self.found.tenants.values():
                 if t.url and t.upstream:
                     await self._stage(f"upstream {t.name}", partial(stages.check_upstream, t=t))
@@ -56,6 +59,7 @@ class Verify(Session):
     async def _stage(self, name: str, stage: Stage) -> bool:
         started = self.clock.now()
         timeout = self.options.stage_timeout_s
+        self.effects = []
         try:
             async with asyncio.timeout(timeout):
                 result = StageResult(name, "pass", 0.0, await stage(self))
@@ -76,7 +80,14 @@ class Verify(Session):
         except Exception as exc:  # a verify bug must not hide the other stages' results
             result = StageResult(name, "fail", 0.0, f"verify itself failed: {type(exc).__name__}: {exc}",
                                  "this stage's result is unknown", "report it with this output")
-        result = StageResult(result.name, result.status, self.clock.now() - started, result.detail, result.impact, result.fix)
+        status, detail = result.status, result.detail
+        if self.effects and status != "pass":  # a stage that changed something says what, and is never "skipped"
+            done = "; ".join(dict.fromkeys(self.effects))
+            if status == "skip":
+                status, detail = "incomplete", f"did: {done}; then stopped before proving anything: {detail}"
+            else:
+                detail = f"{detail} (this stage did: {done})"
+        result = StageResult(result.name, status, self.clock.now() - started, detail, result.impact, result.fix)
         self.report.stages.append(result)
         if self.on_result:
             self.on_result(result)

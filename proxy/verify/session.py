@@ -27,7 +27,7 @@ from proxy.verify.clients import (
     minimal_graph,
 )
 from proxy.verify.report import Report, StageFailed, StageResult, StageSkipped
-from proxy.verify.roles import GENERATES, fails, kinds_for, role_of
+from proxy.verify.roles import GENERATES, RENDERS, fails, kinds_for, role_of
 
 
 @dataclass(slots=True)
@@ -38,6 +38,9 @@ class Options:
     comfy_graph: dict[str, Any] | None = None
     comfy_checkpoint: str | None = None
     stage_timeout_s: float = 180.0
+    # How long a stage that loads anything waits for busy tenants to finish before it is skipped
+    # (once one wait ran out, later stages look once and do not wait again).
+    busy_wait_s: float = 60.0
     # How often a wait looks again (memory back on the card, a graph's history, the proxy's OOM
     # decision). Each look is one admin or engine request; the tests look more often.
     poll_s: float = 0.1
@@ -52,12 +55,13 @@ class Found:
     tenants: dict[str, TenantInfo] = field(default_factory=dict)
     device: dict[str, Any] = field(default_factory=dict)
     unreachable: dict[str, str] = field(default_factory=dict)
-    ollama_before: dict[str, int] | None = None
+    ollama_before: dict[str, int] | None = None  # Ollama's /api/ps when verify started
     loaded_by_us: set[str] = field(default_factory=set)
-    released_comfy: bool = False
+    released: set[str] = field(default_factory=set)  # render tenants verify had released (not loaded again)
     graph: dict[str, Any] | None = None
     graph_ckpt: str | None = None
     graph_held: int | None = None  # what the render tenant held right after the graph
+    busy_wait_ran_out: bool = False  # a stage waited busy_wait_s for busy tenants in vain
 
 
 class Session:
@@ -79,6 +83,13 @@ class Session:
         self.found = Found()
         self.consent = False
         self.report = Report(options.admin)
+        # What the running stage changed on the box, in order: a stage that changed something is
+        # never reported as skipped, and its result says what it did (the runner resets this).
+        self.effects: list[str] = []
+
+    def did(self, what: str) -> None:
+        """Record an effect of the running stage ("released comfyui"), right before it is asked."""
+        self.effects.append(what)
 
     # -- helpers -----------------------------------------------------------------------------------
     def tenant_of(self, role: str) -> TenantInfo:
@@ -103,10 +114,26 @@ class Session:
             raise StageSkipped(f"{what}: it releases tenants, so it needs consent (run with --yes)")
 
     async def nobody_busy(self) -> None:
-        busy = [t for t in await self.admin.tenants() if t.busy]
-        if busy:
+        """Before a stage loads anything: wait (up to busy_wait_s) until no tenant is busy, else skip
+        the stage. Verify never queues work behind a user's, nor releases a tenant under it."""
+        waited = 0.0
+        limit = 0.0 if self.found.busy_wait_ran_out else self.options.busy_wait_s
+        while True:
+            busy = [t for t in await self.admin.tenants() if t.busy]
+            if not busy:
+                return
             who = ", ".join(f"{t.name} ({t.busy_reason})" for t in busy)
-            raise StageSkipped(f"{who} busy: verify never disturbs running work; run it again when the box is idle")
+            if waited >= limit:
+                if limit:
+                    self.found.busy_wait_ran_out = True
+                waited_text = f", still busy after {waited:.0f} s" if waited else ""
+                raise StageSkipped(f"{who} busy{waited_text}: verify never disturbs running work (nothing was loaded); "
+                                   "run it again when the box is idle")
+            if not waited:
+                self.say(f"waiting up to {limit:g} s for {who} to finish: verify never disturbs running work")
+            step = max(self.options.poll_s, 0.05)
+            await self.clock.sleep(step)
+            waited += step
 
     async def plan_allows(self, tenant: TenantInfo, need: int | None, what: str) -> dict[str, Any]:
         """The proxy's own dry-run for this load: refused loads fail here, and a load that would
@@ -133,17 +160,24 @@ class Session:
     async def last_decision_id(self) -> int:
         return max((int(d["id"]) for d in await self.admin.decisions(1)), default=0)
 
-    # -- consent -----------------------------------------------------------------------------------
-    async def _decide_consent(self) -> None:
-        held = [t for t in self.found.tenants.values() if t.reclaimable
-                and (t.vram_bytes or 0) > int(float(t.config.get("idle_vram_gb") or 0) * GIB)]
-        ollama = next((t for t in self.found.tenants.values() if role_of(t) == GENERATES and t.url
-                       and t.name not in self.found.unreachable), None)
+    def generator(self) -> TenantInfo | None:
+        return next((t for t in self.found.tenants.values() if role_of(t) == GENERATES and t.url
+                     and t.name not in self.found.unreachable), None)
+
+    async def _remember_loaded(self) -> None:
+        """What Ollama holds before verify does anything: restore puts back exactly this."""
+        ollama = self.generator()
         if ollama is not None:
             try:
                 self.found.ollama_before = await self.ollama(ollama).loaded()
             except (httpx.HTTPError, Unexpected, ValueError):
                 self.found.ollama_before = None
+
+    # -- consent -----------------------------------------------------------------------------------
+    async def _decide_consent(self) -> None:
+        held = [t for t in self.found.tenants.values() if t.reclaimable
+                and (t.vram_bytes or 0) > int(float(t.config.get("idle_vram_gb") or 0) * GIB)]
+        renders = [t.name for t in self.found.tenants.values() if role_of(t) == RENDERS and t.url]
         if self.options.yes:
             self.consent = True
             return
@@ -151,7 +185,9 @@ class Session:
         text = ("verify loads a small model and a small graph, then makes the proxy release idle tenants to prove the "
                 "handoff (" + (", ".join(f"{t.name} holds {gib(t.vram_bytes)}" for t in held) or "nobody holds memory now")
                 + ")." + (f" The Ollama models loaded now ({models}) are loaded again at the end." if models else "")
-                + " ComfyUI loads its checkpoint again on its next prompt. Busy tenants are never touched.")
+                + (f" {' and '.join(renders)}, once released, is not loaded again by verify: its next prompt loads what "
+                   "it needs." if renders else "")
+                + " Busy tenants are never touched: verify waits for them, or skips.")
         self.say(text)
         if self.options.interactive and self.ask is not None:
             self.consent = await asyncio.to_thread(self.ask, "Go ahead? [y/N] ")
@@ -160,6 +196,7 @@ class Session:
 
     # -- what several stages do -----------------------------------------------------------------
     async def generate(self, t: TenantInfo, client: OllamaClient, model: OllamaModel) -> dict[str, Any]:
+        self.did(f"generated with {model.name} in {t.name}")
         try:
             body = await client.generate(model.name)
         except Unexpected as exc:
@@ -187,6 +224,7 @@ class Session:
 
     async def run_graph(self, t: TenantInfo) -> tuple[GraphRun, str | None, str]:
         graph, ckpt, whose = await self.graph_for(t)
+        self.did(f"ran {whose} graph in {t.name}" + (f" (loading {ckpt})" if ckpt else ""))
         try:
             run = await self.comfy(t).run(graph)
         except Unexpected as exc:
@@ -195,6 +233,17 @@ class Session:
         if run.ok:  # later stages run this graph again
             self.found.graph, self.found.graph_ckpt = graph, ckpt
         return run, ckpt, whose
+
+    async def release(self, t: TenantInfo, why: str) -> None:
+        """The admin API's release of an idle tenant, to stage a handoff; restore does not load it again."""
+        self.did(f"released {t.name}")
+        try:
+            await self.admin.release(t.name)
+        except Unexpected as exc:
+            raise fails(exc, f"{t.name} could not be released to stage {why}",
+                        f"loads that need {t.name}'s idle memory wait for its release, then fail",
+                        f"see GET /api/tenants/{t.name}") from None
+        self.found.released.add(t.name)
 
     async def wait_empty(self, tenant: str) -> None:
         """An unload answers before the memory is back; the card says when it is (bounded by the stage)."""
@@ -210,4 +259,4 @@ class Session:
         return int(free)
 
     def _restore_needed(self) -> bool:
-        return bool(self.found.loaded_by_us) or self.found.ollama_before is not None or self.found.released_comfy
+        return bool(self.found.loaded_by_us) or self.found.ollama_before is not None or bool(self.found.released)

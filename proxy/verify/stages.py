@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from proxy.tenants import GIB
-from proxy.verify.clients import OllamaModel, TenantInfo, Unexpected, gib
+from proxy.verify.clients import OllamaModel, TenantInfo, Unexpected, gib, the_graph
 from proxy.verify.report import StageFailed, StageSkipped
-from proxy.verify.roles import GENERATES, RENDERS, adapter_class, fails, role_of
+from proxy.verify.roles import GENERATES, RENDERS, adapter_class, role_of
 
 if TYPE_CHECKING:
     from proxy.verify.session import Session
@@ -36,6 +36,8 @@ async def check_proxy(v: Session) -> str:
     v.found.tenants = {t.name: t for t in tenants}
     v.found.device = stats.get("device") or {}
     dev = v.found.device
+    v.report.gpu_reader = (stats.get("gpu_error") is None and dev.get("source") not in (None, "engine-estimate")
+                           and dev.get("total_bytes") is not None)
     gpu_note = "" if stats.get("gpu_error") is None else f"; GPU reader: {stats['gpu_error'].get('error')}"
     return (f"admin API at {v.admin.base}: {len(tenants)} tenant(s) ({', '.join(v.found.tenants)}), "
             f"GPU {dev.get('name')} {gib(dev.get('total_bytes'))} ({dev.get('source')}){gpu_note}")
@@ -83,6 +85,7 @@ async def check_generation(v: Session) -> str:
     client = v.ollama(t)
     model = (await v.generation_models(client))[0]
     plan = await v.plan_allows(t, model.size + t.context_allowance_bytes, model.name)
+    await v.nobody_busy()
     started = v.clock.now()
     body = await v.generate(t, client, model)
     released = ", ".join(r["tenant"] for r in plan.get("releases") or [])
@@ -94,9 +97,10 @@ async def check_graph(v: Session) -> str:
     """The user's graph, or a minimal one, through the proxy to its end marker; what it leaves held."""
     t = v.tenant_of(RENDERS)
     await v.plan_allows(t, None, f"a {t.name} graph")
+    await v.nobody_busy()
     run, ckpt, whose = await v.run_graph(t)
     if not run.ok:
-        raise StageFailed(f"{whose} graph ({ckpt}) ended with {run.error_type}: {run.error}",
+        raise StageFailed(f"{whose} graph ({ckpt or 'no checkpoint'}) ended with {run.error_type}: {run.error}",
                           impact=f"{t.name} prompts through the proxy fail",
                           fix=(f"raise tenants.{t.name}.needs_vram_gb: the proxy made less room than the graph takes"
                                if run.error_type and "OutOfMemory" in run.error_type
@@ -109,22 +113,80 @@ async def check_graph(v: Session) -> str:
 
 async def check_reclaim(v: Session) -> str:
     """One tenant needs memory another holds idle: ComfyUI holds a checkpoint and an Ollama model
-    needs it, else (no model that large) Ollama holds a model and the ComfyUI graph needs it."""
+    needs it, else (no model that large) Ollama holds a model and the ComfyUI graph needs it. Which
+    way, and whether either can be staged, is decided from dry-run plans before anything is changed."""
     v.need_consent("reclaim")
     comfy_t, ollama_t = v.tenant_of(RENDERS), v.tenant_of(GENERATES)
+    await v.nobody_busy()
     if v.found.graph is None:
         raise StageSkipped(f"the {comfy_t.name} graph did not run, so the handoff cannot be staged")
-    await v.nobody_busy()
+    if v.report.gpu_reader is not True:
+        raise StageSkipped("without a GPU reader the card cannot confirm the release a handoff makes, so none was "
+                           "staged: fix the GPU reader (`hyperswap check`) to verify it")
+    comfy_now = await v.admin.tenant(comfy_t.name)
     try:
-        return await _reclaim_for_generation(v, comfy_t, ollama_t)
+        model, plan = await _generation_needing(v, comfy_t, ollama_t, comfy_now)
     except NoCandidate as first:
         try:
-            return await _reclaim_for_graph(v, comfy_t, ollama_t)
+            model = await _model_crowding_graph(v, comfy_t, ollama_t, comfy_now)
         except NoCandidate as second:
             raise StageSkipped(f"{first.reason}; and {second.reason}") from None
+        _no_timer_within_stage(v, ollama_t)
+        return await _reclaim_for_graph(v, comfy_t, ollama_t, model)
+    _no_timer_within_stage(v, comfy_t)
+    return await _reclaim_for_generation(v, comfy_t, ollama_t, model, plan)
 
 
-async def _reclaim_for_generation(v: Session, holder_t: TenantInfo, needer_t: TenantInfo) -> str:
+async def _generation_needing(v: Session, holder_t: TenantInfo, needer_t: TenantInfo,
+                              holder_now: TenantInfo) -> tuple[OllamaModel, dict[str, Any]]:
+    """The smallest model whose plan releases the holder once it holds what the graph left (no effect)."""
+    # The graph run right before the handoff loads again what the holder's idle timer may have freed since.
+    missing = max(0, (v.found.graph_held or 0) - (holder_now.vram_bytes or 0))
+    for model in await v.generation_models(v.ollama(needer_t)):
+        plan = await v.admin.plan(needer_t.name, model.size + needer_t.context_allowance_bytes + missing)
+        if plan.get("feasible") and holder_t.name in [r["tenant"] for r in plan.get("releases") or []]:
+            return model, plan
+    raise NoCandidate(f"no installed {needer_t.name} model needs the {gib(v.found.graph_held)} {holder_t.name} "
+                      "holds after its graph (each fits beside it, or not on this card at all)")
+
+
+async def _model_crowding_graph(v: Session, needer_t: TenantInfo, holder_t: TenantInfo, needer_now: TenantInfo) -> OllamaModel:
+    """The largest model that loads without a release once the graph's tenant is down to its floor,
+    if a graph then cannot fit beside it (no effect: the dry-run plans and the card's figures)."""
+    floor = int(float(needer_t.config.get("idle_vram_gb") or 0) * GIB)
+    held = needer_now.vram_bytes or 0
+    freed = max(0, held - floor)  # what releasing the graph's tenant gives back
+    free = await v.free_memory(holder_t)
+    model = None
+    for m in sorted(await v.generation_models(v.ollama(holder_t)), key=lambda m: -m.size):
+        need = m.size + holder_t.context_allowance_bytes
+        plan = await v.admin.plan(holder_t.name, max(need - freed, 1 << 20))
+        if plan.get("feasible") and not plan.get("releases"):
+            model = m
+            break
+    if model is None:
+        raise NoCandidate(f"no installed {holder_t.name} model loads beside {needer_t.name}'s floor without a release")
+    graph_need = (await v.admin.plan(needer_t.name)).get("need_bytes")
+    # Even if Ollama keeps everything it holds now beside the model, a graph needing more than what is
+    # free plus what the graph's tenant holds now has to take some of Ollama's memory.
+    if graph_need is None or int(graph_need) + model.size <= free + held:
+        raise NoCandidate(f"with {model.name} (the largest that fits beside {needer_t.name}'s floor) on the card a "
+                          f"{needer_t.name} graph ({gib(graph_need)}) still fits beside it")
+    return model
+
+
+def _no_timer_within_stage(v: Session, holder_t: TenantInfo) -> None:
+    """The holder's idle timer starts again with the load right before the handoff: if it fires within
+    the stage, the release seen could be the timer's, not the handoff's."""
+    after = holder_t.config.get("idle_release_after_s")
+    if after is not None and float(after) < v.options.stage_timeout_s:
+        raise StageSkipped(f"{holder_t.name}'s idle timer frees it in {float(after):g} s after its last request, within "
+                           "this stage's time: its release could not be told from the timer's (raise "
+                           f"tenants.{holder_t.name}.idle_release_after_s above {v.options.stage_timeout_s:g} s)")
+
+
+async def _reclaim_for_generation(v: Session, holder_t: TenantInfo, needer_t: TenantInfo, model: OllamaModel,
+                                  plan: dict[str, Any]) -> str:
     # A fresh graph right before: the holder's idle timer starts again and cannot free it mid-stage.
     run, _, _ = await v.run_graph(holder_t)
     if not run.ok:
@@ -132,22 +194,12 @@ async def _reclaim_for_generation(v: Session, holder_t: TenantInfo, needer_t: Te
                           impact=f"{holder_t.name} prompts through the proxy fail", fix=f"see {holder_t.name}'s log")
     holder = await _holder(v, holder_t.name)
     client = v.ollama(needer_t)
-    chosen: tuple[OllamaModel, dict[str, Any]] | None = None
-    for model in await v.generation_models(client):
-        plan = await v.admin.plan(needer_t.name, model.size + needer_t.context_allowance_bytes)
-        if plan.get("feasible") and holder.name in [r["tenant"] for r in plan.get("releases") or []]:
-            chosen = (model, plan)
-            break
-    if chosen is None:
-        raise NoCandidate(f"no installed {needer_t.name} model needs the {gib(holder.vram_bytes)} {holder.name} "
-                           "holds (each fits beside it, or not on this card at all)")
-    model, plan = chosen
     v.say(f"reclaim: loading {model.name} makes the proxy release {holder.name} ({gib(holder.vram_bytes)})")
     mark = await v.last_decision_id()
     started = v.clock.now()
     await v.generate(needer_t, client, model)
     took = v.clock.now() - started
-    v.found.released_comfy = True
+    v.found.released.add(holder.name)
     after, release = await _confirm_release(v, needer_t.name, holder, mark, model.name)
     on_gpu = (await client.loaded()).get(model.name, 0)
     if on_gpu <= 0:
@@ -159,29 +211,18 @@ async def _reclaim_for_generation(v: Session, holder_t: TenantInfo, needer_t: Te
             f"{model.name} loaded ({gib(on_gpu)} on the GPU) in {took:.2f} s")
 
 
-async def _reclaim_for_graph(v: Session, needer_t: TenantInfo, holder_t: TenantInfo) -> str:
-    try:  # ComfyUI down to its floor, so its graph has to load again and needs the card
-        await v.admin.release(needer_t.name)
-    except Unexpected as exc:
-        raise fails(exc, f"{needer_t.name} could not be released to stage the handoff",
-                     f"loads that need {needer_t.name}'s idle memory wait for its release, then fail",
-                     f"see GET /api/tenants/{needer_t.name}") from None
-    v.found.released_comfy = True
+async def _reclaim_for_graph(v: Session, needer_t: TenantInfo, holder_t: TenantInfo, model: OllamaModel) -> str:
+    # ComfyUI down to its floor, so its graph has to load again and needs the card.
+    await v.release(needer_t, "the handoff")
     client = v.ollama(holder_t)
-    # The largest model that loads without anyone released (its own eviction aside)...
-    model = None
-    for m in sorted(await v.generation_models(client), key=lambda m: -m.size):
-        plan = await v.admin.plan(holder_t.name, m.size + holder_t.context_allowance_bytes)
-        if plan.get("feasible") and not plan.get("releases"):
-            model = m
-            break
-    if model is None:
-        raise NoCandidate(f"no installed {holder_t.name} model loads beside {needer_t.name} without a release")
-    # ...loaded right before, so Ollama's own keep-alive timer is fresh and cannot free it mid-stage.
+    plan = await v.admin.plan(holder_t.name, model.size + holder_t.context_allowance_bytes)
+    if not plan.get("feasible") or plan.get("releases"):
+        raise StageSkipped(f"{model.name} no longer loads beside {needer_t.name}'s floor ({plan.get('explanation')})")
+    # Loaded right before, so Ollama's own keep-alive timer is fresh and cannot free it mid-stage.
     await v.generate(holder_t, client, model)
     graph_plan = await v.admin.plan(needer_t.name)
     if holder_t.name not in [r["tenant"] for r in graph_plan.get("releases") or []]:
-        raise NoCandidate(f"with {model.name} on the card a {needer_t.name} graph still fits "
+        raise StageSkipped(f"with {model.name} on the card a {needer_t.name} graph still fits "
                            f"({graph_plan.get('explanation')})")
     holder = await _holder(v, holder_t.name)
     v.say(f"reclaim: the {needer_t.name} graph makes the proxy release {holder.name} ({gib(holder.vram_bytes)})")
@@ -193,11 +234,11 @@ async def _reclaim_for_graph(v: Session, needer_t: TenantInfo, holder_t: TenantI
         raise StageFailed(f"the graph after {holder.name}'s release failed: {run.error_type}: {run.error}",
                           impact=f"{needer_t.name} prompts fail although the proxy made room",
                           fix=f"raise tenants.{needer_t.name}.needs_vram_gb to what its graphs take")
-    after, release = await _confirm_release(v, needer_t.name, holder, mark, f"the {ckpt} graph")
+    after, release = await _confirm_release(v, needer_t.name, holder, mark, the_graph(ckpt))
     now = (await v.admin.tenant(needer_t.name)).vram_bytes
     return (f"a {needer_t.name} graph needed {gib(graph_plan['need_bytes'])} while {model.name} held the card: the "
             f"proxy released {holder.name} ({gib(holder.vram_bytes)} -> {gib(after)} on the card, "
-            f"{release.get('duration_s')} s) and the {ckpt} graph ran ({needer_t.name} holds {gib(now)}) in {took:.2f} s")
+            f"{release.get('duration_s')} s) and {the_graph(ckpt)} ran ({needer_t.name} holds {gib(now)}) in {took:.2f} s")
 
 
 async def _holder(v: Session, name: str) -> TenantInfo:
@@ -246,16 +287,16 @@ async def check_out_of_memory(v: Session) -> str:
     v.need_consent("out of memory")
     comfy_t, ollama_t = v.tenant_of(RENDERS), v.tenant_of(GENERATES)
     ckpt, held = v.found.graph_ckpt, v.found.graph_held
+    await v.nobody_busy()
     if v.found.graph is None or held is None:
         raise StageSkipped(f"the {comfy_t.name} graph did not run, so its footprint is unknown")
-    await v.nobody_busy()
     declared_gb = (comfy_t.config.get("model_vram_gb") or {}).get(ckpt or "")
     declared = int(float(declared_gb) * GIB) if declared_gb is not None else comfy_t.needs_vram_bytes
     # Before touching anything: the proxy makes `declared` less what ComfyUI holds free for a graph,
     # and the graph loads `held` less the same floor, so a window exists only if held > declared.
     if held <= declared:
         raise StageSkipped(f"the proxy plans {gib(declared)} for a {comfy_t.name} graph, at least the {gib(held)} the "
-                           f"{ckpt} graph took: it cannot run out of memory through the proxy, so no out-of-memory "
+                           f"{the_graph(ckpt)[4:]} took: it cannot run out of memory through the proxy, so no out-of-memory "
                            "can be provoked safely (the retry is covered by the tests on a simulated box)")
     stats = await v.admin.stats()
     await v.free_memory(ollama_t, stats)  # skips now, before unloading anything, without a GPU reader
@@ -270,15 +311,10 @@ async def check_out_of_memory(v: Session) -> str:
         raise StageSkipped(f"no installed {ollama_t.name} model leaves free memory between {gib(lo)} and {gib(hi)} "
                            f"(about {gib(free_guess)} free with both emptied): an out-of-memory cannot be staged safely")
     for name in await client.loaded():  # the window is measured with Ollama empty
+        v.did(f"unloaded {name} from {ollama_t.name}")
         await client.unload(name)
     await v.wait_empty(ollama_t.name)
-    try:
-        await v.admin.release(comfy_t.name)  # its checkpoint off the card: the graph loads it again
-    except Unexpected as exc:
-        raise fails(exc, f"{comfy_t.name} could not be released to stage the out-of-memory",
-                     f"loads that need {comfy_t.name}'s idle memory wait for its release, then fail",
-                     f"see GET /api/tenants/{comfy_t.name}") from None
-    v.found.released_comfy = True
+    await v.release(comfy_t, "the out-of-memory")  # its checkpoint off the card: the graph loads it again
     floor = (await v.admin.tenant(comfy_t.name)).vram_bytes or 0
     free = await v.free_memory(ollama_t)
     # Free memory between what the proxy plans for and what the graph really loads: the proxy sees
@@ -289,13 +325,14 @@ async def check_out_of_memory(v: Session) -> str:
         raise StageSkipped(f"no installed {ollama_t.name} model leaves free memory between {gib(lo)} and {gib(hi)} "
                            f"({gib(free)} free now): an out-of-memory cannot be staged safely")
     model = min(fits, key=lambda m: abs(free - m.size - (lo + hi) / 2))
-    v.say(f"out of memory: {model.name} fills the card so the {ckpt} graph cannot load beside it")
+    v.say(f"out of memory: {model.name} fills the card so {the_graph(ckpt)} cannot load beside it")
     await v.generate(ollama_t, client, model)
     free = await v.free_memory(ollama_t)
     if not lo <= free < hi:
         raise StageSkipped(f"with {model.name} loaded {gib(free)} is free, outside {gib(lo)}..{gib(hi)}: not staged")
     mark = await v.last_decision_id()
     graph = v.found.graph
+    v.did(f"ran {the_graph(ckpt)} in {comfy_t.name} with {model.name} filling the card")
     run = await v.comfy(comfy_t).run(graph)
     if run.ok:
         raise StageSkipped(f"{comfy_t.name} ran the graph in {gib(free)} without running out of memory (it may load "
@@ -315,7 +352,7 @@ async def check_out_of_memory(v: Session) -> str:
                           impact="a prompt that runs out of memory fails even after the proxy made room",
                           fix=f"raise tenants.{comfy_t.name}.needs_vram_gb to what its graphs take")
     released = ", ".join(f"{r['tenant']} ({r.get('freed_gb')} GiB)" for r in outcome.get("releases") or [])
-    return (f"with {model.name} on the card ({gib(free)} free), the {ckpt} graph ran out of memory in "
+    return (f"with {model.name} on the card ({gib(free)} free), {the_graph(ckpt)} ran out of memory in "
             f"{comfy_t.name}; the proxy released {released or 'nobody'} and re-queued it as {again.prompt_id}, "
             "which succeeded")
 
@@ -366,33 +403,45 @@ async def check_too_large(v: Session) -> str:
 
 
 async def restore(v: Session) -> str:
-    """Ollama models verify unloaded are loaded again; those it loaded itself are unloaded."""
+    """What Ollama held when verify started (its /api/ps then) is what it holds at the end: models
+    verify unloaded are loaded again (an embedding model with an embed call), models it loaded
+    itself are unloaded, nothing more. A tenant verify released is not loaded again: it says so."""
     notes: list[str] = []
-    ollama = next((t for t in v.found.tenants.values() if role_of(t) == GENERATES and t.url
-                   and t.name not in v.found.unreachable), None)
-    if ollama is not None:
-        client = v.ollama(ollama)
-        now = await client.loaded()
-        mine = [m for m in v.found.loaded_by_us if m in now]
-        for name in mine:
-            await client.unload(name)
-        back = [m for m in (v.found.ollama_before or {}) if m not in now]
-        failed = []
-        for name in back:
-            try:
-                await client.load(name)
-            except Unexpected as exc:
-                failed.append(f"{name}: {exc}")
-        if failed:
-            raise StageFailed(f"could not load again what verify unloaded: {'; '.join(failed)}",
-                              impact="the first request to these models waits for their load",
-                              fix=f"load them again yourself (`ollama run {back[0]}`)")
-        if mine:
-            notes.append(f"unloaded what verify loaded ({', '.join(sorted(mine))})")
-        if back:
-            notes.append(f"loaded again {', '.join(back)}")
-    if v.found.released_comfy:
-        notes.append("ComfyUI loads its checkpoint again on its next prompt")
-    if not notes:
-        raise StageSkipped("nothing to restore: verify left every model as it found it")
+    not_restored = []
+    for name in sorted(v.found.released):
+        before = v.found.tenants[name].vram_bytes if name in v.found.tenants else None
+        now_held = (await v.admin.tenant(name)).vram_bytes
+        if before is not None and now_held is not None and now_held < before - GIB // 4:
+            not_restored.append(f"{name} held {gib(before)} when verify started and holds {gib(now_held)} now (verify "
+                                "does not load it again: its next prompt loads what it needs)")
+    ollama = v.generator()
+    client = v.ollama(ollama) if ollama is not None else None
+    now = await client.loaded() if client is not None else {}
+    mine = sorted(m for m in v.found.loaded_by_us if m in now)
+    back = [m for m in (v.found.ollama_before or {}) if m not in now]
+    left = f"not restored: {'; '.join(not_restored)}" if not_restored else ""
+    if client is None or not (mine or back):
+        raise StageSkipped("nothing to restore: Ollama holds what it held when verify started" + (f"; {left}" if left else ""))
+    await v.nobody_busy()
+    assert ollama is not None
+    for name in mine:
+        v.did(f"unloaded {name} from {ollama.name}")
+        await client.unload(name)
+    failed, calls = [], []
+    for name in back:
+        v.did(f"loaded {name} in {ollama.name} again")
+        try:
+            calls.append(f"{name} ({await client.load(name)})")
+        except Unexpected as exc:
+            failed.append(f"{name}: {exc}")
+    if failed:
+        raise StageFailed(f"could not load again what verify unloaded: {'; '.join(failed)}",
+                          impact="the first request to these models waits for their load",
+                          fix=f"load them again yourself (`ollama run {back[0]}`)")
+    if mine:
+        notes.append(f"unloaded what verify loaded ({', '.join(mine)})")
+    if back:
+        notes.append(f"loaded again what {ollama.name} held before verify: {', '.join(calls)}")
+    if left:
+        notes.append(left)
     return "; ".join(notes)

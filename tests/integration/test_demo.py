@@ -14,10 +14,10 @@ from proxy.sim.box import scenario_names
 
 
 def test_the_three_required_scenarios_ship() -> None:
-    assert {"default", "tight", "third-app"} <= set(scenario_names())
+    assert {"default", "tight", "third-app", "lifecycle"} <= set(scenario_names())
 
 
-@pytest.mark.parametrize("name", ["default", "tight", "third-app"])
+@pytest.mark.parametrize("name", ["default", "tight", "third-app", "lifecycle"])
 async def test_demo_self_test_passes(box: DemoFactory, name: str) -> None:
     demo = await box(name)
     results = await self_test(demo)
@@ -35,6 +35,18 @@ async def test_tight_demo_handoff_names_the_speech_relay(box: DemoFactory) -> No
     rejection = results["proxy: 507 names the blockers"]
     assert rejection.startswith("507 for mistral-small:22b"), rejection
     assert "python stt_relay.py --model large-v3 (pid 4242, 0.84 GiB, unmanaged)" in rejection, rejection
+
+
+async def test_lifecycle_demo_stops_the_speech_relay_for_a_render_and_starts_it_again(box: DemoFactory) -> None:
+    demo = await box("lifecycle")
+    results = {n: (ok, d) for n, ok, d in await self_test(demo)}
+    ok, detail = results["proxy: relay stopped for a render"]
+    assert ok and "stopped for flux1-dev-fp8.safetensors" in detail and "started again" in detail, detail
+    machine = demo.proxy.arbitration.lifecycles.machine("stt")
+    assert machine is not None and machine.state == "running", "the last request started it again"
+    kinds = [d.kind for d in demo.proxy.decisions.recent(500) if d.tenant == "stt" and d.kind in ("start", "stop")]
+    assert kinds == ["start", "stop", "start"], kinds
+    assert "stt via proxy" in describe(demo, "lifecycle")
 
 
 async def test_plan_command_prints_a_dry_run_from_the_running_proxy(box: DemoFactory, capsys: pytest.CaptureFixture[str]) -> None:

@@ -32,7 +32,7 @@ from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket
 from websockets.asyncio.client import connect
 
-from proxy.clock import ManualClock
+from proxy.clock import ManualClock, until_all_wait
 from proxy.handoff.inflight import InFlight
 from proxy.relay.forward import Forwarder
 from proxy.relay.listener import TenantApp
@@ -515,7 +515,7 @@ async def test_upstream_that_never_answers_gives_504() -> None:
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             await reader.read(65536)
-            await asyncio.sleep(SAFETY_S)
+            await asyncio.sleep(SAFETY_S)  # hangs: an upstream that never answers (a fake, no threshold)
         finally:  # cancelled when the test's loop closes: the connection must not outlive it
             writer.close()
 
@@ -682,8 +682,7 @@ async def test_websocket_idle_for_hours_stays_open(monkeypatch: pytest.MonkeyPat
             await within(ws.recv())  # status
             for _ in range(2 * 3600 // 15):
                 skew[0] += 15
-                for _ in range(3):
-                    await asyncio.sleep(0)  # let whatever fired run (a ping, a close)
+                await until_all_wait()  # let whatever fired run (a ping, a close)
             state.to_socket.put_nowait("two hours later")
             assert await within(ws.recv()) == "two hours later"
             await ws.send("hello")

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
+from proxy.clock import until_all_wait
 from proxy.relay.http1 import Pool, PoolTimeout, UpstreamClosed, UpstreamProtocolError
 from proxy.tasks import poll_until
 
@@ -174,7 +175,7 @@ async def test_connection_closed_while_idle_is_retried_once_on_a_fresh_one() -> 
     async with raw_server(answer(OK, then_close=True)) as up:
         pool = Pool(up.url)
         await get(pool)
-        await asyncio.sleep(0.05)  # the close reaches us while the connection sits in the pool
+        await _until(lambda: pool.idle_connections == 0)  # the close reaches us while the connection sits in the pool
         assert (await get(pool, body=b"x", method="POST", headers=[(b"host", b"h"), (b"content-length", b"1")]))[2] == b"ok"
         pool.close()
     assert up.connections == 2
@@ -203,7 +204,7 @@ async def test_a_failing_upload_aborts_the_upstream_request() -> None:
         pool = Pool(up.url)
         with pytest.raises(ConnectionResetError):
             await get(pool, method="POST", body=broken())
-        await asyncio.sleep(0.05)
+        await _until(lambda: up.eofs == 1)
         pool.close()
     assert up.requests == [] and up.eofs == 1, "the upstream must see the request end without a complete body"
 
@@ -218,7 +219,7 @@ async def test_malformed_answer_is_a_protocol_error() -> None:
 
 async def test_read_timeout_applies_to_the_head() -> None:
     async def silent(head: bytes, body: bytes, writer: asyncio.StreamWriter) -> None:
-        await asyncio.sleep(SAFETY_S)
+        await asyncio.sleep(SAFETY_S)  # hangs: an upstream that never answers (a fake, no threshold)
     async with raw_server(silent) as up:
         pool = Pool(up.url, read_s=0.05)
         with pytest.raises(TimeoutError):
@@ -345,11 +346,25 @@ async def test_idempotent_retry_takes_a_new_connection_not_another_pooled_one() 
     assert up.connections == 3, "the retry must open a connection, not reuse the other stale one"
 
 
+async def a_read_timeout_passes(read_s: float) -> None:
+    """Return once a read timeout of `read_s` has passed for every request already waiting.
+
+    The read timeout is `asyncio.timeout`, the event loop's own timer (the relay's hot path; see
+    proxy/relay/http1.py). So rather than sleeping a fixed time, a reference request to an upstream
+    that never answers waits for its own TimeoutError: the loop runs timers in deadline order, so
+    any read timeout of the same length started before it has fired by then."""
+    async with raw_server(_held(asyncio.Event())) as silent:  # the gate never opens
+        pool = Pool(silent.url, read_s=read_s)
+        with pytest.raises(TimeoutError):
+            await get(pool)
+        pool.close()
+
+
 async def test_read_timeout_does_not_run_while_the_upload_is_still_going() -> None:
     # A slow upload is the client's pace; the upstream owes no answer until the body is in.
     async def slow_upload() -> AsyncIterator[bytes]:
         yield b"first "
-        await asyncio.sleep(0.5)  # ten read timeouts
+        await a_read_timeout_passes(0.05)  # the request's head-wait began before this
         yield b"second"
     async with raw_server(answer(OK)) as up:
         pool = Pool(up.url, read_s=0.05)
@@ -457,8 +472,7 @@ async def test_connections_per_upstream_are_capped_and_a_request_waits_its_turn(
         pool = Pool(up.url, max_connections=2)
         requests = [asyncio.ensure_future(get(pool)) for _ in range(3)]
         await _until(lambda: len(up.requests) == 2)
-        for _ in range(20):
-            await asyncio.sleep(0)  # room for a third connection to be dialled, if anything would dial it
+        await until_all_wait()  # room for a third connection to be dialled, if anything would dial it
         assert up.connections == 2 and pool.open_connections == 2, "a third connection was opened past the cap"
         gate.set()
         answers = await asyncio.gather(*requests)

@@ -21,6 +21,7 @@ from proxy.relay.forward import Forwarder
 from proxy.relay.inbound import InboundLimits
 from proxy.relay.listener import TenantApp
 from proxy.relay.servers import ACCEPT_FAILED, RunningServer, start_server
+from proxy.tasks import poll_until
 from proxy.tenants import Tenant
 
 SAFETY_S = 10.0
@@ -233,21 +234,38 @@ async def test_the_header_timeout_covers_the_next_head_on_a_kept_alive_connectio
         writer.close()
 
 
+async def a_header_timeout_passes(server: RunningServer) -> None:
+    """Return once a header timeout has passed for everything the listener read before this call.
+
+    The timeout is the event loop's own timer (`loop.call_later` in the listener's protocol, a
+    transport callback: no task to hand a Clock to). So rather than sleeping a fixed time, a second
+    connection that sends half a head waits for its own 408: the loop runs timers in deadline
+    order, so any header timer armed before it, of the same length, has fired by then."""
+    reader, writer = await open_to(server)
+    try:
+        writer.write(b"GET / HTTP/1.1\r\nHo")
+        assert (await read_answer(reader))[0] == 408, "the reference connection must time out"
+    finally:
+        writer.close()
+
+
 async def test_the_header_timeout_never_cuts_a_slow_upload_a_long_stream_or_a_websocket() -> None:
     # Each head (the websocket's handshake too) must still arrive within the timeout: 0.05 s cut a
-    # handshake on a loaded 2-core CI run, so the timeout leaves room and the waits span several.
+    # handshake on a loaded 2-core CI run, so the timeout leaves room; each wait spans a whole one.
     limits = InboundLimits(header_timeout_s=0.4)
     async with served(limits, through_proxy=True) as (proxy, upstream):
         reader, writer = await open_to(proxy)
         try:
             writer.write(b"POST /upload HTTP/1.1\r\nHost: localhost\r\nContent-Length: 10\r\n\r\nhello")
-            await asyncio.sleep(1.0)  # two and a half header timeouts
+            # the listener has read the head and "hello" (one write, one read): its timer, if any, runs
+            await within(poll_until(lambda: proxy.requests_running == 1))
+            await a_header_timeout_passes(proxy)
             writer.write(b"world")
             assert json.loads((await read_answer(reader))[2]) == {"body": 10}
             writer.write(b"GET /stream HTTP/1.1\r\nHost: localhost\r\n\r\n")
             await within(reader.readuntil(b"first\n"))
             async with connect(f"ws://127.0.0.1:{proxy.port}/ws") as ws:
-                await asyncio.sleep(1.0)
+                await a_header_timeout_passes(proxy)  # with the stream still open too
                 await ws.send("still there")
                 assert await within(ws.recv()) == "echo:still there"
             upstream.more.set()
@@ -274,13 +292,64 @@ async def test_connections_past_the_cap_get_503_while_a_stream_and_a_websocket_g
         upstream.more.set()
         await within(reader.readuntil(b"last\n"))
         writer.close()
-        await asyncio.sleep(0)
-        for _ in range(100):  # the closed connections leave the count as their close is seen
-            status = (await exchange(proxy, request()))[0]
-            if status == 200:
-                break
-            await asyncio.sleep(0.01)
-        assert status == 200, "a connection must be accepted again once others closed"
+        async with asyncio.timeout(SAFETY_S):  # the closed connections leave the count as their close is seen
+            await poll_until(lambda: len(proxy.server.server_state.connections) < 2)
+        assert (await exchange(proxy, request()))[0] == 200, "a connection must be accepted again once others closed"
+
+
+async def test_at_the_cap_connections_without_a_request_head_make_room_for_real_requests() -> None:
+    """A slowloris that reconnects as soon as it is cut keeps more half-open connections than the
+    cap; every real request is still served (issue 25: 5 of 66 were)."""
+    cap = 8
+    async with served(InboundLimits(max_connections=cap)) as (server, _upstream):
+        stop = asyncio.Event()
+        cut = 0
+        writers: list[asyncio.StreamWriter] = []
+
+        async def slowloris() -> None:
+            nonlocal cut
+            while not stop.is_set():
+                try:
+                    reader, writer = await open_to(server)
+                    writers.append(writer)
+                    writer.write(b"GET / HTTP/1.1\r\nHost: localhost\r\nX-Slow: ")  # never finished
+                    await reader.read()  # until the proxy closes it
+                    cut += 1
+                    writer.close()
+                except (ConnectionError, OSError):
+                    cut += 1
+                    await asyncio.sleep(0)
+
+        holders = [asyncio.ensure_future(slowloris()) for _ in range(cap + 4)]
+        try:
+            async with asyncio.timeout(SAFETY_S):  # the listener at its cap, half-open connections reconnecting
+                await poll_until(lambda: len(server.server.server_state.connections) >= cap and cut > 0)
+            statuses = [(await exchange(server, request()))[0] for _ in range(30)]
+        finally:
+            stop.set()
+            for h in holders:
+                h.cancel()
+            await asyncio.gather(*holders, return_exceptions=True)
+            for writer in writers:
+                writer.close()
+            await asyncio.gather(*(w.wait_closed() for w in writers), return_exceptions=True)
+        assert statuses.count(200) == 30, f"real requests refused while half-open ones held the cap: {statuses}"
+        assert cut > 0, "the half-open connections were shed to make room"
+
+
+async def test_at_the_cap_with_every_connection_mid_request_a_new_one_is_still_refused() -> None:
+    async with served(InboundLimits(max_connections=2)) as (server, upstream):
+        streams = []
+        for _ in range(2):
+            reader, writer = await open_to(server)
+            writer.write(b"GET /stream HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            await within(reader.readuntil(b"first\n"))
+            streams.append(writer)
+        status = (await exchange(server, request()))[0]
+        assert status == 503, "connections that sent a whole head are never shed"
+        upstream.more.set()
+        for writer in streams:
+            writer.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,9 +377,10 @@ async def test_failed_accepts_are_logged_once_per_interval_without_tracebacks(ca
 
 
 CHILD = """
-import asyncio, os, resource, sys
+import asyncio, contextlib, os, resource, sys
 sys.path.insert(0, {root!r})
 from proxy.relay.servers import start_server
+from proxy.tasks import poll_until
 
 asyncio.constants.ACCEPT_RETRY_DELAY = 0.05  # asyncio retries a failed accept every second: here, 20 times as often
 
@@ -323,10 +393,9 @@ async def main():
     resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 4, hard))
     print(server.port, flush=True)
     throttle = asyncio.get_running_loop().get_exception_handler().throttle
-    for _ in range(100):  # until three retries were held back (at most 5 s)
-        if throttle._held >= 3:
-            break
-        await asyncio.sleep(0.05)
+    with contextlib.suppress(TimeoutError):  # until three retries were held back (at most 5 s)
+        async with asyncio.timeout(5):
+            await poll_until(lambda: throttle._held >= 3, every_s=0.05)
     print("held", throttle._held, flush=True)
 
 asyncio.run(main())

@@ -18,9 +18,11 @@ from boxes import LOOPBACK_TLS
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import InvalidStatus
 
+from proxy.clock import ManualClock
 from proxy.relay.servers import RunningServer
 from proxy.sim.comfyui import OOM_MESSAGE, ComfySim, ComfySimConfig
 from proxy.sim.gpu import GIB, SimulatedGpu
+from proxy.tasks import poll_until
 
 SDXL = "sd_xl_base_1.0.safetensors"
 SD15 = "v1-5-pruned-emaonly.safetensors"
@@ -36,8 +38,9 @@ def fast_config(**overrides: Any) -> ComfySimConfig:
 
 
 class Box:
-    def __init__(self, gpu: SimulatedGpu, sim: ComfySim, server: RunningServer, http: httpx.AsyncClient) -> None:
-        self.gpu, self.sim, self.server, self.http = gpu, sim, server, http
+    def __init__(self, gpu: SimulatedGpu, sim: ComfySim, server: RunningServer, http: httpx.AsyncClient,
+                 clock: ManualClock) -> None:
+        self.gpu, self.sim, self.server, self.http, self.clock = gpu, sim, server, http, clock
 
     def ws(self, client_id: str | None = None, path: str = "/ws", **kw: Any) -> Any:
         query = f"?clientId={client_id}" if client_id else ""
@@ -65,16 +68,18 @@ class Box:
 
 
 async def until(probe: Callable[[], Awaitable[Any]], what: str, timeout_s: float = 5.0) -> Any:
-    """Poll an observable (the simulator frees asynchronously on purpose) until it is truthy."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        value = await probe()
-        if value:
-            return value
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
+    """Poll an observable (the simulator frees asynchronously on purpose) until it is truthy; its value."""
+    seen: list[Any] = [None]
+
+    async def truthy() -> Any:
+        seen[0] = await probe()
+        return seen[0]
+    try:
+        async with asyncio.timeout(timeout_s):
+            await poll_until(truthy, every_s=0.01)
+    except TimeoutError:
+        raise AssertionError(f"timed out waiting for {what}") from None
+    return seen[0]
 
 
 def ws_connect(port: int, path: str, **kw: Any) -> Any:
@@ -83,17 +88,19 @@ def ws_connect(port: int, path: str, **kw: Any) -> Any:
     return connect(f"ws://127.0.0.1:{port}{path}", max_queue=None, **kw)
 
 
-async def make_box(gpu: SimulatedGpu, config: ComfySimConfig) -> tuple[ComfySim, RunningServer]:
-    sim = ComfySim(gpu, config)
+async def make_box(gpu: SimulatedGpu, config: ComfySimConfig,
+                   clock: ManualClock | None = None) -> tuple[ComfySim, RunningServer]:
+    sim = ComfySim(gpu, config, clock=clock)
     return sim, await sim.start()
 
 
 @pytest.fixture
 async def box() -> AsyncIterator[Box]:
     gpu = SimulatedGpu(total_bytes=24 * GIB)
-    sim, server = await make_box(gpu, fast_config())
+    clock = ManualClock(ticking=True)  # steps and delays run by themselves; a test can jump past one
+    sim, server = await make_box(gpu, fast_config(), clock)
     async with httpx.AsyncClient(verify=LOOPBACK_TLS, base_url=server.url) as http:
-        yield Box(gpu, sim, server, http)
+        yield Box(gpu, sim, server, http, clock)
     await sim.stop()
 
 
@@ -229,13 +236,13 @@ async def test_events_are_targeted_to_the_owner_and_ownerless_prompts_only_broad
         anon = await box.post_prompt(txt2img(steps=2))
         history = await box.history(anon)
         # `other` saw only broadcasts: status for both prompts, plus progress for the ownerless one.
-        await asyncio.sleep(0)
+        # Read up to a fence: /queue broadcasts a status behind everything the prompts sent (one
+        # outbox per socket, in order), the third idle status after the two prompts' ends.
+        assert (await box.http.post("/queue", json={})).status_code == 200
+        idle = {"type": "status", "data": {"status": {"exec_info": {"queue_remaining": 0}}}}
         seen: list[dict[str, Any]] = []
-        while True:
-            try:
-                seen.append(json.loads(await asyncio.wait_for(other.recv(), timeout=0.3)))
-            except TimeoutError:
-                break
+        while seen.count(idle) < 3:
+            seen.append(json.loads(await asyncio.wait_for(other.recv(), timeout=10)))
     assert "execution_start" in types(owned)
     assert set(types(seen)) == {"status", "progress", "progress_state"}
     assert all(f["data"]["prompt_id"] == anon for f in seen if f["type"] != "status")
@@ -535,19 +542,20 @@ async def test_free_during_a_prompt_waits_until_it_finishes(box: Box) -> None:
 async def test_free_with_both_flags_false_leaves_vram_alone(box: Box) -> None:
     await box.history(await box.post_prompt(txt2img()))
     await box.http.post("/free", json={"unload_models": False, "free_memory": False})
-    await asyncio.sleep(0.2)  # longer than free_delay_s: nothing may come back
+    await box.clock.advance(0.2)  # past free_delay_s: nothing may come back
     assert box.used() == FLOOR + 6 * GIB and box.sim.loaded() == {SDXL: 6 * GIB}
 
 
 async def test_highvram_unload_keeps_the_weights_on_the_gpu() -> None:
     gpu = SimulatedGpu(total_bytes=24 * GIB)
-    sim, server = await make_box(gpu, fast_config(argv=("main.py", "--highvram")))
+    clock = ManualClock(ticking=True)
+    sim, server = await make_box(gpu, fast_config(argv=("main.py", "--highvram")), clock)
     try:
         async with httpx.AsyncClient(verify=LOOPBACK_TLS, base_url=server.url) as http:
             pid = (await http.post("/prompt", json={"prompt": txt2img()})).json()["prompt_id"]
             await until(lambda: _has_history(http, pid), "the prompt")
             await http.post("/free", json={"unload_models": True})
-            await asyncio.sleep(0.2)
+            await clock.advance(0.2)  # past free_delay_s: the weights stay
             assert sim.pid is not None and gpu.used_by(sim.pid) == FLOOR + 6 * GIB
             await http.post("/free", json={"unload_models": True, "free_memory": True})
             await until(lambda: _async(gpu.used_by(sim.pid or 0) == FLOOR), "free_memory to drop the weights")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from boxes import DemoFactory, fast
 
 from proxy.demo import Demo
 from proxy.gpu.snapshot import GpuReadError
+from proxy.tasks import poll_until
 from proxy.verify import Options, Report, Verify, load_graph, runner, stages
 
 EXAMPLE_GRAPH = Path(__file__).resolve().parents[2] / "examples" / "comfy_prompt.json"
@@ -108,19 +110,16 @@ async def test_an_out_of_memory_the_proxy_cannot_recover_fails_the_stage(box: De
     demo = await box(fast("default", **OOM_BOX))
     assert demo.box.comfyui is not None
     comfy = demo.box.comfyui
-    first = comfy.fail_next_prompt_with_oom
+    check = comfy._check_oom
 
-    async def fail_the_retry_too() -> None:  # every prompt after the staged one runs out of memory as well
-        while True:
-            await asyncio.sleep(0.005)
-            first()
+    def out_of_memory_every_time() -> None:  # every prompt after the staged one runs out of memory as well
+        comfy.fail_next_prompt_with_oom()
+        check()
 
     async def staged(v: Verify) -> str:
-        task = asyncio.create_task(fail_the_retry_too())
-        try:
+        with monkeypatch.context() as during_the_stage:
+            during_the_stage.setattr(comfy, "_check_oom", out_of_memory_every_time)
             return await stages.check_out_of_memory(v)
-        finally:
-            task.cancel()
 
     monkeypatch.setattr(runner, "STAGES", tuple((n, staged if n == "out of memory" else f) for n, f in runner.STAGES))
     report = await verify(demo, http)
@@ -177,7 +176,8 @@ async def test_what_verify_unloads_is_loaded_again_and_what_it_loads_is_unloaded
     assert r.status_code == 200
     report = await verify(demo, http)
     assert statuses(report)["out of memory"] == "pass", report.text()
-    assert statuses(report)["restore"] == "pass" and "loaded again llama3.2:3b" in stage(report, "restore")
+    assert statuses(report)["restore"] == "pass", report.text()
+    assert "loaded again what ollama held before verify: llama3.2:3b" in stage(report, "restore")
     assert set(demo.box.ollama.loaded()) == {"llama3.2:3b"}, "filler:18b (verify's own load) should be gone"
 
 
@@ -190,6 +190,129 @@ async def test_without_a_gpu_reader_nothing_is_claimed_that_the_card_did_not_con
     assert s["reclaim"] == "skip" and "cannot confirm the release" in stage(report, "reclaim"), report.text()
     assert s["out of memory"] == "skip" and "not staged on a guess" in stage(report, "out of memory")
     assert "Driver/library version mismatch" in stage(report, "proxy")
+    # Nothing arbitrated was proven: the verdict says so, with its own exit status, never a plain "verified".
+    assert report.verdict == "verified without arbitration (no GPU reader)", report.text()
+    assert report.exit_code == 3 and report.to_json()["status"] == "pass-without-arbitration"
+    assert report.text().endswith("verified without arbitration (no GPU reader)"), report.text()
+    # The reclaim decided to skip before it did anything: no release, no large model loaded.
+    assert demo.proxy is not None
+    assert not [d for d in demo.proxy.decisions.recent(500) if d.kind == "release"], report.text()
+    assert "gemma3:27b" not in report.text(), report.text()
+
+
+async def test_a_reclaim_that_cannot_be_staged_is_skipped_before_it_releases_or_loads_anything(
+        box: DemoFactory, http: httpx.AsyncClient) -> None:
+    # Every installed model fits beside ComfyUI's checkpoint, and beside a graph: no handoff either way.
+    demo = await box(fast("default", ollama={"models": [{"name": "llama3.2:3b", "size_gb": 2.0},
+                                                        {"name": "llama3.1:8b", "size_gb": 4.9}]}))
+    assert demo.box.ollama is not None and demo.proxy is not None
+    report = await verify(demo, http)
+    assert statuses(report)["reclaim"] == "skip", report.text()
+    released = [d for d in demo.proxy.decisions.recent(500) if d.kind == "release"]
+    assert not released, f"the reclaim was reported skipped but released {[d.tenant for d in released]}: {report.text()}"
+    assert "llama3.1:8b" not in stage(report, "restore"), f"a skipped reclaim loaded llama3.1:8b: {report.text()}"
+    assert "fits beside" in stage(report, "reclaim")
+    assert report.verdict == "verified" and report.exit_code == 0, report.text()
+
+
+NO_CHECKPOINT_GRAPH = {"1": {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 64, "batch_size": 1, "color": 0}},
+                       "2": {"class_type": "PreviewImage", "inputs": {"images": ["1", 0]}}}
+
+
+async def test_a_graph_without_a_checkpoint_is_never_called_the_none_graph_and_restore_claims_no_checkpoint(
+        box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box("default")
+    assert demo.proxy is not None
+    report = await Verify(Options(admin=demo.proxy.url("admin"), yes=True, comfy_graph=NO_CHECKPOINT_GRAPH,
+                                  stage_timeout_s=60, poll_s=POLL_S), http).run()
+    assert statuses(report)["reclaim"] == "pass", report.text()
+    assert "None" not in report.text(), report.text()
+    assert "graph without a checkpoint" in stage(report, "out of memory"), report.text()
+    restored = stage(report, "restore")
+    assert "checkpoint again" not in restored, f"restore claims a checkpoint the graph never had: {restored}"
+    # comfyui held only its floor when verify started and holds only its floor now: nothing to say about it.
+    assert "comfyui" not in restored, restored
+
+
+async def test_restore_says_what_it_restores_and_what_it_does_not(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box("default")
+    report = await verify(demo, http)
+    restored = stage(report, "restore")
+    # comfyui held nothing before verify and holds nothing after: restore claims nothing about it.
+    assert restored == "unloaded what verify loaded (gemma3:27b, llama3.2:3b)", restored
+
+    # The user's checkpoint on the card before verify: the reclaim releases it, and restore says it stays off.
+    demo = await box("default")
+    assert demo.proxy is not None
+    comfy_url = next(t.url for t in (await Verify(Options(admin=demo.proxy.url("admin")), http).admin.tenants())
+                     if t.name == "comfyui")
+    r = await http.post(f"{comfy_url}/prompt", json={"prompt": load_graph(str(EXAMPLE_GRAPH)), "client_id": "user"})
+    assert r.status_code == 200 and demo.box.comfyui is not None
+    async with asyncio.timeout(20):  # verify itself waits for the prompt to end
+        await poll_until(lambda: "sd_xl_base_1.0.safetensors" in demo.box.comfyui.loaded(), 0.01)  # type: ignore[union-attr]
+    report = await verify(demo, http)
+    restored = stage(report, "restore")
+    assert re.search(r"not restored: comfyui held \d+\.\d\d GiB when verify started and holds 0\.40 GiB now", restored), restored
+    assert "checkpoint again" not in restored, restored
+
+
+async def test_verify_refuses_to_load_anything_while_a_prompt_runs(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box("default")
+    assert demo.proxy is not None and demo.box.ollama is not None and demo.box.comfyui is not None
+    comfy_url = next(t.url for t in (await Verify(Options(admin=demo.proxy.url("admin")), http).admin.tenants())
+                     if t.name == "comfyui")
+    assert comfy_url
+    graph = load_graph(str(EXAMPLE_GRAPH))
+    sampler = next(n for n in graph.values() if n["class_type"] == "KSampler")
+    sampler["inputs"]["steps"] = 3000  # 60 s at the simulator's 0.02 s a step: it runs for the whole test
+    r = await http.post(comfy_url + "/prompt", json={"prompt": graph, "client_id": "user"})
+    assert r.status_code == 200, r.text
+    async with asyncio.timeout(20):
+        await poll_until(lambda: "sd_xl_base_1.0.safetensors" in demo.box.comfyui.loaded(), 0.01)  # type: ignore[union-attr]
+    loads_before = demo.box.ollama.loads
+    try:
+        report = await Verify(Options(admin=demo.proxy.url("admin"), yes=True, stage_timeout_s=60, poll_s=POLL_S,
+                                      busy_wait_s=0.3), http).run()
+        queue = (await http.get(comfy_url + "/queue")).json()
+    finally:
+        await http.post(comfy_url + "/interrupt")
+    s = statuses(report)
+    for name in ("ollama generation", "comfyui graph", "reclaim", "out of memory"):
+        assert s[name] == "skip" and "comfyui" in stage(report, name) and "busy" in stage(report, name), report.text()
+    assert demo.box.ollama.loads == loads_before, f"verify loaded an Ollama model while comfyui was busy: {report.text()}"
+    assert len(queue["queue_running"]) + len(queue["queue_pending"]) == 1, f"verify queued a graph: {queue}"
+
+
+async def test_verify_waits_for_a_short_prompt_then_runs(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box("default")
+    assert demo.proxy is not None
+    comfy_url = next(t.url for t in (await Verify(Options(admin=demo.proxy.url("admin")), http).admin.tenants())
+                     if t.name == "comfyui")
+    assert comfy_url
+    graph = load_graph(str(EXAMPLE_GRAPH))
+    next(n for n in graph.values() if n["class_type"] == "KSampler")["inputs"]["steps"] = 25  # about 0.5 s
+    r = await http.post(comfy_url + "/prompt", json={"prompt": graph, "client_id": "user"})
+    assert r.status_code == 200, r.text
+    report = await Verify(Options(admin=demo.proxy.url("admin"), yes=True, stage_timeout_s=60, poll_s=POLL_S,
+                                  busy_wait_s=20), http).run()
+    assert statuses(report)["ollama generation"] == "pass", report.text()
+
+
+async def test_restore_loads_an_embedding_model_with_an_embed_call_and_only_what_was_loaded_before(
+        box: DemoFactory, http: httpx.AsyncClient) -> None:
+    embedder = {"name": "nomic-embed-text:latest", "size_gb": 0.26, "capabilities": ["embedding"]}
+    demo = await box(fast("default", **(OOM_BOX | {"ollama": {"models": [*OOM_BOX["ollama"]["models"], embedder]}})))
+    assert demo.box.ollama is not None
+    engine = demo.box.servers["ollama"].url
+    r = await http.post(engine + "/api/embed", json={"model": "nomic-embed-text:latest", "input": "hello"})
+    assert r.status_code == 200, r.text
+    r = await http.post(engine + "/api/generate", json={"model": "llama3.2:3b"})
+    assert r.status_code == 200, r.text
+    report = await verify(demo, http)
+    assert statuses(report)["out of memory"] == "pass", report.text()  # it unloads every Ollama model
+    assert statuses(report)["restore"] == "pass", report.text()
+    assert "nomic-embed-text:latest" in stage(report, "restore")
+    assert set(demo.box.ollama.loaded()) == {"llama3.2:3b", "nomic-embed-text:latest"}, report.text()
 
 
 async def test_the_users_own_graph_is_what_runs(box: DemoFactory, http: httpx.AsyncClient) -> None:

@@ -6,6 +6,8 @@ load grace, an engine outage shorter and longer than proxy.job_lost_after_s, the
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from cards import registry
 
@@ -164,3 +166,17 @@ async def test_the_watchdog_ends_the_jobs_of_an_engine_silent_past_job_lost_afte
         assert any("p1 ended" in a for a in report.actions)
     finally:
         await arb.aclose()
+
+
+def test_an_open_connection_keeps_a_tenant_released_by_stopping_busy_but_not_one_released_by_a_call() -> None:
+    """A stop would cut a stream or websocket (invariant 7): a tenant whose release stops it is busy
+    while one is open, so a plan waits for it instead of ordering a stop that is refused again and
+    again. A tenant released by a call (ComfyUI's /free) keeps serving: an open UI socket is no work."""
+    app = registry({"stt": {"engine": "generic", "upstream": "http://127.0.0.1:9", "needs_vram_gb": 3.0,
+                            "release": {"kind": "process", "command": [sys.executable, "-c", "pass"]}}}).get("stt")
+    assert app.lifecycle is not None, "the copy is a process tenant"
+    streaming = TenantTraffic(0, (), 900.0, None, connections=1)
+    state = tenant_state(app, streaming, Evidence(3 * GIB), NOW)
+    assert state.busy and "a stop would cut them" in state.busy_reason, state
+    assert not tenant_state(app, TenantTraffic(0, (), 900.0), Evidence(3 * GIB), NOW).busy, "no connection: idle"
+    assert not tenant_state(COMFY, streaming, Evidence(FLOOR + GIB), NOW).busy, "a /free leaves its sockets alone"

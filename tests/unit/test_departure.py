@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from starlette.requests import ClientDisconnect
 
+from proxy.clock import until_all_wait
 from proxy.relay import departure
 from proxy.relay.departure import ClientLink, body_chunks
 
@@ -27,11 +28,6 @@ class FakeReceive:
         return await self.queue.get()
 
 
-async def ticks(n: int = 5) -> None:
-    for _ in range(n):
-        await asyncio.sleep(0)
-
-
 @pytest.fixture(autouse=True)
 def watch_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(departure, "WATCH_AFTER_S", 0.0)
@@ -41,7 +37,7 @@ async def serve_until_cancelled(link: ClientLink, started: asyncio.Event) -> str
     link.watch()
     started.set()
     try:
-        await asyncio.sleep(60)
+        await asyncio.sleep(60)  # hangs: a request being served until it is cancelled (a fake, no threshold)
         return "not cancelled"
     except asyncio.CancelledError:
         if link.absorb_cancel():
@@ -63,15 +59,15 @@ async def serving(scope: dict[str, Any]) -> tuple[FakeReceive, ClientLink, async
 
 async def test_watch_never_takes_a_body_part_the_body_reader_has_not_read_yet() -> None:
     receive, link, task = await serving(WITH_BODY)
-    await ticks()
+    await until_all_wait()
     # The body reader is busy (an upstream applying back-pressure): the part must wait for it.
     receive.queue.put_nowait({"type": "http.request", "body": b"part", "more_body": True})
-    await ticks()
+    await until_all_wait()
     assert receive.queue.qsize() == 1 and receive.calls == 0, "only the body reader may read while the body is unread"
     assert await link.receive() == {"type": "http.request", "body": b"part", "more_body": True}
     receive.queue.put_nowait({"type": "http.request", "body": b"last", "more_body": False})
     assert (await link.receive())["body"] == b"last"
-    await ticks()
+    await until_all_wait()
     assert receive.calls == 3, "after the body, the watch reads receive()"
     receive.queue.put_nowait({"type": "http.disconnect"})
     assert await asyncio.wait_for(task, 5) == "client left"
@@ -89,15 +85,15 @@ async def test_a_request_that_ends_before_the_delay_never_starts_a_watch(monkeyp
     receive = FakeReceive()
     link = ClientLink(NO_BODY, receive)
     link.watch()
-    await ticks()
+    await until_all_wait()
     link.close()
-    await ticks()
+    await until_all_wait()
     assert receive.calls == 0
 
 
 async def test_shutdown_cancelling_too_is_not_absorbed() -> None:
     receive, _link, task = await serving(NO_BODY)
-    await ticks()
+    await until_all_wait()
     receive.queue.put_nowait({"type": "http.disconnect"})
     task.cancel()  # the server stops at the same moment
     with pytest.raises(asyncio.CancelledError):
@@ -113,7 +109,7 @@ async def test_client_leaving_mid_body_raises_for_the_reader_and_cancels_nothing
         async for part in body_chunks(link):
             parts.append(part)
     assert parts == [b"half"] and link.left
-    await ticks()
+    await until_all_wait()
     assert not task.done(), "the body's reader reports it; the serving task ends through that error"
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

@@ -3,6 +3,7 @@ extra_model_paths.yaml, model_paths for any tenant; missing or unreadable direct
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -24,14 +25,19 @@ from proxy.models.pagecache import FileResidency
 from proxy.tenants import registry_from_dict
 
 
+def hexd(short: str) -> str:
+    """A valid digest's 64 hex digits for a short tag."""
+    return hashlib.sha256(short.encode()).hexdigest()
+
+
 def manifest(root: Path, where: str, layers: dict[str, int]) -> None:
     path = root / "manifests" / where
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"schemaVersion": 2, "config": {"digest": "sha256:c0", "size": 10},
-                                "layers": [{"mediaType": "application/vnd.ollama.image.model", "digest": f"sha256:{d}",
-                                            "size": s} for d, s in layers.items()]}))
+    path.write_text(json.dumps({"schemaVersion": 2, "config": {"digest": f"sha256:{hexd('c0')}", "size": 10},
+                                "layers": [{"mediaType": "application/vnd.ollama.image.model",
+                                            "digest": f"sha256:{hexd(d)}", "size": s} for d, s in layers.items()]}))
     for digest, size in [*layers.items(), ("c0", 10)]:
-        blob = root / "blobs" / f"sha256-{digest}"
+        blob = root / "blobs" / f"sha256-{hexd(digest)}"
         blob.parent.mkdir(parents=True, exist_ok=True)
         blob.write_bytes(b"x" * size)
 
@@ -51,8 +57,8 @@ def test_an_ollama_store_lists_each_model_with_its_blobs_and_manifest_sizes(tmp_
     by_name = {m.name: m for m in found.models}
     assert set(by_name) == {"llama3.2:3b", "me/tuned:latest", "hf.co/org/repo:Q8"}, by_name
     llama = by_name["llama3.2:3b"]
-    assert llama.size_bytes == 115 and str(tmp_path / "blobs" / "sha256-aa") in llama.files
-    assert str(tmp_path / "blobs" / "sha256-c0") in llama.files and llama.key == "ollama:llama3.2:3b"
+    assert llama.size_bytes == 115 and str(tmp_path / "blobs" / f"sha256-{hexd('aa')}") in llama.files
+    assert str(tmp_path / "blobs" / f"sha256-{hexd('c0')}") in llama.files and llama.key == "ollama:llama3.2:3b"
     assert found.problems == []
 
 

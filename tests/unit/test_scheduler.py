@@ -7,7 +7,6 @@ card, release, reserve, give back) and an injected clock that moves only when to
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import pytest
 from cards import STT, busy, idle, registry, snap
 
+from proxy.clock import ManualClock, until_all_wait
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.handoff.arbiter import Releasing, TenantState, Waiter, queue_order, schedule
 from proxy.handoff.decisions import DecisionLog, HandoffStarted, Queued, QueueEnded
@@ -101,35 +101,6 @@ def test_memory_promised_or_counted_on_ahead_is_not_taken_by_later_waiters() -> 
 
 # -- the queue, with a recording fake of its effects ---------------------------------------------------
 
-class ManualClock:
-    """Time moves only on `advance()`; sleepers wake when it passes their deadline."""
-
-    def __init__(self) -> None:
-        self._now = 100.0
-        self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
-        self._seq = itertools.count()
-
-    def now(self) -> float:
-        return self._now
-
-    def wall(self) -> float:
-        return 1_796_000_000.0 + self._now
-
-    async def sleep(self, seconds: float) -> None:
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._sleepers, (self._now + seconds, next(self._seq), fut))
-        await fut
-
-    async def advance(self, seconds: float) -> None:
-        self._now += seconds
-        while self._sleepers and self._sleepers[0][0] <= self._now:
-            _, _, fut = heapq.heappop(self._sleepers)
-            if not fut.done():
-                fut.set_result(None)
-        for _ in range(20):
-            await asyncio.sleep(0)
-
-
 @dataclass
 class Recorder:
     """HandoffEffects with every effect written down. The card is `procs` and `free`; a release
@@ -182,7 +153,7 @@ class Recorder:
 
 @pytest.fixture
 def clock() -> ManualClock:
-    return ManualClock()
+    return ManualClock(start=100.0)
 
 
 def recorder(clock: ManualClock, **proxy: Any) -> Recorder:
@@ -190,17 +161,12 @@ def recorder(clock: ManualClock, **proxy: Any) -> Recorder:
     return Recorder(reg, clock, [("comfyui", 2, 7 * GIB)], free=10 * GIB)
 
 
-async def settle() -> None:
-    for _ in range(20):
-        await asyncio.sleep(0)
-
-
 async def test_a_waiter_is_admitted_the_moment_its_blocker_goes_idle_without_polling(clock: ManualClock) -> None:
     fx = recorder(clock)
     fx.states = busy(idle(), "comfyui", "1 running job(s)")
     queue = HandoffQueue(fx)
     chat = asyncio.ensure_future(queue.request(fx.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request"))
-    await settle()
+    await until_all_wait()
     assert not chat.done() and fx.log == [("read",)]
     (w,) = queue.waiting()
     assert w["waiting_for"] == ["comfyui"] and w["reason"] == "queued behind comfyui (1 running job(s))"
@@ -227,9 +193,8 @@ async def test_the_wait_ends_with_a_timeout_naming_what_it_waited_for(clock: Man
     fx.states = busy(idle(), "comfyui", "1 running job(s)")
     queue = HandoffQueue(fx)
     chat = asyncio.ensure_future(queue.request(fx.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request"))
-    await settle()
-    for _ in range(29):
-        await clock.advance(1.0)
+    await until_all_wait()
+    await clock.advance(29.0)  # the queue's replan sleeps wake, one second apart, along the way
     assert not chat.done(), "still inside proxy.queue_timeout_s"
     await clock.advance(1.0)
     admitted: Admitted = await asyncio.wait_for(chat, 1)
@@ -247,9 +212,9 @@ async def test_a_client_leaving_the_queue_takes_nothing_and_lets_the_next_one_ru
     fx.states = busy(idle(), "comfyui")
     queue = HandoffQueue(fx)
     first = asyncio.ensure_future(queue.request(fx.registry.get("ollama"), "ollama:big", 9 * GIB, "request"))
-    await settle()
+    await until_all_wait()
     second = asyncio.ensure_future(queue.request(fx.registry.get("stt"), "stt:m", 3 * GIB, "request"))
-    await settle()
+    await until_all_wait()
     assert [w["tenant"] for w in queue.waiting()] == ["ollama", "stt"]
     assert not second.done(), "stt's 3 GiB would fit, but ollama ahead counts on that memory"
 
@@ -290,12 +255,12 @@ async def test_a_lower_priority_waiter_gets_its_turn_after_starvation_after_s(cl
     queue = HandoffQueue(fx)
     ollama, comfy = fx.registry.get("ollama"), fx.registry.get("comfyui")
     prompt = asyncio.ensure_future(queue.request(comfy, "comfyui", 10 * GIB, "request"))
-    await settle()
+    await until_all_wait()
     chat = await asyncio.wait_for(queue.request(ollama, "ollama:m", 16 * GIB, "request"), 1)
     assert chat.outcome == "run", "a higher-priority request that fits overtakes a young waiter"
     await clock.advance(10.0)
     late_chat = asyncio.ensure_future(queue.request(ollama, "ollama:m", 16 * GIB, "request"))
-    await settle()
+    await until_all_wait()
     assert not late_chat.done(), "once the prompt has waited 10 s, ollama starts nothing new ahead of it"
     assert queue.waiting()[1]["behind"] == queue.waiting()[0]["id"]
     fx.states = idle("ollama")  # ollama's last generation ends
@@ -322,7 +287,7 @@ async def test_a_load_waiting_for_a_busy_tenant_warms_its_files_while_it_waits(c
     queue = HandoffQueue(fx)
     chat = asyncio.ensure_future(queue.request(fx.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request",
                                                model="gemma"))
-    await settle()
+    await until_all_wait()
     assert not chat.done() and fx.log == [("read",), ("prepare_load", "ollama", "gemma")]
     fx.states = idle()
     queue.kick()
@@ -362,10 +327,10 @@ async def test_a_request_for_a_resident_model_is_admitted_during_another_tenants
     fx = gated(clock)
     queue = HandoffQueue(fx)
     stt = asyncio.ensure_future(queue.request(fx.registry.get("stt"), "stt:m", 4 * GIB, "request"))
-    await settle()
+    await until_all_wait()
     assert ("release started", ("comfyui",)) in fx.log and not stt.done()
     chat = asyncio.ensure_future(queue.request(fx.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request"))
-    await settle()
+    await until_all_wait()
     assert chat.done(), "a chat for a model already on the card waited for comfyui's release to end"
     assert chat.result().outcome == "run" and not stt.done()
     fx.gate.set()
@@ -379,7 +344,7 @@ async def test_an_admin_release_wakes_a_waiter_at_once(clock: ManualClock) -> No
     fx.states = busy(idle(), "comfyui", "1 running job(s)")
     queue = HandoffQueue(fx)
     chat = asyncio.ensure_future(queue.request(fx.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request"))
-    await settle()
+    await until_all_wait()
     assert not chat.done()
     fx.states = idle("comfyui")  # its prompt ended, but nothing told the queue (no kick)
     order = release_whole(snap(fx.procs, free=fx.free), fx.registry.get("comfyui"), "admin", "release", "admin")
@@ -394,9 +359,9 @@ async def test_new_work_of_a_tenant_being_released_waits_for_the_release_to_end(
     fx = gated(clock)
     queue = HandoffQueue(fx)
     stt = asyncio.ensure_future(queue.request(fx.registry.get("stt"), "stt:m", 4 * GIB, "request"))
-    await settle()
+    await until_all_wait()
     prompt = asyncio.ensure_future(queue.request(fx.registry.get("comfyui"), "comfyui", 1 * GIB, "request"))
-    await settle()
+    await until_all_wait()
     assert not prompt.done(), "a prompt would load comfyui's models again under its own release"
     (mine,) = [w for w in queue.waiting() if w["tenant"] == "comfyui"]
     assert mine["reason"] == "queued behind the release of comfyui in progress"
@@ -413,10 +378,10 @@ async def test_one_release_at_a_time_the_same_load_joins_it_another_waits(clock:
     fx.procs = [("ollama", 1, 10 * GIB), ("comfyui", 2, 5 * GIB)]
     queue = HandoffQueue(fx)
     first = asyncio.ensure_future(queue.request(fx.registry.get("stt"), "stt:m", 4 * GIB, "request"))
-    await settle()
+    await until_all_wait()
     second = asyncio.ensure_future(queue.request(fx.registry.get("stt"), "stt:m", 4 * GIB, "request"))
     other = asyncio.ensure_future(queue.request(fx.registry.get("comfyui"), "comfyui:x", 12 * GIB, "request"))
-    await settle()
+    await until_all_wait()
     assert [e for e in fx.log if e[0] == "release started"] == [("release started", ("comfyui",))]
     assert not (first.done() or second.done() or other.done())
     fx.gate.set()
@@ -430,7 +395,7 @@ async def test_a_release_whose_tenant_had_work_again_admits_nobody_and_plans_aga
     fx = gated(clock)
     queue = HandoffQueue(fx)
     stt = asyncio.ensure_future(queue.request(fx.registry.get("stt"), "stt:m", 4 * GIB, "request"))
-    await settle()
+    await until_all_wait()
     fx.states = busy(idle(), "comfyui", "1 GPU request(s) in flight")
     fx.busy_at_release = {"comfyui"}
     fx.gate.set()

@@ -129,9 +129,81 @@ async def test_a_busy_tenant_is_never_disturbed() -> None:
     box.tenants = [tenant_view(busy=True)]
     async with httpx.AsyncClient(transport=httpx.MockTransport(box.handler)) as http:
         with pytest.raises(StageSkipped) as caught:
-            await Verify(Options(admin=ADMIN, yes=True), http).nobody_busy()
+            await Verify(Options(admin=ADMIN, yes=True, busy_wait_s=0), http).nobody_busy()
     assert "ollama (1 request in flight) busy" in caught.value.reason
     assert "never disturbs running work" in caught.value.reason
+
+
+async def test_a_stage_that_loads_waits_for_a_busy_tenant_bounded_then_skips_and_later_ones_wait_no_more() -> None:
+    from proxy.clock import ManualClock
+
+    box = FakeBox()
+    box.tenants = [tenant_view(busy=True)]
+    async with httpx.AsyncClient(transport=httpx.MockTransport(box.handler)) as http:
+        clock = ManualClock()
+        said: list[str] = []
+        verify = Verify(Options(admin=ADMIN, yes=True, busy_wait_s=10, poll_s=1), http, clock=clock, say=said.append)
+        waiting = asyncio.ensure_future(verify.nobody_busy())
+        await clock.advance(9.0)
+        assert not waiting.done(), "gave up before its 10 s"
+        assert said and "waiting up to 10 s for ollama" in said[0]
+        await clock.advance(2.0)
+        with pytest.raises(StageSkipped) as caught:
+            await waiting
+        assert "still busy after 10 s" in caught.value.reason and "nothing was loaded" in caught.value.reason
+        with pytest.raises(StageSkipped):  # the next stage looks once and does not wait again
+            await verify.nobody_busy()
+        box.tenants = [tenant_view(busy=True)]
+        verify = Verify(Options(admin=ADMIN, yes=True, busy_wait_s=10, poll_s=1), http, clock=clock)
+        waiting = asyncio.ensure_future(verify.nobody_busy())
+        await clock.advance(3.0)
+        box.tenants = [tenant_view()]  # the user's work ended: the stage goes on
+        await clock.advance(1.0)
+        await waiting
+
+
+async def test_a_stage_that_changed_something_is_never_reported_skipped() -> None:
+    from proxy.verify import runner
+
+    async def stops_after_an_effect(v: Verify) -> str:
+        v.did("released comfyui")
+        raise StageSkipped("the graph still fits")
+
+    async def fails_after_an_effect(v: Verify) -> str:
+        v.did("generated with tiny:1b in ollama")
+        from proxy.verify.report import StageFailed
+        raise StageFailed("it broke", impact="i", fix="f")
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(FakeBox().handler)) as http:
+        verify = Verify(Options(admin=ADMIN, yes=True), http)
+        await verify._stage("a", stops_after_an_effect)
+        await verify._stage("b", fails_after_an_effect)
+        await verify._stage("c", lambda v: runner.stages.restore(v))
+    a, b = verify.report.stages[0], verify.report.stages[1]
+    assert a.status == "incomplete"
+    assert a.detail == "did: released comfyui; then stopped before proving anything: the graph still fits"
+    assert b.status == "fail" and b.detail == "it broke (this stage did: generated with tiny:1b in ollama)"
+    assert verify.report.stages[2].status == "skip" and "did:" not in verify.report.stages[2].detail
+
+
+def test_without_a_gpu_reader_the_verdict_is_verified_without_arbitration_with_its_own_exit_status() -> None:
+    ok = [StageResult("proxy", "pass", 0, "ok"), StageResult("reclaim", "skip", 0, "no GPU reader")]
+    assert (Report("x", ok, gpu_reader=True).verdict, Report("x", ok, gpu_reader=True).exit_code) == ("verified", 0)
+    without = Report("x", ok, gpu_reader=False)
+    assert (without.verdict, without.exit_code) == ("verified without arbitration (no GPU reader)", 3)
+    assert without.to_json()["status"] == "pass-without-arbitration" and without.to_json()["gpu_reader"] is False
+    assert without.text().endswith(": verified without arbitration (no GPU reader)")
+    failed = Report("x", [*ok, StageResult("b", "fail", 0, "bad", "i", "f")], gpu_reader=False)
+    assert (failed.verdict, failed.exit_code) == ("NOT verified", 1)
+
+
+def test_verify_help_documents_each_exit_status() -> None:
+    from proxy.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, __import__("argparse")._SubParsersAction))
+    text = " ".join(sub.choices["verify"].format_help().split())
+    assert "0 verified" in text and "3 verified without arbitration (no GPU reader" in text and "1 NOT verified" in text
+    assert "--busy-wait SECONDS" in text
 
 
 async def test_a_stage_that_hangs_fails_after_its_timeout() -> None:
@@ -139,7 +211,7 @@ async def test_a_stage_that_hangs_fails_after_its_timeout() -> None:
 
     async def slow(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/api/generate":
-            await asyncio.sleep(30)
+            await asyncio.sleep(30)  # hangs: a stage that never ends (a fake; stage_timeout_s cuts it)
         return box.handler(request)
 
     async with httpx.AsyncClient(transport=httpx.MockTransport(slow)) as http:
@@ -184,7 +256,7 @@ def test_the_verdict_needs_a_stage_that_ran_and_no_failure() -> None:
     assert not Report("x", [StageResult("a", "skip", 0, "why")]).passed
     assert Report("x", [StageResult("a", "pass", 0, "ok"), StageResult("b", "skip", 0, "why")]).passed
     failed = Report("x", [StageResult("a", "pass", 0, "ok"), StageResult("b", "fail", 0, "bad", "breaks", "fix it")])
-    assert not failed.passed and failed.to_json()["counts"] == {"pass": 1, "fail": 1, "skip": 0}
+    assert not failed.passed and failed.to_json()["counts"] == {"pass": 1, "fail": 1, "skip": 0, "incomplete": 0}
     assert "breaks: breaks" in failed.text() and "fix:    fix it" in failed.text()
 
 

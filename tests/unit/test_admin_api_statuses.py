@@ -1,4 +1,5 @@
-"""The README's table of admin statuses states every answer /openapi.json documents, route by route."""
+"""The Statuses table of the admin API reference (docs/reference/admin-api.md) states every answer
+/openapi.json documents, route by route, and every documented error carries an error and a fix."""
 
 from __future__ import annotations
 
@@ -7,13 +8,13 @@ from pathlib import Path
 
 from proxy.admin.openapi import openapi_document
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "reference" / "admin-api.md"
 
 
-def readme_statuses() -> dict[tuple[str, str], set[str]]:
-    """(METHOD, path) -> statuses, from the rows of the `### Statuses` table."""
-    text = README.read_text()
-    table = text.split("### Statuses", 1)[1].split("\n\n", 3)[2]
+def page_statuses() -> dict[tuple[str, str], set[str]]:
+    """(METHOD, path) -> statuses, from the rows of the `## Statuses` table."""
+    text = PAGE.read_text()
+    table = text.split("\n## Statuses", 1)[1].split("\n\n", 3)[2]
     out: dict[tuple[str, str], set[str]] = {}
     for row in table.splitlines()[2:]:
         route, statuses = row.strip("|").split("|")[:2]
@@ -23,18 +24,18 @@ def readme_statuses() -> dict[tuple[str, str], set[str]]:
     return out
 
 
-def test_readme_states_every_status_the_openapi_document_lists() -> None:
-    stated = readme_statuses()
+def test_the_admin_api_page_states_every_status_the_openapi_document_lists() -> None:
+    stated = page_statuses()
     doc = openapi_document(token=True)
     missing = {}
     for path, ops in doc["paths"].items():
         for method, op in ops.items():
             key = (method.upper(), path)
-            assert key in stated, f"{method.upper()} {path} has no row in the README's Statuses table"
+            assert key in stated, f"{method.upper()} {path} has no row in the Statuses table of docs/reference/admin-api.md"
             gap = set(op["responses"]) - stated[key]
             extra = stated[key] - set(op["responses"])
             if gap or extra:
-                missing[key] = {"not in README": sorted(gap), "not in /openapi.json": sorted(extra)}
+                missing[key] = {"not on the page": sorted(gap), "not in /openapi.json": sorted(extra)}
     assert not missing, missing
 
 
