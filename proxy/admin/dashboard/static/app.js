@@ -108,6 +108,9 @@
         if (!r.ok) return;
         const body = await r.json();
         if (!body.story) return;
+        // a plan seen before the wait that led to it had ended told its story under the plan's own
+        // id: the request's full story (keyed by its wait) replaces it
+        for (const other of body.story.related) if (other !== body.story.request) ui.stories.delete(other);
         ui.stories.set(body.story.request, body.story);
         const keep = [...ui.stories.keys()].sort((a, b) => b - a).slice(0, MAX_STORIES);
         for (const k of [...ui.stories.keys()]) if (!keep.includes(k)) ui.stories.delete(k);
