@@ -469,12 +469,16 @@ def main(args: argparse.Namespace, action: str, *, runner: Runner | None = None,
         if not isinstance(base, dict):
             raise HyperSwapError(f"{lay.config} is not a JSON object", fix="correct it, or move it away")
         argv = exec_argv()
-        refusal = exec_refusal(mode, argv)
+        # Installing onto this machine: a program its service cannot see is refused. Into another
+        # root (an image being packaged, a test) this machine's /tmp says nothing of that system's:
+        # a note says where the unit's program lies instead.
+        here = str(root) == "/"
+        refusal = exec_refusal(mode, argv) if here else None
         if refusal is not None and not args.dry_run:
             raise refusal
         plan = plan_install(lay, base, argv, holders or holders_here, engine_ports=_engine_ports(args.port),
                             skip=args.skip, start=not args.no_start, read=files.read)
-        note = tmp_note(argv) if mode == "user" else None
+        note = tmp_note(argv) if mode == "user" or not here else None
         if note:
             plan = replace(plan, notes=(*plan.notes, note))
     else:

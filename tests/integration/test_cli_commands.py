@@ -182,7 +182,11 @@ def test_install_from_a_venv_under_tmp_is_refused_as_the_service_could_not_see_i
     monkeypatch.setattr(install, "exec_argv", lambda: ["/tmp/hs-venv/bin/hyperswap"])
     monkeypatch.setattr(install.os, "geteuid", lambda: 0)
     monkeypatch.setattr(install, "SystemRunner", lambda: pytest.fail("nothing may run"))
-    rc = main(_install(tmp_path, *(["--dry-run"] if dry_run else [])))
+    # onto this machine (root /), where the refusal applies; should it ever not, the files still go
+    # to the test's folder, never to /etc
+    real_files = install.Files
+    monkeypatch.setattr(install, "Files", lambda root: real_files(tmp_path / "root"))
+    rc = main(["install", *(["--dry-run"] if dry_run else [])])
     captured = capsys.readouterr()
     assert rc == 1, captured
     assert "PrivateTmp=yes" in captured.err and "/tmp/hs-venv/bin/hyperswap" in captured.err, captured.err
@@ -198,6 +202,15 @@ def test_a_user_install_from_tmp_is_allowed_with_a_note_that_tmp_is_emptied_at_b
     assert main(_install(tmp_path, "--user", "--dry-run")) == 0
     out = capsys.readouterr().out
     assert "by hand: the service runs /var/tmp/hs-venv/bin/hyperswap, under /var/tmp" in out, out
+
+
+def test_into_another_root_a_program_under_tmp_is_a_note_not_a_refusal(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """--root packages an install for another system (or a test's folder): this machine's /tmp says
+    nothing of that system's, so the plan notes where the unit's program lies and goes on."""
+    monkeypatch.setattr(install, "exec_argv", lambda: ["/tmp/hs-venv/bin/hyperswap"])
+    assert main(_install(tmp_path, "--dry-run")) == 0
+    assert "the service runs /tmp/hs-venv/bin/hyperswap, under /tmp" in capsys.readouterr().out
 
 
 def test_install_from_elsewhere_is_not_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
