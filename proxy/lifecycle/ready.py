@@ -2,8 +2,9 @@
 
 The probe is an HTTP GET answering a status (the engine adapter's `ready_path`, or tenants.json's
 `ready`) or, for an app that says nothing, its upstream port accepting a connection. Polls back off
-from 10 ms to 200 ms: a cold start adds at most ~200 ms beyond the app's own start-to-ready time,
-never a fixed sleep. The clock is injected for the deadline and the pauses.
+from 10 ms to 25 ms: a cold start adds at most ~25 ms of waiting for the next probe beyond the app's
+own start-to-ready time (a loopback probe costs about a millisecond, so even a two-minute start is
+a few seconds of CPU), never a fixed sleep. The clock is injected for the deadline and the pauses.
 
 A TCP probe only fits an app that opens its port once it serves: a container's published port is
 opened by Docker's proxy before the app inside listens, and llama-server listens while it still
@@ -26,7 +27,7 @@ from proxy.tenants import ReadySpec, Tenant
 from proxy.tls import client_context
 
 FIRST_DELAY_S = 0.01
-MAX_DELAY_S = 0.2
+MAX_DELAY_S = 0.025
 ATTEMPT_TIMEOUT_S = 2.0  # one probe; an app that accepts but does not answer is tried again
 
 # Given the seconds left of the start's timeout; returns once ready, raises LifecycleError otherwise.
