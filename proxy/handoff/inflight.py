@@ -114,12 +114,12 @@ class InFlight:
         release (a UI poll loads nothing), but a tenant the proxy would stop must have none: a stop
         would cut a stream or a websocket in the middle."""
         self._connections[tenant] = self._connections.get(tenant, 0) + 1
-        self._touch(tenant)
         try:
             yield
         finally:
             self._connections[tenant] -= 1
-            self._touch(tenant)  # the queue hears it: a tenant that was kept from a stop may be stopped now
+            if not self._connections[tenant]:  # the queue hears it: a tenant kept from a stop may be stopped now
+                self._notify(tenant)  # no activity: a poll that loads nothing moves no idle deadline
 
     def connections(self, tenant: str) -> int:
         return self._connections.get(tenant, 0)
@@ -163,7 +163,7 @@ class InFlight:
                              max(jobs.values()) if jobs else None, self._connections.get(tenant, 0))
 
     def snapshot(self) -> Mapping[str, TenantTraffic]:
-        names = set(self._counts) | set(self._jobs) | set(self._last)
+        names = set(self._counts) | set(self._jobs) | set(self._last) | {t for t, n in self._connections.items() if n}
         return {name: self.traffic(name) for name in sorted(names)}
 
     def busy(self, tenant: str) -> bool:
@@ -188,6 +188,9 @@ class InFlight:
     # -- internals --------------------------------------------------------------------------
     def _touch(self, tenant: str) -> None:
         self._last[tenant] = self.clock.now()
+        self._notify(tenant)
+
+    def _notify(self, tenant: str) -> None:
         traffic = self.traffic(tenant)
         for listener in list(self.on_change):
             try:

@@ -94,3 +94,24 @@ async def test_bytes_passing_mark_activity_at_most_once_a_second_without_telling
     assert heard == [], "activity alone changes nothing a listener acts on (busy, counts, jobs)"
     inflight.end(token)
     assert inflight.traffic("t").last_activity == start + 1.1 and heard == ["t"]
+
+
+async def test_a_connection_that_loads_nothing_is_no_activity_and_its_end_is_heard_once_all_are_closed() -> None:
+    """A UI poll or a model list (any request on the listener) counts as an open connection, for a
+    tenant the proxy would stop, but is no GPU activity: an idle-release deadline or a queue read's
+    freshness must not move with it. The last one closing is told to the listeners (the queue may
+    stop that tenant now)."""
+    clock = ManualClock()
+    inflight = InFlight(clock)
+    heard: list[tuple[str, int]] = []
+    inflight.on_change.append(lambda tenant, traffic: heard.append((tenant, traffic.connections)))
+    with inflight.request("ollama"):
+        pass
+    activity = inflight.traffic("ollama").last_activity
+    heard.clear()
+    await clock.advance(30)
+    with inflight.connection("ollama"), inflight.connection("ollama"), inflight.connection("stt"):
+        assert inflight.connections("ollama") == 2 and inflight.traffic("ollama").connections == 2
+        assert inflight.snapshot()["stt"].connections == 1, "a tenant with only a stream open is in the snapshot"
+    assert inflight.traffic("ollama").last_activity == activity, "a poll that loads nothing moved the idle deadline"
+    assert heard == [("stt", 0), ("ollama", 0)], "the listeners hear each tenant's last connection close, once"
