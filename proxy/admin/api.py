@@ -20,7 +20,6 @@ from starlette.routing import BaseRoute, Route
 
 from proxy.admin import views
 from proxy.admin.query import integer, optional_number
-from proxy.engines import Need
 from proxy.errors import HyperSwapError
 from proxy.handoff.arbitration import Arbitration, ReleaseResult
 from proxy.handoff.decisions import NothingToRelease, Rejected
@@ -28,7 +27,7 @@ from proxy.handoff.queue import Admitted, release_whole, stop_whole
 from proxy.handoff.watchdog import Watchdog
 from proxy.hosts import listener_policy
 from proxy.lifecycle.state import TenantLifecycle
-from proxy.relay.gpu_gate import rejection_body
+from proxy.relay.gpu_gate import rejection_body, retry_after
 from proxy.relay.guards import AdminGuard
 from proxy.tenants import GIB, MAX_GIB, Tenant
 
@@ -169,9 +168,7 @@ class AdminApi:
         err = outcome.error_for_client()
         body = {**err.to_json(), "reason": "start_failed", "lifecycle": machine.view()}
         body.pop("state", None)
-        retry = outcome.retry_in_s
-        return JSONResponse(body, status_code=503,
-                            headers={"Retry-After": str(max(1, round(retry))) if retry is not None else "1"})
+        return JSONResponse(body, status_code=503, headers={"Retry-After": retry_after(err)})
 
     def _start_not_admitted(self, tenant: Tenant, machine: TenantLifecycle, admitted: Admitted) -> Response:
         """The queue refused the start's memory (507: impossible) or it waited past the queue timeout (503)."""
@@ -187,8 +184,7 @@ class AdminApi:
                  "tenant": tenant.name, "reason": "queue_timeout", "waited_s": round(handoff.waited_s, 3),
                  "waiting_for": list(handoff.plan.wait_for), "lifecycle": machine.view()},
                 status_code=503, headers={"Retry-After": str(max(1, int(min(timeout_s, 30))))})
-        need = Need(self.arb.adapter(tenant).start_need_bytes, f"the start of {tenant.name}", f"{tenant.name}:wake")
-        return JSONResponse(rejection_body(tenant, handoff, need), status_code=507)
+        return JSONResponse(rejection_body(tenant, handoff, self.arb.start_need(tenant)), status_code=507)
 
     async def stop(self, request: Request) -> Response:
         """Stop an idle tenant the proxy starts, through the one release path (its stopping step)."""
@@ -206,7 +202,7 @@ class AdminApi:
         state = self.arb.states(snap)[tenant.name]
         if not state.busy and not self.arb.stop_blocked(tenant.name):  # the release path checks again in its turn
             order = stop_whole(snap, tenant, "admin stop", "stop asked by the admin API")
-            (result,) = (await self.arb.queue.release(order)).results
+            (result,) = (await asyncio.shield(self.arb.queue.release(order))).results
             if result.result in ("confirmed", "estimated"):
                 return self._lifecycle_answer(tenant, machine, "stop", release=result.to_json())
             if not result.busy:

@@ -270,6 +270,11 @@ class Arbitration:
         return self.inflight.busy(tenant) or self.inflight.connections(tenant) > 0
 
     # -- waking a tenant that sleeps ------------------------------------------------------------
+    def start_need(self, tenant: Tenant) -> Need:
+        """What a start (or resume) of a sleeping tenant is planned with, under one load key shared by
+        every request that wakes it and the admin's start."""
+        return Need(self.adapter(tenant).start_need_bytes, f"the start of {tenant.name}", f"{tenant.name}:wake")
+
     async def wake(self, tenant: Tenant, trigger: str) -> Admitted | None:
         """A request reached a tenant that is stopped (or owes a resume): make room for it like for a
         load (idle tenants released, busy ones waited for, 507 only when impossible), then start it
@@ -278,8 +283,8 @@ class Arbitration:
         start fails."""
         if not self.lifecycles.dormant(tenant.name):
             return None
-        need = self.adapter(tenant).start_need_bytes
-        admitted = await self.queue.request(tenant, f"{tenant.name}:wake", need, trigger)
+        need = self.start_need(tenant)
+        admitted = await self.queue.request(tenant, need.key, need.bytes, trigger)
         if admitted.outcome != "run":
             return admitted
         try:
@@ -293,8 +298,8 @@ class Arbitration:
         that wakes it (`wake`), then it is started, past any backoff after a failed start (an explicit
         ask), sharing a start under way. The queue's refusal or timeout (an Admitted that is not
         "run"), or the start's report (ok, or failed with the reason and the app's last lines)."""
-        need = self.adapter(tenant).start_need_bytes
-        admitted = await self.queue.request(tenant, f"{tenant.name}:wake", need, trigger)
+        need = self.start_need(tenant)
+        admitted = await self.queue.request(tenant, need.key, need.bytes, trigger)
         if admitted.outcome != "run":
             return admitted
         try:

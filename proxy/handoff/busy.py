@@ -29,13 +29,13 @@ from dataclasses import dataclass
 
 from proxy.handoff.arbiter import TenantState
 from proxy.handoff.inflight import TenantTraffic
-from proxy.tenants import MIB, Tenant
+from proxy.tenants import MIB, ProxySettings, Tenant
 
 CONFIRM_SLACK_BYTES = 64 * MIB  # within this of its idle floor a tenant holds "only its floor"
 # A job the proxy relayed counts as busy at once, before its load reaches the card; after this long
 # with the tenant's VRAM still at its idle floor it is believed stale (invariant 3).
 JOB_LOAD_GRACE_S = 30.0
-DEFAULT_JOB_LOST_AFTER_S = 120.0  # proxy.job_lost_after_s
+DEFAULT_JOB_LOST_AFTER_S = ProxySettings().job_lost_after_s  # tenants.json's default, for callers that pass none
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,9 +63,6 @@ class Handoff:
     waited_s: float = 0.0
     queued: int | None = None  # the request's `queued` decision, when it had to wait
 
-    @property
-    def ok(self) -> bool:
-        return self.plan.feasible and all(r.confirmed for r in self.releases)
 
 
 Outcome = Literal["run", "refuse", "timeout"]
@@ -153,7 +150,7 @@ class _Underway:
     """A release running as a task: what the next passes must leave alone, and who waits on it."""
     state: Releasing
     order: ReleaseOrder
-    task: asyncio.Task[Released] | None = None
+    task: asyncio.Task[Released]
 
     @property
     def claim(self) -> tuple[str, int] | None:
@@ -236,14 +233,16 @@ class HandoffQueue:
         that joined it are admitted and the queue is woken. Callers other than the driver (the
         watchdog, the admin API) may await the task, shielded (a caller that goes away must not cut a
         release half way): the driver never awaits it."""
+        return self._start_release(order, key, waiter).task
+
+    def _start_release(self, order: ReleaseOrder, key: str | None, waiter: int | None) -> _Underway:
         state = Releasing(tuple(r.tenant for r in order.releases), key, waiter,
                           order.requester if key is not None else "")
-        underway = _Underway(state, order)
-        self._underway.append(underway)
         task = asyncio.create_task(self.fx.carry_out(order), name=f"hyperswap:release:{','.join(state.tenants)}")
-        underway.task = task
+        underway = _Underway(state, order, task)
+        self._underway.append(underway)
         task.add_done_callback(lambda t: self._release_done(underway, t))
-        return task
+        return underway
 
     def _release_done(self, underway: _Underway, task: asyncio.Task[Released]) -> None:
         """OnSwapDone: the release ended (or failed); admit whoever joined it, plan the rest again."""
@@ -287,7 +286,7 @@ class HandoffQueue:
             if not ticket.future.done():
                 ticket.future.cancel()
         self._tickets.clear()
-        tasks: list[asyncio.Task[Any]] = [u.task for u in self._underway if u.task is not None]
+        tasks: list[asyncio.Task[Any]] = [u.task for u in self._underway]
         if self._driver is not None:
             tasks.append(self._driver)
         for task in tasks:
@@ -389,8 +388,7 @@ class HandoffQueue:
             if ticket.model:  # the disk read overlaps the release instead of following it
                 self.fx.prepare_load(v.waiter.tenant, ticket.model)
             order = ReleaseOrder(v.waiter.tenant, v.plan.releases, ticket.trigger, ticket.kind, v.plan, snap)
-            self.release(order, key=v.waiter.key, waiter=v.waiter.id)
-            underway = self._underway[-1]
+            underway = self._start_release(order, v.waiter.key, v.waiter.id)
         ticket.joined = underway
 
     def _forward_unplanned(self, snap: AttributedSnapshot, pending: list[_Ticket]) -> None:

@@ -127,7 +127,7 @@ class Watchdog:
                 report.reasons.setdefault(name, "no idle release (idle_release_after_s is null, not reclaimable, or on the CPU)")
             elif state.busy:
                 report.reasons[name] = f"busy: {state.busy_reason}"
-            elif held <= tenant.idle_vram_bytes + 64 * 2**20 and machine is None:
+            elif held <= tenant.idle_vram_bytes + CONFIRM_SLACK_BYTES and machine is None:
                 # a tenant the proxy stops is stopped when idle whatever it holds (llama-swap's ttl)
                 report.reasons[name] = (f"holds {gib(held)} GiB, within its idle floor of "
                                         f"{gib(tenant.idle_vram_bytes)} GiB (idle_vram_gb): nothing to release")

@@ -201,15 +201,14 @@ class GpuGate:
         try:
             admitted = await self.arb.wake(tenant, f"start of {tenant.name} for {what}")
         except LifecycleError as exc:
-            return JSONResponse(exc.to_json(), status_code=exc.status, headers={"Retry-After": _retry_after(exc)})
+            return JSONResponse(exc.to_json(), status_code=exc.status, headers={"Retry-After": retry_after(exc)})
         if admitted is None or admitted.outcome == "run":
             return None
         if admitted.outcome == "timeout":
             self.arb.decisions.emit(Rejected(tenant=tenant.name, trigger=f"start for {what}",
                                              plan=admitted.handoff.plan, status=503, reason=admitted.reason))
             return timeout_response(tenant, admitted, self.arb.registry.config.proxy.queue_timeout_s)
-        need = Need(self._adapter(tenant).start_need_bytes, f"the start of {tenant.name}", f"{tenant.name}:wake")
-        return JSONResponse(rejection_body(tenant, admitted.handoff, need), status_code=507)
+        return JSONResponse(rejection_body(tenant, admitted.handoff, self.arb.start_need(tenant)), status_code=507)
 
     async def handle(self, tenant: Tenant, request: Request, body: bytes,
                      forward: Callable[[bytes], Awaitable[UpstreamResponse]]) -> UpstreamResponse | Response:
@@ -288,7 +287,7 @@ class GpuGate:
                                          prompt_id=prompt_id, requeued_as=requeued_as))
 
 
-def _retry_after(exc: LifecycleError) -> str:
+def retry_after(exc: LifecycleError) -> str:
     """A failed start may be tried again after its backoff: say when (at least 1 s)."""
     retry = exc.details.get("retry_in_s")
     return str(max(1, round(retry))) if isinstance(retry, (int, float)) else "1"
