@@ -119,6 +119,7 @@ BOUNDS: dict[str, Bound] = {
     "device": Bound(0, 63),
     "check_interval_s": Bound(1, 3600, "s"),  # each check reads the card's settings through NVML
     "keep_warm_models": Bound(0, 1000, "models"),
+    "overtake_limit": Bound(0, 1000, "requests"),  # 0: strict arrival order, a swap for every change of tenant
 }
 SUFFIX_BOUNDS: dict[str, Bound] = {"_gb": Bound(0, MAX_GIB, "GiB"), "_s": Bound(0, DAY_S, "s")}
 
@@ -659,6 +660,10 @@ class ProxySettings(_Strict):
                                                               "Retry-After (0: answer 503 at once)")
     starvation_after_s: float = Field(default=60.0, description="how long later higher-priority arrivals may run ahead "
                                                                 "of a waiter; then it goes ahead of them")
+    overtake_limit: int = Field(default=8, description="requests for a model already on the card that may go ahead "
+                                                       "of a request waiting to swap it away (batching: one handoff "
+                                                       "for a burst); then that tenant starts nothing new until the "
+                                                       "swap. starvation_after_s bounds the same wait in time")
     spill_stable_s: float = Field(default=5.0, description="how long Ollama's split (size_vram < size) must hold still "
                                                            "to count as a CPU spill (a load grows)")
     job_lost_after_s: float = Field(default=120.0, description="a relayed job of an engine whose queue cannot be read "

@@ -19,9 +19,10 @@ from starlette.responses import JSONResponse, Response
 from proxy.engines import EngineAdapter, Need, ReleaseFailed, strip_hop_by_hop
 from proxy.engines.base import JobReplay
 from proxy.handoff import devices
-from proxy.handoff.arbiter import gib
+from proxy.handoff.arbiter import RESIDENT, gib
 from proxy.handoff.arbitration import Arbitration
 from proxy.handoff.decisions import FirstByte, HandoffStarted, OomRetry, Rejected, StaleJob
+from proxy.handoff.inflight import Token
 from proxy.handoff.queue import Admitted, Handoff
 from proxy.lifecycle.controller import LifecycleError
 from proxy.relay.forward import UpstreamResponse
@@ -211,16 +212,17 @@ class GpuGate:
         return JSONResponse(rejection_body(tenant, admitted.handoff, self.arb.start_need(tenant)), status_code=507)
 
     async def handle(self, tenant: Tenant, request: Request, body: bytes,
-                     forward: Callable[[bytes], Awaitable[UpstreamResponse]]) -> UpstreamResponse | Response:
+                     forward: Callable[[bytes], Awaitable[UpstreamResponse]], work: Token) -> UpstreamResponse | Response:
         adapter = self._adapter(tenant)
         unloading = adapter.unload_target(request.url.path, body)
         if unloading is not None:
             # An unload loads nothing: it needs no memory, releases nobody and is never refused.
             self.arb.residency.forget(tenant.name, adapter.load_key(unloading))
+            self.arb.inflight.admit(work)
             return await forward(body)
         trigger = f"request {request.method} {request.url.path}"
         arrived, arrived_wall = self.arb.clock.now(), self.arb.clock.wall()
-        admitted, need = await self.arb.admit(tenant, request.url.path, body, trigger)
+        admitted, need = await self.arb.admit(tenant, request.url.path, body, trigger, work=work)
         handoff = admitted.handoff
         retry: Handoff | None = None
         outlives = adapter.captures_job(request.method, request.url.path)
@@ -231,7 +233,7 @@ class GpuGate:
         if admitted.outcome == "refuse":
             return JSONResponse(rejection_body(tenant, handoff, need), status_code=507)
         hooks = self.load_hooks
-        loads = need.model is not None and admitted.reason != "resident"  # on the card already: nothing to time
+        loads = need.model is not None and admitted.reason != RESIDENT  # on the card already: nothing to time
         # The request's story hangs on its wait, else on the handoff it caused (GET /api/decisions/{id}).
         started = handoff.decision.id if isinstance(handoff.decision, HandoffStarted) else None
         story = handoff.queued if handoff.queued is not None else started

@@ -37,7 +37,9 @@ JOB_RESPONSE_MAX = 1 << 20  # a POST /prompt answer is tiny; never hold more tha
 
 class Admission(Protocol):
     async def handle(self, tenant: Tenant, request: Request, body: bytes,
-                     forward: Callable[[bytes], Awaitable[UpstreamResponse]]) -> UpstreamResponse | Response: ...
+                     forward: Callable[[bytes], Awaitable[UpstreamResponse]], work: Token) -> UpstreamResponse | Response:
+        """Admit the request (its `work` token counts as the tenant's work from the moment the
+        scheduler admits it, never while it waits), forward it, retry once after an OOM."""
 
     def on_frame(self, tenant: Tenant, text: str) -> None:
         """Every upstream websocket text frame (ComfyUI's OOM arrives as one); must be cheap."""
@@ -163,20 +165,22 @@ class TenantApp:
         return self.forwarder.relay(self.tenant, upstream, on_close=_nothing)
 
     async def _gpu(self, request: Request) -> Response:
-        """A request that may load something: counted in flight until its answer ends (a job the
-        engine runs after answering, until that job ends)."""
+        """A request that may load something: counted in flight from its admission (never while it
+        waits for memory) until its answer ends (a job the engine runs after answering, until that
+        job ends)."""
         tenant, forwarder, inflight = self.tenant, self.forwarder, self.inflight
         method, path = request.method, request.url.path
-        token = inflight.begin(tenant.name)
+        token = inflight.begin(tenant.name, admitted=self.admission is None)
         try:
             body, rest = await _read_up_to(request, tenant.replay_body_max_bytes)
             if rest is not None:
                 log.info("%s: %s %s body exceeds replay_body_max_mb=%s: streamed without admission",
                          tenant.name, method, path, tenant.replay_body_max_mb)
+                inflight.admit(token)
                 result: UpstreamResponse | Response = await forwarder.open(tenant, request, rest)
             elif self.admission is not None:
                 result = await self.admission.handle(tenant, request, body,
-                                                     lambda b: forwarder.open(tenant, request, b))
+                                                     lambda b: forwarder.open(tenant, request, b), token)
             else:
                 result = await forwarder.open(tenant, request, body)
         except HyperSwapError as exc:
