@@ -9,18 +9,29 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
+import websockets
 from boxes import DemoFactory, fast
+from websockets.asyncio.client import connect as ws_connect
 
+from proxy.clock import ManualClock
 from proxy.demo import Demo
 from proxy.lifecycle.state import TenantLifecycle
 from proxy.relay import departure
+from proxy.sim.box import Scenario
+from proxy.tasks import poll_until
 
 ANSWER_WITHIN_S = 20.0  # far more than a start of the fast relay takes; a hang fails the test, never stalls it
 
 
+def lifecycle(**stt: object) -> Scenario:
+    """The fast lifecycle scenario with these settings of its speech relay's tenant (`stt`)."""
+    tenants = dict(fast("lifecycle").tenants)
+    return fast("lifecycle", tenants={**tenants, "stt": {**tenants["stt"], **stt}})
+
+
 async def stopped_relay(box: DemoFactory, **stt: object) -> tuple[Demo, TenantLifecycle, str]:
     """The lifecycle scenario's speech relay, stopped (nothing started it yet): (demo, machine, its URL)."""
-    demo = await box(fast("lifecycle", tenants={"stt": dict(stt)}) if stt else fast("lifecycle"))
+    demo = await box(lifecycle(**stt))
     assert demo.proxy is not None
     machine = demo.proxy.arbitration.lifecycles.machine("stt")
     assert machine is not None and machine.state == "stopped"
@@ -54,3 +65,84 @@ async def test_a_chunked_body_to_a_stopped_app_is_started_and_forwarded(
         said = await http.post(url + "/v1/audio/transcriptions", content=audio())
     assert said.status_code == 200 and said.json()["bytes"] == 1000, said.text
     assert machine.state == "running"
+
+
+async def test_a_read_of_a_stopped_app_is_answered_503_with_the_reason_and_does_not_start_it(
+        box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo, machine, url = await stopped_relay(box)
+    for method in ("GET", "HEAD", "OPTIONS"):
+        async with asyncio.timeout(ANSWER_WITHIN_S):
+            r = await http.request(method, url + "/health")
+        assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1, (method, r.status_code, r.text)
+        assert machine.state == "stopped", f"a {method} started the app"
+    body = (await http.get(url + "/v1/models")).json()
+    assert body["state"] == "stopped" and body["wake_on"] == "writes", body
+    assert "does not start it" in body["error"] and "/api/tenants/stt/start" in body["fix"], body
+    assert not [d for d in demo.proxy.decisions.recent() if d.kind == "start"], "a read was recorded as a start"  # type: ignore[union-attr]
+
+
+async def test_wake_on_any_lets_a_read_start_it_and_the_start_counts_as_activity(
+        box: DemoFactory, http: httpx.AsyncClient) -> None:
+    clock = ManualClock(ticking=True)
+    demo = await box(lifecycle(wake_on="any", idle_release_after_s=4.0), clock=clock)
+    assert demo.proxy is not None
+    machine = demo.proxy.arbitration.lifecycles.machine("stt")
+    assert machine is not None
+    await clock.advance(60.0)  # long idle before the first request: the ttl must count from the start, not before
+    r = await http.get(demo.proxy.url("stt") + "/health")
+    assert r.status_code == 200 and machine.state == "running", r.text
+    deadline = demo.proxy.watchdog.idle_deadline("stt")
+    assert deadline is not None and deadline >= clock.now() + 3.0, \
+        f"the start is no activity: idle release due {deadline and deadline - clock.now():.1f} s from now"
+
+
+async def test_polling_reads_never_make_a_stopped_app_flap(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    """The reported flap: a client polling once a second against a ttl of 4 s started the app 4 times
+    and stopped it 3 times in 40 s. Now: started once (by the request that needed it), stopped once by
+    the ttl, and the 40 polls answered, none of them starting it again."""
+    clock = ManualClock(ticking=True)
+    demo = await box(lifecycle(idle_release_after_s=4.0), clock=clock)
+    assert demo.proxy is not None
+    machine = demo.proxy.arbitration.lifecycles.machine("stt")
+    assert machine is not None
+    url = demo.proxy.url("stt")
+    said = await http.post(url + "/v1/audio/transcriptions", content=b"RIFF")
+    assert said.status_code == 200 and machine.state == "running", said.text
+    statuses = []
+    for _ in range(40):
+        async with asyncio.timeout(ANSWER_WITHIN_S):
+            statuses.append((await http.get(url + "/health")).status_code)
+            await demo.proxy.watchdog.tick()
+            await poll_until(lambda: machine.state in ("running", "stopped"))
+        await clock.advance(1.0)
+    kinds = [d.kind for d in demo.proxy.decisions.recent(500) if d.tenant == "stt" and d.kind in ("start", "stop")]
+    assert kinds.count("start") <= 1, f"the polls started the app again: {kinds}"
+    assert kinds == ["start", "stop"] and machine.state == "stopped", f"the ttl did not stop the idle app: {kinds}"
+    assert set(statuses) <= {200, 503} and statuses[0] == 200 and statuses[-1] == 503, statuses
+
+
+async def test_a_cross_origin_request_never_wakes_a_stopped_app(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    """A web page elsewhere can POST text/plain anywhere without a preflight: it must not start the app.
+    The listener's own address as Origin (its web UI) does."""
+    _, machine, url = await stopped_relay(box)
+    r = await http.post(url + "/v1/audio/transcriptions", content=b"x",
+                        headers={"Origin": "https://evil.example", "Content-Type": "text/plain"})
+    assert r.status_code == 403 and machine.state == "stopped", r.text
+    assert "another origin" in r.json()["error"], r.json()
+    with pytest.raises(websockets.InvalidStatus) as refused:
+        async with ws_connect(url.replace("http://", "ws://") + "/ws", origin="https://evil.example"):  # type: ignore[arg-type]
+            pass
+    assert refused.value.response.status_code == 403 and machine.state == "stopped"
+    own = await http.post(url + "/v1/audio/transcriptions", content=b"x", headers={"Origin": url})
+    assert own.status_code == 200 and machine.state == "running", own.text
+
+
+async def test_a_websocket_to_a_stopped_app_starts_it_and_gets_the_apps_own_answer(
+        box: DemoFactory, http: httpx.AsyncClient) -> None:
+    """The relay serves no websocket: the upgrade starts it and its own 404 comes back as the refusal."""
+    _, machine, url = await stopped_relay(box)
+    async with asyncio.timeout(ANSWER_WITHIN_S):
+        with pytest.raises(websockets.InvalidStatus) as refused:
+            async with ws_connect(url.replace("http://", "ws://") + "/ws"):
+                pass
+    assert refused.value.response.status_code == 404 and machine.state == "running"
