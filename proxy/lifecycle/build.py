@@ -37,9 +37,10 @@ def controller_for(tenant: Tenant, *, clock: Clock, state_dir: Path | None = Non
     if spec.kind == "process":
         return ProcessController.from_spec(tenant.name, spec, clock=clock, state_dir=state_dir)
     if spec.kind == "systemd":
-        return SystemdController.from_spec(spec, systemctl=systemctl, clock=clock)
+        return SystemdController.from_spec(spec, systemctl=systemctl, clock=clock, start_timeout_s=tenant.start_timeout_s,
+                                           stop_timeout_s=spec.timeout_s or tenant.release_timeout_s)
     if spec.kind == "docker":
-        return DockerController.from_spec(spec, transport=docker_transport)
+        return DockerController.from_spec(spec, transport=docker_transport, start_timeout_s=tenant.start_timeout_s)
     raise ValueError(f"release kind {spec.kind!r} has no lifecycle controller")
 
 
