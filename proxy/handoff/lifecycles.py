@@ -24,7 +24,7 @@ from proxy.handoff.decisions import DecisionLog, LifecycleResult, LifecycleStart
 from proxy.lifecycle.build import lifecycle_for
 from proxy.lifecycle.controller import LifecycleError, within
 from proxy.lifecycle.state import LifecycleReport, TenantLifecycle
-from proxy.tenants import ReleaseSpec, Tenant
+from proxy.tenants import Registry, ReleaseSpec, Tenant
 
 log = logging.getLogger("hyperswap.lifecycle")
 
@@ -42,11 +42,14 @@ class Lifecycles:
         self._decisions = decisions
         self._control = control
         self._tenants = {t.name: t for t in tenants}
+        # the admin token's variable is never a started app's (HYPERSWAP_* never are: lifecycle/process.py)
+        withheld = (tenants.config.admin.token_env,) if isinstance(tenants, Registry) else ()
         self._machines: dict[str, TenantLifecycle] = dict(controllers or {})
         for t in self._tenants.values():
             if t.name in self._machines or t.lifecycle is None:
                 continue
-            machine = lifecycle_for(t, adapter(t).ready_path, clock=clock, state_dir=state_dir, client=control)
+            machine = lifecycle_for(t, adapter(t).ready_path, clock=clock, state_dir=state_dir, client=control,
+                                    withheld_env=withheld)
             if machine is not None:
                 self._machines[t.name] = machine
         for machine in self._machines.values():

@@ -5,12 +5,14 @@ requests that only read do not start it (a poll never makes an app flap)."""
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import httpx
 import pytest
 import websockets
-from boxes import DemoFactory, fast
+from boxes import DemoFactory, fast, free_port, process_tenant
 from websockets.asyncio.client import connect as ws_connect
 
 from proxy.clock import ManualClock
@@ -146,3 +148,33 @@ async def test_a_websocket_to_a_stopped_app_starts_it_and_gets_the_apps_own_answ
             async with ws_connect(url.replace("http://", "ws://") + "/ws"):
                 pass
     assert refused.value.response.status_code == 404 and machine.state == "running"
+
+
+def environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.decode().partition("=")[::2] for item in raw.split(b"\0") if item)
+
+
+async def test_a_started_app_never_inherits_the_proxys_secrets_and_its_own_env_wins(
+        box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 33, item 6: the admin token (HYPERSWAP_ADMIN_TOKEN, or whatever admin.token_env names)
+    is not in the environment of an app the proxy starts; tenants.json's env is applied last."""
+    monkeypatch.setenv("HYPERSWAP_ADMIN_TOKEN", "tok-default-variable")
+    monkeypatch.setenv("MY_ADMIN_TOKEN", "tok-named-variable")
+    monkeypatch.setenv("HYPERSWAP_CONFIG", str(tmp_path / "tenants.json"))
+    monkeypatch.setenv("SOME_SETTING", "inherited")
+    tenant = process_tenant(free_port(), tmp_path)
+    tenant["release"] = {**tenant["release"], "env": {"HYPERSWAP_FOR_THE_APP": "given", "SOME_SETTING": "overridden"}}  # type: ignore[dict-item]
+    demo = await box(fast("default", tenants={"app": tenant}, settings={"admin": {"token_env": "MY_ADMIN_TOKEN"}}))
+    assert demo.proxy is not None
+    assert (await http.get(demo.proxy.url("app") + "/hello.txt")).status_code == 200
+    machine = demo.proxy.arbitration.lifecycles.machine("app")
+    assert machine is not None
+    pid = machine.controller.describe()["pid"]
+    assert isinstance(pid, int)
+    env = environ(pid)
+    leaked = {k: v for k, v in env.items() if v.startswith("tok-") or k in ("HYPERSWAP_ADMIN_TOKEN", "MY_ADMIN_TOKEN",
+                                                                     "HYPERSWAP_CONFIG")}
+    assert not leaked, f"the proxy's secrets reached the app: {sorted(leaked)}"
+    assert env["HYPERSWAP_FOR_THE_APP"] == "given" and env["SOME_SETTING"] == "overridden", "tenants.json's env wins"
+    assert env.get("PATH") == os.environ["PATH"], "the rest of the proxy's environment is inherited"
