@@ -150,10 +150,10 @@ def describe(demo: Demo, scenario: str) -> str:
         relay = demo.box.scenario.relay
         if relay is not None and relay.tenant in demo.proxy.servers:
             r = demo.proxy.url(relay.tenant)
-            lines += [f"  curl -s {r}/v1/audio/transcriptions -H 'Content-Type: audio/wav' --data-binary "
+            lines += [f"  curl -si {r}/health                     # a read: 503 while it is stopped, never starts it",
+                      f"  curl -s {r}/v1/audio/transcriptions -H 'Content-Type: audio/wav' --data-binary "
                       f"@{demo.sample_wav()}   # starts the speech relay ({relay.vram_gb:g} GiB); a render that "
-                      "needs it stops it",
-                      f"  curl -si {r}/health                     # a read: 503 while it is stopped, never starts it"]
+                      "needs it stops it"]
     lines += ["", "Ctrl-C stops everything."]
     return "\n".join(lines)
 

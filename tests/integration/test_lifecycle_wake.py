@@ -5,6 +5,7 @@ requests that only read do not start it (a poll never makes an app flap)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,7 +17,7 @@ from boxes import DemoFactory, fast, free_port, process_tenant
 from websockets.asyncio.client import connect as ws_connect
 
 from proxy.clock import ManualClock
-from proxy.demo import Demo
+from proxy.demo import Demo, describe
 from proxy.lifecycle.state import TenantLifecycle
 from proxy.relay import departure
 from proxy.sim.box import Scenario
@@ -178,3 +179,25 @@ async def test_a_started_app_never_inherits_the_proxys_secrets_and_its_own_env_w
     assert not leaked, f"the proxy's secrets reached the app: {sorted(leaked)}"
     assert env["HYPERSWAP_FOR_THE_APP"] == "given" and env["SOME_SETTING"] == "overridden", "tenants.json's env wins"
     assert env.get("PATH") == os.environ["PATH"], "the rest of the proxy's environment is inherited"
+
+
+async def test_the_lifecycle_demos_try_lines_answer_as_pasted(box: DemoFactory) -> None:
+    """Each `curl` line `hyperswap demo --scenario lifecycle` prints runs as pasted in a shell: it
+    names no file a newcomer lacks, and answers (the read of the stopped relay: its 503, on purpose)."""
+    demo = await box("lifecycle")
+    lines = describe(demo, "lifecycle").split("Try:\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    commands = [line.strip().split("  #", 1)[0].strip() for line in lines if line.strip().startswith("curl")]
+    assert len(commands) >= 6 and any("transcriptions" in c for c in commands), lines
+    env = {**os.environ, "no_proxy": "*", "NO_PROXY": "*"}
+    for command in commands:
+        proc = await asyncio.create_subprocess_shell(command, stdout=asyncio.subprocess.PIPE,
+                                                     stderr=asyncio.subprocess.STDOUT, env=env)
+        async with asyncio.timeout(60):
+            out, _ = await proc.communicate()
+        text = out.decode()
+        assert proc.returncode == 0 and "Warning" not in text, f"{command}\n -> {proc.returncode}: {text[:500]}"
+        if "-si " in command:
+            assert text.startswith("HTTP/1.1 503") and '"state":"stopped"' in text, f"{command}\n -> {text[:500]}"
+        elif "json.tool" not in command:
+            body = json.loads(text)
+            assert "error" not in body, f"{command}\n -> {text[:500]}"
