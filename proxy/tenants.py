@@ -48,6 +48,7 @@ TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 MAX_DEPTH = 32  # JSON nesting; release.body is the only free-form part and needs a few levels
 
 EngineKind = Literal["ollama", "comfyui", "generic"]
+WakeOn = Literal["writes", "any"]  # which requests start a stopped app (see Tenant.wake_on)
 ReleaseKind = Literal["ollama_unload", "comfyui_free", "http", "none", "process", "systemd", "docker"]
 # The kinds that release a tenant by stopping it, and so can start it again (proxy/lifecycle/).
 LIFECYCLE_KINDS = frozenset({"process", "systemd", "docker"})
@@ -529,6 +530,11 @@ class Tenant(_Strict):
                                   "ready after a start; null: the engine's own probe, else the upstream port")
     start_timeout_s: float = Field(default=120.0, description="a tenant the proxy starts: how long a start may take "
                                                               "until ready")
+    wake_on: WakeOn = Field(
+        default="writes", description="a tenant the proxy starts: which requests start it while it is stopped. writes: "
+        "any method but GET, HEAD and OPTIONS, and websockets; a read (a model list, a health poll) gets 503 with "
+        "Retry-After and the reason, or the last model list seen, so a poll never makes the app flap. any: reads "
+        "start it too")
 
     @field_validator("release")
     @classmethod

@@ -169,13 +169,15 @@ FLUX = "flux1-dev-fp8.safetensors"  # needs the relay's memory on the lifecycle 
 
 
 async def relay_box(box: DemoFactory, http: httpx.AsyncClient) -> tuple[Demo, TenantLifecycle, int]:
-    """The lifecycle scenario with the speech relay started by a first request: (demo, its state
+    """The lifecycle scenario with the speech relay started by a first request (a POST: a read does
+    not start it): (demo, its state
     machine, the relay's pid)."""
     demo = await box("lifecycle")
     assert demo.proxy is not None
     machine = demo.proxy.arbitration.lifecycles.machine("stt")
     assert machine is not None and machine.state == "stopped"
-    assert (await http.get(demo.proxy.url("stt") + "/health")).status_code == 200
+    said = await http.post(demo.proxy.url("stt") + "/v1/audio/transcriptions", content=b"RIFF")
+    assert said.status_code == 200 and machine.state == "running", said.text
     pid = machine.controller.describe()["pid"]
     assert isinstance(pid, int) and pid in demo.box.gpu.real_pids(), "the running relay holds memory on the card"
     return demo, machine, pid
