@@ -115,7 +115,7 @@ async def stats_payload(proxy: ProxyView, snap: AttributedSnapshot | None = None
     """One stats frame's body (no catalog, no tenant config: those are large and static)."""
     arb = proxy.arbitration
     snap = snap or await arb.snapshot()
-    states = arb.states(snap)
+    states = arb.scheduler.states(snap)
     tenants = [views.stats_tenant(arb, proxy.watchdog, snap, t, states[t.name]) for t in arb.registry]
     frame = views.StatsFrame(
         device=views.device_view(snap),
@@ -124,8 +124,8 @@ async def stats_payload(proxy: ProxyView, snap: AttributedSnapshot | None = None
         in_flight=sum(t.in_flight for t in tenants),
         busy=[t.name for t in tenants if t.busy],
         decision_ids=[d.id for d in arb.decisions.recent(recent)],
-        handoff_in_progress=bool(arb.queue.releasing) or arb.handoff_lock.locked(),
-        queue=[views.Waiting.model_validate(w) for w in arb.queue.waiting()],
+        handoff_in_progress=bool(arb.scheduler.releasing),
+        queue=[views.Waiting.model_validate(w) for w in arb.scheduler.waiting()],
         gpu_error=views.gpu_error_view(arb.last_read_error),
     )
     return views.dump(frame)

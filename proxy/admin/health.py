@@ -405,7 +405,7 @@ class HealthExtension:
         """Jobs counted as running that the evidence says are not (proxy/handoff/busy.py). Clearing
         the engine's queue is advised only on positive evidence that an entry is dead: listed while its
         tenant holds only its idle floor on a card that shows its memory."""
-        states = self.proxy.arbitration.states(snap)  # from the queues the watchdog read
+        states = self.proxy.arbitration.scheduler.states(snap)  # from the queues the watchdog read
         stale = {name: s for name, s in states.items() if s.stale_jobs}
         if not stale:
             return [HealthEntry("stale queue entries", "ok", "none")]

@@ -161,7 +161,7 @@ class _LiveCollector(Collector):
         yield jobs
         waiting = _gauge("hyperswap_queue_waiting")
         counts: dict[str, int] = {name: 0 for name in tenants}
-        for w in proxy.arbitration.queue.waiting():
+        for w in proxy.arbitration.scheduler.waiting():
             counts[w["tenant"]] = counts.get(w["tenant"], 0) + 1
         for name, n in counts.items():
             waiting.add_metric([name], n)

@@ -584,7 +584,7 @@ def _live(arb: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, tenant
         "last_activity_age_s": None if not traffic or traffic.last_activity is None else round(now - traffic.last_activity, 1),
         "idle_release_in_s": None if deadline is None else round(max(0.0, deadline - now), 1),
         "reclaimable": tenant.reclaimable and tenant.name not in arb.cpu_tenants,  # on the CPU: nothing to take
-        "waiting": [w for w in arb.queue.waiting() if w["tenant"] == tenant.name],
+        "waiting": [w for w in arb.scheduler.waiting() if w["tenant"] == tenant.name],
         **tenant_devices_json(snap, tenant.name),  # several cards: where it loads, what it holds on each
         "lifecycle": lifecycle_view(arb, tenant.name),
     }

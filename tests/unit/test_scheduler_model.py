@@ -1,5 +1,5 @@
 """The scheduler against a model of the box, driven at random (hypothesis' stateful testing): its real
-policy (`HandoffQueue`, `arbiter.schedule`, the busy rule's premise that only admitted work counts)
+policy (`Scheduler`, `arbiter.schedule`, the busy rule's premise that only admitted work counts)
 with fake effects on the manual clock. Random arrivals for three tenants and several models, random
 service times, clients that leave, releases that are slow, free less than expected or never answer,
 memory taken and freed outside the proxy. After every step the invariants of design.md
@@ -35,10 +35,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from proxy.clock import ManualClock, until_all_wait
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot
-from proxy.handoff.arbiter import TenantState
 from proxy.handoff.decisions import DecisionLog, HandoffStarted
 from proxy.handoff.inflight import InFlight, Token
-from proxy.handoff.queue import Admitted, Handoff, HandoffQueue, Released, ReleaseOrder, ReleaseResult
+from proxy.handoff.scheduler import Admitted, Released, ReleaseOrder, ReleaseResult, Scheduler
 from proxy.tenants import GIB, MIB, Registry
 
 TOTAL = 24 * GIB
@@ -81,7 +80,7 @@ class Box:
     decisions: DecisionLog = field(init=False)
     loaded: dict[str, str | None] = field(default_factory=lambda: dict.fromkeys(TENANTS))
     outside: int = 0  # bytes held by a process the proxy does not manage
-    reservations: dict[str, tuple[str, int, int]] = field(default_factory=dict)  # key -> (tenant, need, count)
+    scheduler: Scheduler | None = None  # told when a release begins, as the real releaser tells it
     faults: dict[str, str] = field(default_factory=dict)  # tenant -> "slow" | "partial" | "hang" for its next release
     kept: dict[str, int] = field(default_factory=dict)  # tenant -> bytes a partial release left behind
     failed_releases: int = 0
@@ -112,13 +111,10 @@ class Box:
                                              for p, (t, _, _) in zip(gps, procs, strict=True)))
 
     # -- HandoffEffects ------------------------------------------------------------------------
-    async def read(self) -> tuple[AttributedSnapshot, dict[str, TenantState], dict[str, tuple[str, int]]]:
-        snap = self.card()
-        states = {t: TenantState(t, busy=self.inflight.busy(t), busy_reason="admitted work") for t in TENANTS}
-        promised = {k: (t, n) for k, (t, n, _) in self.reservations.items()}
-        return snap, states, promised
+    async def read_card(self) -> AttributedSnapshot:
+        return self.card()
 
-    async def carry_out(self, order: ReleaseOrder) -> Released:
+    async def carry_out(self, order: ReleaseOrder, fresh: bool) -> Released:
         results = []
         started = self.decisions.emit(HandoffStarted(kind=order.kind, tenant=order.requester, trigger=order.trigger,
                                                      plan=order.plan))
@@ -127,6 +123,8 @@ class Box:
                 results.append(ReleaseResult(r.tenant, r.expected_free_bytes, 0, 0.0, False, "busy", busy=True))
                 continue
             fault = self.faults.pop(r.tenant, "ok")
+            if self.scheduler is not None:
+                self.scheduler.unloaded(r.tenant)  # what it held is on its way off the card
             timeout = self.registry.get(r.tenant).release_timeout_s
             await self.clock.sleep(timeout if fault == "hang" else 4.0 if fault == "slow" else 0.5)
             if self.inflight.busy(r.tenant):
@@ -148,39 +146,8 @@ class Box:
             results.append(ReleaseResult(r.tenant, r.expected_free_bytes, freed, 0.5, fault != "partial"))
         return Released(order, results, started)
 
-    def reserve(self, key: str, handoff: Handoff) -> None:
-        plan = handoff.plan
-        tenant, need, count = self.reservations.get(key, (plan.requester, max(0, plan.need_bytes - plan.held_by_requester), 0))
-        self.reservations[key] = (tenant, need, count + 1)
-        handoff.reservation = key
-
-    def abandon(self, handoff: Handoff) -> None:
-        self.settle(handoff)
-
-    def settle(self, handoff: Handoff) -> None:
-        key = handoff.reservation
-        if key is None or key not in self.reservations:
-            return
-        handoff.reservation = None
-        tenant, need, count = self.reservations[key]
-        if count <= 1:
-            del self.reservations[key]
-        else:
-            self.reservations[key] = (tenant, need, count - 1)
-
     def prepare_load(self, tenant: str, model: str) -> None:
         pass
-
-    def admit_work(self, work: Token) -> None:
-        self.inflight.admit(work)
-
-    def loading(self, key: str) -> bool:
-        return key in self.reservations
-
-    def resident(self, tenant: str, key: str) -> bool:
-        model = key.split(":", 1)[1]
-        reserved = self.reservations.get(key)
-        return self.loaded[tenant] == model or (reserved is not None and reserved[0] == tenant)
 
 
 class SchedulerModel(RuleBasedStateMachine):
@@ -192,8 +159,8 @@ class SchedulerModel(RuleBasedStateMachine):
         reg = registry({"stt": STT}, proxy={"queue_timeout_s": QUEUE_TIMEOUT_S, "overtake_limit": OVERTAKE_LIMIT,
                                             "starvation_after_s": 60.0})
         self.box = Box(reg, self.clock, self.inflight)
-        self.queue = HandoffQueue(self.box)
-        self.inflight.on_change.append(lambda _t, traffic: None if traffic.busy else self.queue.kick())
+        self.queue = Scheduler(self.box, self.inflight)
+        self.box.scheduler = self.queue
         self.clients: list[Client] = []
 
     def run(self, coro: Any) -> Any:
@@ -257,11 +224,12 @@ class SchedulerModel(RuleBasedStateMachine):
                         return
                     self.box.violations.append(f"request {c.id}'s load of {c.tenant}:{c.model} over-committed the card "
                                                f"({self.box.used() / GIB:g} GiB used) with no failed release behind it")
-            self.box.settle(admitted.handoff)
+            self.queue.loaded(c.tenant, f"{c.tenant}:{c.model}")  # the engine answered: on the card
+            self.queue.settle(admitted.handoff)
             await self.clock.sleep(c.service_s)
             c.outcome = "run"
         finally:
-            self.box.settle(admitted.handoff)
+            self.queue.settle(admitted.handoff)
 
     # -- rules ---------------------------------------------------------------------------------
     @precondition(lambda self: len(self.clients) < 14)
@@ -287,6 +255,13 @@ class SchedulerModel(RuleBasedStateMachine):
     @rule(dt=st.sampled_from([0.15, 0.5, 2.0, 10.0]))
     def time_passes(self, dt: float) -> None:
         self.run(self.clock.advance(dt))
+        self.watchdog_reads_the_engines()
+
+    def watchdog_reads_the_engines(self) -> None:
+        """What the watchdog does every tick: each engine's own list of what it holds confirms residency."""
+        for t in TENANTS:
+            model = self.box.loaded[t]
+            self.queue.observe_loads(t, {f"{t}:{model}": self.clock.now() + 300.0} if model else {})
 
     @rule(which=st.integers(0, 13))
     def client_leaves(self, which: int) -> None:
