@@ -11,7 +11,7 @@ card go before a swap away from it, so three renders and three chats cost at mos
 Pacing, without sleeping, in two ways (`pace`), both with a deterministic order:
 - "apart", the user's 150 ms gaps: at the demo's fast speeds whatever the proxy lets through ends
   within them, while a handoff takes longer, so each request is sent once every one before it has
-  ended or waits (in the proxy's queue, or for a handoff started for it);
+  ended or waits (in the proxy's queue, or for a handoff under way for its tenant);
 - "together": each request is sent once the proxy has the one before it (waiting in its queue, or
   let through to the engine), so requests also arrive while others run."""
 
@@ -82,11 +82,18 @@ async def _bounded(name: str, t0: float, work: Awaitable[Outcome]) -> Outcome:
         return Outcome(name, f"{type(exc).__name__}: {exc}", time.monotonic() - t0)
 
 
-def waiting(demo: Demo, tenant: str) -> int:
-    """Requests of `tenant` the proxy holds back now: in its queue (a "queued" decision with no result
-    yet), or waiting for a handoff started for them (a request's "plan" whose releases have not ended)."""
-    return sum(1 for d in decisions(demo, "queued", "plan") if d.tenant == tenant and d.trigger.startswith("request ")
-               and ("result" not in d.outcome if d.kind == "queued" else "ok" not in d.outcome))
+def waiting(demo: Demo, tenant: str, *, planned: bool = False) -> int:
+    """Requests of `tenant` in the proxy's queue now (each one, also those riding one handoff);
+    `planned`: only those the scheduler has placed (waiting, or joined to a release), not the ones it
+    has yet to plan, which may still be let through at once."""
+    queue = demo.proxy.arbitration.queue.waiting()  # type: ignore[union-attr]
+    return sum(1 for w in queue if w["tenant"] == tenant and not (planned and w["reason"] == "being planned"))
+
+
+def handoff_under_way(demo: Demo, tenant: str) -> bool:
+    """A handoff for a request of `tenant` started and has not ended (its "plan" has no outcome yet)."""
+    return any(d.tenant == tenant and d.trigger.startswith("request ") and "ok" not in d.outcome
+               for d in decisions(demo, "plan"))
 
 
 def reached_engine(demo: Demo, kind: Kind) -> int:
@@ -112,14 +119,19 @@ class Burst:
         return [t for name, t in self.tasks.items() if name[0] == kind]
 
     def _settled(self, kind: Kind) -> bool:
-        """The proxy has every request of this kind sent so far: "apart", each ended or waits (in its
-        queue, or for a handoff); "together", each ended, waits, or was let through to the engine."""
+        """The proxy has every request of this kind sent so far. "together": each ended, waits in its
+        queue, or was let through to the engine. "apart": each ended or waits in the queue; or all are
+        had and a handoff for their tenant is under way (a request let through to ride a load on its
+        way waits for that handoff as much as one in the queue, however long it takes)."""
         tasks = self.sent(kind)
-        waits = waiting(self.demo, TENANT[kind])
-        if self.pace == "apart":
-            return sum(1 for t in tasks if t.done()) + waits >= len(tasks)
+        tenant = TENANT[kind]
         refused = sum(1 for t in tasks if t.done() and not t.cancelled() and t.result().refused)
-        return reached_engine(self.demo, kind) + waits + refused >= len(tasks)
+        had = reached_engine(self.demo, kind) + waiting(self.demo, tenant) + refused >= len(tasks)
+        if self.pace == "together":
+            return had
+        ended = sum(1 for t in tasks if t.done())
+        return (ended + waiting(self.demo, tenant, planned=True) >= len(tasks)
+                or (had and handoff_under_way(self.demo, tenant)))
 
     async def send(self, kind: Kind, steps: int | None = None) -> str:
         """Start one request, then return once the proxy has it as `pace` says (so the next comes after)."""
