@@ -533,7 +533,7 @@ class Tenant(_Strict):
     wake_on: WakeOn = Field(
         default="writes", description="a tenant the proxy starts: which requests start it while it is stopped. writes: "
         "any method but GET, HEAD and OPTIONS, and websockets; a read (a model list, a health poll) gets 503 with "
-        "Retry-After and the reason, or the last model list seen, so a poll never makes the app flap. any: reads "
+        "Retry-After and the reason, so a poll never makes the app flap. any: reads "
         "start it too")
 
     @field_validator("release")

@@ -149,6 +149,9 @@ class HandoffEffects(Protocol):
     def resident(self, tenant: str, key: str) -> bool:
         """This load is on the card already, or on its way there (admitted, not arrived yet)."""
 
+    def loading(self, key: str) -> bool:
+        """An admitted load under this key has not reached the card yet (its memory is reserved)."""
+
 
 @dataclass(slots=True, eq=False)
 class _Ticket:
@@ -237,7 +240,16 @@ class HandoffQueue:
         w = Waiter(next(self._ids), tenant.name, key, need_bytes, tenant.priority, now, resident=True)
         if work is not None:
             self.fx.admit_work(work)
-        return Admitted("run", Handoff(resident_plan(w), [], None), RESIDENT)
+        return Admitted("run", self._resident_handoff(w, None), RESIDENT)
+
+    def _resident_handoff(self, w: Waiter, snap: AttributedSnapshot | None) -> Handoff:
+        """A resident admission. A load still on its way is joined: its reservation lasts until this
+        request is done too, or the first request's leaving would give back memory the load still
+        takes (the randomized model test found that)."""
+        handoff = Handoff(resident_plan(w), [], None, snap)
+        if self.fx.loading(w.key):
+            self.fx.reserve(w.key, handoff)
+        return handoff
 
     async def request(self, tenant: Tenant, key: str, need_bytes: int, trigger: str, kind: HandoffKind = "plan",
                       model: str | None = None, work: Token | None = None) -> Admitted:
@@ -437,8 +449,8 @@ class HandoffQueue:
                 self._note_wait(ticket, v)
             elif v.plan.releases:
                 self._join_or_start(ticket, v, snap)
-            elif v.reason == RESIDENT:  # on the card already: its memory is held or reserved, nothing to promise
-                self._resolve(ticket, Admitted("run", Handoff(v.plan, [], None, snap), v.reason))
+            elif v.reason == RESIDENT:  # on the card already, or joins the reservation of the load on its way
+                self._resolve(ticket, Admitted("run", self._resident_handoff(v.waiter, snap), v.reason))
                 progressed = True
             else:
                 handoff = Handoff(v.plan, [], None, snap)

@@ -158,6 +158,9 @@ class Recorder:
     def resident(self, tenant: str, key: str) -> bool:
         return (tenant, key) in self.on_card
 
+    def loading(self, key: str) -> bool:
+        return False
+
 
 @pytest.fixture
 def clock() -> ManualClock:

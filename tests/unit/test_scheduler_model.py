@@ -174,6 +174,9 @@ class Box:
     def admit_work(self, work: Token) -> None:
         self.inflight.admit(work)
 
+    def loading(self, key: str) -> bool:
+        return key in self.reservations
+
     def resident(self, tenant: str, key: str) -> bool:
         model = key.split(":", 1)[1]
         reserved = self.reservations.get(key)
@@ -342,3 +345,22 @@ SchedulerModel.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_scheduler_model = SchedulerModel.TestCase
+
+
+# -- shrunk failures, kept as regular tests ---------------------------------------------------------
+
+def test_a_resident_request_joins_the_reservation_of_the_load_it_rides_on() -> None:
+    """Found by a long run: a prompt admitted because the same checkpoint was on its way (resident)
+    kept no reservation of its own; when the prompt that loads it left, the memory went back to the
+    free pool while the load was still coming, and a chat was admitted on top of it (28.5 GiB on a
+    24 GiB card)."""
+    m = SchedulerModel()
+    try:
+        m.arrive(tenant="comfyui", pick=0, service_s=0.2)  # loads flux (12.5 GiB): reserved
+        m.arrive(tenant="comfyui", pick=0, service_s=0.2)  # flux on its way: resident, rides on it
+        m.client_leaves(which=0)  # the first prompt's client leaves during the load
+        m.arrive(tenant="ollama", pick=0, service_s=0.2)  # gemma (16 GiB) does not fit beside flux
+        m.nothing_unsafe_happened()
+    finally:
+        m.teardown()
+    assert [c.outcome for c in m.clients] == ["left", "run", "run"]
