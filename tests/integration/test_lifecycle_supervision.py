@@ -102,7 +102,7 @@ CRASHING_PROXY = textwrap.dedent("""
         ctl = ProcessController("app", json.loads(sys.argv[1]), state_dir=default_state_dir(), clock=SystemClock())
         await ctl.start()
         print(ctl.pid, flush=True)
-        await asyncio.sleep(3600)
+        await asyncio.Event().wait()  # until killed
 
     asyncio.run(main())
 """)
@@ -218,7 +218,7 @@ async def test_a_stop_that_leaves_the_port_held_fails_names_the_holder_and_is_ne
 SETSID_CHILD = textwrap.dedent("""
     import http.server, os, subprocess, sys
     port = int(sys.argv[1])
-    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    helper = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"], start_new_session=True)
     print("helper", helper.pid, flush=True)
     http.server.HTTPServer(("127.0.0.1", port), http.server.SimpleHTTPRequestHandler).serve_forever()
 """)
