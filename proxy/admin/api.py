@@ -1,6 +1,7 @@
 """The admin API (default 127.0.0.1:11400): tenants with live state, release, dry-run plans, decisions.
 
-Read-mostly: the only mutation is a release, which goes through the same handoff lock as requests.
+Read-mostly: the mutations (release, start, stop) take the scheduler's one release path, one at a time
+with every other release.
 When a token is configured every mutating call needs `Authorization: Bearer <token>`.
 """
 

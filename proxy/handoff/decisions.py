@@ -4,12 +4,12 @@ Each decision is told by immutable events (the base is proxy/decision.py), each 
 its fact is known: a handoff is logged when it starts, before anything is asked (invariant 2), and
 its results come as a second event that refers to it by id, never by changing the first. Who emits:
 
-- `Queued` (queue.py): a request first has to wait; `WaitChanged` when what it waits for changes;
+- `Queued` (scheduler.py): a request first has to wait; `WaitChanged` when what it waits for changes;
   `QueueEnded` (admitted, refused, timed out, client left) with how long it waited and the decision
   that ended the wait.
 - `HandoffStarted` / `HandoffFinished` (arbitration.py `carry_out`, the one release path for the
   queue's plans and OOM retries, the watchdog's spill relief and idle releases, the admin API).
-- `Rejected`: 507 (queue.py) or 503 after the queue timeout (relay/gpu_gate.py).
+- `Rejected`: 507 (scheduler.py) or 503 after the queue timeout (relay/gpu_gate.py).
 - `OomRetry`, `StaleJob`, `FirstByte` (relay/gpu_gate.py: a request that waited or caused a handoff
   got its answer's first byte); `SpillNoPlan` (watchdog.py); `NothingToRelease`
   (admin/api.py: a CPU engine); `ModelLoad` (admin/models_api.py); `GpuDrift`, `GpuApplyStarted`,

@@ -35,6 +35,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from proxy.clock import ManualClock, until_all_wait
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot
+from proxy.handoff.arbiter import RESIDENT
 from proxy.handoff.decisions import DecisionLog, HandoffStarted
 from proxy.handoff.inflight import InFlight, Token
 from proxy.handoff.scheduler import Admitted, Released, ReleaseOrder, ReleaseResult, Scheduler
@@ -81,6 +82,7 @@ class Box:
     loaded: dict[str, str | None] = field(default_factory=lambda: dict.fromkeys(TENANTS))
     outside: int = 0  # bytes held by a process the proxy does not manage
     scheduler: Scheduler | None = None  # told when a release begins, as the real releaser tells it
+    outside_at_load: dict[str, int] = field(default_factory=dict)  # load key -> outside memory when it was admitted
     faults: dict[str, str] = field(default_factory=dict)  # tenant -> "slow" | "partial" | "hang" for its next release
     kept: dict[str, int] = field(default_factory=dict)  # tenant -> bytes a partial release left behind
     failed_releases: int = 0
@@ -208,12 +210,17 @@ class SchedulerModel(RuleBasedStateMachine):
                                                f"{room / GIB:g} GiB could be made free: {admitted.reason}")
             return
         c.admitted_at = self.clock.now()
-        c.outside_at_admission = self.box.outside
+        key = f"{c.tenant}:{c.model}"
+        if admitted.reason == RESIDENT and key in self.box.outside_at_load:
+            c.outside_at_admission = self.box.outside_at_load[key]  # it rides on a load promised back then
+        else:
+            c.outside_at_admission = self.box.outside_at_load[key] = self.box.outside
         if c.work is None or not self.inflight.admitted(c.work):
             self.box.violations.append(f"request {c.id} admitted but not counted as {c.tenant}'s work")
         try:
             if self.box.loaded[c.tenant] != c.model:
                 await self.clock.sleep(LOAD_S)
+            if self.box.loaded[c.tenant] != c.model:  # this request's load (not one that another brought meanwhile)
                 self.box.loaded[c.tenant] = c.model
                 self.box.kept.pop(c.tenant, None)  # the engine drops the rest when it loads anew
                 grown_outside = max(0, self.box.outside - c.outside_at_admission)  # nothing the proxy could see coming
