@@ -138,8 +138,8 @@ class HandoffEffects(Protocol):
         own reports). Run by the scheduler as a task that posts the reading, never inside a pass."""
 
     async def carry_out(self, order: ReleaseOrder, fresh: bool) -> Released:
-        """Record the order, release what it says (never a tenant that is busy by then: ask
-        `Scheduler.busy`), wait for the memory. `fresh`: read the card again first (the order
+        """Record the order, release what it says (never a tenant that is busy by then, by
+        `Scheduler.states`), wait for the memory. `fresh`: read the card again first (the order
         waited in line behind another release). Run by the scheduler as a task, never awaited by a
         pass."""
 
@@ -269,10 +269,6 @@ class Scheduler:
 
     # -- reading the state (narrow, read-only) ------------------------------------------------------
     @property
-    def empty(self) -> bool:
-        return not self._tickets
-
-    @property
     def releasing(self) -> tuple[Releasing, ...]:
         """The releases under way or in line, whoever started them."""
         return tuple(u.state for u in self._underway)
@@ -290,10 +286,6 @@ class Scheduler:
                            observable=lambda name: not snap.estimated and name not in reads.cpu,
                            unreachable_since=reads.unreachable_since,
                            job_lost_after_s=self.fx.registry.config.proxy.job_lost_after_s)
-
-    def busy(self, tenant: str, snap: AttributedSnapshot) -> bool:
-        state = self.states(snap).get(tenant)
-        return state is not None and state.busy
 
     def promised(self, snap: AttributedSnapshot) -> dict[str, tuple[str, int]]:
         """Load key -> (tenant, bytes) admitted loads will still take from free memory."""

@@ -214,7 +214,7 @@ async def test_a_waiter_is_admitted_the_moment_its_blocker_goes_idle_without_pol
     assert admitted.handoff.decision is not None
     (ended,) = [e for e in fx.decisions.events() if isinstance(e, QueueEnded)]
     assert ended.refers_to == queued.id and ended.result == "admitted" and ended.ended_by == admitted.handoff.decision.id
-    assert queue.empty and ended.waited_s == 0.0
+    assert not queue.waiting() and ended.waited_s == 0.0
     view = fx.decisions.view(queued.id)
     assert view is not None and view.outcome["result"] == "admitted", "the queued entry shows how its wait ended"
     assert view.outcome["ended_by"] == admitted.handoff.decision.id and view.outcome["waited_s"] == 0.0
