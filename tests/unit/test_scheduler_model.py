@@ -1,9 +1,9 @@
 """The scheduler against a model of the box, driven at random (hypothesis' stateful testing): its real
 policy (`Scheduler`, `arbiter.schedule`, the busy rule's premise that only admitted work counts)
 with fake effects on the manual clock. Random arrivals for three tenants and several models, random
-service times, clients that leave, releases that are slow, free less than expected or never answer,
-memory taken and freed outside the proxy. After every step the invariants of design.md
-(invariants 3, 5 and 11) are checked:
+service times, requests the engine fails, clients that leave, releases that are slow, free less than
+expected or never answer, memory taken and freed outside the proxy. After every step the invariants
+of design.md (3, 5 and 11) are checked:
 
 - liveness: every request is admitted or refused within a bound (no request reaches the queue
   timeout: the timeout is far above the most work any example can queue, so reaching it means a wait
@@ -65,10 +65,15 @@ class Client:
     service_s: float
     arrived: float
     task: asyncio.Task[None] | None = None
-    outcome: str | None = None  # run, refuse, timeout, left, oom
+    outcome: str | None = None  # run, refuse, timeout, left, oom, error
     admitted_at: float | None = None
     work: Token | None = None
-    outside_at_admission: int = 0
+    # The least memory outside the proxy between the request's arrival and its admission: the proxy
+    # may have planned on any card read in that time, so what the outside took above it is nothing the
+    # proxy could see; a load it over-commits ends as the engine's OOM (the gate's retry), not as a
+    # violation. A request riding on another's load is judged with that load's first request.
+    outside_seen: int = 0
+    fails: bool = False  # the engine answers it with an error at once (nothing loaded)
 
 
 @dataclass
@@ -82,7 +87,7 @@ class Box:
     loaded: dict[str, str | None] = field(default_factory=lambda: dict.fromkeys(TENANTS))
     outside: int = 0  # bytes held by a process the proxy does not manage
     scheduler: Scheduler | None = None  # told when a release begins, as the real releaser tells it
-    outside_at_load: dict[str, int] = field(default_factory=dict)  # load key -> outside memory when it was admitted
+    outside_at_load: dict[str, int] = field(default_factory=dict)  # load key -> its first request's outside_seen
     faults: dict[str, str] = field(default_factory=dict)  # tenant -> "slow" | "partial" | "hang" for its next release
     kept: dict[str, int] = field(default_factory=dict)  # tenant -> bytes a partial release left behind
     failed_releases: int = 0
@@ -212,18 +217,21 @@ class SchedulerModel(RuleBasedStateMachine):
         c.admitted_at = self.clock.now()
         key = f"{c.tenant}:{c.model}"
         if admitted.reason == RESIDENT and key in self.box.outside_at_load:
-            c.outside_at_admission = self.box.outside_at_load[key]  # it rides on a load promised back then
+            c.outside_seen = min(c.outside_seen, self.box.outside_at_load[key])
         else:
-            c.outside_at_admission = self.box.outside_at_load[key] = self.box.outside
+            self.box.outside_at_load[key] = c.outside_seen
         if c.work is None or not self.inflight.admitted(c.work):
             self.box.violations.append(f"request {c.id} admitted but not counted as {c.tenant}'s work")
         try:
+            if c.fails:
+                c.outcome = "error"
+                return
             if self.box.loaded[c.tenant] != c.model:
                 await self.clock.sleep(LOAD_S)
             if self.box.loaded[c.tenant] != c.model:  # this request's load (not one that another brought meanwhile)
                 self.box.loaded[c.tenant] = c.model
                 self.box.kept.pop(c.tenant, None)  # the engine drops the rest when it loads anew
-                grown_outside = max(0, self.box.outside - c.outside_at_admission)  # nothing the proxy could see coming
+                grown_outside = max(0, self.box.outside - c.outside_seen)  # nothing the proxy could see coming
                 if self.box.used() > TOTAL - RESERVED:
                     if self.box.failed_releases or self.box.used() - grown_outside <= TOTAL - RESERVED:
                         c.outcome = "oom"  # a failed release let the load run short: the engine's OOM answer
@@ -240,12 +248,14 @@ class SchedulerModel(RuleBasedStateMachine):
 
     # -- rules ---------------------------------------------------------------------------------
     @precondition(lambda self: len(self.clients) < 14)
-    @rule(tenant=st.sampled_from(TENANTS), pick=st.integers(0, 1), service_s=st.sampled_from([0.2, 1.0, 5.0, 20.0]))
-    def arrive(self, tenant: str, pick: int, service_s: float) -> None:
+    @rule(tenant=st.sampled_from(TENANTS), pick=st.integers(0, 1), service_s=st.sampled_from([0.2, 1.0, 5.0, 20.0]),
+          fails=st.sampled_from([False, False, False, True]))
+    def arrive(self, tenant: str, pick: int, service_s: float, fails: bool) -> None:
+        """A request; `fails`: its engine answers an error at once, before loading anything."""
         models = sorted(MODELS[tenant])
         model = models[pick % len(models)]
         c = Client(len(self.clients), tenant, model, MODELS[tenant][model] + self.box.floor(tenant), service_s,
-                   self.clock.now())
+                   self.clock.now(), outside_seen=self.box.outside, fails=fails)
         c.task = self.loop.create_task(self._client(c))
         self.clients.append(c)
         self.run(until_all_wait())
@@ -287,6 +297,9 @@ class SchedulerModel(RuleBasedStateMachine):
     def memory_outside_the_proxy(self, gib: int) -> None:
         """A process the proxy does not manage takes (or gives back) memory: no event tells the queue."""
         self.box.outside = gib * GIB
+        for c in self.clients:
+            if c.admitted_at is None and c.outcome is None:
+                c.outside_seen = min(c.outside_seen, self.box.outside)
 
     # -- invariants ----------------------------------------------------------------------------
     def check_liveness(self, final: bool = False) -> None:
@@ -338,10 +351,10 @@ def test_a_resident_request_joins_the_reservation_of_the_load_it_rides_on() -> N
     24 GiB card)."""
     m = SchedulerModel()
     try:
-        m.arrive(tenant="comfyui", pick=0, service_s=0.2)  # loads flux (12.5 GiB): reserved
-        m.arrive(tenant="comfyui", pick=0, service_s=0.2)  # flux on its way: resident, rides on it
+        m.arrive(tenant="comfyui", pick=0, service_s=0.2, fails=False)  # loads flux (12.5 GiB): reserved
+        m.arrive(tenant="comfyui", pick=0, service_s=0.2, fails=False)  # flux on its way: resident, rides on it
         m.client_leaves(which=0)  # the first prompt's client leaves during the load
-        m.arrive(tenant="ollama", pick=0, service_s=0.2)  # gemma (16 GiB) does not fit beside flux
+        m.arrive(tenant="ollama", pick=0, service_s=0.2, fails=False)  # gemma (16 GiB) does not fit beside flux
         m.nothing_unsafe_happened()
     finally:
         m.teardown()
