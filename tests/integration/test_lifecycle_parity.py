@@ -169,6 +169,21 @@ async def test_the_logs_stream_gives_the_last_lines_then_each_new_line_as_it_is_
         await frames.aclose()
 
 
+async def test_an_open_logs_stream_never_holds_up_the_proxys_stop(box: DemoFactory, http: httpx.AsyncClient,
+                                                                   tmp_path: Path) -> None:
+    demo = await box(fast("default", tenants={"app": app_tenant(tmp_path, "app")}))
+    assert demo.proxy is not None
+    admin = demo.proxy.url("admin")
+    assert (await http.post(admin + "/api/tenants/app/start")).status_code == 200
+    async with http.stream("GET", admin + "/api/tenants/app/logs") as r:
+        assert r.status_code == 200
+        began = demo.proxy.clock.now()
+        async with asyncio.timeout(WAIT_S):
+            await demo.stop()
+        took = demo.proxy.clock.now() - began
+        assert took < 2.0, f"the stop waited {took:.2f} s for the open stream (drain is {demo.proxy.drain_s:g} s)"
+
+
 async def test_the_logs_of_an_unknown_or_unstarted_kind_of_tenant_are_refused(
         box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
     demo = await box(fast("default", tenants={"app": app_tenant(tmp_path, "app")}))
