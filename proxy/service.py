@@ -6,6 +6,7 @@ simulated GPU. Ports of 0 are read back (tests); the registry's addresses are th
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import os
@@ -25,10 +26,12 @@ from proxy.handoff.decisions import DecisionLog
 from proxy.handoff.inflight import InFlight
 from proxy.handoff.watchdog import Watchdog
 from proxy.lifecycle.build import default_state_dir
+from proxy.lifecycle.state import LifecycleReport
 from proxy.relay.forward import Forwarder
 from proxy.relay.gpu_gate import GpuGate
 from proxy.relay.listener import TenantApp
 from proxy.relay.servers import DRAIN_S, RunningServer, split_host_port, start_server, stop_servers
+from proxy.tasks import cancel_and_wait
 from proxy.tenants import Registry
 
 log = logging.getLogger("hyperswap")
@@ -91,6 +94,7 @@ class Proxy:
     admission: GpuGate = field(init=False)
     servers: dict[str, RunningServer] = field(init=False, default_factory=dict)
     _pollers: list[object] = field(init=False, default_factory=list)
+    _preloads: list[asyncio.Task[LifecycleReport | None]] = field(init=False, default_factory=list)  # preload starts under way
     extensions: list[Extension] = field(init=False, default_factory=list)
     token: str | None = field(init=False, default=None)
     view: ProxyView = field(init=False)  # what extensions get: read-only, never the Proxy itself
@@ -133,7 +137,8 @@ class Proxy:
             for ext in self.extensions:
                 await ext.start()
             admin = AdminApi(self.arbitration, self.watchdog, self.token,
-                             listeners={name: server.url for name, server in self.servers.items()})
+                             listeners={name: server.url for name, server in self.servers.items()},
+                             closing=self._admin_closing)
             extra = [route for ext in self.extensions for route in ext.routes()]
             binding = ("admin", f"{host}:{ports.get('admin', port)}")
             self.servers["admin"] = await start_server(admin.app(extra), host, ports.get("admin", port), name="admin")
@@ -143,10 +148,14 @@ class Proxy:
                 raise ConfigError(f"cannot start: {exc}") from None
             raise listen_error(exc, *binding, self.config_path or self.registry.source) from None
         await self.arbitration.lifecycles.adopt()  # a unit or container already up runs on
+        self._preloads = [asyncio.create_task(self.arbitration.preload(t), name=f"hyperswap:preload:{t.name}")
+                          for t in self.registry if t.preload and t.name in self.arbitration.lifecycles]
         if self.watchdog_enabled:
             self.watchdog.start()
 
     async def stop(self) -> None:
+        await cancel_and_wait(self._preloads)  # a start under way goes on to its end: the lifecycle's own task
+        self._preloads.clear()
         await self.watchdog.stop()
         for poller in self._pollers:
             await poller.stop()  # type: ignore[attr-defined]
@@ -159,6 +168,11 @@ class Proxy:
             await ext.stop()
         await self.forwarder.aclose()
         await self.arbitration.aclose()  # with the apps the proxy started itself
+
+    def _admin_closing(self) -> bool:
+        """The admin server has been told to stop (its open streams end)."""
+        admin = self.servers.get("admin")
+        return admin is None or admin.server.should_exit
 
     def url(self, name: str) -> str:
         return self.servers[name].url

@@ -294,6 +294,7 @@ class HttpCall(_Strict):
 KIND_FIELDS: Mapping[str, frozenset[str]] = {
     "resume": frozenset({"http"}),
     "command": frozenset({"process"}),
+    "stop_command": frozenset({"process"}),
     "cwd": frozenset({"process"}),
     "env": frozenset({"process"}),
     "stop_timeout_s": frozenset({"process", "docker"}),
@@ -334,6 +335,11 @@ class ReleaseSpec(_Strict):
                                                                "request is forwarded (vLLM's /wake_up)")
     command: list[str] | None = Field(default=None, validate_default=True,
                                       description="kind process: the command the proxy runs and owns, argv style")
+    stop_command: list[str] | None = Field(
+        default=None, description="kind process: a command run to stop the app instead of signals, argv style (like "
+        "llama-swap's cmdStop: [\"docker\", \"stop\", \"tts\"]); it and the app's exit share stop_timeout_s, it "
+        "is killed with its process group when it runs over, and SIGTERM then SIGKILL follow when it fails or the "
+        "app still runs")
     cwd: str | None = Field(default=None, description="kind process: its working directory (absolute)")
     env: dict[str, str] | None = Field(default=None, description="kind process: added to the proxy's environment")
     stop_timeout_s: float | None = Field(
@@ -362,7 +368,7 @@ class ReleaseSpec(_Strict):
             raise ValueError(f"only release kind {kinds} takes {field!r} (this release is kind {kind!r})")
         return value
 
-    @field_validator("command")
+    @field_validator("command", "stop_command")
     @classmethod
     def _command(cls, value: list[str] | None) -> list[str] | None:
         if value is None:
@@ -542,6 +548,9 @@ class Tenant(_Strict):
                                      "backing off after crashes in a row; a clean exit, code 0, is left stopped)")
     restart_limit: int = Field(default=3, description="restart on-failure: crashes in a row it restarts after (an app "
                                                       "that ran a minute starts the count over); then a request must")
+    preload: bool = Field(default=False, description="a tenant the proxy starts: start it once the proxy is up (its "
+                                                     "memory planned like any start), without waiting for a request; "
+                                                     "a failure is shown in health and never stops the proxy")
 
     @field_validator("release")
     @classmethod
@@ -582,6 +591,16 @@ class Tenant(_Strict):
         steps = release if isinstance(release, list) else [release] if release is not None else []
         if value != "never" and release is not None and not any(step.stops for step in steps):
             raise ValueError("'restart' applies to a tenant the proxy starts: one whose release is of kind process, "
+                             "systemd or docker")
+        return value
+
+    @field_validator("preload")
+    @classmethod
+    def _preload_only_when_started(cls, value: bool, info: ValidationInfo) -> bool:
+        release = info.data.get("release")
+        steps = release if isinstance(release, list) else [release] if release is not None else []
+        if value and release is not None and not any(step.stops for step in steps):
+            raise ValueError("'preload' applies to a tenant the proxy starts: one whose release is of kind process, "
                              "systemd or docker")
         return value
 
@@ -1031,17 +1050,20 @@ def command_problems(config: Config, env: Mapping[str, str]) -> list[str]:
             if step.kind != "process" or not step.command:
                 continue
             where = tenant.release_path(i)
-            program = step.command[0]
             search = (step.env or {}).get("PATH", env.get("PATH", os.defpath))
-            if program.startswith("/"):
-                if not os.path.isfile(program):
-                    problems.append(f"{where}.command.0: {program} does not exist (or is not a file)")
-                elif not os.access(program, os.X_OK):
-                    problems.append(f"{where}.command.0: {program} is not executable (chmod +x, or run it "
-                                    "through its interpreter)")
-            elif shutil.which(program, path=search) is None:
-                problems.append(f"{where}.command.0: {program!r} is not found on PATH ({search}): install it, give "
-                                "its absolute path, or set PATH in release.env")
+            for field, argv in (("command", step.command), ("stop_command", step.stop_command)):
+                if not argv:
+                    continue
+                program = argv[0]
+                if program.startswith("/"):
+                    if not os.path.isfile(program):
+                        problems.append(f"{where}.{field}.0: {program} does not exist (or is not a file)")
+                    elif not os.access(program, os.X_OK):
+                        problems.append(f"{where}.{field}.0: {program} is not executable (chmod +x, or run it "
+                                        "through its interpreter)")
+                elif shutil.which(program, path=search) is None:
+                    problems.append(f"{where}.{field}.0: {program!r} is not found on PATH ({search}): install it, "
+                                    "give its absolute path, or set PATH in release.env")
             if step.cwd is not None and not os.path.isdir(os.path.expanduser(step.cwd)):
                 problems.append(f"{where}.cwd: {step.cwd} is not a directory")
     return problems

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from collections.abc import Awaitable, Callable, Mapping
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from proxy.admin import views
@@ -27,20 +28,33 @@ from proxy.handoff.decisions import NothingToRelease, Rejected
 from proxy.handoff.scheduler import Admitted, release_whole, stop_whole
 from proxy.handoff.watchdog import Watchdog
 from proxy.hosts import listener_policy
+from proxy.lifecycle.logs import FOLLOW_EVERY_S, LINES_BACK_DEFAULT, LINES_BACK_MAX, Chunk, LogFollower
+from proxy.lifecycle.process import ProcessController
 from proxy.lifecycle.state import TenantLifecycle
 from proxy.relay.gpu_gate import rejection_body, retry_after
 from proxy.relay.guards import AdminGuard
 from proxy.tenants import GIB, MAX_GIB, Tenant
 
 Handler = Callable[[Request], Awaitable[Response]]
+LOG_KEEPALIVE_S = 15.0  # a quiet log stream sends a comment this often
 
 
-def error(status: int, message: str, fix: str | None = None, **details: Any) -> JSONResponse:
+def refusal(message: str, fix: str | None = None, **details: Any) -> dict[str, Any]:
+    """An error answer's body: the sentence, the fix, and details."""
     body: dict[str, Any] = {"error": message}
     if fix:
         body["fix"] = fix
     body.update(details)
-    return JSONResponse(body, status_code=status)
+    return body
+
+
+def error(status: int, message: str, fix: str | None = None, **details: Any) -> JSONResponse:
+    return JSONResponse(refusal(message, fix, **details), status_code=status)
+
+
+def _sse(event: str, payload: Any) -> bytes:
+    """One server-sent event: its data one line of JSON (no newline can end it early)."""
+    return f"event: {event}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
 
 
 def release_answer(tenant: Tenant, result: ReleaseResult) -> JSONResponse:
@@ -67,8 +81,11 @@ def release_fix(tenant: Tenant, result: ReleaseResult) -> str:
 
 class AdminApi:
     def __init__(self, arb: Arbitration, watchdog: Watchdog, token: str | None = None,
-                 listeners: Mapping[str, str] | None = None) -> None:
+                 listeners: Mapping[str, str] | None = None, closing: Callable[[], bool] | None = None) -> None:
         self.arb = arb
+        # True once the admin server is told to stop: open streams (the logs) end, so the server's
+        # shutdown never waits for them
+        self.closing: Callable[[], bool] = closing or (lambda: False)
         self.watchdog = watchdog
         self.token = token
         # Where each tenant's listener really answers (a port of 0 in tenants.json is read back):
@@ -148,9 +165,11 @@ class AdminApi:
 
     def _lifecycle_answer(self, tenant: Tenant, machine: TenantLifecycle, action: str,
                           status: int = 200, **fields: Any) -> JSONResponse:
-        body: dict[str, Any] = {"tenant": tenant.name, "action": action, "ok": True, **fields,
-                                "lifecycle": machine.view()}
-        return JSONResponse(body, status_code=status)
+        return JSONResponse(self._lifecycle_body(tenant, machine, action, **fields), status_code=status)
+
+    @staticmethod
+    def _lifecycle_body(tenant: Tenant, machine: TenantLifecycle, action: str, **fields: Any) -> dict[str, Any]:
+        return {"tenant": tenant.name, "action": action, "ok": True, **fields, "lifecycle": machine.view()}
 
     async def start(self, request: Request) -> Response:
         """Start a tenant the proxy starts: its memory planned exactly as for a request that wakes it
@@ -193,29 +212,101 @@ class AdminApi:
         machine = self._lifecycle(tenant, "stop")
         if isinstance(machine, Response):
             return machine
+        status, body = await self._stop_one(tenant, machine, "admin stop")
+        return JSONResponse(body, status_code=status)
+
+    async def _stop_one(self, tenant: Tenant, machine: TenantLifecycle, trigger: str) -> tuple[int, dict[str, Any]]:
+        """The admin's stop of one tenant: (status, body) as `/api/tenants/{name}/stop` answers it."""
         if machine.state == "stopped":
-            return self._lifecycle_answer(tenant, machine, "stop", note=f"{tenant.name} is stopped already: nothing to do")
+            return 200, self._lifecycle_body(tenant, machine, "stop",
+                                             note=f"{tenant.name} is stopped already: nothing to do")
         if machine.state == "starting":
-            return error(409, f"{tenant.name} is starting: it is stopped only once it runs and is idle",
-                         "wait for the start to end, then stop it", tenant=tenant.name, reason="starting",
-                         lifecycle=machine.view())
+            return 409, refusal(f"{tenant.name} is starting: it is stopped only once it runs and is idle",
+                                "wait for the start to end, then stop it", tenant=tenant.name, reason="starting",
+                                lifecycle=machine.view())
         snap = await self.arb.snapshot()
         state = self.arb.scheduler.states(snap)[tenant.name]
         if not state.busy and not self.arb.stop_blocked(tenant.name):  # the release path checks again in its turn
-            order = stop_whole(snap, tenant, "admin stop", "stop asked by the admin API")
+            order = stop_whole(snap, tenant, trigger, f"stop asked by the admin API ({trigger})")
             (result,) = (await asyncio.shield(self.arb.scheduler.release(order))).results
             if result.result in ("confirmed", "estimated"):
-                return self._lifecycle_answer(tenant, machine, "stop", release=result.to_json())
+                return 200, self._lifecycle_body(tenant, machine, "stop", release=result.to_json())
             if not result.busy:
-                return error(504 if result.result == "timeout" else 502,
-                             f"{tenant.name} could not be stopped: {result.error or result.result}",
-                             release_fix(tenant, result), tenant=tenant.name, reason="stop_failed",
-                             release=result.to_json(), lifecycle=machine.view())
+                return 504 if result.result == "timeout" else 502, refusal(
+                    f"{tenant.name} could not be stopped: {result.error or result.result}",
+                    release_fix(tenant, result), tenant=tenant.name, reason="stop_failed",
+                    release=result.to_json(), lifecycle=machine.view())
             state = self.arb.scheduler.states(await self.arb.snapshot())[tenant.name]
         why = state.busy_reason if state.busy else "a request, stream or websocket is open"
-        return error(409, f"{tenant.name} is busy ({why}); a busy tenant is never stopped",
-                     "wait for its work to finish, or cancel it in the application", tenant=tenant.name,
-                     reason="busy", lifecycle=machine.view())
+        return 409, refusal(f"{tenant.name} is busy ({why}); a busy tenant is never stopped",
+                            "wait for its work to finish, or cancel it in the application", tenant=tenant.name,
+                            reason="busy", lifecycle=machine.view())
+
+    async def stop_all(self, request: Request) -> Response:
+        """Stop every tenant the proxy starts that is idle (llama-swap's unload-all), one after another
+        through the same path as `/api/tenants/{name}/stop`; busy and starting ones are left running and
+        named with why. 200 when all are stopped now, else 409 (a stop that failed, or one refused)."""
+        results: list[dict[str, Any]] = []
+        for tenant in self.arb.registry:
+            machine = self.arb.lifecycles.machine(tenant.name)
+            if machine is None:
+                continue
+            status, body = await self._stop_one(tenant, machine, "admin stop all")
+            body.pop("action", None)
+            results.append({**body, "tenant": tenant.name, "ok": status == 200, "status": status})
+        stopped = [r["tenant"] for r in results if r["ok"]]
+        refused = [r["tenant"] for r in results if not r["ok"] and r.get("reason") in ("busy", "starting")]
+        failed = [r["tenant"] for r in results if not r["ok"] and r["tenant"] not in refused]
+        answer: dict[str, Any] = {"ok": not refused and not failed, "stopped": stopped, "refused": refused,
+                                  "failed": failed, "results": results}
+        if refused or failed:
+            answer["error"] = "not stopped: " + "; ".join(f"{r['tenant']} ({r['error']})" for r in results if not r["ok"])
+            answer["fix"] = ("a busy tenant is never stopped: wait for its work to finish and stop again; for a stop "
+                             "that failed see its result's fix")
+        elif not results:
+            answer["note"] = "no tenant in tenants.json is started and stopped by the proxy: nothing to stop"
+        return JSONResponse(answer, status_code=200 if answer["ok"] else 409)
+
+    async def logs(self, request: Request) -> Response:
+        """The app's output as server-sent events: its last lines (`lines`, default 100), then each new
+        line as it is written to its log file, until the client goes away or the proxy stops."""
+        tenant = self.arb.registry.get(request.path_params["name"])
+        machine = self._lifecycle(tenant, "stream the output of")
+        if isinstance(machine, Response):
+            return machine
+        controller = machine.controller
+        if not isinstance(controller, ProcessController):
+            where = ("`journalctl -f -u <unit>`" if controller.kind == "systemd" else "`docker logs -f <container>`")
+            return error(409, f"{tenant.name}'s output is not the proxy's to stream: it runs as a {controller.kind} "
+                              f"{'unit' if controller.kind == 'systemd' else 'container'}, whose output its manager keeps",
+                         f"follow it with {where}", tenant=tenant.name, reason="no_log", lifecycle=machine.view())
+        back = integer(request.query_params, "lines", LINES_BACK_DEFAULT, low=0, high=LINES_BACK_MAX,
+                       example=f"GET /api/tenants/{tenant.name}/logs?lines=100")
+        follower = LogFollower(controller)
+        first = await follower.back(back)
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(self._log_stream(follower, first), media_type="text/event-stream", headers=headers)
+
+    async def _log_stream(self, follower: LogFollower, first: Chunk) -> AsyncIterator[bytes]:
+        clock = self.arb.clock
+        yield b"retry: 2000\n\n"
+        chunk, quiet_s = first, 0.0
+        while True:
+            if chunk.new_run is not None:
+                run = views.LogRun(run=chunk.new_run, note="the app was started again: its new output follows")
+                yield _sse("run", views.dump(run))
+            for line in chunk.lines:
+                yield _sse("line", views.dump(views.LogLine(line=line)))
+            if chunk.lines or chunk.new_run is not None:
+                quiet_s = 0.0
+            elif quiet_s >= LOG_KEEPALIVE_S:  # a comment line: keeps proxies in between from closing it
+                yield b": still following\n\n"
+                quiet_s = 0.0
+            if self.closing():
+                return
+            await clock.sleep(FOLLOW_EVERY_S)
+            quiet_s += FOLLOW_EVERY_S
+            chunk = await follower.new()
 
     def _nothing_on_the_card(self, tenant: Tenant) -> Response:
         """A CPU engine holds no GPU memory: nothing is asked, and the answer says why."""
@@ -276,7 +367,9 @@ class AdminApi:
         s = self._safe
         routes = [
             Route("/api/tenants", s(self.list_tenants), methods=["GET"]),
+            Route("/api/tenants/stop", s(self._guard(self.stop_all)), methods=["POST"]),
             Route("/api/tenants/{name}", s(self.get_tenant), methods=["GET"]),
+            Route("/api/tenants/{name}/logs", s(self.logs), methods=["GET"]),
             Route("/api/tenants/{name}/release", s(self._guard(self.release)), methods=["POST"]),
             Route("/api/tenants/{name}/start", s(self._guard(self.start)), methods=["POST"]),
             Route("/api/tenants/{name}/stop", s(self._guard(self.stop)), methods=["POST"]),

@@ -602,6 +602,12 @@ def lifecycle_entries(name: str, machine: TenantLifecycle, problems: list[str] |
             f"requests to {name} answer 503 " + (f"until the next try in {retry:.0f} s" if retry else "until a start works"),
             machine.snapshot.fix or f"see its output (GET /api/tenants/{name}), correct the cause, then start it "
                                     f"(POST /api/tenants/{name}/start, or the dashboard's Start button)"))
+    if machine.preload_error is not None and machine.state != "running":
+        out.append(HealthEntry(
+            entry, "failed", f"its preload (a start once the proxy was up) failed: {machine.preload_error}",
+            f"{name} was not started with the proxy: the first request that needs it waits for its start",
+            machine.preload_fix or f"see its output (GET /api/tenants/{name}), correct the cause, then start it "
+                                   f"(POST /api/tenants/{name}/start)"))
     for problem in problems:
         text, fix = split_fix(problem)
         out.append(HealthEntry(entry, "failed", text,

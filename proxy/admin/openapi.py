@@ -32,10 +32,13 @@ from proxy.admin.views import (
     LifecycleAnswer,
     LifecycleFrame,
     LifecycleRefusal,
+    LogLine,
+    LogRun,
     Rejection,
     ReleaseResult,
     Stats,
     StatsFrame,
+    StopAllAnswer,
     TenantList,
     TenantView,
 )
@@ -47,7 +50,7 @@ REF = "#/components/schemas/{model}"
 MODELS: tuple[type[BaseModel], ...] = (Error, DryRun, Rejection, ReleaseResult, TenantList, TenantView, DecisionList,
                                        DecisionDetail,
                                        Stats, StatsFrame, CatalogFrame, HealthReport, EngineList, LifecycleAnswer,
-                                       LifecycleRefusal, LifecycleFrame)
+                                       LifecycleRefusal, LifecycleFrame, StopAllAnswer, LogLine, LogRun)
 
 
 def _ref(model: type[BaseModel]) -> JSON:
@@ -124,6 +127,35 @@ def _operations() -> dict[str, dict[str, JSON]]:
                              LifecycleRefusal),
                 "502": _json("the stop failed (reason stop_failed: error, fix, the release)", LifecycleRefusal),
                 "504": _json("stopped, but its memory was not back before release_timeout_s", LifecycleRefusal)}}},
+        "/api/tenants/stop": {"post": {
+            "summary": "Stop every idle tenant the proxy starts and stops (unload everything)", "operationId": "stopAll",
+            "description": ("Each tenant the proxy starts, one after another, exactly as POST /api/tenants/{name}/stop "
+                            "does (the one release path, its stopping step alone). A busy or starting tenant is left "
+                            "running and named with why; a stopped one needs nothing. Each tenant's result is in "
+                            "`results`."),
+            "security": [{"bearer": []}],
+            "responses": {
+                "200": _json("every tenant the proxy starts is stopped now (results: each one's)", StopAllAnswer),
+                "401": _err("a token is configured and none was sent"),
+                "409": _json("some were not stopped: busy or starting (refused), or their stop failed (failed); the "
+                             "others were stopped", StopAllAnswer)}}},
+        "/api/tenants/{name}/logs": {"get": {
+            "summary": "The output of an app the proxy runs (release kind process), as server-sent events",
+            "operationId": "tenantLogs",
+            "description": ("text/event-stream: its last `lines` lines, then each new line as the app writes it to "
+                            "its log file (in the state directory), for as long as the client stays. `event: line` "
+                            "carries a LogLine; `event: run` (a LogRun) says the app was started again and the lines "
+                            "after it are the new run's; a comment line comes every 15 s of quiet."),
+            "parameters": [NAME, {"name": "lines", "in": "query", "required": False,
+                                  "schema": {"type": "integer", "minimum": 0, "maximum": 1000, "default": 100},
+                                  "description": "how many of the last lines to send first"}],
+            "responses": {
+                "200": {"description": "the stream", "content": {"text/event-stream": {
+                    "schema": {"type": "string"}, "x-event-data": {"line": _ref(LogLine), "run": _ref(LogRun)}}}},
+                "400": _err("lines is not an integer from 0 to 1000"),
+                "404": _err("no such tenant"),
+                "409": _json("not a tenant the proxy runs (reason not_lifecycle), or one whose output its manager "
+                             "keeps (reason no_log: a systemd unit or a container)", LifecycleRefusal)}}},
         "/api/plan": {"get": {
             "summary": "Dry-run plan: what would be released for a tenant to get need_gb", "operationId": "plan",
             "parameters": [

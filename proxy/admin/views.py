@@ -191,6 +191,10 @@ class LifecycleController(_Doc):
     container: str | None = Field(default=None, description="docker: container name or id")
     socket: str | None = Field(default=None, description="docker: the Engine API's Unix socket")
     error: str | None = Field(default=None, description="docker: the last call's error (null: it worked)")
+    stop_command: list[str] | None = Field(default=None, description="process: the command run to stop it instead "
+                                                                    "of signals (null: signals)")
+    stop_error: str | None = Field(default=None, description="process: why the last stop command did not stop it "
+                                                             "(the signals did); null: it worked, or none ran")
     output: list[str] | None = Field(default=None, description="process: its last output lines; systemd: the last "
                                                                "systemctl call's")
     log: str | None = Field(default=None, description="process: the file its output goes to (in the state directory; "
@@ -210,6 +214,8 @@ class Lifecycle(_Doc):
     exit_code: int | None = Field(default=None, description="how it ended on its own (negative: the signal that "
                                                             "killed it); null: it did not, or the code is not known")
     restart: Literal["never", "on-failure"] = Field(default="never", description="its restart policy (tenants.json)")
+    preload: bool = Field(default=False, description="started once the proxy is up (tenants.json)")
+    preload_error: str | None = Field(default=None, description="why that start failed; null: it worked, or none")
     retry_in_s: float | None = Field(description="after a failed start: seconds until a request may start it again "
                                                  "(the admin's start does not wait)")
     controller: LifecycleController
@@ -489,6 +495,41 @@ class LifecycleRefusal(_Doc):
     waiting_for: list[str] | None = Field(default=None, description="queue_timeout: the busy tenants it waited for")
     release: ReleaseResult | None = Field(default=None, description="stop_failed: the release that tried")
     lifecycle: Lifecycle | None = Field(default=None, description="null for a tenant the proxy does not start")
+
+
+class StopAllResult(_Doc):
+    """One tenant's part in `POST /api/tenants/stop`: what its own `/stop` would have answered."""
+    tenant: str
+    ok: bool = Field(description="stopped now (by this call, or it was already)")
+    status: int = Field(description="its own stop's status: 200, or 409 (busy, starting), 502 or 504 (the stop failed)")
+    reason: str | None = Field(default=None, description="why it is not stopped: busy, starting, stop_failed")
+    error: str | None = Field(default=None, description="why it is not stopped, in words")
+    fix: str | None = None
+    note: str | None = Field(default=None, description="nothing was done, and why (it was stopped already)")
+    release: ReleaseResult | None = Field(default=None, description="the release that stopped it (or tried)")
+    lifecycle: Lifecycle
+
+
+class StopAllAnswer(_Doc):
+    """`POST /api/tenants/stop`: every tenant the proxy starts, stopped if idle; the busy ones named."""
+    ok: bool = Field(description="every tenant the proxy starts is stopped now")
+    stopped: list[str] = Field(description="stopped now (by this call, or already)")
+    refused: list[str] = Field(description="left running: busy or starting (their results say why)")
+    failed: list[str] = Field(description="their stop failed (their results say why)")
+    error: str | None = Field(default=None, description="which were not stopped and why; null when all were")
+    fix: str | None = None
+    results: list[StopAllResult] = Field(description="one per tenant the proxy starts, in tenants.json's order")
+
+
+class LogLine(_Doc):
+    """`data:` of an `event: line` frame of GET /api/tenants/{name}/logs: one line of the app's output."""
+    line: str = Field(description="without its newline; cut to 1000 characters; a progress bar's last state")
+
+
+class LogRun(_Doc):
+    """`data:` of an `event: run` frame: the app was started again, and the lines after it are its new run's."""
+    run: int = Field(description="the run's number since the proxy started (one per start)")
+    note: str
 
 
 class CatalogModel(_Doc):

@@ -29,7 +29,7 @@ from proxy.gpu.snapshot import DeviceFigure, DeviceMemory, GpuProcess, GpuReader
 from proxy.handoff import devices
 from proxy.handoff.arbiter import Plan, PlanMode, gib, promised_by_tenant, unplanned_plan
 from proxy.handoff.busy import CONFIRM_SLACK_BYTES
-from proxy.handoff.decisions import DecisionLog, HandoffFinished, HandoffStarted
+from proxy.handoff.decisions import DecisionLog, HandoffFinished, HandoffStarted, Rejected
 from proxy.handoff.inflight import InFlight, Token
 from proxy.handoff.lifecycles import Lifecycles
 from proxy.handoff.scheduler import Admitted, Handoff, Released, ReleaseOrder, ReleaseResult, Scheduler
@@ -257,6 +257,34 @@ class Arbitration:
             return await self.lifecycles.start(tenant, force=True)
         finally:
             self.scheduler.settle(admitted.handoff)  # it is up (or failed): what it holds is measured from now
+
+    async def preload(self, tenant: Tenant) -> LifecycleReport | None:
+        """Start a tenant marked `preload` once the proxy is up, its memory planned like any start
+        (`start`). Never raises: how it went is kept on its state machine (`preloaded`), where health
+        shows a failure until the app runs; a start that failed is a decision too. None: not started
+        (it runs already, or the queue refused or timed out)."""
+        machine = self.lifecycles.machine(tenant.name)
+        if machine is None or machine.state == "running":
+            return None
+        try:
+            outcome = await self.start(tenant, "preload")
+        except Exception as exc:  # a preload never breaks the proxy's start
+            log.exception("%s: preload failed", tenant.name)
+            machine.preloaded(f"{type(exc).__name__}: {exc}", "see the proxy's log")
+            return None
+        if isinstance(outcome, Admitted):
+            if outcome.outcome == "timeout":
+                timeout_s = self.registry.config.proxy.queue_timeout_s
+                self.decisions.emit(Rejected(tenant=tenant.name, trigger="preload", plan=outcome.handoff.plan,
+                                             status=503, reason=outcome.reason))
+                error = f"it waited {timeout_s:g} s for GPU memory: {outcome.reason}"
+            else:
+                error = f"not enough GPU memory for its start even once every busy tenant finished: {outcome.reason}"
+            machine.preloaded(error, f"start it when the memory is free (POST /api/tenants/{tenant.name}/start), or "
+                                     f"lower what it needs (tenants.{tenant.name}.needs_vram_gb)")
+            return None
+        machine.preloaded(None if outcome.ok else outcome.error, outcome.fix)
+        return outcome
 
     # -- the scheduler's effects (HandoffEffects) ------------------------------------------------
     async def carry_out(self, order: ReleaseOrder, fresh: bool) -> Released:

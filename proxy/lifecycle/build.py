@@ -68,4 +68,4 @@ def lifecycle_for(tenant: Tenant, engine_ready_path: str | None, *, clock: Clock
     ready = probe_readiness(probe, clock, exited=controller.exited, client=client, owner=owner)
     return TenantLifecycle(tenant.name, controller, ready, start_timeout_s=tenant.start_timeout_s, clock=clock,
                            backoff=backoff, on_report=on_report, live=probe_liveness(probe, client),
-                           restart=tenant.restart, restart_limit=tenant.restart_limit)
+                           restart=tenant.restart, restart_limit=tenant.restart_limit, preload=tenant.preload)

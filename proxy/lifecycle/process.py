@@ -20,6 +20,14 @@ Supervised (design invariant 12):
   matching, or a member of the recorded session started after it. Anything that matches only in part
   is named in health and never signalled.
 
+A stop command (`stop_command`, llama-swap's cmdStop: `docker stop NAME` for an app run in the
+foreground by `docker run`) replaces the signals while the child runs: it runs with the app's cwd and
+environment, in a process group of its own, and it and the child's exit share `stop_timeout_s`; a
+command that runs over is killed with its whole group. The stop is done only once the child and
+what it spawned are gone; when the command cannot run, fails, runs over, or the app outlives it,
+the signals follow (SIGTERM, SIGKILL after `stop_timeout_s`) and `stop_error` says why (health
+names it until a stop command works).
+
 The child's environment is the proxy's without its secrets: no `HYPERSWAP_*` variable (the admin
 token, the config path), not the variable admin.token_env names, not systemd's CREDENTIALS_DIRECTORY
 (where a service's token file would be); the tenant's `env` is applied last and wins (`child_env`).
@@ -31,12 +39,14 @@ import asyncio
 import contextlib
 import ctypes
 import json
+import logging
 import os
 import signal
 import sys
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import IO
 
 from proxy.clock import Clock, SystemClock
 from proxy.lifecycle import procs
@@ -50,6 +60,8 @@ MAX_LINE = 1000  # characters kept of one line (a progress bar can write megabyt
 TAIL_BYTES = 64 * 1024  # read back from the end of the log for the last lines
 GONE_AFTER_KILL_S = 2.0  # how long a SIGKILLed process may take to disappear before the stop fails
 PR_SET_PDEATHSIG = 1
+
+log = logging.getLogger("hyperswap.lifecycle")
 
 
 def child_env(base: Mapping[str, str], extra: Mapping[str, str], withheld: Iterable[str] = ()) -> dict[str, str]:
@@ -90,6 +102,28 @@ def _die_with(parent: int) -> Callable[[], None]:
     return preexec
 
 
+async def _kill_group(proc: asyncio.subprocess.Process, clock: Clock) -> None:
+    """SIGKILL a command's whole process group (a wrapper script's children too) and reap it, bounded."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    await asyncio.shield(within(clock, GONE_AFTER_KILL_S, proc.wait()))
+
+
+def _last_line(out: IO[bytes]) -> str | None:
+    """The last non-empty line a command wrote to `out` (a file), cut to MAX_LINE characters."""
+    try:
+        out.seek(0, os.SEEK_END)
+        size = out.tell()
+        out.seek(max(0, size - 4096))
+        data = out.read()
+    except OSError:
+        return None
+    lines = [line.strip() for line in data.decode("utf-8", "replace").splitlines() if line.strip()]
+    return lines[-1][:MAX_LINE] if lines else None
+
+
 def _exit_of(code: int) -> Exit:
     if code < 0:
         try:
@@ -106,11 +140,14 @@ class ProcessController:
     def __init__(self, name: str, command: Sequence[str], *, cwd: str | None = None,
                  env: Mapping[str, str] | None = None, stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S,
                  clock: Clock | None = None, state_dir: Path | None = None, keep_lines: int = KEEP_LINES,
-                 host: str | None = None, port: int | None = None, withheld_env: Iterable[str] = ()) -> None:
+                 host: str | None = None, port: int | None = None, withheld_env: Iterable[str] = (),
+                 stop_command: Sequence[str] | None = None) -> None:
         if not command:
             raise ValueError("a process needs a command")
         self.name = name
         self.command = tuple(command)
+        self.stop_command = tuple(stop_command) if stop_command else None
+        self.stop_error: str | None = None  # why the last stop command did not stop the app (the signals did)
         self.cwd = os.path.expanduser(cwd) if cwd else None
         self.env = dict(env or {})
         self.withheld_env = frozenset(withheld_env)  # besides HYPERSWAP_*: the admin token's variable
@@ -122,6 +159,7 @@ class ProcessController:
         self.pidfile = state_dir / f"{name}.process.json" if state_dir else None
         self.log_path = state_dir / f"{name}.log" if state_dir else None
         self._log: int | None = None  # the output file, open for reading its tail (and the child's writes)
+        self.log_run = 0  # counts the output files opened (one per start): a follower sees a new run by it
         self._proc: asyncio.subprocess.Process | None = None
         self._started: int | None = None  # the child's start time
         self._seen: dict[int, int] = {}  # descendants seen (pid -> start time): stopped with the child
@@ -135,7 +173,8 @@ class ProcessController:
         if spec.command is None:
             raise ValueError(f"tenant {name!r}: release kind {spec.kind!r} has no command")
         return cls(name, spec.command, cwd=spec.cwd, env=spec.env, stop_timeout_s=spec.effective_stop_timeout_s,
-                   clock=clock, state_dir=state_dir, host=host, port=port, withheld_env=withheld_env)
+                   clock=clock, state_dir=state_dir, host=host, port=port, withheld_env=withheld_env,
+                   stop_command=spec.stop_command)
 
     # -- the protocol ---------------------------------------------------------------------------
     @property
@@ -186,6 +225,12 @@ class ProcessController:
             return
         self._stopped_by_us = True
         members = await asyncio.to_thread(self._tree)
+        if members and self.stop_command is not None and proc.returncode is None:
+            if await self._stop_by_command(proc, members):
+                members = {}  # gone: confirmed by the child's exit and its tree's
+            else:
+                log.warning("%s: %s; stopping it with signals", self.name, self.stop_error)
+                members = await asyncio.to_thread(self._tree)
         if members:
             deadline = self.clock.now() + self.stop_timeout_s
             self._signal_all(members, signal.SIGTERM)
@@ -212,6 +257,47 @@ class ProcessController:
                     f"{self.name} stopped, but port {self.port} is still held by {use.stranger()}: a process it "
                     f"started that left its session, or another program",
                     fix=f"stop it (`kill {use.others[0]}`); the proxy signals only what it can prove is the app's")
+
+    async def _stop_by_command(self, proc: asyncio.subprocess.Process, members: Mapping[int, int]) -> bool:
+        """Run the stop command; True once the child and what it spawned are gone, within stop_timeout_s
+        (the command's run and the app's exit after it share it). False, with `stop_error` saying why,
+        when the signals must follow: it could not run, failed, ran over (then killed with its group),
+        or the app still ran at the deadline."""
+        assert self.stop_command is not None
+        shown = " ".join(self.stop_command)
+        deadline = self.clock.now() + self.stop_timeout_s
+        with tempfile.TemporaryFile() as out:  # a file, not a pipe: a descendant holding it cannot hang the stop
+            try:
+                cmd = await asyncio.create_subprocess_exec(
+                    *self.stop_command, cwd=self.cwd, env=child_env(os.environ, self.env, self.withheld_env),
+                    stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+                    preexec_fn=_die_with(os.getpid()))
+            except OSError as exc:
+                self.stop_error = f"its stop command `{shown}` could not run: {exc.strerror or exc}"
+                return False
+            try:
+                finished, code = await within(self.clock, self.stop_timeout_s, cmd.wait())
+            finally:  # ran over, or the stop was cancelled: nothing of it may stay behind
+                if cmd.returncode is None:
+                    await _kill_group(cmd, self.clock)
+            if not finished:
+                self.stop_error = (f"its stop command `{shown}` did not finish within {self.stop_timeout_s:g} s "
+                                   f"(stop_timeout_s) and was killed")
+                return False
+            if code != 0:
+                last = _last_line(out)
+                self.stop_error = f"its stop command `{shown}` failed ({_exit_of(code or 0).reason})" + (
+                    f": {last}" if last else "")
+                return False
+        await within(self.clock, max(0.0, deadline - self.clock.now()), proc.wait())
+        await self._gone(members, deadline)
+        left = [pid for pid, t in members.items() if procs.same(pid, t)]
+        if left:
+            self.stop_error = (f"its stop command `{shown}` ended, but {procs.describe(left[0])} still ran "
+                               f"{self.stop_timeout_s:g} s (stop_timeout_s) after it was run")
+            return False
+        self.stop_error = None
+        return True
 
     async def status(self) -> Status:
         if self._running():
@@ -278,15 +364,21 @@ class ProcessController:
     def describe(self) -> JSON:
         proc = self._proc
         return {"kind": self.kind, "command": list(self.command), "cwd": self.cwd, "pid": self.pid,
+                "stop_command": list(self.stop_command) if self.stop_command else None, "stop_error": self.stop_error,
                 "running": self._running(), "exit_code": None if proc is None else proc.returncode,
                 "output": list(self.output()), "orphan": self.orphan,
                 "log": str(self.log_path) if self.log_path is not None else None}
 
     async def check(self) -> list[str]:
         self.orphan = self._find_orphan() if not self._running() else self.orphan
+        problems = []
+        if self.stop_error is not None:
+            problems.append(f"tenant {self.name!r}: {self.stop_error}, so the proxy stopped it with signals (fix: run "
+                            f"`{' '.join(self.stop_command or ())}` by hand while it runs and see why; release."
+                            f"stop_command in tenants.json, or stop_timeout_s if it only needs longer)")
         if self.orphan is None:
-            return []
-        return [f"tenant {self.name!r}: process {self.orphan['pid']} from an earlier run of the proxy still runs "
+            return problems
+        return [*problems, f"tenant {self.name!r}: process {self.orphan['pid']} from an earlier run of the proxy still runs "
                 f"({' '.join(self.command)}); its record does not match it in full, so the proxy leaves it alone "
                 f"and does not start a second copy (fix: stop it yourself, `kill {self.orphan['pid']}`, so the "
                 f"proxy can start its own)"]
@@ -373,7 +465,18 @@ class ProcessController:
                 import fcntl
                 fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
         self._log = fd
+        self.log_run += 1
         return fd
+
+    def open_log(self) -> tuple[int, int] | None:
+        """A descriptor of its own onto the current run's output file, and the run's number (`log_run`),
+        for a follower (GET /api/tenants/{name}/logs) to read and close; None before the first start."""
+        if self._log is None:
+            return None
+        try:
+            return os.dup(self._log), self.log_run
+        except OSError:
+            return None
 
     # -- the record: what a restarted proxy finds again -------------------------------------------
     def _write_record(self) -> None:

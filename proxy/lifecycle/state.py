@@ -173,7 +173,7 @@ class TenantLifecycle:
     def __init__(self, tenant: str, controller: Controller, ready: Readiness, *, start_timeout_s: float, clock: Clock,
                  backoff: Backoff | None = None, on_report: OnDone | None = None, live: Liveness | None = None,
                  live_interval_s: float = LIVE_INTERVAL_S, restart: RestartPolicy = "never",
-                 restart_limit: int = 3) -> None:
+                 restart_limit: int = 3, preload: bool = False) -> None:
         self.tenant = tenant
         self.controller = controller
         self._ready = ready
@@ -186,6 +186,9 @@ class TenantLifecycle:
         self.live_interval_s = live_interval_s
         self.restart = restart
         self.restart_limit = restart_limit
+        self.preload = preload  # started once the proxy is up (tenants.json `preload`)
+        self.preload_error: str | None = None  # why that start failed (health shows it until the app runs)
+        self.preload_fix: str | None = None
         self._snap = Lifecycle(since=clock.now())
         self._start: asyncio.Task[LifecycleReport] | None = None
         self._stop: asyncio.Task[LifecycleReport] | None = None
@@ -407,6 +410,10 @@ class TenantLifecycle:
             if self._restart is asyncio.current_task():
                 self._restart = None
 
+    def preloaded(self, error: str | None, fix: str | None = None) -> None:
+        """How the start at the proxy's start went: None when it runs, else why not (and what to do)."""
+        self.preload_error, self.preload_fix = error, fix
+
     # -- plumbing ------------------------------------------------------------------------------------
     def _report(self, report: LifecycleReport) -> LifecycleReport:
         if self.on_report is not None:
@@ -430,7 +437,7 @@ class TenantLifecycle:
         s, now = self._snap, self.clock.now()
         return {"state": s.state, "for_s": round(now - s.since, 3), "error": s.error, "fix": s.fix,
                 "output": list(s.output), "failures": s.failures, "crashes": s.crashes, "exit_code": s.exit_code,
-                "restart": self.restart,
+                "restart": self.restart, "preload": self.preload, "preload_error": self.preload_error,
                 "retry_in_s": round(s.retry_at - now, 3) if s.retry_at is not None and s.retry_at > now else None,
                 "controller": self.controller.describe()}
 

@@ -116,6 +116,11 @@ def test_release_steps_escalate_and_each_has_its_own_timeout() -> None:
      "tenants.x.ready: give either a path or tcp: true"),
     ({"upstream": UP, "release": {"kind": "docker", "container": "c"}, "start_timeout_s": 0},
      "tenants.x.start_timeout_s: must be > 0"),
+    ({"upstream": UP, "release": {"kind": "docker", "container": "c", "stop_command": ["docker", "stop", "c"]}},
+     "tenants.x.release.stop_command: only release kind 'process' takes 'stop_command'"),
+    ({"upstream": UP, "release": {"kind": "process", "command": ["sh"], "stop_command": []}},
+     "tenants.x.release.stop_command: expected the program and its arguments"),
+    ({"upstream": UP, "preload": True}, "tenants.x.preload: 'preload' applies to a tenant the proxy starts"),
 ])
 def test_a_bad_lifecycle_field_is_named_by_its_path(tenant: dict[str, Any], expected: str) -> None:
     found = problems({"x": tenant})
@@ -136,6 +141,13 @@ def test_a_missing_program_is_refused_at_load_naming_its_path(tmp_path: Path) ->
     assert f"tenants.b.release.1.command.0: {not_exec} is not executable" in found[1], found
     assert "tenants.c.release.command.0: /nonexistent/server does not exist (or is not a file)" in found
     assert f"tenants.c.release.cwd: {tmp_path / 'gone'} is not a directory" in found
+
+
+def test_a_missing_stop_command_program_is_refused_at_load_naming_its_path() -> None:
+    found = problems({"a": {"upstream": "http://127.0.0.1:1", "preload": True, "release": {
+        "kind": "process", "command": [sys.executable], "stop_command": ["no-such-stopper-x9", "tts"]}}})
+    assert any(p.startswith("tenants.a.release.stop_command.0: 'no-such-stopper-x9' is not found on PATH")
+               for p in found), found
 
 
 def test_a_program_is_looked_up_on_the_path_the_child_gets(tmp_path: Path) -> None:
