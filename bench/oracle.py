@@ -1,0 +1,122 @@
+"""The oracle of bench/mixed.py: the shortest makespan any order could give a small burst on one card.
+
+Pure (no sockets, no clock): the bench measures the service times on its box and hands them in.
+
+The model of the card, per request kind (one kind per tenant: renders are ComfyUI's, chats Ollama's,
+transcriptions the speech relay's, each with one model):
+- a tenant serves its requests one at a time (ComfyUI has one worker, Ollama one slot per model, the
+  relay is timed the same way), `run_s` each while its model is on the card;
+- a tenant whose model is not on the card loads it first (`load_s`: a checkpoint or model load, the
+  relay's start), into memory that must fit beside the tenants that stay resident, counted at their
+  peak (`peak_bytes`, ComfyUI's working memory included) and the released ones at their floor (a
+  CUDA context);
+- to make room, resident tenants are released (`release_s`, in parallel, from the ask to the memory
+  back on the card), each only once its earlier work is done, never before the request that needs
+  the room has arrived (nobody can release for a request not yet sent);
+- tenants that fit together run at the same time; changes of what is resident happen in the order
+  chosen (a load never starts before the previous change of residency did), so the card never holds
+  more than it can.
+
+`best_schedule` tries every order in which the requests could be served (by default every
+interleaving of the kinds, requests of one kind first come first served: with equal service times
+serving an earlier arrival first is never worse, which `fifo=False`, every permutation, confirms in
+tests/unit/test_bench_oracle.py) and every choice of whom to release, and returns the one with the
+earliest last finish (ties: fewer handoffs). Up to 8 requests: at most 8! orders.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Service:
+    """How one kind of request behaves on the box (seconds and bytes, measured there)."""
+
+    run_s: float  # one request with its model on the card
+    load_s: float  # added when the model must be loaded (or the app started) first
+    release_s: float  # from asking the tenant to let go to the memory back on the card
+    peak_bytes: int  # what the tenant holds on the card while it serves
+    floor_bytes: int = 0  # what it keeps once released (its CUDA context; 0 when the process is gone)
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    makespan_s: float  # from time 0 (the first send) to the last request's end
+    order: str  # the kinds in the order they were served (loads and releases happen in this order)
+    handoffs: int  # loads that had to release someone first
+    finish_s: tuple[float, ...]  # each request's end, by its index in the burst
+
+
+def fits(resident: frozenset[str], services: Mapping[str, Service], capacity_bytes: int) -> bool:
+    """Whether these kinds' models can be on the card together, every other tenant at its floor."""
+    return sum(s.peak_bytes if k in resident else s.floor_bytes for k, s in services.items()) <= capacity_bytes
+
+
+@dataclass(slots=True)
+class _State:
+    resident: frozenset[str]
+    free: dict[str, float]  # when each tenant's last scheduled request ends
+    epoch: float  # when the last change of residency began
+    finish: list[float]
+    handoffs: int
+
+
+def _choices(state: _State, kind: str, arrival: float, services: Mapping[str, Service],
+             capacity_bytes: int) -> list[tuple[_State, bool]]:
+    """Every way to serve one request of `kind` next: (the state after it, whether it released someone)."""
+    svc = services[kind]
+    if kind in state.resident:
+        end = max(arrival, state.free.get(kind, 0.0)) + svc.run_s
+        return [(_State(state.resident, {**state.free, kind: end}, state.epoch, state.finish, state.handoffs), False)]
+    out: list[tuple[_State, bool]] = []
+    others = sorted(state.resident)
+    for n in range(len(others) + 1):
+        for victims in itertools.combinations(others, n):
+            after = (state.resident - set(victims)) | {kind}
+            if not fits(after, services, capacity_bytes):
+                continue
+            begin = max([arrival, state.epoch, *(state.free.get(v, 0.0) for v in victims)])
+            load_at = begin + max((services[v].release_s for v in victims), default=0.0)
+            end = load_at + svc.load_s + svc.run_s
+            out.append((_State(after, {**state.free, kind: end}, begin, state.finish,
+                               state.handoffs + (1 if victims else 0)), bool(victims)))
+    return out
+
+
+def best_schedule(kinds: str, arrivals: Sequence[float], resident: frozenset[str], services: Mapping[str, Service],
+                  capacity_bytes: int, *, fifo: bool = True) -> Schedule:
+    """The order (and releases) with the earliest last finish for requests of `kinds` (one letter per
+    request) sent at `arrivals` (seconds from the first send), the card holding `resident` kinds'
+    models at time 0. Raises ValueError when a kind cannot fit on the card even alone."""
+    if len(kinds) != len(arrivals):
+        raise ValueError(f"{len(kinds)} requests but {len(arrivals)} arrival times")
+    for k in set(kinds):
+        if not fits(frozenset({k}), services, capacity_bytes):
+            raise ValueError(f"{k} does not fit on the card even alone")
+    by_kind = {k: [i for i, c in enumerate(kinds) if c == k] for k in sorted(set(kinds))}
+    best: list[Schedule] = [Schedule(math.inf, "", 0, ())]
+
+    def visit(state: _State, done: frozenset[int], order: str) -> None:
+        span = max((state.finish[i] for i in done), default=0.0)
+        if span > best[0].makespan_s or (span == best[0].makespan_s and state.handoffs >= best[0].handoffs):
+            return  # no better than the best found: every request finishes at or after its predecessors'
+        if len(done) == len(kinds):
+            best[0] = Schedule(span, order, state.handoffs, tuple(state.finish))
+            return
+        if fifo:
+            nexts = [next(i for i in idx if i not in done) for idx in by_kind.values() if any(i not in done for i in idx)]
+        else:
+            nexts = [i for i in range(len(kinds)) if i not in done]
+        for i in nexts:
+            for after, _ in _choices(state, kinds[i], arrivals[i], services, capacity_bytes):
+                finish = list(state.finish)
+                finish[i] = after.free[kinds[i]]
+                after.finish = finish
+                visit(after, done | {i}, order + kinds[i])
+
+    visit(_State(frozenset(resident), {}, 0.0, [0.0] * len(kinds), 0), frozenset(), "")
+    return best[0]
