@@ -10,7 +10,8 @@ about 8.7 s, a 6.5 GiB checkpoint in 1.6 s), with `queue_timeout_s` from --queue
 A burst is a string of request kinds sent --gap-s apart, each by a plain HTTP client through the
 proxy's listeners:
 - R: a ComfyUI render (POST /prompt of a 4-step graph, a new seed each time, then GET /history/<id>
-  every 20 ms until it completed or failed);
+  every 20 ms until it completed or failed; with --websocket, as ComfyUI's frontend does: its
+  websocket open through the proxy, done at the end marker, which the proxy then sees too);
 - C: an Ollama chat (POST /api/generate, not streamed);
 - S (--relay, the `lifecycle` scenario): a transcription to the speech relay, an app the proxy
   starts on demand and stops when a render needs its memory.
@@ -49,6 +50,7 @@ import statistics
 import sys
 import tempfile
 import time
+import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
@@ -56,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from websockets.asyncio.client import connect as ws_connect
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -113,6 +116,7 @@ class Clients:
         self.admin = demo.proxy.url("admin")
         self.seed = random.Random(0)
         self.relay_run_s = 0.0  # a warm transcription, once measured
+        self.websocket = False  # renders with their websocket open (--websocket) instead of /history polls
 
     async def send(self, kind: str, t0: float, timeout_s: float) -> Answer:
         fn: Callable[[float, float], Awaitable[Answer]] = {"R": self.render, "C": self.chat, "S": self.speech}[kind]
@@ -124,6 +128,8 @@ class Clients:
             return Answer(kind, f"transport {type(exc).__name__}", end_s=time.perf_counter() - t0)
 
     async def render(self, t0: float, timeout_s: float) -> Answer:
+        if self.websocket:
+            return await self.render_ws(t0, timeout_s)
         base = self.urls["R"]
         graph = comfy_prompt(self.setup.checkpoint, seed=self.seed.randrange(1 << 30))  # never the cached path
         sent = time.perf_counter()
@@ -144,6 +150,41 @@ class Clients:
                 a.status = "error"
                 break
             await asyncio.sleep(POLL_S)
+        a.end_s = time.perf_counter() - t0
+        return a
+
+    async def render_ws(self, t0: float, timeout_s: float) -> Answer:
+        """A render as ComfyUI's own frontend sends it: its websocket open through the proxy, done at
+        the end marker (which the proxy sees too: the job's end is known at once)."""
+        base = self.urls["R"]
+        cid = uuid.uuid4().hex
+        graph = comfy_prompt(self.setup.checkpoint, seed=self.seed.randrange(1 << 30))
+        async with ws_connect(base.replace("http://", "ws://") + f"/ws?clientId={cid}", max_size=None,
+                              ping_interval=None) as ws:
+            await ws.recv()  # status with sid
+            sent = time.perf_counter()
+            r = await self.client.post(base + "/prompt", json={"prompt": graph, "client_id": cid}, timeout=timeout_s)
+            a = Answer("R", r.status_code, sent - t0, time.perf_counter() - t0, time.perf_counter() - sent,
+                       r.headers.get("server-timing"))
+            if r.status_code != 200:
+                return a
+            pid = r.json()["prompt_id"]
+            a.status = "unfinished"
+            try:
+                async with asyncio.timeout(max(0.0, timeout_s - (time.perf_counter() - sent))):
+                    while True:
+                        raw = await ws.recv()
+                        if not isinstance(raw, str):
+                            continue
+                        m = json.loads(raw)
+                        if m.get("type") == "execution_error" and m["data"].get("prompt_id") == pid:
+                            a.status = "error"
+                        elif m.get("type") == "executing" and m["data"].get("node") is None \
+                                and m["data"].get("prompt_id") == pid:
+                            a.status = 200 if a.status == "unfinished" else a.status
+                            break
+            except TimeoutError:
+                pass
         a.end_s = time.perf_counter() - t0
         return a
 
@@ -440,6 +481,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     try:
         async with httpx.AsyncClient(trust_env=False, timeout=args.burst_timeout_s) as client:
             clients = Clients(demo, setup, client)
+            clients.websocket = args.websocket
             card = Card(demo, setup)
             services, measured = await calibrate(clients, card, args.calibration_rounds, args.burst_timeout_s)
             params = from_parameters(demo, setup)
@@ -496,6 +538,8 @@ if __name__ == "__main__":
                         help=f"named bursts after the random ones (default: {' '.join(NAMED)}; none: --patterns alone)")
     parser.add_argument("--relay", action="store_true",
                         help="the lifecycle scenario (16 GiB card) with transcriptions (S) to the relay the proxy starts")
+    parser.add_argument("--websocket", action="store_true",
+                        help="renders wait on their websocket (through the proxy) instead of polling /history")
     parser.add_argument("--gap-s", type=float, default=0.15, help="between two sends of a burst")
     parser.add_argument("--queue-timeout-s", type=float, default=30.0, help="the proxy's queue_timeout_s")
     parser.add_argument("--burst-timeout-s", type=float, default=120.0, help="a request's client-side limit")
