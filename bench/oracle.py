@@ -63,6 +63,8 @@ class _State:
     epoch: float  # when the last change of residency began
     finish: list[float]
     handoffs: int
+    begin: list[float]  # when the card began working for each request (its release, load or run)
+    last_begin: float = 0.0  # the begin of the request just served
 
 
 def _choices(state: _State, kind: str, arrival: float, services: Mapping[str, Service],
@@ -70,8 +72,9 @@ def _choices(state: _State, kind: str, arrival: float, services: Mapping[str, Se
     """Every way to serve one request of `kind` next: (the state after it, whether it released someone)."""
     svc = services[kind]
     if kind in state.resident:
-        end = max(arrival, state.free.get(kind, 0.0)) + svc.run_s
-        return [(_State(state.resident, {**state.free, kind: end}, state.epoch, state.finish, state.handoffs), False)]
+        begin = max(arrival, state.free.get(kind, 0.0))
+        return [(_State(state.resident, {**state.free, kind: begin + svc.run_s}, state.epoch, state.finish,
+                         state.handoffs, state.begin, begin), False)]
     out: list[tuple[_State, bool]] = []
     others = sorted(state.resident)
     for n in range(len(others) + 1):
@@ -83,15 +86,35 @@ def _choices(state: _State, kind: str, arrival: float, services: Mapping[str, Se
             load_at = begin + max((services[v].release_s for v in victims), default=0.0)
             end = load_at + svc.load_s + svc.run_s
             out.append((_State(after, {**state.free, kind: end}, begin, state.finish,
-                               state.handoffs + (1 if victims else 0)), bool(victims)))
+                               state.handoffs + (1 if victims else 0), state.begin, begin), bool(victims)))
     return out
 
 
+def conserving(arrivals: Sequence[float], begin: Sequence[float], finish: Sequence[float]) -> bool:
+    """Whether the card never sat idle while a request that had arrived waited: every request's wait
+    (its arrival to the card's first work for it) is covered by work for other requests."""
+    eps = 1e-9
+    for j, (a, b) in enumerate(zip(arrivals, begin, strict=True)):
+        covered = a
+        for lo, hi in sorted((begin[i], finish[i]) for i in range(len(begin)) if i != j):
+            if covered >= b - eps or lo > covered + eps:
+                break
+            covered = max(covered, hi)
+        if covered < b - eps:
+            return False
+    return True
+
+
 def best_schedule(kinds: str, arrivals: Sequence[float], resident: frozenset[str], services: Mapping[str, Service],
-                  capacity_bytes: int, *, fifo: bool = True) -> Schedule:
+                  capacity_bytes: int, *, fifo: bool = True, work_conserving: bool = False) -> Schedule:
     """The order (and releases) with the earliest last finish for requests of `kinds` (one letter per
     request) sent at `arrivals` (seconds from the first send), the card holding `resident` kinds'
-    models at time 0. Raises ValueError when a kind cannot fit on the card even alone."""
+    models at time 0. Raises ValueError when a kind cannot fit on the card even alone.
+
+    The oracle knows the whole burst at time 0: it may keep a request waiting on an idle card for one
+    not sent yet (serve the chats that are coming before swapping away from their model). With
+    `work_conserving` only schedules that never do are counted (`conserving`): the best a scheduler
+    can do that serves what has arrived without waiting to see what comes next."""
     if len(kinds) != len(arrivals):
         raise ValueError(f"{len(kinds)} requests but {len(arrivals)} arrival times")
     for k in set(kinds):
@@ -105,7 +128,8 @@ def best_schedule(kinds: str, arrivals: Sequence[float], resident: frozenset[str
         if span > best[0].makespan_s or (span == best[0].makespan_s and state.handoffs >= best[0].handoffs):
             return  # no better than the best found: every request finishes at or after its predecessors'
         if len(done) == len(kinds):
-            best[0] = Schedule(span, order, state.handoffs, tuple(state.finish))
+            if not work_conserving or conserving(arrivals, state.begin, state.finish):
+                best[0] = Schedule(span, order, state.handoffs, tuple(state.finish))
             return
         if fifo:
             nexts = [next(i for i in idx if i not in done) for idx in by_kind.values() if any(i not in done for i in idx)]
@@ -113,10 +137,9 @@ def best_schedule(kinds: str, arrivals: Sequence[float], resident: frozenset[str
             nexts = [i for i in range(len(kinds)) if i not in done]
         for i in nexts:
             for after, _ in _choices(state, kinds[i], arrivals[i], services, capacity_bytes):
-                finish = list(state.finish)
-                finish[i] = after.free[kinds[i]]
-                after.finish = finish
+                after.finish = [*state.finish[:i], after.free[kinds[i]], *state.finish[i + 1:]]
+                after.begin = [*state.begin[:i], after.last_begin, *state.begin[i + 1:]]
                 visit(after, done | {i}, order + kinds[i])
 
-    visit(_State(frozenset(resident), {}, 0.0, [0.0] * len(kinds), 0), frozenset(), "")
+    visit(_State(frozenset(resident), {}, 0.0, [0.0] * len(kinds), 0, [0.0] * len(kinds)), frozenset(), "")
     return best[0]

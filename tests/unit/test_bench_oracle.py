@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from bench.oracle import Service, best_schedule
+from bench.oracle import Service, best_schedule, conserving
 
 GIB = 2**30
 CARD = 23 * GIB
@@ -59,3 +59,21 @@ def test_first_come_first_served_within_a_kind_loses_nothing_against_every_permu
 def test_a_kind_that_cannot_fit_alone_is_an_error() -> None:
     with pytest.raises(ValueError, match="does not fit"):
         best_schedule("C", [0.0], frozenset(), SERVICES, 10 * GIB)
+
+
+def test_work_conserving_oracle_swaps_at_once_for_the_first_request() -> None:
+    # The chat model is on the card; a render comes first, two chats right after. Knowing the chats
+    # come, the best order serves them first (the render waits on an idle card); a scheduler that
+    # serves what has arrived swaps at once and swaps back.
+    arrivals = [0.0, 0.15, 0.3]
+    clairvoyant = best_schedule("RCC", arrivals, frozenset({"C"}), SERVICES, CARD)
+    assert clairvoyant.order == "CCR" and clairvoyant.handoffs == 1, clairvoyant
+    online = best_schedule("RCC", arrivals, frozenset({"C"}), SERVICES, CARD, work_conserving=True)
+    assert online.order == "RCC" and online.handoffs == 2, online
+    assert online.makespan_s == pytest.approx(0.8 + 1.6 + 0.1 + 0.5 + 8.7 + 0.1 + 0.1), online
+
+
+def test_conserving_sees_an_idle_card_under_a_waiting_request() -> None:
+    assert conserving([0.0, 1.0], [0.0, 1.0], [1.0, 2.0])
+    assert not conserving([0.0, 0.1], [0.5, 0.1], [1.0, 0.4])  # the first waits 0.4-0.5 s on an idle card
+    assert conserving([0.0, 0.0], [0.3, 0.0], [1.0, 0.3])  # it waits while the other is served
