@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 import uuid
+import wave
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,12 +61,27 @@ class Demo:
             if self.workdir is not None:
                 shutil.rmtree(self.workdir, ignore_errors=True)
 
+    def _workdir(self) -> Path:
+        if self.workdir is None:
+            self.workdir = Path(tempfile.mkdtemp(prefix="hyperswap-demo-"))
+        return self.workdir
+
+    def sample_wav(self) -> Path:
+        """A quarter second of silence (16 kHz mono WAV), for the speech relay's Try line: a file
+        everyone has, written once to the demo's own folder."""
+        path = self._workdir() / "sample.wav"
+        if not path.exists():
+            with wave.open(str(path), "wb") as w:
+                w.setnchannels(1)
+                w.setsampwidth(2)
+                w.setframerate(16000)
+                w.writeframes(bytes(2 * 4000))
+        return path
+
     def example_prompt(self) -> Path:
         """A ComfyUI graph for this box's checkpoints, written once to a file of the demo's own (an
         absolute path: the "Try:" line works from any folder, and from an installed wheel)."""
-        if self.workdir is None:
-            self.workdir = Path(tempfile.mkdtemp(prefix="hyperswap-demo-"))
-        path = self.workdir / "comfy_prompt.json"
+        path = self._workdir() / "comfy_prompt.json"
         if not path.exists():
             ckpts = self.box.comfyui.config.checkpoints if self.box.comfyui else {}
             ckpt = EXAMPLE_CKPT if EXAMPLE_CKPT in ckpts else max(ckpts, key=lambda k: ckpts[k], default=EXAMPLE_CKPT)
@@ -134,8 +150,10 @@ def describe(demo: Demo, scenario: str) -> str:
         relay = demo.box.scenario.relay
         if relay is not None and relay.tenant in demo.proxy.servers:
             r = demo.proxy.url(relay.tenant)
-            lines += [f"  curl -s {r}/v1/audio/transcriptions --data-binary @some.wav   # starts the speech relay "
-                      f"({relay.vram_gb:g} GiB); a render that needs it stops it"]
+            lines += [f"  curl -si {r}/health                     # a read: 503 while it is stopped, never starts it",
+                      f"  curl -s {r}/v1/audio/transcriptions -H 'Content-Type: audio/wav' --data-binary "
+                      f"@{demo.sample_wav()}   # starts the speech relay ({relay.vram_gb:g} GiB); a render that "
+                      "needs it stops it"]
     lines += ["", "Ctrl-C stops everything."]
     return "\n".join(lines)
 
@@ -531,7 +549,8 @@ async def _rejection_check(demo: Demo, client: httpx.AsyncClient) -> str:
 
 
 async def _relay_stopped_and_started(demo: Demo, client: httpx.AsyncClient) -> str:
-    """The speech relay (a `process` tenant) runs after a request; a render that needs its memory
+    """The speech relay (a `process` tenant) is not started by a read (503), runs after a
+    request that needs it (an empty POST: answered); a render that needs its memory
     stops it (a `stop` decision, the child gone, its memory back on the card); the next request to
     its listener starts it again (a `start` decision, 200)."""
     assert demo.proxy and demo.box.comfyui and demo.box.scenario.relay
@@ -545,7 +564,12 @@ async def _relay_stopped_and_started(demo: Demo, client: httpx.AsyncClient) -> s
     expect_ok(await client.post(proxy.url("admin") + "/api/tenants/comfyui/release"), "comfyui's release")
     relay = proxy.url(name)
     before = len(proxy.decisions.recent(500))
-    expect_ok(await client.get(relay + "/health"), f"the first request to {name}")
+    polled = await client.get(relay + "/health")
+    if polled.status_code != 503 or machine.state != "stopped":
+        raise AssertionError(f"a read of the stopped {name} answered {polled.status_code} and left it {machine.state}: "
+                             "a read must not start it (wake_on \"writes\")")
+    expect_ok(await client.post(relay + "/v1/audio/transcriptions", content=b"",
+                                headers={"Content-Type": "audio/wav"}), f"the first request to {name}")
     pid = machine.controller.describe().get("pid")
     if machine.state != "running" or not isinstance(pid, int) or pid not in gpu.real_pids():
         raise AssertionError(f"{name} is {machine.state} after its first request; on the card: {gpu.real_pids()}")

@@ -48,6 +48,7 @@ TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 MAX_DEPTH = 32  # JSON nesting; release.body is the only free-form part and needs a few levels
 
 EngineKind = Literal["ollama", "comfyui", "generic"]
+WakeOn = Literal["writes", "any"]  # which requests start a stopped app (see Tenant.wake_on)
 ReleaseKind = Literal["ollama_unload", "comfyui_free", "http", "none", "process", "systemd", "docker"]
 # The kinds that release a tenant by stopping it, and so can start it again (proxy/lifecycle/).
 LIFECYCLE_KINDS = frozenset({"process", "systemd", "docker"})
@@ -119,6 +120,7 @@ BOUNDS: dict[str, Bound] = {
     "device": Bound(0, 63),
     "check_interval_s": Bound(1, 3600, "s"),  # each check reads the card's settings through NVML
     "keep_warm_models": Bound(0, 1000, "models"),
+    "overtake_limit": Bound(0, 1000, "requests"),  # 0: strict arrival order, a swap for every change of tenant
 }
 SUFFIX_BOUNDS: dict[str, Bound] = {"_gb": Bound(0, MAX_GIB, "GiB"), "_s": Bound(0, DAY_S, "s")}
 
@@ -528,6 +530,11 @@ class Tenant(_Strict):
                                   "ready after a start; null: the engine's own probe, else the upstream port")
     start_timeout_s: float = Field(default=120.0, description="a tenant the proxy starts: how long a start may take "
                                                               "until ready")
+    wake_on: WakeOn = Field(
+        default="writes", description="a tenant the proxy starts: which requests start it while it is stopped. writes: "
+        "any method but GET, HEAD and OPTIONS, and websockets; a read (a model list, a health poll) gets 503 with "
+        "Retry-After and the reason, or the last model list seen, so a poll never makes the app flap. any: reads "
+        "start it too")
 
     @field_validator("release")
     @classmethod
@@ -659,6 +666,10 @@ class ProxySettings(_Strict):
                                                               "Retry-After (0: answer 503 at once)")
     starvation_after_s: float = Field(default=60.0, description="how long later higher-priority arrivals may run ahead "
                                                                 "of a waiter; then it goes ahead of them")
+    overtake_limit: int = Field(default=8, description="requests for a model already on the card that may go ahead "
+                                                       "of a request waiting to swap it away (batching: one handoff "
+                                                       "for a burst); then that tenant starts nothing new until the "
+                                                       "swap. starvation_after_s bounds the same wait in time")
     spill_stable_s: float = Field(default=5.0, description="how long Ollama's split (size_vram < size) must hold still "
                                                            "to count as a CPU spill (a load grows)")
     job_lost_after_s: float = Field(default=120.0, description="a relayed job of an engine whose queue cannot be read "

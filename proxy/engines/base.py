@@ -65,7 +65,7 @@ def strip_hop_by_hop(headers: Sequence[Header]) -> list[Header]:
     return out
 
 
-def _origin_netloc(origin: str) -> str | None:
+def origin_netloc(origin: str) -> str | None:
     try:
         parts = urlsplit(origin)
     except ValueError:
@@ -79,7 +79,7 @@ def _origin_netloc(origin: str) -> str | None:
 
 def same_origin(origin: str, host: str, scheme: str) -> bool:
     """True when a browser's Origin names the address it opened (the client-facing Host)."""
-    netloc = _origin_netloc(origin)
+    netloc = origin_netloc(origin)
     if netloc is None:
         return False
     default = ":443" if scheme in ("https", "wss") else ":80"

@@ -40,13 +40,16 @@ from dataclasses import dataclass
 from typing import Literal
 
 from proxy.gpu.attribution import UNMANAGED, AttributedProcess, AttributedSnapshot
-from proxy.tenants import GIB, Registry, Tenant
+from proxy.tenants import GIB, ProxySettings, Registry, Tenant
 
 BlockReason = Literal["busy", "not_reclaimable", "protected", "not_lower_priority", "unmanaged", "requester",
                      "unknown_memory"]
 PlanMode = Literal["request", "relief"]
 Outcome = Literal["ready", "release", "wait", "impossible", "unplanned"]
 
+# Requests for what is on the card that may go ahead of one waiting to swap it away (tenants.json's
+# proxy.overtake_limit); each saves a handoff, and the bound keeps the swap from waiting for ever.
+DEFAULT_OVERTAKE_LIMIT = ProxySettings().overtake_limit
 _MAX_NAMED = 4  # blockers named in the one-line explanation; the Plan lists them all
 
 
@@ -455,6 +458,8 @@ class Waiter:
     need_bytes: int
     priority: int
     arrived_at: float
+    resident: bool = False  # its load is on the card or on its way there: it needs no memory it does not have
+    overtaken: int = 0  # requests for what is on the card that went ahead of it while it waited to swap it away
 
 
 Action = Literal["run", "wait", "refuse"]
@@ -467,6 +472,7 @@ class Verdict:
     plan: Plan
     reason: str
     behind: int | None = None  # the waiter whose handoff or wait this one queues behind
+    overtook: tuple[int, ...] = ()  # the waiters (waiting to swap its tenant away) a resident request went ahead of
 
     def to_json(self) -> dict[str, object]:
         return {"waiter": self.waiter.id, "tenant": self.waiter.tenant, "action": self.action, "reason": self.reason,
@@ -485,6 +491,24 @@ def queue_order(waiters: Iterable[Waiter], now: float, starvation_after_s: float
         old = aged(w, now, starvation_after_s)
         return (0 if old else 1, 0 if old else -w.priority, w.arrived_at, w.id)
     return sorted(waiters, key=rank)
+
+
+def may_overtake(w: Waiter, now: float, starvation_after_s: float, overtake_limit: int) -> bool:
+    """Whether a request for what is on the card may still go ahead of `w`, a request waiting for
+    that tenant to finish so its memory can be swapped away: batching saves a handoff per request
+    it lets through, but only `overtake_limit` times and never once `w` has waited
+    `starvation_after_s` (the fairness bound)."""
+    return w.overtaken < overtake_limit and not aged(w, now, starvation_after_s)
+
+
+def resident_plan(w: Waiter) -> Plan:
+    """What a request for a load already on the card (or on its way there) is admitted with: no
+    release, nothing new promised (its memory is held or reserved already)."""
+    return Plan(w.tenant, w.need_bytes, 0, 0, True, False, (), (), "on the card already: forwarded without a plan",
+                False)
+
+
+RESIDENT = "resident"  # the reason of a resident admission: its load is on the card, nothing to time
 
 
 def promised_by_tenant(claims: Mapping[str, tuple[str, int]], key: str) -> dict[str, int]:
@@ -514,7 +538,8 @@ class Releasing:
 
 def schedule(snap: AttributedSnapshot, registry: Registry, states: Mapping[str, TenantState],
              waiters: Iterable[Waiter], promised: Mapping[str, tuple[str, int]], now: float,
-             starvation_after_s: float, releasing: Sequence[Releasing] = ()) -> tuple[Verdict, ...]:
+             starvation_after_s: float, releasing: Sequence[Releasing] = (),
+             overtake_limit: int = DEFAULT_OVERTAKE_LIMIT) -> tuple[Verdict, ...]:
     """Who runs, who waits, who is refused, in queue order.
 
     `promised`: load key -> (tenant, bytes) still to reach the card for loads already admitted.
@@ -527,22 +552,32 @@ def schedule(snap: AttributedSnapshot, registry: Registry, states: Mapping[str, 
     - a waiter whose own tenant is being released for another load waits for that release to end
       (the memory is promised to that load: new work would take it back under the release). A
       release with no load behind it (the watchdog's idle release, the admin's) holds back no work.
+    - a resident waiter (its load on the card or on its way) needs no release: it runs, even ahead
+      of waiters that wait for its tenant to finish (batching: one swap for the whole burst), as
+      long as each of them `may_overtake`; past that bound it queues behind them like other work.
     - otherwise wait; what it counts on is claimed so that no later waiter takes it meanwhile.
     """
     claims = dict(promised)
-    holding_back: dict[str, Waiter] = {}  # tenant -> the first waiter ahead that waits for it
+    holding_back: dict[str, list[Waiter]] = {}  # tenant -> the waiters ahead that wait for it, first first
     starting: Waiter | None = None  # the waiter whose releases this pass starts
+    swapped: set[str] = set()  # tenants this pass starts releasing: their new work waits for that
     claimers: list[Waiter] = []  # waiters ahead in this pass that run or count on memory
     out: list[Verdict] = []
     for w in queue_order(waiters, now, starvation_after_s):
+        own = next((r for r in releasing if r.key is not None and w.tenant in r.tenants), None)
+        waiting_for_it = holding_back.get(w.tenant, [])
+        if w.resident and own is None and w.tenant not in swapped:
+            if all(may_overtake(a, now, starvation_after_s, overtake_limit) for a in waiting_for_it):
+                out.append(Verdict(w, "run", resident_plan(w), RESIDENT, overtook=tuple(a.id for a in waiting_for_it)))
+                continue
         plan = plan_release(snap, registry, states, w.tenant, w.need_bytes, promised=promised_by_tenant(claims, w.key))
-        ahead = holding_back.get(w.tenant)
+        ahead = waiting_for_it[0] if waiting_for_it else None
         if not plan.possible:
             out.append(Verdict(w, "refuse", plan, plan.explanation))
             continue
-        own = next((r for r in releasing if r.key is not None and w.tenant in r.tenants), None)
-        if own is not None:
-            out.append(Verdict(w, "wait", plan, f"queued behind the release of {w.tenant} in progress", own.waiter))
+        if own is not None or w.tenant in swapped:
+            out.append(Verdict(w, "wait", plan, f"queued behind the release of {w.tenant} in progress",
+                               own.waiter if own is not None else starting.id if starting is not None else None))
             _claim(claims, w, plan)
             continue
         if ahead is not None:
@@ -565,12 +600,13 @@ def schedule(snap: AttributedSnapshot, registry: Registry, states: Mapping[str, 
         if plan.feasible:
             if plan.releases and starting is None:
                 starting = w
+            swapped.update(r.tenant for r in plan.releases)
             out.append(Verdict(w, "run", plan, plan.explanation))
             _claim(claims, w, plan)
             claimers.append(w)
             continue
         for t in plan.wait_for:
-            holding_back.setdefault(t, w)
+            holding_back.setdefault(t, []).append(w)
         busy = ", ".join(f"{t} ({states[t].busy_reason})" if t in states else t for t in plan.wait_for)
         first = claimers[0] if claimers else None
         if busy:

@@ -27,7 +27,7 @@ from proxy.handoff import devices
 from proxy.handoff.arbiter import Plan, PlanMode, TenantState, gib, promised_by_tenant, unplanned_plan
 from proxy.handoff.busy import CONFIRM_SLACK_BYTES, QueueRead, busy_states
 from proxy.handoff.decisions import DecisionLog, HandoffFinished, HandoffStarted
-from proxy.handoff.inflight import InFlight, TenantTraffic
+from proxy.handoff.inflight import InFlight, TenantTraffic, Token
 from proxy.handoff.lifecycles import Lifecycles
 from proxy.handoff.queue import Admitted, Handoff, HandoffQueue, Released, ReleaseOrder, ReleaseResult
 from proxy.handoff.residency import Residency
@@ -359,24 +359,31 @@ class Arbitration:
         if self.load_hooks is not None:
             self.load_hooks.prepare_load(tenant, model)
 
+    def admit_work(self, work: Token) -> None:
+        self.inflight.admit(work)
+
+    def resident(self, tenant: str, key: str) -> bool:
+        r = self._reservations.get(key)
+        return self.residency.holds(tenant, key) or (r is not None and r.tenant == tenant)
+
     # -- the request path ---------------------------------------------------------------------
     async def admit(self, tenant: Tenant, path: str, body: bytes, trigger: str,
-                    *, oom: bool = False) -> tuple[Admitted, Need]:
-        """Make room for a GPU request: straight through when its load is already on the card and
-        nobody waits, else through the handoff queue (which may wait for busy tenants, up to the
-        queue timeout). A client that goes away while waiting leaves the queue."""
+                    *, oom: bool = False, work: Token | None = None) -> tuple[Admitted, Need]:
+        """Make room for a GPU request: at once when its load is already on the card (the scheduler's
+        own first step, `HandoffQueue.admit_at_once`), else through the handoff queue (which may
+        wait for busy tenants, up to the queue timeout). `work`: the request's traffic token, counted
+        as the tenant's work from its admission on. A client that goes away while waiting leaves the
+        queue."""
         need = await self.adapter(tenant).estimate_need(path, body, self.control)
         need_bytes = need.bytes
         if oom:
             self.residency.forget(tenant.name)
             snap = self.last_snapshot or await self.snapshot()
             need_bytes = max(need_bytes, self.held(snap, tenant.name) + devices.free_for(snap, tenant.name) + OOM_HEADROOM_BYTES)
-        elif self.queue.empty and self.residency.holds(tenant.name, need.key):
-            plan = Plan(tenant.name, need_bytes, 0, 0, True, False, (), (),
-                        f"{need.what} is on the card already: forwarded without a plan", False)
-            return Admitted("run", Handoff(plan, [], None), "resident"), need
+        elif (at_once := self.queue.admit_at_once(tenant, need.key, need_bytes, work)) is not None:
+            return at_once, need
         admitted = await self.queue.request(tenant, need.key, need_bytes, trigger, "oom_retry" if oom else "plan",
-                                            model=need.model)
+                                            model=need.model, work=work)
         return admitted, need
 
     def settle(self, handoff: Handoff | None) -> None:

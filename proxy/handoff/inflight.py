@@ -45,6 +45,9 @@ class TenantTraffic:
 
 @dataclass(frozen=True, slots=True)
 class Token:
+    """One GPU request on its way through the proxy. It counts as its tenant's work only once the
+    scheduler admitted it (`InFlight.admit`): a request still waiting for memory is not work, or two
+    waiters could each wait for the other's tenant to finish (design invariant 3)."""
     tenant: str
     serial: int
 
@@ -59,7 +62,8 @@ class InFlight:
     def __init__(self, clock: Clock | None = None) -> None:
         self.clock: Clock = clock or SystemClock()
         self._serial = itertools.count(1)
-        self._open: dict[int, str] = {}  # token serial -> tenant
+        self._open: dict[int, str] = {}  # token serial -> tenant, admitted requests (work)
+        self._waiting: dict[int, str] = {}  # token serial -> tenant, requests not admitted yet (not work)
         self._counts: dict[str, int] = {}
         self._jobs: dict[str, dict[str, float]] = {}  # tenant -> job id -> tracked since
         self._early: OrderedDict[tuple[str, str], None] = OrderedDict()
@@ -71,25 +75,47 @@ class InFlight:
         self.on_departure: list[DepartureListener] = []
 
     # -- requests -------------------------------------------------------------------------
-    def begin(self, tenant: str) -> Token:
+    def begin(self, tenant: str, *, admitted: bool = True) -> Token:
+        """A GPU request arrived. `admitted=False`: it goes to the scheduler first and counts as work
+        only from `admit` (the scheduler's own step of admitting it)."""
         token = Token(tenant, next(self._serial))
-        self._open[token.serial] = tenant
-        self._counts[tenant] = self._counts.get(tenant, 0) + 1
-        self._touch(tenant)
+        if admitted:
+            self._count(token)
+        else:
+            self._waiting[token.serial] = tenant
         return token
+
+    def admit(self, token: Token) -> None:
+        """The scheduler admitted the request: from now on it is its tenant's work. Idempotent."""
+        if self._waiting.pop(token.serial, None) is not None:
+            self._count(token)
+
+    def admitted(self, token: Token) -> bool:
+        return token.serial in self._open
+
+    def _count(self, token: Token) -> None:
+        self._open[token.serial] = token.tenant
+        self._counts[token.tenant] = self._counts.get(token.tenant, 0) + 1
+        self._touch(token.tenant)
 
     def end(self, token: Token, status: int | None = None) -> None:
         """Idempotent: a second end of the same token is ignored. `status`: what the client got."""
+        if self._waiting.pop(token.serial, None) is not None:
+            self._departed(token.tenant, status)  # never admitted: never work, so busy and activity stay
+            return
         tenant = self._open.pop(token.serial, None)
         if tenant is None:
             return
         self._counts[tenant] -= 1
+        self._departed(tenant, status)
+        self._touch(tenant)
+
+    def _departed(self, tenant: str, status: int | None) -> None:
         for listener in list(self.on_departure):
             try:
                 listener(tenant, status)
             except Exception:  # a broken subscriber must not break traffic
                 log.exception("departure listener failed")
-        self._touch(tenant)
 
     def active(self, tenant: str) -> None:
         """Bytes of a counted request passed (a relayed chunk): activity is now, so it counts from a

@@ -22,13 +22,14 @@ from proxy.clock import Clock
 from proxy.engines import EngineAdapter, ReleaseFailed
 from proxy.handoff.decisions import DecisionLog, LifecycleResult, LifecycleStart, LifecycleStop, Resumed
 from proxy.lifecycle.build import lifecycle_for
-from proxy.lifecycle.controller import LifecycleError
+from proxy.lifecycle.controller import LifecycleError, within
 from proxy.lifecycle.state import LifecycleReport, TenantLifecycle
-from proxy.tenants import ReleaseSpec, Tenant
+from proxy.tenants import Registry, ReleaseSpec, Tenant
 
 log = logging.getLogger("hyperswap.lifecycle")
 
 Busy = Callable[[], bool]
+WAKE_SLACK_S = 1.0  # a request waits for a start at most its start_timeout_s plus this (a failed start's cleanup)
 
 
 class Lifecycles:
@@ -41,11 +42,14 @@ class Lifecycles:
         self._decisions = decisions
         self._control = control
         self._tenants = {t.name: t for t in tenants}
+        # the admin token's variable is never a started app's (HYPERSWAP_* never are: lifecycle/process.py)
+        withheld = (tenants.config.admin.token_env,) if isinstance(tenants, Registry) else ()
         self._machines: dict[str, TenantLifecycle] = dict(controllers or {})
         for t in self._tenants.values():
             if t.name in self._machines or t.lifecycle is None:
                 continue
-            machine = lifecycle_for(t, adapter(t).ready_path, clock=clock, state_dir=state_dir, client=control)
+            machine = lifecycle_for(t, adapter(t).ready_path, clock=clock, state_dir=state_dir, client=control,
+                                    withheld_env=withheld)
             if machine is not None:
                 self._machines[t.name] = machine
         for machine in self._machines.values():
@@ -71,11 +75,11 @@ class Lifecycles:
 
     async def adopt(self) -> None:
         """At the proxy's start: a unit or container already up is adopted as running."""
-        for name, machine in self._machines.items():
-            try:
-                await machine.adopt()
-            except Exception as exc:  # an unreachable socket is a health entry, not a failed start of the proxy
-                log.warning("%s: could not read its state at start: %s", name, exc)
+        names = list(self._machines)  # together: a hung controller costs its status timeout once, not once each
+        found = await asyncio.gather(*(self._machines[n].adopt() for n in names), return_exceptions=True)
+        for name, result in zip(names, found, strict=True):
+            if isinstance(result, Exception):  # an unreachable socket is a health entry, not a failed start of the proxy
+                log.warning("%s: could not read its state at start: %s", name, result)
 
     # -- releasing -----------------------------------------------------------------------------------
     async def stop(self, tenant: Tenant, busy: Busy) -> LifecycleReport:
@@ -96,7 +100,7 @@ class Lifecycles:
         (a 503 with the reason and the app's last output lines) when it cannot be woken."""
         machine = self._machines.get(tenant.name)
         if machine is not None and machine.state != "running":
-            return await machine.ensure_running()
+            return await self._started(tenant, machine)
         if tenant.name in self._resume:
             task = self._resuming.get(tenant.name)
             if task is None:
@@ -104,6 +108,23 @@ class Lifecycles:
                 self._resuming[tenant.name] = task
             await asyncio.shield(task)
         return None
+
+    async def _started(self, tenant: Tenant, machine: TenantLifecycle) -> LifecycleReport:
+        """Await the shared start for at most the tenant's start_timeout_s (plus WAKE_SLACK_S): a
+        controller call that hangs past its own bound, or the stop of a failed start, never holds a
+        request longer. The start goes on; the next request shares it."""
+        limit = tenant.start_timeout_s + WAKE_SLACK_S
+        finished, report = await within(self._clock, limit, machine.ensure_running())
+        if finished and report is not None:
+            return report
+        known = machine.controller.describe().get("error")
+        err = LifecycleError(
+            f"tenant {tenant.name!r} was not started within {tenant.start_timeout_s:g} s (start_timeout_s)"
+            + (f": {known}" if known else f"; it is {machine.state}"),
+            fix=f"see its lifecycle entry in health (GET /api/health) and the controller's own logs; raise "
+                f"tenants.{tenant.name}.start_timeout_s if it only needs longer", output=machine.controller.output())
+        err.details.update({"tenant": tenant.name, "state": machine.state, "retry_in_s": 1})
+        raise err
 
     async def start(self, tenant: Tenant, *, force: bool = False) -> LifecycleReport:
         """Start the tenant (sharing a start under way) and return how it went, never raising: the

@@ -26,13 +26,25 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 from proxy.clock import Clock
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.visibility import held_by_device
-from proxy.handoff.arbiter import Plan, Release, Releasing, TenantState, Verdict, Waiter, gib, unplanned_plan
+from proxy.handoff.arbiter import (
+    RESIDENT,
+    Plan,
+    Release,
+    Releasing,
+    TenantState,
+    Verdict,
+    Waiter,
+    gib,
+    may_overtake,
+    resident_plan,
+    unplanned_plan,
+)
 from proxy.handoff.decisions import (
     DecisionLog,
     HandoffKind,
@@ -45,6 +57,7 @@ from proxy.handoff.decisions import (
     WaitChanged,
 )
 from proxy.handoff.devices import schedule_on_devices
+from proxy.handoff.inflight import Token
 from proxy.tasks import sleep_or_wake
 from proxy.tenants import Registry, Tenant
 
@@ -130,6 +143,12 @@ class HandoffEffects(Protocol):
         """This load will run once memory is released or a busy tenant finishes: let its files be
         read into RAM meanwhile (warm-during-release). Must not block."""
 
+    def admit_work(self, work: Token) -> None:
+        """The request was admitted: from now on it is its tenant's work (never while it waited)."""
+
+    def resident(self, tenant: str, key: str) -> bool:
+        """This load is on the card already, or on its way there (admitted, not arrived yet)."""
+
 
 @dataclass(slots=True, eq=False)
 class _Ticket:
@@ -143,6 +162,8 @@ class _Ticket:
     wait_reason: str = ""  # what the last `Queued` or `WaitChanged` said it waits for
     model: str | None = None  # what the load reads from disk, for `prepare_load`
     joined: _Underway | None = None  # the release it waits on: admitted when that reports back
+    work: Token | None = None  # the request's traffic token: work from its admission on, never before
+    overtaken: int = 0  # resident requests that went ahead of it while it waited to swap their tenant away
 
 
 @dataclass(slots=True, eq=False)
@@ -188,13 +209,46 @@ class HandoffQueue:
         if self._tickets:
             self._wake.set()
 
+    def admit_at_once(self, tenant: Tenant, key: str, need_bytes: int, work: Token | None = None) -> Admitted | None:
+        """The scheduler's first step for a request, taken without reading the card: a load that is on
+        the card already (or on its way there) runs now, ahead of requests that wait to swap its
+        tenant away, within the fairness bound (`arbiter.may_overtake`). None: it goes through
+        `request` (its tenant is being swapped away, a waiter may not be overtaken any more, or a
+        waiter not planned yet may be one that waits for it)."""
+        if not self.fx.resident(tenant.name, key):
+            return None
+        if any(tenant.name in u.state.tenants for u in self._underway if u.state.key is not None):
+            return None  # its memory is promised to another load: the release must not be undone
+        blocking: list[_Ticket] = []
+        for t in self._tickets.values():
+            if t.joined is not None:
+                continue
+            if t.verdict is None:
+                return None  # a waiter the scheduler has not seen yet: let the next pass order both
+            if t.verdict.action == "wait" and tenant.name in t.verdict.plan.wait_for:
+                blocking.append(t)
+        settings = self.fx.registry.config.proxy
+        now = self.fx.clock.now()
+        if not all(may_overtake(self._waiter(t), now, settings.starvation_after_s, settings.overtake_limit)
+                   for t in blocking):
+            return None
+        for t in blocking:
+            t.overtaken += 1
+        w = Waiter(next(self._ids), tenant.name, key, need_bytes, tenant.priority, now, resident=True)
+        if work is not None:
+            self.fx.admit_work(work)
+        return Admitted("run", Handoff(resident_plan(w), [], None), RESIDENT)
+
     async def request(self, tenant: Tenant, key: str, need_bytes: int, trigger: str, kind: HandoffKind = "plan",
-                      model: str | None = None) -> Admitted:
-        """Wait for this load's turn. A client that leaves (its task cancelled) leaves the queue and
-        gives back anything it was promised meanwhile; a release started for it runs to its end."""
+                      model: str | None = None, work: Token | None = None) -> Admitted:
+        """Wait for this load's turn. `work`: the request's traffic token, admitted (counted as the
+        tenant's work) in the same step that admits the request, never while it waits. A client that
+        leaves (its task cancelled) leaves the queue and gives back anything it was promised
+        meanwhile; a release started for it runs to its end."""
         clock = self.fx.clock
         w = Waiter(next(self._ids), tenant.name, key, need_bytes, tenant.priority, clock.now())
-        ticket = _Ticket(w, trigger, kind, asyncio.get_running_loop().create_future(), clock.wall(), model=model)
+        ticket = _Ticket(w, trigger, kind, asyncio.get_running_loop().create_future(), clock.wall(), model=model,
+                         work=work)
         self._tickets[w.id] = ticket
         self._start_driver()
         try:
@@ -297,6 +351,13 @@ class HandoffQueue:
         """The tickets each pass plans for: those not already waiting on a release under way."""
         return [t for t in self._tickets.values() if t.joined is None]
 
+    def _waiter(self, ticket: _Ticket) -> Waiter:
+        """The ticket as the pure scheduler sees it now: whether its load is resident (an OOM retry
+        never is: what is on the card was not enough) and how often it was overtaken so far."""
+        w = ticket.waiter
+        resident = ticket.kind != "oom_retry" and self.fx.resident(w.tenant, w.key)
+        return replace(w, resident=resident, overtaken=ticket.overtaken)
+
     async def _drive(self) -> None:
         try:
             while self._tickets:
@@ -319,9 +380,9 @@ class HandoffQueue:
                     if (claim := u.claim) is not None and u.state.key is not None:
                         claims[u.state.key] = claim
                 settings = self.fx.registry.config.proxy
-                verdicts = schedule_on_devices(snap, self.fx.registry, states, [t.waiter for t in pending],
+                verdicts = schedule_on_devices(snap, self.fx.registry, states, [self._waiter(t) for t in pending],
                                                claims, self.fx.clock.now(), settings.starvation_after_s,
-                                               self.releasing)
+                                               self.releasing, settings.overtake_limit)
                 if self._apply(verdicts, snap):
                     continue
                 await sleep_or_wake(self.fx.clock, self._next_pause(), self._wake)
@@ -364,6 +425,9 @@ class HandoffQueue:
             if ticket is None:
                 continue
             ticket.verdict = v
+            for overtaken in v.overtook:
+                if (behind := self._tickets.get(overtaken)) is not None:
+                    behind.overtaken += 1
             if v.action == "refuse":
                 decision = self.fx.decisions.emit(Rejected(tenant=v.waiter.tenant, trigger=ticket.trigger, plan=v.plan,
                                                            status=507, reason=v.reason))
@@ -373,6 +437,9 @@ class HandoffQueue:
                 self._note_wait(ticket, v)
             elif v.plan.releases:
                 self._join_or_start(ticket, v, snap)
+            elif v.reason == RESIDENT:  # on the card already: its memory is held or reserved, nothing to promise
+                self._resolve(ticket, Admitted("run", Handoff(v.plan, [], None, snap), v.reason))
+                progressed = True
             else:
                 handoff = Handoff(v.plan, [], None, snap)
                 self.fx.reserve(v.waiter.key, handoff)
@@ -409,6 +476,8 @@ class HandoffQueue:
                                               result=ended, waited_s=admitted.handoff.waited_s,
                                               ended_by=by.id if by is not None else None, ended_with=admitted.reason))
         if not ticket.future.done():
+            if admitted.outcome == "run" and ticket.work is not None:
+                self.fx.admit_work(ticket.work)  # work from this step on: no pass sees it idle in between
             ticket.future.set_result(admitted)
         elif admitted.outcome == "run":
             self.fx.abandon(admitted.handoff)  # its client left at this very moment

@@ -4,7 +4,7 @@ a release kind to a controller class."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -29,28 +29,32 @@ def default_state_dir(env: Mapping[str, str] | None = None) -> Path:
 
 def controller_for(tenant: Tenant, *, clock: Clock, state_dir: Path | None = None,
                    systemctl: str | Sequence[str] = "systemctl",
-                   docker_transport: httpx.AsyncBaseTransport | None = None) -> Controller | None:
-    """The controller of the tenant's stopping release step; None when its release stops nothing."""
+                   docker_transport: httpx.AsyncBaseTransport | None = None,
+                   withheld_env: Iterable[str] = ()) -> Controller | None:
+    """The controller of the tenant's stopping release step; None when its release stops nothing.
+    `withheld_env`: variables a started process never inherits besides HYPERSWAP_* (the admin token's)."""
     spec = tenant.lifecycle
     if spec is None:
         return None
     if spec.kind == "process":
-        return ProcessController.from_spec(tenant.name, spec, clock=clock, state_dir=state_dir)
+        return ProcessController.from_spec(tenant.name, spec, clock=clock, state_dir=state_dir,
+                                           withheld_env=withheld_env)
     if spec.kind == "systemd":
-        return SystemdController.from_spec(spec, systemctl=systemctl, clock=clock)
+        return SystemdController.from_spec(spec, systemctl=systemctl, clock=clock, start_timeout_s=tenant.start_timeout_s,
+                                           stop_timeout_s=spec.timeout_s or tenant.release_timeout_s)
     if spec.kind == "docker":
-        return DockerController.from_spec(spec, transport=docker_transport)
+        return DockerController.from_spec(spec, transport=docker_transport, start_timeout_s=tenant.start_timeout_s)
     raise ValueError(f"release kind {spec.kind!r} has no lifecycle controller")
 
 
 def lifecycle_for(tenant: Tenant, engine_ready_path: str | None, *, clock: Clock, state_dir: Path | None = None,
                   systemctl: str | Sequence[str] = "systemctl", docker_transport: httpx.AsyncBaseTransport | None = None,
                   client: httpx.AsyncClient | None = None, backoff: Backoff | None = None,
-                  on_report: OnDone | None = None) -> TenantLifecycle | None:
+                  on_report: OnDone | None = None, withheld_env: Iterable[str] = ()) -> TenantLifecycle | None:
     """The tenant's state machine, with its controller and readiness probe (`engine_ready_path`:
     `adapter_for(tenant).ready_path`); None for a tenant the proxy does not start and stop."""
     controller = controller_for(tenant, clock=clock, state_dir=state_dir, systemctl=systemctl,
-                                docker_transport=docker_transport)
+                                docker_transport=docker_transport, withheld_env=withheld_env)
     if controller is None:
         return None
     ready = probe_readiness(probe_for(tenant, engine_ready_path), clock, exited=controller.exited, client=client)

@@ -8,6 +8,10 @@ Calls (Engine API, unversioned paths, which the daemon serves as its own version
   GET  /containers/{id}/json       200 with State.Running (and State.Paused), 404
 Errors come as `{"message": "..."}`. A container running when the proxy starts is adopted; at
 shutdown it is left running.
+
+Every call is bounded: a start by the tenant's `start_timeout_s`, a stop by its `t` plus
+REQUEST_TIMEOUT_S, an inspect (status, health) by STATUS_TIMEOUT_S. A daemon that accepts and never
+answers is an error that says so, not a wait.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from proxy.lifecycle.controller import JSON, LifecycleError, Status
 from proxy.tenants import DEFAULT_DOCKER_SOCKET, DEFAULT_STOP_TIMEOUT_S, ReleaseSpec
 
 REQUEST_TIMEOUT_S = 30.0  # beyond the stop's own t=N
+STATUS_TIMEOUT_S = 10.0  # an inspect: the daemon answers at once when it is well
 
 
 class DockerController:
@@ -30,22 +35,26 @@ class DockerController:
 
     def __init__(self, container: str, socket: str = DEFAULT_DOCKER_SOCKET, *,
                  stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S, transport: httpx.AsyncBaseTransport | None = None,
-                 request_timeout_s: float = REQUEST_TIMEOUT_S) -> None:
+                 request_timeout_s: float = REQUEST_TIMEOUT_S, start_timeout_s: float | None = None,
+                 status_timeout_s: float | None = None) -> None:
         self.container = container
         self.socket = os.path.expanduser(socket)
         self.stop_timeout_s = stop_timeout_s
         self.request_timeout_s = request_timeout_s
+        self.start_timeout_s = min(start_timeout_s, request_timeout_s) if start_timeout_s else request_timeout_s
+        self.status_timeout_s = min(status_timeout_s or STATUS_TIMEOUT_S, request_timeout_s)
         self._client = httpx.AsyncClient(transport=transport or httpx.AsyncHTTPTransport(uds=self.socket),
                                          base_url="http://docker", timeout=request_timeout_s, trust_env=False)
         self._path = f"/containers/{quote(container, safe='')}"
         self._last_error: str | None = None
 
     @classmethod
-    def from_spec(cls, spec: ReleaseSpec, *, transport: httpx.AsyncBaseTransport | None = None) -> DockerController:
+    def from_spec(cls, spec: ReleaseSpec, *, transport: httpx.AsyncBaseTransport | None = None,
+                  start_timeout_s: float | None = None) -> DockerController:
         if spec.container is None:
             raise ValueError(f"release kind {spec.kind!r} has no container")
         return cls(spec.container, spec.effective_socket, stop_timeout_s=spec.effective_stop_timeout_s,
-                   transport=transport)
+                   transport=transport, start_timeout_s=start_timeout_s)
 
     def _unreachable(self, exc: Exception) -> LifecycleError:
         if not os.path.exists(self.socket):
@@ -55,11 +64,23 @@ class DockerController:
             fix = f"the proxy's user may not use {self.socket}: add it to the socket's group (usually `docker`)"
         else:
             fix = f"check that the Docker daemon behind {self.socket} runs (`systemctl status docker`)"
-        return LifecycleError(f"cannot reach the Docker Engine API at {self.socket}: {exc}", fix=fix)
+        return LifecycleError(f"cannot reach the Docker Engine API at {self.socket}: {exc or type(exc).__name__}",
+                              fix=fix)
 
-    async def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    def _silent(self, method: str, path: str, timeout_s: float) -> LifecycleError:
+        return LifecycleError(
+            f"the Docker Engine API at {self.socket} did not answer {method} {self._path + path} within {timeout_s:g} s",
+            fix=f"check the daemon behind {self.socket} (`systemctl status docker`, `docker info`): it accepts "
+                "connections but does not answer")
+
+    async def _call(self, method: str, path: str, *, limit_s: float, **kwargs: Any) -> httpx.Response:
         try:
-            return await self._client.request(method, self._path + path, **kwargs)
+            return await self._client.request(method, self._path + path, timeout=limit_s, **kwargs)
+        except httpx.TimeoutException as exc:
+            error = self._silent(method, path, limit_s) if not isinstance(exc, httpx.ConnectTimeout) \
+                else self._unreachable(exc)
+            self._last_error = error.message
+            raise error from None
         except httpx.TransportError as exc:
             error = self._unreachable(exc)
             self._last_error = error.message
@@ -77,8 +98,8 @@ class DockerController:
         return LifecycleError(f"Docker refused to {what} container {self.container!r}: {r.status_code} {message[:300]}",
                               fix=f"see `docker logs --tail 50 {self.container}`")
 
-    async def _act(self, what: str, path: str, **kwargs: Any) -> None:
-        r = await self._call("POST", path, **kwargs)
+    async def _act(self, what: str, path: str, *, limit_s: float, **kwargs: Any) -> None:
+        r = await self._call("POST", path, limit_s=limit_s, **kwargs)
         if r.status_code not in (204, 304):  # 304: already started / already stopped
             error = self._refused(what, r)
             self._last_error = error.message
@@ -86,14 +107,14 @@ class DockerController:
         self._last_error = None
 
     async def start(self) -> None:
-        await self._act("start", "/start")
+        await self._act("start", "/start", limit_s=self.start_timeout_s)
 
     async def stop(self) -> None:
         t = math.ceil(self.stop_timeout_s)
-        await self._act("stop", "/stop", params={"t": t}, timeout=t + self.request_timeout_s)
+        await self._act("stop", "/stop", params={"t": t}, limit_s=t + self.request_timeout_s)
 
     async def _inspect(self) -> dict[str, Any]:
-        r = await self._call("GET", "/json")
+        r = await self._call("GET", "/json", limit_s=self.status_timeout_s)
         if r.status_code != 200:
             raise self._refused("inspect", r)
         data = r.json()

@@ -5,6 +5,10 @@ spawned (a shell script's server, a worker pool): SIGTERM to the group, SIGKILL 
 `stop_timeout_s`, and the child is reaped. stdin is closed; stdout and stderr are read into a ring
 of the last lines, shown where a start fails and in the admin API.
 
+The child's environment is the proxy's without its secrets: no `HYPERSWAP_*` variable (the admin
+token, the config path), not the variable admin.token_env names, not systemd's CREDENTIALS_DIRECTORY
+(where a service's token file would be); the tenant's `env` is applied last and wins (`child_env`).
+
 Only what this controller started is ever signalled. With a state directory it writes a pidfile
 (pid, process group, the kernel's start time of the pid) so a proxy restarted after a crash can
 name the orphan of its previous run in health; it never kills it (the pid may be someone else's by
@@ -19,16 +23,26 @@ import json
 import os
 import signal
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from proxy.clock import Clock, SystemClock
 from proxy.lifecycle.controller import JSON, LifecycleError, Status, within
 from proxy.tenants import DEFAULT_STOP_TIMEOUT_S, ReleaseSpec
 
+SECRET_PREFIX = "HYPERSWAP_"
+WITHHELD = frozenset({"CREDENTIALS_DIRECTORY"})  # systemd's folder of the proxy's own credentials
 KEEP_LINES = 50
 MAX_LINE = 1000  # characters kept of one line (a progress bar can write megabytes without a newline)
 READ_CHUNK = 4096
+
+
+def child_env(base: Mapping[str, str], extra: Mapping[str, str], withheld: Iterable[str] = ()) -> dict[str, str]:
+    """A started app's environment: `base` (the proxy's) less the proxy's secrets (every HYPERSWAP_*
+    variable, WITHHELD, and `withheld`: the admin token's variable), then `extra` (tenants.json's
+    `env`, which wins, even for a name withheld here)."""
+    drop = WITHHELD | frozenset(withheld)
+    return {**{k: v for k, v in base.items() if not k.startswith(SECRET_PREFIX) and k not in drop}, **extra}
 
 
 def _start_time(pid: int) -> int | None:
@@ -68,13 +82,15 @@ class ProcessController:
 
     def __init__(self, name: str, command: Sequence[str], *, cwd: str | None = None,
                  env: Mapping[str, str] | None = None, stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S,
-                 clock: Clock | None = None, state_dir: Path | None = None, keep_lines: int = KEEP_LINES) -> None:
+                 clock: Clock | None = None, state_dir: Path | None = None, keep_lines: int = KEEP_LINES,
+                 withheld_env: Iterable[str] = ()) -> None:
         if not command:
             raise ValueError("a process needs a command")
         self.name = name
         self.command = tuple(command)
         self.cwd = os.path.expanduser(cwd) if cwd else None
         self.env = dict(env or {})
+        self.withheld_env = frozenset(withheld_env)  # besides HYPERSWAP_*: the admin token's variable
         self.stop_timeout_s = stop_timeout_s
         self.clock: Clock = clock or SystemClock()
         self.pidfile = state_dir / f"{name}.process.json" if state_dir else None
@@ -86,11 +102,11 @@ class ProcessController:
 
     @classmethod
     def from_spec(cls, name: str, spec: ReleaseSpec, *, clock: Clock | None = None,
-                  state_dir: Path | None = None) -> ProcessController:
+                  state_dir: Path | None = None, withheld_env: Iterable[str] = ()) -> ProcessController:
         if spec.command is None:
             raise ValueError(f"tenant {name!r}: release kind {spec.kind!r} has no command")
         return cls(name, spec.command, cwd=spec.cwd, env=spec.env, stop_timeout_s=spec.effective_stop_timeout_s,
-                   clock=clock, state_dir=state_dir)
+                   clock=clock, state_dir=state_dir, withheld_env=withheld_env)
 
     # -- the protocol ---------------------------------------------------------------------------
     @property
@@ -108,8 +124,9 @@ class ProcessController:
         self._stopped_by_us = False
         try:
             proc = await asyncio.create_subprocess_exec(
-                *self.command, cwd=self.cwd, env={**os.environ, **self.env}, stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+                *self.command, cwd=self.cwd, env=child_env(os.environ, self.env, self.withheld_env),
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True)
         except OSError as exc:
             raise LifecycleError(f"cannot run {self.command[0]} for tenant {self.name!r}: {exc.strerror or exc}",
                                  fix="check the command in tenants.json (release.command, cwd) and that the "

@@ -10,12 +10,19 @@ to a unit's own start and stop. `--user` reaches the user's manager (scope `user
 The unit name comes from tenants.json only (validated: it cannot start with '-'), and `--` ends the
 options before it, so nothing from a request ever reaches the command line. A unit that runs when
 the proxy starts is adopted (`status` says running); at shutdown it is left running.
+
+Every `systemctl` is bounded: a start by the tenant's `start_timeout_s`, a stop by its release
+timeout, a status or check by STATUS_TIMEOUT_S. It runs in a process group of its own, killed
+whole (SIGKILL) when it runs over or its caller gives up (a health check's timeout), so none is left
+behind; the error says which command hung and for how long.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 from collections.abc import Sequence
 from typing import Literal
 
@@ -24,6 +31,8 @@ from proxy.lifecycle.controller import JSON, LifecycleError, Status, within
 from proxy.tenants import ReleaseSpec
 
 COMMAND_TIMEOUT_S = 120.0  # systemctl waits for the unit's job; the unit's own TimeoutStartSec/TimeoutStopSec bound it
+STATUS_TIMEOUT_S = 10.0  # is-active, show: systemd answers these at once
+REAP_TIMEOUT_S = 2.0  # after SIGKILL to its group: a systemctl that still is not gone is not waited for
 RUNNING = frozenset({"active", "activating", "reloading", "deactivating", "refreshing"})  # holds its memory still
 STOPPED = frozenset({"inactive", "failed"})
 
@@ -33,20 +42,27 @@ class SystemdController:
 
     def __init__(self, unit: str, scope: Literal["system", "user"] = "system", *,
                  systemctl: str | Sequence[str] = "systemctl", command_timeout_s: float = COMMAND_TIMEOUT_S,
-                 clock: Clock | None = None) -> None:
+                 start_timeout_s: float | None = None, stop_timeout_s: float | None = None,
+                 status_timeout_s: float | None = None, clock: Clock | None = None) -> None:
         self.unit = unit
         self.scope = scope
         self.systemctl = (systemctl,) if isinstance(systemctl, str) else tuple(systemctl)
         self.command_timeout_s = command_timeout_s
+        self.timeouts = {"start": start_timeout_s or command_timeout_s, "stop": stop_timeout_s or command_timeout_s}
+        self.status_timeout_s = min(status_timeout_s or STATUS_TIMEOUT_S, command_timeout_s)
         self.clock: Clock = clock or SystemClock()
         self._last: tuple[str, ...] = ()  # the last failing command's output
+        self._error: str | None = None  # the last failed command, in words
 
     @classmethod
-    def from_spec(cls, spec: ReleaseSpec, *, systemctl: str | Sequence[str] = "systemctl",
-                  clock: Clock | None = None) -> SystemdController:
+    def from_spec(cls, spec: ReleaseSpec, *, systemctl: str | Sequence[str] = "systemctl", clock: Clock | None = None,
+                  start_timeout_s: float | None = None, stop_timeout_s: float | None = None) -> SystemdController:
+        """`start_timeout_s`: the tenant's (a start is never waited for longer); `stop_timeout_s`: the
+        release step's timeout (the card must show the memory back within it anyway)."""
         if spec.unit is None:
             raise ValueError(f"release kind {spec.kind!r} has no unit")
-        return cls(spec.unit, spec.effective_scope, systemctl=systemctl, clock=clock)
+        return cls(spec.unit, spec.effective_scope, systemctl=systemctl, clock=clock, start_timeout_s=start_timeout_s,
+                   stop_timeout_s=stop_timeout_s)
 
     def _shell(self, *args: str) -> str:
         return " ".join(["systemctl", *(["--user"] if self.scope == "user" else []), *args, self.unit])
@@ -55,34 +71,49 @@ class SystemdController:
     def _journal(self) -> str:
         return f"journalctl {'--user ' if self.scope == 'user' else ''}-u {self.unit} -n 50"
 
-    async def _run(self, *args: str) -> tuple[int, str]:
+    async def _run(self, *args: str, timeout_s: float | None = None) -> tuple[int, str]:
+        """Run one systemctl for at most `timeout_s`: (exit code, output). Raises LifecycleError when it
+        cannot run or runs over; whatever happens, its whole process group is gone when this returns."""
+        timeout_s = self.command_timeout_s if timeout_s is None else timeout_s
         argv = [*self.systemctl, *(["--user"] if self.scope == "user" else []), *args, "--", self.unit]
         try:
             proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL,
-                                                        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+                                                        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+                                                        start_new_session=True)
         except OSError as exc:
             raise LifecycleError(f"cannot run {self.systemctl[0]}: {exc.strerror or exc}",
                                  fix="this host does not seem to run systemd: use release kind process or docker") from None
-        finished, result = await within(self.clock, self.command_timeout_s, proc.communicate())
+        try:
+            finished, result = await within(self.clock, timeout_s, proc.communicate())
+        finally:  # ran over, or the caller gave up (cancelled): nothing of it may stay behind
+            if proc.returncode is None:
+                await self._kill(proc)
         if not finished or result is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
-            raise LifecycleError(f"`{self._shell(*args)}` did not finish within {self.command_timeout_s:g} s",
-                                 fix=f"see why with `{self._journal}`")
+            self._error = f"`{self._shell(*args)}` did not finish within {timeout_s:g} s and was killed"
+            raise LifecycleError(self._error, fix=f"see why with `{self._journal}` and `systemctl "
+                                                  f"{'--user ' if self.scope == 'user' else ''}list-jobs`")
         out = result[0].decode("utf-8", "replace")
         return proc.returncode or 0, out
 
+    async def _kill(self, proc: asyncio.subprocess.Process) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)  # its group: a wrapper script's children too
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await asyncio.shield(within(self.clock, REAP_TIMEOUT_S, proc.wait()))
+
     async def _act(self, verb: str) -> None:
-        code, out = await self._run(verb)
+        code, out = await self._run(verb, timeout_s=self.timeouts[verb])
         if code != 0:
             self._last = tuple(line for line in out.splitlines() if line.strip())[-20:]
             why = f": {self._last[-1]}" if self._last else ""
+            self._error = f"`{self._shell(verb)}` failed (exit {code}){why}"
             raise LifecycleError(
-                f"`{self._shell(verb)}` failed (exit {code}){why}", output=self._last,
+                self._error, output=self._last,
                 fix=f"see why with `{self._journal}`; the proxy's user needs a polkit rule (or sudoers entry) "
                     f"allowing it to {verb} {self.unit}" if self.scope == "system" else f"see why with `{self._journal}`")
         self._last = ()
+        self._error = None
 
     async def start(self) -> None:
         await self._act("start")
@@ -92,7 +123,7 @@ class SystemdController:
 
     async def status(self) -> Status:
         try:
-            _, out = await self._run("is-active")
+            _, out = await self._run("is-active", timeout_s=self.status_timeout_s)
         except LifecycleError:
             return "unknown"
         words = out.split()
@@ -100,7 +131,8 @@ class SystemdController:
         return "running" if state in RUNNING else "stopped" if state in STOPPED else "unknown"
 
     def describe(self) -> JSON:
-        return {"kind": self.kind, "unit": self.unit, "scope": self.scope, "output": list(self._last)}
+        return {"kind": self.kind, "unit": self.unit, "scope": self.scope, "output": list(self._last),
+                "error": self._error}
 
     def output(self) -> tuple[str, ...]:
         return self._last
@@ -110,7 +142,7 @@ class SystemdController:
 
     async def check(self) -> list[str]:
         try:
-            _, out = await self._run("show", "--property=LoadState", "--value")
+            _, out = await self._run("show", "--property=LoadState", "--value", timeout_s=self.status_timeout_s)
         except LifecycleError as exc:
             return [exc.one_line().removeprefix("error: ")]
         load = out.strip()

@@ -13,6 +13,11 @@ The watcher never runs while the body is being read (two readers would split the
 them), and it starts only once a request has lasted `WATCH_AFTER_S`: most requests end sooner,
 and a task per request costs ~9 µs against ~120 µs of relay CPU for a small GET (a timer ~1 µs).
 
+A request whose framing says it has no body (no Content-Length, or 0, and no Transfer-Encoding) has
+its one empty body message made up by the link: the watcher may already have read the server's
+(it runs for a bodyless request from WATCH_AFTER_S on, and a start of a stopped app takes longer),
+and a body reader must never wait for a message that will not come.
+
 Not seen: a client that pipelines a second request behind a silent first one and then leaves.
 uvicorn marks only the queued request as disconnected, so the first one's receive() never says so
 (no engine client pipelines; browsers and the ollama/openai clients do not).
@@ -43,6 +48,7 @@ class ClientLink:
     __slots__ = (
         "_body_done",
         "_cancelled",
+        "_empty_given",
         "_has_body",
         "_receive",
         "_task",
@@ -59,6 +65,7 @@ class ClientLink:
         self._watcher: asyncio.Task[None] | None = None
         self._has_body = _has_body(scope)
         self._body_done = not self._has_body
+        self._empty_given = False  # a bodyless request's empty body message was handed to a reader
         self._watch_wanted = False
         self._cancelled = False  # this link cancelled the serving task
         self.left = False
@@ -69,6 +76,9 @@ class ClientLink:
         return body_chunks(self) if self._has_body else b""
 
     async def receive(self) -> Message:
+        if not self._has_body and not self._empty_given:
+            self._empty_given = True  # the server's own may be the watcher's already
+            return {"type": "http.request", "body": b"", "more_body": False}
         message = await self._receive()
         if message["type"] == "http.disconnect":
             self.left = True  # the body's reader raises ClientDisconnect; the serving task is not cancelled

@@ -345,7 +345,7 @@ class Forwarder:
         except websockets.InvalidStatus as exc:
             status = exc.response.status_code
             log.info("%s: upstream refused websocket %s with %d", tenant.name, scope["path"], status)
-            await ws.send_denial_response(Response(exc.response.body or b"", status_code=status)) \
+            await ws.send_denial_response(Response(bytes(exc.response.body or b""), status_code=status)) \
                 if "websocket.http.response" in scope.get("extensions", {}) else await ws.close(1008)
             return
         except (TimeoutError, OSError, websockets.InvalidHandshake) as exc:

@@ -19,15 +19,18 @@ from starlette.responses import JSONResponse, Response
 from proxy.engines import EngineAdapter, Need, ReleaseFailed, strip_hop_by_hop
 from proxy.engines.base import JobReplay
 from proxy.handoff import devices
-from proxy.handoff.arbiter import gib
+from proxy.handoff.arbiter import RESIDENT, gib
 from proxy.handoff.arbitration import Arbitration
 from proxy.handoff.decisions import FirstByte, HandoffStarted, OomRetry, Rejected, StaleJob
+from proxy.handoff.inflight import Token
 from proxy.handoff.queue import Admitted, Handoff
 from proxy.lifecycle.controller import LifecycleError
 from proxy.relay.forward import UpstreamResponse
 from proxy.tenants import Tenant
 
 log = logging.getLogger("hyperswap.gate")
+
+STOPPED_RETRY_AFTER_S = 10  # a read kept from a stopped app: nothing starts it by itself, so poll slowly
 
 
 class LoadHooks(Protocol):
@@ -193,16 +196,30 @@ class GpuGate:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def wake(self, tenant: Tenant, what: str) -> Response | None:
+    async def wake(self, tenant: Tenant, what: str, *, reads_only: bool = False,
+                   origin: str | None = None) -> Response | None:
         """Before anything reaches a tenant that sleeps (stopped by the proxy, or owing a resume): room
         is made for it like for a load, then it is started (one start shared by every request that
         waits for it). None: it is awake, forward. Else the answer: 507, 503 after the queue timeout,
-        or 503 with the reason and the app's last output lines when the start failed."""
+        or 503 with the reason and the app's last output lines when the start failed.
+
+        `reads_only`: the request only reads and the tenant's `wake_on` is "writes"; `origin`: a
+        browser's Origin the listener does not allow. Neither starts a tenant that sleeps (a poll
+        must not make it flap, a foreign page must not start it): they are answered with the reason,
+        or join a start already under way. A request that did start it counts as activity, so the
+        idle release counts from its start, not from before."""
+        if reads_only or origin is not None:
+            refusal = self._kept_asleep(tenant, what, origin)
+            if refusal is not None:
+                return refusal
         try:
             admitted = await self.arb.wake(tenant, f"start of {tenant.name} for {what}")
         except LifecycleError as exc:
             return JSONResponse(exc.to_json(), status_code=exc.status, headers={"Retry-After": retry_after(exc)})
-        if admitted is None or admitted.outcome == "run":
+        if admitted is None:
+            return None
+        if admitted.outcome == "run":
+            self.arb.inflight.active(tenant.name)  # woken for this request: its ttl counts from now
             return None
         if admitted.outcome == "timeout":
             self.arb.decisions.emit(Rejected(tenant=tenant.name, trigger=f"start for {what}",
@@ -210,17 +227,43 @@ class GpuGate:
             return timeout_response(tenant, admitted, self.arb.registry.config.proxy.queue_timeout_s)
         return JSONResponse(rejection_body(tenant, admitted.handoff, self.arb.start_need(tenant)), status_code=507)
 
+    def _kept_asleep(self, tenant: Tenant, what: str, origin: str | None) -> Response | None:
+        """The answer to a request that must not wake `tenant` (a read, a foreign Origin), if it sleeps
+        and no start is under way to join; None: go on (it is awake, or starting)."""
+        lifecycles = self.arb.lifecycles
+        if not lifecycles.dormant(tenant.name):
+            return None
+        machine = lifecycles.machine(tenant.name)
+        state = machine.state if machine is not None else "released"
+        if state == "starting":
+            return None  # the start under way is shared, as for any request
+        start = f"POST http://{self.arb.registry.config.admin.listen}/api/tenants/{tenant.name}/start"
+        body: dict[str, Any] = {"tenant": tenant.name, "state": state}
+        if machine is not None and state == "failed":
+            body["last_error"] = machine.snapshot.error
+        if origin is not None:
+            body.update(error=f"{tenant.name} is {state}: a request from another origin ({origin[:200]!r}) never "
+                              "starts it", fix=f"open it from its own address, or start it first ({start})")
+            return JSONResponse(body, status_code=403)
+        body.update(error=f"{tenant.name} is {state}: {what} only reads, and a read does not start it "
+                          "(wake_on is \"writes\", so a poll never makes it flap)",
+                    wake_on=tenant.wake_on, retry_after_s=STOPPED_RETRY_AFTER_S,
+                    fix=f"send the request that needs it (a POST starts it), start it with {start}, or set "
+                        f"tenants.{tenant.name}.wake_on to \"any\" so reads start it too")
+        return JSONResponse(body, status_code=503, headers={"Retry-After": str(STOPPED_RETRY_AFTER_S)})
+
     async def handle(self, tenant: Tenant, request: Request, body: bytes,
-                     forward: Callable[[bytes], Awaitable[UpstreamResponse]]) -> UpstreamResponse | Response:
+                     forward: Callable[[bytes], Awaitable[UpstreamResponse]], work: Token) -> UpstreamResponse | Response:
         adapter = self._adapter(tenant)
         unloading = adapter.unload_target(request.url.path, body)
         if unloading is not None:
             # An unload loads nothing: it needs no memory, releases nobody and is never refused.
             self.arb.residency.forget(tenant.name, adapter.load_key(unloading))
+            self.arb.inflight.admit(work)
             return await forward(body)
         trigger = f"request {request.method} {request.url.path}"
         arrived, arrived_wall = self.arb.clock.now(), self.arb.clock.wall()
-        admitted, need = await self.arb.admit(tenant, request.url.path, body, trigger)
+        admitted, need = await self.arb.admit(tenant, request.url.path, body, trigger, work=work)
         handoff = admitted.handoff
         retry: Handoff | None = None
         outlives = adapter.captures_job(request.method, request.url.path)
@@ -231,7 +274,7 @@ class GpuGate:
         if admitted.outcome == "refuse":
             return JSONResponse(rejection_body(tenant, handoff, need), status_code=507)
         hooks = self.load_hooks
-        loads = need.model is not None and admitted.reason != "resident"  # on the card already: nothing to time
+        loads = need.model is not None and admitted.reason != RESIDENT  # on the card already: nothing to time
         # The request's story hangs on its wait, else on the handoff it caused (GET /api/decisions/{id}).
         started = handoff.decision.id if isinstance(handoff.decision, HandoffStarted) else None
         story = handoff.queued if handoff.queued is not None else started

@@ -23,11 +23,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket
 
+from proxy.engines.base import origin_netloc, same_origin
 from proxy.errors import HyperSwapError
 from proxy.handoff.inflight import InFlight, JobFate, JobPoller, Token
 from proxy.relay.departure import ClientLink
 from proxy.relay.forward import Forwarder, UpstreamResponse
-from proxy.relay.guards import answer, host_header, refuse_tenant_host
+from proxy.relay.guards import SAFE_METHODS, answer, host_header, refuse_tenant_host
 from proxy.tenants import Tenant
 
 log = logging.getLogger("hyperswap.listener")
@@ -37,7 +38,9 @@ JOB_RESPONSE_MAX = 1 << 20  # a POST /prompt answer is tiny; never hold more tha
 
 class Admission(Protocol):
     async def handle(self, tenant: Tenant, request: Request, body: bytes,
-                     forward: Callable[[bytes], Awaitable[UpstreamResponse]]) -> UpstreamResponse | Response: ...
+                     forward: Callable[[bytes], Awaitable[UpstreamResponse]], work: Token) -> UpstreamResponse | Response:
+        """Admit the request (its `work` token counts as the tenant's work from the moment the
+        scheduler admits it, never while it waits), forward it, retry once after an OOM."""
 
     def on_frame(self, tenant: Tenant, text: str) -> None:
         """Every upstream websocket text frame (ComfyUI's OOM arrives as one); must be cheap."""
@@ -48,9 +51,11 @@ class Admission(Protocol):
     def on_job_lost(self, tenant: Tenant, job_id: str) -> None:
         """A job the engine has in neither its queue nor its history: no longer counted."""
 
-    async def wake(self, tenant: Tenant, what: str) -> Response | None:
+    async def wake(self, tenant: Tenant, what: str, *, reads_only: bool = False,
+                   origin: str | None = None) -> Response | None:
         """Before forwarding to a tenant that sleeps (stopped, or owing a resume): start it, or say
-        why not (the answer); None: forward."""
+        why not (the answer); None: forward. `reads_only` (a read, and the tenant's wake_on is
+        "writes") and `origin` (a browser's Origin not allowed here) never start it."""
 
 
 async def _read_up_to(request: Request, limit: int) -> tuple[bytes, AsyncIterator[bytes] | None]:
@@ -163,20 +168,22 @@ class TenantApp:
         return self.forwarder.relay(self.tenant, upstream, on_close=_nothing)
 
     async def _gpu(self, request: Request) -> Response:
-        """A request that may load something: counted in flight until its answer ends (a job the
-        engine runs after answering, until that job ends)."""
+        """A request that may load something: counted in flight from its admission (never while it
+        waits for memory) until its answer ends (a job the engine runs after answering, until that
+        job ends)."""
         tenant, forwarder, inflight = self.tenant, self.forwarder, self.inflight
         method, path = request.method, request.url.path
-        token = inflight.begin(tenant.name)
+        token = inflight.begin(tenant.name, admitted=self.admission is None)
         try:
             body, rest = await _read_up_to(request, tenant.replay_body_max_bytes)
             if rest is not None:
                 log.info("%s: %s %s body exceeds replay_body_max_mb=%s: streamed without admission",
                          tenant.name, method, path, tenant.replay_body_max_mb)
+                inflight.admit(token)
                 result: UpstreamResponse | Response = await forwarder.open(tenant, request, rest)
             elif self.admission is not None:
                 result = await self.admission.handle(tenant, request, body,
-                                                     lambda b: forwarder.open(tenant, request, b))
+                                                     lambda b: forwarder.open(tenant, request, b), token)
             else:
                 result = await forwarder.open(tenant, request, body)
         except HyperSwapError as exc:
@@ -219,9 +226,24 @@ class TenantApp:
                                     activity=partial(self.inflight.active, self.tenant.name))
 
     async def _wake(self, scope: Scope) -> Response | None:
+        """A read (GET, HEAD, OPTIONS) starts a stopped app only when its wake_on says "any"; a
+        websocket is no read (a session someone opened); a foreign browser Origin never starts it."""
         if self.admission is None:
             return None
-        return await self.admission.wake(self.tenant, f"{scope.get('method', 'websocket')} {scope['path']}")
+        method = scope.get("method")  # a websocket's scope has none
+        reads_only = (method in SAFE_METHODS and self.tenant.lifecycle is not None
+                      and self.tenant.wake_on == "writes")
+        return await self.admission.wake(self.tenant, f"{method or 'websocket'} {scope['path']}",
+                                         reads_only=reads_only, origin=self._foreign_origin(scope))
+
+    def _foreign_origin(self, scope: Scope) -> str | None:
+        """The Origin a browser sent, when it is neither this listener's own address nor a name the
+        listener answers (loopback, allowed_hosts): a page elsewhere that must not start the app."""
+        origin = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"origin"), None)
+        if origin is None or same_origin(origin, host_header(scope) or "", scope.get("scheme", "http")):
+            return None
+        netloc = origin_netloc(origin)
+        return None if netloc is not None and self._hosts.allows(netloc) else origin
 
     # -- jobs ------------------------------------------------------------------------------------
     def _on_text(self, text: str) -> None:

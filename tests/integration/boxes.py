@@ -54,7 +54,8 @@ def port_open(port: int) -> bool:
 
 def process_tenant(port: int, folder: Path, **extra: object) -> dict[str, object]:
     """A generic tenant whose app is Python's own HTTP server on `port`, run and owned by the proxy
-    (release kind `process`), serving `folder` (with a hello.txt)."""
+    (release kind `process`), serving `folder` (with a hello.txt). A file server only answers reads,
+    so a read starts it (`wake_on: "any"`; the default, "writes", keeps reads from starting an app)."""
     (folder / "hello.txt").write_text("hello from the app\n")
     return {
         "engine": "generic",
@@ -63,6 +64,7 @@ def process_tenant(port: int, folder: Path, **extra: object) -> dict[str, object
         "match": {"process_names": [], "cmdline_patterns": [f"http.server {port}"]},
         "priority": 30,
         "needs_vram_gb": 1.0,
+        "wake_on": "any",
         "release": {"kind": "process", "stop_timeout_s": 2,
                     "command": [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
                                 "--directory", str(folder)]},

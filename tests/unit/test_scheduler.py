@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
@@ -18,6 +18,7 @@ from proxy.clock import ManualClock, until_all_wait
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.handoff.arbiter import Releasing, TenantState, Waiter, queue_order, schedule
 from proxy.handoff.decisions import DecisionLog, HandoffStarted, Queued, QueueEnded
+from proxy.handoff.inflight import InFlight, Token
 from proxy.handoff.queue import Admitted, Handoff, HandoffQueue, Released, ReleaseOrder, ReleaseResult, release_whole
 from proxy.tenants import GIB, Registry
 
@@ -113,6 +114,7 @@ class Recorder:
     promised: dict[str, tuple[str, int]] = field(default_factory=dict)
     log: list[tuple[Any, ...]] = field(default_factory=list)
     busy_at_release: set[str] = field(default_factory=set)  # tenants that have work again when their turn comes
+    on_card: set[tuple[str, str]] = field(default_factory=set)  # (tenant, load key) already on the card
     decisions: DecisionLog = field(init=False)
 
     def __post_init__(self) -> None:
@@ -149,6 +151,12 @@ class Recorder:
 
     def prepare_load(self, tenant: str, model: str) -> None:
         self.log.append(("prepare_load", tenant, model))
+
+    def admit_work(self, work: Token) -> None:
+        self.log.append(("work", work.tenant, work.serial))
+
+    def resident(self, tenant: str, key: str) -> bool:
+        return (tenant, key) in self.on_card
 
 
 @pytest.fixture
@@ -420,3 +428,81 @@ def test_schedule_with_a_release_under_way_runs_what_needs_no_release_and_holds_
     verdicts = schedule(s, reg, idle("ollama", "comfyui", "stt"), [prompt, other], {}, 5, 60, idle_release)
     assert actions(verdicts) == [("stt", "wait"), ("comfyui", "run")], "an idle release holds back none of its work"
     assert verdicts[0].reason == "queued behind the release of comfyui in progress"
+
+
+# -- a waiting request is not work; what is on the card goes first, within a bound (issue 32) -------
+
+def test_a_resident_request_runs_ahead_of_a_swap_away_from_its_tenant_and_names_whom_it_overtook() -> None:
+    # a chat waits for comfyui's running prompt to end so comfyui can be released; another prompt for
+    # the checkpoint comfyui already holds needs nothing: it runs now (one swap for the whole burst)
+    s = snap([("comfyui", 2, 7 * GIB)], free=10 * GIB)
+    chat = waiter("ollama", 16, at=0)
+    prompt = replace(waiter("comfyui", 7, at=1), resident=True)
+    verdicts = schedule(s, registry(), busy(idle(), "comfyui"), [prompt, chat], {}, 2, 60)
+    assert actions(verdicts) == [("ollama", "wait"), ("comfyui", "run")], [v.reason for v in verdicts]
+    assert verdicts[1].overtook == (chat.id,) and verdicts[1].reason == "resident"
+
+
+@pytest.mark.parametrize("overtaken, now, why", [(4, 2, "overtaken overtake_limit times"),
+                                                 (0, 61, "waited starvation_after_s")])
+def test_past_the_fairness_bound_a_resident_request_queues_behind_the_swap(overtaken: int, now: float, why: str) -> None:
+    s = snap([("comfyui", 2, 7 * GIB)], free=10 * GIB)
+    chat = replace(waiter("ollama", 16, at=0), overtaken=overtaken)
+    prompt = replace(waiter("comfyui", 7, at=1), resident=True)
+    verdicts = schedule(s, registry(), busy(idle(), "comfyui"), [prompt, chat], {}, now, 60, overtake_limit=4)
+    assert actions(verdicts) == [("ollama", "wait"), ("comfyui", "wait")], f"the chat {why}: it is not overtaken again"
+    assert verdicts[1].behind == chat.id and "waits for comfyui to finish" in verdicts[1].reason
+
+
+def test_a_resident_request_waits_when_the_same_pass_starts_releasing_its_tenant() -> None:
+    # comfyui went idle: the chat's swap starts in this pass; a prompt would load comfyui under it
+    s = snap([("comfyui", 2, 7 * GIB)], free=10 * GIB)
+    chat = waiter("ollama", 16, at=0)
+    prompt = replace(waiter("comfyui", 7, at=1), resident=True)
+    verdicts = schedule(s, registry(), idle("ollama", "comfyui"), [prompt, chat], {}, 2, 60)
+    assert actions(verdicts) == [("ollama", "run"), ("comfyui", "wait")]
+    assert verdicts[1].reason == "queued behind the release of comfyui in progress" and verdicts[1].behind == chat.id
+
+
+async def test_a_request_counts_as_work_only_from_its_admission(clock: ManualClock) -> None:
+    # the deadlock of issue 32: a render waiting in the queue counted as comfyui's work, so the chat
+    # that waited for comfyui to finish waited for the render, which waited behind the chat
+    inflight = InFlight(clock)
+    fx = recorder(clock)
+    fx.states = busy(idle(), "comfyui", "1 running job(s)")
+    queue = HandoffQueue(fx)
+    chat_work = inflight.begin("ollama", admitted=False)
+    chat = asyncio.ensure_future(queue.request(fx.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request",
+                                               work=chat_work))
+    render_work = inflight.begin("comfyui", admitted=False)
+    render = asyncio.ensure_future(queue.request(fx.registry.get("comfyui"), "comfyui:other", 12 * GIB, "request",
+                                                 work=render_work))
+    await until_all_wait()
+    assert not chat.done() and not render.done()
+    assert not inflight.busy("comfyui") and not inflight.busy("ollama"), "a waiting request made its tenant busy"
+    fx.states = idle("comfyui")  # the running prompt ended
+    queue.kick()
+    admitted = await asyncio.wait_for(chat, 1)
+    assert admitted.outcome == "run" and ("work", "ollama", chat_work.serial) in fx.log
+    assert not render.done() and ("work", "comfyui", render_work.serial) not in fx.log, \
+        "the render still waits (for the chat it queued behind), and is still no one's work"
+    await queue.aclose()
+
+
+async def test_admit_at_once_lets_resident_work_past_a_waiting_swap_up_to_the_bound(clock: ManualClock) -> None:
+    fx = recorder(clock, overtake_limit=2)
+    fx.states = busy(idle(), "comfyui", "1 running job(s)")
+    fx.on_card = {("comfyui", "comfyui:sdxl")}
+    queue = HandoffQueue(fx)
+    comfy = fx.registry.get("comfyui")
+    chat = asyncio.ensure_future(queue.request(fx.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request"))
+    await until_all_wait()  # planned: it waits for comfyui
+    first = queue.admit_at_once(comfy, "comfyui:sdxl", 7 * GIB)
+    second = queue.admit_at_once(comfy, "comfyui:sdxl", 7 * GIB)
+    assert first is not None and second is not None and first.reason == second.reason == "resident"
+    assert queue.admit_at_once(comfy, "comfyui:sdxl", 7 * GIB) is None, \
+        "the chat was overtaken overtake_limit (2) times: the third prompt goes through the queue, behind it"
+    assert queue.admit_at_once(comfy, "comfyui:other", 7 * GIB) is None, "a load not on the card is planned"
+    (waiting,) = queue.waiting()
+    assert waiting["tenant"] == "ollama" and not chat.done()
+    await queue.aclose()
