@@ -30,7 +30,8 @@ The oracle (bench/oracle.py): for bursts of up to --oracle-max requests, the bes
 order the card allows, found by exhaustive search, from the same arrival times and the card's state
 at the burst's start, with service times measured on this box in this run first (each kind's
 request with its model on the card, the load it adds when not, the release from the admin API's
-call to the memory back on the card; each tenant's peak and floor on the card), printed beside the
+call to the memory back on the card; each tenant's peak, its idle hold with its model loaded and its
+floor once released, on the card), printed beside the
 values the simulators' parameters give. The ratio makespan / oracle is the scheduler's score; the
 target (issue 32) is <= 1.25 on bursts of up to 8 requests. The oracle knows the whole burst from
 its first send: it may leave a render waiting on an idle card for chats not sent yet. Beside it,
@@ -77,10 +78,11 @@ POLL_S = 0.02  # /history polls
 SETTLE_S = 1.0  # after a burst: releases under way end, the card is steady for the next start state
 NAMED = ["RCRC", "CRCR", "RCRCRC", "RRCC"]
 ORACLE_ASSUMES = ("each tenant serves one request at a time; a kind's model is loaded (or its app started) once per "
-                  "residency; a release starts no earlier than the request that needs the room and the victim's last "
-                  "request's end; tenants that fit together run at the same time; service times are this run's "
-                  "medians of lone requests; the card's state at the burst's start as read then; it knows the whole burst "
-                  "at its first send (the no-lookahead oracle: never an idle card while a sent request waits)")
+                  "residency; models stay together while the card holds them idle plus the one serving at its peak; "
+                  "a release starts no earlier than the request that needs the room and the victim's last request's "
+                  "end; tenants that fit together run at the same time; service times are this run's medians of lone "
+                  "requests; the card's state at the burst's start as read then; it knows the whole burst at its "
+                  "first send (the no-lookahead oracle: never an idle card while a sent request waits)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,6 +319,7 @@ async def calibrate(clients: Clients, card: Card, rounds: int, timeout_s: float)
     cold: dict[str, list[float]] = {k: [] for k in setup.kinds}
     warm: dict[str, list[float]] = {k: [] for k in setup.kinds}
     release: dict[str, list[float]] = {k: [] for k in setup.kinds}
+    rest: dict[str, list[int]] = {k: [] for k in setup.kinds}  # held once the warm request ended, idle
 
     async def one(kind: str) -> float:
         t0 = time.perf_counter()
@@ -337,6 +340,7 @@ async def calibrate(clients: Clients, card: Card, rounds: int, timeout_s: float)
                     release[k].append(await clients.release(setup.tenants[k]))
                 cold[k].append(await one(k))
                 warm[k].append(await one(k))
+                rest[k].append(card.held().get(setup.tenants[k], 0))
                 if k == "S":
                     clients.relay_run_s = statistics.median(warm["S"])
     services: dict[str, Service] = {}
@@ -344,9 +348,11 @@ async def calibrate(clients: Clients, card: Card, rounds: int, timeout_s: float)
         run = statistics.median(warm[k])
         services[k] = Service(run_s=run, load_s=max(0.0, statistics.median(cold[k]) - run),
                               release_s=statistics.median(release[k]) if release[k] else 0.0,
-                              peak_bytes=watch.peak[t], floor_bytes=watch.low.get(t, 0))
+                              peak_bytes=watch.peak[t], floor_bytes=watch.low.get(t, 0),
+                              rest_bytes=int(statistics.median(rest[k])))
     measured = {k: {"run_s": round(s.run_s, 3), "load_s": round(s.load_s, 3), "release_s": round(s.release_s, 3),
-                    "peak_gib": round(s.peak_bytes / GIB, 2), "floor_gib": round(s.floor_bytes / GIB, 2),
+                    "rest_gib": round(s.rest / GIB, 2), "peak_gib": round(s.peak_bytes / GIB, 2),
+                    "floor_gib": round(s.floor_bytes / GIB, 2),
                     "samples": {"cold_s": [round(x, 3) for x in cold[k]], "warm_s": [round(x, 3) for x in warm[k]],
                                 "release_s": [round(x, 3) for x in release[k]]}}
                 for k, s in services.items()}
@@ -361,17 +367,18 @@ def from_parameters(demo: Demo, setup: Setup) -> dict[str, dict[str, float]]:
         steps = comfy_prompt(setup.checkpoint)["3"]["inputs"]["steps"]
         out["R"] = {"run_s": steps * c.step_time_s, "load_s": c.checkpoints[setup.checkpoint] / (c.load_gbps * GIB),
                     "release_s": c.free_delay_s,
+                    "rest_gib": (c.checkpoints[setup.checkpoint] + c.context_floor_bytes) / GIB,
                     "peak_gib": (c.checkpoints[setup.checkpoint] + c.working_bytes + c.context_floor_bytes) / GIB,
                     "floor_gib": c.context_floor_bytes / GIB}
     if demo.box.ollama:
         o = demo.box.ollama.config
         size = next(m.size_bytes for m in o.models if m.name == setup.model)
         out["C"] = {"run_s": o.response_tokens / o.token_rate, "load_s": size / (o.load_gbps * 1e9),
-                    "release_s": o.unload_delay_s, "peak_gib": size / GIB, "floor_gib": 0.0}
+                    "release_s": o.unload_delay_s, "rest_gib": size / GIB, "peak_gib": size / GIB, "floor_gib": 0.0}
     relay = demo.box.scenario.relay
     if relay is not None and "S" in setup.tenants:
         out["S"] = {"run_s": relay.transcribe_s, "load_s": relay.load_s, "release_s": 0.0,
-                    "peak_gib": relay.vram_gb, "floor_gib": 0.0}
+                    "rest_gib": relay.vram_gb, "peak_gib": relay.vram_gb, "floor_gib": 0.0}
     return {k: {q: round(v, 3) for q, v in d.items()} for k, d in out.items()}
 
 
@@ -506,11 +513,12 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             services, measured = await calibrate(clients, card, args.calibration_rounds, args.burst_timeout_s)
             params = from_parameters(demo, setup)
             print(f"calibration ({time.perf_counter() - began:.0f} s): measured / from the simulators' parameters")
-            print("| kind | run s | load s | release s | peak GiB | floor GiB |\n|---|---:|---:|---:|---:|---:|")
+            print("| kind | run s | load s | release s | idle GiB | peak GiB | floor GiB |\n|---|---:|---:|---:|---:|---:|---:|")
             for k, m in measured.items():
                 p = params.get(k, {})
-                print(f"| {k} | " + " | ".join(f"{m[q]} / {p.get(q, '?')}"
-                                                for q in ("run_s", "load_s", "release_s", "peak_gib", "floor_gib")) + " |")
+                cells = [f"{m[q]} / {p.get(q, '?')}"
+                         for q in ("run_s", "load_s", "release_s", "rest_gib", "peak_gib", "floor_gib")]
+                print(f"| {k} | " + " | ".join(cells) + " |")
             print(f"card capacity for the tenants: {card.capacity() / GIB:.2f} GiB\n")
             print(HEADER, flush=True)
             for name, pattern in plan:

@@ -7,12 +7,14 @@ transcriptions the speech relay's, each with one model):
 - a tenant serves its requests one at a time (ComfyUI has one worker, Ollama one slot per model, the
   relay is timed the same way), `run_s` each while its model is on the card;
 - a tenant whose model is not on the card loads it first (`load_s`: a checkpoint or model load, the
-  relay's start), into memory that must fit beside the tenants that stay resident, counted at their
-  peak (`peak_bytes`, ComfyUI's working memory included) and the released ones at their floor (a
-  CUDA context);
+  relay's start); the card must hold every resident model idle (`rest_bytes`), the released tenants
+  at their floor (a CUDA context), plus what the one serving adds at its peak (`peak_bytes`:
+  ComfyUI's working memory while sampling), so an idle checkpoint may stay beside a model that
+  could not be loaded while it renders;
 - to make room, resident tenants are released (`release_s`, in parallel, from the ask to the memory
   back on the card), each only once its earlier work is done, never before the request that needs
-  the room has arrived (nobody can release for a request not yet sent);
+  the room has arrived (nobody can release for a request not yet sent); a load waits for residents
+  that could not serve beside it to finish;
 - tenants that fit together run at the same time; changes of what is resident happen in the order
   chosen (a load never starts before the previous change of residency did), so the card never holds
   more than it can.
@@ -41,6 +43,16 @@ class Service:
     release_s: float  # from asking the tenant to let go to the memory back on the card
     peak_bytes: int  # what the tenant holds on the card while it serves
     floor_bytes: int = 0  # what it keeps once released (its CUDA context; 0 when the process is gone)
+    rest_bytes: int | None = None  # what it holds idle with its model loaded (None: its peak)
+
+    @property
+    def rest(self) -> int:
+        return self.peak_bytes if self.rest_bytes is None else self.rest_bytes
+
+    @property
+    def extra(self) -> int:
+        """What serving adds to its rest (ComfyUI's working memory while sampling)."""
+        return self.peak_bytes - self.rest
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,9 +63,14 @@ class Schedule:
     finish_s: tuple[float, ...]  # each request's end, by its index in the burst
 
 
-def fits(resident: frozenset[str], services: Mapping[str, Service], capacity_bytes: int) -> bool:
-    """Whether these kinds' models can be on the card together, every other tenant at its floor."""
-    return sum(s.peak_bytes if k in resident else s.floor_bytes for k, s in services.items()) <= capacity_bytes
+def at_rest(resident: frozenset[str], services: Mapping[str, Service]) -> int:
+    """Bytes on the card with these kinds' models loaded and idle, every other tenant at its floor."""
+    return sum(s.rest if k in resident else s.floor_bytes for k, s in services.items())
+
+
+def fits(resident: frozenset[str], services: Mapping[str, Service], capacity_bytes: int, serving: str | None = None) -> bool:
+    """Whether these kinds' models can be on the card together, idle, or with `serving` at its peak."""
+    return at_rest(resident, services) + (services[serving].extra if serving else 0) <= capacity_bytes
 
 
 @dataclass(slots=True)
@@ -68,25 +85,32 @@ class _State:
 
 
 def _choices(state: _State, kind: str, arrival: float, services: Mapping[str, Service],
-             capacity_bytes: int) -> list[tuple[_State, bool]]:
-    """Every way to serve one request of `kind` next: (the state after it, whether it released someone)."""
+             capacity_bytes: int) -> list[_State]:
+    """Every way to serve one request of `kind` next. Its model is loaded first unless resident; idle
+    tenants are released first (the victims) when the card cannot hold the rest together with it
+    serving at its peak. A load waits for the residents that could not serve beside it to finish
+    what they were doing (their later requests release it again, or wait)."""
     svc = services[kind]
-    if kind in state.resident:
-        begin = max(arrival, state.free.get(kind, 0.0))
-        return [(_State(state.resident, {**state.free, kind: begin + svc.run_s}, state.epoch, state.finish,
-                         state.handoffs, state.begin, begin), False)]
-    out: list[tuple[_State, bool]] = []
-    others = sorted(state.resident)
+    out: list[_State] = []
+    resident = kind in state.resident
+    others = sorted(state.resident - {kind})
     for n in range(len(others) + 1):
         for victims in itertools.combinations(others, n):
             after = (state.resident - set(victims)) | {kind}
-            if not fits(after, services, capacity_bytes):
+            if not fits(after, services, capacity_bytes, serving=kind):
                 continue
-            begin = max([arrival, state.epoch, *(state.free.get(v, 0.0) for v in victims)])
-            load_at = begin + max((services[v].release_s for v in victims), default=0.0)
-            end = load_at + svc.load_s + svc.run_s
-            out.append((_State(after, {**state.free, kind: end}, begin, state.finish,
-                               state.handoffs + (1 if victims else 0), state.begin, begin), bool(victims)))
+            if resident and not victims:  # it runs as it is: no change of residency
+                begin = max(arrival, state.free.get(kind, 0.0))
+                out.append(_State(state.resident, {**state.free, kind: begin + svc.run_s}, state.epoch, state.finish,
+                                  state.handoffs, state.begin, begin))
+                continue
+            cramped = [r for r in after - {kind} if not fits(after, services, capacity_bytes, serving=r)]
+            begin = max([arrival, state.epoch, *(state.free.get(v, 0.0) for v in (*victims, *cramped))])
+            if resident:
+                begin = max(begin, state.free.get(kind, 0.0))
+            ready = begin + max((services[v].release_s for v in victims), default=0.0) + (0.0 if resident else svc.load_s)
+            out.append(_State(after, {**state.free, kind: ready + svc.run_s}, begin, state.finish,
+                              state.handoffs + (1 if victims else 0), state.begin, begin))
     return out
 
 
@@ -118,7 +142,7 @@ def best_schedule(kinds: str, arrivals: Sequence[float], resident: frozenset[str
     if len(kinds) != len(arrivals):
         raise ValueError(f"{len(kinds)} requests but {len(arrivals)} arrival times")
     for k in set(kinds):
-        if not fits(frozenset({k}), services, capacity_bytes):
+        if not fits(frozenset({k}), services, capacity_bytes, serving=k):
             raise ValueError(f"{k} does not fit on the card even alone")
     by_kind = {k: [i for i, c in enumerate(kinds) if c == k] for k in sorted(set(kinds))}
     best: list[Schedule] = [Schedule(math.inf, "", 0, ())]
@@ -136,7 +160,7 @@ def best_schedule(kinds: str, arrivals: Sequence[float], resident: frozenset[str
         else:
             nexts = [i for i in range(len(kinds)) if i not in done]
         for i in nexts:
-            for after, _ in _choices(state, kinds[i], arrivals[i], services, capacity_bytes):
+            for after in _choices(state, kinds[i], arrivals[i], services, capacity_bytes):
                 after.finish = [*state.finish[:i], after.free[kinds[i]], *state.finish[i + 1:]]
                 after.begin = [*state.begin[:i], after.last_begin, *state.begin[i + 1:]]
                 visit(after, done | {i}, order + kinds[i])

@@ -77,3 +77,13 @@ def test_conserving_sees_an_idle_card_under_a_waiting_request() -> None:
     assert conserving([0.0, 1.0], [0.0, 1.0], [1.0, 2.0])
     assert not conserving([0.0, 0.1], [0.5, 0.1], [1.0, 0.4])  # the first waits 0.4-0.5 s on an idle card
     assert conserving([0.0, 0.0], [0.3, 0.0], [1.0, 0.3])  # it waits while the other is served
+
+
+def test_an_idle_checkpoint_stays_beside_a_model_that_fits_only_while_it_does_not_render() -> None:
+    # The lifecycle box: flux idle holds 12.3 GiB, 13.8 while sampling; the relay 3 GiB; 15.5 GiB card.
+    services = {"R": Service(0.1, 3.0, 0.5, int(13.8 * GIB), int(0.4 * GIB), rest_bytes=int(12.3 * GIB)),
+                "S": Service(0.25, 1.5, 0.02, 3 * GIB)}
+    best = best_schedule("SR", [0.0, 0.15], frozenset({"R"}), services, int(15.5 * GIB))
+    # The relay starts beside the idle checkpoint; the render then stops the relay (not a reload).
+    assert best.order == "SR" and best.handoffs == 1, best
+    assert best.makespan_s == pytest.approx(1.5 + 0.25 + 0.02 + 0.1), best
