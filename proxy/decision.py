@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
 # The kinds of decisions GET /api/decisions lists. model_load: an observation (a load's speed), kept
-# for the history; gpu_*: proxy/gpu/keeper.py; start/stop: a lifecycle tenant started or stopped.
+# for the history; gpu_*: proxy/gpu/keeper.py; start/stop: a lifecycle tenant started or stopped; exit: it
+# ended on its own while running (a crash, an exit, no answer).
 DecisionKind = Literal["plan", "queued", "release", "rejection", "oom_retry", "idle_release", "spill", "stale_job",
-                       "gpu_drift", "gpu_apply", "model_load", "start", "stop", "resume"]
+                       "gpu_drift", "gpu_apply", "model_load", "start", "stop", "resume", "exit"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

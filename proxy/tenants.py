@@ -100,6 +100,7 @@ BOUNDS: dict[str, Bound] = {
     "timeout_s": Bound(0, 3600, "s", low_open=True),  # one release step's own timeout
     "stop_timeout_s": Bound(0, 3600, "s"),  # 0: SIGKILL (docker: kill) at once
     "start_timeout_s": Bound(0, 3600, "s", low_open=True),
+    "restart_limit": Bound(1, 1000, "restarts"),
     "idle_release_after_s": Bound(0, 30 * DAY_S, "s"),  # 0: release as soon as it goes idle
     "connect_s": Bound(0, 3600, "s", low_open=True),
     "read_s": Bound(0, DAY_S, "s", low_open=True),
@@ -533,8 +534,14 @@ class Tenant(_Strict):
     wake_on: WakeOn = Field(
         default="writes", description="a tenant the proxy starts: which requests start it while it is stopped. writes: "
         "any method but GET, HEAD and OPTIONS, and websockets; a read (a model list, a health poll) gets 503 with "
-        "Retry-After and the reason, or the last model list seen, so a poll never makes the app flap. any: reads "
+        "Retry-After and the reason, so a poll never makes the app flap. any: reads "
         "start it too")
+    restart: Literal["never", "on-failure"] = Field(
+        default="never", description="a tenant the proxy starts, when it crashes or stops answering while running: "
+                                     "never (the next request starts it again), or on-failure (started again at once, "
+                                     "backing off after crashes in a row; a clean exit, code 0, is left stopped)")
+    restart_limit: int = Field(default=3, description="restart on-failure: crashes in a row it restarts after (an app "
+                                                      "that ran a minute starts the count over); then a request must")
 
     @field_validator("release")
     @classmethod
@@ -565,6 +572,16 @@ class Tenant(_Strict):
         steps = release if isinstance(release, list) else [release] if release is not None else []
         if value is not None and release is not None and not any(step.stops for step in steps):
             raise ValueError("'ready' applies to a tenant the proxy starts: one whose release is of kind process, "
+                             "systemd or docker")
+        return value
+
+    @field_validator("restart")
+    @classmethod
+    def _restart_only_when_started(cls, value: str, info: ValidationInfo) -> str:
+        release = info.data.get("release")
+        steps = release if isinstance(release, list) else [release] if release is not None else []
+        if value != "never" and release is not None and not any(step.stops for step in steps):
+            raise ValueError("'restart' applies to a tenant the proxy starts: one whose release is of kind process, "
                              "systemd or docker")
         return value
 

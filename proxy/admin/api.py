@@ -1,6 +1,7 @@
 """The admin API (default 127.0.0.1:11400): tenants with live state, release, dry-run plans, decisions.
 
-Read-mostly: the only mutation is a release, which goes through the same handoff lock as requests.
+Read-mostly: the mutations (release, start, stop) take the scheduler's one release path, one at a time
+with every other release.
 When a token is configured every mutating call needs `Authorization: Bearer <token>`.
 """
 
@@ -23,7 +24,7 @@ from proxy.admin.query import integer, optional_number
 from proxy.errors import HyperSwapError
 from proxy.handoff.arbitration import Arbitration, ReleaseResult
 from proxy.handoff.decisions import NothingToRelease, Rejected
-from proxy.handoff.queue import Admitted, release_whole, stop_whole
+from proxy.handoff.scheduler import Admitted, release_whole, stop_whole
 from proxy.handoff.watchdog import Watchdog
 from proxy.hosts import listener_policy
 from proxy.lifecycle.state import TenantLifecycle
@@ -99,7 +100,7 @@ class AdminApi:
 
     async def tenant_view(self, tenant: Tenant) -> dict[str, Any]:
         snap = self.arb.last_snapshot or await self.arb.snapshot()
-        state = self.arb.states(snap)[tenant.name]
+        state = self.arb.scheduler.states(snap)[tenant.name]
         return views.dump(views.tenant_view(self.arb, self.watchdog, snap, tenant, state,
                                             self.listeners.get(tenant.name)))
 
@@ -120,15 +121,15 @@ class AdminApi:
                          "this tenant cannot be released; stop it by hand if you need the memory",
                          tenant=tenant.name, reason="not_reclaimable")
         snap = await self.arb.snapshot()
-        state = self.arb.states(snap)[tenant.name]
+        state = self.arb.scheduler.states(snap)[tenant.name]
         if not state.busy and await self.arb.adapter(tenant).runs_on_cpu(self.arb.control):
             return self._nothing_on_the_card(tenant)  # (busy first: a busy tenant's answer is 409 wherever it runs)
         if not state.busy:  # the release path checks again when its turn comes (another may be under way)
             order = release_whole(snap, tenant, "admin", "release", "asked by the admin API")
-            (result,) = (await asyncio.shield(self.arb.queue.release(order))).results
+            (result,) = (await asyncio.shield(self.arb.scheduler.release(order))).results
             if not result.busy:
                 return release_answer(tenant, result)
-            state = self.arb.states(await self.arb.snapshot())[tenant.name]
+            state = self.arb.scheduler.states(await self.arb.snapshot())[tenant.name]
         return error(409, f"{tenant.name} is busy ({state.busy_reason}); a busy tenant is never released",
                      "wait for its work to finish, or cancel it in the application", tenant=tenant.name, reason="busy")
 
@@ -199,10 +200,10 @@ class AdminApi:
                          "wait for the start to end, then stop it", tenant=tenant.name, reason="starting",
                          lifecycle=machine.view())
         snap = await self.arb.snapshot()
-        state = self.arb.states(snap)[tenant.name]
+        state = self.arb.scheduler.states(snap)[tenant.name]
         if not state.busy and not self.arb.stop_blocked(tenant.name):  # the release path checks again in its turn
             order = stop_whole(snap, tenant, "admin stop", "stop asked by the admin API")
-            (result,) = (await asyncio.shield(self.arb.queue.release(order))).results
+            (result,) = (await asyncio.shield(self.arb.scheduler.release(order))).results
             if result.result in ("confirmed", "estimated"):
                 return self._lifecycle_answer(tenant, machine, "stop", release=result.to_json())
             if not result.busy:
@@ -210,7 +211,7 @@ class AdminApi:
                              f"{tenant.name} could not be stopped: {result.error or result.result}",
                              release_fix(tenant, result), tenant=tenant.name, reason="stop_failed",
                              release=result.to_json(), lifecycle=machine.view())
-            state = self.arb.states(await self.arb.snapshot())[tenant.name]
+            state = self.arb.scheduler.states(await self.arb.snapshot())[tenant.name]
         why = state.busy_reason if state.busy else "a request, stream or websocket is open"
         return error(409, f"{tenant.name} is busy ({why}); a busy tenant is never stopped",
                      "wait for its work to finish, or cancel it in the application", tenant=tenant.name,
@@ -256,7 +257,7 @@ class AdminApi:
 
     async def stats(self, request: Request) -> Response:
         snap = await self.arb.snapshot()
-        states = self.arb.states(snap)
+        states = self.arb.scheduler.states(snap)
         stats = views.Stats(
             device=views.device_view(snap),
             processes=[views.card_process(p) for p in snap.processes],

@@ -8,9 +8,10 @@ Frames (each with an `id:` line; the stream opens with a `retry:` hint so EventS
   recent decision ids. Small on purpose: no tenant config, no catalog.
 - `decision`: a decision as it stands after each of its events (the shape of GET /api/decisions:
   a later fact, like a handoff's results, re-sends its decision's id with the fact merged in).
-- `lifecycle`: a tenant the proxy starts and stops changed state: at once when a start or stop
-  ends (with its report, from `Lifecycles.on_report`), and within a tick for the changes on the way
-  (starting, stopping; no report).
+- `lifecycle`: a tenant the proxy starts and stops changed state, when it happened: with its report
+  when a start or stop ends or the app ends on its own (from `Lifecycles.on_report`), without one for
+  the changes on the way (starting, stopping: from `Lifecycles.on_state`, on the next loop turn, so a
+  change that comes with a report is sent once).
 
 Each subscriber has a bounded queue: a slow one loses its oldest stats frames (the next one
 supersedes them) and older catalogs, never a decision; one so far behind that decisions alone pass
@@ -115,7 +116,7 @@ async def stats_payload(proxy: ProxyView, snap: AttributedSnapshot | None = None
     """One stats frame's body (no catalog, no tenant config: those are large and static)."""
     arb = proxy.arbitration
     snap = snap or await arb.snapshot()
-    states = arb.states(snap)
+    states = arb.scheduler.states(snap)
     tenants = [views.stats_tenant(arb, proxy.watchdog, snap, t, states[t.name]) for t in arb.registry]
     frame = views.StatsFrame(
         device=views.device_view(snap),
@@ -124,8 +125,8 @@ async def stats_payload(proxy: ProxyView, snap: AttributedSnapshot | None = None
         in_flight=sum(t.in_flight for t in tenants),
         busy=[t.name for t in tenants if t.busy],
         decision_ids=[d.id for d in arb.decisions.recent(recent)],
-        handoff_in_progress=bool(arb.queue.releasing) or arb.handoff_lock.locked(),
-        queue=[views.Waiting.model_validate(w) for w in arb.queue.waiting()],
+        handoff_in_progress=bool(arb.scheduler.releasing),
+        queue=[views.Waiting.model_validate(w) for w in arb.scheduler.waiting()],
         gpu_error=views.gpu_error_view(arb.last_read_error),
     )
     return views.dump(frame)
@@ -159,6 +160,7 @@ class EventsExtension:
         self._unsubscribe = self.proxy.decisions.subscribe(self._on_decision)
         lifecycles = self.proxy.arbitration.lifecycles
         lifecycles.on_report.append(self._on_lifecycle)
+        lifecycles.on_state.append(self._on_lifecycle_state)
         self._lifecycle_sent = {name: m.state for name, m in lifecycles.machines().items()}
         self._tasks = [asyncio.create_task(self._tick_loop(), name="events:stats"),
                        asyncio.create_task(self._catalog_loop(), name="events:catalog")]
@@ -169,6 +171,8 @@ class EventsExtension:
             self._unsubscribe = None
         with contextlib.suppress(ValueError):
             self.proxy.arbitration.lifecycles.on_report.remove(self._on_lifecycle)
+        with contextlib.suppress(ValueError):
+            self.proxy.arbitration.lifecycles.on_state.remove(self._on_lifecycle_state)
         self._close_all()
         await cancel_and_wait(self._tasks)
         self._tasks.clear()
@@ -190,6 +194,14 @@ class EventsExtension:
 
     def _on_lifecycle(self, report: LifecycleReport) -> None:
         self._lifecycle_frame(report.tenant, report)
+
+    def _on_lifecycle_state(self, tenant: str) -> None:
+        asyncio.get_running_loop().call_soon(self._lifecycle_changed, tenant)
+
+    def _lifecycle_changed(self, tenant: str) -> None:
+        machine = self.proxy.arbitration.lifecycles.machine(tenant)
+        if machine is not None and self._lifecycle_sent.get(tenant) != machine.state:
+            self._lifecycle_frame(tenant, None)
 
     def _lifecycle_frame(self, tenant: str, report: LifecycleReport | None) -> None:
         machine = self.proxy.arbitration.lifecycles.machine(tenant)

@@ -405,7 +405,7 @@ class HealthExtension:
         """Jobs counted as running that the evidence says are not (proxy/handoff/busy.py). Clearing
         the engine's queue is advised only on positive evidence that an entry is dead: listed while its
         tenant holds only its idle floor on a card that shows its memory."""
-        states = self.proxy.arbitration.states(snap)  # from the queues the watchdog read
+        states = self.proxy.arbitration.scheduler.states(snap)  # from the queues the watchdog read
         stale = {name: s for name, s in states.items() if s.stale_jobs}
         if not stale:
             return [HealthEntry("stale queue entries", "ok", "none")]
@@ -575,12 +575,29 @@ def lifecycle_entries(name: str, machine: TenantLifecycle, problems: list[str] |
     if isinstance(problems, BaseException):
         problems = [f"its check raised {type(problems).__name__}: {problems} (fix: see the proxy's log)"]
     out: list[HealthEntry] = []
-    if machine.state == "failed":
+    snap = machine.snapshot
+    if machine.state in ("failed", "exited") and snap.crashes and not snap.failures and snap.error:
+        retry = view["retry_in_s"]
+        last = snap.output[-1:]
+        policy = (f"the restart policy starts it again{f' in {retry:.0f} s' if retry else ''}"
+                  if machine.restart == "on-failure" and machine.state == "failed" else
+                  f"the next request to {name} starts it again" + (f" (in {retry:.0f} s)" if retry else ""))
+        out.append(HealthEntry(
+            entry, "failed" if machine.state == "failed" else "degraded",
+            f"{'it crashed' if machine.state == 'failed' else 'it exited'} while running: {snap.error}"
+            + (f"; its last output line: {last[0]}" if last else ""),
+            f"requests to {name} fail until it runs again: {policy}",
+            f"see why in its output (GET /api/tenants/{name}: lifecycle.output, or its log "
+            f"{machine.controller.describe().get('log') or ''}".rstrip() + "), correct the cause; "
+            + ("or set restart: on-failure in tenants.json to have it started again at once"
+               if machine.restart == "never" else "it is restarted by its policy")))
+    elif machine.state == "failed":
         retry = view["retry_in_s"]
         last = machine.snapshot.output[-1:]
         out.append(HealthEntry(
             entry, "failed",
-            f"its last start failed ({view['failures']} in a row): {machine.snapshot.error}"
+            (f"its last start failed ({view['failures']} in a row): {machine.snapshot.error}" if snap.failures
+             else f"{machine.snapshot.error}")
             + (f"; its last output line: {last[0]}" if last else ""),
             f"requests to {name} answer 503 " + (f"until the next try in {retry:.0f} s" if retry else "until a start works"),
             machine.snapshot.fix or f"see its output (GET /api/tenants/{name}), correct the cause, then start it "

@@ -43,7 +43,9 @@ Series:
   hyperswap_lifecycle_starts_total{tenant} (starts that ended ready),
   hyperswap_lifecycle_failed_starts_total{tenant} (failed or timed out),
   hyperswap_lifecycle_start_seconds{tenant} (histogram: from the start to ready, successful starts),
-  hyperswap_lifecycle_stops_total{tenant,result} (result ok | failed); and at scrape time
+  hyperswap_lifecycle_stops_total{tenant,result} (result ok | failed),
+  hyperswap_lifecycle_exits_total{tenant,result} (it ended on its own while running: ok is exit code 0,
+  failed any other end or no answer to its probe); and at scrape time
   hyperswap_lifecycle_state{tenant,state}: 1 for the state it is in, 0 for the others.
 """
 
@@ -79,7 +81,7 @@ WAIT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 30
 _PENDING_MAX = 1024  # outcomes waiting for their request to leave flight, per tenant
 # A server's start to ready: a small model's second to a large one's minutes.
 START_BUCKETS = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
-LIFECYCLE_STATES = ("running", "stopped", "starting", "stopping", "failed")
+LIFECYCLE_STATES = ("running", "stopped", "starting", "stopping", "failed", "exited")
 
 # Every family the live collector can yield: name -> (help, labels). `describe()` lists them all, also
 # those that appear only on some hosts (several cards, tenants the proxy starts), for the registry's name
@@ -161,7 +163,7 @@ class _LiveCollector(Collector):
         yield jobs
         waiting = _gauge("hyperswap_queue_waiting")
         counts: dict[str, int] = {name: 0 for name in tenants}
-        for w in proxy.arbitration.queue.waiting():
+        for w in proxy.arbitration.scheduler.waiting():
             counts[w["tenant"]] = counts.get(w["tenant"], 0) + 1
         for name, n in counts.items():
             waiting.add_metric([name], n)
@@ -225,6 +227,9 @@ class Metrics:
                                        ["tenant"], buckets=START_BUCKETS, registry=self.registry)
         self.stops = Counter("hyperswap_lifecycle_stops", "Stops of a tenant the proxy starts, by result",
                              ["tenant", "result"], registry=self.registry)
+        self.exits = Counter("hyperswap_lifecycle_exits", "Ends on its own while running of a tenant the proxy starts "
+                             "(result ok: exit code 0; failed: any other code, a signal, no answer)",
+                             ["tenant", "result"], registry=self.registry)
         self._pending: dict[str, list[str]] = {}  # tenant -> outcomes of requests about to leave flight
         self._unsubscribe: Callable[[], None] | None = None
         for tenant in proxy.registry:  # series exist from the first scrape, at zero
@@ -238,6 +243,7 @@ class Metrics:
             self.start_seconds.labels(name)
             for result in ("ok", "failed"):
                 self.stops.labels(name, result)
+                self.exits.labels(name, result)
 
     # -- extension ----------------------------------------------------------------------------
     def routes(self) -> list[BaseRoute]:
@@ -271,7 +277,9 @@ class Metrics:
         """A start or stop that ran (a refused one is never reported)."""
         if report.refused:
             return
-        if report.action == "start":
+        if report.action == "exit":
+            self.exits.labels(report.tenant, "ok" if report.exit_code == 0 else "failed").inc()
+        elif report.action == "start":
             if report.ok:
                 self.starts.labels(report.tenant).inc()
                 self.start_seconds.labels(report.tenant).observe(report.duration_s)

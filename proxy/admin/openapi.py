@@ -82,8 +82,8 @@ def _operations() -> dict[str, dict[str, JSON]]:
             "responses": {"200": _json("the tenant", TenantView), "404": _err("no such tenant")}}},
         "/api/tenants/{name}/release": {"post": {
             "summary": "Release an idle tenant's GPU memory now", "operationId": "releaseTenant",
-            "description": ("Goes through the same handoff lock as requests. Done when the GPU shows the memory back "
-                            "(confirmed), or without a GPU reader when the engine's own report says so (estimated)."),
+            "description": ("Takes the scheduler's one release path, one release at a time. Done when the GPU shows the "
+                            "memory back (confirmed), or without a GPU reader when the engine's own report says so (estimated)."),
             "parameters": [NAME], "security": [{"bearer": []}],
             "responses": {
                 "200": _json("released: confirmed on the GPU, or estimated from the engine's own report (no GPU "

@@ -193,16 +193,23 @@ class LifecycleController(_Doc):
     error: str | None = Field(default=None, description="docker: the last call's error (null: it worked)")
     output: list[str] | None = Field(default=None, description="process: its last output lines; systemd: the last "
                                                                "systemctl call's")
+    log: str | None = Field(default=None, description="process: the file its output goes to (in the state directory; "
+                                                      "null: a temporary file); started afresh with each start")
 
 
 class Lifecycle(_Doc):
     """A tenant the proxy starts and stops (release kind process, systemd or docker): its state now."""
-    state: Literal["running", "stopped", "starting", "stopping", "failed"]
+    state: Literal["running", "stopped", "starting", "stopping", "failed", "exited"]
     for_s: float = Field(description="seconds in this state")
     error: str | None = Field(description="why the last start (or stop) failed")
     fix: str | None
     output: list[str] = Field(description="a failed start: the app's last output lines")
     failures: int = Field(description="consecutive failed starts")
+    crashes: int = Field(default=0, description="consecutive ends while running (a crash, an exit, no answer to its "
+                                                "probe); an app that ran a minute starts the count over")
+    exit_code: int | None = Field(default=None, description="how it ended on its own (negative: the signal that "
+                                                            "killed it); null: it did not, or the code is not known")
+    restart: Literal["never", "on-failure"] = Field(default="never", description="its restart policy (tenants.json)")
     retry_in_s: float | None = Field(description="after a failed start: seconds until a request may start it again "
                                                  "(the admin's start does not wait)")
     controller: LifecycleController
@@ -433,15 +440,19 @@ class StatsFrame(_Doc):
 class LifecycleReport(_Doc):
     """How one start or stop ended, or why it never began (refused)."""
     tenant: str
-    action: Literal["start", "stop"]
+    action: Literal["start", "stop", "exit"] = Field(description="exit: it ended on its own while running")
     ok: bool
-    state: Literal["running", "stopped", "starting", "stopping", "failed"] = Field(description="the state after it")
+    state: Literal["running", "stopped", "starting", "stopping", "failed", "exited"] = Field(
+        description="the state after it")
     duration_s: float
     error: str | None
     fix: str | None
     output: list[str]
     retry_in_s: float | None
     refused: bool = Field(description="it never began (busy, starting, backing off)")
+    exit_code: int | None = Field(default=None, description="exit: its code (negative: the signal), when known")
+    restart_in_s: float | None = Field(default=None, description="exit: the restart policy starts it again in this "
+                                                                 "long; null: the next request will")
 
 
 class LifecycleFrame(_Doc):
@@ -584,7 +595,7 @@ def _live(arb: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, tenant
         "last_activity_age_s": None if not traffic or traffic.last_activity is None else round(now - traffic.last_activity, 1),
         "idle_release_in_s": None if deadline is None else round(max(0.0, deadline - now), 1),
         "reclaimable": tenant.reclaimable and tenant.name not in arb.cpu_tenants,  # on the CPU: nothing to take
-        "waiting": [w for w in arb.queue.waiting() if w["tenant"] == tenant.name],
+        "waiting": [w for w in arb.scheduler.waiting() if w["tenant"] == tenant.name],
         **tenant_devices_json(snap, tenant.name),  # several cards: where it loads, what it holds on each
         "lifecycle": lifecycle_view(arb, tenant.name),
     }

@@ -4,17 +4,17 @@ Each decision is told by immutable events (the base is proxy/decision.py), each 
 its fact is known: a handoff is logged when it starts, before anything is asked (invariant 2), and
 its results come as a second event that refers to it by id, never by changing the first. Who emits:
 
-- `Queued` (queue.py): a request first has to wait; `WaitChanged` when what it waits for changes;
+- `Queued` (scheduler.py): a request first has to wait; `WaitChanged` when what it waits for changes;
   `QueueEnded` (admitted, refused, timed out, client left) with how long it waited and the decision
   that ended the wait.
 - `HandoffStarted` / `HandoffFinished` (arbitration.py `carry_out`, the one release path for the
   queue's plans and OOM retries, the watchdog's spill relief and idle releases, the admin API).
-- `Rejected`: 507 (queue.py) or 503 after the queue timeout (relay/gpu_gate.py).
+- `Rejected`: 507 (scheduler.py) or 503 after the queue timeout (relay/gpu_gate.py).
 - `OomRetry`, `StaleJob`, `FirstByte` (relay/gpu_gate.py: a request that waited or caused a handoff
   got its answer's first byte); `SpillNoPlan` (watchdog.py); `NothingToRelease`
   (admin/api.py: a CPU engine); `ModelLoad` (admin/models_api.py); `GpuDrift`, `GpuApplyStarted`,
   `GpuApplyFinished` (gpu/keeper.py); `LifecycleStart`, `LifecycleStop` (a lifecycle tenant's start
-  and stop, with how long it took and how it ended).
+  and stop, with how long it took and how it ended), `LifecycleExit` (it ended on its own while running).
 
 The log numbers them, writes each as one JSON line (`{"decision": {...}}`; people grep them), keeps
 a bounded ring of the decisions as people read them (`DecisionView`: an opening event with the facts
@@ -50,6 +50,7 @@ __all__ = [
     "HandoffFinished",
     "HandoffKind",
     "HandoffStarted",
+    "LifecycleExit",
     "LifecycleStart",
     "LifecycleStop",
     "ModelLoad",
@@ -368,6 +369,20 @@ class LifecycleStop(_LifecycleEvent):
 
     name = "lifecycle_stop"
     kind: Literal["stop"] = "stop"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LifecycleExit(_LifecycleEvent):
+    """A lifecycle tenant ended on its own while running (its child exited or was killed, or it stopped
+    answering its probe), noticed when it happened; `duration_s` is how long it ran."""
+
+    name = "lifecycle_exit"
+    kind: Literal["exit"] = "exit"
+    exit_code: int | None = None  # negative: the signal that killed it
+    restart_in_s: float | None = None  # the restart policy starts it again in this long; None: a request will
+
+    def facts(self) -> dict[str, Any]:
+        return {**_LifecycleEvent.facts(self), "exit_code": self.exit_code, "restart_in_s": self.restart_in_s}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

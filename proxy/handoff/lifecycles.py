@@ -20,7 +20,7 @@ import httpx
 
 from proxy.clock import Clock
 from proxy.engines import EngineAdapter, ReleaseFailed
-from proxy.handoff.decisions import DecisionLog, LifecycleResult, LifecycleStart, LifecycleStop, Resumed
+from proxy.handoff.decisions import DecisionLog, LifecycleExit, LifecycleResult, LifecycleStart, LifecycleStop, Resumed
 from proxy.lifecycle.build import lifecycle_for
 from proxy.lifecycle.controller import LifecycleError, within
 from proxy.lifecycle.state import LifecycleReport, TenantLifecycle
@@ -54,10 +54,12 @@ class Lifecycles:
                 self._machines[t.name] = machine
         for machine in self._machines.values():
             machine.on_report = self._record
+            machine.on_state = self._state_changed
         self._resume: dict[str, ReleaseSpec] = {}  # tenant -> the released step whose resume call is owed
         self._resuming: dict[str, asyncio.Task[None]] = {}
         self.on_change: list[Callable[[str], None]] = []  # a start or stop ended (the queue is kicked)
-        self.on_report: list[Callable[[LifecycleReport], None]] = []  # every start and stop that ran (metrics, events)
+        self.on_report: list[Callable[[LifecycleReport], None]] = []  # every start, stop and end (metrics, events)
+        self.on_state: list[Callable[[str], None]] = []  # a tenant's state changed, told when it happens (events)
 
     def __contains__(self, tenant: str) -> bool:
         return tenant in self._machines
@@ -155,18 +157,32 @@ class Lifecycles:
 
     # -- plumbing ------------------------------------------------------------------------------------
     def _record(self, report: LifecycleReport) -> None:
-        """Every start and stop that ran, as a decision with its duration."""
-        event = LifecycleStart if report.action == "start" else LifecycleStop
+        """Every start and stop that ran, and every end on its own, as a decision with its duration."""
         result: LifecycleResult = "ok" if report.ok else "refused" if report.refused else "failed"
-        self._decisions.emit(event(tenant=report.tenant, trigger=f"lifecycle {report.action}", result=result,
-                                   duration_s=report.duration_s, state=report.state, error=report.error,
-                                   fix=report.fix, output=report.output, retry_in_s=report.retry_in_s))
+        if report.action == "exit":
+            self._decisions.emit(LifecycleExit(
+                tenant=report.tenant, trigger="supervisor", result=result, duration_s=report.duration_s,
+                state=report.state, error=report.error, fix=report.fix, output=report.output,
+                retry_in_s=report.retry_in_s, exit_code=report.exit_code, restart_in_s=report.restart_in_s))
+            log.warning("%s: %s", report.tenant, report.error)
+        else:
+            event = LifecycleStart if report.action == "start" else LifecycleStop
+            self._decisions.emit(event(tenant=report.tenant, trigger=f"lifecycle {report.action}", result=result,
+                                       duration_s=report.duration_s, state=report.state, error=report.error,
+                                       fix=report.fix, output=report.output, retry_in_s=report.retry_in_s))
         for fn in list(self.on_report):
             try:
                 fn(report)
             except Exception:  # a broken subscriber must not break a start
                 log.exception("lifecycle subscriber failed")
         self._changed(report.tenant)
+
+    def _state_changed(self, tenant: str) -> None:
+        for fn in list(self.on_state):
+            try:
+                fn(tenant)
+            except Exception:
+                log.exception("lifecycle state subscriber failed")
 
     def _changed(self, tenant: str) -> None:
         for fn in list(self.on_change):

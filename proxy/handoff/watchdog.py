@@ -18,7 +18,7 @@ from proxy.engines.common import go_time
 from proxy.handoff.arbiter import TenantState
 from proxy.handoff.arbitration import CONFIRM_SLACK_BYTES, Arbitration, gib
 from proxy.handoff.decisions import SpillNoPlan, StaleJob
-from proxy.handoff.queue import ReleaseOrder, release_whole
+from proxy.handoff.scheduler import ReleaseOrder, release_whole
 from proxy.tasks import cancel_and_wait
 from proxy.tenants import GIB, Tenant
 
@@ -91,13 +91,13 @@ class Watchdog:
     async def tick(self) -> TickReport:
         arb = self.arb
         report = TickReport(at=arb.clock.now())
-        if arb.queue.releasing or arb.handoff_lock.locked():
+        if arb.scheduler.releasing:
             report.reasons["*"] = "a handoff is in progress"
             self.last = report
             return report
         await self._read_queues(report)
         snap = await arb.snapshot()
-        states = arb.states(snap)
+        states = arb.scheduler.states(snap)
         for tenant in arb.registry:
             name = tenant.name
             state = states[name]
@@ -136,7 +136,7 @@ class Watchdog:
             else:
                 order = release_whole(snap, tenant, "watchdog idle", "idle_release", "idle timeout",
                                       idle_s=tenant.idle_release_after_s)
-                (result,) = (await asyncio.shield(arb.queue.release(order))).results
+                (result,) = (await asyncio.shield(arb.scheduler.release(order))).results
                 if result.busy:  # work arrived before the release's turn came, or a stop would cut it
                     report.reasons[name] = f"busy again: idle release skipped ({result.error})"
                     continue
@@ -157,12 +157,12 @@ class Watchdog:
             try:
                 rows = tuple(await adapter.running_jobs(self.arb.control))
             except (httpx.HTTPError, ValueError, ReleaseFailed) as exc:
-                self.arb.queue_read(tenant.name, started, None)
+                self.arb.scheduler.queue_read(tenant.name, started, None)
                 report.reasons[tenant.name] = f"cannot read {queue_path}: {exc}"
             else:
-                self.arb.queue_read(tenant.name, started, rows)
+                self.arb.scheduler.queue_read(tenant.name, started, rows)
             try:  # an engine on the CPU holds nothing on the card: its VRAM proves nothing either way
-                self.arb.on_cpu(tenant.name, await adapter.runs_on_cpu(self.arb.control))
+                self.arb.scheduler.on_cpu(tenant.name, await adapter.runs_on_cpu(self.arb.control))
             except (httpx.HTTPError, ValueError, ReleaseFailed):
                 pass  # unknown: what it said last stands
 
@@ -194,7 +194,7 @@ class Watchdog:
             if expires is None:
                 continue
             loads[adapter.load_key(m["name"])] = clock.now() + (expires - clock.wall()) - margin
-        self.arb.residency.observe(tenant.name, loads)
+        self.arb.scheduler.observe_loads(tenant.name, loads)
 
     def _stable_spills(self, tenant: Tenant, models: list[dict[str, Any]], report: TickReport) -> list[dict[str, Any]]:
         """Models on the CPU in part whose split has held still for `spill_stable_s` while no load of
@@ -212,7 +212,7 @@ class Watchdog:
                 p = self._placements[where] = _Placement(size, vram, now)
             if vram >= size:
                 continue
-            if self.arb.loading(self.arb.adapter(tenant).load_key(where[1])):
+            if self.arb.scheduler.loading(self.arb.adapter(tenant).load_key(where[1])):
                 report.reasons[tenant.name] = f"{where[1]} is loading ({gib(vram)} of {gib(size)} GiB on the GPU so far)"
                 p.since = now
             elif now - p.since < stable_s:
@@ -246,7 +246,7 @@ class Watchdog:
                     p.reported = True
             return
         order = ReleaseOrder(name, plan.releases, f"watchdog: {models} spilling to the CPU", "spill", plan, snap)
-        released = await asyncio.shield(self.arb.queue.release(order))  # never cut half way
+        released = await asyncio.shield(self.arb.scheduler.release(order))  # never cut half way
         if released.results:
             report.actions.append(f"{name}: spill of {models}: released {[r.tenant for r in released.results]}")
             report.reasons[name] = "starved (CPU spill): memory reclaimed; the model reloads on its next request"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -13,7 +14,7 @@ from proxy.clock import Clock
 from proxy.lifecycle.controller import Controller
 from proxy.lifecycle.docker import DockerController
 from proxy.lifecycle.process import ProcessController
-from proxy.lifecycle.ready import probe_for, probe_readiness
+from proxy.lifecycle.ready import probe_for, probe_liveness, probe_readiness
 from proxy.lifecycle.state import Backoff, OnDone, TenantLifecycle
 from proxy.lifecycle.systemd import SystemdController
 from proxy.tenants import Tenant
@@ -37,8 +38,9 @@ def controller_for(tenant: Tenant, *, clock: Clock, state_dir: Path | None = Non
     if spec is None:
         return None
     if spec.kind == "process":
-        return ProcessController.from_spec(tenant.name, spec, clock=clock, state_dir=state_dir,
-                                           withheld_env=withheld_env)
+        probe = probe_for(tenant, None)
+        return ProcessController.from_spec(tenant.name, spec, clock=clock, state_dir=state_dir, host=probe.host,
+                                           port=probe.port, withheld_env=withheld_env)
     if spec.kind == "systemd":
         return SystemdController.from_spec(spec, systemctl=systemctl, clock=clock, start_timeout_s=tenant.start_timeout_s,
                                            stop_timeout_s=spec.timeout_s or tenant.release_timeout_s)
@@ -57,6 +59,13 @@ def lifecycle_for(tenant: Tenant, engine_ready_path: str | None, *, clock: Clock
                                 docker_transport=docker_transport, withheld_env=withheld_env)
     if controller is None:
         return None
-    ready = probe_readiness(probe_for(tenant, engine_ready_path), clock, exited=controller.exited, client=client)
+    probe = probe_for(tenant, engine_ready_path)
+    owner = None
+    if isinstance(controller, ProcessController):
+        owner = controller.owns_port
+        if probe.url is not None:  # the probe's own requests, as access logs print them, are not the app's story
+            controller.hide = f"GET {urlsplit(probe.url).path} HTTP/"
+    ready = probe_readiness(probe, clock, exited=controller.exited, client=client, owner=owner)
     return TenantLifecycle(tenant.name, controller, ready, start_timeout_s=tenant.start_timeout_s, clock=clock,
-                           backoff=backoff, on_report=on_report)
+                           backoff=backoff, on_report=on_report, live=probe_liveness(probe, client),
+                           restart=tenant.restart, restart_limit=tenant.restart_limit)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
 from typing import Literal, Protocol, TypeVar
 
 from proxy.clock import Clock
@@ -28,6 +29,19 @@ class LifecycleError(HyperSwapError):
     def __init__(self, message: str, *, fix: str | None = None, output: Sequence[str] = ()) -> None:
         super().__init__(message, fix=fix, details={"output": list(output)} if output else None)
         self.output = tuple(output)
+
+
+@dataclass(frozen=True, slots=True)
+class Exit:
+    """How an app the proxy started ended on its own (not by the proxy's stop)."""
+
+    code: int | None  # its exit status; negative: the signal that killed it; None: not known
+    reason: str  # "exited with code 3", "killed by signal 9 (SIGKILL)"
+
+    @property
+    def failed(self) -> bool:
+        """Anything but a clean exit (code 0) is a failure: what a restart policy `on-failure` restarts."""
+        return self.code != 0
 
 
 class Controller(Protocol):
@@ -53,6 +67,16 @@ class Controller(Protocol):
 
     def exited(self) -> str | None:
         """Why the app ended, when the controller knows without any I/O (a child that exited); else None."""
+
+    async def wait_exit(self) -> Exit | None:
+        """Return when the app this controller started ends on its own (a crash, an OOM kill, an exit),
+        with how; None when it was stopped by the proxy, nothing runs, or the controller cannot tell
+        (units and containers: their end is found by the liveness probe instead)."""
+
+    async def clean_up(self) -> list[str]:
+        """At the proxy's start: end what an earlier run of the proxy started and left behind, where it
+        is provably that run's (pid, start time and command line match its record). Returns what was
+        ended, for the log; units and containers are adopted instead (empty)."""
 
     async def check(self) -> list[str]:
         """Problems found without changing anything (an unknown unit, no such container, an unreachable

@@ -23,7 +23,7 @@ from urllib.parse import quote
 
 import httpx
 
-from proxy.lifecycle.controller import JSON, LifecycleError, Status
+from proxy.lifecycle.controller import JSON, Exit, LifecycleError, Status
 from proxy.tenants import DEFAULT_DOCKER_SOCKET, DEFAULT_STOP_TIMEOUT_S, ReleaseSpec
 
 REQUEST_TIMEOUT_S = 30.0  # beyond the stop's own t=N
@@ -135,6 +135,12 @@ class DockerController:
 
     def exited(self) -> str | None:
         return None
+
+    async def wait_exit(self) -> Exit | None:
+        return None  # no child to wait for: the liveness probe finds a unit or container that ended
+
+    async def clean_up(self) -> list[str]:
+        return []  # adopted as it is, never ended
 
     async def check(self) -> list[str]:
         try:

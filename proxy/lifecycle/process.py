@@ -1,40 +1,55 @@
 """A command the proxy runs and owns (release kind `process`), like llama-swap's model servers.
 
-The child runs in a process group of its own (`start_new_session`), so a stop reaches whatever it
-spawned (a shell script's server, a worker pool): SIGTERM to the group, SIGKILL after
-`stop_timeout_s`, and the child is reaped. stdin is closed; stdout and stderr are read into a ring
-of the last lines, shown where a start fails and in the admin API.
+Supervised (design invariant 12):
+- The child runs in a session and process group of its own (`start_new_session`), so a stop reaches
+  whatever it spawned (a shell script's server, a worker pool): SIGTERM to the group and to every
+  descendant found outside it (a `setsid` child, by parent links), SIGKILL after `stop_timeout_s`,
+  and a stop is done only once they are gone (and the port is free, else the holder is named).
+- Its exit is awaited (`wait_exit`), never inferred from its port: the state machine hears of a crash
+  at once, with the exit code.
+- It dies with the proxy: the kernel sends it SIGKILL when the proxy dies (PR_SET_PDEATHSIG, set
+  between fork and exec), so a proxy killed -9 leaves no app holding the port and the GPU.
+- Its output goes to a file (the state directory's `<tenant>.log`, truncated at each start; an
+  unlinked temporary file without a state directory), never a pipe: nothing it writes can block or
+  fail because the proxy stopped reading. The last lines are read back from the file's tail.
+- Ownership: a start fails at once, naming the holder (pid and command), when the port is already
+  held; readiness counts only while this child lives and (where /proc tells) its tree holds the port.
+- A record in the state directory (pid, start time, command line, boot, session and descendants
+  seen) lets a restarted proxy end what a crashed run left behind (a grandchild that outlived the
+  child) when it is provably that run's: same boot, and pid with start time and command line
+  matching, or a member of the recorded session started after it. Anything that matches only in part
+  is named in health and never signalled.
 
 The child's environment is the proxy's without its secrets: no `HYPERSWAP_*` variable (the admin
 token, the config path), not the variable admin.token_env names, not systemd's CREDENTIALS_DIRECTORY
 (where a service's token file would be); the tenant's `env` is applied last and wins (`child_env`).
-
-Only what this controller started is ever signalled. With a state directory it writes a pidfile
-(pid, process group, the kernel's start time of the pid) so a proxy restarted after a crash can
-name the orphan of its previous run in health; it never kills it (the pid may be someone else's by
-then, and a person decides).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import os
 import signal
-from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+import sys
+import tempfile
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from proxy.clock import Clock, SystemClock
-from proxy.lifecycle.controller import JSON, LifecycleError, Status, within
+from proxy.lifecycle import procs
+from proxy.lifecycle.controller import JSON, Exit, LifecycleError, Status, within
 from proxy.tenants import DEFAULT_STOP_TIMEOUT_S, ReleaseSpec
 
 SECRET_PREFIX = "HYPERSWAP_"
 WITHHELD = frozenset({"CREDENTIALS_DIRECTORY"})  # systemd's folder of the proxy's own credentials
 KEEP_LINES = 50
 MAX_LINE = 1000  # characters kept of one line (a progress bar can write megabytes without a newline)
-READ_CHUNK = 4096
+TAIL_BYTES = 64 * 1024  # read back from the end of the log for the last lines
+GONE_AFTER_KILL_S = 2.0  # how long a SIGKILLed process may take to disappear before the stop fails
+PR_SET_PDEATHSIG = 1
 
 
 def child_env(base: Mapping[str, str], extra: Mapping[str, str], withheld: Iterable[str] = ()) -> dict[str, str]:
@@ -48,33 +63,41 @@ def child_env(base: Mapping[str, str], extra: Mapping[str, str], withheld: Itera
 def _start_time(pid: int) -> int | None:
     """The kernel's start time of `pid` (clock ticks since boot; /proc/PID/stat field 22): with the pid
     it names one process for good, whatever later reuses the number. None off Linux or when gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+    return procs.start_time(pid)
+
+
+def _load_prctl() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
         return None
     try:
-        return int(stat.rpartition(")")[2].split()[19])
-    except (IndexError, ValueError):
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
         return None
 
 
-def _live_member(pgid: int) -> bool:
-    """Whether a process of group `pgid` still runs. A zombie (dead, waiting for its new parent to
-    reap it) still answers kill(0) but holds no memory: it does not count. True off Linux."""
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return True
-    for entry in entries:
-        if not entry.isdigit():
-            continue
+_PRCTL = _load_prctl()  # looked up here: the child between fork and exec must not load libraries
+
+
+def _die_with(parent: int) -> Callable[[], None]:
+    """The child's last step before exec: SIGKILL when the proxy dies, and if it died already, now."""
+
+    def preexec() -> None:
+        if _PRCTL is not None:
+            _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:  # the proxy died between fork and prctl
+            os._exit(1)
+
+    return preexec
+
+
+def _exit_of(code: int) -> Exit:
+    if code < 0:
         try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rpartition(")")[2].split()
-        except OSError:
-            continue
-        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
-            return True
-    return False
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "?"
+        return Exit(code, f"killed by signal {-code} ({name})")
+    return Exit(code, f"exited with code {code}")
 
 
 class ProcessController:
@@ -83,7 +106,7 @@ class ProcessController:
     def __init__(self, name: str, command: Sequence[str], *, cwd: str | None = None,
                  env: Mapping[str, str] | None = None, stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S,
                  clock: Clock | None = None, state_dir: Path | None = None, keep_lines: int = KEEP_LINES,
-                 withheld_env: Iterable[str] = ()) -> None:
+                 host: str | None = None, port: int | None = None, withheld_env: Iterable[str] = ()) -> None:
         if not command:
             raise ValueError("a process needs a command")
         self.name = name
@@ -93,20 +116,26 @@ class ProcessController:
         self.withheld_env = frozenset(withheld_env)  # besides HYPERSWAP_*: the admin token's variable
         self.stop_timeout_s = stop_timeout_s
         self.clock: Clock = clock or SystemClock()
+        self.keep_lines = keep_lines
+        self.host, self.port = host, port  # the upstream it serves on: checked before a start and after ready
+        self.hide: str | None = None  # output lines holding this (the ready probe's requests) are left out
         self.pidfile = state_dir / f"{name}.process.json" if state_dir else None
-        self._lines: deque[str] = deque(maxlen=keep_lines)
+        self.log_path = state_dir / f"{name}.log" if state_dir else None
+        self._log: int | None = None  # the output file, open for reading its tail (and the child's writes)
         self._proc: asyncio.subprocess.Process | None = None
-        self._pump: asyncio.Task[None] | None = None
+        self._started: int | None = None  # the child's start time
+        self._seen: dict[int, int] = {}  # descendants seen (pid -> start time): stopped with the child
         self._stopped_by_us = False
         self.orphan: JSON | None = self._find_orphan()
 
     @classmethod
     def from_spec(cls, name: str, spec: ReleaseSpec, *, clock: Clock | None = None,
-                  state_dir: Path | None = None, withheld_env: Iterable[str] = ()) -> ProcessController:
+                  state_dir: Path | None = None, host: str | None = None,
+                  port: int | None = None, withheld_env: Iterable[str] = ()) -> ProcessController:
         if spec.command is None:
             raise ValueError(f"tenant {name!r}: release kind {spec.kind!r} has no command")
         return cls(name, spec.command, cwd=spec.cwd, env=spec.env, stop_timeout_s=spec.effective_stop_timeout_s,
-                   clock=clock, state_dir=state_dir, withheld_env=withheld_env)
+                   clock=clock, state_dir=state_dir, host=host, port=port, withheld_env=withheld_env)
 
     # -- the protocol ---------------------------------------------------------------------------
     @property
@@ -119,38 +148,70 @@ class ProcessController:
     async def start(self) -> None:
         if self._running():
             return
-        await self._finish_pump()
-        self._lines.clear()
+        await self.clean_up()
+        if self.orphan is not None:
+            raise LifecycleError(
+                f"process {self.orphan['pid']} from an earlier run of the proxy still runs, and the proxy cannot "
+                f"prove it is its own app (its record does not match in full): it does not start a second copy",
+                fix=f"stop it yourself (`kill {self.orphan['pid']}`), then start {self.name} again")
+        if self.port is not None and self.host is not None:
+            use = await asyncio.to_thread(procs.port_use, self.host, self.port)
+            stranger = use.stranger() or ("a process the proxy cannot see (another user's)" if use.listening else None)
+            if stranger is not None:
+                raise LifecycleError(
+                    f"port {self.port} is already in use by {stranger}, before {self.name} was started: requests "
+                    f"would reach it instead of the app",
+                    fix=f"stop what holds port {self.port}"
+                        + (f" (`kill {use.others[0]}`)" if use.others else " (`ss -ltnp`)")
+                        + f", or give tenant {self.name!r} a free port (its upstream and its command)")
         self._stopped_by_us = False
+        self._seen.clear()
+        log = self._open_log()
         try:
             proc = await asyncio.create_subprocess_exec(
                 *self.command, cwd=self.cwd, env=child_env(os.environ, self.env, self.withheld_env),
-                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True)
+                stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                preexec_fn=_die_with(os.getpid()))
         except OSError as exc:
             raise LifecycleError(f"cannot run {self.command[0]} for tenant {self.name!r}: {exc.strerror or exc}",
                                  fix="check the command in tenants.json (release.command, cwd) and that the "
                                      "proxy's user may run it") from None
         self._proc = proc
-        assert proc.stdout is not None
-        self._pump = asyncio.create_task(self._read(proc.stdout), name=f"lifecycle-output-{self.name}")
-        self._write_pidfile(proc.pid)
+        self._started = procs.start_time(proc.pid)
+        self._write_record()
 
     async def stop(self) -> None:
         proc = self._proc
         if proc is None:
             return
         self._stopped_by_us = True
-        if proc.returncode is None or self._group_alive(proc.pid):
-            self._signal(proc.pid, signal.SIGTERM)
+        members = await asyncio.to_thread(self._tree)
+        if members:
             deadline = self.clock.now() + self.stop_timeout_s
+            self._signal_all(members, signal.SIGTERM)
             await within(self.clock, self.stop_timeout_s, proc.wait())
-            await self._group_gone(proc.pid, deadline)  # what the child spawned had the same SIGTERM
-            if proc.returncode is None or self._group_alive(proc.pid):
-                self._signal(proc.pid, signal.SIGKILL)
-            await proc.wait()  # reap
-        await self._finish_pump()
+            await self._gone(members, deadline)  # what the child spawned had the same SIGTERM
+            left = {pid: t for pid, t in members.items() if procs.same(pid, t)}
+            if left:
+                self._signal_all(left, signal.SIGKILL)
+                await within(self.clock, GONE_AFTER_KILL_S, proc.wait())  # reap
+                await self._gone(left, self.clock.now() + GONE_AFTER_KILL_S)
+            still = [pid for pid, t in left.items() if procs.same(pid, t)]
+            if still:
+                raise LifecycleError(f"{', '.join(procs.describe(p) for p in still)} still runs after SIGKILL",
+                                     fix="it may be stuck in the kernel (a GPU driver call): see `ps -o stat,wchan "
+                                         f"-p {still[0]}`; a reboot frees it if nothing else does")
+        if proc.returncode is None:  # off Linux, where no tree is read
+            proc.kill()
+            await proc.wait()
         self._remove_pidfile()
+        if self.port is not None and self.host is not None:
+            use = await asyncio.to_thread(procs.port_use, self.host, self.port)
+            if use.others:
+                raise LifecycleError(
+                    f"{self.name} stopped, but port {self.port} is still held by {use.stranger()}: a process it "
+                    f"started that left its session, or another program",
+                    fix=f"stop it (`kill {use.others[0]}`); the proxy signals only what it can prove is the app's")
 
     async def status(self) -> Status:
         if self._running():
@@ -158,106 +219,218 @@ class ProcessController:
         return "unknown" if self.orphan is not None else "stopped"
 
     def output(self) -> tuple[str, ...]:
-        return tuple(self._lines)
+        fd = self._log
+        if fd is None:
+            return ()
+        try:
+            size = os.fstat(fd).st_size
+            begin = max(0, size - TAIL_BYTES)
+            data = os.pread(fd, size - begin, begin)
+        except OSError:
+            return ()
+        lines = data.split(b"\n")
+        if begin > 0:
+            lines = lines[1:]  # a partial line
+        if lines and not lines[-1]:
+            lines.pop()
+        out: list[str] = []
+        for raw in reversed(lines):
+            text = raw.decode("utf-8", "replace").rstrip("\r")
+            text = text.rsplit("\r", 1)[-1] or text  # a progress bar's last state
+            if self.hide is None or self.hide not in text:
+                out.append(text[:MAX_LINE])
+                if len(out) >= self.keep_lines:
+                    break
+        return tuple(reversed(out))
 
     def exited(self) -> str | None:
         proc = self._proc
         if proc is None or proc.returncode is None or self._stopped_by_us:
             return None
-        code = proc.returncode
-        return f"killed by signal {-code} ({signal.Signals(-code).name})" if code < 0 else f"exited with code {code}"
+        return _exit_of(proc.returncode).reason
+
+    async def wait_exit(self) -> Exit | None:
+        proc = self._proc
+        if proc is None:
+            return None
+        code = await proc.wait()
+        return None if self._stopped_by_us or proc is not self._proc else _exit_of(code)
+
+    def alive(self) -> bool:
+        """The child the proxy started runs now."""
+        return self._running()
+
+    async def owns_port(self) -> str | None:
+        """Why the ready port is not this app's (the child ended, or another process holds the port),
+        else None. Reads the child's own sockets first (a few reads); the whole tree only when needed."""
+        if not self._running():
+            return f"the app the proxy started has ended ({self.exited() or 'stopped'})"
+        if self.port is None or self.host is None:
+            return None
+        use = await asyncio.to_thread(procs.port_use, self.host, self.port, [self.pid] if self.pid else [])
+        if use.others:
+            use = await asyncio.to_thread(procs.port_use, self.host, self.port, await asyncio.to_thread(self._tree))
+        if use.ours or not use.listening or not use.others:
+            return None  # ours, or nothing this reader can see (another network namespace, another host)
+        return (f"port {self.port} answers, but it is held by {use.stranger()}, not by the app the proxy "
+                f"started (pid {self.pid})")
 
     def describe(self) -> JSON:
         proc = self._proc
         return {"kind": self.kind, "command": list(self.command), "cwd": self.cwd, "pid": self.pid,
                 "running": self._running(), "exit_code": None if proc is None else proc.returncode,
-                "output": list(self._lines), "orphan": self.orphan}
+                "output": list(self.output()), "orphan": self.orphan,
+                "log": str(self.log_path) if self.log_path is not None else None}
 
     async def check(self) -> list[str]:
         self.orphan = self._find_orphan() if not self._running() else self.orphan
         if self.orphan is None:
             return []
         return [f"tenant {self.name!r}: process {self.orphan['pid']} from an earlier run of the proxy still runs "
-                f"({' '.join(self.command)}); the proxy did not start it in this run and leaves it alone (fix: "
-                f"stop it yourself, `kill {self.orphan['pid']}`, so the proxy can start its own)"]
+                f"({' '.join(self.command)}); its record does not match it in full, so the proxy leaves it alone "
+                f"and does not start a second copy (fix: stop it yourself, `kill {self.orphan['pid']}`, so the "
+                f"proxy can start its own)"]
+
+    async def clean_up(self) -> list[str]:
+        """End what an earlier run left behind when the record proves it is that run's; see the module doc."""
+        if self._proc is not None or self.pidfile is None:
+            return []
+        record = self._read_record()
+        if record is None:
+            return []
+        leftovers = await asyncio.to_thread(self._leftovers, record)
+        if leftovers is None:  # something runs that matches only in part: named, never signalled
+            self.orphan = self._find_orphan()
+            return []
+        if leftovers:
+            self._signal_all(leftovers, signal.SIGTERM)
+            await self._gone(leftovers, self.clock.now() + self.stop_timeout_s)
+            left = {pid: t for pid, t in leftovers.items() if procs.same(pid, t)}
+            self._signal_all(left, signal.SIGKILL)
+            await self._gone(left, self.clock.now() + GONE_AFTER_KILL_S)
+        self._remove_pidfile()
+        self.orphan = None
+        return [procs.describe(pid) for pid in leftovers]  # described after: the numbers, for the log
 
     async def aclose(self) -> None:
         if self._proc is not None:
-            await self.stop()
+            with contextlib.suppress(LifecycleError):
+                await self.stop()
+        if self._log is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._log)
+            self._log = None
 
-    # -- the child's group ------------------------------------------------------------------------
-    @staticmethod
-    def _signal(pgid: int, sig: signal.Signals) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, sig)
+    # -- the child's tree -------------------------------------------------------------------------
+    def _tree(self) -> dict[int, int]:
+        """The child (while it runs), its session and its descendants now, plus those seen before that
+        still run: pid -> start time. Notes the new ones in the record, so a stop and a restarted proxy
+        find them even after they left the session."""
+        proc = self._proc
+        if proc is None or self._started is None:
+            return {}
+        members = procs.tree(proc.pid if proc.returncode is None else None, proc.pid, self._seen.items(),
+                             since=self._started)
+        new = {pid: t for pid, t in members.items() if pid != proc.pid and self._seen.get(pid) != t}
+        if new:
+            self._seen.update(new)
+            self._write_record()
+        return members
 
-    @staticmethod
-    def _group_alive(pgid: int) -> bool:
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):  # gone, or the number is someone else's now
-            return False
-        return _live_member(pgid)
+    def _signal_all(self, members: Mapping[int, int], sig: signal.Signals) -> None:
+        proc = self._proc
+        if proc is not None and proc.returncode is None:  # the running leader keeps the group's number ours
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, sig)
+        for pid, started in members.items():
+            if procs.same(pid, started):  # never a number someone else has now
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, sig)
 
-    async def _group_gone(self, pgid: int, deadline: float) -> None:
-        """Wait, polling with a short backoff, until no process of the group is left or the deadline passes."""
-        delay = 0.01
-        while self._group_alive(pgid) and self.clock.now() < deadline:
+    async def _gone(self, members: Mapping[int, int], deadline: float) -> None:
+        """Wait, polling with a short backoff, until none of `members` runs or the deadline passes."""
+        delay = 0.005
+        while any(procs.same(pid, t) for pid, t in members.items()) and self.clock.now() < deadline:
             await self.clock.sleep(min(delay, max(0.0, deadline - self.clock.now())))
-            delay = min(delay * 2, 0.2)
+            delay = min(delay * 2, 0.1)
 
-    # -- output -------------------------------------------------------------------------------------
-    def _add(self, raw: bytes) -> None:
-        text = raw.decode("utf-8", "replace").rstrip("\r")
-        text = text.rsplit("\r", 1)[-1] or text  # a progress bar's last state
-        self._lines.append(text[:MAX_LINE])
+    # -- output ---------------------------------------------------------------------------------------
+    def _open_log(self) -> int:
+        """A fresh output file for this run, open for appending (the child) and reading (the tail)."""
+        if self._log is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._log)
+            self._log = None
+        fd: int | None = None
+        if self.log_path is not None:
+            with contextlib.suppress(OSError):
+                self.log_path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.log_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        if fd is None:
+            fd, path = tempfile.mkstemp(prefix=f"hyperswap-{self.name}-", suffix=".log")
+            os.unlink(path)  # lives as long as the proxy or the child holds it
+            with contextlib.suppress(OSError):
+                import fcntl
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
+        self._log = fd
+        return fd
 
-    async def _read(self, stream: asyncio.StreamReader) -> None:
-        buf = b""
-        while chunk := await stream.read(READ_CHUNK):
-            buf += chunk
-            *lines, buf = buf.split(b"\n")
-            for line in lines:
-                self._add(line)
-            if len(buf) > READ_CHUNK:
-                self._add(buf)
-                buf = b""
-        if buf:
-            self._add(buf)
-
-    async def _finish_pump(self) -> None:
-        """Read what is left of the output; a grandchild that keeps the pipe open does not hold us up."""
-        pump, self._pump = self._pump, None
-        if pump is not None:
-            finished, _ = await within(self.clock, 1.0, asyncio.shield(pump))
-            if not finished:
-                pump.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await pump
-
-    # -- the pidfile: naming an orphan of an earlier run --------------------------------------------
-    def _write_pidfile(self, pid: int) -> None:
-        if self.pidfile is None:
+    # -- the record: what a restarted proxy finds again -------------------------------------------
+    def _write_record(self) -> None:
+        proc = self._proc
+        if self.pidfile is None or proc is None:
             return
+        record = {"pid": proc.pid, "start_time": self._started, "command": list(self.command),
+                  "cmdline": list(procs.cmdline(proc.pid) or ()), "boot_id": procs.boot_id(),
+                  "descendants": [[pid, t] for pid, t in self._seen.items()]}
         with contextlib.suppress(OSError):
             self.pidfile.parent.mkdir(parents=True, exist_ok=True)
-            self.pidfile.write_text(json.dumps({"pid": pid, "start_time": _start_time(pid),
-                                                "command": list(self.command)}))
+            tmp = self.pidfile.with_suffix(".tmp")
+            tmp.write_text(json.dumps(record))
+            tmp.replace(self.pidfile)
+
+    def _read_record(self) -> JSON | None:
+        if self.pidfile is None:
+            return None
+        try:
+            data = json.loads(self.pidfile.read_text())
+            return data if isinstance(data, dict) and isinstance(data.get("pid"), int) else None
+        except (OSError, ValueError):
+            return None
 
     def _remove_pidfile(self) -> None:
         if self.pidfile is not None:
             with contextlib.suppress(OSError):
                 self.pidfile.unlink()
 
+    def _leftovers(self, record: JSON) -> dict[int, int] | None:
+        """What the recorded run left that still runs and is provably its own (pid -> start time); None
+        when something runs that matches the record only in part (named as an orphan instead)."""
+        boot = record.get("boot_id")
+        if boot is not None and boot != procs.boot_id():
+            return {}  # another boot: every number in it names nothing now
+        pid, started = record.get("pid"), record.get("start_time")
+        if not isinstance(pid, int) or not isinstance(started, int):
+            return {}
+        leader = procs.proc(pid)
+        leader_same = leader is not None and leader.alive and leader.start_time == started
+        if leader_same and (not record.get("cmdline") or tuple(record["cmdline"]) != procs.cmdline(pid)):  # type: ignore[arg-type]
+            return None
+        found: dict[int, int] = {pid: started} if leader_same else {}
+        known = record.get("descendants") or []
+        for p in procs.processes():
+            if not p.alive or p.start_time < started:
+                continue
+            if p.session == pid or [p.pid, p.start_time] in known:  # type: ignore[operator]
+                found[p.pid] = p.start_time
+        return found
+
     def _find_orphan(self) -> JSON | None:
         """The process an earlier run started and did not stop, if it still runs (same pid, same start time)."""
-        if self.pidfile is None:
+        data = self._read_record()
+        if data is None:
             return None
-        try:
-            data = json.loads(self.pidfile.read_text())
-            pid, started = int(data["pid"]), data.get("start_time")
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-        if started is None or _start_time(pid) != started:
+        pid, started = data["pid"], data.get("start_time")
+        if not isinstance(pid, int) or started is None or procs.start_time(pid) != started:
             return None  # gone, or its number belongs to another process now
         return {"pid": pid, "command": data.get("command")}

@@ -42,7 +42,8 @@ class ReadyProbe:
     status: int = 200
 
     def describe(self) -> str:
-        return f"GET {self.url} answers {self.status}" if self.url else f"{self.host}:{self.port} accepts a connection"
+        """What readiness waits for: `GET http://... to answer 200`, `127.0.0.1:8081 to accept a connection`."""
+        return f"GET {self.url} to answer {self.status}" if self.url else f"{self.host}:{self.port} to accept a connection"
 
 
 def probe_for(tenant: Tenant, engine_ready_path: str | None) -> ReadyProbe:
@@ -76,10 +77,18 @@ async def _http(probe: ReadyProbe, client: httpx.AsyncClient, timeout_s: float) 
     return None if r.status_code == probe.status else f"GET {probe.url} answered {r.status_code}, not {probe.status}"
 
 
+async def probe_once(probe: ReadyProbe, client: httpx.AsyncClient, timeout_s: float) -> str | None:
+    """One try of the probe: None when it passes, else what went wrong."""
+    return await (_http(probe, client, timeout_s) if probe.url else _tcp(probe, timeout_s))
+
+
 async def wait_ready(probe: ReadyProbe, timeout_s: float, clock: Clock, *, client: httpx.AsyncClient | None = None,
-                     exited: Callable[[], str | None] | None = None) -> float:
+                     exited: Callable[[], str | None] | None = None,
+                     owner: Callable[[], Awaitable[str | None]] | None = None) -> float:
     """Poll until `probe` passes; return the seconds it took. Raises LifecycleError when `timeout_s`
-    passes first, or at once when `exited()` says the app ended (a child that crashed)."""
+    passes first, or at once when `exited()` says the app ended (a child that crashed), or when the
+    probe passes but `owner()` says what answers is not the app the proxy started (the child ended
+    while something else answers on its port, or another process holds the port)."""
     began = clock.now()
     deadline = began + timeout_s
     delay = FIRST_DELAY_S
@@ -90,13 +99,18 @@ async def wait_ready(probe: ReadyProbe, timeout_s: float, clock: Clock, *, clien
         while True:
             left = deadline - clock.now()
             attempt = max(0.05, min(ATTEMPT_TIMEOUT_S, left))
-            why = await (_http(probe, client, attempt) if probe.url else _tcp(probe, attempt))
-            if why is None:
-                return clock.now() - began
+            why = await probe_once(probe, client, attempt)
             ended = exited() if exited else None
             if ended:
-                raise LifecycleError(f"it {ended} before it was ready ({probe.describe()})",
+                raise LifecycleError(f"it {ended} before it was ready (the proxy waited for {probe.describe()})",
                                      fix="its last output lines say why")
+            if why is None:
+                stranger = await owner() if owner else None
+                if stranger:
+                    raise LifecycleError(f"not ready: {stranger}",
+                                         fix="stop the other program, or give the tenant a port of its own "
+                                             "(its upstream and its command)")
+                return clock.now() - began
             left = deadline - clock.now()
             if left <= 0:
                 raise LifecycleError(f"not ready within {timeout_s:g} s: {why}",
@@ -110,10 +124,27 @@ async def wait_ready(probe: ReadyProbe, timeout_s: float, clock: Clock, *, clien
 
 
 def probe_readiness(probe: ReadyProbe, clock: Clock, *, exited: Callable[[], str | None] | None = None,
-                    client: httpx.AsyncClient | None = None) -> Readiness:
+                    client: httpx.AsyncClient | None = None,
+                    owner: Callable[[], Awaitable[str | None]] | None = None) -> Readiness:
     """`wait_ready` bound to one probe, as TenantLifecycle takes it."""
 
     async def ready(timeout_s: float) -> None:
-        await wait_ready(probe, timeout_s, clock, client=client, exited=exited)
+        await wait_ready(probe, timeout_s, clock, client=client, exited=exited, owner=owner)
 
     return ready
+
+
+# One try of a running tenant's probe (the liveness check): None when it answers, else why not.
+Liveness = Callable[[], Awaitable[str | None]]
+
+
+def probe_liveness(probe: ReadyProbe, client: httpx.AsyncClient | None = None) -> Liveness:
+    """`probe_once` bound to one probe, with one try's timeout."""
+
+    async def alive() -> str | None:
+        if client is not None:
+            return await probe_once(probe, client, ATTEMPT_TIMEOUT_S)
+        async with httpx.AsyncClient(trust_env=False, verify=client_context()) as own:
+            return await probe_once(probe, own, ATTEMPT_TIMEOUT_S)
+
+    return alive

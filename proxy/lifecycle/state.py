@@ -14,23 +14,42 @@
 Stop is refused while `busy()` says the tenant has work in flight, and while it starts. A start
 asked for while a stop runs waits for the stop, then starts. A failed start stops whatever was
 launched (no half-started app keeps memory), goes to `failed` with the reason and output, and the
-next start is allowed after an exponential backoff (capped).
+next start is allowed after an exponential backoff (capped). A stop that fails leaves the state
+`failed` (never `running`: the next request starts it, or finds it running, through its probe).
+
+Supervision (design invariant 12): while it runs, a task awaits the controller's `wait_exit` (a
+child's exit, the moment it happens) and, when a liveness probe is given, tries it every
+`live_interval_s`: `LIVE_MISSES` misses in a row count as a failure. An app that ended goes to
+`exited` (code 0) or `failed` (any other end, or no answer) with the reason and its last output
+lines, reported like a start or stop (a decision), and what it left is cleaned up (a stop of the
+controller, before any new start). The next request starts it again; crashes in a row (an app that
+ran `STABLE_S` or longer starts the count over) back off like failed starts, the first not at all.
+A restart policy `on-failure` starts it at once (after that backoff) up to `restart_limit` crashes in
+a row; `never` waits for a request. Every change of state is told to `on_state` when it happens.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal
 
 from proxy.clock import Clock
-from proxy.lifecycle.controller import JSON, Controller, LifecycleError, Status
-from proxy.lifecycle.ready import Readiness
+from proxy.lifecycle.controller import JSON, Controller, Exit, LifecycleError, Status
+from proxy.lifecycle.ready import Liveness, Readiness
 
-LifecycleState = Literal["running", "stopped", "starting", "stopping", "failed"]
-Action = Literal["start", "stop"]
+log = logging.getLogger("hyperswap.lifecycle")
+
+LifecycleState = Literal["running", "stopped", "starting", "stopping", "failed", "exited"]
+Action = Literal["start", "stop", "exit"]
+RestartPolicy = Literal["never", "on-failure"]
+
+STABLE_S = 60.0  # an app that ran this long before it crashed starts the crash count (and its backoff) over
+LIVE_INTERVAL_S = 5.0  # seconds between liveness probes of a running tenant
+LIVE_MISSES = 3  # probes in a row that must fail before a running tenant counts as failed
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,12 +74,14 @@ class Lifecycle:
     error: str | None = None
     fix: str | None = None
     output: tuple[str, ...] = ()
+    crashes: int = 0  # consecutive ends while running (exits, kills, no answer)
+    exit_code: int | None = None  # how the app ended, when it ended on its own and the code is known
 
     def start_refused(self, now: float) -> str | None:
         """Why a start may not begin now (backing off after a failure), or None."""
         if self.retry_at is not None and now < self.retry_at:
-            return (f"its last start failed ({self.error}); the next try is allowed in "
-                    f"{self.retry_at - now:.1f} s")
+            what = "it ended" if self.state == "exited" or (self.crashes and not self.failures) else "its last start failed"
+            return f"{what} ({self.error}); the next try is allowed in {self.retry_at - now:.1f} s"
         return None
 
     def stop_refused(self, busy: bool) -> str | None:
@@ -80,11 +101,24 @@ class Lifecycle:
         return replace(self, state="starting", since=now)
 
     def started(self, now: float) -> Lifecycle:
-        return Lifecycle("running", now)
+        return Lifecycle("running", now, crashes=self.crashes)  # crashes in a row: counted until it runs STABLE_S
 
     def start_failed(self, now: float, error: str, fix: str | None, output: tuple[str, ...], backoff: Backoff) -> Lifecycle:
         failures = self.failures + 1
-        return Lifecycle("failed", now, failures, now + backoff.after(failures), error, fix, output)
+        return Lifecycle("failed", now, failures, now + backoff.after(failures), error, fix, output, self.crashes)
+
+    def ended(self, now: float, reason: str, code: int | None, failed: bool, output: tuple[str, ...],
+              backoff: Backoff) -> Lifecycle:
+        """It ended on its own while running (or stopped answering): `failed`, or `exited` on code 0.
+        The first crash after a stable run may start again at once; crashes in a row back off."""
+        ran = now - self.since
+        crashes = 1 if ran >= STABLE_S else self.crashes + 1
+        retry = backoff.after(crashes - 1)
+        error = f"it {reason} after running {ran:.1f} s"
+        fix = ("its last output lines say why (the app's log); the next request starts it again"
+               + (f" (in {retry:g} s: it ended {crashes} times in a row)" if retry else ""))
+        return Lifecycle("failed" if failed else "exited", now, 0, now + retry if retry else None, error, fix,
+                         output, crashes, code)
 
     def stopping(self, now: float) -> Lifecycle:
         return replace(self, state="stopping", since=now)
@@ -93,8 +127,10 @@ class Lifecycle:
         # a failed start's count and backoff stay: stopping does not make the next start likelier to work
         return replace(self, state="stopped", since=now)
 
-    def stop_failed(self, now: float, error: str, fix: str | None) -> Lifecycle:
-        return replace(self, state="running", since=now, error=error, fix=fix)
+    def stop_failed(self, now: float, error: str, fix: str | None, output: tuple[str, ...] = ()) -> Lifecycle:
+        """Never `running`: what runs is not known to be well (the next request starts it, or finds it
+        running through its probe). No backoff: a stop failing says nothing about the next start."""
+        return replace(self, state="failed", since=now, error=f"its stop failed: {error}", fix=fix, output=output)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,17 +141,20 @@ class LifecycleReport:
     action: Action
     ok: bool
     state: LifecycleState  # after it
-    duration_s: float = 0.0
+    duration_s: float = 0.0  # exit: how long it ran
     error: str | None = None
     fix: str | None = None
     output: tuple[str, ...] = ()
     retry_in_s: float | None = None  # a refused or failed start: when the next may begin
     refused: bool = False  # it never began (busy, starting, backing off)
+    exit_code: int | None = None  # exit: its code (negative: the signal), when known
+    restart_in_s: float | None = None  # exit: the restart policy starts it again in this long; None: it does not
 
     def to_json(self) -> JSON:
         return {"tenant": self.tenant, "action": self.action, "ok": self.ok, "state": self.state,
                 "duration_s": round(self.duration_s, 3), "error": self.error, "fix": self.fix,
-                "output": list(self.output), "retry_in_s": self.retry_in_s, "refused": self.refused}
+                "output": list(self.output), "retry_in_s": self.retry_in_s, "refused": self.refused,
+                "exit_code": self.exit_code, "restart_in_s": self.restart_in_s}
 
     def error_for_client(self) -> LifecycleError:
         """The failed start as the 503 a held request gets."""
@@ -132,17 +171,26 @@ class TenantLifecycle:
     """The one owner of a lifecycle tenant's state and of the tasks that start and stop it."""
 
     def __init__(self, tenant: str, controller: Controller, ready: Readiness, *, start_timeout_s: float, clock: Clock,
-                 backoff: Backoff | None = None, on_report: OnDone | None = None) -> None:
+                 backoff: Backoff | None = None, on_report: OnDone | None = None, live: Liveness | None = None,
+                 live_interval_s: float = LIVE_INTERVAL_S, restart: RestartPolicy = "never",
+                 restart_limit: int = 3) -> None:
         self.tenant = tenant
         self.controller = controller
         self._ready = ready
         self.start_timeout_s = start_timeout_s
         self.clock = clock
         self.backoff = backoff or Backoff()
-        self.on_report = on_report  # every start and stop that ran (the decision log, metrics, events)
+        self.on_report = on_report  # every start, stop and end that ran (the decision log, metrics, events)
+        self.on_state: Callable[[str], None] | None = None  # told the tenant's name at every change of state
+        self.live = live
+        self.live_interval_s = live_interval_s
+        self.restart = restart
+        self.restart_limit = restart_limit
         self._snap = Lifecycle(since=clock.now())
         self._start: asyncio.Task[LifecycleReport] | None = None
         self._stop: asyncio.Task[LifecycleReport] | None = None
+        self._watcher: asyncio.Task[None] | None = None  # supervises a running app
+        self._restart: asyncio.Task[None] | None = None  # the restart policy's start, waiting for its backoff
 
     @property
     def snapshot(self) -> Lifecycle:
@@ -152,9 +200,25 @@ class TenantLifecycle:
     def state(self) -> LifecycleState:
         return self._snap.state
 
+    def _set(self, snap: Lifecycle) -> None:
+        """The one place the snapshot changes: a change of state is told at once."""
+        changed = snap.state != self._snap.state
+        self._snap = snap
+        if changed and self.on_state is not None:
+            try:
+                self.on_state(self.tenant)
+            except Exception:  # a broken subscriber must not break a start
+                log.exception("lifecycle state subscriber failed")
+
     async def adopt(self) -> Lifecycle:
-        """At the proxy's start: take over whatever runs (a unit or container already up) as running."""
-        self._snap = self._snap.adopted(await self.controller.status(), self.clock.now())
+        """At the proxy's start: end what an earlier run left behind (where provably its own), then take
+        over whatever runs (a unit or container already up) as running, supervised."""
+        with contextlib.suppress(Exception):
+            for ended in await self.controller.clean_up():
+                log.warning("%s: ended %s, left behind by an earlier run of the proxy", self.tenant, ended)
+        self._set(self._snap.adopted(await self.controller.status(), self.clock.now()))
+        if self._snap.state == "running":
+            self._supervise()
         return self._snap
 
     # -- starting ------------------------------------------------------------------------------------
@@ -172,7 +236,7 @@ class TenantLifecycle:
                                               fix=self._snap.fix, output=self._snap.output,
                                               retry_in_s=round(retry, 3), refused=True), on_done)
         if self._stop is None:
-            self._snap = self._snap.starting(self.clock.now())  # at once: every caller sees "starting"
+            self._set(self._snap.starting(self.clock.now()))  # at once: every caller sees "starting"
         self._start = asyncio.create_task(self._run_start(), name=f"lifecycle-start-{self.tenant}")
         return self._watch(self._start, on_done)
 
@@ -188,14 +252,15 @@ class TenantLifecycle:
         try:
             if self._stop is not None:
                 await asyncio.shield(self._stop)  # a start asked for during a stop follows it
-                self._snap = self._snap.starting(self.clock.now())
+                self._set(self._snap.starting(self.clock.now()))
             began = self.clock.now()
             try:
                 await self.controller.start()
                 await self._ready(max(0.0, self.start_timeout_s - (self.clock.now() - began)))
             except Exception as exc:
                 return await self._start_failed(began, exc)
-            self._snap = self._snap.started(self.clock.now())
+            self._set(self._snap.started(self.clock.now()))
+            self._supervise()
             return self._report(LifecycleReport(self.tenant, "start", True, "running", self.clock.now() - began))
         finally:
             self._start = None
@@ -207,7 +272,7 @@ class TenantLifecycle:
         with contextlib.suppress(Exception):  # whatever was launched must not keep memory (best effort)
             await self.controller.stop()
         output = output or self.controller.output()
-        self._snap = self._snap.start_failed(self.clock.now(), error, fix, output, self.backoff)
+        self._set(self._snap.start_failed(self.clock.now(), error, fix, output, self.backoff))
         retry = (self._snap.retry_at or 0.0) - self.clock.now()
         return self._report(LifecycleReport(self.tenant, "start", False, "failed", self.clock.now() - began, error,
                                             fix, output, round(retry, 3)))
@@ -227,12 +292,14 @@ class TenantLifecycle:
                                               refused=True), on_done)
         if self._snap.state == "stopped":
             return self._done(LifecycleReport(self.tenant, "stop", True, "stopped"), on_done)
-        self._snap = self._snap.stopping(self.clock.now())
+        self._cancel(self._restart)
+        self._set(self._snap.stopping(self.clock.now()))
         self._stop = asyncio.create_task(self._run_stop(), name=f"lifecycle-stop-{self.tenant}")
         return self._watch(self._stop, on_done)
 
     async def _run_stop(self) -> LifecycleReport:
         began = self.clock.now()
+        self._cancel(self._watcher)
         try:
             try:
                 await self.controller.stop()
@@ -241,13 +308,104 @@ class TenantLifecycle:
             except Exception as exc:
                 error = exc.message if isinstance(exc, LifecycleError) else f"{type(exc).__name__}: {exc}"
                 fix = exc.fix if isinstance(exc, LifecycleError) else None
-                self._snap = self._snap.stop_failed(self.clock.now(), error, fix)
+                output = self.controller.output()
+                self._set(self._snap.stop_failed(self.clock.now(), error, fix, output))
                 return self._report(LifecycleReport(self.tenant, "stop", False, self._snap.state,
-                                                    self.clock.now() - began, error, fix, self.controller.output()))
-            self._snap = self._snap.stopped(self.clock.now())
+                                                    self.clock.now() - began, error, fix, output))
+            self._set(self._snap.stopped(self.clock.now()))
             return self._report(LifecycleReport(self.tenant, "stop", True, "stopped", self.clock.now() - began))
         finally:
             self._stop = None
+
+    # -- supervision ---------------------------------------------------------------------------------
+    def _supervise(self) -> None:
+        self._cancel(self._watcher)
+        self._watcher = asyncio.create_task(self._run_watch(), name=f"lifecycle-watch-{self.tenant}")
+
+    def _cancel(self, task: asyncio.Task[None] | None) -> None:
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+
+    def _quiet(self) -> bool:
+        """Running with no start or stop under way: what supervision may judge."""
+        return self._snap.state == "running" and self._start is None and self._stop is None
+
+    async def _run_watch(self) -> None:
+        """While it runs: its exit, the moment it happens, and (given a liveness probe) its answers."""
+        exit_task: asyncio.Future[Exit | None] | None = asyncio.ensure_future(self.controller.wait_exit())
+        misses, why = 0, ""
+        try:
+            while True:
+                waits: set[asyncio.Future[Exit | None] | asyncio.Future[None]] = set()
+                if exit_task is not None:
+                    waits.add(exit_task)
+                tick = asyncio.ensure_future(self.clock.sleep(self.live_interval_s)) if self.live else None
+                if tick is not None:
+                    waits.add(tick)
+                if not waits:
+                    return  # nothing can be watched: a controller that cannot tell, and no probe
+                try:
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    if tick is not None:
+                        tick.cancel()
+                if exit_task is not None and exit_task.done():
+                    ended = exit_task.result()
+                    exit_task = None
+                    if ended is not None and self._quiet():
+                        await self._ended(ended.reason, ended.code, ended.failed, clean=True)
+                        return
+                    continue
+                if not self._quiet() or self.live is None:
+                    continue
+                problem = await self.live()
+                misses, why = (misses + 1, problem) if problem else (0, "")
+                if misses >= LIVE_MISSES and self._quiet():
+                    await self._ended(f"stopped answering ({misses} probes in a row: {why})", None, True, clean=False)
+                    return
+        finally:
+            if exit_task is not None:
+                exit_task.cancel()
+            if self._watcher is asyncio.current_task():
+                self._watcher = None
+
+    async def _ended(self, reason: str, code: int | None, failed: bool, *, clean: bool) -> None:
+        """It ended on its own (or stopped answering): the state says so, a report is recorded, what
+        it left is cleaned up before any new start (`clean`: a child that ended), and the restart
+        policy may start it again."""
+        now = self.clock.now()
+        ran = now - self._snap.since
+        self._set(self._snap.ended(now, reason, code, failed, self.controller.output(), self.backoff))
+        if clean:
+            self._stop = asyncio.create_task(self._clean_up(), name=f"lifecycle-cleanup-{self.tenant}")
+        snap = self._snap
+        restart_in = None
+        if failed and self.restart == "on-failure" and snap.crashes <= self.restart_limit:
+            restart_in = max(0.0, (snap.retry_at or now) - now)
+            self._restart = asyncio.create_task(self._restart_after(restart_in), name=f"lifecycle-restart-{self.tenant}")
+        self._report(LifecycleReport(self.tenant, "exit", False, snap.state, ran, snap.error, snap.fix, snap.output,
+                                     None if snap.retry_at is None else round(snap.retry_at - now, 3),
+                                     exit_code=code, restart_in_s=restart_in))
+
+    async def _clean_up(self) -> LifecycleReport:
+        """What an app that ended left (its group, its descendants): stopped before any new start."""
+        try:
+            await self.controller.stop()
+        except Exception as exc:
+            log.warning("%s: cleaning up after its end: %s", self.tenant, exc)
+        finally:
+            self._stop = None
+        return LifecycleReport(self.tenant, "stop", True, self._snap.state)
+
+    async def _restart_after(self, delay_s: float) -> None:
+        try:
+            if delay_s > 0:
+                await self.clock.sleep(delay_s)
+            if self._snap.state in ("failed", "exited") and self._start is None:
+                self.begin_start()
+        finally:
+            if self._restart is asyncio.current_task():
+                self._restart = None
 
     # -- plumbing ------------------------------------------------------------------------------------
     def _report(self, report: LifecycleReport) -> LifecycleReport:
@@ -271,14 +429,15 @@ class TenantLifecycle:
         """For /api/tenants, health and the event stream."""
         s, now = self._snap, self.clock.now()
         return {"state": s.state, "for_s": round(now - s.since, 3), "error": s.error, "fix": s.fix,
-                "output": list(s.output), "failures": s.failures,
+                "output": list(s.output), "failures": s.failures, "crashes": s.crashes, "exit_code": s.exit_code,
+                "restart": self.restart,
                 "retry_in_s": round(s.retry_at - now, 3) if s.retry_at is not None and s.retry_at > now else None,
                 "controller": self.controller.describe()}
 
     async def aclose(self) -> None:
         """At the proxy's shutdown: cancel a start or stop under way, then let the controller stop what
         it started itself (a child process; units and containers are left running)."""
-        for task in (self._start, self._stop):
+        for task in (self._restart, self._watcher, self._start, self._stop):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import Literal
 
 from proxy.clock import Clock, SystemClock
-from proxy.lifecycle.controller import JSON, LifecycleError, Status, within
+from proxy.lifecycle.controller import JSON, Exit, LifecycleError, Status, within
 from proxy.tenants import ReleaseSpec
 
 COMMAND_TIMEOUT_S = 120.0  # systemctl waits for the unit's job; the unit's own TimeoutStartSec/TimeoutStopSec bound it
@@ -139,6 +139,12 @@ class SystemdController:
 
     def exited(self) -> str | None:
         return None
+
+    async def wait_exit(self) -> Exit | None:
+        return None  # no child to wait for: the liveness probe finds a unit or container that ended
+
+    async def clean_up(self) -> list[str]:
+        return []  # adopted as it is, never ended
 
     async def check(self) -> list[str]:
         try:

@@ -1,7 +1,7 @@
 """The GPU gate: what a tenant listener does with a GPU request. Admit it (the handoff queue may
 hold it, then it runs, or gets 507 or 503), forward it, and on an out-of-memory answer reclaim and
 retry once. Everything here that builds an HTTP answer is the relay's; the decisions are the
-handoff's (`Arbitration`, `HandoffQueue`, the pure arbiter).
+handoff's (`Arbitration`, `Scheduler`, the pure arbiter).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from proxy.handoff.arbiter import RESIDENT, gib
 from proxy.handoff.arbitration import Arbitration
 from proxy.handoff.decisions import FirstByte, HandoffStarted, OomRetry, Rejected, StaleJob
 from proxy.handoff.inflight import Token
-from proxy.handoff.queue import Admitted, Handoff
+from proxy.handoff.scheduler import Admitted, Handoff
 from proxy.lifecycle.controller import LifecycleError
 from proxy.relay.forward import UpstreamResponse
 from proxy.tenants import Tenant
@@ -139,7 +139,7 @@ class GpuGate:
             tenant=tenant.name, trigger="job reconciliation", job_id=job_id,
             reason=f"{job_id} is in neither {tenant.name}'s queue nor its history (deleted from the queue, or the "
                    "engine restarted): no longer counted as running"))
-        self.arb.queue.kick()
+        self.arb.scheduler.kick()
 
     def _oom(self, tenant: Tenant, prompt_id: str) -> None:
         if self._closed or not prompt_id or prompt_id in self._seen_oom:
@@ -178,7 +178,7 @@ class GpuGate:
         except (httpx.HTTPError, ValueError, ReleaseFailed) as exc:
             self._record_retry(tenant, handoff, f"re-queue failed: {exc}")
         finally:
-            self.arb.settle_when_idle(handoff)  # the re-queued prompt loads after POST /prompt returns
+            self.arb.scheduler.settle_when_idle(handoff)  # the re-queued prompt loads after POST /prompt returns
 
     async def _job_replay(self, adapter: EngineAdapter, job_id: str) -> JobReplay | None:
         """The engine writes the failed job down shortly after its error frame: look for a while."""
@@ -258,7 +258,7 @@ class GpuGate:
         unloading = adapter.unload_target(request.url.path, body)
         if unloading is not None:
             # An unload loads nothing: it needs no memory, releases nobody and is never refused.
-            self.arb.residency.forget(tenant.name, adapter.load_key(unloading))
+            self.arb.scheduler.unloaded(tenant.name, adapter.load_key(unloading))
             self.arb.inflight.admit(work)
             return await forward(body)
         trigger = f"request {request.method} {request.url.path}"
@@ -287,7 +287,7 @@ class GpuGate:
                                                   arrived_at=arrived_wall, after_s=self.arb.clock.now() - arrived,
                                                   status=response.status_code))
             if response.status_code < 400:
-                self.arb.residency.loaded(tenant.name, need.key)
+                self.arb.scheduler.loaded(tenant.name, need.key)
                 if watch is not None:
                     response = watch(response)  # reads the engine's own load time as the answer passes
             if not adapter.answers_oom or response.status_code < 400:
@@ -298,7 +298,7 @@ class GpuGate:
                 return _replay_response(response, error_body)
             # The first try is over: its reservation goes before the retry reserves its bigger need
             # (under the same key it would only have counted once more, with the old size and baseline).
-            self.arb.settle(handoff)
+            self.arb.scheduler.settle(handoff)
             again, _ = await self.arb.admit(tenant, request.url.path, body, f"OOM answer to {trigger}", oom=True)
             retry = again.handoff
             outcome = ("no plan" if again.outcome != "run" or not retry.plan.feasible or not retry.plan.starved
@@ -306,7 +306,7 @@ class GpuGate:
             if outcome == "retried":
                 response = await forward(body)
                 if response.status_code < 400:
-                    self.arb.residency.loaded(tenant.name, need.key)
+                    self.arb.scheduler.loaded(tenant.name, need.key)
                     self._record_retry(tenant, retry, "succeeded")
                     return response
                 error_body = await response.aread()
@@ -315,10 +315,10 @@ class GpuGate:
             return _with_blockers(response, error_body, retry)
         finally:
             if outlives:
-                self.arb.settle_when_idle(handoff)  # the job loads after the answer: keep its memory promised
+                self.arb.scheduler.settle_when_idle(handoff)  # the job loads after the answer: keep its memory promised
             else:
-                self.arb.settle(handoff)
-            self.arb.settle(retry)
+                self.arb.scheduler.settle(handoff)
+            self.arb.scheduler.settle(retry)
 
     def _record_retry(self, tenant: Tenant, handoff: Handoff | None, result: str, *, prompt_id: str | None = None,
                       requeued_as: str | None = None) -> None:

@@ -177,6 +177,7 @@ class ComfySim:
         self.pid: int | None = None
         self.frees = 0
         self.executed = 0
+        self.accepted = 0  # prompts POST /prompt queued (the proxy let them through)
         self._server: RunningServer | None = None
         self._worker: asyncio.Task[None] | None = None
         self._timers: set[asyncio.Task[None]] = set()
@@ -637,6 +638,7 @@ class ComfySim:
         _stamp(extra_data)
         item = _Item(number, prompt_id, graph, extra_data, list(result.outputs))
         heapq.heappush(self._heap, (number, prompt_id, next(self._seq), item))
+        self.accepted += 1
         self._broadcast_status()
         self._wake.set()
         return _json({"prompt_id": prompt_id, "number": number, "node_errors": result.node_errors})

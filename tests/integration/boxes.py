@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import random
 import socket
 import sys
+import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
-from proxy.demo import Demo
+import httpx
+import ollama
+from websockets.asyncio.client import connect as ws_connect
+
+from proxy.demo import Demo, comfy_prompt
 from proxy.sim.box import fast_scenario as fast
 from proxy.tls import client_context
 
@@ -17,7 +25,7 @@ DemoFactory = Callable[..., Awaitable[Demo]]
 # For every test client (verify=LOOPBACK_TLS): httpx's default reads the CA bundle again for each
 # client, 60-140 ms here, and the suite builds hundreds of them (they all speak plain HTTP anyway).
 LOOPBACK_TLS = client_context()
-
+README_CKPT = "sd_xl_base_1.0.safetensors"  # examples/comfy_prompt.json
 
 
 def _ephemeral() -> range:
@@ -72,4 +80,56 @@ def process_tenant(port: int, folder: Path, **extra: object) -> dict[str, object
     }
 
 
-__all__ = ["ALL_PORTS_ZERO", "LOOPBACK_TLS", "DemoFactory", "fast", "free_port", "port_open", "process_tenant"]
+# -- the user's clients on the demo box: the official `ollama` client, a websocket ComfyUI client --
+
+def decisions(demo: Demo, *kinds: str) -> list[Any]:
+    return [d for d in demo.proxy.decisions.recent(500) if d.kind in kinds]  # type: ignore[union-attr]
+
+
+def releases(demo: Demo) -> list[tuple[str, str]]:
+    """(requester, released tenant) of every handoff so far."""
+    return [(d.tenant, r["tenant"]) for d in decisions(demo, "plan", "oom_retry", "spill")
+            for r in d.outcome.get("releases", [])]
+
+
+async def chat(demo: Demo, model: str) -> ollama.ChatResponse:
+    async with ollama.AsyncClient(host=demo.proxy.url("ollama"), verify=LOOPBACK_TLS) as client:  # type: ignore[union-attr]
+        return await client.chat(model=model, messages=[{"role": "user", "content": "hi"}])
+
+
+class RenderRefused(Exception):
+    """POST /prompt answered something other than 200 (the proxy's 503 or 507, or ComfyUI's 400)."""
+
+    def __init__(self, status: int, text: str) -> None:
+        super().__init__(f"POST /prompt answered {status}: {text}")
+        self.status = status
+
+
+async def render(demo: Demo, ckpt: str = README_CKPT, steps: int | None = None) -> list[dict[str, Any]]:
+    """A prompt through the proxy with its websocket open, up to the end marker."""
+    base = demo.proxy.url("comfyui")  # type: ignore[union-attr]
+    cid = uuid.uuid4().hex
+    prompt = comfy_prompt(ckpt)
+    if steps:
+        prompt["3"]["inputs"]["steps"] = steps
+    async with httpx.AsyncClient(verify=LOOPBACK_TLS, timeout=30, trust_env=False) as http:
+        async with ws_connect(base.replace("http", "ws") + f"/ws?clientId={cid}", max_size=None) as ws:
+            await ws.recv()
+            r = await http.post(base + "/prompt", json={"prompt": prompt, "client_id": cid})
+            if r.status_code != 200:
+                raise RenderRefused(r.status_code, r.text)
+            msgs = []
+            async with asyncio.timeout(30):
+                while not msgs or not (msgs[-1]["type"] == "executing" and msgs[-1]["data"]["node"] is None):
+                    raw = await ws.recv()
+                    if isinstance(raw, str):
+                        msgs.append(json.loads(raw))
+    return msgs
+
+
+def succeeded(msgs: list[dict[str, Any]]) -> bool:
+    return "execution_success" in [m["type"] for m in msgs] and "execution_error" not in [m["type"] for m in msgs]
+
+
+__all__ = ["ALL_PORTS_ZERO", "LOOPBACK_TLS", "README_CKPT", "DemoFactory", "RenderRefused", "chat", "decisions",
+           "fast", "free_port", "port_open", "process_tenant", "releases", "render", "succeeded"]

@@ -16,7 +16,7 @@ from proxy.demo import comfy_prompt, run_prompt
 from proxy.gpu.snapshot import GpuReadError
 from proxy.handoff.arbiter import Plan
 from proxy.handoff.decisions import DecisionView
-from proxy.handoff.queue import Handoff
+from proxy.handoff.scheduler import Handoff
 from proxy.tasks import poll_until
 from proxy.tenants import GIB
 
@@ -69,8 +69,8 @@ async def test_chat_during_a_render_waits_for_it_and_busy_comfyui_is_never_relea
             await poll_until(lambda: comfy_held(demo) >= 11 * GIB, 0.01)
         chat = asyncio.ensure_future(generate(http, demo, "gemma3:27b"))
         async with asyncio.timeout(5):
-            await poll_until(lambda: [w for w in demo.proxy.arbitration.queue.waiting() if w["waiting_for"]])
-        waiting = demo.proxy.arbitration.queue.waiting()[0]
+            await poll_until(lambda: [w for w in demo.proxy.arbitration.scheduler.waiting() if w["waiting_for"]])
+        waiting = demo.proxy.arbitration.scheduler.waiting()[0]
         assert waiting["tenant"] == "ollama" and waiting["waiting_for"] == ["comfyui"], waiting
         assert demo.box.comfyui.frees == 0, "a busy tenant was asked to free"
         ended = False
@@ -128,7 +128,8 @@ async def test_oom_answer_is_reclaimed_and_retried_once(box: DemoFactory, http: 
     retry = decisions(demo, "oom_retry", "ollama")
     assert retry and retry[-1].outcome["oom_retry"] == "succeeded"
     assert [x["tenant"] for x in retry[-1].outcome["releases"]] == ["comfyui"]
-    assert demo.proxy.arbitration._reservations == {}, "both admissions (first try and retry) give their memory back"
+    assert not demo.proxy.arbitration.scheduler.reservations.tenants(), \
+        "both admissions (first try and retry) give their memory back"
 
 
 async def test_oom_with_nothing_to_release_reaches_the_client_with_blockers(box: DemoFactory, http: httpx.AsyncClient) -> None:
@@ -139,7 +140,7 @@ async def test_oom_with_nothing_to_release_reaches_the_client_with_blockers(box:
     body = r.json()
     assert body["error"] == OOM, "the engine's error is passed through unchanged"
     assert {b["name"] for b in body["blockers"]} >= {"Xorg", "gnome-shell"}
-    assert demo.proxy.arbitration._reservations == {}
+    assert not demo.proxy.arbitration.scheduler.reservations.tenants()
 
 
 async def test_spill_to_cpu_makes_ollama_starved_and_reclaims_comfyui(box: DemoFactory, http: httpx.AsyncClient) -> None:
@@ -224,10 +225,11 @@ async def test_client_leaving_during_a_release_lets_the_release_finish_and_holds
         assert view is not None
         return view
     async with asyncio.timeout(5):  # the release's own end: no event to wait on from here
-        await poll_until(lambda: "releases" in now().outcome and not arb._reservations
-                         and not arb.handoff_lock.locked(), 0.01)
+        await poll_until(lambda: "releases" in now().outcome and not arb.scheduler.reservations.tenants()
+                         and not arb.scheduler.releasing, 0.01)
     assert now().outcome["releases"][0]["confirmed"] is True, "the release runs to its end and is recorded"
-    assert arb._reservations == {} and not arb.handoff_lock.locked(), "a departed request holds no memory and no lock"
+    assert not arb.scheduler.reservations.tenants() and not arb.scheduler.releasing, \
+        "a departed request holds no memory and no release"
     assert demo.proxy.inflight.traffic("ollama").in_flight == 0
     again = await generate(http, demo, "gemma3:27b")
     assert again.status_code == 200, again.text
@@ -235,16 +237,16 @@ async def test_client_leaving_during_a_release_lets_the_release_finish_and_holds
 
 async def test_each_admission_gives_back_only_its_own_reservation(box: DemoFactory) -> None:
     demo = await box("default")
-    arb = demo.proxy.arbitration
+    scheduler = demo.proxy.arbitration.scheduler
     plan = Plan("ollama", GIB, 0, 0, True, False, (), (), "test", True)
     admitted = Handoff(plan, [], None)
-    arb.reserve("ollama:m", admitted)
+    scheduler.reserve("ollama:m", admitted)
     refused = Handoff(plan, [], None)  # same model, nothing reserved (a 507, a queue timeout)
-    arb.settle(refused)
-    assert "ollama:m" in arb._reservations, "an admission that reserved nothing takes nothing from another"
-    arb.settle(admitted)
-    arb.settle(admitted)
-    assert arb._reservations == {}, "given back once, whoever calls again"
+    scheduler.settle(refused)
+    assert scheduler.loading("ollama:m"), "an admission that reserved nothing takes nothing from another"
+    scheduler.settle(admitted)
+    scheduler.settle(admitted)
+    assert not scheduler.reservations.tenants(), "given back once, whoever calls again"
 
 
 async def test_third_app_is_attributed_and_its_release_answers_409(box: DemoFactory, http: httpx.AsyncClient) -> None:
@@ -373,7 +375,7 @@ async def test_an_idle_release_that_frees_nothing_backs_off_and_never_holds_up_a
     await clock.advance(0.25)
     releasing = asyncio.ensure_future(watchdog.tick())  # waits its 1 s release timeout under the lock
     async with asyncio.timeout(5):
-        await poll_until(demo.proxy.arbitration.handoff_lock.locked)
+        await poll_until(lambda: bool(demo.proxy.arbitration.scheduler.releasing))
     started = asyncio.get_running_loop().time()
     queued = await http.post(demo.proxy.url("comfyui") + "/prompt", json={"prompt": comfy_prompt("sd_xl_base_1.0.safetensors")})
     took = asyncio.get_running_loop().time() - started

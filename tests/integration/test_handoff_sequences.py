@@ -4,61 +4,15 @@ ComfyUI client: chat and image generation alternating on one card, as issue 12 n
 from __future__ import annotations
 
 import asyncio
-import json
-import uuid
 from typing import Any
 
 import httpx
 import ollama
 import pytest
-from boxes import LOOPBACK_TLS, DemoFactory, fast
-from websockets.asyncio.client import connect as ws_connect
+from boxes import LOOPBACK_TLS, DemoFactory, chat, decisions, fast, releases, render, succeeded
 
-from proxy.demo import Demo, comfy_prompt
 from proxy.tasks import poll_until
 from proxy.tenants import GIB
-
-README_CKPT = "sd_xl_base_1.0.safetensors"  # examples/comfy_prompt.json
-
-
-def decisions(demo: Demo, *kinds: str) -> list[Any]:
-    return [d for d in demo.proxy.decisions.recent(500) if d.kind in kinds]  # type: ignore[union-attr]
-
-
-def releases(demo: Demo) -> list[tuple[str, str]]:
-    """(requester, released tenant) of every handoff so far."""
-    return [(d.tenant, r["tenant"]) for d in decisions(demo, "plan", "oom_retry", "spill")
-            for r in d.outcome.get("releases", [])]
-
-
-async def chat(demo: Demo, model: str) -> ollama.ChatResponse:
-    async with ollama.AsyncClient(host=demo.proxy.url("ollama"), verify=LOOPBACK_TLS) as client:  # type: ignore[union-attr]
-        return await client.chat(model=model, messages=[{"role": "user", "content": "hi"}])
-
-
-async def render(demo: Demo, ckpt: str = README_CKPT, steps: int | None = None) -> list[dict[str, Any]]:
-    """A prompt through the proxy with its websocket open, up to the end marker."""
-    base = demo.proxy.url("comfyui")  # type: ignore[union-attr]
-    cid = uuid.uuid4().hex
-    prompt = comfy_prompt(ckpt)
-    if steps:
-        prompt["3"]["inputs"]["steps"] = steps
-    async with httpx.AsyncClient(verify=LOOPBACK_TLS, timeout=30, trust_env=False) as http:
-        async with ws_connect(base.replace("http", "ws") + f"/ws?clientId={cid}", max_size=None) as ws:
-            await ws.recv()
-            r = await http.post(base + "/prompt", json={"prompt": prompt, "client_id": cid})
-            assert r.status_code == 200, r.text
-            msgs = []
-            async with asyncio.timeout(30):
-                while not msgs or not (msgs[-1]["type"] == "executing" and msgs[-1]["data"]["node"] is None):
-                    raw = await ws.recv()
-                    if isinstance(raw, str):
-                        msgs.append(json.loads(raw))
-    return msgs
-
-
-def succeeded(msgs: list[dict[str, Any]]) -> bool:
-    return "execution_success" in [m["type"] for m in msgs] and "execution_error" not in [m["type"] for m in msgs]
 
 
 async def test_a_prompt_sent_after_a_chat_takes_the_idle_chat_models_memory(box: DemoFactory) -> None:

@@ -265,8 +265,8 @@ async def test_a_relay_transcribing_is_not_stopped_the_render_waits_and_runs_aft
     rendering = asyncio.ensure_future(prompt(demo, http))
     async with asyncio.timeout(20):
         await poll_until(lambda: any(w["tenant"] == "comfyui" and w["waiting_for"]  # planned, not only arrived
-                                     for w in demo.proxy.arbitration.queue.waiting()))  # type: ignore[union-attr]
-    waiting = next(w for w in demo.proxy.arbitration.queue.waiting() if w["tenant"] == "comfyui")
+                                     for w in demo.proxy.arbitration.scheduler.waiting()))  # type: ignore[union-attr]
+    waiting = next(w for w in demo.proxy.arbitration.scheduler.waiting() if w["tenant"] == "comfyui")
     assert "stt" in waiting["waiting_for"], waiting
     assert not rendering.done() and machine.state == "running" and pid in demo.box.gpu.real_pids()
     assert not decisions(demo, "stop", "stt"), "a busy relay was stopped"
@@ -290,7 +290,7 @@ async def test_a_relay_with_a_stream_open_is_not_stopped_the_render_waits_and_ru
         assert (await anext(lines)).startswith("data: "), "the stream flows through the proxy"
         rendering = asyncio.ensure_future(prompt(demo, http))
         async with asyncio.timeout(20):
-            await poll_until(lambda: any(w["tenant"] == "comfyui" for w in demo.proxy.arbitration.queue.waiting()))  # type: ignore[union-attr]
+            await poll_until(lambda: any(w["tenant"] == "comfyui" for w in demo.proxy.arbitration.scheduler.waiting()))  # type: ignore[union-attr]
         # a few passes of the scheduler, on the proxy's own clock
         for _ in range(3):
             await anext(lines)

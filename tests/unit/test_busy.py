@@ -107,7 +107,7 @@ def test_an_engine_silent_since_a_time_is_judged_against_job_lost_after_s() -> N
     assert short["comfyui"].busy and not long["comfyui"].busy and long["comfyui"].stale_why == "unreachable"
 
 
-async def test_the_arbitration_judges_a_cpu_engine_by_its_queue_and_ends_jobs_of_an_engine_gone_for_good() -> None:
+async def test_the_scheduler_judges_a_cpu_engine_by_its_queue_and_ends_jobs_of_an_engine_gone_for_good() -> None:
     """The wiring: what the watchdog learns (the engine's device, its queue reads, silence) reaches the rule."""
     from proxy.clock import ManualClock
     from proxy.handoff.arbitration import Arbitration
@@ -121,16 +121,16 @@ async def test_the_arbitration_judges_a_cpu_engine_by_its_queue_and_ends_jobs_of
     try:
         inflight.track_job("comfyui", "p1")
         await clock.advance(JOB_LOAD_GRACE_S + 13.7)
-        arb.queue_read("comfyui", clock.now(), ("p1",))  # ComfyUI's /queue lists the prompt running
+        arb.scheduler.queue_read("comfyui", clock.now(), ("p1",))  # ComfyUI's /queue lists the prompt running
         snap = await arb.snapshot()
-        assert not arb.states(snap)["comfyui"].busy, "on the card, a prompt holding nothing past the grace is stale"
-        arb.on_cpu("comfyui", True)
-        assert arb.states(snap)["comfyui"].busy, "a --cpu ComfyUI's running prompt is reported idle at 43.7 s"
-        arb.queue_read("comfyui", clock.now(), None)  # the engine stops answering
+        assert not arb.scheduler.states(snap)["comfyui"].busy, "on the card, a prompt holding nothing past the grace is stale"
+        arb.scheduler.on_cpu("comfyui", True)
+        assert arb.scheduler.states(snap)["comfyui"].busy, "a --cpu ComfyUI's running prompt is reported idle at 43.7 s"
+        arb.scheduler.queue_read("comfyui", clock.now(), None)  # the engine stops answering
         await clock.advance(REG.config.proxy.job_lost_after_s - 1)
-        assert arb.states(snap)["comfyui"].busy, "an outage shorter than job_lost_after_s keeps the job busy"
+        assert arb.scheduler.states(snap)["comfyui"].busy, "an outage shorter than job_lost_after_s keeps the job busy"
         await clock.advance(1)
-        state = arb.states(snap)["comfyui"]
+        state = arb.scheduler.states(snap)["comfyui"]
         assert not state.busy and state.stale_why == "unreachable" and state.stale_jobs == ("p1",)
     finally:
         await arb.aclose()

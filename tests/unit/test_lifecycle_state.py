@@ -9,6 +9,7 @@ import pytest
 
 from proxy.clock import ManualClock
 from proxy.lifecycle import Backoff, Lifecycle, LifecycleError, LifecycleReport, Status, TenantLifecycle
+from proxy.lifecycle.controller import Exit
 
 
 class FakeController:
@@ -24,6 +25,7 @@ class FakeController:
         self.gate.set()
         self.fail_start: str | None = None
         self.lines: tuple[str, ...] = ()
+        self.ended: asyncio.Future[Exit | None] = asyncio.get_running_loop().create_future()
 
     async def start(self) -> None:
         self.starts += 1
@@ -49,6 +51,18 @@ class FakeController:
 
     def exited(self) -> str | None:
         return None
+
+    async def wait_exit(self) -> Exit | None:
+        """Returns when the test ends the app (`crash`), like a child's exit."""
+        self.ended = asyncio.get_running_loop().create_future()
+        return await self.ended
+
+    def crash(self, code: int = -9) -> None:
+        self.running = False
+        self.ended.set_result(Exit(code, f"exited with code {code}" if code >= 0 else f"killed by signal {-code}"))
+
+    async def clean_up(self) -> list[str]:
+        return []
 
     async def check(self) -> list[str]:
         return []
@@ -224,7 +238,7 @@ async def test_readiness_gets_what_is_left_of_the_start_timeout() -> None:
     assert ready.given == [18.0]
 
 
-async def test_a_stop_that_leaves_it_running_is_reported_and_keeps_it_running() -> None:
+async def test_a_failed_stop_leaves_the_state_failed_never_running_and_the_next_request_finds_it() -> None:
     lc, ctl, _, _, _ = machine()
     await lc.ensure_running()
 
@@ -233,7 +247,10 @@ async def test_a_stop_that_leaves_it_running_is_reported_and_keeps_it_running() 
 
     ctl.stop = stubborn  # type: ignore[method-assign]
     report = await lc.begin_stop(busy=lambda: False)
-    assert not report.ok and report.error == "it still runs after the stop" and lc.state == "running"
+    assert not report.ok and report.error == "it still runs after the stop", report
+    assert lc.state == "failed" and report.state == "failed", "a failed stop must never read as running"
+    assert "its stop failed" in (lc.snapshot.error or "") and lc.snapshot.retry_at is None, "no backoff after a stop"
+    assert (await lc.ensure_running()).ok and lc.state == "running", "the next request starts it (it runs: probed)"
 
 
 async def test_adopt_takes_over_what_runs_and_aclose_stops_a_start_under_way() -> None:
@@ -248,3 +265,120 @@ async def test_adopt_takes_over_what_runs_and_aclose_stops_a_start_under_way() -
     await asyncio.sleep(0)
     await lc.aclose()
     assert start.cancelled() and not ctl.running
+
+
+# -- supervision -------------------------------------------------------------------------------------
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_a_crash_while_running_is_noticed_at_once_reported_and_the_next_request_starts_it() -> None:
+    lc, ctl, _, clock, reports = machine()
+    await lc.ensure_running()
+    await clock.advance(90.0)  # a stable run: the first crash after it may start again at once
+    await settle()
+    ctl.lines = ("serving", "CUDA error: an illegal memory access was encountered")
+    ctl.crash(-9)
+    await settle()
+    assert lc.state == "failed", "the crash is the state at once, not at the next request"
+    (exit_report,) = [r for r in reports if r.action == "exit"]
+    assert exit_report.exit_code == -9 and "killed by signal 9" in (exit_report.error or "") and not exit_report.ok
+    assert exit_report.output[-1].startswith("CUDA error") and exit_report.duration_s == 90.0
+    assert ctl.stops == 1, "what the app left (its group, its descendants) is cleaned up"
+    assert (await lc.ensure_running()).ok and ctl.starts == 2, "the next request starts it again, no backoff"
+    await settle()
+    ctl.crash(1)
+    await settle()
+    assert lc.state == "failed" and lc.snapshot.crashes == 2
+    with pytest.raises(LifecycleError) as err:
+        await lc.ensure_running()
+    assert "it ended" in err.value.message and "next try is allowed in 1.0 s" in err.value.message, \
+        "crashes in a row back off like failed starts"
+    await clock.advance(1.0)
+    assert (await lc.ensure_running()).ok and ctl.starts == 3
+
+
+async def test_an_exit_with_code_zero_is_exited_not_failed_and_a_stop_is_no_crash() -> None:
+    lc, ctl, _, _, reports = machine()
+    await lc.ensure_running()
+    await settle()
+    ctl.crash(0)
+    await settle()
+    assert lc.state == "exited" and lc.view()["exit_code"] == 0
+    await lc.ensure_running()
+    await settle()
+    assert (await lc.begin_stop(busy=lambda: False)).ok and lc.state == "stopped"
+    await settle()
+    assert [r.action for r in reports] == ["start", "exit", "start", "stop"], "the proxy's own stop is no exit"
+
+
+async def test_restart_on_failure_starts_it_again_without_a_request_up_to_its_limit() -> None:
+    lc, ctl, _, clock, reports = machine(restart="on-failure", restart_limit=2)
+    await lc.ensure_running()
+    await settle()
+    ctl.crash(-9)
+    await settle()
+    assert lc.state == "running" and ctl.starts == 2, "restarted at once after the first crash"
+    assert [r.restart_in_s for r in reports if r.action == "exit"] == [0.0]
+    await settle()
+    ctl.crash(-9)
+    await settle()
+    assert lc.state == "failed" and ctl.starts == 2, "the second crash in a row waits for its backoff"
+    await clock.advance(1.0)
+    await settle()
+    assert lc.state == "running" and ctl.starts == 3
+    await settle()
+    ctl.crash(-9)
+    await settle()
+    await clock.advance(60.0)
+    await settle()
+    assert lc.state == "failed" and ctl.starts == 3, "past restart_limit crashes in a row: a request must start it"
+    assert reports[-1].action == "exit" and reports[-1].restart_in_s is None
+
+
+async def test_a_clean_exit_is_not_restarted_by_on_failure() -> None:
+    lc, ctl, _, _, _ = machine(restart="on-failure")
+    await lc.ensure_running()
+    await settle()
+    ctl.crash(0)
+    await settle()
+    assert lc.state == "exited" and ctl.starts == 1
+
+
+async def test_a_running_app_that_stops_answering_its_probe_is_failed_after_three_misses() -> None:
+    answers: list[str | None] = []
+
+    async def live() -> str | None:
+        return answers.pop(0) if answers else None
+
+    lc, ctl, _, clock, reports = machine(live=live, live_interval_s=5.0)
+    await lc.ensure_running()
+    answers.extend(["timed out", None, "timed out", "timed out", "connection refused"])
+    for _ in range(4):
+        await settle()
+        await clock.advance(5.0)
+        await settle()
+        assert lc.state == "running", "a miss, and misses not in a row, are not a failure"
+    await clock.advance(5.0)
+    await settle()
+    assert lc.state == "failed" and "stopped answering (3 probes in a row: connection refused)" in (lc.snapshot.error or "")
+    assert reports[-1].action == "exit" and reports[-1].exit_code is None
+    assert ctl.stops == 0, "an app that does not answer may be busy: it is not killed behind a request's back"
+
+
+async def test_every_change_of_state_is_told_when_it_happens() -> None:
+    lc, ctl, _, _, _ = machine()
+    told: list[str] = []
+    lc.on_state = lambda tenant: told.append(lc.state)
+    ctl.gate.clear()
+    start = lc.begin_start()
+    assert told == ["starting"], "starting is told before the start has run a step"
+    ctl.gate.set()
+    await start
+    stop = lc.begin_stop(busy=lambda: False)
+    assert told[-1] == "stopping"
+    await stop
+    assert told == ["starting", "running", "stopping", "stopped"]

@@ -16,10 +16,10 @@ from cards import STT, busy, idle, registry, snap
 
 from proxy.clock import ManualClock, until_all_wait
 from proxy.gpu.attribution import AttributedSnapshot
-from proxy.handoff.arbiter import Releasing, TenantState, Waiter, queue_order, schedule
+from proxy.handoff.arbiter import Plan, Releasing, TenantState, Waiter, queue_order, schedule
 from proxy.handoff.decisions import DecisionLog, HandoffStarted, Queued, QueueEnded
 from proxy.handoff.inflight import InFlight, Token
-from proxy.handoff.queue import Admitted, Handoff, HandoffQueue, Released, ReleaseOrder, ReleaseResult, release_whole
+from proxy.handoff.scheduler import Admitted, Released, ReleaseOrder, ReleaseResult, Scheduler, release_whole
 from proxy.tenants import GIB, Registry
 
 # -- the pure decision --------------------------------------------------------------------------
@@ -110,24 +110,43 @@ class Recorder:
     clock: ManualClock
     procs: list[tuple[str, int, int | None]]
     free: int
-    states: dict[str, TenantState] = field(default_factory=dict)
-    promised: dict[str, tuple[str, int]] = field(default_factory=dict)
     log: list[tuple[Any, ...]] = field(default_factory=list)
     busy_at_release: set[str] = field(default_factory=set)  # tenants that have work again when their turn comes
-    on_card: set[tuple[str, str]] = field(default_factory=set)  # (tenant, load key) already on the card
     decisions: DecisionLog = field(init=False)
+    inflight: InFlight = field(init=False)  # the traffic: what makes a tenant busy (admitted work, its jobs)
+    _work: dict[str, Token] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.decisions = DecisionLog(self.clock)
+        self.inflight = InFlight(self.clock)
+
+    def set_states(self, states: dict[str, TenantState]) -> None:
+        """Make the traffic say what `states` say: a busy tenant whose reason names a job runs a
+        relayed job (busy while it holds VRAM above its floor), any other busy one has a request in
+        flight; the rest have none."""
+        for name in ("ollama", "comfyui", "stt"):
+            want = states.get(name)
+            busy = want is not None and want.busy
+            job = busy and want is not None and "job" in want.busy_reason
+            if job and not self.inflight.jobs(name):
+                self.inflight.track_job(name, f"{name}-job")
+            elif not job and self.inflight.jobs(name):
+                self.inflight.finish_job(name, f"{name}-job")
+            if busy and not job and name not in self._work:
+                self._work[name] = self.inflight.begin(name)
+            elif not (busy and not job) and name in self._work:
+                self.inflight.end(self._work.pop(name))
+
+    states = property(fset=set_states)
 
     def card(self) -> AttributedSnapshot:
         return snap(self.procs, free=self.free)
 
-    async def read(self) -> tuple[AttributedSnapshot, dict[str, TenantState], dict[str, tuple[str, int]]]:
+    async def read_card(self) -> AttributedSnapshot:
         self.log.append(("read",))
-        return self.card(), dict(self.states), dict(self.promised)
+        return self.card()
 
-    async def carry_out(self, order: ReleaseOrder) -> Released:
+    async def carry_out(self, order: ReleaseOrder, fresh: bool) -> Released:
         self.log.append(("release", tuple(r.tenant for r in order.releases)))
         results = []
         for r in order.releases:
@@ -142,21 +161,26 @@ class Recorder:
                                                       plan=order.plan))
         return Released(order, results, decision)
 
-    def reserve(self, key: str, handoff: Handoff) -> None:
-        self.log.append(("reserve", key))
-        handoff.reservation = key
-
-    def abandon(self, handoff: Handoff) -> None:
-        self.log.append(("abandon", handoff.reservation))
-
     def prepare_load(self, tenant: str, model: str) -> None:
         self.log.append(("prepare_load", tenant, model))
 
-    def admit_work(self, work: Token) -> None:
-        self.log.append(("work", work.tenant, work.serial))
 
-    def resident(self, tenant: str, key: str) -> bool:
-        return (tenant, key) in self.on_card
+def scheduler(fx: Recorder) -> Scheduler:
+    """The scheduler over the recorder, with its promises and admissions written to the log too."""
+    queue = Scheduler(fx, fx.inflight)
+    reserve, admit = queue.reservations.reserve, fx.inflight.admit
+
+    def reserving(key: str, plan: Plan) -> None:
+        fx.log.append(("reserve", key))
+        reserve(key, plan)
+
+    def admitting(work: Token) -> None:
+        fx.log.append(("work", work.tenant, work.serial))
+        admit(work)
+
+    queue.reservations.reserve = reserving  # type: ignore[method-assign]
+    fx.inflight.admit = admitting  # type: ignore[method-assign]
+    return queue
 
 
 @pytest.fixture
@@ -172,7 +196,7 @@ def recorder(clock: ManualClock, **proxy: Any) -> Recorder:
 async def test_a_waiter_is_admitted_the_moment_its_blocker_goes_idle_without_polling(clock: ManualClock) -> None:
     fx = recorder(clock)
     fx.states = busy(idle(), "comfyui", "1 running job(s)")
-    queue = HandoffQueue(fx)
+    queue = scheduler(fx)
     chat = asyncio.ensure_future(queue.request(fx.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request"))
     await until_all_wait()
     assert not chat.done() and fx.log == [("read",)]
@@ -190,7 +214,7 @@ async def test_a_waiter_is_admitted_the_moment_its_blocker_goes_idle_without_pol
     assert admitted.handoff.decision is not None
     (ended,) = [e for e in fx.decisions.events() if isinstance(e, QueueEnded)]
     assert ended.refers_to == queued.id and ended.result == "admitted" and ended.ended_by == admitted.handoff.decision.id
-    assert queue.empty and ended.waited_s == 0.0
+    assert not queue.waiting() and ended.waited_s == 0.0
     view = fx.decisions.view(queued.id)
     assert view is not None and view.outcome["result"] == "admitted", "the queued entry shows how its wait ended"
     assert view.outcome["ended_by"] == admitted.handoff.decision.id and view.outcome["waited_s"] == 0.0
@@ -199,7 +223,7 @@ async def test_a_waiter_is_admitted_the_moment_its_blocker_goes_idle_without_pol
 async def test_the_wait_ends_with_a_timeout_naming_what_it_waited_for(clock: ManualClock) -> None:
     fx = recorder(clock)
     fx.states = busy(idle(), "comfyui", "1 running job(s)")
-    queue = HandoffQueue(fx)
+    queue = scheduler(fx)
     chat = asyncio.ensure_future(queue.request(fx.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request"))
     await until_all_wait()
     await clock.advance(29.0)  # the queue's replan sleeps wake, one second apart, along the way
@@ -218,7 +242,7 @@ async def test_a_client_leaving_the_queue_takes_nothing_and_lets_the_next_one_ru
     fx.procs = [("comfyui", 2, 7 * GIB)]
     fx.free = 4 * GIB
     fx.states = busy(idle(), "comfyui")
-    queue = HandoffQueue(fx)
+    queue = scheduler(fx)
     first = asyncio.ensure_future(queue.request(fx.registry.get("ollama"), "ollama:big", 9 * GIB, "request"))
     await until_all_wait()
     second = asyncio.ensure_future(queue.request(fx.registry.get("stt"), "stt:m", 3 * GIB, "request"))
@@ -238,7 +262,7 @@ async def test_a_client_leaving_the_queue_takes_nothing_and_lets_the_next_one_ru
 
 async def test_an_impossible_need_is_refused_at_once_and_logged(clock: ManualClock) -> None:
     fx = recorder(clock)
-    queue = HandoffQueue(fx)
+    queue = scheduler(fx)
     admitted = await asyncio.wait_for(queue.request(fx.registry.get("ollama"), "ollama:huge", 40 * GIB, "request"), 1)
     assert admitted.outcome == "refuse" and "too large for this card" in admitted.reason
     assert fx.decisions.recent()[-1].kind == "rejection" and fx.log == [("read",)]
@@ -246,7 +270,7 @@ async def test_an_impossible_need_is_refused_at_once_and_logged(clock: ManualClo
 
 async def test_concurrent_requests_for_one_load_share_one_release(clock: ManualClock) -> None:
     fx = recorder(clock)
-    queue = HandoffQueue(fx)
+    queue = scheduler(fx)
     ollama = fx.registry.get("ollama")
     results = await asyncio.wait_for(asyncio.gather(
         *(queue.request(ollama, "ollama:gemma", 16 * GIB, "request") for _ in range(3))), 1)
@@ -260,7 +284,7 @@ async def test_a_lower_priority_waiter_gets_its_turn_after_starvation_after_s(cl
     fx.procs = [("ollama", 1, 16 * GIB)]
     fx.free = 7 * GIB
     fx.states = busy(idle(), "ollama", "1 GPU request(s) in flight")
-    queue = HandoffQueue(fx)
+    queue = scheduler(fx)
     ollama, comfy = fx.registry.get("ollama"), fx.registry.get("comfyui")
     prompt = asyncio.ensure_future(queue.request(comfy, "comfyui", 10 * GIB, "request"))
     await until_all_wait()
@@ -281,7 +305,7 @@ async def test_a_lower_priority_waiter_gets_its_turn_after_starvation_after_s(cl
 
 async def test_the_next_models_files_are_warmed_before_the_release_runs_not_after(clock: ManualClock) -> None:
     fx = recorder(clock)
-    queue = HandoffQueue(fx)
+    queue = scheduler(fx)
     admitted = await asyncio.wait_for(queue.request(fx.registry.get("ollama"), "ollama:gemma3:27b", 16 * GIB,
                                                     "request", model="gemma3:27b"), 1)
     assert admitted.outcome == "run"
@@ -292,7 +316,7 @@ async def test_the_next_models_files_are_warmed_before_the_release_runs_not_afte
 async def test_a_load_waiting_for_a_busy_tenant_warms_its_files_while_it_waits(clock: ManualClock) -> None:
     fx = recorder(clock)
     fx.states = busy(idle(), "comfyui", "1 running job(s)")
-    queue = HandoffQueue(fx)
+    queue = scheduler(fx)
     chat = asyncio.ensure_future(queue.request(fx.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request",
                                                model="gemma"))
     await until_all_wait()
@@ -305,7 +329,7 @@ async def test_a_load_waiting_for_a_busy_tenant_warms_its_files_while_it_waits(c
 
 async def test_a_load_that_names_no_model_warms_nothing(clock: ManualClock) -> None:
     fx = recorder(clock)
-    queue = HandoffQueue(fx)
+    queue = scheduler(fx)
     await asyncio.wait_for(queue.request(fx.registry.get("ollama"), "ollama", 16 * GIB, "request"), 1)
     assert not any(e[0] == "prepare_load" for e in fx.log)
 
@@ -319,10 +343,10 @@ class GatedRecorder(Recorder):
         super().__init__(*args, **kwargs)
         self.gate = asyncio.Event()
 
-    async def carry_out(self, order: ReleaseOrder) -> Released:
+    async def carry_out(self, order: ReleaseOrder, fresh: bool) -> Released:
         self.log.append(("release started", tuple(r.tenant for r in order.releases)))
         await self.gate.wait()
-        return await super().carry_out(order)
+        return await super().carry_out(order, fresh)
 
 
 def gated(clock: ManualClock) -> GatedRecorder:
@@ -333,7 +357,7 @@ def gated(clock: ManualClock) -> GatedRecorder:
 
 async def test_a_request_for_a_resident_model_is_admitted_during_another_tenants_release(clock: ManualClock) -> None:
     fx = gated(clock)
-    queue = HandoffQueue(fx)
+    queue = scheduler(fx)
     stt = asyncio.ensure_future(queue.request(fx.registry.get("stt"), "stt:m", 4 * GIB, "request"))
     await until_all_wait()
     assert ("release started", ("comfyui",)) in fx.log and not stt.done()
@@ -350,7 +374,7 @@ async def test_a_request_for_a_resident_model_is_admitted_during_another_tenants
 async def test_an_admin_release_wakes_a_waiter_at_once(clock: ManualClock) -> None:
     fx = recorder(clock)
     fx.states = busy(idle(), "comfyui", "1 running job(s)")
-    queue = HandoffQueue(fx)
+    queue = scheduler(fx)
     chat = asyncio.ensure_future(queue.request(fx.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request"))
     await until_all_wait()
     assert not chat.done()
@@ -365,7 +389,7 @@ async def test_an_admin_release_wakes_a_waiter_at_once(clock: ManualClock) -> No
 
 async def test_new_work_of_a_tenant_being_released_waits_for_the_release_to_end(clock: ManualClock) -> None:
     fx = gated(clock)
-    queue = HandoffQueue(fx)
+    queue = scheduler(fx)
     stt = asyncio.ensure_future(queue.request(fx.registry.get("stt"), "stt:m", 4 * GIB, "request"))
     await until_all_wait()
     prompt = asyncio.ensure_future(queue.request(fx.registry.get("comfyui"), "comfyui", 1 * GIB, "request"))
@@ -384,7 +408,7 @@ async def test_new_work_of_a_tenant_being_released_waits_for_the_release_to_end(
 async def test_one_release_at_a_time_the_same_load_joins_it_another_waits(clock: ManualClock) -> None:
     fx = gated(clock)
     fx.procs = [("ollama", 1, 10 * GIB), ("comfyui", 2, 5 * GIB)]
-    queue = HandoffQueue(fx)
+    queue = scheduler(fx)
     first = asyncio.ensure_future(queue.request(fx.registry.get("stt"), "stt:m", 4 * GIB, "request"))
     await until_all_wait()
     second = asyncio.ensure_future(queue.request(fx.registry.get("stt"), "stt:m", 4 * GIB, "request"))
@@ -401,7 +425,7 @@ async def test_one_release_at_a_time_the_same_load_joins_it_another_waits(clock:
 
 async def test_a_release_whose_tenant_had_work_again_admits_nobody_and_plans_again(clock: ManualClock) -> None:
     fx = gated(clock)
-    queue = HandoffQueue(fx)
+    queue = scheduler(fx)
     stt = asyncio.ensure_future(queue.request(fx.registry.get("stt"), "stt:m", 4 * GIB, "request"))
     await until_all_wait()
     fx.states = busy(idle(), "comfyui", "1 GPU request(s) in flight")
@@ -467,10 +491,10 @@ def test_a_resident_request_waits_when_the_same_pass_starts_releasing_its_tenant
 async def test_a_request_counts_as_work_only_from_its_admission(clock: ManualClock) -> None:
     # the deadlock of issue 32: a render waiting in the queue counted as comfyui's work, so the chat
     # that waited for comfyui to finish waited for the render, which waited behind the chat
-    inflight = InFlight(clock)
     fx = recorder(clock)
+    inflight = fx.inflight
     fx.states = busy(idle(), "comfyui", "1 running job(s)")
-    queue = HandoffQueue(fx)
+    queue = scheduler(fx)
     chat_work = inflight.begin("ollama", admitted=False)
     chat = asyncio.ensure_future(queue.request(fx.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request",
                                                work=chat_work))
@@ -479,7 +503,8 @@ async def test_a_request_counts_as_work_only_from_its_admission(clock: ManualClo
                                                  work=render_work))
     await until_all_wait()
     assert not chat.done() and not render.done()
-    assert not inflight.busy("comfyui") and not inflight.busy("ollama"), "a waiting request made its tenant busy"
+    assert inflight.traffic("comfyui").in_flight == 0 and not inflight.busy("ollama"), \
+        "a waiting request counted as its tenant's work"
     fx.states = idle("comfyui")  # the running prompt ended
     queue.kick()
     admitted = await asyncio.wait_for(chat, 1)
@@ -492,8 +517,8 @@ async def test_a_request_counts_as_work_only_from_its_admission(clock: ManualClo
 async def test_admit_at_once_lets_resident_work_past_a_waiting_swap_up_to_the_bound(clock: ManualClock) -> None:
     fx = recorder(clock, overtake_limit=2)
     fx.states = busy(idle(), "comfyui", "1 running job(s)")
-    fx.on_card = {("comfyui", "comfyui:sdxl")}
-    queue = HandoffQueue(fx)
+    queue = scheduler(fx)
+    queue.loaded("comfyui", "comfyui:sdxl")
     comfy = fx.registry.get("comfyui")
     chat = asyncio.ensure_future(queue.request(fx.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request"))
     await until_all_wait()  # planned: it waits for comfyui

@@ -562,6 +562,8 @@
         return `${d.tenant} start failed after ${o.duration_s} s: ${o.error || "?"}${o.output && o.output.length ? ` (last output: ${o.output[o.output.length - 1]})` : ""}`;
       case "stop":
         return o.ok ? `${d.tenant} stopped in ${o.duration_s} s` : `${d.tenant} stop failed: ${o.error || "?"}`;
+      case "exit":  // it ended on its own while running (the supervisor noticed)
+        return `${d.tenant} ${d.outcome.state === "exited" ? "exited" : "crashed"}: ${o.error || "?"}${o.output && o.output.length ? ` (last output: ${o.output[o.output.length - 1]})` : ""}${o.restart_in_s != null ? `; restarting in ${o.restart_in_s} s` : ""}`;
       case "resume":
         return o.ok ? `${d.tenant} resumed in ${o.duration_s} s` : `${d.tenant} resume failed: ${o.error || "?"}`;
       default:

@@ -1,23 +1,26 @@
-"""The handoff scheduler: the effects side of `arbiter.schedule`, and the one owner of what is under way.
+"""The scheduler: the one owner of admission state, and the effects side of `arbiter.schedule`.
 
-Requests that need memory wait here as `Waiter`s. One driver task (alive only while someone waits)
-reads the card, asks the pure scheduler who runs, waits or is refused, and carries that out
-without ever awaiting an effect: a release runs as a task of its own that reports back when the
-card shows the memory (or its timeout says it failed), the way llama-swap's scheduler starts a
-swap and hears `OnSwapDone`. Meanwhile the driver goes on planning, so work that needs no release
-(a model already on the card, a load that fits) is admitted in the same pass. "One handoff at a
-time" is state here (`Releasing`, handed to every pass), not a lock the driver waits on.
+It holds every piece of state that decides who runs: the requests waiting for memory (`Waiter`s),
+the admission of each request as its tenant's work (`InFlight.admit`, in the step that admits it),
+the memory promised to admitted loads on their way to the card (`Reservations`), what is known to be
+on the card (`Residency`), what the engines said of their own queues (`EngineReads`), the latest
+card reading, and the releases under way or next in line. The rest of the proxy sends it events (a
+request arrives, its answer ends, a job ends, a load answered, a release or card read reports back,
+the watchdog's engine reads) and asks it through narrow methods; no other module keeps any of it.
 
-Every release, the queue's own, the watchdog's and the admin API's, goes through `release()`: it
-marks the tenants as being released, runs the effect, records the decision, and always wakes the
-queue when it ends.
+A pass (`_pass`) reads memory only and awaits nothing. Effects run as tasks that report back, the
+way llama-swap's scheduler starts a swap and hears `OnSwapDone`: a card read posts the reading
+(`_read_card`), a release runs `HandoffEffects.carry_out` and its end admits the waiters that joined
+it (`_release_done`). Releases run one at a time, whoever asked (the queue's own plans, the
+watchdog, the admin API): the next waits in line here as state, not on a lock. Meanwhile work that
+needs no release (a model already on the card, a load that fits) is admitted in the same pass.
 
 The plan runs again as soon as something that could change it happens (`kick()`: a request or a
 job ended, a reservation settled, a release ended, a waiter left). While anyone waits the card is
 also read again every `REPLAN_S`: memory that comes back outside the proxy (a process exiting, an
 admitted load reaching the card, an engine's own unload) sends no event. Every effect goes through
-`HandoffEffects`, so unit tests drive the queue with a recording fake and an injected clock,
-without sockets.
+`HandoffEffects`, so unit tests drive the scheduler with a recording fake and an injected clock,
+without sockets; tests/unit/test_scheduler_model.py drives it at random against a model of the box.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from proxy.handoff.arbiter import (
     resident_plan,
     unplanned_plan,
 )
+from proxy.handoff.busy import CONFIRM_SLACK_BYTES, busy_states
 from proxy.handoff.decisions import (
     DecisionLog,
     HandoffKind,
@@ -57,7 +61,10 @@ from proxy.handoff.decisions import (
     WaitChanged,
 )
 from proxy.handoff.devices import schedule_on_devices
-from proxy.handoff.inflight import Token
+from proxy.handoff.evidence import EngineReads
+from proxy.handoff.inflight import InFlight, TenantTraffic, Token
+from proxy.handoff.reservations import Reservations
+from proxy.handoff.residency import Residency
 from proxy.tasks import sleep_or_wake
 from proxy.tenants import Registry, Tenant
 
@@ -72,7 +79,7 @@ class Handoff:
     releases: list[ReleaseResult]
     decision: HandoffStarted | Rejected | None  # the handoff that made room for it, or its 507
     snapshot: AttributedSnapshot | None = None
-    reservation: str | None = None  # the key memory was reserved under; `Arbitration.settle` gives it back
+    reservation: str | None = None  # the key memory was reserved under; `Scheduler.settle` gives it back
     waited_s: float = 0.0
     queued: int | None = None  # the request's `queued` decision, when it had to wait
 
@@ -119,35 +126,26 @@ class Released:
 
 
 class HandoffEffects(Protocol):
-    """Everything the queue does to the world. `Arbitration` is the real one."""
+    """Everything the scheduler does to the world. `Arbitration` is the real one (the card reader
+    and the releaser); tests pass recording fakes."""
 
     clock: Clock
     registry: Registry
     decisions: DecisionLog
 
-    async def read(self) -> tuple[AttributedSnapshot, Mapping[str, TenantState], Mapping[str, tuple[str, int]]]:
-        """The card, the tenants' busy states and the memory promised to admitted loads (by load key)."""
+    async def read_card(self) -> AttributedSnapshot:
+        """Read the card (one read at a time, off the loop; a broken reader falls back to the engines'
+        own reports). Run by the scheduler as a task that posts the reading, never inside a pass."""
 
-    async def carry_out(self, order: ReleaseOrder) -> Released:
-        """Record the order, release what it says under the handoff lock (never a tenant that is
-        busy by then), wait for the memory. Run by `HandoffQueue.release` as a task, never awaited
-        by the driver."""
-
-    def reserve(self, key: str, handoff: Handoff) -> None:
-        """Promise the admitted load its memory until it reaches the card."""
-
-    def abandon(self, handoff: Handoff) -> None:
-        """An admitted request whose client left before using it: give back what was promised."""
+    async def carry_out(self, order: ReleaseOrder, fresh: bool) -> Released:
+        """Record the order, release what it says (never a tenant that is busy by then, by
+        `Scheduler.states`), wait for the memory. `fresh`: read the card again first (the order
+        waited in line behind another release). Run by the scheduler as a task, never awaited by a
+        pass."""
 
     def prepare_load(self, tenant: str, model: str) -> None:
         """This load will run once memory is released or a busy tenant finishes: let its files be
         read into RAM meanwhile (warm-during-release). Must not block."""
-
-    def admit_work(self, work: Token) -> None:
-        """The request was admitted: from now on it is its tenant's work (never while it waited)."""
-
-    def resident(self, tenant: str, key: str) -> bool:
-        """This load is on the card already, or on its way there (admitted, not arrived yet)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -168,10 +166,12 @@ class _Ticket:
 
 @dataclass(slots=True, eq=False)
 class _Underway:
-    """A release running as a task: what the next passes must leave alone, and who waits on it."""
+    """A release running as a task (or next in line for its turn): what the next passes must leave
+    alone, who waits on it, and the future its other callers (the watchdog, the admin API) await."""
     state: Releasing
     order: ReleaseOrder
-    task: asyncio.Task[Released]
+    done: asyncio.Future[Released]
+    task: asyncio.Task[Released] | None = None  # None: waits for the release ahead of it
 
     @property
     def claim(self) -> tuple[str, int] | None:
@@ -183,39 +183,130 @@ class _Underway:
         return plan.requester, max(0, plan.need_bytes - plan.held_by_requester - plan.expected_free_bytes)
 
 
-class HandoffQueue:
-    """The scheduler: one owner of the waiting requests and the releases under way."""
+class Scheduler:
+    """The one owner of admission state (see the module's docstring)."""
 
-    def __init__(self, effects: HandoffEffects) -> None:
+    def __init__(self, effects: HandoffEffects, traffic: InFlight, *, fresh_s: float = 2.5) -> None:
         self.fx = effects
+        self.traffic = traffic  # admitted work: only `_admit` moves a request into it
+        self.reservations = Reservations()
+        # confirmed again every watchdog tick; a load unconfirmed for two ticks is planned for again
+        self.residency = Residency(effects.clock, fresh_s=fresh_s)
+        self.engine_reads = EngineReads()
+        self.card: AttributedSnapshot | None = None  # the latest card reading, whoever read it
         self._ids = itertools.count(1)
         self._tickets: dict[int, _Ticket] = {}
-        self._underway: list[_Underway] = []
+        self._underway: list[_Underway] = []  # the release running first, then those in line behind it
+        self._settle_on_idle: dict[str, list[Handoff]] = {}  # tenant -> promises kept until it has no work
         self._wake = asyncio.Event()
         self._driver: asyncio.Task[None] | None = None
+        self._reading: asyncio.Task[None] | None = None
+        self._card_wanted = True  # something changed since the card was last read: read it before the next pass
+        traffic.on_change.append(self._traffic_changed)
 
-    # -- the request side ------------------------------------------------------------------------
-    @property
-    def empty(self) -> bool:
-        return not self._tickets
-
-    @property
-    def releasing(self) -> tuple[Releasing, ...]:
-        """The releases under way, whoever started them."""
-        return tuple(u.state for u in self._underway)
-
+    # -- events from the rest of the proxy -------------------------------------------------------
     def kick(self) -> None:
-        """Something that can change a plan happened: run the scheduler again now."""
+        """Something that can change a plan happened: read the card and run a pass now."""
+        self._card_wanted = True
         if self._tickets:
             self._wake.set()
 
+    def _traffic_changed(self, tenant: str, traffic: TenantTraffic) -> None:
+        if traffic.busy:
+            return
+        for handoff in self._settle_on_idle.pop(tenant, []):
+            self.settle(handoff)
+        self.kick()  # a blocker may have gone idle: whoever waits for it is planned again now
+
+    def observe_card(self, snap: AttributedSnapshot) -> None:
+        """A card reading, from whoever read it (a pass, a release's confirmation, the watchdog, the
+        API): the latest is what the next pass plans with."""
+        self.card = snap
+        for tenant in self.fx.registry:
+            if snap.held_by(tenant.name) <= tenant.idle_vram_bytes + CONFIRM_SLACK_BYTES:
+                self.residency.forget(tenant.name)  # nothing of it is on the card any more
+
+    def loaded(self, tenant: str, key: str) -> None:
+        """The engine answered an admitted request for this load: it is on the card now."""
+        self.residency.loaded(tenant, key)
+
+    def unloaded(self, tenant: str, key: str | None = None) -> None:
+        """This load (every load of the tenant, when None) may have left the card: an unload passed,
+        an OOM, a release began."""
+        self.residency.forget(tenant, key)
+
+    def observe_loads(self, tenant: str, loads: Mapping[str, float]) -> None:
+        """The engine's own list of what it holds (load key -> its own unload deadline), read by the
+        watchdog: it replaces what the proxy believed of that tenant."""
+        self.residency.observe(tenant, loads)
+
+    def queue_read(self, tenant: str, started_at: float, job_ids: tuple[str, ...] | None) -> None:
+        """What the engine's own queue said was running (None: it did not answer), read by the watchdog."""
+        self.engine_reads.queue_read(tenant, started_at, job_ids)
+
+    def on_cpu(self, tenant: str, cpu: bool) -> None:
+        """What the engine said of its device, asked by the watchdog."""
+        self.engine_reads.on_cpu(tenant, cpu)
+
+    def settle(self, handoff: Handoff | None) -> None:
+        """The admitted request reached the engine (or gave up): its promise ends. Idempotent, and
+        only ever the handoff's own, so it never ends another request's promise."""
+        if handoff is not None and handoff.reservation is not None:
+            self.reservations.release(handoff.reservation)
+            handoff.reservation = None
+            self.kick()
+
+    def settle_when_idle(self, handoff: Handoff | None) -> None:
+        """For a job that outlives its HTTP answer (a ComfyUI prompt loads after `POST /prompt`
+        returns): the promise lasts until its tenant has no work any more (an event, not a task)."""
+        if handoff is None or handoff.reservation is None:
+            return
+        tenant = handoff.plan.requester
+        if self.traffic.busy(tenant):
+            self._settle_on_idle.setdefault(tenant, []).append(handoff)
+        else:
+            self.settle(handoff)
+
+    # -- reading the state (narrow, read-only) ------------------------------------------------------
+    @property
+    def releasing(self) -> tuple[Releasing, ...]:
+        """The releases under way or in line, whoever started them."""
+        return tuple(u.state for u in self._underway)
+
+    @property
+    def cpu_tenants(self) -> frozenset[str]:
+        return frozenset(self.engine_reads.cpu)
+
+    def states(self, snap: AttributedSnapshot) -> dict[str, TenantState]:
+        """Every tenant's busy state on `snap`, by the pure rule in proxy/handoff/busy.py: admitted
+        work and the engines' reads, never a request that waits (it writes nothing)."""
+        reads = self.engine_reads
+        return busy_states(self.fx.registry, self.traffic.snapshot(), reads.queues, self.traffic.finished,
+                           snap.held_by, self.fx.clock.now(),
+                           observable=lambda name: not snap.estimated and name not in reads.cpu,
+                           unreachable_since=reads.unreachable_since,
+                           job_lost_after_s=self.fx.registry.config.proxy.job_lost_after_s)
+
+    def promised(self, snap: AttributedSnapshot) -> dict[str, tuple[str, int]]:
+        """Load key -> (tenant, bytes) admitted loads will still take from free memory."""
+        return self.reservations.promised(snap)
+
+    def loading(self, key: str) -> bool:
+        """An admitted load under this key has not finished reaching the card."""
+        return self.reservations.loading(key)
+
+    def resident(self, tenant: str, key: str) -> bool:
+        """This load is on the card already, or on its way there (admitted, not arrived yet)."""
+        return self.residency.holds(tenant, key) or self.reservations.loading(key, tenant)
+
+    # -- the request side ------------------------------------------------------------------------
     def admit_at_once(self, tenant: Tenant, key: str, need_bytes: int, work: Token | None = None) -> Admitted | None:
         """The scheduler's first step for a request, taken without reading the card: a load that is on
         the card already (or on its way there) runs now, ahead of requests that wait to swap its
         tenant away, within the fairness bound (`arbiter.may_overtake`). None: it goes through
         `request` (its tenant is being swapped away, a waiter may not be overtaken any more, or a
         waiter not planned yet may be one that waits for it)."""
-        if not self.fx.resident(tenant.name, key):
+        if not self.resident(tenant.name, key):
             return None
         if any(tenant.name in u.state.tenants for u in self._underway if u.state.key is not None):
             return None  # its memory is promised to another load: the release must not be undone
@@ -236,8 +327,17 @@ class HandoffQueue:
             t.overtaken += 1
         w = Waiter(next(self._ids), tenant.name, key, need_bytes, tenant.priority, now, resident=True)
         if work is not None:
-            self.fx.admit_work(work)
-        return Admitted("run", Handoff(resident_plan(w), [], None), RESIDENT)
+            self.traffic.admit(work)
+        return Admitted("run", self._resident_handoff(w, None), RESIDENT)
+
+    def _resident_handoff(self, w: Waiter, snap: AttributedSnapshot | None) -> Handoff:
+        """A resident admission. A load still on its way is joined: its reservation lasts until this
+        request is done too, or the first request's leaving would give back memory the load still
+        takes (the randomized model test found that)."""
+        handoff = Handoff(resident_plan(w), [], None, snap)
+        if self.reservations.loading(w.key, w.tenant):
+            self.reserve(w.key, handoff)
+        return handoff
 
     async def request(self, tenant: Tenant, key: str, need_bytes: int, trigger: str, kind: HandoffKind = "plan",
                       model: str | None = None, work: Token | None = None) -> Admitted:
@@ -250,6 +350,7 @@ class HandoffQueue:
         ticket = _Ticket(w, trigger, kind, asyncio.get_running_loop().create_future(), clock.wall(), model=model,
                          work=work)
         self._tickets[w.id] = ticket
+        self._card_wanted = True  # planned on a reading taken after it arrived, never on an older one
         self._start_driver()
         try:
             return await ticket.future
@@ -258,7 +359,7 @@ class HandoffQueue:
                 self._note_end(ticket, "client left while waiting")
                 self.kick()
             if ticket.future.done() and not ticket.future.cancelled():
-                self.fx.abandon(ticket.future.result().handoff)
+                self.settle(ticket.future.result().handoff)
             raise
 
     def waiting(self) -> list[dict[str, Any]]:
@@ -274,32 +375,41 @@ class HandoffQueue:
             out.append({"id": t.waiter.id, "tenant": t.waiter.tenant, "trigger": t.trigger,
                         "since": round(t.since_wall, 3), "waited_s": round(now - t.waiter.arrived_at, 3),
                         "need_bytes": t.waiter.need_bytes, "need_gb": gib(t.waiter.need_bytes),
-                        "priority": t.waiter.priority,
+                        "priority": t.waiter.priority, "overtaken": t.overtaken,
                         "waiting_for": list(v.plan.wait_for) if v and t.joined is None else [],
                         "behind": v.behind if v and t.joined is None else None,
                         "reason": reason})
         return sorted(out, key=lambda d: d["id"])
 
     # -- the one release path --------------------------------------------------------------------
-    def release(self, order: ReleaseOrder, *, key: str | None = None, waiter: int | None = None) -> asyncio.Task[Released]:
-        """Start a release as a task and return at once. Its tenants count as being released until
-        it ends (their new work waits, no other plan takes their memory); when it ends the waiters
-        that joined it are admitted and the queue is woken. Callers other than the driver (the
-        watchdog, the admin API) may await the task, shielded (a caller that goes away must not cut a
-        release half way): the driver never awaits it."""
-        return self._start_release(order, key, waiter).task
+    def release(self, order: ReleaseOrder, *, key: str | None = None, waiter: int | None = None) -> asyncio.Future[Released]:
+        """Start a release (or line it up behind the one under way) and return at once. Its tenants
+        count as being released until it ends (their new work waits, no other plan takes their
+        memory); when it ends the waiters that joined it are admitted and the queue is woken. Callers
+        other than the scheduler itself (the watchdog, the admin API) may await the future, shielded
+        (a caller that goes away must not cut a release half way): a pass never awaits it."""
+        return self._start_release(order, key, waiter).done
 
     def _start_release(self, order: ReleaseOrder, key: str | None, waiter: int | None) -> _Underway:
         state = Releasing(tuple(r.tenant for r in order.releases), key, waiter,
                           order.requester if key is not None else "")
-        task = asyncio.create_task(self.fx.carry_out(order), name=f"hyperswap:release:{','.join(state.tenants)}")
-        underway = _Underway(state, order, task)
+        underway = _Underway(state, order, asyncio.get_running_loop().create_future())
         self._underway.append(underway)
-        task.add_done_callback(lambda t: self._release_done(underway, t))
+        if len(self._underway) == 1:
+            self._run_release(underway, fresh=False)
         return underway
 
+    def _run_release(self, underway: _Underway, *, fresh: bool) -> None:
+        """Its turn came: run it as a task that reports back. `fresh`: it waited in line, so the card
+        it was ordered on may be out of date."""
+        task = asyncio.create_task(self.fx.carry_out(underway.order, fresh),
+                                   name=f"hyperswap:release:{','.join(underway.state.tenants)}")
+        underway.task = task
+        task.add_done_callback(lambda t: self._release_done(underway, t))
+
     def _release_done(self, underway: _Underway, task: asyncio.Task[Released]) -> None:
-        """OnSwapDone: the release ended (or failed); admit whoever joined it, plan the rest again."""
+        """OnSwapDone: the release ended (or failed); admit whoever joined it, start the next one in
+        line, plan the rest again."""
         if underway in self._underway:
             self._underway.remove(underway)
         joined = [t for t in self._tickets.values() if t.joined is underway]
@@ -307,32 +417,41 @@ class HandoffQueue:
             for ticket in joined:
                 self._tickets.pop(ticket.waiter.id, None)
                 ticket.future.cancel()
+            underway.done.cancel()
         elif (exc := task.exception()) is not None:
             log.error("release of %s failed", ", ".join(underway.state.tenants), exc_info=exc)
             for ticket in joined:
                 self._tickets.pop(ticket.waiter.id, None)
                 if not ticket.future.done():
                     ticket.future.set_exception(exc)
-        elif any(r.busy for r in task.result().results):
-            for ticket in joined:  # a tenant it counted on had work again: plan them again
-                ticket.joined = None
+            if not underway.done.done():
+                underway.done.set_exception(exc)
+                underway.done.exception()  # a caller that did not await it must not leave it unretrieved
         else:
             released = task.result()
-            plan = underway.order.plan
-            for ticket in joined:
-                handoff = Handoff(plan or _no_plan(ticket.waiter), released.results, released.decision,
-                                  underway.order.snapshot)
-                self.fx.reserve(ticket.waiter.key, handoff)
-                reason = ticket.verdict.reason if ticket.verdict else (plan.explanation if plan else "released")
-                self._resolve(ticket, Admitted("run", handoff, reason))
-        self._wake.set()
+            if any(r.busy for r in released.results):
+                for ticket in joined:  # a tenant it counted on had work again: plan them again
+                    ticket.joined = None
+            else:
+                plan = underway.order.plan
+                for ticket in joined:
+                    handoff = Handoff(plan or _no_plan(ticket.waiter), released.results, released.decision,
+                                      underway.order.snapshot)
+                    self.reserve(ticket.waiter.key, handoff)
+                    reason = ticket.verdict.reason if ticket.verdict else (plan.explanation if plan else "released")
+                    self._resolve(ticket, Admitted("run", handoff, reason))
+            if not underway.done.done():
+                underway.done.set_result(released)
+        if self._underway and self._underway[0].task is None:
+            self._run_release(self._underway[0], fresh=True)
+        self.kick()
         if self._tickets:
             self._start_driver()
 
     # -- the driver ------------------------------------------------------------------------------
     def _start_driver(self) -> None:
         if self._driver is None or self._driver.done():
-            self._driver = asyncio.create_task(self._drive(), name="hyperswap:handoff-queue")
+            self._driver = asyncio.create_task(self._drive(), name="hyperswap:scheduler")
         self._wake.set()
 
     async def aclose(self) -> None:
@@ -340,9 +459,13 @@ class HandoffQueue:
             if not ticket.future.done():
                 ticket.future.cancel()
         self._tickets.clear()
-        tasks: list[asyncio.Task[Any]] = [u.task for u in self._underway]
-        if self._driver is not None:
-            tasks.append(self._driver)
+        tasks: list[asyncio.Task[Any]] = [u.task for u in self._underway if u.task is not None]
+        for u in self._underway:
+            if not u.done.done():
+                u.done.cancel()
+        for task in (self._driver, self._reading):
+            if task is not None:
+                tasks.append(task)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -355,10 +478,25 @@ class HandoffQueue:
         """The ticket as the pure scheduler sees it now: whether its load is resident (an OOM retry
         never is: what is on the card was not enough) and how often it was overtaken so far."""
         w = ticket.waiter
-        resident = ticket.kind != "oom_retry" and self.fx.resident(w.tenant, w.key)
+        resident = ticket.kind != "oom_retry" and self.resident(w.tenant, w.key)
         return replace(w, resident=resident, overtaken=ticket.overtaken)
 
+    def _read_card(self) -> None:
+        """Start a card read as a task that posts the reading and wakes the driver (one at a time)."""
+        if self._reading is not None and not self._reading.done():
+            return
+        self._card_wanted = False
+
+        async def read() -> None:
+            try:
+                self.observe_card(await self.fx.read_card())
+            finally:
+                self._wake.set()
+
+        self._reading = asyncio.create_task(read(), name="hyperswap:card-read")
+
     async def _drive(self) -> None:
+        """Only ever waits for an event (the wake) or the next deadline; each pass is `_pass`."""
         try:
             while self._tickets:
                 self._wake.clear()
@@ -368,32 +506,44 @@ class HandoffQueue:
                         break
                     await self._wake.wait()  # only waiters of releases under way: they report back
                     continue
-                snap, states, promised = await self.fx.read()
-                pending = self._planned()
-                if not pending:
+                if self._card_wanted or self.card is None:
+                    self._read_card()
+                    await self._wake.wait()  # the reading posts itself, or another event comes first
                     continue
-                if not snap.snapshot.device.size_known:
-                    self._forward_unplanned(snap, pending)
+                if self._reading is not None and not self._reading.done():
+                    await self._wake.wait()
                     continue
-                claims = dict(promised)
-                for u in self._underway:
-                    if (claim := u.claim) is not None and u.state.key is not None:
-                        claims[u.state.key] = claim
-                settings = self.fx.registry.config.proxy
-                verdicts = schedule_on_devices(snap, self.fx.registry, states, [self._waiter(t) for t in pending],
-                                               claims, self.fx.clock.now(), settings.starvation_after_s,
-                                               self.releasing, settings.overtake_limit)
-                if self._apply(verdicts, snap):
+                if self._pass(self.card):
                     continue
                 await sleep_or_wake(self.fx.clock, self._next_pause(), self._wake)
+                self._card_wanted = True  # the replan timer: memory may have come back unannounced
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # never leave a waiter hanging on a broken pass
-            log.exception("handoff queue failed")
+            log.exception("scheduler pass failed")
             for ticket in self._planned():
                 self._tickets.pop(ticket.waiter.id, None)
                 if not ticket.future.done():
                     ticket.future.set_exception(exc)
+
+    def _pass(self, snap: AttributedSnapshot) -> bool:
+        """One pass on the latest card: who runs, waits or is refused, carried out at once, awaiting
+        nothing. True when anyone left the queue (the next pass sees a new state)."""
+        pending = self._planned()
+        if not pending:
+            return False
+        if not snap.snapshot.device.size_known:
+            self._forward_unplanned(snap, pending)
+            return True
+        claims = self.promised(snap)
+        for u in self._underway:
+            if (claim := u.claim) is not None and u.state.key is not None:
+                claims[u.state.key] = claim
+        settings = self.fx.registry.config.proxy
+        verdicts = schedule_on_devices(snap, self.fx.registry, self.states(snap), [self._waiter(t) for t in pending],
+                                       claims, self.fx.clock.now(), settings.starvation_after_s,
+                                       self.releasing, settings.overtake_limit)
+        return self._apply(verdicts, snap)
 
     def _expire(self) -> None:
         """Past `proxy.queue_timeout_s`: 503. A waiter whose release is under way is not cut off:
@@ -437,12 +587,12 @@ class HandoffQueue:
                 self._note_wait(ticket, v)
             elif v.plan.releases:
                 self._join_or_start(ticket, v, snap)
-            elif v.reason == RESIDENT:  # on the card already: its memory is held or reserved, nothing to promise
-                self._resolve(ticket, Admitted("run", Handoff(v.plan, [], None, snap), v.reason))
+            elif v.reason == RESIDENT:  # on the card already, or joins the reservation of the load on its way
+                self._resolve(ticket, Admitted("run", self._resident_handoff(v.waiter, snap), v.reason))
                 progressed = True
             else:
                 handoff = Handoff(v.plan, [], None, snap)
-                self.fx.reserve(v.waiter.key, handoff)
+                self.reserve(v.waiter.key, handoff)
                 self._resolve(ticket, Admitted("run", handoff, v.reason))
                 progressed = True
         return progressed
@@ -477,10 +627,15 @@ class HandoffQueue:
                                               ended_by=by.id if by is not None else None, ended_with=admitted.reason))
         if not ticket.future.done():
             if admitted.outcome == "run" and ticket.work is not None:
-                self.fx.admit_work(ticket.work)  # work from this step on: no pass sees it idle in between
+                self.traffic.admit(ticket.work)  # work from this step on: no pass sees it idle in between
             ticket.future.set_result(admitted)
         elif admitted.outcome == "run":
-            self.fx.abandon(admitted.handoff)  # its client left at this very moment
+            self.settle(admitted.handoff)  # its client left at this very moment
+
+    def reserve(self, key: str, handoff: Handoff) -> None:
+        """Promise the admitted load its memory until it reaches the card (`settle` ends it)."""
+        self.reservations.reserve(key, handoff.plan)
+        handoff.reservation = key
 
     def _note_wait(self, ticket: _Ticket, v: Verdict) -> None:
         if ticket.queued is None:

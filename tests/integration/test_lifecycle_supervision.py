@@ -1,0 +1,245 @@
+"""Supervision of the apps the proxy starts (design invariant 12, issue 33), with real children: a
+crash after ready is noticed when it happens and the next request starts the app again; a proxy
+killed -9 leaves nothing a restarted proxy would run a second copy beside; a port held by another
+server fails the start naming it; a stop that leaves the port held is a failed stop, never `running`;
+a `setsid` child is stopped with the app."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import textwrap
+from pathlib import Path
+
+import httpx
+from boxes import DemoFactory, fast, free_port, port_open, process_tenant
+
+from proxy.lifecycle import procs
+from proxy.lifecycle.process import ProcessController
+from proxy.lifecycle.state import TenantLifecycle
+from proxy.tasks import poll_until
+
+WAIT_S = 10.0  # bounds a wait for a child; never reached when things work
+
+
+def copies(pattern: str) -> list[int]:
+    """The live processes whose command line holds `pattern` (a shell that runs one is not a copy)."""
+    out = []
+    for p in procs.processes():
+        argv = procs.cmdline(p.pid) or ()
+        if p.alive and argv and argv[0] != "sh" and pattern in " ".join(argv):
+            out.append(p.pid)
+    return out
+
+
+def kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def machine_of(demo: object, name: str = "app") -> TenantLifecycle:
+    m = demo.proxy.arbitration.lifecycles.machine(name)  # type: ignore[attr-defined]
+    assert m is not None
+    return m
+
+
+async def test_an_app_killed_after_ready_is_noticed_at_once_and_the_next_request_starts_it(
+        box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
+    port = free_port()
+    demo = await box(fast("default", tenants={"app": process_tenant(port, tmp_path)}))
+    assert demo.proxy is not None
+    machine = machine_of(demo)
+    assert (await http.get(demo.proxy.url("app") + "/hello.txt")).status_code == 200
+    ctl = machine.controller
+    assert isinstance(ctl, ProcessController) and ctl.pid is not None
+    os.kill(ctl.pid, signal.SIGKILL)  # behind the proxy's back: an OOM kill, a CUDA fault
+    async with asyncio.timeout(WAIT_S):
+        await poll_until(lambda: machine.state == "failed")
+    assert "killed by signal 9 (SIGKILL)" in (machine.snapshot.error or "") and machine.snapshot.exit_code == -9
+    (crash,) = [d for d in demo.proxy.decisions.recent() if d.kind == "exit"]
+    assert crash.outcome["exit_code"] == -9 and crash.outcome["state"] == "failed", crash
+
+    health = (await http.get(demo.proxy.url("admin") + "/api/health")).json()
+    (entry,) = [e for e in health["entries"] if e["name"] == "lifecycle app"]
+    assert entry["status"] == "failed" and "crashed while running" in entry["problem"], entry
+    assert "restart: on-failure" in entry["fix"], entry
+
+    again = await http.get(demo.proxy.url("app") + "/hello.txt")
+    assert again.status_code == 200 and machine.state == "running", again.text
+    assert len(copies(f"http.server {port}")) == 1
+
+
+async def test_restart_on_failure_starts_a_crashed_app_before_anyone_asks(
+        box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
+    port = free_port()
+    demo = await box(fast("default", tenants={"app": process_tenant(port, tmp_path, restart="on-failure")}))
+    assert demo.proxy is not None
+    machine = machine_of(demo)
+    assert (await http.get(demo.proxy.url("app") + "/hello.txt")).status_code == 200
+    first = machine.controller.pid  # type: ignore[attr-defined]
+    os.kill(first, signal.SIGKILL)
+    async with asyncio.timeout(WAIT_S):
+        await poll_until(lambda: machine.state == "running" and machine.controller.pid != first)  # type: ignore[attr-defined]
+    assert port_open(port), "restarted by its policy, with no request"
+    assert [d.kind for d in demo.proxy.decisions.recent() if d.kind in ("start", "exit")] == ["start", "exit", "start"]
+
+
+# The proxy's start of a `process` tenant, in a process of its own that the test kills -9: the same
+# controller and record as the proxy's. The app is a shell running the server in the background, so
+# the server (a grandchild, in the app's session) outlives the shell the kernel kills with the proxy.
+CRASHING_PROXY = textwrap.dedent("""
+    import asyncio, json, sys
+    from proxy.clock import SystemClock
+    from proxy.lifecycle.build import default_state_dir
+    from proxy.lifecycle.process import ProcessController
+
+    async def main():
+        ctl = ProcessController("app", json.loads(sys.argv[1]), state_dir=default_state_dir(), clock=SystemClock())
+        await ctl.start()
+        print(ctl.pid, flush=True)
+        await asyncio.Event().wait()  # until killed
+
+    asyncio.run(main())
+""")
+
+
+async def test_a_proxy_killed_9_and_started_again_runs_exactly_one_copy(
+        box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
+    port = free_port()
+    tenant = process_tenant(port, tmp_path)
+    server = " ".join(tenant["release"]["command"])  # type: ignore[index]
+    tenant["release"]["command"] = ["sh", "-c", f"{server} & wait"]  # type: ignore[index]
+    crashed = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", CRASHING_PROXY, __import__("json").dumps(tenant["release"]["command"]),  # type: ignore[index]
+        stdout=asyncio.subprocess.PIPE, cwd=str(Path(__file__).parents[2]))
+    try:
+        assert crashed.stdout is not None
+        async with asyncio.timeout(WAIT_S):
+            shell = int(await crashed.stdout.readline())
+            await poll_until(lambda: port_open(port))
+        crashed.kill()  # the proxy dies: -9, no shutdown of any kind
+        await crashed.wait()
+        async with asyncio.timeout(WAIT_S):
+            await poll_until(lambda: not procs.same(shell, procs.start_time(shell) or -1))
+        assert not procs.same(shell, procs.start_time(shell) or -1), "the app's own process dies with the proxy"
+        left = copies(f"http.server {port}")
+        assert len(left) == 1 and port_open(port), "the shell's server outlived it: what a restarted proxy finds"
+
+        demo = await box(fast("default", tenants={"app": tenant}))
+        assert demo.proxy is not None
+        assert not copies(f"http.server {port}") and not port_open(port), \
+            "the restarted proxy ended what the crashed run left (provably its own: session and start time)"
+        answer = await http.get(demo.proxy.url("app") + "/hello.txt")
+        assert answer.status_code == 200, answer.text
+        assert len(copies(f"http.server {port}")) == 1, "exactly one copy of the app"
+        await demo.stop()
+        async with asyncio.timeout(WAIT_S):
+            await poll_until(lambda: not copies(f"http.server {port}"))
+    finally:
+        if crashed.returncode is None:
+            crashed.kill()
+            await crashed.wait()
+        kill_all(copies(f"http.server {port}"))
+
+
+async def test_a_port_held_by_another_server_fails_the_start_naming_it(
+        box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
+    port = free_port()
+    stranger = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(tmp_path),
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    try:
+        async with asyncio.timeout(WAIT_S):
+            await poll_until(lambda: port_open(port))
+        demo = await box(fast("default", tenants={"app": process_tenant(port, tmp_path)}))
+        assert demo.proxy is not None
+        answer = await http.get(demo.proxy.url("app") + "/hello.txt")
+        assert answer.status_code == 503, answer.text
+        error = answer.json()["error"]
+        assert f"port {port} is already in use by pid {stranger.pid} (" in error and "http.server" in error, error
+        assert f"kill {stranger.pid}" in answer.json()["fix"]
+        assert machine_of(demo).state == "failed" and stranger.returncode is None, "the stranger is named, never killed"
+    finally:
+        stranger.kill()
+        await stranger.wait()
+
+
+# An app that serves its port and leaves a daemon behind (fork, setsid, fork) serving the same port
+# (SO_REUSEPORT): no session and no parent link lead from the app to the daemon.
+LEAVES_A_DAEMON = textwrap.dedent("""
+    import http.server, os, socket, sys
+    port = int(sys.argv[1])
+    def serve():
+        s = http.server.HTTPServer(("127.0.0.1", port), http.server.SimpleHTTPRequestHandler, bind_and_activate=False)
+        s.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        s.server_bind(); s.server_activate()
+        return s
+    app = serve()
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            print("daemon", os.getpid(), flush=True)
+            serve().serve_forever()
+        os._exit(0)
+    os.wait()
+    print("serving", flush=True)
+    app.serve_forever()
+""")
+
+
+async def test_a_stop_that_leaves_the_port_held_fails_names_the_holder_and_is_never_running(
+        box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
+    port = free_port()
+    tenant = process_tenant(port, tmp_path, release={"kind": "process", "stop_timeout_s": 2,
+                                                     "command": [sys.executable, "-c", LEAVES_A_DAEMON, str(port)]})
+    demo = await box(fast("default", tenants={"app": tenant}))
+    assert demo.proxy is not None
+    machine = machine_of(demo)
+    daemon = 0
+    try:
+        assert (await http.get(demo.proxy.url("app") + "/")).status_code == 200
+        async with asyncio.timeout(WAIT_S):
+            await poll_until(lambda: any(line.startswith("daemon ") for line in machine.controller.output()))
+        daemon = int(next(line for line in machine.controller.output() if line.startswith("daemon ")).split()[1])
+        stopped = await http.post(demo.proxy.url("admin") + "/api/tenants/app/stop")
+        assert machine.state == "failed", f"a failed stop is never running: {machine.state} ({stopped.text})"
+        assert f"port {port} is still held by pid {daemon}" in (machine.snapshot.error or ""), machine.snapshot.error
+        (stop,) = [d for d in demo.proxy.decisions.recent() if d.kind == "stop"]
+        assert stop.outcome["ok"] is False and stop.outcome["state"] == "failed", stop
+    finally:
+        kill_all([daemon] if daemon else [])
+
+
+SETSID_CHILD = textwrap.dedent("""
+    import http.server, os, subprocess, sys
+    port = int(sys.argv[1])
+    helper = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"], start_new_session=True)
+    print("helper", helper.pid, flush=True)
+    http.server.HTTPServer(("127.0.0.1", port), http.server.SimpleHTTPRequestHandler).serve_forever()
+""")
+
+
+async def test_a_setsid_child_of_the_app_is_stopped_with_it(
+        box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
+    port = free_port()
+    tenant = process_tenant(port, tmp_path, release={"kind": "process", "stop_timeout_s": 2,
+                                                     "command": [sys.executable, "-c", SETSID_CHILD, str(port)]})
+    demo = await box(fast("default", tenants={"app": tenant}))
+    assert demo.proxy is not None
+    machine = machine_of(demo)
+    helper = 0
+    try:
+        assert (await http.get(demo.proxy.url("app") + "/")).status_code == 200
+        helper = int(next(line for line in machine.controller.output() if line.startswith("helper ")).split()[1])
+        started = procs.start_time(helper)
+        assert started is not None and procs.proc(helper).session == helper  # type: ignore[union-attr]
+        stopped = await http.post(demo.proxy.url("admin") + "/api/tenants/app/stop")
+        assert stopped.status_code == 200 and machine.state == "stopped", stopped.text
+        assert not procs.same(helper, started), "the child that left the app's session is stopped with it"
+    finally:
+        kill_all([helper] if helper else [])

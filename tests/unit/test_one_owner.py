@@ -1,0 +1,91 @@
+"""Design invariant 11, one owner: no module but the scheduler keeps admission state.
+
+Admission state is what decides who runs: the waiters, the admission of a request as its tenant's
+work, the memory promised to loads on their way, the loads known to be on the card, the engines'
+own reads, the latest card, the releases under way. The deadlock of issue 32 came from that state
+spread over many owners (a waiter counted as work by the listener, reservations and residency on
+`Arbitration`, a lock beside the scheduler's own "one at a time"). This check reads every module of
+proxy/ and fails, naming the module and the line, where another one constructs a piece of that
+state, keeps an attribute of that name, or admits a request as work.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+OWNER = "proxy/handoff/scheduler.py"
+STATE_TYPES = {"Reservations", "Residency", "EngineReads", "Lock"}  # Lock: a second "one at a time"
+STATE_ATTRIBUTES = {"_tickets", "_waiters", "_underway", "_reservations", "reservations", "residency",
+                    "engine_reads", "_queue_reads", "_unreachable_since", "cpu_tenants", "handoff_lock",
+                    "last_snapshot", "card", "_settlers", "_settle_on_idle"}
+# Where else a request may become work without the scheduler: no admission at all (a listener with no
+# gate, a body too large to keep for a retry) and an unload (it loads nothing).
+ADMITS_WITHOUT_SCHEDULER = {"proxy/relay/listener.py", "proxy/relay/gpu_gate.py"}
+# A lock in the handoff layer is a second "one at a time" beside the scheduler's; the reader's one
+# GPU read at a time guards no admission state. Locks elsewhere (a cache, a walk) are not looked at.
+HANDOFF = ("proxy/handoff/", "proxy/relay/gpu_gate.py")
+OTHER_LOCKS = {"proxy/handoff/arbitration.py"}
+# The same names for other things: the page cache's residency of model files (not the card's), the
+# HTTP client's connection-pool waiters.
+SAME_NAME_OTHER_THING = {("proxy/models/catalog.py", "residency"), ("proxy/relay/http1.py", "_waiters")}
+
+
+def violations(source: str, module: str) -> list[str]:
+    """Where `module` (a path relative to the repository) keeps or writes admission state."""
+    if module == OWNER:
+        return []
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            name = node.func.id if isinstance(node.func, ast.Name) else \
+                node.func.attr if isinstance(node.func, ast.Attribute) else ""
+            lock_elsewhere = name == "Lock" and (module in OTHER_LOCKS or not module.startswith(HANDOFF))
+            if name in STATE_TYPES and not lock_elsewhere:
+                out.append(f"{module}:{node.lineno} constructs {name}")
+            if name == "admit" and isinstance(node.func, ast.Attribute) and module not in ADMITS_WITHOUT_SCHEDULER:
+                receiver = ast.unparse(node.func.value)
+                if "inflight" in receiver or "traffic" in receiver:
+                    out.append(f"{module}:{node.lineno} admits a request as work ({receiver}.admit)")
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        for target in targets:
+            if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self" \
+                    and target.attr in STATE_ATTRIBUTES and module not in _PARTS \
+                    and (module, target.attr) not in SAME_NAME_OTHER_THING:
+                out.append(f"{module}:{target.lineno} keeps self.{target.attr}")
+    return out
+
+
+_PARTS = {"proxy/handoff/reservations.py", "proxy/handoff/residency.py", "proxy/handoff/evidence.py"}  # the owner's parts
+
+
+def test_no_module_but_the_scheduler_keeps_admission_state() -> None:
+    found = []
+    for path in sorted((ROOT / "proxy").rglob("*.py")):
+        module = str(path.relative_to(ROOT))
+        if "/sim/" in module:
+            continue
+        found += violations(path.read_text(), module)
+    assert not found, "admission state outside the scheduler (design invariant 11):\n" + "\n".join(found)
+
+
+def test_the_check_finds_what_the_old_code_did() -> None:
+    """What issue 32 found, written again: the check must name each of them."""
+    old = '''
+class Arbitration:
+    def __init__(self):
+        self.residency = Residency(clock)
+        self.handoff_lock = asyncio.Lock()
+        self._reservations = {}
+
+class TenantApp:
+    async def _gpu(self, request):
+        token = self.inflight.begin(tenant.name)
+        self.inflight.admit(token)
+'''
+    found = violations(old, "proxy/handoff/somewhere.py")
+    assert any("constructs Residency" in f for f in found), found
+    assert any("constructs Lock" in f for f in found), found
+    assert any("keeps self._reservations" in f for f in found), found
+    assert any("admits a request as work" in f for f in found), found
