@@ -397,6 +397,7 @@ class Burst:
     released: list[str] = field(default_factory=list)  # whom each handoff released, in order
     queued: int = 0  # "queued" decisions
     rejections: list[int] = field(default_factory=list)
+    decisions: list[dict[str, Any]] = field(default_factory=list)  # the burst's, condensed, for the JSON
     oracle_s: float | None = None
     oracle_order: str | None = None
     oracle_handoffs: int | None = None
@@ -441,7 +442,7 @@ async def burst(clients: Clients, card: Card, services: dict[str, Service], name
     capacity = card.capacity()
     b = Burst(name, pattern, "".join(sorted(start)) or "-")
     last = await clients.last_decision()
-    t0 = time.perf_counter()
+    t0, wall0 = time.perf_counter(), time.time()
     tasks = []
     for i, kind in enumerate(pattern):
         if i:
@@ -452,6 +453,10 @@ async def burst(clients: Clients, card: Card, services: dict[str, Service], name
     await asyncio.sleep(SETTLE_S)
     for d in await clients.decisions_after(last):
         plan = d.get("plan") or {}
+        b.decisions.append({"id": d["id"], "at_s": round(d["at"] - wall0, 3), "kind": d.get("kind"),
+                            "tenant": d.get("tenant"), "trigger": d.get("trigger"),
+                            "releases": [r["tenant"] for r in plan.get("releases") or []],
+                            "outcome": {k: v for k, v in (d.get("outcome") or {}).items() if k != "releases"}})
         if d.get("kind") == "plan" and plan.get("releases"):
             b.handoffs += 1
             b.released.append("+".join(r["tenant"] for r in plan["releases"]))
