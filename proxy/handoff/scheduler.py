@@ -202,6 +202,7 @@ class Scheduler:
         self._driver: asyncio.Task[None] | None = None
         self._reading: asyncio.Task[None] | None = None
         self._card_wanted = True  # something changed since the card was last read: read it before the next pass
+        self._read_failed: Exception | None = None  # a card read that raised, for the driver to pass on
         traffic.on_change.append(self._traffic_changed)
 
     # -- events from the rest of the proxy -------------------------------------------------------
@@ -490,6 +491,8 @@ class Scheduler:
         async def read() -> None:
             try:
                 self.observe_card(await self.fx.read_card())
+            except Exception as exc:  # the reader falls back to the engines' reports; this is a bug: tell the waiters
+                self._read_failed = exc
             finally:
                 self._wake.set()
 
@@ -506,6 +509,9 @@ class Scheduler:
                         break
                     await self._wake.wait()  # only waiters of releases under way: they report back
                     continue
+                if self._read_failed is not None:
+                    failed, self._read_failed = self._read_failed, None
+                    raise failed  # every planned waiter gets it (below), as a pass that cannot read cannot plan
                 if self._card_wanted or self.card is None:
                     self._read_card()
                     await self._wake.wait()  # the reading posts itself, or another event comes first

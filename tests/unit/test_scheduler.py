@@ -531,3 +531,16 @@ async def test_admit_at_once_lets_resident_work_past_a_waiting_swap_up_to_the_bo
     (waiting,) = queue.waiting()
     assert waiting["tenant"] == "ollama" and not chat.done()
     await queue.aclose()
+
+
+async def test_a_card_read_that_raises_fails_the_waiters_instead_of_leaving_them_hanging(clock: ManualClock) -> None:
+    class Broken(Recorder):
+        async def read_card(self) -> AttributedSnapshot:
+            raise RuntimeError("reader bug")
+
+    reg = registry({"stt": STT}, proxy={"queue_timeout_s": 30.0})
+    fx = Broken(reg, clock, [("comfyui", 2, 7 * GIB)], free=10 * GIB)
+    queue = scheduler(fx)
+    with pytest.raises(RuntimeError, match="reader bug"):
+        await asyncio.wait_for(queue.request(fx.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request"), 1)
+    await queue.aclose()
