@@ -29,6 +29,7 @@ from proxy.handoff.inflight import InFlight, JobFate, JobPoller, Token
 from proxy.relay.departure import ClientLink
 from proxy.relay.forward import Forwarder, UpstreamResponse
 from proxy.relay.guards import SAFE_METHODS, answer, host_header, refuse_tenant_host
+from proxy.relay.trace import Trace, stamp, traced
 from proxy.tenants import Tenant
 
 log = logging.getLogger("hyperswap.listener")
@@ -140,15 +141,18 @@ class TenantApp:
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         link = ClientLink(scope, receive)
         link.watch()
+        trace = Trace()
         try:
-            refusal = await self._wake(scope) if self._sleeps else None
-            if refusal is not None:
-                response = refusal
-            elif self.adapter.classify(scope["method"], scope["path"]) == "passthrough":
-                response = await self._passthrough(scope, link)
-            else:
-                response = await self._gpu(Request(scope, link.receive))
-            await response(scope, link.receive, send)
+            with traced(trace):  # where the time went before the answer: Server-Timing, progress lines
+                refusal = await self._wake(scope) if self._sleeps else None
+                if refusal is not None:
+                    response = refusal
+                elif self.adapter.classify(scope["method"], scope["path"]) == "passthrough":
+                    response = await self._passthrough(scope, link)
+                else:
+                    response = await self._gpu(Request(scope, link.receive))
+                stamp(response.raw_headers, trace)
+                await response(scope, link.receive, send)
         except asyncio.CancelledError:
             if not link.absorb_cancel():
                 raise
