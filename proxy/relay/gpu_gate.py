@@ -10,18 +10,32 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any, Protocol
 
 import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from proxy.clock import Clock
 from proxy.engines import EngineAdapter, Need, ReleaseFailed, strip_hop_by_hop
 from proxy.engines.base import JobReplay
 from proxy.handoff import devices
 from proxy.handoff.arbiter import RESIDENT, gib
 from proxy.handoff.arbitration import Arbitration
-from proxy.handoff.decisions import DecisionLog, FirstByte, HandoffStarted, OomRetry, Rejected, StaleJob
+from proxy.handoff.decisions import (
+    DecisionEvent,
+    DecisionLog,
+    FirstByte,
+    HandoffFinished,
+    HandoffStarted,
+    OomRetry,
+    Queued,
+    QueueEnded,
+    Rejected,
+    StaleJob,
+    WaitChanged,
+)
 from proxy.handoff.inflight import Token
 from proxy.handoff.scheduler import Admitted, Handoff
 from proxy.lifecycle.controller import LifecycleError
@@ -31,6 +45,7 @@ from proxy.tenants import Tenant
 
 log = logging.getLogger("hyperswap.gate")
 
+WAIT_EVENTS = (Queued, WaitChanged, QueueEnded, HandoffStarted, HandoffFinished)  # a wait may have changed
 STOPPED_RETRY_AFTER_S = 10  # a read kept from a stopped app: nothing starts it by itself, so poll slowly
 
 
@@ -120,6 +135,27 @@ class GpuGate:
         self._seen_oom: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
+
+    @property
+    def clock(self) -> Clock:
+        return self.arb.clock
+
+    def wait_of(self, work: Token) -> dict[str, Any] | None:
+        return self.arb.scheduler.wait_of(work)
+
+    def watch_waits(self, changed: Callable[[], None]) -> Callable[[], None]:
+        def on_event(event: DecisionEvent) -> None:
+            if isinstance(event, WAIT_EVENTS):
+                changed()
+        return self.arb.decisions.subscribe(on_event)
+
+    async def _load_figure(self, tenant: Tenant, need: Need) -> str | None:
+        """How far a load got, from the card: what the tenant's processes hold now against the
+        model's need (an estimate: the card shows the process, not which model its memory is for)."""
+        snap = await self.arb.snapshot()
+        held = snap.held_by(tenant.name)
+        how = "estimated from the engines' own reports" if snap.estimated else f"estimated: all {tenant.name} holds"
+        return f"loading {need.model}: {gib(held)} of {gib(need.bytes)} GiB on the card ({how})"
 
     def on_frame(self, tenant: Tenant, text: str) -> None:
         """Called for every upstream text frame of a tenant's websockets (the adapter filters cheaply first)."""
@@ -291,7 +327,8 @@ class GpuGate:
         if trace is not None:
             record_wait(trace, self.arb.decisions, handoff, arrived_wall, self.arb.clock.wall())
             if loads:
-                trace.say(f"loading {need.model}")
+                trace.say(f"loading {need.model} ({gib(need.bytes)} GiB)")
+                trace.loading = partial(self._load_figure, tenant, need)
         streamed = adapter.stream_format(request.url.path, body) is not None
         forwarded = self.arb.clock.now()
         # The request's story hangs on its wait, else on the handoff it caused (GET /api/decisions/{id}).
@@ -303,7 +340,11 @@ class GpuGate:
             response = await forward(body)
             if trace is not None and loads and streamed and response.status_code < 400:
                 # a streamed answer's headers come once the model is loaded (and its first token made)
-                trace.phase("load", self.arb.clock.now() - forwarded, f"{need.model}: until the engine's first byte")
+                took = self.arb.clock.now() - forwarded
+                trace.phase("load", took, f"{need.model}: until the engine's first byte")
+                trace.say(f"{need.model} loaded in {took:.1f} s")
+            if trace is not None:
+                trace.loading = None
             if story is not None:
                 self.arb.decisions.emit(FirstByte(tenant=tenant.name, trigger=trigger, refers_to=story,
                                                   arrived_at=arrived_wall, after_s=self.arb.clock.now() - arrived,

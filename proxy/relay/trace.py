@@ -9,7 +9,7 @@ the gate directly) records nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -32,6 +32,8 @@ class Trace:
 
     phases: dict[str, Phase] = field(default_factory=dict)
     listener: Listener | None = None
+    # while the engine loads the request's model: how far it got, read from the card (a line)
+    loading: Callable[[], Awaitable[str | None]] | None = None
 
     def phase(self, name: str, seconds: float, desc: str) -> None:
         """A phase that happened (a second one of the same name, as a wake then a load can both
