@@ -182,3 +182,21 @@ async def test_a_stream_that_times_out_after_the_commit_ends_with_the_engines_er
     assert "waited 0.6 s for GPU memory" in str(oerr.value.message), oerr.value
     assert not rendering.done(), "both ended while the render still ran: no hang"
     await rendering
+
+
+async def test_a_client_that_leaves_a_committed_stream_leaves_the_queue_and_counts_no_more(box: DemoFactory) -> None:
+    demo = await box("default")
+    proxy = demo.proxy
+    assert proxy is not None and succeeded(await render(demo))
+    rendering = await _render_running(demo, 400)
+    async with httpx.AsyncClient(verify=LOOPBACK_TLS, trust_env=False, timeout=30) as http:
+        async with http.stream("POST", proxy.url("ollama") + "/api/chat", json={"model": MODEL, "messages": MESSAGES}) as r:
+            lines = r.aiter_lines()
+            assert "waiting for comfyui" in json.loads(await anext(lines))["message"]["thinking"]
+    async with asyncio.timeout(5):
+        await poll_until(lambda: not proxy.arbitration.scheduler.waiting()
+                         and proxy.inflight.traffic("ollama").connections == 0)
+    assert proxy.inflight.traffic("ollama").in_flight == 0
+    queued = next(d for d in reversed(decisions(demo, "queued")) if d.tenant == "ollama")
+    assert queued.outcome["result"] == "client left while waiting"
+    assert succeeded(await rendering)  # type: ignore[arg-type]
