@@ -49,6 +49,7 @@ MAX_DEPTH = 32  # JSON nesting; release.body is the only free-form part and need
 
 EngineKind = Literal["ollama", "comfyui", "generic"]
 WakeOn = Literal["writes", "any"]  # which requests start a stopped app (see Tenant.wake_on)
+Progress = Literal["streams", "off"]  # progress lines for streamed requests that wait (see Tenant.progress)
 ReleaseKind = Literal["ollama_unload", "comfyui_free", "http", "none", "process", "systemd", "docker"]
 # The kinds that release a tenant by stopping it, and so can start it again (proxy/lifecycle/).
 LIFECYCLE_KINDS = frozenset({"process", "systemd", "docker"})
@@ -548,6 +549,13 @@ class Tenant(_Strict):
                                      "backing off after crashes in a row; a clean exit, code 0, is left stopped)")
     restart_limit: int = Field(default=3, description="restart on-failure: crashes in a row it restarts after (an app "
                                                       "that ran a minute starts the count over); then a request must")
+    progress: Progress = Field(
+        default="streams", description="a streamed request (Ollama chat and generate, /v1 completions with stream) "
+        "that must wait for GPU memory: streams answers it at once and tells it why it waits, each release and the "
+        "load, as thinking lines (Ollama message.thinking, OpenAI delta.reasoning_content), then the engine's own "
+        "stream follows unchanged; off: the client hears nothing until the engine answers. On by default: a silent "
+        "wait of seconds to minutes looks like a hang and trips clients' read timeouts, while every client that "
+        "parses the engine's stream parses these lines. A request's X-HyperSwap-Progress header (on/off) overrides it")
     preload: bool = Field(default=False, description="a tenant the proxy starts: start it once the proxy is up (its "
                                                      "memory planned like any start), without waiting for a request; "
                                                      "a failure is shown in health and never stops the proxy")

@@ -37,6 +37,16 @@ class JobReplay:
     payload: dict[str, Any]  # what resubmits it (same client, same extra data)
 
 RequestKind = Literal["gpu", "passthrough"]
+# How an engine streams its answer to a request (proxy/relay/progress.py speaks each):
+# Ollama's NDJSON chat and generate lines, the OpenAI-style SSE chat and completion chunks.
+StreamFormat = Literal["ndjson-chat", "ndjson-generate", "sse-chat", "sse-completion"]
+
+
+@dataclass(frozen=True, slots=True)
+class Streamed:
+    """A request whose answer the engine streams, and how: progress lines can go first."""
+    format: StreamFormat
+    model: str
 # Raw bytes as ASGI and the wire carry them (latin-1); no decode/encode per request on the relay path.
 Header = tuple[bytes, bytes]
 
@@ -136,6 +146,11 @@ class EngineAdapter:
 
     def unload_target(self, path: str, body: bytes) -> str | None:
         """The model a GPU-route request only unloads (it loads nothing and needs no memory), if any."""
+        return None
+
+    def stream_format(self, path: str, body: bytes) -> Streamed | None:
+        """How the engine will stream its answer to this GPU request; None: it does not stream one
+        (or not in a shape the proxy can speak ahead of it)."""
         return None
 
     # -- headers --------------------------------------------------------------------------

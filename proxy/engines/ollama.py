@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from proxy.engines import settings as es
-from proxy.engines.base import EngineAdapter, Placement, Relocation, RequestKind
+from proxy.engines.base import EngineAdapter, Placement, Relocation, RequestKind, Streamed, StreamFormat
 from proxy.engines.common import Need, ReleaseFailed, json_or_none, upstream_of
 from proxy.engines.model_files import FileHints, TenantFiles, ollama_tenant_files
 from proxy.gpu.attribution import AttributedSnapshot
@@ -39,6 +39,9 @@ GPU_ROUTES = frozenset({
     "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/messages",
 })
 
+
+_STREAMS: dict[str, StreamFormat] = {"/api/chat": "ndjson-chat", "/api/generate": "ndjson-generate",
+                                      "/v1/chat/completions": "sse-chat", "/v1/completions": "sse-completion"}
 
 # Ollama's unload path (engine-wire-facts A.3/A.4): keep_alive exactly 0 and nothing to run.
 UNLOAD_ROUTES = {"/api/generate": "prompt", "/api/chat": "messages"}
@@ -134,6 +137,23 @@ class OllamaAdapter(EngineAdapter):
         if not isinstance(data, dict) or not isinstance(data.get("model"), str) or data.get(work):
             return None
         return data["model"] if keep_alive_is_zero(data.get("keep_alive")) else None
+
+    def stream_format(self, path: str, body: bytes) -> Streamed | None:
+        """`/api/chat` and `/api/generate` stream unless `stream` is false (engine-wire-facts A.2), the
+        /v1 chat and completions only when `stream` is true. A load or unload (no messages, no prompt)
+        answers one JSON object even with stream on: not streamed."""
+        route = path.rstrip("/")
+        fmt = _STREAMS.get(route)
+        if fmt is None:
+            return None
+        data = json_or_none(body)
+        if not isinstance(data, dict) or not isinstance(data.get("model"), str) or not data["model"]:
+            return None
+        if fmt.startswith("sse"):
+            wanted = data.get("stream") is True
+        else:
+            wanted = data.get("stream", True) is not False and bool(data.get("messages" if fmt == "ndjson-chat" else "prompt"))
+        return Streamed(fmt, data["model"]) if wanted else None
 
     def host_policy(self) -> HostPolicy:
         """allowedHostsMiddleware, mirrored: what Ollama allows, plus the tenant's allowed_hosts.

@@ -366,21 +366,37 @@ class Scheduler:
     def waiting(self) -> list[dict[str, Any]]:
         """Each waiting request, for people: tenant, since when, waiting for whom and why."""
         now = self.fx.clock.now()
-        out = []
-        for t in self._tickets.values():
-            v = t.verdict
-            if t.joined is not None:
-                reason = f"releasing {', '.join(t.joined.state.tenants)} for it"
-            else:
-                reason = v.reason if v and v.action == "wait" else "being planned"
-            out.append({"id": t.waiter.id, "tenant": t.waiter.tenant, "trigger": t.trigger,
-                        "since": round(t.since_wall, 3), "waited_s": round(now - t.waiter.arrived_at, 3),
-                        "need_bytes": t.waiter.need_bytes, "need_gb": gib(t.waiter.need_bytes),
-                        "priority": t.waiter.priority, "overtaken": t.overtaken,
-                        "waiting_for": list(v.plan.wait_for) if v and t.joined is None else [],
-                        "behind": v.behind if v and t.joined is None else None,
-                        "reason": reason})
-        return sorted(out, key=lambda d: d["id"])
+        return sorted((self._wait_entry(t, now) for t in self._tickets.values()), key=lambda d: d["id"])
+
+    def wait_of(self, work: Token) -> dict[str, Any] | None:
+        """The `waiting()` entry of the request whose traffic token is `work`, plus `planned`: True
+        once its plan says it waits (for busy tenants, behind a waiter) or joined a release, so
+        waiting can succeed (a 507 resolves it at once, never as a wait). None: it does not wait
+        (admitted, refused, or not asked yet). The GPU gate reads it to tell a streamed request
+        why it waits (proxy/relay/progress.py); nothing else of the ticket leaves the scheduler."""
+        ticket = next((t for t in self._tickets.values() if t.work is work), None)
+        if ticket is None:
+            return None
+        entry = self._wait_entry(ticket, self.fx.clock.now())
+        v = ticket.verdict
+        entry["planned"] = ticket.joined is not None or (v is not None and v.action == "wait")
+        entry["releasing"] = list(ticket.joined.state.tenants) if ticket.joined is not None else []
+        return entry
+
+    @staticmethod
+    def _wait_entry(t: _Ticket, now: float) -> dict[str, Any]:
+        v = t.verdict
+        if t.joined is not None:
+            reason = f"releasing {', '.join(t.joined.state.tenants)} for it"
+        else:
+            reason = v.reason if v and v.action == "wait" else "being planned"
+        return {"id": t.waiter.id, "tenant": t.waiter.tenant, "trigger": t.trigger,
+                "since": round(t.since_wall, 3), "waited_s": round(now - t.waiter.arrived_at, 3),
+                "need_bytes": t.waiter.need_bytes, "need_gb": gib(t.waiter.need_bytes),
+                "priority": t.waiter.priority, "overtaken": t.overtaken,
+                "waiting_for": list(v.plan.wait_for) if v and t.joined is None else [],
+                "behind": v.behind if v and t.joined is None else None,
+                "reason": reason}
 
     # -- the one release path --------------------------------------------------------------------
     def release(self, order: ReleaseOrder, *, key: str | None = None, waiter: int | None = None) -> asyncio.Future[Released]:

@@ -10,26 +10,42 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any, Protocol
 
 import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from proxy.clock import Clock
 from proxy.engines import EngineAdapter, Need, ReleaseFailed, strip_hop_by_hop
 from proxy.engines.base import JobReplay
 from proxy.handoff import devices
 from proxy.handoff.arbiter import RESIDENT, gib
 from proxy.handoff.arbitration import Arbitration
-from proxy.handoff.decisions import FirstByte, HandoffStarted, OomRetry, Rejected, StaleJob
+from proxy.handoff.decisions import (
+    DecisionEvent,
+    DecisionLog,
+    FirstByte,
+    HandoffFinished,
+    HandoffStarted,
+    OomRetry,
+    Queued,
+    QueueEnded,
+    Rejected,
+    StaleJob,
+    WaitChanged,
+)
 from proxy.handoff.inflight import Token
 from proxy.handoff.scheduler import Admitted, Handoff
 from proxy.lifecycle.controller import LifecycleError
+from proxy.relay import trace as tracing
 from proxy.relay.forward import UpstreamResponse
 from proxy.tenants import Tenant
 
 log = logging.getLogger("hyperswap.gate")
 
+WAIT_EVENTS = (Queued, WaitChanged, QueueEnded, HandoffStarted, HandoffFinished)  # a wait may have changed
 STOPPED_RETRY_AFTER_S = 10  # a read kept from a stopped app: nothing starts it by itself, so poll slowly
 
 
@@ -119,6 +135,27 @@ class GpuGate:
         self._seen_oom: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
+
+    @property
+    def clock(self) -> Clock:
+        return self.arb.clock
+
+    def wait_of(self, work: Token) -> dict[str, Any] | None:
+        return self.arb.scheduler.wait_of(work)
+
+    def watch_waits(self, changed: Callable[[], None]) -> Callable[[], None]:
+        def on_event(event: DecisionEvent) -> None:
+            if isinstance(event, WAIT_EVENTS):
+                changed()
+        return self.arb.decisions.subscribe(on_event)
+
+    async def _load_figure(self, tenant: Tenant, need: Need) -> str | None:
+        """How far a load got, from the card: what the tenant's processes hold now against the
+        model's need (an estimate: the card shows the process, not which model its memory is for)."""
+        snap = await self.arb.snapshot()
+        held = snap.held_by(tenant.name)
+        how = "estimated from the engines' own reports" if snap.estimated else f"estimated: all {tenant.name} holds"
+        return f"loading {need.model}: {gib(held)} of {gib(need.bytes)} GiB on the card ({how})"
 
     def on_frame(self, tenant: Tenant, text: str) -> None:
         """Called for every upstream text frame of a tenant's websockets (the adapter filters cheaply first)."""
@@ -212,6 +249,10 @@ class GpuGate:
             refusal = self._kept_asleep(tenant, what, origin)
             if refusal is not None:
                 return refusal
+        trace = tracing.current()
+        arrived, arrived_wall = self.arb.clock.now(), self.arb.clock.wall()
+        if trace is not None and self.arb.lifecycles.dormant(tenant.name):
+            trace.say(f"starting {tenant.name}")
         try:
             admitted = await self.arb.wake(tenant, f"start of {tenant.name} for {what}")
         except LifecycleError as exc:
@@ -220,6 +261,13 @@ class GpuGate:
             return None
         if admitted.outcome == "run":
             self.arb.inflight.active(tenant.name)  # woken for this request: its ttl counts from now
+            if trace is not None:
+                handoff = admitted.handoff
+                waited_wall = arrived_wall + handoff.waited_s
+                record_wait(trace, self.arb.decisions, handoff, arrived_wall, waited_wall)
+                took = self.arb.clock.now() - arrived - handoff.waited_s
+                trace.phase("start", took, f"started {tenant.name}")
+                trace.say(f"{tenant.name} started in {took:.1f} s")
             return None
         if admitted.outcome == "timeout":
             self.arb.decisions.emit(Rejected(tenant=tenant.name, trigger=f"start for {what}",
@@ -275,6 +323,14 @@ class GpuGate:
             return JSONResponse(rejection_body(tenant, handoff, need), status_code=507)
         hooks = self.load_hooks
         loads = need.model is not None and admitted.reason != RESIDENT  # on the card already: nothing to time
+        trace = tracing.current()
+        if trace is not None:
+            record_wait(trace, self.arb.decisions, handoff, arrived_wall, self.arb.clock.wall())
+            if loads:
+                trace.say(f"loading {need.model} ({gib(need.bytes)} GiB)")
+                trace.loading = partial(self._load_figure, tenant, need)
+        streamed = adapter.stream_format(request.url.path, body) is not None
+        forwarded = self.arb.clock.now()
         # The request's story hangs on its wait, else on the handoff it caused (GET /api/decisions/{id}).
         started = handoff.decision.id if isinstance(handoff.decision, HandoffStarted) else None
         story = handoff.queued if handoff.queued is not None else started
@@ -282,6 +338,13 @@ class GpuGate:
                  if hooks is not None and need.model and loads else None)
         try:
             response = await forward(body)
+            if trace is not None and loads and streamed and response.status_code < 400:
+                # a streamed answer's headers come once the model is loaded (and its first token made)
+                took = self.arb.clock.now() - forwarded
+                trace.phase("load", took, f"{need.model}: until the engine's first byte")
+                trace.say(f"{need.model} loaded in {took:.1f} s")
+            if trace is not None:
+                trace.loading = None
             if story is not None:
                 self.arb.decisions.emit(FirstByte(tenant=tenant.name, trigger=trigger, refers_to=story,
                                                   arrived_at=arrived_wall, after_s=self.arb.clock.now() - arrived,
@@ -328,6 +391,27 @@ class GpuGate:
         self.arb.decisions.emit(OomRetry(tenant=tenant.name, trigger="OOM answer", result=result,
                                          handoff_id=started.id if started is not None else None,
                                          prompt_id=prompt_id, requeued_as=requeued_as))
+
+
+def record_wait(trace: tracing.Trace, decisions: DecisionLog, handoff: Handoff, arrived_wall: float,
+                admitted_wall: float) -> None:
+    """The wait of an admitted request as phases: `queue` (it waited in the queue, up to the release
+    made for it, or to its admission) and `release` (from the release's start, or the request's
+    arrival when it joined one under way, to its admission), so the two add up to the wait; and a
+    progress line for each release."""
+    started = handoff.decision if isinstance(handoff.decision, HandoffStarted) else None
+    released = [r for r in handoff.releases if not r.busy] if started is not None else []
+    release_from = max(arrived_wall, started.at) if started is not None and released else admitted_wall
+    if handoff.queued is not None:
+        view = decisions.view(handoff.queued)
+        who = ", ".join(view.outcome.get("waiting_for") or ()) if view is not None else ""
+        trace.phase("queue", release_from - arrived_wall, f"waited for {who}" if who else "waited in the queue")
+    if released:
+        trace.phase("release", admitted_wall - release_from,
+                    ", ".join(f"released {r.tenant} ({gib(r.freed_bytes)} GiB)" for r in released))
+        for r in released:
+            how = "" if r.confirmed else f" ({r.error or r.result})"
+            trace.say(f"{r.tenant} released: {gib(r.freed_bytes)} GiB back in {r.duration_s:.1f} s{how}")
 
 
 def retry_after(exc: LifecycleError) -> str:

@@ -16,19 +16,23 @@ import logging
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
-from typing import Protocol
+from typing import Any, Protocol
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket
 
-from proxy.engines.base import origin_netloc, same_origin
+from proxy.clock import Clock
+from proxy.engines.base import Streamed, origin_netloc, same_origin
 from proxy.errors import HyperSwapError
 from proxy.handoff.inflight import InFlight, JobFate, JobPoller, Token
+from proxy.relay import progress
 from proxy.relay.departure import ClientLink
 from proxy.relay.forward import Forwarder, UpstreamResponse
 from proxy.relay.guards import SAFE_METHODS, answer, host_header, refuse_tenant_host
+from proxy.relay.trace import Trace, stamp, traced
+from proxy.relay.trace import current as current_trace
 from proxy.tenants import Tenant
 
 log = logging.getLogger("hyperswap.listener")
@@ -50,6 +54,17 @@ class Admission(Protocol):
 
     def on_job_lost(self, tenant: Tenant, job_id: str) -> None:
         """A job the engine has in neither its queue nor its history: no longer counted."""
+
+    @property
+    def clock(self) -> Clock: ...
+
+    def wait_of(self, work: Token) -> dict[str, Any] | None:
+        """While the request with this traffic token waits: the scheduler's entry for it (why, for
+        whom, whether its plan says waiting can succeed: `planned`); None once it does not wait."""
+
+    def watch_waits(self, changed: Callable[[], None]) -> Callable[[], None]:
+        """Call `changed` whenever a wait may have changed (queued, wait changed, a release began or
+        ended); returns what stops it."""
 
     async def wake(self, tenant: Tenant, what: str, *, reads_only: bool = False,
                    origin: str | None = None) -> Response | None:
@@ -140,15 +155,18 @@ class TenantApp:
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         link = ClientLink(scope, receive)
         link.watch()
+        trace = Trace()
         try:
-            refusal = await self._wake(scope) if self._sleeps else None
-            if refusal is not None:
-                response = refusal
-            elif self.adapter.classify(scope["method"], scope["path"]) == "passthrough":
-                response = await self._passthrough(scope, link)
-            else:
-                response = await self._gpu(Request(scope, link.receive))
-            await response(scope, link.receive, send)
+            with traced(trace):  # where the time went before the answer: Server-Timing, progress lines
+                refusal = await self._wake(scope) if self._sleeps else None
+                if refusal is not None:
+                    response = refusal
+                elif self.adapter.classify(scope["method"], scope["path"]) == "passthrough":
+                    response = await self._passthrough(scope, link)
+                else:
+                    response = await self._gpu(Request(scope, link.receive))
+                stamp(response.raw_headers, trace)
+                await response(scope, link.receive, send)
         except asyncio.CancelledError:
             if not link.absorb_cancel():
                 raise
@@ -182,6 +200,9 @@ class TenantApp:
                 inflight.admit(token)
                 result: UpstreamResponse | Response = await forwarder.open(tenant, request, rest)
             elif self.admission is not None:
+                streamed = self._progress_for(request, body)
+                if streamed is not None:
+                    return self._progress(request, body, token, streamed)
                 result = await self.admission.handle(tenant, request, body,
                                                      lambda b: forwarder.open(tenant, request, b), token)
             else:
@@ -192,14 +213,48 @@ class TenantApp:
         except BaseException:
             inflight.end(token)
             raise
+        return self._answer(result, token, method, path)
+
+    def _answer(self, result: UpstreamResponse | Response, token: Token, method: str, path: str) -> Response:
+        """The answer to an admitted GPU request, counted in flight until it ends."""
+        inflight = self.inflight
         if isinstance(result, Response):
             inflight.end(token, result.status_code)
             return result
         status = result.status_code
         if not self.adapter.captures_job(method, path):
-            return forwarder.relay(tenant, result, on_close=lambda: inflight.end(token, status),
-                                   activity=partial(inflight.active, tenant.name))
+            return self.forwarder.relay(self.tenant, result, on_close=lambda: inflight.end(token, status),
+                                        activity=partial(inflight.active, self.tenant.name))
         return self._relay_job_answer(result, token)
+
+    def _progress_for(self, request: Request, body: bytes) -> Streamed | None:
+        """A streamed request that gets progress lines if it must wait: the engine streams its answer,
+        and the request's X-HyperSwap-Progress header (on/off), else the tenant's `progress`, asks."""
+        if self.admission is None or not progress.wanted(self.tenant.progress, request.headers.get(progress.HEADER)):
+            return None
+        return self.adapter.stream_format(request.url.path, body)
+
+    def _progress(self, request: Request, body: bytes, token: Token, streamed: Streamed) -> Response:
+        """Admission and forward run inside the answer, which starts as soon as the plan says the
+        request waits (proxy/relay/progress.py); one that does not wait is answered as ever."""
+        admission, tenant, forwarder, inflight = self.admission, self.tenant, self.forwarder, self.inflight
+        assert admission is not None
+        changed = asyncio.Event()
+        unwatch = admission.watch_waits(changed.set)
+        method, path = request.method, request.url.path
+
+        def answer(result: UpstreamResponse | Response) -> Response:
+            unwatch()
+            return self._answer(result, token, method, path)
+
+        def finish(status: int | None) -> None:
+            unwatch()
+            inflight.end(token, status)
+
+        return progress.ProgressResponse(
+            streamed, lambda: admission.handle(tenant, request, body, lambda b: forwarder.open(tenant, request, b), token),
+            lambda: admission.wait_of(token), changed, current_trace() or Trace(), admission.clock, answer, finish,
+            activity=partial(inflight.active, tenant.name))
 
     def _relay_job_answer(self, result: UpstreamResponse, token: Token) -> Response:
         """Relay the answer that names a job (ComfyUI's prompt id), reading the id off it as it passes;

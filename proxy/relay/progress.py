@@ -1,0 +1,280 @@
+"""Progress on the wire (invariant 13, issue 36): a streamed request that must wait for GPU memory
+is answered at once and told what happens, in its own protocol, then the engine's stream follows.
+
+Once the scheduler's plan says the request waits and waiting can succeed (it waits for busy
+tenants or behind another waiter, or joined a release: never for a 507, which is answered at
+once as before), the response starts with the engine's streaming headers and sends short lines:
+why and for whom it waits, each release, the start of an app, the load. They go where the
+engine's clients already show a model's thinking:
+- Ollama NDJSON (`/api/chat`, `/api/generate`): `message.thinking` / `thinking`, `done: false`;
+- OpenAI SSE (`/v1/chat/completions`, `/v1/completions` with `stream: true`): `delta.reasoning_content`
+  (llama-swap's sendLoadingState does the same; Open WebUI shows it as a thinking block), on a
+  completion's choice beside an empty `text`.
+Then the engine's own body follows byte for byte. Anything that goes wrong after that commit (a
+507 after all, 503 at the queue timeout, an error status from the engine, the proxy's own 502/504)
+ends the stream the way the engine reports a mid-stream error: Ollama's `{"error": "..."}` line,
+an OpenAI error event (`data: {"error": {"message", "type", "param", "code"}}`, which the official
+client raises as an APIError). A request admitted without waiting is answered exactly as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
+
+from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
+
+from proxy.clock import Clock
+from proxy.engines.base import Streamed
+from proxy.errors import HyperSwapError
+from proxy.relay.forward import UpstreamResponse
+from proxy.relay.trace import Trace, stamp
+from proxy.tasks import sleep_or_wake
+
+log = logging.getLogger("hyperswap.progress")
+
+HEADER = "x-hyperswap-progress"  # on / off: asks for progress lines, or not, whatever the tenant's setting
+TICK_S = 0.5  # how often the wait is looked at again when nothing announced a change
+LOAD_EVERY_S = 1.0  # how often a load's progress is read from the card
+NDJSON = [(b"content-type", b"application/x-ndjson")]
+SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+Result = UpstreamResponse | Response
+Waiting = Callable[[], "dict[str, Any] | None"]  # the scheduler's entry for this request while it waits
+Answer = Callable[[Result], Response]  # the answer as it would be without progress (relay, counted)
+Finish = Callable[["int | None"], None]  # the request left flight with this status (None: client gone)
+
+_BEHIND = re.compile(r"^queued behind (\S+) \((.+)\)$")
+
+
+def wanted(setting: str, header: str | None) -> bool:
+    """The request's header decides (on / off), else the tenant's `progress` setting."""
+    value = (header or "").strip().lower()
+    if value in ("on", "1", "true", "yes"):
+        return True
+    if value in ("off", "0", "false", "no"):
+        return False
+    return setting == "streams"
+
+
+def wait_line(entry: dict[str, Any]) -> str:
+    """The scheduler's reason for a wait, for the person reading the thinking block."""
+    if entry.get("releasing"):
+        return f"releasing {', '.join(entry['releasing'])} to make room"
+    reason = str(entry.get("reason") or "waiting for GPU memory")
+    match = _BEHIND.match(reason)
+    if match is not None and len(entry.get("waiting_for") or ()) == 1:
+        return f"waiting for {match[1]}: {match[2]}"
+    return reason.replace("queued behind", "waiting behind", 1)
+
+
+class Framing:
+    """The engine's streaming shape: progress chunks and the mid-stream error."""
+
+    def __init__(self, streamed: Streamed, clock: Clock) -> None:
+        self.format = streamed.format
+        self.model = streamed.model
+        self.clock = clock
+        self.created = int(clock.wall())
+        self.first = True
+
+    @property
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return list(SSE if self.format.startswith("sse") else NDJSON)
+
+    def progress(self, text: str) -> bytes:
+        text = text if text.endswith("\n") else text + "\n"
+        fmt = self.format
+        if fmt == "ndjson-chat":
+            return _line({"model": self.model, "created_at": _rfc3339(self.clock.wall()),
+                          "message": {"role": "assistant", "content": "", "thinking": text}, "done": False})
+        if fmt == "ndjson-generate":
+            return _line({"model": self.model, "created_at": _rfc3339(self.clock.wall()), "response": "", "thinking": text,
+                          "done": False})
+        if fmt == "sse-chat":
+            delta: dict[str, Any] = {"role": "assistant"} if self.first else {}
+            delta["reasoning_content"] = text
+            self.first = False
+            return _event({"id": "chatcmpl-hyperswap", "object": "chat.completion.chunk", "created": self.created,
+                           "model": self.model, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+        return _event({"id": "cmpl-hyperswap", "object": "text_completion", "created": self.created,
+                       "model": self.model,
+                       "choices": [{"text": "", "index": 0, "reasoning_content": text, "finish_reason": None}]})
+
+    def error(self, message: str) -> bytes:
+        if self.format.startswith("sse"):
+            return _event({"error": {"message": message, "type": "api_error", "param": None, "code": None}})
+        return _line({"error": message})
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+
+
+def _event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def _rfc3339(wall: float) -> str:
+    return datetime.fromtimestamp(wall, UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def error_message(status: int, body: bytes) -> str:
+    """The message of an error answer ({"error": "..."}, OpenAI's {"error": {"message"}}, the
+    proxy's own with a "fix"), else its text."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        text = body.decode("utf-8", "replace").strip()
+        return f"HTTP {status}: {text[:500]}" if text else f"HTTP {status}"
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict):
+            err = err.get("message")
+        if isinstance(err, str) and err:
+            fix = data.get("fix")
+            return f"{err} (fix: {fix})" if isinstance(fix, str) and fix else err
+    return f"HTTP {status}: {body[:500].decode('utf-8', 'replace')}"
+
+
+class ProgressResponse(Response):
+    """Runs the request's admission and forward (`run`) and answers as soon as it must wait.
+
+    `waiting()`: the scheduler's entry for this request while it waits (`Scheduler.wait_of`);
+    `changed`: set whenever a wait may have changed (the decision log's events), so a line goes
+    out at once; `answer`: what the listener answers when nothing was committed; `finish`: the
+    request leaves flight (every way but through `answer`, which counts its own)."""
+
+    def __init__(self, streamed: Streamed, run: Callable[[], Awaitable[Result]], waiting: Waiting,
+                 changed: asyncio.Event, trace: Trace, clock: Clock, answer: Answer, finish: Finish,
+                 activity: Callable[[], None] | None = None) -> None:
+        self.status_code = 200
+        self.background = None
+        self.body = b""
+        self.raw_headers = []
+        self._framing = Framing(streamed, clock)
+        self._run = run
+        self._waiting = waiting
+        self._changed = changed
+        self._trace = trace
+        self._clock = clock
+        self._answer = answer
+        self._finish = finish
+        self._activity = activity
+        self._lines: list[str] = []
+        self._last_figure: float | None = None  # when the last load figure was read (None: no load yet)
+
+    async def _figure(self, loading: Callable[[], Awaitable[str | None]]) -> str | None:
+        try:
+            return await loading()
+        except Exception as exc:  # a card read that fails never breaks the answer
+            log.debug("load progress read failed: %r", exc)
+            return None
+
+    def _heard(self, line: str) -> None:
+        self._lines.append(line)
+        self._changed.set()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._trace.listener = self._heard
+        task = asyncio.ensure_future(self._run())
+        task.add_done_callback(lambda _t: self._changed.set())
+        committed = False
+        answered = False  # handed to `answer`, which counts the request's end itself
+        said = ""
+        status: int | None = None
+        try:
+            while not task.done():
+                self._changed.clear()
+                entry = self._waiting()
+                if entry is not None and entry.get("planned"):
+                    line = wait_line(entry)
+                    if not committed:
+                        committed = True
+                        await send({"type": "http.response.start", "status": 200, "headers": self._framing.headers})
+                    if line != said:
+                        said = line
+                        await self._send_progress(send, line)
+                if committed:
+                    await self._flush_lines(send)
+                    loading = self._trace.loading
+                    if loading is None:
+                        self._last_figure = None
+                    elif self._last_figure is None:
+                        self._last_figure = self._clock.now()  # the first figure a second into the load
+                    elif self._clock.now() - self._last_figure >= LOAD_EVERY_S:
+                        self._last_figure = self._clock.now()
+                        figure = await self._figure(loading)
+                        if figure:
+                            await self._send_progress(send, figure)
+                if task.done():
+                    break
+                await sleep_or_wake(self._clock, TICK_S if self._trace.loading is None else LOAD_EVERY_S / 2,
+                                    self._changed)
+            try:
+                result: Result = task.result()
+            except HyperSwapError as exc:
+                result = JSONResponse(exc.to_json(), status_code=exc.status)
+            if not committed:
+                self._trace.listener = None
+                answered = True
+                response = self._answer(result)
+                stamp(response.raw_headers, self._trace)
+                await response(scope, receive, send)
+                return
+            await self._flush_lines(send)
+            status = await self._engine_stream(send, result)
+        finally:
+            self._trace.listener = None
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+            if not answered:
+                self._finish(status)  # committed, or the client left before anything was answered
+
+    async def _send_progress(self, send: Send, line: str) -> None:
+        await send({"type": "http.response.body", "body": self._framing.progress(line), "more_body": True})
+
+    async def _flush_lines(self, send: Send) -> None:
+        while self._lines:
+            await self._send_progress(send, self._lines.pop(0))
+
+    async def _engine_stream(self, send: Send, result: Result) -> int:
+        """After the commit: the engine's own body as it comes, or its error as the engine ends a
+        stream with one. The status the client's answer counts as."""
+        if isinstance(result, UpstreamResponse) and result.status_code < 400:
+            try:
+                async for chunk in result.aiter_raw():
+                    if self._activity is not None:
+                        self._activity()
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except (OSError, TimeoutError) as exc:
+                log.warning("upstream broke mid-answer to a streamed %s request (%s: %s): ended with an error line",
+                            self._framing.model, type(exc).__name__, exc)
+                await self._end_with_error(send, f"the engine's answer broke off: {type(exc).__name__}: {exc}")
+                return 502
+            finally:
+                result.close()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return result.status_code
+        if isinstance(result, UpstreamResponse):
+            try:
+                body = await result.aread()
+            except HyperSwapError as exc:
+                body = json.dumps(exc.to_json()).encode()
+        else:
+            body = bytes(result.body)
+        await self._end_with_error(send, error_message(result.status_code, body))
+        return result.status_code
+
+    async def _end_with_error(self, send: Send, message: str) -> None:
+        await send({"type": "http.response.body", "body": self._framing.error(message), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -1,0 +1,202 @@
+"""A client that waits is told why (invariant 13, issue 36), on the demo box through the real
+listeners: `Server-Timing` on every answer the proxy admitted after a wait; a streamed request that
+waits answered at once with progress lines in its own protocol (the official `ollama` and `openai`
+clients), then the engine's stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+import httpx
+import ollama
+import openai
+import pytest
+from boxes import LOOPBACK_TLS, DemoFactory, decisions, fast, render, succeeded
+
+from proxy.demo import Demo
+from proxy.tasks import poll_until
+
+MODEL = "gemma3:27b"  # does not fit beside a loaded checkpoint: a chat for it waits for ComfyUI's release
+TIMING = re.compile(r'(\w+);dur=([\d.]+);desc="([^"]*)"')
+
+
+def timings(header: str | None) -> dict[str, tuple[float, str]]:
+    """name -> (seconds, desc) of a Server-Timing header."""
+    return {m[1]: (float(m[2]) / 1000, m[3]) for m in TIMING.finditer(header or "")}
+
+
+async def _render_running(demo: Demo, steps: int) -> asyncio.Future[object]:
+    """A render whose job runs now (ComfyUI holds its checkpoint, and is busy)."""
+    rendering = asyncio.ensure_future(render(demo, steps=steps))
+    async with asyncio.timeout(5):
+        await poll_until(lambda: demo.proxy.inflight.traffic("comfyui").jobs)  # type: ignore[union-attr]
+    return rendering
+
+
+async def test_a_chat_that_waited_for_a_release_says_where_the_time_went(box: DemoFactory) -> None:
+    demo = await box("default")
+    assert succeeded(await render(demo))
+    rendering = await _render_running(demo, 300)
+    async with httpx.AsyncClient(verify=LOOPBACK_TLS, trust_env=False, timeout=30) as http:
+        r = await http.post(demo.proxy.url("ollama") + "/api/chat", json={  # type: ignore[union-attr]
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": False})
+        assert r.status_code == 200, r.text
+        assert rendering.done()
+        phases = timings(r.headers.get("server-timing"))
+        assert set(phases) == {"queue", "release"}, r.headers.get("server-timing")
+        assert "comfyui" in phases["queue"][1] and "comfyui" in phases["release"][1], phases
+        waited = next(d for d in reversed(decisions(demo, "queued")) if d.tenant == "ollama").outcome["waited_s"]
+        total = phases["queue"][0] + phases["release"][0]
+        assert abs(total - waited) < 0.05, f"queue + release = {total:.3f} s, the scheduler's wait {waited:.3f} s"
+
+        again = await http.post(demo.proxy.url("ollama") + "/api/chat", json={  # type: ignore[union-attr]
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": False})
+        assert again.status_code == 200 and "server-timing" not in again.headers, \
+            f"a chat for a model on the card waited for nothing: {again.headers.get('server-timing')}"
+
+
+async def test_a_streamed_chat_that_loads_its_model_carries_the_load(box: DemoFactory) -> None:
+    demo = await box("default")
+    async with httpx.AsyncClient(verify=LOOPBACK_TLS, trust_env=False, timeout=30) as http:
+        async with http.stream("POST", demo.proxy.url("ollama") + "/api/chat", json={  # type: ignore[union-attr]
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}]}) as r:
+            await r.aread()
+    assert r.status_code == 200
+    phases = timings(r.headers.get("server-timing"))
+    assert set(phases) <= {"release", "load"} and "load" in phases, r.headers.get("server-timing")
+    assert MODEL in phases["load"][1]
+
+
+# -- progress on the wire: streamed requests that wait are told why, in their own protocol ----------
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+async def _ollama_stream(base: str, headers: dict[str, str] | None = None) -> tuple[float, list[ollama.ChatResponse]]:
+    """A streamed chat with the official client: seconds to its first part, and every part."""
+    t0 = time.monotonic()
+    first = None
+    parts = []
+    async with ollama.AsyncClient(host=base, verify=LOOPBACK_TLS, headers=headers or {}) as client:
+        async for part in await client.chat(model=MODEL, messages=MESSAGES, stream=True):
+            first = first if first is not None else time.monotonic() - t0
+            parts.append(part)
+    return first or 0.0, parts
+
+
+async def _openai_stream(base: str) -> tuple[float, list[str], str]:
+    """A streamed /v1 chat with the official client: seconds to its first chunk, the reasoning
+    lines, the content."""
+    t0 = time.monotonic()
+    first = None
+    thinking, content = [], ""
+    async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused",
+                                  http_client=httpx.AsyncClient(verify=LOOPBACK_TLS, trust_env=False)) as client:
+        stream = await client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True)  # type: ignore[arg-type]
+        async for chunk in stream:
+            first = first if first is not None else time.monotonic() - t0
+            for choice in chunk.choices:
+                extra = choice.delta.model_extra or {}
+                if extra.get("reasoning_content"):
+                    thinking.append(extra["reasoning_content"])
+                content += choice.delta.content or ""
+    return first or 0.0, thinking, content
+
+
+def _in_order(lines: list[str], *wanted: str) -> bool:
+    """Each wanted text appears in a line, after the line of the one before it."""
+    at = 0
+    for text in wanted:
+        found = next((i for i in range(at, len(lines)) if text in lines[i]), None)
+        if found is None:
+            return False
+        at = found + 1
+    return True
+
+
+async def test_a_streamed_ollama_chat_behind_a_render_hears_the_wait_release_and_load_first(box: DemoFactory) -> None:
+    demo = await box("default")
+    _, direct = await _ollama_stream(demo.box.servers["ollama"].url)
+    assert succeeded(await render(demo))  # the checkpoint on the card: the chat's model no longer fits
+    rendering = await _render_running(demo, 400)
+    first, parts = await _ollama_stream(demo.proxy.url("ollama"))  # type: ignore[union-attr]
+    assert rendering.done() and succeeded(rendering.result())  # type: ignore[arg-type]
+    assert first < 1.0, f"the first bytes came after {first:.2f} s"
+    thinking = [p.message.thinking for p in parts if p.message.thinking]
+    assert _in_order(thinking, "waiting for comfyui: 1 running job", "comfyui released:", f"loading {MODEL}"), thinking
+    assert all(not p.done for p in parts if p.message.thinking)
+    engine = [p for p in parts if not p.message.thinking]
+    assert "".join(p.message.content or "" for p in engine) == "".join(p.message.content or "" for p in direct)
+    assert [p.done for p in engine] == [p.done for p in direct] and engine[-1].done_reason == direct[-1].done_reason
+
+
+async def test_a_streamed_v1_chat_behind_a_render_hears_the_wait_as_reasoning_content(box: DemoFactory) -> None:
+    demo = await box(fast("default", ollama={"load_gbps": 10.0}))  # a load of about 1.7 s: its progress is read
+    _, none, direct = await _openai_stream(demo.box.servers["ollama"].url)
+    assert succeeded(await render(demo))
+    rendering = await _render_running(demo, 400)
+    first, thinking, content = await _openai_stream(demo.proxy.url("ollama"))  # type: ignore[union-attr]
+    assert rendering.done()
+    assert first < 1.0, f"the first bytes came after {first:.2f} s"
+    assert _in_order(thinking, "waiting for comfyui: 1 running job", "comfyui released:", f"loading {MODEL}",
+                     "of 17.2 GiB on the card (estimated", f"{MODEL} loaded in"), thinking
+    assert not none and content == direct and content
+
+
+async def test_with_progress_off_a_waiting_stream_carries_the_engines_bytes_alone(box: DemoFactory) -> None:
+    demo = await box(fast("default", tenants={"ollama": {"progress": "off"}}))
+    assert succeeded(await render(demo))
+    rendering = await _render_running(demo, 300)
+    async with httpx.AsyncClient(verify=LOOPBACK_TLS, trust_env=False, timeout=30) as http:
+        async with http.stream("POST", demo.proxy.url("ollama") + "/api/chat",  # type: ignore[union-attr]
+                               json={"model": MODEL, "messages": MESSAGES}) as r:
+            body = await r.aread()
+        assert rendering.done() and r.status_code == 200
+        lines = [json.loads(line) for line in body.splitlines()]
+        assert all("thinking" not in line["message"] for line in lines) and lines[-1]["done"], lines[:3]
+        assert "queue" in timings(r.headers.get("server-timing")), "it did wait, silently"
+
+        # ... and a request's header turns it back on
+        rendering = await _render_running(demo, 300)
+        _, parts = await _ollama_stream(demo.proxy.url("ollama"), {"X-HyperSwap-Progress": "on"})  # type: ignore[union-attr]
+        assert rendering.done() and any(p.message.thinking for p in parts)
+
+
+async def test_a_stream_that_times_out_after_the_commit_ends_with_the_engines_error_shape(box: DemoFactory) -> None:
+    demo = await box(fast("default", settings={"proxy": {"queue_timeout_s": 0.6}}))
+    assert succeeded(await render(demo))
+    rendering = await _render_running(demo, 1000)
+    parts: list[ollama.ChatResponse] = []
+    with pytest.raises(ollama.ResponseError) as err:
+        async with ollama.AsyncClient(host=demo.proxy.url("ollama"), verify=LOOPBACK_TLS) as client:  # type: ignore[union-attr]
+            async for part in await client.chat(model=MODEL, messages=MESSAGES, stream=True):
+                parts.append(part)
+    assert parts and "waiting for comfyui" in (parts[0].message.thinking or "")
+    assert "waited 0.6 s for GPU memory" in str(err.value), err.value
+
+    with pytest.raises(openai.APIError) as oerr:
+        await _openai_stream(demo.proxy.url("ollama"))  # type: ignore[union-attr]
+    assert "waited 0.6 s for GPU memory" in str(oerr.value.message), oerr.value
+    assert not rendering.done(), "both ended while the render still ran: no hang"
+    await rendering
+
+
+async def test_a_client_that_leaves_a_committed_stream_leaves_the_queue_and_counts_no_more(box: DemoFactory) -> None:
+    demo = await box("default")
+    proxy = demo.proxy
+    assert proxy is not None and succeeded(await render(demo))
+    rendering = await _render_running(demo, 400)
+    async with httpx.AsyncClient(verify=LOOPBACK_TLS, trust_env=False, timeout=30) as http:
+        async with http.stream("POST", proxy.url("ollama") + "/api/chat", json={"model": MODEL, "messages": MESSAGES}) as r:
+            lines = r.aiter_lines()
+            assert "waiting for comfyui" in json.loads(await anext(lines))["message"]["thinking"]
+    async with asyncio.timeout(5):
+        await poll_until(lambda: not proxy.arbitration.scheduler.waiting()
+                         and proxy.inflight.traffic("ollama").connections == 0)
+    assert proxy.inflight.traffic("ollama").in_flight == 0
+    queued = next(d for d in reversed(decisions(demo, "queued")) if d.tenant == "ollama")
+    assert queued.outcome["result"] == "client left while waiting"
+    assert succeeded(await rendering)  # type: ignore[arg-type]
