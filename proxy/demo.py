@@ -24,6 +24,8 @@ from typing import Any, Literal
 import httpx
 from websockets.asyncio.client import connect as ws_connect
 
+from proxy.admin.telemetry import ENV_VAR as ENV_TELEMETRY
+from proxy.admin.telemetry import Telemetry
 from proxy.clock import Clock, SystemClock
 from proxy.relay.servers import settle_heap
 from proxy.service import Proxy
@@ -103,26 +105,39 @@ async def start_demo(scenario: str | Scenario = "default", *, sim_ports: Mapping
     await box.start(ollama_port=ports["ollama"], comfyui_port=ports["comfyui"], relay_port=ports.get("relay"))
     proxy = None
     path = _absolute(config)
+    workdir = Path(tempfile.mkdtemp(prefix="hyperswap-demo-"))
     if with_proxy:
         try:
             # The demo never reads the operator's tenants.json unless --config names one: shipped
             # defaults, the scenario, then that file.
+            overrides = {**box.tenant_overrides(), **_own_history(workdir)}
             if path is None:
-                registry = registry_from_dict(box.tenant_overrides())
+                registry = registry_from_dict(overrides)
                 note = f"demo scenario {name!r} over the shipped defaults (no tenants.json read)"
             else:
                 pinned = {n: {"upstream": s.url} for n, s in box.servers.items()}
                 if box.scenario.relay is not None and box.relay_port is not None:  # the lifecycle scenario's relay
                     pinned[box.scenario.relay.tenant] = {"upstream": box.relay_tenant()["upstream"]}
-                registry = load_registry_over(box.tenant_overrides(), path, pinned)
+                registry = load_registry_over(overrides, path, pinned)
                 note = (f"demo scenario {name!r} with {path} applied over it (the simulated "
                         f"{' and '.join(pinned) or 'engines'} keep their simulators as upstream)")
             proxy = Proxy(registry, box.gpu, clock, watchdog_enabled=watchdog, config_note=note)
             await proxy.start(proxy_ports)
         except BaseException:
             await box.stop()
+            shutil.rmtree(workdir, ignore_errors=True)
             raise
-    return Demo(box, proxy, path)
+    return Demo(box, proxy, path, workdir)
+
+
+def _own_history(workdir: Path) -> dict[str, Any]:
+    """Each demo run keeps its history (the telemetry the dashboard's charts and decision ids come
+    from) in a file of its own, in its own folder, removed when it stops: a new run never shows an
+    earlier run's decisions or VRAM. Only $HYPERSWAP_TELEMETRY (or --config's `telemetry.path`,
+    which applies over this) names another file."""
+    if ENV_TELEMETRY in os.environ:
+        return {}
+    return {"telemetry": {"path": str(workdir / "telemetry.sqlite3")}}
 
 
 def _absolute(config: str | os.PathLike[str] | None) -> Path | None:
@@ -135,6 +150,8 @@ def describe(demo: Demo, scenario: str) -> str:
     if demo.config is not None:
         lines.append(f"configuration: {demo.config} applied over the scenario (its proxy, admin and telemetry "
                      "settings and tenants; the simulated engines keep their simulators as upstream)")
+    if demo.proxy:
+        lines.append(_history_line(demo))
     lines.append("")
     for what, url in demo.urls.items():
         lines.append(f"  {what:<22} {url}")
@@ -156,6 +173,16 @@ def describe(demo: Demo, scenario: str) -> str:
                       "needs it stops it"]
     lines += ["", "Ctrl-C stops everything."]
     return "\n".join(lines)
+
+
+def _history_line(demo: Demo) -> str:
+    assert demo.proxy
+    tel = next((e for e in demo.proxy.extensions if isinstance(e, Telemetry)), None)
+    if tel is None or tel.path is None:
+        return "history: none kept (telemetry off)"
+    if demo.workdir is not None and tel.path.parent == demo.workdir:
+        return f"history: this run's own, in {tel.path} (removed at Ctrl-C; no earlier run's decisions or charts)"
+    return f"history: {tel.path} (named by {ENV_TELEMETRY} or --config: kept across runs, earlier runs' rows included)"
 
 
 def _cards(demo: Demo) -> list[str]:

@@ -15,7 +15,8 @@ listens, so decision ids continue across restarts.
 
 Path: `HYPERSWAP_TELEMETRY` (a path; empty or "off" disables), else
 `$XDG_STATE_HOME/hyperswap/telemetry.sqlite3` (`~/.local/state/...`); a proxy on the simulated
-GPU (the demo) defaults to `telemetry-sim.sqlite3` beside it.
+GPU defaults to `telemetry-sim.sqlite3` beside it; `hyperswap demo` gives each run a file of its own
+in its own folder (proxy/demo.py), removed when it stops.
 """
 
 from __future__ import annotations
