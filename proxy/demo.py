@@ -19,14 +19,17 @@ import wave
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TextIO
 
 import httpx
 from websockets.asyncio.client import connect as ws_connect
 
 from proxy.admin.telemetry import ENV_VAR as ENV_TELEMETRY
-from proxy.admin.telemetry import Telemetry
+from proxy.admin.telemetry import Telemetry, completes
 from proxy.clock import Clock, SystemClock
+from proxy.decision import DecisionEvent
+from proxy.gpu.keeper import GpuDrift
+from proxy.handoff.decisions import DecisionView, LifecycleExit, ModelLoad
 from proxy.relay.servers import settle_heap
 from proxy.service import Proxy
 from proxy.sim.box import Scenario, SimBox, fast_scenario, load_scenario
@@ -48,10 +51,12 @@ class Demo:
 
     @property
     def urls(self) -> dict[str, str]:
-        out = {f"{name} simulator": s.url for name, s in self.box.servers.items()}
+        out: dict[str, str] = {}
+        if self.proxy and "admin" in self.proxy.servers:  # first: what the README says to open
+            out["dashboard (admin API)"] = self.proxy.servers["admin"].url
+        out.update({f"{name} simulator": s.url for name, s in self.box.servers.items()})
         if self.proxy:
-            out.update({f"{name} via proxy" if name != "admin" else "admin API": s.url
-                        for name, s in self.proxy.servers.items()})
+            out.update({f"{name} via proxy": s.url for name, s in self.proxy.servers.items() if name != "admin"})
         return out
 
     async def stop(self) -> None:
@@ -628,6 +633,73 @@ def expect_ok(r: httpx.Response, what: str) -> httpx.Response:
     return r
 
 
+# -- the demo's terminal: one readable line per decision ----------------------------------------------
+
+def decision_line(view: DecisionView) -> str:
+    """A decision, once complete, as one line a person reads (the demo's terminal; `serve` and
+    `demo --json-logs` log each event as a JSON object instead)."""
+    o, t = view.outcome, view.tenant or "the card"
+    match view.kind:
+        case "queued":
+            waited = f"waited {o['waited_s']:.1f} s" if "waited_s" in o else "waiting"
+            behind = f" behind #{o['behind']}" if o.get("behind") else ""
+            whom = ", ".join(o.get("waiting_for") or []) or "memory"
+            text = f"{t} {waited} for {whom}{behind}: {o.get('result', 'still waiting')}"
+        case "rejection":
+            text = f"{t} refused {o.get('status')}: {o.get('reason')}"
+        case "plan" | "oom_retry" | "spill" | "idle_release" | "release":
+            retry = o.get("oom_retry") or (o.get("result") if view.kind == "oom_retry" else None)
+            text = f"{t}: " + (_releases_line(o) if o.get("releases") or retry is None else "nothing released")
+            if retry is not None:
+                text += f"; retry after out of memory: {retry}"
+        case "model_load":
+            cls = f", {o['class']}" if o.get("class") else ""
+            text = f"{t} loaded {o.get('model')} in {o.get('seconds', 0):.1f} s ({o.get('gbps', 0):.2f} GB/s{cls})"
+        case "start" | "stop" | "exit":
+            done = {"start": "started", "stop": "stopped", "exit": "exited"}[view.kind]
+            text = (f"{t} {done} in {o.get('duration_s', 0):.1f} s" if o.get("ok") or view.kind == "exit"
+                    else f"{t} {view.kind} failed: {o.get('error')}")
+        case _:
+            facts = "; ".join(f"{k} {v}" for k, v in o.items() if isinstance(v, (str, int, float)) and k != "ok")
+            text = f"{t}: {facts}" if facts else t
+    ok = "" if o.get("ok", True) is not False else " [FAILED]"
+    return f"#{view.id} {view.kind:<12} {text}{ok}  ({view.trigger})"
+
+
+def _releases_line(o: Mapping[str, Any]) -> str:
+    releases = o.get("releases") or []
+    if not releases:
+        return str(o.get("result") or "nothing to release")
+    parts = []
+    for r in releases:
+        if r.get("confirmed") or r.get("result") == "estimated":
+            est = ", estimated" if r.get("result") == "estimated" else ""
+            parts.append(f"{r['tenant']} released ({r['freed_gb']} GiB back in {r['duration_s']:.1f} s{est})")
+        else:
+            parts.append(f"{r['tenant']} not released ({r.get('result')}: {r.get('error') or 'memory not back'})")
+    return ", ".join(parts)
+
+
+class DecisionPrinter:
+    """Subscribed to the decision log: prints a decision's line when it is complete (a wait when it
+    ends, a handoff when its releases came back, a refusal, a load, a start or stop)."""
+
+    def __init__(self, proxy: Proxy, out: TextIO | None = None) -> None:
+        self.proxy, self.out = proxy, out
+        self._unsubscribe = proxy.decisions.subscribe(self.on_event)
+
+    def on_event(self, event: DecisionEvent) -> None:
+        if not (completes(event) or isinstance(event, (ModelLoad, LifecycleExit, GpuDrift))):
+            return
+        view = self.proxy.decisions.view_of(event)
+        if view is not None:
+            stamp = time.strftime("%H:%M:%S", time.localtime(view.at))
+            print(f"{stamp} {decision_line(view)}", file=self.out or sys.stderr, flush=True)
+
+    def close(self) -> None:
+        self._unsubscribe()
+
+
 def print_report(results: list[tuple[str, bool, str]]) -> bool:
     for name, ok, detail in results:
         print(f"  {'ok  ' if ok else 'FAIL'} {name:<34} {detail}")
@@ -637,7 +709,9 @@ def print_report(results: list[tuple[str, bool, str]]) -> bool:
 
 
 async def demo_main(scenario: str, check: bool, with_proxy: bool = True, fast: bool = False,
-                    config: str | None = None) -> int:
+                    config: str | None = None, readable_log: bool = False) -> int:
+    """`readable_log`: one line per decision on stderr (the default of `hyperswap demo`; its
+    `--json-logs` keeps the JSON log lines `serve` writes)."""
     # --fast: the same box with the engines' load, unload and step delays cut to milliseconds (what the
     # tests run on), so a check after an install takes seconds instead of a minute and a half.
     demo = await start_demo(fast_scenario(scenario) if fast else scenario, with_proxy=with_proxy, watchdog=not check,
@@ -650,6 +724,9 @@ async def demo_main(scenario: str, check: bool, with_proxy: bool = True, fast: b
         if check:
             print("\nself-test:")
             return 0 if print_report(await self_test(demo)) else 1
+        if readable_log and demo.proxy:
+            DecisionPrinter(demo.proxy)
+            print("\nDecisions, one line each as they complete:", file=sys.stderr, flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

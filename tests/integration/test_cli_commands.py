@@ -48,7 +48,7 @@ def test_demo_config_is_handed_to_the_demo_not_dropped(tmp_path: Path, monkeypat
     seen: dict[str, Any] = {}
 
     async def fake_demo_main(scenario: str, check: bool, with_proxy: bool = True, fast: bool = False,
-                             config: str | None = None) -> int:
+                             config: str | None = None, readable_log: bool = False) -> int:
         seen.update(scenario=scenario, config=config)
         return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 
 import httpx
@@ -10,7 +11,7 @@ import pytest
 from boxes import DemoFactory, chat, render
 
 from proxy.cli import main
-from proxy.demo import Demo, describe, self_test, start_demo
+from proxy.demo import DecisionPrinter, Demo, describe, self_test, start_demo
 from proxy.sim.box import fast_scenario, scenario_names
 
 
@@ -97,3 +98,24 @@ async def test_a_second_demo_run_shows_nothing_of_the_first(http: httpx.AsyncCli
     finally:
         await second.stop()
     assert first.workdir is not None and not first.workdir.exists(), "the first run's history was left on disk"
+
+
+async def test_the_demo_terminal_gets_one_readable_line_per_decision_and_the_banner_names_the_dashboard(
+        box: DemoFactory) -> None:
+    demo = await box("default")
+    out = io.StringIO()
+    printer = DecisionPrinter(demo.proxy, out)
+    try:
+        await render(demo)
+        await chat(demo, "gemma3:27b")
+    finally:
+        printer.close()
+    lines = out.getvalue().splitlines()
+    assert lines and not [x for x in lines if "{" in x], f"JSON on the demo's terminal: {lines}"
+    plans = [x for x in lines if " plan " in x]
+    assert len(plans) == 1 and "ollama: comfyui released (" in plans[0] and "GiB back in" in plans[0], lines
+    made = [d for d in demo.proxy.decisions.recent() if d.kind in ("plan", "model_load", "queued", "rejection")]
+    assert len(lines) == len(made), f"one line per decision: {lines} for {[(d.id, d.kind) for d in made]}"
+    banner = describe(demo, "default").splitlines()
+    first_url = next(x for x in banner if "http://" in x)
+    assert first_url.split()[0] == "dashboard" and demo.proxy.url("admin") in first_url, banner
