@@ -53,7 +53,7 @@ def gpu_text(dev: dict[str, Any]) -> str:
 
 
 def on_cpu(body: Any) -> bool:
-    """ComfyUI's /system_stats lists only CPU devices (it was started with --cpu)."""
+    """A probe's answer lists devices, all of them CPUs (ComfyUI's /system_stats after --cpu)."""
     devices = body.get("devices") if isinstance(body, dict) else None
     if not isinstance(devices, list) or not devices:
         return False
@@ -94,12 +94,12 @@ async def check_upstream(v: Session, t: TenantInfo) -> str:
                 f"{r.status_code}); not exercised: any request of {t.name}'s own (verify knows none; "
                 f"tenants.{t.name}.ready.path names one it can judge)")
     cpu = ""
-    if t.engine == "comfyui":
-        try:
-            cpu = ("; ComfyUI runs on the CPU (its /system_stats lists no GPU): it holds no GPU memory, so a "
-                   "release of it frees nothing on the card" if on_cpu(r.json()) else "")
-        except ValueError:
-            pass
+    try:  # a probe that lists the engine's devices (ComfyUI's /system_stats): only CPUs there is worth saying
+        if on_cpu(r.json()):
+            cpu = (f"; {t.name} runs on the CPU (its {path} lists no GPU device): it holds no GPU memory, so a "
+                   "release of it frees nothing on the card")
+    except ValueError:
+        pass
     return f"{t.url}{path} -> {t.upstream}: {r.status_code}{cpu}"
 
 

@@ -195,7 +195,8 @@ async def test_a_requests_story_tells_its_wait_the_release_the_load_and_the_firs
     assert story is not None and story == log.story(queued.id) == log.story(load.id), "any of its decisions tells it"
     assert story.request == queued.id and story.related == (queued.id, started.id, load.id)
     assert [(s.kind, s.text) for s in story.steps] == [
-        ("wait", "waited 4.0 s behind comfyui"), ("release", "released comfyui in 0.5 s, 7.0 GiB back"),
+        ("wait", "waited 4.5 s behind comfyui (4.0 s queued, then the release)"),
+        ("release", "released comfyui in 0.5 s, 7.0 GiB back"),
         ("load", "loaded gemma3:27b in 8.0 s"), ("first_byte", "first byte after 12.6 s")]
     assert [s.start_s for s in story.steps] == [0.0, 4.0, 4.5, 12.6] and story.first_byte_s == 12.6
     json_story = views.RequestStory.model_validate(story.to_json())
