@@ -65,6 +65,14 @@ def _log_decisions() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def _log_readable() -> None:
+    """The demo's terminal: warnings and the proxy's own notes as short lines; each decision is printed
+    as one readable line by the demo itself (proxy.demo.DecisionPrinter), not as JSON."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
+    for quiet in ("httpx", "httpcore", "mcp", "uvicorn.access", "hyperswap.decisions"):
+        logging.getLogger(quiet).setLevel(logging.WARNING)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from proxy.demo import demo_main
 
@@ -72,10 +80,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise HyperSwapError("--config sets the proxy's settings, and --no-proxy starts no proxy",
                              fix="drop one of them")
     if not args.check:
-        _log_decisions()
+        (_log_decisions if args.json_logs else _log_readable)()
 
     return asyncio.run(demo_main(args.scenario, args.check, with_proxy=not args.no_proxy, fast=args.fast,
-                                 config=args.config))
+                                 config=args.config, readable_log=not args.json_logs))
 
 
 async def serve(proxy: Proxy, stop: asyncio.Event, ports: Mapping[str, int] | None = None, *,
@@ -229,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-proxy", action="store_true", help="start only the simulated GPU box")
     demo.add_argument("--fast", action="store_true",
                       help="cut the simulated engines' load, unload and step times to milliseconds (a quick --check)")
+    demo.add_argument("--json-logs", action="store_true",
+                      help="log each decision event as one JSON object per line, as `serve` does (default: one "
+                      "readable line per decision, so the addresses and Try lines stay on screen)")
     check = add("check", "check every dependency of a running proxy (NVML, upstreams, config) and say how to fix what "
                 "is broken; exits 0 when no check failed, 1 when one did, 2 when no proxy answers", cmd_check)
     check.add_argument("--admin", metavar="URL", help="admin API URL (default: from tenants.json)")

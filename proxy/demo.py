@@ -19,12 +19,17 @@ import wave
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TextIO
 
 import httpx
 from websockets.asyncio.client import connect as ws_connect
 
+from proxy.admin.telemetry import ENV_VAR as ENV_TELEMETRY
+from proxy.admin.telemetry import Telemetry, completes
 from proxy.clock import Clock, SystemClock
+from proxy.decision import DecisionEvent
+from proxy.gpu.keeper import GpuDrift
+from proxy.handoff.decisions import DecisionView, LifecycleExit, ModelLoad
 from proxy.relay.servers import settle_heap
 from proxy.service import Proxy
 from proxy.sim.box import Scenario, SimBox, fast_scenario, load_scenario
@@ -46,10 +51,12 @@ class Demo:
 
     @property
     def urls(self) -> dict[str, str]:
-        out = {f"{name} simulator": s.url for name, s in self.box.servers.items()}
+        out: dict[str, str] = {}
+        if self.proxy and "admin" in self.proxy.servers:  # first: what the README says to open
+            out["dashboard (admin API)"] = self.proxy.servers["admin"].url
+        out.update({f"{name} simulator": s.url for name, s in self.box.servers.items()})
         if self.proxy:
-            out.update({f"{name} via proxy" if name != "admin" else "admin API": s.url
-                        for name, s in self.proxy.servers.items()})
+            out.update({f"{name} via proxy": s.url for name, s in self.proxy.servers.items() if name != "admin"})
         return out
 
     async def stop(self) -> None:
@@ -103,26 +110,39 @@ async def start_demo(scenario: str | Scenario = "default", *, sim_ports: Mapping
     await box.start(ollama_port=ports["ollama"], comfyui_port=ports["comfyui"], relay_port=ports.get("relay"))
     proxy = None
     path = _absolute(config)
+    workdir = Path(tempfile.mkdtemp(prefix="hyperswap-demo-"))
     if with_proxy:
         try:
             # The demo never reads the operator's tenants.json unless --config names one: shipped
             # defaults, the scenario, then that file.
+            overrides = {**box.tenant_overrides(), **_own_history(workdir)}
             if path is None:
-                registry = registry_from_dict(box.tenant_overrides())
+                registry = registry_from_dict(overrides)
                 note = f"demo scenario {name!r} over the shipped defaults (no tenants.json read)"
             else:
                 pinned = {n: {"upstream": s.url} for n, s in box.servers.items()}
                 if box.scenario.relay is not None and box.relay_port is not None:  # the lifecycle scenario's relay
                     pinned[box.scenario.relay.tenant] = {"upstream": box.relay_tenant()["upstream"]}
-                registry = load_registry_over(box.tenant_overrides(), path, pinned)
+                registry = load_registry_over(overrides, path, pinned)
                 note = (f"demo scenario {name!r} with {path} applied over it (the simulated "
                         f"{' and '.join(pinned) or 'engines'} keep their simulators as upstream)")
             proxy = Proxy(registry, box.gpu, clock, watchdog_enabled=watchdog, config_note=note)
             await proxy.start(proxy_ports)
         except BaseException:
             await box.stop()
+            shutil.rmtree(workdir, ignore_errors=True)
             raise
-    return Demo(box, proxy, path)
+    return Demo(box, proxy, path, workdir)
+
+
+def _own_history(workdir: Path) -> dict[str, Any]:
+    """Each demo run keeps its history (the telemetry the dashboard's charts and decision ids come
+    from) in a file of its own, in its own folder, removed when it stops: a new run never shows an
+    earlier run's decisions or VRAM. Only $HYPERSWAP_TELEMETRY (or --config's `telemetry.path`,
+    which applies over this) names another file."""
+    if ENV_TELEMETRY in os.environ:
+        return {}
+    return {"telemetry": {"path": str(workdir / "telemetry.sqlite3")}}
 
 
 def _absolute(config: str | os.PathLike[str] | None) -> Path | None:
@@ -135,6 +155,8 @@ def describe(demo: Demo, scenario: str) -> str:
     if demo.config is not None:
         lines.append(f"configuration: {demo.config} applied over the scenario (its proxy, admin and telemetry "
                      "settings and tenants; the simulated engines keep their simulators as upstream)")
+    if demo.proxy:
+        lines.append(_history_line(demo))
     lines.append("")
     for what, url in demo.urls.items():
         lines.append(f"  {what:<22} {url}")
@@ -156,6 +178,16 @@ def describe(demo: Demo, scenario: str) -> str:
                       "needs it stops it"]
     lines += ["", "Ctrl-C stops everything."]
     return "\n".join(lines)
+
+
+def _history_line(demo: Demo) -> str:
+    assert demo.proxy
+    tel = next((e for e in demo.proxy.extensions if isinstance(e, Telemetry)), None)
+    if tel is None or tel.path is None:
+        return "history: none kept (telemetry off)"
+    if demo.workdir is not None and tel.path.parent == demo.workdir:
+        return f"history: this run's own, in {tel.path} (removed at Ctrl-C; no earlier run's decisions or charts)"
+    return f"history: {tel.path} (named by {ENV_TELEMETRY} or --config: kept across runs, earlier runs' rows included)"
 
 
 def _cards(demo: Demo) -> list[str]:
@@ -601,6 +633,73 @@ def expect_ok(r: httpx.Response, what: str) -> httpx.Response:
     return r
 
 
+# -- the demo's terminal: one readable line per decision ----------------------------------------------
+
+def decision_line(view: DecisionView) -> str:
+    """A decision, once complete, as one line a person reads (the demo's terminal; `serve` and
+    `demo --json-logs` log each event as a JSON object instead)."""
+    o, t = view.outcome, view.tenant or "the card"
+    match view.kind:
+        case "queued":
+            waited = f"waited {o['waited_s']:.1f} s" if "waited_s" in o else "waiting"
+            behind = f" behind #{o['behind']}" if o.get("behind") else ""
+            whom = ", ".join(o.get("waiting_for") or []) or "memory"
+            text = f"{t} {waited} for {whom}{behind}: {o.get('result', 'still waiting')}"
+        case "rejection":
+            text = f"{t} refused {o.get('status')}: {o.get('reason')}"
+        case "plan" | "oom_retry" | "spill" | "idle_release" | "release":
+            retry = o.get("oom_retry") or (o.get("result") if view.kind == "oom_retry" else None)
+            text = f"{t}: " + (_releases_line(o) if o.get("releases") or retry is None else "nothing released")
+            if retry is not None:
+                text += f"; retry after out of memory: {retry}"
+        case "model_load":
+            cls = f", {o['class']}" if o.get("class") else ""
+            text = f"{t} loaded {o.get('model')} in {o.get('seconds', 0):.1f} s ({o.get('gbps', 0):.2f} GB/s{cls})"
+        case "start" | "stop" | "exit":
+            done = {"start": "started", "stop": "stopped", "exit": "exited"}[view.kind]
+            text = (f"{t} {done} in {o.get('duration_s', 0):.1f} s" if o.get("ok") or view.kind == "exit"
+                    else f"{t} {view.kind} failed: {o.get('error')}")
+        case _:
+            facts = "; ".join(f"{k} {v}" for k, v in o.items() if isinstance(v, (str, int, float)) and k != "ok")
+            text = f"{t}: {facts}" if facts else t
+    ok = "" if o.get("ok", True) is not False else " [FAILED]"
+    return f"#{view.id} {view.kind:<12} {text}{ok}  ({view.trigger})"
+
+
+def _releases_line(o: Mapping[str, Any]) -> str:
+    releases = o.get("releases") or []
+    if not releases:
+        return str(o.get("result") or "nothing to release")
+    parts = []
+    for r in releases:
+        if r.get("confirmed") or r.get("result") == "estimated":
+            est = ", estimated" if r.get("result") == "estimated" else ""
+            parts.append(f"{r['tenant']} released ({r['freed_gb']} GiB back in {r['duration_s']:.1f} s{est})")
+        else:
+            parts.append(f"{r['tenant']} not released ({r.get('result')}: {r.get('error') or 'memory not back'})")
+    return ", ".join(parts)
+
+
+class DecisionPrinter:
+    """Subscribed to the decision log: prints a decision's line when it is complete (a wait when it
+    ends, a handoff when its releases came back, a refusal, a load, a start or stop)."""
+
+    def __init__(self, proxy: Proxy, out: TextIO | None = None) -> None:
+        self.proxy, self.out = proxy, out
+        self._unsubscribe = proxy.decisions.subscribe(self.on_event)
+
+    def on_event(self, event: DecisionEvent) -> None:
+        if not (completes(event) or isinstance(event, (ModelLoad, LifecycleExit, GpuDrift))):
+            return
+        view = self.proxy.decisions.view_of(event)
+        if view is not None:
+            stamp = time.strftime("%H:%M:%S", time.localtime(view.at))
+            print(f"{stamp} {decision_line(view)}", file=self.out or sys.stderr, flush=True)
+
+    def close(self) -> None:
+        self._unsubscribe()
+
+
 def print_report(results: list[tuple[str, bool, str]]) -> bool:
     for name, ok, detail in results:
         print(f"  {'ok  ' if ok else 'FAIL'} {name:<34} {detail}")
@@ -610,7 +709,9 @@ def print_report(results: list[tuple[str, bool, str]]) -> bool:
 
 
 async def demo_main(scenario: str, check: bool, with_proxy: bool = True, fast: bool = False,
-                    config: str | None = None) -> int:
+                    config: str | None = None, readable_log: bool = False) -> int:
+    """`readable_log`: one line per decision on stderr (the default of `hyperswap demo`; its
+    `--json-logs` keeps the JSON log lines `serve` writes)."""
     # --fast: the same box with the engines' load, unload and step delays cut to milliseconds (what the
     # tests run on), so a check after an install takes seconds instead of a minute and a half.
     demo = await start_demo(fast_scenario(scenario) if fast else scenario, with_proxy=with_proxy, watchdog=not check,
@@ -623,6 +724,9 @@ async def demo_main(scenario: str, check: bool, with_proxy: bool = True, fast: b
         if check:
             print("\nself-test:")
             return 0 if print_report(await self_test(demo)) else 1
+        if readable_log and demo.proxy:
+            DecisionPrinter(demo.proxy)
+            print("\nDecisions, one line each as they complete:", file=sys.stderr, flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -36,16 +36,23 @@ def load_mcp_tools() -> ModuleType:
 class McpMissing:
     """/mcp without the SDK: a 501 that names the extra, instead of a 404 or a proxy that does not start."""
 
+    def __init__(self) -> None:
+        self._told = False
+
     def routes(self) -> list[BaseRoute]:
         return [Route("/mcp", self._answer, methods=["GET", "POST", "DELETE"])]
 
     async def _answer(self, request: Request) -> JSONResponse:
         del request
-        return JSONResponse(McpNotInstalled().to_json(), status_code=501)
+        missing = McpNotInstalled()
+        if not self._told:  # said when MCP is asked for, once: a proxy nobody asks for MCP says nothing
+            self._told = True
+            log.warning("MCP tools asked for at /mcp but off: %s (fix: %s)", missing.message, missing.fix)
+        return JSONResponse(missing.to_json(), status_code=501)
 
     async def start(self) -> None:
         missing = McpNotInstalled()
-        log.info("MCP tools off: %s (fix: %s)", missing.message, missing.fix)
+        log.debug("MCP tools off: %s (fix: %s)", missing.message, missing.fix)
 
     async def stop(self) -> None:
         pass

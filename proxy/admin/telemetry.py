@@ -15,7 +15,8 @@ listens, so decision ids continue across restarts.
 
 Path: `HYPERSWAP_TELEMETRY` (a path; empty or "off" disables), else
 `$XDG_STATE_HOME/hyperswap/telemetry.sqlite3` (`~/.local/state/...`); a proxy on the simulated
-GPU (the demo) defaults to `telemetry-sim.sqlite3` beside it.
+GPU defaults to `telemetry-sim.sqlite3` beside it; `hyperswap demo` gives each run a file of its own
+in its own folder (proxy/demo.py), removed when it stops.
 """
 
 from __future__ import annotations
@@ -494,7 +495,7 @@ def decision_rows(event: DecisionEvent, view: DecisionView | None) -> list[tuple
     at = view.at if view is not None else event.at
     decision_id = event.id if (target := event.target()) is None else target
     out: list[tuple[Kind, dict[str, Any]]] = []
-    if view is not None and _completes(event):
+    if view is not None and completes(event):
         out.append(("decisions", {"at": at, "decision_id": decision_id, "kind": view.kind, "tenant": view.tenant,
                                   "trigger": view.trigger, "ok": view.outcome.get("ok"),
                                   "outcome": json.dumps(view.outcome, default=str)}))
@@ -516,7 +517,8 @@ def decision_rows(event: DecisionEvent, view: DecisionView | None) -> list[tuple
     return out
 
 
-def _completes(event: DecisionEvent) -> bool:
+def completes(event: DecisionEvent) -> bool:
+    """The event completes its decision (its `decisions` row is written now; the demo prints its line)."""
     return isinstance(event, _COMPLETING) or (isinstance(event, OomRetry) and event.handoff_id is None)
 
 

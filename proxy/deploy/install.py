@@ -412,8 +412,22 @@ def exec_refusal(mode: Mode, argv: Sequence[str]) -> HyperSwapError | None:
     return HyperSwapError(
         f"the service would run {path}, under {folder}: the system unit has PrivateTmp=yes, so the service "
         "sees an empty /tmp and /var/tmp and could never start",
-        fix="install HyperSwap outside /tmp (e.g. `python3 -m venv /opt/hyperswap && /opt/hyperswap/bin/pip install "
-            "hyperswap`, or pipx), then run that `hyperswap install`")
+        fix=f"install HyperSwap outside /tmp: {install_command()}, then run `/opt/hyperswap/bin/hyperswap install`")
+
+
+def install_command(checkout: Path | None = None) -> str:
+    """A command that installs HyperSwap into /opt/hyperswap and works (HyperSwap is installed from its
+    checkout or a wheel built from it, docs/guides/service.md; no package index has it): this
+    installation's own checkout when it runs from one."""
+    from proxy import __version__
+
+    if checkout is None:
+        here = Path(__file__).resolve().parents[2]
+        checkout = here if (here / "pyproject.toml").is_file() else None
+    source = str(checkout) if checkout is not None else "."
+    where = "" if checkout is not None else " from the checkout"
+    return (f"`python3 -m venv /opt/hyperswap && /opt/hyperswap/bin/pip install {source}`{where} (or a wheel built "
+            f"with `pip wheel --no-deps .`: `/opt/hyperswap/bin/pip install hyperswap-{__version__}-py3-none-any.whl`)")
 
 
 def tmp_note(argv: Sequence[str]) -> str | None:

@@ -211,7 +211,14 @@ def _busy_detail(state: TenantState) -> str:
 
 
 def _release_reason(tenant: Tenant, rprio: int, unknown: int) -> str:
-    why = f"idle, priority {tenant.priority}" + (" < " if tenant.priority < rprio else " >= ") + str(rprio)
+    # Priority orders the releases (lowest first); it never keeps an idle tenant's memory from a
+    # request (only protect_idle_memory does, and such a tenant is no candidate): said so, since
+    # "priority 60 >= 40" read as if it had.
+    p = tenant.priority
+    if p < rprio:
+        why = f"idle, priority {p} below the requester's {rprio}"
+    else:
+        why = f"idle; priority {p}, {'above' if p > rprio else 'equal to'} the requester's {rprio}, does not protect idle memory"
     if unknown:
         why += f"; {unknown} process(es) with unknown memory not counted"
     return why

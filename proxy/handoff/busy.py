@@ -85,6 +85,7 @@ def tenant_state(tenant: Tenant, traffic: TenantTraffic | None, ev: Evidence, no
         return TenantState(tenant.name, False, f"{len(jobs)} job(s) listed but {text}: stale", in_flight,
                            stale_jobs=jobs, stale_why=why)
 
+    jobs = _jobs_text(own, ev.rows)
     if in_flight:
         return busy(f"{in_flight} GPU request(s) in flight")
     connections = traffic.connections if traffic else 0
@@ -93,14 +94,14 @@ def tenant_state(tenant: Tenant, traffic: TenantTraffic | None, ev: Evidence, no
     if own:
         if ev.unreachable_for is not None:
             if ev.unreachable_for < job_lost_after_s:
-                return busy(f"{len(own)} running job(s); its queue has not answered for {ev.unreachable_for:.0f} s")
+                return busy(f"{jobs}; its queue has not answered for {ev.unreachable_for:.0f} s")
             return stale(own, "unreachable", f"its queue has not answered for {ev.unreachable_for:.0f} s")
         if ev.observable:
             if above_floor or fresh:
-                return busy(f"{len(own)} running job(s)" + ("" if above_floor else ", load on its way"))
+                return busy(jobs + ("" if above_floor else ", load on its way"))
             return stale((*own, *others), "vram", "VRAM at its idle floor")
         if fresh or ev.rows is None or any(j in rows for j in own):
-            return busy(f"{len(own)} running job(s)" + (", listed by its own queue" if ev.rows else ""))
+            return busy(jobs + (", listed by its own queue" if ev.rows else ""))
         return stale(own, "unlisted", "its own queue no longer lists them")
     if others:
         if not ev.observable:
@@ -109,6 +110,18 @@ def tenant_state(tenant: Tenant, traffic: TenantTraffic | None, ev: Evidence, no
             return busy(f"{len(others)} job(s) in its own queue and VRAM above its idle floor")
         return stale(others, "vram", "VRAM at its idle floor")
     return TenantState(tenant.name, False, "idle", in_flight)
+
+
+def _jobs_text(own: tuple[str, ...], rows: tuple[str, ...] | None) -> str:
+    """The proxy's own jobs, running and pending counted apart where the engine's queue read (its
+    running jobs, read after the traffic last changed) tells them; text only, never the decision."""
+    if rows is None:  # no read to tell them apart: one job is taken as running, more may wait
+        return "1 running job(s)" if len(own) == 1 else f"{len(own)} job(s) running or pending"
+    running = sum(1 for j in own if j in rows)
+    pending = len(own) - running
+    if running and pending:
+        return f"{running} running, {pending} pending job(s)"
+    return f"{running} running job(s)" if running else f"{pending} pending job(s)"
 
 
 def released_by_stopping(tenant: Tenant) -> bool:

@@ -571,7 +571,12 @@ def request_story(views: Mapping[int, DecisionView], decision_id: int) -> Reques
         who = ", ".join(queued.outcome.get("waiting_for") or ()) or None
         behind = f"behind {who}" if who else "in the queue"
         result = queued.outcome.get("result")
-        text = f"waited {end:.1f} s {behind}" if result else f"waiting {behind}"
+        # One wait figure per request, the same as the Decisions list's: `waited_s`, from arrival to
+        # admission (the queue, and the releases it waited on). The bar covers the queue alone (the
+        # release has its own), so the text says the split when a release is part of the wait.
+        text = f"waited {waited:.1f} s {behind}" if result else f"waiting {behind}"
+        if result and handoff is not None and waited - end >= 0.05:
+            text += f" ({end:.1f} s queued, then the release)"
         if result and result != "admitted":
             text += f", then {result}"
         steps.append(StoryStep("wait", text, 0.0, max(0.0, end), queued.id, who))

@@ -75,6 +75,7 @@ class WarmJob:
     sizes: tuple[int, ...] = ()  # per file, what the manifest or listing said (0 or missing: unknown)
     state: WarmState = "queued"
     read_bytes: int = 0
+    data_bytes: int = 0  # what the files opened so far hold on disk (a sparse file's holes: nothing to read)
     stop_reason: str | None = None
     started_at: float | None = None  # wall
     ended_at: float | None = None
@@ -90,6 +91,22 @@ class WarmJob:
                 "read_bytes": self.read_bytes, "stop_reason": self.stop_reason, "started_at": self.started_at,
                 "ended_at": self.ended_at, "duration_s": None if took is None else round(took, 3),
                 "read_gbps": round(self.read_bytes / 1e9 / took, 3) if took else None}
+
+    def summary(self) -> str:
+        """One line a person reads right: how much was read against what there was to read. A done
+        warm of a sparse file (the demo's stand-ins) read all its data, not a fraction of its size."""
+        read, total = _size(self.read_bytes), _size(self.total_bytes)
+        if self.state == "done" and self.data_bytes < self.total_bytes:
+            return (f"done, read {read}: all the data the files hold ({total} in size, the rest holes in a "
+                    "sparse file, nothing to read there)")
+        if self.state == "done":
+            return f"done, read all {total}"
+        pct = f" ({100 * self.read_bytes / self.total_bytes:.0f} %)" if self.total_bytes else ""
+        return f"{self.state} after reading {read} of {total}{pct}{f': {self.stop_reason}' if self.stop_reason else ''}"
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def occupies(st: os.stat_result, expected: int = 0) -> int:
@@ -126,6 +143,7 @@ def warm_files(job: WarmJob, margin_bytes: int, mem_available: MemAvailable, chu
             job.state, job.stop_reason = "failed", f"cannot open {path}: {exc.strerror or exc}"
             return job
         left = occupies(st, job.sizes[i] if i < len(job.sizes) else 0)
+        job.data_bytes += left
         try:
             os.posix_fadvise(fd, 0, left, advice)  # sequential: twice the readahead window
             while left > 0:
@@ -210,8 +228,7 @@ class Warmer:
             job.ended_at = time.time()
             self.on_files_changed(job.files)
             self._tasks.pop(job.key, None)
-        log.info("warm %s: %s, %d of %d bytes%s", job.key, job.state, job.read_bytes, job.total_bytes,
-                 f" ({job.stop_reason})" if job.stop_reason else "")
+        log.info("warm %s: %s", job.key, job.summary())
         return job
 
     def stop(self, key: str) -> WarmJob | None:

@@ -26,7 +26,7 @@ from urllib.parse import unquote
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import FileResponse, HTMLResponse, PlainTextResponse, Response
+from starlette.responses import FileResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketClose, WebSocketDisconnect
@@ -614,7 +614,9 @@ class ComfySim:
             raise _BadBody() from exc
 
     async def _index(self, request: Request) -> Response:
-        return HTMLResponse(_INDEX_HTML)
+        # A real ComfyUI 0.8.0 types its index `text/html`, no charset (issue 36); Starlette's
+        # HTMLResponse would add "; charset=utf-8".
+        return Response(_INDEX_HTML.encode(), headers={"content-type": "text/html"})
 
     async def _get_prompt(self, request: Request) -> Response:
         return _json({"exec_info": {"queue_remaining": self._queue_remaining()}})

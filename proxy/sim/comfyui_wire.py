@@ -22,10 +22,13 @@ SERVER_SOFTWARE = f"Python/{sys.version_info[0]}.{sys.version_info[1]} aiohttp/{
 
 
 class AiohttpHeaders:
-    """What aiohttp's StreamResponse._prepare_headers adds to every response it sends: `Date` and
-    `Server` (setdefault), and `Content-Type: application/octet-stream` on a response that set none,
-    unless its body must be empty (HEAD, 1xx, 204, 304). The websocket upgrade's 101 carries Date and
-    Server too."""
+    """What aiohttp adds to every response it sends: `Date` and `Server` (setdefault), and
+    `Content-Type: application/octet-stream` on a response with a body that set none. An empty
+    answer (Content-Length 0: ComfyUI's `web.Response()` of /free, /interrupt, /settings...) gets no
+    Content-Type: a real ComfyUI 0.8.0 and a minimal aiohttp app of either version send none there
+    (issue 36), nor on HEAD, 1xx, 204 or 304. A streamed answer (the static route's missing file)
+    cannot be known empty when its head is sent and keeps the default. The websocket upgrade's 101
+    carries Date and Server too."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -41,7 +44,8 @@ class AiohttpHeaders:
                 headers = list(message.get("headers") or [])
                 names = {k.lower() for k, _ in headers}
                 status = message.get("status", 101)
-                empty = head or status < 200 or status in (204, 304)
+                empty = head or status < 200 or status in (204, 304) or (b"content-length", b"0") in (
+                    (k.lower(), v.strip()) for k, v in headers)
                 if message["type"] == "http.response.start" and not empty and b"content-type" not in names:
                     headers.append((b"content-type", b"application/octet-stream"))
                 if b"date" not in names:

@@ -81,12 +81,28 @@ class Report:
     def exit_code(self) -> int:
         return EXIT_CODES[self.verdict]
 
+    @property
+    def summary(self) -> str:
+        """The verdict with what it rests on: the stages that proved something, and those skipped
+        ("partly verified: 2 stage(s) skipped: reclaim, out of memory; proved: ..."), so a run that
+        skipped the reclaim never reads as if it had verified one. The exit status is the verdict's."""
+        named = {k: [s.name for s in self.stages if s.status == k] for k in STATUSES}
+        if self.verdict == NOT_VERIFIED:
+            failed = named["fail"]
+            return NOT_VERIFIED + (f": failed: {', '.join(failed)}" if failed else ": no stage passed")
+        skipped = named["skip"] + named["incomplete"]
+        if not skipped:
+            return f"{self.verdict}: {', '.join(named['pass'])}"
+        return (f"partly {self.verdict}: {len(skipped)} stage(s) skipped or incomplete: {', '.join(skipped)}; "
+                f"proved: {', '.join(named['pass'])}")
+
     def result(self, name: str) -> StageResult | None:
         return next((s for s in self.stages if s.name == name), None)
 
     def to_json(self) -> dict[str, Any]:
         counts = {k: sum(1 for s in self.stages if s.status == k) for k in STATUSES}
-        return {"status": JSON_STATUS[self.verdict], "verdict": self.verdict, "gpu_reader": self.gpu_reader,
+        return {"status": JSON_STATUS[self.verdict], "verdict": self.verdict, "summary": self.summary,
+                "gpu_reader": self.gpu_reader,
                 "admin": self.admin, "seconds": round(self.seconds, 3), "counts": counts,
                 "stages": [s.to_json() for s in self.stages]}
 
@@ -100,5 +116,5 @@ class Report:
         j = self.to_json()["counts"]
         incomplete = f", {j['incomplete']} incomplete" if j["incomplete"] else ""
         lines.append(f"\n{j['pass']} passed, {j['fail']} failed, {j['skip']} skipped{incomplete} in {self.seconds:.1f} s: "
-                     + self.verdict)
+                     + self.summary)
         return "\n".join(lines)

@@ -40,7 +40,24 @@ async def check_proxy(v: Session) -> str:
                            and dev.get("total_bytes") is not None)
     gpu_note = "" if stats.get("gpu_error") is None else f"; GPU reader: {stats['gpu_error'].get('error')}"
     return (f"admin API at {v.admin.base}: {len(tenants)} tenant(s) ({', '.join(v.found.tenants)}), "
-            f"GPU {dev.get('name')} {gib(dev.get('total_bytes'))} ({dev.get('source')}){gpu_note}")
+            f"{gpu_text(dev)}{gpu_note}")
+
+
+def gpu_text(dev: dict[str, Any]) -> str:
+    """The card as the proxy sees it, saying what is not known rather than "GPU unknown ... unknown"."""
+    name, total, source = dev.get("name"), dev.get("total_bytes"), dev.get("source")
+    if name is None and total is None:
+        return "GPU not known: no GPU reader reads it and no engine reports it"
+    size = gib(total) if total is not None else "size not known"
+    return f"GPU {name or '(name not known)'} {size}" + (f" ({source})" if source else "")
+
+
+def on_cpu(body: Any) -> bool:
+    """A probe's answer lists devices, all of them CPUs (ComfyUI's /system_stats after --cpu)."""
+    devices = body.get("devices") if isinstance(body, dict) else None
+    if not isinstance(devices, list) or not devices:
+        return False
+    return all(isinstance(d, dict) and d.get("type") == "cpu" for d in devices)
 
 
 async def check_upstream(v: Session, t: TenantInfo) -> str:
@@ -76,11 +93,19 @@ async def check_upstream(v: Session, t: TenantInfo) -> str:
         return (f"{t.url}{path} -> {t.upstream}: {t.name}'s upstream accepted a connection (GET {path} answered "
                 f"{r.status_code}); not exercised: any request of {t.name}'s own (verify knows none; "
                 f"tenants.{t.name}.ready.path names one it can judge)")
-    return f"{t.url}{path} -> {t.upstream}: {r.status_code}"
+    cpu = ""
+    try:  # a probe that lists the engine's devices (ComfyUI's /system_stats): only CPUs there is worth saying
+        if on_cpu(r.json()):
+            cpu = (f"; {t.name} runs on the CPU (its {path} lists no GPU device): it holds no GPU memory, so a "
+                   "release of it frees nothing on the card")
+    except ValueError:
+        pass
+    return f"{t.url}{path} -> {t.upstream}: {r.status_code}{cpu}"
 
 
 async def check_generation(v: Session) -> str:
-    """A few tokens from the smallest installed model that can generate, through the proxy."""
+    """A few tokens from the smallest installed model that can generate (a chat model: an embedding
+    model may be smaller), through the proxy."""
     t = v.tenant_of(GENERATES)
     client = v.ollama(t)
     model = (await v.generation_models(client))[0]
@@ -89,7 +114,7 @@ async def check_generation(v: Session) -> str:
     started = v.clock.now()
     body = await v.generate(t, client, model)
     released = ", ".join(r["tenant"] for r in plan.get("releases") or [])
-    return (f"{model.name} ({gib(model.size)}, the smallest installed) answered {body.get('eval_count', '?')} token(s) "
+    return (f"{model.name} ({gib(model.size)}, the smallest chat model) answered {body.get('eval_count', '?')} token(s) "
             f"through {t.url} in {v.clock.now() - started:.2f} s" + (f", after releasing {released}" if released else ""))
 
 

@@ -48,7 +48,7 @@ def test_demo_config_is_handed_to_the_demo_not_dropped(tmp_path: Path, monkeypat
     seen: dict[str, Any] = {}
 
     async def fake_demo_main(scenario: str, check: bool, with_proxy: bool = True, fast: bool = False,
-                             config: str | None = None) -> int:
+                             config: str | None = None, readable_log: bool = False) -> int:
         seen.update(scenario=scenario, config=config)
         return 0
 
@@ -191,6 +191,9 @@ def test_install_from_a_venv_under_tmp_is_refused_as_the_service_could_not_see_i
     assert rc == 1, captured
     assert "PrivateTmp=yes" in captured.err and "/tmp/hs-venv/bin/hyperswap" in captured.err, captured.err
     assert "fix:" in captured.err
+    assert "pip install hyperswap`" not in captured.err, "no package index has hyperswap: name a command that works"
+    checkout = Path(install.__file__).resolve().parents[2]
+    assert f"/opt/hyperswap/bin/pip install {checkout}`" in captured.err, captured.err
     assert not (tmp_path / "root" / "etc").exists(), "nothing written"
     if dry_run:
         assert "would write" in captured.out, "the dry run still shows the plan"
@@ -238,3 +241,11 @@ async def test_the_503_after_a_queue_timeout_says_how_long_it_waited_once(box: D
     assert r.status_code == 503 and r.headers["retry-after"], r.text
     assert len(re.findall(r"\bwait", body["error"])) == 1, f"the wait told more than once: {body['error']}"
     assert body["error"].startswith("ollama waited 1 s for GPU memory") and "comfyui" in body["error"], body["error"]
+
+
+def test_the_install_command_the_refusal_names_is_the_checkout_or_a_built_wheel() -> None:
+    from proxy import __version__
+
+    text = install.install_command(Path("/src/hyperswap"))
+    assert "/opt/hyperswap/bin/pip install /src/hyperswap`" in text, text
+    assert f"hyperswap-{__version__}-py3-none-any.whl" in text and "pip wheel --no-deps ." in text, text

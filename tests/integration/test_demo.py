@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 
+import httpx
 import pytest
-from boxes import DemoFactory
+from boxes import DemoFactory, chat, render
 
 from proxy.cli import main
-from proxy.demo import describe, self_test
-from proxy.sim.box import scenario_names
+from proxy.demo import DecisionPrinter, Demo, describe, self_test, start_demo
+from proxy.sim.box import fast_scenario, scenario_names
 
 
 def test_the_three_required_scenarios_ship() -> None:
@@ -63,3 +65,57 @@ def test_plan_command_without_a_proxy_says_how_to_start_one(capsys: pytest.Captu
     assert main(["plan", "--tenant", "ollama", "--admin", "http://127.0.0.1:9"]) == 1
     err = capsys.readouterr().err
     assert "no proxy answering" in err and "hyperswap serve" in err and "Traceback" not in err
+
+
+async def test_a_second_demo_run_shows_nothing_of_the_first(http: httpx.AsyncClient) -> None:
+    """Each demo run keeps its own history: what the dashboard reads (decisions, the VRAM chart's rows,
+    decision ids) starts empty on the next run, whatever the first did (the same state folder)."""
+    async def start() -> Demo:
+        return await start_demo(fast_scenario("default"), sim_ports={"ollama": 0, "comfyui": 0},
+                                proxy_ports={"ollama": 0, "comfyui": 0, "admin": 0}, watchdog=False)
+
+    first = await start()
+    try:
+        await chat(first, "gemma3:27b")
+        await render(first)
+        admin = first.proxy.url("admin")
+        before = (await http.get(admin + "/api/history?kind=decisions")).json()["rows"]
+        assert before["decisions"], "the first run recorded no decision: the test proves nothing"
+        assert "this run's own" in describe(first, "default")
+    finally:
+        await first.stop()
+    second = await start()
+    try:
+        admin = second.proxy.url("admin")
+        rows = (await http.get(admin + "/api/history?kind=vram,decisions")).json()["rows"]
+        assert rows["decisions"] == [], f"the second run shows the first one's decisions: {rows['decisions'][:3]}"
+        spikes = [r for r in rows["vram"] if r["tenant"] == "comfyui" and r["max_bytes"] >= 2**30]
+        assert not spikes, f"the second run's chart draws the first one's ComfyUI render: {spikes[:3]}"
+        await render(second)
+        await chat(second, "gemma3:27b")
+        ids = [d["id"] for d in (await http.get(admin + "/api/decisions")).json()["decisions"]]
+        assert ids and min(ids) == 1, f"decision ids continue from the first run: {ids}"
+    finally:
+        await second.stop()
+    assert first.workdir is not None and not first.workdir.exists(), "the first run's history was left on disk"
+
+
+async def test_the_demo_terminal_gets_one_readable_line_per_decision_and_the_banner_names_the_dashboard(
+        box: DemoFactory) -> None:
+    demo = await box("default")
+    out = io.StringIO()
+    printer = DecisionPrinter(demo.proxy, out)
+    try:
+        await render(demo)
+        await chat(demo, "gemma3:27b")
+    finally:
+        printer.close()
+    lines = out.getvalue().splitlines()
+    assert lines and not [x for x in lines if "{" in x], f"JSON on the demo's terminal: {lines}"
+    plans = [x for x in lines if " plan " in x]
+    assert len(plans) == 1 and "ollama: comfyui released (" in plans[0] and "GiB back in" in plans[0], lines
+    made = [d for d in demo.proxy.decisions.recent() if d.kind in ("plan", "model_load", "queued", "rejection")]
+    assert len(lines) == len(made), f"one line per decision: {lines} for {[(d.id, d.kind) for d in made]}"
+    banner = describe(demo, "default").splitlines()
+    first_url = next(x for x in banner if "http://" in x)
+    assert first_url.split()[0] == "dashboard" and demo.proxy.url("admin") in first_url, banner

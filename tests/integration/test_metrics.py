@@ -165,8 +165,9 @@ async def test_the_demo_box_writes_its_own_file_not_the_real_cards_history(box: 
     monkeypatch.delenv("HYPERSWAP_TELEMETRY")
     demo = await box("tight")
     tel = extension(demo, Telemetry)
-    assert tel.path is not None and tel.path.name == "telemetry-sim.sqlite3"
-    assert tel.path.parent == Path.home() / ".local" / "state" / "hyperswap"
+    assert tel.path is not None and demo.workdir is not None and tel.path.parent == demo.workdir, \
+        f"a demo run keeps its history in its own folder, not {tel.path}"
+    assert not tel.path.is_relative_to(Path.home()), "the demo wrote into the user's state folder"
 
 
 async def test_requests_are_counted_by_the_status_their_client_got_a_500_is_not_completed(

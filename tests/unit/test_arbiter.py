@@ -40,7 +40,7 @@ def test_idle_lower_priority_tenant_is_released_down_to_its_floor() -> None:
     assert plan.releases[0].expected_free_bytes == 7 * GIB - GIB // 2
     assert plan.releases[0].pids == (2,)
     assert plan.explanation == ("ollama needs 8.00 GiB, 3.00 GiB free: release comfyui "
-                                "(idle, priority 40 < 50) to free 6.50 GiB")
+                                "(idle, priority 40 below the requester's 50) to free 6.50 GiB")
     assert plan.outcome == "release" and plan.possible
 
 
@@ -68,7 +68,7 @@ def test_idle_memory_of_a_higher_priority_tenant_serves_a_lower_requester() -> N
     s = snap([("other", 5, 6 * GIB)], free=1 * GIB)
     plan = plan_release(s, reg, idle("other"), "ollama", 4 * GIB)
     assert released(plan) == ["other"] and plan.feasible, plan.explanation
-    assert plan.releases[0].reason == "idle, priority 60 >= 50"
+    assert plan.releases[0].reason == "idle; priority 60, above the requester's 50, does not protect idle memory"
 
 
 def test_protect_idle_memory_keeps_it_from_lower_priority_requesters_only() -> None:

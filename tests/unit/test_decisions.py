@@ -195,10 +195,23 @@ async def test_a_requests_story_tells_its_wait_the_release_the_load_and_the_firs
     assert story is not None and story == log.story(queued.id) == log.story(load.id), "any of its decisions tells it"
     assert story.request == queued.id and story.related == (queued.id, started.id, load.id)
     assert [(s.kind, s.text) for s in story.steps] == [
-        ("wait", "waited 4.0 s behind comfyui"), ("release", "released comfyui in 0.5 s, 7.0 GiB back"),
+        ("wait", "waited 4.5 s behind comfyui (4.0 s queued, then the release)"),
+        ("release", "released comfyui in 0.5 s, 7.0 GiB back"),
         ("load", "loaded gemma3:27b in 8.0 s"), ("first_byte", "first byte after 12.6 s")]
     assert [s.start_s for s in story.steps] == [0.0, 4.0, 4.5, 12.6] and story.first_byte_s == 12.6
     json_story = views.RequestStory.model_validate(story.to_json())
     assert json_story.steps[1].tenant == "comfyui"
     assert log.story(log.emit(StaleJob(tenant="comfyui", trigger="poll", job_id="x", reason="gone")).id) is None, \
         "a decision of no request has no story"
+
+
+def test_the_demo_prints_a_wait_and_a_refusal_as_one_readable_line_each() -> None:
+    from proxy.demo import decision_line
+    from proxy.handoff.decisions import DecisionView
+
+    waited = DecisionView(7, 0.0, "queued", "ollama", "request POST /api/chat", None,
+                          {"reason": "x", "waiting_for": ["comfyui"], "behind": None, "result": "admitted", "waited_s": 1.25})
+    assert decision_line(waited) == "#7 queued       ollama waited 1.2 s for comfyui: admitted  (request POST /api/chat)"
+    refused = DecisionView(8, 0.0, "rejection", "ollama", "request POST /api/generate", None,
+                           {"status": 507, "reason": "ollama needs 30 GiB, 24 GiB on the card"})
+    assert decision_line(refused).startswith("#8 rejection    ollama refused 507: ollama needs 30 GiB"), decision_line(refused)

@@ -61,3 +61,18 @@ def test_only_a_missing_mcp_module_is_taken_for_the_missing_extra() -> None:
     assert not McpNotInstalled.caused(ModuleNotFoundError("x", name="mcpx"))
     assert not McpNotInstalled.caused(ModuleNotFoundError("x", name="httpx"))
     assert not McpNotInstalled.caused(ImportError("cannot import name 'MCPServer'"))
+
+
+async def test_without_the_extra_nothing_is_said_until_mcp_is_asked_for_then_once(
+        no_mcp: None, caplog: pytest.LogCaptureFixture) -> None:
+    extension = mcp_extension(cast(ProxyView, object()))
+    caplog.set_level("INFO", logger="hyperswap.mcp")
+    await extension.start()
+    assert not caplog.records, f"a proxy nobody asked for MCP warned at start: {caplog.messages}"
+    app = Starlette(routes=extension.routes())
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://admin") as client:
+        for _ in range(3):
+            await client.post("/mcp", json={})
+    await extension.stop()
+    said = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(said) == 1 and FIX in said[0].getMessage(), caplog.messages

@@ -178,3 +178,20 @@ def test_memavailable_is_read_from_meminfo(tmp_path: Path) -> None:
     meminfo.write_text("MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   22000000 kB\n")
     assert read_mem_available(meminfo) == 22000000 * 1024
     assert read_mem_available(tmp_path / "missing") is None
+
+
+def test_the_warm_line_of_a_sparse_stand_in_says_all_its_data_was_read_not_a_fraction(tmp_path: Path) -> None:
+    f = tmp_path / "sparse.gguf"
+    with open(f, "wb") as out:
+        out.write(os.urandom(MIB))
+        out.truncate(64 * MIB)  # 1 MiB of data, 63 MiB of hole: the demo's stand-in files are like this
+    job = warm_files(WarmJob("t:m", (str(f),), 64 * MIB, "test"), 0, lambda: 1 << 50, chunk_bytes=MIB)
+    assert job.state == "done" and job.read_bytes <= 2 * MIB, job
+    line = job.summary()
+    assert "all the data the files hold" in line and "64.0 MiB in size" in line, line
+    assert "%" not in line, f"a done warm must not read as a small percentage: {line}"
+
+
+def test_the_warm_line_of_a_stopped_warm_gives_the_share_read() -> None:
+    job = WarmJob("t:m", ("f",), 4 * MIB, "test", state="margin", read_bytes=MIB, stop_reason="below the margin")
+    assert job.summary() == "margin after reading 1.0 MiB of 4.0 MiB (25 %): below the margin"

@@ -54,3 +54,10 @@ def test_what_the_readme_says_ci_runs_is_what_ci_runs() -> None:
 def test_the_readme_stays_short() -> None:
     lines = len(README.read_text().splitlines())
     assert lines <= 160, f"README.md has {lines} lines: the manual is the site under docs/; link to a page instead"
+
+
+def test_ci_waits_for_the_dpkg_lock_instead_of_failing() -> None:
+    ci = CI.read_text()
+    for line in [x for x in ci.splitlines() if "apt-get" in x and not x.lstrip().startswith("#")]:
+        assert "apt-get \"${lock[@]}\"" in line or "DPkg::Lock::Timeout" in line, f"an apt-get that fails on a held lock: {line}"
+    assert "lock=(-o DPkg::Lock::Timeout=600)" in ci

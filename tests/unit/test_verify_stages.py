@@ -192,7 +192,8 @@ def test_without_a_gpu_reader_the_verdict_is_verified_without_arbitration_with_i
     without = Report("x", ok, gpu_reader=False)
     assert (without.verdict, without.exit_code) == ("verified without arbitration (no GPU reader)", 3)
     assert without.to_json()["status"] == "pass-without-arbitration" and without.to_json()["gpu_reader"] is False
-    assert without.text().endswith(": verified without arbitration (no GPU reader)")
+    assert without.text().endswith(": partly verified without arbitration (no GPU reader): 1 stage(s) skipped or "
+                                   "incomplete: reclaim; proved: proxy"), without.text()
     failed = Report("x", [*ok, StageResult("b", "fail", 0, "bad", "i", "f")], gpu_reader=False)
     assert (failed.verdict, failed.exit_code) == ("NOT verified", 1)
 
@@ -408,3 +409,25 @@ async def test_a_generic_tenant_with_a_ready_path_is_judged_by_it_not_by_a_404_f
     box.tenants.append(generic_view({"path": "/health", "status": 200}))
     up = result(await run(box, yes=True), "upstream stt")
     assert up.status == "pass" and "/health" in up.detail and "tenants.stt.ready" in up.detail, up
+
+
+def test_the_verdict_line_names_what_was_proved_and_what_was_skipped() -> None:
+    ran = [StageResult("proxy", "pass", 0, "ok"), StageResult("reclaim", "pass", 0, "ok")]
+    assert Report("x", ran, gpu_reader=True).text().endswith(" s: verified: proxy, reclaim")
+    partly = Report("x", [*ran, StageResult("out of memory", "skip", 0, "no consent"),
+                          StageResult("comfyui graph", "skip", 0, "no graph")], gpu_reader=True)
+    assert partly.summary == ("partly verified: 2 stage(s) skipped or incomplete: out of memory, comfyui graph; "
+                              "proved: proxy, reclaim"), partly.summary
+    assert partly.exit_code == 0 and partly.to_json()["summary"] == partly.summary
+    failed = Report("x", [*ran, StageResult("507 too large", "fail", 0, "bad", "i", "f")], gpu_reader=True)
+    assert failed.summary == "NOT verified: failed: 507 too large"
+
+
+def test_the_gpu_line_says_what_is_not_known_and_a_cpu_comfyui_is_told() -> None:
+    from proxy.verify.stages import gpu_text, on_cpu
+
+    assert gpu_text({}) == "GPU not known: no GPU reader reads it and no engine reports it"
+    assert "unknown" not in gpu_text({"name": None, "total_bytes": 24 * 2**30, "source": "engine-estimate"})
+    assert gpu_text({"name": "RTX 4090", "total_bytes": None}) == "GPU RTX 4090 size not known"
+    assert on_cpu({"devices": [{"name": "cpu", "type": "cpu"}]}) and not on_cpu({"devices": [{"type": "cuda"}]})
+    assert not on_cpu({"devices": []})

@@ -223,11 +223,14 @@
       const unknown = e.settings.filter((s) => s.source === "unknown").length;
       const set = e.settings.filter((s) => s.value !== null && s.value !== undefined).map((s) => `${s.name.replace(/^OLLAMA_/, "")}=${s.value}`);
       const notes = e.settings.filter((s) => s.status && s.status !== "ok" && s.status !== "unknown").length;
-      const base = set.length ? set.join(" ") : unknown === e.settings.length ? "settings not read" : "all defaults";
+      // "settings not read" says why (hover): the reads that failed, from env_sources (a process of
+      // another user, nothing loaded yet, a simulated GPU...).
+      const why = (e.env_sources || []).filter((r) => !r.ok && r.error).map((r) => `not read from ${r.source}: ${r.error}`);
+      const base = set.length ? set.join(" ") : unknown === e.settings.length ? "settings not read (hover: why)" : "all defaults";
       const short = [base, unknown && unknown < e.settings.length ? `${unknown} unknown` : null,
         notes ? `${notes} note${notes > 1 ? "s" : ""}` : null].filter(Boolean);
       const tip = e.settings.map((s) => `${s.name} = ${s.value ?? (s.source === "unknown" ? "(unknown)" : "(not set)")} [${s.source}]${s.status && s.status !== "ok" ? ` (${s.status})` : ""}\n  ${s.meaning}`);
-      return { sub: `${e.engine} ${e.version || ""} · ${short.join(" · ")}`, tip: [`${e.engine} ${e.version || ""} at ${e.upstream}`, ...tip].join("\n") };
+      return { sub: `${e.engine} ${e.version || ""} · ${short.join(" · ")}`, tip: [`${e.engine} ${e.version || ""} at ${e.upstream}`, ...(unknown ? why : []), ...tip].join("\n") };
     }
     // Flags are objects ({flag, value, meaning, status}): show each as it was typed.
     const flags = (e.flags || []).length ? e.flags.map((f) => (f.value === null || f.value === undefined ? f.flag : `${f.flag} ${f.value}`)).join(" ") : "no flags";
