@@ -29,6 +29,10 @@ The simulated load reads at --ram-gbps from the page cache and --disk-gbps from 
 residency of its stand-in file measured at the start of the load. The stand-in files are 1/1024 of
 the model's size (sparse), so the proxy's warm of them is throttled to --disk-gbps of the full size:
 it reads like a disk would, and only the part read before the load starts is won.
+Swap hold (`--swap-hold-s S`, any mode): the proxy's swap_hold_s set to S. The reset's render goes
+straight to ComfyUI, so the proxy saw no ComfyUI work and a lone swap is not held; `--recent` sends
+that render through the proxy instead, so ComfyUI's work ended just before the Ollama request (within
+swap_hold_recent_s): the swap is held, the worst case for a lone swap.
 Also: plan_release for 10 tenants / 200 processes is in bench/arbiter.py.
 """
 
@@ -41,6 +45,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -60,6 +65,8 @@ from proxy.tenants import GIB  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results" / "handoff.json"
 CKPT = "flux1-dev-fp8.safetensors"
 MODEL = "gemma3:27b"
+PROXY: dict[str, object] = {}  # the proxy's settings over the scenario's (--swap-hold-s)
+RECENT = {"on": False}  # --recent: the reset's render goes through the proxy
 
 
 def scenario() -> Scenario:
@@ -85,8 +92,12 @@ async def ttfb(client: httpx.AsyncClient, url: str, model: str = MODEL) -> float
 
 async def start_box(watchdog: bool = False) -> Demo:
     """The bench scenario, every port picked by the system."""
+    config = None
+    if PROXY:
+        config = Path(tempfile.mkdtemp(prefix="bench-handoff-")) / "tenants.json"
+        config.write_text(json.dumps({"proxy": PROXY}))
     demo = await start_demo(scenario(), sim_ports={"ollama": 0, "comfyui": 0},
-                            proxy_ports={"ollama": 0, "comfyui": 0, "admin": 0}, watchdog=watchdog)
+                            proxy_ports={"ollama": 0, "comfyui": 0, "admin": 0}, watchdog=watchdog, config=config)
     assert demo.proxy and demo.box.ollama and demo.box.comfyui
     return demo
 
@@ -98,7 +109,7 @@ async def reset(demo: Demo, client: httpx.AsyncClient) -> None:
     ollama = demo.box.ollama
     await client.post(demo.proxy.url("ollama") + "/api/generate", json={"model": MODEL, "keep_alive": 0})
     await ollama.wait_until(lambda: not ollama.loaded())
-    await run_prompt(demo.box.servers["comfyui"].url, CKPT, client)
+    await run_prompt(demo.proxy.url("comfyui") if RECENT["on"] else demo.box.servers["comfyui"].url, CKPT, client)
     assert demo.box.gpu.used_by(demo.box.comfyui.pid) > 11 * GIB
     # The model's file in RAM, so direct and proxied loads read at the same speed (the simulated load
     # time follows residency); --warm drops it again after this for the modes that need it cold.
@@ -292,9 +303,16 @@ if __name__ == "__main__":
     parser.add_argument("--warm", action="store_true", help="measure the handoff with and without warm-during-release")
     parser.add_argument("--ram-gbps", type=float, default=2.63, help="--warm: load speed from the page cache (GB/s)")
     parser.add_argument("--disk-gbps", type=float, default=1.3, help="--warm: load and read speed from disk (GB/s)")
+    parser.add_argument("--swap-hold-s", type=float, default=None, help="the proxy's swap_hold_s (default: off)")
+    parser.add_argument("--recent", action="store_true",
+                        help="the reset's render through the proxy: ComfyUI was active just before the swap")
     args = parser.parse_args()
+    if args.swap_hold_s is not None:
+        PROXY["swap_hold_s"] = args.swap_hold_s
+    RECENT["on"] = args.recent
     RESULTS.parent.mkdir(exist_ok=True)
-    machine = {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()}
+    machine = {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform(),
+               "proxy": PROXY, "recent": args.recent}
     if args.wait:
         w = {**asyncio.run(wait_for_busy(args.rounds)), "machine": machine}
         (RESULTS.parent / "handoff-wait.json").write_text(json.dumps(w, indent=2))
@@ -327,7 +345,7 @@ if __name__ == "__main__":
             print(f"| {reader} | {x['direct_median_ms']:.2f} ms | {x['proxied_median_ms']:.2f} ms "  # type: ignore[index]
                   f"| {x['added_median_ms']:.2f} ms | <= 0.5 ms |")  # type: ignore[index]
         sys.exit(0)
-    result = asyncio.run(main(args.rounds))
+    result = {**asyncio.run(main(args.rounds)), "proxy": PROXY, "recent": args.recent}
     RESULTS.write_text(json.dumps(result, indent=2))
     print("| rounds | direct (engines' own) median | through proxy median | overhead median | overhead p90 | target |")
     print("|---|---|---|---|---|---|")

@@ -123,6 +123,8 @@ BOUNDS: dict[str, Bound] = {
     "check_interval_s": Bound(1, 3600, "s"),  # each check reads the card's settings through NVML
     "keep_warm_models": Bound(0, 1000, "models"),
     "overtake_limit": Bound(0, 1000, "requests"),  # 0: strict arrival order, a swap for every change of tenant
+    "swap_hold_s": Bound(0, 60, "s"),  # 0: off; a hold is added to a swap's latency, so it stays short
+    "swap_hold_recent_s": Bound(0, 3600, "s"),
 }
 SUFFIX_BOUNDS: dict[str, Bound] = {"_gb": Bound(0, MAX_GIB, "GiB"), "_s": Bound(0, DAY_S, "s")}
 
@@ -714,6 +716,12 @@ class ProxySettings(_Strict):
                                                        "of a request waiting to swap it away (batching: one handoff "
                                                        "for a burst); then that tenant starts nothing new until the "
                                                        "swap. starvation_after_s bounds the same wait in time")
+    swap_hold_s: float = Field(default=0.0, description="how long a request that would swap away a tenant active "
+                                                        "lately waits first, so that requests for what is on the card "
+                                                        "sent right after it go before the swap (0: off, the swap "
+                                                        "starts at once). Bounded by overtake_limit too")
+    swap_hold_recent_s: float = Field(default=5.0, description="with swap_hold_s: only a swap away from a tenant whose "
+                                                               "work ran or ended this recently is held")
     spill_stable_s: float = Field(default=5.0, description="how long Ollama's split (size_vram < size) must hold still "
                                                            "to count as a CPU spill (a load grows)")
     job_lost_after_s: float = Field(default=120.0, description="a relayed job of an engine whose queue cannot be read "

@@ -40,6 +40,7 @@ from proxy.handoff.arbiter import (
     Plan,
     Release,
     Releasing,
+    SwapHold,
     TenantState,
     Verdict,
     Waiter,
@@ -288,6 +289,18 @@ class Scheduler:
                            unreachable_since=reads.unreachable_since,
                            job_lost_after_s=self.fx.registry.config.proxy.job_lost_after_s)
 
+    def swap_hold(self) -> SwapHold:
+        """proxy.swap_hold_s with the tenants it applies to now: those whose admitted work is open, or
+        ran or ended within proxy.swap_hold_recent_s (the traffic's last activity)."""
+        settings = self.fx.registry.config.proxy
+        if settings.swap_hold_s <= 0:
+            return SwapHold()
+        now = self.fx.clock.now()
+        recent = frozenset(t for t, tr in self.traffic.snapshot().items()
+                           if tr.busy or (tr.last_activity is not None
+                                          and now - tr.last_activity <= settings.swap_hold_recent_s))
+        return SwapHold(settings.swap_hold_s, recent)
+
     def promised(self, snap: AttributedSnapshot) -> dict[str, tuple[str, int]]:
         """Load key -> (tenant, bytes) admitted loads will still take from free memory."""
         return self.reservations.promised(snap)
@@ -317,7 +330,7 @@ class Scheduler:
                 continue
             if t.verdict is None:
                 return None  # a waiter the scheduler has not seen yet: let the next pass order both
-            if t.verdict.action == "wait" and tenant.name in t.verdict.plan.wait_for:
+            if t.verdict.action == "wait" and (tenant.name in t.verdict.plan.wait_for or tenant.name in t.verdict.held):
                 blocking.append(t)
         settings = self.fx.registry.config.proxy
         now = self.fx.clock.now()
@@ -564,7 +577,7 @@ class Scheduler:
         settings = self.fx.registry.config.proxy
         verdicts = schedule_on_devices(snap, self.fx.registry, self.states(snap), [self._waiter(t) for t in pending],
                                        claims, self.fx.clock.now(), settings.starvation_after_s,
-                                       self.releasing, settings.overtake_limit)
+                                       self.releasing, settings.overtake_limit, self.swap_hold())
         return self._apply(verdicts, snap)
 
     def _expire(self) -> None:
@@ -586,7 +599,11 @@ class Scheduler:
         starvation = self.fx.registry.config.proxy.starvation_after_s
         next_aging = min((t.waiter.arrived_at + starvation for t in planned
                           if t.waiter.arrived_at + starvation > now), default=now + REPLAN_S)
-        return max(0.0, min(REPLAN_S, first_deadline - now, next_aging - now))
+        hold = self.fx.registry.config.proxy.swap_hold_s
+        hold_end = min((t.waiter.arrived_at + hold for t in planned
+                        if t.verdict is not None and t.verdict.held and t.waiter.arrived_at + hold > now),
+                       default=now + REPLAN_S)  # a held swap starts at its hold's end
+        return max(0.0, min(REPLAN_S, first_deadline - now, next_aging - now, hold_end - now))
 
     def _apply(self, verdicts: tuple[Verdict, ...], snap: AttributedSnapshot) -> bool:
         """Carry out one pass, awaiting nothing. True when anyone left the queue (the next pass

@@ -16,7 +16,7 @@ from cards import STT, busy, idle, registry, snap
 
 from proxy.clock import ManualClock, until_all_wait
 from proxy.gpu.attribution import AttributedSnapshot
-from proxy.handoff.arbiter import Plan, Releasing, TenantState, Waiter, queue_order, schedule
+from proxy.handoff.arbiter import Plan, Releasing, SwapHold, TenantState, Waiter, queue_order, schedule
 from proxy.handoff.decisions import DecisionLog, HandoffStarted, Queued, QueueEnded
 from proxy.handoff.inflight import InFlight, Token
 from proxy.handoff.scheduler import Admitted, Released, ReleaseOrder, ReleaseResult, Scheduler, release_whole
@@ -486,6 +486,73 @@ def test_a_resident_request_waits_when_the_same_pass_starts_releasing_its_tenant
     verdicts = schedule(s, registry(), idle("ollama", "comfyui"), [prompt, chat], {}, 2, 60)
     assert actions(verdicts) == [("ollama", "run"), ("comfyui", "wait")]
     assert verdicts[1].reason == "queued behind the release of comfyui in progress" and verdicts[1].behind == chat.id
+
+
+# -- holding a swap briefly (proxy.swap_hold_s): what is on the card may be asked for again --------
+
+HOLD = SwapHold(0.5, frozenset({"comfyui"}))  # comfyui's work ran lately
+
+
+def test_a_swap_away_from_a_tenant_active_lately_is_held_then_started_after_the_hold() -> None:
+    s = snap([("comfyui", 2, 7 * GIB)], free=10 * GIB)
+    chat = waiter("ollama", 16, at=0)
+    (v,) = schedule(s, registry(), idle("ollama", "comfyui"), [chat], {}, 0.2, 60, hold=HOLD)
+    assert v.action == "wait" and v.held == ("comfyui",), "the swap started inside the hold"
+    assert v.plan.feasible and [r.tenant for r in v.plan.releases] == ["comfyui"]
+    assert v.reason == ("holding the swap of comfyui for 0.5 s (proxy.swap_hold_s): requests for what is on "
+                        "the card go first")
+    (v,) = schedule(s, registry(), idle("ollama", "comfyui"), [chat], {}, 0.5, 60, hold=HOLD)
+    assert v.action == "run" and not v.held, "the swap did not start once the waiter had waited swap_hold_s"
+
+
+def test_resident_work_overtakes_a_held_swap_counted_and_within_the_bound() -> None:
+    s = snap([("comfyui", 2, 7 * GIB)], free=10 * GIB)
+    chat = waiter("ollama", 16, at=0)
+    prompt = replace(waiter("comfyui", 7, at=0.15), resident=True)
+    other = waiter("comfyui", 12, at=0.2, key="comfyui:other")  # a checkpoint not on the card
+    verdicts = schedule(s, registry(), idle("ollama", "comfyui"), [chat, prompt, other], {}, 0.2, 60, hold=HOLD,
+                        overtake_limit=4)
+    assert actions(verdicts) == [("ollama", "wait"), ("comfyui", "run"), ("comfyui", "wait")], \
+        [v.reason for v in verdicts]
+    assert verdicts[1].overtook == (chat.id,), "the overtaking of a held swap was not counted"
+    assert verdicts[2].behind == chat.id, "work for a load not on the card ran ahead of the held swap"
+    spent = replace(chat, overtaken=4)
+    verdicts = schedule(s, registry(), idle("ollama", "comfyui"), [spent, prompt], {}, 0.2, 60, hold=HOLD,
+                        overtake_limit=4)
+    assert actions(verdicts) == [("ollama", "run"), ("comfyui", "wait")], \
+        "past overtake_limit the swap is no longer held and resident work queues behind it"
+
+
+@pytest.mark.parametrize("hold, why", [(SwapHold(0.5, frozenset({"ollama"})), "comfyui was not active lately"),
+                                       (SwapHold(), "the hold is off by default")])
+def test_a_swap_is_not_held_when_its_victim_was_not_active_lately_or_the_hold_is_off(hold: SwapHold, why: str) -> None:
+    s = snap([("comfyui", 2, 7 * GIB)], free=10 * GIB)
+    (v,) = schedule(s, registry(), idle("ollama", "comfyui"), [waiter("ollama", 16, at=0)], {}, 0.1, 60, hold=hold)
+    assert v.action == "run" and not v.held, why
+    assert registry().config.proxy.swap_hold_s == 0.0, "swap_hold_s is on by default"
+
+
+async def test_the_driver_starts_a_held_swap_at_the_hold_end_and_resident_work_runs_meanwhile(
+        clock: ManualClock) -> None:
+    fx = recorder(clock, swap_hold_s=0.5)
+    queue = scheduler(fx)
+    queue.loaded("comfyui", "comfyui:sdxl")
+    render = fx.inflight.begin("comfyui")  # comfyui served a render just now
+    fx.inflight.end(render)
+    chat = asyncio.ensure_future(queue.request(fx.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request"))
+    await until_all_wait()
+    (w,) = queue.waiting()
+    assert not chat.done() and "holding the swap of comfyui" in w["reason"]
+    await clock.advance(0.2)
+    again = queue.admit_at_once(fx.registry.get("comfyui"), "comfyui:sdxl", 7 * GIB)
+    assert again is not None and again.reason == "resident", "a render of the checkpoint on the card waited"
+    assert queue.waiting()[0]["overtaken"] == 1
+    assert ("release", ("comfyui",)) not in fx.log and not chat.done()
+    await clock.advance(0.3)
+    admitted = await asyncio.wait_for(chat, 1)
+    assert admitted.outcome == "run" and clock.now() == pytest.approx(100.5), "not started at the hold's end"
+    assert ("release", ("comfyui",)) in fx.log
+    await queue.aclose()
 
 
 async def test_a_request_counts_as_work_only_from_its_admission(clock: ManualClock) -> None:
