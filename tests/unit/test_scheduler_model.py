@@ -158,13 +158,15 @@ class Box:
 
 
 class SchedulerModel(RuleBasedStateMachine):
+    SWAP_HOLD_S = 0.0  # proxy.swap_hold_s: off, as shipped
+
     def __init__(self) -> None:
         super().__init__()
         self.loop = asyncio.new_event_loop()
         self.clock = ManualClock(start=0.0)
         self.inflight = InFlight(self.clock)
         reg = registry({"stt": STT}, proxy={"queue_timeout_s": QUEUE_TIMEOUT_S, "overtake_limit": OVERTAKE_LIMIT,
-                                            "starvation_after_s": 60.0})
+                                            "starvation_after_s": 60.0, "swap_hold_s": self.SWAP_HOLD_S})
         self.box = Box(reg, self.clock, self.inflight)
         self.queue = Scheduler(self.box, self.inflight)
         self.box.scheduler = self.queue
@@ -332,14 +334,22 @@ class SchedulerModel(RuleBasedStateMachine):
             assert t.overtaken <= OVERTAKE_LIMIT, f"{t.waiter} overtaken {t.overtaken} times"
 
 
-SchedulerModel.TestCase.settings = settings(
+class SchedulerModelWithSwapHold(SchedulerModel):
+    """The same, with swaps away from a tenant active lately held 0.5 s: the hold must not cost liveness."""
+    SWAP_HOLD_S = 0.5
+
+
+MODEL_SETTINGS = settings(
     max_examples=int(os.environ.get("HYPERSWAP_MODEL_EXAMPLES", "60")),
     stateful_step_count=40,
     derandomize="HYPERSWAP_MODEL_EXAMPLES" not in os.environ,  # CI: the same examples every run
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+SchedulerModel.TestCase.settings = MODEL_SETTINGS
+SchedulerModelWithSwapHold.TestCase.settings = MODEL_SETTINGS
 test_scheduler_model = SchedulerModel.TestCase
+test_scheduler_model_with_swap_hold = SchedulerModelWithSwapHold.TestCase
 
 
 # -- shrunk failures, kept as regular tests ---------------------------------------------------------
