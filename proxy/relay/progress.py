@@ -216,6 +216,9 @@ class ProgressResponse(Response):
                             await self._send_progress(send, figure)
                 if task.done():
                     break
+                if not committed:  # nothing to tell yet: every change of a wait comes as an event, no timer needed
+                    await self._changed.wait()
+                    continue
                 await sleep_or_wake(self._clock, TICK_S if self._trace.loading is None else LOAD_EVERY_S / 2,
                                     self._changed)
             try:
