@@ -24,9 +24,11 @@ from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket
 
 from proxy.clock import Clock
+from proxy.engines import Need
 from proxy.engines.base import Streamed, origin_netloc, same_origin
 from proxy.errors import HyperSwapError
 from proxy.handoff.inflight import InFlight, JobFate, JobPoller, Token
+from proxy.handoff.scheduler import Admitted
 from proxy.relay import progress
 from proxy.relay.departure import ClientLink
 from proxy.relay.forward import Forwarder, UpstreamResponse
@@ -37,12 +39,19 @@ from proxy.tenants import Tenant
 
 log = logging.getLogger("hyperswap.listener")
 
+AtOnce = tuple[Admitted, Need]  # a request the scheduler admitted at once (its load on the card), and its need
+
 JOB_RESPONSE_MAX = 1 << 20  # a POST /prompt answer is tiny; never hold more than this
 
 
 class Admission(Protocol):
+    async def at_once(self, tenant: Tenant, request: Request, body: bytes, work: Token) -> AtOnce | None:
+        """The scheduler's at-once admission of a load already on the card, tried first; None: `handle`
+        admits it (an unload, or a load that is planned). What it returns goes to `handle`."""
+
     async def handle(self, tenant: Tenant, request: Request, body: bytes,
-                     forward: Callable[[bytes], Awaitable[UpstreamResponse]], work: Token) -> UpstreamResponse | Response:
+                     forward: Callable[[bytes], Awaitable[UpstreamResponse]], work: Token,
+                     admitted_at_once: AtOnce | None = None) -> UpstreamResponse | Response:
         """Admit the request (its `work` token counts as the tenant's work from the moment the
         scheduler admits it, never while it waits), forward it, retry once after an OOM."""
 
@@ -201,10 +210,12 @@ class TenantApp:
                 result: UpstreamResponse | Response = await forwarder.open(tenant, request, rest)
             elif self.admission is not None:
                 streamed = self._progress_for(request, body)
-                if streamed is not None:
+                # a load on the card never waits: admitted at once, it needs no progress answer around it
+                at_once = await self.admission.at_once(tenant, request, body, token) if streamed is not None else None
+                if streamed is not None and at_once is None:
                     return self._progress(request, body, token, streamed)
                 result = await self.admission.handle(tenant, request, body,
-                                                     lambda b: forwarder.open(tenant, request, b), token)
+                                                     lambda b: forwarder.open(tenant, request, b), token, at_once)
             else:
                 result = await forwarder.open(tenant, request, body)
         except HyperSwapError as exc:
