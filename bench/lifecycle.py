@@ -84,6 +84,10 @@ async def _proxied(demo: Demo, client: httpx.AsyncClient) -> float:
 
 async def main(rounds: int, load_s: float) -> dict[str, object]:
     scenario = fast_scenario("lifecycle", relay={"load_s": load_s})
+    # The first request is a GET of the app's /health, the probe's own path, so the proxied figure is
+    # the direct one plus what the proxy adds; a read starts a stopped app only with wake_on "any"
+    # (the shipped "writes" keeps polls from starting it).
+    scenario.tenants.setdefault(TENANT, {})["wake_on"] = "any"
     demo = await start_demo(scenario, sim_ports={"ollama": 0, "comfyui": 0, "relay": 0},
                             proxy_ports={"ollama": 0, "comfyui": 0, "admin": 0, TENANT: 0}, watchdog=False)
     rows: list[dict[str, float]] = []
