@@ -60,14 +60,16 @@ class NotAvailableYet(HyperSwapError):
 
 
 class McpNotInstalled(HyperSwapError):
-    """The MCP tools' SDK is an optional extra (`pip install 'hyperswap[mcp]'`) and is not installed."""
+    """The MCP tools' SDK is an optional extra (the `mcp` extra: `pip install '.[mcp]'` from the checkout,
+    or `pip install 'mcp>=2.3,<3'` into the proxy's environment) and is not installed."""
 
     status = 501
     exit_code = 2
 
     def __init__(self) -> None:
         super().__init__("the MCP tools need the optional mcp package, which is not installed",
-                         fix="pip install 'hyperswap[mcp]'")
+                         fix="pip install 'mcp>=2.3,<3' into the proxy's environment (or install the checkout "
+                             "with its mcp extra: pip install '.[mcp]'); no package index has hyperswap itself")
 
     @staticmethod
     def caused(exc: ImportError) -> bool:

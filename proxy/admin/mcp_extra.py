@@ -1,4 +1,4 @@
-"""The MCP tools are an optional extra: `pip install 'hyperswap[mcp]'` adds the `mcp` SDK they need.
+"""The MCP tools are an optional extra: `pip install '.[mcp]'` (from the checkout) adds the `mcp` SDK they need.
 
 Without it the proxy runs as before and says what is missing where the tools would be:
 - `/mcp` on the admin listener answers 501 `{"error", "fix"}` (`mcp_extension`);

@@ -239,7 +239,7 @@ def _operations() -> dict[str, dict[str, JSON]]:
             "responses": {"200": _json("a JSON-RPC answer", ANY_OBJECT), "401": _err("a token is configured and none was sent"),
                           "403": _err("wrong token" + ("" if method == "get" else ", or an Origin other than this "
                                                        "admin's own or admin.cors_origins")),
-                          "501": _err("the optional mcp package is not installed (pip install 'hyperswap[mcp]')")}}
+                          "501": _err("the optional mcp package is not installed (pip install 'mcp>=2.3,<3')")}}
                 for method in ("get", "post", "delete")},
         "/api/models": {"get": {
             "summary": "Each tenant's model files with size and page-cache residency", "operationId": "models",

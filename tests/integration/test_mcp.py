@@ -19,6 +19,7 @@ from mcp.client.streamable_http import streamable_http_client
 
 from proxy.admin.mcp_tools import AdminClient, build_server
 from proxy.demo import Demo, run_prompt
+from proxy.errors import McpNotInstalled
 from proxy.tenants import GIB
 
 TOOLS = {"health", "engines", "tenants", "plan", "release", "models", "start", "stop"}
@@ -164,7 +165,7 @@ async def test_the_models_tool_lists_model_files_with_residency(box: DemoFactory
     assert gemma["size_gb"] == 16.2 and "resident_percent" in gemma["residency"]
 
 
-# -- without the optional SDK (`pip install 'hyperswap[mcp]'`) ----------------------------------------
+# -- without the optional SDK (the `mcp` extra) -------------------------------------------------------
 
 def hide_mcp(monkeypatch: pytest.MonkeyPatch) -> None:
     """As if the [mcp] extra were not installed: None in sys.modules for the SDK and each module of it."""
@@ -183,7 +184,7 @@ async def test_without_the_sdk_the_proxy_runs_and_its_mcp_route_answers_501_with
                         headers={"Accept": "application/json, text/event-stream"})
     assert r.status_code == 501, r.text
     assert r.json() == {"error": "the MCP tools need the optional mcp package, which is not installed",
-                        "fix": "pip install 'hyperswap[mcp]'"}, r.text
+                        "fix": McpNotInstalled().fix}, r.text
     assert (await http.get(url + "/api/tenants")).status_code == 200  # the rest of the admin API is there
 
 
@@ -193,4 +194,4 @@ def test_python_m_mcp_tools_without_the_sdk_says_how_to_install_it_and_exits_2()
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2, done.stderr
     assert done.stdout == "" and done.stderr == ("error: the MCP tools need the optional mcp package, which is not "
-                                                 "installed (fix: pip install 'hyperswap[mcp]')\n"), done.stderr
+                                                 f"installed (fix: {McpNotInstalled().fix})\n"), done.stderr

@@ -1,4 +1,4 @@
-"""Without the optional mcp SDK (`pip install 'hyperswap[mcp]'`) the proxy runs, /mcp answers 501 with
+"""Without the optional mcp SDK (the `mcp` extra) the proxy runs, /mcp answers 501 with
 the fix, and `hyperswap mcp` says how to install it in one line and exits 2. The SDK is hidden by
 putting None in sys.modules for it and every module of it, as an uninstalled package would look."""
 
@@ -16,7 +16,8 @@ from proxy.admin.view import ProxyView
 from proxy.cli import main
 from proxy.errors import McpNotInstalled
 
-FIX = "pip install 'hyperswap[mcp]'"
+FIX = ("pip install 'mcp>=2.3,<3' into the proxy's environment (or install the checkout with its mcp extra: "
+       "pip install '.[mcp]'); no package index has hyperswap itself")
 
 
 @pytest.fixture
