@@ -488,6 +488,15 @@ class Timeouts(_Strict):
                                                             "busy, then 503; null: 30 s")
 
 
+def _only_when_started(field: str, info: ValidationInfo) -> None:
+    """A field set on a tenant the proxy does not start (no release step of it stops the app) is an error."""
+    release = info.data.get("release")
+    steps = release if isinstance(release, list) else [release] if release is not None else []
+    if release is not None and not any(step.stops for step in steps):
+        raise ValueError(f"'{field}' applies to a tenant the proxy starts: one whose release is of kind process, "
+                         "systemd or docker")
+
+
 class Tenant(_Strict):
     name: str = Field(default="", description="set from its key in tenants (leave it out)")
     engine: EngineKind = Field(default="generic", description="selects the adapter: what needs the GPU, Host/Origin "
@@ -587,31 +596,22 @@ class Tenant(_Strict):
     @field_validator("ready")
     @classmethod
     def _ready_only_when_started(cls, value: ReadySpec | None, info: ValidationInfo) -> ReadySpec | None:
-        release = info.data.get("release")
-        steps = release if isinstance(release, list) else [release] if release is not None else []
-        if value is not None and release is not None and not any(step.stops for step in steps):
-            raise ValueError("'ready' applies to a tenant the proxy starts: one whose release is of kind process, "
-                             "systemd or docker")
+        if value is not None:
+            _only_when_started("ready", info)
         return value
 
     @field_validator("restart")
     @classmethod
     def _restart_only_when_started(cls, value: str, info: ValidationInfo) -> str:
-        release = info.data.get("release")
-        steps = release if isinstance(release, list) else [release] if release is not None else []
-        if value != "never" and release is not None and not any(step.stops for step in steps):
-            raise ValueError("'restart' applies to a tenant the proxy starts: one whose release is of kind process, "
-                             "systemd or docker")
+        if value != "never":
+            _only_when_started("restart", info)
         return value
 
     @field_validator("preload")
     @classmethod
     def _preload_only_when_started(cls, value: bool, info: ValidationInfo) -> bool:
-        release = info.data.get("release")
-        steps = release if isinstance(release, list) else [release] if release is not None else []
-        if value and release is not None and not any(step.stops for step in steps):
-            raise ValueError("'preload' applies to a tenant the proxy starts: one whose release is of kind process, "
-                             "systemd or docker")
+        if value:
+            _only_when_started("preload", info)
         return value
 
     @field_validator("model_paths")
