@@ -6,10 +6,12 @@ holding it up; a failure shown in health), the app's output as server-sent event
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,31 @@ def app_tenant(folder: Path, name: str, *, slow: Path | None = None, **release: 
                          "command": [PY, "-c", APP, str(port), str(pidfile), str(folder),
                                      *([str(slow)] if slow else [])], **release}
     return tenant
+
+
+async def open_gate(gate: Path, why: Callable[[], str]) -> None:
+    """Write the word the slow app waits for on its FIFO, once the app has it open for reading. A
+    blocking open would wait in a thread for ever if the app died first (a test that hung CI once):
+    a non-blocking open fails (ENXIO) until the reader is there, and the wait is bounded."""
+    opened: list[int] = []
+
+    def opened_for_writing() -> bool:
+        try:
+            opened.append(os.open(gate, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:
+                raise
+        return bool(opened)
+
+    try:
+        async with asyncio.timeout(WAIT_S):
+            await poll_until(opened_for_writing)
+    except TimeoutError:
+        raise AssertionError(f"the slow app never opened its FIFO: {why()}") from None
+    try:
+        os.write(opened[0], b"go")
+    finally:
+        os.close(opened[0])
 
 
 def machine_of(demo: Demo, name: str) -> TenantLifecycle:
@@ -112,7 +139,7 @@ async def test_preload_starts_apps_once_the_proxy_is_up_and_health_shows_a_faile
     async with asyncio.timeout(WAIT_S):
         await poll_until(lambda: machine_of(demo, "slow").state == "starting")
     assert (await http.get(admin + "/api/tenants")).status_code == 200
-    await asyncio.to_thread(gate.write_text, "go")  # opening a FIFO waits for its reader: the app's
+    await open_gate(gate, lambda: f"slow is {machine_of(demo, 'slow').state}: {machine_of(demo, 'slow').snapshot.error}")
     async with asyncio.timeout(WAIT_S):
         await poll_until(lambda: machine_of(demo, "slow").state == "running")
         await poll_until(lambda: machine_of(demo, "broken").preload_error is not None)
