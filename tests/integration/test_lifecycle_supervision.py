@@ -221,7 +221,10 @@ async def test_a_stop_that_leaves_the_port_held_fails_names_the_holder_and_is_ne
         assert f"port {port} is still held by pid {daemon}" in (machine.snapshot.error or ""), machine.snapshot.error
         (stop,) = [d for d in demo.proxy.decisions.recent() if d.kind == "stop"]
         assert stop.outcome["ok"] is False and stop.outcome["state"] == "failed", stop
-    finally:
+    finally:  # the daemon outlives the stop by design: never leave it holding its port for later tests
+        pidfile = tmp_path / "daemon.pid"
+        if not daemon and pidfile.exists() and pidfile.read_text().strip():
+            daemon = int(pidfile.read_text())
         kill_all([daemon] if daemon else [])
 
 
