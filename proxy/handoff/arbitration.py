@@ -320,13 +320,13 @@ class Arbitration:
 
     # -- the request path ---------------------------------------------------------------------
     async def admit(self, tenant: Tenant, path: str, body: bytes, trigger: str,
-                    *, oom: bool = False, work: Token | None = None) -> tuple[Admitted, Need]:
+                    *, oom: bool = False, work: Token | None = None, need: Need | None = None) -> tuple[Admitted, Need]:
         """Make room for a GPU request: at once when its load is already on the card (the scheduler's
         own first step, `Scheduler.admit_at_once`), else through the handoff queue (which may
         wait for busy tenants, up to the queue timeout). `work`: the request's traffic token, counted
-        as the tenant's work from its admission on. A client that goes away while waiting leaves the
-        queue."""
-        need = await self.adapter(tenant).estimate_need(path, body, self.control)
+        as the tenant's work from its admission on; `need`: estimated already. A client that goes
+        away while waiting leaves the queue."""
+        need = need or await self.adapter(tenant).estimate_need(path, body, self.control)
         need_bytes = need.bytes
         if oom:
             self.scheduler.unloaded(tenant.name)

@@ -41,6 +41,7 @@ from proxy.handoff.scheduler import Admitted, Handoff
 from proxy.lifecycle.controller import LifecycleError
 from proxy.relay import trace as tracing
 from proxy.relay.forward import UpstreamResponse
+from proxy.relay.listener import FirstStep
 from proxy.tenants import Tenant
 
 log = logging.getLogger("hyperswap.gate")
@@ -300,22 +301,22 @@ class GpuGate:
                         f"tenants.{tenant.name}.wake_on to \"any\" so reads start it too")
         return JSONResponse(body, status_code=503, headers={"Retry-After": str(STOPPED_RETRY_AFTER_S)})
 
-    async def at_once(self, tenant: Tenant, request: Request, body: bytes, work: Token) -> tuple[Admitted, Need] | None:
-        """The scheduler's at-once admission of a load already on the card (or on its way), tried
-        before anything else is built for the request (a streamed one's progress answer): such a
-        request never waits. None: it goes through `handle` (an unload, or a load that is planned)."""
+    async def at_once(self, tenant: Tenant, request: Request, body: bytes, work: Token) -> FirstStep:
+        """The need, and the scheduler's at-once admission of a load already on the card (or on its
+        way), tried before anything else is built for the request (a streamed one's progress answer):
+        such a request never waits. No admission: `handle` plans it with the need found here (none
+        for an unload, which needs no memory)."""
         adapter = self._adapter(tenant)
         if adapter.unload_target(request.url.path, body) is not None:
-            return None
+            return None, None
         need = await adapter.estimate_need(request.url.path, body, self.arb.control)
-        admitted = self.arb.scheduler.admit_at_once(tenant, need.key, need.bytes, work)
-        return None if admitted is None else (admitted, need)
+        return need, self.arb.scheduler.admit_at_once(tenant, need.key, need.bytes, work)
 
     async def handle(self, tenant: Tenant, request: Request, body: bytes,
                      forward: Callable[[bytes], Awaitable[UpstreamResponse]], work: Token,
-                     admitted_at_once: tuple[Admitted, Need] | None = None) -> UpstreamResponse | Response:
-        """Admit (unless `at_once` admitted it already: `admitted_at_once`), forward, retry once after
-        an OOM."""
+                     first: FirstStep = (None, None)) -> UpstreamResponse | Response:
+        """Admit (unless `at_once` did: `first`, whose need is not estimated again), forward, retry
+        once after an OOM."""
         adapter = self._adapter(tenant)
         unloading = adapter.unload_target(request.url.path, body)
         if unloading is not None:
@@ -325,7 +326,11 @@ class GpuGate:
             return await forward(body)
         trigger = f"request {request.method} {request.url.path}"
         arrived, arrived_wall = self.arb.clock.now(), self.arb.clock.wall()
-        admitted, need = admitted_at_once or await self.arb.admit(tenant, request.url.path, body, trigger, work=work)
+        known, at_once = first
+        if at_once is not None and known is not None:
+            admitted, need = at_once, known
+        else:
+            admitted, need = await self.arb.admit(tenant, request.url.path, body, trigger, work=work, need=known)
         handoff = admitted.handoff
         retry: Handoff | None = None
         outlives = adapter.captures_job(request.method, request.url.path)

@@ -39,19 +39,21 @@ from proxy.tenants import Tenant
 
 log = logging.getLogger("hyperswap.listener")
 
-AtOnce = tuple[Admitted, Need]  # a request the scheduler admitted at once (its load on the card), and its need
+# A GPU request's need (None: an unload) and its admission when the scheduler admitted it at once
+# (its load on the card; None: it is planned), found before its answer is built.
+FirstStep = tuple[Need | None, Admitted | None]
 
 JOB_RESPONSE_MAX = 1 << 20  # a POST /prompt answer is tiny; never hold more than this
 
 
 class Admission(Protocol):
-    async def at_once(self, tenant: Tenant, request: Request, body: bytes, work: Token) -> AtOnce | None:
-        """The scheduler's at-once admission of a load already on the card, tried first; None: `handle`
-        admits it (an unload, or a load that is planned). What it returns goes to `handle`."""
+    async def at_once(self, tenant: Tenant, request: Request, body: bytes, work: Token) -> FirstStep:
+        """The need, and the scheduler's at-once admission of a load already on the card, tried first;
+        what it returns goes to `handle`, which plans the rest."""
 
     async def handle(self, tenant: Tenant, request: Request, body: bytes,
                      forward: Callable[[bytes], Awaitable[UpstreamResponse]], work: Token,
-                     admitted_at_once: AtOnce | None = None) -> UpstreamResponse | Response:
+                     first: FirstStep = (None, None)) -> UpstreamResponse | Response:
         """Admit the request (its `work` token counts as the tenant's work from the moment the
         scheduler admits it, never while it waits), forward it, retry once after an OOM."""
 
@@ -211,11 +213,13 @@ class TenantApp:
             elif self.admission is not None:
                 streamed = self._progress_for(request, body)
                 # a load on the card never waits: admitted at once, it needs no progress answer around it
-                at_once = await self.admission.at_once(tenant, request, body, token) if streamed is not None else None
-                if streamed is not None and at_once is None:
-                    return self._progress(request, body, token, streamed)
+                first: FirstStep = (None, None)
+                if streamed is not None:
+                    first = await self.admission.at_once(tenant, request, body, token)
+                    if first[1] is None:
+                        return self._progress(request, body, token, streamed, first)
                 result = await self.admission.handle(tenant, request, body,
-                                                     lambda b: forwarder.open(tenant, request, b), token, at_once)
+                                                     lambda b: forwarder.open(tenant, request, b), token, first)
             else:
                 result = await forwarder.open(tenant, request, body)
         except HyperSwapError as exc:
@@ -245,9 +249,10 @@ class TenantApp:
             return None
         return self.adapter.stream_format(request.url.path, body)
 
-    def _progress(self, request: Request, body: bytes, token: Token, streamed: Streamed) -> Response:
-        """Admission and forward run inside the answer, which starts as soon as the plan says the
-        request waits (proxy/relay/progress.py); one that does not wait is answered as ever."""
+    def _progress(self, request: Request, body: bytes, token: Token, streamed: Streamed, first: FirstStep) -> Response:
+        """Admission (with the need `first` found) and forward run inside the answer, which starts as
+        soon as the plan says the request waits (proxy/relay/progress.py); one that does not wait is
+        answered as ever."""
         admission, tenant, forwarder, inflight = self.admission, self.tenant, self.forwarder, self.inflight
         assert admission is not None
         changed = asyncio.Event()
@@ -263,7 +268,8 @@ class TenantApp:
             inflight.end(token, status)
 
         return progress.ProgressResponse(
-            streamed, lambda: admission.handle(tenant, request, body, lambda b: forwarder.open(tenant, request, b), token),
+            streamed,
+            lambda: admission.handle(tenant, request, body, lambda b: forwarder.open(tenant, request, b), token, first),
             lambda: admission.wait_of(token), changed, current_trace() or Trace(), admission.clock, answer, finish,
             activity=partial(inflight.active, tenant.name))
 
