@@ -55,10 +55,6 @@ class UnknownTenant(HyperSwapError):
     exit_code = 2
 
 
-class NotAvailableYet(HyperSwapError):
-    exit_code = 2
-
-
 class McpNotInstalled(HyperSwapError):
     """The MCP tools' SDK is an optional extra (the `mcp` extra: `pip install '.[mcp]'` from the checkout,
     or `pip install 'mcp>=2.3,<3'` into the proxy's environment) and is not installed."""

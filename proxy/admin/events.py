@@ -80,13 +80,11 @@ class _Subscriber:
     stats_queued: int = 0
     overflowed: bool = False
     closing: bool = False
-    dropped_stats: int = 0
 
     def push(self, frame: Frame) -> None:
         if frame.kind == "stats":
             if self.stats_queued >= self.settings.stats_backlog:
                 self._drop_oldest("stats")
-                self.dropped_stats += 1
             self.stats_queued += 1
         elif frame.kind == "catalog":
             self._drop_oldest("catalog")  # superseded by this one
@@ -146,7 +144,6 @@ class EventsExtension:
         self._catalog_ready = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._unsubscribe: Any = None
-        self.last_stats_frame: Frame | None = None
         self._lifecycle_sent: dict[str, str] = {}  # tenant -> the state its last lifecycle frame said
 
     @property
@@ -241,7 +238,6 @@ class EventsExtension:
                     self._lifecycle_changes()
                     payload = await stats_payload(self.proxy)
                     frame = encode(next(self._seq), "stats", payload)
-                    self.last_stats_frame = frame
                     self._broadcast(frame)
                 except Exception:  # a bad tick must not end the stream for everyone
                     log.exception("events: stats frame failed")

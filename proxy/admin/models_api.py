@@ -47,7 +47,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("hyperswap.models")
 
 TAIL_BYTES = 4096  # Ollama's final line (with load_duration) fits well inside this
-WARM_ENOUGH = 0.9  # a model this resident is not warmed again by the keep-recent policy
 LOOKUP_S = 1.0  # a GPU request waits at most this for its model's files; past it the load is just not timed
 ANSWER_S = 15.0  # an admin answer that needs the model files waits at most this, then says 503
 BUSY_FIX = "retry in a few seconds; if it persists, look for a model folder on a slow or hung file system"

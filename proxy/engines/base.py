@@ -126,7 +126,6 @@ class EngineAdapter:
     def __init__(self, tenant: Tenant) -> None:
         self.tenant = tenant
         upstream = urlsplit(tenant.upstream or "http://127.0.0.1")
-        self.upstream_scheme = upstream.scheme
         self.upstream_host = upstream.netloc  # what the engine believes its own Host is
         self.upstream_origin = f"{upstream.scheme}://{upstream.netloc}"
         self._host_header = (b"host", self.upstream_host.encode("latin-1"))
