@@ -292,8 +292,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "run", None):
         parser.print_help()
         return 2
+    run: Callable[[argparse.Namespace], int] = args.run
     try:
-        return args.run(args)
+        return run(args)
     except HyperSwapError as exc:
         print(exc.one_line(), file=sys.stderr)
         return exc.exit_code

@@ -269,7 +269,7 @@ async def self_test(demo: Demo) -> list[tuple[str, bool, str]]:
                 return expect(await client.get(o + "/")).text
 
             async def o_version() -> str:
-                return expect(await client.get(o + "/api/version")).json()["version"]
+                return str(expect(await client.get(o + "/api/version")).json()["version"])
 
             async def o_tags() -> str:
                 return f"{len(expect(await client.get(o + '/api/tags')).json()['models'])} models"
@@ -283,7 +283,7 @@ async def self_test(demo: Demo) -> list[tuple[str, bool, str]]:
             async def o_chat() -> str:
                 r = expect(await client.post(o + "/api/chat", json={"model": chat_model, "stream": False,
                                                                     "messages": [{"role": "user", "content": "hi"}]}))
-                return r.json()["message"]["content"][:30]
+                return str(r.json()["message"]["content"])[:30]
 
             async def o_ps() -> str:
                 return ", ".join(m["name"] for m in expect(await client.get(o + "/api/ps")).json()["models"])
@@ -315,7 +315,7 @@ async def self_test(demo: Demo) -> list[tuple[str, bool, str]]:
 
             async def o_unload() -> str:
                 r = expect(await client.post(o + "/api/generate", json={"model": chat_model, "keep_alive": 0}))
-                return r.json()["done_reason"]
+                return str(r.json()["done_reason"])
 
             for name, fn in [("ollama GET /", o_root), ("ollama /api/version", o_version), ("ollama /api/tags", o_tags),
                              ("ollama /api/generate", o_generate), ("ollama /api/chat", o_chat), ("ollama /api/ps", o_ps),
@@ -330,7 +330,7 @@ async def self_test(demo: Demo) -> list[tuple[str, bool, str]]:
             small_ckpt = min(ckpts, key=lambda k: ckpts[k])
 
             async def c_stats() -> str:
-                return expect(await client.get(c + "/system_stats")).json()["devices"][0]["name"]
+                return str(expect(await client.get(c + "/system_stats")).json()["devices"][0]["name"])
 
             async def c_api_prefix() -> str:
                 return str(expect(await client.get(c + "/api/queue")).json())
@@ -591,20 +591,24 @@ async def _relay_stopped_and_started(demo: Demo, client: httpx.AsyncClient) -> s
     machine = proxy.arbitration.lifecycles.machine(name)
     if machine is None:
         raise AssertionError(f"{name} is not a tenant the proxy starts and stops")
+    lifecycle = machine
+
+    def state() -> str:  # read anew each time: it changes across the awaits
+        return lifecycle.state
     if demo.box.ollama:
         await _unload_ollama(demo, client)  # so that the render needs the relay's memory, not Ollama's
     expect_ok(await client.post(proxy.url("admin") + "/api/tenants/comfyui/release"), "comfyui's release")
     relay = proxy.url(name)
     before = len(proxy.decisions.recent(500))
     polled = await client.get(relay + "/health")
-    if polled.status_code != 503 or machine.state != "stopped":
-        raise AssertionError(f"a read of the stopped {name} answered {polled.status_code} and left it {machine.state}: "
+    if polled.status_code != 503 or state() != "stopped":
+        raise AssertionError(f"a read of the stopped {name} answered {polled.status_code} and left it {state()}: "
                              "a read must not start it (wake_on \"writes\")")
     expect_ok(await client.post(relay + "/v1/audio/transcriptions", content=b"",
                                 headers={"Content-Type": "audio/wav"}), f"the first request to {name}")
     pid = machine.controller.describe().get("pid")
-    if machine.state != "running" or not isinstance(pid, int) or pid not in gpu.real_pids():
-        raise AssertionError(f"{name} is {machine.state} after its first request; on the card: {gpu.real_pids()}")
+    if state() != "running" or not isinstance(pid, int) or pid not in gpu.real_pids():
+        raise AssertionError(f"{name} is {state()} after its first request; on the card: {gpu.real_pids()}")
     ckpts, reg = demo.box.comfyui.config.checkpoints, proxy.registry.get("comfyui")
     ckpt = max(ckpts, key=lambda k: ckpts[k])
     need = int(reg.model_vram_gb.get(ckpt, reg.needs_vram_gb) * GIB)
@@ -615,14 +619,14 @@ async def _relay_stopped_and_started(demo: Demo, client: httpx.AsyncClient) -> s
     stops = [d for d in made if d.kind == "stop" and d.tenant == name]
     if not stops or stops[-1].outcome.get("ok") is not True:
         raise AssertionError(f"{ckpt} rendered but {name} was not stopped: {[(d.kind, d.tenant) for d in made]}")
-    if machine.state != "stopped" or pid in gpu.real_pids():
-        raise AssertionError(f"{name} is {machine.state} after its stop; pid {pid} on the card: {pid in gpu.real_pids()}")
+    if state() != "stopped" or pid in gpu.real_pids():
+        raise AssertionError(f"{name} is {state()} after its stop; pid {pid} on the card: {pid in gpu.real_pids()}")
     stop_s = stops[-1].outcome.get("duration_s")
     said = expect_ok(await client.post(relay + "/v1/audio/transcriptions", content=b"RIFF" + bytes(4096),
                                        headers={"Content-Type": "audio/wav"}), f"the next request to {name}")
     starts = [d for d in proxy.decisions.recent(500)[before:] if d.kind == "start" and d.tenant == name]
-    if len(starts) != 2 or machine.state != "running" or "text" not in said.json():
-        raise AssertionError(f"{name} was not started again: {len(starts)} start(s), {machine.state}, {said.text[:120]}")
+    if len(starts) != 2 or state() != "running" or "text" not in said.json():
+        raise AssertionError(f"{name} was not started again: {len(starts)} start(s), {state()}, {said.text[:120]}")
     return (f"{name} started ({starts[0].outcome.get('duration_s')} s), stopped for {ckpt} ({stop_s} s, "
             f"{spec.vram_gb:g} GiB back), started again ({starts[1].outcome.get('duration_s')} s), 200")
 

@@ -75,7 +75,7 @@ class Watchdog:
         last = activity if activity is not None else self.arb.started_at
         fruitless = self._fruitless.get(tenant_name)
         if fruitless is not None and fruitless.activity == activity:
-            return fruitless.at + tenant.idle_release_after_s * min(2 ** fruitless.count, MAX_IDLE_BACKOFF)
+            return fruitless.at + tenant.idle_release_after_s * min(1 << fruitless.count, MAX_IDLE_BACKOFF)
         return last + tenant.idle_release_after_s
 
     def _idle_released(self, name: str, freed: int, at: float) -> None:

@@ -9,6 +9,7 @@ classified by its own residency when that was measured, else it stays unclassifi
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -55,7 +56,7 @@ class Thresholds:
     def split_gbps(self) -> float | None:
         if self.warm_gbps is None or self.cold_gbps is None or self.warm_gbps <= self.cold_gbps:
             return None
-        return (self.warm_gbps * self.cold_gbps) ** 0.5
+        return math.sqrt(self.warm_gbps * self.cold_gbps)
 
     def to_json(self) -> dict[str, Any]:
         split = self.split_gbps

@@ -1041,8 +1041,9 @@ def _nearest_upstream(graph: JSON, nid: str, class_types: tuple[str, ...]) -> JS
         if cur in seen:
             continue
         seen.add(cur)
-        if graph[cur]["class_type"] in class_types:
-            return graph[cur]
+        node: JSON = graph[cur]
+        if node["class_type"] in class_types:
+            return node
         stack.extend(dependencies(graph, cur))
     return None
 

@@ -119,7 +119,7 @@ def _fits(value: Any, spec: Any) -> bool:
         return isinstance(value, _Obj)
     if spec == "api.ImageData":  # []byte: a base64 string (or an array of bytes)
         return isinstance(value, (str, list)) and not isinstance(value, (_Num, _Obj))
-    return spec == "any"
+    return isinstance(spec, str) and spec == "any"
 
 
 class _Decoder:

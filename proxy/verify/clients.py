@@ -231,7 +231,11 @@ def minimal_graph(object_info: Mapping[str, Any], checkpoint: str | None, seed: 
     out_node = "PreviewImage" if "PreviewImage" in object_info else "SaveImage" if "SaveImage" in object_info else None
     if missing or out_node is None:
         raise LookupError(f"ComfyUI lacks the core node(s) {', '.join(missing or ['PreviewImage/SaveImage'])}")
-    req = lambda node: (object_info[node].get("input") or {}).get("required") or {}  # noqa: E731
+
+    def req(node: str) -> Mapping[str, Any]:
+        required: Mapping[str, Any] = (object_info[node].get("input") or {}).get("required") or {}
+        return required
+
     ckpts = _combo(req("CheckpointLoaderSimple").get("ckpt_name"))
     if checkpoint is not None and checkpoint not in ckpts:
         raise LookupError(f"no checkpoint {checkpoint!r} installed (ComfyUI lists {', '.join(ckpts) or 'none'})")
