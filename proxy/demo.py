@@ -30,6 +30,7 @@ from proxy.clock import Clock, SystemClock
 from proxy.decision import DecisionEvent
 from proxy.gpu.keeper import GpuDrift
 from proxy.handoff.decisions import DecisionView, LifecycleExit, ModelLoad
+from proxy.relay.refusals import NotEnoughMemory
 from proxy.relay.servers import settle_heap
 from proxy.service import Proxy
 from proxy.sim.box import Scenario, SimBox, fast_scenario, load_scenario
@@ -573,10 +574,10 @@ async def _rejection_check(demo: Demo, client: httpx.AsyncClient) -> str:
         return f"not applicable: {biggest.name} fits this card once others are released"
     if r.status_code != 507:
         raise AssertionError(f"{biggest.name} answered {r.status_code}: {r.text[:200]}")
-    body = r.json()
-    blockers = ", ".join(f"{b['cmdline'] or b['name']} (pid {b['pid']}, {b['vram_gb']} GiB, {b['reason']})"
-                         for b in body["blockers"] if b["reason"] == "unmanaged")
-    return (f"507 for {biggest.name} (needs {body['need_gb']} GiB, {body['available_gb']} GiB reachable): "
+    refused = NotEnoughMemory.model_validate_json(r.content)
+    blockers = ", ".join(f"{b.cmdline or b.name} (pid {b.pid}, {b.vram_gb} GiB, {b.reason})"
+                         for b in refused.blockers if b.reason == "unmanaged")
+    return (f"507 for {biggest.name} (needs {refused.need_gb} GiB, {refused.available_gb} GiB reachable): "
             f"{blockers or 'no unmanaged blocker'}")
 
 

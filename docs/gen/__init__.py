@@ -42,12 +42,14 @@ class Generated:
 
 
 def blocks() -> list[Generated]:
-    from docs.gen import api, cli, config, metrics
+    from docs.gen import api, cli, config, metrics, refusals
 
     return [
         Generated("cli", DOCS / "reference" / "cli.md", "proxy/cli.py's argparse parser", cli.render),
         Generated("tenants-json", DOCS / "reference" / "tenants-json.md", "proxy/tenants.py's pydantic models",
                   config.render),
+        Generated("refusals", DOCS / "reference" / "admin-api.md", "proxy/relay/refusals.py's typed models",
+                  refusals.render),
         Generated("admin-api", DOCS / "reference" / "admin-api.md", "proxy/admin/openapi.py's OpenAPI document",
                   api.render),
         Generated("metrics", DOCS / "reference" / "metrics.md", "proxy/admin/metrics.py's Prometheus registry",

@@ -31,7 +31,7 @@ from proxy.hosts import listener_policy
 from proxy.lifecycle.logs import FOLLOW_EVERY_S, LINES_BACK_DEFAULT, LINES_BACK_MAX, Chunk, LogFollower
 from proxy.lifecycle.process import ProcessController
 from proxy.lifecycle.state import TenantLifecycle
-from proxy.relay.gpu_gate import rejection_body, retry_after
+from proxy.relay import refusals
 from proxy.relay.guards import AdminGuard
 from proxy.tenants import GIB, MAX_GIB, Tenant
 
@@ -134,9 +134,7 @@ class AdminApi:
     async def release(self, request: Request) -> Response:
         tenant = self.arb.registry.get(request.path_params["name"])
         if not tenant.reclaimable:
-            return error(409, tenant.not_reclaimable_reason,
-                         "this tenant cannot be released; stop it by hand if you need the memory",
-                         tenant=tenant.name, reason="not_reclaimable")
+            return refusals.not_reclaimable(tenant).response()
         snap = await self.arb.snapshot()
         state = self.arb.scheduler.states(snap)[tenant.name]
         if not state.busy and await self.arb.adapter(tenant).runs_on_cpu(self.arb.control):
@@ -147,8 +145,7 @@ class AdminApi:
             if not result.busy:
                 return release_answer(tenant, result)
             state = self.arb.scheduler.states(await self.arb.snapshot())[tenant.name]
-        return error(409, f"{tenant.name} is busy ({state.busy_reason}); a busy tenant is never released",
-                     "wait for its work to finish, or cancel it in the application", tenant=tenant.name, reason="busy")
+        return refusals.busy(tenant, state.busy_reason, "released").response()
 
     # -- tenants the proxy starts and stops --------------------------------------------------------
     def _lifecycle(self, tenant: Tenant, action: str) -> TenantLifecycle | Response:
@@ -156,12 +153,7 @@ class AdminApi:
         machine = self.arb.lifecycles.machine(tenant.name)
         if machine is not None:
             return machine
-        kinds = ", ".join(s.kind for s in tenant.release_steps) or "none"
-        return error(409, f"{tenant.name} is not a tenant the proxy starts and stops (release kind {kinds}): "
-                          f"it cannot {action} it",
-                     "only a tenant whose release in tenants.json is of kind process, systemd or docker is started "
-                     "and stopped by the proxy; start or stop this one yourself", tenant=tenant.name,
-                     reason="not_lifecycle", lifecycle=None)
+        return refusals.not_lifecycle(tenant, action).response()
 
     def _lifecycle_answer(self, tenant: Tenant, machine: TenantLifecycle, action: str,
                           status: int = 200, **fields: Any) -> JSONResponse:
@@ -185,10 +177,7 @@ class AdminApi:
             return self._start_not_admitted(tenant, machine, outcome)
         if outcome.ok:
             return self._lifecycle_answer(tenant, machine, "start", report=outcome.to_json())
-        err = outcome.error_for_client()
-        body = {**err.to_json(), "reason": "start_failed", "lifecycle": machine.view()}
-        body.pop("state", None)
-        return JSONResponse(body, status_code=503, headers={"Retry-After": retry_after(err)})
+        return refusals.start_failed(outcome.error_for_client(), machine.view()).response()
 
     def _start_not_admitted(self, tenant: Tenant, machine: TenantLifecycle, admitted: Admitted) -> Response:
         """The queue refused the start's memory (507: impossible) or it waited past the queue timeout (503)."""
@@ -197,14 +186,8 @@ class AdminApi:
             timeout_s = self.arb.registry.config.proxy.queue_timeout_s
             self.arb.decisions.emit(Rejected(tenant=tenant.name, trigger="admin start", plan=handoff.plan, status=503,
                                              reason=admitted.reason))
-            return JSONResponse(
-                {"error": f"the start of {tenant.name} waited {timeout_s:g} s for GPU memory: {admitted.reason}",
-                 "fix": "start it again once the busy tenants finish (Retry-After), or raise proxy.queue_timeout_s "
-                        "in tenants.json",
-                 "tenant": tenant.name, "reason": "queue_timeout", "waited_s": round(handoff.waited_s, 3),
-                 "waiting_for": list(handoff.plan.wait_for), "lifecycle": machine.view()},
-                status_code=503, headers={"Retry-After": str(max(1, int(min(timeout_s, 30))))})
-        return JSONResponse(rejection_body(tenant, handoff, self.arb.start_need(tenant)), status_code=507)
+            return refusals.start_queue_timeout(tenant, admitted, timeout_s, machine.view()).response()
+        return refusals.not_enough_memory(tenant, handoff, self.arb.start_need(tenant).bytes).response()
 
     async def stop(self, request: Request) -> Response:
         """Stop an idle tenant the proxy starts, through the one release path (its stopping step)."""
@@ -221,9 +204,7 @@ class AdminApi:
             return 200, self._lifecycle_body(tenant, machine, "stop",
                                              note=f"{tenant.name} is stopped already: nothing to do")
         if machine.state == "starting":
-            return 409, refusal(f"{tenant.name} is starting: it is stopped only once it runs and is idle",
-                                "wait for the start to end, then stop it", tenant=tenant.name, reason="starting",
-                                lifecycle=machine.view())
+            return 409, refusals.starting(tenant, machine.view()).body()
         snap = await self.arb.snapshot()
         state = self.arb.scheduler.states(snap)[tenant.name]
         if not state.busy and not self.arb.stop_blocked(tenant.name):  # the release path checks again in its turn
@@ -238,9 +219,7 @@ class AdminApi:
                     release=result.to_json(), lifecycle=machine.view())
             state = self.arb.scheduler.states(await self.arb.snapshot())[tenant.name]
         why = state.busy_reason if state.busy else "a request, stream or websocket is open"
-        return 409, refusal(f"{tenant.name} is busy ({why}); a busy tenant is never stopped",
-                            "wait for its work to finish, or cancel it in the application", tenant=tenant.name,
-                            reason="busy", lifecycle=machine.view())
+        return 409, refusals.busy(tenant, why, "stopped", machine.view()).body()
 
     async def stop_all(self, request: Request) -> Response:
         """Stop every tenant the proxy starts that is idle (llama-swap's unload-all), one after another
@@ -276,10 +255,7 @@ class AdminApi:
             return machine
         controller = machine.controller
         if not isinstance(controller, ProcessController):
-            where = ("`journalctl -f -u <unit>`" if controller.kind == "systemd" else "`docker logs -f <container>`")
-            return error(409, f"{tenant.name}'s output is not the proxy's to stream: it runs as a {controller.kind} "
-                              f"{'unit' if controller.kind == 'systemd' else 'container'}, whose output its manager keeps",
-                         f"follow it with {where}", tenant=tenant.name, reason="no_log", lifecycle=machine.view())
+            return refusals.no_log(tenant, controller.kind, machine.view()).response()
         back = integer(request.query_params, "lines", LINES_BACK_DEFAULT, low=0, high=LINES_BACK_MAX,
                        example=f"GET /api/tenants/{tenant.name}/logs?lines=100")
         follower = LogFollower(controller)

@@ -22,6 +22,7 @@ from proxy.handoff.arbiter import TenantState, gib
 from proxy.handoff.arbitration import Arbitration
 from proxy.handoff.decisions import ReleaseVerdict
 from proxy.handoff.watchdog import Watchdog
+from proxy.relay.refusals import NotEnoughMemory, PlanDevice
 from proxy.tenants import Tenant
 
 JSON = dict[str, Any]
@@ -87,38 +88,15 @@ class Plan(_Doc):
     device: PlanDevice | None = Field(default=None, description="only on a host with several GPUs: the card planned on")
 
 
-class PlanDevice(_Doc):
-    index: int = Field(description="NVML index (`nvidia-smi -L`)")
-    name: str
-    uuid: str | None = Field(default=None, description="in a 507's `device`")
-
-
 class DryRun(_Doc):
     dry_run: Literal[True]
     plan: Plan
 
 
-class RejectionBlocker(_Doc):
-    pid: int | None
-    name: str
-    cmdline: str
-    tenant: str
-    vram_gb: float | None
-    reason: str
-    detail: str
-
-
-class Rejection(_Doc):
+class Rejection(NotEnoughMemory):
     """The 507 a tenant's listener answers when no plan frees enough memory."""
-    error: str
-    tenant: str
-    need_gb: float | None
-    available_gb: float | None
-    blockers: list[RejectionBlocker]
-    plan: Plan
-    fix: str
-    device: PlanDevice | None = Field(default=None, description="only on a host with several GPUs: the card that "
-                                                                "has not enough memory (another may have room)")
+    # relay/refusals.py builds it; the document describes its plan field by field
+    plan: Plan  # type: ignore[assignment]  # the same JSON, as the Plan view describes it
 
 
 class ReleaseResult(_Doc):

@@ -20,7 +20,6 @@ from starlette.responses import JSONResponse, Response
 from proxy.clock import Clock
 from proxy.engines import EngineAdapter, Need, ReleaseFailed, strip_hop_by_hop
 from proxy.engines.base import JobReplay
-from proxy.handoff import devices
 from proxy.handoff.arbiter import RESIDENT, gib
 from proxy.handoff.arbitration import Arbitration
 from proxy.handoff.decisions import (
@@ -37,8 +36,9 @@ from proxy.handoff.decisions import (
     WaitChanged,
 )
 from proxy.handoff.inflight import Token
-from proxy.handoff.scheduler import Admitted, Handoff
+from proxy.handoff.scheduler import Handoff
 from proxy.lifecycle.controller import LifecycleError
+from proxy.relay import refusals
 from proxy.relay import trace as tracing
 from proxy.relay.forward import UpstreamResponse
 from proxy.relay.listener import FirstStep
@@ -47,7 +47,6 @@ from proxy.tenants import Tenant
 log = logging.getLogger("hyperswap.gate")
 
 WAIT_EVENTS = (Queued, WaitChanged, QueueEnded, HandoffStarted, HandoffFinished)  # a wait may have changed
-STOPPED_RETRY_AFTER_S = 10  # a read kept from a stopped app: nothing starts it by itself, so poll slowly
 
 
 class LoadHooks(Protocol):
@@ -61,62 +60,6 @@ class LoadHooks(Protocol):
 
     def on_frame(self, tenant: Tenant, text: str) -> None:
         """Every upstream websocket text frame (ComfyUI's execution frames time its checkpoint loads)."""
-
-
-def blockers_json(handoff: Handoff) -> list[dict[str, Any]]:
-    snap = handoff.snapshot
-    out = []
-    for b in handoff.plan.blockers:
-        proc = snap.snapshot.process(b.pid) if snap is not None and b.pid is not None else None
-        out.append({"pid": b.pid, "name": b.name, "cmdline": proc.cmdline if proc else "", "tenant": b.tenant,
-                    "vram_gb": gib(b.vram_bytes), "reason": b.reason, "detail": b.detail})
-    return out
-
-
-def _refusal_fix(handoff: Handoff) -> str:
-    reasons = {b.reason for b in handoff.plan.blockers}
-    device = devices.device(handoff.snapshot, handoff.plan.device) if handoff.snapshot else None
-    if device is not None and device.total_bytes and handoff.plan.need_bytes > device.total_bytes - device.reserved_bytes:
-        return "use a smaller model or quantisation: no release on this card can free that much"
-    fixes = []
-    if "unmanaged" in reasons:
-        fixes.append("stop the unmanaged processes named in blockers, or register them as a tenant with a release")
-    if "not_reclaimable" in reasons:
-        fixes.append("give the not-reclaimable tenants a release in tenants.json, or stop them")
-    if "protected" in reasons:
-        fixes.append("raise this tenant's priority, or unset protect_idle_memory on the protected tenant")
-    return "; ".join(fixes) or "free GPU memory held outside the proxy's tenants, or ask for less"
-
-
-def rejection_body(tenant: Tenant, handoff: Handoff, need: Need) -> dict[str, Any]:
-    """507: the need cannot be met even once every busy tenant finished and every reclaimable one
-    were released."""
-    plan = handoff.plan
-    body: dict[str, Any] = {
-        "error": f"not enough GPU memory for {tenant.name}: {plan.explanation}",
-        "tenant": tenant.name,
-        "need_gb": gib(need.bytes),
-        "available_gb": gib(plan.reachable_bytes),
-        "blockers": blockers_json(handoff),
-        "plan": plan.to_json(),
-        "fix": _refusal_fix(handoff),
-    }
-    if plan.device is not None and handoff.snapshot is not None:  # a host with several cards: which one
-        dev = devices.device(handoff.snapshot, plan.device)
-        body["device"] = {"index": dev.index, "name": dev.name, "uuid": dev.uuid}
-    return body
-
-
-def timeout_response(tenant: Tenant, admitted: Admitted, timeout_s: float) -> JSONResponse:
-    """503 past `proxy.queue_timeout_s`: waiting could still help, so say when to come back."""
-    handoff = admitted.handoff
-    retry_after = max(1, int(min(timeout_s, 30)))
-    body = {"error": f"{tenant.name} waited {timeout_s:g} s for GPU memory: {admitted.reason}",
-            "tenant": tenant.name, "waited_s": round(handoff.waited_s, 3),
-            "waiting_for": list(handoff.plan.wait_for), "blockers": blockers_json(handoff),
-            "plan": handoff.plan.to_json(),
-            "fix": "retry after the busy tenants finish (Retry-After), or raise proxy.queue_timeout_s in tenants.json"}
-    return JSONResponse(body, status_code=503, headers={"Retry-After": str(retry_after)})
 
 
 class GpuGate:
@@ -257,7 +200,7 @@ class GpuGate:
         try:
             admitted = await self.arb.wake(tenant, f"start of {tenant.name} for {what}")
         except LifecycleError as exc:
-            return JSONResponse(exc.to_json(), status_code=exc.status, headers={"Retry-After": retry_after(exc)})
+            return refusals.start_failed(exc).response()
         if admitted is None:
             return None
         if admitted.outcome == "run":
@@ -273,8 +216,8 @@ class GpuGate:
         if admitted.outcome == "timeout":
             self.arb.decisions.emit(Rejected(tenant=tenant.name, trigger=f"start for {what}",
                                              plan=admitted.handoff.plan, status=503, reason=admitted.reason))
-            return timeout_response(tenant, admitted, self.arb.registry.config.proxy.queue_timeout_s)
-        return JSONResponse(rejection_body(tenant, admitted.handoff, self.arb.start_need(tenant)), status_code=507)
+            return refusals.queue_timeout(tenant, admitted, self.arb.registry.config.proxy.queue_timeout_s).response()
+        return refusals.not_enough_memory(tenant, admitted.handoff, self.arb.start_need(tenant).bytes).response()
 
     def _kept_asleep(self, tenant: Tenant, what: str, origin: str | None) -> Response | None:
         """The answer to a request that must not wake `tenant` (a read, a foreign Origin), if it sleeps
@@ -287,19 +230,8 @@ class GpuGate:
         if state == "starting":
             return None  # the start under way is shared, as for any request
         start = f"POST http://{self.arb.registry.config.admin.listen}/api/tenants/{tenant.name}/start"
-        body: dict[str, Any] = {"tenant": tenant.name, "state": state}
-        if machine is not None and state == "failed":
-            body["last_error"] = machine.snapshot.error
-        if origin is not None:
-            body.update(error=f"{tenant.name} is {state}: a request from another origin ({origin[:200]!r}) never "
-                              "starts it", fix=f"open it from its own address, or start it first ({start})")
-            return JSONResponse(body, status_code=403)
-        body.update(error=f"{tenant.name} is {state}: {what} only reads, and a read does not start it "
-                          "(wake_on is \"writes\", so a poll never makes it flap)",
-                    wake_on=tenant.wake_on, retry_after_s=STOPPED_RETRY_AFTER_S,
-                    fix=f"send the request that needs it (a POST starts it), start it with {start}, or set "
-                        f"tenants.{tenant.name}.wake_on to \"any\" so reads start it too")
-        return JSONResponse(body, status_code=503, headers={"Retry-After": str(STOPPED_RETRY_AFTER_S)})
+        last_error = machine.snapshot.error if machine is not None else None
+        return refusals.kept_asleep(tenant, state, last_error, what=what, origin=origin, start_url=start).response()
 
     async def at_once(self, tenant: Tenant, request: Request, body: bytes, work: Token) -> FirstStep:
         """The need, and the scheduler's at-once admission of a load already on the card (or on its
@@ -337,9 +269,9 @@ class GpuGate:
         if admitted.outcome == "timeout":
             self.arb.decisions.emit(Rejected(tenant=tenant.name, trigger=trigger, plan=handoff.plan, status=503,
                                              reason=admitted.reason))
-            return timeout_response(tenant, admitted, self.arb.registry.config.proxy.queue_timeout_s)
+            return refusals.queue_timeout(tenant, admitted, self.arb.registry.config.proxy.queue_timeout_s).response()
         if admitted.outcome == "refuse":
-            return JSONResponse(rejection_body(tenant, handoff, need), status_code=507)
+            return refusals.not_enough_memory(tenant, handoff, need.bytes).response()
         hooks = self.load_hooks
         loads = need.model is not None and admitted.reason != RESIDENT  # on the card already: nothing to time
         trace = tracing.current()
@@ -433,12 +365,6 @@ def record_wait(trace: tracing.Trace, decisions: DecisionLog, handoff: Handoff, 
             trace.say(f"{r.tenant} released: {gib(r.freed_bytes)} GiB back in {r.duration_s:.1f} s{how}")
 
 
-def retry_after(exc: LifecycleError) -> str:
-    """A failed start may be tried again after its backoff: say when (at least 1 s)."""
-    retry = exc.details.get("retry_in_s")
-    return str(max(1, round(retry))) if isinstance(retry, (int, float)) else "1"
-
-
 def _replay_response(upstream: UpstreamResponse, body: bytes) -> Response:
     """The upstream's answer, already read, as it was: repeated headers kept, framing re-done."""
     response = Response(body, status_code=upstream.status_code)
@@ -454,6 +380,6 @@ def _with_blockers(upstream: UpstreamResponse, body: bytes, handoff: Handoff | N
     except ValueError:
         return _replay_response(upstream, body)
     if isinstance(data, dict) and handoff is not None:
-        data["blockers"] = blockers_json(handoff)
+        data["blockers"] = refusals.blockers_json(handoff)
         data["plan"] = handoff.plan.to_json()
     return JSONResponse(data, status_code=upstream.status_code)
