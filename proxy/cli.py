@@ -150,9 +150,10 @@ def cmd_uninstall(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from proxy.verify import admin_url, verify_main
+    from proxy.admin.address import admin_base_url
+    from proxy.verify import verify_main
 
-    return verify_main(admin_url(args.config, args.admin), yes=args.yes, as_json=args.json, comfy_graph=args.comfy_graph,
+    return verify_main(admin_base_url(args.config, args.admin), yes=args.yes, as_json=args.json, comfy_graph=args.comfy_graph,
                        checkpoint=args.comfy_checkpoint, stage_timeout_s=args.stage_timeout, busy_wait_s=args.busy_wait)
 
 
@@ -166,8 +167,9 @@ def cmd_mcp(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     import httpx
 
-    registry = load_registry(args.config)
-    url = args.admin or f"http://{registry.config.admin.listen}"
+    from proxy.admin.address import admin_base_url
+
+    url = admin_base_url(args.config, args.admin)
     params: dict[str, str] = {"tenant": args.tenant}
     if args.need_gb is not None:
         params["need_gb"] = str(args.need_gb)

@@ -1,17 +1,24 @@
-"""Where a running proxy's admin API answers, for the command-line clients (`hyperswap check`,
-`hyperswap mcp`): an explicit --admin URL, else the admin.listen of the tenants.json in use."""
+"""Where a running proxy's admin API answers, for every command-line client (`hyperswap check`, `verify`,
+`plan`, `mcp`, the deploy gate): an explicit --admin URL, else the admin.listen of the tenants.json in
+use. The one place that turns a listen address into a URL to call."""
 
 from __future__ import annotations
 
 from proxy.tenants import load_registry
 
+WILDCARD_HOSTS = ("0.0.0.0", "", "::", "[::]")  # addresses to listen on, not to call: reached on loopback
+
+
+def local_url(listen: str) -> str:
+    """A listen address (`host:port`) as a URL a local client can open."""
+    host, _, port = listen.rpartition(":")
+    host = "127.0.0.1" if host in WILDCARD_HOSTS else host
+    return f"http://{host}:{port}"
+
 
 def admin_base_url(config: str | None, admin_url: str | None) -> str:
-    """`http://host:port` without a trailing slash; a wildcard listen address is reached on loopback.
-    Raises ConfigError when the configuration cannot be read."""
+    """`http://host:port` without a trailing slash: --admin as given (a scheme added when missing), else
+    the admin listener of tenants.json. Raises ConfigError when the configuration cannot be read."""
     if admin_url:
         return admin_url.rstrip("/") if "://" in admin_url else f"http://{admin_url.rstrip('/')}"
-    listen = load_registry(config).config.admin.listen
-    host, _, port = listen.rpartition(":")
-    host = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
-    return f"http://{host}:{port}"
+    return local_url(load_registry(config).config.admin.listen)

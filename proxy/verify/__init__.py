@@ -11,13 +11,11 @@ from typing import Any, TextIO
 import httpx
 
 from proxy.errors import HyperSwapError
-from proxy.tenants import load_registry
 from proxy.tls import client_context
-from proxy.verify.clients import loopback
 from proxy.verify.report import Report, StageResult
 from proxy.verify.runner import Options, Verify
 
-__all__ = ["Options", "Report", "Verify", "admin_url", "load_graph", "verify_main"]
+__all__ = ["Options", "Report", "Verify", "load_graph", "verify_main"]
 
 
 def load_graph(path: str) -> dict[str, Any]:
@@ -34,13 +32,6 @@ def load_graph(path: str) -> dict[str, Any]:
         raise HyperSwapError(f"{path} is not a ComfyUI graph in API format (nodes with class_type and inputs)",
                              fix="in ComfyUI use Workflow > Export (API), not the plain Save (that is the UI format)")
     return graph
-
-
-def admin_url(config: str | None, given: str | None) -> str:
-    """--admin as given (a scheme added when missing), else the admin listener of tenants.json."""
-    if given:
-        return given.rstrip("/") if "://" in given else f"http://{given.rstrip('/')}"
-    return loopback(load_registry(config).config.admin.listen)
 
 
 def _ask(question: str) -> bool:

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import httpx
 from websockets.asyncio.client import connect as ws_connect
 
+from proxy.admin.address import local_url
 from proxy.clock import Clock
 from proxy.tenants import GIB
 
@@ -57,13 +58,6 @@ def gib(n: int | float | None) -> str:
     return "unknown" if n is None else f"{n / GIB:.2f} GiB"
 
 
-def loopback(listen: str) -> str:
-    """A listen address as a URL a local client can open (0.0.0.0 and :: are not addresses to call)."""
-    host, _, port = listen.rpartition(":")
-    host = "127.0.0.1" if host in ("0.0.0.0", "", "::", "[::]") else host
-    return f"http://{host}:{port}"
-
-
 @dataclass(frozen=True, slots=True)
 class TenantInfo:
     """One tenant as the admin API shows it, reduced to what the stages read."""
@@ -83,7 +77,7 @@ class TenantInfo:
     @classmethod
     def from_json(cls, view: Mapping[str, Any]) -> TenantInfo:
         cfg = view.get("config") or {}
-        url = view.get("listening") or (loopback(cfg["listen"]) if cfg.get("listen") else None)
+        url = view.get("listening") or (local_url(cfg["listen"]) if cfg.get("listen") else None)
         busy = bool(view.get("busy")) or bool(view.get("in_flight")) or bool(view.get("waiting"))
         return cls(name=str(view["name"]), engine=str(cfg.get("engine", "generic")), url=url,
                    upstream=cfg.get("upstream"), reclaimable=bool(view.get("reclaimable")), busy=busy,

@@ -338,7 +338,7 @@ def tenant_info() -> Any:
 
 
 def test_the_admin_url_comes_from_the_flag_or_the_configuration(tmp_path: Path) -> None:
-    from proxy.verify import admin_url
+    from proxy.admin.address import admin_base_url as admin_url
 
     assert admin_url(None, "127.0.0.1:9000") == "http://127.0.0.1:9000"
     assert admin_url(None, "http://h:1/") == "http://h:1"
@@ -346,6 +346,8 @@ def test_the_admin_url_comes_from_the_flag_or_the_configuration(tmp_path: Path) 
     config.write_text(json.dumps({"admin": {"listen": "0.0.0.0:11999", "token_env": "X"}}))
     assert admin_url(str(config), None) == "http://127.0.0.1:11999"
     assert admin_url(None, None) == "http://127.0.0.1:11400"  # the shipped default
+    config.write_text(json.dumps({"admin": {"listen": "[::]:11998", "token_env": "X"}}))
+    assert admin_url(str(config), None) == "http://127.0.0.1:11998", "the IPv6 wildcard is not an address to call"
 
 
 async def test_without_a_websocket_the_graph_is_followed_through_history() -> None:
