@@ -23,13 +23,25 @@ DecisionKind = Literal["plan", "queued", "release", "rejection", "oom_retry", "i
                        "gpu_drift", "gpu_apply", "model_load", "start", "stop", "resume", "exit"]
 
 
+class RequestTrigger(str):
+    """The trigger of a client's GPU request, "request POST /api/generate": a plain string wherever it is
+    logged, stored or shown, and typed, so that what was asked by a request (its plan, its wait, its
+    refusal: a request's story, the 507s counted) is known by its type, never by reading the text."""
+
+    __slots__ = ()
+
+    @classmethod
+    def of(cls, method: str, path: str) -> RequestTrigger:
+        return cls(f"request {method} {path}")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DecisionEvent:
     """The base: whose decision, what asked for it, and (given by the log) its id and time."""
 
     name: ClassVar[str] = "event"  # the event's name in its log line: "queued", "handoff_finished"...
     tenant: str  # the tenant it is about ("" for the card itself)
-    trigger: str  # what asked: "request POST /api/generate", "watchdog idle", "admin"
+    trigger: str  # what asked: a RequestTrigger ("request POST /api/generate"), "watchdog idle", "admin"
     id: int = 0  # numbered by the log when emitted (0: not emitted yet)
     at: float = 0.0  # unix seconds, stamped by the log
 

@@ -29,12 +29,12 @@ from __future__ import annotations
 import json
 import logging
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from proxy.clock import Clock
-from proxy.decision import DecisionEvent, DecisionKind, E, FollowUp, Opening
+from proxy.decision import DecisionEvent, DecisionKind, E, FollowUp, Opening, RequestTrigger
 from proxy.handoff.arbiter import Plan, gib
 from proxy.models.loads import LoadRecord
 
@@ -175,7 +175,7 @@ class Rejected(Opening):
     @property
     def answered_request(self) -> bool:
         """A client's request got this answer (an OOM retry refused answers the engine's own error instead)."""
-        return self.trigger.startswith("request ")
+        return isinstance(self.trigger, RequestTrigger)
 
     def plan_json(self) -> dict[str, object] | None:
         return self.plan.to_json()
@@ -434,6 +434,8 @@ class DecisionLog:
         self._clock = clock
         self._maxlen = maxlen
         self._views: OrderedDict[int, DecisionView] = OrderedDict()
+        # each kept decision's events as emitted, its opening first: what a request's story is told from
+        self._threads: dict[int, list[DecisionEvent]] = {}
         self._events: deque[DecisionEvent] = deque(maxlen=maxlen)
         self._last_id = 0
         self._subscribers: list[Callable[[DecisionEvent], None]] = []
@@ -453,10 +455,13 @@ class DecisionLog:
         target = event.target()
         if target is None and isinstance(event, Opening):
             self._views[event.id] = DecisionView.of(event)
+            self._threads[event.id] = [event]
             while len(self._views) > self._maxlen:
-                self._views.popitem(last=False)
+                gone, _ = self._views.popitem(last=False)
+                self._threads.pop(gone, None)
         elif target is not None and (view := self._views.get(target)) is not None:
             self._views[target] = view.merged(event)
+            self._threads[target].append(event)
         self._notify(event)
         return event
 
@@ -470,7 +475,7 @@ class DecisionLog:
 
     def story(self, decision_id: int) -> RequestStory | None:
         """The story of the request a decision belongs to (see `request_story`)."""
-        return request_story(self._views, decision_id)
+        return request_story(self._threads, decision_id)
 
     def view_of(self, event: DecisionEvent) -> DecisionView | None:
         """The decision an event opened or is a later fact of, as it stands after it."""
@@ -529,77 +534,113 @@ class RequestStory:
                 "steps": [x.to_json() for x in self.steps], "related": list(self.related)}
 
 
-def _is_request(v: DecisionView) -> bool:
-    return v.trigger.startswith("request ")
+Thread = Sequence[DecisionEvent]  # one decision's events: its opening, then its follow-ups as emitted
 
 
-def _story_root(views: Mapping[int, DecisionView], decision_id: int) -> DecisionView | None:
-    """The decision a request's story hangs on, from any decision of it."""
-    v = views.get(decision_id)
-    if v is None:
+def _last(thread: Thread, kind: type[E]) -> E | None:
+    return next((e for e in reversed(thread) if isinstance(e, kind)), None)
+
+
+def _requested(thread: Thread | None, kind: type[E]) -> E | None:
+    """The decision's opening, if it is of this type and a client's request asked for it."""
+    opening = thread[0] if thread else None
+    return opening if isinstance(opening, kind) and isinstance(opening.trigger, RequestTrigger) else None
+
+
+def _story_root(threads: Mapping[int, Thread], decision_id: int) -> Thread | None:
+    """The decision a request's story hangs on (its wait, else its handoff), from any decision of it."""
+    thread = threads.get(decision_id)
+    if not thread:
         return None
-    if v.kind == "model_load":
-        request = v.outcome.get("request")
-        return views.get(request) if isinstance(request, int) else None
-    if v.kind == "plan" and _is_request(v):
-        waited = next((q for q in views.values() if q.kind == "queued" and q.outcome.get("ended_by") == v.id), None)
-        return waited or v
-    if v.kind == "queued" and _is_request(v):
-        return v
-    return None
+    opening = thread[0]
+    if isinstance(opening, ModelLoad):
+        return threads.get(opening.request) if opening.request is not None else None
+    if _requested(thread, Queued) is not None:
+        return thread
+    started = _requested(thread, HandoffStarted)
+    if started is None or started.kind != "plan":
+        return None
+    waited = next((t for t in threads.values() if isinstance(t[0], Queued)
+                   and (end := _last(t, QueueEnded)) is not None and end.ended_by == started.id), None)
+    return waited or thread
 
 
-def request_story(views: Mapping[int, DecisionView], decision_id: int) -> RequestStory | None:
-    """The waterfall of the request `decision_id` belongs to (its wait, its handoff or its load):
-    None when that decision is no GPU request's that waited or caused a handoff (or is too old)."""
-    root = _story_root(views, decision_id)
+def _wait_step(opening: Queued, queued: Thread, arrived: float, handoff: HandoffStarted | None) -> StoryStep:
+    """The request's wait: one figure, the same as the Decisions list's (`waited_s`, arrival to
+    admission: the queue and the releases it waited on). The bar covers the queue alone (the release
+    has its own), so the text says the split when a release is part of the wait."""
+    ended = _last(queued, QueueEnded)
+    changed = _last(queued, WaitChanged)
+    waiting_for = changed.waiting_for if changed is not None else opening.plan.wait_for
+    waited = round(ended.waited_s, 3) if ended is not None else 0.0
+    end = (handoff.at - arrived) if handoff is not None else waited
+    who = ", ".join(waiting_for) or None
+    behind = f"behind {who}" if who else "in the queue"
+    text = f"waited {waited:.1f} s {behind}" if ended is not None else f"waiting {behind}"
+    if ended is not None and handoff is not None and waited - end >= 0.05:
+        text += f" ({end:.1f} s queued, then the release)"
+    if ended is not None and ended.result != "admitted":
+        text += f", then {ended.result}"
+    return StoryStep("wait", text, 0.0, max(0.0, end), opening.id, who)
+
+
+def _release_steps(handoff: Thread, arrived: float) -> list[StoryStep]:
+    """Each release of the handoff that made room, one after another."""
+    finished = _last(handoff, HandoffFinished)
+    start = handoff[0].at - arrived
+    steps = []
+    for r in finished.releases if finished is not None else ():
+        duration = round(r.duration_s, 3)
+        how = "" if r.confirmed else f" ({r.error or r.result})"
+        steps.append(StoryStep("release", f"released {r.tenant} in {duration:.1f} s, {gib(r.freed_bytes)} GiB back{how}",
+                               max(0.0, start), duration, handoff[0].id, r.tenant))
+        start += duration
+    return steps
+
+
+def _load_step(load: ModelLoad, arrived: float, tenant: str) -> StoryStep:
+    seconds, ended = round(load.load.seconds, 4), round(load.load.at, 3)
+    return StoryStep("load", f"loaded {load.load.model} in {seconds:.1f} s", max(0.0, ended - seconds - arrived),
+                     seconds, load.id, tenant)
+
+
+def _handoff_of(threads: Mapping[int, Thread], root: Thread) -> tuple[HandoffStarted, Thread] | None:
+    """The handoff that made room for the request: the one that ended its wait, or the root itself
+    when it did not wait; None when it needed none, or its wait ended otherwise (a 507, a timeout)."""
+    if isinstance(root[0], Queued):
+        ended = _last(root, QueueEnded)
+        thread = threads.get(ended.ended_by) if ended is not None and ended.ended_by is not None else None
+    else:
+        thread = root
+    started = thread[0] if thread else None
+    return (started, thread) if isinstance(started, HandoffStarted) and started.kind == "plan" and thread else None
+
+
+def request_story(threads: Mapping[int, Thread], decision_id: int) -> RequestStory | None:
+    """The waterfall of the request `decision_id` belongs to (its wait, its handoff or its load), told
+    from the typed events of its decisions: None when that decision is no GPU request's that waited or
+    caused a handoff (or is too old)."""
+    root = _story_root(threads, decision_id)
     if root is None:
         return None
-    o = root.outcome
-    queued = root if root.kind == "queued" else None
-    ended_by = queued.outcome.get("ended_by") if queued is not None else None
-    handoff = views.get(ended_by) if isinstance(ended_by, int) else (root if root.kind == "plan" else None)
-    if handoff is not None and handoff.kind != "plan":
-        handoff = None  # a wait that ended in a 507
-    load = next((v for v in reversed(list(views.values())) if v.kind == "model_load" and v.outcome.get("request") == root.id),
-                None)
-    arrived = float(o.get("arrived_at") or root.at)
-    steps: list[StoryStep] = []
-    if queued is not None:
-        waited = float(queued.outcome.get("waited_s") or 0.0)
-        end = (handoff.at - arrived) if handoff is not None else waited
-        who = ", ".join(queued.outcome.get("waiting_for") or ()) or None
-        behind = f"behind {who}" if who else "in the queue"
-        result = queued.outcome.get("result")
-        # One wait figure per request, the same as the Decisions list's: `waited_s`, from arrival to
-        # admission (the queue, and the releases it waited on). The bar covers the queue alone (the
-        # release has its own), so the text says the split when a release is part of the wait.
-        text = f"waited {waited:.1f} s {behind}" if result else f"waiting {behind}"
-        if result and handoff is not None and waited - end >= 0.05:
-            text += f" ({end:.1f} s queued, then the release)"
-        if result and result != "admitted":
-            text += f", then {result}"
-        steps.append(StoryStep("wait", text, 0.0, max(0.0, end), queued.id, who))
-    if handoff is not None:
-        start = handoff.at - arrived
-        for r in handoff.outcome.get("releases") or ():
-            duration = float(r.get("duration_s") or 0.0)
-            freed = r.get("freed_gb")
-            how = "" if r.get("confirmed") else f" ({r.get('error') or r.get('result') or 'not confirmed'})"
-            steps.append(StoryStep("release", f"released {r.get('tenant')} in {duration:.1f} s"
-                                   + (f", {freed} GiB back" if freed is not None else "") + how,
-                                   max(0.0, start), duration, handoff.id, r.get("tenant")))
-            start += duration
-    if load is not None:
-        seconds = float(load.outcome.get("seconds") or 0.0)
-        ended = float(load.outcome.get("at") or load.at)
-        steps.append(StoryStep("load", f"loaded {load.outcome.get('model')} in {seconds:.1f} s",
-                               max(0.0, ended - seconds - arrived), seconds, load.id, root.tenant))
-    first = o.get("first_byte_s")
-    if isinstance(first, (int, float)):
-        steps.append(StoryStep("first_byte", f"first byte after {first:.1f} s"
-                               + (f" ({o['first_byte_status']})" if o.get("first_byte_status", 200) >= 400 else ""),
-                               float(first), 0.0, root.id, None))
-    related = tuple(dict.fromkeys(v.id for v in (queued, handoff, load, root) if v is not None))
-    return RequestStory(root.id, root.tenant, root.trigger, arrived, tuple(steps), tuple(sorted(related)),
-                        float(first) if isinstance(first, (int, float)) else None)
+    opening = root[0]
+    queued = opening if isinstance(opening, Queued) else None
+    made_room = _handoff_of(threads, root)
+    handoff, handoff_thread = made_room if made_room is not None else (None, None)
+    load = next((t[0] for t in reversed(list(threads.values()))
+                 if isinstance(t[0], ModelLoad) and t[0].request == opening.id), None)
+    first = _last(root, FirstByte)
+    arrived = round(first.arrived_at, 3) if first is not None else opening.at
+    steps = [_wait_step(queued, root, arrived, handoff)] if queued is not None else []
+    if handoff_thread is not None:
+        steps += _release_steps(handoff_thread, arrived)
+    if isinstance(load, ModelLoad):
+        steps.append(_load_step(load, arrived, opening.tenant))
+    first_s = None
+    if first is not None:
+        first_s = round(first.after_s, 3)  # as the decision's outcome says it
+        status = f" ({first.status})" if first.status >= 400 else ""
+        steps.append(StoryStep("first_byte", f"first byte after {first_s:.1f} s{status}", first_s, 0.0, opening.id, None))
+    parts = (queued, handoff, load, opening)
+    related = tuple(sorted(dict.fromkeys(e.id for e in parts if e is not None)))
+    return RequestStory(opening.id, opening.tenant, opening.trigger, arrived, tuple(steps), related, first_s)

@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from proxy.clock import Clock
+from proxy.decision import RequestTrigger
 from proxy.engines import EngineAdapter, Need, ReleaseFailed, strip_hop_by_hop
 from proxy.engines.base import JobReplay
 from proxy.handoff.arbiter import RESIDENT, gib
@@ -256,7 +257,7 @@ class GpuGate:
             self.arb.scheduler.unloaded(tenant.name, adapter.load_key(unloading))
             self.arb.inflight.admit(work)
             return await forward(body)
-        trigger = f"request {request.method} {request.url.path}"
+        trigger = RequestTrigger.of(request.method, request.url.path)
         arrived, arrived_wall = self.arb.clock.now(), self.arb.clock.wall()
         known, at_once = first
         if at_once is not None and known is not None:

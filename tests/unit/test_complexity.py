@@ -33,7 +33,6 @@ KNOWN_OVER: set[tuple[str, str]] = {
     ("gpu/profile.py", "plan_changes"),
     ("handoff/arbiter.py", "schedule"),
     ("handoff/busy.py", "tenant_state"),
-    ("handoff/decisions.py", "request_story"),
     ("handoff/scheduler.py", "Scheduler._release_done"),
     ("models/catalog.py", "ModelCatalog.all_files"),
     ("models/frames.py", "FrameTimer.on_frame"),

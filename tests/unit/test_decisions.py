@@ -10,7 +10,7 @@ import pytest
 
 from proxy.admin import views
 from proxy.clock import ManualClock
-from proxy.decision import DecisionEvent
+from proxy.decision import DecisionEvent, RequestTrigger
 from proxy.gpu.keeper import GpuApplyFinished, GpuApplyStarted, GpuDrift
 from proxy.gpu.profile import FieldCheck
 from proxy.handoff.arbiter import Blocker, Plan, Release
@@ -43,6 +43,8 @@ REFUSED = Plan("ollama", 90 * GIB, 10 * GIB, 0, False, True, (),
                (Blocker(4321, "stt_relay.py", "unmanaged", 6 * GIB, "unmanaged", "not a tenant"),), "too big", False,
                possible=False)
 
+
+REQUEST = RequestTrigger.of("POST", "/api/generate")  # what the GPU gate gives a request's decisions
 
 def test_a_handoff_is_logged_before_it_runs_and_its_results_are_a_second_event_merged_into_its_view() -> None:
     log = DecisionLog(ManualClock())
@@ -175,20 +177,20 @@ async def test_a_requests_story_tells_its_wait_the_release_the_load_and_the_firs
     clock = ManualClock()
     log = DecisionLog(clock)
     arrived = clock.wall()
-    queued = log.emit(Queued(tenant="ollama", trigger="request POST /api/generate", plan=WAIT,
+    queued = log.emit(Queued(tenant="ollama", trigger=REQUEST, plan=WAIT,
                              reason="queued behind comfyui (1 running job(s))"))
     await clock.advance(4.0)  # the render ends
-    started = log.emit(HandoffStarted(tenant="ollama", trigger="request POST /api/generate", kind="plan", plan=PLAN))
+    started = log.emit(HandoffStarted(tenant="ollama", trigger=REQUEST, kind="plan", plan=PLAN))
     await clock.advance(0.5)
     freed = ReleaseResult("comfyui", 7 * GIB, 7 * GIB, 0.5, True)
-    log.emit(HandoffFinished(tenant="ollama", trigger="request POST /api/generate", refers_to=started.id, kind="plan",
+    log.emit(HandoffFinished(tenant="ollama", trigger=REQUEST, refers_to=started.id, kind="plan",
                              releases=(freed,)))
-    log.emit(QueueEnded(tenant="ollama", trigger="request POST /api/generate", refers_to=queued.id, result="admitted",
+    log.emit(QueueEnded(tenant="ollama", trigger=REQUEST, refers_to=queued.id, result="admitted",
                         waited_s=4.5, ended_by=started.id, ended_with="release comfyui"))
     await clock.advance(8.0)
     load = log.emit(ModelLoad(tenant="ollama", trigger="gemma3:27b loaded", request=queued.id,
                               load=LoadRecord(clock.wall(), "ollama", "gemma3:27b", 16 * GIB, 8.0, 1.0, "ollama")))
-    log.emit(FirstByte(tenant="ollama", trigger="request POST /api/generate", refers_to=queued.id, arrived_at=arrived,
+    log.emit(FirstByte(tenant="ollama", trigger=REQUEST, refers_to=queued.id, arrived_at=arrived,
                        after_s=12.6, status=200))
 
     story = log.story(started.id)
@@ -215,3 +217,21 @@ def test_the_demo_prints_a_wait_and_a_refusal_as_one_readable_line_each() -> Non
     refused = DecisionView(8, 0.0, "rejection", "ollama", "request POST /api/generate", None,
                            {"status": 507, "reason": "ollama needs 30 GiB, 24 GiB on the card"})
     assert decision_line(refused).startswith("#8 rejection    ollama refused 507: ollama needs 30 GiB"), decision_line(refused)
+
+
+async def test_a_wait_refused_at_its_end_is_told_without_a_release_and_only_a_request_has_a_story() -> None:
+    clock = ManualClock()
+    log = DecisionLog(clock)
+    queued = log.emit(Queued(tenant="ollama", trigger=REQUEST, plan=WAIT, reason="queued behind comfyui"))
+    log.emit(WaitChanged(tenant="ollama", trigger=REQUEST, refers_to=queued.id, reason="r", waiting_for=("stt",)))
+    assert [s.text for s in log.story(queued.id).steps] == ["waiting behind stt"], "a wait under way"  # type: ignore[union-attr]
+    await clock.advance(2.0)
+    refused = log.emit(Rejected(tenant="ollama", trigger=REQUEST, plan=REFUSED, status=507, reason="too big"))
+    log.emit(QueueEnded(tenant="ollama", trigger=REQUEST, refers_to=queued.id, result="refused (507)", waited_s=2.0,
+                        ended_by=refused.id, ended_with="too big"))
+    story = log.story(queued.id)
+    assert story is not None and [(s.kind, s.text) for s in story.steps] == [
+        ("wait", "waited 2.0 s behind stt, then refused (507)")], "the 507 that ended it is no handoff"
+    assert story.related == (queued.id,) and story.first_byte_s is None
+    plain = log.emit(Queued(tenant="ollama", trigger="request POST /api/generate", plan=WAIT, reason="r"))
+    assert log.story(plain.id) is None, "a request is known by its trigger's type, not by its text"

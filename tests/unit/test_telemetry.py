@@ -10,6 +10,7 @@ import pytest
 
 from proxy.admin.telemetry import TelemetryStore, VramRecorder, decision_rows, default_path
 from proxy.clock import ManualClock
+from proxy.decision import RequestTrigger
 from proxy.handoff.arbiter import Blocker, Plan
 from proxy.handoff.decisions import (
     DecisionLog,
@@ -202,11 +203,13 @@ def test_only_request_rejections_count_as_507s() -> None:
         event = log.emit(Rejected(tenant="ollama", trigger=trigger, plan=refused, status=status, reason="no room"))
         return decision_rows(event, log.view_of(event))
 
-    request = rows("request POST /api/generate")
+    request = rows(RequestTrigger.of("POST", "/api/generate"))
     assert [k for k, _ in request] == ["decisions", "rejections"]
     assert request[1][1]["need_bytes"] == 15 * GIB and '"pid": 4242' in str(request[1][1]["blockers"])
     assert [k for k, _ in rows("OOM answer to request POST /api/generate")] == ["decisions"]
-    assert [k for k, _ in rows("request POST /api/generate", 503)] == ["decisions"], "a 503 is a wait that ran out"
+    assert [k for k, _ in rows(RequestTrigger.of("POST", "/api/generate"), 503)] == ["decisions"], \
+        "a 503 is a wait that ran out"
+    assert [k for k, _ in rows("request POST /api/generate")] == ["decisions"], "a request is known by its type, not its text"
 
 
 def test_path_comes_from_the_env_var_and_off_disables() -> None:
