@@ -20,11 +20,13 @@ from starlette.routing import BaseRoute, Route
 
 from proxy.admin.health import HealthEntry
 from proxy.admin.view import ProxyView
-from proxy.gpu.keeper import GpuSettingsKeeper
+from proxy.gpu.keeper import DeviceView, GpuSettingsKeeper
 from proxy.gpu.nvml import NvmlReader
+from proxy.gpu.profile import FieldCheck
 from proxy.gpu.settings import NvmlSettingsReader, SettingsSource
 from proxy.gpu.settings_writer import NvmlSettingsWriter, SettingsWriter
 from proxy.tasks import cancel_and_wait
+from proxy.tenants import GpuProfile
 
 log = logging.getLogger("hyperswap.gpu")
 
@@ -101,60 +103,13 @@ class GpuSettingsExtension:
         """The profile against the card: one entry per setting that is off, else one summary entry."""
         await self._fresh()
         k, profile = self.keeper, self.keeper.profile
-        if profile is None:
-            if k.source is None or k.list_error is not None:
-                return []  # nothing to compare, and nothing read: the nvml entry says why
-            return [HealthEntry("gpu profile", "ok", "no gpu_profile in tenants.json: the card's settings are read "
-                                "(GET /api/gpu), never written")]
-        if k.source is None or k.list_error is not None:
-            why = k.no_source_reason if k.source is None else f"{k.list_error.state}: {k.list_error.message}"  # type: ignore[union-attr]
-            return [HealthEntry("gpu profile", "unknown", f"gpu_profile cannot be compared: {why}",
-                                "nobody can tell whether the card runs with the profile's settings",
-                                k.list_error.fix if k.list_error else "run the proxy with the NVML GPU reader")]
-        view = k.devices.get(profile.device)
-        if view is None:
-            have = ", ".join(str(i) for i in sorted(k.devices)) or "none"
-            return [HealthEntry("gpu profile", "failed", f"gpu_profile.device {profile.device}: no such GPU (NVML sees: {have})",
-                                "the profile is neither compared nor applied", "set gpu_profile.device to one of: " + have)]
-        if view.error is not None or view.settings is None:
-            err = view.error
-            return [HealthEntry("gpu profile", "unknown", f"GPU {view.index} settings cannot be read: "
-                                + (f"{err.state}: {err.message}" if err else "not read yet"),
-                                "nobody can tell whether the card runs with the profile's settings",
-                                err.fix if err else "wait for the first check")]
-        entries: list[HealthEntry] = []
+        compared = _compared(k, profile)
+        if isinstance(compared, list):
+            return compared
+        profile, view = compared
         now = k.clock.wall()
+        entries = [e for c in view.checks if (e := _setting_entry(k, profile, view, c, now)) is not None]
         apply_error = k.apply_error
-        for c in view.checks:
-            name = f"gpu profile {c.setting}"
-            if c.status == "drift":
-                since = view.drift_since.get(c.setting)
-                if not profile.apply:
-                    fix = "set gpu_profile.apply to true in tenants.json (the proxy then writes it; needs root)" + \
-                          (f", or by hand: {c.by_hand}" if c.by_hand else "")
-                elif apply_error is not None:
-                    fix = apply_error.fix
-                else:
-                    fix = f"none needed: the proxy writes it at the next check (every {profile.check_interval_s:g} s)"
-                entries.append(HealthEntry(name, "degraded", f"GPU {view.index}: {c.note}"
-                                           + (f" ({_since(since, now)})" if since else ""), c.cost, fix))
-            elif c.status == "unsupported":
-                entries.append(HealthEntry(name, "degraded", f"GPU {view.index}: gpu_profile.{c.setting} cannot be "
-                                           f"used: {c.note}", f"the {NAMES[c.setting]} is never applied",
-                                           f"remove {c.setting} from gpu_profile in tenants.json"))
-            elif c.status == "unreadable":
-                written = k.last_apply is not None and k.last_apply.ok and \
-                    any(ch.startswith(c.setting) for ch in k.last_apply.changes)
-                if written:
-                    continue  # written without error and re-written after each suspected reset
-                if "permission" in c.note:
-                    fix = "run the proxy as root: NVML shows this setting only to root"
-                elif not profile.apply:
-                    fix = "set gpu_profile.apply to true: the proxy then sets it at start and after each reset of the card"
-                else:
-                    fix = "wait for the next check; see the gpu profile apply entry"
-                entries.append(HealthEntry(name, "unknown", f"GPU {view.index}: {c.note}",
-                                           f"whether the card runs with the profile's {NAMES[c.setting]} is unknown", fix))
         if apply_error is not None:
             entries.append(HealthEntry("gpu profile apply", "failed" if apply_error.kind == "no_permission" else "degraded",
                                        apply_error.message + (f" (attempt {k.apply_failures}; next in "
@@ -165,6 +120,70 @@ class GpuSettingsExtension:
             verb = "applied and matching" if profile.apply else "matching (compare only, apply is off)"
             entries.append(HealthEntry("gpu profile", "ok", f"GPU {view.index} {verb}: {shown or 'written'}"))
         return entries
+
+
+def _compared(k: GpuSettingsKeeper, profile: GpuProfile | None) -> list[HealthEntry] | tuple[GpuProfile, DeviceView]:
+    """The profile and the card it is compared with, setting by setting; else the entries that say why
+    it cannot be (no profile, no reader, no such card, its settings unread)."""
+    if profile is None:
+        if k.source is None or k.list_error is not None:
+            return []  # nothing to compare, and nothing read: the nvml entry says why
+        return [HealthEntry("gpu profile", "ok", "no gpu_profile in tenants.json: the card's settings are read "
+                            "(GET /api/gpu), never written")]
+    if k.source is None or k.list_error is not None:
+        err = k.list_error
+        why = k.no_source_reason if k.source is None or err is None else f"{err.state}: {err.message}"
+        return [HealthEntry("gpu profile", "unknown", f"gpu_profile cannot be compared: {why}",
+                            "nobody can tell whether the card runs with the profile's settings",
+                            k.list_error.fix if k.list_error else "run the proxy with the NVML GPU reader")]
+    view = k.devices.get(profile.device)
+    if view is None:
+        have = ", ".join(str(i) for i in sorted(k.devices)) or "none"
+        return [HealthEntry("gpu profile", "failed", f"gpu_profile.device {profile.device}: no such GPU (NVML sees: {have})",
+                            "the profile is neither compared nor applied", "set gpu_profile.device to one of: " + have)]
+    if view.error is not None or view.settings is None:
+        err = view.error
+        return [HealthEntry("gpu profile", "unknown", f"GPU {view.index} settings cannot be read: "
+                            + (f"{err.state}: {err.message}" if err else "not read yet"),
+                            "nobody can tell whether the card runs with the profile's settings",
+                            err.fix if err else "wait for the first check")]
+    return profile, view
+
+
+def _setting_entry(k: GpuSettingsKeeper, profile: GpuProfile, view: DeviceView, c: FieldCheck,
+                   now: float) -> HealthEntry | None:
+    """One setting of the profile that is off (drifted, unsupported, unreadable); None: it is as the
+    profile says, or was written and cannot be read back."""
+    name = f"gpu profile {c.setting}"
+    if c.status == "drift":
+        since = view.drift_since.get(c.setting)
+        return HealthEntry(name, "degraded", f"GPU {view.index}: {c.note}" + (f" ({_since(since, now)})" if since else ""),
+                           c.cost, _drift_fix(k, profile, c))
+    if c.status == "unsupported":
+        return HealthEntry(name, "degraded", f"GPU {view.index}: gpu_profile.{c.setting} cannot be used: {c.note}",
+                           f"the {NAMES[c.setting]} is never applied", f"remove {c.setting} from gpu_profile in tenants.json")
+    if c.status != "unreadable":
+        return None
+    written = k.last_apply is not None and k.last_apply.ok and any(ch.startswith(c.setting) for ch in k.last_apply.changes)
+    if written:
+        return None  # written without error and re-written after each suspected reset
+    if "permission" in c.note:
+        fix = "run the proxy as root: NVML shows this setting only to root"
+    elif not profile.apply:
+        fix = "set gpu_profile.apply to true: the proxy then sets it at start and after each reset of the card"
+    else:
+        fix = "wait for the next check; see the gpu profile apply entry"
+    return HealthEntry(name, "unknown", f"GPU {view.index}: {c.note}",
+                       f"whether the card runs with the profile's {NAMES[c.setting]} is unknown", fix)
+
+
+def _drift_fix(k: GpuSettingsKeeper, profile: GpuProfile, c: FieldCheck) -> str:
+    if not profile.apply:
+        return "set gpu_profile.apply to true in tenants.json (the proxy then writes it; needs root)" + \
+               (f", or by hand: {c.by_hand}" if c.by_hand else "")
+    if k.apply_error is not None:
+        return k.apply_error.fix
+    return f"none needed: the proxy writes it at the next check (every {profile.check_interval_s:g} s)"
 
 
 def gpu_extension(proxy: ProxyView) -> GpuSettingsExtension:

@@ -473,41 +473,29 @@ class HealthExtension:
             if not room:
                 return [HealthEntry("unmanaged VRAM", "degraded", f"unmanaged processes hold {_gib(held)}: {who}",
                                     "the card's size is unknown, so the cost cannot be stated", fix)]
-            if not any(r.unmanaged for r in room):
-                cards = ", ".join(r.where for r in room)
-                out.append(HealthEntry(f"unmanaged VRAM ({tenant.name})", "ok",
-                                       f"no unmanaged GPU processes on {cards}" if cards else "no unmanaged GPU processes"))
-                continue
-            # a load goes to whichever of the tenant's cards has room: the best card with the unmanaged
-            # processes (actual) against the best card were they gone (widest)
-            actual, widest = max(r.actual for r in room), max(r.without for r in room)
-            try:
-                needs = await adapter.installed_needs(self.client)
-            except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
-                out.append(HealthEntry(f"unmanaged VRAM ({tenant.name})", "degraded",
-                                       f"unmanaged processes hold {_gib(_held(room))}: {_where(room)}; {tenant.name}'s "
-                                       f"models could not be read ({type(exc).__name__})",
-                                       f"{tenant.name} can use at most {_gib(actual)} instead of {_gib(widest)}",
-                                       _fix([p for r in room for p in r.unmanaged])))
-                continue
-            hurt = [(n, b) for n, b in needs if actual < b <= widest]  # too large for every card: nobody's fault
-            if hurt:
-                names = ", ".join(f"{n} ({_gib(b)})" for n, b in hurt)
-                blocking = [r for r in room if r.unmanaged and r.without >= min(b for _, b in hurt)]
-                out.append(HealthEntry(
-                    f"unmanaged VRAM ({tenant.name})", "degraded",
-                    f"{len(hurt)} model(s) fit within {_gib(widest)} but not the {_gib(actual)} actually available: "
-                    f"held by {_where(blocking)}",
-                    f"{tenant.name} cannot load {names} fully on the GPU: loads answer 507 naming these processes",
-                    _fix([p for r in blocking for p in r.unmanaged])))
-            else:
-                unknown = sum(1 for r in room for p in r.unmanaged if p.process.used_bytes is None)
-                out.append(HealthEntry(
-                    f"unmanaged VRAM ({tenant.name})", "ok",
-                    f"unmanaged processes hold {_gib(_held(room))} ({_where(room)}); every installed {tenant.name} model "
-                    f"that fits {_gib(widest)} still fits the {_gib(actual)} left"
-                    + (f" ({unknown} process(es) of unknown size not counted)" if unknown else "")))
+            out.append(await self._unmanaged_cost(tenant, adapter, room))
         return out or [HealthEntry("unmanaged VRAM", "ok", f"unmanaged processes hold {_gib(held)}: {who}")]
+
+    async def _unmanaged_cost(self, tenant: Tenant, adapter: EngineAdapter, room: list[_Room]) -> HealthEntry:
+        """What the unmanaged processes cost one tenant: which of its installed models they keep off
+        the card (degraded), or none (ok)."""
+        name = f"unmanaged VRAM ({tenant.name})"
+        if not any(r.unmanaged for r in room):
+            cards = ", ".join(r.where for r in room)
+            return HealthEntry(name, "ok", f"no unmanaged GPU processes on {cards}" if cards else "no unmanaged GPU processes")
+        # a load goes to whichever of the tenant's cards has room: the best card with the unmanaged
+        # processes (actual) against the best card were they gone (widest)
+        actual, widest = max(r.actual for r in room), max(r.without for r in room)
+        try:
+            needs = await adapter.installed_needs(self.client)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            return HealthEntry(name, "degraded",
+                               f"unmanaged processes hold {_gib(_held(room))}: {_where(room)}; {tenant.name}'s "
+                               f"models could not be read ({type(exc).__name__})",
+                               f"{tenant.name} can use at most {_gib(actual)} instead of {_gib(widest)}",
+                               _fix([p for r in room for p in r.unmanaged]))
+        hurt = [(n, b) for n, b in needs if actual < b <= widest]  # too large for every card: nobody's fault
+        return _models_kept_off(name, tenant, room, hurt, actual, widest)
 
     def _room_on(self, snap: AttributedSnapshot, tenant: Tenant, index: int) -> _Room | None:
         """What one card leaves a tenant's loads: its usable memory less the pinned tenants and the
@@ -673,3 +661,23 @@ def check_main(config: str | None, admin_url: str | None, as_json: bool) -> int:
         return 2
     print(json.dumps(body, indent=2) if as_json else format_report(body))
     return 1 if any(e.get("status") == "failed" for e in body["entries"]) else 0
+
+
+def _models_kept_off(name: str, tenant: Tenant, room: list[_Room], hurt: list[tuple[str, int]], actual: int,
+                     widest: int) -> HealthEntry:
+    """The entry for the installed models that fit were the unmanaged processes gone, but not now."""
+    if not hurt:
+        unknown = sum(1 for r in room for p in r.unmanaged if p.process.used_bytes is None)
+        return HealthEntry(
+            name, "ok",
+            f"unmanaged processes hold {_gib(_held(room))} ({_where(room)}); every installed {tenant.name} model "
+            f"that fits {_gib(widest)} still fits the {_gib(actual)} left"
+            + (f" ({unknown} process(es) of unknown size not counted)" if unknown else ""))
+    names = ", ".join(f"{n} ({_gib(b)})" for n, b in hurt)
+    blocking = [r for r in room if r.unmanaged and r.without >= min(b for _, b in hurt)]
+    return HealthEntry(
+        name, "degraded",
+        f"{len(hurt)} model(s) fit within {_gib(widest)} but not the {_gib(actual)} actually available: "
+        f"held by {_where(blocking)}",
+        f"{tenant.name} cannot load {names} fully on the GPU: loads answer 507 naming these processes",
+        _fix([p for r in blocking for p in r.unmanaged]))
