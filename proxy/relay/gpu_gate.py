@@ -37,7 +37,7 @@ from proxy.handoff.decisions import (
     WaitChanged,
 )
 from proxy.handoff.inflight import Token
-from proxy.handoff.scheduler import Handoff
+from proxy.handoff.scheduler import Admitted, Handoff
 from proxy.lifecycle.controller import LifecycleError
 from proxy.relay import refusals
 from proxy.relay import trace as tracing
@@ -265,38 +265,24 @@ class GpuGate:
         else:
             admitted, need = await self.arb.admit(tenant, request.url.path, body, trigger, work=work, need=known)
         handoff = admitted.handoff
-        retry: Handoff | None = None
+        if admitted.outcome != "run":
+            return self._refused(tenant, admitted, need, trigger)
         outlives = adapter.captures_job(request.method, request.url.path)
-        if admitted.outcome == "timeout":
-            self.arb.decisions.emit(Rejected(tenant=tenant.name, trigger=trigger, plan=handoff.plan, status=503,
-                                             reason=admitted.reason))
-            return refusals.queue_timeout(tenant, admitted, self.arb.registry.config.proxy.queue_timeout_s).response()
-        if admitted.outcome == "refuse":
-            return refusals.not_enough_memory(tenant, handoff, need.bytes).response()
-        hooks = self.load_hooks
         loads = need.model is not None and admitted.reason != RESIDENT  # on the card already: nothing to time
         trace = tracing.current()
         if trace is not None:
-            record_wait(trace, self.arb.decisions, handoff, arrived_wall, self.arb.clock.wall())
-            if loads:
-                trace.say(f"loading {need.model} ({gib(need.bytes)} GiB)")
-                trace.loading = partial(self._load_figure, tenant, need)
+            self._trace_admission(trace, tenant, need, handoff, arrived_wall, loads)
         streamed = adapter.stream_format(request.url.path, body) is not None
         forwarded = self.arb.clock.now()
         # The request's story hangs on its wait, else on the handoff it caused (GET /api/decisions/{id}).
         started = handoff.decision.id if isinstance(handoff.decision, HandoffStarted) else None
         story = handoff.queued if handoff.queued is not None else started
-        watch = (await hooks.loading(tenant, need.model, body, story)
-                 if hooks is not None and need.model and loads else None)
+        watch = await self._load_watch(tenant, need, body, story) if loads else None
         try:
             response = await forward(body)
-            if trace is not None and loads and streamed and response.status_code < 400:
-                # a streamed answer's headers come once the model is loaded (and its first token made)
-                took = self.arb.clock.now() - forwarded
-                trace.phase("load", took, f"{need.model}: until the engine's first byte")
-                trace.say(f"{need.model} loaded in {took:.1f} s")
             if trace is not None:
-                trace.loading = None
+                self._trace_answer(trace, need, loaded=loads and streamed and response.status_code < 400,
+                                   took=self.arb.clock.now() - forwarded)
             if story is not None:
                 self.arb.decisions.emit(FirstByte(tenant=tenant.name, trigger=trigger, refers_to=story,
                                                   arrived_at=arrived_wall, after_s=self.arb.clock.now() - arrived,
@@ -307,17 +293,29 @@ class GpuGate:
                     response = watch(response)  # reads the engine's own load time as the answer passes
             if not adapter.answers_oom or response.status_code < 400:
                 return response
-            error_body = await response.aread()
-            await response.aclose()
-            if not adapter.response_is_oom(response.status_code, error_body):
-                return _replay_response(response, error_body)
-            # The first try is over: its reservation goes before the retry reserves its bigger need
-            # (under the same key it would only have counted once more, with the old size and baseline).
-            self.arb.scheduler.settle(handoff)
-            again, _ = await self.arb.admit(tenant, request.url.path, body, f"OOM answer to {trigger}", oom=True)
-            retry = again.handoff
-            outcome = ("no plan" if again.outcome != "run" or not retry.plan.feasible or not retry.plan.starved
-                       else "retried")
+            return await self._after_error(tenant, adapter, request, body, forward, handoff, need, trigger, response)
+        finally:
+            if outlives:
+                self.arb.scheduler.settle_when_idle(handoff)  # the job loads after the answer: keep its memory promised
+            else:
+                self.arb.scheduler.settle(handoff)
+
+    async def _after_error(self, tenant: Tenant, adapter: EngineAdapter, request: Request, body: bytes,
+                           forward: Callable[[bytes], Awaitable[UpstreamResponse]], handoff: Handoff, need: Need,
+                           trigger: str, response: UpstreamResponse) -> UpstreamResponse | Response:
+        """An error answer: replayed as it came, unless the engine ran out of memory; then room is made
+        and the request sent once more (its answer, or the error with the plan that found no room)."""
+        error_body = await response.aread()
+        await response.aclose()
+        if not adapter.response_is_oom(response.status_code, error_body):
+            return _replay_response(response, error_body)
+        # The first try is over: its reservation goes before the retry reserves its bigger need
+        # (under the same key it would only have counted once more, with the old size and baseline).
+        self.arb.scheduler.settle(handoff)
+        again, _ = await self.arb.admit(tenant, request.url.path, body, f"OOM answer to {trigger}", oom=True)
+        retry = again.handoff
+        try:
+            outcome = "retried" if again.outcome == "run" and retry.plan.feasible and retry.plan.starved else "no plan"
             if outcome == "retried":
                 response = await forward(body)
                 if response.status_code < 400:
@@ -329,11 +327,37 @@ class GpuGate:
             self._record_retry(tenant, retry, "failed" if outcome == "retried" else outcome)
             return _with_blockers(response, error_body, retry)
         finally:
-            if outlives:
-                self.arb.scheduler.settle_when_idle(handoff)  # the job loads after the answer: keep its memory promised
-            else:
-                self.arb.scheduler.settle(handoff)
             self.arb.scheduler.settle(retry)
+
+    def _refused(self, tenant: Tenant, admitted: Admitted, need: Need, trigger: str) -> Response:
+        """The answer to a request the queue did not admit: 503 past the queue timeout (recorded as a
+        rejection here: the scheduler only ended its wait), else 507."""
+        if admitted.outcome == "timeout":
+            self.arb.decisions.emit(Rejected(tenant=tenant.name, trigger=trigger, plan=admitted.handoff.plan, status=503,
+                                             reason=admitted.reason))
+            return refusals.queue_timeout(tenant, admitted, self.arb.registry.config.proxy.queue_timeout_s).response()
+        return refusals.not_enough_memory(tenant, admitted.handoff, need.bytes).response()
+
+    async def _load_watch(self, tenant: Tenant, need: Need, body: bytes,
+                          story: int | None) -> Callable[[UpstreamResponse], UpstreamResponse] | None:
+        """What times the load this request causes, if the model-files extension is on."""
+        hooks = self.load_hooks
+        return await hooks.loading(tenant, need.model, body, story) if hooks is not None and need.model else None
+
+    def _trace_admission(self, trace: tracing.Trace, tenant: Tenant, need: Need, handoff: Handoff, arrived_wall: float,
+                         loads: bool) -> None:
+        record_wait(trace, self.arb.decisions, handoff, arrived_wall, self.arb.clock.wall())
+        if loads:
+            trace.say(f"loading {need.model} ({gib(need.bytes)} GiB)")
+            trace.loading = partial(self._load_figure, tenant, need)
+
+    @staticmethod
+    def _trace_answer(trace: tracing.Trace, need: Need, *, loaded: bool, took: float) -> None:
+        """`loaded`: a streamed answer's headers came once the model was loaded (and its first token made)."""
+        if loaded:
+            trace.phase("load", took, f"{need.model}: until the engine's first byte")
+            trace.say(f"{need.model} loaded in {took:.1f} s")
+        trace.loading = None
 
     def _record_retry(self, tenant: Tenant, handoff: Handoff | None, result: str, *, prompt_id: str | None = None,
                       requeued_as: str | None = None) -> None:

@@ -34,7 +34,6 @@ KNOWN_OVER: set[tuple[str, str]] = {
     ("handoff/scheduler.py", "Scheduler._release_done"),
     ("models/catalog.py", "ModelCatalog.all_files"),
     ("models/frames.py", "FrameTimer.on_frame"),
-    ("relay/gpu_gate.py", "GpuGate.handle"),
     ("verify/stages.py", "check_out_of_memory"),
     ("verify/stages.py", "restore"),
 }
