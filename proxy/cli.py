@@ -75,6 +75,7 @@ def _log_readable() -> None:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from proxy.demo import demo_main
+    from proxy.demo_check import self_test
 
     if args.config is not None and args.no_proxy:
         raise HyperSwapError("--config sets the proxy's settings, and --no-proxy starts no proxy",
@@ -82,7 +83,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not args.check:
         (_log_decisions if args.json_logs else _log_readable)()
 
-    return asyncio.run(demo_main(args.scenario, args.check, with_proxy=not args.no_proxy, fast=args.fast,
+    return asyncio.run(demo_main(args.scenario, self_test if args.check else None, with_proxy=not args.no_proxy, fast=args.fast,
                                  config=args.config, readable_log=not args.json_logs))
 
 

@@ -1,7 +1,8 @@
 """`hyperswap demo`: the proxy in front of a simulated GPU, Ollama and ComfyUI, on loopback.
 
-`--check` runs a short self-test of every simulator route and one handoff through the proxy, prints
-the result and exits 0/1. Without it the demo runs until Ctrl-C and then stops everything it started.
+`--check` runs the self-test (proxy/demo_check.py) of every simulator route and the handoffs through
+the proxy, prints the result and exits 0/1. Without it the demo runs until Ctrl-C and then stops
+everything it started.
 """
 
 from __future__ import annotations
@@ -30,14 +31,11 @@ from proxy.clock import Clock, SystemClock
 from proxy.decision import DecisionEvent
 from proxy.gpu.keeper import GpuDrift
 from proxy.handoff.decisions import DecisionView, LifecycleExit, ModelLoad
-from proxy.relay.refusals import NotEnoughMemory
 from proxy.relay.servers import settle_heap
 from proxy.service import Proxy
 from proxy.sim.box import Scenario, SimBox, fast_scenario, load_scenario
 from proxy.sim.box import scenario_names as scenario_names  # for `demo --help` (cli.py never imports proxy.sim)
-from proxy.tasks import poll_until
 from proxy.tenants import GIB, load_registry_over, registry_from_dict
-from proxy.tls import client_context
 
 DEFAULT_SIM_PORTS = {"ollama": 21434, "comfyui": 28188}  # "relay": the scenario's relay.port unless given
 EXAMPLE_CKPT = "sd_xl_base_1.0.safetensors"  # examples/comfy_prompt.json's
@@ -199,15 +197,12 @@ def _cards(demo: Demo) -> list[str]:
     return [f"simulated GPU {c.index}: {c.name}, {c.total_bytes / GIB:.1f} GiB" for c in cards]
 
 
-def _engine_card(demo: Demo, engine: Literal["ollama", "comfyui"]) -> int:
+def engine_card(demo: Demo, engine: Literal["ollama", "comfyui"]) -> int:
     spec = demo.box.scenario.engines.get(engine)
     return spec.gpu if spec is not None else 0
 
 
 # -- the self-test ---------------------------------------------------------------------------------
-
-Check = Callable[[], Awaitable[str]]
-
 
 def comfy_prompt(ckpt: str, seed: int | None = None) -> dict[str, Any]:
     seed = seed if seed is not None else int(time.time() * 1000) % 1_000_000
@@ -245,418 +240,17 @@ async def run_prompt(base: str, ckpt: str, client: httpx.AsyncClient, timeout_s:
                     return msgs
 
 
-async def self_test(demo: Demo) -> list[tuple[str, bool, str]]:
-    results: list[tuple[str, bool, str]] = []
-    async with httpx.AsyncClient(timeout=60.0, trust_env=False, verify=client_context()) as client:
-        async def check(name: str, fn: Check) -> None:
-            try:
-                results.append((name, True, await fn()))
-            except Exception as exc:  # the report says what failed, never a traceback
-                results.append((name, False, f"{type(exc).__name__}: {exc}"))
-
-        def expect(r: httpx.Response, status: int = 200) -> httpx.Response:
-            if r.status_code != status:
-                raise AssertionError(f"{r.request.method} {r.request.url.path} answered {r.status_code}: {r.text[:160]}")
-            return r
-
-        if demo.box.ollama:
-            o = demo.box.servers["ollama"].url
-            models = demo.box.ollama.config.models
-            small = min(models, key=lambda m: m.size_bytes).name
-            chat_model = next(m.name for m in sorted(models, key=lambda m: m.size_bytes) if "completion" in m.capabilities)
-            embed_model = next((m.name for m in models if "embedding" in m.capabilities), small)
-
-            async def o_root() -> str:
-                return expect(await client.get(o + "/")).text
-
-            async def o_version() -> str:
-                return str(expect(await client.get(o + "/api/version")).json()["version"])
-
-            async def o_tags() -> str:
-                return f"{len(expect(await client.get(o + '/api/tags')).json()['models'])} models"
-
-            async def o_generate() -> str:
-                r = expect(await client.post(o + "/api/generate", json={"model": chat_model, "prompt": "hi"}))
-                lines = [json.loads(x) for x in r.text.splitlines() if x]
-                assert lines[-1]["done"] is True, lines[-1]
-                return f"{len(lines)} NDJSON lines"
-
-            async def o_chat() -> str:
-                r = expect(await client.post(o + "/api/chat", json={"model": chat_model, "stream": False,
-                                                                    "messages": [{"role": "user", "content": "hi"}]}))
-                return str(r.json()["message"]["content"])[:30]
-
-            async def o_ps() -> str:
-                return ", ".join(m["name"] for m in expect(await client.get(o + "/api/ps")).json()["models"])
-
-            async def o_show() -> str:
-                shown = expect(await client.post(o + "/api/show", json={"model": chat_model})).json()
-                return ",".join(shown.get("capabilities", []))
-
-            async def o_embed() -> str:
-                r = expect(await client.post(o + "/api/embed", json={"model": embed_model, "input": "hi"}))
-                return f"dim {len(r.json()['embeddings'][0])}"
-
-            async def o_v1() -> str:
-                r = expect(await client.post(o + "/v1/chat/completions", json={
-                    "model": chat_model, "stream": True, "messages": [{"role": "user", "content": "hi"}]}))
-                assert r.text.rstrip().endswith("data: [DONE]"), r.text[-80:]
-                return f"{r.text.count('data: ')} SSE events"
-
-            async def o_models() -> str:
-                return f"{len(expect(await client.get(o + '/v1/models')).json()['data'])} models"
-
-            async def o_pull_copy_delete() -> str:
-                r = expect(await client.post(o + "/api/pull", json={"model": "tinyllama:1.1b"}))
-                assert json.loads(r.text.splitlines()[-1])["status"] == "success"
-                expect(await client.post(o + "/api/copy", json={"source": "tinyllama:1.1b", "destination": "tiny-copy"}))
-                expect(await client.request("DELETE", o + "/api/delete", json={"model": "tiny-copy"}))
-                expect(await client.request("DELETE", o + "/api/delete", json={"model": "tinyllama:1.1b"}))
-                return "pull, copy, delete"
-
-            async def o_unload() -> str:
-                r = expect(await client.post(o + "/api/generate", json={"model": chat_model, "keep_alive": 0}))
-                return str(r.json()["done_reason"])
-
-            for name, fn in [("ollama GET /", o_root), ("ollama /api/version", o_version), ("ollama /api/tags", o_tags),
-                             ("ollama /api/generate", o_generate), ("ollama /api/chat", o_chat), ("ollama /api/ps", o_ps),
-                             ("ollama /api/show", o_show), ("ollama /api/embed", o_embed),
-                             ("ollama /v1/chat/completions", o_v1), ("ollama /v1/models", o_models),
-                             ("ollama pull/copy/delete", o_pull_copy_delete), ("ollama unload", o_unload)]:
-                await check(name, fn)
-
-        if demo.box.comfyui:
-            c = demo.box.servers["comfyui"].url
-            ckpts = demo.box.comfyui.config.checkpoints
-            small_ckpt = min(ckpts, key=lambda k: ckpts[k])
-
-            async def c_stats() -> str:
-                return str(expect(await client.get(c + "/system_stats")).json()["devices"][0]["name"])
-
-            async def c_api_prefix() -> str:
-                return str(expect(await client.get(c + "/api/queue")).json())
-
-            async def c_object_info() -> str:
-                return f"{len(expect(await client.get(c + '/object_info')).json())} nodes"
-
-            async def c_features() -> str:
-                return str(expect(await client.get(c + "/features")).json())
-
-            async def c_prompt() -> str:
-                msgs = await run_prompt(c, small_ckpt, client)
-                types = [m["type"] for m in msgs]
-                assert "execution_success" in types, types
-                return f"{len(msgs)} ws messages, ends with executing null"
-
-            async def c_history() -> str:
-                return f"{len(expect(await client.get(c + '/history')).json())} entries"
-
-            async def c_upload_view() -> str:
-                files = {"image": ("demo.png", b"\x89PNG\r\n\x1a\n" + b"0" * 64, "image/png")}
-                up = expect(await client.post(c + "/upload/image", files=files)).json()
-                r = await client.get(c + "/view", params={"filename": up["name"], "type": "input"},
-                                     headers={"Range": "bytes=0-7"})
-                expect(r, 206)
-                return f"uploaded {up['name']}, Range -> 206"
-
-            async def c_free() -> str:
-                expect(await client.post(c + "/free", json={"unload_models": True, "free_memory": True}))
-                return "200 (memory comes back later)"
-
-            for name, fn in [("comfyui /system_stats", c_stats), ("comfyui /api/ prefix", c_api_prefix),
-                             ("comfyui /object_info", c_object_info), ("comfyui /features", c_features),
-                             ("comfyui /prompt + /ws", c_prompt), ("comfyui /history", c_history),
-                             ("comfyui upload + view", c_upload_view), ("comfyui /free", c_free)]:
-                await check(name, fn)
-
-        if demo.proxy and demo.box.ollama and demo.box.comfyui:
-            await check("proxy: handoff ComfyUI -> Ollama", lambda: _handoff_check(demo, client))
-            await check("proxy: chat during a render waits", lambda: _chat_during_render(demo, client))
-            await check("proxy: prompt after a chat runs", lambda: _prompt_after_chat(demo, client))
-            await check("proxy: 3 rounds chat then image", lambda: _rounds(demo, client, 3))
-            await check("proxy: release after end marker", lambda: _release_after_end(demo, client))
-            await check("proxy: unload needs no memory", lambda: _unload_releases_nobody(demo, client))
-        if demo.proxy and demo.box.ollama and demo.box.comfyui and demo.box.gpu.device_count > 1:
-            await check("proxy: one GPU's load keeps the other's", lambda: _cards_apart(demo, client))
-        if demo.proxy and demo.box.ollama:
-            await check("proxy: 507 names the blockers", lambda: _rejection_check(demo, client))
-        if demo.proxy and demo.box.comfyui and demo.box.scenario.relay is not None:
-            await check("proxy: relay stopped for a render", lambda: _relay_stopped_and_started(demo, client))
-    return results
-
-
-async def _unload_ollama(demo: Demo, client: httpx.AsyncClient) -> None:
-    assert demo.box.ollama
-    base = demo.box.servers["ollama"].url
-    for m in (await client.get(base + "/api/ps")).json()["models"]:
-        await client.post(base + "/api/generate", json={"model": m["name"], "keep_alive": 0})
-    await demo.box.ollama.wait_until(lambda: not demo.box.ollama.loaded(), timeout_s=15)  # type: ignore[union-attr]
-
-
-async def _handoff_check(demo: Demo, client: httpx.AsyncClient) -> str:
-    """ComfyUI holds its largest checkpoint; an Ollama model that only fits once ComfyUI lets go."""
-    assert demo.proxy and demo.box.ollama and demo.box.comfyui
-    await _unload_ollama(demo, client)
-    ckpts = demo.box.comfyui.config.checkpoints
-    await run_prompt(demo.proxy.url("comfyui"), max(ckpts, key=lambda k: ckpts[k]), client)
-    free = demo.box.gpu.free_bytes()
-    comfy_held = demo.box.gpu.used_by(demo.box.comfyui.pid or 0)
-    allowance = demo.proxy.registry.get("ollama").context_allowance_bytes
-    candidates = [m for m in demo.box.ollama.config.models if "completion" in m.capabilities
-                  and free < m.size_bytes + allowance <= free + comfy_held - demo.box.comfyui.config.context_floor_bytes]
-    if not candidates:
-        return "not applicable: no model in this scenario needs ComfyUI's memory"
-    model = min(candidates, key=lambda m: m.size_bytes)
-    r = await client.post(demo.proxy.url("ollama") + "/api/generate",
-                          json={"model": model.name, "prompt": "hi", "stream": False})
-    if r.status_code != 200:
-        raise AssertionError(f"{model.name} through the proxy answered {r.status_code}: {r.text[:200]}")
-    plans = [d for d in demo.proxy.decisions.recent() if d.kind == "plan" and d.tenant == "ollama"]
-    assert plans, "the proxy loaded the model without a handoff"
-    released = [(x["tenant"], x["freed_gb"]) for x in plans[-1].outcome.get("releases", [])]
-    return f"{model.name} loaded after releasing " + ", ".join(f"{t} ({gb} GiB)" for t, gb in released)
-
-
-def _swap_pair(demo: Demo) -> tuple[str, str] | None:
-    """The smallest chat model and the largest checkpoint that cannot share this card: each load
-    needs the other one's memory. None when every pair fits."""
-    assert demo.proxy and demo.box.ollama and demo.box.comfyui
-    if _engine_card(demo, "ollama") != _engine_card(demo, "comfyui"):
-        return None  # on separate cards no load needs the other's memory
-    g, comfy, reg = demo.box.gpu, demo.box.comfyui.config, demo.proxy.registry
-    others = sum(int(p.vram_gb * GIB) for p in demo.box.scenario.processes)  # the desktop, unmanaged apps
-    usable = g.total_bytes - g.reserved_bytes - others
-    ckpt = max(comfy.checkpoints, key=lambda k: comfy.checkpoints[k])
-    comfy_uses = comfy.checkpoints[ckpt] + comfy.context_floor_bytes + comfy.working_bytes  # while sampling
-    allowance = reg.get("ollama").context_allowance_bytes
-    fits_alone = [m for m in demo.box.ollama.config.models if "completion" in m.capabilities
-                  and m.size_bytes + allowance <= usable - comfy.context_floor_bytes]
-    pair = [m for m in fits_alone if m.size_bytes + comfy_uses > usable]
-    return (min(pair, key=lambda m: m.size_bytes).name, ckpt) if pair else None
-
-
-async def _chat(demo: Demo, client: httpx.AsyncClient, model: str) -> None:
-    assert demo.proxy
-    r = await client.post(demo.proxy.url("ollama") + "/api/chat",
-                          json={"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": False})
-    if r.status_code != 200:
-        raise AssertionError(f"chat with {model} answered {r.status_code}: {r.text[:200]}")
-
-
-async def _render(demo: Demo, client: httpx.AsyncClient, ckpt: str) -> None:
-    assert demo.proxy
-    types = [m["type"] for m in await run_prompt(demo.proxy.url("comfyui"), ckpt, client, timeout_s=120)]
-    if "execution_success" not in types:
-        raise AssertionError(f"the prompt for {ckpt} did not succeed: {types}")
-
-
-def _not_applicable(demo: Demo) -> str:
-    if _engine_card(demo, "ollama") != _engine_card(demo, "comfyui"):
-        return "not applicable: Ollama and ComfyUI run on separate GPUs"
-    return "not applicable: every chat model and checkpoint of this scenario fit on the card together"
-
-
-async def _cards_apart(demo: Demo, client: httpx.AsyncClient) -> str:
-    """Several GPUs: Ollama holds its largest chat model on its card, ComfyUI then loads its largest
-    checkpoint on the other: nothing of Ollama's is released, and its model stays loaded."""
-    assert demo.proxy and demo.box.ollama and demo.box.comfyui
-    o_card, c_card = _engine_card(demo, "ollama"), _engine_card(demo, "comfyui")
-    if o_card == c_card:
-        return "not applicable: Ollama and ComfyUI share a card"
-    model = max((m for m in demo.box.ollama.config.models if "completion" in m.capabilities), key=lambda m: m.size_bytes)
-    ckpts = demo.box.comfyui.config.checkpoints
-    ckpt = max(ckpts, key=lambda k: ckpts[k])
-    await _chat(demo, client, model.name)
-    before = len(demo.proxy.decisions.recent(500))
-    await _render(demo, client, ckpt)
-    released = [r["tenant"] for d in demo.proxy.decisions.recent(500)[before:]
-                for r in (d.outcome.get("releases") or []) if r.get("tenant") == "ollama"]
-    if released:
-        raise AssertionError(f"a load on GPU {c_card} released Ollama on GPU {o_card}")
-    loaded = [m["name"] for m in (await client.get(demo.box.servers["ollama"].url + "/api/ps")).json()["models"]]
-    if model.name not in loaded:
-        raise AssertionError(f"{model.name} is no longer loaded after the render on GPU {c_card}: {loaded}")
-    return f"{ckpt} rendered on GPU {c_card}; {model.name} stayed on GPU {o_card}, nothing released"
-
-
-async def _chat_during_render(demo: Demo, client: httpx.AsyncClient) -> str:
-    """A chat whose model needs ComfyUI's memory, sent while a prompt renders: it waits, then runs."""
-    assert demo.proxy and demo.box.comfyui
-    pair = _swap_pair(demo)
-    if pair is None:
-        return _not_applicable(demo)
-    model, ckpt = pair
-    await _unload_ollama(demo, client)
-    started = time.monotonic()
-    rendering = asyncio.ensure_future(_render(demo, client, ckpt))
-    inflight = demo.proxy.inflight
-    async with asyncio.timeout(30):
-        await poll_until(lambda: inflight.traffic("comfyui").jobs, 0.01)
-    await _chat(demo, client, model)
-    if not rendering.done():
-        raise AssertionError("the chat was answered before the render ended: the busy tenant was not waited for")
-    await rendering
-    queued = [d for d in demo.proxy.decisions.recent() if d.kind == "queued" and d.tenant == "ollama"]
-    if not queued or queued[-1].outcome.get("result") != "admitted":
-        raise AssertionError("the chat never waited in the handoff queue")
-    waited = queued[-1].outcome["waited_s"]
-    return f"{model} waited {waited} s for the {ckpt} render, then ran ({time.monotonic() - started:.1f} s in all)"
-
-
-async def _prompt_after_chat(demo: Demo, client: httpx.AsyncClient) -> str:
-    """ComfyUI asks for memory an idle Ollama holds: whatever the priorities, idle memory serves it."""
-    assert demo.proxy
-    pair = _swap_pair(demo)
-    if pair is None:
-        return _not_applicable(demo)
-    model, ckpt = pair
-    await _chat(demo, client, model)
-    await _render(demo, client, ckpt)
-    plan = [d for d in demo.proxy.decisions.recent() if d.kind == "plan" and d.tenant == "comfyui"]
-    released = [r["tenant"] for r in plan[-1].outcome.get("releases", [])] if plan else []
-    return f"{ckpt} rendered after releasing {', '.join(released) or 'nobody'}"
-
-
-async def _rounds(demo: Demo, client: httpx.AsyncClient, rounds: int) -> str:
-    assert demo.proxy
-    pair = _swap_pair(demo)
-    if pair is None:
-        return _not_applicable(demo)
-    model, ckpt = pair
-    started = time.monotonic()
-    before = len(demo.proxy.decisions.recent(500))
-    for _ in range(rounds):
-        await _chat(demo, client, model)
-        await _render(demo, client, ckpt)
-    bad = [d for d in demo.proxy.decisions.recent(500)[before:] if d.kind in ("rejection", "oom_retry")]
-    if bad:
-        raise AssertionError(f"{len(bad)} refusal(s) or OOM retries: {bad[0].to_json()}")
-    return f"{rounds} x ({model} chat, {ckpt} render) in {time.monotonic() - started:.1f} s, no error"
-
-
-async def _release_after_end(demo: Demo, client: httpx.AsyncClient) -> str:
-    """The watchdog read ComfyUI's queue while the prompt ran; a release asked at its end marker is 200."""
-    assert demo.proxy and demo.box.comfyui
-    ckpts = demo.box.comfyui.config.checkpoints
-    rendering = asyncio.ensure_future(_render(demo, client, min(ckpts, key=lambda k: ckpts[k])))
-    inflight = demo.proxy.inflight
-    async with asyncio.timeout(30):
-        await poll_until(lambda: inflight.traffic("comfyui").jobs, 0.01)
-    await demo.proxy.watchdog.tick()
-    await rendering
-    r = await client.post(demo.proxy.url("admin") + "/api/tenants/comfyui/release")
-    if r.status_code != 200:
-        raise AssertionError(f"release right after the end marker answered {r.status_code}: {r.text[:200]}")
-    return f"200, {r.json()['freed_gb']} GiB back on the card"
-
-
-async def _unload_releases_nobody(demo: Demo, client: httpx.AsyncClient) -> str:
-    assert demo.proxy and demo.box.ollama
-    biggest = max(demo.box.ollama.config.models, key=lambda m: m.size_bytes).name
-    before = len(demo.proxy.decisions.recent(500))
-    r = await client.post(demo.proxy.url("ollama") + "/api/generate", json={"model": biggest, "keep_alive": 0})
-    if r.status_code != 200 or r.json().get("done_reason") != "unload":
-        raise AssertionError(f"unload of {biggest} answered {r.status_code}: {r.text[:200]}")
-    made = [d.kind for d in demo.proxy.decisions.recent(500)[before:]]
-    if made:
-        raise AssertionError(f"an unload made decisions: {made}")
-    return f"{biggest} unloaded, no plan, no release"
-
-
-async def _rejection_check(demo: Demo, client: httpx.AsyncClient) -> str:
-    """The largest model, when even releasing everyone reclaimable cannot make room: 507 with blockers."""
-    assert demo.proxy and demo.box.ollama
-    await _unload_ollama(demo, client)
-    biggest = max((m for m in demo.box.ollama.config.models if "completion" in m.capabilities), key=lambda m: m.size_bytes)
-    r = await client.post(demo.proxy.url("ollama") + "/api/generate",
-                          json={"model": biggest.name, "prompt": "hi", "stream": False})
-    if r.status_code == 200:
-        return f"not applicable: {biggest.name} fits this card once others are released"
-    if r.status_code != 507:
-        raise AssertionError(f"{biggest.name} answered {r.status_code}: {r.text[:200]}")
-    refused = NotEnoughMemory.model_validate_json(r.content)
-    blockers = ", ".join(f"{b.cmdline or b.name} (pid {b.pid}, {b.vram_gb} GiB, {b.reason})"
-                         for b in refused.blockers if b.reason == "unmanaged")
-    return (f"507 for {biggest.name} (needs {refused.need_gb} GiB, {refused.available_gb} GiB reachable): "
-            f"{blockers or 'no unmanaged blocker'}")
-
-
-async def _relay_stopped_and_started(demo: Demo, client: httpx.AsyncClient) -> str:
-    """The speech relay (a `process` tenant) is not started by a read (503), runs after a
-    request that needs it (an empty POST: answered); a render that needs its memory
-    stops it (a `stop` decision, the child gone, its memory back on the card); the next request to
-    its listener starts it again (a `start` decision, 200)."""
-    assert demo.proxy and demo.box.comfyui and demo.box.scenario.relay
-    spec, proxy, gpu = demo.box.scenario.relay, demo.proxy, demo.box.gpu
-    name = spec.tenant
-    machine = proxy.arbitration.lifecycles.machine(name)
-    if machine is None:
-        raise AssertionError(f"{name} is not a tenant the proxy starts and stops")
-    lifecycle = machine
-
-    def state() -> str:  # read anew each time: it changes across the awaits
-        return lifecycle.state
-    if demo.box.ollama:
-        await _unload_ollama(demo, client)  # so that the render needs the relay's memory, not Ollama's
-    expect_ok(await client.post(proxy.url("admin") + "/api/tenants/comfyui/release"), "comfyui's release")
-    relay = proxy.url(name)
-    before = len(proxy.decisions.recent(500))
-    polled = await client.get(relay + "/health")
-    if polled.status_code != 503 or state() != "stopped":
-        raise AssertionError(f"a read of the stopped {name} answered {polled.status_code} and left it {state()}: "
-                             "a read must not start it (wake_on \"writes\")")
-    expect_ok(await client.post(relay + "/v1/audio/transcriptions", content=b"",
-                                headers={"Content-Type": "audio/wav"}), f"the first request to {name}")
-    pid = machine.controller.describe().get("pid")
-    if state() != "running" or not isinstance(pid, int) or pid not in gpu.real_pids():
-        raise AssertionError(f"{name} is {state()} after its first request; on the card: {gpu.real_pids()}")
-    ckpts, reg = demo.box.comfyui.config.checkpoints, proxy.registry.get("comfyui")
-    ckpt = max(ckpts, key=lambda k: ckpts[k])
-    need = int(reg.model_vram_gb.get(ckpt, reg.needs_vram_gb) * GIB)
-    if need <= gpu.free_bytes() + gpu.used_by(demo.box.comfyui.pid or 0):
-        return f"not applicable: {ckpt} fits beside {name}"
-    await _render(demo, client, ckpt)
-    made = proxy.decisions.recent(500)[before:]
-    stops = [d for d in made if d.kind == "stop" and d.tenant == name]
-    if not stops or stops[-1].outcome.get("ok") is not True:
-        raise AssertionError(f"{ckpt} rendered but {name} was not stopped: {[(d.kind, d.tenant) for d in made]}")
-    if state() != "stopped" or pid in gpu.real_pids():
-        raise AssertionError(f"{name} is {state()} after its stop; pid {pid} on the card: {pid in gpu.real_pids()}")
-    stop_s = stops[-1].outcome.get("duration_s")
-    said = expect_ok(await client.post(relay + "/v1/audio/transcriptions", content=b"RIFF" + bytes(4096),
-                                       headers={"Content-Type": "audio/wav"}), f"the next request to {name}")
-    starts = [d for d in proxy.decisions.recent(500)[before:] if d.kind == "start" and d.tenant == name]
-    if len(starts) != 2 or state() != "running" or "text" not in said.json():
-        raise AssertionError(f"{name} was not started again: {len(starts)} start(s), {state()}, {said.text[:120]}")
-    return (f"{name} started ({starts[0].outcome.get('duration_s')} s), stopped for {ckpt} ({stop_s} s, "
-            f"{spec.vram_gb:g} GiB back), started again ({starts[1].outcome.get('duration_s')} s), 200")
-
-
-def expect_ok(r: httpx.Response, what: str) -> httpx.Response:
-    if r.status_code != 200:
-        raise AssertionError(f"{what} answered {r.status_code}: {r.text[:200]}")
-    return r
-
-
-# -- the demo's terminal: one readable line per decision ----------------------------------------------
-
 def decision_line(view: DecisionView) -> str:
     """A decision, once complete, as one line a person reads (the demo's terminal; `serve` and
     `demo --json-logs` log each event as a JSON object instead)."""
     o, t = view.outcome, view.tenant or "the card"
     match view.kind:
         case "queued":
-            waited = f"waited {o['waited_s']:.1f} s" if "waited_s" in o else "waiting"
-            behind = f" behind #{o['behind']}" if o.get("behind") else ""
-            whom = ", ".join(o.get("waiting_for") or []) or "memory"
-            text = f"{t} {waited} for {whom}{behind}: {o.get('result', 'still waiting')}"
+            text = _wait_line(t, o)
         case "rejection":
             text = f"{t} refused {o.get('status')}: {o.get('reason')}"
         case "plan" | "oom_retry" | "spill" | "idle_release" | "release":
-            retry = o.get("oom_retry") or (o.get("result") if view.kind == "oom_retry" else None)
-            text = f"{t}: " + (_releases_line(o) if o.get("releases") or retry is None else "nothing released")
-            if retry is not None:
-                text += f"; retry after out of memory: {retry}"
+            text = _handoff_line(t, o, view.kind == "oom_retry")
         case "model_load":
             cls = f", {o['class']}" if o.get("class") else ""
             text = f"{t} loaded {o.get('model')} in {o.get('seconds', 0):.1f} s ({o.get('gbps', 0):.2f} GB/s{cls})"
@@ -669,6 +263,19 @@ def decision_line(view: DecisionView) -> str:
             text = f"{t}: {facts}" if facts else t
     ok = "" if o.get("ok", True) is not False else " [FAILED]"
     return f"#{view.id} {view.kind:<12} {text}{ok}  ({view.trigger})"
+
+
+def _wait_line(t: str, o: Mapping[str, Any]) -> str:
+    waited = f"waited {o['waited_s']:.1f} s" if "waited_s" in o else "waiting"
+    behind = f" behind #{o['behind']}" if o.get("behind") else ""
+    whom = ", ".join(o.get("waiting_for") or []) or "memory"
+    return f"{t} {waited} for {whom}{behind}: {o.get('result', 'still waiting')}"
+
+
+def _handoff_line(t: str, o: Mapping[str, Any], oom_retry: bool) -> str:
+    retry = o.get("oom_retry") or (o.get("result") if oom_retry else None)
+    text = f"{t}: " + (_releases_line(o) if o.get("releases") or retry is None else "nothing released")
+    return text if retry is None else f"{text}; retry after out of memory: {retry}"
 
 
 def _releases_line(o: Mapping[str, Any]) -> str:
@@ -713,13 +320,17 @@ def print_report(results: list[tuple[str, bool, str]]) -> bool:
     return not failed
 
 
-async def demo_main(scenario: str, check: bool, with_proxy: bool = True, fast: bool = False,
+SelfTest = Callable[[Demo], Awaitable[list[tuple[str, bool, str]]]]
+
+
+async def demo_main(scenario: str, check: SelfTest | None, with_proxy: bool = True, fast: bool = False,
                     config: str | None = None, readable_log: bool = False) -> int:
-    """`readable_log`: one line per decision on stderr (the default of `hyperswap demo`; its
+    """`check`: run this self-test (`demo_check.self_test`) and exit 0/1, else run until Ctrl-C.
+    `readable_log`: one line per decision on stderr (the default of `hyperswap demo`; its
     `--json-logs` keeps the JSON log lines `serve` writes)."""
     # --fast: the same box with the engines' load, unload and step delays cut to milliseconds (what the
     # tests run on), so a check after an install takes seconds instead of a minute and a half.
-    demo = await start_demo(fast_scenario(scenario) if fast else scenario, with_proxy=with_proxy, watchdog=not check,
+    demo = await start_demo(fast_scenario(scenario) if fast else scenario, with_proxy=with_proxy, watchdog=check is None,
                             config=config, scenario_name=scenario)
     settle_heap()
     try:
@@ -728,7 +339,7 @@ async def demo_main(scenario: str, check: bool, with_proxy: bool = True, fast: b
             print("(--fast: the simulated engines load, unload and render in milliseconds)", flush=True)
         if check:
             print("\nself-test:")
-            return 0 if print_report(await self_test(demo)) else 1
+            return 0 if print_report(await check(demo)) else 1
         if readable_log and demo.proxy:
             DecisionPrinter(demo.proxy)
             print("\nDecisions, one line each as they complete:", file=sys.stderr, flush=True)

@@ -22,6 +22,7 @@ from proxy.cli import main
 from proxy.demo import describe, run_prompt
 from proxy.deploy import install
 from proxy.sim.box import fast_scenario, scenario_names
+from proxy.tasks import poll_until
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI_PAGE = (ROOT / "docs" / "reference" / "cli.md").read_text()
@@ -232,7 +233,7 @@ async def test_the_503_after_a_queue_timeout_says_how_long_it_waited_once(box: D
     assert demo.proxy is not None and demo.box.comfyui is not None
     render = asyncio.ensure_future(run_prompt(demo.proxy.url("comfyui"), "flux1-dev-fp8.safetensors", http, 60))
     try:
-        await proxy.demo.poll_until(lambda: demo.proxy.inflight.traffic("comfyui").jobs, 0.01)  # type: ignore[union-attr]
+        await poll_until(lambda: demo.proxy.inflight.traffic("comfyui").jobs, 0.01)  # type: ignore[union-attr]
         r = await http.post(demo.proxy.url("ollama") + "/api/generate",
                             json={"model": "gemma3:27b", "prompt": "hi", "stream": False})
     finally:

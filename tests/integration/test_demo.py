@@ -11,7 +11,8 @@ import pytest
 from boxes import DemoFactory, chat, render
 
 from proxy.cli import main
-from proxy.demo import DecisionPrinter, Demo, describe, self_test, start_demo
+from proxy.demo import DecisionPrinter, Demo, describe, start_demo
+from proxy.demo_check import self_test
 from proxy.sim.box import fast_scenario, scenario_names
 
 

@@ -63,7 +63,7 @@ def kind_switches(source: str, where: str) -> list[str]:
 # The adapters are where engine names belong; `hyperswap verify` asks them too (`verify_role`).
 CLIENTS = (PROXY / "engines",)
 # The simulators are engines by name, and the demo runs them under tenants named after them.
-SIMULATED = (PROXY / "sim", PROXY / "demo.py")
+SIMULATED = (PROXY / "sim", PROXY / "demo.py", PROXY / "demo_check.py")
 
 
 def test_no_module_outside_engines_switches_on_an_engine_name() -> None:

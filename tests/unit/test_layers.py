@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("relay", ("proxy.relay",)),
     ("admin and verify", ("proxy.admin", "proxy.verify")),
     ("deploy", ("proxy.deploy",)),
-    ("service, cli, demo", ("proxy.service", "proxy.cli", "proxy.demo")),
+    ("service, cli, demo", ("proxy.service", "proxy.cli", "proxy.demo", "proxy.demo_check")),
 )
 SIM = "proxy.sim"
 SIM_SEES_UP_TO = "relay"  # the simulators serve HTTP with relay's servers; nothing above that
