@@ -9,6 +9,7 @@ driver has probably reset the card, so settings that cannot be read back are wri
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -100,45 +101,49 @@ def _offset(setting: Literal["gpc_clock_offset_mhz", "mem_clock_offset_mhz"], wa
 
 
 def _fans(p: GpuProfile, s: GpuSettings) -> list[FieldCheck]:
-    out: list[FieldCheck] = []
     policy = p.fan_policy
     assert policy is not None
     if s.fans is None:
-        out.append(_missing("fan_policy", policy, s.unavailable.get("fans"), "fan control"))
-        return out
+        return [_missing("fan_policy", policy, s.unavailable.get("fans"), "fan control")]
     if not s.fans:
-        out.append(FieldCheck("fan_policy", "unsupported", policy, None,
-                              "the card reports no fans NVML controls (passively cooled, or cooled by the case)"))
-        return out
+        return [FieldCheck("fan_policy", "unsupported", policy, None,
+                           "the card reports no fans NVML controls (passively cooled, or cooled by the case)")]
+    out = [_fan_policy(policy, s)]
+    if p.fan_speed_percent is not None:
+        out.append(_fan_speed(p.fan_speed_percent, s))
+    return out
+
+
+def _fan_policy(policy: str, s: GpuSettings) -> FieldCheck:
+    assert s.fans
     have = [f.policy for f in s.fans]
     if any(h is None for h in have):
         reasons = {s.unavailable.get(f"fans[{f.index}].policy") for f in s.fans if f.policy is None}
-        out.append(_missing("fan_policy", policy, reasons.pop() if len(reasons) == 1 else None, "the fan policy"))
-    elif all(h == policy for h in have):
-        out.append(FieldCheck("fan_policy", "ok", policy, policy, policy))
-    else:
-        shown = ", ".join(f"fan {f.index} {f.policy}" for f in s.fans)
-        cost = ("the fans run at a fixed speed and do not follow the temperature: the card may run hot"
-                if policy == "auto" else "the fans follow the driver's curve, not the profile's fixed speed: "
-                "noise and temperatures differ from the profile")
-        out.append(FieldCheck("fan_policy", "drift", policy, shown, f"fans are {shown}, the profile wants {policy}", cost))
-    want = p.fan_speed_percent
+        return _missing("fan_policy", policy, reasons.pop() if len(reasons) == 1 else None, "the fan policy")
+    if all(h == policy for h in have):
+        return FieldCheck("fan_policy", "ok", policy, policy, policy)
+    shown = ", ".join(f"fan {f.index} {f.policy}" for f in s.fans)
+    cost = ("the fans run at a fixed speed and do not follow the temperature: the card may run hot"
+            if policy == "auto" else "the fans follow the driver's curve, not the profile's fixed speed: "
+            "noise and temperatures differ from the profile")
+    return FieldCheck("fan_policy", "drift", policy, shown, f"fans are {shown}, the profile wants {policy}", cost)
+
+
+def _fan_speed(want: int, s: GpuSettings) -> FieldCheck:
+    assert s.fans
     rng = s.fan_speed_range_percent
-    if want is not None and rng is not None and not rng[0] <= want <= rng[1]:
-        out.append(FieldCheck("fan_speed_percent", "unsupported", want, [f.speed_percent for f in s.fans],
-                              f"{want} % is outside the fans' range ({rng[0]}-{rng[1]} %)"))
-    elif want is not None:
-        speeds = [f.speed_percent for f in s.fans]
-        if any(v is None for v in speeds):
-            reasons = {s.unavailable.get(f"fans[{f.index}].speed") for f in s.fans if f.speed_percent is None}
-            out.append(_missing("fan_speed_percent", want, reasons.pop() if len(reasons) == 1 else None, "the fan speed"))
-        elif all(abs(v - want) <= FAN_TOLERANCE_PERCENT for v in speeds if v is not None):
-            out.append(FieldCheck("fan_speed_percent", "ok", want, speeds, ", ".join(f"{v} %" for v in speeds)))
-        else:
-            out.append(FieldCheck("fan_speed_percent", "drift", want, speeds,
-                                  f"fans run at {', '.join(f'{v} %' for v in speeds)}, the profile wants {want} %",
-                                  "noise and temperatures differ from the profile"))
-    return out
+    if rng is not None and not rng[0] <= want <= rng[1]:
+        return FieldCheck("fan_speed_percent", "unsupported", want, [f.speed_percent for f in s.fans],
+                          f"{want} % is outside the fans' range ({rng[0]}-{rng[1]} %)")
+    speeds = [f.speed_percent for f in s.fans]
+    if any(v is None for v in speeds):
+        reasons = {s.unavailable.get(f"fans[{f.index}].speed") for f in s.fans if f.speed_percent is None}
+        return _missing("fan_speed_percent", want, reasons.pop() if len(reasons) == 1 else None, "the fan speed")
+    if all(abs(v - want) <= FAN_TOLERANCE_PERCENT for v in speeds if v is not None):
+        return FieldCheck("fan_speed_percent", "ok", want, speeds, ", ".join(f"{v} %" for v in speeds))
+    return FieldCheck("fan_speed_percent", "drift", want, speeds,
+                      f"fans run at {', '.join(f'{v} %' for v in speeds)}, the profile wants {want} %",
+                      "noise and temperatures differ from the profile")
 
 
 def compare(profile: GpuProfile, settings: GpuSettings) -> tuple[FieldCheck, ...]:
@@ -177,14 +182,19 @@ def plan_changes(profile: GpuProfile, settings: GpuSettings, checks: tuple[Field
         out.append(SettingChange("gpc_clock_offset_mhz", profile.gpc_clock_offset_mhz))
     if profile.mem_clock_offset_mhz is not None and wanted("mem_clock_offset_mhz"):
         out.append(SettingChange("mem_clock_offset_mhz", profile.mem_clock_offset_mhz))
+    return out + _fan_changes(profile, settings, status, wanted)
+
+
+def _fan_changes(profile: GpuProfile, settings: GpuSettings, status: Mapping[SettingName, str],
+                 wanted: Callable[[SettingName], bool]) -> list[SettingChange]:
     fans = settings.fans or ()
     if profile.fan_policy == "manual" and profile.fan_speed_percent is not None:
         if status.get("fan_speed_percent") != "unsupported" and (wanted("fan_policy") or wanted("fan_speed_percent")):
             # setting a speed puts the fan under manual control
-            out.extend(SettingChange("fan_speed_percent", profile.fan_speed_percent, fan=f.index) for f in fans)
+            return [SettingChange("fan_speed_percent", profile.fan_speed_percent, fan=f.index) for f in fans]
     elif profile.fan_policy == "auto" and wanted("fan_policy"):
-        out.extend(SettingChange("fan_policy", "auto", fan=f.index) for f in fans if f.policy != "auto")
-    return out
+        return [SettingChange("fan_policy", "auto", fan=f.index) for f in fans if f.policy != "auto"]
+    return []
 
 
 def reset_reason(previous: GpuSettings | None, prev_checks: tuple[FieldCheck, ...], current: GpuSettings,

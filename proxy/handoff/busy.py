@@ -74,42 +74,55 @@ def tenant_state(tenant: Tenant, traffic: TenantTraffic | None, ev: Evidence, no
     rows = ev.rows or ()
     others = tuple(j for j in rows if j not in own)
     above_floor = ev.held > tenant.idle_vram_bytes + CONFIRM_SLACK_BYTES
-    fresh = bool(own) and traffic is not None and traffic.newest_job_at is not None \
-        and now - traffic.newest_job_at < JOB_LOAD_GRACE_S
-
-    def busy(why: str) -> TenantState:
-        return TenantState(tenant.name, True, why, in_flight)
-
-    def stale(jobs: tuple[str, ...], why: str, text: str) -> TenantState:
-        jobs = tuple(dict.fromkeys(jobs))
-        return TenantState(tenant.name, False, f"{len(jobs)} job(s) listed but {text}: stale", in_flight,
-                           stale_jobs=jobs, stale_why=why)
-
-    jobs = _jobs_text(own, ev.rows)
+    verdict = _Verdict(tenant.name, in_flight)
     if in_flight:
-        return busy(f"{in_flight} GPU request(s) in flight")
+        return verdict.busy(f"{in_flight} GPU request(s) in flight")
     connections = traffic.connections if traffic else 0
     if connections and released_by_stopping(tenant):
-        return busy(f"{connections} request(s), stream(s) or websocket(s) open: a stop would cut them")
+        return verdict.busy(f"{connections} request(s), stream(s) or websocket(s) open: a stop would cut them")
     if own:
-        if ev.unreachable_for is not None:
-            if ev.unreachable_for < job_lost_after_s:
-                return busy(f"{jobs}; its queue has not answered for {ev.unreachable_for:.0f} s")
-            return stale(own, "unreachable", f"its queue has not answered for {ev.unreachable_for:.0f} s")
-        if ev.observable:
-            if above_floor or fresh:
-                return busy(jobs + ("" if above_floor else ", load on its way"))
-            return stale((*own, *others), "vram", "VRAM at its idle floor")
-        if fresh or ev.rows is None or any(j in rows for j in own):
-            return busy(jobs + (", listed by its own queue" if ev.rows else ""))
-        return stale(own, "unlisted", "its own queue no longer lists them")
+        fresh = traffic is not None and traffic.newest_job_at is not None and now - traffic.newest_job_at < JOB_LOAD_GRACE_S
+        return _own_jobs(verdict, own, others, ev, above_floor=above_floor, fresh=fresh, lost_after_s=job_lost_after_s)
     if others:
         if not ev.observable:
-            return busy(f"{len(others)} job(s) in its own queue")
+            return verdict.busy(f"{len(others)} job(s) in its own queue")
         if above_floor:
-            return busy(f"{len(others)} job(s) in its own queue and VRAM above its idle floor")
-        return stale(others, "vram", "VRAM at its idle floor")
+            return verdict.busy(f"{len(others)} job(s) in its own queue and VRAM above its idle floor")
+        return verdict.stale(others, "vram", "VRAM at its idle floor")
     return TenantState(tenant.name, False, "idle", in_flight)
+
+
+@dataclass(frozen=True, slots=True)
+class _Verdict:
+    """How `tenant_state` says busy or stale for one tenant."""
+
+    tenant: str
+    in_flight: int
+
+    def busy(self, why: str) -> TenantState:
+        return TenantState(self.tenant, True, why, self.in_flight)
+
+    def stale(self, jobs: tuple[str, ...], why: str, text: str) -> TenantState:
+        jobs = tuple(dict.fromkeys(jobs))
+        return TenantState(self.tenant, False, f"{len(jobs)} job(s) listed but {text}: stale", self.in_flight,
+                           stale_jobs=jobs, stale_why=why)
+
+
+def _own_jobs(verdict: _Verdict, own: tuple[str, ...], others: tuple[str, ...], ev: Evidence, *, above_floor: bool,
+              fresh: bool, lost_after_s: float) -> TenantState:
+    """A tenant with jobs the proxy saw start: busy while the evidence says they run, else stale."""
+    jobs = _jobs_text(own, ev.rows)
+    if ev.unreachable_for is not None:
+        if ev.unreachable_for < lost_after_s:
+            return verdict.busy(f"{jobs}; its queue has not answered for {ev.unreachable_for:.0f} s")
+        return verdict.stale(own, "unreachable", f"its queue has not answered for {ev.unreachable_for:.0f} s")
+    if ev.observable:
+        if above_floor or fresh:
+            return verdict.busy(jobs + ("" if above_floor else ", load on its way"))
+        return verdict.stale((*own, *others), "vram", "VRAM at its idle floor")
+    if fresh or ev.rows is None or any(j in ev.rows for j in own):
+        return verdict.busy(jobs + (", listed by its own queue" if ev.rows else ""))
+    return verdict.stale(own, "unlisted", "its own queue no longer lists them")
 
 
 def _jobs_text(own: tuple[str, ...], rows: tuple[str, ...] | None) -> str:
