@@ -565,31 +565,9 @@ def lifecycle_entries(name: str, machine: TenantLifecycle, problems: list[str] |
     out: list[HealthEntry] = []
     snap = machine.snapshot
     if machine.state in ("failed", "exited") and snap.crashes and not snap.failures and snap.error:
-        retry = view["retry_in_s"]
-        last = snap.output[-1:]
-        policy = (f"the restart policy starts it again{f' in {retry:.0f} s' if retry else ''}"
-                  if machine.restart == "on-failure" and machine.state == "failed" else
-                  f"the next request to {name} starts it again" + (f" (in {retry:.0f} s)" if retry else ""))
-        out.append(HealthEntry(
-            entry, "failed" if machine.state == "failed" else "degraded",
-            f"{'it crashed' if machine.state == 'failed' else 'it exited'} while running: {snap.error}"
-            + (f"; its last output line: {last[0]}" if last else ""),
-            f"requests to {name} fail until it runs again: {policy}",
-            f"see why in its output (GET /api/tenants/{name}: lifecycle.output, or its log "
-            f"{machine.controller.describe().get('log') or ''}".rstrip() + "), correct the cause; "
-            + ("or set restart: on-failure in tenants.json to have it started again at once"
-               if machine.restart == "never" else "it is restarted by its policy")))
+        out.append(_crashed(name, machine, view))
     elif machine.state == "failed":
-        retry = view["retry_in_s"]
-        last = machine.snapshot.output[-1:]
-        out.append(HealthEntry(
-            entry, "failed",
-            (f"its last start failed ({view['failures']} in a row): {machine.snapshot.error}" if snap.failures
-             else f"{machine.snapshot.error}")
-            + (f"; its last output line: {last[0]}" if last else ""),
-            f"requests to {name} answer 503 " + (f"until the next try in {retry:.0f} s" if retry else "until a start works"),
-            machine.snapshot.fix or f"see its output (GET /api/tenants/{name}), correct the cause, then start it "
-                                    f"(POST /api/tenants/{name}/start, or the dashboard's Start button)"))
+        out.append(_start_failed(name, machine, view))
     if machine.preload_error is not None and machine.state != "running":
         out.append(HealthEntry(
             entry, "failed", f"its preload (a start once the proxy was up) failed: {machine.preload_error}",
@@ -604,6 +582,39 @@ def lifecycle_entries(name: str, machine: TenantLifecycle, problems: list[str] |
     if not out:
         out.append(HealthEntry(entry, "ok", f"{machine.state} for {view['for_s']:.0f} s ({what})"))
     return out
+
+
+def _crashed(name: str, machine: TenantLifecycle, view: dict[str, Any]) -> HealthEntry:
+    """It ended on its own while running (crashed: failed; exited: degraded)."""
+    snap = machine.snapshot
+    retry = view["retry_in_s"]
+    last = snap.output[-1:]
+    policy = (f"the restart policy starts it again{f' in {retry:.0f} s' if retry else ''}"
+              if machine.restart == "on-failure" and machine.state == "failed" else
+              f"the next request to {name} starts it again" + (f" (in {retry:.0f} s)" if retry else ""))
+    return HealthEntry(
+        f"lifecycle {name}", "failed" if machine.state == "failed" else "degraded",
+        f"{'it crashed' if machine.state == 'failed' else 'it exited'} while running: {snap.error}"
+        + (f"; its last output line: {last[0]}" if last else ""),
+        f"requests to {name} fail until it runs again: {policy}",
+        f"see why in its output (GET /api/tenants/{name}: lifecycle.output, or its log "
+        f"{machine.controller.describe().get('log') or ''}".rstrip() + "), correct the cause; "
+        + ("or set restart: on-failure in tenants.json to have it started again at once"
+           if machine.restart == "never" else "it is restarted by its policy"))
+
+
+def _start_failed(name: str, machine: TenantLifecycle, view: dict[str, Any]) -> HealthEntry:
+    """Its last start failed."""
+    snap = machine.snapshot
+    retry = view["retry_in_s"]
+    last = snap.output[-1:]
+    return HealthEntry(
+        f"lifecycle {name}", "failed",
+        (f"its last start failed ({view['failures']} in a row): {snap.error}" if snap.failures else f"{snap.error}")
+        + (f"; its last output line: {last[0]}" if last else ""),
+        f"requests to {name} answer 503 " + (f"until the next try in {retry:.0f} s" if retry else "until a start works"),
+        snap.fix or f"see its output (GET /api/tenants/{name}), correct the cause, then start it "
+                    f"(POST /api/tenants/{name}/start, or the dashboard's Start button)")
 
 
 def describe_controller(d: dict[str, Any]) -> str:

@@ -473,28 +473,7 @@ def main(args: argparse.Namespace, action: str, *, runner: Runner | None = None,
     files = Files(root)
     lay = layout(mode, str(Path.home()))
     if action == "install":
-        from proxy.deploy.ports import holders_here
-
-        current = files.read(lay.config)
-        try:
-            base = json.loads(current) if current else {}
-        except ValueError as exc:
-            raise HyperSwapError(f"{lay.config} is not JSON ({exc})", fix="correct it, or move it away") from None
-        if not isinstance(base, dict):
-            raise HyperSwapError(f"{lay.config} is not a JSON object", fix="correct it, or move it away")
-        argv = exec_argv()
-        # Installing onto this machine: a program its service cannot see is refused. Into another
-        # root (an image being packaged, a test) this machine's /tmp says nothing of that system's:
-        # a note says where the unit's program lies instead.
-        here = str(root) == "/"
-        refusal = exec_refusal(mode, argv) if here else None
-        if refusal is not None and not args.dry_run:
-            raise refusal
-        plan = plan_install(lay, base, argv, holders or holders_here, engine_ports=_engine_ports(args.port),
-                            skip=args.skip, start=not args.no_start, read=files.read)
-        note = tmp_note(argv) if mode == "user" or not here else None
-        if note:
-            plan = replace(plan, notes=(*plan.notes, note))
+        plan, refusal = _install_plan(args, mode, root, files, lay, holders)
     else:
         refusal = None
         plan = plan_uninstall(lay, files.read, force=args.force)
@@ -505,3 +484,32 @@ def main(args: argparse.Namespace, action: str, *, runner: Runner | None = None,
     if args.dry_run:
         return 0
     return apply(plan, files, runner or SystemRunner(), err)
+
+
+def _install_plan(args: argparse.Namespace, mode: Mode, root: Path, files: Files, lay: Layout,
+                  holders: Holders | None) -> tuple[Plan, HyperSwapError | None]:
+    """The install's plan over the tenants.json already there, and the refusal a dry run shows (a real
+    install raises it)."""
+    from proxy.deploy.ports import holders_here
+
+    current = files.read(lay.config)
+    try:
+        base = json.loads(current) if current else {}
+    except ValueError as exc:
+        raise HyperSwapError(f"{lay.config} is not JSON ({exc})", fix="correct it, or move it away") from None
+    if not isinstance(base, dict):
+        raise HyperSwapError(f"{lay.config} is not a JSON object", fix="correct it, or move it away")
+    argv = exec_argv()
+    # Installing onto this machine: a program its service cannot see is refused. Into another
+    # root (an image being packaged, a test) this machine's /tmp says nothing of that system's:
+    # a note says where the unit's program lies instead.
+    here = str(root) == "/"
+    refusal = exec_refusal(mode, argv) if here else None
+    if refusal is not None and not args.dry_run:
+        raise refusal
+    plan = plan_install(lay, base, argv, holders or holders_here, engine_ports=_engine_ports(args.port),
+                        skip=args.skip, start=not args.no_start, read=files.read)
+    note = tmp_note(argv) if mode == "user" or not here else None
+    if note:
+        plan = replace(plan, notes=(*plan.notes, note))
+    return plan, refusal

@@ -69,20 +69,25 @@ class ModelCatalog:
                 again = self._located
             if again is not hit and again is not None and self.now() < again[0] and not fresh:
                 return again[1]  # walked while this caller waited
-            if hit is not None and not fresh and self.now() < self._walked_at + LOCATE_TTL_S and unknown:
-                # only a tenant whose place was unknown (ComfyUI not seen yet: its command line is
-                # looked at, nothing walked until it is known) is looked at again
-                out = {n: (self.tenant_files(self.registry.get(n)) or f) if f.unknown_reason else f
-                       for n, f in hit[1].items()}
-            else:
-                out = {t.name: f for t in self.registry if (f := self.tenant_files(t)) is not None}
-                self.walks += 1
-                self._walked_at = self.now()
-            # e.g. ComfyUI not seen running yet: look again soon
-            ttl = UNKNOWN_TTL_S if any(f.unknown_reason for f in out.values()) else LOCATE_TTL_S
-            with self._lock:
-                self._located = (self.now() + ttl, out)
-                self._missing.clear()
+            return self._locate(hit[1] if hit is not None and not fresh and unknown else None)
+
+    def _locate(self, known: dict[str, TenantFiles] | None) -> dict[str, TenantFiles]:
+        """Walk every tenant's files (under `_walking`); `known`: the last walk, of which only a tenant
+        whose place was unknown is looked at again while the walk is younger than LOCATE_TTL_S."""
+        if known is not None and self.now() < self._walked_at + LOCATE_TTL_S:
+            # only a tenant whose place was unknown (ComfyUI not seen yet: its command line is
+            # looked at, nothing walked until it is known) is looked at again
+            out = {n: (self.tenant_files(self.registry.get(n)) or f) if f.unknown_reason else f
+                   for n, f in known.items()}
+        else:
+            out = {t.name: f for t in self.registry if (f := self.tenant_files(t)) is not None}
+            self.walks += 1
+            self._walked_at = self.now()
+        # e.g. ComfyUI not seen running yet: look again soon
+        ttl = UNKNOWN_TTL_S if any(f.unknown_reason for f in out.values()) else LOCATE_TTL_S
+        with self._lock:
+            self._located = (self.now() + ttl, out)
+            self._missing.clear()
         return out
 
     def stale(self) -> bool:
