@@ -67,7 +67,11 @@ class FrameTimer:
             return []
         if event.get("type") != "executing":
             return []
-        node = data.get("node")
+        return self._executing(data.get("node"), prompt, now)
+
+    def _executing(self, node: Any, prompt: Any, now: float) -> list[tuple[Any, float]]:
+        """A node began (None: the prompt ended): the loads of that prompt whose node is past are done,
+        and an expected load whose node this is starts now."""
         done = []
         for e in list(self.expected):
             if e.started is not None and e.prompt_id == prompt and node != e.nodes[0]:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from proxy.tenants import GIB
-from proxy.verify.clients import OllamaModel, TenantInfo, Unexpected, gib, the_graph
+from proxy.verify.clients import GraphRun, OllamaClient, OllamaModel, TenantInfo, Unexpected, gib, the_graph
 from proxy.verify.report import StageFailed, StageSkipped
 from proxy.verify.roles import GENERATES, RENDERS, adapter_class, role_of
 
@@ -359,6 +359,14 @@ async def check_out_of_memory(v: Session) -> str:
     graph = v.found.graph
     v.did(f"ran {the_graph(ckpt)} in {comfy_t.name} with {model.name} filling the card")
     run = await v.comfy(comfy_t).run(graph)
+    return await _judge_oom_retry(v, comfy_t, run, mark, f"with {model.name} on the card ({gib(free)} free), "
+                                  f"{the_graph(ckpt)}", free)
+
+
+async def _judge_oom_retry(v: Session, comfy_t: TenantInfo, run: GraphRun, mark: int, staged: str,
+                           free: int) -> str:
+    """The staged graph ran out of memory: the proxy must have released and re-queued it, and the
+    retry must have succeeded."""
     if run.ok:
         raise StageSkipped(f"{comfy_t.name} ran the graph in {gib(free)} without running out of memory (it may load "
                            "part of a model at a time): the out-of-memory path was not reached")
@@ -377,7 +385,7 @@ async def check_out_of_memory(v: Session) -> str:
                           impact="a prompt that runs out of memory fails even after the proxy made room",
                           fix=f"raise tenants.{comfy_t.name}.needs_vram_gb to what its graphs take")
     released = ", ".join(f"{r['tenant']} ({r.get('freed_gb')} GiB)" for r in outcome.get("releases") or [])
-    return (f"with {model.name} on the card ({gib(free)} free), {the_graph(ckpt)} ran out of memory in "
+    return (f"{staged} ran out of memory in "
             f"{comfy_t.name}; the proxy released {released or 'nobody'} and re-queued it as {again.prompt_id}, "
             "which succeeded")
 
@@ -427,18 +435,41 @@ async def check_too_large(v: Session) -> str:
     return detail
 
 
+async def _released_and_not_restored(v: Session) -> list[str]:
+    """The tenants verify released that hold less now than when it started (it does not load them again)."""
+    out = []
+    for name in sorted(v.found.released):
+        before = v.found.tenants[name].vram_bytes if name in v.found.tenants else None
+        now_held = (await v.admin.tenant(name)).vram_bytes
+        if before is not None and now_held is not None and now_held < before - GIB // 4:
+            out.append(f"{name} held {gib(before)} when verify started and holds {gib(now_held)} now (verify "
+                       "does not load it again: its next prompt loads what it needs)")
+    return out
+
+
+async def _load_again(v: Session, ollama: TenantInfo, client: OllamaClient, back: list[str]) -> list[str]:
+    """Load again what verify unloaded: each model with how it was loaded. Raises StageFailed naming
+    those that did not load."""
+    failed, calls = [], []
+    for name in back:
+        v.did(f"loaded {name} in {ollama.name} again")
+        try:
+            calls.append(f"{name} ({await client.load(name)})")
+        except Unexpected as exc:
+            failed.append(f"{name}: {exc}")
+    if failed:
+        raise StageFailed(f"could not load again what verify unloaded: {'; '.join(failed)}",
+                          impact="the first request to these models waits for their load",
+                          fix=f"load them again yourself (`ollama run {back[0]}`)")
+    return calls
+
+
 async def restore(v: Session) -> str:
     """What Ollama held when verify started (its /api/ps then) is what it holds at the end: models
     verify unloaded are loaded again (an embedding model with an embed call), models it loaded
     itself are unloaded, nothing more. A tenant verify released is not loaded again: it says so."""
     notes: list[str] = []
-    not_restored = []
-    for name in sorted(v.found.released):
-        before = v.found.tenants[name].vram_bytes if name in v.found.tenants else None
-        now_held = (await v.admin.tenant(name)).vram_bytes
-        if before is not None and now_held is not None and now_held < before - GIB // 4:
-            not_restored.append(f"{name} held {gib(before)} when verify started and holds {gib(now_held)} now (verify "
-                                "does not load it again: its next prompt loads what it needs)")
+    not_restored = await _released_and_not_restored(v)
     ollama = v.generator()
     client = v.ollama(ollama) if ollama is not None else None
     now = await client.loaded() if client is not None else {}
@@ -452,17 +483,7 @@ async def restore(v: Session) -> str:
     for name in mine:
         v.did(f"unloaded {name} from {ollama.name}")
         await client.unload(name)
-    failed, calls = [], []
-    for name in back:
-        v.did(f"loaded {name} in {ollama.name} again")
-        try:
-            calls.append(f"{name} ({await client.load(name)})")
-        except Unexpected as exc:
-            failed.append(f"{name}: {exc}")
-    if failed:
-        raise StageFailed(f"could not load again what verify unloaded: {'; '.join(failed)}",
-                          impact="the first request to these models waits for their load",
-                          fix=f"load them again yourself (`ollama run {back[0]}`)")
+    calls = await _load_again(v, ollama, client, back)
     if mine:
         notes.append(f"unloaded what verify loaded ({', '.join(mine)})")
     if back:
