@@ -618,8 +618,8 @@ def schedule(snap: AttributedSnapshot, registry: Registry, states: Mapping[str, 
                 for t in held:
                     holding_back.setdefault(t, []).append(w)
                 out.append(Verdict(w, "wait", plan, f"holding the swap of {', '.join(held)} for "
-                                                    f"{hold.hold_s(plan.releases):.2g} s (proxy.swap_hold_s, weighed by its reload): "
-                                                    "requests for what is on the card go first",
+                                                    f"{hold.hold_s(plan.releases):.2g} s (proxy.swap_hold_s, "
+                                                    "weighed by its reload): requests for what is on the card go first",
                                    held=held, held_until=until))
                 _claim(claims, w, plan)
                 claimers.append(w)
