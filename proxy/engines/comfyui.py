@@ -17,9 +17,10 @@ from typing import Any
 import httpx
 
 from proxy.engines import settings as es
-from proxy.engines.base import EngineAdapter, JobReplay, Relocation, RequestKind
+from proxy.engines.base import EngineAdapter
 from proxy.engines.common import Need, ReleaseFailed, json_or_none, upstream_of
 from proxy.engines.model_files import FileHints, TenantFiles, comfyui_tenant_files
+from proxy.engines.ports import JobReplay, Relocation, RequestKind
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory
 from proxy.tenants import GIB
