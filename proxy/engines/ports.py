@@ -145,8 +145,9 @@ class JobTracker(Protocol):
         """Every job id the engine's queue answer lists, running or pending; None if unreadable."""
         ...
 
-    def drops_jobs(self, method: str, path: str) -> bool:
-        """Whether this request can remove queued jobs (a queue delete or clear)."""
+    def job_news(self, method: str, path: str) -> bool:
+        """Whether this request may change or learn of the engine's jobs (a queue delete or clear, a
+        client polling for its job's end): the proxy checks the jobs it tracks right after it."""
         ...
 
     async def running_jobs(self, client: httpx.AsyncClient) -> list[str]:

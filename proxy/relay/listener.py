@@ -193,7 +193,8 @@ class TenantApp:
             upstream = await self.forwarder.open(self.tenant, scope, link.body())
         except HyperSwapError as exc:
             return _error_response(exc)
-        if self.adapter.drops_jobs(scope["method"], scope["path"]):  # a queue delete or clear
+        if self.adapter.job_news(scope["method"], scope["path"]) and self.inflight.jobs(self.tenant.name):
+            # a queue delete or clear, or a client that polls for its job's end: check the jobs now
             return self.forwarder.relay(self.tenant, upstream, on_close=self.poller.check_soon)
         return self.forwarder.relay(self.tenant, upstream, on_close=_nothing)
 
