@@ -81,7 +81,9 @@ async def ttfb(client: httpx.AsyncClient, url: str, model: str = MODEL) -> float
     short and left running into the next round."""
     start = time.perf_counter()
     elapsed = None
-    async with client.stream("POST", url + "/api/generate", json={"model": model, "prompt": "hi"}) as r:
+    # progress lines off: the first byte timed is the engine's, not the proxy's "waiting for ..." line
+    async with client.stream("POST", url + "/api/generate", json={"model": model, "prompt": "hi"},
+                             headers={"X-HyperSwap-Progress": "off"}) as r:
         async for _ in r.aiter_raw():
             if elapsed is None:
                 elapsed = time.perf_counter() - start
