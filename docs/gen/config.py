@@ -1,4 +1,4 @@
-"""The tenants.json reference, from the pydantic models of proxy/tenants.py: every field with its type,
+"""The tenants.json reference, from the pydantic models of proxy/config/schema.py: every field with its type,
 default, range (the `BOUNDS` table, else its suffix, else the field's own ge/le) and description.
 
 A field without a description is refused here, so a new field cannot reach the page undocumented."""
@@ -16,19 +16,9 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from docs.gen.md import code, table
-from proxy.tenants import (
-    BOUNDS,
-    SUFFIX_BOUNDS,
-    AdminSpec,
-    Bound,
-    Config,
-    GpuProfile,
-    ProxySettings,
-    TelemetrySettings,
-    Tenant,
-    bound_for,
-    registry_from_dict,
-)
+from proxy.config.bounds import BOUNDS, SUFFIX_BOUNDS, Bound, bound_for
+from proxy.config.loading import registry_from_dict
+from proxy.config.schema import AdminSpec, Config, GpuProfile, ProxySettings, TelemetrySettings, Tenant
 
 
 def _num(x: float) -> str:
@@ -122,7 +112,7 @@ def rows(model: type[BaseModel], prefix: str = "") -> Iterator[list[str]]:
         dotted = f"{prefix}{name}"
         if not info.description:
             raise ValueError(f"{model.__name__}.{name} ({dotted}) has no description: give it Field(description=...) in "
-                             "proxy/tenants.py; the tenants.json reference is made from them")
+                             "proxy/config/; the tenants.json reference is made from them")
         yield [code(dotted), type_text(info.annotation), default_text(info), range_text(name, info), info.description]
         for sub in _models(info.annotation):
             yield from rows(sub, f"{dotted}.")

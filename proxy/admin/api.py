@@ -22,6 +22,9 @@ from starlette.routing import BaseRoute, Route
 
 from proxy.admin import views
 from proxy.admin.query import integer, optional_number
+from proxy.config.bounds import MAX_GIB
+from proxy.config.schema import Tenant
+from proxy.config.units import GIB
 from proxy.errors import HyperSwapError
 from proxy.handoff.arbitration import Arbitration, ReleaseResult
 from proxy.handoff.decisions import NothingToRelease, Rejected
@@ -33,7 +36,6 @@ from proxy.lifecycle.process import ProcessController
 from proxy.lifecycle.state import TenantLifecycle
 from proxy.relay.gpu_gate import rejection_body, retry_after
 from proxy.relay.guards import AdminGuard
-from proxy.tenants import GIB, MAX_GIB, Tenant
 
 Handler = Callable[[Request], Awaitable[Response]]
 LOG_KEEPALIVE_S = 15.0  # a quiet log stream sends a comment this often

@@ -29,6 +29,9 @@ from websockets.asyncio.client import connect as ws_connect
 
 from proxy.admin.address import admin_base_url
 from proxy.admin.view import ProxyView
+from proxy.config.loading import load_registry
+from proxy.config.schema import Tenant
+from proxy.config.units import GIB
 from proxy.engines import EngineAdapter
 from proxy.engines.settings import EnvReaders
 from proxy.errors import ConfigError, HyperSwapError
@@ -38,7 +41,6 @@ from proxy.gpu.visibility import capabilities, summary
 from proxy.handoff.devices import candidates, shares
 from proxy.lifecycle.state import TenantLifecycle
 from proxy.tasks import cancel_and_wait
-from proxy.tenants import GIB, Tenant, load_registry
 from proxy.tls import client_context
 
 # "unknown": the check cannot run (what it looks at cannot be seen); it says why. The overall

@@ -18,13 +18,14 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from proxy.config.release import ReleaseSpec
+from proxy.config.schema import Tenant
 from proxy.engines.common import Need, release_by_strategy, resume_by_strategy
 from proxy.engines.model_files import FileHints, TenantFiles, plain_tenant_files
 from proxy.engines.settings import EnvReaders
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory
 from proxy.hosts import HostPolicy, listener_policy
-from proxy.tenants import ReleaseSpec, Tenant
 
 # One loaded model as the engine places it (Ollama's /api/ps rows: name, size, size_vram, expires_at).
 Placement = dict[str, Any]

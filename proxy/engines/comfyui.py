@@ -16,13 +16,13 @@ from typing import Any
 
 import httpx
 
+from proxy.config.units import GIB
 from proxy.engines import settings as es
 from proxy.engines.base import EngineAdapter, JobReplay, Relocation, RequestKind
 from proxy.engines.common import Need, ReleaseFailed, json_or_none, upstream_of
 from proxy.engines.model_files import FileHints, TenantFiles, comfyui_tenant_files
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory
-from proxy.tenants import GIB
 
 PROMPT_ROUTES = frozenset({"/prompt", "/api/prompt"})
 QUEUE_ROUTES = frozenset({"/queue", "/api/queue"})  # POST {"delete": [...]} / {"clear": true}

@@ -13,7 +13,9 @@ from typing import Any
 
 import httpx
 
-from proxy.tenants import HttpCall, ReleaseSpec, Tenant
+from proxy.config.fields import HttpCall
+from proxy.config.release import ReleaseSpec
+from proxy.config.schema import Tenant
 
 
 class ReleaseFailed(Exception):

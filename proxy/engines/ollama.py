@@ -18,13 +18,14 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from proxy.config.schema import Tenant
+from proxy.config.units import GIB
 from proxy.engines import settings as es
 from proxy.engines.base import EngineAdapter, Placement, Relocation, RequestKind, Streamed, StreamFormat
 from proxy.engines.common import Need, ReleaseFailed, json_or_none, upstream_of
 from proxy.engines.model_files import FileHints, TenantFiles, ollama_tenant_files
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.hosts import HostPolicy, is_loopback_host, listener_policy
-from proxy.tenants import GIB, Tenant
 
 log = logging.getLogger("hyperswap.engines")
 

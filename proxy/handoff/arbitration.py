@@ -22,6 +22,10 @@ from typing import Any, Protocol
 import httpx
 
 from proxy.clock import Clock
+from proxy.config.registry import Registry
+from proxy.config.release import ReleaseSpec
+from proxy.config.schema import Tenant
+from proxy.config.units import GIB
 from proxy.engines import AdapterCache, EngineAdapter, Need, ReleaseFailed
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot, Attributor
 from proxy.gpu.devices import DevicePlacer
@@ -34,7 +38,6 @@ from proxy.handoff.inflight import InFlight, Token
 from proxy.handoff.lifecycles import Lifecycles
 from proxy.handoff.scheduler import Admitted, Handoff, Released, ReleaseOrder, ReleaseResult, Scheduler
 from proxy.lifecycle.state import LifecycleReport
-from proxy.tenants import GIB, Registry, ReleaseSpec, Tenant
 from proxy.tls import client_context
 
 log = logging.getLogger("hyperswap.arbitration")

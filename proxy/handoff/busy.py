@@ -27,9 +27,10 @@ import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from proxy.config.schema import ProxySettings, Tenant
+from proxy.config.units import MIB
 from proxy.handoff.arbiter import TenantState
 from proxy.handoff.inflight import TenantTraffic
-from proxy.tenants import MIB, ProxySettings, Tenant
 
 CONFIRM_SLACK_BYTES = 64 * MIB  # within this of its idle floor a tenant holds "only its floor"
 # A job the proxy relayed counts as busy at once, before its load reaches the card; after this long

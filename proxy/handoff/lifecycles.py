@@ -19,12 +19,14 @@ from pathlib import Path
 import httpx
 
 from proxy.clock import Clock
+from proxy.config.registry import Registry
+from proxy.config.release import ReleaseSpec
+from proxy.config.schema import Tenant
 from proxy.engines import EngineAdapter, ReleaseFailed
 from proxy.handoff.decisions import DecisionLog, LifecycleExit, LifecycleResult, LifecycleStart, LifecycleStop, Resumed
 from proxy.lifecycle.build import lifecycle_for
 from proxy.lifecycle.controller import LifecycleError, within
 from proxy.lifecycle.state import LifecycleReport, TenantLifecycle
-from proxy.tenants import Registry, ReleaseSpec, Tenant
 
 log = logging.getLogger("hyperswap.lifecycle")
 

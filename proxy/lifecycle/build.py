@@ -11,13 +11,13 @@ from urllib.parse import urlsplit
 import httpx
 
 from proxy.clock import Clock
+from proxy.config.schema import Tenant
 from proxy.lifecycle.controller import Controller
 from proxy.lifecycle.docker import DockerController
 from proxy.lifecycle.process import ProcessController
 from proxy.lifecycle.ready import probe_for, probe_liveness, probe_readiness
 from proxy.lifecycle.state import Backoff, OnDone, TenantLifecycle
 from proxy.lifecycle.systemd import SystemdController
-from proxy.tenants import Tenant
 
 
 def default_state_dir(env: Mapping[str, str] | None = None) -> Path:

@@ -23,8 +23,8 @@ from urllib.parse import quote
 
 import httpx
 
+from proxy.config.release import DEFAULT_DOCKER_SOCKET, DEFAULT_STOP_TIMEOUT_S, ReleaseSpec
 from proxy.lifecycle.controller import JSON, Exit, LifecycleError, Status
-from proxy.tenants import DEFAULT_DOCKER_SOCKET, DEFAULT_STOP_TIMEOUT_S, ReleaseSpec
 
 REQUEST_TIMEOUT_S = 30.0  # beyond the stop's own t=N
 STATUS_TIMEOUT_S = 10.0  # an inspect: the daemon answers at once when it is well

@@ -49,9 +49,9 @@ from pathlib import Path
 from typing import IO
 
 from proxy.clock import Clock, SystemClock
+from proxy.config.release import DEFAULT_STOP_TIMEOUT_S, ReleaseSpec
 from proxy.lifecycle import procs
 from proxy.lifecycle.controller import JSON, Exit, LifecycleError, Status, within
-from proxy.tenants import DEFAULT_STOP_TIMEOUT_S, ReleaseSpec
 
 SECRET_PREFIX = "HYPERSWAP_"
 WITHHELD = frozenset({"CREDENTIALS_DIRECTORY"})  # systemd's folder of the proxy's own credentials

@@ -27,8 +27,8 @@ from collections.abc import Sequence
 from typing import Literal
 
 from proxy.clock import Clock, SystemClock
+from proxy.config.release import ReleaseSpec
 from proxy.lifecycle.controller import JSON, Exit, LifecycleError, Status, within
-from proxy.tenants import ReleaseSpec
 
 COMMAND_TIMEOUT_S = 120.0  # systemctl waits for the unit's job; the unit's own TimeoutStartSec/TimeoutStopSec bound it
 STATUS_TIMEOUT_S = 10.0  # is-active, show: systemd answers these at once

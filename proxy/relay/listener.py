@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket
 
 from proxy.clock import Clock
+from proxy.config.schema import Tenant
 from proxy.engines import Need
 from proxy.engines.base import Streamed, origin_netloc, same_origin
 from proxy.errors import HyperSwapError
@@ -35,7 +36,6 @@ from proxy.relay.forward import Forwarder, UpstreamResponse
 from proxy.relay.guards import SAFE_METHODS, answer, host_header, refuse_tenant_host
 from proxy.relay.trace import Trace, stamp, traced
 from proxy.relay.trace import current as current_trace
-from proxy.tenants import Tenant
 
 log = logging.getLogger("hyperswap.listener")
 

@@ -16,7 +16,7 @@ from test_imports import ROOT, Edge, import_edges, modules
 
 # First to last. A module belongs to the first layer with a prefix that is its name or a package of it.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("core", ("proxy.tenants", "proxy.errors", "proxy.clock", "proxy.tasks", "proxy.tls", "proxy.hosts",
+    ("core", ("proxy.config", "proxy.errors", "proxy.clock", "proxy.tasks", "proxy.tls", "proxy.hosts",
               "proxy.decision")),
     ("gpu", ("proxy.gpu",)),
     ("engines", ("proxy.engines", "proxy.lifecycle")),  # lifecycle: how an engine is started and stopped

@@ -13,11 +13,12 @@ import httpx
 import pytest
 
 from proxy.cli import main
+from proxy.config.loading import SHIPPED_DEFAULTS, load_registry, registry_from_dict
+from proxy.config.registry import Registry
 from proxy.engines import adapter_for
 from proxy.engines.common import ReleaseFailed, release_by_strategy, resume_by_strategy
 from proxy.errors import ConfigError
 from proxy.lifecycle import probe_for
-from proxy.tenants import SHIPPED_DEFAULTS, Registry, load_registry, registry_from_dict
 
 UP = "http://127.0.0.1:8081"
 

@@ -15,12 +15,13 @@ import pytest
 from cards import STT, busy, idle, registry, snap
 
 from proxy.clock import ManualClock, until_all_wait
+from proxy.config.registry import Registry
+from proxy.config.units import GIB
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.handoff.arbiter import Plan, Releasing, SwapHold, TenantState, Waiter, queue_order, schedule
 from proxy.handoff.decisions import DecisionLog, HandoffStarted, Queued, QueueEnded
 from proxy.handoff.inflight import InFlight, Token
 from proxy.handoff.scheduler import Admitted, Released, ReleaseOrder, ReleaseResult, Scheduler, release_whole
-from proxy.tenants import GIB, Registry
 
 # -- the pure decision --------------------------------------------------------------------------
 
