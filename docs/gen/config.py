@@ -18,7 +18,8 @@ from pydantic.fields import FieldInfo
 from docs.gen.md import code, table
 from proxy.config.bounds import BOUNDS, SUFFIX_BOUNDS, Bound, bound_for
 from proxy.config.loading import registry_from_dict
-from proxy.config.schema import AdminSpec, Config, GpuProfile, ProxySettings, TelemetrySettings, Tenant
+from proxy.config.schema import Config, ReleaseSpec, Tenant, release_fields, release_kinds
+from proxy.config.settings import AdminSpec, GpuProfile, ProxySettings, TelemetrySettings
 
 
 def _num(x: float) -> str:
@@ -108,14 +109,28 @@ def range_text(name: str, info: FieldInfo) -> str:
 
 
 def rows(model: type[BaseModel], prefix: str = "") -> Iterator[list[str]]:
-    for name, info in model.model_fields.items():
+    yield from _rows(model.__name__, model.model_fields, prefix)
+
+
+def release_rows(prefix: str) -> Iterator[list[str]]:
+    """One release step: the fields of every registered release kind (the base's first, then each
+    kind's own in registration order), `kind` naming every kind."""
+    fields = release_fields()
+    kind = fields.pop("kind")
+    yield [code(f"{prefix}kind"), " or ".join(json.dumps(k) for k in release_kinds()), default_text(kind), "",
+           kind.description or ""]
+    yield from _rows("ReleaseSpec", fields, prefix)
+
+
+def _rows(owner: str, fields: dict[str, FieldInfo], prefix: str) -> Iterator[list[str]]:
+    for name, info in fields.items():
         dotted = f"{prefix}{name}"
         if not info.description:
-            raise ValueError(f"{model.__name__}.{name} ({dotted}) has no description: give it Field(description=...) in "
-                             "proxy/config/; the tenants.json reference is made from them")
+            raise ValueError(f"{owner}.{name} ({dotted}) has no description: give it Field(description=...); "
+                             "the tenants.json reference is made from them")
         yield [code(dotted), type_text(info.annotation), default_text(info), range_text(name, info), info.description]
         for sub in _models(info.annotation):
-            yield from rows(sub, f"{dotted}.")
+            yield from release_rows(f"{dotted}.") if sub is ReleaseSpec else rows(sub, f"{dotted}.")
 
 
 HEADERS = ("field", "type", "default", "range", "meaning")

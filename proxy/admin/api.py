@@ -277,10 +277,11 @@ class AdminApi:
         if isinstance(machine, Response):
             return machine
         controller = machine.controller
-        if not isinstance(controller, ProcessController):
-            where = ("`journalctl -f -u <unit>`" if controller.kind == "systemd" else "`docker logs -f <container>`")
-            return error(409, f"{tenant.name}'s output is not the proxy's to stream: it runs as a {controller.kind} "
-                              f"{'unit' if controller.kind == 'systemd' else 'container'}, whose output its manager keeps",
+        elsewhere = controller.output_elsewhere()
+        if elsewhere is not None or not isinstance(controller, ProcessController):
+            runs_as, where = elsewhere or (controller.kind, "its manager")
+            return error(409, f"{tenant.name}'s output is not the proxy's to stream: it runs as a {runs_as}, "
+                              "whose output its manager keeps",
                          f"follow it with {where}", tenant=tenant.name, reason="no_log", lifecycle=machine.view())
         back = integer(request.query_params, "lines", LINES_BACK_DEFAULT, low=0, high=LINES_BACK_MAX,
                        example=f"GET /api/tenants/{tenant.name}/logs?lines=100")

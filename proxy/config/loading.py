@@ -1,12 +1,14 @@
 """Loading: --config PATH, else $HYPERSWAP_CONFIG, else ~/.config/hyperswap/tenants.json, merged over
 the shipped defaults, validated, and checked for what can be known at load (the commands a release
-would run). The user's file is never written."""
+would run). The user's file is never written.
+
+The one module of proxy/config/ in the engines layer (tests/unit/test_layers.py): the schema it
+validates is closed with the release kinds registered in proxy/engines/release_kinds.py."""
 
 from __future__ import annotations
 
 import copy
 import os
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from proxy.config.merge import Provenance, field_sources, merge, settings_source
 from proxy.config.messages import problems, schema_error
 from proxy.config.registry import Registry
 from proxy.config.schema import Config
+from proxy.engines import release_kinds  # noqa: F401  (registers the release kinds `release` validates against)
 from proxy.errors import ConfigError
 
 ENV_CONFIG = "HYPERSWAP_CONFIG"
@@ -89,32 +92,11 @@ def registry_from_dict(data: Mapping[str, Any]) -> Registry:
 
 
 def command_problems(config: Config, env: Mapping[str, str]) -> list[str]:
-    """What can be known at load about the commands `process` releases run: the program exists and
-    is executable (an absolute path, or a bare name on the PATH the child gets: its `env`'s PATH,
-    else the proxy's), and the working directory exists. Each problem names its path in tenants.json."""
-    problems: list[str] = []
-    for tenant in config.tenants.values():
-        for i, step in enumerate(tenant.release_steps):
-            if step.kind != "process" or not step.command:
-                continue
-            where = tenant.release_path(i)
-            search = (step.env or {}).get("PATH", env.get("PATH", os.defpath))
-            for field, argv in (("command", step.command), ("stop_command", step.stop_command)):
-                if not argv:
-                    continue
-                program = argv[0]
-                if program.startswith("/"):
-                    if not os.path.isfile(program):
-                        problems.append(f"{where}.{field}.0: {program} does not exist (or is not a file)")
-                    elif not os.access(program, os.X_OK):
-                        problems.append(f"{where}.{field}.0: {program} is not executable (chmod +x, or run it "
-                                        "through its interpreter)")
-                elif shutil.which(program, path=search) is None:
-                    problems.append(f"{where}.{field}.0: {program!r} is not found on PATH ({search}): install it, "
-                                    "give its absolute path, or set PATH in release.env")
-            if step.cwd is not None and not os.path.isdir(os.path.expanduser(step.cwd)):
-                problems.append(f"{where}.cwd: {step.cwd} is not a directory")
-    return problems
+    """What can be known wrong at load beyond the schema, asked of each release step (a `process`
+    step's program exists and is executable, its working directory exists). Each problem names its
+    path in tenants.json."""
+    return [problem for tenant in config.tenants.values() for i, step in enumerate(tenant.release_steps)
+            for problem in step.load_problems(tenant.release_path(i), env)]
 
 
 def _validate(merged: Any, source: Path | None, prov: Provenance, early: list[str],

@@ -1,4 +1,13 @@
-"""The sections of tenants.json as pydantic models: a tenant, admin, proxy, telemetry, gpu_profile.
+"""A tenant as tenants.json describes it, its release steps, and the whole file (`Config`).
+
+A release kind is one pydantic model, a subclass of `ReleaseSpec` with `kind` a one-value Literal,
+that holds its own fields and its own effect: `release()` (ask for the memory back) and, where it
+has one, `wake()` (its resume call); a kind that stops the app also builds its lifecycle controller
+(`proxy.lifecycle.controller.StoppingRelease`). Kinds live beside the code they drive (the Ollama
+and ComfyUI releases in their adapters, the lifecycle kinds beside their controllers) and are
+registered with one line in `proxy/engines/release_kinds.py`, which hands the list to
+`use_release_kinds`. `release` is then the union of those models, told apart by `kind` (absent:
+"none"). Only the "none" kind is built in: it is the default, and it releases nothing.
 
 Every number has a range (`bounds`), every model refuses unknown keys, and every field has a
 description (docs/reference/tenants-json.md is generated from them)."""
@@ -6,14 +15,196 @@ description (docs/reference/tenants-json.md is generated from them)."""
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from typing import Literal
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Discriminator, Field, GetCoreSchemaHandler, Tag, ValidationInfo, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_core import CoreSchema
 
 from proxy.config.fields import TENANT_NAME, StrictModel, device_list, host_list, host_port, no_spaces, upstream_url
-from proxy.config.release import Release, ReleaseSpec
+from proxy.config.settings import AdminSpec, GpuProfile, ProxySettings, TelemetrySettings
 from proxy.config.units import GIB, MIB
+
+if TYPE_CHECKING:
+    import httpx
+
+# ---------------------------------------------------------------------------------------------
+# Release steps: the base of every release kind
+
+
+class ReleaseFailed(Exception):
+    """The engine refused or could not be reached when asked for memory back."""
+
+
+class ReleaseSpec(StrictModel):
+    """One release step: how to ask the tenant for its memory back. Each kind subclasses it."""
+
+    kind: str = Field(
+        default="none", description="how the memory is asked back: ollama_unload (every loaded model with keep_alive 0), "
+        "comfyui_free (POST /free), http (a call you configure), process, systemd or docker (stop the app, start it again "
+        "on its next request), or none (not reclaimable: a release answers 409 with the reason)")
+    timeout_s: float | None = Field(
+        default=None, description="how long this step may take until the card shows the memory back; "
+                                  "null: the tenant's release_timeout_s")
+
+    # What the proxy may rely on, by kind (never by comparing `kind`):
+    stops: ClassVar[bool] = False  # it stops the app, so the proxy can start it again (proxy/lifecycle/)
+    reclaims: ClassVar[bool] = True  # it gives memory back at all (only "none" does not)
+
+    @classmethod
+    def kind_name(cls) -> str:
+        """The `kind` this model answers to in tenants.json (its Literal's one value)."""
+        return str(cls.model_fields["kind"].default)
+
+    @property
+    def resumes(self) -> bool:
+        """It owes a call that wakes the app before its next request is forwarded (`wake()`)."""
+        return False
+
+    async def release(self, tenant: Tenant, client: httpx.AsyncClient) -> dict[str, Any]:
+        """Ask for the memory back; returns what was asked (the caller confirms on the GPU). Raises
+        ReleaseFailed when refused; httpx errors pass through (the caller names the tenant)."""
+        raise ReleaseFailed(f"release kind {self.kind!r} of tenant {tenant.name!r} has no release call")
+
+    async def wake(self, tenant: Tenant, client: httpx.AsyncClient) -> dict[str, Any] | None:
+        """Wake the app after this step released it (its resume call); None when there is nothing to call."""
+        return None
+
+    def load_problems(self, where: str, env: Mapping[str, str]) -> list[str]:
+        """What can be known wrong at load beyond the schema (a program that is not there), each as
+        `path: problem`; `where`: the step's path in tenants.json; `env`: the proxy's environment."""
+        return []
+
+
+class NoRelease(ReleaseSpec):
+    """Not reclaimable: a release answers 409 with the reason (the default)."""
+
+    kind: Literal["none"] = "none"
+    reason: str | None = Field(default=None, description="kind none: why it cannot be released (shown in 409s)")
+
+    reclaims: ClassVar[bool] = False
+
+    async def release(self, tenant: Tenant, client: httpx.AsyncClient) -> dict[str, Any]:
+        raise ReleaseFailed(tenant.not_reclaimable_reason)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kinds in use, and `release` as their union
+
+
+class _KindsInUse:
+    """The release kinds tenants.json accepts, in registration order: the program's configuration,
+    set once at import by proxy/engines/release_kinds.py (`use_release_kinds`), never by a request."""
+
+    def __init__(self) -> None:
+        self.kinds: dict[str, type[ReleaseSpec]] = {"none": NoRelease}
+
+
+_IN_USE = _KindsInUse()
+
+
+def release_kinds() -> Mapping[str, type[ReleaseSpec]]:
+    """Kind name -> its model, in registration order."""
+    return dict(_IN_USE.kinds)
+
+
+def use_release_kinds(kinds: Sequence[type[ReleaseSpec]]) -> None:
+    """Make `kinds` the release kinds tenants.json accepts, and rebuild the models that hold a
+    release. Called once by proxy/engines/release_kinds.py (and by tests that add a kind)."""
+    table: dict[str, type[ReleaseSpec]] = {}
+    for model in kinds:
+        name = model.kind_name() if issubclass(model, ReleaseSpec) else None
+        if name is None or model.model_fields["kind"].annotation != Literal[name]:
+            raise TypeError(f"{model.__name__}: a release kind is a ReleaseSpec with kind: Literal['its name'] = 'its name'")
+        if name in table:
+            raise ValueError(f"release kind {name!r} is registered twice ({table[name].__name__}, {model.__name__})")
+        table[name] = model
+    if "none" not in table:
+        raise ValueError("release kind 'none' must stay registered: it is the default of every tenant")
+    _IN_USE.kinds = table
+    Tenant.model_rebuild(force=True)  # the models that hold a release, built again with the new union
+    Config.model_rebuild(force=True)
+
+
+@contextmanager
+def release_kinds_in_use(kinds: Sequence[type[ReleaseSpec]]) -> Iterator[None]:
+    """`use_release_kinds(kinds)` for a while, then the kinds before (tests that add a kind)."""
+    before = list(_IN_USE.kinds.values())
+    use_release_kinds(kinds)
+    try:
+        yield
+    finally:
+        use_release_kinds(before)
+
+
+def kinds_taking(field: str) -> list[str]:
+    """The registered kinds whose model has `field` (sorted), for 'only release kind X takes F'."""
+    return sorted(name for name, model in _IN_USE.kinds.items() if field in model.model_fields)
+
+
+def release_fields() -> dict[str, FieldInfo]:
+    """Every field a release step may have, the base's first, then each kind's own in registration
+    order (the tenants.json reference lists them so)."""
+    out = dict(ReleaseSpec.model_fields)
+    for model in _IN_USE.kinds.values():
+        out.update({name: info for name, info in model.model_fields.items() if name not in out})
+    return out
+
+
+# Tags of the shapes `release` takes; messages.problems leaves them out of an error's path.
+ONE_STEP, STEPS = "(one release)", "(release steps)"
+
+
+def kind_tag(name: str) -> str:
+    return f"(kind {name})"
+
+
+def is_tag(part: object) -> bool:
+    return part in (ONE_STEP, STEPS) or (isinstance(part, str) and part.startswith("(kind ") and part.endswith(")"))
+
+
+def _release_shape(value: Any) -> str:
+    return STEPS if isinstance(value, list) else ONE_STEP
+
+
+def _kind_of(value: Any) -> str | None:
+    """The tag of one step: its `kind` (absent: "none"); None for what is no object at all."""
+    if isinstance(value, ReleaseSpec):
+        return kind_tag(value.kind)
+    if isinstance(value, dict):
+        return kind_tag(str(value.get("kind", "none")))
+    return None
+
+
+def _one_step() -> Any:
+    members = tuple(Annotated[model, Tag(kind_tag(name))] for name, model in _IN_USE.kinds.items())
+    if len(members) == 1:  # only the built-in "none": no union to tell apart
+        return next(iter(_IN_USE.kinds.values()))
+    return Annotated[_union(members), Discriminator(_kind_of)]
+
+
+def _union(members: tuple[Any, ...]) -> Any:
+    return Union[members]  # noqa: UP007  (built from a tuple of types at run time)
+
+
+class _ReleaseSchema:
+    """`Tenant.release`'s validation: one step or a list of them, each of a registered kind. Built
+    when the model is (again by use_release_kinds), so the union is always the kinds in use."""
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+        one = _one_step()
+        shapes = Annotated[Annotated[one, Tag(ONE_STEP)] | Annotated[list[one], Tag(STEPS)],  # type: ignore[valid-type]
+                           Discriminator(_release_shape)]
+        return handler.generate_schema(shapes)
+
+
+Release = Annotated[ReleaseSpec | list[ReleaseSpec], _ReleaseSchema()]
+
+
+# ---------------------------------------------------------------------------------------------
+# A tenant
 
 EngineKind = Literal["ollama", "comfyui", "generic"]
 WakeOn = Literal["writes", "any"]  # which requests start a stopped app (see Tenant.wake_on)
@@ -126,7 +317,7 @@ class Tenant(StrictModel):
         description="keep this tenant's idle memory from requesters of lower priority (off: idle memory serves whoever asks)")
     needs_vram_gb: float = Field(default=0.0, description="GiB it needs to work (ComfyUI prompts, a start); Ollama "
                                                           "uses the model's size instead")
-    release: Release = Field(default_factory=ReleaseSpec,
+    release: Release = Field(default_factory=NoRelease,
                              description="how to get its memory back: one release, or a list of steps tried in order "
                                          "until the card shows the memory back")
     idle_release_after_s: float | None = Field(default=None, description="release unasked after this long without GPU "
@@ -188,7 +379,7 @@ class Tenant(StrictModel):
         if isinstance(value, list):
             if not value:
                 raise ValueError("an empty list releases nothing: give one release, or steps tried in order")
-            if any(step.kind == "none" for step in value):
+            if not all(step.reclaims for step in value):
                 raise ValueError("a step of kind 'none' releases nothing: leave it out of the list, or make release "
                                  "one object of kind 'none'")
             stopping = [i for i, step in enumerate(value) if step.stops]
@@ -270,11 +461,12 @@ class Tenant(StrictModel):
 
     @property
     def reclaimable(self) -> bool:
-        return any(step.kind != "none" for step in self.release_steps)
+        return any(step.reclaims for step in self.release_steps)
 
     @property
     def not_reclaimable_reason(self) -> str:
-        return self.release_steps[0].reason or (
+        first = self.release_steps[0]
+        return (first.reason if isinstance(first, NoRelease) else None) or (
             f"tenant {self.name!r} has no release strategy (release.kind is 'none' in tenants.json)")
 
     @property
@@ -290,109 +482,6 @@ class Tenant(StrictModel):
     def release_path(self, step: int) -> str:
         """Where a release step sits in tenants.json, for messages (`tenants.llama.release.1`)."""
         return f"tenants.{self.name}.release" + (f".{step}" if isinstance(self.release, list) else "")
-
-
-class AdminSpec(StrictModel):
-    """The admin listener: API, dashboard, /metrics, /mcp."""
-
-    listen: str = Field(default="127.0.0.1:11400", description="host:port; off loopback it needs a bearer token")
-    token_env: str = Field(default="HYPERSWAP_ADMIN_TOKEN", description="the environment variable holding the bearer "
-                                                                        "token")
-    token_file: str | None = Field(default=None, description="a file holding the bearer token")
-    cors_origins: list[str] = Field(default_factory=list, description="web pages allowed to call the admin API "
-                                                                      "cross-origin")
-    allowed_hosts: list[str] = Field(default_factory=list, description="Host names the admin API answers besides loopback")
-
-    @field_validator("listen")
-    @classmethod
-    def _listen(cls, v: str) -> str:
-        return host_port(v)
-
-    _hosts = field_validator("allowed_hosts")(host_list)
-
-
-class ProxySettings(StrictModel):
-    """How the proxy plans, waits and watches."""
-
-    watchdog_interval_s: float = Field(default=1.0, description="how often the watchdog reads the GPU and polls the "
-                                                                "engines (idle release, CPU spill, stale jobs)")
-    # NVML reads are sub-millisecond; 50 ms bounds the added wait
-    release_poll_s: float = Field(default=0.05, description="how often the card is read while a release runs")
-    queue_timeout_s: float = Field(default=300.0, description="how long a request waits for memory before a 503 with "
-                                                              "Retry-After (0: answer 503 at once)")
-    starvation_after_s: float = Field(default=60.0, description="how long later higher-priority arrivals may run ahead "
-                                                                "of a waiter; then it goes ahead of them")
-    overtake_limit: int = Field(default=8, description="requests for a model already on the card that may go ahead "
-                                                       "of a request waiting to swap it away (batching: one handoff "
-                                                       "for a burst); then that tenant starts nothing new until the "
-                                                       "swap. starvation_after_s bounds the same wait in time")
-    swap_hold_s: float = Field(default=0.0, description="how long a request that would swap away a tenant active "
-                                                        "lately waits first, so that requests for what is on the card "
-                                                        "sent right after it go before the swap (0: off, the swap "
-                                                        "starts at once). Bounded by overtake_limit too")
-    swap_hold_recent_s: float = Field(default=5.0, description="with swap_hold_s: only a swap away from a tenant whose "
-                                                               "work ran or ended this recently is held")
-    spill_stable_s: float = Field(default=5.0, description="how long Ollama's split (size_vram < size) must hold still "
-                                                           "to count as a CPU spill (a load grows)")
-    job_lost_after_s: float = Field(default=120.0, description="a relayed job of an engine whose queue cannot be read "
-                                                               "(down, restarting) stays busy this long after the last "
-                                                               "good read, then ends with a stale_job decision")
-    warm_margin_gb: float = Field(default=4.0, description="model files are read into RAM only while MemAvailable stays "
-                                                           "above this many GiB (never into swap)")
-    warm_during_release: bool = Field(default=True, description="read the next model's files while the other tenant "
-                                                                "releases")
-    keep_warm_models: int = Field(default=0, description="keep the N most recently used models' files in RAM (0: off)")
-
-
-class TelemetrySettings(StrictModel):
-    path: str | None = Field(
-        default=None, description="SQLite file; null = ~/.local/state/hyperswap/telemetry.sqlite3, 'off' disables; "
-                                  "$HYPERSWAP_TELEMETRY sets it when this is null (a path; empty or off disables)")
-    retention_days: float = Field(default=30.0, description="rows older than this are deleted")
-    max_rows: int = Field(default=500_000, description="the most rows kept of each kind; the oldest go first")
-
-
-class LockedClocks(StrictModel):
-    min: int = Field(ge=0, le=20000, description="MHz")
-    max: int = Field(ge=0, le=20000, description="MHz")
-
-    @model_validator(mode="after")
-    def _ordered(self) -> LockedClocks:
-        if self.min > self.max:
-            raise ValueError(f"min ({self.min} MHz) must not be above max ({self.max} MHz)")
-        return self
-
-
-GPU_PROFILE_SETTINGS = ("power_limit_w", "locked_clocks_mhz", "gpc_clock_offset_mhz", "mem_clock_offset_mhz",
-                        "fan_policy", "fan_speed_percent")
-
-
-class GpuProfile(StrictModel):
-    """The GPU settings the operator wants (`gpu_profile` in tenants.json). Read and compared always;
-    written only with `apply: true` (and the root permission NVML needs to write)."""
-
-    apply: bool = Field(default=False, description="write the profile to the card (needs root); off: compare only")
-    device: int = Field(default=0, description="the NVML index of the GPU the profile is for (other cards are only read)")
-    power_limit_w: float | None = Field(default=None, description="the power limit in watts (the card's own range is "
-                                                                  "checked against NVML)")
-    locked_clocks_mhz: LockedClocks | None = Field(default=None, description="graphics clock range {min, max} in MHz")
-    gpc_clock_offset_mhz: int | None = Field(default=None, description="graphics clock offset in MHz")
-    mem_clock_offset_mhz: int | None = Field(default=None, description="memory clock offset in MHz")
-    fan_policy: Literal["auto", "manual"] | None = Field(
-        default=None, description="auto (the driver's curve) or manual with fan_speed_percent (a speed outside the range "
-        "NVML gives for the fans is unsupported and never written: a fan held too slow does not follow the temperature)")
-    fan_speed_percent: int | None = Field(default=None, description="every fan, with fan_policy manual")
-    check_interval_s: float = Field(default=30.0, description="how often the card is read and compared")
-
-    @model_validator(mode="after")
-    def _coherent(self) -> GpuProfile:
-        if all(getattr(self, name) is None for name in GPU_PROFILE_SETTINGS):
-            raise ValueError("sets nothing: give at least one of " + ", ".join(GPU_PROFILE_SETTINGS))
-        if self.fan_speed_percent is not None and self.fan_policy != "manual":
-            raise ValueError("fan_speed_percent needs fan_policy \"manual\" (the driver ignores a speed under \"auto\")")
-        if self.fan_policy == "manual" and self.fan_speed_percent is None:
-            raise ValueError("fan_policy \"manual\" needs fan_speed_percent (else the fans keep whatever speed they had)")
-        return self
 
 
 class Config(StrictModel):

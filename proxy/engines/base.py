@@ -18,8 +18,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from proxy.config.release import ReleaseSpec
-from proxy.config.schema import Tenant
+from proxy.config.schema import ReleaseSpec, Tenant
 from proxy.engines.common import Need, release_by_strategy, resume_by_strategy
 from proxy.engines.model_files import FileHints, TenantFiles, plain_tenant_files
 from proxy.engines.settings import EnvReaders

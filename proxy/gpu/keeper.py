@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from proxy.clock import Clock
-from proxy.config.schema import GpuProfile
+from proxy.config.settings import GpuProfile
 from proxy.decision import DecisionSink, FollowUp, Opening
 from proxy.gpu.profile import FieldCheck, compare, plan_changes, reset_reason
 from proxy.gpu.settings import GpuSettings, SettingsSource

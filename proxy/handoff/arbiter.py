@@ -40,7 +40,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from proxy.config.registry import Registry
-from proxy.config.schema import ProxySettings, Tenant
+from proxy.config.schema import Tenant
+from proxy.config.settings import ProxySettings
 from proxy.config.units import GIB
 from proxy.gpu.attribution import UNMANAGED, AttributedProcess, AttributedSnapshot
 

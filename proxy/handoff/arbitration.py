@@ -23,8 +23,7 @@ import httpx
 
 from proxy.clock import Clock
 from proxy.config.registry import Registry
-from proxy.config.release import ReleaseSpec
-from proxy.config.schema import Tenant
+from proxy.config.schema import ReleaseSpec, Tenant
 from proxy.config.units import GIB
 from proxy.engines import AdapterCache, EngineAdapter, Need, ReleaseFailed
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot, Attributor
@@ -169,7 +168,7 @@ class Arbitration:
         before = before or await self.snapshot()
         held_before = self.held(before, tenant.name)
         start = self.clock.now()
-        steps = [(i, s) for i, s in enumerate(tenant.release_steps) if s.kind != "none" and (s.stops or not stop)]
+        steps = [(i, s) for i, s in enumerate(tenant.release_steps) if s.reclaims and (s.stops or not stop)]
         result = ReleaseResult(tenant.name, expected, 0, 0.0, False, "no release step")
         trail: list[dict[str, Any]] = []  # for a release that escalates: what each step freed
         held = held_before

@@ -27,7 +27,8 @@ import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from proxy.config.schema import ProxySettings, Tenant
+from proxy.config.schema import Tenant
+from proxy.config.settings import ProxySettings
 from proxy.config.units import MIB
 from proxy.handoff.arbiter import TenantState
 from proxy.handoff.inflight import TenantTraffic
@@ -128,7 +129,7 @@ def _jobs_text(own: tuple[str, ...], rows: tuple[str, ...] | None) -> str:
 def released_by_stopping(tenant: Tenant) -> bool:
     """Its release begins by stopping the app (a `process`, `systemd` or `docker` tenant), not with a
     call that leaves it serving."""
-    steps = [s for s in tenant.release_steps if s.kind != "none"]
+    steps = [s for s in tenant.release_steps if s.reclaims]
     return bool(steps) and steps[0].stops
 
 

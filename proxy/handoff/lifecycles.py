@@ -20,8 +20,7 @@ import httpx
 
 from proxy.clock import Clock
 from proxy.config.registry import Registry
-from proxy.config.release import ReleaseSpec
-from proxy.config.schema import Tenant
+from proxy.config.schema import ReleaseSpec, Tenant
 from proxy.engines import EngineAdapter, ReleaseFailed
 from proxy.handoff.decisions import DecisionLog, LifecycleExit, LifecycleResult, LifecycleStart, LifecycleStop, Resumed
 from proxy.lifecycle.build import lifecycle_for
@@ -95,7 +94,7 @@ class Lifecycles:
 
     def released(self, tenant: Tenant, step: ReleaseSpec) -> None:
         """A soft release step freed the memory: its `resume` call is owed before the next request."""
-        if step.resume is not None:
+        if step.resumes:
             self._resume[tenant.name] = step
 
     # -- waking --------------------------------------------------------------------------------------

@@ -131,7 +131,7 @@ class TenantApp:
         self.adapter = forwarder.adapter(tenant)
         self._hosts = self.adapter.host_policy()
         # a tenant the proxy may stop, or whose release owes a resume: woken before each request
-        self._sleeps = tenant.lifecycle is not None or any(s.resume is not None for s in tenant.release_steps)
+        self._sleeps = tenant.lifecycle is not None or any(s.resumes for s in tenant.release_steps)
         self.poller = JobPoller(inflight, tenant.name, self._check_jobs, interval_s=job_poll_s, on_lost=self._job_lost)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

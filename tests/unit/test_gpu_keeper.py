@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from proxy.clock import ManualClock
-from proxy.config.schema import GpuProfile
+from proxy.config.settings import GpuProfile
 from proxy.gpu.keeper import GpuSettingsKeeper
 from proxy.gpu.settings_writer import ROOT_FIX, SettingChange, SettingsWriteError
 from proxy.gpu.snapshot import GpuReadError

@@ -19,7 +19,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core", ("proxy.config", "proxy.errors", "proxy.clock", "proxy.tasks", "proxy.tls", "proxy.hosts",
               "proxy.decision")),
     ("gpu", ("proxy.gpu",)),
-    ("engines", ("proxy.engines", "proxy.lifecycle")),  # lifecycle: how an engine is started and stopped
+    # lifecycle: how an engine is started and stopped; config.loading validates the whole schema, whose
+    # `release` is the union of the release kinds engines and lifecycle define (engines/release_kinds.py)
+    ("engines", ("proxy.engines", "proxy.lifecycle", "proxy.config.loading")),
     ("models", ("proxy.models",)),
     ("handoff", ("proxy.handoff",)),
     ("relay", ("proxy.relay",)),
