@@ -21,9 +21,10 @@ import httpx
 from proxy.config.schema import ReleaseSpec, Tenant
 from proxy.config.units import GIB
 from proxy.engines import settings as es
-from proxy.engines.base import EngineAdapter, Placement, Relocation, RequestKind, Streamed, StreamFormat
+from proxy.engines.base import EngineAdapter
 from proxy.engines.common import Need, ReleaseFailed, json_or_none, upstream_of
 from proxy.engines.model_files import FileHints, TenantFiles, ollama_tenant_files
+from proxy.engines.ports import Placement, Relocation, RequestKind, Streamed, StreamFormat
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.hosts import HostPolicy, is_loopback_host, listener_policy
 

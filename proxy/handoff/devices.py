@@ -22,11 +22,9 @@ from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory
 from proxy.handoff.arbiter import (
     DEFAULT_OVERTAKE_LIMIT,
-    NO_HOLD,
     Plan,
     PlanMode,
     Releasing,
-    SwapHold,
     TenantState,
     Verdict,
     Waiter,
@@ -35,6 +33,7 @@ from proxy.handoff.arbiter import (
     queue_order,
     schedule,
 )
+from proxy.handoff.hold import NO_HOLD, SwapHold
 
 
 def candidates(snap: AttributedSnapshot, tenant: str) -> tuple[int, ...]:
