@@ -33,6 +33,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 from proxy.clock import Clock
+from proxy.config.registry import Registry
+from proxy.config.schema import Tenant
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.visibility import held_by_device
 from proxy.handoff.arbiter import (
@@ -67,7 +69,6 @@ from proxy.handoff.inflight import InFlight, TenantTraffic, Token
 from proxy.handoff.reservations import Reservations
 from proxy.handoff.residency import Residency
 from proxy.tasks import sleep_or_wake
-from proxy.tenants import Registry, Tenant
 
 log = logging.getLogger("hyperswap.handoff")
 

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from cards import RESERVED, busy, idle, registry, snap
 from test_scheduler import actions, waiter
 
+from proxy.config.units import GIB
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
 from proxy.gpu.devices import Placement
 from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot
@@ -17,7 +18,6 @@ from proxy.gpu.visibility import device_json, devices_json, tenant_devices_json
 from proxy.handoff.arbiter import plan_release, schedule
 from proxy.handoff.devices import candidates, free_for, plan_on_devices, schedule_on_devices
 from proxy.handoff.scheduler import release_whole
-from proxy.tenants import GIB
 
 SIZES = {0: 24 * GIB, 1: 16 * GIB}
 

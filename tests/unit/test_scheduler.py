@@ -15,13 +15,14 @@ import pytest
 from cards import STT, busy, idle, registry, snap
 
 from proxy.clock import ManualClock, until_all_wait
+from proxy.config.registry import Registry
+from proxy.config.units import GIB
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.handoff.arbiter import Plan, Releasing, TenantState, Waiter, queue_order, schedule
 from proxy.handoff.decisions import DecisionLog, HandoffStarted, Queued, QueueEnded
 from proxy.handoff.hold import HOLD_SHARE, RELOAD_BYTES_PER_S, SwapHold
 from proxy.handoff.inflight import InFlight, Token
 from proxy.handoff.scheduler import Admitted, Released, ReleaseOrder, ReleaseResult, Scheduler, release_whole
-from proxy.tenants import GIB, Registry
 
 # -- the pure decision --------------------------------------------------------------------------
 

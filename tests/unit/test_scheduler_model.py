@@ -33,13 +33,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from proxy.clock import ManualClock, until_all_wait
+from proxy.config.registry import Registry
+from proxy.config.units import GIB, MIB
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot
 from proxy.handoff.arbiter import RESIDENT
 from proxy.handoff.decisions import DecisionLog, HandoffStarted
 from proxy.handoff.inflight import InFlight, Token
 from proxy.handoff.scheduler import Admitted, Released, ReleaseOrder, ReleaseResult, Scheduler
-from proxy.tenants import GIB, MIB, Registry
 
 TOTAL = 24 * GIB
 RESERVED = 300 * MIB
