@@ -28,7 +28,8 @@ from proxy.config.units import GIB
 from proxy.errors import HyperSwapError
 from proxy.handoff.arbitration import Arbitration, ReleaseResult
 from proxy.handoff.decisions import NothingToRelease, Rejected
-from proxy.handoff.scheduler import Admitted, release_whole, stop_whole
+from proxy.handoff.orders import release_whole, stop_whole
+from proxy.handoff.scheduler import Admitted
 from proxy.handoff.watchdog import Watchdog
 from proxy.hosts import listener_policy
 from proxy.lifecycle.logs import FOLLOW_EVERY_S, LINES_BACK_DEFAULT, LINES_BACK_MAX, Chunk, LogFollower

@@ -33,10 +33,11 @@ from proxy.gpu.snapshot import DeviceFigure, DeviceMemory, GpuProcess, GpuReader
 from proxy.handoff import devices
 from proxy.handoff.arbiter import Plan, PlanMode, gib, promised_by_tenant, unplanned_plan
 from proxy.handoff.busy import CONFIRM_SLACK_BYTES
-from proxy.handoff.decisions import DecisionLog, HandoffFinished, HandoffStarted, Rejected
+from proxy.handoff.decisions import DecisionLog, HandoffFinished, HandoffStarted, Rejected, ReleaseResult
 from proxy.handoff.inflight import InFlight, Token
 from proxy.handoff.lifecycles import Lifecycles
-from proxy.handoff.scheduler import Admitted, Handoff, Released, ReleaseOrder, ReleaseResult, Scheduler
+from proxy.handoff.orders import Released, ReleaseOrder
+from proxy.handoff.scheduler import Admitted, Handoff, Scheduler
 from proxy.lifecycle.state import LifecycleReport
 from proxy.tls import client_context
 

@@ -21,7 +21,7 @@ from proxy.engines.ports import SelfReport
 from proxy.handoff.arbiter import TenantState
 from proxy.handoff.arbitration import CONFIRM_SLACK_BYTES, Arbitration, gib
 from proxy.handoff.decisions import SpillNoPlan, StaleJob
-from proxy.handoff.scheduler import ReleaseOrder, release_whole
+from proxy.handoff.orders import ReleaseOrder, release_whole
 from proxy.tasks import cancel_and_wait
 
 log = logging.getLogger("hyperswap.watchdog")

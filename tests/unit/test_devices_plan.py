@@ -17,7 +17,7 @@ from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot
 from proxy.gpu.visibility import device_json, devices_json, tenant_devices_json
 from proxy.handoff.arbiter import plan_release, schedule
 from proxy.handoff.devices import candidates, free_for, plan_on_devices, schedule_on_devices
-from proxy.handoff.scheduler import release_whole
+from proxy.handoff.orders import release_whole
 
 SIZES = {0: 24 * GIB, 1: 16 * GIB}
 

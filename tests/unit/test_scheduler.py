@@ -19,10 +19,11 @@ from proxy.config.registry import Registry
 from proxy.config.units import GIB
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.handoff.arbiter import Plan, Releasing, TenantState, Waiter, queue_order, schedule
-from proxy.handoff.decisions import DecisionLog, HandoffStarted, Queued, QueueEnded
+from proxy.handoff.decisions import DecisionLog, HandoffStarted, Queued, QueueEnded, ReleaseResult
 from proxy.handoff.hold import HOLD_SHARE, RELOAD_BYTES_PER_S, SwapHold
 from proxy.handoff.inflight import InFlight, Token
-from proxy.handoff.scheduler import Admitted, Released, ReleaseOrder, ReleaseResult, Scheduler, release_whole
+from proxy.handoff.orders import Released, ReleaseOrder, release_whole
+from proxy.handoff.scheduler import Admitted, Scheduler
 
 # -- the pure decision --------------------------------------------------------------------------
 

@@ -38,9 +38,10 @@ from proxy.config.units import GIB, MIB
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot
 from proxy.handoff.arbiter import RESIDENT
-from proxy.handoff.decisions import DecisionLog, HandoffStarted
+from proxy.handoff.decisions import DecisionLog, HandoffStarted, ReleaseResult
 from proxy.handoff.inflight import InFlight, Token
-from proxy.handoff.scheduler import Admitted, Released, ReleaseOrder, ReleaseResult, Scheduler
+from proxy.handoff.orders import Released, ReleaseOrder
+from proxy.handoff.scheduler import Admitted, Scheduler
 
 TOTAL = 24 * GIB
 RESERVED = 300 * MIB
