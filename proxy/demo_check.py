@@ -16,11 +16,11 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 
+from proxy.config.units import GIB
 from proxy.demo import Demo, engine_card, run_prompt
 from proxy.lifecycle.state import TenantLifecycle
 from proxy.relay.refusals import NotEnoughMemory
 from proxy.tasks import poll_until
-from proxy.tenants import GIB
 from proxy.tls import client_context
 
 Check = Callable[[], Awaitable[str]]

@@ -22,10 +22,14 @@ from starlette.routing import BaseRoute, Route
 
 from proxy.admin import views
 from proxy.admin.query import integer, optional_number
+from proxy.config.bounds import MAX_GIB
+from proxy.config.schema import Tenant
+from proxy.config.units import GIB
 from proxy.errors import HyperSwapError
 from proxy.handoff.arbitration import Arbitration, ReleaseResult
 from proxy.handoff.decisions import NothingToRelease, Rejected
-from proxy.handoff.scheduler import Admitted, release_whole, stop_whole
+from proxy.handoff.orders import release_whole, stop_whole
+from proxy.handoff.scheduler import Admitted
 from proxy.handoff.watchdog import Watchdog
 from proxy.hosts import listener_policy
 from proxy.lifecycle.logs import FOLLOW_EVERY_S, LINES_BACK_DEFAULT, LINES_BACK_MAX, Chunk, LogFollower
@@ -33,7 +37,6 @@ from proxy.lifecycle.process import ProcessController
 from proxy.lifecycle.state import TenantLifecycle
 from proxy.relay import refusals
 from proxy.relay.guards import AdminGuard
-from proxy.tenants import GIB, MAX_GIB, Tenant
 
 Handler = Callable[[Request], Awaitable[Response]]
 LOG_KEEPALIVE_S = 15.0  # a quiet log stream sends a comment this often
@@ -254,8 +257,10 @@ class AdminApi:
         if isinstance(machine, Response):
             return machine
         controller = machine.controller
-        if not isinstance(controller, ProcessController):
-            return refusals.no_log(tenant, controller.kind, machine.view()).response()
+        elsewhere = controller.output_elsewhere()
+        if elsewhere is not None or not isinstance(controller, ProcessController):
+            runs_as, where = elsewhere or (controller.kind, "its manager")
+            return refusals.no_log(tenant, runs_as, where, machine.view()).response()
         back = integer(request.query_params, "lines", LINES_BACK_DEFAULT, low=0, high=LINES_BACK_MAX,
                        example=f"GET /api/tenants/{tenant.name}/logs?lines=100")
         follower = LogFollower(controller)

@@ -20,13 +20,13 @@ from starlette.routing import BaseRoute, Route
 
 from proxy.admin.health import HealthEntry
 from proxy.admin.view import ProxyView
+from proxy.config.settings import GpuProfile
 from proxy.gpu.keeper import DeviceView, GpuSettingsKeeper
 from proxy.gpu.nvml import NvmlReader
 from proxy.gpu.profile import FieldCheck
 from proxy.gpu.settings import NvmlSettingsReader, SettingsSource
 from proxy.gpu.settings_writer import NvmlSettingsWriter, SettingsWriter
 from proxy.tasks import cancel_and_wait
-from proxy.tenants import GpuProfile
 
 log = logging.getLogger("hyperswap.gpu")
 

@@ -23,11 +23,11 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 from starlette.responses import JSONResponse
 
+from proxy.config.schema import Tenant
 from proxy.errors import HyperSwapError
 from proxy.handoff import devices
 from proxy.handoff.arbiter import gib
 from proxy.handoff.scheduler import Admitted, Handoff
-from proxy.tenants import Tenant
 
 JSON = dict[str, Any]
 QUEUE_RETRY_AFTER_MAX_S = 30  # past the queue timeout, come back after as long again, but not later than this
@@ -305,11 +305,10 @@ def not_lifecycle(tenant: Tenant, action: str) -> Refusal:
                     tenant=tenant.name, reason="not_lifecycle", lifecycle=None)
 
 
-def no_log(tenant: Tenant, manager: str, lifecycle: JSON) -> Refusal:
-    """Its app runs under a manager that keeps its output (systemd, docker)."""
-    unit = "unit" if manager == "systemd" else "container"
-    follow = "`journalctl -f -u <unit>`" if manager == "systemd" else "`docker logs -f <container>`"
-    return Conflict(error=f"{tenant.name}'s output is not the proxy's to stream: it runs as a {manager} {unit}, "
+def no_log(tenant: Tenant, runs_as: str, follow: str, lifecycle: JSON) -> Refusal:
+    """Its app runs under a manager that keeps its output (`runs_as`: "systemd unit"; `follow`: how to
+    read it there)."""
+    return Conflict(error=f"{tenant.name}'s output is not the proxy's to stream: it runs as a {runs_as}, "
                           "whose output its manager keeps",
                     fix=f"follow it with {follow}", tenant=tenant.name, reason="no_log", lifecycle=lifecycle)
 

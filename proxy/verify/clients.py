@@ -16,7 +16,7 @@ from websockets.asyncio.client import connect as ws_connect
 
 from proxy.admin.address import local_url
 from proxy.clock import Clock
-from proxy.tenants import GIB
+from proxy.config.units import GIB
 
 
 class WsConnection(Protocol):

@@ -11,10 +11,12 @@ import httpx
 import pytest
 import respx
 
+from proxy.config.loading import registry_from_dict
+from proxy.config.schema import Tenant
+from proxy.config.units import GIB
 from proxy.engines import ReleaseFailed
 from proxy.engines.ollama import OllamaCatalog
 from proxy.engines.registry import adapter_for
-from proxy.tenants import GIB, Tenant, registry_from_dict
 
 OLLAMA = "http://127.0.0.1:11434"
 COMFYUI = "http://127.0.0.1:28188"

@@ -9,12 +9,14 @@ from typing import Any
 import pytest
 
 from proxy.admin.views import Rejection
+from proxy.config.loading import registry_from_dict
+from proxy.config.schema import Tenant
+from proxy.config.units import GIB
 from proxy.errors import HyperSwapError
 from proxy.handoff.arbiter import Blocker, Plan, Release
 from proxy.handoff.scheduler import Admitted, Handoff
 from proxy.lifecycle.controller import LifecycleError
 from proxy.relay import refusals
-from proxy.tenants import GIB, Tenant, registry_from_dict
 
 
 @pytest.fixture
@@ -89,7 +91,7 @@ def test_the_409s_carry_a_reason_and_lifecycle_only_where_one_is_known(tenant: T
     assert "lifecycle" not in answer(refusals.busy(tenant, "2 requests", "released"))[2]
     assert answer(refusals.not_lifecycle(tenant, "start"))[2]["lifecycle"] is None, "null: not the proxy's to start"
     for refusal in (refusals.busy(tenant, "x", "stopped", {"state": "running"}), refusals.starting(tenant, {}),
-                    refusals.not_reclaimable(tenant), refusals.no_log(tenant, "systemd", {})):
+                    refusals.not_reclaimable(tenant), refusals.no_log(tenant, "systemd unit", "`journalctl -f -u <unit>`", {})):
         status, retry, body = answer(refusal)
         assert (status, retry) == (409, None)
         assert list(body)[:4] == ["error", "fix", "tenant", "reason"]
