@@ -32,6 +32,7 @@ from proxy.admin.view import ProxyView
 from proxy.config.loading import load_registry
 from proxy.config.schema import Tenant
 from proxy.config.units import GIB
+from proxy.encoding import fields_json
 from proxy.engines.ports import HealthPorts
 from proxy.engines.settings import EnvReaders
 from proxy.errors import ConfigError, HyperSwapError
@@ -64,7 +65,7 @@ class HealthEntry:
     fix: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "status": self.status, "problem": self.problem, "impact": self.impact, "fix": self.fix}
+        return fields_json(self)
 
 
 def worst(statuses: Sequence[str]) -> Status:

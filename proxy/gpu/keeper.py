@@ -19,6 +19,7 @@ from typing import Any, Literal
 from proxy.clock import Clock
 from proxy.config.settings import GpuProfile
 from proxy.decision import DecisionSink, FollowUp, Opening
+from proxy.encoding import fields_json
 from proxy.gpu.profile import FieldCheck, compare, plan_changes, reset_reason
 from proxy.gpu.settings import GpuSettings, SettingsSource
 from proxy.gpu.settings_writer import SettingChange, SettingsWriteError, SettingsWriter
@@ -83,8 +84,7 @@ class ApplyAttempt:
     still_drifting: list[str]
 
     def to_json(self) -> dict[str, Any]:
-        return {"at": self.at, "reason": self.reason, "changes": self.changes, "ok": self.ok, "errors": self.errors,
-                "still_drifting": self.still_drifting}
+        return fields_json(self)
 
 
 @dataclass(slots=True)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from proxy.config.settings import GpuProfile
+from proxy.encoding import fields_json
 from proxy.gpu.settings import NOT_LOCKED, NOT_SUPPORTED, GpuSettings
 from proxy.gpu.settings_writer import SettingChange, SettingName
 
@@ -34,8 +35,7 @@ class FieldCheck:
     by_hand: str | None = None  # drift: a command that sets it without the proxy
 
     def to_json(self) -> dict[str, Any]:
-        return {"setting": self.setting, "status": self.status, "desired": self.desired, "actual": self.actual,
-                "note": self.note, "cost": self.cost, "by_hand": self.by_hand}
+        return fields_json(self)
 
 
 def _missing(setting: SettingName, desired: Any, reason: str | None, what: str) -> FieldCheck:

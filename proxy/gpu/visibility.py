@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from proxy.encoding import fields_json
 from proxy.gpu.attribution import UNMANAGED, AttributedSnapshot
 from proxy.gpu.snapshot import DeviceFigure, GpuReadError
 
@@ -102,8 +103,8 @@ class Capability:
     status: CapabilityStatus
     detail: str
 
-    def to_json(self) -> dict[str, str]:
-        return {"name": self.name, "status": self.status, "detail": self.detail}
+    def to_json(self) -> dict[str, Any]:
+        return fields_json(self)
 
 
 def capabilities(snap: AttributedSnapshot | None, error: GpuReadError | None) -> list[Capability]:

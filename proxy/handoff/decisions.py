@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 from proxy.clock import Clock
 from proxy.decision import DecisionEvent, DecisionKind, E, FollowUp, Opening, RequestTrigger
+from proxy.encoding import fields_json
 from proxy.handoff.arbiter import Plan, gib
 from proxy.models.loads import LoadRecord
 
@@ -512,8 +513,7 @@ class StoryStep:
     tenant: str | None = None  # wait: whom it waited for; release: who was released; load: the requester
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "text": self.text, "start_s": round(self.start_s, 3),
-                "duration_s": round(self.duration_s, 3), "decision": self.decision, "tenant": self.tenant}
+        return fields_json(self, {"start_s": 3, "duration_s": 3})
 
 
 @dataclass(frozen=True, slots=True)

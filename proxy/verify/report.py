@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from proxy.encoding import fields_json
+
 Status = Literal["pass", "fail", "skip", "incomplete"]
 STATUSES: tuple[Status, ...] = ("pass", "fail", "skip", "incomplete")
 
@@ -53,8 +55,7 @@ class StageResult:
     fix: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "status": self.status, "seconds": round(self.seconds, 3), "detail": self.detail,
-                "impact": self.impact, "fix": self.fix}
+        return fields_json(self, {"seconds": 3})
 
 
 @dataclass(slots=True)
