@@ -545,7 +545,10 @@ class Scheduler:
         claims = self.promised(snap)
         for u in self._underway:
             if (claim := u.claim) is not None and u.state.key is not None:
-                claims[u.state.key] = claim
+                # the same load may be reserved already (a request for it admitted while the release
+                # runs): one load, so the larger promise stands, never the release's smaller claim
+                old = claims.get(u.state.key)
+                claims[u.state.key] = (claim[0], max(claim[1], old[1] if old else 0))
         settings = self.fx.registry.config.proxy
         verdicts = schedule_on_devices(snap, self.fx.registry, self.states(snap), [self._waiter(t) for t in pending],
                                        claims, self.fx.clock.now(), settings.starvation_after_s,
