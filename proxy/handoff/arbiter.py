@@ -611,12 +611,24 @@ class _Pass:
         if claimer:
             self.claimers.append(w)
 
+    def _own_release(self, w: Waiter) -> Releasing | None:
+        """The release under way of `w`'s own tenant for another load (its memory is promised there)."""
+        return next((r for r in self.releasing if r.key is not None and w.tenant in r.tenants), None)
+
+    def _resident_runs(self, w: Waiter, own: Releasing | None, waiting_for_it: list[Waiter]) -> bool:
+        """A load on the card (or on its way) runs ahead of those waiting to swap its tenant away,
+        within the fairness bound, unless its tenant is being released."""
+        if not w.resident or own is not None or w.tenant in self.swapped:
+            return False
+        if not all(self._may_overtake(a) for a in waiting_for_it):
+            return False
+        self.out.append(Verdict(w, "run", resident_plan(w), RESIDENT, overtook=tuple(a.id for a in waiting_for_it)))
+        return True
+
     def _decide(self, w: Waiter) -> None:
-        own = next((r for r in self.releasing if r.key is not None and w.tenant in r.tenants), None)
+        own = self._own_release(w)
         waiting_for_it = self.holding_back.get(w.tenant, [])
-        if w.resident and own is None and w.tenant not in self.swapped \
-                and all(self._may_overtake(a) for a in waiting_for_it):
-            self.out.append(Verdict(w, "run", resident_plan(w), RESIDENT, overtook=tuple(a.id for a in waiting_for_it)))
+        if self._resident_runs(w, own, waiting_for_it):
             return
         plan = plan_release(self.snap, self.registry, self.states, w.tenant, w.need_bytes,
                             promised=promised_by_tenant(self.claims, w.key))
