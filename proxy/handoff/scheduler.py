@@ -421,27 +421,10 @@ class Scheduler:
                 ticket.future.cancel()
             underway.done.cancel()
         elif (exc := task.exception()) is not None:
-            log.error("release of %s failed", ", ".join(underway.state.tenants), exc_info=exc)
-            for ticket in joined:
-                self._tickets.pop(ticket.waiter.id, None)
-                if not ticket.future.done():
-                    ticket.future.set_exception(exc)
-            if not underway.done.done():
-                underway.done.set_exception(exc)
-                underway.done.exception()  # a caller that did not await it must not leave it unretrieved
+            self._release_failed(underway, joined, exc)
         else:
             released = task.result()
-            if any(r.busy for r in released.results):
-                for ticket in joined:  # a tenant it counted on had work again: plan them again
-                    ticket.joined = None
-            else:
-                plan = underway.order.plan
-                for ticket in joined:
-                    handoff = Handoff(plan or _no_plan(ticket.waiter), released.results, released.decision,
-                                      underway.order.snapshot)
-                    self.reserve(ticket.waiter.key, handoff)
-                    reason = ticket.verdict.reason if ticket.verdict else (plan.explanation if plan else "released")
-                    self._resolve(ticket, Admitted("run", handoff, reason))
+            self._release_ended(underway, joined, released)
             if not underway.done.done():
                 underway.done.set_result(released)
         if self._underway and self._underway[0].task is None:
@@ -449,6 +432,31 @@ class Scheduler:
         self.kick()
         if self._tickets:
             self._start_driver()
+
+    def _release_failed(self, underway: _Underway, joined: list[_Ticket], exc: BaseException) -> None:
+        log.error("release of %s failed", ", ".join(underway.state.tenants), exc_info=exc)
+        for ticket in joined:
+            self._tickets.pop(ticket.waiter.id, None)
+            if not ticket.future.done():
+                ticket.future.set_exception(exc)
+        if not underway.done.done():
+            underway.done.set_exception(exc)
+            underway.done.exception()  # a caller that did not await it must not leave it unretrieved
+
+    def _release_ended(self, underway: _Underway, joined: list[_Ticket], released: Released) -> None:
+        """Admit the waiters that joined the release, unless a tenant it counted on had work again
+        (then they are planned again)."""
+        if any(r.busy for r in released.results):
+            for ticket in joined:
+                ticket.joined = None
+            return
+        plan = underway.order.plan
+        for ticket in joined:
+            handoff = Handoff(plan or _no_plan(ticket.waiter), released.results, released.decision,
+                              underway.order.snapshot)
+            self.reserve(ticket.waiter.key, handoff)
+            reason = ticket.verdict.reason if ticket.verdict else (plan.explanation if plan else "released")
+            self._resolve(ticket, Admitted("run", handoff, reason))
 
     # -- the driver ------------------------------------------------------------------------------
     def _start_driver(self) -> None:
@@ -545,7 +553,10 @@ class Scheduler:
         claims = self.promised(snap)
         for u in self._underway:
             if (claim := u.claim) is not None and u.state.key is not None:
-                claims[u.state.key] = claim
+                # the same load may be reserved already (a request for it admitted while the release
+                # runs): one load, so the larger promise stands, never the release's smaller claim
+                old = claims.get(u.state.key)
+                claims[u.state.key] = (claim[0], max(claim[1], old[1] if old else 0))
         settings = self.fx.registry.config.proxy
         verdicts = schedule_on_devices(snap, self.fx.registry, self.states(snap), [self._waiter(t) for t in pending],
                                        claims, self.fx.clock.now(), settings.starvation_after_s,
