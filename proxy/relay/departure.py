@@ -54,7 +54,8 @@ class Sweep:
     links of a listener, running only while some are open. A link joins the young; each tick (every
     half WATCH_AFTER_S) watches the old ones and makes the young old, so a link is watched after
     between half and all of WATCH_AFTER_S. A link that closes leaves at once: holding it (and the
-    request it refers to) until a tick made each request outlive its end, and cost the collector."""
+    request it refers to) until a tick made each request outlive its end, and cost the collector.
+    Its timer belongs to the loop of the first link, like the listener it serves."""
 
     __slots__ = ("_old", "_timer", "_young")
 
