@@ -487,6 +487,12 @@ class Verdict:
     held: tuple[str, ...] = ()  # a swap held (`SwapHold`): the tenants it would release, whose resident work goes first
     held_until: float | None = None  # when that held swap starts at the latest (a pass is due then)
 
+    @property
+    def waiting_for(self) -> tuple[str, ...]:
+        """The tenants it waits for: busy ones in the way, or those whose swap is held (it waits to see
+        whether their requests follow)."""
+        return self.plan.wait_for or self.held
+
     def to_json(self) -> dict[str, object]:
         return {"waiter": self.waiter.id, "tenant": self.waiter.tenant, "action": self.action, "reason": self.reason,
                 "behind": self.behind, "wait_for": list(self.plan.wait_for), "held": list(self.held)}

@@ -379,7 +379,7 @@ class Scheduler:
                 "since": round(t.since_wall, 3), "waited_s": round(now - t.waiter.arrived_at, 3),
                 "need_bytes": t.waiter.need_bytes, "need_gb": gib(t.waiter.need_bytes),
                 "priority": t.waiter.priority, "overtaken": t.overtaken,
-                "waiting_for": list(v.plan.wait_for) if v and t.joined is None else [],
+                "waiting_for": list(v.waiting_for) if v and t.joined is None else [],
                 "behind": v.behind if v and t.joined is None else None,
                 "reason": reason}
 
@@ -663,10 +663,10 @@ class Scheduler:
             if ticket.model:  # waiting for a busy tenant is time the disk can use
                 self.fx.prepare_load(v.waiter.tenant, ticket.model)
             ticket.queued = self.fx.decisions.emit(Queued(tenant=v.waiter.tenant, trigger=ticket.trigger, plan=v.plan,
-                                                          reason=v.reason, behind=v.behind))
+                                                          reason=v.reason, behind=v.behind, waiting_for=v.waiting_for))
         elif ticket.wait_reason != v.reason:
             self.fx.decisions.emit(WaitChanged(tenant=v.waiter.tenant, trigger=ticket.trigger, refers_to=ticket.queued.id,
-                                               reason=v.reason, waiting_for=v.plan.wait_for, behind=v.behind))
+                                               reason=v.reason, waiting_for=v.waiting_for, behind=v.behind))
         ticket.wait_reason = v.reason
 
     def _note_end(self, ticket: _Ticket, why: QueueEnd) -> None:
