@@ -374,7 +374,7 @@ class _HeldHead:
         self.head: bytes | None = None
 
     def write(self, data: bytes) -> None:
-        if self.cycle.transport is not self:  # handed back already: a late caller that kept this object
+        if not self._installed():  # handed back already: a late caller that kept this object
             self.transport.write(data)
         elif self.head is None:
             self.head = data
@@ -382,8 +382,12 @@ class _HeldHead:
             self.cycle.transport = self.transport
             self.transport.write(self.head + data)
 
+    def _installed(self) -> bool:
+        current: object = self.cycle.transport  # typed a Transport: this stands in for one (a swapped attribute)
+        return current is self
+
     def __getattr__(self, name: str) -> Any:
-        if self.cycle.transport is self:
+        if self._installed():
             self.cycle.transport = self.transport
             if self.head is not None:
                 self.transport.write(self.head)
