@@ -53,10 +53,11 @@ Series:
   queued in the engine behind the one it runs; the picker's queued requests),
   hyperswap_tenant_requests_running{tenant} (admitted requests in flight, plus the job the engine runs),
   hyperswap_tenant_memory_cost{tenant} (0-1, what a new load would cost: (0.25 x bytes from free memory
-  + 0.5 x bytes from idle tenants released + 1 x bytes a busy tenant must give up) / bytes to load, by the
-  scheduler's own planner; 0 when the tenant holds its need, 1 when no plan fits; needs_vram_gb is the load,
-  or, unset (Ollama), all the memory the tenant could reach; no sample while the card's size is unknown;
-  the picker reads it as its KV-cache utilization), and
+  + 0.5 x bytes from idle tenants released + 1 x bytes a busy tenant must give up) / the load's bytes, split
+  by the scheduler's own planner; the load is needs_vram_gb, 0 when the tenant holds it; for an engine that
+  sizes each model (Ollama) it is all the memory the tenant could reach, its own models counted at 0.5, or 1
+  while it is busy; 1 when no plan fits; no sample while the card's size is unknown; as of the last card
+  reading, which the watchdog takes every watchdog_interval_s), and
   hyperswap_tenant_models_info{tenant,running_lora_adapters,waiting_lora_adapters,max_lora} (the LoRA-info
   shape the affinity scorer reads: comma-separated model names on the card and on their way there, a
   `:latest` tag listed bare too; max_lora their count, so the card counts as full; the value is the

@@ -5,19 +5,22 @@ Inference Extension's endpoint picker scrapes (docs/guides/several-machines.md).
 
 The memory cost of a new load for tenant T, a number from 0 to 1 (`memory_cost`):
 
-    L      = need - held            the bytes the load still has to bring onto the card
-    free   = min(L, free - promised)                       taken first: nothing to give up
-    idle   = min(L - free, what releasing idle tenants frees)   released first, lowest priority first
-    busy   = L - free - idle                               waited for: a busy tenant must finish
-    cost   = (0.25 * free + 0.5 * idle + 1.0 * busy) / L   (0 when L <= 0; 1 when no plan can ever fit it)
+    free   = min(L, free - promised)                          taken first: nothing to give up
+    idle   = min(L - free, what releasing idle tenants frees)  released first, lowest priority first
+    busy   = L - free - idle                                  waited for: a busy tenant must finish
+    cost   = (0.25 * free + 0.5 * idle + 1.0 * busy) / need   (1 when no plan can ever fit it)
 
-so 0 means T holds its need already (its model is on the card), 0.25 a load into free memory, 0.5 one
-that releases idle tenants, and 1 one that must wait for a busy tenant to give the card up. `need` is
-T's `needs_vram_gb`; for an engine that sizes each model on its own (Ollama: `sized_catalog`), or a
-tenant with none, the load is as large as T could ever get (`Plan.reachable_bytes`): the cost is then the weighted
-share of the memory T could reach that is free, idle or busy. Free, idle and busy are split by the
-scheduler's own planner (`plan_on_devices`), so protection, priorities and several cards count as for
-a real request. An unknown card size has no cost (None, never 0).
+so 0.25 is a load into free memory, 0.5 one that releases idle tenants, and 1 one that must wait for
+a busy tenant to give the card up. For a tenant with one kind of load (`needs_vram_gb`), `need` is
+that, L = need - held (what it holds counts toward it, as the planner counts it), and 0 means T holds
+its need already: its model is on the card. An engine that sizes each model on its own (Ollama,
+`sized_catalog`; or a tenant with no need set) may be asked for a model it does not hold: its load is
+as large as T could ever get (`Plan.reachable_bytes`), L = need - held, and what T holds counts too,
+at 0.5 (its own models, unloaded by the engine to make room) or 1 while T is busy: a node whose card
+its own other models fill costs more than an empty one. Which models are on the card is the models
+gauge (the affinity signal), not this one. Free, idle and busy are split by the scheduler's own
+planner (`plan_on_devices`), so protection, priorities and several cards count as for a real
+request. An unknown card size has no cost (None, never 0).
 """
 
 from __future__ import annotations
@@ -53,28 +56,36 @@ class TenantSignals:
         return len(self.resident) + len(self.loading)
 
 
-def memory_cost(plan: Plan) -> float | None:
-    """The 0-1 cost of the load `plan` was made for (module docstring)."""
+def memory_cost(plan: Plan, own_weight: float | None = None) -> float | None:
+    """The 0-1 cost of the load `plan` was made for (module docstring). `own_weight`: what the tenant's
+    own memory costs (an engine that sizes each model: its other models make room); None: it counts
+    toward the need at no cost."""
     if plan.unplanned:
         return None
     bring = plan.need_bytes - plan.held_by_requester
-    if bring <= 0:
-        return 0.0
     if not plan.possible:
         return BUSY_WEIGHT
+    own = own_weight * plan.held_by_requester if own_weight is not None else 0.0
+    if bring <= 0:
+        return round(own / plan.need_bytes, 4) if own and plan.need_bytes > 0 else 0.0
     free = min(bring, max(0, plan.free_bytes - plan.promised_bytes))
     idle = min(bring - free, plan.expected_free_bytes)
     busy = bring - free - idle
-    return round((FREE_WEIGHT * free + IDLE_WEIGHT * idle + BUSY_WEIGHT * busy) / bring, 4)
+    whole = plan.need_bytes if own_weight is not None else bring
+    return round(min(1.0, (FREE_WEIGHT * free + IDLE_WEIGHT * idle + BUSY_WEIGHT * busy + own) / whole), 4)
+
+
+def sizes_each_model(registry: Registry, tenant: str) -> bool:
+    """Whether the tenant's engine sizes each model itself (its needs_vram_gb is only a fallback), or it has none."""
+    t = registry.get(tenant)
+    return t.needs_vram_bytes <= 0 or ADAPTERS.get(t.engine, GenericAdapter).sized_catalog
 
 
 def cost_plan(snap: AttributedSnapshot, registry: Registry, states: Mapping[str, TenantState], tenant: str,
               promised: Mapping[str, int]) -> Plan:
-    """The plan the cost is read from: T's own need, or all the memory it could reach where it has none (an
-    engine that sizes each model itself: its needs_vram_gb is only a fallback)."""
-    t = registry.get(tenant)
-    need = t.needs_vram_bytes
-    if need <= 0 or ADAPTERS.get(t.engine, GenericAdapter).sized_catalog:
+    """The plan the cost is read from: T's own need, or all the memory it could reach (`sizes_each_model`)."""
+    need = registry.get(tenant).needs_vram_bytes
+    if sizes_each_model(registry, tenant):
         capacity = snap.snapshot.device.total_bytes - snap.snapshot.device.reserved_bytes
         probe = plan_on_devices(snap, registry, states, tenant, capacity, promised=promised)
         need = probe.reachable_bytes
@@ -119,7 +130,11 @@ def gather(scheduler: Scheduler, registry: Registry, snap: AttributedSnapshot | 
         queued, running = work_counts(waiting.get(name, 0), t.in_flight if t else 0, len(t.jobs) if t else 0)
         cost = None
         if snap is not None and snap.snapshot.device.size_known:
-            cost = memory_cost(cost_plan(snap, registry, states, name, promised_by_tenant(claims, name)))
+            plan = cost_plan(snap, registry, states, name, promised_by_tenant(claims, name))
+            busy = states.get(name)
+            own = (BUSY_WEIGHT if busy is not None and busy.busy else IDLE_WEIGHT) \
+                if sizes_each_model(registry, name) else None
+            cost = memory_cost(plan, own)
         resident, loading = scheduler.loads_of(name)
         out.append(TenantSignals(name, queued, running, cost, model_names(name, resident), model_names(name, loading)))
     return out

@@ -33,6 +33,15 @@ def test_the_memory_cost_weighs_free_idle_and_busy_bytes(p: Plan, cost: float, w
     assert memory_cost(p) == cost, why
 
 
+def test_an_engine_that_sizes_each_model_counts_its_own_models_as_memory_to_give_up() -> None:
+    # Ollama could reach the whole 24 GiB: 8 it holds (its other models), 16 free
+    empty, own = plan(24 * G, 24 * G), plan(24 * G, 16 * G, held=8 * G)
+    assert memory_cost(empty, 0.5) == 0.25
+    assert memory_cost(own, 0.5) == round((0.25 * 16 + 0.5 * 8) / 24, 4)
+    assert memory_cost(own, 1.0) == 0.5, "while it is busy, its models are a busy tenant's"
+    assert memory_cost(plan(24 * G, 0, held=24 * G), 0.5) == 0.5, "a card full of its own idle models"
+
+
 def test_an_unknown_card_has_no_cost_rather_than_zero() -> None:
     assert memory_cost(unplanned_plan("ollama", 8 * G)) is None
 
