@@ -29,7 +29,8 @@ hyperswap_tenant_requests_running{tenant="ollama"} 1.0
 hyperswap_tenant_memory_cost{tenant="ollama"} 0.375
 # HELP hyperswap_tenant_models_info x
 # TYPE hyperswap_tenant_models_info gauge
-hyperswap_tenant_models_info{max_lora="2",running_lora_adapters="llama3.1:8b",tenant="ollama",waiting_lora_adapters="qwen2.5:14b"} 1.7e9
+hyperswap_tenant_models_info{max_lora="2",running_lora_adapters="llama3.1:8b",tenant="ollama",\
+waiting_lora_adapters="qwen2.5:14b"} 1.7e9
 """
 
 
