@@ -1,26 +1,26 @@
 """What one node tells a cluster's inference router: how much waits and runs, what a new load would
-cost in memory, and which models are on the card. Pure: computed from the scheduler's state and the
-latest card reading, read by `/metrics` (proxy/admin/metrics.py) in the shape the Gateway API
-Inference Extension's endpoint picker scrapes (docs/guides/several-machines.md).
+cost in memory, and which models are on the card, in the shape the Gateway API Inference Extension's
+endpoint picker scrapes from `/metrics` (proxy/admin/metrics.py; docs/guides/several-machines.md). The
+formulas are pure functions; `gather` reads their inputs off the scheduler and the latest card reading.
 
-The memory cost of a new load for tenant T, a number from 0 to 1 (`memory_cost`):
+The memory cost of a new load for tenant T, from 0 to 1 (`memory_cost`). L is what the load must still
+bring onto the card (its need less what T holds), taken as the scheduler's own planner would take it
+(`plan_on_devices`: protection, priorities and several cards count as for a real request):
 
-    free   = min(L, free - promised)                          taken first: nothing to give up
-    idle   = min(L - free, what releasing idle tenants frees)  released first, lowest priority first
-    busy   = L - free - idle                                  waited for: a busy tenant must finish
-    cost   = (0.25 * free + 0.5 * idle + 1.0 * busy) / need   (1 when no plan can ever fit it)
+    free   = min(L, free - promised)                          first: nothing to give up
+    idle   = min(L - free, what releasing idle tenants frees)  then: idle tenants released
+    busy   = L - free - idle                                  last: a busy tenant must finish
+    cost   = (0.25 * free + 0.5 * idle + 1.0 * busy) / L      (1 when no plan can ever fit it)
 
-so 0.25 is a load into free memory, 0.5 one that releases idle tenants, and 1 one that must wait for
-a busy tenant to give the card up. For a tenant with one kind of load (`needs_vram_gb`), `need` is
-that, L = need - held (what it holds counts toward it, as the planner counts it), and 0 means T holds
-its need already: its model is on the card. An engine that sizes each model on its own (Ollama,
-`sized_catalog`; or a tenant with no need set) may be asked for a model it does not hold: its load is
-as large as T could ever get (`Plan.reachable_bytes`), L = need - held, and what T holds counts too,
-at 0.5 (its own models, unloaded by the engine to make room) or 1 while T is busy: a node whose card
-its own other models fill costs more than an empty one. Which models are on the card is the models
-gauge (the affinity signal), not this one. Free, idle and busy are split by the scheduler's own
-planner (`plan_on_devices`), so protection, priorities and several cards count as for a real
-request. An unknown card size has no cost (None, never 0).
+so 0.25 is a load into free memory, 0.5 one that releases idle tenants, 1 one that waits for a busy
+tenant to give the card up. For a tenant with one kind of load (`needs_vram_gb`: ComfyUI, a generic
+app), what it holds counts toward its need, so 0 means it holds its need: its model is on the card.
+An engine that sizes each model on its own (Ollama: `sized_catalog`; or a tenant with no need set) may
+be asked for a model it does not hold: its load is taken as large as all the memory T could reach
+(`Plan.reachable_bytes`), and what T holds is added at 0.5 (its other models, which the engine unloads
+to make room) or 1 while T is busy, over that whole: a node whose card its own other models fill costs
+more than an empty one. Which models are on the card is the models gauge's (the affinity signal). An
+unknown card size has no cost (None, never 0).
 """
 
 from __future__ import annotations
