@@ -716,10 +716,12 @@ class ProxySettings(_Strict):
                                                        "of a request waiting to swap it away (batching: one handoff "
                                                        "for a burst); then that tenant starts nothing new until the "
                                                        "swap. starvation_after_s bounds the same wait in time")
-    swap_hold_s: float = Field(default=0.0, description="how long a request that would swap away a tenant active "
-                                                        "lately waits first, so that requests for what is on the card "
-                                                        "sent right after it go before the swap (0: off, the swap "
-                                                        "starts at once). Bounded by overtake_limit too")
+    swap_hold_s: float = Field(default=0.5, description="the longest a swap away from a tenant active lately is held "
+                                                        "after that tenant's last use, so that requests for what is "
+                                                        "on the card sent right after go first (one swap for a "
+                                                        "burst); weighed by the reload it risks (a tenth of it at "
+                                                        "2 GB/s), bounded by overtake_limit. 0: off, a swap starts "
+                                                        "at once")
     swap_hold_recent_s: float = Field(default=5.0, description="with swap_hold_s: only a swap away from a tenant whose "
                                                                "work ran or ended this recently is held")
     spill_stable_s: float = Field(default=5.0, description="how long Ollama's split (size_vram < size) must hold still "

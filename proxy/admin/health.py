@@ -29,7 +29,7 @@ from websockets.asyncio.client import connect as ws_connect
 
 from proxy.admin.address import admin_base_url
 from proxy.admin.view import ProxyView
-from proxy.engines import EngineAdapter
+from proxy.engines.ports import HealthPorts
 from proxy.engines.settings import EnvReaders
 from proxy.errors import ConfigError, HyperSwapError
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
@@ -274,7 +274,7 @@ class HealthExtension:
         return HealthEntry("nvml", "ok", f"{raw.device.name}: {len(raw.processes)} GPU process(es) visible"
                            + (f" ({note})" if note else ""))
 
-    def adapter(self, tenant: Tenant) -> EngineAdapter:
+    def adapter(self, tenant: Tenant) -> HealthPorts:
         return self.proxy.arbitration.adapter(tenant)
 
     def _fix_upstream(self, tenant: Tenant) -> str:

@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 from proxy.deploy.ports import Holders, PortHolder
 from proxy.deploy.units import DROP_IN_NAME, UNIT_NAME, Mode, render_drop_in, render_unit
 from proxy.engines import adapter_for
-from proxy.engines.base import Relocation
+from proxy.engines.ports import Relocation
 from proxy.errors import HyperSwapError
 from proxy.gpu.attribution import Attributor
 from proxy.gpu.snapshot import GpuProcess

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from proxy.engines.base import EngineAdapter, RequestKind, strip_hop_by_hop
+from proxy.engines.base import EngineAdapter, strip_hop_by_hop
 from proxy.engines.comfyui import ComfyUIAdapter
 from proxy.engines.common import Need, ReleaseFailed
 from proxy.engines.generic import GenericAdapter
 from proxy.engines.ollama import OllamaAdapter
+from proxy.engines.ports import RequestKind
 from proxy.engines.registry import ADAPTERS, AdapterCache, adapter_for
 
 __all__ = ["ADAPTERS", "AdapterCache", "ComfyUIAdapter", "EngineAdapter", "GenericAdapter", "Need", "OllamaAdapter",

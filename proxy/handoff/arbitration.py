@@ -23,6 +23,7 @@ import httpx
 
 from proxy.clock import Clock
 from proxy.engines import AdapterCache, EngineAdapter, Need, ReleaseFailed
+from proxy.engines.ports import SelfReport
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot, Attributor
 from proxy.gpu.devices import DevicePlacer
 from proxy.gpu.snapshot import DeviceFigure, DeviceMemory, GpuProcess, GpuReader, GpuReadError, GpuSnapshot
@@ -119,7 +120,7 @@ class Arbitration:
         for i, tenant in enumerate(self.registry):
             if not tenant.upstream:
                 continue
-            adapter = self.adapter(tenant)
+            adapter: SelfReport = self.adapter(tenant)
             held = await adapter.self_reported_bytes(self.control)
             if held is not None:
                 proc = GpuProcess(pid=-(i + 1), name=f"[{tenant.name} self-report]", cmdline="", used_bytes=held)

@@ -21,11 +21,9 @@ from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory
 from proxy.handoff.arbiter import (
     DEFAULT_OVERTAKE_LIMIT,
-    NO_HOLD,
     Plan,
     PlanMode,
     Releasing,
-    SwapHold,
     TenantState,
     Verdict,
     Waiter,
@@ -34,6 +32,7 @@ from proxy.handoff.arbiter import (
     queue_order,
     schedule,
 )
+from proxy.handoff.hold import NO_HOLD, SwapHold
 from proxy.tenants import Registry
 
 

@@ -19,7 +19,8 @@ from pathlib import Path
 import httpx
 
 from proxy.clock import Clock
-from proxy.engines import EngineAdapter, ReleaseFailed
+from proxy.engines import ReleaseFailed
+from proxy.engines.ports import LifecyclePorts
 from proxy.handoff.decisions import DecisionLog, LifecycleExit, LifecycleResult, LifecycleStart, LifecycleStop, Resumed
 from proxy.lifecycle.build import lifecycle_for
 from proxy.lifecycle.controller import LifecycleError, within
@@ -33,7 +34,7 @@ WAKE_SLACK_S = 1.0  # a request waits for a start at most its start_timeout_s pl
 
 
 class Lifecycles:
-    def __init__(self, tenants: Iterable[Tenant], adapter: Callable[[Tenant], EngineAdapter], clock: Clock,
+    def __init__(self, tenants: Iterable[Tenant], adapter: Callable[[Tenant], LifecyclePorts], clock: Clock,
                  decisions: DecisionLog, control: httpx.AsyncClient, *, state_dir: Path | None = None,
                  controllers: Mapping[str, TenantLifecycle] | None = None) -> None:
         """`controllers`: tenant -> a ready-made state machine (tests); otherwise built from tenants.json."""

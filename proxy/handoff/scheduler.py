@@ -40,7 +40,6 @@ from proxy.handoff.arbiter import (
     Plan,
     Release,
     Releasing,
-    SwapHold,
     TenantState,
     Verdict,
     Waiter,
@@ -63,6 +62,7 @@ from proxy.handoff.decisions import (
 )
 from proxy.handoff.devices import schedule_on_devices
 from proxy.handoff.evidence import EngineReads
+from proxy.handoff.hold import SwapHold
 from proxy.handoff.inflight import InFlight, TenantTraffic, Token
 from proxy.handoff.reservations import Reservations
 from proxy.handoff.residency import Residency
@@ -290,8 +290,8 @@ class Scheduler:
                            job_lost_after_s=self.fx.registry.config.proxy.job_lost_after_s)
 
     def swap_hold(self) -> SwapHold:
-        """proxy.swap_hold_s with the tenants it applies to now: those whose admitted work is open, or
-        ran or ended within proxy.swap_hold_recent_s (the traffic's last activity)."""
+        """proxy.swap_hold_s with the tenants it applies to now (`hold.SwapHold`): those whose admitted
+        work is open (active now) or ran or ended within proxy.swap_hold_recent_s."""
         settings = self.fx.registry.config.proxy
         if settings.swap_hold_s <= 0:
             return SwapHold()
@@ -606,9 +606,8 @@ class Scheduler:
         starvation = self.fx.registry.config.proxy.starvation_after_s
         next_aging = min((t.waiter.arrived_at + starvation for t in planned
                           if t.waiter.arrived_at + starvation > now), default=now + REPLAN_S)
-        hold = self.fx.registry.config.proxy.swap_hold_s
-        hold_end = min((t.waiter.arrived_at + hold for t in planned
-                        if t.verdict is not None and t.verdict.held and t.waiter.arrived_at + hold > now),
+        hold_end = min((t.verdict.held_until for t in planned
+                        if t.verdict is not None and t.verdict.held_until is not None and t.verdict.held_until > now),
                        default=now + REPLAN_S)  # a held swap starts at its hold's end
         return max(0.0, min(REPLAN_S, first_deadline - now, next_aging - now, hold_end - now))
 

@@ -25,7 +25,8 @@ from starlette.websockets import WebSocket
 
 from proxy.clock import Clock
 from proxy.engines import Need
-from proxy.engines.base import Streamed, origin_netloc, same_origin
+from proxy.engines.base import origin_netloc, same_origin
+from proxy.engines.ports import ListenerPorts, Streamed
 from proxy.errors import HyperSwapError
 from proxy.handoff.inflight import InFlight, JobFate, JobPoller, Token
 from proxy.handoff.scheduler import Admitted
@@ -128,7 +129,7 @@ class TenantApp:
         self.forwarder = forwarder
         self.inflight = inflight
         self.admission = admission
-        self.adapter = forwarder.adapter(tenant)
+        self.adapter: ListenerPorts = forwarder.adapter(tenant)
         self._hosts = self.adapter.host_policy()
         # a tenant the proxy may stop, or whose release owes a resume: woken before each request
         self._sleeps = tenant.lifecycle is not None or any(s.resume is not None for s in tenant.release_steps)
@@ -192,7 +193,8 @@ class TenantApp:
             upstream = await self.forwarder.open(self.tenant, scope, link.body())
         except HyperSwapError as exc:
             return _error_response(exc)
-        if self.adapter.drops_jobs(scope["method"], scope["path"]):  # a queue delete or clear
+        if self.adapter.job_news(scope["method"], scope["path"]) and self.inflight.jobs(self.tenant.name):
+            # a queue delete or clear, or a client that polls for its job's end: check the jobs now
             return self.forwarder.relay(self.tenant, upstream, on_close=self.poller.check_soon)
         return self.forwarder.relay(self.tenant, upstream, on_close=_nothing)
 

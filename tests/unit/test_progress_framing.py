@@ -8,7 +8,7 @@ import pytest
 
 from proxy.clock import ManualClock
 from proxy.engines import ComfyUIAdapter, OllamaAdapter
-from proxy.engines.base import Streamed
+from proxy.engines.ports import Streamed
 from proxy.relay.progress import Framing, error_message, wait_line, wanted
 from proxy.relay.trace import Trace
 from proxy.tenants import Tenant

@@ -158,7 +158,7 @@ class Box:
 
 
 class SchedulerModel(RuleBasedStateMachine):
-    SWAP_HOLD_S = 0.0  # proxy.swap_hold_s: off, as shipped
+    SWAP_HOLD_S = 0.0  # proxy.swap_hold_s: off
 
     def __init__(self) -> None:
         super().__init__()
@@ -336,7 +336,7 @@ class SchedulerModel(RuleBasedStateMachine):
 
 class SchedulerModelWithSwapHold(SchedulerModel):
     """The same, with swaps away from a tenant active lately held 0.5 s: the hold must not cost liveness."""
-    SWAP_HOLD_S = 0.5
+    SWAP_HOLD_S = 0.5  # as shipped
 
 
 MODEL_SETTINGS = settings(
