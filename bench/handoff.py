@@ -56,11 +56,11 @@ from websockets.asyncio.client import connect as ws_connect
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from proxy.config.units import GIB  # noqa: E402
 from proxy.demo import Demo, comfy_prompt, run_prompt, start_demo  # noqa: E402
 from proxy.gpu.snapshot import GpuReadError, GpuSnapshot  # noqa: E402
 from proxy.sim.box import Scenario, load_scenario  # noqa: E402
 from proxy.tasks import poll_until  # noqa: E402
-from proxy.tenants import GIB  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "handoff.json"
 CKPT = "flux1-dev-fp8.safetensors"

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from proxy.config.schema import Tenant
 from proxy.decision import DecisionKind
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
 from proxy.gpu.snapshot import GpuReadError
@@ -22,7 +23,6 @@ from proxy.handoff.arbiter import TenantState, gib
 from proxy.handoff.arbitration import Arbitration
 from proxy.handoff.decisions import ReleaseVerdict
 from proxy.handoff.watchdog import Watchdog
-from proxy.tenants import Tenant
 
 JSON = dict[str, Any]
 

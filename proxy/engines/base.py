@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from proxy.config.schema import ReleaseSpec, Tenant
 from proxy.engines import ports
 from proxy.engines.common import Need, release_by_strategy, resume_by_strategy
 from proxy.engines.model_files import FileHints, TenantFiles, plain_tenant_files
@@ -24,7 +25,6 @@ from proxy.engines.settings import EnvReaders
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory
 from proxy.hosts import HostPolicy, listener_policy
-from proxy.tenants import ReleaseSpec, Tenant
 
 # RFC 9110 section 7.6.1: meaningful for one connection only, never forwarded.
 HOP_BY_HOP = frozenset({

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import httpx
+from pydantic import Field
 
+from proxy.config.schema import ReleaseSpec, Tenant
+from proxy.config.units import GIB
 from proxy.engines import settings as es
 from proxy.engines.base import EngineAdapter
 from proxy.engines.common import Need, ReleaseFailed, json_or_none, upstream_of
@@ -23,7 +26,6 @@ from proxy.engines.model_files import FileHints, TenantFiles, comfyui_tenant_fil
 from proxy.engines.ports import JobReplay, Relocation, RequestKind
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory
-from proxy.tenants import GIB
 
 PROMPT_ROUTES = frozenset({"/prompt", "/api/prompt"})
 QUEUE_ROUTES = frozenset({"/queue", "/api/queue"})  # POST {"delete": [...]} / {"clear": true}
@@ -292,3 +294,18 @@ def _ok_json(status: int, body: bytes) -> object:
         return json.loads(body)
     except ValueError:
         return None
+
+
+class ComfyUIFree(ReleaseSpec):
+    """Release kind `comfyui_free`: POST /free, which unloads ComfyUI's models and frees its cache."""
+
+    kind: Literal["comfyui_free"] = "comfyui_free"
+    unload_models: bool = Field(default=True, description="kind comfyui_free: ask ComfyUI to unload its models")
+    free_memory: bool = Field(default=True, description="kind comfyui_free: ask ComfyUI to free its cached memory too")
+
+    async def release(self, tenant: Tenant, client: httpx.AsyncClient) -> dict[str, Any]:
+        payload = {"unload_models": self.unload_models, "free_memory": self.free_memory}
+        r = await client.post(f"{upstream_of(tenant)}/free", json=payload)
+        if r.status_code >= 400:
+            raise ReleaseFailed(f"ComfyUI refused /free: {r.status_code}")
+        return {"call": "POST /free", **payload}

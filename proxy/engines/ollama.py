@@ -13,11 +13,13 @@ import asyncio
 import json
 import logging
 import re
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import httpx
 
+from proxy.config.schema import ReleaseSpec, Tenant
+from proxy.config.units import GIB
 from proxy.engines import settings as es
 from proxy.engines.base import EngineAdapter
 from proxy.engines.common import Need, ReleaseFailed, json_or_none, upstream_of
@@ -25,7 +27,6 @@ from proxy.engines.model_files import FileHints, TenantFiles, ollama_tenant_file
 from proxy.engines.ports import Placement, Relocation, RequestKind, Streamed, StreamFormat
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.hosts import HostPolicy, is_loopback_host, listener_policy
-from proxy.tenants import GIB, Tenant
 
 log = logging.getLogger("hyperswap.engines")
 
@@ -306,3 +307,20 @@ class OllamaAdapter(EngineAdapter):
         """OLLAMA_HOST sets where `ollama serve` listens; the Linux installer's unit is ollama.service."""
         return Relocation(port=port, service=self.service_unit, environment={"OLLAMA_HOST": f"127.0.0.1:{port}"},
                           instruction=f"OLLAMA_HOST=127.0.0.1:{port} ollama serve")
+
+
+class OllamaUnload(ReleaseSpec):
+    """Release kind `ollama_unload`: every loaded model unloaded with keep_alive 0 (Ollama frees
+    a model's memory when its keep_alive ends; 0 ends it now)."""
+
+    kind: Literal["ollama_unload"] = "ollama_unload"
+
+    async def release(self, tenant: Tenant, client: httpx.AsyncClient) -> dict[str, Any]:
+        r = await client.get(f"{upstream_of(tenant)}/api/ps")
+        r.raise_for_status()
+        models = [m["name"] for m in r.json().get("models") or []]
+        for name in models:
+            u = await client.post(f"{upstream_of(tenant)}/api/generate", json={"model": name, "keep_alive": 0})
+            if u.status_code >= 400:
+                raise ReleaseFailed(f"Ollama refused to unload {name}: {u.status_code} {u.text[:200]}")
+        return {"call": "keep_alive 0", "models": models}

@@ -32,13 +32,13 @@ from typing import Any, Literal, Protocol
 
 import httpx
 
+from proxy.config.schema import ReleaseSpec
 from proxy.engines.common import Need
 from proxy.engines.model_files import FileHints, TenantFiles
 from proxy.engines.settings import EnvReaders
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory
 from proxy.hosts import HostPolicy
-from proxy.tenants import ReleaseSpec
 
 # -- the values the ports speak ------------------------------------------------------------------
 

@@ -39,9 +39,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from proxy.config.registry import Registry
+from proxy.config.schema import Tenant
+from proxy.config.settings import ProxySettings
+from proxy.config.units import GIB
 from proxy.gpu.attribution import UNMANAGED, AttributedProcess, AttributedSnapshot
 from proxy.handoff.hold import NO_HOLD, SwapHold
-from proxy.tenants import GIB, ProxySettings, Registry, Tenant
 
 BlockReason = Literal["busy", "not_reclaimable", "protected", "not_lower_priority", "unmanaged", "requester",
                      "unknown_memory"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
+from proxy.config.registry import Registry
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory
 from proxy.handoff.arbiter import (
@@ -33,7 +34,6 @@ from proxy.handoff.arbiter import (
     schedule,
 )
 from proxy.handoff.hold import NO_HOLD, SwapHold
-from proxy.tenants import Registry
 
 
 def candidates(snap: AttributedSnapshot, tenant: str) -> tuple[int, ...]:

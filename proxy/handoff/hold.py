@@ -3,16 +3,16 @@
 A swap away from a tenant whose work just ran bets that nobody asks for that tenant again soon. In
 an interleaved burst (render, chat, render, chat, 150 ms apart) the bet loses: the next request for
 the evicted model waits for a swap back, and the burst pays two loads instead of one (bench/mixed.py
-measured 12.2 s against the oracle's 3.2 s for RCRC from the chat model). Holding the swap until the
-tenant swapped away has been idle a moment lets the requests for what is on the card run first, so
-one swap serves the whole burst.
+measured 12.2 s against the oracle's 3.2 s for RCRC from the chat model). Holding the swap a moment
+lets the requests for what is on the card that follow run first, so one swap serves the whole burst.
 
 The hold is the classic rent-or-buy trade: waiting costs the requester up to the hold, a wrong swap
 costs a reload. So it is weighed by the reload it risks: a swap is held at most `HOLD_SHARE` of the
 time reading the released memory back would take at `RELOAD_BYTES_PER_S` (an estimate: the proxy
 cannot see a disk's speed or the page cache), and never longer than `proxy.swap_hold_s`. A swap away
-from a small model (0.5 GB: 25 ms) is barely held; one away from a 17 GiB chat model is held the
-whole `swap_hold_s` (its reload is 8-9 s). Only a swap away from a tenant active within
+from a small model (0.5 GB: 38 ms) is barely held, one away from an SDXL checkpoint (7 GB) about half
+a second, one away from a 17 GiB chat model the whole `swap_hold_s` (1 s: a burst sent within a
+second is served by one swap; its reload is 8-9 s). Only a swap away from a tenant active within
 `proxy.swap_hold_recent_s` is held at all: a lone swap away from an app nobody used lately starts at
 once. The hold counts from the request's arrival, so a request that already waited that long for a
 busy tenant to finish is not held again when it ends (a debounce from the tenant's last use would add
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 RELOAD_BYTES_PER_S = 2e9  # a local NVMe read plus the copy to the card; a model in the page cache reloads faster
-HOLD_SHARE = 0.1  # of the reload a swap risks: a hold costs the requester at most a tenth of what it saves
+HOLD_SHARE = 0.15  # of the reload a swap risks: a hold costs the requester at most 15 % of what it may save
 
 
 class Released(Protocol):

@@ -19,13 +19,14 @@ from pathlib import Path
 import httpx
 
 from proxy.clock import Clock
+from proxy.config.registry import Registry
+from proxy.config.schema import ReleaseSpec, Tenant
 from proxy.engines import ReleaseFailed
 from proxy.engines.ports import LifecyclePorts
 from proxy.handoff.decisions import DecisionLog, LifecycleExit, LifecycleResult, LifecycleStart, LifecycleStop, Resumed
 from proxy.lifecycle.build import lifecycle_for
 from proxy.lifecycle.controller import LifecycleError, within
 from proxy.lifecycle.state import LifecycleReport, TenantLifecycle
-from proxy.tenants import Registry, ReleaseSpec, Tenant
 
 log = logging.getLogger("hyperswap.lifecycle")
 
@@ -94,7 +95,7 @@ class Lifecycles:
 
     def released(self, tenant: Tenant, step: ReleaseSpec) -> None:
         """A soft release step freed the memory: its `resume` call is owed before the next request."""
-        if step.resume is not None:
+        if step.resumes:
             self._resume[tenant.name] = step
 
     # -- waking --------------------------------------------------------------------------------------

@@ -28,13 +28,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from proxy.config.registry import Registry
 from proxy.engines.generic import GenericAdapter
 from proxy.engines.registry import ADAPTERS
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.handoff.arbiter import Plan, TenantState, promised_by_tenant
 from proxy.handoff.devices import plan_on_devices
 from proxy.handoff.scheduler import Scheduler
-from proxy.tenants import Registry
 
 FREE_WEIGHT = 0.25  # a load into free memory: only the read from disk
 IDLE_WEIGHT = 0.5  # idle tenants released first: an unload, seconds

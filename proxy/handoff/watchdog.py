@@ -13,15 +13,16 @@ from typing import Any
 
 import httpx
 
+from proxy.config.schema import Tenant
+from proxy.config.units import GIB
 from proxy.engines import ReleaseFailed
 from proxy.engines.common import go_time
 from proxy.engines.ports import SelfReport
 from proxy.handoff.arbiter import TenantState
 from proxy.handoff.arbitration import CONFIRM_SLACK_BYTES, Arbitration, gib
 from proxy.handoff.decisions import SpillNoPlan, StaleJob
-from proxy.handoff.scheduler import ReleaseOrder, release_whole
+from proxy.handoff.orders import ReleaseOrder, release_whole
 from proxy.tasks import cancel_and_wait
-from proxy.tenants import GIB, Tenant
 
 log = logging.getLogger("hyperswap.watchdog")
 

@@ -38,12 +38,12 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.typing import Subprotocol
 
+from proxy.config.schema import Tenant
 from proxy.engines import EngineAdapter, adapter_for, strip_hop_by_hop
 from proxy.engines.ports import HostAndHeaders
 from proxy.errors import HyperSwapError
 from proxy.relay import http1
 from proxy.relay.inbound import ABORT
-from proxy.tenants import Tenant
 from proxy.tls import client_context
 
 log = logging.getLogger("hyperswap.forward")

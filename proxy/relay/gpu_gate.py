@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from proxy.clock import Clock
+from proxy.config.schema import Tenant
 from proxy.engines import Need, ReleaseFailed, strip_hop_by_hop
 from proxy.engines.ports import GatePorts, JobReplay, OomDetector
 from proxy.handoff import devices
@@ -42,7 +43,6 @@ from proxy.lifecycle.controller import LifecycleError
 from proxy.relay import trace as tracing
 from proxy.relay.forward import UpstreamResponse
 from proxy.relay.listener import FirstStep
-from proxy.tenants import Tenant
 
 log = logging.getLogger("hyperswap.gate")
 

@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket
 
 from proxy.clock import Clock
+from proxy.config.schema import Tenant
 from proxy.engines import Need
 from proxy.engines.base import origin_netloc, same_origin
 from proxy.engines.ports import ListenerPorts, Streamed
@@ -36,7 +37,6 @@ from proxy.relay.forward import Forwarder, UpstreamResponse
 from proxy.relay.guards import SAFE_METHODS, answer, host_header, refuse_tenant_host
 from proxy.relay.trace import Trace, stamp, traced
 from proxy.relay.trace import current as current_trace
-from proxy.tenants import Tenant
 
 log = logging.getLogger("hyperswap.listener")
 
@@ -132,7 +132,7 @@ class TenantApp:
         self.adapter: ListenerPorts = forwarder.adapter(tenant)
         self._hosts = self.adapter.host_policy()
         # a tenant the proxy may stop, or whose release owes a resume: woken before each request
-        self._sleeps = tenant.lifecycle is not None or any(s.resume is not None for s in tenant.release_steps)
+        self._sleeps = tenant.lifecycle is not None or any(s.resumes for s in tenant.release_steps)
         self.poller = JobPoller(inflight, tenant.name, self._check_jobs, interval_s=job_poll_s, on_lost=self._job_lost)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -33,12 +33,12 @@ from starlette.websockets import WebSocket
 from websockets.asyncio.client import connect
 
 from proxy.clock import ManualClock, until_all_wait
+from proxy.config.schema import Tenant, Timeouts
 from proxy.handoff.inflight import InFlight
 from proxy.relay.forward import Forwarder
 from proxy.relay.listener import TenantApp
 from proxy.relay.servers import RunningServer, start_server
 from proxy.tasks import poll_until
-from proxy.tenants import Tenant, Timeouts
 
 SAFETY_S = 10.0  # only to turn a deadlock into a failure, never to measure
 

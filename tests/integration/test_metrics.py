@@ -11,8 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.admin.metrics import Metrics
 from proxy.admin.telemetry import Telemetry
+from proxy.config.units import GIB
 from proxy.demo import comfy_prompt, run_prompt
-from proxy.tenants import GIB
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 TOO_BIG = {"model": "mistral-small:22b", "prompt": "hi", "stream": False}  # more than the "tight" box can ever hold

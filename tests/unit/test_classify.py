@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from proxy.config.schema import Tenant
 from proxy.engines import ComfyUIAdapter, GenericAdapter, OllamaAdapter, adapter_for, strip_hop_by_hop
-from proxy.tenants import Tenant
 
 
 def tenant(engine: str, upstream: str = "http://127.0.0.1:11434") -> Tenant:

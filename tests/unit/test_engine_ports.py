@@ -7,9 +7,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from proxy.config.loading import registry_from_dict
 from proxy.engines import ADAPTERS, EngineAdapter
 from proxy.engines.ports import PORTS
-from proxy.tenants import registry_from_dict
 
 PROXY = Path(__file__).resolve().parents[2] / "proxy"
 # Members of the adapter that no part of the proxy asks through a port: its registry key and a
