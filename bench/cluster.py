@@ -250,10 +250,14 @@ async def _chat(node: Demo, model: str, http: httpx.AsyncClient) -> tuple[int | 
     t0 = time.monotonic()
     first = None
     async with http.stream("POST", url, json=body) as r:
+        text = b""
         async for chunk in r.aiter_raw():
             if chunk and first is None:
                 first = time.monotonic() - t0
-        return r.status_code, first, time.monotonic() - t0
+            if r.status_code != 200 and len(text) < 300:
+                text += chunk
+        status: int | str = r.status_code if r.status_code == 200 else f"{r.status_code} {text[:300].decode(errors='replace')}"
+        return status, first, time.monotonic() - t0
 
 
 async def _render(node: Demo, http: httpx.AsyncClient, seed: int) -> tuple[int | str, float | None, float]:
