@@ -1,0 +1,62 @@
+"""Loads as events (proxy/handoff/load_events.py): one load is begun once however many requests wait
+on it, a listener hears it begin and end, and a listener that fails never breaks the request."""
+
+from __future__ import annotations
+
+from proxy.clock import ManualClock
+from proxy.handoff.load_events import Load, LoadEvents
+
+
+class Recorder:
+    def __init__(self, fail: bool = False) -> None:
+        self.heard: list[tuple[object, ...]] = []
+        self.fail = fail
+
+    def load_ahead(self, tenant: str, model: str) -> None:
+        self.heard.append(("ahead", tenant, model))
+        if self.fail:
+            raise RuntimeError("broken listener")
+
+    async def load_starting(self, load: Load) -> None:
+        self.heard.append(("starting", load.model))
+        if self.fail:
+            raise RuntimeError("broken listener")
+
+    def load_ended(self, load: Load, tail: bytes | None) -> None:
+        self.heard.append(("ended", load.model, tail))
+        if self.fail:
+            raise RuntimeError("broken listener")
+
+    def engine_frame(self, tenant: str, text: str) -> None:
+        self.heard.append(("frame", tenant, text))
+
+
+async def test_a_second_request_for_a_load_under_way_joins_it_and_is_not_told_as_a_load() -> None:
+    events = LoadEvents(ManualClock())
+    heard = Recorder()
+    events.subscribe(heard)
+    first = await events.begin("ollama", "gemma3:27b", "ollama:gemma3:27b", 17 << 30, b"{}", 7)
+    second = await events.begin("ollama", "gemma3:27b", "ollama:gemma3:27b", 17 << 30, b"{}", 8)
+    assert first is not None and second is None, "the same load under way is joined, not begun again"
+    assert [load.model for load in events.underway()] == ["gemma3:27b"] and events.underway_of("ollama") is first
+    events.arrived(first)
+    assert events.underway() == [], "on the card once the engine answers"
+    events.ended(first, b'{"load_duration":1}')
+    assert heard.heard == [("starting", "gemma3:27b"), ("ended", "gemma3:27b", b'{"load_duration":1}')]
+    again = await events.begin("ollama", "gemma3:27b", "ollama:gemma3:27b", 17 << 30, b"{}", 9)
+    assert again is not None and again.id != first.id, "a load after the first one ended is a new load"
+
+
+async def test_a_failing_listener_never_breaks_a_load_and_others_still_hear_it() -> None:
+    events = LoadEvents(ManualClock())
+    broken, fine = Recorder(fail=True), Recorder()
+    events.subscribe(broken)
+    unsubscribe = events.subscribe(fine)
+    events.ahead("ollama", "m")
+    load = await events.begin("ollama", "m", "ollama:m", 1, b"", None)
+    assert load is not None
+    events.ended(load, None)
+    assert fine.heard == [("ahead", "ollama", "m"), ("starting", "m"), ("ended", "m", None)]
+    unsubscribe()
+    events.frame("comfyui", "{}")
+    assert ("frame", "comfyui", "{}") in broken.heard and not any(h[0] == "frame" for h in fine.heard)
