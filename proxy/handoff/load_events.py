@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from proxy.clock import Clock
+from proxy.handoff.busy import CONFIRM_SLACK_BYTES
 
 log = logging.getLogger("hyperswap.loads")
 
@@ -40,6 +41,28 @@ class Load:
     began_wall: float  # unix seconds
     request: int | None  # the decision of the request that began it (its wait or its handoff)
     body: bytes = field(repr=False, compare=False)  # the request that loads it (a ComfyUI graph names its loaders)
+    held_before: int | None = None  # what the tenant held on the card when it began (None: not read yet)
+
+
+@dataclass(frozen=True, slots=True)
+class LoadProgress:
+    """How far a load got, from the card: what its tenant gained since the load began (the card shows
+    what a process holds, not which model the memory is for)."""
+
+    on_card_bytes: int
+    need_bytes: int
+    estimated: bool  # True unless the tenant held nothing else when it began and the card was read by NVML
+
+
+def progress(load: Load, held_now: int, idle_floor: int, card_estimated: bool) -> LoadProgress:
+    """The load's figure on a card reading where its tenant holds `held_now`: what it gained since the
+    load began (all it holds above its idle floor when that is unknown), at most the planned need. Exact
+    only when the tenant held nothing but its floor then (its growth is this load) on a measured card;
+    an estimate otherwise (another model of the tenant may be leaving or loading too)."""
+    base = load.held_before if load.held_before is not None else idle_floor
+    gained = min(max(0, held_now - base), load.need_bytes)
+    alone = load.held_before is not None and load.held_before <= idle_floor + CONFIRM_SLACK_BYTES
+    return LoadProgress(gained, load.need_bytes, card_estimated or not alone)
 
 
 class LoadListener(Protocol):
@@ -87,7 +110,10 @@ class LoadEvents:
         """The loads begun whose engine has not answered yet, oldest first."""
         return sorted(self._begun.values(), key=lambda load: load.id)
 
-    def underway_of(self, tenant: str) -> Load | None:
+    def underway_of(self, tenant: str, key: str | None = None) -> Load | None:
+        """The tenant's load under way (this one, with `key`), oldest first."""
+        if key is not None:
+            return self._begun.get((tenant, key))
         return next((load for load in self.underway() if load.tenant == tenant), None)
 
     # -- publishing ---------------------------------------------------------------------------------
@@ -96,12 +122,13 @@ class LoadEvents:
             _quietly(listener.load_ahead, tenant, model)
 
     async def begin(self, tenant: str, model: str, key: str, need_bytes: int, body: bytes,
-                    request: int | None) -> Load | None:
+                    request: int | None, held_before: int | None = None) -> Load | None:
         """A request for a load not on the card is about to be forwarded. None: the same load is under
         way already (this request joins it: nothing is recorded for it)."""
         if (tenant, key) in self._begun:
             return None
-        load = Load(next(self._ids), tenant, model, key, need_bytes, self.clock.now(), self.clock.wall(), request, body)
+        load = Load(next(self._ids), tenant, model, key, need_bytes, self.clock.now(), self.clock.wall(), request, body,
+                    held_before)
         self._begun[(tenant, key)] = load
         listeners = list(self._listeners)
         if listeners:

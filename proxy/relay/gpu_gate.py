@@ -37,6 +37,7 @@ from proxy.handoff.decisions import (
     WaitChanged,
 )
 from proxy.handoff.inflight import Token
+from proxy.handoff.load_events import progress
 from proxy.handoff.scheduler import Admitted, Handoff
 from proxy.lifecycle.controller import LifecycleError
 from proxy.relay import trace as tracing
@@ -186,12 +187,18 @@ class GpuGate:
         return self.arb.decisions.subscribe(on_event)
 
     async def _load_figure(self, tenant: Tenant, need: Need) -> str | None:
-        """How far a load got, from the card: what the tenant's processes hold now against the
-        model's need (an estimate: the card shows the process, not which model its memory is for)."""
+        """How far a load got, from the card (`load_events.progress`: what the tenant gained since the
+        load began, marked estimated where the card cannot tell this load's memory apart)."""
         snap = await self.arb.snapshot()
-        held = snap.held_by(tenant.name)
-        how = "estimated from the engines' own reports" if snap.estimated else f"estimated: all {tenant.name} holds"
-        return f"loading {need.model}: {gib(held)} of {gib(need.bytes)} GiB on the card ({how})"
+        load = self.arb.loads.underway_of(tenant.name, need.key)
+        if load is None:
+            return None  # not begun yet, or on the card already
+        figure = progress(load, snap.held_by(tenant.name), tenant.idle_vram_bytes, snap.estimated)
+        how = ("estimated from the engines' own reports" if snap.estimated
+               else f"estimated: all {tenant.name} gained" if figure.estimated else "estimated need")
+        took = self.arb.clock.now() - load.began_at
+        return (f"loading {load.model}: {gib(figure.on_card_bytes)} of {gib(figure.need_bytes)} GiB on the card "
+                f"({how}), {took:.0f} s")
 
     def on_frame(self, tenant: Tenant, text: str) -> None:
         """Called for every upstream text frame of a tenant's websockets (the adapter filters cheaply first)."""
@@ -388,7 +395,9 @@ class GpuGate:
         story = handoff.queued if handoff.queued is not None else started
         events = self.arb.loads
         # the first request for a load begins it; one for the same load under way joins it (one load, one record)
-        load = (await events.begin(tenant.name, need.model, need.key, need.bytes, body, story)
+        card = self.arb.scheduler.card
+        load = (await events.begin(tenant.name, need.model, need.key, need.bytes, body, story,
+                                   card.held_by(tenant.name) if card is not None else None)
                 if need.model is not None and loads else None)
         timed = False  # the load's end is told when its answer ends
         try:

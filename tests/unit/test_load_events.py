@@ -3,8 +3,14 @@ on it, a listener hears it begin and end, and a listener that fails never breaks
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import cast
+
+from proxy.admin import views
 from proxy.clock import ManualClock
-from proxy.handoff.load_events import Load, LoadEvents
+from proxy.handoff.arbitration import Arbitration
+from proxy.handoff.load_events import Load, LoadEvents, progress
+from proxy.tenants import GIB
 
 
 class Recorder:
@@ -60,3 +66,27 @@ async def test_a_failing_listener_never_breaks_a_load_and_others_still_hear_it()
     unsubscribe()
     events.frame("comfyui", "{}")
     assert ("frame", "comfyui", "{}") in broken.heard and not any(h[0] == "frame" for h in fine.heard)
+
+
+def _load(held_before: int | None, need: int = 16 * GIB) -> Load:
+    return Load(1, "ollama", "gemma3:27b", "ollama:gemma3:27b", need, 0.0, 0.0, None, b"", held_before)
+
+
+def test_a_loads_figure_is_what_its_tenant_gained_and_exact_only_when_it_held_nothing_else() -> None:
+    floor = GIB // 2
+    alone = progress(_load(held_before=floor), 8 * GIB + floor, floor, card_estimated=False)
+    assert (alone.on_card_bytes, alone.estimated) == (8 * GIB, False), alone
+    beside = progress(_load(held_before=5 * GIB), 13 * GIB, floor, card_estimated=False)
+    assert (beside.on_card_bytes, beside.estimated) == (8 * GIB, True), "another model shares the figure: estimated"
+    assert progress(_load(floor), 8 * GIB, floor, card_estimated=True).estimated, "the engines' own reports: estimated"
+    unread = progress(_load(None), 20 * GIB, floor, card_estimated=False)
+    assert unread.on_card_bytes == 16 * GIB and unread.estimated, "never more than the need; unknown start: estimated"
+    assert progress(_load(6 * GIB), 2 * GIB, floor, card_estimated=False).on_card_bytes == 0, "never negative"
+
+
+def test_each_waiter_has_its_place_in_line_by_priority_then_arrival() -> None:
+    entries = [{"id": 3, "tenant": "a", "priority": 10}, {"id": 4, "tenant": "b", "priority": 50},
+               {"id": 5, "tenant": "a", "priority": 10}]
+    arb = SimpleNamespace(scheduler=SimpleNamespace(waiting=lambda: entries))
+    placed = views.queue(cast(Arbitration, arb))
+    assert [(w["id"], w["position"]) for w in placed] == [(3, 2), (4, 1), (5, 3)], placed
