@@ -275,6 +275,9 @@ class GpuGate:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    def dormant(self, tenant: Tenant) -> bool:
+        return self.arb.lifecycles.dormant(tenant.name)
+
     async def wake(self, tenant: Tenant, what: str, *, reads_only: bool = False,
                    origin: str | None = None) -> Response | None:
         """Before anything reaches a tenant that sleeps (stopped by the proxy, or owing a resume): room
@@ -294,7 +297,7 @@ class GpuGate:
         trace = tracing.current()
         arrived, arrived_wall = self.arb.clock.now(), self.arb.clock.wall()
         if trace is not None and self.arb.lifecycles.dormant(tenant.name):
-            trace.say(f"starting {tenant.name}")
+            trace.wait(f"starting {tenant.name}")  # a streamed request is answered now and hears the start
         try:
             admitted = await self.arb.wake(tenant, f"start of {tenant.name} for {what}")
         except LifecycleError as exc:
