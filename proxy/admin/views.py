@@ -21,7 +21,6 @@ from proxy.gpu.visibility import device_json, tenant_devices_json, tenant_vram
 from proxy.handoff.arbiter import TenantState, gib
 from proxy.handoff.arbitration import Arbitration
 from proxy.handoff.decisions import ReleaseVerdict
-from proxy.handoff.load_events import progress
 from proxy.handoff.watchdog import Watchdog
 from proxy.tenants import Tenant
 
@@ -657,7 +656,7 @@ def loading_view(arb: Arbitration, snap: AttributedSnapshot, tenant: Tenant) -> 
     if load is None:
         return None
     held = tenant_vram(snap, tenant.name)
-    figure = None if held is None else progress(load, held, tenant.idle_vram_bytes, snap.estimated)
+    figure = None if held is None else arb.loads.progress(load, held, tenant.idle_vram_bytes, snap.estimated)
     on_card = figure.on_card_bytes if figure is not None else None
     return LoadUnderway(model=load.model, since=round(load.began_wall, 3),
                         elapsed_s=round(max(0.0, arb.clock.now() - load.began_at), 1),

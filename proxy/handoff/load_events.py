@@ -54,12 +54,16 @@ class LoadProgress:
     estimated: bool  # True unless the tenant held nothing else when it began and the card was read by NVML
 
 
-def progress(load: Load, held_now: int, idle_floor: int, card_estimated: bool) -> LoadProgress:
+def progress(load: Load, held_now: int, idle_floor: int, card_estimated: bool,
+             lowest: int | None = None) -> LoadProgress:
     """The load's figure on a card reading where its tenant holds `held_now`: what it gained since the
-    load began (all it holds above its idle floor when that is unknown), at most the planned need. Exact
-    only when the tenant held nothing but its floor then (its growth is this load) on a measured card;
-    an estimate otherwise (another model of the tenant may be leaving or loading too)."""
+    load began (all it holds above its idle floor when that is unknown), at most the planned need;
+    `lowest`: the least the tenant was seen to hold since (an engine that evicts its other model first,
+    as Ollama does, gains from there). Exact only when the tenant held nothing but its floor then (its
+    growth is this load) on a measured card; an estimate otherwise (another model may leave or load too)."""
     base = load.held_before if load.held_before is not None else idle_floor
+    if lowest is not None:
+        base = min(base, lowest)
     gained = min(max(0, held_now - base), load.need_bytes)
     alone = load.held_before is not None and load.held_before <= idle_floor + CONFIRM_SLACK_BYTES
     return LoadProgress(gained, load.need_bytes, card_estimated or not alone)
@@ -92,6 +96,7 @@ class LoadEvents:
         self._listeners: list[LoadListener] = []
         self._ids = itertools.count(1)
         self._begun: dict[tuple[str, str], Load] = {}  # (tenant, key) -> the load under way
+        self._lowest: dict[int, int] = {}  # load id -> the least its tenant was seen to hold since it began
 
     def subscribe(self, listener: LoadListener) -> Callable[[], None]:
         """Hear every load from now on; returns the call that stops it."""
@@ -115,6 +120,13 @@ class LoadEvents:
         if key is not None:
             return self._begun.get((tenant, key))
         return next((load for load in self.underway() if load.tenant == tenant), None)
+
+    def progress(self, load: Load, held_now: int, idle_floor: int, card_estimated: bool) -> LoadProgress:
+        """`progress` on this reading, remembering the least the tenant held since the load began."""
+        lowest = min(held_now, self._lowest.get(load.id, held_now))
+        if (load.tenant, load.key) in self._begun:
+            self._lowest[load.id] = lowest
+        return progress(load, held_now, idle_floor, card_estimated, lowest)
 
     # -- publishing ---------------------------------------------------------------------------------
     def ahead(self, tenant: str, model: str) -> None:
@@ -143,6 +155,7 @@ class LoadEvents:
         """The engine began its answer: the load is on the card (or failed); it is under way no more."""
         if self._begun.get((load.tenant, load.key)) is load:
             del self._begun[(load.tenant, load.key)]
+        self._lowest.pop(load.id, None)
 
     def ended(self, load: Load, tail: bytes | None) -> None:
         """The answer to the request that began the load ended (`tail`: its last bytes; None: none came)."""

@@ -37,7 +37,6 @@ from proxy.handoff.decisions import (
     WaitChanged,
 )
 from proxy.handoff.inflight import Token
-from proxy.handoff.load_events import progress
 from proxy.handoff.scheduler import Admitted, Handoff
 from proxy.lifecycle.controller import LifecycleError
 from proxy.relay import trace as tracing
@@ -193,7 +192,7 @@ class GpuGate:
         load = self.arb.loads.underway_of(tenant.name, need.key)
         if load is None:
             return None  # not begun yet, or on the card already
-        figure = progress(load, snap.held_by(tenant.name), tenant.idle_vram_bytes, snap.estimated)
+        figure = self.arb.loads.progress(load, snap.held_by(tenant.name), tenant.idle_vram_bytes, snap.estimated)
         how = ("estimated from the engines' own reports" if snap.estimated
                else f"estimated: all {tenant.name} gained" if figure.estimated else "estimated need")
         took = self.arb.clock.now() - load.began_at

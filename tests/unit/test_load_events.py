@@ -90,3 +90,14 @@ def test_each_waiter_has_its_place_in_line_by_priority_then_arrival() -> None:
     arb = SimpleNamespace(scheduler=SimpleNamespace(waiting=lambda: entries))
     placed = views.queue(cast(Arbitration, arb))
     assert [(w["id"], w["position"]) for w in placed] == [(3, 2), (4, 1), (5, 3)], placed
+
+
+async def test_a_load_that_evicts_its_tenants_other_model_first_counts_from_the_least_it_held() -> None:
+    events = LoadEvents(ManualClock())
+    floor = GIB // 2
+    load = await events.begin("ollama", "qwen2.5:14b", "ollama:qwen2.5:14b", 10 * GIB, b"", None, 16 * GIB + floor)
+    assert load is not None
+    assert events.progress(load, 16 * GIB + floor, floor, False).on_card_bytes == 0
+    assert events.progress(load, floor, floor, False).on_card_bytes == 0, "gemma left the card first"
+    figure = events.progress(load, 4 * GIB + floor, floor, False)
+    assert (figure.on_card_bytes, figure.estimated) == (4 * GIB, True), figure
