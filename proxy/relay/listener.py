@@ -219,6 +219,10 @@ class TenantApp:
             if rest is not None:
                 log.info("%s: %s %s body exceeds replay_body_max_mb=%s: streamed without admission",
                          tenant.name, method, path, tenant.replay_body_max_mb)
+                refusal = await wake() if wake is not None else None  # its app still starts first
+                if refusal is not None:
+                    inflight.end(token, refusal.status_code)
+                    return refusal
                 inflight.admit(token)
                 result: UpstreamResponse | Response = await forwarder.open(tenant, request, rest)
             elif self.admission is not None:
