@@ -19,10 +19,12 @@ sys.path.insert(0, str(ROOT))
 
 from timing import timed  # noqa: E402  (bench/timing.py: the shared loop)
 
+from proxy.config.loading import registry_from_dict  # noqa: E402
+from proxy.config.registry import Registry  # noqa: E402
+from proxy.config.units import GIB, MIB  # noqa: E402
 from proxy.gpu.attribution import Attributor  # noqa: E402
 from proxy.handoff.arbiter import TenantState, plan_release  # noqa: E402
 from proxy.sim.gpu import SimulatedGpu  # noqa: E402
-from proxy.tenants import GIB, MIB, Registry, registry_from_dict  # noqa: E402
 
 N_TENANTS = 10
 N_PROCS = 200

@@ -115,10 +115,10 @@ async def serve(role: str, upstream: str | None) -> None:
     if role == "upstream":
         app = upstream_app()
     else:
+        from proxy.config.schema import Tenant
         from proxy.handoff.inflight import InFlight
         from proxy.relay.forward import Forwarder
         from proxy.relay.listener import TenantApp
-        from proxy.tenants import Tenant
 
         tenant = Tenant(name="bench", engine="ollama", upstream=upstream)
         app = TenantApp(tenant, Forwarder(), InFlight())

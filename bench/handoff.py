@@ -56,11 +56,11 @@ from websockets.asyncio.client import connect as ws_connect
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from proxy.config.units import GIB  # noqa: E402
 from proxy.demo import Demo, comfy_prompt, run_prompt, start_demo  # noqa: E402
 from proxy.gpu.snapshot import GpuReadError, GpuSnapshot  # noqa: E402
 from proxy.sim.box import Scenario, load_scenario  # noqa: E402
 from proxy.tasks import poll_until  # noqa: E402
-from proxy.tenants import GIB  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "handoff.json"
 CKPT = "flux1-dev-fp8.safetensors"
@@ -81,7 +81,9 @@ async def ttfb(client: httpx.AsyncClient, url: str, model: str = MODEL) -> float
     short and left running into the next round."""
     start = time.perf_counter()
     elapsed = None
-    async with client.stream("POST", url + "/api/generate", json={"model": model, "prompt": "hi"}) as r:
+    # progress lines off: the first byte timed is the engine's, not the proxy's "waiting for ..." line
+    async with client.stream("POST", url + "/api/generate", json={"model": model, "prompt": "hi"},
+                             headers={"X-HyperSwap-Progress": "off"}) as r:
         async for _ in r.aiter_raw():
             if elapsed is None:
                 elapsed = time.perf_counter() - start
@@ -303,7 +305,8 @@ if __name__ == "__main__":
     parser.add_argument("--warm", action="store_true", help="measure the handoff with and without warm-during-release")
     parser.add_argument("--ram-gbps", type=float, default=2.63, help="--warm: load speed from the page cache (GB/s)")
     parser.add_argument("--disk-gbps", type=float, default=1.3, help="--warm: load and read speed from disk (GB/s)")
-    parser.add_argument("--swap-hold-s", type=float, default=None, help="the proxy's swap_hold_s (default: off)")
+    parser.add_argument("--swap-hold-s", type=float, default=None,
+                        help="the proxy's swap_hold_s (default: its own, 0.5 s; 0: off)")
     parser.add_argument("--recent", action="store_true",
                         help="the reset's render through the proxy: ComfyUI was active just before the swap")
     args = parser.parse_args()

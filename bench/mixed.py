@@ -6,7 +6,7 @@ then the patterns RCRC CRCR RCRCRC RRCC), or shorter with `--bursts 5 --sizes 2-
 The demo box runs in this process (`proxy.demo.start_demo`, every port picked by the system) at the
 simulators' real speeds (the shipped scenario, not the fast one: a 16.2 GiB chat model loads in
 about 8.7 s, a 6.5 GiB checkpoint in 1.6 s), with `queue_timeout_s` from --queue-timeout-s and
-`swap_hold_s` from --swap-hold-s (0, off, unless given).
+`swap_hold_s` from --swap-hold-s (the proxy's default unless given; 0: off).
 
 A burst is a string of request kinds sent --gap-s apart, each by a plain HTTP client through the
 proxy's listeners:
@@ -503,7 +503,10 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             for i in range(args.bursts)]
     plan += [(p, p) for p in (args.patterns if args.patterns is not None else NAMED)]
     config = Path(tempfile.mkdtemp(prefix="bench-mixed-")) / "tenants.json"
-    config.write_text(json.dumps({"proxy": {"queue_timeout_s": args.queue_timeout_s, "swap_hold_s": args.swap_hold_s}}))
+    proxy: dict[str, float] = {"queue_timeout_s": args.queue_timeout_s}
+    if args.swap_hold_s is not None:
+        proxy["swap_hold_s"] = args.swap_hold_s
+    config.write_text(json.dumps({"proxy": proxy}))
     ports = {t: 0 for t in setup.tenants.values()}
     sim_ports = {"ollama": 0, "comfyui": 0, **({"relay": 0} if args.relay else {})}
     began = time.perf_counter()
@@ -581,7 +584,8 @@ if __name__ == "__main__":
                         help="renders wait on their websocket (through the proxy) instead of polling /history")
     parser.add_argument("--gap-s", type=float, default=0.15, help="between two sends of a burst")
     parser.add_argument("--queue-timeout-s", type=float, default=30.0, help="the proxy's queue_timeout_s")
-    parser.add_argument("--swap-hold-s", type=float, default=0.0, help="the proxy's swap_hold_s (0: off)")
+    parser.add_argument("--swap-hold-s", type=float, default=None,
+                        help="the proxy's swap_hold_s (default: its own default; 0: off)")
     parser.add_argument("--burst-timeout-s", type=float, default=120.0, help="a request's client-side limit")
     parser.add_argument("--oracle-max", type=int, default=8, help="the oracle for bursts up to this many requests")
     parser.add_argument("--calibration-rounds", type=int, default=2)

@@ -66,12 +66,12 @@ import websockets
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from proxy import __version__
+from proxy.config.loading import load_registry
 from proxy.gpu.nvml import NvmlReader
 from proxy.gpu.pods import with_pods
 from proxy.gpu.visibility import start_notice
 from proxy.service import Proxy
 from proxy.tasks import poll_until
-from proxy.tenants import load_registry
 
 TENANT = "comfyui"
 NODE = "HyperSwapBenchBusy"

@@ -85,11 +85,11 @@ async def serve_upstream(stream_s: float, gap_s: float) -> None:
 
 async def serve_proxy(upstream: str) -> None:
     sys.path.insert(0, str(ROOT))
+    from proxy.config.schema import Tenant
     from proxy.handoff.inflight import InFlight
     from proxy.relay.forward import Forwarder
     from proxy.relay.listener import TenantApp
     from proxy.relay.servers import settle_heap, start_server
-    from proxy.tenants import Tenant
 
     tenant = Tenant(name="soak", engine="ollama", upstream=upstream)
     server = await start_server(TenantApp(tenant, Forwarder(), InFlight()), name="soak")

@@ -15,9 +15,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, TextIO
 
 from proxy import __version__
+from proxy.config.loading import load_registry
+from proxy.config.registry import SETTINGS_SECTIONS, field_value, setting_value
 from proxy.errors import HyperSwapError
 from proxy.gpu.visibility import start_notice
-from proxy.tenants import SETTINGS_SECTIONS, field_value, load_registry, setting_value
 
 if TYPE_CHECKING:
     from proxy.service import Proxy

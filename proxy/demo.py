@@ -27,6 +27,8 @@ from websockets.asyncio.client import connect as ws_connect
 from proxy.admin.telemetry import ENV_VAR as ENV_TELEMETRY
 from proxy.admin.telemetry import Telemetry, completes
 from proxy.clock import Clock, SystemClock
+from proxy.config.loading import load_registry_over, registry_from_dict
+from proxy.config.units import GIB
 from proxy.decision import DecisionEvent
 from proxy.gpu.keeper import GpuDrift
 from proxy.handoff.decisions import DecisionView, LifecycleExit, ModelLoad
@@ -35,7 +37,6 @@ from proxy.service import Proxy
 from proxy.sim.box import Scenario, SimBox, fast_scenario, load_scenario
 from proxy.sim.box import scenario_names as scenario_names  # for `demo --help` (cli.py never imports proxy.sim)
 from proxy.tasks import poll_until
-from proxy.tenants import GIB, load_registry_over, registry_from_dict
 from proxy.tls import client_context
 
 DEFAULT_SIM_PORTS = {"ollama": 21434, "comfyui": 28188}  # "relay": the scenario's relay.port unless given

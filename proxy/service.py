@@ -19,6 +19,7 @@ from proxy.admin.api import AdminApi
 from proxy.admin.extensions import Extension, ExtensionFactory, default_extensions
 from proxy.admin.view import ProxyView
 from proxy.clock import Clock, SystemClock
+from proxy.config.registry import Registry
 from proxy.errors import ConfigError
 from proxy.gpu.snapshot import GpuReader
 from proxy.handoff.arbitration import Arbitration
@@ -32,7 +33,6 @@ from proxy.relay.gpu_gate import GpuGate
 from proxy.relay.listener import TenantApp
 from proxy.relay.servers import DRAIN_S, RunningServer, split_host_port, start_server, stop_servers
 from proxy.tasks import cancel_and_wait
-from proxy.tenants import Registry
 
 log = logging.getLogger("hyperswap")
 

@@ -46,7 +46,7 @@ def blocks() -> list[Generated]:
 
     return [
         Generated("cli", DOCS / "reference" / "cli.md", "proxy/cli.py's argparse parser", cli.render),
-        Generated("tenants-json", DOCS / "reference" / "tenants-json.md", "proxy/tenants.py's pydantic models",
+        Generated("tenants-json", DOCS / "reference" / "tenants-json.md", "proxy/config/'s pydantic models",
                   config.render),
         Generated("admin-api", DOCS / "reference" / "admin-api.md", "proxy/admin/openapi.py's OpenAPI document",
                   api.render),

@@ -1,4 +1,4 @@
-"""The tenants.json reference, from the pydantic models of proxy/tenants.py: every field with its type,
+"""The tenants.json reference, from the pydantic models of proxy/config/schema.py: every field with its type,
 default, range (the `BOUNDS` table, else its suffix, else the field's own ge/le) and description.
 
 A field without a description is refused here, so a new field cannot reach the page undocumented."""
@@ -16,19 +16,10 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from docs.gen.md import code, table
-from proxy.tenants import (
-    BOUNDS,
-    SUFFIX_BOUNDS,
-    AdminSpec,
-    Bound,
-    Config,
-    GpuProfile,
-    ProxySettings,
-    TelemetrySettings,
-    Tenant,
-    bound_for,
-    registry_from_dict,
-)
+from proxy.config.bounds import BOUNDS, SUFFIX_BOUNDS, Bound, bound_for
+from proxy.config.loading import registry_from_dict
+from proxy.config.schema import Config, ReleaseSpec, Tenant, release_fields, release_kinds
+from proxy.config.settings import AdminSpec, GpuProfile, ProxySettings, TelemetrySettings
 
 
 def _num(x: float) -> str:
@@ -118,14 +109,28 @@ def range_text(name: str, info: FieldInfo) -> str:
 
 
 def rows(model: type[BaseModel], prefix: str = "") -> Iterator[list[str]]:
-    for name, info in model.model_fields.items():
+    yield from _rows(model.__name__, model.model_fields, prefix)
+
+
+def release_rows(prefix: str) -> Iterator[list[str]]:
+    """One release step: the fields of every registered release kind (the base's first, then each
+    kind's own in registration order), `kind` naming every kind."""
+    fields = release_fields()
+    kind = fields.pop("kind")
+    yield [code(f"{prefix}kind"), " or ".join(json.dumps(k) for k in release_kinds()), default_text(kind), "",
+           kind.description or ""]
+    yield from _rows("ReleaseSpec", fields, prefix)
+
+
+def _rows(owner: str, fields: dict[str, FieldInfo], prefix: str) -> Iterator[list[str]]:
+    for name, info in fields.items():
         dotted = f"{prefix}{name}"
         if not info.description:
-            raise ValueError(f"{model.__name__}.{name} ({dotted}) has no description: give it Field(description=...) in "
-                             "proxy/tenants.py; the tenants.json reference is made from them")
+            raise ValueError(f"{owner}.{name} ({dotted}) has no description: give it Field(description=...); "
+                             "the tenants.json reference is made from them")
         yield [code(dotted), type_text(info.annotation), default_text(info), range_text(name, info), info.description]
         for sub in _models(info.annotation):
-            yield from rows(sub, f"{dotted}.")
+            yield from release_rows(f"{dotted}.") if sub is ReleaseSpec else rows(sub, f"{dotted}.")
 
 
 HEADERS = ("field", "type", "default", "range", "meaning")

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from proxy.tenants import load_registry
+from proxy.config.loading import load_registry
 
 
 def admin_base_url(config: str | None, admin_url: str | None) -> str:

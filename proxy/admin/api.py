@@ -22,10 +22,14 @@ from starlette.routing import BaseRoute, Route
 
 from proxy.admin import views
 from proxy.admin.query import integer, optional_number
+from proxy.config.bounds import MAX_GIB
+from proxy.config.schema import Tenant
+from proxy.config.units import GIB
 from proxy.errors import HyperSwapError
 from proxy.handoff.arbitration import Arbitration, ReleaseResult
 from proxy.handoff.decisions import NothingToRelease, Rejected
-from proxy.handoff.scheduler import Admitted, release_whole, stop_whole
+from proxy.handoff.orders import release_whole, stop_whole
+from proxy.handoff.scheduler import Admitted
 from proxy.handoff.watchdog import Watchdog
 from proxy.hosts import listener_policy
 from proxy.lifecycle.logs import FOLLOW_EVERY_S, LINES_BACK_DEFAULT, LINES_BACK_MAX, Chunk, LogFollower
@@ -33,7 +37,6 @@ from proxy.lifecycle.process import ProcessController
 from proxy.lifecycle.state import TenantLifecycle
 from proxy.relay.gpu_gate import rejection_body, retry_after
 from proxy.relay.guards import AdminGuard
-from proxy.tenants import GIB, MAX_GIB, Tenant
 
 Handler = Callable[[Request], Awaitable[Response]]
 LOG_KEEPALIVE_S = 15.0  # a quiet log stream sends a comment this often
@@ -275,10 +278,11 @@ class AdminApi:
         if isinstance(machine, Response):
             return machine
         controller = machine.controller
-        if not isinstance(controller, ProcessController):
-            where = ("`journalctl -f -u <unit>`" if controller.kind == "systemd" else "`docker logs -f <container>`")
-            return error(409, f"{tenant.name}'s output is not the proxy's to stream: it runs as a {controller.kind} "
-                              f"{'unit' if controller.kind == 'systemd' else 'container'}, whose output its manager keeps",
+        elsewhere = controller.output_elsewhere()
+        if elsewhere is not None or not isinstance(controller, ProcessController):
+            runs_as, where = elsewhere or (controller.kind, "its manager")
+            return error(409, f"{tenant.name}'s output is not the proxy's to stream: it runs as a {runs_as}, "
+                              "whose output its manager keeps",
                          f"follow it with {where}", tenant=tenant.name, reason="no_log", lifecycle=machine.view())
         back = integer(request.query_params, "lines", LINES_BACK_DEFAULT, low=0, high=LINES_BACK_MAX,
                        example=f"GET /api/tenants/{tenant.name}/logs?lines=100")

@@ -29,7 +29,10 @@ from websockets.asyncio.client import connect as ws_connect
 
 from proxy.admin.address import admin_base_url
 from proxy.admin.view import ProxyView
-from proxy.engines import EngineAdapter
+from proxy.config.loading import load_registry
+from proxy.config.schema import Tenant
+from proxy.config.units import GIB
+from proxy.engines.ports import HealthPorts
 from proxy.engines.settings import EnvReaders
 from proxy.errors import ConfigError, HyperSwapError
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
@@ -38,7 +41,6 @@ from proxy.gpu.visibility import capabilities, summary
 from proxy.handoff.devices import candidates, shares
 from proxy.lifecycle.state import TenantLifecycle
 from proxy.tasks import cancel_and_wait
-from proxy.tenants import GIB, Tenant, load_registry
 from proxy.tls import client_context
 
 # "unknown": the check cannot run (what it looks at cannot be seen); it says why. The overall
@@ -274,7 +276,7 @@ class HealthExtension:
         return HealthEntry("nvml", "ok", f"{raw.device.name}: {len(raw.processes)} GPU process(es) visible"
                            + (f" ({note})" if note else ""))
 
-    def adapter(self, tenant: Tenant) -> EngineAdapter:
+    def adapter(self, tenant: Tenant) -> HealthPorts:
         return self.proxy.arbitration.adapter(tenant)
 
     def _fix_upstream(self, tenant: Tenant) -> str:
@@ -571,7 +573,7 @@ def lifecycle_entries(name: str, machine: TenantLifecycle, problems: list[str] |
     """Health of one tenant the proxy starts and stops: its state, and its controller's problems."""
     entry = f"lifecycle {name}"
     view = machine.view()
-    what = describe_controller(machine.controller.describe())
+    what = machine.controller.summary()
     if isinstance(problems, BaseException):
         problems = [f"its check raised {type(problems).__name__}: {problems} (fix: see the proxy's log)"]
     out: list[HealthEntry] = []
@@ -618,15 +620,6 @@ def lifecycle_entries(name: str, machine: TenantLifecycle, problems: list[str] |
     return out
 
 
-def describe_controller(d: dict[str, Any]) -> str:
-    """`process: llama-server -m q.gguf`, `systemd unit comfyui.service`, `docker container tts`."""
-    if d.get("kind") == "process":
-        return "process: " + " ".join(str(w) for w in d.get("command") or [])[:120]
-    if d.get("kind") == "systemd":
-        return f"systemd {d.get('scope', 'system')} unit {d.get('unit')}"
-    if d.get("kind") == "docker":
-        return f"docker container {d.get('container')} at {d.get('socket')}"
-    return str(d.get("kind"))
 
 
 def health_extension(proxy: ProxyView) -> HealthExtension:

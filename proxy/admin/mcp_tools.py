@@ -32,8 +32,8 @@ from starlette.types import Receive, Scope, Send
 
 from proxy.admin.view import ProxyView
 from proxy.admin.views import DryRun, EngineList, HealthReport, LifecycleAnswer, ModelList, ReleaseResult, TenantList
+from proxy.config.bounds import MAX_GIB
 from proxy.errors import McpNotInstalled
-from proxy.tenants import MAX_GIB
 from proxy.tls import client_context
 
 try:

@@ -27,6 +27,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from proxy.admin.view import ProxyView
+from proxy.config.schema import Tenant
+from proxy.config.units import GIB
 from proxy.engines import EngineAdapter, adapter_for
 from proxy.engines.model_files import ModelFiles, files_summary
 from proxy.engines.settings import read_proc_environ
@@ -39,7 +41,6 @@ from proxy.models.frames import FrameTimer, loader_nodes
 from proxy.models.loads import MIN_LOAD_S, LoadLog, LoadRecord
 from proxy.models.pagecache import PageCacheProbe, SystemPageCache
 from proxy.models.warm import MemAvailable, Warmer, WarmJob, may_read, read_mem_available
-from proxy.tenants import GIB, Tenant
 
 if TYPE_CHECKING:
     from proxy.admin.health import HealthEntry

@@ -42,7 +42,7 @@ from proxy.admin.views import (
     TenantList,
     TenantView,
 )
-from proxy.tenants import MAX_GIB
+from proxy.config.bounds import MAX_GIB
 
 JSON = dict[str, Any]
 REF = "#/components/schemas/{model}"

@@ -43,6 +43,7 @@ from starlette.routing import BaseRoute, Route
 from proxy.admin.query import integer, optional_number
 from proxy.admin.view import ProxyView
 from proxy.clock import Clock
+from proxy.config.units import MIB
 from proxy.decision import DecisionEvent
 from proxy.errors import HyperSwapError
 from proxy.gpu.keeper import GpuApplyFinished
@@ -60,7 +61,6 @@ from proxy.handoff.decisions import (
 )
 from proxy.models.loads import LoadRecord
 from proxy.tasks import cancel_and_wait
-from proxy.tenants import MIB
 
 if TYPE_CHECKING:
     from proxy.gpu.attribution import AttributedSnapshot

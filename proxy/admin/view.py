@@ -17,6 +17,7 @@ from typing import Protocol
 from starlette.routing import BaseRoute
 
 from proxy.clock import Clock
+from proxy.config.registry import Registry
 from proxy.gpu.snapshot import GpuReader
 from proxy.handoff.arbitration import Arbitration
 from proxy.handoff.decisions import DecisionLog
@@ -24,7 +25,6 @@ from proxy.handoff.inflight import InFlight
 from proxy.handoff.watchdog import Watchdog
 from proxy.relay.gpu_gate import GpuGate
 from proxy.relay.servers import RunningServer
-from proxy.tenants import Registry
 
 
 class Extension(Protocol):

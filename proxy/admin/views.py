@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from proxy.config.schema import Tenant
 from proxy.decision import DecisionKind
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
 from proxy.gpu.snapshot import GpuReadError
@@ -22,7 +23,6 @@ from proxy.handoff.arbiter import TenantState, gib
 from proxy.handoff.arbitration import Arbitration
 from proxy.handoff.decisions import ReleaseVerdict
 from proxy.handoff.watchdog import Watchdog
-from proxy.tenants import Tenant
 
 JSON = dict[str, Any]
 
@@ -175,9 +175,7 @@ class Waiting(_Doc):
     behind: int | None = Field(description="the waiting request it queues behind, if any")
     reason: str
     position: int | None = Field(default=None, description="its place in line, 1 first: by priority, then arrival "
-                                                           "(the order the queue serves waiters; a waiter past "
-                                                           "proxy.starvation_after_s, or one whose load is on the card "
-                                                           "already, may go sooner)")
+                                 "(an aged waiter, or one whose load is on the card already, may go sooner)")
 
 
 class LoadUnderway(_Doc):
@@ -187,12 +185,10 @@ class LoadUnderway(_Doc):
     elapsed_s: float
     need_bytes: int = Field(description="what the proxy planned for it (its estimate)")
     need_gb: float | None
-    on_card_bytes: int | None = Field(description="what the tenant gained on the card since the load began, at most "
-                                                  "the need; null: the card was not read")
+    on_card_bytes: int | None = Field(description="what the tenant gained on the card since it began, at most the need")
     on_card_gb: float | None
-    estimated: bool = Field(description="the on-card figure is an estimate: the tenant held other memory when the "
-                                        "load began (the card shows what a process holds, not which model it is "
-                                        "for), or no GPU reader measured it (the engines' own reports)")
+    estimated: bool = Field(description="on_card is an estimate: the tenant held other memory when it began (the card "
+                                        "shows a process's memory, not a model's), or no GPU reader measured it")
 
 
 class LifecycleController(_Doc):
@@ -254,8 +250,7 @@ class _TenantLive(_Doc):
     idle_release_in_s: float | None = Field(description="seconds until the idle release; null: never")
     reclaimable: bool
     waiting: list[Waiting] = Field(default_factory=list, description="this tenant's requests waiting for memory")
-    loading: LoadUnderway | None = Field(default=None, description="the model load on its way to the card, if any "
-                                                                   "(the oldest, when several are)")
+    loading: LoadUnderway | None = Field(default=None, description="the (oldest) model load on its way to the card")
     devices: TenantDevices | None = Field(default=None, description="only on a host with several GPUs")
     lifecycle: Lifecycle | None = Field(default=None, description="a tenant the proxy starts and stops: its state; "
                                                                   "null for the others")
@@ -642,27 +637,23 @@ def lifecycle_view(arb: Arbitration, tenant: str) -> Lifecycle | None:
 
 
 def queue(arb: Arbitration) -> list[JSON]:
-    """Every waiting request (`Scheduler.waiting`, in arrival order) with its place in line: by
-    priority, then arrival, the order the queue serves waiters (`Waiting.position`)."""
+    """Every waiting request, in arrival order, with its place in line (by priority, then arrival)."""
     entries = arb.scheduler.waiting()
-    order = sorted(entries, key=lambda w: (-w["priority"], w["id"]))
-    place = {w["id"]: i + 1 for i, w in enumerate(order)}
+    place = {w["id"]: i + 1 for i, w in enumerate(sorted(entries, key=lambda w: (-w["priority"], w["id"])))}
     return [{**w, "position": place[w["id"]]} for w in entries]
 
 
 def loading_view(arb: Arbitration, snap: AttributedSnapshot, tenant: Tenant) -> LoadUnderway | None:
     """The tenant's load on its way to the card, with how far it got on `snap` (`load_events.progress`)."""
     load = arb.loads.underway_of(tenant.name)
+    held = tenant_vram(snap, tenant.name)
     if load is None:
         return None
-    held = tenant_vram(snap, tenant.name)
     figure = None if held is None else arb.loads.progress(load, held, tenant.idle_vram_bytes, snap.estimated)
     on_card = figure.on_card_bytes if figure is not None else None
-    return LoadUnderway(model=load.model, since=round(load.began_wall, 3),
-                        elapsed_s=round(max(0.0, arb.clock.now() - load.began_at), 1),
-                        need_bytes=load.need_bytes, need_gb=gib(load.need_bytes),
-                        on_card_bytes=on_card, on_card_gb=gib(on_card),
-                        estimated=figure.estimated if figure is not None else True)
+    return LoadUnderway(model=load.model, since=round(load.began_wall, 3), elapsed_s=round(arb.clock.now() - load.began_at, 1),
+                        need_bytes=load.need_bytes, need_gb=gib(load.need_bytes), on_card_bytes=on_card,
+                        on_card_gb=gib(on_card), estimated=figure is None or figure.estimated)
 
 
 def _live(arb: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, tenant: Tenant, state: TenantState) -> JSON:

@@ -28,15 +28,16 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 from urllib.parse import urlsplit
 
+from proxy.config.loading import registry_from_dict
+from proxy.config.registry import Registry
 from proxy.deploy.ports import Holders, PortHolder
 from proxy.deploy.units import DROP_IN_NAME, UNIT_NAME, Mode, render_drop_in, render_unit
 from proxy.engines import adapter_for
-from proxy.engines.base import Relocation
+from proxy.engines.ports import Relocation
 from proxy.errors import HyperSwapError
 from proxy.gpu.attribution import Attributor
 from proxy.gpu.snapshot import GpuProcess
 from proxy.hosts import is_loopback_host
-from proxy.tenants import Registry, registry_from_dict
 
 RECORD_VERSION = 1
 

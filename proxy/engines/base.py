@@ -1,54 +1,30 @@
-"""The engine adapter base: an engine kind's whole contract with the proxy, with the generic
-(any HTTP app) behaviour as the default.
+"""The engine adapter base: the generic (any HTTP app) answer to every engine port.
 
-One adapter instance per tenant. Subclasses override only what differs per engine. The contract:
-- request side: classify, unload target, headers, job markers (ids, end frames, history, queue);
-- memory side: load keys, estimate need, release, read an OOM from an answer, a frame or a
-  history entry, self-reported memory, device report, CPU-only check, catalog, spill and queue probes;
-- admin side: how health probes the engine and what /api/engines shows about its settings.
-Nobody outside `proxy/engines/` switches on an engine's name: they ask its adapter.
+One adapter instance per tenant. The ports (ports.py) are what the rest of the proxy asks an
+engine, one small protocol per concern (headers, classification, jobs, need, release, OOM,
+self-report, installed models, health probes, settings view, deployment, model loads);
+`EngineAdapter` implements them all, section by section below, and an engine kind overrides the
+members of the ports where its engine differs. Nobody outside `proxy/engines/` switches on an
+engine's name: they ask its adapter, typed as the port they use.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 
+from proxy.config.schema import ReleaseSpec, Tenant
+from proxy.engines import ports
 from proxy.engines.common import Need, release_by_strategy, resume_by_strategy
 from proxy.engines.model_files import FileHints, TenantFiles, plain_tenant_files
+from proxy.engines.ports import Header, JobReplay, Placement, Relocation, RequestKind, Streamed
 from proxy.engines.settings import EnvReaders
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory
 from proxy.hosts import HostPolicy, listener_policy
-from proxy.tenants import ReleaseSpec, Tenant
-
-# One loaded model as the engine places it (Ollama's /api/ps rows: name, size, size_vram, expires_at).
-Placement = dict[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class JobReplay:
-    """A job that failed for lack of memory, as the engine kept it, ready to be submitted again."""
-    body: bytes  # the request body as if submitted afresh: its need is estimated from it
-    payload: dict[str, Any]  # what resubmits it (same client, same extra data)
-
-RequestKind = Literal["gpu", "passthrough"]
-# How an engine streams its answer to a request (proxy/relay/progress.py speaks each):
-# Ollama's NDJSON chat and generate lines, the OpenAI-style SSE chat and completion chunks.
-StreamFormat = Literal["ndjson-chat", "ndjson-generate", "sse-chat", "sse-completion"]
-
-
-@dataclass(frozen=True, slots=True)
-class Streamed:
-    """A request whose answer the engine streams, and how: progress lines can go first."""
-    format: StreamFormat
-    model: str
-# Raw bytes as ASGI and the wire carry them (latin-1); no decode/encode per request on the relay path.
-Header = tuple[bytes, bytes]
 
 # RFC 9110 section 7.6.1: meaningful for one connection only, never forwarded.
 HOP_BY_HOP = frozenset({
@@ -96,42 +72,24 @@ def same_origin(origin: str, host: str, scheme: str) -> bool:
     return netloc == host.lower().removesuffix(default)
 
 
-@dataclass(frozen=True, slots=True)
-class Relocation:
-    """How an engine is moved to another loopback port, so the proxy can take the engine's own
-    (`hyperswap install`): a systemd drop-in for its service, and what to tell a person who starts it by hand."""
+class EngineAdapter(ports.HostAndHeaders, ports.Classifier, ports.JobTracker, ports.NeedEstimator, ports.Releaser,
+                    ports.OomDetector, ports.SelfReport, ports.InstalledModels, ports.HealthProbes, ports.SettingsView,
+                    ports.Deployment, ports.ModelLoads):
+    """Generic engine: every POST/PUT may load something onto the GPU; the rest passes through.
 
-    port: int
-    service: str | None = None  # the systemd unit that runs it, where the engine ships one
-    environment: Mapping[str, str] = field(default_factory=dict)  # set by the drop-in (and by hand)
-    instruction: str = ""  # one line: how to start it on `port` yourself
-
-
-class EngineAdapter:
-    """Generic engine: every POST/PUT may load something onto the GPU; the rest passes through."""
+    It answers every engine port (ports.py) as a generic HTTP app would, one section per port in
+    the order of its bases; an engine kind overrides the members of the ports its engine has."""
 
     kind: str = "generic"
-    # Whether the engine's HTTP answer itself can say the GPU ran out of memory (then the request is
-    # retried once); an engine whose jobs outlive the answer reports it later, on a frame or in history.
-    answers_oom: bool = False
-    # The command-line flag that picks the engine's GPU on a host with several (proxy/gpu/devices.py);
-    # None: the engine has none, and only CUDA_VISIBLE_DEVICES in its environment says.
-    device_flag: str | None = None
-    # Whether its model loads run after the answer (a queued job), so they are timed from the engine's
-    # progress frames (proxy/models/frames.py) instead of from the answer (`load_seconds`).
-    load_timed_from_frames: bool = False
-    # The systemd unit the engine's Linux installer ships (its Environment= is the engine's), or None.
-    service_unit: str | None = None
 
     def __init__(self, tenant: Tenant) -> None:
         self.tenant = tenant
         upstream = urlsplit(tenant.upstream or "http://127.0.0.1")
-        self.upstream_scheme = upstream.scheme
         self.upstream_host = upstream.netloc  # what the engine believes its own Host is
-        self.upstream_origin = f"{upstream.scheme}://{upstream.netloc}"
+        self._upstream_origin = f"{upstream.scheme}://{upstream.netloc}"
         self._host_header = (b"host", self.upstream_host.encode("latin-1"))
 
-    # -- which Host the listener answers (DNS rebinding) ------------------------------------
+    # -- HostAndHeaders: which Host the listener answers (DNS rebinding), what goes upstream --------
     def listen_host(self) -> str | None:
         return self.tenant.listen.rpartition(":")[0] if self.tenant.listen else None
 
@@ -140,20 +98,6 @@ class EngineAdapter:
         The engine gets its own Host from the proxy, so whatever it checks itself no longer applies."""
         return listener_policy(self.listen_host(), self.tenant.allowed_hosts)
 
-    # -- classification -------------------------------------------------------------------
-    def classify(self, method: str, path: str) -> RequestKind:
-        return "gpu" if method.upper() in ("POST", "PUT") else "passthrough"
-
-    def unload_target(self, path: str, body: bytes) -> str | None:
-        """The model a GPU-route request only unloads (it loads nothing and needs no memory), if any."""
-        return None
-
-    def stream_format(self, path: str, body: bytes) -> Streamed | None:
-        """How the engine will stream its answer to this GPU request; None: it does not stream one
-        (or not in a shape the proxy can speak ahead of it)."""
-        return None
-
-    # -- headers --------------------------------------------------------------------------
     def upstream_headers(self, headers: Sequence[Header], *, client_ip: str | None, scheme: str,
                          websocket: bool = False) -> list[Header]:
         """The request headers to send upstream: hop-by-hop stripped, Host/Origin per engine,
@@ -195,10 +139,23 @@ class EngineAdapter:
         launder a foreign page's request into a same-origin one (a CSRF hole).
         """
         if client_host and same_origin(origin, client_host, scheme):
-            return self.upstream_origin
+            return self._upstream_origin
         return origin
 
-    # -- jobs (engines whose work outlives the HTTP response) -------------------------------
+    # -- Classifier ---------------------------------------------------------------------------------
+    def classify(self, method: str, path: str) -> RequestKind:
+        return "gpu" if method.upper() in ("POST", "PUT") else "passthrough"
+
+    def unload_target(self, path: str, body: bytes) -> str | None:
+        """The model a GPU-route request only unloads (it loads nothing and needs no memory), if any."""
+        return None
+
+    def stream_format(self, path: str, body: bytes) -> Streamed | None:
+        """How the engine will stream its answer to this GPU request; None: it does not stream one
+        (or not in a shape the proxy can speak ahead of it)."""
+        return None
+
+    # -- JobTracker (engines whose work outlives the HTTP response) ---------------------------------
     def captures_job(self, method: str, path: str) -> bool:
         """Whether the response to this request names a job that stays busy after it ends."""
         return False
@@ -225,20 +182,21 @@ class EngineAdapter:
         """Every job id the engine's queue answer lists, running or pending; None if unreadable."""
         return None
 
-    def load_seconds(self, answer_tail: bytes) -> float | None:
-        """How long the engine says its model load took, from the end of its answer (None: it does not say)."""
-        return None
-
-    def model_files(self, hints: FileHints) -> TenantFiles | None:
-        """Where the engine's model files are (blocking: it walks directories). The generic engine has
-        no layout of its own: only the tenant's model_paths say (None: nothing to look for)."""
-        return plain_tenant_files(self.tenant)
-
-    def drops_jobs(self, method: str, path: str) -> bool:
-        """Whether this request can remove queued jobs (a queue delete or clear)."""
+    def job_news(self, method: str, path: str) -> bool:
+        """Whether this request may change or learn of the engine's jobs (a queue delete or clear, a
+        client polling for its job's end): the proxy checks the jobs it tracks right after it."""
         return False
 
-    # -- memory: what a request needs, how to get memory back -------------------------------
+    async def running_jobs(self, client: httpx.AsyncClient) -> list[str]:
+        """Job ids the engine's own queue says are running now (at `queue_path()`). Raises httpx errors."""
+        return []
+
+    # -- NeedEstimator and Releaser: what a request needs, how to get memory back ----------------------
+    # What a start takes on the card before any request loads something: a generic app loads its
+    # model as it starts (needs_vram_gb); an engine that loads per request (Ollama, ComfyUI) only
+    # its runtime (idle_vram_gb).
+    starts_loaded: bool = True
+
     def load_key(self, model: str) -> str:
         """Names one load: requests with the same key share one reservation, and residency is per key."""
         return f"{self.tenant.name}:{model}"
@@ -263,7 +221,11 @@ class EngineAdapter:
         forwarded; None when there is nothing to call. Raises ReleaseFailed."""
         return await resume_by_strategy(self.tenant, client, step)
 
-    # -- out of memory ------------------------------------------------------------------------
+    # -- OomDetector --------------------------------------------------------------------------------
+    # Whether the engine's HTTP answer itself can say the GPU ran out of memory (then the request is
+    # retried once); an engine whose jobs outlive the answer reports it later, on a frame or in history.
+    answers_oom: bool = False
+
     def response_is_oom(self, status: int, body: bytes) -> bool:
         """An HTTP answer that says the GPU ran out of memory (only where `answers_oom`)."""
         return False
@@ -284,7 +246,7 @@ class EngineAdapter:
         """Submit the job again: (the new job id or None when refused, the HTTP status). Raises httpx errors."""
         return None, 0
 
-    # -- what the engine says about itself (no GPU reader: invariant 10) ----------------------
+    # -- SelfReport: what the engine says about itself (no GPU reader: invariant 10) -----------------
     async def self_reported_bytes(self, client: httpx.AsyncClient) -> int | None:
         """The engine's own idea of its VRAM, marked as an estimate; None when it does not say."""
         return None
@@ -297,6 +259,14 @@ class EngineAdapter:
         """The engine says it computes on the CPU, so it holds no GPU memory."""
         return False
 
+    # Where the engine lists how it placed each loaded model (GPU or CPU in part); None: it does not.
+    placements_path: str | None = None
+
+    async def placements(self, client: httpx.AsyncClient) -> list[Placement]:
+        """The loaded models and where they sit (the watchdog's spill probe). Raises httpx errors."""
+        return []
+
+    # -- InstalledModels ----------------------------------------------------------------------------
     async def catalog(self, client: httpx.AsyncClient, timeout_s: float) -> dict[str, Any] | None:
         """The installed models ({"engine", "models": [{"name", "size_bytes"}]}), or None for an
         engine without a catalog. Raises httpx errors."""
@@ -309,28 +279,12 @@ class EngineAdapter:
         """(model, bytes a load needs) for every installed model. Raises httpx errors."""
         return []
 
-    # -- probes the watchdog runs ---------------------------------------------------------------
-    # Where the engine lists how it placed each loaded model (GPU or CPU in part); None: it does not.
-    placements_path: str | None = None
-
-    async def placements(self, client: httpx.AsyncClient) -> list[Placement]:
-        """The loaded models and where they sit (spill probe). Raises httpx errors."""
-        return []
-
-    async def running_jobs(self, client: httpx.AsyncClient) -> list[str]:
-        """Job ids the engine's own queue says are running now (at `queue_path()`). Raises httpx errors."""
-        return []
-
-    # -- health and /api/engines ----------------------------------------------------------------
+    # -- HealthProbes: health, readiness after a start, `hyperswap verify` ---------------------------
     probe_path: str = "/"  # what health GETs to see the engine answer
     # After the proxy starts the tenant (proxy/lifecycle/): the path that answers 200 once the engine
     # serves requests; None: ready as soon as its upstream port accepts a connection. tenants.json's
     # `ready` overrides it.
     ready_path: str | None = None
-    # What a start takes on the card before any request loads something: a generic app loads its
-    # model as it starts (needs_vram_gb); an engine that loads per request (Ollama, ComfyUI) only
-    # its runtime (idle_vram_gb).
-    starts_loaded: bool = True
     verify_role: str | None = None  # what `hyperswap verify` drives it as: "generates", "renders" or nothing
     probe_strict: bool = False  # True: only a 200 with the engine's own answer is healthy; else any status < 500
     start_hint: str | None = None  # how to start the engine, for a fix text
@@ -343,6 +297,7 @@ class EngineAdapter:
     def is_status_frame(self, text: str | bytes) -> bool:
         """Whether the first frame on `status_websocket` is the engine's greeting."""
         return False
+
     # Its idle footprint varies (caches grow and shrink), so health takes the smallest it saw as the floor.
     floor_from_samples: bool = False
 
@@ -350,6 +305,7 @@ class EngineAdapter:
         """The engine's version from the JSON answer to `probe_path`."""
         return None
 
+    # -- SettingsView: /api/engines -----------------------------------------------------------------
     async def settings_view(self, client: httpx.AsyncClient, snap: AttributedSnapshot | None, env: EnvReaders,
                             host_reads: bool) -> dict[str, Any] | None:
         """What /api/engines shows: reachable, version, the settings that matter for memory and where
@@ -360,7 +316,27 @@ class EngineAdapter:
         t = self.tenant
         return {"tenant": t.name, "engine": t.engine, "upstream": t.upstream, "reachable": False, "error": None}
 
-    # -- deployment -------------------------------------------------------------------------
+    # -- Deployment ---------------------------------------------------------------------------------
+    # The systemd unit the engine's Linux installer ships (its Environment= is the engine's), or None.
+    service_unit: str | None = None
+    # The command-line flag that picks the engine's GPU on a host with several (proxy/gpu/devices.py);
+    # None: the engine has none, and only CUDA_VISIBLE_DEVICES in its environment says.
+    device_flag: str | None = None
+
     def relocation(self, port: int) -> Relocation | None:
         """How to move this engine onto `port` of 127.0.0.1; None: no known way (a generic app's own flags)."""
+        return None
+
+    # -- ModelLoads: where the model files are, how long a load took ---------------------------------
+    # Whether its model loads run after the answer (a queued job), so they are timed from the engine's
+    # progress frames (proxy/models/frames.py) instead of from the answer (`load_seconds`).
+    load_timed_from_frames: bool = False
+
+    def model_files(self, hints: FileHints) -> TenantFiles | None:
+        """Where the engine's model files are (blocking: it walks directories). The generic engine has
+        no layout of its own: only the tenant's model_paths say (None: nothing to look for)."""
+        return plain_tenant_files(self.tenant)
+
+    def load_seconds(self, answer_tail: bytes) -> float | None:
+        """How long the engine says its model load took, from the end of its answer (None: it does not say)."""
         return None

@@ -12,20 +12,24 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import httpx
+from pydantic import Field
 
+from proxy.config.schema import ReleaseSpec, Tenant
+from proxy.config.units import GIB
 from proxy.engines import settings as es
-from proxy.engines.base import EngineAdapter, JobReplay, Relocation, RequestKind
+from proxy.engines.base import EngineAdapter
 from proxy.engines.common import Need, ReleaseFailed, json_or_none, upstream_of
 from proxy.engines.model_files import FileHints, TenantFiles, comfyui_tenant_files
+from proxy.engines.ports import JobReplay, Relocation, RequestKind
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory
-from proxy.tenants import GIB
 
 PROMPT_ROUTES = frozenset({"/prompt", "/api/prompt"})
 QUEUE_ROUTES = frozenset({"/queue", "/api/queue"})  # POST {"delete": [...]} / {"clear": true}
+HISTORY_ROUTES = ("/history", "/api/history")  # GET, and /history/{prompt_id}
 # ComfyUI classifies only torch's OOM exception as OOM (model_management.OOM_EXCEPTION).
 COMFY_OOM_TYPES = ("torch.OutOfMemoryError", "torch.cuda.OutOfMemoryError")
 
@@ -112,8 +116,15 @@ class ComfyUIAdapter(EngineAdapter):
             ids.update(row[1] for row in rows if isinstance(row, list) and len(row) > 1 and isinstance(row[1], str))
         return frozenset(ids)
 
-    def drops_jobs(self, method: str, path: str) -> bool:
-        return method.upper() == "POST" and path.rstrip("/") in QUEUE_ROUTES
+    def job_news(self, method: str, path: str) -> bool:
+        """A queue delete or clear (POST /queue), or a client polling /history or /queue for its
+        prompt's end: the proxy checks its tracked jobs right after, so it hears an end when the
+        client does instead of at its own next poll (a swap away from ComfyUI waited up to job_poll_s)."""
+        route, verb = path.rstrip("/"), method.upper()
+        if verb == "POST":
+            return route in QUEUE_ROUTES
+        return verb == "GET" and (route in QUEUE_ROUTES or route in HISTORY_ROUTES
+                                  or route.startswith(tuple(f"{r}/" for r in HISTORY_ROUTES)))
 
     # -- memory ---------------------------------------------------------------------------------
     async def estimate_need(self, path: str, body: bytes, client: httpx.AsyncClient) -> Need:
@@ -283,3 +294,18 @@ def _ok_json(status: int, body: bytes) -> object:
         return json.loads(body)
     except ValueError:
         return None
+
+
+class ComfyUIFree(ReleaseSpec):
+    """Release kind `comfyui_free`: POST /free, which unloads ComfyUI's models and frees its cache."""
+
+    kind: Literal["comfyui_free"] = "comfyui_free"
+    unload_models: bool = Field(default=True, description="kind comfyui_free: ask ComfyUI to unload its models")
+    free_memory: bool = Field(default=True, description="kind comfyui_free: ask ComfyUI to free its cached memory too")
+
+    async def release(self, tenant: Tenant, client: httpx.AsyncClient) -> dict[str, Any]:
+        payload = {"unload_models": self.unload_models, "free_memory": self.free_memory}
+        r = await client.post(f"{upstream_of(tenant)}/free", json=payload)
+        if r.status_code >= 400:
+            raise ReleaseFailed(f"ComfyUI refused /free: {r.status_code}")
+        return {"call": "POST /free", **payload}

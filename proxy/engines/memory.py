@@ -11,13 +11,13 @@ from typing import Any
 
 import httpx
 
-from proxy.engines.base import Placement
+from proxy.config.schema import Tenant
 from proxy.engines.comfyui import COMFY_OOM_TYPES, comfy_event_is_oom
 from proxy.engines.common import Need, ReleaseFailed, go_time
 from proxy.engines.ollama import OLLAMA_OOM_MARKERS, OllamaCatalog, ollama_error_is_oom
+from proxy.engines.ports import Placement
 from proxy.engines.registry import adapter_for
 from proxy.gpu.snapshot import DeviceMemory
-from proxy.tenants import Tenant
 
 __all__ = [
     "COMFY_OOM_TYPES",

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from proxy.tenants import Tenant
+from proxy.config.schema import Tenant
 
 OLLAMA_DEFAULT_HOST = "registry.ollama.ai"
 OLLAMA_DEFAULT_NAMESPACE = "library"

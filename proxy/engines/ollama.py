@@ -13,18 +13,20 @@ import asyncio
 import json
 import logging
 import re
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import httpx
 
+from proxy.config.schema import ReleaseSpec, Tenant
+from proxy.config.units import GIB
 from proxy.engines import settings as es
-from proxy.engines.base import EngineAdapter, Placement, Relocation, RequestKind, Streamed, StreamFormat
+from proxy.engines.base import EngineAdapter
 from proxy.engines.common import Need, ReleaseFailed, json_or_none, upstream_of
 from proxy.engines.model_files import FileHints, TenantFiles, ollama_tenant_files
+from proxy.engines.ports import Placement, Relocation, RequestKind, Streamed, StreamFormat
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.hosts import HostPolicy, is_loopback_host, listener_policy
-from proxy.tenants import GIB, Tenant
 
 log = logging.getLogger("hyperswap.engines")
 
@@ -73,11 +75,26 @@ def ollama_error_is_oom(message: str) -> bool:
     return any(marker in low for marker in OLLAMA_OOM_MARKERS) and "system memory" not in low
 
 
+# Request options Ollama loads a model with: a request that sets one may load it with another
+# footprint than the one it was seen with (engine-wire-facts: injected options cause reloads).
+LOAD_OPTIONS = frozenset({"num_ctx", "num_gpu", "num_batch", "main_gpu", "use_mmap", "num_thread"})
+
+
 class OllamaCatalog:
-    """Installed model sizes from /api/tags, refreshed when a name is not found."""
+    """Installed model sizes from /api/tags, refreshed when a name is not found; and each model's
+    footprint as Ollama reported it while it held the model whole on the GPU (`/api/ps` size)."""
 
     def __init__(self) -> None:
         self.sizes: dict[str, int] = {}
+        self.footprints: dict[str, int] = {}
+
+    def saw_loaded(self, models: list[Placement]) -> None:
+        """`/api/ps`: a model wholly on the GPU (size_vram == size) takes `size` with its context
+        and runtime; that, not its file plus the configured allowance, is what its next load takes."""
+        for m in models:
+            size, on_gpu = m.get("size"), m.get("size_vram")
+            if isinstance(size, int) and isinstance(on_gpu, int) and 0 < size <= on_gpu:
+                self.footprints[self.canonical(str(m["name"]))] = size
 
     @staticmethod
     def canonical(name: str) -> str:
@@ -183,6 +200,13 @@ class OllamaAdapter(EngineAdapter):
         except (httpx.HTTPError, ValueError) as exc:
             log.warning("cannot read Ollama's model sizes: %s", exc)
             size = None
+        seen = self.sizes.footprints.get(model)
+        options = data.get("options")
+        if seen is not None and not (isinstance(options, dict) and LOAD_OPTIONS & options.keys()):
+            # what Ollama said it took when it last held this model: no allowance to guess (a guess
+            # above it made the proxy release an idle ComfyUI the card could keep beside it)
+            total = max(seen, size or 0)
+            return Need(total, f"{model} ({total / GIB:.2f} GiB, as Ollama reported it loaded)", key, model)
         if size is not None:
             total = size + tenant.context_allowance_bytes
             return Need(total, f"{model} ({size / GIB:.2f} GiB + {tenant.context_allowance_gb:.2f} GiB context allowance)",
@@ -230,7 +254,9 @@ class OllamaAdapter(EngineAdapter):
         """Ollama's loaded models (`/api/ps`), each with `size`, `size_vram` and `expires_at`."""
         r = await client.get(f"{upstream_of(self.tenant)}/api/ps")
         r.raise_for_status()
-        return [m for m in r.json().get("models") or [] if isinstance(m, dict) and isinstance(m.get("name"), str)]
+        models = [m for m in r.json().get("models") or [] if isinstance(m, dict) and isinstance(m.get("name"), str)]
+        self.sizes.saw_loaded(models)
+        return models
 
     # -- health and /api/engines ----------------------------------------------------------------
     def version_from_probe(self, data: Any) -> str | None:
@@ -281,3 +307,20 @@ class OllamaAdapter(EngineAdapter):
         """OLLAMA_HOST sets where `ollama serve` listens; the Linux installer's unit is ollama.service."""
         return Relocation(port=port, service=self.service_unit, environment={"OLLAMA_HOST": f"127.0.0.1:{port}"},
                           instruction=f"OLLAMA_HOST=127.0.0.1:{port} ollama serve")
+
+
+class OllamaUnload(ReleaseSpec):
+    """Release kind `ollama_unload`: every loaded model unloaded with keep_alive 0 (Ollama frees
+    a model's memory when its keep_alive ends; 0 ends it now)."""
+
+    kind: Literal["ollama_unload"] = "ollama_unload"
+
+    async def release(self, tenant: Tenant, client: httpx.AsyncClient) -> dict[str, Any]:
+        r = await client.get(f"{upstream_of(tenant)}/api/ps")
+        r.raise_for_status()
+        models = [m["name"] for m in r.json().get("models") or []]
+        for name in models:
+            u = await client.post(f"{upstream_of(tenant)}/api/generate", json={"model": name, "keep_alive": 0})
+            if u.status_code >= 400:
+                raise ReleaseFailed(f"Ollama refused to unload {name}: {u.status_code} {u.text[:200]}")
+        return {"call": "keep_alive 0", "models": models}

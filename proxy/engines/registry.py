@@ -1,8 +1,9 @@
 """Which adapter serves which engine kind: the one place a new kind is registered.
 
 A new engine kind is one file (`proxy/engines/<kind>.py`, an `EngineAdapter` subclass overriding
-what differs from a generic HTTP app) plus one line here; its name also goes in
-`proxy.tenants.EngineKind` so tenants.json accepts it (a unit test keeps the two in step).
+the members of the ports (`ports.py`) where its engine differs from a generic HTTP app) plus one
+line here; its name also goes in `proxy.config.schema.EngineKind` so tenants.json accepts it (a unit
+test keeps the two in step). docs/design.md, "How to extend", has a worked example.
 """
 
 from __future__ import annotations
@@ -10,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from proxy.config.schema import Tenant
 from proxy.engines.base import EngineAdapter
 from proxy.engines.comfyui import ComfyUIAdapter
 from proxy.engines.generic import GenericAdapter
 from proxy.engines.ollama import OllamaAdapter
-from proxy.tenants import Tenant
 
 ADAPTERS: Mapping[str, type[EngineAdapter]] = MappingProxyType({
     "ollama": OllamaAdapter,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from proxy.tenants import GIB
+from proxy.config.units import GIB
 
 # "unknown": neither the process's environment nor the systemd unit could be read, so the value is
 # not known (never presented as a default nobody checked).

@@ -42,10 +42,11 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 from urllib.parse import urlsplit
 
+from proxy.config.registry import Registry
+from proxy.config.schema import PodMatch, Tenant
 from proxy.gpu.placement import Placement
 from proxy.gpu.snapshot import GpuProcess, GpuSnapshot, Listener, PodRef, ProcessTree, ProcNode
 from proxy.hosts import IpAddress, is_local_address, parse_ip
-from proxy.tenants import PodMatch, Registry, Tenant
 
 UNMANAGED = "unmanaged"
 COMM_MAX = 15  # TASK_COMM_LEN - 1 on Linux

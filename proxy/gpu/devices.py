@@ -27,9 +27,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from proxy.config.registry import Registry
+from proxy.config.schema import Tenant
 from proxy.gpu.placement import Placement
 from proxy.gpu.snapshot import DeviceMemory, GpuProcess
-from proxy.tenants import Registry, Tenant
 
 if TYPE_CHECKING:
     from proxy.gpu.attribution import AttributedSnapshot

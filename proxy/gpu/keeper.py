@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from proxy.clock import Clock
+from proxy.config.settings import GpuProfile
 from proxy.decision import DecisionSink, FollowUp, Opening
 from proxy.gpu.profile import FieldCheck, compare, plan_changes, reset_reason
 from proxy.gpu.settings import GpuSettings, SettingsSource
 from proxy.gpu.settings_writer import SettingChange, SettingsWriteError, SettingsWriter
 from proxy.gpu.snapshot import GpuReadError
-from proxy.tenants import GpuProfile
 
 BACKOFF_S = 30.0
 BACKOFF_MAX_S = 1800.0

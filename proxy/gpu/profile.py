@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from proxy.config.settings import GpuProfile
 from proxy.gpu.settings import NOT_LOCKED, NOT_SUPPORTED, GpuSettings
 from proxy.gpu.settings_writer import SettingChange, SettingName
-from proxy.tenants import GpuProfile
 
 FieldStatus = Literal["ok", "drift", "unsupported", "unreadable"]
 

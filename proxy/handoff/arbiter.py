@@ -39,8 +39,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from proxy.config.registry import Registry
+from proxy.config.schema import Tenant
+from proxy.config.settings import ProxySettings
+from proxy.config.units import GIB
 from proxy.gpu.attribution import UNMANAGED, AttributedProcess, AttributedSnapshot
-from proxy.tenants import GIB, ProxySettings, Registry, Tenant
+from proxy.handoff.hold import NO_HOLD, SwapHold
 
 BlockReason = Literal["busy", "not_reclaimable", "protected", "not_lower_priority", "unmanaged", "requester",
                      "unknown_memory"]
@@ -481,6 +485,7 @@ class Verdict:
     behind: int | None = None  # the waiter whose handoff or wait this one queues behind
     overtook: tuple[int, ...] = ()  # the waiters (waiting to swap its tenant away) a resident request went ahead of
     held: tuple[str, ...] = ()  # a swap held (`SwapHold`): the tenants it would release, whose resident work goes first
+    held_until: float | None = None  # when that held swap starts at the latest (a pass is due then)
 
     def to_json(self) -> dict[str, object]:
         return {"waiter": self.waiter.id, "tenant": self.waiter.tenant, "action": self.action, "reason": self.reason,
@@ -509,31 +514,6 @@ def may_overtake(w: Waiter, now: float, starvation_after_s: float, overtake_limi
     return w.overtaken < overtake_limit and not aged(w, now, starvation_after_s)
 
 
-@dataclass(frozen=True, slots=True)
-class SwapHold:
-    """Holding a swap briefly to see whether requests for what is on the card follow (proxy.swap_hold_s).
-    `recent`: the tenants whose traffic was active (admitted work, or its end) within
-    proxy.swap_hold_recent_s: only a swap away from one of them is held, so a lone swap away from a
-    tenant nobody used lately starts at once. Off (0) by default."""
-    hold_s: float = 0.0
-    recent: frozenset[str] = frozenset()
-
-    def held(self, w: Waiter, plan: Plan, now: float, starvation_after_s: float, overtake_limit: int) -> tuple[str, ...]:
-        """The tenants `w`'s feasible swap would release, when it is held now; () when it starts.
-        Held only while `w` has waited less than `hold_s` and resident work may still overtake it
-        (past the fairness bound holding gains nothing: that work would queue behind it anyway)."""
-        victims = tuple(r.tenant for r in plan.releases)
-        if (self.hold_s <= 0 or not victims or now - w.arrived_at >= self.hold_s
-                or not any(t in self.recent for t in victims)
-                or not may_overtake(w, now, starvation_after_s, overtake_limit)):
-            return ()
-        return victims
-
-    def ends(self, w: Waiter) -> float:
-        return w.arrived_at + self.hold_s
-
-
-NO_HOLD = SwapHold()
 
 
 def resident_plan(w: Waiter) -> Plan:
@@ -590,9 +570,9 @@ def schedule(snap: AttributedSnapshot, registry: Registry, states: Mapping[str, 
     - a resident waiter (its load on the card or on its way) needs no release: it runs, even ahead
       of waiters that wait for its tenant to finish (batching: one swap for the whole burst), as
       long as each of them `may_overtake`; past that bound it queues behind them like other work.
-    - a feasible swap away from a tenant active lately (`hold`) is held until its waiter has waited
-      `hold.hold_s`: it waits, and the tenants it would release count as waited for (their resident
-      work runs ahead of it, counted against the fairness bound; their other work queues behind it).
+    - a feasible swap away from a tenant active lately is held (`hold.until`, proxy/handoff/hold.py):
+      it waits, and the tenants it would release count as waited for (their resident work runs ahead
+      of it, counted against the fairness bound; their other work queues behind it).
     - otherwise wait; what it counts on is claimed so that no later waiter takes it meanwhile.
     """
     claims = dict(promised)
@@ -635,13 +615,15 @@ def schedule(snap: AttributedSnapshot, registry: Registry, states: Mapping[str, 
                                    starting.id))
                 _claim(claims, w, plan)
                 continue
-            held = () if joined is not None else hold.held(w, plan, now, starvation_after_s, overtake_limit)
-            if held:
+            until = None if joined is not None else hold.until(w.arrived_at, plan.releases)
+            if until is not None and now < until and may_overtake(w, now, starvation_after_s, overtake_limit):
+                held = tuple(r.tenant for r in plan.releases)
                 for t in held:
                     holding_back.setdefault(t, []).append(w)
-                out.append(Verdict(w, "wait", plan, f"holding the swap of {', '.join(held)} for {hold.hold_s:g} s "
-                                                    "(proxy.swap_hold_s): requests for what is on the card go first",
-                                   held=held))
+                out.append(Verdict(w, "wait", plan, f"holding the swap of {', '.join(held)} for "
+                                                    f"{hold.hold_s(plan.releases):.2g} s (proxy.swap_hold_s, "
+                                                    "weighed by its reload): requests for what is on the card go first",
+                                   held=held, held_until=until))
                 _claim(claims, w, plan)
                 claimers.append(w)
                 continue

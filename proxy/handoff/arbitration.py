@@ -22,20 +22,24 @@ from typing import Any
 import httpx
 
 from proxy.clock import Clock
+from proxy.config.registry import Registry
+from proxy.config.schema import ReleaseSpec, Tenant
+from proxy.config.units import GIB
 from proxy.engines import AdapterCache, EngineAdapter, Need, ReleaseFailed
+from proxy.engines.ports import SelfReport
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot, Attributor
 from proxy.gpu.devices import DevicePlacer
 from proxy.gpu.snapshot import DeviceFigure, DeviceMemory, GpuProcess, GpuReader, GpuReadError, GpuSnapshot
 from proxy.handoff import devices
 from proxy.handoff.arbiter import Plan, PlanMode, gib, promised_by_tenant, unplanned_plan
 from proxy.handoff.busy import CONFIRM_SLACK_BYTES
-from proxy.handoff.decisions import DecisionLog, HandoffFinished, HandoffStarted, Rejected
+from proxy.handoff.decisions import DecisionLog, HandoffFinished, HandoffStarted, Rejected, ReleaseResult
 from proxy.handoff.inflight import InFlight, Token
 from proxy.handoff.lifecycles import Lifecycles
 from proxy.handoff.load_events import LoadEvents
-from proxy.handoff.scheduler import Admitted, Handoff, Released, ReleaseOrder, ReleaseResult, Scheduler
+from proxy.handoff.orders import Released, ReleaseOrder
+from proxy.handoff.scheduler import Admitted, Handoff, Scheduler
 from proxy.lifecycle.state import LifecycleReport
-from proxy.tenants import GIB, Registry, ReleaseSpec, Tenant
 from proxy.tls import client_context
 
 log = logging.getLogger("hyperswap.arbitration")
@@ -114,7 +118,7 @@ class Arbitration:
         for i, tenant in enumerate(self.registry):
             if not tenant.upstream:
                 continue
-            adapter = self.adapter(tenant)
+            adapter: SelfReport = self.adapter(tenant)
             held = await adapter.self_reported_bytes(self.control)
             if held is not None:
                 proc = GpuProcess(pid=-(i + 1), name=f"[{tenant.name} self-report]", cmdline="", used_bytes=held)
@@ -161,7 +165,7 @@ class Arbitration:
         before = before or await self.snapshot()
         held_before = self.held(before, tenant.name)
         start = self.clock.now()
-        steps = [(i, s) for i, s in enumerate(tenant.release_steps) if s.kind != "none" and (s.stops or not stop)]
+        steps = [(i, s) for i, s in enumerate(tenant.release_steps) if s.reclaims and (s.stops or not stop)]
         result = ReleaseResult(tenant.name, expected, 0, 0.0, False, "no release step")
         trail: list[dict[str, Any]] = []  # for a release that escalates: what each step freed
         held = held_before

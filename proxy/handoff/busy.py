@@ -27,9 +27,11 @@ import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from proxy.config.schema import Tenant
+from proxy.config.settings import ProxySettings
+from proxy.config.units import MIB
 from proxy.handoff.arbiter import TenantState
 from proxy.handoff.inflight import TenantTraffic
-from proxy.tenants import MIB, ProxySettings, Tenant
 
 CONFIRM_SLACK_BYTES = 64 * MIB  # within this of its idle floor a tenant holds "only its floor"
 # A job the proxy relayed counts as busy at once, before its load reaches the card; after this long
@@ -127,7 +129,7 @@ def _jobs_text(own: tuple[str, ...], rows: tuple[str, ...] | None) -> str:
 def released_by_stopping(tenant: Tenant) -> bool:
     """Its release begins by stopping the app (a `process`, `systemd` or `docker` tenant), not with a
     call that leaves it serving."""
-    steps = [s for s in tenant.release_steps if s.kind != "none"]
+    steps = [s for s in tenant.release_steps if s.reclaims]
     return bool(steps) and steps[0].stops
 
 

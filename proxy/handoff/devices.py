@@ -17,15 +17,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
+from proxy.config.registry import Registry
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory
 from proxy.handoff.arbiter import (
     DEFAULT_OVERTAKE_LIMIT,
-    NO_HOLD,
     Plan,
     PlanMode,
     Releasing,
-    SwapHold,
     TenantState,
     Verdict,
     Waiter,
@@ -34,7 +33,7 @@ from proxy.handoff.arbiter import (
     queue_order,
     schedule,
 )
-from proxy.tenants import Registry
+from proxy.handoff.hold import NO_HOLD, SwapHold
 
 
 def candidates(snap: AttributedSnapshot, tenant: str) -> tuple[int, ...]:

@@ -19,12 +19,14 @@ from pathlib import Path
 import httpx
 
 from proxy.clock import Clock
-from proxy.engines import EngineAdapter, ReleaseFailed
+from proxy.config.registry import Registry
+from proxy.config.schema import ReleaseSpec, Tenant
+from proxy.engines import ReleaseFailed
+from proxy.engines.ports import LifecyclePorts
 from proxy.handoff.decisions import DecisionLog, LifecycleExit, LifecycleResult, LifecycleStart, LifecycleStop, Resumed
 from proxy.lifecycle.build import lifecycle_for
 from proxy.lifecycle.controller import LifecycleError, within
 from proxy.lifecycle.state import LifecycleReport, TenantLifecycle
-from proxy.tenants import Registry, ReleaseSpec, Tenant
 
 log = logging.getLogger("hyperswap.lifecycle")
 
@@ -33,7 +35,7 @@ WAKE_SLACK_S = 1.0  # a request waits for a start at most its start_timeout_s pl
 
 
 class Lifecycles:
-    def __init__(self, tenants: Iterable[Tenant], adapter: Callable[[Tenant], EngineAdapter], clock: Clock,
+    def __init__(self, tenants: Iterable[Tenant], adapter: Callable[[Tenant], LifecyclePorts], clock: Clock,
                  decisions: DecisionLog, control: httpx.AsyncClient, *, state_dir: Path | None = None,
                  controllers: Mapping[str, TenantLifecycle] | None = None) -> None:
         """`controllers`: tenant -> a ready-made state machine (tests); otherwise built from tenants.json."""
@@ -93,7 +95,7 @@ class Lifecycles:
 
     def released(self, tenant: Tenant, step: ReleaseSpec) -> None:
         """A soft release step freed the memory: its `resume` call is owed before the next request."""
-        if step.resume is not None:
+        if step.resumes:
             self._resume[tenant.name] = step
 
     # -- waking --------------------------------------------------------------------------------------

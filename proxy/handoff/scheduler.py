@@ -29,18 +29,17 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
 
 from proxy.clock import Clock
+from proxy.config.registry import Registry
+from proxy.config.schema import Tenant
 from proxy.gpu.attribution import AttributedSnapshot
-from proxy.gpu.visibility import held_by_device
 from proxy.handoff.arbiter import (
     RESIDENT,
     Plan,
-    Release,
     Releasing,
-    SwapHold,
     TenantState,
     Verdict,
     Waiter,
@@ -63,11 +62,12 @@ from proxy.handoff.decisions import (
 )
 from proxy.handoff.devices import schedule_on_devices
 from proxy.handoff.evidence import EngineReads
+from proxy.handoff.hold import SwapHold
 from proxy.handoff.inflight import InFlight, TenantTraffic, Token
+from proxy.handoff.orders import Released, ReleaseOrder
 from proxy.handoff.reservations import Reservations
 from proxy.handoff.residency import Residency
 from proxy.tasks import sleep_or_wake
-from proxy.tenants import Registry, Tenant
 
 log = logging.getLogger("hyperswap.handoff")
 
@@ -96,34 +96,6 @@ class Admitted:
     outcome: Outcome
     handoff: Handoff
     reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class ReleaseOrder:
-    """One release to run, whoever asked: the queue for a plan, the watchdog (idle deadline, spill
-    relief) or the admin API. Recorded as one decision of `kind` before anything is asked."""
-    requester: str  # the decision's tenant: whose load the memory is for, or the tenant released
-    releases: tuple[Release, ...]
-    trigger: str  # "request POST /api/generate", "watchdog idle", "admin"
-    kind: HandoffKind
-    plan: Plan | None = None  # the plan it carries out (None: a release with no load behind it)
-    snapshot: AttributedSnapshot | None = None  # the card the order was made on
-    held_bytes: int | None = None  # a whole-tenant release: what the tenant held, for the decision
-    held_by_device: Mapping[int, int] = field(default_factory=dict)  # the same per card, on a host with several
-    idle_s: float | None = None  # an idle release: the tenant's idle_release_after_s, for the decision
-    stop: bool = False  # only the steps that stop the app (the admin's stop of a tenant the proxy starts)
-
-
-@dataclass(slots=True)
-class Released:
-    """How a `ReleaseOrder` went: the decision recorded for it and each tenant's result."""
-    order: ReleaseOrder
-    results: list[ReleaseResult]
-    decision: HandoffStarted | None  # None: nothing was asked (every tenant had work again)
-
-    @property
-    def ok(self) -> bool:
-        return all(r.confirmed for r in self.results)
 
 
 class HandoffEffects(Protocol):
@@ -290,8 +262,8 @@ class Scheduler:
                            job_lost_after_s=self.fx.registry.config.proxy.job_lost_after_s)
 
     def swap_hold(self) -> SwapHold:
-        """proxy.swap_hold_s with the tenants it applies to now: those whose admitted work is open, or
-        ran or ended within proxy.swap_hold_recent_s (the traffic's last activity)."""
+        """proxy.swap_hold_s with the tenants it applies to now (`hold.SwapHold`): those whose admitted
+        work is open (active now) or ran or ended within proxy.swap_hold_recent_s."""
         settings = self.fx.registry.config.proxy
         if settings.swap_hold_s <= 0:
             return SwapHold()
@@ -599,9 +571,8 @@ class Scheduler:
         starvation = self.fx.registry.config.proxy.starvation_after_s
         next_aging = min((t.waiter.arrived_at + starvation for t in planned
                           if t.waiter.arrived_at + starvation > now), default=now + REPLAN_S)
-        hold = self.fx.registry.config.proxy.swap_hold_s
-        hold_end = min((t.waiter.arrived_at + hold for t in planned
-                        if t.verdict is not None and t.verdict.held and t.waiter.arrived_at + hold > now),
+        hold_end = min((t.verdict.held_until for t in planned
+                        if t.verdict is not None and t.verdict.held_until is not None and t.verdict.held_until > now),
                        default=now + REPLAN_S)  # a held swap starts at its hold's end
         return max(0.0, min(REPLAN_S, first_deadline - now, next_aging - now, hold_end - now))
 
@@ -692,26 +663,6 @@ class Scheduler:
             self.fx.decisions.emit(QueueEnded(tenant=ticket.queued.tenant, trigger=ticket.trigger,
                                               refers_to=ticket.queued.id, result=why,
                                               waited_s=self.fx.clock.now() - ticket.waiter.arrived_at))
-
-
-def release_whole(snap: AttributedSnapshot, tenant: Tenant, trigger: str, kind: HandoffKind, why: str,
-                  idle_s: float | None = None) -> ReleaseOrder:
-    """An order to release all a tenant holds above its idle floor, for no load in particular (the
-    watchdog's idle release, the admin API's release)."""
-    held = snap.held_by(tenant.name)
-    pids = tuple(p.process.pid for p in snap.processes if p.tenant == tenant.name)
-    release = Release(tenant.name, max(0, held - tenant.idle_vram_bytes), pids, why)
-    by_device = held_by_device(snap, tenant.name) if snap.snapshot.several_devices else {}
-    return ReleaseOrder(tenant.name, (release,), trigger, kind, None, snap, held, by_device, idle_s)
-
-
-def stop_whole(snap: AttributedSnapshot, tenant: Tenant, trigger: str, why: str) -> ReleaseOrder:
-    """An order to stop a tenant the proxy starts (the admin API's stop): a release through its
-    stopping step alone (soft steps before it skipped), so all it holds goes, its idle floor too."""
-    held = snap.held_by(tenant.name)
-    pids = tuple(p.process.pid for p in snap.processes if p.tenant == tenant.name)
-    release = Release(tenant.name, held, pids, why)
-    return ReleaseOrder(tenant.name, (release,), trigger, "release", None, snap, held_bytes=held, stop=True)
 
 
 def _no_plan(w: Waiter) -> Plan:

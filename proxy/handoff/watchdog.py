@@ -13,14 +13,16 @@ from typing import Any
 
 import httpx
 
+from proxy.config.schema import Tenant
+from proxy.config.units import GIB
 from proxy.engines import ReleaseFailed
 from proxy.engines.common import go_time
+from proxy.engines.ports import SelfReport
 from proxy.handoff.arbiter import TenantState
 from proxy.handoff.arbitration import CONFIRM_SLACK_BYTES, Arbitration, gib
 from proxy.handoff.decisions import SpillNoPlan, StaleJob
-from proxy.handoff.scheduler import ReleaseOrder, release_whole
+from proxy.handoff.orders import ReleaseOrder, release_whole
 from proxy.tasks import cancel_and_wait
-from proxy.tenants import GIB, Tenant
 
 log = logging.getLogger("hyperswap.watchdog")
 
@@ -106,7 +108,7 @@ class Watchdog:
                 report.actions.append(f"{name}: stale queue entries {list(state.stale_jobs)}")
                 self._end_lost_jobs(name, state, report)
             # Starvation first: Ollama spilling layers to the CPU wants memory now.
-            adapter = arb.adapter(tenant)
+            adapter: SelfReport = arb.adapter(tenant)
             if adapter.placements_path and tenant.upstream:  # the engine says where each model sits
                 try:
                     models = await adapter.placements(arb.control)

@@ -1,5 +1,5 @@
-"""From a tenant in tenants.json to its controller and its state machine: the one place that maps
-a release kind to a controller class."""
+"""From a tenant in tenants.json to its controller and its state machine. The controller is built by
+the tenant's stopping release step itself (`StoppingRelease.controller`); this only hands it the tools."""
 
 from __future__ import annotations
 
@@ -11,13 +11,11 @@ from urllib.parse import urlsplit
 import httpx
 
 from proxy.clock import Clock
-from proxy.lifecycle.controller import Controller
-from proxy.lifecycle.docker import DockerController
+from proxy.config.schema import Tenant
+from proxy.lifecycle.controller import Controller, ControllerTools, StoppingRelease
 from proxy.lifecycle.process import ProcessController
 from proxy.lifecycle.ready import probe_for, probe_liveness, probe_readiness
 from proxy.lifecycle.state import Backoff, OnDone, TenantLifecycle
-from proxy.lifecycle.systemd import SystemdController
-from proxy.tenants import Tenant
 
 
 def default_state_dir(env: Mapping[str, str] | None = None) -> Path:
@@ -32,21 +30,16 @@ def controller_for(tenant: Tenant, *, clock: Clock, state_dir: Path | None = Non
                    systemctl: str | Sequence[str] = "systemctl",
                    docker_transport: httpx.AsyncBaseTransport | None = None,
                    withheld_env: Iterable[str] = ()) -> Controller | None:
-    """The controller of the tenant's stopping release step; None when its release stops nothing.
-    `withheld_env`: variables a started process never inherits besides HYPERSWAP_* (the admin token's)."""
+    """The controller of the tenant's stopping release step, built by its kind; None when its release
+    stops nothing. `withheld_env`: variables a started process never inherits besides HYPERSWAP_*
+    (the admin token's)."""
     spec = tenant.lifecycle
     if spec is None:
         return None
-    if spec.kind == "process":
-        probe = probe_for(tenant, None)
-        return ProcessController.from_spec(tenant.name, spec, clock=clock, state_dir=state_dir, host=probe.host,
-                                           port=probe.port, withheld_env=withheld_env)
-    if spec.kind == "systemd":
-        return SystemdController.from_spec(spec, systemctl=systemctl, clock=clock, start_timeout_s=tenant.start_timeout_s,
-                                           stop_timeout_s=spec.timeout_s or tenant.release_timeout_s)
-    if spec.kind == "docker":
-        return DockerController.from_spec(spec, transport=docker_transport, start_timeout_s=tenant.start_timeout_s)
-    raise ValueError(f"release kind {spec.kind!r} has no lifecycle controller")
+    if not isinstance(spec, StoppingRelease):
+        raise TypeError(f"release kind {spec.kind!r} stops the app but is no StoppingRelease: it builds no controller")
+    return spec.controller(tenant, ControllerTools(clock=clock, state_dir=state_dir, systemctl=systemctl,
+                                                   docker_transport=docker_transport, withheld_env=withheld_env))
 
 
 def lifecycle_for(tenant: Tenant, engine_ready_path: str | None, *, clock: Clock, state_dir: Path | None = None,

@@ -1,6 +1,7 @@
 """What every lifecycle controller offers: start, stop and status of one app tenants.json names.
 
-A controller is the edge where the effect happens (a child process, `systemctl`, the Docker Engine
+Each release kind that stops the app (`StoppingRelease`: process, systemd, docker) builds its own
+controller. A controller is the edge where the effect happens (a child process, `systemctl`, the Docker Engine
 API); it knows nothing of requests, memory or busy state. The state machine (`state.py`) decides
 when to call it, and the scheduler starts those calls as tasks that report back, never awaiting one.
 """
@@ -9,11 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, TypeVar
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Protocol, TypeVar
+
+import httpx
+from pydantic import Field
 
 from proxy.clock import Clock
+from proxy.config.schema import ReleaseFailed, ReleaseSpec, Tenant
 from proxy.errors import HyperSwapError
 
 Status = Literal["running", "stopped", "unknown"]
@@ -62,6 +68,13 @@ class Controller(Protocol):
     def describe(self) -> JSON:
         """What it controls and its state, JSON-ready, for the admin API and health."""
 
+    def summary(self) -> str:
+        """What it controls in a few words, for health: `process: llama-server -m q.gguf`."""
+
+    def output_elsewhere(self) -> tuple[str, str] | None:
+        """Where the app's output is kept when it is not the proxy's to stream: (what runs it, like
+        "systemd unit", and how to follow it, like "`journalctl -f -u <unit>`"); None: the proxy's own."""
+
     def output(self) -> tuple[str, ...]:
         """The app's last output lines, oldest first (only a process the proxy runs has them)."""
 
@@ -102,3 +115,40 @@ async def within(clock: Clock, timeout_s: float, awaitable: Awaitable[T]) -> tup
     with contextlib.suppress(asyncio.CancelledError):
         await task
     return False, None
+
+
+# ---------------------------------------------------------------------------------------------
+# The release kinds that stop the app (process, systemd, docker): each builds its own controller.
+
+DEFAULT_STOP_TIMEOUT_S = 10.0  # process: SIGTERM, then SIGKILL after this; docker: `stop?t=`
+
+
+def stop_timeout_field() -> Any:
+    """`stop_timeout_s` of the kinds that stop an app by signals (process, docker): one meaning."""
+    return Field(default=None, description=f"kinds process and docker: SIGTERM, then SIGKILL after this long "
+                                           f"(default {DEFAULT_STOP_TIMEOUT_S:g})")
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerTools:
+    """What the proxy hands a kind to build its controller with (tests swap the edges)."""
+
+    clock: Clock
+    state_dir: Path | None = None  # where a process tenant's pidfile lives (build.default_state_dir)
+    systemctl: str | Sequence[str] = "systemctl"
+    docker_transport: httpx.AsyncBaseTransport | None = None
+    withheld_env: Iterable[str] = ()  # variables a started process never inherits besides HYPERSWAP_*
+
+
+class StoppingRelease(ReleaseSpec):
+    """A release kind that gives the memory back by stopping the app, and starts it again when a
+    request arrives for it: it builds the controller that does both."""
+
+    stops: ClassVar[bool] = True
+
+    async def release(self, tenant: Tenant, client: httpx.AsyncClient) -> dict[str, Any]:
+        raise ReleaseFailed(f"tenant {tenant.name!r} is released by stopping it (kind {self.kind!r}): its lifecycle "
+                            "controller (proxy/lifecycle/) does that, not an HTTP call")
+
+    def controller(self, tenant: Tenant, tools: ControllerTools) -> Controller:
+        raise NotImplementedError(f"release kind {self.kind!r} stops the app but builds no controller")

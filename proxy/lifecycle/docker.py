@@ -18,13 +18,26 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+import re
+from typing import Any, Literal
 from urllib.parse import quote
 
 import httpx
+from pydantic import Field, field_validator
 
-from proxy.lifecycle.controller import JSON, Exit, LifecycleError, Status
-from proxy.tenants import DEFAULT_DOCKER_SOCKET, DEFAULT_STOP_TIMEOUT_S, ReleaseSpec
+from proxy.config.schema import Tenant
+from proxy.lifecycle.controller import (
+    DEFAULT_STOP_TIMEOUT_S,
+    JSON,
+    ControllerTools,
+    Exit,
+    LifecycleError,
+    Status,
+    StoppingRelease,
+    stop_timeout_field,
+)
+
+DEFAULT_DOCKER_SOCKET = "/var/run/docker.sock"
 
 REQUEST_TIMEOUT_S = 30.0  # beyond the stop's own t=N
 STATUS_TIMEOUT_S = 10.0  # an inspect: the daemon answers at once when it is well
@@ -49,7 +62,7 @@ class DockerController:
         self._last_error: str | None = None
 
     @classmethod
-    def from_spec(cls, spec: ReleaseSpec, *, transport: httpx.AsyncBaseTransport | None = None,
+    def from_spec(cls, spec: DockerRelease, *, transport: httpx.AsyncBaseTransport | None = None,
                   start_timeout_s: float | None = None) -> DockerController:
         if spec.container is None:
             raise ValueError(f"release kind {spec.kind!r} has no container")
@@ -130,6 +143,12 @@ class DockerController:
     def describe(self) -> JSON:
         return {"kind": self.kind, "container": self.container, "socket": self.socket, "error": self._last_error}
 
+    def summary(self) -> str:
+        return f"docker container {self.container} at {self.socket}"
+
+    def output_elsewhere(self) -> tuple[str, str] | None:
+        return "docker container", "`docker logs -f <container>`"
+
     def output(self) -> tuple[str, ...]:
         return ()
 
@@ -154,3 +173,44 @@ class DockerController:
     async def aclose(self) -> None:
         """Closes the connection; the container is left as it is (the next proxy adopts it)."""
         await self._client.aclose()
+
+
+# Docker container names and ids ([a-zA-Z0-9][a-zA-Z0-9_.-]+, or hex): safe in a URL path as they are.
+CONTAINER_NAME = re.compile(r"/?[A-Za-z0-9][A-Za-z0-9_.-]{0,254}")
+
+
+class DockerRelease(StoppingRelease):
+    """Release kind `docker`: a container stopped and started through the Engine API."""
+
+    kind: Literal["docker"] = "docker"
+    stop_timeout_s: float | None = stop_timeout_field()
+    container: str | None = Field(default=None, validate_default=True, description="kind docker: container name or id")
+    socket: str | None = Field(default=None, description=f"kind docker: the Engine API's Unix socket "
+                                                         f"(default {DEFAULT_DOCKER_SOCKET}; Podman's works too)")
+
+    @field_validator("container")
+    @classmethod
+    def _container(cls, value: str | None) -> str | None:
+        if value is None:
+            raise ValueError("release kind 'docker' needs 'container'")
+        if not CONTAINER_NAME.fullmatch(value):
+            raise ValueError(f"{value!r} is not a container name or id (letters, digits, '_', '.', '-')")
+        return value.lstrip("/")
+
+    @field_validator("socket")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        if value is not None and (not value.startswith(("/", "~")) or "\0" in value):
+            raise ValueError(f"expected an absolute path, got {value!r}")
+        return value
+
+    @property
+    def effective_stop_timeout_s(self) -> float:
+        return DEFAULT_STOP_TIMEOUT_S if self.stop_timeout_s is None else self.stop_timeout_s
+
+    @property
+    def effective_socket(self) -> str:
+        return self.socket or DEFAULT_DOCKER_SOCKET
+
+    def controller(self, tenant: Tenant, tools: ControllerTools) -> DockerController:
+        return DockerController.from_spec(self, transport=tools.docker_transport, start_timeout_s=tenant.start_timeout_s)

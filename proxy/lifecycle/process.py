@@ -41,17 +41,32 @@ import ctypes
 import json
 import logging
 import os
+import re
+import shutil
 import signal
 import sys
 import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Literal
+
+from pydantic import Field, field_validator
 
 from proxy.clock import Clock, SystemClock
+from proxy.config.schema import Tenant
 from proxy.lifecycle import procs
-from proxy.lifecycle.controller import JSON, Exit, LifecycleError, Status, within
-from proxy.tenants import DEFAULT_STOP_TIMEOUT_S, ReleaseSpec
+from proxy.lifecycle.controller import (
+    DEFAULT_STOP_TIMEOUT_S,
+    JSON,
+    ControllerTools,
+    Exit,
+    LifecycleError,
+    Status,
+    StoppingRelease,
+    stop_timeout_field,
+    within,
+)
+from proxy.lifecycle.ready import probe_for
 
 SECRET_PREFIX = "HYPERSWAP_"
 WITHHELD = frozenset({"CREDENTIALS_DIRECTORY"})  # systemd's folder of the proxy's own credentials
@@ -167,7 +182,7 @@ class ProcessController:
         self.orphan: JSON | None = self._find_orphan()
 
     @classmethod
-    def from_spec(cls, name: str, spec: ReleaseSpec, *, clock: Clock | None = None,
+    def from_spec(cls, name: str, spec: ProcessRelease, *, clock: Clock | None = None,
                   state_dir: Path | None = None, host: str | None = None,
                   port: int | None = None, withheld_env: Iterable[str] = ()) -> ProcessController:
         if spec.command is None:
@@ -369,6 +384,12 @@ class ProcessController:
                 "output": list(self.output()), "orphan": self.orphan,
                 "log": str(self.log_path) if self.log_path is not None else None}
 
+    def summary(self) -> str:
+        return "process: " + " ".join(self.command)[:120]
+
+    def output_elsewhere(self) -> tuple[str, str] | None:
+        return None
+
     async def check(self) -> list[str]:
         self.orphan = self._find_orphan() if not self._running() else self.orphan
         problems = []
@@ -537,3 +558,91 @@ class ProcessController:
         if not isinstance(pid, int) or started is None or procs.start_time(pid) != started:
             return None  # gone, or its number belongs to another process now
         return {"pid": pid, "command": data.get("command")}
+
+
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class ProcessRelease(StoppingRelease):
+    """Release kind `process`: a command the proxy runs and owns, stopped by signals (or its stop command)."""
+
+    kind: Literal["process"] = "process"
+    command: list[str] | None = Field(default=None, validate_default=True,
+                                      description="kind process: the command the proxy runs and owns, argv style")
+    stop_command: list[str] | None = Field(
+        default=None, description="kind process: a command run to stop the app instead of signals, argv style (like "
+        "llama-swap's cmdStop: [\"docker\", \"stop\", \"tts\"]); it and the app's exit share stop_timeout_s, it "
+        "is killed with its process group when it runs over, and SIGTERM then SIGKILL follow when it fails or the "
+        "app still runs")
+    cwd: str | None = Field(default=None, description="kind process: its working directory (absolute)")
+    env: dict[str, str] | None = Field(default=None, description="kind process: added to the proxy's environment")
+    stop_timeout_s: float | None = stop_timeout_field()
+
+    @field_validator("command")
+    @classmethod
+    def _needs_command(cls, value: list[str] | None) -> list[str] | None:
+        if value is None:
+            raise ValueError("release kind 'process' needs 'command'")
+        return value
+
+    @field_validator("command", "stop_command")
+    @classmethod
+    def _argv(cls, value: list[str] | None) -> list[str] | None:
+        if value is None:
+            return value
+        if not value or not value[0]:
+            raise ValueError("expected the program and its arguments, like [\"llama-server\", \"--port\", \"8081\"]")
+        if any("\0" in arg for arg in value):
+            raise ValueError("an argument contains a NUL character")
+        if "/" in value[0] and not value[0].startswith("/"):
+            raise ValueError(f"{value[0]!r}: give the program as an absolute path or a bare name found on PATH")
+        return value
+
+    @field_validator("cwd")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        if value is not None and (not value.startswith(("/", "~")) or "\0" in value):
+            raise ValueError(f"expected an absolute path, got {value!r}")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        for key, inner in (value or {}).items():
+            if not ENV_NAME.fullmatch(key):
+                raise ValueError(f"{key!r} is not an environment variable name (letters, digits, '_')")
+            if "\0" in inner:
+                raise ValueError(f"{key!r}: the value contains a NUL character")
+        return value
+
+    @property
+    def effective_stop_timeout_s(self) -> float:
+        return DEFAULT_STOP_TIMEOUT_S if self.stop_timeout_s is None else self.stop_timeout_s
+
+    def controller(self, tenant: Tenant, tools: ControllerTools) -> ProcessController:
+        probe = probe_for(tenant, None)
+        return ProcessController.from_spec(tenant.name, self, clock=tools.clock, state_dir=tools.state_dir,
+                                           host=probe.host, port=probe.port, withheld_env=tools.withheld_env)
+
+    def load_problems(self, where: str, env: Mapping[str, str]) -> list[str]:
+        """The programs exist and are executable (an absolute path, or a bare name on the PATH the
+        child gets: its `env`'s PATH, else the proxy's), and the working directory exists, so a start
+        never fails for it later."""
+        problems: list[str] = []
+        search = (self.env or {}).get("PATH", env.get("PATH", os.defpath))
+        for field, argv in (("command", self.command), ("stop_command", self.stop_command)):
+            if not argv:
+                continue
+            program = argv[0]
+            if program.startswith("/"):
+                if not os.path.isfile(program):
+                    problems.append(f"{where}.{field}.0: {program} does not exist (or is not a file)")
+                elif not os.access(program, os.X_OK):
+                    problems.append(f"{where}.{field}.0: {program} is not executable (chmod +x, or run it "
+                                    "through its interpreter)")
+            elif shutil.which(program, path=search) is None:
+                problems.append(f"{where}.{field}.0: {program!r} is not found on PATH ({search}): install it, "
+                                "give its absolute path, or set PATH in release.env")
+        if self.cwd is not None and not os.path.isdir(os.path.expanduser(self.cwd)):
+            problems.append(f"{where}.cwd: {self.cwd} is not a directory")
+        return problems

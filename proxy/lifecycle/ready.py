@@ -22,8 +22,8 @@ from urllib.parse import urlsplit
 import httpx
 
 from proxy.clock import Clock
+from proxy.config.schema import ReadySpec, Tenant
 from proxy.lifecycle.controller import LifecycleError
-from proxy.tenants import ReadySpec, Tenant
 from proxy.tls import client_context
 
 FIRST_DELAY_S = 0.01

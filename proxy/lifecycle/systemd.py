@@ -22,13 +22,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 from collections.abc import Sequence
 from typing import Literal
 
+from pydantic import Field, field_validator
+
 from proxy.clock import Clock, SystemClock
-from proxy.lifecycle.controller import JSON, Exit, LifecycleError, Status, within
-from proxy.tenants import ReleaseSpec
+from proxy.config.schema import Tenant
+from proxy.lifecycle.controller import JSON, ControllerTools, Exit, LifecycleError, Status, StoppingRelease, within
 
 COMMAND_TIMEOUT_S = 120.0  # systemctl waits for the unit's job; the unit's own TimeoutStartSec/TimeoutStopSec bound it
 STATUS_TIMEOUT_S = 10.0  # is-active, show: systemd answers these at once
@@ -55,7 +58,7 @@ class SystemdController:
         self._error: str | None = None  # the last failed command, in words
 
     @classmethod
-    def from_spec(cls, spec: ReleaseSpec, *, systemctl: str | Sequence[str] = "systemctl", clock: Clock | None = None,
+    def from_spec(cls, spec: SystemdRelease, *, systemctl: str | Sequence[str] = "systemctl", clock: Clock | None = None,
                   start_timeout_s: float | None = None, stop_timeout_s: float | None = None) -> SystemdController:
         """`start_timeout_s`: the tenant's (a start is never waited for longer); `stop_timeout_s`: the
         release step's timeout (the card must show the memory back within it anyway)."""
@@ -134,6 +137,12 @@ class SystemdController:
         return {"kind": self.kind, "unit": self.unit, "scope": self.scope, "output": list(self._last),
                 "error": self._error}
 
+    def summary(self) -> str:
+        return f"systemd {self.scope} unit {self.unit}"
+
+    def output_elsewhere(self) -> tuple[str, str] | None:
+        return "systemd unit", "`journalctl -f -u <unit>`"
+
     def output(self) -> tuple[str, ...]:
         return self._last
 
@@ -161,3 +170,34 @@ class SystemdController:
 
     async def aclose(self) -> None:
         """Leaves the unit as it is: a unit is the system's, and the next proxy adopts it."""
+
+
+# systemd unit names (systemd.unit(5)): no leading '-', so a name can never read as an option.
+UNIT_NAME = re.compile(r"[A-Za-z0-9_:.\\@][A-Za-z0-9_:.\\@-]{0,254}")
+
+
+class SystemdRelease(StoppingRelease):
+    """Release kind `systemd`: a unit stopped and started through `systemctl`."""
+
+    kind: Literal["systemd"] = "systemd"
+    unit: str | None = Field(default=None, validate_default=True, description="kind systemd: the unit, like comfyui.service")
+    scope: Literal["system", "user"] | None = Field(
+        default=None, description="kind systemd: the system manager (default) or the user's (`systemctl --user`)")
+
+    @field_validator("unit")
+    @classmethod
+    def _unit(cls, value: str | None) -> str | None:
+        if value is None:
+            raise ValueError("release kind 'systemd' needs 'unit'")
+        if not UNIT_NAME.fullmatch(value):
+            raise ValueError(f"{value!r} is not a systemd unit name (like comfyui.service)")
+        return value
+
+    @property
+    def effective_scope(self) -> Literal["system", "user"]:
+        return self.scope or "system"
+
+    def controller(self, tenant: Tenant, tools: ControllerTools) -> SystemdController:
+        return SystemdController.from_spec(self, systemctl=tools.systemctl, clock=tools.clock,
+                                           start_timeout_s=tenant.start_timeout_s,
+                                           stop_timeout_s=self.timeout_s or tenant.release_timeout_s)

@@ -15,11 +15,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from proxy.config.registry import Registry
+from proxy.config.schema import Tenant
 from proxy.engines import adapter_for
 from proxy.engines.model_files import FileHints, Located, ModelFiles, TenantFiles
 from proxy.models.fileio import FileWork
 from proxy.models.pagecache import ModelResidency, PageCacheProbe, ResidencyCache, summed
-from proxy.tenants import Registry, Tenant
 
 LOCATE_TTL_S = 10.0  # a model pulled or deleted shows up within this
 UNKNOWN_TTL_S = 1.0

@@ -38,11 +38,12 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.typing import Subprotocol
 
+from proxy.config.schema import Tenant
 from proxy.engines import EngineAdapter, adapter_for, strip_hop_by_hop
+from proxy.engines.ports import HostAndHeaders
 from proxy.errors import HyperSwapError
 from proxy.relay import http1
 from proxy.relay.inbound import ABORT
-from proxy.tenants import Tenant
 from proxy.tls import client_context
 
 log = logging.getLogger("hyperswap.forward")
@@ -318,7 +319,7 @@ class Forwarder:
     async def websocket(self, tenant: Tenant, ws: WebSocket,
                         on_upstream_text: Callable[[str], None] | None = None) -> None:
         """Bridge a client websocket to the same path and query upstream, frames and close codes both ways."""
-        adapter = self.adapter(tenant)
+        adapter: HostAndHeaders = self.adapter(tenant)
         scope = ws.scope
         client_scheme = scope.get("scheme", "ws")
         headers = _latin1(adapter.upstream_headers(

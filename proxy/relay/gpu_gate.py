@@ -18,8 +18,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from proxy.clock import Clock
-from proxy.engines import EngineAdapter, Need, ReleaseFailed, strip_hop_by_hop
-from proxy.engines.base import JobReplay
+from proxy.config.schema import Tenant
+from proxy.engines import Need, ReleaseFailed, strip_hop_by_hop
+from proxy.engines.ports import GatePorts, JobReplay, OomDetector
 from proxy.handoff import devices
 from proxy.handoff.arbiter import RESIDENT, gib
 from proxy.handoff.arbitration import Arbitration
@@ -42,7 +43,6 @@ from proxy.lifecycle.controller import LifecycleError
 from proxy.relay import trace as tracing
 from proxy.relay.forward import UpstreamResponse
 from proxy.relay.listener import FirstStep
-from proxy.tenants import Tenant
 
 log = logging.getLogger("hyperswap.gate")
 
@@ -164,9 +164,9 @@ class GpuGate:
     client_id, read back from ComfyUI's own /history entry.
     """
 
-    def __init__(self, arbitration: Arbitration, adapter: Callable[[Tenant], EngineAdapter] | None = None) -> None:
+    def __init__(self, arbitration: Arbitration, adapter: Callable[[Tenant], GatePorts] | None = None) -> None:
         self.arb = arbitration
-        self._adapter = adapter or arbitration.adapter  # the forwarder's per-tenant adapters
+        self._adapter: Callable[[Tenant], GatePorts] = adapter or arbitration.adapter  # the forwarder's per-tenant adapters
         self._requeued: dict[str, str] = {}  # new prompt id -> the OOM'd prompt it retries
         self._seen_oom: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -258,7 +258,7 @@ class GpuGate:
         finally:
             self.arb.scheduler.settle_when_idle(handoff)  # the re-queued prompt loads after POST /prompt returns
 
-    async def _job_replay(self, adapter: EngineAdapter, job_id: str) -> JobReplay | None:
+    async def _job_replay(self, adapter: OomDetector, job_id: str) -> JobReplay | None:
         """The engine writes the failed job down shortly after its error frame: look for a while."""
         for _ in range(50):
             replay = await adapter.job_replay(self.arb.control, job_id)

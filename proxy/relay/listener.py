@@ -24,8 +24,10 @@ from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket
 
 from proxy.clock import Clock
+from proxy.config.schema import Tenant
 from proxy.engines import Need
-from proxy.engines.base import Streamed, origin_netloc, same_origin
+from proxy.engines.base import origin_netloc, same_origin
+from proxy.engines.ports import ListenerPorts, Streamed
 from proxy.errors import HyperSwapError
 from proxy.handoff.inflight import InFlight, JobFate, JobPoller, Token
 from proxy.handoff.scheduler import Admitted
@@ -35,7 +37,6 @@ from proxy.relay.forward import Forwarder, UpstreamResponse
 from proxy.relay.guards import SAFE_METHODS, answer, host_header, refuse_tenant_host
 from proxy.relay.trace import Trace, stamp, traced
 from proxy.relay.trace import current as current_trace
-from proxy.tenants import Tenant
 
 log = logging.getLogger("hyperswap.listener")
 
@@ -133,10 +134,10 @@ class TenantApp:
         self.forwarder = forwarder
         self.inflight = inflight
         self.admission = admission
-        self.adapter = forwarder.adapter(tenant)
+        self.adapter: ListenerPorts = forwarder.adapter(tenant)
         self._hosts = self.adapter.host_policy()
         # a tenant the proxy may stop, or whose release owes a resume: woken before each request
-        self._sleeps = tenant.lifecycle is not None or any(s.resume is not None for s in tenant.release_steps)
+        self._sleeps = tenant.lifecycle is not None or any(s.resumes for s in tenant.release_steps)
         self.poller = JobPoller(inflight, tenant.name, self._check_jobs, interval_s=job_poll_s, on_lost=self._job_lost)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -202,7 +203,8 @@ class TenantApp:
             upstream = await self.forwarder.open(self.tenant, scope, link.body())
         except HyperSwapError as exc:
             return _error_response(exc)
-        if self.adapter.drops_jobs(scope["method"], scope["path"]):  # a queue delete or clear
+        if self.adapter.job_news(scope["method"], scope["path"]) and self.inflight.jobs(self.tenant.name):
+            # a queue delete or clear, or a client that polls for its job's end: check the jobs now
             return self.forwarder.relay(self.tenant, upstream, on_close=self.poller.check_soon)
         return self.forwarder.relay(self.tenant, upstream, on_close=_nothing)
 

@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from proxy.clock import Clock
-from proxy.engines.base import Streamed
+from proxy.engines.ports import Streamed
 from proxy.errors import HyperSwapError
 from proxy.relay.forward import UpstreamResponse
 from proxy.relay.trace import Trace, stamp

@@ -10,8 +10,8 @@ from typing import Any, TextIO
 
 import httpx
 
+from proxy.config.loading import load_registry
 from proxy.errors import HyperSwapError
-from proxy.tenants import load_registry
 from proxy.tls import client_context
 from proxy.verify.clients import loopback
 from proxy.verify.report import Report, StageResult

@@ -15,7 +15,7 @@ import httpx
 from websockets.asyncio.client import connect as ws_connect
 
 from proxy.clock import Clock
-from proxy.tenants import GIB
+from proxy.config.units import GIB
 
 
 class WsConnection(Protocol):

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 
 from proxy.clock import Clock, SystemClock
-from proxy.tenants import GIB
+from proxy.config.units import GIB
 from proxy.verify.clients import (
     AdminClient,
     ComfyClient,

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from proxy.tenants import GIB
+from proxy.config.units import GIB
 from proxy.verify.clients import OllamaModel, TenantInfo, Unexpected, gib, the_graph
 from proxy.verify.report import StageFailed, StageSkipped
 from proxy.verify.roles import GENERATES, RENDERS, adapter_class, role_of

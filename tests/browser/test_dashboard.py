@@ -16,13 +16,13 @@ from websockets.asyncio.client import connect as ws_connect
 
 from proxy.admin.telemetry import Telemetry
 from proxy.clock import Clock
+from proxy.config.units import GIB
 from proxy.demo import Demo, comfy_prompt, run_prompt
 from proxy.gpu.snapshot import GpuReadError
 from proxy.handoff.arbiter import Blocker, Plan
 from proxy.handoff.decisions import OomRetry, Rejected
 from proxy.sim.box import fast_scenario as fast
 from proxy.tasks import poll_until
-from proxy.tenants import GIB
 
 DemoFactory = Callable[..., Awaitable[Demo]]
 OpenDashboard = Callable[[Demo], Awaitable[tuple[Page, Any]]]

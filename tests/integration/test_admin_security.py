@@ -7,10 +7,10 @@ import httpx
 import pytest
 from boxes import DemoFactory, fast
 
+from proxy.config.loading import registry_from_dict
 from proxy.errors import ConfigError
 from proxy.service import Proxy
 from proxy.sim.gpu import SimulatedGpu
-from proxy.tenants import registry_from_dict
 
 
 def test_admin_on_a_public_address_without_a_token_refuses_to_start() -> None:

@@ -12,13 +12,13 @@ from boxes import DemoFactory, fast
 from websockets.asyncio.client import connect as ws_connect
 
 from proxy.clock import ManualClock
+from proxy.config.units import GIB
 from proxy.demo import comfy_prompt, run_prompt
 from proxy.gpu.snapshot import GpuReadError
 from proxy.handoff.arbiter import Plan
 from proxy.handoff.decisions import DecisionView
 from proxy.handoff.scheduler import Handoff
 from proxy.tasks import poll_until
-from proxy.tenants import GIB
 
 OOM = "llama runner process has terminated: cudaMalloc failed: out of memory"
 

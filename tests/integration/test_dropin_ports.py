@@ -5,6 +5,7 @@ Fixed ports: run in a network namespace of its own (`unshare --net`), skipped wh
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).with_name("scripts") / "dropin_clients.py"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_clients_at_the_engines_own_addresses_go_through_the_installed_proxy(tmp_path: Path) -> None:
@@ -23,5 +25,6 @@ def test_clients_at_the_engines_own_addresses_go_through_the_installed_proxy(tmp
         pytest.skip(f"cannot make a network namespace here: {probe.stderr.strip()}")
     done = subprocess.run(["unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$0" "$1" "$2"',
                            sys.executable, str(SCRIPT), str(tmp_path / "root")],
-                          capture_output=True, text=True, check=False, timeout=300, cwd=tmp_path)
+                          capture_output=True, text=True, check=False, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})  # this checkout's proxy, not an installed one
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stdout[-3000:] + done.stderr[-3000:]

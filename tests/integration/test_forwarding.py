@@ -33,12 +33,12 @@ from starlette.websockets import WebSocket
 from websockets.asyncio.client import connect
 
 from proxy.clock import ManualClock, until_all_wait
+from proxy.config.schema import Tenant, Timeouts
 from proxy.handoff.inflight import InFlight
 from proxy.relay.forward import Forwarder
 from proxy.relay.listener import TenantApp
 from proxy.relay.servers import RunningServer, start_server
 from proxy.tasks import poll_until
-from proxy.tenants import Tenant, Timeouts
 
 SAFETY_S = 10.0  # only to turn a deadlock into a failure, never to measure
 
@@ -718,6 +718,21 @@ async def test_comfyui_prompt_without_socket_ends_via_history_poll() -> None:
         state.history_done.add(pid)
         await clock.advance(60.0)  # its next turn
         assert await inflight.wait_idle("comfyui", SAFETY_S), "the poller must see /history list the prompt"
+
+
+async def test_a_client_polling_history_through_the_proxy_ends_the_job_when_it_sees_the_end() -> None:
+    # the manual clock never moves: the proxy's own poll never runs, so only the client's poll of
+    # /history passing through can end the job (before, a swap away waited up to job_poll_s for it)
+    clock = ManualClock()
+    async with stack("comfyui", comfyui_like, clock=clock) as (proxy, _, inflight, state):
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS) as c:
+            pid = (await c.post(f"{proxy.url}/prompt", json={"prompt": {}})).json()["prompt_id"]
+            await within(_until(lambda: inflight.traffic("comfyui").jobs == (pid,)))
+            assert not await inflight.wait_idle("comfyui", 0.05), "the job ended before its end"
+            state.history_done.add(pid)
+            seen = (await c.get(f"{proxy.url}/history/{pid}")).json()
+        assert seen[pid]["status"]["completed"] is True
+        assert await inflight.wait_idle("comfyui", SAFETY_S), "the client saw the end; the proxy did not"
 
 
 async def _until(pred: Callable[[], bool]) -> None:

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 from websockets.asyncio.client import connect
 
+from proxy.config.schema import Tenant
 from proxy.handoff.inflight import InFlight
 from proxy.relay.forward import Forwarder
 from proxy.relay.inbound import InboundLimits
 from proxy.relay.listener import TenantApp
 from proxy.relay.servers import ACCEPT_FAILED, RunningServer, start_server
 from proxy.tasks import poll_until
-from proxy.tenants import Tenant
 
 SAFETY_S = 10.0
 ROOT = Path(__file__).resolve().parents[2]

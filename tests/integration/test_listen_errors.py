@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from proxy.config.loading import load_registry
 from proxy.errors import ConfigError
 from proxy.service import Proxy, listen_error
 from proxy.sim.gpu import SimulatedGpu
-from proxy.tenants import load_registry
 
 
 def config(tmp_path: Path, listen: str) -> Path:

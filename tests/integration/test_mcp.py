@@ -18,9 +18,9 @@ from mcp import Client, MCPError, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 
 from proxy.admin.mcp_tools import AdminClient, build_server
+from proxy.config.units import GIB
 from proxy.demo import Demo, run_prompt
 from proxy.errors import McpNotInstalled
-from proxy.tenants import GIB
 
 TOOLS = {"health", "engines", "tenants", "plan", "release", "models", "start", "stop"}
 REPO = Path(__file__).resolve().parents[2]

@@ -31,6 +31,8 @@ from starlette.websockets import WebSocket
 
 from proxy.admin.health import EnvReaders, HealthExtension
 from proxy.cli import main, serve
+from proxy.config.loading import registry_from_dict
+from proxy.config.units import GIB
 from proxy.demo import run_prompt
 from proxy.gpu.nvml import NvmlReader
 from proxy.gpu.snapshot import GpuReadError
@@ -38,7 +40,6 @@ from proxy.relay.servers import RunningServer, start_server
 from proxy.service import Proxy
 from proxy.sim.box import Scenario, SimBox
 from proxy.tasks import poll_until
-from proxy.tenants import GIB, registry_from_dict
 
 HOST_RAM = int(24.04 * GIB)  # what a --cpu ComfyUI reports as torch_vram_total: host RAM, not VRAM
 

@@ -11,10 +11,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from proxy.config.loading import registry_from_dict
 from proxy.service import Proxy
 from proxy.sim.gpu import SimulatedGpu
 from proxy.tasks import poll_until
-from proxy.tenants import registry_from_dict
 
 SAFETY_S = 15.0
 STREAMS = 100

@@ -6,10 +6,12 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
+from proxy.config.loading import registry_from_dict
+from proxy.config.registry import Registry
+from proxy.config.units import GIB
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot
 from proxy.handoff.arbiter import TenantState
-from proxy.tenants import GIB, Registry, registry_from_dict
 
 MIB = 2**20
 TOTAL = 24 * GIB

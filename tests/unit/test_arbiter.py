@@ -6,9 +6,9 @@ import json
 
 from cards import STT, TOTAL, busy, idle, registry, snap
 
+from proxy.config.units import GIB
 from proxy.gpu.attribution import Attributor
 from proxy.handoff.arbiter import Plan, plan_release, starved
-from proxy.tenants import GIB
 
 
 def released(plan: Plan) -> list[str]:

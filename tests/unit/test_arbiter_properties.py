@@ -12,9 +12,11 @@ from cards import busy, idle, snap
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from proxy.config.loading import registry_from_dict
+from proxy.config.registry import Registry
+from proxy.config.units import GIB
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.handoff.arbiter import TenantState, plan_release
-from proxy.tenants import GIB, Registry, registry_from_dict
 
 MIB = 2**20
 NAMES = ("a", "b", "c", "d", "e")

@@ -6,9 +6,11 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
+from proxy.config.loading import registry_from_dict
+from proxy.config.registry import Registry
+from proxy.config.units import GIB
 from proxy.gpu.attribution import UNMANAGED, Attributor
 from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot
-from proxy.tenants import GIB, Registry, registry_from_dict
 
 
 def registry(extra: Mapping[str, Any] | None = None) -> Registry:

@@ -11,11 +11,12 @@ from typing import Any
 import pytest
 from proctrees import FakeProc, gpu_proc, snapshot
 
+from proxy.config.loading import registry_from_dict
+from proxy.config.registry import Registry
 from proxy.gpu.attribution import UNMANAGED, Attributor
 from proxy.gpu.proctree import read_process_tree
 from proxy.gpu.snapshot import ProcessTree
 from proxy.hosts import IpAddress
-from proxy.tenants import Registry, registry_from_dict
 
 OLLAMA_UID = 997  # Ollama's service user
 

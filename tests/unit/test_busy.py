@@ -11,9 +11,9 @@ import sys
 import pytest
 from cards import registry
 
+from proxy.config.units import GIB
 from proxy.handoff.busy import JOB_LOAD_GRACE_S, Evidence, QueueRead, busy_states, queue_rows, stale_jobs, tenant_state
 from proxy.handoff.inflight import TenantTraffic
-from proxy.tenants import GIB
 
 REG = registry()
 COMFY = REG.get("comfyui")

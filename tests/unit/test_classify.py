@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from proxy.config.schema import Tenant
 from proxy.engines import ComfyUIAdapter, GenericAdapter, OllamaAdapter, adapter_for, strip_hop_by_hop
-from proxy.tenants import Tenant
 
 
 def tenant(engine: str, upstream: str = "http://127.0.0.1:11434") -> Tenant:
@@ -121,3 +121,15 @@ def test_comfyui_history_shows_done_only_once_listed() -> None:
     assert a.history_path("p1") == "/history/p1"
     assert a.job_done_from_history("p1", 200, b"{}") is False
     assert a.job_done_from_history("p1", 200, b'{"p1": {"status": {"completed": true}}}') is True
+
+
+@pytest.mark.parametrize("method, path, news", [
+    ("POST", "/queue", True), ("POST", "/api/queue/", True),  # a delete or clear
+    ("GET", "/history/p1", True), ("GET", "/api/history", True), ("GET", "/queue", True),  # a client waiting for its end
+    ("GET", "/system_stats", False), ("POST", "/prompt", False), ("GET", "/historyx", False),
+    ("DELETE", "/history", False),
+])
+def test_comfyui_job_news_is_a_queue_change_or_a_client_polling_for_its_end(method: str, path: str,
+                                                                           news: bool) -> None:
+    assert adapter_for(tenant("comfyui", "http://127.0.0.1:8188")).job_news(method, path) is news
+    assert adapter_for(tenant("ollama")).job_news(method, path) is False

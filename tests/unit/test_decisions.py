@@ -10,6 +10,7 @@ import pytest
 
 from proxy.admin import views
 from proxy.clock import ManualClock
+from proxy.config.units import GIB
 from proxy.decision import DecisionEvent
 from proxy.gpu.keeper import GpuApplyFinished, GpuApplyStarted, GpuDrift
 from proxy.gpu.profile import FieldCheck
@@ -34,7 +35,6 @@ from proxy.handoff.decisions import (
     WaitChanged,
 )
 from proxy.models.loads import LoadRecord
-from proxy.tenants import GIB
 
 RELEASE = Release("comfyui", 7 * GIB, (4242,), "idle")
 PLAN = Plan("ollama", 16 * GIB, 10 * GIB, 0, True, False, (RELEASE,), (), "release comfyui", False)

@@ -11,8 +11,10 @@ import httpx
 import pytest
 import respx
 
+from proxy.config.loading import registry_from_dict
+from proxy.config.schema import Tenant
+from proxy.config.units import GIB
 from proxy.engines import memory
-from proxy.tenants import GIB, Tenant, registry_from_dict
 
 OLLAMA = "http://127.0.0.1:11434"
 COMFYUI = "http://127.0.0.1:28188"

@@ -10,8 +10,9 @@ from pathlib import Path
 import httpx
 import respx
 
+from proxy.config.loading import registry_from_dict
+from proxy.config.schema import EngineKind
 from proxy.engines import ADAPTERS, AdapterCache, EngineAdapter, adapter_for
-from proxy.tenants import EngineKind, registry_from_dict
 
 PROXY = Path(__file__).resolve().parents[2] / "proxy"
 

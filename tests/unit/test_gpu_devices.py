@@ -11,6 +11,7 @@ from cards import registry
 from test_nvml import CLK_TCK, GIB, FakeNvml, entry
 
 from proxy.clock import ManualClock
+from proxy.config.loading import registry_from_dict
 from proxy.engines import adapter_for
 from proxy.errors import ConfigError
 from proxy.gpu.devices import (
@@ -24,7 +25,6 @@ from proxy.gpu.devices import (
 )
 from proxy.gpu.nvml import NvmlReader
 from proxy.gpu.snapshot import DeviceMemory, GpuProcess
-from proxy.tenants import registry_from_dict
 
 CARDS = (DeviceMemory(0, "NVIDIA RTX 4090", 24 * GIB, 0, 0, 24 * GIB, uuid="GPU-8f2c1a00-1111"),
          DeviceMemory(1, "NVIDIA RTX 4090", 24 * GIB, 0, 0, 24 * GIB, uuid="GPU-3b7d9e00-2222"))

@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 
 from proxy.clock import ManualClock
+from proxy.config.settings import GpuProfile
 from proxy.gpu.keeper import GpuSettingsKeeper
 from proxy.gpu.settings_writer import ROOT_FIX, SettingChange, SettingsWriteError
 from proxy.gpu.snapshot import GpuReadError
 from proxy.handoff.decisions import DecisionLog
 from proxy.sim.gpu_settings import SimulatedCardSettings, SimulatedSettingsSpec
-from proxy.tenants import GpuProfile
 
 
 class RecordingWriter:

@@ -6,11 +6,12 @@ from typing import Any
 
 import pytest
 
+from proxy.config.loading import registry_from_dict
+from proxy.config.settings import GpuProfile
 from proxy.errors import ConfigError
 from proxy.gpu.profile import compare, plan_changes, reset_reason
 from proxy.gpu.settings import LOCKED_CLOCKS_UNREADABLE, NO_PERMISSION, NOT_LOCKED, NOT_SUPPORTED, FanState, GpuSettings
 from proxy.gpu.settings_writer import SettingChange
-from proxy.tenants import GpuProfile, registry_from_dict
 
 
 def card(**kw: Any) -> GpuSettings:

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import pytest
 
+from proxy.config.loading import registry_from_dict
+from proxy.config.schema import Tenant
 from proxy.engines import adapter_for
 from proxy.errors import ConfigError
 from proxy.hosts import HostPolicy, IpAddress, host_name, listener_policy
 from proxy.sim.ollama_wire import host_allowed as ollama_sim_allows
-from proxy.tenants import Tenant, registry_from_dict
 
 
 def never_local(ip: IpAddress) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 from proxy.clock import ManualClock
 from proxy.handoff.inflight import InFlight, JobFate, JobPoller
@@ -75,6 +76,33 @@ async def test_a_job_the_engine_no_longer_has_ends_and_is_reported_once() -> Non
     inflight.track_job("comfyui", "queued")
     await clock.advance(POLL_S)  # one poll
     assert inflight.jobs("comfyui") == ("queued",) and lost == ["deleted"]
+    await poller.stop()
+
+
+async def test_check_soon_checks_at_once_but_no_faster_than_min_gap() -> None:
+    # a client polling /history at 50 Hz asks for a check each time: the engine is asked at most
+    # every min_gap_s, and the end is heard within it instead of at the next interval
+    clock = ManualClock()
+    inflight = InFlight(clock)
+    checks: list[float] = []
+    done = False
+
+    async def check(jobs: tuple[str, ...]) -> dict[str, JobFate]:
+        checks.append(clock.now())
+        return {j: "done" if done else "running" for j in jobs}
+
+    poller = JobPoller(inflight, "comfyui", check, interval_s=POLL_S, min_gap_s=0.1)
+    start = clock.now()
+    inflight.track_job("comfyui", "p1")
+    for _ in range(10):  # 0.2 s of a client polling every 20 ms
+        poller.check_soon()
+        await clock.advance(0.02)
+    assert 1 <= len(checks) <= 3, checks
+    assert all(b - a >= 0.1 - 1e-9 for a, b in itertools.pairwise(checks)), checks
+    done = True
+    poller.check_soon()
+    await clock.advance(0.1)
+    assert inflight.jobs("comfyui") == () and clock.now() - start < POLL_S, "the end waited for the interval"
     await poller.stop()
 
 

@@ -16,10 +16,12 @@ from test_imports import ROOT, Edge, import_edges, modules
 
 # First to last. A module belongs to the first layer with a prefix that is its name or a package of it.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("core", ("proxy.tenants", "proxy.errors", "proxy.clock", "proxy.tasks", "proxy.tls", "proxy.hosts",
+    ("core", ("proxy.config", "proxy.errors", "proxy.clock", "proxy.tasks", "proxy.tls", "proxy.hosts",
               "proxy.decision")),
     ("gpu", ("proxy.gpu",)),
-    ("engines", ("proxy.engines", "proxy.lifecycle")),  # lifecycle: how an engine is started and stopped
+    # lifecycle: how an engine is started and stopped; config.loading validates the whole schema, whose
+    # `release` is the union of the release kinds engines and lifecycle define (engines/release_kinds.py)
+    ("engines", ("proxy.engines", "proxy.lifecycle", "proxy.config.loading")),
     ("models", ("proxy.models",)),
     ("handoff", ("proxy.handoff",)),
     ("relay", ("proxy.relay",)),

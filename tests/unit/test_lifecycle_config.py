@@ -13,11 +13,12 @@ import httpx
 import pytest
 
 from proxy.cli import main
+from proxy.config.loading import SHIPPED_DEFAULTS, load_registry, registry_from_dict
+from proxy.config.registry import Registry
 from proxy.engines import adapter_for
 from proxy.engines.common import ReleaseFailed, release_by_strategy, resume_by_strategy
 from proxy.errors import ConfigError
 from proxy.lifecycle import probe_for
-from proxy.tenants import SHIPPED_DEFAULTS, Registry, load_registry, registry_from_dict
 
 UP = "http://127.0.0.1:8081"
 
@@ -53,7 +54,8 @@ def test_existing_configs_load_unchanged() -> None:
     assert reg.get("ollama").release_steps[0].kind == "ollama_unload"
     assert reg.get("desktop").not_reclaimable_reason.startswith("the desktop's display server")
     dumped = reg.get("comfyui").model_dump(mode="json")["release"]
-    assert dumped["kind"] == "comfyui_free" and dumped["command"] is None
+    assert dumped == {"kind": "comfyui_free", "timeout_s": None, "unload_models": True, "free_memory": True}, \
+        "a step holds its own kind's fields only"
     again = registry_from_dict({"tenants": {"comfyui": {"release": dumped}}})
     assert again.get("comfyui").release == reg.get("comfyui").release, "a dumped release loads back the same"
 

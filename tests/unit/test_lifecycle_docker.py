@@ -15,9 +15,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from proxy.clock import SystemClock
+from proxy.config.loading import registry_from_dict
 from proxy.lifecycle import DockerController, LifecycleError, controller_for
 from proxy.tasks import poll_until
-from proxy.tenants import registry_from_dict
 
 
 @dataclass

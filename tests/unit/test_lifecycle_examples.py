@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from proxy.config.loading import load_registry
 from proxy.engines import adapter_for
 from proxy.lifecycle import probe_for
-from proxy.tenants import load_registry
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "lifecycle"
 

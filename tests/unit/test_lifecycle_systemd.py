@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from proxy.config.loading import registry_from_dict
 from proxy.lifecycle import LifecycleError, SystemdController
-from proxy.tenants import registry_from_dict
 
 FAKE = textwrap.dedent("""
     import json, sys

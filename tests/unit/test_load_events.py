@@ -8,9 +8,9 @@ from typing import cast
 
 from proxy.admin import views
 from proxy.clock import ManualClock
+from proxy.config.units import GIB
 from proxy.handoff.arbitration import Arbitration
 from proxy.handoff.load_events import Load, LoadEvents, progress
-from proxy.tenants import GIB
 
 
 class Recorder:

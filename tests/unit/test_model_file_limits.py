@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from proxy.config.loading import registry_from_dict
 from proxy.engines.model_files import NotRegular, comfy_folders, ollama_store, open_regular, plain_files
 from proxy.models.catalog import ModelCatalog
 from proxy.models.fileio import FileWork, FileWorkBusy
 from proxy.models.pagecache import SystemPageCache
 from proxy.models.warm import WarmJob, warm_files
 from proxy.tasks import poll_until
-from proxy.tenants import registry_from_dict
 
 BOUND_S = 5.0  # only turns a hang into a failure
 PLENTY = 1 << 50  # MemAvailable that never stops a warm

@@ -3,9 +3,9 @@ loads (not constants), and the health verdict when cold loads dominate."""
 
 from __future__ import annotations
 
+from proxy.config.loading import registry_from_dict
 from proxy.engines import adapter_for
 from proxy.models.loads import LoadLog, LoadRecord, classify, cold_share, thresholds
-from proxy.tenants import registry_from_dict
 
 GB = 10**9
 

@@ -7,6 +7,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from proxy.config.loading import registry_from_dict
 from proxy.engines import adapter_for
 from proxy.engines.model_files import (
     FileHints,
@@ -22,7 +23,6 @@ from proxy.engines.model_files import (
 )
 from proxy.models.catalog import ModelCatalog
 from proxy.models.pagecache import FileResidency
-from proxy.tenants import registry_from_dict
 
 
 def hexd(short: str) -> str:

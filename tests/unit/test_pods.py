@@ -13,6 +13,7 @@ import pytest
 import respx
 
 from proxy.clock import ManualClock
+from proxy.config.loading import registry_from_dict
 from proxy.errors import ConfigError
 from proxy.gpu.attribution import Attributor
 from proxy.gpu.pods import (
@@ -28,7 +29,6 @@ from proxy.gpu.pods import (
     with_pods,
 )
 from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot, ProcessTree
-from proxy.tenants import registry_from_dict
 
 FIXTURES = Path(__file__).with_name("fixtures")
 A = "3b8f0f1e5c0d4a7f9e2b6c1d8a4f7e3b2c9d0e1f5a6b7c8d9e0f1a2b3c4d5e6f"  # containerd (ollama pod)

@@ -7,11 +7,11 @@ import json
 import pytest
 
 from proxy.clock import ManualClock
+from proxy.config.schema import Tenant
 from proxy.engines import ComfyUIAdapter, OllamaAdapter
-from proxy.engines.base import Streamed
+from proxy.engines.ports import Streamed
 from proxy.relay.progress import Framing, error_message, wait_line, wanted
 from proxy.relay.trace import Trace
-from proxy.tenants import Tenant
 
 
 def ollama() -> OllamaAdapter:

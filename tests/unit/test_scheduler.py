@@ -15,12 +15,15 @@ import pytest
 from cards import STT, busy, idle, registry, snap
 
 from proxy.clock import ManualClock, until_all_wait
+from proxy.config.registry import Registry
+from proxy.config.units import GIB
 from proxy.gpu.attribution import AttributedSnapshot
-from proxy.handoff.arbiter import Plan, Releasing, SwapHold, TenantState, Waiter, queue_order, schedule
-from proxy.handoff.decisions import DecisionLog, HandoffStarted, Queued, QueueEnded
+from proxy.handoff.arbiter import Plan, Releasing, TenantState, Waiter, queue_order, schedule
+from proxy.handoff.decisions import DecisionLog, HandoffStarted, Queued, QueueEnded, ReleaseResult
+from proxy.handoff.hold import HOLD_SHARE, RELOAD_BYTES_PER_S, SwapHold
 from proxy.handoff.inflight import InFlight, Token
-from proxy.handoff.scheduler import Admitted, Released, ReleaseOrder, ReleaseResult, Scheduler, release_whole
-from proxy.tenants import GIB, Registry
+from proxy.handoff.orders import Released, ReleaseOrder, release_whole
+from proxy.handoff.scheduler import Admitted, Scheduler
 
 # -- the pure decision --------------------------------------------------------------------------
 
@@ -189,7 +192,8 @@ def clock() -> ManualClock:
 
 
 def recorder(clock: ManualClock, **proxy: Any) -> Recorder:
-    reg = registry({"stt": STT}, proxy={"queue_timeout_s": 30.0, **proxy})
+    """The box with proxy settings `proxy`; the swap hold off unless asked for (its tests ask)."""
+    reg = registry({"stt": STT}, proxy={"queue_timeout_s": 30.0, "swap_hold_s": 0.0, **proxy})
     return Recorder(reg, clock, [("comfyui", 2, 7 * GIB)], free=10 * GIB)
 
 
@@ -490,7 +494,7 @@ def test_a_resident_request_waits_when_the_same_pass_starts_releasing_its_tenant
 
 # -- holding a swap briefly (proxy.swap_hold_s): what is on the card may be asked for again --------
 
-HOLD = SwapHold(0.5, frozenset({"comfyui"}))  # comfyui's work ran lately
+HOLD = SwapHold(1.0, frozenset({"comfyui"}))  # comfyui's work ran lately
 
 
 def test_a_swap_away_from_a_tenant_active_lately_is_held_then_started_after_the_hold() -> None:
@@ -499,10 +503,25 @@ def test_a_swap_away_from_a_tenant_active_lately_is_held_then_started_after_the_
     (v,) = schedule(s, registry(), idle("ollama", "comfyui"), [chat], {}, 0.2, 60, hold=HOLD)
     assert v.action == "wait" and v.held == ("comfyui",), "the swap started inside the hold"
     assert v.plan.feasible and [r.tenant for r in v.plan.releases] == ["comfyui"]
-    assert v.reason == ("holding the swap of comfyui for 0.5 s (proxy.swap_hold_s): requests for what is on "
-                        "the card go first")
-    (v,) = schedule(s, registry(), idle("ollama", "comfyui"), [chat], {}, 0.5, 60, hold=HOLD)
-    assert v.action == "run" and not v.held, "the swap did not start once the waiter had waited swap_hold_s"
+    (release,) = v.plan.releases
+    hold = HOLD_SHARE * release.expected_free_bytes / RELOAD_BYTES_PER_S  # a share of its reload at 2 GB/s
+    assert 0.2 < hold < 1.0 and v.held_until == pytest.approx(hold), "the hold is not weighed by the reload it risks"
+    assert v.reason == (f"holding the swap of comfyui for {hold:.2g} s (proxy.swap_hold_s, weighed by its reload): "
+                        "requests for what is on the card go first")
+    (v,) = schedule(s, registry(), idle("ollama", "comfyui"), [chat], {}, hold, 60, hold=HOLD)
+    assert v.action == "run" and not v.held, "the swap did not start at the hold's end"
+
+
+@pytest.mark.parametrize("released_gib, expected_s", [(0.5, 0.5 * GIB * HOLD_SHARE / RELOAD_BYTES_PER_S), (30, 1.0)])
+def test_the_hold_is_weighed_by_the_reload_it_risks_and_capped_by_swap_hold_s(released_gib: float,
+                                                                               expected_s: float) -> None:
+    # a small model reloads in a fraction of a second: holding for it gains little; a big one is capped
+    s = snap([("comfyui", 2, 7 * GIB)], free=10 * GIB)
+    (v,) = schedule(s, registry(), idle("ollama", "comfyui"), [waiter("ollama", 16, at=0)], {}, 0.01, 60, hold=HOLD)
+    (release,) = v.plan.releases
+    plan = replace(v.plan, releases=(replace(release, expected_free_bytes=int(released_gib * GIB)),))
+    assert HOLD.hold_s(plan.releases) == pytest.approx(expected_s)
+    assert SwapHold(0.5, frozenset({"stt"})).hold_s(plan.releases) == 0, "held though comfyui was not active lately"
 
 
 def test_resident_work_overtakes_a_held_swap_counted_and_within_the_bound() -> None:
@@ -524,12 +543,12 @@ def test_resident_work_overtakes_a_held_swap_counted_and_within_the_bound() -> N
 
 
 @pytest.mark.parametrize("hold, why", [(SwapHold(0.5, frozenset({"ollama"})), "comfyui was not active lately"),
-                                       (SwapHold(), "the hold is off by default")])
+                                       (SwapHold(), "the hold is off")])
 def test_a_swap_is_not_held_when_its_victim_was_not_active_lately_or_the_hold_is_off(hold: SwapHold, why: str) -> None:
     s = snap([("comfyui", 2, 7 * GIB)], free=10 * GIB)
     (v,) = schedule(s, registry(), idle("ollama", "comfyui"), [waiter("ollama", 16, at=0)], {}, 0.1, 60, hold=hold)
     assert v.action == "run" and not v.held, why
-    assert registry().config.proxy.swap_hold_s == 0.0, "swap_hold_s is on by default"
+    assert registry().config.proxy.swap_hold_s == 1.0, "swap_hold_s is not 1 s by default"
 
 
 async def test_the_driver_starts_a_held_swap_at_the_hold_end_and_resident_work_runs_meanwhile(
@@ -548,10 +567,31 @@ async def test_the_driver_starts_a_held_swap_at_the_hold_end_and_resident_work_r
     assert again is not None and again.reason == "resident", "a render of the checkpoint on the card waited"
     assert queue.waiting()[0]["overtaken"] == 1
     assert ("release", ("comfyui",)) not in fx.log and not chat.done()
-    await clock.advance(0.3)
+    (ticket,) = queue._tickets.values()
+    until = ticket.verdict.held_until if ticket.verdict is not None else None
+    assert until is not None and 100.2 < until <= 100.5, "the hold is not a share of comfyui's reload, at most 0.5 s"
+    await clock.advance(until - clock.now())
     admitted = await asyncio.wait_for(chat, 1)
-    assert admitted.outcome == "run" and clock.now() == pytest.approx(100.5), "not started at the hold's end"
+    assert admitted.outcome == "run" and clock.now() == pytest.approx(until), "not started at the hold's end"
     assert ("release", ("comfyui",)) in fx.log
+    await queue.aclose()
+
+
+async def test_with_the_shipped_hold_a_request_that_waited_longer_than_it_is_not_held_again(
+        clock: ManualClock) -> None:
+    # the hold counts from the request's arrival: a chat that waited 2 s for a render to end starts
+    # its swap the moment the render ends, not 0.5 s later
+    fx = recorder(clock, swap_hold_s=0.5)
+    fx.states = busy(idle(), "comfyui", "1 running job(s)")
+    queue = scheduler(fx)
+    chat = asyncio.ensure_future(queue.request(fx.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request"))
+    await until_all_wait()
+    await clock.advance(2.0)
+    assert not chat.done()
+    fx.states = idle("comfyui")
+    queue.kick()
+    admitted = await asyncio.wait_for(chat, 1)
+    assert admitted.outcome == "run" and clock.now() == pytest.approx(102.0), "held again after waiting for the render"
     await queue.aclose()
 
 

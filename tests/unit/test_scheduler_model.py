@@ -33,13 +33,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from proxy.clock import ManualClock, until_all_wait
+from proxy.config.registry import Registry
+from proxy.config.units import GIB, MIB
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot
 from proxy.handoff.arbiter import RESIDENT
-from proxy.handoff.decisions import DecisionLog, HandoffStarted
+from proxy.handoff.decisions import DecisionLog, HandoffStarted, ReleaseResult
 from proxy.handoff.inflight import InFlight, Token
-from proxy.handoff.scheduler import Admitted, Released, ReleaseOrder, ReleaseResult, Scheduler
-from proxy.tenants import GIB, MIB, Registry
+from proxy.handoff.orders import Released, ReleaseOrder
+from proxy.handoff.scheduler import Admitted, Scheduler
 
 TOTAL = 24 * GIB
 RESERVED = 300 * MIB
@@ -158,7 +160,7 @@ class Box:
 
 
 class SchedulerModel(RuleBasedStateMachine):
-    SWAP_HOLD_S = 0.0  # proxy.swap_hold_s: off, as shipped
+    SWAP_HOLD_S = 0.0  # proxy.swap_hold_s: off
 
     def __init__(self) -> None:
         super().__init__()
@@ -335,8 +337,8 @@ class SchedulerModel(RuleBasedStateMachine):
 
 
 class SchedulerModelWithSwapHold(SchedulerModel):
-    """The same, with swaps away from a tenant active lately held 0.5 s: the hold must not cost liveness."""
-    SWAP_HOLD_S = 0.5
+    """The same, with swaps away from a tenant active lately held up to 1 s, as shipped: the hold must not cost liveness."""
+    SWAP_HOLD_S = 1.0  # as shipped
 
 
 MODEL_SETTINGS = settings(

@@ -10,6 +10,7 @@ import pytest
 
 from proxy.admin.telemetry import TelemetryStore, VramRecorder, decision_rows, default_path
 from proxy.clock import ManualClock
+from proxy.config.units import GIB, MIB
 from proxy.handoff.arbiter import Blocker, Plan
 from proxy.handoff.decisions import (
     DecisionLog,
@@ -21,7 +22,6 @@ from proxy.handoff.decisions import (
     ReleaseResult,
     StaleJob,
 )
-from proxy.tenants import GIB, MIB
 
 if TYPE_CHECKING:
     from proxy.service import Proxy
@@ -224,9 +224,9 @@ ENV = "HYPERSWAP_TELEMETRY"
 
 def proxy_with_telemetry(path: Path, clock: ManualClock | None = None) -> Proxy:
     from proxy.admin.telemetry import telemetry_extension
+    from proxy.config.loading import registry_from_dict
     from proxy.service import Proxy
     from proxy.sim.gpu import SimulatedGpu
-    from proxy.tenants import registry_from_dict
 
     return Proxy(registry_from_dict({"telemetry": {"path": str(path)}}), SimulatedGpu(), clock or ManualClock(),
                  watchdog_enabled=False, extension_factories=[telemetry_extension])

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from proxy.cli import main
+from proxy.config.loading import SHIPPED_DEFAULTS, load_registry, registry_from_dict, user_config_path
+from proxy.config.units import GIB
 from proxy.errors import ConfigError
-from proxy.tenants import GIB, SHIPPED_DEFAULTS, load_registry, registry_from_dict, user_config_path
 
 
 def write(path: Path, data: object) -> Path:

@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
+from proxy.config.units import GIB
 from proxy.errors import HyperSwapError
-from proxy.tenants import GIB
 from proxy.verify import Options, Report, Verify, load_graph, stages
 from proxy.verify.clients import minimal_graph
 from proxy.verify.report import StageResult, StageSkipped

@@ -5,8 +5,7 @@ from __future__ import annotations
 from proxy.admin.telemetry import decision_rows
 from proxy.admin.views import ReleaseOutcome
 from proxy.clock import ManualClock
-from proxy.handoff.decisions import DecisionLog, HandoffFinished, HandoffStarted
-from proxy.handoff.scheduler import ReleaseResult
+from proxy.handoff.decisions import DecisionLog, HandoffFinished, HandoffStarted, ReleaseResult
 
 
 def test_a_release_says_how_it_ended_in_a_field_not_in_its_error_sentence() -> None:

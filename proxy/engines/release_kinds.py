@@ -1,0 +1,33 @@
+"""Which release kinds tenants.json accepts: the one place a new kind is registered.
+
+A release kind is one module holding its spec and its effect: a `ReleaseSpec` subclass
+(`proxy/config/schema.py`) with `kind` a one-value Literal and its own fields, that implements
+`release()` (and `wake()` where it has a resume call), or, for a kind that stops the app, a
+`StoppingRelease` (`proxy/lifecycle/controller.py`) that builds its controller. Register it with one
+line here. Its fields, their checks and messages, the tenants.json reference and the validation of
+`release` follow from the model; nothing in the proxy compares `kind` to a name (a unit test fails
+on such a comparison). Guide: docs/guides/adding-an-app.md, "Adding a release kind".
+"""
+
+from __future__ import annotations
+
+from proxy.config.schema import NoRelease, ReleaseSpec, use_release_kinds
+from proxy.engines.comfyui import ComfyUIFree
+from proxy.engines.http_release import HttpRelease
+from proxy.engines.ollama import OllamaUnload
+from proxy.lifecycle.docker import DockerRelease
+from proxy.lifecycle.process import ProcessRelease
+from proxy.lifecycle.systemd import SystemdRelease
+
+# In the order the tenants.json reference lists them.
+RELEASE_KINDS: tuple[type[ReleaseSpec], ...] = (
+    OllamaUnload,
+    ComfyUIFree,
+    HttpRelease,
+    NoRelease,
+    ProcessRelease,
+    SystemdRelease,
+    DockerRelease,
+)
+
+use_release_kinds(RELEASE_KINDS)
