@@ -654,10 +654,8 @@ class Scheduler:
             ticket.queued = self.fx.decisions.emit(Queued(tenant=v.waiter.tenant, trigger=ticket.trigger, plan=v.plan,
                                                           reason=v.reason, behind=v.behind))
         elif ticket.wait_reason != v.reason:
-            # a held swap still waits on the tenants it would release: they count like wait_for (so a wait
-            # behind a render that ends in a hold still reads "behind comfyui")
             self.fx.decisions.emit(WaitChanged(tenant=v.waiter.tenant, trigger=ticket.trigger, refers_to=ticket.queued.id,
-                                               reason=v.reason, waiting_for=v.plan.wait_for or v.held, behind=v.behind))
+                                               reason=v.reason, waiting_for=v.plan.wait_for, behind=v.behind))
         ticket.wait_reason = v.reason
 
     def _note_end(self, ticket: _Ticket, why: QueueEnd) -> None:
