@@ -5,6 +5,11 @@ their own process (so the proxy's RSS can be read with psutil); direct and proxi
 interleaved in one session so drift hits both equally. The small-request rows also go through a
 "byte splice" (copies bytes both ways, no HTTP): the floor any Python relay on the same event loop
 and the same cores can reach. Prints a table and writes bench/results/forwarding.json.
+
+Side by side, in the same interleaved rounds of small GETs: `--nginx` adds nginx as a reverse proxy
+(one worker, keep-alive to the upstream; Debian's `nginx` package), `--compare DIR` adds the proxy
+of another checkout (an A/B against an earlier commit: `git worktree add DIR COMMIT`). `--small`
+runs only the small-GET rows (for repeated A/B runs).
 """
 
 from __future__ import annotations
@@ -14,9 +19,12 @@ import asyncio
 import json
 import os
 import platform
+import shutil
+import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -128,12 +136,69 @@ async def serve(role: str, upstream: str | None) -> None:
     await asyncio.Event().wait()
 
 
-def spawn(role: str, upstream: str | None, loop: str = "asyncio") -> tuple[subprocess.Popen[str], str]:
-    args = [sys.executable, __file__, "--serve", role, "--loop", loop] \
+def spawn(role: str, upstream: str | None, loop: str = "asyncio",
+          root: Path = ROOT) -> tuple[subprocess.Popen[str], str]:
+    """One server process; `root`: the checkout whose bench script (and so whose proxy) serves it."""
+    args = [sys.executable, str(root / "bench" / "forwarding.py"), "--serve", role, "--loop", loop] \
         + (["--upstream", upstream] if upstream else [])
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, cwd=root)
     assert proc.stdout is not None
     port = int(proc.stdout.readline())
+    return proc, f"http://127.0.0.1:{port}"
+
+
+NGINX_CONF = """worker_processes 1;
+daemon off;
+pid {tmp}/nginx.pid;
+error_log {tmp}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {tmp}/body;
+    proxy_temp_path {tmp}/proxy;
+    fastcgi_temp_path {tmp}/fastcgi;
+    uwsgi_temp_path {tmp}/uwsgi;
+    scgi_temp_path {tmp}/scgi;
+    upstream engine {{ server {upstream}; keepalive 256; }}
+    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+            proxy_pass http://engine;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+        }}
+    }}
+}}
+"""
+
+
+def nginx_binary() -> str | None:
+    return shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if Path(p).exists()), None)
+
+
+def spawn_nginx(upstream: str, tmp: Path) -> tuple[subprocess.Popen[str], str]:
+    """nginx as a keep-alive reverse proxy with one worker (the proxy is one event loop too); its
+    CPU is the master's and the worker's together."""
+    binary = nginx_binary()
+    if binary is None:
+        raise SystemExit("--nginx: no nginx binary found (Debian: apt install nginx)")
+    with socket.socket() as probe:  # a free port: nginx cannot listen on 0 and say which
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    conf = tmp / "nginx.conf"
+    conf.write_text(NGINX_CONF.format(tmp=tmp, upstream=upstream.removeprefix("http://"), port=port))
+    proc = subprocess.Popen([binary, "-c", str(conf), "-p", str(tmp)], text=True)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log = tmp / "error.log"
+                raise SystemExit(f"nginx did not start: {log.read_text() if log.exists() else 'no error log'}") from None
+            time.sleep(0.05)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -176,10 +241,14 @@ async def latencies(client: httpx.AsyncClient, url: str, concurrency: int, total
 
 
 def cpu_s(proc: psutil.Process | None) -> float:
+    """User + system time of the process and its children still running (nginx's worker)."""
     if proc is None:
         return 0.0
-    t = proc.cpu_times()
-    return t.user + t.system
+    total = 0.0
+    for p in (proc, *proc.children()):
+        t = p.cpu_times()
+        total += t.user + t.system
+    return total
 
 
 async def small_requests(client: httpx.AsyncClient, base: dict[str, str], procs: dict[str, psutil.Process],
@@ -264,38 +333,68 @@ def pin_relays_apart(relays: list[int], others: list[int]) -> dict[str, list[int
     return {"relays": relay_cpu, "client_and_upstream": rest}
 
 
-async def run(quick: bool, loop: str, pin: bool = False) -> dict[str, object]:
+async def run(quick: bool, loop: str, pin: bool = False, *, nginx: bool = False, compare: Path | None = None,
+              small_only: bool = False) -> dict[str, object]:
     up_proc, up_url = spawn("upstream", None)
     px_proc, px_url = spawn("proxy", up_url, loop)
     sp_proc, sp_url = spawn("splice", up_url, loop)
-    pinned = pin_relays_apart([px_proc.pid, sp_proc.pid], [up_proc.pid]) if pin else None
+    extra: dict[str, tuple[subprocess.Popen[str], str]] = {}
+    tmp = Path(tempfile.mkdtemp(prefix="forwarding-nginx-"))
+    if compare is not None:
+        extra["baseline"] = spawn("proxy", up_url, loop, root=compare)
+    if nginx:
+        extra["nginx"] = spawn_nginx(up_url, tmp)
+    relays = [px_proc.pid, sp_proc.pid, *(p.pid for p, _ in extra.values())]
+    pinned = pin_relays_apart(relays, [up_proc.pid]) if pin else None
     base = {"direct": up_url, "proxy": px_url}
+    stream: dict[str, dict[str, float]] | None = None
+    uploads: dict[str, dict[str, float]] | None = None
     try:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         async with httpx.AsyncClient(timeout=None, limits=limits, trust_env=False) as client:
-            small = base | {"splice": sp_url}
-            procs = {"proxy": psutil.Process(px_proc.pid), "splice": psutil.Process(sp_proc.pid)}
+            small = base | {"splice": sp_url} | {name: url for name, (_, url) in extra.items()}
+            procs = {"proxy": psutil.Process(px_proc.pid), "splice": psutil.Process(sp_proc.pid)} \
+                | {name: psutil.Process(p.pid) for name, (p, _) in extra.items()}
             c1 = await small_requests(client, small, procs, 1, 5 if quick else 10, 100 if quick else 300)
             c64 = await small_requests(client, small, procs, 64, 3 if quick else 6, 640 if quick else 1920)
-            stream = await streaming(client, base, 5 if quick else 20)
-            up_direct = await upload(client, up_url, None)
-            up_proxy = await upload(client, px_url, psutil.Process(px_proc.pid))
+            if not small_only:
+                stream = await streaming(client, base, 5 if quick else 20)
+                uploads = {"direct": await upload(client, up_url, None),
+                           "proxy": await upload(client, px_url, psutil.Process(px_proc.pid))}
     finally:
-        for p in (sp_proc, px_proc, up_proc):
+        for p in (*(p for p, _ in extra.values()), sp_proc, px_proc, up_proc):
             p.terminate()
             p.wait(5)
+        shutil.rmtree(tmp, ignore_errors=True)
+    added: dict[str, float] = {"c1_p50_ms": c1["proxy"]["p50_ms"] - c1["direct"]["p50_ms"],
+                               "c64_p99_ms": c64["proxy"]["p99_ms"] - c64["direct"]["p99_ms"]}
+    if stream is not None and uploads is not None:
+        added |= {"ttfb_ms": stream["proxy"]["ttfb_ms"] - stream["direct"]["ttfb_ms"],
+                  "chunk_ms": stream["proxy"]["chunk_delay_ms"] - stream["direct"]["chunk_delay_ms"],
+                  "upload_rss_growth_mib": uploads["proxy"]["rss_growth_mib"]}
     return {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
-            "quick": quick, "proxy_loop": loop, "pinned": pinned,
-            "c1": c1, "c64": c64, "stream": stream, "upload": {"direct": up_direct, "proxy": up_proxy},
-            "added": {"c1_p50_ms": c1["proxy"]["p50_ms"] - c1["direct"]["p50_ms"],
-                      "c64_p99_ms": c64["proxy"]["p99_ms"] - c64["direct"]["p99_ms"],
-                      "ttfb_ms": stream["proxy"]["ttfb_ms"] - stream["direct"]["ttfb_ms"],
-                      "chunk_ms": stream["proxy"]["chunk_delay_ms"] - stream["direct"]["chunk_delay_ms"],
-                      "upload_rss_growth_mib": up_proxy["rss_growth_mib"]}}
+            "quick": quick, "proxy_loop": loop, "pinned": pinned, "compare": str(compare) if compare else None,
+            "c1": c1, "c64": c64, "stream": stream, "upload": uploads, "added": added}
+
+
+def side_by_side(r: dict[str, object]) -> str:
+    """Every relay's small-GET rows in one table (the rounds were interleaved)."""
+    c1, c64 = r["c1"], r["c64"]
+    assert isinstance(c1, dict) and isinstance(c64, dict)
+    names = list(c64)
+    rows = [("c=1 p50 (ms)", c1, "p50_ms"), ("c=1 rps", c1, "rps"), ("c=64 p50 (ms)", c64, "p50_ms"),
+            ("c=64 p99 (ms)", c64, "p99_ms"), ("c=64 rps", c64, "rps"), ("c=64 CPU per request (us)", c64, "relay_cpu_us")]
+    lines = ["| small GET | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for label, c, key in rows:
+        cells = ["" if key == "relay_cpu_us" and name == "direct" else f"{c[name][key]:,.2f}" for name in names]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def table(r: dict[str, object]) -> str:
     c1, c64, st, up, add = (r[k] for k in ("c1", "c64", "stream", "upload", "added"))  # type: ignore[misc]
+    if st is None:
+        return side_by_side(r)
 
     def small(label: str, c: dict[str, dict[str, float]], key: str, target: str = "") -> tuple[object, ...]:
         d, p, f = c["direct"][key], c["proxy"][key], c["splice"][key]
@@ -334,6 +433,10 @@ def main() -> None:
                         help="the relays' event loop (uvloop: pip install uvloop; the product runs asyncio)")
     parser.add_argument("--pin", action="store_true",
                         help="relays on a CPU of their own, client and upstream on the others (default: all share all)")
+    parser.add_argument("--nginx", action="store_true", help="nginx beside the proxy in the small-GET rounds")
+    parser.add_argument("--compare", type=Path, metavar="DIR",
+                        help="another checkout whose proxy runs beside this one in the small-GET rounds (an A/B)")
+    parser.add_argument("--small", action="store_true", help="only the small-GET rows (no stream, no upload)")
     args = parser.parse_args()
     if args.serve:
         if args.serve in ("proxy", "splice") and args.loop == "uvloop":
@@ -342,11 +445,20 @@ def main() -> None:
         else:
             asyncio.run(serve(args.serve, args.upstream))
         return
-    result = asyncio.run(run(args.quick, args.loop, args.pin))
+    if args.compare is not None and not (args.compare / "bench" / "forwarding.py").exists():
+        raise SystemExit(f"--compare {args.compare}: no bench/forwarding.py there (a checkout of this repository?)")
+    if args.nginx and nginx_binary() is None:
+        raise SystemExit("--nginx: no nginx binary found (Debian: apt install nginx)")
+    result = asyncio.run(run(args.quick, args.loop, args.pin, nginx=args.nginx, compare=args.compare,
+                             small_only=args.small))
     out = RESULTS.with_name("forwarding-pinned.json") if args.pin else RESULTS
+    if args.small or args.nginx or args.compare:
+        out = out.with_name(out.stem + "-side-by-side.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))
+    if result["stream"] is not None and len(result["c64"]) > 3:  # type: ignore[arg-type]
+        print("\n" + side_by_side(result))
     print(f"\nwritten to {out.relative_to(ROOT)}")
 
 

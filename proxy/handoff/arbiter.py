@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from proxy.config.registry import Registry
@@ -487,6 +487,12 @@ class Verdict:
     held: tuple[str, ...] = ()  # a swap held (`SwapHold`): the tenants it would release, whose resident work goes first
     held_until: float | None = None  # when that held swap starts at the latest (a pass is due then)
 
+    @property
+    def waiting_for(self) -> tuple[str, ...]:
+        """The tenants it waits for: busy ones in the way, or those whose swap is held (it waits to see
+        whether their requests follow)."""
+        return self.plan.wait_for or self.held
+
     def to_json(self) -> dict[str, object]:
         return {"waiter": self.waiter.id, "tenant": self.waiter.tenant, "action": self.action, "reason": self.reason,
                 "behind": self.behind, "wait_for": list(self.plan.wait_for), "held": list(self.held)}
@@ -575,80 +581,122 @@ def schedule(snap: AttributedSnapshot, registry: Registry, states: Mapping[str, 
       of it, counted against the fairness bound; their other work queues behind it).
     - otherwise wait; what it counts on is claimed so that no later waiter takes it meanwhile.
     """
-    claims = dict(promised)
-    holding_back: dict[str, list[Waiter]] = {}  # tenant -> the waiters ahead that wait for it, first first
+    return _Pass(snap, registry, states, dict(promised), now, starvation_after_s, releasing, overtake_limit,
+                 hold).run(waiters)
+
+
+@dataclass(slots=True)
+class _Pass:
+    """One `schedule()` pass: its inputs and what earlier waiters in queue order left for later ones."""
+    snap: AttributedSnapshot
+    registry: Registry
+    states: Mapping[str, TenantState]
+    claims: dict[str, tuple[str, int]]  # load key -> (tenant, bytes): admitted loads' and earlier waiters' claims
+    now: float
+    starvation_after_s: float
+    releasing: Sequence[Releasing]
+    overtake_limit: int
+    hold: SwapHold
+    holding_back: dict[str, list[Waiter]] = field(default_factory=dict)  # tenant -> waiters ahead that wait for it
     starting: Waiter | None = None  # the waiter whose releases this pass starts
-    swapped: set[str] = set()  # tenants this pass starts releasing: their new work waits for that
-    claimers: list[Waiter] = []  # waiters ahead in this pass that run or count on memory
-    out: list[Verdict] = []
-    for w in queue_order(waiters, now, starvation_after_s):
-        own = next((r for r in releasing if r.key is not None and w.tenant in r.tenants), None)
-        waiting_for_it = holding_back.get(w.tenant, [])
-        if w.resident and own is None and w.tenant not in swapped:
-            if all(may_overtake(a, now, starvation_after_s, overtake_limit) for a in waiting_for_it):
-                out.append(Verdict(w, "run", resident_plan(w), RESIDENT, overtook=tuple(a.id for a in waiting_for_it)))
-                continue
-        plan = plan_release(snap, registry, states, w.tenant, w.need_bytes, promised=promised_by_tenant(claims, w.key))
-        ahead = waiting_for_it[0] if waiting_for_it else None
+    swapped: set[str] = field(default_factory=set)  # tenants this pass starts releasing: their new work waits
+    claimers: list[Waiter] = field(default_factory=list)  # waiters ahead that run or count on memory
+    out: list[Verdict] = field(default_factory=list)
+
+    def run(self, waiters: Iterable[Waiter]) -> tuple[Verdict, ...]:
+        for w in queue_order(waiters, self.now, self.starvation_after_s):
+            self._decide(w)
+        return tuple(self.out)
+
+    def _may_overtake(self, w: Waiter) -> bool:
+        return may_overtake(w, self.now, self.starvation_after_s, self.overtake_limit)
+
+    def _wait(self, w: Waiter, plan: Plan, reason: str, behind: int | None = None, *, claimer: bool = False) -> None:
+        self.out.append(Verdict(w, "wait", plan, reason, behind))
+        _claim(self.claims, w, plan)
+        if claimer:
+            self.claimers.append(w)
+
+    def _own_release(self, w: Waiter) -> Releasing | None:
+        """The release under way of `w`'s own tenant for another load (its memory is promised there)."""
+        return next((r for r in self.releasing if r.key is not None and w.tenant in r.tenants), None)
+
+    def _resident_runs(self, w: Waiter, own: Releasing | None, waiting_for_it: list[Waiter]) -> bool:
+        """A load on the card (or on its way) runs ahead of those waiting to swap its tenant away,
+        within the fairness bound, unless its tenant is being released."""
+        if not w.resident or own is not None or w.tenant in self.swapped:
+            return False
+        if not all(self._may_overtake(a) for a in waiting_for_it):
+            return False
+        self.out.append(Verdict(w, "run", resident_plan(w), RESIDENT, overtook=tuple(a.id for a in waiting_for_it)))
+        return True
+
+    def _decide(self, w: Waiter) -> None:
+        own = self._own_release(w)
+        waiting_for_it = self.holding_back.get(w.tenant, [])
+        if self._resident_runs(w, own, waiting_for_it):
+            return
+        plan = plan_release(self.snap, self.registry, self.states, w.tenant, w.need_bytes,
+                            promised=promised_by_tenant(self.claims, w.key))
         if not plan.possible:
-            out.append(Verdict(w, "refuse", plan, plan.explanation))
-            continue
-        if own is not None or w.tenant in swapped:
-            out.append(Verdict(w, "wait", plan, f"queued behind the release of {w.tenant} in progress",
-                               own.waiter if own is not None else starting.id if starting is not None else None))
-            _claim(claims, w, plan)
-            continue
-        if ahead is not None:
-            out.append(Verdict(w, "wait", plan, f"queued behind a {ahead.tenant} request (priority {ahead.priority}) "
-                                                f"that waits for {w.tenant} to finish", ahead.id))
-            _claim(claims, w, plan)
-            continue
-        if plan.feasible and plan.releases:
-            joined = next((r for r in releasing if r.key is not None and r.key == w.key), None)
-            other = next((r for r in releasing if r is not joined), None)
-            if other is not None and joined is None:
-                out.append(Verdict(w, "wait", plan, _behind_release(other), other.waiter))
-                _claim(claims, w, plan)
-                continue
-            if starting is not None and starting.key != w.key:
-                out.append(Verdict(w, "wait", plan, f"queued behind the handoff to {starting.tenant} in progress",
-                                   starting.id))
-                _claim(claims, w, plan)
-                continue
-            until = None if joined is not None else hold.until(w.arrived_at, plan.releases)
-            if until is not None and now < until and may_overtake(w, now, starvation_after_s, overtake_limit):
-                held = tuple(r.tenant for r in plan.releases)
-                for t in held:
-                    holding_back.setdefault(t, []).append(w)
-                out.append(Verdict(w, "wait", plan, f"holding the swap of {', '.join(held)} for "
-                                                    f"{hold.hold_s(plan.releases):.2g} s (proxy.swap_hold_s, "
-                                                    "weighed by its reload): requests for what is on the card go first",
-                                   held=held, held_until=until))
-                _claim(claims, w, plan)
-                claimers.append(w)
-                continue
-        if plan.feasible:
-            if plan.releases and starting is None:
-                starting = w
-            swapped.update(r.tenant for r in plan.releases)
-            out.append(Verdict(w, "run", plan, plan.explanation))
-            _claim(claims, w, plan)
-            claimers.append(w)
-            continue
-        for t in plan.wait_for:
-            holding_back.setdefault(t, []).append(w)
-        busy = ", ".join(f"{t} ({states[t].busy_reason})" if t in states else t for t in plan.wait_for)
-        first = claimers[0] if claimers else None
-        if busy:
-            out.append(Verdict(w, "wait", plan, f"queued behind {busy}"))
-        elif first is not None:
-            out.append(Verdict(w, "wait", plan, f"queued behind a {first.tenant} request that counts on the same memory",
-                               first.id))
+            self.out.append(Verdict(w, "refuse", plan, plan.explanation))
+        elif own is not None or w.tenant in self.swapped:
+            behind = own.waiter if own is not None else self.starting.id if self.starting is not None else None
+            self._wait(w, plan, f"queued behind the release of {w.tenant} in progress", behind)
+        elif waiting_for_it:
+            ahead = waiting_for_it[0]
+            self._wait(w, plan, f"queued behind a {ahead.tenant} request (priority {ahead.priority}) "
+                                f"that waits for {w.tenant} to finish", ahead.id)
+        elif plan.feasible and plan.releases and self._swap_waits(w, plan):
+            return
+        elif plan.feasible:
+            if plan.releases and self.starting is None:
+                self.starting = w
+            self.swapped.update(r.tenant for r in plan.releases)
+            self.out.append(Verdict(w, "run", plan, plan.explanation))
+            _claim(self.claims, w, plan)
+            self.claimers.append(w)
         else:
-            out.append(Verdict(w, "wait", plan, "queued until loads already admitted reach the card"))
-        _claim(claims, w, plan)
-        claimers.append(w)
-    return tuple(out)
+            self._wait_for_memory(w, plan)
+
+    def _swap_waits(self, w: Waiter, plan: Plan) -> bool:
+        """A feasible swap that must wait: behind another release or handoff, or held (`hold.until`).
+        False: it may start in this pass."""
+        joined = next((r for r in self.releasing if r.key is not None and r.key == w.key), None)
+        other = next((r for r in self.releasing if r is not joined), None)
+        if other is not None and joined is None:
+            self._wait(w, plan, _behind_release(other), other.waiter)
+            return True
+        if self.starting is not None and self.starting.key != w.key:
+            self._wait(w, plan, f"queued behind the handoff to {self.starting.tenant} in progress", self.starting.id)
+            return True
+        until = None if joined is not None else self.hold.until(w.arrived_at, plan.releases)
+        if until is None or self.now >= until or not self._may_overtake(w):
+            return False
+        held = tuple(r.tenant for r in plan.releases)
+        for t in held:
+            self.holding_back.setdefault(t, []).append(w)
+        self.out.append(Verdict(w, "wait", plan, f"holding the swap of {', '.join(held)} for "
+                                                 f"{self.hold.hold_s(plan.releases):.2g} s (proxy.swap_hold_s, "
+                                                 "weighed by its reload): requests for what is on the card go first",
+                                held=held, held_until=until))
+        _claim(self.claims, w, plan)
+        self.claimers.append(w)
+        return True
+
+    def _wait_for_memory(self, w: Waiter, plan: Plan) -> None:
+        """Not feasible now: wait for the busy tenants in the way, or for memory claimed ahead."""
+        for t in plan.wait_for:
+            self.holding_back.setdefault(t, []).append(w)
+        busy = ", ".join(f"{t} ({self.states[t].busy_reason})" if t in self.states else t for t in plan.wait_for)
+        first = self.claimers[0] if self.claimers else None
+        if busy:
+            self._wait(w, plan, f"queued behind {busy}", claimer=True)
+        elif first is not None:
+            self._wait(w, plan, f"queued behind a {first.tenant} request that counts on the same memory", first.id,
+                       claimer=True)
+        else:
+            self._wait(w, plan, "queued until loads already admitted reach the card", claimer=True)
 
 
 def _behind_release(r: Releasing) -> str:

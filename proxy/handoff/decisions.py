@@ -124,12 +124,13 @@ class Queued(Opening):
     plan: Plan
     reason: str
     behind: int | None = None  # the waiting request it queues behind
+    waiting_for: tuple[str, ...] = ()  # the tenants it waits for (`Verdict.waiting_for`); the plan's when empty
 
     def plan_json(self) -> dict[str, object] | None:
         return self.plan.to_json()
 
     def facts(self) -> dict[str, Any]:
-        return {"reason": self.reason, "waiting_for": list(self.plan.wait_for), "behind": self.behind}
+        return {"reason": self.reason, "waiting_for": list(self.waiting_for or self.plan.wait_for), "behind": self.behind}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -379,7 +379,7 @@ class Scheduler:
                 "since": round(t.since_wall, 3), "waited_s": round(now - t.waiter.arrived_at, 3),
                 "need_bytes": t.waiter.need_bytes, "need_gb": gib(t.waiter.need_bytes),
                 "priority": t.waiter.priority, "overtaken": t.overtaken,
-                "waiting_for": list(v.plan.wait_for) if v and t.joined is None else [],
+                "waiting_for": list(v.waiting_for) if v and t.joined is None else [],
                 "behind": v.behind if v and t.joined is None else None,
                 "reason": reason}
 
@@ -421,27 +421,10 @@ class Scheduler:
                 ticket.future.cancel()
             underway.done.cancel()
         elif (exc := task.exception()) is not None:
-            log.error("release of %s failed", ", ".join(underway.state.tenants), exc_info=exc)
-            for ticket in joined:
-                self._tickets.pop(ticket.waiter.id, None)
-                if not ticket.future.done():
-                    ticket.future.set_exception(exc)
-            if not underway.done.done():
-                underway.done.set_exception(exc)
-                underway.done.exception()  # a caller that did not await it must not leave it unretrieved
+            self._release_failed(underway, joined, exc)
         else:
             released = task.result()
-            if any(r.busy for r in released.results):
-                for ticket in joined:  # a tenant it counted on had work again: plan them again
-                    ticket.joined = None
-            else:
-                plan = underway.order.plan
-                for ticket in joined:
-                    handoff = Handoff(plan or _no_plan(ticket.waiter), released.results, released.decision,
-                                      underway.order.snapshot)
-                    self.reserve(ticket.waiter.key, handoff)
-                    reason = ticket.verdict.reason if ticket.verdict else (plan.explanation if plan else "released")
-                    self._resolve(ticket, Admitted("run", handoff, reason))
+            self._release_ended(underway, joined, released)
             if not underway.done.done():
                 underway.done.set_result(released)
         if self._underway and self._underway[0].task is None:
@@ -449,6 +432,31 @@ class Scheduler:
         self.kick()
         if self._tickets:
             self._start_driver()
+
+    def _release_failed(self, underway: _Underway, joined: list[_Ticket], exc: BaseException) -> None:
+        log.error("release of %s failed", ", ".join(underway.state.tenants), exc_info=exc)
+        for ticket in joined:
+            self._tickets.pop(ticket.waiter.id, None)
+            if not ticket.future.done():
+                ticket.future.set_exception(exc)
+        if not underway.done.done():
+            underway.done.set_exception(exc)
+            underway.done.exception()  # a caller that did not await it must not leave it unretrieved
+
+    def _release_ended(self, underway: _Underway, joined: list[_Ticket], released: Released) -> None:
+        """Admit the waiters that joined the release, unless a tenant it counted on had work again
+        (then they are planned again)."""
+        if any(r.busy for r in released.results):
+            for ticket in joined:
+                ticket.joined = None
+            return
+        plan = underway.order.plan
+        for ticket in joined:
+            handoff = Handoff(plan or _no_plan(ticket.waiter), released.results, released.decision,
+                              underway.order.snapshot)
+            self.reserve(ticket.waiter.key, handoff)
+            reason = ticket.verdict.reason if ticket.verdict else (plan.explanation if plan else "released")
+            self._resolve(ticket, Admitted("run", handoff, reason))
 
     # -- the driver ------------------------------------------------------------------------------
     def _start_driver(self) -> None:
@@ -545,7 +553,10 @@ class Scheduler:
         claims = self.promised(snap)
         for u in self._underway:
             if (claim := u.claim) is not None and u.state.key is not None:
-                claims[u.state.key] = claim
+                # the same load may be reserved already (a request for it admitted while the release
+                # runs): one load, so the larger promise stands, never the release's smaller claim
+                old = claims.get(u.state.key)
+                claims[u.state.key] = (claim[0], max(claim[1], old[1] if old else 0))
         settings = self.fx.registry.config.proxy
         verdicts = schedule_on_devices(snap, self.fx.registry, self.states(snap), [self._waiter(t) for t in pending],
                                        claims, self.fx.clock.now(), settings.starvation_after_s,
@@ -652,10 +663,10 @@ class Scheduler:
             if ticket.model:  # waiting for a busy tenant is time the disk can use
                 self.fx.prepare_load(v.waiter.tenant, ticket.model)
             ticket.queued = self.fx.decisions.emit(Queued(tenant=v.waiter.tenant, trigger=ticket.trigger, plan=v.plan,
-                                                          reason=v.reason, behind=v.behind))
+                                                          reason=v.reason, behind=v.behind, waiting_for=v.waiting_for))
         elif ticket.wait_reason != v.reason:
             self.fx.decisions.emit(WaitChanged(tenant=v.waiter.tenant, trigger=ticket.trigger, refers_to=ticket.queued.id,
-                                               reason=v.reason, waiting_for=v.plan.wait_for, behind=v.behind))
+                                               reason=v.reason, waiting_for=v.waiting_for, behind=v.behind))
         ticket.wait_reason = v.reason
 
     def _note_end(self, ticket: _Ticket, why: QueueEnd) -> None:

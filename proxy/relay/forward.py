@@ -43,13 +43,16 @@ from proxy.engines import EngineAdapter, adapter_for, strip_hop_by_hop
 from proxy.engines.ports import HostAndHeaders
 from proxy.errors import HyperSwapError
 from proxy.relay import http1
-from proxy.relay.inbound import ABORT
+from proxy.relay.inbound import ABORT, HEAD_WITH_BODY
 from proxy.tls import client_context
 
 log = logging.getLogger("hyperswap.forward")
 
 WS_MAX_SIZE = 256 * 2**20  # ComfyUI previews and outputs can be large; no small cap
 BODILESS = frozenset({204, 304})  # RFC 9110 6.4.1: never a body, whatever the headers say
+# A whole body up to this size goes out in one send with its head (inbound.HEAD_WITH_BODY): joining
+# them copies the body, which past this costs more than the second send it saves.
+HEAD_WITH_BODY_MAX = 16 * 1024
 
 
 class UpstreamError(HyperSwapError):
@@ -174,15 +177,21 @@ class RelayResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             whole = self.upstream.received_body()
-            if whole is not None:
-                # The usual small answer is in already: sent whole, in one piece.
-                if self.tap is not None and whole:
-                    self.tap(whole)
-                await send({"type": "http.response.body", "body": whole, "more_body": False})
+            if whole is None:
+                await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+                await self._stream(scope, send)
                 return
-            await self._stream(scope, send)
+            # The usual small answer is in already: sent whole, in one piece, and with its head in one
+            # send when it is small (a bigger one would be copied to join them: two sends cost less).
+            if len(whole) <= HEAD_WITH_BODY_MAX:
+                hold = scope.get("extensions", {}).get(HEAD_WITH_BODY)
+                if hold is not None:
+                    hold["hold"](scope)
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            if self.tap is not None and whole:
+                self.tap(whole)
+            await send({"type": "http.response.body", "body": whole, "more_body": False})
         finally:
             # Synchronous, so even a cancelled relay drops the upstream (Ollama stops generating only then).
             try:

@@ -32,7 +32,7 @@ from proxy.errors import HyperSwapError
 from proxy.handoff.inflight import InFlight, JobFate, JobPoller, Token
 from proxy.handoff.scheduler import Admitted
 from proxy.relay import progress
-from proxy.relay.departure import ClientLink
+from proxy.relay.departure import ClientLink, Sweep
 from proxy.relay.forward import Forwarder, UpstreamResponse
 from proxy.relay.guards import SAFE_METHODS, answer, host_header, refuse_tenant_host
 from proxy.relay.trace import Trace, stamp, traced
@@ -139,6 +139,7 @@ class TenantApp:
         # a tenant the proxy may stop, or whose release owes a resume: woken before each request
         self._sleeps = tenant.lifecycle is not None or any(s.resumes for s in tenant.release_steps)
         self.poller = JobPoller(inflight, tenant.name, self._check_jobs, interval_s=job_poll_s, on_lost=self._job_lost)
+        self._departures = Sweep()  # starts the departure watch of the requests that last
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -171,7 +172,7 @@ class TenantApp:
     # -- HTTP ------------------------------------------------------------------------------------
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         link = ClientLink(scope, receive)
-        link.watch()
+        link.watch(self._departures)
         trace = Trace()
         try:
             with traced(trace):  # where the time went before the answer: Server-Timing, progress lines

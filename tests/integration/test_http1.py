@@ -335,6 +335,48 @@ async def test_a_close_that_reached_the_socket_before_the_loop_saw_it_is_found_b
     assert [h.split(b" ")[0] for h in heads] == [b"GET", b"POST"], "the POST reached the engine once"
 
 
+async def test_a_connection_looked_at_before_is_looked_at_again_with_the_same_poller() -> None:
+    # The poller is registered at a connection's first reuse and kept: a close before its second reuse
+    # must be found by it just the same.
+    listener = socket.create_server(("127.0.0.1", 0))
+    may_close, closed = threading.Event(), threading.Event()
+    heads: list[bytes] = []
+
+    def engine() -> None:
+        with listener:
+            first, _ = listener.accept()
+            with first:
+                for _ in range(2):
+                    heads.append(_read_request(first))
+                    first.sendall(OK)
+                may_close.wait(SAFETY_S)
+            closed.set()
+            listener.settimeout(SAFETY_S)
+            try:
+                fresh, _ = listener.accept()
+            except TimeoutError:
+                return
+            with fresh:
+                heads.append(_read_request(fresh))
+                fresh.sendall(OK)
+
+    thread = threading.Thread(target=engine, daemon=True)
+    thread.start()
+    pool = Pool(f"http://127.0.0.1:{listener.getsockname()[1]}")
+    try:
+        assert (await get(pool))[2] == b"ok"
+        assert (await get(pool))[2] == b"ok"  # the first reuse: its socket looked at, the poller kept
+        assert pool.open_connections == 1
+        may_close.set()
+        assert closed.wait(SAFETY_S)  # holds the loop: the FIN reaches our socket unseen
+        status, _, body = await get(pool, method="POST", body=b"{}", headers=[(b"host", b"h"), (b"content-length", b"2")])
+    finally:
+        pool.close()
+        thread.join(SAFETY_S)
+    assert (status, body) == (200, b"ok"), "the POST must go on a fresh connection, not into the closed one"
+    assert [h.split(b" ")[0] for h in heads] == [b"GET", b"GET", b"POST"], "the POST reached the engine once"
+
+
 async def test_idempotent_retry_takes_a_new_connection_not_another_pooled_one() -> None:
     async with raw_server(_answer_once_then_close_unanswered()) as up:
         pool = Pool(up.url)

@@ -1,4 +1,5 @@
-"""ClientLink: one reader of receive(); the watch starts only after the body and cancels only its task."""
+"""ClientLink: one reader of receive(); the watch starts only after the body (and, through the listener's
+Sweep, only once a request has lasted a tick) and cancels only the task serving the request."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from starlette.requests import ClientDisconnect
 
 from proxy.clock import until_all_wait
 from proxy.relay import departure
-from proxy.relay.departure import ClientLink, body_chunks
+from proxy.relay.departure import ClientLink, Sweep, body_chunks
+from proxy.relay.inbound import SERVING
 
 WITH_BODY = {"type": "http", "headers": [(b"content-length", b"8")]}
 NO_BODY = {"type": "http", "headers": []}
@@ -34,7 +36,7 @@ def watch_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 async def serve_until_cancelled(link: ClientLink, started: asyncio.Event) -> str:
-    link.watch()
+    link.watch(Sweep())
     started.set()
     try:
         await asyncio.sleep(60)  # hangs: a request being served until it is cancelled (a fake, no threshold)
@@ -84,7 +86,7 @@ async def test_a_request_that_ends_before_the_delay_never_starts_a_watch(monkeyp
     monkeypatch.setattr(departure, "WATCH_AFTER_S", 60.0)
     receive = FakeReceive()
     link = ClientLink(NO_BODY, receive)
-    link.watch()
+    link.watch(Sweep())
     await until_all_wait()
     link.close()
     await until_all_wait()
@@ -114,3 +116,51 @@ async def test_client_leaving_mid_body_raises_for_the_reader_and_cancels_nothing
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_the_sweep_watches_a_link_only_once_it_has_lasted_a_tick(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(departure, "WATCH_AFTER_S", 60.0)  # the sweep's own timer never fires here: ticks by hand
+    receive = FakeReceive()
+    link = ClientLink(NO_BODY, receive)
+    sweep = Sweep()
+    link.watch(sweep)
+    sweep._tick()  # the link joined after the last tick: it may have lasted no time at all
+    await until_all_wait()
+    assert receive.calls == 0, "a request younger than a tick is not watched"
+    sweep._tick()
+    await until_all_wait()
+    assert receive.calls == 1, "a request there a tick before is watched"
+    assert sweep.listed == 0
+    link.close()
+
+
+async def test_a_link_that_closes_leaves_the_sweep_and_is_never_watched(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(departure, "WATCH_AFTER_S", 60.0)
+    receive = FakeReceive()
+    sweep = Sweep()
+    links = [ClientLink(NO_BODY, receive) for _ in range(3)]
+    for link in links:
+        link.watch(sweep)
+    sweep._tick()
+    links[0].close()  # an old one
+    links[2].close()
+    assert sweep.listed == 1, "a closed request is not held until a tick"
+    sweep._tick()
+    await until_all_wait()
+    assert receive.calls == 1, "only the open one is watched"
+    links[1].close()
+    sweep._tick()
+    assert sweep._timer is None, "no timer runs once no request is listed"
+
+
+async def test_the_task_the_server_names_is_the_one_cancelled() -> None:
+    receive = FakeReceive()
+    serving = asyncio.create_task(asyncio.Event().wait())  # the server's task for the request, until cancelled
+    scope = {**NO_BODY, "extensions": {SERVING: {"task": serving}}}
+    link = ClientLink(scope, receive)
+    link.watch(Sweep())  # from this test's task: the server's extension says which task to cancel
+    receive.queue.put_nowait({"type": "http.disconnect"})
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(serving, 5)
+    assert link.left
+    link.close()

@@ -562,6 +562,9 @@ async def test_the_driver_starts_a_held_swap_at_the_hold_end_and_resident_work_r
     await until_all_wait()
     (w,) = queue.waiting()
     assert not chat.done() and "holding the swap of comfyui" in w["reason"]
+    assert w["waiting_for"] == ["comfyui"], "a held swap waits for the tenant it would release"
+    (queued,) = [e for e in fx.decisions.events() if isinstance(e, Queued)]
+    assert queued.facts()["waiting_for"] == ["comfyui"], "the dashboard would read 'waited in the queue'"
     await clock.advance(0.2)
     again = queue.admit_at_once(fx.registry.get("comfyui"), "comfyui:sdxl", 7 * GIB)
     assert again is not None and again.reason == "resident", "a render of the checkpoint on the card waited"

@@ -371,3 +371,24 @@ def test_a_resident_request_joins_the_reservation_of_the_load_it_rides_on() -> N
     finally:
         m.teardown()
     assert [c.outcome for c in m.clients] == ["left", "run", "run"]
+
+
+def test_a_release_under_way_never_shrinks_the_reservation_of_its_own_load() -> None:
+    """Found by a long run (2,000 examples): a chat's plan released ComfyUI (slow) while 2 GiB outside
+    the proxy filled the card; that memory went, a second chat for the same model then fitted and was
+    admitted with a 16 GiB reservation; the release's smaller claim for the same load (9 GiB) replaced
+    that reservation in the next pass, and a transcription was admitted on top (26.5 GiB on 24)."""
+    m = SchedulerModel()
+    try:
+        m.next_release_fails(fault="slow", tenant="comfyui")
+        m.arrive(tenant="comfyui", pick=1, service_s=0.2, fails=False)  # sdxl, idle by the next step
+        m.time_passes(dt=10.0)
+        m.memory_outside_the_proxy(gib=2)
+        m.arrive(tenant="ollama", pick=0, service_s=0.2, fails=False)  # gemma: release comfyui (slow)
+        m.memory_outside_the_proxy(gib=0)
+        m.arrive(tenant="ollama", pick=0, service_s=0.2, fails=False)  # gemma fits now: admitted, reserved
+        m.arrive(tenant="stt", pick=0, service_s=0.2, fails=False)  # whisper must wait for the release
+        m.time_passes(dt=2.0)
+        m.nothing_unsafe_happened()
+    finally:
+        m.teardown()

@@ -74,6 +74,7 @@ PROTOCOL_HOOKS = {
     "_unsupported_upgrade_warning": [],
     "send_400_response": ["msg"],
     "shutdown": [],  # servers.py's shutdown calls it on every connection
+    "_start_asgi_task": ["cycle", "app"],
 }
 
 
@@ -94,6 +95,22 @@ def test_data_received_still_does_what_inbounds_copy_does() -> None:
     source = inspect.getsource(HttpToolsProtocol.data_received)
     for exc in ("httptools.HttpParserError", "httptools.HttpParserUpgrade"):
         assert exc in source, moved(f"HttpToolsProtocol.data_received no longer catches {exc}")
+
+
+def test_start_asgi_task_still_does_what_inbounds_copy_does() -> None:
+    # GuardedHttpProtocol._start_asgi_task is uvicorn's, keeping the task it starts
+    assert called(HttpToolsProtocol._start_asgi_task) == {"loop.create_task", "tasks.add"}, moved(
+        f"HttpToolsProtocol._start_asgi_task changed: it calls {sorted(called(HttpToolsProtocol._start_asgi_task))}")
+    source = inspect.getsource(HttpToolsProtocol._start_asgi_task)
+    for part in ("cycle.run_asgi(app)", "reset_contextvars", "add_done_callback(self.tasks.discard)"):
+        assert part in source, moved(f"HttpToolsProtocol._start_asgi_task no longer has {part}")
+
+
+def test_the_cycle_writes_through_its_own_transport_attribute() -> None:
+    # inbound's head_with_body extension swaps the cycle's `transport` for one answer
+    source = inspect.getsource(RequestResponseCycle.send)
+    assert source.count("self.transport.write(") >= 3, moved("RequestResponseCycle.send no longer writes via self.transport")
+    assert "transport" in assigned(RequestResponseCycle.__init__), moved("RequestResponseCycle no longer sets self.transport")
 
 
 def test_the_protocol_and_cycle_attributes_inbound_reads_are_set() -> None:
