@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import httpx
 from starlette.requests import Request
@@ -50,17 +50,53 @@ WAIT_EVENTS = (Queued, WaitChanged, QueueEnded, HandoffStarted, HandoffFinished)
 STOPPED_RETRY_AFTER_S = 10  # a read kept from a stopped app: nothing starts it by itself, so poll slowly
 
 
-class LoadHooks(Protocol):
-    """What the model-files extension does around a load (proxy/admin/models_api.py). Never blocks."""
+TAIL_BYTES = 4096  # an engine's final line (Ollama's, with load_duration) fits well inside this
 
-    async def loading(self, tenant: Tenant, model: str, body: bytes,
-                      request: int | None = None) -> Callable[[UpstreamResponse], UpstreamResponse] | None:
-        """Just before forwarding a load (its residency is read now): a wrapper for the engine's answer
-        that times it, or None. `request`: the decision of the request (its wait or its handoff), which
-        the load's own decision names."""
 
-    def on_frame(self, tenant: Tenant, text: str) -> None:
-        """Every upstream websocket text frame (ComfyUI's execution frames time its checkpoint loads)."""
+class _TailKept(UpstreamResponse):
+    """The engine's answer, relayed unchanged, with its last bytes kept: once it ends, `done(tail)`
+    (the load it carried is timed from them: proxy/handoff/load_events.py)."""
+
+    __slots__ = ("_done", "_tail")
+
+    def __init__(self, inner: UpstreamResponse, done: Callable[[bytes], None]) -> None:
+        super().__init__(inner._response)  # the same open response: nothing is read or copied twice
+        self._tail = b""
+        self._done: Callable[[bytes], None] | None = done
+
+    def _keep(self, chunk: bytes) -> None:
+        self._tail = (self._tail + chunk)[-TAIL_BYTES:]
+
+    def received_body(self) -> bytes | None:
+        body = super().received_body()
+        if body is not None:
+            self._keep(body)
+        return body
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        async for chunk in super().aiter_raw():
+            self._keep(chunk)
+            yield chunk
+
+    def aiter_raw(self) -> AsyncIterator[bytes]:
+        return self._chunks()
+
+    async def aread(self) -> bytes:
+        body = await super().aread()
+        self._keep(body)
+        self._finish()
+        return body
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._finish()
+
+    def _finish(self) -> None:
+        done, self._done = self._done, None
+        if done is not None:
+            done(self._tail)
 
 
 def blockers_json(handoff: Handoff) -> list[dict[str, Any]]:
@@ -131,7 +167,6 @@ class GpuGate:
     def __init__(self, arbitration: Arbitration, adapter: Callable[[Tenant], GatePorts] | None = None) -> None:
         self.arb = arbitration
         self._adapter: Callable[[Tenant], GatePorts] = adapter or arbitration.adapter  # the forwarder's per-tenant adapters
-        self.load_hooks: LoadHooks | None = None  # set by the model-files extension
         self._requeued: dict[str, str] = {}  # new prompt id -> the OOM'd prompt it retries
         self._seen_oom: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -151,17 +186,22 @@ class GpuGate:
         return self.arb.decisions.subscribe(on_event)
 
     async def _load_figure(self, tenant: Tenant, need: Need) -> str | None:
-        """How far a load got, from the card: what the tenant's processes hold now against the
-        model's need (an estimate: the card shows the process, not which model its memory is for)."""
+        """How far a load got, from the card (`load_events.progress`: what the tenant gained since the
+        load began, marked estimated where the card cannot tell this load's memory apart)."""
         snap = await self.arb.snapshot()
-        held = snap.held_by(tenant.name)
-        how = "estimated from the engines' own reports" if snap.estimated else f"estimated: all {tenant.name} holds"
-        return f"loading {need.model}: {gib(held)} of {gib(need.bytes)} GiB on the card ({how})"
+        load = self.arb.loads.underway_of(tenant.name, need.key)
+        if load is None:
+            return None  # not begun yet, or on the card already
+        figure = self.arb.loads.progress(load, snap.held_by(tenant.name), tenant.idle_vram_bytes, snap.estimated)
+        how = ("estimated from the engines' own reports" if snap.estimated
+               else f"estimated: all {tenant.name} gained" if figure.estimated else "estimated need")
+        took = self.arb.clock.now() - load.began_at
+        return (f"loading {load.model}: {gib(figure.on_card_bytes)} of {gib(figure.need_bytes)} GiB on the card "
+                f"({how}), {took:.0f} s")
 
     def on_frame(self, tenant: Tenant, text: str) -> None:
         """Called for every upstream text frame of a tenant's websockets (the adapter filters cheaply first)."""
-        if self.load_hooks is not None:
-            self.load_hooks.on_frame(tenant, text)
+        self.arb.loads.frame(tenant.name, text)  # ComfyUI's execution frames time its checkpoint loads
         job_id = self._adapter(tenant).oom_job_from_frame(text)
         if job_id is not None:
             self._oom(tenant, job_id)
@@ -234,6 +274,9 @@ class GpuGate:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    def dormant(self, tenant: Tenant) -> bool:
+        return self.arb.lifecycles.dormant(tenant.name)
+
     async def wake(self, tenant: Tenant, what: str, *, reads_only: bool = False,
                    origin: str | None = None) -> Response | None:
         """Before anything reaches a tenant that sleeps (stopped by the proxy, or owing a resume): room
@@ -253,7 +296,7 @@ class GpuGate:
         trace = tracing.current()
         arrived, arrived_wall = self.arb.clock.now(), self.arb.clock.wall()
         if trace is not None and self.arb.lifecycles.dormant(tenant.name):
-            trace.say(f"starting {tenant.name}")
+            trace.wait(f"starting {tenant.name}")  # a streamed request is answered now and hears the start
         try:
             admitted = await self.arb.wake(tenant, f"start of {tenant.name} for {what}")
         except LifecycleError as exc:
@@ -340,7 +383,6 @@ class GpuGate:
             return timeout_response(tenant, admitted, self.arb.registry.config.proxy.queue_timeout_s)
         if admitted.outcome == "refuse":
             return JSONResponse(rejection_body(tenant, handoff, need), status_code=507)
-        hooks = self.load_hooks
         loads = need.model is not None and admitted.reason != RESIDENT  # on the card already: nothing to time
         trace = tracing.current()
         if trace is not None:
@@ -353,10 +395,17 @@ class GpuGate:
         # The request's story hangs on its wait, else on the handoff it caused (GET /api/decisions/{id}).
         started = handoff.decision.id if isinstance(handoff.decision, HandoffStarted) else None
         story = handoff.queued if handoff.queued is not None else started
-        watch = (await hooks.loading(tenant, need.model, body, story)
-                 if hooks is not None and need.model and loads else None)
+        events = self.arb.loads
+        # the first request for a load begins it; one for the same load under way joins it (one load, one record)
+        card = self.arb.scheduler.card
+        load = (await events.begin(tenant.name, need.model, need.key, need.bytes, body, story,
+                                   card.held_by(tenant.name) if card is not None else None)
+                if need.model is not None and loads else None)
+        timed = False  # the load's end is told when its answer ends
         try:
             response = await forward(body)
+            if load is not None:
+                events.arrived(load)
             if trace is not None and loads and streamed and response.status_code < 400:
                 # a streamed answer's headers come once the model is loaded (and its first token made)
                 took = self.arb.clock.now() - forwarded
@@ -370,8 +419,9 @@ class GpuGate:
                                                   status=response.status_code))
             if response.status_code < 400:
                 self.arb.scheduler.loaded(tenant.name, need.key)
-                if watch is not None:
-                    response = watch(response)  # reads the engine's own load time as the answer passes
+                if load is not None and events.listened:
+                    response = _TailKept(response, partial(events.ended, load))  # the engine's own load time
+                    timed = True
             if not adapter.answers_oom or response.status_code < 400:
                 return response
             error_body = await response.aread()
@@ -396,6 +446,8 @@ class GpuGate:
             self._record_retry(tenant, retry, "failed" if outcome == "retried" else outcome)
             return _with_blockers(response, error_body, retry)
         finally:
+            if load is not None and not timed:
+                events.ended(load, None)  # no answer to time it from
             if outlives:
                 self.arb.scheduler.settle_when_idle(handoff)  # the job loads after the answer: keep its memory promised
             else:
