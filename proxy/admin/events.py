@@ -124,7 +124,7 @@ async def stats_payload(proxy: ProxyView, snap: AttributedSnapshot | None = None
         busy=[t.name for t in tenants if t.busy],
         decision_ids=[d.id for d in arb.decisions.recent(recent)],
         handoff_in_progress=bool(arb.scheduler.releasing),
-        queue=[views.Waiting.model_validate(w) for w in arb.scheduler.waiting()],
+        queue=[views.Waiting.model_validate(w) for w in views.queue(arb)],
         gpu_error=views.gpu_error_view(arb.last_read_error),
     )
     return views.dump(frame)

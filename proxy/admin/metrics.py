@@ -47,6 +47,21 @@ Series:
   hyperswap_lifecycle_exits_total{tenant,result} (it ended on its own while running: ok is exit code 0,
   failed any other end or no answer to its probe); and at scrape time
   hyperswap_lifecycle_state{tenant,state}: 1 for the state it is in, 0 for the others.
+- For a cluster's inference router (the Gateway API Inference Extension's endpoint picker, mapped by an
+  `engineConfigs` entry: docs/guides/several-machines.md), per tenant, from the scheduler at scrape time
+  (proxy/handoff/signals.py): hyperswap_tenant_requests_waiting{tenant} (the handoff queue, plus jobs
+  queued in the engine behind the one it runs; the picker's queued requests),
+  hyperswap_tenant_requests_running{tenant} (admitted requests in flight, plus the job the engine runs),
+  hyperswap_tenant_memory_cost{tenant} (0-1, what a new load would cost: (0.25 x bytes from free memory
+  + 0.5 x bytes from idle tenants released + 1 x bytes a busy tenant must give up) / the load's bytes, split
+  by the scheduler's own planner; the load is needs_vram_gb, 0 when the tenant holds it; for an engine that
+  sizes each model (Ollama) it is all the memory the tenant could reach, its own models counted at 0.5, or 1
+  while it is busy; 1 when no plan fits; no sample while the card's size is unknown; as of the last card
+  reading, which the watchdog takes every watchdog_interval_s), and
+  hyperswap_tenant_models_info{tenant,running_lora_adapters,waiting_lora_adapters,max_lora} (the LoRA-info
+  shape the affinity scorer reads: comma-separated model names on the card and on their way there, a
+  `:latest` tag listed bare too; max_lora their count, so the card counts as full; the value is the
+  reading's Unix time).
 """
 
 from __future__ import annotations
@@ -66,6 +81,7 @@ from proxy.admin.view import ProxyView
 from proxy.decision import DecisionEvent
 from proxy.gpu.visibility import device_json, devices_json, tenant_vram, unmanaged_vram
 from proxy.handoff.decisions import HandoffFinished, ModelLoad, OomRetry, QueueEnded, Rejected
+from proxy.handoff.signals import gather
 from proxy.lifecycle.state import LifecycleReport
 
 if TYPE_CHECKING:
@@ -101,6 +117,17 @@ LIVE_GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
     "hyperswap_queued_jobs": ("Engine jobs the proxy saw queued and not yet finished", ("tenant",)),
     "hyperswap_queue_waiting": ("Requests waiting in the handoff queue for GPU memory", ("tenant",)),
     "hyperswap_lifecycle_state": ("A tenant the proxy starts and stops: 1 for the state it is in", ("tenant", "state")),
+    # For a cluster's inference router (the Inference Extension's endpoint picker): proxy/handoff/signals.py
+    "hyperswap_tenant_requests_waiting": ("Requests waiting: in the handoff queue for memory, plus jobs queued in the "
+                                          "engine behind the one it runs", ("tenant",)),
+    "hyperswap_tenant_requests_running": ("Requests running: admitted requests in flight, plus the job the engine runs",
+                                          ("tenant",)),
+    "hyperswap_tenant_memory_cost": ("What a new load would cost in memory, 0-1: 0 its model is on the card, 0.25 a "
+                                     "load into free memory, 0.5 idle tenants released, 1 a busy tenant must finish",
+                                     ("tenant",)),
+    "hyperswap_tenant_models_info": ("Models on the card (running_lora_adapters) and on their way (waiting_lora_adapters), "
+                                     "max_lora their count; the value is the reading's Unix time",
+                                     ("tenant", "running_lora_adapters", "waiting_lora_adapters", "max_lora")),
 }
 SNAPSHOT_SOURCE = ("hyperswap_gpu_snapshot_source", "Where the GPU figures come from", ("source", "device"))
 
@@ -168,6 +195,7 @@ class _LiveCollector(Collector):
         for name, n in counts.items():
             waiting.add_metric([name], n)
         yield waiting
+        yield from _picker_families(proxy, snap)
         machines = proxy.arbitration.lifecycles.machines()
         if machines:
             state = _gauge("hyperswap_lifecycle_state")
@@ -175,6 +203,24 @@ class _LiveCollector(Collector):
                 for s in LIFECYCLE_STATES:
                     state.add_metric([name, s], 1 if machine.state == s else 0)
             yield state
+
+
+def _picker_families(proxy: ProxyView, snap: AttributedSnapshot | None) -> list[Metric]:
+    """The signals a cluster's endpoint picker scrapes, per tenant (proxy/handoff/signals.py)."""
+    waiting = _gauge("hyperswap_tenant_requests_waiting")
+    running = _gauge("hyperswap_tenant_requests_running")
+    cost = _gauge("hyperswap_tenant_memory_cost")
+    models = _gauge("hyperswap_tenant_models_info")
+    now = proxy.clock.wall()
+    for s in gather(proxy.arbitration.scheduler, proxy.registry, snap):
+        waiting.add_metric([s.tenant], s.waiting)
+        running.add_metric([s.tenant], s.running)
+        if s.memory_cost is not None:  # the card's size is unknown: no sample, never a 0
+            cost.add_metric([s.tenant], s.memory_cost)
+        # max_lora = the models it holds: the card counts as full, so the picker's affinity prefers the
+        # node that has the model (or loads it) over one that would have to load it; the cost says how dear.
+        models.add_metric([s.tenant, ",".join(s.resident), ",".join(s.loading), str(s.models)], now)
+    return [waiting, running, cost, models]
 
 
 def _card_families(snap: AttributedSnapshot) -> list[Metric]:

@@ -1,11 +1,12 @@
 """Model files in RAM, as an admin extension: `/api/models` (each tenant's models with size and
 page-cache residency), warming one (`POST /api/models/warm`) and stopping a warm
-(`POST /api/models/stop`), `/api/models/loads` (load speeds, warm or cold), a health entry, and the
-handoff's hooks: warm the next model's files while the other tenant releases (`PrepareLoad`), and
-time each load from the engine's own answer (the GPU gate's `LoadHooks`).
+(`POST /api/models/stop`), `/api/models/loads` (load speeds, warm or cold), a health entry, and what
+it hears of loads (a `LoadListener` of proxy/handoff/load_events.py, never a hook in the gate): warm
+the next model's files while the other tenant releases (`load_ahead`), and time each load from the
+engine's own answer (`load_starting` reads the files' residency, `load_ended` the engine's figure)
+or from its execution frames (`engine_frame`).
 
-ProxyView attributes used: registry, arbitration (last_snapshot, load_hooks), gate (load_hooks), decisions, token,
-extension("health")
+ProxyView attributes used: registry, arbitration (last_snapshot, loads), decisions, token, extension("health")
 (to add a health check). Everything that touches the disk runs off the loop.
 """
 
@@ -17,7 +18,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -33,13 +34,13 @@ from proxy.engines.model_files import ModelFiles, files_summary
 from proxy.engines.settings import read_proc_environ
 from proxy.errors import HyperSwapError
 from proxy.handoff.decisions import ModelLoad
+from proxy.handoff.load_events import Load
 from proxy.models.catalog import ModelCatalog
 from proxy.models.fileio import FileWorkBusy
 from proxy.models.frames import FrameTimer, loader_nodes
 from proxy.models.loads import MIN_LOAD_S, LoadLog, LoadRecord
 from proxy.models.pagecache import PageCacheProbe, SystemPageCache
 from proxy.models.warm import MemAvailable, Warmer, WarmJob, may_read, read_mem_available
-from proxy.relay.forward import UpstreamResponse
 
 if TYPE_CHECKING:
     from proxy.admin.health import HealthEntry
@@ -47,7 +48,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hyperswap.models")
 
-TAIL_BYTES = 4096  # Ollama's final line (with load_duration) fits well inside this
 LOOKUP_S = 1.0  # a GPU request waits at most this for its model's files; past it the load is just not timed
 ANSWER_S = 15.0  # an admin answer that needs the model files waits at most this, then says 503
 BUSY_FIX = "retry in a few seconds; if it persists, look for a model folder on a slow or hung file system"
@@ -57,54 +57,6 @@ T = TypeVar("T")
 
 def _error(status: int, message: str, fix: str, **details: Any) -> JSONResponse:
     return JSONResponse({"error": message, "fix": fix, **details}, status_code=status)
-
-
-class _TimedResponse(UpstreamResponse):
-    """The engine's answer, relayed unchanged, with its last bytes kept: once it ends, `done(tail)`."""
-
-    __slots__ = ("_done", "_tail")
-
-    def __init__(self, inner: UpstreamResponse, done: Callable[[bytes], None]) -> None:
-        super().__init__(inner._response)  # the same open response: nothing is read or copied twice
-        self._tail = b""
-        self._done: Callable[[bytes], None] | None = done
-
-    def _keep(self, chunk: bytes) -> None:
-        self._tail = (self._tail + chunk)[-TAIL_BYTES:]
-
-    def received_body(self) -> bytes | None:
-        body = super().received_body()
-        if body is not None:
-            self._keep(body)
-        return body
-
-    async def _chunks(self) -> AsyncIterator[bytes]:
-        async for chunk in super().aiter_raw():
-            self._keep(chunk)
-            yield chunk
-
-    def aiter_raw(self) -> AsyncIterator[bytes]:
-        return self._chunks()
-
-    async def aread(self) -> bytes:
-        body = await super().aread()
-        self._keep(body)
-        self._finish()
-        return body
-
-    def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            self._finish()
-
-    def _finish(self) -> None:
-        done, self._done = self._done, None
-        if done is not None:
-            try:
-                done(self._tail)
-            except Exception:  # a load record must never break an answer
-                log.exception("recording a model load failed")
 
 
 class ModelsExtension:
@@ -124,6 +76,8 @@ class ModelsExtension:
         self.recent: OrderedDict[str, tuple[str, str]] = OrderedDict()  # key -> (tenant, model), newest last
         self._tasks: set[asyncio.Task[Any]] = set()
         self._frames: dict[str, FrameTimer] = {}  # tenant -> checkpoint loads expected in its execution frames
+        self._starting: dict[int, tuple[ModelFiles, float | None]] = {}  # load id -> its files, residency before
+        self._unsubscribe: Callable[[], None] | None = None
 
     def margin_bytes(self) -> int:
         return int(self.settings.warm_margin_gb * GIB)
@@ -155,8 +109,7 @@ class ModelsExtension:
 
     async def start(self) -> None:
         from proxy.admin.health import HealthExtension, NamedCheck
-        self.proxy.arbitration.load_hooks = self
-        self.proxy.gate.load_hooks = self
+        self._unsubscribe = self.proxy.arbitration.loads.subscribe(self)
         self._spawn(self._quietly(self.catalog.all_files), "hyperswap:locate")  # before the first load
         health = self.proxy.extension("health")  # explicit lookup by name
         if isinstance(health, HealthExtension):
@@ -176,10 +129,9 @@ class ModelsExtension:
 
     async def stop(self) -> None:
         self.catalog.work.close()  # nothing waits on a model-file read from here on
-        if self.proxy.arbitration.load_hooks is self:
-            self.proxy.arbitration.load_hooks = None
-        if self.proxy.gate.load_hooks is self:
-            self.proxy.gate.load_hooks = None
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -198,8 +150,8 @@ class ModelsExtension:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    # -- the handoff's hooks (admission.LoadHooks) ----------------------------------------------
-    def prepare_load(self, tenant: str, model: str) -> None:
+    # -- what it hears of loads (load_events.LoadListener) ----------------------------------------
+    def load_ahead(self, tenant: str, model: str) -> None:
         self._used(tenant, model)
         if self.settings.warm_during_release:
             self._spawn(self._warm_quietly(tenant, model, "handoff: read while memory is released"),
@@ -214,42 +166,47 @@ class ModelsExtension:
             return None  # already in RAM (or cannot be said now): nothing to read
         return self.warmer.start(files.key, files.files, files.size_bytes, reason, files.sizes)
 
-    async def loading(self, tenant: Tenant, model: str, body: bytes,
-                      request: int | None = None) -> Callable[[UpstreamResponse], UpstreamResponse] | None:
+    async def load_starting(self, load: Load) -> None:
+        """Just before the load is forwarded: its files and their residency now (the load's warm or cold
+        is told from it), within LOOKUP_S (the request never waits long for this)."""
+        tenant = self.proxy.registry.get(load.tenant)
         adapter = adapter_for(tenant)
-        self._used(tenant.name, model)
+        self._used(load.tenant, load.model)
+        if not adapter.load_timed_from_frames and type(adapter).load_seconds is EngineAdapter.load_seconds:
+            return  # this engine does not say how long its loads take
 
         def look() -> tuple[ModelFiles | None, float | None]:  # off the loop: may walk directories
-            files = self.catalog.find(tenant.name, model)
+            files = self.catalog.find(load.tenant, load.model)
             return files, (self.catalog.residency_of(files).fraction if files is not None else None)
 
-        found = await self._quietly(look, timeout_s=LOOKUP_S)  # the request never waits long for this
-        files = found[0] if found is not None else None
-        if found is None or files is None:
-            return None
-        before = found[1]
-        if adapter.load_timed_from_frames:  # the load runs after the answer
-            self._frames.setdefault(tenant.name, FrameTimer(time.monotonic)).expect(
-                loader_nodes(body, model), (files, before, f"{adapter.kind} execution frames", request))
-            return None
-        if type(adapter).load_seconds is EngineAdapter.load_seconds:
-            return None  # this engine does not say how long its loads take
+        found = await self._quietly(look, timeout_s=LOOKUP_S)
+        files, before = found if found is not None else (None, None)
+        if files is None:
+            return
+        if adapter.load_timed_from_frames:  # the load runs after the answer: its frames time it
+            self._frames.setdefault(load.tenant, FrameTimer(time.monotonic)).expect(
+                loader_nodes(load.body, load.model), (files, before, f"{adapter.kind} execution frames", load.request))
+        else:
+            self._starting[load.id] = (files, before)
 
-        def done(tail: bytes) -> None:
-            seconds = adapter.load_seconds(tail)
-            if seconds is not None and seconds >= MIN_LOAD_S:
-                self.record_load(LoadRecord(time.time(), tenant.name, files.name, self.model_size(files), seconds, before,
-                                            f"{adapter.kind} load_duration"), files.files, request)
+    def load_ended(self, load: Load, tail: bytes | None) -> None:
+        started = self._starting.pop(load.id, None)
+        if started is None or tail is None:
+            return
+        files, before = started
+        adapter = adapter_for(self.proxy.registry.get(load.tenant))
+        seconds = adapter.load_seconds(tail)
+        if seconds is not None and seconds >= MIN_LOAD_S:
+            self.record_load(LoadRecord(time.time(), load.tenant, files.name, self.model_size(files), seconds, before,
+                                        f"{adapter.kind} load_duration"), files.files, load.request)
 
-        return lambda response: _TimedResponse(response, done)
-
-    def on_frame(self, tenant: Tenant, text: str) -> None:
-        timer = self._frames.get(tenant.name)
+    def engine_frame(self, tenant: str, text: str) -> None:
+        timer = self._frames.get(tenant)
         if timer is None or not timer.expected:
             return
         for (files, before, source, request), seconds in timer.on_frame(text):
             if seconds >= MIN_LOAD_S:
-                self.record_load(LoadRecord(time.time(), tenant.name, files.name, self.model_size(files), seconds, before,
+                self.record_load(LoadRecord(time.time(), tenant, files.name, self.model_size(files), seconds, before,
                                             source), files.files, request)
 
     def record_load(self, record: LoadRecord, paths: tuple[str, ...] = (), request: int | None = None) -> LoadRecord:

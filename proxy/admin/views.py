@@ -152,6 +152,21 @@ class Waiting(_Doc):
     waiting_for: list[str] = Field(description="busy tenants it waits for")
     behind: int | None = Field(description="the waiting request it queues behind, if any")
     reason: str
+    position: int | None = Field(default=None, description="its place in line, 1 first: by priority, then arrival "
+                                 "(an aged waiter, or one whose load is on the card already, may go sooner)")
+
+
+class LoadUnderway(_Doc):
+    """A model load on its way to the card: forwarded to the engine, which has not answered yet."""
+    model: str
+    since: float = Field(description="unix seconds, when it was forwarded")
+    elapsed_s: float
+    need_bytes: int = Field(description="what the proxy planned for it (its estimate)")
+    need_gb: float | None
+    on_card_bytes: int | None = Field(description="what the tenant gained on the card since it began, at most the need")
+    on_card_gb: float | None
+    estimated: bool = Field(description="on_card is an estimate: the tenant held other memory when it began (the card "
+                                        "shows a process's memory, not a model's), or no GPU reader measured it")
 
 
 class LifecycleController(_Doc):
@@ -213,6 +228,7 @@ class _TenantLive(_Doc):
     idle_release_in_s: float | None = Field(description="seconds until the idle release; null: never")
     reclaimable: bool
     waiting: list[Waiting] = Field(default_factory=list, description="this tenant's requests waiting for memory")
+    loading: LoadUnderway | None = Field(default=None, description="the (oldest) model load on its way to the card")
     devices: TenantDevices | None = Field(default=None, description="only on a host with several GPUs")
     lifecycle: Lifecycle | None = Field(default=None, description="a tenant the proxy starts and stops: its state; "
                                                                   "null for the others")
@@ -598,6 +614,26 @@ def lifecycle_view(arb: Arbitration, tenant: str) -> Lifecycle | None:
     return None if machine is None else Lifecycle.model_validate(machine.view())
 
 
+def queue(arb: Arbitration) -> list[JSON]:
+    """Every waiting request, in arrival order, with its place in line (by priority, then arrival)."""
+    entries = arb.scheduler.waiting()
+    place = {w["id"]: i + 1 for i, w in enumerate(sorted(entries, key=lambda w: (-w["priority"], w["id"])))}
+    return [{**w, "position": place[w["id"]]} for w in entries]
+
+
+def loading_view(arb: Arbitration, snap: AttributedSnapshot, tenant: Tenant) -> LoadUnderway | None:
+    """The tenant's load on its way to the card, with how far it got on `snap` (`load_events.progress`)."""
+    load = arb.loads.underway_of(tenant.name)
+    held = tenant_vram(snap, tenant.name)
+    if load is None:
+        return None
+    figure = None if held is None else arb.loads.progress(load, held, tenant.idle_vram_bytes, snap.estimated)
+    on_card = figure.on_card_bytes if figure is not None else None
+    return LoadUnderway(model=load.model, since=round(load.began_wall, 3), elapsed_s=round(arb.clock.now() - load.began_at, 1),
+                        need_bytes=load.need_bytes, need_gb=gib(load.need_bytes), on_card_bytes=on_card,
+                        on_card_gb=gib(on_card), estimated=figure is None or figure.estimated)
+
+
 def _live(arb: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, tenant: Tenant, state: TenantState) -> JSON:
     """The live fields /api/tenants and the events' stats frames share (`_TenantLive`)."""
     traffic = arb.inflight.snapshot().get(tenant.name)
@@ -614,7 +650,8 @@ def _live(arb: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, tenant
         "last_activity_age_s": None if not traffic or traffic.last_activity is None else round(now - traffic.last_activity, 1),
         "idle_release_in_s": None if deadline is None else round(max(0.0, deadline - now), 1),
         "reclaimable": tenant.reclaimable and tenant.name not in arb.cpu_tenants,  # on the CPU: nothing to take
-        "waiting": [w for w in arb.scheduler.waiting() if w["tenant"] == tenant.name],
+        "waiting": [w for w in queue(arb) if w["tenant"] == tenant.name],
+        "loading": loading_view(arb, snap, tenant),
         **tenant_devices_json(snap, tenant.name),  # several cards: where it loads, what it holds on each
         "lifecycle": lifecycle_view(arb, tenant.name),
     }

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import httpx
 
@@ -36,6 +36,7 @@ from proxy.handoff.busy import CONFIRM_SLACK_BYTES
 from proxy.handoff.decisions import DecisionLog, HandoffFinished, HandoffStarted, Rejected, ReleaseResult
 from proxy.handoff.inflight import InFlight, Token
 from proxy.handoff.lifecycles import Lifecycles
+from proxy.handoff.load_events import LoadEvents
 from proxy.handoff.orders import Released, ReleaseOrder
 from proxy.handoff.scheduler import Admitted, Handoff, Scheduler
 from proxy.lifecycle.state import LifecycleReport
@@ -45,14 +46,7 @@ log = logging.getLogger("hyperswap.arbitration")
 
 OOM_HEADROOM_BYTES = 1 * GIB  # after an OOM the estimate was wrong: ask for this much more than is free
 
-__all__ = ["CONFIRM_SLACK_BYTES", "Admitted", "Arbitration", "Handoff", "PrepareLoad", "ReleaseResult", "gib"]
-
-
-class PrepareLoad(Protocol):
-    """The model-files extension's part in a handoff (proxy/admin/models_api.py). Never blocks."""
-
-    def prepare_load(self, tenant: str, model: str) -> None:
-        """Memory is about to be released (or waited for) for this load: warm its files meanwhile."""
+__all__ = ["CONFIRM_SLACK_BYTES", "Admitted", "Arbitration", "Handoff", "ReleaseResult", "gib"]
 
 
 class Arbitration:
@@ -82,7 +76,8 @@ class Arbitration:
         self._snapshot_lock = asyncio.Lock()  # the reader's: one GPU read at a time
         self.last_read_error: GpuReadError | None = None  # the reader's own health, for /api/health
         self._measured_device: DeviceMemory | None = None  # the last device figures a reader measured
-        self.load_hooks: PrepareLoad | None = None  # set by the model-files extension
+        # loads as events (ahead, begun, on the card, ended): warming and load timing subscribe to them
+        self.loads = LoadEvents(clock)
 
     @property
     def last_snapshot(self) -> AttributedSnapshot | None:
@@ -319,8 +314,7 @@ class Arbitration:
         return Released(order, [*results, *skipped], started)
 
     def prepare_load(self, tenant: str, model: str) -> None:
-        if self.load_hooks is not None:
-            self.load_hooks.prepare_load(tenant, model)
+        self.loads.ahead(tenant, model)
 
     # -- the request path ---------------------------------------------------------------------
     async def admit(self, tenant: Tenant, path: str, body: bytes, trigger: str,

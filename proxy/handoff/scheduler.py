@@ -285,6 +285,13 @@ class Scheduler:
         """This load is on the card already, or on its way there (admitted, not arrived yet)."""
         return self.residency.holds(tenant, key) or self.reservations.loading(key, tenant)
 
+    def loads_of(self, tenant: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(on the card, on their way to it): the tenant's load keys, for a cluster's picker (/metrics).
+        A load that arrived is only on the card, even while its reservation still stands."""
+        resident = tuple(sorted(self.residency.keys(tenant)))
+        loading = tuple(sorted(k for k, t in self.reservations.tenants().items() if t == tenant and k not in resident))
+        return resident, loading
+
     # -- the request side ------------------------------------------------------------------------
     def admit_at_once(self, tenant: Tenant, key: str, need_bytes: int, work: Token | None = None) -> Admitted | None:
         """The scheduler's first step for a request, taken without reading the card: a load that is on

@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import httpx
 from starlette.requests import Request
@@ -38,6 +38,7 @@ from proxy.handoff.decisions import (
     WaitChanged,
 )
 from proxy.handoff.inflight import Token
+from proxy.handoff.load_events import Load
 from proxy.handoff.scheduler import Admitted, Handoff
 from proxy.lifecycle.controller import LifecycleError
 from proxy.relay import refusals
@@ -50,17 +51,53 @@ log = logging.getLogger("hyperswap.gate")
 WAIT_EVENTS = (Queued, WaitChanged, QueueEnded, HandoffStarted, HandoffFinished)  # a wait may have changed
 
 
-class LoadHooks(Protocol):
-    """What the model-files extension does around a load (proxy/admin/models_api.py). Never blocks."""
+TAIL_BYTES = 4096  # an engine's final line (Ollama's, with load_duration) fits well inside this
 
-    async def loading(self, tenant: Tenant, model: str, body: bytes,
-                      request: int | None = None) -> Callable[[UpstreamResponse], UpstreamResponse] | None:
-        """Just before forwarding a load (its residency is read now): a wrapper for the engine's answer
-        that times it, or None. `request`: the decision of the request (its wait or its handoff), which
-        the load's own decision names."""
 
-    def on_frame(self, tenant: Tenant, text: str) -> None:
-        """Every upstream websocket text frame (ComfyUI's execution frames time its checkpoint loads)."""
+class _TailKept(UpstreamResponse):
+    """The engine's answer, relayed unchanged, with its last bytes kept: once it ends, `done(tail)`
+    (the load it carried is timed from them: proxy/handoff/load_events.py)."""
+
+    __slots__ = ("_done", "_tail")
+
+    def __init__(self, inner: UpstreamResponse, done: Callable[[bytes], None]) -> None:
+        super().__init__(inner._response)  # the same open response: nothing is read or copied twice
+        self._tail = b""
+        self._done: Callable[[bytes], None] | None = done
+
+    def _keep(self, chunk: bytes) -> None:
+        self._tail = (self._tail + chunk)[-TAIL_BYTES:]
+
+    def received_body(self) -> bytes | None:
+        body = super().received_body()
+        if body is not None:
+            self._keep(body)
+        return body
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        async for chunk in super().aiter_raw():
+            self._keep(chunk)
+            yield chunk
+
+    def aiter_raw(self) -> AsyncIterator[bytes]:
+        return self._chunks()
+
+    async def aread(self) -> bytes:
+        body = await super().aread()
+        self._keep(body)
+        self._finish()
+        return body
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._finish()
+
+    def _finish(self) -> None:
+        done, self._done = self._done, None
+        if done is not None:
+            done(self._tail)
 
 
 class GpuGate:
@@ -75,7 +112,6 @@ class GpuGate:
     def __init__(self, arbitration: Arbitration, adapter: Callable[[Tenant], GatePorts] | None = None) -> None:
         self.arb = arbitration
         self._adapter: Callable[[Tenant], GatePorts] = adapter or arbitration.adapter  # the forwarder's per-tenant adapters
-        self.load_hooks: LoadHooks | None = None  # set by the model-files extension
         self._requeued: dict[str, str] = {}  # new prompt id -> the OOM'd prompt it retries
         self._seen_oom: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -95,17 +131,22 @@ class GpuGate:
         return self.arb.decisions.subscribe(on_event)
 
     async def _load_figure(self, tenant: Tenant, need: Need) -> str | None:
-        """How far a load got, from the card: what the tenant's processes hold now against the
-        model's need (an estimate: the card shows the process, not which model its memory is for)."""
+        """How far a load got, from the card (`load_events.progress`: what the tenant gained since the
+        load began, marked estimated where the card cannot tell this load's memory apart)."""
         snap = await self.arb.snapshot()
-        held = snap.held_by(tenant.name)
-        how = "estimated from the engines' own reports" if snap.estimated else f"estimated: all {tenant.name} holds"
-        return f"loading {need.model}: {gib(held)} of {gib(need.bytes)} GiB on the card ({how})"
+        load = self.arb.loads.underway_of(tenant.name, need.key)
+        if load is None:
+            return None  # not begun yet, or on the card already
+        figure = self.arb.loads.progress(load, snap.held_by(tenant.name), tenant.idle_vram_bytes, snap.estimated)
+        how = ("estimated from the engines' own reports" if snap.estimated
+               else f"estimated: all {tenant.name} gained" if figure.estimated else "estimated need")
+        took = self.arb.clock.now() - load.began_at
+        return (f"loading {load.model}: {gib(figure.on_card_bytes)} of {gib(figure.need_bytes)} GiB on the card "
+                f"({how}), {took:.0f} s")
 
     def on_frame(self, tenant: Tenant, text: str) -> None:
         """Called for every upstream text frame of a tenant's websockets (the adapter filters cheaply first)."""
-        if self.load_hooks is not None:
-            self.load_hooks.on_frame(tenant, text)
+        self.arb.loads.frame(tenant.name, text)  # ComfyUI's execution frames time its checkpoint loads
         job_id = self._adapter(tenant).oom_job_from_frame(text)
         if job_id is not None:
             self._oom(tenant, job_id)
@@ -178,6 +219,9 @@ class GpuGate:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    def dormant(self, tenant: Tenant) -> bool:
+        return self.arb.lifecycles.dormant(tenant.name)
+
     async def wake(self, tenant: Tenant, what: str, *, reads_only: bool = False,
                    origin: str | None = None) -> Response | None:
         """Before anything reaches a tenant that sleeps (stopped by the proxy, or owing a resume): room
@@ -197,7 +241,7 @@ class GpuGate:
         trace = tracing.current()
         arrived, arrived_wall = self.arb.clock.now(), self.arb.clock.wall()
         if trace is not None and self.arb.lifecycles.dormant(tenant.name):
-            trace.say(f"starting {tenant.name}")
+            trace.wait(f"starting {tenant.name}")  # a streamed request is answered now and hears the start
         try:
             admitted = await self.arb.wake(tenant, f"start of {tenant.name} for {what}")
         except LifecycleError as exc:
@@ -270,16 +314,17 @@ class GpuGate:
         outlives = adapter.captures_job(request.method, request.url.path)
         loads = need.model is not None and admitted.reason != RESIDENT  # on the card already: nothing to time
         trace = tracing.current()
-        if trace is not None:
-            self._trace_admission(trace, tenant, need, handoff, arrived_wall, loads)
+        self._trace_admission(trace, tenant, need, handoff, arrived_wall, loads)
         streamed = adapter.stream_format(request.url.path, body) is not None
         forwarded = self.arb.clock.now()
-        # The request's story hangs on its wait, else on the handoff it caused (GET /api/decisions/{id}).
-        started = handoff.decision.id if isinstance(handoff.decision, HandoffStarted) else None
-        story = handoff.queued if handoff.queued is not None else started
-        watch = await self._load_watch(tenant, need, body, story) if loads else None
+        story = _story_of(handoff)
+        events = self.arb.loads
+        load = await self._begin_load(tenant, need, body, story) if loads else None
+        timed = False  # the load's end is told when its answer ends
         try:
             response = await forward(body)
+            if load is not None:
+                events.arrived(load)
             if trace is not None:
                 self._trace_answer(trace, need, loaded=loads and streamed and response.status_code < 400,
                                    took=self.arb.clock.now() - forwarded)
@@ -289,12 +334,15 @@ class GpuGate:
                                                   status=response.status_code))
             if response.status_code < 400:
                 self.arb.scheduler.loaded(tenant.name, need.key)
-                if watch is not None:
-                    response = watch(response)  # reads the engine's own load time as the answer passes
+                if load is not None and events.listened:
+                    response = _TailKept(response, partial(events.ended, load))  # the engine's own load time
+                    timed = True
             if not adapter.answers_oom or response.status_code < 400:
                 return response
             return await self._after_error(tenant, adapter, request, body, forward, handoff, need, trigger, response)
         finally:
+            if load is not None and not timed:
+                events.ended(load, None)  # no answer to time it from
             if outlives:
                 self.arb.scheduler.settle_when_idle(handoff)  # the job loads after the answer: keep its memory promised
             else:
@@ -338,14 +386,19 @@ class GpuGate:
             return refusals.queue_timeout(tenant, admitted, self.arb.registry.config.proxy.queue_timeout_s).response()
         return refusals.not_enough_memory(tenant, admitted.handoff, need.bytes).response()
 
-    async def _load_watch(self, tenant: Tenant, need: Need, body: bytes,
-                          story: int | None) -> Callable[[UpstreamResponse], UpstreamResponse] | None:
-        """What times the load this request causes, if the model-files extension is on."""
-        hooks = self.load_hooks
-        return await hooks.loading(tenant, need.model, body, story) if hooks is not None and need.model else None
+    async def _begin_load(self, tenant: Tenant, need: Need, body: bytes, story: int | None) -> Load | None:
+        """The first request for a load begins it; one for the same load under way joins it (one load,
+        one record: None)."""
+        if need.model is None:
+            return None
+        card = self.arb.scheduler.card
+        return await self.arb.loads.begin(tenant.name, need.model, need.key, need.bytes, body, story,
+                                          card.held_by(tenant.name) if card is not None else None)
 
-    def _trace_admission(self, trace: tracing.Trace, tenant: Tenant, need: Need, handoff: Handoff, arrived_wall: float,
-                         loads: bool) -> None:
+    def _trace_admission(self, trace: tracing.Trace | None, tenant: Tenant, need: Need, handoff: Handoff,
+                         arrived_wall: float, loads: bool) -> None:
+        if trace is None:
+            return
         record_wait(trace, self.arb.decisions, handoff, arrived_wall, self.arb.clock.wall())
         if loads:
             trace.say(f"loading {need.model} ({gib(need.bytes)} GiB)")
@@ -367,6 +420,13 @@ class GpuGate:
         self.arb.decisions.emit(OomRetry(tenant=tenant.name, trigger="OOM answer", result=result,
                                          handoff_id=started.id if started is not None else None,
                                          prompt_id=prompt_id, requeued_as=requeued_as))
+
+
+def _story_of(handoff: Handoff) -> int | None:
+    """The decision a request's story hangs on: its wait, else the handoff it caused (GET /api/decisions/{id})."""
+    if handoff.queued is not None:
+        return handoff.queued
+    return handoff.decision.id if isinstance(handoff.decision, HandoffStarted) else None
 
 
 def record_wait(trace: tracing.Trace, decisions: DecisionLog, handoff: Handoff, arrived_wall: float,

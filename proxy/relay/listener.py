@@ -44,6 +44,8 @@ log = logging.getLogger("hyperswap.listener")
 # (its load on the card; None: it is planned), found before its answer is built.
 FirstStep = tuple[Need | None, Admitted | None]
 
+Wake = Callable[[], Awaitable["Response | None"]]  # start a tenant that sleeps; its refusal, or None: go on
+
 JOB_RESPONSE_MAX = 1 << 20  # a POST /prompt answer is tiny; never hold more than this
 
 
@@ -77,6 +79,9 @@ class Admission(Protocol):
     def watch_waits(self, changed: Callable[[], None]) -> Callable[[], None]:
         """Call `changed` whenever a wait may have changed (queued, wait changed, a release began or
         ended); returns what stops it."""
+
+    def dormant(self, tenant: Tenant) -> bool:
+        """The tenant must be woken (started, or its resume called) before anything is forwarded to it."""
 
     async def wake(self, tenant: Tenant, what: str, *, reads_only: bool = False,
                    origin: str | None = None) -> Response | None:
@@ -171,13 +176,18 @@ class TenantApp:
         trace = Trace()
         try:
             with traced(trace):  # where the time went before the answer: Server-Timing, progress lines
-                refusal = await self._wake(scope) if self._sleeps else None
-                if refusal is not None:
-                    response = refusal
-                elif self.adapter.classify(scope["method"], scope["path"]) == "passthrough":
-                    response = await self._passthrough(scope, link)
+                gpu = self.adapter.classify(scope["method"], scope["path"]) != "passthrough"
+                if gpu and self._sleeps and self.admission is not None and self.admission.dormant(self.tenant):
+                    # its body is read first: a streamed one is answered while the app starts, and hears it
+                    response = await self._gpu(Request(scope, link.receive), wake=partial(self._wake, scope))
                 else:
-                    response = await self._gpu(Request(scope, link.receive))
+                    refusal = await self._wake(scope) if self._sleeps else None
+                    if refusal is not None:
+                        response = refusal
+                    elif not gpu:
+                        response = await self._passthrough(scope, link)
+                    else:
+                        response = await self._gpu(Request(scope, link.receive))
                 stamp(response.raw_headers, trace)
                 await response(scope, link.receive, send)
         except asyncio.CancelledError:
@@ -199,10 +209,11 @@ class TenantApp:
             return self.forwarder.relay(self.tenant, upstream, on_close=self.poller.check_soon)
         return self.forwarder.relay(self.tenant, upstream, on_close=_nothing)
 
-    async def _gpu(self, request: Request) -> Response:
+    async def _gpu(self, request: Request, wake: Wake | None = None) -> Response:
         """A request that may load something: counted in flight from its admission (never while it
         waits for memory) until its answer ends (a job the engine runs after answering, until that
-        job ends)."""
+        job ends). `wake`: its tenant sleeps; woken before anything else (inside a streamed request's
+        progress answer, so the client hears the app start)."""
         tenant, forwarder, inflight = self.tenant, self.forwarder, self.inflight
         method, path = request.method, request.url.path
         token = inflight.begin(tenant.name, admitted=self.admission is None)
@@ -211,10 +222,21 @@ class TenantApp:
             if rest is not None:
                 log.info("%s: %s %s body exceeds replay_body_max_mb=%s: streamed without admission",
                          tenant.name, method, path, tenant.replay_body_max_mb)
+                refusal = await wake() if wake is not None else None  # its app still starts first
+                if refusal is not None:
+                    inflight.end(token, refusal.status_code)
+                    return refusal
                 inflight.admit(token)
                 result: UpstreamResponse | Response = await forwarder.open(tenant, request, rest)
             elif self.admission is not None:
                 streamed = self._progress_for(request, body)
+                if wake is not None:
+                    if streamed is not None:
+                        return self._progress(request, body, token, streamed, (None, None), wake)
+                    refusal = await wake()
+                    if refusal is not None:
+                        inflight.end(token, refusal.status_code)
+                        return refusal
                 # a load on the card never waits: admitted at once, it needs no progress answer around it
                 first: FirstStep = (None, None)
                 if streamed is not None:
@@ -252,10 +274,11 @@ class TenantApp:
             return None
         return self.adapter.stream_format(request.url.path, body)
 
-    def _progress(self, request: Request, body: bytes, token: Token, streamed: Streamed, first: FirstStep) -> Response:
+    def _progress(self, request: Request, body: bytes, token: Token, streamed: Streamed, first: FirstStep,
+                  wake: Wake | None = None) -> Response:
         """Admission (with the need `first` found) and forward run inside the answer, which starts as
-        soon as the plan says the request waits (proxy/relay/progress.py); one that does not wait is
-        answered as ever."""
+        soon as the plan says the request waits or its app starts (`wake`, first: proxy/relay/progress.py);
+        one that does not wait is answered as ever."""
         admission, tenant, forwarder, inflight = self.admission, self.tenant, self.forwarder, self.inflight
         assert admission is not None
         changed = asyncio.Event()
@@ -270,9 +293,14 @@ class TenantApp:
             unwatch()
             inflight.end(token, status)
 
+        async def run() -> UpstreamResponse | Response:
+            if wake is not None and (refusal := await wake()) is not None:
+                return refusal  # not started: the refusal (a 503 with the app's last lines, a 507)
+            return await admission.handle(tenant, request, body, lambda b: forwarder.open(tenant, request, b), token,
+                                          first)
+
         return progress.ProgressResponse(
-            streamed,
-            lambda: admission.handle(tenant, request, body, lambda b: forwarder.open(tenant, request, b), token, first),
+            streamed, run,
             lambda: admission.wait_of(token), changed, current_trace() or Trace(), admission.clock, answer, finish,
             activity=partial(inflight.active, tenant.name))
 

@@ -194,11 +194,12 @@ class ProgressResponse(Response):
             while not task.done():
                 self._changed.clear()
                 entry = self._waiting()
-                if entry is not None and entry.get("planned"):
+                planned = entry is not None and bool(entry.get("planned"))
+                if not committed and (planned or self._trace.waits):  # waiting can succeed, or its app starts
+                    committed = True
+                    await send({"type": "http.response.start", "status": 200, "headers": self._framing.headers})
+                if entry is not None and planned:
                     line = wait_line(entry)
-                    if not committed:
-                        committed = True
-                        await send({"type": "http.response.start", "status": 200, "headers": self._framing.headers})
                     if line != said:
                         said = line
                         await self._send_progress(send, line)

@@ -32,6 +32,7 @@ class Trace:
 
     phases: dict[str, Phase] = field(default_factory=dict)
     listener: Listener | None = None
+    waits: bool = False  # it waits for something that takes a while (an app's start): a progress answer commits
     # while the engine loads the request's model: how far it got, read from the card (a line)
     loading: Callable[[], Awaitable[str | None]] | None = None
 
@@ -49,6 +50,12 @@ class Trace:
         """A progress line for a client that listens (nothing when none does)."""
         if self.listener is not None:
             self.listener(line)
+
+    def wait(self, line: str) -> None:
+        """A progress line that says the request now waits for something slow that is no queue wait
+        (an app's start): a streamed request that listens is answered at once, and hears it."""
+        self.waits = True
+        self.say(line)
 
     def server_timing(self) -> bytes | None:
         """The `Server-Timing` header's value (RFC: W3C Server Timing), phases in the order they

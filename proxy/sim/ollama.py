@@ -234,6 +234,16 @@ class OllamaSim:
     def loads(self) -> int:
         return self._sched.loads
 
+    @property
+    def load_clock(self) -> Clock:
+        """The clock its loads step on (and its keep-alive timers wait on): a test swaps it to hold a
+        load half way, however loaded the machine."""
+        return self._sched.clock
+
+    @load_clock.setter
+    def load_clock(self, clock: Clock) -> None:
+        self._sched.clock = clock
+
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> RunningServer:
         self.server = await start_server(self._app, host, port, name="ollama-sim")
         return self.server

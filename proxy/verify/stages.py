@@ -333,8 +333,7 @@ async def check_out_of_memory(v: Session) -> str:
     free_guess = int(stats["device"]["free_bytes"]) + ollama_now + max(0, comfy_now - floor_guess)
     lo, hi = declared - floor_guess, held - floor_guess
     if not [m for m in models if lo <= free_guess - m.size < hi]:
-        raise StageSkipped(f"no installed {ollama_t.name} model leaves free memory between {gib(lo)} and {gib(hi)} "
-                           f"(about {gib(free_guess)} free with both emptied): an out-of-memory cannot be staged safely")
+        raise StageSkipped(_no_filler(ollama_t.name, models, lo, hi, free_guess, "about {free} free with both emptied"))
     for name in await client.loaded():  # the window is measured with Ollama empty
         v.did(f"unloaded {name} from {ollama_t.name}")
         await client.unload(name)
@@ -347,8 +346,7 @@ async def check_out_of_memory(v: Session) -> str:
     lo, hi = declared - floor, held - floor
     fits = [m for m in models if lo <= free - m.size < hi]
     if not fits:
-        raise StageSkipped(f"no installed {ollama_t.name} model leaves free memory between {gib(lo)} and {gib(hi)} "
-                           f"({gib(free)} free now): an out-of-memory cannot be staged safely")
+        raise StageSkipped(_no_filler(ollama_t.name, models, lo, hi, free, "{free} free now"))
     model = min(fits, key=lambda m: abs(free - m.size - (lo + hi) / 2))
     v.say(f"out of memory: {model.name} fills the card so {the_graph(ckpt)} cannot load beside it")
     await v.generate(ollama_t, client, model)
@@ -388,6 +386,16 @@ async def _judge_oom_retry(v: Session, comfy_t: TenantInfo, run: GraphRun, mark:
     return (f"{staged} ran out of memory in "
             f"{comfy_t.name}; the proxy released {released or 'nobody'} and re-queued it as {again.prompt_id}, "
             "which succeeded")
+
+
+def _no_filler(tenant: str, models: list[OllamaModel], lo: int, hi: int, free: int, how: str) -> str:
+    """Why no out-of-memory can be staged: no installed model leaves free memory in [lo, hi); which
+    sizes would, and the installed ones, so the reader sees how far off they are."""
+    sizes = ", ".join(f"{m.name} {gib(m.size)}" for m in sorted(models, key=lambda m: m.size))
+    window = (f"a model of more than {gib(free - hi)} and at most {gib(free - lo)} would" if free - lo > 0
+              else "none could: the card is too small for the window")
+    return (f"no installed {tenant} model leaves free memory between {gib(lo)} and {gib(hi)} "
+            f"({how.format(free=gib(free))}; {window}; installed: {sizes}): an out-of-memory cannot be staged safely")
 
 
 async def _oom_retry(v: Session, tenant: str, mark: int, prompt_id: str, wait_s: float = 30.0) -> dict[str, Any]:
@@ -477,6 +485,8 @@ async def restore(v: Session) -> str:
     back = [m for m in (v.found.ollama_before or {}) if m not in now]
     left = f"not restored: {'; '.join(not_restored)}" if not_restored else ""
     if client is None or not (mine or back):
+        if client is not None and not left:  # checked, and as it was: the stage's promise holds
+            return "nothing to restore: Ollama holds what it held when verify started"
         raise StageSkipped("nothing to restore: Ollama holds what it held when verify started" + (f"; {left}" if left else ""))
     await v.nobody_busy()
     assert ollama is not None

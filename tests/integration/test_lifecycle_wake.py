@@ -201,3 +201,13 @@ async def test_the_lifecycle_demos_try_lines_answer_as_pasted(box: DemoFactory) 
         elif "json.tool" not in command:
             body = json.loads(text)
             assert "error" not in body, f"{command}\n -> {text[:500]}"
+
+
+async def test_a_body_too_large_to_keep_still_starts_a_stopped_app_first(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    """A body past replay_body_max_mb is streamed through without admission: its app must still be
+    started before it, since the wake moved after the body's read (a streamed request hears the start)."""
+    _, machine, url = await stopped_relay(box, replay_body_max_mb=0.001)
+    async with asyncio.timeout(ANSWER_WITHIN_S):
+        said = await http.post(url + "/v1/audio/transcriptions", content=bytes(5000))
+    assert said.status_code == 200 and said.json()["bytes"] == 5000, said.text
+    assert machine.state == "running"

@@ -168,3 +168,21 @@ async def test_keep_warm_models_warms_the_most_recently_used_models_again(box: D
     assert listed["llama3.1:8b"]["residency"]["resident_percent"] > 95, "one of the 2 most recently used"
     assert listed["llama3.1:8b"]["warm"]["reason"].startswith("keep the 2"), listed["llama3.1:8b"]
     assert listed["llama3.2:3b"]["residency"]["resident_percent"] < 5, "the third most recent stays cold"
+
+
+async def test_two_requests_that_wait_on_one_load_record_it_once(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    """Open WebUI sends a chat and its title request at once: both wait on the same cold load, which
+    is one load (one `model_load` decision, one entry in /api/models/loads), not two. Here both wait
+    for ComfyUI's release first, so both are admitted by the same handoff."""
+    demo = await box(slow_loads())
+    assert demo.proxy is not None
+    await run_prompt(demo.proxy.url("comfyui"), CKPT, http)  # the card is ComfyUI's: the chats join one release
+    url = demo.proxy.url("ollama") + "/api/generate"
+    answers = await asyncio.gather(*(http.post(url, json={"model": "gemma3:27b", "prompt": p, "stream": False})
+                                     for p in ("a chat", "its title")))
+    assert [r.status_code for r in answers] == [200, 200], [r.text for r in answers]
+    loads = (await http.get(demo.proxy.url("admin") + "/api/models/loads")).json()["loads"]
+    gemma = [x for x in loads if x["model"] == "gemma3:27b"]
+    decisions = (await http.get(demo.proxy.url("admin") + "/api/decisions")).json()["decisions"]
+    recorded = [d for d in decisions if d["kind"] == "model_load" and d["outcome"]["model"] == "gemma3:27b"]
+    assert len(gemma) == 1 and len(recorded) == 1, f"one load recorded {len(gemma)} times: {gemma}"

@@ -68,7 +68,11 @@
     while (ui.history.length && ui.history[0].t < now - HISTORY_MS) ui.history.shift();
     const d = stats.device;
     const waiting = (stats.queue || []).length;
+    // what happens now, beside the card: a load on its way, an app starting, the queue
+    const happening = [...stats.tenants.filter((t) => t.loading).map((t) => `loading ${t.loading.model} (${t.name})`),
+      ...stats.tenants.filter((t) => t.lifecycle && t.lifecycle.state === "starting").map((t) => `starting ${t.name}`)];
     $("device").textContent = `${d.name} · ${d.source}${stats.handoff_in_progress ? " · handoff in progress" : ""}` +
+      happening.map((x) => ` · ${x}`).join("") +
       (waiting ? ` · ${waiting} request${waiting > 1 ? "s" : ""} waiting for memory` : "");
     renderBar(); renderTenants(); renderTimeline();
   }
@@ -261,14 +265,17 @@
       const lifecycleButtons = lc ? lifecycleActions(t) : [];
       const res = ui.results.get(t.name);
       const waits = t.waiting || [];
-      const waitText = waits.map((w) => `${w.trigger}, ${secs(w.waited_s)}: ${w.reason}`).join("\n");
+      const waitText = waits.map((w) => `${place(w)}${w.trigger}, ${secs(w.waited_s)}: ${w.reason}`).join("\n");
       // A request waiting for memory is counted in flight, but it does no work on the card: a tenant
       // whose only requests wait is "waiting", not busy.
       const jobs = t.jobs || [];
       const running = Math.max(0, t.in_flight - waits.length);
       const onlyWaiting = waits.length > 0 && running === 0 && jobs.length === 0;
       const pill = onlyWaiting ? "waiting" : t.busy ? "busy" : "idle";
-      const stateText = onlyWaiting ? `waiting for memory: ${waits[0].reason}` : state;
+      const ld = t.loading;
+      const starting = lc && lc.state === "starting";
+      const stateText = ld ? `loading ${ld.model}` : starting ? `starting the app (${secs(lc.for_s)})`
+        : onlyWaiting ? `waiting for memory: ${waits[0].reason}` : state;
       const flight = [running ? `${running} request${running > 1 ? "s" : ""}` : null,
         jobs.length ? `${jobs.length} job${jobs.length > 1 ? "s" : ""}` : null,
         waits.length ? `${waits.length} waiting` : null].filter(Boolean).join(", ") || "0";
@@ -287,8 +294,10 @@
           el("dt", { text: "state" }), el("dd", { text: stateText, dataset: { role: "state-text" } }),
           lc ? el("dt", { text: "app" }) : null,
           lc ? el("dd", { text: lifecycleText(lc), title: lifecycleTip(lc), dataset: { role: "app" } }) : null,
+          ld ? el("dt", { text: "loading" }) : null,
+          ld ? el("dd", { text: loadText(ld), title: loadTip(ld), dataset: { role: "loading", model: ld.model } }) : null,
           waits.length ? el("dt", { text: "waiting" }) : null,
-          waits.length ? el("dd", { text: `${secs(waits[0].waited_s)}: ${waits[0].reason}`, title: waitText, dataset: { role: "waiting" } }) : null,
+          waits.length ? el("dd", { text: `${place(waits[0])}${secs(waits[0].waited_s)}: ${waits[0].reason}`, title: waitText, dataset: { role: "waiting" } }) : null,
           el("dt", { text: "in flight" }), el("dd", { text: flight + (t.stale_jobs.length ? ` (${t.stale_jobs.length} stale)` : ""),
             title: jobs.length ? `jobs: ${jobs.join(", ")}` : null, dataset: { role: "in-flight" } }),
           el("dt", { text: "memory" }), el("dd", { text: gib(t.vram_bytes), dataset: { role: "vram" } }),
@@ -302,6 +311,19 @@
       box.append(card);
     }
     if (focused) { const b = box.querySelector(focused); if (b) b.focus(); }
+  }
+
+  // "#2 in line, " (the queue's order: priority, then arrival)
+  const place = (w) => (w.position ? `#${w.position} in line, ` : "");
+  // "gemma3:27b, 8.1 of 17.2 GiB (estimated), 6 s": how far a load got on the card, and for how long
+  function loadText(ld) {
+    const got = ld.on_card_bytes === null ? "on the card: unknown" : `${gib(ld.on_card_bytes)} of ${gib(ld.need_bytes)}`;
+    return `${ld.model}, ${got}${ld.estimated && ld.on_card_bytes !== null ? " (estimated)" : ""}, ${secs(ld.elapsed_s)}`;
+  }
+  function loadTip(ld) {
+    return ld.estimated ? "estimated: the card shows what the tenant's processes hold, not which model the memory is for "
+      + "(it held other memory when this load began), or no GPU reader measured it"
+      : "what the tenant gained on the card since the load began, of what the proxy planned for it";
   }
 
   // -- tenants the proxy starts and stops --------------------------------------------------------
