@@ -6,7 +6,7 @@ admin's start) handed to the scheduler.
 No admission state lives here: waiters, admitted work, reservations, residency, the engines' reads
 and the latest card are the `Scheduler`'s (proxy/handoff/scheduler.py), which runs every read and
 release as a task that reports back. Who is busy is the pure rule in `busy.py`; who runs, waits or
-is refused is the pure `arbiter.schedule`. The HTTP side (answers, the OOM retry) is the GPU gate
+is refused is the pure `queue_rules.schedule`. The HTTP side (answers, the OOM retry) is the GPU gate
 in proxy/relay/gpu_gate.py.
 """
 
@@ -31,13 +31,14 @@ from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot, Attribu
 from proxy.gpu.devices import DevicePlacer
 from proxy.gpu.snapshot import DeviceFigure, DeviceMemory, GpuProcess, GpuReader, GpuReadError, GpuSnapshot
 from proxy.handoff import devices
-from proxy.handoff.arbiter import Plan, PlanMode, gib, promised_by_tenant, unplanned_plan
+from proxy.handoff.arbiter import Plan, PlanMode, gib, unplanned_plan
 from proxy.handoff.busy import CONFIRM_SLACK_BYTES
 from proxy.handoff.decisions import DecisionLog, HandoffFinished, HandoffStarted, Rejected, ReleaseResult
 from proxy.handoff.inflight import InFlight, Token
 from proxy.handoff.lifecycles import Lifecycles
 from proxy.handoff.load_events import LoadEvents
 from proxy.handoff.orders import Released, ReleaseOrder
+from proxy.handoff.queue_rules import promised_by_tenant
 from proxy.handoff.scheduler import Admitted, Handoff, Scheduler
 from proxy.lifecycle.state import LifecycleReport
 from proxy.tls import client_context

@@ -20,20 +20,17 @@ from dataclasses import replace
 from proxy.config.registry import Registry
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory
-from proxy.handoff.arbiter import (
+from proxy.handoff.arbiter import Plan, PlanMode, TenantState, plan_release
+from proxy.handoff.hold import NO_HOLD, SwapHold
+from proxy.handoff.queue_rules import (
     DEFAULT_OVERTAKE_LIMIT,
-    Plan,
-    PlanMode,
     Releasing,
-    TenantState,
     Verdict,
     Waiter,
-    plan_release,
     promised_by_tenant,
     queue_order,
     schedule,
 )
-from proxy.handoff.hold import NO_HOLD, SwapHold
 
 
 def candidates(snap: AttributedSnapshot, tenant: str) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ second is served by one swap; its reload is 8-9 s). Only a swap away from a tena
 once. The hold counts from the request's arrival, so a request that already waited that long for a
 busy tenant to finish is not held again when it ends (a debounce from the tenant's last use would add
 the whole hold to every wait behind a render), and it never applies past the fairness bound
-(`arbiter.may_overtake`).
+(`queue_rules.may_overtake`).
 """
 
 from __future__ import annotations

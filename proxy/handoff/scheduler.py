@@ -1,4 +1,4 @@
-"""The scheduler: the one owner of admission state, and the effects side of `arbiter.schedule`.
+"""The scheduler: the one owner of admission state, and the effects side of `queue_rules.schedule`.
 
 It holds every piece of state that decides who runs: the requests waiting for memory (`Waiter`s),
 the admission of each request as its tenant's work (`InFlight.admit`, in the step that admits it),
@@ -36,18 +36,7 @@ from proxy.clock import Clock
 from proxy.config.registry import Registry
 from proxy.config.schema import Tenant
 from proxy.gpu.attribution import AttributedSnapshot
-from proxy.handoff.arbiter import (
-    RESIDENT,
-    Plan,
-    Releasing,
-    TenantState,
-    Verdict,
-    Waiter,
-    gib,
-    may_overtake,
-    resident_plan,
-    unplanned_plan,
-)
+from proxy.handoff.arbiter import Plan, TenantState, gib, unplanned_plan
 from proxy.handoff.busy import CONFIRM_SLACK_BYTES, busy_states
 from proxy.handoff.decisions import (
     DecisionLog,
@@ -65,6 +54,7 @@ from proxy.handoff.evidence import EngineReads
 from proxy.handoff.hold import SwapHold
 from proxy.handoff.inflight import InFlight, TenantTraffic, Token
 from proxy.handoff.orders import Released, ReleaseOrder
+from proxy.handoff.queue_rules import RESIDENT, Releasing, Verdict, Waiter, may_overtake, resident_plan
 from proxy.handoff.reservations import Reservations
 from proxy.handoff.residency import Residency
 from proxy.tasks import sleep_or_wake
@@ -296,7 +286,7 @@ class Scheduler:
     def admit_at_once(self, tenant: Tenant, key: str, need_bytes: int, work: Token | None = None) -> Admitted | None:
         """The scheduler's first step for a request, taken without reading the card: a load that is on
         the card already (or on its way there) runs now, ahead of requests that wait to swap its
-        tenant away, within the fairness bound (`arbiter.may_overtake`). None: it goes through
+        tenant away, within the fairness bound (`queue_rules.may_overtake`). None: it goes through
         `request` (its tenant is being swapped away, a waiter may not be overtaken any more, or a
         waiter not planned yet may be one that waits for it)."""
         if not self.resident(tenant.name, key):

@@ -22,7 +22,7 @@ from proxy.config.schema import Tenant
 from proxy.decision import RequestTrigger
 from proxy.engines import Need, ReleaseFailed, strip_hop_by_hop
 from proxy.engines.ports import GatePorts, JobReplay, OomDetector
-from proxy.handoff.arbiter import RESIDENT, gib
+from proxy.handoff.arbiter import gib
 from proxy.handoff.arbitration import Arbitration
 from proxy.handoff.decisions import (
     DecisionEvent,
@@ -39,6 +39,7 @@ from proxy.handoff.decisions import (
 )
 from proxy.handoff.inflight import Token
 from proxy.handoff.load_events import Load
+from proxy.handoff.queue_rules import RESIDENT
 from proxy.handoff.scheduler import Admitted, Handoff
 from proxy.lifecycle.controller import LifecycleError
 from proxy.relay import refusals

@@ -18,11 +18,12 @@ from proxy.clock import ManualClock, until_all_wait
 from proxy.config.registry import Registry
 from proxy.config.units import GIB
 from proxy.gpu.attribution import AttributedSnapshot
-from proxy.handoff.arbiter import Plan, Releasing, TenantState, Waiter, queue_order, schedule
+from proxy.handoff.arbiter import Plan, TenantState
 from proxy.handoff.decisions import DecisionLog, HandoffStarted, Queued, QueueEnded, ReleaseResult
 from proxy.handoff.hold import HOLD_SHARE, RELOAD_BYTES_PER_S, SwapHold
 from proxy.handoff.inflight import InFlight, Token
 from proxy.handoff.orders import Released, ReleaseOrder, release_whole
+from proxy.handoff.queue_rules import Releasing, Waiter, queue_order, schedule
 from proxy.handoff.scheduler import Admitted, Scheduler
 
 # -- the pure decision --------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """The scheduler against a model of the box, driven at random (hypothesis' stateful testing): its real
-policy (`Scheduler`, `arbiter.schedule`, the busy rule's premise that only admitted work counts)
+policy (`Scheduler`, `queue_rules.schedule`, the busy rule's premise that only admitted work counts)
 with fake effects on the manual clock. Random arrivals for three tenants and several models, random
 service times, requests the engine fails, clients that leave, releases that are slow, free less than
 expected or never answer, memory taken and freed outside the proxy. After every step the invariants
@@ -37,10 +37,10 @@ from proxy.config.registry import Registry
 from proxy.config.units import GIB, MIB
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot
-from proxy.handoff.arbiter import RESIDENT
 from proxy.handoff.decisions import DecisionLog, HandoffStarted, ReleaseResult
 from proxy.handoff.inflight import InFlight, Token
 from proxy.handoff.orders import Released, ReleaseOrder
+from proxy.handoff.queue_rules import RESIDENT
 from proxy.handoff.scheduler import Admitted, Scheduler
 
 TOTAL = 24 * GIB

@@ -1,0 +1,270 @@
+"""The queue's rules: who of the requests waiting for memory runs, waits or is refused, in queue
+order (PURE: no I/O, no clock, invariant 1). Each waiter is planned with `arbiter.plan_release()`
+against what the waiters ahead of it and the loads on their way already count on; batching (a load
+on the card runs ahead of a swap away from it), the fairness bounds (`overtake_limit`,
+`starvation_after_s`), one handoff at a time and the swap hold (`hold.py`) are decided here. The
+scheduler (`scheduler.py`) carries the verdicts out.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from proxy.config.registry import Registry
+from proxy.config.settings import ProxySettings
+from proxy.gpu.attribution import AttributedSnapshot
+from proxy.handoff.arbiter import Plan, TenantState, plan_release
+from proxy.handoff.hold import NO_HOLD, SwapHold
+
+# Requests for what is on the card that may go ahead of one waiting to swap it away (tenants.json's
+# proxy.overtake_limit); each saves a handoff, and the bound keeps the swap from waiting for ever.
+DEFAULT_OVERTAKE_LIMIT = ProxySettings().overtake_limit
+
+
+@dataclass(frozen=True, slots=True)
+class Waiter:
+    """A request that needs memory, waiting for its turn. `key` names the load: waiters with the
+    same key (one tenant, one model) share one handoff and one reservation."""
+    id: int
+    tenant: str
+    key: str
+    need_bytes: int
+    priority: int
+    arrived_at: float
+    resident: bool = False  # its load is on the card or on its way there: it needs no memory it does not have
+    overtaken: int = 0  # requests for what is on the card that went ahead of it while it waited to swap it away
+
+
+Action = Literal["run", "wait", "refuse"]
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    waiter: Waiter
+    action: Action
+    plan: Plan
+    reason: str
+    behind: int | None = None  # the waiter whose handoff or wait this one queues behind
+    overtook: tuple[int, ...] = ()  # the waiters (waiting to swap its tenant away) a resident request went ahead of
+    held: tuple[str, ...] = ()  # a swap held (`SwapHold`): the tenants it would release, whose resident work goes first
+    held_until: float | None = None  # when that held swap starts at the latest (a pass is due then)
+
+    @property
+    def waiting_for(self) -> tuple[str, ...]:
+        """The tenants it waits for: busy ones in the way, or those whose swap is held (it waits to see
+        whether their requests follow)."""
+        return self.plan.wait_for or self.held
+
+    def to_json(self) -> dict[str, object]:
+        return {"waiter": self.waiter.id, "tenant": self.waiter.tenant, "action": self.action, "reason": self.reason,
+                "behind": self.behind, "wait_for": list(self.plan.wait_for), "held": list(self.held)}
+
+
+def aged(w: Waiter, now: float, starvation_after_s: float) -> bool:
+    return now - w.arrived_at >= starvation_after_s
+
+
+def queue_order(waiters: Iterable[Waiter], now: float, starvation_after_s: float) -> list[Waiter]:
+    """Higher priority first, then arrival. A waiter that has waited `starvation_after_s` goes ahead
+    of everyone who has not (aged waiters among themselves by arrival), so later higher-priority
+    arrivals can overtake a waiter for a bounded time only."""
+    def rank(w: Waiter) -> tuple[int, int, float, int]:
+        old = aged(w, now, starvation_after_s)
+        return (0 if old else 1, 0 if old else -w.priority, w.arrived_at, w.id)
+    return sorted(waiters, key=rank)
+
+
+def may_overtake(w: Waiter, now: float, starvation_after_s: float, overtake_limit: int) -> bool:
+    """Whether a request for what is on the card may still go ahead of `w`, a request waiting for
+    that tenant to finish so its memory can be swapped away: batching saves a handoff per request
+    it lets through, but only `overtake_limit` times and never once `w` has waited
+    `starvation_after_s` (the fairness bound)."""
+    return w.overtaken < overtake_limit and not aged(w, now, starvation_after_s)
+
+
+
+
+def resident_plan(w: Waiter) -> Plan:
+    """What a request for a load already on the card (or on its way there) is admitted with: no
+    release, nothing new promised (its memory is held or reserved already)."""
+    return Plan(w.tenant, w.need_bytes, 0, 0, True, False, (), (), "on the card already: forwarded without a plan",
+                False)
+
+
+RESIDENT = "resident"  # the reason of a resident admission: its load is on the card, nothing to time
+
+
+def promised_by_tenant(claims: Mapping[str, tuple[str, int]], key: str) -> dict[str, int]:
+    """Load key -> (tenant, bytes) summed per tenant, leaving out the load `key` itself."""
+    out: dict[str, int] = defaultdict(int)
+    for k, (tenant, n) in claims.items():
+        if k != key and n > 0:
+            out[tenant] += n
+    return dict(out)
+
+
+def _claim(claims: dict[str, tuple[str, int]], w: Waiter, plan: Plan) -> None:
+    n = max(0, w.need_bytes - plan.held_by_requester)
+    old = claims.get(w.key)
+    claims[w.key] = (w.tenant, max(n, old[1] if old else 0))
+
+
+@dataclass(frozen=True, slots=True)
+class Releasing:
+    """A release under way (the queue's own handoff, or one the watchdog or the admin API started):
+    the scheduler's state between passes, since it never waits for a release to end."""
+    tenants: tuple[str, ...]  # being released: their memory is spoken for, their new work waits
+    key: str | None = None  # the load it makes room for; waiters of that load join it (None: no load)
+    waiter: int | None = None  # the waiter it was started for, for `Verdict.behind`
+    requester: str = ""  # whose load it makes room for ("" for the watchdog's and the admin's)
+
+
+def schedule(snap: AttributedSnapshot, registry: Registry, states: Mapping[str, TenantState],
+             waiters: Iterable[Waiter], promised: Mapping[str, tuple[str, int]], now: float,
+             starvation_after_s: float, releasing: Sequence[Releasing] = (),
+             overtake_limit: int = DEFAULT_OVERTAKE_LIMIT, hold: SwapHold = NO_HOLD) -> tuple[Verdict, ...]:
+    """Who runs, who waits, who is refused, in queue order.
+
+    `promised`: load key -> (tenant, bytes) still to reach the card for loads already admitted.
+    - impossible (even after every busy tenant finished): refuse at once.
+    - a waiter's tenant that a waiter ahead waits for starts no new work: it queues behind (so the
+      one ahead is never overtaken by the very work that keeps it waiting).
+    - feasible now: run. One set of releases at a time (`releasing`: those under way, each pass
+      starts at most one more only when none is); waiters of the same load key join it; the others
+      wait for a pass that sees the memory back. Work that needs no release runs meanwhile.
+    - a waiter whose own tenant is being released for another load waits for that release to end
+      (the memory is promised to that load: new work would take it back under the release). A
+      release with no load behind it (the watchdog's idle release, the admin's) holds back no work.
+    - a resident waiter (its load on the card or on its way) needs no release: it runs, even ahead
+      of waiters that wait for its tenant to finish (batching: one swap for the whole burst), as
+      long as each of them `may_overtake`; past that bound it queues behind them like other work.
+    - a feasible swap away from a tenant active lately is held (`hold.until`, proxy/handoff/hold.py):
+      it waits, and the tenants it would release count as waited for (their resident work runs ahead
+      of it, counted against the fairness bound; their other work queues behind it).
+    - otherwise wait; what it counts on is claimed so that no later waiter takes it meanwhile.
+    """
+    return _Pass(snap, registry, states, dict(promised), now, starvation_after_s, releasing, overtake_limit,
+                 hold).run(waiters)
+
+
+@dataclass(slots=True)
+class _Pass:
+    """One `schedule()` pass: its inputs and what earlier waiters in queue order left for later ones."""
+    snap: AttributedSnapshot
+    registry: Registry
+    states: Mapping[str, TenantState]
+    claims: dict[str, tuple[str, int]]  # load key -> (tenant, bytes): admitted loads' and earlier waiters' claims
+    now: float
+    starvation_after_s: float
+    releasing: Sequence[Releasing]
+    overtake_limit: int
+    hold: SwapHold
+    holding_back: dict[str, list[Waiter]] = field(default_factory=dict)  # tenant -> waiters ahead that wait for it
+    starting: Waiter | None = None  # the waiter whose releases this pass starts
+    swapped: set[str] = field(default_factory=set)  # tenants this pass starts releasing: their new work waits
+    claimers: list[Waiter] = field(default_factory=list)  # waiters ahead that run or count on memory
+    out: list[Verdict] = field(default_factory=list)
+
+    def run(self, waiters: Iterable[Waiter]) -> tuple[Verdict, ...]:
+        for w in queue_order(waiters, self.now, self.starvation_after_s):
+            self._decide(w)
+        return tuple(self.out)
+
+    def _may_overtake(self, w: Waiter) -> bool:
+        return may_overtake(w, self.now, self.starvation_after_s, self.overtake_limit)
+
+    def _wait(self, w: Waiter, plan: Plan, reason: str, behind: int | None = None, *, claimer: bool = False) -> None:
+        self.out.append(Verdict(w, "wait", plan, reason, behind))
+        _claim(self.claims, w, plan)
+        if claimer:
+            self.claimers.append(w)
+
+    def _own_release(self, w: Waiter) -> Releasing | None:
+        """The release under way of `w`'s own tenant for another load (its memory is promised there)."""
+        return next((r for r in self.releasing if r.key is not None and w.tenant in r.tenants), None)
+
+    def _resident_runs(self, w: Waiter, own: Releasing | None, waiting_for_it: list[Waiter]) -> bool:
+        """A load on the card (or on its way) runs ahead of those waiting to swap its tenant away,
+        within the fairness bound, unless its tenant is being released."""
+        if not w.resident or own is not None or w.tenant in self.swapped:
+            return False
+        if not all(self._may_overtake(a) for a in waiting_for_it):
+            return False
+        self.out.append(Verdict(w, "run", resident_plan(w), RESIDENT, overtook=tuple(a.id for a in waiting_for_it)))
+        return True
+
+    def _decide(self, w: Waiter) -> None:
+        own = self._own_release(w)
+        waiting_for_it = self.holding_back.get(w.tenant, [])
+        if self._resident_runs(w, own, waiting_for_it):
+            return
+        plan = plan_release(self.snap, self.registry, self.states, w.tenant, w.need_bytes,
+                            promised=promised_by_tenant(self.claims, w.key))
+        if not plan.possible:
+            self.out.append(Verdict(w, "refuse", plan, plan.explanation))
+        elif own is not None or w.tenant in self.swapped:
+            behind = own.waiter if own is not None else self.starting.id if self.starting is not None else None
+            self._wait(w, plan, f"queued behind the release of {w.tenant} in progress", behind)
+        elif waiting_for_it:
+            ahead = waiting_for_it[0]
+            self._wait(w, plan, f"queued behind a {ahead.tenant} request (priority {ahead.priority}) "
+                                f"that waits for {w.tenant} to finish", ahead.id)
+        elif plan.feasible and plan.releases and self._swap_waits(w, plan):
+            return
+        elif plan.feasible:
+            if plan.releases and self.starting is None:
+                self.starting = w
+            self.swapped.update(r.tenant for r in plan.releases)
+            self.out.append(Verdict(w, "run", plan, plan.explanation))
+            _claim(self.claims, w, plan)
+            self.claimers.append(w)
+        else:
+            self._wait_for_memory(w, plan)
+
+    def _swap_waits(self, w: Waiter, plan: Plan) -> bool:
+        """A feasible swap that must wait: behind another release or handoff, or held (`hold.until`).
+        False: it may start in this pass."""
+        joined = next((r for r in self.releasing if r.key is not None and r.key == w.key), None)
+        other = next((r for r in self.releasing if r is not joined), None)
+        if other is not None and joined is None:
+            self._wait(w, plan, _behind_release(other), other.waiter)
+            return True
+        if self.starting is not None and self.starting.key != w.key:
+            self._wait(w, plan, f"queued behind the handoff to {self.starting.tenant} in progress", self.starting.id)
+            return True
+        until = None if joined is not None else self.hold.until(w.arrived_at, plan.releases)
+        if until is None or self.now >= until or not self._may_overtake(w):
+            return False
+        held = tuple(r.tenant for r in plan.releases)
+        for t in held:
+            self.holding_back.setdefault(t, []).append(w)
+        self.out.append(Verdict(w, "wait", plan, f"holding the swap of {', '.join(held)} for "
+                                                 f"{self.hold.hold_s(plan.releases):.2g} s (proxy.swap_hold_s, "
+                                                 "weighed by its reload): requests for what is on the card go first",
+                                held=held, held_until=until))
+        _claim(self.claims, w, plan)
+        self.claimers.append(w)
+        return True
+
+    def _wait_for_memory(self, w: Waiter, plan: Plan) -> None:
+        """Not feasible now: wait for the busy tenants in the way, or for memory claimed ahead."""
+        for t in plan.wait_for:
+            self.holding_back.setdefault(t, []).append(w)
+        busy = ", ".join(f"{t} ({self.states[t].busy_reason})" if t in self.states else t for t in plan.wait_for)
+        first = self.claimers[0] if self.claimers else None
+        if busy:
+            self._wait(w, plan, f"queued behind {busy}", claimer=True)
+        elif first is not None:
+            self._wait(w, plan, f"queued behind a {first.tenant} request that counts on the same memory", first.id,
+                       claimer=True)
+        else:
+            self._wait(w, plan, "queued until loads already admitted reach the card", claimer=True)
+
+
+def _behind_release(r: Releasing) -> str:
+    if r.requester:
+        return f"queued behind the handoff to {r.requester} in progress"
+    return f"queued behind the release of {', '.join(r.tenants)} in progress"
