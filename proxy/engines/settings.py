@@ -155,59 +155,89 @@ def _truthy(value: str) -> bool:
     return value.strip().lower() in ("1", "true", "yes", "on", "t")
 
 
-def _ollama_meaning(name: str, value: str | None, version: tuple[int, ...] | None) -> tuple[str, SettingStatus]:
-    if name == "OLLAMA_NUM_PARALLEL":
-        if value is None:
-            if version is not None and version < (0, 10):
-                return "auto (4, or 1 when memory is tight) before Ollama 0.10: KV cache is sized for that many slots", "note"
-            value = "1"
-            prefix = "default 1 (Ollama 0.10+): "
-        else:
-            prefix = ""
-        if value.strip() == "1":
-            return (prefix + "one request at a time per model: an unload asked for while a generation runs queues behind it "
-                    "(a release is reported as deferred, not failed)"), "deferred"
-        if value.strip() == "0":
-            return "auto (pre-0.10 meaning): 4 slots, or 1 when memory is tight", "note"
-        return f"{value} parallel slots per model: the KV cache (and the VRAM a load needs) grows {value}x", "note"
-    if name == "OLLAMA_MAX_LOADED_MODELS":
-        if value is None or value.strip() == "0":
-            return "default 0 = 3 per GPU: several models stay resident, so one load can push others out", "ok"
-        if value.strip() == "1":
-            return "1: every swap between models evicts the loaded one (each switch pays a full reload)", "warn"
-        return f"at most {value} models resident at once", "ok"
-    if name == "OLLAMA_KEEP_ALIVE":
-        shown = value if value is not None else "5m"
-        v = shown.strip()
-        if v.startswith("-"):
-            return "models never unload by themselves: only the proxy's releases give their VRAM back", "note"
-        if v in ("0", "0s", "0m"):
-            return "models unload right after each request: nothing stays resident, every request reloads", "note"
-        return (f"a model stays loaded {shown} after its last request; the proxy releases it sooner when another "
-                "tenant needs the memory"), "ok"
-    if name == "OLLAMA_FLASH_ATTENTION":
-        if value is None:
-            return "off unless the model enables it: the KV cache stays f16 and quantised KV types are ignored", "ok"
-        return ("on: smaller attention buffers, and OLLAMA_KV_CACHE_TYPE can shrink the KV cache" if _truthy(value)
-                else "off: KV cache stays f16"), "ok"
-    if name == "OLLAMA_KV_CACHE_TYPE":
-        if value is None or value.strip() in ("", "f16"):
-            return "f16 KV cache (default): context_allowance_gb should cover the full-precision cache", "ok"
-        return (f"{value} KV cache (needs flash attention): context takes less VRAM than f16, so "
-                "context_allowance_gb can be smaller"), "note"
-    if name == "OLLAMA_CONTEXT_LENGTH":
-        if value is None or value.strip() == "0":
-            return "default: context sized by Ollama (4096 in 0.9-0.15, VRAM-tiered later); context_allowance_gb covers it", "ok"
-        return (f"every load gets a {value}-token context (x NUM_PARALLEL): check that context_allowance_gb "
-                "covers its KV cache"), "note"
-    if name == "OLLAMA_GPU_OVERHEAD":
-        if value is None or value.strip() == "0":
-            return "0 bytes kept back per GPU (default)", "ok"
-        try:
-            return f"{int(value) / GIB:.2f} GiB per GPU kept back by Ollama: loads plan with that much less free memory", "note"
-        except ValueError:
-            return f"{value!r} is not a byte count: Ollama ignores it", "warn"
-    return "", "ok"
+Meaning = tuple[str, SettingStatus]
+
+
+def _num_parallel(value: str | None, version: tuple[int, ...] | None) -> Meaning:
+    if value is None:
+        if version is not None and version < (0, 10):
+            return "auto (4, or 1 when memory is tight) before Ollama 0.10: KV cache is sized for that many slots", "note"
+        value = "1"
+        prefix = "default 1 (Ollama 0.10+): "
+    else:
+        prefix = ""
+    if value.strip() == "1":
+        return (prefix + "one request at a time per model: an unload asked for while a generation runs queues behind it "
+                "(a release is reported as deferred, not failed)"), "deferred"
+    if value.strip() == "0":
+        return "auto (pre-0.10 meaning): 4 slots, or 1 when memory is tight", "note"
+    return f"{value} parallel slots per model: the KV cache (and the VRAM a load needs) grows {value}x", "note"
+
+
+def _max_loaded_models(value: str | None, version: tuple[int, ...] | None) -> Meaning:
+    if value is None or value.strip() == "0":
+        return "default 0 = 3 per GPU: several models stay resident, so one load can push others out", "ok"
+    if value.strip() == "1":
+        return "1: every swap between models evicts the loaded one (each switch pays a full reload)", "warn"
+    return f"at most {value} models resident at once", "ok"
+
+
+def _keep_alive(value: str | None, version: tuple[int, ...] | None) -> Meaning:
+    shown = value if value is not None else "5m"
+    v = shown.strip()
+    if v.startswith("-"):
+        return "models never unload by themselves: only the proxy's releases give their VRAM back", "note"
+    if v in ("0", "0s", "0m"):
+        return "models unload right after each request: nothing stays resident, every request reloads", "note"
+    return (f"a model stays loaded {shown} after its last request; the proxy releases it sooner when another "
+            "tenant needs the memory"), "ok"
+
+
+def _flash_attention(value: str | None, version: tuple[int, ...] | None) -> Meaning:
+    if value is None:
+        return "off unless the model enables it: the KV cache stays f16 and quantised KV types are ignored", "ok"
+    return ("on: smaller attention buffers, and OLLAMA_KV_CACHE_TYPE can shrink the KV cache" if _truthy(value)
+            else "off: KV cache stays f16"), "ok"
+
+
+def _kv_cache_type(value: str | None, version: tuple[int, ...] | None) -> Meaning:
+    if value is None or value.strip() in ("", "f16"):
+        return "f16 KV cache (default): context_allowance_gb should cover the full-precision cache", "ok"
+    return (f"{value} KV cache (needs flash attention): context takes less VRAM than f16, so "
+            "context_allowance_gb can be smaller"), "note"
+
+
+def _context_length(value: str | None, version: tuple[int, ...] | None) -> Meaning:
+    if value is None or value.strip() == "0":
+        return "default: context sized by Ollama (4096 in 0.9-0.15, VRAM-tiered later); context_allowance_gb covers it", "ok"
+    return (f"every load gets a {value}-token context (x NUM_PARALLEL): check that context_allowance_gb "
+            "covers its KV cache"), "note"
+
+
+def _gpu_overhead(value: str | None, version: tuple[int, ...] | None) -> Meaning:
+    if value is None or value.strip() == "0":
+        return "0 bytes kept back per GPU (default)", "ok"
+    try:
+        return f"{int(value) / GIB:.2f} GiB per GPU kept back by Ollama: loads plan with that much less free memory", "note"
+    except ValueError:
+        return f"{value!r} is not a byte count: Ollama ignores it", "warn"
+
+
+# What each OLLAMA_* variable's value means for sharing the card (value None: not set).
+_OLLAMA_MEANINGS: dict[str, Callable[[str | None, tuple[int, ...] | None], Meaning]] = {
+    "OLLAMA_NUM_PARALLEL": _num_parallel,
+    "OLLAMA_MAX_LOADED_MODELS": _max_loaded_models,
+    "OLLAMA_KEEP_ALIVE": _keep_alive,
+    "OLLAMA_FLASH_ATTENTION": _flash_attention,
+    "OLLAMA_KV_CACHE_TYPE": _kv_cache_type,
+    "OLLAMA_CONTEXT_LENGTH": _context_length,
+    "OLLAMA_GPU_OVERHEAD": _gpu_overhead,
+}
+
+
+def _ollama_meaning(name: str, value: str | None, version: tuple[int, ...] | None) -> Meaning:
+    meaning = _OLLAMA_MEANINGS.get(name)
+    return meaning(value, version) if meaning is not None else ("", "ok")
 
 
 def ollama_settings(systemd: EnvRead | None, environ: EnvRead | None, version: str | None) -> list[Setting]:

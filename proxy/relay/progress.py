@@ -205,16 +205,7 @@ class ProgressResponse(Response):
                         await self._send_progress(send, line)
                 if committed:
                     await self._flush_lines(send)
-                    loading = self._trace.loading
-                    if loading is None:
-                        self._last_figure = None
-                    elif self._last_figure is None:
-                        self._last_figure = self._clock.now()  # the first figure a second into the load
-                    elif self._clock.now() - self._last_figure >= LOAD_EVERY_S:
-                        self._last_figure = self._clock.now()
-                        figure = await self._figure(loading)
-                        if figure:
-                            await self._send_progress(send, figure)
+                    await self._load_figure(send)
                 if task.done():
                     break
                 if not committed:  # nothing to tell yet: every change of a wait comes as an event, no timer needed
@@ -243,6 +234,19 @@ class ProgressResponse(Response):
                     await task
             if not answered:
                 self._finish(status)  # committed, or the client left before anything was answered
+
+    async def _load_figure(self, send: Send) -> None:
+        """While a load runs, its figure every LOAD_EVERY_S (the first a second into the load)."""
+        loading = self._trace.loading
+        if loading is None:
+            self._last_figure = None
+        elif self._last_figure is None:
+            self._last_figure = self._clock.now()
+        elif self._clock.now() - self._last_figure >= LOAD_EVERY_S:
+            self._last_figure = self._clock.now()
+            figure = await self._figure(loading)
+            if figure:
+                await self._send_progress(send, figure)
 
     async def _send_progress(self, send: Send, line: str) -> None:
         await send({"type": "http.response.body", "body": self._framing.progress(line), "more_body": True})
