@@ -23,7 +23,7 @@ from proxy.config.loading import registry_from_dict  # noqa: E402
 from proxy.config.registry import Registry  # noqa: E402
 from proxy.config.units import GIB, MIB  # noqa: E402
 from proxy.gpu.attribution import Attributor  # noqa: E402
-from proxy.handoff.arbiter import TenantState, plan_release  # noqa: E402
+from proxy.handoff.plan import TenantState, plan_release  # noqa: E402
 from proxy.sim.gpu import SimulatedGpu  # noqa: E402
 
 N_TENANTS = 10

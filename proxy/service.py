@@ -17,7 +17,7 @@ from pathlib import Path
 
 from proxy.admin.api import AdminApi
 from proxy.admin.extensions import Extension, ExtensionFactory, default_extensions
-from proxy.admin.view import ProxyView
+from proxy.admin.proxy_view import ProxyView
 from proxy.clock import Clock, SystemClock
 from proxy.config.registry import Registry
 from proxy.errors import ConfigError

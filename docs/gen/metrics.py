@@ -13,7 +13,7 @@ from prometheus_client.metrics_core import Metric
 import proxy.admin.metrics as metrics_module
 from docs.gen.md import code, table
 from proxy.admin.metrics import Metrics
-from proxy.admin.view import ProxyView
+from proxy.admin.proxy_view import ProxyView
 
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "info": ("_info",)}
 

@@ -37,8 +37,8 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from proxy.admin import views
-from proxy.admin.view import ProxyView
-from proxy.decision import DecisionEvent
+from proxy.admin.proxy_view import ProxyView
+from proxy.decision_base import DecisionEvent
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.lifecycle.state import LifecycleReport
 from proxy.tasks import cancel_and_wait
@@ -112,20 +112,20 @@ class _Subscriber:
 
 async def stats_payload(proxy: ProxyView, snap: AttributedSnapshot | None = None, recent: int = 20) -> dict[str, Any]:
     """One stats frame's body (no catalog, no tenant config: those are large and static)."""
-    arb = proxy.arbitration
-    snap = snap or await arb.snapshot()
-    states = arb.scheduler.states(snap)
-    tenants = [views.stats_tenant(arb, proxy.watchdog, snap, t, states[t.name]) for t in arb.registry]
+    arbitration = proxy.arbitration
+    snap = snap or await arbitration.snapshot()
+    states = arbitration.scheduler.states(snap)
+    tenants = [views.stats_tenant(arbitration, proxy.watchdog, snap, t, states[t.name]) for t in arbitration.registry]
     frame = views.StatsFrame(
         device=views.device_view(snap),
         tenants=tenants,
         processes=[views.card_process(p, cmdline=False) for p in snap.processes],
         in_flight=sum(t.in_flight for t in tenants),
         busy=[t.name for t in tenants if t.busy],
-        decision_ids=[d.id for d in arb.decisions.recent(recent)],
-        handoff_in_progress=bool(arb.scheduler.releasing),
-        queue=[views.Waiting.model_validate(w) for w in views.queue(arb)],
-        gpu_error=views.gpu_error_view(arb.last_read_error),
+        decision_ids=[d.id for d in arbitration.decisions.recent(recent)],
+        handoff_in_progress=bool(arbitration.scheduler.releasing),
+        queue=[views.Waiting.model_validate(w) for w in views.queue(arbitration)],
+        gpu_error=views.gpu_error_view(arbitration.last_read_error),
     )
     return views.dump(frame)
 

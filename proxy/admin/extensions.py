@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from proxy.admin.view import Extension, ProxyView
+from proxy.admin.proxy_view import Extension, ProxyView
 
 ExtensionFactory = Callable[[ProxyView], Extension]
 

@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from proxy.admin.health import HealthEntry
-from proxy.admin.view import ProxyView
+from proxy.admin.proxy_view import ProxyView
 from proxy.config.settings import GpuProfile
 from proxy.gpu.keeper import DeviceView, GpuSettingsKeeper
 from proxy.gpu.nvml import NvmlReader

@@ -28,7 +28,7 @@ from starlette.routing import BaseRoute, Route
 from websockets.asyncio.client import connect as ws_connect
 
 from proxy.admin.address import admin_base_url
-from proxy.admin.view import ProxyView
+from proxy.admin.proxy_view import ProxyView
 from proxy.config.loading import load_registry
 from proxy.config.schema import Tenant
 from proxy.config.units import GIB
@@ -39,7 +39,7 @@ from proxy.errors import ConfigError, HyperSwapError
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
 from proxy.gpu.nvml import CONTAINER_NOTE, NvmlReader
 from proxy.gpu.visibility import capabilities, summary
-from proxy.handoff.devices import candidates, shares
+from proxy.handoff.per_card import candidates, shares
 from proxy.lifecycle.state import TenantLifecycle
 from proxy.tasks import cancel_and_wait
 from proxy.tls import client_context
@@ -231,12 +231,12 @@ class HealthExtension:
         return result if isinstance(result, list) else [result]
 
     async def report(self) -> dict[str, Any]:
-        arb = self.proxy.arbitration
+        arbitration = self.proxy.arbitration
         snap: AttributedSnapshot | None
         try:
-            snap = await asyncio.wait_for(arb.snapshot(), self.timeout_s)
+            snap = await asyncio.wait_for(arbitration.snapshot(), self.timeout_s)
         except (TimeoutError, Exception):
-            snap = arb.last_snapshot
+            snap = arbitration.last_snapshot
         if snap is None:
             return {"status": "failed", "entries": [HealthEntry(
                 "nvml", "failed", "no GPU snapshot could be taken", "arbitration has nothing to plan with",
@@ -244,7 +244,7 @@ class HealthExtension:
         self.sample(snap)
         results = await asyncio.gather(*(self._run_one(c, snap) for c in self.checks))
         entries = [e for group in results for e in group]
-        caps = capabilities(snap, arb.last_read_error)
+        caps = capabilities(snap, arbitration.last_read_error)
         return {"status": worst([e.status for e in entries]), "entries": [e.to_json() for e in entries],
                 "capabilities": [c.to_json() for c in caps], "checked_at": time.time()}
 
@@ -538,11 +538,11 @@ class HealthExtension:
         return await self.adapter(tenant).settings_view(self.client, snap, self.env, self._host_reads())
 
     async def engines_route(self, request: Request) -> Response:
-        arb = self.proxy.arbitration
+        arbitration = self.proxy.arbitration
         try:
-            snap: AttributedSnapshot | None = await asyncio.wait_for(arb.snapshot(), self.timeout_s)
+            snap: AttributedSnapshot | None = await asyncio.wait_for(arbitration.snapshot(), self.timeout_s)
         except Exception:
-            snap = arb.last_snapshot
+            snap = arbitration.last_snapshot
         tenants = list(self.proxy.registry)
         views = await asyncio.gather(*(self.engine_view(t, snap) for t in tenants), return_exceptions=True)
         out = [v if isinstance(v, dict) else {"tenant": t.name, "engine": t.engine, "error": f"{type(v).__name__}: {v}"}

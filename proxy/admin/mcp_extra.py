@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import BaseRoute, Route
 
-from proxy.admin.view import Extension, ProxyView
+from proxy.admin.proxy_view import Extension, ProxyView
 from proxy.errors import McpNotInstalled
 
 log = logging.getLogger("hyperswap.mcp")

@@ -30,7 +30,7 @@ from pydantic import Field
 from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
-from proxy.admin.view import ProxyView
+from proxy.admin.proxy_view import ProxyView
 from proxy.admin.views import DryRun, EngineList, HealthReport, LifecycleAnswer, ModelList, ReleaseResult, TenantList
 from proxy.config.bounds import MAX_GIB
 from proxy.errors import McpNotInstalled

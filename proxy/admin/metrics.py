@@ -77,8 +77,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from proxy.admin.view import ProxyView
-from proxy.decision import DecisionEvent
+from proxy.admin.proxy_view import ProxyView
+from proxy.decision_base import DecisionEvent
 from proxy.gpu.visibility import device_json, devices_json, tenant_vram, unmanaged_vram
 from proxy.handoff.decisions import HandoffFinished, ModelLoad, OomRetry, QueueEnded, Rejected
 from proxy.handoff.signals import gather

@@ -19,8 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from proxy.admin.proxy_view import ProxyView
 from proxy.admin.telemetry import HISTORY_LIMIT_MAX, KINDS
-from proxy.admin.view import ProxyView
 from proxy.admin.views import (
     CatalogFrame,
     DecisionDetail,

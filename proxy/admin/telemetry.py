@@ -40,11 +40,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from proxy.admin.proxy_view import ProxyView
 from proxy.admin.query import integer, optional_number
-from proxy.admin.view import ProxyView
 from proxy.clock import Clock
 from proxy.config.units import MIB
-from proxy.decision import DecisionEvent
+from proxy.decision_base import DecisionEvent
 from proxy.errors import HyperSwapError
 from proxy.gpu.keeper import GpuApplyFinished
 from proxy.handoff.decisions import (

@@ -15,13 +15,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.config.schema import Tenant
-from proxy.decision import DecisionKind
+from proxy.decision_base import DecisionKind
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
 from proxy.gpu.snapshot import GpuReadError
 from proxy.gpu.visibility import device_json, tenant_devices_json, tenant_vram
-from proxy.handoff.arbiter import TenantState, gib
 from proxy.handoff.arbitration import Arbitration
 from proxy.handoff.decisions import ReleaseVerdict
+from proxy.handoff.plan import TenantState, gib
 from proxy.handoff.watchdog import Watchdog
 from proxy.relay.refusals import NotEnoughMemory, PlanDevice
 
@@ -59,7 +59,7 @@ class Blocker(_Doc):
 
 
 class Plan(_Doc):
-    """A release plan as computed by the arbiter (logged before it runs)."""
+    """A release plan as computed by the planner (`handoff/plan.py`, logged before it runs)."""
     requester: str
     need_bytes: int
     need_gib: float | None
@@ -608,37 +608,38 @@ def _pod(p: AttributedProcess) -> PodName | None:
     return PodName.model_validate(p.pod.to_json()) if p.pod else None
 
 
-def lifecycle_view(arb: Arbitration, tenant: str) -> Lifecycle | None:
+def lifecycle_view(arbitration: Arbitration, tenant: str) -> Lifecycle | None:
     """A tenant the proxy starts and stops: its state now; None for the others."""
-    machine = arb.lifecycles.machine(tenant)
+    machine = arbitration.lifecycles.machine(tenant)
     return None if machine is None else Lifecycle.model_validate(machine.view())
 
 
-def queue(arb: Arbitration) -> list[JSON]:
+def queue(arbitration: Arbitration) -> list[JSON]:
     """Every waiting request, in arrival order, with its place in line (by priority, then arrival)."""
-    entries = arb.scheduler.waiting()
+    entries = arbitration.scheduler.waiting()
     place = {w["id"]: i + 1 for i, w in enumerate(sorted(entries, key=lambda w: (-w["priority"], w["id"])))}
     return [{**w, "position": place[w["id"]]} for w in entries]
 
 
-def loading_view(arb: Arbitration, snap: AttributedSnapshot, tenant: Tenant) -> LoadUnderway | None:
+def loading_view(arbitration: Arbitration, snap: AttributedSnapshot, tenant: Tenant) -> LoadUnderway | None:
     """The tenant's load on its way to the card, with how far it got on `snap` (`load_events.progress`)."""
-    load = arb.loads.underway_of(tenant.name)
+    load = arbitration.loads.underway_of(tenant.name)
     held = tenant_vram(snap, tenant.name)
     if load is None:
         return None
-    figure = None if held is None else arb.loads.progress(load, held, tenant.idle_vram_bytes, snap.estimated)
+    figure = None if held is None else arbitration.loads.progress(load, held, tenant.idle_vram_bytes, snap.estimated)
     on_card = figure.on_card_bytes if figure is not None else None
-    return LoadUnderway(model=load.model, since=round(load.began_wall, 3), elapsed_s=round(arb.clock.now() - load.began_at, 1),
+    return LoadUnderway(model=load.model, since=round(load.began_wall, 3),
+                        elapsed_s=round(arbitration.clock.now() - load.began_at, 1),
                         need_bytes=load.need_bytes, need_gb=gib(load.need_bytes), on_card_bytes=on_card,
                         on_card_gb=gib(on_card), estimated=figure is None or figure.estimated)
 
 
-def _live(arb: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, tenant: Tenant, state: TenantState) -> JSON:
+def _live(arbitration: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, tenant: Tenant, state: TenantState) -> JSON:
     """The live fields /api/tenants and the events' stats frames share (`_TenantLive`)."""
-    traffic = arb.inflight.snapshot().get(tenant.name)
+    traffic = arbitration.inflight.snapshot().get(tenant.name)
     deadline = watchdog.idle_deadline(tenant.name)
-    now = arb.clock.now()
+    now = arbitration.clock.now()
     held = tenant_vram(snap, tenant.name)  # None: nobody could see it (no GPU reader, no self-report)
     return {
         "name": tenant.name,
@@ -649,20 +650,20 @@ def _live(arb: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, tenant
         "stale_jobs": list(state.stale_jobs),
         "last_activity_age_s": None if not traffic or traffic.last_activity is None else round(now - traffic.last_activity, 1),
         "idle_release_in_s": None if deadline is None else round(max(0.0, deadline - now), 1),
-        "reclaimable": tenant.reclaimable and tenant.name not in arb.cpu_tenants,  # on the CPU: nothing to take
-        "waiting": [w for w in queue(arb) if w["tenant"] == tenant.name],
-        "loading": loading_view(arb, snap, tenant),
+        "reclaimable": tenant.reclaimable and tenant.name not in arbitration.cpu_tenants,  # on the CPU: nothing to take
+        "waiting": [w for w in queue(arbitration) if w["tenant"] == tenant.name],
+        "loading": loading_view(arbitration, snap, tenant),
         **tenant_devices_json(snap, tenant.name),  # several cards: where it loads, what it holds on each
-        "lifecycle": lifecycle_view(arb, tenant.name),
+        "lifecycle": lifecycle_view(arbitration, tenant.name),
     }
 
 
-def tenant_view(arb: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, tenant: Tenant,
+def tenant_view(arbitration: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, tenant: Tenant,
                 state: TenantState, listening: str | None = None) -> TenantView:
     """One tenant with its configuration and live state (GET /api/tenants, /api/stats, MCP);
     `listening`: where its listener really answers (a port of 0 read back)."""
     return TenantView(
-        **_live(arb, watchdog, snap, tenant, state),
+        **_live(arbitration, watchdog, snap, tenant, state),
         config=tenant.model_dump(mode="json"),
         processes=[tenant_process(p) for p in snap.processes_of(tenant.name)],
         watchdog=watchdog.last.reasons.get(tenant.name) if watchdog.last else None,
@@ -671,8 +672,8 @@ def tenant_view(arb: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, 
     )
 
 
-def stats_tenant(arb: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, tenant: Tenant,
+def stats_tenant(arbitration: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, tenant: Tenant,
                  state: TenantState) -> StatsTenant:
     """One tenant in an events stats frame: the live state, small (no config, no catalog)."""
-    return StatsTenant(**_live(arb, watchdog, snap, tenant, state), engine=tenant.engine, priority=tenant.priority,
+    return StatsTenant(**_live(arbitration, watchdog, snap, tenant, state), engine=tenant.engine, priority=tenant.priority,
                        pids=[p.process.pid for p in snap.processes_of(tenant.name)])

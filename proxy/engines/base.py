@@ -202,7 +202,7 @@ class EngineAdapter(ports.HostAndHeaders, ports.Classifier, ports.JobTracker, po
         return f"{self.tenant.name}:{model}"
 
     async def estimate_need(self, path: str, body: bytes, client: httpx.AsyncClient) -> Need:
-        """What the request needs in total on the card (the arbiter subtracts what the tenant already holds)."""
+        """What the request needs in total on the card (the planner subtracts what the tenant already holds)."""
         t = self.tenant
         return Need(t.needs_vram_bytes, f"{t.needs_vram_gb:.2f} GiB (needs_vram_gb)", t.name)
 

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from proxy.clock import Clock
 from proxy.config.settings import GpuProfile
-from proxy.decision import DecisionSink, FollowUp, Opening
+from proxy.decision_base import DecisionSink, FollowUp, Opening
 from proxy.encoding import fields_json
 from proxy.gpu.profile import FieldCheck, compare, plan_changes, reset_reason
 from proxy.gpu.settings import GpuSettings, SettingsSource

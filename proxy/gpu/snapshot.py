@@ -57,7 +57,7 @@ class DeviceMemory:
     free_bytes: int
     uuid: str = ""
     # Figures nobody measured (the engines' reports do not cover them): shown as null, never as 0.
-    # The arbiter still gets an int here; `size_known` says whether it may plan with them at all.
+    # The planner still gets an int here; `size_known` says whether it may plan with them at all.
     unknown: frozenset[DeviceFigure] = frozenset()
 
     def figure(self, name: DeviceFigure) -> int | None:

@@ -30,16 +30,16 @@ from proxy.engines.ports import SelfReport
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot, Attributor
 from proxy.gpu.devices import DevicePlacer
 from proxy.gpu.snapshot import DeviceFigure, DeviceMemory, GpuProcess, GpuReader, GpuReadError, GpuSnapshot
-from proxy.handoff import devices
-from proxy.handoff.arbiter import Plan, PlanMode, gib, unplanned_plan
+from proxy.handoff import per_card
 from proxy.handoff.busy import CONFIRM_SLACK_BYTES
 from proxy.handoff.decisions import DecisionLog, HandoffFinished, HandoffStarted, Rejected, ReleaseResult
 from proxy.handoff.inflight import InFlight, Token
-from proxy.handoff.lifecycles import Lifecycles
 from proxy.handoff.load_events import LoadEvents
 from proxy.handoff.orders import Released, ReleaseOrder
+from proxy.handoff.plan import Plan, PlanMode, gib, unplanned_plan
 from proxy.handoff.queue_rules import promised_by_tenant
 from proxy.handoff.scheduler import Admitted, Handoff, Scheduler
+from proxy.handoff.sleepers import Lifecycles
 from proxy.lifecycle.state import LifecycleReport
 from proxy.tls import client_context
 
@@ -151,7 +151,7 @@ class Arbitration:
         snap = snap or await self.snapshot()
         if not snap.snapshot.device.size_known:  # as the handoff queue does: forwarded without a plan
             return unplanned_plan(requester, need_bytes), snap
-        plan = devices.plan_on_devices(snap, self.registry, self.scheduler.states(snap), requester, need_bytes,
+        plan = per_card.plan_on_devices(snap, self.registry, self.scheduler.states(snap), requester, need_bytes,
                                        promised=promised_by_tenant(self.scheduler.promised(snap), key or requester),
                                        mode=mode)
         return plan, snap
@@ -330,7 +330,7 @@ class Arbitration:
         if oom:
             self.scheduler.unloaded(tenant.name)
             snap = self.scheduler.card or await self.snapshot()
-            need_bytes = max(need_bytes, self.held(snap, tenant.name) + devices.free_for(snap, tenant.name) + OOM_HEADROOM_BYTES)
+            need_bytes = max(need_bytes, self.held(snap, tenant.name) + per_card.free_for(snap, tenant.name) + OOM_HEADROOM_BYTES)
         elif (at_once := self.scheduler.admit_at_once(tenant, need.key, need_bytes, work)) is not None:
             return at_once, need
         admitted = await self.scheduler.request(tenant, need.key, need_bytes, trigger, "oom_retry" if oom else "plan",

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from proxy.config.schema import Tenant
 from proxy.config.settings import ProxySettings
 from proxy.config.units import MIB
-from proxy.handoff.arbiter import TenantState
 from proxy.handoff.inflight import TenantTraffic
+from proxy.handoff.plan import TenantState
 
 CONFIRM_SLACK_BYTES = 64 * MIB  # within this of its idle floor a tenant holds "only its floor"
 # A job the proxy relayed counts as busy at once, before its load reaches the card; after this long

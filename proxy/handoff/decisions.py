@@ -34,9 +34,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from proxy.clock import Clock
-from proxy.decision import DecisionEvent, DecisionKind, E, FollowUp, Opening, RequestTrigger
+from proxy.decision_base import DecisionEvent, DecisionKind, E, FollowUp, Opening, RequestTrigger
 from proxy.encoding import fields_json
-from proxy.handoff.arbiter import Plan, gib
+from proxy.handoff.plan import Plan, gib
 from proxy.models.loads import LoadRecord
 
 log = logging.getLogger("hyperswap.decisions")

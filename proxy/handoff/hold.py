@@ -31,7 +31,7 @@ HOLD_SHARE = 0.15  # of the reload a swap risks: a hold costs the requester at m
 
 
 class Released(Protocol):
-    """What a hold needs of each release a swap would make (`arbiter.Release`)."""
+    """What a hold needs of each release a swap would make (`plan.Release`)."""
     @property
     def tenant(self) -> str: ...
     @property

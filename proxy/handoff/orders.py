@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from proxy.config.schema import Tenant
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.visibility import held_by_device
-from proxy.handoff.arbiter import Plan, Release
 from proxy.handoff.decisions import HandoffKind, HandoffStarted, ReleaseResult
+from proxy.handoff.plan import Plan, Release
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,5 @@
 """The queue's rules: who of the requests waiting for memory runs, waits or is refused, in queue
-order (PURE: no I/O, no clock, invariant 1). Each waiter is planned with `arbiter.plan_release()`
+order (PURE: no I/O, no clock, invariant 1). Each waiter is planned with `plan.plan_release()`
 against what the waiters ahead of it and the loads on their way already count on; batching (a load
 on the card runs ahead of a swap away from it), the fairness bounds (`overtake_limit`,
 `starvation_after_s`), one handoff at a time and the swap hold (`hold.py`) are decided here. The
@@ -16,8 +16,8 @@ from typing import Literal
 from proxy.config.registry import Registry
 from proxy.config.settings import ProxySettings
 from proxy.gpu.attribution import AttributedSnapshot
-from proxy.handoff.arbiter import Plan, TenantState, plan_release
 from proxy.handoff.hold import NO_HOLD, SwapHold
+from proxy.handoff.plan import Plan, TenantState, plan_release
 
 # Requests for what is on the card that may go ahead of one waiting to swap it away (tenants.json's
 # proxy.overtake_limit); each saves a handoff, and the bound keeps the swap from waiting for ever.

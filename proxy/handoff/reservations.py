@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from proxy.gpu.attribution import AttributedSnapshot
-from proxy.handoff import devices
-from proxy.handoff.arbiter import Plan
+from proxy.handoff import per_card
+from proxy.handoff.plan import Plan
 
 
 @dataclass(slots=True)
@@ -56,7 +56,7 @@ class Reservations:
         """Load key -> (tenant, bytes) admitted loads will still take from free memory, as `snap` shows it."""
         out: dict[str, tuple[str, int]] = {}
         for key, r in self._by_key.items():
-            grown = max(0, devices.held_on(snap, r.tenant, r.device) - r.baseline)
+            grown = max(0, per_card.held_on(snap, r.tenant, r.device) - r.baseline)
             if r.need - grown > 0:
                 out[key] = (r.tenant, r.need - grown)
         return out

@@ -36,7 +36,6 @@ from proxy.clock import Clock
 from proxy.config.registry import Registry
 from proxy.config.schema import Tenant
 from proxy.gpu.attribution import AttributedSnapshot
-from proxy.handoff.arbiter import Plan, TenantState, gib, unplanned_plan
 from proxy.handoff.busy import CONFIRM_SLACK_BYTES, busy_states
 from proxy.handoff.decisions import (
     DecisionLog,
@@ -49,11 +48,12 @@ from proxy.handoff.decisions import (
     ReleaseResult,
     WaitChanged,
 )
-from proxy.handoff.devices import schedule_on_devices
 from proxy.handoff.evidence import EngineReads
 from proxy.handoff.hold import SwapHold
 from proxy.handoff.inflight import InFlight, TenantTraffic, Token
 from proxy.handoff.orders import Released, ReleaseOrder
+from proxy.handoff.per_card import schedule_on_devices
+from proxy.handoff.plan import Plan, TenantState, gib, unplanned_plan
 from proxy.handoff.queue_rules import RESIDENT, Releasing, Verdict, Waiter, may_overtake, resident_plan
 from proxy.handoff.reservations import Reservations
 from proxy.handoff.residency import Residency
@@ -150,7 +150,7 @@ class Scheduler:
     """The one owner of admission state (see the module's docstring)."""
 
     def __init__(self, effects: HandoffEffects, traffic: InFlight, *, fresh_s: float = 2.5) -> None:
-        self.fx = effects
+        self.effects = effects
         self.traffic = traffic  # admitted work: only `_admit` moves a request into it
         self.reservations = Reservations()
         # confirmed again every watchdog tick; a load unconfirmed for two ticks is planned for again
@@ -186,7 +186,7 @@ class Scheduler:
         """A card reading, from whoever read it (a pass, a release's confirmation, the watchdog, the
         API): the latest is what the next pass plans with."""
         self.card = snap
-        for tenant in self.fx.registry:
+        for tenant in self.effects.registry:
             if snap.held_by(tenant.name) <= tenant.idle_vram_bytes + CONFIRM_SLACK_BYTES:
                 self.residency.forget(tenant.name)  # nothing of it is on the card any more
 
@@ -245,19 +245,19 @@ class Scheduler:
         """Every tenant's busy state on `snap`, by the pure rule in proxy/handoff/busy.py: admitted
         work and the engines' reads, never a request that waits (it writes nothing)."""
         reads = self.engine_reads
-        return busy_states(self.fx.registry, self.traffic.snapshot(), reads.queues, self.traffic.finished,
-                           snap.held_by, self.fx.clock.now(),
+        return busy_states(self.effects.registry, self.traffic.snapshot(), reads.queues, self.traffic.finished,
+                           snap.held_by, self.effects.clock.now(),
                            observable=lambda name: not snap.estimated and name not in reads.cpu,
                            unreachable_since=reads.unreachable_since,
-                           job_lost_after_s=self.fx.registry.config.proxy.job_lost_after_s)
+                           job_lost_after_s=self.effects.registry.config.proxy.job_lost_after_s)
 
     def swap_hold(self) -> SwapHold:
         """proxy.swap_hold_s with the tenants it applies to now (`hold.SwapHold`): those whose admitted
         work is open (active now) or ran or ended within proxy.swap_hold_recent_s."""
-        settings = self.fx.registry.config.proxy
+        settings = self.effects.registry.config.proxy
         if settings.swap_hold_s <= 0:
             return SwapHold()
-        now = self.fx.clock.now()
+        now = self.effects.clock.now()
         recent = frozenset(t for t, tr in self.traffic.snapshot().items()
                            if tr.busy or (tr.last_activity is not None
                                           and now - tr.last_activity <= settings.swap_hold_recent_s))
@@ -301,8 +301,8 @@ class Scheduler:
                 return None  # a waiter the scheduler has not seen yet: let the next pass order both
             if t.verdict.action == "wait" and (tenant.name in t.verdict.plan.wait_for or tenant.name in t.verdict.held):
                 blocking.append(t)
-        settings = self.fx.registry.config.proxy
-        now = self.fx.clock.now()
+        settings = self.effects.registry.config.proxy
+        now = self.effects.clock.now()
         if not all(may_overtake(self._waiter(t), now, settings.starvation_after_s, settings.overtake_limit)
                    for t in blocking):
             return None
@@ -328,7 +328,7 @@ class Scheduler:
         tenant's work) in the same step that admits the request, never while it waits. A client that
         leaves (its task cancelled) leaves the queue and gives back anything it was promised
         meanwhile; a release started for it runs to its end."""
-        clock = self.fx.clock
+        clock = self.effects.clock
         w = Waiter(next(self._ids), tenant.name, key, need_bytes, tenant.priority, clock.now())
         ticket = _Ticket(w, trigger, kind, asyncio.get_running_loop().create_future(), clock.wall(), model=model,
                          work=work)
@@ -347,7 +347,7 @@ class Scheduler:
 
     def waiting(self) -> list[dict[str, Any]]:
         """Each waiting request, for people: tenant, since when, waiting for whom and why."""
-        now = self.fx.clock.now()
+        now = self.effects.clock.now()
         return sorted((self._wait_entry(t, now) for t in self._tickets.values()), key=lambda d: d["id"])
 
     def wait_of(self, work: Token) -> dict[str, Any] | None:
@@ -359,7 +359,7 @@ class Scheduler:
         ticket = next((t for t in self._tickets.values() if t.work is work), None)
         if ticket is None:
             return None
-        entry = self._wait_entry(ticket, self.fx.clock.now())
+        entry = self._wait_entry(ticket, self.effects.clock.now())
         v = ticket.verdict
         entry["planned"] = ticket.joined is not None or (v is not None and v.action == "wait")
         entry["releasing"] = list(ticket.joined.state.tenants) if ticket.joined is not None else []
@@ -401,7 +401,7 @@ class Scheduler:
     def _run_release(self, underway: _Underway, *, fresh: bool) -> None:
         """Its turn came: run it as a task that reports back. `fresh`: it waited in line, so the card
         it was ordered on may be out of date."""
-        task = asyncio.create_task(self.fx.carry_out(underway.order, fresh),
+        task = asyncio.create_task(self.effects.carry_out(underway.order, fresh),
                                    name=f"hyperswap:release:{','.join(underway.state.tenants)}")
         underway.task = task
         task.add_done_callback(lambda t: self._release_done(underway, t))
@@ -496,7 +496,7 @@ class Scheduler:
 
         async def read() -> None:
             try:
-                self.observe_card(await self.fx.read_card())
+                self.observe_card(await self.effects.read_card())
             except Exception as exc:  # the reader falls back to the engines' reports; this is a bug: tell the waiters
                 self._read_failed = exc
             finally:
@@ -527,7 +527,7 @@ class Scheduler:
                     continue
                 if self._pass(self.card):
                     continue
-                await sleep_or_wake(self.fx.clock, self._next_pause(), self._wake)
+                await sleep_or_wake(self.effects.clock, self._next_pause(), self._wake)
                 self._card_wanted = True  # the replan timer: memory may have come back unannounced
         except asyncio.CancelledError:
             raise
@@ -554,17 +554,17 @@ class Scheduler:
                 # runs): one load, so the larger promise stands, never the release's smaller claim
                 old = claims.get(u.state.key)
                 claims[u.state.key] = (claim[0], max(claim[1], old[1] if old else 0))
-        settings = self.fx.registry.config.proxy
-        verdicts = schedule_on_devices(snap, self.fx.registry, self.states(snap), [self._waiter(t) for t in pending],
-                                       claims, self.fx.clock.now(), settings.starvation_after_s,
+        settings = self.effects.registry.config.proxy
+        verdicts = schedule_on_devices(snap, self.effects.registry, self.states(snap), [self._waiter(t) for t in pending],
+                                       claims, self.effects.clock.now(), settings.starvation_after_s,
                                        self.releasing, settings.overtake_limit, self.swap_hold())
         return self._apply(verdicts, snap)
 
     def _expire(self) -> None:
         """Past `proxy.queue_timeout_s`: 503. A waiter whose release is under way is not cut off:
         the release has a timeout of its own, and its memory is coming."""
-        timeout = self.fx.registry.config.proxy.queue_timeout_s
-        now = self.fx.clock.now()
+        timeout = self.effects.registry.config.proxy.queue_timeout_s
+        now = self.effects.clock.now()
         for ticket in self._planned():
             if now - ticket.waiter.arrived_at >= timeout:
                 plan = ticket.verdict.plan if ticket.verdict else None
@@ -572,11 +572,11 @@ class Scheduler:
                 self._resolve(ticket, Admitted("timeout", Handoff(plan or _no_plan(ticket.waiter), [], None), why))
 
     def _next_pause(self) -> float:
-        timeout = self.fx.registry.config.proxy.queue_timeout_s
-        now = self.fx.clock.now()
+        timeout = self.effects.registry.config.proxy.queue_timeout_s
+        now = self.effects.clock.now()
         planned = self._planned()
         first_deadline = min((t.waiter.arrived_at + timeout for t in planned), default=now + REPLAN_S)
-        starvation = self.fx.registry.config.proxy.starvation_after_s
+        starvation = self.effects.registry.config.proxy.starvation_after_s
         next_aging = min((t.waiter.arrived_at + starvation for t in planned
                           if t.waiter.arrived_at + starvation > now), default=now + REPLAN_S)
         hold_end = min((t.verdict.held_until for t in planned
@@ -597,7 +597,7 @@ class Scheduler:
                 if (behind := self._tickets.get(overtaken)) is not None:
                     behind.overtaken += 1
             if v.action == "refuse":
-                decision = self.fx.decisions.emit(Rejected(tenant=v.waiter.tenant, trigger=ticket.trigger, plan=v.plan,
+                decision = self.effects.decisions.emit(Rejected(tenant=v.waiter.tenant, trigger=ticket.trigger, plan=v.plan,
                                                            status=507, reason=v.reason))
                 self._resolve(ticket, Admitted("refuse", Handoff(v.plan, [], decision, snap), v.reason))
                 progressed = True
@@ -621,7 +621,7 @@ class Scheduler:
         underway = next((u for u in self._underway if u.state.key == v.waiter.key), None)
         if underway is None:
             if ticket.model:  # the disk read overlaps the release instead of following it
-                self.fx.prepare_load(v.waiter.tenant, ticket.model)
+                self.effects.prepare_load(v.waiter.tenant, ticket.model)
             order = ReleaseOrder(v.waiter.tenant, v.plan.releases, ticket.trigger, ticket.kind, v.plan, snap)
             underway = self._start_release(order, v.waiter.key, v.waiter.id)
         ticket.joined = underway
@@ -635,14 +635,15 @@ class Scheduler:
     # -- bookkeeping -----------------------------------------------------------------------------
     def _resolve(self, ticket: _Ticket, admitted: Admitted) -> None:
         self._tickets.pop(ticket.waiter.id, None)
-        admitted.handoff.waited_s = self.fx.clock.now() - ticket.waiter.arrived_at
+        admitted.handoff.waited_s = self.effects.clock.now() - ticket.waiter.arrived_at
         if ticket.queued is not None:
             admitted.handoff.queued = ticket.queued.id
             ended = _QUEUE_END[admitted.outcome]
             by = admitted.handoff.decision
-            self.fx.decisions.emit(QueueEnded(tenant=ticket.queued.tenant, trigger=ticket.trigger, refers_to=ticket.queued.id,
-                                              result=ended, waited_s=admitted.handoff.waited_s,
-                                              ended_by=by.id if by is not None else None, ended_with=admitted.reason))
+            self.effects.decisions.emit(QueueEnded(tenant=ticket.queued.tenant, trigger=ticket.trigger,
+                                                   refers_to=ticket.queued.id,
+                                                   result=ended, waited_s=admitted.handoff.waited_s,
+                                                   ended_by=by.id if by is not None else None, ended_with=admitted.reason))
         if not ticket.future.done():
             if admitted.outcome == "run" and ticket.work is not None:
                 self.traffic.admit(ticket.work)  # work from this step on: no pass sees it idle in between
@@ -658,19 +659,19 @@ class Scheduler:
     def _note_wait(self, ticket: _Ticket, v: Verdict) -> None:
         if ticket.queued is None:
             if ticket.model:  # waiting for a busy tenant is time the disk can use
-                self.fx.prepare_load(v.waiter.tenant, ticket.model)
-            ticket.queued = self.fx.decisions.emit(Queued(tenant=v.waiter.tenant, trigger=ticket.trigger, plan=v.plan,
+                self.effects.prepare_load(v.waiter.tenant, ticket.model)
+            ticket.queued = self.effects.decisions.emit(Queued(tenant=v.waiter.tenant, trigger=ticket.trigger, plan=v.plan,
                                                           reason=v.reason, behind=v.behind, waiting_for=v.waiting_for))
         elif ticket.wait_reason != v.reason:
-            self.fx.decisions.emit(WaitChanged(tenant=v.waiter.tenant, trigger=ticket.trigger, refers_to=ticket.queued.id,
+            self.effects.decisions.emit(WaitChanged(tenant=v.waiter.tenant, trigger=ticket.trigger, refers_to=ticket.queued.id,
                                                reason=v.reason, waiting_for=v.waiting_for, behind=v.behind))
         ticket.wait_reason = v.reason
 
     def _note_end(self, ticket: _Ticket, why: QueueEnd) -> None:
         if ticket.queued is not None:
-            self.fx.decisions.emit(QueueEnded(tenant=ticket.queued.tenant, trigger=ticket.trigger,
+            self.effects.decisions.emit(QueueEnded(tenant=ticket.queued.tenant, trigger=ticket.trigger,
                                               refers_to=ticket.queued.id, result=why,
-                                              waited_s=self.fx.clock.now() - ticket.waiter.arrived_at))
+                                              waited_s=self.effects.clock.now() - ticket.waiter.arrived_at))
 
 
 def _no_plan(w: Waiter) -> Plan:

@@ -32,8 +32,8 @@ from proxy.config.registry import Registry
 from proxy.engines.generic import GenericAdapter
 from proxy.engines.registry import ADAPTERS
 from proxy.gpu.attribution import AttributedSnapshot
-from proxy.handoff.arbiter import Plan, TenantState
-from proxy.handoff.devices import plan_on_devices
+from proxy.handoff.per_card import plan_on_devices
+from proxy.handoff.plan import Plan, TenantState
 from proxy.handoff.queue_rules import promised_by_tenant
 from proxy.handoff.scheduler import Scheduler
 

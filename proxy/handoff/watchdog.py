@@ -18,10 +18,10 @@ from proxy.config.units import GIB
 from proxy.engines import ReleaseFailed
 from proxy.engines.common import go_time
 from proxy.engines.ports import SelfReport
-from proxy.handoff.arbiter import TenantState
 from proxy.handoff.arbitration import CONFIRM_SLACK_BYTES, Arbitration, gib
 from proxy.handoff.decisions import SpillNoPlan, StaleJob
 from proxy.handoff.orders import ReleaseOrder, release_whole
+from proxy.handoff.plan import TenantState
 from proxy.tasks import cancel_and_wait
 
 log = logging.getLogger("hyperswap.watchdog")
@@ -55,8 +55,8 @@ MAX_IDLE_BACKOFF = 64  # the wait after fruitless idle releases doubles up to 64
 
 
 class Watchdog:
-    def __init__(self, arb: Arbitration) -> None:
-        self.arb = arb
+    def __init__(self, arbitration: Arbitration) -> None:
+        self.arbitration = arbitration
         self.last: TickReport | None = None
         self._task: asyncio.Task[None] | None = None
         self._placements: dict[tuple[str, str], _Placement] = {}
@@ -69,19 +69,19 @@ class Watchdog:
         otherwise repeat every idle period, each time waiting out its release timeout: after n such
         releases in a row the wait is idle_release_after_s x 2^n (at most x 64), counted from the
         last one. Any traffic of the tenant, or a release that frees memory, starts over."""
-        tenant = self.arb.registry.get(tenant_name)
-        if tenant.idle_release_after_s is None or not tenant.reclaimable or tenant_name in self.arb.cpu_tenants:
+        tenant = self.arbitration.registry.get(tenant_name)
+        if tenant.idle_release_after_s is None or not tenant.reclaimable or tenant_name in self.arbitration.cpu_tenants:
             return None  # (an engine on the CPU has nothing on the card to release)
-        traffic = self.arb.inflight.snapshot().get(tenant_name)
+        traffic = self.arbitration.inflight.snapshot().get(tenant_name)
         activity = traffic.last_activity if traffic else None
-        last = activity if activity is not None else self.arb.started_at
+        last = activity if activity is not None else self.arbitration.started_at
         fruitless = self._fruitless.get(tenant_name)
         if fruitless is not None and fruitless.activity == activity:
             return fruitless.at + tenant.idle_release_after_s * min(1 << fruitless.count, MAX_IDLE_BACKOFF)
         return last + tenant.idle_release_after_s
 
     def _idle_released(self, name: str, freed: int, at: float) -> None:
-        traffic = self.arb.inflight.snapshot().get(name)
+        traffic = self.arbitration.inflight.snapshot().get(name)
         activity = traffic.last_activity if traffic else None
         if freed > CONFIRM_SLACK_BYTES:
             self._fruitless.pop(name, None)
@@ -91,27 +91,27 @@ class Watchdog:
         self._fruitless[name] = _Fruitless(count, activity, at)
 
     async def tick(self) -> TickReport:
-        arb = self.arb
-        report = TickReport(at=arb.clock.now())
-        if arb.scheduler.releasing:
+        arbitration = self.arbitration
+        report = TickReport(at=arbitration.clock.now())
+        if arbitration.scheduler.releasing:
             report.reasons["*"] = "a handoff is in progress"
             self.last = report
             return report
         await self._read_queues(report)
-        snap = await arb.snapshot()
-        states = arb.scheduler.states(snap)
-        for tenant in arb.registry:
+        snap = await arbitration.snapshot()
+        states = arbitration.scheduler.states(snap)
+        for tenant in arbitration.registry:
             name = tenant.name
             state = states[name]
-            held = arb.held(snap, name)
+            held = arbitration.held(snap, name)
             if state.stale_jobs:
                 report.actions.append(f"{name}: stale queue entries {list(state.stale_jobs)}")
                 self._end_lost_jobs(name, state, report)
             # Starvation first: Ollama spilling layers to the CPU wants memory now.
-            adapter: SelfReport = arb.adapter(tenant)
+            adapter: SelfReport = arbitration.adapter(tenant)
             if adapter.placements_path and tenant.upstream:  # the engine says where each model sits
                 try:
-                    models = await adapter.placements(arb.control)
+                    models = await adapter.placements(arbitration.control)
                 except (httpx.HTTPError, ValueError, ReleaseFailed) as exc:
                     models = None
                     report.reasons[name] = f"cannot read {adapter.placements_path}: {exc}"
@@ -121,7 +121,7 @@ class Watchdog:
                     if spilled:
                         await self._relieve_spill(tenant, spilled, held, report)
                         continue
-            machine = arb.lifecycles.machine(name)
+            machine = arbitration.lifecycles.machine(name)
             deadline = self.idle_deadline(name)
             if machine is not None and machine.state != "running":
                 report.reasons[name] = f"{machine.state}: the proxy starts it on its next request"
@@ -138,11 +138,11 @@ class Watchdog:
             else:
                 order = release_whole(snap, tenant, "watchdog idle", "idle_release", "idle timeout",
                                       idle_s=tenant.idle_release_after_s)
-                (result,) = (await asyncio.shield(arb.scheduler.release(order))).results
+                (result,) = (await asyncio.shield(arbitration.scheduler.release(order))).results
                 if result.busy:  # work arrived before the release's turn came, or a stop would cut it
                     report.reasons[name] = f"busy again: idle release skipped ({result.error})"
                     continue
-                self._idle_released(name, result.freed_bytes, arb.clock.now())
+                self._idle_released(name, result.freed_bytes, arbitration.clock.now())
                 report.actions.append(f"{name}: idle release freed {gib(result.freed_bytes)} GiB")
                 report.reasons[name] = "released after idle timeout"
         self.last = report
@@ -150,21 +150,21 @@ class Watchdog:
 
     async def _read_queues(self, report: TickReport) -> None:
         """Jobs the engine's own queue says are running (clients that bypass the proxy, or stale rows)."""
-        for tenant in self.arb.registry:
-            adapter = self.arb.adapter(tenant)
+        for tenant in self.arbitration.registry:
+            adapter = self.arbitration.adapter(tenant)
             queue_path = adapter.queue_path()
             if queue_path is None or not tenant.upstream:
                 continue
-            started = self.arb.clock.now()  # a row is only believed if read after the traffic last changed
+            started = self.arbitration.clock.now()  # a row is only believed if read after the traffic last changed
             try:
-                rows = tuple(await adapter.running_jobs(self.arb.control))
+                rows = tuple(await adapter.running_jobs(self.arbitration.control))
             except (httpx.HTTPError, ValueError, ReleaseFailed) as exc:
-                self.arb.scheduler.queue_read(tenant.name, started, None)
+                self.arbitration.scheduler.queue_read(tenant.name, started, None)
                 report.reasons[tenant.name] = f"cannot read {queue_path}: {exc}"
             else:
-                self.arb.scheduler.queue_read(tenant.name, started, rows)
+                self.arbitration.scheduler.queue_read(tenant.name, started, rows)
             try:  # an engine on the CPU holds nothing on the card: its VRAM proves nothing either way
-                self.arb.scheduler.on_cpu(tenant.name, await adapter.runs_on_cpu(self.arb.control))
+                self.arbitration.scheduler.on_cpu(tenant.name, await adapter.runs_on_cpu(self.arbitration.control))
             except (httpx.HTTPError, ValueError, ReleaseFailed):
                 pass  # unknown: what it said last stands
 
@@ -174,9 +174,9 @@ class Watchdog:
         if state.stale_why != "unreachable":
             return
         for job_id in state.stale_jobs:
-            if self.arb.inflight.finish_job(name, job_id):
-                lost_after = self.arb.registry.config.proxy.job_lost_after_s
-                self.arb.decisions.emit(StaleJob(
+            if self.arbitration.inflight.finish_job(name, job_id):
+                lost_after = self.arbitration.registry.config.proxy.job_lost_after_s
+                self.arbitration.decisions.emit(StaleJob(
                     tenant=name, trigger="watchdog: engine not answering", job_id=job_id,
                     reason=f"{name}'s queue has not answered for {lost_after:g} s (proxy.job_lost_after_s): "
                            f"{job_id} is no longer counted as running"))
@@ -185,9 +185,9 @@ class Watchdog:
     def _observe_residency(self, tenant: Tenant, models: list[dict[str, Any]]) -> None:
         """Ollama's own list says what is on the card: fully on the GPU and not about to expire
         (its keep-alive deadline, minus two ticks of margin, ends the fast path)."""
-        clock = self.arb.clock
-        margin = 2 * self.arb.registry.config.proxy.watchdog_interval_s
-        adapter = self.arb.adapter(tenant)
+        clock = self.arbitration.clock
+        margin = 2 * self.arbitration.registry.config.proxy.watchdog_interval_s
+        adapter = self.arbitration.adapter(tenant)
         loads: dict[str, float] = {}
         for m in models:
             if int(m.get("size_vram") or 0) < int(m.get("size") or 0):
@@ -196,13 +196,13 @@ class Watchdog:
             if expires is None:
                 continue
             loads[adapter.load_key(m["name"])] = clock.now() + (expires - clock.wall()) - margin
-        self.arb.scheduler.observe_loads(tenant.name, loads)
+        self.arbitration.scheduler.observe_loads(tenant.name, loads)
 
     def _stable_spills(self, tenant: Tenant, models: list[dict[str, Any]], report: TickReport) -> list[dict[str, Any]]:
         """Models on the CPU in part whose split has held still for `spill_stable_s` while no load of
         them is under way: a model that is still loading grows into its place and is no spill."""
-        now = self.arb.clock.now()
-        stable_s = self.arb.registry.config.proxy.spill_stable_s
+        now = self.arbitration.clock.now()
+        stable_s = self.arbitration.registry.config.proxy.spill_stable_s
         seen: set[tuple[str, str]] = set()
         out = []
         for m in models:
@@ -214,7 +214,7 @@ class Watchdog:
                 p = self._placements[where] = _Placement(size, vram, now)
             if vram >= size:
                 continue
-            if self.arb.scheduler.loading(self.arb.adapter(tenant).load_key(where[1])):
+            if self.arbitration.scheduler.loading(self.arbitration.adapter(tenant).load_key(where[1])):
                 report.reasons[tenant.name] = f"{where[1]} is loading ({gib(vram)} of {gib(size)} GiB on the GPU so far)"
                 p.since = now
             elif now - p.since < stable_s:
@@ -235,20 +235,20 @@ class Watchdog:
         need = max(0, held - on_gpu) + sum(int(m.get("size") or 0) for m in spilled) + tenant.context_allowance_bytes
         models = ", ".join(str(m["name"]) for m in spilled)
         placements = [self._placements[(name, str(m["name"]))] for m in spilled]
-        plan, snap = await self.arb.plan(name, need, self.arb.adapter(tenant).load_key(first), mode="relief")
+        plan, snap = await self.arbitration.plan(name, need, self.arbitration.adapter(tenant).load_key(first), mode="relief")
         if not plan.starved:
             report.reasons[name] = f"{models} on the CPU in part but the card has room: waiting for Ollama to reload"
             return
         if not plan.feasible:
             report.reasons[name] = f"starved (CPU spill) and no plan: {plan.explanation}"
             if not all(p.reported for p in placements):
-                self.arb.decisions.emit(SpillNoPlan(tenant=name, trigger=f"watchdog: {models} spilling to the CPU",
+                self.arbitration.decisions.emit(SpillNoPlan(tenant=name, trigger=f"watchdog: {models} spilling to the CPU",
                                                     plan=plan))
                 for p in placements:
                     p.reported = True
             return
         order = ReleaseOrder(name, plan.releases, f"watchdog: {models} spilling to the CPU", "spill", plan, snap)
-        released = await asyncio.shield(self.arb.scheduler.release(order))  # never cut half way
+        released = await asyncio.shield(self.arbitration.scheduler.release(order))  # never cut half way
         if released.results:
             report.actions.append(f"{name}: spill of {models}: released {[r.tenant for r in released.results]}")
             report.reasons[name] = "starved (CPU spill): memory reclaimed; the model reloads on its next request"
@@ -262,7 +262,7 @@ class Watchdog:
         await cancel_and_wait(self._task)
 
     async def _loop(self) -> None:
-        interval = self.arb.registry.config.proxy.watchdog_interval_s
+        interval = self.arbitration.registry.config.proxy.watchdog_interval_s
         while True:
             try:
                 await self.tick()
@@ -270,7 +270,7 @@ class Watchdog:
                 raise
             except Exception:
                 log.exception("watchdog tick failed")
-            await self.arb.clock.sleep(interval)
+            await self.arbitration.clock.sleep(interval)
 
 
 __all__ = ["GIB", "TickReport", "Watchdog"]

@@ -39,7 +39,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.typing import Subprotocol
 
 from proxy.config.schema import Tenant
-from proxy.engines import EngineAdapter, adapter_for, strip_hop_by_hop
+from proxy.engines import AdapterCache, strip_hop_by_hop
 from proxy.engines.ports import HostAndHeaders
 from proxy.errors import HyperSwapError
 from proxy.relay import http1
@@ -248,16 +248,10 @@ class Forwarder:
 
     def __init__(self, *, max_keepalive: int = 256, max_connections: int = http1.MAX_CONNECTIONS) -> None:
         self._pools: dict[str, _TenantPools] = {}
-        self._adapters: dict[str, EngineAdapter] = {}
+        self.adapter = AdapterCache()  # the one adapter per tenant every part of the proxy asks (service.py)
         self._retired: list[_TenantPools] = []
         self.max_keepalive = max_keepalive
         self.max_connections = max_connections  # per upstream
-
-    def adapter(self, tenant: Tenant) -> EngineAdapter:
-        adapter = self._adapters.get(tenant.name)
-        if adapter is None or adapter.tenant is not tenant:
-            adapter = self._adapters[tenant.name] = adapter_for(tenant)
-        return adapter
 
     def _tenant_pools(self, tenant: Tenant) -> _TenantPools:
         pools = self._pools.get(tenant.name)

@@ -1,7 +1,7 @@
 """The GPU gate: what a tenant listener does with a GPU request. Admit it (the handoff queue may
 hold it, then it runs, or gets 507 or 503), forward it, and on an out-of-memory answer reclaim and
 retry once. Everything here that builds an HTTP answer is the relay's; the decisions are the
-handoff's (`Arbitration`, `Scheduler`, the pure arbiter).
+handoff's (`Arbitration`, `Scheduler`, the pure planner and queue rules).
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ from starlette.responses import JSONResponse, Response
 
 from proxy.clock import Clock
 from proxy.config.schema import Tenant
-from proxy.decision import RequestTrigger
+from proxy.decision_base import RequestTrigger
 from proxy.engines import Need, ReleaseFailed, strip_hop_by_hop
 from proxy.engines.ports import GatePorts, JobReplay, OomDetector
-from proxy.handoff.arbiter import gib
 from proxy.handoff.arbitration import Arbitration
 from proxy.handoff.decisions import (
     DecisionEvent,
@@ -39,6 +38,7 @@ from proxy.handoff.decisions import (
 )
 from proxy.handoff.inflight import Token
 from proxy.handoff.load_events import Load
+from proxy.handoff.plan import gib
 from proxy.handoff.queue_rules import RESIDENT
 from proxy.handoff.scheduler import Admitted, Handoff
 from proxy.lifecycle.controller import LifecycleError
@@ -111,7 +111,7 @@ class GpuGate:
     """
 
     def __init__(self, arbitration: Arbitration, adapter: Callable[[Tenant], GatePorts] | None = None) -> None:
-        self.arb = arbitration
+        self.arbitration = arbitration
         self._adapter: Callable[[Tenant], GatePorts] = adapter or arbitration.adapter  # the forwarder's per-tenant adapters
         self._requeued: dict[str, str] = {}  # new prompt id -> the OOM'd prompt it retries
         self._seen_oom: set[str] = set()
@@ -120,34 +120,34 @@ class GpuGate:
 
     @property
     def clock(self) -> Clock:
-        return self.arb.clock
+        return self.arbitration.clock
 
     def wait_of(self, work: Token) -> dict[str, Any] | None:
-        return self.arb.scheduler.wait_of(work)
+        return self.arbitration.scheduler.wait_of(work)
 
     def watch_waits(self, changed: Callable[[], None]) -> Callable[[], None]:
         def on_event(event: DecisionEvent) -> None:
             if isinstance(event, WAIT_EVENTS):
                 changed()
-        return self.arb.decisions.subscribe(on_event)
+        return self.arbitration.decisions.subscribe(on_event)
 
     async def _load_figure(self, tenant: Tenant, need: Need) -> str | None:
         """How far a load got, from the card (`load_events.progress`: what the tenant gained since the
         load began, marked estimated where the card cannot tell this load's memory apart)."""
-        snap = await self.arb.snapshot()
-        load = self.arb.loads.underway_of(tenant.name, need.key)
+        snap = await self.arbitration.snapshot()
+        load = self.arbitration.loads.underway_of(tenant.name, need.key)
         if load is None:
             return None  # not begun yet, or on the card already
-        figure = self.arb.loads.progress(load, snap.held_by(tenant.name), tenant.idle_vram_bytes, snap.estimated)
+        figure = self.arbitration.loads.progress(load, snap.held_by(tenant.name), tenant.idle_vram_bytes, snap.estimated)
         how = ("estimated from the engines' own reports" if snap.estimated
                else f"estimated: all {tenant.name} gained" if figure.estimated else "estimated need")
-        took = self.arb.clock.now() - load.began_at
+        took = self.arbitration.clock.now() - load.began_at
         return (f"loading {load.model}: {gib(figure.on_card_bytes)} of {gib(figure.need_bytes)} GiB on the card "
                 f"({how}), {took:.0f} s")
 
     def on_frame(self, tenant: Tenant, text: str) -> None:
         """Called for every upstream text frame of a tenant's websockets (the adapter filters cheaply first)."""
-        self.arb.loads.frame(tenant.name, text)  # ComfyUI's execution frames time its checkpoint loads
+        self.arbitration.loads.frame(tenant.name, text)  # ComfyUI's execution frames time its checkpoint loads
         job_id = self._adapter(tenant).oom_job_from_frame(text)
         if job_id is not None:
             self._oom(tenant, job_id)
@@ -159,11 +159,11 @@ class GpuGate:
             self._oom(tenant, job_id)
 
     def on_job_lost(self, tenant: Tenant, job_id: str) -> None:
-        self.arb.decisions.emit(StaleJob(
+        self.arbitration.decisions.emit(StaleJob(
             tenant=tenant.name, trigger="job reconciliation", job_id=job_id,
             reason=f"{job_id} is in neither {tenant.name}'s queue nor its history (deleted from the queue, or the "
                    "engine restarted): no longer counted as running"))
-        self.arb.scheduler.kick()
+        self.arbitration.scheduler.kick()
 
     def _oom(self, tenant: Tenant, prompt_id: str) -> None:
         if self._closed or not prompt_id or prompt_id in self._seen_oom:
@@ -177,40 +177,41 @@ class GpuGate:
 
     async def _retry_prompt(self, tenant: Tenant, prompt_id: str) -> None:
         if prompt_id in self._requeued:
-            self.arb.decisions.emit(OomRetry(tenant=tenant.name, trigger=f"second OOM of prompt {self._requeued[prompt_id]}",
-                                             result="failed", prompt_id=prompt_id))
+            self.arbitration.decisions.emit(OomRetry(tenant=tenant.name,
+                                                     trigger=f"second OOM of prompt {self._requeued[prompt_id]}",
+                                                     result="failed", prompt_id=prompt_id))
             return
         adapter = self._adapter(tenant)
         replay = await self._job_replay(adapter, prompt_id)
         if replay is None:
-            self.arb.decisions.emit(OomRetry(tenant=tenant.name, trigger=f"OOM of prompt {prompt_id}",
+            self.arbitration.decisions.emit(OomRetry(tenant=tenant.name, trigger=f"OOM of prompt {prompt_id}",
                                              result="not retried: prompt not in ComfyUI's history"))
             return
-        admitted, _need = await self.arb.admit(tenant, "", replay.body, f"OOM of ComfyUI prompt {prompt_id}", oom=True)
+        admitted, _need = await self.arbitration.admit(tenant, "", replay.body, f"OOM of ComfyUI prompt {prompt_id}", oom=True)
         handoff = admitted.handoff
         try:
             if admitted.outcome != "run" or not handoff.plan.feasible or not handoff.plan.starved:
                 self._record_retry(tenant, handoff, "no plan")
                 return
-            new_id, status = await adapter.resubmit(self.arb.control, replay)
+            new_id, status = await adapter.resubmit(self.arbitration.control, replay)
             if not new_id:
                 self._record_retry(tenant, handoff, f"re-queue refused: {status}")
                 return
             self._requeued[new_id] = prompt_id
-            self.arb.inflight.track_job(tenant.name, new_id)
+            self.arbitration.inflight.track_job(tenant.name, new_id)
             self._record_retry(tenant, handoff, "requeued", prompt_id=prompt_id, requeued_as=new_id)
         except (httpx.HTTPError, ValueError, ReleaseFailed) as exc:
             self._record_retry(tenant, handoff, f"re-queue failed: {exc}")
         finally:
-            self.arb.scheduler.settle_when_idle(handoff)  # the re-queued prompt loads after POST /prompt returns
+            self.arbitration.scheduler.settle_when_idle(handoff)  # the re-queued prompt loads after POST /prompt returns
 
     async def _job_replay(self, adapter: OomDetector, job_id: str) -> JobReplay | None:
         """The engine writes the failed job down shortly after its error frame: look for a while."""
         for _ in range(50):
-            replay = await adapter.job_replay(self.arb.control, job_id)
+            replay = await adapter.job_replay(self.arbitration.control, job_id)
             if replay is not None:
                 return replay
-            await self.arb.clock.sleep(0.1)
+            await self.arbitration.clock.sleep(0.1)
         return None
 
     async def aclose(self) -> None:
@@ -221,7 +222,7 @@ class GpuGate:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def dormant(self, tenant: Tenant) -> bool:
-        return self.arb.lifecycles.dormant(tenant.name)
+        return self.arbitration.lifecycles.dormant(tenant.name)
 
     async def wake(self, tenant: Tenant, what: str, *, reads_only: bool = False,
                    origin: str | None = None) -> Response | None:
@@ -240,42 +241,42 @@ class GpuGate:
             if refusal is not None:
                 return refusal
         trace = tracing.current()
-        arrived, arrived_wall = self.arb.clock.now(), self.arb.clock.wall()
-        if trace is not None and self.arb.lifecycles.dormant(tenant.name):
+        arrived, arrived_wall = self.arbitration.clock.now(), self.arbitration.clock.wall()
+        if trace is not None and self.arbitration.lifecycles.dormant(tenant.name):
             trace.wait(f"starting {tenant.name}")  # a streamed request is answered now and hears the start
         try:
-            admitted = await self.arb.wake(tenant, f"start of {tenant.name} for {what}")
+            admitted = await self.arbitration.wake(tenant, f"start of {tenant.name} for {what}")
         except LifecycleError as exc:
             return refusals.start_failed(exc).response()
         if admitted is None:
             return None
         if admitted.outcome == "run":
-            self.arb.inflight.active(tenant.name)  # woken for this request: its ttl counts from now
+            self.arbitration.inflight.active(tenant.name)  # woken for this request: its ttl counts from now
             if trace is not None:
                 handoff = admitted.handoff
                 waited_wall = arrived_wall + handoff.waited_s
-                record_wait(trace, self.arb.decisions, handoff, arrived_wall, waited_wall)
-                took = self.arb.clock.now() - arrived - handoff.waited_s
+                record_wait(trace, self.arbitration.decisions, handoff, arrived_wall, waited_wall)
+                took = self.arbitration.clock.now() - arrived - handoff.waited_s
                 trace.phase("start", took, f"started {tenant.name}")
                 trace.say(f"{tenant.name} started in {took:.1f} s")
             return None
         if admitted.outcome == "timeout":
-            self.arb.decisions.emit(Rejected(tenant=tenant.name, trigger=f"start for {what}",
+            self.arbitration.decisions.emit(Rejected(tenant=tenant.name, trigger=f"start for {what}",
                                              plan=admitted.handoff.plan, status=503, reason=admitted.reason))
-            return refusals.queue_timeout(tenant, admitted, self.arb.registry.config.proxy.queue_timeout_s).response()
-        return refusals.not_enough_memory(tenant, admitted.handoff, self.arb.start_need(tenant).bytes).response()
+            return refusals.queue_timeout(tenant, admitted, self.arbitration.registry.config.proxy.queue_timeout_s).response()
+        return refusals.not_enough_memory(tenant, admitted.handoff, self.arbitration.start_need(tenant).bytes).response()
 
     def _kept_asleep(self, tenant: Tenant, what: str, origin: str | None) -> Response | None:
         """The answer to a request that must not wake `tenant` (a read, a foreign Origin), if it sleeps
         and no start is under way to join; None: go on (it is awake, or starting)."""
-        lifecycles = self.arb.lifecycles
+        lifecycles = self.arbitration.lifecycles
         if not lifecycles.dormant(tenant.name):
             return None
         machine = lifecycles.machine(tenant.name)
         state = machine.state if machine is not None else "released"
         if state == "starting":
             return None  # the start under way is shared, as for any request
-        start = f"POST http://{self.arb.registry.config.admin.listen}/api/tenants/{tenant.name}/start"
+        start = f"POST http://{self.arbitration.registry.config.admin.listen}/api/tenants/{tenant.name}/start"
         last_error = machine.snapshot.error if machine is not None else None
         return refusals.kept_asleep(tenant, state, last_error, what=what, origin=origin, start_url=start).response()
 
@@ -287,8 +288,8 @@ class GpuGate:
         adapter = self._adapter(tenant)
         if adapter.unload_target(request.url.path, body) is not None:
             return None, None
-        need = await adapter.estimate_need(request.url.path, body, self.arb.control)
-        return need, self.arb.scheduler.admit_at_once(tenant, need.key, need.bytes, work)
+        need = await adapter.estimate_need(request.url.path, body, self.arbitration.control)
+        return need, self.arbitration.scheduler.admit_at_once(tenant, need.key, need.bytes, work)
 
     async def handle(self, tenant: Tenant, request: Request, body: bytes,
                      forward: Callable[[bytes], Awaitable[UpstreamResponse]], work: Token,
@@ -299,16 +300,16 @@ class GpuGate:
         unloading = adapter.unload_target(request.url.path, body)
         if unloading is not None:
             # An unload loads nothing: it needs no memory, releases nobody and is never refused.
-            self.arb.scheduler.unloaded(tenant.name, adapter.load_key(unloading))
-            self.arb.inflight.admit(work)
+            self.arbitration.scheduler.unloaded(tenant.name, adapter.load_key(unloading))
+            self.arbitration.inflight.admit(work)
             return await forward(body)
         trigger = RequestTrigger.of(request.method, request.url.path)
-        arrived, arrived_wall = self.arb.clock.now(), self.arb.clock.wall()
+        arrived, arrived_wall = self.arbitration.clock.now(), self.arbitration.clock.wall()
         known, at_once = first
         if at_once is not None and known is not None:
             admitted, need = at_once, known
         else:
-            admitted, need = await self.arb.admit(tenant, request.url.path, body, trigger, work=work, need=known)
+            admitted, need = await self.arbitration.admit(tenant, request.url.path, body, trigger, work=work, need=known)
         handoff = admitted.handoff
         if admitted.outcome != "run":
             return self._refused(tenant, admitted, need, trigger)
@@ -317,9 +318,9 @@ class GpuGate:
         trace = tracing.current()
         self._trace_admission(trace, tenant, need, handoff, arrived_wall, loads)
         streamed = adapter.stream_format(request.url.path, body) is not None
-        forwarded = self.arb.clock.now()
+        forwarded = self.arbitration.clock.now()
         story = _story_of(handoff)
-        events = self.arb.loads
+        events = self.arbitration.loads
         load = await self._begin_load(tenant, need, body, story) if loads else None
         timed = False  # the load's end is told when its answer ends
         try:
@@ -328,13 +329,13 @@ class GpuGate:
                 events.arrived(load)
             if trace is not None:
                 self._trace_answer(trace, need, loaded=loads and streamed and response.status_code < 400,
-                                   took=self.arb.clock.now() - forwarded)
+                                   took=self.arbitration.clock.now() - forwarded)
             if story is not None:
-                self.arb.decisions.emit(FirstByte(tenant=tenant.name, trigger=trigger, refers_to=story,
-                                                  arrived_at=arrived_wall, after_s=self.arb.clock.now() - arrived,
+                self.arbitration.decisions.emit(FirstByte(tenant=tenant.name, trigger=trigger, refers_to=story,
+                                                  arrived_at=arrived_wall, after_s=self.arbitration.clock.now() - arrived,
                                                   status=response.status_code))
             if response.status_code < 400:
-                self.arb.scheduler.loaded(tenant.name, need.key)
+                self.arbitration.scheduler.loaded(tenant.name, need.key)
                 if load is not None and events.listened:
                     response = _TailKept(response, partial(events.ended, load))  # the engine's own load time
                     timed = True
@@ -345,9 +346,9 @@ class GpuGate:
             if load is not None and not timed:
                 events.ended(load, None)  # no answer to time it from
             if outlives:
-                self.arb.scheduler.settle_when_idle(handoff)  # the job loads after the answer: keep its memory promised
+                self.arbitration.scheduler.settle_when_idle(handoff)  # the job loads after the answer: keep its memory promised
             else:
-                self.arb.scheduler.settle(handoff)
+                self.arbitration.scheduler.settle(handoff)
 
     async def _after_error(self, tenant: Tenant, adapter: GatePorts, request: Request, body: bytes,
                            forward: Callable[[bytes], Awaitable[UpstreamResponse]], handoff: Handoff, need: Need,
@@ -360,15 +361,15 @@ class GpuGate:
             return _replay_response(response, error_body)
         # The first try is over: its reservation goes before the retry reserves its bigger need
         # (under the same key it would only have counted once more, with the old size and baseline).
-        self.arb.scheduler.settle(handoff)
-        again, _ = await self.arb.admit(tenant, request.url.path, body, f"OOM answer to {trigger}", oom=True)
+        self.arbitration.scheduler.settle(handoff)
+        again, _ = await self.arbitration.admit(tenant, request.url.path, body, f"OOM answer to {trigger}", oom=True)
         retry = again.handoff
         try:
             outcome = "retried" if again.outcome == "run" and retry.plan.feasible and retry.plan.starved else "no plan"
             if outcome == "retried":
                 response = await forward(body)
                 if response.status_code < 400:
-                    self.arb.scheduler.loaded(tenant.name, need.key)
+                    self.arbitration.scheduler.loaded(tenant.name, need.key)
                     self._record_retry(tenant, retry, "succeeded")
                     return response
                 error_body = await response.aread()
@@ -376,15 +377,15 @@ class GpuGate:
             self._record_retry(tenant, retry, "failed" if outcome == "retried" else outcome)
             return _with_blockers(response, error_body, retry)
         finally:
-            self.arb.scheduler.settle(retry)
+            self.arbitration.scheduler.settle(retry)
 
     def _refused(self, tenant: Tenant, admitted: Admitted, need: Need, trigger: str) -> Response:
         """The answer to a request the queue did not admit: 503 past the queue timeout (recorded as a
         rejection here: the scheduler only ended its wait), else 507."""
         if admitted.outcome == "timeout":
-            self.arb.decisions.emit(Rejected(tenant=tenant.name, trigger=trigger, plan=admitted.handoff.plan, status=503,
+            self.arbitration.decisions.emit(Rejected(tenant=tenant.name, trigger=trigger, plan=admitted.handoff.plan, status=503,
                                              reason=admitted.reason))
-            return refusals.queue_timeout(tenant, admitted, self.arb.registry.config.proxy.queue_timeout_s).response()
+            return refusals.queue_timeout(tenant, admitted, self.arbitration.registry.config.proxy.queue_timeout_s).response()
         return refusals.not_enough_memory(tenant, admitted.handoff, need.bytes).response()
 
     async def _begin_load(self, tenant: Tenant, need: Need, body: bytes, story: int | None) -> Load | None:
@@ -392,15 +393,15 @@ class GpuGate:
         one record: None)."""
         if need.model is None:
             return None
-        card = self.arb.scheduler.card
-        return await self.arb.loads.begin(tenant.name, need.model, need.key, need.bytes, body, story,
+        card = self.arbitration.scheduler.card
+        return await self.arbitration.loads.begin(tenant.name, need.model, need.key, need.bytes, body, story,
                                           card.held_by(tenant.name) if card is not None else None)
 
     def _trace_admission(self, trace: tracing.Trace | None, tenant: Tenant, need: Need, handoff: Handoff,
                          arrived_wall: float, loads: bool) -> None:
         if trace is None:
             return
-        record_wait(trace, self.arb.decisions, handoff, arrived_wall, self.arb.clock.wall())
+        record_wait(trace, self.arbitration.decisions, handoff, arrived_wall, self.arbitration.clock.wall())
         if loads:
             trace.say(f"loading {need.model} ({gib(need.bytes)} GiB)")
             trace.loading = partial(self._load_figure, tenant, need)
@@ -418,7 +419,7 @@ class GpuGate:
         """Once, when the retry's result is known: a fact of the decision the retry got from the queue
         (the handoff that made room for it, or its 507), if it got one."""
         started = handoff.decision if handoff is not None else None
-        self.arb.decisions.emit(OomRetry(tenant=tenant.name, trigger="OOM answer", result=result,
+        self.arbitration.decisions.emit(OomRetry(tenant=tenant.name, trigger="OOM answer", result=result,
                                          handoff_id=started.id if started is not None else None,
                                          prompt_id=prompt_id, requeued_as=requeued_as))
 

@@ -25,8 +25,8 @@ from starlette.responses import JSONResponse
 
 from proxy.config.schema import Tenant
 from proxy.errors import HyperSwapError
-from proxy.handoff import devices
-from proxy.handoff.arbiter import gib
+from proxy.handoff import per_card
+from proxy.handoff.plan import gib
 from proxy.handoff.scheduler import Admitted, Handoff
 
 JSON = dict[str, Any]
@@ -189,7 +189,7 @@ def blockers_json(handoff: Handoff) -> list[JSON]:
 
 def _memory_fix(handoff: Handoff) -> str:
     reasons = {b.reason for b in handoff.plan.blockers}
-    device = devices.device(handoff.snapshot, handoff.plan.device) if handoff.snapshot else None
+    device = per_card.device(handoff.snapshot, handoff.plan.device) if handoff.snapshot else None
     if device is not None and device.total_bytes and handoff.plan.need_bytes > device.total_bytes - device.reserved_bytes:
         return "use a smaller model or quantisation: no release on this card can free that much"
     fixes = []
@@ -208,7 +208,7 @@ def not_enough_memory(tenant: Tenant, handoff: Handoff, need_bytes: int) -> NotE
     plan = handoff.plan
     card: JSON = {}
     if plan.device is not None and handoff.snapshot is not None:  # a host with several cards: which one
-        dev = devices.device(handoff.snapshot, plan.device)
+        dev = per_card.device(handoff.snapshot, plan.device)
         card["device"] = PlanDevice(index=dev.index, name=dev.name, uuid=dev.uuid)
     return NotEnoughMemory(error=f"not enough GPU memory for {tenant.name}: {plan.explanation}", tenant=tenant.name,
                            need_gb=gib(need_bytes), available_gb=gib(plan.reachable_bytes),

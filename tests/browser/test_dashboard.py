@@ -19,8 +19,8 @@ from proxy.clock import Clock
 from proxy.config.units import GIB
 from proxy.demo import Demo, comfy_prompt, run_prompt
 from proxy.gpu.snapshot import GpuReadError
-from proxy.handoff.arbiter import Blocker, Plan
 from proxy.handoff.decisions import OomRetry, Rejected
+from proxy.handoff.plan import Blocker, Plan
 from proxy.sim.box import fast_scenario as fast
 from proxy.tasks import poll_until
 

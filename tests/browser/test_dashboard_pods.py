@@ -30,9 +30,9 @@ class WithPods:
 
 async def test_tenant_cards_name_their_pods(box: DemoFactory, dashboard: OpenDashboard) -> None:
     demo = await box("default")
-    arb = demo.proxy.arbitration  # type: ignore[union-attr]
-    arb.reader = WithPods(arb.reader)
-    snap = await arb.snapshot()
+    arbitration = demo.proxy.arbitration  # type: ignore[union-attr]
+    arbitration.reader = WithPods(arbitration.reader)
+    snap = await arbitration.snapshot()
     owners = {p.tenant: p.process.pid for p in snap.processes if p.tenant != "unmanaged"}
     assert owners, "the default scenario starts with GPU processes of some tenant"
     page, console = await dashboard(demo)

@@ -15,8 +15,8 @@ from proxy.clock import ManualClock
 from proxy.config.units import GIB
 from proxy.demo import comfy_prompt, run_prompt
 from proxy.gpu.snapshot import GpuReadError
-from proxy.handoff.arbiter import Plan
 from proxy.handoff.decisions import DecisionView
+from proxy.handoff.plan import Plan
 from proxy.handoff.scheduler import Handoff
 from proxy.tasks import poll_until
 
@@ -221,16 +221,16 @@ async def test_client_leaving_during_a_release_lets_the_release_finish_and_holds
     leaving.cancel()
     with pytest.raises(asyncio.CancelledError):
         await leaving
-    arb = demo.proxy.arbitration
+    arbitration = demo.proxy.arbitration
     def now() -> DecisionView:  # a view is never changed: its later facts come as a new one
         view = demo.proxy.decisions.view(plan.id)
         assert view is not None
         return view
     async with asyncio.timeout(5):  # the release's own end: no event to wait on from here
-        await poll_until(lambda: "releases" in now().outcome and not arb.scheduler.reservations.tenants()
-                         and not arb.scheduler.releasing, 0.01)
+        await poll_until(lambda: "releases" in now().outcome and not arbitration.scheduler.reservations.tenants()
+                         and not arbitration.scheduler.releasing, 0.01)
     assert now().outcome["releases"][0]["confirmed"] is True, "the release runs to its end and is recorded"
-    assert not arb.scheduler.reservations.tenants() and not arb.scheduler.releasing, \
+    assert not arbitration.scheduler.reservations.tenants() and not arbitration.scheduler.releasing, \
         "a departed request holds no memory and no release"
     assert demo.proxy.inflight.traffic("ollama").in_flight == 0
     again = await generate(http, demo, "gemma3:27b")

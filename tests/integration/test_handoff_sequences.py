@@ -109,16 +109,16 @@ async def test_two_clients_alternating_do_not_swap_the_card_when_both_fit(box: D
 async def test_a_request_for_a_model_already_on_the_card_skips_the_gpu_read(
         box: DemoFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     demo = await box("default")
-    arb = demo.proxy.arbitration  # type: ignore[union-attr]
+    arbitration = demo.proxy.arbitration  # type: ignore[union-attr]
     assert (await chat(demo, "llama3.2:3b")).message.content
     reads = 0
-    snapshot = arb.snapshot
+    snapshot = arbitration.snapshot
 
     async def counting() -> Any:
         nonlocal reads
         reads += 1
         return await snapshot()
-    monkeypatch.setattr(arb, "snapshot", counting)
+    monkeypatch.setattr(arbitration, "snapshot", counting)
     for _ in range(3):
         assert (await chat(demo, "llama3.2:3b")).message.content
     assert reads == 0, "a resident model needs no plan"

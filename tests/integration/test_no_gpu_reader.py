@@ -350,14 +350,14 @@ async def test_a_reader_that_breaks_later_keeps_the_cards_measured_size(box: Dem
     data = fast("default").model_dump()
     data.update(comfyui=None, tenants={"comfyui": None})  # no engine left that reports the card
     demo = await box(Scenario.model_validate(data))
-    arb = demo.proxy.arbitration  # type: ignore[union-attr]
-    measured = (await arb.snapshot()).snapshot.device.total_bytes
+    arbitration = demo.proxy.arbitration  # type: ignore[union-attr]
+    measured = (await arbitration.snapshot()).snapshot.device.total_bytes
 
     class Broken:
         def read(self) -> Any:
             raise GpuReadError("driver_mismatch", "Driver/library version mismatch", "reboot")
 
-    arb.reader = Broken()
+    arbitration.reader = Broken()
     for _ in range(3):
-        snap = await arb.snapshot()
+        snap = await arbitration.snapshot()
         assert snap.estimated and snap.snapshot.device.total_bytes == measured

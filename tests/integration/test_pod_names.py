@@ -26,9 +26,9 @@ class WithPods:
 
 async def test_stats_and_tenant_views_name_the_pod(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("default")
-    arb = demo.proxy.arbitration
-    arb.reader = WithPods(arb.reader)
-    await arb.snapshot()
+    arbitration = demo.proxy.arbitration
+    arbitration.reader = WithPods(arbitration.reader)
+    await arbitration.snapshot()
     admin = demo.proxy.url("admin")
     stats = (await http.get(admin + "/api/stats")).json()
     assert stats["processes"], "the default scenario has GPU processes"

@@ -11,7 +11,7 @@ from proxy.config.registry import Registry
 from proxy.config.units import GIB
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot
-from proxy.handoff.arbiter import TenantState
+from proxy.handoff.plan import TenantState
 
 MIB = 2**20
 TOTAL = 24 * GIB

@@ -205,12 +205,12 @@ async def test_the_proxys_snapshot_attributes_by_port_and_carries_the_notes(fp: 
     nvml = FakeNvml()
     nvml.compute = [entry(801, 3 * 2**30)]
     clock = ManualClock(start=50.0)
-    arb = Arbitration(reg, NvmlReader(nvml=nvml, proc_root=fp.root, clock=clock, clk_tck=CLK_TCK),  # type: ignore[arg-type]
+    arbitration = Arbitration(reg, NvmlReader(nvml=nvml, proc_root=fp.root, clock=clock, clk_tck=CLK_TCK),  # type: ignore[arg-type]
                       InFlight(clock), clock, DecisionLog(clock))
     try:
-        snap = await arb.snapshot()
+        snap = await arbitration.snapshot()
     finally:
-        await arb.aclose()
+        await arbitration.aclose()
     assert [(p.tenant, p.by) for p in snap.processes] == [("ollama", "port")]
     assert snap.held_by("ollama") == 3 * 2**30
     assert any("comfyui" in n and "not this machine" in n for n in snap.snapshot.notes), snap.snapshot.notes

@@ -121,23 +121,24 @@ async def test_the_scheduler_judges_a_cpu_engine_by_its_queue_and_ends_jobs_of_a
 
     clock = ManualClock()
     inflight = InFlight(clock)
-    arb = Arbitration(REG, SimulatedGpu(), inflight, clock, DecisionLog(clock))
+    arbitration = Arbitration(REG, SimulatedGpu(), inflight, clock, DecisionLog(clock))
     try:
         inflight.track_job("comfyui", "p1")
         await clock.advance(JOB_LOAD_GRACE_S + 13.7)
-        arb.scheduler.queue_read("comfyui", clock.now(), ("p1",))  # ComfyUI's /queue lists the prompt running
-        snap = await arb.snapshot()
-        assert not arb.scheduler.states(snap)["comfyui"].busy, "on the card, a prompt holding nothing past the grace is stale"
-        arb.scheduler.on_cpu("comfyui", True)
-        assert arb.scheduler.states(snap)["comfyui"].busy, "a --cpu ComfyUI's running prompt is reported idle at 43.7 s"
-        arb.scheduler.queue_read("comfyui", clock.now(), None)  # the engine stops answering
+        arbitration.scheduler.queue_read("comfyui", clock.now(), ("p1",))  # ComfyUI's /queue lists the prompt running
+        snap = await arbitration.snapshot()
+        assert not arbitration.scheduler.states(snap)["comfyui"].busy, \
+            "on the card, a prompt holding nothing past the grace is stale"
+        arbitration.scheduler.on_cpu("comfyui", True)
+        assert arbitration.scheduler.states(snap)["comfyui"].busy, "a --cpu ComfyUI's running prompt is reported idle at 43.7 s"
+        arbitration.scheduler.queue_read("comfyui", clock.now(), None)  # the engine stops answering
         await clock.advance(REG.config.proxy.job_lost_after_s - 1)
-        assert arb.scheduler.states(snap)["comfyui"].busy, "an outage shorter than job_lost_after_s keeps the job busy"
+        assert arbitration.scheduler.states(snap)["comfyui"].busy, "an outage shorter than job_lost_after_s keeps the job busy"
         await clock.advance(1)
-        state = arb.scheduler.states(snap)["comfyui"]
+        state = arbitration.scheduler.states(snap)["comfyui"]
         assert not state.busy and state.stale_why == "unreachable" and state.stale_jobs == ("p1",)
     finally:
-        await arb.aclose()
+        await arbitration.aclose()
 
 
 async def test_the_watchdog_ends_the_jobs_of_an_engine_silent_past_job_lost_after_s() -> None:
@@ -157,19 +158,19 @@ async def test_the_watchdog_ends_the_jobs_of_an_engine_silent_past_job_lost_afte
     clock = ManualClock()
     inflight = InFlight(clock)
     log = DecisionLog(clock)
-    arb = Arbitration(reg, SimulatedGpu(), inflight, clock, log)
+    arbitration = Arbitration(reg, SimulatedGpu(), inflight, clock, log)
     try:
         inflight.track_job("comfyui", "p1")
-        await Watchdog(arb).tick()  # the first failed read: silent since now
+        await Watchdog(arbitration).tick()  # the first failed read: silent since now
         assert inflight.jobs("comfyui") == ("p1",)
         await clock.advance(60)
-        report = await Watchdog(arb).tick()
+        report = await Watchdog(arbitration).tick()
         assert inflight.jobs("comfyui") == (), "a job lost with an engine that never comes back is never ended"
         (lost,) = [d for d in log.recent() if d.kind == "stale_job"]
         assert lost.outcome["job_id"] == "p1" and "job_lost_after_s" in lost.outcome["reason"]
         assert any("p1 ended" in a for a in report.actions)
     finally:
-        await arb.aclose()
+        await arbitration.aclose()
 
 
 def test_an_open_connection_keeps_a_tenant_released_by_stopping_busy_but_not_one_released_by_a_call() -> None:

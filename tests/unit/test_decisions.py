@@ -11,10 +11,9 @@ import pytest
 from proxy.admin import views
 from proxy.clock import ManualClock
 from proxy.config.units import GIB
-from proxy.decision import DecisionEvent, RequestTrigger
+from proxy.decision_base import DecisionEvent, RequestTrigger
 from proxy.gpu.keeper import GpuApplyFinished, GpuApplyStarted, GpuDrift
 from proxy.gpu.profile import FieldCheck
-from proxy.handoff.arbiter import Blocker, Plan, Release
 from proxy.handoff.decisions import (
     DecisionLog,
     FirstByte,
@@ -34,6 +33,7 @@ from proxy.handoff.decisions import (
     StaleJob,
     WaitChanged,
 )
+from proxy.handoff.plan import Blocker, Plan, Release
 from proxy.models.loads import LoadRecord
 
 RELEASE = Release("comfyui", 7 * GIB, (4242,), "idle")

@@ -15,9 +15,9 @@ from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
 from proxy.gpu.devices import Placement
 from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot
 from proxy.gpu.visibility import device_json, devices_json, tenant_devices_json
-from proxy.handoff.arbiter import plan_release
-from proxy.handoff.devices import candidates, free_for, plan_on_devices, schedule_on_devices
 from proxy.handoff.orders import release_whole
+from proxy.handoff.per_card import candidates, free_for, plan_on_devices, schedule_on_devices
+from proxy.handoff.plan import plan_release
 from proxy.handoff.queue_rules import schedule
 
 SIZES = {0: 24 * GIB, 1: 16 * GIB}

@@ -17,7 +17,7 @@ from test_imports import ROOT, Edge, import_edges, modules
 # First to last. A module belongs to the first layer with a prefix that is its name or a package of it.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core", ("proxy.config", "proxy.errors", "proxy.clock", "proxy.tasks", "proxy.tls", "proxy.hosts",
-              "proxy.decision", "proxy.encoding")),
+              "proxy.decision_base", "proxy.encoding")),
     ("gpu", ("proxy.gpu",)),
     # lifecycle: how an engine is started and stopped; config.loading validates the whole schema, whose
     # `release` is the union of the release kinds engines and lifecycle define (engines/release_kinds.py)

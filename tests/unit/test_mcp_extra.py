@@ -12,7 +12,7 @@ import pytest
 from starlette.applications import Starlette
 
 from proxy.admin.mcp_extra import McpMissing, load_mcp_tools, mcp_extension
-from proxy.admin.view import ProxyView
+from proxy.admin.proxy_view import ProxyView
 from proxy.cli import main
 from proxy.errors import McpNotInstalled
 

@@ -8,7 +8,7 @@ import pytest
 from starlette.routing import BaseRoute
 
 from proxy.admin.health import HealthExtension, TelemetryReadings
-from proxy.admin.view import ProxyView
+from proxy.admin.proxy_view import ProxyView
 from proxy.config.loading import registry_from_dict
 from proxy.service import Proxy
 from proxy.sim.gpu import SimulatedGpu

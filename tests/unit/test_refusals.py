@@ -13,7 +13,7 @@ from proxy.config.loading import registry_from_dict
 from proxy.config.schema import Tenant
 from proxy.config.units import GIB
 from proxy.errors import HyperSwapError
-from proxy.handoff.arbiter import Blocker, Plan, Release
+from proxy.handoff.plan import Blocker, Plan, Release
 from proxy.handoff.scheduler import Admitted, Handoff
 from proxy.lifecycle.controller import LifecycleError
 from proxy.relay import refusals

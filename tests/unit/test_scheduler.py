@@ -18,11 +18,11 @@ from proxy.clock import ManualClock, until_all_wait
 from proxy.config.registry import Registry
 from proxy.config.units import GIB
 from proxy.gpu.attribution import AttributedSnapshot
-from proxy.handoff.arbiter import Plan, TenantState
 from proxy.handoff.decisions import DecisionLog, HandoffStarted, Queued, QueueEnded, ReleaseResult
 from proxy.handoff.hold import HOLD_SHARE, RELOAD_BYTES_PER_S, SwapHold
 from proxy.handoff.inflight import InFlight, Token
 from proxy.handoff.orders import Released, ReleaseOrder, release_whole
+from proxy.handoff.plan import Plan, TenantState
 from proxy.handoff.queue_rules import Releasing, Waiter, queue_order, schedule
 from proxy.handoff.scheduler import Admitted, Scheduler
 
@@ -169,21 +169,21 @@ class Recorder:
         self.log.append(("prepare_load", tenant, model))
 
 
-def scheduler(fx: Recorder) -> Scheduler:
+def scheduler(effects: Recorder) -> Scheduler:
     """The scheduler over the recorder, with its promises and admissions written to the log too."""
-    queue = Scheduler(fx, fx.inflight)
-    reserve, admit = queue.reservations.reserve, fx.inflight.admit
+    queue = Scheduler(effects, effects.inflight)
+    reserve, admit = queue.reservations.reserve, effects.inflight.admit
 
     def reserving(key: str, plan: Plan) -> None:
-        fx.log.append(("reserve", key))
+        effects.log.append(("reserve", key))
         reserve(key, plan)
 
     def admitting(work: Token) -> None:
-        fx.log.append(("work", work.tenant, work.serial))
+        effects.log.append(("work", work.tenant, work.serial))
         admit(work)
 
     queue.reservations.reserve = reserving  # type: ignore[method-assign]
-    fx.inflight.admit = admitting  # type: ignore[method-assign]
+    effects.inflight.admit = admitting  # type: ignore[method-assign]
     return queue
 
 
@@ -199,37 +199,37 @@ def recorder(clock: ManualClock, **proxy: Any) -> Recorder:
 
 
 async def test_a_waiter_is_admitted_the_moment_its_blocker_goes_idle_without_polling(clock: ManualClock) -> None:
-    fx = recorder(clock)
-    fx.states = busy(idle(), "comfyui", "1 running job(s)")
-    queue = scheduler(fx)
-    chat = asyncio.ensure_future(queue.request(fx.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request"))
+    effects = recorder(clock)
+    effects.states = busy(idle(), "comfyui", "1 running job(s)")
+    queue = scheduler(effects)
+    chat = asyncio.ensure_future(queue.request(effects.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request"))
     await until_all_wait()
-    assert not chat.done() and fx.log == [("read",)]
+    assert not chat.done() and effects.log == [("read",)]
     (w,) = queue.waiting()
     assert w["waiting_for"] == ["comfyui"] and w["reason"] == "queued behind comfyui (1 running job(s))"
-    (queued,) = [e for e in fx.decisions.events() if isinstance(e, Queued)]
-    assert queued.plan.wait_for == ("comfyui",) and fx.decisions.recent()[-1].outcome["waiting_for"] == ["comfyui"]
+    (queued,) = [e for e in effects.decisions.events() if isinstance(e, Queued)]
+    assert queued.plan.wait_for == ("comfyui",) and effects.decisions.recent()[-1].outcome["waiting_for"] == ["comfyui"]
 
-    fx.states = idle("comfyui")  # the prompt's end marker passed through
+    effects.states = idle("comfyui")  # the prompt's end marker passed through
     queue.kick()
     admitted = await asyncio.wait_for(chat, 1)
 
     assert admitted.outcome == "run" and clock.now() == 100.0, "woken by the event, not by a timer"
-    assert fx.log == [("read",), ("read",), ("release", ("comfyui",)), ("reserve", "ollama:gemma")]
+    assert effects.log == [("read",), ("read",), ("release", ("comfyui",)), ("reserve", "ollama:gemma")]
     assert admitted.handoff.decision is not None
-    (ended,) = [e for e in fx.decisions.events() if isinstance(e, QueueEnded)]
+    (ended,) = [e for e in effects.decisions.events() if isinstance(e, QueueEnded)]
     assert ended.refers_to == queued.id and ended.result == "admitted" and ended.ended_by == admitted.handoff.decision.id
     assert not queue.waiting() and ended.waited_s == 0.0
-    view = fx.decisions.view(queued.id)
+    view = effects.decisions.view(queued.id)
     assert view is not None and view.outcome["result"] == "admitted", "the queued entry shows how its wait ended"
     assert view.outcome["ended_by"] == admitted.handoff.decision.id and view.outcome["waited_s"] == 0.0
 
 
 async def test_the_wait_ends_with_a_timeout_naming_what_it_waited_for(clock: ManualClock) -> None:
-    fx = recorder(clock)
-    fx.states = busy(idle(), "comfyui", "1 running job(s)")
-    queue = scheduler(fx)
-    chat = asyncio.ensure_future(queue.request(fx.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request"))
+    effects = recorder(clock)
+    effects.states = busy(idle(), "comfyui", "1 running job(s)")
+    queue = scheduler(effects)
+    chat = asyncio.ensure_future(queue.request(effects.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request"))
     await until_all_wait()
     await clock.advance(29.0)  # the queue's replan sleeps wake, one second apart, along the way
     assert not chat.done(), "still inside proxy.queue_timeout_s"
@@ -237,20 +237,20 @@ async def test_the_wait_ends_with_a_timeout_naming_what_it_waited_for(clock: Man
     admitted: Admitted = await asyncio.wait_for(chat, 1)
     assert admitted.outcome == "timeout" and admitted.handoff.waited_s == 30.0
     assert "queued behind comfyui" in admitted.reason and admitted.handoff.plan.wait_for == ("comfyui",)
-    assert ("reserve", "ollama:gemma") not in fx.log and not any(e[0] == "release" for e in fx.log)
-    assert fx.decisions.recent()[-1].outcome["result"] == "timed out (503)"
-    assert [e.result for e in fx.decisions.events() if isinstance(e, QueueEnded)] == ["timed out (503)"]
+    assert ("reserve", "ollama:gemma") not in effects.log and not any(e[0] == "release" for e in effects.log)
+    assert effects.decisions.recent()[-1].outcome["result"] == "timed out (503)"
+    assert [e.result for e in effects.decisions.events() if isinstance(e, QueueEnded)] == ["timed out (503)"]
 
 
 async def test_a_client_leaving_the_queue_takes_nothing_and_lets_the_next_one_run(clock: ManualClock) -> None:
-    fx = recorder(clock)
-    fx.procs = [("comfyui", 2, 7 * GIB)]
-    fx.free = 4 * GIB
-    fx.states = busy(idle(), "comfyui")
-    queue = scheduler(fx)
-    first = asyncio.ensure_future(queue.request(fx.registry.get("ollama"), "ollama:big", 9 * GIB, "request"))
+    effects = recorder(clock)
+    effects.procs = [("comfyui", 2, 7 * GIB)]
+    effects.free = 4 * GIB
+    effects.states = busy(idle(), "comfyui")
+    queue = scheduler(effects)
+    first = asyncio.ensure_future(queue.request(effects.registry.get("ollama"), "ollama:big", 9 * GIB, "request"))
     await until_all_wait()
-    second = asyncio.ensure_future(queue.request(fx.registry.get("stt"), "stt:m", 3 * GIB, "request"))
+    second = asyncio.ensure_future(queue.request(effects.registry.get("stt"), "stt:m", 3 * GIB, "request"))
     await until_all_wait()
     assert [w["tenant"] for w in queue.waiting()] == ["ollama", "stt"]
     assert not second.done(), "stt's 3 GiB would fit, but ollama ahead counts on that memory"
@@ -259,38 +259,38 @@ async def test_a_client_leaving_the_queue_takes_nothing_and_lets_the_next_one_ru
     with pytest.raises(asyncio.CancelledError):
         await first
     admitted = await asyncio.wait_for(second, 1)
-    assert admitted.outcome == "run" and fx.log[-1] == ("reserve", "stt:m")
-    assert ("reserve", "ollama:big") not in fx.log
-    left = [d for d in fx.decisions.recent() if d.kind == "queued" and d.tenant == "ollama"]
+    assert admitted.outcome == "run" and effects.log[-1] == ("reserve", "stt:m")
+    assert ("reserve", "ollama:big") not in effects.log
+    left = [d for d in effects.decisions.recent() if d.kind == "queued" and d.tenant == "ollama"]
     assert left[-1].outcome["result"] == "client left while waiting"
 
 
 async def test_an_impossible_need_is_refused_at_once_and_logged(clock: ManualClock) -> None:
-    fx = recorder(clock)
-    queue = scheduler(fx)
-    admitted = await asyncio.wait_for(queue.request(fx.registry.get("ollama"), "ollama:huge", 40 * GIB, "request"), 1)
+    effects = recorder(clock)
+    queue = scheduler(effects)
+    admitted = await asyncio.wait_for(queue.request(effects.registry.get("ollama"), "ollama:huge", 40 * GIB, "request"), 1)
     assert admitted.outcome == "refuse" and "too large for this card" in admitted.reason
-    assert fx.decisions.recent()[-1].kind == "rejection" and fx.log == [("read",)]
+    assert effects.decisions.recent()[-1].kind == "rejection" and effects.log == [("read",)]
 
 
 async def test_concurrent_requests_for_one_load_share_one_release(clock: ManualClock) -> None:
-    fx = recorder(clock)
-    queue = scheduler(fx)
-    ollama = fx.registry.get("ollama")
+    effects = recorder(clock)
+    queue = scheduler(effects)
+    ollama = effects.registry.get("ollama")
     results = await asyncio.wait_for(asyncio.gather(
         *(queue.request(ollama, "ollama:gemma", 16 * GIB, "request") for _ in range(3))), 1)
     assert [a.outcome for a in results] == ["run"] * 3
-    assert [e for e in fx.log if e[0] == "release"] == [("release", ("comfyui",))]
-    assert [e for e in fx.log if e[0] == "reserve"] == [("reserve", "ollama:gemma")] * 3
+    assert [e for e in effects.log if e[0] == "release"] == [("release", ("comfyui",))]
+    assert [e for e in effects.log if e[0] == "reserve"] == [("reserve", "ollama:gemma")] * 3
 
 
 async def test_a_lower_priority_waiter_gets_its_turn_after_starvation_after_s(clock: ManualClock) -> None:
-    fx = recorder(clock, starvation_after_s=10.0, queue_timeout_s=100.0)
-    fx.procs = [("ollama", 1, 16 * GIB)]
-    fx.free = 7 * GIB
-    fx.states = busy(idle(), "ollama", "1 GPU request(s) in flight")
-    queue = scheduler(fx)
-    ollama, comfy = fx.registry.get("ollama"), fx.registry.get("comfyui")
+    effects = recorder(clock, starvation_after_s=10.0, queue_timeout_s=100.0)
+    effects.procs = [("ollama", 1, 16 * GIB)]
+    effects.free = 7 * GIB
+    effects.states = busy(idle(), "ollama", "1 GPU request(s) in flight")
+    queue = scheduler(effects)
+    ollama, comfy = effects.registry.get("ollama"), effects.registry.get("comfyui")
     prompt = asyncio.ensure_future(queue.request(comfy, "comfyui", 10 * GIB, "request"))
     await until_all_wait()
     chat = await asyncio.wait_for(queue.request(ollama, "ollama:m", 16 * GIB, "request"), 1)
@@ -300,43 +300,43 @@ async def test_a_lower_priority_waiter_gets_its_turn_after_starvation_after_s(cl
     await until_all_wait()
     assert not late_chat.done(), "once the prompt has waited 10 s, ollama starts nothing new ahead of it"
     assert queue.waiting()[1]["behind"] == queue.waiting()[0]["id"]
-    fx.states = idle("ollama")  # ollama's last generation ends
+    effects.states = idle("ollama")  # ollama's last generation ends
     queue.kick()
     assert (await asyncio.wait_for(prompt, 1)).outcome == "run"
-    assert [e for e in fx.log if e[0] == "release"] == [("release", ("ollama",))]
+    assert [e for e in effects.log if e[0] == "release"] == [("release", ("ollama",))]
     await queue.aclose()
     late_chat.cancel()
 
 
 async def test_the_next_models_files_are_warmed_before_the_release_runs_not_after(clock: ManualClock) -> None:
-    fx = recorder(clock)
-    queue = scheduler(fx)
-    admitted = await asyncio.wait_for(queue.request(fx.registry.get("ollama"), "ollama:gemma3:27b", 16 * GIB,
+    effects = recorder(clock)
+    queue = scheduler(effects)
+    admitted = await asyncio.wait_for(queue.request(effects.registry.get("ollama"), "ollama:gemma3:27b", 16 * GIB,
                                                     "request", model="gemma3:27b"), 1)
     assert admitted.outcome == "run"
-    assert fx.log[1:] == [("prepare_load", "ollama", "gemma3:27b"), ("release", ("comfyui",)),
+    assert effects.log[1:] == [("prepare_load", "ollama", "gemma3:27b"), ("release", ("comfyui",)),
                           ("reserve", "ollama:gemma3:27b")], "the disk read must overlap the release"
 
 
 async def test_a_load_waiting_for_a_busy_tenant_warms_its_files_while_it_waits(clock: ManualClock) -> None:
-    fx = recorder(clock)
-    fx.states = busy(idle(), "comfyui", "1 running job(s)")
-    queue = scheduler(fx)
-    chat = asyncio.ensure_future(queue.request(fx.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request",
+    effects = recorder(clock)
+    effects.states = busy(idle(), "comfyui", "1 running job(s)")
+    queue = scheduler(effects)
+    chat = asyncio.ensure_future(queue.request(effects.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request",
                                                model="gemma"))
     await until_all_wait()
-    assert not chat.done() and fx.log == [("read",), ("prepare_load", "ollama", "gemma")]
-    fx.states = idle()
+    assert not chat.done() and effects.log == [("read",), ("prepare_load", "ollama", "gemma")]
+    effects.states = idle()
     queue.kick()
     await asyncio.wait_for(chat, 1)
-    assert fx.log.count(("prepare_load", "ollama", "gemma")) == 2, "asked once while waiting, once before releasing"
+    assert effects.log.count(("prepare_load", "ollama", "gemma")) == 2, "asked once while waiting, once before releasing"
 
 
 async def test_a_load_that_names_no_model_warms_nothing(clock: ManualClock) -> None:
-    fx = recorder(clock)
-    queue = scheduler(fx)
-    await asyncio.wait_for(queue.request(fx.registry.get("ollama"), "ollama", 16 * GIB, "request"), 1)
-    assert not any(e[0] == "prepare_load" for e in fx.log)
+    effects = recorder(clock)
+    queue = scheduler(effects)
+    await asyncio.wait_for(queue.request(effects.registry.get("ollama"), "ollama", 16 * GIB, "request"), 1)
+    assert not any(e[0] == "prepare_load" for e in effects.log)
 
 
 # -- the queue never awaits an effect ---------------------------------------------------------------
@@ -361,30 +361,30 @@ def gated(clock: ManualClock) -> GatedRecorder:
 
 
 async def test_a_request_for_a_resident_model_is_admitted_during_another_tenants_release(clock: ManualClock) -> None:
-    fx = gated(clock)
-    queue = scheduler(fx)
-    stt = asyncio.ensure_future(queue.request(fx.registry.get("stt"), "stt:m", 4 * GIB, "request"))
+    effects = gated(clock)
+    queue = scheduler(effects)
+    stt = asyncio.ensure_future(queue.request(effects.registry.get("stt"), "stt:m", 4 * GIB, "request"))
     await until_all_wait()
-    assert ("release started", ("comfyui",)) in fx.log and not stt.done()
-    chat = asyncio.ensure_future(queue.request(fx.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request"))
+    assert ("release started", ("comfyui",)) in effects.log and not stt.done()
+    chat = asyncio.ensure_future(queue.request(effects.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request"))
     await until_all_wait()
     assert chat.done(), "a chat for a model already on the card waited for comfyui's release to end"
     assert chat.result().outcome == "run" and not stt.done()
-    fx.gate.set()
+    effects.gate.set()
     admitted = await asyncio.wait_for(stt, 1)
     assert admitted.outcome == "run" and [r.tenant for r in admitted.handoff.releases] == ["comfyui"]
     await queue.aclose()
 
 
 async def test_an_admin_release_wakes_a_waiter_at_once(clock: ManualClock) -> None:
-    fx = recorder(clock)
-    fx.states = busy(idle(), "comfyui", "1 running job(s)")
-    queue = scheduler(fx)
-    chat = asyncio.ensure_future(queue.request(fx.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request"))
+    effects = recorder(clock)
+    effects.states = busy(idle(), "comfyui", "1 running job(s)")
+    queue = scheduler(effects)
+    chat = asyncio.ensure_future(queue.request(effects.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request"))
     await until_all_wait()
     assert not chat.done()
-    fx.states = idle("comfyui")  # its prompt ended, but nothing told the queue (no kick)
-    order = release_whole(snap(fx.procs, free=fx.free), fx.registry.get("comfyui"), "admin", "release", "admin")
+    effects.states = idle("comfyui")  # its prompt ended, but nothing told the queue (no kick)
+    order = release_whole(snap(effects.procs, free=effects.free), effects.registry.get("comfyui"), "admin", "release", "admin")
     released = await asyncio.wait_for(queue.release(order), 1)
     assert released.ok
     admitted = await asyncio.wait_for(chat, 1)
@@ -393,35 +393,35 @@ async def test_an_admin_release_wakes_a_waiter_at_once(clock: ManualClock) -> No
 
 
 async def test_new_work_of_a_tenant_being_released_waits_for_the_release_to_end(clock: ManualClock) -> None:
-    fx = gated(clock)
-    queue = scheduler(fx)
-    stt = asyncio.ensure_future(queue.request(fx.registry.get("stt"), "stt:m", 4 * GIB, "request"))
+    effects = gated(clock)
+    queue = scheduler(effects)
+    stt = asyncio.ensure_future(queue.request(effects.registry.get("stt"), "stt:m", 4 * GIB, "request"))
     await until_all_wait()
-    prompt = asyncio.ensure_future(queue.request(fx.registry.get("comfyui"), "comfyui", 1 * GIB, "request"))
+    prompt = asyncio.ensure_future(queue.request(effects.registry.get("comfyui"), "comfyui", 1 * GIB, "request"))
     await until_all_wait()
     assert not prompt.done(), "a prompt would load comfyui's models again under its own release"
     (mine,) = [w for w in queue.waiting() if w["tenant"] == "comfyui"]
     assert mine["reason"] == "queued behind the release of comfyui in progress"
     (theirs,) = [w for w in queue.waiting() if w["tenant"] == "stt"]
     assert theirs["reason"] == "releasing comfyui for it" and mine["behind"] == theirs["id"]
-    fx.gate.set()
+    effects.gate.set()
     assert (await asyncio.wait_for(stt, 1)).outcome == "run"
     assert (await asyncio.wait_for(prompt, 1)).outcome == "run"
-    assert [e for e in fx.log if e[0] == "release"] == [("release", ("comfyui",))]
+    assert [e for e in effects.log if e[0] == "release"] == [("release", ("comfyui",))]
 
 
 async def test_one_release_at_a_time_the_same_load_joins_it_another_waits(clock: ManualClock) -> None:
-    fx = gated(clock)
-    fx.procs = [("ollama", 1, 10 * GIB), ("comfyui", 2, 5 * GIB)]
-    queue = scheduler(fx)
-    first = asyncio.ensure_future(queue.request(fx.registry.get("stt"), "stt:m", 4 * GIB, "request"))
+    effects = gated(clock)
+    effects.procs = [("ollama", 1, 10 * GIB), ("comfyui", 2, 5 * GIB)]
+    queue = scheduler(effects)
+    first = asyncio.ensure_future(queue.request(effects.registry.get("stt"), "stt:m", 4 * GIB, "request"))
     await until_all_wait()
-    second = asyncio.ensure_future(queue.request(fx.registry.get("stt"), "stt:m", 4 * GIB, "request"))
-    other = asyncio.ensure_future(queue.request(fx.registry.get("comfyui"), "comfyui:x", 12 * GIB, "request"))
+    second = asyncio.ensure_future(queue.request(effects.registry.get("stt"), "stt:m", 4 * GIB, "request"))
+    other = asyncio.ensure_future(queue.request(effects.registry.get("comfyui"), "comfyui:x", 12 * GIB, "request"))
     await until_all_wait()
-    assert [e for e in fx.log if e[0] == "release started"] == [("release started", ("comfyui",))]
+    assert [e for e in effects.log if e[0] == "release started"] == [("release started", ("comfyui",))]
     assert not (first.done() or second.done() or other.done())
-    fx.gate.set()
+    effects.gate.set()
     a, b = await asyncio.wait_for(asyncio.gather(first, second), 1)
     assert a.handoff.decision is b.handoff.decision, "the same load shares one handoff"
     await queue.aclose()
@@ -429,17 +429,17 @@ async def test_one_release_at_a_time_the_same_load_joins_it_another_waits(clock:
 
 
 async def test_a_release_whose_tenant_had_work_again_admits_nobody_and_plans_again(clock: ManualClock) -> None:
-    fx = gated(clock)
-    queue = scheduler(fx)
-    stt = asyncio.ensure_future(queue.request(fx.registry.get("stt"), "stt:m", 4 * GIB, "request"))
+    effects = gated(clock)
+    queue = scheduler(effects)
+    stt = asyncio.ensure_future(queue.request(effects.registry.get("stt"), "stt:m", 4 * GIB, "request"))
     await until_all_wait()
-    fx.states = busy(idle(), "comfyui", "1 GPU request(s) in flight")
-    fx.busy_at_release = {"comfyui"}
-    fx.gate.set()
+    effects.states = busy(idle(), "comfyui", "1 GPU request(s) in flight")
+    effects.busy_at_release = {"comfyui"}
+    effects.gate.set()
     admitted = await asyncio.wait_for(stt, 1)
     assert [r.tenant for r in admitted.handoff.releases] == ["ollama"], \
         "comfyui was not released: the waiter was planned again (idle ollama instead), not run on memory that never came"
-    assert [e for e in fx.log if e[0] == "release"] == [("release", ("comfyui",)), ("release", ("ollama",))]
+    assert [e for e in effects.log if e[0] == "release"] == [("release", ("comfyui",)), ("release", ("ollama",))]
 
 
 def test_schedule_with_a_release_under_way_runs_what_needs_no_release_and_holds_the_rest() -> None:
@@ -554,30 +554,30 @@ def test_a_swap_is_not_held_when_its_victim_was_not_active_lately_or_the_hold_is
 
 async def test_the_driver_starts_a_held_swap_at_the_hold_end_and_resident_work_runs_meanwhile(
         clock: ManualClock) -> None:
-    fx = recorder(clock, swap_hold_s=0.5)
-    queue = scheduler(fx)
+    effects = recorder(clock, swap_hold_s=0.5)
+    queue = scheduler(effects)
     queue.loaded("comfyui", "comfyui:sdxl")
-    render = fx.inflight.begin("comfyui")  # comfyui served a render just now
-    fx.inflight.end(render)
-    chat = asyncio.ensure_future(queue.request(fx.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request"))
+    render = effects.inflight.begin("comfyui")  # comfyui served a render just now
+    effects.inflight.end(render)
+    chat = asyncio.ensure_future(queue.request(effects.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request"))
     await until_all_wait()
     (w,) = queue.waiting()
     assert not chat.done() and "holding the swap of comfyui" in w["reason"]
     assert w["waiting_for"] == ["comfyui"], "a held swap waits for the tenant it would release"
-    (queued,) = [e for e in fx.decisions.events() if isinstance(e, Queued)]
+    (queued,) = [e for e in effects.decisions.events() if isinstance(e, Queued)]
     assert queued.facts()["waiting_for"] == ["comfyui"], "the dashboard would read 'waited in the queue'"
     await clock.advance(0.2)
-    again = queue.admit_at_once(fx.registry.get("comfyui"), "comfyui:sdxl", 7 * GIB)
+    again = queue.admit_at_once(effects.registry.get("comfyui"), "comfyui:sdxl", 7 * GIB)
     assert again is not None and again.reason == "resident", "a render of the checkpoint on the card waited"
     assert queue.waiting()[0]["overtaken"] == 1
-    assert ("release", ("comfyui",)) not in fx.log and not chat.done()
+    assert ("release", ("comfyui",)) not in effects.log and not chat.done()
     (ticket,) = queue._tickets.values()
     until = ticket.verdict.held_until if ticket.verdict is not None else None
     assert until is not None and 100.2 < until <= 100.5, "the hold is not a share of comfyui's reload, at most 0.5 s"
     await clock.advance(until - clock.now())
     admitted = await asyncio.wait_for(chat, 1)
     assert admitted.outcome == "run" and clock.now() == pytest.approx(until), "not started at the hold's end"
-    assert ("release", ("comfyui",)) in fx.log
+    assert ("release", ("comfyui",)) in effects.log
     await queue.aclose()
 
 
@@ -585,14 +585,14 @@ async def test_with_the_shipped_hold_a_request_that_waited_longer_than_it_is_not
         clock: ManualClock) -> None:
     # the hold counts from the request's arrival: a chat that waited 2 s for a render to end starts
     # its swap the moment the render ends, not 0.5 s later
-    fx = recorder(clock, swap_hold_s=0.5)
-    fx.states = busy(idle(), "comfyui", "1 running job(s)")
-    queue = scheduler(fx)
-    chat = asyncio.ensure_future(queue.request(fx.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request"))
+    effects = recorder(clock, swap_hold_s=0.5)
+    effects.states = busy(idle(), "comfyui", "1 running job(s)")
+    queue = scheduler(effects)
+    chat = asyncio.ensure_future(queue.request(effects.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request"))
     await until_all_wait()
     await clock.advance(2.0)
     assert not chat.done()
-    fx.states = idle("comfyui")
+    effects.states = idle("comfyui")
     queue.kick()
     admitted = await asyncio.wait_for(chat, 1)
     assert admitted.outcome == "run" and clock.now() == pytest.approx(102.0), "held again after waiting for the render"
@@ -602,36 +602,36 @@ async def test_with_the_shipped_hold_a_request_that_waited_longer_than_it_is_not
 async def test_a_request_counts_as_work_only_from_its_admission(clock: ManualClock) -> None:
     # the deadlock of issue 32: a render waiting in the queue counted as comfyui's work, so the chat
     # that waited for comfyui to finish waited for the render, which waited behind the chat
-    fx = recorder(clock)
-    inflight = fx.inflight
-    fx.states = busy(idle(), "comfyui", "1 running job(s)")
-    queue = scheduler(fx)
+    effects = recorder(clock)
+    inflight = effects.inflight
+    effects.states = busy(idle(), "comfyui", "1 running job(s)")
+    queue = scheduler(effects)
     chat_work = inflight.begin("ollama", admitted=False)
-    chat = asyncio.ensure_future(queue.request(fx.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request",
+    chat = asyncio.ensure_future(queue.request(effects.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request",
                                                work=chat_work))
     render_work = inflight.begin("comfyui", admitted=False)
-    render = asyncio.ensure_future(queue.request(fx.registry.get("comfyui"), "comfyui:other", 12 * GIB, "request",
+    render = asyncio.ensure_future(queue.request(effects.registry.get("comfyui"), "comfyui:other", 12 * GIB, "request",
                                                  work=render_work))
     await until_all_wait()
     assert not chat.done() and not render.done()
     assert inflight.traffic("comfyui").in_flight == 0 and not inflight.busy("ollama"), \
         "a waiting request counted as its tenant's work"
-    fx.states = idle("comfyui")  # the running prompt ended
+    effects.states = idle("comfyui")  # the running prompt ended
     queue.kick()
     admitted = await asyncio.wait_for(chat, 1)
-    assert admitted.outcome == "run" and ("work", "ollama", chat_work.serial) in fx.log
-    assert not render.done() and ("work", "comfyui", render_work.serial) not in fx.log, \
+    assert admitted.outcome == "run" and ("work", "ollama", chat_work.serial) in effects.log
+    assert not render.done() and ("work", "comfyui", render_work.serial) not in effects.log, \
         "the render still waits (for the chat it queued behind), and is still no one's work"
     await queue.aclose()
 
 
 async def test_admit_at_once_lets_resident_work_past_a_waiting_swap_up_to_the_bound(clock: ManualClock) -> None:
-    fx = recorder(clock, overtake_limit=2)
-    fx.states = busy(idle(), "comfyui", "1 running job(s)")
-    queue = scheduler(fx)
+    effects = recorder(clock, overtake_limit=2)
+    effects.states = busy(idle(), "comfyui", "1 running job(s)")
+    queue = scheduler(effects)
     queue.loaded("comfyui", "comfyui:sdxl")
-    comfy = fx.registry.get("comfyui")
-    chat = asyncio.ensure_future(queue.request(fx.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request"))
+    comfy = effects.registry.get("comfyui")
+    chat = asyncio.ensure_future(queue.request(effects.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request"))
     await until_all_wait()  # planned: it waits for comfyui
     first = queue.admit_at_once(comfy, "comfyui:sdxl", 7 * GIB)
     second = queue.admit_at_once(comfy, "comfyui:sdxl", 7 * GIB)
@@ -650,8 +650,8 @@ async def test_a_card_read_that_raises_fails_the_waiters_instead_of_leaving_them
             raise RuntimeError("reader bug")
 
     reg = registry({"stt": STT}, proxy={"queue_timeout_s": 30.0})
-    fx = Broken(reg, clock, [("comfyui", 2, 7 * GIB)], free=10 * GIB)
-    queue = scheduler(fx)
+    effects = Broken(reg, clock, [("comfyui", 2, 7 * GIB)], free=10 * GIB)
+    queue = scheduler(effects)
     with pytest.raises(RuntimeError, match="reader bug"):
-        await asyncio.wait_for(queue.request(fx.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request"), 1)
+        await asyncio.wait_for(queue.request(effects.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request"), 1)
     await queue.aclose()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.handoff.arbiter import Plan, Release, unplanned_plan
+from proxy.handoff.plan import Plan, Release, unplanned_plan
 from proxy.handoff.signals import memory_cost, model_names, work_counts
 
 G = 2**30

@@ -11,8 +11,7 @@ import pytest
 from proxy.admin.telemetry import TelemetryStore, VramRecorder, decision_rows, default_path
 from proxy.clock import ManualClock
 from proxy.config.units import GIB, MIB
-from proxy.decision import RequestTrigger
-from proxy.handoff.arbiter import Blocker, Plan
+from proxy.decision_base import RequestTrigger
 from proxy.handoff.decisions import (
     DecisionLog,
     HandoffFinished,
@@ -23,6 +22,7 @@ from proxy.handoff.decisions import (
     ReleaseResult,
     StaleJob,
 )
+from proxy.handoff.plan import Blocker, Plan
 
 if TYPE_CHECKING:
     from proxy.service import Proxy

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from proxy.admin.view import ProxyView
+from proxy.admin.proxy_view import ProxyView
 
 MEDIA_TYPES: dict[str, str] = {
     ".html": "text/html; charset=utf-8",

@@ -8,7 +8,7 @@ from cards import STT, TOTAL, busy, idle, registry, snap
 
 from proxy.config.units import GIB
 from proxy.gpu.attribution import Attributor
-from proxy.handoff.arbiter import Plan, plan_release, starved
+from proxy.handoff.plan import Plan, plan_release, starved
 
 
 def released(plan: Plan) -> list[str]:

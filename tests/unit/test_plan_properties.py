@@ -16,7 +16,7 @@ from proxy.config.loading import registry_from_dict
 from proxy.config.registry import Registry
 from proxy.config.units import GIB
 from proxy.gpu.attribution import AttributedSnapshot
-from proxy.handoff.arbiter import TenantState, plan_release
+from proxy.handoff.plan import TenantState, plan_release
 
 MIB = 2**20
 NAMES = ("a", "b", "c", "d", "e")

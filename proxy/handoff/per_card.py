@@ -1,4 +1,4 @@
-"""The handoff's decisions on a host with several GPUs. PURE, like the arbiter it wraps.
+"""The handoff's decisions on a host with several GPUs. PURE, like the planner it wraps.
 
 Memory on one card cannot serve a load on another, so every decision is made per card: the
 snapshot is cut down to one device (its figures, the process entries on it) and the existing
@@ -8,7 +8,7 @@ may use several (or any) is planned on each, and the best plan wins: ready now, 
 releases (fewest bytes released), then waiting, then refused; ties go to the card with most free
 memory, which is also where CUDA engines tend to put a new load.
 
-With one device every function here is the arbiter's own call on the same arguments, so a
+With one device every function here is the planner's own call on the same arguments, so a
 single-GPU host behaves exactly as before.
 """
 
@@ -20,8 +20,8 @@ from dataclasses import replace
 from proxy.config.registry import Registry
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory
-from proxy.handoff.arbiter import Plan, PlanMode, TenantState, plan_release
 from proxy.handoff.hold import NO_HOLD, SwapHold
+from proxy.handoff.plan import Plan, PlanMode, TenantState, plan_release
 from proxy.handoff.queue_rules import (
     DEFAULT_OVERTAKE_LIMIT,
     Releasing,
