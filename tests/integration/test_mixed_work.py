@@ -230,6 +230,7 @@ async def test_three_chats_and_three_renders_interleaved_from_a_chat_cost_at_mos
 
 async def test_a_chat_whose_client_leaves_while_waiting_does_not_stop_the_others(box: DemoFactory) -> None:
     demo = await box(MIXED)
+    assert succeeded(await render(demo))  # the checkpoint on the card: the chats must wait for the render
     burst = Burst(demo, "together")
     await burst.send("R", steps=500)  # long enough (~1 s) that the chats behind it are still waiting
     leaving = await burst.send("C")
