@@ -306,7 +306,7 @@ if __name__ == "__main__":
     parser.add_argument("--ram-gbps", type=float, default=2.63, help="--warm: load speed from the page cache (GB/s)")
     parser.add_argument("--disk-gbps", type=float, default=1.3, help="--warm: load and read speed from disk (GB/s)")
     parser.add_argument("--swap-hold-s", type=float, default=None,
-                        help="the proxy's swap_hold_s (default: its own, 0.5 s; 0: off)")
+                        help="the proxy's swap_hold_s (default: its own, 1 s; 0: off)")
     parser.add_argument("--recent", action="store_true",
                         help="the reset's render through the proxy: ComfyUI was active just before the swap")
     args = parser.parse_args()

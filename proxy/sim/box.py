@@ -103,9 +103,13 @@ def load_scenario(name_or_path: str) -> Scenario:
         raise ConfigError(f"scenario {path} does not match the schema", problems=problems) from None
 
 
+FAST_SWAP_HOLD_S = 0.01  # the swap hold scaled with the engines: a hold is a share of a reload, ~100x faster here
+
+
 def fast_scenario(name: str, **changes: Any) -> Scenario:
     """A shipped scenario with the engines' delays cut to milliseconds (tests, benches), plus
-    changes per section: `fast_scenario("default", comfyui={"stale_running_entry": True})`."""
+    changes per section: `fast_scenario("default", comfyui={"stale_running_entry": True})`. The
+    proxy's swap hold is scaled down with them (`FAST_SWAP_HOLD_S`) unless a change sets it."""
     data = load_scenario(name).model_dump()
     data["ollama"].update({"load_gbps": 200.0, "disk_gbps": None, "unload_delay_s": 0.15, "token_rate": 2000.0})
     data["comfyui"].update({"free_delay_s": 0.15, "load_gbps": 200.0, "disk_gbps": None, "step_time_s": 0.002})
@@ -116,6 +120,9 @@ def fast_scenario(name: str, **changes: Any) -> Scenario:
             data[section].update(values)
         else:
             data[section] = values
+    proxy = data.setdefault("settings", {}).setdefault("proxy", {})
+    if isinstance(proxy, dict):
+        proxy.setdefault("swap_hold_s", FAST_SWAP_HOLD_S)
     return Scenario.model_validate(data)
 
 
