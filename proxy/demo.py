@@ -299,13 +299,15 @@ class DecisionPrinter:
 
     def __init__(self, proxy: Proxy, out: TextIO | None = None) -> None:
         self.proxy, self.out = proxy, out
+        self._printed: set[int] = set()  # a decision's later facts (a load's first byte) print nothing again
         self._unsubscribe = proxy.decisions.subscribe(self.on_event)
 
     def on_event(self, event: DecisionEvent) -> None:
         if not (completes(event) or isinstance(event, (ModelLoad, LifecycleExit, GpuDrift))):
             return
         view = self.proxy.decisions.view_of(event)
-        if view is not None:
+        if view is not None and view.id not in self._printed:
+            self._printed.add(view.id)
             stamp = time.strftime("%H:%M:%S", time.localtime(view.at))
             print(f"{stamp} {decision_line(view)}", file=self.out or sys.stderr, flush=True)
 
