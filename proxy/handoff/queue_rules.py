@@ -242,7 +242,7 @@ class _Pass:
         for t in held:
             self.holding_back.setdefault(t, []).append(w)
         self.out.append(Verdict(w, "wait", plan, f"holding the swap of {', '.join(held)} for "
-                                                 f"{self.hold.hold_s(plan.releases):.2g} s (proxy.swap_hold_s, "
+                                                 f"{until - w.arrived_at:.2g} s (proxy.swap_hold_s, "
                                                  "weighed by its reload): requests for what is on the card go first",
                                 held=held, held_until=until))
         _claim(self.claims, w, plan)

@@ -10,8 +10,8 @@ from typing import Any
 
 import httpx
 from playwright.async_api import Page
+from test_dashboard import HeldClock
 
-from proxy.clock import Clock
 from proxy.demo import Demo
 from proxy.sim.box import fast_scenario
 
@@ -22,34 +22,11 @@ WAIT_MS = 10_000
 MODEL = "gemma3:27b"
 
 
-class HalfwayClock:
-    """The simulated Ollama's load clock: its first `free` sleeps pass, the rest wait for the test's
-    go, so a load stops part of the way onto the card for as long as the test looks at it."""
-
-    def __init__(self, inner: Clock, free: int) -> None:
-        self.inner = inner
-        self.free = free
-        self.go = asyncio.Event()
-
-    def now(self) -> float:
-        return self.inner.now()
-
-    def wall(self) -> float:
-        return self.inner.wall()
-
-    async def sleep(self, seconds: float) -> None:
-        if self.free > 0:
-            self.free -= 1
-        else:
-            await self.go.wait()
-        await self.inner.sleep(seconds)
-
-
 async def test_a_load_shows_on_the_dashboard_with_the_models_name_while_it_happens(
         box: DemoFactory, dashboard: OpenDashboard) -> None:
     demo = await box(fast_scenario("default"))
     assert demo.proxy is not None and demo.box.ollama is not None
-    held = HalfwayClock(demo.box.ollama.load_clock, free=2)  # two of its four allocation steps, then held
+    held = HeldClock(demo.box.ollama.load_clock, free=2)  # two of its four allocation steps, then held
     demo.box.ollama.load_clock = held
     page, console = await dashboard(demo)
     async with httpx.AsyncClient(timeout=30.0, trust_env=False) as http:

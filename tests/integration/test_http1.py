@@ -295,20 +295,18 @@ def _read_request(conn: socket.socket) -> bytes:
     return head
 
 
-async def test_a_close_that_reached_the_socket_before_the_loop_saw_it_is_found_before_a_post_is_sent() -> None:
-    # The engine answers keep-alive (no Connection: close), then closes the connection. The close is
-    # in our socket before the next POST, but the event loop has not run since: only a look at the
-    # socket itself finds it. A POST sent there is lost (never retried: the engine may have run it).
-    listener = socket.create_server(("127.0.0.1", 0))
-    may_close, closed = threading.Event(), threading.Event()
-    heads: list[bytes] = []
-
-    def engine() -> None:  # a thread with blocking sockets: it closes while the test's loop is held
+def _closing_engine(listener: socket.socket, answers: int, may_close: threading.Event, closed: threading.Event,
+                    heads: list[bytes]) -> threading.Thread:
+    """An engine in a thread with blocking sockets, so it closes while the test's loop is held: it
+    answers `answers` requests keep-alive on the first connection, closes it when told (`closed` set
+    once it has), then answers one request on a fresh connection. Every request head goes to `heads`."""
+    def engine() -> None:
         with listener:
             first, _ = listener.accept()
             with first:
-                heads.append(_read_request(first))
-                first.sendall(OK)
+                for _ in range(answers):
+                    heads.append(_read_request(first))
+                    first.sendall(OK)
                 may_close.wait(SAFETY_S)
             closed.set()
             listener.settimeout(SAFETY_S)
@@ -322,6 +320,17 @@ async def test_a_close_that_reached_the_socket_before_the_loop_saw_it_is_found_b
 
     thread = threading.Thread(target=engine, daemon=True)
     thread.start()
+    return thread
+
+
+async def test_a_close_that_reached_the_socket_before_the_loop_saw_it_is_found_before_a_post_is_sent() -> None:
+    # The engine answers keep-alive (no Connection: close), then closes the connection. The close is
+    # in our socket before the next POST, but the event loop has not run since: only a look at the
+    # socket itself finds it. A POST sent there is lost (never retried: the engine may have run it).
+    listener = socket.create_server(("127.0.0.1", 0))
+    may_close, closed = threading.Event(), threading.Event()
+    heads: list[bytes] = []
+    thread = _closing_engine(listener, 1, may_close, closed, heads)
     pool = Pool(f"http://127.0.0.1:{listener.getsockname()[1]}")
     try:
         assert (await get(pool))[2] == b"ok"
@@ -341,27 +350,7 @@ async def test_a_connection_looked_at_before_is_looked_at_again_with_the_same_po
     listener = socket.create_server(("127.0.0.1", 0))
     may_close, closed = threading.Event(), threading.Event()
     heads: list[bytes] = []
-
-    def engine() -> None:
-        with listener:
-            first, _ = listener.accept()
-            with first:
-                for _ in range(2):
-                    heads.append(_read_request(first))
-                    first.sendall(OK)
-                may_close.wait(SAFETY_S)
-            closed.set()
-            listener.settimeout(SAFETY_S)
-            try:
-                fresh, _ = listener.accept()
-            except TimeoutError:
-                return
-            with fresh:
-                heads.append(_read_request(fresh))
-                fresh.sendall(OK)
-
-    thread = threading.Thread(target=engine, daemon=True)
-    thread.start()
+    thread = _closing_engine(listener, 2, may_close, closed, heads)
     pool = Pool(f"http://127.0.0.1:{listener.getsockname()[1]}")
     try:
         assert (await get(pool))[2] == b"ok"

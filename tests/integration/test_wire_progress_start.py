@@ -9,12 +9,9 @@ from pathlib import Path
 
 import ollama
 import pytest
-from boxes import DemoFactory, fast, free_port
-
-from proxy.tls import client_context
+from boxes import LOOPBACK_TLS, DemoFactory, fast, free_port
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "tiny_ollama.py"
-LOOPBACK_TLS = client_context()
 
 
 def tiny_ollama(port: int) -> dict[str, object]:

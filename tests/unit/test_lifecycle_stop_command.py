@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from proxy.clock import SystemClock
-from proxy.lifecycle import ProcessController
+from proxy.lifecycle import ProcessController, procs
 from proxy.lifecycle.logs import LogFollower
 from proxy.tasks import poll_until
 
@@ -30,11 +30,9 @@ def waiter(fifo: Path) -> str:
 
 
 def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
+    """The pid runs (a zombie does not count): what /proc says, read as the controller reads it."""
+    found = procs.proc(pid)
+    return found is not None and found.alive
 
 
 @pytest.fixture
