@@ -331,6 +331,11 @@ class Tenant(StrictModel):
                                                                  "and KV cache")
     model_vram_gb: dict[str, float] = Field(default_factory=dict, description="per-model or per-checkpoint need "
                                                                                  "overrides in GiB")
+    runs_at_once: int | None = Field(
+        default=None, ge=1, description="how many GPU requests its engine runs at once (Ollama: OLLAMA_NUM_PARALLEL; "
+        "ComfyUI: 1 prompt). While another tenant's request waits for this one, the proxy admits no more than this, so "
+        "its own queue (priority, overtake_limit, starvation_after_s) orders the rest, not the engine's; null: the "
+        "engine's default (ollama and comfyui 1, others no bound)")
     timeouts: Timeouts = Field(default_factory=Timeouts, description="upstream timeouts")
     replay_body_max_mb: float = Field(default=16.0, description="GPU request bodies up to this size are kept for an "
                                                                    "OOM retry (0: never kept)")

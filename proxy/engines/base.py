@@ -272,6 +272,14 @@ class EngineAdapter(ports.HostAndHeaders, ports.Classifier, ports.JobTracker, po
         engine without a catalog. Raises httpx errors."""
         return None
 
+    # How many GPU requests the engine runs at once when tenants.json does not say (`runs_at_once`);
+    # None: no bound the proxy knows of.
+    runs_at_once_default: int | None = None
+
+    @property
+    def runs_at_once(self) -> int | None:
+        return self.tenant.runs_at_once or self.runs_at_once_default
+
     # Whether `installed_needs` lists the installed models with the memory each would need.
     sized_catalog: bool = False
 

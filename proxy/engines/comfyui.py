@@ -54,6 +54,7 @@ class ComfyUIAdapter(EngineAdapter):
     floor_from_samples = True
     device_flag = "--cuda-device"  # main.py sets CUDA_VISIBLE_DEVICES from it before torch starts
     load_timed_from_frames = True  # a prompt's checkpoint loads when its job runs, after /prompt answered
+    runs_at_once_default = 1  # one prompt executes at a time; the rest wait in its queue
 
     def model_files(self, hints: FileHints) -> TenantFiles:
         """ComfyUI's model folders (checkpoints, vae, ...) under its base directory and extra_model_paths."""

@@ -123,6 +123,7 @@ class OllamaAdapter(EngineAdapter):
     probe_strict = True
     verify_role = "generates"
     start_hint = "start Ollama (`systemctl start ollama` or `ollama serve`)"
+    runs_at_once_default = 1  # OLLAMA_NUM_PARALLEL's default since v0.10 (engine-wire-facts)
 
     def __init__(self, tenant: Tenant) -> None:
         super().__init__(tenant)

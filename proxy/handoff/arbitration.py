@@ -68,7 +68,8 @@ class Arbitration:
         self.adapter: Callable[[Tenant], EngineAdapter] = adapter or AdapterCache()
         self.placer = DevicePlacer(registry, lambda t: self.adapter(t).device_flag)  # which card each tenant uses
         # residency is confirmed again every watchdog tick; a load unconfirmed for two ticks is planned for again
-        self.scheduler = Scheduler(self, inflight, fresh_s=2 * registry.config.proxy.watchdog_interval_s + 0.5)
+        self.scheduler = Scheduler(self, inflight, fresh_s=2 * registry.config.proxy.watchdog_interval_s + 0.5,
+                                   runs_at_once=lambda name: self.adapter(registry.get(name)).runs_at_once)
         # tenants the proxy stops and starts, or that owe a resume: started before their next request
         self.lifecycles = lifecycles or Lifecycles(registry, self.adapter, clock, decisions, self.control,
                                                    state_dir=state_dir)

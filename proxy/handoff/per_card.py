@@ -92,14 +92,15 @@ def plan_on_devices(snap: AttributedSnapshot, registry: Registry, states: Mappin
 def schedule_on_devices(snap: AttributedSnapshot, registry: Registry, states: Mapping[str, TenantState],
                         waiters: Iterable[Waiter], promised: Mapping[str, tuple[str, int]], now: float,
                         starvation_after_s: float, releasing: Sequence[Releasing] = (),
-                        overtake_limit: int = DEFAULT_OVERTAKE_LIMIT, hold: SwapHold = NO_HOLD) -> tuple[Verdict, ...]:
+                        overtake_limit: int = DEFAULT_OVERTAKE_LIMIT, hold: SwapHold = NO_HOLD,
+                        room: Mapping[str, int] | None = None) -> tuple[Verdict, ...]:
     """`schedule` per card: each waiter goes to its tenant's card (the best one when it may use
     several), each card's queue is scheduled on that card alone, and the verdicts come back in
     queue order. Each card may start its own handoff; the queue still runs one at a time."""
     pending = list(waiters)
     if not snap.snapshot.several_devices:
         return schedule(snap, registry, states, pending, promised, now, starvation_after_s, releasing, overtake_limit,
-                        hold)
+                        hold, room)
     by_device: dict[int, list[Waiter]] = {}
     for w in pending:
         choices = candidates(snap, w.tenant)
@@ -114,7 +115,7 @@ def schedule_on_devices(snap: AttributedSnapshot, registry: Registry, states: Ma
         here = {k: (t, n) for k, (t, n) in promised.items() if shares(snap, t, index)}
         dev = device(snap, index)
         for v in schedule(snap.on_device(index), registry, states, group, here, now, starvation_after_s, releasing,
-                          overtake_limit, hold):
+                          overtake_limit, hold, room):
             verdicts[v.waiter.id] = replace(v, plan=_on(v.plan, dev))
     return tuple(verdicts[w.id] for w in queue_order(pending, now, starvation_after_s))
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from proxy.config.registry import Registry
@@ -87,11 +87,14 @@ def may_overtake(w: Waiter, now: float, starvation_after_s: float, overtake_limi
 
 
 
-def resident_plan(w: Waiter) -> Plan:
+def resident_plan(w: Waiter, fits: Plan | None = None) -> Plan:
     """What a request for a load already on the card (or on its way there) is admitted with: no
-    release, nothing new promised (its memory is held or reserved already)."""
-    return Plan(w.tenant, w.need_bytes, 0, 0, True, False, (), (), "on the card already: forwarded without a plan",
-                False)
+    release; `fits`, the plan that found room for its peak beside what its tenant holds (its
+    figures are kept, so what the peak adds is reserved until the work ends)."""
+    why = "on the card already, room for its peak"
+    if fits is None:
+        return Plan(w.tenant, w.need_bytes, 0, 0, True, False, (), (), f"{why}: forwarded without a plan", False)
+    return replace(fits, explanation=f"{why}: {fits.explanation}")
 
 
 RESIDENT = "resident"  # the reason of a resident admission: its load is on the card, nothing to time
@@ -125,7 +128,8 @@ class Releasing:
 def schedule(snap: AttributedSnapshot, registry: Registry, states: Mapping[str, TenantState],
              waiters: Iterable[Waiter], promised: Mapping[str, tuple[str, int]], now: float,
              starvation_after_s: float, releasing: Sequence[Releasing] = (),
-             overtake_limit: int = DEFAULT_OVERTAKE_LIMIT, hold: SwapHold = NO_HOLD) -> tuple[Verdict, ...]:
+             overtake_limit: int = DEFAULT_OVERTAKE_LIMIT, hold: SwapHold = NO_HOLD,
+             room: Mapping[str, int] | None = None) -> tuple[Verdict, ...]:
     """Who runs, who waits, who is refused, in queue order.
 
     `promised`: load key -> (tenant, bytes) still to reach the card for loads already admitted.
@@ -138,16 +142,20 @@ def schedule(snap: AttributedSnapshot, registry: Registry, states: Mapping[str, 
     - a waiter whose own tenant is being released for another load waits for that release to end
       (the memory is promised to that load: new work would take it back under the release). A
       release with no load behind it (the watchdog's idle release, the admin's) holds back no work.
-    - a resident waiter (its load on the card or on its way) needs no release: it runs, even ahead
-      of waiters that wait for its tenant to finish (batching: one swap for the whole burst), as
-      long as each of them `may_overtake`; past that bound it queues behind them like other work.
+    - a resident waiter (its load on the card or on its way) whose peak fits beside what its tenant
+      holds needs no release: it runs, even ahead of waiters that wait for its tenant to finish
+      (batching: one swap for the whole burst), as long as each of them `may_overtake` and its
+      engine runs it at once (`room`: tenant -> how many more its engine runs at once; while someone
+      waits for that tenant, no more are admitted, so this queue orders them, not the engine's); past
+      that it queues behind them like other work. A resident peak that does not fit is planned like
+      any load (a render on a resident checkpoint still samples).
     - a feasible swap away from a tenant active lately is held (`hold.until`, proxy/handoff/hold.py):
       it waits, and the tenants it would release count as waited for (their resident work runs ahead
       of it, counted against the fairness bound; their other work queues behind it).
     - otherwise wait; what it counts on is claimed so that no later waiter takes it meanwhile.
     """
     return _Pass(snap, registry, states, dict(promised), now, starvation_after_s, releasing, overtake_limit,
-                 hold).run(waiters)
+                 hold, dict(room or {}), dict(promised)).run(waiters)
 
 
 @dataclass(slots=True)
@@ -162,6 +170,10 @@ class _Pass:
     releasing: Sequence[Releasing]
     overtake_limit: int
     hold: SwapHold
+    room: dict[str, int]  # tenant -> how many more its engine runs at once (absent: no bound); used up as they run
+    # `claims` less what waiters count on: what resident work is measured against (a waiter that waits
+    # for a tenant counts on memory that tenant's running work gives back before the waiter can run)
+    granted: dict[str, tuple[str, int]]
     holding_back: dict[str, list[Waiter]] = field(default_factory=dict)  # tenant -> waiters ahead that wait for it
     starting: Waiter | None = None  # the waiter whose releases this pass starts
     swapped: set[str] = field(default_factory=set)  # tenants this pass starts releasing: their new work waits
@@ -186,21 +198,31 @@ class _Pass:
         """The release under way of `w`'s own tenant for another load (its memory is promised there)."""
         return next((r for r in self.releasing if r.key is not None and w.tenant in r.tenants), None)
 
-    def _resident_runs(self, w: Waiter, own: Releasing | None, waiting_for_it: list[Waiter]) -> bool:
-        """A load on the card (or on its way) runs ahead of those waiting to swap its tenant away,
-        within the fairness bound, unless its tenant is being released."""
-        if not w.resident or own is not None or w.tenant in self.swapped:
+    def _resident_runs(self, w: Waiter, plan: Plan, own: Releasing | None, waiting_for_it: list[Waiter]) -> bool:
+        """A load on the card (or on its way) whose peak fits runs ahead of those waiting to swap its
+        tenant away, within the fairness bound and what its engine runs at once, unless its tenant
+        is being released."""
+        if not w.resident or own is not None or w.tenant in self.swapped or not plan.feasible or plan.releases:
             return False
         if not all(self._may_overtake(a) for a in waiting_for_it):
             return False
-        self.out.append(Verdict(w, "run", resident_plan(w), RESIDENT, overtook=tuple(a.id for a in waiting_for_it)))
+        if waiting_for_it and self.room.get(w.tenant, 1) <= 0:
+            return False
+        if w.tenant in self.room:
+            self.room[w.tenant] -= 1
+        self.out.append(Verdict(w, "run", resident_plan(w, plan), RESIDENT, overtook=tuple(a.id for a in waiting_for_it)))
+        _claim(self.claims, w, plan)
+        _claim(self.granted, w, plan)
         return True
 
     def _decide(self, w: Waiter) -> None:
         own = self._own_release(w)
         waiting_for_it = self.holding_back.get(w.tenant, [])
-        if self._resident_runs(w, own, waiting_for_it):
-            return
+        if w.resident:
+            beside = plan_release(self.snap, self.registry, self.states, w.tenant, w.need_bytes,
+                                  promised=promised_by_tenant(self.granted, w.key))
+            if self._resident_runs(w, beside, own, waiting_for_it):
+                return
         plan = plan_release(self.snap, self.registry, self.states, w.tenant, w.need_bytes,
                             promised=promised_by_tenant(self.claims, w.key))
         if not plan.possible:
@@ -220,6 +242,7 @@ class _Pass:
             self.swapped.update(r.tenant for r in plan.releases)
             self.out.append(Verdict(w, "run", plan, plan.explanation))
             _claim(self.claims, w, plan)
+            _claim(self.granted, w, plan)
             self.claimers.append(w)
         else:
             self._wait_for_memory(w, plan)

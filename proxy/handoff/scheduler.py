@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
 
@@ -52,9 +52,17 @@ from proxy.handoff.evidence import EngineReads
 from proxy.handoff.hold import SwapHold
 from proxy.handoff.inflight import InFlight, TenantTraffic, Token
 from proxy.handoff.orders import Released, ReleaseOrder
-from proxy.handoff.per_card import schedule_on_devices
+from proxy.handoff.per_card import plan_on_devices, schedule_on_devices
 from proxy.handoff.plan import Plan, TenantState, gib, unplanned_plan
-from proxy.handoff.queue_rules import RESIDENT, Releasing, Verdict, Waiter, may_overtake, resident_plan
+from proxy.handoff.queue_rules import (
+    RESIDENT,
+    Releasing,
+    Verdict,
+    Waiter,
+    may_overtake,
+    promised_by_tenant,
+    resident_plan,
+)
 from proxy.handoff.reservations import Reservations
 from proxy.handoff.residency import Residency
 from proxy.tasks import sleep_or_wake
@@ -149,8 +157,10 @@ class _Underway:
 class Scheduler:
     """The one owner of admission state (see the module's docstring)."""
 
-    def __init__(self, effects: HandoffEffects, traffic: InFlight, *, fresh_s: float = 2.5) -> None:
+    def __init__(self, effects: HandoffEffects, traffic: InFlight, *, fresh_s: float = 2.5,
+                 runs_at_once: Callable[[str], int | None] = lambda tenant: None) -> None:
         self.effects = effects
+        self.runs_at_once = runs_at_once  # tenant -> how many requests its engine runs at once (None: no bound)
         self.traffic = traffic  # admitted work: only `_admit` moves a request into it
         self.reservations = Reservations()
         # confirmed again every watchdog tick; a load unconfirmed for two ticks is planned for again
@@ -186,6 +196,8 @@ class Scheduler:
         """A card reading, from whoever read it (a pass, a release's confirmation, the watchdog, the
         API): the latest is what the next pass plans with."""
         self.card = snap
+        if snap.snapshot.taken_at > 0:  # 0: a reading that says not when (a test's card)
+            self.reservations.confirmed(snap.snapshot.taken_at)
         for tenant in self.effects.registry:
             if snap.held_by(tenant.name) <= tenant.idle_vram_bytes + CONFIRM_SLACK_BYTES:
                 self.residency.forget(tenant.name)  # nothing of it is on the card any more
@@ -216,7 +228,7 @@ class Scheduler:
         """The admitted request reached the engine (or gave up): its promise ends. Idempotent, and
         only ever the handoff's own, so it never ends another request's promise."""
         if handoff is not None and handoff.reservation is not None:
-            self.reservations.release(handoff.reservation)
+            self.reservations.release(handoff.reservation, self.effects.clock.now())
             handoff.reservation = None
             self.kick()
 
@@ -284,12 +296,17 @@ class Scheduler:
 
     # -- the request side ------------------------------------------------------------------------
     def admit_at_once(self, tenant: Tenant, key: str, need_bytes: int, work: Token | None = None) -> Admitted | None:
-        """The scheduler's first step for a request, taken without reading the card: a load that is on
-        the card already (or on its way there) runs now, ahead of requests that wait to swap its
-        tenant away, within the fairness bound (`queue_rules.may_overtake`). None: it goes through
-        `request` (its tenant is being swapped away, a waiter may not be overtaken any more, or a
-        waiter not planned yet may be one that waits for it)."""
-        if not self.resident(tenant.name, key):
+        """The scheduler's first step for a request, taken without reading the card again: a load that
+        is on the card already (or on its way there) runs now, ahead of requests that wait to swap its
+        tenant away, within the fairness bound (`queue_rules.may_overtake`), if the latest reading has
+        room for its peak (`need_bytes`: what is not on the card plus its working memory, planned
+        like any other request's with every promise counted): a render on a resident checkpoint
+        still samples. Its growth is reserved until its work ends. None: it goes through `request`
+        (its tenant is being swapped away, a waiter may not be overtaken any more, its engine runs as
+        many as it can at once while someone waits for it, a waiter not planned yet may be one that
+        waits for it, or the latest reading has no room for it)."""
+        snap = self.card
+        if snap is None or not self.resident(tenant.name, key):
             return None
         if any(tenant.name in u.state.tenants for u in self._underway if u.state.key is not None):
             return None  # its memory is promised to another load: the release must not be undone
@@ -303,24 +320,57 @@ class Scheduler:
                 blocking.append(t)
         settings = self.effects.registry.config.proxy
         now = self.effects.clock.now()
+        if blocking and self.at_once_room().get(tenant.name, 1) <= 0:
+            return None  # the engine would only queue it: the proxy's queue orders it instead (fairness)
         if not all(may_overtake(self._waiter(t), now, settings.starvation_after_s, settings.overtake_limit)
                    for t in blocking):
             return None
+        plan = plan_on_devices(snap, self.effects.registry, self.states(snap), tenant.name, need_bytes,
+                               promised=promised_by_tenant(self._claims(snap), key))
+        if not plan.feasible or plan.releases:
+            return None  # no room for its peak on the latest reading: planned on a fresh one
         for t in blocking:
             t.overtaken += 1
         w = Waiter(next(self._ids), tenant.name, key, need_bytes, tenant.priority, now, resident=True)
         if work is not None:
             self.traffic.admit(work)
-        return Admitted("run", self._resident_handoff(w, None), RESIDENT)
+        return Admitted("run", self._resident_handoff(w, resident_plan(w, plan), snap), RESIDENT)
 
-    def _resident_handoff(self, w: Waiter, snap: AttributedSnapshot | None) -> Handoff:
-        """A resident admission. A load still on its way is joined: its reservation lasts until this
-        request is done too, or the first request's leaving would give back memory the load still
-        takes (the randomized model test found that)."""
-        handoff = Handoff(resident_plan(w), [], None, snap)
-        if self.reservations.loading(w.key, w.tenant):
+    def at_once_room(self) -> dict[str, int]:
+        """Tenant -> how many more requests its engine runs at once (`runs_at_once`) beyond the work
+        admitted to it now; tenants with no such bound are absent. While another tenant's request
+        waits for a tenant, it is given no more than this, so the proxy's queue, not the engine's,
+        orders the rest (priority, the fairness bounds)."""
+        room: dict[str, int] = {}
+        traffic = self.traffic.snapshot()
+        for tenant in self.effects.registry:
+            cap = self.runs_at_once(tenant.name)
+            if cap is not None:
+                t = traffic.get(tenant.name)
+                room[tenant.name] = cap - (t.in_flight + len(t.jobs) if t is not None else 0)
+        return room
+
+    def _resident_handoff(self, w: Waiter, plan: Plan, snap: AttributedSnapshot | None) -> Handoff:
+        """A resident admission. What its peak adds to what its tenant holds is reserved until its work
+        ends (a render on a resident checkpoint samples; a concurrent plan must not hand that memory
+        out). A load still on its way is joined: its reservation lasts until this request is done too,
+        or the first request's leaving would give back memory the load still takes (the randomized
+        model test found that)."""
+        handoff = Handoff(plan, [], None, snap)
+        if self.reservations.loading(w.key, w.tenant) or plan.need_bytes > plan.held_by_requester:
             self.reserve(w.key, handoff)
         return handoff
+
+    def _claims(self, snap: AttributedSnapshot) -> dict[str, tuple[str, int]]:
+        """Load key -> (tenant, bytes) admitted loads and releases under way still count on."""
+        claims = self.promised(snap)
+        for u in self._underway:
+            if (claim := u.claim) is not None and u.state.key is not None:
+                # the same load may be reserved already (a request for it admitted while the release
+                # runs): one load, so the larger promise stands, never the release's smaller claim
+                old = claims.get(u.state.key)
+                claims[u.state.key] = (claim[0], max(claim[1], old[1] if old else 0))
+        return claims
 
     async def request(self, tenant: Tenant, key: str, need_bytes: int, trigger: str, kind: HandoffKind = "plan",
                       model: str | None = None, work: Token | None = None) -> Admitted:
@@ -493,10 +543,12 @@ class Scheduler:
         if self._reading is not None and not self._reading.done():
             return
         self._card_wanted = False
+        started = self.effects.clock.now()
 
         async def read() -> None:
             try:
                 self.observe_card(await self.effects.read_card())
+                self.reservations.confirmed(started)  # promises that ended before this read are on the card it shows
             except Exception as exc:  # the reader falls back to the engines' reports; this is a bug: tell the waiters
                 self._read_failed = exc
             finally:
@@ -547,17 +599,10 @@ class Scheduler:
         if not snap.snapshot.device.size_known:
             self._forward_unplanned(snap, pending)
             return True
-        claims = self.promised(snap)
-        for u in self._underway:
-            if (claim := u.claim) is not None and u.state.key is not None:
-                # the same load may be reserved already (a request for it admitted while the release
-                # runs): one load, so the larger promise stands, never the release's smaller claim
-                old = claims.get(u.state.key)
-                claims[u.state.key] = (claim[0], max(claim[1], old[1] if old else 0))
         settings = self.effects.registry.config.proxy
         verdicts = schedule_on_devices(snap, self.effects.registry, self.states(snap), [self._waiter(t) for t in pending],
-                                       claims, self.effects.clock.now(), settings.starvation_after_s,
-                                       self.releasing, settings.overtake_limit, self.swap_hold())
+                                       self._claims(snap), self.effects.clock.now(), settings.starvation_after_s,
+                                       self.releasing, settings.overtake_limit, self.swap_hold(), self.at_once_room())
         return self._apply(verdicts, snap)
 
     def _expire(self) -> None:
@@ -606,7 +651,7 @@ class Scheduler:
             elif v.plan.releases:
                 self._join_or_start(ticket, v, snap)
             elif v.reason == RESIDENT:  # on the card already, or joins the reservation of the load on its way
-                self._resolve(ticket, Admitted("run", self._resident_handoff(v.waiter, snap), v.reason))
+                self._resolve(ticket, Admitted("run", self._resident_handoff(v.waiter, v.plan, snap), v.reason))
                 progressed = True
             else:
                 handoff = Handoff(v.plan, [], None, snap)

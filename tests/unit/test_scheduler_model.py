@@ -55,6 +55,11 @@ MODELS = {
 }
 TENANTS = sorted(MODELS)
 LOAD_S = 2.0  # a model's load from disk to the card
+# tenant -> working memory a request takes on top of its model while it runs (a ComfyUI render samples
+# beside its checkpoint; Ollama's KV cache is part of what it holds once loaded), given back at its end
+WORKING = {"comfyui": int(1.5 * GIB)}
+# tenants whose engine runs one request at a time (ComfyUI's one prompt): the rest wait in its own queue
+SERIAL = frozenset({"comfyui"})
 
 
 @dataclass
@@ -94,6 +99,9 @@ class Box:
     kept: dict[str, int] = field(default_factory=dict)  # tenant -> bytes a partial release left behind
     failed_releases: int = 0
     violations: list[str] = field(default_factory=list)
+    working: dict[int, int] = field(default_factory=dict)  # client id -> working memory it holds while it runs
+    engine_locks: dict[str, asyncio.Lock] = field(default_factory=dict)  # a serial engine's one slot
+    running: dict[str, set[int]] = field(default_factory=dict)  # tenant -> ids of the requests it runs now
 
     def __post_init__(self) -> None:
         self.decisions = DecisionLog(self.clock)
@@ -103,7 +111,8 @@ class Box:
 
     def held(self, tenant: str) -> int:
         model = self.loaded[tenant]
-        return self.floor(tenant) + (MODELS[tenant][model] if model else 0) + self.kept.get(tenant, 0)
+        working = sum(n for cid, n in self.working.items() if cid in self.running.get(tenant, set()))
+        return self.floor(tenant) + (MODELS[tenant][model] if model else 0) + self.kept.get(tenant, 0) + working
 
     def used(self) -> int:
         return self.outside + sum(self.held(t) for t in TENANTS)
@@ -226,7 +235,11 @@ class SchedulerModel(RuleBasedStateMachine):
             self.box.outside_at_load[key] = c.outside_seen
         if c.work is None or not self.inflight.admitted(c.work):
             self.box.violations.append(f"request {c.id} admitted but not counted as {c.tenant}'s work")
+        serial = c.tenant in SERIAL
+        slot = self.box.engine_locks.setdefault(c.tenant, asyncio.Lock()) if serial else None
         try:
+            if slot is not None:
+                await slot.acquire()  # the engine's own queue: one job at a time
             if c.fails:
                 c.outcome = "error"
                 return
@@ -235,20 +248,37 @@ class SchedulerModel(RuleBasedStateMachine):
             if self.box.loaded[c.tenant] != c.model:  # this request's load (not one that another brought meanwhile)
                 self.box.loaded[c.tenant] = c.model
                 self.box.kept.pop(c.tenant, None)  # the engine drops the rest when it loads anew
-                grown_outside = max(0, self.box.outside - c.outside_seen)  # nothing the proxy could see coming
-                if self.box.used() > TOTAL - RESERVED:
-                    if self.box.failed_releases or self.box.used() - grown_outside <= TOTAL - RESERVED:
-                        c.outcome = "oom"  # a failed release let the load run short: the engine's OOM answer
-                        self.box.loaded[c.tenant] = None
-                        return
-                    self.box.violations.append(f"request {c.id}'s load of {c.tenant}:{c.model} over-committed the card "
-                                               f"({self.box.used() / GIB:g} GiB used) with no failed release behind it")
+                if not self._fits(c, "load of"):
+                    self.box.loaded[c.tenant] = None
+                    return
             self.queue.loaded(c.tenant, f"{c.tenant}:{c.model}")  # the engine answered: on the card
-            self.queue.settle(admitted.handoff)
+            if not serial:
+                self.queue.settle(admitted.handoff)  # the answer ended the load's promise; a job's lasts to its end
+            self.box.running.setdefault(c.tenant, set()).add(c.id)
+            self.box.working[c.id] = WORKING.get(c.tenant, 0)
+            if not self._fits(c, "working memory of"):
+                return
             await self.clock.sleep(c.service_s)
             c.outcome = "run"
         finally:
+            self.box.working.pop(c.id, None)
+            self.box.running.get(c.tenant, set()).discard(c.id)
+            if slot is not None and slot.locked():
+                slot.release()
             self.queue.settle(admitted.handoff)
+
+    def _fits(self, c: Client, what: str) -> bool:
+        """The card holds what `c` just took; else the engine's OOM (a failed release or memory taken
+        outside the proxy behind it) or a violation (the proxy over-committed the card)."""
+        if self.box.used() <= TOTAL - RESERVED:
+            return True
+        grown_outside = max(0, self.box.outside - c.outside_seen)  # nothing the proxy could see coming
+        if self.box.failed_releases or self.box.used() - grown_outside <= TOTAL - RESERVED:
+            c.outcome = "oom"  # a failed release let it run short: the engine's OOM answer
+            return False
+        self.box.violations.append(f"request {c.id}'s {what} {c.tenant}:{c.model} over-committed the card "
+                                   f"({self.box.used() / GIB:g} GiB used) with no failed release behind it")
+        return False
 
     # -- rules ---------------------------------------------------------------------------------
     @precondition(lambda self: len(self.clients) < 14)
@@ -258,7 +288,8 @@ class SchedulerModel(RuleBasedStateMachine):
         """A request; `fails`: its engine answers an error at once, before loading anything."""
         models = sorted(MODELS[tenant])
         model = models[pick % len(models)]
-        c = Client(len(self.clients), tenant, model, MODELS[tenant][model] + self.box.floor(tenant), service_s,
+        c = Client(len(self.clients), tenant, model, MODELS[tenant][model] + self.box.floor(tenant) + WORKING.get(tenant, 0),
+                   service_s,
                    self.clock.now(), outside_seen=self.box.outside, fails=fails)
         c.task = self.loop.create_task(self._client(c))
         self.clients.append(c)
@@ -392,3 +423,22 @@ def test_a_release_under_way_never_shrinks_the_reservation_of_its_own_load() -> 
         m.nothing_unsafe_happened()
     finally:
         m.teardown()
+
+
+def test_a_render_on_a_resident_checkpoint_is_planned_on_its_peak_beside_a_chat_model_that_just_loaded() -> None:
+    """Issue 40: a render whose checkpoint was on the card was admitted at once, with no plan; its
+    sampling memory (1.5 GiB) was never counted, and beside a chat model that had just loaded next to
+    the idle checkpoint (23.5 of 23.7 GiB) it ran out of memory. Planned on its peak it releases the
+    idle chat model first."""
+    m = SchedulerModel()
+    try:
+        m.arrive(tenant="comfyui", pick=1, service_s=0.2, fails=False)  # sdxl (7 GiB) loads and renders
+        m.time_passes(dt=2.5)
+        m.arrive(tenant="ollama", pick=0, service_s=0.2, fails=False)  # gemma (16 GiB) fits beside idle sdxl
+        m.time_passes(dt=2.5)
+        m.arrive(tenant="comfyui", pick=1, service_s=0.2, fails=False)  # sdxl resident: its sampling must fit
+        m.time_passes(dt=0.15)
+        m.nothing_unsafe_happened()
+    finally:
+        m.teardown()
+    assert [c.outcome for c in m.clients] == ["run", "run", "run"]
