@@ -176,6 +176,15 @@ class NeedEstimator(Protocol):
         """The memory planned for a start (or a resume) of a stopped tenant."""
         ...
 
+    # How many GPU requests the engine runs at once when tenants.json does not say; None: no bound.
+    runs_at_once_default: int | None
+
+    @property
+    def runs_at_once(self) -> int | None:
+        """How many GPU requests the engine runs at once (tenants.json's `runs_at_once`, else the
+        engine's default): while another tenant waits for it, the scheduler admits no more."""
+        ...
+
 
 class Releaser(Protocol):
     """Memory back from an idle tenant, and the wake before its next request (the tenant's `release`)."""

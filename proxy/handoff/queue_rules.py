@@ -36,6 +36,7 @@ class Waiter:
     arrived_at: float
     resident: bool = False  # its load is on the card or on its way there: it needs no memory it does not have
     overtaken: int = 0  # requests for what is on the card that went ahead of it while it waited to swap it away
+    waits_for: tuple[str, ...] = ()  # the tenants its last verdict waited for (whatever its place in the queue)
 
 
 Action = Literal["run", "wait", "refuse"]
@@ -154,7 +155,7 @@ def schedule(snap: AttributedSnapshot, registry: Registry, states: Mapping[str, 
       of it, counted against the fairness bound; their other work queues behind it).
     - otherwise wait; what it counts on is claimed so that no later waiter takes it meanwhile.
     """
-    return _Pass(snap, registry, states, dict(promised), now, starvation_after_s, releasing, overtake_limit,
+    return _Pass(snap, registry, dict(states), dict(promised), now, starvation_after_s, releasing, overtake_limit,
                  hold, dict(room or {}), dict(promised)).run(waiters)
 
 
@@ -163,7 +164,7 @@ class _Pass:
     """One `schedule()` pass: its inputs and what earlier waiters in queue order left for later ones."""
     snap: AttributedSnapshot
     registry: Registry
-    states: Mapping[str, TenantState]
+    states: dict[str, TenantState]  # tenants given work in this pass count as busy for the waiters after it
     claims: dict[str, tuple[str, int]]  # load key -> (tenant, bytes): admitted loads' and earlier waiters' claims
     now: float
     starvation_after_s: float
@@ -175,13 +176,19 @@ class _Pass:
     # for a tenant counts on memory that tenant's running work gives back before the waiter can run)
     granted: dict[str, tuple[str, int]]
     holding_back: dict[str, list[Waiter]] = field(default_factory=dict)  # tenant -> waiters ahead that wait for it
+    waited_for: dict[str, list[Waiter]] = field(default_factory=dict)  # tenant -> waiters its last pass made wait for it
     starting: Waiter | None = None  # the waiter whose releases this pass starts
     swapped: set[str] = field(default_factory=set)  # tenants this pass starts releasing: their new work waits
     claimers: list[Waiter] = field(default_factory=list)  # waiters ahead that run or count on memory
     out: list[Verdict] = field(default_factory=list)
 
     def run(self, waiters: Iterable[Waiter]) -> tuple[Verdict, ...]:
-        for w in queue_order(waiters, self.now, self.starvation_after_s):
+        ordered = queue_order(waiters, self.now, self.starvation_after_s)
+        for w in ordered:  # the bounds hold whatever the priorities: a waiter behind in the queue counts too
+            for t in w.waits_for:
+                if t != w.tenant:
+                    self.waited_for.setdefault(t, []).append(w)
+        for w in ordered:
             self._decide(w)
         return tuple(self.out)
 
@@ -198,19 +205,21 @@ class _Pass:
         """The release under way of `w`'s own tenant for another load (its memory is promised there)."""
         return next((r for r in self.releasing if r.key is not None and w.tenant in r.tenants), None)
 
-    def _resident_runs(self, w: Waiter, plan: Plan, own: Releasing | None, waiting_for_it: list[Waiter]) -> bool:
-        """A load on the card (or on its way) whose peak fits runs ahead of those waiting to swap its
-        tenant away, within the fairness bound and what its engine runs at once, unless its tenant
-        is being released."""
-        if not w.resident or own is not None or w.tenant in self.swapped or not plan.feasible or plan.releases:
+    def _resident_runs(self, w: Waiter, own: Releasing | None, crowd: list[Waiter]) -> bool:
+        """A load on the card (or on its way) whose peak fits beside what is admitted (waiters' claims
+        aside: those waiting for its tenant count on memory its work gives back first) runs ahead of
+        those waiting to swap its tenant away (`crowd`), within the fairness bound and what its engine
+        runs at once, unless its tenant is being released."""
+        if not w.resident or own is not None or w.tenant in self.swapped:
             return False
-        if not all(self._may_overtake(a) for a in waiting_for_it):
+        plan = plan_release(self.snap, self.registry, self.states, w.tenant, w.need_bytes,
+                            promised=promised_by_tenant(self.granted, w.key))
+        if not plan.feasible or plan.releases:
             return False
-        if waiting_for_it and self.room.get(w.tenant, 1) <= 0:
+        if crowd and not self._may_go_ahead(w, crowd):
             return False
-        if w.tenant in self.room:
-            self.room[w.tenant] -= 1
-        self.out.append(Verdict(w, "run", resident_plan(w, plan), RESIDENT, overtook=tuple(a.id for a in waiting_for_it)))
+        self._take_room(w)
+        self.out.append(Verdict(w, "run", resident_plan(w, plan), RESIDENT, overtook=tuple(a.id for a in crowd)))
         _claim(self.claims, w, plan)
         _claim(self.granted, w, plan)
         return True
@@ -218,11 +227,11 @@ class _Pass:
     def _decide(self, w: Waiter) -> None:
         own = self._own_release(w)
         waiting_for_it = self.holding_back.get(w.tenant, [])
-        if w.resident:
-            beside = plan_release(self.snap, self.registry, self.states, w.tenant, w.need_bytes,
-                                  promised=promised_by_tenant(self.granted, w.key))
-            if self._resident_runs(w, beside, own, waiting_for_it):
-                return
+        # every waiter that waits for this tenant, ahead in the queue or not: the fairness bound and what
+        # its engine runs at once hold whatever the priorities
+        crowd = [*waiting_for_it, *(a for a in self.waited_for.get(w.tenant, []) if a not in waiting_for_it)]
+        if self._resident_runs(w, own, crowd):
+            return
         plan = plan_release(self.snap, self.registry, self.states, w.tenant, w.need_bytes,
                             promised=promised_by_tenant(self.claims, w.key))
         if not plan.possible:
@@ -234,18 +243,43 @@ class _Pass:
             ahead = waiting_for_it[0]
             self._wait(w, plan, f"queued behind a {ahead.tenant} request (priority {ahead.priority}) "
                                 f"that waits for {w.tenant} to finish", ahead.id)
+        elif crowd and not self._may_go_ahead(w, crowd):
+            first = crowd[0]
+            self._wait(w, plan, f"queued behind a {first.tenant} request (priority {first.priority}) that waits for "
+                                f"{w.tenant} to finish: {w.tenant} already runs what it runs at once, or that "
+                                "request was overtaken as often as the fairness bound allows", first.id)
         elif plan.feasible and plan.releases and self._swap_waits(w, plan):
             return
         elif plan.feasible:
-            if plan.releases and self.starting is None:
-                self.starting = w
-            self.swapped.update(r.tenant for r in plan.releases)
-            self.out.append(Verdict(w, "run", plan, plan.explanation))
-            _claim(self.claims, w, plan)
-            _claim(self.granted, w, plan)
-            self.claimers.append(w)
+            self._runs(w, plan, crowd)
         else:
             self._wait_for_memory(w, plan)
+
+    def _runs(self, w: Waiter, plan: Plan, crowd: list[Waiter]) -> None:
+        """`w` runs now (after its releases, which this pass starts when no other does)."""
+        if plan.releases and self.starting is None:
+            self.starting = w
+        self.swapped.update(r.tenant for r in plan.releases)
+        self._take_room(w)
+        self.out.append(Verdict(w, "run", plan, plan.explanation, overtook=tuple(a.id for a in crowd)))
+        _claim(self.claims, w, plan)
+        _claim(self.granted, w, plan)
+        self.claimers.append(w)
+
+    def _may_go_ahead(self, w: Waiter, crowd: list[Waiter]) -> bool:
+        """Whether work of `w`'s tenant may still go ahead of `crowd`, the waiters that wait for that
+        tenant to finish: each within the fairness bound, and its engine not running all it runs at
+        once already (more would only queue inside the engine, out of this queue's order)."""
+        return all(self._may_overtake(a) for a in crowd) and self.room.get(w.tenant, 1) > 0
+
+    def _take_room(self, w: Waiter) -> None:
+        """`w` runs: one less its engine runs at once, and its tenant has work from now on (no later
+        waiter in this pass plans to release it)."""
+        if w.tenant in self.room:
+            self.room[w.tenant] -= 1
+        old = self.states.get(w.tenant)
+        if old is None or not old.busy:
+            self.states[w.tenant] = TenantState(w.tenant, True, "a request admitted in this pass", 1)
 
     def _swap_waits(self, w: Waiter, plan: Plan) -> bool:
         """A feasible swap that must wait: behind another release or handoff, or held (`hold.until`).

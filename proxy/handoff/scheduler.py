@@ -29,8 +29,8 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
-from typing import Any, Literal, Protocol
+from dataclasses import replace
+from typing import Any, Protocol
 
 from proxy.clock import Clock
 from proxy.config.registry import Registry
@@ -40,12 +40,10 @@ from proxy.handoff.busy import CONFIRM_SLACK_BYTES, busy_states
 from proxy.handoff.decisions import (
     DecisionLog,
     HandoffKind,
-    HandoffStarted,
     Queued,
     QueueEnd,
     QueueEnded,
     Rejected,
-    ReleaseResult,
     WaitChanged,
 )
 from proxy.handoff.evidence import EngineReads
@@ -53,7 +51,7 @@ from proxy.handoff.hold import SwapHold
 from proxy.handoff.inflight import InFlight, TenantTraffic, Token
 from proxy.handoff.orders import Released, ReleaseOrder
 from proxy.handoff.per_card import plan_on_devices, schedule_on_devices
-from proxy.handoff.plan import Plan, TenantState, gib, unplanned_plan
+from proxy.handoff.plan import Plan, TenantState, unplanned_plan
 from proxy.handoff.queue_rules import (
     RESIDENT,
     Releasing,
@@ -65,35 +63,14 @@ from proxy.handoff.queue_rules import (
 )
 from proxy.handoff.reservations import Reservations
 from proxy.handoff.residency import Residency
+from proxy.handoff.tickets import QUEUE_END, Ticket, Underway, wait_entry
+from proxy.handoff.tickets import Admitted as Admitted
+from proxy.handoff.tickets import Handoff as Handoff
 from proxy.tasks import sleep_or_wake
 
 log = logging.getLogger("hyperswap.handoff")
 
 REPLAN_S = 1.0  # the card is read again this often while anyone waits: memory freed outside the proxy sends no event
-
-
-@dataclass(slots=True)
-class Handoff:
-    plan: Plan
-    releases: list[ReleaseResult]
-    decision: HandoffStarted | Rejected | None  # the handoff that made room for it, or its 507
-    snapshot: AttributedSnapshot | None = None
-    reservation: str | None = None  # the key memory was reserved under; `Scheduler.settle` gives it back
-    waited_s: float = 0.0
-    queued: int | None = None  # the request's `queued` decision, when it had to wait
-
-
-
-Outcome = Literal["run", "refuse", "timeout"]
-_QUEUE_END: dict[Outcome, QueueEnd] = {"run": "admitted", "refuse": "refused (507)", "timeout": "timed out (503)"}
-
-
-@dataclass(slots=True)
-class Admitted:
-    """What a waiting request got: run (forward it), refuse (507) or timeout (503)."""
-    outcome: Outcome
-    handoff: Handoff
-    reason: str
 
 
 class HandoffEffects(Protocol):
@@ -119,41 +96,6 @@ class HandoffEffects(Protocol):
         read into RAM meanwhile (warm-during-release). Must not block."""
 
 
-@dataclass(slots=True, eq=False)
-class _Ticket:
-    waiter: Waiter
-    trigger: str
-    kind: HandoffKind  # "plan" or "oom_retry": the decision kind if releases run
-    future: asyncio.Future[Admitted]
-    since_wall: float
-    verdict: Verdict | None = None
-    queued: Queued | None = None  # emitted when it first had to wait
-    wait_reason: str = ""  # what the last `Queued` or `WaitChanged` said it waits for
-    model: str | None = None  # what the load reads from disk, for `prepare_load`
-    joined: _Underway | None = None  # the release it waits on: admitted when that reports back
-    work: Token | None = None  # the request's traffic token: work from its admission on, never before
-    overtaken: int = 0  # resident requests that went ahead of it while it waited to swap their tenant away
-
-
-@dataclass(slots=True, eq=False)
-class _Underway:
-    """A release running as a task (or next in line for its turn): what the next passes must leave
-    alone, who waits on it, and the future its other callers (the watchdog, the admin API) await."""
-    state: Releasing
-    order: ReleaseOrder
-    done: asyncio.Future[Released]
-    task: asyncio.Task[Released] | None = None  # None: waits for the release ahead of it
-
-    @property
-    def claim(self) -> tuple[str, int] | None:
-        """What the load it makes room for will take from memory that is free now (the rest comes
-        from the release): promised to it, so no later waiter takes it meanwhile."""
-        plan = self.order.plan
-        if plan is None or self.state.key is None:
-            return None
-        return plan.requester, max(0, plan.need_bytes - plan.held_by_requester - plan.expected_free_bytes)
-
-
 class Scheduler:
     """The one owner of admission state (see the module's docstring)."""
 
@@ -168,8 +110,8 @@ class Scheduler:
         self.engine_reads = EngineReads()
         self.card: AttributedSnapshot | None = None  # the latest card reading, whoever read it
         self._ids = itertools.count(1)
-        self._tickets: dict[int, _Ticket] = {}
-        self._underway: list[_Underway] = []  # the release running first, then those in line behind it
+        self._tickets: dict[int, Ticket] = {}
+        self._underway: list[Underway] = []  # the release running first, then those in line behind it
         self._settle_on_idle: dict[str, list[Handoff]] = {}  # tenant -> promises kept until it has no work
         self._wake = asyncio.Event()
         self._driver: asyncio.Task[None] | None = None
@@ -310,7 +252,7 @@ class Scheduler:
             return None
         if any(tenant.name in u.state.tenants for u in self._underway if u.state.key is not None):
             return None  # its memory is promised to another load: the release must not be undone
-        blocking: list[_Ticket] = []
+        blocking: list[Ticket] = []
         for t in self._tickets.values():
             if t.joined is not None:
                 continue
@@ -380,7 +322,7 @@ class Scheduler:
         meanwhile; a release started for it runs to its end."""
         clock = self.effects.clock
         w = Waiter(next(self._ids), tenant.name, key, need_bytes, tenant.priority, clock.now())
-        ticket = _Ticket(w, trigger, kind, asyncio.get_running_loop().create_future(), clock.wall(), model=model,
+        ticket = Ticket(w, trigger, kind, asyncio.get_running_loop().create_future(), clock.wall(), model=model,
                          work=work)
         self._tickets[w.id] = ticket
         self._card_wanted = True  # planned on a reading taken after it arrived, never on an older one
@@ -398,7 +340,7 @@ class Scheduler:
     def waiting(self) -> list[dict[str, Any]]:
         """Each waiting request, for people: tenant, since when, waiting for whom and why."""
         now = self.effects.clock.now()
-        return sorted((self._wait_entry(t, now) for t in self._tickets.values()), key=lambda d: d["id"])
+        return sorted((wait_entry(t, now) for t in self._tickets.values()), key=lambda d: d["id"])
 
     def wait_of(self, work: Token) -> dict[str, Any] | None:
         """The `waiting()` entry of the request whose traffic token is `work`, plus `planned`: True
@@ -409,26 +351,11 @@ class Scheduler:
         ticket = next((t for t in self._tickets.values() if t.work is work), None)
         if ticket is None:
             return None
-        entry = self._wait_entry(ticket, self.effects.clock.now())
+        entry = wait_entry(ticket, self.effects.clock.now())
         v = ticket.verdict
         entry["planned"] = ticket.joined is not None or (v is not None and v.action == "wait")
         entry["releasing"] = list(ticket.joined.state.tenants) if ticket.joined is not None else []
         return entry
-
-    @staticmethod
-    def _wait_entry(t: _Ticket, now: float) -> dict[str, Any]:
-        v = t.verdict
-        if t.joined is not None:
-            reason = f"releasing {', '.join(t.joined.state.tenants)} for it"
-        else:
-            reason = v.reason if v and v.action == "wait" else "being planned"
-        return {"id": t.waiter.id, "tenant": t.waiter.tenant, "trigger": t.trigger,
-                "since": round(t.since_wall, 3), "waited_s": round(now - t.waiter.arrived_at, 3),
-                "need_bytes": t.waiter.need_bytes, "need_gb": gib(t.waiter.need_bytes),
-                "priority": t.waiter.priority, "overtaken": t.overtaken,
-                "waiting_for": list(v.waiting_for) if v and t.joined is None else [],
-                "behind": v.behind if v and t.joined is None else None,
-                "reason": reason}
 
     # -- the one release path --------------------------------------------------------------------
     def release(self, order: ReleaseOrder, *, key: str | None = None, waiter: int | None = None) -> asyncio.Future[Released]:
@@ -439,16 +366,16 @@ class Scheduler:
         (a caller that goes away must not cut a release half way): a pass never awaits it."""
         return self._start_release(order, key, waiter).done
 
-    def _start_release(self, order: ReleaseOrder, key: str | None, waiter: int | None) -> _Underway:
+    def _start_release(self, order: ReleaseOrder, key: str | None, waiter: int | None) -> Underway:
         state = Releasing(tuple(r.tenant for r in order.releases), key, waiter,
                           order.requester if key is not None else "")
-        underway = _Underway(state, order, asyncio.get_running_loop().create_future())
+        underway = Underway(state, order, asyncio.get_running_loop().create_future())
         self._underway.append(underway)
         if len(self._underway) == 1:
             self._run_release(underway, fresh=False)
         return underway
 
-    def _run_release(self, underway: _Underway, *, fresh: bool) -> None:
+    def _run_release(self, underway: Underway, *, fresh: bool) -> None:
         """Its turn came: run it as a task that reports back. `fresh`: it waited in line, so the card
         it was ordered on may be out of date."""
         task = asyncio.create_task(self.effects.carry_out(underway.order, fresh),
@@ -456,7 +383,7 @@ class Scheduler:
         underway.task = task
         task.add_done_callback(lambda t: self._release_done(underway, t))
 
-    def _release_done(self, underway: _Underway, task: asyncio.Task[Released]) -> None:
+    def _release_done(self, underway: Underway, task: asyncio.Task[Released]) -> None:
         """OnSwapDone: the release ended (or failed); admit whoever joined it, start the next one in
         line, plan the rest again."""
         if underway in self._underway:
@@ -480,7 +407,7 @@ class Scheduler:
         if self._tickets:
             self._start_driver()
 
-    def _release_failed(self, underway: _Underway, joined: list[_Ticket], exc: BaseException) -> None:
+    def _release_failed(self, underway: Underway, joined: list[Ticket], exc: BaseException) -> None:
         log.error("release of %s failed", ", ".join(underway.state.tenants), exc_info=exc)
         for ticket in joined:
             self._tickets.pop(ticket.waiter.id, None)
@@ -490,7 +417,7 @@ class Scheduler:
             underway.done.set_exception(exc)
             underway.done.exception()  # a caller that did not await it must not leave it unretrieved
 
-    def _release_ended(self, underway: _Underway, joined: list[_Ticket], released: Released) -> None:
+    def _release_ended(self, underway: Underway, joined: list[Ticket], released: Released) -> None:
         """Admit the waiters that joined the release, unless a tenant it counted on had work again
         (then they are planned again)."""
         if any(r.busy for r in released.results):
@@ -527,16 +454,17 @@ class Scheduler:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _planned(self) -> list[_Ticket]:
+    def _planned(self) -> list[Ticket]:
         """The tickets each pass plans for: those not already waiting on a release under way."""
         return [t for t in self._tickets.values() if t.joined is None]
 
-    def _waiter(self, ticket: _Ticket) -> Waiter:
+    def _waiter(self, ticket: Ticket) -> Waiter:
         """The ticket as the pure scheduler sees it now: whether its load is resident (an OOM retry
         never is: what is on the card was not enough) and how often it was overtaken so far."""
         w = ticket.waiter
         resident = ticket.kind != "oom_retry" and self.resident(w.tenant, w.key)
-        return replace(w, resident=resident, overtaken=ticket.overtaken)
+        waits_for = ticket.verdict.waiting_for if ticket.verdict is not None and ticket.verdict.action == "wait" else ()
+        return replace(w, resident=resident, overtaken=ticket.overtaken, waits_for=waits_for)
 
     def _read_card(self) -> None:
         """Start a card read as a task that posts the reading and wakes the driver (one at a time)."""
@@ -660,7 +588,7 @@ class Scheduler:
                 progressed = True
         return progressed
 
-    def _join_or_start(self, ticket: _Ticket, v: Verdict, snap: AttributedSnapshot) -> None:
+    def _join_or_start(self, ticket: Ticket, v: Verdict, snap: AttributedSnapshot) -> None:
         """A load that runs once its releases are done: join the release under way for the same load,
         or start one (the pure scheduler lets at most one start while none is under way)."""
         underway = next((u for u in self._underway if u.state.key == v.waiter.key), None)
@@ -671,19 +599,19 @@ class Scheduler:
             underway = self._start_release(order, v.waiter.key, v.waiter.id)
         ticket.joined = underway
 
-    def _forward_unplanned(self, snap: AttributedSnapshot, pending: list[_Ticket]) -> None:
+    def _forward_unplanned(self, snap: AttributedSnapshot, pending: list[Ticket]) -> None:
         """Nothing to plan with (reader broken, no engine reports the card): forward, never block."""
         for ticket in pending:
             plan = unplanned_plan(ticket.waiter.tenant, ticket.waiter.need_bytes)  # what GET /api/plan says too
             self._resolve(ticket, Admitted("run", Handoff(plan, [], None, snap), plan.explanation))
 
     # -- bookkeeping -----------------------------------------------------------------------------
-    def _resolve(self, ticket: _Ticket, admitted: Admitted) -> None:
+    def _resolve(self, ticket: Ticket, admitted: Admitted) -> None:
         self._tickets.pop(ticket.waiter.id, None)
         admitted.handoff.waited_s = self.effects.clock.now() - ticket.waiter.arrived_at
         if ticket.queued is not None:
             admitted.handoff.queued = ticket.queued.id
-            ended = _QUEUE_END[admitted.outcome]
+            ended = QUEUE_END[admitted.outcome]
             by = admitted.handoff.decision
             self.effects.decisions.emit(QueueEnded(tenant=ticket.queued.tenant, trigger=ticket.trigger,
                                                    refers_to=ticket.queued.id,
@@ -701,7 +629,7 @@ class Scheduler:
         self.reservations.reserve(key, handoff.plan)
         handoff.reservation = key
 
-    def _note_wait(self, ticket: _Ticket, v: Verdict) -> None:
+    def _note_wait(self, ticket: Ticket, v: Verdict) -> None:
         if ticket.queued is None:
             if ticket.model:  # waiting for a busy tenant is time the disk can use
                 self.effects.prepare_load(v.waiter.tenant, ticket.model)
@@ -712,7 +640,7 @@ class Scheduler:
                                                reason=v.reason, waiting_for=v.waiting_for, behind=v.behind))
         ticket.wait_reason = v.reason
 
-    def _note_end(self, ticket: _Ticket, why: QueueEnd) -> None:
+    def _note_end(self, ticket: Ticket, why: QueueEnd) -> None:
         if ticket.queued is not None:
             self.effects.decisions.emit(QueueEnded(tenant=ticket.queued.tenant, trigger=ticket.trigger,
                                               refers_to=ticket.queued.id, result=why,

@@ -451,7 +451,9 @@ def test_schedule_with_a_release_under_way_runs_what_needs_no_release_and_holds_
     verdicts = schedule(s, reg, idle("ollama", "comfyui", "stt"), [chat, same, other, prompt],
                         {"stt:m": ("stt", 0)}, 5, 60, underway)
     assert actions(verdicts) == [("ollama", "run"), ("stt", "run"), ("stt", "wait"), ("comfyui", "wait")]
-    assert verdicts[2].reason == "queued behind the handoff to stt in progress" and verdicts[2].behind == 99
+    # the chat admitted in this very pass makes ollama busy: the other stt load waits for it to finish
+    # rather than plan a release of a tenant that has work now
+    assert verdicts[2].plan.wait_for == ("ollama",), verdicts[2].reason
     assert verdicts[3].reason == "queued behind the release of comfyui in progress"
     idle_release = (Releasing(("comfyui",)),)  # the watchdog's: no load waits for that memory
     verdicts = schedule(s, reg, idle("ollama", "comfyui", "stt"), [prompt, other], {}, 5, 60, idle_release)
@@ -654,4 +656,48 @@ async def test_a_card_read_that_raises_fails_the_waiters_instead_of_leaving_them
     queue = scheduler(effects)
     with pytest.raises(RuntimeError, match="reader bug"):
         await asyncio.wait_for(queue.request(effects.registry.get("ollama"), "ollama:gemma", 16 * GIB, "request"), 1)
+    await queue.aclose()
+
+
+async def test_while_a_render_waits_for_ollama_no_more_chats_are_admitted_than_ollama_runs_at_once(
+        clock: ManualClock) -> None:
+    """Issue 40 item 6: with a render waiting for Ollama, chats for its resident model were admitted as
+    they came and queued inside Ollama (151 ahead of the render); now Ollama gets one at a time, so
+    the proxy's queue, with its fairness bound, decides who goes next."""
+    effects = recorder(clock, overtake_limit=2)
+    effects.procs = [("ollama", 1, 16 * GIB), ("comfyui", 2, 1 * GIB)]
+    effects.free = 6 * GIB
+    queue = Scheduler(effects, effects.inflight, runs_at_once=lambda tenant: 1)
+    ollama, comfy = effects.registry.get("ollama"), effects.registry.get("comfyui")
+    queue.loaded("ollama", "ollama:gemma")
+    first = effects.inflight.begin("ollama", admitted=False)
+    assert queue.admit_at_once(ollama, "ollama:gemma", 16 * GIB, first) is None, "no card read yet"
+    running = await asyncio.wait_for(queue.request(ollama, "ollama:gemma", 16 * GIB, "chat", work=first), 1)
+    assert running.outcome == "run"
+    render = asyncio.ensure_future(queue.request(comfy, "comfyui:flux", 13 * GIB, "render"))
+    await until_all_wait()
+    assert not render.done(), "the render waits for the chat in flight"
+    chats = [effects.inflight.begin("ollama", admitted=False) for _ in range(4)]
+    assert all(queue.admit_at_once(ollama, "ollama:gemma", 16 * GIB, w) is None for w in chats), \
+        "Ollama runs one chat at a time and one runs: the next ones queue in the proxy, not in Ollama"
+    waiting = [asyncio.ensure_future(queue.request(ollama, "ollama:gemma", 16 * GIB, f"chat {i}", work=w))
+               for i, w in enumerate(chats)]
+    await until_all_wait()
+    assert not any(w.done() for w in waiting), [w.result().reason for w in waiting if w.done()]
+    admitted_order: list[str] = []
+    active = first
+    for _ in range(3):
+        effects.inflight.end(active)  # the chat in flight ends: one more may go ahead of the render
+        await until_all_wait()
+        done = [i for i, w in enumerate(waiting) if w.done() and f"chat {i}" not in admitted_order]
+        if render.done():
+            admitted_order.append("render")
+            break
+        assert len(done) == 1, f"exactly one chat admitted at a time, got {done}"
+        admitted_order.append(f"chat {done[0]}")
+        active = chats[done[0]]
+    assert admitted_order == ["chat 0", "chat 1", "render"], \
+        f"overtake_limit 2: two chats go ahead of the waiting render, then the render runs ({admitted_order})"
+    for w in waiting:
+        w.cancel()
     await queue.aclose()
