@@ -338,7 +338,9 @@ class Tenant(StrictModel):
         "engine's default (ollama and comfyui 1, others no bound)")
     timeouts: Timeouts = Field(default_factory=Timeouts, description="upstream timeouts")
     replay_body_max_mb: float = Field(default=16.0, description="GPU request bodies up to this size are kept for an "
-                                                                   "OOM retry (0: never kept)")
+                                                                   "OOM retry (0: never kept); a larger one is still "
+                                                                   "planned, on the model the head of its body names "
+                                                                   "(else needs_vram_gb), and streamed with no retry")
     allowed_hosts: list[str] = Field(
         default_factory=list, description="Host names the listener answers besides loopback (and, for Ollama, what Ollama "
         "allows): llm.example.com, *.example.com, an address, or * for no check (only behind your own auth); no port. "

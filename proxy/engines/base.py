@@ -10,6 +10,7 @@ engine's name: they ask its adapter, typed as the port they use.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -18,7 +19,7 @@ import httpx
 
 from proxy.config.schema import ReleaseSpec, Tenant
 from proxy.engines import ports
-from proxy.engines.common import Need, release_by_strategy, resume_by_strategy
+from proxy.engines.common import Need, named_in_head, release_by_strategy, resume_by_strategy
 from proxy.engines.model_files import FileHints, TenantFiles, plain_tenant_files
 from proxy.engines.ports import Header, JobReplay, Placement, Relocation, RequestKind, Streamed
 from proxy.engines.settings import EnvReaders
@@ -205,6 +206,24 @@ class EngineAdapter(ports.HostAndHeaders, ports.Classifier, ports.JobTracker, po
         """What the request needs in total on the card (the planner subtracts what the tenant already holds)."""
         t = self.tenant
         return Need(t.needs_vram_bytes, f"{t.needs_vram_gb:.2f} GiB (needs_vram_gb)", t.name)
+
+    # The JSON fields that name what a request loads, looked for in the head of a body too large to
+    # keep (`head_need`); none: such a request is planned on the tenant's need.
+    head_model_fields: tuple[str, ...] = ()
+
+    def body_naming(self, model: str) -> bytes:
+        """The smallest request body that loads `model`, for `estimate_need` (`head_need`)."""
+        return json.dumps({"model": model}).encode()
+
+    async def head_need(self, path: str, head: bytes, client: httpx.AsyncClient) -> Need:
+        """A request whose body is too large to keep (over replay_body_max_mb) is planned like any other
+        (one door): on the model its head names, else on the tenant's configured need."""
+        model = named_in_head(head, self.head_model_fields)
+        if model is not None:
+            return await self.estimate_need(path, self.body_naming(model), client)
+        t = self.tenant
+        return Need(t.needs_vram_bytes, f"{t.needs_vram_gb:.2f} GiB (needs_vram_gb: its body is too large to read the "
+                                        "model from)", t.name)
 
     @property
     def start_need_bytes(self) -> int:

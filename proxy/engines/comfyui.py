@@ -55,6 +55,10 @@ class ComfyUIAdapter(EngineAdapter):
     device_flag = "--cuda-device"  # main.py sets CUDA_VISIBLE_DEVICES from it before torch starts
     load_timed_from_frames = True  # a prompt's checkpoint loads when its job runs, after /prompt answered
     runs_at_once_default = 1  # one prompt executes at a time; the rest wait in its queue
+    head_model_fields = ("ckpt_name", "unet_name")  # the checkpoint a prompt's loader nodes load
+
+    def body_naming(self, model: str) -> bytes:
+        return json.dumps({"prompt": {"1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": model}}}}).encode()
 
     def model_files(self, hints: FileHints) -> TenantFiles:
         """ComfyUI's model folders (checkpoints, vae, ...) under its base directory and extra_model_paths."""

@@ -7,6 +7,7 @@ Nothing here knows an engine by name; `proxy/engines/<kind>.py` does.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -30,6 +31,21 @@ def json_or_none(body: bytes) -> Any:
         return json.loads(body) if body else None
     except (ValueError, UnicodeDecodeError):
         return None
+
+
+def named_in_head(head: bytes, fields: tuple[str, ...]) -> str | None:
+    """The first string value of one of `fields` in the head of a JSON body (too large to parse
+    whole): `"model": "gemma3:27b"` -> gemma3:27b. None when none appears in it."""
+    for field in fields:
+        found = re.search(rb'"' + re.escape(field.encode()) + rb'"\s*:\s*"((?:[^"\\]|\\.){1,512})"', head)
+        if found is not None:
+            try:
+                value = json.loads(b'"' + found.group(1) + b'"')
+            except ValueError:
+                continue
+            if isinstance(value, str) and value:
+                return value
+    return None
 
 
 def upstream_of(tenant: Tenant) -> str:

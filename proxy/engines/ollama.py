@@ -124,6 +124,7 @@ class OllamaAdapter(EngineAdapter):
     verify_role = "generates"
     start_hint = "start Ollama (`systemctl start ollama` or `ollama serve`)"
     runs_at_once_default = 1  # OLLAMA_NUM_PARALLEL's default since v0.10 (engine-wire-facts)
+    head_model_fields = ("model",)  # Ollama's and the /v1 bodies name it so (the ollama client sends it first)
 
     def __init__(self, tenant: Tenant) -> None:
         super().__init__(tenant)

@@ -176,6 +176,18 @@ class NeedEstimator(Protocol):
         """The memory planned for a start (or a resume) of a stopped tenant."""
         ...
 
+    # The JSON fields that name what a request loads, looked for in the head of a body too large to keep.
+    head_model_fields: tuple[str, ...]
+
+    def body_naming(self, model: str) -> bytes:
+        """The smallest request body that loads `model`, for `estimate_need`."""
+        ...
+
+    async def head_need(self, path: str, head: bytes, client: httpx.AsyncClient) -> Need:
+        """A request whose body is too large to keep, planned on the model its head names, else on
+        the tenant's need (one door: nothing reaches the engine unplanned)."""
+        ...
+
     # How many GPU requests the engine runs at once when tenants.json does not say; None: no bound.
     runs_at_once_default: int | None
 

@@ -350,6 +350,29 @@ class GpuGate:
             else:
                 self.arbitration.scheduler.settle(handoff)
 
+    async def handle_unkept(self, tenant: Tenant, request: Request, head: bytes,
+                            forward: Callable[[], Awaitable[UpstreamResponse]], work: Token) -> UpstreamResponse | Response:
+        """A GPU request whose body is too large to keep (over replay_body_max_mb, or any body with
+        0): planned like any other, through the same scheduler (one door), on the need its head names;
+        only the OOM retry is given up (the body cannot be sent twice), and its decision says so."""
+        adapter = self._adapter(tenant)
+        need = await adapter.head_need(request.url.path, head, self.arbitration.control)
+        trigger = (f"{RequestTrigger.of(request.method, request.url.path)} (body over replay_body_max_mb="
+                   f"{tenant.replay_body_max_mb:g}: not kept, so no OOM retry)")
+        admitted, need = await self.arbitration.admit(tenant, request.url.path, b"", trigger, work=work, need=need)
+        if admitted.outcome != "run":
+            return self._refused(tenant, admitted, need, trigger)
+        try:
+            response = await forward()
+            if response.status_code < 400:
+                self.arbitration.scheduler.loaded(tenant.name, need.key)
+            return response
+        finally:
+            if adapter.captures_job(request.method, request.url.path):
+                self.arbitration.scheduler.settle_when_idle(admitted.handoff)
+            else:
+                self.arbitration.scheduler.settle(admitted.handoff)
+
     async def _after_error(self, tenant: Tenant, adapter: GatePorts, request: Request, body: bytes,
                            forward: Callable[[bytes], Awaitable[UpstreamResponse]], handoff: Handoff, need: Need,
                            trigger: str, response: UpstreamResponse) -> UpstreamResponse | Response:

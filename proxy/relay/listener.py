@@ -60,6 +60,11 @@ class Admission(Protocol):
         """Admit the request (its `work` token counts as the tenant's work from the moment the
         scheduler admits it, never while it waits), forward it, retry once after an OOM."""
 
+    async def handle_unkept(self, tenant: Tenant, request: Request, head: bytes,
+                            forward: Callable[[], Awaitable[UpstreamResponse]], work: Token) -> UpstreamResponse | Response:
+        """A request whose body is too large to keep: admitted like any other on the need its `head`
+        names (no OOM retry: the body cannot be sent twice), then forwarded."""
+
     def on_frame(self, tenant: Tenant, text: str) -> None:
         """Every upstream websocket text frame (ComfyUI's OOM arrives as one); must be cheap."""
 
@@ -109,6 +114,27 @@ async def _read_up_to(request: Request, limit: int) -> tuple[bytes, AsyncIterato
                     yield more
             return b"", rest()
     return b"".join(parts), None
+
+
+HEAD_BYTES = 64 * 1024  # what is read of a body too large to keep, to find the model it names
+
+
+async def _head_of(stream: AsyncIterator[bytes], limit: int) -> tuple[bytes, AsyncIterator[bytes]]:
+    """The first `limit` bytes (or so) of a body, and an iterator of the whole body, head included."""
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in stream:
+        parts.append(chunk)
+        size += len(chunk)
+        if size >= limit:
+            break
+
+    async def whole() -> AsyncIterator[bytes]:
+        for part in parts:
+            yield part
+        async for more in stream:
+            yield more
+    return b"".join(parts)[:limit], whole()
 
 
 def _decoded(body: bytes, encoding: str) -> bytes:
@@ -220,14 +246,11 @@ class TenantApp:
         try:
             body, rest = await _read_up_to(request, tenant.replay_body_max_bytes)
             if rest is not None:
-                log.info("%s: %s %s body exceeds replay_body_max_mb=%s: streamed without admission",
-                         tenant.name, method, path, tenant.replay_body_max_mb)
                 refusal = await wake() if wake is not None else None  # its app still starts first
                 if refusal is not None:
                     inflight.end(token, refusal.status_code)
                     return refusal
-                inflight.admit(token)
-                result: UpstreamResponse | Response = await forwarder.open(tenant, request, rest)
+                result: UpstreamResponse | Response = await self._unkept(request, rest, token)
             elif self.admission is not None:
                 streamed = self._progress_for(request, body)
                 if wake is not None:
@@ -254,6 +277,19 @@ class TenantApp:
             inflight.end(token)
             raise
         return self._answer(result, token, method, path)
+
+    async def _unkept(self, request: Request, rest: AsyncIterator[bytes], token: Token) -> UpstreamResponse | Response:
+        """A body too large to keep for an OOM retry: still planned, on what its head names (one door),
+        then streamed to the engine as it arrives."""
+        tenant, forwarder = self.tenant, self.forwarder
+        log.info("%s: %s %s body exceeds replay_body_max_mb=%s: planned on its head, streamed, no OOM retry",
+                 tenant.name, request.method, request.url.path, tenant.replay_body_max_mb)
+        if self.admission is None:
+            self.inflight.admit(token)
+            return await forwarder.open(tenant, request, rest)
+        head, whole = await _head_of(rest, HEAD_BYTES)
+        return await self.admission.handle_unkept(tenant, request, head, lambda: forwarder.open(tenant, request, whole),
+                                                  token)
 
     def _answer(self, result: UpstreamResponse | Response, token: Token, method: str, path: str) -> Response:
         """The answer to an admitted GPU request, counted in flight until it ends."""

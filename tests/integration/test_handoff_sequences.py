@@ -4,6 +4,8 @@ ComfyUI client: chat and image generation alternating on one card, as issue 12 n
 from __future__ import annotations
 
 import asyncio
+import base64
+import os
 from typing import Any
 
 import httpx
@@ -139,3 +141,26 @@ async def test_once_ollama_was_seen_holding_the_chat_model_an_idle_comfyui_that_
     assert (await chat(demo, "gemma3:27b")).message.content
     assert releases(demo) == [("ollama", "comfyui"), ("comfyui", "ollama")], \
         f"the idle ComfyUI was released again: {releases(demo)} "
+
+
+@pytest.mark.parametrize("replay_body_max_mb", [1.0, 0.0])
+async def test_a_chat_whose_body_is_too_large_to_keep_is_planned_like_any_other(
+        box: DemoFactory, replay_body_max_mb: float) -> None:
+    """Issue 40 item 1 (one door): a chat with big images (over replay_body_max_mb, or any body with 0)
+    was streamed without admission: with flux idle on the card, Ollama loaded gemma3:27b beside it and
+    spilled it to the CPU. Planned on the model its body's head names, it releases ComfyUI first; only
+    the OOM retry is given up, and its decision says so."""
+    demo = await box(fast("default", tenants={"ollama": {"replay_body_max_mb": replay_body_max_mb}}))
+    assert succeeded(await render(demo, "flux1-dev-fp8.safetensors"))  # flux idle on the card
+    image = base64.b64encode(os.urandom(3 * 2**20)).decode()  # a photo: 4 MiB of base64
+    body = {"model": "gemma3:27b", "messages": [{"role": "user", "content": "what is this?", "images": [image]}],
+            "stream": False}
+    async with httpx.AsyncClient(verify=LOOPBACK_TLS, trust_env=False, timeout=30) as http:
+        r = await http.post(demo.proxy.url("ollama") + "/api/chat", json=body)  # type: ignore[union-attr]
+        assert r.status_code == 200, r.text
+        ps = (await http.get(demo.proxy.url("ollama") + "/api/ps")).json()["models"]  # type: ignore[union-attr]
+    assert releases(demo) == [("ollama", "comfyui")], "ComfyUI's idle flux was released for the chat"
+    (plan,) = [d for d in decisions(demo, "plan") if d.tenant == "ollama"]
+    assert "no OOM retry" in plan.trigger, plan.trigger
+    (gemma,) = [m for m in ps if m["name"] == "gemma3:27b"]
+    assert gemma["size_vram"] == gemma["size"], f"gemma3:27b is split between the card and the CPU: {gemma}"

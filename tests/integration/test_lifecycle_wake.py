@@ -204,7 +204,7 @@ async def test_the_lifecycle_demos_try_lines_answer_as_pasted(box: DemoFactory) 
 
 
 async def test_a_body_too_large_to_keep_still_starts_a_stopped_app_first(box: DemoFactory, http: httpx.AsyncClient) -> None:
-    """A body past replay_body_max_mb is streamed through without admission: its app must still be
+    """A body past replay_body_max_mb is planned on its head and streamed through (no OOM retry): its app must still be
     started before it, since the wake moved after the body's read (a streamed request hears the start)."""
     _, machine, url = await stopped_relay(box, replay_body_max_mb=0.001)
     async with asyncio.timeout(ANSWER_WITHIN_S):
