@@ -109,6 +109,9 @@ class SimulatedGpu:
         self._lock = threading.Lock()
         self._more: list[_Card] = []  # devices 1, 2, ...; device 0 is this object's own figures
         self.reads = 0
+        # every allocation the card could not grant (an engine's OOM, a load spilled to the CPU): a test
+        # of the proxy's planning asserts it stays empty (the card never over-committed)
+        self.shortfalls: list[str] = []
         self.fail_with: Exception | None = None  # set to make read() raise (health tests)
         self.card_settings = SimulatedCardSettings(name=name)  # power limit, clocks, fans: GET /api/gpu
         # The box's model files are 1/SCALE stand-ins: the size of the model each stands for, by path
@@ -263,6 +266,8 @@ class SimulatedGpu:
             self._sync_locked()
             free = self._free_locked(self._procs[pid].device)
             if nbytes > free:
+                self.shortfalls.append(f"pid {pid} asked {nbytes / 2**30:.2f} GiB with {free / 2**30:.2f} GiB free: "
+                                       "out of memory")
                 raise SimulatedOutOfMemory(nbytes, free)
             self._procs[pid].used += nbytes
 
@@ -271,6 +276,9 @@ class SimulatedGpu:
         with self._lock:
             self._sync_locked()
             take = max(0, min(nbytes, self._free_locked(self._procs[pid].device)))
+            if take < nbytes:
+                self.shortfalls.append(f"pid {pid} asked {nbytes / 2**30:.2f} GiB, got {take / 2**30:.2f} GiB: the rest "
+                                       "on the CPU")
             self._procs[pid].used += take
             return take
 

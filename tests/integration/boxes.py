@@ -106,10 +106,11 @@ class RenderRefused(Exception):
 
 
 async def render(demo: Demo, ckpt: str = README_CKPT, steps: int | None = None) -> list[dict[str, Any]]:
-    """A prompt through the proxy with its websocket open, up to the end marker."""
+    """A prompt through the proxy with its websocket open, up to the end marker. A fresh seed, as real
+    clients send (a repeated graph is cached by ComfyUI: it loads and samples nothing, hiding its cost)."""
     base = demo.proxy.url("comfyui")  # type: ignore[union-attr]
     cid = uuid.uuid4().hex
-    prompt = comfy_prompt(ckpt)
+    prompt = comfy_prompt(ckpt, seed=random.randrange(2**40))
     if steps:
         prompt["3"]["inputs"]["steps"] = steps
     async with httpx.AsyncClient(verify=LOOPBACK_TLS, timeout=30, trust_env=False) as http:
@@ -127,9 +128,15 @@ async def render(demo: Demo, ckpt: str = README_CKPT, steps: int | None = None) 
     return msgs
 
 
+def never_short(demo: Demo) -> list[str]:
+    """Every allocation the simulated card could not grant so far (an engine's OOM, a load spilled to
+    the CPU): planning kept the card from over-committing when this is empty."""
+    return list(demo.box.gpu.shortfalls)
+
+
 def succeeded(msgs: list[dict[str, Any]]) -> bool:
     return "execution_success" in [m["type"] for m in msgs] and "execution_error" not in [m["type"] for m in msgs]
 
 
 __all__ = ["ALL_PORTS_ZERO", "LOOPBACK_TLS", "README_CKPT", "DemoFactory", "RenderRefused", "chat", "decisions",
-           "fast", "free_port", "port_open", "process_tenant", "releases", "render", "succeeded"]
+           "fast", "free_port", "never_short", "port_open", "process_tenant", "releases", "render", "succeeded"]

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import ollama
 import pytest
-from boxes import DemoFactory, RenderRefused, chat, decisions, fast, render, succeeded
+from boxes import DemoFactory, RenderRefused, chat, decisions, fast, never_short, render, succeeded
 
 from proxy.demo import Demo
 from proxy.tasks import cancel_and_wait, poll_until
@@ -180,6 +180,8 @@ def assert_all_ended_200(burst: Burst, outcomes: list[Outcome]) -> None:
     assert not bad, f"every request must end 200; {', '.join(map(str, bad))} did not\n{burst.story(outcomes)}"
     refusals = decisions(burst.demo, "rejection")
     assert not refusals, f"the proxy refused requests (503/507) meanwhile\n{burst.story(outcomes)}"
+    short = never_short(burst.demo)
+    assert not short, f"the simulated card was over-committed: {short}\n{burst.story(outcomes)}"
 
 
 async def run_pattern(box: DemoFactory, letters: str, pace: Pace) -> tuple[Burst, list[Outcome]]:
@@ -207,6 +209,13 @@ async def test_render_chat_render_chat_all_end_200(box: DemoFactory, pace: Pace)
 @PACES
 async def test_chat_render_chat_render_all_end_200(box: DemoFactory, pace: Pace) -> None:
     await run_pattern(box, "CRCR", pace)
+
+
+@PACES
+async def test_render_chat_chat_then_renders_with_fresh_seeds_never_run_out_of_memory(box: DemoFactory, pace: Pace) -> None:
+    """Issue 40: with fresh seeds a render on a resident checkpoint still samples; admitted at once
+    beside a chat model that had just loaded, 1-4 renders of this burst ran out of memory."""
+    await run_pattern(box, "RCCRRRCR", pace)
 
 
 @PACES
