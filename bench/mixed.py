@@ -514,6 +514,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     demo = await start_demo(setup.scenario, sim_ports=sim_ports, proxy_ports={**ports, "admin": 0}, config=config)
     bursts: list[Burst] = []
     skipped: list[str] = []
+    shortfalls: list[str] = []
     try:
         async with httpx.AsyncClient(trust_env=False, timeout=args.burst_timeout_s) as client:
             clients = Clients(demo, setup, client)
@@ -537,6 +538,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                 b = await burst(clients, card, services, name, pattern, args.gap_s, args.burst_timeout_s, args.oracle_max)
                 bursts.append(b)
                 print(row(b), flush=True)
+        shortfalls = list(demo.box.gpu.shortfalls)  # every allocation the card refused: an OOM or a spill
     finally:
         await demo.stop()
     ratios = [r for b in bursts if (r := b.ratio) is not None]
@@ -554,8 +556,11 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
           f"{within} of {len(ratios)} within 1.25x; to the no-lookahead oracle median {fmt(median_now)}, "
           f"max {fmt(max(ratios_now, default=None))}; wait p50 {fmt(p50)} s, p99 {fmt(p99)} s; handoffs {handoffs} "
           f"(oracle {oracle_handoffs}); statuses {dict(statuses)}"
+          + f"; OOMs {len(shortfalls)} (allocations the simulated card refused; renders that ended in error "
+          f"{statuses.get('error', 0)})"
           + (f"; not run (over --budget-s): {', '.join(skipped)}" if skipped else ""))
-    summary = {"bursts": len(bursts), "skipped_over_budget": skipped, "ratio_median": median, "ratio_max": worst,
+    summary = {"bursts": len(bursts), "skipped_over_budget": skipped,
+               "ooms": len(shortfalls), "shortfalls": shortfalls, "ratio_median": median, "ratio_max": worst,
                "ratio_now_median": median_now, "ratio_now_max": max(ratios_now, default=None),
                "within_1_25": within, "with_oracle": len(ratios), "wait_p50_s": p50, "wait_p99_s": p99,
                "handoffs": handoffs, "oracle_handoffs": oracle_handoffs, "statuses": dict(statuses), "seconds": seconds}
