@@ -50,6 +50,7 @@ from proxy.handoff.evidence import EngineReads
 from proxy.handoff.hold import SwapHold
 from proxy.handoff.inflight import InFlight, TenantTraffic, Token
 from proxy.handoff.orders import Released, ReleaseOrder
+from proxy.handoff.peaks import Peaks
 from proxy.handoff.per_card import plan_on_devices, schedule_on_devices
 from proxy.handoff.plan import Plan, TenantState, unplanned_plan
 from proxy.handoff.queue_rules import (
@@ -108,6 +109,8 @@ class Scheduler:
         # confirmed again every watchdog tick; a load unconfirmed for two ticks is planned for again
         self.residency = Residency(effects.clock, fresh_s=fresh_s)
         self.engine_reads = EngineReads()
+        self.peaks = Peaks()  # what each load was seen to take while its work ran
+        self._busy_keys: dict[str, set[str]] = {}  # tenant -> the loads admitted to it since it was last idle
         self.card: AttributedSnapshot | None = None  # the latest card reading, whoever read it
         self._ids = itertools.count(1)
         self._tickets: dict[int, Ticket] = {}
@@ -130,6 +133,7 @@ class Scheduler:
     def _traffic_changed(self, tenant: str, traffic: TenantTraffic) -> None:
         if traffic.busy:
             return
+        self._busy_keys.pop(tenant, None)
         for handoff in self._settle_on_idle.pop(tenant, []):
             self.settle(handoff)
         self.kick()  # a blocker may have gone idle: whoever waits for it is planned again now
@@ -140,9 +144,13 @@ class Scheduler:
         self.card = snap
         if snap.snapshot.taken_at > 0:  # 0: a reading that says not when (a test's card)
             self.reservations.confirmed(snap.snapshot.taken_at)
-        for tenant in self.effects.registry:
-            if snap.held_by(tenant.name) <= tenant.idle_vram_bytes + CONFIRM_SLACK_BYTES:
-                self.residency.forget(tenant.name)  # nothing of it is on the card any more
+        if not snap.estimated:
+            for tenant, keys in self._busy_keys.items():
+                if len(keys) == 1 and self.traffic.busy(tenant):  # all its work is of one load: its peak so far
+                    self.peaks.seen(next(iter(keys)), snap.held_by(tenant))
+        for t in self.effects.registry:
+            if snap.held_by(t.name) <= t.idle_vram_bytes + CONFIRM_SLACK_BYTES:
+                self.residency.forget(t.name)  # nothing of it is on the card any more
 
     def loaded(self, tenant: str, key: str) -> None:
         """The engine answered an admitted request for this load: it is on the card now."""
@@ -250,6 +258,7 @@ class Scheduler:
         snap = self.card
         if snap is None or not self.resident(tenant.name, key):
             return None
+        need_bytes = self.peak_need(key, need_bytes)
         if any(tenant.name in u.state.tenants for u in self._underway if u.state.key is not None):
             return None  # its memory is promised to another load: the release must not be undone
         blocking: list[Ticket] = []
@@ -275,8 +284,13 @@ class Scheduler:
             t.overtaken += 1
         w = Waiter(next(self._ids), tenant.name, key, need_bytes, tenant.priority, now, resident=True)
         if work is not None:
-            self.traffic.admit(work)
+            self._admit(work, key)
         return Admitted("run", self._resident_handoff(w, resident_plan(w, plan), snap), RESIDENT)
+
+    def peak_need(self, key: str, estimate: int) -> int:
+        """What a request for this load is planned on: its estimate, or the most the load was seen to
+        take while it ran, whichever is larger (`Peaks`)."""
+        return max(estimate, self.peaks.of(key) or 0)
 
     def at_once_room(self) -> dict[str, int]:
         """Tenant -> how many more requests its engine runs at once (`runs_at_once`) beyond the work
@@ -321,6 +335,7 @@ class Scheduler:
         leaves (its task cancelled) leaves the queue and gives back anything it was promised
         meanwhile; a release started for it runs to its end."""
         clock = self.effects.clock
+        need_bytes = self.peak_need(key, need_bytes)
         w = Waiter(next(self._ids), tenant.name, key, need_bytes, tenant.priority, clock.now())
         ticket = Ticket(w, trigger, kind, asyncio.get_running_loop().create_future(), clock.wall(), model=model,
                          work=work)
@@ -619,10 +634,15 @@ class Scheduler:
                                                    ended_by=by.id if by is not None else None, ended_with=admitted.reason))
         if not ticket.future.done():
             if admitted.outcome == "run" and ticket.work is not None:
-                self.traffic.admit(ticket.work)  # work from this step on: no pass sees it idle in between
+                self._admit(ticket.work, ticket.waiter.key)  # work from this step on: no pass sees it idle in between
             ticket.future.set_result(admitted)
         elif admitted.outcome == "run":
             self.settle(admitted.handoff)  # its client left at this very moment
+
+    def _admit(self, work: Token, key: str) -> None:
+        """The request becomes its tenant's work now, for this load (its peak is learned while it runs)."""
+        self.traffic.admit(work)
+        self._busy_keys.setdefault(work.tenant, set()).add(key)
 
     def reserve(self, key: str, handoff: Handoff) -> None:
         """Promise the admitted load its memory until it reaches the card (`settle` ends it)."""

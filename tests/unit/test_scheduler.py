@@ -701,3 +701,24 @@ async def test_while_a_render_waits_for_ollama_no_more_chats_are_admitted_than_o
     for w in waiting:
         w.cancel()
     await queue.aclose()
+
+
+async def test_a_load_is_planned_on_the_most_the_card_showed_it_take_while_its_work_ran(clock: ManualClock) -> None:
+    """Issue 40 item 3: flux renders were planned on needs_vram_gb (10 GiB) but take 13.8 GiB while
+    sampling; a reading taken while the tenant's work was all of that load teaches its peak."""
+    effects = recorder(clock)
+    effects.procs, effects.free = [("comfyui", 2, 1 * GIB)], 22 * GIB
+    queue = scheduler(effects)
+    comfy = effects.registry.get("comfyui")
+    work = effects.inflight.begin("comfyui", admitted=False)
+    first = await asyncio.wait_for(queue.request(comfy, "comfyui:flux", 10 * GIB, "render", work=work), 1)
+    assert first.handoff.plan.need_bytes == 10 * GIB, "planned on the estimate until something is learned"
+    effects.procs, effects.free = [("comfyui", 2, int(13.8 * GIB))], int(9.2 * GIB)  # sampling
+    queue.observe_card(effects.card())
+    effects.inflight.end(work)
+    queue.settle(first.handoff)
+    again = await asyncio.wait_for(queue.request(comfy, "comfyui:flux", 10 * GIB, "render"), 1)
+    assert again.handoff.plan.need_bytes == int(13.8 * GIB), "the next flux render is planned on its learned peak"
+    other = await asyncio.wait_for(queue.request(comfy, "comfyui:sdxl", 10 * GIB, "render"), 1)
+    assert other.handoff.plan.need_bytes == 10 * GIB, "another checkpoint's peak is its own"
+    await queue.aclose()
