@@ -264,3 +264,17 @@ def test_the_gke_health_check_asks_the_port_the_pool_serves() -> None:
     (target,) = one(load(POOL), "InferencePool")["spec"]["targetPorts"]
     assert check["type"] == "HTTP" and check["httpHealthCheck"]["port"] == target["number"]
     assert one(load(gke), "GCPBackendPolicy")["spec"]["default"]["timeoutSec"] >= 300, "a cold load outlasts GKE's 30 s"
+
+
+def test_the_metrics_reader_lets_a_token_read_the_pickers_metrics_and_nothing_else() -> None:
+    kv = pytest.importorskip("kubernetes_validate")
+    docs, pool_docs = load(ROOT / "examples" / "kubernetes" / "epp-metrics-reader.yaml"), load(POOL)
+    for doc in docs:
+        kv.validate(doc, "1.30.0", strict=True)
+    picker = one(pool_docs, "ServiceAccount")["metadata"]
+    bindings = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ClusterRoleBinding"}
+    delegator = next(b for b in bindings.values() if b["roleRef"]["name"] == "system:auth-delegator")
+    assert delegator["subjects"] == [{"kind": "ServiceAccount", "name": picker["name"], "namespace": picker["namespace"]}]
+    assert flag(picker_container(pool_docs)["args"], "metrics-endpoint-auth") is not False, "metrics stay behind a token"
+    (role,) = [d for d in docs if d["kind"] == "ClusterRole"]
+    assert role["rules"] == [{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}]
