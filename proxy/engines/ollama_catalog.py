@@ -10,9 +10,12 @@ card". So a footprint is keyed by the model's digest (the manifest digest `/api/
 both report) and the load options the request sets (`Shape`).
 
 Which shape a row of `/api/ps` is: the shape of the last request for the model that the engine
-answered (the listener tells the adapter), when the row's `context_length` agrees with it; else the
-default shape when the row's context is the one default loads of this digest were seen with; else
-the context the row shows (`num_ctx=<context_length>`). An unknown load is never taken for another.
+answered (the listener tells the adapter), when the row's `context_length` agrees with it (for a
+default one: the context default loads of this digest showed, or any on the first row after a
+default answer, since the default changes with Ollama's version and settings); else the default
+shape when the row's context is the one default loads of this digest showed; else the context the
+row shows (`num_ctx=<context_length>`). So a load under way with other options is never taken for
+the one answered before it.
 
 A footprint goes stale when the content behind a name changes: a pull, copy, create or delete passing
 through (the name is forgotten and `/api/tags` read again), or `/api/tags` showing the name with a new
@@ -103,6 +106,7 @@ class OllamaCatalog:
         self.footprints: dict[tuple[str, Shape], Footprint] = {}  # (digest, or "name:<model>"; shape)
         self.default_context: dict[str, int] = {}  # digest -> the context_length its default loads showed
         self._answered: dict[str, Shape] = {}  # model -> the shape of the last request the engine answered
+        self._fresh_default: set[str] = set()  # models a default request was answered for since their last row
         self.path: Path | None = None
 
     # -- what passes through ---------------------------------------------------------------------
@@ -111,7 +115,12 @@ class OllamaCatalog:
 
     def answered(self, model: str, shape: Shape) -> None:
         """The engine answered a request for `model` with these load options: that runner is loaded now."""
-        self._answered[canonical(model)] = shape
+        name = canonical(model)
+        self._answered[name] = shape
+        if shape:
+            self._fresh_default.discard(name)
+        else:
+            self._fresh_default.add(name)
 
     def forget(self, model: str | None) -> None:
         """A name whose content may have changed (None: any): read /api/tags again before planning it."""
@@ -120,6 +129,7 @@ class OllamaCatalog:
             self.sizes.pop(name, None)
             self.digests.pop(name, None)
             self._answered.pop(name, None)
+            self._fresh_default.discard(name)
             dropped = [k for k in self.footprints if k[0] == f"name:{name}"]
             for k in dropped:
                 del self.footprints[k]
@@ -154,14 +164,19 @@ class OllamaCatalog:
         ctx = row.get("context_length")
         ctx = ctx if isinstance(ctx, int) and not isinstance(ctx, bool) and ctx > 0 else None
         known = self._answered.get(name)
+        digest = _digest(row.get("digest"))
+        default_ctx = self.default_context.get(digest) if digest is not None else None
         if known is not None:
             asked = dict(known).get("num_ctx")
-            if ctx is None or asked is None or asked == str(ctx):
+            if ctx is None or asked == str(ctx):
+                return known
+            # a default load: the context it showed before, or any right after a default answer (the
+            # default changes with Ollama's version and settings); else another load under way
+            if asked is None and (default_ctx in (None, ctx) or name in self._fresh_default):
                 return known
         if ctx is None:
             return ()
-        digest = _digest(row.get("digest"))
-        if digest is not None and self.default_context.get(digest) == ctx:
+        if default_ctx == ctx:
             return ()
         return (("num_ctx", str(ctx)),)
 
@@ -186,6 +201,7 @@ class OllamaCatalog:
             if new != old:
                 self.footprints[where] = new
                 changed = True
+            self._fresh_default.discard(canonical(str(row.get("name"))))
         if changed:
             self._save()
 

@@ -110,6 +110,30 @@ async def test_each_num_ctx_is_planned_on_its_own_footprint_and_is_never_the_loa
     assert a.load_key("gemma3:27b") == "ollama:gemma3:27b" and big.key.startswith("ollama:gemma3:27b?")
 
 
+async def test_a_load_under_way_with_another_context_is_not_the_default_load_answered_before_it(
+        engine: respx.MockRouter, client: httpx.AsyncClient) -> None:
+    """Between a num_ctx 32768 request's forward and its answer /api/ps already lists its runner: it is
+    that load (its reservation's key), not the default one the last answer was for."""
+    a = adapter()
+    await loaded(engine, client, a, body(), ps(FOOTPRINT, FOOTPRINT, ctx=4096))
+    default = await a.estimate_need("/api/generate", body(), client)
+    big = await a.estimate_need("/api/generate", body(options={"num_ctx": 32768}), client)
+    engine.get(f"{OLLAMA}/api/ps").respond(json=ps(BIG_CTX, FOOTPRINT, ctx=32768))  # loading, not answered yet
+    (row,) = await a.placements(client)
+    assert a.placement_key(row) == big.key != default.key
+    assert (await a.estimate_need("/api/generate", body(), client)).bytes == FOOTPRINT
+
+
+async def test_a_new_default_context_after_an_ollama_upgrade_is_learned_from_the_next_default_answer(
+        engine: respx.MockRouter, client: httpx.AsyncClient) -> None:
+    a = adapter()
+    await loaded(engine, client, a, body(), ps(FOOTPRINT, FOOTPRINT, ctx=4096))
+    await loaded(engine, client, a, body(), ps(BIG_CTX, BIG_CTX, ctx=32768))  # v0.15.5 on a 24 GiB card: 32768
+    default = await a.estimate_need("/api/generate", body(), client)
+    assert default.bytes == BIG_CTX, "the default load's footprint stayed the old default's"
+    assert a.placement_key(ps(BIG_CTX, BIG_CTX, ctx=32768)["models"][0]) == default.key
+
+
 async def test_options_that_never_reload_keep_the_default_load(engine: respx.MockRouter, client: httpx.AsyncClient) -> None:
     a = adapter()
     default = await a.estimate_need("/api/generate", body(), client)
