@@ -61,6 +61,7 @@ class Watchdog:
         self._task: asyncio.Task[None] | None = None
         self._placements: dict[tuple[str, str], _Placement] = {}
         self._fruitless: dict[str, _Fruitless] = {}
+        self._reloaded: set[tuple[str, str, int]] = set()  # (tenant, model, size) unloaded once to load whole
 
     def idle_deadline(self, tenant_name: str) -> float | None:
         """Monotonic time at which the tenant is released if it stays idle; None = never.
@@ -271,6 +272,10 @@ class Watchdog:
         adapter = self.arbitration.adapter(tenant)
         done: list[str] = []
         for m in spilled:
+            once = (tenant.name, str(m["name"]), int(m.get("size") or 0))
+            if once in self._reloaded:  # it split again at the same size: another unload would not help
+                continue
+            self._reloaded.add(once)
             try:
                 if await adapter.unload_model(self.arbitration.control, str(m["name"])):
                     done.append(str(m["name"]))
@@ -278,7 +283,7 @@ class Watchdog:
             except httpx.HTTPError as exc:
                 log.warning("%s: cannot unload the split %s: %s", tenant.name, m["name"], exc)
         if not done:
-            return "the split model stays (the engine did not unload it)"
+            return "the split model stays (the engine did not unload it, or it split again after a reload)"
         report.actions.append(f"{tenant.name}: unloaded {', '.join(done)} (split with the CPU) to load it whole")
         return f"unloaded {', '.join(done)} while idle: the next request loads it whole"
 
