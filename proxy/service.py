@@ -85,7 +85,8 @@ class Proxy:
     config_path: Path | None = None  # the tenants.json in use, for the health check
     config_note: str | None = None  # how the configuration was put together, when not a tenants.json alone (the demo)
     drain_s: float = DRAIN_S  # on stop, what requests in flight get, in all, to finish
-    lifecycle_dir: Path | None = None  # pidfiles of the apps the proxy starts (None: ~/.local/state/hyperswap/lifecycle)
+    # the proxy's state: pidfiles of the apps it starts, Ollama's footprints (None: ~/.local/state/hyperswap/lifecycle)
+    lifecycle_dir: Path | None = None
     inflight: InFlight = field(init=False)
     forwarder: Forwarder = field(init=False)
     decisions: DecisionLog = field(init=False)
@@ -101,11 +102,11 @@ class Proxy:
 
     def __post_init__(self) -> None:
         self.inflight = InFlight(self.clock)
-        self.forwarder = Forwarder()
+        state_dir = self.lifecycle_dir or default_state_dir()
+        self.forwarder = Forwarder(state_dir=state_dir)  # what the adapters learn (Ollama's footprints) is kept there
         self.decisions = DecisionLog(self.clock)
         self.arbitration = Arbitration(self.registry, self.reader, self.inflight, self.clock, self.decisions,
-                                       adapter=self.forwarder.adapter,
-                                       state_dir=self.lifecycle_dir or default_state_dir())
+                                       adapter=self.forwarder.adapter, state_dir=state_dir)
         self.watchdog = Watchdog(self.arbitration)
         self.admission = GpuGate(self.arbitration, self.forwarder.adapter)
         self.token = admin_token(self.registry)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -75,7 +76,7 @@ def same_origin(origin: str, host: str, scheme: str) -> bool:
 
 class EngineAdapter(ports.HostAndHeaders, ports.Classifier, ports.JobTracker, ports.NeedEstimator, ports.Releaser,
                     ports.OomDetector, ports.SelfReport, ports.InstalledModels, ports.HealthProbes, ports.SettingsView,
-                    ports.Deployment, ports.ModelLoads):
+                    ports.Deployment, ports.ModelLoads, ports.ModelNews):
     """Generic engine: every POST/PUT may load something onto the GPU; the rest passes through.
 
     It answers every engine port (ports.py) as a generic HTTP app would, one section per port in
@@ -284,6 +285,28 @@ class EngineAdapter(ports.HostAndHeaders, ports.Classifier, ports.JobTracker, po
     async def placements(self, client: httpx.AsyncClient) -> list[Placement]:
         """The loaded models and where they sit (the watchdog's spill probe). Raises httpx errors."""
         return []
+
+    def placement_key(self, placement: Placement) -> str:
+        """The load key of one loaded model the engine lists (what a request for that load would have)."""
+        return self.load_key(str(placement.get("name")))
+
+    async def unload_model(self, client: httpx.AsyncClient, model: str) -> bool:
+        """Unload one model the engine holds (when its requests end); False: the engine has no such call."""
+        return False
+
+    # -- ModelNews ----------------------------------------------------------------------------------
+    def model_news(self, method: str, path: str) -> bool:
+        """Whether a pass-through request may change what a model name is, or list the models."""
+        return False
+
+    def saw_model_news(self, method: str, path: str, request: bytes, status: int, answer: bytes) -> None:
+        """Such a request and its answer (each b"" when larger than the listener keeps)."""
+
+    def saw_gpu_answer(self, path: str, body: bytes, status: int) -> None:
+        """The engine answered a GPU request (its status): what it loaded, it holds now."""
+
+    def keep_state_in(self, folder: Path | None) -> None:
+        """Where what the adapter learns outlives a restart (the proxy's state folder); None: nowhere."""
 
     # -- InstalledModels ----------------------------------------------------------------------------
     async def catalog(self, client: httpx.AsyncClient, timeout_s: float) -> dict[str, Any] | None:

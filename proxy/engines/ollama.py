@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import re
+from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
@@ -24,6 +25,7 @@ from proxy.engines import settings as es
 from proxy.engines.base import EngineAdapter
 from proxy.engines.common import Need, ReleaseFailed, json_or_none, upstream_of
 from proxy.engines.model_files import FileHints, TenantFiles, ollama_tenant_files
+from proxy.engines.ollama_catalog import OllamaCatalog, canonical, load_shape, variant
 from proxy.engines.ports import Placement, Relocation, RequestKind, Streamed, StreamFormat
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.hosts import HostPolicy, is_loopback_host, listener_policy
@@ -73,43 +75,6 @@ def ollama_load_seconds(tail: bytes) -> float | None:
 def ollama_error_is_oom(message: str) -> bool:
     low = message.lower()
     return any(marker in low for marker in OLLAMA_OOM_MARKERS) and "system memory" not in low
-
-
-# Request options Ollama loads a model with: a request that sets one may load it with another
-# footprint than the one it was seen with (engine-wire-facts: injected options cause reloads).
-LOAD_OPTIONS = frozenset({"num_ctx", "num_gpu", "num_batch", "main_gpu", "use_mmap", "num_thread"})
-
-
-class OllamaCatalog:
-    """Installed model sizes from /api/tags, refreshed when a name is not found; and each model's
-    footprint as Ollama reported it while it held the model whole on the GPU (`/api/ps` size)."""
-
-    def __init__(self) -> None:
-        self.sizes: dict[str, int] = {}
-        self.footprints: dict[str, int] = {}
-
-    def saw_loaded(self, models: list[Placement]) -> None:
-        """`/api/ps`: a model wholly on the GPU (size_vram == size) takes `size` with its context
-        and runtime; that, not its file plus the configured allowance, is what its next load takes."""
-        for m in models:
-            size, on_gpu = m.get("size"), m.get("size_vram")
-            if isinstance(size, int) and isinstance(on_gpu, int) and 0 < size <= on_gpu:
-                self.footprints[self.canonical(str(m["name"]))] = size
-
-    @staticmethod
-    def canonical(name: str) -> str:
-        return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
-
-    async def size_of(self, tenant: Tenant, client: httpx.AsyncClient, model: str) -> int | None:
-        key = self.canonical(model)
-        if key not in self.sizes:
-            await self.refresh(tenant, client)
-        return self.sizes.get(key)
-
-    async def refresh(self, tenant: Tenant, client: httpx.AsyncClient) -> None:
-        r = await client.get(f"{upstream_of(tenant)}/api/tags")
-        r.raise_for_status()
-        self.sizes = {m["name"]: int(m["size"]) for m in r.json().get("models") or []}
 
 
 class OllamaAdapter(EngineAdapter):
@@ -184,37 +149,58 @@ class OllamaAdapter(EngineAdapter):
 
     # -- memory ---------------------------------------------------------------------------------
     def load_key(self, model: str) -> str:
-        return f"{self.tenant.name}:{OllamaCatalog.canonical(model)}"
+        """The model's slot: every load of it (any content, any load options) is `<slot>?<variant>`."""
+        return f"{self.tenant.name}:{canonical(model)}"
+
+    def _shaped_key(self, model: str, digest: str | None, shape: tuple[tuple[str, str], ...]) -> str:
+        """One load: the model's content and load options. Ollama holds one of a model at a time and
+        reloads it for another (`Residency` treats the variants of a slot so)."""
+        rest = variant(digest, shape)
+        return f"{self.load_key(model)}?{rest}" if rest else self.load_key(model)
+
+    def placement_key(self, placement: Placement) -> str:
+        return self._shaped_key(str(placement.get("name")), _digest_of(placement), self.sizes.row_shape(placement))
+
+    def keep_state_in(self, folder: Path | None) -> None:
+        """Footprints outlive a restart: `<folder>/<tenant>.footprints.json`."""
+        self.sizes.keep_in(folder / f"{self.tenant.name}.footprints.json" if folder is not None else None)
 
     async def estimate_need(self, path: str, body: bytes, client: httpx.AsyncClient) -> Need:
-        """The model's size on disk plus the context allowance, unless configured per model."""
+        """What Ollama reported this load (content and load options) took, else the model's size on
+        disk plus the context allowance, unless configured per model."""
         tenant = self.tenant
         data = json_or_none(body)
         if not (isinstance(data, dict) and isinstance(data.get("model"), str)):
             return await super().estimate_need(path, body, client)
-        model = OllamaCatalog.canonical(data["model"])
-        key = self.load_key(model)
+        model = canonical(data["model"])
+        shape = load_shape(data)
         override = tenant.model_vram_gb.get(model, tenant.model_vram_gb.get(data["model"]))
-        if override is not None:
-            return Need(int(override * GIB), f"{model} ({override:.2f} GiB, configured)", key, model)
         try:
             size = await self.sizes.size_of(tenant, client, model)
         except (httpx.HTTPError, ValueError) as exc:
             log.warning("cannot read Ollama's model sizes: %s", exc)
             size = None
-        seen = self.sizes.footprints.get(model)
-        options = data.get("options")
-        if seen is not None and not (isinstance(options, dict) and LOAD_OPTIONS & options.keys()):
-            # what Ollama said it took when it last held this model: no allowance to guess (a guess
+        key = self._shaped_key(model, self.sizes.digests.get(model), shape)
+        if override is not None:
+            return Need(int(override * GIB), f"{model} ({override:.2f} GiB, configured)", key, model)
+        opts = f" with {', '.join(f'{k} {v}' for k, v in shape)}" if shape else ""
+        seen = self.sizes.footprint(model, shape)
+        prior = size + tenant.context_allowance_bytes if size is not None else None
+        if seen is not None and seen.spilled:
+            # Ollama split it across the GPU and the CPU at this size: the whole of it needs at least that
+            total = max(seen.bytes, prior or 0)
+            return Need(total, f"{model}{opts} ({total / GIB:.2f} GiB: Ollama split it with the CPU at "
+                        f"{seen.bytes / GIB:.2f} GiB)", key, model)
+        if seen is not None:
+            # what Ollama said it took when it last held this load: no allowance to guess (a guess
             # above it made the proxy release an idle ComfyUI the card could keep beside it)
-            total = max(seen, size or 0)
-            return Need(total, f"{model} ({total / GIB:.2f} GiB, as Ollama reported it loaded)", key, model)
-        if size is not None:
-            total = size + tenant.context_allowance_bytes
-            return Need(total, f"{model} ({size / GIB:.2f} GiB + {tenant.context_allowance_gb:.2f} GiB context allowance)",
-                        key, model)
-        return Need(tenant.needs_vram_bytes, f"{model} (size unknown: tenant need {tenant.needs_vram_gb:.2f} GiB)", key,
-                    model)
+            total = max(seen.bytes, size or 0)
+            return Need(total, f"{model}{opts} ({total / GIB:.2f} GiB, as Ollama reported it loaded)", key, model)
+        if size is not None and prior is not None:
+            return Need(prior, f"{model}{opts} ({size / GIB:.2f} GiB + {tenant.context_allowance_gb:.2f} GiB "
+                        "context allowance)", key, model)
+        return Need(tenant.needs_vram_bytes, f"{model}{opts} (size unknown: tenant need {tenant.needs_vram_gb:.2f} GiB)",
+                    key, model)
 
     def response_is_oom(self, status: int, body: bytes) -> bool:
         if status < 400:
@@ -237,6 +223,7 @@ class OllamaAdapter(EngineAdapter):
             return None
         r = await client.get(f"{self.tenant.upstream.rstrip('/')}/api/tags", timeout=timeout_s)
         r.raise_for_status()
+        self.sizes.saw_tags(r.json().get("models") or [])
         models = [{"name": str(m.get("name")), "size_bytes": int(m["size"]) if m.get("size") is not None else None}
                   for m in r.json().get("models") or []]
         return {"engine": self.tenant.engine, "models": sorted(models, key=lambda m: m["name"])}
@@ -245,6 +232,7 @@ class OllamaAdapter(EngineAdapter):
         tenant = self.tenant
         r = await client.get(upstream_of(tenant) + "/api/tags")
         r.raise_for_status()
+        self.sizes.saw_tags(r.json().get("models") or [])
         needs = []
         for m in r.json().get("models") or []:
             name, size = str(m["name"]), int(m["size"])
@@ -305,10 +293,50 @@ class OllamaAdapter(EngineAdapter):
         view["settings"] = [s.to_json() for s in es.ollama_settings(systemd, environ, version)]
         return view
 
+    # -- what passes through -----------------------------------------------------------------------
+    def model_news(self, method: str, path: str) -> bool:
+        """A pull, copy, create or delete changes what a name is; a list of the models says it."""
+        route = (method.upper(), path.rstrip("/"))
+        return route in _NEWS
+
+    def saw_model_news(self, method: str, path: str, request: bytes, status: int, answer: bytes) -> None:
+        route = path.rstrip("/")
+        if route == "/api/tags":
+            data = json_or_none(answer)
+            if status == 200 and isinstance(data, dict) and isinstance(data.get("models"), list):
+                self.sizes.saw_tags(data["models"])
+            return
+        if status >= 400:
+            return
+        data = json_or_none(request)
+        field = "destination" if route == "/api/copy" else "model"
+        name = data.get(field) or (data.get("name") if field == "model" else None) if isinstance(data, dict) else None
+        self.sizes.forget(name if isinstance(name, str) and name else None)  # unreadable: every name
+
+    def saw_gpu_answer(self, path: str, body: bytes, status: int) -> None:
+        """An answer under 400 to a request that loads: Ollama holds the model with its load options now."""
+        data = json_or_none(body)
+        if status < 400 and isinstance(data, dict) and isinstance(data.get("model"), str) and data["model"]:
+            self.sizes.answered(data["model"], load_shape(data))
+
+    async def unload_model(self, client: httpx.AsyncClient, model: str) -> bool:
+        """keep_alive 0 with nothing to run: Ollama unloads it (when its requests end)."""
+        u = await client.post(f"{upstream_of(self.tenant)}/api/generate", json={"model": model, "keep_alive": 0})
+        return u.status_code < 400
+
     def relocation(self, port: int) -> Relocation:
         """OLLAMA_HOST sets where `ollama serve` listens; the Linux installer's unit is ollama.service."""
         return Relocation(port=port, service=self.service_unit, environment={"OLLAMA_HOST": f"127.0.0.1:{port}"},
                           instruction=f"OLLAMA_HOST=127.0.0.1:{port} ollama serve")
+
+
+_NEWS = frozenset({("POST", "/api/pull"), ("POST", "/api/copy"), ("POST", "/api/create"), ("DELETE", "/api/delete"),
+                   ("GET", "/api/tags")})
+
+
+def _digest_of(placement: Placement) -> str | None:
+    d = placement.get("digest")
+    return d.removeprefix("sha256:") if isinstance(d, str) and d else None
 
 
 class OllamaUnload(ReleaseSpec):

@@ -19,6 +19,7 @@ this module), so what it may ask an engine is in its signature, not in a 40-memb
 | `SettingsView` | the settings `/api/engines` shows | admin/health.py |
 | `Deployment` | its service, its port move, its GPU flag | deploy/install.py, handoff/arbitration.py |
 | `ModelLoads` | where its model files are, how long a load took | models/catalog.py, admin/models_api.py |
+| `ModelNews` | a model changed, listed or loaded; where it keeps what it learns | relay/listener.py, engines/registry.py |
 
 Facts a caller only reads are properties here: an adapter answers them with a class attribute.
 The value types the ports speak (`Streamed`, `JobReplay`, `Relocation`, ...) are defined here too.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import httpx
@@ -263,6 +265,14 @@ class SelfReport(Protocol):
         """The loaded models and where they sit (the watchdog's spill probe). Raises httpx errors."""
         ...
 
+    def placement_key(self, placement: Placement) -> str:
+        """The load key of one loaded model the engine lists (what a request for that load would have)."""
+        ...
+
+    async def unload_model(self, client: httpx.AsyncClient, model: str) -> bool:
+        """Unload one model the engine holds (when its requests end); False: the engine has no such call."""
+        ...
+
 
 class InstalledModels(Protocol):
     """The models the engine has installed."""
@@ -373,14 +383,37 @@ class ModelLoads(Protocol):
         ...
 
 
+class ModelNews(Protocol):
+    """What passes through and changes what the engine holds or what a model name is: the adapter
+    learns from it (Ollama: a pull, copy, create or delete; a list of the models; a load's answer)."""
+
+    def model_news(self, method: str, path: str) -> bool:
+        """Whether a pass-through request may change what a model name is, or list the models: the
+        listener hands it and its answer to `saw_model_news`."""
+        ...
+
+    def saw_model_news(self, method: str, path: str, request: bytes, status: int, answer: bytes) -> None:
+        """Such a request and its answer (each b"" when larger than the listener keeps)."""
+        ...
+
+    def saw_gpu_answer(self, path: str, body: bytes, status: int) -> None:
+        """The engine answered a GPU request (its status, as its headers came): what it loaded, it holds now."""
+        ...
+
+    def keep_state_in(self, folder: Path | None) -> None:
+        """Where what the adapter learns outlives a restart (the proxy's state folder); None: nowhere."""
+        ...
+
+
 PORTS: tuple[type, ...] = (HostAndHeaders, Classifier, JobTracker, NeedEstimator, Releaser, OomDetector, SelfReport,
-                           InstalledModels, HealthProbes, SettingsView, Deployment, ModelLoads)
+                           InstalledModels, HealthProbes, SettingsView, Deployment, ModelLoads, ModelNews)
 
 
 # -- what each part of the proxy asks, where it asks more than one port ------------------------------
 
-class ListenerPorts(HostAndHeaders, Classifier, JobTracker, Protocol):
-    """A tenant's listener (relay/listener.py): its Host rule, which requests are GPU work, their jobs."""
+class ListenerPorts(HostAndHeaders, Classifier, JobTracker, ModelNews, Protocol):
+    """A tenant's listener (relay/listener.py): its Host rule, which requests are GPU work, their jobs,
+    and what passing through tells the adapter."""
 
 
 class GatePorts(Classifier, JobTracker, NeedEstimator, OomDetector, Protocol):

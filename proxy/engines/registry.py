@@ -9,6 +9,7 @@ test keeps the two in step). docs/design.md, "How to extend", has a worked examp
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from types import MappingProxyType
 
 from proxy.config.schema import Tenant
@@ -30,13 +31,16 @@ def adapter_for(tenant: Tenant) -> EngineAdapter:
 
 
 class AdapterCache:
-    """One adapter per tenant, made on first use and again when the tenant's configuration object changes."""
+    """One adapter per tenant, made on first use and again when the tenant's configuration object
+    changes; what an adapter learns is kept in `state_dir` (None: in memory only)."""
 
-    def __init__(self) -> None:
+    def __init__(self, state_dir: Path | None = None) -> None:
         self._adapters: dict[str, EngineAdapter] = {}
+        self.state_dir = state_dir
 
     def __call__(self, tenant: Tenant) -> EngineAdapter:
         adapter = self._adapters.get(tenant.name)
         if adapter is None or adapter.tenant is not tenant:
             adapter = self._adapters[tenant.name] = adapter_for(tenant)
+            adapter.keep_state_in(self.state_dir)
         return adapter

@@ -19,6 +19,13 @@ from collections.abc import Mapping
 from proxy.clock import Clock
 
 
+def slot(key: str) -> str:
+    """A load key may name a variant after "?" (`tenant:model?d=<digest>&num_ctx=32768`): an engine holds
+    one variant of a slot at a time (Ollama reloads a model whose content or load options differ), so
+    the loads of one slot exclude each other."""
+    return key.partition("?")[0]
+
+
 class Residency:
     def __init__(self, clock: Clock, fresh_s: float = 2.0) -> None:
         self.clock = clock
@@ -29,8 +36,12 @@ class Residency:
         return self._loads.get(tenant, {}).get(key, 0.0) > self.clock.now()
 
     def loaded(self, tenant: str, key: str) -> None:
-        """The engine answered an admitted request for this load: it is on the card now."""
-        self._loads.setdefault(tenant, {})[key] = self.clock.now() + self.fresh_s
+        """The engine answered an admitted request for this load: it is on the card now, and no other
+        variant of its slot is (see `slot`)."""
+        loads = self._loads.setdefault(tenant, {})
+        for other in [k for k in loads if k != key and slot(k) == slot(key)]:
+            del loads[other]
+        loads[key] = self.clock.now() + self.fresh_s
 
     def observe(self, tenant: str, loads: Mapping[str, float]) -> None:
         """The engine's own list of what it holds (key -> its own unload deadline): it replaces ours."""
@@ -38,10 +49,14 @@ class Residency:
         self._loads[tenant] = {key: min(until, cap) for key, until in loads.items()}
 
     def forget(self, tenant: str, key: str | None = None) -> None:
+        """The load `key` may have left the card (a slot without a variant: every variant of it; None:
+        every load of the tenant)."""
         if key is None:
             self._loads.pop(tenant, None)
-        else:
-            self._loads.get(tenant, {}).pop(key, None)
+            return
+        loads = self._loads.get(tenant, {})
+        for k in [k for k in loads if k == key or ("?" not in key and slot(k) == key)]:
+            del loads[k]
 
     def keys(self, tenant: str) -> list[str]:
         return [k for k in self._loads.get(tenant, {}) if self.holds(tenant, k)]

@@ -102,7 +102,7 @@ def model_names(tenant: str, keys: Iterable[str]) -> tuple[str, ...]:
     for key in keys:
         if not key.startswith(prefix):
             continue
-        model = key[len(prefix):]
+        model = key[len(prefix):].partition("?")[0]  # a variant (content, load options) is no other name
         out.append(model)
         if model.endswith(":latest"):
             out.append(model[: -len(":latest")])

@@ -61,6 +61,7 @@ class Watchdog:
         self._task: asyncio.Task[None] | None = None
         self._placements: dict[tuple[str, str], _Placement] = {}
         self._fruitless: dict[str, _Fruitless] = {}
+        self._reloaded: set[tuple[str, str, int]] = set()  # (tenant, model, size) unloaded once to load whole
 
     def idle_deadline(self, tenant_name: str) -> float | None:
         """Monotonic time at which the tenant is released if it stays idle; None = never.
@@ -119,7 +120,7 @@ class Watchdog:
                     self._observe_residency(tenant, models)
                     spilled = self._stable_spills(tenant, models, report)
                     if spilled:
-                        await self._relieve_spill(tenant, spilled, held, report)
+                        await self._relieve_spill(tenant, spilled, held, report, idle=not state.busy)
                         continue
             machine = arbitration.lifecycles.machine(name)
             deadline = self.idle_deadline(name)
@@ -195,7 +196,7 @@ class Watchdog:
             expires = go_time(m.get("expires_at"))
             if expires is None:
                 continue
-            loads[adapter.load_key(m["name"])] = clock.now() + (expires - clock.wall()) - margin
+            loads[adapter.placement_key(m)] = clock.now() + (expires - clock.wall()) - margin
         self.arbitration.scheduler.observe_loads(tenant.name, loads)
 
     def _stable_spills(self, tenant: Tenant, models: list[dict[str, Any]], report: TickReport) -> list[dict[str, Any]]:
@@ -214,7 +215,7 @@ class Watchdog:
                 p = self._placements[where] = _Placement(size, vram, now)
             if vram >= size:
                 continue
-            if self.arbitration.scheduler.loading(self.arbitration.adapter(tenant).load_key(where[1])):
+            if self.arbitration.scheduler.loading(self.arbitration.adapter(tenant).placement_key(m)):
                 report.reasons[tenant.name] = f"{where[1]} is loading ({gib(vram)} of {gib(size)} GiB on the GPU so far)"
                 p.since = now
             elif now - p.since < stable_s:
@@ -226,18 +227,22 @@ class Watchdog:
             del self._placements[where]
         return out
 
-    async def _relieve_spill(self, tenant: Tenant, spilled: list[dict[str, Any]], held: int, report: TickReport) -> None:
+    async def _relieve_spill(self, tenant: Tenant, spilled: list[dict[str, Any]], held: int, report: TickReport,
+                             *, idle: bool) -> None:
         """Ollama holds a model partly on the CPU: plan for the whole model on the card, counting
-        what Ollama already holds once, and take memory only from tenants below it (relief)."""
+        what Ollama already holds once, and take memory only from tenants below it (relief). Ollama
+        never moves a loaded model back on its own: once the card has room, the split model is
+        unloaded while Ollama is idle, so the next request loads it whole (`_reload_whole`)."""
         name = tenant.name
-        first = str(spilled[0]["name"])
         on_gpu = sum(int(m.get("size_vram") or 0) for m in spilled)
         need = max(0, held - on_gpu) + sum(int(m.get("size") or 0) for m in spilled) + tenant.context_allowance_bytes
         models = ", ".join(str(m["name"]) for m in spilled)
         placements = [self._placements[(name, str(m["name"]))] for m in spilled]
-        plan, snap = await self.arbitration.plan(name, need, self.arbitration.adapter(tenant).load_key(first), mode="relief")
+        plan, snap = await self.arbitration.plan(name, need, self.arbitration.adapter(tenant).placement_key(spilled[0]),
+                                                 mode="relief")
         if not plan.starved:
-            report.reasons[name] = f"{models} on the CPU in part but the card has room: waiting for Ollama to reload"
+            report.reasons[name] = f"{models} on the CPU in part but the card has room: " + (
+                await self._reload_whole(tenant, spilled, report) if idle else "reloaded whole once Ollama is idle")
             return
         if not plan.feasible:
             report.reasons[name] = f"starved (CPU spill) and no plan: {plan.explanation}"
@@ -251,9 +256,36 @@ class Watchdog:
         released = await asyncio.shield(self.arbitration.scheduler.release(order))  # never cut half way
         if released.results:
             report.actions.append(f"{name}: spill of {models}: released {[r.tenant for r in released.results]}")
-            report.reasons[name] = "starved (CPU spill): memory reclaimed; the model reloads on its next request"
+            report.reasons[name] = "starved (CPU spill): memory reclaimed; " + (
+                await self._reload_whole(tenant, spilled, report) if idle and not self._busy(name)
+                else "the split model is reloaded whole once Ollama is idle")
         else:
             report.reasons[name] = f"starved (CPU spill): {plan.explanation}"
+
+    def _busy(self, name: str) -> bool:
+        traffic = self.arbitration.inflight.snapshot().get(name)
+        return traffic is not None and traffic.busy
+
+    async def _reload_whole(self, tenant: Tenant, spilled: list[dict[str, Any]], report: TickReport) -> str:
+        """Unload the split models of an idle tenant (its card has room now): its next request loads
+        them whole, planned on the size Ollama split them at (the adapter learned it from the spill)."""
+        adapter = self.arbitration.adapter(tenant)
+        done: list[str] = []
+        for m in spilled:
+            once = (tenant.name, str(m["name"]), int(m.get("size") or 0))
+            if once in self._reloaded:  # it split again at the same size: another unload would not help
+                continue
+            self._reloaded.add(once)
+            try:
+                if await adapter.unload_model(self.arbitration.control, str(m["name"])):
+                    done.append(str(m["name"]))
+                    self.arbitration.scheduler.unloaded(tenant.name, adapter.placement_key(m))
+            except httpx.HTTPError as exc:
+                log.warning("%s: cannot unload the split %s: %s", tenant.name, m["name"], exc)
+        if not done:
+            return "the split model stays (the engine did not unload it, or it split again after a reload)"
+        report.actions.append(f"{tenant.name}: unloaded {', '.join(done)} (split with the CPU) to load it whole")
+        return f"unloaded {', '.join(done)} while idle: the next request loads it whole"
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="hyperswap:watchdog")

@@ -27,6 +27,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import websockets
@@ -246,9 +247,11 @@ class _TenantPools:
 class Forwarder:
     """One relay pool per tenant (and an httpx client for job polls), created on first use."""
 
-    def __init__(self, *, max_keepalive: int = 256, max_connections: int = http1.MAX_CONNECTIONS) -> None:
+    def __init__(self, *, max_keepalive: int = 256, max_connections: int = http1.MAX_CONNECTIONS,
+                 state_dir: Path | None = None) -> None:
         self._pools: dict[str, _TenantPools] = {}
-        self.adapter = AdapterCache()  # the one adapter per tenant every part of the proxy asks (service.py)
+        # the one adapter per tenant every part of the proxy asks (service.py); what they learn is kept in state_dir
+        self.adapter = AdapterCache(state_dir)
         self._retired: list[_TenantPools] = []
         self.max_keepalive = max_keepalive
         self.max_connections = max_connections  # per upstream

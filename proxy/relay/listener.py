@@ -47,6 +47,7 @@ FirstStep = tuple[Need | None, Admitted | None]
 Wake = Callable[[], Awaitable["Response | None"]]  # start a tenant that sleeps; its refusal, or None: go on
 
 JOB_RESPONSE_MAX = 1 << 20  # a POST /prompt answer is tiny; never hold more than this
+NEWS_MAX = 4 << 20  # a model list or a pull's request, kept for the adapter: never more than this
 
 
 class Admission(Protocol):
@@ -226,6 +227,8 @@ class TenantApp:
             link.close()
 
     async def _passthrough(self, scope: Scope, link: ClientLink) -> Response:
+        if self.adapter.model_news(scope["method"], scope["path"]):
+            return await self._model_news(scope, link)
         try:
             upstream = await self.forwarder.open(self.tenant, scope, link.body())
         except HyperSwapError as exc:
@@ -234,6 +237,29 @@ class TenantApp:
             # a queue delete or clear, or a client that polls for its job's end: check the jobs now
             return self.forwarder.relay(self.tenant, upstream, on_close=self.poller.check_soon)
         return self.forwarder.relay(self.tenant, upstream, on_close=_nothing)
+
+    async def _model_news(self, scope: Scope, link: ClientLink) -> Response:
+        """A request that changes what a model name is, or lists the models (the adapter's `model_news`):
+        relayed as ever, its body and answer (up to NEWS_MAX each) kept for the adapter, told when the
+        answer ends."""
+        method, path = scope["method"], scope["path"]
+        asked = _Kept()
+        body = link.body()
+        try:
+            upstream = await self.forwarder.open(self.tenant, scope, body if isinstance(body, bytes)
+                                                 else asked.through(body))
+        except HyperSwapError as exc:
+            return _error_response(exc)
+        if isinstance(body, bytes):
+            asked.tap(body)
+        answer = _Kept()
+        status = upstream.status_code
+        encoding = upstream.headers.get("content-encoding", "").strip().lower()
+
+        def on_close() -> None:
+            self.adapter.saw_model_news(method, path, asked.value(), status, _decoded(answer.value(), encoding))
+
+        return self.forwarder.relay(self.tenant, upstream, on_close=on_close, tap=answer.tap)
 
     async def _gpu(self, request: Request, wake: Wake | None = None) -> Response:
         """A request that may load something: counted in flight from its admission (never while it
@@ -276,6 +302,8 @@ class TenantApp:
         except BaseException:
             inflight.end(token)
             raise
+        if body and not isinstance(result, Response):
+            self.adapter.saw_gpu_answer(path, body, result.status_code)
         return self._answer(result, token, method, path)
 
     async def _unkept(self, request: Request, rest: AsyncIterator[bytes], token: Token) -> UpstreamResponse | Response:
@@ -323,6 +351,8 @@ class TenantApp:
 
         def answer(result: UpstreamResponse | Response) -> Response:
             unwatch()
+            if not isinstance(result, Response):
+                self.adapter.saw_gpu_answer(path, body, result.status_code)
             return self._answer(result, token, method, path)
 
         def finish(status: int | None) -> None:
@@ -421,6 +451,27 @@ class TenantApp:
     def _job_lost(self, job_id: str) -> None:
         if self.admission is not None:
             self.admission.on_job_lost(self.tenant, job_id)
+
+
+class _Kept:
+    """The first NEWS_MAX bytes of a body as it passes; b"" when it was longer (never half of one)."""
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+        self._size = 0
+
+    def tap(self, chunk: bytes) -> None:
+        self._size += len(chunk)
+        if self._size <= NEWS_MAX:
+            self._parts.append(chunk)
+
+    async def through(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        async for chunk in chunks:
+            self.tap(chunk)
+            yield chunk
+
+    def value(self) -> bytes:
+        return b"".join(self._parts) if self._size <= NEWS_MAX else b""
 
 
 def _error_response(exc: HyperSwapError) -> Response:

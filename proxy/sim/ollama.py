@@ -13,6 +13,7 @@ import hashlib
 import json
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -25,7 +26,7 @@ from proxy.relay.servers import RunningServer, start_server
 from proxy.sim.gpu import GIB, SimulatedCard
 from proxy.sim.model_files import SimModelFiles, load_seconds
 from proxy.sim.ollama_decode import CHAT, COPY, DELETE, EMBED, EMBEDDING, GENERATE, PULL, SHOW, GoJSONError, Struct, decode
-from proxy.sim.ollama_sched import CONTEXT_LENGTH, ApiError, Lease, MemoryShort, Scheduler
+from proxy.sim.ollama_sched import CONTEXT_LENGTH, ApiError, Lease, LoadSpec, MemoryShort, Scheduler
 from proxy.sim.ollama_wire import (
     CORS_ALLOW_HEADERS,
     CORS_ALLOW_METHODS,
@@ -62,6 +63,11 @@ class SimModel:
     parameter_size: str = "3.2B"
     quantization_level: str = "Q4_K_M"
     capabilities: tuple[str, ...] = ("completion",)  # ("embedding",) for embedding-only models
+    digest: str = ""  # its manifest digest; "" = derived from the name (a copy keeps its source's)
+
+    @property
+    def manifest(self) -> str:
+        return self.digest or model_digest(self.name)
 
 
 _MB = 1000**2
@@ -107,6 +113,7 @@ class _Scenario(BaseModel):
     origins: list[str] = []
     response_tokens: int = Field(12, ge=1)
     registry: list[_ScenarioModel] | None = None
+    kv_bytes_per_token: int = Field(192 * 1024, ge=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +133,9 @@ class OllamaSimConfig:
     origins: tuple[str, ...] = ()  # OLLAMA_ORIGINS
     response_tokens: int = 12
     registry: tuple[SimModel, ...] | None = None  # what /api/pull finds; None: DEFAULT_REGISTRY + models
+    # the KV cache a token of context takes (f16, one slot): a load with num_ctx above the default
+    # takes this much more per token (gemma3:27b: 17.2 GiB at 4096, 22.5 GiB at 32768)
+    kv_bytes_per_token: int = 192 * 1024
 
     @classmethod
     def from_scenario(cls, section: dict[str, Any]) -> OllamaSimConfig:
@@ -146,7 +156,7 @@ class OllamaSimConfig:
                    memory_short=sc.memory_short, max_loaded_models=sc.max_loaded_models,
                    num_parallel=sc.num_parallel, max_queue=sc.max_queue, version=sc.version,
                    loopback_host_check=sc.loopback_host_check, origins=tuple(sc.origins),
-                   response_tokens=sc.response_tokens, registry=registry)
+                   response_tokens=sc.response_tokens, registry=registry, kv_bytes_per_token=sc.kv_bytes_per_token)
 
 
 def _sim_model(m: _ScenarioModel) -> SimModel:
@@ -214,6 +224,13 @@ class OllamaSim:
             "/v1/models": {"GET": self._v1_models},
             "/v1/models/:model": {"GET": self._v1_model},
         }
+
+    def _lease(self, m: SimModel, data: dict[str, Any], keep_alive: float | None) -> AbstractAsyncContextManager[Lease]:
+        """The model's runner for this request: its content and runner options (a request with other
+        ones reloads it), its size the weights plus the KV cache of its context beyond the default."""
+        spec = LoadSpec.of(m.manifest, data.get("options"))
+        size = m.size_bytes + self.config.kv_bytes_per_token * max(0, spec.num_ctx - CONTEXT_LENGTH)
+        return self._sched.lease(m.name, size, keep_alive, spec)
 
     def _load_seconds(self, name: str, size: int) -> float:
         """From RAM at load_gbps, from disk at disk_gbps, by how much of the model's file is cached."""
@@ -464,7 +481,7 @@ class OllamaSim:
 
     def _tag_entry(self, m: SimModel) -> dict[str, Any]:
         return {"name": m.name, "model": m.name, "modified_at": rfc3339_nano(self._catalog.modified[m.name], local=True),
-                "size": m.size_bytes, "digest": model_digest(m.name), "details": self._details(m)}
+                "size": m.size_bytes, "digest": m.manifest, "details": self._details(m)}
 
     async def _tags(self, request: Request, send: Send) -> None:
         models = sorted(self._catalog.models.values(), key=lambda m: -self._catalog.modified[m.name])
@@ -474,10 +491,10 @@ class OllamaSim:
         entries = []
         for r in sorted(self._sched.runners.values(), key=lambda r: -r.expires_at_wall):
             m = self._catalog.models.get(r.name) or SimModel(r.name, r.size)
-            entries.append({"name": r.name, "model": r.name, "size": r.size, "digest": model_digest(r.name),
+            entries.append({"name": r.name, "model": r.name, "size": r.size, "digest": r.spec.digest or m.manifest,
                             "details": self._details(m), "expires_at": rfc3339_nano(r.expires_at_wall, local=True),
                             "size_vram": r.size_vram,
-                            "context_length": CONTEXT_LENGTH})
+                            "context_length": r.spec.num_ctx})
         await _send_json(send, 200, {"models": entries})
 
     async def _show(self, request: Request, send: Send) -> None:
@@ -520,7 +537,7 @@ class OllamaSim:
             raise ApiError(400, f"think value {json.dumps(think)} is not supported for this model")
         wanted = ["completion"] + (["insert"] if data.get("suffix") else []) + (["thinking"] if think else [])
         self._check_capabilities(m, name, wanted, "generate")
-        async with self._sched.lease(m.name, m.size_bytes, keep_alive) as lease:
+        async with self._lease(m, data, keep_alive) as lease:
             if not prompt:
                 await _send_json(send, 200, {**head, "created_at": self._now(), "response": "", "done": True,
                                              "done_reason": "load"})
@@ -550,7 +567,7 @@ class OllamaSim:
             return
         wanted = ["completion"] + (["tools"] if data.get("tools") else []) + (["thinking"] if data.get("think") else [])
         self._check_capabilities(m, name, wanted, "chat")
-        async with self._sched.lease(m.name, m.size_bytes, keep_alive) as lease:
+        async with self._lease(m, data, keep_alive) as lease:
             if not messages:
                 await _send_json(send, 200, {**head, "created_at": self._now(), "message": empty, "done": True,
                                              "done_reason": "load"})
@@ -618,7 +635,7 @@ class OllamaSim:
         if not isinstance(dims, int) or dims < 1:
             raise ApiError(400, "dimensions must be a positive integer")
         dims = min(dims, EMBED_DIMS)
-        async with self._sched.lease(m.name, m.size_bytes, keep_alive) as lease:
+        async with self._lease(m, data, keep_alive) as lease:
             if not inputs:
                 await _send_json(send, 200, {"model": name, "embeddings": []})
                 return
@@ -635,7 +652,7 @@ class OllamaSim:
         keep_alive = self._keep_alive(data)
         m = self._require(data.get("model"))
         prompt = data.get("prompt") or ""
-        async with self._sched.lease(m.name, m.size_bytes, keep_alive) as lease:
+        async with self._lease(m, data, keep_alive) as lease:
             if not prompt:
                 await _send_json(send, 200, {"embedding": []})
                 return
@@ -701,7 +718,7 @@ class OllamaSim:
             raise ApiError(404, f"model {json.dumps(source if isinstance(source, str) else '')} not found")
         if not isinstance(dest, str) or not dest:
             raise ApiError(400, f"invalid destination name: {json.dumps(dest if isinstance(dest, str) else '')}")
-        copy = replace(m, name=normalise_name(dest))
+        copy = replace(m, name=normalise_name(dest), digest=m.manifest)  # the same manifest under another name
         self._catalog.models[copy.name] = copy
         self._catalog.modified[copy.name] = self.clock.wall()
         await _send_plain(send, 200, b"", None)
@@ -769,7 +786,7 @@ class OllamaSim:
         kind = "chat.completion" if chat else "text_completion"
         usage = {"prompt_tokens": _count(prompt_text), "completion_tokens": len(tokens),
                  "total_tokens": _count(prompt_text) + len(tokens)}
-        async with self._sched.lease(m.name, m.size_bytes, None) as lease:
+        async with self._lease(m, {}, None) as lease:
             async with lease.runner.sem:
                 if not stream:
                     for _ in tokens:
@@ -820,7 +837,7 @@ class OllamaSim:
         dims = data.get("dimensions")
         if not isinstance(dims, int):
             dims = EMBED_DIMS
-        async with self._sched.lease(m.name, m.size_bytes, None) as lease:
+        async with self._lease(m, {}, None) as lease:
             async with lease.runner.sem:
                 await self._token_pause()
         count = sum(_count(t) for t in inputs)

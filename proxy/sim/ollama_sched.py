@@ -38,6 +38,46 @@ class ApiError(Exception):
         self.message = message
 
 
+# api.Runner's options as Ollama fills them in before comparing (server/sched.go needsReload): what a
+# request does not set is the default; num_gpu below 0 ("auto") compares equal to any.
+RUNNER_DEFAULTS: dict[str, object] = {"num_ctx": CONTEXT_LENGTH, "num_batch": 512, "num_gpu": -1, "main_gpu": 0,
+                                      "use_mmap": None, "num_thread": 0, "draft_num_predict": 0}
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """What a runner is loaded with: the model's content (its manifest digest) and its runner options.
+    A request whose spec differs reloads the model (a copy over a name is other content)."""
+
+    digest: str = ""
+    options: tuple[tuple[str, object], ...] = tuple(sorted(RUNNER_DEFAULTS.items()))
+
+    @classmethod
+    def of(cls, digest: str, options: object) -> LoadSpec:
+        opts = dict(RUNNER_DEFAULTS)
+        if isinstance(options, dict):
+            for name in RUNNER_DEFAULTS.keys() & options.keys():
+                v = options[name]
+                if v is not None:
+                    opts[name] = int(v) if isinstance(v, float) and v.is_integer() else v
+        return cls(digest, tuple(sorted(opts.items())))
+
+    @property
+    def num_ctx(self) -> int:
+        value = dict(self.options)["num_ctx"]
+        return value if isinstance(value, int) and value > 0 else CONTEXT_LENGTH
+
+    def serves(self, wanted: LoadSpec) -> bool:
+        """needsReload, negated: this runner serves a request of `wanted` without a reload."""
+        if self.digest != wanted.digest:
+            return False
+        mine, theirs = dict(self.options), dict(wanted.options)
+        num_gpu = theirs["num_gpu"]
+        if isinstance(num_gpu, (int, float)) and num_gpu < 0:
+            mine["num_gpu"] = theirs["num_gpu"] = -1
+        return mine == theirs
+
+
 @dataclass(slots=True)
 class Runner:
     """One loaded (or loading) model: mutable, owned by the Scheduler."""
@@ -57,6 +97,7 @@ class Runner:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     timer: asyncio.Task[None] | None = None
+    spec: LoadSpec = field(default_factory=LoadSpec)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,10 +134,12 @@ class Scheduler:
 
     # -- the request path -----------------------------------------------------------------------
     @contextlib.asynccontextmanager
-    async def lease(self, name: str, size: int, keep_alive_s: float | None) -> AsyncIterator[Lease]:
-        """Get a runner (loading if needed), hold a reference while the body runs, then go idle."""
+    async def lease(self, name: str, size: int, keep_alive_s: float | None,
+                    spec: LoadSpec | None = None) -> AsyncIterator[Lease]:
+        """Get a runner (loading if needed; reloading one loaded with another `spec`), hold a reference
+        while the body runs, then go idle."""
         started = self.clock.now()
-        runner = await self._acquire(name, size, keep_alive_s)
+        runner = await self._acquire(name, size, keep_alive_s, spec or LoadSpec())
         try:
             if runner.state == "loading":
                 await runner.ready.wait()
@@ -106,15 +149,15 @@ class Scheduler:
         finally:
             self._release_ref(runner)
 
-    async def _acquire(self, name: str, size: int, keep_alive_s: float | None) -> Runner:
+    async def _acquire(self, name: str, size: int, keep_alive_s: float | None, spec: LoadSpec) -> Runner:
         existing = self.runners.get(name)
-        if existing is not None and not existing.expiring and existing.state != "failed":
+        if existing is not None and not existing.expiring and existing.state != "failed" and existing.spec.serves(spec):
             return self._take(existing, keep_alive_s)  # fast path: no queue
         if self._pending >= self.max_queue:
             raise ApiError(503, MAX_QUEUE_MESSAGE)
         self._pending += 1
         # The pending loop owns the load: a requester that goes away does not stop it.
-        task = asyncio.create_task(self._pending_loop(name, size, keep_alive_s), name=f"schedule:{name}")
+        task = asyncio.create_task(self._pending_loop(name, size, keep_alive_s, spec), name=f"schedule:{name}")
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         try:
@@ -127,10 +170,10 @@ class Scheduler:
         if not task.cancelled() and task.exception() is None:
             self._release_ref(task.result())
 
-    async def _pending_loop(self, name: str, size: int, keep_alive_s: float | None) -> Runner:
+    async def _pending_loop(self, name: str, size: int, keep_alive_s: float | None, spec: LoadSpec) -> Runner:
         try:
             async with self._lock:
-                return await self._schedule(name, size, keep_alive_s)
+                return await self._schedule(name, size, keep_alive_s, spec)
         finally:
             self._pending -= 1
 
@@ -145,12 +188,13 @@ class Scheduler:
         self._notify()
         return runner
 
-    async def _schedule(self, name: str, size: int, keep_alive_s: float | None) -> Runner:
+    async def _schedule(self, name: str, size: int, keep_alive_s: float | None, spec: LoadSpec) -> Runner:
         while True:
             existing = self.runners.get(name)
-            if existing is not None and not existing.expiring and existing.state != "failed":
+            if existing is not None and not existing.expiring and existing.state != "failed" \
+                    and existing.spec.serves(spec):
                 return self._take(existing, keep_alive_s)
-            if existing is not None:
+            if existing is not None:  # needsReload: expire it, wait for its unload, then load anew
                 await self._evict(existing)
                 continue
             await self.settle()  # memory of earlier unloads must be back before measuring
@@ -163,9 +207,9 @@ class Scheduler:
             break
         ka = self.default_keep_alive_s if keep_alive_s is None else keep_alive_s
         port = next(self._ports)
-        pid = self.gpu.spawn(RUNNER_NAME, self._cmdline(name, port))
+        pid = self.gpu.spawn(RUNNER_NAME, self._cmdline(name, port, spec.num_ctx))
         runner = Runner(name=name, size=size, pid=pid, port=port, keep_alive_s=ka,
-                        sem=asyncio.Semaphore(self.num_parallel), size_vram=self._vram_estimate(size))
+                        sem=asyncio.Semaphore(self.num_parallel), size_vram=self._vram_estimate(size), spec=spec)
         runner.refs = 1
         runner.expires_at_wall = self._expiry_wall(ka)  # estimated while loading
         self.runners[name] = runner
@@ -179,9 +223,9 @@ class Scheduler:
         the size_vram /api/ps reports from the start; the runner then allocates it step by step."""
         return size if self.memory_short == "oom" else max(0, min(size, self.gpu.free_bytes()))
 
-    def _cmdline(self, name: str, port: int) -> str:
+    def _cmdline(self, name: str, port: int, num_ctx: int = CONTEXT_LENGTH) -> str:
         return (f"{RUNNER_PATH} runner --model /root/.ollama/models/blobs/sha256-{blob_digest(name)} "
-                f"--ctx-size {CONTEXT_LENGTH * self.num_parallel} --batch-size 512 --n-gpu-layers 999 "
+                f"--ctx-size {num_ctx * self.num_parallel} --batch-size 512 --n-gpu-layers 999 "
                 f"--threads 8 --parallel {self.num_parallel} --port {port}")
 
     async def _load(self, runner: Runner) -> None:

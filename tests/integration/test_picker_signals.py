@@ -13,6 +13,7 @@ from boxes import DemoFactory, chat, fast, render, succeeded
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.demo import Demo
+from proxy.handoff.residency import slot
 from proxy.tasks import cancel_and_wait, poll_until
 
 FLUX = "flux1-dev-fp8.safetensors"
@@ -100,7 +101,8 @@ async def test_each_picker_signal_moves_with_the_scheduler_on_the_demo_box(box: 
     assert loaded.models("ollama")["running_lora_adapters"] == "llama3.1:8b"
     assert loaded.models("ollama")["waiting_lora_adapters"] == ""
     assert loaded.running("ollama") == 0
-    assert demo.proxy.arbitration.scheduler.loads_of("ollama") == (("ollama:llama3.1:8b",), ())  # type: ignore[union-attr]
+    resident, on_the_way = demo.proxy.arbitration.scheduler.loads_of("ollama")  # type: ignore[union-attr]
+    assert [slot(key) for key in resident] == ["ollama:llama3.1:8b"] and on_the_way == ()  # its variant: digest, options
 
     # a busy tenant raises the cost; a second render waits in ComfyUI's own queue; a chat that needs the
     # render's memory waits in the handoff queue

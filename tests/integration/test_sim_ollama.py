@@ -633,3 +633,48 @@ async def test_pending_queue_overflow_is_503(gpu: SimulatedGpu) -> None:
             assert (await first).json()["done_reason"] == "load"
     finally:
         await sim.stop()
+
+
+async def test_another_num_ctx_reloads_the_model_and_ps_reports_its_context_and_size(
+        sim: OllamaSim, http: httpx.AsyncClient) -> None:
+    """needsReload (wire facts A.11): a request whose runner options differ from the loaded runner's
+    reloads it; /api/ps reports the runner's context_length and its size with the bigger KV cache.
+    Options that are not runner options, and num_gpu below 0, reuse the runner."""
+    async def ps() -> dict[str, object]:
+        (row,) = (await http.get("/api/ps")).json()["models"]
+        return dict(row)
+
+    assert (await http.post("/api/generate", json={"model": "llama3.2", "prompt": "hi", "stream": False})).status_code == 200
+    default = await ps()
+    assert default["context_length"] == 4096 and default["size"] == 2 * GIB and sim.loads == 1
+    for options in ({"temperature": 0.1}, {"num_gpu": -1}, {"num_ctx": 4096}):
+        await http.post("/api/generate", json={"model": "llama3.2", "prompt": "hi", "stream": False, "options": options})
+        assert sim.loads == 1, f"{options} reloaded the model"
+    await http.post("/api/generate", json={"model": "llama3.2", "prompt": "hi", "stream": False,
+                                           "options": {"num_ctx": 8192}})
+    bigger = await ps()
+    assert sim.loads == 2 and bigger["context_length"] == 8192
+    assert bigger["size"] == 2 * GIB + 4096 * fast_config().kv_bytes_per_token
+    await http.post("/api/chat", json={"model": "llama3.2", "messages": [{"role": "user", "content": "hi"}],
+                                       "stream": False})
+    assert sim.loads == 3 and (await ps())["context_length"] == 4096, "a default request after it reloads again"
+
+
+async def test_a_copy_keeps_the_digest_and_a_copy_over_a_loaded_name_reloads_it(
+        sim: OllamaSim, http: httpx.AsyncClient) -> None:
+    """A copy is the same manifest under another name (same digest in /api/tags); a name copied over
+    is other content: its next request loads the new model, and /api/ps shows the digest loaded."""
+    def digests(listing: httpx.Response) -> dict[str, str]:
+        return {m["name"]: m["digest"] for m in listing.json()["models"]}
+
+    await http.post("/api/generate", json={"model": "llama3.2", "prompt": "hi", "stream": False})
+    before = digests(await http.get("/api/tags"))
+    assert (await http.post("/api/copy", json={"source": "qwen2.5:7b", "destination": "llama3.2"})).status_code == 200
+    after = digests(await http.get("/api/tags"))
+    assert after["llama3.2:latest"] == after["qwen2.5:7b"] != before["llama3.2:latest"]
+    assert digests(await http.get("/api/ps")) == {"llama3.2:latest": before["llama3.2:latest"]}, \
+        "the runner loaded before the copy is the old content"
+    await http.post("/api/generate", json={"model": "llama3.2", "prompt": "hi", "stream": False})
+    assert sim.loads == 2
+    (row,) = (await http.get("/api/ps")).json()["models"]
+    assert row["digest"] == after["qwen2.5:7b"] and row["size"] == 4 * GIB

@@ -39,3 +39,15 @@ def test_a_release_or_an_unload_forgets_at_once() -> None:
     assert r.keys("ollama") == ["ollama:b"]
     r.forget("ollama")
     assert r.keys("ollama") == []
+
+
+def test_a_load_of_another_variant_of_a_model_ends_the_one_on_the_card() -> None:
+    """Ollama holds one runner per model and reloads it for other load options: a num_ctx 32768 load
+    answered means the default one is gone, and an unload of the model forgets every variant."""
+    r = Residency(ManualClock())
+    r.loaded("ollama", "ollama:gemma3:27b?d=aaa")
+    r.loaded("ollama", "ollama:phi3:mini")
+    r.loaded("ollama", "ollama:gemma3:27b?d=aaa&num_ctx=32768")
+    assert sorted(r.keys("ollama")) == ["ollama:gemma3:27b?d=aaa&num_ctx=32768", "ollama:phi3:mini"]
+    r.forget("ollama", "ollama:gemma3:27b")
+    assert r.keys("ollama") == ["ollama:phi3:mini"]
