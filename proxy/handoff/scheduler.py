@@ -639,6 +639,12 @@ class Scheduler:
         elif admitted.outcome == "run":
             self.settle(admitted.handoff)  # its client left at this very moment
 
+    def admit_unplanned(self, work: Token, tenant: str, key: str) -> None:
+        """A request that loads nothing (an unload): its tenant's work at once, and the load may leave
+        the card. Nothing but the scheduler makes a request work (one owner)."""
+        self.residency.forget(tenant, key)
+        self.traffic.admit(work)
+
     def _admit(self, work: Token, key: str) -> None:
         """The request becomes its tenant's work now, for this load (its peak is learned while it runs)."""
         self.traffic.admit(work)

@@ -300,8 +300,7 @@ class GpuGate:
         unloading = adapter.unload_target(request.url.path, body)
         if unloading is not None:
             # An unload loads nothing: it needs no memory, releases nobody and is never refused.
-            self.arbitration.scheduler.unloaded(tenant.name, adapter.load_key(unloading))
-            self.arbitration.inflight.admit(work)
+            self.arbitration.scheduler.admit_unplanned(work, tenant.name, adapter.load_key(unloading))
             return await forward(body)
         trigger = RequestTrigger.of(request.method, request.url.path)
         arrived, arrived_wall = self.arbitration.clock.now(), self.arbitration.clock.wall()

@@ -20,9 +20,9 @@ STATE_TYPES = {"Reservations", "Residency", "EngineReads", "Lock"}  # Lock: a se
 STATE_ATTRIBUTES = {"_tickets", "_waiters", "_underway", "_reservations", "reservations", "residency",
                     "engine_reads", "_queue_reads", "_unreachable_since", "cpu_tenants", "handoff_lock",
                     "last_snapshot", "card", "_settlers", "_settle_on_idle"}
-# Where else a request may become work without the scheduler: no admission at all (a listener with no
-# gate, a body too large to keep for a retry) and an unload (it loads nothing).
-ADMITS_WITHOUT_SCHEDULER = {"proxy/relay/listener.py", "proxy/relay/gpu_gate.py"}
+# Where else a request may become work without the scheduler: a listener with no gate at all (no
+# scheduler exists). An unload and a body too large to keep go through the scheduler too (one door).
+ADMITS_WITHOUT_SCHEDULER = {"proxy/relay/listener.py"}
 # A lock in the handoff layer is a second "one at a time" beside the scheduler's; the reader's one
 # GPU read at a time guards no admission state. Locks elsewhere (a cache, a walk) are not looked at.
 HANDOFF = ("proxy/handoff/", "proxy/relay/gpu_gate.py")

@@ -18,6 +18,12 @@ of design.md (3, 5 and 11) are checked:
 The CI run is bounded and derandomized (a fixed seed budget); HYPERSWAP_MODEL_EXAMPLES=N runs N
 examples instead (docs/results.md has the result of a long run). A shrunk failure is added below as
 a regular test.
+
+Requests arrive by every door of the GPU gate: tried at once then queued (a load on the card), a body
+too large to keep (queued, never at once), an OOM retry (never resident) and an unload (loads
+nothing, admitted by the scheduler at once). Renders take working memory beside their checkpoint
+while they run and ComfyUI runs one at a time, so "the card is never over-committed" is checked when
+a load lands and when a request's working memory is taken.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from proxy.config.registry import Registry
 from proxy.config.units import GIB, MIB
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot
-from proxy.handoff.decisions import DecisionLog, HandoffStarted, ReleaseResult
+from proxy.handoff.decisions import DecisionLog, HandoffKind, HandoffStarted, ReleaseResult
 from proxy.handoff.inflight import InFlight, Token
 from proxy.handoff.orders import Released, ReleaseOrder
 from proxy.handoff.queue_rules import RESIDENT
@@ -81,6 +87,10 @@ class Client:
     # violation. A request riding on another's load is judged with that load's first request.
     outside_seen: int = 0
     fails: bool = False  # the engine answers it with an error at once (nothing loaded)
+    # the gate's path: "at_once" (tried at once, then queued), "unkept" (a body too large to keep: queued
+    # on the need its head names, never at once), "oom_retry" (the retry after the engine's OOM answer),
+    # "unload" (loads nothing: admitted at once by the scheduler, the model leaves the card when idle)
+    path: str = "at_once"
 
 
 @dataclass
@@ -209,9 +219,16 @@ class SchedulerModel(RuleBasedStateMachine):
         key = f"{c.tenant}:{c.model}"
         c.work = self.inflight.begin(c.tenant, admitted=False)
         try:
-            admitted = self.queue.admit_at_once(tenant, key, c.need, c.work)
+            if c.path == "unload":
+                self.queue.admit_unplanned(c.work, c.tenant, key)
+                if not self.box.running.get(c.tenant) and self.box.loaded[c.tenant] == c.model:
+                    self.box.loaded[c.tenant] = None  # the engine unloads it (it runs nothing of it now)
+                c.outcome = "run"
+                return
+            admitted = self.queue.admit_at_once(tenant, key, c.need, c.work) if c.path == "at_once" else None
             if admitted is None:
-                admitted = await self.queue.request(tenant, key, c.need, f"request {c.id}", work=c.work)
+                kind: HandoffKind = "oom_retry" if c.path == "oom_retry" else "plan"
+                admitted = await self.queue.request(tenant, key, c.need, f"request {c.id}", kind, work=c.work)
             await self._served(c, admitted)
         except asyncio.CancelledError:
             c.outcome = c.outcome or "left"
@@ -291,6 +308,19 @@ class SchedulerModel(RuleBasedStateMachine):
         c = Client(len(self.clients), tenant, model, MODELS[tenant][model] + self.box.floor(tenant) + WORKING.get(tenant, 0),
                    service_s,
                    self.clock.now(), outside_seen=self.box.outside, fails=fails)
+        c.task = self.loop.create_task(self._client(c))
+        self.clients.append(c)
+        self.run(until_all_wait())
+
+    @precondition(lambda self: len(self.clients) < 14)
+    @rule(tenant=st.sampled_from(TENANTS), pick=st.integers(0, 1), service_s=st.sampled_from([0.2, 1.0, 5.0]),
+          path=st.sampled_from(["unkept", "oom_retry", "unload"]))
+    def arrive_by_another_path(self, tenant: str, pick: int, service_s: float, path: str) -> None:
+        """A request by the gate's other doors: a body too large to keep, an OOM retry, an unload."""
+        models = sorted(MODELS[tenant])
+        model = models[pick % len(models)]
+        c = Client(len(self.clients), tenant, model, MODELS[tenant][model] + self.box.floor(tenant) + WORKING.get(tenant, 0),
+                   service_s, self.clock.now(), outside_seen=self.box.outside, path=path)
         c.task = self.loop.create_task(self._client(c))
         self.clients.append(c)
         self.run(until_all_wait())
