@@ -30,15 +30,12 @@ import itertools
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Any
 
-from proxy.clock import Clock
-from proxy.config.registry import Registry
 from proxy.config.schema import Tenant
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.handoff.busy import CONFIRM_SLACK_BYTES, busy_states
 from proxy.handoff.decisions import (
-    DecisionLog,
     HandoffKind,
     Queued,
     QueueEnd,
@@ -46,6 +43,7 @@ from proxy.handoff.decisions import (
     Rejected,
     WaitChanged,
 )
+from proxy.handoff.effects import HandoffEffects as HandoffEffects
 from proxy.handoff.evidence import EngineReads
 from proxy.handoff.hold import SwapHold
 from proxy.handoff.inflight import InFlight, TenantTraffic, Token
@@ -63,38 +61,16 @@ from proxy.handoff.queue_rules import (
     resident_plan,
 )
 from proxy.handoff.reservations import Reservations
-from proxy.handoff.residency import Residency
+from proxy.handoff.residency import Residency, slot
 from proxy.handoff.tickets import QUEUE_END, Ticket, Underway, wait_entry
 from proxy.handoff.tickets import Admitted as Admitted
 from proxy.handoff.tickets import Handoff as Handoff
+from proxy.handoff.unloads import Unloads
 from proxy.tasks import sleep_or_wake
 
 log = logging.getLogger("hyperswap.handoff")
 
 REPLAN_S = 1.0  # the card is read again this often while anyone waits: memory freed outside the proxy sends no event
-
-
-class HandoffEffects(Protocol):
-    """Everything the scheduler does to the world. `Arbitration` is the real one (the card reader
-    and the releaser); tests pass recording fakes."""
-
-    clock: Clock
-    registry: Registry
-    decisions: DecisionLog
-
-    async def read_card(self) -> AttributedSnapshot:
-        """Read the card (one read at a time, off the loop; a broken reader falls back to the engines'
-        own reports). Run by the scheduler as a task that posts the reading, never inside a pass."""
-
-    async def carry_out(self, order: ReleaseOrder, fresh: bool) -> Released:
-        """Record the order, release what it says (never a tenant that is busy by then, by
-        `Scheduler.states`), wait for the memory. `fresh`: read the card again first (the order
-        waited in line behind another release). Run by the scheduler as a task, never awaited by a
-        pass."""
-
-    def prepare_load(self, tenant: str, model: str) -> None:
-        """This load will run once memory is released or a busy tenant finishes: let its files be
-        read into RAM meanwhile (warm-during-release). Must not block."""
 
 
 class Scheduler:
@@ -111,6 +87,7 @@ class Scheduler:
         self.engine_reads = EngineReads()
         self.peaks = Peaks()  # what each load was seen to take while its work ran
         self._busy_keys: dict[str, set[str]] = {}  # tenant -> the loads admitted to it since it was last idle
+        self._leaving = Unloads()  # unloads the card does not show done yet
         self.card: AttributedSnapshot | None = None  # the latest card reading, whoever read it
         self._ids = itertools.count(1)
         self._tickets: dict[int, Ticket] = {}
@@ -144,6 +121,7 @@ class Scheduler:
         self.card = snap
         if snap.snapshot.taken_at > 0:  # 0: a reading that says not when (a test's card)
             self.reservations.confirmed(snap.snapshot.taken_at)
+        self._unload_seen(snap, snap.snapshot.taken_at)
         if not snap.estimated:
             for tenant, keys in self._busy_keys.items():
                 if len(keys) == 1 and self.traffic.busy(tenant):  # all its work is of one load: its peak so far
@@ -256,19 +234,14 @@ class Scheduler:
         many as it can at once while someone waits for it, a waiter not planned yet may be one that
         waits for it, or the latest reading has no room for it)."""
         snap = self.card
-        if snap is None or not self.resident(tenant.name, key):
+        if snap is None or tenant.name in self._leaving or not self.resident(tenant.name, key):
             return None
         need_bytes = self.peak_need(key, need_bytes)
         if any(tenant.name in u.state.tenants for u in self._underway if u.state.key is not None):
             return None  # its memory is promised to another load: the release must not be undone
-        blocking: list[Ticket] = []
-        for t in self._tickets.values():
-            if t.joined is not None:
-                continue
-            if t.verdict is None:
-                return None  # a waiter the scheduler has not seen yet: let the next pass order both
-            if t.verdict.action == "wait" and (tenant.name in t.verdict.plan.wait_for or tenant.name in t.verdict.held):
-                blocking.append(t)
+        blocking = self._waiting_for(tenant.name)
+        if blocking is None:
+            return None  # a waiter the scheduler has not seen yet: let the next pass order both
         settings = self.effects.registry.config.proxy
         now = self.effects.clock.now()
         if blocking and self.at_once_room().get(tenant.name, 1) <= 0:
@@ -286,6 +259,19 @@ class Scheduler:
         if work is not None:
             self._admit(work, key)
         return Admitted("run", self._resident_handoff(w, resident_plan(w, plan), snap), RESIDENT)
+
+    def _waiting_for(self, tenant: str) -> list[Ticket] | None:
+        """The waiters whose last verdict waits for `tenant` (to finish, or behind its held swap); None
+        while a waiter has no verdict yet (it may be one of them)."""
+        blocking: list[Ticket] = []
+        for t in self._tickets.values():
+            if t.joined is not None:
+                continue
+            if t.verdict is None:
+                return None
+            if t.verdict.action == "wait" and (tenant in t.verdict.plan.wait_for or tenant in t.verdict.held):
+                blocking.append(t)
+        return blocking
 
     def peak_need(self, key: str, estimate: int) -> int:
         """What a request for this load is planned on: its estimate, or the most the load was seen to
@@ -490,8 +476,10 @@ class Scheduler:
 
         async def read() -> None:
             try:
-                self.observe_card(await self.effects.read_card())
+                snap = await self.effects.read_card()
+                self.observe_card(snap)
                 self.reservations.confirmed(started)  # promises that ended before this read are on the card it shows
+                self._unload_seen(snap, started)
             except Exception as exc:  # the reader falls back to the engines' reports; this is a bug: tell the waiters
                 self._read_failed = exc
             finally:
@@ -542,6 +530,15 @@ class Scheduler:
         if not snap.snapshot.device.size_known:
             self._forward_unplanned(snap, pending)
             return True
+        held_back = [t for t in pending if t.waiter.tenant in self._leaving]
+        for t in held_back:  # its tenant's unload is not on the card yet: what it holds is on its way out
+            w = t.waiter
+            plan = plan_on_devices(snap, self.effects.registry, self.states(snap), w.tenant, w.need_bytes)
+            self._note_wait(t, Verdict(w, "wait", plan, f"queued until the unload of {w.tenant} shows on the card"))
+            t.verdict = Verdict(w, "wait", plan, t.wait_reason)
+        pending = [t for t in pending if t not in held_back]
+        if not pending:
+            return False
         settings = self.effects.registry.config.proxy
         verdicts = schedule_on_devices(snap, self.effects.registry, self.states(snap), [self._waiter(t) for t in pending],
                                        self._claims(snap), self.effects.clock.now(), settings.starvation_after_s,
@@ -640,10 +637,24 @@ class Scheduler:
             self.settle(admitted.handoff)  # its client left at this very moment
 
     def admit_unplanned(self, work: Token, tenant: str, key: str) -> None:
-        """A request that loads nothing (an unload): its tenant's work at once, and the load may leave
-        the card. Nothing but the scheduler makes a request work (one owner)."""
+        """A request that loads nothing (an unload): its tenant's work at once, and the load leaves the
+        card. Nothing but the scheduler makes a request work (one owner). The engine answers before
+        the memory is back (engine-wire-facts: both free asynchronously), so until a reading shows it
+        gone the tenant's next requests wait: planned on a reading that still shows the model, a chat
+        counted that memory as its own, the memory went to a render, and the reload ran out of it."""
+        if self.card is not None and any(self.residency.holds(tenant, k) for k in self.residency.keys(tenant)
+                                         if slot(k) == slot(key)):
+            self._leaving.begun(tenant, self.effects.clock.now(), self.card.held_by(tenant))
         self.residency.forget(tenant, key)
         self.traffic.admit(work)
+
+    def _unload_seen(self, snap: AttributedSnapshot, read_at: float) -> None:
+        registry = self.effects.registry
+
+        def timeout_of(tenant: str) -> float:
+            return registry.get(tenant).release_timeout_s if tenant in registry else 0.0
+        if self._leaving.seen(snap, read_at, self.effects.clock.now(), timeout_of):
+            self.kick()
 
     def _admit(self, work: Token, key: str) -> None:
         """The request becomes its tenant's work now, for this load (its peak is learned while it runs)."""

@@ -722,3 +722,34 @@ async def test_a_load_is_planned_on_the_most_the_card_showed_it_take_while_its_w
     other = await asyncio.wait_for(queue.request(comfy, "comfyui:sdxl", 10 * GIB, "render"), 1)
     assert other.handoff.plan.need_bytes == 10 * GIB, "another checkpoint's peak is its own"
     await queue.aclose()
+
+
+async def test_a_chat_right_after_an_unload_waits_until_the_card_shows_the_memory_gone(clock: ManualClock) -> None:
+    """Found on the demo (issue 40): an unload answered before Ollama let the memory go; a chat right
+    after it was planned on a reading that still showed the model, counted that memory as its own and
+    reserved nothing; a render took the memory as it came back, and the chat's reload ran out of it."""
+    effects = recorder(clock)
+    effects.procs, effects.free = [("ollama", 1, 16 * GIB), ("comfyui", 2, 1 * GIB)], 6 * GIB
+    queue = scheduler(effects)
+    ollama = effects.registry.get("ollama")
+    warm = effects.inflight.begin("ollama", admitted=False)
+    first = await asyncio.wait_for(queue.request(ollama, "ollama:gemma", 16 * GIB, "chat", work=warm), 1)
+    queue.loaded("ollama", "ollama:gemma")
+    effects.inflight.end(warm)
+    queue.settle(first.handoff)
+    unload = effects.inflight.begin("ollama", admitted=False)
+    queue.admit_unplanned(unload, "ollama", "ollama:gemma")
+    effects.inflight.end(unload)
+    chat_work = effects.inflight.begin("ollama", admitted=False)
+    assert queue.admit_at_once(ollama, "ollama:gemma", 16 * GIB, chat_work) is None
+    chat = asyncio.ensure_future(queue.request(ollama, "ollama:gemma", 16 * GIB, "chat", work=chat_work))
+    await until_all_wait()
+    assert not chat.done(), "planned on a card that still shows the model being unloaded"
+    (entry,) = queue.waiting()
+    assert "unload of ollama" in entry["reason"], entry
+    effects.procs, effects.free = [("ollama", 1, 0), ("comfyui", 2, 1 * GIB)], 22 * GIB  # the memory is back
+    await clock.advance(1.0)  # the next read (REPLAN_S) sees it
+    admitted = await asyncio.wait_for(chat, 1)
+    assert admitted.outcome == "run" and admitted.handoff.reservation is not None, \
+        "the reload is promised its 16 GiB, so no render takes them"
+    await queue.aclose()
