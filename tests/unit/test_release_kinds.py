@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 from release_kind_example import UnloadEach
+from source_tree import SourceFile, nodes_of, python_files
 
 from docs.gen.config import render
 from proxy.config.loading import registry_from_dict
@@ -58,11 +59,11 @@ def _own_nodes(scope: ast.AST) -> list[ast.AST]:
     return out
 
 
-def kind_switches(source: str, where: str, kinds: frozenset[str]) -> list[str]:
+def kind_switches(source: str | SourceFile, where: str, kinds: frozenset[str]) -> list[str]:
     """Comparisons (==, !=, in, not in) and `match` cases of a kind-valued expression against a
     release kind's name, as `where:line: code`, in line order."""
     out: dict[tuple[int, str], None] = {}
-    for scope in ast.walk(ast.parse(source, where)):
+    for scope in nodes_of(source, where):
         if not isinstance(scope, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
         nodes = _own_nodes(scope)
@@ -81,8 +82,7 @@ def kind_switches(source: str, where: str, kinds: frozenset[str]) -> list[str]:
 
 def test_no_module_in_proxy_switches_on_a_release_kind() -> None:
     kinds = frozenset(release_kinds())
-    offenders = [hit for path in sorted(PROXY.rglob("*.py"))
-                 for hit in kind_switches(path.read_text(), str(path.relative_to(ROOT)), kinds)]
+    offenders = [hit for source in python_files(PROXY) for hit in kind_switches(source, source.rel(), kinds)]
     assert not offenders, ("a comparison of a `kind` to a release kind's name is a kind switch: give the kind's "
                            "model (ReleaseSpec) a method or a class attribute that says what it means "
                            "(docs/guides/adding-an-app.md, Adding a release kind):\n" + "\n".join(offenders))
