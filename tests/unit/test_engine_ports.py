@@ -9,8 +9,8 @@ from pathlib import Path
 
 from source_tree import python_files
 
-from proxy.config.loading import registry_from_dict
 from proxy.engines import ADAPTERS, EngineAdapter
+from proxy.engines.loading import registry_from_dict
 from proxy.engines.ports import PORTS
 
 PROXY = Path(__file__).resolve().parents[2] / "proxy"

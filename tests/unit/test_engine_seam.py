@@ -11,9 +11,9 @@ import httpx
 import respx
 from source_tree import SourceFile, nodes_of, python_files, text_of
 
-from proxy.config.loading import registry_from_dict
 from proxy.config.schema import EngineKind
 from proxy.engines import ADAPTERS, AdapterCache, EngineAdapter, adapter_for
+from proxy.engines.loading import registry_from_dict
 
 PROXY = Path(__file__).resolve().parents[2] / "proxy"
 
