@@ -143,7 +143,7 @@ def test_an_unknown_kind_names_every_registered_kind_at_its_path() -> None:
 async def test_a_kind_from_a_test_module_validates_releases_and_is_documented() -> None:
     tenant_json = {"upstream": "http://127.0.0.1:8000",
                    "release": {"kind": "unload_each", "unload_url": "/models/{model}/unload"}}
-    kinds = ReleaseKinds((*RELEASE_KINDS, UnloadEach))  # the one line in RELEASE_KINDS
+    kinds = KINDS.adding(UnloadEach)  # as the one line in RELEASE_KINDS does
     tenant = registry_from_dict({"tenants": {"lm": tenant_json}}, kinds=kinds).get("lm")
     step = tenant.release_steps[0]
     assert isinstance(step, UnloadEach) and step.models_url == "/v1/models" and tenant.reclaimable
