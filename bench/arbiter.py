@@ -19,9 +19,9 @@ sys.path.insert(0, str(ROOT))
 
 from timing import timed  # noqa: E402  (bench/timing.py: the shared loop)
 
-from proxy.config.loading import registry_from_dict  # noqa: E402
 from proxy.config.registry import Registry  # noqa: E402
 from proxy.config.units import GIB, MIB  # noqa: E402
+from proxy.engines.loading import registry_from_dict  # noqa: E402
 from proxy.gpu.attribution import Attributor  # noqa: E402
 from proxy.handoff.plan import TenantState, plan_release  # noqa: E402
 from proxy.sim.gpu import SimulatedGpu  # noqa: E402

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "tests" / "unit"))  # the fixture /proc builder th
 from proctrees import FakeProc, gpu_proc, snapshot  # noqa: E402
 from timing import timed  # noqa: E402  (bench/timing.py: the shared loop)
 
-from proxy.config.loading import registry_from_dict  # noqa: E402
+from proxy.engines.loading import registry_from_dict  # noqa: E402
 from proxy.gpu.attribution import Attributor  # noqa: E402
 from proxy.gpu.proctree import ProcTreeReader, read_fd_links, read_listeners, read_process_tree  # noqa: E402
 from proxy.gpu.snapshot import GpuProcess  # noqa: E402

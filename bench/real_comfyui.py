@@ -66,7 +66,7 @@ import websockets
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from proxy import __version__
-from proxy.config.loading import load_registry
+from proxy.engines.loading import load_registry
 from proxy.gpu.nvml import NvmlReader
 from proxy.gpu.pods import with_pods
 from proxy.gpu.visibility import start_notice

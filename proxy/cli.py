@@ -15,8 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, TextIO
 
 from proxy import __version__
-from proxy.config.loading import load_registry
 from proxy.config.registry import SETTINGS_SECTIONS, field_value, setting_value
+from proxy.engines.loading import load_registry
 from proxy.errors import HyperSwapError
 from proxy.gpu.visibility import start_notice
 

@@ -28,9 +28,9 @@ from websockets.asyncio.client import connect as ws_connect
 from proxy.admin.telemetry import ENV_VAR as ENV_TELEMETRY
 from proxy.admin.telemetry import Telemetry, completes
 from proxy.clock import Clock, SystemClock
-from proxy.config.loading import load_registry_over, registry_from_dict
 from proxy.config.units import GIB
 from proxy.decision_base import DecisionEvent
+from proxy.engines.loading import load_registry_over, registry_from_dict
 from proxy.gpu.keeper import GpuDrift
 from proxy.handoff.decisions import DecisionView, LifecycleExit, ModelLoad
 from proxy.relay.servers import settle_heap

@@ -17,9 +17,11 @@ from pydantic.fields import FieldInfo
 
 from docs.gen.md import code, table
 from proxy.config.bounds import BOUNDS, SUFFIX_BOUNDS, Bound, bound_for
-from proxy.config.loading import registry_from_dict
-from proxy.config.schema import Config, ReleaseSpec, Tenant, release_fields, release_kinds
+from proxy.config.kinds import ReleaseKinds
+from proxy.config.schema import Config, ReleaseSpec, Tenant
 from proxy.config.settings import AdminSpec, GpuProfile, ProxySettings, TelemetrySettings
+from proxy.engines.loading import registry_from_dict
+from proxy.engines.release_kinds import KINDS
 
 
 def _num(x: float) -> str:
@@ -108,21 +110,21 @@ def range_text(name: str, info: FieldInfo) -> str:
     return ", ".join(parts)
 
 
-def rows(model: type[BaseModel], prefix: str = "") -> Iterator[list[str]]:
-    yield from _rows(model.__name__, model.model_fields, prefix)
+def rows(model: type[BaseModel], prefix: str = "", kinds: ReleaseKinds = KINDS) -> Iterator[list[str]]:
+    yield from _rows(model.__name__, model.model_fields, prefix, kinds)
 
 
-def release_rows(prefix: str) -> Iterator[list[str]]:
+def release_rows(prefix: str, kinds: ReleaseKinds = KINDS) -> Iterator[list[str]]:
     """One release step: the fields of every registered release kind (the base's first, then each
     kind's own in registration order), `kind` naming every kind."""
-    fields = release_fields()
+    fields = kinds.fields()
     kind = fields.pop("kind")
-    yield [code(f"{prefix}kind"), " or ".join(json.dumps(k) for k in release_kinds()), default_text(kind), "",
+    yield [code(f"{prefix}kind"), " or ".join(json.dumps(k) for k in kinds), default_text(kind), "",
            kind.description or ""]
-    yield from _rows("ReleaseSpec", fields, prefix)
+    yield from _rows("ReleaseSpec", fields, prefix, kinds)
 
 
-def _rows(owner: str, fields: dict[str, FieldInfo], prefix: str) -> Iterator[list[str]]:
+def _rows(owner: str, fields: dict[str, FieldInfo], prefix: str, kinds: ReleaseKinds) -> Iterator[list[str]]:
     for name, info in fields.items():
         dotted = f"{prefix}{name}"
         if not info.description:
@@ -130,14 +132,14 @@ def _rows(owner: str, fields: dict[str, FieldInfo], prefix: str) -> Iterator[lis
                              "the tenants.json reference is made from them")
         yield [code(dotted), type_text(info.annotation), default_text(info), range_text(name, info), info.description]
         for sub in _models(info.annotation):
-            yield from release_rows(f"{dotted}.") if sub is ReleaseSpec else rows(sub, f"{dotted}.")
+            yield from release_rows(f"{dotted}.", kinds) if sub is ReleaseSpec else rows(sub, f"{dotted}.", kinds)
 
 
 HEADERS = ("field", "type", "default", "range", "meaning")
 
 
-def _section(title: str, model: type[BaseModel], prefix: str, intro: str) -> str:
-    return f"## {title}\n\n{intro}\n\n{table(HEADERS, rows(model, prefix))}"
+def _section(title: str, model: type[BaseModel], prefix: str, intro: str, kinds: ReleaseKinds = KINDS) -> str:
+    return f"## {title}\n\n{intro}\n\n{table(HEADERS, rows(model, prefix, kinds))}"
 
 
 def shipped() -> str:
@@ -158,7 +160,8 @@ def suffix_rules() -> str:
     return f"Fields with a range of their own: {named}. {rules.capitalize()}."
 
 
-def render() -> str:
+def render(kinds: ReleaseKinds = KINDS) -> str:
+    """The page for the proxy's release kinds (`kinds`: another set, a test's own kind added)."""
     top = [[code(name), type_text(info.annotation), default_text(info), info.description or ""]
            for name, info in Config.model_fields.items()]
     return "\n\n".join([
@@ -167,7 +170,7 @@ def render() -> str:
         "tenants.json` in the package).\n\n"
         + shipped(),
         _section("A tenant: `tenants.NAME`", Tenant, "", "Every field of one application. `release` is one object or a "
-                 "list of such objects (steps tried in order); its fields below are those of one step."),
+                 "list of such objects (steps tried in order); its fields below are those of one step.", kinds),
         _section("`admin`", AdminSpec, "admin.", AdminSpec.__doc__ or ""),
         _section("`proxy`", ProxySettings, "proxy.", ProxySettings.__doc__ or ""),
         _section("`telemetry`", TelemetrySettings, "telemetry.", "The stored history (`GET /api/history`)."),

@@ -4,7 +4,7 @@ use. The one place that turns a listen address into a URL to call."""
 
 from __future__ import annotations
 
-from proxy.config.loading import load_registry
+from proxy.engines.loading import load_registry
 
 WILDCARD_HOSTS = ("0.0.0.0", "", "::", "[::]")  # addresses to listen on, not to call: reached on loopback
 

@@ -29,10 +29,10 @@ from websockets.asyncio.client import connect as ws_connect
 
 from proxy.admin.address import admin_base_url
 from proxy.admin.proxy_view import ProxyView
-from proxy.config.loading import load_registry
 from proxy.config.schema import Tenant
 from proxy.config.units import GIB
 from proxy.encoding import fields_json
+from proxy.engines.loading import load_registry
 from proxy.engines.ports import HealthPorts
 from proxy.engines.settings import EnvReaders
 from proxy.errors import ConfigError, HyperSwapError

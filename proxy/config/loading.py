@@ -2,8 +2,10 @@
 the shipped defaults, validated, and checked for what can be known at load (the commands a release
 would run). The user's file is never written.
 
-The one module of proxy/config/ in the engines layer (tests/unit/test_layers.py): the schema it
-validates is closed with the release kinds registered in proxy/engines/release_kinds.py."""
+Every entry point takes the release kinds the file may use (`kinds`, a `ReleaseKinds`): this module
+knows none but "none". The application's are listed in proxy/engines/release_kinds.py, and
+proxy/engines/loading.py gives these entry points with them bound (what the proxy, the docs and the
+tests call)."""
 
 from __future__ import annotations
 
@@ -16,11 +18,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from proxy.config.jsonfile import check_tree, read_json
+from proxy.config.kinds import ReleaseKinds
 from proxy.config.merge import Provenance, field_sources, merge, settings_sources
 from proxy.config.messages import problems, schema_error
 from proxy.config.registry import Registry
 from proxy.config.schema import Config
-from proxy.engines import release_kinds  # noqa: F401  (registers the release kinds `release` validates against)
 from proxy.errors import ConfigError
 
 ENV_CONFIG = "HYPERSWAP_CONFIG"
@@ -40,8 +42,8 @@ def _resolve(path: str | os.PathLike[str] | None, env: Mapping[str, str]) -> Pat
     return home if home.exists() else None
 
 
-def load_registry(path: str | os.PathLike[str] | None = None, *, env: Mapping[str, str] | None = None,
-                  shipped: Path = SHIPPED_DEFAULTS) -> Registry:
+def load_registry(path: str | os.PathLike[str] | None = None, *, kinds: ReleaseKinds,
+                  env: Mapping[str, str] | None = None, shipped: Path = SHIPPED_DEFAULTS) -> Registry:
     """Load --config PATH, else $HYPERSWAP_CONFIG, else ~/.config/hyperswap/tenants.json, else defaults."""
     env = os.environ if env is None else env
     defaults = read_json(shipped)
@@ -58,11 +60,11 @@ def load_registry(path: str | os.PathLike[str] | None = None, *, env: Mapping[st
         if tenants is not None and not isinstance(tenants, dict):
             raise ConfigError(f"{source} does not match the schema", problems=["tenants: expected an object"])
         merged = merge(defaults, user, (), prov)
-    return _validate(merged, source, prov, early, env)
+    return _validate(merged, source, prov, early, env, kinds)
 
 
 def load_registry_over(data: Mapping[str, Any], path: str | os.PathLike[str],
-                       pinned: Mapping[str, Mapping[str, Any]] | None = None) -> Registry:
+                       pinned: Mapping[str, Mapping[str, Any]] | None = None, *, kinds: ReleaseKinds) -> Registry:
     """The shipped defaults, then `data` (the demo's scenario), then the file at `path` over both
     (`hyperswap demo --config`): its admin, proxy, telemetry and gpu_profile sections and its tenants.
     `pinned`: tenant fields the file cannot change (the simulators' upstreams); the source is the file."""
@@ -80,15 +82,15 @@ def load_registry_over(data: Mapping[str, Any], path: str | os.PathLike[str],
         body = merged.get("tenants", {}).get(name)
         if isinstance(body, dict):
             body.update(fields)
-    return _validate(merged, source, prov, early, os.environ)
+    return _validate(merged, source, prov, early, os.environ, kinds)
 
 
-def registry_from_dict(data: Mapping[str, Any]) -> Registry:
+def registry_from_dict(data: Mapping[str, Any], *, kinds: ReleaseKinds) -> Registry:
     """Build a registry from an in-memory config (tests, scenarios), with shipped defaults merged under it."""
     prov: Provenance = {}
     early = check_tree(data, "the configuration")
     merged = merge(read_json(SHIPPED_DEFAULTS), dict(data), (), prov)
-    return _validate(merged, None, prov, early, os.environ)
+    return _validate(merged, None, prov, early, os.environ, kinds)
 
 
 def command_problems(config: Config, env: Mapping[str, str]) -> list[str]:
@@ -100,7 +102,7 @@ def command_problems(config: Config, env: Mapping[str, str]) -> list[str]:
 
 
 def _validate(merged: Any, source: Path | None, prov: Provenance, early: list[str],
-              env: Mapping[str, str]) -> Registry:
+              env: Mapping[str, str], kinds: ReleaseKinds) -> Registry:
     """`early`: the tree's problems (tree_problems), listed with the schema's."""
     merged = copy.deepcopy(merged)  # never write into the caller's dicts
     if isinstance(merged.get("tenants"), dict):
@@ -109,10 +111,10 @@ def _validate(merged: Any, source: Path | None, prov: Provenance, early: list[st
                 body.setdefault("name", name)
     where = str(source) if source else "the configuration"
     try:
-        config = Config.model_validate(merged)
+        config = kinds.config_model.model_validate(merged)
     except ValidationError as exc:
         named = {p.split(": ", 1)[0] for p in early}  # a NaN is named once, by the tree's message
-        raise schema_error(where, early + [p for p in problems(exc) if p.split(": ", 1)[0] not in named]) from None
+        raise schema_error(where, early + [p for p in problems(exc, kinds) if p.split(": ", 1)[0] not in named]) from None
     if early:
         raise schema_error(where, early)
     for name, tenant in config.tenants.items():

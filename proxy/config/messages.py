@@ -3,9 +3,11 @@ tenants.json spells it, without the tags pydantic adds for the shapes of `releas
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from pydantic import ValidationError
 
-from proxy.config.schema import ONE_STEP, STEPS, is_tag, kinds_taking, release_kinds
+from proxy.config.schema import ONE_STEP, STEPS, ReleaseSpec, is_tag
 from proxy.errors import ConfigError
 
 FRIENDLY = {
@@ -25,7 +27,8 @@ FRIENDLY = {
 }
 
 
-def problems(exc: ValidationError) -> list[str]:
+def problems(exc: ValidationError, kinds: Mapping[str, type[ReleaseSpec]]) -> list[str]:
+    """Each error as `path: what is wrong`; `kinds`: the release kinds the file was validated with."""
     out = []
     for err in exc.errors():
         loc = err["loc"]
@@ -36,10 +39,10 @@ def problems(exc: ValidationError) -> list[str]:
         elif err["type"] == "union_tag_not_found":  # a step of a list that is no object
             msg = FRIENDLY["model_type"]
         elif err["type"] == "union_tag_invalid":  # `kind` names no registered release kind
-            path, msg = f"{path}.kind", _expected(list(release_kinds()))
+            path, msg = f"{path}.kind", _expected(list(kinds))
         elif err["type"] == "extra_forbidden" and len(loc) > 1 and str(loc[-2]).startswith("(kind ") \
-                and kinds_taking(str(loc[-1])):
-            msg = _other_kinds_field(str(loc[-1]), str(loc[-2]))
+                and _taking(kinds, str(loc[-1])):
+            msg = _other_kinds_field(str(loc[-1]), str(loc[-2]), kinds)
         if msg is None:
             msg = err["msg"].removeprefix("Value error, ")
             if err["type"] == "literal_error":
@@ -54,12 +57,16 @@ def _expected(values: list[str]) -> str:
     return "expected " + (f"{', '.join(quoted[:-1])} or {quoted[-1]}" if len(quoted) > 1 else quoted[0])
 
 
-def _other_kinds_field(field: str, tag: str) -> str:
+def _taking(kinds: Mapping[str, type[ReleaseSpec]], field: str) -> list[str]:
+    return sorted(name for name, model in kinds.items() if field in model.model_fields)
+
+
+def _other_kinds_field(field: str, tag: str, kinds: Mapping[str, type[ReleaseSpec]]) -> str:
     """A field of another release kind, named at its own path, so a typo in `kind` cannot silently
     drop a command."""
     kind = tag.removeprefix("(kind ").removesuffix(")")
-    kinds = " or ".join(repr(k) for k in kinds_taking(field))
-    return f"only release kind {kinds} takes {field!r} (this release is kind {kind!r})"
+    taking = " or ".join(repr(k) for k in _taking(kinds, field))
+    return f"only release kind {taking} takes {field!r} (this release is kind {kind!r})"
 
 
 def schema_error(where: str, problems: list[str]) -> ConfigError:

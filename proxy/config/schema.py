@@ -4,10 +4,12 @@ A release kind is one pydantic model, a subclass of `ReleaseSpec` with `kind` a 
 that holds its own fields and its own effect: `release()` (ask for the memory back) and, where it
 has one, `wake()` (its resume call); a kind that stops the app also builds its lifecycle controller
 (`proxy.lifecycle.controller.StoppingRelease`). Kinds live beside the code they drive (the Ollama
-and ComfyUI releases in their adapters, the lifecycle kinds beside their controllers) and are
-registered with one line in `proxy/engines/release_kinds.py`, which hands the list to
-`use_release_kinds`. `release` is then the union of those models, told apart by `kind` (absent:
-"none"). Only the "none" kind is built in: it is the default, and it releases nothing.
+and ComfyUI releases in their adapters, the lifecycle kinds beside their controllers) and are listed
+with one line each in `proxy/engines/release_kinds.py`. Which kinds a file may use is a parameter,
+never a global: `proxy.config.kinds.ReleaseKinds` closes `release` over the kinds it is given (the
+union of those models, told apart by `kind`; absent: "none") and loading takes it. Only the "none"
+kind is built in: it is the default, and it releases nothing; the `Tenant` and `Config` here know no
+other kind in a file (a step built in Python of any kind is taken as it is).
 
 Every number has a range (`bounds`), every model refuses unknown keys, and every field has a
 description (docs/reference/tenants-json.md is generated from them)."""
@@ -15,12 +17,10 @@ description (docs/reference/tenants-json.md is generated from them)."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union, get_args, get_origin
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import Discriminator, Field, GetCoreSchemaHandler, Tag, ValidationInfo, field_validator, model_validator
-from pydantic.fields import FieldInfo
+from pydantic import Discriminator, Field, GetCoreSchemaHandler, InstanceOf, Tag, ValidationInfo, field_validator, model_validator
 from pydantic_core import CoreSchema
 
 from proxy.config.fields import TENANT_NAME, StrictModel, device_list, host_list, host_port, no_spaces, upstream_url
@@ -91,71 +91,10 @@ class NoRelease(ReleaseSpec):
 
 
 # ---------------------------------------------------------------------------------------------
-# The kinds in use, and `release` as their union
-
-
-class _KindsInUse:
-    """The release kinds tenants.json accepts, in registration order: the program's configuration,
-    set once at import by proxy/engines/release_kinds.py (`use_release_kinds`), never by a request."""
-
-    def __init__(self) -> None:
-        self.kinds: dict[str, type[ReleaseSpec]] = {"none": NoRelease}
-
-
-_IN_USE = _KindsInUse()
-
-
-def release_kinds() -> Mapping[str, type[ReleaseSpec]]:
-    """Kind name -> its model, in registration order."""
-    return dict(_IN_USE.kinds)
-
-
-def use_release_kinds(kinds: Sequence[type[ReleaseSpec]]) -> None:
-    """Make `kinds` the release kinds tenants.json accepts, and rebuild the models that hold a
-    release. Called once by proxy/engines/release_kinds.py (and by tests that add a kind)."""
-    table: dict[str, type[ReleaseSpec]] = {}
-    for model in kinds:
-        name = model.kind_name() if issubclass(model, ReleaseSpec) else None
-        annotation = model.model_fields["kind"].annotation
-        if name is None or get_origin(annotation) is not Literal or get_args(annotation) != (name,):
-            raise TypeError(f"{model.__name__}: a release kind is a ReleaseSpec with kind: Literal['its name'] = 'its name'")
-        if name in table:
-            raise ValueError(f"release kind {name!r} is registered twice ({table[name].__name__}, {model.__name__})")
-        table[name] = model
-    if "none" not in table:
-        raise ValueError("release kind 'none' must stay registered: it is the default of every tenant")
-    _IN_USE.kinds = table
-    Tenant.model_rebuild(force=True)  # the models that hold a release, built again with the new union
-    Config.model_rebuild(force=True)
-
-
-@contextmanager
-def release_kinds_in_use(kinds: Sequence[type[ReleaseSpec]]) -> Iterator[None]:
-    """`use_release_kinds(kinds)` for a while, then the kinds before (tests that add a kind)."""
-    before = list(_IN_USE.kinds.values())
-    use_release_kinds(kinds)
-    try:
-        yield
-    finally:
-        use_release_kinds(before)
-
-
-def kinds_taking(field: str) -> list[str]:
-    """The registered kinds whose model has `field` (sorted), for 'only release kind X takes F'."""
-    return sorted(name for name, model in _IN_USE.kinds.items() if field in model.model_fields)
-
-
-def release_fields() -> dict[str, FieldInfo]:
-    """Every field a release step may have, the base's first, then each kind's own in registration
-    order (the tenants.json reference lists them so)."""
-    out = dict(ReleaseSpec.model_fields)
-    for model in _IN_USE.kinds.values():
-        out.update({name: info for name, info in model.model_fields.items() if name not in out})
-    return out
-
+# `release` as the union of a closed set of kinds (proxy/config/kinds.py builds it for the kinds it is given)
 
 # Tags of the shapes `release` takes; messages.problems leaves them out of an error's path.
-ONE_STEP, STEPS = "(one release)", "(release steps)"
+ONE_STEP, STEPS, BUILT = "(one release)", "(release steps)", "(a step built in Python)"
 
 
 def kind_tag(name: str) -> str:
@@ -163,7 +102,7 @@ def kind_tag(name: str) -> str:
 
 
 def is_tag(part: object) -> bool:
-    return part in (ONE_STEP, STEPS) or (isinstance(part, str) and part.startswith("(kind ") and part.endswith(")"))
+    return part in (ONE_STEP, STEPS, BUILT) or (isinstance(part, str) and part.startswith("(kind ") and part.endswith(")"))
 
 
 def _release_shape(value: Any) -> str:
@@ -179,29 +118,43 @@ def _kind_of(value: Any) -> str | None:
     return None
 
 
-def _one_step() -> Any:
-    members = tuple(Annotated[model, Tag(kind_tag(name))] for name, model in _IN_USE.kinds.items())
-    if len(members) == 1:  # only the built-in "none": no union to tell apart
-        return next(iter(_IN_USE.kinds.values()))
-    return Annotated[_union(members), Discriminator(_kind_of)]
+def _built_or_kind(value: Any) -> str | None:
+    """The base `Tenant` knows no kind but "none": a step already built (any kind) is taken as it is."""
+    return BUILT if isinstance(value, ReleaseSpec) else _kind_of(value)
 
 
 def _union(members: tuple[Any, ...]) -> Any:
     return Union[members]  # noqa: UP007  (built from a tuple of types at run time)
 
 
-class _ReleaseSchema:
-    """`Tenant.release`'s validation: one step or a list of them, each of a registered kind. Built
-    when the model is (again by use_release_kinds), so the union is always the kinds in use."""
+def _one_step(kinds: Mapping[str, type[ReleaseSpec]] | None) -> Any:
+    """One step's validation: tagged by `kind` over `kinds`; None (the base `Tenant`): a step built in
+    Python of any kind, or an object of kind "none" (the only kind built in)."""
+    if kinds is None:
+        members = (Annotated[InstanceOf[ReleaseSpec], Tag(BUILT)], Annotated[NoRelease, Tag(kind_tag("none"))])
+        return Annotated[_union(members), Discriminator(_built_or_kind)]
+    tagged = tuple(Annotated[model, Tag(kind_tag(name))] for name, model in kinds.items())
+    if len(tagged) == 1:  # only the built-in "none": no union to tell apart
+        return next(iter(kinds.values()))
+    return Annotated[_union(tagged), Discriminator(_kind_of)]
+
+
+class ReleaseSchema:
+    """`Tenant.release`'s validation: one step or a list of them, each of one of `kinds` (in the order
+    given; None: see `_one_step`). The closed union is a parameter, never a global: proxy/config/kinds.py
+    builds the models that hold it for the kinds the application hands to loading."""
+
+    def __init__(self, kinds: Mapping[str, type[ReleaseSpec]] | None = None) -> None:
+        self.kinds = kinds
 
     def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
-        one = _one_step()
+        one = _one_step(self.kinds)
         shapes = Annotated[Annotated[one, Tag(ONE_STEP)] | Annotated[list[one], Tag(STEPS)],  # type: ignore[valid-type]
                            Discriminator(_release_shape)]
         return handler.generate_schema(shapes)
 
 
-Release = Annotated[ReleaseSpec | list[ReleaseSpec], _ReleaseSchema()]
+Release = Annotated[ReleaseSpec | list[ReleaseSpec], ReleaseSchema()]
 
 
 # ---------------------------------------------------------------------------------------------

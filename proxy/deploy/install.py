@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 from urllib.parse import urlsplit
 
-from proxy.config.loading import registry_from_dict
 from proxy.config.registry import Registry
 from proxy.deploy.ports import Holders, PortHolder
 from proxy.deploy.units import DROP_IN_NAME, UNIT_NAME, Mode, render_drop_in, render_unit
 from proxy.engines import adapter_for
+from proxy.engines.loading import registry_from_dict
 from proxy.engines.ports import Relocation
 from proxy.errors import HyperSwapError
 from proxy.gpu.attribution import Attributor

@@ -7,7 +7,7 @@ import httpx
 import pytest
 from boxes import DemoFactory, fast
 
-from proxy.config.loading import registry_from_dict
+from proxy.engines.loading import registry_from_dict
 from proxy.errors import ConfigError
 from proxy.service import Proxy
 from proxy.sim.gpu import SimulatedGpu

@@ -16,8 +16,8 @@ from starlette.routing import Route
 from proxy.admin.api import AdminApi
 from proxy.admin.events import EventsExtension, EventsSettings, _Subscriber, encode
 from proxy.admin.openapi import OpenApiExtension, openapi_document
-from proxy.config.loading import registry_from_dict
 from proxy.demo import Demo, run_prompt
+from proxy.engines.loading import registry_from_dict
 from proxy.service import Proxy
 from proxy.sim.box import SimBox
 from proxy.tasks import poll_until

@@ -10,7 +10,7 @@ import httpx
 from boxes import DemoFactory, fast
 
 from proxy.admin.gpu_api import GpuSettingsExtension, gpu_extension
-from proxy.config.loading import registry_from_dict
+from proxy.engines.loading import registry_from_dict
 from proxy.gpu.nvml import NvmlReader
 from proxy.gpu.settings_writer import ROOT_FIX
 from proxy.service import Proxy

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.config.loading import load_registry
+from proxy.engines.loading import load_registry
 from proxy.errors import ConfigError
 from proxy.service import Proxy, listen_error
 from proxy.sim.gpu import SimulatedGpu

@@ -31,9 +31,9 @@ from starlette.websockets import WebSocket
 
 from proxy.admin.health import EnvReaders, HealthExtension
 from proxy.cli import main, serve
-from proxy.config.loading import registry_from_dict
 from proxy.config.units import GIB
 from proxy.demo import run_prompt
+from proxy.engines.loading import registry_from_dict
 from proxy.gpu.nvml import NvmlReader
 from proxy.gpu.snapshot import GpuReadError
 from proxy.relay.servers import RunningServer, start_server

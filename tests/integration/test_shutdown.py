@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from proxy.config.loading import registry_from_dict
+from proxy.engines.loading import registry_from_dict
 from proxy.service import Proxy
 from proxy.sim.gpu import SimulatedGpu
 from proxy.tasks import poll_until

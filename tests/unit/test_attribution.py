@@ -6,9 +6,9 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from proxy.config.loading import registry_from_dict
 from proxy.config.registry import Registry
 from proxy.config.units import GIB
+from proxy.engines.loading import registry_from_dict
 from proxy.gpu.attribution import UNMANAGED, Attributor
 from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot
 

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from proctrees import FakeProc, gpu_proc, snapshot
 
-from proxy.config.loading import registry_from_dict
 from proxy.config.registry import Registry
+from proxy.engines.loading import registry_from_dict
 from proxy.gpu.attribution import UNMANAGED, Attributor
 from proxy.gpu.proctree import read_process_tree
 from proxy.gpu.snapshot import ProcessTree

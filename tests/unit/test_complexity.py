@@ -13,6 +13,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from source_tree import python_files
+
 ROOT = Path(__file__).resolve().parents[2] / "proxy"
 LIMIT = 20
 EXEMPT_DIRS = ("sim",)  # the simulators mimic other programs' behaviour, branch for branch
@@ -81,11 +83,11 @@ def functions(tree: ast.AST, prefix: str = "") -> list[tuple[str, ast.FunctionDe
 
 def over_limit(root: Path = ROOT) -> dict[tuple[str, str], int]:
     found = {}
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root)
+    for source in python_files(root):
+        rel = source.path.relative_to(root)
         if rel.parts[0] in EXEMPT_DIRS:
             continue
-        for name, fn in functions(ast.parse(path.read_text(), str(path))):
+        for name, fn in functions(source.tree):
             score = complexity(fn)
             if score > LIMIT:
                 found[(rel.as_posix(), name)] = score

@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from source_tree import python_files
+
 ROOT = Path(__file__).resolve().parents[2]
 DESIGN = ROOT / "docs" / "design.md"
 
@@ -40,8 +42,8 @@ def test_the_module_map_names_every_module_once() -> None:
 def test_every_invariant_the_code_cites_is_in_the_design() -> None:
     numbered = {int(n) for n in re.findall(r"^(\d+)\. ", DESIGN.read_text(), re.M)}
     cited: set[int] = set()
-    for path in (ROOT / "proxy").rglob("*.py"):
-        for group in re.findall(r"invariants? ((?:\d+(?:, | and )?)+)", path.read_text()):
+    for source in python_files(ROOT / "proxy"):
+        for group in re.findall(r"invariants? ((?:\d+(?:, | and )?)+)", source.text):
             cited |= {int(n) for n in re.findall(r"\d+", group)}
     assert cited, "the code cites no invariant: the pattern is broken"
     assert cited <= numbered, f"invariants cited in proxy/ but not in docs/design.md: {sorted(cited - numbered)}"

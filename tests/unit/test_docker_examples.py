@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from proxy.config.loading import registry_from_dict
+from proxy.engines.loading import registry_from_dict
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "examples" / "docker"

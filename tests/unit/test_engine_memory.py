@@ -11,10 +11,10 @@ import httpx
 import pytest
 import respx
 
-from proxy.config.loading import registry_from_dict
 from proxy.config.schema import Tenant
 from proxy.config.units import GIB
 from proxy.engines import ReleaseFailed
+from proxy.engines.loading import registry_from_dict
 from proxy.engines.ollama import OllamaCatalog
 from proxy.engines.registry import adapter_for
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from proxy.config.loading import registry_from_dict
+from source_tree import python_files
+
 from proxy.engines import ADAPTERS, EngineAdapter
+from proxy.engines.loading import registry_from_dict
 from proxy.engines.ports import PORTS
 
 PROXY = Path(__file__).resolve().parents[2] / "proxy"
@@ -70,13 +72,12 @@ def test_an_engine_kind_overrides_only_port_members() -> None:
 
 def test_outside_engines_only_the_adapter_holders_name_the_whole_adapter() -> None:
     named = []
-    for path in sorted(PROXY.rglob("*.py")):
-        where = str(path.relative_to(PROXY.parent))
+    for source in python_files(PROXY):
+        path, where = source.path, source.rel()
         if path.is_relative_to(PROXY / "engines") or path.is_relative_to(PROXY / "sim") or where in WHOLE_ADAPTER:
             continue
-        tree = ast.parse(path.read_text(), where)
-        named += [f"{where}:{n.lineno}" for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == "EngineAdapter"]
-        named += [f"{where}:{n.lineno}" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+        named += [f"{where}:{n.lineno}" for n in source.nodes if isinstance(n, ast.Name) and n.id == "EngineAdapter"]
+        named += [f"{where}:{n.lineno}" for n in source.nodes if isinstance(n, ast.ImportFrom)
                   and any(a.name == "EngineAdapter" for a in n.names)]
     assert not named, ("type against the port you ask (proxy/engines/ports.py), not the whole adapter: "
                        + ", ".join(named))

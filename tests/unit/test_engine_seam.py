@@ -9,24 +9,25 @@ from pathlib import Path
 
 import httpx
 import respx
+from source_tree import SourceFile, nodes_of, python_files, text_of
 
-from proxy.config.loading import registry_from_dict
 from proxy.config.schema import EngineKind
 from proxy.engines import ADAPTERS, AdapterCache, EngineAdapter, adapter_for
+from proxy.engines.loading import registry_from_dict
 
 PROXY = Path(__file__).resolve().parents[2] / "proxy"
 
 
-def engine_switches(source: str, where: str) -> list[str]:
+def engine_switches(source: str | SourceFile, where: str) -> list[str]:
     """`x.engine == ...`, `!=`, `in`, `not in` (either side), as `where:line: code`."""
     out = []
-    for node in ast.walk(ast.parse(source, where)):
+    for node in nodes_of(source, where):
         if not isinstance(node, ast.Compare):
             continue
         names_engine = any(isinstance(s, ast.Attribute) and s.attr == "engine" for s in (node.left, *node.comparators))
         if names_engine and any(isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops):
             out.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
-    out += [f"{where}:{i}: {line.strip()}" for i, line in enumerate(source.splitlines(), 1) if "engine ==" in line]
+    out += [f"{where}:{i}: {line.strip()}" for i, line in enumerate(text_of(source).splitlines(), 1) if "engine ==" in line]
     return sorted(set(out))
 
 
@@ -43,12 +44,12 @@ def _strings(node: ast.expr) -> list[str]:
     return [n.value for n in items if isinstance(n, ast.Constant) and isinstance(n.value, str)]
 
 
-def kind_switches(source: str, where: str) -> list[str]:
+def kind_switches(source: str | SourceFile, where: str) -> list[str]:
     """The other shapes of the same switch, as `where:line: code`: an adapter's kind attribute
     (`adapter.model_layout == "comfyui"`) compared to any string, and anything compared to (or matched
     against) an engine kind's name (`layout = adapter.model_layout; if layout == "ollama"`)."""
     out = []
-    for node in ast.walk(ast.parse(source, where)):
+    for node in nodes_of(source, where):
         if isinstance(node, ast.Compare):
             sides = (node.left, *node.comparators)
             strings = [v for s in sides for v in _strings(s)]
@@ -68,15 +69,15 @@ SIMULATED = (PROXY / "sim", PROXY / "demo.py", PROXY / "demo_check.py")
 
 
 def test_no_module_outside_engines_switches_on_an_engine_name() -> None:
-    offenders = [hit for path in sorted(PROXY.rglob("*.py")) if not any(path.is_relative_to(c) for c in CLIENTS)
-                 for hit in engine_switches(path.read_text(), str(path.relative_to(PROXY.parent)))]
+    offenders = [hit for source in python_files(PROXY) if not any(source.path.is_relative_to(c) for c in CLIENTS)
+                 for hit in engine_switches(source, source.rel())]
     assert not offenders, "ask the tenant's adapter (proxy/engines/) instead of switching on its name:\n" + "\n".join(offenders)
 
 
 def test_no_module_outside_engines_compares_an_adapter_kind_or_an_engine_name() -> None:
-    offenders = [hit for path in sorted(PROXY.rglob("*.py"))
-                 if not any(path.is_relative_to(c) for c in (*CLIENTS, *SIMULATED))
-                 for hit in kind_switches(path.read_text(), str(path.relative_to(PROXY.parent)))]
+    offenders = [hit for source in python_files(PROXY)
+                 if not any(source.path.is_relative_to(c) for c in (*CLIENTS, *SIMULATED))
+                 for hit in kind_switches(source, source.rel())]
     assert not offenders, ("a comparison of an adapter's kind or an engine's name is an engine switch: give the "
                            "adapter a method or an attribute that says what it means (proxy/engines/):\n"
                            + "\n".join(offenders))

@@ -11,8 +11,8 @@ from cards import registry
 from test_nvml import CLK_TCK, GIB, FakeNvml, entry
 
 from proxy.clock import ManualClock
-from proxy.config.loading import registry_from_dict
 from proxy.engines import adapter_for
+from proxy.engines.loading import registry_from_dict
 from proxy.errors import ConfigError
 from proxy.gpu.devices import (
     DevicePlacer,

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from proxy.config.loading import registry_from_dict
 from proxy.config.settings import GpuProfile
+from proxy.engines.loading import registry_from_dict
 from proxy.errors import ConfigError
 from proxy.gpu.profile import compare, plan_changes, reset_reason
 from proxy.gpu.settings import LOCKED_CLOCKS_UNREADABLE, NO_PERMISSION, NOT_LOCKED, NOT_SUPPORTED, FanState, GpuSettings

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.config.loading import registry_from_dict
 from proxy.config.schema import Tenant
 from proxy.engines import adapter_for
+from proxy.engines.loading import registry_from_dict
 from proxy.errors import ConfigError
 from proxy.hosts import HostPolicy, IpAddress, host_name, listener_policy
 from proxy.sim.ollama_wire import host_allowed as ollama_sim_allows

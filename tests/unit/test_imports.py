@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from source_tree import source_file
+
 ROOT = Path(__file__).resolve().parents[2]
 PROXY = ROOT / "proxy"
 
@@ -76,7 +78,7 @@ def _edges_of(root: Path) -> tuple[Edge, ...]:
     known = modules(root)
     edges: list[Edge] = []
     for source, path in known.items():
-        for node, in_function in _imports(ast.parse(path.read_text(), str(path))):
+        for node, in_function in _imports(source_file(path).tree):
             for target in _targets(node, source, path.name == "__init__.py", known):
                 if target != source and target != "proxy":
                     edges.append(Edge(source, target, node.lineno, not in_function))

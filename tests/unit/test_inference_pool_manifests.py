@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from proxy.admin.metrics import LIVE_GAUGES
-from proxy.config.loading import registry_from_dict
+from proxy.engines.loading import registry_from_dict
 
 ROOT = Path(__file__).resolve().parents[2]
 POOL = ROOT / "examples" / "kubernetes" / "inference-pool.yaml"

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from proxy.config.loading import registry_from_dict
+from proxy.engines.loading import registry_from_dict
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "examples" / "kubernetes" / "hyperswap.yaml"
 K8S_VERSION = "1.30.0"

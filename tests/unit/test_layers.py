@@ -19,9 +19,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core", ("proxy.config", "proxy.errors", "proxy.clock", "proxy.tasks", "proxy.tls", "proxy.hosts",
               "proxy.decision_base", "proxy.encoding")),
     ("gpu", ("proxy.gpu",)),
-    # lifecycle: how an engine is started and stopped; config.loading validates the whole schema, whose
-    # `release` is the union of the release kinds engines and lifecycle define (engines/release_kinds.py)
-    ("engines", ("proxy.engines", "proxy.lifecycle", "proxy.config.loading")),
+    # lifecycle: how an engine is started and stopped (its release kinds are listed with the engines')
+    ("engines", ("proxy.engines", "proxy.lifecycle")),
     ("models", ("proxy.models",)),
     ("handoff", ("proxy.handoff",)),
     ("relay", ("proxy.relay",)),

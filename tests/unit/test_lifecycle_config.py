@@ -13,10 +13,11 @@ import httpx
 import pytest
 
 from proxy.cli import main
-from proxy.config.loading import SHIPPED_DEFAULTS, load_registry, registry_from_dict
+from proxy.config.loading import SHIPPED_DEFAULTS
 from proxy.config.registry import Registry
 from proxy.engines import adapter_for
 from proxy.engines.common import ReleaseFailed, release_by_strategy, resume_by_strategy
+from proxy.engines.loading import load_registry, registry_from_dict
 from proxy.errors import ConfigError
 from proxy.lifecycle import probe_for
 

@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from proxy.clock import SystemClock
-from proxy.config.loading import registry_from_dict
+from proxy.engines.loading import registry_from_dict
 from proxy.lifecycle import DockerController, LifecycleError, controller_for
 from proxy.tasks import poll_until
 

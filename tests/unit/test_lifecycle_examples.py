@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy.config.loading import load_registry
 from proxy.engines import adapter_for
+from proxy.engines.loading import load_registry
 from proxy.lifecycle import probe_for
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "lifecycle"

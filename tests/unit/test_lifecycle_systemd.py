@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.config.loading import registry_from_dict
+from proxy.engines.loading import registry_from_dict
 from proxy.lifecycle import LifecycleError, SystemdController
 
 FAKE = textwrap.dedent("""

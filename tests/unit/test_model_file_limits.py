@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.config.loading import registry_from_dict
+from proxy.engines.loading import registry_from_dict
 from proxy.engines.model_files import NotRegular, comfy_folders, ollama_store, open_regular, plain_files
 from proxy.models.catalog import ModelCatalog
 from proxy.models.fileio import FileWork, FileWorkBusy

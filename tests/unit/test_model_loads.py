@@ -3,8 +3,8 @@ loads (not constants), and the health verdict when cold loads dominate."""
 
 from __future__ import annotations
 
-from proxy.config.loading import registry_from_dict
 from proxy.engines import adapter_for
+from proxy.engines.loading import registry_from_dict
 from proxy.models.loads import LoadLog, LoadRecord, classify, cold_share, thresholds
 
 GB = 10**9

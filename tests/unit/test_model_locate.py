@@ -7,8 +7,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from proxy.config.loading import registry_from_dict
 from proxy.engines import adapter_for
+from proxy.engines.loading import registry_from_dict
 from proxy.engines.model_files import (
     FileHints,
     argv_of,

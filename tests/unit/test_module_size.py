@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from source_tree import python_files
+
 PROXY = Path(__file__).resolve().parents[2] / "proxy"
 MAX_LINES = 700
 
@@ -15,9 +17,9 @@ KNOWN_LARGE: set[str] = set()  # none left: demo.py's self-test is demo_check.py
 
 def _large() -> dict[str, int]:
     out = {}
-    for path in sorted(PROXY.rglob("*.py")):
-        rel = path.relative_to(PROXY)
-        lines = len(path.read_text().splitlines())
+    for source in python_files(PROXY):
+        rel = source.path.relative_to(PROXY)
+        lines = len(source.text.splitlines())
         if rel.parts[0] != "sim" and lines > MAX_LINES:
             out[rel.as_posix()] = lines
     return out

@@ -8,6 +8,8 @@ import ast
 import re
 from pathlib import Path
 
+from source_tree import python_files, source_file
+
 ROOT = Path(__file__).resolve().parents[2]
 PROXY = ROOT / "proxy"
 TESTS = ROOT / "tests"
@@ -61,13 +63,13 @@ def real_sleeps(path: Path, *, in_strings: bool = False) -> list[tuple[str, int]
                 found.append((where, child.lineno))
             visit(child, inner)
 
-    visit(ast.parse(path.read_text()), "")
+    visit(source_file(path).tree, "")
     return found
 
 
 def test_no_product_module_sleeps_for_real_outside_the_clock() -> None:
     offenders = [f"proxy/{path.relative_to(PROXY)}:{line} in {where}"
-                 for path in sorted(PROXY.rglob("*.py")) if "sim" not in path.relative_to(PROXY).parts
+                 for path in (s.path for s in python_files(PROXY)) if "sim" not in path.relative_to(PROXY).parts
                  for where, line in real_sleeps(path)
                  if (str(path.relative_to(PROXY)), where) not in ALLOWED]
     assert not offenders, f"sleep on the injected Clock (proxy.clock), not for real: {offenders}"
@@ -75,7 +77,7 @@ def test_no_product_module_sleeps_for_real_outside_the_clock() -> None:
 
 def test_no_test_sleeps_for_real_but_the_hang_forever_fakes() -> None:
     found = {(str(path.relative_to(TESTS)), where, line)
-             for path in sorted(TESTS.rglob("*.py")) for where, line in real_sleeps(path, in_strings=True)}
+             for path in (s.path for s in python_files(TESTS)) for where, line in real_sleeps(path, in_strings=True)}
     offenders = sorted(f"tests/{file}:{line} in {where or 'the module'}"
                        for file, where, line in found if (file, where) not in HANG_FOREVER)
     assert not offenders, (

@@ -15,9 +15,9 @@ import httpx
 import pytest
 import respx
 
-from proxy.config.loading import registry_from_dict
 from proxy.config.units import GIB
 from proxy.engines import adapter_for
+from proxy.engines.loading import registry_from_dict
 
 OLLAMA = "http://127.0.0.1:11434"
 FILE = int(15.2 * GIB)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from source_tree import SourceFile, nodes_of, python_files
+
 ROOT = Path(__file__).resolve().parents[2]
 OWNER = "proxy/handoff/scheduler.py"
 STATE_TYPES = {"Reservations", "Residency", "EngineReads", "Lock"}  # Lock: a second "one at a time"
@@ -32,12 +34,12 @@ OTHER_LOCKS = {"proxy/handoff/arbitration.py"}
 SAME_NAME_OTHER_THING = {("proxy/models/catalog.py", "residency"), ("proxy/relay/http1.py", "_waiters")}
 
 
-def violations(source: str, module: str) -> list[str]:
+def violations(source: str | SourceFile, module: str) -> list[str]:
     """Where `module` (a path relative to the repository) keeps or writes admission state."""
     if module == OWNER:
         return []
     out = []
-    for node in ast.walk(ast.parse(source)):
+    for node in nodes_of(source, module):
         if isinstance(node, ast.Call):
             name = node.func.id if isinstance(node.func, ast.Name) else \
                 node.func.attr if isinstance(node.func, ast.Attribute) else ""
@@ -62,11 +64,11 @@ _PARTS = {"proxy/handoff/reservations.py", "proxy/handoff/residency.py", "proxy/
 
 def test_no_module_but_the_scheduler_keeps_admission_state() -> None:
     found = []
-    for path in sorted((ROOT / "proxy").rglob("*.py")):
-        module = str(path.relative_to(ROOT))
+    for source in python_files(ROOT / "proxy"):
+        module = source.rel()
         if "/sim/" in module:
             continue
-        found += violations(path.read_text(), module)
+        found += violations(source, module)
     assert not found, "admission state outside the scheduler (design invariant 11):\n" + "\n".join(found)
 
 

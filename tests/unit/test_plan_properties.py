@@ -12,9 +12,9 @@ from cards import busy, idle, snap
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.config.loading import registry_from_dict
 from proxy.config.registry import Registry
 from proxy.config.units import GIB
+from proxy.engines.loading import registry_from_dict
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.handoff.plan import TenantState, plan_release
 

@@ -13,7 +13,7 @@ import pytest
 import respx
 
 from proxy.clock import ManualClock
-from proxy.config.loading import registry_from_dict
+from proxy.engines.loading import registry_from_dict
 from proxy.errors import ConfigError
 from proxy.gpu.attribution import Attributor
 from proxy.gpu.pods import (

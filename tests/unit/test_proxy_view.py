@@ -9,7 +9,7 @@ from starlette.routing import BaseRoute
 
 from proxy.admin.health import HealthExtension, TelemetryReadings
 from proxy.admin.proxy_view import ProxyView
-from proxy.config.loading import registry_from_dict
+from proxy.engines.loading import registry_from_dict
 from proxy.service import Proxy
 from proxy.sim.gpu import SimulatedGpu
 

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from proxy.admin.views import Rejection
-from proxy.config.loading import registry_from_dict
 from proxy.config.schema import Tenant
 from proxy.config.units import GIB
+from proxy.engines.loading import registry_from_dict
 from proxy.errors import HyperSwapError
 from proxy.handoff.plan import Blocker, Plan, Release
 from proxy.handoff.scheduler import Admitted, Handoff

@@ -1,5 +1,6 @@
-"""The release-kind seam: a kind is one module plus one line in proxy/engines/release_kinds.py, and
-nothing in proxy/ compares a `kind` to a release kind's name (each kind's model carries what differs)."""
+"""The release-kind seam: a kind is one module plus one line in proxy/engines/release_kinds.py, the
+set of kinds is a parameter of loading (no global: proxy/config/ imports no kind), and nothing in
+proxy/ compares a `kind` to a release kind's name (each kind's model carries what differs)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from pathlib import Path
 import httpx
 import pytest
 from release_kind_example import UnloadEach
+from source_tree import SourceFile, nodes_of, python_files
 
 from docs.gen.config import render
-from proxy.config.loading import registry_from_dict
-from proxy.config.schema import NoRelease, ReleaseSpec, release_kinds, release_kinds_in_use, use_release_kinds
+from proxy.config.kinds import ReleaseKinds
+from proxy.config.schema import NoRelease, ReleaseSpec
 from proxy.engines import adapter_for
-from proxy.engines.release_kinds import RELEASE_KINDS
+from proxy.engines.loading import registry_from_dict
+from proxy.engines.release_kinds import KINDS, RELEASE_KINDS
 from proxy.errors import ConfigError
 from proxy.lifecycle.controller import StoppingRelease
 
@@ -58,11 +61,11 @@ def _own_nodes(scope: ast.AST) -> list[ast.AST]:
     return out
 
 
-def kind_switches(source: str, where: str, kinds: frozenset[str]) -> list[str]:
+def kind_switches(source: str | SourceFile, where: str, kinds: frozenset[str]) -> list[str]:
     """Comparisons (==, !=, in, not in) and `match` cases of a kind-valued expression against a
     release kind's name, as `where:line: code`, in line order."""
     out: dict[tuple[int, str], None] = {}
-    for scope in ast.walk(ast.parse(source, where)):
+    for scope in nodes_of(source, where):
         if not isinstance(scope, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
         nodes = _own_nodes(scope)
@@ -80,9 +83,8 @@ def kind_switches(source: str, where: str, kinds: frozenset[str]) -> list[str]:
 
 
 def test_no_module_in_proxy_switches_on_a_release_kind() -> None:
-    kinds = frozenset(release_kinds())
-    offenders = [hit for path in sorted(PROXY.rglob("*.py"))
-                 for hit in kind_switches(path.read_text(), str(path.relative_to(ROOT)), kinds)]
+    kinds = frozenset(KINDS)
+    offenders = [hit for source in python_files(PROXY) for hit in kind_switches(source, source.rel(), kinds)]
     assert not offenders, ("a comparison of a `kind` to a release kind's name is a kind switch: give the kind's "
                            "model (ReleaseSpec) a method or a class attribute that says what it means "
                            "(docs/guides/adding-an-app.md, Adding a release kind):\n" + "\n".join(offenders))
@@ -96,7 +98,7 @@ def test_the_check_finds_every_form_of_kind_switch() -> None:
            'def asgi(scope):\n    kind = scope["type"]\n    if kind == "http" or t.engine == "process":\n'
            '        pass\n'                                                      # an ASGI scope's type: left alone
            'if event.kind == "plan":\n    pass\n')                                # a decision kind: left alone
-    found = kind_switches(src, "x.py", frozenset(release_kinds()))
+    found = kind_switches(src, "x.py", frozenset(KINDS))
     assert [f.split(":")[1] for f in found] == ["2", "4", "4", "6", "6", "9"], found
 
 
@@ -105,8 +107,8 @@ def test_the_check_finds_every_form_of_kind_switch() -> None:
 
 
 def test_every_registered_kind_is_one_model_with_its_own_effect() -> None:
-    assert list(release_kinds()) == [m.kind_name() for m in RELEASE_KINDS], "release_kinds.py is what is in use"
-    assert list(release_kinds()) == ["ollama_unload", "comfyui_free", "http", "none", "process", "systemd", "docker"]
+    assert list(KINDS) == [m.kind_name() for m in RELEASE_KINDS], "KINDS is the list, in its order"
+    assert list(KINDS) == ["ollama_unload", "comfyui_free", "http", "none", "process", "systemd", "docker"]
     for model in RELEASE_KINDS:
         name = model.kind_name()
         assert model.model_fields["kind"].annotation == typing.Literal[name], model
@@ -115,15 +117,16 @@ def test_every_registered_kind_is_one_model_with_its_own_effect() -> None:
                 f"{name} stops the app: it must build its own controller"
         elif model.reclaims:
             assert model.release is not ReleaseSpec.release, f"{name} gives memory back: it must implement release()"
-    assert release_kinds()["none"] is NoRelease and not NoRelease.reclaims
+    assert KINDS["none"] is NoRelease and not NoRelease.reclaims
 
 
-def test_registering_a_kind_twice_or_without_none_is_refused() -> None:
-    with pytest.raises(ValueError, match="registered twice"):
-        use_release_kinds((*RELEASE_KINDS, NoRelease))
-    with pytest.raises(ValueError, match="'none' must stay registered"):
-        use_release_kinds((UnloadEach,))
-    assert list(release_kinds()) == [m.kind_name() for m in RELEASE_KINDS], "a refused registration changes nothing"
+def test_a_set_of_kinds_naming_one_twice_or_without_none_is_refused() -> None:
+    with pytest.raises(ValueError, match="listed twice"):
+        ReleaseKinds((*RELEASE_KINDS, NoRelease))
+    with pytest.raises(ValueError, match="'none' must be among the kinds"):
+        ReleaseKinds((UnloadEach,))
+    with pytest.raises(TypeError, match="a release kind is a ReleaseSpec"):
+        ReleaseKinds((NoRelease, ReleaseSpec))  # `kind: str`: no name of its own
 
 
 def test_an_unknown_kind_names_every_registered_kind_at_its_path() -> None:
@@ -134,50 +137,50 @@ def test_an_unknown_kind_names_every_registered_kind_at_its_path() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# A new kind from a test module: one module (release_kind_example.py) and one registry line
+# A new kind from a test module: one module (release_kind_example.py) and one line in a set of kinds
 
 
-async def test_a_kind_registered_from_a_test_module_loads_releases_and_is_documented() -> None:
+async def test_a_kind_from_a_test_module_validates_releases_and_is_documented() -> None:
     tenant_json = {"upstream": "http://127.0.0.1:8000",
                    "release": {"kind": "unload_each", "unload_url": "/models/{model}/unload"}}
-    with release_kinds_in_use((*RELEASE_KINDS, UnloadEach)):  # the one registry line
-        tenant = registry_from_dict({"tenants": {"lm": tenant_json}}).get("lm")
-        step = tenant.release_steps[0]
-        assert isinstance(step, UnloadEach) and step.models_url == "/v1/models" and tenant.reclaimable
+    kinds = KINDS.adding(UnloadEach)  # as the one line in RELEASE_KINDS does
+    tenant = registry_from_dict({"tenants": {"lm": tenant_json}}, kinds=kinds).get("lm")
+    step = tenant.release_steps[0]
+    assert isinstance(step, UnloadEach) and step.models_url == "/v1/models" and tenant.reclaimable
 
-        # its checks and messages come with it, in the words every kind uses
-        for release, problem in [
-            ({"kind": "unload_each"}, "tenants.lm.release.unload_url: release kind 'unload_each' needs 'unload_url'"),
-            ({"kind": "unload_each", "unload_url": "/unload"},
-             "tenants.lm.release.unload_url: '/unload' does not say where the model goes: write {model} in it"),
-            ({"kind": "http", "url": "/x", "unload_url": "/u/{model}"},
-             "tenants.lm.release.unload_url: only release kind 'unload_each' takes 'unload_url' (this release is kind "
-             "'http')"),
-        ]:
-            with pytest.raises(ConfigError) as info:
-                registry_from_dict({"tenants": {"lm": {**tenant_json, "release": release}}})
-            assert info.value.problems == [problem]
+    # its checks and messages come with it, in the words every kind uses
+    for release, problem in [
+        ({"kind": "unload_each"}, "tenants.lm.release.unload_url: release kind 'unload_each' needs 'unload_url'"),
+        ({"kind": "unload_each", "unload_url": "/unload"},
+         "tenants.lm.release.unload_url: '/unload' does not say where the model goes: write {model} in it"),
+        ({"kind": "http", "url": "/x", "unload_url": "/u/{model}"},
+         "tenants.lm.release.unload_url: only release kind 'unload_each' takes 'unload_url' (this release is kind "
+         "'http')"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            registry_from_dict({"tenants": {"lm": {**tenant_json, "release": release}}}, kinds=kinds)
+        assert info.value.problems == [problem]
 
-        # the tenants.json reference lists it and its fields
-        page = render()
-        assert '"docker" or "unload_each"' in page and "| `release.unload_url` | string or null |" in page
+    # the tenants.json reference lists it and its fields
+    page = render(kinds)
+    assert '"docker" or "unload_each"' in page and "| `release.unload_url` | string or null |" in page
 
-        # the proxy releases through it: the same path an idle release or a handoff takes (the adapter)
-        calls: list[str] = []
+    # the proxy releases through it: the same path an idle release or a handoff takes (the adapter)
+    calls: list[str] = []
 
-        def engine(request: httpx.Request) -> httpx.Response:
-            calls.append(f"{request.method} {request.url.path}")
-            if request.url.path == "/v1/models":
-                return httpx.Response(200, json={"data": [{"id": "a"}, {"id": "b"}]})
-            return httpx.Response(200, json={})
+    def engine(request: httpx.Request) -> httpx.Response:
+        calls.append(f"{request.method} {request.url.path}")
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "a"}, {"id": "b"}]})
+        return httpx.Response(200, json={})
 
-        async with httpx.AsyncClient(transport=httpx.MockTransport(engine)) as client:
-            asked = await adapter_for(tenant).release(client)
-        assert asked == {"call": "POST /models/{model}/unload", "models": ["a", "b"]}
-        assert calls == ["GET /v1/models", "POST /models/a/unload", "POST /models/b/unload"]
+    async with httpx.AsyncClient(transport=httpx.MockTransport(engine)) as client:
+        asked = await adapter_for(tenant).release(client)
+    assert asked == {"call": "POST /models/{model}/unload", "models": ["a", "b"]}
+    assert calls == ["GET /v1/models", "POST /models/a/unload", "POST /models/b/unload"]
 
     with pytest.raises(ConfigError, match="does not match the schema"):
-        registry_from_dict({"tenants": {"lm": tenant_json}})  # unregistered again: unknown
+        registry_from_dict({"tenants": {"lm": tenant_json}})  # the proxy's own kinds do not know it
     assert "unload_each" not in render()
 
 

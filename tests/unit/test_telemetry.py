@@ -227,7 +227,7 @@ ENV = "HYPERSWAP_TELEMETRY"
 
 def proxy_with_telemetry(path: Path, clock: ManualClock | None = None) -> Proxy:
     from proxy.admin.telemetry import telemetry_extension
-    from proxy.config.loading import registry_from_dict
+    from proxy.engines.loading import registry_from_dict
     from proxy.service import Proxy
     from proxy.sim.gpu import SimulatedGpu
 

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from proxy.cli import main
-from proxy.config.loading import SHIPPED_DEFAULTS, load_registry, registry_from_dict, user_config_path
+from proxy.config.loading import SHIPPED_DEFAULTS, user_config_path
 from proxy.config.units import GIB
+from proxy.engines.loading import load_registry, registry_from_dict
 from proxy.errors import ConfigError
 
 

@@ -17,8 +17,8 @@ import ollama
 from websockets.asyncio.client import connect
 
 from proxy.cli import build_parser
-from proxy.config.loading import load_registry
 from proxy.deploy import install
+from proxy.engines.loading import load_registry
 from proxy.service import Proxy
 from proxy.sim.box import SimBox, fast_scenario
 
