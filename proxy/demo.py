@@ -126,7 +126,8 @@ async def start_demo(scenario: str | Scenario = "default", *, sim_ports: Mapping
                 registry = load_registry_over(overrides, path, pinned)
                 note = (f"demo scenario {name!r} with {path} applied over it (the simulated "
                         f"{' and '.join(pinned) or 'engines'} keep their simulators as upstream)")
-            proxy = Proxy(registry, box.gpu, clock, watchdog_enabled=watchdog, config_note=note)
+            proxy = Proxy(registry, box.gpu, clock, watchdog_enabled=watchdog, config_note=note,
+                          checkpointer=box.checkpointer)
             await proxy.start(proxy_ports)
         except BaseException:
             await box.stop()
@@ -255,6 +256,11 @@ def decision_line(view: DecisionView) -> str:
         case "model_load":
             cls = f", {o['class']}" if o.get("class") else ""
             text = f"{t} loaded {o.get('model')} in {o.get('seconds', 0):.1f} s ({o.get('gbps', 0):.2f} GB/s{cls})"
+        case "resume" if isinstance(o.get("asked"), dict) and "restored" in o["asked"]:
+            back = o["asked"]
+            text = (f"{t} restored from host RAM ({back.get('bytes', 0) / GIB:.1f} GiB back on the card in "
+                    f"{back.get('duration_s', 0):.2f} s, {back.get('via')})" if back.get("restored") is not None
+                    else f"{t} could not be restored: {back.get('fallback')}")
         case "start" | "stop" | "exit":
             done = {"start": "started", "stop": "stopped", "exit": "exited"}[view.kind]
             text = (f"{t} {done} in {o.get('duration_s', 0):.1f} s" if o.get("ok") or view.kind == "exit"
@@ -285,7 +291,11 @@ def _releases_line(o: Mapping[str, Any]) -> str:
         return str(o.get("result") or "nothing to release")
     parts = []
     for r in releases:
-        if r.get("confirmed") or r.get("result") == "estimated":
+        asked = r.get("asked") or {}
+        if (r.get("confirmed") or r.get("result") == "estimated") and "suspended" in asked:
+            parts.append(f"{r['tenant']} suspended into host RAM ({asked.get('parked_bytes', 0) / GIB:.1f} GiB parked "
+                         f"in {r['duration_s']:.1f} s, {asked.get('via')})")
+        elif r.get("confirmed") or r.get("result") == "estimated":
             est = ", estimated" if r.get("result") == "estimated" else ""
             parts.append(f"{r['tenant']} released ({r['freed_gb']} GiB back in {r['duration_s']:.1f} s{est})")
         else:

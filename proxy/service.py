@@ -27,6 +27,7 @@ from proxy.handoff.decisions import DecisionLog
 from proxy.handoff.inflight import InFlight
 from proxy.handoff.watchdog import Watchdog
 from proxy.lifecycle.build import default_state_dir
+from proxy.lifecycle.cuda_driver import Checkpointer
 from proxy.lifecycle.state import LifecycleReport
 from proxy.relay.forward import Forwarder
 from proxy.relay.gpu_gate import GpuGate
@@ -86,6 +87,7 @@ class Proxy:
     config_note: str | None = None  # how the configuration was put together, when not a tenants.json alone (the demo)
     drain_s: float = DRAIN_S  # on stop, what requests in flight get, in all, to finish
     lifecycle_dir: Path | None = None  # pidfiles of the apps the proxy starts (None: ~/.local/state/hyperswap/lifecycle)
+    checkpointer: Checkpointer | None = None  # the CUDA suspend seam (the demo's); None: the driver's, checked here
     inflight: InFlight = field(init=False)
     forwarder: Forwarder = field(init=False)
     decisions: DecisionLog = field(init=False)
@@ -105,7 +107,8 @@ class Proxy:
         self.decisions = DecisionLog(self.clock)
         self.arbitration = Arbitration(self.registry, self.reader, self.inflight, self.clock, self.decisions,
                                        adapter=self.forwarder.adapter,
-                                       state_dir=self.lifecycle_dir or default_state_dir())
+                                       state_dir=self.lifecycle_dir or default_state_dir(),
+                                       checkpointer=self.checkpointer)
         self.watchdog = Watchdog(self.arbitration)
         self.admission = GpuGate(self.arbitration, self.forwarder.adapter)
         self.token = admin_token(self.registry)

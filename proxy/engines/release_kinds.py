@@ -15,6 +15,7 @@ from proxy.config.schema import NoRelease, ReleaseSpec, use_release_kinds
 from proxy.engines.comfyui import ComfyUIFree
 from proxy.engines.http_release import HttpRelease
 from proxy.engines.ollama import OllamaUnload
+from proxy.lifecycle.cuda_suspend import CudaSuspend
 from proxy.lifecycle.docker import DockerRelease
 from proxy.lifecycle.process import ProcessRelease
 from proxy.lifecycle.systemd import SystemdRelease
@@ -28,6 +29,7 @@ RELEASE_KINDS: tuple[type[ReleaseSpec], ...] = (
     ProcessRelease,
     SystemdRelease,
     DockerRelease,
+    CudaSuspend,
 )
 
 use_release_kinds(RELEASE_KINDS)

@@ -40,6 +40,7 @@ from proxy.handoff.plan import Plan, PlanMode, gib, unplanned_plan
 from proxy.handoff.queue_rules import promised_by_tenant
 from proxy.handoff.scheduler import Admitted, Handoff, Scheduler
 from proxy.handoff.sleepers import Lifecycles
+from proxy.lifecycle.cuda_driver import Checkpointer
 from proxy.lifecycle.state import LifecycleReport
 from proxy.tls import client_context
 
@@ -54,7 +55,8 @@ class Arbitration:
     def __init__(self, registry: Registry, reader: GpuReader, inflight: InFlight, clock: Clock,
                  decisions: DecisionLog, control: httpx.AsyncClient | None = None,
                  adapter: Callable[[Tenant], EngineAdapter] | None = None, *,
-                 lifecycles: Lifecycles | None = None, state_dir: Path | None = None) -> None:
+                 lifecycles: Lifecycles | None = None, state_dir: Path | None = None,
+                 checkpointer: Checkpointer | None = None) -> None:
         self.registry = registry
         self.reader = reader
         self.attributor = Attributor(registry)
@@ -71,7 +73,7 @@ class Arbitration:
         self.scheduler = Scheduler(self, inflight, fresh_s=2 * registry.config.proxy.watchdog_interval_s + 0.5)
         # tenants the proxy stops and starts, or that owe a resume: started before their next request
         self.lifecycles = lifecycles or Lifecycles(registry, self.adapter, clock, decisions, self.control,
-                                                   state_dir=state_dir)
+                                                   state_dir=state_dir, checkpointer=checkpointer)
         self.lifecycles.on_change.append(lambda _tenant: self.scheduler.kick())
         self.started_at = clock.now()  # idle deadlines of tenants never seen active count from here
         self._snapshot_lock = asyncio.Lock()  # the reader's: one GPU read at a time
@@ -170,8 +172,9 @@ class Arbitration:
         result = ReleaseResult(tenant.name, expected, 0, 0.0, False, "no release step")
         trail: list[dict[str, Any]] = []  # for a release that escalates: what each step freed
         held = held_before
+        procs = tuple((p.process.pid, p.process.used_bytes or 0) for p in before.processes_of(tenant.name))
         for i, step in steps:
-            result = await self._release_step(tenant, step, expected, held_before, held)
+            result = await self._release_step(tenant, step, expected, held_before, held, procs)
             after = held_before - result.freed_bytes
             trail.append({"step": i, "kind": step.kind, "freed_bytes": max(0, held - after),
                           "duration_s": round(result.duration_s, 3), "result": result.result, "error": result.error})
@@ -186,8 +189,9 @@ class Arbitration:
                        freed_bytes=max(0, held_before - held), duration_s=self.clock.now() - start)
 
     async def _release_step(self, tenant: Tenant, step: ReleaseSpec, expected: int, held_before: int,
-                            held_now: int) -> ReleaseResult:
-        """One step: ask (or stop the app), then watch the card until the tenant is down to its target."""
+                            held_now: int, procs: tuple[tuple[int, int], ...] = ()) -> ReleaseResult:
+        """One step: ask (or stop the app, or suspend its processes: `procs`, their pids and bytes),
+        then watch the card until the tenant is down to its target."""
         stops = step.stops
         target = 0 if stops else max(held_before - expected, 0)
         began = self.clock.now()
@@ -198,6 +202,8 @@ class Arbitration:
                 if not report.ok:
                     return ReleaseResult(tenant.name, expected, held_before - held_now, self.clock.now() - began, False,
                                          report.error, asked, busy=report.refused and report.state == "running")
+            elif step.suspends:
+                asked = await self.lifecycles.suspend(tenant, procs)
             else:
                 asked = await self.adapter(tenant).release(self.control, step)
         except ReleaseFailed as exc:
@@ -223,7 +229,11 @@ class Arbitration:
     # -- waking a tenant that sleeps ------------------------------------------------------------
     def start_need(self, tenant: Tenant) -> Need:
         """What a start (or resume) of a sleeping tenant is planned with, under one load key shared by
-        every request that wakes it and the admin's start."""
+        every request that wakes it and the admin's start. A suspended tenant's restore needs what it
+        parked in host RAM."""
+        parked = self.lifecycles.suspensions.parked_bytes(tenant.name)
+        if parked:
+            return Need(parked, f"the restore of {tenant.name}", f"{tenant.name}:wake")
         return Need(self.adapter(tenant).start_need_bytes, f"the start of {tenant.name}", f"{tenant.name}:wake")
 
     async def wake(self, tenant: Tenant, trigger: str) -> Admitted | None:
@@ -335,6 +345,9 @@ class Arbitration:
             return at_once, need
         admitted = await self.scheduler.request(tenant, need.key, need_bytes, trigger, "oom_retry" if oom else "plan",
                                             model=need.model, work=work)
+        if admitted.outcome == "run" and self.lifecycles.suspensions.dormant(tenant.name):
+            # suspended while it waited (its wake came first): restored before it is forwarded
+            await self.lifecycles.wake(tenant)
         return admitted, need
 
     async def aclose(self) -> None:

@@ -106,7 +106,8 @@ def test_the_check_finds_every_form_of_kind_switch() -> None:
 
 def test_every_registered_kind_is_one_model_with_its_own_effect() -> None:
     assert list(release_kinds()) == [m.kind_name() for m in RELEASE_KINDS], "release_kinds.py is what is in use"
-    assert list(release_kinds()) == ["ollama_unload", "comfyui_free", "http", "none", "process", "systemd", "docker"]
+    assert list(release_kinds()) == ["ollama_unload", "comfyui_free", "http", "none", "process", "systemd", "docker",
+                                     "cuda_suspend"]
     for model in RELEASE_KINDS:
         name = model.kind_name()
         assert model.model_fields["kind"].annotation == typing.Literal[name], model
@@ -130,7 +131,7 @@ def test_an_unknown_kind_names_every_registered_kind_at_its_path() -> None:
     with pytest.raises(ConfigError) as info:
         registry_from_dict({"tenants": {"x": {"upstream": "http://127.0.0.1:1", "release": [{"kind": "unload_each"}]}}})
     assert info.value.problems == ["tenants.x.release.0.kind: expected 'ollama_unload', 'comfyui_free', 'http', "
-                                   "'none', 'process', 'systemd' or 'docker'"]
+                                   "'none', 'process', 'systemd', 'docker' or 'cuda_suspend'"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,7 +161,7 @@ async def test_a_kind_registered_from_a_test_module_loads_releases_and_is_docume
 
         # the tenants.json reference lists it and its fields
         page = render()
-        assert '"docker" or "unload_each"' in page and "| `release.unload_url` | string or null |" in page
+        assert '"cuda_suspend" or "unload_each"' in page and "| `release.unload_url` | string or null |" in page
 
         # the proxy releases through it: the same path an idle release or a handoff takes (the adapter)
         calls: list[str] = []
