@@ -79,6 +79,14 @@ class Suspensions:
         """Host RAM available now as the first tenant's driver sees it (all read the same host); None: unknown."""
         return next(iter(self._drivers.values())).host_available_bytes() if self._drivers else None
 
+    def view(self) -> dict[str, Any]:
+        """What is parked in host RAM (GET /api/gpu's `host_ram`): per tenant, in all, and what is
+        still available; null where unknown."""
+        parked = [{"tenant": r.tenant, "state": r.state, "pids": list(r.pids), "parked_bytes": r.parked_bytes,
+                   "parked_gb": round(r.parked_bytes / GIB, 2), "since": r.since, "via": r.via}
+                  for r in self._records.values() if r.parked_bytes and r.dormant]
+        return {"available_bytes": self.host_available_bytes(), "parked_bytes": self.parked_bytes(), "parked": parked}
+
     def _set(self, rec: Suspension) -> None:
         self._records[rec.tenant] = rec
         for fn in list(self.on_state):

@@ -1,0 +1,86 @@
+"""Release kind `cuda_suspend` on the demo box (issue 43): ComfyUI and Ollama hand the card over by
+suspension into host RAM, so a render after a chat reads no checkpoint again; a request that arrives
+during the suspend waits for it and the restore; host RAM short falls back to the next release step."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+from boxes import DemoFactory, chat, decisions, fast, render, succeeded
+
+from proxy.demo import Demo
+from proxy.tasks import poll_until
+
+CKPT = "sd_xl_base_1.0.safetensors"
+CHAT = "qwen2.5:14b"  # 9 GiB: does not fit beside the loaded checkpoint on the 16 GiB card
+WITHIN_S = 20.0  # a hang fails the test, never stalls it
+
+
+def steps_of(demo: Demo, tenant: str) -> list[list[str]]:
+    """For each release of `tenant` so far: the kinds of the steps it tried, with their results."""
+    out = []
+    for d in decisions(demo, "plan"):
+        for r in d.outcome.get("releases", []):
+            if r["tenant"] == tenant:
+                out.append([f"{s['kind']}:{s['result']}" for s in r.get("steps", [])] or [str(r.get("asked"))])
+    return out
+
+
+async def admin(http: httpx.AsyncClient, demo: Demo, path: str) -> Any:
+    assert demo.proxy is not None
+    r = await http.get(demo.proxy.url("admin") + path)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+async def test_render_chat_render_swaps_by_suspension_and_reads_no_checkpoint_again(
+        box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box(fast("suspend"))
+    assert demo.proxy is not None and demo.box.comfyui is not None
+    async with asyncio.timeout(WITHIN_S):
+        assert succeeded(await render(demo, CKPT))
+        assert (await chat(demo, CHAT)).message.content
+        parked = (await admin(http, demo, "/api/gpu"))["host_ram"]
+        assert [p["tenant"] for p in parked["parked"]] == ["comfyui"] and parked["parked_bytes"] > 6 * 2**30, parked
+        tenants = {t["name"]: t for t in (await admin(http, demo, "/api/tenants"))["tenants"]}
+        assert tenants["comfyui"]["suspension"]["state"] == "suspended", tenants["comfyui"]["suspension"]
+        assert succeeded(await render(demo, CKPT))
+    assert demo.box.comfyui.checkpoint_loads == 1, "the render after the chat read its checkpoint again"
+    released = [r for d in decisions(demo, "plan") for r in d.outcome.get("releases", [])]
+    assert any(r["tenant"] == "comfyui" and "suspended" in r["asked"] for r in released), released
+    restores = [d.outcome for d in decisions(demo, "resume") if d.tenant == "comfyui"]
+    assert restores and restores[-1]["ok"] and restores[-1]["asked"]["restored"], restores
+    assert demo.box.checkpointer.restores >= 1
+    health = {e["name"]: e for e in (await admin(http, demo, "/api/health"))["entries"]}
+    assert health["suspend comfyui"]["status"] == "ok", health["suspend comfyui"]
+
+
+async def test_a_render_sent_during_comfyuis_suspend_waits_for_it_then_for_the_restore(box: DemoFactory) -> None:
+    demo = await box(fast("suspend", suspend={"copy_gbps": 10.0}))  # ~0.7 s to park the checkpoint
+    assert demo.proxy is not None and demo.box.comfyui is not None
+    suspensions = demo.proxy.arbitration.lifecycles.suspensions
+    async with asyncio.timeout(WITHIN_S):
+        assert succeeded(await render(demo, CKPT))
+        chatting = asyncio.create_task(chat(demo, CHAT))
+        await poll_until(lambda: suspensions.record("comfyui").state == "suspending")  # type: ignore[union-attr]
+        rendering = asyncio.create_task(render(demo, CKPT))
+        assert (await chatting).message.content
+        assert succeeded(await rendering)
+    assert suspensions.record("comfyui").state == "running"  # type: ignore[union-attr]
+    assert demo.box.comfyui.checkpoint_loads == 1
+    assert [d.outcome["ok"] for d in decisions(demo, "resume") if d.tenant == "comfyui"][-1:] == [True]
+
+
+async def test_host_ram_too_small_falls_back_to_the_next_release_step(box: DemoFactory) -> None:
+    demo = await box(fast("suspend", suspend={"host_ram_gb": 8.0}))  # 6.9 GiB + the 4 GiB margin do not fit
+    assert demo.proxy is not None and demo.box.comfyui is not None
+    async with asyncio.timeout(WITHIN_S):
+        assert succeeded(await render(demo, CKPT))
+        assert (await chat(demo, CHAT)).message.content
+        assert succeeded(await render(demo, CKPT))
+    assert steps_of(demo, "comfyui")[0] == ["cuda_suspend:error", "comfyui_free:confirmed"], steps_of(demo, "comfyui")
+    first = next(r for d in decisions(demo, "plan") for r in d.outcome.get("releases", []) if r["tenant"] == "comfyui")
+    assert "host RAM short" in first["steps"][0]["error"], first
+    assert demo.box.comfyui.checkpoint_loads == 2, "freed by /free: the checkpoint is read again"
