@@ -32,7 +32,7 @@ from proxy.config.loading import load_registry_over, registry_from_dict
 from proxy.config.units import GIB
 from proxy.decision_base import DecisionEvent
 from proxy.gpu.keeper import GpuDrift
-from proxy.handoff.decisions import DecisionView, LifecycleExit, ModelLoad
+from proxy.handoff.decisions import DecisionView, LifecycleExit, ModelLoad, Resumed
 from proxy.relay.servers import settle_heap
 from proxy.service import Proxy
 from proxy.sim.box import Scenario, SimBox, fast_scenario, load_scenario
@@ -170,6 +170,12 @@ def describe(demo: Demo, scenario: str) -> str:
                   + ("# Ollama needs it back" if demo.box.gpu.device_count == 1 else "# on its own GPU: nothing released"),
                   f"  curl -s {a}/api/decisions | python3 -m json.tool          # what the proxy decided and why",
                   f"  curl -s {a}/api/models | python3 -m json.tool             # model files: size, how much is in RAM"]
+        suspending = list(demo.proxy.arbitration.lifecycles.suspensions.records())
+        if suspending:  # release kind cuda_suspend: the render again is a restore, not a checkpoint read
+            lines += [f"  curl -s {a}/api/gpu | python3 -m json.tool                # host_ram: what "
+                      f"{' and '.join(suspending)} parked while suspended",
+                      f"  curl -s {c}/prompt -d @{demo.example_prompt()}      # again: restored from host RAM, "
+                      "its checkpoint not read again"]
         relay = demo.box.scenario.relay
         if relay is not None and relay.tenant in demo.proxy.servers:
             r = demo.proxy.url(relay.tenant)
@@ -313,7 +319,7 @@ class DecisionPrinter:
         self._unsubscribe = proxy.decisions.subscribe(self.on_event)
 
     def on_event(self, event: DecisionEvent) -> None:
-        if not (completes(event) or isinstance(event, (ModelLoad, LifecycleExit, GpuDrift))):
+        if not (completes(event) or isinstance(event, (ModelLoad, LifecycleExit, GpuDrift, Resumed))):
             return
         view = self.proxy.decisions.view_of(event)
         if view is not None and view.id not in self._printed:
