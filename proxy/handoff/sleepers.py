@@ -177,29 +177,33 @@ class Lifecycles:
         finally:
             self._resuming.pop(tenant.name, None)
         self._resume.pop(tenant.name, None)
-        self._decisions.emit(Resumed(tenant=tenant.name, trigger="request to a released tenant", ok=True,
-                                     duration_s=self._clock.now() - started, asked=asked))
+        fell_back = asked is not None and "fallback" in asked  # a restore that failed, and what was done instead
+        self._decisions.emit(Resumed(tenant=tenant.name, trigger="request to a released tenant", ok=not fell_back,
+                                     duration_s=self._clock.now() - started, asked=asked,
+                                     error=str(asked["error"]) if asked is not None and fell_back else None))
         self._changed(tenant.name)
 
     async def _restore(self, tenant: Tenant) -> dict[str, object] | None:
         """Restore a suspended tenant. A restore that fails falls back to the next step of its
         release list: a tenant the proxy starts is stopped and started again (its model reloads);
-        any other is a 503 with the reason, and its next request is forwarded as is."""
-        trigger = "request to a suspended tenant"
+        any other is a 503 with the reason, and its next request is forwarded as is. A process that
+        exited while suspended is forwarded to at once: what is left of the app answers (Ollama's
+        server loads the model again in a new runner)."""
         try:
             return await self.suspensions.restore(tenant.name)
         except RestoreFailed as exc:
             self._resume.pop(tenant.name, None)
             machine = self._machines.get(tenant.name)
+            if machine is None and exc.gone:  # the app (or its parent: Ollama's server) answers for itself
+                return {"restored": None, "fallback": "forwarded: the process had exited", "error": str(exc)}
             if machine is None:
                 raise
-            self._decisions.emit(Resumed(tenant=tenant.name, trigger=trigger, ok=False, duration_s=0.0,
-                                         error=f"{exc}; stopping and starting it instead"))
             if machine.state == "running":
                 await machine.begin_stop(lambda: False)  # what is left of it holds nothing worth keeping
             report = await self._started(tenant, machine)
             self.suspensions.recovered(tenant.name)
-            return {"restored": None, "fallback": "stop and start", "start": report.to_json()}
+            return {"restored": None, "fallback": "stop and start", "error": f"{exc}; stopped and started it instead",
+                    "start": report.to_json()}
 
     # -- plumbing ------------------------------------------------------------------------------------
     def _record(self, report: LifecycleReport) -> None:

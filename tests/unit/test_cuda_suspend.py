@@ -240,7 +240,9 @@ async def test_a_restore_that_fails_falls_back_to_stop_and_start() -> None:
     assert (ctl.stops, ctl.starts) == (1, 1), "the app was stopped and started again"
     assert not lives.dormant("comfyui") and lives.suspensions.record("comfyui").state == "running"  # type: ignore[union-attr]
     resumed = [e for e in decisions.recent() if e.kind == "resume"]
-    assert resumed and any("stopping and starting it instead" in str(v.outcome.get("error")) for v in resumed)
+    (only,) = resumed
+    assert only.outcome["ok"] is False and only.outcome["asked"]["fallback"] == "stop and start", only.outcome
+    assert "the restore failed: CUDA_ERROR_UNKNOWN; stopped and started it instead" in only.outcome["error"]
 
 
 # -- refused at the proxy's start, with the fix ----------------------------------------------------

@@ -84,3 +84,22 @@ async def test_host_ram_too_small_falls_back_to_the_next_release_step(box: DemoF
     first = next(r for d in decisions(demo, "plan") for r in d.outcome.get("releases", []) if r["tenant"] == "comfyui")
     assert "host RAM short" in first["steps"][0]["error"], first
     assert demo.box.comfyui.checkpoint_loads == 2, "freed by /free: the checkpoint is read again"
+
+
+async def test_an_engine_process_that_exits_while_suspended_is_forwarded_to_and_says_so(box: DemoFactory) -> None:
+    """Ollama's runner parked by the render's handoff, then gone (its process ended): the next chat is
+    forwarded at once (Ollama's server answers for itself), the state says why, nothing hangs."""
+    demo = await box(fast("suspend"))
+    assert demo.proxy is not None
+    suspensions = demo.proxy.arbitration.lifecycles.suspensions
+    async with asyncio.timeout(WITHIN_S):
+        assert succeeded(await render(demo, CKPT))
+        assert (await chat(demo, CHAT)).message.content
+        assert succeeded(await render(demo, CKPT))
+        (runner,) = [pid for pid in demo.box.gpu.parked() if pid in suspensions.record("ollama").pids]  # type: ignore[union-attr]
+        demo.box.gpu.kill(runner)
+        assert (await chat(demo, CHAT)).message.content
+    rec = suspensions.record("ollama")
+    assert rec is not None and rec.state == "failed" and "exited while suspended" in (rec.error or ""), rec
+    last = [d.outcome for d in decisions(demo, "resume") if d.tenant == "ollama"][0]
+    assert last["ok"] is False and last["asked"]["fallback"].startswith("forwarded"), last
