@@ -101,5 +101,5 @@ async def test_an_engine_process_that_exits_while_suspended_is_forwarded_to_and_
         assert (await chat(demo, CHAT)).message.content
     rec = suspensions.record("ollama")
     assert rec is not None and rec.state == "failed" and "exited while suspended" in (rec.error or ""), rec
-    last = [d.outcome for d in decisions(demo, "resume") if d.tenant == "ollama"][0]
+    last = next(d.outcome for d in decisions(demo, "resume") if d.tenant == "ollama")  # the newest
     assert last["ok"] is False and last["asked"]["fallback"].startswith("forwarded"), last
