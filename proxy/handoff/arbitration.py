@@ -46,6 +46,7 @@ from proxy.tls import client_context
 
 log = logging.getLogger("hyperswap.arbitration")
 
+RESTORE_AT_STOP_S = 60.0  # each restore at the proxy's stop (GiB at ~12 GB/s: seconds)
 OOM_HEADROOM_BYTES = 1 * GIB  # after an OOM the estimate was wrong: ask for this much more than is free
 
 __all__ = ["CONFIRM_SLACK_BYTES", "Admitted", "Arbitration", "Handoff", "ReleaseResult", "gib"]
@@ -327,6 +328,30 @@ class Arbitration:
     def prepare_load(self, tenant: str, model: str) -> None:
         self.loads.ahead(tenant, model)
 
+    async def _restore_at_stop(self) -> None:
+        """At the proxy's stop, what it suspended is restored where the card has room for it (smallest
+        first): left suspended, an app's CUDA calls block for ever with no proxy to restore it. One
+        that does not fit is left suspended and named, with the command that restores it (a restore
+        without room fails, and the driver does not promise the process survives that)."""
+        sus = self.lifecycles.suspensions
+        names = sorted((n for n, r in sus.records().items() if r.dormant), key=sus.parked_bytes)
+        if not names:
+            return
+        snap = await self.snapshot()
+        for name in names:
+            need, free = sus.parked_bytes(name), per_card.free_for(snap, name)
+            if need > free:
+                pids = " ".join(str(p) for p in sus.record(name).pids)  # type: ignore[union-attr]
+                log.warning("%s stays suspended at the proxy's stop: %s GiB to restore, %s GiB free on the card; once there "
+                            "is room: cuda-checkpoint --toggle --pid %s", name, gib(need), gib(free), pids)
+                continue
+            try:
+                await asyncio.wait_for(sus.restore(name), RESTORE_AT_STOP_S)
+            except (ReleaseFailed, TimeoutError) as exc:
+                log.warning("%s: not restored at the proxy's stop: %s", name, exc)
+                continue
+            snap = await self.snapshot()
+
     # -- the request path ---------------------------------------------------------------------
     async def admit(self, tenant: Tenant, path: str, body: bytes, trigger: str,
                     *, oom: bool = False, work: Token | None = None, need: Need | None = None) -> tuple[Admitted, Need]:
@@ -352,5 +377,6 @@ class Arbitration:
 
     async def aclose(self) -> None:
         await self.scheduler.aclose()
+        await self._restore_at_stop()
         await self.lifecycles.aclose()
         await self.control.aclose()

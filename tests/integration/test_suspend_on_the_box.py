@@ -8,6 +8,7 @@ import asyncio
 from typing import Any
 
 import httpx
+import pytest
 from boxes import DemoFactory, chat, decisions, fast, render, succeeded
 
 from proxy.demo import Demo
@@ -103,3 +104,32 @@ async def test_an_engine_process_that_exits_while_suspended_is_forwarded_to_and_
     assert rec is not None and rec.state == "failed" and "exited while suspended" in (rec.error or ""), rec
     last = next(d.outcome for d in decisions(demo, "resume") if d.tenant == "ollama")  # the newest
     assert last["ok"] is False and last["asked"]["fallback"].startswith("forwarded"), last
+
+
+async def test_the_proxys_stop_restores_what_it_suspended_where_the_card_has_room(box: DemoFactory) -> None:
+    """Left suspended, an app's CUDA calls would block for ever with no proxy to restore it; one the card
+    has no room for stays suspended (a restore without room fails) and is named with its command."""
+    demo = await box(fast("suspend"))
+    assert demo.proxy is not None and demo.box.ollama is not None
+    async with asyncio.timeout(WITHIN_S):
+        assert succeeded(await render(demo, CKPT))
+        assert (await chat(demo, CHAT)).message.content  # ComfyUI parked; Ollama's 9 GiB on the card: no room
+        assert demo.box.gpu.parked(), "nothing was suspended"
+        ollama = demo.box.ollama
+        async with httpx.AsyncClient(trust_env=False) as direct:  # Ollama lets go of the card by itself
+            await direct.post(demo.box.servers["ollama"].url + "/api/generate", json={"model": CHAT, "keep_alive": 0})
+        await ollama.wait_until(lambda: not ollama.loaded())
+        await demo.proxy.arbitration.aclose()
+        assert demo.box.gpu.parked() == {}, "room for it, and it is still suspended"
+
+
+async def test_an_app_the_card_has_no_room_for_stays_suspended_at_the_stop(
+        box: DemoFactory, caplog: pytest.LogCaptureFixture) -> None:
+    demo = await box(fast("suspend"))
+    assert demo.proxy is not None
+    async with asyncio.timeout(WITHIN_S):
+        assert succeeded(await render(demo, CKPT))
+        assert (await chat(demo, CHAT)).message.content
+        await demo.proxy.arbitration.aclose()
+    assert demo.box.gpu.parked(), "restored without room (Ollama's 9 GiB and ComfyUI's 6.9 do not fit 16)"
+    assert "comfyui stays suspended at the proxy's stop" in caplog.text and "cuda-checkpoint --toggle --pid" in caplog.text
