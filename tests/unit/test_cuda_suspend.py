@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
+from cards import STT, idle, registry, snap
 
 from proxy.clock import ManualClock
 from proxy.config.loading import registry_from_dict
@@ -17,6 +18,8 @@ from proxy.config.schema import ReleaseFailed
 from proxy.config.units import GIB
 from proxy.errors import ConfigError
 from proxy.handoff.decisions import DecisionLog
+from proxy.handoff.hold import HOLD_SHARE, RELOAD_BYTES_PER_S, RESTORE_BYTES_PER_S, SwapHold
+from proxy.handoff.plan import plan_release
 from proxy.handoff.sleepers import Lifecycles
 from proxy.lifecycle import Status
 from proxy.lifecycle.cuda_driver import CheckpointError, ProcessState, checkpointer_for
@@ -316,10 +319,24 @@ class Rel:
 
 
 def test_a_swap_away_from_a_suspending_tenant_is_held_for_its_restore_not_a_reload() -> None:
-    from proxy.handoff.hold import HOLD_SHARE, RELOAD_BYTES_PER_S, RESTORE_BYTES_PER_S, SwapHold
     released = [Rel("comfyui", 7 * GIB)]
     reload = SwapHold(1.0, frozenset({"comfyui"}))
     restore = SwapHold(1.0, frozenset({"comfyui"}), restores=frozenset({"comfyui"}))
     assert reload.hold_s(released) == pytest.approx(HOLD_SHARE * 7 * GIB / RELOAD_BYTES_PER_S)
     assert restore.hold_s(released) == pytest.approx(HOLD_SHARE * 7 * GIB / RESTORE_BYTES_PER_S)
     assert restore.hold_s(released) < reload.hold_s(released) / 5, "a restore is undone ~6x faster than a reload"
+
+
+# -- the planner: at equal priority, the cheaper undo goes first --------------------------------------
+
+def test_at_equal_priority_the_planner_releases_the_tenant_a_restore_undoes_before_one_a_reload_undoes() -> None:
+    a = {**STT, "match": {"process_names": [], "cmdline_patterns": ["a --serve"]}, "priority": 40}
+    b = {**STT, "match": {"process_names": [], "cmdline_patterns": ["b --serve"]}, "priority": 40}
+    card = snap([("a", 11, 8 * GIB), ("b", 12, 6 * GIB)], free=2 * GIB)
+    # a holds more: the biggest goes first when both reload
+    plan = plan_release(card, registry({"a": a, "b": b}), idle("a", "b"), "comfyui", 7 * GIB)
+    assert [r.tenant for r in plan.releases] == ["a"]
+    # b parks in host RAM: a restore (~12 GB/s) undoes it ~6x cheaper than a reload, so it goes first
+    reg = registry({"a": a, "b": {**b, "release": [{"kind": "cuda_suspend"}, {"kind": "http", "url": "/release"}]}})
+    plan = plan_release(card, reg, idle("a", "b"), "comfyui", 7 * GIB)
+    assert [r.tenant for r in plan.releases] == ["b"]
