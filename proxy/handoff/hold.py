@@ -21,7 +21,7 @@ the whole hold to every wait behind a render), and it never applies past the fai
 
 A tenant whose release parks its memory in host RAM (release kind `cuda_suspend`, `restores`) is
 undone by a restore, not a reload: at `RESTORE_BYTES_PER_S` (a host-to-card copy) its swap risks a
-sixth of a reload's time, and is held that much shorter (an SDXL checkpoint: 86 ms, not half a second).
+sixth of a reload's time, and is held that much shorter (an SDXL checkpoint, 7 GB: about 90 ms, not half a second).
 """
 
 from __future__ import annotations
