@@ -33,6 +33,9 @@ Swap hold (`--swap-hold-s S`, any mode): the proxy's swap_hold_s set to S. The r
 straight to ComfyUI, so the proxy saw no ComfyUI work and a lone swap is not held; `--recent` sends
 that render through the proxy instead, so ComfyUI's work ended just before the Ollama request (within
 swap_hold_recent_s): the swap is held, the worst case for a lone swap.
+Suspend (`--suspend`): the handoff back to ComfyUI after a chat by CUDA suspension (release kind
+cuda_suspend: parked in host RAM, restored) against unload and reload, SIMULATED at the demo's
+configured rates (bench/handoff_suspend.py says how; bench/device_suspend.py is for a real card).
 Also: plan_release for 10 tenants / 200 processes is in bench/arbiter.py.
 """
 
@@ -307,6 +310,8 @@ if __name__ == "__main__":
     parser.add_argument("--disk-gbps", type=float, default=1.3, help="--warm: load and read speed from disk (GB/s)")
     parser.add_argument("--swap-hold-s", type=float, default=None,
                         help="the proxy's swap_hold_s (default: its own, 1 s; 0: off)")
+    parser.add_argument("--suspend", action="store_true",
+                        help="suspend/restore (cuda_suspend) against unload/reload, simulated")
     parser.add_argument("--recent", action="store_true",
                         help="the reset's render through the proxy: ComfyUI was active just before the swap")
     args = parser.parse_args()
@@ -316,6 +321,12 @@ if __name__ == "__main__":
     RESULTS.parent.mkdir(exist_ok=True)
     machine = {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform(),
                "proxy": PROXY, "recent": args.recent}
+    if args.suspend:
+        from bench.handoff_suspend import compare, table
+        s = {**asyncio.run(compare(min(args.rounds, 3) if args.rounds == 10 else args.rounds)), "machine": machine}
+        (RESULTS.parent / "handoff-suspend.json").write_text(json.dumps(s, indent=2))
+        print(table(s))
+        sys.exit(0)
     if args.wait:
         w = {**asyncio.run(wait_for_busy(args.rounds)), "machine": machine}
         (RESULTS.parent / "handoff-wait.json").write_text(json.dumps(w, indent=2))

@@ -32,7 +32,7 @@ from proxy.config.units import GIB
 from proxy.decision_base import DecisionEvent
 from proxy.engines.loading import load_registry_over, registry_from_dict
 from proxy.gpu.keeper import GpuDrift
-from proxy.handoff.decisions import DecisionView, LifecycleExit, ModelLoad
+from proxy.handoff.decisions import DecisionView, LifecycleExit, ModelLoad, Resumed
 from proxy.relay.servers import settle_heap
 from proxy.service import Proxy
 from proxy.sim.box import Scenario, SimBox, fast_scenario, load_scenario
@@ -126,7 +126,8 @@ async def start_demo(scenario: str | Scenario = "default", *, sim_ports: Mapping
                 registry = load_registry_over(overrides, path, pinned)
                 note = (f"demo scenario {name!r} with {path} applied over it (the simulated "
                         f"{' and '.join(pinned) or 'engines'} keep their simulators as upstream)")
-            proxy = Proxy(registry, box.gpu, clock, watchdog_enabled=watchdog, config_note=note)
+            proxy = Proxy(registry, box.gpu, clock, watchdog_enabled=watchdog, config_note=note,
+                          checkpointer=box.checkpointer)
             await proxy.start(proxy_ports)
         except BaseException:
             await box.stop()
@@ -169,6 +170,12 @@ def describe(demo: Demo, scenario: str) -> str:
                   + ("# Ollama needs it back" if demo.box.gpu.device_count == 1 else "# on its own GPU: nothing released"),
                   f"  curl -s {a}/api/decisions | python3 -m json.tool          # what the proxy decided and why",
                   f"  curl -s {a}/api/models | python3 -m json.tool             # model files: size, how much is in RAM"]
+        suspending = list(demo.proxy.arbitration.lifecycles.suspensions.records())
+        if suspending:  # release kind cuda_suspend: the render again is a restore, not a checkpoint read
+            lines += [f"  curl -s {a}/api/gpu | python3 -m json.tool                # host_ram: what "
+                      f"{' and '.join(suspending)} parked while suspended",
+                      f"  curl -s {c}/prompt -d @{demo.example_prompt()}      # again: restored from host RAM, "
+                      "its checkpoint not read again"]
         relay = demo.box.scenario.relay
         if relay is not None and relay.tenant in demo.proxy.servers:
             r = demo.proxy.url(relay.tenant)
@@ -255,6 +262,11 @@ def decision_line(view: DecisionView) -> str:
         case "model_load":
             cls = f", {o['class']}" if o.get("class") else ""
             text = f"{t} loaded {o.get('model')} in {o.get('seconds', 0):.1f} s ({o.get('gbps', 0):.2f} GB/s{cls})"
+        case "resume" if isinstance(o.get("asked"), dict) and "restored" in o["asked"]:
+            back = o["asked"]
+            text = (f"{t} restored from host RAM ({back.get('bytes', 0) / GIB:.1f} GiB back on the card in "
+                    f"{back.get('duration_s', 0):.2f} s, {back.get('via')})" if back.get("restored") is not None
+                    else f"{t} could not be restored: {back.get('fallback')}")
         case "start" | "stop" | "exit":
             done = {"start": "started", "stop": "stopped", "exit": "exited"}[view.kind]
             text = (f"{t} {done} in {o.get('duration_s', 0):.1f} s" if o.get("ok") or view.kind == "exit"
@@ -285,7 +297,11 @@ def _releases_line(o: Mapping[str, Any]) -> str:
         return str(o.get("result") or "nothing to release")
     parts = []
     for r in releases:
-        if r.get("confirmed") or r.get("result") == "estimated":
+        asked = r.get("asked") or {}
+        if (r.get("confirmed") or r.get("result") == "estimated") and "suspended" in asked:
+            parts.append(f"{r['tenant']} suspended into host RAM ({asked.get('parked_bytes', 0) / GIB:.1f} GiB parked "
+                         f"in {r['duration_s']:.1f} s, {asked.get('via')})")
+        elif r.get("confirmed") or r.get("result") == "estimated":
             est = ", estimated" if r.get("result") == "estimated" else ""
             parts.append(f"{r['tenant']} released ({r['freed_gb']} GiB back in {r['duration_s']:.1f} s{est})")
         else:
@@ -303,7 +319,7 @@ class DecisionPrinter:
         self._unsubscribe = proxy.decisions.subscribe(self.on_event)
 
     def on_event(self, event: DecisionEvent) -> None:
-        if not (completes(event) or isinstance(event, (ModelLoad, LifecycleExit, GpuDrift))):
+        if not (completes(event) or isinstance(event, (ModelLoad, LifecycleExit, GpuDrift, Resumed))):
             return
         view = self.proxy.decisions.view_of(event)
         if view is not None and view.id not in self._printed:

@@ -27,6 +27,7 @@ from proxy.handoff.decisions import DecisionLog
 from proxy.handoff.inflight import InFlight
 from proxy.handoff.watchdog import Watchdog
 from proxy.lifecycle.build import default_state_dir
+from proxy.lifecycle.cuda_driver import Checkpointer
 from proxy.lifecycle.state import LifecycleReport
 from proxy.relay.forward import Forwarder
 from proxy.relay.gpu_gate import GpuGate
@@ -87,6 +88,7 @@ class Proxy:
     drain_s: float = DRAIN_S  # on stop, what requests in flight get, in all, to finish
     # the proxy's state: pidfiles of the apps it starts, Ollama's footprints (None: ~/.local/state/hyperswap/lifecycle)
     lifecycle_dir: Path | None = None
+    checkpointer: Checkpointer | None = None  # the CUDA suspend seam (the demo's); None: the driver's, checked here
     inflight: InFlight = field(init=False)
     forwarder: Forwarder = field(init=False)
     decisions: DecisionLog = field(init=False)
@@ -106,7 +108,8 @@ class Proxy:
         self.forwarder = Forwarder(state_dir=state_dir)  # what the adapters learn (Ollama's footprints) is kept there
         self.decisions = DecisionLog(self.clock)
         self.arbitration = Arbitration(self.registry, self.reader, self.inflight, self.clock, self.decisions,
-                                       adapter=self.forwarder.adapter, state_dir=state_dir)
+                                       adapter=self.forwarder.adapter, state_dir=state_dir,
+                                       checkpointer=self.checkpointer)
         self.watchdog = Watchdog(self.arbitration)
         self.admission = GpuGate(self.arbitration, self.forwarder.adapter)
         self.token = admin_token(self.registry)

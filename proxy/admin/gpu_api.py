@@ -96,7 +96,8 @@ class GpuSettingsExtension:
 
     async def gpu_route(self, request: Request) -> Response:
         await self._fresh()
-        return JSONResponse(self.keeper.to_json())
+        # what CUDA suspension (release kind cuda_suspend) parked in host RAM, beside the card's settings
+        return JSONResponse({**self.keeper.to_json(), "host_ram": self.proxy.arbitration.lifecycles.suspensions.view()})
 
     # -- health ----------------------------------------------------------------------------------
     async def gpu_health(self) -> list[HealthEntry]:

@@ -372,6 +372,11 @@ class HealthExtension:
         entries: list[HealthEntry] = []
         for (name, machine), problems in zip(machines.items(), found, strict=True):
             entries += lifecycle_entries(name, machine, problems)
+        for name, rec in self.proxy.arbitration.lifecycles.suspensions.records().items():  # release kind cuda_suspend
+            parked = f": {rec.parked_bytes / 2**30:.1f} GiB parked in host RAM ({rec.via})" if rec.parked_bytes else ""
+            entries.append(HealthEntry(f"suspend {name}", "degraded" if rec.error else "ok", rec.error or f"{rec.state}{parked}",
+                                       "its memory was not parked, or not restored: the next release step ran"
+                                       if rec.error else None, rec.fix))
         return entries
 
     def telemetry(self) -> TelemetryReadings | None:

@@ -270,12 +270,15 @@ def _operations() -> dict[str, dict[str, JSON]]:
             "description": ("Power limit, clocks, clock offsets, fans, persistence mode, temperature and clock event "
                             "reasons, read through NVML (or the simulated card). A null field is unknown, never 0: "
                             "settings.unavailable says why (not supported, no permission). With a gpu_profile, the "
-                            "profile's device carries one check per setting (ok, drift, unsupported, unreadable)."),
+                            "profile's device carries one check per setting (ok, drift, unsupported, unreadable). "
+                            "host_ram: what tenants with a cuda_suspend step have parked in host RAM, per tenant and "
+                            "in all, and the host RAM still available (null: unknown)."),
             "responses": {"200": _json("the settings", {
                 "type": "object", "required": ["devices", "profile", "apply"],
                 "properties": {"devices": {"type": "array", "items": ANY_OBJECT},
                                "profile": {"anyOf": [ANY_OBJECT, {"type": "null"}]},
-                               "apply": {"anyOf": [ANY_OBJECT, {"type": "null"}]}}})}}},
+                               "apply": {"anyOf": [ANY_OBJECT, {"type": "null"}]},
+                               "host_ram": ANY_OBJECT}})}}},
         "/openapi.json": {"get": {
             "summary": "This document", "operationId": "openapi",
             "responses": {"200": _json("OpenAPI 3.1", ANY_OBJECT)}}},

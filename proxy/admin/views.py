@@ -214,6 +214,16 @@ class Lifecycle(_Doc):
     controller: LifecycleController
 
 
+class Suspended(_Doc):
+    """A tenant with a cuda_suspend release step: its processes parked in host RAM or not (lifecycle/suspend_state.py)."""
+    state: Literal["running", "suspending", "suspended", "resuming", "failed"]
+    pids: list[int]
+    parked_bytes: int = Field(description="its device memory the driver holds in host RAM now (0 unless suspended)")
+    via: str | None = Field(description="driver API, cuda-checkpoint or simulated; null before the first suspend")
+    error: str | None = Field(description="why the last suspend or restore failed; null: it worked, or none ran")
+    fix: str | None
+
+
 class _TenantLive(_Doc):
     """The live state both /api/tenants and the events' stats frames carry."""
     name: str
@@ -232,6 +242,8 @@ class _TenantLive(_Doc):
     devices: TenantDevices | None = Field(default=None, description="only on a host with several GPUs")
     lifecycle: Lifecycle | None = Field(default=None, description="a tenant the proxy starts and stops: its state; "
                                                                   "null for the others")
+    suspension: Suspended | None = Field(default=None, description="a tenant with a cuda_suspend step: its state; null "
+                                                                   "for the others")
 
 
 class CardHolding(_Doc):
@@ -655,6 +667,8 @@ def _live(arbitration: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot
         "loading": loading_view(arbitration, snap, tenant),
         **tenant_devices_json(snap, tenant.name),  # several cards: where it loads, what it holds on each
         "lifecycle": lifecycle_view(arbitration, tenant.name),
+        "suspension": (None if (rec := arbitration.lifecycles.suspensions.record(tenant.name)) is None
+                       else Suspended.model_validate(rec.to_json(), strict=False)),
     }
 
 

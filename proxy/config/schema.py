@@ -44,7 +44,8 @@ class ReleaseSpec(StrictModel):
     kind: str = Field(
         default="none", description="how the memory is asked back: ollama_unload (every loaded model with keep_alive 0), "
         "comfyui_free (POST /free), http (a call you configure), process, systemd or docker (stop the app, start it again "
-        "on its next request), or none (not reclaimable: a release answers 409 with the reason)")
+        "on its next request), cuda_suspend (its CUDA processes parked in host RAM, restored before its next "
+        "request), or none (not reclaimable: a release answers 409 with the reason)")
     timeout_s: float | None = Field(
         default=None, description="how long this step may take until the card shows the memory back; "
                                   "null: the tenant's release_timeout_s")
@@ -52,6 +53,7 @@ class ReleaseSpec(StrictModel):
     # What the proxy may rely on, by kind (never by comparing `kind`):
     stops: ClassVar[bool] = False  # it stops the app, so the proxy can start it again (proxy/lifecycle/)
     reclaims: ClassVar[bool] = True  # it gives memory back at all (only "none" does not)
+    suspends: ClassVar[bool] = False  # it suspends the tenant's processes (the proxy runs it with their pids)
 
     @classmethod
     def kind_name(cls) -> str:

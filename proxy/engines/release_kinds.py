@@ -18,6 +18,7 @@ from proxy.config.schema import NoRelease, ReleaseSpec
 from proxy.engines.comfyui import ComfyUIFree
 from proxy.engines.http_release import HttpRelease
 from proxy.engines.ollama import OllamaUnload
+from proxy.lifecycle.cuda_suspend import CudaSuspend
 from proxy.lifecycle.docker import DockerRelease
 from proxy.lifecycle.process import ProcessRelease
 from proxy.lifecycle.systemd import SystemdRelease
@@ -31,6 +32,7 @@ RELEASE_KINDS: tuple[type[ReleaseSpec], ...] = (
     ProcessRelease,
     SystemdRelease,
     DockerRelease,
+    CudaSuspend,
 )
 
 KINDS = ReleaseKinds(RELEASE_KINDS)

@@ -40,11 +40,13 @@ from proxy.handoff.plan import Plan, PlanMode, gib, unplanned_plan
 from proxy.handoff.queue_rules import promised_by_tenant
 from proxy.handoff.scheduler import Admitted, Handoff, Scheduler
 from proxy.handoff.sleepers import Lifecycles
+from proxy.lifecycle.cuda_driver import Checkpointer
 from proxy.lifecycle.state import LifecycleReport
 from proxy.tls import client_context
 
 log = logging.getLogger("hyperswap.arbitration")
 
+RESTORE_AT_STOP_S = 60.0  # each restore at the proxy's stop (GiB at ~12 GB/s: seconds)
 OOM_HEADROOM_BYTES = 1 * GIB  # after an OOM the estimate was wrong: ask for this much more than is free
 
 __all__ = ["CONFIRM_SLACK_BYTES", "Admitted", "Arbitration", "Handoff", "ReleaseResult", "gib"]
@@ -54,7 +56,8 @@ class Arbitration:
     def __init__(self, registry: Registry, reader: GpuReader, inflight: InFlight, clock: Clock,
                  decisions: DecisionLog, control: httpx.AsyncClient | None = None,
                  adapter: Callable[[Tenant], EngineAdapter] | None = None, *,
-                 lifecycles: Lifecycles | None = None, state_dir: Path | None = None) -> None:
+                 lifecycles: Lifecycles | None = None, state_dir: Path | None = None,
+                 checkpointer: Checkpointer | None = None) -> None:
         self.registry = registry
         self.reader = reader
         self.attributor = Attributor(registry)
@@ -72,7 +75,7 @@ class Arbitration:
                                    runs_at_once=lambda name: self.adapter(registry.get(name)).runs_at_once)
         # tenants the proxy stops and starts, or that owe a resume: started before their next request
         self.lifecycles = lifecycles or Lifecycles(registry, self.adapter, clock, decisions, self.control,
-                                                   state_dir=state_dir)
+                                                   state_dir=state_dir, checkpointer=checkpointer)
         self.lifecycles.on_change.append(lambda _tenant: self.scheduler.kick())
         self.started_at = clock.now()  # idle deadlines of tenants never seen active count from here
         self._snapshot_lock = asyncio.Lock()  # the reader's: one GPU read at a time
@@ -171,8 +174,9 @@ class Arbitration:
         result = ReleaseResult(tenant.name, expected, 0, 0.0, False, "no release step")
         trail: list[dict[str, Any]] = []  # for a release that escalates: what each step freed
         held = held_before
+        procs = tuple((p.process.pid, p.process.used_bytes or 0) for p in before.processes_of(tenant.name))
         for i, step in steps:
-            result = await self._release_step(tenant, step, expected, held_before, held)
+            result = await self._release_step(tenant, step, expected, held_before, held, procs)
             after = held_before - result.freed_bytes
             trail.append({"step": i, "kind": step.kind, "freed_bytes": max(0, held - after),
                           "duration_s": round(result.duration_s, 3), "result": result.result, "error": result.error})
@@ -187,8 +191,9 @@ class Arbitration:
                        freed_bytes=max(0, held_before - held), duration_s=self.clock.now() - start)
 
     async def _release_step(self, tenant: Tenant, step: ReleaseSpec, expected: int, held_before: int,
-                            held_now: int) -> ReleaseResult:
-        """One step: ask (or stop the app), then watch the card until the tenant is down to its target."""
+                            held_now: int, procs: tuple[tuple[int, int], ...] = ()) -> ReleaseResult:
+        """One step: ask (or stop the app, or suspend its processes: `procs`, their pids and bytes),
+        then watch the card until the tenant is down to its target."""
         stops = step.stops
         target = 0 if stops else max(held_before - expected, 0)
         began = self.clock.now()
@@ -199,6 +204,8 @@ class Arbitration:
                 if not report.ok:
                     return ReleaseResult(tenant.name, expected, held_before - held_now, self.clock.now() - began, False,
                                          report.error, asked, busy=report.refused and report.state == "running")
+            elif step.suspends:
+                asked = await self.lifecycles.suspend(tenant, procs)
             else:
                 asked = await self.adapter(tenant).release(self.control, step)
         except ReleaseFailed as exc:
@@ -224,7 +231,11 @@ class Arbitration:
     # -- waking a tenant that sleeps ------------------------------------------------------------
     def start_need(self, tenant: Tenant) -> Need:
         """What a start (or resume) of a sleeping tenant is planned with, under one load key shared by
-        every request that wakes it and the admin's start."""
+        every request that wakes it and the admin's start. A suspended tenant's restore needs what it
+        parked in host RAM."""
+        parked = self.lifecycles.suspensions.parked_bytes(tenant.name)
+        if parked:
+            return Need(parked, f"the restore of {tenant.name}", f"{tenant.name}:wake")
         return Need(self.adapter(tenant).start_need_bytes, f"the start of {tenant.name}", f"{tenant.name}:wake")
 
     async def wake(self, tenant: Tenant, trigger: str) -> Admitted | None:
@@ -318,6 +329,30 @@ class Arbitration:
     def prepare_load(self, tenant: str, model: str) -> None:
         self.loads.ahead(tenant, model)
 
+    async def _restore_at_stop(self) -> None:
+        """At the proxy's stop, what it suspended is restored where the card has room for it (smallest
+        first): left suspended, an app's CUDA calls block for ever with no proxy to restore it. One
+        that does not fit is left suspended and named, with the command that restores it (a restore
+        without room fails, and the driver does not promise the process survives that)."""
+        sus = self.lifecycles.suspensions
+        names = sorted((n for n, r in sus.records().items() if r.dormant), key=sus.parked_bytes)
+        if not names:
+            return
+        snap = await self.snapshot()
+        for name in names:
+            need, free = sus.parked_bytes(name), per_card.free_for(snap, name)
+            if need > free:
+                pids = " ".join(str(p) for p in sus.record(name).pids)  # type: ignore[union-attr]
+                log.warning("%s stays suspended at the proxy's stop: %s GiB to restore, %s GiB free on the card; once there "
+                            "is room: cuda-checkpoint --toggle --pid %s", name, gib(need), gib(free), pids)
+                continue
+            try:
+                await asyncio.wait_for(sus.restore(name), RESTORE_AT_STOP_S)
+            except (ReleaseFailed, TimeoutError) as exc:
+                log.warning("%s: not restored at the proxy's stop: %s", name, exc)
+                continue
+            snap = await self.snapshot()
+
     # -- the request path ---------------------------------------------------------------------
     async def admit(self, tenant: Tenant, path: str, body: bytes, trigger: str,
                     *, oom: bool = False, work: Token | None = None, need: Need | None = None) -> tuple[Admitted, Need]:
@@ -336,9 +371,13 @@ class Arbitration:
             return at_once, need
         admitted = await self.scheduler.request(tenant, need.key, need_bytes, trigger, "oom_retry" if oom else "plan",
                                             model=need.model, work=work)
+        if admitted.outcome == "run" and self.lifecycles.suspensions.dormant(tenant.name):
+            # suspended while it waited (its wake came first): restored before it is forwarded
+            await self.lifecycles.wake(tenant)
         return admitted, need
 
     async def aclose(self) -> None:
         await self.scheduler.aclose()
+        await self._restore_at_stop()
         await self.lifecycles.aclose()
         await self.control.aclose()

@@ -18,6 +18,10 @@ once. The hold counts from the request's arrival, so a request that already wait
 busy tenant to finish is not held again when it ends (a debounce from the tenant's last use would add
 the whole hold to every wait behind a render), and it never applies past the fairness bound
 (`queue_rules.may_overtake`).
+
+A tenant whose release parks its memory in host RAM (release kind `cuda_suspend`, `restores`) is
+undone by a restore, not a reload: at `RESTORE_BYTES_PER_S` (a host-to-card copy) its swap risks a
+sixth of a reload's time, and is held that much shorter (an SDXL checkpoint, 7 GB: about 90 ms, not half a second).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 RELOAD_BYTES_PER_S = 2e9  # a local NVMe read plus the copy to the card; a model in the page cache reloads faster
+RESTORE_BYTES_PER_S = 12e9  # a restore from host RAM (cuda_suspend): a pinned copy over PCIe 4.0 x16, ~12-25 GB/s
 HOLD_SHARE = 0.15  # of the reload a swap risks: a hold costs the requester at most 15 % of what it may save
 
 
@@ -41,15 +46,18 @@ class Released(Protocol):
 @dataclass(frozen=True, slots=True)
 class SwapHold:
     """`cap_s`: proxy.swap_hold_s (0: off). `recent`: the tenants whose work is open or ran or ended
-    within proxy.swap_hold_recent_s (the only ones a swap away from is held)."""
+    within proxy.swap_hold_recent_s (the only ones a swap away from is held). `restores`: the tenants
+    whose release parks them in host RAM (undone by a restore, not a reload)."""
     cap_s: float = 0.0
     recent: frozenset[str] = frozenset()
+    restores: frozenset[str] = frozenset()
 
     def hold_s(self, releases: Iterable[Released]) -> float:
         """How long a swap making `releases` is held: the share of the reload of what it releases
         from tenants active lately, at most `cap_s`; 0 when none of them was active lately."""
-        risked = sum(r.expected_free_bytes for r in releases if r.tenant in self.recent)
-        return min(self.cap_s, HOLD_SHARE * risked / RELOAD_BYTES_PER_S) if self.cap_s > 0 else 0.0
+        risked_s = sum(r.expected_free_bytes / (RESTORE_BYTES_PER_S if r.tenant in self.restores else RELOAD_BYTES_PER_S)
+                       for r in releases if r.tenant in self.recent)
+        return min(self.cap_s, HOLD_SHARE * risked_s) if self.cap_s > 0 else 0.0
 
     def until(self, arrived_at: float, releases: Iterable[Released]) -> float | None:
         """When the swap of a request that arrived at `arrived_at` starts at the latest; None: not held."""

@@ -201,7 +201,8 @@ class Scheduler:
         recent = frozenset(t for t, tr in self.traffic.snapshot().items()
                            if tr.busy or (tr.last_activity is not None
                                           and now - tr.last_activity <= settings.swap_hold_recent_s))
-        return SwapHold(settings.swap_hold_s, recent)
+        restores = frozenset(t.name for t in self.effects.registry if t.release_steps and t.release_steps[0].suspends)
+        return SwapHold(settings.swap_hold_s, recent, restores)
 
     def promised(self, snap: AttributedSnapshot) -> dict[str, tuple[str, int]]:
         """Load key -> (tenant, bytes) admitted loads will still take from free memory."""

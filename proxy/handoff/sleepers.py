@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
@@ -26,7 +27,9 @@ from proxy.engines.ports import LifecyclePorts
 from proxy.handoff.decisions import DecisionLog, LifecycleExit, LifecycleResult, LifecycleStart, LifecycleStop, Resumed
 from proxy.lifecycle.build import lifecycle_for
 from proxy.lifecycle.controller import LifecycleError, within
+from proxy.lifecycle.cuda_driver import Checkpointer
 from proxy.lifecycle.state import LifecycleReport, TenantLifecycle
+from proxy.lifecycle.suspender import Procs, RestoreFailed, Suspensions
 
 log = logging.getLogger("hyperswap.lifecycle")
 
@@ -37,8 +40,11 @@ WAKE_SLACK_S = 1.0  # a request waits for a start at most its start_timeout_s pl
 class Lifecycles:
     def __init__(self, tenants: Iterable[Tenant], adapter: Callable[[Tenant], LifecyclePorts], clock: Clock,
                  decisions: DecisionLog, control: httpx.AsyncClient, *, state_dir: Path | None = None,
-                 controllers: Mapping[str, TenantLifecycle] | None = None) -> None:
-        """`controllers`: tenant -> a ready-made state machine (tests); otherwise built from tenants.json."""
+                 controllers: Mapping[str, TenantLifecycle] | None = None,
+                 checkpointer: Checkpointer | None = None) -> None:
+        """`controllers`: tenant -> a ready-made state machine (tests); otherwise built from tenants.json.
+        `checkpointer`: the CUDA suspend seam of every `cuda_suspend` tenant (the demo's, tests');
+        None: the real one, refused here (ConfigError) when the driver cannot do it."""
         self._adapter = adapter
         self._clock = clock
         self._decisions = decisions
@@ -57,6 +63,9 @@ class Lifecycles:
         for machine in self._machines.values():
             machine.on_report = self._record
             machine.on_state = self._state_changed
+        # tenants whose CUDA processes a `cuda_suspend` step parks in host RAM (restored before a request)
+        self.suspensions = Suspensions(self._tenants.values(), clock, checkpointer, env=os.environ)
+        self.suspensions.on_state.append(self._state_changed)
         self._resume: dict[str, ReleaseSpec] = {}  # tenant -> the released step whose resume call is owed
         self._resuming: dict[str, asyncio.Task[None]] = {}
         self.on_change: list[Callable[[str], None]] = []  # a start or stop ended (the queue is kicked)
@@ -75,7 +84,8 @@ class Lifecycles:
     def dormant(self, tenant: str) -> bool:
         """Must be woken (started, or its resume called) before a request is forwarded to it."""
         machine = self._machines.get(tenant)
-        return tenant in self._resume or (machine is not None and machine.state != "running")
+        return (tenant in self._resume or (machine is not None and machine.state != "running")
+                or self.suspensions.dormant(tenant))
 
     async def adopt(self) -> None:
         """At the proxy's start: a unit or container already up is adopted as running."""
@@ -93,6 +103,11 @@ class Lifecycles:
             return LifecycleReport(tenant.name, "stop", False, "running", error="no lifecycle controller", refused=True)
         return await machine.begin_stop(busy)
 
+    async def suspend(self, tenant: Tenant, procs: Procs) -> dict[str, object]:
+        """A `cuda_suspend` step: park the tenant's processes in host RAM; raises ReleaseFailed (the
+        next step of its release list runs). Awaited by a release task (never by the scheduler)."""
+        return await self.suspensions.suspend(tenant, procs)
+
     def released(self, tenant: Tenant, step: ReleaseSpec) -> None:
         """A soft release step freed the memory: its `resume` call is owed before the next request."""
         if step.resumes:
@@ -104,8 +119,12 @@ class Lifecycles:
         (a 503 with the reason and the app's last output lines) when it cannot be woken."""
         machine = self._machines.get(tenant.name)
         if machine is not None and machine.state != "running":
+            if self.suspensions.dormant(tenant.name):  # it ended while suspended: what was parked is gone
+                await self.suspensions.settled(tenant.name)
+                self.suspensions.exited(tenant.name)
+            self._resume.pop(tenant.name, None)
             return await self._started(tenant, machine)
-        if tenant.name in self._resume:
+        if tenant.name in self._resume or self.suspensions.dormant(tenant.name):
             task = self._resuming.get(tenant.name)
             if task is None:
                 task = asyncio.create_task(self._run_resume(tenant), name=f"hyperswap:resume:{tenant.name}")
@@ -140,22 +159,51 @@ class Lifecycles:
         return await asyncio.shield(machine.begin_start(force=force))
 
     async def _run_resume(self, tenant: Tenant) -> None:
-        step = self._resume[tenant.name]
+        step = self._resume.get(tenant.name)
         started = self._clock.now()
         try:
-            asked = await self._adapter(tenant).resume(self._control, step)
+            if step is None or step.suspends:  # parked in host RAM (or being parked: the restore waits for it)
+                asked = await self._restore(tenant)
+            else:
+                asked = await self._adapter(tenant).resume(self._control, step)
         except (ReleaseFailed, httpx.HTTPError) as exc:
             self._decisions.emit(Resumed(tenant=tenant.name, trigger="request to a released tenant", ok=False,
                                          duration_s=self._clock.now() - started, error=str(exc)))
-            raise LifecycleError(f"tenant {tenant.name!r} could not be resumed: {exc}",
-                                 fix=f"check that {tenant.name} answers its resume call "
-                                     "(tenants.json release.resume), then send the request again") from exc
+            record = self.suspensions.record(tenant.name)
+            fix = (record.fix if isinstance(exc, RestoreFailed) and record is not None and record.fix else
+                   f"check that {tenant.name} answers its resume call (tenants.json release.resume), then send the "
+                   "request again")
+            raise LifecycleError(f"tenant {tenant.name!r} could not be resumed: {exc}", fix=fix) from exc
         finally:
             self._resuming.pop(tenant.name, None)
         self._resume.pop(tenant.name, None)
-        self._decisions.emit(Resumed(tenant=tenant.name, trigger="request to a released tenant", ok=True,
-                                     duration_s=self._clock.now() - started, asked=asked))
+        fell_back = asked is not None and "fallback" in asked  # a restore that failed, and what was done instead
+        self._decisions.emit(Resumed(tenant=tenant.name, trigger="request to a released tenant", ok=not fell_back,
+                                     duration_s=self._clock.now() - started, asked=asked,
+                                     error=str(asked["error"]) if asked is not None and fell_back else None))
         self._changed(tenant.name)
+
+    async def _restore(self, tenant: Tenant) -> dict[str, object] | None:
+        """Restore a suspended tenant. A restore that fails falls back to the next step of its
+        release list: a tenant the proxy starts is stopped and started again (its model reloads);
+        any other is a 503 with the reason, and its next request is forwarded as is. A process that
+        exited while suspended is forwarded to at once: what is left of the app answers (Ollama's
+        server loads the model again in a new runner)."""
+        try:
+            return await self.suspensions.restore(tenant.name)
+        except RestoreFailed as exc:
+            self._resume.pop(tenant.name, None)
+            machine = self._machines.get(tenant.name)
+            if machine is None and exc.gone:  # the app (or its parent: Ollama's server) answers for itself
+                return {"restored": None, "fallback": "forwarded: the process had exited", "error": str(exc)}
+            if machine is None:
+                raise
+            if machine.state == "running":
+                await machine.begin_stop(lambda: False)  # what is left of it holds nothing worth keeping
+            report = await self._started(tenant, machine)
+            self.suspensions.recovered(tenant.name)
+            return {"restored": None, "fallback": "stop and start", "error": f"{exc}; stopped and started it instead",
+                    "start": report.to_json()}
 
     # -- plumbing ------------------------------------------------------------------------------------
     def _record(self, report: LifecycleReport) -> None:

@@ -242,8 +242,11 @@ class GpuGate:
                 return refusal
         trace = tracing.current()
         arrived, arrived_wall = self.arbitration.clock.now(), self.arbitration.clock.wall()
+        parked = self.arbitration.lifecycles.suspensions.parked_bytes(tenant.name)  # cuda_suspend: a restore
         if trace is not None and self.arbitration.lifecycles.dormant(tenant.name):
-            trace.wait(f"starting {tenant.name}")  # a streamed request is answered now and hears the start
+            # a streamed request is answered now and hears the start (or the restore)
+            trace.wait(f"resuming {tenant.name}: {parked / 2**30:.1f} GiB back from host RAM" if parked
+                       else f"starting {tenant.name}")
         try:
             admitted = await self.arbitration.wake(tenant, f"start of {tenant.name} for {what}")
         except LifecycleError as exc:
@@ -257,8 +260,9 @@ class GpuGate:
                 waited_wall = arrived_wall + handoff.waited_s
                 record_wait(trace, self.arbitration.decisions, handoff, arrived_wall, waited_wall)
                 took = self.arbitration.clock.now() - arrived - handoff.waited_s
-                trace.phase("start", took, f"started {tenant.name}")
-                trace.say(f"{tenant.name} started in {took:.1f} s")
+                done = "restored from host RAM" if parked else "started"
+                trace.phase("start", took, f"{done} {tenant.name}")
+                trace.say(f"{tenant.name} {done} in {took:.1f} s")
             return None
         if admitted.outcome == "timeout":
             self.arbitration.decisions.emit(Rejected(tenant=tenant.name, trigger=f"start for {what}",

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from proxy.clock import Clock, SystemClock
 from proxy.errors import ConfigError
 from proxy.relay.servers import RunningServer
+from proxy.sim.checkpoint import SimulatedCheckpointer
 from proxy.sim.comfyui import ComfySim, ComfySimConfig
 from proxy.sim.gpu import GIB, SimulatedDevice, SimulatedGpu
 from proxy.sim.gpu_settings import SimulatedCardSettings, SimulatedSettingsSpec
@@ -68,6 +69,13 @@ class _RelaySpec(BaseModel):
     transcribe_s: float = Field(default=0.2, ge=0)  # one POST /v1/audio/transcriptions
 
 
+class _SuspendSpec(BaseModel):
+    """The host side of CUDA suspension (release kind cuda_suspend, proxy/sim/checkpoint.py)."""
+    model_config = ConfigDict(extra="forbid")
+    host_ram_gb: float = Field(default=64.0, gt=0)  # the host's RAM a suspend may fill
+    copy_gbps: float = Field(default=12.0, gt=0)  # host <-> device copy rate (PCIe 4.0 x16 pinned: ~12-25 GB/s)
+
+
 class Scenario(BaseModel):
     model_config = ConfigDict(extra="forbid")
     description: str = ""
@@ -81,6 +89,7 @@ class Scenario(BaseModel):
     settings: dict[str, Any] = Field(default_factory=dict)  # other tenants.json sections: admin, proxy, telemetry
     model_files: bool = True  # back the models with real (sparse, 1/1024) files: residency and warming show
     relay: _RelaySpec | None = None  # a speech relay the proxy starts and stops (release kind `process`)
+    suspend: _SuspendSpec = Field(default_factory=_SuspendSpec)  # host RAM and copy rate of a CUDA suspend
 
 
 def scenario_names() -> list[str]:
@@ -115,6 +124,7 @@ def fast_scenario(name: str, **changes: Any) -> Scenario:
     data["comfyui"].update({"free_delay_s": 0.15, "load_gbps": 200.0, "disk_gbps": None, "step_time_s": 0.002})
     if data.get("relay"):
         data["relay"].update({"load_s": 0.05, "transcribe_s": 0.01})
+    data["suspend"]["copy_gbps"] *= 100  # scaled like the loads (2 -> 200 GB/s): a restore stays ~6x a load
     for section, values in changes.items():
         if isinstance(data.get(section), dict):
             data[section].update(values)
@@ -137,6 +147,7 @@ class SimBox:
     files: SimModelFiles | None = field(init=False, default=None)
     relay_port: int | None = field(init=False, default=None)  # the speech relay's own port, once the box started
     gpu_dir: Path | None = field(init=False, default=None)  # where real processes register their memory
+    checkpointer: SimulatedCheckpointer = field(init=False)  # CUDA suspend on this card (release kind cuda_suspend)
 
     def __post_init__(self) -> None:
         cards = self.scenario.gpus or [self.scenario.gpu]
@@ -145,6 +156,9 @@ class SimBox:
         for more in cards[1:]:
             self.gpu.add_device(int(more.total_gb * GIB), int(more.reserved_gb * GIB), more.name)
         self.gpu.card_settings = SimulatedCardSettings(name=g.name, spec=g.settings)  # card 0's power limit, clocks, fans
+        host = self.scenario.suspend
+        self.checkpointer = SimulatedCheckpointer(self.gpu, self.clock, host_ram_bytes=int(host.host_ram_gb * GIB),
+                                                  copy_gbps=host.copy_gbps)
         try:
             for p in self.scenario.processes:
                 self.gpu.device(p.gpu).spawn(p.name, p.cmdline, int(p.vram_gb * GIB), pid=p.pid,

@@ -196,6 +196,7 @@ class ComfySim:
         self._interrupt = False
         self._oom_next = False
         self._loaded: dict[str, int] = {}
+        self.checkpoint_loads = 0  # checkpoints read onto the card (a restore after a suspend reads none)
         self._torch_cache = 0        # reserved but inactive bytes (freed models awaiting empty_cache)
         self._node_cache: dict[tuple[str, str], JSON | None] = {}  # (node id, input signature) -> ui output
         self._current_client: str | None = None
@@ -377,6 +378,8 @@ class ComfySim:
             self.gpu.set_used(self.pid, self.config.context_floor_bytes)
 
     async def _ensure_loaded(self, name: str, node_id: str, node_type: str) -> None:
+        if self.pid is not None:
+            await self.gpu.cuda_ready(self.pid)  # suspended (cuda_suspend): its CUDA calls block until the restore
         if name in self._loaded:
             return
         for other, size in list(self._loaded.items()):  # smart memory: make room by unloading the others
@@ -390,6 +393,7 @@ class ComfySim:
             raise _OutOfMemory(node_id, node_type) from exc
         await self.clock.sleep(self._load_seconds(name, size))
         self._loaded[name] = size
+        self.checkpoint_loads += 1
 
     def _load_seconds(self, name: str, size: int) -> float:
         files, disk = self.files, self.config.disk_gbps
@@ -555,6 +559,8 @@ class ComfySim:
     async def _sample(self, nid: str, graph: JSON, prompt_id: str, cid: str | None,
                       progress_state: ProgressFn) -> int:
         ckpt = _upstream_checkpoint(graph, nid)
+        if self.pid is not None:
+            await self.gpu.cuda_ready(self.pid)
         if ckpt is not None:
             await self._ensure_loaded(ckpt, nid, "KSampler")  # load_models_gpu() if /free moved it out
         try:

@@ -17,6 +17,7 @@ memory; then its files are removed and its memory is free again.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import json
@@ -124,6 +125,10 @@ class SimulatedGpu:
         self._folder_device = 0
         self._watcher: threading.Thread | None = None
         self._stop_watching = threading.Event()
+        # suspended processes (release kind cuda_suspend, proxy/sim/checkpoint.py): pid -> the bytes the
+        # driver parked in host RAM, and what their CUDA calls wait on until the restore (loop side only)
+        self._parked: dict[int, int] = {}
+        self._resumed: dict[int, asyncio.Event] = {}
 
     # -- real processes -------------------------------------------------------------------
     def watch(self, folder: Path, *, device: int = 0, poll_s: float = 0.005) -> None:
@@ -235,6 +240,48 @@ class SimulatedGpu:
     def kill(self, pid: int) -> None:
         with self._lock:
             self._procs.pop(pid, None)
+            self._parked.pop(pid, None)  # the driver frees a process's parked memory with it
+        gate = self._resumed.pop(pid, None)
+        if gate is not None:
+            gate.set()
+
+    # -- suspended processes (CUDA checkpointing) -------------------------------------------
+    def park(self, pid: int) -> int:
+        """Suspend a process: its device memory leaves the card (into host RAM); returns the bytes.
+        Its CUDA calls (`cuda_ready`) block until `unpark`. Called on the event loop."""
+        with self._lock:
+            proc = self._procs[pid]
+            nbytes, proc.used = proc.used, 0
+            self._parked[pid] = nbytes
+        self._resumed.setdefault(pid, asyncio.Event()).clear()
+        return nbytes
+
+    def unpark(self, pid: int) -> None:
+        """Restore a suspended process: its memory back on the card (SimulatedOutOfMemory when it no
+        longer fits: the restore fails and the process stays suspended), its CUDA calls unblocked."""
+        with self._lock:
+            nbytes = self._parked[pid]
+            free = self._free_locked(self._procs[pid].device)
+            if nbytes > free:
+                raise SimulatedOutOfMemory(nbytes, free)
+            self._procs[pid].used += nbytes
+            del self._parked[pid]
+        gate = self._resumed.pop(pid, None)
+        if gate is not None:
+            gate.set()
+
+    def parked(self) -> dict[int, int]:
+        """pid -> bytes parked in host RAM, of every suspended process."""
+        with self._lock:
+            return dict(self._parked)
+
+    async def cuda_ready(self, pid: int) -> None:
+        """Return once the process is not suspended: a simulated engine awaits it before GPU work, as
+        the driver blocks a suspended process's CUDA calls until its restore."""
+        gate = self._resumed.get(pid)
+        while gate is not None and not gate.is_set():
+            await gate.wait()
+            gate = self._resumed.get(pid)
 
     def alive(self, pid: int) -> bool:
         with self._lock:
@@ -352,6 +399,9 @@ class SimulatedDevice:
 
     def free_bytes(self) -> int:
         return self.gpu.free_bytes(self.index)
+
+    async def cuda_ready(self, pid: int) -> None:
+        await self.gpu.cuda_ready(pid)
 
     def kill(self, pid: int) -> None:
         self.gpu.kill(pid)

@@ -584,6 +584,7 @@ class OllamaSim:
         stream = data.get("stream", True) is not False
         fail = self._take_stream_failure() if stream else None
         async with lease.runner.sem:  # NUM_PARALLEL slots
+            await self.gpu.cuda_ready(lease.runner.pid)  # a suspended runner's CUDA calls block
             eval_started = self.clock.now()
 
             def final() -> dict[str, Any]:
@@ -640,6 +641,7 @@ class OllamaSim:
                 await _send_json(send, 200, {"model": name, "embeddings": []})
                 return
             async with lease.runner.sem:
+                await self.gpu.cuda_ready(lease.runner.pid)  # a suspended runner's CUDA calls block
                 await self._token_pause()
                 vectors = [embedding(m.name, text, dims) for text in inputs]
             await _send_json(send, 200, {"model": name, "embeddings": vectors,
@@ -657,6 +659,7 @@ class OllamaSim:
                 await _send_json(send, 200, {"embedding": []})
                 return
             async with lease.runner.sem:
+                await self.gpu.cuda_ready(lease.runner.pid)  # a suspended runner's CUDA calls block
                 await self._token_pause()
             await _send_json(send, 200, {"embedding": embedding(m.name, str(prompt), EMBED_DIMS)})
 
@@ -788,6 +791,7 @@ class OllamaSim:
                  "total_tokens": _count(prompt_text) + len(tokens)}
         async with self._lease(m, {}, None) as lease:
             async with lease.runner.sem:
+                await self.gpu.cuda_ready(lease.runner.pid)  # a suspended runner's CUDA calls block
                 if not stream:
                     for _ in tokens:
                         await self._token_pause()
@@ -839,6 +843,7 @@ class OllamaSim:
             dims = EMBED_DIMS
         async with self._lease(m, {}, None) as lease:
             async with lease.runner.sem:
+                await self.gpu.cuda_ready(lease.runner.pid)  # a suspended runner's CUDA calls block
                 await self._token_pause()
         count = sum(_count(t) for t in inputs)
         await _send_json(send, 200, {

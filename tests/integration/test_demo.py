@@ -20,7 +20,7 @@ def test_the_three_required_scenarios_ship() -> None:
     assert {"default", "tight", "third-app", "lifecycle"} <= set(scenario_names())
 
 
-@pytest.mark.parametrize("name", ["default", "tight", "third-app", "lifecycle"])
+@pytest.mark.parametrize("name", ["default", "tight", "third-app", "lifecycle", "suspend"])
 async def test_demo_self_test_passes(box: DemoFactory, name: str) -> None:
     demo = await box(name)
     results = await self_test(demo)

