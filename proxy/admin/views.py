@@ -207,6 +207,8 @@ class Lifecycle(_Doc):
     exit_code: int | None = Field(default=None, description="how it ended on its own (negative: the signal that "
                                                             "killed it); null: it did not, or the code is not known")
     restart: Literal["never", "on-failure"] = Field(default="never", description="its restart policy (tenants.json)")
+    restart_status: str | None = Field(default=None, description="restart on-failure: what it does next (\"try 2 of 3 "
+                                                                 "in 2.0 s\") or that it gave up; null: nothing to say")
     preload: bool = Field(default=False, description="started once the proxy is up (tenants.json)")
     preload_error: str | None = Field(default=None, description="why that start failed; null: it worked, or none")
     retry_in_s: float | None = Field(description="after a failed start: seconds until a request may start it again "

@@ -249,6 +249,7 @@ class ProcessController:
         if members:
             deadline = self.clock.now() + self.stop_timeout_s
             self._signal_all(members, signal.SIGTERM)
+            self._signal_all(members, signal.SIGCONT)  # a stopped (SIGSTOP) app gets its SIGTERM only once it runs
             await within(self.clock, self.stop_timeout_s, proc.wait())
             await self._gone(members, deadline)  # what the child spawned had the same SIGTERM
             left = {pid: t for pid, t in members.items() if procs.same(pid, t)}

@@ -16,8 +16,10 @@ from pathlib import Path
 import httpx
 from boxes import DemoFactory, fast, free_port, port_open, process_tenant
 
+from proxy.clock import SystemClock
 from proxy.lifecycle import procs
 from proxy.lifecycle.process import ProcessController
+from proxy.lifecycle.ready import ReadyProbe, probe_once, probe_readiness
 from proxy.lifecycle.state import TenantLifecycle
 from proxy.tasks import poll_until
 
@@ -256,3 +258,36 @@ async def test_a_setsid_child_of_the_app_is_stopped_with_it(
         assert not procs.same(helper, started), "the child that left the app's session is stopped with it"
     finally:
         kill_all([helper] if helper else [])
+
+
+async def test_an_app_stopped_with_sigstop_is_ended_once_declared_failed_and_a_fresh_copy_answers(
+        http: httpx.AsyncClient, tmp_path: Path) -> None:
+    """Issue 42: a hung app was marked failed but left running, so the next request waited the whole
+    start_timeout_s on its port. Now it is ended (SIGTERM with SIGCONT, SIGKILL after stop_timeout_s)
+    as it is declared failed, and the next start is a fresh copy. The probe's misses are made quick
+    (a short interval and a short try) only so the test does not wait 3 x 5 s."""
+    port = free_port()
+    tenant = process_tenant(port, tmp_path)
+    ctl = ProcessController("app", tenant["release"]["command"], stop_timeout_s=2.0,  # type: ignore[index]
+                            clock=SystemClock(), host="127.0.0.1", port=port)
+    probe = ReadyProbe("127.0.0.1", port, f"http://127.0.0.1:{port}/hello.txt")
+    machine = TenantLifecycle("app", ctl, probe_readiness(probe, SystemClock(), exited=ctl.exited, client=http,
+                                                          owner=ctl.owns_port),
+                              start_timeout_s=60.0, clock=SystemClock(), live=lambda: probe_once(probe, http, 0.2),
+                              live_interval_s=0.05)
+    try:
+        await machine.ensure_running()
+        hung = ctl.pid
+        assert hung is not None
+        os.kill(hung, signal.SIGSTOP)  # alive, holding its port, answering nothing
+        async with asyncio.timeout(WAIT_S):
+            await poll_until(lambda: machine.state == "failed")
+        assert "stopped answering" in (machine.snapshot.error or ""), machine.snapshot.error
+        async with asyncio.timeout(WAIT_S):
+            await machine.ensure_running()  # waits for the hung copy's end, then starts a fresh one
+        assert ctl.pid != hung and not procs.same(hung, procs.start_time(hung) or -1), "the hung copy is gone"
+        answer = await http.get(f"http://127.0.0.1:{port}/hello.txt")
+        assert answer.status_code == 200 and len(copies(f"http.server {port}")) == 1
+    finally:
+        await machine.aclose()
+        kill_all(copies(f"http.server {port}"))
