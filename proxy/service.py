@@ -27,6 +27,7 @@ from proxy.handoff.decisions import DecisionLog
 from proxy.handoff.inflight import InFlight
 from proxy.handoff.watchdog import Watchdog
 from proxy.lifecycle.build import default_state_dir
+from proxy.lifecycle.record import instance_dir
 from proxy.lifecycle.state import LifecycleReport
 from proxy.relay.forward import Forwarder
 from proxy.relay.gpu_gate import GpuGate
@@ -85,7 +86,7 @@ class Proxy:
     config_path: Path | None = None  # the tenants.json in use, for the health check
     config_note: str | None = None  # how the configuration was put together, when not a tenants.json alone (the demo)
     drain_s: float = DRAIN_S  # on stop, what requests in flight get, in all, to finish
-    lifecycle_dir: Path | None = None  # pidfiles of the apps the proxy starts (None: ~/.local/state/hyperswap/lifecycle)
+    lifecycle_dir: Path | None = None  # records of the apps the proxy starts, a folder per instance (None: default_state_dir)
     inflight: InFlight = field(init=False)
     forwarder: Forwarder = field(init=False)
     decisions: DecisionLog = field(init=False)
@@ -105,7 +106,8 @@ class Proxy:
         self.decisions = DecisionLog(self.clock)
         self.arbitration = Arbitration(self.registry, self.reader, self.inflight, self.clock, self.decisions,
                                        adapter=self.forwarder.adapter,
-                                       state_dir=self.lifecycle_dir or default_state_dir())
+                                       state_dir=instance_dir(self.lifecycle_dir or default_state_dir(),
+                                                              self.registry.config.admin.listen))
         self.watchdog = Watchdog(self.arbitration)
         self.admission = GpuGate(self.arbitration, self.forwarder.adapter)
         self.token = admin_token(self.registry)

@@ -14,11 +14,12 @@ Supervised (design invariant 12):
   fail because the proxy stopped reading. The last lines are read back from the file's tail.
 - Ownership: a start fails at once, naming the holder (pid and command), when the port is already
   held; readiness counts only while this child lives and (where /proc tells) its tree holds the port.
-- A record in the state directory (pid, start time, command line, boot, session and descendants
-  seen) lets a restarted proxy end what a crashed run left behind (a grandchild that outlived the
-  child) when it is provably that run's: same boot, and pid with start time and command line
-  matching, or a member of the recorded session started after it. Anything that matches only in part
-  is named in health and never signalled.
+- A record in this instance's slot of the state directory (pid, start time, command line, boot,
+  session and descendants seen; `record.py`: a slot is held by one live proxy, so no other instance
+  reads or removes it) lets a restarted proxy end what a crashed run left behind (a grandchild that
+  outlived the child) when it is provably that run's: same boot, and pid with start time and command
+  line matching, or a member of the recorded session started after it. Anything that matches only in
+  part is named in health and never signalled.
 
 A stop command (`stop_command`, llama-swap's cmdStop: `docker stop NAME` for an app run in the
 foreground by `docker run`) replaces the signals while the child runs: it runs with the app's cwd and
@@ -38,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import json
 import logging
 import os
 import re
@@ -67,6 +67,7 @@ from proxy.lifecycle.controller import (
     within,
 )
 from proxy.lifecycle.ready import probe_for
+from proxy.lifecycle.record import Slot
 
 SECRET_PREFIX = "HYPERSWAP_"
 WITHHELD = frozenset({"CREDENTIALS_DIRECTORY"})  # systemd's folder of the proxy's own credentials
@@ -171,8 +172,7 @@ class ProcessController:
         self.keep_lines = keep_lines
         self.host, self.port = host, port  # the upstream it serves on: checked before a start and after ready
         self.hide: str | None = None  # output lines holding this (the ready probe's requests) are left out
-        self.pidfile = state_dir / f"{name}.process.json" if state_dir else None
-        self.log_path = state_dir / f"{name}.log" if state_dir else None
+        self.slot = Slot(state_dir, name) if state_dir else None  # this instance's record and log (record.py)
         self._log: int | None = None  # the output file, open for reading its tail (and the child's writes)
         self.log_run = 0  # counts the output files opened (one per start): a follower sees a new run by it
         self._proc: asyncio.subprocess.Process | None = None
@@ -192,6 +192,15 @@ class ProcessController:
                    stop_command=spec.stop_command)
 
     # -- the protocol ---------------------------------------------------------------------------
+    @property
+    def pidfile(self) -> Path | None:
+        """The record of this instance's run (None: no state directory, or no slot in it)."""
+        return self.slot.record_path if self.slot is not None else None
+
+    @property
+    def log_path(self) -> Path | None:
+        return self.slot.log_path if self.slot is not None else None
+
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
@@ -434,6 +443,8 @@ class ProcessController:
             with contextlib.suppress(OSError):
                 os.close(self._log)
             self._log = None
+        if self.slot is not None:
+            self.slot.release()
 
     # -- the child's tree -------------------------------------------------------------------------
     def _tree(self) -> dict[int, int]:
@@ -505,28 +516,17 @@ class ProcessController:
         proc = self._proc
         if self.pidfile is None or proc is None:
             return
-        record = {"pid": proc.pid, "start_time": self._started, "command": list(self.command),
-                  "cmdline": list(procs.cmdline(proc.pid) or ()), "boot_id": procs.boot_id(),
-                  "descendants": [[pid, t] for pid, t in self._seen.items()]}
-        with contextlib.suppress(OSError):
-            self.pidfile.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.pidfile.with_suffix(".tmp")
-            tmp.write_text(json.dumps(record))
-            tmp.replace(self.pidfile)
+        assert self.slot is not None
+        self.slot.write({"pid": proc.pid, "start_time": self._started, "command": list(self.command),
+                         "cmdline": list(procs.cmdline(proc.pid) or ()), "boot_id": procs.boot_id(),
+                         "descendants": [[pid, t] for pid, t in self._seen.items()]})
 
     def _read_record(self) -> JSON | None:
-        if self.pidfile is None:
-            return None
-        try:
-            data = json.loads(self.pidfile.read_text())
-            return data if isinstance(data, dict) and isinstance(data.get("pid"), int) else None
-        except (OSError, ValueError):
-            return None
+        return self.slot.read() if self.slot is not None else None
 
     def _remove_pidfile(self) -> None:
-        if self.pidfile is not None:
-            with contextlib.suppress(OSError):
-                self.pidfile.unlink()
+        if self.slot is not None:
+            self.slot.remove()
 
     def _leftovers(self, record: JSON) -> dict[int, int] | None:
         """What the recorded run left that still runs and is provably its own (pid -> start time); None

@@ -97,11 +97,14 @@ async def test_restart_on_failure_starts_a_crashed_app_before_anyone_asks(
 CRASHING_PROXY = textwrap.dedent("""
     import asyncio, json, sys
     from proxy.clock import SystemClock
+    from proxy.config.settings import AdminSpec
     from proxy.lifecycle.build import default_state_dir
     from proxy.lifecycle.process import ProcessController
+    from proxy.lifecycle.record import instance_dir
 
     async def main():
-        ctl = ProcessController("app", json.loads(sys.argv[1]), state_dir=default_state_dir(), clock=SystemClock())
+        state = instance_dir(default_state_dir(), AdminSpec().listen)  # the same instance as the demo's
+        ctl = ProcessController("app", json.loads(sys.argv[1]), state_dir=state, clock=SystemClock())
         await ctl.start()
         print(ctl.pid, flush=True)
         await asyncio.Event().wait()  # until killed
@@ -291,3 +294,30 @@ async def test_an_app_stopped_with_sigstop_is_ended_once_declared_failed_and_a_f
     finally:
         await machine.aclose()
         kill_all(copies(f"http.server {port}"))
+
+
+async def test_two_proxies_on_one_machine_with_the_same_tenant_names_never_touch_each_others_app(
+        box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
+    """Issue 42: a second demo or serve (other ports, same tenant name, one state folder) ended the
+    first's running app at its start as "left behind by an earlier run", and its stop deleted the
+    first's record. Each instance's records are its own (record.py)."""
+    first_port, second_port = free_port(), free_port()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = await box(fast("default", tenants={"app": process_tenant(first_port, tmp_path / "a")}))
+    assert first.proxy is not None
+    assert (await http.get(first.proxy.url("app") + "/hello.txt")).status_code == 200
+    running = machine_of(first).controller.pid  # type: ignore[attr-defined]
+    second = await box(fast("default", tenants={"app": process_tenant(second_port, tmp_path / "b")}))
+    assert second.proxy is not None
+    assert procs.same(running, procs.start_time(running) or -1) and machine_of(first).state == "running", \
+        "the second proxy's start left the first's app alone"
+    assert (await http.get(second.proxy.url("app") + "/hello.txt")).status_code == 200
+    assert (await http.post(second.proxy.url("admin") + "/api/tenants/app/stop")).status_code == 200
+    assert machine_of(first).state == "running" and port_open(first_port), "the other's stop touched nothing of it"
+    assert not [d for d in first.proxy.decisions.recent() if d.kind == "exit"], "the first saw no exit"
+    record = machine_of(first).controller.pidfile  # type: ignore[attr-defined]
+    assert record is not None and record.exists(), "its record is still there for a restart to find"
+    await second.stop()
+    await first.stop()
+    assert not copies(f"http.server {first_port}") and not copies(f"http.server {second_port}")
