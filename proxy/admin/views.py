@@ -174,6 +174,9 @@ class LifecycleController(_Doc):
     kind: Literal["process", "systemd", "docker"]
     command: list[str] | None = Field(default=None, description="process: the command the proxy runs, argv style")
     cwd: str | None = Field(default=None, description="process: its working directory (null: the proxy's)")
+    holders: dict[str, str] | None = Field(default=None, description="process: port holders outside its process tree "
+                                                                     "taken as the app's own (a daemon's child), pid -> "
+                                                                     "why; null: none")
     pid: int | None = Field(default=None, description="process: the child's pid while it runs")
     running: bool | None = Field(default=None, description="process: the child the proxy started runs now")
     exit_code: int | None = Field(default=None, description="process: how the last child ended (null: runs, or none)")

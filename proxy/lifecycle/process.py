@@ -13,7 +13,9 @@ Supervised (design invariant 12):
   unlinked temporary file without a state directory), never a pipe: nothing it writes can block or
   fail because the proxy stopped reading. The last lines are read back from the file's tail.
 - Ownership: a start fails at once, naming the holder (pid and command), when the port is already
-  held; readiness counts only while this child lives and (where /proc tells) its tree holds the port.
+  held; readiness counts only while this child lives and (where /proc tells) the port's holder is
+  the app's own: in its tree, or a daemon's child tied to this start (`ownership.py`: started after
+  it, and its stop command, pid file or cgroup says so), then recorded and stopped like a descendant.
 - A record in this instance's slot of the state directory (pid, start time, command line, boot,
   session and descendants seen; `record.py`: a slot is held by one live proxy, so no other instance
   reads or removes it) lets a restarted proxy end what a crashed run left behind (a grandchild that
@@ -66,6 +68,7 @@ from proxy.lifecycle.controller import (
     stop_timeout_field,
     within,
 )
+from proxy.lifecycle.ownership import Start, sort_holders
 from proxy.lifecycle.ready import probe_for
 from proxy.lifecycle.record import Slot
 
@@ -157,13 +160,16 @@ class ProcessController:
                  env: Mapping[str, str] | None = None, stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S,
                  clock: Clock | None = None, state_dir: Path | None = None, keep_lines: int = KEEP_LINES,
                  host: str | None = None, port: int | None = None, withheld_env: Iterable[str] = (),
-                 stop_command: Sequence[str] | None = None) -> None:
+                 stop_command: Sequence[str] | None = None, pid_file: str | None = None) -> None:
         if not command:
             raise ValueError("a process needs a command")
         self.name = name
         self.command = tuple(command)
         self.stop_command = tuple(stop_command) if stop_command else None
         self.stop_error: str | None = None  # why the last stop command did not stop the app (the signals did)
+        self.pid_file = Path(os.path.expanduser(pid_file)) if pid_file else None
+        self._this_start: Start | None = None  # what ties a port's holder to the last start (ownership.py)
+        self.holders: dict[int, str] = {}  # port holders outside the tree taken as the app's, and why
         self.cwd = os.path.expanduser(cwd) if cwd else None
         self.env = dict(env or {})
         self.withheld_env = frozenset(withheld_env)  # besides HYPERSWAP_*: the admin token's variable
@@ -189,7 +195,7 @@ class ProcessController:
             raise ValueError(f"tenant {name!r}: release kind {spec.kind!r} has no command")
         return cls(name, spec.command, cwd=spec.cwd, env=spec.env, stop_timeout_s=spec.effective_stop_timeout_s,
                    clock=clock, state_dir=state_dir, host=host, port=port, withheld_env=withheld_env,
-                   stop_command=spec.stop_command)
+                   stop_command=spec.stop_command, pid_file=spec.pid_file)
 
     # -- the protocol ---------------------------------------------------------------------------
     @property
@@ -217,8 +223,10 @@ class ProcessController:
                 f"process {self.orphan['pid']} from an earlier run of the proxy still runs, and the proxy cannot "
                 f"prove it is its own app (its record does not match in full): it does not start a second copy",
                 fix=f"stop it yourself (`kill {self.orphan['pid']}`), then start {self.name} again")
+        port_free = True
         if self.port is not None and self.host is not None:
             use = await asyncio.to_thread(procs.port_use, self.host, self.port)
+            port_free = not use.listening
             stranger = use.stranger() or ("a process the proxy cannot see (another user's)" if use.listening else None)
             if stranger is not None:
                 raise LifecycleError(
@@ -241,6 +249,8 @@ class ProcessController:
                                      "proxy's user may run it") from None
         self._proc = proc
         self._started = procs.start_time(proc.pid)
+        self.holders = {}
+        self._this_start = Start(self._started or 0, port_free, self.stop_command is not None, self.pid_file)
         self._write_record()
 
     async def stop(self) -> None:
@@ -380,7 +390,12 @@ class ProcessController:
             return None
         use = await asyncio.to_thread(procs.port_use, self.host, self.port, [self.pid] if self.pid else [])
         if use.others:
-            use = await asyncio.to_thread(procs.port_use, self.host, self.port, await asyncio.to_thread(self._tree))
+            tree = await asyncio.to_thread(self._tree)
+            use = await asyncio.to_thread(procs.port_use, self.host, self.port, tree)
+            if use.others and self._this_start is not None:
+                ours, strangers = await asyncio.to_thread(sort_holders, use.others, self._this_start, tree)
+                self._take(ours)
+                use = procs.PortUse(True, tuple(ours), tuple(strangers))
         if use.ours or not use.listening or not use.others:
             return None  # ours, or nothing this reader can see (another network namespace, another host)
         return (f"port {self.port} answers, but it is held by {use.stranger()}, not by the app the proxy "
@@ -392,6 +407,7 @@ class ProcessController:
                 "stop_command": list(self.stop_command) if self.stop_command else None, "stop_error": self.stop_error,
                 "running": self._running(), "exit_code": None if proc is None else proc.returncode,
                 "output": list(self.output()), "orphan": self.orphan,
+                "holders": {str(pid): why for pid, why in self.holders.items()} or None,
                 "log": str(self.log_path) if self.log_path is not None else None}
 
     def summary(self) -> str:
@@ -461,6 +477,18 @@ class ProcessController:
             self._seen.update(new)
             self._write_record()
         return members
+
+    def _take(self, holders: Mapping[int, str]) -> None:
+        """Port holders tied to this start (ownership.py): the app's own from now on, stopped with it and
+        named in the record like a descendant."""
+        new = {pid: t for pid in holders if pid not in self._seen and (t := procs.start_time(pid)) is not None}
+        for pid in new:
+            log.info("%s: port %s is held by %s, the app's own: %s", self.name, self.port, procs.describe(pid),
+                     holders[pid])
+        self.holders.update(holders)
+        if new:
+            self._seen.update(new)
+            self._write_record()
 
     def _signal_all(self, members: Mapping[int, int], sig: signal.Signals) -> None:
         proc = self._proc
@@ -575,6 +603,10 @@ class ProcessRelease(StoppingRelease):
         "llama-swap's cmdStop: [\"docker\", \"stop\", \"tts\"]); it and the app's exit share stop_timeout_s, it "
         "is killed with its process group when it runs over, and SIGTERM then SIGKILL follow when it fails or the "
         "app still runs")
+    pid_file: str | None = Field(
+        default=None, description="kind process: a file the launcher writes the server's pid to, for an app a "
+        "daemon runs (its server is not the command's child): a port holder it names, started after the start, "
+        "is the app's own (see the lifecycle guide's ownership rule)")
     cwd: str | None = Field(default=None, description="kind process: its working directory (absolute)")
     env: dict[str, str] | None = Field(default=None, description="kind process: added to the proxy's environment")
     stop_timeout_s: float | None = stop_timeout_field()
@@ -599,7 +631,7 @@ class ProcessRelease(StoppingRelease):
             raise ValueError(f"{value[0]!r}: give the program as an absolute path or a bare name found on PATH")
         return value
 
-    @field_validator("cwd")
+    @field_validator("cwd", "pid_file")
     @classmethod
     def _absolute(cls, value: str | None) -> str | None:
         if value is not None and (not value.startswith(("/", "~")) or "\0" in value):
