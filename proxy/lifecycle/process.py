@@ -9,9 +9,10 @@ Supervised (design invariant 12):
   at once, with the exit code.
 - It dies with the proxy: the kernel sends it SIGKILL when the proxy dies (PR_SET_PDEATHSIG, set
   between fork and exec), so a proxy killed -9 leaves no app holding the port and the GPU.
-- Its output goes to a file (the state directory's `<tenant>.log`, truncated at each start; an
-  unlinked temporary file without a state directory), never a pipe: nothing it writes can block or
-  fail because the proxy stopped reading. The last lines are read back from the file's tail.
+- Its output goes to a file (the state directory's `<tenant>.log`, truncated at each start and
+  rotated past `log_max_mib`: `logfile.py`; an unlinked temporary file without a state directory),
+  never a pipe: nothing it writes can block or fail because the proxy stopped reading. The last lines
+  are read back from the file's tail.
 - Ownership: a start fails at once, naming the holder (pid and command), when the port is already
   held; readiness counts only while this child lives and (where /proc tells) the port's holder is
   the app's own: in its tree, or a daemon's child tied to this start (`ownership.py`: started after
@@ -68,6 +69,7 @@ from proxy.lifecycle.controller import (
     stop_timeout_field,
     within,
 )
+from proxy.lifecycle.logfile import DEFAULT_MAX_MIB, MAX_LINE, LogFile
 from proxy.lifecycle.ownership import Start, sort_holders
 from proxy.lifecycle.ready import probe_for
 from proxy.lifecycle.record import Slot
@@ -75,8 +77,6 @@ from proxy.lifecycle.record import Slot
 SECRET_PREFIX = "HYPERSWAP_"
 WITHHELD = frozenset({"CREDENTIALS_DIRECTORY"})  # systemd's folder of the proxy's own credentials
 KEEP_LINES = 50
-MAX_LINE = 1000  # characters kept of one line (a progress bar can write megabytes without a newline)
-TAIL_BYTES = 64 * 1024  # read back from the end of the log for the last lines
 GONE_AFTER_KILL_S = 2.0  # how long a SIGKILLed process may take to disappear before the stop fails
 PR_SET_PDEATHSIG = 1
 
@@ -160,7 +160,8 @@ class ProcessController:
                  env: Mapping[str, str] | None = None, stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S,
                  clock: Clock | None = None, state_dir: Path | None = None, keep_lines: int = KEEP_LINES,
                  host: str | None = None, port: int | None = None, withheld_env: Iterable[str] = (),
-                 stop_command: Sequence[str] | None = None, pid_file: str | None = None) -> None:
+                 stop_command: Sequence[str] | None = None, pid_file: str | None = None,
+                 log_max_mib: float = DEFAULT_MAX_MIB) -> None:
         if not command:
             raise ValueError("a process needs a command")
         self.name = name
@@ -179,8 +180,8 @@ class ProcessController:
         self.host, self.port = host, port  # the upstream it serves on: checked before a start and after ready
         self.hide: str | None = None  # output lines holding this (the ready probe's requests) are left out
         self.slot = Slot(state_dir, name) if state_dir else None  # this instance's record and log (record.py)
-        self._log: int | None = None  # the output file, open for reading its tail (and the child's writes)
-        self.log_run = 0  # counts the output files opened (one per start): a follower sees a new run by it
+        self.followers = 0  # log streams following its output now (logs.py bounds them)
+        self.logfile = LogFile(name, lambda: self.log_path, int(log_max_mib * 2**20), self.clock)  # logfile.py
         self._proc: asyncio.subprocess.Process | None = None
         self._started: int | None = None  # the child's start time
         self._seen: dict[int, int] = {}  # descendants seen (pid -> start time): stopped with the child
@@ -195,7 +196,7 @@ class ProcessController:
             raise ValueError(f"tenant {name!r}: release kind {spec.kind!r} has no command")
         return cls(name, spec.command, cwd=spec.cwd, env=spec.env, stop_timeout_s=spec.effective_stop_timeout_s,
                    clock=clock, state_dir=state_dir, host=host, port=port, withheld_env=withheld_env,
-                   stop_command=spec.stop_command, pid_file=spec.pid_file)
+                   stop_command=spec.stop_command, pid_file=spec.pid_file, log_max_mib=spec.log_max_mib)
 
     # -- the protocol ---------------------------------------------------------------------------
     @property
@@ -237,7 +238,7 @@ class ProcessController:
                         + f", or give tenant {self.name!r} a free port (its upstream and its command)")
         self._stopped_by_us = False
         self._seen.clear()
-        log = self._open_log()
+        log = self.logfile.open_run()
         try:
             proc = await asyncio.create_subprocess_exec(
                 *self.command, cwd=self.cwd, env=child_env(os.environ, self.env, self.withheld_env),
@@ -340,29 +341,7 @@ class ProcessController:
         return "unknown" if self.orphan is not None else "stopped"
 
     def output(self) -> tuple[str, ...]:
-        fd = self._log
-        if fd is None:
-            return ()
-        try:
-            size = os.fstat(fd).st_size
-            begin = max(0, size - TAIL_BYTES)
-            data = os.pread(fd, size - begin, begin)
-        except OSError:
-            return ()
-        lines = data.split(b"\n")
-        if begin > 0:
-            lines = lines[1:]  # a partial line
-        if lines and not lines[-1]:
-            lines.pop()
-        out: list[str] = []
-        for raw in reversed(lines):
-            text = raw.decode("utf-8", "replace").rstrip("\r")
-            text = text.rsplit("\r", 1)[-1] or text  # a progress bar's last state
-            if self.hide is None or self.hide not in text:
-                out.append(text[:MAX_LINE])
-                if len(out) >= self.keep_lines:
-                    break
-        return tuple(reversed(out))
+        return self.logfile.lines(self.keep_lines, self.hide)
 
     def exited(self) -> str | None:
         proc = self._proc
@@ -455,10 +434,7 @@ class ProcessController:
         if self._proc is not None:
             with contextlib.suppress(LifecycleError):
                 await self.stop()
-        if self._log is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._log)
-            self._log = None
+        self.logfile.close()
         if self.slot is not None:
             self.slot.release()
 
@@ -508,36 +484,15 @@ class ProcessController:
             delay = min(delay * 2, 0.1)
 
     # -- output ---------------------------------------------------------------------------------------
-    def _open_log(self) -> int:
-        """A fresh output file for this run, open for appending (the child) and reading (the tail)."""
-        if self._log is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._log)
-            self._log = None
-        fd: int | None = None
-        if self.log_path is not None:
-            with contextlib.suppress(OSError):
-                self.log_path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(self.log_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o600)
-        if fd is None:
-            fd, path = tempfile.mkstemp(prefix=f"hyperswap-{self.name}-", suffix=".log")
-            os.unlink(path)  # lives as long as the proxy or the child holds it
-            with contextlib.suppress(OSError):
-                import fcntl
-                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
-        self._log = fd
-        self.log_run += 1
-        return fd
+    @property
+    def log_run(self) -> int:
+        """Counts the output files opened (one per start): a follower sees a new run by it."""
+        return self.logfile.run
 
     def open_log(self) -> tuple[int, int] | None:
         """A descriptor of its own onto the current run's output file, and the run's number (`log_run`),
         for a follower (GET /api/tenants/{name}/logs) to read and close; None before the first start."""
-        if self._log is None:
-            return None
-        try:
-            return os.dup(self._log), self.log_run
-        except OSError:
-            return None
+        return self.logfile.dup()
 
     # -- the record: what a restarted proxy finds again -------------------------------------------
     def _write_record(self) -> None:
@@ -607,6 +562,10 @@ class ProcessRelease(StoppingRelease):
         default=None, description="kind process: a file the launcher writes the server's pid to, for an app a "
         "daemon runs (its server is not the command's child): a port holder it names, started after the start, "
         "is the app's own (see the lifecycle guide's ownership rule)")
+    log_max_mib: float = Field(
+        default=DEFAULT_MAX_MIB, gt=0, le=1024 * 1024, description="kind process: its log file (`<tenant>.log` in the "
+        "state directory) is rotated past this many MiB: its content moves to `<tenant>.log.1` (the one before is "
+        "dropped), so at most twice this is on disk, plus what the app writes in a quarter second")
     cwd: str | None = Field(default=None, description="kind process: its working directory (absolute)")
     env: dict[str, str] | None = Field(default=None, description="kind process: added to the proxy's environment")
     stop_timeout_s: float | None = stop_timeout_field()

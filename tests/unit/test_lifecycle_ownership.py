@@ -18,7 +18,7 @@ from proxy.lifecycle.ownership import Start, tie
 
 @pytest.fixture
 def holder() -> Iterator[int]:
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    proc = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
     try:
         yield proc.pid
     finally:
