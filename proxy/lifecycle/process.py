@@ -35,6 +35,9 @@ names it until a stop command works).
 The child's environment is the proxy's without its secrets: no `HYPERSWAP_*` variable (the admin
 token, the config path), not the variable admin.token_env names, not systemd's CREDENTIALS_DIRECTORY
 (where a service's token file would be); the tenant's `env` is applied last and wins (`child_env`).
+One variable is added, `HYPERSWAP_RUN` (procs.RUN_VAR): a random id of the run, inherited by what it
+spawns, so a stop and a restarted proxy find a `setsid` descendant whose parent died (a stop
+command gets one of its own: what it leaves is ended once it returns).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import ctypes
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
 import sys
@@ -185,6 +189,7 @@ class ProcessController:
         self._proc: asyncio.subprocess.Process | None = None
         self._started: int | None = None  # the child's start time
         self._seen: dict[int, int] = {}  # descendants seen (pid -> start time): stopped with the child
+        self._marker = ""  # the run's id in its environment (procs.RUN_VAR): what it spawned carries it
         self._stopped_by_us = False
         self.orphan: JSON | None = self._find_orphan()
 
@@ -238,10 +243,12 @@ class ProcessController:
                         + f", or give tenant {self.name!r} a free port (its upstream and its command)")
         self._stopped_by_us = False
         self._seen.clear()
+        self._marker = marker = secrets.token_hex(8)
         log = self.logfile.open_run()
         try:
             proc = await asyncio.create_subprocess_exec(
-                *self.command, cwd=self.cwd, env=child_env(os.environ, self.env, self.withheld_env),
+                *self.command, cwd=self.cwd, env={**child_env(os.environ, self.env, self.withheld_env),
+                                                  procs.RUN_VAR: marker},
                 stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
                 preexec_fn=_die_with(os.getpid()))
         except OSError as exc:
@@ -305,17 +312,20 @@ class ProcessController:
         with tempfile.TemporaryFile() as out:  # a file, not a pipe: a descendant holding it cannot hang the stop
             try:
                 cmd = await asyncio.create_subprocess_exec(
-                    *self.stop_command, cwd=self.cwd, env=child_env(os.environ, self.env, self.withheld_env),
+                    *self.stop_command, cwd=self.cwd, env={**child_env(os.environ, self.env, self.withheld_env),
+                                                           procs.RUN_VAR: f"{self._marker}-stop"},
                     stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
                     preexec_fn=_die_with(os.getpid()))
             except OSError as exc:
                 self.stop_error = f"its stop command `{shown}` could not run: {exc.strerror or exc}"
                 return False
+            cmd_started = procs.start_time(cmd.pid) or 0
             try:
                 finished, code = await within(self.clock, self.stop_timeout_s, cmd.wait())
             finally:  # ran over, or the stop was cancelled: nothing of it may stay behind
                 if cmd.returncode is None:
                     await _kill_group(cmd, self.clock)
+                await self._end_marked(f"{self._marker}-stop", cmd_started)  # what it left (a `setsid` child)
             if not finished:
                 self.stop_error = (f"its stop command `{shown}` did not finish within {self.stop_timeout_s:g} s "
                                    f"(stop_timeout_s) and was killed")
@@ -446,8 +456,8 @@ class ProcessController:
         proc = self._proc
         if proc is None or self._started is None:
             return {}
-        members = procs.tree(proc.pid if proc.returncode is None else None, proc.pid, self._seen.items(),
-                             since=self._started)
+        known = [*self._seen.items(), *procs.marked(self._marker, self._started).items()]
+        members = procs.tree(proc.pid if proc.returncode is None else None, proc.pid, known, since=self._started)
         new = {pid: t for pid, t in members.items() if pid != proc.pid and self._seen.get(pid) != t}
         if new:
             self._seen.update(new)
@@ -465,6 +475,19 @@ class ProcessController:
         if new:
             self._seen.update(new)
             self._write_record()
+
+    async def _end_marked(self, marker: str, since: int) -> None:
+        """End what carries `marker` (a stop command's leftovers): SIGTERM, SIGKILL after GONE_AFTER_KILL_S."""
+        left = await asyncio.to_thread(procs.marked, marker, since)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid, started in left.items():
+                if procs.same(pid, started):
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, sig)
+            await self._gone(left, self.clock.now() + GONE_AFTER_KILL_S)
+            left = {pid: t for pid, t in left.items() if procs.same(pid, t)}
+            if not left:
+                return
 
     def _signal_all(self, members: Mapping[int, int], sig: signal.Signals) -> None:
         proc = self._proc
@@ -502,6 +525,7 @@ class ProcessController:
         assert self.slot is not None
         self.slot.write({"pid": proc.pid, "start_time": self._started, "command": list(self.command),
                          "cmdline": list(procs.cmdline(proc.pid) or ()), "boot_id": procs.boot_id(),
+                         "marker": self._marker,
                          "descendants": [[pid, t] for pid, t in self._seen.items()]})
 
     def _read_record(self) -> JSON | None:
@@ -529,8 +553,11 @@ class ProcessController:
         for p in procs.processes():
             if not p.alive or p.start_time < started:
                 continue
-            if p.session == pid or [p.pid, p.start_time] in known:  # type: ignore[operator]
+            if p.session == pid or p.pgid == pid or [p.pid, p.start_time] in known:  # type: ignore[operator]
                 found[p.pid] = p.start_time
+        marker = record.get("marker")
+        if isinstance(marker, str) and marker:
+            found.update(procs.marked(marker, started))
         return found
 
     def _find_orphan(self) -> JSON | None:

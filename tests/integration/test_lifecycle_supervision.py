@@ -175,7 +175,9 @@ async def test_a_port_held_by_another_server_fails_the_start_naming_it(
 
 
 # An app that serves its port and leaves a daemon behind (fork, setsid, fork) serving the same port
-# (SO_REUSEPORT): no session and no parent link lead from the app to the daemon.
+# (SO_REUSEPORT): no session and no parent link lead from the app to the daemon. With argv[3] "clean",
+# the daemon also execs itself with an empty environment, so nothing (not the run's id, procs.RUN_VAR)
+# leads to it: what no supervisor can tell from a stranger.
 LEAVES_A_DAEMON = textwrap.dedent("""
     import http.server, os, socket, sys
     port = int(sys.argv[1])
@@ -184,11 +186,18 @@ LEAVES_A_DAEMON = textwrap.dedent("""
         s.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         s.server_bind(); s.server_activate()
         return s
+    if len(sys.argv) > 3 and sys.argv[3] == "daemon":  # the daemon, after its exec
+        os.write(1, f"daemon {os.getpid()}\\n".encode())  # one write: print() may write in pieces, and
+        with open(sys.argv[2], "w") as f:
+            f.write(str(os.getpid()))
+        serve().serve_forever()
     app = serve()
     if os.fork() == 0:
         os.setsid()
         if os.fork() == 0:
-            os.write(1, f"daemon {os.getpid()}\\n".encode())  # one write: print() may write in pieces, and
+            if len(sys.argv) > 3 and sys.argv[3] == "clean":
+                os.execve(sys.executable, [sys.executable, "-c", SELF, *sys.argv[1:3], "daemon"], {})
+            os.write(1, f"daemon {os.getpid()}\\n".encode())
             with open(sys.argv[2], "w") as f:
                 f.write(str(os.getpid()))
             serve().serve_forever()
@@ -199,12 +208,17 @@ LEAVES_A_DAEMON = textwrap.dedent("""
 """)
 
 
+def leaves_a_daemon(port: int, pidfile: Path, *extra: str) -> list[str]:
+    """The command; the script knows its own text as SELF (for the daemon's exec)."""
+    script = f"SELF = {LEAVES_A_DAEMON!r}\n" + LEAVES_A_DAEMON
+    return [sys.executable, "-c", script, str(port), str(pidfile), *extra]
+
+
 async def test_a_stop_that_leaves_the_port_held_fails_names_the_holder_and_is_never_running(
         box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
     port = free_port()
     tenant = process_tenant(port, tmp_path, release={"kind": "process", "stop_timeout_s": 2,
-                                                     "command": [sys.executable, "-c", LEAVES_A_DAEMON, str(port),
-                                                                 str(tmp_path / "daemon.pid")]})
+                                                     "command": leaves_a_daemon(port, tmp_path / "daemon.pid", "clean")})
     demo = await box(fast("default", tenants={"app": tenant}))
     assert demo.proxy is not None
     machine = machine_of(demo)
@@ -321,3 +335,59 @@ async def test_two_proxies_on_one_machine_with_the_same_tenant_names_never_touch
     await second.stop()
     await first.stop()
     assert not copies(f"http.server {first_port}") and not copies(f"http.server {second_port}")
+
+
+async def test_a_daemon_the_app_leaves_is_stopped_with_it_found_by_its_runs_id(
+        box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
+    """Issue 42 item 5: no session and no parent link lead to a daemon the app left (fork, setsid,
+    fork); the run's id in its environment (procs.RUN_VAR) does, so the stop ends it too."""
+    port = free_port()
+    pidfile = tmp_path / "daemon.pid"
+    tenant = process_tenant(port, tmp_path, release={"kind": "process", "stop_timeout_s": 2,
+                                                     "command": leaves_a_daemon(port, pidfile)})
+    demo = await box(fast("default", tenants={"app": tenant}))
+    assert demo.proxy is not None
+    daemon = 0
+    try:
+        assert (await http.get(demo.proxy.url("app") + "/")).status_code == 200
+        async with asyncio.timeout(WAIT_S):
+            await poll_until(lambda: pidfile.exists() and pidfile.read_text().strip())
+        daemon = int(pidfile.read_text())
+        started = procs.start_time(daemon) or -1
+        stopped = await http.post(demo.proxy.url("admin") + "/api/tenants/app/stop")
+        assert stopped.status_code == 200 and machine_of(demo).state == "stopped", stopped.text
+        assert not procs.same(daemon, started) and not port_open(port), "the daemon it left is stopped with it"
+    finally:
+        kill_all([daemon] if daemon else [])
+
+
+async def test_a_setsid_grandchild_left_by_a_proxy_killed_9_is_ended_by_the_restarted_one(
+        box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
+    """Issue 42 item 5: the shell's server called setsid and its parent died with the proxy: no session,
+    no parent link, never seen by a stop. Its environment carries the run's id from the record."""
+    port = free_port()
+    tenant = process_tenant(port, tmp_path)
+    server = " ".join(tenant["release"]["command"])  # type: ignore[index]
+    tenant["release"]["command"] = ["sh", "-c", f"setsid {server} & wait"]  # type: ignore[index]
+    crashed = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", CRASHING_PROXY, __import__("json").dumps(tenant["release"]["command"]),  # type: ignore[index]
+        stdout=asyncio.subprocess.PIPE, cwd=str(Path(__file__).parents[2]))
+    try:
+        assert crashed.stdout is not None
+        async with asyncio.timeout(WAIT_S):
+            await crashed.stdout.readline()
+            await poll_until(lambda: port_open(port))
+        crashed.kill()  # the proxy dies: -9 (its command line names the server too: copies are counted after)
+        await crashed.wait()
+        (left,) = copies(f"http.server {port}")
+        assert procs.proc(left).session == left, "the server left the app's session"  # type: ignore[union-attr]
+        demo = await box(fast("default", tenants={"app": tenant}))
+        assert demo.proxy is not None
+        assert not copies(f"http.server {port}") and not port_open(port), "ended by the restarted proxy"
+        assert (await http.get(demo.proxy.url("app") + "/hello.txt")).status_code == 200
+        assert len(copies(f"http.server {port}")) == 1
+    finally:
+        if crashed.returncode is None:
+            crashed.kill()
+            await crashed.wait()
+        kill_all(copies(f"http.server {port}"))
