@@ -643,7 +643,9 @@ def loading_view(arbitration: Arbitration, snap: AttributedSnapshot, tenant: Ten
 def _live(arbitration: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, tenant: Tenant, state: TenantState) -> JSON:
     """The live fields /api/tenants and the events' stats frames share (`_TenantLive`)."""
     traffic = arbitration.inflight.snapshot().get(tenant.name)
-    deadline = watchdog.idle_deadline(tenant.name)
+    machine = arbitration.lifecycles.machine(tenant.name)
+    # a tenant the proxy stopped (or that is not running) has nothing to release: no countdown
+    deadline = None if machine is not None and machine.state != "running" else watchdog.idle_deadline(tenant.name)
     now = arbitration.clock.now()
     held = tenant_vram(snap, tenant.name)  # None: nobody could see it (no GPU reader, no self-report)
     return {

@@ -250,7 +250,8 @@ async def test_a_stop_that_leaves_the_port_held_fails_names_the_holder_and_is_ne
 SETSID_CHILD = textwrap.dedent("""
     import http.server, os, subprocess, sys
     port = int(sys.argv[1])
-    helper = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"], start_new_session=True)
+    helper = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()", f"helper-of-{port}"],
+                              start_new_session=True)
     print("helper", helper.pid, flush=True)
     http.server.HTTPServer(("127.0.0.1", port), http.server.SimpleHTTPRequestHandler).serve_forever()
 """)
@@ -273,8 +274,8 @@ async def test_a_setsid_child_of_the_app_is_stopped_with_it(
         stopped = await http.post(demo.proxy.url("admin") + "/api/tenants/app/stop")
         assert stopped.status_code == 200 and machine.state == "stopped", stopped.text
         assert not procs.same(helper, started), "the child that left the app's session is stopped with it"
-    finally:
-        kill_all([helper] if helper else [])
+    finally:  # every helper any run of the app made (a start that failed under load and ran again made two)
+        kill_all(copies(f"helper-of-{port}"))
 
 
 async def test_an_app_stopped_with_sigstop_is_ended_once_declared_failed_and_a_fresh_copy_answers(

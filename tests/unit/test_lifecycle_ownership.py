@@ -53,3 +53,4 @@ def test_a_cgroup_the_start_made_ties_the_holder_but_the_proxys_own_does_not(
     assert "cgroup the start made" in (tie(holder, Start(started, True), tree) or "")
     groups[holder] = groups[4242] = "/user.slice/session-1.scope"  # the proxy's own: shared with everything
     assert tie(holder, Start(started, True), tree) is None
+

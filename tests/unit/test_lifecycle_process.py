@@ -14,6 +14,7 @@ import textwrap
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from proxy.clock import SystemClock
@@ -25,6 +26,7 @@ from proxy.lifecycle import (
     probe_readiness,
     wait_ready,
 )
+from proxy.lifecycle.ready import probe_once
 from proxy.tasks import poll_until
 
 PY = sys.executable
@@ -221,3 +223,13 @@ async def test_aclose_stops_what_it_started(controllers: list[ProcessController]
     assert pid is not None
     await ctl.aclose()
     assert not alive(pid) and await ctl.status() == "stopped"
+
+
+async def test_a_probe_failure_with_an_empty_message_names_its_kind() -> None:
+    """Issue 42: a timeout read "GET .../health: " (an exception whose text is empty)."""
+    def hang(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("", request=request)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(hang)) as client:
+        why = await probe_once(ReadyProbe("127.0.0.1", 9, "http://127.0.0.1:9/health"), client, 0.1)
+    assert why == "GET http://127.0.0.1:9/health: ReadTimeout", why
