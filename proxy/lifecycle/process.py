@@ -8,7 +8,9 @@ Supervised (design invariant 12):
 - Its exit is awaited (`wait_exit`), never inferred from its port: the state machine hears of a crash
   at once, with the exit code.
 - It dies with the proxy: the kernel sends it SIGKILL when the proxy dies (PR_SET_PDEATHSIG, set
-  between fork and exec), so a proxy killed -9 leaves no app holding the port and the GPU.
+  between fork and exec), so a proxy killed -9 leaves no app holding the port and the GPU; and what
+  it spawned (a shell's server) is ended then by its guard (`guard.py`), a small process started
+  beside it that acts when the proxy's end of its pipe closes.
 - Its output goes to a file (the state directory's `<tenant>.log`, truncated at each start and
   rotated past `log_max_mib`: `logfile.py`; an unlinked temporary file without a state directory),
   never a pipe: nothing it writes can block or fail because the proxy stopped reading. The last lines
@@ -73,6 +75,7 @@ from proxy.lifecycle.controller import (
     stop_timeout_field,
     within,
 )
+from proxy.lifecycle.guard import Guard
 from proxy.lifecycle.logfile import DEFAULT_MAX_MIB, MAX_LINE, LogFile
 from proxy.lifecycle.ownership import Start, sort_holders
 from proxy.lifecycle.ready import probe_for
@@ -185,6 +188,7 @@ class ProcessController:
         self.hide: str | None = None  # output lines holding this (the ready probe's requests) are left out
         self.slot = Slot(state_dir, name) if state_dir else None  # this instance's record and log (record.py)
         self.followers = 0  # log streams following its output now (logs.py bounds them)
+        self.guard = Guard(self.clock)  # ends what the run spawned should the proxy die (guard.py)
         self.logfile = LogFile(name, lambda: self.log_path, int(log_max_mib * 2**20), self.clock)  # logfile.py
         self._proc: asyncio.subprocess.Process | None = None
         self._started: int | None = None  # the child's start time
@@ -260,6 +264,8 @@ class ProcessController:
         self.holders = {}
         self._this_start = Start(self._started or 0, port_free, self.stop_command is not None, self.pid_file)
         self._write_record()
+        if self._started is not None:  # where /proc tells who is whose (guard.py)
+            await self.guard.start(marker, proc.pid, self._started, self.stop_timeout_s)
 
     async def stop(self) -> None:
         proc = self._proc
@@ -293,6 +299,7 @@ class ProcessController:
             proc.kill()
             await proc.wait()
         self._remove_pidfile()
+        await self.guard.release()  # all of it is gone: nothing for the guard to end should the proxy die
         if self.port is not None and self.host is not None:
             use = await asyncio.to_thread(procs.port_use, self.host, self.port)
             if use.others:
@@ -444,6 +451,7 @@ class ProcessController:
         if self._proc is not None:
             with contextlib.suppress(LifecycleError):
                 await self.stop()
+        await self.guard.release()  # an orderly shutdown: what a failed stop left is in the record
         self.logfile.close()
         if self.slot is not None:
             self.slot.release()

@@ -106,7 +106,7 @@ CRASHING_PROXY = textwrap.dedent("""
         state = instance_dir(default_state_dir(), AdminSpec().listen)  # the same instance as the demo's
         ctl = ProcessController("app", json.loads(sys.argv[1]), state_dir=state, clock=SystemClock())
         await ctl.start()
-        print(ctl.pid, flush=True)
+        print(ctl.pid, ctl.guard.pid, flush=True)
         await asyncio.Event().wait()  # until killed
 
     asyncio.run(main())
@@ -125,8 +125,9 @@ async def test_a_proxy_killed_9_and_started_again_runs_exactly_one_copy(
     try:
         assert crashed.stdout is not None
         async with asyncio.timeout(WAIT_S):
-            shell = int(await crashed.stdout.readline())
+            shell, guard = map(int, (await crashed.stdout.readline()).split())
             await poll_until(lambda: port_open(port))
+        os.kill(guard, signal.SIGKILL)  # its guard dies first (as if killed with it): the record's part alone
         crashed.kill()  # the proxy dies: -9, no shutdown of any kind
         await crashed.wait()
         async with asyncio.timeout(WAIT_S):
@@ -376,8 +377,9 @@ async def test_a_setsid_grandchild_left_by_a_proxy_killed_9_is_ended_by_the_rest
     try:
         assert crashed.stdout is not None
         async with asyncio.timeout(WAIT_S):
-            await crashed.stdout.readline()
+            guard = int((await crashed.stdout.readline()).split()[1])
             await poll_until(lambda: port_open(port))
+        os.kill(guard, signal.SIGKILL)  # the record's part alone (the guard's: the test after this one)
         crashed.kill()  # the proxy dies: -9 (its command line names the server too: copies are counted after)
         await crashed.wait()
         (left,) = copies(f"http.server {port}")
@@ -392,3 +394,34 @@ async def test_a_setsid_grandchild_left_by_a_proxy_killed_9_is_ended_by_the_rest
             crashed.kill()
             await crashed.wait()
         kill_all(copies(f"http.server {port}"))
+
+
+async def test_what_the_app_spawned_is_ended_by_its_guard_when_the_proxy_is_killed_9(tmp_path: Path) -> None:
+    """Issue 42: an app behind a shell kept its port after kill -9 of the proxy until the proxy was
+    started again. Its guard (lifecycle/guard.py) ends it when the proxy's end of its pipe closes:
+    the shell's server, and a setsid one."""
+    port, other = free_port(), free_port()
+    tenant = process_tenant(port, tmp_path)
+    server = " ".join(tenant["release"]["command"])  # type: ignore[index]
+    command = ["sh", "-c", f"{server} & setsid {server.replace(str(port), str(other))} & wait"]
+    crashed = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", CRASHING_PROXY, __import__("json").dumps(command),
+        stdout=asyncio.subprocess.PIPE, cwd=str(Path(__file__).parents[2]))
+    try:
+        assert crashed.stdout is not None
+        async with asyncio.timeout(WAIT_S):
+            guard = int((await crashed.stdout.readline()).split()[1])
+            await poll_until(lambda: port_open(port) and port_open(other))
+        crashed.kill()
+        await crashed.wait()
+        async with asyncio.timeout(WAIT_S):
+            await poll_until(lambda: not port_open(port) and not port_open(other))
+        assert not copies(f"http.server {port}") and not copies(f"http.server {other}"), \
+            "what the app spawned is gone without a restart of the proxy"
+        async with asyncio.timeout(WAIT_S):
+            await poll_until(lambda: not procs.same(guard, procs.start_time(guard) or -1))
+    finally:
+        if crashed.returncode is None:
+            crashed.kill()
+            await crashed.wait()
+        kill_all(copies(f"http.server {port}") + copies(f"http.server {other}"))
