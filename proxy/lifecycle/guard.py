@@ -81,15 +81,21 @@ QUIT_WITHIN_S = 2.0  # a guard told to let go exits at once; past this it is kil
 
 
 class Guard:
-    """The guard of one run: `start` it once the app runs, `release` it once the app is stopped."""
+    """The guard of one run: `arm` it once the app runs, `release` it once the app is stopped."""
 
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
         self.proc: asyncio.subprocess.Process | None = None
+        self._arming: asyncio.Task[None] | None = None
 
-    async def start(self, marker: str, group: int, since: int, grace_s: float) -> None:
-        """Best effort: an app runs without its guard when it cannot start (its record still serves)."""
+    async def arm(self, marker: str, group: int, since: int, grace_s: float) -> None:
+        """Start the guard beside the app's start, not before it: its fork and exec (5 to 13 ms on
+        2 busy cores) overlap the app's readiness instead of adding to a cold start."""
         await self.release()
+        self._arming = asyncio.create_task(self._spawn(marker, group, since, grace_s), name="lifecycle-guard")
+
+    async def _spawn(self, marker: str, group: int, since: int, grace_s: float) -> None:
+        """Best effort: an app runs without its guard when it cannot start (its record still serves)."""
         with contextlib.suppress(OSError):
             self.proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-S", "-c", GUARD, marker, str(group), str(since), f"{grace_s:g}",
@@ -98,6 +104,10 @@ class Guard:
 
     async def release(self) -> None:
         """The proxy ended the app itself: tell the guard to exit without acting, and reap it."""
+        arming, self._arming = self._arming, None
+        if arming is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(arming)  # a guard being started is let go once it runs
         proc, self.proc = self.proc, None
         if proc is None:
             return
@@ -111,6 +121,8 @@ class Guard:
                 proc.kill()
             await within(self.clock, QUIT_WITHIN_S, proc.wait())
 
-    @property
-    def pid(self) -> int | None:
+    async def armed(self) -> int | None:
+        """The guard's pid once it runs (None: it could not start, or none was armed)."""
+        if self._arming is not None:
+            await asyncio.shield(self._arming)
         return self.proc.pid if self.proc is not None else None

@@ -265,7 +265,7 @@ class ProcessController:
         self._this_start = Start(self._started or 0, port_free, self.stop_command is not None, self.pid_file)
         self._write_record()
         if self._started is not None:  # where /proc tells who is whose (guard.py)
-            await self.guard.start(marker, proc.pid, self._started, self.stop_timeout_s)
+            await self.guard.arm(marker, proc.pid, self._started, self.stop_timeout_s)
 
     async def stop(self) -> None:
         proc = self._proc

@@ -106,7 +106,7 @@ CRASHING_PROXY = textwrap.dedent("""
         state = instance_dir(default_state_dir(), AdminSpec().listen)  # the same instance as the demo's
         ctl = ProcessController("app", json.loads(sys.argv[1]), state_dir=state, clock=SystemClock())
         await ctl.start()
-        print(ctl.pid, ctl.guard.pid, flush=True)
+        print(ctl.pid, await ctl.guard.armed(), flush=True)
         await asyncio.Event().wait()  # until killed
 
     asyncio.run(main())

@@ -233,3 +233,12 @@ async def test_a_probe_failure_with_an_empty_message_names_its_kind() -> None:
     async with httpx.AsyncClient(transport=httpx.MockTransport(hang)) as client:
         why = await probe_once(ReadyProbe("127.0.0.1", 9, "http://127.0.0.1:9/health"), client, 0.1)
     assert why == "GET http://127.0.0.1:9/health: ReadTimeout", why
+
+
+async def test_a_stop_lets_the_guard_go_without_it_acting(controllers: list[ProcessController]) -> None:
+    ctl = make(controllers, "-c", SERVER)
+    await ctl.start()
+    guard = await ctl.guard.armed()
+    assert guard is not None and alive(guard), "a guard runs beside the app"
+    await ctl.stop()
+    assert not alive(guard) and ctl.guard.proc is None, "told to let go, it exited (and was reaped)"
