@@ -30,7 +30,7 @@ from proxy.lifecycle.logfile import MAX_LINE
 LINES_BACK_DEFAULT = 100
 LINES_BACK_MAX = 1000
 BACK_BYTES = 512 * 1024  # read from the end of the file for the lines back
-READ_CHUNK = 256 * 1024  # read at most this much new output per poll
+READ_CHUNK = 64 * 1024  # read at most this much new output per poll (256 KiB/s a stream: a reader, not a copy)
 MAX_PARTIAL = 64 * 1024  # a line with no newline yet is sent as it stands past this many bytes
 FOLLOW_EVERY_S = 0.25  # how often the file is looked at for new lines
 MAX_FOLLOWERS = 4  # streams of one tenant's output at a time
