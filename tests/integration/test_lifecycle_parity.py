@@ -245,25 +245,23 @@ async def test_at_most_four_streams_follow_one_tenant_and_a_closed_one_frees_its
         assert r.status_code == 200, "the places are given back when the streams end"
 
 
-FLOOD = ("import sys\n"
+FLOOD = ("import http.server, sys\n"
          "line = b'x' * 1023 + b'\\n'\n"
-         "for _ in range(24 * 1024): sys.stdout.buffer.write(line)\n"  # 24 MiB, as fast as it can
+         "for _ in range(24 * 1024): sys.stdout.buffer.write(line)\n"  # 24 MiB, as fast as it can, then it serves
          "sys.stdout.flush()\n"
-         "print('done', flush=True)\n"
-         "import signal; signal.pause()\n")
+         "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), http.server.SimpleHTTPRequestHandler).serve_forever()\n")
 
 
 async def test_an_app_flooding_its_output_leaves_a_bounded_log_on_disk(
         box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
     port = free_port()
-    tenant = process_tenant(port, tmp_path, ready={"tcp": True}, start_timeout_s=0.5,
-                            release={"kind": "process", "stop_timeout_s": 2, "log_max_mib": 1,
-                                     "command": [PY, "-c", FLOOD]})
+    tenant = process_tenant(port, tmp_path, release={"kind": "process", "stop_timeout_s": 2, "log_max_mib": 1,
+                                                     "command": [PY, "-c", FLOOD, str(port)]})
     demo = await box(fast("default", tenants={"app": tenant}))
     assert demo.proxy is not None
-    machine = machine_of(demo, "app")
-    machine.begin_start()  # it never listens: the start fails, and its output stays (the stop keeps the file)
-    ctl = machine.controller
+    started = await http.post(demo.proxy.url("admin") + "/api/tenants/app/start")
+    assert started.status_code == 200, started.text  # it listens once its 24 MiB are written
+    ctl = machine_of(demo, "app").controller
     log = ctl.log_path  # type: ignore[attr-defined]
     assert log is not None
     folder = log.parent
