@@ -28,6 +28,7 @@ from proxy.handoff.inflight import InFlight
 from proxy.handoff.watchdog import Watchdog
 from proxy.lifecycle.build import default_state_dir
 from proxy.lifecycle.cuda_driver import Checkpointer
+from proxy.lifecycle.record import instance_dir
 from proxy.lifecycle.state import LifecycleReport
 from proxy.relay.forward import Forwarder
 from proxy.relay.gpu_gate import GpuGate
@@ -86,7 +87,8 @@ class Proxy:
     config_path: Path | None = None  # the tenants.json in use, for the health check
     config_note: str | None = None  # how the configuration was put together, when not a tenants.json alone (the demo)
     drain_s: float = DRAIN_S  # on stop, what requests in flight get, in all, to finish
-    # the proxy's state: pidfiles of the apps it starts, Ollama's footprints (None: ~/.local/state/hyperswap/lifecycle)
+    # the proxy's state, a folder per instance: records of the apps it starts, Ollama's footprints (None:
+    # default_state_dir)
     lifecycle_dir: Path | None = None
     checkpointer: Checkpointer | None = None  # the CUDA suspend seam (the demo's); None: the driver's, checked here
     inflight: InFlight = field(init=False)
@@ -104,7 +106,7 @@ class Proxy:
 
     def __post_init__(self) -> None:
         self.inflight = InFlight(self.clock)
-        state_dir = self.lifecycle_dir or default_state_dir()
+        state_dir = instance_dir(self.lifecycle_dir or default_state_dir(), self.registry.config.admin.listen)
         self.forwarder = Forwarder(state_dir=state_dir)  # what the adapters learn (Ollama's footprints) is kept there
         self.decisions = DecisionLog(self.clock)
         self.arbitration = Arbitration(self.registry, self.reader, self.inflight, self.clock, self.decisions,

@@ -32,7 +32,14 @@ from proxy.handoff.orders import release_whole, stop_whole
 from proxy.handoff.scheduler import Admitted
 from proxy.handoff.watchdog import Watchdog
 from proxy.hosts import listener_policy
-from proxy.lifecycle.logs import FOLLOW_EVERY_S, LINES_BACK_DEFAULT, LINES_BACK_MAX, Chunk, LogFollower
+from proxy.lifecycle.logs import (
+    FOLLOW_EVERY_S,
+    LINES_BACK_DEFAULT,
+    LINES_BACK_MAX,
+    MAX_FOLLOWERS,
+    Chunk,
+    LogFollower,
+)
 from proxy.lifecycle.process import ProcessController
 from proxy.lifecycle.state import TenantLifecycle
 from proxy.relay import refusals
@@ -264,11 +271,25 @@ class AdminApi:
         back = integer(request.query_params, "lines", LINES_BACK_DEFAULT, low=0, high=LINES_BACK_MAX,
                        example=f"GET /api/tenants/{tenant.name}/logs?lines=100")
         follower = LogFollower(controller)
-        first = await follower.back(back)
+        if not follower.admit():
+            return error(429, f"{MAX_FOLLOWERS} streams already follow {tenant.name}'s output",
+                         f"close one, or read its log file ({controller.log_path or 'a temporary file'})")
+        try:
+            first = await follower.back(back)
+        except BaseException:
+            follower.close()
+            raise
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return StreamingResponse(self._log_stream(follower, first), media_type="text/event-stream", headers=headers)
 
     async def _log_stream(self, follower: LogFollower, first: Chunk) -> AsyncIterator[bytes]:
+        try:
+            async for frame in self._log_frames(follower, first):
+                yield frame
+        finally:
+            follower.close()
+
+    async def _log_frames(self, follower: LogFollower, first: Chunk) -> AsyncIterator[bytes]:
         clock = self.arbitration.clock
         yield b"retry: 2000\n\n"
         chunk, quiet_s = first, 0.0

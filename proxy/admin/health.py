@@ -597,9 +597,17 @@ def _crashed(name: str, machine: TenantLifecycle, view: dict[str, Any]) -> Healt
     snap = machine.snapshot
     retry = view["retry_in_s"]
     last = snap.output[-1:]
-    policy = (f"the restart policy starts it again{f' in {retry:.0f} s' if retry else ''}"
-              if machine.restart == "on-failure" and machine.state == "failed" else
+    pending = machine.restart_pending()
+    policy = (f"the restart policy starts it again{f' in {retry:.0f} s' if retry else ''}" if pending else
               f"the next request to {name} starts it again" + (f" (in {retry:.0f} s)" if retry else ""))
+    if machine.restart == "never":
+        then = "or set restart: on-failure in tenants.json to have it started again at once"
+    elif pending:
+        then = "it is restarted by its policy"
+    elif machine.state == "exited":
+        then = "a clean exit (code 0) is not restarted by restart: on-failure"
+    else:
+        then = machine.restart_status or "its restart policy does not start it again"
     return HealthEntry(
         f"lifecycle {name}", "failed" if machine.state == "failed" else "degraded",
         f"{'it crashed' if machine.state == 'failed' else 'it exited'} while running: {snap.error}"
@@ -607,8 +615,7 @@ def _crashed(name: str, machine: TenantLifecycle, view: dict[str, Any]) -> Healt
         f"requests to {name} fail until it runs again: {policy}",
         f"see why in its output (GET /api/tenants/{name}: lifecycle.output, or its log "
         f"{machine.controller.describe().get('log') or ''}".rstrip() + "), correct the cause; "
-        + ("or set restart: on-failure in tenants.json to have it started again at once"
-           if machine.restart == "never" else "it is restarted by its policy"))
+        + then)
 
 
 def _start_failed(name: str, machine: TenantLifecycle, view: dict[str, Any]) -> HealthEntry:
@@ -620,7 +627,8 @@ def _start_failed(name: str, machine: TenantLifecycle, view: dict[str, Any]) -> 
         f"lifecycle {name}", "failed",
         (f"its last start failed ({view['failures']} in a row): {snap.error}" if snap.failures else f"{snap.error}")
         + (f"; its last output line: {last[0]}" if last else ""),
-        f"requests to {name} answer 503 " + (f"until the next try in {retry:.0f} s" if retry else "until a start works"),
+        f"requests to {name} answer 503 " + (f"until the next try in {retry:.0f} s" if retry else "until a start works")
+        + (f"; {machine.restart_status}" if machine.restart_status else ""),
         snap.fix or f"see its output (GET /api/tenants/{name}), correct the cause, then start it "
                     f"(POST /api/tenants/{name}/start, or the dashboard's Start button)")
 

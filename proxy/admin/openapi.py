@@ -154,6 +154,7 @@ def _operations() -> dict[str, dict[str, JSON]]:
                     "schema": {"type": "string"}, "x-event-data": {"line": _ref(LogLine), "run": _ref(LogRun)}}}},
                 "400": _err("lines is not an integer from 0 to 1000"),
                 "404": _err("no such tenant"),
+                "429": _err("4 streams already follow this tenant's output (MAX_FOLLOWERS): close one"),
                 "409": _json("not a tenant the proxy runs (reason not_lifecycle), or one whose output its manager "
                              "keeps (reason no_log: a systemd unit or a container)", LifecycleRefusal)}}},
         "/api/plan": {"get": {

@@ -174,6 +174,9 @@ class LifecycleController(_Doc):
     kind: Literal["process", "systemd", "docker"]
     command: list[str] | None = Field(default=None, description="process: the command the proxy runs, argv style")
     cwd: str | None = Field(default=None, description="process: its working directory (null: the proxy's)")
+    holders: dict[str, str] | None = Field(default=None, description="process: port holders outside its process tree "
+                                                                     "taken as the app's own (a daemon's child), pid -> "
+                                                                     "why; null: none")
     pid: int | None = Field(default=None, description="process: the child's pid while it runs")
     running: bool | None = Field(default=None, description="process: the child the proxy started runs now")
     exit_code: int | None = Field(default=None, description="process: how the last child ended (null: runs, or none)")
@@ -207,6 +210,8 @@ class Lifecycle(_Doc):
     exit_code: int | None = Field(default=None, description="how it ended on its own (negative: the signal that "
                                                             "killed it); null: it did not, or the code is not known")
     restart: Literal["never", "on-failure"] = Field(default="never", description="its restart policy (tenants.json)")
+    restart_status: str | None = Field(default=None, description="restart on-failure: what it does next (\"try 2 of 3 "
+                                                                 "in 2.0 s\") or that it gave up; null: nothing to say")
     preload: bool = Field(default=False, description="started once the proxy is up (tenants.json)")
     preload_error: str | None = Field(default=None, description="why that start failed; null: it worked, or none")
     retry_in_s: float | None = Field(description="after a failed start: seconds until a request may start it again "
@@ -650,7 +655,9 @@ def loading_view(arbitration: Arbitration, snap: AttributedSnapshot, tenant: Ten
 def _live(arbitration: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, tenant: Tenant, state: TenantState) -> JSON:
     """The live fields /api/tenants and the events' stats frames share (`_TenantLive`)."""
     traffic = arbitration.inflight.snapshot().get(tenant.name)
-    deadline = watchdog.idle_deadline(tenant.name)
+    machine = arbitration.lifecycles.machine(tenant.name)
+    # a tenant the proxy stopped (or that is not running) has nothing to release: no countdown
+    deadline = None if machine is not None and machine.state != "running" else watchdog.idle_deadline(tenant.name)
     now = arbitration.clock.now()
     held = tenant_vram(snap, tenant.name)  # None: nobody could see it (no GPU reader, no self-report)
     return {

@@ -19,9 +19,15 @@ from proxy.lifecycle.state import Backoff, OnDone, TenantLifecycle
 
 
 def default_state_dir(env: Mapping[str, str] | None = None) -> Path:
-    """Where a `process` tenant's pidfile lives, so a restarted proxy can name an orphan of its last
-    run: `$XDG_STATE_HOME/hyperswap/lifecycle` (`~/.local/state/...`)."""
+    """Where the records of the `process` tenants live (in a folder per instance: `record.py`), so a
+    restarted proxy can end or name what its last run left: under systemd's state directory when the
+    service has one (`StateDirectory=hyperswap` sets `$STATE_DIRECTORY`: `/var/lib/hyperswap` for the
+    system unit, whose home is read-only), else `$XDG_STATE_HOME/hyperswap/lifecycle`
+    (`~/.local/state/...`)."""
     env = os.environ if env is None else env
+    given = env.get("STATE_DIRECTORY", "").split(":")[0]  # systemd: several folders are joined by ':'
+    if given:
+        return Path(given) / "lifecycle"
     state = env.get("XDG_STATE_HOME") or str(Path(env.get("HOME", str(Path.home()))) / ".local" / "state")
     return Path(state) / "hyperswap" / "lifecycle"
 

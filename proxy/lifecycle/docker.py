@@ -77,7 +77,7 @@ class DockerController:
             fix = f"the proxy's user may not use {self.socket}: add it to the socket's group (usually `docker`)"
         else:
             fix = f"check that the Docker daemon behind {self.socket} runs (`systemctl status docker`)"
-        return LifecycleError(f"cannot reach the Docker Engine API at {self.socket}: {exc or type(exc).__name__}",
+        return LifecycleError(f"cannot reach the Docker Engine API at {self.socket}: {str(exc) or type(exc).__name__}",
                               fix=fix)
 
     def _silent(self, method: str, path: str, timeout_s: float) -> LifecycleError:

@@ -8,17 +8,23 @@ Supervised (design invariant 12):
 - Its exit is awaited (`wait_exit`), never inferred from its port: the state machine hears of a crash
   at once, with the exit code.
 - It dies with the proxy: the kernel sends it SIGKILL when the proxy dies (PR_SET_PDEATHSIG, set
-  between fork and exec), so a proxy killed -9 leaves no app holding the port and the GPU.
-- Its output goes to a file (the state directory's `<tenant>.log`, truncated at each start; an
-  unlinked temporary file without a state directory), never a pipe: nothing it writes can block or
-  fail because the proxy stopped reading. The last lines are read back from the file's tail.
+  between fork and exec), so a proxy killed -9 leaves no app holding the port and the GPU; and what
+  it spawned (a shell's server) is ended then by its guard (`guard.py`), a small process started
+  beside it that acts when the proxy's end of its pipe closes.
+- Its output goes to a file (the state directory's `<tenant>.log`, truncated at each start and
+  rotated past `log_max_mib`: `logfile.py`; an unlinked temporary file without a state directory),
+  never a pipe: nothing it writes can block or fail because the proxy stopped reading. The last lines
+  are read back from the file's tail.
 - Ownership: a start fails at once, naming the holder (pid and command), when the port is already
-  held; readiness counts only while this child lives and (where /proc tells) its tree holds the port.
-- A record in the state directory (pid, start time, command line, boot, session and descendants
-  seen) lets a restarted proxy end what a crashed run left behind (a grandchild that outlived the
-  child) when it is provably that run's: same boot, and pid with start time and command line
-  matching, or a member of the recorded session started after it. Anything that matches only in part
-  is named in health and never signalled.
+  held; readiness counts only while this child lives and (where /proc tells) the port's holder is
+  the app's own: in its tree, or a daemon's child tied to this start (`ownership.py`: started after
+  it, and its stop command, pid file or cgroup says so), then recorded and stopped like a descendant.
+- A record in this instance's slot of the state directory (pid, start time, command line, boot,
+  session and descendants seen; `record.py`: a slot is held by one live proxy, so no other instance
+  reads or removes it) lets a restarted proxy end what a crashed run left behind (a grandchild that
+  outlived the child) when it is provably that run's: same boot, and pid with start time and command
+  line matching, or a member of the recorded session started after it. Anything that matches only in
+  part is named in health and never signalled.
 
 A stop command (`stop_command`, llama-swap's cmdStop: `docker stop NAME` for an app run in the
 foreground by `docker run`) replaces the signals while the child runs: it runs with the app's cwd and
@@ -31,6 +37,9 @@ names it until a stop command works).
 The child's environment is the proxy's without its secrets: no `HYPERSWAP_*` variable (the admin
 token, the config path), not the variable admin.token_env names, not systemd's CREDENTIALS_DIRECTORY
 (where a service's token file would be); the tenant's `env` is applied last and wins (`child_env`).
+One variable is added, `HYPERSWAP_RUN` (procs.RUN_VAR): a random id of the run, inherited by what it
+spawns, so a stop and a restarted proxy find a `setsid` descendant whose parent died (a stop
+command gets one of its own: what it leaves is ended once it returns).
 """
 
 from __future__ import annotations
@@ -38,10 +47,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
 import sys
@@ -66,13 +75,15 @@ from proxy.lifecycle.controller import (
     stop_timeout_field,
     within,
 )
+from proxy.lifecycle.guard import Guard
+from proxy.lifecycle.logfile import DEFAULT_MAX_MIB, MAX_LINE, LogFile
+from proxy.lifecycle.ownership import Start, sort_holders
 from proxy.lifecycle.ready import probe_for
+from proxy.lifecycle.record import Slot
 
 SECRET_PREFIX = "HYPERSWAP_"
 WITHHELD = frozenset({"CREDENTIALS_DIRECTORY"})  # systemd's folder of the proxy's own credentials
 KEEP_LINES = 50
-MAX_LINE = 1000  # characters kept of one line (a progress bar can write megabytes without a newline)
-TAIL_BYTES = 64 * 1024  # read back from the end of the log for the last lines
 GONE_AFTER_KILL_S = 2.0  # how long a SIGKILLed process may take to disappear before the stop fails
 PR_SET_PDEATHSIG = 1
 
@@ -156,13 +167,17 @@ class ProcessController:
                  env: Mapping[str, str] | None = None, stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S,
                  clock: Clock | None = None, state_dir: Path | None = None, keep_lines: int = KEEP_LINES,
                  host: str | None = None, port: int | None = None, withheld_env: Iterable[str] = (),
-                 stop_command: Sequence[str] | None = None) -> None:
+                 stop_command: Sequence[str] | None = None, pid_file: str | None = None,
+                 log_max_mib: float = DEFAULT_MAX_MIB) -> None:
         if not command:
             raise ValueError("a process needs a command")
         self.name = name
         self.command = tuple(command)
         self.stop_command = tuple(stop_command) if stop_command else None
         self.stop_error: str | None = None  # why the last stop command did not stop the app (the signals did)
+        self.pid_file = Path(os.path.expanduser(pid_file)) if pid_file else None
+        self._this_start: Start | None = None  # what ties a port's holder to the last start (ownership.py)
+        self.holders: dict[int, str] = {}  # port holders outside the tree taken as the app's, and why
         self.cwd = os.path.expanduser(cwd) if cwd else None
         self.env = dict(env or {})
         self.withheld_env = frozenset(withheld_env)  # besides HYPERSWAP_*: the admin token's variable
@@ -171,13 +186,14 @@ class ProcessController:
         self.keep_lines = keep_lines
         self.host, self.port = host, port  # the upstream it serves on: checked before a start and after ready
         self.hide: str | None = None  # output lines holding this (the ready probe's requests) are left out
-        self.pidfile = state_dir / f"{name}.process.json" if state_dir else None
-        self.log_path = state_dir / f"{name}.log" if state_dir else None
-        self._log: int | None = None  # the output file, open for reading its tail (and the child's writes)
-        self.log_run = 0  # counts the output files opened (one per start): a follower sees a new run by it
+        self.slot = Slot(state_dir, name) if state_dir else None  # this instance's record and log (record.py)
+        self.followers = 0  # log streams following its output now (logs.py bounds them)
+        self.guard = Guard(self.clock)  # ends what the run spawned should the proxy die (guard.py)
+        self.logfile = LogFile(name, lambda: self.log_path, int(log_max_mib * 2**20), self.clock)  # logfile.py
         self._proc: asyncio.subprocess.Process | None = None
         self._started: int | None = None  # the child's start time
         self._seen: dict[int, int] = {}  # descendants seen (pid -> start time): stopped with the child
+        self._marker = ""  # the run's id in its environment (procs.RUN_VAR): what it spawned carries it
         self._stopped_by_us = False
         self.orphan: JSON | None = self._find_orphan()
 
@@ -189,9 +205,18 @@ class ProcessController:
             raise ValueError(f"tenant {name!r}: release kind {spec.kind!r} has no command")
         return cls(name, spec.command, cwd=spec.cwd, env=spec.env, stop_timeout_s=spec.effective_stop_timeout_s,
                    clock=clock, state_dir=state_dir, host=host, port=port, withheld_env=withheld_env,
-                   stop_command=spec.stop_command)
+                   stop_command=spec.stop_command, pid_file=spec.pid_file, log_max_mib=spec.log_max_mib)
 
     # -- the protocol ---------------------------------------------------------------------------
+    @property
+    def pidfile(self) -> Path | None:
+        """The record of this instance's run (None: no state directory, or no slot in it)."""
+        return self.slot.record_path if self.slot is not None else None
+
+    @property
+    def log_path(self) -> Path | None:
+        return self.slot.log_path if self.slot is not None else None
+
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
@@ -208,8 +233,10 @@ class ProcessController:
                 f"process {self.orphan['pid']} from an earlier run of the proxy still runs, and the proxy cannot "
                 f"prove it is its own app (its record does not match in full): it does not start a second copy",
                 fix=f"stop it yourself (`kill {self.orphan['pid']}`), then start {self.name} again")
+        port_free = True
         if self.port is not None and self.host is not None:
             use = await asyncio.to_thread(procs.port_use, self.host, self.port)
+            port_free = not use.listening
             stranger = use.stranger() or ("a process the proxy cannot see (another user's)" if use.listening else None)
             if stranger is not None:
                 raise LifecycleError(
@@ -220,10 +247,12 @@ class ProcessController:
                         + f", or give tenant {self.name!r} a free port (its upstream and its command)")
         self._stopped_by_us = False
         self._seen.clear()
-        log = self._open_log()
+        self._marker = marker = secrets.token_hex(8)
+        log = self.logfile.open_run()
         try:
             proc = await asyncio.create_subprocess_exec(
-                *self.command, cwd=self.cwd, env=child_env(os.environ, self.env, self.withheld_env),
+                *self.command, cwd=self.cwd, env={**child_env(os.environ, self.env, self.withheld_env),
+                                                  procs.RUN_VAR: marker},
                 stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
                 preexec_fn=_die_with(os.getpid()))
         except OSError as exc:
@@ -232,7 +261,11 @@ class ProcessController:
                                      "proxy's user may run it") from None
         self._proc = proc
         self._started = procs.start_time(proc.pid)
+        self.holders = {}
+        self._this_start = Start(self._started or 0, port_free, self.stop_command is not None, self.pid_file)
         self._write_record()
+        if self._started is not None:  # where /proc tells who is whose (guard.py)
+            await self.guard.arm(marker, proc.pid, self._started, self.stop_timeout_s)
 
     async def stop(self) -> None:
         proc = self._proc
@@ -249,6 +282,7 @@ class ProcessController:
         if members:
             deadline = self.clock.now() + self.stop_timeout_s
             self._signal_all(members, signal.SIGTERM)
+            self._signal_all(members, signal.SIGCONT)  # a stopped (SIGSTOP) app gets its SIGTERM only once it runs
             await within(self.clock, self.stop_timeout_s, proc.wait())
             await self._gone(members, deadline)  # what the child spawned had the same SIGTERM
             left = {pid: t for pid, t in members.items() if procs.same(pid, t)}
@@ -265,6 +299,7 @@ class ProcessController:
             proc.kill()
             await proc.wait()
         self._remove_pidfile()
+        await self.guard.release()  # all of it is gone: nothing for the guard to end should the proxy die
         if self.port is not None and self.host is not None:
             use = await asyncio.to_thread(procs.port_use, self.host, self.port)
             if use.others:
@@ -284,17 +319,20 @@ class ProcessController:
         with tempfile.TemporaryFile() as out:  # a file, not a pipe: a descendant holding it cannot hang the stop
             try:
                 cmd = await asyncio.create_subprocess_exec(
-                    *self.stop_command, cwd=self.cwd, env=child_env(os.environ, self.env, self.withheld_env),
+                    *self.stop_command, cwd=self.cwd, env={**child_env(os.environ, self.env, self.withheld_env),
+                                                           procs.RUN_VAR: f"{self._marker}-stop"},
                     stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
                     preexec_fn=_die_with(os.getpid()))
             except OSError as exc:
                 self.stop_error = f"its stop command `{shown}` could not run: {exc.strerror or exc}"
                 return False
+            cmd_started = procs.start_time(cmd.pid) or 0
             try:
                 finished, code = await within(self.clock, self.stop_timeout_s, cmd.wait())
             finally:  # ran over, or the stop was cancelled: nothing of it may stay behind
                 if cmd.returncode is None:
                     await _kill_group(cmd, self.clock)
+                await self._end_marked(f"{self._marker}-stop", cmd_started)  # what it left (a `setsid` child)
             if not finished:
                 self.stop_error = (f"its stop command `{shown}` did not finish within {self.stop_timeout_s:g} s "
                                    f"(stop_timeout_s) and was killed")
@@ -320,29 +358,7 @@ class ProcessController:
         return "unknown" if self.orphan is not None else "stopped"
 
     def output(self) -> tuple[str, ...]:
-        fd = self._log
-        if fd is None:
-            return ()
-        try:
-            size = os.fstat(fd).st_size
-            begin = max(0, size - TAIL_BYTES)
-            data = os.pread(fd, size - begin, begin)
-        except OSError:
-            return ()
-        lines = data.split(b"\n")
-        if begin > 0:
-            lines = lines[1:]  # a partial line
-        if lines and not lines[-1]:
-            lines.pop()
-        out: list[str] = []
-        for raw in reversed(lines):
-            text = raw.decode("utf-8", "replace").rstrip("\r")
-            text = text.rsplit("\r", 1)[-1] or text  # a progress bar's last state
-            if self.hide is None or self.hide not in text:
-                out.append(text[:MAX_LINE])
-                if len(out) >= self.keep_lines:
-                    break
-        return tuple(reversed(out))
+        return self.logfile.lines(self.keep_lines, self.hide)
 
     def exited(self) -> str | None:
         proc = self._proc
@@ -370,7 +386,12 @@ class ProcessController:
             return None
         use = await asyncio.to_thread(procs.port_use, self.host, self.port, [self.pid] if self.pid else [])
         if use.others:
-            use = await asyncio.to_thread(procs.port_use, self.host, self.port, await asyncio.to_thread(self._tree))
+            tree = await asyncio.to_thread(self._tree)
+            use = await asyncio.to_thread(procs.port_use, self.host, self.port, tree)
+            if use.others and self._this_start is not None:
+                ours, strangers = await asyncio.to_thread(sort_holders, use.others, self._this_start, tree)
+                self._take(ours)
+                use = procs.PortUse(True, tuple(ours), tuple(strangers))
         if use.ours or not use.listening or not use.others:
             return None  # ours, or nothing this reader can see (another network namespace, another host)
         return (f"port {self.port} answers, but it is held by {use.stranger()}, not by the app the proxy "
@@ -382,6 +403,7 @@ class ProcessController:
                 "stop_command": list(self.stop_command) if self.stop_command else None, "stop_error": self.stop_error,
                 "running": self._running(), "exit_code": None if proc is None else proc.returncode,
                 "output": list(self.output()), "orphan": self.orphan,
+                "holders": {str(pid): why for pid, why in self.holders.items()} or None,
                 "log": str(self.log_path) if self.log_path is not None else None}
 
     def summary(self) -> str:
@@ -429,10 +451,10 @@ class ProcessController:
         if self._proc is not None:
             with contextlib.suppress(LifecycleError):
                 await self.stop()
-        if self._log is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._log)
-            self._log = None
+        await self.guard.release()  # an orderly shutdown: what a failed stop left is in the record
+        self.logfile.close()
+        if self.slot is not None:
+            self.slot.release()
 
     # -- the child's tree -------------------------------------------------------------------------
     def _tree(self) -> dict[int, int]:
@@ -442,13 +464,38 @@ class ProcessController:
         proc = self._proc
         if proc is None or self._started is None:
             return {}
-        members = procs.tree(proc.pid if proc.returncode is None else None, proc.pid, self._seen.items(),
-                             since=self._started)
+        known = [*self._seen.items(), *procs.marked(self._marker, self._started).items()]
+        members = procs.tree(proc.pid if proc.returncode is None else None, proc.pid, known, since=self._started)
         new = {pid: t for pid, t in members.items() if pid != proc.pid and self._seen.get(pid) != t}
         if new:
             self._seen.update(new)
             self._write_record()
         return members
+
+    def _take(self, holders: Mapping[int, str]) -> None:
+        """Port holders tied to this start (ownership.py): the app's own from now on, stopped with it and
+        named in the record like a descendant."""
+        new = {pid: t for pid in holders if pid not in self._seen and (t := procs.start_time(pid)) is not None}
+        for pid in new:
+            log.info("%s: port %s is held by %s, the app's own: %s", self.name, self.port, procs.describe(pid),
+                     holders[pid])
+        self.holders.update(holders)
+        if new:
+            self._seen.update(new)
+            self._write_record()
+
+    async def _end_marked(self, marker: str, since: int) -> None:
+        """End what carries `marker` (a stop command's leftovers): SIGTERM, SIGKILL after GONE_AFTER_KILL_S."""
+        left = await asyncio.to_thread(procs.marked, marker, since)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid, started in left.items():
+                if procs.same(pid, started):
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, sig)
+            await self._gone(left, self.clock.now() + GONE_AFTER_KILL_S)
+            left = {pid: t for pid, t in left.items() if procs.same(pid, t)}
+            if not left:
+                return
 
     def _signal_all(self, members: Mapping[int, int], sig: signal.Signals) -> None:
         proc = self._proc
@@ -468,64 +515,33 @@ class ProcessController:
             delay = min(delay * 2, 0.1)
 
     # -- output ---------------------------------------------------------------------------------------
-    def _open_log(self) -> int:
-        """A fresh output file for this run, open for appending (the child) and reading (the tail)."""
-        if self._log is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._log)
-            self._log = None
-        fd: int | None = None
-        if self.log_path is not None:
-            with contextlib.suppress(OSError):
-                self.log_path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(self.log_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o600)
-        if fd is None:
-            fd, path = tempfile.mkstemp(prefix=f"hyperswap-{self.name}-", suffix=".log")
-            os.unlink(path)  # lives as long as the proxy or the child holds it
-            with contextlib.suppress(OSError):
-                import fcntl
-                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
-        self._log = fd
-        self.log_run += 1
-        return fd
+    @property
+    def log_run(self) -> int:
+        """Counts the output files opened (one per start): a follower sees a new run by it."""
+        return self.logfile.run
 
     def open_log(self) -> tuple[int, int] | None:
         """A descriptor of its own onto the current run's output file, and the run's number (`log_run`),
         for a follower (GET /api/tenants/{name}/logs) to read and close; None before the first start."""
-        if self._log is None:
-            return None
-        try:
-            return os.dup(self._log), self.log_run
-        except OSError:
-            return None
+        return self.logfile.dup()
 
     # -- the record: what a restarted proxy finds again -------------------------------------------
     def _write_record(self) -> None:
         proc = self._proc
         if self.pidfile is None or proc is None:
             return
-        record = {"pid": proc.pid, "start_time": self._started, "command": list(self.command),
-                  "cmdline": list(procs.cmdline(proc.pid) or ()), "boot_id": procs.boot_id(),
-                  "descendants": [[pid, t] for pid, t in self._seen.items()]}
-        with contextlib.suppress(OSError):
-            self.pidfile.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.pidfile.with_suffix(".tmp")
-            tmp.write_text(json.dumps(record))
-            tmp.replace(self.pidfile)
+        assert self.slot is not None
+        self.slot.write({"pid": proc.pid, "start_time": self._started, "command": list(self.command),
+                         "cmdline": list(procs.cmdline(proc.pid) or ()), "boot_id": procs.boot_id(),
+                         "marker": self._marker,
+                         "descendants": [[pid, t] for pid, t in self._seen.items()]})
 
     def _read_record(self) -> JSON | None:
-        if self.pidfile is None:
-            return None
-        try:
-            data = json.loads(self.pidfile.read_text())
-            return data if isinstance(data, dict) and isinstance(data.get("pid"), int) else None
-        except (OSError, ValueError):
-            return None
+        return self.slot.read() if self.slot is not None else None
 
     def _remove_pidfile(self) -> None:
-        if self.pidfile is not None:
-            with contextlib.suppress(OSError):
-                self.pidfile.unlink()
+        if self.slot is not None:
+            self.slot.remove()
 
     def _leftovers(self, record: JSON) -> dict[int, int] | None:
         """What the recorded run left that still runs and is provably its own (pid -> start time); None
@@ -545,8 +561,11 @@ class ProcessController:
         for p in procs.processes():
             if not p.alive or p.start_time < started:
                 continue
-            if p.session == pid or [p.pid, p.start_time] in known:  # type: ignore[operator]
+            if p.session == pid or p.pgid == pid or [p.pid, p.start_time] in known:  # type: ignore[operator]
                 found[p.pid] = p.start_time
+        marker = record.get("marker")
+        if isinstance(marker, str) and marker:
+            found.update(procs.marked(marker, started))
         return found
 
     def _find_orphan(self) -> JSON | None:
@@ -574,6 +593,14 @@ class ProcessRelease(StoppingRelease):
         "llama-swap's cmdStop: [\"docker\", \"stop\", \"tts\"]); it and the app's exit share stop_timeout_s, it "
         "is killed with its process group when it runs over, and SIGTERM then SIGKILL follow when it fails or the "
         "app still runs")
+    pid_file: str | None = Field(
+        default=None, description="kind process: a file the launcher writes the server's pid to, for an app a "
+        "daemon runs (its server is not the command's child): a port holder it names, started after the start, "
+        "is the app's own (see the lifecycle guide's ownership rule)")
+    log_max_mib: float = Field(
+        default=DEFAULT_MAX_MIB, gt=0, le=1024 * 1024, description="kind process: its log file (`<tenant>.log` in the "
+        "state directory) is rotated past this many MiB: its content moves to `<tenant>.log.1` (the one before is "
+        "dropped), so at most twice this is on disk, plus what the app writes in a quarter second")
     cwd: str | None = Field(default=None, description="kind process: its working directory (absolute)")
     env: dict[str, str] | None = Field(default=None, description="kind process: added to the proxy's environment")
     stop_timeout_s: float | None = stop_timeout_field()
@@ -598,7 +625,7 @@ class ProcessRelease(StoppingRelease):
             raise ValueError(f"{value[0]!r}: give the program as an absolute path or a bare name found on PATH")
         return value
 
-    @field_validator("cwd")
+    @field_validator("cwd", "pid_file")
     @classmethod
     def _absolute(cls, value: str | None) -> str | None:
         if value is not None and (not value.startswith(("/", "~")) or "\0" in value):

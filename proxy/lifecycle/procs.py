@@ -3,9 +3,10 @@ command line), what descends from them, and who holds a TCP port.
 
 A pid alone names nothing for good (numbers are reused); a pid with the kernel's start time of it
 (/proc/PID/stat field 22, clock ticks since boot) and the boot it was read in does. Descendants are
-found two ways: by session (the child starts one of its own, so everything it spawns is in it
-unless it calls `setsid` itself) and by parent links (which also find a `setsid` child while its
-parent lives). Port holders come from the listening sockets (netlink sock_diag, else /proc/net/tcp,
+found three ways: by session (the child starts one of its own, so everything it spawns is in it
+unless it calls `setsid` itself), by parent links (which also find a `setsid` child while its
+parent lives), and by the run's id in their environment (`marked`: a `setsid` child whose parent
+died too, what a proxy killed -9 left). Port holders come from the listening sockets (netlink sock_diag, else /proc/net/tcp,
 the helpers of `proxy.gpu`) and the `socket:[inode]` links in /proc/PID/fd.
 
 Blocking file reads: callers run them off the event loop. Off Linux every answer is "cannot tell"
@@ -85,6 +86,29 @@ def processes() -> list[Proc]:
             p = proc(int(entry))
             if p is not None:
                 out.append(p)
+    return out
+
+
+RUN_VAR = "HYPERSWAP_RUN"  # in a started app's environment: a random id of its run, inherited by what it spawns
+
+
+def marked(marker: str, since: int = 0) -> dict[int, int]:
+    """The live processes started at `since` or later whose environment carries RUN_VAR=`marker`:
+    what one run spawned, found even after a `setsid` and its parent's death (a proxy killed -9),
+    unless it cleared its environment. pid -> start time. Reads stat first, the environment only of
+    the few processes as young as the run; another user's environment cannot be read (skipped)."""
+    want = f"{RUN_VAR}={marker}".encode()
+    out: dict[int, int] = {}
+    for p in processes():
+        if not p.alive or p.start_time < since:
+            continue
+        try:
+            with open(f"/proc/{p.pid}/environ", "rb") as f:
+                env = f.read()
+        except OSError:
+            continue
+        if want in env.split(b"\0"):
+            out[p.pid] = p.start_time
     return out
 
 

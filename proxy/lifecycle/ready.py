@@ -61,7 +61,7 @@ async def _tcp(probe: ReadyProbe, timeout_s: float) -> str | None:
     try:
         _, writer = await asyncio.wait_for(asyncio.open_connection(probe.host, probe.port), timeout_s)
     except (OSError, TimeoutError) as exc:
-        return f"{probe.host}:{probe.port}: {exc or type(exc).__name__}"
+        return f"{probe.host}:{probe.port}: {str(exc) or type(exc).__name__}"
     writer.close()
     with contextlib.suppress(OSError):
         await writer.wait_closed()
@@ -73,7 +73,7 @@ async def _http(probe: ReadyProbe, client: httpx.AsyncClient, timeout_s: float) 
     try:
         r = await client.get(probe.url, timeout=timeout_s)
     except httpx.HTTPError as exc:
-        return f"GET {probe.url}: {exc or type(exc).__name__}"
+        return f"GET {probe.url}: {str(exc) or type(exc).__name__}"
     return None if r.status_code == probe.status else f"GET {probe.url} answered {r.status_code}, not {probe.status}"
 
 

@@ -21,11 +21,17 @@ Supervision (design invariant 12): while it runs, a task awaits the controller's
 child's exit, the moment it happens) and, when a liveness probe is given, tries it every
 `live_interval_s`: `LIVE_MISSES` misses in a row count as a failure. An app that ended goes to
 `exited` (code 0) or `failed` (any other end, or no answer) with the reason and its last output
-lines, reported like a start or stop (a decision), and what it left is cleaned up (a stop of the
-controller, before any new start). The next request starts it again; crashes in a row (an app that
-ran `STABLE_S` or longer starts the count over) back off like failed starts, the first not at all.
-A restart policy `on-failure` starts it at once (after that backoff) up to `restart_limit` crashes in
-a row; `never` waits for a request. Every change of state is told to `on_state` when it happens.
+lines, reported like a start or stop (a decision), and the controller's stop runs at once, before
+any new start: it cleans up what a child that ended left (its group, its descendants), and it ends
+an app that stopped answering (a hung or SIGSTOPped one: its stop path, SIGKILL after its
+stop_timeout_s), so the next request starts a fresh copy instead of waiting `start_timeout_s` on the
+hung one's port (issue 42: it waited 120 s and got 503). The next request starts it again; crashes in
+a row (an app that ran `STABLE_S` or longer starts the count over) back off like failed starts, the
+first not at all. A restart policy `on-failure` starts it at once (after that backoff) and, when that
+start fails, again after each failed start's backoff, up to `restart_limit` tries in a row (crashes
+and failed starts together); `restart_in_s` of each report and `restart_status` of the view say
+what it will do. `never` waits for a request. Every change of state is told to `on_state` when it
+happens.
 """
 
 from __future__ import annotations
@@ -194,6 +200,8 @@ class TenantLifecycle:
         self._stop: asyncio.Task[LifecycleReport] | None = None
         self._watcher: asyncio.Task[None] | None = None  # supervises a running app
         self._restart: asyncio.Task[None] | None = None  # the restart policy's start, waiting for its backoff
+        self._by_policy = False  # the start under way was begun by the restart policy
+        self.restart_status: str | None = None  # what the restart policy does next, or that it gave up
 
     @property
     def snapshot(self) -> Lifecycle:
@@ -263,10 +271,12 @@ class TenantLifecycle:
             except Exception as exc:
                 return await self._start_failed(began, exc)
             self._set(self._snap.started(self.clock.now()))
+            self.restart_status = None
             self._supervise()
             return self._report(LifecycleReport(self.tenant, "start", True, "running", self.clock.now() - began))
         finally:
             self._start = None
+            self._by_policy = False
 
     async def _start_failed(self, began: float, exc: Exception) -> LifecycleReport:
         error = exc.message if isinstance(exc, LifecycleError) else f"{type(exc).__name__}: {exc}"
@@ -277,8 +287,13 @@ class TenantLifecycle:
         output = output or self.controller.output()
         self._set(self._snap.start_failed(self.clock.now(), error, fix, output, self.backoff))
         retry = (self._snap.retry_at or 0.0) - self.clock.now()
+        restart_in = self._policy_next() if self._by_policy else None
+        if self._by_policy:
+            self.restart_status = self._policy_gave_up() if restart_in is None else self._policy_says(restart_in)
+        if restart_in is not None and self._restart is None:
+            self._restart = asyncio.create_task(self._restart_after(restart_in), name=f"lifecycle-restart-{self.tenant}")
         return self._report(LifecycleReport(self.tenant, "start", False, "failed", self.clock.now() - began, error,
-                                            fix, output, round(retry, 3)))
+                                            fix, output, round(retry, 3), restart_in_s=restart_in))
 
     # -- stopping ------------------------------------------------------------------------------------
     def begin_stop(self, busy: Callable[[], bool], on_done: OnDone | None = None) -> asyncio.Future[LifecycleReport]:
@@ -296,6 +311,7 @@ class TenantLifecycle:
         if self._snap.state == "stopped":
             return self._done(LifecycleReport(self.tenant, "stop", True, "stopped"), on_done)
         self._cancel(self._restart)
+        self.restart_status = None
         self._set(self._snap.stopping(self.clock.now()))
         self._stop = asyncio.create_task(self._run_stop(), name=f"lifecycle-stop-{self.tenant}")
         return self._watch(self._stop, on_done)
@@ -356,7 +372,7 @@ class TenantLifecycle:
                     ended = exit_task.result()
                     exit_task = None
                     if ended is not None and self._quiet():
-                        await self._ended(ended.reason, ended.code, ended.failed, clean=True)
+                        await self._ended(ended.reason, ended.code, ended.failed)
                         return
                     continue
                 if not self._quiet() or self.live is None:
@@ -364,7 +380,7 @@ class TenantLifecycle:
                 problem = await self.live()
                 misses, why = (misses + 1, problem) if problem else (0, "")
                 if misses >= LIVE_MISSES and self._quiet():
-                    await self._ended(f"stopped answering ({misses} probes in a row: {why})", None, True, clean=False)
+                    await self._ended(f"stopped answering ({misses} probes in a row: {why})", None, True)
                     return
         finally:
             if exit_task is not None:
@@ -372,20 +388,21 @@ class TenantLifecycle:
             if self._watcher is asyncio.current_task():
                 self._watcher = None
 
-    async def _ended(self, reason: str, code: int | None, failed: bool, *, clean: bool) -> None:
-        """It ended on its own (or stopped answering): the state says so, a report is recorded, what
-        it left is cleaned up before any new start (`clean`: a child that ended), and the restart
-        policy may start it again."""
+    async def _ended(self, reason: str, code: int | None, failed: bool) -> None:
+        """It ended on its own (or stopped answering): the state says so, a report is recorded, the
+        controller's stop runs before any new start (what a child that ended left; a hung app
+        itself, by its stop path then SIGKILL), and the restart policy may start it again."""
         now = self.clock.now()
         ran = now - self._snap.since
         self._set(self._snap.ended(now, reason, code, failed, self.controller.output(), self.backoff))
-        if clean:
-            self._stop = asyncio.create_task(self._clean_up(), name=f"lifecycle-cleanup-{self.tenant}")
+        self._stop = asyncio.create_task(self._clean_up(), name=f"lifecycle-cleanup-{self.tenant}")
         snap = self._snap
-        restart_in = None
-        if failed and self.restart == "on-failure" and snap.crashes <= self.restart_limit:
-            restart_in = max(0.0, (snap.retry_at or now) - now)
+        restart_in = self._policy_next() if failed else None
+        self.restart_status = None if restart_in is None else self._policy_says(restart_in)
+        if restart_in is not None:
             self._restart = asyncio.create_task(self._restart_after(restart_in), name=f"lifecycle-restart-{self.tenant}")
+        elif failed and self.restart == "on-failure":
+            self.restart_status = self._policy_gave_up()
         self._report(LifecycleReport(self.tenant, "exit", False, snap.state, ran, snap.error, snap.fix, snap.output,
                                      None if snap.retry_at is None else round(snap.retry_at - now, 3),
                                      exit_code=code, restart_in_s=restart_in))
@@ -401,14 +418,38 @@ class TenantLifecycle:
         return LifecycleReport(self.tenant, "stop", True, self._snap.state)
 
     async def _restart_after(self, delay_s: float) -> None:
+        """The restart policy's next try: a start after `delay_s`. When that start fails, `_start_failed`
+        schedules the next one after its backoff, while the tries in a row stay within the limit."""
         try:
             if delay_s > 0:
                 await self.clock.sleep(delay_s)
             if self._snap.state in ("failed", "exited") and self._start is None:
-                self.begin_start()
+                self._by_policy = True
+                self.begin_start(force=True)  # its own delay was the backoff
         finally:
             if self._restart is asyncio.current_task():
                 self._restart = None
+
+    def _policy_next(self) -> float | None:
+        """Seconds until the restart policy tries again, after a crash or a failed start of its own;
+        None when it does not (policy `never`, or `restart_limit` tries in a row already made)."""
+        snap = self._snap
+        if self.restart != "on-failure" or not snap.crashes or snap.crashes + snap.failures > self.restart_limit:
+            return None
+        return max(0.0, (snap.retry_at or self.clock.now()) - self.clock.now())
+
+    def _policy_says(self, delay_s: float) -> str:
+        tries = self._snap.crashes + self._snap.failures
+        return (f"restart: on-failure starts it again{f' in {delay_s:.1f} s' if delay_s else ''} "
+                f"(try {tries} of {self.restart_limit} in a row)")
+
+    def _policy_gave_up(self) -> str:
+        return (f"restart: on-failure gave up after {self.restart_limit} tries in a row (restart_limit): "
+                f"the next request, or the admin's start, starts it")
+
+    def restart_pending(self) -> bool:
+        """The restart policy will start it again by itself (a try is scheduled or under way)."""
+        return self._restart is not None or (self._start is not None and self._by_policy)
 
     def preloaded(self, error: str | None, fix: str | None = None) -> None:
         """How the start at the proxy's start went: None when it runs, else why not (and what to do)."""
@@ -437,7 +478,8 @@ class TenantLifecycle:
         s, now = self._snap, self.clock.now()
         return {"state": s.state, "for_s": round(now - s.since, 3), "error": s.error, "fix": s.fix,
                 "output": list(s.output), "failures": s.failures, "crashes": s.crashes, "exit_code": s.exit_code,
-                "restart": self.restart, "preload": self.preload, "preload_error": self.preload_error,
+                "restart": self.restart, "restart_status": self.restart_status, "preload": self.preload,
+                "preload_error": self.preload_error,
                 "retry_in_s": round(s.retry_at - now, 3) if s.retry_at is not None and s.retry_at > now else None,
                 "controller": self.controller.describe()}
 

@@ -9,7 +9,9 @@ out as the real engine keeps it: an Ollama store (`manifests/...` naming the mod
 file is in the page cache, reads it (as the engine would: it is cached afterwards) and takes
 `resident / load_gbps + rest / disk_gbps`. Dropping the files from the cache (`drop_all`) makes the
 next load cold again. The directory is created on a disk (not tmpfs, which cannot drop pages) when
-one is available, and removed with the box.
+one is available, and removed with the box. It names its owner (`.owner`: pid and start time), so a
+demo killed -9 (whose box never removed it: 53 MB each, issue 42) leaves nothing for long: the next
+box removes every such folder whose owner no longer runs.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from proxy.lifecycle import procs
 from proxy.models.pagecache import SystemPageCache
 from proxy.sim.ollama_wire import blob_digest, normalise_name
 
@@ -35,11 +38,34 @@ def load_seconds(size_bytes: int, resident: float, load_gbps: float, disk_gbps: 
     return size_bytes * resident / (load_gbps * gb) + size_bytes * (1 - resident) / (disk_gbps * gb)
 
 
+PREFIX = "hyperswap-models-"
+OWNER = ".owner"
+
+
+def remove_abandoned(base: Path) -> list[Path]:
+    """Remove the model folders in `base` whose owner (a box of a demo killed -9) no longer runs; a
+    folder with no owner file, or one whose owner runs, is left alone."""
+    removed = []
+    for folder in base.glob(f"{PREFIX}*"):
+        try:
+            owner = json.loads((folder / OWNER).read_text())
+            pid, started = int(owner["pid"]), owner["start_time"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if started is None or procs.same(pid, int(started)):
+            continue  # runs (or cannot be told: left alone)
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
 class SimModelFiles:
     def __init__(self, root: Path | None = None) -> None:
         if root is None:
             base = next((d for d in DISK_DIRS if os.access(d, os.W_OK)), None)
-            root = Path(tempfile.mkdtemp(prefix="hyperswap-models-", dir=base))
+            remove_abandoned(Path(base or tempfile.gettempdir()))
+            root = Path(tempfile.mkdtemp(prefix=PREFIX, dir=base))
+            (root / OWNER).write_text(json.dumps({"pid": os.getpid(), "start_time": procs.start_time(os.getpid())}))
         self.root = root
         self.probe = SystemPageCache()
         self.files: list[Path] = []

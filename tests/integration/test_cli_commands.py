@@ -250,3 +250,61 @@ def test_the_install_command_the_refusal_names_is_the_checkout_or_a_built_wheel(
     text = install.install_command(Path("/src/hyperswap"))
     assert "/opt/hyperswap/bin/pip install /src/hyperswap`" in text, text
     assert f"hyperswap-{__version__}-py3-none-any.whl" in text and "pip wheel --no-deps ." in text, text
+
+
+# -- the service's state directory (issue 42) ----------------------------------------------------------
+
+def _unit_from_dry_run(out: str) -> str:
+    """The unit text a dry run prints under `would write ...hyperswap.service` (indented 4)."""
+    block = out.split("hyperswap.service    #", 1)[1].split("\n", 1)[1]
+    lines = []
+    for line in block.splitlines():
+        if line and not line.startswith("    "):
+            break
+        lines.append(line[4:])
+    return "\n".join(lines)
+
+
+def _writable_under(unit: str, path: Path, state_base: str) -> bool:
+    """Whether the service may write `path`, by the sandbox options the unit sets (systemd.exec(5)):
+    ProtectSystem= makes /usr, /boot, /efi (and with full, /etc; with strict, all) read-only;
+    ProtectHome= makes /home, /root, /run/user read-only or empty; StateDirectory= is writable."""
+    keys: dict[str, list[str]] = {}
+    for line in unit.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and not line.startswith("#"):
+            keys.setdefault(key.strip(), []).append(value.strip())
+    text = str(path)
+    if any(text == f"{state_base}/{d}" or text.startswith(f"{state_base}/{d}/") for d in keys.get("StateDirectory", [])):
+        return True
+    system = (keys.get("ProtectSystem") or ["no"])[-1]
+    home = (keys.get("ProtectHome") or ["no"])[-1]
+    read_only = ["/usr", "/boot", "/efi"] + (["/etc"] if system in ("full", "strict") else [])
+    if system == "strict":
+        read_only = ["/"]
+    if home in ("yes", "read-only", "tmpfs"):
+        read_only += ["/home", "/root", "/run/user"]
+    return not any(text == r or text.startswith(r.rstrip("/") + "/") for r in read_only)
+
+
+def test_the_system_unit_a_real_install_dry_run_prints_lets_the_proxy_write_its_lifecycle_records(
+        tmp_path: Path) -> None:
+    """Issue 42: under the shipped service the records of the apps it starts could not be written (its
+    home is read-only), so a crashed run's leftovers were never cleaned. The real command's unit gives
+    the proxy a state directory, and the proxy's state path under the environment systemd gives it
+    (HOME=/root, STATE_DIRECTORY=/var/lib/<StateDirectory>) is inside it."""
+    from proxy.lifecycle.build import default_state_dir
+
+    env = {**os.environ, "HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "proxy.cli", "install", "--root", str(tmp_path / "root"), "--dry-run"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stderr
+    unit = _unit_from_dry_run(done.stdout)
+    assert "ProtectHome=read-only" in unit and "[Service]" in unit, unit
+    dirs = [line.split("=", 1)[1] for line in unit.splitlines() if line.startswith("StateDirectory=")]
+    assert dirs, f"the unit has no StateDirectory=: nothing writable for the records\n{unit}"
+    service_env = {"HOME": "/root", "STATE_DIRECTORY": ":".join(f"/var/lib/{d}" for d in dirs)}
+    state = default_state_dir(service_env)
+    assert _writable_under(unit, state, "/var/lib"), f"{state} is read-only for the service\n{unit}"
+    assert not _writable_under(unit, default_state_dir({"HOME": "/root"}), "/var/lib"), \
+        "the check itself: the home the proxy used before is read-only under this unit"

@@ -167,3 +167,20 @@ async def test_the_admin_stop_of_an_escalating_tenant_skips_the_soft_steps(box: 
     release = stopped.json()["release"]
     assert "stop" in release["asked"] and "steps" not in release, f"only the stopping step runs: {release}"
     assert not port_open(port)
+
+
+async def test_a_stopped_tenant_shows_no_idle_countdown(box: DemoFactory, http: httpx.AsyncClient,
+                                                         tmp_path: Path) -> None:
+    """Issue 42: a stopped tenant still showed an idle-release countdown (nothing runs to release)."""
+    demo = await box(fast("default", tenants={"app": process_tenant(free_port(), tmp_path, idle_release_after_s=600)}))
+    assert demo.proxy is not None
+    admin = demo.proxy.url("admin")
+
+    async def countdown() -> object:
+        return (await http.get(admin + "/api/tenants/app")).json()["idle_release_in_s"]
+
+    assert await countdown() is None, "never started: no countdown"
+    assert (await http.post(admin + "/api/tenants/app/start")).status_code == 200
+    assert isinstance(await countdown(), float), "running: its idle release counts down"
+    assert (await http.post(admin + "/api/tenants/app/stop")).status_code == 200
+    assert await countdown() is None, "stopped: no countdown"

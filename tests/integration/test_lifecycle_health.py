@@ -13,8 +13,10 @@ from pathlib import Path
 import httpx
 from boxes import DemoFactory, fast, free_port, process_tenant
 
+from proxy.config.settings import AdminSpec
 from proxy.lifecycle.build import default_state_dir
 from proxy.lifecycle.process import _start_time
+from proxy.lifecycle.record import instance_dir
 
 
 async def test_health_names_failed_starts_orphans_and_an_unreachable_docker_socket(
@@ -25,7 +27,7 @@ async def test_health_names_failed_starts_orphans_and_an_unreachable_docker_sock
                                                   start_new_session=True)
     try:
         # what an earlier proxy that crashed left behind: its pidfile, and its child still running
-        state = default_state_dir()
+        state = instance_dir(default_state_dir(), AdminSpec().listen)  # the demo's instance (its admin address)
         state.mkdir(parents=True, exist_ok=True)
         (state / "app.process.json").write_text(json.dumps({"pid": orphan.pid, "start_time": _start_time(orphan.pid),
                                                             "command": command}))

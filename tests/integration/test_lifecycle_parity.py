@@ -6,6 +6,7 @@ holding it up; a failure shown in health), the app's output as server-sent event
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
 import os
@@ -222,6 +223,58 @@ async def test_the_logs_of_an_unknown_or_unstarted_kind_of_tenant_are_refused(
     assert other.status_code == 409 and other.json()["reason"] == "not_lifecycle", other.text
     too_many = await http.get(admin + "/api/tenants/app/logs?lines=5000")
     assert too_many.status_code == 400 and "lines" in too_many.json()["error"], too_many.text
+
+
+async def test_at_most_four_streams_follow_one_tenant_and_a_closed_one_frees_its_place(
+        box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
+    demo = await box(fast("default", tenants={"app": app_tenant(tmp_path, "app")}))
+    assert demo.proxy is not None
+    admin = demo.proxy.url("admin")
+    assert (await http.post(admin + "/api/tenants/app/start")).status_code == 200
+    ctl = machine_of(demo, "app").controller
+    async with contextlib.AsyncExitStack() as streams:
+        for _ in range(4):
+            r = await streams.enter_async_context(http.stream("GET", admin + "/api/tenants/app/logs"))
+            assert r.status_code == 200
+        fifth = await http.get(admin + "/api/tenants/app/logs")
+        assert fifth.status_code == 429 and "4 streams already follow app" in fifth.json()["error"], fifth.text
+        assert "app.log" in fifth.json()["fix"], "the log file is named as the way to read more"
+    async with asyncio.timeout(WAIT_S):
+        await poll_until(lambda: ctl.followers == 0)  # type: ignore[attr-defined]
+    async with http.stream("GET", admin + "/api/tenants/app/logs") as r:
+        assert r.status_code == 200, "the places are given back when the streams end"
+
+
+FLOOD = ("import http.server, sys\n"
+         "line = b'x' * 1023 + b'\\n'\n"
+         "for _ in range(24 * 1024): sys.stdout.buffer.write(line)\n"  # 24 MiB, as fast as it can, then it serves
+         "sys.stdout.flush()\n"
+         "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), http.server.SimpleHTTPRequestHandler).serve_forever()\n")
+
+
+async def test_an_app_flooding_its_output_leaves_a_bounded_log_on_disk(
+        box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
+    port = free_port()
+    tenant = process_tenant(port, tmp_path, release={"kind": "process", "stop_timeout_s": 2, "log_max_mib": 1,
+                                                     "command": [PY, "-c", FLOOD, str(port)]})
+    demo = await box(fast("default", tenants={"app": tenant}))
+    assert demo.proxy is not None
+    started = await http.post(demo.proxy.url("admin") + "/api/tenants/app/start")
+    assert started.status_code == 200, started.text  # it listens once its 24 MiB are written
+    ctl = machine_of(demo, "app").controller
+    log = ctl.log_path  # type: ignore[attr-defined]
+    assert log is not None
+    folder = log.parent
+
+    def disk() -> int:
+        return sum(p.stat().st_blocks * 512 for p in folder.glob("app.log*"))
+
+    try:
+        async with asyncio.timeout(WAIT_S * 3):
+            await poll_until(lambda: ctl.logfile.cuts > 0 and disk() <= 2 * 2**20 + 2**16)  # type: ignore[attr-defined]
+    except TimeoutError:
+        raise AssertionError(f"{disk()} bytes of log on disk past its 1 MiB bound (twice, with .1): "
+                             f"{sorted(p.name for p in folder.iterdir())}") from None
 
 
 # -- stop-all ------------------------------------------------------------------------------------------

@@ -16,8 +16,10 @@ from pathlib import Path
 import httpx
 from boxes import DemoFactory, fast, free_port, port_open, process_tenant
 
+from proxy.clock import SystemClock
 from proxy.lifecycle import procs
 from proxy.lifecycle.process import ProcessController
+from proxy.lifecycle.ready import ReadyProbe, probe_once, probe_readiness
 from proxy.lifecycle.state import TenantLifecycle
 from proxy.tasks import poll_until
 
@@ -95,13 +97,16 @@ async def test_restart_on_failure_starts_a_crashed_app_before_anyone_asks(
 CRASHING_PROXY = textwrap.dedent("""
     import asyncio, json, sys
     from proxy.clock import SystemClock
+    from proxy.config.settings import AdminSpec
     from proxy.lifecycle.build import default_state_dir
     from proxy.lifecycle.process import ProcessController
+    from proxy.lifecycle.record import instance_dir
 
     async def main():
-        ctl = ProcessController("app", json.loads(sys.argv[1]), state_dir=default_state_dir(), clock=SystemClock())
+        state = instance_dir(default_state_dir(), AdminSpec().listen)  # the same instance as the demo's
+        ctl = ProcessController("app", json.loads(sys.argv[1]), state_dir=state, clock=SystemClock())
         await ctl.start()
-        print(ctl.pid, flush=True)
+        print(ctl.pid, await ctl.guard.armed(), flush=True)
         await asyncio.Event().wait()  # until killed
 
     asyncio.run(main())
@@ -120,8 +125,9 @@ async def test_a_proxy_killed_9_and_started_again_runs_exactly_one_copy(
     try:
         assert crashed.stdout is not None
         async with asyncio.timeout(WAIT_S):
-            shell = int(await crashed.stdout.readline())
+            shell, guard = map(int, (await crashed.stdout.readline()).split())
             await poll_until(lambda: port_open(port))
+        os.kill(guard, signal.SIGKILL)  # its guard dies first (as if killed with it): the record's part alone
         crashed.kill()  # the proxy dies: -9, no shutdown of any kind
         await crashed.wait()
         async with asyncio.timeout(WAIT_S):
@@ -170,7 +176,9 @@ async def test_a_port_held_by_another_server_fails_the_start_naming_it(
 
 
 # An app that serves its port and leaves a daemon behind (fork, setsid, fork) serving the same port
-# (SO_REUSEPORT): no session and no parent link lead from the app to the daemon.
+# (SO_REUSEPORT): no session and no parent link lead from the app to the daemon. With argv[3] "clean",
+# the daemon also execs itself with an empty environment, so nothing (not the run's id, procs.RUN_VAR)
+# leads to it: what no supervisor can tell from a stranger.
 LEAVES_A_DAEMON = textwrap.dedent("""
     import http.server, os, socket, sys
     port = int(sys.argv[1])
@@ -179,11 +187,18 @@ LEAVES_A_DAEMON = textwrap.dedent("""
         s.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         s.server_bind(); s.server_activate()
         return s
+    if len(sys.argv) > 3 and sys.argv[3] == "daemon":  # the daemon, after its exec
+        os.write(1, f"daemon {os.getpid()}\\n".encode())  # one write: print() may write in pieces, and
+        with open(sys.argv[2], "w") as f:
+            f.write(str(os.getpid()))
+        serve().serve_forever()
     app = serve()
     if os.fork() == 0:
         os.setsid()
         if os.fork() == 0:
-            os.write(1, f"daemon {os.getpid()}\\n".encode())  # one write: print() may write in pieces, and
+            if len(sys.argv) > 3 and sys.argv[3] == "clean":
+                os.execve(sys.executable, [sys.executable, "-c", SELF, *sys.argv[1:3], "daemon"], {})
+            os.write(1, f"daemon {os.getpid()}\\n".encode())
             with open(sys.argv[2], "w") as f:
                 f.write(str(os.getpid()))
             serve().serve_forever()
@@ -194,12 +209,17 @@ LEAVES_A_DAEMON = textwrap.dedent("""
 """)
 
 
+def leaves_a_daemon(port: int, pidfile: Path, *extra: str) -> list[str]:
+    """The command; the script knows its own text as SELF (for the daemon's exec)."""
+    script = f"SELF = {LEAVES_A_DAEMON!r}\n" + LEAVES_A_DAEMON
+    return [sys.executable, "-c", script, str(port), str(pidfile), *extra]
+
+
 async def test_a_stop_that_leaves_the_port_held_fails_names_the_holder_and_is_never_running(
         box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
     port = free_port()
     tenant = process_tenant(port, tmp_path, release={"kind": "process", "stop_timeout_s": 2,
-                                                     "command": [sys.executable, "-c", LEAVES_A_DAEMON, str(port),
-                                                                 str(tmp_path / "daemon.pid")]})
+                                                     "command": leaves_a_daemon(port, tmp_path / "daemon.pid", "clean")})
     demo = await box(fast("default", tenants={"app": tenant}))
     assert demo.proxy is not None
     machine = machine_of(demo)
@@ -231,7 +251,8 @@ async def test_a_stop_that_leaves_the_port_held_fails_names_the_holder_and_is_ne
 SETSID_CHILD = textwrap.dedent("""
     import http.server, os, subprocess, sys
     port = int(sys.argv[1])
-    helper = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"], start_new_session=True)
+    helper = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()", f"helper-of-{port}"],
+                              start_new_session=True)
     print("helper", helper.pid, flush=True)
     http.server.HTTPServer(("127.0.0.1", port), http.server.SimpleHTTPRequestHandler).serve_forever()
 """)
@@ -254,5 +275,154 @@ async def test_a_setsid_child_of_the_app_is_stopped_with_it(
         stopped = await http.post(demo.proxy.url("admin") + "/api/tenants/app/stop")
         assert stopped.status_code == 200 and machine.state == "stopped", stopped.text
         assert not procs.same(helper, started), "the child that left the app's session is stopped with it"
+    finally:  # every helper any run of the app made (a start that failed under load and ran again made two)
+        kill_all(copies(f"helper-of-{port}"))
+
+
+async def test_an_app_stopped_with_sigstop_is_ended_once_declared_failed_and_a_fresh_copy_answers(
+        http: httpx.AsyncClient, tmp_path: Path) -> None:
+    """Issue 42: a hung app was marked failed but left running, so the next request waited the whole
+    start_timeout_s on its port. Now it is ended (SIGTERM with SIGCONT, SIGKILL after stop_timeout_s)
+    as it is declared failed, and the next start is a fresh copy. The probe's misses are made quick
+    (a short interval and a short try) only so the test does not wait 3 x 5 s."""
+    port = free_port()
+    tenant = process_tenant(port, tmp_path)
+    ctl = ProcessController("app", tenant["release"]["command"], stop_timeout_s=2.0,  # type: ignore[index]
+                            clock=SystemClock(), host="127.0.0.1", port=port)
+    probe = ReadyProbe("127.0.0.1", port, f"http://127.0.0.1:{port}/hello.txt")
+    machine = TenantLifecycle("app", ctl, probe_readiness(probe, SystemClock(), exited=ctl.exited, client=http,
+                                                          owner=ctl.owns_port),
+                              start_timeout_s=60.0, clock=SystemClock(), live=lambda: probe_once(probe, http, 0.2),
+                              live_interval_s=0.05)
+    try:
+        await machine.ensure_running()
+        hung = ctl.pid
+        assert hung is not None
+        os.kill(hung, signal.SIGSTOP)  # alive, holding its port, answering nothing
+        async with asyncio.timeout(WAIT_S):
+            await poll_until(lambda: machine.state == "failed")
+        assert "stopped answering" in (machine.snapshot.error or ""), machine.snapshot.error
+        machine.live = None  # the fresh copy is judged by its answer below, not by 0.2 s probes on a busy box
+        async with asyncio.timeout(WAIT_S):
+            await machine.ensure_running()  # waits for the hung copy's end, then starts a fresh one
+        assert ctl.pid != hung and not procs.same(hung, procs.start_time(hung) or -1), "the hung copy is gone"
+        answer = await http.get(f"http://127.0.0.1:{port}/hello.txt")
+        assert answer.status_code == 200 and len(copies(f"http.server {port}")) == 1
     finally:
-        kill_all([helper] if helper else [])
+        await machine.aclose()
+        kill_all(copies(f"http.server {port}"))
+
+
+async def test_two_proxies_on_one_machine_with_the_same_tenant_names_never_touch_each_others_app(
+        box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
+    """Issue 42: a second demo or serve (other ports, same tenant name, one state folder) ended the
+    first's running app at its start as "left behind by an earlier run", and its stop deleted the
+    first's record. Each instance's records are its own (record.py)."""
+    first_port, second_port = free_port(), free_port()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = await box(fast("default", tenants={"app": process_tenant(first_port, tmp_path / "a")}))
+    assert first.proxy is not None
+    assert (await http.get(first.proxy.url("app") + "/hello.txt")).status_code == 200
+    running = machine_of(first).controller.pid  # type: ignore[attr-defined]
+    second = await box(fast("default", tenants={"app": process_tenant(second_port, tmp_path / "b")}))
+    assert second.proxy is not None
+    assert procs.same(running, procs.start_time(running) or -1) and machine_of(first).state == "running", \
+        "the second proxy's start left the first's app alone"
+    assert (await http.get(second.proxy.url("app") + "/hello.txt")).status_code == 200
+    assert (await http.post(second.proxy.url("admin") + "/api/tenants/app/stop")).status_code == 200
+    assert machine_of(first).state == "running" and port_open(first_port), "the other's stop touched nothing of it"
+    assert not [d for d in first.proxy.decisions.recent() if d.kind == "exit"], "the first saw no exit"
+    record = machine_of(first).controller.pidfile  # type: ignore[attr-defined]
+    assert record is not None and record.exists(), "its record is still there for a restart to find"
+    await second.stop()
+    await first.stop()
+    assert not copies(f"http.server {first_port}") and not copies(f"http.server {second_port}")
+
+
+async def test_a_daemon_the_app_leaves_is_stopped_with_it_found_by_its_runs_id(
+        box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
+    """Issue 42 item 5: no session and no parent link lead to a daemon the app left (fork, setsid,
+    fork); the run's id in its environment (procs.RUN_VAR) does, so the stop ends it too."""
+    port = free_port()
+    pidfile = tmp_path / "daemon.pid"
+    tenant = process_tenant(port, tmp_path, release={"kind": "process", "stop_timeout_s": 2,
+                                                     "command": leaves_a_daemon(port, pidfile)})
+    demo = await box(fast("default", tenants={"app": tenant}))
+    assert demo.proxy is not None
+    daemon = 0
+    try:
+        assert (await http.get(demo.proxy.url("app") + "/")).status_code == 200
+        async with asyncio.timeout(WAIT_S):
+            await poll_until(lambda: pidfile.exists() and pidfile.read_text().strip())
+        daemon = int(pidfile.read_text())
+        started = procs.start_time(daemon) or -1
+        stopped = await http.post(demo.proxy.url("admin") + "/api/tenants/app/stop")
+        assert stopped.status_code == 200 and machine_of(demo).state == "stopped", stopped.text
+        assert not procs.same(daemon, started) and not port_open(port), "the daemon it left is stopped with it"
+    finally:
+        kill_all([daemon] if daemon else [])
+
+
+async def test_a_setsid_grandchild_left_by_a_proxy_killed_9_is_ended_by_the_restarted_one(
+        box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
+    """Issue 42 item 5: the shell's server called setsid and its parent died with the proxy: no session,
+    no parent link, never seen by a stop. Its environment carries the run's id from the record."""
+    port = free_port()
+    tenant = process_tenant(port, tmp_path)
+    server = " ".join(tenant["release"]["command"])  # type: ignore[index]
+    tenant["release"]["command"] = ["sh", "-c", f"setsid {server} & wait"]  # type: ignore[index]
+    crashed = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", CRASHING_PROXY, __import__("json").dumps(tenant["release"]["command"]),  # type: ignore[index]
+        stdout=asyncio.subprocess.PIPE, cwd=str(Path(__file__).parents[2]))
+    try:
+        assert crashed.stdout is not None
+        async with asyncio.timeout(WAIT_S):
+            guard = int((await crashed.stdout.readline()).split()[1])
+            await poll_until(lambda: port_open(port))
+        os.kill(guard, signal.SIGKILL)  # the record's part alone (the guard's: the test after this one)
+        crashed.kill()  # the proxy dies: -9 (its command line names the server too: copies are counted after)
+        await crashed.wait()
+        (left,) = copies(f"http.server {port}")
+        assert procs.proc(left).session == left, "the server left the app's session"  # type: ignore[union-attr]
+        demo = await box(fast("default", tenants={"app": tenant}))
+        assert demo.proxy is not None
+        assert not copies(f"http.server {port}") and not port_open(port), "ended by the restarted proxy"
+        assert (await http.get(demo.proxy.url("app") + "/hello.txt")).status_code == 200
+        assert len(copies(f"http.server {port}")) == 1
+    finally:
+        if crashed.returncode is None:
+            crashed.kill()
+            await crashed.wait()
+        kill_all(copies(f"http.server {port}"))
+
+
+async def test_what_the_app_spawned_is_ended_by_its_guard_when_the_proxy_is_killed_9(tmp_path: Path) -> None:
+    """Issue 42: an app behind a shell kept its port after kill -9 of the proxy until the proxy was
+    started again. Its guard (lifecycle/guard.py) ends it when the proxy's end of its pipe closes:
+    the shell's server, and a setsid one."""
+    port, other = free_port(), free_port()
+    tenant = process_tenant(port, tmp_path)
+    server = " ".join(tenant["release"]["command"])  # type: ignore[index]
+    command = ["sh", "-c", f"{server} & setsid {server.replace(str(port), str(other))} & wait"]
+    crashed = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", CRASHING_PROXY, __import__("json").dumps(command),
+        stdout=asyncio.subprocess.PIPE, cwd=str(Path(__file__).parents[2]))
+    try:
+        assert crashed.stdout is not None
+        async with asyncio.timeout(WAIT_S):
+            guard = int((await crashed.stdout.readline()).split()[1])
+            await poll_until(lambda: port_open(port) and port_open(other))
+        crashed.kill()
+        await crashed.wait()
+        async with asyncio.timeout(WAIT_S):
+            await poll_until(lambda: not port_open(port) and not port_open(other))
+        assert not copies(f"http.server {port}") and not copies(f"http.server {other}"), \
+            "what the app spawned is gone without a restart of the proxy"
+        async with asyncio.timeout(WAIT_S):
+            await poll_until(lambda: not procs.same(guard, procs.start_time(guard) or -1))
+    finally:
+        if crashed.returncode is None:
+            crashed.kill()
+            await crashed.wait()
+        kill_all(copies(f"http.server {port}") + copies(f"http.server {other}"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -13,6 +14,7 @@ import textwrap
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from proxy.clock import SystemClock
@@ -24,6 +26,7 @@ from proxy.lifecycle import (
     probe_readiness,
     wait_ready,
 )
+from proxy.lifecycle.ready import probe_once
 from proxy.tasks import poll_until
 
 PY = sys.executable
@@ -169,8 +172,11 @@ async def test_an_orphan_of_an_earlier_run_is_named_and_never_killed(
     await printed(first, "ignoring")
     pid = first.pid
     assert pid is not None
-    # the proxy restarts (the first one crashed): a new controller reads the pidfile
+    # the proxy restarts (the first one crashed, and the kernel let its slot go): a new controller reads the record
+    assert first.slot is not None
+    first.slot.release()
     second = ProcessController("app", [PY, "-c", STUBBORN], state_dir=tmp_path)
+    controllers.append(second)
     assert second.orphan == {"pid": pid, "command": [PY, "-c", STUBBORN]}
     assert await second.status() == "unknown", "it did not start it, so it cannot say it runs"
     problems = await second.check()
@@ -179,8 +185,34 @@ async def test_an_orphan_of_an_earlier_run_is_named_and_never_killed(
     await second.aclose()
     assert alive(pid), "the proxy never stops a process it did not start"
     await first.stop()
-    assert not (tmp_path / "app.process.json").exists(), "a clean stop removes the pidfile"
-    assert ProcessController("app", [PY], state_dir=tmp_path).orphan is None
+    assert not alive(pid)
+    third = ProcessController("app", [PY], state_dir=tmp_path)
+    controllers.append(third)
+    assert third.orphan is None, "what the record names is gone"
+
+
+async def test_two_live_instances_with_one_state_folder_never_touch_each_others_app_or_record(
+        controllers: list[ProcessController], tmp_path: Path) -> None:
+    """Issue 42: a second proxy with the same tenant name ended the first's app at its start as "left
+    behind by an earlier run", and its stop deleted the first's record. A slot is held by one live
+    controller: the second takes the next."""
+    first = make(controllers, "-c", STUBBORN, state_dir=tmp_path, stop_timeout_s=0.2)
+    await first.start()
+    await printed(first, "ignoring")
+    pid = first.pid
+    assert pid is not None and (tmp_path / "app.process.json").exists()
+    second = make(controllers, "-c", SERVER, state_dir=tmp_path, stop_timeout_s=2.0)
+    assert second.orphan is None and await second.clean_up() == [], "a live instance's app is no leftover"
+    assert await second.check() == []
+    await second.start()
+    await printed(second, "listening")
+    await second.stop()
+    assert alive(pid), "the other instance's app runs on"
+    record = json.loads((tmp_path / "app.process.json").read_text())
+    assert record["pid"] == pid and record["writer"]["pid"] == os.getpid(), "its record is left, naming its writer"
+    assert second.log_path == tmp_path / "app.2.log" and first.log_path == tmp_path / "app.log"
+    await first.stop()
+    assert not (tmp_path / "app.process.json").exists(), "a clean stop removes its own record"
 
 
 async def test_aclose_stops_what_it_started(controllers: list[ProcessController]) -> None:
@@ -191,3 +223,22 @@ async def test_aclose_stops_what_it_started(controllers: list[ProcessController]
     assert pid is not None
     await ctl.aclose()
     assert not alive(pid) and await ctl.status() == "stopped"
+
+
+async def test_a_probe_failure_with_an_empty_message_names_its_kind() -> None:
+    """Issue 42: a timeout read "GET .../health: " (an exception whose text is empty)."""
+    def hang(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("", request=request)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(hang)) as client:
+        why = await probe_once(ReadyProbe("127.0.0.1", 9, "http://127.0.0.1:9/health"), client, 0.1)
+    assert why == "GET http://127.0.0.1:9/health: ReadTimeout", why
+
+
+async def test_a_stop_lets_the_guard_go_without_it_acting(controllers: list[ProcessController]) -> None:
+    ctl = make(controllers, "-c", SERVER)
+    await ctl.start()
+    guard = await ctl.guard.armed()
+    assert guard is not None and alive(guard), "a guard runs beside the app"
+    await ctl.stop()
+    assert not alive(guard) and ctl.guard.proc is None, "told to let go, it exited (and was reaped)"

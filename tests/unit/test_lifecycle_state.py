@@ -49,6 +49,12 @@ class FakeController:
     def output(self) -> tuple[str, ...]:
         return self.lines
 
+    def summary(self) -> str:
+        return "fake"
+
+    def output_elsewhere(self) -> tuple[str, str] | None:
+        return None
+
     def exited(self) -> str | None:
         return None
 
@@ -354,7 +360,7 @@ async def test_a_running_app_that_stops_answering_its_probe_is_failed_after_thre
     async def live() -> str | None:
         return answers.pop(0) if answers else None
 
-    lc, ctl, _, clock, reports = machine(live=live, live_interval_s=5.0)
+    lc, _, _, clock, reports = machine(live=live, live_interval_s=5.0)
     await lc.ensure_running()
     answers.extend(["timed out", None, "timed out", "timed out", "connection refused"])
     for _ in range(4):
@@ -366,7 +372,51 @@ async def test_a_running_app_that_stops_answering_its_probe_is_failed_after_thre
     await settle()
     assert lc.state == "failed" and "stopped answering (3 probes in a row: connection refused)" in (lc.snapshot.error or "")
     assert reports[-1].action == "exit" and reports[-1].exit_code is None
-    assert ctl.stops == 0, "an app that does not answer may be busy: it is not killed behind a request's back"
+
+
+async def test_a_hung_app_is_ended_by_its_stop_once_declared_failed_and_the_next_request_starts_a_fresh_copy() -> None:
+    answers: list[str | None] = ["timed out"] * 3
+
+    async def live() -> str | None:
+        return answers.pop(0) if answers else None
+
+    lc, ctl, _, clock, _ = machine(live=live, live_interval_s=5.0)
+    await lc.ensure_running()
+    for _ in range(3):
+        await settle()
+        await clock.advance(5.0)
+        await settle()
+    assert lc.state == "failed" and ctl.stops == 1, "declared failed: ended by its stop path at once"
+    assert not ctl.running, "nothing hung is left holding its port"
+    assert (await lc.ensure_running()).ok and ctl.starts == 2 and ctl.running, "the next request starts a fresh copy"
+
+
+async def test_restart_on_failure_retries_a_failing_start_with_its_backoff_up_to_its_limit_and_says_so() -> None:
+    lc, ctl, _, clock, reports = machine(restart="on-failure", restart_limit=3)
+    await lc.ensure_running()
+    await clock.advance(90.0)
+    await settle()
+    ctl.fail_start = "CUDA out of memory"
+    ctl.crash(-9)
+    await settle()
+    assert ctl.starts == 2 and lc.state == "failed", "the policy's first try starts at once, and fails"
+    failed = [r for r in reports if r.action == "start" and not r.ok]
+    assert failed[-1].restart_in_s == 1.0, "a failed try of the policy says when it tries again"
+    assert "try 2 of 3" in (lc.view()["restart_status"] or ""), lc.view()["restart_status"]
+    assert lc.restart_pending()
+    await clock.advance(1.0)
+    await settle()
+    assert ctl.starts == 3, "tried again after its backoff, not left failed after one try"
+    await clock.advance(2.0)
+    await settle()
+    assert ctl.starts == 4 and lc.state == "failed"
+    await clock.advance(60.0)
+    await settle()
+    assert ctl.starts == 4, "restart_limit tries in a row (the crash's and the failed starts), then it stops trying"
+    assert not lc.restart_pending() and "gave up after 3 tries" in (lc.view()["restart_status"] or "")
+    assert [r for r in reports if r.action == "start"][-1].restart_in_s is None
+    ctl.fail_start = None
+    assert (await lc.ensure_running()).ok and lc.view()["restart_status"] is None, "a request starts it, as said"
 
 
 async def test_every_change_of_state_is_told_when_it_happens() -> None:
@@ -382,3 +432,23 @@ async def test_every_change_of_state_is_told_when_it_happens() -> None:
     assert told[-1] == "stopping"
     await stop
     assert told == ["starting", "running", "stopping", "stopped"]
+
+
+async def test_health_says_the_policy_restarts_it_only_when_it_will() -> None:
+    from proxy.admin.health import lifecycle_entries
+
+    lc, ctl, _, _, _ = machine(restart="on-failure", restart_limit=1)
+    await lc.ensure_running()
+    await settle()
+    ctl.crash(0)
+    await settle()
+    (entry,) = lifecycle_entries("llama", lc, [])
+    assert "restarted by its policy" not in (entry.fix or "") and "clean exit" in (entry.fix or ""), entry
+    assert "next request to llama starts it" in (entry.impact or ""), entry
+    await lc.ensure_running()
+    await settle()
+    ctl.crash(-9)  # the second end in a row (the clean exit counted): past restart_limit 1
+    await settle()
+    (entry,) = lifecycle_entries("llama", lc, [])
+    assert not lc.restart_pending() and "restarted by its policy" not in (entry.fix or ""), entry
+    assert "gave up after 1 tries" in (entry.fix or ""), entry

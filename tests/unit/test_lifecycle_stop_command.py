@@ -73,6 +73,26 @@ async def test_a_stop_command_that_works_stops_the_app_without_signals(controlle
     assert ctl.describe()["stop_command"][0] == PY
 
 
+async def test_a_setsid_child_a_stop_command_leaves_is_ended_with_the_stop(controllers: list[ProcessController],
+                                                                          fifo: Path, tmp_path: Path) -> None:
+    """Issue 42: a stop command that leaves a `setsid` child (out of its process group, its parent gone)
+    left it running. It carries the stop's run id in its environment (procs.RUN_VAR): ended too."""
+    helper_pid = tmp_path / "helper.pid"
+    stop = [PY, "-c", "import subprocess, sys\n"
+            f"h = subprocess.Popen([sys.executable, '-c', 'import signal; signal.pause()'], start_new_session=True)\n"
+            f"open({str(helper_pid)!r}, 'w').write(str(h.pid))\n"
+            f"open({str(fifo)!r}, 'w').write('x')\n"]
+    ctl = await started(controllers, waiter(fifo), stop)
+    await ctl.stop()
+    helper = int(helper_pid.read_text())
+    try:
+        assert ctl.stop_error is None and ctl.describe()["exit_code"] == 7, ctl.describe()
+        assert not alive(helper), "the stop command's setsid child is ended with the stop"
+    finally:
+        if alive(helper):
+            os.kill(helper, signal.SIGKILL)
+
+
 async def test_a_failing_stop_command_falls_back_to_the_signals_and_says_why(controllers: list[ProcessController],
                                                                            fifo: Path) -> None:
     failing = [PY, "-c", "import sys; print('Error: No such container: tts', file=sys.stderr); sys.exit(1)"]

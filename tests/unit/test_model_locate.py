@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from proxy.engines import adapter_for
@@ -21,8 +24,10 @@ from proxy.engines.model_files import (
     parse_extra_model_paths,
     plain_files,
 )
+from proxy.lifecycle import procs
 from proxy.models.catalog import ModelCatalog
 from proxy.models.pagecache import FileResidency
+from proxy.sim.model_files import OWNER, PREFIX, remove_abandoned
 
 
 def hexd(short: str) -> str:
@@ -222,3 +227,17 @@ def test_the_health_text_names_a_model_file_given_as_model_paths_not_a_dash(tmp_
     both = plain_files("stt", [tmp_path / "d", tmp_path / "whisper.bin"])
     assert files_summary(both) == f"2 model(s) in {tmp_path / 'd'} and {tmp_path / 'whisper.bin'}"
     assert files_summary(plain_files("stt", [tmp_path / "d"])) == f"1 model(s) in {tmp_path / 'd'}"
+
+
+def test_a_model_folder_whose_demo_was_killed_is_removed_by_the_next_box(tmp_path: Path) -> None:
+    """Issue 42: each demo killed -9 left its 53 MB hyperswap-models-* folder for good."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    started = procs.start_time(gone.pid)
+    gone.wait()
+    for name, owner in (("dead", {"pid": gone.pid, "start_time": started}),
+                        ("live", {"pid": os.getpid(), "start_time": procs.start_time(os.getpid())})):
+        (tmp_path / f"{PREFIX}{name}").mkdir()
+        (tmp_path / f"{PREFIX}{name}" / OWNER).write_text(json.dumps(owner))
+    (tmp_path / f"{PREFIX}unowned").mkdir()
+    assert remove_abandoned(tmp_path) == [tmp_path / f"{PREFIX}dead"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{PREFIX}live", f"{PREFIX}unowned"]
