@@ -10,7 +10,7 @@ engine's name: they ask its adapter, typed as the port they use.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -20,7 +20,7 @@ from proxy.config.schema import ReleaseSpec, Tenant
 from proxy.engines import ports
 from proxy.engines.common import Need, release_by_strategy, resume_by_strategy
 from proxy.engines.model_files import FileHints, TenantFiles, plain_tenant_files
-from proxy.engines.ports import Header, JobReplay, Placement, Relocation, RequestKind, Streamed
+from proxy.engines.ports import Header, JobFrame, JobReplay, Placement, Relocation, RequestKind, Requeued, Streamed
 from proxy.engines.settings import EnvReaders
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory
@@ -242,9 +242,29 @@ class EngineAdapter(ports.HostAndHeaders, ports.Classifier, ports.JobTracker, po
         """The failed job as the engine kept it, to submit again; None when it is not (yet) there."""
         return None
 
-    async def resubmit(self, client: httpx.AsyncClient, replay: JobReplay) -> tuple[str | None, int]:
-        """Submit the job again: (the new job id or None when refused, the HTTP status). Raises httpx errors."""
-        return None, 0
+    async def resubmit(self, client: httpx.AsyncClient, replay: JobReplay) -> Requeued:
+        """Submit the job again, under its own id where the engine takes one. Raises httpx errors."""
+        return Requeued(None, 0)
+
+    def job_frame(self, text: str) -> JobFrame | None:
+        """What a websocket text frame says about a job's run, if anything (must be cheap)."""
+        return None
+
+    def history_route(self, method: str, path: str) -> bool:
+        """Whether this request reads the engine's record of finished jobs (its history)."""
+        return False
+
+    def history_mark(self, job_id: str, body: bytes) -> str | None:
+        """The mark (`Requeued.mark`) of the job's record in a history answer; None when not in it."""
+        return None
+
+    def history_without(self, body: bytes, hidden: Callable[[str, str | None], bool]) -> bytes | None:
+        """A history answer without the records `hidden(job id, mark)` names; None: nothing hidden."""
+        return None
+
+    def history_outcome(self, job_id: str, body: bytes) -> ports.JobFrameKind | None:
+        """How the job's record in a history answer says it ended: success, oom or error; None: not in it."""
+        return None
 
     # -- SelfReport: what the engine says about itself (no GPU reader: invariant 10) -----------------
     async def self_reported_bytes(self, client: httpx.AsyncClient) -> int | None:

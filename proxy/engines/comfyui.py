@@ -11,7 +11,7 @@ reports the torch device (self-report, device figures, `--cpu`), /models/checkpo
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import httpx
@@ -23,7 +23,7 @@ from proxy.engines import settings as es
 from proxy.engines.base import EngineAdapter
 from proxy.engines.common import Need, ReleaseFailed, json_or_none, upstream_of
 from proxy.engines.model_files import FileHints, TenantFiles, comfyui_tenant_files
-from proxy.engines.ports import JobReplay, Relocation, RequestKind
+from proxy.engines.ports import JobFrame, JobFrameKind, JobReplay, Relocation, RequestKind, Requeued
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory
 
@@ -166,7 +166,9 @@ class ComfyUIAdapter(EngineAdapter):
                    and comfy_event_is_oom({"type": message[0], "data": message[1]}) for message in messages)
 
     async def job_replay(self, client: httpx.AsyncClient, job_id: str) -> JobReplay | None:
-        """The prompt's graph and extra data from /history/{id} (ComfyUI writes history before its end marker)."""
+        """The prompt's graph and extra data from /history/{id} (ComfyUI writes history before its end
+        marker), to be queued again under its own id (`prompt_id` in the body, taken since 2025-07) for
+        the same client, so its history, queue and websocket frames name the prompt the client knows."""
         try:
             r = await client.get(f"{upstream_of(self.tenant)}/history/{job_id}")
             item = r.json().get(job_id) if r.status_code == 200 else None
@@ -177,15 +179,82 @@ class ComfyUIAdapter(EngineAdapter):
         graph, extra = item["prompt"][2], item["prompt"][3]
         if not (isinstance(graph, dict) and isinstance(extra, dict)):
             return None
-        payload: dict[str, Any] = {"prompt": graph, "extra_data": extra}
+        payload: dict[str, Any] = {"prompt": graph, "extra_data": extra, "prompt_id": job_id}
         if extra.get("client_id"):
             payload["client_id"] = extra["client_id"]  # its websocket sees the new prompt's progress
         return JobReplay(json.dumps({"prompt": graph}).encode(), payload)
 
-    async def resubmit(self, client: httpx.AsyncClient, replay: JobReplay) -> tuple[str | None, int]:
+    async def resubmit(self, client: httpx.AsyncClient, replay: JobReplay) -> Requeued:
         r = await client.post(f"{upstream_of(self.tenant)}/prompt", json=replay.payload)
-        new_id = r.json().get("prompt_id") if r.status_code == 200 else None
-        return (new_id if isinstance(new_id, str) and new_id else None), r.status_code
+        data = _ok_json(r.status_code, r.content)
+        new_id = data.get("prompt_id") if isinstance(data, dict) else None
+        number = data.get("number") if isinstance(data, dict) else None
+        return Requeued(new_id if isinstance(new_id, str) and new_id else None, r.status_code,
+                        _mark(number) if isinstance(number, int | float) else None)
+
+    def job_frame(self, text: str) -> JobFrame | None:
+        """execution_start, execution_success, execution_error (OOM or not), execution_interrupted,
+        and the end marker `executing` with node null; progress frames are skipped unread."""
+        if "execution_" not in text and '"executing"' not in text:
+            return None
+        try:
+            msg = json.loads(text)
+        except ValueError:
+            return None
+        if not isinstance(msg, dict) or not isinstance(data := msg.get("data"), dict):
+            return None
+        pid = data.get("prompt_id")
+        if not isinstance(pid, str) or not pid:
+            return None
+        match msg.get("type"):
+            case "execution_start":
+                return JobFrame("start", pid)
+            case "execution_success":
+                return JobFrame("success", pid)
+            case "execution_error":
+                return JobFrame("oom" if comfy_event_is_oom(msg) else "error", pid)
+            case "execution_interrupted":
+                return JobFrame("error", pid)
+            case "executing" if "node" in data and data["node"] is None:
+                return JobFrame("end", pid)
+        return None
+
+    def history_route(self, method: str, path: str) -> bool:
+        route = path.rstrip("/")
+        return method.upper() == "GET" and (route in HISTORY_ROUTES
+                                            or route.startswith(tuple(f"{r}/" for r in HISTORY_ROUTES)))
+
+    def history_mark(self, job_id: str, body: bytes) -> str | None:
+        """A record's `prompt` is [number, prompt_id, graph, extra_data, outputs]: its number marks the run."""
+        try:
+            entry = json.loads(body).get(job_id)
+        except (ValueError, AttributeError):
+            return None
+        return _record_mark(entry)
+
+    def history_outcome(self, job_id: str, body: bytes) -> JobFrameKind | None:
+        try:
+            entry = json.loads(body).get(job_id)
+        except (ValueError, AttributeError):
+            return None
+        if not isinstance(entry, dict):
+            return None
+        if self.oom_in_history(job_id, body):
+            return "oom"
+        status = entry.get("status")
+        return "success" if isinstance(status, dict) and status.get("status_str") == "success" else "error"
+
+    def history_without(self, body: bytes, hidden: Callable[[str, str | None], bool]) -> bytes | None:
+        """GET /history and /history/{id} answer {prompt_id: record, ...}; a record hidden is left out
+        (for /history/{id} that is `{}`, what ComfyUI answers while the prompt has not finished)."""
+        try:
+            data = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(data, dict):
+            return None
+        kept = {k: v for k, v in data.items() if not hidden(k, _record_mark(v))}
+        return json.dumps(kept).encode() if len(kept) < len(data) else None
 
     async def _torch_device(self, client: httpx.AsyncClient) -> dict[str, Any] | None:
         """The first (torch) device of ComfyUI's /system_stats; None when unreadable."""
@@ -284,6 +353,20 @@ class ComfyUIAdapter(EngineAdapter):
     def relocation(self, port: int) -> Relocation:
         """ComfyUI ships no service: its `--port` flag (with `--listen` left at its 127.0.0.1 default)."""
         return Relocation(port=port, instruction=f"python main.py --port {port}")
+
+
+def _mark(number: float) -> str:
+    """A queue number as a record's mark: 3 and 3.0 are the same run."""
+    return str(int(number)) if float(number).is_integer() else repr(float(number))
+
+
+def _record_mark(entry: object) -> str | None:
+    if not isinstance(entry, dict):
+        return None
+    prompt = entry.get("prompt")
+    if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], int | float)):
+        return None
+    return _mark(prompt[0])
 
 
 def _ok_json(status: int, body: bytes) -> object:

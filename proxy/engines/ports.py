@@ -26,7 +26,7 @@ The value types the ports speak (`Streamed`, `JobReplay`, `Relocation`, ...) are
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -65,7 +65,28 @@ class Streamed:
 class JobReplay:
     """A job that failed for lack of memory, as the engine kept it, ready to be submitted again."""
     body: bytes  # the request body as if submitted afresh: its need is estimated from it
-    payload: dict[str, Any]  # what resubmits it (same client, same extra data)
+    payload: dict[str, Any]  # what resubmits it (same job id, same client, same extra data)
+
+
+@dataclass(frozen=True, slots=True)
+class Requeued:
+    """The engine's answer to a resubmitted job: the id it runs under (None: refused), the HTTP
+    status, and the mark that tells the new run's record from the failed one's under the same id
+    (ComfyUI: its queue number; None: the engine gives none)."""
+    job_id: str | None
+    status: int
+    mark: str | None = None
+
+
+JobFrameKind = Literal["start", "success", "oom", "error", "end"]
+
+
+@dataclass(frozen=True, slots=True)
+class JobFrame:
+    """A websocket frame about one job's run: it began (`start`), succeeded, ran out of GPU memory
+    (`oom`), failed otherwise (`error`: also an interrupt), or ended (`end`: the end marker)."""
+    kind: JobFrameKind
+    job_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +175,10 @@ class JobTracker(Protocol):
         """Job ids the engine's own queue says are running now. Raises httpx errors."""
         ...
 
+    def history_route(self, method: str, path: str) -> bool:
+        """Whether this request reads the engine's record of finished jobs (its history)."""
+        ...
+
 
 class NeedEstimator(Protocol):
     """What a request (or a start) needs on the card, and which load it is."""
@@ -213,8 +238,24 @@ class OomDetector(Protocol):
         """The failed job as the engine kept it, to submit again; None when it is not (yet) there."""
         ...
 
-    async def resubmit(self, client: httpx.AsyncClient, replay: JobReplay) -> tuple[str | None, int]:
-        """Submit the job again: (the new job id or None when refused, the HTTP status). Raises httpx errors."""
+    async def resubmit(self, client: httpx.AsyncClient, replay: JobReplay) -> Requeued:
+        """Submit the job again, under its own id where the engine takes one. Raises httpx errors."""
+        ...
+
+    def job_frame(self, text: str) -> JobFrame | None:
+        """What a websocket text frame says about a job's run, if anything (must be cheap)."""
+        ...
+
+    def history_mark(self, job_id: str, body: bytes) -> str | None:
+        """The mark (`Requeued.mark`) of the job's record in a history answer; None when not in it."""
+        ...
+
+    def history_without(self, body: bytes, hidden: Callable[[str, str | None], bool]) -> bytes | None:
+        """A history answer without the records `hidden(job id, mark)` names; None: nothing hidden."""
+        ...
+
+    def history_outcome(self, job_id: str, body: bytes) -> JobFrameKind | None:
+        """How the job's record in a history answer says it ended: success, oom or error; None: not in it."""
         ...
 
 

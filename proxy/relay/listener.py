@@ -25,7 +25,7 @@ from starlette.websockets import WebSocket
 
 from proxy.clock import Clock
 from proxy.config.schema import Tenant
-from proxy.engines import Need
+from proxy.engines import Need, strip_hop_by_hop
 from proxy.engines.base import origin_netloc, same_origin
 from proxy.engines.ports import ListenerPorts, Streamed
 from proxy.errors import HyperSwapError
@@ -35,6 +35,7 @@ from proxy.relay import progress
 from proxy.relay.departure import ClientLink, Sweep
 from proxy.relay.forward import Forwarder, UpstreamResponse
 from proxy.relay.guards import SAFE_METHODS, answer, host_header, refuse_tenant_host
+from proxy.relay.oom_retry import SocketFrames
 from proxy.relay.trace import Trace, stamp, traced
 from proxy.relay.trace import current as current_trace
 
@@ -61,7 +62,24 @@ class Admission(Protocol):
         scheduler admits it, never while it waits), forward it, retry once after an OOM."""
 
     def on_frame(self, tenant: Tenant, text: str) -> None:
-        """Every upstream websocket text frame (ComfyUI's OOM arrives as one); must be cheap."""
+        """Every upstream websocket text frame (its checkpoint loads are timed from them); must be cheap."""
+
+    def frames(self, tenant: Tenant, later: Callable[[str], None]) -> SocketFrames:
+        """One websocket's filter of job frames: an OOM starts the retry, and the failed run's frames
+        are held back while it is decided (`later` relays one held back); `unwatch` it at the close."""
+
+    def unwatch(self, frames: SocketFrames) -> None: ...
+
+    def history_view(self, tenant: Tenant, body: bytes) -> bytes | None:
+        """The engine's history answer as the client must see it (a retried job's failed run left
+        out); None: unchanged."""
+
+    def retry_deciding(self, tenant: Tenant, job_id: str) -> bool:
+        """The job ran out of memory and whether it runs again is being decided: not lost."""
+
+    def watches_history(self, tenant: Tenant) -> bool:
+        """A history read must pass through `history_view` (a job counted, or a retry's failed run to
+        leave out); cheap."""
 
     def on_job_end(self, tenant: Tenant, job_id: str, history: bytes) -> None:
         """A job's end seen by polling the engine's history (no websocket reported it)."""
@@ -158,8 +176,7 @@ class TenantApp:
                 if refusal is not None:
                     await answer(scope, receive, send, refusal)
                     return
-                await self.forwarder.websocket(self.tenant, WebSocket(scope, receive, send),
-                                               on_upstream_text=self._on_text)
+                await self._websocket(WebSocket(scope, receive, send))
         elif kind == "lifespan":  # nothing to start: answer so a server with lifespan on proceeds
             while True:
                 message = await receive()
@@ -204,10 +221,31 @@ class TenantApp:
             upstream = await self.forwarder.open(self.tenant, scope, link.body())
         except HyperSwapError as exc:
             return _error_response(exc)
-        if self.adapter.job_news(scope["method"], scope["path"]) and self.inflight.jobs(self.tenant.name):
-            # a queue delete or clear, or a client that polls for its job's end: check the jobs now
-            return self.forwarder.relay(self.tenant, upstream, on_close=self.poller.check_soon)
-        return self.forwarder.relay(self.tenant, upstream, on_close=_nothing)
+        news = self.adapter.job_news(scope["method"], scope["path"]) and self.inflight.jobs(self.tenant.name)
+        # a queue delete or clear, or a client that polls for its job's end: check the jobs now
+        on_close = self.poller.check_soon if news else _nothing
+        if self.admission is not None and upstream.status_code == 200 and self.admission.watches_history(self.tenant) \
+                and self.adapter.history_route(scope["method"], scope["path"]):
+            return await self._client_history(upstream, self.admission, on_close)
+        return self.forwarder.relay(self.tenant, upstream, on_close=on_close)
+
+    async def _client_history(self, upstream: UpstreamResponse, admission: Admission,
+                              on_close: Callable[[], None]) -> Response:
+        """The engine's history as the client must see it: a job retried after an OOM is not finished
+        until its new run is (its failed run's record left out); relayed unchanged when nothing is hidden."""
+        try:
+            raw = await upstream.aread()
+        finally:
+            await upstream.aclose()
+            on_close()
+        encoding = upstream.headers.get("content-encoding", "").strip().lower()
+        view = admission.history_view(self.tenant, _decoded(raw, encoding))
+        headers = [(k, v) for k, v in strip_hop_by_hop(upstream.raw_headers) if k.lower() != b"content-length"
+                   and (view is None or k.lower() != b"content-encoding")]
+        body = raw if view is None else view
+        response = Response(body, status_code=upstream.status_code)
+        response.raw_headers = [*headers, (b"content-length", b"%d" % len(body))]
+        return response
 
     async def _gpu(self, request: Request, wake: Wake | None = None) -> Response:
         """A request that may load something: counted in flight from its admission (never while it
@@ -349,12 +387,34 @@ class TenantApp:
         return None if netloc is not None and self._hosts.allows(netloc) else origin
 
     # -- jobs ------------------------------------------------------------------------------------
-    def _on_text(self, text: str) -> None:
-        job_id = self.adapter.job_done_from_frame(text)
+    async def _websocket(self, ws: WebSocket) -> None:
+        """Relay a websocket with its frames watched: a job's end, and through the admission's filter
+        the frames of a job retried after an OOM (held back while the retry is decided, relayed later
+        on the `later` queue if it is not)."""
+        admission = self.admission
+        if admission is None:
+            await self.forwarder.websocket(self.tenant, ws, on_upstream_text=self._on_text)
+            return
+        later: asyncio.Queue[str] = asyncio.Queue()
+        frames = admission.frames(self.tenant, later.put_nowait)
+
+        def on_text(text: str) -> bool:
+            verdict = frames.upstream(text)
+            self._on_text(text, ends_job=verdict.ends_job)
+            return verdict.send
+
+        try:
+            await self.forwarder.websocket(self.tenant, ws, on_upstream_text=on_text, later=later)
+        finally:
+            admission.unwatch(frames)
+
+    def _on_text(self, text: str, *, ends_job: bool = True) -> bool:
+        job_id = self.adapter.job_done_from_frame(text) if ends_job else None
         if job_id is not None:
             self.inflight.finish_job(self.tenant.name, job_id)
         if self.admission is not None:
             self.admission.on_frame(self.tenant, text)
+        return True
 
     async def _check_jobs(self, job_ids: tuple[str, ...]) -> dict[str, JobFate]:
         """Each job's fate from the engine's own queue and history: a job in neither has been deleted
@@ -372,10 +432,15 @@ class TenantApp:
             if path is None:
                 continue
             resp = await self.forwarder.get(tenant, path)
-            if adapter.job_done_from_history(job_id, resp.status_code, resp.content):
+            content = resp.content  # as the client sees it: a retried job's failed run is not its end
+            if self.admission is not None and resp.status_code == 200:
+                content = self.admission.history_view(tenant, content) or content
+            if adapter.job_done_from_history(job_id, resp.status_code, content):
                 fates[job_id] = "done"
                 if self.admission is not None:
-                    self.admission.on_job_end(tenant, job_id, resp.content)
+                    self.admission.on_job_end(tenant, job_id, content)
+            elif self.admission is not None and self.admission.retry_deciding(tenant, job_id):
+                fates[job_id] = "running"  # it ran out of memory and is about to run again
             elif resp.status_code == 200 and queued is not None and job_id not in queued:
                 fates[job_id] = "lost"
             else:

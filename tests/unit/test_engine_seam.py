@@ -13,6 +13,7 @@ import respx
 from proxy.config.loading import registry_from_dict
 from proxy.config.schema import EngineKind
 from proxy.engines import ADAPTERS, AdapterCache, EngineAdapter, adapter_for
+from proxy.engines.ports import JobFrame, Requeued
 
 PROXY = Path(__file__).resolve().parents[2] / "proxy"
 
@@ -137,7 +138,7 @@ async def test_generic_adapter_reports_nothing_it_cannot_see() -> None:
         assert not adapter.response_is_oom(500, b'{"error":"out of memory"}'), "a generic app's 500 is passed through"
 
 
-async def test_comfyui_adapter_replays_a_failed_prompt_from_its_history() -> None:
+async def test_comfyui_adapter_replays_a_failed_prompt_under_its_own_id_from_its_history() -> None:
     reg = registry_from_dict({"tenants": {"comfyui": {"engine": "comfyui", "upstream": "http://127.0.0.1:8188"}}})
     adapter = adapter_for(reg.get("comfyui"))
     graph = {"3": {"class_type": "KSampler", "inputs": {}}}
@@ -145,11 +146,46 @@ async def test_comfyui_adapter_replays_a_failed_prompt_from_its_history() -> Non
         ["execution_error", {"prompt_id": "p1", "exception_type": "torch.OutOfMemoryError"}]]}}}
     with respx.mock(assert_all_called=True) as mock:
         mock.get("http://127.0.0.1:8188/history/p1").respond(200, json=entry)
-        posted = mock.post("http://127.0.0.1:8188/prompt").respond(200, json={"prompt_id": "p2", "number": 8})
+        posted = mock.post("http://127.0.0.1:8188/prompt").respond(200, json={"prompt_id": "p1", "number": 8})
         async with httpx.AsyncClient() as client:
             replay = await adapter.job_replay(client, "p1")
             assert replay is not None and json.loads(replay.body) == {"prompt": graph}
-            assert await adapter.resubmit(client, replay) == ("p2", 200)
+            assert await adapter.resubmit(client, replay) == Requeued("p1", 200, "8")
     assert json.loads(posted.calls.last.request.content) == {"prompt": graph, "extra_data": {"client_id": "c9"},
-                                                             "client_id": "c9"}, "the same client sees the retry"
-    assert adapter.oom_in_history("p1", json.dumps(entry).encode())
+                                                             "prompt_id": "p1", "client_id": "c9"}, \
+        "the same client sees the retry, under the prompt id it holds"
+    body = json.dumps(entry).encode()
+    assert adapter.oom_in_history("p1", body) and adapter.history_outcome("p1", body) == "oom"
+    assert adapter.history_mark("p1", body) == "7" and adapter.history_mark("p2", body) is None
+
+
+def test_comfyui_history_without_the_failed_run_reads_as_the_engine_answers_a_prompt_not_finished() -> None:
+    reg = registry_from_dict({"tenants": {"comfyui": {"engine": "comfyui", "upstream": "http://127.0.0.1:8188"}}})
+    adapter = adapter_for(reg.get("comfyui"))
+    history = {"a": {"prompt": [3, "a", {}, {}, []], "status": {"status_str": "success"}},
+               "b": {"prompt": [4, "b", {}, {}, []], "status": {"status_str": "error"}}}
+    body = json.dumps(history).encode()
+    assert adapter.history_without(body, lambda job, mark: job == "b" and mark == "4") == json.dumps(
+        {"a": history["a"]}).encode()
+    assert adapter.history_without(body, lambda job, mark: job == "b" and mark == "9") is None, "the new run's record shows"
+    only_b = json.dumps({"b": history["b"]}).encode()
+    assert adapter.history_without(only_b, lambda job, mark: True) == b"{}", "/history/{id} of a prompt not finished"
+    assert adapter.history_outcome("a", body) == "success" and adapter.history_outcome("b", body) == "error"
+    assert adapter.history_route("GET", "/api/history/b") and adapter.history_route("GET", "/history")
+    assert not adapter.history_route("POST", "/history") and not adapter.history_route("GET", "/historyx")
+
+
+def test_comfyui_job_frames_name_each_run_of_a_prompt() -> None:
+    reg = registry_from_dict({"tenants": {"comfyui": {"engine": "comfyui", "upstream": "http://127.0.0.1:8188"}}})
+    adapter = adapter_for(reg.get("comfyui"))
+
+    def frame(kind: str, **data: object) -> str:
+        return json.dumps({"type": kind, "data": {"prompt_id": "p", **data}})
+    assert adapter.job_frame(frame("execution_start", timestamp=1)) == JobFrame("start", "p")
+    assert adapter.job_frame(frame("execution_success")) == JobFrame("success", "p")
+    assert adapter.job_frame(frame("execution_error", exception_type="torch.OutOfMemoryError")) == JobFrame("oom", "p")
+    assert adapter.job_frame(frame("execution_error", exception_type="RuntimeError")) == JobFrame("error", "p")
+    assert adapter.job_frame(frame("execution_interrupted")) == JobFrame("error", "p")
+    assert adapter.job_frame(frame("executing", node=None)) == JobFrame("end", "p")
+    assert adapter.job_frame(frame("executing", node="3")) is None
+    assert adapter.job_frame(frame("progress", value=1, max=2)) is None
