@@ -139,7 +139,10 @@ class ComfyUIAdapter(EngineAdapter):
                     gb = tenant.model_vram_gb[ckpt]
                     return Need(int(gb * GIB), f"{ckpt} ({gb:.2f} GiB, configured)", self.load_key(ckpt), ckpt)
                 named = named or (ckpt if isinstance(ckpt, str) else None)
-            return Need(tenant.needs_vram_bytes, f"{tenant.needs_vram_gb:.2f} GiB (needs_vram_gb)", tenant.name, named)
+            # keyed by the checkpoint it names (its residency, its reservation, the models gauge's name);
+            # a graph that names none is the tenant's one load
+            key = self.load_key(named) if named is not None else tenant.name
+            return Need(tenant.needs_vram_bytes, f"{tenant.needs_vram_gb:.2f} GiB (needs_vram_gb)", key, named)
         return await super().estimate_need(path, body, client)
 
     def oom_job_from_frame(self, text: str) -> str | None:
