@@ -20,9 +20,10 @@ Series:
   are not counted in flight, so not here). outcome: `rejected` (answered 507), `oom_error` (the
   engine's OOM reached the client: the retry failed or had no plan), `retried` (the engine ran out
   of memory and the retry succeeded: the client got its answer), else by the status the client
-  got (a ComfyUI prompt retried after an OOM is counted by its POST /prompt, answered long before:
-  its retry is counted in hyperswap_oom_retries_total only): `completed` (below 400), `client_error` (4xx), `server_error` (5xx: the engine's, or the
-  proxy's 502/503/504), `unanswered` (the client left before any answer). A 200 stream that ends
+  got: `completed` (below 400), `client_error` (4xx), `server_error` (5xx: the engine's, or the
+  proxy's 502/503/504), `unanswered` (the client left before any answer). A ComfyUI prompt retried
+  after an OOM is counted by its POST /prompt, answered long before: its retry is counted in
+  hyperswap_oom_retries_total only. A 200 stream that ends
   with an error line counts as completed (the status is all that is known). A 507 or OOM decision
   is recorded before its request leaves flight, so the next departure of that tenant is counted
   with that outcome: the totals are exact, the pairing with one request is not.
