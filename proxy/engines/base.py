@@ -250,9 +250,9 @@ class EngineAdapter(ports.HostAndHeaders, ports.Classifier, ports.JobTracker, po
         """What a websocket text frame says about a job's run, if anything (must be cheap)."""
         return None
 
-    def history_route(self, method: str, path: str) -> bool:
-        """Whether this request reads the engine's record of finished jobs (its history)."""
-        return False
+    def job_view(self, method: str, path: str) -> ports.JobView | None:
+        """Whether this request reads the engine's record of finished jobs (its history) or its queue."""
+        return None
 
     def history_mark(self, job_id: str, body: bytes) -> str | None:
         """The mark (`Requeued.mark`) of the job's record in a history answer; None when not in it."""
@@ -260,6 +260,10 @@ class EngineAdapter(ports.HostAndHeaders, ports.Classifier, ports.JobTracker, po
 
     def history_without(self, body: bytes, hidden: Callable[[str, str | None], bool]) -> bytes | None:
         """A history answer without the records `hidden(job id, mark)` names; None: nothing hidden."""
+        return None
+
+    def queue_with(self, body: bytes, pending: Sequence[JobReplay]) -> bytes | None:
+        """A queue answer that lists these jobs as pending too (each where it is not listed); None: unchanged."""
         return None
 
     def history_outcome(self, job_id: str, body: bytes) -> ports.JobFrameKind | None:

@@ -11,7 +11,7 @@ reports the torch device (self-report, device figures, `--cpu`), /models/checkpo
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import httpx
@@ -23,7 +23,7 @@ from proxy.engines import settings as es
 from proxy.engines.base import EngineAdapter
 from proxy.engines.common import Need, ReleaseFailed, json_or_none, upstream_of
 from proxy.engines.model_files import FileHints, TenantFiles, comfyui_tenant_files
-from proxy.engines.ports import JobFrame, JobFrameKind, JobReplay, Relocation, RequestKind, Requeued
+from proxy.engines.ports import JobFrame, JobFrameKind, JobReplay, JobView, Relocation, RequestKind, Requeued
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory
 
@@ -185,7 +185,7 @@ class ComfyUIAdapter(EngineAdapter):
         payload: dict[str, Any] = {"prompt": graph, "extra_data": extra, "prompt_id": job_id}
         if extra.get("client_id"):
             payload["client_id"] = extra["client_id"]  # its websocket sees the new prompt's progress
-        return JobReplay(json.dumps({"prompt": graph}).encode(), payload)
+        return JobReplay(json.dumps({"prompt": graph}).encode(), payload, job_id, item["prompt"][:5])
 
     async def resubmit(self, client: httpx.AsyncClient, replay: JobReplay) -> Requeued:
         r = await client.post(f"{upstream_of(self.tenant)}/prompt", json=replay.payload)
@@ -222,10 +222,26 @@ class ComfyUIAdapter(EngineAdapter):
                 return JobFrame("end", pid)
         return None
 
-    def history_route(self, method: str, path: str) -> bool:
+    def job_view(self, method: str, path: str) -> JobView | None:
         route = path.rstrip("/")
-        return method.upper() == "GET" and (route in HISTORY_ROUTES
-                                            or route.startswith(tuple(f"{r}/" for r in HISTORY_ROUTES)))
+        if method.upper() != "GET":
+            return None
+        if route in HISTORY_ROUTES or route.startswith(tuple(f"{r}/" for r in HISTORY_ROUTES)):
+            return "history"
+        return "queue" if route in QUEUE_ROUTES else None
+
+    def queue_with(self, body: bytes, pending: Sequence[JobReplay]) -> bytes | None:
+        """GET /queue: {"queue_running": [rows], "queue_pending": [rows]}; each job not listed goes
+        pending, as the row its history record kept ([number, prompt_id, graph, extra_data, outputs])."""
+        data = _ok_json(200, body)
+        listed = self.job_ids_from_queue(200, body)
+        if not isinstance(data, dict) or listed is None or not isinstance(data.get("queue_pending"), list):
+            return None
+        rows = [r.row for r in pending if r.job_id not in listed and isinstance(r.row, list)]
+        if not rows:
+            return None
+        data["queue_pending"] = [*data["queue_pending"], *rows]
+        return json.dumps(data).encode()
 
     def history_mark(self, job_id: str, body: bytes) -> str | None:
         """A record's `prompt` is [number, prompt_id, graph, extra_data, outputs]: its number marks the run."""

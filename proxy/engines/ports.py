@@ -66,6 +66,8 @@ class JobReplay:
     """A job that failed for lack of memory, as the engine kept it, ready to be submitted again."""
     body: bytes  # the request body as if submitted afresh: its need is estimated from it
     payload: dict[str, Any]  # what resubmits it (same job id, same client, same extra data)
+    job_id: str = ""
+    row: Any = None  # the job as the engine lists a pending one in its queue (ComfyUI: its `prompt` row)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +81,7 @@ class Requeued:
 
 
 JobFrameKind = Literal["start", "success", "oom", "error", "end"]
+JobView = Literal["history", "queue"]  # what a client reads of the engine's jobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,8 +178,8 @@ class JobTracker(Protocol):
         """Job ids the engine's own queue says are running now. Raises httpx errors."""
         ...
 
-    def history_route(self, method: str, path: str) -> bool:
-        """Whether this request reads the engine's record of finished jobs (its history)."""
+    def job_view(self, method: str, path: str) -> JobView | None:
+        """Whether this request reads the engine's record of finished jobs (its history) or its queue."""
         ...
 
 
@@ -252,6 +255,10 @@ class OomDetector(Protocol):
 
     def history_without(self, body: bytes, hidden: Callable[[str, str | None], bool]) -> bytes | None:
         """A history answer without the records `hidden(job id, mark)` names; None: nothing hidden."""
+        ...
+
+    def queue_with(self, body: bytes, pending: Sequence[JobReplay]) -> bytes | None:
+        """A queue answer that lists these jobs as pending too (each where it is not listed); None: unchanged."""
         ...
 
     def history_outcome(self, job_id: str, body: bytes) -> JobFrameKind | None:

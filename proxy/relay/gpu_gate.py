@@ -21,7 +21,7 @@ from proxy.clock import Clock
 from proxy.config.schema import Tenant
 from proxy.decision_base import RequestTrigger
 from proxy.engines import Need, ReleaseFailed, strip_hop_by_hop
-from proxy.engines.ports import GatePorts, JobFrame, JobReplay, OomDetector
+from proxy.engines.ports import GatePorts, JobFrame, JobReplay, JobView, OomDetector
 from proxy.handoff.arbitration import Arbitration
 from proxy.handoff.decisions import (
     DecisionEvent,
@@ -161,6 +161,15 @@ class GpuGate:
     def unwatch(self, frames: SocketFrames) -> None:
         self._retries.unwatch(frames)
 
+    def client_view(self, tenant: Tenant, view: JobView, body: bytes) -> bytes | None:
+        """The engine's history or queue answer as the client must see it (None: unchanged): a retried
+        job's failed run left out of the history until the new run's record replaces it, and listed
+        pending in the queue while its retry is decided."""
+        if view == "queue":
+            waiting = self._retries.waiting(tenant.name)
+            return self._adapter(tenant).queue_with(body, waiting) if waiting else None
+        return self.history_view(tenant, body)
+
     def history_view(self, tenant: Tenant, body: bytes) -> bytes | None:
         """The engine's history answer as the client must see it: a retried job's failed run left out
         until the new run's record replaces it. None: unchanged. A read is also where an out-of-memory
@@ -175,7 +184,7 @@ class GpuGate:
             return None
         return adapter.history_without(body, partial(self._retries.hidden, tenant.name))
 
-    def watches_history(self, tenant: Tenant) -> bool:
+    def watches_views(self, tenant: Tenant) -> bool:
         return bool(self.arbitration.inflight.jobs(tenant.name)) or self._retries.pending(tenant.name)
 
     def retry_deciding(self, tenant: Tenant, job_id: str) -> bool:
@@ -226,6 +235,7 @@ class GpuGate:
             if replay is None:
                 self._record_retry(tenant, None, "not retried: prompt not in ComfyUI's history", prompt_id=prompt_id)
                 return
+            self._retries.replaying(tenant.name, prompt_id, replay)
             admitted, _need = await self.arbitration.admit(tenant, "", replay.body,
                                                            f"OOM of ComfyUI prompt {prompt_id}", oom=True)
             handoff = admitted.handoff

@@ -27,7 +27,7 @@ from proxy.clock import Clock
 from proxy.config.schema import Tenant
 from proxy.engines import Need, strip_hop_by_hop
 from proxy.engines.base import origin_netloc, same_origin
-from proxy.engines.ports import ListenerPorts, Streamed
+from proxy.engines.ports import JobView, ListenerPorts, Streamed
 from proxy.errors import HyperSwapError
 from proxy.handoff.inflight import InFlight, JobFate, JobPoller, Token
 from proxy.handoff.scheduler import Admitted
@@ -77,9 +77,13 @@ class Admission(Protocol):
     def retry_deciding(self, tenant: Tenant, job_id: str) -> bool:
         """The job ran out of memory and whether it runs again is being decided: not lost."""
 
-    def watches_history(self, tenant: Tenant) -> bool:
-        """A history read must pass through `history_view` (a job counted, or a retry's failed run to
-        leave out); cheap."""
+    def client_view(self, tenant: Tenant, view: JobView, body: bytes) -> bytes | None:
+        """The engine's history or queue answer as the client must see it (a retried job's failed run
+        left out, the job listed pending while its retry is decided); None: unchanged."""
+
+    def watches_views(self, tenant: Tenant) -> bool:
+        """A history or queue read must pass through `client_view` (a job counted, or a retry under
+        way); cheap."""
 
     def on_job_end(self, tenant: Tenant, job_id: str, history: bytes) -> None:
         """A job's end seen by polling the engine's history (no websocket reported it)."""
@@ -224,22 +228,24 @@ class TenantApp:
         news = self.adapter.job_news(scope["method"], scope["path"]) and self.inflight.jobs(self.tenant.name)
         # a queue delete or clear, or a client that polls for its job's end: check the jobs now
         on_close = self.poller.check_soon if news else _nothing
-        if self.admission is not None and upstream.status_code == 200 and self.admission.watches_history(self.tenant) \
-                and self.adapter.history_route(scope["method"], scope["path"]):
-            return await self._client_history(upstream, self.admission, on_close)
+        view = self.adapter.job_view(scope["method"], scope["path"])
+        if view is not None and self.admission is not None and upstream.status_code == 200 \
+                and self.admission.watches_views(self.tenant):
+            return await self._client_view(upstream, self.admission, view, on_close)
         return self.forwarder.relay(self.tenant, upstream, on_close=on_close)
 
-    async def _client_history(self, upstream: UpstreamResponse, admission: Admission,
-                              on_close: Callable[[], None]) -> Response:
-        """The engine's history as the client must see it: a job retried after an OOM is not finished
-        until its new run is (its failed run's record left out); relayed unchanged when nothing is hidden."""
+    async def _client_view(self, upstream: UpstreamResponse, admission: Admission, kind: JobView,
+                           on_close: Callable[[], None]) -> Response:
+        """The engine's history or queue as the client must see it: a job retried after an OOM is not
+        finished until its new run is (its failed run's record left out), and queued while its retry is
+        decided; relayed unchanged when nothing changes."""
         try:
             raw = await upstream.aread()
         finally:
             await upstream.aclose()
             on_close()
         encoding = upstream.headers.get("content-encoding", "").strip().lower()
-        view = admission.history_view(self.tenant, _decoded(raw, encoding))
+        view = admission.client_view(self.tenant, kind, _decoded(raw, encoding))
         headers = [(k, v) for k, v in strip_hop_by_hop(upstream.raw_headers) if k.lower() != b"content-length"
                    and (view is None or k.lower() != b"content-encoding")]
         body = raw if view is None else view

@@ -8,7 +8,9 @@ is then the engine's own view, less the failed run while its retry is decided or
   they came if it does not (no room even after every release, the engine refused it);
 - the failed run's history record is left out of `GET /history` and `/history/{id}` (so the id
   reads `{}`, as for any job not finished) until the new run's record replaces it. The engine's
-  record of a run carries a mark (ComfyUI: its queue number) that tells the two runs apart.
+  record of a run carries a mark (ComfyUI: its queue number) that tells the two runs apart;
+- while its retry is decided (it may wait in the proxy's queue for memory) `GET /queue` lists the
+  job pending, as the engine lists it once it is queued again.
 
 `RetryBook` holds each retried job's phase; `SocketFrames` is one websocket's filter. Both are
 plain state, changed by the GPU gate (proxy/relay/gpu_gate.py) and the listener.
@@ -21,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from proxy.engines.ports import JobFrame
+from proxy.engines.ports import JobFrame, JobReplay
 
 Phase = Literal["deciding", "requeued", "given_up", "ended"]
 KEEP = 4096  # retried jobs remembered, oldest forgotten first
@@ -31,6 +33,7 @@ KEEP = 4096  # retried jobs remembered, oldest forgotten first
 class _Retry:
     phase: Phase = "deciding"
     mark: str | None = None  # the new run's mark in the engine's records
+    replay: JobReplay | None = None  # the failed run, as it runs again (listed pending while it is decided)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +67,17 @@ class RetryBook:
         while len(self._retries) > KEEP:
             self._retries.popitem(last=False)
         return True
+
+    def replaying(self, tenant: str, job_id: str, replay: JobReplay) -> None:
+        """The failed run read back: while its retry is decided, the client's queue lists it pending."""
+        retry = self._retries.get((tenant, job_id))
+        if retry is not None:
+            retry.replay = replay
+
+    def waiting(self, tenant: str) -> list[JobReplay]:
+        """The jobs whose retry is being decided (in the proxy's queue, say, waiting for memory)."""
+        return [r.replay for (t, _), r in self._retries.items()
+                if t == tenant and r.phase == "deciding" and r.replay is not None]
 
     def requeued(self, tenant: str, job_id: str, mark: str | None) -> None:
         """The job runs again under its own id: the failed run's frames held back are dropped."""

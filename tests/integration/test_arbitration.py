@@ -427,3 +427,48 @@ async def test_a_prompt_deleted_from_comfyuis_queue_stops_counting_as_busy(box: 
     assert [d.outcome["job_id"] for d in lost] == [b], "A ended normally; B was in neither queue nor history"
     r = await http.post(demo.proxy.url("admin") + "/api/tenants/comfyui/release")
     assert r.status_code == 200, r.text
+
+
+async def test_while_a_retry_waits_for_memory_the_clients_prompt_is_queued_and_unfinished(
+        box: DemoFactory, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The retry's admission held (as if it waited in the queue for a busy tenant): what the client reads meanwhile.
+    demo = await box(fast("default", tenants={"comfyui": {"priority": 60, "needs_vram_gb": 1.0}}))
+    arbitration = demo.proxy.arbitration
+    admit, go, waiting = arbitration.admit, asyncio.Event(), asyncio.Event()
+
+    async def held_admit(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if kwargs.get("oom"):
+            waiting.set()
+            await go.wait()
+        return await admit(*args, **kwargs)
+    monkeypatch.setattr(arbitration, "admit", held_admit)
+    demo.box.comfyui.fail_next_prompt_with_oom()
+    base = demo.proxy.url("comfyui")
+    cid = uuid.uuid4().hex
+    async with ws_connect(base.replace("http", "ws") + f"/ws?clientId={cid}", max_queue=None) as ws:
+        await ws.recv()
+        first = (await http.post(base + "/prompt", json={"prompt": comfy_prompt("sd_xl_base_1.0.safetensors"),
+                                                          "client_id": cid})).json()["prompt_id"]
+        async with asyncio.timeout(15):
+            await waiting.wait()
+            await poll_until(lambda: demo.box.comfyui.executed == 1, 0.01)  # the failed run is in ComfyUI's history
+            assert (await http.get(base + f"/history/{first}")).json() == {}, "not finished, as for any queued prompt"
+            assert first not in (await http.get(base + "/history")).json()
+            queue = (await http.get(base + "/queue")).json()
+            assert [row[1] for row in queue["queue_pending"]] == [first] and queue["queue_running"] == []
+            assert queue["queue_pending"][0][3]["client_id"] == cid
+            engine = (await http.get(demo.box.servers["comfyui"].url + "/queue")).json()
+            assert engine["queue_pending"] == [], "the engine itself no longer has it: the proxy's view lists it"
+            go.set()
+            types: list[str] = []
+            while "end" not in types:
+                raw = await ws.recv()
+                m = json.loads(raw) if isinstance(raw, str) else {"type": "binary", "data": {}}
+                if m["data"].get("prompt_id") != first:
+                    continue
+                if m["type"] in ("execution_error", "execution_success"):
+                    types.append(m["type"])
+                elif m["type"] == "executing" and m["data"].get("node") is None:
+                    types.append("end")
+    assert types == ["execution_success", "end"], f"the failed run's error and end never reach the client: {types}"
+    assert (await http.get(base + f"/history/{first}")).json()[first]["status"]["status_str"] == "success"

@@ -13,7 +13,7 @@ import respx
 from proxy.config.loading import registry_from_dict
 from proxy.config.schema import EngineKind
 from proxy.engines import ADAPTERS, AdapterCache, EngineAdapter, adapter_for
-from proxy.engines.ports import JobFrame, Requeued
+from proxy.engines.ports import JobFrame, JobReplay, Requeued
 
 PROXY = Path(__file__).resolve().parents[2] / "proxy"
 
@@ -171,8 +171,20 @@ def test_comfyui_history_without_the_failed_run_reads_as_the_engine_answers_a_pr
     only_b = json.dumps({"b": history["b"]}).encode()
     assert adapter.history_without(only_b, lambda job, mark: True) == b"{}", "/history/{id} of a prompt not finished"
     assert adapter.history_outcome("a", body) == "success" and adapter.history_outcome("b", body) == "error"
-    assert adapter.history_route("GET", "/api/history/b") and adapter.history_route("GET", "/history")
-    assert not adapter.history_route("POST", "/history") and not adapter.history_route("GET", "/historyx")
+    assert adapter.job_view("GET", "/api/history/b") == "history" and adapter.job_view("GET", "/history") == "history"
+    assert adapter.job_view("GET", "/queue") == "queue" and adapter.job_view("GET", "/api/queue/") == "queue"
+    assert adapter.job_view("POST", "/history") is None and adapter.job_view("GET", "/historyx") is None
+
+
+def test_comfyui_queue_lists_a_prompt_whose_retry_is_decided_as_pending() -> None:
+    reg = registry_from_dict({"tenants": {"comfyui": {"engine": "comfyui", "upstream": "http://127.0.0.1:8188"}}})
+    adapter = adapter_for(reg.get("comfyui"))
+    row = [7, "p", {"3": {}}, {"client_id": "c"}, ["9"]]
+    waiting = JobReplay(b"{}", {}, "p", row)
+    empty = json.dumps({"queue_running": [], "queue_pending": []}).encode()
+    assert json.loads(adapter.queue_with(empty, [waiting]) or b"") == {"queue_running": [], "queue_pending": [row]}
+    queued = json.dumps({"queue_running": [[8, "p", {}, {}, []]], "queue_pending": []}).encode()
+    assert adapter.queue_with(queued, [waiting]) is None, "queued again already: the engine's own row"
 
 
 def test_comfyui_job_frames_name_each_run_of_a_prompt() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from proxy.config.units import GIB
-from proxy.engines.ports import JobFrame
+from proxy.engines.ports import JobFrame, JobReplay
 from proxy.handoff.oom_need import OOM_HEADROOM_BYTES, oom_retry_need
 from proxy.relay.oom_retry import PASS, RetryBook, SocketFrames, Verdict
 
@@ -150,3 +150,13 @@ def test_the_history_hides_the_failed_run_until_the_new_runs_record_replaces_it(
     book.begin("comfyui", "q")
     book.given_up("comfyui", "q")
     assert not book.hidden("comfyui", "q", "9"), "no retry: the error is the client's"
+
+
+def test_a_job_whose_retry_is_decided_is_listed_as_waiting_until_it_is_queued_again() -> None:
+    book = RetryBook()
+    book.begin("comfyui", "p")
+    replay = JobReplay(b"{}", {}, "p", [7, "p", {}, {}, []])
+    book.replaying("comfyui", "p", replay)
+    assert book.waiting("comfyui") == [replay] and book.waiting("ollama") == []
+    book.requeued("comfyui", "p", "8")
+    assert book.waiting("comfyui") == [], "the engine lists it itself now"
