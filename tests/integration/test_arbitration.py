@@ -472,3 +472,24 @@ async def test_while_a_retry_waits_for_memory_the_clients_prompt_is_queued_and_u
                     types.append("end")
     assert types == ["execution_success", "end"], f"the failed run's error and end never reach the client: {types}"
     assert (await http.get(base + f"/history/{first}")).json()[first]["status"]["status_str"] == "success"
+
+
+async def test_when_no_retry_follows_the_client_gets_the_failed_run_as_it_came(
+        box: DemoFactory, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    from proxy.engines.comfyui import ComfyUIAdapter
+    from proxy.engines.ports import Requeued
+
+    async def refused(self, client, replay):  # type: ignore[no-untyped-def]
+        return Requeued(None, 500)  # ComfyUI refused the re-queue
+    monkeypatch.setattr(ComfyUIAdapter, "resubmit", refused)
+    demo = await box(fast("default", tenants={"comfyui": {"priority": 60, "needs_vram_gb": 1.0}}))
+    demo.box.comfyui.fail_next_prompt_with_oom()
+    msgs = await run_prompt(demo.proxy.url("comfyui"), "sd_xl_base_1.0.safetensors", http)
+    kinds = [m["type"] for m in msgs if m["type"].startswith("execution_")]
+    assert kinds == ["execution_start", "execution_cached", "execution_error"], kinds
+    assert msgs[-1]["type"] == "executing" and msgs[-1]["data"]["node"] is None, "its end marker follows its error"
+    pid = msgs[-1]["data"]["prompt_id"]
+    assert (await http.get(demo.proxy.url("comfyui") + f"/history/{pid}")).json()[pid]["status"]["status_str"] == "error"
+    retry = decisions(demo, "oom_retry", "comfyui")[-1]
+    assert retry.outcome.get("oom_retry", retry.outcome.get("result")) == "re-queue refused: 500", retry.outcome
+    assert demo.box.comfyui.executed == 1
