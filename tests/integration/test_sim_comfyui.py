@@ -490,7 +490,7 @@ async def test_a_prompt_queued_again_under_its_own_id_replaces_its_record_when_i
         assert (await box.history(pid))["status"]["status_str"] == "error", "the failed run's record until the new one ends"
         rerun = await until_end(ws, pid)
     assert types(failed)[-3:] == ["execution_error", "status", "executing"]
-    assert [f["type"] for f in rerun if f["type"].startswith("execution_")][0] == "execution_start"
+    assert next(f["type"] for f in rerun if f["type"].startswith("execution_")) == "execution_start"
     assert types(rerun)[-3:] == ["execution_success", "status", "executing"], "the same id, frames to the same client"
     history = (await box.http.get("/history")).json()
     assert list(history) == [pid, other], "the record replaced in place"
