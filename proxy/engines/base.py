@@ -73,8 +73,8 @@ def same_origin(origin: str, host: str, scheme: str) -> bool:
 
 
 class EngineAdapter(ports.HostAndHeaders, ports.Classifier, ports.JobTracker, ports.NeedEstimator, ports.Releaser,
-                    ports.OomDetector, ports.SelfReport, ports.InstalledModels, ports.HealthProbes, ports.SettingsView,
-                    ports.Deployment, ports.ModelLoads):
+                    ports.OomDetector, ports.RetryViews, ports.SelfReport, ports.InstalledModels, ports.HealthProbes,
+                    ports.SettingsView, ports.Deployment, ports.ModelLoads):
     """Generic engine: every POST/PUT may load something onto the GPU; the rest passes through.
 
     It answers every engine port (ports.py) as a generic HTTP app would, one section per port in
@@ -230,10 +230,6 @@ class EngineAdapter(ports.HostAndHeaders, ports.Classifier, ports.JobTracker, po
         """An HTTP answer that says the GPU ran out of memory (only where `answers_oom`)."""
         return False
 
-    def oom_job_from_frame(self, text: str) -> str | None:
-        """The job id a websocket text frame reports an out-of-memory failure of, if any."""
-        return None
-
     def oom_in_history(self, job_id: str, body: bytes) -> bool:
         """Whether a finished job's history entry says it failed for lack of GPU memory."""
         return False
@@ -246,16 +242,13 @@ class EngineAdapter(ports.HostAndHeaders, ports.Classifier, ports.JobTracker, po
         """Submit the job again, under its own id where the engine takes one. Raises httpx errors."""
         return Requeued(None, 0)
 
+    # -- RetryViews: a job retried under its own id, as its client sees it ----------------------------
     def job_frame(self, text: str) -> JobFrame | None:
         """What a websocket text frame says about a job's run, if anything (must be cheap)."""
         return None
 
     def job_view(self, method: str, path: str) -> ports.JobView | None:
         """Whether this request reads the engine's record of finished jobs (its history) or its queue."""
-        return None
-
-    def history_mark(self, job_id: str, body: bytes) -> str | None:
-        """The mark (`Requeued.mark`) of the job's record in a history answer; None when not in it."""
         return None
 
     def history_without(self, body: bytes, hidden: Callable[[str, str | None], bool]) -> bytes | None:

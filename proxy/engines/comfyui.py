@@ -145,17 +145,6 @@ class ComfyUIAdapter(EngineAdapter):
             return Need(tenant.needs_vram_bytes, f"{tenant.needs_vram_gb:.2f} GiB (needs_vram_gb)", key, named)
         return await super().estimate_need(path, body, client)
 
-    def oom_job_from_frame(self, text: str) -> str | None:
-        if "execution_error" not in text or "OutOfMemoryError" not in text:  # cheap filter first
-            return None
-        try:
-            event = json.loads(text)
-        except ValueError:
-            return None
-        if isinstance(event, dict) and comfy_event_is_oom(event):
-            return str((event.get("data") or {}).get("prompt_id", ""))
-        return None
-
     def oom_in_history(self, job_id: str, body: bytes) -> bool:
         """ComfyUI keeps the execution_error in the history entry's status messages."""
         if b"execution_error" not in body or b"OutOfMemoryError" not in body:
@@ -242,14 +231,6 @@ class ComfyUIAdapter(EngineAdapter):
             return None
         data["queue_pending"] = [*data["queue_pending"], *rows]
         return json.dumps(data).encode()
-
-    def history_mark(self, job_id: str, body: bytes) -> str | None:
-        """A record's `prompt` is [number, prompt_id, graph, extra_data, outputs]: its number marks the run."""
-        try:
-            entry = json.loads(body).get(job_id)
-        except (ValueError, AttributeError):
-            return None
-        return _record_mark(entry)
 
     def history_outcome(self, job_id: str, body: bytes) -> JobFrameKind | None:
         try:

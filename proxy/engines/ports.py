@@ -13,6 +13,7 @@ this module), so what it may ask an engine is in its signature, not in a 40-memb
 | `NeedEstimator` | what a request or a start needs on the card, and the load it names | relay/gpu_gate.py, handoff/ |
 | `Releaser` | memory back, and the wake after it | handoff/arbitration.py, handoff/sleepers.py |
 | `OomDetector` | an out-of-memory failure in an answer, a frame or history; the job's replay | relay/gpu_gate.py |
+| `RetryViews` | a job retried under its own id as its client sees it: its runs' frames, history and queue | relay/gpu_gate.py |
 | `SelfReport` | the engine's own memory, card and model placement figures | handoff/, admin/api.py |
 | `InstalledModels` | the models the engine has installed, and their needs | admin/health.py, admin/events.py |
 | `HealthProbes` | how health, readiness and `hyperswap verify` probe it | admin/health.py, handoff/sleepers.py, verify/ |
@@ -229,10 +230,6 @@ class OomDetector(Protocol):
         """An HTTP answer that says the GPU ran out of memory (only where `answers_oom`)."""
         ...
 
-    def oom_job_from_frame(self, text: str) -> str | None:
-        """The job id a websocket text frame reports an out-of-memory failure of, if any."""
-        ...
-
     def oom_in_history(self, job_id: str, body: bytes) -> bool:
         """Whether a finished job's history entry says it failed for lack of GPU memory."""
         ...
@@ -245,12 +242,13 @@ class OomDetector(Protocol):
         """Submit the job again, under its own id where the engine takes one. Raises httpx errors."""
         ...
 
+
+class RetryViews(Protocol):
+    """A job retried under its own id as its client sees it: which run a frame or record belongs to,
+    and the engine's history and queue answers without the failed run (relay/oom_retry.py)."""
+
     def job_frame(self, text: str) -> JobFrame | None:
         """What a websocket text frame says about a job's run, if anything (must be cheap)."""
-        ...
-
-    def history_mark(self, job_id: str, body: bytes) -> str | None:
-        """The mark (`Requeued.mark`) of the job's record in a history answer; None when not in it."""
         ...
 
     def history_without(self, body: bytes, hidden: Callable[[str, str | None], bool]) -> bytes | None:
@@ -400,8 +398,8 @@ class ModelLoads(Protocol):
         ...
 
 
-PORTS: tuple[type, ...] = (HostAndHeaders, Classifier, JobTracker, NeedEstimator, Releaser, OomDetector, SelfReport,
-                           InstalledModels, HealthProbes, SettingsView, Deployment, ModelLoads)
+PORTS: tuple[type, ...] = (HostAndHeaders, Classifier, JobTracker, NeedEstimator, Releaser, OomDetector, RetryViews,
+                           SelfReport, InstalledModels, HealthProbes, SettingsView, Deployment, ModelLoads)
 
 
 # -- what each part of the proxy asks, where it asks more than one port ------------------------------
@@ -410,7 +408,7 @@ class ListenerPorts(HostAndHeaders, Classifier, JobTracker, Protocol):
     """A tenant's listener (relay/listener.py): its Host rule, which requests are GPU work, their jobs."""
 
 
-class GatePorts(Classifier, JobTracker, NeedEstimator, OomDetector, Protocol):
+class GatePorts(Classifier, JobTracker, NeedEstimator, OomDetector, RetryViews, Protocol):
     """The GPU gate (relay/gpu_gate.py): an unload or a load, its need, its job, an OOM and its retry."""
 
 

@@ -134,7 +134,7 @@ async def test_generic_adapter_reports_nothing_it_cannot_see() -> None:
         assert await adapter.catalog(client, 1.0) is None
         assert await adapter.settings_view(client, None, None, False) is None  # type: ignore[arg-type]
         assert adapter.placements_path is None and adapter.queue_path() is None
-        assert adapter.oom_job_from_frame('{"type":"execution_error"}') is None
+        assert adapter.job_frame('{"type":"execution_error","data":{"prompt_id":"p"}}') is None
         assert not adapter.response_is_oom(500, b'{"error":"out of memory"}'), "a generic app's 500 is passed through"
 
 
@@ -156,7 +156,6 @@ async def test_comfyui_adapter_replays_a_failed_prompt_under_its_own_id_from_its
         "the same client sees the retry, under the prompt id it holds"
     body = json.dumps(entry).encode()
     assert adapter.oom_in_history("p1", body) and adapter.history_outcome("p1", body) == "oom"
-    assert adapter.history_mark("p1", body) == "7" and adapter.history_mark("p2", body) is None
 
 
 def test_comfyui_history_without_the_failed_run_reads_as_the_engine_answers_a_prompt_not_finished() -> None:
