@@ -176,10 +176,10 @@ class GpuGate:
         of a job the proxy counts may show first (a client polling its history can read it before the
         proxy's own poll or the error frame): its retry starts here, and the client never reads it."""
         adapter = self._adapter(tenant)
-        if b"OutOfMemoryError" in body:  # cheap first: most reads have none
-            for job in self.arbitration.inflight.jobs(tenant.name):
-                if self._retries.phase(tenant.name, job) is None and adapter.history_outcome(job, body) == "oom":
-                    self._job_frame(tenant, JobFrame("oom", job), 1)
+        for job in self.arbitration.inflight.jobs(tenant.name):
+            if job.encode() in body and self._retries.phase(tenant.name, job) is None \
+                    and adapter.history_outcome(job, body) == "oom":  # read only once its id is there: a job ended
+                self._job_frame(tenant, JobFrame("oom", job), 1)
         if not self._retries.pending(tenant.name):
             return None
         return adapter.history_without(body, partial(self._retries.hidden, tenant.name))
