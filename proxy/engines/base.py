@@ -263,6 +263,11 @@ class EngineAdapter(ports.HostAndHeaders, ports.Classifier, ports.JobTracker, po
         """How the job's record in a history answer says it ended: success, oom or error; None: not in it."""
         return None
 
+    def jobs_without(self, body: bytes, hidden: Callable[[str, str | None], bool],
+                     retried: Sequence[JobReplay]) -> bytes | None:
+        """A jobs answer without the finished jobs `hidden` names; None: unchanged."""
+        return None
+
     # -- SelfReport: what the engine says about itself (no GPU reader: invariant 10) -----------------
     async def self_reported_bytes(self, client: httpx.AsyncClient) -> int | None:
         """The engine's own idea of its VRAM, marked as an estimate; None when it does not say."""

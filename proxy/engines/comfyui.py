@@ -30,6 +30,7 @@ from proxy.gpu.snapshot import DeviceMemory
 PROMPT_ROUTES = frozenset({"/prompt", "/api/prompt"})
 QUEUE_ROUTES = frozenset({"/queue", "/api/queue"})  # POST {"delete": [...]} / {"clear": true}
 HISTORY_ROUTES = ("/history", "/api/history")  # GET, and /history/{prompt_id}
+JOBS_ROUTE = "/api/jobs"  # GET, and /api/jobs/{job_id} (0.8.0: the queue and the history as one list)
 # ComfyUI classifies only torch's OOM exception as OOM (model_management.OOM_EXCEPTION).
 COMFY_OOM_TYPES = ("torch.OutOfMemoryError", "torch.cuda.OutOfMemoryError")
 
@@ -217,7 +218,33 @@ class ComfyUIAdapter(EngineAdapter):
             return None
         if route in HISTORY_ROUTES or route.startswith(tuple(f"{r}/" for r in HISTORY_ROUTES)):
             return "history"
+        if route == JOBS_ROUTE or route.startswith(JOBS_ROUTE + "/"):
+            return "jobs"
         return "queue" if route in QUEUE_ROUTES else None
+
+    def jobs_without(self, body: bytes, hidden: Callable[[str, str | None], bool],
+                     retried: Sequence[JobReplay]) -> bytes | None:
+        """GET /api/jobs (0.8.0): {"jobs": [job...], "pagination": {...}}, and /api/jobs/{id}: one job,
+        looked up in the history first. A finished job's `priority` is its record's queue number: a
+        failed run hidden leaves the list, and as the one job asked for reads as the queue lists the
+        job (pending, with what its record kept)."""
+        data = _ok_json(200, body)
+        if not isinstance(data, dict):
+            return None
+        if isinstance(data.get("jobs"), list):
+            jobs = data["jobs"]
+            kept = [j for j in jobs if not _hidden_job(j, hidden)]
+            if len(kept) == len(jobs):
+                return None
+            data["jobs"] = kept
+            pagination = data.get("pagination")
+            if isinstance(pagination, dict) and isinstance(pagination.get("total"), int):
+                pagination["total"] -= len(jobs) - len(kept)
+            return json.dumps(data).encode()
+        if not _hidden_job(data, hidden):
+            return None
+        row = next((r.row for r in retried if r.job_id == data.get("id") and isinstance(r.row, list)), None)
+        return json.dumps(_pending_job(data["id"], row)).encode()
 
     def queue_with(self, body: bytes, pending: Sequence[JobReplay]) -> bytes | None:
         """GET /queue: {"queue_running": [rows], "queue_pending": [rows]}; each job not listed goes
@@ -353,6 +380,22 @@ class ComfyUIAdapter(EngineAdapter):
     def relocation(self, port: int) -> Relocation:
         """ComfyUI ships no service: its `--port` flag (with `--listen` left at its 127.0.0.1 default)."""
         return Relocation(port=port, instruction=f"python main.py --port {port}")
+
+
+def _hidden_job(job: object, hidden: Callable[[str, str | None], bool]) -> bool:
+    if not (isinstance(job, dict) and isinstance(job.get("id"), str) and job.get("status") in ("failed", "completed")):
+        return False
+    priority = job.get("priority")
+    return hidden(job["id"], _mark(priority) if isinstance(priority, int | float) else None)
+
+
+def _pending_job(job_id: str, row: list[Any] | None) -> dict[str, Any]:
+    """A queued job as the jobs API lists one (None values left out, as its prune_dict does)."""
+    extra = row[3] if row is not None and len(row) > 3 and isinstance(row[3], dict) else {}
+    workflow = ((extra.get("extra_pnginfo") or {}).get("workflow") or {}) if isinstance(extra, dict) else {}
+    job = {"id": job_id, "status": "pending", "priority": row[0] if row else None, "create_time": extra.get("create_time"),
+           "outputs_count": 0, "workflow_id": workflow.get("id") if isinstance(workflow, dict) else None}
+    return {k: v for k, v in job.items() if v is not None}
 
 
 def _mark(number: float) -> str:

@@ -82,7 +82,7 @@ class Requeued:
 
 
 JobFrameKind = Literal["start", "success", "oom", "error", "end"]
-JobView = Literal["history", "queue"]  # what a client reads of the engine's jobs
+JobView = Literal["history", "queue", "jobs"]  # what a client reads of the engine's jobs (jobs: one list of both)
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,6 +261,13 @@ class RetryViews(Protocol):
 
     def history_outcome(self, job_id: str, body: bytes) -> JobFrameKind | None:
         """How the job's record in a history answer says it ended: success, oom or error; None: not in it."""
+        ...
+
+    def jobs_without(self, body: bytes, hidden: Callable[[str, str | None], bool],
+                     retried: Sequence[JobReplay]) -> bytes | None:
+        """A jobs answer (the queue and the history as one list) without the finished jobs `hidden`
+        names; a single job hidden reads as pending (`retried`: the jobs running again, as their
+        failed run listed them). None: unchanged."""
         ...
 
 

@@ -168,6 +168,11 @@ class GpuGate:
         if view == "queue":
             waiting = self._retries.waiting(tenant.name)
             return self._adapter(tenant).queue_with(body, waiting) if waiting else None
+        if view == "jobs":
+            if not self._retries.pending(tenant.name):
+                return None
+            return self._adapter(tenant).jobs_without(body, partial(self._retries.hidden, tenant.name),
+                                                      self._retries.retried(tenant.name))
         return self.history_view(tenant, body)
 
     def history_view(self, tenant: Tenant, body: bytes) -> bytes | None:

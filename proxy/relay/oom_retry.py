@@ -10,7 +10,9 @@ is then the engine's own view, less the failed run while its retry is decided or
   reads `{}`, as for any job not finished) until the new run's record replaces it. The engine's
   record of a run carries a mark (ComfyUI: its queue number) that tells the two runs apart;
 - while its retry is decided (it may wait in the proxy's queue for memory) `GET /queue` lists the
-  job pending, as the engine lists it once it is queued again.
+  job pending, as the engine lists it once it is queued again;
+- the jobs API (`GET /api/jobs`, 0.8.0: the queue and the history as one list, a job looked up in
+  the history first) leaves the failed run out of its list, and reads the job as pending.
 
 `RetryBook` holds each retried job's phase; `SocketFrames` is one websocket's filter. Both are
 plain state, changed by the GPU gate (proxy/relay/gpu_gate.py) and the listener.
@@ -78,6 +80,11 @@ class RetryBook:
         """The jobs whose retry is being decided (in the proxy's queue, say, waiting for memory)."""
         return [r.replay for (t, _), r in self._retries.items()
                 if t == tenant and r.phase == "deciding" and r.replay is not None]
+
+    def retried(self, tenant: str) -> list[JobReplay]:
+        """The jobs whose failed run the client must not see, as that run listed them."""
+        return [r.replay for (t, _), r in self._retries.items()
+                if t == tenant and r.phase in ("deciding", "requeued") and r.replay is not None]
 
     def requeued(self, tenant: str, job_id: str, mark: str | None) -> None:
         """The job runs again under its own id: the failed run's frames held back are dropped."""

@@ -459,6 +459,9 @@ async def test_while_a_retry_waits_for_memory_the_clients_prompt_is_queued_and_u
             assert queue["queue_pending"][0][3]["client_id"] == cid
             engine = (await http.get(demo.box.servers["comfyui"].url + "/queue")).json()
             assert engine["queue_pending"] == [], "the engine itself no longer has it: the proxy's view lists it"
+            job = (await http.get(base + f"/api/jobs/{first}")).json()
+            assert (job["id"], job["status"]) == (first, "pending"), job
+            assert first not in [j["id"] for j in (await http.get(base + "/api/jobs")).json()["jobs"]]
             go.set()
             types: list[str] = []
             while "end" not in types:
@@ -472,6 +475,8 @@ async def test_while_a_retry_waits_for_memory_the_clients_prompt_is_queued_and_u
                     types.append("end")
     assert types == ["execution_success", "end"], f"the failed run's error and end never reach the client: {types}"
     assert (await http.get(base + f"/history/{first}")).json()[first]["status"]["status_str"] == "success"
+    assert (await http.get(base + f"/api/jobs/{first}")).json()["status"] == "completed"
+    assert [j["status"] for j in (await http.get(base + "/api/jobs")).json()["jobs"] if j["id"] == first] == ["completed"]
 
 
 async def test_when_no_retry_follows_the_client_gets_the_failed_run_as_it_came(

@@ -175,6 +175,25 @@ def test_comfyui_history_without_the_failed_run_reads_as_the_engine_answers_a_pr
     assert adapter.job_view("POST", "/history") is None and adapter.job_view("GET", "/historyx") is None
 
 
+def test_comfyui_jobs_api_hides_the_failed_run_and_reads_the_job_as_pending() -> None:
+    reg = registry_from_dict({"tenants": {"comfyui": {"engine": "comfyui", "upstream": "http://127.0.0.1:8188"}}})
+    adapter = adapter_for(reg.get("comfyui"))
+    assert adapter.job_view("GET", "/api/jobs") == "jobs" and adapter.job_view("GET", "/api/jobs/p") == "jobs"
+    failed = {"id": "p", "status": "failed", "priority": 7, "create_time": 5, "outputs_count": 0}
+    others = [{"id": "q", "status": "pending", "priority": 9, "outputs_count": 0}, failed]
+    listing = json.dumps({"jobs": others, "pagination": {"offset": 0, "limit": None, "total": 2, "has_more": False}})
+
+    def hidden(job: str, mark: str | None) -> bool:
+        return job == "p" and mark == "7"
+    row = [7, "p", {}, {"client_id": "c", "create_time": 5}, []]
+    assert json.loads(adapter.jobs_without(listing.encode(), hidden, []) or b"") == {
+        "jobs": [others[0]], "pagination": {"offset": 0, "limit": None, "total": 1, "has_more": False}}
+    assert json.loads(adapter.jobs_without(json.dumps(failed).encode(), hidden, [JobReplay(b"", {}, "p", row)]) or b"") \
+        == {"id": "p", "status": "pending", "priority": 7, "create_time": 5, "outputs_count": 0}
+    done = {**failed, "status": "completed", "priority": 8}
+    assert adapter.jobs_without(json.dumps(done).encode(), hidden, []) is None, "the new run's record shows"
+
+
 def test_comfyui_queue_lists_a_prompt_whose_retry_is_decided_as_pending() -> None:
     reg = registry_from_dict({"tenants": {"comfyui": {"engine": "comfyui", "upstream": "http://127.0.0.1:8188"}}})
     adapter = adapter_for(reg.get("comfyui"))
