@@ -160,3 +160,43 @@ def test_a_job_whose_retry_is_decided_is_listed_as_waiting_until_it_is_queued_ag
     assert book.waiting("comfyui") == [replay] and book.waiting("ollama") == []
     book.requeued("comfyui", "p", "8")
     assert book.waiting("comfyui") == [], "the engine lists it itself now"
+
+
+# -- the retry's admission reads the card afresh ---------------------------------------------------
+
+async def test_a_retry_is_planned_on_a_fresh_reading_not_the_one_taken_while_comfyui_sampled() -> None:
+    from cards import snap
+
+    from proxy.clock import ManualClock
+    from proxy.config.loading import registry_from_dict
+    from proxy.handoff.arbitration import Arbitration
+    from proxy.handoff.decisions import DecisionLog
+    from proxy.handoff.inflight import InFlight
+    from proxy.sim.gpu import SimulatedGpu
+
+    reg = registry_from_dict({"tenants": {"comfyui": {"engine": "comfyui", "upstream": "http://127.0.0.1:9",
+                                                      "needs_vram_gb": 10.0}}})
+    total = int(23.7 * GIB)
+    # while ComfyUI sampled alone: 24.3 GiB held, 0.25 free on a card of 23.7 (memory counted twice)
+    sampling = snap([("comfyui", 10, int(24.3 * GIB))], free=int(0.25 * GIB), total=total)
+    after = snap([("comfyui", 10, int(0.3 * GIB))], total=total)  # ComfyUI unloaded everything on its OOM
+    clock = ManualClock()
+    arbitration = Arbitration(reg, SimulatedGpu(), InFlight(clock), clock, DecisionLog(clock))
+    reads: list[str] = []
+
+    async def read() -> object:
+        reads.append("fresh")
+        arbitration.scheduler.observe_card(after)
+        return after
+    arbitration.snapshot = read  # type: ignore[method-assign,assignment]
+    arbitration.scheduler.observe_card(sampling)
+    try:
+        body = json.dumps({"prompt": {"4": {"class_type": "CheckpointLoaderSimple",
+                                            "inputs": {"ckpt_name": "flux.safetensors"}}}}).encode()
+        admitted, _ = await arbitration.admit(reg.get("comfyui"), "/prompt", body, "OOM of ComfyUI prompt p", oom=True)
+    finally:
+        await arbitration.aclose()
+    plan = admitted.handoff.plan
+    assert reads, "the retry read the card afresh"
+    assert admitted.outcome == "run", f"{admitted.outcome}: {admitted.reason}"
+    assert 10 * GIB <= plan.need_bytes <= plan.reachable_bytes < total, plan.to_json()
