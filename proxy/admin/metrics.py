@@ -18,9 +18,12 @@ Series:
 - hyperswap_inflight_requests{tenant}, hyperswap_queued_jobs{tenant}: from `InFlight`.
 - hyperswap_requests_total{tenant,outcome}: GPU requests that left flight (pass-through requests
   are not counted in flight, so not here). outcome: `rejected` (answered 507), `oom_error` (the
-  engine's OOM reached the client: the retry failed or had no plan), else by the status the client
+  engine's OOM reached the client: the retry failed or had no plan), `retried` (the engine ran out
+  of memory and the retry succeeded: the client got its answer), else by the status the client
   got: `completed` (below 400), `client_error` (4xx), `server_error` (5xx: the engine's, or the
-  proxy's 502/503/504), `unanswered` (the client left before any answer). A 200 stream that ends
+  proxy's 502/503/504), `unanswered` (the client left before any answer). A ComfyUI prompt retried
+  after an OOM is counted by its POST /prompt, answered long before: its retry is counted in
+  hyperswap_oom_retries_total only. A 200 stream that ends
   with an error line counts as completed (the status is all that is known). A 507 or OOM decision
   is recorded before its request leaves flight, so the next departure of that tenant is counted
   with that outcome: the totals are exact, the pairing with one request is not.
@@ -29,7 +32,10 @@ Series:
 - hyperswap_releases_total{tenant,result}: every executed release (requests, watchdog, admin);
   result confirmed (the card showed the memory back) | estimated (no GPU reader: the engine's own
   report said so) | timeout (memory not back in time) | error (the engine refused or was down).
-- hyperswap_oom_retries_total{tenant,result}: succeeded | failed | no plan.
+- hyperswap_oom_retries_total{tenant,result}: each retry's result, the part before any ":" of the
+  `oom_retry` decision's: succeeded | failed | no plan (the queue refused it: 507 or its timeout) |
+  requeued (a ComfyUI prompt queued again under its own id; it then counts succeeded or failed once
+  it ends) | re-queue refused | re-queue failed | not retried (the prompt was not in ComfyUI's history).
 - hyperswap_rejections_total{tenant}: 507s.
 - hyperswap_queue_waiting{tenant}: requests waiting in the handoff queue now (from the queue).
 - hyperswap_queue_wait_seconds: histogram of how long requests that had to wait waited, however
@@ -352,9 +358,9 @@ class Metrics:
             case ModelLoad(load=load):
                 self.load_speed.labels(event.tenant, load.load_class or "unknown").observe(load.gbps)
             case OomRetry(result=result):
-                self.oom_retries.labels(event.tenant, result).inc()
-                if result != "succeeded":
-                    self._expect(event.tenant, "oom_error")
+                self.oom_retries.labels(event.tenant, result.split(":", 1)[0]).inc()
+                if event.prompt_id is None:  # an HTTP answer retried: its request leaves flight next
+                    self._expect(event.tenant, "retried" if result == "succeeded" else "oom_error")
 
     def _expect(self, tenant: str, outcome: str) -> None:
         pending = self._pending.setdefault(tenant, [])
@@ -362,7 +368,7 @@ class Metrics:
             pending.append(outcome)
 
 
-REQUEST_OUTCOMES = ("completed", "client_error", "server_error", "unanswered", "rejected", "oom_error")
+REQUEST_OUTCOMES = ("completed", "client_error", "server_error", "unanswered", "rejected", "oom_error", "retried")
 
 
 def _by_status(status: int | None) -> str:

@@ -11,7 +11,7 @@ engine's name: they ask its adapter, typed as the port they use.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -22,7 +22,7 @@ from proxy.config.schema import ReleaseSpec, Tenant
 from proxy.engines import ports
 from proxy.engines.common import Need, named_in_head, release_by_strategy, resume_by_strategy
 from proxy.engines.model_files import FileHints, TenantFiles, plain_tenant_files
-from proxy.engines.ports import Header, JobReplay, Placement, Relocation, RequestKind, Streamed
+from proxy.engines.ports import Header, JobFrame, JobReplay, Placement, Relocation, RequestKind, Requeued, Streamed
 from proxy.engines.settings import EnvReaders
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory
@@ -75,8 +75,8 @@ def same_origin(origin: str, host: str, scheme: str) -> bool:
 
 
 class EngineAdapter(ports.HostAndHeaders, ports.Classifier, ports.JobTracker, ports.NeedEstimator, ports.Releaser,
-                    ports.OomDetector, ports.SelfReport, ports.InstalledModels, ports.HealthProbes, ports.SettingsView,
-                    ports.Deployment, ports.ModelLoads, ports.ModelNews):
+                    ports.OomDetector, ports.RetryViews, ports.SelfReport, ports.InstalledModels, ports.HealthProbes,
+                    ports.SettingsView, ports.Deployment, ports.ModelLoads, ports.ModelNews):
     """Generic engine: every POST/PUT may load something onto the GPU; the rest passes through.
 
     It answers every engine port (ports.py) as a generic HTTP app would, one section per port in
@@ -250,10 +250,6 @@ class EngineAdapter(ports.HostAndHeaders, ports.Classifier, ports.JobTracker, po
         """An HTTP answer that says the GPU ran out of memory (only where `answers_oom`)."""
         return False
 
-    def oom_job_from_frame(self, text: str) -> str | None:
-        """The job id a websocket text frame reports an out-of-memory failure of, if any."""
-        return None
-
     def oom_in_history(self, job_id: str, body: bytes) -> bool:
         """Whether a finished job's history entry says it failed for lack of GPU memory."""
         return False
@@ -262,9 +258,35 @@ class EngineAdapter(ports.HostAndHeaders, ports.Classifier, ports.JobTracker, po
         """The failed job as the engine kept it, to submit again; None when it is not (yet) there."""
         return None
 
-    async def resubmit(self, client: httpx.AsyncClient, replay: JobReplay) -> tuple[str | None, int]:
-        """Submit the job again: (the new job id or None when refused, the HTTP status). Raises httpx errors."""
-        return None, 0
+    async def resubmit(self, client: httpx.AsyncClient, replay: JobReplay) -> Requeued:
+        """Submit the job again, under its own id where the engine takes one. Raises httpx errors."""
+        return Requeued(None, 0)
+
+    # -- RetryViews: a job retried under its own id, as its client sees it ----------------------------
+    def job_frame(self, text: str) -> JobFrame | None:
+        """What a websocket text frame says about a job's run, if anything (must be cheap)."""
+        return None
+
+    def job_view(self, method: str, path: str) -> ports.JobView | None:
+        """Whether this request reads the engine's record of finished jobs (its history) or its queue."""
+        return None
+
+    def history_without(self, body: bytes, hidden: Callable[[str, str | None], bool]) -> bytes | None:
+        """A history answer without the records `hidden(job id, mark)` names; None: nothing hidden."""
+        return None
+
+    def queue_with(self, body: bytes, pending: Sequence[JobReplay]) -> bytes | None:
+        """A queue answer that lists these jobs as pending too (each where it is not listed); None: unchanged."""
+        return None
+
+    def history_outcome(self, job_id: str, body: bytes) -> ports.JobFrameKind | None:
+        """How the job's record in a history answer says it ended: success, oom or error; None: not in it."""
+        return None
+
+    def jobs_without(self, body: bytes, hidden: Callable[[str, str | None], bool],
+                     retried: Sequence[JobReplay]) -> bytes | None:
+        """A jobs answer without the finished jobs `hidden` names; None: unchanged."""
+        return None
 
     # -- SelfReport: what the engine says about itself (no GPU reader: invariant 10) -----------------
     async def self_reported_bytes(self, client: httpx.AsyncClient) -> int | None:

@@ -11,7 +11,7 @@ reports the torch device (self-report, device figures, `--cpu`), /models/checkpo
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import httpx
@@ -23,13 +23,14 @@ from proxy.engines import settings as es
 from proxy.engines.base import EngineAdapter
 from proxy.engines.common import Need, ReleaseFailed, json_or_none, upstream_of
 from proxy.engines.model_files import FileHints, TenantFiles, comfyui_tenant_files
-from proxy.engines.ports import JobReplay, Relocation, RequestKind
+from proxy.engines.ports import JobFrame, JobFrameKind, JobReplay, JobView, Relocation, RequestKind, Requeued
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory
 
 PROMPT_ROUTES = frozenset({"/prompt", "/api/prompt"})
 QUEUE_ROUTES = frozenset({"/queue", "/api/queue"})  # POST {"delete": [...]} / {"clear": true}
 HISTORY_ROUTES = ("/history", "/api/history")  # GET, and /history/{prompt_id}
+JOBS_ROUTE = "/api/jobs"  # GET, and /api/jobs/{job_id} (0.8.0: the queue and the history as one list)
 # ComfyUI classifies only torch's OOM exception as OOM (model_management.OOM_EXCEPTION).
 COMFY_OOM_TYPES = ("torch.OutOfMemoryError", "torch.cuda.OutOfMemoryError")
 
@@ -144,22 +145,12 @@ class ComfyUIAdapter(EngineAdapter):
                     gb = tenant.model_vram_gb[ckpt]
                     return Need(int(gb * GIB), f"{ckpt} ({gb:.2f} GiB, configured)", self.load_key(ckpt), ckpt)
                 named = named or (ckpt if isinstance(ckpt, str) else None)
-            # keyed by the checkpoint: a render of another one is no resident load (ComfyUI swaps it in),
-            # and each checkpoint's peak is learned apart (proxy/handoff/peaks.py)
+            # keyed by the checkpoint it names (its residency, its reservation, its learned peak, the models
+            # gauge's name): a render of another one is no resident load (ComfyUI swaps it in); a graph that
+            # names none is the tenant's one load
             key = self.load_key(named) if named is not None else tenant.name
             return Need(tenant.needs_vram_bytes, f"{tenant.needs_vram_gb:.2f} GiB (needs_vram_gb)", key, named)
         return await super().estimate_need(path, body, client)
-
-    def oom_job_from_frame(self, text: str) -> str | None:
-        if "execution_error" not in text or "OutOfMemoryError" not in text:  # cheap filter first
-            return None
-        try:
-            event = json.loads(text)
-        except ValueError:
-            return None
-        if isinstance(event, dict) and comfy_event_is_oom(event):
-            return str((event.get("data") or {}).get("prompt_id", ""))
-        return None
 
     def oom_in_history(self, job_id: str, body: bytes) -> bool:
         """ComfyUI keeps the execution_error in the history entry's status messages."""
@@ -174,7 +165,9 @@ class ComfyUIAdapter(EngineAdapter):
                    and comfy_event_is_oom({"type": message[0], "data": message[1]}) for message in messages)
 
     async def job_replay(self, client: httpx.AsyncClient, job_id: str) -> JobReplay | None:
-        """The prompt's graph and extra data from /history/{id} (ComfyUI writes history before its end marker)."""
+        """The prompt's graph and extra data from /history/{id} (ComfyUI writes history before its end
+        marker), to be queued again under its own id (`prompt_id` in the body, taken since 2025-07) for
+        the same client, so its history, queue and websocket frames name the prompt the client knows."""
         try:
             r = await client.get(f"{upstream_of(self.tenant)}/history/{job_id}")
             item = r.json().get(job_id) if r.status_code == 200 else None
@@ -185,15 +178,116 @@ class ComfyUIAdapter(EngineAdapter):
         graph, extra = item["prompt"][2], item["prompt"][3]
         if not (isinstance(graph, dict) and isinstance(extra, dict)):
             return None
-        payload: dict[str, Any] = {"prompt": graph, "extra_data": extra}
+        payload: dict[str, Any] = {"prompt": graph, "extra_data": extra, "prompt_id": job_id}
         if extra.get("client_id"):
             payload["client_id"] = extra["client_id"]  # its websocket sees the new prompt's progress
-        return JobReplay(json.dumps({"prompt": graph}).encode(), payload)
+        return JobReplay(json.dumps({"prompt": graph}).encode(), payload, job_id, item["prompt"][:5])
 
-    async def resubmit(self, client: httpx.AsyncClient, replay: JobReplay) -> tuple[str | None, int]:
+    async def resubmit(self, client: httpx.AsyncClient, replay: JobReplay) -> Requeued:
         r = await client.post(f"{upstream_of(self.tenant)}/prompt", json=replay.payload)
-        new_id = r.json().get("prompt_id") if r.status_code == 200 else None
-        return (new_id if isinstance(new_id, str) and new_id else None), r.status_code
+        data = _ok_json(r.status_code, r.content)
+        new_id = data.get("prompt_id") if isinstance(data, dict) else None
+        number = data.get("number") if isinstance(data, dict) else None
+        return Requeued(new_id if isinstance(new_id, str) and new_id else None, r.status_code,
+                        _mark(number) if isinstance(number, int | float) else None)
+
+    def job_frame(self, text: str) -> JobFrame | None:
+        """execution_start, execution_success, execution_error (OOM or not), execution_interrupted,
+        and the end marker `executing` with node null; progress frames are skipped unread."""
+        if "execution_" not in text and '"executing"' not in text:
+            return None
+        try:
+            msg = json.loads(text)
+        except ValueError:
+            return None
+        if not isinstance(msg, dict) or not isinstance(data := msg.get("data"), dict):
+            return None
+        pid = data.get("prompt_id")
+        if not isinstance(pid, str) or not pid:
+            return None
+        match msg.get("type"):
+            case "execution_start":
+                return JobFrame("start", pid)
+            case "execution_success":
+                return JobFrame("success", pid)
+            case "execution_error":
+                return JobFrame("oom" if comfy_event_is_oom(msg) else "error", pid)
+            case "execution_interrupted":
+                return JobFrame("error", pid)
+            case "executing" if "node" in data and data["node"] is None:
+                return JobFrame("end", pid)
+        return None
+
+    def job_view(self, method: str, path: str) -> JobView | None:
+        route = path.rstrip("/")
+        if method.upper() != "GET":
+            return None
+        if route in HISTORY_ROUTES or route.startswith(tuple(f"{r}/" for r in HISTORY_ROUTES)):
+            return "history"
+        if route == JOBS_ROUTE or route.startswith(JOBS_ROUTE + "/"):
+            return "jobs"
+        return "queue" if route in QUEUE_ROUTES else None
+
+    def jobs_without(self, body: bytes, hidden: Callable[[str, str | None], bool],
+                     retried: Sequence[JobReplay]) -> bytes | None:
+        """GET /api/jobs (0.8.0): {"jobs": [job...], "pagination": {...}}, and /api/jobs/{id}: one job,
+        looked up in the history first. A finished job's `priority` is its record's queue number: a
+        failed run hidden leaves the list, and as the one job asked for reads as the queue lists the
+        job (pending, with what its record kept)."""
+        data = _ok_json(200, body)
+        if not isinstance(data, dict):
+            return None
+        if isinstance(data.get("jobs"), list):
+            jobs = data["jobs"]
+            kept = [j for j in jobs if not _hidden_job(j, hidden)]
+            if len(kept) == len(jobs):
+                return None
+            data["jobs"] = kept
+            pagination = data.get("pagination")
+            if isinstance(pagination, dict) and isinstance(pagination.get("total"), int):
+                pagination["total"] -= len(jobs) - len(kept)
+            return json.dumps(data).encode()
+        if not _hidden_job(data, hidden):
+            return None
+        row = next((r.row for r in retried if r.job_id == data.get("id") and isinstance(r.row, list)), None)
+        return json.dumps(_pending_job(data["id"], row)).encode()
+
+    def queue_with(self, body: bytes, pending: Sequence[JobReplay]) -> bytes | None:
+        """GET /queue: {"queue_running": [rows], "queue_pending": [rows]}; each job not listed goes
+        pending, as the row its history record kept ([number, prompt_id, graph, extra_data, outputs])."""
+        data = _ok_json(200, body)
+        listed = self.job_ids_from_queue(200, body)
+        if not isinstance(data, dict) or listed is None or not isinstance(data.get("queue_pending"), list):
+            return None
+        rows = [r.row for r in pending if r.job_id not in listed and isinstance(r.row, list)]
+        if not rows:
+            return None
+        data["queue_pending"] = [*data["queue_pending"], *rows]
+        return json.dumps(data).encode()
+
+    def history_outcome(self, job_id: str, body: bytes) -> JobFrameKind | None:
+        try:
+            entry = json.loads(body).get(job_id)
+        except (ValueError, AttributeError):
+            return None
+        if not isinstance(entry, dict):
+            return None
+        if self.oom_in_history(job_id, body):
+            return "oom"
+        status = entry.get("status")
+        return "success" if isinstance(status, dict) and status.get("status_str") == "success" else "error"
+
+    def history_without(self, body: bytes, hidden: Callable[[str, str | None], bool]) -> bytes | None:
+        """GET /history and /history/{id} answer {prompt_id: record, ...}; a record hidden is left out
+        (for /history/{id} that is `{}`, what ComfyUI answers while the prompt has not finished)."""
+        try:
+            data = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(data, dict):
+            return None
+        kept = {k: v for k, v in data.items() if not hidden(k, _record_mark(v))}
+        return json.dumps(kept).encode() if len(kept) < len(data) else None
 
     async def _torch_device(self, client: httpx.AsyncClient) -> dict[str, Any] | None:
         """The first (torch) device of ComfyUI's /system_stats; None when unreadable."""
@@ -292,6 +386,36 @@ class ComfyUIAdapter(EngineAdapter):
     def relocation(self, port: int) -> Relocation:
         """ComfyUI ships no service: its `--port` flag (with `--listen` left at its 127.0.0.1 default)."""
         return Relocation(port=port, instruction=f"python main.py --port {port}")
+
+
+def _hidden_job(job: object, hidden: Callable[[str, str | None], bool]) -> bool:
+    if not (isinstance(job, dict) and isinstance(job.get("id"), str) and job.get("status") in ("failed", "completed")):
+        return False
+    priority = job.get("priority")
+    return hidden(job["id"], _mark(priority) if isinstance(priority, int | float) else None)
+
+
+def _pending_job(job_id: str, row: list[Any] | None) -> dict[str, Any]:
+    """A queued job as the jobs API lists one (None values left out, as its prune_dict does)."""
+    extra = row[3] if row is not None and len(row) > 3 and isinstance(row[3], dict) else {}
+    workflow = ((extra.get("extra_pnginfo") or {}).get("workflow") or {}) if isinstance(extra, dict) else {}
+    job = {"id": job_id, "status": "pending", "priority": row[0] if row else None, "create_time": extra.get("create_time"),
+           "outputs_count": 0, "workflow_id": workflow.get("id") if isinstance(workflow, dict) else None}
+    return {k: v for k, v in job.items() if v is not None}
+
+
+def _mark(number: float) -> str:
+    """A queue number as a record's mark: 3 and 3.0 are the same run."""
+    return str(int(number)) if float(number).is_integer() else repr(float(number))
+
+
+def _record_mark(entry: object) -> str | None:
+    if not isinstance(entry, dict):
+        return None
+    prompt = entry.get("prompt")
+    if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], int | float)):
+        return None
+    return _mark(prompt[0])
 
 
 def _ok_json(status: int, body: bytes) -> object:

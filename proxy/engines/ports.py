@@ -13,6 +13,7 @@ this module), so what it may ask an engine is in its signature, not in a 40-memb
 | `NeedEstimator` | what a request or a start needs on the card, and the load it names | relay/gpu_gate.py, handoff/ |
 | `Releaser` | memory back, and the wake after it | handoff/arbitration.py, handoff/sleepers.py |
 | `OomDetector` | an out-of-memory failure in an answer, a frame or history; the job's replay | relay/gpu_gate.py |
+| `RetryViews` | a job retried under its own id as its client sees it: its runs' frames, history and queue | relay/gpu_gate.py |
 | `SelfReport` | the engine's own memory, card and model placement figures | handoff/, admin/api.py |
 | `InstalledModels` | the models the engine has installed, and their needs | admin/health.py, admin/events.py |
 | `HealthProbes` | how health, readiness and `hyperswap verify` probe it | admin/health.py, handoff/sleepers.py, verify/ |
@@ -27,7 +28,7 @@ The value types the ports speak (`Streamed`, `JobReplay`, `Relocation`, ...) are
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -67,7 +68,31 @@ class Streamed:
 class JobReplay:
     """A job that failed for lack of memory, as the engine kept it, ready to be submitted again."""
     body: bytes  # the request body as if submitted afresh: its need is estimated from it
-    payload: dict[str, Any]  # what resubmits it (same client, same extra data)
+    payload: dict[str, Any]  # what resubmits it (same job id, same client, same extra data)
+    job_id: str = ""
+    row: Any = None  # the job as the engine lists a pending one in its queue (ComfyUI: its `prompt` row)
+
+
+@dataclass(frozen=True, slots=True)
+class Requeued:
+    """The engine's answer to a resubmitted job: the id it runs under (None: refused), the HTTP
+    status, and the mark that tells the new run's record from the failed one's under the same id
+    (ComfyUI: its queue number; None: the engine gives none)."""
+    job_id: str | None
+    status: int
+    mark: str | None = None
+
+
+JobFrameKind = Literal["start", "success", "oom", "error", "end"]
+JobView = Literal["history", "queue", "jobs"]  # what a client reads of the engine's jobs (jobs: one list of both)
+
+
+@dataclass(frozen=True, slots=True)
+class JobFrame:
+    """A websocket frame about one job's run: it began (`start`), succeeded, ran out of GPU memory
+    (`oom`), failed otherwise (`error`: also an interrupt), or ended (`end`: the end marker)."""
+    kind: JobFrameKind
+    job_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +181,10 @@ class JobTracker(Protocol):
         """Job ids the engine's own queue says are running now. Raises httpx errors."""
         ...
 
+    def job_view(self, method: str, path: str) -> JobView | None:
+        """Whether this request reads the engine's record of finished jobs (its history) or its queue."""
+        ...
+
 
 class NeedEstimator(Protocol):
     """What a request (or a start) needs on the card, and which load it is."""
@@ -224,10 +253,6 @@ class OomDetector(Protocol):
         """An HTTP answer that says the GPU ran out of memory (only where `answers_oom`)."""
         ...
 
-    def oom_job_from_frame(self, text: str) -> str | None:
-        """The job id a websocket text frame reports an out-of-memory failure of, if any."""
-        ...
-
     def oom_in_history(self, job_id: str, body: bytes) -> bool:
         """Whether a finished job's history entry says it failed for lack of GPU memory."""
         ...
@@ -236,8 +261,36 @@ class OomDetector(Protocol):
         """The failed job as the engine kept it, to submit again; None when it is not (yet) there."""
         ...
 
-    async def resubmit(self, client: httpx.AsyncClient, replay: JobReplay) -> tuple[str | None, int]:
-        """Submit the job again: (the new job id or None when refused, the HTTP status). Raises httpx errors."""
+    async def resubmit(self, client: httpx.AsyncClient, replay: JobReplay) -> Requeued:
+        """Submit the job again, under its own id where the engine takes one. Raises httpx errors."""
+        ...
+
+
+class RetryViews(Protocol):
+    """A job retried under its own id as its client sees it: which run a frame or record belongs to,
+    and the engine's history and queue answers without the failed run (relay/oom_retry.py)."""
+
+    def job_frame(self, text: str) -> JobFrame | None:
+        """What a websocket text frame says about a job's run, if anything (must be cheap)."""
+        ...
+
+    def history_without(self, body: bytes, hidden: Callable[[str, str | None], bool]) -> bytes | None:
+        """A history answer without the records `hidden(job id, mark)` names; None: nothing hidden."""
+        ...
+
+    def queue_with(self, body: bytes, pending: Sequence[JobReplay]) -> bytes | None:
+        """A queue answer that lists these jobs as pending too (each where it is not listed); None: unchanged."""
+        ...
+
+    def history_outcome(self, job_id: str, body: bytes) -> JobFrameKind | None:
+        """How the job's record in a history answer says it ended: success, oom or error; None: not in it."""
+        ...
+
+    def jobs_without(self, body: bytes, hidden: Callable[[str, str | None], bool],
+                     retried: Sequence[JobReplay]) -> bytes | None:
+        """A jobs answer (the queue and the history as one list) without the finished jobs `hidden`
+        names; a single job hidden reads as pending (`retried`: the jobs running again, as their
+        failed run listed them). None: unchanged."""
         ...
 
 
@@ -405,8 +458,8 @@ class ModelNews(Protocol):
         ...
 
 
-PORTS: tuple[type, ...] = (HostAndHeaders, Classifier, JobTracker, NeedEstimator, Releaser, OomDetector, SelfReport,
-                           InstalledModels, HealthProbes, SettingsView, Deployment, ModelLoads, ModelNews)
+PORTS: tuple[type, ...] = (HostAndHeaders, Classifier, JobTracker, NeedEstimator, Releaser, OomDetector, RetryViews,
+                           SelfReport, InstalledModels, HealthProbes, SettingsView, Deployment, ModelLoads, ModelNews)
 
 
 # -- what each part of the proxy asks, where it asks more than one port ------------------------------
@@ -416,7 +469,7 @@ class ListenerPorts(HostAndHeaders, Classifier, JobTracker, ModelNews, Protocol)
     and what passing through tells the adapter."""
 
 
-class GatePorts(Classifier, JobTracker, NeedEstimator, OomDetector, Protocol):
+class GatePorts(Classifier, JobTracker, NeedEstimator, OomDetector, RetryViews, Protocol):
     """The GPU gate (relay/gpu_gate.py): an unload or a load, its need, its job, an OOM and its retry."""
 
 

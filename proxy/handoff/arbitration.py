@@ -24,7 +24,6 @@ import httpx
 from proxy.clock import Clock
 from proxy.config.registry import Registry
 from proxy.config.schema import ReleaseSpec, Tenant
-from proxy.config.units import GIB
 from proxy.engines import AdapterCache, EngineAdapter, Need, ReleaseFailed
 from proxy.engines.ports import SelfReport
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot, Attributor
@@ -35,6 +34,7 @@ from proxy.handoff.busy import CONFIRM_SLACK_BYTES
 from proxy.handoff.decisions import DecisionLog, HandoffFinished, HandoffStarted, Rejected, ReleaseResult
 from proxy.handoff.inflight import InFlight, Token
 from proxy.handoff.load_events import LoadEvents
+from proxy.handoff.oom_need import OOM_HEADROOM_BYTES, oom_retry_need
 from proxy.handoff.orders import Released, ReleaseOrder
 from proxy.handoff.plan import Plan, PlanMode, gib, unplanned_plan
 from proxy.handoff.queue_rules import promised_by_tenant
@@ -47,7 +47,6 @@ from proxy.tls import client_context
 log = logging.getLogger("hyperswap.arbitration")
 
 RESTORE_AT_STOP_S = 60.0  # each restore at the proxy's stop (GiB at ~12 GB/s: seconds)
-OOM_HEADROOM_BYTES = 1 * GIB  # after an OOM the estimate was wrong: ask for this much more than is free
 
 __all__ = ["CONFIRM_SLACK_BYTES", "Admitted", "Arbitration", "Handoff", "ReleaseResult", "gib"]
 
@@ -363,10 +362,15 @@ class Arbitration:
         away while waiting leaves the queue."""
         need = need or await self.adapter(tenant).estimate_need(path, body, self.control)
         need_bytes = need.bytes
-        if oom:
+        if oom:  # planned on a fresh reading, the raise capped at what the tenant can reach (handoff/oom_need.py)
             self.scheduler.unloaded(tenant.name)
-            snap = self.scheduler.card or await self.snapshot()
-            need_bytes = max(need_bytes, self.held(snap, tenant.name) + per_card.free_for(snap, tenant.name) + OOM_HEADROOM_BYTES)
+            snap = await self.snapshot()
+            held, free = self.held(snap, tenant.name), per_card.free_for(snap, tenant.name)
+            reachable = None
+            if snap.snapshot.device.size_known:  # a plan short of memory counts every tenant it could reach
+                probe, _ = await self.plan(tenant.name, held + free + OOM_HEADROOM_BYTES, need.key, snap)
+                reachable = probe.reachable_bytes
+            need_bytes = oom_retry_need(need_bytes, held, free, reachable)
         elif (at_once := self.scheduler.admit_at_once(tenant, need.key, need_bytes, work)) is not None:
             return at_once, need
         admitted = await self.scheduler.request(tenant, need.key, need_bytes, trigger, "oom_retry" if oom else "plan",

@@ -264,17 +264,19 @@ class SpillNoPlan(Opening):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OomRetry(Opening):
-    """How the retry after an out-of-memory answer ended: "succeeded", "failed", "no plan",
-    "requeued"... When the retry got a decision from the queue (a handoff that released memory for
-    it, or a 507), it is a fact of that decision (`handoff_id`) and shows in its entry as
-    `oom_retry`; else an entry of its own, with `result`."""
+    """How the retry after an out-of-memory failure went: "succeeded", "failed", "no plan" (the
+    queue refused it), "requeued" (a ComfyUI prompt queued again under its own id; a second event,
+    "succeeded" or "failed", follows when it ends and joins the same decision), "re-queue refused:
+    <status>", "re-queue failed: <error>", "not retried: ...". When the retry got a decision from the
+    queue (a handoff that released memory for it, or a 507), it is a fact of that decision
+    (`handoff_id`) and shows in its entry as `oom_retry`; else an entry of its own, with `result`."""
 
     name = "oom_retry"
     kind: Literal["oom_retry"] = "oom_retry"
     result: str
     handoff_id: int | None = None  # the retry's HandoffStarted (or Rejected)
     prompt_id: str | None = None  # a ComfyUI prompt: the one that ran out of memory
-    requeued_as: str | None = None  # ... and the prompt id it was queued again as
+    requeued_as: str | None = None  # ... and the prompt id it was queued again as (its own, where ComfyUI takes it)
 
     def target(self) -> int | None:
         return self.handoff_id

@@ -323,8 +323,11 @@ class Forwarder:
 
     # -- websockets -----------------------------------------------------------------------
     async def websocket(self, tenant: Tenant, ws: WebSocket,
-                        on_upstream_text: Callable[[str], None] | None = None) -> None:
-        """Bridge a client websocket to the same path and query upstream, frames and close codes both ways."""
+                        on_upstream_text: Callable[[str], bool] | None = None,
+                        later: asyncio.Queue[str] | None = None) -> None:
+        """Bridge a client websocket to the same path and query upstream, frames and close codes both ways.
+        `on_upstream_text` sees each upstream text frame first; False: the frame is not relayed now
+        (held back, or dropped); `later`: text frames relayed when they come (ones held back)."""
         adapter: HostAndHeaders = self.adapter(tenant)
         scope = ws.scope
         client_scheme = scope.get("scheme", "ws")
@@ -366,10 +369,16 @@ class Forwarder:
             return
         async with upstream:
             await ws.accept(subprotocol=upstream.subprotocol)
-            await self._bridge(ws, upstream, on_upstream_text)
+            await self._bridge(ws, upstream, on_upstream_text, later)
 
     async def _bridge(self, ws: WebSocket, upstream: ClientConnection,
-                      on_text: Callable[[str], None] | None) -> None:
+                      on_text: Callable[[str], bool] | None, later: asyncio.Queue[str] | None = None) -> None:
+        sending = asyncio.Lock()  # frames relayed later never interleave with the stream's
+
+        async def send_text(text: str) -> None:
+            async with sending:
+                await ws.send_text(text)
+
         async def client_to_upstream() -> None:
             while True:
                 message = await ws.receive()
@@ -386,11 +395,11 @@ class Forwarder:
             try:
                 async for frame in upstream:
                     if isinstance(frame, str):
-                        if on_text is not None:
-                            on_text(frame)
-                        await ws.send_text(frame)
+                        if on_text is None or on_text(frame):
+                            await send_text(frame)
                     else:
-                        await ws.send_bytes(frame)
+                        async with sending:
+                            await ws.send_bytes(frame)
             except websockets.ConnectionClosed:
                 pass
             code = upstream.close_code if upstream.close_code is not None else 1011
@@ -399,7 +408,14 @@ class Forwarder:
                 with contextlib.suppress(RuntimeError, WebSocketDisconnect, OSError):
                     await ws.close(_sendable(code), reason)
 
+        async def later_to_client() -> None:
+            assert later is not None
+            while True:
+                await send_text(await later.get())
+
         tasks = [asyncio.create_task(client_to_upstream()), asyncio.create_task(upstream_to_client())]
+        if later is not None:
+            tasks.append(asyncio.create_task(later_to_client()))
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for task in done:

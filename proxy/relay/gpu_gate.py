@@ -21,7 +21,7 @@ from proxy.clock import Clock
 from proxy.config.schema import Tenant
 from proxy.decision_base import RequestTrigger
 from proxy.engines import Need, ReleaseFailed, strip_hop_by_hop
-from proxy.engines.ports import GatePorts, JobReplay, OomDetector
+from proxy.engines.ports import GatePorts, JobFrame, JobReplay, JobView, OomDetector
 from proxy.handoff.arbitration import Arbitration
 from proxy.handoff.decisions import (
     DecisionEvent,
@@ -38,6 +38,7 @@ from proxy.handoff.decisions import (
 )
 from proxy.handoff.inflight import Token
 from proxy.handoff.load_events import Load
+from proxy.handoff.oom_need import OOM_HEADROOM_BYTES
 from proxy.handoff.plan import gib
 from proxy.handoff.queue_rules import RESIDENT
 from proxy.handoff.scheduler import Admitted, Handoff
@@ -46,6 +47,7 @@ from proxy.relay import refusals
 from proxy.relay import trace as tracing
 from proxy.relay.forward import UpstreamResponse
 from proxy.relay.listener import FirstStep
+from proxy.relay.oom_retry import RetryBook, SocketFrames
 
 log = logging.getLogger("hyperswap.gate")
 
@@ -113,8 +115,8 @@ class GpuGate:
     def __init__(self, arbitration: Arbitration, adapter: Callable[[Tenant], GatePorts] | None = None) -> None:
         self.arbitration = arbitration
         self._adapter: Callable[[Tenant], GatePorts] = adapter or arbitration.adapter  # the forwarder's per-tenant adapters
-        self._requeued: dict[str, str] = {}  # new prompt id -> the OOM'd prompt it retries
-        self._seen_oom: set[str] = set()
+        self._retries = RetryBook()  # jobs retried under their own id (proxy/relay/oom_retry.py)
+        self._told: dict[tuple[str, str], int] = {}  # (tenant, job) re-queued -> the decision its result joins
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
 
@@ -148,15 +150,59 @@ class GpuGate:
     def on_frame(self, tenant: Tenant, text: str) -> None:
         """Called for every upstream text frame of a tenant's websockets (the adapter filters cheaply first)."""
         self.arbitration.loads.frame(tenant.name, text)  # ComfyUI's execution frames time its checkpoint loads
-        job_id = self._adapter(tenant).oom_job_from_frame(text)
-        if job_id is not None:
-            self._oom(tenant, job_id)
+
+    def frames(self, tenant: Tenant, later: Callable[[str], None]) -> SocketFrames:
+        """One websocket's filter (proxy/relay/oom_retry.py): it tells the gate of each job frame (an
+        OOM starts the retry) and holds back the failed run's frames while its retry is decided;
+        `later` relays one that was held back. `unwatch` it when the socket closes."""
+        adapter = self._adapter(tenant)
+        return self._retries.watch(tenant.name, adapter.job_frame, partial(self._job_frame, tenant), later)
+
+    def unwatch(self, frames: SocketFrames) -> None:
+        self._retries.unwatch(frames)
+
+    def client_view(self, tenant: Tenant, view: JobView, body: bytes) -> bytes | None:
+        """The engine's history or queue answer as the client must see it (None: unchanged): a retried
+        job's failed run left out of the history until the new run's record replaces it, and listed
+        pending in the queue while its retry is decided."""
+        if view == "queue":
+            waiting = self._retries.waiting(tenant.name)
+            return self._adapter(tenant).queue_with(body, waiting) if waiting else None
+        if view == "jobs":
+            if not self._retries.pending(tenant.name):
+                return None
+            return self._adapter(tenant).jobs_without(body, partial(self._retries.hidden, tenant.name),
+                                                      self._retries.retried(tenant.name))
+        return self.history_view(tenant, body)
+
+    def history_view(self, tenant: Tenant, body: bytes) -> bytes | None:
+        """The engine's history answer as the client must see it: a retried job's failed run left out
+        until the new run's record replaces it. None: unchanged. A read is also where an out-of-memory
+        of a job the proxy counts may show first (a client polling its history can read it before the
+        proxy's own poll or the error frame): its retry starts here, and the client never reads it."""
+        adapter = self._adapter(tenant)
+        for job in self.arbitration.inflight.jobs(tenant.name):
+            if job.encode() in body and self._retries.phase(tenant.name, job) is None \
+                    and adapter.history_outcome(job, body) == "oom":  # read only once its id is there: a job ended
+                self._job_frame(tenant, JobFrame("oom", job), 1)
+        if not self._retries.pending(tenant.name):
+            return None
+        return adapter.history_without(body, partial(self._retries.hidden, tenant.name))
+
+    def watches_views(self, tenant: Tenant) -> bool:
+        return bool(self.arbitration.inflight.jobs(tenant.name)) or self._retries.pending(tenant.name)
+
+    def retry_deciding(self, tenant: Tenant, job_id: str) -> bool:
+        """The job's failed run ended and whether it runs again is being decided: it is not lost."""
+        return self._retries.phase(tenant.name, job_id) == "deciding"
 
     def on_job_end(self, tenant: Tenant, job_id: str, history: bytes) -> None:
         """A prompt's end found by the history poll (its client never opened a websocket, so no
-        frame told us): the engine's history entry says whether it ran out of memory."""
-        if self._adapter(tenant).oom_in_history(job_id, history):
-            self._oom(tenant, job_id)
+        frame told us), from the record the client sees: the first run's out-of-memory starts the
+        retry; a retried job's record is the new run's, and says how the retry went."""
+        outcome = self._adapter(tenant).history_outcome(job_id, history)
+        if outcome is not None:
+            self._job_frame(tenant, JobFrame(outcome, job_id), 1 if self._retries.phase(tenant.name, job_id) is None else 2)
 
     def on_job_lost(self, tenant: Tenant, job_id: str) -> None:
         self.arbitration.decisions.emit(StaleJob(
@@ -165,45 +211,63 @@ class GpuGate:
                    "engine restarted): no longer counted as running"))
         self.arbitration.scheduler.kick()
 
-    def _oom(self, tenant: Tenant, prompt_id: str) -> None:
-        if self._closed or not prompt_id or prompt_id in self._seen_oom:
-            return  # several sockets, or a socket and the history poll, can report the same OOM
-        self._seen_oom.add(prompt_id)
-        if len(self._seen_oom) > 4096:
-            self._seen_oom.pop()
-        task = asyncio.create_task(self._retry_prompt(tenant, prompt_id))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    def _job_frame(self, tenant: Tenant, frame: JobFrame, run: int) -> None:
+        """A job's frame (or history record) of its `run`: the first run's out-of-memory starts its
+        retry, once however many sockets and polls report it; the end of the new run is the retry's result."""
+        if self._closed or frame.kind in ("start", "end"):
+            return
+        if run <= 1:
+            if frame.kind == "oom" and self._retries.begin(tenant.name, frame.job_id):
+                task = asyncio.create_task(self._retry_prompt(tenant, frame.job_id))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            return
+        if self._retries.end(tenant.name, frame.job_id):
+            result = "succeeded" if frame.kind == "success" else "failed"
+            told = self._told.pop((tenant.name, frame.job_id), None)
+            self.arbitration.decisions.emit(OomRetry(tenant=tenant.name, trigger=f"end of prompt {frame.job_id}",
+                                                     result=result, handoff_id=told, prompt_id=frame.job_id))
 
     async def _retry_prompt(self, tenant: Tenant, prompt_id: str) -> None:
-        if prompt_id in self._requeued:
-            self.arbitration.decisions.emit(OomRetry(tenant=tenant.name,
-                                                     trigger=f"second OOM of prompt {self._requeued[prompt_id]}",
-                                                     result="failed", prompt_id=prompt_id))
-            return
+        """Queue the prompt again under its own id, for the same client, once the scheduler admitted it
+        on a fresh card reading; every out-of-memory is retried once, whatever the new plan says. What
+        the client sees waits for this: the failed run's frames are dropped once it is queued, relayed
+        when it is not."""
         adapter = self._adapter(tenant)
-        replay = await self._job_replay(adapter, prompt_id)
-        if replay is None:
-            self.arbitration.decisions.emit(OomRetry(tenant=tenant.name, trigger=f"OOM of prompt {prompt_id}",
-                                             result="not retried: prompt not in ComfyUI's history"))
-            return
-        admitted, _need = await self.arbitration.admit(tenant, "", replay.body, f"OOM of ComfyUI prompt {prompt_id}", oom=True)
-        handoff = admitted.handoff
+        queued = False
         try:
-            if admitted.outcome != "run" or not handoff.plan.feasible or not handoff.plan.starved:
-                self._record_retry(tenant, handoff, "no plan")
+            replay = await self._job_replay(adapter, prompt_id)
+            if replay is None:
+                self._record_retry(tenant, None, "not retried: prompt not in ComfyUI's history", prompt_id=prompt_id)
                 return
-            new_id, status = await adapter.resubmit(self.arbitration.control, replay)
-            if not new_id:
-                self._record_retry(tenant, handoff, f"re-queue refused: {status}")
-                return
-            self._requeued[new_id] = prompt_id
-            self.arbitration.inflight.track_job(tenant.name, new_id)
-            self._record_retry(tenant, handoff, "requeued", prompt_id=prompt_id, requeued_as=new_id)
-        except (httpx.HTTPError, ValueError, ReleaseFailed) as exc:
-            self._record_retry(tenant, handoff, f"re-queue failed: {exc}")
+            self._retries.replaying(tenant.name, prompt_id, replay)
+            admitted, _need = await self.arbitration.admit(tenant, "", replay.body,
+                                                           f"OOM of ComfyUI prompt {prompt_id}", oom=True)
+            handoff = admitted.handoff
+            try:
+                if admitted.outcome != "run":
+                    self._record_retry(tenant, handoff, "no plan", prompt_id=prompt_id)
+                    return
+                requeued = await adapter.resubmit(self.arbitration.control, replay)
+                if requeued.job_id is None:
+                    self._record_retry(tenant, handoff, f"re-queue refused: {requeued.status}", prompt_id=prompt_id)
+                    return
+                self.arbitration.inflight.track_job(tenant.name, requeued.job_id)
+                if requeued.job_id == prompt_id:
+                    queued = True
+                    self._retries.requeued(tenant.name, prompt_id, requeued.mark)
+                told = self._record_retry(tenant, handoff, "requeued", prompt_id=prompt_id, requeued_as=requeued.job_id)
+                if queued:
+                    self._told[(tenant.name, prompt_id)] = told
+                    while len(self._told) > 4096:
+                        self._told.pop(next(iter(self._told)))
+            except (httpx.HTTPError, ValueError, ReleaseFailed) as exc:
+                self._record_retry(tenant, handoff, f"re-queue failed: {exc}", prompt_id=prompt_id)
+            finally:
+                self.arbitration.scheduler.settle_when_idle(handoff)  # the re-queued prompt loads after POST /prompt returns
         finally:
-            self.arbitration.scheduler.settle_when_idle(handoff)  # the re-queued prompt loads after POST /prompt returns
+            if not queued:  # no retry under the client's id (or an engine that gave it a new one): the error stands
+                self._retries.given_up(tenant.name, prompt_id)
 
     async def _job_replay(self, adapter: OomDetector, job_id: str) -> JobReplay | None:
         """The engine writes the failed job down shortly after its error frame: look for a while."""
@@ -388,10 +452,12 @@ class GpuGate:
         # The first try is over: its reservation goes before the retry reserves its bigger need
         # (under the same key it would only have counted once more, with the old size and baseline).
         self.arbitration.scheduler.settle(handoff)
+        # Every OOM is retried once, admitted on a fresh card reading (`Arbitration.admit`): memory
+        # that freed since the first try is room too, not a reason to give up.
         again, _ = await self.arbitration.admit(tenant, request.url.path, body, f"OOM answer to {trigger}", oom=True)
         retry = again.handoff
         try:
-            outcome = "retried" if again.outcome == "run" and retry.plan.feasible and retry.plan.starved else "no plan"
+            outcome = "retried" if again.outcome == "run" else "no plan"
             if outcome == "retried":
                 response = await forward(body)
                 if response.status_code < 400:
@@ -401,7 +467,11 @@ class GpuGate:
                 error_body = await response.aread()
                 await response.aclose()
             self._record_retry(tenant, retry, "failed" if outcome == "retried" else outcome)
-            return _with_blockers(response, error_body, retry)
+            if retry.plan.blockers or retry.plan.unplanned:
+                return _with_blockers(response, error_body, retry)
+            # The retry ran on all it could reach: who holds the rest is what a plan past it names.
+            past, snap = await self.arbitration.plan(tenant.name, retry.plan.need_bytes + OOM_HEADROOM_BYTES, need.key)
+            return _with_blockers(response, error_body, Handoff(past, [], None, snap))
         finally:
             self.arbitration.scheduler.settle(retry)
 
@@ -441,13 +511,15 @@ class GpuGate:
         trace.loading = None
 
     def _record_retry(self, tenant: Tenant, handoff: Handoff | None, result: str, *, prompt_id: str | None = None,
-                      requeued_as: str | None = None) -> None:
-        """Once, when the retry's result is known: a fact of the decision the retry got from the queue
-        (the handoff that made room for it, or its 507), if it got one."""
+                      requeued_as: str | None = None) -> int:
+        """When the retry's result is known (a job re-queued: when it is, and again when it ends): a
+        fact of the decision the retry got from the queue (the handoff that made room for it, or its
+        507), if it got one, else a decision of its own. Returns the decision it is part of."""
         started = handoff.decision if handoff is not None else None
-        self.arbitration.decisions.emit(OomRetry(tenant=tenant.name, trigger="OOM answer", result=result,
-                                         handoff_id=started.id if started is not None else None,
-                                         prompt_id=prompt_id, requeued_as=requeued_as))
+        event = self.arbitration.decisions.emit(OomRetry(tenant=tenant.name, trigger="OOM answer", result=result,
+                                                 handoff_id=started.id if started is not None else None,
+                                                 prompt_id=prompt_id, requeued_as=requeued_as))
+        return started.id if started is not None else event.id
 
 
 def _story_of(handoff: Handoff) -> int | None:

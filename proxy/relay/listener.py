@@ -25,9 +25,9 @@ from starlette.websockets import WebSocket
 
 from proxy.clock import Clock
 from proxy.config.schema import Tenant
-from proxy.engines import Need
+from proxy.engines import Need, strip_hop_by_hop
 from proxy.engines.base import origin_netloc, same_origin
-from proxy.engines.ports import ListenerPorts, Streamed
+from proxy.engines.ports import JobView, ListenerPorts, Streamed
 from proxy.errors import HyperSwapError
 from proxy.handoff.inflight import InFlight, JobFate, JobPoller, Token
 from proxy.handoff.scheduler import Admitted
@@ -35,6 +35,7 @@ from proxy.relay import progress
 from proxy.relay.departure import ClientLink, Sweep
 from proxy.relay.forward import Forwarder, UpstreamResponse
 from proxy.relay.guards import SAFE_METHODS, answer, host_header, refuse_tenant_host
+from proxy.relay.oom_retry import SocketFrames
 from proxy.relay.trace import Trace, stamp, traced
 from proxy.relay.trace import current as current_trace
 
@@ -67,7 +68,28 @@ class Admission(Protocol):
         names (no OOM retry: the body cannot be sent twice), then forwarded."""
 
     def on_frame(self, tenant: Tenant, text: str) -> None:
-        """Every upstream websocket text frame (ComfyUI's OOM arrives as one); must be cheap."""
+        """Every upstream websocket text frame (its checkpoint loads are timed from them); must be cheap."""
+
+    def frames(self, tenant: Tenant, later: Callable[[str], None]) -> SocketFrames:
+        """One websocket's filter of job frames: an OOM starts the retry, and the failed run's frames
+        are held back while it is decided (`later` relays one held back); `unwatch` it at the close."""
+
+    def unwatch(self, frames: SocketFrames) -> None: ...
+
+    def history_view(self, tenant: Tenant, body: bytes) -> bytes | None:
+        """The engine's history answer as the client must see it (a retried job's failed run left
+        out); None: unchanged."""
+
+    def retry_deciding(self, tenant: Tenant, job_id: str) -> bool:
+        """The job ran out of memory and whether it runs again is being decided: not lost."""
+
+    def client_view(self, tenant: Tenant, view: JobView, body: bytes) -> bytes | None:
+        """The engine's history or queue answer as the client must see it (a retried job's failed run
+        left out, the job listed pending while its retry is decided); None: unchanged."""
+
+    def watches_views(self, tenant: Tenant) -> bool:
+        """A history or queue read must pass through `client_view` (a job counted, or a retry under
+        way); cheap."""
 
     def on_job_end(self, tenant: Tenant, job_id: str, history: bytes) -> None:
         """A job's end seen by polling the engine's history (no websocket reported it)."""
@@ -185,8 +207,7 @@ class TenantApp:
                 if refusal is not None:
                     await answer(scope, receive, send, refusal)
                     return
-                await self.forwarder.websocket(self.tenant, WebSocket(scope, receive, send),
-                                               on_upstream_text=self._on_text)
+                await self._websocket(WebSocket(scope, receive, send))
         elif kind == "lifespan":  # nothing to start: answer so a server with lifespan on proceeds
             while True:
                 message = await receive()
@@ -233,10 +254,33 @@ class TenantApp:
             upstream = await self.forwarder.open(self.tenant, scope, link.body())
         except HyperSwapError as exc:
             return _error_response(exc)
-        if self.adapter.job_news(scope["method"], scope["path"]) and self.inflight.jobs(self.tenant.name):
-            # a queue delete or clear, or a client that polls for its job's end: check the jobs now
-            return self.forwarder.relay(self.tenant, upstream, on_close=self.poller.check_soon)
-        return self.forwarder.relay(self.tenant, upstream, on_close=_nothing)
+        news = self.adapter.job_news(scope["method"], scope["path"]) and self.inflight.jobs(self.tenant.name)
+        # a queue delete or clear, or a client that polls for its job's end: check the jobs now
+        on_close = self.poller.check_soon if news else _nothing
+        view = self.adapter.job_view(scope["method"], scope["path"])
+        if view is not None and self.admission is not None and upstream.status_code == 200 \
+                and self.admission.watches_views(self.tenant):
+            return await self._client_view(upstream, self.admission, view, on_close)
+        return self.forwarder.relay(self.tenant, upstream, on_close=on_close)
+
+    async def _client_view(self, upstream: UpstreamResponse, admission: Admission, kind: JobView,
+                           on_close: Callable[[], None]) -> Response:
+        """The engine's history or queue as the client must see it: a job retried after an OOM is not
+        finished until its new run is (its failed run's record left out), and queued while its retry is
+        decided; relayed unchanged when nothing changes."""
+        try:
+            raw = await upstream.aread()
+        finally:
+            await upstream.aclose()
+            on_close()
+        encoding = upstream.headers.get("content-encoding", "").strip().lower()
+        view = admission.client_view(self.tenant, kind, _decoded(raw, encoding))
+        headers = [(k, v) for k, v in strip_hop_by_hop(upstream.raw_headers) if k.lower() != b"content-length"
+                   and (view is None or k.lower() != b"content-encoding")]
+        body = raw if view is None else view
+        response = Response(body, status_code=upstream.status_code)
+        response.raw_headers = [*headers, (b"content-length", b"%d" % len(body))]
+        return response
 
     async def _model_news(self, scope: Scope, link: ClientLink) -> Response:
         """A request that changes what a model name is, or lists the models (the adapter's `model_news`):
@@ -415,12 +459,34 @@ class TenantApp:
         return None if netloc is not None and self._hosts.allows(netloc) else origin
 
     # -- jobs ------------------------------------------------------------------------------------
-    def _on_text(self, text: str) -> None:
-        job_id = self.adapter.job_done_from_frame(text)
+    async def _websocket(self, ws: WebSocket) -> None:
+        """Relay a websocket with its frames watched: a job's end, and through the admission's filter
+        the frames of a job retried after an OOM (held back while the retry is decided, relayed later
+        on the `later` queue if it is not)."""
+        admission = self.admission
+        if admission is None:
+            await self.forwarder.websocket(self.tenant, ws, on_upstream_text=self._on_text)
+            return
+        later: asyncio.Queue[str] = asyncio.Queue()
+        frames = admission.frames(self.tenant, later.put_nowait)
+
+        def on_text(text: str) -> bool:
+            verdict = frames.upstream(text)
+            self._on_text(text, ends_job=verdict.ends_job)
+            return verdict.send
+
+        try:
+            await self.forwarder.websocket(self.tenant, ws, on_upstream_text=on_text, later=later)
+        finally:
+            admission.unwatch(frames)
+
+    def _on_text(self, text: str, *, ends_job: bool = True) -> bool:
+        job_id = self.adapter.job_done_from_frame(text) if ends_job else None
         if job_id is not None:
             self.inflight.finish_job(self.tenant.name, job_id)
         if self.admission is not None:
             self.admission.on_frame(self.tenant, text)
+        return True
 
     async def _check_jobs(self, job_ids: tuple[str, ...]) -> dict[str, JobFate]:
         """Each job's fate from the engine's own queue and history: a job in neither has been deleted
@@ -438,10 +504,15 @@ class TenantApp:
             if path is None:
                 continue
             resp = await self.forwarder.get(tenant, path)
-            if adapter.job_done_from_history(job_id, resp.status_code, resp.content):
+            content = resp.content  # as the client sees it: a retried job's failed run is not its end
+            if self.admission is not None and resp.status_code == 200:
+                content = self.admission.history_view(tenant, content) or content
+            if adapter.job_done_from_history(job_id, resp.status_code, content):
                 fates[job_id] = "done"
                 if self.admission is not None:
-                    self.admission.on_job_end(tenant, job_id, resp.content)
+                    self.admission.on_job_end(tenant, job_id, content)
+            elif self.admission is not None and self.admission.retry_deciding(tenant, job_id):
+                fates[job_id] = "running"  # it ran out of memory and is about to run again
             elif resp.status_code == 200 and queued is not None and job_id not in queued:
                 fates[job_id] = "lost"
             else:

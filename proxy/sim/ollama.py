@@ -279,9 +279,11 @@ class OllamaSim:
     def set_memory_short(self, mode: MemoryShort) -> None:
         self._sched.memory_short = mode
 
-    def fail_next_load_with(self, message: str) -> None:
-        """The next load's runner dies part-way: 500 {"error": message}, its memory is gone."""
+    def fail_next_load_with(self, message: str, times: int = 1) -> None:
+        """The next load's runner dies part-way: 500 {"error": message}, its memory is gone (the next
+        `times` loads)."""
         self._sched.fail_next_load = message
+        self._sched.fail_loads = times
 
     def fail_next_stream_with(self, message: str, after_chunks: int = 1) -> None:
         """The next streamed generation writes `after_chunks` chunks, then an {"error"} line, no done line."""

@@ -130,6 +130,7 @@ class Scheduler:
         self._pending = 0
         self._ports = iter(range(41234, 65000))
         self.fail_next_load: str | None = None
+        self.fail_loads = 0  # how many loads fail with `fail_next_load`
         self.loads = 0
 
     # -- the request path -----------------------------------------------------------------------
@@ -238,7 +239,9 @@ class Scheduler:
         plan = runner.size_vram
         step = plan // LOAD_STEPS
         fail = self.fail_next_load
-        self.fail_next_load = None
+        self.fail_loads = max(0, self.fail_loads - 1)
+        if not self.fail_loads:
+            self.fail_next_load = None
         try:
             for i in range(LOAD_STEPS):
                 await self.clock.sleep(load_s / LOAD_STEPS)

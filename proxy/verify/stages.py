@@ -363,29 +363,53 @@ async def check_out_of_memory(v: Session) -> str:
 
 async def _judge_oom_retry(v: Session, comfy_t: TenantInfo, run: GraphRun, mark: int, staged: str,
                            free: int) -> str:
-    """The staged graph ran out of memory: the proxy must have released and re-queued it, and the
-    retry must have succeeded."""
+    """The staged graph ran out of memory: the proxy must have released and run it again under the
+    prompt id the client holds, which the client saw end in success, the out-of-memory never."""
     if run.ok:
-        raise StageSkipped(f"{comfy_t.name} ran the graph in {gib(free)} without running out of memory (it may load "
-                           "part of a model at a time): the out-of-memory path was not reached")
+        retry = await _oom_retry(v, comfy_t.name, mark, run.prompt_id, wait_s=0.0)
+        if retry is None:
+            raise StageSkipped(f"{comfy_t.name} ran the graph in {gib(free)} without running out of memory (it may "
+                               "load part of a model at a time): the out-of-memory path was not reached")
+        outcome = retry["outcome"]
+        released = ", ".join(f"{r['tenant']} ({r.get('freed_gb')} GiB)" for r in outcome.get("releases") or [])
+        return (f"{staged} ran out of memory in {comfy_t.name}; the proxy released {released or 'nobody'} and ran it "
+                f"again under the client's own id {run.prompt_id}, which succeeded (the client never saw the out-of-memory)")
     if not run.error_type or "OutOfMemory" not in run.error_type:
         raise StageFailed(f"the graph failed with {run.error_type}: {run.error}", impact=f"{comfy_t.name} prompts fail",
                           fix=f"see {comfy_t.name}'s log")
     retry = await _oom_retry(v, comfy_t.name, mark, run.prompt_id)
+    if retry is None:
+        raise StageFailed(f"{comfy_t.name} ran out of memory on prompt {run.prompt_id} and the proxy decided nothing",
+                          impact="a prompt that runs out of memory is not retried although idle tenants hold memory",
+                          fix=f"check that {comfy_t.name}'s websocket and /history reach the proxy (`hyperswap check`), "
+                              "then see the proxy's log")
     outcome = retry["outcome"]
-    if outcome.get("oom_retry") != "requeued" or not outcome.get("requeued_as"):
-        raise StageFailed(f"{comfy_t.name} ran out of memory and the proxy did not retry: {outcome.get('oom_retry')}",
-                          impact="a prompt that runs out of memory fails although idle tenants hold memory",
+    if outcome.get("oom_retry") in ("requeued", "succeeded"):
+        raise StageFailed(f"{comfy_t.name} ran out of memory; the proxy retried it ({outcome.get('oom_retry')}) but the "
+                          f"client saw the out-of-memory of prompt {run.prompt_id}",
+                          impact="a person sees a failed image although the proxy's retry ran",
                           fix=f"see GET /api/decisions (decision {retry['id']}) and the proxy's log")
-    again = await v.comfy(comfy_t).wait_history(str(outcome["requeued_as"]))
-    if not again.ok:
-        raise StageFailed(f"the retried prompt {again.prompt_id} failed too: {again.error_type}: {again.error}",
+    if outcome.get("oom_retry") == "failed":
+        raise StageFailed(f"the retried prompt {run.prompt_id} ran out of memory again",
                           impact="a prompt that runs out of memory fails even after the proxy made room",
                           fix=f"raise tenants.{comfy_t.name}.needs_vram_gb to what its graphs take")
-    released = ", ".join(f"{r['tenant']} ({r.get('freed_gb')} GiB)" for r in outcome.get("releases") or [])
-    return (f"{staged} ran out of memory in "
-            f"{comfy_t.name}; the proxy released {released or 'nobody'} and re-queued it as {again.prompt_id}, "
-            "which succeeded")
+    raise StageFailed(f"{comfy_t.name} ran out of memory and the proxy did not retry: {outcome.get('oom_retry')}",
+                      impact="a prompt that runs out of memory fails although idle tenants hold memory",
+                      fix=f"see GET /api/decisions (decision {retry['id']}) and the proxy's log")
+
+
+async def _oom_retry(v: Session, tenant: str, mark: int, prompt_id: str, wait_s: float = 30.0) -> dict[str, Any] | None:
+    """The proxy's decision about this prompt's OOM (it reads ComfyUI's history first, then plans
+    and re-queues), once its retry is decided; None when none came within `wait_s`."""
+    deadline = v.clock.now() + wait_s
+    while True:
+        for d in await v.decisions_after(mark, tenant):
+            mine = d["outcome"].get("prompt_id") == prompt_id or prompt_id in str(d.get("trigger"))
+            if mine and d["outcome"].get("oom_retry"):  # set once the retry is decided
+                return d
+        if v.clock.now() >= deadline:
+            return None
+        await v.clock.sleep(v.options.poll_s)
 
 
 def _no_filler(tenant: str, models: list[OllamaModel], lo: int, hi: int, free: int, how: str) -> str:
@@ -396,21 +420,6 @@ def _no_filler(tenant: str, models: list[OllamaModel], lo: int, hi: int, free: i
               else "none could: the card is too small for the window")
     return (f"no installed {tenant} model leaves free memory between {gib(lo)} and {gib(hi)} "
             f"({how.format(free=gib(free))}; {window}; installed: {sizes}): an out-of-memory cannot be staged safely")
-
-
-async def _oom_retry(v: Session, tenant: str, mark: int, prompt_id: str, wait_s: float = 30.0) -> dict[str, Any]:
-    """The proxy's decision about this OOM: it reads ComfyUI's history first, then plans and re-queues."""
-    deadline = v.clock.now() + wait_s
-    while v.clock.now() < deadline:
-        for d in await v.decisions_after(mark, tenant):
-            mine = d["outcome"].get("prompt_id") == prompt_id or prompt_id in str(d.get("trigger"))
-            if mine and d["outcome"].get("oom_retry"):  # set once the retry is decided
-                return d
-        await v.clock.sleep(v.options.poll_s)
-    raise StageFailed(f"{tenant} ran out of memory on prompt {prompt_id} and the proxy decided nothing within {wait_s:g} s",
-                      impact="a prompt that runs out of memory is not retried although idle tenants hold memory",
-                      fix=f"check that {tenant}'s websocket and /history reach the proxy (`hyperswap check`), "
-                          "then see the proxy's log")
 
 
 async def check_too_large(v: Session) -> str:

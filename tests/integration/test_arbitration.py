@@ -128,15 +128,27 @@ async def test_oom_answer_is_reclaimed_and_retried_once(box: DemoFactory, http: 
 
     assert r.status_code == 200, r.text
     retry = decisions(demo, "oom_retry", "ollama")
-    assert retry and retry[-1].outcome["oom_retry"] == "succeeded"
+    assert retry and retry[-1].outcome.get("oom_retry") == "succeeded", [(d.outcome, d.plan) for d in retry]
     assert [x["tenant"] for x in retry[-1].outcome["releases"]] == ["comfyui"]
     assert not demo.proxy.arbitration.scheduler.reservations.tenants(), \
         "both admissions (first try and retry) give their memory back"
 
 
-async def test_oom_with_nothing_to_release_reaches_the_client_with_blockers(box: DemoFactory, http: httpx.AsyncClient) -> None:
+async def test_oom_with_nothing_to_release_is_retried_once_on_a_fresh_reading(
+        box: DemoFactory, http: httpx.AsyncClient) -> None:
+    # The memory the first try lacked may have freed since (a foreign allocation gone): every OOM is retried.
     demo = await box("default")
     demo.box.ollama.fail_next_load_with(OOM)
+    r = await generate(http, demo, "llama3.1:8b")
+    assert r.status_code == 200, r.text
+    retry = decisions(demo, "oom_retry", "ollama")
+    assert [d.outcome for d in retry] == [{"result": "succeeded"}]
+    assert not demo.proxy.arbitration.scheduler.reservations.tenants()
+
+
+async def test_oom_with_nothing_to_release_reaches_the_client_with_blockers(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box("default")
+    demo.box.ollama.fail_next_load_with(OOM, times=2)
     r = await generate(http, demo, "llama3.1:8b")
     assert r.status_code == 500
     body = r.json()
@@ -305,7 +317,7 @@ def test_module_json_is_valid() -> None:
     assert json.loads(json.dumps(comfy_prompt("x")))
 
 
-async def test_comfyui_oom_is_reclaimed_and_the_prompt_requeued_for_the_same_client(
+async def test_comfyui_oom_is_retried_under_the_clients_own_prompt_id_which_ends_success(
         box: DemoFactory, http: httpx.AsyncClient) -> None:
     # ComfyUI outranks Ollama here, and asks for little up front: the OOM is what reveals the need.
     demo = await box(fast("default", tenants={"comfyui": {"priority": 60, "needs_vram_gb": 1.0}}))
@@ -317,28 +329,29 @@ async def test_comfyui_oom_is_reclaimed_and_the_prompt_requeued_for_the_same_cli
         await ws.recv()
         first = (await http.post(base + "/prompt", json={"prompt": comfy_prompt("sd_xl_base_1.0.safetensors"),
                                                           "client_id": cid})).json()["prompt_id"]
-        ends: list[str] = []
-        errors: list[str] = []
+        seen: list[tuple[str, str | None]] = []
         async with asyncio.timeout(15):
-            while len(ends) < 2:
+            while ("executing", None) not in seen:
                 raw = await ws.recv()
                 if isinstance(raw, bytes):
                     continue
                 m = json.loads(raw)
-                if m["type"] == "execution_error":
-                    errors.append(m["data"]["exception_type"])
-                if m["type"] == "executing" and m["data"].get("node") is None:
-                    ends.append(m["data"]["prompt_id"])
-    assert errors == ["torch.OutOfMemoryError"]
-    assert ends[0] == first and ends[1] != first, "the same client sees the re-queued prompt run"
-    history = (await http.get(base + f"/history/{ends[1]}")).json()[ends[1]]
-    assert history["status"]["status_str"] == "success"
-    assert history["prompt"][3]["client_id"] == cid
+                if m["data"].get("prompt_id") == first and m["type"] != "progress_state" and m["type"] != "progress":
+                    seen.append((m["type"], m["data"].get("node", "")))
+    kinds = [k for k, _ in seen]
+    assert "execution_error" not in kinds, f"the client never sees the OOM of a run that is retried: {kinds}"
+    assert kinds.count("execution_start") == 2 and kinds[-2:] == ["execution_success", "executing"], kinds
+    assert seen.count(("executing", None)) == 1, "one end marker for the client's prompt: the retry's"
+    history = (await http.get(base + f"/history/{first}")).json()[first]
+    assert history["status"]["status_str"] == "success" and history["prompt"][3]["client_id"] == cid
+    assert first in (await http.get(base + "/history")).json()
     retry = decisions(demo, "oom_retry", "comfyui")[-1]
-    assert retry.outcome["oom_retry"] == "requeued" and [x["tenant"] for x in retry.outcome["releases"]] == ["ollama"]
+    assert retry.outcome["oom_retry"] == "succeeded" and retry.outcome["prompt_id"] == first, retry.outcome
+    assert [x["tenant"] for x in retry.outcome["releases"]] == ["ollama"]
+    assert demo.box.comfyui.executed == 2 and not demo.proxy.inflight.jobs("comfyui")
 
 
-async def test_comfyui_oom_of_a_client_without_websocket_is_found_by_the_history_poll_and_requeued(
+async def test_comfyui_oom_of_a_client_without_websocket_is_found_by_the_history_poll_and_ends_success(
         box: DemoFactory, http: httpx.AsyncClient) -> None:
     # A script that POSTs /prompt and polls /history itself: no frame ever tells the proxy of the OOM.
     demo = await box(fast("default", tenants={"comfyui": {"priority": 60, "needs_vram_gb": 1.0}}))
@@ -346,22 +359,21 @@ async def test_comfyui_oom_of_a_client_without_websocket_is_found_by_the_history
     demo.box.comfyui.fail_next_prompt_with_oom()
     base = demo.proxy.url("comfyui")
     first = (await http.post(base + "/prompt", json={"prompt": comfy_prompt("sd_xl_base_1.0.safetensors")})).json()["prompt_id"]
+    statuses: list[str] = []
+
+    async def history_lists_it() -> bool:
+        entry = (await http.get(base + f"/history/{first}")).json().get(first)
+        if entry is not None:
+            statuses.append(entry["status"]["status_str"])
+        return entry is not None
     async with asyncio.timeout(15):
-        def retries() -> list[DecisionView]:
-            return [d for d in decisions(demo, "oom_retry", "comfyui") if d.outcome.get("oom_retry")]
-        await poll_until(retries, 0.05)
-        retry = retries()[-1]
-        assert retry.outcome["oom_retry"] == "requeued", retry.outcome
-        requeued = retry.outcome["requeued_as"]
-        async def history_lists_it() -> bool:
-            return bool((await http.get(base + f"/history/{requeued}")).json())
-        await poll_until(history_lists_it, 0.05)
-        await poll_until(lambda: not demo.proxy.inflight.jobs("comfyui"), 0.05)  # the re-queued prompt is polled to its end too
-    failed = (await http.get(base + f"/history/{first}")).json()[first]
-    assert failed["status"]["status_str"] == "error"
-    done = (await http.get(base + f"/history/{requeued}")).json()[requeued]
-    assert done["status"]["status_str"] == "success", "the re-queued prompt must run once the memory is back"
+        await poll_until(history_lists_it, 0.02)
+        await poll_until(lambda: not demo.proxy.inflight.jobs("comfyui"), 0.05)  # the retry is polled to its end too
+    assert statuses == ["success"], "the client polling its own id never reads the failed run"
+    retry = [d for d in decisions(demo, "oom_retry", "comfyui") if d.outcome.get("oom_retry")][-1]
+    assert retry.outcome["oom_retry"] == "succeeded" and retry.outcome["prompt_id"] == first, retry.outcome
     assert [x["tenant"] for x in retry.outcome["releases"]] == ["ollama"]
+    assert demo.box.comfyui.executed == 2
 
 
 async def test_an_idle_release_that_frees_nothing_backs_off_and_never_holds_up_a_prompt(
@@ -415,3 +427,74 @@ async def test_a_prompt_deleted_from_comfyuis_queue_stops_counting_as_busy(box: 
     assert [d.outcome["job_id"] for d in lost] == [b], "A ended normally; B was in neither queue nor history"
     r = await http.post(demo.proxy.url("admin") + "/api/tenants/comfyui/release")
     assert r.status_code == 200, r.text
+
+
+async def test_while_a_retry_waits_for_memory_the_clients_prompt_is_queued_and_unfinished(
+        box: DemoFactory, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The retry's admission held (as if it waited in the queue for a busy tenant): what the client reads meanwhile.
+    demo = await box(fast("default", tenants={"comfyui": {"priority": 60, "needs_vram_gb": 1.0}}))
+    arbitration = demo.proxy.arbitration
+    admit, go, waiting = arbitration.admit, asyncio.Event(), asyncio.Event()
+
+    async def held_admit(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if kwargs.get("oom"):
+            waiting.set()
+            await go.wait()
+        return await admit(*args, **kwargs)
+    monkeypatch.setattr(arbitration, "admit", held_admit)
+    demo.box.comfyui.fail_next_prompt_with_oom()
+    base = demo.proxy.url("comfyui")
+    cid = uuid.uuid4().hex
+    async with ws_connect(base.replace("http", "ws") + f"/ws?clientId={cid}", max_queue=None) as ws:
+        await ws.recv()
+        first = (await http.post(base + "/prompt", json={"prompt": comfy_prompt("sd_xl_base_1.0.safetensors"),
+                                                          "client_id": cid})).json()["prompt_id"]
+        async with asyncio.timeout(15):
+            await waiting.wait()
+            await poll_until(lambda: demo.box.comfyui.executed == 1, 0.01)  # the failed run is in ComfyUI's history
+            assert (await http.get(base + f"/history/{first}")).json() == {}, "not finished, as for any queued prompt"
+            assert first not in (await http.get(base + "/history")).json()
+            queue = (await http.get(base + "/queue")).json()
+            assert [row[1] for row in queue["queue_pending"]] == [first] and queue["queue_running"] == []
+            assert queue["queue_pending"][0][3]["client_id"] == cid
+            engine = (await http.get(demo.box.servers["comfyui"].url + "/queue")).json()
+            assert engine["queue_pending"] == [], "the engine itself no longer has it: the proxy's view lists it"
+            job = (await http.get(base + f"/api/jobs/{first}")).json()
+            assert (job["id"], job["status"]) == (first, "pending"), job
+            assert first not in [j["id"] for j in (await http.get(base + "/api/jobs")).json()["jobs"]]
+            go.set()
+            types: list[str] = []
+            while "end" not in types:
+                raw = await ws.recv()
+                m = json.loads(raw) if isinstance(raw, str) else {"type": "binary", "data": {}}
+                if m["data"].get("prompt_id") != first:
+                    continue
+                if m["type"] in ("execution_error", "execution_success"):
+                    types.append(m["type"])
+                elif m["type"] == "executing" and m["data"].get("node") is None:
+                    types.append("end")
+    assert types == ["execution_success", "end"], f"the failed run's error and end never reach the client: {types}"
+    assert (await http.get(base + f"/history/{first}")).json()[first]["status"]["status_str"] == "success"
+    assert (await http.get(base + f"/api/jobs/{first}")).json()["status"] == "completed"
+    assert [j["status"] for j in (await http.get(base + "/api/jobs")).json()["jobs"] if j["id"] == first] == ["completed"]
+
+
+async def test_when_no_retry_follows_the_client_gets_the_failed_run_as_it_came(
+        box: DemoFactory, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    from proxy.engines.comfyui import ComfyUIAdapter
+    from proxy.engines.ports import Requeued
+
+    async def refused(self, client, replay):  # type: ignore[no-untyped-def]
+        return Requeued(None, 500)  # ComfyUI refused the re-queue
+    monkeypatch.setattr(ComfyUIAdapter, "resubmit", refused)
+    demo = await box(fast("default", tenants={"comfyui": {"priority": 60, "needs_vram_gb": 1.0}}))
+    demo.box.comfyui.fail_next_prompt_with_oom()
+    msgs = await run_prompt(demo.proxy.url("comfyui"), "sd_xl_base_1.0.safetensors", http)
+    kinds = [m["type"] for m in msgs if m["type"].startswith("execution_")]
+    assert kinds == ["execution_start", "execution_cached", "execution_error"], kinds
+    assert msgs[-1]["type"] == "executing" and msgs[-1]["data"]["node"] is None, "its end marker follows its error"
+    pid = msgs[-1]["data"]["prompt_id"]
+    assert (await http.get(demo.proxy.url("comfyui") + f"/history/{pid}")).json()[pid]["status"]["status_str"] == "error"
+    retry = decisions(demo, "oom_retry", "comfyui")[-1]
+    assert retry.outcome.get("oom_retry", retry.outcome.get("result")) == "re-queue refused: 500", retry.outcome
+    assert demo.box.comfyui.executed == 1

@@ -188,3 +188,24 @@ async def test_requests_are_counted_by_the_status_their_client_got_a_500_is_not_
     assert value(m, "hyperswap_requests_total", tenant="ollama", outcome="server_error") == 1, "the runner's 500"
     assert value(m, "hyperswap_requests_total", tenant="ollama", outcome="client_error") == 1, "the unknown model's 404"
     assert value(m, "hyperswap_requests_total", tenant="ollama", outcome="completed") == 1, "only the 200"
+
+
+async def test_a_retry_that_succeeded_counts_as_a_retry_not_an_error(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box(fast("default", tenants={"comfyui": {"priority": 60, "needs_vram_gb": 1.0}}))
+    oom = "llama runner process has terminated: cudaMalloc failed: out of memory"
+    demo.box.ollama.fail_next_load_with(oom)
+    r = await http.post(demo.proxy.url("ollama") + "/api/generate", json={"model": "gemma3:27b", "prompt": "hi", "stream": False})
+    assert r.status_code == 200, r.text
+    demo.box.comfyui.fail_next_prompt_with_oom()  # its retry releases Ollama and runs under the client's own id
+    msgs = await run_prompt(demo.proxy.url("comfyui"), "sd_xl_base_1.0.safetensors", http)
+    assert [x["type"] for x in msgs if x["type"].startswith("execution_")][-1] == "execution_success"
+
+    m = await scrape(http, demo)
+
+    assert value(m, "hyperswap_requests_total", tenant="ollama", outcome="retried") == 1
+    assert value(m, "hyperswap_requests_total", tenant="ollama", outcome="oom_error") == 0
+    assert value(m, "hyperswap_requests_total", tenant="comfyui", outcome="completed") == 1, "its POST /prompt"
+    assert value(m, "hyperswap_requests_total", tenant="comfyui", outcome="oom_error") == 0
+    assert value(m, "hyperswap_oom_retries_total", tenant="ollama", result="succeeded") == 1
+    assert value(m, "hyperswap_oom_retries_total", tenant="comfyui", result="requeued") == 1
+    assert value(m, "hyperswap_oom_retries_total", tenant="comfyui", result="succeeded") == 1

@@ -122,3 +122,17 @@ async def test_each_picker_signal_moves_with_the_scheduler_on_the_demo_box(box: 
     end = await until(http, demo, lambda s: s.waiting("ollama") == 0 and s.waiting("comfyui") == 0
                       and s.running("comfyui") == 0, "the queues never emptied")
     assert end.models("ollama")["running_lora_adapters"] == "llama3.1:8b"
+
+
+async def test_the_models_gauge_lists_the_checkpoint_comfyui_renders_with(box: DemoFactory, http: httpx.AsyncClient) -> None:
+    demo = await box(BOX, watchdog=True)
+    rendering = asyncio.create_task(render(demo, FLUX, steps=400))
+    busy = await until(http, demo, lambda s: s.running("comfyui") == 1, "the render never showed as running")
+    await until(http, demo, lambda s: s.running("comfyui") == 1 and demo.box.comfyui.loaded() != {},  # type: ignore[union-attr]
+                "flux never reached the card")
+    during = [await scrape(http, demo) for _ in range(3)]
+    assert succeeded(await rendering)
+    for s in [busy, *during]:
+        if s.running("comfyui") == 1:
+            listed = s.models("comfyui")
+            assert FLUX in listed["running_lora_adapters"] + listed["waiting_lora_adapters"], listed

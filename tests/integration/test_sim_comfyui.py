@@ -471,6 +471,32 @@ async def test_jobs_rejects_bad_parameters_with_400(box: Box, params: dict[str, 
     assert (r.status_code, r.json()) == (400, {"error": message})
 
 
+async def test_a_prompt_queued_again_under_its_own_id_replaces_its_record_when_it_ends(box: Box) -> None:
+    # server.py post_prompt: prompt_id = str(json_data.get("prompt_id", uuid.uuid4())); PromptQueue.task_done
+    # writes history[prompt_id] (a dict: the old record stays in place until the new run ends).
+    async with box.ws("o") as ws:
+        await first_frame(ws)
+        box.sim.fail_next_prompt_with_oom()
+        pid = await box.post_prompt(txt2img(), "o")
+        failed = await until_end(ws, pid)
+        other = await box.post_prompt(image_graph(color=5), "o")
+        await until_end(ws, other)
+        before = await box.history(pid)
+        again = await box.http.post("/prompt", json={"prompt": txt2img(), "client_id": "o", "prompt_id": pid})
+        assert again.status_code == 200 and again.json()["prompt_id"] == pid
+        assert again.json()["number"] != before["prompt"][0], "a new run has a new queue number"
+        queue = (await box.http.get("/queue")).json()
+        assert pid in [row[1] for row in queue["queue_running"] + queue["queue_pending"]]
+        assert (await box.history(pid))["status"]["status_str"] == "error", "the failed run's record until the new one ends"
+        rerun = await until_end(ws, pid)
+    assert types(failed)[-3:] == ["execution_error", "status", "executing"]
+    assert next(f["type"] for f in rerun if f["type"].startswith("execution_")) == "execution_start"
+    assert types(rerun)[-3:] == ["execution_success", "status", "executing"], "the same id, frames to the same client"
+    history = (await box.http.get("/history")).json()
+    assert list(history) == [pid, other], "the record replaced in place"
+    assert history[pid]["status"]["status_str"] == "success" and history[pid]["prompt"][0] == again.json()["number"]
+
+
 # -- memory: OOM, /free -----------------------------------------------------------------------------
 
 async def test_injected_oom_sends_execution_error_and_unloads_everything(box: Box) -> None:

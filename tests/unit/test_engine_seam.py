@@ -14,6 +14,7 @@ from source_tree import SourceFile, nodes_of, python_files, text_of
 from proxy.config.schema import EngineKind
 from proxy.engines import ADAPTERS, AdapterCache, EngineAdapter, adapter_for
 from proxy.engines.loading import registry_from_dict
+from proxy.engines.ports import JobFrame, JobReplay, Requeued
 
 PROXY = Path(__file__).resolve().parents[2] / "proxy"
 
@@ -134,11 +135,11 @@ async def test_generic_adapter_reports_nothing_it_cannot_see() -> None:
         assert await adapter.catalog(client, 1.0) is None
         assert await adapter.settings_view(client, None, None, False) is None  # type: ignore[arg-type]
         assert adapter.placements_path is None and adapter.queue_path() is None
-        assert adapter.oom_job_from_frame('{"type":"execution_error"}') is None
+        assert adapter.job_frame('{"type":"execution_error","data":{"prompt_id":"p"}}') is None
         assert not adapter.response_is_oom(500, b'{"error":"out of memory"}'), "a generic app's 500 is passed through"
 
 
-async def test_comfyui_adapter_replays_a_failed_prompt_from_its_history() -> None:
+async def test_comfyui_adapter_replays_a_failed_prompt_under_its_own_id_from_its_history() -> None:
     reg = registry_from_dict({"tenants": {"comfyui": {"engine": "comfyui", "upstream": "http://127.0.0.1:8188"}}})
     adapter = adapter_for(reg.get("comfyui"))
     graph = {"3": {"class_type": "KSampler", "inputs": {}}}
@@ -146,11 +147,76 @@ async def test_comfyui_adapter_replays_a_failed_prompt_from_its_history() -> Non
         ["execution_error", {"prompt_id": "p1", "exception_type": "torch.OutOfMemoryError"}]]}}}
     with respx.mock(assert_all_called=True) as mock:
         mock.get("http://127.0.0.1:8188/history/p1").respond(200, json=entry)
-        posted = mock.post("http://127.0.0.1:8188/prompt").respond(200, json={"prompt_id": "p2", "number": 8})
+        posted = mock.post("http://127.0.0.1:8188/prompt").respond(200, json={"prompt_id": "p1", "number": 8})
         async with httpx.AsyncClient() as client:
             replay = await adapter.job_replay(client, "p1")
             assert replay is not None and json.loads(replay.body) == {"prompt": graph}
-            assert await adapter.resubmit(client, replay) == ("p2", 200)
+            assert await adapter.resubmit(client, replay) == Requeued("p1", 200, "8")
     assert json.loads(posted.calls.last.request.content) == {"prompt": graph, "extra_data": {"client_id": "c9"},
-                                                             "client_id": "c9"}, "the same client sees the retry"
-    assert adapter.oom_in_history("p1", json.dumps(entry).encode())
+                                                             "prompt_id": "p1", "client_id": "c9"}, \
+        "the same client sees the retry, under the prompt id it holds"
+    body = json.dumps(entry).encode()
+    assert adapter.oom_in_history("p1", body) and adapter.history_outcome("p1", body) == "oom"
+
+
+def test_comfyui_history_without_the_failed_run_reads_as_the_engine_answers_a_prompt_not_finished() -> None:
+    reg = registry_from_dict({"tenants": {"comfyui": {"engine": "comfyui", "upstream": "http://127.0.0.1:8188"}}})
+    adapter = adapter_for(reg.get("comfyui"))
+    history = {"a": {"prompt": [3, "a", {}, {}, []], "status": {"status_str": "success"}},
+               "b": {"prompt": [4, "b", {}, {}, []], "status": {"status_str": "error"}}}
+    body = json.dumps(history).encode()
+    assert adapter.history_without(body, lambda job, mark: job == "b" and mark == "4") == json.dumps(
+        {"a": history["a"]}).encode()
+    assert adapter.history_without(body, lambda job, mark: job == "b" and mark == "9") is None, "the new run's record shows"
+    only_b = json.dumps({"b": history["b"]}).encode()
+    assert adapter.history_without(only_b, lambda job, mark: True) == b"{}", "/history/{id} of a prompt not finished"
+    assert adapter.history_outcome("a", body) == "success" and adapter.history_outcome("b", body) == "error"
+    assert adapter.job_view("GET", "/api/history/b") == "history" and adapter.job_view("GET", "/history") == "history"
+    assert adapter.job_view("GET", "/queue") == "queue" and adapter.job_view("GET", "/api/queue/") == "queue"
+    assert adapter.job_view("POST", "/history") is None and adapter.job_view("GET", "/historyx") is None
+
+
+def test_comfyui_jobs_api_hides_the_failed_run_and_reads_the_job_as_pending() -> None:
+    reg = registry_from_dict({"tenants": {"comfyui": {"engine": "comfyui", "upstream": "http://127.0.0.1:8188"}}})
+    adapter = adapter_for(reg.get("comfyui"))
+    assert adapter.job_view("GET", "/api/jobs") == "jobs" and adapter.job_view("GET", "/api/jobs/p") == "jobs"
+    failed = {"id": "p", "status": "failed", "priority": 7, "create_time": 5, "outputs_count": 0}
+    others = [{"id": "q", "status": "pending", "priority": 9, "outputs_count": 0}, failed]
+    listing = json.dumps({"jobs": others, "pagination": {"offset": 0, "limit": None, "total": 2, "has_more": False}})
+
+    def hidden(job: str, mark: str | None) -> bool:
+        return job == "p" and mark == "7"
+    row = [7, "p", {}, {"client_id": "c", "create_time": 5}, []]
+    assert json.loads(adapter.jobs_without(listing.encode(), hidden, []) or b"") == {
+        "jobs": [others[0]], "pagination": {"offset": 0, "limit": None, "total": 1, "has_more": False}}
+    assert json.loads(adapter.jobs_without(json.dumps(failed).encode(), hidden, [JobReplay(b"", {}, "p", row)]) or b"") \
+        == {"id": "p", "status": "pending", "priority": 7, "create_time": 5, "outputs_count": 0}
+    done = {**failed, "status": "completed", "priority": 8}
+    assert adapter.jobs_without(json.dumps(done).encode(), hidden, []) is None, "the new run's record shows"
+
+
+def test_comfyui_queue_lists_a_prompt_whose_retry_is_decided_as_pending() -> None:
+    reg = registry_from_dict({"tenants": {"comfyui": {"engine": "comfyui", "upstream": "http://127.0.0.1:8188"}}})
+    adapter = adapter_for(reg.get("comfyui"))
+    row = [7, "p", {"3": {}}, {"client_id": "c"}, ["9"]]
+    waiting = JobReplay(b"{}", {}, "p", row)
+    empty = json.dumps({"queue_running": [], "queue_pending": []}).encode()
+    assert json.loads(adapter.queue_with(empty, [waiting]) or b"") == {"queue_running": [], "queue_pending": [row]}
+    queued = json.dumps({"queue_running": [[8, "p", {}, {}, []]], "queue_pending": []}).encode()
+    assert adapter.queue_with(queued, [waiting]) is None, "queued again already: the engine's own row"
+
+
+def test_comfyui_job_frames_name_each_run_of_a_prompt() -> None:
+    reg = registry_from_dict({"tenants": {"comfyui": {"engine": "comfyui", "upstream": "http://127.0.0.1:8188"}}})
+    adapter = adapter_for(reg.get("comfyui"))
+
+    def frame(kind: str, **data: object) -> str:
+        return json.dumps({"type": kind, "data": {"prompt_id": "p", **data}})
+    assert adapter.job_frame(frame("execution_start", timestamp=1)) == JobFrame("start", "p")
+    assert adapter.job_frame(frame("execution_success")) == JobFrame("success", "p")
+    assert adapter.job_frame(frame("execution_error", exception_type="torch.OutOfMemoryError")) == JobFrame("oom", "p")
+    assert adapter.job_frame(frame("execution_error", exception_type="RuntimeError")) == JobFrame("error", "p")
+    assert adapter.job_frame(frame("execution_interrupted")) == JobFrame("error", "p")
+    assert adapter.job_frame(frame("executing", node=None)) == JobFrame("end", "p")
+    assert adapter.job_frame(frame("executing", node="3")) is None
+    assert adapter.job_frame(frame("progress", value=1, max=2)) is None

@@ -297,18 +297,20 @@ async def test_without_a_terminal_and_without_yes_nothing_is_asked_and_releasing
 
 async def test_an_oom_the_proxy_never_acts_on_fails_with_what_to_check() -> None:
     from proxy.clock import ManualClock
+    from proxy.verify.clients import GraphRun
     from proxy.verify.report import StageFailed
 
     async with httpx.AsyncClient(transport=httpx.MockTransport(FakeBox().handler)) as http:
         clock = ManualClock()
         verify = Verify(Options(admin=ADMIN), http, clock=clock)
-        retry = asyncio.ensure_future(stages._oom_retry(verify, "comfyui", 0, "p-1"))
+        failed = GraphRun("p-1", False, "torch.OutOfMemoryError", "Allocation on device", "websocket")
+        retry = asyncio.ensure_future(stages._judge_oom_retry(verify, tenant_info(), failed, 0, "staged", GIB))
         await clock.advance(29.0)
         assert not retry.done(), "gave up before its 30 s"
         await clock.advance(2.0)
         with pytest.raises(StageFailed) as caught:
             await retry
-    assert "decided nothing within 30 s" in caught.value.detail and "hyperswap check" in caught.value.fix
+    assert "the proxy decided nothing" in caught.value.detail and "hyperswap check" in caught.value.fix
 
 
 async def test_a_graph_that_fails_is_not_run_again_by_the_reclaim() -> None:

@@ -579,7 +579,9 @@
         if (o.result) return `${d.tenant} spills to the CPU: ${o.result}`;
         return `${d.tenant} spills to the CPU: ${rel.length ? "released " + rel.join("; ") : "releasing…"}`;
       case "oom_retry":
-        return `${d.tenant} OOM (${d.trigger}): ${typeof o.result === "string" ? o.result : JSON.stringify(o.result ?? o)}`;
+        // a ComfyUI prompt's retry: "requeued", then how its new run ended (oom_retry)
+        return `${d.tenant} OOM (${d.trigger}): ${typeof o.result === "string" ? o.result : JSON.stringify(o.result ?? o)}${
+          typeof o.oom_retry === "string" ? ` → ${o.oom_retry}` : ""}`;
       case "gpu_drift":  // proxy/gpu/keeper.py
         return o.drifting && o.drifting.length ? `GPU ${o.device}: ${o.drifting.map((c) => c.note).join("; ")}`
           : `GPU ${o.device}: settings match gpu_profile again (${(o.resolved || []).join(", ")})`;
