@@ -46,6 +46,7 @@ from proxy.relay import refusals
 from proxy.relay import trace as tracing
 from proxy.relay.forward import UpstreamResponse
 from proxy.relay.listener import FirstStep
+from proxy.relay.load_line import Reading
 
 log = logging.getLogger("hyperswap.gate")
 
@@ -131,19 +132,15 @@ class GpuGate:
                 changed()
         return self.arbitration.decisions.subscribe(on_event)
 
-    async def _load_figure(self, tenant: Tenant, need: Need) -> str | None:
+    async def _load_figure(self, tenant: Tenant, need: Need) -> Reading | None:
         """How far a load got, from the card (`load_events.progress`: what the tenant gained since the
-        load began, marked estimated where the card cannot tell this load's memory apart)."""
+        load began); the line a person reads is proxy/relay/load_line.py's."""
         snap = await self.arbitration.snapshot()
         load = self.arbitration.loads.underway_of(tenant.name, need.key)
         if load is None:
             return None  # not begun yet, or on the card already
         figure = self.arbitration.loads.progress(load, snap.held_by(tenant.name), tenant.idle_vram_bytes, snap.estimated)
-        how = ("estimated from the engines' own reports" if snap.estimated
-               else f"estimated: all {tenant.name} gained" if figure.estimated else "estimated need")
-        took = self.arbitration.clock.now() - load.began_at
-        return (f"loading {load.model}: {gib(figure.on_card_bytes)} of {gib(figure.need_bytes)} GiB on the card "
-                f"({how}), {took:.0f} s")
+        return Reading(load.model, figure.on_card_bytes, figure.need_bytes, load.began_at, self.arbitration.clock.now())
 
     def on_frame(self, tenant: Tenant, text: str) -> None:
         """Called for every upstream text frame of a tenant's websockets (the adapter filters cheaply first)."""
@@ -402,8 +399,8 @@ class GpuGate:
         if trace is None:
             return
         record_wait(trace, self.arbitration.decisions, handoff, arrived_wall, self.arbitration.clock.wall())
-        if loads:
-            trace.say(f"loading {need.model} ({gib(need.bytes)} GiB)")
+        if loads:  # every load is told, waited for or not: a streamed request is answered now (issue 41)
+            trace.wait(f"loading {need.model} ({gib(need.bytes)} GiB)")
             trace.loading = partial(self._load_figure, tenant, need)
 
     @staticmethod

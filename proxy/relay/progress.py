@@ -35,6 +35,7 @@ from proxy.clock import Clock
 from proxy.engines.ports import Streamed
 from proxy.errors import HyperSwapError
 from proxy.relay.forward import UpstreamResponse
+from proxy.relay.load_line import LoadEstimate, Reading
 from proxy.relay.trace import Trace, stamp
 from proxy.tasks import sleep_or_wake
 
@@ -52,6 +53,7 @@ Answer = Callable[[Result], Response]  # the answer as it would be without progr
 Finish = Callable[["int | None"], None]  # the request left flight with this status (None: client gone)
 
 _BEHIND = re.compile(r"^queued behind (\S+) \((.+)\)$")
+_HOLD = re.compile(r"^holding the swap of (.+?) for ([\d.e+-]+) s\b")  # queue_rules' reason for a held swap
 
 
 def wanted(setting: str, header: str | None) -> bool:
@@ -69,10 +71,19 @@ def wait_line(entry: dict[str, Any]) -> str:
     if entry.get("releasing"):
         return f"releasing {', '.join(entry['releasing'])} to make room"
     reason = str(entry.get("reason") or "waiting for GPU memory")
+    held = _HOLD.match(reason)
+    if held is not None:
+        return hold_line(held[1], float(held[2]))
     match = _BEHIND.match(reason)
     if match is not None and len(entry.get("waiting_for") or ()) == 1:
         return f"waiting for {match[1]}: {match[2]}"
     return reason.replace("queued behind", "waiting behind", 1)
+
+
+def hold_line(tenants: str, hold_s: float) -> str:
+    """A held swap (proxy/handoff/hold.py) told as the choice it is, not as a wait for busy work."""
+    return (f"keeping {tenants} on the card {hold_s:.1f} s before releasing it: it was just used, and "
+            "a request for it that follows goes first (one swap instead of two)")
 
 
 class Framing:
@@ -169,9 +180,11 @@ class ProgressResponse(Response):
         self._finish = finish
         self._activity = activity
         self._lines: list[str] = []
-        self._last_figure: float | None = None  # when the last load figure was read (None: no load yet)
+        self._estimate: LoadEstimate | None = None  # the load under way's smooth figure (None: no load yet)
+        self._told_at = 0.0  # when its last line was told
+        self._read_at = 0.0  # when the card was last read for it
 
-    async def _figure(self, loading: Callable[[], Awaitable[str | None]]) -> str | None:
+    async def _figure(self, loading: Callable[[], Awaitable[Reading | None]]) -> Reading | None:
         try:
             return await loading()
         except Exception as exc:  # a card read that fails never breaks the answer
@@ -211,8 +224,7 @@ class ProgressResponse(Response):
                 if not committed:  # nothing to tell yet: every change of a wait comes as an event, no timer needed
                     await self._changed.wait()
                     continue
-                await sleep_or_wake(self._clock, TICK_S if self._trace.loading is None else LOAD_EVERY_S / 2,
-                                    self._changed)
+                await sleep_or_wake(self._clock, self._next_look(), self._changed)
             try:
                 result: Result = task.result()
             except HyperSwapError as exc:
@@ -235,18 +247,36 @@ class ProgressResponse(Response):
             if not answered:
                 self._finish(status)  # committed, or the client left before anything was answered
 
+    def _next_look(self) -> float:
+        """Seconds until the loop looks again with nothing announced: the next load line, else a tick."""
+        if self._estimate is None:
+            return TICK_S
+        return max(0.05, min(TICK_S, self._told_at + LOAD_EVERY_S - self._clock.now()))
+
     async def _load_figure(self, send: Send) -> None:
-        """While a load runs, its figure every LOAD_EVERY_S (the first a second into the load)."""
+        """While a load runs: the card read at once, then a smooth figure every LOAD_EVERY_S
+        (proxy/relay/load_line.py), the card read again for each."""
         loading = self._trace.loading
         if loading is None:
-            self._last_figure = None
-        elif self._last_figure is None:
-            self._last_figure = self._clock.now()
-        elif self._clock.now() - self._last_figure >= LOAD_EVERY_S:
-            self._last_figure = self._clock.now()
-            figure = await self._figure(loading)
-            if figure:
-                await self._send_progress(send, figure)
+            self._estimate = None
+            return
+        now = self._clock.now()
+        if self._estimate is None:
+            self._estimate = LoadEstimate()
+            self._told_at = now  # "loading X (size)" was just said: the first figure a second from now
+        elif now - self._told_at < LOAD_EVERY_S:
+            return
+        if self._estimate.last is None or now - self._read_at >= LOAD_EVERY_S:
+            self._read_at = now
+            reading = await self._figure(loading)
+            if reading is not None:
+                self._estimate.observe(reading)
+        if now == self._told_at:
+            return
+        self._told_at = now
+        line = self._estimate.line(now)
+        if line:
+            await self._send_progress(send, line)
 
     async def _send_progress(self, send: Send, line: str) -> None:
         await send({"type": "http.response.body", "body": self._framing.progress(line), "more_body": True})
@@ -284,5 +314,10 @@ class ProgressResponse(Response):
         return result.status_code
 
     async def _end_with_error(self, send: Send, message: str) -> None:
+        """The reason as a last progress line, then the engine's error shape: Open WebUI (0.12.4) drops
+        an Ollama `{"error"}` line in its conversion to OpenAI chunks and shows only the thinking
+        block, where this line lands; the `ollama` and `openai` clients raise the error line as their
+        ResponseError / APIError (docs/concepts.md, "When it fails after the first line")."""
+        await self._send_progress(send, f"failed: {message}")
         await send({"type": "http.response.body", "body": self._framing.error(message), "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})

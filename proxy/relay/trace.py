@@ -14,6 +14,8 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
+from proxy.relay.load_line import Reading
+
 # The order the phases happen in, and the order the header lists them in.
 PHASES = ("queue", "release", "start", "load")
 
@@ -33,8 +35,8 @@ class Trace:
     phases: dict[str, Phase] = field(default_factory=dict)
     listener: Listener | None = None
     waits: bool = False  # it waits for something that takes a while (an app's start): a progress answer commits
-    # while the engine loads the request's model: how far it got, read from the card (a line)
-    loading: Callable[[], Awaitable[str | None]] | None = None
+    # while the engine loads the request's model: how far it got, read from the card
+    loading: Callable[[], Awaitable[Reading | None]] | None = None
 
     def phase(self, name: str, seconds: float, desc: str) -> None:
         """A phase that happened (a second one of the same name, as a wake then a load can both

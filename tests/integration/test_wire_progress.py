@@ -58,11 +58,11 @@ async def test_a_chat_that_waited_for_a_release_says_where_the_time_went(box: De
             f"a chat for a model on the card waited for nothing: {again.headers.get('server-timing')}"
 
 
-async def test_a_streamed_chat_that_loads_its_model_carries_the_load(box: DemoFactory) -> None:
+async def test_a_streamed_chat_that_loads_its_model_without_progress_carries_the_load(box: DemoFactory) -> None:
     demo = await box("default")
     async with httpx.AsyncClient(verify=LOOPBACK_TLS, trust_env=False, timeout=30) as http:
-        async with http.stream("POST", demo.proxy.url("ollama") + "/api/chat", json={  # type: ignore[union-attr]
-                "model": MODEL, "messages": [{"role": "user", "content": "hi"}]}) as r:
+        async with http.stream("POST", demo.proxy.url("ollama") + "/api/chat", headers={"X-HyperSwap-Progress": "off"},  # type: ignore[union-attr]
+                               json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}) as r:
             await r.aread()
     assert r.status_code == 200
     phases = timings(r.headers.get("server-timing"))
@@ -142,8 +142,30 @@ async def test_a_streamed_v1_chat_behind_a_render_hears_the_wait_as_reasoning_co
     assert rendering.done()
     assert first < 1.0, f"the first bytes came after {first:.2f} s"
     assert _in_order(thinking, "waiting for comfyui: 1 running job", "comfyui released:", f"loading {MODEL}",
-                     "of 17.2 GiB on the card (estimated", f"{MODEL} loaded in"), thinking
+                     "of 17.2 GiB, about", f"{MODEL} loaded in"), thinking
     assert not none and content == direct and content
+
+
+async def test_a_cold_streamed_chat_with_nothing_to_wait_for_hears_its_load_first(box: DemoFactory) -> None:
+    demo = await box(fast("default", ollama={"load_gbps": 8.0}))  # a load of about 2 s: its figures are read
+    _, parts = await _ollama_stream(demo.proxy.url("ollama"))  # type: ignore[union-attr]
+    thinking = [p.message.thinking or "" for p in parts if p.message.thinking]
+    assert thinking and thinking[0].startswith(f"loading {MODEL} ("), thinking
+    assert _in_order(thinking, f"loading {MODEL} (", f"loading {MODEL}: ", f"{MODEL} loaded in"), thinking
+    figure = next(line for line in thinking if line.startswith(f"loading {MODEL}: "))
+    assert re.match(rf"loading {re.escape(MODEL)}: \d+\.\d of 17\.2 GiB, (about \d+ s left|taking longer)", figure), figure
+    assert not any("queue" in t or "waiting" in t for t in thinking), "a load with nothing to wait for is no wait"
+    assert parts[-1].done and "".join(p.message.content or "" for p in parts)
+    assert not decisions(demo, "queued")
+
+
+async def test_a_v1_chat_after_an_image_hears_the_reload_as_reasoning_content(box: DemoFactory) -> None:
+    demo = await box(fast("default", ollama={"load_gbps": 10.0}))
+    await _openai_stream(demo.proxy.url("ollama"))  # type: ignore[union-attr]
+    assert succeeded(await render(demo))  # the render released Ollama: the next chat only reloads
+    _, thinking, content = await _openai_stream(demo.proxy.url("ollama"))  # type: ignore[union-attr]
+    assert _in_order(thinking, f"loading {MODEL}", f"{MODEL} loaded in"), thinking
+    assert content
 
 
 async def test_with_progress_off_a_waiting_stream_carries_the_engines_bytes_alone(box: DemoFactory) -> None:
@@ -176,6 +198,8 @@ async def test_a_stream_that_times_out_after_the_commit_ends_with_the_engines_er
                 parts.append(part)
     assert parts and "waiting for comfyui" in (parts[0].message.thinking or "")
     assert "waited 0.6 s for GPU memory" in str(err.value), err.value
+    last = parts[-1].message.thinking or ""  # where Open WebUI shows it: it drops the error line itself
+    assert last.startswith("failed: ") and "waited 0.6 s for GPU memory" in last and "fix" in last, last
 
     with pytest.raises(openai.APIError) as oerr:
         await _openai_stream(demo.proxy.url("ollama"))  # type: ignore[union-attr]
