@@ -37,6 +37,7 @@ from proxy.clock import Clock
 from proxy.decision_base import DecisionEvent, DecisionKind, E, FollowUp, Opening, RequestTrigger
 from proxy.encoding import fields_json
 from proxy.handoff.plan import Plan, gib
+from proxy.handoff.queue_rules import held_swap
 from proxy.models.loads import LoadRecord
 
 log = logging.getLogger("hyperswap.decisions")
@@ -506,7 +507,7 @@ class DecisionLog:
 class StoryStep:
     """One bar of a request's waterfall: seconds from its arrival."""
 
-    kind: Literal["wait", "release", "load", "first_byte"]
+    kind: Literal["wait", "hold", "release", "load", "first_byte"]
     text: str
     start_s: float
     duration_s: float
@@ -573,6 +574,7 @@ def _wait_step(opening: Queued, queued: Thread, arrived: float, handoff: Handoff
     ended = _last(queued, QueueEnded)
     changed = _last(queued, WaitChanged)
     waiting_for = changed.waiting_for if changed is not None else opening.plan.wait_for
+    held = held_swap(changed.reason if changed is not None else opening.reason)
     waited = round(ended.waited_s, 3) if ended is not None else 0.0
     end = (handoff.at - arrived) if handoff is not None else waited
     who = ", ".join(waiting_for) or None
@@ -580,9 +582,12 @@ def _wait_step(opening: Queued, queued: Thread, arrived: float, handoff: Handoff
     text = f"waited {waited:.1f} s {behind}" if ended is not None else f"waiting {behind}"
     if ended is not None and handoff is not None and waited - end >= 0.05:
         text += f" ({end:.1f} s queued, then the release)"
-    if ended is not None and ended.result != "admitted":
+    if held is not None:  # a choice, not a wait for busy work: told apart, in its own colour
+        kept = f"kept {held[0]} on the card {max(0.0, end):.1f} s: just used, requests for it go first"
+        text = kept if ended is None or ended.result == "admitted" else f"{kept}, then {ended.result}"
+    elif ended is not None and ended.result != "admitted":
         text += f", then {ended.result}"
-    return StoryStep("wait", text, 0.0, max(0.0, end), opening.id, who)
+    return StoryStep("hold" if held is not None else "wait", text, 0.0, max(0.0, end), opening.id, who)
 
 
 def _release_steps(handoff: Thread, arrived: float) -> list[StoryStep]:

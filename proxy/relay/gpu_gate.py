@@ -398,10 +398,17 @@ class GpuGate:
                          arrived_wall: float, loads: bool) -> None:
         if trace is None:
             return
-        record_wait(trace, self.arbitration.decisions, handoff, arrived_wall, self.arbitration.clock.wall())
+        record_wait(trace, self.arbitration.decisions, handoff, arrived_wall, self.arbitration.clock.wall(),
+                    used_ago=partial(self._used_ago, arrived_wall))
         if loads:  # every load is told, waited for or not: a streamed request is answered now (issue 41)
             trace.wait(f"loading {need.model} ({gib(need.bytes)} GiB)")
             trace.loading = partial(self._load_figure, tenant, need)
+
+    def _used_ago(self, arrived_wall: float, tenant: str) -> float | None:
+        """Seconds from the tenant's last use to a request's arrival (negative: used since)."""
+        last = self.arbitration.inflight.traffic(tenant).last_activity
+        clock = self.arbitration.clock
+        return None if last is None else (clock.now() - last) - (clock.wall() - arrived_wall)
 
     @staticmethod
     def _trace_answer(trace: tracing.Trace, need: Need, *, loaded: bool, took: float) -> None:
@@ -429,7 +436,7 @@ def _story_of(handoff: Handoff) -> int | None:
 
 
 def record_wait(trace: tracing.Trace, decisions: DecisionLog, handoff: Handoff, arrived_wall: float,
-                admitted_wall: float) -> None:
+                admitted_wall: float, used_ago: Callable[[str], float | None] = lambda _tenant: None) -> None:
     """The wait of an admitted request as phases: `queue` (it waited in the queue, up to the release
     made for it, or to its admission) and `release` (from the release's start, or the request's
     arrival when it joined one under way, to its admission), so the two add up to the wait; and a
@@ -440,7 +447,8 @@ def record_wait(trace: tracing.Trace, decisions: DecisionLog, handoff: Handoff, 
     if handoff.queued is not None:
         view = decisions.view(handoff.queued)
         who = ", ".join(view.outcome.get("waiting_for") or ()) if view is not None else ""
-        trace.phase("queue", release_from - arrived_wall, f"waited for {who}" if who else "waited in the queue")
+        reason = str(view.outcome.get("reason") or "") if view is not None else ""
+        tracing.queue_phase(trace, release_from - arrived_wall, reason, who, used_ago)  # a hold, or a wait
     if released:
         trace.phase("release", admitted_wall - release_from,
                     ", ".join(f"released {r.tenant} ({gib(r.freed_bytes)} GiB)" for r in released))

@@ -34,6 +34,7 @@ from starlette.types import Receive, Scope, Send
 from proxy.clock import Clock
 from proxy.engines.ports import Streamed
 from proxy.errors import HyperSwapError
+from proxy.handoff.queue_rules import held_swap
 from proxy.relay.forward import UpstreamResponse
 from proxy.relay.load_line import LoadEstimate, Reading
 from proxy.relay.trace import Trace, stamp
@@ -53,7 +54,6 @@ Answer = Callable[[Result], Response]  # the answer as it would be without progr
 Finish = Callable[["int | None"], None]  # the request left flight with this status (None: client gone)
 
 _BEHIND = re.compile(r"^queued behind (\S+) \((.+)\)$")
-_HOLD = re.compile(r"^holding the swap of (.+?) for ([\d.e+-]+) s\b")  # queue_rules' reason for a held swap
 
 
 def wanted(setting: str, header: str | None) -> bool:
@@ -71,9 +71,9 @@ def wait_line(entry: dict[str, Any]) -> str:
     if entry.get("releasing"):
         return f"releasing {', '.join(entry['releasing'])} to make room"
     reason = str(entry.get("reason") or "waiting for GPU memory")
-    held = _HOLD.match(reason)
+    held = held_swap(reason)
     if held is not None:
-        return hold_line(held[1], float(held[2]))
+        return hold_line(*held)
     match = _BEHIND.match(reason)
     if match is not None and len(entry.get("waiting_for") or ()) == 1:
         return f"waiting for {match[1]}: {match[2]}"

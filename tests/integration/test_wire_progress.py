@@ -14,13 +14,14 @@ import httpx
 import ollama
 import openai
 import pytest
-from boxes import LOOPBACK_TLS, DemoFactory, decisions, fast, render, succeeded
+from boxes import LOOPBACK_TLS, README_CKPT, DemoFactory, decisions, fast, render, succeeded
 
-from proxy.demo import Demo
+from proxy.demo import Demo, comfy_prompt
 from proxy.tasks import poll_until
 
 MODEL = "gemma3:27b"  # does not fit beside a loaded checkpoint: a chat for it waits for ComfyUI's release
 TIMING = re.compile(r'(\w+);dur=([\d.]+);desc="([^"]*)"')
+MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 def timings(header: str | None) -> dict[str, tuple[float, str]]:
@@ -70,10 +71,26 @@ async def test_a_streamed_chat_that_loads_its_model_without_progress_carries_the
     assert MODEL in phases["load"][1]
 
 
+async def test_an_image_right_after_a_chat_names_the_hold_not_a_wait_for_ollama(box: DemoFactory) -> None:
+    demo = await box(fast("default", settings={"proxy": {"swap_hold_s": 0.3}}))
+    proxy = demo.proxy
+    assert proxy is not None
+    async with httpx.AsyncClient(verify=LOOPBACK_TLS, trust_env=False, timeout=30) as http:
+        chat = await http.post(proxy.url("ollama") + "/api/chat", json={"model": MODEL, "messages": MESSAGES,
+                                                                        "stream": False})
+        assert chat.status_code == 200, chat.text
+        image = await http.post(proxy.url("comfyui") + "/prompt", json={"prompt": comfy_prompt(README_CKPT)})
+        assert image.status_code == 200, image.text
+    phases = timings(image.headers.get("server-timing"))
+    assert "hold" in phases and "queue" not in phases, image.headers.get("server-timing")
+    seconds, desc = phases["hold"]
+    assert re.fullmatch(r"kept ollama \d\.\d s: used \d+\.\d s ago", desc), desc
+    assert 0 < seconds <= 0.3 + 0.05, phases
+    async with asyncio.timeout(10):
+        await poll_until(lambda: not proxy.inflight.traffic("comfyui").jobs)
+
+
 # -- progress on the wire: streamed requests that wait are told why, in their own protocol ----------
-
-MESSAGES = [{"role": "user", "content": "hi"}]
-
 
 async def _ollama_stream(base: str, headers: dict[str, str] | None = None) -> tuple[float, list[ollama.ChatResponse]]:
     """A streamed chat with the official client: seconds to its first part, and every part."""
