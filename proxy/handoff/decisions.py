@@ -555,8 +555,8 @@ def _story_root(threads: Mapping[int, Thread], decision_id: int) -> Thread | Non
     if not thread:
         return None
     opening = thread[0]
-    if isinstance(opening, ModelLoad):
-        return threads.get(opening.request) if opening.request is not None else None
+    if isinstance(opening, ModelLoad):  # a load no wait or handoff led to (a reload, a cold start) is its own story
+        return threads.get(opening.request) if opening.request is not None else thread
     if _requested(thread, Queued) is not None:
         return thread
     started = _requested(thread, HandoffStarted)
@@ -622,6 +622,13 @@ def _handoff_of(threads: Mapping[int, Thread], root: Thread) -> tuple[HandoffSta
     return (started, thread) if isinstance(started, HandoffStarted) and started.kind == "plan" and thread else None
 
 
+def _load_story(load: ModelLoad) -> RequestStory:
+    """The story of a request that only loaded its model (nothing to wait for, nothing released): the load."""
+    arrived = round(load.load.at - load.load.seconds, 3)
+    return RequestStory(load.id, load.tenant, f"load of {load.load.model}", arrived,
+                        (_load_step(load, arrived, load.tenant),), (load.id,), None)
+
+
 def request_story(threads: Mapping[int, Thread], decision_id: int) -> RequestStory | None:
     """The waterfall of the request `decision_id` belongs to (its wait, its handoff or its load), told
     from the typed events of its decisions: None when that decision is no GPU request's that waited or
@@ -630,6 +637,8 @@ def request_story(threads: Mapping[int, Thread], decision_id: int) -> RequestSto
     if root is None:
         return None
     opening = root[0]
+    if isinstance(opening, ModelLoad):
+        return _load_story(opening)
     queued = opening if isinstance(opening, Queued) else None
     made_room = _handoff_of(threads, root)
     handoff, handoff_thread = made_room if made_room is not None else (None, None)
