@@ -191,14 +191,17 @@ class ModelsExtension:
 
     def load_ended(self, load: Load, tail: bytes | None) -> None:
         started = self._starting.pop(load.id, None)
-        if started is None or tail is None:
+        if started is None:
             return
         files, before = started
         adapter = adapter_for(self.proxy.registry.get(load.tenant))
-        seconds = adapter.load_seconds(tail)
+        seconds = adapter.load_seconds(tail) if tail is not None else None
+        source = f"{adapter.kind} load_duration"
+        if seconds is None:  # the client left before the engine's last line: the proxy's own time, to its first byte
+            seconds, source = self.proxy.arbitration.loads.answered_after(load), "until the engine's first byte"
         if seconds is not None and seconds >= MIN_LOAD_S:
             self.record_load(LoadRecord(time.time(), load.tenant, files.name, self.model_size(files), seconds, before,
-                                        f"{adapter.kind} load_duration"), files.files, load.request)
+                                        source), files.files, load.request)
 
     def engine_frame(self, tenant: str, text: str) -> None:
         timer = self._frames.get(tenant)

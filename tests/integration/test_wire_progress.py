@@ -241,3 +241,17 @@ async def test_a_client_that_leaves_a_committed_stream_leaves_the_queue_and_coun
     queued = next(d for d in reversed(decisions(demo, "queued")) if d.tenant == "ollama")
     assert queued.outcome["result"] == "client left while waiting"
     assert succeeded(await rendering)  # type: ignore[arg-type]
+
+
+async def test_a_load_is_recorded_when_the_client_leaves_its_streamed_answer_early(box: DemoFactory) -> None:
+    demo = await box(fast("default", ollama={"load_gbps": 20.0, "token_rate": 5.0}))  # a slow answer to leave
+    async with httpx.AsyncClient(verify=LOOPBACK_TLS, trust_env=False, timeout=30) as http:
+        async with http.stream("POST", demo.proxy.url("ollama") + "/api/chat",  # type: ignore[union-attr]
+                               json={"model": MODEL, "messages": MESSAGES}) as r:
+            async for line in r.aiter_lines():
+                if not json.loads(line)["message"].get("thinking"):
+                    break  # the engine's first token: the client stops reading and closes
+    async with asyncio.timeout(10):
+        await poll_until(lambda: decisions(demo, "model_load"))
+    load = decisions(demo, "model_load")[-1]
+    assert load.tenant == "ollama" and load.outcome["model"].startswith("gemma3") and load.outcome["seconds"] > 0, load
