@@ -5,7 +5,7 @@ The card is read about once a second, and what it shows moves in steps: an engin
 weights in chunks (the demo's Ollama 4 GiB at a time), and shows nothing for the first second or two
 while it reads the file's header. Told as read, a load said "0.0 of 16.2 GiB" for two seconds, then
 jumped. So between readings the figure moves on at the load's expected rate: the rate the card
-showed so far (what the tenant gained over the time since the load began), counted from the reading
+showed when it last moved (what the tenant gained over the time since the load began), counted from the reading
 that first showed the card's figure as it stands (a reading that shows the same says nothing new), or,
 before the card
 showed any growth, `hold.RELOAD_BYTES_PER_S` (2 GB/s: a local NVMe read and the copy to the card).
@@ -23,6 +23,7 @@ from proxy.handoff.hold import RELOAD_BYTES_PER_S
 
 GIB = 1 << 30
 SHOWN_AT_MOST = 0.99  # of the need, until the engine answers: the figure never reads "done" before it is
+MOVED_SHARE = 0.01  # of the need: a reading that grew less says nothing new (an engine's small allocations)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,17 +51,19 @@ class LoadEstimate:
         self.shown = 0.0  # bytes: the figure told last (it never goes back)
 
     def observe(self, reading: Reading) -> None:
-        if self.moved is None or reading.on_card_bytes != self.moved.on_card_bytes:
+        if self.moved is None or reading.on_card_bytes - self.moved.on_card_bytes > MOVED_SHARE * reading.need_bytes:
             self.moved = reading  # an unchanged reading says nothing new: the estimate runs on from the change
         self.last = reading
         self.shown = max(self.shown, float(min(reading.on_card_bytes, reading.need_bytes)))
 
     def rate(self) -> float:
-        """Bytes a second: what the card showed so far, else the default."""
-        last = self.last
-        if last is None or last.on_card_bytes <= 0 or last.elapsed_s <= 0:
+        """Bytes a second: what the card showed when its figure last moved, over the time since the
+        load began (a reading on a plateau between an engine's allocations would halve it and make the
+        time left jump up), else the default."""
+        moved = self.moved
+        if moved is None or moved.on_card_bytes <= 0 or moved.elapsed_s <= 0:
             return self.default_rate
-        return last.on_card_bytes / last.elapsed_s
+        return moved.on_card_bytes / moved.elapsed_s
 
     def line(self, now: float) -> str | None:
         """The line at `now` (the injected clock's; None: no reading yet)."""

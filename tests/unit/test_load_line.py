@@ -51,3 +51,24 @@ def test_the_figure_never_goes_back_nor_reads_done_before_the_engine_answers() -
 
 def test_no_reading_no_line() -> None:
     assert LoadEstimate().line(1.0) is None
+
+
+def test_a_reading_that_grew_by_a_sliver_does_not_stop_the_estimate() -> None:
+    est = LoadEstimate(default_rate=2 * GIB)
+    est.observe(reading(0, 0.0))
+    est.observe(reading(4, 2.0))  # 2 GiB/s so far
+    est.observe(reading(4.01, 3.0))  # the engine allocated a few MiB more: the load did not stop
+    assert figure(est.line(3.0)) > 5.0, "a sliver of growth restarted the estimate from the card"
+
+
+def test_on_a_plateau_between_allocations_the_time_left_does_not_jump_up() -> None:
+    est = LoadEstimate(default_rate=2 * GIB)
+    est.observe(reading(0, 0.0))
+    est.observe(reading(4, 4.0))  # the card moves in 4 GiB steps, a step every 4 s
+    lefts = []
+    for t in (4.0, 5.0, 6.0, 7.0):
+        est.observe(reading(4, t))
+        line = est.line(t)
+        assert line is not None
+        lefts.append(int(re.search(r"about (\d+) s left", line)[1]))  # type: ignore[index]
+    assert lefts == sorted(lefts, reverse=True), f"the time left rose while the card stood between steps: {lefts}"
