@@ -200,7 +200,10 @@ class ModelsExtension:
         if seconds is None:  # the client left before the engine's last line: the proxy's own time, to its first byte
             seconds, source = self.proxy.arbitration.loads.answered_after(load), "until the engine's first byte"
         if seconds is not None and seconds >= MIN_LOAD_S:
-            self.record_load(LoadRecord(time.time(), load.tenant, files.name, self.model_size(files), seconds, before,
+            # when the load ended: from its begin (the engine times it from the request's arrival), not the
+            # answer's end, which a long streamed answer puts far past it (a request's waterfall draws it there)
+            ended = min(time.time(), load.began_wall + seconds)
+            self.record_load(LoadRecord(ended, load.tenant, files.name, self.model_size(files), seconds, before,
                                         source), files.files, load.request)
 
     def engine_frame(self, tenant: str, text: str) -> None:
