@@ -400,8 +400,8 @@ class GpuGate:
             return
         record_wait(trace, self.arbitration.decisions, handoff, arrived_wall, self.arbitration.clock.wall(),
                     used_ago=partial(self._used_ago, arrived_wall))
-        if loads:  # every load is told, waited for or not: a streamed request is answered now (issue 41)
-            trace.wait(f"loading {need.model} ({gib(need.bytes)} GiB)")
+        if loads:
+            trace.say(f"loading {need.model} ({gib(need.bytes)} GiB)")
             trace.loading = partial(self._load_figure, tenant, need)
 
     def _used_ago(self, arrived_wall: float, tenant: str) -> float | None:

@@ -45,6 +45,10 @@ log = logging.getLogger("hyperswap.progress")
 HEADER = "x-hyperswap-progress"  # on / off: asks for progress lines, or not, whatever the tenant's setting
 TICK_S = 0.5  # how often the wait is looked at again when nothing announced a change
 LOAD_EVERY_S = 1.0  # how often a load's progress is read from the card
+# A load that waited for nothing commits the progress answer this long after it was forwarded: a
+# load takes seconds, while an engine's quick refusal (Ollama's 404 for a model it does not have)
+# comes within milliseconds and keeps its status, as without the proxy.
+LOAD_GRACE_S = 0.3
 NDJSON = [(b"content-type", b"application/x-ndjson")]
 SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
@@ -183,6 +187,7 @@ class ProgressResponse(Response):
         self._estimate: LoadEstimate | None = None  # the load under way's smooth figure (None: no load yet)
         self._told_at = 0.0  # when its last line was told
         self._read_at = 0.0  # when the card was last read for it
+        self._load_seen: float | None = None  # when a load under way was first seen, before the commit
 
     async def _figure(self, loading: Callable[[], Awaitable[Reading | None]]) -> Reading | None:
         try:
@@ -208,7 +213,7 @@ class ProgressResponse(Response):
                 self._changed.clear()
                 entry = self._waiting()
                 planned = entry is not None and bool(entry.get("planned"))
-                if not committed and (planned or self._trace.waits):  # waiting can succeed, or its app starts
+                if not committed and (planned or self._trace.waits or self._load_told()):  # waits, starts or loads
                     committed = True
                     await send({"type": "http.response.start", "status": 200, "headers": self._framing.headers})
                 if entry is not None and planned:
@@ -221,8 +226,8 @@ class ProgressResponse(Response):
                     await self._load_figure(send)
                 if task.done():
                     break
-                if not committed:  # nothing to tell yet: every change of a wait comes as an event, no timer needed
-                    await self._changed.wait()
+                if not committed:  # nothing to tell yet: every change of a wait comes as an event
+                    await self._until_told()
                     continue
                 await sleep_or_wake(self._clock, self._next_look(), self._changed)
             try:
@@ -246,6 +251,22 @@ class ProgressResponse(Response):
                     await task
             if not answered:
                 self._finish(status)  # committed, or the client left before anything was answered
+
+    def _load_told(self) -> bool:
+        """A load was forwarded LOAD_GRACE_S ago and its engine has not answered: time to tell it."""
+        if self._trace.loading is None:
+            self._load_seen = None
+            return False
+        if self._load_seen is None:
+            self._load_seen = self._clock.now()
+        return self._clock.now() - self._load_seen >= LOAD_GRACE_S
+
+    async def _until_told(self) -> None:
+        """Before the commit: the next event, or the end of a load's grace."""
+        if self._load_seen is None:
+            await self._changed.wait()
+        else:
+            await sleep_or_wake(self._clock, max(0.0, self._load_seen + LOAD_GRACE_S - self._clock.now()), self._changed)
 
     def _next_look(self) -> float:
         """Seconds until the loop looks again with nothing announced: the next load line, else a tick."""

@@ -255,3 +255,14 @@ async def test_a_load_is_recorded_when_the_client_leaves_its_streamed_answer_ear
         await poll_until(lambda: decisions(demo, "model_load"))
     load = decisions(demo, "model_load")[-1]
     assert load.tenant == "ollama" and load.outcome["model"].startswith("gemma3") and load.outcome["seconds"] > 0, load
+
+
+async def test_a_streamed_chat_for_a_model_the_engine_lacks_keeps_the_engines_404(box: DemoFactory) -> None:
+    """A load is told once it takes a moment (`LOAD_GRACE_S`): an engine's quick refusal keeps its status,
+    so a client that pulls a model on a 404 still can."""
+    demo = await box("default")
+    async with httpx.AsyncClient(verify=LOOPBACK_TLS, trust_env=False, timeout=30) as http:
+        async with http.stream("POST", demo.proxy.url("ollama") + "/api/chat",  # type: ignore[union-attr]
+                               json={"model": "nope:1b", "messages": MESSAGES}) as r:
+            body = await r.aread()
+    assert r.status_code == 404 and b"thinking" not in body, (r.status_code, body)
