@@ -266,3 +266,17 @@ async def test_a_streamed_chat_for_a_model_the_engine_lacks_keeps_the_engines_40
                                json={"model": "nope:1b", "messages": MESSAGES}) as r:
             body = await r.aread()
     assert r.status_code == 404 and b"thinking" not in body, (r.status_code, body)
+
+
+async def test_a_load_whose_client_left_before_the_answer_is_timed_from_the_card(box: DemoFactory) -> None:
+    demo = await box(fast("default", ollama={"load_gbps": 10.0}))  # a load of about 1.8 s: left half way
+    async with httpx.AsyncClient(verify=LOOPBACK_TLS, trust_env=False, timeout=30) as http:
+        async with http.stream("POST", demo.proxy.url("ollama") + "/api/chat",  # type: ignore[union-attr]
+                               json={"model": MODEL, "messages": MESSAGES}) as r:
+            first = json.loads(await anext(r.aiter_lines()))
+    assert first["message"]["thinking"].startswith(f"loading {MODEL}"), first  # Stop while it loads
+    async with asyncio.timeout(20):
+        await poll_until(lambda: decisions(demo, "model_load"))
+    load = decisions(demo, "model_load")[-1]
+    assert load.outcome["source"] == "seen on the card (its client left before the answer)", load
+    assert load.outcome["model"].startswith("gemma3") and load.outcome["seconds"] > 1.0, "faster than the sim loads"
