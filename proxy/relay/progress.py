@@ -1,10 +1,14 @@
-"""Progress on the wire (invariant 13, issue 36): a streamed request that must wait for GPU memory
-is answered at once and told what happens, in its own protocol, then the engine's stream follows.
+"""Progress on the wire (invariant 13, issues 36 and 41): a streamed request that must wait for GPU
+memory, or whose model must load, is answered at once and told what happens, in its own protocol,
+then the engine's stream follows.
 
 Once the scheduler's plan says the request waits and waiting can succeed (it waits for busy
-tenants or behind another waiter, or joined a release: never for a 507, which is answered at
-once as before), the response starts with the engine's streaming headers and sends short lines:
-why and for whom it waits, each release, the start of an app, the load. They go where the
+tenants or behind another waiter, joined a release, or its swap is held: never for a 507, which is
+answered at once as before), once its model has been loading for LOAD_GRACE_S (waited for or not:
+a cold start, a reload after a release; an engine's quick refusal keeps its status), or once its
+app starts, the response starts with the engine's streaming headers and sends short lines: why and
+for whom it waits (a held swap as the choice it is), each release, the start of an app, the load (a
+figure a second, smoothed between card readings: proxy/relay/load_line.py). They go where the
 engine's clients already show a model's thinking:
 - Ollama NDJSON (`/api/chat`, `/api/generate`): `message.thinking` / `thinking`, `done: false`;
 - OpenAI SSE (`/v1/chat/completions`, `/v1/completions` with `stream: true`): `delta.reasoning_content`
@@ -12,9 +16,11 @@ engine's clients already show a model's thinking:
   completion's choice beside an empty `text`.
 Then the engine's own body follows byte for byte. Anything that goes wrong after that commit (a
 507 after all, 503 at the queue timeout, an error status from the engine, the proxy's own 502/504)
-ends the stream the way the engine reports a mid-stream error: Ollama's `{"error": "..."}` line,
-an OpenAI error event (`data: {"error": {"message", "type", "param", "code"}}`, which the official
-client raises as an APIError). A request admitted without waiting is answered exactly as before.
+is told as a last progress line (`failed: reason (fix: ...)`: Open WebUI drops the error line
+below, and shows this one), then ends the stream the way the engine reports a mid-stream error:
+Ollama's `{"error": "..."}` line, an OpenAI error event (`data: {"error": {"message", "type",
+"param", "code"}}`; the official clients raise both). A request admitted without waiting or
+loading is answered exactly as before.
 """
 
 from __future__ import annotations
