@@ -166,8 +166,9 @@ def describe(demo: Demo, scenario: str) -> str:
         big = max(demo.box.ollama.config.models, key=lambda m: m.size_bytes).name if demo.box.ollama else "llama3.1:8b"
         lines += ["", "Try:",
                   f"  curl -s {c}/prompt -d @{demo.example_prompt()}      # ComfyUI loads a checkpoint",
-                  f"  curl -s {o}/api/generate -d '{{\"model\":\"{big}\",\"prompt\":\"hi\",\"stream\":false}}'   "
-                  + ("# Ollama needs it back" if demo.box.gpu.device_count == 1 else "# on its own GPU: nothing released"),
+                  f"  curl -sN {o}/api/generate -d '{{\"model\":\"{big}\",\"prompt\":\"hi\"}}'   "
+                  + ("# Ollama needs it back: streamed, each step told" if demo.box.gpu.device_count == 1
+                     else "# on its own GPU: nothing released"),
                   f"  curl -s {a}/api/decisions | python3 -m json.tool          # what the proxy decided and why",
                   f"  curl -s {a}/api/models | python3 -m json.tool             # model files: size, how much is in RAM"]
         suspending = list(demo.proxy.arbitration.lifecycles.suspensions.records())

@@ -4,7 +4,10 @@ Frames (each with an `id:` line; the stream opens with a `retry:` hint so EventS
 - `catalog`: the installed models per tenant (Ollama /api/tags names and sizes, ComfyUI checkpoint
   names). Large and rarely changing, so it goes in a subscriber's first frame and again only when it
   changes. One background task refreshes it at most every `catalog_refresh_s`, for all subscribers.
-- `stats`: one a second: device, tenants (VRAM, busy, in flight, idle-release countdown), processes,
+- `stats`: one a second, and at once (within `event_gap_s`) after anything that changes what it
+  shows: a decision (a wait, a handoff, a release's end), a load beginning or reaching the card, a
+  lifecycle change. So the dashboard shows a handoff as it happens, not up to a second late (issue
+  41). Device, tenants (VRAM, busy, in flight, idle-release countdown, a load under way), processes,
   recent decision ids. Small on purpose: no tenant config, no catalog.
 - `decision`: a decision as it stands after each of its events (the shape of GET /api/decisions:
   a later fact, like a handoff's results, re-sends its decision's id with the fact merged in).
@@ -40,8 +43,9 @@ from proxy.admin import views
 from proxy.admin.proxy_view import ProxyView
 from proxy.decision_base import DecisionEvent
 from proxy.gpu.attribution import AttributedSnapshot
+from proxy.handoff.load_events import Load
 from proxy.lifecycle.state import LifecycleReport
-from proxy.tasks import cancel_and_wait
+from proxy.tasks import cancel_and_wait, sleep_or_wake
 
 log = logging.getLogger("hyperswap.events")
 
@@ -51,6 +55,7 @@ FrameKind = Literal["stats", "catalog", "decision", "lifecycle"]
 @dataclass(frozen=True, slots=True)
 class EventsSettings:
     tick_s: float = 1.0
+    event_gap_s: float = 0.05  # after an event, a stats frame this soon: a burst of events (a handoff's) makes one
     catalog_refresh_s: float = 10.0
     stats_backlog: int = 2  # stats frames a subscriber may have queued; older ones are dropped
     max_queued: int = 1000  # past this (decisions alone) the subscriber is closed, never silently trimmed
@@ -145,6 +150,8 @@ class EventsExtension:
         self._tasks: list[asyncio.Task[None]] = []
         self._unsubscribe: Any = None
         self._lifecycle_sent: dict[str, str] = {}  # tenant -> the state its last lifecycle frame said
+        self._changed = asyncio.Event()  # something a stats frame shows changed: the next one now
+        self._unsubscribe_loads: Any = None
 
     @property
     def subscriber_count(self) -> int:
@@ -155,6 +162,7 @@ class EventsExtension:
 
     async def start(self) -> None:
         self._unsubscribe = self.proxy.decisions.subscribe(self._on_decision)
+        self._unsubscribe_loads = self.proxy.arbitration.loads.subscribe(_LoadsChange(self._changed))
         lifecycles = self.proxy.arbitration.lifecycles
         lifecycles.on_report.append(self._on_lifecycle)
         lifecycles.on_state.append(self._on_lifecycle_state)
@@ -166,6 +174,9 @@ class EventsExtension:
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
+        if self._unsubscribe_loads is not None:
+            self._unsubscribe_loads()
+            self._unsubscribe_loads = None
         with contextlib.suppress(ValueError):
             self.proxy.arbitration.lifecycles.on_report.remove(self._on_lifecycle)
         with contextlib.suppress(ValueError):
@@ -188,9 +199,11 @@ class EventsExtension:
         frame = encode(next(self._seq), "decision", view.to_json())
         self._replay.append(frame)
         self._broadcast(frame)
+        self._changed.set()
 
     def _on_lifecycle(self, report: LifecycleReport) -> None:
         self._lifecycle_frame(report.tenant, report)
+        self._changed.set()
 
     def _on_lifecycle_state(self, tenant: str) -> None:
         asyncio.get_running_loop().call_soon(self._lifecycle_changed, tenant)
@@ -241,7 +254,10 @@ class EventsExtension:
                     self._broadcast(frame)
                 except Exception:  # a bad tick must not end the stream for everyone
                     log.exception("events: stats frame failed")
-            await clock.sleep(self.settings.tick_s)
+            self._changed.clear()
+            await sleep_or_wake(clock, self.settings.tick_s, self._changed)
+            if self._changed.is_set():
+                await clock.sleep(self.settings.event_gap_s)  # the rest of the burst joins this frame
 
     async def refresh_catalog(self) -> bool:
         """Fetch every tenant's catalog; broadcast it if it changed. True when it changed."""
@@ -315,6 +331,25 @@ class EventsExtension:
             if sub.overflowed:
                 log.warning("events: closed a subscriber %d frames behind (it reconnects with Last-Event-ID)",
                             len(sub.frames))
+
+
+class _LoadsChange:
+    """A load beginning, reaching the card or ending changes a stats frame (a tenant's `loading`)."""
+
+    def __init__(self, changed: asyncio.Event) -> None:
+        self._changed = changed
+
+    def load_ahead(self, tenant: str, model: str) -> None:
+        pass
+
+    async def load_starting(self, load: Load) -> None:
+        self._changed.set()
+
+    def load_ended(self, load: Load, tail: bytes | None) -> None:
+        self._changed.set()
+
+    def engine_frame(self, tenant: str, text: str) -> None:
+        pass
 
 
 def _int_or_none(raw: str | None) -> int | None:

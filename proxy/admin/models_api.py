@@ -35,6 +35,7 @@ from proxy.engines.settings import read_proc_environ
 from proxy.errors import HyperSwapError
 from proxy.handoff.decisions import ModelLoad
 from proxy.handoff.load_events import Load
+from proxy.handoff.load_events import progress as load_progress
 from proxy.models.catalog import ModelCatalog
 from proxy.models.fileio import FileWorkBusy
 from proxy.models.frames import FrameTimer, loader_nodes
@@ -49,6 +50,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("hyperswap.models")
 
 LOOKUP_S = 1.0  # a GPU request waits at most this for its model's files; past it the load is just not timed
+WATCH_EVERY_S = 0.5  # a load whose client left is timed from the card read this often ...
+WATCH_FOR_S = 600.0  # ... for at most this long
+SETTLED_SLACK = 0.01  # of the need: a reading that grew less has settled
+LOADED_SHARE = 0.9  # of the need (its estimate includes a context allowance): settled there, it is loaded
 ANSWER_S = 15.0  # an admin answer that needs the model files waits at most this, then says 503
 BUSY_FIX = "retry in a few seconds; if it persists, look for a model folder on a slow or hung file system"
 SKIPPED_SHOWN = 5
@@ -191,14 +196,56 @@ class ModelsExtension:
 
     def load_ended(self, load: Load, tail: bytes | None) -> None:
         started = self._starting.pop(load.id, None)
-        if started is None or tail is None:
+        if started is None:
             return
         files, before = started
         adapter = adapter_for(self.proxy.registry.get(load.tenant))
-        seconds = adapter.load_seconds(tail)
+        seconds = adapter.load_seconds(tail) if tail is not None else None
+        source = f"{adapter.kind} load_duration"
+        if seconds is None:  # the client left before the engine's last line: the proxy's own time, to its first byte
+            seconds, source = self.proxy.arbitration.loads.answered_after(load), "until the engine's first byte"
+        if seconds is None and tail is None:  # it left before any answer: the engine goes on loading
+            self._spawn(self._seen_loaded(load, files, before), f"hyperswap:load-watch:{load.tenant}:{load.model}")
+            return
+        self._record_ended(load, files, before, seconds, source)
+
+    async def _seen_loaded(self, load: Load, files: ModelFiles, before: float | None) -> None:
+        """A load whose client left before the engine answered (Stop in a chat UI while it loads): the
+        engine goes on loading it (Ollama's scheduler owns a load, not the request), so it is timed from
+        the card: read every WATCH_EVERY_S until what the tenant gained stops growing at 90 % of the
+        need or more (an engine that allocates in steps stands still between them, lower); loaded at
+        the first reading of that figure (to within WATCH_EVERY_S). A request for the
+        same load meanwhile times it itself (one load, one record); a figure that never settles, or
+        falls, records nothing."""
+        arbitration = self.proxy.arbitration
+        clock = arbitration.loads.clock  # the clock its began_at was read on
+        tenant = self.proxy.registry.get(load.tenant)
+        settled: tuple[int, float] | None = None  # (the figure, when first read)
+        deadline = clock.now() + WATCH_FOR_S
+        while clock.now() < deadline:
+            await clock.sleep(WATCH_EVERY_S)
+            if arbitration.loads.underway_of(load.tenant, load.key) is not None:
+                return
+            snap = await arbitration.snapshot()
+            gain = load_progress(load, snap.held_by(load.tenant), tenant.idle_vram_bytes, snap.estimated).on_card_bytes
+            if settled is not None and gain < settled[0] - SETTLED_SLACK * load.need_bytes:
+                return  # it fell: unloaded, or the load failed
+            if settled is not None and gain <= settled[0] + SETTLED_SLACK * load.need_bytes:
+                if settled[0] >= LOADED_SHARE * load.need_bytes:  # not a plateau between allocations
+                    self._record_ended(load, files, before, settled[1] - load.began_at,
+                                       "seen on the card (its client left before the answer)")
+                    return
+            else:
+                settled = (gain, clock.now())
+
+    def _record_ended(self, load: Load, files: ModelFiles, before: float | None, seconds: float | None,
+                      source: str) -> None:
         if seconds is not None and seconds >= MIN_LOAD_S:
-            self.record_load(LoadRecord(time.time(), load.tenant, files.name, self.model_size(files), seconds, before,
-                                        f"{adapter.kind} load_duration"), files.files, load.request)
+            # when the load ended: from its begin (the engine times it from the request's arrival), not the
+            # answer's end, which a long streamed answer puts far past it (a request's waterfall draws it there)
+            ended = min(time.time(), load.began_wall + seconds)
+            self.record_load(LoadRecord(ended, load.tenant, files.name, self.model_size(files), seconds, before,
+                                        source), files.files, load.request)
 
     def engine_frame(self, tenant: str, text: str) -> None:
         timer = self._frames.get(tenant)

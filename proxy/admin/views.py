@@ -369,7 +369,7 @@ class DecisionList(_Doc):
 
 class StoryStep(_Doc):
     """One bar of a request's waterfall, in seconds from its arrival."""
-    kind: Literal["wait", "release", "load", "first_byte"]
+    kind: Literal["wait", "hold", "release", "load", "first_byte"]
     text: str = Field(description="the bar's sentence: 'waited 4.1 s behind comfyui', 'released comfyui in 0.5 s'...")
     start_s: float
     duration_s: float

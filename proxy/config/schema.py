@@ -326,8 +326,9 @@ class Tenant(StrictModel):
                                                       "that ran a minute starts the count over); then a request must")
     progress: Progress = Field(
         default="streams", description="a streamed request (Ollama chat and generate, /v1 completions with stream) "
-        "that must wait for GPU memory: streams answers it at once and tells it why it waits, each release and the "
-        "load, as thinking lines (Ollama message.thinking, OpenAI delta.reasoning_content), then the engine's own "
+        "that must wait for GPU memory or load its model: streams answers it at once and tells it why it waits, "
+        "each release and the load (a figure a second), and a failure's reason, as thinking lines (Ollama "
+        "message.thinking, OpenAI delta.reasoning_content), then the engine's own "
         "stream follows unchanged; off: the client hears nothing until the engine answers. On by default: a silent "
         "wait of seconds to minutes looks like a hang and trips clients' read timeouts, while every client that "
         "parses the engine's stream parses these lines. A request's X-HyperSwap-Progress header (on/off) overrides it")

@@ -37,6 +37,7 @@ from proxy.clock import Clock
 from proxy.decision_base import DecisionEvent, DecisionKind, E, FollowUp, Opening, RequestTrigger
 from proxy.encoding import fields_json
 from proxy.handoff.plan import Plan, gib
+from proxy.handoff.queue_rules import held_swap
 from proxy.models.loads import LoadRecord
 
 log = logging.getLogger("hyperswap.decisions")
@@ -508,7 +509,7 @@ class DecisionLog:
 class StoryStep:
     """One bar of a request's waterfall: seconds from its arrival."""
 
-    kind: Literal["wait", "release", "load", "first_byte"]
+    kind: Literal["wait", "hold", "release", "load", "first_byte"]
     text: str
     start_s: float
     duration_s: float
@@ -556,8 +557,8 @@ def _story_root(threads: Mapping[int, Thread], decision_id: int) -> Thread | Non
     if not thread:
         return None
     opening = thread[0]
-    if isinstance(opening, ModelLoad):
-        return threads.get(opening.request) if opening.request is not None else None
+    if isinstance(opening, ModelLoad):  # a load no wait or handoff led to (a reload, a cold start) is its own story
+        return threads.get(opening.request) if opening.request is not None else thread
     if _requested(thread, Queued) is not None:
         return thread
     started = _requested(thread, HandoffStarted)
@@ -575,6 +576,7 @@ def _wait_step(opening: Queued, queued: Thread, arrived: float, handoff: Handoff
     ended = _last(queued, QueueEnded)
     changed = _last(queued, WaitChanged)
     waiting_for = changed.waiting_for if changed is not None else opening.plan.wait_for
+    held = held_swap(changed.reason if changed is not None else opening.reason)
     waited = round(ended.waited_s, 3) if ended is not None else 0.0
     end = (handoff.at - arrived) if handoff is not None else waited
     who = ", ".join(waiting_for) or None
@@ -582,9 +584,12 @@ def _wait_step(opening: Queued, queued: Thread, arrived: float, handoff: Handoff
     text = f"waited {waited:.1f} s {behind}" if ended is not None else f"waiting {behind}"
     if ended is not None and handoff is not None and waited - end >= 0.05:
         text += f" ({end:.1f} s queued, then the release)"
-    if ended is not None and ended.result != "admitted":
+    if held is not None:  # a choice, not a wait for busy work: told apart, in its own colour
+        kept = f"kept {held[0]} on the card {max(0.0, end):.1f} s: just used, requests for it go first"
+        text = kept if ended is None or ended.result == "admitted" else f"{kept}, then {ended.result}"
+    elif ended is not None and ended.result != "admitted":
         text += f", then {ended.result}"
-    return StoryStep("wait", text, 0.0, max(0.0, end), opening.id, who)
+    return StoryStep("hold" if held is not None else "wait", text, 0.0, max(0.0, end), opening.id, who)
 
 
 def _release_steps(handoff: Thread, arrived: float) -> list[StoryStep]:
@@ -619,6 +624,13 @@ def _handoff_of(threads: Mapping[int, Thread], root: Thread) -> tuple[HandoffSta
     return (started, thread) if isinstance(started, HandoffStarted) and started.kind == "plan" and thread else None
 
 
+def _load_story(load: ModelLoad) -> RequestStory:
+    """The story of a request that only loaded its model (nothing to wait for, nothing released): the load."""
+    arrived = round(load.load.at - load.load.seconds, 3)
+    return RequestStory(load.id, load.tenant, f"load of {load.load.model}", arrived,
+                        (_load_step(load, arrived, load.tenant),), (load.id,), None)
+
+
 def request_story(threads: Mapping[int, Thread], decision_id: int) -> RequestStory | None:
     """The waterfall of the request `decision_id` belongs to (its wait, its handoff or its load), told
     from the typed events of its decisions: None when that decision is no GPU request's that waited or
@@ -627,6 +639,8 @@ def request_story(threads: Mapping[int, Thread], decision_id: int) -> RequestSto
     if root is None:
         return None
     opening = root[0]
+    if isinstance(opening, ModelLoad):
+        return _load_story(opening)
     queued = opening if isinstance(opening, Queued) else None
     made_room = _handoff_of(threads, root)
     handoff, handoff_thread = made_room if made_room is not None else (None, None)

@@ -97,6 +97,7 @@ class LoadEvents:
         self._ids = itertools.count(1)
         self._begun: dict[tuple[str, str], Load] = {}  # (tenant, key) -> the load under way
         self._lowest: dict[int, int] = {}  # load id -> the least its tenant was seen to hold since it began
+        self._answered: dict[int, float] = {}  # load id -> seconds from its begin to the engine's first byte
 
     def subscribe(self, listener: LoadListener) -> Callable[[], None]:
         """Hear every load from now on; returns the call that stops it."""
@@ -155,13 +156,25 @@ class LoadEvents:
         """The engine began its answer: the load is on the card (or failed); it is under way no more."""
         if self._begun.get((load.tenant, load.key)) is load:
             del self._begun[(load.tenant, load.key)]
+            self._answered[load.id] = self.clock.now() - load.began_at
         self._lowest.pop(load.id, None)
+
+    def answered_after(self, load: Load) -> float | None:
+        """Seconds from the load's begin to the engine's first byte (None: no answer began). The
+        proxy's own timing of a load, for when the engine's is lost: a client that closed its answer
+        before the engine's last line (where Ollama says `load_duration`) still loaded the model."""
+        return self._answered.get(load.id)
 
     def ended(self, load: Load, tail: bytes | None) -> None:
         """The answer to the request that began the load ended (`tail`: its last bytes; None: none came)."""
-        self.arrived(load)
-        for listener in list(self._listeners):
-            _quietly(listener.load_ended, load, tail)
+        if self._begun.get((load.tenant, load.key)) is load:  # no answer began: nothing to time it from
+            del self._begun[(load.tenant, load.key)]
+            self._lowest.pop(load.id, None)
+        try:
+            for listener in list(self._listeners):
+                _quietly(listener.load_ended, load, tail)
+        finally:
+            self._answered.pop(load.id, None)
 
     def frame(self, tenant: str, text: str) -> None:
         for listener in list(self._listeners):

@@ -8,6 +8,7 @@ scheduler (`scheduler.py`) carries the verdicts out.
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -22,6 +23,23 @@ from proxy.handoff.plan import Plan, TenantState, plan_release
 # Requests for what is on the card that may go ahead of one waiting to swap it away (tenants.json's
 # proxy.overtake_limit); each saves a handoff, and the bound keeps the swap from waiting for ever.
 DEFAULT_OVERTAKE_LIMIT = ProxySettings().overtake_limit
+
+
+_HELD = re.compile(r"^holding the swap of (.+?) for ([\d.e+-]+) s \(proxy\.swap_hold_s")
+
+
+def hold_reason(held: tuple[str, ...], hold_s: float) -> str:
+    """A held swap's reason (`Verdict.reason`); `held_swap` reads it back."""
+    return (f"holding the swap of {', '.join(held)} for {hold_s:.2g} s (proxy.swap_hold_s, weighed by its reload): "
+            "requests for what is on the card go first")
+
+
+def held_swap(reason: str) -> tuple[str, float] | None:
+    """(the tenants kept, the hold's seconds) when a wait's reason is a held swap (`hold_reason`);
+    None for any other wait. Where the reason is all that is kept (a decision's `reason`, the queue
+    view), this tells a hold, a choice, apart from a wait for busy work."""
+    match = _HELD.match(reason)
+    return None if match is None else (match[1], float(match[2]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,10 +316,7 @@ class _Pass:
         held = tuple(r.tenant for r in plan.releases)
         for t in held:
             self.holding_back.setdefault(t, []).append(w)
-        self.out.append(Verdict(w, "wait", plan, f"holding the swap of {', '.join(held)} for "
-                                                 f"{until - w.arrived_at:.2g} s (proxy.swap_hold_s, "
-                                                 "weighed by its reload): requests for what is on the card go first",
-                                held=held, held_until=until))
+        self.out.append(Verdict(w, "wait", plan, hold_reason(held, until - w.arrived_at), held=held, held_until=until))
         _claim(self.claims, w, plan)
         self.claimers.append(w)
         return True

@@ -47,6 +47,7 @@ from proxy.relay import refusals
 from proxy.relay import trace as tracing
 from proxy.relay.forward import UpstreamResponse
 from proxy.relay.listener import FirstStep
+from proxy.relay.load_line import Reading
 from proxy.relay.oom_retry import RetryBook, SocketFrames
 
 log = logging.getLogger("hyperswap.gate")
@@ -133,19 +134,15 @@ class GpuGate:
                 changed()
         return self.arbitration.decisions.subscribe(on_event)
 
-    async def _load_figure(self, tenant: Tenant, need: Need) -> str | None:
+    async def _load_figure(self, tenant: Tenant, need: Need) -> Reading | None:
         """How far a load got, from the card (`load_events.progress`: what the tenant gained since the
-        load began, marked estimated where the card cannot tell this load's memory apart)."""
+        load began); the line a person reads is proxy/relay/load_line.py's."""
         snap = await self.arbitration.snapshot()
         load = self.arbitration.loads.underway_of(tenant.name, need.key)
         if load is None:
             return None  # not begun yet, or on the card already
         figure = self.arbitration.loads.progress(load, snap.held_by(tenant.name), tenant.idle_vram_bytes, snap.estimated)
-        how = ("estimated from the engines' own reports" if snap.estimated
-               else f"estimated: all {tenant.name} gained" if figure.estimated else "estimated need")
-        took = self.arbitration.clock.now() - load.began_at
-        return (f"loading {load.model}: {gib(figure.on_card_bytes)} of {gib(figure.need_bytes)} GiB on the card "
-                f"({how}), {took:.0f} s")
+        return Reading(load.model, figure.on_card_bytes, figure.need_bytes, load.began_at, self.arbitration.clock.now())
 
     def on_frame(self, tenant: Tenant, text: str) -> None:
         """Called for every upstream text frame of a tenant's websockets (the adapter filters cheaply first)."""
@@ -497,10 +494,17 @@ class GpuGate:
                          arrived_wall: float, loads: bool) -> None:
         if trace is None:
             return
-        record_wait(trace, self.arbitration.decisions, handoff, arrived_wall, self.arbitration.clock.wall())
+        record_wait(trace, self.arbitration.decisions, handoff, arrived_wall, self.arbitration.clock.wall(),
+                    used_ago=partial(self._used_ago, arrived_wall))
         if loads:
             trace.say(f"loading {need.model} ({gib(need.bytes)} GiB)")
             trace.loading = partial(self._load_figure, tenant, need)
+
+    def _used_ago(self, arrived_wall: float, tenant: str) -> float | None:
+        """Seconds from the tenant's last use to a request's arrival (negative: used since)."""
+        last = self.arbitration.inflight.traffic(tenant).last_activity
+        clock = self.arbitration.clock
+        return None if last is None else (clock.now() - last) - (clock.wall() - arrived_wall)
 
     @staticmethod
     def _trace_answer(trace: tracing.Trace, need: Need, *, loaded: bool, took: float) -> None:
@@ -530,7 +534,7 @@ def _story_of(handoff: Handoff) -> int | None:
 
 
 def record_wait(trace: tracing.Trace, decisions: DecisionLog, handoff: Handoff, arrived_wall: float,
-                admitted_wall: float) -> None:
+                admitted_wall: float, used_ago: Callable[[str], float | None] = lambda _tenant: None) -> None:
     """The wait of an admitted request as phases: `queue` (it waited in the queue, up to the release
     made for it, or to its admission) and `release` (from the release's start, or the request's
     arrival when it joined one under way, to its admission), so the two add up to the wait; and a
@@ -541,7 +545,8 @@ def record_wait(trace: tracing.Trace, decisions: DecisionLog, handoff: Handoff, 
     if handoff.queued is not None:
         view = decisions.view(handoff.queued)
         who = ", ".join(view.outcome.get("waiting_for") or ()) if view is not None else ""
-        trace.phase("queue", release_from - arrived_wall, f"waited for {who}" if who else "waited in the queue")
+        reason = str(view.outcome.get("reason") or "") if view is not None else ""
+        tracing.queue_phase(trace, release_from - arrived_wall, reason, who, used_ago)  # a hold, or a wait
     if released:
         trace.phase("release", admitted_wall - release_from,
                     ", ".join(f"released {r.tenant} ({gib(r.freed_bytes)} GiB)" for r in released))

@@ -1,10 +1,14 @@
-"""Progress on the wire (invariant 13, issue 36): a streamed request that must wait for GPU memory
-is answered at once and told what happens, in its own protocol, then the engine's stream follows.
+"""Progress on the wire (invariant 13, issues 36 and 41): a streamed request that must wait for GPU
+memory, or whose model must load, is answered at once and told what happens, in its own protocol,
+then the engine's stream follows.
 
 Once the scheduler's plan says the request waits and waiting can succeed (it waits for busy
-tenants or behind another waiter, or joined a release: never for a 507, which is answered at
-once as before), the response starts with the engine's streaming headers and sends short lines:
-why and for whom it waits, each release, the start of an app, the load. They go where the
+tenants or behind another waiter, joined a release, or its swap is held: never for a 507, which is
+answered at once as before), once its model has been loading for LOAD_GRACE_S (waited for or not:
+a cold start, a reload after a release; an engine's quick refusal keeps its status), or once its
+app starts, the response starts with the engine's streaming headers and sends short lines: why and
+for whom it waits (a held swap as the choice it is), each release, the start of an app, the load (a
+figure a second, smoothed between card readings: proxy/relay/load_line.py). They go where the
 engine's clients already show a model's thinking:
 - Ollama NDJSON (`/api/chat`, `/api/generate`): `message.thinking` / `thinking`, `done: false`;
 - OpenAI SSE (`/v1/chat/completions`, `/v1/completions` with `stream: true`): `delta.reasoning_content`
@@ -12,9 +16,11 @@ engine's clients already show a model's thinking:
   completion's choice beside an empty `text`.
 Then the engine's own body follows byte for byte. Anything that goes wrong after that commit (a
 507 after all, 503 at the queue timeout, an error status from the engine, the proxy's own 502/504)
-ends the stream the way the engine reports a mid-stream error: Ollama's `{"error": "..."}` line,
-an OpenAI error event (`data: {"error": {"message", "type", "param", "code"}}`, which the official
-client raises as an APIError). A request admitted without waiting is answered exactly as before.
+is told as a last progress line (`failed: reason (fix: ...)`: Open WebUI drops the error line
+below, and shows this one), then ends the stream the way the engine reports a mid-stream error:
+Ollama's `{"error": "..."}` line, an OpenAI error event (`data: {"error": {"message", "type",
+"param", "code"}}`; the official clients raise both). A request admitted without waiting or
+loading is answered exactly as before.
 """
 
 from __future__ import annotations
@@ -34,7 +40,9 @@ from starlette.types import Receive, Scope, Send
 from proxy.clock import Clock
 from proxy.engines.ports import Streamed
 from proxy.errors import HyperSwapError
+from proxy.handoff.queue_rules import held_swap
 from proxy.relay.forward import UpstreamResponse
+from proxy.relay.load_line import LoadEstimate, Reading
 from proxy.relay.trace import Trace, stamp
 from proxy.tasks import sleep_or_wake
 
@@ -43,6 +51,10 @@ log = logging.getLogger("hyperswap.progress")
 HEADER = "x-hyperswap-progress"  # on / off: asks for progress lines, or not, whatever the tenant's setting
 TICK_S = 0.5  # how often the wait is looked at again when nothing announced a change
 LOAD_EVERY_S = 1.0  # how often a load's progress is read from the card
+# A load that waited for nothing commits the progress answer this long after it was forwarded: a
+# load takes seconds, while an engine's quick refusal (Ollama's 404 for a model it does not have)
+# comes within milliseconds and keeps its status, as without the proxy.
+LOAD_GRACE_S = 0.3
 NDJSON = [(b"content-type", b"application/x-ndjson")]
 SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
@@ -69,10 +81,19 @@ def wait_line(entry: dict[str, Any]) -> str:
     if entry.get("releasing"):
         return f"releasing {', '.join(entry['releasing'])} to make room"
     reason = str(entry.get("reason") or "waiting for GPU memory")
+    held = held_swap(reason)
+    if held is not None:
+        return hold_line(*held)
     match = _BEHIND.match(reason)
     if match is not None and len(entry.get("waiting_for") or ()) == 1:
         return f"waiting for {match[1]}: {match[2]}"
     return reason.replace("queued behind", "waiting behind", 1)
+
+
+def hold_line(tenants: str, hold_s: float) -> str:
+    """A held swap (proxy/handoff/hold.py) told as the choice it is, not as a wait for busy work."""
+    return (f"keeping {tenants} on the card {hold_s:.1f} s before releasing it: it was just used, and "
+            "a request for it that follows goes first (one swap instead of two)")
 
 
 class Framing:
@@ -169,9 +190,12 @@ class ProgressResponse(Response):
         self._finish = finish
         self._activity = activity
         self._lines: list[str] = []
-        self._last_figure: float | None = None  # when the last load figure was read (None: no load yet)
+        self._estimate: LoadEstimate | None = None  # the load under way's smooth figure (None: no load yet)
+        self._told_at = 0.0  # when its last line was told
+        self._read_at = 0.0  # when the card was last read for it
+        self._load_seen: float | None = None  # when a load under way was first seen, before the commit
 
-    async def _figure(self, loading: Callable[[], Awaitable[str | None]]) -> str | None:
+    async def _figure(self, loading: Callable[[], Awaitable[Reading | None]]) -> Reading | None:
         try:
             return await loading()
         except Exception as exc:  # a card read that fails never breaks the answer
@@ -195,7 +219,7 @@ class ProgressResponse(Response):
                 self._changed.clear()
                 entry = self._waiting()
                 planned = entry is not None and bool(entry.get("planned"))
-                if not committed and (planned or self._trace.waits):  # waiting can succeed, or its app starts
+                if not committed and (planned or self._trace.waits or self._load_told()):  # waits, starts or loads
                     committed = True
                     await send({"type": "http.response.start", "status": 200, "headers": self._framing.headers})
                 if entry is not None and planned:
@@ -208,11 +232,10 @@ class ProgressResponse(Response):
                     await self._load_figure(send)
                 if task.done():
                     break
-                if not committed:  # nothing to tell yet: every change of a wait comes as an event, no timer needed
-                    await self._changed.wait()
+                if not committed:  # nothing to tell yet: every change of a wait comes as an event
+                    await self._until_told()
                     continue
-                await sleep_or_wake(self._clock, TICK_S if self._trace.loading is None else LOAD_EVERY_S / 2,
-                                    self._changed)
+                await sleep_or_wake(self._clock, self._next_look(), self._changed)
             try:
                 result: Result = task.result()
             except HyperSwapError as exc:
@@ -235,18 +258,52 @@ class ProgressResponse(Response):
             if not answered:
                 self._finish(status)  # committed, or the client left before anything was answered
 
+    def _load_told(self) -> bool:
+        """A load was forwarded LOAD_GRACE_S ago and its engine has not answered: time to tell it."""
+        if self._trace.loading is None:
+            self._load_seen = None
+            return False
+        if self._load_seen is None:
+            self._load_seen = self._clock.now()
+        return self._clock.now() - self._load_seen >= LOAD_GRACE_S
+
+    async def _until_told(self) -> None:
+        """Before the commit: the next event, or the end of a load's grace."""
+        if self._load_seen is None:
+            await self._changed.wait()
+        else:
+            await sleep_or_wake(self._clock, max(0.0, self._load_seen + LOAD_GRACE_S - self._clock.now()), self._changed)
+
+    def _next_look(self) -> float:
+        """Seconds until the loop looks again with nothing announced: the next load line, else a tick."""
+        if self._estimate is None:
+            return TICK_S
+        return max(0.05, min(TICK_S, self._told_at + LOAD_EVERY_S - self._clock.now()))
+
     async def _load_figure(self, send: Send) -> None:
-        """While a load runs, its figure every LOAD_EVERY_S (the first a second into the load)."""
+        """While a load runs: the card read at once, then a smooth figure every LOAD_EVERY_S
+        (proxy/relay/load_line.py), the card read again for each."""
         loading = self._trace.loading
         if loading is None:
-            self._last_figure = None
-        elif self._last_figure is None:
-            self._last_figure = self._clock.now()
-        elif self._clock.now() - self._last_figure >= LOAD_EVERY_S:
-            self._last_figure = self._clock.now()
-            figure = await self._figure(loading)
-            if figure:
-                await self._send_progress(send, figure)
+            self._estimate = None
+            return
+        now = self._clock.now()
+        if self._estimate is None:
+            self._estimate = LoadEstimate()
+            self._told_at = now  # "loading X (size)" was just said: the first figure a second from now
+        elif now - self._told_at < LOAD_EVERY_S:
+            return
+        if self._estimate.last is None or now - self._read_at >= LOAD_EVERY_S:
+            self._read_at = now
+            reading = await self._figure(loading)
+            if reading is not None:
+                self._estimate.observe(reading)
+        if now == self._told_at:
+            return
+        self._told_at = now
+        line = self._estimate.line(now)
+        if line:
+            await self._send_progress(send, line)
 
     async def _send_progress(self, send: Send, line: str) -> None:
         await send({"type": "http.response.body", "body": self._framing.progress(line), "more_body": True})
@@ -284,5 +341,10 @@ class ProgressResponse(Response):
         return result.status_code
 
     async def _end_with_error(self, send: Send, message: str) -> None:
+        """The reason as a last progress line, then the engine's error shape: Open WebUI (0.12.4) drops
+        an Ollama `{"error"}` line in its conversion to OpenAI chunks and shows only the thinking
+        block, where this line lands; the `ollama` and `openai` clients raise the error line as their
+        ResponseError / APIError (docs/concepts.md, "When it fails after the first line")."""
+        await self._send_progress(send, f"failed: {message}")
         await send({"type": "http.response.body", "body": self._framing.error(message), "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -14,8 +14,11 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
+from proxy.handoff.queue_rules import held_swap
+from proxy.relay.load_line import Reading
+
 # The order the phases happen in, and the order the header lists them in.
-PHASES = ("queue", "release", "start", "load")
+PHASES = ("hold", "queue", "release", "start", "load")
 
 Listener = Callable[[str], None]
 
@@ -33,8 +36,8 @@ class Trace:
     phases: dict[str, Phase] = field(default_factory=dict)
     listener: Listener | None = None
     waits: bool = False  # it waits for something that takes a while (an app's start): a progress answer commits
-    # while the engine loads the request's model: how far it got, read from the card (a line)
-    loading: Callable[[], Awaitable[str | None]] | None = None
+    # while the engine loads the request's model: how far it got, read from the card
+    loading: Callable[[], Awaitable[Reading | None]] | None = None
 
     def phase(self, name: str, seconds: float, desc: str) -> None:
         """A phase that happened (a second one of the same name, as a wake then a load can both
@@ -65,6 +68,22 @@ class Trace:
         order = [n for n in PHASES if n in self.phases] + [n for n in self.phases if n not in PHASES]
         parts = [f'{n};dur={self.phases[n].seconds * 1000:.1f};desc="{_quoted(self.phases[n].desc)}"' for n in order]
         return ", ".join(parts).encode("latin-1", "replace")
+
+
+def queue_phase(trace: Trace, seconds: float, reason: str, who: str, used_ago: Callable[[str], float | None]) -> None:
+    """The queue part of a wait: a `hold` when the scheduler held the swap by choice (its tenants kept
+    on the card because they were just used: `kept ollama 1.0 s: used 0.3 s ago`), else a `queue`
+    wait for busy work (`waited for comfyui`). `used_ago`: seconds from a tenant's last use to the
+    request's arrival (negative: it was used again during the hold; None: unknown)."""
+    held = held_swap(reason)
+    if held is None:
+        trace.phase("queue", seconds, f"waited for {who}" if who else "waited in the queue")
+        return
+    tenants = held[0]
+    ago = [a for a in (used_ago(t.strip()) for t in tenants.split(",")) if a is not None]
+    used = ("" if not ago else ": used again during the hold" if min(ago) < 0
+            else f": used {min(ago):.1f} s ago")
+    trace.phase("hold", seconds, f"kept {tenants} {seconds:.1f} s{used}")
 
 
 def _quoted(text: str) -> str:

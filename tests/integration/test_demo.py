@@ -8,7 +8,7 @@ import json
 
 import httpx
 import pytest
-from boxes import DemoFactory, chat, render
+from boxes import DemoFactory, chat, fast, render
 
 from proxy.cli import main
 from proxy.demo import DecisionPrinter, Demo, describe, start_demo
@@ -120,3 +120,18 @@ async def test_the_demo_terminal_gets_one_readable_line_per_decision_and_the_ban
     banner = describe(demo, "default").splitlines()
     first_url = next(x for x in banner if "http://" in x)
     assert first_url.split()[0] == "dashboard" and demo.proxy.url("admin") in first_url, banner
+
+
+async def test_the_chat_try_line_streams_each_step_before_the_answer(box: DemoFactory) -> None:
+    """The banner's chat line, run as printed (issue 41): a newcomer sees the handoff happen as
+    "thinking" lines, not seconds of empty terminal then one JSON object."""
+    demo = await box(fast("default", ollama={"load_gbps": 10.0}))
+    line = next(x for x in describe(demo, "default").splitlines() if "/api/generate" in x)
+    command = line.split("#", 1)[0].strip()
+    assert "stream" not in command and command.startswith("curl -sN "), command
+    run = await asyncio.create_subprocess_shell(command, stdout=asyncio.subprocess.PIPE)
+    out, _ = await asyncio.wait_for(run.communicate(), 60)
+    parts = [json.loads(x) for x in out.splitlines()]
+    thinking = [p["thinking"] for p in parts if p.get("thinking")]
+    assert thinking and thinking[0].startswith("loading "), thinking
+    assert parts[-1]["done"] and "".join(p.get("response", "") for p in parts), parts[-1]

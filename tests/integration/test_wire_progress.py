@@ -14,13 +14,14 @@ import httpx
 import ollama
 import openai
 import pytest
-from boxes import LOOPBACK_TLS, DemoFactory, decisions, fast, render, succeeded
+from boxes import LOOPBACK_TLS, README_CKPT, DemoFactory, decisions, fast, render, succeeded
 
-from proxy.demo import Demo
+from proxy.demo import Demo, comfy_prompt
 from proxy.tasks import poll_until
 
 MODEL = "gemma3:27b"  # does not fit beside a loaded checkpoint: a chat for it waits for ComfyUI's release
 TIMING = re.compile(r'(\w+);dur=([\d.]+);desc="([^"]*)"')
+MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 def timings(header: str | None) -> dict[str, tuple[float, str]]:
@@ -58,11 +59,11 @@ async def test_a_chat_that_waited_for_a_release_says_where_the_time_went(box: De
             f"a chat for a model on the card waited for nothing: {again.headers.get('server-timing')}"
 
 
-async def test_a_streamed_chat_that_loads_its_model_carries_the_load(box: DemoFactory) -> None:
+async def test_a_streamed_chat_that_loads_its_model_without_progress_carries_the_load(box: DemoFactory) -> None:
     demo = await box("default")
     async with httpx.AsyncClient(verify=LOOPBACK_TLS, trust_env=False, timeout=30) as http:
-        async with http.stream("POST", demo.proxy.url("ollama") + "/api/chat", json={  # type: ignore[union-attr]
-                "model": MODEL, "messages": [{"role": "user", "content": "hi"}]}) as r:
+        async with http.stream("POST", demo.proxy.url("ollama") + "/api/chat", headers={"X-HyperSwap-Progress": "off"},  # type: ignore[union-attr]
+                               json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}) as r:
             await r.aread()
     assert r.status_code == 200
     phases = timings(r.headers.get("server-timing"))
@@ -70,10 +71,26 @@ async def test_a_streamed_chat_that_loads_its_model_carries_the_load(box: DemoFa
     assert MODEL in phases["load"][1]
 
 
+async def test_an_image_right_after_a_chat_names_the_hold_not_a_wait_for_ollama(box: DemoFactory) -> None:
+    demo = await box(fast("default", settings={"proxy": {"swap_hold_s": 0.3}}))
+    proxy = demo.proxy
+    assert proxy is not None
+    async with httpx.AsyncClient(verify=LOOPBACK_TLS, trust_env=False, timeout=30) as http:
+        chat = await http.post(proxy.url("ollama") + "/api/chat", json={"model": MODEL, "messages": MESSAGES,
+                                                                        "stream": False})
+        assert chat.status_code == 200, chat.text
+        image = await http.post(proxy.url("comfyui") + "/prompt", json={"prompt": comfy_prompt(README_CKPT)})
+        assert image.status_code == 200, image.text
+    phases = timings(image.headers.get("server-timing"))
+    assert "hold" in phases and "queue" not in phases, image.headers.get("server-timing")
+    seconds, desc = phases["hold"]
+    assert re.fullmatch(r"kept ollama \d\.\d s: used \d+\.\d s ago", desc), desc
+    assert seconds > 0, phases
+    async with asyncio.timeout(10):
+        await poll_until(lambda: not proxy.inflight.traffic("comfyui").jobs)
+
+
 # -- progress on the wire: streamed requests that wait are told why, in their own protocol ----------
-
-MESSAGES = [{"role": "user", "content": "hi"}]
-
 
 async def _ollama_stream(base: str, headers: dict[str, str] | None = None) -> tuple[float, list[ollama.ChatResponse]]:
     """A streamed chat with the official client: seconds to its first part, and every part."""
@@ -142,8 +159,30 @@ async def test_a_streamed_v1_chat_behind_a_render_hears_the_wait_as_reasoning_co
     assert rendering.done()
     assert first < 1.0, f"the first bytes came after {first:.2f} s"
     assert _in_order(thinking, "waiting for comfyui: 1 running job", "comfyui released:", f"loading {MODEL}",
-                     "of 17.2 GiB on the card (estimated", f"{MODEL} loaded in"), thinking
+                     "of 17.2 GiB, about", f"{MODEL} loaded in"), thinking
     assert not none and content == direct and content
+
+
+async def test_a_cold_streamed_chat_with_nothing_to_wait_for_hears_its_load_first(box: DemoFactory) -> None:
+    demo = await box(fast("default", ollama={"load_gbps": 8.0}))  # a load of about 2 s: its figures are read
+    _, parts = await _ollama_stream(demo.proxy.url("ollama"))  # type: ignore[union-attr]
+    thinking = [p.message.thinking or "" for p in parts if p.message.thinking]
+    assert thinking and thinking[0].startswith(f"loading {MODEL} ("), thinking
+    assert _in_order(thinking, f"loading {MODEL} (", f"loading {MODEL}: ", f"{MODEL} loaded in"), thinking
+    figure = next(line for line in thinking if line.startswith(f"loading {MODEL}: "))
+    assert re.match(rf"loading {re.escape(MODEL)}: \d+\.\d of 17\.2 GiB, (about \d+ s left|taking longer)", figure), figure
+    assert not any("queue" in t or "waiting" in t for t in thinking), "a load with nothing to wait for is no wait"
+    assert parts[-1].done and "".join(p.message.content or "" for p in parts)
+    assert not decisions(demo, "queued")
+
+
+async def test_a_v1_chat_after_an_image_hears_the_reload_as_reasoning_content(box: DemoFactory) -> None:
+    demo = await box(fast("default", ollama={"load_gbps": 10.0}))
+    await _openai_stream(demo.proxy.url("ollama"))  # type: ignore[union-attr]
+    assert succeeded(await render(demo))  # the render released Ollama: the next chat only reloads
+    _, thinking, content = await _openai_stream(demo.proxy.url("ollama"))  # type: ignore[union-attr]
+    assert _in_order(thinking, f"loading {MODEL}", f"{MODEL} loaded in"), thinking
+    assert content
 
 
 async def test_with_progress_off_a_waiting_stream_carries_the_engines_bytes_alone(box: DemoFactory) -> None:
@@ -176,6 +215,8 @@ async def test_a_stream_that_times_out_after_the_commit_ends_with_the_engines_er
                 parts.append(part)
     assert parts and "waiting for comfyui" in (parts[0].message.thinking or "")
     assert "waited 0.6 s for GPU memory" in str(err.value), err.value
+    last = parts[-1].message.thinking or ""  # where Open WebUI shows it: it drops the error line itself
+    assert last.startswith("failed: ") and "waited 0.6 s for GPU memory" in last and "fix" in last, last
 
     with pytest.raises(openai.APIError) as oerr:
         await _openai_stream(demo.proxy.url("ollama"))  # type: ignore[union-attr]
@@ -200,3 +241,42 @@ async def test_a_client_that_leaves_a_committed_stream_leaves_the_queue_and_coun
     queued = next(d for d in reversed(decisions(demo, "queued")) if d.tenant == "ollama")
     assert queued.outcome["result"] == "client left while waiting"
     assert succeeded(await rendering)  # type: ignore[arg-type]
+
+
+async def test_a_load_is_recorded_when_the_client_leaves_its_streamed_answer_early(box: DemoFactory) -> None:
+    demo = await box(fast("default", ollama={"load_gbps": 20.0, "token_rate": 5.0}))  # a slow answer to leave
+    async with httpx.AsyncClient(verify=LOOPBACK_TLS, trust_env=False, timeout=30) as http:
+        async with http.stream("POST", demo.proxy.url("ollama") + "/api/chat",  # type: ignore[union-attr]
+                               json={"model": MODEL, "messages": MESSAGES}) as r:
+            async for line in r.aiter_lines():
+                if not json.loads(line)["message"].get("thinking"):
+                    break  # the engine's first token: the client stops reading and closes
+    async with asyncio.timeout(10):
+        await poll_until(lambda: decisions(demo, "model_load"))
+    load = decisions(demo, "model_load")[-1]
+    assert load.tenant == "ollama" and load.outcome["model"].startswith("gemma3") and load.outcome["seconds"] > 0, load
+
+
+async def test_a_streamed_chat_for_a_model_the_engine_lacks_keeps_the_engines_404(box: DemoFactory) -> None:
+    """A load is told once it takes a moment (`LOAD_GRACE_S`): an engine's quick refusal keeps its status,
+    so a client that pulls a model on a 404 still can."""
+    demo = await box("default")
+    async with httpx.AsyncClient(verify=LOOPBACK_TLS, trust_env=False, timeout=30) as http:
+        async with http.stream("POST", demo.proxy.url("ollama") + "/api/chat",  # type: ignore[union-attr]
+                               json={"model": "nope:1b", "messages": MESSAGES}) as r:
+            body = await r.aread()
+    assert r.status_code == 404 and b"thinking" not in body, (r.status_code, body)
+
+
+async def test_a_load_whose_client_left_before_the_answer_is_timed_from_the_card(box: DemoFactory) -> None:
+    demo = await box(fast("default", ollama={"load_gbps": 10.0}))  # a load of about 1.8 s: left half way
+    async with httpx.AsyncClient(verify=LOOPBACK_TLS, trust_env=False, timeout=30) as http:
+        async with http.stream("POST", demo.proxy.url("ollama") + "/api/chat",  # type: ignore[union-attr]
+                               json={"model": MODEL, "messages": MESSAGES}) as r:
+            first = json.loads(await anext(r.aiter_lines()))
+    assert first["message"]["thinking"].startswith(f"loading {MODEL}"), first  # Stop while it loads
+    async with asyncio.timeout(20):
+        await poll_until(lambda: decisions(demo, "model_load"))
+    load = decisions(demo, "model_load")[-1]
+    assert load.outcome["source"] == "seen on the card (its client left before the answer)", load
+    assert load.outcome["model"].startswith("gemma3") and load.outcome["seconds"] > 1.0, "faster than the sim loads"

@@ -34,6 +34,7 @@ from proxy.handoff.decisions import (
     WaitChanged,
 )
 from proxy.handoff.plan import Blocker, Plan, Release
+from proxy.handoff.queue_rules import hold_reason
 from proxy.models.loads import LoadRecord
 
 RELEASE = Release("comfyui", 7 * GIB, (4242,), "idle")
@@ -235,3 +236,24 @@ async def test_a_wait_refused_at_its_end_is_told_without_a_release_and_only_a_re
     assert story.related == (queued.id,) and story.first_byte_s is None
     plain = log.emit(Queued(tenant="ollama", trigger="request POST /api/generate", plan=WAIT, reason="r"))
     assert log.story(plain.id) is None, "a request is known by its trigger's type, not by its text"
+
+
+async def test_a_held_swap_is_a_hold_step_and_a_load_nothing_led_to_is_a_story_of_its_own() -> None:
+    clock = ManualClock()
+    log = DecisionLog(clock)
+    queued = log.emit(Queued(tenant="comfyui", trigger=REQUEST, plan=PLAN, reason=hold_reason(("ollama",), 1.0),
+                             waiting_for=("ollama",)))
+    await clock.advance(1.0)
+    started = log.emit(HandoffStarted(tenant="comfyui", trigger=REQUEST, kind="plan", plan=PLAN))
+    log.emit(QueueEnded(tenant="comfyui", trigger=REQUEST, refers_to=queued.id, result="admitted", waited_s=1.0,
+                        ended_by=started.id, ended_with="release ollama"))
+    story = log.story(queued.id)
+    assert story is not None and (story.steps[0].kind, story.steps[0].text) == (
+        "hold", "kept ollama on the card 1.0 s: just used, requests for it go first"), story.steps
+
+    reload = log.emit(ModelLoad(tenant="ollama", trigger="gemma3:27b loaded", request=None,
+                                load=LoadRecord(clock.wall(), "ollama", "gemma3:27b", 16 * GIB, 8.0, 1.0, "ollama")))
+    alone = log.story(reload.id)
+    assert alone is not None and alone.request == reload.id and alone.trigger == "load of gemma3:27b"
+    assert [(s.kind, s.start_s, s.duration_s) for s in alone.steps] == [("load", 0.0, 8.0)], alone.steps
+    assert views.RequestStory.model_validate(alone.to_json()).steps[0].kind == "load"

@@ -81,3 +81,11 @@ def test_server_timing_lists_the_phases_in_order_and_adds_a_repeated_one() -> No
     trace.phase("queue", 0.25, "waited for comfyui")
     assert trace.server_timing() == (b'queue;dur=1500.0;desc="waited for comfyui", '
                                      b"release;dur=500.0;desc=\"released 'comfyui'\"")
+
+
+def test_a_held_swap_reads_as_a_choice_not_as_a_wait_for_busy_work() -> None:
+    reason = ("holding the swap of ollama for 1 s (proxy.swap_hold_s, weighed by its reload): requests for what is "
+              "on the card go first")
+    line = wait_line({"reason": reason, "waiting_for": ["ollama"], "releasing": []})
+    assert line.startswith("keeping ollama on the card 1.0 s before releasing it: it was just used"), line
+    assert "waiting" not in line

@@ -100,6 +100,7 @@
     const byRequest = (d.trigger || "").startsWith("request ");
     if ((d.kind === "queued" || d.kind === "plan") && byRequest) return d.id;
     if (d.kind === "model_load" && d.outcome && d.outcome.request) return d.outcome.request;
+    if (d.kind === "model_load") return d.id;  // a load with no wait or handoff before it (a reload): its own story
     return null;
   }
   const storyTimers = new Map();
@@ -125,13 +126,18 @@
   function renderStories() {
     const list = $("stories");
     const items = [...ui.stories.values()].sort((a, b) => b.request - a.request);
-    list.replaceChildren(...(items.length ? items.map(renderStory)
+    // one time scale for every row: 1.8 s is drawn a sixth as long as 11.8 s, not as long
+    const end = Math.max(0.001, ...items.map(storyEnd));
+    list.dataset.scale = end.toFixed(3);
+    list.replaceChildren(...(items.length ? items.map((st) => renderStory(st, end))
       : [el("li", { class: "empty", text: "no request has waited or caused a handoff yet" })]));
   }
-  function renderStory(st) {
-    const end = Math.max(st.first_byte_s || 0, ...st.steps.map((x) => x.start_s + x.duration_s), 0.001);
+  const storyEnd = (st) => Math.max(st.first_byte_s || 0, ...st.steps.map((x) => x.start_s + x.duration_s), 0.001);
+  function renderStory(st, end) {
     const pct = (v) => `${Math.min(100, Math.max(0, (100 * v) / end)).toFixed(2)}%`;
-    const total = st.first_byte_s === null ? "no answer yet" : `first byte after ${st.first_byte_s.toFixed(1)} s`;
+    const onlyLoaded = st.steps.length > 0 && st.steps.every((x) => x.kind === "load");  // a reload, a cold start
+    const total = st.first_byte_s !== null ? `first byte after ${st.first_byte_s.toFixed(1)} s`
+      : onlyLoaded ? "waited for nothing, loaded its model" : "no answer yet";
     const rows = st.steps.map((x) => {
       const bar = el("span", { class: `bar ${x.kind}`, title: x.text });
       bar.style.setProperty("left", pct(x.start_s));
@@ -230,7 +236,7 @@
       // "settings not read" says why (hover): the reads that failed, from env_sources (a process of
       // another user, nothing loaded yet, a simulated GPU...).
       const why = (e.env_sources || []).filter((r) => !r.ok && r.error).map((r) => `not read from ${r.source}: ${r.error}`);
-      const base = set.length ? set.join(" ") : unknown === e.settings.length ? "settings not read (hover: why)" : "all defaults";
+      const base = set.length ? set.join(" ") : unknown === e.settings.length ? "settings: not visible from here (hover: why)" : "all defaults";
       const short = [base, unknown && unknown < e.settings.length ? `${unknown} unknown` : null,
         notes ? `${notes} note${notes > 1 ? "s" : ""}` : null].filter(Boolean);
       const tip = e.settings.map((s) => `${s.name} = ${s.value ?? (s.source === "unknown" ? "(unknown)" : "(not set)")} [${s.source}]${s.status && s.status !== "ok" ? ` (${s.status})` : ""}\n  ${s.meaning}`);
@@ -266,17 +272,18 @@
       const lifecycleButtons = lc ? lifecycleActions(t) : [];
       const res = ui.results.get(t.name);
       const waits = t.waiting || [];
-      const waitText = waits.map((w) => `${place(w)}${w.trigger}, ${secs(w.waited_s)}: ${w.reason}`).join("\n");
+      const waitText = waits.map((w) => `${place(w)}${w.trigger}, ${secs(w.waited_s)}: ${waitReason(w)}`).join("\n");
       // A request waiting for memory is counted in flight, but it does no work on the card: a tenant
       // whose only requests wait is "waiting", not busy.
       const jobs = t.jobs || [];
       const running = Math.max(0, t.in_flight - waits.length);
       const onlyWaiting = waits.length > 0 && running === 0 && jobs.length === 0;
-      const pill = onlyWaiting ? "waiting" : t.busy ? "busy" : "idle";
+      const holding = onlyWaiting && waits.every((w) => heldOf(w));  // only held: a short pause by choice
+      const pill = holding ? "held" : onlyWaiting ? "waiting" : t.busy ? "busy" : "idle";
       const ld = t.loading;
       const starting = lc && lc.state === "starting";
       const stateText = ld ? `loading ${ld.model}` : starting ? `starting the app (${secs(lc.for_s)})`
-        : onlyWaiting ? `waiting for memory: ${waits[0].reason}` : state;
+        : holding ? waitReason(waits[0]) : onlyWaiting ? `waiting for memory: ${waits[0].reason}` : state;
       const flight = [running ? `${running} request${running > 1 ? "s" : ""}` : null,
         jobs.length ? `${jobs.length} job${jobs.length > 1 ? "s" : ""}` : null,
         waits.length ? `${waits.length} waiting` : null].filter(Boolean).join(", ") || "0";
@@ -301,7 +308,7 @@
           ld ? el("dt", { text: "loading" }) : null,
           ld ? el("dd", { text: loadText(ld), title: loadTip(ld), dataset: { role: "loading", model: ld.model } }) : null,
           waits.length ? el("dt", { text: "waiting" }) : null,
-          waits.length ? el("dd", { text: `${place(waits[0])}${secs(waits[0].waited_s)}: ${waits[0].reason}`, title: waitText, dataset: { role: "waiting" } }) : null,
+          waits.length ? el("dd", { text: `${place(waits[0])}${secs(waits[0].waited_s)}: ${waitReason(waits[0])}`, title: waitText, dataset: { role: "waiting", held: heldOf(waits[0]) ? "true" : "false" } }) : null,
           el("dt", { text: "in flight" }), el("dd", { text: flight + (t.stale_jobs.length ? ` (${t.stale_jobs.length} stale)` : ""),
             title: jobs.length ? `jobs: ${jobs.join(", ")}` : null, dataset: { role: "in-flight" } }),
           el("dt", { text: "memory" }), el("dd", { text: gib(t.vram_bytes), dataset: { role: "vram" } }),
@@ -319,6 +326,13 @@
 
   // "#2 in line, " (the queue's order: priority, then arrival)
   const place = (w) => (w.position ? `#${w.position} in line, ` : "");
+  // A held swap is a choice, not a wait for busy work (proxy/handoff/queue_rules.py's reason, read back)
+  const HELD = /^holding the swap of (.+?) for ([\d.e+-]+) s \(proxy\.swap_hold_s/;
+  const heldOf = (w) => { const m = HELD.exec(w.reason || ""); return m ? { tenants: m[1], s: parseFloat(m[2]) } : null; };
+  const waitReason = (w) => {
+    const h = heldOf(w);
+    return h ? `kept ${h.tenants} on the card ${h.s.toFixed(1)} s by choice: just used, a request for it may follow` : w.reason;
+  };
   // "gemma3:27b, 8.1 of 17.2 GiB (estimated), 6 s": how far a load got on the card, and for how long
   function loadText(ld) {
     const got = ld.on_card_bytes === null ? "on the card: unknown" : `${gib(ld.on_card_bytes)} of ${gib(ld.need_bytes)}`;
@@ -565,6 +579,11 @@
       case "model_load":
         return `${d.tenant} loaded ${o.model}: ${gib(o.size_bytes)} in ${o.seconds} s = ${o.gbps} GB/s, ${o.class || "unclassified"} (${o.resident_before_percent === null ? "residency unknown" : `${o.resident_before_percent} % in RAM before`})`;
       case "queued": {
+        const held = heldOf(o);
+        if (held) {  // a held swap: the choice and why, never "waits behind" an idle tenant
+          const kept = `${d.tenant} (${d.trigger}): kept ${held.tenants} on the card by choice (just used, a request for it may follow)`;
+          return o.result ? `${kept}, ${secs(o.waited_s)}, then ${o.result === "admitted" ? "swapped" : o.result}` : kept;
+        }
         const behind = (o.waiting_for || []).length ? `behind ${o.waiting_for.join(", ")}` : o.behind ? `behind request #${o.behind}` : "in the queue";
         const why = o.ended_with || o.reason;
         if (!o.result) return `${d.tenant} (${d.trigger}) waits for memory ${behind}${o.reason ? `: ${o.reason}` : ""}`;
