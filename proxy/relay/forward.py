@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,7 @@ import httpx
 import websockets
 from starlette.datastructures import Headers
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 from websockets.asyncio.client import ClientConnection, connect
@@ -359,10 +360,17 @@ class Forwarder:
                 if "websocket.http.response" in scope.get("extensions", {}) else await ws.close(1008)
             return
         except (TimeoutError, OSError, websockets.InvalidHandshake) as exc:
+            if (refused := _http10_refusal(exc)) is not None:  # an HTTP/1.0 app's own answer to the upgrade
+                log.info("%s: upstream refused websocket %s with HTTP/1.0 %d", tenant.name, scope["path"], refused)
+                body = {"error": f"{tenant.name} answered the websocket upgrade of {scope['path']} with HTTP/1.0 "
+                                 f"{refused}: it serves no websocket there", "tenant": tenant.name,
+                        "fix": f"check the path, or whether {tenant.name} offers websockets at all"}
+                await ws.send_denial_response(JSONResponse(body, status_code=refused)) \
+                    if "websocket.http.response" in scope.get("extensions", {}) else await ws.close(1008)
+                return
             log.warning("%s: cannot open upstream websocket: %s", tenant.name, exc)
             err = _upstream_error(tenant, exc if not isinstance(exc, asyncio.TimeoutError) else httpx.ConnectTimeout(str(exc)))
             if "websocket.http.response" in scope.get("extensions", {}):
-                from starlette.responses import JSONResponse
                 await ws.send_denial_response(JSONResponse(err.to_json(), status_code=err.status))
             else:
                 await ws.close(1011)
@@ -442,3 +450,15 @@ def _sendable(code: int) -> int:
     if code in (1006, 1015) or code < 1000:
         return 1011
     return code
+
+
+_HTTP10_STATUS = re.compile(r"expected HTTP/1\.1: HTTP/1\.0 ([1-5]\d\d)\b")
+
+
+def _http10_refusal(exc: BaseException) -> int | None:
+    """An app that speaks HTTP/1.0 (Python's http.server, a small WebUI) answers an upgrade with its
+    own status line, which the websockets client cannot parse (it expects HTTP/1.1): that status, so
+    the client gets the app's refusal, not a 502 as if the app were down. None: another failure."""
+    cause = exc.__cause__
+    found = _HTTP10_STATUS.search(str(cause)) if isinstance(exc, websockets.InvalidMessage) and cause else None
+    return int(found.group(1)) if found is not None and int(found.group(1)) >= 400 else None

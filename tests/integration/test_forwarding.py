@@ -847,3 +847,29 @@ async def test_requests_past_the_per_upstream_cap_wait_then_get_503() -> None:
     body = refused.json()
     assert refused.status_code == 503 and body["tenant"] == "generic" and "pool_s" in body["fix"], body
     assert after.status_code == 200, "the connection freed by the client that left must serve the next request"
+
+
+async def test_a_websocket_refused_by_an_http10_app_gets_the_apps_status_not_a_502() -> None:
+    """Issue 42: an app that speaks HTTP/1.0 (Python's http.server) answers an upgrade with its own
+    status line, which the websockets client cannot parse: the client got 502 as if the app were
+    down. It gets the app's own refusal now."""
+    async def http10(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.0 404 File not found\r\nContent-Type: text/html\r\n\r\nnot here")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(http10, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with stack("generic", None, upstream_url=f"http://127.0.0.1:{port}") as (proxy, _, _, _):
+            with pytest.raises(websockets.InvalidStatus) as refused:
+                async with connect(proxy.url.replace("https://", "wss://").replace("http://", "ws://") + "/ws",
+                                   ssl=LOOPBACK_TLS if proxy.url.startswith("https") else None, open_timeout=5):
+                    pass
+    finally:
+        server.close()
+        await server.wait_closed()
+    answer = refused.value.response
+    assert answer.status_code == 404, f"{answer.status_code}: the app's own refusal, not a 502"
+    assert b"HTTP/1.0 404" in answer.body, answer.body
