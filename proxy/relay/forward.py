@@ -360,20 +360,7 @@ class Forwarder:
                 if "websocket.http.response" in scope.get("extensions", {}) else await ws.close(1008)
             return
         except (TimeoutError, OSError, websockets.InvalidHandshake) as exc:
-            if (refused := _http10_refusal(exc)) is not None:  # an HTTP/1.0 app's own answer to the upgrade
-                log.info("%s: upstream refused websocket %s with HTTP/1.0 %d", tenant.name, scope["path"], refused)
-                body = {"error": f"{tenant.name} answered the websocket upgrade of {scope['path']} with HTTP/1.0 "
-                                 f"{refused}: it serves no websocket there", "tenant": tenant.name,
-                        "fix": f"check the path, or whether {tenant.name} offers websockets at all"}
-                await ws.send_denial_response(JSONResponse(body, status_code=refused)) \
-                    if "websocket.http.response" in scope.get("extensions", {}) else await ws.close(1008)
-                return
-            log.warning("%s: cannot open upstream websocket: %s", tenant.name, exc)
-            err = _upstream_error(tenant, exc if not isinstance(exc, asyncio.TimeoutError) else httpx.ConnectTimeout(str(exc)))
-            if "websocket.http.response" in scope.get("extensions", {}):
-                await ws.send_denial_response(JSONResponse(err.to_json(), status_code=err.status))
-            else:
-                await ws.close(1011)
+            await _refuse_open(tenant, ws, scope, exc)
             return
         async with upstream:
             await ws.accept(subprotocol=upstream.subprotocol)
@@ -450,6 +437,26 @@ def _sendable(code: int) -> int:
     if code in (1006, 1015) or code < 1000:
         return 1011
     return code
+
+
+async def _refuse_open(tenant: Tenant, ws: WebSocket, scope: Scope, exc: Exception) -> None:
+    """The upstream websocket could not be opened: the client gets the status an HTTP/1.0 app refused
+    the upgrade with (and why), else the proxy's 502/504 naming the failure."""
+    if (status := _http10_refusal(exc)) is not None:
+        log.info("%s: upstream refused websocket %s with HTTP/1.0 %d", tenant.name, scope["path"], status)
+        body: dict[str, object] = {
+            "error": f"{tenant.name} answered the websocket upgrade of {scope['path']} with HTTP/1.0 {status}: it "
+                     "serves no websocket there", "tenant": tenant.name,
+            "fix": f"check the path, or whether {tenant.name} offers websockets at all"}
+        code = 1008
+    else:
+        log.warning("%s: cannot open upstream websocket: %s", tenant.name, exc)
+        err = _upstream_error(tenant, exc if not isinstance(exc, asyncio.TimeoutError) else httpx.ConnectTimeout(str(exc)))
+        status, body, code = err.status, err.to_json(), 1011
+    if "websocket.http.response" in scope.get("extensions", {}):
+        await ws.send_denial_response(JSONResponse(body, status_code=status))
+    else:
+        await ws.close(code)
 
 
 _HTTP10_STATUS = re.compile(r"expected HTTP/1\.1: HTTP/1\.0 ([1-5]\d\d)\b")
