@@ -118,6 +118,7 @@ class GpuGate:
         self._adapter: Callable[[Tenant], GatePorts] = adapter or arbitration.adapter  # the forwarder's per-tenant adapters
         self._retries = RetryBook()  # jobs retried under their own id (proxy/relay/oom_retry.py)
         self._told: dict[tuple[str, str], int] = {}  # (tenant, job) re-queued -> the decision its result joins
+        self._early_ends: dict[tuple[str, str], JobFrame] = {}  # a retried run that ended before its re-queue was recorded
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
 
@@ -224,6 +225,10 @@ class GpuGate:
             told = self._told.pop((tenant.name, frame.job_id), None)
             self.arbitration.decisions.emit(OomRetry(tenant=tenant.name, trigger=f"end of prompt {frame.job_id}",
                                                      result=result, handoff_id=told, prompt_id=frame.job_id))
+        elif frame.kind == "success" and self._retries.phase(tenant.name, frame.job_id) not in ("ended", "given_up"):
+            # the new run (the first one failed) ended before its re-queue's answer came back (a fast engine,
+            # a client reading /history meanwhile): told once the re-queue is recorded
+            self._early_ends[(tenant.name, frame.job_id)] = frame
 
     async def _retry_prompt(self, tenant: Tenant, prompt_id: str) -> None:
         """Queue the prompt again under its own id, for the same client, once the scheduler admitted it
@@ -258,6 +263,8 @@ class GpuGate:
                     self._told[(tenant.name, prompt_id)] = told
                     while len(self._told) > 4096:
                         self._told.pop(next(iter(self._told)))
+                    if (early := self._early_ends.pop((tenant.name, prompt_id), None)) is not None:
+                        self._job_frame(tenant, early, 2)
             except (httpx.HTTPError, ValueError, ReleaseFailed) as exc:
                 self._record_retry(tenant, handoff, f"re-queue failed: {exc}", prompt_id=prompt_id)
             finally:
