@@ -113,15 +113,22 @@ CRASHING_PROXY = textwrap.dedent("""
 """)
 
 
-async def test_a_proxy_killed_9_and_started_again_runs_exactly_one_copy(
-        box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
-    port = free_port()
+async def crashing_proxy(port: int, tmp_path: Path, shell: str) -> tuple[dict[str, object], asyncio.subprocess.Process]:
+    """The app tenant on `port`, its server run by `sh -c shell` ({server}: its command), started by a
+    proxy that then dies with -9 (CRASHING_PROXY); the proxy's stdout says the shell's and guard's pids."""
     tenant = process_tenant(port, tmp_path)
     server = " ".join(tenant["release"]["command"])  # type: ignore[index]
-    tenant["release"]["command"] = ["sh", "-c", f"{server} & wait"]  # type: ignore[index]
+    tenant["release"]["command"] = ["sh", "-c", shell.format(server=server)]  # type: ignore[index]
     crashed = await asyncio.create_subprocess_exec(
         sys.executable, "-c", CRASHING_PROXY, __import__("json").dumps(tenant["release"]["command"]),  # type: ignore[index]
         stdout=asyncio.subprocess.PIPE, cwd=str(Path(__file__).parents[2]))
+    return tenant, crashed
+
+
+async def test_a_proxy_killed_9_and_started_again_runs_exactly_one_copy(
+        box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
+    port = free_port()
+    tenant, crashed = await crashing_proxy(port, tmp_path, "{server} & wait")
     try:
         assert crashed.stdout is not None
         async with asyncio.timeout(WAIT_S):
@@ -369,12 +376,7 @@ async def test_a_setsid_grandchild_left_by_a_proxy_killed_9_is_ended_by_the_rest
     """Issue 42 item 5: the shell's server called setsid and its parent died with the proxy: no session,
     no parent link, never seen by a stop. Its environment carries the run's id from the record."""
     port = free_port()
-    tenant = process_tenant(port, tmp_path)
-    server = " ".join(tenant["release"]["command"])  # type: ignore[index]
-    tenant["release"]["command"] = ["sh", "-c", f"setsid {server} & wait"]  # type: ignore[index]
-    crashed = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", CRASHING_PROXY, __import__("json").dumps(tenant["release"]["command"]),  # type: ignore[index]
-        stdout=asyncio.subprocess.PIPE, cwd=str(Path(__file__).parents[2]))
+    tenant, crashed = await crashing_proxy(port, tmp_path, "setsid {server} & wait")
     try:
         assert crashed.stdout is not None
         async with asyncio.timeout(WAIT_S):
