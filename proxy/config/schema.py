@@ -277,7 +277,9 @@ class Tenant(StrictModel):
                              description="how to get its memory back: one release, or a list of steps tried in order "
                                          "until the card shows the memory back")
     idle_release_after_s: float | None = Field(default=None, description="release unasked after this long without GPU "
-                                                                        "traffic (0: as soon as it goes idle); null: never")
+                                                                        "traffic (0: as soon as it goes idle; a tenant the "
+                                                                        "proxy starts is stopped, its soft release steps "
+                                                                        "skipped); null: never")
     idle_vram_gb: float = Field(default=0.0, description="GiB of VRAM it holds when idle (its CUDA context floor): a "
                                                          "\"running\" job while at the floor is stale")
     release_timeout_s: float = Field(default=10.0, description="how long a release may take until the card shows the "

@@ -52,10 +52,12 @@ def release_whole(snap: AttributedSnapshot, tenant: Tenant, trigger: str, kind: 
     return ReleaseOrder(tenant.name, (release,), trigger, kind, None, snap, held, by_device, idle_s)
 
 
-def stop_whole(snap: AttributedSnapshot, tenant: Tenant, trigger: str, why: str) -> ReleaseOrder:
-    """An order to stop a tenant the proxy starts (the admin API's stop): a release through its
-    stopping step alone (soft steps before it skipped), so all it holds goes, its idle floor too."""
+def stop_whole(snap: AttributedSnapshot, tenant: Tenant, trigger: str, why: str, kind: HandoffKind = "release",
+               idle_s: float | None = None) -> ReleaseOrder:
+    """An order to stop a tenant the proxy starts (the admin API's stop, its idle ttl): a release
+    through its stopping step alone (soft steps before it skipped), so all it holds goes, its idle
+    floor too."""
     held = snap.held_by(tenant.name)
     pids = tuple(p.process.pid for p in snap.processes if p.tenant == tenant.name)
     release = Release(tenant.name, held, pids, why)
-    return ReleaseOrder(tenant.name, (release,), trigger, "release", None, snap, held_bytes=held, stop=True)
+    return ReleaseOrder(tenant.name, (release,), trigger, kind, None, snap, held_bytes=held, idle_s=idle_s, stop=True)

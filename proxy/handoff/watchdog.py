@@ -20,7 +20,7 @@ from proxy.engines.common import go_time
 from proxy.engines.ports import SelfReport
 from proxy.handoff.arbitration import CONFIRM_SLACK_BYTES, Arbitration, gib
 from proxy.handoff.decisions import SpillNoPlan, StaleJob
-from proxy.handoff.orders import ReleaseOrder, release_whole
+from proxy.handoff.orders import ReleaseOrder, release_whole, stop_whole
 from proxy.handoff.plan import TenantState
 from proxy.tasks import cancel_and_wait
 
@@ -137,8 +137,11 @@ class Watchdog:
             elif report.at < deadline:
                 report.reasons[name] = f"idle release in {deadline - report.at:.0f} s"
             else:
-                order = release_whole(snap, tenant, "watchdog idle", "idle_release", "idle timeout",
-                                      idle_s=tenant.idle_release_after_s)
+                # an app the proxy starts is stopped by its ttl whatever it holds (llama-swap's ttl): its
+                # stopping step alone, or a soft step that "frees" what it can would leave it running for ever
+                whole = stop_whole if machine is not None else release_whole
+                order = whole(snap, tenant, "watchdog idle", kind="idle_release", why="idle timeout",
+                              idle_s=tenant.idle_release_after_s)
                 (result,) = (await asyncio.shield(arbitration.scheduler.release(order))).results
                 if result.busy:  # work arrived before the release's turn came, or a stop would cut it
                     report.reasons[name] = f"busy again: idle release skipped ({result.error})"

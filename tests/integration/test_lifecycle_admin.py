@@ -184,3 +184,25 @@ async def test_a_stopped_tenant_shows_no_idle_countdown(box: DemoFactory, http: 
     assert isinstance(await countdown(), float), "running: its idle release counts down"
     assert (await http.post(admin + "/api/tenants/app/stop")).status_code == 200
     assert await countdown() is None, "stopped: no countdown"
+
+
+async def test_the_idle_ttl_stops_an_app_whose_release_list_starts_with_a_soft_step(
+        box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
+    """Issue 42: a release list [http, process] was never stopped by its ttl: the idle release ran the
+    soft step first, which 'freed' what it could and ended the release there, so the app ran on for
+    ever. The guide promises the ttl stops an app the proxy starts whatever it holds (llama-swap's
+    ttl): only the stopping step runs, as for the admin's stop."""
+    port = free_port()
+    tenant = process_tenant(port, tmp_path, idle_release_after_s=0)
+    process_step = tenant["release"]
+    tenant["release"] = [{"kind": "http", "method": "GET", "url": "/hello.txt"}, process_step]
+    demo = await box(fast("default", tenants={"app": tenant}))
+    assert demo.proxy is not None
+    admin = demo.proxy.url("admin")
+    assert (await http.post(admin + "/api/tenants/app/start")).status_code == 200
+    assert port_open(port)
+    report = await demo.proxy.watchdog.tick()
+    assert "app: idle release" in " ".join(report.actions), report.reasons.get("app")
+    machine = demo.proxy.arbitration.lifecycles.machine("app")
+    assert machine is not None and machine.state == "stopped", f"the ttl left the app {machine and machine.state}"
+    assert not port_open(port)
