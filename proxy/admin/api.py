@@ -29,7 +29,7 @@ from proxy.errors import HyperSwapError
 from proxy.handoff.arbitration import Arbitration, ReleaseResult
 from proxy.handoff.decisions import NothingToRelease, Rejected
 from proxy.handoff.orders import release_whole, stop_whole
-from proxy.handoff.scheduler import Admitted
+from proxy.handoff.tickets import Admitted
 from proxy.handoff.watchdog import Watchdog
 from proxy.hosts import listener_policy
 from proxy.lifecycle.logs import (

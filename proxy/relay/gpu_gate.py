@@ -36,12 +36,13 @@ from proxy.handoff.decisions import (
     StaleJob,
     WaitChanged,
 )
+from proxy.handoff.door import Door
 from proxy.handoff.inflight import Token
 from proxy.handoff.load_events import Load
 from proxy.handoff.oom_need import OOM_HEADROOM_BYTES
 from proxy.handoff.plan import gib
 from proxy.handoff.queue_rules import RESIDENT
-from proxy.handoff.scheduler import Admitted, Handoff
+from proxy.handoff.tickets import Admitted, Handoff
 from proxy.lifecycle.controller import LifecycleError
 from proxy.relay import refusals
 from proxy.relay import trace as tracing
@@ -115,6 +116,7 @@ class GpuGate:
 
     def __init__(self, arbitration: Arbitration, adapter: Callable[[Tenant], GatePorts] | None = None) -> None:
         self.arbitration = arbitration
+        self.door: Door = arbitration.scheduler  # the request side's only way into the scheduler (handoff/door.py)
         self._adapter: Callable[[Tenant], GatePorts] = adapter or arbitration.adapter  # the forwarder's per-tenant adapters
         self._retries = RetryBook()  # jobs retried under their own id (proxy/relay/oom_retry.py)
         self._told: dict[tuple[str, str], int] = {}  # (tenant, job) re-queued -> the decision its result joins
@@ -127,7 +129,7 @@ class GpuGate:
         return self.arbitration.clock
 
     def wait_of(self, work: Token) -> dict[str, Any] | None:
-        return self.arbitration.scheduler.wait_of(work)
+        return self.door.wait_of(work)
 
     def watch_waits(self, changed: Callable[[], None]) -> Callable[[], None]:
         def on_event(event: DecisionEvent) -> None:
@@ -207,7 +209,7 @@ class GpuGate:
             tenant=tenant.name, trigger="job reconciliation", job_id=job_id,
             reason=f"{job_id} is in neither {tenant.name}'s queue nor its history (deleted from the queue, or the "
                    "engine restarted): no longer counted as running"))
-        self.arbitration.scheduler.kick()
+        self.door.kick()
 
     def _job_frame(self, tenant: Tenant, frame: JobFrame, run: int) -> None:
         """A job's frame (or history record) of its `run`: the first run's out-of-memory starts its
@@ -268,7 +270,7 @@ class GpuGate:
             except (httpx.HTTPError, ValueError, ReleaseFailed) as exc:
                 self._record_retry(tenant, handoff, f"re-queue failed: {exc}", prompt_id=prompt_id)
             finally:
-                self.arbitration.scheduler.settle_when_idle(handoff)  # the re-queued prompt loads after POST /prompt returns
+                self.door.settle_when_idle(handoff)  # the re-queued prompt loads after POST /prompt returns
         finally:
             if not queued:  # no retry under the client's id (or an engine that gave it a new one): the error stands
                 self._retries.given_up(tenant.name, prompt_id)
@@ -361,7 +363,7 @@ class GpuGate:
         if adapter.unload_target(request.url.path, body) is not None:
             return None, None
         need = await adapter.estimate_need(request.url.path, body, self.arbitration.control)
-        return need, self.arbitration.scheduler.admit_at_once(tenant, need.key, need.bytes, work)
+        return need, self.door.admit_at_once(tenant, need.key, need.bytes, work)
 
     async def handle(self, tenant: Tenant, request: Request, body: bytes,
                      forward: Callable[[bytes], Awaitable[UpstreamResponse]], work: Token,
@@ -372,7 +374,7 @@ class GpuGate:
         unloading = adapter.unload_target(request.url.path, body)
         if unloading is not None:
             # An unload loads nothing: it needs no memory, releases nobody and is never refused.
-            self.arbitration.scheduler.admit_unplanned(work, tenant.name, adapter.load_key(unloading))
+            self.door.admit_unplanned(work, tenant.name, adapter.load_key(unloading))
             return await forward(body)
         trigger = RequestTrigger.of(request.method, request.url.path)
         arrived, arrived_wall = self.arbitration.clock.now(), self.arbitration.clock.wall()
@@ -406,7 +408,7 @@ class GpuGate:
                                                   arrived_at=arrived_wall, after_s=self.arbitration.clock.now() - arrived,
                                                   status=response.status_code))
             if response.status_code < 400:
-                self.arbitration.scheduler.loaded(tenant.name, need.key)
+                self.door.loaded(tenant.name, need.key)
                 if load is not None and events.listened:
                     response = _TailKept(response, partial(events.ended, load))  # the engine's own load time
                     timed = True
@@ -417,9 +419,9 @@ class GpuGate:
             if load is not None and not timed:
                 events.ended(load, None)  # no answer to time it from
             if outlives:
-                self.arbitration.scheduler.settle_when_idle(handoff)  # the job loads after the answer: keep its memory promised
+                self.door.settle_when_idle(handoff)  # the job loads after the answer: keep its memory promised
             else:
-                self.arbitration.scheduler.settle(handoff)
+                self.door.settle(handoff)
 
     async def handle_unkept(self, tenant: Tenant, request: Request, head: bytes,
                             forward: Callable[[], Awaitable[UpstreamResponse]], work: Token) -> UpstreamResponse | Response:
@@ -436,13 +438,13 @@ class GpuGate:
         try:
             response = await forward()
             if response.status_code < 400:
-                self.arbitration.scheduler.loaded(tenant.name, need.key)
+                self.door.loaded(tenant.name, need.key)
             return response
         finally:
             if adapter.captures_job(request.method, request.url.path):
-                self.arbitration.scheduler.settle_when_idle(admitted.handoff)
+                self.door.settle_when_idle(admitted.handoff)
             else:
-                self.arbitration.scheduler.settle(admitted.handoff)
+                self.door.settle(admitted.handoff)
 
     async def _after_error(self, tenant: Tenant, adapter: GatePorts, request: Request, body: bytes,
                            forward: Callable[[bytes], Awaitable[UpstreamResponse]], handoff: Handoff, need: Need,
@@ -455,7 +457,7 @@ class GpuGate:
             return _replay_response(response, error_body)
         # The first try is over: its reservation goes before the retry reserves its bigger need
         # (under the same key it would only have counted once more, with the old size and baseline).
-        self.arbitration.scheduler.settle(handoff)
+        self.door.settle(handoff)
         # Every OOM is retried once, admitted on a fresh card reading (`Arbitration.admit`): memory
         # that freed since the first try is room too, not a reason to give up.
         again, _ = await self.arbitration.admit(tenant, request.url.path, body, f"OOM answer to {trigger}", oom=True)
@@ -465,7 +467,7 @@ class GpuGate:
             if outcome == "retried":
                 response = await forward(body)
                 if response.status_code < 400:
-                    self.arbitration.scheduler.loaded(tenant.name, need.key)
+                    self.door.loaded(tenant.name, need.key)
                     self._record_retry(tenant, retry, "succeeded")
                     return response
                 error_body = await response.aread()
@@ -477,7 +479,7 @@ class GpuGate:
             past, snap = await self.arbitration.plan(tenant.name, retry.plan.need_bytes + OOM_HEADROOM_BYTES, need.key)
             return _with_blockers(response, error_body, Handoff(past, [], None, snap))
         finally:
-            self.arbitration.scheduler.settle(retry)
+            self.door.settle(retry)
 
     def _refused(self, tenant: Tenant, admitted: Admitted, need: Need, trigger: str) -> Response:
         """The answer to a request the queue did not admit: 503 past the queue timeout (recorded as a
@@ -493,7 +495,7 @@ class GpuGate:
         one record: None)."""
         if need.model is None:
             return None
-        card = self.arbitration.scheduler.card
+        card = self.door.card
         return await self.arbitration.loads.begin(tenant.name, need.model, need.key, need.bytes, body, story,
                                           card.held_by(tenant.name) if card is not None else None)
 

@@ -30,7 +30,7 @@ from proxy.engines.base import origin_netloc, same_origin
 from proxy.engines.ports import JobView, ListenerPorts, Streamed
 from proxy.errors import HyperSwapError
 from proxy.handoff.inflight import InFlight, JobFate, JobPoller, Token
-from proxy.handoff.scheduler import Admitted
+from proxy.handoff.tickets import Admitted
 from proxy.relay import progress
 from proxy.relay.departure import ClientLink, Sweep
 from proxy.relay.forward import Forwarder, UpstreamResponse

@@ -27,7 +27,7 @@ from proxy.config.schema import Tenant
 from proxy.errors import HyperSwapError
 from proxy.handoff import per_card
 from proxy.handoff.plan import gib
-from proxy.handoff.scheduler import Admitted, Handoff
+from proxy.handoff.tickets import Admitted, Handoff
 
 JSON = dict[str, Any]
 QUEUE_RETRY_AFTER_MAX_S = 30  # past the queue timeout, come back after as long again, but not later than this

@@ -91,3 +91,47 @@ class TenantApp:
     assert any("constructs Lock" in f for f in found), found
     assert any("keeps self._reservations" in f for f in found), found
     assert any("admits a request as work" in f for f in found), found
+
+
+# -- one door (design invariant 14): the request side reaches the scheduler only through `Door` --------
+
+REQUEST_SIDE = "proxy/relay/"
+
+
+def door_violations(source: str | SourceFile, module: str) -> list[str]:
+    """Where `module` reaches past the door: it imports the scheduler module (its class, its
+    internals) from outside the handoff layer, or, on the request side, calls through a `.scheduler`
+    attribute instead of the `Door` it was given (`proxy/handoff/door.py`)."""
+    out = []
+    for node in nodes_of(source, module):
+        if isinstance(node, ast.ImportFrom) and node.module == "proxy.handoff.scheduler" \
+                and not module.startswith("proxy/handoff/"):
+            out.append(f"{module}:{node.lineno} imports proxy.handoff.scheduler (take the Door, or the data in tickets.py)")
+        if module.startswith(REQUEST_SIDE) and isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) \
+                and node.value.attr == "scheduler":
+            out.append(f"{module}:{node.lineno} calls {ast.unparse(node)} past the door")
+    return out
+
+
+def test_the_request_side_reaches_the_scheduler_only_through_the_door() -> None:
+    found = []
+    for source in python_files(ROOT / "proxy"):
+        module = source.rel()
+        if "/sim/" not in module:
+            found += door_violations(source, module)
+    assert not found, "past the one door (design invariant 14):\n" + "\n".join(found)
+
+
+def test_the_door_check_finds_a_way_around_it() -> None:
+    around = '''
+from proxy.handoff.scheduler import Scheduler
+
+class GpuGate:
+    def handle(self):
+        self.arbitration.scheduler.reservations.reserve("k", plan)
+        return self.arbitration.scheduler.admit_at_once(tenant, key, need)
+'''
+    found = door_violations(around, "proxy/relay/gpu_gate.py")
+    assert any("imports proxy.handoff.scheduler" in f for f in found), found
+    assert sum("past the door" in f for f in found) == 2, found
+    assert not door_violations(around.replace("proxy.handoff.scheduler", "proxy.handoff.door"), "proxy/admin/x.py")
