@@ -18,6 +18,7 @@ from websockets.asyncio.client import connect as ws_connect
 
 from proxy.demo import Demo, comfy_prompt
 from proxy.sim.box import fast_scenario as fast
+from proxy.tasks import poll_until
 from proxy.tls import client_context
 
 ALL_PORTS_ZERO = {"ollama": 0, "comfyui": 0, "admin": 0, "stt": 0}
@@ -80,6 +81,16 @@ def process_tenant(port: int, folder: Path, **extra: object) -> dict[str, object
     }
 
 
+async def stranger_on(port: int, folder: Path) -> asyncio.subprocess.Process:
+    """A server the proxy did not start (Python's own file server) holding `port`, once it answers."""
+    stranger = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(folder),
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    async with asyncio.timeout(20):
+        await poll_until(lambda: port_open(port))
+    return stranger
+
+
 # -- the user's clients on the demo box: the official `ollama` client, a websocket ComfyUI client --
 
 def decisions(demo: Demo, *kinds: str) -> list[Any]:
@@ -138,5 +149,21 @@ def succeeded(msgs: list[dict[str, Any]]) -> bool:
     return "execution_success" in [m["type"] for m in msgs] and "execution_error" not in [m["type"] for m in msgs]
 
 
-__all__ = ["ALL_PORTS_ZERO", "LOOPBACK_TLS", "README_CKPT", "DemoFactory", "RenderRefused", "chat", "decisions",
-           "fast", "free_port", "never_short", "port_open", "process_tenant", "releases", "render", "succeeded"]
+__all__ = [
+    "ALL_PORTS_ZERO",
+    "LOOPBACK_TLS",
+    "README_CKPT",
+    "DemoFactory",
+    "RenderRefused",
+    "chat",
+    "decisions",
+    "fast",
+    "free_port",
+    "never_short",
+    "port_open",
+    "process_tenant",
+    "releases",
+    "render",
+    "stranger_on",
+    "succeeded",
+]

@@ -17,10 +17,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from boxes import DemoFactory, fast, free_port, port_open, process_tenant
+from boxes import DemoFactory, fast, free_port, port_open, process_tenant, stranger_on
 
 from proxy.lifecycle import procs
-from proxy.tasks import poll_until
 
 WAIT_S = 10.0
 
@@ -149,12 +148,8 @@ async def test_a_daemons_child_nothing_ties_to_the_start_is_refused(
 async def test_a_stranger_on_the_port_before_the_start_is_still_refused_with_a_stop_command(
         box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path, daemon: Path) -> None:
     port = free_port()
-    stranger = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(tmp_path),
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    stranger = await stranger_on(port, tmp_path)
     try:
-        async with asyncio.timeout(WAIT_S):
-            await poll_until(lambda: port_open(port))
         demo = await box(fast("default", tenants={"app": daemon_tenant(port, tmp_path, daemon,
                                                                         stop_command=stop_command(port, daemon))}))
         assert demo.proxy is not None

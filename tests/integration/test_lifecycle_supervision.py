@@ -14,7 +14,7 @@ import textwrap
 from pathlib import Path
 
 import httpx
-from boxes import DemoFactory, fast, free_port, port_open, process_tenant
+from boxes import DemoFactory, fast, free_port, port_open, process_tenant, stranger_on
 
 from proxy.clock import SystemClock
 from proxy.lifecycle import procs
@@ -163,12 +163,8 @@ async def test_a_proxy_killed_9_and_started_again_runs_exactly_one_copy(
 async def test_a_port_held_by_another_server_fails_the_start_naming_it(
         box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
     port = free_port()
-    stranger = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(tmp_path),
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    stranger = await stranger_on(port, tmp_path)
     try:
-        async with asyncio.timeout(WAIT_S):
-            await poll_until(lambda: port_open(port))
         demo = await box(fast("default", tenants={"app": process_tenant(port, tmp_path)}))
         assert demo.proxy is not None
         answer = await http.get(demo.proxy.url("app") + "/hello.txt")
