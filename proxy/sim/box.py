@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import socket
 import sys
 import tempfile
 from dataclasses import dataclass, field, replace
@@ -26,6 +25,7 @@ from proxy.sim.gpu import GIB, SimulatedDevice, SimulatedGpu
 from proxy.sim.gpu_settings import SimulatedCardSettings, SimulatedSettingsSpec
 from proxy.sim.model_files import SimModelFiles
 from proxy.sim.ollama import OllamaSim, OllamaSimConfig
+from proxy.sim.ports import loose_port
 
 SCENARIOS = Path(__file__).with_name("scenarios")
 
@@ -247,11 +247,7 @@ class SimBox:
         the relay itself, later). A free port is picked and let go: the relay binds it when started."""
         self.gpu_dir = Path(tempfile.mkdtemp(prefix="hyperswap-gpu-"))
         self.gpu.watch(self.gpu_dir)
-        if port == 0:
-            with socket.socket() as s:
-                s.bind((host, 0))
-                port = int(s.getsockname()[1])
-        self.relay_port = port
+        self.relay_port = port or loose_port(host)  # 0: one outside the ephemeral range (proxy/sim/ports.py)
 
     def relay_tenant(self, host: str = "127.0.0.1") -> dict[str, Any]:
         """The speech relay's tenants.json entry: a generic app the proxy runs (release kind `process`),

@@ -18,6 +18,7 @@ from websockets.asyncio.client import connect as ws_connect
 
 from proxy.demo import Demo, comfy_prompt
 from proxy.sim.box import fast_scenario as fast
+from proxy.sim.ports import loose_port
 from proxy.tasks import poll_until
 from proxy.tls import client_context
 
@@ -29,31 +30,11 @@ LOOPBACK_TLS = client_context()
 README_CKPT = "sd_xl_base_1.0.safetensors"  # examples/comfy_prompt.json
 
 
-def _ephemeral() -> range:
-    """The ports the kernel hands out for port 0 (every other test binds those)."""
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return range(int(low), int(high) + 1)
-    except (OSError, ValueError):
-        return range(32768, 61000)
-
-
 def free_port() -> int:
     """A loopback port free now, for an app the proxy starts (its command needs the number, so it
-    cannot bind port 0 itself). Drawn outside the kernel's ephemeral range: a port 0 bind elsewhere
-    in the suite can never take it between this check and the app's own bind."""
-    ephemeral = _ephemeral()
-    for _ in range(200):
-        port = random.randrange(20000, 32000)
-        if port in ephemeral:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue  # taken: another test's app, or the machine's
-            return port
-    raise RuntimeError("no free loopback port found in 20000-32000")
+    cannot bind port 0 itself). Drawn outside the kernel's ephemeral range (`proxy.sim.ports`): a port
+    0 bind elsewhere in the suite can never take it between this check and the app's own bind."""
+    return loose_port("127.0.0.1")
 
 
 def port_open(port: int) -> bool:
