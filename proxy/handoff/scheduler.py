@@ -115,13 +115,16 @@ class Scheduler:
             self.settle(handoff)
         self.kick()  # a blocker may have gone idle: whoever waits for it is planned again now
 
-    def observe_card(self, snap: AttributedSnapshot) -> None:
+    def observe_card(self, snap: AttributedSnapshot, read_at: float | None = None) -> None:
         """A card reading, from whoever read it (a pass, a release's confirmation, the watchdog, the
-        API): the latest is what the next pass plans with."""
+        API): the latest is what the next pass plans with. It shows what happened before it was taken
+        (`taken_at`; 0: a reading that says not when, a test's card) or before its read began
+        (`read_at`, where the reader knows: the scheduler's own reads), whichever is later."""
         self.card = snap
-        if snap.snapshot.taken_at > 0:  # 0: a reading that says not when (a test's card)
-            self.reservations.confirmed(snap.snapshot.taken_at)
-        self._unload_seen(snap, snap.snapshot.taken_at)
+        read_at = max(snap.snapshot.taken_at, read_at or 0.0)
+        if read_at > 0:
+            self.reservations.confirmed(read_at)  # promises that ended before this read are on the card it shows
+        self._unload_seen(snap, read_at)
         if not snap.estimated:
             for tenant, keys in self._busy_keys.items():
                 if len(keys) == 1 and self.traffic.busy(tenant):  # all its work is of one load: its peak so far
@@ -477,10 +480,7 @@ class Scheduler:
 
         async def read() -> None:
             try:
-                snap = await self.effects.read_card()
-                self.observe_card(snap)
-                self.reservations.confirmed(started)  # promises that ended before this read are on the card it shows
-                self._unload_seen(snap, started)
+                self.observe_card(await self.effects.read_card(), read_at=started)
             except Exception as exc:  # the reader falls back to the engines' reports; this is a bug: tell the waiters
                 self._read_failed = exc
             finally:
@@ -531,17 +531,18 @@ class Scheduler:
         if not snap.snapshot.device.size_known:
             self._forward_unplanned(snap, pending)
             return True
+        states = self.states(snap)
         held_back = [t for t in pending if t.waiter.tenant in self._leaving]
         for t in held_back:  # its tenant's unload is not on the card yet: what it holds is on its way out
             w = t.waiter
-            plan = plan_on_devices(snap, self.effects.registry, self.states(snap), w.tenant, w.need_bytes)
-            self._note_wait(t, Verdict(w, "wait", plan, f"queued until the unload of {w.tenant} shows on the card"))
-            t.verdict = Verdict(w, "wait", plan, t.wait_reason)
+            plan = plan_on_devices(snap, self.effects.registry, states, w.tenant, w.need_bytes)
+            t.verdict = Verdict(w, "wait", plan, f"queued until the unload of {w.tenant} shows on the card")
+            self._note_wait(t, t.verdict)
         pending = [t for t in pending if t not in held_back]
         if not pending:
             return False
         settings = self.effects.registry.config.proxy
-        verdicts = schedule_on_devices(snap, self.effects.registry, self.states(snap), [self._waiter(t) for t in pending],
+        verdicts = schedule_on_devices(snap, self.effects.registry, states, [self._waiter(t) for t in pending],
                                        self._claims(snap), self.effects.clock.now(), settings.starvation_after_s,
                                        self.releasing, settings.overtake_limit, self.swap_hold(), self.at_once_room())
         return self._apply(verdicts, snap)
@@ -643,8 +644,7 @@ class Scheduler:
         the memory is back (engine-wire-facts: both free asynchronously), so until a reading shows it
         gone the tenant's next requests wait: planned on a reading that still shows the model, a chat
         counted that memory as its own, the memory went to a render, and the reload ran out of it."""
-        if self.card is not None and any(self.residency.holds(tenant, k) for k in self.residency.keys(tenant)
-                                         if slot(k) == slot(key)):
+        if self.card is not None and any(slot(k) == slot(key) for k in self.residency.keys(tenant)):
             self._leaving.begun(tenant, self.effects.clock.now(), self.card.held_by(tenant))
         self.residency.forget(tenant, key)
         self.traffic.admit(work)
