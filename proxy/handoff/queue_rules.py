@@ -238,8 +238,7 @@ class _Pass:
             return False
         self._take_room(w)
         self.out.append(Verdict(w, "run", resident_plan(w, plan), RESIDENT, overtook=tuple(a.id for a in crowd)))
-        _claim(self.claims, w, plan)
-        _claim(self.granted, w, plan)
+        self._grant(w, plan)
         return True
 
     def _decide(self, w: Waiter) -> None:
@@ -280,9 +279,13 @@ class _Pass:
         self.swapped.update(r.tenant for r in plan.releases)
         self._take_room(w)
         self.out.append(Verdict(w, "run", plan, plan.explanation, overtook=tuple(a.id for a in crowd)))
+        self._grant(w, plan)
+        self.claimers.append(w)
+
+    def _grant(self, w: Waiter, plan: Plan) -> None:
+        """`w` runs: what it takes is claimed for the waiters after it, resident ones included."""
         _claim(self.claims, w, plan)
         _claim(self.granted, w, plan)
-        self.claimers.append(w)
 
     def _may_go_ahead(self, w: Waiter, crowd: list[Waiter]) -> bool:
         """Whether work of `w`'s tenant may still go ahead of `crowd`, the waiters that wait for that
