@@ -418,10 +418,15 @@ class GpuGate:
         finally:
             if load is not None and not timed:
                 events.ended(load, None)  # no answer to time it from
-            if outlives:
-                self.door.settle_when_idle(handoff)  # the job loads after the answer: keep its memory promised
-            else:
-                self.door.settle(handoff)
+            self._settle(handoff, outlives)
+
+    def _settle(self, handoff: Handoff, outlives: bool) -> None:
+        """The answer ended: the request's promise ends with it, or (`outlives`: a job the engine runs
+        after answering, a ComfyUI prompt) once its tenant has no work any more."""
+        if outlives:
+            self.door.settle_when_idle(handoff)  # the job loads after the answer: keep its memory promised
+        else:
+            self.door.settle(handoff)
 
     async def handle_unkept(self, tenant: Tenant, request: Request, head: bytes,
                             forward: Callable[[], Awaitable[UpstreamResponse]], work: Token) -> UpstreamResponse | Response:
@@ -441,10 +446,7 @@ class GpuGate:
                 self.door.loaded(tenant.name, need.key)
             return response
         finally:
-            if adapter.captures_job(request.method, request.url.path):
-                self.door.settle_when_idle(admitted.handoff)
-            else:
-                self.door.settle(admitted.handoff)
+            self._settle(admitted.handoff, adapter.captures_job(request.method, request.url.path))
 
     async def _after_error(self, tenant: Tenant, adapter: GatePorts, request: Request, body: bytes,
                            forward: Callable[[bytes], Awaitable[UpstreamResponse]], handoff: Handoff, need: Need,
