@@ -12,6 +12,7 @@ state, keeps an attribute of that name, or admits a request as work.
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
 
 from source_tree import SourceFile, nodes_of, python_files
@@ -62,13 +63,14 @@ def violations(source: str | SourceFile, module: str) -> list[str]:
 _PARTS = {"proxy/handoff/reservations.py", "proxy/handoff/residency.py", "proxy/handoff/evidence.py"}  # the owner's parts
 
 
+def found_in_proxy(check: Callable[[SourceFile, str], list[str]]) -> list[str]:
+    """What `check` finds in every module of proxy/ but the simulators."""
+    return [v for source in python_files(ROOT / "proxy") if "/sim/" not in source.rel()
+            for v in check(source, source.rel())]
+
+
 def test_no_module_but_the_scheduler_keeps_admission_state() -> None:
-    found = []
-    for source in python_files(ROOT / "proxy"):
-        module = source.rel()
-        if "/sim/" in module:
-            continue
-        found += violations(source, module)
+    found = found_in_proxy(violations)
     assert not found, "admission state outside the scheduler (design invariant 11):\n" + "\n".join(found)
 
 
@@ -114,11 +116,7 @@ def door_violations(source: str | SourceFile, module: str) -> list[str]:
 
 
 def test_the_request_side_reaches_the_scheduler_only_through_the_door() -> None:
-    found = []
-    for source in python_files(ROOT / "proxy"):
-        module = source.rel()
-        if "/sim/" not in module:
-            found += door_violations(source, module)
+    found = found_in_proxy(door_violations)
     assert not found, "past the one door (design invariant 14):\n" + "\n".join(found)
 
 
