@@ -130,13 +130,16 @@ async def _read_up_to(request: Request, limit: int) -> tuple[bytes, AsyncIterato
         parts.append(chunk)
         size += len(chunk)
         if size > limit:
-            async def rest(head: list[bytes] = parts) -> AsyncIterator[bytes]:
-                for part in head:
-                    yield part
-                async for more in stream:
-                    yield more
-            return b"", rest()
+            return b"", _again(parts, stream)
     return b"".join(parts), None
+
+
+async def _again(read: list[bytes], stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """A body of which `read` was read already: those chunks, then the rest of `stream`."""
+    for part in read:
+        yield part
+    async for more in stream:
+        yield more
 
 
 HEAD_BYTES = 64 * 1024  # what is read of a body too large to keep, to find the model it names
@@ -151,13 +154,7 @@ async def _head_of(stream: AsyncIterator[bytes], limit: int) -> tuple[bytes, Asy
         size += len(chunk)
         if size >= limit:
             break
-
-    async def whole() -> AsyncIterator[bytes]:
-        for part in parts:
-            yield part
-        async for more in stream:
-            yield more
-    return b"".join(parts)[:limit], whole()
+    return b"".join(parts)[:limit], _again(parts, stream)
 
 
 def _decoded(body: bytes, encoding: str) -> bytes:
