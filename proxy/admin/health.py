@@ -246,7 +246,7 @@ class HealthExtension:
         entries = [e for group in results for e in group]
         caps = capabilities(snap, arbitration.last_read_error)
         return {"status": worst([e.status for e in entries]), "entries": [e.to_json() for e in entries],
-                "capabilities": [c.to_json() for c in caps], "checked_at": time.time()}
+                "capabilities": [c.model_dump(mode="json") for c in caps], "checked_at": time.time()}
 
     async def health_route(self, request: Request) -> Response:
         return JSONResponse(await self.report())

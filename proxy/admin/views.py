@@ -17,8 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from proxy.config.schema import Tenant
 from proxy.decision_base import DecisionKind
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
-from proxy.gpu.snapshot import GpuReadError
-from proxy.gpu.visibility import device_json, tenant_devices_json, tenant_vram
+from proxy.gpu.snapshot import GpuError, GpuReadError, PodName
+from proxy.gpu.visibility import Capability, Device, TenantDevices, tenant_vram
 from proxy.handoff.arbitration import Arbitration
 from proxy.handoff.decisions import ReleaseVerdict
 from proxy.handoff.plan import TenantState, gib
@@ -121,12 +121,6 @@ class ReleaseResult(_Doc):
         "confirmed (the card showed the memory back), estimated (the engine's own report said so), timeout "
         "(not back within release_timeout_s), error (the engine refused or was down), or not_on_gpu (the "
         "engine computes on the CPU and holds nothing on the card: nothing was asked)"))
-
-
-class PodName(_Doc):
-    namespace: str
-    name: str
-    container: str | None
 
 
 class Process(_Doc):
@@ -249,21 +243,6 @@ class _TenantLive(_Doc):
                                                                   "null for the others")
     suspension: Suspended | None = Field(default=None, description="a tenant with a cuda_suspend step: its state; null "
                                                                    "for the others")
-
-
-class CardHolding(_Doc):
-    index: int
-    name: str
-    vram_bytes: int
-
-
-class TenantDevices(_Doc):
-    """Only on a host with several GPUs: the cards the tenant's engine loads on, and why."""
-    devices: list[int] | None = Field(description="NVML indices; null: any device")
-    source: Literal["pinned", "discovered", "any"] = Field(
-        description="pinned: `devices` in tenants.json; discovered: its process's --cuda-device or CUDA_VISIBLE_DEVICES")
-    detail: str
-    vram_by_device: list[CardHolding]
 
 
 class TenantView(_TenantLive):
@@ -393,38 +372,6 @@ class DecisionDetail(_Doc):
     decision: Decision
     story: RequestStory | None = Field(description="null: not a GPU request's that waited or caused a handoff")
     related: list[Decision] = Field(description="the story's other decisions, as GET /api/decisions shows them")
-
-
-class Device(_Doc):
-    """Unknown is not zero: a figure nobody measured is null (without a GPU reader: used, free and
-    reserved; the total too when no engine reports the card)."""
-    name: str
-    total_bytes: int | None
-    free_bytes: int | None
-    used_bytes: int | None
-    reserved_bytes: int | None
-    source: str = Field(description="nvml, simulated, or engine-estimate")
-    notes: list[str]
-    devices: list[Card] | None = Field(default=None, description="only on a host with several GPUs: each card (the "
-                                                                 "figures above are then the whole host's sums)")
-
-
-class Card(_Doc):
-    index: int
-    name: str
-    uuid: str
-    total_bytes: int | None
-    free_bytes: int | None
-    used_bytes: int | None
-    reserved_bytes: int | None
-    tenants: dict[str, int] = Field(description="bytes each tenant (and `unmanaged`) holds on this card")
-    placed: list[str] = Field(description="tenants pinned to or discovered on this card")
-
-
-class GpuError(_Doc):
-    state: str
-    error: str
-    fix: str
 
 
 class Stats(_Doc):
@@ -568,12 +515,6 @@ class HealthEntry(_Doc):
     fix: str | None
 
 
-class Capability(_Doc):
-    name: Literal["forwarding", "in-flight tracking", "arbitration", "confirmed releases"]
-    status: Literal["ok", "estimated", "off"] = Field(description="estimated: on the engines' own reports")
-    detail: str
-
-
 class HealthReport(_Doc):
     status: Literal["ok", "degraded", "failed"] = Field(description="the worst entry's (unknown counts as degraded)")
     entries: list[HealthEntry]
@@ -600,11 +541,11 @@ def dump(model: BaseModel) -> JSON:
 
 def device_view(snap: AttributedSnapshot) -> Device:
     """The device: unknown figures are null."""
-    return Device.model_validate(device_json(snap))  # several cards: the host's sums and each card
+    return Device.of(snap)  # several cards: the host's sums and each card
 
 
 def gpu_error_view(err: GpuReadError | None) -> GpuError | None:
-    return None if err is None else GpuError(state=err.state, error=err.message, fix=err.fix)
+    return None if err is None else GpuError.of(err)
 
 
 def tenant_process(p: AttributedProcess) -> Process:
@@ -622,7 +563,7 @@ def card_process(p: AttributedProcess, *, cmdline: bool = True) -> Process:
 
 
 def _pod(p: AttributedProcess) -> PodName | None:
-    return PodName.model_validate(p.pod.to_json()) if p.pod else None
+    return PodName.of(p.pod) if p.pod else None
 
 
 def lifecycle_view(arbitration: Arbitration, tenant: str) -> Lifecycle | None:
@@ -672,7 +613,8 @@ def _live(arbitration: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot
         "reclaimable": tenant.reclaimable and tenant.name not in arbitration.cpu_tenants,  # on the CPU: nothing to take
         "waiting": [w for w in queue(arbitration) if w["tenant"] == tenant.name],
         "loading": loading_view(arbitration, snap, tenant),
-        **tenant_devices_json(snap, tenant.name),  # several cards: where it loads, what it holds on each
+        # several cards: where it loads, what it holds on each (absent on one card)
+        **({} if (cards := TenantDevices.of(snap, tenant.name)) is None else {"devices": cards}),
         "lifecycle": lifecycle_view(arbitration, tenant.name),
         "suspension": (None if (rec := arbitration.lifecycles.suspensions.record(tenant.name)) is None
                        else Suspended.model_validate(rec.to_json(), strict=False)),

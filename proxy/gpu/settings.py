@@ -67,13 +67,11 @@ class FanState:
     speed_percent: int | None  # the driver's fan speed: 0 is a real reading (fans stopped at idle)
     policy: FanPolicy | None
 
-    def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "speed_percent": self.speed_percent, "policy": self.policy}
-
 
 @dataclass(frozen=True, slots=True)
 class GpuSettings:
-    """One device's settings as read. None: not read; `unavailable[field]` says why."""
+    """One device's settings as read. None: not read; `unavailable[field]` says why. Its JSON (in
+    /api/gpu, through `proxy.gpu.keeper.DeviceReport`) is its fields, in this order."""
 
     index: int
     name: str
@@ -104,19 +102,6 @@ class GpuSettings:
     temperature_c: int | None = None
     clock_event_reasons: tuple[str, ...] | None = None
     unavailable: Mapping[str, str] = field(default_factory=dict, hash=False)
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for name in self.__slots__:
-            value = getattr(self, name)
-            if name == "fans":
-                value = None if value is None else [f.to_json() for f in value]
-            elif name == "unavailable":
-                value = dict(value)
-            elif isinstance(value, tuple):
-                value = list(value)
-            out[name] = value
-        return out
 
 
 class SettingsSource(Protocol):
