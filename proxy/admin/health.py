@@ -540,7 +540,8 @@ class HealthExtension:
 
     async def engine_view(self, tenant: Tenant, snap: AttributedSnapshot | None) -> dict[str, Any] | None:
         """What the tenant's engine reports about itself; None for an engine that reports nothing."""
-        return await self.adapter(tenant).settings_view(self.client, snap, self.env, self._host_reads())
+        report = await self.adapter(tenant).settings_view(self.client, snap, self.env, self._host_reads())
+        return None if report is None else report.model_dump(mode="json")
 
     async def engines_route(self, request: Request) -> Response:
         arbitration = self.proxy.arbitration

@@ -23,7 +23,7 @@ from proxy.engines import ports
 from proxy.engines.common import Need, named_in_head, release_by_strategy, resume_by_strategy
 from proxy.engines.model_files import FileHints, TenantFiles, plain_tenant_files
 from proxy.engines.ports import Header, JobFrame, JobReplay, Placement, Relocation, RequestKind, Requeued, Streamed
-from proxy.engines.settings import EnvReaders
+from proxy.engines.settings import EngineReport, EnvReaders
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory
 from proxy.hosts import HostPolicy, listener_policy
@@ -373,20 +373,16 @@ class EngineAdapter(ports.HostAndHeaders, ports.Classifier, ports.JobTracker, po
     # Its idle footprint varies (caches grow and shrink), so health takes the smallest it saw as the floor.
     floor_from_samples: bool = False
 
-    def version_from_probe(self, data: Any) -> str | None:
+    def version_from_probe(self, data: object) -> str | None:
         """The engine's version from the JSON answer to `probe_path`."""
         return None
 
     # -- SettingsView: /api/engines -----------------------------------------------------------------
     async def settings_view(self, client: httpx.AsyncClient, snap: AttributedSnapshot | None, env: EnvReaders,
-                            host_reads: bool) -> dict[str, Any] | None:
+                            host_reads: bool) -> EngineReport | None:
         """What /api/engines shows: reachable, version, the settings that matter for memory and where
         each came from; None for an engine that reports nothing about itself."""
         return None
-
-    def _view(self) -> dict[str, Any]:
-        t = self.tenant
-        return {"tenant": t.name, "engine": t.engine, "upstream": t.upstream, "reachable": False, "error": None}
 
     # -- Deployment ---------------------------------------------------------------------------------
     # The systemd unit the engine's Linux installer ships (its Environment= is the engine's), or None.

@@ -344,7 +344,7 @@ class ComfyUIAdapter(EngineAdapter):
         return [item[1] for item in r.json().get("queue_running") or [] if isinstance(item, list) and len(item) > 1]
 
     # -- health and /api/engines ----------------------------------------------------------------
-    def version_from_probe(self, data: Any) -> str | None:
+    def version_from_probe(self, data: object) -> str | None:
         return es.parse_system_stats(data).version
 
     def status_websocket(self, client_id: str) -> str | None:
@@ -363,25 +363,25 @@ class ComfyUIAdapter(EngineAdapter):
         return isinstance(data, dict) and frame.get("type") == "status" and bool(data.get("sid"))
 
     async def settings_view(self, client: httpx.AsyncClient, snap: AttributedSnapshot | None, env: es.EnvReaders,
-                            host_reads: bool) -> dict[str, Any] | None:
+                            host_reads: bool) -> es.ComfyReport:
         tenant = self.tenant
-        view = self._view()
+        reachable, error = False, None
         stats = es.parse_system_stats(None)
         if tenant.upstream:
             try:
                 r = await client.get(tenant.upstream + "/system_stats")
-                view["reachable"] = True
+                reachable = True
                 try:
                     stats = es.parse_system_stats(r.json())
                 except ValueError:
-                    view["error"] = f"/system_stats answered {r.status_code} without JSON"
+                    error = f"/system_stats answered {r.status_code} without JSON"
             except httpx.HTTPError as exc:
-                view["error"] = f"cannot reach {tenant.upstream}: {type(exc).__name__}: {exc}"
-        view.update(stats.to_json())
-        view["flags"] = [f.to_json() for f in es.comfy_flags(stats.argv or ())]
-        if stats.argv is None and view["reachable"]:
-            view["flags_note"] = "system_stats has no argv (older ComfyUI): start flags unknown"
-        return view
+                error = f"cannot reach {tenant.upstream}: {type(exc).__name__}: {exc}"
+        return es.ComfyReport(
+            tenant=tenant.name, engine=tenant.engine, upstream=tenant.upstream, reachable=reachable, error=error,
+            **stats.model_dump(), flags=es.comfy_flags(stats.argv or ()),
+            flags_note="system_stats has no argv (older ComfyUI): start flags unknown"
+            if stats.argv is None and reachable else None)
 
     def relocation(self, port: int) -> Relocation:
         """ComfyUI ships no service: its `--port` flag (with `--listen` left at its 127.0.0.1 default)."""

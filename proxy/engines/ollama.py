@@ -249,26 +249,25 @@ class OllamaAdapter(EngineAdapter):
         return models
 
     # -- health and /api/engines ----------------------------------------------------------------
-    def version_from_probe(self, data: Any) -> str | None:
+    def version_from_probe(self, data: object) -> str | None:
         version = data.get("version") if isinstance(data, dict) else None
         return version if isinstance(version, str) else None
 
     async def settings_view(self, client: httpx.AsyncClient, snap: AttributedSnapshot | None, env: es.EnvReaders,
-                            host_reads: bool) -> dict[str, Any] | None:
+                            host_reads: bool) -> es.OllamaReport:
         tenant = self.tenant
-        view = self._view()
+        reachable, error = False, None
         version: str | None = None
         if tenant.upstream:
             try:
                 r = await client.get(tenant.upstream + "/api/version")
-                view["reachable"] = True
+                reachable = True
                 data = r.json() if r.status_code == 200 else None
                 version = data.get("version") if isinstance(data, dict) and isinstance(data.get("version"), str) else None
             except httpx.HTTPError as exc:
-                view["error"] = f"cannot reach {tenant.upstream}: {type(exc).__name__}: {exc}"
+                error = f"cannot reach {tenant.upstream}: {type(exc).__name__}: {exc}"
             except ValueError:
                 pass
-        view["version"] = version
         reads: list[es.EnvRead] = []
         systemd: es.EnvRead | None = None
         environ: es.EnvRead | None = None
@@ -287,11 +286,12 @@ class OllamaAdapter(EngineAdapter):
                 environ = es.EnvRead("environ", None, f"no {tenant.name} process on the GPU (nothing loaded): "
                                      "its environment cannot be found by attribution", "")
             reads.append(environ)
-        view["env_sources"] = [r.to_json() for r in reads] or [
-            {"source": "host", "ok": False, "error": "simulated GPU: the host's systemd and /proc are not the simulated engines'",
-             "where": "", "variables": None}]
-        view["settings"] = [s.to_json() for s in es.ollama_settings(systemd, environ, version)]
-        return view
+        sources = [es.EnvSource.of(r) for r in reads] or [es.EnvSource(
+            source="host", where="", ok=False, variables=None,
+            error="simulated GPU: the host's systemd and /proc are not the simulated engines'")]
+        return es.OllamaReport(tenant=tenant.name, engine=tenant.engine, upstream=tenant.upstream, reachable=reachable,
+                               error=error, version=version, env_sources=sources,
+                               settings=es.ollama_settings(systemd, environ, version))
 
     # -- what passes through -----------------------------------------------------------------------
     def model_news(self, method: str, path: str) -> bool:

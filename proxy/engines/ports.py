@@ -38,7 +38,7 @@ import httpx
 from proxy.config.schema import ReleaseSpec
 from proxy.engines.common import Need
 from proxy.engines.model_files import FileHints, TenantFiles
-from proxy.engines.settings import EnvReaders
+from proxy.engines.settings import EngineReport, EnvReaders
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory
 from proxy.hosts import HostPolicy
@@ -377,7 +377,7 @@ class HealthProbes(Protocol):
         """Its idle footprint varies, so health takes the smallest it saw as the floor."""
         ...
 
-    def version_from_probe(self, data: Any) -> str | None:
+    def version_from_probe(self, data: object) -> str | None:
         """The engine's version from the JSON answer to `probe_path`."""
         ...
 
@@ -394,7 +394,7 @@ class SettingsView(Protocol):
     """What `/api/engines` shows about the engine."""
 
     async def settings_view(self, client: httpx.AsyncClient, snap: AttributedSnapshot | None, env: EnvReaders,
-                            host_reads: bool) -> dict[str, Any] | None:
+                            host_reads: bool) -> EngineReport | None:
         """Reachable, version, the settings that matter for memory and where each came from; None:
         the engine reports nothing about itself."""
         ...
