@@ -69,13 +69,12 @@ class ModelFiles:
 
 @dataclass(frozen=True, slots=True)
 class LocateProblem:
+    """A place the model files should be and cannot be read (its JSON in /api/models is its fields)."""
+
     tenant: str
     path: str
     problem: str
     fix: str
-
-    def to_json(self) -> dict[str, str]:
-        return {"tenant": self.tenant, "path": self.path, "problem": self.problem, "fix": self.fix}
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,9 +84,6 @@ class Skipped:
     tenant: str
     path: str
     reason: str
-
-    def to_json(self) -> dict[str, str]:
-        return {"tenant": self.tenant, "path": self.path, "reason": self.reason}
 
 
 @dataclass(slots=True)

@@ -154,7 +154,7 @@ async def test_after_the_card_could_not_be_read_unreadable_settings_are_written_
     keeper.source.down = True  # type: ignore[union-attr]
     await keeper.check()
     assert keeper.devices[0].error is not None
-    assert keeper.report().model_dump(mode="json")["devices"][0]["settings"] is None, "no stale settings shown for a card that cannot be read"
+    assert keeper.report().devices[0].settings is None, "no stale settings shown for a card that cannot be read"
     keeper.source.down = False  # type: ignore[union-attr]
     await keeper.check()
     assert [c.setting for _, c in writer.writes] == ["locked_clocks_mhz", "locked_clocks_mhz"]
