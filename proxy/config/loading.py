@@ -63,8 +63,8 @@ def load_registry(path: str | os.PathLike[str] | None = None, *, kinds: ReleaseK
     return _validate(merged, source, prov, early, env, kinds)
 
 
-def load_registry_over(data: Mapping[str, Any], path: str | os.PathLike[str],
-                       pinned: Mapping[str, Mapping[str, Any]] | None = None, *, kinds: ReleaseKinds) -> Registry:
+def load_registry_over(data: Mapping[str, object], path: str | os.PathLike[str],
+                       pinned: Mapping[str, Mapping[str, object]] | None = None, *, kinds: ReleaseKinds) -> Registry:
     """The shipped defaults, then `data` (the demo's scenario), then the file at `path` over both
     (`hyperswap demo --config`): its admin, proxy, telemetry and gpu_profile sections and its tenants.
     `pinned`: tenant fields the file cannot change (the simulators' upstreams); the source is the file."""
@@ -85,7 +85,7 @@ def load_registry_over(data: Mapping[str, Any], path: str | os.PathLike[str],
     return _validate(merged, source, prov, early, os.environ, kinds)
 
 
-def registry_from_dict(data: Mapping[str, Any], *, kinds: ReleaseKinds) -> Registry:
+def registry_from_dict(data: Mapping[str, object], *, kinds: ReleaseKinds) -> Registry:
     """Build a registry from an in-memory config (tests, scenarios), with shipped defaults merged under it."""
     prov: Provenance = {}
     early = check_tree(data, "the configuration")

@@ -231,12 +231,12 @@ class EngineAdapter(ports.HostAndHeaders, ports.Classifier, ports.JobTracker, po
         """The memory planned for a start (or a resume) of a stopped tenant, before its request's own need."""
         return self.tenant.needs_vram_bytes if self.starts_loaded else self.tenant.idle_vram_bytes
 
-    async def release(self, client: httpx.AsyncClient, step: ReleaseSpec | None = None) -> dict[str, Any]:
+    async def release(self, client: httpx.AsyncClient, step: ReleaseSpec | None = None) -> dict[str, object]:
         """Ask for the memory back (the tenant's `release.kind`; `step`: one of its release steps, default
         the first). Raises ReleaseFailed."""
         return await release_by_strategy(self.tenant, client, step)
 
-    async def resume(self, client: httpx.AsyncClient, step: ReleaseSpec) -> dict[str, Any] | None:
+    async def resume(self, client: httpx.AsyncClient, step: ReleaseSpec) -> dict[str, object] | None:
         """Wake the app after `step` released it (its `resume` call), before the next request is
         forwarded; None when there is nothing to call. Raises ReleaseFailed."""
         return await resume_by_strategy(self.tenant, client, step)

@@ -435,7 +435,7 @@ class ComfyUIFree(ReleaseSpec):
     unload_models: bool = Field(default=True, description="kind comfyui_free: ask ComfyUI to unload its models")
     free_memory: bool = Field(default=True, description="kind comfyui_free: ask ComfyUI to free its cached memory too")
 
-    async def release(self, tenant: Tenant, client: httpx.AsyncClient) -> dict[str, Any]:
+    async def release(self, tenant: Tenant, client: httpx.AsyncClient) -> dict[str, object]:
         payload = {"unload_models": self.unload_models, "free_memory": self.free_memory}
         r = await client.post(f"{upstream_of(tenant)}/free", json=payload)
         if r.status_code >= 400:

@@ -345,7 +345,7 @@ class OllamaUnload(ReleaseSpec):
 
     kind: Literal["ollama_unload"] = "ollama_unload"
 
-    async def release(self, tenant: Tenant, client: httpx.AsyncClient) -> dict[str, Any]:
+    async def release(self, tenant: Tenant, client: httpx.AsyncClient) -> dict[str, object]:
         r = await client.get(f"{upstream_of(tenant)}/api/ps")
         r.raise_for_status()
         models = [m["name"] for m in r.json().get("models") or []]

@@ -232,11 +232,11 @@ class NeedEstimator(Protocol):
 class Releaser(Protocol):
     """Memory back from an idle tenant, and the wake before its next request (the tenant's `release`)."""
 
-    async def release(self, client: httpx.AsyncClient, step: ReleaseSpec | None = None) -> dict[str, Any]:
+    async def release(self, client: httpx.AsyncClient, step: ReleaseSpec | None = None) -> dict[str, object]:
         """Ask for the memory back; returns what was asked (the caller confirms on the card). Raises ReleaseFailed."""
         ...
 
-    async def resume(self, client: httpx.AsyncClient, step: ReleaseSpec) -> dict[str, Any] | None:
+    async def resume(self, client: httpx.AsyncClient, step: ReleaseSpec) -> dict[str, object] | None:
         """Wake the app `step` released; None when there is nothing to call. Raises ReleaseFailed."""
         ...
 

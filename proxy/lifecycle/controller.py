@@ -146,7 +146,7 @@ class StoppingRelease(ReleaseSpec):
 
     stops: ClassVar[bool] = True
 
-    async def release(self, tenant: Tenant, client: httpx.AsyncClient) -> dict[str, Any]:
+    async def release(self, tenant: Tenant, client: httpx.AsyncClient) -> dict[str, object]:
         raise ReleaseFailed(f"tenant {tenant.name!r} is released by stopping it (kind {self.kind!r}): its lifecycle "
                             "controller (proxy/lifecycle/) does that, not an HTTP call")
 

@@ -96,7 +96,7 @@ class Suspensions:
                 log.exception("suspension state subscriber failed")
 
     # -- suspending ---------------------------------------------------------------------------------
-    async def suspend(self, tenant: Tenant, procs: Procs) -> dict[str, Any]:
+    async def suspend(self, tenant: Tenant, procs: Procs) -> dict[str, object]:
         """Suspend the tenant's CUDA processes; returns what was done. Raises ReleaseFailed (the next
         release step runs) when host RAM is short, a process is not CUDA, or the driver refuses."""
         step, rec = self._steps[tenant.name], self._records[tenant.name]
@@ -150,7 +150,7 @@ class Suspensions:
         if event is not None:
             await event.wait()
 
-    async def restore(self, tenant: str) -> dict[str, Any] | None:
+    async def restore(self, tenant: str) -> dict[str, object] | None:
         """Restore the tenant's processes (after a suspend under way ends); None when nothing is
         parked. Raises RestoreFailed (the state is `failed`; nothing is parked any more)."""
         await self.settled(tenant)
