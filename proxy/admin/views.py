@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.config.schema import Tenant
 from proxy.decision_base import DecisionKind
+from proxy.engines.ports import TenantCatalog
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
 from proxy.gpu.snapshot import GpuError, GpuReadError, PodName
 from proxy.gpu.visibility import Capability, Device, TenantDevices, tenant_vram
@@ -488,17 +489,6 @@ class LogRun(_Doc):
     """`data:` of an `event: run` frame: the app was started again, and the lines after it are its new run's."""
     run: int = Field(description="the run's number since the proxy started (one per start)")
     note: str
-
-
-class CatalogModel(_Doc):
-    name: str
-    size_bytes: int | None = Field(description="Ollama's size on disk; null for ComfyUI checkpoints")
-
-
-class TenantCatalog(_Doc):
-    engine: str
-    models: list[CatalogModel]
-    error: str | None = None
 
 
 class CatalogFrame(_Doc):

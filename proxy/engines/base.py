@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -22,7 +21,17 @@ from proxy.config.schema import ReleaseSpec, Tenant
 from proxy.engines import ports
 from proxy.engines.common import Need, named_in_head, release_by_strategy, resume_by_strategy
 from proxy.engines.model_files import FileHints, TenantFiles, plain_tenant_files
-from proxy.engines.ports import Header, JobFrame, JobReplay, Placement, Relocation, RequestKind, Requeued, Streamed
+from proxy.engines.ports import (
+    Header,
+    JobFrame,
+    JobReplay,
+    Placement,
+    Relocation,
+    RequestKind,
+    Requeued,
+    Streamed,
+    TenantCatalog,
+)
 from proxy.engines.settings import EngineReport, EnvReaders
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory
@@ -331,9 +340,8 @@ class EngineAdapter(ports.HostAndHeaders, ports.Classifier, ports.JobTracker, po
         """Where what the adapter learns outlives a restart (the proxy's state folder); None: nowhere."""
 
     # -- InstalledModels ----------------------------------------------------------------------------
-    async def catalog(self, client: httpx.AsyncClient, timeout_s: float) -> dict[str, Any] | None:
-        """The installed models ({"engine", "models": [{"name", "size_bytes"}]}), or None for an
-        engine without a catalog. Raises httpx errors."""
+    async def catalog(self, client: httpx.AsyncClient, timeout_s: float) -> TenantCatalog | None:
+        """The installed models, or None for an engine without a catalog. Raises httpx errors."""
         return None
 
     # How many GPU requests the engine runs at once when tenants.json does not say (`runs_at_once`);

@@ -23,7 +23,17 @@ from proxy.engines import settings as es
 from proxy.engines.base import EngineAdapter
 from proxy.engines.common import Need, ReleaseFailed, json_or_none, upstream_of
 from proxy.engines.model_files import FileHints, TenantFiles, comfyui_tenant_files
-from proxy.engines.ports import JobFrame, JobFrameKind, JobReplay, JobView, Relocation, RequestKind, Requeued
+from proxy.engines.ports import (
+    CatalogModel,
+    JobFrame,
+    JobFrameKind,
+    JobReplay,
+    JobView,
+    Relocation,
+    RequestKind,
+    Requeued,
+    TenantCatalog,
+)
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory
 
@@ -331,12 +341,13 @@ class ComfyUIAdapter(EngineAdapter):
         dev = await self._torch_device(client)
         return dev is not None and _on_cpu(dev)
 
-    async def catalog(self, client: httpx.AsyncClient, timeout_s: float) -> dict[str, Any] | None:
+    async def catalog(self, client: httpx.AsyncClient, timeout_s: float) -> TenantCatalog | None:
         if not self.tenant.upstream:
             return None
         r = await client.get(f"{self.tenant.upstream.rstrip('/')}/models/checkpoints", timeout=timeout_s)
         r.raise_for_status()
-        return {"engine": self.tenant.engine, "models": [{"name": str(n), "size_bytes": None} for n in sorted(r.json())]}
+        return TenantCatalog(engine=self.tenant.engine,
+                             models=[CatalogModel(name=str(n), size_bytes=None) for n in sorted(r.json())])
 
     async def running_jobs(self, client: httpx.AsyncClient) -> list[str]:
         r = await client.get(f"{upstream_of(self.tenant)}/queue")

@@ -14,7 +14,7 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 from urllib.parse import urlsplit
 
 import httpx
@@ -26,7 +26,7 @@ from proxy.engines.base import EngineAdapter
 from proxy.engines.common import Need, ReleaseFailed, json_or_none, upstream_of
 from proxy.engines.model_files import FileHints, TenantFiles, ollama_tenant_files
 from proxy.engines.ollama_catalog import OllamaCatalog, canonical, load_shape, variant
-from proxy.engines.ports import Placement, Relocation, RequestKind, Streamed, StreamFormat
+from proxy.engines.ports import CatalogModel, Placement, Relocation, RequestKind, Streamed, StreamFormat, TenantCatalog
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.hosts import HostPolicy, is_loopback_host, listener_policy
 
@@ -218,15 +218,15 @@ class OllamaAdapter(EngineAdapter):
         except (httpx.HTTPError, ValueError, ReleaseFailed, AttributeError, TypeError):
             return None
 
-    async def catalog(self, client: httpx.AsyncClient, timeout_s: float) -> dict[str, Any] | None:
+    async def catalog(self, client: httpx.AsyncClient, timeout_s: float) -> TenantCatalog | None:
         if not self.tenant.upstream:
             return None
         r = await client.get(f"{self.tenant.upstream.rstrip('/')}/api/tags", timeout=timeout_s)
         r.raise_for_status()
         self.sizes.saw_tags(r.json().get("models") or [])
-        models = [{"name": str(m.get("name")), "size_bytes": int(m["size"]) if m.get("size") is not None else None}
+        models = [CatalogModel(name=str(m.get("name")), size_bytes=int(m["size"]) if m.get("size") is not None else None)
                   for m in r.json().get("models") or []]
-        return {"engine": self.tenant.engine, "models": sorted(models, key=lambda m: m["name"])}
+        return TenantCatalog(engine=self.tenant.engine, models=sorted(models, key=lambda m: m.name))
 
     async def installed_needs(self, client: httpx.AsyncClient) -> list[tuple[str, int]]:
         tenant = self.tenant

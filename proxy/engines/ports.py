@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import httpx
+from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.config.schema import ReleaseSpec
 from proxy.engines.common import Need
@@ -55,6 +56,23 @@ StreamFormat = Literal["ndjson-chat", "ndjson-generate", "sse-chat", "sse-comple
 
 # One loaded model as the engine places it (Ollama's /api/ps rows: name, size, size_vram, expires_at).
 Placement = dict[str, Any]
+
+
+class CatalogModel(BaseModel):
+    """One installed model as the catalog lists it."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str
+    size_bytes: int | None = Field(description="Ollama's size on disk; null for ComfyUI checkpoints")
+
+
+class TenantCatalog(BaseModel):
+    """An engine's installed models (`InstalledModels.catalog`); `error`: why the last listing failed."""
+
+    model_config = ConfigDict(extra="allow")
+    engine: str
+    models: list[CatalogModel]
+    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,8 +348,8 @@ class SelfReport(Protocol):
 class InstalledModels(Protocol):
     """The models the engine has installed."""
 
-    async def catalog(self, client: httpx.AsyncClient, timeout_s: float) -> dict[str, Any] | None:
-        """{"engine", "models": [{"name", "size_bytes"}]}, or None for an engine without one. Raises httpx errors."""
+    async def catalog(self, client: httpx.AsyncClient, timeout_s: float) -> TenantCatalog | None:
+        """The installed models, or None for an engine without a catalog. Raises httpx errors."""
         ...
 
     @property
