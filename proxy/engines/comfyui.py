@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import httpx
 from pydantic import Field
@@ -45,11 +45,23 @@ JOBS_ROUTE = "/api/jobs"  # GET, and /api/jobs/{job_id} (0.8.0: the queue and th
 COMFY_OOM_TYPES = ("torch.OutOfMemoryError", "torch.cuda.OutOfMemoryError")
 
 
-def comfy_event_is_oom(event: Mapping[str, Any]) -> bool:
-    return event.get("type") == "execution_error" and (event.get("data") or {}).get("exception_type") in COMFY_OOM_TYPES
+def comfy_event_is_oom(event: Mapping[str, object]) -> bool:
+    data = event.get("data")
+    return (event.get("type") == "execution_error" and isinstance(data, dict)
+            and data.get("exception_type") in COMFY_OOM_TYPES)
 
 
-def _on_cpu(dev: Mapping[str, Any]) -> bool:
+def _int(value: object) -> int | None:
+    """A figure in ComfyUI's JSON (a number, or a number as text); None when it is none."""
+    if not isinstance(value, int | float | str):
+        return None
+    try:
+        return int(value)
+    except (ValueError, OverflowError):
+        return None
+
+
+def _on_cpu(dev: Mapping[str, object]) -> bool:
     """ComfyUI started with --cpu lists device type "cpu": its "vram" figures are host RAM."""
     return dev.get("type") == "cpu"
 
@@ -188,7 +200,7 @@ class ComfyUIAdapter(EngineAdapter):
         graph, extra = item["prompt"][2], item["prompt"][3]
         if not (isinstance(graph, dict) and isinstance(extra, dict)):
             return None
-        payload: dict[str, Any] = {"prompt": graph, "extra_data": extra, "prompt_id": job_id}
+        payload: dict[str, object] = {"prompt": graph, "extra_data": extra, "prompt_id": job_id}
         if extra.get("client_id"):
             payload["client_id"] = extra["client_id"]  # its websocket sees the new prompt's progress
         return JobReplay(json.dumps({"prompt": graph}).encode(), payload, job_id, item["prompt"][:5])
@@ -299,7 +311,7 @@ class ComfyUIAdapter(EngineAdapter):
         kept = {k: v for k, v in data.items() if not hidden(k, _record_mark(v))}
         return json.dumps(kept).encode() if len(kept) < len(data) else None
 
-    async def _torch_device(self, client: httpx.AsyncClient) -> dict[str, Any] | None:
+    async def _torch_device(self, client: httpx.AsyncClient) -> dict[str, object] | None:
         """The first (torch) device of ComfyUI's /system_stats; None when unreadable."""
         try:
             r = await client.get(f"{upstream_of(self.tenant)}/system_stats")
@@ -314,10 +326,8 @@ class ComfyUIAdapter(EngineAdapter):
             return None
         if _on_cpu(dev):
             return 0  # torch_vram_total is host RAM there: it holds no VRAM at all
-        try:
-            return int(dev.get("torch_vram_total", 0)) + self.tenant.idle_vram_bytes
-        except (ValueError, TypeError):
-            return None
+        held = _int(dev.get("torch_vram_total", 0))
+        return None if held is None else held + self.tenant.idle_vram_bytes
 
     async def device_report(self, client: httpx.AsyncClient) -> DeviceMemory | None:
         """ComfyUI's device-wide figures (cudaMemGetInfo), for when NVML is broken. None on the CPU:
@@ -325,14 +335,11 @@ class ComfyUIAdapter(EngineAdapter):
         dev = await self._torch_device(client)
         if dev is None or _on_cpu(dev):
             return None
-        try:
-            total, free = int(dev["vram_total"]), int(dev["vram_free"])
-        except (KeyError, TypeError, ValueError):
-            return None
-        if total <= 0:
+        total, free = _int(dev.get("vram_total")), _int(dev.get("vram_free"))
+        if total is None or free is None or total <= 0:
             return None
         # cudaMemGetInfo has no driver-reserved figure: that one stays unknown
-        return DeviceMemory(int(dev.get("index") or 0), str(dev.get("name", "")), total, 0, total - free, free,
+        return DeviceMemory(_int(dev.get("index")) or 0, str(dev.get("name", "")), total, 0, total - free, free,
                             unknown=frozenset({"reserved"}))
 
     async def runs_on_cpu(self, client: httpx.AsyncClient) -> bool:
@@ -406,7 +413,7 @@ def _hidden_job(job: object, hidden: Callable[[str, str | None], bool]) -> bool:
     return hidden(job["id"], _mark(priority) if isinstance(priority, int | float) else None)
 
 
-def _pending_job(job_id: str, row: list[Any] | None) -> dict[str, Any]:
+def _pending_job(job_id: str, row: list[object] | None) -> dict[str, object]:
     """A queued job as the jobs API lists one (None values left out, as its prune_dict does)."""
     extra = row[3] if row is not None and len(row) > 3 and isinstance(row[3], dict) else {}
     workflow = ((extra.get("extra_pnginfo") or {}).get("workflow") or {}) if isinstance(extra, dict) else {}

@@ -10,7 +10,6 @@ import json
 import re
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
 import httpx
 
@@ -26,7 +25,7 @@ class Need:
     model: str | None = None  # the model or checkpoint it loads, when the request names one (model files)
 
 
-def json_or_none(body: bytes) -> Any:
+def json_or_none(body: bytes) -> object:
     try:
         return json.loads(body) if body else None
     except (ValueError, UnicodeDecodeError):

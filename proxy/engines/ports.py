@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
@@ -55,7 +55,7 @@ RequestKind = Literal["gpu", "passthrough"]
 StreamFormat = Literal["ndjson-chat", "ndjson-generate", "sse-chat", "sse-completion"]
 
 # One loaded model as the engine places it (Ollama's /api/ps rows: name, size, size_vram, expires_at).
-Placement = dict[str, Any]
+Placement = dict[str, object]
 
 
 class CatalogModel(BaseModel):
@@ -86,9 +86,9 @@ class Streamed:
 class JobReplay:
     """A job that failed for lack of memory, as the engine kept it, ready to be submitted again."""
     body: bytes  # the request body as if submitted afresh: its need is estimated from it
-    payload: dict[str, Any]  # what resubmits it (same job id, same client, same extra data)
+    payload: dict[str, object]  # what resubmits it (same job id, same client, same extra data)
     job_id: str = ""
-    row: Any = None  # the job as the engine lists a pending one in its queue (ComfyUI: its `prompt` row)
+    row: object = None  # the job as the engine lists a pending one in its queue (ComfyUI: its `prompt` row)
 
 
 @dataclass(frozen=True, slots=True)
