@@ -81,7 +81,8 @@ class ModelsExtension:
         self.loads = LoadLog()
         self.recent: OrderedDict[str, tuple[str, str]] = OrderedDict()  # key -> (tenant, model), newest last
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._frames: dict[str, FrameTimer] = {}  # tenant -> checkpoint loads expected in its execution frames
+        # tenant -> checkpoint loads expected in its execution frames: (files, residency before, source, request)
+        self._frames: dict[str, FrameTimer[tuple[ModelFiles, float | None, str, int | None]]] = {}
         self._starting: dict[int, tuple[ModelFiles, float | None]] = {}  # load id -> its files, residency before
         self._unsubscribe: Callable[[], None] | None = None
 
