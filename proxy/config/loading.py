@@ -13,7 +13,6 @@ import copy
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from pydantic import ValidationError
 
@@ -78,8 +77,9 @@ def load_registry_over(data: Mapping[str, object], path: str | os.PathLike[str],
     prov: Provenance = {}
     early += check_tree(data, "the configuration")
     merged = copy.deepcopy(merge(merge(read_json(SHIPPED_DEFAULTS), dict(data), (), prov), user, (), prov))
+    tenants = merged.get("tenants") if isinstance(merged, dict) else None
     for name, fields in (pinned or {}).items():
-        body = merged.get("tenants", {}).get(name)
+        body = tenants.get(name) if isinstance(tenants, dict) else None
         if isinstance(body, dict):
             body.update(fields)
     return _validate(merged, source, prov, early, os.environ, kinds)
@@ -101,11 +101,11 @@ def command_problems(config: Config, env: Mapping[str, str]) -> list[str]:
             for problem in step.load_problems(tenant.release_path(i), env)]
 
 
-def _validate(merged: Any, source: Path | None, prov: Provenance, early: list[str],
+def _validate(merged: object, source: Path | None, prov: Provenance, early: list[str],
               env: Mapping[str, str], kinds: ReleaseKinds) -> Registry:
     """`early`: the tree's problems (tree_problems), listed with the schema's."""
     merged = copy.deepcopy(merged)  # never write into the caller's dicts
-    if isinstance(merged.get("tenants"), dict):
+    if isinstance(merged, dict) and isinstance(merged.get("tenants"), dict):
         for name, body in merged["tenants"].items():
             if isinstance(body, dict):
                 body.setdefault("name", name)
