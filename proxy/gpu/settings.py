@@ -124,7 +124,7 @@ class _Fields:
         return any(isinstance(c := getattr(self.nvml, n, None), type) and isinstance(exc, c) for n in names)
 
     def call(self, names: str | tuple[str, ...], fn_name: str, *args: object,
-             convert: Callable[[Any], object] = lambda v: v,  # Any: what pynvml returns is untyped
+             convert: Callable[[Any], object] = lambda v: v,  # what pynvml returns is untyped
              zero_is_unknown: bool = False) -> object:
         """Call `nvml.<fn_name>(*args)`; on failure mark every field in `names` unavailable and return None.
         `zero_is_unknown`: a 0 from the driver means "not set here" (a power limit, a maximum clock), not a value."""
