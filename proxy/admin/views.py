@@ -24,6 +24,7 @@ from proxy.handoff.arbitration import Arbitration
 from proxy.handoff.decisions import ReleaseVerdict
 from proxy.handoff.plan import TenantState, gib
 from proxy.handoff.watchdog import Watchdog
+from proxy.lifecycle.controller import LifecycleController
 from proxy.relay.refusals import NotEnoughMemory, PlanDevice
 
 JSON = dict[str, Any]
@@ -162,34 +163,6 @@ class LoadUnderway(_Doc):
     on_card_gb: float | None
     estimated: bool = Field(description="on_card is an estimate: the tenant held other memory when it began (the card "
                                         "shows a process's memory, not a model's), or no GPU reader measured it")
-
-
-class LifecycleController(_Doc):
-    """What a lifecycle tenant's controller runs or reaches (the fields of its kind only)."""
-    kind: Literal["process", "systemd", "docker"]
-    command: list[str] | None = Field(default=None, description="process: the command the proxy runs, argv style")
-    cwd: str | None = Field(default=None, description="process: its working directory (null: the proxy's)")
-    holders: dict[str, str] | None = Field(default=None, description="process: port holders outside its process tree "
-                                                                     "taken as the app's own (a daemon's child), pid -> "
-                                                                     "why; null: none")
-    pid: int | None = Field(default=None, description="process: the child's pid while it runs")
-    running: bool | None = Field(default=None, description="process: the child the proxy started runs now")
-    exit_code: int | None = Field(default=None, description="process: how the last child ended (null: runs, or none)")
-    orphan: JSON | None = Field(default=None, description="process: a child of an earlier run of the proxy that still "
-                                                         "runs (pid, pgid); named in health, never killed")
-    unit: str | None = Field(default=None, description="systemd: the unit")
-    scope: Literal["system", "user"] | None = Field(default=None, description="systemd: the manager it is reached in")
-    container: str | None = Field(default=None, description="docker: container name or id")
-    socket: str | None = Field(default=None, description="docker: the Engine API's Unix socket")
-    error: str | None = Field(default=None, description="docker: the last call's error (null: it worked)")
-    stop_command: list[str] | None = Field(default=None, description="process: the command run to stop it instead "
-                                                                    "of signals (null: signals)")
-    stop_error: str | None = Field(default=None, description="process: why the last stop command did not stop it "
-                                                             "(the signals did); null: it worked, or none ran")
-    output: list[str] | None = Field(default=None, description="process: its last output lines; systemd: the last "
-                                                               "systemctl call's")
-    log: str | None = Field(default=None, description="process: the file its output goes to (in the state directory; "
-                                                      "null: a temporary file); started afresh with each start")
 
 
 class Lifecycle(_Doc):

@@ -31,9 +31,11 @@ from proxy.lifecycle.controller import (
     JSON,
     ControllerTools,
     Exit,
+    LifecycleController,
     LifecycleError,
     Status,
     StoppingRelease,
+    shown,
     stop_timeout_field,
 )
 
@@ -142,7 +144,7 @@ class DockerController:
         return "running" if running else "stopped"
 
     def describe(self) -> JSON:
-        return {"kind": self.kind, "container": self.container, "socket": self.socket, "error": self._last_error}
+        return shown(LifecycleController(kind="docker", container=self.container, socket=self.socket, error=self._last_error))
 
     def summary(self) -> str:
         return f"docker container {self.container} at {self.socket}"
