@@ -61,7 +61,7 @@ def type_text(annotation: Any) -> str:
         return "list of " + ("objects" if inner == "object" else inner + "s" if " " not in inner else f"({inner})")
     if origin is dict:
         inner = _args(annotation)[1]
-        return "object" if inner is Any else f"object of {type_text(inner)}s"
+        return "object" if inner is Any or inner is object else f"object of {type_text(inner)}s"
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return "object"
     names = {bool: "boolean", int: "integer", float: "number", str: "string"}

@@ -266,7 +266,8 @@ class EventsExtension:
         previous = self.catalog or {}
         for tenant in self.proxy.registry:
             try:
-                entry = await self.proxy.arbitration.adapter(tenant).catalog(client, self.settings.catalog_timeout_s)
+                listed = await self.proxy.arbitration.adapter(tenant).catalog(client, self.settings.catalog_timeout_s)
+                entry = None if listed is None else listed.model_dump(mode="json", exclude_unset=True)
             except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
                 old = previous.get(tenant.name) or {"engine": tenant.engine, "models": []}
                 entry = {**old, "error": f"could not list models: {exc.__class__.__name__}: {exc}"}

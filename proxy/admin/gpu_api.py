@@ -97,7 +97,8 @@ class GpuSettingsExtension:
     async def gpu_route(self, request: Request) -> Response:
         await self._fresh()
         # what CUDA suspension (release kind cuda_suspend) parked in host RAM, beside the card's settings
-        return JSONResponse({**self.keeper.to_json(), "host_ram": self.proxy.arbitration.lifecycles.suspensions.view()})
+        return JSONResponse({**self.keeper.report().model_dump(mode="json"),
+                             "host_ram": self.proxy.arbitration.lifecycles.suspensions.view().model_dump(mode="json")})
 
     # -- health ----------------------------------------------------------------------------------
     async def gpu_health(self) -> list[HealthEntry]:

@@ -246,7 +246,7 @@ class HealthExtension:
         entries = [e for group in results for e in group]
         caps = capabilities(snap, arbitration.last_read_error)
         return {"status": worst([e.status for e in entries]), "entries": [e.to_json() for e in entries],
-                "capabilities": [c.to_json() for c in caps], "checked_at": time.time()}
+                "capabilities": [c.model_dump(mode="json") for c in caps], "checked_at": time.time()}
 
     async def health_route(self, request: Request) -> Response:
         return JSONResponse(await self.report())
@@ -540,7 +540,8 @@ class HealthExtension:
 
     async def engine_view(self, tenant: Tenant, snap: AttributedSnapshot | None) -> dict[str, Any] | None:
         """What the tenant's engine reports about itself; None for an engine that reports nothing."""
-        return await self.adapter(tenant).settings_view(self.client, snap, self.env, self._host_reads())
+        report = await self.adapter(tenant).settings_view(self.client, snap, self.env, self._host_reads())
+        return None if report is None else report.model_dump(mode="json")
 
     async def engines_route(self, request: Request) -> Response:
         arbitration = self.proxy.arbitration

@@ -85,7 +85,7 @@ from starlette.routing import BaseRoute, Route
 
 from proxy.admin.proxy_view import ProxyView
 from proxy.decision_base import DecisionEvent
-from proxy.gpu.visibility import device_json, devices_json, tenant_vram, unmanaged_vram
+from proxy.gpu.visibility import Card, Device, tenant_vram, unmanaged_vram
 from proxy.handoff.decisions import HandoffFinished, ModelLoad, OomRetry, QueueEnded, Rejected
 from proxy.handoff.signals import gather
 from proxy.lifecycle.state import LifecycleReport
@@ -170,9 +170,9 @@ class _LiveCollector(Collector):
         unmanaged = _gauge("hyperswap_unmanaged_vram_bytes")
         source = _source_info()
         if snap is not None:
-            whole = device_json(snap)  # one card: its figures; several: the host's sums
+            whole = Device.of(snap)  # one card: its figures; several: the host's sums
             # unknown is not zero: a figure nobody measured gets no sample at all
-            for family, value in ((total, whole["total_bytes"]), (used, whole["used_bytes"]), (free, whole["free_bytes"]),
+            for family, value in ((total, whole.total_bytes), (used, whole.used_bytes), (free, whole.free_bytes),
                                   (unmanaged, unmanaged_vram(snap))):
                 if value is not None:
                     family.add_metric([], value)
@@ -181,7 +181,7 @@ class _LiveCollector(Collector):
                 vram = tenant_vram(snap, name)
                 if vram is not None:
                     held.add_metric([name], vram)
-            source.add_metric([snap.snapshot.source, whole["name"]], {})
+            source.add_metric([snap.snapshot.source, whole.name], {})
         yield from (total, used, free, age, held, unmanaged, source)
         if snap is not None and snap.snapshot.several_devices:
             yield from _card_families(snap)
@@ -235,13 +235,13 @@ def _card_families(snap: AttributedSnapshot) -> list[Metric]:
     used = _gauge("hyperswap_gpu_card_memory_used_bytes")
     free = _gauge("hyperswap_gpu_card_memory_free_bytes")
     held = _gauge("hyperswap_tenant_card_vram_bytes")
-    for card in devices_json(snap):
-        key = [str(card["index"]), str(card["name"])]
-        for family, name in ((total, "total_bytes"), (used, "used_bytes"), (free, "free_bytes")):
-            if card[name] is not None:
-                family.add_metric(key, card[name])
-        for tenant, n in card["tenants"].items():
-            held.add_metric([tenant, str(card["index"])], n)
+    for card in Card.all_of(snap):
+        key = [str(card.index), card.name]
+        for family, value in ((total, card.total_bytes), (used, card.used_bytes), (free, card.free_bytes)):
+            if value is not None:
+                family.add_metric(key, value)
+        for tenant, n in card.tenants.items():
+            held.add_metric([tenant, str(card.index)], n)
     return [total, used, free, held]
 
 

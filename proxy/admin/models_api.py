@@ -19,6 +19,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -39,9 +40,9 @@ from proxy.handoff.load_events import progress as load_progress
 from proxy.models.catalog import ModelCatalog
 from proxy.models.fileio import FileWorkBusy
 from proxy.models.frames import FrameTimer, loader_nodes
-from proxy.models.loads import MIN_LOAD_S, LoadLog, LoadRecord
-from proxy.models.pagecache import PageCacheProbe, SystemPageCache
-from proxy.models.warm import MemAvailable, Warmer, WarmJob, may_read, read_mem_available
+from proxy.models.loads import MIN_LOAD_S, LoadLog, LoadRecord, LoadSplit, MeasuredLoad
+from proxy.models.pagecache import PageCacheProbe, Residency, SystemPageCache
+from proxy.models.warm import MemAvailable, Warm, Warmer, WarmJob, may_read, read_mem_available
 
 if TYPE_CHECKING:
     from proxy.admin.health import HealthEntry
@@ -80,7 +81,8 @@ class ModelsExtension:
         self.loads = LoadLog()
         self.recent: OrderedDict[str, tuple[str, str]] = OrderedDict()  # key -> (tenant, model), newest last
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._frames: dict[str, FrameTimer] = {}  # tenant -> checkpoint loads expected in its execution frames
+        # tenant -> checkpoint loads expected in its execution frames: (files, residency before, source, request)
+        self._frames: dict[str, FrameTimer[tuple[ModelFiles, float | None, str, int | None]]] = {}
         self._starting: dict[int, tuple[ModelFiles, float | None]] = {}  # load id -> its files, residency before
         self._unsubscribe: Callable[[], None] | None = None
 
@@ -291,8 +293,9 @@ class ModelsExtension:
         job = self.warmer.jobs.get(m.key)
         size = self.model_size(m)
         return {"tenant": m.tenant, "name": m.name, "folder": m.folder, "key": m.key, "size_bytes": size,
-                "size_gb": round(size / GIB, 3), "file_count": len(m.files), "residency": r.to_json(files),
-                "warm": job.to_json() if job else None}
+                "size_gb": round(size / GIB, 3), "file_count": len(m.files),
+                "residency": Residency.of(r, files).model_dump(mode="json"),
+                "warm": Warm.of(job).model_dump(mode="json") if job else None}
 
     def listing(self, tenant: str | None) -> dict[str, Any]:
         everything = self.catalog.all_files()
@@ -302,12 +305,12 @@ class ModelsExtension:
                 continue
             tenants.append({"tenant": name, "layout": found.layout, "looked_in": list(found.looked_in),
                             "roots": found.located.roots, "unknown_reason": found.unknown_reason,
-                            "problems": [p.to_json() for p in found.located.problems],
-                            "skipped": [k.to_json() for k in found.located.skipped],
+                            "problems": [asdict(p) for p in found.located.problems],
+                            "skipped": [asdict(k) for k in found.located.skipped],
                             "models": [self.model_json(m) for m in found.located.models]})
         available = self.mem_available()
         return {"tenants": tenants, "mem_available_bytes": available, "warm_margin_bytes": self.margin_bytes(),
-                "warming": [j.to_json() for j in self.warmer.jobs.values() if j.active],
+                "warming": [Warm.of(j).model_dump(mode="json") for j in self.warmer.jobs.values() if j.active],
                 "method": getattr(self.catalog.residency.probe, "method", None)}
 
     # -- routes ---------------------------------------------------------------------------------
@@ -369,7 +372,7 @@ class ModelsExtension:
             return _error(409, f"not warming {files.key}: {why}",
                           "free host memory, or lower proxy.warm_margin_gb in tenants.json", key=files.key)
         job = self.warmer.start(files.key, files.files, files.size_bytes, "admin", files.sizes)
-        return JSONResponse({"warm": job.to_json(), "model": self.model_json(files)}, status_code=202)
+        return JSONResponse({"warm": Warm.of(job).model_dump(mode="json"), "model": self.model_json(files)}, status_code=202)
 
     async def stop_route(self, request: Request) -> Response:
         files, refused = await self._target(request)
@@ -379,11 +382,11 @@ class ModelsExtension:
         if job is None or (job.state not in ("queued", "running") and not job.stop_flag.is_set()):
             return _error(409, f"no warm of {files.key} is in progress", "POST /api/models/warm starts one", key=files.key)
         await self.warmer.wait(files.key)
-        return JSONResponse({"warm": job.to_json()})
+        return JSONResponse({"warm": Warm.of(job).model_dump(mode="json")})
 
     async def loads_route(self, request: Request) -> Response:
-        return JSONResponse({"loads": [r.to_json() for r in self.loads.records],
-                             "thresholds": self.loads.thresholds().to_json()})
+        return JSONResponse({"loads": [MeasuredLoad.of(r).model_dump(mode="json") for r in self.loads.records],
+                             "thresholds": LoadSplit.of(self.loads.thresholds()).model_dump(mode="json")})
 
     # -- health ---------------------------------------------------------------------------------
     async def health_entries(self, snap: AttributedSnapshot) -> list[HealthEntry]:

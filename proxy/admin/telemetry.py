@@ -59,7 +59,7 @@ from proxy.handoff.decisions import (
     Rejected,
     SpillNoPlan,
 )
-from proxy.models.loads import LoadRecord
+from proxy.models.loads import LoadRecord, MeasuredLoad
 from proxy.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
@@ -524,9 +524,9 @@ def completes(event: DecisionEvent) -> bool:
 
 def _load_figures(load: LoadRecord) -> dict[str, Any]:
     """As the load's own rendering rounds them (proxy/models/loads.py)."""
-    rendered = load.to_json()
-    return {"seconds": rendered["seconds"], "gbps": rendered["gbps"],
-            "resident_before_percent": rendered["resident_before_percent"], "class": load.load_class,
+    rendered = MeasuredLoad.of(load)
+    return {"seconds": rendered.seconds, "gbps": rendered.gbps,
+            "resident_before_percent": rendered.resident_before_percent, "class": load.load_class,
             "source": load.source}
 
 

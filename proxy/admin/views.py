@@ -16,13 +16,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.config.schema import Tenant
 from proxy.decision_base import DecisionKind
+from proxy.engines.ports import TenantCatalog
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
-from proxy.gpu.snapshot import GpuReadError
-from proxy.gpu.visibility import device_json, tenant_devices_json, tenant_vram
+from proxy.gpu.snapshot import GpuError, GpuReadError, PodName
+from proxy.gpu.visibility import Capability, Device, TenantDevices, tenant_vram
 from proxy.handoff.arbitration import Arbitration
 from proxy.handoff.decisions import ReleaseVerdict
 from proxy.handoff.plan import TenantState, gib
 from proxy.handoff.watchdog import Watchdog
+from proxy.lifecycle.controller import LifecycleController
 from proxy.relay.refusals import NotEnoughMemory, PlanDevice
 
 JSON = dict[str, Any]
@@ -123,12 +125,6 @@ class ReleaseResult(_Doc):
         "engine computes on the CPU and holds nothing on the card: nothing was asked)"))
 
 
-class PodName(_Doc):
-    namespace: str
-    name: str
-    container: str | None
-
-
 class Process(_Doc):
     pid: int
     name: str
@@ -167,34 +163,6 @@ class LoadUnderway(_Doc):
     on_card_gb: float | None
     estimated: bool = Field(description="on_card is an estimate: the tenant held other memory when it began (the card "
                                         "shows a process's memory, not a model's), or no GPU reader measured it")
-
-
-class LifecycleController(_Doc):
-    """What a lifecycle tenant's controller runs or reaches (the fields of its kind only)."""
-    kind: Literal["process", "systemd", "docker"]
-    command: list[str] | None = Field(default=None, description="process: the command the proxy runs, argv style")
-    cwd: str | None = Field(default=None, description="process: its working directory (null: the proxy's)")
-    holders: dict[str, str] | None = Field(default=None, description="process: port holders outside its process tree "
-                                                                     "taken as the app's own (a daemon's child), pid -> "
-                                                                     "why; null: none")
-    pid: int | None = Field(default=None, description="process: the child's pid while it runs")
-    running: bool | None = Field(default=None, description="process: the child the proxy started runs now")
-    exit_code: int | None = Field(default=None, description="process: how the last child ended (null: runs, or none)")
-    orphan: JSON | None = Field(default=None, description="process: a child of an earlier run of the proxy that still "
-                                                         "runs (pid, pgid); named in health, never killed")
-    unit: str | None = Field(default=None, description="systemd: the unit")
-    scope: Literal["system", "user"] | None = Field(default=None, description="systemd: the manager it is reached in")
-    container: str | None = Field(default=None, description="docker: container name or id")
-    socket: str | None = Field(default=None, description="docker: the Engine API's Unix socket")
-    error: str | None = Field(default=None, description="docker: the last call's error (null: it worked)")
-    stop_command: list[str] | None = Field(default=None, description="process: the command run to stop it instead "
-                                                                    "of signals (null: signals)")
-    stop_error: str | None = Field(default=None, description="process: why the last stop command did not stop it "
-                                                             "(the signals did); null: it worked, or none ran")
-    output: list[str] | None = Field(default=None, description="process: its last output lines; systemd: the last "
-                                                               "systemctl call's")
-    log: str | None = Field(default=None, description="process: the file its output goes to (in the state directory; "
-                                                      "null: a temporary file); started afresh with each start")
 
 
 class Lifecycle(_Doc):
@@ -249,21 +217,6 @@ class _TenantLive(_Doc):
                                                                   "null for the others")
     suspension: Suspended | None = Field(default=None, description="a tenant with a cuda_suspend step: its state; null "
                                                                    "for the others")
-
-
-class CardHolding(_Doc):
-    index: int
-    name: str
-    vram_bytes: int
-
-
-class TenantDevices(_Doc):
-    """Only on a host with several GPUs: the cards the tenant's engine loads on, and why."""
-    devices: list[int] | None = Field(description="NVML indices; null: any device")
-    source: Literal["pinned", "discovered", "any"] = Field(
-        description="pinned: `devices` in tenants.json; discovered: its process's --cuda-device or CUDA_VISIBLE_DEVICES")
-    detail: str
-    vram_by_device: list[CardHolding]
 
 
 class TenantView(_TenantLive):
@@ -395,38 +348,6 @@ class DecisionDetail(_Doc):
     related: list[Decision] = Field(description="the story's other decisions, as GET /api/decisions shows them")
 
 
-class Device(_Doc):
-    """Unknown is not zero: a figure nobody measured is null (without a GPU reader: used, free and
-    reserved; the total too when no engine reports the card)."""
-    name: str
-    total_bytes: int | None
-    free_bytes: int | None
-    used_bytes: int | None
-    reserved_bytes: int | None
-    source: str = Field(description="nvml, simulated, or engine-estimate")
-    notes: list[str]
-    devices: list[Card] | None = Field(default=None, description="only on a host with several GPUs: each card (the "
-                                                                 "figures above are then the whole host's sums)")
-
-
-class Card(_Doc):
-    index: int
-    name: str
-    uuid: str
-    total_bytes: int | None
-    free_bytes: int | None
-    used_bytes: int | None
-    reserved_bytes: int | None
-    tenants: dict[str, int] = Field(description="bytes each tenant (and `unmanaged`) holds on this card")
-    placed: list[str] = Field(description="tenants pinned to or discovered on this card")
-
-
-class GpuError(_Doc):
-    state: str
-    error: str
-    fix: str
-
-
 class Stats(_Doc):
     device: Device
     processes: list[Process]
@@ -543,17 +464,6 @@ class LogRun(_Doc):
     note: str
 
 
-class CatalogModel(_Doc):
-    name: str
-    size_bytes: int | None = Field(description="Ollama's size on disk; null for ComfyUI checkpoints")
-
-
-class TenantCatalog(_Doc):
-    engine: str
-    models: list[CatalogModel]
-    error: str | None = None
-
-
 class CatalogFrame(_Doc):
     """`data:` of an `event: catalog` frame: sent first, then only when it changes."""
     tenants: dict[str, TenantCatalog]
@@ -566,12 +476,6 @@ class HealthEntry(_Doc):
     problem: str | None
     impact: str | None
     fix: str | None
-
-
-class Capability(_Doc):
-    name: Literal["forwarding", "in-flight tracking", "arbitration", "confirmed releases"]
-    status: Literal["ok", "estimated", "off"] = Field(description="estimated: on the engines' own reports")
-    detail: str
 
 
 class HealthReport(_Doc):
@@ -600,11 +504,11 @@ def dump(model: BaseModel) -> JSON:
 
 def device_view(snap: AttributedSnapshot) -> Device:
     """The device: unknown figures are null."""
-    return Device.model_validate(device_json(snap))  # several cards: the host's sums and each card
+    return Device.of(snap)  # several cards: the host's sums and each card
 
 
 def gpu_error_view(err: GpuReadError | None) -> GpuError | None:
-    return None if err is None else GpuError(state=err.state, error=err.message, fix=err.fix)
+    return None if err is None else GpuError.of(err)
 
 
 def tenant_process(p: AttributedProcess) -> Process:
@@ -622,7 +526,7 @@ def card_process(p: AttributedProcess, *, cmdline: bool = True) -> Process:
 
 
 def _pod(p: AttributedProcess) -> PodName | None:
-    return PodName.model_validate(p.pod.to_json()) if p.pod else None
+    return PodName.of(p.pod) if p.pod else None
 
 
 def lifecycle_view(arbitration: Arbitration, tenant: str) -> Lifecycle | None:
@@ -672,7 +576,8 @@ def _live(arbitration: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot
         "reclaimable": tenant.reclaimable and tenant.name not in arbitration.cpu_tenants,  # on the CPU: nothing to take
         "waiting": [w for w in queue(arbitration) if w["tenant"] == tenant.name],
         "loading": loading_view(arbitration, snap, tenant),
-        **tenant_devices_json(snap, tenant.name),  # several cards: where it loads, what it holds on each
+        # several cards: where it loads, what it holds on each (absent on one card)
+        **({} if (cards := TenantDevices.of(snap, tenant.name)) is None else {"devices": cards}),
         "lifecycle": lifecycle_view(arbitration, tenant.name),
         "suspension": (None if (rec := arbitration.lifecycles.suspensions.record(tenant.name)) is None
                        else Suspended.model_validate(rec.to_json(), strict=False)),

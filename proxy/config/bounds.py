@@ -5,7 +5,7 @@ instead of at run time (1e300 GiB made every request 500, a negative timeout mad
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeGuard
 
 DAY_S = 86400.0
 MAX_GIB = 16384.0  # 16 TiB: far above any card, far below where a byte count stops being exact
@@ -76,6 +76,7 @@ def bound_for(field: str) -> Bound | None:
     return next((b for suffix, b in SUFFIX_BOUNDS.items() if field.endswith(suffix)), None)
 
 
-def is_number(value: Any) -> bool:
+def is_number(value: object) -> TypeGuard[float]:
+    """An int or a float, never a bool (JSON's true is no number)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 

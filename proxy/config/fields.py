@@ -4,7 +4,7 @@ host:port, upstream URLs, Host allow-lists, device lists, one configured HTTP ca
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
@@ -19,7 +19,7 @@ class StrictModel(BaseModel):
 
     @field_validator("*")
     @classmethod
-    def _in_bounds(cls, value: Any, info: ValidationInfo) -> Any:
+    def _in_bounds(cls, value: object, info: ValidationInfo) -> object:
         bound = bound_for(info.field_name or "")
         if bound is None:
             return value
@@ -123,7 +123,7 @@ class HttpCall(StrictModel):
 
     method: HttpMethod = Field(default="POST", description="the HTTP method")
     url: str = Field(description="absolute URL, or a path on the upstream")
-    body: dict[str, Any] | None = Field(default=None, description="JSON body to send")
+    body: dict[str, object] | None = Field(default=None, description="JSON body to send")
 
     _url = field_validator("url")(call_url)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
 
 from proxy.config.messages import schema_error
 from proxy.errors import ConfigError
@@ -14,14 +13,14 @@ from proxy.errors import ConfigError
 MAX_DEPTH = 32  # JSON nesting; release.body is the only free-form part and needs a few levels
 
 
-class _RepeatedKeys(dict[str, Any]):
+class _RepeatedKeys(dict[str, object]):
     """A JSON object that named a key twice (json keeps the last silently; we refuse it)."""
 
     repeated: list[str]
 
 
-def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _object(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
     repeated: list[str] = []
     for key, value in pairs:
         if key in out:
@@ -34,7 +33,7 @@ def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return marked
 
 
-def read_json(path: Path) -> Any:
+def read_json(path: Path) -> object:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -58,13 +57,13 @@ def _non_finite(value: float) -> str:
     return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
 
 
-def tree_problems(data: Any) -> tuple[list[str], bool]:
+def tree_problems(data: object) -> tuple[list[str], bool]:
     """What JSON allows but a configuration must not hold, each with its path: a key given twice,
     NaN or Infinity (also a literal too large for a float), nesting deeper than MAX_DEPTH. Also
     whether anything was too deep to go on with. Iterative: a deep document cannot overflow the stack."""
     problems: list[str] = []
     too_deep = False
-    stack: list[tuple[tuple[str, ...], Any]] = [((), data)]
+    stack: list[tuple[tuple[str, ...], object]] = [((), data)]
     while stack:
         path, value = stack.pop()
         where = ".".join(path) or "(top level)"
@@ -86,7 +85,7 @@ def tree_problems(data: Any) -> tuple[list[str], bool]:
     return problems, too_deep
 
 
-def check_tree(data: Any, where: str) -> list[str]:
+def check_tree(data: object, where: str) -> list[str]:
     """The tree's problems, to be listed with the schema's; raised at once when merging and
     validating would recurse too deep."""
     problems, too_deep = tree_problems(data)

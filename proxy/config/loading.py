@@ -13,7 +13,6 @@ import copy
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from pydantic import ValidationError
 
@@ -63,8 +62,8 @@ def load_registry(path: str | os.PathLike[str] | None = None, *, kinds: ReleaseK
     return _validate(merged, source, prov, early, env, kinds)
 
 
-def load_registry_over(data: Mapping[str, Any], path: str | os.PathLike[str],
-                       pinned: Mapping[str, Mapping[str, Any]] | None = None, *, kinds: ReleaseKinds) -> Registry:
+def load_registry_over(data: Mapping[str, object], path: str | os.PathLike[str],
+                       pinned: Mapping[str, Mapping[str, object]] | None = None, *, kinds: ReleaseKinds) -> Registry:
     """The shipped defaults, then `data` (the demo's scenario), then the file at `path` over both
     (`hyperswap demo --config`): its admin, proxy, telemetry and gpu_profile sections and its tenants.
     `pinned`: tenant fields the file cannot change (the simulators' upstreams); the source is the file."""
@@ -78,14 +77,15 @@ def load_registry_over(data: Mapping[str, Any], path: str | os.PathLike[str],
     prov: Provenance = {}
     early += check_tree(data, "the configuration")
     merged = copy.deepcopy(merge(merge(read_json(SHIPPED_DEFAULTS), dict(data), (), prov), user, (), prov))
+    tenants = merged.get("tenants") if isinstance(merged, dict) else None
     for name, fields in (pinned or {}).items():
-        body = merged.get("tenants", {}).get(name)
+        body = tenants.get(name) if isinstance(tenants, dict) else None
         if isinstance(body, dict):
             body.update(fields)
     return _validate(merged, source, prov, early, os.environ, kinds)
 
 
-def registry_from_dict(data: Mapping[str, Any], *, kinds: ReleaseKinds) -> Registry:
+def registry_from_dict(data: Mapping[str, object], *, kinds: ReleaseKinds) -> Registry:
     """Build a registry from an in-memory config (tests, scenarios), with shipped defaults merged under it."""
     prov: Provenance = {}
     early = check_tree(data, "the configuration")
@@ -101,11 +101,11 @@ def command_problems(config: Config, env: Mapping[str, str]) -> list[str]:
             for problem in step.load_problems(tenant.release_path(i), env)]
 
 
-def _validate(merged: Any, source: Path | None, prov: Provenance, early: list[str],
+def _validate(merged: object, source: Path | None, prov: Provenance, early: list[str],
               env: Mapping[str, str], kinds: ReleaseKinds) -> Registry:
     """`early`: the tree's problems (tree_problems), listed with the schema's."""
     merged = copy.deepcopy(merged)  # never write into the caller's dicts
-    if isinstance(merged.get("tenants"), dict):
+    if isinstance(merged, dict) and isinstance(merged.get("tenants"), dict):
         for name, body in merged["tenants"].items():
             if isinstance(body, dict):
                 body.setdefault("name", name)

@@ -8,7 +8,6 @@ source ("user" or "default") once the result is validated."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 from proxy.config.registry import SETTINGS_SECTIONS
 from proxy.config.schema import Config
@@ -16,7 +15,7 @@ from proxy.config.schema import Config
 Provenance = dict[tuple[str, ...], str]
 
 
-def merge(base: Any, override: Any, path: tuple[str, ...], prov: Provenance) -> Any:
+def merge(base: object, override: object, path: tuple[str, ...], prov: Provenance) -> object:
     """Deep-merge override onto base; lists and scalars are replaced whole."""
     if isinstance(base, dict) and isinstance(override, dict):
         out = dict(base)
@@ -32,7 +31,7 @@ def merge(base: Any, override: Any, path: tuple[str, ...], prov: Provenance) -> 
     return override
 
 
-def _mark_user(value: Any, path: tuple[str, ...], prov: Provenance) -> None:
+def _mark_user(value: object, path: tuple[str, ...], prov: Provenance) -> None:
     if isinstance(value, dict) and value:
         for key, inner in value.items():
             _mark_user(inner, (*path, key), prov)
@@ -40,7 +39,7 @@ def _mark_user(value: Any, path: tuple[str, ...], prov: Provenance) -> None:
         prov[path] = "user"
 
 
-def _leaves(value: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+def _leaves(value: object, prefix: str) -> Iterator[tuple[str, object]]:
     if isinstance(value, dict) and value and prefix.count(".") < 1:
         for k, v in value.items():
             yield from _leaves(v, f"{prefix}.{k}" if prefix else k)

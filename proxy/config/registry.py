@@ -7,7 +7,6 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from dataclasses import field as dc_field
 from pathlib import Path
-from typing import Any
 
 from proxy.config.schema import Config, Tenant
 from proxy.errors import UnknownTenant
@@ -46,15 +45,17 @@ class Registry:
             raise UnknownTenant(f"unknown tenant {name!r}", fix=f"use one of: {known}") from None
 
 
-def setting_value(config: Config, dotted: str) -> Any:
+def setting_value(config: Config, dotted: str) -> object:
     """A section's field as JSON would show it (`proxy.queue_timeout_s` -> 300.0)."""
     section, key = dotted.split(".", 1)
     return getattr(config, section).model_dump(mode="json")[key]
 
 
 
-def field_value(tenant: Tenant, dotted: str) -> Any:
-    value: Any = tenant.model_dump()
+def field_value(tenant: Tenant, dotted: str) -> object:
+    value: object = tenant.model_dump()
     for part in dotted.split("."):
+        if not isinstance(value, dict):
+            raise KeyError(part)  # a leaf has no fields under it
         value = value[part]
     return value

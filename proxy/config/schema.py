@@ -65,12 +65,12 @@ class ReleaseSpec(StrictModel):
         """It owes a call that wakes the app before its next request is forwarded (`wake()`)."""
         return False
 
-    async def release(self, tenant: Tenant, client: httpx.AsyncClient) -> dict[str, Any]:
+    async def release(self, tenant: Tenant, client: httpx.AsyncClient) -> dict[str, object]:
         """Ask for the memory back; returns what was asked (the caller confirms on the GPU). Raises
         ReleaseFailed when refused; httpx errors pass through (the caller names the tenant)."""
         raise ReleaseFailed(f"release kind {self.kind!r} of tenant {tenant.name!r} has no release call")
 
-    async def wake(self, tenant: Tenant, client: httpx.AsyncClient) -> dict[str, Any] | None:
+    async def wake(self, tenant: Tenant, client: httpx.AsyncClient) -> dict[str, object] | None:
         """Wake the app after this step released it (its resume call); None when there is nothing to call."""
         return None
 
@@ -88,7 +88,7 @@ class NoRelease(ReleaseSpec):
 
     reclaims: ClassVar[bool] = False
 
-    async def release(self, tenant: Tenant, client: httpx.AsyncClient) -> dict[str, Any]:
+    async def release(self, tenant: Tenant, client: httpx.AsyncClient) -> dict[str, object]:
         raise ReleaseFailed(tenant.not_reclaimable_reason)
 
 
@@ -107,11 +107,11 @@ def is_tag(part: object) -> bool:
     return part in (ONE_STEP, STEPS, BUILT) or (isinstance(part, str) and part.startswith("(kind ") and part.endswith(")"))
 
 
-def _release_shape(value: Any) -> str:
+def _release_shape(value: object) -> str:
     return STEPS if isinstance(value, list) else ONE_STEP
 
 
-def _kind_of(value: Any) -> str | None:
+def _kind_of(value: object) -> str | None:
     """The tag of one step: its `kind` (absent: "none"); None for what is no object at all."""
     if isinstance(value, ReleaseSpec):
         return kind_tag(value.kind)
@@ -120,16 +120,16 @@ def _kind_of(value: Any) -> str | None:
     return None
 
 
-def _built_or_kind(value: Any) -> str | None:
+def _built_or_kind(value: object) -> str | None:
     """The base `Tenant` knows no kind but "none": a step already built (any kind) is taken as it is."""
     return BUILT if isinstance(value, ReleaseSpec) else _kind_of(value)
 
 
-def _union(members: tuple[Any, ...]) -> Any:
+def _union(members: tuple[object, ...]) -> object:
     return Union[members]  # noqa: UP007  (built from a tuple of types at run time)
 
 
-def _one_step(kinds: Mapping[str, type[ReleaseSpec]] | None) -> Any:
+def _one_step(kinds: Mapping[str, type[ReleaseSpec]] | None) -> object:
     """One step's validation: tagged by `kind` over `kinds`; None (the base `Tenant`): a step built in
     Python of any kind, or an object of kind "none" (the only kind built in)."""
     if kinds is None:

@@ -25,8 +25,10 @@ import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import Protocol, TextIO
 from urllib.parse import urlsplit
+
+from pydantic import BaseModel
 
 from proxy.config.registry import Registry
 from proxy.deploy.ports import Holders, PortHolder
@@ -40,6 +42,35 @@ from proxy.gpu.snapshot import GpuProcess
 from proxy.hosts import is_loopback_host
 
 RECORD_VERSION = 1
+
+
+class RecordedFile(BaseModel):
+    path: str
+    previous: str | None  # its text before install; None: install created it
+    written_sha256: str
+
+
+class RecordedMove(BaseModel):
+    tenant: str
+    proxy_listen: str | None = None
+    engine_port: int | None = None
+    previous_listen: str | None = None
+    previous_upstream: str | None = None
+    by_hand: str | None = None  # how the engine was moved by hand (uninstall says to undo it)
+
+
+class InstallRecord(BaseModel):
+    """What install keeps for uninstall (the record file): each file it wrote with what was there
+    before, the services it restarted, the engines it moved. Read back leniently: an older record
+    may lack what later versions add."""
+
+    version: int = RECORD_VERSION
+    mode: str = ""
+    unit: str = UNIT_NAME
+    services: list[str] = []
+    files: list[RecordedFile]
+    moves: list[RecordedMove] = []
+    created_dirs: list[str] = []
 
 
 # -- where things go ---------------------------------------------------------------------------
@@ -109,7 +140,7 @@ class Plan:
     files: tuple[FileChange, ...] = ()
     after: tuple[Command, ...] = ()
     notes: tuple[str, ...] = ()  # what a person does by hand (ComfyUI's flag, a root-only drop-in)
-    record: dict[str, Any] | None = field(default=None, hash=False)  # install: what to keep for uninstall
+    record: InstallRecord | None = field(default=None, hash=False)  # install: what to keep for uninstall
     remove_dirs: tuple[str, ...] = ()  # uninstall: folders install created, removed when empty
 
 
@@ -174,9 +205,11 @@ def _sha(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def _updated_config(base: Mapping[str, Any], moves: Sequence[Move]) -> dict[str, Any]:
+def _updated_config(base: Mapping[str, object], moves: Sequence[Move]) -> dict[str, object]:
     new = copy.deepcopy(dict(base))
-    tenants = new.setdefault("tenants", {})
+    tenants = new.get("tenants")
+    if not isinstance(tenants, dict):
+        tenants = new["tenants"] = {}
     for m in moves:
         body = tenants.get(m.tenant)
         if not isinstance(body, dict):
@@ -185,7 +218,7 @@ def _updated_config(base: Mapping[str, Any], moves: Sequence[Move]) -> dict[str,
     return new
 
 
-def plan_install(lay: Layout, base_config: Mapping[str, Any], exec_argv: list[str], holders: Holders, *,
+def plan_install(lay: Layout, base_config: Mapping[str, object], exec_argv: list[str], holders: Holders, *,
                  engine_ports: Mapping[str, int] | None = None, skip: Iterable[str] = (), start: bool = True,
                  read: Callable[[str], str | None]) -> Plan:
     """Everything install would do, decided before anything is written.
@@ -227,14 +260,13 @@ def plan_install(lay: Layout, base_config: Mapping[str, Any], exec_argv: list[st
     after += [Command(("systemctl", "try-restart", s), f"{s} picks up its new port") for s in services]
     enable = (*sc, "enable", "--now", UNIT_NAME) if start else (*sc, "enable", UNIT_NAME)
     after.append(Command(enable, "start HyperSwap now and at every boot" if start else "start HyperSwap at every boot"))
-    record = {
-        "version": RECORD_VERSION, "mode": lay.mode, "unit": UNIT_NAME, "services": services,
-        "files": [{"path": f.path, "previous": read(f.path), "written_sha256": _sha(f.content or "")} for f in files],
-        "moves": [{"tenant": m.tenant, "proxy_listen": m.proxy_listen, "engine_port": m.engine_port,
-                   "previous_listen": m.previous_listen, "previous_upstream": m.previous_upstream,
-                   "by_hand": None if (m.relocation.service and lay.drop_ins) else m.relocation.instruction}
-                  for m in moves],
-    }
+    record = InstallRecord(
+        mode=lay.mode, services=services,
+        files=[RecordedFile(path=f.path, previous=read(f.path), written_sha256=_sha(f.content or "")) for f in files],
+        moves=[RecordedMove(tenant=m.tenant, proxy_listen=m.proxy_listen, engine_port=m.engine_port,
+                            previous_listen=m.previous_listen, previous_upstream=m.previous_upstream,
+                            by_hand=None if (m.relocation.service and lay.drop_ins) else m.relocation.instruction)
+               for m in moves])
     return Plan("install", lay, tuple(moves), (), tuple(files), tuple(after), tuple(notes), record)
 
 
@@ -245,19 +277,16 @@ def plan_uninstall(lay: Layout, read: Callable[[str], str | None], *, force: boo
         raise HyperSwapError(f"no HyperSwap install recorded at {lay.record}",
                              fix="nothing to undo" + ("" if lay.mode == "user" else " (for a user install: --user)"))
     try:
-        record = json.loads(text)
-        entries = [(str(f["path"]), f["previous"], str(f["written_sha256"])) for f in record["files"]]
-        services = [str(s) for s in record.get("services", [])]
-        created = tuple(str(d) for d in record.get("created_dirs", []))
-        moves = list(record.get("moves", []))
-    except (ValueError, KeyError, TypeError) as exc:
+        record = InstallRecord.model_validate_json(text)
+    except ValueError as exc:  # not JSON, or not a record (pydantic's ValidationError is a ValueError)
         raise HyperSwapError(f"the install record {lay.record} is unreadable ({exc})",
                              fix="undo by hand: remove the files install printed, then delete the record") from None
     files: list[FileChange] = []
     changed: list[str] = []
-    for path, previous, written in reversed(entries):
+    for f in reversed(record.files):
+        path, previous = f.path, f.previous
         now = read(path)
-        if now is not None and _sha(now) != written:
+        if now is not None and _sha(now) != f.written_sha256:
             changed.append(path)
         files.append(FileChange(path, previous, "put back as it was" if previous is not None else "remove (install created it)"))
     if changed and not force:
@@ -266,12 +295,13 @@ def plan_uninstall(lay: Layout, read: Callable[[str], str | None], *, force: boo
                              "to put back what was there before")
     files.append(FileChange(lay.record, None, "the install record"))
     sc = lay.systemctl
-    before = (Command((*sc, "disable", "--now", record.get("unit", UNIT_NAME)), "stop HyperSwap, off its ports"),)
+    before = (Command((*sc, "disable", "--now", record.unit), "stop HyperSwap, off its ports"),)
     after = [Command((*sc, "daemon-reload"), "forget the removed units")]
-    after += [Command(("systemctl", "try-restart", s), f"{s} back on its own port") for s in services]
-    notes = [f"{m['tenant']}: start it on its own port again (it was moved with `{m['by_hand']}`)"
-             for m in moves if m.get("by_hand")]
-    return Plan("uninstall", lay, (), before, tuple(files), tuple(after), tuple(notes), remove_dirs=created)
+    after += [Command(("systemctl", "try-restart", s), f"{s} back on its own port") for s in record.services]
+    notes = [f"{m.tenant}: start it on its own port again (it was moved with `{m.by_hand}`)"
+             for m in record.moves if m.by_hand]
+    return Plan("uninstall", lay, (), before, tuple(files), tuple(after), tuple(notes),
+                remove_dirs=tuple(record.created_dirs))
 
 
 # -- effects -----------------------------------------------------------------------------------
@@ -369,7 +399,8 @@ def apply(plan: Plan, files: Files, runner: Runner, err: TextIO) -> int:
         return 1
     if plan.record is not None:  # the record first: an install cut short can still be undone
         created = files.missing_dirs([plan.layout.record, *(f.path for f in plan.files)])
-        files.write(plan.layout.record, json.dumps({**plan.record, "created_dirs": created}, indent=2) + "\n")
+        written = plan.record.model_copy(update={"created_dirs": created})
+        files.write(plan.layout.record, json.dumps(written.model_dump(mode="json"), indent=2) + "\n")
     for f in plan.files:
         if f.content is None:
             files.remove(f.path)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -22,8 +21,18 @@ from proxy.config.schema import ReleaseSpec, Tenant
 from proxy.engines import ports
 from proxy.engines.common import Need, named_in_head, release_by_strategy, resume_by_strategy
 from proxy.engines.model_files import FileHints, TenantFiles, plain_tenant_files
-from proxy.engines.ports import Header, JobFrame, JobReplay, Placement, Relocation, RequestKind, Requeued, Streamed
-from proxy.engines.settings import EnvReaders
+from proxy.engines.ports import (
+    Header,
+    JobFrame,
+    JobReplay,
+    Placement,
+    Relocation,
+    RequestKind,
+    Requeued,
+    Streamed,
+    TenantCatalog,
+)
+from proxy.engines.settings import EngineReport, EnvReaders
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory
 from proxy.hosts import HostPolicy, listener_policy
@@ -231,12 +240,12 @@ class EngineAdapter(ports.HostAndHeaders, ports.Classifier, ports.JobTracker, po
         """The memory planned for a start (or a resume) of a stopped tenant, before its request's own need."""
         return self.tenant.needs_vram_bytes if self.starts_loaded else self.tenant.idle_vram_bytes
 
-    async def release(self, client: httpx.AsyncClient, step: ReleaseSpec | None = None) -> dict[str, Any]:
+    async def release(self, client: httpx.AsyncClient, step: ReleaseSpec | None = None) -> dict[str, object]:
         """Ask for the memory back (the tenant's `release.kind`; `step`: one of its release steps, default
         the first). Raises ReleaseFailed."""
         return await release_by_strategy(self.tenant, client, step)
 
-    async def resume(self, client: httpx.AsyncClient, step: ReleaseSpec) -> dict[str, Any] | None:
+    async def resume(self, client: httpx.AsyncClient, step: ReleaseSpec) -> dict[str, object] | None:
         """Wake the app after `step` released it (its `resume` call), before the next request is
         forwarded; None when there is nothing to call. Raises ReleaseFailed."""
         return await resume_by_strategy(self.tenant, client, step)
@@ -331,9 +340,8 @@ class EngineAdapter(ports.HostAndHeaders, ports.Classifier, ports.JobTracker, po
         """Where what the adapter learns outlives a restart (the proxy's state folder); None: nowhere."""
 
     # -- InstalledModels ----------------------------------------------------------------------------
-    async def catalog(self, client: httpx.AsyncClient, timeout_s: float) -> dict[str, Any] | None:
-        """The installed models ({"engine", "models": [{"name", "size_bytes"}]}), or None for an
-        engine without a catalog. Raises httpx errors."""
+    async def catalog(self, client: httpx.AsyncClient, timeout_s: float) -> TenantCatalog | None:
+        """The installed models, or None for an engine without a catalog. Raises httpx errors."""
         return None
 
     # How many GPU requests the engine runs at once when tenants.json does not say (`runs_at_once`);
@@ -373,20 +381,16 @@ class EngineAdapter(ports.HostAndHeaders, ports.Classifier, ports.JobTracker, po
     # Its idle footprint varies (caches grow and shrink), so health takes the smallest it saw as the floor.
     floor_from_samples: bool = False
 
-    def version_from_probe(self, data: Any) -> str | None:
+    def version_from_probe(self, data: object) -> str | None:
         """The engine's version from the JSON answer to `probe_path`."""
         return None
 
     # -- SettingsView: /api/engines -----------------------------------------------------------------
     async def settings_view(self, client: httpx.AsyncClient, snap: AttributedSnapshot | None, env: EnvReaders,
-                            host_reads: bool) -> dict[str, Any] | None:
+                            host_reads: bool) -> EngineReport | None:
         """What /api/engines shows: reachable, version, the settings that matter for memory and where
         each came from; None for an engine that reports nothing about itself."""
         return None
-
-    def _view(self) -> dict[str, Any]:
-        t = self.tenant
-        return {"tenant": t.name, "engine": t.engine, "upstream": t.upstream, "reachable": False, "error": None}
 
     # -- Deployment ---------------------------------------------------------------------------------
     # The systemd unit the engine's Linux installer ships (its Environment= is the engine's), or None.

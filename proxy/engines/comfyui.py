@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import httpx
 from pydantic import Field
@@ -23,7 +23,17 @@ from proxy.engines import settings as es
 from proxy.engines.base import EngineAdapter
 from proxy.engines.common import Need, ReleaseFailed, json_or_none, upstream_of
 from proxy.engines.model_files import FileHints, TenantFiles, comfyui_tenant_files
-from proxy.engines.ports import JobFrame, JobFrameKind, JobReplay, JobView, Relocation, RequestKind, Requeued
+from proxy.engines.ports import (
+    CatalogModel,
+    JobFrame,
+    JobFrameKind,
+    JobReplay,
+    JobView,
+    Relocation,
+    RequestKind,
+    Requeued,
+    TenantCatalog,
+)
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory
 
@@ -35,11 +45,23 @@ JOBS_ROUTE = "/api/jobs"  # GET, and /api/jobs/{job_id} (0.8.0: the queue and th
 COMFY_OOM_TYPES = ("torch.OutOfMemoryError", "torch.cuda.OutOfMemoryError")
 
 
-def comfy_event_is_oom(event: Mapping[str, Any]) -> bool:
-    return event.get("type") == "execution_error" and (event.get("data") or {}).get("exception_type") in COMFY_OOM_TYPES
+def comfy_event_is_oom(event: Mapping[str, object]) -> bool:
+    data = event.get("data")
+    return (event.get("type") == "execution_error" and isinstance(data, dict)
+            and data.get("exception_type") in COMFY_OOM_TYPES)
 
 
-def _on_cpu(dev: Mapping[str, Any]) -> bool:
+def _int(value: object) -> int | None:
+    """A figure in ComfyUI's JSON (a number, or a number as text); None when it is none."""
+    if not isinstance(value, int | float | str):
+        return None
+    try:
+        return int(value)
+    except (ValueError, OverflowError):
+        return None
+
+
+def _on_cpu(dev: Mapping[str, object]) -> bool:
     """ComfyUI started with --cpu lists device type "cpu": its "vram" figures are host RAM."""
     return dev.get("type") == "cpu"
 
@@ -178,7 +200,7 @@ class ComfyUIAdapter(EngineAdapter):
         graph, extra = item["prompt"][2], item["prompt"][3]
         if not (isinstance(graph, dict) and isinstance(extra, dict)):
             return None
-        payload: dict[str, Any] = {"prompt": graph, "extra_data": extra, "prompt_id": job_id}
+        payload: dict[str, object] = {"prompt": graph, "extra_data": extra, "prompt_id": job_id}
         if extra.get("client_id"):
             payload["client_id"] = extra["client_id"]  # its websocket sees the new prompt's progress
         return JobReplay(json.dumps({"prompt": graph}).encode(), payload, job_id, item["prompt"][:5])
@@ -289,7 +311,7 @@ class ComfyUIAdapter(EngineAdapter):
         kept = {k: v for k, v in data.items() if not hidden(k, _record_mark(v))}
         return json.dumps(kept).encode() if len(kept) < len(data) else None
 
-    async def _torch_device(self, client: httpx.AsyncClient) -> dict[str, Any] | None:
+    async def _torch_device(self, client: httpx.AsyncClient) -> dict[str, object] | None:
         """The first (torch) device of ComfyUI's /system_stats; None when unreadable."""
         try:
             r = await client.get(f"{upstream_of(self.tenant)}/system_stats")
@@ -304,10 +326,8 @@ class ComfyUIAdapter(EngineAdapter):
             return None
         if _on_cpu(dev):
             return 0  # torch_vram_total is host RAM there: it holds no VRAM at all
-        try:
-            return int(dev.get("torch_vram_total", 0)) + self.tenant.idle_vram_bytes
-        except (ValueError, TypeError):
-            return None
+        held = _int(dev.get("torch_vram_total", 0))
+        return None if held is None else held + self.tenant.idle_vram_bytes
 
     async def device_report(self, client: httpx.AsyncClient) -> DeviceMemory | None:
         """ComfyUI's device-wide figures (cudaMemGetInfo), for when NVML is broken. None on the CPU:
@@ -315,14 +335,11 @@ class ComfyUIAdapter(EngineAdapter):
         dev = await self._torch_device(client)
         if dev is None or _on_cpu(dev):
             return None
-        try:
-            total, free = int(dev["vram_total"]), int(dev["vram_free"])
-        except (KeyError, TypeError, ValueError):
-            return None
-        if total <= 0:
+        total, free = _int(dev.get("vram_total")), _int(dev.get("vram_free"))
+        if total is None or free is None or total <= 0:
             return None
         # cudaMemGetInfo has no driver-reserved figure: that one stays unknown
-        return DeviceMemory(int(dev.get("index") or 0), str(dev.get("name", "")), total, 0, total - free, free,
+        return DeviceMemory(_int(dev.get("index")) or 0, str(dev.get("name", "")), total, 0, total - free, free,
                             unknown=frozenset({"reserved"}))
 
     async def runs_on_cpu(self, client: httpx.AsyncClient) -> bool:
@@ -331,12 +348,13 @@ class ComfyUIAdapter(EngineAdapter):
         dev = await self._torch_device(client)
         return dev is not None and _on_cpu(dev)
 
-    async def catalog(self, client: httpx.AsyncClient, timeout_s: float) -> dict[str, Any] | None:
+    async def catalog(self, client: httpx.AsyncClient, timeout_s: float) -> TenantCatalog | None:
         if not self.tenant.upstream:
             return None
         r = await client.get(f"{self.tenant.upstream.rstrip('/')}/models/checkpoints", timeout=timeout_s)
         r.raise_for_status()
-        return {"engine": self.tenant.engine, "models": [{"name": str(n), "size_bytes": None} for n in sorted(r.json())]}
+        return TenantCatalog(engine=self.tenant.engine,
+                             models=[CatalogModel(name=str(n), size_bytes=None) for n in sorted(r.json())])
 
     async def running_jobs(self, client: httpx.AsyncClient) -> list[str]:
         r = await client.get(f"{upstream_of(self.tenant)}/queue")
@@ -344,7 +362,7 @@ class ComfyUIAdapter(EngineAdapter):
         return [item[1] for item in r.json().get("queue_running") or [] if isinstance(item, list) and len(item) > 1]
 
     # -- health and /api/engines ----------------------------------------------------------------
-    def version_from_probe(self, data: Any) -> str | None:
+    def version_from_probe(self, data: object) -> str | None:
         return es.parse_system_stats(data).version
 
     def status_websocket(self, client_id: str) -> str | None:
@@ -363,25 +381,25 @@ class ComfyUIAdapter(EngineAdapter):
         return isinstance(data, dict) and frame.get("type") == "status" and bool(data.get("sid"))
 
     async def settings_view(self, client: httpx.AsyncClient, snap: AttributedSnapshot | None, env: es.EnvReaders,
-                            host_reads: bool) -> dict[str, Any] | None:
+                            host_reads: bool) -> es.ComfyReport:
         tenant = self.tenant
-        view = self._view()
+        reachable, error = False, None
         stats = es.parse_system_stats(None)
         if tenant.upstream:
             try:
                 r = await client.get(tenant.upstream + "/system_stats")
-                view["reachable"] = True
+                reachable = True
                 try:
                     stats = es.parse_system_stats(r.json())
                 except ValueError:
-                    view["error"] = f"/system_stats answered {r.status_code} without JSON"
+                    error = f"/system_stats answered {r.status_code} without JSON"
             except httpx.HTTPError as exc:
-                view["error"] = f"cannot reach {tenant.upstream}: {type(exc).__name__}: {exc}"
-        view.update(stats.to_json())
-        view["flags"] = [f.to_json() for f in es.comfy_flags(stats.argv or ())]
-        if stats.argv is None and view["reachable"]:
-            view["flags_note"] = "system_stats has no argv (older ComfyUI): start flags unknown"
-        return view
+                error = f"cannot reach {tenant.upstream}: {type(exc).__name__}: {exc}"
+        return es.ComfyReport(
+            tenant=tenant.name, engine=tenant.engine, upstream=tenant.upstream, reachable=reachable, error=error,
+            **stats.model_dump(), flags=es.comfy_flags(stats.argv or ()),
+            flags_note="system_stats has no argv (older ComfyUI): start flags unknown"
+            if stats.argv is None and reachable else None)
 
     def relocation(self, port: int) -> Relocation:
         """ComfyUI ships no service: its `--port` flag (with `--listen` left at its 127.0.0.1 default)."""
@@ -395,7 +413,7 @@ def _hidden_job(job: object, hidden: Callable[[str, str | None], bool]) -> bool:
     return hidden(job["id"], _mark(priority) if isinstance(priority, int | float) else None)
 
 
-def _pending_job(job_id: str, row: list[Any] | None) -> dict[str, Any]:
+def _pending_job(job_id: str, row: list[object] | None) -> dict[str, object]:
     """A queued job as the jobs API lists one (None values left out, as its prune_dict does)."""
     extra = row[3] if row is not None and len(row) > 3 and isinstance(row[3], dict) else {}
     workflow = ((extra.get("extra_pnginfo") or {}).get("workflow") or {}) if isinstance(extra, dict) else {}
@@ -435,7 +453,7 @@ class ComfyUIFree(ReleaseSpec):
     unload_models: bool = Field(default=True, description="kind comfyui_free: ask ComfyUI to unload its models")
     free_memory: bool = Field(default=True, description="kind comfyui_free: ask ComfyUI to free its cached memory too")
 
-    async def release(self, tenant: Tenant, client: httpx.AsyncClient) -> dict[str, Any]:
+    async def release(self, tenant: Tenant, client: httpx.AsyncClient) -> dict[str, object]:
         payload = {"unload_models": self.unload_models, "free_memory": self.free_memory}
         r = await client.post(f"{upstream_of(tenant)}/free", json=payload)
         if r.status_code >= 400:

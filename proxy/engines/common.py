@@ -10,7 +10,6 @@ import json
 import re
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
 import httpx
 
@@ -26,7 +25,7 @@ class Need:
     model: str | None = None  # the model or checkpoint it loads, when the request names one (model files)
 
 
-def json_or_none(body: bytes) -> Any:
+def json_or_none(body: bytes) -> object:
     try:
         return json.loads(body) if body else None
     except (ValueError, UnicodeDecodeError):
@@ -64,7 +63,7 @@ def go_time(value: object) -> float | None:
         return None
 
 
-async def release_by_strategy(tenant: Tenant, client: httpx.AsyncClient, step: ReleaseSpec | None = None) -> dict[str, Any]:
+async def release_by_strategy(tenant: Tenant, client: httpx.AsyncClient, step: ReleaseSpec | None = None) -> dict[str, object]:
     """Ask the tenant for its memory back the way its release kind says (`step`: one of its release
     steps; default the first): each kind's model carries its own `release()` (proxy/engines/release_kinds.py
     lists them). Returns what was asked; the caller confirms on the GPU.
@@ -77,7 +76,7 @@ async def release_by_strategy(tenant: Tenant, client: httpx.AsyncClient, step: R
         raise ReleaseFailed(f"cannot reach {tenant.name} at {tenant.upstream}: {exc}") from exc
 
 
-async def resume_by_strategy(tenant: Tenant, client: httpx.AsyncClient, step: ReleaseSpec) -> dict[str, Any] | None:
+async def resume_by_strategy(tenant: Tenant, client: httpx.AsyncClient, step: ReleaseSpec) -> dict[str, object] | None:
     """Wake the app after `step` released it, before its next request is forwarded: the step's
     resume call (kind http). None when the step has none. Raises ReleaseFailed."""
     return await step.wake(tenant, client)

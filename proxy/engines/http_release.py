@@ -3,7 +3,7 @@ optionally a `resume` call that wakes the app before its next request is forward
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import httpx
 from pydantic import Field, model_validator
@@ -19,7 +19,7 @@ class HttpRelease(ReleaseSpec):
     kind: Literal["http"] = "http"
     method: HttpMethod = Field(default="POST", description="kind http: the HTTP method")
     url: str | None = Field(default=None, description="kind http: absolute URL, or a path on the upstream")
-    body: dict[str, Any] | None = Field(default=None, description="kind http: JSON body to send")
+    body: dict[str, object] | None = Field(default=None, description="kind http: JSON body to send")
     resume: HttpCall | None = Field(default=None, description="kind http: the call that wakes the app before its next "
                                                                "request is forwarded (vLLM's /wake_up)")
 
@@ -33,13 +33,13 @@ class HttpRelease(ReleaseSpec):
     def resumes(self) -> bool:
         return self.resume is not None
 
-    async def release(self, tenant: Tenant, client: httpx.AsyncClient) -> dict[str, Any]:
+    async def release(self, tenant: Tenant, client: httpx.AsyncClient) -> dict[str, object]:
         try:
             return await call_http(tenant, client, HttpCall(method=self.method, url=self.url or "", body=self.body))
         except ReleaseFailed as exc:
             raise ReleaseFailed(f"release call {exc}") from None
 
-    async def wake(self, tenant: Tenant, client: httpx.AsyncClient) -> dict[str, Any] | None:
+    async def wake(self, tenant: Tenant, client: httpx.AsyncClient) -> dict[str, object] | None:
         if self.resume is None:
             return None
         try:
@@ -50,7 +50,7 @@ class HttpRelease(ReleaseSpec):
             raise ReleaseFailed(f"resume call {exc}") from None
 
 
-async def call_http(tenant: Tenant, client: httpx.AsyncClient, call: HttpCall) -> dict[str, Any]:
+async def call_http(tenant: Tenant, client: httpx.AsyncClient, call: HttpCall) -> dict[str, object]:
     """One configured HTTP call: a path goes to the upstream. Raises ReleaseFailed when refused
     (>= 400); httpx errors pass through."""
     url = call.url

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from proxy.config import loading
 from proxy.config.kinds import ReleaseKinds
@@ -28,13 +27,13 @@ def load_registry(path: str | os.PathLike[str] | None = None, *, env: Mapping[st
     return loading.load_registry(path, kinds=kinds, env=env, shipped=shipped)
 
 
-def load_registry_over(data: Mapping[str, Any], path: str | os.PathLike[str],
-                       pinned: Mapping[str, Mapping[str, Any]] | None = None, *,
+def load_registry_over(data: Mapping[str, object], path: str | os.PathLike[str],
+                       pinned: Mapping[str, Mapping[str, object]] | None = None, *,
                        kinds: ReleaseKinds = KINDS) -> Registry:
     """The shipped defaults, `data` (the demo's scenario), then the file at `path` over both."""
     return loading.load_registry_over(data, path, pinned, kinds=kinds)
 
 
-def registry_from_dict(data: Mapping[str, Any], *, kinds: ReleaseKinds = KINDS) -> Registry:
+def registry_from_dict(data: Mapping[str, object], *, kinds: ReleaseKinds = KINDS) -> Registry:
     """A registry from an in-memory config (tests, scenarios), with the shipped defaults merged under it."""
     return loading.registry_from_dict(data, kinds=kinds)

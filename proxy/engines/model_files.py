@@ -37,7 +37,6 @@ import stat
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from proxy.config.schema import Tenant
 
@@ -69,13 +68,12 @@ class ModelFiles:
 
 @dataclass(frozen=True, slots=True)
 class LocateProblem:
+    """A place the model files should be and cannot be read (its JSON in /api/models is its fields)."""
+
     tenant: str
     path: str
     problem: str
     fix: str
-
-    def to_json(self) -> dict[str, str]:
-        return {"tenant": self.tenant, "path": self.path, "problem": self.problem, "fix": self.fix}
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,9 +83,6 @@ class Skipped:
     tenant: str
     path: str
     reason: str
-
-    def to_json(self) -> dict[str, str]:
-        return {"tenant": self.tenant, "path": self.path, "reason": self.reason}
 
 
 @dataclass(slots=True)
@@ -256,11 +251,12 @@ def blob_path(root: Path, digest: str) -> Path:
     return root / "blobs" / digest.replace(":", "-")
 
 
-def ollama_manifest_files(root: Path, manifest: Mapping[str, Any]) -> list[tuple[str, int]]:
+def ollama_manifest_files(root: Path, manifest: Mapping[str, object]) -> list[tuple[str, int]]:
     """(blob path, size) of every layer (weights, projector, adapters, template) and the config.
     Raises ValueError on a digest that is not `sha256:` + 64 hex digits: no path is built from it."""
     out = []
-    for layer in [*(manifest.get("layers") or []), manifest.get("config") or {}]:
+    layers = manifest.get("layers")
+    for layer in [*(layers if isinstance(layers, list) else []), manifest.get("config") or {}]:
         digest = layer.get("digest") if isinstance(layer, dict) else None
         if digest is None:
             continue
@@ -407,7 +403,7 @@ def parse_extra_model_paths(text: str, config_dir: Path) -> dict[str, list[Path]
     return out
 
 
-def _yaml(text: str) -> Any:
+def _yaml(text: str) -> object:
     try:
         import yaml  # type: ignore[import-untyped]
     except ImportError:  # pragma: no cover - the subset ComfyUI's example uses

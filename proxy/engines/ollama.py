@@ -14,7 +14,7 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 from urllib.parse import urlsplit
 
 import httpx
@@ -26,7 +26,7 @@ from proxy.engines.base import EngineAdapter
 from proxy.engines.common import Need, ReleaseFailed, json_or_none, upstream_of
 from proxy.engines.model_files import FileHints, TenantFiles, ollama_tenant_files
 from proxy.engines.ollama_catalog import OllamaCatalog, canonical, load_shape, variant
-from proxy.engines.ports import Placement, Relocation, RequestKind, Streamed, StreamFormat
+from proxy.engines.ports import CatalogModel, Placement, Relocation, RequestKind, Streamed, StreamFormat, TenantCatalog
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.hosts import HostPolicy, is_loopback_host, listener_policy
 
@@ -218,15 +218,15 @@ class OllamaAdapter(EngineAdapter):
         except (httpx.HTTPError, ValueError, ReleaseFailed, AttributeError, TypeError):
             return None
 
-    async def catalog(self, client: httpx.AsyncClient, timeout_s: float) -> dict[str, Any] | None:
+    async def catalog(self, client: httpx.AsyncClient, timeout_s: float) -> TenantCatalog | None:
         if not self.tenant.upstream:
             return None
         r = await client.get(f"{self.tenant.upstream.rstrip('/')}/api/tags", timeout=timeout_s)
         r.raise_for_status()
         self.sizes.saw_tags(r.json().get("models") or [])
-        models = [{"name": str(m.get("name")), "size_bytes": int(m["size"]) if m.get("size") is not None else None}
+        models = [CatalogModel(name=str(m.get("name")), size_bytes=int(m["size"]) if m.get("size") is not None else None)
                   for m in r.json().get("models") or []]
-        return {"engine": self.tenant.engine, "models": sorted(models, key=lambda m: m["name"])}
+        return TenantCatalog(engine=self.tenant.engine, models=sorted(models, key=lambda m: m.name))
 
     async def installed_needs(self, client: httpx.AsyncClient) -> list[tuple[str, int]]:
         tenant = self.tenant
@@ -249,26 +249,25 @@ class OllamaAdapter(EngineAdapter):
         return models
 
     # -- health and /api/engines ----------------------------------------------------------------
-    def version_from_probe(self, data: Any) -> str | None:
+    def version_from_probe(self, data: object) -> str | None:
         version = data.get("version") if isinstance(data, dict) else None
         return version if isinstance(version, str) else None
 
     async def settings_view(self, client: httpx.AsyncClient, snap: AttributedSnapshot | None, env: es.EnvReaders,
-                            host_reads: bool) -> dict[str, Any] | None:
+                            host_reads: bool) -> es.OllamaReport:
         tenant = self.tenant
-        view = self._view()
+        reachable, error = False, None
         version: str | None = None
         if tenant.upstream:
             try:
                 r = await client.get(tenant.upstream + "/api/version")
-                view["reachable"] = True
+                reachable = True
                 data = r.json() if r.status_code == 200 else None
                 version = data.get("version") if isinstance(data, dict) and isinstance(data.get("version"), str) else None
             except httpx.HTTPError as exc:
-                view["error"] = f"cannot reach {tenant.upstream}: {type(exc).__name__}: {exc}"
+                error = f"cannot reach {tenant.upstream}: {type(exc).__name__}: {exc}"
             except ValueError:
                 pass
-        view["version"] = version
         reads: list[es.EnvRead] = []
         systemd: es.EnvRead | None = None
         environ: es.EnvRead | None = None
@@ -287,11 +286,12 @@ class OllamaAdapter(EngineAdapter):
                 environ = es.EnvRead("environ", None, f"no {tenant.name} process on the GPU (nothing loaded): "
                                      "its environment cannot be found by attribution", "")
             reads.append(environ)
-        view["env_sources"] = [r.to_json() for r in reads] or [
-            {"source": "host", "ok": False, "error": "simulated GPU: the host's systemd and /proc are not the simulated engines'",
-             "where": "", "variables": None}]
-        view["settings"] = [s.to_json() for s in es.ollama_settings(systemd, environ, version)]
-        return view
+        sources = [es.EnvSource.of(r) for r in reads] or [es.EnvSource(
+            source="host", where="", ok=False, variables=None,
+            error="simulated GPU: the host's systemd and /proc are not the simulated engines'")]
+        return es.OllamaReport(tenant=tenant.name, engine=tenant.engine, upstream=tenant.upstream, reachable=reachable,
+                               error=error, version=version, env_sources=sources,
+                               settings=es.ollama_settings(systemd, environ, version))
 
     # -- what passes through -----------------------------------------------------------------------
     def model_news(self, method: str, path: str) -> bool:
@@ -345,7 +345,7 @@ class OllamaUnload(ReleaseSpec):
 
     kind: Literal["ollama_unload"] = "ollama_unload"
 
-    async def release(self, tenant: Tenant, client: httpx.AsyncClient) -> dict[str, Any]:
+    async def release(self, tenant: Tenant, client: httpx.AsyncClient) -> dict[str, object]:
         r = await client.get(f"{upstream_of(tenant)}/api/ps")
         r.raise_for_status()
         models = [m["name"] for m in r.json().get("models") or []]

@@ -34,7 +34,6 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 
@@ -67,7 +66,7 @@ def _value(v: object) -> str:
     return json.dumps(v, sort_keys=True)
 
 
-def load_shape(data: dict[str, Any]) -> Shape:
+def load_shape(data: dict[str, object]) -> Shape:
     """The load options a request body sets. `num_gpu` below 0 never reloads (Ollama compares it as
     equal to any): left out, like an option not set."""
     options = data.get("options")
@@ -136,7 +135,7 @@ class OllamaCatalog:
             if dropped:
                 self._save()
 
-    def saw_tags(self, models: list[Any]) -> None:
+    def saw_tags(self, models: list[object]) -> None:
         """An /api/tags answer (the proxy's own read, or a client's passing through): a name with a new
         digest is another model now; a name gone is forgotten."""
         sizes: dict[str, int] = {}
@@ -158,7 +157,7 @@ class OllamaCatalog:
         self.sizes, self.digests = sizes, digests
 
     # -- what the engine holds -------------------------------------------------------------------
-    def row_shape(self, row: dict[str, Any]) -> Shape:
+    def row_shape(self, row: dict[str, object]) -> Shape:
         """Which load a row of /api/ps is (see the module's docstring)."""
         name = canonical(str(row.get("name")))
         ctx = row.get("context_length")
@@ -180,7 +179,7 @@ class OllamaCatalog:
             return ()
         return (("num_ctx", str(ctx)),)
 
-    def saw_loaded(self, rows: list[dict[str, Any]]) -> None:
+    def saw_loaded(self, rows: list[dict[str, object]]) -> None:
         """`/api/ps`: a model wholly on the GPU (size_vram == size) took `size` with its context and
         runtime; one split with the CPU needs at least `size` to fit whole."""
         changed = False

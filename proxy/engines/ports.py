@@ -31,14 +31,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 import httpx
+from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.config.schema import ReleaseSpec
 from proxy.engines.common import Need
 from proxy.engines.model_files import FileHints, TenantFiles
-from proxy.engines.settings import EnvReaders
+from proxy.engines.settings import EngineReport, EnvReaders
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory
 from proxy.hosts import HostPolicy
@@ -54,7 +55,24 @@ RequestKind = Literal["gpu", "passthrough"]
 StreamFormat = Literal["ndjson-chat", "ndjson-generate", "sse-chat", "sse-completion"]
 
 # One loaded model as the engine places it (Ollama's /api/ps rows: name, size, size_vram, expires_at).
-Placement = dict[str, Any]
+Placement = dict[str, object]
+
+
+class CatalogModel(BaseModel):
+    """One installed model as the catalog lists it."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str
+    size_bytes: int | None = Field(description="Ollama's size on disk; null for ComfyUI checkpoints")
+
+
+class TenantCatalog(BaseModel):
+    """An engine's installed models (`InstalledModels.catalog`); `error`: why the last listing failed."""
+
+    model_config = ConfigDict(extra="allow")
+    engine: str
+    models: list[CatalogModel]
+    error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,9 +86,9 @@ class Streamed:
 class JobReplay:
     """A job that failed for lack of memory, as the engine kept it, ready to be submitted again."""
     body: bytes  # the request body as if submitted afresh: its need is estimated from it
-    payload: dict[str, Any]  # what resubmits it (same job id, same client, same extra data)
+    payload: dict[str, object]  # what resubmits it (same job id, same client, same extra data)
     job_id: str = ""
-    row: Any = None  # the job as the engine lists a pending one in its queue (ComfyUI: its `prompt` row)
+    row: object = None  # the job as the engine lists a pending one in its queue (ComfyUI: its `prompt` row)
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,11 +250,11 @@ class NeedEstimator(Protocol):
 class Releaser(Protocol):
     """Memory back from an idle tenant, and the wake before its next request (the tenant's `release`)."""
 
-    async def release(self, client: httpx.AsyncClient, step: ReleaseSpec | None = None) -> dict[str, Any]:
+    async def release(self, client: httpx.AsyncClient, step: ReleaseSpec | None = None) -> dict[str, object]:
         """Ask for the memory back; returns what was asked (the caller confirms on the card). Raises ReleaseFailed."""
         ...
 
-    async def resume(self, client: httpx.AsyncClient, step: ReleaseSpec) -> dict[str, Any] | None:
+    async def resume(self, client: httpx.AsyncClient, step: ReleaseSpec) -> dict[str, object] | None:
         """Wake the app `step` released; None when there is nothing to call. Raises ReleaseFailed."""
         ...
 
@@ -330,8 +348,8 @@ class SelfReport(Protocol):
 class InstalledModels(Protocol):
     """The models the engine has installed."""
 
-    async def catalog(self, client: httpx.AsyncClient, timeout_s: float) -> dict[str, Any] | None:
-        """{"engine", "models": [{"name", "size_bytes"}]}, or None for an engine without one. Raises httpx errors."""
+    async def catalog(self, client: httpx.AsyncClient, timeout_s: float) -> TenantCatalog | None:
+        """The installed models, or None for an engine without a catalog. Raises httpx errors."""
         ...
 
     @property
@@ -377,7 +395,7 @@ class HealthProbes(Protocol):
         """Its idle footprint varies, so health takes the smallest it saw as the floor."""
         ...
 
-    def version_from_probe(self, data: Any) -> str | None:
+    def version_from_probe(self, data: object) -> str | None:
         """The engine's version from the JSON answer to `probe_path`."""
         ...
 
@@ -394,7 +412,7 @@ class SettingsView(Protocol):
     """What `/api/engines` shows about the engine."""
 
     async def settings_view(self, client: httpx.AsyncClient, snap: AttributedSnapshot | None, env: EnvReaders,
-                            host_reads: bool) -> dict[str, Any] | None:
+                            host_reads: bool) -> EngineReport | None:
         """Reachable, version, the settings that matter for memory and where each came from; None:
         the engine reports nothing about itself."""
         ...

@@ -13,7 +13,9 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.config.units import GIB
 
@@ -38,22 +40,51 @@ class EnvRead:
     error: str | None = None
     where: str = ""  # the unit or /proc path
 
-    def to_json(self) -> dict[str, Any]:
-        return {"source": self.source, "where": self.where, "ok": self.values is not None, "error": self.error,
-                "variables": None if self.values is None else len(self.values)}
-
 
 @dataclass(frozen=True, slots=True)
 class Setting:
+    """One engine setting as /api/engines shows it (its JSON is its fields)."""
+
     name: str
     value: str | None
     source: SettingSource
     meaning: str
     status: SettingStatus = "ok"
 
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "value": self.value, "source": self.source, "meaning": self.meaning,
-                "status": self.status}
+
+class _Shown(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class EnvSource(_Shown):
+    """Where /api/engines looked for an engine's environment, and whether it could read it (no values shown)."""
+
+    source: Literal["systemd", "environ", "host"]
+    where: str
+    ok: bool
+    error: str | None
+    variables: int | None = Field(description="how many variables were read; null: not read")
+
+    @classmethod
+    def of(cls, r: EnvRead) -> EnvSource:
+        return cls(source=r.source, where=r.where, ok=r.values is not None, error=r.error,
+                   variables=None if r.values is None else len(r.values))
+
+
+class EngineReport(_Shown):
+    """What /api/engines shows of one tenant's engine; each engine that reports about itself adds its own."""
+
+    tenant: str
+    engine: str
+    upstream: str | None
+    reachable: bool = False
+    error: str | None = None
+
+
+class OllamaReport(EngineReport):
+    version: str | None
+    env_sources: list[EnvSource]
+    settings: list[Setting]
 
 
 # -- parsing -----------------------------------------------------------------------------------------
@@ -270,24 +301,22 @@ def _unknown_setting(name: str, version: tuple[int, ...] | None) -> Setting:
 
 # -- ComfyUI --------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True, slots=True)
-class ComfyStats:
+class ComfyStats(BaseModel):
+    """What ComfyUI's /system_stats says about itself."""
+
+    model_config = ConfigDict(frozen=True)
     version: str | None
     pytorch_version: str | None
     python_version: str | None
     device_name: str | None
     argv: tuple[str, ...] | None
 
-    def to_json(self) -> dict[str, Any]:
-        return {"version": self.version, "pytorch_version": self.pytorch_version, "python_version": self.python_version,
-                "device_name": self.device_name, "argv": None if self.argv is None else list(self.argv)}
 
-
-def _str(value: Any) -> str | None:
+def _str(value: object) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def parse_system_stats(data: Any) -> ComfyStats:
+def parse_system_stats(data: object) -> ComfyStats:
     """Tolerant: any field may be missing or of another type (older builds, trimmed payloads)."""
     system = data.get("system") if isinstance(data, dict) else None
     system = system if isinstance(system, dict) else {}
@@ -305,13 +334,21 @@ def parse_system_stats(data: Any) -> ComfyStats:
 
 @dataclass(frozen=True, slots=True)
 class Flag:
+    """A memory-relevant flag ComfyUI was started with (its JSON is its fields)."""
+
     flag: str
     value: str | None
     meaning: str
     status: SettingStatus
 
-    def to_json(self) -> dict[str, Any]:
-        return {"flag": self.flag, "value": self.value, "meaning": self.meaning, "status": self.status}
+
+class ComfyReport(ComfyStats, EngineReport):
+    """EngineReport's fields, then ComfyStats', then the flags."""
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+    flags: list[Flag]
+    flags_note: str | None = Field(default=None, exclude_if=lambda v: v is None,
+                                   description="why the start flags are unknown (an older ComfyUI)")
 
 
 def comfy_flags(argv: Sequence[str]) -> list[Flag]:

@@ -14,20 +14,44 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from proxy.clock import Clock
 from proxy.config.settings import GpuProfile
 from proxy.decision_base import DecisionSink, FollowUp, Opening
-from proxy.encoding import fields_json
-from proxy.gpu.profile import FieldCheck, compare, plan_changes, reset_reason
+from proxy.gpu.profile import FieldCheck, FieldStatus, compare, plan_changes, reset_reason
 from proxy.gpu.settings import GpuSettings, SettingsSource
-from proxy.gpu.settings_writer import SettingChange, SettingsWriteError, SettingsWriter
-from proxy.gpu.snapshot import GpuReadError
+from proxy.gpu.settings_writer import (
+    SettingChange,
+    SettingName,
+    SettingsWriteError,
+    SettingsWriter,
+    WriteErrorKind,
+)
+from proxy.gpu.snapshot import GpuError, GpuReadError
 
 BACKOFF_S = 30.0
 BACKOFF_MAX_S = 1800.0
 TRIGGER = "gpu settings check"
+_CHECKS = TypeAdapter(tuple[FieldCheck, ...])  # a FieldCheck's JSON is its fields
+
+
+class _Shown(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class WriteFailure(_Shown):
+    """A write the driver refused (a `SettingsWriteError`), as /api/gpu and the decision log show it."""
+
+    kind: WriteErrorKind
+    error: str
+    fix: str
+
+    @classmethod
+    def of(cls, exc: SettingsWriteError) -> WriteFailure:
+        return cls(kind=exc.kind, error=exc.message, fix=exc.fix)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -41,8 +65,8 @@ class GpuDrift(Opening):
     started: tuple[str, ...]
     resolved: tuple[str, ...]
 
-    def facts(self) -> dict[str, Any]:
-        return {"device": self.device, "drifting": [c.to_json() for c in self.drifting],
+    def facts(self) -> dict[str, object]:
+        return {"device": self.device, "drifting": _CHECKS.dump_python(self.drifting, mode="json"),
                 "started": list(self.started), "resolved": list(self.resolved)}
 
 
@@ -55,7 +79,7 @@ class GpuApplyStarted(Opening):
     device: int
     changes: tuple[str, ...]
 
-    def facts(self) -> dict[str, Any]:
+    def facts(self) -> dict[str, object]:
         return {"device": self.device, "changes": list(self.changes)}
 
 
@@ -65,26 +89,53 @@ class GpuApplyFinished(FollowUp):
 
     name = "gpu_apply_finished"
     ok: bool
-    errors: tuple[dict[str, str], ...]  # kind, error, fix
+    errors: tuple[WriteFailure, ...]
     still_drifting: tuple[str, ...]
     next_attempt_in_s: float | None  # after a failure: the back-off
 
-    def facts(self) -> dict[str, Any]:
-        return {"ok": self.ok, "errors": list(self.errors), "still_drifting": list(self.still_drifting),
-                "next_attempt_in_s": self.next_attempt_in_s}
+    def facts(self) -> dict[str, object]:
+        return {"ok": self.ok, "errors": [e.model_dump(mode="json") for e in self.errors],
+                "still_drifting": list(self.still_drifting), "next_attempt_in_s": self.next_attempt_in_s}
 
 
 @dataclass(slots=True)
 class ApplyAttempt:
+    """The last write of the profile; its JSON (in /api/gpu) is its fields."""
+
     at: float  # unix seconds
     reason: str
     changes: list[str]
     ok: bool
-    errors: list[dict[str, str]]
+    errors: list[WriteFailure]
     still_drifting: list[str]
 
-    def to_json(self) -> dict[str, Any]:
-        return fields_json(self)
+
+class ProfileCheck(_Shown):
+    """One setting of the profile's card against `gpu_profile` (a `FieldCheck`), and since when it drifts."""
+
+    setting: SettingName
+    status: FieldStatus
+    desired: object
+    actual: object
+    note: str
+    cost: str | None
+    by_hand: str | None
+    since: float | None = Field(description="unix seconds the drift began; null: it does not drift")
+
+    @classmethod
+    def of(cls, c: FieldCheck, since: float | None) -> ProfileCheck:
+        return cls(setting=c.setting, status=c.status, desired=c.desired, actual=c.actual, note=c.note, cost=c.cost,
+                   by_hand=c.by_hand, since=since)
+
+
+class DeviceReport(_Shown):
+    """One card in /api/gpu: its settings as read, or why they could not be."""
+
+    index: int
+    settings: GpuSettings | None
+    error: GpuError | None
+    profile: list[ProfileCheck] | None = Field(default=None, exclude_if=lambda v: v is None,
+                                               description="only the profile's card: each setting checked")
 
 
 @dataclass(slots=True)
@@ -105,13 +156,30 @@ class DeviceView:
         self.checks = ()
         self.read_failed_since_ok = True
 
-    def to_json(self, profiled: bool) -> dict[str, Any]:
-        out: dict[str, Any] = {"index": self.index, "settings": self.settings.to_json() if self.settings else None,
-                               "error": None if self.error is None else
-                               {"state": self.error.state, "error": self.error.message, "fix": self.error.fix}}
-        if profiled:
-            out["profile"] = [dict(c.to_json(), since=self.drift_since.get(c.setting)) for c in self.checks]
-        return out
+    def report(self, profiled: bool) -> DeviceReport:
+        return DeviceReport(index=self.index, settings=self.settings,
+                            error=None if self.error is None else GpuError.of(self.error),
+                            profile=[ProfileCheck.of(c, self.drift_since.get(c.setting)) for c in self.checks]
+                            if profiled else None)
+
+
+class ApplyReport(_Shown):
+    enabled: bool
+    last: ApplyAttempt | None
+    error: WriteFailure | None
+    failures: int
+    next_attempt_in_s: float | None = Field(description="after a failure: the back-off left")
+
+
+class GpuReport(_Shown):
+    """GET /api/gpu (before `host_ram`): every card's settings, the profile and how applying it goes."""
+
+    checked_at: float | None
+    source_error: str | None
+    list_error: GpuError | None
+    devices: list[DeviceReport]
+    profile: GpuProfile | None
+    apply: ApplyReport | None
 
 
 class GpuSettingsKeeper:
@@ -232,7 +300,7 @@ class GpuSettingsKeeper:
             self._rewrite_pending = None
         self._settle(ok, errors, still, changes, view.index)
         self.last_apply = ApplyAttempt(self.clock.wall(), reason, [c.describe() for c in changes], ok,
-                                       [{"kind": e.kind, "error": e.message, "fix": e.fix} for e in errors], still)
+                                       [WriteFailure.of(e) for e in errors], still)
         self.decisions.emit(GpuApplyFinished(
             tenant="", trigger=started.trigger, refers_to=started.id, ok=ok, errors=tuple(self.last_apply.errors),
             still_drifting=tuple(still), next_attempt_in_s=None if ok else round(self.next_apply_at - self.clock.now(), 1)))
@@ -256,20 +324,18 @@ class GpuSettingsKeeper:
                 "(the driver clamped or ignored the value)", "check the card's ranges in GET /api/gpu and the profile")
 
     # -- the view --------------------------------------------------------------------------------
-    def to_json(self) -> dict[str, Any]:
+    def report(self) -> GpuReport:
         p = self.profile
-        return {
-            "checked_at": self.checked_at,
-            "source_error": (self.no_source_reason or "no settings reader") if self.source is None else None,
-            "list_error": None if self.list_error is None else
-            {"state": self.list_error.state, "error": self.list_error.message, "fix": self.list_error.fix},
-            "devices": [v.to_json(p is not None and v.index == p.device) for _, v in sorted(self.devices.items())],
-            "profile": None if p is None else p.model_dump(mode="json"),
-            "apply": None if p is None else {
-                "enabled": p.apply, "last": self.last_apply.to_json() if self.last_apply else None,
-                "error": None if self.apply_error is None else
-                {"kind": self.apply_error.kind, "error": self.apply_error.message, "fix": self.apply_error.fix},
-                "failures": self.apply_failures,
-                "next_attempt_in_s": (round(max(0.0, self.next_apply_at - self.clock.now()), 1)
-                                      if self.apply_failures else None)},
-        }
+        return GpuReport(
+            checked_at=self.checked_at,
+            source_error=(self.no_source_reason or "no settings reader") if self.source is None else None,
+            list_error=None if self.list_error is None else GpuError.of(self.list_error),
+            devices=[v.report(p is not None and v.index == p.device) for _, v in sorted(self.devices.items())],
+            profile=p,
+            apply=None if p is None else ApplyReport(
+                enabled=p.apply, last=self.last_apply,
+                error=None if self.apply_error is None else WriteFailure.of(self.apply_error),
+                failures=self.apply_failures,
+                next_attempt_in_s=(round(max(0.0, self.next_apply_at - self.clock.now()), 1)
+                                   if self.apply_failures else None)),
+        )

@@ -23,7 +23,3 @@ class Placement:
 
     def allows(self, index: int) -> bool:
         return self.devices is None or index in self.devices
-
-    def to_json(self) -> dict[str, object]:
-        return {"devices": None if self.devices is None else list(self.devices), "source": self.source,
-                "detail": self.detail}

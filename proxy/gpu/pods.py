@@ -86,25 +86,33 @@ class PodIndex:
 EMPTY_INDEX = PodIndex({}, {})
 
 
-def index_pods(pod_list: Mapping[str, Any]) -> PodIndex:
+def _obj(value: object) -> dict[str, object]:
+    """A JSON object, or {} for anything else (a malformed item reads as one that says nothing)."""
+    return value if isinstance(value, dict) else {}
+
+
+def _list(value: object) -> list[object]:
+    return value if isinstance(value, list) else []
+
+
+def index_pods(pod_list: Mapping[str, object]) -> PodIndex:
     """A PodIndex from the API server's PodList JSON; malformed items are skipped, never fatal."""
     by_container: dict[str, PodRef] = {}
     by_uid: dict[str, PodRef] = {}
-    items = pod_list.get("items")
-    for item in items if isinstance(items, list) else []:
-        meta = item.get("metadata") if isinstance(item, dict) else None
-        if not isinstance(meta, dict) or not isinstance(meta.get("name"), str):
+    for item in map(_obj, _list(pod_list.get("items"))):
+        meta = _obj(item.get("metadata"))
+        name, uid = meta.get("name"), meta.get("uid")
+        if not isinstance(name, str):
             continue
-        raw_labels = meta.get("labels")
-        labels: Mapping[str, Any] = raw_labels if isinstance(raw_labels, dict) else {}
-        pod = PodRef(str(meta.get("namespace") or "default"), meta["name"], None,
+        labels = _obj(meta.get("labels"))
+        pod = PodRef(str(meta.get("namespace") or "default"), name, None,
                      MappingProxyType({str(k): str(v) for k, v in labels.items()}))
-        if isinstance(meta.get("uid"), str):
-            by_uid[meta["uid"]] = pod
-        status = item.get("status") if isinstance(item.get("status"), dict) else {}
+        if isinstance(uid, str):
+            by_uid[uid] = pod
+        status = _obj(item.get("status"))
         for key in ("containerStatuses", "initContainerStatuses", "ephemeralContainerStatuses"):
-            for cs in status.get(key) or []:
-                cid = cs.get("containerID") if isinstance(cs, dict) else None
+            for cs in map(_obj, _list(status.get(key))):
+                cid = cs.get("containerID")
                 if isinstance(cid, str) and "://" in cid:
                     by_container[cid.split("://", 1)[1]] = replace(pod, container=str(cs.get("name") or "") or None)
     return PodIndex(MappingProxyType(by_container), MappingProxyType(by_uid))
@@ -113,7 +121,7 @@ def index_pods(pod_list: Mapping[str, Any]) -> PodIndex:
 class PodSource(Protocol):
     """Reads the node's pod list (blocking). Raises `PodListError` when it cannot."""
 
-    def pod_list(self) -> Mapping[str, Any]: ...
+    def pod_list(self) -> Mapping[str, object]: ...
 
 
 class PodListError(Exception):
@@ -133,7 +141,7 @@ class InClusterPods:
         self._client = httpx.Client(verify=str(ca) if ca.exists() else True, timeout=timeout_s, trust_env=False,
                                     transport=transport)
 
-    def pod_list(self) -> Mapping[str, Any]:
+    def pod_list(self) -> Mapping[str, object]:
         try:
             token = (self.sa_dir / "token").read_text().strip()  # rotated by the kubelet: read each time
             r = self._client.get(self.url, params={"fieldSelector": f"spec.nodeName={self.node}"},

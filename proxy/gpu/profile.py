@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from proxy.config.settings import GpuProfile
-from proxy.encoding import fields_json
 from proxy.gpu.settings import NOT_LOCKED, NOT_SUPPORTED, GpuSettings
 from proxy.gpu.settings_writer import SettingChange, SettingName
 
@@ -28,17 +27,14 @@ FAN_TOLERANCE_PERCENT = 3  # the reported speed trails a set speed by a percent 
 class FieldCheck:
     setting: SettingName
     status: FieldStatus
-    desired: Any
-    actual: Any  # None: not known (see note)
+    desired: object  # the profile's value (a number, a [min, max] pair, a policy)
+    actual: object  # the card's; None: not known (see note)
     note: str  # what a person needs to know: the two values, or why it cannot be checked or done
     cost: str | None = None  # drift: what it costs
     by_hand: str | None = None  # drift: a command that sets it without the proxy
 
-    def to_json(self) -> dict[str, Any]:
-        return fields_json(self)
 
-
-def _missing(setting: SettingName, desired: Any, reason: str | None, what: str) -> FieldCheck:
+def _missing(setting: SettingName, desired: object, reason: str | None, what: str) -> FieldCheck:
     if reason == NOT_SUPPORTED:
         return FieldCheck(setting, "unsupported", desired, None, f"{what}: {NOT_SUPPORTED}")
     return FieldCheck(setting, "unreadable", desired, None, f"{what} cannot be checked: {reason or 'not read'}")

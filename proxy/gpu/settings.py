@@ -67,13 +67,11 @@ class FanState:
     speed_percent: int | None  # the driver's fan speed: 0 is a real reading (fans stopped at idle)
     policy: FanPolicy | None
 
-    def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "speed_percent": self.speed_percent, "policy": self.policy}
-
 
 @dataclass(frozen=True, slots=True)
 class GpuSettings:
-    """One device's settings as read. None: not read; `unavailable[field]` says why."""
+    """One device's settings as read. None: not read; `unavailable[field]` says why. Its JSON (in
+    /api/gpu, through `proxy.gpu.keeper.DeviceReport`) is its fields, in this order."""
 
     index: int
     name: str
@@ -105,19 +103,6 @@ class GpuSettings:
     clock_event_reasons: tuple[str, ...] | None = None
     unavailable: Mapping[str, str] = field(default_factory=dict, hash=False)
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for name in self.__slots__:
-            value = getattr(self, name)
-            if name == "fans":
-                value = None if value is None else [f.to_json() for f in value]
-            elif name == "unavailable":
-                value = dict(value)
-            elif isinstance(value, tuple):
-                value = list(value)
-            out[name] = value
-        return out
-
 
 class SettingsSource(Protocol):
     """Reads the settings of the cards it can see. Blocking; may raise `GpuReadError`."""
@@ -132,14 +117,15 @@ class _Fields:
 
     def __init__(self, nvml: ModuleType) -> None:
         self.nvml = nvml
-        self.values: dict[str, Any] = {}
+        self.values: dict[str, Any] = {}  # GpuSettings' fields by name, each of its field's type
         self.unavailable: dict[str, str] = {}
 
     def _is(self, exc: BaseException, names: tuple[str, ...]) -> bool:
         return any(isinstance(c := getattr(self.nvml, n, None), type) and isinstance(exc, c) for n in names)
 
-    def call(self, names: str | tuple[str, ...], fn_name: str, *args: Any, convert: Callable[[Any], Any] = lambda v: v,
-             zero_is_unknown: bool = False) -> Any:
+    def call(self, names: str | tuple[str, ...], fn_name: str, *args: object,
+             convert: Callable[[Any], object] = lambda v: v,  # what pynvml returns is untyped
+             zero_is_unknown: bool = False) -> object:
         """Call `nvml.<fn_name>(*args)`; on failure mark every field in `names` unavailable and return None.
         `zero_is_unknown`: a 0 from the driver means "not set here" (a power limit, a maximum clock), not a value."""
         fields = (names,) if isinstance(names, str) else names
@@ -168,15 +154,15 @@ class _Fields:
             self.unavailable.setdefault(f, reason)
         return None
 
-    def set(self, name: str, value: Any) -> None:
+    def set(self, name: str, value: object) -> None:
         self.values[name] = value
 
 
-def _zero(value: Any) -> bool:
+def _zero(value: object) -> bool:
     return not any(value) if isinstance(value, tuple) else not value
 
 
-def _w(milliwatts: Any) -> float:
+def _w(milliwatts: int) -> float:
     return round(int(milliwatts) / 1000, 3)
 
 
@@ -278,7 +264,7 @@ class NvmlSettingsReader:
     @staticmethod
     def _fans(f: _Fields, handle: object) -> None:
         count = f.call("fans", "nvmlDeviceGetNumFans", handle, convert=int)
-        if count is None:
+        if not isinstance(count, int):
             return
         if count:
             f.call("fan_speed_range_percent", "nvmlDeviceGetMinMaxFanSpeed", handle,
@@ -291,7 +277,8 @@ class NvmlSettingsReader:
                                 convert=lambda v: "manual" if int(v) == 1 else "auto")
             for what, reason in probe.unavailable.items():
                 f.unavailable.setdefault(f"fans[{i}].{what}", reason)
-            fans.append(FanState(i, speed, policy))
+            fans.append(FanState(i, speed if isinstance(speed, int) else None,
+                                 "manual" if policy == "manual" else "auto" if policy == "auto" else None))
         f.set("fans", tuple(fans))
 
     @staticmethod

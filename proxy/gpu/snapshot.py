@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict
 
 SnapshotSource = Literal["nvml", "simulated", "engine-estimate"]
 DeviceFigure = Literal["total", "reserved", "used", "free"]
@@ -25,8 +27,19 @@ class PodRef:
     container: str | None = None
     labels: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), hash=False)
 
-    def to_json(self) -> dict[str, Any]:
-        return {"namespace": self.namespace, "name": self.name, "container": self.container}
+
+
+class PodName(BaseModel):
+    """A process's pod as the API shows it (`PodRef` without the labels it is matched on)."""
+
+    model_config = ConfigDict(extra="allow")
+    namespace: str
+    name: str
+    container: str | None
+
+    @classmethod
+    def of(cls, pod: PodRef) -> PodName:
+        return cls(namespace=pod.namespace, name=pod.name, container=pod.container)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,3 +181,16 @@ class GpuReadError(Exception):
         self.state = state  # library_missing | driver_not_loaded | no_permission | gpu_lost | driver_mismatch | unknown
         self.message = message
         self.fix = fix
+
+
+class GpuError(BaseModel):
+    """A `GpuReadError` as the API shows it (the stats, /api/gpu)."""
+
+    model_config = ConfigDict(extra="allow")
+    state: str
+    error: str
+    fix: str
+
+    @classmethod
+    def of(cls, err: GpuReadError) -> GpuError:
+        return cls(state=err.state, error=err.message, fix=err.fix)

@@ -11,33 +11,82 @@ prints at start.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
-from proxy.encoding import fields_json
+from pydantic import BaseModel, ConfigDict, Field
+
 from proxy.gpu.attribution import UNMANAGED, AttributedSnapshot
 from proxy.gpu.snapshot import DeviceFigure, GpuReadError
 
 CapabilityStatus = Literal["ok", "estimated", "off"]
 
 
-def device_json(snap: AttributedSnapshot) -> dict[str, Any]:
-    """The device as the admin API and the event stream show it: unknown figures are null. On a
-    host with several cards: the whole host's figures (the sums), and `devices_json` per card."""
-    raw = snap.snapshot
-    if raw.several_devices:
-        cards = raw.all_devices
-        def total(name: DeviceFigure) -> int | None:
-            figures = [d.figure(name) for d in cards]
-            return None if any(f is None for f in figures) else sum(f or 0 for f in figures)
-        return {"name": f"{len(cards)} GPUs: " + ", ".join(f"{d.index}: {d.name}" for d in cards),
-                "total_bytes": total("total"), "free_bytes": total("free"), "used_bytes": total("used"),
-                "reserved_bytes": total("reserved"), "source": raw.source, "notes": list(raw.notes),
-                "devices": devices_json(snap)}
-    dev = raw.device
-    return {"name": dev.name, "total_bytes": dev.figure("total"), "free_bytes": dev.figure("free"),
-            "used_bytes": dev.figure("used"), "reserved_bytes": dev.figure("reserved"),
-            "source": raw.source, "notes": list(raw.notes)}
+class _Shown(BaseModel):
+    """A shape the API shows: unknown keys are kept (a payload that grows a field stays valid)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class Card(_Shown):
+    index: int
+    name: str
+    uuid: str
+    total_bytes: int | None
+    free_bytes: int | None
+    used_bytes: int | None
+    reserved_bytes: int | None
+    tenants: dict[str, int] = Field(description="bytes each tenant (and `unmanaged`) holds on this card")
+    placed: list[str] = Field(description="tenants pinned to or discovered on this card")
+
+    @classmethod
+    def all_of(cls, snap: AttributedSnapshot) -> list[Card]:
+        """Each card with its figures and what each tenant (and `unmanaged`) holds on it."""
+        out = []
+        for d in snap.snapshot.all_devices:
+            held: dict[str, int] = {}
+            for p in snap.processes:
+                if p.process.device == d.index and p.process.used_bytes:
+                    held[p.tenant] = held.get(p.tenant, 0) + p.process.used_bytes
+            out.append(cls(index=d.index, name=d.name, uuid=d.uuid, total_bytes=d.figure("total"),
+                           free_bytes=d.figure("free"), used_bytes=d.figure("used"),
+                           reserved_bytes=d.figure("reserved"), tenants=held,
+                           placed=sorted(t for t, pl in snap.placement.items() if pl.devices and d.index in pl.devices)))
+        return out
+
+
+class Device(_Shown):
+    """Unknown is not zero: a figure nobody measured is null (without a GPU reader: used, free and
+    reserved; the total too when no engine reports the card)."""
+    name: str
+    total_bytes: int | None
+    free_bytes: int | None
+    used_bytes: int | None
+    reserved_bytes: int | None
+    source: str = Field(description="nvml, simulated, or engine-estimate")
+    notes: list[str]
+    devices: list[Card] | None = Field(default=None, description="only on a host with several GPUs: each card (the "
+                                                                 "figures above are then the whole host's sums)")
+
+    @classmethod
+    def of(cls, snap: AttributedSnapshot) -> Device:
+        """The device as the admin API and the event stream show it: unknown figures are null. On a
+        host with several cards: the whole host's figures (the sums), and each card (`devices`, unset
+        on one card: absent from the answer)."""
+        raw = snap.snapshot
+        if raw.several_devices:
+            cards = raw.all_devices
+
+            def total(name: DeviceFigure) -> int | None:
+                figures = [d.figure(name) for d in cards]
+                return None if any(f is None for f in figures) else sum(f or 0 for f in figures)
+            return cls(name=f"{len(cards)} GPUs: " + ", ".join(f"{d.index}: {d.name}" for d in cards),
+                       total_bytes=total("total"), free_bytes=total("free"), used_bytes=total("used"),
+                       reserved_bytes=total("reserved"), source=raw.source, notes=list(raw.notes),
+                       devices=Card.all_of(snap))
+        dev = raw.device
+        return cls(name=dev.name, total_bytes=dev.figure("total"), free_bytes=dev.figure("free"),
+                   used_bytes=dev.figure("used"), reserved_bytes=dev.figure("reserved"),
+                   source=raw.source, notes=list(raw.notes))
 
 
 def held_by_device(snap: AttributedSnapshot, tenant: str) -> dict[int, int]:
@@ -49,34 +98,33 @@ def held_by_device(snap: AttributedSnapshot, tenant: str) -> dict[int, int]:
     return out
 
 
-def devices_json(snap: AttributedSnapshot) -> list[dict[str, Any]]:
-    """Each card with its figures and what each tenant (and `unmanaged`) holds on it."""
-    out = []
-    for d in snap.snapshot.all_devices:
-        held: dict[str, int] = {}
-        for p in snap.processes:
-            if p.process.device == d.index and p.process.used_bytes:
-                held[p.tenant] = held.get(p.tenant, 0) + p.process.used_bytes
-        out.append({"index": d.index, "name": d.name, "uuid": d.uuid, "total_bytes": d.figure("total"),
-                    "free_bytes": d.figure("free"), "used_bytes": d.figure("used"),
-                    "reserved_bytes": d.figure("reserved"), "tenants": held,
-                    "placed": sorted(t for t, pl in snap.placement.items() if pl.devices and d.index in pl.devices)})
-    return out
+class CardHolding(_Shown):
+    index: int
+    name: str
+    vram_bytes: int
 
 
-def tenant_devices_json(snap: AttributedSnapshot, tenant: str) -> dict[str, Any]:
-    """A tenant's cards for its view: where it may load (pinned, discovered or any, and why) and
-    what it holds on each. Empty on a one-card host, whose views stay as they were."""
-    if not snap.snapshot.several_devices:
-        return {}
-    placement = snap.placement.get(tenant)
-    held = held_by_device(snap, tenant)
-    return {"devices": {
-        **(placement.to_json() if placement is not None else
-           {"devices": None, "source": "any", "detail": "not placed yet: may use any device"}),
-        "vram_by_device": [{"index": d.index, "name": d.name, "vram_bytes": held.get(d.index, 0)}
-                           for d in snap.snapshot.all_devices],
-    }}
+class TenantDevices(_Shown):
+    """Only on a host with several GPUs: the cards the tenant's engine loads on, and why."""
+    devices: list[int] | None = Field(description="NVML indices; null: any device")
+    source: Literal["pinned", "discovered", "any"] = Field(
+        description="pinned: `devices` in tenants.json; discovered: its process's --cuda-device or CUDA_VISIBLE_DEVICES")
+    detail: str
+    vram_by_device: list[CardHolding]
+
+    @classmethod
+    def of(cls, snap: AttributedSnapshot, tenant: str) -> TenantDevices | None:
+        """A tenant's cards for its view: where it may load (pinned, discovered or any, and why) and
+        what it holds on each. None on a one-card host, whose views stay as they were."""
+        if not snap.snapshot.several_devices:
+            return None
+        placement = snap.placement.get(tenant)
+        held = held_by_device(snap, tenant)
+        return cls(devices=None if placement is None or placement.devices is None else list(placement.devices),
+                   source="any" if placement is None else placement.source,
+                   detail="not placed yet: may use any device" if placement is None else placement.detail,
+                   vram_by_device=[CardHolding(index=d.index, name=d.name, vram_bytes=held.get(d.index, 0))
+                                   for d in snap.snapshot.all_devices])
 
 
 def sees(snap: AttributedSnapshot, tenant: str) -> bool:
@@ -97,36 +145,34 @@ def unmanaged_vram(snap: AttributedSnapshot) -> int | None:
     return None if snap.estimated else snap.held_by(UNMANAGED)
 
 
-@dataclass(frozen=True, slots=True)
-class Capability:
-    name: str
-    status: CapabilityStatus
+class Capability(_Shown):
+    name: Literal["forwarding", "in-flight tracking", "arbitration", "confirmed releases"]
+    status: CapabilityStatus = Field(description="estimated: on the engines' own reports")
     detail: str
-
-    def to_json(self) -> dict[str, Any]:
-        return fields_json(self)
 
 
 def capabilities(snap: AttributedSnapshot | None, error: GpuReadError | None) -> list[Capability]:
     """What works now, from the last snapshot and the reader's last error."""
-    out = [Capability("forwarding", "ok", "every listener forwards requests and websockets unchanged"),
-           Capability("in-flight tracking", "ok", "busy state comes from the traffic through the proxy")]
+    out = [Capability(name="forwarding", status="ok", detail="every listener forwards requests and websockets unchanged"),
+           Capability(name="in-flight tracking", status="ok", detail="busy state comes from the traffic through the proxy")]
     if error is None and snap is not None and not snap.estimated:
-        return [*out, Capability("arbitration", "ok", f"plans from the card's own figures ({snap.snapshot.source})"),
-                Capability("confirmed releases", "ok", "a release is done when the card shows the memory back")]
+        return [*out,
+                Capability(name="arbitration", status="ok", detail=f"plans from the card's own figures ({snap.snapshot.source})"),
+                Capability(name="confirmed releases", status="ok",
+                           detail="a release is done when the card shows the memory back")]
     if snap is not None and snap.snapshot.device.size_known:
         arbitration = Capability(
-            "arbitration", "estimated",
-            "plans use the engines' own reports (ComfyUI's device figures, Ollama's /api/ps); memory held by "
+            name="arbitration", status="estimated",
+            detail="plans use the engines' own reports (ComfyUI's device figures, Ollama's /api/ps); memory held by "
             "other programs is invisible, so a load may still run out of memory")
     else:
         arbitration = Capability(
-            "arbitration", "off",
-            "the card's size is unknown (no engine reports the device): GPU requests are forwarded without a plan, "
+            name="arbitration", status="off",
+            detail="the card's size is unknown (no engine reports the device): GPU requests are forwarded without a plan, "
             "nothing is released for them and nothing is refused")
     return [*out, arbitration, Capability(
-        "confirmed releases", "off",
-        "the card cannot be read: a release ends when the engine's own report says its memory is gone, marked estimated")]
+        name="confirmed releases", status="off",
+        detail="the card cannot be read: a release ends when the engine's own report says its memory is gone, marked estimated")]
 
 
 def summary(caps: list[Capability]) -> str:

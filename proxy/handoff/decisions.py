@@ -38,7 +38,7 @@ from proxy.decision_base import DecisionEvent, DecisionKind, E, FollowUp, Openin
 from proxy.encoding import fields_json
 from proxy.handoff.plan import Plan, gib
 from proxy.handoff.queue_rules import held_swap
-from proxy.models.loads import LoadRecord
+from proxy.models.loads import LoadRecord, MeasuredLoad
 
 log = logging.getLogger("hyperswap.decisions")
 
@@ -316,7 +316,7 @@ class ModelLoad(Opening):
     request: int | None = None  # the decision of the request whose load it was (its wait, or its handoff)
 
     def facts(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.load.to_json().items() if k != "tenant"}
+        out = MeasuredLoad.of(self.load).model_dump(mode="json", exclude={"tenant"})
         if self.request is not None:
             out["request"] = self.request
         return out

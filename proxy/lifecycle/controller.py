@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
 import httpx
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.clock import Clock
 from proxy.config.schema import ReleaseFailed, ReleaseSpec, Tenant
@@ -25,6 +25,41 @@ from proxy.errors import HyperSwapError
 Status = Literal["running", "stopped", "unknown"]
 JSON = dict[str, object]
 T = TypeVar("T")
+
+
+
+class LifecycleController(BaseModel):
+    """What a lifecycle tenant's controller runs or reaches (the fields of its kind only)."""
+    model_config = ConfigDict(extra="allow")
+    kind: Literal["process", "systemd", "docker"]
+    command: list[str] | None = Field(default=None, description="process: the command the proxy runs, argv style")
+    cwd: str | None = Field(default=None, description="process: its working directory (null: the proxy's)")
+    holders: dict[str, str] | None = Field(default=None, description="process: port holders outside its process tree "
+                                                                     "taken as the app's own (a daemon's child), pid -> "
+                                                                     "why; null: none")
+    pid: int | None = Field(default=None, description="process: the child's pid while it runs")
+    running: bool | None = Field(default=None, description="process: the child the proxy started runs now")
+    exit_code: int | None = Field(default=None, description="process: how the last child ended (null: runs, or none)")
+    orphan: dict[str, object] | None = Field(default=None, description="process: a child of an earlier run of the proxy "
+                                             "that still runs (pid, pgid); named in health, never killed")
+    unit: str | None = Field(default=None, description="systemd: the unit")
+    scope: Literal["system", "user"] | None = Field(default=None, description="systemd: the manager it is reached in")
+    container: str | None = Field(default=None, description="docker: container name or id")
+    socket: str | None = Field(default=None, description="docker: the Engine API's Unix socket")
+    error: str | None = Field(default=None, description="docker: the last call's error (null: it worked)")
+    stop_command: list[str] | None = Field(default=None, description="process: the command run to stop it instead "
+                                                                    "of signals (null: signals)")
+    stop_error: str | None = Field(default=None, description="process: why the last stop command did not stop it "
+                                                             "(the signals did); null: it worked, or none ran")
+    output: list[str] | None = Field(default=None, description="process: its last output lines; systemd: the last "
+                                                               "systemctl call's")
+    log: str | None = Field(default=None, description="process: the file its output goes to (in the state directory; "
+                                                      "null: a temporary file); started afresh with each start")
+
+
+def shown(view: LifecycleController) -> JSON:
+    """A controller's `describe()`: the fields its kind set, as JSON."""
+    return view.model_dump(mode="json", exclude_unset=True)
 
 
 class LifecycleError(HyperSwapError):
@@ -66,7 +101,8 @@ class Controller(Protocol):
         """Whether the app runs now; `unknown` when it cannot be told (never raises)."""
 
     def describe(self) -> JSON:
-        """What it controls and its state, JSON-ready, for the admin API and health."""
+        """What it controls and its state, JSON-ready, for the admin API and health: a
+        `LifecycleController` with the fields of its kind set, dumped (`shown`)."""
 
     def summary(self) -> str:
         """What it controls in a few words, for health: `process: llama-server -m q.gguf`."""
@@ -146,7 +182,7 @@ class StoppingRelease(ReleaseSpec):
 
     stops: ClassVar[bool] = True
 
-    async def release(self, tenant: Tenant, client: httpx.AsyncClient) -> dict[str, Any]:
+    async def release(self, tenant: Tenant, client: httpx.AsyncClient) -> dict[str, object]:
         raise ReleaseFailed(f"tenant {tenant.name!r} is released by stopping it (kind {self.kind!r}): its lifecycle "
                             "controller (proxy/lifecycle/) does that, not an HTTP call")
 

@@ -17,7 +17,7 @@ Guide: docs/guides/cuda-suspend.md.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import httpx
 from pydantic import Field
@@ -53,6 +53,6 @@ class CudaSuspend(ReleaseSpec):
     def host_ram_margin_bytes(self) -> int:
         return int(self.host_ram_margin_gb * GIB)
 
-    async def release(self, tenant: Tenant, client: httpx.AsyncClient) -> dict[str, Any]:
+    async def release(self, tenant: Tenant, client: httpx.AsyncClient) -> dict[str, object]:
         raise ReleaseFailed(f"release kind 'cuda_suspend' of tenant {tenant.name!r} is run by the proxy's "
                             "suspensions (it needs the tenant's processes), not as an HTTP call")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from typing import Any, Literal
+from typing import Literal
 from urllib.parse import quote
 
 import httpx
@@ -31,9 +31,11 @@ from proxy.lifecycle.controller import (
     JSON,
     ControllerTools,
     Exit,
+    LifecycleController,
     LifecycleError,
     Status,
     StoppingRelease,
+    shown,
     stop_timeout_field,
 )
 
@@ -86,9 +88,9 @@ class DockerController:
             fix=f"check the daemon behind {self.socket} (`systemctl status docker`, `docker info`): it accepts "
                 "connections but does not answer")
 
-    async def _call(self, method: str, path: str, *, limit_s: float, **kwargs: Any) -> httpx.Response:
+    async def _call(self, method: str, path: str, *, limit_s: float, params: dict[str, int] | None = None) -> httpx.Response:
         try:
-            return await self._client.request(method, self._path + path, timeout=limit_s, **kwargs)
+            return await self._client.request(method, self._path + path, timeout=limit_s, params=params)
         except httpx.TimeoutException as exc:
             error = self._silent(method, path, limit_s) if not isinstance(exc, httpx.ConnectTimeout) \
                 else self._unreachable(exc)
@@ -111,8 +113,8 @@ class DockerController:
         return LifecycleError(f"Docker refused to {what} container {self.container!r}: {r.status_code} {message[:300]}",
                               fix=f"see `docker logs --tail 50 {self.container}`")
 
-    async def _act(self, what: str, path: str, *, limit_s: float, **kwargs: Any) -> None:
-        r = await self._call("POST", path, limit_s=limit_s, **kwargs)
+    async def _act(self, what: str, path: str, *, limit_s: float, params: dict[str, int] | None = None) -> None:
+        r = await self._call("POST", path, limit_s=limit_s, params=params)
         if r.status_code not in (204, 304):  # 304: already started / already stopped
             error = self._refused(what, r)
             self._last_error = error.message
@@ -126,7 +128,7 @@ class DockerController:
         t = math.ceil(self.stop_timeout_s)
         await self._act("stop", "/stop", params={"t": t}, limit_s=t + self.request_timeout_s)
 
-    async def _inspect(self) -> dict[str, Any]:
+    async def _inspect(self) -> dict[str, object]:
         r = await self._call("GET", "/json", limit_s=self.status_timeout_s)
         if r.status_code != 200:
             raise self._refused("inspect", r)
@@ -135,13 +137,14 @@ class DockerController:
 
     async def status(self) -> Status:
         try:
-            state = (await self._inspect()).get("State") or {}
+            state = (await self._inspect()).get("State")
         except (LifecycleError, ValueError):
             return "unknown"
-        return "running" if state.get("Running") or state.get("Paused") else "stopped"
+        running = isinstance(state, dict) and bool(state.get("Running") or state.get("Paused"))
+        return "running" if running else "stopped"
 
     def describe(self) -> JSON:
-        return {"kind": self.kind, "container": self.container, "socket": self.socket, "error": self._last_error}
+        return shown(LifecycleController(kind="docker", container=self.container, socket=self.socket, error=self._last_error))
 
     def summary(self) -> str:
         return f"docker container {self.container} at {self.socket}"

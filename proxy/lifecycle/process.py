@@ -69,9 +69,11 @@ from proxy.lifecycle.controller import (
     JSON,
     ControllerTools,
     Exit,
+    LifecycleController,
     LifecycleError,
     Status,
     StoppingRelease,
+    shown,
     stop_timeout_field,
     within,
 )
@@ -399,12 +401,13 @@ class ProcessController:
 
     def describe(self) -> JSON:
         proc = self._proc
-        return {"kind": self.kind, "command": list(self.command), "cwd": self.cwd, "pid": self.pid,
-                "stop_command": list(self.stop_command) if self.stop_command else None, "stop_error": self.stop_error,
-                "running": self._running(), "exit_code": None if proc is None else proc.returncode,
-                "output": list(self.output()), "orphan": self.orphan,
-                "holders": {str(pid): why for pid, why in self.holders.items()} or None,
-                "log": str(self.log_path) if self.log_path is not None else None}
+        return shown(LifecycleController(
+            kind="process", command=list(self.command), cwd=self.cwd, pid=self.pid,
+            stop_command=list(self.stop_command) if self.stop_command else None, stop_error=self.stop_error,
+            running=self._running(), exit_code=None if proc is None else proc.returncode,
+            output=list(self.output()), orphan=self.orphan,
+            holders={str(pid): why for pid, why in self.holders.items()} or None,
+            log=str(self.log_path) if self.log_path is not None else None))
 
     def summary(self) -> str:
         return "process: " + " ".join(self.command)[:120]

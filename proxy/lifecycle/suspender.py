@@ -14,18 +14,41 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+
+from pydantic import BaseModel, ConfigDict
 
 from proxy.clock import Clock
 from proxy.config.schema import ReleaseFailed, Tenant
 from proxy.config.units import GIB
 from proxy.lifecycle.cuda_driver import Checkpointer, CheckpointError, checkpointer_for
 from proxy.lifecycle.cuda_suspend import CudaSuspend
-from proxy.lifecycle.suspend_state import Suspension
+from proxy.lifecycle.suspend_state import SuspendState, Suspension
 
 log = logging.getLogger("hyperswap.suspend")
 
 Procs = Sequence[tuple[int, int]]  # (pid, bytes it holds on the card), attribution's
+
+
+class Parked(BaseModel):
+    """One tenant's device memory parked in host RAM by a suspend."""
+
+    model_config = ConfigDict(extra="allow")
+    tenant: str
+    state: SuspendState
+    pids: list[int]
+    parked_bytes: int
+    parked_gb: float
+    since: float
+    via: str | None
+
+
+class HostRam(BaseModel):
+    """GET /api/gpu's `host_ram`: what is parked in host RAM, in all, and what is still available."""
+
+    model_config = ConfigDict(extra="allow")
+    available_bytes: int | None
+    parked_bytes: int
+    parked: list[Parked]
 
 
 class RestoreFailed(ReleaseFailed):
@@ -79,13 +102,13 @@ class Suspensions:
         """Host RAM available now as the first tenant's driver sees it (all read the same host); None: unknown."""
         return next(iter(self._drivers.values())).host_available_bytes() if self._drivers else None
 
-    def view(self) -> dict[str, Any]:
+    def view(self) -> HostRam:
         """What is parked in host RAM (GET /api/gpu's `host_ram`): per tenant, in all, and what is
         still available; null where unknown."""
-        parked = [{"tenant": r.tenant, "state": r.state, "pids": list(r.pids), "parked_bytes": r.parked_bytes,
-                   "parked_gb": round(r.parked_bytes / GIB, 2), "since": r.since, "via": r.via}
+        parked = [Parked(tenant=r.tenant, state=r.state, pids=list(r.pids), parked_bytes=r.parked_bytes,
+                         parked_gb=round(r.parked_bytes / GIB, 2), since=r.since, via=r.via)
                   for r in self._records.values() if r.parked_bytes and r.dormant]
-        return {"available_bytes": self.host_available_bytes(), "parked_bytes": self.parked_bytes(), "parked": parked}
+        return HostRam(available_bytes=self.host_available_bytes(), parked_bytes=self.parked_bytes(), parked=parked)
 
     def _set(self, rec: Suspension) -> None:
         self._records[rec.tenant] = rec
@@ -96,7 +119,7 @@ class Suspensions:
                 log.exception("suspension state subscriber failed")
 
     # -- suspending ---------------------------------------------------------------------------------
-    async def suspend(self, tenant: Tenant, procs: Procs) -> dict[str, Any]:
+    async def suspend(self, tenant: Tenant, procs: Procs) -> dict[str, object]:
         """Suspend the tenant's CUDA processes; returns what was done. Raises ReleaseFailed (the next
         release step runs) when host RAM is short, a process is not CUDA, or the driver refuses."""
         step, rec = self._steps[tenant.name], self._records[tenant.name]
@@ -150,7 +173,7 @@ class Suspensions:
         if event is not None:
             await event.wait()
 
-    async def restore(self, tenant: str) -> dict[str, Any] | None:
+    async def restore(self, tenant: str) -> dict[str, object] | None:
         """Restore the tenant's processes (after a suspend under way ends); None when nothing is
         parked. Raises RestoreFailed (the state is `failed`; nothing is parked any more)."""
         await self.settled(tenant)

@@ -31,7 +31,17 @@ from pydantic import Field, field_validator
 
 from proxy.clock import Clock, SystemClock
 from proxy.config.schema import Tenant
-from proxy.lifecycle.controller import JSON, ControllerTools, Exit, LifecycleError, Status, StoppingRelease, within
+from proxy.lifecycle.controller import (
+    JSON,
+    ControllerTools,
+    Exit,
+    LifecycleController,
+    LifecycleError,
+    Status,
+    StoppingRelease,
+    shown,
+    within,
+)
 
 COMMAND_TIMEOUT_S = 120.0  # systemctl waits for the unit's job; the unit's own TimeoutStartSec/TimeoutStopSec bound it
 STATUS_TIMEOUT_S = 10.0  # is-active, show: systemd answers these at once
@@ -134,8 +144,8 @@ class SystemdController:
         return "running" if state in RUNNING else "stopped" if state in STOPPED else "unknown"
 
     def describe(self) -> JSON:
-        return {"kind": self.kind, "unit": self.unit, "scope": self.scope, "output": list(self._last),
-                "error": self._error}
+        return shown(LifecycleController(kind="systemd", unit=self.unit, scope=self.scope, output=list(self._last),
+                                         error=self._error))
 
     def summary(self) -> str:
         return f"systemd {self.scope} unit {self.unit}"

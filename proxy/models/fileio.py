@@ -22,9 +22,11 @@ import asyncio
 import collections
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
+# A queued job: run it (it settles its awaiter), or fail its awaiter without running it.
+_Job = tuple[Callable[[], None], Callable[[BaseException], None]]
 
 
 class FileWorkBusy(RuntimeError):
@@ -36,12 +38,11 @@ class FileWork:
         self.name = name
         self.workers = workers
         self.max_queued = max_queued
-        self._queue: collections.deque[tuple[Callable[[], Any], asyncio.Future[Any], asyncio.AbstractEventLoop]] = (
-            collections.deque())
+        self._queue: collections.deque[_Job] = collections.deque()
         self._cond = threading.Condition()
         self._threads: list[threading.Thread] = []
         self._busy = 0
-        self._running: dict[int, tuple[asyncio.Future[Any], asyncio.AbstractEventLoop]] = {}  # thread id -> job
+        self._running: dict[int, _Job] = {}  # thread id -> job
         self._closed = False
 
     @property
@@ -54,17 +55,34 @@ class FileWork:
         with self._cond:
             return self._busy
 
-    async def run(self, fn: Callable[..., T], *args: Any, timeout_s: float | None = None) -> T:
+    async def run(self, fn: Callable[..., T], *args: object, timeout_s: float | None = None) -> T:
         """`fn(*args)` on a model-file thread. Raises FileWorkBusy when the queue is full or the work
         is closed, TimeoutError past `timeout_s` (the job is abandoned, not interrupted)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
+
+        def fail(exc: BaseException) -> None:
+            def settle() -> None:
+                if not future.done():
+                    future.set_exception(exc)
+            _on_loop(loop, settle)
+
+        def job() -> None:
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # handed to the awaiting side
+                fail(exc)
+            else:
+                def settle() -> None:
+                    if not future.done():
+                        future.set_result(result)
+                _on_loop(loop, settle)
         with self._cond:
             if self._closed:
                 raise FileWorkBusy(f"{self.name}: closed")
             if len(self._queue) >= self.max_queued:
                 raise FileWorkBusy(f"{self.name}: {self._busy} running and {len(self._queue)} waiting")
-            self._queue.append((lambda: fn(*args), future, loop))
+            self._queue.append((job, fail))
             if len(self._threads) < self.workers and self._busy + len(self._queue) > len(self._threads):
                 t = threading.Thread(target=self._work, name=f"hyperswap-{self.name}-{len(self._threads)}", daemon=True)
                 self._threads.append(t)
@@ -81,15 +99,11 @@ class FileWork:
                     self._cond.wait()
                 if self._closed:
                     return
-                job, future, loop = self._queue.popleft()
+                queued = self._queue.popleft()
                 self._busy += 1
-                self._running[threading.get_ident()] = (future, loop)
+                self._running[threading.get_ident()] = queued
             try:
-                result = job()
-            except BaseException as exc:  # handed to the awaiting side
-                _settle(loop, future, None, exc)
-            else:
-                _settle(loop, future, result, None)
+                queued[0]()
             finally:
                 with self._cond:
                     self._busy -= 1
@@ -99,24 +113,18 @@ class FileWork:
         """Fail what waits, wake idle threads so they end, abandon any still reading (daemons)."""
         with self._cond:
             self._closed = True
-            pending = [(future, loop) for _job, future, loop in self._queue]
-            pending += list(self._running.values())  # their awaiters stop waiting; the threads are left
+            pending = [fail for _run, fail in self._queue]
+            pending += [fail for _run, fail in self._running.values()]  # their awaiters stop waiting; the threads are left
             self._queue.clear()
             self._running.clear()
             self._cond.notify_all()
-        for future, loop in pending:
-            _settle(loop, future, None, FileWorkBusy(f"{self.name}: closed"))
+        for fail in pending:
+            fail(FileWorkBusy(f"{self.name}: closed"))
 
 
-def _settle(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
-    def done() -> None:
-        if future.done():
-            return
-        if exc is not None:
-            future.set_exception(exc)
-        else:
-            future.set_result(result)
+def _on_loop(loop: asyncio.AbstractEventLoop, settle: Callable[[], None]) -> None:
+    """From any thread: settle a future on its own loop (a closed loop: nobody waits any more)."""
     try:
-        loop.call_soon_threadsafe(done)
-    except RuntimeError:  # the loop is closed: nobody waits any more
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:
         pass

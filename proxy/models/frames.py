@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Generic, TypeVar
 
 EXPECT_FOR_S = 3600.0  # a prompt may wait in ComfyUI's queue this long before it runs
 
@@ -29,25 +29,28 @@ def loader_nodes(body: bytes, model: str) -> tuple[str, ...]:
                  if isinstance(node, dict) and (node.get("inputs") or {}).get("ckpt_name") == model)
 
 
+Info = TypeVar("Info")  # what the caller needs back with a load's time (the model's files, residency before)
+
+
 @dataclass(slots=True)
-class _Expected:
+class _Expected(Generic[Info]):
     nodes: tuple[str, ...]
-    info: Any  # what the caller needs back with the time (the model's files, residency before)
+    info: Info
     since: float
     prompt_id: str | None = None
     started: float | None = None
 
 
 @dataclass(slots=True)
-class FrameTimer:
+class FrameTimer(Generic[Info]):
     now: Callable[[], float]
-    expected: list[_Expected] = field(default_factory=list)
+    expected: list[_Expected[Info]] = field(default_factory=list)
 
-    def expect(self, nodes: tuple[str, ...], info: Any) -> None:
+    def expect(self, nodes: tuple[str, ...], info: Info) -> None:
         if nodes:
             self.expected.append(_Expected(nodes, info, self.now()))
 
-    def on_frame(self, text: str) -> list[tuple[Any, float]]:
+    def on_frame(self, text: str) -> list[tuple[Info, float]]:
         """Feed one text frame; returns (info, seconds) for each load it finished."""
         if '"executing"' not in text and '"execution_cached"' not in text:
             return []
@@ -60,7 +63,7 @@ class FrameTimer:
             return []
         now = self.now()
         self.expected = [e for e in self.expected if e.started is not None or now - e.since < EXPECT_FOR_S]
-        prompt = data.get("prompt_id")
+        prompt = data.get("prompt_id") if isinstance(data.get("prompt_id"), str) else None
         if event.get("type") == "execution_cached":
             cached = {str(n) for n in data.get("nodes") or []}
             self.expected = [e for e in self.expected if e.started is not None or not cached & set(e.nodes)]
@@ -69,7 +72,7 @@ class FrameTimer:
             return []
         return self._executing(data.get("node"), prompt, now)
 
-    def _executing(self, node: Any, prompt: Any, now: float) -> list[tuple[Any, float]]:
+    def _executing(self, node: object, prompt: str | None, now: float) -> list[tuple[Info, float]]:
         """A node began (None: the prompt ended): the loads of that prompt whose node is past are done,
         and an expected load whose node this is starts now."""
         done = []

@@ -14,7 +14,9 @@ import statistics
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 LoadClass = Literal["warm", "cold"]
 WARM_RESIDENT = 0.9
@@ -38,11 +40,28 @@ class LoadRecord:
     def gbps(self) -> float:
         return self.size_bytes / 1e9 / self.seconds if self.seconds > 0 else 0.0
 
-    def to_json(self) -> dict[str, Any]:
-        return {"at": round(self.at, 3), "tenant": self.tenant, "model": self.model, "size_bytes": self.size_bytes,
-                "seconds": round(self.seconds, 4), "gbps": round(self.gbps, 3),
-                "resident_before_percent": None if self.resident_before is None else round(100 * self.resident_before, 1),
-                "source": self.source, "class": self.load_class}
+
+
+class MeasuredLoad(BaseModel):
+    """A load as /api/models/loads and the decision log show it (rounded for people)."""
+
+    model_config = ConfigDict(extra="allow", serialize_by_alias=True)
+    at: float
+    tenant: str
+    model: str
+    size_bytes: int
+    seconds: float
+    gbps: float
+    resident_before_percent: float | None
+    source: str
+    load_class: LoadClass | None = Field(serialization_alias="class")
+
+    @classmethod
+    def of(cls, r: LoadRecord) -> MeasuredLoad:
+        return cls(at=round(r.at, 3), tenant=r.tenant, model=r.model, size_bytes=r.size_bytes,
+                   seconds=round(r.seconds, 4), gbps=round(r.gbps, 3),
+                   resident_before_percent=None if r.resident_before is None else round(100 * r.resident_before, 1),
+                   source=r.source, load_class=r.load_class)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,14 +77,27 @@ class Thresholds:
             return None
         return math.sqrt(self.warm_gbps * self.cold_gbps)
 
-    def to_json(self) -> dict[str, Any]:
-        split = self.split_gbps
-        return {"warm_median_gbps": _r(self.warm_gbps), "cold_median_gbps": _r(self.cold_gbps),
-                "warm_samples": self.warm_samples, "cold_samples": self.cold_samples,
-                "split_gbps": _r(split),
-                "basis": ("loads measured on this machine: files >= 90 % resident are warm samples, <= 10 % cold; "
+
+
+class LoadSplit(BaseModel):
+    """Where warm loads end and cold ones begin on this machine, as /api/models/loads shows it."""
+
+    model_config = ConfigDict(extra="allow")
+    warm_median_gbps: float | None
+    cold_median_gbps: float | None
+    warm_samples: int
+    cold_samples: int
+    split_gbps: float | None
+    basis: str
+
+    @classmethod
+    def of(cls, t: Thresholds) -> LoadSplit:
+        split = t.split_gbps
+        return cls(warm_median_gbps=_r(t.warm_gbps), cold_median_gbps=_r(t.cold_gbps), warm_samples=t.warm_samples,
+                   cold_samples=t.cold_samples, split_gbps=_r(split),
+                   basis=("loads measured on this machine: files >= 90 % resident are warm samples, <= 10 % cold; "
                           "the split is the geometric mean of the two medians") if split else
-                         "not enough loads of both kinds measured yet: loads are classified by their own residency"}
+                   "not enough loads of both kinds measured yet: loads are classified by their own residency")
 
 
 def _r(x: float | None) -> float | None:

@@ -19,7 +19,9 @@ import stat
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.engines.model_files import NotRegular, open_regular
 
@@ -43,11 +45,29 @@ class FileResidency:
             return None
         return 1.0 if self.size_bytes == 0 else min(1.0, self.cached_bytes / self.size_bytes)
 
-    def to_json(self) -> dict[str, Any]:
-        f = self.fraction
-        return {"path": self.path, "size_bytes": self.size_bytes, "cached_bytes": self.cached_bytes,
-                "resident_percent": None if f is None else round(100 * f, 1), "method": self.method,
-                "unknown_reason": self.unknown_reason}
+
+def _percent(fraction: float | None) -> float | None:
+    return None if fraction is None else round(100 * fraction, 1)
+
+
+class _Shown(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ResidentFile(_Shown):
+    """One file's page-cache residency as /api/models shows it."""
+
+    path: str
+    size_bytes: int | None
+    cached_bytes: int | None = Field(description="null: unknown, see unknown_reason (never 0)")
+    resident_percent: float | None
+    method: Method | None
+    unknown_reason: str | None
+
+    @classmethod
+    def of(cls, r: FileResidency) -> ResidentFile:
+        return cls(path=r.path, size_bytes=r.size_bytes, cached_bytes=r.cached_bytes,
+                   resident_percent=_percent(r.fraction), method=r.method, unknown_reason=r.unknown_reason)
 
 
 class PageCacheProbe(Protocol):
@@ -210,14 +230,20 @@ class ModelResidency:
             return None
         return 1.0 if self.size_bytes == 0 else min(1.0, self.cached_bytes / self.size_bytes)
 
-    def to_json(self, files: bool = False) -> dict[str, Any]:
-        f = self.fraction
-        out: dict[str, Any] = {"size_bytes": self.size_bytes, "cached_bytes": self.cached_bytes,
-                               "resident_percent": None if f is None else round(100 * f, 1),
-                               "unknown_reason": self.unknown_reason}
-        if files:
-            out["files"] = [r.to_json() for r in self.files]
-        return out
+
+class Residency(_Shown):
+    """A model's files summed, as /api/models shows it; `files` only when asked for."""
+
+    size_bytes: int
+    cached_bytes: int | None
+    resident_percent: float | None
+    unknown_reason: str | None
+    files: list[ResidentFile] | None = Field(default=None, exclude_if=lambda v: v is None)
+
+    @classmethod
+    def of(cls, r: ModelResidency, files: bool = False) -> Residency:
+        return cls(size_bytes=r.size_bytes, cached_bytes=r.cached_bytes, resident_percent=_percent(r.fraction),
+                   unknown_reason=r.unknown_reason, files=[ResidentFile.of(f) for f in r.files] if files else None)
 
 
 def summed(readings: Iterable[FileResidency]) -> ModelResidency:

@@ -30,7 +30,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
 
 from proxy.engines.model_files import NotRegular, open_regular
 from proxy.models.fileio import FileWork, FileWorkBusy
@@ -85,13 +87,6 @@ class WarmJob:
     def active(self) -> bool:
         return self.state in ("queued", "running")
 
-    def to_json(self) -> dict[str, Any]:
-        took = None if self.started_at is None else (self.ended_at or time.time()) - self.started_at
-        return {"key": self.key, "state": self.state, "reason": self.reason, "total_bytes": self.total_bytes,
-                "read_bytes": self.read_bytes, "stop_reason": self.stop_reason, "started_at": self.started_at,
-                "ended_at": self.ended_at, "duration_s": None if took is None else round(took, 3),
-                "read_gbps": round(self.read_bytes / 1e9 / took, 3) if took else None}
-
     def summary(self) -> str:
         """One line a person reads right: how much was read against what there was to read. A done
         warm of a sparse file (the demo's stand-ins) read all its data, not a fraction of its size."""
@@ -103,6 +98,30 @@ class WarmJob:
             return f"done, read all {total}"
         pct = f" ({100 * self.read_bytes / self.total_bytes:.0f} %)" if self.total_bytes else ""
         return f"{self.state} after reading {read} of {total}{pct}{f': {self.stop_reason}' if self.stop_reason else ''}"
+
+
+class Warm(BaseModel):
+    """A warm as /api/models shows it: how far it got, how long it took and how fast it read."""
+
+    model_config = ConfigDict(extra="allow")
+    key: str
+    state: WarmState
+    reason: str
+    total_bytes: int
+    read_bytes: int
+    stop_reason: str | None
+    started_at: float | None
+    ended_at: float | None
+    duration_s: float | None
+    read_gbps: float | None
+
+    @classmethod
+    def of(cls, job: WarmJob) -> Warm:
+        took = None if job.started_at is None else (job.ended_at or time.time()) - job.started_at
+        return cls(key=job.key, state=job.state, reason=job.reason, total_bytes=job.total_bytes,
+                   read_bytes=job.read_bytes, stop_reason=job.stop_reason, started_at=job.started_at,
+                   ended_at=job.ended_at, duration_s=None if took is None else round(took, 3),
+                   read_gbps=round(job.read_bytes / 1e9 / took, 3) if took else None)
 
 
 def _size(n: int) -> str:

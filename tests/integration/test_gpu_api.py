@@ -129,7 +129,7 @@ async def test_without_nvml_the_profile_cannot_be_compared_and_nothing_is_writte
     ext = gpu_ext(proxy)
     (e,) = await ext.gpu_health()  # the real NVML writer raises under tests: a write would fail this test
     assert e.status == "unknown" and "library_missing" in (e.problem or "") and "install" in (e.fix or "")
-    assert ext.keeper.to_json()["list_error"]["state"] == "library_missing"
+    assert ext.keeper.report().model_dump(mode="json")["list_error"]["state"] == "library_missing"
     quiet = Proxy(registry_from_dict({}), reader, extension_factories=[gpu_extension])
     assert await gpu_ext(quiet).gpu_health() == [], "no profile and no card: nothing to claim (the nvml entry says why)"
 

@@ -12,7 +12,7 @@ from proxy.admin import views
 from proxy.clock import ManualClock
 from proxy.config.units import GIB
 from proxy.decision_base import DecisionEvent, RequestTrigger
-from proxy.gpu.keeper import GpuApplyFinished, GpuApplyStarted, GpuDrift
+from proxy.gpu.keeper import GpuApplyFinished, GpuApplyStarted, GpuDrift, WriteFailure
 from proxy.gpu.profile import FieldCheck
 from proxy.handoff.decisions import (
     DecisionLog,
@@ -145,7 +145,7 @@ def every_kind(log: DecisionLog) -> list[DecisionEvent]:
                           resolved=())),
         apply,
         log.emit(GpuApplyFinished(tenant="", trigger=apply.trigger, refers_to=apply.id, ok=False,
-                                  errors=({"kind": "permission", "error": "no root", "fix": "run as root"},),
+                                  errors=(WriteFailure(kind="no_permission", error="no root", fix="run as root"),),
                                   still_drifting=("power_limit_w",), next_attempt_in_s=30.0)),
         log.emit(LifecycleStart(tenant="comfyui", trigger="request POST /prompt", result="ok", duration_s=12.5,
                                 state="running")),

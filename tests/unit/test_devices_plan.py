@@ -14,7 +14,7 @@ from proxy.config.units import GIB
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
 from proxy.gpu.devices import Placement
 from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot
-from proxy.gpu.visibility import device_json, devices_json, tenant_devices_json
+from proxy.gpu.visibility import Card, Device, TenantDevices
 from proxy.handoff.orders import release_whole
 from proxy.handoff.per_card import candidates, free_for, plan_on_devices, schedule_on_devices
 from proxy.handoff.plan import plan_release
@@ -91,8 +91,8 @@ def test_one_card_plans_are_the_arbiters_own() -> None:
     assert plan_on_devices(s, registry(), states, "ollama", 8 * GIB) == plan_release(s, registry(), states, "ollama", 8 * GIB)
     assert "device" not in plan_on_devices(s, registry(), states, "ollama", 8 * GIB).to_json()
     whole = release_whole(s, registry().get("comfyui"), "admin", "release", "asked")
-    assert whole.held_by_device == {} and tenant_devices_json(s, "comfyui") == {}
-    assert "devices" not in device_json(s)
+    assert whole.held_by_device == {} and TenantDevices.of(s, "comfyui") is None
+    assert "devices" not in Device.of(s).model_dump(mode="json", exclude_unset=True)
 
 
 def test_one_card_schedule_is_the_arbiters_own() -> None:
@@ -125,13 +125,13 @@ def test_memory_promised_on_one_card_is_not_counted_on_the_other() -> None:
 def test_views_show_memory_per_card_and_where_each_tenant_loads() -> None:
     s = two_cards([("ollama", 1, 10 * GIB, 0), ("ollama", 1, 2 * GIB, 1), ("comfyui", 3, 5 * GIB, 1)],
                   {"ollama": None, "comfyui": (1,)})
-    cards = devices_json(s)
-    assert [c["tenants"] for c in cards] == [{"ollama": 10 * GIB}, {"ollama": 2 * GIB, "comfyui": 5 * GIB}]
-    assert cards[1]["placed"] == ["comfyui"]
-    whole = device_json(s)
-    assert whole["total_bytes"] == 40 * GIB and whole["name"].startswith("2 GPUs")
-    view = tenant_devices_json(s, "ollama")["devices"]
-    assert view["devices"] is None and view["source"] == "any"
-    assert [d["vram_bytes"] for d in view["vram_by_device"]] == [10 * GIB, 2 * GIB]
+    cards = Card.all_of(s)
+    assert [c.tenants for c in cards] == [{"ollama": 10 * GIB}, {"ollama": 2 * GIB, "comfyui": 5 * GIB}]
+    assert cards[1].placed == ["comfyui"]
+    whole = Device.of(s)
+    assert whole.total_bytes == 40 * GIB and whole.name.startswith("2 GPUs")
+    view = TenantDevices.of(s, "ollama")
+    assert view is not None and view.devices is None and view.source == "any"
+    assert [d.vram_bytes for d in view.vram_by_device] == [10 * GIB, 2 * GIB]
     assert release_whole(s, registry().get("ollama"), "admin", "release", "asked").held_by_device == {0: 10 * GIB, 1: 2 * GIB}
     assert s.held_by("ollama") == 12 * GIB and s.on_device(1).held_by("ollama") == 2 * GIB

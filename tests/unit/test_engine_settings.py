@@ -156,8 +156,9 @@ def test_full_system_stats_fields_are_read() -> None:
     stats = es.parse_system_stats({"system": {"comfyui_version": "0.3.64", "pytorch_version": "2.8.0+cu128",
                                               "python_version": "3.12.3", "argv": ["main.py", "--lowvram"]},
                                    "devices": [{"name": "cuda:0 NVIDIA H200 : cudaMallocAsync"}]})
-    assert stats.to_json() == {"version": "0.3.64", "pytorch_version": "2.8.0+cu128", "python_version": "3.12.3",
-                               "device_name": "cuda:0 NVIDIA H200 : cudaMallocAsync", "argv": ["main.py", "--lowvram"]}
+    assert stats.model_dump(mode="json") == {
+        "version": "0.3.64", "pytorch_version": "2.8.0+cu128", "python_version": "3.12.3",
+        "device_name": "cuda:0 NVIDIA H200 : cudaMallocAsync", "argv": ["main.py", "--lowvram"]}
 
 
 def test_highvram_and_gpu_only_warn_that_free_keeps_the_weights() -> None:

@@ -106,7 +106,7 @@ async def test_without_permission_the_error_says_root_and_retries_back_off() -> 
     writer.fail = SettingsWriteError("no_permission", "no permission (NVML answered Insufficient Permissions)", ROOT_FIX)
     await keeper.check()
     assert keeper.apply_error is not None and keeper.apply_error.kind == "no_permission"
-    assert keeper.to_json()["apply"]["error"]["fix"] == ROOT_FIX
+    assert keeper.report().model_dump(mode="json")["apply"]["error"]["fix"] == ROOT_FIX
     assert next(d for d in log.recent() if d.kind == "gpu_apply").outcome["ok"] is False
     await clock.advance(29)
     await keeper.check()
@@ -154,7 +154,7 @@ async def test_after_the_card_could_not_be_read_unreadable_settings_are_written_
     keeper.source.down = True  # type: ignore[union-attr]
     await keeper.check()
     assert keeper.devices[0].error is not None
-    assert keeper.to_json()["devices"][0]["settings"] is None, "no stale settings shown for a card that cannot be read"
+    assert keeper.report().devices[0].settings is None, "no stale settings shown for a card that cannot be read"
     keeper.source.down = False  # type: ignore[union-attr]
     await keeper.check()
     assert [c.setting for _, c in writer.writes] == ["locked_clocks_mhz", "locked_clocks_mhz"]

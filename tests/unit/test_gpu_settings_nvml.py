@@ -10,12 +10,14 @@ from typing import Any
 
 import pytest
 from fake_pynvml import FakePynvmlBase
+from pydantic import TypeAdapter
 
 from proxy.gpu.settings import (
     LOCKED_CLOCKS_UNREADABLE,
     NO_PERMISSION,
     NOT_SUPPORTED,
     ZERO_REPORTED,
+    GpuSettings,
     NvmlSettingsReader,
     decode_reasons,
 )
@@ -128,7 +130,7 @@ def test_power_management_not_supported_is_null_with_the_reason_never_zero(nvml:
     assert s.unavailable["power_limit_w"] == NOT_SUPPORTED
     assert s.unavailable["power_limit_range_w"] == NOT_SUPPORTED
     assert s.power_draw_w == 31.456 and s.temperature_c == 47, "one unsupported call costs its own fields only"
-    assert s.to_json()["power_limit_w"] is None
+    assert TypeAdapter(GpuSettings).dump_python(s, mode="json")["power_limit_w"] is None, "null in JSON, never 0"
 
 
 def test_no_permission_is_null_with_a_reason_that_says_so(nvml: FakeNvml) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.models.pagecache import FileResidency, ResidencyCache, SystemPageCache, summed
+from proxy.models.pagecache import FileResidency, ResidencyCache, ResidentFile, SystemPageCache, summed
 from proxy.models.warm import Warmer, WarmJob, may_read, read_mem_available, warm_files
 
 MIB = 2**20
@@ -111,7 +111,7 @@ def _measure_as_nobody(path: str) -> dict[str, object]:
         try:
             os.setgid(65534)
             os.setuid(65534)
-            out = json.dumps(SystemPageCache().measure(path).to_json())
+            out = json.dumps(ResidentFile.of(SystemPageCache().measure(path)).model_dump(mode="json"))
         except BaseException as exc:
             out = json.dumps({"child_error": repr(exc)})
         os.write(write, out.encode())
@@ -131,7 +131,7 @@ def test_an_unreadable_file_is_unknown_with_the_reason_never_0_percent(tmp_path:
     if os.geteuid() == 0:
         reading = _measure_as_nobody(str(f))
     else:
-        reading = SystemPageCache().measure(str(f)).to_json()
+        reading = ResidentFile.of(SystemPageCache().measure(str(f))).model_dump(mode="json")
     assert "child_error" not in reading, reading
     assert reading["cached_bytes"] is None and reading["resident_percent"] is None, reading
     assert "permission denied" in str(reading["unknown_reason"]), reading
