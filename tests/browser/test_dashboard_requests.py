@@ -12,12 +12,12 @@ from typing import Any
 
 import httpx
 from playwright.async_api import Page
-from test_dashboard import HeldClock, wait_segment_above
 from websockets.asyncio.client import connect as ws_connect
 
 from proxy.demo import Demo, comfy_prompt, run_prompt
 from proxy.sim.box import fast_scenario
 from proxy.tasks import poll_until
+from tests.browser.test_dashboard import HeldClock, wait_segment_above
 
 DemoFactory = Callable[..., Awaitable[Demo]]
 OpenDashboard = Callable[[Demo], Awaitable[tuple[Page, Any]]]

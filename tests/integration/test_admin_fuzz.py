@@ -18,7 +18,6 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis
-from boxes import DemoFactory
 from hypothesis import HealthCheck, Phase, given, settings  # schemathesis brings hypothesis
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
@@ -29,6 +28,8 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
+
+from tests.integration.boxes import DemoFactory
 
 MAX_EXAMPLES = 25  # per operation and mode: the two runs take seconds, not minutes, on 2 cores
 TOKEN = "fuzz-token"

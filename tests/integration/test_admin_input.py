@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from boxes import DemoFactory
 
 from proxy.admin.openapi import openapi_document
+from tests.integration.boxes import DemoFactory
 
 # One box per test (starting one costs about a second); the bad values are looped over inside.
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from boxes import DemoFactory, fast
 
 from proxy.engines.loading import registry_from_dict
 from proxy.errors import ConfigError
 from proxy.service import Proxy
 from proxy.sim.gpu import SimulatedGpu
+from tests.integration.boxes import DemoFactory, fast
 
 
 def test_admin_on_a_public_address_without_a_token_refuses_to_start() -> None:

@@ -8,7 +8,6 @@ import uuid
 
 import httpx
 import pytest
-from boxes import DemoFactory, fast
 from websockets.asyncio.client import connect as ws_connect
 
 from proxy.clock import ManualClock
@@ -19,6 +18,7 @@ from proxy.handoff.decisions import DecisionView
 from proxy.handoff.plan import Plan
 from proxy.handoff.scheduler import Handoff
 from proxy.tasks import poll_until
+from tests.integration.boxes import DemoFactory, fast
 
 OOM = "llama runner process has terminated: cudaMalloc failed: out of memory"
 

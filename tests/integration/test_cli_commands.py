@@ -15,7 +15,6 @@ from typing import Any
 
 import httpx
 import pytest
-from boxes import DemoFactory
 
 import proxy.demo
 from proxy.cli import main
@@ -23,6 +22,7 @@ from proxy.demo import describe, run_prompt
 from proxy.deploy import install
 from proxy.sim.box import fast_scenario, scenario_names
 from proxy.tasks import poll_until
+from tests.integration.boxes import DemoFactory
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI_PAGE = (ROOT / "docs" / "reference" / "cli.md").read_text()

@@ -8,12 +8,12 @@ import json
 
 import httpx
 import pytest
-from boxes import DemoFactory, chat, fast, render
 
 from proxy.cli import main
 from proxy.demo import DecisionPrinter, Demo, describe, start_demo
 from proxy.demo_check import self_test
 from proxy.sim.box import fast_scenario, scenario_names
+from tests.integration.boxes import DemoFactory, chat, fast, render
 
 
 def test_the_three_required_scenarios_ship() -> None:

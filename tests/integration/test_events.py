@@ -10,7 +10,6 @@ from typing import Any
 
 import httpx
 import pytest
-from boxes import ALL_PORTS_ZERO, DemoFactory, fast
 from starlette.routing import Route
 
 from proxy.admin.api import AdminApi
@@ -21,6 +20,7 @@ from proxy.engines.loading import registry_from_dict
 from proxy.service import Proxy
 from proxy.sim.box import SimBox
 from proxy.tasks import poll_until
+from tests.integration.boxes import ALL_PORTS_ZERO, DemoFactory, fast
 
 FAST = EventsSettings(tick_s=0.05, catalog_refresh_s=0.1)
 

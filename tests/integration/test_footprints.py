@@ -10,11 +10,11 @@ from typing import Any
 
 import httpx
 import ollama
-from boxes import LOOPBACK_TLS, DemoFactory, decisions, fast, releases, render, succeeded
 
 from proxy.clock import ManualClock
 from proxy.config.units import GIB
 from proxy.demo import Demo
+from tests.integration.boxes import LOOPBACK_TLS, DemoFactory, decisions, fast, releases, render, succeeded
 
 BIG_CTX = {"num_ctx": 65536}
 

@@ -23,7 +23,6 @@ import httpx
 import ollama
 import pytest
 import websockets
-from boxes import LOOPBACK_TLS
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -39,6 +38,7 @@ from proxy.relay.forward import Forwarder
 from proxy.relay.listener import TenantApp
 from proxy.relay.servers import RunningServer, start_server
 from proxy.tasks import poll_until
+from tests.integration.boxes import LOOPBACK_TLS
 
 SAFETY_S = 10.0  # only to turn a deadlock into a failure, never to measure
 

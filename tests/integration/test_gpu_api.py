@@ -7,13 +7,13 @@ import types
 from typing import Any
 
 import httpx
-from boxes import DemoFactory, fast
 
 from proxy.admin.gpu_api import GpuSettingsExtension, gpu_extension
 from proxy.engines.loading import registry_from_dict
 from proxy.gpu.nvml import NvmlReader
 from proxy.gpu.settings_writer import ROOT_FIX
 from proxy.service import Proxy
+from tests.integration.boxes import DemoFactory, fast
 
 
 def gpu_ext(demo_or_proxy: Any) -> GpuSettingsExtension:

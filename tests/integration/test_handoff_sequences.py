@@ -11,10 +11,10 @@ from typing import Any
 import httpx
 import ollama
 import pytest
-from boxes import LOOPBACK_TLS, DemoFactory, chat, decisions, fast, releases, render, succeeded
 
 from proxy.config.units import GIB
 from proxy.tasks import poll_until
+from tests.integration.boxes import LOOPBACK_TLS, DemoFactory, chat, decisions, fast, releases, render, succeeded
 
 
 async def test_a_prompt_sent_after_a_chat_takes_the_idle_chat_models_memory(box: DemoFactory) -> None:

@@ -12,7 +12,6 @@ from typing import Any
 
 import httpx
 import pytest
-from boxes import DemoFactory, fast
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route, WebSocketRoute
@@ -22,6 +21,7 @@ from proxy.admin.health import EnvReaders, HealthEntry, HealthExtension, NamedCh
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import GpuReadError
 from proxy.relay.servers import start_server
+from tests.integration.boxes import DemoFactory, fast
 
 KEYS = {"name", "status", "problem", "impact", "fix"}
 

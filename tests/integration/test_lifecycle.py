@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from boxes import DemoFactory, fast, free_port, port_open, process_tenant
 
 from proxy.demo import Demo, comfy_prompt
 from proxy.handoff.decisions import DecisionView
 from proxy.lifecycle.state import TenantLifecycle
 from proxy.sim.gpu import GIB
 from proxy.tasks import poll_until
+from tests.integration.boxes import DemoFactory, fast, free_port, port_open, process_tenant
 
 
 async def test_a_process_tenant_starts_on_its_first_request_stops_on_release_and_starts_again(

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from boxes import DemoFactory, fast, free_port, port_open, process_tenant
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.demo import Demo
+from tests.integration.boxes import DemoFactory, fast, free_port, port_open, process_tenant
 
 
 async def app_box(box: DemoFactory, folder: Path, **extra: object) -> tuple[Demo, int]:

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from boxes import DemoFactory, fast, free_port
 
 from proxy.lifecycle import docker
 from proxy.tasks import poll_until
+from tests.integration.boxes import DemoFactory, fast, free_port
 
 START_TIMEOUT_S = 1.0
 MARGIN_S = 1.5  # WAKE_SLACK_S (1 s) and a loaded machine's scheduling

@@ -11,12 +11,12 @@ import sys
 from pathlib import Path
 
 import httpx
-from boxes import DemoFactory, fast, free_port, process_tenant
 
 from proxy.config.settings import AdminSpec
 from proxy.lifecycle.build import default_state_dir
 from proxy.lifecycle.process import _start_time
 from proxy.lifecycle.record import instance_dir
+from tests.integration.boxes import DemoFactory, fast, free_port, process_tenant
 
 
 async def test_health_names_failed_starts_orphans_and_an_unreachable_docker_socket(

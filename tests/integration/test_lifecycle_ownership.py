@@ -17,9 +17,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from boxes import DemoFactory, fast, free_port, port_open, process_tenant, stranger_on
 
 from proxy.lifecycle import procs
+from tests.integration.boxes import DemoFactory, fast, free_port, port_open, process_tenant, stranger_on
 
 WAIT_S = 10.0
 

@@ -18,11 +18,11 @@ from typing import Any
 
 import httpx
 import pytest
-from boxes import DemoFactory, fast, free_port, port_open, process_tenant
 
 from proxy.demo import Demo
 from proxy.lifecycle.state import TenantLifecycle
 from proxy.tasks import poll_until
+from tests.integration.boxes import DemoFactory, fast, free_port, port_open, process_tenant
 
 PY = sys.executable
 WAIT_S = 10.0  # bounds a wait; never reached when things work

@@ -14,7 +14,6 @@ import textwrap
 from pathlib import Path
 
 import httpx
-from boxes import DemoFactory, fast, free_port, port_open, process_tenant, stranger_on
 
 from proxy.clock import SystemClock
 from proxy.lifecycle import procs
@@ -22,6 +21,7 @@ from proxy.lifecycle.process import ProcessController
 from proxy.lifecycle.ready import ReadyProbe, probe_once, probe_readiness
 from proxy.lifecycle.state import TenantLifecycle
 from proxy.tasks import poll_until
+from tests.integration.boxes import DemoFactory, fast, free_port, port_open, process_tenant, stranger_on
 
 WAIT_S = 10.0  # bounds a wait for a child; never reached when things work
 

@@ -13,7 +13,6 @@ from pathlib import Path
 import httpx
 import pytest
 import websockets
-from boxes import DemoFactory, fast, free_port, process_tenant
 from websockets.asyncio.client import connect as ws_connect
 
 from proxy.clock import ManualClock
@@ -22,6 +21,7 @@ from proxy.lifecycle.state import TenantLifecycle
 from proxy.relay import departure
 from proxy.sim.box import Scenario
 from proxy.tasks import poll_until
+from tests.integration.boxes import DemoFactory, fast, free_port, process_tenant
 
 ANSWER_WITHIN_S = 20.0  # far more than a start of the fast relay takes; a hang fails the test, never stalls it
 

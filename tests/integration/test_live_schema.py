@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from boxes import DemoFactory, fast, free_port, process_tenant
 from jsonschema import Draft202012Validator
 
 from proxy.demo import run_prompt
 from proxy.gpu.snapshot import GpuReadError
 from proxy.tasks import poll_until
+from tests.integration.boxes import DemoFactory, fast, free_port, process_tenant
 
 JSON = dict[str, Any]
 

@@ -13,7 +13,6 @@ from typing import Any
 import httpx
 import httpx2
 import pytest
-from boxes import LOOPBACK_TLS, DemoFactory, fast, free_port, port_open, process_tenant
 from mcp import Client, MCPError, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 
@@ -21,6 +20,7 @@ from proxy.admin.mcp_tools import AdminClient, build_server
 from proxy.config.units import GIB
 from proxy.demo import Demo, run_prompt
 from proxy.errors import McpNotInstalled
+from tests.integration.boxes import LOOPBACK_TLS, DemoFactory, fast, free_port, port_open, process_tenant
 
 TOOLS = {"health", "engines", "tenants", "plan", "release", "models", "start", "stop"}
 REPO = Path(__file__).resolve().parents[2]

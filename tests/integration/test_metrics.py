@@ -6,13 +6,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from boxes import DemoFactory, fast
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.admin.metrics import Metrics
 from proxy.admin.telemetry import Telemetry
 from proxy.config.units import GIB
 from proxy.demo import comfy_prompt, run_prompt
+from tests.integration.boxes import DemoFactory, fast
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 TOO_BIG = {"model": "mistral-small:22b", "prompt": "hi", "stream": False}  # more than the "tight" box can ever hold

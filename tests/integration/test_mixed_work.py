@@ -28,10 +28,21 @@ from typing import Any, Literal
 import httpx
 import ollama
 import pytest
-from boxes import LOOPBACK_TLS, README_CKPT, DemoFactory, RenderRefused, chat, decisions, fast, never_short, render, succeeded
 
 from proxy.demo import Demo, comfy_prompt
 from proxy.tasks import cancel_and_wait, poll_until
+from tests.integration.boxes import (
+    LOOPBACK_TLS,
+    README_CKPT,
+    DemoFactory,
+    RenderRefused,
+    chat,
+    decisions,
+    fast,
+    never_short,
+    render,
+    succeeded,
+)
 
 MODEL = "gemma3:27b"
 QUEUE_TIMEOUT_S = 10.0  # the deadlock's 503s come at this, well inside the test

@@ -9,12 +9,12 @@ from typing import Any
 
 import httpx
 import pytest
-from boxes import DemoFactory
 
 from proxy.admin.models_api import ModelsExtension
 from proxy.demo import Demo, run_prompt
 from proxy.sim.box import Scenario, fast_scenario
 from proxy.tasks import poll_until
+from tests.integration.boxes import DemoFactory
 
 CKPT = "flux1-dev-fp8.safetensors"
 

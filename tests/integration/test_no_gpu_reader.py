@@ -22,7 +22,6 @@ from typing import Any
 
 import httpx
 import pytest
-from boxes import ALL_PORTS_ZERO, DemoFactory, fast
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -40,6 +39,7 @@ from proxy.relay.servers import RunningServer, start_server
 from proxy.service import Proxy
 from proxy.sim.box import Scenario, SimBox
 from proxy.tasks import poll_until
+from tests.integration.boxes import ALL_PORTS_ZERO, DemoFactory, fast
 
 HOST_RAM = int(24.04 * GIB)  # what a --cpu ComfyUI reports as torch_vram_total: host RAM, not VRAM
 

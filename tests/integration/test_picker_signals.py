@@ -9,12 +9,12 @@ import asyncio
 from collections.abc import Callable
 
 import httpx
-from boxes import DemoFactory, chat, fast, render, succeeded
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.demo import Demo
 from proxy.handoff.residency import slot
 from proxy.tasks import cancel_and_wait, poll_until
+from tests.integration.boxes import DemoFactory, chat, fast, render, succeeded
 
 FLUX = "flux1-dev-fp8.safetensors"
 # Millisecond engines, but an Ollama load slow enough (4.9 GB at 20 GB/s: a quarter second) to be seen on its

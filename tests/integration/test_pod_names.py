@@ -6,9 +6,9 @@ from dataclasses import replace
 from types import MappingProxyType
 
 import httpx
-from boxes import DemoFactory
 
 from proxy.gpu.snapshot import GpuSnapshot, PodRef
+from tests.integration.boxes import DemoFactory
 
 
 class WithPods:

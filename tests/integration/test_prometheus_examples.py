@@ -8,8 +8,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from boxes import DemoFactory
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.boxes import DemoFactory
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "prometheus"
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "summary": ("_sum", "_count")}

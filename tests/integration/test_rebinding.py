@@ -12,9 +12,9 @@ import asyncio
 from urllib.parse import urlsplit
 
 import httpx
-from boxes import DemoFactory, fast
 
 from proxy.demo import Demo
+from tests.integration.boxes import DemoFactory, fast
 
 ATTACK_HOST = "attacker.example:11435"
 ATTACK = {"Host": ATTACK_HOST, "Origin": f"http://{ATTACK_HOST}", "Content-Type": "text/plain"}

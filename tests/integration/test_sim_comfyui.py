@@ -14,7 +14,6 @@ from typing import Any
 
 import httpx
 import pytest
-from boxes import LOOPBACK_TLS
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import InvalidStatus
 
@@ -23,6 +22,7 @@ from proxy.relay.servers import RunningServer
 from proxy.sim.comfyui import OOM_MESSAGE, ComfySim, ComfySimConfig
 from proxy.sim.gpu import GIB, SimulatedGpu
 from proxy.tasks import poll_until
+from tests.integration.boxes import LOOPBACK_TLS
 
 SDXL = "sd_xl_base_1.0.safetensors"
 SD15 = "v1-5-pruned-emaonly.safetensors"

@@ -12,11 +12,11 @@ import httpx
 import ollama
 import openai
 import pytest
-from boxes import LOOPBACK_TLS
 
 from proxy.sim.gpu import GIB, SimulatedGpu
 from proxy.sim.ollama import OllamaSim, OllamaSimConfig, SimModel
 from proxy.sim.ollama_wire import parse_keep_alive
+from tests.integration.boxes import LOOPBACK_TLS
 
 LLAMA = SimModel("llama3.2:latest", 2 * GIB)
 QWEN = SimModel("qwen2.5:7b", 4 * GIB, family="qwen2", parameter_size="7.6B")

@@ -9,10 +9,10 @@ from typing import Any
 
 import httpx
 import pytest
-from boxes import DemoFactory, chat, decisions, fast, render, succeeded
 
 from proxy.demo import Demo
 from proxy.tasks import poll_until
+from tests.integration.boxes import DemoFactory, chat, decisions, fast, render, succeeded
 
 CKPT = "sd_xl_base_1.0.safetensors"
 CHAT = "qwen2.5:14b"  # 9 GiB: does not fit beside the loaded checkpoint on the 16 GiB card

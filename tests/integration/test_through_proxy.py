@@ -14,10 +14,10 @@ from typing import Any
 import httpx
 import ollama
 import openai
-from boxes import LOOPBACK_TLS, DemoFactory
 from websockets.asyncio.client import connect as ws_connect
 
 from proxy.demo import comfy_prompt
+from tests.integration.boxes import LOOPBACK_TLS, DemoFactory
 
 # Fields that differ between any two runs, direct or not.
 VOLATILE = {"created_at", "modified_at", "expires_at", "total_duration", "load_duration", "prompt_eval_duration",

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import httpx
 import ollama
-from boxes import LOOPBACK_TLS, DemoFactory, fast
 
 from proxy.demo import comfy_prompt, run_prompt
+from tests.integration.boxes import LOOPBACK_TLS, DemoFactory, fast
 
 
 async def test_a_load_on_gpu_1_releases_nothing_on_gpu_0(box: DemoFactory, http: httpx.AsyncClient) -> None:

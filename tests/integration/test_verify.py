@@ -12,12 +12,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from boxes import DemoFactory, fast
 
 from proxy.demo import Demo
 from proxy.gpu.snapshot import GpuReadError
 from proxy.tasks import poll_until
 from proxy.verify import Options, Report, Verify, load_graph, runner, stages
+from tests.integration.boxes import DemoFactory, fast
 
 EXAMPLE_GRAPH = Path(__file__).resolve().parents[2] / "examples" / "comfy_prompt.json"
 

@@ -14,10 +14,10 @@ import httpx
 import ollama
 import openai
 import pytest
-from boxes import LOOPBACK_TLS, README_CKPT, DemoFactory, decisions, fast, render, succeeded
 
 from proxy.demo import Demo, comfy_prompt
 from proxy.tasks import poll_until
+from tests.integration.boxes import LOOPBACK_TLS, README_CKPT, DemoFactory, decisions, fast, render, succeeded
 
 MODEL = "gemma3:27b"  # does not fit beside a loaded checkpoint: a chat for it waits for ComfyUI's release
 TIMING = re.compile(r'(\w+);dur=([\d.]+);desc="([^"]*)"')

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import ollama
 import pytest
-from boxes import LOOPBACK_TLS, DemoFactory, fast, free_port
+
+from tests.integration.boxes import LOOPBACK_TLS, DemoFactory, fast, free_port
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "tiny_ollama.py"
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import sys
 
 import pytest
-from cards import registry
 
 from proxy.config.units import GIB
 from proxy.handoff.busy import JOB_LOAD_GRACE_S, Evidence, QueueRead, busy_states, queue_rows, stale_jobs, tenant_state
 from proxy.handoff.inflight import TenantTraffic
+from tests.unit.cards import registry
 
 REG = registry()
 COMFY = REG.get("comfyui")

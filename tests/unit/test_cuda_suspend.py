@@ -10,7 +10,6 @@ from typing import Any
 
 import httpx
 import pytest
-from cards import STT, idle, registry, snap
 
 from proxy.clock import ManualClock
 from proxy.config.schema import ReleaseFailed
@@ -27,6 +26,7 @@ from proxy.lifecycle.cuda_suspend import CudaSuspend
 from proxy.lifecycle.state import TenantLifecycle
 from proxy.lifecycle.suspend_state import IllegalMove, Suspension
 from proxy.lifecycle.suspender import RestoreFailed, Suspensions
+from tests.unit.cards import STT, idle, registry, snap
 
 
 class FakeDriver:

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from cards import RESERVED, busy, idle, registry, snap
-from test_scheduler import actions, waiter
-
 from proxy.config.units import GIB
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
 from proxy.gpu.devices import Placement
@@ -19,6 +16,8 @@ from proxy.handoff.orders import release_whole
 from proxy.handoff.per_card import candidates, free_for, plan_on_devices, schedule_on_devices
 from proxy.handoff.plan import plan_release
 from proxy.handoff.queue_rules import schedule
+from tests.unit.cards import RESERVED, busy, idle, registry, snap
+from tests.unit.test_scheduler import actions, waiter
 
 SIZES = {0: 24 * GIB, 1: 16 * GIB}
 

@@ -9,7 +9,6 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from fake_pynvml import FakePynvmlBase
 
 from proxy.gpu.settings import (
     LOCKED_CLOCKS_UNREADABLE,
@@ -20,6 +19,7 @@ from proxy.gpu.settings import (
     decode_reasons,
 )
 from proxy.gpu.snapshot import GpuReadError
+from tests.unit.fake_pynvml import FakePynvmlBase
 
 
 class FakeNvml(FakePynvmlBase):

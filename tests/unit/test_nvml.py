@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_pynvml import FakePynvmlBase
 
 from proxy.clock import ManualClock
 from proxy.gpu.nvml import CONTAINER_NOTE, NvmlReader
 from proxy.gpu.snapshot import GpuReadError
+from tests.unit.fake_pynvml import FakePynvmlBase
 
 GIB = 2**30
 CLK_TCK = 100
@@ -225,7 +225,7 @@ def test_lazily_imported_module_errors_are_mapped_by_their_class(monkeypatch: py
 
 
 def test_snapshot_carries_the_process_tree_with_socket_owners(nvml: FakeNvml, proc_root: Path) -> None:
-    from proctrees import FakeProc
+    from tests.unit.proctrees import FakeProc
 
     fp = FakeProc(proc_root)
     port = fp.listen("127.0.0.1", 11434)
@@ -240,7 +240,7 @@ def test_snapshot_carries_the_process_tree_with_socket_owners(nvml: FakeNvml, pr
 
 
 def test_a_failing_process_tree_read_costs_the_tree_not_the_snapshot(nvml: FakeNvml, proc_root: Path) -> None:
-    from proctrees import FakeProc
+    from tests.unit.proctrees import FakeProc
 
     fp = FakeProc(proc_root)
     fp.listen("127.0.0.1", 11434)

@@ -165,14 +165,13 @@ def test_a_job_whose_retry_is_decided_is_listed_as_waiting_until_it_is_queued_ag
 # -- the retry's admission reads the card afresh ---------------------------------------------------
 
 async def test_a_retry_is_planned_on_a_fresh_reading_not_the_one_taken_while_comfyui_sampled() -> None:
-    from cards import snap
-
     from proxy.clock import ManualClock
     from proxy.engines.loading import registry_from_dict
     from proxy.handoff.arbitration import Arbitration
     from proxy.handoff.decisions import DecisionLog
     from proxy.handoff.inflight import InFlight
     from proxy.sim.gpu import SimulatedGpu
+    from tests.unit.cards import snap
 
     reg = registry_from_dict({"tenants": {"comfyui": {"engine": "comfyui", "upstream": "http://127.0.0.1:9",
                                                       "needs_vram_gb": 10.0}}})

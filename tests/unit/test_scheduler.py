@@ -12,7 +12,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
-from cards import STT, busy, idle, registry, snap
 
 from proxy.clock import ManualClock, until_all_wait
 from proxy.config.registry import Registry
@@ -25,6 +24,7 @@ from proxy.handoff.orders import Released, ReleaseOrder, release_whole
 from proxy.handoff.plan import Plan, TenantState
 from proxy.handoff.queue_rules import Releasing, Waiter, queue_order, schedule
 from proxy.handoff.scheduler import Admitted, Scheduler
+from tests.unit.cards import STT, busy, idle, registry, snap
 
 # -- the pure decision --------------------------------------------------------------------------
 

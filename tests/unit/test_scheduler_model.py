@@ -33,7 +33,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from cards import STT, registry
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -48,6 +47,7 @@ from proxy.handoff.inflight import InFlight, Token
 from proxy.handoff.orders import Released, ReleaseOrder
 from proxy.handoff.queue_rules import RESIDENT
 from proxy.handoff.scheduler import Admitted, Scheduler
+from tests.unit.cards import STT, registry
 
 TOTAL = 24 * GIB
 RESERVED = 300 * MIB
