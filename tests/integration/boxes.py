@@ -17,7 +17,10 @@ import ollama
 from websockets.asyncio.client import connect as ws_connect
 
 from proxy.demo import Demo, comfy_prompt
+from proxy.service import Proxy
 from proxy.sim.box import fast_scenario as fast
+from proxy.sim.comfyui import ComfySim
+from proxy.sim.ollama import OllamaSim
 from proxy.sim.ports import loose_port
 from proxy.tasks import poll_until
 from proxy.tls import client_context
@@ -85,8 +88,9 @@ def releases(demo: Demo) -> list[tuple[str, str]]:
 
 
 async def chat(demo: Demo, model: str) -> ollama.ChatResponse:
-    async with ollama.AsyncClient(host=demo.proxy.url("ollama"), verify=LOOPBACK_TLS) as client:  # type: ignore[union-attr]
-        return await client.chat(model=model, messages=[{"role": "user", "content": "hi"}])
+    async with ollama.AsyncClient(host=proxy_of(demo).url("ollama"), verify=LOOPBACK_TLS) as client:
+        reply: ollama.ChatResponse = await client.chat(model=model, messages=[{"role": "user", "content": "hi"}])
+        return reply
 
 
 class RenderRefused(Exception):
@@ -100,7 +104,7 @@ class RenderRefused(Exception):
 async def render(demo: Demo, ckpt: str = README_CKPT, steps: int | None = None) -> list[dict[str, Any]]:
     """A prompt through the proxy with its websocket open, up to the end marker. A fresh seed, as real
     clients send (a repeated graph is cached by ComfyUI: it loads and samples nothing, hiding its cost)."""
-    base = demo.proxy.url("comfyui")  # type: ignore[union-attr]
+    base = proxy_of(demo).url("comfyui")
     cid = uuid.uuid4().hex
     prompt = comfy_prompt(ckpt, seed=random.randrange(2**40))
     if steps:
@@ -111,13 +115,31 @@ async def render(demo: Demo, ckpt: str = README_CKPT, steps: int | None = None) 
             r = await http.post(base + "/prompt", json={"prompt": prompt, "client_id": cid})
             if r.status_code != 200:
                 raise RenderRefused(r.status_code, r.text)
-            msgs = []
+            msgs: list[dict[str, Any]] = []
             async with asyncio.timeout(30):
                 while not msgs or not (msgs[-1]["type"] == "executing" and msgs[-1]["data"]["node"] is None):
                     raw = await ws.recv()
                     if isinstance(raw, str):
                         msgs.append(json.loads(raw))
     return msgs
+
+
+def proxy_of(demo: Demo) -> Proxy:
+    """The demo's proxy: every box the tests start has one (`Demo.proxy` is None only for `demo --no-proxy`)."""
+    assert demo.proxy is not None, "this demo was started without the proxy"
+    return demo.proxy
+
+
+def ollama_of(demo: Demo) -> OllamaSim:
+    """The box's simulated Ollama (None only in a scenario without one)."""
+    assert demo.box.ollama is not None, "this scenario has no Ollama"
+    return demo.box.ollama
+
+
+def comfyui_of(demo: Demo) -> ComfySim:
+    """The box's simulated ComfyUI (None only in a scenario without one)."""
+    assert demo.box.comfyui is not None, "this scenario has no ComfyUI"
+    return demo.box.comfyui
 
 
 def never_short(demo: Demo) -> list[str]:
@@ -137,12 +159,15 @@ __all__ = [
     "DemoFactory",
     "RenderRefused",
     "chat",
+    "comfyui_of",
     "decisions",
     "fast",
     "free_port",
     "never_short",
+    "ollama_of",
     "port_open",
     "process_tenant",
+    "proxy_of",
     "releases",
     "render",
     "stranger_on",

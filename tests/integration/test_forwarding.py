@@ -17,6 +17,7 @@ import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 import httpx
@@ -261,7 +262,10 @@ async def stack(engine: str, upstream_app: Callable[[Upstream], Starlette] | Non
         await forwarder.aclose()
 
 
-async def within(awaitable: Awaitable[object]) -> object:
+T = TypeVar("T")
+
+
+async def within(awaitable: Awaitable[T]) -> T:
     return await asyncio.wait_for(awaitable, SAFETY_S)
 
 

@@ -13,7 +13,7 @@ from proxy.engines.loading import registry_from_dict
 from proxy.gpu.nvml import NvmlReader
 from proxy.gpu.settings_writer import ROOT_FIX
 from proxy.service import Proxy
-from tests.integration.boxes import DemoFactory, fast
+from tests.integration.boxes import DemoFactory, fast, proxy_of
 
 
 def gpu_ext(demo_or_proxy: Any) -> GpuSettingsExtension:
@@ -22,7 +22,7 @@ def gpu_ext(demo_or_proxy: Any) -> GpuSettingsExtension:
 
 
 async def get(http: httpx.AsyncClient, demo: Any, path: str) -> Any:
-    r = await http.get(demo.proxy.url("admin") + path)
+    r = await http.get(proxy_of(demo).url("admin") + path)
     assert r.status_code == 200, r.text
     return r.json()
 

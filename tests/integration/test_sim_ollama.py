@@ -90,7 +90,7 @@ async def test_ollama_client_lists_shows_and_generates(sim: OllamaSim, client: o
 
     parts = [p async for p in await client.generate(model="llama3.2", prompt="hi", stream=True)]
     assert [p.done for p in parts] == [False] * 6 + [True], "six token chunks then one done chunk"
-    assert "".join(p.response for p in parts) == whole.response
+    assert "".join(p.response or "" for p in parts) == whole.response
     assert parts[-1].eval_count == 6 and parts[0].eval_count is None, "metrics only on the final chunk"
 
 

@@ -204,7 +204,7 @@ async def test_the_proxys_snapshot_attributes_by_port_and_carries_the_notes(fp: 
     nvml = FakeNvml()
     nvml.compute = [entry(801, 3 * 2**30)]
     clock = ManualClock(start=50.0)
-    arbitration = Arbitration(reg, NvmlReader(nvml=nvml, proc_root=fp.root, clock=clock, clk_tck=CLK_TCK),  # type: ignore[arg-type]
+    arbitration = Arbitration(reg, NvmlReader(nvml=nvml, proc_root=fp.root, clock=clock, clk_tck=CLK_TCK),
                       InFlight(clock), clock, DecisionLog(clock))
     try:
         snap = await arbitration.snapshot()

@@ -248,7 +248,8 @@ async def test_a_held_swap_is_a_hold_step_and_a_load_nothing_led_to_is_a_story_o
     log.emit(QueueEnded(tenant="comfyui", trigger=REQUEST, refers_to=queued.id, result="admitted", waited_s=1.0,
                         ended_by=started.id, ended_with="release ollama"))
     story = log.story(queued.id)
-    assert story is not None and (story.steps[0].kind, story.steps[0].text) == (
+    assert story is not None
+    assert (story.steps[0].kind, story.steps[0].text) == (
         "hold", "kept ollama on the card 1.0 s: just used, requests for it go first"), story.steps
 
     reload = log.emit(ModelLoad(tenant="ollama", trigger="gemma3:27b loaded", request=None,

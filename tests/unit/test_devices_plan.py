@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 
 from proxy.config.units import GIB
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
-from proxy.gpu.devices import Placement
+from proxy.gpu.placement import Placement
 from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot
 from proxy.gpu.visibility import device_json, devices_json, tenant_devices_json
 from proxy.handoff.orders import release_whole

@@ -20,6 +20,9 @@ from proxy.engines.common import ReleaseFailed, release_by_strategy, resume_by_s
 from proxy.engines.loading import load_registry, registry_from_dict
 from proxy.errors import ConfigError
 from proxy.lifecycle import probe_for
+from proxy.lifecycle.docker import DockerRelease
+from proxy.lifecycle.process import ProcessRelease
+from proxy.lifecycle.systemd import SystemdRelease
 
 UP = "http://127.0.0.1:8081"
 
@@ -41,10 +44,10 @@ def test_the_issues_three_shapes_load_as_a_user_would_guess_them() -> None:
         "tts": {"upstream": "http://127.0.0.1:5002", "release": {"kind": "docker", "container": "tts"}},
     })
     llama, comfy, tts = reg.get("llama"), reg.get("comfy"), reg.get("tts")
-    assert llama.lifecycle is not None and llama.lifecycle.command == ["sh", "-c", "exec llama-server"]
+    assert isinstance(llama.lifecycle, ProcessRelease) and llama.lifecycle.command == ["sh", "-c", "exec llama-server"]
     assert llama.lifecycle.effective_stop_timeout_s == 10.0 and llama.start_timeout_s == 120.0
-    assert comfy.lifecycle is not None and comfy.lifecycle.effective_scope == "system"
-    assert tts.lifecycle is not None and tts.lifecycle.effective_socket == "/var/run/docker.sock"
+    assert isinstance(comfy.lifecycle, SystemdRelease) and comfy.lifecycle.effective_scope == "system"
+    assert isinstance(tts.lifecycle, DockerRelease) and tts.lifecycle.effective_socket == "/var/run/docker.sock"
     assert all(t.reclaimable for t in (llama, comfy, tts))
 
 

@@ -92,7 +92,7 @@ class Ready:
 
 def machine(ctl: FakeController | None = None, ready: Ready | None = None, **kwargs: object) -> tuple[
         TenantLifecycle, FakeController, Ready, ManualClock, list[LifecycleReport]]:
-    ctl, ready, clock, reports = ctl or FakeController(), ready or Ready(), ManualClock(), []
+    ctl, ready, clock, reports = ctl or FakeController(), ready or Ready(), ManualClock(), list[LifecycleReport]()
     lc = TenantLifecycle("llama", ctl, ready, start_timeout_s=30.0, clock=clock, backoff=Backoff(1.0, 8.0),
                          on_report=reports.append, **kwargs)  # type: ignore[arg-type]
     return lc, ctl, ready, clock, reports
@@ -402,7 +402,7 @@ async def test_restart_on_failure_retries_a_failing_start_with_its_backoff_up_to
     assert ctl.starts == 2 and lc.state == "failed", "the policy's first try starts at once, and fails"
     failed = [r for r in reports if r.action == "start" and not r.ok]
     assert failed[-1].restart_in_s == 1.0, "a failed try of the policy says when it tries again"
-    assert "try 2 of 3" in (lc.view()["restart_status"] or ""), lc.view()["restart_status"]
+    assert "try 2 of 3" in str(lc.view()["restart_status"]), lc.view()["restart_status"]
     assert lc.restart_pending()
     await clock.advance(1.0)
     await settle()
@@ -413,7 +413,7 @@ async def test_restart_on_failure_retries_a_failing_start_with_its_backoff_up_to
     await clock.advance(60.0)
     await settle()
     assert ctl.starts == 4, "restart_limit tries in a row (the crash's and the failed starts), then it stops trying"
-    assert not lc.restart_pending() and "gave up after 3 tries" in (lc.view()["restart_status"] or "")
+    assert not lc.restart_pending() and "gave up after 3 tries" in str(lc.view()["restart_status"])
     assert [r for r in reports if r.action == "start"][-1].restart_in_s is None
     ctl.fail_start = None
     assert (await lc.ensure_running()).ok and lc.view()["restart_status"] is None, "a request starts it, as said"

@@ -70,7 +70,8 @@ async def test_a_stop_command_that_works_stops_the_app_without_signals(controlle
     assert ctl.describe()["exit_code"] == 7, f"the stop command ended it, not a signal: {ctl.describe()}"
     assert not alive(pid) and await ctl.status() == "stopped", "the stop is confirmed by the child being gone"
     assert ctl.stop_error is None and await ctl.check() == []
-    assert ctl.describe()["stop_command"][0] == PY
+    stop_command = ctl.describe()["stop_command"]
+    assert isinstance(stop_command, list) and stop_command[0] == PY, stop_command
 
 
 async def test_a_setsid_child_a_stop_command_leaves_is_ended_with_the_stop(controllers: list[ProcessController],

@@ -82,7 +82,7 @@ def proc_root(tmp_path: Path) -> Path:
 
 
 def reader(nvml: FakeNvml, proc_root: Path) -> NvmlReader:
-    return NvmlReader(nvml=nvml, proc_root=proc_root, clock=ManualClock(start=50.0), clk_tck=CLK_TCK)  # type: ignore[arg-type]
+    return NvmlReader(nvml=nvml, proc_root=proc_root, clock=ManualClock(start=50.0), clk_tck=CLK_TCK)
 
 
 def test_reads_device_memory_v2(nvml: FakeNvml, proc_root: Path) -> None:
@@ -251,7 +251,7 @@ def test_a_failing_process_tree_read_costs_the_tree_not_the_snapshot(nvml: FakeN
     def broken(fd_dir: str) -> list[str]:
         raise RuntimeError("unexpected")
 
-    snap = NvmlReader(nvml=nvml, proc_root=proc_root, clock=ManualClock(start=50.0), clk_tck=CLK_TCK,  # type: ignore[arg-type]
+    snap = NvmlReader(nvml=nvml, proc_root=proc_root, clock=ManualClock(start=50.0), clk_tck=CLK_TCK,
                       fd_links=broken).read()
     assert snap.tree is None and [p.pid for p in snap.processes] == [801]
     assert any("process tree unreadable" in n for n in snap.notes), snap.notes

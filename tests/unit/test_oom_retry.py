@@ -72,7 +72,7 @@ class Gate:
 
 
 def socket(book: RetryBook) -> tuple[SocketFrames, Gate, list[str]]:
-    gate, later = Gate(book), []
+    gate, later = Gate(book), list[str]()
     return book.watch("comfyui", parse, gate.report, later.append), gate, later
 
 
