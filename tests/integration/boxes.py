@@ -78,7 +78,7 @@ async def stranger_on(port: int, folder: Path) -> asyncio.subprocess.Process:
 # -- the user's clients on the demo box: the official `ollama` client, a websocket ComfyUI client --
 
 def decisions(demo: Demo, *kinds: str) -> list[Any]:
-    return [d for d in demo.proxy.decisions.recent(500) if d.kind in kinds]  # type: ignore[union-attr]
+    return [d for d in proxy_of(demo).decisions.recent(500) if d.kind in kinds]
 
 
 def releases(demo: Demo) -> list[tuple[str, str]]:

@@ -11,12 +11,20 @@ import httpx
 import pytest
 
 from proxy.demo import Demo
+from proxy.lifecycle.suspender import Suspensions
 from proxy.tasks import poll_until
 from tests.integration.boxes import DemoFactory, chat, comfyui_of, decisions, fast, proxy_of, render, succeeded
 
 CKPT = "sd_xl_base_1.0.safetensors"
 CHAT = "qwen2.5:14b"  # 9 GiB: does not fit beside the loaded checkpoint on the 16 GiB card
 WITHIN_S = 20.0  # a hang fails the test, never stalls it
+
+
+def state_of(suspensions: Suspensions, tenant: str) -> str:
+    """The tenant's suspension state (it must have a record)."""
+    record = suspensions.record(tenant)
+    assert record is not None, f"no suspension record for {tenant}"
+    return record.state
 
 
 def steps_of(demo: Demo, tenant: str) -> list[list[str]]:
@@ -65,11 +73,11 @@ async def test_a_render_sent_during_comfyuis_suspend_waits_for_it_then_for_the_r
     async with asyncio.timeout(WITHIN_S):
         assert succeeded(await render(demo, CKPT))
         chatting = asyncio.create_task(chat(demo, CHAT))
-        await poll_until(lambda: suspensions.record("comfyui").state == "suspending")  # type: ignore[union-attr]
+        await poll_until(lambda: state_of(suspensions, "comfyui") == "suspending")
         rendering = asyncio.create_task(render(demo, CKPT))
         assert (await chatting).message.content
         assert succeeded(await rendering)
-    assert suspensions.record("comfyui").state == "running"  # type: ignore[union-attr]
+    assert state_of(suspensions, "comfyui") == "running"
     assert comfyui_of(demo).checkpoint_loads == 1
     assert [d.outcome["ok"] for d in decisions(demo, "resume") if d.tenant == "comfyui"][-1:] == [True]
 

@@ -238,4 +238,5 @@ async def test_a_refused_resume_and_a_lifecycle_step_fail_with_what_happened() -
 def test_the_process_check_uses_the_test_interpreter() -> None:
     # the real-child tests run `sys.executable`: an absolute path the loader must accept
     reg = load({"p": {"upstream": UP, "release": {"kind": "process", "command": [sys.executable, "-V"]}}})
-    assert os.access(reg.get("p").lifecycle.command[0], os.X_OK)  # type: ignore[union-attr]
+    step = reg.get("p").lifecycle
+    assert isinstance(step, ProcessRelease) and step.command and os.access(step.command[0], os.X_OK)
