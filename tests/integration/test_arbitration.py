@@ -12,12 +12,15 @@ import pytest
 from websockets.asyncio.client import connect as ws_connect
 
 from proxy.clock import ManualClock
+from proxy.config.schema import Tenant
 from proxy.config.units import GIB
 from proxy.demo import Demo, comfy_prompt, run_prompt
+from proxy.engines import Need
 from proxy.gpu.snapshot import GpuReadError
 from proxy.handoff.decisions import DecisionView
+from proxy.handoff.inflight import Token
 from proxy.handoff.plan import Plan
-from proxy.handoff.scheduler import Handoff
+from proxy.handoff.scheduler import Admitted, Handoff
 from proxy.tasks import poll_until
 from tests.integration.boxes import DemoFactory, comfyui_of, fast, ollama_of, proxy_of
 
@@ -438,11 +441,12 @@ async def test_while_a_retry_waits_for_memory_the_clients_prompt_is_queued_and_u
     arbitration = proxy_of(demo).arbitration
     admit, go, waiting = arbitration.admit, asyncio.Event(), asyncio.Event()
 
-    async def held_admit(*args, **kwargs):  # type: ignore[no-untyped-def]
-        if kwargs.get("oom"):
+    async def held_admit(tenant: Tenant, path: str, body: bytes, trigger: str, *, oom: bool = False,
+                         work: Token | None = None, need: Need | None = None) -> tuple[Admitted, Need]:
+        if oom:
             waiting.set()
             await go.wait()
-        return await admit(*args, **kwargs)
+        return await admit(tenant, path, body, trigger, oom=oom, work=work, need=need)
     monkeypatch.setattr(arbitration, "admit", held_admit)
     comfyui_of(demo).fail_next_prompt_with_oom()
     base = proxy_of(demo).url("comfyui")

@@ -167,27 +167,30 @@ def test_a_job_whose_retry_is_decided_is_listed_as_waiting_until_it_is_queued_ag
 async def test_a_retry_is_planned_on_a_fresh_reading_not_the_one_taken_while_comfyui_sampled() -> None:
     from proxy.clock import ManualClock
     from proxy.engines.loading import registry_from_dict
+    from proxy.gpu.snapshot import GpuSnapshot
     from proxy.handoff.arbitration import Arbitration
     from proxy.handoff.decisions import DecisionLog
     from proxy.handoff.inflight import InFlight
-    from proxy.sim.gpu import SimulatedGpu
     from tests.unit.cards import snap
 
     reg = registry_from_dict({"tenants": {"comfyui": {"engine": "comfyui", "upstream": "http://127.0.0.1:9",
-                                                      "needs_vram_gb": 10.0}}})
+                                                      "needs_vram_gb": 10.0,
+                                                      "match": {"process_names": ["comfyui-proc"]}}}})
     total = int(23.7 * GIB)
     # while ComfyUI sampled alone: 24.3 GiB held, 0.25 free on a card of 23.7 (memory counted twice)
     sampling = snap([("comfyui", 10, int(24.3 * GIB))], free=int(0.25 * GIB), total=total)
     after = snap([("comfyui", 10, int(0.3 * GIB))], total=total)  # ComfyUI unloaded everything on its OOM
     clock = ManualClock()
-    arbitration = Arbitration(reg, SimulatedGpu(), InFlight(clock), clock, DecisionLog(clock))
     reads: list[str] = []
 
-    async def read() -> object:
-        reads.append("fresh")
-        arbitration.scheduler.observe_card(after)
-        return after
-    arbitration.snapshot = read  # type: ignore[method-assign,assignment]
+    class AfterTheOom:
+        """The GPU reader (the port Arbitration reads the card through): ComfyUI unloaded everything."""
+
+        def read(self) -> GpuSnapshot:
+            reads.append("fresh")
+            return after.snapshot
+
+    arbitration = Arbitration(reg, AfterTheOom(), InFlight(clock), clock, DecisionLog(clock))
     arbitration.scheduler.observe_card(sampling)
     try:
         body = json.dumps({"prompt": {"4": {"class_type": "CheckpointLoaderSimple",
