@@ -17,6 +17,7 @@ import ollama
 from websockets.asyncio.client import connect as ws_connect
 
 from proxy.demo import Demo, comfy_prompt
+from proxy.lifecycle.process import ProcessController
 from proxy.service import Proxy
 from proxy.sim.box import fast_scenario as fast
 from proxy.sim.comfyui import ComfySim
@@ -45,7 +46,7 @@ def port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def process_tenant(port: int, folder: Path, **extra: object) -> dict[str, object]:
+def process_tenant(port: int, folder: Path, **extra: object) -> dict[str, Any]:
     """A generic tenant whose app is Python's own HTTP server on `port`, run and owned by the proxy
     (release kind `process`), serving `folder` (with a hello.txt). A file server only answers reads,
     so a read starts it (`wake_on: "any"`; the default, "writes", keeps reads from starting an app)."""
@@ -142,6 +143,14 @@ def comfyui_of(demo: Demo) -> ComfySim:
     return demo.box.comfyui
 
 
+def app_process(demo: Demo, name: str = "app") -> ProcessController:
+    """The controller of a tenant the proxy runs as a process (release kind `process`)."""
+    machine = proxy_of(demo).arbitration.lifecycles.machine(name)
+    assert machine is not None, f"{name} has no lifecycle"
+    assert isinstance(machine.controller, ProcessController), machine.controller
+    return machine.controller
+
+
 def never_short(demo: Demo) -> list[str]:
     """Every allocation the simulated card could not grant so far (an engine's OOM, a load spilled to
     the CPU): planning kept the card from over-committing when this is empty."""
@@ -158,6 +167,7 @@ __all__ = [
     "README_CKPT",
     "DemoFactory",
     "RenderRefused",
+    "app_process",
     "chat",
     "comfyui_of",
     "decisions",

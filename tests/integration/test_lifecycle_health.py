@@ -22,7 +22,7 @@ from tests.integration.boxes import DemoFactory, fast, free_port, process_tenant
 async def test_health_names_failed_starts_orphans_and_an_unreachable_docker_socket(
         box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
     app = process_tenant(free_port(), tmp_path)
-    command = app["release"]["command"]  # type: ignore[index]
+    command = app["release"]["command"]
     orphan = await asyncio.create_subprocess_exec(sys.executable, "-c", "import time; time.sleep(120)",
                                                   start_new_session=True)
     try:

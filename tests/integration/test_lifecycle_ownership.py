@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from proxy.lifecycle import procs
-from tests.integration.boxes import DemoFactory, fast, free_port, port_open, process_tenant, proxy_of, stranger_on
+from tests.integration.boxes import DemoFactory, app_process, fast, free_port, port_open, process_tenant, proxy_of, stranger_on
 
 WAIT_S = 10.0
 
@@ -111,8 +111,9 @@ async def test_a_daemon_run_app_with_a_stop_command_starts_answers_and_stops(
     machine = proxy_of(demo).arbitration.lifecycles.machine("app")
     assert machine is not None and machine.state == "running"
     server = int((tmp_path / "server.pid").read_text())
-    ctl = machine.controller
-    assert ctl.pid != server and server not in procs.tree(ctl.pid, ctl.pid), "the holder is the daemon's child"  # type: ignore[attr-defined]
+    ctl = app_process(demo)
+    assert ctl.pid is not None and ctl.pid != server and server not in procs.tree(ctl.pid, ctl.pid), \
+        "the holder is the daemon's child"
     assert str(server) in (ctl.describe()["holders"] or {}), ctl.describe()  # type: ignore[operator]
     stopped = await http.post(proxy_of(demo).url("admin") + "/api/tenants/app/stop")
     assert stopped.status_code == 200 and machine.state == "stopped", stopped.text

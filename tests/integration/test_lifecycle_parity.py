@@ -22,7 +22,7 @@ import pytest
 from proxy.demo import Demo
 from proxy.lifecycle.state import TenantLifecycle
 from proxy.tasks import poll_until
-from tests.integration.boxes import DemoFactory, fast, free_port, port_open, process_tenant, proxy_of
+from tests.integration.boxes import DemoFactory, app_process, fast, free_port, port_open, process_tenant, proxy_of
 
 PY = sys.executable
 WAIT_S = 10.0  # bounds a wait; never reached when things work
@@ -231,7 +231,7 @@ async def test_at_most_four_streams_follow_one_tenant_and_a_closed_one_frees_its
     assert demo.proxy is not None
     admin = proxy_of(demo).url("admin")
     assert (await http.post(admin + "/api/tenants/app/start")).status_code == 200
-    ctl = machine_of(demo, "app").controller
+    ctl = app_process(demo)
     async with contextlib.AsyncExitStack() as streams:
         for _ in range(4):
             r = await streams.enter_async_context(http.stream("GET", admin + "/api/tenants/app/logs"))
@@ -240,7 +240,7 @@ async def test_at_most_four_streams_follow_one_tenant_and_a_closed_one_frees_its
         assert fifth.status_code == 429 and "4 streams already follow app" in fifth.json()["error"], fifth.text
         assert "app.log" in fifth.json()["fix"], "the log file is named as the way to read more"
     async with asyncio.timeout(WAIT_S):
-        await poll_until(lambda: ctl.followers == 0)  # type: ignore[attr-defined]
+        await poll_until(lambda: ctl.followers == 0)
     async with http.stream("GET", admin + "/api/tenants/app/logs") as r:
         assert r.status_code == 200, "the places are given back when the streams end"
 
@@ -261,8 +261,8 @@ async def test_an_app_flooding_its_output_leaves_a_bounded_log_on_disk(
     assert demo.proxy is not None
     started = await http.post(proxy_of(demo).url("admin") + "/api/tenants/app/start")
     assert started.status_code == 200, started.text  # it listens once its 24 MiB are written
-    ctl = machine_of(demo, "app").controller
-    log = ctl.log_path  # type: ignore[attr-defined]
+    ctl = app_process(demo)
+    log = ctl.log_path
     assert log is not None
     folder = log.parent
 
@@ -271,7 +271,7 @@ async def test_an_app_flooding_its_output_leaves_a_bounded_log_on_disk(
 
     try:
         async with asyncio.timeout(WAIT_S * 3):
-            await poll_until(lambda: ctl.logfile.cuts > 0 and disk() <= 2 * 2**20 + 2**16)  # type: ignore[attr-defined]
+            await poll_until(lambda: ctl.logfile.cuts > 0 and disk() <= 2 * 2**20 + 2**16)
     except TimeoutError:
         raise AssertionError(f"{disk()} bytes of log on disk past its 1 MiB bound (twice, with .1): "
                              f"{sorted(p.name for p in folder.iterdir())}") from None

@@ -22,7 +22,7 @@ from proxy.lifecycle.process import ProcessController
 from proxy.lifecycle.ready import ReadyProbe, probe_once, probe_readiness
 from proxy.lifecycle.state import TenantLifecycle
 from proxy.tasks import poll_until
-from tests.integration.boxes import DemoFactory, fast, free_port, port_open, process_tenant, proxy_of, stranger_on
+from tests.integration.boxes import DemoFactory, app_process, fast, free_port, port_open, process_tenant, proxy_of, stranger_on
 
 WAIT_S = 10.0  # bounds a wait for a child; never reached when things work
 
@@ -84,10 +84,11 @@ async def test_restart_on_failure_starts_a_crashed_app_before_anyone_asks(
     assert demo.proxy is not None
     machine = machine_of(demo)
     assert (await http.get(proxy_of(demo).url("app") + "/hello.txt")).status_code == 200
-    first = machine.controller.pid  # type: ignore[attr-defined]
+    first = app_process(demo).pid
+    assert first is not None
     os.kill(first, signal.SIGKILL)
     async with asyncio.timeout(WAIT_S):
-        await poll_until(lambda: machine.state == "running" and machine.controller.pid != first)  # type: ignore[attr-defined]
+        await poll_until(lambda: machine.state == "running" and app_process(demo).pid != first)
     assert port_open(port), "restarted by its policy, with no request"
     assert [d.kind for d in proxy_of(demo).decisions.recent() if d.kind in ("start", "exit")] == ["start", "exit", "start"]
 
@@ -118,10 +119,10 @@ async def crashing_proxy(port: int, tmp_path: Path, shell: str) -> tuple[dict[st
     """The app tenant on `port`, its server run by `sh -c shell` ({server}: its command), started by a
     proxy that then dies with -9 (CRASHING_PROXY); the proxy's stdout says the shell's and guard's pids."""
     tenant = process_tenant(port, tmp_path)
-    server = " ".join(tenant["release"]["command"])  # type: ignore[index]
-    tenant["release"]["command"] = ["sh", "-c", shell.format(server=server)]  # type: ignore[index]
+    server = " ".join(tenant["release"]["command"])
+    tenant["release"]["command"] = ["sh", "-c", shell.format(server=server)]
     crashed = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", CRASHING_PROXY, __import__("json").dumps(tenant["release"]["command"]),  # type: ignore[index]
+        sys.executable, "-c", CRASHING_PROXY, __import__("json").dumps(tenant["release"]["command"]),
         stdout=asyncio.subprocess.PIPE, cwd=str(Path(__file__).parents[2]))
     return tenant, crashed
 
@@ -291,7 +292,7 @@ async def test_an_app_stopped_with_sigstop_is_ended_once_declared_failed_and_a_f
     (a short interval and a short try) only so the test does not wait 3 x 5 s."""
     port = free_port()
     tenant = process_tenant(port, tmp_path)
-    ctl = ProcessController("app", tenant["release"]["command"], stop_timeout_s=2.0,  # type: ignore[index]
+    ctl = ProcessController("app", tenant["release"]["command"], stop_timeout_s=2.0,
                             clock=SystemClock(), host="127.0.0.1", port=port)
     probe = ReadyProbe("127.0.0.1", port, f"http://127.0.0.1:{port}/hello.txt")
     machine = TenantLifecycle("app", ctl, probe_readiness(probe, SystemClock(), exited=ctl.exited, client=http,
@@ -328,7 +329,8 @@ async def test_two_proxies_on_one_machine_with_the_same_tenant_names_never_touch
     first = await box(fast("default", tenants={"app": process_tenant(first_port, tmp_path / "a")}))
     assert first.proxy is not None
     assert (await http.get(first.proxy.url("app") + "/hello.txt")).status_code == 200
-    running = machine_of(first).controller.pid  # type: ignore[attr-defined]
+    running = app_process(first).pid
+    assert running is not None
     second = await box(fast("default", tenants={"app": process_tenant(second_port, tmp_path / "b")}))
     assert second.proxy is not None
     assert procs.same(running, procs.start_time(running) or -1) and machine_of(first).state == "running", \
@@ -337,7 +339,7 @@ async def test_two_proxies_on_one_machine_with_the_same_tenant_names_never_touch
     assert (await http.post(second.proxy.url("admin") + "/api/tenants/app/stop")).status_code == 200
     assert machine_of(first).state == "running" and port_open(first_port), "the other's stop touched nothing of it"
     assert not [d for d in first.proxy.decisions.recent() if d.kind == "exit"], "the first saw no exit"
-    record = machine_of(first).controller.pidfile  # type: ignore[attr-defined]
+    record = app_process(first).pidfile
     assert record is not None and record.exists(), "its record is still there for a restart to find"
     await second.stop()
     await first.stop()
@@ -402,7 +404,7 @@ async def test_what_the_app_spawned_is_ended_by_its_guard_when_the_proxy_is_kill
     the shell's server, and a setsid one."""
     port, other = free_port(), free_port()
     tenant = process_tenant(port, tmp_path)
-    server = " ".join(tenant["release"]["command"])  # type: ignore[index]
+    server = " ".join(tenant["release"]["command"])
     command = ["sh", "-c", f"{server} & setsid {server.replace(str(port), str(other))} & wait"]
     crashed = await asyncio.create_subprocess_exec(
         sys.executable, "-c", CRASHING_PROXY, __import__("json").dumps(command),

@@ -165,7 +165,7 @@ async def test_a_started_app_never_inherits_the_proxys_secrets_and_its_own_env_w
     monkeypatch.setenv("HYPERSWAP_CONFIG", str(tmp_path / "tenants.json"))
     monkeypatch.setenv("SOME_SETTING", "inherited")
     tenant = process_tenant(free_port(), tmp_path)
-    tenant["release"] = {**tenant["release"], "env": {"HYPERSWAP_FOR_THE_APP": "given", "SOME_SETTING": "overridden"}}  # type: ignore[dict-item]
+    tenant["release"] = {**tenant["release"], "env": {"HYPERSWAP_FOR_THE_APP": "given", "SOME_SETTING": "overridden"}}
     demo = await box(fast("default", tenants={"app": tenant}, settings={"admin": {"token_env": "MY_ADMIN_TOKEN"}}))
     assert demo.proxy is not None
     assert (await http.get(proxy_of(demo).url("app") + "/hello.txt")).status_code == 200

@@ -105,7 +105,9 @@ async def test_an_engine_process_that_exits_while_suspended_is_forwarded_to_and_
         assert succeeded(await render(demo, CKPT))
         assert (await chat(demo, CHAT)).message.content
         assert succeeded(await render(demo, CKPT))
-        (runner,) = [pid for pid in demo.box.gpu.parked() if pid in suspensions.record("ollama").pids]  # type: ignore[union-attr]
+        parked = suspensions.record("ollama")
+        assert parked is not None
+        (runner,) = [pid for pid in demo.box.gpu.parked() if pid in parked.pids]
         demo.box.gpu.kill(runner)
         assert (await chat(demo, CHAT)).message.content
     rec = suspensions.record("ollama")

@@ -232,7 +232,8 @@ def test_the_pool_selects_the_daemonsets_pods_and_the_picker_scrapes_the_admin_l
     registry = registry_from_dict(json.loads(node["ConfigMap"]["data"]["tenants.json"]))
     ports = {p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
     (target,) = spec["targetPorts"]
-    assert target["number"] == int(registry.get("ollama").listen.rsplit(":", 1)[1]) and target["number"] in ports  # type: ignore[union-attr]
+    listen = registry.get("ollama").listen
+    assert listen is not None and target["number"] == int(listen.rsplit(":", 1)[1]) and target["number"] in ports
     scrape = plugin(picker_config(), "metrics-data-source")["parameters"]
     admin_host, _, admin_port = registry.config.admin.listen.rpartition(":")
     assert scrape["port"] == int(admin_port) and scrape["port"] in ports and scrape["path"] == "/metrics"
