@@ -17,7 +17,7 @@ import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
@@ -31,6 +31,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket
 from websockets.asyncio.client import connect
+from websockets.typing import Origin
 
 from proxy.clock import ManualClock, until_all_wait
 from proxy.config.schema import Tenant, Timeouts
@@ -242,7 +243,7 @@ def comfyui_like(state: Upstream) -> Starlette:
 @contextlib.asynccontextmanager
 async def stack(engine: str, upstream_app: Callable[[Upstream], Starlette] | None, *, upstream_url: str | None = None,
                 clock: ManualClock | None = None, max_connections: int = 1024,
-                **tenant_fields: object) -> AsyncIterator[tuple[RunningServer, Tenant, InFlight, Upstream]]:
+                **tenant_fields: Any) -> AsyncIterator[tuple[RunningServer, Tenant, InFlight, Upstream]]:
     state = Upstream()
     servers: list[RunningServer] = []
     forwarder = Forwarder(max_connections=max_connections)
@@ -312,11 +313,11 @@ async def test_browser_opened_on_proxy_passes_comfyui_origin_check() -> None:
 async def test_websocket_origin_rule_matches_http() -> None:
     async with stack("comfyui", comfyui_like) as (proxy, _, _, _):
         ws_url = f"ws://127.0.0.1:{proxy.port}/ws?clientId=abc"
-        async with connect(ws_url, origin=f"http://127.0.0.1:{proxy.port}") as ws:  # type: ignore[arg-type]
+        async with connect(ws_url, origin=Origin(f"http://127.0.0.1:{proxy.port}")) as ws:
             first = json.loads(await within(ws.recv()))
             assert first["data"]["sid"] == "abc", "clientId query must reach the upstream"
         with pytest.raises(websockets.InvalidStatus) as refused:
-            async with connect(ws_url, origin="http://evil.example"):  # type: ignore[arg-type]
+            async with connect(ws_url, origin=Origin("http://evil.example")):
                 pass
     assert refused.value.response.status_code == 403
 

@@ -14,6 +14,7 @@ import httpx
 import pytest
 import websockets
 from websockets.asyncio.client import connect as ws_connect
+from websockets.typing import Origin
 
 from proxy.clock import ManualClock
 from proxy.demo import Demo, describe
@@ -133,7 +134,7 @@ async def test_a_cross_origin_request_never_wakes_a_stopped_app(box: DemoFactory
     assert r.status_code == 403 and machine.state == "stopped", r.text
     assert "another origin" in r.json()["error"], r.json()
     with pytest.raises(websockets.InvalidStatus) as refused:
-        async with ws_connect(url.replace("http://", "ws://") + "/ws", origin="https://evil.example"):  # type: ignore[arg-type]
+        async with ws_connect(url.replace("http://", "ws://") + "/ws", origin=Origin("https://evil.example")):
             pass
     assert refused.value.response.status_code == 403 and machine.state == "stopped"
     own = await http.post(url + "/v1/audio/transcriptions", content=b"x", headers={"Origin": url})

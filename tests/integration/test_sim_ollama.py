@@ -7,6 +7,7 @@ import json
 import math
 from collections.abc import AsyncIterator
 from datetime import datetime
+from typing import Any
 
 import httpx
 import ollama
@@ -23,11 +24,11 @@ QWEN = SimModel("qwen2.5:7b", 4 * GIB, family="qwen2", parameter_size="7.6B")
 EMBED = SimModel("nomic-embed-text:latest", GIB // 4, family="nomic-bert", capabilities=("embedding",))
 
 
-def fast_config(**overrides: object) -> OllamaSimConfig:
-    base: dict[str, object] = dict(models=(LLAMA, QWEN, EMBED), load_gbps=100.0, unload_delay_s=0.2,
+def fast_config(**overrides: Any) -> OllamaSimConfig:
+    base: dict[str, Any] = dict(models=(LLAMA, QWEN, EMBED), load_gbps=100.0, unload_delay_s=0.2,
                                    token_rate=200.0, response_tokens=6)
     base.update(overrides)
-    return OllamaSimConfig(**base)  # type: ignore[arg-type]
+    return OllamaSimConfig(**base)
 
 
 async def started(gpu: SimulatedGpu, config: OllamaSimConfig) -> tuple[OllamaSim, str]:

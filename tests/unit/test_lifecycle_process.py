@@ -13,6 +13,7 @@ import sys
 import textwrap
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -76,8 +77,8 @@ def refused_port() -> Iterator[int]:
         yield s.getsockname()[1]
 
 
-def make(controllers: list[ProcessController], *argv: str, **kwargs: object) -> ProcessController:
-    ctl = ProcessController("app", [PY, *argv], clock=SystemClock(), **kwargs)  # type: ignore[arg-type]
+def make(controllers: list[ProcessController], *argv: str, **kwargs: Any) -> ProcessController:
+    ctl = ProcessController("app", [PY, *argv], clock=SystemClock(), **kwargs)
     controllers.append(ctl)
     return ctl
 

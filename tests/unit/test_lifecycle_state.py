@@ -4,6 +4,7 @@ backoff, never stopped while busy, starts and stops as tasks that report back.""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -90,11 +91,11 @@ class Ready:
             raise LifecycleError(self.fail)
 
 
-def machine(ctl: FakeController | None = None, ready: Ready | None = None, **kwargs: object) -> tuple[
+def machine(ctl: FakeController | None = None, ready: Ready | None = None, **kwargs: Any) -> tuple[
         TenantLifecycle, FakeController, Ready, ManualClock, list[LifecycleReport]]:
     ctl, ready, clock, reports = ctl or FakeController(), ready or Ready(), ManualClock(), list[LifecycleReport]()
     lc = TenantLifecycle("llama", ctl, ready, start_timeout_s=30.0, clock=clock, backoff=Backoff(1.0, 8.0),
-                         on_report=reports.append, **kwargs)  # type: ignore[arg-type]
+                         on_report=reports.append, **kwargs)
     return lc, ctl, ready, clock, reports
 
 

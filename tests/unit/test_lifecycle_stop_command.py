@@ -10,6 +10,7 @@ import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -51,9 +52,9 @@ def fifo(tmp_path: Path) -> Path:
 
 
 async def started(controllers: list[ProcessController], script: str, stop_command: list[str],
-                  stop_timeout_s: float = 5.0, **kwargs: object) -> ProcessController:
+                  stop_timeout_s: float = 5.0, **kwargs: Any) -> ProcessController:
     ctl = ProcessController("app", [PY, "-c", script], clock=SystemClock(), stop_timeout_s=stop_timeout_s,
-                            stop_command=stop_command, **kwargs)  # type: ignore[arg-type]
+                            stop_command=stop_command, **kwargs)
     controllers.append(ctl)
     await ctl.start()
     async with asyncio.timeout(WAIT_S):

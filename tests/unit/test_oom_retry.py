@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from proxy.config.units import GIB
-from proxy.engines.ports import JobFrame, JobReplay
+from proxy.engines.ports import JobFrame, JobFrameKind, JobReplay
 from proxy.handoff.oom_need import OOM_HEADROOM_BYTES, oom_retry_need
 from proxy.relay.oom_retry import PASS, RetryBook, SocketFrames, Verdict
 
@@ -49,11 +49,11 @@ def frame(kind: str, job: str = "p", **data: object) -> str:
 def parse(text: str) -> JobFrame | None:
     msg = json.loads(text)
     data = msg["data"]
-    kinds = {"execution_start": "start", "execution_success": "success", "execution_error": "oom"}
+    kinds: dict[str, JobFrameKind] = {"execution_start": "start", "execution_success": "success", "execution_error": "oom"}
     if msg["type"] == "executing":
         return JobFrame("end", data["prompt_id"]) if data.get("node", "x") is None else None
     kind = kinds.get(msg["type"])
-    return JobFrame(kind, data["prompt_id"]) if kind else None  # type: ignore[arg-type]
+    return JobFrame(kind, data["prompt_id"]) if kind else None
 
 
 class Gate:

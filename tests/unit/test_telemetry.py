@@ -5,7 +5,7 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import pytest
 
@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from proxy.service import Proxy
 
 
-def store_at(tmp_path: Path, clock: ManualClock | None = None, **kw: object) -> TelemetryStore:
-    store = TelemetryStore(tmp_path / "t.sqlite3", wall=clock or ManualClock(), **kw)  # type: ignore[arg-type]
+def store_at(tmp_path: Path, clock: ManualClock | None = None, **kw: Any) -> TelemetryStore:
+    store = TelemetryStore(tmp_path / "t.sqlite3", wall=clock or ManualClock(), **kw)
     store.open()
     return store
 
