@@ -34,7 +34,7 @@ from websockets.asyncio.client import connect
 from websockets.typing import Origin
 
 from proxy.clock import ManualClock, until_all_wait
-from proxy.config.schema import Tenant, Timeouts
+from proxy.config.schema import EngineKind, Tenant, Timeouts
 from proxy.handoff.inflight import InFlight
 from proxy.relay.forward import Forwarder
 from proxy.relay.listener import TenantApp
@@ -241,7 +241,7 @@ def comfyui_like(state: Upstream) -> Starlette:
 
 
 @contextlib.asynccontextmanager
-async def stack(engine: str, upstream_app: Callable[[Upstream], Starlette] | None, *, upstream_url: str | None = None,
+async def stack(engine: EngineKind, upstream_app: Callable[[Upstream], Starlette] | None, *, upstream_url: str | None = None,
                 clock: ManualClock | None = None, max_connections: int = 1024,
                 **tenant_fields: Any) -> AsyncIterator[tuple[RunningServer, Tenant, InFlight, Upstream]]:
     state = Upstream()
@@ -252,7 +252,7 @@ async def stack(engine: str, upstream_app: Callable[[Upstream], Starlette] | Non
             up = await start_server(upstream_app(state), name="upstream")
             servers.append(up)
             upstream_url = up.url
-        tenant = Tenant(name=engine, engine=engine, upstream=upstream_url, **tenant_fields)  # type: ignore[arg-type]
+        tenant = Tenant(name=engine, engine=engine, upstream=upstream_url, **tenant_fields)
         inflight = InFlight(clock or ManualClock())
         proxy = await start_server(TenantApp(tenant, forwarder, inflight, job_poll_s=0.01), name="proxy")
         servers.append(proxy)

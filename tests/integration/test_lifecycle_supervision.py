@@ -276,7 +276,8 @@ async def test_a_setsid_child_of_the_app_is_stopped_with_it(
         assert (await http.get(proxy_of(demo).url("app") + "/")).status_code == 200
         helper = int(next(line for line in machine.controller.output() if line.startswith("helper ")).split()[1])
         started = procs.start_time(helper)
-        assert started is not None and procs.proc(helper).session == helper  # type: ignore[union-attr]
+        proc = procs.proc(helper)
+        assert started is not None and proc is not None and proc.session == helper
         stopped = await http.post(proxy_of(demo).url("admin") + "/api/tenants/app/stop")
         assert stopped.status_code == 200 and machine.state == "stopped", stopped.text
         assert not procs.same(helper, started), "the child that left the app's session is stopped with it"
@@ -385,7 +386,8 @@ async def test_a_setsid_grandchild_left_by_a_proxy_killed_9_is_ended_by_the_rest
         crashed.kill()  # the proxy dies: -9 (its command line names the server too: copies are counted after)
         await crashed.wait()
         (left,) = copies(f"http.server {port}")
-        assert procs.proc(left).session == left, "the server left the app's session"  # type: ignore[union-attr]
+        proc = procs.proc(left)
+        assert proc is not None and proc.session == left, "the server left the app's session"
         demo = await box(fast("default", tenants={"app": tenant}))
         assert demo.proxy is not None
         assert not copies(f"http.server {port}") and not port_open(port), "ended by the restarted proxy"

@@ -160,10 +160,10 @@ def test_a_program_is_looked_up_on_the_path_the_child_gets(tmp_path: Path) -> No
     program = tmp_path / "llama-server"
     program.write_text("#!/bin/sh\n")
     program.chmod(0o755)
-    tenant = {"upstream": UP, "release": {"kind": "process", "command": ["llama-server"]}}
+    tenant: dict[str, Any] = {"upstream": UP, "release": {"kind": "process", "command": ["llama-server"]}}
     with pytest.raises(ConfigError):
         load({"llama": tenant})
-    tenant["release"]["env"] = {"PATH": str(tmp_path)}  # type: ignore[index]
+    tenant["release"]["env"] = {"PATH": str(tmp_path)}
     assert load({"llama": tenant}).get("llama").lifecycle is not None
 
 
