@@ -8,7 +8,7 @@ import random
 import socket
 import sys
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +151,21 @@ def app_process(demo: Demo, name: str = "app") -> ProcessController:
     return machine.controller
 
 
+class FixedSystemctl:
+    """The `systemctl show` runner of `EnvReaders`, answering fixed output and writing down each call;
+    None: systemctl is not installed (a container)."""
+
+    def __init__(self, text: str | None) -> None:
+        self.text = text
+        self.calls: list[list[str]] = []
+
+    def __call__(self, argv: Sequence[str], timeout_s: float) -> str:
+        self.calls.append(list(argv))
+        if self.text is None:
+            raise FileNotFoundError("systemctl")
+        return self.text
+
+
 def never_short(demo: Demo) -> list[str]:
     """Every allocation the simulated card could not grant so far (an engine's OOM, a load spilled to
     the CPU): planning kept the card from over-committing when this is empty."""
@@ -166,6 +181,7 @@ __all__ = [
     "LOOPBACK_TLS",
     "README_CKPT",
     "DemoFactory",
+    "FixedSystemctl",
     "RenderRefused",
     "app_process",
     "chat",

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from proxy.engines.settings import EnvReaders
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import GpuReadError
 from proxy.relay.servers import start_server
-from tests.integration.boxes import DemoFactory, comfyui_of, fast, ollama_of, proxy_of
+from tests.integration.boxes import DemoFactory, FixedSystemctl, comfyui_of, fast, ollama_of, proxy_of
 
 KEYS = {"name", "status", "problem", "impact", "fix"}
 
@@ -203,16 +202,6 @@ async def test_telemetry_entry_follows_the_stores_own_health(box: DemoFactory, h
 
 # -- /api/engines --------------------------------------------------------------------------------------
 
-def fake_systemctl(text: str) -> Any:
-    calls: list[list[str]] = []
-
-    def run(argv: Sequence[str], timeout_s: float) -> str:
-        calls.append(list(argv))
-        return text
-
-    run.calls = calls  # type: ignore[attr-defined]
-    return run
-
 
 def settings_of(view: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {s["name"]: s for s in view["settings"]}
@@ -221,7 +210,7 @@ def settings_of(view: dict[str, Any]) -> dict[str, dict[str, Any]]:
 async def test_engines_reads_ollama_env_from_systemd_then_from_the_processes_environ(
         box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
     demo = await box("default")
-    systemctl = fake_systemctl("Environment=OLLAMA_NUM_PARALLEL=1 OLLAMA_MAX_LOADED_MODELS=1\n")
+    systemctl = FixedSystemctl("Environment=OLLAMA_NUM_PARALLEL=1 OLLAMA_MAX_LOADED_MODELS=1\n")
     health_ext(demo).env = EnvReaders(systemctl=systemctl, proc_root=tmp_path, host=True)
     admin = proxy_of(demo).url("admin")
 
@@ -250,7 +239,7 @@ async def test_engines_reads_ollama_env_from_systemd_then_from_the_processes_env
 
 async def test_engines_never_reads_the_host_for_a_simulated_gpu(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("default")
-    systemctl = fake_systemctl("Environment=OLLAMA_NUM_PARALLEL=8\n")
+    systemctl = FixedSystemctl("Environment=OLLAMA_NUM_PARALLEL=8\n")
     health_ext(demo).env = EnvReaders(systemctl=systemctl)  # host=None: auto
     view = (await http.get(proxy_of(demo).url("admin") + "/api/engines")).json()["engines"][0]
     assert systemctl.calls == []

@@ -14,8 +14,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import types
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,28 +39,10 @@ from proxy.relay.servers import RunningServer, start_server
 from proxy.service import Proxy
 from proxy.sim.box import Scenario, SimBox
 from proxy.tasks import poll_until
-from tests.integration.boxes import ALL_PORTS_ZERO, DemoFactory, comfyui_of, fast, proxy_of
+from tests.integration.boxes import ALL_PORTS_ZERO, DemoFactory, FixedSystemctl, comfyui_of, fast, proxy_of
+from tests.unit.fake_pynvml import nvml_without_library
 
 HOST_RAM = int(24.04 * GIB)  # what a --cpu ComfyUI reports as torch_vram_total: host RAM, not VRAM
-
-
-def nvml_without_library() -> types.ModuleType:
-    """pynvml on a machine without the driver: nvmlInit raises NVMLError_LibraryNotFound."""
-    nvml = types.ModuleType("pynvml")
-
-    class NVMLError(Exception):
-        pass
-
-    missing = type("NVMLError_LibraryNotFound", (NVMLError,), {})
-
-    def init() -> None:
-        raise missing("NVML Shared Library Not Found")
-
-    nvml.NVMLError = NVMLError  # type: ignore[attr-defined]
-    nvml.NVMLError_LibraryNotFound = missing  # type: ignore[attr-defined]
-    nvml.nvmlInit = init  # type: ignore[attr-defined]
-    nvml.nvmlShutdown = lambda: None  # type: ignore[attr-defined]
-    return nvml
 
 
 class CpuComfyUI:
@@ -101,20 +82,6 @@ class CpuComfyUI:
                                  WebSocketRoute("/ws", ws)])
 
 
-def fake_systemctl(text: str | None) -> Any:
-    """`systemctl show` with fixed output; None: systemctl is not installed (a container)."""
-    calls: list[list[str]] = []
-
-    def run(argv: Sequence[str], timeout_s: float) -> str:
-        calls.append(list(argv))
-        if text is None:
-            raise FileNotFoundError("systemctl")
-        return text
-
-    run.calls = calls  # type: ignore[attr-defined]
-    return run
-
-
 @dataclass(slots=True)
 class Served:
     proxy: Proxy
@@ -146,7 +113,7 @@ async def served(tmp_path: Path) -> AsyncIterator[Serve]:
         overrides = box.tenant_overrides()
         overrides["tenants"]["comfyui"] = {"upstream": comfy_server.url, "release_timeout_s": 1.0}
         proxy = Proxy(registry_from_dict(overrides), NvmlReader(nvml=nvml_without_library()))
-        runner = fake_systemctl(systemctl)
+        runner = FixedSystemctl(systemctl)
         health = next(e for e in proxy.extensions if isinstance(e, HealthExtension))
         health.env = EnvReaders(systemctl=runner, proc_root=tmp_path)  # host None: decided by the reader
         stop, out, err = asyncio.Event(), io.StringIO(), io.StringIO()
