@@ -114,7 +114,8 @@ async def test_a_daemon_run_app_with_a_stop_command_starts_answers_and_stops(
     ctl = app_process(demo)
     assert ctl.pid is not None and ctl.pid != server and server not in procs.tree(ctl.pid, ctl.pid), \
         "the holder is the daemon's child"
-    assert str(server) in (ctl.describe()["holders"] or {}), ctl.describe()  # type: ignore[operator]
+    holders = ctl.describe()["holders"]
+    assert isinstance(holders, dict) and str(server) in holders, ctl.describe()
     stopped = await http.post(proxy_of(demo).url("admin") + "/api/tenants/app/stop")
     assert stopped.status_code == 200 and machine.state == "stopped", stopped.text
     assert not port_open(port) and not procs.same(server, procs.start_time(server) or -1)
