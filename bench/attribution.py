@@ -21,9 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "unit"))  # the fixture /proc builder the tests use
 
-from proctrees import FakeProc, gpu_proc, snapshot  # noqa: E402
 from timing import timed  # noqa: E402  (bench/timing.py: the shared loop)
 
 from proxy.engines.loading import registry_from_dict  # noqa: E402
@@ -31,6 +29,7 @@ from proxy.gpu.attribution import Attributor  # noqa: E402
 from proxy.gpu.proctree import ProcTreeReader, read_fd_links, read_listeners, read_process_tree  # noqa: E402
 from proxy.gpu.snapshot import GpuProcess  # noqa: E402
 from proxy.gpu.sockdiag import read_listeners_netlink  # noqa: E402
+from tests.unit.proctrees import FakeProc, gpu_proc, snapshot  # noqa: E402  (the fixture /proc builder the tests use)
 
 
 def build(root: Path, n_procs: int) -> list[GpuProcess]:

@@ -292,7 +292,7 @@ async def run_stream(nodes: Sequence[Demo], stream: Sequence[Request], router: R
                 else:
                     status, ttfb, done = await _render(nodes[node], http, seed)
             except httpx.HTTPError as exc:
-                status, ttfb, done = f"{type(exc).__name__}", None, None  # type: ignore[assignment]
+                status, ttfb, done = f"{type(exc).__name__}", None, None
             outcomes.append(Outcome(req.kind, req.model, node, status, ttfb, done))
 
         tasks = []
@@ -314,12 +314,12 @@ async def run_stream(nodes: Sequence[Demo], stream: Sequence[Request], router: R
 
 
 def loads(nodes: Sequence[Demo]) -> int:
-    return sum(n.box.ollama.loads for n in nodes)  # type: ignore[union-attr]
+    return sum(n.box.ollama.loads for n in nodes if n.box.ollama is not None)
 
 
 def handoffs(nodes: Sequence[Demo]) -> int:
-    return sum(1 for n in nodes for d in n.proxy.decisions.recent(10_000)  # type: ignore[union-attr]
-               if d.kind in ("plan", "oom_retry", "spill") and d.outcome.get("releases"))  # type: ignore[union-attr]
+    return sum(1 for n in nodes if n.proxy is not None for d in n.proxy.decisions.recent(10_000)
+               if d.kind in ("plan", "oom_retry", "spill") and d.outcome.get("releases"))
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

@@ -405,7 +405,7 @@ def parse_extra_model_paths(text: str, config_dir: Path) -> dict[str, list[Path]
 
 def _yaml(text: str) -> object:
     try:
-        import yaml  # type: ignore[import-untyped]
+        import yaml
     except ImportError:  # pragma: no cover - the subset ComfyUI's example uses
         return _tiny_yaml(text)
     try:

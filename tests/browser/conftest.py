@@ -51,7 +51,7 @@ class Chromium:
     async def launch(self) -> Browser:
         if self.browser is None or not self.browser.is_connected():
             self.browser = await self.pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True,
-                                                         env=self.env)
+                                                         env={**self.env})
         return self.browser
 
 

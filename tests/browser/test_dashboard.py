@@ -23,6 +23,7 @@ from proxy.handoff.decisions import OomRetry, Rejected
 from proxy.handoff.plan import Blocker, Plan
 from proxy.sim.box import fast_scenario as fast
 from proxy.tasks import poll_until
+from tests.integration.boxes import ollama_of, proxy_of
 
 DemoFactory = Callable[..., Awaitable[Demo]]
 OpenDashboard = Callable[[Demo], Awaitable[tuple[Page, Any]]]
@@ -115,7 +116,7 @@ async def test_a_failing_health_check_expands_with_its_fix(box: DemoFactory, bro
     await browser.clock.install()
     page, _ = await dashboard(demo)
     await page.wait_for_selector('#health-badge[data-status="ok"]', timeout=WAIT_MS)
-    await demo.box.ollama.stop()
+    await ollama_of(demo).stop()
     await page.clock.fast_forward(app_timers["HEALTH_POLL_MS"])  # the page's next health poll, now
     entry = page.locator('#health [data-check="upstream ollama"]')
     await entry.wait_for(state="visible", timeout=WAIT_MS)
@@ -263,7 +264,7 @@ async def test_a_chat_waiting_for_a_render_shows_on_its_card_until_it_runs(box: 
         async with ws_connect(base.replace("http", "ws") + f"/ws?clientId={cid}", max_queue=None) as ws:
             await ws.recv()
             assert (await http.post(base + "/prompt", json={"prompt": prompt, "client_id": cid})).status_code == 200
-            await poll_until(lambda: demo.proxy.inflight.traffic("comfyui").jobs, 0.01)
+            await poll_until(lambda: proxy_of(demo).inflight.traffic("comfyui").jobs, 0.01)
             chat = asyncio.ensure_future(http.post(demo.proxy.url("ollama") + "/api/generate",
                                                    json={"model": "gemma3:27b", "prompt": "hi", "stream": False}))
             waiting = page.locator('.card[data-tenant="ollama"] [data-role="waiting"]')

@@ -12,10 +12,10 @@ from typing import Any
 
 import httpx
 from playwright.async_api import Page
-from test_dashboard import HeldClock
 
 from proxy.demo import Demo, comfy_prompt
 from proxy.sim.box import fast_scenario
+from tests.browser.test_dashboard import HeldClock
 
 DemoFactory = Callable[..., Awaitable[Demo]]
 OpenDashboard = Callable[[Demo], Awaitable[tuple[Page, Any]]]

@@ -11,6 +11,7 @@ from playwright.async_api import Page
 
 from proxy.demo import Demo
 from proxy.gpu.snapshot import GpuSnapshot, PodRef
+from tests.integration.boxes import proxy_of
 
 DemoFactory = Callable[..., Awaitable[Demo]]
 OpenDashboard = Callable[[Demo], Awaitable[tuple[Page, Any]]]
@@ -30,7 +31,7 @@ class WithPods:
 
 async def test_tenant_cards_name_their_pods(box: DemoFactory, dashboard: OpenDashboard) -> None:
     demo = await box("default")
-    arbitration = demo.proxy.arbitration  # type: ignore[union-attr]
+    arbitration = proxy_of(demo).arbitration
     arbitration.reader = WithPods(arbitration.reader)
     snap = await arbitration.snapshot()
     owners = {p.tenant: p.process.pid for p in snap.processes if p.tenant != "unmanaged"}

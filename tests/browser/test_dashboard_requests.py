@@ -12,12 +12,13 @@ from typing import Any
 
 import httpx
 from playwright.async_api import Page
-from test_dashboard import HeldClock, wait_segment_above
 from websockets.asyncio.client import connect as ws_connect
 
 from proxy.demo import Demo, comfy_prompt, run_prompt
 from proxy.sim.box import fast_scenario
 from proxy.tasks import poll_until
+from tests.browser.test_dashboard import HeldClock, wait_segment_above
+from tests.integration.boxes import proxy_of
 
 DemoFactory = Callable[..., Awaitable[Demo]]
 OpenDashboard = Callable[[Demo], Awaitable[tuple[Page, Any]]]
@@ -46,7 +47,7 @@ async def test_a_chat_behind_a_render_is_waiting_the_render_busy_and_the_chats_s
             await ws.recv()
             r = await http.post(base + "/prompt", json={"prompt": comfy_prompt(FLUX), "client_id": cid})
             assert r.status_code == 200, r.text
-            await poll_until(lambda: demo.proxy.inflight.traffic("comfyui").jobs, 0.01)  # type: ignore[union-attr]
+            await poll_until(lambda: proxy_of(demo).inflight.traffic("comfyui").jobs, 0.01)
             chat = asyncio.ensure_future(http.post(demo.proxy.url("ollama") + "/api/generate",
                                                    json={"model": "gemma3:27b", "prompt": "hi", "stream": False}))
             ollama = page.locator('.card[data-tenant="ollama"]')
@@ -110,7 +111,9 @@ async def test_the_demos_model_sizes_and_load_speeds_are_the_models_and_health_s
     assert size == "11.9 GiB", f"the 11.9 GiB flux checkpoint shows as {size} (the 1/1024 stand-in's size)"
     load = page.locator('#decisions li[data-kind="model_load"]').filter(has_text=FLUX).first
     await load.wait_for(timeout=WAIT_MS)
-    gbps = float(re.search(r"= ([\d.]+) GB/s", await load.inner_text()).group(1))  # type: ignore[union-attr]
+    shown = re.search(r"= ([\d.]+) GB/s", await load.inner_text())
+    assert shown is not None
+    gbps = float(shown.group(1))
     assert gbps > 5, f"the stand-in's speed shown: {gbps} GB/s for a box that loads at 20 GB/s"
     health = (await (await page.request.get(demo.proxy.url("admin") + "/api/health")).json())["entries"]
     speed = [e for e in health if e["name"] == "model load speed"]

@@ -8,7 +8,7 @@ import random
 import socket
 import sys
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,11 @@ import ollama
 from websockets.asyncio.client import connect as ws_connect
 
 from proxy.demo import Demo, comfy_prompt
+from proxy.lifecycle.process import ProcessController
+from proxy.service import Proxy
 from proxy.sim.box import fast_scenario as fast
+from proxy.sim.comfyui import ComfySim
+from proxy.sim.ollama import OllamaSim
 from proxy.sim.ports import loose_port
 from proxy.tasks import poll_until
 from proxy.tls import client_context
@@ -42,7 +46,7 @@ def port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def process_tenant(port: int, folder: Path, **extra: object) -> dict[str, object]:
+def process_tenant(port: int, folder: Path, **extra: object) -> dict[str, Any]:
     """A generic tenant whose app is Python's own HTTP server on `port`, run and owned by the proxy
     (release kind `process`), serving `folder` (with a hello.txt). A file server only answers reads,
     so a read starts it (`wake_on: "any"`; the default, "writes", keeps reads from starting an app)."""
@@ -75,7 +79,7 @@ async def stranger_on(port: int, folder: Path) -> asyncio.subprocess.Process:
 # -- the user's clients on the demo box: the official `ollama` client, a websocket ComfyUI client --
 
 def decisions(demo: Demo, *kinds: str) -> list[Any]:
-    return [d for d in demo.proxy.decisions.recent(500) if d.kind in kinds]  # type: ignore[union-attr]
+    return [d for d in proxy_of(demo).decisions.recent(500) if d.kind in kinds]
 
 
 def releases(demo: Demo) -> list[tuple[str, str]]:
@@ -85,8 +89,9 @@ def releases(demo: Demo) -> list[tuple[str, str]]:
 
 
 async def chat(demo: Demo, model: str) -> ollama.ChatResponse:
-    async with ollama.AsyncClient(host=demo.proxy.url("ollama"), verify=LOOPBACK_TLS) as client:  # type: ignore[union-attr]
-        return await client.chat(model=model, messages=[{"role": "user", "content": "hi"}])
+    async with ollama.AsyncClient(host=proxy_of(demo).url("ollama"), verify=LOOPBACK_TLS) as client:
+        reply: ollama.ChatResponse = await client.chat(model=model, messages=[{"role": "user", "content": "hi"}])
+        return reply
 
 
 class RenderRefused(Exception):
@@ -100,7 +105,7 @@ class RenderRefused(Exception):
 async def render(demo: Demo, ckpt: str = README_CKPT, steps: int | None = None) -> list[dict[str, Any]]:
     """A prompt through the proxy with its websocket open, up to the end marker. A fresh seed, as real
     clients send (a repeated graph is cached by ComfyUI: it loads and samples nothing, hiding its cost)."""
-    base = demo.proxy.url("comfyui")  # type: ignore[union-attr]
+    base = proxy_of(demo).url("comfyui")
     cid = uuid.uuid4().hex
     prompt = comfy_prompt(ckpt, seed=random.randrange(2**40))
     if steps:
@@ -111,13 +116,54 @@ async def render(demo: Demo, ckpt: str = README_CKPT, steps: int | None = None) 
             r = await http.post(base + "/prompt", json={"prompt": prompt, "client_id": cid})
             if r.status_code != 200:
                 raise RenderRefused(r.status_code, r.text)
-            msgs = []
+            msgs: list[dict[str, Any]] = []
             async with asyncio.timeout(30):
                 while not msgs or not (msgs[-1]["type"] == "executing" and msgs[-1]["data"]["node"] is None):
                     raw = await ws.recv()
                     if isinstance(raw, str):
                         msgs.append(json.loads(raw))
     return msgs
+
+
+def proxy_of(demo: Demo) -> Proxy:
+    """The demo's proxy: every box the tests start has one (`Demo.proxy` is None only for `demo --no-proxy`)."""
+    assert demo.proxy is not None, "this demo was started without the proxy"
+    return demo.proxy
+
+
+def ollama_of(demo: Demo) -> OllamaSim:
+    """The box's simulated Ollama (None only in a scenario without one)."""
+    assert demo.box.ollama is not None, "this scenario has no Ollama"
+    return demo.box.ollama
+
+
+def comfyui_of(demo: Demo) -> ComfySim:
+    """The box's simulated ComfyUI (None only in a scenario without one)."""
+    assert demo.box.comfyui is not None, "this scenario has no ComfyUI"
+    return demo.box.comfyui
+
+
+def app_process(demo: Demo, name: str = "app") -> ProcessController:
+    """The controller of a tenant the proxy runs as a process (release kind `process`)."""
+    machine = proxy_of(demo).arbitration.lifecycles.machine(name)
+    assert machine is not None, f"{name} has no lifecycle"
+    assert isinstance(machine.controller, ProcessController), machine.controller
+    return machine.controller
+
+
+class FixedSystemctl:
+    """The `systemctl show` runner of `EnvReaders`, answering fixed output and writing down each call;
+    None: systemctl is not installed (a container)."""
+
+    def __init__(self, text: str | None) -> None:
+        self.text = text
+        self.calls: list[list[str]] = []
+
+    def __call__(self, argv: Sequence[str], timeout_s: float) -> str:
+        self.calls.append(list(argv))
+        if self.text is None:
+            raise FileNotFoundError("systemctl")
+        return self.text
 
 
 def never_short(demo: Demo) -> list[str]:
@@ -135,14 +181,19 @@ __all__ = [
     "LOOPBACK_TLS",
     "README_CKPT",
     "DemoFactory",
+    "FixedSystemctl",
     "RenderRefused",
+    "app_process",
     "chat",
+    "comfyui_of",
     "decisions",
     "fast",
     "free_port",
     "never_short",
+    "ollama_of",
     "port_open",
     "process_tenant",
+    "proxy_of",
     "releases",
     "render",
     "stranger_on",

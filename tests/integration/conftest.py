@@ -6,7 +6,8 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-from boxes import LOOPBACK_TLS
+
+from tests.integration.boxes import LOOPBACK_TLS
 
 
 @pytest.fixture

@@ -5,27 +5,27 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from boxes import DemoFactory
 
 from proxy.admin.openapi import openapi_document
+from tests.integration.boxes import DemoFactory, proxy_of
 
 # One box per test (starting one costs about a second); the bad values are looped over inside.
 
 async def test_plan_refuses_a_need_that_is_no_sane_gib_amount_with_400(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("default")
     for need in ("1e308", "inf", "-inf", "nan", "-1", "16385", "lots", ""):
-        r = await http.get(demo.proxy.url("admin") + "/api/plan", params={"tenant": "ollama", "need_gb": need})
+        r = await http.get(proxy_of(demo).url("admin") + "/api/plan", params={"tenant": "ollama", "need_gb": need})
         assert r.status_code == 400, f"need_gb={need!r}: {r.status_code} {r.text[:200]}"
         body = r.json()
         assert "need_gb" in body["error"] and body.get("fix"), body
     for need in ("0", "16384", "2.5"):
-        r = await http.get(demo.proxy.url("admin") + "/api/plan", params={"tenant": "ollama", "need_gb": need})
+        r = await http.get(proxy_of(demo).url("admin") + "/api/plan", params={"tenant": "ollama", "need_gb": need})
         assert r.status_code == 200, f"need_gb={need}: {r.text[:200]}"
 
 
 async def test_history_and_decisions_refuse_bad_since_and_limits_with_400(box: DemoFactory,
                                                                           http: httpx.AsyncClient) -> None:
-    admin = (await box("default")).proxy.url("admin")
+    admin = proxy_of(await box("default")).url("admin")
     for params in ({"since": "nan"}, {"since": "inf"}, {"since": "-inf"}, {"since": "yesterday"},
                    {"limit": "10001"}, {"limit": "0"}, {"limit": "1e3"}):
         r = await http.get(admin + "/api/history", params=params)
@@ -41,7 +41,7 @@ async def test_history_and_decisions_refuse_bad_since_and_limits_with_400(box: D
 
 async def test_a_method_a_route_does_not_take_answers_405_with_allow(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("default")
-    admin = demo.proxy.url("admin")
+    admin = proxy_of(demo).url("admin")
     r = await http.delete(admin + "/api/tenants")
     assert r.status_code == 405 and "GET" in r.headers.get("allow", ""), (r.status_code, dict(r.headers))
     r = await http.get(admin + "/api/tenants/comfyui/release")
@@ -52,7 +52,7 @@ async def test_a_method_a_route_does_not_take_answers_405_with_allow(box: DemoFa
 async def test_openapi_marks_authorization_required_only_when_a_token_is_configured(
         box: DemoFactory, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
     demo = await box("default")
-    doc = (await http.get(demo.proxy.url("admin") + "/openapi.json")).json()
+    doc = (await http.get(proxy_of(demo).url("admin") + "/openapi.json")).json()
     release = doc["paths"]["/api/tenants/{name}/release"]["post"]
     assert "security" not in release, "no token configured: no Authorization needed"
     assert "401" not in release["responses"]
@@ -61,7 +61,7 @@ async def test_openapi_marks_authorization_required_only_when_a_token_is_configu
 
     monkeypatch.setenv("HYPERSWAP_ADMIN_TOKEN", "s3cret")
     guarded = await box("default")
-    doc = (await http.get(guarded.proxy.url("admin") + "/openapi.json")).json()
+    doc = (await http.get(proxy_of(guarded).url("admin") + "/openapi.json")).json()
     release = doc["paths"]["/api/tenants/{name}/release"]["post"]
     assert release["security"] == [{"bearer": []}] and {"401", "403"} <= set(release["responses"])
 

@@ -5,41 +5,45 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from typing import Any
 
 import httpx
 import pytest
-from boxes import DemoFactory, fast
 from websockets.asyncio.client import connect as ws_connect
 
 from proxy.clock import ManualClock
+from proxy.config.schema import Tenant
 from proxy.config.units import GIB
-from proxy.demo import comfy_prompt, run_prompt
+from proxy.demo import Demo, comfy_prompt, run_prompt
+from proxy.engines import Need
 from proxy.gpu.snapshot import GpuReadError
 from proxy.handoff.decisions import DecisionView
+from proxy.handoff.inflight import Token
 from proxy.handoff.plan import Plan
-from proxy.handoff.scheduler import Handoff
+from proxy.handoff.scheduler import Admitted, Handoff
 from proxy.tasks import poll_until
+from tests.integration.boxes import DemoFactory, comfyui_of, fast, ollama_of, proxy_of
 
 OOM = "llama runner process has terminated: cudaMalloc failed: out of memory"
 
 
-def decisions(demo, kind: str | None = None, tenant: str | None = None):  # type: ignore[no-untyped-def]
-    return [d for d in demo.proxy.decisions.recent() if (kind is None or d.kind == kind)
+def decisions(demo: Demo, kind: str | None = None, tenant: str | None = None) -> list[DecisionView]:
+    return [d for d in proxy_of(demo).decisions.recent() if (kind is None or d.kind == kind)
             and (tenant is None or d.tenant == tenant)]
 
 
-async def generate(http: httpx.AsyncClient, demo, model: str) -> httpx.Response:  # type: ignore[no-untyped-def]
-    return await http.post(demo.proxy.url("ollama") + "/api/generate",
+async def generate(http: httpx.AsyncClient, demo: Demo, model: str) -> httpx.Response:
+    return await http.post(proxy_of(demo).url("ollama") + "/api/generate",
                            json={"model": model, "prompt": "hi", "stream": False})
 
 
-def comfy_held(demo) -> int:  # type: ignore[no-untyped-def]
-    return demo.box.gpu.used_by(demo.box.comfyui.pid)
+def comfy_held(demo: Demo) -> int:
+    return demo.box.gpu.used_by(comfyui_of(demo).pid or 0)
 
 
 async def test_ollama_load_reclaims_an_idle_comfyui_first(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("default")
-    await run_prompt(demo.proxy.url("comfyui"), "flux1-dev-fp8.safetensors", http)
+    await run_prompt(proxy_of(demo).url("comfyui"), "flux1-dev-fp8.safetensors", http)
     assert comfy_held(demo) > 11 * GIB, "ComfyUI should keep its checkpoint after the prompt (smart memory)"
 
     r = await generate(http, demo, "gemma3:27b")
@@ -58,7 +62,7 @@ async def test_chat_during_a_render_waits_for_it_and_busy_comfyui_is_never_relea
         box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("default")
     cid = uuid.uuid4().hex
-    base = demo.proxy.url("comfyui")
+    base = proxy_of(demo).url("comfyui")
     prompt = comfy_prompt("flux1-dev-fp8.safetensors")
     prompt["3"]["inputs"]["steps"] = 300  # ~0.6 s of sampling at the fast step time
     async with ws_connect(base.replace("http", "ws") + f"/ws?clientId={cid}") as ws:
@@ -69,10 +73,10 @@ async def test_chat_during_a_render_waits_for_it_and_busy_comfyui_is_never_relea
             await poll_until(lambda: comfy_held(demo) >= 11 * GIB, 0.01)
         chat = asyncio.ensure_future(generate(http, demo, "gemma3:27b"))
         async with asyncio.timeout(5):
-            await poll_until(lambda: [w for w in demo.proxy.arbitration.scheduler.waiting() if w["waiting_for"]])
-        waiting = demo.proxy.arbitration.scheduler.waiting()[0]
+            await poll_until(lambda: [w for w in proxy_of(demo).arbitration.scheduler.waiting() if w["waiting_for"]])
+        waiting = proxy_of(demo).arbitration.scheduler.waiting()[0]
         assert waiting["tenant"] == "ollama" and waiting["waiting_for"] == ["comfyui"], waiting
-        assert demo.box.comfyui.frees == 0, "a busy tenant was asked to free"
+        assert comfyui_of(demo).frees == 0, "a busy tenant was asked to free"
         ended = False
         while not ended:
             msg = json.loads(await ws.recv())
@@ -93,14 +97,14 @@ async def test_higher_priority_comfyui_takes_memory_back_from_idle_ollama(box: D
     sc = fast("default", tenants={"comfyui": {"priority": 60, "model_vram_gb": {"flux1-dev-fp8.safetensors": 13.5}}})
     demo = await box(sc)
     assert (await generate(http, demo, "gemma3:27b")).status_code == 200
-    assert demo.box.ollama.loaded(), "gemma should be resident"
+    assert ollama_of(demo).loaded(), "gemma should be resident"
 
-    msgs = await run_prompt(demo.proxy.url("comfyui"), "flux1-dev-fp8.safetensors", http)
+    msgs = await run_prompt(proxy_of(demo).url("comfyui"), "flux1-dev-fp8.safetensors", http)
 
     assert "execution_success" in [m["type"] for m in msgs], [m["type"] for m in msgs]
     plan = decisions(demo, "plan", "comfyui")[-1]
     assert [x["tenant"] for x in plan.outcome["releases"]] == ["ollama"]
-    assert not demo.box.ollama.loaded()
+    assert not ollama_of(demo).loaded()
 
 
 async def test_tight_card_answers_507_naming_the_unmanaged_speech_relay(box: DemoFactory, http: httpx.AsyncClient) -> None:
@@ -115,14 +119,14 @@ async def test_tight_card_answers_507_naming_the_unmanaged_speech_relay(box: Dem
         "name": "python", "tenant": "unmanaged", "vram_gb": 0.84, "reason": "unmanaged"}
     assert "stt_relay.py" in relay[0]["cmdline"]
     assert body["available_gb"] < body["need_gb"]
-    assert not demo.box.ollama.loaded(), "nothing was loaded"
+    assert not ollama_of(demo).loaded(), "nothing was loaded"
     assert decisions(demo, "rejection", "ollama"), "the 507 is in the decision log"
 
 
 async def test_oom_answer_is_reclaimed_and_retried_once(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("default")
-    await run_prompt(demo.proxy.url("comfyui"), "sd_xl_base_1.0.safetensors", http)
-    demo.box.ollama.fail_next_load_with(OOM)  # a foreign allocation raced the load
+    await run_prompt(proxy_of(demo).url("comfyui"), "sd_xl_base_1.0.safetensors", http)
+    ollama_of(demo).fail_next_load_with(OOM)  # a foreign allocation raced the load
 
     r = await generate(http, demo, "llama3.1:8b")
 
@@ -130,7 +134,7 @@ async def test_oom_answer_is_reclaimed_and_retried_once(box: DemoFactory, http: 
     retry = decisions(demo, "oom_retry", "ollama")
     assert retry and retry[-1].outcome.get("oom_retry") == "succeeded", [(d.outcome, d.plan) for d in retry]
     assert [x["tenant"] for x in retry[-1].outcome["releases"]] == ["comfyui"]
-    assert not demo.proxy.arbitration.scheduler.reservations.tenants(), \
+    assert not proxy_of(demo).arbitration.scheduler.reservations.tenants(), \
         "both admissions (first try and retry) give their memory back"
 
 
@@ -138,29 +142,29 @@ async def test_oom_with_nothing_to_release_is_retried_once_on_a_fresh_reading(
         box: DemoFactory, http: httpx.AsyncClient) -> None:
     # The memory the first try lacked may have freed since (a foreign allocation gone): every OOM is retried.
     demo = await box("default")
-    demo.box.ollama.fail_next_load_with(OOM)
+    ollama_of(demo).fail_next_load_with(OOM)
     r = await generate(http, demo, "llama3.1:8b")
     assert r.status_code == 200, r.text
     retry = decisions(demo, "oom_retry", "ollama")
     assert [d.outcome for d in retry] == [{"result": "succeeded"}]
-    assert not demo.proxy.arbitration.scheduler.reservations.tenants()
+    assert not proxy_of(demo).arbitration.scheduler.reservations.tenants()
 
 
 async def test_oom_with_nothing_to_release_reaches_the_client_with_blockers(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("default")
-    demo.box.ollama.fail_next_load_with(OOM, times=2)
+    ollama_of(demo).fail_next_load_with(OOM, times=2)
     r = await generate(http, demo, "llama3.1:8b")
     assert r.status_code == 500
     body = r.json()
     assert body["error"] == OOM, "the engine's error is passed through unchanged"
     assert {b["name"] for b in body["blockers"]} >= {"Xorg", "gnome-shell"}
-    assert not demo.proxy.arbitration.scheduler.reservations.tenants()
+    assert not proxy_of(demo).arbitration.scheduler.reservations.tenants()
 
 
 async def test_spill_to_cpu_makes_ollama_starved_and_reclaims_comfyui(box: DemoFactory, http: httpx.AsyncClient) -> None:
     clock = ManualClock(ticking=True)
     demo = await box(fast("default", settings={"proxy": {"spill_stable_s": 30.0}}), clock=clock)
-    await run_prompt(demo.proxy.url("comfyui"), "flux1-dev-fp8.safetensors", http)
+    await run_prompt(proxy_of(demo).url("comfyui"), "flux1-dev-fp8.safetensors", http)
     # A client talking to Ollama directly: the proxy only sees the spill afterwards.
     r = await http.post(demo.box.servers["ollama"].url + "/api/generate",
                         json={"model": "gemma3:27b", "prompt": "x", "stream": False})
@@ -168,11 +172,11 @@ async def test_spill_to_cpu_makes_ollama_starved_and_reclaims_comfyui(box: DemoF
     ps = (await http.get(demo.box.servers["ollama"].url + "/api/ps")).json()["models"][0]
     assert ps["size_vram"] < ps["size"], "precondition: the model spilled"
 
-    first = await demo.proxy.watchdog.tick()
+    first = await proxy_of(demo).watchdog.tick()
     assert not decisions(demo, "spill"), "a split seen once may still be a load growing: no spill yet"
     assert "a spill if it holds still" in first.reasons["ollama"], first.reasons
     await clock.advance(31.0)  # the split held still past spill_stable_s
-    report = await demo.proxy.watchdog.tick()
+    report = await proxy_of(demo).watchdog.tick()
 
     spill = decisions(demo, "spill", "ollama")
     assert spill and [x["tenant"] for x in spill[-1].outcome["releases"]] == ["comfyui"], report
@@ -182,17 +186,17 @@ async def test_spill_to_cpu_makes_ollama_starved_and_reclaims_comfyui(box: DemoF
 async def test_idle_comfyui_is_released_after_its_idle_timeout(box: DemoFactory, http: httpx.AsyncClient) -> None:
     clock = ManualClock(ticking=True)
     demo = await box(fast("default", tenants={"comfyui": {"idle_release_after_s": 30.0}}), clock=clock)
-    await run_prompt(demo.proxy.url("comfyui"), "sd_xl_base_1.0.safetensors", http)
-    first = await demo.proxy.watchdog.tick()
+    await run_prompt(proxy_of(demo).url("comfyui"), "sd_xl_base_1.0.safetensors", http)
+    first = await proxy_of(demo).watchdog.tick()
     assert first.reasons["comfyui"].startswith("idle release in") or "busy" in first.reasons["comfyui"], first.reasons
     await clock.advance(31.0)
 
-    report = await demo.proxy.watchdog.tick()
+    report = await proxy_of(demo).watchdog.tick()
 
     assert report.reasons["comfyui"] == "released after idle timeout", report.reasons
     assert comfy_held(demo) < 0.5 * GIB
     assert decisions(demo, "idle_release", "comfyui")[-1].outcome["ok"] is True
-    again = await demo.proxy.watchdog.tick()
+    again = await proxy_of(demo).watchdog.tick()
     assert "idle floor" in again.reasons["comfyui"], "released once, not every tick"
 
 
@@ -200,8 +204,8 @@ async def test_stale_running_entry_does_not_make_comfyui_busy(box: DemoFactory, 
     demo = await box(fast("default", comfyui={"stale_running_entry": True}))
     queue = (await http.get(demo.box.servers["comfyui"].url + "/queue")).json()
     assert queue["queue_running"], "precondition: the scenario leaves a running row"
-    report = await demo.proxy.watchdog.tick()
-    view = (await http.get(demo.proxy.url("admin") + "/api/tenants/comfyui")).json()
+    report = await proxy_of(demo).watchdog.tick()
+    view = (await http.get(proxy_of(demo).url("admin") + "/api/tenants/comfyui")).json()
     assert view["busy"] is False
     assert view["stale_jobs"] == [queue["queue_running"][0][1]]
     assert any("stale" in a for a in report.actions), report.actions
@@ -209,13 +213,13 @@ async def test_stale_running_entry_does_not_make_comfyui_busy(box: DemoFactory, 
 
 async def test_concurrent_loads_share_one_handoff(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("default")
-    await run_prompt(demo.proxy.url("comfyui"), "flux1-dev-fp8.safetensors", http)
-    frees_before = demo.box.comfyui.frees
+    await run_prompt(proxy_of(demo).url("comfyui"), "flux1-dev-fp8.safetensors", http)
+    frees_before = comfyui_of(demo).frees
 
     results = await asyncio.gather(*(generate(http, demo, "gemma3:27b") for _ in range(4)))
 
     assert [r.status_code for r in results] == [200] * 4, [r.text for r in results]
-    assert demo.box.comfyui.frees - frees_before == 1, "ComfyUI was asked to free more than once"
+    assert comfyui_of(demo).frees - frees_before == 1, "ComfyUI was asked to free more than once"
     assert len([d for d in decisions(demo, "plan", "ollama") if d.outcome.get("releases")]) == 1
 
 
@@ -223,7 +227,7 @@ async def test_client_leaving_during_a_release_lets_the_release_finish_and_holds
         box: DemoFactory, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("proxy.relay.departure.WATCH_AFTER_S", 0.0)
     demo = await box("default")
-    await run_prompt(demo.proxy.url("comfyui"), "flux1-dev-fp8.safetensors", http)
+    await run_prompt(proxy_of(demo).url("comfyui"), "flux1-dev-fp8.safetensors", http)
     leaving = asyncio.ensure_future(generate(http, demo, "gemma3:27b"))
     async with asyncio.timeout(10):
         # Until the handoff has started: ComfyUI is being asked to free.
@@ -233,9 +237,9 @@ async def test_client_leaving_during_a_release_lets_the_release_finish_and_holds
     leaving.cancel()
     with pytest.raises(asyncio.CancelledError):
         await leaving
-    arbitration = demo.proxy.arbitration
+    arbitration = proxy_of(demo).arbitration
     def now() -> DecisionView:  # a view is never changed: its later facts come as a new one
-        view = demo.proxy.decisions.view(plan.id)
+        view = proxy_of(demo).decisions.view(plan.id)
         assert view is not None
         return view
     async with asyncio.timeout(5):  # the release's own end: no event to wait on from here
@@ -244,14 +248,14 @@ async def test_client_leaving_during_a_release_lets_the_release_finish_and_holds
     assert now().outcome["releases"][0]["confirmed"] is True, "the release runs to its end and is recorded"
     assert not arbitration.scheduler.reservations.tenants() and not arbitration.scheduler.releasing, \
         "a departed request holds no memory and no release"
-    assert demo.proxy.inflight.traffic("ollama").in_flight == 0
+    assert proxy_of(demo).inflight.traffic("ollama").in_flight == 0
     again = await generate(http, demo, "gemma3:27b")
     assert again.status_code == 200, again.text
 
 
 async def test_each_admission_gives_back_only_its_own_reservation(box: DemoFactory) -> None:
     demo = await box("default")
-    scheduler = demo.proxy.arbitration.scheduler
+    scheduler = proxy_of(demo).arbitration.scheduler
     plan = Plan("ollama", GIB, 0, 0, True, False, (), (), "test", True)
     admitted = Handoff(plan, [], None)
     scheduler.reserve("ollama:m", admitted)
@@ -265,7 +269,7 @@ async def test_each_admission_gives_back_only_its_own_reservation(box: DemoFacto
 
 async def test_third_app_is_attributed_and_its_release_answers_409(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("third-app")
-    admin = demo.proxy.url("admin")
+    admin = proxy_of(demo).url("admin")
     view = (await http.get(admin + "/api/tenants/stt")).json()
     assert view["vram_gb"] == 0.84 and [p["pid"] for p in view["processes"]] == [4242]
     r = await http.post(admin + "/api/tenants/stt/release")
@@ -275,8 +279,8 @@ async def test_third_app_is_attributed_and_its_release_answers_409(box: DemoFact
 
 async def test_admin_release_reports_the_bytes_freed_as_measured(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("default")
-    admin = demo.proxy.url("admin")
-    await run_prompt(demo.proxy.url("comfyui"), "sd_xl_base_1.0.safetensors", http)
+    admin = proxy_of(demo).url("admin")
+    await run_prompt(proxy_of(demo).url("comfyui"), "sd_xl_base_1.0.safetensors", http)
 
     dry = (await http.get(admin + "/api/plan", params={"tenant": "ollama", "need_gb": 20})).json()
     assert dry["dry_run"] and [x["tenant"] for x in dry["plan"]["releases"]] == ["comfyui"]
@@ -296,7 +300,7 @@ async def test_a_failing_gpu_reader_never_stops_traffic(box: DemoFactory, http: 
     demo.box.gpu.fail_with = GpuReadError("driver_mismatch", "Driver/library version mismatch", "reboot")
     r = await generate(http, demo, "llama3.1:8b")
     assert r.status_code == 200, r.text
-    stats = (await http.get(demo.proxy.url("admin") + "/api/stats")).json()
+    stats = (await http.get(proxy_of(demo).url("admin") + "/api/stats")).json()
     assert stats["gpu_error"]["state"] == "driver_mismatch"
     assert stats["device"]["source"] == "engine-estimate"
     ollama = next(t for t in stats["tenants"] if t["name"] == "ollama")
@@ -306,11 +310,11 @@ async def test_a_failing_gpu_reader_never_stops_traffic(box: DemoFactory, http: 
 async def test_admin_token_guards_release(box: DemoFactory, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HYPERSWAP_ADMIN_TOKEN", "s3cret")
     demo = await box("default")
-    url = demo.proxy.url("admin") + "/api/tenants/comfyui/release"
+    url = proxy_of(demo).url("admin") + "/api/tenants/comfyui/release"
     assert (await http.post(url)).status_code == 401
     assert (await http.post(url, headers={"Authorization": "Bearer wrong"})).status_code == 403
     assert (await http.post(url, headers={"Authorization": "Bearer s3cret"})).status_code == 200
-    assert (await http.get(demo.proxy.url("admin") + "/api/tenants")).status_code == 200, "reads stay open"
+    assert (await http.get(proxy_of(demo).url("admin") + "/api/tenants")).status_code == 200, "reads stay open"
 
 
 def test_module_json_is_valid() -> None:
@@ -322,9 +326,9 @@ async def test_comfyui_oom_is_retried_under_the_clients_own_prompt_id_which_ends
     # ComfyUI outranks Ollama here, and asks for little up front: the OOM is what reveals the need.
     demo = await box(fast("default", tenants={"comfyui": {"priority": 60, "needs_vram_gb": 1.0}}))
     assert (await generate(http, demo, "gemma3:27b")).status_code == 200
-    demo.box.comfyui.fail_next_prompt_with_oom()
+    comfyui_of(demo).fail_next_prompt_with_oom()
     cid = uuid.uuid4().hex
-    base = demo.proxy.url("comfyui")
+    base = proxy_of(demo).url("comfyui")
     async with ws_connect(base.replace("http", "ws") + f"/ws?clientId={cid}", max_queue=None) as ws:
         await ws.recv()
         first = (await http.post(base + "/prompt", json={"prompt": comfy_prompt("sd_xl_base_1.0.safetensors"),
@@ -348,7 +352,7 @@ async def test_comfyui_oom_is_retried_under_the_clients_own_prompt_id_which_ends
     retry = decisions(demo, "oom_retry", "comfyui")[-1]
     assert retry.outcome["oom_retry"] == "succeeded" and retry.outcome["prompt_id"] == first, retry.outcome
     assert [x["tenant"] for x in retry.outcome["releases"]] == ["ollama"]
-    assert demo.box.comfyui.executed == 2 and not demo.proxy.inflight.jobs("comfyui")
+    assert comfyui_of(demo).executed == 2 and not proxy_of(demo).inflight.jobs("comfyui")
 
 
 async def test_comfyui_oom_of_a_client_without_websocket_is_found_by_the_history_poll_and_ends_success(
@@ -356,8 +360,8 @@ async def test_comfyui_oom_of_a_client_without_websocket_is_found_by_the_history
     # A script that POSTs /prompt and polls /history itself: no frame ever tells the proxy of the OOM.
     demo = await box(fast("default", tenants={"comfyui": {"priority": 60, "needs_vram_gb": 1.0}}))
     assert (await generate(http, demo, "gemma3:27b")).status_code == 200
-    demo.box.comfyui.fail_next_prompt_with_oom()
-    base = demo.proxy.url("comfyui")
+    comfyui_of(demo).fail_next_prompt_with_oom()
+    base = proxy_of(demo).url("comfyui")
     first = (await http.post(base + "/prompt", json={"prompt": comfy_prompt("sd_xl_base_1.0.safetensors")})).json()["prompt_id"]
     statuses: list[str] = []
 
@@ -368,12 +372,12 @@ async def test_comfyui_oom_of_a_client_without_websocket_is_found_by_the_history
         return entry is not None
     async with asyncio.timeout(15):
         await poll_until(history_lists_it, 0.02)
-        await poll_until(lambda: not demo.proxy.inflight.jobs("comfyui"), 0.05)  # the retry is polled to its end too
+        await poll_until(lambda: not proxy_of(demo).inflight.jobs("comfyui"), 0.05)  # the retry is polled to its end too
     assert statuses == ["success"], "the client polling its own id never reads the failed run"
     retry = [d for d in decisions(demo, "oom_retry", "comfyui") if d.outcome.get("oom_retry")][-1]
     assert retry.outcome["oom_retry"] == "succeeded" and retry.outcome["prompt_id"] == first, retry.outcome
     assert [x["tenant"] for x in retry.outcome["releases"]] == ["ollama"]
-    assert demo.box.comfyui.executed == 2
+    assert comfyui_of(demo).executed == 2
 
 
 async def test_an_idle_release_that_frees_nothing_backs_off_and_never_holds_up_a_prompt(
@@ -382,16 +386,17 @@ async def test_an_idle_release_that_frees_nothing_backs_off_and_never_holds_up_a
     clock = ManualClock(ticking=True)
     demo = await box(fast("default", tenants={"comfyui": {"idle_release_after_s": 0.2, "release_timeout_s": 1.0}}),
                      clock=clock)
-    await run_prompt(demo.proxy.url("comfyui"), "sd_xl_base_1.0.safetensors", http)
+    await run_prompt(proxy_of(demo).url("comfyui"), "sd_xl_base_1.0.safetensors", http)
     sim = demo.box.comfyui
     monkeypatch.setattr(sim, "_apply_free", lambda: setattr(sim, "_free_flags", {}))  # flags taken, nothing freed
-    watchdog = demo.proxy.watchdog
+    watchdog = proxy_of(demo).watchdog
     await clock.advance(0.25)
     releasing = asyncio.ensure_future(watchdog.tick())  # waits its 1 s release timeout under the lock
     async with asyncio.timeout(5):
-        await poll_until(lambda: bool(demo.proxy.arbitration.scheduler.releasing))
+        await poll_until(lambda: bool(proxy_of(demo).arbitration.scheduler.releasing))
     started = asyncio.get_running_loop().time()
-    queued = await http.post(demo.proxy.url("comfyui") + "/prompt", json={"prompt": comfy_prompt("sd_xl_base_1.0.safetensors")})
+    queued = await http.post(proxy_of(demo).url("comfyui") + "/prompt",
+                             json={"prompt": comfy_prompt("sd_xl_base_1.0.safetensors")})
     took = asyncio.get_running_loop().time() - started
     assert queued.status_code == 200, queued.text
     assert not releasing.done(), f"the prompt ({took:.2f} s) waited for the fruitless release"
@@ -413,19 +418,19 @@ async def test_an_idle_release_that_frees_nothing_backs_off_and_never_holds_up_a
 async def test_a_prompt_deleted_from_comfyuis_queue_stops_counting_as_busy(box: DemoFactory, http: httpx.AsyncClient) -> None:
     # Issue 14.1: prompt B queued behind a slow A, then deleted with the web UI's cross.
     demo = await box("default")
-    base = demo.proxy.url("comfyui")
+    base = proxy_of(demo).url("comfyui")
     slow = comfy_prompt("sd_xl_base_1.0.safetensors")
     slow["3"]["inputs"]["steps"] = 300  # ~0.6 s
     a = (await http.post(base + "/prompt", json={"prompt": slow})).json()["prompt_id"]
     quick = comfy_prompt("sd_xl_base_1.0.safetensors", seed=7)
     b = (await http.post(base + "/prompt", json={"prompt": quick})).json()["prompt_id"]
-    assert set(demo.proxy.inflight.jobs("comfyui")) == {a, b}
+    assert set(proxy_of(demo).inflight.jobs("comfyui")) == {a, b}
     assert (await http.post(base + "/queue", json={"delete": [b]})).status_code == 200
     async with asyncio.timeout(10):
-        await poll_until(lambda: not demo.proxy.inflight.jobs("comfyui"), 0.02)
+        await poll_until(lambda: not proxy_of(demo).inflight.jobs("comfyui"), 0.02)
     lost = decisions(demo, "stale_job", "comfyui")
     assert [d.outcome["job_id"] for d in lost] == [b], "A ended normally; B was in neither queue nor history"
-    r = await http.post(demo.proxy.url("admin") + "/api/tenants/comfyui/release")
+    r = await http.post(proxy_of(demo).url("admin") + "/api/tenants/comfyui/release")
     assert r.status_code == 200, r.text
 
 
@@ -433,17 +438,18 @@ async def test_while_a_retry_waits_for_memory_the_clients_prompt_is_queued_and_u
         box: DemoFactory, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
     # The retry's admission held (as if it waited in the queue for a busy tenant): what the client reads meanwhile.
     demo = await box(fast("default", tenants={"comfyui": {"priority": 60, "needs_vram_gb": 1.0}}))
-    arbitration = demo.proxy.arbitration
+    arbitration = proxy_of(demo).arbitration
     admit, go, waiting = arbitration.admit, asyncio.Event(), asyncio.Event()
 
-    async def held_admit(*args, **kwargs):  # type: ignore[no-untyped-def]
-        if kwargs.get("oom"):
+    async def held_admit(tenant: Tenant, path: str, body: bytes, trigger: str, *, oom: bool = False,
+                         work: Token | None = None, need: Need | None = None) -> tuple[Admitted, Need]:
+        if oom:
             waiting.set()
             await go.wait()
-        return await admit(*args, **kwargs)
+        return await admit(tenant, path, body, trigger, oom=oom, work=work, need=need)
     monkeypatch.setattr(arbitration, "admit", held_admit)
-    demo.box.comfyui.fail_next_prompt_with_oom()
-    base = demo.proxy.url("comfyui")
+    comfyui_of(demo).fail_next_prompt_with_oom()
+    base = proxy_of(demo).url("comfyui")
     cid = uuid.uuid4().hex
     async with ws_connect(base.replace("http", "ws") + f"/ws?clientId={cid}", max_queue=None) as ws:
         await ws.recv()
@@ -451,7 +457,7 @@ async def test_while_a_retry_waits_for_memory_the_clients_prompt_is_queued_and_u
                                                           "client_id": cid})).json()["prompt_id"]
         async with asyncio.timeout(15):
             await waiting.wait()
-            await poll_until(lambda: demo.box.comfyui.executed == 1, 0.01)  # the failed run is in ComfyUI's history
+            await poll_until(lambda: comfyui_of(demo).executed == 1, 0.01)  # the failed run is in ComfyUI's history
             assert (await http.get(base + f"/history/{first}")).json() == {}, "not finished, as for any queued prompt"
             assert first not in (await http.get(base + "/history")).json()
             queue = (await http.get(base + "/queue")).json()
@@ -466,7 +472,7 @@ async def test_while_a_retry_waits_for_memory_the_clients_prompt_is_queued_and_u
             types: list[str] = []
             while "end" not in types:
                 raw = await ws.recv()
-                m = json.loads(raw) if isinstance(raw, str) else {"type": "binary", "data": {}}
+                m: dict[str, Any] = json.loads(raw) if isinstance(raw, str) else {"type": "binary", "data": {}}
                 if m["data"].get("prompt_id") != first:
                     continue
                 if m["type"] in ("execution_error", "execution_success"):
@@ -482,19 +488,19 @@ async def test_while_a_retry_waits_for_memory_the_clients_prompt_is_queued_and_u
 async def test_when_no_retry_follows_the_client_gets_the_failed_run_as_it_came(
         box: DemoFactory, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
     from proxy.engines.comfyui import ComfyUIAdapter
-    from proxy.engines.ports import Requeued
+    from proxy.engines.ports import JobReplay, Requeued
 
-    async def refused(self, client, replay):  # type: ignore[no-untyped-def]
+    async def refused(self: ComfyUIAdapter, client: httpx.AsyncClient, replay: JobReplay) -> Requeued:
         return Requeued(None, 500)  # ComfyUI refused the re-queue
     monkeypatch.setattr(ComfyUIAdapter, "resubmit", refused)
     demo = await box(fast("default", tenants={"comfyui": {"priority": 60, "needs_vram_gb": 1.0}}))
-    demo.box.comfyui.fail_next_prompt_with_oom()
-    msgs = await run_prompt(demo.proxy.url("comfyui"), "sd_xl_base_1.0.safetensors", http)
+    comfyui_of(demo).fail_next_prompt_with_oom()
+    msgs = await run_prompt(proxy_of(demo).url("comfyui"), "sd_xl_base_1.0.safetensors", http)
     kinds = [m["type"] for m in msgs if m["type"].startswith("execution_")]
     assert kinds == ["execution_start", "execution_cached", "execution_error"], kinds
     assert msgs[-1]["type"] == "executing" and msgs[-1]["data"]["node"] is None, "its end marker follows its error"
     pid = msgs[-1]["data"]["prompt_id"]
-    assert (await http.get(demo.proxy.url("comfyui") + f"/history/{pid}")).json()[pid]["status"]["status_str"] == "error"
+    assert (await http.get(proxy_of(demo).url("comfyui") + f"/history/{pid}")).json()[pid]["status"]["status_str"] == "error"
     retry = decisions(demo, "oom_retry", "comfyui")[-1]
     assert retry.outcome.get("oom_retry", retry.outcome.get("result")) == "re-queue refused: 500", retry.outcome
-    assert demo.box.comfyui.executed == 1
+    assert comfyui_of(demo).executed == 1

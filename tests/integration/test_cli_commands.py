@@ -15,7 +15,6 @@ from typing import Any
 
 import httpx
 import pytest
-from boxes import DemoFactory
 
 import proxy.demo
 from proxy.cli import main
@@ -23,6 +22,7 @@ from proxy.demo import describe, run_prompt
 from proxy.deploy import install
 from proxy.sim.box import fast_scenario, scenario_names
 from proxy.tasks import poll_until
+from tests.integration.boxes import DemoFactory, ollama_of, proxy_of
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI_PAGE = (ROOT / "docs" / "reference" / "cli.md").read_text()
@@ -79,12 +79,12 @@ async def test_demo_config_applies_its_settings_over_the_scenario_and_health_say
     }))
     demo = await box("default", config=config, scenario_name="default")
     assert demo.proxy is not None and demo.box.comfyui is not None
-    cfg = demo.proxy.registry.config
+    cfg = proxy_of(demo).registry.config
     assert cfg.proxy.queue_timeout_s == 7 and cfg.telemetry.retention_days == 3, "the file's sections apply"
     assert cfg.tenants["comfyui"].priority == 90 and cfg.tenants["ollama"].idle_release_after_s == 42
     assert cfg.tenants["comfyui"].upstream == demo.box.servers["comfyui"].url, "the simulator stays the upstream"
     assert cfg.tenants["ollama"].model_paths, "the scenario's own settings stay where the file says nothing"
-    health = (await http.get(demo.proxy.url("admin") + "/api/health")).json()
+    health = (await http.get(proxy_of(demo).url("admin") + "/api/health")).json()
     entry = next(e for e in health["entries"] if e["name"] == "configuration")
     assert str(config) in entry["problem"] and "scenario 'default'" in entry["problem"], entry
     assert "shipped defaults" not in entry["problem"], f"the demo claims shipped defaults while given a file: {entry}"
@@ -95,7 +95,7 @@ async def test_demo_without_config_says_it_runs_the_scenario_over_the_shipped_de
         box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("default", scenario_name="default")
     assert demo.proxy is not None
-    health = (await http.get(demo.proxy.url("admin") + "/api/health")).json()
+    health = (await http.get(proxy_of(demo).url("admin") + "/api/health")).json()
     entry = next(e for e in health["entries"] if e["name"] == "configuration")
     assert "scenario 'default'" in entry["problem"] and "no tenants.json read" in entry["problem"], entry
 
@@ -139,11 +139,11 @@ async def test_plan_lists_the_requesters_own_processes_apart_from_its_blockers(
         box: DemoFactory, http: httpx.AsyncClient, capsys: pytest.CaptureFixture[str]) -> None:
     demo = await box("tight")
     assert demo.proxy is not None and demo.box.ollama is not None
-    small = min((m for m in demo.box.ollama.config.models if "completion" in m.capabilities), key=lambda m: m.size_bytes)
-    r = await http.post(demo.proxy.url("ollama") + "/api/generate",
+    small = min((m for m in ollama_of(demo).config.models if "completion" in m.capabilities), key=lambda m: m.size_bytes)
+    r = await http.post(proxy_of(demo).url("ollama") + "/api/generate",
                         json={"model": small.name, "prompt": "hi", "stream": False})
     assert r.status_code == 200, r.text
-    admin = demo.proxy.url("admin")
+    admin = proxy_of(demo).url("admin")
     rc = await asyncio.to_thread(main, ["plan", "--tenant", "ollama", "--need-gb", "15", "--admin", admin, "--json"])
     body = json.loads(capsys.readouterr().out)
     assert rc == 1 and any(b["reason"] == "requester" for b in body["plan"]["blockers"]), body["plan"]["blockers"]
@@ -181,7 +181,7 @@ def _install(tmp_path: Path, *extra: str) -> list[str]:
 def test_install_from_a_venv_under_tmp_is_refused_as_the_service_could_not_see_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], dry_run: bool) -> None:
     monkeypatch.setattr(install, "exec_argv", lambda: ["/tmp/hs-venv/bin/hyperswap"])
-    monkeypatch.setattr(install.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)  # install's own os
     monkeypatch.setattr(install, "SystemRunner", lambda: pytest.fail("nothing may run"))
     # onto this machine (root /), where the refusal applies; should it ever not, the files still go
     # to the test's folder, never to /etc
@@ -231,10 +231,10 @@ async def test_the_503_after_a_queue_timeout_says_how_long_it_waited_once(box: D
     demo = await box(fast_scenario("default", settings={"proxy": {"queue_timeout_s": 1}},
                                    comfyui={"step_time_s": 0.5}))
     assert demo.proxy is not None and demo.box.comfyui is not None
-    render = asyncio.ensure_future(run_prompt(demo.proxy.url("comfyui"), "flux1-dev-fp8.safetensors", http, 60))
+    render = asyncio.ensure_future(run_prompt(proxy_of(demo).url("comfyui"), "flux1-dev-fp8.safetensors", http, 60))
     try:
-        await poll_until(lambda: demo.proxy.inflight.traffic("comfyui").jobs, 0.01)  # type: ignore[union-attr]
-        r = await http.post(demo.proxy.url("ollama") + "/api/generate",
+        await poll_until(lambda: proxy_of(demo).inflight.traffic("comfyui").jobs, 0.01)
+        r = await http.post(proxy_of(demo).url("ollama") + "/api/generate",
                             json={"model": "gemma3:27b", "prompt": "hi", "stream": False})
     finally:
         render.cancel()

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from boxes import DemoFactory
-
 from bench.cluster import Request, ResidencyPicker, RoundRobin, empty_cards, node_scenario, run_arm, weights_from_manifest
+from tests.integration.boxes import DemoFactory
 
 MODELS = ("llama3.1:8b", "qwen2.5:14b", "gemma3:27b")  # 4.9 + 9 + 16.2 GB: never all three on a 24 GB card
 STREAM = [Request("C", MODELS[i % 3], 0.0) for i in range(6)]

@@ -8,12 +8,12 @@ import json
 
 import httpx
 import pytest
-from boxes import DemoFactory, chat, fast, render
 
 from proxy.cli import main
 from proxy.demo import DecisionPrinter, Demo, describe, start_demo
 from proxy.demo_check import self_test
 from proxy.sim.box import fast_scenario, scenario_names
+from tests.integration.boxes import DemoFactory, chat, fast, proxy_of, render
 
 
 def test_the_three_required_scenarios_ship() -> None:
@@ -28,7 +28,7 @@ async def test_demo_self_test_passes(box: DemoFactory, name: str) -> None:
     assert not failed, failed
     assert len(results) >= 20
     text = describe(demo, name)
-    assert demo.proxy is not None and demo.proxy.url("admin") in text and "Try:" in text
+    assert demo.proxy is not None and proxy_of(demo).url("admin") in text and "Try:" in text
 
 
 async def test_tight_demo_handoff_names_the_speech_relay(box: DemoFactory) -> None:
@@ -45,16 +45,16 @@ async def test_lifecycle_demo_stops_the_speech_relay_for_a_render_and_starts_it_
     results = {n: (ok, d) for n, ok, d in await self_test(demo)}
     ok, detail = results["proxy: relay stopped for a render"]
     assert ok and "stopped for flux1-dev-fp8.safetensors" in detail and "started again" in detail, detail
-    machine = demo.proxy.arbitration.lifecycles.machine("stt")
+    machine = proxy_of(demo).arbitration.lifecycles.machine("stt")
     assert machine is not None and machine.state == "running", "the last request started it again"
-    kinds = [d.kind for d in demo.proxy.decisions.recent(500) if d.tenant == "stt" and d.kind in ("start", "stop")]
+    kinds = [d.kind for d in proxy_of(demo).decisions.recent(500) if d.tenant == "stt" and d.kind in ("start", "stop")]
     assert kinds == ["start", "stop", "start"], kinds
     assert "stt via proxy" in describe(demo, "lifecycle")
 
 
 async def test_plan_command_prints_a_dry_run_from_the_running_proxy(box: DemoFactory, capsys: pytest.CaptureFixture[str]) -> None:
     demo = await box("tight")
-    admin = demo.proxy.url("admin")
+    admin = proxy_of(demo).url("admin")
     rc = await asyncio.to_thread(main, ["plan", "--tenant", "ollama", "--need-gb", "15", "--admin", admin, "--json"])
     body = json.loads(capsys.readouterr().out)
     assert rc == 1 and body["plan"]["feasible"] is False, "15 GiB cannot fit a 16 GiB card with the relay and desktop"
@@ -79,7 +79,7 @@ async def test_a_second_demo_run_shows_nothing_of_the_first(http: httpx.AsyncCli
     try:
         await chat(first, "gemma3:27b")
         await render(first)
-        admin = first.proxy.url("admin")
+        admin = proxy_of(first).url("admin")
         before = (await http.get(admin + "/api/history?kind=decisions")).json()["rows"]
         assert before["decisions"], "the first run recorded no decision: the test proves nothing"
         assert "this run's own" in describe(first, "default")
@@ -87,7 +87,7 @@ async def test_a_second_demo_run_shows_nothing_of_the_first(http: httpx.AsyncCli
         await first.stop()
     second = await start()
     try:
-        admin = second.proxy.url("admin")
+        admin = proxy_of(second).url("admin")
         rows = (await http.get(admin + "/api/history?kind=vram,decisions")).json()["rows"]
         assert rows["decisions"] == [], f"the second run shows the first one's decisions: {rows['decisions'][:3]}"
         spikes = [r for r in rows["vram"] if r["tenant"] == "comfyui" and r["max_bytes"] >= 2**30]
@@ -105,7 +105,7 @@ async def test_the_demo_terminal_gets_one_readable_line_per_decision_and_the_ban
         box: DemoFactory) -> None:
     demo = await box("default")
     out = io.StringIO()
-    printer = DecisionPrinter(demo.proxy, out)
+    printer = DecisionPrinter(proxy_of(demo), out)
     try:
         await render(demo)
         await chat(demo, "gemma3:27b")
@@ -115,11 +115,11 @@ async def test_the_demo_terminal_gets_one_readable_line_per_decision_and_the_ban
     assert lines and not [x for x in lines if "{" in x], f"JSON on the demo's terminal: {lines}"
     plans = [x for x in lines if " plan " in x]
     assert len(plans) == 1 and "ollama: comfyui released (" in plans[0] and "GiB back in" in plans[0], lines
-    made = [d for d in demo.proxy.decisions.recent() if d.kind in ("plan", "model_load", "queued", "rejection")]
+    made = [d for d in proxy_of(demo).decisions.recent() if d.kind in ("plan", "model_load", "queued", "rejection")]
     assert len(lines) == len(made), f"one line per decision: {lines} for {[(d.id, d.kind) for d in made]}"
     banner = describe(demo, "default").splitlines()
     first_url = next(x for x in banner if "http://" in x)
-    assert first_url.split()[0] == "dashboard" and demo.proxy.url("admin") in first_url, banner
+    assert first_url.split()[0] == "dashboard" and proxy_of(demo).url("admin") in first_url, banner
 
 
 async def test_the_chat_try_line_streams_each_step_before_the_answer(box: DemoFactory) -> None:

@@ -10,17 +10,18 @@ from typing import Any
 
 import httpx
 import pytest
-from boxes import ALL_PORTS_ZERO, DemoFactory, fast
 from starlette.routing import Route
 
 from proxy.admin.api import AdminApi
 from proxy.admin.events import EventsExtension, EventsSettings, _Subscriber, encode
 from proxy.admin.openapi import OpenApiExtension, openapi_document
+from proxy.admin.proxy_view import ProxyView
 from proxy.demo import Demo, run_prompt
 from proxy.engines.loading import registry_from_dict
 from proxy.service import Proxy
 from proxy.sim.box import SimBox
 from proxy.tasks import poll_until
+from tests.integration.boxes import ALL_PORTS_ZERO, DemoFactory, fast, proxy_of
 
 FAST = EventsSettings(tick_s=0.05, catalog_refresh_s=0.1)
 
@@ -66,7 +67,7 @@ async def events_box() -> AsyncIterator[tuple[Demo, EventsExtension]]:
     await box.start(ollama_port=0, comfyui_port=0)
     ext: list[EventsExtension] = []
 
-    def make(p: Proxy) -> EventsExtension:
+    def make(p: ProxyView) -> EventsExtension:
         ext.append(EventsExtension(p, FAST))
         return ext[0]
 
@@ -81,7 +82,7 @@ async def events_box() -> AsyncIterator[tuple[Demo, EventsExtension]]:
 async def test_first_frames_carry_the_catalog_and_later_stats_frames_do_not(
         events_box: tuple[Demo, EventsExtension], http: httpx.AsyncClient) -> None:
     demo, _ = events_box
-    async with http.stream("GET", demo.proxy.url("admin") + "/api/events") as r:
+    async with http.stream("GET", proxy_of(demo).url("admin") + "/api/events") as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         frames = sse(r)
         first = await anext(frames)
@@ -95,7 +96,7 @@ async def test_first_frames_carry_the_catalog_and_later_stats_frames_do_not(
         stats = [await anext(frames) for _ in range(3)]
         assert [s.event for s in stats] == ["stats"] * 3, "no catalog again while nothing changed"
         assert all("catalog" not in json.dumps(s.data) for s in stats)
-        ids = [s.id for s in stats]
+        ids = [s.id for s in stats if s.id is not None]
         assert ids == sorted(ids) and len(set(ids)) == 3, ids
         names = {t["name"]: t for t in stats[-1].data["tenants"]}
         assert {"ollama", "comfyui"} <= set(names) and "idle_release_in_s" in names["comfyui"]
@@ -105,11 +106,11 @@ async def test_first_frames_carry_the_catalog_and_later_stats_frames_do_not(
 async def test_an_admin_release_produces_a_decision_event(events_box: tuple[Demo, EventsExtension],
                                                          http: httpx.AsyncClient) -> None:
     demo, _ = events_box
-    await run_prompt(demo.proxy.url("comfyui"), "sd_xl_base_1.0.safetensors", http)
-    async with http.stream("GET", demo.proxy.url("admin") + "/api/events") as r:
+    await run_prompt(proxy_of(demo).url("comfyui"), "sd_xl_base_1.0.safetensors", http)
+    async with http.stream("GET", proxy_of(demo).url("admin") + "/api/events") as r:
         frames = sse(r)
         await next_event(frames, "stats")
-        released = await http.post(demo.proxy.url("admin") + "/api/tenants/comfyui/release")
+        released = await http.post(proxy_of(demo).url("admin") + "/api/tenants/comfyui/release")
         assert released.status_code == 200, released.text
         seen = [await next_event(frames, "decision") for _ in range(2)]  # recorded, then its outcome
         assert {e.data["kind"] for e in seen} == {"release"} and seen[0].data["tenant"] == "comfyui"
@@ -121,11 +122,11 @@ async def test_an_admin_release_produces_a_decision_event(events_box: tuple[Demo
 async def test_pulling_a_model_yields_a_new_catalog_event(events_box: tuple[Demo, EventsExtension],
                                                          http: httpx.AsyncClient) -> None:
     demo, _ = events_box
-    async with http.stream("GET", demo.proxy.url("admin") + "/api/events") as r:
+    async with http.stream("GET", proxy_of(demo).url("admin") + "/api/events") as r:
         frames = sse(r)
         before = await next_event(frames, "catalog")
         assert "tinyllama:latest" not in {m["name"] for m in before.data["tenants"]["ollama"]["models"]}
-        pulled = await http.post(demo.proxy.url("ollama") + "/api/pull", json={"model": "tinyllama", "stream": False})
+        pulled = await http.post(proxy_of(demo).url("ollama") + "/api/pull", json={"model": "tinyllama", "stream": False})
         assert pulled.status_code == 200, pulled.text
         after = await next_event(frames, "catalog")
         assert after.id is not None and before.id is not None and after.id > before.id
@@ -135,7 +136,7 @@ async def test_pulling_a_model_yields_a_new_catalog_event(events_box: tuple[Demo
 async def test_client_disconnect_removes_the_subscriber(events_box: tuple[Demo, EventsExtension],
                                                        http: httpx.AsyncClient) -> None:
     demo, ext = events_box
-    async with http.stream("GET", demo.proxy.url("admin") + "/api/events") as r:
+    async with http.stream("GET", proxy_of(demo).url("admin") + "/api/events") as r:
         await next_event(sse(r), "stats")
         assert ext.subscriber_count == 1
     async with asyncio.timeout(5):
@@ -145,10 +146,10 @@ async def test_client_disconnect_removes_the_subscriber(events_box: tuple[Demo, 
 async def test_reconnect_with_last_event_id_replays_missed_decisions(events_box: tuple[Demo, EventsExtension],
                                                                     http: httpx.AsyncClient) -> None:
     demo, _ = events_box
-    admin = demo.proxy.url("admin")
+    admin = proxy_of(demo).url("admin")
     async with http.stream("GET", admin + "/api/events") as r:
         last = await next_event(sse(r), "stats")
-    await run_prompt(demo.proxy.url("comfyui"), "sd_xl_base_1.0.safetensors", http)
+    await run_prompt(proxy_of(demo).url("comfyui"), "sd_xl_base_1.0.safetensors", http)
     assert (await http.post(admin + "/api/tenants/comfyui/release")).status_code == 200
     async with http.stream("GET", admin + "/api/events", headers={"Last-Event-ID": str(last.id)}) as r:
         missed = await next_event(sse(r), "decision")
@@ -175,7 +176,7 @@ def test_a_subscriber_too_far_behind_on_decisions_is_closed_not_trimmed() -> Non
 async def test_stats_frame_is_small_without_the_catalog(events_box: tuple[Demo, EventsExtension],
                                                         http: httpx.AsyncClient) -> None:
     demo, _ext = events_box
-    async with http.stream("GET", demo.proxy.url("admin") + "/api/events") as r:
+    async with http.stream("GET", proxy_of(demo).url("admin") + "/api/events") as r:
         frames = sse(r)
         catalog = await next_event(frames, "catalog")
         stats = await next_event(frames, "stats")
@@ -201,12 +202,12 @@ def mounted_routes(proxy: Proxy) -> set[tuple[str, str]]:
 
 async def test_openapi_documents_every_mounted_admin_route(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("default")
-    r = await http.get(demo.proxy.url("admin") + "/openapi.json")
+    r = await http.get(proxy_of(demo).url("admin") + "/openapi.json")
     assert r.status_code == 200, r.text
     doc = r.json()
     assert doc["openapi"].startswith("3.1")
     documented = {(path, method) for path, ops in doc["paths"].items() for method in ops}
-    missing = mounted_routes(demo.proxy) - documented
+    missing = mounted_routes(proxy_of(demo)) - documented
     assert not missing, f"admin routes without an OpenAPI operation (add them in proxy/openapi.py): {missing}"
     for path, ops in doc["paths"].items():
         for method, op in ops.items():

@@ -10,17 +10,17 @@ from typing import Any
 
 import httpx
 import ollama
-from boxes import LOOPBACK_TLS, DemoFactory, decisions, fast, releases, render, succeeded
 
 from proxy.clock import ManualClock
 from proxy.config.units import GIB
 from proxy.demo import Demo
+from tests.integration.boxes import LOOPBACK_TLS, DemoFactory, decisions, fast, proxy_of, releases, render, succeeded
 
 BIG_CTX = {"num_ctx": 65536}
 
 
 async def chat(demo: Demo, model: str, **options: Any) -> ollama.ChatResponse:
-    async with ollama.AsyncClient(host=demo.proxy.url("ollama"), verify=LOOPBACK_TLS) as client:  # type: ignore[union-attr]
+    async with ollama.AsyncClient(host=proxy_of(demo).url("ollama"), verify=LOOPBACK_TLS) as client:
         answer: ollama.ChatResponse = await client.chat(model=model, messages=[{"role": "user", "content": "hi"}],
                                                         options=options or None)
         return answer

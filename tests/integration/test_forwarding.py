@@ -17,13 +17,13 @@ import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
 import ollama
 import pytest
 import websockets
-from boxes import LOOPBACK_TLS
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -31,14 +31,16 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket
 from websockets.asyncio.client import connect
+from websockets.typing import Origin
 
 from proxy.clock import ManualClock, until_all_wait
-from proxy.config.schema import Tenant, Timeouts
+from proxy.config.schema import EngineKind, Tenant, Timeouts
 from proxy.handoff.inflight import InFlight
 from proxy.relay.forward import Forwarder
 from proxy.relay.listener import TenantApp
 from proxy.relay.servers import RunningServer, start_server
 from proxy.tasks import poll_until
+from tests.integration.boxes import LOOPBACK_TLS
 
 SAFETY_S = 10.0  # only to turn a deadlock into a failure, never to measure
 
@@ -239,9 +241,9 @@ def comfyui_like(state: Upstream) -> Starlette:
 
 
 @contextlib.asynccontextmanager
-async def stack(engine: str, upstream_app: Callable[[Upstream], Starlette] | None, *, upstream_url: str | None = None,
+async def stack(engine: EngineKind, upstream_app: Callable[[Upstream], Starlette] | None, *, upstream_url: str | None = None,
                 clock: ManualClock | None = None, max_connections: int = 1024,
-                **tenant_fields: object) -> AsyncIterator[tuple[RunningServer, Tenant, InFlight, Upstream]]:
+                **tenant_fields: Any) -> AsyncIterator[tuple[RunningServer, Tenant, InFlight, Upstream]]:
     state = Upstream()
     servers: list[RunningServer] = []
     forwarder = Forwarder(max_connections=max_connections)
@@ -250,7 +252,7 @@ async def stack(engine: str, upstream_app: Callable[[Upstream], Starlette] | Non
             up = await start_server(upstream_app(state), name="upstream")
             servers.append(up)
             upstream_url = up.url
-        tenant = Tenant(name=engine, engine=engine, upstream=upstream_url, **tenant_fields)  # type: ignore[arg-type]
+        tenant = Tenant(name=engine, engine=engine, upstream=upstream_url, **tenant_fields)
         inflight = InFlight(clock or ManualClock())
         proxy = await start_server(TenantApp(tenant, forwarder, inflight, job_poll_s=0.01), name="proxy")
         servers.append(proxy)
@@ -261,7 +263,10 @@ async def stack(engine: str, upstream_app: Callable[[Upstream], Starlette] | Non
         await forwarder.aclose()
 
 
-async def within(awaitable: Awaitable[object]) -> object:
+T = TypeVar("T")
+
+
+async def within(awaitable: Awaitable[T]) -> T:
     return await asyncio.wait_for(awaitable, SAFETY_S)
 
 
@@ -308,11 +313,11 @@ async def test_browser_opened_on_proxy_passes_comfyui_origin_check() -> None:
 async def test_websocket_origin_rule_matches_http() -> None:
     async with stack("comfyui", comfyui_like) as (proxy, _, _, _):
         ws_url = f"ws://127.0.0.1:{proxy.port}/ws?clientId=abc"
-        async with connect(ws_url, origin=f"http://127.0.0.1:{proxy.port}") as ws:  # type: ignore[arg-type]
+        async with connect(ws_url, origin=Origin(f"http://127.0.0.1:{proxy.port}")) as ws:
             first = json.loads(await within(ws.recv()))
             assert first["data"]["sid"] == "abc", "clientId query must reach the upstream"
         with pytest.raises(websockets.InvalidStatus) as refused:
-            async with connect(ws_url, origin="http://evil.example"):  # type: ignore[arg-type]
+            async with connect(ws_url, origin=Origin("http://evil.example")):
                 pass
     assert refused.value.response.status_code == 403
 

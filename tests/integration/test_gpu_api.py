@@ -3,17 +3,17 @@ Writes go to the simulated card only (its own SettingsWriter); the real NVML wri
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import httpx
-from boxes import DemoFactory, fast
 
 from proxy.admin.gpu_api import GpuSettingsExtension, gpu_extension
 from proxy.engines.loading import registry_from_dict
 from proxy.gpu.nvml import NvmlReader
 from proxy.gpu.settings_writer import ROOT_FIX
 from proxy.service import Proxy
+from tests.integration.boxes import DemoFactory, fast, proxy_of
+from tests.unit.fake_pynvml import nvml_without_library
 
 
 def gpu_ext(demo_or_proxy: Any) -> GpuSettingsExtension:
@@ -22,7 +22,7 @@ def gpu_ext(demo_or_proxy: Any) -> GpuSettingsExtension:
 
 
 async def get(http: httpx.AsyncClient, demo: Any, path: str) -> Any:
-    r = await http.get(demo.proxy.url("admin") + path)
+    r = await http.get(proxy_of(demo).url("admin") + path)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -107,19 +107,6 @@ async def test_a_profile_for_a_gpu_that_is_not_there_fails_with_the_indices(box:
     demo = await box(with_profile({"power_limit_w": 300.0, "device": 3}))
     e = entries(await get(http, demo, "/api/health"))["gpu profile"]
     assert e["status"] == "failed" and "gpu_profile.device 3" in e["problem"] and e["fix"].endswith("0")
-
-
-def nvml_without_library() -> types.ModuleType:
-    """pynvml on a machine without the driver: nvmlInit raises NVMLError_LibraryNotFound."""
-    nvml = types.ModuleType("pynvml")
-    missing = type("NVMLError_LibraryNotFound", (Exception,), {})
-
-    def init() -> None:
-        raise missing("NVML Shared Library Not Found")
-
-    nvml.NVMLError_LibraryNotFound = missing  # type: ignore[attr-defined]
-    nvml.nvmlInit = init  # type: ignore[attr-defined]
-    return nvml
 
 
 async def test_without_nvml_the_profile_cannot_be_compared_and_nothing_is_written() -> None:

@@ -11,10 +11,22 @@ from typing import Any
 import httpx
 import ollama
 import pytest
-from boxes import LOOPBACK_TLS, DemoFactory, chat, decisions, fast, releases, render, succeeded
 
 from proxy.config.units import GIB
 from proxy.tasks import poll_until
+from tests.integration.boxes import (
+    LOOPBACK_TLS,
+    DemoFactory,
+    chat,
+    comfyui_of,
+    decisions,
+    fast,
+    ollama_of,
+    proxy_of,
+    releases,
+    render,
+    succeeded,
+)
 
 
 async def test_a_prompt_sent_after_a_chat_takes_the_idle_chat_models_memory(box: DemoFactory) -> None:
@@ -30,7 +42,7 @@ async def test_a_chat_sent_while_the_readme_prompt_renders_waits_and_is_answered
     assert succeeded(await render(demo))  # ComfyUI holds its checkpoint, as after the README's first line
     rendering = asyncio.ensure_future(render(demo, steps=400))
     async with asyncio.timeout(5):
-        await poll_until(lambda: demo.proxy.inflight.traffic("comfyui").jobs)  # type: ignore[union-attr]
+        await poll_until(lambda: proxy_of(demo).inflight.traffic("comfyui").jobs)
     answer = await chat(demo, "gemma3:27b")
     assert answer.message.content and rendering.done(), "the chat was answered after the render ended"
     assert succeeded(rendering.result())
@@ -50,11 +62,11 @@ async def test_three_rounds_of_chat_then_image_complete_with_no_error(box: DemoF
 
 async def test_a_release_asked_right_after_the_end_marker_is_not_refused_as_busy(box: DemoFactory) -> None:
     demo = await box("default")
-    admin = demo.proxy.url("admin")  # type: ignore[union-attr]
+    admin = proxy_of(demo).url("admin")
     rendering = asyncio.ensure_future(render(demo, steps=300))
     async with asyncio.timeout(5):
-        await poll_until(lambda: demo.box.gpu.used_by(demo.box.comfyui.pid) >= 6 * GIB)  # type: ignore[union-attr]
-    await demo.proxy.watchdog.tick()  # type: ignore[union-attr] # reads ComfyUI's /queue with the prompt running
+        await poll_until(lambda: demo.box.gpu.used_by(comfyui_of(demo).pid or 0) >= 6 * GIB)
+    await proxy_of(demo).watchdog.tick() # reads ComfyUI's /queue with the prompt running
     await rendering
     async with httpx.AsyncClient(verify=LOOPBACK_TLS, trust_env=False, timeout=30) as http:
         r = await http.post(admin + "/api/tenants/comfyui/release")
@@ -73,7 +85,7 @@ async def test_no_spill_is_seen_while_a_model_is_still_loading(box: DemoFactory)
 
 async def test_an_unload_releases_nobody_and_is_never_refused(box: DemoFactory) -> None:
     demo = await box("tight")  # the speech relay makes the biggest model impossible to load here
-    async with ollama.AsyncClient(host=demo.proxy.url("ollama"), verify=LOOPBACK_TLS) as client:  # type: ignore[union-attr]
+    async with ollama.AsyncClient(host=proxy_of(demo).url("ollama"), verify=LOOPBACK_TLS) as client:
         for model in ("mistral-small:22b", "llama3.1:8b"):
             done = await client.generate(model=model, keep_alive=0)
             assert done.done_reason == "unload"
@@ -85,9 +97,9 @@ async def test_an_unload_releases_nobody_and_is_never_refused(box: DemoFactory) 
 async def test_an_unload_through_the_proxy_leaves_an_idle_comfyui_alone(box: DemoFactory) -> None:
     demo = await box("default")
     assert succeeded(await render(demo, "flux1-dev-fp8.safetensors"))
-    async with ollama.AsyncClient(host=demo.proxy.url("ollama"), verify=LOOPBACK_TLS) as client:  # type: ignore[union-attr]
+    async with ollama.AsyncClient(host=proxy_of(demo).url("ollama"), verify=LOOPBACK_TLS) as client:
         await client.generate(model="gemma3:27b", keep_alive=0)
-    assert demo.box.comfyui.frees == 0 and not releases(demo)  # type: ignore[union-attr]
+    assert comfyui_of(demo).frees == 0 and not releases(demo)
 
 
 async def test_an_impossible_need_still_answers_507_at_once(box: DemoFactory) -> None:
@@ -104,14 +116,14 @@ async def test_two_clients_alternating_do_not_swap_the_card_when_both_fit(box: D
     for _ in range(3):
         assert (await chat(demo, "llama3.1:8b")).message.content
         assert succeeded(await render(demo))
-    assert releases(demo) == [] and demo.box.comfyui.frees == 0  # type: ignore[union-attr]
-    assert list(demo.box.ollama.loaded()) == ["llama3.1:8b"]  # type: ignore[union-attr]
+    assert releases(demo) == [] and comfyui_of(demo).frees == 0
+    assert list(ollama_of(demo).loaded()) == ["llama3.1:8b"]
 
 
 async def test_a_request_for_a_model_already_on_the_card_skips_the_gpu_read(
         box: DemoFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     demo = await box("default")
-    arbitration = demo.proxy.arbitration  # type: ignore[union-attr]
+    arbitration = proxy_of(demo).arbitration
     assert (await chat(demo, "llama3.2:3b")).message.content
     reads = 0
     snapshot = arbitration.snapshot
@@ -136,7 +148,7 @@ async def test_once_ollama_was_seen_holding_the_chat_model_an_idle_comfyui_that_
     demo = await box("default")
     assert succeeded(await render(demo))
     assert (await chat(demo, "gemma3:27b")).message.content  # first load: the allowance, ComfyUI released
-    await demo.proxy.watchdog.tick()  # type: ignore[union-attr] # reads /api/ps with gemma3:27b loaded
+    await proxy_of(demo).watchdog.tick() # reads /api/ps with gemma3:27b loaded
     assert succeeded(await render(demo))  # the render's configured need takes the card: Ollama released
     assert (await chat(demo, "gemma3:27b")).message.content
     assert releases(demo) == [("ollama", "comfyui"), ("comfyui", "ollama")], \
@@ -156,9 +168,9 @@ async def test_a_chat_whose_body_is_too_large_to_keep_is_planned_like_any_other(
     body = {"model": "gemma3:27b", "messages": [{"role": "user", "content": "what is this?", "images": [image]}],
             "stream": False}
     async with httpx.AsyncClient(verify=LOOPBACK_TLS, trust_env=False, timeout=30) as http:
-        r = await http.post(demo.proxy.url("ollama") + "/api/chat", json=body)  # type: ignore[union-attr]
+        r = await http.post(proxy_of(demo).url("ollama") + "/api/chat", json=body)
         assert r.status_code == 200, r.text
-        ps = (await http.get(demo.proxy.url("ollama") + "/api/ps")).json()["models"]  # type: ignore[union-attr]
+        ps = (await http.get(proxy_of(demo).url("ollama") + "/api/ps")).json()["models"]
     assert releases(demo) == [("ollama", "comfyui")], "ComfyUI's idle flux was released for the chat"
     (plan,) = [d for d in decisions(demo, "plan") if d.tenant == "ollama"]
     assert "no OOM retry" in plan.trigger, plan.trigger

@@ -6,40 +6,41 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from boxes import DemoFactory, fast
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
-from proxy.admin.health import EnvReaders, HealthEntry, HealthExtension, NamedCheck, check_main
+from proxy.admin.health import HealthEntry, HealthExtension, NamedCheck, check_main
+from proxy.demo import Demo
+from proxy.engines.settings import EnvReaders
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import GpuReadError
 from proxy.relay.servers import start_server
+from tests.integration.boxes import DemoFactory, FixedSystemctl, comfyui_of, fast, ollama_of, proxy_of
 
 KEYS = {"name", "status", "problem", "impact", "fix"}
 
 
 def health_ext(demo: Any) -> HealthExtension:
-    return next(e for e in demo.proxy.extensions if isinstance(e, HealthExtension))
+    return next(e for e in proxy_of(demo).extensions if isinstance(e, HealthExtension))
 
 
-async def health(http: httpx.AsyncClient, demo: Any) -> dict[str, Any]:
-    r = await http.get(demo.proxy.url("admin") + "/api/health")
+async def health(http: httpx.AsyncClient, demo: Demo) -> dict[str, Any]:
+    r = await http.get(proxy_of(demo).url("admin") + "/api/health")
     assert r.status_code == 200, r.text
-    body = r.json()
+    body: dict[str, Any] = r.json()
     assert all(set(e) == KEYS for e in body["entries"]), body["entries"]
     return body
 
 
 def entry(body: dict[str, Any], name: str) -> dict[str, Any]:
-    found = [e for e in body["entries"] if e["name"] == name]
+    found: list[dict[str, Any]] = [e for e in body["entries"] if e["name"] == name]
     assert found, f"no entry {name!r} in {[e['name'] for e in body['entries']]}"
     return found[0]
 
@@ -58,7 +59,7 @@ async def test_healthy_default_box_is_ok_with_versions_and_simulated_gpu(box: De
 
 async def test_stopped_ollama_fails_its_upstream_entry_with_a_fix(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("default")
-    await demo.box.ollama.stop()
+    await ollama_of(demo).stop()
     body = await health(http, demo)
     e = entry(body, "upstream ollama")
     assert e["status"] == "failed" and body["status"] == "failed"
@@ -69,7 +70,7 @@ async def test_stopped_ollama_fails_its_upstream_entry_with_a_fix(box: DemoFacto
 
 async def test_stopped_comfyui_fails_http_and_websocket_entries(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("default")
-    await demo.box.comfyui.stop()
+    await comfyui_of(demo).stop()
     body = await health(http, demo)
     assert entry(body, "upstream comfyui")["status"] == "failed"
     ws = entry(body, "comfyui websocket comfyui")
@@ -90,8 +91,8 @@ async def test_failing_gpu_reader_fails_nvml_with_the_readers_fix(box: DemoFacto
 
 async def test_stale_queue_row_is_degraded_and_names_the_prompt_id(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box(fast("default", comfyui={"stale_running_entry": True}))
-    await demo.proxy.watchdog.tick()
-    stale_id = demo.box.comfyui.stale_prompt_id
+    await proxy_of(demo).watchdog.tick()
+    stale_id = comfyui_of(demo).stale_prompt_id
     assert stale_id
     body = await health(http, demo)
     e = entry(body, "stale queue entries comfyui")
@@ -116,7 +117,7 @@ async def test_comfyui_floor_is_the_minimum_of_recent_samples(box: DemoFactory, 
     demo = await box("tight")
     ext = health_ext(demo)
     await health(http, demo)  # samples ComfyUI at its context floor (0.4 GiB)
-    demo.box.gpu.set_used(demo.box.comfyui.pid, int(3.4 * 2**30))  # now holding a checkpoint
+    demo.box.gpu.set_used(comfyui_of(demo).pid or 0, int(3.4 * 2**30))  # now holding a checkpoint
     e = entry(await health(http, demo), "unmanaged VRAM (ollama)")
     assert "15.10 GiB" in e["problem"], "the floor must stay the minimum sample, not what ComfyUI holds now"
     assert ext.floor("comfyui") == int(0.4 * 2**30)
@@ -164,13 +165,13 @@ async def test_invalid_config_file_fails_the_configuration_entry(box: DemoFactor
     demo = await box("default")
     bad = tmp_path / "tenants.json"
     bad.write_text('{"tenants": {"ollama": {"priority": "high"}}}')
-    demo.proxy.config_path = bad
+    proxy_of(demo).config_path = bad
     e = entry(await health(http, demo), "configuration")
     assert e["status"] == "failed"
     assert str(bad) in e["problem"] and "tenants.ollama.priority" in e["problem"], e["problem"]
     good = tmp_path / "ok.json"
     good.write_text('{"tenants": {}}')
-    demo.proxy.config_path = good
+    proxy_of(demo).config_path = good
     assert entry(await health(http, demo), "configuration") == {
         "name": "configuration", "status": "ok", "problem": f"{good}: valid", "impact": None, "fix": None}
 
@@ -201,16 +202,6 @@ async def test_telemetry_entry_follows_the_stores_own_health(box: DemoFactory, h
 
 # -- /api/engines --------------------------------------------------------------------------------------
 
-def fake_systemctl(text: str) -> Any:
-    calls: list[list[str]] = []
-
-    def run(argv: Sequence[str], timeout_s: float) -> str:
-        calls.append(list(argv))
-        return text
-
-    run.calls = calls  # type: ignore[attr-defined]
-    return run
-
 
 def settings_of(view: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {s["name"]: s for s in view["settings"]}
@@ -219,9 +210,9 @@ def settings_of(view: dict[str, Any]) -> dict[str, dict[str, Any]]:
 async def test_engines_reads_ollama_env_from_systemd_then_from_the_processes_environ(
         box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
     demo = await box("default")
-    systemctl = fake_systemctl("Environment=OLLAMA_NUM_PARALLEL=1 OLLAMA_MAX_LOADED_MODELS=1\n")
+    systemctl = FixedSystemctl("Environment=OLLAMA_NUM_PARALLEL=1 OLLAMA_MAX_LOADED_MODELS=1\n")
     health_ext(demo).env = EnvReaders(systemctl=systemctl, proc_root=tmp_path, host=True)
-    admin = demo.proxy.url("admin")
+    admin = proxy_of(demo).url("admin")
 
     view = (await http.get(admin + "/api/engines")).json()["engines"][0]
     assert view["tenant"] == "ollama" and view["version"] == "0.12.3"
@@ -237,7 +228,7 @@ async def test_engines_reads_ollama_env_from_systemd_then_from_the_processes_env
     r = await http.post(demo.box.servers["ollama"].url + "/api/generate", json={"model": "llama3.1:8b", "prompt": "hi",
                                                                                 "stream": False})
     assert r.status_code == 200
-    snap = await demo.proxy.arbitration.snapshot()
+    snap = await proxy_of(demo).arbitration.snapshot()
     pid = snap.processes_of("ollama")[0].process.pid
     (tmp_path / str(pid)).mkdir()
     (tmp_path / str(pid) / "environ").write_bytes(b"OLLAMA_KEEP_ALIVE=-1\0OLLAMA_NUM_PARALLEL=4\0")
@@ -248,9 +239,9 @@ async def test_engines_reads_ollama_env_from_systemd_then_from_the_processes_env
 
 async def test_engines_never_reads_the_host_for_a_simulated_gpu(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("default")
-    systemctl = fake_systemctl("Environment=OLLAMA_NUM_PARALLEL=8\n")
+    systemctl = FixedSystemctl("Environment=OLLAMA_NUM_PARALLEL=8\n")
     health_ext(demo).env = EnvReaders(systemctl=systemctl)  # host=None: auto
-    view = (await http.get(demo.proxy.url("admin") + "/api/engines")).json()["engines"][0]
+    view = (await http.get(proxy_of(demo).url("admin") + "/api/engines")).json()["engines"][0]
     assert systemctl.calls == []
     assert all(s["source"] == "unknown" for s in view["settings"]), "nothing was read: no setting is a default"
     assert "simulated" in view["env_sources"][0]["error"]
@@ -258,7 +249,7 @@ async def test_engines_never_reads_the_host_for_a_simulated_gpu(box: DemoFactory
 
 async def test_engines_describes_comfyui_from_system_stats(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box(fast("default", comfyui={"argv": ["main.py", "--highvram", "--reserve-vram", "1.5"]}))
-    engines = (await http.get(demo.proxy.url("admin") + "/api/engines")).json()["engines"]
+    engines = (await http.get(proxy_of(demo).url("admin") + "/api/engines")).json()["engines"]
     comfy = next(e for e in engines if e["engine"] == "comfyui")
     assert comfy["version"] == "0.8.0" and comfy["pytorch_version"] == "2.9.1+cu128"
     assert "Simulated" in comfy["device_name"]
@@ -284,7 +275,7 @@ async def test_trimmed_system_stats_does_not_make_comfyui_look_offline(box: Demo
         assert entry(body, "upstream comfy-old")["status"] == "ok"
         assert "v0.2.2-30-gabc" in entry(body, "upstream comfy-old")["problem"]
         assert entry(body, "comfyui websocket comfy-old")["status"] == "ok"
-        engines = (await http.get(demo.proxy.url("admin") + "/api/engines")).json()["engines"]
+        engines = (await http.get(proxy_of(demo).url("admin") + "/api/engines")).json()["engines"]
         view = next(e for e in engines if e["tenant"] == "comfy-old")
         assert view["reachable"] is True and view["error"] is None
         assert view["version"] == "v0.2.2-30-gabc" and view["python_version"] is None and view["flags"] == []
@@ -296,12 +287,12 @@ async def test_trimmed_system_stats_does_not_make_comfyui_look_offline(box: Demo
 
 async def test_check_prints_the_entries_and_exits_1_on_a_failure(box: DemoFactory, capsys: pytest.CaptureFixture[str]) -> None:
     demo = await box("default")
-    admin = demo.proxy.url("admin")
+    admin = proxy_of(demo).url("admin")
     assert await asyncio.to_thread(check_main, None, admin, False) == 0
     out = capsys.readouterr().out
     assert "upstream ollama" in out and out.rstrip().endswith("overall: ok")
 
-    await demo.box.ollama.stop()
+    await ollama_of(demo).stop()
     assert await asyncio.to_thread(check_main, None, admin, True) == 1
     body = json.loads(capsys.readouterr().out)
     assert body["status"] == "failed"

@@ -10,10 +10,12 @@ import json
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
+from starlette.types import Receive, Scope, Send
 from websockets.asyncio.client import connect
 
 from proxy.config.schema import Tenant
@@ -36,7 +38,7 @@ class Upstream:
         self.heads: list[int] = []  # bytes of headers per request seen
         self.more = asyncio.Event()
 
-    async def __call__(self, scope: dict, receive, send) -> None:  # type: ignore[no-untyped-def]
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket":
             await receive()
             await send({"type": "websocket.accept"})
@@ -72,13 +74,13 @@ async def served(limits: InboundLimits | None = None, *,
     try:
         if through_proxy:
             # The proxy adds X-Forwarded-For/-Proto/-Host: the engine stand-in takes a few more headers.
-            engine = await start_server(upstream, name="engine", limits=InboundLimits(max_headers=200))  # type: ignore[arg-type]
+            engine = await start_server(upstream, name="engine", limits=InboundLimits(max_headers=200))
             servers.append(engine)
             tenant = Tenant(name="generic", engine="generic", upstream=engine.url)
             app = TenantApp(tenant, forwarder, InFlight())
             servers.append(await start_server(app, name="generic", limits=limits))
         else:
-            servers.append(await start_server(upstream, name="plain", limits=limits))  # type: ignore[arg-type]
+            servers.append(await start_server(upstream, name="plain", limits=limits))
         yield servers[-1], upstream
     finally:
         upstream.more.set()
@@ -87,7 +89,10 @@ async def served(limits: InboundLimits | None = None, *,
         await forwarder.aclose()
 
 
-async def within(awaitable):  # type: ignore[no-untyped-def]
+T = TypeVar("T")
+
+
+async def within(awaitable: Awaitable[T]) -> T:
     return await asyncio.wait_for(awaitable, SAFETY_S)
 
 
@@ -357,10 +362,10 @@ async def test_at_the_cap_with_every_connection_mid_request_a_new_one_is_still_r
 
 
 async def test_failed_accepts_are_logged_once_per_interval_without_tracebacks(caplog: pytest.LogCaptureFixture) -> None:
-    async def app(scope, receive, send):  # type: ignore[no-untyped-def]
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
         pass
 
-    server = await start_server(app, name="plain")  # type: ignore[arg-type]
+    server = await start_server(app, name="plain")
     try:
         loop = asyncio.get_running_loop()
         with caplog.at_level(logging.ERROR):

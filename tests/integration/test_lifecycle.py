@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from boxes import DemoFactory, fast, free_port, port_open, process_tenant
 
 from proxy.demo import Demo, comfy_prompt
 from proxy.handoff.decisions import DecisionView
 from proxy.lifecycle.state import TenantLifecycle
 from proxy.sim.gpu import GIB
 from proxy.tasks import poll_until
+from tests.integration.boxes import DemoFactory, fast, free_port, port_open, process_tenant, proxy_of
 
 
 async def test_a_process_tenant_starts_on_its_first_request_stops_on_release_and_starts_again(
@@ -25,24 +25,24 @@ async def test_a_process_tenant_starts_on_its_first_request_stops_on_release_and
     port = free_port()
     demo = await box(fast("default", tenants={"app": process_tenant(port, tmp_path)}))
     assert demo.proxy is not None
-    machine = demo.proxy.arbitration.lifecycles.machine("app")
+    machine = proxy_of(demo).arbitration.lifecycles.machine("app")
     assert machine is not None and machine.state == "stopped", "nothing runs before the first request"
 
-    first = await http.get(demo.proxy.url("app") + "/hello.txt")
+    first = await http.get(proxy_of(demo).url("app") + "/hello.txt")
     assert first.status_code == 200 and first.text == "hello from the app\n", first.text
     assert machine.state == "running"
-    starts = [d for d in demo.proxy.decisions.recent() if d.kind == "start"]
+    starts = [d for d in proxy_of(demo).decisions.recent() if d.kind == "start"]
     assert len(starts) == 1 and starts[0].outcome["ok"] is True
 
-    released = await http.post(demo.proxy.url("admin") + "/api/tenants/app/release")
+    released = await http.post(proxy_of(demo).url("admin") + "/api/tenants/app/release")
     assert released.status_code == 200, released.text
     assert machine.state == "stopped"
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0, "the app's port still answers after its stop"
 
-    again = await http.get(demo.proxy.url("app") + "/hello.txt")
+    again = await http.get(proxy_of(demo).url("app") + "/hello.txt")
     assert again.status_code == 200 and machine.state == "running"
-    assert [d.kind for d in demo.proxy.decisions.recent() if d.kind in ("start", "stop")] == ["start", "stop", "start"]
+    assert [d.kind for d in proxy_of(demo).decisions.recent() if d.kind in ("start", "stop")] == ["start", "stop", "start"]
 
 
 async def test_concurrent_requests_share_one_start(box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
@@ -51,9 +51,9 @@ async def test_concurrent_requests_share_one_start(box: DemoFactory, http: httpx
     port = free_port()
     demo = await box(fast("default", tenants={"app": process_tenant(port, tmp_path)}))
     assert demo.proxy is not None
-    answers = await asyncio.gather(*(http.get(demo.proxy.url("app") + "/hello.txt") for _ in range(5)))
+    answers = await asyncio.gather(*(http.get(proxy_of(demo).url("app") + "/hello.txt") for _ in range(5)))
     assert [a.status_code for a in answers] == [200] * 5
-    assert len([d for d in demo.proxy.decisions.recent() if d.kind == "start"]) == 1
+    assert len([d for d in proxy_of(demo).decisions.recent() if d.kind == "start"]) == 1
 
 
 async def test_a_start_that_fails_answers_503_with_the_apps_last_lines(
@@ -65,14 +65,14 @@ async def test_a_start_that_fails_answers_503_with_the_apps_last_lines(
     tenant["start_timeout_s"] = 5
     demo = await box(fast("default", tenants={"app": tenant}))
     assert demo.proxy is not None
-    answer = await http.get(demo.proxy.url("app") + "/hello.txt")
+    answer = await http.get(proxy_of(demo).url("app") + "/hello.txt")
     assert answer.status_code == 503, answer.text
     body = answer.json()
     assert "could not be started" in body["error"] and "error: out of memory" in body["output"], body
     assert int(answer.headers["retry-after"]) >= 1
-    machine = demo.proxy.arbitration.lifecycles.machine("app")
+    machine = proxy_of(demo).arbitration.lifecycles.machine("app")
     assert machine is not None and machine.state == "failed"
-    again = await http.get(demo.proxy.url("app") + "/hello.txt")
+    again = await http.get(proxy_of(demo).url("app") + "/hello.txt")
     assert again.status_code == 503 and "next try is allowed" in again.json()["error"], "backs off before trying again"
 
 
@@ -81,7 +81,7 @@ async def test_the_proxy_stops_what_it_started_when_it_stops(box: DemoFactory, h
     port = free_port()
     demo = await box(fast("default", tenants={"app": process_tenant(port, tmp_path)}))
     assert demo.proxy is not None
-    assert (await http.get(demo.proxy.url("app") + "/hello.txt")).status_code == 200
+    assert (await http.get(proxy_of(demo).url("app") + "/hello.txt")).status_code == 200
     await demo.stop()
 
     def closed() -> bool:
@@ -127,15 +127,15 @@ async def test_a_soft_release_with_resume_wakes_the_app_before_its_next_request(
                   "needs_vram_gb": 1.0, "release": {"kind": "http", "url": "/sleep", "resume": {"url": "/wake_up"}}}
         demo = await box(fast("default", tenants={"vllm": tenant}))
         assert demo.proxy is not None
-        first = await http.get(demo.proxy.url("vllm") + "/v1/models")
+        first = await http.get(proxy_of(demo).url("vllm") + "/v1/models")
         assert first.status_code == 200 and calls == ["models"], "awake: nothing is called before it"
-        released = await http.post(demo.proxy.url("admin") + "/api/tenants/vllm/release")
+        released = await http.post(proxy_of(demo).url("admin") + "/api/tenants/vllm/release")
         assert released.status_code == 200 and calls[-1] == "sleep", released.text
-        answers = await asyncio.gather(*(http.get(demo.proxy.url("vllm") + "/v1/models") for _ in range(3)))
+        answers = await asyncio.gather(*(http.get(proxy_of(demo).url("vllm") + "/v1/models") for _ in range(3)))
         assert [a.status_code for a in answers] == [200] * 3, [a.text for a in answers]
         assert calls.count("wake_up") == 1 and calls.index("wake_up") < calls.index("models", 2), \
             "woken once, before the first request after the release reached it"
-        assert [d.kind for d in demo.proxy.decisions.recent() if d.kind == "resume"] == ["resume"]
+        assert [d.kind for d in proxy_of(demo).decisions.recent() if d.kind == "resume"] == ["resume"]
     finally:
         await server.stop()
 
@@ -150,16 +150,16 @@ async def test_a_release_escalates_step_by_step_and_the_decision_says_which_step
     tenant["release"] = [{"kind": "http", "url": "/free", "timeout_s": 1}, stop]
     demo = await box(fast("default", tenants={"app": tenant}))
     assert demo.proxy is not None
-    assert (await http.get(demo.proxy.url("app") + "/hello.txt")).status_code == 200
-    released = await http.post(demo.proxy.url("admin") + "/api/tenants/app/release")
+    assert (await http.get(proxy_of(demo).url("app") + "/hello.txt")).status_code == 200
+    released = await http.post(proxy_of(demo).url("admin") + "/api/tenants/app/release")
     assert released.status_code == 200, released.text
     steps = released.json()["steps"]
     assert [(s["step"], s["kind"]) for s in steps] == [(0, "http"), (1, "process")], steps
     assert steps[0]["result"] == "error" and "501" in steps[0]["error"], "the soft step was tried first and failed"
     assert steps[1]["result"] in ("confirmed", "estimated"), "then the app was stopped"
-    machine = demo.proxy.arbitration.lifecycles.machine("app")
+    machine = proxy_of(demo).arbitration.lifecycles.machine("app")
     assert machine is not None and machine.state == "stopped" and not port_open(port)
-    (decision,) = [d for d in demo.proxy.decisions.recent() if d.kind == "release" and d.tenant == "app"]
+    (decision,) = [d for d in proxy_of(demo).decisions.recent() if d.kind == "release" and d.tenant == "app"]
     assert [s["kind"] for s in decision.outcome["releases"][0]["steps"]] == ["http", "process"]
 
 
@@ -174,9 +174,9 @@ async def relay_box(box: DemoFactory, http: httpx.AsyncClient) -> tuple[Demo, Te
     machine, the relay's pid)."""
     demo = await box("lifecycle")
     assert demo.proxy is not None
-    machine = demo.proxy.arbitration.lifecycles.machine("stt")
+    machine = proxy_of(demo).arbitration.lifecycles.machine("stt")
     assert machine is not None and machine.state == "stopped"
-    said = await http.post(demo.proxy.url("stt") + "/v1/audio/transcriptions", content=b"RIFF")
+    said = await http.post(proxy_of(demo).url("stt") + "/v1/audio/transcriptions", content=b"RIFF")
     assert said.status_code == 200 and machine.state == "running", said.text
     pid = machine.controller.describe()["pid"]
     assert isinstance(pid, int) and pid in demo.box.gpu.real_pids(), "the running relay holds memory on the card"
@@ -185,12 +185,12 @@ async def relay_box(box: DemoFactory, http: httpx.AsyncClient) -> tuple[Demo, Te
 
 def decisions(demo: Demo, kind: str, tenant: str) -> list[DecisionView]:
     assert demo.proxy is not None
-    return [d for d in demo.proxy.decisions.recent(500) if d.kind == kind and d.tenant == tenant]
+    return [d for d in proxy_of(demo).decisions.recent(500) if d.kind == kind and d.tenant == tenant]
 
 
 async def prompt(demo: Demo, http: httpx.AsyncClient, ckpt: str = FLUX) -> httpx.Response:
     assert demo.proxy is not None
-    return await http.post(demo.proxy.url("comfyui") + "/prompt", json={"prompt": comfy_prompt(ckpt)})
+    return await http.post(proxy_of(demo).url("comfyui") + "/prompt", json={"prompt": comfy_prompt(ckpt)})
 
 
 async def rendered(demo: Demo, http: httpx.AsyncClient, answer: httpx.Response) -> None:
@@ -233,7 +233,7 @@ async def test_the_next_request_to_a_stopped_relay_starts_it_again(box: DemoFact
     assert machine.state == "stopped"
     assert demo.proxy is not None
 
-    said = await http.post(demo.proxy.url("stt") + "/v1/audio/transcriptions", content=b"RIFF" + bytes(1000))
+    said = await http.post(proxy_of(demo).url("stt") + "/v1/audio/transcriptions", content=b"RIFF" + bytes(1000))
     assert said.status_code == 200 and said.json()["bytes"] == 1004, said.text
     assert machine.state == "running"
     starts = decisions(demo, "start", "stt")
@@ -257,16 +257,16 @@ async def test_a_relay_transcribing_is_not_stopped_the_render_waits_and_runs_aft
         await uploading.wait()
         yield bytes(1000)
 
-    transcribing = asyncio.ensure_future(http.post(demo.proxy.url("stt") + "/v1/audio/transcriptions", content=audio()))
+    transcribing = asyncio.ensure_future(http.post(proxy_of(demo).url("stt") + "/v1/audio/transcriptions", content=audio()))
     async with asyncio.timeout(20):
         await sent.wait()
         # still uploading, so not admitted yet (not GPU work): open on a tenant a stop would cut, so busy
-        await poll_until(lambda: demo.proxy.inflight.connections("stt") > 0)  # type: ignore[union-attr]
+        await poll_until(lambda: proxy_of(demo).inflight.connections("stt") > 0)
     rendering = asyncio.ensure_future(prompt(demo, http))
     async with asyncio.timeout(20):
         await poll_until(lambda: any(w["tenant"] == "comfyui" and w["waiting_for"]  # planned, not only arrived
-                                     for w in demo.proxy.arbitration.scheduler.waiting()))  # type: ignore[union-attr]
-    waiting = next(w for w in demo.proxy.arbitration.scheduler.waiting() if w["tenant"] == "comfyui")
+                                     for w in proxy_of(demo).arbitration.scheduler.waiting()))
+    waiting = next(w for w in proxy_of(demo).arbitration.scheduler.waiting() if w["tenant"] == "comfyui")
     assert "stt" in waiting["waiting_for"], waiting
     assert not rendering.done() and machine.state == "running" and pid in demo.box.gpu.real_pids()
     assert not decisions(demo, "stop", "stt"), "a busy relay was stopped"
@@ -285,12 +285,12 @@ async def test_a_relay_with_a_stream_open_is_not_stopped_the_render_waits_and_ru
     running; the render waits without trying the stop over and over, and runs once the stream ends."""
     demo, machine, pid = await relay_box(box, http)
     assert demo.proxy is not None
-    async with http.stream("GET", demo.proxy.url("stt") + "/v1/captions?segments=0&interval_s=0.02") as stream:
+    async with http.stream("GET", proxy_of(demo).url("stt") + "/v1/captions?segments=0&interval_s=0.02") as stream:
         lines = stream.aiter_lines()
         assert (await anext(lines)).startswith("data: "), "the stream flows through the proxy"
         rendering = asyncio.ensure_future(prompt(demo, http))
         async with asyncio.timeout(20):
-            await poll_until(lambda: any(w["tenant"] == "comfyui" for w in demo.proxy.arbitration.scheduler.waiting()))  # type: ignore[union-attr]
+            await poll_until(lambda: any(w["tenant"] == "comfyui" for w in proxy_of(demo).arbitration.scheduler.waiting()))
         # a few passes of the scheduler, on the proxy's own clock
         for _ in range(3):
             await anext(lines)

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from boxes import DemoFactory, fast, free_port, port_open, process_tenant
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.demo import Demo
+from tests.integration.boxes import DemoFactory, fast, free_port, port_open, process_tenant, proxy_of
 
 
 async def app_box(box: DemoFactory, folder: Path, **extra: object) -> tuple[Demo, int]:
@@ -24,7 +24,7 @@ async def app_box(box: DemoFactory, folder: Path, **extra: object) -> tuple[Demo
 async def test_admin_start_and_stop_run_the_app_and_answer_its_lifecycle(box: DemoFactory, http: httpx.AsyncClient,
                                                                          tmp_path: Path) -> None:
     demo, port = await app_box(box, tmp_path)
-    admin = demo.proxy.url("admin")
+    admin = proxy_of(demo).url("admin")
     listed = {t["name"]: t for t in (await http.get(admin + "/api/tenants")).json()["tenants"]}
     assert listed["app"]["lifecycle"]["state"] == "stopped", listed["app"]
     assert listed["app"]["lifecycle"]["controller"]["kind"] == "process"
@@ -44,7 +44,7 @@ async def test_admin_start_and_stop_run_the_app_and_answer_its_lifecycle(box: De
     body = stopped.json()
     assert body["lifecycle"]["state"] == "stopped" and body["release"]["result"] == "confirmed", body
     assert not port_open(port), "the app's port still answers after the stop"
-    decisions = [(d.kind, d.trigger) for d in demo.proxy.decisions.recent() if d.kind in ("start", "stop", "release")]
+    decisions = [(d.kind, d.trigger) for d in proxy_of(demo).decisions.recent() if d.kind in ("start", "stop", "release")]
     assert decisions == [("start", "lifecycle start"), ("release", "admin stop"), ("stop", "lifecycle stop")], \
         f"the stop goes through the one release path, recorded as a release: {decisions}"
     assert (await http.post(admin + "/api/tenants/app/stop")).json()["note"], "a stopped tenant is not stopped twice"
@@ -53,9 +53,9 @@ async def test_admin_start_and_stop_run_the_app_and_answer_its_lifecycle(box: De
 async def test_a_busy_tenant_is_never_stopped_by_the_admin(box: DemoFactory, http: httpx.AsyncClient,
                                                            tmp_path: Path) -> None:
     demo, port = await app_box(box, tmp_path)
-    admin = demo.proxy.url("admin")
-    assert (await http.get(demo.proxy.url("app") + "/hello.txt")).status_code == 200
-    with demo.proxy.inflight.request("app"):
+    admin = proxy_of(demo).url("admin")
+    assert (await http.get(proxy_of(demo).url("app") + "/hello.txt")).status_code == 200
+    with proxy_of(demo).inflight.request("app"):
         refused = await http.post(admin + "/api/tenants/app/stop")
     assert refused.status_code == 409, refused.text
     body = refused.json()
@@ -66,7 +66,7 @@ async def test_a_busy_tenant_is_never_stopped_by_the_admin(box: DemoFactory, htt
 async def test_start_and_stop_refuse_tenants_the_proxy_does_not_start(box: DemoFactory, http: httpx.AsyncClient,
                                                                       tmp_path: Path) -> None:
     demo, _ = await app_box(box, tmp_path)
-    admin = demo.proxy.url("admin")
+    admin = proxy_of(demo).url("admin")
     for name in ("ollama", "desktop"):
         for action in ("start", "stop"):
             r = await http.post(f"{admin}/api/tenants/{name}/{action}")
@@ -81,7 +81,7 @@ async def test_the_admin_start_of_a_failing_app_answers_503_and_skips_the_backof
     script = "import sys; print('error: out of memory', file=sys.stderr); sys.exit(3)"
     demo, _ = await app_box(box, tmp_path, start_timeout_s=5,
                             release={"kind": "process", "command": [sys.executable, "-c", script]})
-    admin = demo.proxy.url("admin")
+    admin = proxy_of(demo).url("admin")
     first = await http.post(admin + "/api/tenants/app/start")
     assert first.status_code == 503, first.text
     body = first.json()
@@ -89,7 +89,7 @@ async def test_the_admin_start_of_a_failing_app_answers_503_and_skips_the_backof
     assert body["lifecycle"]["state"] == "failed" and body["lifecycle"]["failures"] == 1
     assert int(first.headers["retry-after"]) >= 1
     # A request now is refused by the backoff; the admin's start is tried at once.
-    assert "next try is allowed" in (await http.get(demo.proxy.url("app") + "/hello.txt")).json()["error"]
+    assert "next try is allowed" in (await http.get(proxy_of(demo).url("app") + "/hello.txt")).json()["error"]
     second = await http.post(admin + "/api/tenants/app/start")
     assert second.status_code == 503 and second.json()["lifecycle"]["failures"] == 2, second.text
     listed = (await http.get(admin + "/api/tenants/app")).json()["lifecycle"]
@@ -99,7 +99,7 @@ async def test_the_admin_start_of_a_failing_app_answers_503_and_skips_the_backof
 async def test_a_start_whose_memory_cannot_be_found_answers_507_like_a_request(
         box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
     demo, port = await app_box(box, tmp_path, needs_vram_gb=4096)
-    r = await http.post(demo.proxy.url("admin") + "/api/tenants/app/start")
+    r = await http.post(proxy_of(demo).url("admin") + "/api/tenants/app/start")
     assert r.status_code == 507, r.text
     assert r.json()["tenant"] == "app" and "plan" in r.json() and r.json()["fix"], r.json()
     assert not port_open(port), "nothing was started"
@@ -109,7 +109,7 @@ async def test_start_and_stop_need_the_token_when_one_is_set(box: DemoFactory, h
                                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HYPERSWAP_ADMIN_TOKEN", "lifecycle-token")
     demo, port = await app_box(box, tmp_path)
-    admin = demo.proxy.url("admin")
+    admin = proxy_of(demo).url("admin")
     for action in ("start", "stop"):
         assert (await http.post(f"{admin}/api/tenants/app/{action}")).status_code == 401
         r = await http.post(f"{admin}/api/tenants/app/{action}", headers={"Authorization": "Bearer wrong"})
@@ -128,7 +128,7 @@ async def test_metrics_count_starts_stops_and_failed_starts(box: DemoFactory, ht
     bad = process_tenant(free_port(), tmp_path, release={"kind": "process", "command": [sys.executable, "-c", "exit(3)"]})
     demo = await box(fast("default", tenants={"app": process_tenant(port, tmp_path), "bad": bad}))
     assert demo.proxy is not None
-    admin = demo.proxy.url("admin")
+    admin = proxy_of(demo).url("admin")
 
     async def samples() -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
         text = (await http.get(admin + "/metrics")).text
@@ -139,7 +139,7 @@ async def test_metrics_count_starts_stops_and_failed_starts(box: DemoFactory, ht
     before = await samples()
     assert before[("hyperswap_lifecycle_starts_total", app)] == 0, "series exist at zero"
     assert before[("hyperswap_lifecycle_state", app | {("state", "stopped")})] == 1
-    assert (await http.get(demo.proxy.url("app") + "/hello.txt")).status_code == 200  # a request starts it
+    assert (await http.get(proxy_of(demo).url("app") + "/hello.txt")).status_code == 200  # a request starts it
     assert (await http.post(admin + "/api/tenants/app/stop")).status_code == 200
     assert (await http.post(admin + "/api/tenants/bad/start")).status_code == 503
     after = await samples()
@@ -160,7 +160,7 @@ async def test_the_admin_stop_of_an_escalating_tenant_skips_the_soft_steps(box: 
     app["release"] = [{"kind": "http", "url": "/free", "timeout_s": 1}, app["release"]]
     demo = await box(fast("default", tenants={"app": app}))
     assert demo.proxy is not None
-    admin = demo.proxy.url("admin")
+    admin = proxy_of(demo).url("admin")
     assert (await http.post(admin + "/api/tenants/app/start")).status_code == 200
     stopped = await http.post(admin + "/api/tenants/app/stop")
     assert stopped.status_code == 200, stopped.text
@@ -174,7 +174,7 @@ async def test_a_stopped_tenant_shows_no_idle_countdown(box: DemoFactory, http: 
     """Issue 42: a stopped tenant still showed an idle-release countdown (nothing runs to release)."""
     demo = await box(fast("default", tenants={"app": process_tenant(free_port(), tmp_path, idle_release_after_s=600)}))
     assert demo.proxy is not None
-    admin = demo.proxy.url("admin")
+    admin = proxy_of(demo).url("admin")
 
     async def countdown() -> object:
         return (await http.get(admin + "/api/tenants/app")).json()["idle_release_in_s"]
@@ -198,11 +198,11 @@ async def test_the_idle_ttl_stops_an_app_whose_release_list_starts_with_a_soft_s
     tenant["release"] = [{"kind": "http", "method": "GET", "url": "/hello.txt"}, process_step]
     demo = await box(fast("default", tenants={"app": tenant}))
     assert demo.proxy is not None
-    admin = demo.proxy.url("admin")
+    admin = proxy_of(demo).url("admin")
     assert (await http.post(admin + "/api/tenants/app/start")).status_code == 200
     assert port_open(port)
-    report = await demo.proxy.watchdog.tick()
+    report = await proxy_of(demo).watchdog.tick()
     assert "app: idle release" in " ".join(report.actions), report.reasons.get("app")
-    machine = demo.proxy.arbitration.lifecycles.machine("app")
+    machine = proxy_of(demo).arbitration.lifecycles.machine("app")
     assert machine is not None and machine.state == "stopped", f"the ttl left the app {machine and machine.state}"
     assert not port_open(port)

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from boxes import DemoFactory, fast, free_port
 
 from proxy.lifecycle import docker
 from proxy.tasks import poll_until
+from tests.integration.boxes import DemoFactory, fast, free_port, proxy_of
 
 START_TIMEOUT_S = 1.0
 MARGIN_S = 1.5  # WAKE_SLACK_S (1 s) and a loaded machine's scheduling
@@ -78,14 +78,14 @@ async def test_a_hanging_systemctl_is_killed_and_the_request_answered_within_sta
     demo = await box(fast("default", tenants={"unit": systemd_tenant()}))
     assert demo.proxy is not None
 
-    r, took = await answered_in(http, demo.proxy.url("unit") + "/work")
+    r, took = await answered_in(http, proxy_of(demo).url("unit") + "/work")
     assert r.status_code == 503 and took < START_TIMEOUT_S + MARGIN_S, (r.status_code, took, r.text)
     error = r.json()["error"]
     assert "hang.service` did not finish within 1 s and was killed" in error, error  # its start, or the stop after it
     async with asyncio.timeout(10):  # the failed start's stop hangs too, until its own timeout (1 s)
         await poll_until(lambda: not running_with(marker))
 
-    health = await http.get(demo.proxy.url("admin") + "/api/health")  # `systemctl show` hangs past the check's timeout
+    health = await http.get(proxy_of(demo).url("admin") + "/api/health")  # `systemctl show` hangs past the check's timeout
     assert health.status_code in (200, 503)
     async with asyncio.timeout(10):
         await poll_until(lambda: not running_with(marker))
@@ -121,7 +121,7 @@ async def test_a_docker_socket_that_never_answers_is_answered_within_start_timeo
     demo = await box(fast("default", tenants={"box": tenant}))
     assert demo.proxy is not None
 
-    r, took = await answered_in(http, demo.proxy.url("box") + "/work")
+    r, took = await answered_in(http, proxy_of(demo).url("box") + "/work")
     assert r.status_code == 503 and took < START_TIMEOUT_S + MARGIN_S, (r.status_code, took, r.text)
     error = r.json()["error"]
     assert f"the Docker Engine API at {silent_docker} did not answer POST /containers/hang/start within 1 s" in error, \

@@ -11,18 +11,18 @@ import sys
 from pathlib import Path
 
 import httpx
-from boxes import DemoFactory, fast, free_port, process_tenant
 
 from proxy.config.settings import AdminSpec
 from proxy.lifecycle.build import default_state_dir
 from proxy.lifecycle.process import _start_time
 from proxy.lifecycle.record import instance_dir
+from tests.integration.boxes import DemoFactory, fast, free_port, process_tenant, proxy_of
 
 
 async def test_health_names_failed_starts_orphans_and_an_unreachable_docker_socket(
         box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
     app = process_tenant(free_port(), tmp_path)
-    command = app["release"]["command"]  # type: ignore[index]
+    command = app["release"]["command"]
     orphan = await asyncio.create_subprocess_exec(sys.executable, "-c", "import time; time.sleep(120)",
                                                   start_new_session=True)
     try:
@@ -36,7 +36,7 @@ async def test_health_names_failed_starts_orphans_and_an_unreachable_docker_sock
                 "release": {"kind": "docker", "container": "tts", "socket": str(tmp_path / "docker.sock")}}
         demo = await box(fast("default", tenants={"app": app, "bad": bad, "dock": dock}))
         assert demo.proxy is not None
-        admin = demo.proxy.url("admin")
+        admin = proxy_of(demo).url("admin")
         assert (await http.post(admin + "/api/tenants/bad/start")).status_code == 503
         report = (await http.get(admin + "/api/health")).json()
         entries = {e["name"]: e for e in report["entries"] if e["name"].startswith("lifecycle")}
@@ -63,7 +63,7 @@ async def test_a_lifecycle_tenant_that_is_well_is_an_ok_entry(box: DemoFactory, 
                                                                tmp_path: Path) -> None:
     demo = await box(fast("default", tenants={"app": process_tenant(free_port(), tmp_path)}))
     assert demo.proxy is not None
-    report = (await http.get(demo.proxy.url("admin") + "/api/health")).json()
+    report = (await http.get(proxy_of(demo).url("admin") + "/api/health")).json()
     (entry,) = [e for e in report["entries"] if e["name"] == "lifecycle app"]
     assert entry["status"] == "ok" and entry["problem"].startswith("stopped for") and "http.server" in entry["problem"]
     (upstream,) = [e for e in report["entries"] if e["name"] == "upstream app"]

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from boxes import DemoFactory, fast, free_port, port_open, process_tenant, stranger_on
 
 from proxy.lifecycle import procs
+from tests.integration.boxes import DemoFactory, app_process, fast, free_port, port_open, process_tenant, proxy_of, stranger_on
 
 WAIT_S = 10.0
 
@@ -106,19 +106,21 @@ async def test_a_daemon_run_app_with_a_stop_command_starts_answers_and_stops(
     demo = await box(fast("default", tenants={"app": daemon_tenant(port, tmp_path, daemon,
                                                                     stop_command=stop_command(port, daemon))}))
     assert demo.proxy is not None
-    answer = await http.get(demo.proxy.url("app") + "/hello.txt")
+    answer = await http.get(proxy_of(demo).url("app") + "/hello.txt")
     assert answer.status_code == 200, answer.text
-    machine = demo.proxy.arbitration.lifecycles.machine("app")
+    machine = proxy_of(demo).arbitration.lifecycles.machine("app")
     assert machine is not None and machine.state == "running"
     server = int((tmp_path / "server.pid").read_text())
-    ctl = machine.controller
-    assert ctl.pid != server and server not in procs.tree(ctl.pid, ctl.pid), "the holder is the daemon's child"  # type: ignore[attr-defined]
-    assert str(server) in (ctl.describe()["holders"] or {}), ctl.describe()  # type: ignore[operator]
-    stopped = await http.post(demo.proxy.url("admin") + "/api/tenants/app/stop")
+    ctl = app_process(demo)
+    assert ctl.pid is not None and ctl.pid != server and server not in procs.tree(ctl.pid, ctl.pid), \
+        "the holder is the daemon's child"
+    holders = ctl.describe()["holders"]
+    assert isinstance(holders, dict) and str(server) in holders, ctl.describe()
+    stopped = await http.post(proxy_of(demo).url("admin") + "/api/tenants/app/stop")
     assert stopped.status_code == 200 and machine.state == "stopped", stopped.text
     assert not port_open(port) and not procs.same(server, procs.start_time(server) or -1)
     assert ctl.describe()["stop_error"] is None, "stopped by its stop command, not by signals"
-    again = await http.get(demo.proxy.url("app") + "/hello.txt")
+    again = await http.get(proxy_of(demo).url("app") + "/hello.txt")
     assert again.status_code == 200, "and it starts again"
 
 
@@ -128,9 +130,9 @@ async def test_a_daemon_run_app_named_by_its_pid_file_is_the_apps_own(
     demo = await box(fast("default", tenants={"app": daemon_tenant(port, tmp_path, daemon,
                                                                     pid_file=str(tmp_path / "server.pid"))}))
     assert demo.proxy is not None
-    answer = await http.get(demo.proxy.url("app") + "/hello.txt")
+    answer = await http.get(proxy_of(demo).url("app") + "/hello.txt")
     assert answer.status_code == 200, answer.text
-    stopped = await http.post(demo.proxy.url("admin") + "/api/tenants/app/stop")
+    stopped = await http.post(proxy_of(demo).url("admin") + "/api/tenants/app/stop")
     assert stopped.status_code == 200, stopped.text
     assert not port_open(port)
 
@@ -140,7 +142,7 @@ async def test_a_daemons_child_nothing_ties_to_the_start_is_refused(
     port = free_port()
     demo = await box(fast("default", tenants={"app": daemon_tenant(port, tmp_path, daemon)}))
     assert demo.proxy is not None
-    answer = await http.get(demo.proxy.url("app") + "/hello.txt")
+    answer = await http.get(proxy_of(demo).url("app") + "/hello.txt")
     assert answer.status_code == 503, answer.text
     assert f"port {port} answers, but it is held by pid" in answer.json()["error"], answer.text
 
@@ -153,7 +155,7 @@ async def test_a_stranger_on_the_port_before_the_start_is_still_refused_with_a_s
         demo = await box(fast("default", tenants={"app": daemon_tenant(port, tmp_path, daemon,
                                                                         stop_command=stop_command(port, daemon))}))
         assert demo.proxy is not None
-        answer = await http.get(demo.proxy.url("app") + "/hello.txt")
+        answer = await http.get(proxy_of(demo).url("app") + "/hello.txt")
         assert answer.status_code == 503, answer.text
         assert f"already in use by pid {stranger.pid}" in answer.json()["error"], answer.text
         assert stranger.returncode is None, "named, never killed"

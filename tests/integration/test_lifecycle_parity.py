@@ -18,11 +18,11 @@ from typing import Any
 
 import httpx
 import pytest
-from boxes import DemoFactory, fast, free_port, port_open, process_tenant
 
 from proxy.demo import Demo
 from proxy.lifecycle.state import TenantLifecycle
 from proxy.tasks import poll_until
+from tests.integration.boxes import DemoFactory, app_process, fast, free_port, port_open, process_tenant, proxy_of
 
 PY = sys.executable
 WAIT_S = 10.0  # bounds a wait; never reached when things work
@@ -74,14 +74,14 @@ async def open_gate(gate: Path, why: Callable[[], str]) -> None:
 
 def machine_of(demo: Demo, name: str) -> TenantLifecycle:
     assert demo.proxy is not None
-    m = demo.proxy.arbitration.lifecycles.machine(name)
+    m = proxy_of(demo).arbitration.lifecycles.machine(name)
     assert m is not None
     return m
 
 
 def upstream_port(demo: Demo, name: str) -> int:
     assert demo.proxy is not None
-    upstream = demo.proxy.registry.get(name).upstream
+    upstream = proxy_of(demo).registry.get(name).upstream
     assert upstream is not None
     return int(upstream.rsplit(":", 1)[1])
 
@@ -102,7 +102,7 @@ async def test_an_admin_stop_runs_the_stop_command_and_a_failing_one_falls_back_
                                                               "file=sys.stderr); sys.exit(4)"])
     demo = await box(fast("default", tenants={"good": good, "bad": bad}))
     assert demo.proxy is not None
-    admin = demo.proxy.url("admin")
+    admin = proxy_of(demo).url("admin")
     for name in ("good", "bad"):
         assert (await http.post(f"{admin}/api/tenants/{name}/start")).status_code == 200
 
@@ -135,7 +135,7 @@ async def test_preload_starts_apps_once_the_proxy_is_up_and_health_shows_a_faile
     lazy = app_tenant(tmp_path, "lazy")
     demo = await box(fast("default", tenants={"slow": slow, "broken": broken, "lazy": lazy}))
     assert demo.proxy is not None
-    admin = demo.proxy.url("admin")
+    admin = proxy_of(demo).url("admin")
     # The proxy is up and answers while the slow app still waits to bind: a preload never holds it up.
     async with asyncio.timeout(WAIT_S):
         await poll_until(lambda: machine_of(demo, "slow").state == "starting")
@@ -148,7 +148,7 @@ async def test_preload_starts_apps_once_the_proxy_is_up_and_health_shows_a_faile
     assert machine_of(demo, "lazy").state == "stopped", "a tenant without preload waits for its first request"
     slow_view = (await http.get(admin + "/api/tenants/slow")).json()["lifecycle"]
     assert slow_view["preload"] is True and slow_view["preload_error"] is None, slow_view
-    starts = [(d.tenant, d.outcome.get("result")) for d in demo.proxy.decisions.recent(200) if d.kind == "start"]
+    starts = [(d.tenant, d.outcome.get("result")) for d in proxy_of(demo).decisions.recent(200) if d.kind == "start"]
     assert ("slow", "ok") in starts and ("broken", "failed") in starts, starts
 
     entries = await health_entries(http, admin)
@@ -175,7 +175,7 @@ async def test_the_logs_stream_gives_the_last_lines_then_each_new_line_as_it_is_
         box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
     demo = await box(fast("default", tenants={"app": app_tenant(tmp_path, "app")}))
     assert demo.proxy is not None
-    admin, listener = demo.proxy.url("admin"), demo.proxy.url("app")
+    admin, listener = proxy_of(demo).url("admin"), proxy_of(demo).url("app")
     assert (await http.post(admin + "/api/tenants/app/start")).status_code == 200
     for path in ("/first.txt", "/hello.txt"):  # the file server logs each request to stderr
         await http.get(listener + path)
@@ -201,22 +201,22 @@ async def test_an_open_logs_stream_never_holds_up_the_proxys_stop(box: DemoFacto
                                                                    tmp_path: Path) -> None:
     demo = await box(fast("default", tenants={"app": app_tenant(tmp_path, "app")}))
     assert demo.proxy is not None
-    admin = demo.proxy.url("admin")
+    admin = proxy_of(demo).url("admin")
     assert (await http.post(admin + "/api/tenants/app/start")).status_code == 200
     async with http.stream("GET", admin + "/api/tenants/app/logs") as r:
         assert r.status_code == 200
-        began = demo.proxy.clock.now()
+        began = proxy_of(demo).clock.now()
         async with asyncio.timeout(WAIT_S):
             await demo.stop()
-        took = demo.proxy.clock.now() - began
-        assert took < 2.0, f"the stop waited {took:.2f} s for the open stream (drain is {demo.proxy.drain_s:g} s)"
+        took = proxy_of(demo).clock.now() - began
+        assert took < 2.0, f"the stop waited {took:.2f} s for the open stream (drain is {proxy_of(demo).drain_s:g} s)"
 
 
 async def test_the_logs_of_an_unknown_or_unstarted_kind_of_tenant_are_refused(
         box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
     demo = await box(fast("default", tenants={"app": app_tenant(tmp_path, "app")}))
     assert demo.proxy is not None
-    admin = demo.proxy.url("admin")
+    admin = proxy_of(demo).url("admin")
     missing = await http.get(admin + "/api/tenants/no-such-tenant/logs")
     assert missing.status_code == 404 and "no-such-tenant" in missing.json()["error"], missing.text
     other = await http.get(admin + "/api/tenants/ollama/logs")
@@ -229,9 +229,9 @@ async def test_at_most_four_streams_follow_one_tenant_and_a_closed_one_frees_its
         box: DemoFactory, http: httpx.AsyncClient, tmp_path: Path) -> None:
     demo = await box(fast("default", tenants={"app": app_tenant(tmp_path, "app")}))
     assert demo.proxy is not None
-    admin = demo.proxy.url("admin")
+    admin = proxy_of(demo).url("admin")
     assert (await http.post(admin + "/api/tenants/app/start")).status_code == 200
-    ctl = machine_of(demo, "app").controller
+    ctl = app_process(demo)
     async with contextlib.AsyncExitStack() as streams:
         for _ in range(4):
             r = await streams.enter_async_context(http.stream("GET", admin + "/api/tenants/app/logs"))
@@ -240,7 +240,7 @@ async def test_at_most_four_streams_follow_one_tenant_and_a_closed_one_frees_its
         assert fifth.status_code == 429 and "4 streams already follow app" in fifth.json()["error"], fifth.text
         assert "app.log" in fifth.json()["fix"], "the log file is named as the way to read more"
     async with asyncio.timeout(WAIT_S):
-        await poll_until(lambda: ctl.followers == 0)  # type: ignore[attr-defined]
+        await poll_until(lambda: ctl.followers == 0)
     async with http.stream("GET", admin + "/api/tenants/app/logs") as r:
         assert r.status_code == 200, "the places are given back when the streams end"
 
@@ -259,10 +259,10 @@ async def test_an_app_flooding_its_output_leaves_a_bounded_log_on_disk(
                                                      "command": [PY, "-c", FLOOD, str(port)]})
     demo = await box(fast("default", tenants={"app": tenant}))
     assert demo.proxy is not None
-    started = await http.post(demo.proxy.url("admin") + "/api/tenants/app/start")
+    started = await http.post(proxy_of(demo).url("admin") + "/api/tenants/app/start")
     assert started.status_code == 200, started.text  # it listens once its 24 MiB are written
-    ctl = machine_of(demo, "app").controller
-    log = ctl.log_path  # type: ignore[attr-defined]
+    ctl = app_process(demo)
+    log = ctl.log_path
     assert log is not None
     folder = log.parent
 
@@ -271,7 +271,7 @@ async def test_an_app_flooding_its_output_leaves_a_bounded_log_on_disk(
 
     try:
         async with asyncio.timeout(WAIT_S * 3):
-            await poll_until(lambda: ctl.logfile.cuts > 0 and disk() <= 2 * 2**20 + 2**16)  # type: ignore[attr-defined]
+            await poll_until(lambda: ctl.logfile.cuts > 0 and disk() <= 2 * 2**20 + 2**16)
     except TimeoutError:
         raise AssertionError(f"{disk()} bytes of log on disk past its 1 MiB bound (twice, with .1): "
                              f"{sorted(p.name for p in folder.iterdir())}") from None
@@ -284,10 +284,10 @@ async def test_stop_all_stops_the_idle_ones_and_names_the_busy_one(box: DemoFact
     tenants = {name: app_tenant(tmp_path, name) for name in ("one", "two", "busy", "idle")}
     demo = await box(fast("default", tenants=tenants))
     assert demo.proxy is not None
-    admin = demo.proxy.url("admin")
+    admin = proxy_of(demo).url("admin")
     for name in ("one", "two", "busy"):
         assert (await http.post(f"{admin}/api/tenants/{name}/start")).status_code == 200
-    with demo.proxy.inflight.request("busy"):
+    with proxy_of(demo).inflight.request("busy"):
         answer = await http.post(admin + "/api/tenants/stop")
     assert answer.status_code == 409, answer.text
     body = answer.json()
@@ -311,7 +311,7 @@ async def test_stop_all_needs_the_token_when_one_is_set(box: DemoFactory, http: 
     monkeypatch.setenv("HYPERSWAP_ADMIN_TOKEN", "stop-all-token")
     demo = await box(fast("default", tenants={"app": app_tenant(tmp_path, "app")}))
     assert demo.proxy is not None
-    admin = demo.proxy.url("admin")
+    admin = proxy_of(demo).url("admin")
     assert (await http.post(admin + "/api/tenants/stop")).status_code == 401
     assert (await http.post(admin + "/api/tenants/stop", headers={"Authorization": "Bearer wrong"})).status_code == 403
     ok = await http.post(admin + "/api/tenants/stop", headers={"Authorization": "Bearer stop-all-token"})

@@ -14,14 +14,15 @@ import textwrap
 from pathlib import Path
 
 import httpx
-from boxes import DemoFactory, fast, free_port, port_open, process_tenant, stranger_on
 
 from proxy.clock import SystemClock
+from proxy.demo import Demo
 from proxy.lifecycle import procs
 from proxy.lifecycle.process import ProcessController
 from proxy.lifecycle.ready import ReadyProbe, probe_once, probe_readiness
 from proxy.lifecycle.state import TenantLifecycle
 from proxy.tasks import poll_until
+from tests.integration.boxes import DemoFactory, app_process, fast, free_port, port_open, process_tenant, proxy_of, stranger_on
 
 WAIT_S = 10.0  # bounds a wait for a child; never reached when things work
 
@@ -44,8 +45,8 @@ def kill_all(pids: list[int]) -> None:
             pass
 
 
-def machine_of(demo: object, name: str = "app") -> TenantLifecycle:
-    m = demo.proxy.arbitration.lifecycles.machine(name)  # type: ignore[attr-defined]
+def machine_of(demo: Demo, name: str = "app") -> TenantLifecycle:
+    m = proxy_of(demo).arbitration.lifecycles.machine(name)
     assert m is not None
     return m
 
@@ -56,22 +57,22 @@ async def test_an_app_killed_after_ready_is_noticed_at_once_and_the_next_request
     demo = await box(fast("default", tenants={"app": process_tenant(port, tmp_path)}))
     assert demo.proxy is not None
     machine = machine_of(demo)
-    assert (await http.get(demo.proxy.url("app") + "/hello.txt")).status_code == 200
+    assert (await http.get(proxy_of(demo).url("app") + "/hello.txt")).status_code == 200
     ctl = machine.controller
     assert isinstance(ctl, ProcessController) and ctl.pid is not None
     os.kill(ctl.pid, signal.SIGKILL)  # behind the proxy's back: an OOM kill, a CUDA fault
     async with asyncio.timeout(WAIT_S):
         await poll_until(lambda: machine.state == "failed")
     assert "killed by signal 9 (SIGKILL)" in (machine.snapshot.error or "") and machine.snapshot.exit_code == -9
-    (crash,) = [d for d in demo.proxy.decisions.recent() if d.kind == "exit"]
+    (crash,) = [d for d in proxy_of(demo).decisions.recent() if d.kind == "exit"]
     assert crash.outcome["exit_code"] == -9 and crash.outcome["state"] == "failed", crash
 
-    health = (await http.get(demo.proxy.url("admin") + "/api/health")).json()
+    health = (await http.get(proxy_of(demo).url("admin") + "/api/health")).json()
     (entry,) = [e for e in health["entries"] if e["name"] == "lifecycle app"]
     assert entry["status"] == "failed" and "crashed while running" in entry["problem"], entry
     assert "restart: on-failure" in entry["fix"], entry
 
-    again = await http.get(demo.proxy.url("app") + "/hello.txt")
+    again = await http.get(proxy_of(demo).url("app") + "/hello.txt")
     assert again.status_code == 200 and machine.state == "running", again.text
     assert len(copies(f"http.server {port}")) == 1
 
@@ -82,13 +83,14 @@ async def test_restart_on_failure_starts_a_crashed_app_before_anyone_asks(
     demo = await box(fast("default", tenants={"app": process_tenant(port, tmp_path, restart="on-failure")}))
     assert demo.proxy is not None
     machine = machine_of(demo)
-    assert (await http.get(demo.proxy.url("app") + "/hello.txt")).status_code == 200
-    first = machine.controller.pid  # type: ignore[attr-defined]
+    assert (await http.get(proxy_of(demo).url("app") + "/hello.txt")).status_code == 200
+    first = app_process(demo).pid
+    assert first is not None
     os.kill(first, signal.SIGKILL)
     async with asyncio.timeout(WAIT_S):
-        await poll_until(lambda: machine.state == "running" and machine.controller.pid != first)  # type: ignore[attr-defined]
+        await poll_until(lambda: machine.state == "running" and app_process(demo).pid != first)
     assert port_open(port), "restarted by its policy, with no request"
-    assert [d.kind for d in demo.proxy.decisions.recent() if d.kind in ("start", "exit")] == ["start", "exit", "start"]
+    assert [d.kind for d in proxy_of(demo).decisions.recent() if d.kind in ("start", "exit")] == ["start", "exit", "start"]
 
 
 # The proxy's start of a `process` tenant, in a process of its own that the test kills -9: the same
@@ -117,10 +119,10 @@ async def crashing_proxy(port: int, tmp_path: Path, shell: str) -> tuple[dict[st
     """The app tenant on `port`, its server run by `sh -c shell` ({server}: its command), started by a
     proxy that then dies with -9 (CRASHING_PROXY); the proxy's stdout says the shell's and guard's pids."""
     tenant = process_tenant(port, tmp_path)
-    server = " ".join(tenant["release"]["command"])  # type: ignore[index]
-    tenant["release"]["command"] = ["sh", "-c", shell.format(server=server)]  # type: ignore[index]
+    server = " ".join(tenant["release"]["command"])
+    tenant["release"]["command"] = ["sh", "-c", shell.format(server=server)]
     crashed = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", CRASHING_PROXY, __import__("json").dumps(tenant["release"]["command"]),  # type: ignore[index]
+        sys.executable, "-c", CRASHING_PROXY, __import__("json").dumps(tenant["release"]["command"]),
         stdout=asyncio.subprocess.PIPE, cwd=str(Path(__file__).parents[2]))
     return tenant, crashed
 
@@ -147,7 +149,7 @@ async def test_a_proxy_killed_9_and_started_again_runs_exactly_one_copy(
         assert demo.proxy is not None
         assert not copies(f"http.server {port}") and not port_open(port), \
             "the restarted proxy ended what the crashed run left (provably its own: session and start time)"
-        answer = await http.get(demo.proxy.url("app") + "/hello.txt")
+        answer = await http.get(proxy_of(demo).url("app") + "/hello.txt")
         assert answer.status_code == 200, answer.text
         assert len(copies(f"http.server {port}")) == 1, "exactly one copy of the app"
         await demo.stop()
@@ -167,7 +169,7 @@ async def test_a_port_held_by_another_server_fails_the_start_naming_it(
     try:
         demo = await box(fast("default", tenants={"app": process_tenant(port, tmp_path)}))
         assert demo.proxy is not None
-        answer = await http.get(demo.proxy.url("app") + "/hello.txt")
+        answer = await http.get(proxy_of(demo).url("app") + "/hello.txt")
         assert answer.status_code == 503, answer.text
         error = answer.json()["error"]
         assert f"port {port} is already in use by pid {stranger.pid} (" in error and "http.server" in error, error
@@ -228,7 +230,7 @@ async def test_a_stop_that_leaves_the_port_held_fails_names_the_holder_and_is_ne
     machine = machine_of(demo)
     daemon = 0
     try:
-        assert (await http.get(demo.proxy.url("app") + "/")).status_code == 200
+        assert (await http.get(proxy_of(demo).url("app") + "/")).status_code == 200
         pidfile = tmp_path / "daemon.pid"  # written by the daemon itself, whatever its output does
         async with asyncio.timeout(WAIT_S):
             await poll_until(lambda: pidfile.exists() and pidfile.read_text().strip())
@@ -239,10 +241,10 @@ async def test_a_stop_that_leaves_the_port_held_fails_names_the_holder_and_is_ne
         except TimeoutError:  # pragma: no cover - the lines came interleaved once (printed in pieces)
             raise AssertionError(f"the daemon ({daemon}) printed its line, but the app's output lacks it: "
                                  f"{machine.controller.output()} (state {machine.state})") from None
-        stopped = await http.post(demo.proxy.url("admin") + "/api/tenants/app/stop")
+        stopped = await http.post(proxy_of(demo).url("admin") + "/api/tenants/app/stop")
         assert machine.state == "failed", f"a failed stop is never running: {machine.state} ({stopped.text})"
         assert f"port {port} is still held by pid {daemon}" in (machine.snapshot.error or ""), machine.snapshot.error
-        (stop,) = [d for d in demo.proxy.decisions.recent() if d.kind == "stop"]
+        (stop,) = [d for d in proxy_of(demo).decisions.recent() if d.kind == "stop"]
         assert stop.outcome["ok"] is False and stop.outcome["state"] == "failed", stop
     finally:  # the daemon outlives the stop by design: never leave it holding its port for later tests
         pidfile = tmp_path / "daemon.pid"
@@ -271,11 +273,12 @@ async def test_a_setsid_child_of_the_app_is_stopped_with_it(
     machine = machine_of(demo)
     helper = 0
     try:
-        assert (await http.get(demo.proxy.url("app") + "/")).status_code == 200
+        assert (await http.get(proxy_of(demo).url("app") + "/")).status_code == 200
         helper = int(next(line for line in machine.controller.output() if line.startswith("helper ")).split()[1])
         started = procs.start_time(helper)
-        assert started is not None and procs.proc(helper).session == helper  # type: ignore[union-attr]
-        stopped = await http.post(demo.proxy.url("admin") + "/api/tenants/app/stop")
+        proc = procs.proc(helper)
+        assert started is not None and proc is not None and proc.session == helper
+        stopped = await http.post(proxy_of(demo).url("admin") + "/api/tenants/app/stop")
         assert stopped.status_code == 200 and machine.state == "stopped", stopped.text
         assert not procs.same(helper, started), "the child that left the app's session is stopped with it"
     finally:  # every helper any run of the app made (a start that failed under load and ran again made two)
@@ -290,7 +293,7 @@ async def test_an_app_stopped_with_sigstop_is_ended_once_declared_failed_and_a_f
     (a short interval and a short try) only so the test does not wait 3 x 5 s."""
     port = free_port()
     tenant = process_tenant(port, tmp_path)
-    ctl = ProcessController("app", tenant["release"]["command"], stop_timeout_s=2.0,  # type: ignore[index]
+    ctl = ProcessController("app", tenant["release"]["command"], stop_timeout_s=2.0,
                             clock=SystemClock(), host="127.0.0.1", port=port)
     probe = ReadyProbe("127.0.0.1", port, f"http://127.0.0.1:{port}/hello.txt")
     machine = TenantLifecycle("app", ctl, probe_readiness(probe, SystemClock(), exited=ctl.exited, client=http,
@@ -327,7 +330,8 @@ async def test_two_proxies_on_one_machine_with_the_same_tenant_names_never_touch
     first = await box(fast("default", tenants={"app": process_tenant(first_port, tmp_path / "a")}))
     assert first.proxy is not None
     assert (await http.get(first.proxy.url("app") + "/hello.txt")).status_code == 200
-    running = machine_of(first).controller.pid  # type: ignore[attr-defined]
+    running = app_process(first).pid
+    assert running is not None
     second = await box(fast("default", tenants={"app": process_tenant(second_port, tmp_path / "b")}))
     assert second.proxy is not None
     assert procs.same(running, procs.start_time(running) or -1) and machine_of(first).state == "running", \
@@ -336,7 +340,7 @@ async def test_two_proxies_on_one_machine_with_the_same_tenant_names_never_touch
     assert (await http.post(second.proxy.url("admin") + "/api/tenants/app/stop")).status_code == 200
     assert machine_of(first).state == "running" and port_open(first_port), "the other's stop touched nothing of it"
     assert not [d for d in first.proxy.decisions.recent() if d.kind == "exit"], "the first saw no exit"
-    record = machine_of(first).controller.pidfile  # type: ignore[attr-defined]
+    record = app_process(first).pidfile
     assert record is not None and record.exists(), "its record is still there for a restart to find"
     await second.stop()
     await first.stop()
@@ -355,12 +359,12 @@ async def test_a_daemon_the_app_leaves_is_stopped_with_it_found_by_its_runs_id(
     assert demo.proxy is not None
     daemon = 0
     try:
-        assert (await http.get(demo.proxy.url("app") + "/")).status_code == 200
+        assert (await http.get(proxy_of(demo).url("app") + "/")).status_code == 200
         async with asyncio.timeout(WAIT_S):
             await poll_until(lambda: pidfile.exists() and pidfile.read_text().strip())
         daemon = int(pidfile.read_text())
         started = procs.start_time(daemon) or -1
-        stopped = await http.post(demo.proxy.url("admin") + "/api/tenants/app/stop")
+        stopped = await http.post(proxy_of(demo).url("admin") + "/api/tenants/app/stop")
         assert stopped.status_code == 200 and machine_of(demo).state == "stopped", stopped.text
         assert not procs.same(daemon, started) and not port_open(port), "the daemon it left is stopped with it"
     finally:
@@ -382,11 +386,12 @@ async def test_a_setsid_grandchild_left_by_a_proxy_killed_9_is_ended_by_the_rest
         crashed.kill()  # the proxy dies: -9 (its command line names the server too: copies are counted after)
         await crashed.wait()
         (left,) = copies(f"http.server {port}")
-        assert procs.proc(left).session == left, "the server left the app's session"  # type: ignore[union-attr]
+        proc = procs.proc(left)
+        assert proc is not None and proc.session == left, "the server left the app's session"
         demo = await box(fast("default", tenants={"app": tenant}))
         assert demo.proxy is not None
         assert not copies(f"http.server {port}") and not port_open(port), "ended by the restarted proxy"
-        assert (await http.get(demo.proxy.url("app") + "/hello.txt")).status_code == 200
+        assert (await http.get(proxy_of(demo).url("app") + "/hello.txt")).status_code == 200
         assert len(copies(f"http.server {port}")) == 1
     finally:
         if crashed.returncode is None:
@@ -401,7 +406,7 @@ async def test_what_the_app_spawned_is_ended_by_its_guard_when_the_proxy_is_kill
     the shell's server, and a setsid one."""
     port, other = free_port(), free_port()
     tenant = process_tenant(port, tmp_path)
-    server = " ".join(tenant["release"]["command"])  # type: ignore[index]
+    server = " ".join(tenant["release"]["command"])
     command = ["sh", "-c", f"{server} & setsid {server.replace(str(port), str(other))} & wait"]
     crashed = await asyncio.create_subprocess_exec(
         sys.executable, "-c", CRASHING_PROXY, __import__("json").dumps(command),

@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 import websockets
-from boxes import DemoFactory, fast, free_port, process_tenant
 from websockets.asyncio.client import connect as ws_connect
+from websockets.typing import Origin
 
 from proxy.clock import ManualClock
 from proxy.demo import Demo, describe
@@ -22,6 +22,7 @@ from proxy.lifecycle.state import TenantLifecycle
 from proxy.relay import departure
 from proxy.sim.box import Scenario
 from proxy.tasks import poll_until
+from tests.integration.boxes import DemoFactory, fast, free_port, process_tenant, proxy_of
 
 ANSWER_WITHIN_S = 20.0  # far more than a start of the fast relay takes; a hang fails the test, never stalls it
 
@@ -36,9 +37,9 @@ async def stopped_relay(box: DemoFactory, **stt: object) -> tuple[Demo, TenantLi
     """The lifecycle scenario's speech relay, stopped (nothing started it yet): (demo, machine, its URL)."""
     demo = await box(lifecycle(**stt))
     assert demo.proxy is not None
-    machine = demo.proxy.arbitration.lifecycles.machine("stt")
+    machine = proxy_of(demo).arbitration.lifecycles.machine("stt")
     assert machine is not None and machine.state == "stopped"
-    return demo, machine, demo.proxy.url("stt")
+    return demo, machine, proxy_of(demo).url("stt")
 
 
 async def test_an_empty_body_post_to_a_stopped_app_is_answered(
@@ -81,7 +82,7 @@ async def test_a_read_of_a_stopped_app_is_answered_503_with_the_reason_and_does_
     body = (await http.get(url + "/v1/models")).json()
     assert body["state"] == "stopped" and body["wake_on"] == "writes", body
     assert "does not start it" in body["error"] and "/api/tenants/stt/start" in body["fix"], body
-    assert not [d for d in demo.proxy.decisions.recent() if d.kind == "start"], "a read was recorded as a start"  # type: ignore[union-attr]
+    assert not [d for d in proxy_of(demo).decisions.recent() if d.kind == "start"], "a read was recorded as a start"
 
 
 async def test_wake_on_any_lets_a_read_start_it_and_the_start_counts_as_activity(
@@ -89,12 +90,12 @@ async def test_wake_on_any_lets_a_read_start_it_and_the_start_counts_as_activity
     clock = ManualClock(ticking=True)
     demo = await box(lifecycle(wake_on="any", idle_release_after_s=4.0), clock=clock)
     assert demo.proxy is not None
-    machine = demo.proxy.arbitration.lifecycles.machine("stt")
+    machine = proxy_of(demo).arbitration.lifecycles.machine("stt")
     assert machine is not None
     await clock.advance(60.0)  # long idle before the first request: the ttl must count from the start, not before
-    r = await http.get(demo.proxy.url("stt") + "/health")
+    r = await http.get(proxy_of(demo).url("stt") + "/health")
     assert r.status_code == 200 and machine.state == "running", r.text
-    deadline = demo.proxy.watchdog.idle_deadline("stt")
+    deadline = proxy_of(demo).watchdog.idle_deadline("stt")
     assert deadline is not None and deadline >= clock.now() + 3.0, \
         f"the start is no activity: idle release due {deadline and deadline - clock.now():.1f} s from now"
 
@@ -106,19 +107,19 @@ async def test_polling_reads_never_make_a_stopped_app_flap(box: DemoFactory, htt
     clock = ManualClock(ticking=True)
     demo = await box(lifecycle(idle_release_after_s=4.0), clock=clock)
     assert demo.proxy is not None
-    machine = demo.proxy.arbitration.lifecycles.machine("stt")
+    machine = proxy_of(demo).arbitration.lifecycles.machine("stt")
     assert machine is not None
-    url = demo.proxy.url("stt")
+    url = proxy_of(demo).url("stt")
     said = await http.post(url + "/v1/audio/transcriptions", content=b"RIFF")
     assert said.status_code == 200 and machine.state == "running", said.text
     statuses = []
     for _ in range(40):
         async with asyncio.timeout(ANSWER_WITHIN_S):
             statuses.append((await http.get(url + "/health")).status_code)
-            await demo.proxy.watchdog.tick()
+            await proxy_of(demo).watchdog.tick()
             await poll_until(lambda: machine.state in ("running", "stopped"))
         await clock.advance(1.0)
-    kinds = [d.kind for d in demo.proxy.decisions.recent(500) if d.tenant == "stt" and d.kind in ("start", "stop")]
+    kinds = [d.kind for d in proxy_of(demo).decisions.recent(500) if d.tenant == "stt" and d.kind in ("start", "stop")]
     assert kinds.count("start") <= 1, f"the polls started the app again: {kinds}"
     assert kinds == ["start", "stop"] and machine.state == "stopped", f"the ttl did not stop the idle app: {kinds}"
     assert set(statuses) <= {200, 503} and statuses[0] == 200 and statuses[-1] == 503, statuses
@@ -133,7 +134,7 @@ async def test_a_cross_origin_request_never_wakes_a_stopped_app(box: DemoFactory
     assert r.status_code == 403 and machine.state == "stopped", r.text
     assert "another origin" in r.json()["error"], r.json()
     with pytest.raises(websockets.InvalidStatus) as refused:
-        async with ws_connect(url.replace("http://", "ws://") + "/ws", origin="https://evil.example"):  # type: ignore[arg-type]
+        async with ws_connect(url.replace("http://", "ws://") + "/ws", origin=Origin("https://evil.example")):
             pass
     assert refused.value.response.status_code == 403 and machine.state == "stopped"
     own = await http.post(url + "/v1/audio/transcriptions", content=b"x", headers={"Origin": url})
@@ -165,11 +166,11 @@ async def test_a_started_app_never_inherits_the_proxys_secrets_and_its_own_env_w
     monkeypatch.setenv("HYPERSWAP_CONFIG", str(tmp_path / "tenants.json"))
     monkeypatch.setenv("SOME_SETTING", "inherited")
     tenant = process_tenant(free_port(), tmp_path)
-    tenant["release"] = {**tenant["release"], "env": {"HYPERSWAP_FOR_THE_APP": "given", "SOME_SETTING": "overridden"}}  # type: ignore[dict-item]
+    tenant["release"] = {**tenant["release"], "env": {"HYPERSWAP_FOR_THE_APP": "given", "SOME_SETTING": "overridden"}}
     demo = await box(fast("default", tenants={"app": tenant}, settings={"admin": {"token_env": "MY_ADMIN_TOKEN"}}))
     assert demo.proxy is not None
-    assert (await http.get(demo.proxy.url("app") + "/hello.txt")).status_code == 200
-    machine = demo.proxy.arbitration.lifecycles.machine("app")
+    assert (await http.get(proxy_of(demo).url("app") + "/hello.txt")).status_code == 200
+    machine = proxy_of(demo).arbitration.lifecycles.machine("app")
     assert machine is not None
     pid = machine.controller.describe()["pid"]
     assert isinstance(pid, int)

@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from boxes import DemoFactory, fast, free_port, process_tenant
 from jsonschema import Draft202012Validator
 
 from proxy.demo import run_prompt
-from proxy.gpu.snapshot import GpuReadError
+from proxy.gpu.snapshot import GpuReadError, GpuSnapshot
 from proxy.tasks import poll_until
+from tests.integration.boxes import DemoFactory, fast, free_port, process_tenant, proxy_of
 
 JSON = dict[str, Any]
 
@@ -68,25 +68,26 @@ def response_schema(doc: JSON, path: str, method: str, status: int) -> JSON:
     op = doc["paths"][path][method]
     answer = op["responses"].get(str(status))
     assert answer is not None, f"{method.upper()} {path} answered {status}, which /openapi.json does not list"
-    return answer["content"]["application/json"]["schema"]
+    schema: JSON = answer["content"]["application/json"]["schema"]
+    return schema
 
 
 async def call(http: httpx.AsyncClient, doc: JSON, admin: str, method: str, route: str, url: str,
                status: int) -> JSON:
     r = await http.request(method, admin + url)
     assert r.status_code == status, (url, r.status_code, r.text[:500])
-    body = r.json()
+    body: JSON = r.json()
     check(doc, response_schema(doc, route, method.lower(), status), body, f"{method} {url} ({status})")
     return body
 
 
 async def test_live_admin_answers_match_the_openapi_document(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("default")
-    admin = demo.proxy.url("admin")
+    admin = proxy_of(demo).url("admin")
     doc = (await http.get(admin + "/openapi.json")).json()
     # Traffic that leaves decisions of several kinds: a render, then a load that releases ComfyUI.
-    await run_prompt(demo.proxy.url("comfyui"), "flux1-dev-fp8.safetensors", http)
-    r = await http.post(demo.proxy.url("ollama") + "/api/generate",
+    await run_prompt(proxy_of(demo).url("comfyui"), "flux1-dev-fp8.safetensors", http)
+    r = await http.post(proxy_of(demo).url("ollama") + "/api/generate",
                         json={"model": "gemma3:27b", "prompt": "hi", "stream": False})
     assert r.status_code == 200, r.text
 
@@ -124,7 +125,7 @@ async def test_live_admin_answers_match_the_openapi_document(box: DemoFactory, h
 
 async def test_event_frames_match_the_openapi_document(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("default")
-    admin = demo.proxy.url("admin")
+    admin = proxy_of(demo).url("admin")
     doc = (await http.get(admin + "/openapi.json")).json()
     frames = doc["paths"]["/api/events"]["get"]["responses"]["200"]["content"]["text/event-stream"]["x-event-data"]
     seen: dict[str, JSON] = {}
@@ -151,14 +152,15 @@ async def test_event_frames_match_the_openapi_document(box: DemoFactory, http: h
 async def test_answers_without_a_gpu_reader_match_the_document_too(box: DemoFactory, http: httpx.AsyncClient) -> None:
     """Unknown figures are null there (device, tenants nobody sees, gpu_error set): still as documented."""
     demo = await box("default")
-    admin = demo.proxy.url("admin")
+    admin = proxy_of(demo).url("admin")
     doc = (await http.get(admin + "/openapi.json")).json()
 
-    def broken() -> None:
-        raise GpuReadError("driver_mismatch", "Failed to initialize NVML: Driver/library version mismatch",
-                           "reboot to load the new driver")
+    class Broken:
+        def read(self) -> GpuSnapshot:
+            raise GpuReadError("driver_mismatch", "Failed to initialize NVML: Driver/library version mismatch",
+                               "reboot to load the new driver")
 
-    demo.proxy.arbitration.reader.read = broken  # type: ignore[method-assign]
+    proxy_of(demo).arbitration.reader = Broken()
     stats = await call(http, doc, admin, "GET", "/api/stats", "/api/stats", 200)
     assert stats["gpu_error"]["state"] == "driver_mismatch" and stats["device"]["source"] == "engine-estimate", stats
     assert stats["device"]["reserved_bytes"] is None, "ComfyUI reports no reserved figure: null, never 0"
@@ -171,7 +173,7 @@ async def test_lifecycle_answers_and_frames_match_the_document(box: DemoFactory,
     """A tenant the proxy starts and stops: its lifecycle in /api/tenants, the start and stop answers,
     the refusals, and the event stream's lifecycle frames, all as documented."""
     demo = await box(fast("default", tenants={"app": process_tenant(free_port(), tmp_path)}))
-    admin = demo.proxy.url("admin")
+    admin = proxy_of(demo).url("admin")
     doc = (await http.get(admin + "/openapi.json")).json()
     frames = doc["paths"]["/api/events"]["get"]["responses"]["200"]["content"]["text/event-stream"]["x-event-data"]
     seen: list[JSON] = []

@@ -13,7 +13,6 @@ from typing import Any
 import httpx
 import httpx2
 import pytest
-from boxes import LOOPBACK_TLS, DemoFactory, fast, free_port, port_open, process_tenant
 from mcp import Client, MCPError, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 
@@ -21,6 +20,7 @@ from proxy.admin.mcp_tools import AdminClient, build_server
 from proxy.config.units import GIB
 from proxy.demo import Demo, run_prompt
 from proxy.errors import McpNotInstalled
+from tests.integration.boxes import LOOPBACK_TLS, DemoFactory, fast, free_port, port_open, process_tenant, proxy_of
 
 TOOLS = {"health", "engines", "tenants", "plan", "release", "models", "start", "stop"}
 REPO = Path(__file__).resolve().parents[2]
@@ -29,7 +29,7 @@ TOKEN = "mcp-test-token"
 
 @asynccontextmanager
 async def mcp_client(demo: Demo, token: str | None = None) -> AsyncIterator[Client]:
-    url = demo.proxy.url("admin") + "/mcp"
+    url = proxy_of(demo).url("admin") + "/mcp"
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     async with httpx2.AsyncClient(verify=LOOPBACK_TLS, headers=headers, timeout=30.0, trust_env=False) as http:
         async with Client(streamable_http_client(url, http_client=http)) as client:
@@ -49,9 +49,10 @@ async def test_http_lists_all_eight_tools_with_input_and_output_schemas(box: Dem
     assert set(tools["plan"].input_schema["properties"]) == {"tenant", "need_gb"}
     assert tools["release"].input_schema["required"] == ["tenant"], tools["release"].input_schema
     assert all(t.output_schema for t in tools.values()), [n for n, t in tools.items() if not t.output_schema]
-    assert tools["release"].annotations.destructive_hint is True
+    release, listing = tools["release"].annotations, tools["tenants"].annotations
+    assert release is not None and release.destructive_hint is True
     assert tools["start"].input_schema["required"] == tools["stop"].input_schema["required"] == ["tenant"]
-    assert tools["tenants"].annotations.read_only_hint is True
+    assert listing is not None and listing.read_only_hint is True
 
 
 async def test_http_read_tools_return_structured_admin_answers(box: DemoFactory) -> None:
@@ -76,14 +77,14 @@ async def test_http_read_tools_return_structured_admin_answers(box: DemoFactory)
 
 async def test_http_release_of_idle_comfyui_returns_the_freed_bytes(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("default")
-    await run_prompt(demo.proxy.url("comfyui"), "sd_xl_base_1.0.safetensors", http)
+    await run_prompt(proxy_of(demo).url("comfyui"), "sd_xl_base_1.0.safetensors", http)
     async with mcp_client(demo) as client:
         result = await client.call_tool("release", {"tenant": "comfyui"})
     assert not result.is_error, text_of(result)
     body = result.structured_content
     assert body["tenant"] == "comfyui" and body["confirmed"] is True, body
     assert body["freed_bytes"] > 1 * GIB, body
-    assert [d.kind for d in demo.proxy.decisions.recent(5)][-1] == "release"
+    assert [d.kind for d in proxy_of(demo).decisions.recent(5)][-1] == "release"
 
 
 async def test_http_release_of_the_desktop_is_a_tool_error_with_the_409_reason(box: DemoFactory) -> None:
@@ -116,7 +117,7 @@ async def test_http_with_admin_token_refuses_calls_without_it(box: DemoFactory, 
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HYPERSWAP_ADMIN_TOKEN", TOKEN)
     demo = await box("default")
-    url = demo.proxy.url("admin") + "/mcp"
+    url = proxy_of(demo).url("admin") + "/mcp"
     bare = await http.post(url, json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"},
                            headers={"Accept": "application/json, text/event-stream"})
     assert bare.status_code == 401 and "fix" in bare.json(), bare.text
@@ -136,7 +137,7 @@ async def test_http_with_admin_token_refuses_calls_without_it(box: DemoFactory, 
 async def test_stdio_server_lists_tools_and_reads_tenants_of_a_running_proxy(box: DemoFactory) -> None:
     demo = await box("default")
     params = StdioServerParameters(command=sys.executable,
-                                   args=["-m", "proxy.admin.mcp_tools", "--admin", demo.proxy.url("admin")],
+                                   args=["-m", "proxy.admin.mcp_tools", "--admin", proxy_of(demo).url("admin")],
                                    cwd=str(REPO), env={"NO_PROXY": "127.0.0.1,localhost"})
     async with Client(params) as client:
         tools = {t.name for t in (await client.list_tools()).tools}
@@ -179,7 +180,7 @@ async def test_without_the_sdk_the_proxy_runs_and_its_mcp_route_answers_501_with
         box: DemoFactory, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
     hide_mcp(monkeypatch)
     demo = await box("default")
-    url = demo.proxy.url("admin")
+    url = proxy_of(demo).url("admin")
     r = await http.post(url + "/mcp", json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"},
                         headers={"Accept": "application/json, text/event-stream"})
     assert r.status_code == 501, r.text

@@ -3,23 +3,24 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import pytest
-from boxes import DemoFactory, fast
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.admin.metrics import Metrics
 from proxy.admin.telemetry import Telemetry
 from proxy.config.units import GIB
-from proxy.demo import comfy_prompt, run_prompt
+from proxy.demo import Demo, comfy_prompt, run_prompt
+from tests.integration.boxes import DemoFactory, comfyui_of, fast, ollama_of, proxy_of
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 TOO_BIG = {"model": "mistral-small:22b", "prompt": "hi", "stream": False}  # more than the "tight" box can ever hold
 
 
-async def scrape(http: httpx.AsyncClient, demo) -> Samples:  # type: ignore[no-untyped-def]
-    r = await http.get(demo.proxy.url("admin") + "/metrics")
+async def scrape(http: httpx.AsyncClient, demo: Demo) -> Samples:
+    r = await http.get(proxy_of(demo).url("admin") + "/metrics")
     assert r.status_code == 200, r.text
     assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
     out: Samples = {}
@@ -35,17 +36,21 @@ def value(samples: Samples, name: str, **labels: str) -> float:
     return samples[key]
 
 
-def extension(demo, cls):  # type: ignore[no-untyped-def]
-    return next(e for e in demo.proxy.extensions if isinstance(e, cls))
+E = TypeVar("E")
 
 
-async def handoff_then_507(demo, http: httpx.AsyncClient) -> None:  # type: ignore[no-untyped-def]
+def extension(demo: Demo, cls: type[E]) -> E:
+    return next(e for e in proxy_of(demo).extensions if isinstance(e, cls))
+
+
+async def handoff_then_507(demo: Demo, http: httpx.AsyncClient) -> None:
     """ComfyUI keeps flux (11.9 GiB); Ollama's gemma3:27b takes it back; ComfyUI, lower priority, then gets a
     507 because Ollama protects its idle memory from lower priorities (the box comes from `protected_box`)."""
-    await run_prompt(demo.proxy.url("comfyui"), "flux1-dev-fp8.safetensors", http)
-    r = await http.post(demo.proxy.url("ollama") + "/api/generate", json={"model": "gemma3:27b", "prompt": "hi", "stream": False})
+    await run_prompt(proxy_of(demo).url("comfyui"), "flux1-dev-fp8.safetensors", http)
+    r = await http.post(proxy_of(demo).url("ollama") + "/api/generate",
+                        json={"model": "gemma3:27b", "prompt": "hi", "stream": False})
     assert r.status_code == 200, r.text
-    r = await http.post(demo.proxy.url("comfyui") + "/prompt", json={"prompt": comfy_prompt("flux1-dev-fp8.safetensors")})
+    r = await http.post(proxy_of(demo).url("comfyui") + "/prompt", json={"prompt": comfy_prompt("flux1-dev-fp8.safetensors")})
     assert r.status_code == 507, r.text
 
 
@@ -56,8 +61,8 @@ def _telemetry_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return path
 
 
-def protected(box: DemoFactory):  # type: ignore[no-untyped-def]
-    return box(fast("default", tenants={"ollama": {"protect_idle_memory": True}}))
+async def protected(box: DemoFactory) -> Demo:
+    return await box(fast("default", tenants={"ollama": {"protect_idle_memory": True}}))
 
 
 async def test_metrics_count_a_handoff_and_a_507_on_the_simulated_box(box: DemoFactory, http: httpx.AsyncClient) -> None:
@@ -86,7 +91,7 @@ async def test_metrics_count_a_handoff_and_a_507_on_the_simulated_box(box: DemoF
 
 async def test_unmanaged_vram_and_a_507_on_the_tight_box(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("tight")
-    r = await http.post(demo.proxy.url("ollama") + "/api/generate", json=TOO_BIG)
+    r = await http.post(proxy_of(demo).url("ollama") + "/api/generate", json=TOO_BIG)
     assert r.status_code == 507, r.text
 
     m = await scrape(http, demo)
@@ -102,8 +107,8 @@ async def test_first_scrape_reads_the_card_and_two_proxies_keep_separate_counter
         box: DemoFactory, http: httpx.AsyncClient) -> None:
     a = await box("tight")
     b = await box("tight")
-    assert a.proxy.arbitration.last_snapshot is None
-    r = await http.post(a.proxy.url("ollama") + "/api/generate", json=TOO_BIG)
+    assert proxy_of(a).arbitration.last_snapshot is None
+    r = await http.post(proxy_of(a).url("ollama") + "/api/generate", json=TOO_BIG)
     assert r.status_code == 507
 
     mb = await scrape(http, b)
@@ -117,7 +122,7 @@ async def test_first_scrape_reads_the_card_and_two_proxies_keep_separate_counter
 async def test_history_has_the_release_with_freed_bytes_and_the_507(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await protected(box)
     await handoff_then_507(demo, http)
-    base = demo.proxy.url("admin")
+    base = proxy_of(demo).url("admin")
 
     rows = (await http.get(base + "/api/history", params={"since": 0})).json()["rows"]
 
@@ -155,7 +160,7 @@ async def test_telemetry_off_answers_503_and_stays_healthy(box: DemoFactory, htt
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HYPERSWAP_TELEMETRY", "off")
     demo = await box("tight")
-    r = await http.get(demo.proxy.url("admin") + "/api/history")
+    r = await http.get(proxy_of(demo).url("admin") + "/api/history")
     assert r.status_code == 503 and r.json()["error"] == "telemetry is off"
     assert extension(demo, Telemetry).healthy()[0]
     assert isinstance(extension(demo, Metrics), Metrics)
@@ -174,12 +179,12 @@ async def test_the_demo_box_writes_its_own_file_not_the_real_cards_history(box: 
 async def test_requests_are_counted_by_the_status_their_client_got_a_500_is_not_completed(
         box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box(fast("default"))
-    demo.box.ollama.fail_next_load_with("llama runner process has terminated: exit status 2")
-    failed = await http.post(demo.proxy.url("ollama") + "/api/generate",
+    ollama_of(demo).fail_next_load_with("llama runner process has terminated: exit status 2")
+    failed = await http.post(proxy_of(demo).url("ollama") + "/api/generate",
                              json={"model": "llama3.2:3b", "prompt": "hi", "stream": False})
-    unknown = await http.post(demo.proxy.url("ollama") + "/api/generate",
+    unknown = await http.post(proxy_of(demo).url("ollama") + "/api/generate",
                               json={"model": "no-such-model", "prompt": "hi", "stream": False})
-    fine = await http.post(demo.proxy.url("ollama") + "/api/generate",
+    fine = await http.post(proxy_of(demo).url("ollama") + "/api/generate",
                            json={"model": "llama3.2:3b", "prompt": "hi", "stream": False})
     assert (failed.status_code, unknown.status_code, fine.status_code) == (500, 404, 200), (failed.text, unknown.text)
 
@@ -193,11 +198,12 @@ async def test_requests_are_counted_by_the_status_their_client_got_a_500_is_not_
 async def test_a_retry_that_succeeded_counts_as_a_retry_not_an_error(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box(fast("default", tenants={"comfyui": {"priority": 60, "needs_vram_gb": 1.0}}))
     oom = "llama runner process has terminated: cudaMalloc failed: out of memory"
-    demo.box.ollama.fail_next_load_with(oom)
-    r = await http.post(demo.proxy.url("ollama") + "/api/generate", json={"model": "gemma3:27b", "prompt": "hi", "stream": False})
+    ollama_of(demo).fail_next_load_with(oom)
+    r = await http.post(proxy_of(demo).url("ollama") + "/api/generate",
+                        json={"model": "gemma3:27b", "prompt": "hi", "stream": False})
     assert r.status_code == 200, r.text
-    demo.box.comfyui.fail_next_prompt_with_oom()  # its retry releases Ollama and runs under the client's own id
-    msgs = await run_prompt(demo.proxy.url("comfyui"), "sd_xl_base_1.0.safetensors", http)
+    comfyui_of(demo).fail_next_prompt_with_oom()  # its retry releases Ollama and runs under the client's own id
+    msgs = await run_prompt(proxy_of(demo).url("comfyui"), "sd_xl_base_1.0.safetensors", http)
     assert [x["type"] for x in msgs if x["type"].startswith("execution_")][-1] == "execution_success"
 
     m = await scrape(http, demo)

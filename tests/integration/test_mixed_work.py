@@ -28,10 +28,24 @@ from typing import Any, Literal
 import httpx
 import ollama
 import pytest
-from boxes import LOOPBACK_TLS, README_CKPT, DemoFactory, RenderRefused, chat, decisions, fast, never_short, render, succeeded
 
 from proxy.demo import Demo, comfy_prompt
 from proxy.tasks import cancel_and_wait, poll_until
+from tests.integration.boxes import (
+    LOOPBACK_TLS,
+    README_CKPT,
+    DemoFactory,
+    RenderRefused,
+    chat,
+    comfyui_of,
+    decisions,
+    fast,
+    never_short,
+    ollama_of,
+    proxy_of,
+    render,
+    succeeded,
+)
 
 MODEL = "gemma3:27b"
 QUEUE_TIMEOUT_S = 10.0  # the deadlock's 503s come at this, well inside the test
@@ -76,7 +90,7 @@ async def _render(demo: Demo, name: str, t0: float, steps: int | None) -> Outcom
 async def _render_polled(demo: Demo, name: str, t0: float) -> Outcome:
     """A render as a script sends it: POST /prompt with a fresh seed, then GET /history/<id> until it
     completed or failed (the proxy hears its end from those polls or its own job poll)."""
-    base = demo.proxy.url("comfyui")  # type: ignore[union-attr]
+    base = proxy_of(demo).url("comfyui")
     graph = comfy_prompt(README_CKPT, seed=random.randrange(2**40))
     async with httpx.AsyncClient(verify=LOOPBACK_TLS, trust_env=False, timeout=30) as http:
         r = await http.post(base + "/prompt", json={"prompt": graph})
@@ -108,7 +122,7 @@ def waiting(demo: Demo, tenant: str, *, planned: bool = False) -> int:
     """Requests of `tenant` in the proxy's queue now (each one, also those riding one handoff);
     `planned`: only those the scheduler has placed (waiting, or joined to a release), not the ones it
     has yet to plan, which may still be let through at once."""
-    queue = demo.proxy.arbitration.scheduler.waiting()  # type: ignore[union-attr]
+    queue = proxy_of(demo).arbitration.scheduler.waiting()
     return sum(1 for w in queue if w["tenant"] == tenant and not (planned and w["reason"] == "being planned"))
 
 
@@ -121,8 +135,8 @@ def handoff_under_way(demo: Demo, tenant: str) -> bool:
 def reached_engine(demo: Demo, kind: Kind) -> int:
     """Requests of this kind the proxy let through to the simulated engine so far."""
     if kind == "C":
-        return demo.box.ollama.requests.get("/api/chat", 0)  # type: ignore[union-attr]
-    return demo.box.comfyui.accepted  # type: ignore[union-attr]
+        return ollama_of(demo).requests.get("/api/chat", 0)
+    return comfyui_of(demo).accepted
 
 
 def handoffs(demo: Demo) -> list[Any]:
@@ -212,7 +226,7 @@ def assert_all_ended_200(burst: Burst, outcomes: list[Outcome]) -> None:
 
 async def run_pattern(box: DemoFactory, letters: str, pace: Pace) -> tuple[Burst, list[Outcome]]:
     demo = await box(MIXED)
-    assert not demo.box.ollama.loaded() and not demo.box.comfyui.loaded(), "the card starts empty"  # type: ignore[union-attr]
+    assert not ollama_of(demo).loaded() and not comfyui_of(demo).loaded(), "the card starts empty"
     burst = Burst(demo, pace)
     outcomes = await burst.pattern(letters)
     assert_all_ended_200(burst, outcomes)
@@ -330,7 +344,7 @@ async def test_a_render_behind_two_clients_chatting_back_to_back_is_admitted_wit
     clients = [asyncio.create_task(chatter()) for _ in range(2)]
     async with asyncio.timeout(5):
         await poll_until(lambda: len(sent) >= 4)  # both clients are chatting
-    base = demo.proxy.url("comfyui")  # type: ignore[union-attr]
+    base = proxy_of(demo).url("comfyui")
     graph = comfy_prompt("flux1-dev-fp8.safetensors", seed=random.randrange(2**40))
     try:
         async with httpx.AsyncClient(verify=LOOPBACK_TLS, trust_env=False, timeout=30) as http:

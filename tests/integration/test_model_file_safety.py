@@ -21,7 +21,7 @@ import pytest
 from proxy.admin.models_api import ModelsExtension
 from proxy.demo import Demo, comfy_prompt
 from proxy.sim.box import fast_scenario
-from tests.integration.boxes import DemoFactory
+from tests.integration.boxes import DemoFactory, proxy_of
 
 STATS_S = 3.0  # /api/stats answers within this while the model files are attacked
 GPU_S = 10.0  # a GPU request (a load through the planner) within this
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def models_of(demo: Demo) -> ModelsExtension:
     assert demo.proxy is not None
-    return next(e for e in demo.proxy.extensions if isinstance(e, ModelsExtension))
+    return next(e for e in proxy_of(demo).extensions if isinstance(e, ModelsExtension))
 
 
 def checkpoints(demo: Demo) -> Path:
@@ -69,9 +69,9 @@ def plant_sparse(demo: Demo) -> str:
 async def still_answering(http: httpx.AsyncClient, demo: Demo) -> None:
     assert demo.proxy is not None
     started = time.monotonic()
-    r = await asyncio.wait_for(http.get(demo.proxy.url("admin") + "/api/stats"), STATS_S)
+    r = await asyncio.wait_for(http.get(proxy_of(demo).url("admin") + "/api/stats"), STATS_S)
     assert r.status_code == 200, f"/api/stats answered {r.status_code}"
-    r = await asyncio.wait_for(http.post(demo.proxy.url("ollama") + "/api/generate",
+    r = await asyncio.wait_for(http.post(proxy_of(demo).url("ollama") + "/api/generate",
                                          json={"model": "llama3.1:8b", "prompt": "hi", "stream": False}), GPU_S)
     assert r.status_code == 200, f"a GPU request answered {r.status_code}: {r.text[:200]}"
     assert time.monotonic() - started < STATS_S + GPU_S
@@ -81,7 +81,7 @@ async def attack(http: httpx.AsyncClient, demo: Demo, name: str) -> list[int]:
     """What anyone who reaches the proxy can do: list the models (the dashboard's poll, no token),
     warm one, and run ComfyUI prompts naming the file."""
     assert demo.proxy is not None
-    admin, comfy = demo.proxy.url("admin"), demo.proxy.url("comfyui")
+    admin, comfy = proxy_of(demo).url("admin"), proxy_of(demo).url("comfyui")
     calls = [http.get(admin + "/api/models") for _ in range(8)]
     calls += [http.post(comfy + "/prompt", json={"prompt": comfy_prompt(name)}) for _ in range(6)]
     calls.append(http.post(admin + "/api/models/warm", json={"tenant": "comfyui", "model": name}))
@@ -102,11 +102,11 @@ async def test_a_file_that_is_not_a_regular_one_inside_is_skipped_and_the_proxy_
     statuses = await attack(http, demo, name)
     assert -1 not in statuses, f"a request got no answer: {statuses}"
     await still_answering(http, demo)
-    listing = (await http.get(demo.proxy.url("admin") + "/api/models?tenant=comfyui")).json()
+    listing = (await http.get(proxy_of(demo).url("admin") + "/api/models?tenant=comfyui")).json()
     (comfy,) = listing["tenants"]
     assert name not in {m["name"] for m in comfy["models"]}, "it must not be listed (its name, its size)"
     assert any(k["path"].endswith(name) and reason in k["reason"] for k in comfy["skipped"]), comfy["skipped"]
-    health = {e["name"]: e for e in (await http.get(demo.proxy.url("admin") + "/api/health")).json()["entries"]}
+    health = {e["name"]: e for e in (await http.get(proxy_of(demo).url("admin") + "/api/health")).json()["entries"]}
     entry = health["model files comfyui skipped"]
     assert entry["status"] == "degraded" and name in entry["problem"] and reason in entry["problem"], entry
     assert all(j.read_bytes == 0 for k, j in ext.warmer.jobs.items() if name in k), "nothing of it was read"
@@ -120,7 +120,7 @@ async def test_hyperswap_check_names_what_was_skipped_and_why(box: DemoFactory, 
     plant_link_outside(demo)
     ext = models_of(demo)
     await ext.files(ext.catalog.all_files, True)
-    assert await asyncio.to_thread(check_main, None, demo.proxy.url("admin"), False) == 0  # degraded, not failed
+    assert await asyncio.to_thread(check_main, None, proxy_of(demo).url("admin"), False) == 0  # degraded, not failed
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if "model files comfyui skipped" in x)
     assert "trap.safetensors: a FIFO" in line and "leak.safetensors: a link to" in line and "outside" in line, out
@@ -149,9 +149,9 @@ async def test_a_flood_of_unknown_model_names_walks_the_folders_at_most_once(box
     ext = models_of(demo)
     await ext.files(ext.catalog.all_files, True)
     walks = ext.catalog.walks
-    comfy = demo.proxy.url("comfyui")
+    comfy = proxy_of(demo).url("comfyui")
     flood = [http.post(comfy + "/prompt", json={"prompt": comfy_prompt(f"nope-{i}.safetensors")}) for i in range(60)]
-    flood += [http.post(demo.proxy.url("admin") + "/api/models/warm", json={"tenant": "comfyui", "model": f"x{i}"})
+    flood += [http.post(proxy_of(demo).url("admin") + "/api/models/warm", json={"tenant": "comfyui", "model": f"x{i}"})
               for i in range(20)]
     answers = await asyncio.wait_for(asyncio.gather(*flood, return_exceptions=True), GPU_S)
     assert all(isinstance(a, httpx.Response) for a in answers), answers

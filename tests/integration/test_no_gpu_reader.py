@@ -14,53 +14,35 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import types
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from boxes import ALL_PORTS_ZERO, DemoFactory, fast
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
-from proxy.admin.health import EnvReaders, HealthExtension
+from proxy.admin.health import HealthExtension
 from proxy.cli import main, serve
 from proxy.config.units import GIB
 from proxy.demo import run_prompt
 from proxy.engines.loading import registry_from_dict
+from proxy.engines.settings import EnvReaders
 from proxy.gpu.nvml import NvmlReader
 from proxy.gpu.snapshot import GpuReadError
 from proxy.relay.servers import RunningServer, start_server
 from proxy.service import Proxy
 from proxy.sim.box import Scenario, SimBox
 from proxy.tasks import poll_until
+from tests.integration.boxes import ALL_PORTS_ZERO, DemoFactory, FixedSystemctl, comfyui_of, fast, proxy_of
+from tests.unit.fake_pynvml import nvml_without_library
 
 HOST_RAM = int(24.04 * GIB)  # what a --cpu ComfyUI reports as torch_vram_total: host RAM, not VRAM
-
-
-def nvml_without_library() -> types.ModuleType:
-    """pynvml on a machine without the driver: nvmlInit raises NVMLError_LibraryNotFound."""
-    nvml = types.ModuleType("pynvml")
-
-    class NVMLError(Exception):
-        pass
-
-    missing = type("NVMLError_LibraryNotFound", (NVMLError,), {})
-
-    def init() -> None:
-        raise missing("NVML Shared Library Not Found")
-
-    nvml.NVMLError = NVMLError  # type: ignore[attr-defined]
-    nvml.NVMLError_LibraryNotFound = missing  # type: ignore[attr-defined]
-    nvml.nvmlInit = init  # type: ignore[attr-defined]
-    nvml.nvmlShutdown = lambda: None  # type: ignore[attr-defined]
-    return nvml
 
 
 class CpuComfyUI:
@@ -100,20 +82,6 @@ class CpuComfyUI:
                                  WebSocketRoute("/ws", ws)])
 
 
-def fake_systemctl(text: str | None) -> Any:
-    """`systemctl show` with fixed output; None: systemctl is not installed (a container)."""
-    calls: list[list[str]] = []
-
-    def run(argv: Sequence[str], timeout_s: float) -> str:
-        calls.append(list(argv))
-        if text is None:
-            raise FileNotFoundError("systemctl")
-        return text
-
-    run.calls = calls  # type: ignore[attr-defined]
-    return run
-
-
 @dataclass(slots=True)
 class Served:
     proxy: Proxy
@@ -145,7 +113,7 @@ async def served(tmp_path: Path) -> AsyncIterator[Serve]:
         overrides = box.tenant_overrides()
         overrides["tenants"]["comfyui"] = {"upstream": comfy_server.url, "release_timeout_s": 1.0}
         proxy = Proxy(registry_from_dict(overrides), NvmlReader(nvml=nvml_without_library()))
-        runner = fake_systemctl(systemctl)
+        runner = FixedSystemctl(systemctl)
         health = next(e for e in proxy.extensions if isinstance(e, HealthExtension))
         health.env = EnvReaders(systemctl=runner, proc_root=tmp_path)  # host None: decided by the reader
         stop, out, err = asyncio.Event(), io.StringIO(), io.StringIO()
@@ -195,7 +163,7 @@ async def test_health_without_nvml_says_what_works_and_what_does_not(served: Ser
 
 async def test_health_of_a_working_reader_says_everything_works(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("default")
-    body = (await http.get(demo.proxy.url("admin") + "/api/health")).json()
+    body = (await http.get(proxy_of(demo).url("admin") + "/api/health")).json()
     assert {c["name"]: c["status"] for c in body["capabilities"]} == {
         "forwarding": "ok", "in-flight tracking": "ok", "arbitration": "ok", "confirmed releases": "ok"}
 
@@ -231,7 +199,7 @@ async def test_a_card_reported_by_comfyui_keeps_its_size_but_nothing_unmeasured(
                                                                                  http: httpx.AsyncClient) -> None:
     demo = await box("default")
     demo.box.gpu.fail_with = GpuReadError("driver_mismatch", "Driver/library version mismatch", "reboot")
-    admin = demo.proxy.url("admin")
+    admin = proxy_of(demo).url("admin")
     device = (await http.get(admin + "/api/stats")).json()["device"]
     assert device["total_bytes"] == 24 * GIB and device["free_bytes"] is not None, "ComfyUI's cudaMemGetInfo figures"
     assert device["reserved_bytes"] is None, "cudaMemGetInfo has no driver-reserved figure"
@@ -302,8 +270,8 @@ async def test_a_cpu_comfyui_holds_no_vram_and_its_release_is_a_200_that_says_so
 async def test_a_release_not_back_in_time_is_a_504_with_a_fix(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box(fast("default", comfyui={"free_delay_s": 30.0},
                           tenants={"comfyui": {"release_timeout_s": 0.3}}))
-    await run_prompt(demo.proxy.url("comfyui"), "sd_xl_base_1.0.safetensors", http)
-    r = await http.post(demo.proxy.url("admin") + "/api/tenants/comfyui/release")
+    await run_prompt(proxy_of(demo).url("comfyui"), "sd_xl_base_1.0.safetensors", http)
+    r = await http.post(proxy_of(demo).url("admin") + "/api/tenants/comfyui/release")
     assert r.status_code == 504, r.text
     body = r.json()
     assert "not back" in body["error"] and "release_timeout_s" in body["fix"], body
@@ -311,8 +279,8 @@ async def test_a_release_not_back_in_time_is_a_504_with_a_fix(box: DemoFactory, 
 
 async def test_a_release_the_engine_refuses_is_a_502_with_a_fix(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("default")
-    await demo.box.comfyui.stop()
-    r = await http.post(demo.proxy.url("admin") + "/api/tenants/comfyui/release")
+    await comfyui_of(demo).stop()
+    r = await http.post(proxy_of(demo).url("admin") + "/api/tenants/comfyui/release")
     assert r.status_code == 502, r.text
     body = r.json()
     assert body["error"] and "hyperswap check" in body["fix"], body
@@ -325,7 +293,7 @@ async def test_a_release_judged_on_the_engines_reports_is_estimated_not_confirme
                         json={"model": "llama3.1:8b", "prompt": "hi", "stream": False})
     assert r.status_code == 200
     demo.box.gpu.fail_with = GpuReadError("driver_mismatch", "Driver/library version mismatch", "reboot")
-    admin = demo.proxy.url("admin")
+    admin = proxy_of(demo).url("admin")
     r = await http.post(admin + "/api/tenants/ollama/release")
     assert r.status_code == 200, r.text
     body = r.json()
@@ -350,7 +318,7 @@ async def test_a_reader_that_breaks_later_keeps_the_cards_measured_size(box: Dem
     data = fast("default").model_dump()
     data.update(comfyui=None, tenants={"comfyui": None})  # no engine left that reports the card
     demo = await box(Scenario.model_validate(data))
-    arbitration = demo.proxy.arbitration  # type: ignore[union-attr]
+    arbitration = proxy_of(demo).arbitration
     measured = (await arbitration.snapshot()).snapshot.device.total_bytes
 
     class Broken:

@@ -9,12 +9,12 @@ import asyncio
 from collections.abc import Callable
 
 import httpx
-from boxes import DemoFactory, chat, fast, render, succeeded
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.demo import Demo
 from proxy.handoff.residency import slot
 from proxy.tasks import cancel_and_wait, poll_until
+from tests.integration.boxes import DemoFactory, chat, comfyui_of, fast, proxy_of, render, succeeded
 
 FLUX = "flux1-dev-fp8.safetensors"
 # Millisecond engines, but an Ollama load slow enough (4.9 GB at 20 GB/s: a quarter second) to be seen on its
@@ -49,7 +49,7 @@ class Signals:
 
 
 async def scrape(http: httpx.AsyncClient, demo: Demo) -> Signals:
-    r = await http.get(demo.proxy.url("admin") + "/metrics")  # type: ignore[union-attr]
+    r = await http.get(proxy_of(demo).url("admin") + "/metrics")
     assert r.status_code == 200, r.text
     return Signals(r.text)
 
@@ -70,7 +70,7 @@ async def until(http: httpx.AsyncClient, demo: Demo, check: Callable[[Signals], 
 
 
 def queue_of(demo: Demo, tenant: str) -> int:
-    return sum(1 for w in demo.proxy.arbitration.scheduler.waiting() if w["tenant"] == tenant)  # type: ignore[union-attr]
+    return sum(1 for w in proxy_of(demo).arbitration.scheduler.waiting() if w["tenant"] == tenant)
 
 
 async def test_each_picker_signal_moves_with_the_scheduler_on_the_demo_box(box: DemoFactory, http: httpx.AsyncClient) -> None:
@@ -101,7 +101,7 @@ async def test_each_picker_signal_moves_with_the_scheduler_on_the_demo_box(box: 
     assert loaded.models("ollama")["running_lora_adapters"] == "llama3.1:8b"
     assert loaded.models("ollama")["waiting_lora_adapters"] == ""
     assert loaded.running("ollama") == 0
-    resident, on_the_way = demo.proxy.arbitration.scheduler.loads_of("ollama")  # type: ignore[union-attr]
+    resident, on_the_way = proxy_of(demo).arbitration.scheduler.loads_of("ollama")
     assert [slot(key) for key in resident] == ["ollama:llama3.1:8b"] and on_the_way == ()  # its variant: digest, options
 
     # a busy tenant raises the cost; a second render waits in ComfyUI's own queue; a chat that needs the
@@ -128,7 +128,7 @@ async def test_the_models_gauge_lists_the_checkpoint_comfyui_renders_with(box: D
     demo = await box(BOX, watchdog=True)
     rendering = asyncio.create_task(render(demo, FLUX, steps=400))
     busy = await until(http, demo, lambda s: s.running("comfyui") == 1, "the render never showed as running")
-    await until(http, demo, lambda s: s.running("comfyui") == 1 and demo.box.comfyui.loaded() != {},  # type: ignore[union-attr]
+    await until(http, demo, lambda s: s.running("comfyui") == 1 and comfyui_of(demo).loaded() != {},
                 "flux never reached the card")
     during = [await scrape(http, demo) for _ in range(3)]
     assert succeeded(await rendering)

@@ -6,19 +6,19 @@ from dataclasses import replace
 from types import MappingProxyType
 
 import httpx
-from boxes import DemoFactory
 
-from proxy.gpu.snapshot import GpuSnapshot, PodRef
+from proxy.gpu.snapshot import GpuReader, GpuSnapshot, PodRef
+from tests.integration.boxes import DemoFactory, proxy_of
 
 
 class WithPods:
     """The simulated GPU's snapshots, with a pod for every process named `python` (ComfyUI's simulator)."""
 
-    def __init__(self, inner) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, inner: GpuReader) -> None:
         self.inner = inner
 
     def read(self) -> GpuSnapshot:
-        snap: GpuSnapshot = self.inner.read()
+        snap = self.inner.read()
         pods = {p.pid: PodRef("images", "comfyui-0", "comfyui", MappingProxyType({"app": "comfyui"}))
                 for p in snap.processes}
         return replace(snap, pods=MappingProxyType(pods))
@@ -26,10 +26,10 @@ class WithPods:
 
 async def test_stats_and_tenant_views_name_the_pod(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("default")
-    arbitration = demo.proxy.arbitration
+    arbitration = proxy_of(demo).arbitration
     arbitration.reader = WithPods(arbitration.reader)
     await arbitration.snapshot()
-    admin = demo.proxy.url("admin")
+    admin = proxy_of(demo).url("admin")
     stats = (await http.get(admin + "/api/stats")).json()
     assert stats["processes"], "the default scenario has GPU processes"
     assert all(p["pod"] == {"namespace": "images", "name": "comfyui-0", "container": "comfyui"} for p in stats["processes"])
@@ -40,5 +40,5 @@ async def test_stats_and_tenant_views_name_the_pod(box: DemoFactory, http: httpx
 
 async def test_without_kubernetes_the_pod_is_null(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("default")
-    stats = (await http.get(demo.proxy.url("admin") + "/api/stats")).json()
+    stats = (await http.get(proxy_of(demo).url("admin") + "/api/stats")).json()
     assert stats["processes"] and all(p["pod"] is None for p in stats["processes"])

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from boxes import DemoFactory
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.boxes import DemoFactory, proxy_of
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "prometheus"
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "summary": ("_sum", "_count")}
@@ -46,7 +47,7 @@ def test_the_dashboard_queries_every_panel_with_a_metric() -> None:
 
 async def test_every_metric_the_dashboard_queries_is_exported(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("default")
-    r = await http.get(demo.proxy.url("admin") + "/metrics")
+    r = await http.get(proxy_of(demo).url("admin") + "/metrics")
     assert r.status_code == 200
     have = exported(r.text)
     missing = {name: panels for name, panels in queried_metrics().items() if name not in have}

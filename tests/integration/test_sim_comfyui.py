@@ -10,11 +10,10 @@ import struct
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
-from boxes import LOOPBACK_TLS
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import InvalidStatus
 
@@ -23,6 +22,7 @@ from proxy.relay.servers import RunningServer
 from proxy.sim.comfyui import OOM_MESSAGE, ComfySim, ComfySimConfig
 from proxy.sim.gpu import GIB, SimulatedGpu
 from proxy.tasks import poll_until
+from tests.integration.boxes import LOOPBACK_TLS
 
 SDXL = "sd_xl_base_1.0.safetensors"
 SD15 = "v1-5-pruned-emaonly.safetensors"
@@ -61,24 +61,27 @@ class Box:
     async def history(self, prompt_id: str) -> dict[str, Any]:
         """Wait until the prompt's history entry exists (it is written before the end marker)."""
         async def entry() -> dict[str, Any] | None:
-            data = (await self.http.get(f"/history/{prompt_id}")).json()
+            data: dict[str, dict[str, Any]] = (await self.http.get(f"/history/{prompt_id}")).json()
             return data.get(prompt_id)
-        result = await until(entry, f"history of {prompt_id}")
-        return result
+        return await until(entry, f"history of {prompt_id}")
 
 
-async def until(probe: Callable[[], Awaitable[Any]], what: str, timeout_s: float = 5.0) -> Any:
+T = TypeVar("T")
+
+
+async def until(probe: Callable[[], Awaitable[T | None]], what: str, timeout_s: float = 5.0) -> T:
     """Poll an observable (the simulator frees asynchronously on purpose) until it is truthy; its value."""
-    seen: list[Any] = [None]
+    seen: list[T | None] = [None]
 
-    async def truthy() -> Any:
+    async def truthy() -> bool:
         seen[0] = await probe()
-        return seen[0]
+        return bool(seen[0])
     try:
         async with asyncio.timeout(timeout_s):
             await poll_until(truthy, every_s=0.01)
     except TimeoutError:
         raise AssertionError(f"timed out waiting for {what}") from None
+    assert seen[0] is not None
     return seen[0]
 
 
@@ -126,7 +129,8 @@ def txt2img(ckpt: str = SDXL, steps: int = 4, seed: int | None = None) -> dict[s
 
 
 async def first_frame(ws: ClientConnection) -> dict[str, Any]:
-    return json.loads(await ws.recv())
+    frame: dict[str, Any] = json.loads(await ws.recv())
+    return frame
 
 
 async def until_end(ws: ClientConnection, prompt_id: str) -> list[Any]:

@@ -7,27 +7,28 @@ import json
 import math
 from collections.abc import AsyncIterator
 from datetime import datetime
+from typing import Any
 
 import httpx
 import ollama
 import openai
 import pytest
-from boxes import LOOPBACK_TLS
 
 from proxy.sim.gpu import GIB, SimulatedGpu
 from proxy.sim.ollama import OllamaSim, OllamaSimConfig, SimModel
 from proxy.sim.ollama_wire import parse_keep_alive
+from tests.integration.boxes import LOOPBACK_TLS
 
 LLAMA = SimModel("llama3.2:latest", 2 * GIB)
 QWEN = SimModel("qwen2.5:7b", 4 * GIB, family="qwen2", parameter_size="7.6B")
 EMBED = SimModel("nomic-embed-text:latest", GIB // 4, family="nomic-bert", capabilities=("embedding",))
 
 
-def fast_config(**overrides: object) -> OllamaSimConfig:
-    base: dict[str, object] = dict(models=(LLAMA, QWEN, EMBED), load_gbps=100.0, unload_delay_s=0.2,
+def fast_config(**overrides: Any) -> OllamaSimConfig:
+    base: dict[str, Any] = dict(models=(LLAMA, QWEN, EMBED), load_gbps=100.0, unload_delay_s=0.2,
                                    token_rate=200.0, response_tokens=6)
     base.update(overrides)
-    return OllamaSimConfig(**base)  # type: ignore[arg-type]
+    return OllamaSimConfig(**base)
 
 
 async def started(gpu: SimulatedGpu, config: OllamaSimConfig) -> tuple[OllamaSim, str]:
@@ -90,7 +91,7 @@ async def test_ollama_client_lists_shows_and_generates(sim: OllamaSim, client: o
 
     parts = [p async for p in await client.generate(model="llama3.2", prompt="hi", stream=True)]
     assert [p.done for p in parts] == [False] * 6 + [True], "six token chunks then one done chunk"
-    assert "".join(p.response for p in parts) == whole.response
+    assert "".join(p.response or "" for p in parts) == whole.response
     assert parts[-1].eval_count == 6 and parts[0].eval_count is None, "metrics only on the final chunk"
 
 

@@ -14,10 +14,10 @@ from typing import Any
 import httpx
 import ollama
 import openai
-from boxes import LOOPBACK_TLS, DemoFactory
 from websockets.asyncio.client import connect as ws_connect
 
 from proxy.demo import comfy_prompt
+from tests.integration.boxes import LOOPBACK_TLS, DemoFactory, ollama_of, proxy_of
 
 # Fields that differ between any two runs, direct or not.
 VOLATILE = {"created_at", "modified_at", "expires_at", "total_duration", "load_duration", "prompt_eval_duration",
@@ -77,7 +77,7 @@ async def openai_flows(base: str, model: str) -> dict[str, Any]:
 
 
 def pick_models(demo: Any) -> dict[str, str]:
-    config = demo.box.ollama.config.models
+    config = ollama_of(demo).config.models
     chat = sorted((m for m in config if "completion" in m.capabilities), key=lambda m: m.size_bytes)[0].name
     embed = next((m.name for m in config if "embedding" in m.capabilities), chat)
     return {"small": chat, "embed": embed}
@@ -87,7 +87,7 @@ async def test_official_ollama_client_gets_the_same_answers_through_the_proxy(bo
     demo = await box("default")
     models = pick_models(demo)
     direct = await ollama_flows(demo.box.servers["ollama"].url, models)
-    through = await ollama_flows(demo.proxy.url("ollama"), models)
+    through = await ollama_flows(proxy_of(demo).url("ollama"), models)
     assert direct["generate_stream"] and direct["pull"] and direct["missing"][0] == 404, "the flows ran"
     for key in direct:
         assert through[key] == direct[key], key
@@ -97,7 +97,7 @@ async def test_openai_client_streams_chat_completions_through_the_proxy(box: Dem
     demo = await box("default")
     model = pick_models(demo)["small"]
     direct = await openai_flows(demo.box.servers["ollama"].url, model)
-    through = await openai_flows(demo.proxy.url("ollama"), model)
+    through = await openai_flows(proxy_of(demo).url("ollama"), model)
     assert len(direct["chunks"]) > 3, "a stream of several chunks"
     assert through == direct
 
@@ -128,7 +128,7 @@ async def comfy_frames(base: str, http: httpx.AsyncClient, graph: dict[str, Any]
 async def test_websocket_client_sees_the_same_comfyui_message_sequence_through_the_proxy(
         box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("default")
-    direct_base, proxy_base = demo.box.servers["comfyui"].url, demo.proxy.url("comfyui")
+    direct_base, proxy_base = demo.box.servers["comfyui"].url, proxy_of(demo).url("comfyui")
     ckpt = "sd_xl_base_1.0.safetensors"
     await comfy_frames(direct_base, http, comfy_prompt(ckpt, seed=1))  # load the checkpoint: both runs below start warm
     direct = await comfy_frames(direct_base, http, comfy_prompt(ckpt, seed=2))
@@ -141,7 +141,7 @@ async def test_raw_answers_match_direct_byte_for_byte(box: DemoFactory, http: ht
     # What no client library shows: status, every header (repeats and order kept) and the body bytes.
     demo = await box("default")
     ollama_direct, comfy_direct = demo.box.servers["ollama"].url, demo.box.servers["comfyui"].url
-    cases = [
+    cases: list[tuple[str, str, str, bytes | None, dict[str, str]]] = [
         ("ollama", "GET", "/", None, {}),
         ("ollama", "HEAD", "/", None, {}),
         ("ollama", "GET", "/api/version", None, {}),
@@ -157,7 +157,7 @@ async def test_raw_answers_match_direct_byte_for_byte(box: DemoFactory, http: ht
     for engine, method, path, body, headers in cases:
         direct_base = ollama_direct if engine == "ollama" else comfy_direct
         answers = []
-        for base in (direct_base, demo.proxy.url(engine)):
+        for base in (direct_base, proxy_of(demo).url(engine)):
             r = await http.request(method, base + path, content=body, headers=headers)
             answers.append((r.status_code, [(k, v) for k, v in r.headers.multi_items() if k != "date"], r.content))
         assert answers[1] == answers[0], (engine, method, path)

@@ -7,21 +7,21 @@ from __future__ import annotations
 
 import httpx
 import ollama
-from boxes import LOOPBACK_TLS, DemoFactory, fast
 
-from proxy.demo import comfy_prompt, run_prompt
+from proxy.demo import Demo, comfy_prompt, run_prompt
+from tests.integration.boxes import LOOPBACK_TLS, DemoFactory, fast, proxy_of
 
 
 async def test_a_load_on_gpu_1_releases_nothing_on_gpu_0(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("two-gpus")
     assert demo.proxy is not None
-    admin = demo.proxy.url("admin")
-    async with ollama.AsyncClient(host=demo.proxy.url("ollama"), verify=LOOPBACK_TLS) as client:
+    admin = proxy_of(demo).url("admin")
+    async with ollama.AsyncClient(host=proxy_of(demo).url("ollama"), verify=LOOPBACK_TLS) as client:
         # Ollama fills most of GPU 0 with its largest model, through the proxy, with the official client
         answer = await client.generate(model="gemma3:27b", prompt="why is the sky blue?", stream=False)
         assert answer.done and answer.response
         # ComfyUI loads a 11.9 GiB checkpoint on GPU 1: on one 24 GiB card this would need Ollama's memory
-        messages = await run_prompt(demo.proxy.url("comfyui"), "flux1-dev-fp8.safetensors", http)
+        messages = await run_prompt(proxy_of(demo).url("comfyui"), "flux1-dev-fp8.safetensors", http)
         assert "execution_success" in [m["type"] for m in messages]
 
         released = [r["tenant"] for d in (await http.get(f"{admin}/api/decisions")).json()["decisions"]
@@ -60,7 +60,7 @@ async def test_a_need_too_large_for_gpu_1_is_a_507_naming_gpu_1(box: DemoFactory
                           tenants={"comfyui": {"model_vram_gb": {"huge.safetensors": 18.0}},
                                    "ollama": {"devices": [5]}}))
     assert demo.proxy is not None
-    r = await http.post(demo.proxy.url("comfyui") + "/prompt", json={"prompt": comfy_prompt("huge.safetensors")})
+    r = await http.post(proxy_of(demo).url("comfyui") + "/prompt", json={"prompt": comfy_prompt("huge.safetensors")})
     assert r.status_code == 507, r.text
     body = r.json()
     assert body["device"] == {"index": 1, "name": "Simulated RTX 4080", "uuid": "GPU-simulated-1"}
@@ -68,13 +68,13 @@ async def test_a_need_too_large_for_gpu_1_is_a_507_naming_gpu_1(box: DemoFactory
     assert body["error"].startswith("not enough GPU memory for comfyui: GPU 1 (Simulated RTX 4080)"), body["error"]
     assert "fix" in body
 
-    health = {e["name"]: e for e in (await http.get(demo.proxy.url("admin") + "/api/health")).json()["entries"]}
+    health = {e["name"]: e for e in (await http.get(proxy_of(demo).url("admin") + "/api/health")).json()["entries"]}
     pin = health["gpu devices ollama"]
     assert pin["status"] == "degraded" and "no such device" in pin["problem"] and "tenants.ollama.devices" in pin["fix"]
 
 
-async def _ollama_unmanaged_entry(demo: object, http: httpx.AsyncClient) -> dict[str, object]:
-    body = (await http.get(demo.proxy.url("admin") + "/api/health")).json()  # type: ignore[attr-defined]
+async def _ollama_unmanaged_entry(demo: Demo, http: httpx.AsyncClient) -> dict[str, object]:
+    body = (await http.get(proxy_of(demo).url("admin") + "/api/health")).json()
     return next(e for e in body["entries"] if e["name"] == "unmanaged VRAM (ollama)")
 
 

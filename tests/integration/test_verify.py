@@ -9,21 +9,22 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
-from boxes import DemoFactory, fast
 
 from proxy.demo import Demo
 from proxy.gpu.snapshot import GpuReadError
 from proxy.tasks import poll_until
 from proxy.verify import Options, Report, Verify, load_graph, runner, stages
+from tests.integration.boxes import DemoFactory, comfyui_of, fast, ollama_of, proxy_of
 
 EXAMPLE_GRAPH = Path(__file__).resolve().parents[2] / "examples" / "comfy_prompt.json"
 
 # A box where an out-of-memory can be staged safely: the proxy plans 4 GiB for a ComfyUI graph whose
 # checkpoint takes 6.5, and an 18 GiB model leaves 5.15 GiB free, between the two.
-OOM_BOX = dict(comfyui={"checkpoints": {"sd_xl_base_1.0.safetensors": 6.5}},
+OOM_BOX: dict[str, Any] = dict(comfyui={"checkpoints": {"sd_xl_base_1.0.safetensors": 6.5}},
                tenants={"comfyui": {"needs_vram_gb": 4.0}},
                ollama={"models": [{"name": "llama3.2:3b", "size_gb": 2.0}, {"name": "filler:18b", "size_gb": 18.0}]})
 POLL_S = 0.02  # verify's waits look again this often (0.1 s by default): the simulated box answers in milliseconds
@@ -31,7 +32,7 @@ POLL_S = 0.02  # verify's waits look again this often (0.1 s by default): the si
 
 async def verify(demo: Demo, http: httpx.AsyncClient, *, yes: bool = True) -> Report:
     assert demo.proxy is not None
-    return await Verify(Options(admin=demo.proxy.url("admin"), yes=yes, stage_timeout_s=60, poll_s=POLL_S), http).run()
+    return await Verify(Options(admin=proxy_of(demo).url("admin"), yes=yes, stage_timeout_s=60, poll_s=POLL_S), http).run()
 
 
 def statuses(report: Report) -> dict[str, str]:
@@ -62,7 +63,7 @@ async def test_verify_passes_on_the_demo_box_and_proves_a_reclaim(box: DemoFacto
     # What verify loaded is unloaded again: nothing of Ollama's stays on the card.
     assert "unloaded what verify loaded (gemma3:27b, llama3.2:3b)" in stage(report, "restore")
     assert demo.box.ollama is not None
-    await demo.box.ollama.wait_until(lambda: not demo.box.ollama.loaded(), timeout_s=10)  # type: ignore[union-attr]
+    await ollama_of(demo).wait_until(lambda: not ollama_of(demo).loaded(), timeout_s=10)
 
 
 async def test_without_consent_nothing_is_released(box: DemoFactory, http: httpx.AsyncClient) -> None:
@@ -73,14 +74,14 @@ async def test_without_consent_nothing_is_released(box: DemoFactory, http: httpx
     assert s["out of memory"] == "skip" and "--yes" in stage(report, "out of memory")
     assert s["ollama generation"] == "pass" and s["comfyui graph"] == "pass"
     assert demo.proxy is not None
-    assert not [d for d in demo.proxy.decisions.recent(500) if d.kind in ("release", "idle_release")
+    assert not [d for d in proxy_of(demo).decisions.recent(500) if d.kind in ("release", "idle_release")
                 or d.outcome.get("releases")], "verify released a tenant without consent"
 
 
 async def test_an_engine_that_is_down_fails_its_stage_and_skips_what_needs_it(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("default")
     assert demo.box.ollama is not None
-    await demo.box.ollama.stop()
+    await ollama_of(demo).stop()
     report = await verify(demo, http)
     assert not report.passed
     down = report.result("upstream ollama")
@@ -153,7 +154,7 @@ async def test_the_cli_verifies_a_demo_box_as_a_subprocess(box: DemoFactory) -> 
     demo = await box("default", watchdog=True)
     assert demo.proxy is not None
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "proxy.cli", "verify", "--admin", demo.proxy.url("admin"), "--yes", "--json",
+        sys.executable, "-m", "proxy.cli", "verify", "--admin", proxy_of(demo).url("admin"), "--yes", "--json",
         "--stage-timeout", "60", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), 300)
     assert proc.returncode == 0, (out.decode(), err.decode())
@@ -185,7 +186,7 @@ async def test_what_verify_unloads_is_loaded_again_and_what_it_loads_is_unloaded
     assert statuses(report)["out of memory"] == "pass", report.text()
     assert statuses(report)["restore"] == "pass", report.text()
     assert "loaded again what ollama held before verify: llama3.2:3b" in stage(report, "restore")
-    assert set(demo.box.ollama.loaded()) == {"llama3.2:3b"}, "filler:18b (verify's own load) should be gone"
+    assert set(ollama_of(demo).loaded()) == {"llama3.2:3b"}, "filler:18b (verify's own load) should be gone"
 
 
 async def test_without_a_gpu_reader_nothing_is_claimed_that_the_card_did_not_confirm(box: DemoFactory,
@@ -203,7 +204,7 @@ async def test_without_a_gpu_reader_nothing_is_claimed_that_the_card_did_not_con
     assert "partly verified without arbitration (no GPU reader): " in report.text().splitlines()[-1], report.text()
     # The reclaim decided to skip before it did anything: no release, no large model loaded.
     assert demo.proxy is not None
-    assert not [d for d in demo.proxy.decisions.recent(500) if d.kind == "release"], report.text()
+    assert not [d for d in proxy_of(demo).decisions.recent(500) if d.kind == "release"], report.text()
     assert "gemma3:27b" not in report.text(), report.text()
 
 
@@ -215,7 +216,7 @@ async def test_a_reclaim_that_cannot_be_staged_is_skipped_before_it_releases_or_
     assert demo.box.ollama is not None and demo.proxy is not None
     report = await verify(demo, http)
     assert statuses(report)["reclaim"] == "skip", report.text()
-    released = [d for d in demo.proxy.decisions.recent(500) if d.kind == "release"]
+    released = [d for d in proxy_of(demo).decisions.recent(500) if d.kind == "release"]
     assert not released, f"the reclaim was reported skipped but released {[d.tenant for d in released]}: {report.text()}"
     assert "llama3.1:8b" not in stage(report, "restore"), f"a skipped reclaim loaded llama3.1:8b: {report.text()}"
     assert "fits beside" in stage(report, "reclaim")
@@ -230,7 +231,7 @@ async def test_a_graph_without_a_checkpoint_is_never_called_the_none_graph_and_r
         box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("default")
     assert demo.proxy is not None
-    report = await Verify(Options(admin=demo.proxy.url("admin"), yes=True, comfy_graph=NO_CHECKPOINT_GRAPH,
+    report = await Verify(Options(admin=proxy_of(demo).url("admin"), yes=True, comfy_graph=NO_CHECKPOINT_GRAPH,
                                   stage_timeout_s=60, poll_s=POLL_S), http).run()
     assert statuses(report)["reclaim"] == "pass", report.text()
     assert "None" not in report.text(), report.text()
@@ -251,12 +252,12 @@ async def test_restore_says_what_it_restores_and_what_it_does_not(box: DemoFacto
     # The user's checkpoint on the card before verify: the reclaim releases it, and restore says it stays off.
     demo = await box("default")
     assert demo.proxy is not None
-    comfy_url = next(t.url for t in (await Verify(Options(admin=demo.proxy.url("admin")), http).admin.tenants())
+    comfy_url = next(t.url for t in (await Verify(Options(admin=proxy_of(demo).url("admin")), http).admin.tenants())
                      if t.name == "comfyui")
     r = await http.post(f"{comfy_url}/prompt", json={"prompt": load_graph(str(EXAMPLE_GRAPH)), "client_id": "user"})
     assert r.status_code == 200 and demo.box.comfyui is not None
     async with asyncio.timeout(20):  # verify itself waits for the prompt to end
-        await poll_until(lambda: "sd_xl_base_1.0.safetensors" in demo.box.comfyui.loaded(), 0.01)  # type: ignore[union-attr]
+        await poll_until(lambda: "sd_xl_base_1.0.safetensors" in comfyui_of(demo).loaded(), 0.01)
     report = await verify(demo, http)
     restored = stage(report, "restore")
     assert re.search(r"not restored: comfyui held \d+\.\d\d GiB when verify started and holds 0\.40 GiB now", restored), restored
@@ -266,7 +267,7 @@ async def test_restore_says_what_it_restores_and_what_it_does_not(box: DemoFacto
 async def test_verify_refuses_to_load_anything_while_a_prompt_runs(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("default")
     assert demo.proxy is not None and demo.box.ollama is not None and demo.box.comfyui is not None
-    comfy_url = next(t.url for t in (await Verify(Options(admin=demo.proxy.url("admin")), http).admin.tenants())
+    comfy_url = next(t.url for t in (await Verify(Options(admin=proxy_of(demo).url("admin")), http).admin.tenants())
                      if t.name == "comfyui")
     assert comfy_url
     graph = load_graph(str(EXAMPLE_GRAPH))
@@ -275,10 +276,10 @@ async def test_verify_refuses_to_load_anything_while_a_prompt_runs(box: DemoFact
     r = await http.post(comfy_url + "/prompt", json={"prompt": graph, "client_id": "user"})
     assert r.status_code == 200, r.text
     async with asyncio.timeout(20):
-        await poll_until(lambda: "sd_xl_base_1.0.safetensors" in demo.box.comfyui.loaded(), 0.01)  # type: ignore[union-attr]
-    loads_before = demo.box.ollama.loads
+        await poll_until(lambda: "sd_xl_base_1.0.safetensors" in comfyui_of(demo).loaded(), 0.01)
+    loads_before = ollama_of(demo).loads
     try:
-        report = await Verify(Options(admin=demo.proxy.url("admin"), yes=True, stage_timeout_s=60, poll_s=POLL_S,
+        report = await Verify(Options(admin=proxy_of(demo).url("admin"), yes=True, stage_timeout_s=60, poll_s=POLL_S,
                                       busy_wait_s=0.3), http).run()
         queue = (await http.get(comfy_url + "/queue")).json()
     finally:
@@ -286,21 +287,21 @@ async def test_verify_refuses_to_load_anything_while_a_prompt_runs(box: DemoFact
     s = statuses(report)
     for name in ("ollama generation", "comfyui graph", "reclaim", "out of memory"):
         assert s[name] == "skip" and "comfyui" in stage(report, name) and "busy" in stage(report, name), report.text()
-    assert demo.box.ollama.loads == loads_before, f"verify loaded an Ollama model while comfyui was busy: {report.text()}"
+    assert ollama_of(demo).loads == loads_before, f"verify loaded an Ollama model while comfyui was busy: {report.text()}"
     assert len(queue["queue_running"]) + len(queue["queue_pending"]) == 1, f"verify queued a graph: {queue}"
 
 
 async def test_verify_waits_for_a_short_prompt_then_runs(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("default")
     assert demo.proxy is not None
-    comfy_url = next(t.url for t in (await Verify(Options(admin=demo.proxy.url("admin")), http).admin.tenants())
+    comfy_url = next(t.url for t in (await Verify(Options(admin=proxy_of(demo).url("admin")), http).admin.tenants())
                      if t.name == "comfyui")
     assert comfy_url
     graph = load_graph(str(EXAMPLE_GRAPH))
     next(n for n in graph.values() if n["class_type"] == "KSampler")["inputs"]["steps"] = 25  # about 0.5 s
     r = await http.post(comfy_url + "/prompt", json={"prompt": graph, "client_id": "user"})
     assert r.status_code == 200, r.text
-    report = await Verify(Options(admin=demo.proxy.url("admin"), yes=True, stage_timeout_s=60, poll_s=POLL_S,
+    report = await Verify(Options(admin=proxy_of(demo).url("admin"), yes=True, stage_timeout_s=60, poll_s=POLL_S,
                                   busy_wait_s=20), http).run()
     assert statuses(report)["ollama generation"] == "pass", report.text()
 
@@ -319,14 +320,14 @@ async def test_restore_loads_an_embedding_model_with_an_embed_call_and_only_what
     assert statuses(report)["out of memory"] == "pass", report.text()  # it unloads every Ollama model
     assert statuses(report)["restore"] == "pass", report.text()
     assert "nomic-embed-text:latest" in stage(report, "restore")
-    assert set(demo.box.ollama.loaded()) == {"llama3.2:3b", "nomic-embed-text:latest"}, report.text()
+    assert set(ollama_of(demo).loaded()) == {"llama3.2:3b", "nomic-embed-text:latest"}, report.text()
 
 
 async def test_the_users_own_graph_is_what_runs(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("default")
     assert demo.proxy is not None
     graph = load_graph(str(EXAMPLE_GRAPH))
-    report = await Verify(Options(admin=demo.proxy.url("admin"), yes=False, comfy_graph=graph, stage_timeout_s=60,
+    report = await Verify(Options(admin=proxy_of(demo).url("admin"), yes=False, comfy_graph=graph, stage_timeout_s=60,
                                  poll_s=POLL_S), http).run()
     assert statuses(report)["comfyui graph"] == "pass", report.text()
     assert stage(report, "comfyui graph").startswith("your graph (sd_xl_base_1.0.safetensors) ran through")

@@ -9,15 +9,16 @@ import asyncio
 import json
 import re
 import time
+from typing import Any
 
 import httpx
 import ollama
 import openai
 import pytest
-from boxes import LOOPBACK_TLS, README_CKPT, DemoFactory, decisions, fast, render, succeeded
 
 from proxy.demo import Demo, comfy_prompt
 from proxy.tasks import poll_until
+from tests.integration.boxes import LOOPBACK_TLS, README_CKPT, DemoFactory, decisions, fast, proxy_of, render, succeeded
 
 MODEL = "gemma3:27b"  # does not fit beside a loaded checkpoint: a chat for it waits for ComfyUI's release
 TIMING = re.compile(r'(\w+);dur=([\d.]+);desc="([^"]*)"')
@@ -29,11 +30,11 @@ def timings(header: str | None) -> dict[str, tuple[float, str]]:
     return {m[1]: (float(m[2]) / 1000, m[3]) for m in TIMING.finditer(header or "")}
 
 
-async def _render_running(demo: Demo, steps: int) -> asyncio.Future[object]:
+async def _render_running(demo: Demo, steps: int) -> asyncio.Future[list[dict[str, Any]]]:
     """A render whose job runs now (ComfyUI holds its checkpoint, and is busy)."""
     rendering = asyncio.ensure_future(render(demo, steps=steps))
     async with asyncio.timeout(5):
-        await poll_until(lambda: demo.proxy.inflight.traffic("comfyui").jobs)  # type: ignore[union-attr]
+        await poll_until(lambda: proxy_of(demo).inflight.traffic("comfyui").jobs)
     return rendering
 
 
@@ -42,7 +43,7 @@ async def test_a_chat_that_waited_for_a_release_says_where_the_time_went(box: De
     assert succeeded(await render(demo))
     rendering = await _render_running(demo, 300)
     async with httpx.AsyncClient(verify=LOOPBACK_TLS, trust_env=False, timeout=30) as http:
-        r = await http.post(demo.proxy.url("ollama") + "/api/chat", json={  # type: ignore[union-attr]
+        r = await http.post(proxy_of(demo).url("ollama") + "/api/chat", json={
             "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": False})
         assert r.status_code == 200, r.text
         assert rendering.done()
@@ -53,7 +54,7 @@ async def test_a_chat_that_waited_for_a_release_says_where_the_time_went(box: De
         total = phases["queue"][0] + phases["release"][0]
         assert abs(total - waited) < 0.05, f"queue + release = {total:.3f} s, the scheduler's wait {waited:.3f} s"
 
-        again = await http.post(demo.proxy.url("ollama") + "/api/chat", json={  # type: ignore[union-attr]
+        again = await http.post(proxy_of(demo).url("ollama") + "/api/chat", json={
             "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": False})
         assert again.status_code == 200 and "server-timing" not in again.headers, \
             f"a chat for a model on the card waited for nothing: {again.headers.get('server-timing')}"
@@ -62,7 +63,7 @@ async def test_a_chat_that_waited_for_a_release_says_where_the_time_went(box: De
 async def test_a_streamed_chat_that_loads_its_model_without_progress_carries_the_load(box: DemoFactory) -> None:
     demo = await box("default")
     async with httpx.AsyncClient(verify=LOOPBACK_TLS, trust_env=False, timeout=30) as http:
-        async with http.stream("POST", demo.proxy.url("ollama") + "/api/chat", headers={"X-HyperSwap-Progress": "off"},  # type: ignore[union-attr]
+        async with http.stream("POST", proxy_of(demo).url("ollama") + "/api/chat", headers={"X-HyperSwap-Progress": "off"},
                                json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}) as r:
             await r.aread()
     assert r.status_code == 200
@@ -111,8 +112,9 @@ async def _openai_stream(base: str) -> tuple[float, list[str], str]:
     first = None
     thinking, content = [], ""
     async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused",
-                                  http_client=httpx.AsyncClient(verify=LOOPBACK_TLS, trust_env=False)) as client:
-        stream = await client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True)  # type: ignore[arg-type]
+                                  http_client=openai.DefaultAsyncHttpxClient(verify=LOOPBACK_TLS, trust_env=False)) as client:
+        stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                      stream=True)
         async for chunk in stream:
             first = first if first is not None else time.monotonic() - t0
             for choice in chunk.choices:
@@ -139,8 +141,8 @@ async def test_a_streamed_ollama_chat_behind_a_render_hears_the_wait_release_and
     _, direct = await _ollama_stream(demo.box.servers["ollama"].url)
     assert succeeded(await render(demo))  # the checkpoint on the card: the chat's model no longer fits
     rendering = await _render_running(demo, 400)
-    first, parts = await _ollama_stream(demo.proxy.url("ollama"))  # type: ignore[union-attr]
-    assert rendering.done() and succeeded(rendering.result())  # type: ignore[arg-type]
+    first, parts = await _ollama_stream(proxy_of(demo).url("ollama"))
+    assert rendering.done() and succeeded(rendering.result())
     assert first < 1.0, f"the first bytes came after {first:.2f} s"
     thinking = [p.message.thinking for p in parts if p.message.thinking]
     assert _in_order(thinking, "waiting for comfyui: 1 running job", "comfyui released:", f"loading {MODEL}"), thinking
@@ -155,7 +157,7 @@ async def test_a_streamed_v1_chat_behind_a_render_hears_the_wait_as_reasoning_co
     _, none, direct = await _openai_stream(demo.box.servers["ollama"].url)
     assert succeeded(await render(demo))
     rendering = await _render_running(demo, 400)
-    first, thinking, content = await _openai_stream(demo.proxy.url("ollama"))  # type: ignore[union-attr]
+    first, thinking, content = await _openai_stream(proxy_of(demo).url("ollama"))
     assert rendering.done()
     assert first < 1.0, f"the first bytes came after {first:.2f} s"
     assert _in_order(thinking, "waiting for comfyui: 1 running job", "comfyui released:", f"loading {MODEL}",
@@ -165,7 +167,7 @@ async def test_a_streamed_v1_chat_behind_a_render_hears_the_wait_as_reasoning_co
 
 async def test_a_cold_streamed_chat_with_nothing_to_wait_for_hears_its_load_first(box: DemoFactory) -> None:
     demo = await box(fast("default", ollama={"load_gbps": 8.0}))  # a load of about 2 s: its figures are read
-    _, parts = await _ollama_stream(demo.proxy.url("ollama"))  # type: ignore[union-attr]
+    _, parts = await _ollama_stream(proxy_of(demo).url("ollama"))
     thinking = [p.message.thinking or "" for p in parts if p.message.thinking]
     assert thinking and thinking[0].startswith(f"loading {MODEL} ("), thinking
     assert _in_order(thinking, f"loading {MODEL} (", f"loading {MODEL}: ", f"{MODEL} loaded in"), thinking
@@ -178,9 +180,9 @@ async def test_a_cold_streamed_chat_with_nothing_to_wait_for_hears_its_load_firs
 
 async def test_a_v1_chat_after_an_image_hears_the_reload_as_reasoning_content(box: DemoFactory) -> None:
     demo = await box(fast("default", ollama={"load_gbps": 10.0}))
-    await _openai_stream(demo.proxy.url("ollama"))  # type: ignore[union-attr]
+    await _openai_stream(proxy_of(demo).url("ollama"))
     assert succeeded(await render(demo))  # the render released Ollama: the next chat only reloads
-    _, thinking, content = await _openai_stream(demo.proxy.url("ollama"))  # type: ignore[union-attr]
+    _, thinking, content = await _openai_stream(proxy_of(demo).url("ollama"))
     assert _in_order(thinking, f"loading {MODEL}", f"{MODEL} loaded in"), thinking
     assert content
 
@@ -190,7 +192,7 @@ async def test_with_progress_off_a_waiting_stream_carries_the_engines_bytes_alon
     assert succeeded(await render(demo))
     rendering = await _render_running(demo, 300)
     async with httpx.AsyncClient(verify=LOOPBACK_TLS, trust_env=False, timeout=30) as http:
-        async with http.stream("POST", demo.proxy.url("ollama") + "/api/chat",  # type: ignore[union-attr]
+        async with http.stream("POST", proxy_of(demo).url("ollama") + "/api/chat",
                                json={"model": MODEL, "messages": MESSAGES}) as r:
             body = await r.aread()
         assert rendering.done() and r.status_code == 200
@@ -200,7 +202,7 @@ async def test_with_progress_off_a_waiting_stream_carries_the_engines_bytes_alon
 
         # ... and a request's header turns it back on
         rendering = await _render_running(demo, 300)
-        _, parts = await _ollama_stream(demo.proxy.url("ollama"), {"X-HyperSwap-Progress": "on"})  # type: ignore[union-attr]
+        _, parts = await _ollama_stream(proxy_of(demo).url("ollama"), {"X-HyperSwap-Progress": "on"})
         assert rendering.done() and any(p.message.thinking for p in parts)
 
 
@@ -210,7 +212,7 @@ async def test_a_stream_that_times_out_after_the_commit_ends_with_the_engines_er
     rendering = await _render_running(demo, 1000)
     parts: list[ollama.ChatResponse] = []
     with pytest.raises(ollama.ResponseError) as err:
-        async with ollama.AsyncClient(host=demo.proxy.url("ollama"), verify=LOOPBACK_TLS) as client:  # type: ignore[union-attr]
+        async with ollama.AsyncClient(host=proxy_of(demo).url("ollama"), verify=LOOPBACK_TLS) as client:
             async for part in await client.chat(model=MODEL, messages=MESSAGES, stream=True):
                 parts.append(part)
     assert parts and "waiting for comfyui" in (parts[0].message.thinking or "")
@@ -219,7 +221,7 @@ async def test_a_stream_that_times_out_after_the_commit_ends_with_the_engines_er
     assert last.startswith("failed: ") and "waited 0.6 s for GPU memory" in last and "fix" in last, last
 
     with pytest.raises(openai.APIError) as oerr:
-        await _openai_stream(demo.proxy.url("ollama"))  # type: ignore[union-attr]
+        await _openai_stream(proxy_of(demo).url("ollama"))
     assert "waited 0.6 s for GPU memory" in str(oerr.value.message), oerr.value
     assert not rendering.done(), "both ended while the render still ran: no hang"
     await rendering
@@ -240,13 +242,13 @@ async def test_a_client_that_leaves_a_committed_stream_leaves_the_queue_and_coun
     assert proxy.inflight.traffic("ollama").in_flight == 0
     queued = next(d for d in reversed(decisions(demo, "queued")) if d.tenant == "ollama")
     assert queued.outcome["result"] == "client left while waiting"
-    assert succeeded(await rendering)  # type: ignore[arg-type]
+    assert succeeded(await rendering)
 
 
 async def test_a_load_is_recorded_when_the_client_leaves_its_streamed_answer_early(box: DemoFactory) -> None:
     demo = await box(fast("default", ollama={"load_gbps": 20.0, "token_rate": 5.0}))  # a slow answer to leave
     async with httpx.AsyncClient(verify=LOOPBACK_TLS, trust_env=False, timeout=30) as http:
-        async with http.stream("POST", demo.proxy.url("ollama") + "/api/chat",  # type: ignore[union-attr]
+        async with http.stream("POST", proxy_of(demo).url("ollama") + "/api/chat",
                                json={"model": MODEL, "messages": MESSAGES}) as r:
             async for line in r.aiter_lines():
                 if not json.loads(line)["message"].get("thinking"):
@@ -262,7 +264,7 @@ async def test_a_streamed_chat_for_a_model_the_engine_lacks_keeps_the_engines_40
     so a client that pulls a model on a 404 still can."""
     demo = await box("default")
     async with httpx.AsyncClient(verify=LOOPBACK_TLS, trust_env=False, timeout=30) as http:
-        async with http.stream("POST", demo.proxy.url("ollama") + "/api/chat",  # type: ignore[union-attr]
+        async with http.stream("POST", proxy_of(demo).url("ollama") + "/api/chat",
                                json={"model": "nope:1b", "messages": MESSAGES}) as r:
             body = await r.aread()
     assert r.status_code == 404 and b"thinking" not in body, (r.status_code, body)
@@ -271,7 +273,7 @@ async def test_a_streamed_chat_for_a_model_the_engine_lacks_keeps_the_engines_40
 async def test_a_load_whose_client_left_before_the_answer_is_timed_from_the_card(box: DemoFactory) -> None:
     demo = await box(fast("default", ollama={"load_gbps": 10.0}))  # a load of about 1.8 s: left half way
     async with httpx.AsyncClient(verify=LOOPBACK_TLS, trust_env=False, timeout=30) as http:
-        async with http.stream("POST", demo.proxy.url("ollama") + "/api/chat",  # type: ignore[union-attr]
+        async with http.stream("POST", proxy_of(demo).url("ollama") + "/api/chat",
                                json={"model": MODEL, "messages": MESSAGES}) as r:
             first = json.loads(await anext(r.aiter_lines()))
     assert first["message"]["thinking"].startswith(f"loading {MODEL}"), first  # Stop while it loads

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import ollama
 import pytest
-from boxes import LOOPBACK_TLS, DemoFactory, fast, free_port
+
+from tests.integration.boxes import LOOPBACK_TLS, DemoFactory, fast, free_port, proxy_of
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "tiny_ollama.py"
 
@@ -38,9 +39,9 @@ async def _chat(base: str, headers: dict[str, str] | None = None) -> list[ollama
 async def test_a_streamed_chat_to_a_stopped_app_hears_it_start_then_gets_the_apps_stream(box: DemoFactory) -> None:
     demo = await box(fast("default", tenants={"tiny": tiny_ollama(free_port())}))
     assert demo.proxy is not None
-    machine = demo.proxy.arbitration.lifecycles.machine("tiny")
+    machine = proxy_of(demo).arbitration.lifecycles.machine("tiny")
     assert machine is not None and machine.state == "stopped"
-    parts = await _chat(demo.proxy.url("tiny"))
+    parts = await _chat(proxy_of(demo).url("tiny"))
     thinking = [p.message.thinking for p in parts if p.message.thinking]
     assert len(thinking) >= 2 and thinking[0].startswith("starting tiny"), thinking
     assert any(line.startswith("tiny started in ") for line in thinking[1:]), thinking
@@ -52,7 +53,7 @@ async def test_a_streamed_chat_to_a_stopped_app_hears_it_start_then_gets_the_app
 async def test_with_progress_off_a_chat_that_starts_its_app_carries_the_apps_bytes_alone(box: DemoFactory) -> None:
     demo = await box(fast("default", tenants={"tiny": tiny_ollama(free_port())}))
     assert demo.proxy is not None
-    parts = await _chat(demo.proxy.url("tiny"), {"X-HyperSwap-Progress": "off"})
+    parts = await _chat(proxy_of(demo).url("tiny"), {"X-HyperSwap-Progress": "off"})
     assert not any(p.message.thinking for p in parts), [p.model_dump() for p in parts]
     assert "".join(p.message.content or "" for p in parts) == "hello from the app"
 
@@ -64,5 +65,5 @@ async def test_a_start_that_fails_after_the_commit_ends_the_stream_with_ollamas_
     demo = await box(fast("default", tenants={"tiny": tenant}))
     assert demo.proxy is not None
     with pytest.raises(ollama.ResponseError) as failed:
-        await _chat(demo.proxy.url("tiny"))
+        await _chat(proxy_of(demo).url("tiny"))
     assert "could not be started" in str(failed.value), str(failed.value)

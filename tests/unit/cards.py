@@ -10,7 +10,7 @@ from proxy.config.registry import Registry
 from proxy.config.units import GIB
 from proxy.engines.loading import registry_from_dict
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
-from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot
+from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot, SnapshotSource
 from proxy.handoff.plan import TenantState
 
 MIB = 2**20
@@ -33,13 +33,13 @@ def registry(extra: Mapping[str, Any] | None = None, **settings: Any) -> Registr
 
 
 def snap(procs: list[tuple[str, int, int | None]], *, free: int | None = None, total: int = TOTAL,
-         source: str = "simulated") -> AttributedSnapshot:
+         source: SnapshotSource = "simulated") -> AttributedSnapshot:
     """procs: (tenant, pid, used bytes). Free defaults to total - reserved - what is held."""
     held = sum(u or 0 for _, _, u in procs)
     free = total - RESERVED - held if free is None else free
     device = DeviceMemory(0, "test card", total, RESERVED, total - free - RESERVED, free)
     gps = tuple(GpuProcess(pid, f"{tenant}-proc", f"{tenant} --serve", used, float(pid)) for tenant, pid, used in procs)
-    s = GpuSnapshot(device, gps, source=source)  # type: ignore[arg-type]
+    s = GpuSnapshot(device, gps, source=source)
     return AttributedSnapshot(s, tuple(AttributedProcess(p, t) for p, (t, _, _) in zip(gps, procs, strict=True)))
 
 

@@ -39,3 +39,15 @@ class FakePynvmlBase(types.ModuleType):
 
     def nvmlShutdown(self) -> None:
         self.shutdown_calls += 1
+
+    def nvml_error(self, name: str, message: str) -> Exception:
+        """An instance of this pynvml's `NVMLError_<name>`."""
+        error: type[Exception] = getattr(self, f"NVMLError_{name}")
+        return error(message)
+
+
+def nvml_without_library() -> FakePynvmlBase:
+    """pynvml on a machine without the driver: nvmlInit raises NVMLError_LibraryNotFound."""
+    nvml = FakePynvmlBase()
+    nvml.init_error = nvml.nvml_error("LibraryNotFound", "NVML Shared Library Not Found")
+    return nvml

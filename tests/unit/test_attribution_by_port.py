@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from proctrees import FakeProc, gpu_proc, snapshot
 
 from proxy.config.registry import Registry
 from proxy.engines.loading import registry_from_dict
@@ -17,6 +16,7 @@ from proxy.gpu.attribution import UNMANAGED, Attributor
 from proxy.gpu.proctree import read_process_tree
 from proxy.gpu.snapshot import ProcessTree
 from proxy.hosts import IpAddress
+from tests.unit.proctrees import FakeProc, gpu_proc, snapshot
 
 OLLAMA_UID = 997  # Ollama's service user
 
@@ -188,13 +188,12 @@ def test_without_a_tree_the_simulated_path_goes_by_rules_and_says_nothing() -> N
 
 async def test_the_proxys_snapshot_attributes_by_port_and_carries_the_notes(fp: FakeProc) -> None:
     # the whole path the admission and the admin API use: NVML reader on a fixture /proc -> Arbitration
-    from test_nvml import CLK_TCK, FakeNvml, entry
-
     from proxy.clock import ManualClock
     from proxy.gpu.nvml import NvmlReader
     from proxy.handoff.arbitration import Arbitration
     from proxy.handoff.decisions import DecisionLog
     from proxy.handoff.inflight import InFlight
+    from tests.unit.test_nvml import CLK_TCK, FakeNvml, entry
 
     reg = registry({"ollama": {"upstream": "http://127.0.0.1:11434"},
                     "comfyui": {"upstream": "http://192.0.2.10:8188"}})  # TEST-NET: never this machine
@@ -205,7 +204,7 @@ async def test_the_proxys_snapshot_attributes_by_port_and_carries_the_notes(fp: 
     nvml = FakeNvml()
     nvml.compute = [entry(801, 3 * 2**30)]
     clock = ManualClock(start=50.0)
-    arbitration = Arbitration(reg, NvmlReader(nvml=nvml, proc_root=fp.root, clock=clock, clk_tck=CLK_TCK),  # type: ignore[arg-type]
+    arbitration = Arbitration(reg, NvmlReader(nvml=nvml, proc_root=fp.root, clock=clock, clk_tck=CLK_TCK),
                       InFlight(clock), clock, DecisionLog(clock))
     try:
         snap = await arbitration.snapshot()

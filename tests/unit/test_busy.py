@@ -9,11 +9,12 @@ from __future__ import annotations
 import sys
 
 import pytest
-from cards import registry
 
 from proxy.config.units import GIB
 from proxy.handoff.busy import JOB_LOAD_GRACE_S, Evidence, QueueRead, busy_states, queue_rows, stale_jobs, tenant_state
 from proxy.handoff.inflight import TenantTraffic
+from proxy.handoff.plan import TenantState
+from tests.unit.cards import registry
 
 REG = registry()
 COMFY = REG.get("comfyui")
@@ -28,14 +29,15 @@ def traffic(in_flight: int = 0, jobs: tuple[str, ...] = (), last: float | None =
 
 
 ON_CARD = dict(observable=True)
-ON_CPU = dict(observable=False)  # an engine on the CPU, or no GPU reader: VRAM proves nothing
+ON_CPU = False  # observable: an engine on the CPU, or no GPU reader: VRAM proves nothing
 OLD = JOB_LOAD_GRACE_S + 13.7  # a prompt running longer than the load grace (43.7 s, as observed)
 
 # (case, traffic, evidence) -> (busy, reason, stale jobs, why)
 CASES = [
     ("nothing seen", None, Evidence(FLOOR), False, "idle", (), ""),
     ("a request in flight, VRAM at its floor", traffic(1), Evidence(FLOOR), True, "1 GPU request(s) in flight", (), ""),
-    ("a request in flight on a CPU engine", traffic(2), Evidence(0, **ON_CPU), True, "2 GPU request(s) in flight", (), ""),
+    ("a request in flight on a CPU engine", traffic(2), Evidence(0, observable=ON_CPU), True,
+     "2 GPU request(s) in flight", (), ""),
     ("a relayed job with its load on the card", traffic(jobs=("p1",), job_age=OLD), Evidence(FLOOR + 6 * GIB),
      True, "1 running job(s)", (), ""),
     ("a relayed job whose load is on its way", traffic(jobs=("p1",), job_age=1), Evidence(FLOOR),
@@ -43,11 +45,11 @@ CASES = [
     ("on the card, past the grace, VRAM at its floor: stale", traffic(jobs=("p1",), job_age=OLD), Evidence(FLOOR),
      False, "1 job(s) listed but VRAM at its idle floor: stale", ("p1",), "vram"),
     ("on the CPU, a long prompt its queue lists: busy to its end", traffic(jobs=("p1",), job_age=OLD),
-     Evidence(0, rows=("p1",), **ON_CPU), True, "1 running job(s), listed by its own queue", (), ""),
+     Evidence(0, rows=("p1",), observable=ON_CPU), True, "1 running job(s), listed by its own queue", (), ""),
     ("on the CPU, no read since its traffic changed: still busy", traffic(jobs=("p1",), job_age=OLD),
-     Evidence(0, rows=None, **ON_CPU), True, "1 running job(s)", (), ""),
+     Evidence(0, rows=None, observable=ON_CPU), True, "1 running job(s)", (), ""),
     ("on the CPU, a fresh read that no longer lists it: stale", traffic(jobs=("p1",), job_age=OLD),
-     Evidence(0, rows=("p9",), **ON_CPU), False, "1 job(s) listed but its own queue no longer lists them: stale",
+     Evidence(0, rows=("p9",), observable=ON_CPU), False, "1 job(s) listed but its own queue no longer lists them: stale",
      ("p1",), "unlisted"),
     ("an outage shorter than job_lost_after_s: still busy", traffic(jobs=("p1",), job_age=OLD),
      Evidence(FLOOR, unreachable_for=45.0), True, "1 running job(s); its queue has not answered for 45 s", (), ""),
@@ -55,7 +57,7 @@ CASES = [
      Evidence(FLOOR, unreachable_for=LOST), False, "1 job(s) listed but its queue has not answered for 120 s: stale",
      ("p1",), "unreachable"),
     ("the engine back, its queue lists the job again", traffic(jobs=("p1",), job_age=300),
-     Evidence(0, rows=("p1",), **ON_CPU), True, "1 running job(s), listed by its own queue", (), ""),
+     Evidence(0, rows=("p1",), observable=ON_CPU), True, "1 running job(s), listed by its own queue", (), ""),
     ("one prompt running, one pending: counted apart by its queue's running rows", traffic(jobs=("p1", "p2"), job_age=OLD),
      Evidence(FLOOR + 6 * GIB, rows=("p1",)), True, "1 running, 1 pending job(s)", (), ""),
     ("two prompts, no read to tell them apart", traffic(jobs=("p1", "p2"), job_age=OLD), Evidence(FLOOR + 6 * GIB),
@@ -64,7 +66,7 @@ CASES = [
      True, "2 job(s) in its own queue and VRAM above its idle floor", (), ""),
     ("rows of its own queue at the floor on the card: stale", traffic(), Evidence(FLOOR, rows=("q1",)),
      False, "1 job(s) listed but VRAM at its idle floor: stale", ("q1",), "vram"),
-    ("rows of its own queue on the CPU: a fresh read is evidence enough", traffic(), Evidence(0, rows=("q1",), **ON_CPU),
+    ("rows of its own queue on the CPU: a fresh read is evidence enough", traffic(), Evidence(0, rows=("q1",), observable=ON_CPU),
      True, "1 job(s) in its own queue", (), ""),
 ]
 
@@ -105,9 +107,12 @@ def test_on_the_cpu_the_same_reads_make_the_prompt_busy() -> None:
 
 def test_an_engine_silent_since_a_time_is_judged_against_job_lost_after_s() -> None:
     seen = {"comfyui": traffic(jobs=("p1",), job_age=300)}
-    args = (REG, seen, {}, lambda t, j: False, lambda name: FLOOR + GIB, NOW)
-    short = busy_states(*args, unreachable_since={"comfyui": NOW - 60}, job_lost_after_s=LOST)
-    long = busy_states(*args, unreachable_since={"comfyui": NOW - 121}, job_lost_after_s=LOST)
+
+    def judged(silent_s: float) -> dict[str, TenantState]:
+        return busy_states(REG, seen, {}, lambda t, j: False, lambda name: FLOOR + GIB, NOW,
+                           unreachable_since={"comfyui": NOW - silent_s}, job_lost_after_s=LOST)
+
+    short, long = judged(60), judged(121)
     assert short["comfyui"].busy and not long["comfyui"].busy and long["comfyui"].stale_why == "unreachable"
 
 

@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from proxy.config.schema import Tenant
+from proxy.config.schema import EngineKind, Tenant
 from proxy.engines import ComfyUIAdapter, GenericAdapter, OllamaAdapter, adapter_for, strip_hop_by_hop
 
 
-def tenant(engine: str, upstream: str = "http://127.0.0.1:11434") -> Tenant:
-    return Tenant(name=engine, engine=engine, upstream=upstream)  # type: ignore[arg-type]
+def tenant(engine: EngineKind, upstream: str = "http://127.0.0.1:11434") -> Tenant:
+    return Tenant(name=engine, engine=engine, upstream=upstream)
 
 
 @pytest.mark.parametrize("path", ["/api/generate", "/api/chat", "/api/embed", "/api/embeddings",

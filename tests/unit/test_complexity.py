@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from source_tree import python_files
+from tests.unit.source_tree import python_files
 
 ROOT = Path(__file__).resolve().parents[2] / "proxy"
 LIMIT = 20

@@ -15,12 +15,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from test_layers import LAYERS, layer_of
-
 from proxy.engines.loading import registry_from_dict
 from proxy.engines.ollama import OllamaUnload
 from proxy.engines.release_kinds import KINDS
 from proxy.lifecycle.process import ProcessRelease
+from tests.unit.test_layers import LAYERS, layer_of
 
 ROOT = Path(__file__).resolve().parents[2]
 OLLAMA = {"upstream": "http://127.0.0.1:11434", "release": {"kind": "ollama_unload"}}

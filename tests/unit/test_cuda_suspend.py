@@ -10,7 +10,6 @@ from typing import Any
 
 import httpx
 import pytest
-from cards import STT, idle, registry, snap
 
 from proxy.clock import ManualClock
 from proxy.config.schema import ReleaseFailed
@@ -27,6 +26,14 @@ from proxy.lifecycle.cuda_suspend import CudaSuspend
 from proxy.lifecycle.state import TenantLifecycle
 from proxy.lifecycle.suspend_state import IllegalMove, Suspension
 from proxy.lifecycle.suspender import RestoreFailed, Suspensions
+from tests.unit.cards import STT, idle, registry, snap
+
+
+def state_of(suspensions: Suspensions, tenant: str) -> str:
+    """The tenant's suspension state (it must have a record)."""
+    record = suspensions.record(tenant)
+    assert record is not None, f"no suspension record for {tenant}"
+    return record.state
 
 
 class FakeDriver:
@@ -115,11 +122,11 @@ async def test_a_suspend_parks_the_processes_and_a_restore_brings_them_back() ->
     owner, tenant = suspensions(driver)
     asked = await owner.suspend(tenant, [(41, 5 * GIB), (42, GIB)])
     assert asked["suspended"] == [41, 42] and asked["parked_bytes"] == 6 * GIB
-    assert owner.record("comfyui").state == "suspended" and owner.parked_bytes() == 6 * GIB  # type: ignore[union-attr]
+    assert state_of(owner, "comfyui") == "suspended" and owner.parked_bytes() == 6 * GIB
     assert driver.parked == {41, 42}
     back = await owner.restore("comfyui")
     assert back is not None and back["restored"] == [41, 42] and back["bytes"] == 6 * GIB
-    assert owner.record("comfyui").state == "running" and owner.parked_bytes() == 0  # type: ignore[union-attr]
+    assert state_of(owner, "comfyui") == "running" and owner.parked_bytes() == 0
 
 
 async def test_a_suspend_that_does_not_fit_in_host_ram_falls_back_and_touches_nothing() -> None:
@@ -127,14 +134,14 @@ async def test_a_suspend_that_does_not_fit_in_host_ram_falls_back_and_touches_no
     owner, tenant = suspensions(driver)
     with pytest.raises(ReleaseFailed, match=r"host RAM short: suspending comfyui parks 6.0 GiB .* 8.0 GiB is available"):
         await owner.suspend(tenant, [(41, 6 * GIB)])
-    assert driver.calls == [] and owner.record("comfyui").state == "running"  # type: ignore[union-attr]
+    assert driver.calls == [] and state_of(owner, "comfyui") == "running"
 
 
 async def test_the_operator_margin_counts_against_host_ram() -> None:
     driver = FakeDriver(host_ram=8 * GIB)
     owner, tenant = suspensions(driver, {"kind": "cuda_suspend", "host_ram_margin_gb": 1})
     await owner.suspend(tenant, [(41, 6 * GIB)])
-    assert owner.record("comfyui").state == "suspended"  # type: ignore[union-attr]
+    assert state_of(owner, "comfyui") == "suspended"
 
 
 async def test_a_process_that_is_not_cuda_is_refused_and_what_was_suspended_is_restored() -> None:
@@ -156,7 +163,7 @@ async def test_a_restore_that_fails_leaves_the_state_failed_with_the_reason() ->
     with pytest.raises(RestoreFailed, match="the restore failed: CUDA_ERROR_ILLEGAL_STATE") as info:
         await owner.restore("comfyui")
     assert not info.value.gone
-    assert owner.record("comfyui").state == "failed" and owner.parked_bytes() == 0  # type: ignore[union-attr]
+    assert state_of(owner, "comfyui") == "failed" and owner.parked_bytes() == 0
 
 
 async def test_a_process_that_exits_while_suspended_is_a_failed_restore_that_says_so() -> None:
@@ -175,7 +182,7 @@ async def test_a_restore_asked_during_the_suspend_waits_for_it_then_restores() -
     owner, tenant = suspensions(driver)
     suspending = asyncio.create_task(owner.suspend(tenant, [(41, GIB)]))
     await asyncio.sleep(0)
-    assert owner.dormant("comfyui") and owner.record("comfyui").state == "suspending"  # type: ignore[union-attr]
+    assert owner.dormant("comfyui") and state_of(owner, "comfyui") == "suspending"
     restoring = asyncio.create_task(owner.restore("comfyui"))
     await asyncio.sleep(0)
     assert not restoring.done()
@@ -183,7 +190,7 @@ async def test_a_restore_asked_during_the_suspend_waits_for_it_then_restores() -
     await suspending
     back = await restoring
     assert back is not None and driver.calls == [("suspend", 41), ("restore", 41)]
-    assert owner.record("comfyui").state == "running"  # type: ignore[union-attr]
+    assert state_of(owner, "comfyui") == "running"
 
 
 # -- the fallback to stop and start ----------------------------------------------------------------
@@ -241,7 +248,7 @@ async def test_a_restore_that_fails_falls_back_to_stop_and_start() -> None:
         driver.fail_restore = "CUDA_ERROR_UNKNOWN"
         await lives.wake(tenant)
     assert (ctl.stops, ctl.starts) == (1, 1), "the app was stopped and started again"
-    assert not lives.dormant("comfyui") and lives.suspensions.record("comfyui").state == "running"  # type: ignore[union-attr]
+    assert not lives.dormant("comfyui") and state_of(lives.suspensions, "comfyui") == "running"
     resumed = [e for e in decisions.recent() if e.kind == "resume"]
     (only,) = resumed
     assert only.outcome["ok"] is False and only.outcome["asked"]["fallback"] == "stop and start", only.outcome

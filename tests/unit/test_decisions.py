@@ -225,7 +225,8 @@ async def test_a_wait_refused_at_its_end_is_told_without_a_release_and_only_a_re
     log = DecisionLog(clock)
     queued = log.emit(Queued(tenant="ollama", trigger=REQUEST, plan=WAIT, reason="queued behind comfyui"))
     log.emit(WaitChanged(tenant="ollama", trigger=REQUEST, refers_to=queued.id, reason="r", waiting_for=("stt",)))
-    assert [s.text for s in log.story(queued.id).steps] == ["waiting behind stt"], "a wait under way"  # type: ignore[union-attr]
+    story = log.story(queued.id)
+    assert story is not None and [s.text for s in story.steps] == ["waiting behind stt"], "a wait under way"
     await clock.advance(2.0)
     refused = log.emit(Rejected(tenant="ollama", trigger=REQUEST, plan=REFUSED, status=507, reason="too big"))
     log.emit(QueueEnded(tenant="ollama", trigger=REQUEST, refers_to=queued.id, result="refused (507)", waited_s=2.0,
@@ -248,7 +249,8 @@ async def test_a_held_swap_is_a_hold_step_and_a_load_nothing_led_to_is_a_story_o
     log.emit(QueueEnded(tenant="comfyui", trigger=REQUEST, refers_to=queued.id, result="admitted", waited_s=1.0,
                         ended_by=started.id, ended_with="release ollama"))
     story = log.story(queued.id)
-    assert story is not None and (story.steps[0].kind, story.steps[0].text) == (
+    assert story is not None
+    assert (story.steps[0].kind, story.steps[0].text) == (
         "hold", "kept ollama on the card 1.0 s: just used, requests for it go first"), story.steps
 
     reload = log.emit(ModelLoad(tenant="ollama", trigger="gemma3:27b loaded", request=None,

@@ -9,7 +9,7 @@ import io
 import json
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -38,7 +38,8 @@ def args(action: str, root: Path, *extra: str) -> argparse.Namespace:
     return build_parser().parse_args([action, "--root", str(root), *extra])
 
 
-def run(action: str, root: Path, *extra: str, runner: Recorder | None = None, holders=no_holders) -> tuple[int, str, str]:
+def run(action: str, root: Path, *extra: str, runner: Recorder | None = None,
+        holders: Callable[[int], list[PortHolder]] = no_holders) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
     rc = inst.main(args(action, root, *extra), action, runner=runner or Recorder(), holders=holders, out=out, err=err)
     return rc, out.getvalue(), err.getvalue()

@@ -7,18 +7,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from cards import RESERVED, busy, idle, registry, snap
-from test_scheduler import actions, waiter
-
 from proxy.config.units import GIB
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
-from proxy.gpu.devices import Placement
+from proxy.gpu.placement import Placement
 from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot
 from proxy.gpu.visibility import Card, Device, TenantDevices
 from proxy.handoff.orders import release_whole
 from proxy.handoff.per_card import candidates, free_for, plan_on_devices, schedule_on_devices
-from proxy.handoff.plan import plan_release
+from proxy.handoff.plan import Plan, plan_release
 from proxy.handoff.queue_rules import schedule
+from tests.unit.cards import RESERVED, busy, idle, registry, snap
+from tests.unit.test_scheduler import actions, waiter
 
 SIZES = {0: 24 * GIB, 1: 16 * GIB}
 
@@ -38,8 +37,8 @@ def two_cards(procs: Sequence[tuple[str, int, int, int]],
     return AttributedSnapshot(raw, tuple(AttributedProcess(p, t) for p, (t, *_) in zip(gps, procs, strict=True)), placement)
 
 
-def released(plan: object) -> list[str]:
-    return [r.tenant for r in plan.releases]  # type: ignore[attr-defined]
+def released(plan: Plan) -> list[str]:
+    return [r.tenant for r in plan.releases]
 
 
 def test_a_load_on_one_card_releases_only_idle_tenants_on_that_card() -> None:

@@ -67,7 +67,7 @@ def test_the_containers_tenants_json_loads_and_points_at_the_compose_services() 
     services = compose()["services"]
     for name in ("ollama", "comfyui"):
         tenant = registry.tenants[name]
-        assert tenant.upstream == f"http://{name}:{tenant.listen.rsplit(':', 1)[1]}"  # type: ignore[union-attr]
+        assert tenant.listen is not None and tenant.upstream == f"http://{name}:{tenant.listen.rsplit(':', 1)[1]}"
         assert name in services
     assert registry.config.admin.token_env in services["hyperswap"]["environment"]
 

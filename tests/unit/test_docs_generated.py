@@ -9,11 +9,11 @@ import difflib
 import pytest
 from pydantic import BaseModel, Field
 
-from docs.gen import COMMAND, DOCS, blocks, config
+from docs.gen import COMMAND, DOCS, Generated, blocks, config
 
 
 @pytest.mark.parametrize("block", blocks(), ids=lambda g: g.name)
-def test_the_committed_reference_page_is_what_the_code_makes_now(block) -> None:  # type: ignore[no-untyped-def]
+def test_the_committed_reference_page_is_what_the_code_makes_now(block: Generated) -> None:
     committed = block.page.read_text()
     expected = block.expected(committed)
     if committed != expected:

@@ -15,7 +15,7 @@ from proxy.config.schema import Tenant
 from proxy.config.units import GIB
 from proxy.engines import ReleaseFailed
 from proxy.engines.loading import registry_from_dict
-from proxy.engines.ollama import OllamaCatalog
+from proxy.engines.ollama_catalog import OllamaCatalog
 from proxy.engines.registry import adapter_for
 
 OLLAMA = "http://127.0.0.1:11434"

@@ -7,11 +7,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from source_tree import python_files
-
 from proxy.engines import ADAPTERS, EngineAdapter
 from proxy.engines.loading import registry_from_dict
 from proxy.engines.ports import PORTS
+from tests.unit.source_tree import python_files
 
 PROXY = Path(__file__).resolve().parents[2] / "proxy"
 # Members of the adapter that no part of the proxy asks through a port: its registry key and a

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import httpx
 import respx
-from source_tree import SourceFile, nodes_of, python_files, text_of
 
 from proxy.config.schema import EngineKind
 from proxy.engines import ADAPTERS, AdapterCache, EngineAdapter, adapter_for
 from proxy.engines.loading import registry_from_dict
 from proxy.engines.ports import JobFrame, JobReplay, Requeued
+from tests.unit.source_tree import SourceFile, nodes_of, python_files, text_of
 
 PROXY = Path(__file__).resolve().parents[2] / "proxy"
 

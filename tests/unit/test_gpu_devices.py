@@ -7,8 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cards import registry
-from test_nvml import CLK_TCK, GIB, FakeNvml, entry
 
 from proxy.clock import ManualClock
 from proxy.engines import adapter_for
@@ -25,6 +23,8 @@ from proxy.gpu.devices import (
 )
 from proxy.gpu.nvml import NvmlReader
 from proxy.gpu.snapshot import DeviceMemory, GpuProcess
+from tests.unit.cards import registry
+from tests.unit.test_nvml import CLK_TCK, GIB, FakeNvml, entry
 
 CARDS = (DeviceMemory(0, "NVIDIA RTX 4090", 24 * GIB, 0, 0, 24 * GIB, uuid="GPU-8f2c1a00-1111"),
          DeviceMemory(1, "NVIDIA RTX 4090", 24 * GIB, 0, 0, 24 * GIB, uuid="GPU-3b7d9e00-2222"))

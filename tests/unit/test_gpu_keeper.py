@@ -63,6 +63,12 @@ def make(profile: dict[str, Any], spec: dict[str, Any] | None = None, *, writer:
     return keeper, card, w, log, clock
 
 
+def source_of(keeper: GpuSettingsKeeper) -> FlakySource:
+    """The keeper's settings reader, the flaky one `make` gave it."""
+    assert isinstance(keeper.source, FlakySource), keeper.source
+    return keeper.source
+
+
 def kinds(log: DecisionLog) -> list[str]:
     return [d.kind for d in log.recent()]
 
@@ -151,11 +157,11 @@ async def test_after_the_card_could_not_be_read_unreadable_settings_are_written_
     keeper, _card, writer, _, _ = make({"locked_clocks_mhz": {"min": 900, "max": 2100}, "apply": True},
                                       {"readable_locked_clocks": False})
     await keeper.check()
-    keeper.source.down = True  # type: ignore[union-attr]
+    source_of(keeper).down = True
     await keeper.check()
     assert keeper.devices[0].error is not None
     assert keeper.report().devices[0].settings is None, "no stale settings shown for a card that cannot be read"
-    keeper.source.down = False  # type: ignore[union-attr]
+    source_of(keeper).down = False
     await keeper.check()
     assert [c.setting for _, c in writer.writes] == ["locked_clocks_mhz", "locked_clocks_mhz"]
 
@@ -171,6 +177,6 @@ async def test_unsupported_settings_are_never_written() -> None:
 @pytest.mark.parametrize("apply", [False, True])
 async def test_a_card_that_cannot_be_read_is_kept_as_an_error_never_raised(apply: bool) -> None:
     keeper, _, _writer, _, _ = make({"power_limit_w": 300, "apply": apply}, writer=NeverWriter())
-    keeper.source.down = True  # type: ignore[union-attr]
+    source_of(keeper).down = True
     await keeper.check()
     assert keeper.devices[0].error is not None and keeper.devices[0].settings is None

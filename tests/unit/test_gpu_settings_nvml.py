@@ -9,7 +9,6 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from fake_pynvml import FakePynvmlBase
 from pydantic import TypeAdapter
 
 from proxy.gpu.settings import (
@@ -22,6 +21,7 @@ from proxy.gpu.settings import (
     decode_reasons,
 )
 from proxy.gpu.snapshot import GpuReadError
+from tests.unit.fake_pynvml import FakePynvmlBase
 
 
 class FakeNvml(FakePynvmlBase):

@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from fake_pynvml import FakePynvmlBase
 
 from proxy.gpu.settings_writer import ROOT_FIX, NvmlSettingsWriter, RealWriterBlocked, SettingChange, SettingsWriteError
+from tests.unit.fake_pynvml import FakePynvmlBase
 
 
 class FakeNvml(FakePynvmlBase):

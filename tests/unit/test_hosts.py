@@ -6,9 +6,11 @@ machine's addresses; the Ollama parity table is checked against the Ollama simul
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from proxy.config.schema import Tenant
+from proxy.config.schema import EngineKind, Tenant
 from proxy.engines import adapter_for
 from proxy.engines.loading import registry_from_dict
 from proxy.errors import ConfigError
@@ -20,8 +22,8 @@ def never_local(ip: IpAddress) -> bool:
     return False
 
 
-def policy(listen: str | None = "127.0.0.1", allowed: tuple[str, ...] = (), **kw: object) -> HostPolicy:
-    return listener_policy(listen, allowed, probe=never_local, hostname=lambda: "GPU-Box", **kw)  # type: ignore[arg-type]
+def policy(listen: str | None = "127.0.0.1", allowed: tuple[str, ...] = (), **kw: Any) -> HostPolicy:
+    return listener_policy(listen, allowed, probe=never_local, hostname=lambda: "GPU-Box", **kw)
 
 
 LOOPBACK = ["localhost", "localhost:8189", "LOCALHOST:8189", "app.localhost", "a.b.localhost:1",
@@ -119,9 +121,9 @@ def test_ollama_off_loopback_in_front_of_an_ollama_off_loopback_checks_nothing_l
 
 
 @pytest.mark.parametrize("engine", ["comfyui", "generic"])
-def test_comfyui_and_generic_listeners_take_only_loopback_and_configured_names(engine: str) -> None:
+def test_comfyui_and_generic_listeners_take_only_loopback_and_configured_names(engine: EngineKind) -> None:
     # ComfyUI's own check skips a non-loopback Host, so it cannot stop rebinding: the proxy does.
-    tenant = Tenant(name=engine, engine=engine, listen="127.0.0.1:8189", upstream="http://127.0.0.1:8188",  # type: ignore[arg-type]
+    tenant = Tenant(name=engine, engine=engine, listen="127.0.0.1:8189", upstream="http://127.0.0.1:8188",
                     allowed_hosts=["studio.example.com"])
     p = adapter_for(tenant).host_policy()
     assert p.allows("127.0.0.1:8189") and p.allows("studio.example.com:8189")

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from source_tree import source_file
+from tests.unit.source_tree import source_file
 
 ROOT = Path(__file__).resolve().parents[2]
 PROXY = ROOT / "proxy"

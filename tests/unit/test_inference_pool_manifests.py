@@ -88,12 +88,13 @@ def crd_schema(doc: dict[str, Any]) -> dict[str, Any]:
     silently, so (as kubernetes-validate's strict mode does for core kinds) any field the schema does not
     declare is an error here."""
     group, version = doc["apiVersion"].split("/")
-    matches = [json.loads(p.read_text()) for p in CRDS.glob(f"{group}_*_{version}.json")]
+    matches: list[dict[str, Any]] = [json.loads(p.read_text()) for p in CRDS.glob(f"{group}_*_{version}.json")]
     (crd,) = [c for c in matches if c["kind"] == doc["kind"]]
-    schema = copy.deepcopy(crd["openAPIV3Schema"])
+    schema: dict[str, Any] = copy.deepcopy(crd["openAPIV3Schema"])
     for field in ("apiVersion", "kind", "metadata"):  # Istio's schemas declare only spec and status
         schema["properties"].setdefault(field, {"type": "string" if field != "metadata" else "object"})
-    return _strict(schema)
+    _strict(schema)
+    return schema
 
 
 def _strict(node: Any) -> Any:
@@ -124,7 +125,8 @@ def picker_config() -> dict[str, Any]:
 
 
 def plugin(config: dict[str, Any], kind: str) -> dict[str, Any]:
-    (found,) = [p for p in config["plugins"] if p["type"] == kind]
+    plugins: list[dict[str, Any]] = config["plugins"]
+    (found,) = [p for p in plugins if p["type"] == kind]
     return found
 
 
@@ -203,11 +205,15 @@ def test_every_metric_the_engine_config_maps_is_one_hyperswap_exports_for_a_tena
     for spec in specs:
         m = SPEC.match(spec)
         assert m, f"{spec!r} is not a metric selector the picker parses"
-        name, labels = m.group(1), dict(LABEL.match(p).groups() for p in (m.group(2) or "").split(",") if p)  # type: ignore[union-attr]
+        pairs = [LABEL.match(p) for p in (m.group(2) or "").split(",") if p]
+        name, labels = m.group(1), {p.group(1): p.group(2) for p in pairs if p}
+        assert len(labels) == len(pairs), f"{spec!r}: a label the picker does not parse"
         assert name in LIVE_GAUGES, f"{name} is not a series /metrics exports"
         assert set(labels) <= set(LIVE_GAUGES[name][1]), f"{spec}: a label the series does not have"
         assert labels["tenant"] in registry.tenants, f"{spec}: no such tenant in hyperswap.yaml's tenants.json"
-    lora = SPEC.match(engine["loraSpec"]).group(1)  # type: ignore[union-attr]
+    lora_spec = SPEC.match(engine["loraSpec"])
+    assert lora_spec is not None
+    lora = lora_spec.group(1)
     assert {"running_lora_adapters", "waiting_lora_adapters", "max_lora"} <= set(LIVE_GAUGES[lora][1])
     scorer = next(p for p in config["plugins"] if p["type"] == "endpoint-attribute-scorer")
     assert scorer["parameters"]["attributeKey"] == engine["customMetrics"][0]["attributeKey"]
@@ -226,7 +232,8 @@ def test_the_pool_selects_the_daemonsets_pods_and_the_picker_scrapes_the_admin_l
     registry = registry_from_dict(json.loads(node["ConfigMap"]["data"]["tenants.json"]))
     ports = {p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
     (target,) = spec["targetPorts"]
-    assert target["number"] == int(registry.get("ollama").listen.rsplit(":", 1)[1]) and target["number"] in ports  # type: ignore[union-attr]
+    listen = registry.get("ollama").listen
+    assert listen is not None and target["number"] == int(listen.rsplit(":", 1)[1]) and target["number"] in ports
     scrape = plugin(picker_config(), "metrics-data-source")["parameters"]
     admin_host, _, admin_port = registry.config.admin.listen.rpartition(":")
     assert scrape["port"] == int(admin_port) and scrape["port"] in ports and scrape["path"] == "/metrics"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from test_imports import ROOT, Edge, import_edges, modules
+from tests.unit.test_imports import ROOT, Edge, import_edges, modules
 
 # First to last. A module belongs to the first layer with a prefix that is its name or a package of it.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (

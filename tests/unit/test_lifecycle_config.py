@@ -20,6 +20,9 @@ from proxy.engines.common import ReleaseFailed, release_by_strategy, resume_by_s
 from proxy.engines.loading import load_registry, registry_from_dict
 from proxy.errors import ConfigError
 from proxy.lifecycle import probe_for
+from proxy.lifecycle.docker import DockerRelease
+from proxy.lifecycle.process import ProcessRelease
+from proxy.lifecycle.systemd import SystemdRelease
 
 UP = "http://127.0.0.1:8081"
 
@@ -41,10 +44,10 @@ def test_the_issues_three_shapes_load_as_a_user_would_guess_them() -> None:
         "tts": {"upstream": "http://127.0.0.1:5002", "release": {"kind": "docker", "container": "tts"}},
     })
     llama, comfy, tts = reg.get("llama"), reg.get("comfy"), reg.get("tts")
-    assert llama.lifecycle is not None and llama.lifecycle.command == ["sh", "-c", "exec llama-server"]
+    assert isinstance(llama.lifecycle, ProcessRelease) and llama.lifecycle.command == ["sh", "-c", "exec llama-server"]
     assert llama.lifecycle.effective_stop_timeout_s == 10.0 and llama.start_timeout_s == 120.0
-    assert comfy.lifecycle is not None and comfy.lifecycle.effective_scope == "system"
-    assert tts.lifecycle is not None and tts.lifecycle.effective_socket == "/var/run/docker.sock"
+    assert isinstance(comfy.lifecycle, SystemdRelease) and comfy.lifecycle.effective_scope == "system"
+    assert isinstance(tts.lifecycle, DockerRelease) and tts.lifecycle.effective_socket == "/var/run/docker.sock"
     assert all(t.reclaimable for t in (llama, comfy, tts))
 
 
@@ -157,10 +160,10 @@ def test_a_program_is_looked_up_on_the_path_the_child_gets(tmp_path: Path) -> No
     program = tmp_path / "llama-server"
     program.write_text("#!/bin/sh\n")
     program.chmod(0o755)
-    tenant = {"upstream": UP, "release": {"kind": "process", "command": ["llama-server"]}}
+    tenant: dict[str, Any] = {"upstream": UP, "release": {"kind": "process", "command": ["llama-server"]}}
     with pytest.raises(ConfigError):
         load({"llama": tenant})
-    tenant["release"]["env"] = {"PATH": str(tmp_path)}  # type: ignore[index]
+    tenant["release"]["env"] = {"PATH": str(tmp_path)}
     assert load({"llama": tenant}).get("llama").lifecycle is not None
 
 
@@ -235,4 +238,5 @@ async def test_a_refused_resume_and_a_lifecycle_step_fail_with_what_happened() -
 def test_the_process_check_uses_the_test_interpreter() -> None:
     # the real-child tests run `sys.executable`: an absolute path the loader must accept
     reg = load({"p": {"upstream": UP, "release": {"kind": "process", "command": [sys.executable, "-V"]}}})
-    assert os.access(reg.get("p").lifecycle.command[0], os.X_OK)  # type: ignore[union-attr]
+    step = reg.get("p").lifecycle
+    assert isinstance(step, ProcessRelease) and step.command and os.access(step.command[0], os.X_OK)

@@ -13,6 +13,7 @@ import sys
 import textwrap
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -76,8 +77,8 @@ def refused_port() -> Iterator[int]:
         yield s.getsockname()[1]
 
 
-def make(controllers: list[ProcessController], *argv: str, **kwargs: object) -> ProcessController:
-    ctl = ProcessController("app", [PY, *argv], clock=SystemClock(), **kwargs)  # type: ignore[arg-type]
+def make(controllers: list[ProcessController], *argv: str, **kwargs: Any) -> ProcessController:
+    ctl = ProcessController("app", [PY, *argv], clock=SystemClock(), **kwargs)
     controllers.append(ctl)
     return ctl
 
@@ -139,7 +140,8 @@ async def test_a_failing_start_reports_its_last_output_lines(controllers: list[P
     assert report.duration_s < WAIT_S, "a crashed child fails the start at once, not at the timeout"
     with pytest.raises(LifecycleError) as err:
         await lc.ensure_running()  # backing off: refused with the same reason and lines
-    assert err.value.status == 503 and err.value.to_json()["output"][-1] == "fatal: no model"
+    output = err.value.to_json()["output"]
+    assert err.value.status == 503 and isinstance(output, list) and output[-1] == "fatal: no model", output
 
 
 async def test_stdin_is_closed_and_cwd_and_env_are_the_configured_ones(

@@ -10,6 +10,7 @@ import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -51,9 +52,9 @@ def fifo(tmp_path: Path) -> Path:
 
 
 async def started(controllers: list[ProcessController], script: str, stop_command: list[str],
-                  stop_timeout_s: float = 5.0, **kwargs: object) -> ProcessController:
+                  stop_timeout_s: float = 5.0, **kwargs: Any) -> ProcessController:
     ctl = ProcessController("app", [PY, "-c", script], clock=SystemClock(), stop_timeout_s=stop_timeout_s,
-                            stop_command=stop_command, **kwargs)  # type: ignore[arg-type]
+                            stop_command=stop_command, **kwargs)
     controllers.append(ctl)
     await ctl.start()
     async with asyncio.timeout(WAIT_S):
@@ -70,7 +71,8 @@ async def test_a_stop_command_that_works_stops_the_app_without_signals(controlle
     assert ctl.describe()["exit_code"] == 7, f"the stop command ended it, not a signal: {ctl.describe()}"
     assert not alive(pid) and await ctl.status() == "stopped", "the stop is confirmed by the child being gone"
     assert ctl.stop_error is None and await ctl.check() == []
-    assert ctl.describe()["stop_command"][0] == PY
+    stop_command = ctl.describe()["stop_command"]
+    assert isinstance(stop_command, list) and stop_command[0] == PY, stop_command
 
 
 async def test_a_setsid_child_a_stop_command_leaves_is_ended_with_the_stop(controllers: list[ProcessController],

@@ -11,6 +11,7 @@ import pytest
 
 from proxy.engines.loading import registry_from_dict
 from proxy.lifecycle import LifecycleError, SystemdController
+from proxy.lifecycle.systemd import SystemdRelease
 
 FAKE = textwrap.dedent("""
     import json, sys
@@ -87,7 +88,7 @@ async def test_scope_user_talks_to_the_users_manager_and_a_running_unit_is_adopt
     reg = registry_from_dict({"tenants": {"tts": {"upstream": "http://127.0.0.1:5002", "release": {
         "kind": "systemd", "unit": "tts.service", "scope": "user"}}}})
     spec = reg.get("tts").lifecycle
-    assert spec is not None
+    assert isinstance(spec, SystemdRelease), spec
     ctl = SystemdController.from_spec(spec, systemctl=systemctl(fake))
     assert await ctl.status() == "running"
     assert calls(fake) == [["--user", "is-active", "--", "tts.service"]]

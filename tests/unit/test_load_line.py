@@ -70,5 +70,7 @@ def test_on_a_plateau_between_allocations_the_time_left_does_not_jump_up() -> No
         est.observe(reading(4, t))
         line = est.line(t)
         assert line is not None
-        lefts.append(int(re.search(r"about (\d+) s left", line)[1]))  # type: ignore[index]
+        left = re.search(r"about (\d+) s left", line)
+        assert left is not None, line
+        lefts.append(int(left[1]))
     assert lefts == sorted(lefts, reverse=True), f"the time left rose while the card stood between steps: {lefts}"

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -26,9 +27,12 @@ BOUND_S = 5.0  # only turns a hang into a failure
 PLENTY = 1 << 50  # MemAvailable that never stops a warm
 
 
-def within(fn: Callable[[], object]) -> object:
+T = TypeVar("T")
+
+
+def within(fn: Callable[[], T]) -> T:
     """fn() on a daemon thread; fails (instead of hanging the suite) if it is not back within BOUND_S."""
-    out: list[object] = []
+    out: list[T] = []
     t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
     t.start()
     t.join(BOUND_S)
@@ -49,10 +53,10 @@ def test_a_fifo_is_neither_waited_on_nor_read_and_is_named_with_its_reason(tmp_p
     ck = checkpoints(tmp_path)
     os.mkfifo(ck / "trap.safetensors")
     found = within(lambda: comfy_folders("comfyui", [tmp_path / "models"], {}))
-    assert [m.name for m in found.models] == ["real.safetensors"]  # type: ignore[attr-defined]
-    assert any("FIFO" in k.reason for k in found.skipped), found.skipped  # type: ignore[attr-defined]
+    assert [m.name for m in found.models] == ["real.safetensors"]
+    assert any("FIFO" in k.reason for k in found.skipped), found.skipped
     reading = within(lambda: SystemPageCache().measure(str(ck / "trap.safetensors")))
-    assert reading.cached_bytes is None and "FIFO" in (reading.unknown_reason or ""), reading  # type: ignore[attr-defined]
+    assert reading.cached_bytes is None and "FIFO" in (reading.unknown_reason or ""), reading
     job = WarmJob("comfyui:trap", (str(ck / "trap.safetensors"),), 1 << 30, "test")
     within(lambda: warm_files(job, 0, lambda: PLENTY))
     assert job.state == "skipped" and job.read_bytes == 0 and "FIFO" in (job.stop_reason or ""), job
@@ -65,8 +69,9 @@ def test_a_device_is_skipped_not_read(tmp_path: Path) -> None:
     within(lambda: warm_files(job, 0, lambda: PLENTY))
     assert job.state == "skipped" and job.read_bytes == 0, job
     # named in model_paths (the operator allowed the place), still not a regular file
-    found = plain_files("stt", [tmp_path / "zero.bin"]) if os.symlink("/dev/zero", tmp_path / "zero.bin") is None else None
-    assert found is not None and found.models == [] and "character device" in found.skipped[0].reason, found
+    os.symlink("/dev/zero", tmp_path / "zero.bin")
+    found = plain_files("stt", [tmp_path / "zero.bin"])
+    assert found.models == [] and "character device" in found.skipped[0].reason, found
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mknod of a device node needs root (CI runs as root)")

@@ -215,7 +215,8 @@ def test_the_models_extension_reads_the_engines_environment_only_from_this_hosts
     assert ext_seeing(ProcessTree())._engine_env(ollama) == {"HOME": "/srv/ollama", "OLLAMA_MODELS": "/data/models"}
     # a reader that does not see this host's /proc (simulated GPU, engines' estimates): its pids are not these
     assert ext_seeing(None)._engine_env(ollama) is None
-    assert ext_seeing(ProcessTree()).catalog.tenant_files(ollama).looked_in == ("/data/models",)  # type: ignore[union-attr]
+    files = ext_seeing(ProcessTree()).catalog.tenant_files(ollama)
+    assert files is not None and files.looked_in == ("/data/models",)
 
 
 def test_the_health_text_names_a_model_file_given_as_model_paths_not_a_dash(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from source_tree import python_files
+from tests.unit.source_tree import python_files
 
 PROXY = Path(__file__).resolve().parents[2] / "proxy"
 MAX_LINES = 700

@@ -8,7 +8,7 @@ import ast
 import re
 from pathlib import Path
 
-from source_tree import python_files, source_file
+from tests.unit.source_tree import python_files, source_file
 
 ROOT = Path(__file__).resolve().parents[2]
 PROXY = ROOT / "proxy"

@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_pynvml import FakePynvmlBase
 
 from proxy.clock import ManualClock
 from proxy.gpu.nvml import CONTAINER_NOTE, NvmlReader
 from proxy.gpu.snapshot import GpuReadError
+from tests.unit.fake_pynvml import FakePynvmlBase
 
 GIB = 2**30
 CLK_TCK = 100
@@ -82,7 +82,7 @@ def proc_root(tmp_path: Path) -> Path:
 
 
 def reader(nvml: FakeNvml, proc_root: Path) -> NvmlReader:
-    return NvmlReader(nvml=nvml, proc_root=proc_root, clock=ManualClock(start=50.0), clk_tck=CLK_TCK)  # type: ignore[arg-type]
+    return NvmlReader(nvml=nvml, proc_root=proc_root, clock=ManualClock(start=50.0), clk_tck=CLK_TCK)
 
 
 def test_reads_device_memory_v2(nvml: FakeNvml, proc_root: Path) -> None:
@@ -225,7 +225,7 @@ def test_lazily_imported_module_errors_are_mapped_by_their_class(monkeypatch: py
 
 
 def test_snapshot_carries_the_process_tree_with_socket_owners(nvml: FakeNvml, proc_root: Path) -> None:
-    from proctrees import FakeProc
+    from tests.unit.proctrees import FakeProc
 
     fp = FakeProc(proc_root)
     port = fp.listen("127.0.0.1", 11434)
@@ -240,7 +240,7 @@ def test_snapshot_carries_the_process_tree_with_socket_owners(nvml: FakeNvml, pr
 
 
 def test_a_failing_process_tree_read_costs_the_tree_not_the_snapshot(nvml: FakeNvml, proc_root: Path) -> None:
-    from proctrees import FakeProc
+    from tests.unit.proctrees import FakeProc
 
     fp = FakeProc(proc_root)
     fp.listen("127.0.0.1", 11434)
@@ -251,7 +251,7 @@ def test_a_failing_process_tree_read_costs_the_tree_not_the_snapshot(nvml: FakeN
     def broken(fd_dir: str) -> list[str]:
         raise RuntimeError("unexpected")
 
-    snap = NvmlReader(nvml=nvml, proc_root=proc_root, clock=ManualClock(start=50.0), clk_tck=CLK_TCK,  # type: ignore[arg-type]
+    snap = NvmlReader(nvml=nvml, proc_root=proc_root, clock=ManualClock(start=50.0), clk_tck=CLK_TCK,
                       fd_links=broken).read()
     assert snap.tree is None and [p.pid for p in snap.processes] == [801]
     assert any("process tree unreadable" in n for n in snap.notes), snap.notes

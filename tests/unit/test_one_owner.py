@@ -15,7 +15,7 @@ import ast
 from collections.abc import Callable
 from pathlib import Path
 
-from source_tree import SourceFile, nodes_of, python_files
+from tests.unit.source_tree import SourceFile, nodes_of, python_files
 
 ROOT = Path(__file__).resolve().parents[2]
 OWNER = "proxy/handoff/scheduler.py"

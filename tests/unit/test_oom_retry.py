@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from proxy.config.units import GIB
-from proxy.engines.ports import JobFrame, JobReplay
+from proxy.engines.ports import JobFrame, JobFrameKind, JobReplay
 from proxy.handoff.oom_need import OOM_HEADROOM_BYTES, oom_retry_need
 from proxy.relay.oom_retry import PASS, RetryBook, SocketFrames, Verdict
 
@@ -49,11 +49,11 @@ def frame(kind: str, job: str = "p", **data: object) -> str:
 def parse(text: str) -> JobFrame | None:
     msg = json.loads(text)
     data = msg["data"]
-    kinds = {"execution_start": "start", "execution_success": "success", "execution_error": "oom"}
+    kinds: dict[str, JobFrameKind] = {"execution_start": "start", "execution_success": "success", "execution_error": "oom"}
     if msg["type"] == "executing":
         return JobFrame("end", data["prompt_id"]) if data.get("node", "x") is None else None
     kind = kinds.get(msg["type"])
-    return JobFrame(kind, data["prompt_id"]) if kind else None  # type: ignore[arg-type]
+    return JobFrame(kind, data["prompt_id"]) if kind else None
 
 
 class Gate:
@@ -72,7 +72,7 @@ class Gate:
 
 
 def socket(book: RetryBook) -> tuple[SocketFrames, Gate, list[str]]:
-    gate, later = Gate(book), []
+    gate, later = Gate(book), list[str]()
     return book.watch("comfyui", parse, gate.report, later.append), gate, later
 
 
@@ -165,30 +165,32 @@ def test_a_job_whose_retry_is_decided_is_listed_as_waiting_until_it_is_queued_ag
 # -- the retry's admission reads the card afresh ---------------------------------------------------
 
 async def test_a_retry_is_planned_on_a_fresh_reading_not_the_one_taken_while_comfyui_sampled() -> None:
-    from cards import snap
-
     from proxy.clock import ManualClock
     from proxy.engines.loading import registry_from_dict
+    from proxy.gpu.snapshot import GpuSnapshot
     from proxy.handoff.arbitration import Arbitration
     from proxy.handoff.decisions import DecisionLog
     from proxy.handoff.inflight import InFlight
-    from proxy.sim.gpu import SimulatedGpu
+    from tests.unit.cards import snap
 
     reg = registry_from_dict({"tenants": {"comfyui": {"engine": "comfyui", "upstream": "http://127.0.0.1:9",
-                                                      "needs_vram_gb": 10.0}}})
+                                                      "needs_vram_gb": 10.0,
+                                                      "match": {"process_names": ["comfyui-proc"]}}}})
     total = int(23.7 * GIB)
     # while ComfyUI sampled alone: 24.3 GiB held, 0.25 free on a card of 23.7 (memory counted twice)
     sampling = snap([("comfyui", 10, int(24.3 * GIB))], free=int(0.25 * GIB), total=total)
     after = snap([("comfyui", 10, int(0.3 * GIB))], total=total)  # ComfyUI unloaded everything on its OOM
     clock = ManualClock()
-    arbitration = Arbitration(reg, SimulatedGpu(), InFlight(clock), clock, DecisionLog(clock))
     reads: list[str] = []
 
-    async def read() -> object:
-        reads.append("fresh")
-        arbitration.scheduler.observe_card(after)
-        return after
-    arbitration.snapshot = read  # type: ignore[method-assign,assignment]
+    class AfterTheOom:
+        """The GPU reader (the port Arbitration reads the card through): ComfyUI unloaded everything."""
+
+        def read(self) -> GpuSnapshot:
+            reads.append("fresh")
+            return after.snapshot
+
+    arbitration = Arbitration(reg, AfterTheOom(), InFlight(clock), clock, DecisionLog(clock))
     arbitration.scheduler.observe_card(sampling)
     try:
         body = json.dumps({"prompt": {"4": {"class_type": "CheckpointLoaderSimple",

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 
-from cards import STT, TOTAL, busy, idle, registry, snap
-
 from proxy.config.units import GIB
 from proxy.gpu.attribution import Attributor
 from proxy.handoff.plan import Plan, plan_release, starved
+from tests.unit.cards import STT, TOTAL, busy, idle, registry, snap
 
 
 def released(plan: Plan) -> list[str]:

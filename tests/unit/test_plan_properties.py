@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from cards import busy, idle, snap
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -17,6 +16,7 @@ from proxy.config.units import GIB
 from proxy.engines.loading import registry_from_dict
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.handoff.plan import TenantState, plan_release
+from tests.unit.cards import busy, idle, snap
 
 MIB = 2**20
 NAMES = ("a", "b", "c", "d", "e")

@@ -13,6 +13,7 @@ import pytest
 import respx
 
 from proxy.clock import ManualClock
+from proxy.config.registry import Registry
 from proxy.engines.loading import registry_from_dict
 from proxy.errors import ConfigError
 from proxy.gpu.attribution import Attributor
@@ -21,14 +22,13 @@ from proxy.gpu.pods import (
     InClusterPods,
     PodAwareReader,
     PodListError,
-    PodRef,
     PodResolver,
     container_from_cgroup,
     in_cluster_source,
     index_pods,
     with_pods,
 )
-from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot, ProcessTree
+from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot, PodRef, ProcessTree
 
 FIXTURES = Path(__file__).with_name("fixtures")
 A = "3b8f0f1e5c0d4a7f9e2b6c1d8a4f7e3b2c9d0e1f5a6b7c8d9e0f1a2b3c4d5e6f"  # containerd (ollama pod)
@@ -42,7 +42,8 @@ def cgroup(name: str) -> str:
 
 
 def pod_list() -> dict[str, Any]:
-    return json.loads((FIXTURES / "pods" / "node-pods.json").read_text())
+    pods: dict[str, Any] = json.loads((FIXTURES / "pods" / "node-pods.json").read_text())
+    return pods
 
 
 @pytest.mark.parametrize(("fixture", "expected"), [
@@ -183,10 +184,10 @@ def test_an_unreachable_api_server_raises(tmp_path: Path) -> None:
 def test_outside_kubernetes_the_reader_is_unchanged(tmp_path: Path) -> None:
     reader = object()
     assert with_pods(reader, {}, tmp_path) is reader  # type: ignore[arg-type]
-    assert with_pods(reader, {"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, sa_dir(tmp_path)) is reader, "no NODE_NAME"  # type: ignore[arg-type]
+    assert with_pods(reader, {"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, sa_dir(tmp_path)) is reader, "no NODE_NAME"
     env = {"KUBERNETES_SERVICE_HOST": "10.0.0.1", "NODE_NAME": "n"}
     assert in_cluster_source(env, tmp_path / "none") is None, "no service-account token mounted"
-    assert isinstance(with_pods(reader, env, sa_dir(tmp_path)), PodAwareReader)  # type: ignore[arg-type]
+    assert isinstance(with_pods(reader, env, sa_dir(tmp_path)), PodAwareReader)
 
 
 # -- attribution ----------------------------------------------------------------------------------
@@ -195,7 +196,7 @@ OLLAMA_POD = PodRef("ai", "ollama-7d9c5b8f6-x2k4p", "ollama", MappingProxyType({
 OTHER_POD = PodRef("ai", "chat-ui-1", "ui", MappingProxyType({"app": "chat-ui"}))
 
 
-def registry():  # type: ignore[no-untyped-def]
+def registry() -> Registry:
     return registry_from_dict({"tenants": {
         "llm": {"engine": "generic", "match": {"pod": {"namespace": "ai", "labels": {"app": "ollama"}}}},
         "images": {"engine": "generic", "match": {"pod": {"namespace": "images"}}},
@@ -226,7 +227,9 @@ def test_a_pod_learnt_later_overrides_a_cached_name_verdict() -> None:
 def test_an_empty_pod_rule_is_refused() -> None:
     with pytest.raises(ConfigError) as exc:
         registry_from_dict({"tenants": {"x": {"match": {"pod": {}}}}})
-    assert any("tenants.x.match.pod: name a namespace or at least one label" in p for p in exc.value.details["problems"])
+    problems = exc.value.details["problems"]
+    assert isinstance(problems, list)
+    assert any("tenants.x.match.pod: name a namespace or at least one label" in p for p in problems), problems
     with pytest.raises(ConfigError):
         registry_from_dict({"tenants": {"x": {"match": {"pod": {"namespace": "a", "label": {}}}}}})
 

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 
 from proxy.tasks import poll_until
 
 
 async def test_returns_at_once_when_the_predicate_already_holds() -> None:
     looks: list[int] = []
-    await poll_until(lambda: looks.append(1) or True)
+    def look() -> bool:
+        looks.append(1)
+        return True
+
+    await poll_until(look)
     assert looks == [1], "looked once, never slept"
 
 
@@ -25,7 +30,7 @@ async def test_looks_again_until_the_state_changes() -> None:
 
 
 async def test_an_async_predicate_is_awaited() -> None:
-    answers = iter([{}, {}, {"p1": {"status": "success"}}])
+    answers: Iterator[dict[str, object]] = iter([{}, {}, {"p1": {"status": "success"}}])
 
     async def history() -> dict[str, object]:
         return next(answers)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from proctrees import FakeProc
 
 from proxy.gpu.proctree import ProcTreeReader, parse_listeners, read_process_tree
 from proxy.gpu.snapshot import Listener
+from tests.unit.proctrees import FakeProc
 
 
 @pytest.fixture

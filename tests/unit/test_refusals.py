@@ -34,7 +34,7 @@ def handoff(waited_s: float = 2.5) -> Handoff:
 
 def answer(refusal: refusals.Refusal) -> tuple[int, str | None, dict[str, Any]]:
     response = refusal.response()
-    return response.status_code, response.headers.get("retry-after"), json.loads(response.body)
+    return response.status_code, response.headers.get("retry-after"), json.loads(bytes(response.body))
 
 
 def test_the_507_names_its_blockers_with_the_fields_in_their_wire_order(tenant: Tenant) -> None:

@@ -11,8 +11,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from release_kind_example import UnloadEach
-from source_tree import SourceFile, nodes_of, python_files
 
 from docs.gen.config import render
 from proxy.config.kinds import ReleaseKinds
@@ -22,6 +20,8 @@ from proxy.engines.loading import registry_from_dict
 from proxy.engines.release_kinds import KINDS, RELEASE_KINDS
 from proxy.errors import ConfigError
 from proxy.lifecycle.controller import StoppingRelease
+from tests.unit.release_kind_example import UnloadEach
+from tests.unit.source_tree import SourceFile, nodes_of, python_files
 
 ROOT = Path(__file__).resolve().parents[2]
 PROXY = ROOT / "proxy"

@@ -8,23 +8,25 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import pytest
-from cards import STT, busy, idle, registry, snap
 
 from proxy.clock import ManualClock, until_all_wait
 from proxy.config.registry import Registry
 from proxy.config.units import GIB
 from proxy.gpu.attribution import AttributedSnapshot
-from proxy.handoff.decisions import DecisionLog, HandoffStarted, Queued, QueueEnded, ReleaseResult
+from proxy.handoff.decisions import Queued, QueueEnded, ReleaseResult
+from proxy.handoff.effects import ScriptedEffects, freed_as_expected
 from proxy.handoff.hold import HOLD_SHARE, RELOAD_BYTES_PER_S, SwapHold
 from proxy.handoff.inflight import InFlight, Token
 from proxy.handoff.orders import Released, ReleaseOrder, release_whole
-from proxy.handoff.plan import Plan, TenantState
+from proxy.handoff.plan import Plan, Release, TenantState
 from proxy.handoff.queue_rules import Releasing, Waiter, queue_order, schedule
+from proxy.handoff.reservations import Reservations
 from proxy.handoff.scheduler import Admitted, Scheduler
+from tests.unit.cards import STT, busy, idle, registry, snap
 
 # -- the pure decision --------------------------------------------------------------------------
 
@@ -106,23 +108,18 @@ def test_memory_promised_or_counted_on_ahead_is_not_taken_by_later_waiters() -> 
 
 # -- the queue, with a recording fake of its effects ---------------------------------------------------
 
-@dataclass
-class Recorder:
-    """HandoffEffects with every effect written down. The card is `procs` and `free`; a release
-    frees its tenant down to its floor at once."""
-    registry: Registry
-    clock: ManualClock
-    procs: list[tuple[str, int, int | None]]
-    free: int
-    log: list[tuple[Any, ...]] = field(default_factory=list)
-    busy_at_release: set[str] = field(default_factory=set)  # tenants that have work again when their turn comes
-    decisions: DecisionLog = field(init=False)
-    inflight: InFlight = field(init=False)  # the traffic: what makes a tenant busy (admitted work, its jobs)
-    _work: dict[str, Token] = field(init=False, default_factory=dict)
+class Recorder(ScriptedEffects):
+    """The shipped fake of the effects over a card the test edits: `procs` and `free`; a release frees
+    its tenant down to its floor at once, unless the tenant is in `busy_at_release`."""
 
-    def __post_init__(self) -> None:
-        self.decisions = DecisionLog(self.clock)
-        self.inflight = InFlight(self.clock)
+    def __init__(self, registry: Registry, clock: ManualClock, procs: list[tuple[str, int, int | None]], free: int) -> None:
+        super().__init__(registry, clock, card=self.card_now, release=self.free_at_once,
+                         busy=lambda tenant: tenant in self.busy_at_release)
+        self.procs = procs
+        self.free = free
+        self.busy_at_release: set[str] = set()  # tenants that have work again when their turn comes
+        self.inflight = LoggedTraffic(clock, self.log)  # the traffic: what makes a tenant busy (admitted work, its jobs)
+        self._work: dict[str, Token] = {}
 
     def set_states(self, states: dict[str, TenantState]) -> None:
         """Make the traffic say what `states` say: a busy tenant whose reason names a job runs a
@@ -143,47 +140,47 @@ class Recorder:
 
     states = property(fset=set_states)
 
-    def card(self) -> AttributedSnapshot:
+    def card_now(self) -> AttributedSnapshot:
         return snap(self.procs, free=self.free)
 
-    async def read_card(self) -> AttributedSnapshot:
-        self.log.append(("read",))
-        return self.card()
+    async def free_at_once(self, release: Release) -> ReleaseResult:
+        self.free += release.expected_free_bytes
+        floor = self.registry.get(release.tenant).idle_vram_bytes
+        self.procs = [(t, pid, floor if t == release.tenant else used) for t, pid, used in self.procs]
+        return await freed_as_expected(release)
 
-    async def carry_out(self, order: ReleaseOrder, fresh: bool) -> Released:
-        self.log.append(("release", tuple(r.tenant for r in order.releases)))
-        results = []
-        for r in order.releases:
-            if r.tenant in self.busy_at_release:
-                results.append(ReleaseResult(r.tenant, r.expected_free_bytes, 0, 0.0, False, "busy", busy=True))
-                continue
-            self.free += r.expected_free_bytes
-            floor = self.registry.get(r.tenant).idle_vram_bytes
-            self.procs = [(t, pid, floor if t == r.tenant else used) for t, pid, used in self.procs]
-            results.append(ReleaseResult(r.tenant, r.expected_free_bytes, r.expected_free_bytes, 0.0, True))
-        decision = self.decisions.emit(HandoffStarted(kind=order.kind, tenant=order.requester, trigger=order.trigger,
-                                                      plan=order.plan))
-        return Released(order, results, decision)
 
-    def prepare_load(self, tenant: str, model: str) -> None:
-        self.log.append(("prepare_load", tenant, model))
+class LoggedReservations(Reservations):
+    """The scheduler's promises, each written to the recorder's log too."""
+
+    def __init__(self, log: list[tuple[object, ...]]) -> None:
+        super().__init__()
+        self.log = log
+
+    def reserve(self, key: str, plan: Plan) -> None:
+        self.log.append(("reserve", key))
+        super().reserve(key, plan)
+
+
+class LoggedTraffic(InFlight):
+    """The traffic; while `logging`, each admission is written to the recorder's log too."""
+
+    def __init__(self, clock: ManualClock, log: list[tuple[object, ...]]) -> None:
+        super().__init__(clock)
+        self.log = log
+        self.logging = False
+
+    def admit(self, token: Token) -> None:
+        if self.logging:
+            self.log.append(("work", token.tenant, token.serial))
+        super().admit(token)
 
 
 def scheduler(effects: Recorder) -> Scheduler:
     """The scheduler over the recorder, with its promises and admissions written to the log too."""
     queue = Scheduler(effects, effects.inflight)
-    reserve, admit = queue.reservations.reserve, effects.inflight.admit
-
-    def reserving(key: str, plan: Plan) -> None:
-        effects.log.append(("reserve", key))
-        reserve(key, plan)
-
-    def admitting(work: Token) -> None:
-        effects.log.append(("work", work.tenant, work.serial))
-        admit(work)
-
-    queue.reservations.reserve = reserving  # type: ignore[method-assign]
-    effects.inflight.admit = admitting  # type: ignore[method-assign]
+    queue.reservations = LoggedReservations(effects.log)
+    effects.inflight.logging = True
     return queue
 
 
@@ -714,7 +711,7 @@ async def test_a_load_is_planned_on_the_most_the_card_showed_it_take_while_its_w
     first = await asyncio.wait_for(queue.request(comfy, "comfyui:flux", 10 * GIB, "render", work=work), 1)
     assert first.handoff.plan.need_bytes == 10 * GIB, "planned on the estimate until something is learned"
     effects.procs, effects.free = [("comfyui", 2, int(13.8 * GIB))], int(9.2 * GIB)  # sampling
-    queue.observe_card(effects.card())
+    queue.observe_card(effects.current_card())
     effects.inflight.end(work)
     queue.settle(first.handoff)
     again = await asyncio.wait_for(queue.request(comfy, "comfyui:flux", 10 * GIB, "render"), 1)

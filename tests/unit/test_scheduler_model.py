@@ -30,10 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from cards import STT, registry
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -43,11 +42,13 @@ from proxy.config.registry import Registry
 from proxy.config.units import GIB, MIB
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory, GpuProcess, GpuSnapshot
-from proxy.handoff.decisions import DecisionLog, HandoffKind, HandoffStarted, ReleaseResult
+from proxy.handoff.decisions import HandoffKind, ReleaseResult
+from proxy.handoff.effects import ScriptedEffects
 from proxy.handoff.inflight import InFlight, Token
-from proxy.handoff.orders import Released, ReleaseOrder
+from proxy.handoff.plan import Release
 from proxy.handoff.queue_rules import RESIDENT
 from proxy.handoff.scheduler import Admitted, Scheduler
+from tests.unit.cards import STT, registry
 
 TOTAL = 24 * GIB
 RESERVED = 300 * MIB
@@ -93,28 +94,25 @@ class Client:
     path: str = "at_once"
 
 
-@dataclass
-class Box:
-    """HandoffEffects over a modelled card: each tenant holds its idle floor plus the model it loaded
-    last; releases take time and may fail; memory outside the proxy comes and goes."""
-    registry: Registry
-    clock: ManualClock
-    inflight: InFlight
-    decisions: DecisionLog = field(init=False)
-    loaded: dict[str, str | None] = field(default_factory=lambda: dict.fromkeys(TENANTS))
-    outside: int = 0  # bytes held by a process the proxy does not manage
-    scheduler: Scheduler | None = None  # told when a release begins, as the real releaser tells it
-    outside_at_load: dict[str, int] = field(default_factory=dict)  # load key -> its first request's outside_seen
-    faults: dict[str, str] = field(default_factory=dict)  # tenant -> "slow" | "partial" | "hang" for its next release
-    kept: dict[str, int] = field(default_factory=dict)  # tenant -> bytes a partial release left behind
-    failed_releases: int = 0
-    violations: list[str] = field(default_factory=list)
-    working: dict[int, int] = field(default_factory=dict)  # client id -> working memory it holds while it runs
-    engine_locks: dict[str, asyncio.Lock] = field(default_factory=dict)  # a serial engine's one slot
-    running: dict[str, set[int]] = field(default_factory=dict)  # tenant -> ids of the requests it runs now
+class Box(ScriptedEffects):
+    """The shipped fake of the effects over a modelled card: each tenant holds its idle floor plus the
+    model it loaded last; releases take time and may fail; memory outside the proxy comes and goes."""
 
-    def __post_init__(self) -> None:
-        self.decisions = DecisionLog(self.clock)
+    def __init__(self, registry: Registry, clock: ManualClock, inflight: InFlight) -> None:
+        # as Arbitration.carry_out: a busy tenant is never released
+        super().__init__(registry, clock, card=self.card_now, release=self.release_one, busy=inflight.busy)
+        self.inflight = inflight
+        self.loaded: dict[str, str | None] = dict.fromkeys(TENANTS)
+        self.outside = 0  # bytes held by a process the proxy does not manage
+        self.scheduler: Scheduler | None = None  # told when a release begins, as the real releaser tells it
+        self.outside_at_load: dict[str, int] = {}  # load key -> its first request's outside_seen
+        self.faults: dict[str, str] = {}  # tenant -> "slow" | "partial" | "hang" for its next release
+        self.kept: dict[str, int] = {}  # tenant -> bytes a partial release left behind
+        self.failed_releases = 0
+        self.violations: list[str] = []
+        self.working: dict[int, int] = {}  # client id -> working memory it holds while it runs
+        self.engine_locks: dict[str, asyncio.Lock] = {}  # a serial engine's one slot
+        self.running: dict[str, set[int]] = {}  # tenant -> ids of the requests it runs now
 
     def floor(self, tenant: str) -> int:
         return self.registry.get(tenant).idle_vram_bytes
@@ -127,7 +125,7 @@ class Box:
     def used(self) -> int:
         return self.outside + sum(self.held(t) for t in TENANTS)
 
-    def card(self) -> AttributedSnapshot:
+    def card_now(self) -> AttributedSnapshot:
         procs = [(t, i + 1, self.held(t)) for i, t in enumerate(TENANTS)]
         if self.outside:
             procs.append(("unmanaged", 99, self.outside))
@@ -138,44 +136,28 @@ class Box:
         return AttributedSnapshot(raw, tuple(AttributedProcess(p, "" if t == "unmanaged" else t)
                                              for p, (t, _, _) in zip(gps, procs, strict=True)))
 
-    # -- HandoffEffects ------------------------------------------------------------------------
-    async def read_card(self) -> AttributedSnapshot:
-        return self.card()
-
-    async def carry_out(self, order: ReleaseOrder, fresh: bool) -> Released:
-        results = []
-        started = self.decisions.emit(HandoffStarted(kind=order.kind, tenant=order.requester, trigger=order.trigger,
-                                                     plan=order.plan))
-        for r in order.releases:
-            if self.inflight.busy(r.tenant):  # as Arbitration.carry_out: a busy tenant is never released
-                results.append(ReleaseResult(r.tenant, r.expected_free_bytes, 0, 0.0, False, "busy", busy=True))
-                continue
-            fault = self.faults.pop(r.tenant, "ok")
-            if self.scheduler is not None:
-                self.scheduler.unloaded(r.tenant)  # what it held is on its way off the card
-            timeout = self.registry.get(r.tenant).release_timeout_s
-            await self.clock.sleep(timeout if fault == "hang" else 4.0 if fault == "slow" else 0.5)
-            if self.inflight.busy(r.tenant):
-                self.violations.append(f"{r.tenant} released while it had admitted work")
-            before = self.held(r.tenant)
-            if fault == "hang":
-                self.failed_releases += 1
-                results.append(ReleaseResult(r.tenant, r.expected_free_bytes, 0, timeout, False,
-                                             "memory not back", timed_out=True))
-                continue
-            model = self.loaded[r.tenant]
-            self.loaded[r.tenant] = None
-            if fault == "partial" and model:
-                self.kept[r.tenant] = MODELS[r.tenant][model] // 2
-                self.failed_releases += 1
-            else:
-                self.kept.pop(r.tenant, None)
-            freed = before - self.held(r.tenant)
-            results.append(ReleaseResult(r.tenant, r.expected_free_bytes, freed, 0.5, fault != "partial"))
-        return Released(order, results, started)
-
-    def prepare_load(self, tenant: str, model: str) -> None:
-        pass
+    async def release_one(self, r: Release) -> ReleaseResult:
+        """One tenant's release on the modelled card (the fake has checked it is not busy)."""
+        fault = self.faults.pop(r.tenant, "ok")
+        if self.scheduler is not None:
+            self.scheduler.unloaded(r.tenant)  # what it held is on its way off the card
+        timeout = self.registry.get(r.tenant).release_timeout_s
+        await self.clock.sleep(timeout if fault == "hang" else 4.0 if fault == "slow" else 0.5)
+        if self.inflight.busy(r.tenant):
+            self.violations.append(f"{r.tenant} released while it had admitted work")
+        before = self.held(r.tenant)
+        if fault == "hang":
+            self.failed_releases += 1
+            return ReleaseResult(r.tenant, r.expected_free_bytes, 0, timeout, False, "memory not back", timed_out=True)
+        model = self.loaded[r.tenant]
+        self.loaded[r.tenant] = None
+        if fault == "partial" and model:
+            self.kept[r.tenant] = MODELS[r.tenant][model] // 2
+            self.failed_releases += 1
+        else:
+            self.kept.pop(r.tenant, None)
+        freed = before - self.held(r.tenant)
+        return ReleaseResult(r.tenant, r.expected_free_bytes, freed, 0.5, fault != "partial")
 
 
 class SchedulerModel(RuleBasedStateMachine):

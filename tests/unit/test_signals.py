@@ -47,7 +47,8 @@ def test_an_unknown_card_has_no_cost_rather_than_zero() -> None:
 
 
 def test_a_busy_tenant_costs_more_than_the_same_memory_idle() -> None:
-    assert memory_cost(plan(8 * G, 2 * G, wait_for=("comfyui",))) > memory_cost(plan(8 * G, 2 * G, idle=6 * G))  # type: ignore[operator]
+    busy, idle = memory_cost(plan(8 * G, 2 * G, wait_for=("comfyui",))), memory_cost(plan(8 * G, 2 * G, idle=6 * G))
+    assert busy is not None and idle is not None and busy > idle, (busy, idle)
 
 
 def test_model_names_come_from_the_tenants_load_keys_and_latest_is_also_the_bare_name() -> None:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import pytest
 
-from proxy.admin.telemetry import TelemetryStore, VramRecorder, decision_rows, default_path
+from proxy.admin.telemetry import Telemetry, TelemetryStore, VramRecorder, decision_rows, default_path
 from proxy.clock import ManualClock
 from proxy.config.units import GIB, MIB
 from proxy.decision_base import RequestTrigger
@@ -28,8 +29,8 @@ if TYPE_CHECKING:
     from proxy.service import Proxy
 
 
-def store_at(tmp_path: Path, clock: ManualClock | None = None, **kw: object) -> TelemetryStore:
-    store = TelemetryStore(tmp_path / "t.sqlite3", wall=clock or ManualClock(), **kw)  # type: ignore[arg-type]
+def store_at(tmp_path: Path, clock: ManualClock | None = None, **kw: Any) -> TelemetryStore:
+    store = TelemetryStore(tmp_path / "t.sqlite3", wall=clock or ManualClock(), **kw)
     store.open()
     return store
 
@@ -199,7 +200,7 @@ def test_only_request_rejections_count_as_507s() -> None:
     log = DecisionLog(ManualClock())
     refused = plan(15 * GIB, Blocker(4242, "stt_relay.py", "unmanaged", 6 * GIB, "unmanaged", "not a tenant"))
 
-    def rows(trigger: str, status: Literal[503, 507] = 507) -> list[tuple[str, dict[str, object]]]:
+    def rows(trigger: str, status: Literal[503, 507] = 507) -> Sequence[tuple[str, dict[str, object]]]:
         event = log.emit(Rejected(tenant="ollama", trigger=trigger, plan=refused, status=status, reason="no room"))
         return decision_rows(event, log.view_of(event))
 
@@ -270,7 +271,7 @@ async def test_after_a_disk_full_episode_health_reports_it_as_past_with_when(tmp
     clock = ManualClock()
     path = tmp_path / "t.sqlite3"
     proxy = proxy_with_telemetry(path, clock)
-    (tel,) = proxy.extensions
+    (tel,) = [e for e in proxy.extensions if isinstance(e, Telemetry)]
     await tel.start()
     store = tel.store
     assert store is not None

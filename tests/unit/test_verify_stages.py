@@ -16,6 +16,7 @@ from proxy.errors import HyperSwapError
 from proxy.verify import Options, Report, Verify, load_graph, stages
 from proxy.verify.clients import minimal_graph
 from proxy.verify.report import StageResult, StageSkipped
+from proxy.verify.session import Session
 
 ADMIN, OLLAMA = "http://admin.test", "http://ollama.test"
 
@@ -163,13 +164,11 @@ async def test_a_stage_that_loads_waits_for_a_busy_tenant_bounded_then_skips_and
 
 
 async def test_a_stage_that_changed_something_is_never_reported_skipped() -> None:
-    from proxy.verify import runner
-
-    async def stops_after_an_effect(v: Verify) -> str:
+    async def stops_after_an_effect(v: Session) -> str:
         v.did("released comfyui")
         raise StageSkipped("the graph still fits")
 
-    async def fails_after_an_effect(v: Verify) -> str:
+    async def fails_after_an_effect(v: Session) -> str:
         v.did("generated with tiny:1b in ollama")
         from proxy.verify.report import StageFailed
         raise StageFailed("it broke", impact="i", fix="f")
@@ -178,7 +177,7 @@ async def test_a_stage_that_changed_something_is_never_reported_skipped() -> Non
         verify = Verify(Options(admin=ADMIN, yes=True), http)
         await verify._stage("a", stops_after_an_effect)
         await verify._stage("b", fails_after_an_effect)
-        await verify._stage("c", lambda v: runner.stages.restore(v))
+        await verify._stage("c", stages.restore)
     a, b = verify.report.stages[0], verify.report.stages[1]
     assert a.status == "incomplete"
     assert a.detail == "did: released comfyui; then stopped before proving anything: the graph still fits"

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import ollama
 from websockets.asyncio.client import connect
+from websockets.typing import Origin
 
 from proxy.cli import build_parser
 from proxy.deploy import install
@@ -52,7 +53,7 @@ async def clients(config: Path, moved: dict[str, dict[str, str]]) -> None:
         async with httpx.AsyncClient(trust_env=False) as http:
             stats = await http.get("http://127.0.0.1:8188/system_stats", headers={"Origin": "http://127.0.0.1:8188"})
             assert stats.status_code == 200 and "devices" in stats.json(), stats.text
-        async with connect("ws://127.0.0.1:8188/ws?clientId=dropin", origin="http://127.0.0.1:8188") as ws:  # type: ignore[arg-type]
+        async with connect("ws://127.0.0.1:8188/ws?clientId=dropin", origin=Origin("http://127.0.0.1:8188")) as ws:
             first = json.loads(await ws.recv())
             assert first["type"] == "status", first
     finally:
