@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import socket
 import sys
 import uuid
@@ -32,6 +33,14 @@ DemoFactory = Callable[..., Awaitable[Demo]]
 # client, 60-140 ms here, and the suite builds hundreds of them (they all speak plain HTTP anyway).
 LOOPBACK_TLS = client_context()
 README_CKPT = "sd_xl_base_1.0.safetensors"  # examples/comfy_prompt.json
+
+
+SERVER_TIMING = re.compile(r'(\w+);dur=([\d.]+);desc="([^"]*)"')
+
+
+def timings(header: str | None) -> dict[str, tuple[float, str]]:
+    """name -> (seconds, desc) of a Server-Timing header (proxy/relay/trace.py writes it)."""
+    return {m[1]: (float(m[2]) / 1000, m[3]) for m in SERVER_TIMING.finditer(header or "")}
 
 
 def free_port() -> int:

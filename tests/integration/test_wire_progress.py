@@ -18,16 +18,20 @@ import pytest
 
 from proxy.demo import Demo, comfy_prompt
 from proxy.tasks import poll_until
-from tests.integration.boxes import LOOPBACK_TLS, README_CKPT, DemoFactory, decisions, fast, proxy_of, render, succeeded
+from tests.integration.boxes import (
+    LOOPBACK_TLS,
+    README_CKPT,
+    DemoFactory,
+    decisions,
+    fast,
+    proxy_of,
+    render,
+    succeeded,
+    timings,
+)
 
 MODEL = "gemma3:27b"  # does not fit beside a loaded checkpoint: a chat for it waits for ComfyUI's release
-TIMING = re.compile(r'(\w+);dur=([\d.]+);desc="([^"]*)"')
 MESSAGES = [{"role": "user", "content": "hi"}]
-
-
-def timings(header: str | None) -> dict[str, tuple[float, str]]:
-    """name -> (seconds, desc) of a Server-Timing header."""
-    return {m[1]: (float(m[2]) / 1000, m[3]) for m in TIMING.finditer(header or "")}
 
 
 async def _render_running(demo: Demo, steps: int) -> asyncio.Future[list[dict[str, Any]]]:

@@ -21,7 +21,7 @@ def test_the_loader_nodes_are_the_ones_naming_the_checkpoint() -> None:
 
 def test_a_load_lasts_from_its_nodes_executing_frame_to_the_next() -> None:
     now = [100.0]
-    timer = FrameTimer(lambda: now[0])
+    timer: FrameTimer[str] = FrameTimer(lambda: now[0])
     timer.expect(("4",), "sd")
     assert timer.on_frame(frame("execution_cached", nodes=[], prompt_id="p")) == []
     assert timer.on_frame(frame("executing", node="4", display_node="4", prompt_id="p")) == []
@@ -33,7 +33,7 @@ def test_a_load_lasts_from_its_nodes_executing_frame_to_the_next() -> None:
 
 def test_a_cached_loader_loads_nothing_and_another_prompt_does_not_end_a_load() -> None:
     now = [0.0]
-    timer = FrameTimer(lambda: now[0])
+    timer: FrameTimer[str] = FrameTimer(lambda: now[0])
     timer.expect(("4",), "cached")
     timer.on_frame(frame("execution_cached", nodes=["4", "5"], prompt_id="a"))
     assert timer.expected == []

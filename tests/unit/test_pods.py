@@ -161,7 +161,8 @@ def test_in_cluster_source_lists_the_nodes_pods_with_the_service_account_token(t
     source = in_cluster_source({"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443",
                                 "NODE_NAME": "gpu-node-1"}, sa_dir(tmp_path))
     assert source is not None
-    assert source.pod_list()["items"][0]["metadata"]["name"] == "ollama-7d9c5b8f6-x2k4p"
+    listed = source.pod_list()
+    assert isinstance(listed, dict) and listed["items"][0]["metadata"]["name"] == "ollama-7d9c5b8f6-x2k4p"
     request = route.calls.last.request
     assert request.url.params["fieldSelector"] == "spec.nodeName=gpu-node-1"
     assert request.headers["authorization"] == "Bearer tok-123"
