@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
+from proxy.encoding import JSONObject
+
 # The kinds of decisions GET /api/decisions lists. model_load: an observation (a load's speed), kept
 # for the history; gpu_*: proxy/gpu/keeper.py; start/stop: a lifecycle tenant started or stopped; exit: it
 # ended on its own while running (a crash, an exit, no answer).
@@ -73,7 +75,7 @@ class Opening(DecisionEvent):
 
     kind: DecisionKind
 
-    def plan_json(self) -> dict[str, object] | None:
+    def plan_json(self) -> JSONObject | None:
         """The plan it carries out or answers with, as JSON; None: no plan."""
         return None
 

@@ -29,6 +29,7 @@ from proxy.errors import HyperSwapError
 from proxy.handoff.arbitration import Arbitration, ReleaseResult
 from proxy.handoff.decisions import NothingToRelease, Rejected
 from proxy.handoff.orders import release_whole, stop_whole
+from proxy.handoff.plan_json import plan_json
 from proxy.handoff.tickets import Admitted
 from proxy.handoff.watchdog import Watchdog
 from proxy.hosts import listener_policy
@@ -327,7 +328,7 @@ class AdminApi:
         tenant = self.arbitration.registry.get(name)
         need = tenant.needs_vram_bytes if need_gb is None else int(need_gb * GIB)
         plan, _ = await self.arbitration.plan(name, need)
-        return JSONResponse({"dry_run": True, "plan": plan.to_json()})
+        return JSONResponse({"dry_run": True, "plan": plan_json(plan)})
 
     async def decisions(self, request: Request) -> Response:
         limit = integer(request.query_params, "limit", 100, low=1, high=500, example="GET /api/decisions?limit=100")

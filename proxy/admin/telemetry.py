@@ -59,6 +59,7 @@ from proxy.handoff.decisions import (
     Rejected,
     SpillNoPlan,
 )
+from proxy.handoff.plan_json import Blocker
 from proxy.models.loads import LoadRecord
 from proxy.tasks import cancel_and_wait
 
@@ -508,7 +509,7 @@ def decision_rows(event: DecisionEvent, view: DecisionView | None) -> list[tuple
         case Rejected(status=507) if event.answered_request:  # a 503 after the queue timeout is a wait that ran out
             out.append(("rejections", {"at": at, "decision_id": decision_id, "tenant": event.tenant,
                                        "trigger": event.trigger, "need_bytes": event.plan.need_bytes,
-                                       "blockers": json.dumps([b.to_json() for b in event.plan.blockers], default=str)}))
+                                       "blockers": json.dumps([Blocker.of(b).dump() for b in event.plan.blockers], default=str)}))
         case ModelLoad(load=load):
             out.append(("load_speeds", {"at": at, "decision_id": decision_id, "tenant": event.tenant, "model": load.model,
                                         "size_bytes": load.size_bytes, **_load_figures(load)}))

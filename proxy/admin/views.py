@@ -22,8 +22,9 @@ from proxy.gpu.visibility import device_json, tenant_devices_json, tenant_vram
 from proxy.handoff.arbitration import Arbitration
 from proxy.handoff.decisions import ReleaseVerdict
 from proxy.handoff.plan import TenantState, gib
+from proxy.handoff.plan_json import Plan
 from proxy.handoff.watchdog import Watchdog
-from proxy.relay.refusals import NotEnoughMemory, PlanDevice
+from proxy.relay.refusals import NotEnoughMemory
 
 JSON = dict[str, Any]
 
@@ -40,54 +41,6 @@ class Error(_Doc):
     reason: str | None = Field(default=None, description="machine-readable, e.g. busy, not_reclaimable")
 
 
-class Release(_Doc):
-    tenant: str
-    expected_free_bytes: int
-    expected_free_gib: float | None
-    pids: list[int]
-    reason: str
-
-
-class Blocker(_Doc):
-    pid: int | None
-    name: str
-    tenant: str
-    vram_bytes: int | None
-    vram_gib: float | None = None
-    reason: str = Field(description="why it could not be released: busy, not_reclaimable, priority, unmanaged, ...")
-    detail: str
-
-
-class Plan(_Doc):
-    """A release plan as computed by the planner (`handoff/plan.py`, logged before it runs)."""
-    requester: str
-    need_bytes: int
-    need_gib: float | None
-    free_bytes: int | None = Field(description="null when unplanned: nothing was measured")
-    free_gib: float | None
-    held_by_requester_bytes: int | None
-    held_by_requester_gib: float | None
-    promised_bytes: int = Field(default=0, description="free memory already promised to admitted loads still on their way")
-    promised_gib: float | None = None
-    reachable_bytes: int | None = Field(default=0, description="free + held + every reclaimable tenant's memory, busy "
-                                                                 "or idle; null when unplanned")
-    reachable_gib: float | None = None
-    feasible: bool | None = Field(description="enough now, with the releases listed; null: unknown (unplanned)")
-    possible: bool | None = Field(default=True, description="enough once the busy tenants in wait_for finish; "
-                                                            "false: 507; null: unknown (unplanned)")
-    outcome: Literal["ready", "release", "wait", "impossible", "unplanned"] | None = Field(
-        default=None, description="unplanned: the card's size is unknown (no GPU reader, no engine reports the "
-                                  "device), so the request is forwarded without a plan; the explanation says why")
-    wait_for: list[str] = Field(default_factory=list, description="busy tenants the request waits for")
-    starved: bool | None = Field(description="free + already held is below the need (only then is anything released); "
-                                            "null: unknown (unplanned)")
-    estimated: bool = Field(description="memory figures are the engines' own reports (GPU reader failed)")
-    releases: list[Release]
-    blockers: list[Blocker]
-    explanation: str
-    device: PlanDevice | None = Field(default=None, description="only on a host with several GPUs: the card planned on")
-
-
 class DryRun(_Doc):
     dry_run: Literal[True]
     plan: Plan
@@ -95,8 +48,6 @@ class DryRun(_Doc):
 
 class Rejection(NotEnoughMemory):
     """The 507 a tenant's listener answers when no plan frees enough memory."""
-    # relay/refusals.py builds it; the document describes its plan field by field
-    plan: Plan  # type: ignore[assignment]  # the same JSON, as the Plan view describes it
 
 
 class ReleaseResult(_Doc):

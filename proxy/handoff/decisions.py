@@ -35,8 +35,9 @@ from typing import Any, Literal
 
 from proxy.clock import Clock
 from proxy.decision_base import DecisionEvent, DecisionKind, E, FollowUp, Opening, RequestTrigger
-from proxy.encoding import fields_json
+from proxy.encoding import JSONObject, fields_json
 from proxy.handoff.plan import Plan, gib
+from proxy.handoff.plan_json import Plan as PlanJSON
 from proxy.handoff.queue_rules import held_swap
 from proxy.models.loads import LoadRecord
 
@@ -128,8 +129,8 @@ class Queued(Opening):
     behind: int | None = None  # the waiting request it queues behind
     waiting_for: tuple[str, ...] = ()  # the tenants it waits for (`Verdict.waiting_for`); the plan's when empty
 
-    def plan_json(self) -> dict[str, object] | None:
-        return self.plan.to_json()
+    def plan_json(self) -> JSONObject | None:
+        return PlanJSON.of(self.plan).dump()
 
     def facts(self) -> dict[str, Any]:
         return {"reason": self.reason, "waiting_for": list(self.waiting_for or self.plan.wait_for), "behind": self.behind}
@@ -180,8 +181,8 @@ class Rejected(Opening):
         """A client's request got this answer (an OOM retry refused answers the engine's own error instead)."""
         return isinstance(self.trigger, RequestTrigger)
 
-    def plan_json(self) -> dict[str, object] | None:
-        return self.plan.to_json()
+    def plan_json(self) -> JSONObject | None:
+        return PlanJSON.of(self.plan).dump()
 
     def facts(self) -> dict[str, Any]:
         return {"status": self.status, "reason": self.reason}
@@ -202,8 +203,8 @@ class HandoffStarted(Opening):
     idle_s: float | None = None  # an idle release: the tenant's idle_release_after_s
     not_released_busy: tuple[str, ...] = ()  # tenants of the plan that had work again when its turn came
 
-    def plan_json(self) -> dict[str, object] | None:
-        return self.plan.to_json() if self.plan is not None else None
+    def plan_json(self) -> JSONObject | None:
+        return PlanJSON.of(self.plan).dump() if self.plan is not None else None
 
     def facts(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -254,8 +255,8 @@ class SpillNoPlan(Opening):
     kind: Literal["spill"] = "spill"
     plan: Plan
 
-    def plan_json(self) -> dict[str, object] | None:
-        return self.plan.to_json()
+    def plan_json(self) -> JSONObject | None:
+        return PlanJSON.of(self.plan).dump()
 
     def facts(self) -> dict[str, Any]:
         return {"ok": False, "result": "no plan: logged once for this placement"}
@@ -417,7 +418,7 @@ class DecisionView:
     kind: DecisionKind
     tenant: str
     trigger: str
-    plan: dict[str, object] | None
+    plan: JSONObject | None
     outcome: Mapping[str, Any]
 
     @classmethod

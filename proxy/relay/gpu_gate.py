@@ -41,6 +41,7 @@ from proxy.handoff.inflight import Token
 from proxy.handoff.load_events import Load
 from proxy.handoff.oom_need import OOM_HEADROOM_BYTES
 from proxy.handoff.plan import gib
+from proxy.handoff.plan_json import plan_json
 from proxy.handoff.queue_rules import RESIDENT
 from proxy.handoff.tickets import Admitted, Handoff
 from proxy.lifecycle.controller import LifecycleError
@@ -582,5 +583,5 @@ def _with_blockers(upstream: UpstreamResponse, body: bytes, handoff: Handoff | N
         return _replay_response(upstream, body)
     if isinstance(data, dict) and handoff is not None:
         data["blockers"] = refusals.blockers_json(handoff)
-        data["plan"] = handoff.plan.to_json()
+        data["plan"] = plan_json(handoff.plan)
     return JSONResponse(data, status_code=upstream.status_code)

@@ -27,6 +27,8 @@ from proxy.config.schema import Tenant
 from proxy.errors import HyperSwapError
 from proxy.handoff import per_card
 from proxy.handoff.plan import gib
+from proxy.handoff.plan_json import Plan as PlanJSON
+from proxy.handoff.plan_json import PlanDevice
 from proxy.handoff.tickets import Admitted, Handoff
 
 JSON = dict[str, Any]
@@ -55,13 +57,6 @@ class Refusal(BaseModel):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
-class PlanDevice(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    index: int = Field(description="NVML index (`nvidia-smi -L`)")
-    name: str
-    uuid: str | None = Field(default=None, description="in a 507's `device`")
-
-
 class RejectionBlocker(BaseModel):
     """A process in the way, named so that a person can find it."""
 
@@ -84,7 +79,7 @@ class NotEnoughMemory(Refusal):
     need_gb: float | None
     available_gb: float | None
     blockers: list[RejectionBlocker]
-    plan: JSON = Field(description="the release plan that found no room")
+    plan: PlanJSON = Field(description="the release plan that found no room")
     fix: str
     device: PlanDevice | None = Field(default=None, description="only on a host with several GPUs: the card that "
                                                                 "has not enough memory; another may have room")
@@ -100,7 +95,7 @@ class QueueTimeout(Refusal):
     waited_s: float = Field(description="how long the request waited for memory")
     waiting_for: list[str] = Field(description="the busy tenants it waited for")
     blockers: list[RejectionBlocker]
-    plan: JSON = Field(description="the plan it waited on")
+    plan: PlanJSON = Field(description="the plan it waited on")
     fix: str
 
 
@@ -212,7 +207,7 @@ def not_enough_memory(tenant: Tenant, handoff: Handoff, need_bytes: int) -> NotE
         card["device"] = PlanDevice(index=dev.index, name=dev.name, uuid=dev.uuid)
     return NotEnoughMemory(error=f"not enough GPU memory for {tenant.name}: {plan.explanation}", tenant=tenant.name,
                            need_gb=gib(need_bytes), available_gb=gib(plan.reachable_bytes),
-                           blockers=blockers(handoff), plan=plan.to_json(), fix=_memory_fix(handoff), **card)
+                           blockers=blockers(handoff), plan=PlanJSON.of(plan), fix=_memory_fix(handoff), **card)
 
 
 def queue_retry_after_s(timeout_s: float) -> int:
@@ -226,7 +221,7 @@ def queue_timeout(tenant: Tenant, admitted: Admitted, timeout_s: float) -> Refus
     return QueueTimeout(
         error=f"{tenant.name} waited {timeout_s:g} s for GPU memory: {admitted.reason}", tenant=tenant.name,
         waited_s=round(handoff.waited_s, 3), waiting_for=list(handoff.plan.wait_for), blockers=blockers(handoff),
-        plan=handoff.plan.to_json(),
+        plan=PlanJSON.of(handoff.plan),
         fix="retry after the busy tenants finish (Retry-After), or raise proxy.queue_timeout_s in tenants.json",
     ).retry_after(queue_retry_after_s(timeout_s))
 

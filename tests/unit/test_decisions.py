@@ -34,6 +34,7 @@ from proxy.handoff.decisions import (
     WaitChanged,
 )
 from proxy.handoff.plan import Blocker, Plan, Release
+from proxy.handoff.plan_json import plan_json
 from proxy.handoff.queue_rules import hold_reason
 from proxy.models.loads import LoadRecord
 
@@ -51,7 +52,7 @@ def test_a_handoff_is_logged_before_it_runs_and_its_results_are_a_second_event_m
     log = DecisionLog(ManualClock())
     started = log.emit(HandoffStarted(kind="plan", tenant="ollama", trigger="request POST /api/generate", plan=PLAN))
     (before,) = log.recent()
-    assert before.outcome == {} and before.plan == PLAN.to_json(), "logged with its plan, before anything is asked"
+    assert before.outcome == {} and before.plan == plan_json(PLAN), "logged with its plan, before anything is asked"
     result = ReleaseResult("comfyui", 7 * GIB, 7 * GIB, 0.4, True)
     finished = log.emit(HandoffFinished(kind="plan", tenant="ollama", trigger=started.trigger, refers_to=started.id,
                                         releases=(result,)))
