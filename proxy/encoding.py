@@ -42,6 +42,11 @@ class JSONModel(BaseModel):
         return cast(JSONObject, self.model_dump(mode="json", exclude_unset=True, by_alias=True))
 
 
+def read_json(value: Mapping[str, object]) -> JSONObject:
+    """A mapping read from JSON (an engine's answer, what a step asked), as the JSON object it is."""
+    return cast(JSONObject, dict(value))
+
+
 def as_object(value: object) -> JSONObject:
     """`value` (read from JSON) as an object, or an empty one when it is not an object."""
     return cast(JSONObject, value) if isinstance(value, dict) else {}

@@ -27,9 +27,11 @@ from proxy.config.schema import Tenant
 from proxy.config.units import GIB
 from proxy.errors import HyperSwapError
 from proxy.handoff.arbitration import Arbitration, ReleaseResult
+from proxy.handoff.decision_json import Decision, RequestStory
 from proxy.handoff.decisions import NothingToRelease, Rejected
 from proxy.handoff.orders import release_whole, stop_whole
 from proxy.handoff.plan_json import plan_json
+from proxy.handoff.release_result import ReleaseOutcome
 from proxy.handoff.tickets import Admitted
 from proxy.handoff.watchdog import Watchdog
 from proxy.hosts import listener_policy
@@ -71,7 +73,7 @@ def _sse(event: str, payload: Any) -> bytes:
 def release_answer(tenant: Tenant, result: ReleaseResult) -> JSONResponse:
     """200 when the card confirmed the memory back, or the engine's own report says so (estimated:
     no GPU reader); 504 when it was not back in time; 502 when the engine refused or was down."""
-    body: dict[str, Any] = {"tenant": tenant.name, **result.to_json()}
+    body = ReleaseOutcome.of(result).dump()  # its tenant first
     if result.result in ("confirmed", "estimated"):
         return JSONResponse(body, status_code=200)
     body["fix"] = release_fix(tenant, result)
@@ -222,12 +224,12 @@ class AdminApi:
             order = stop_whole(snap, tenant, trigger, f"stop asked by the admin API ({trigger})")
             (result,) = (await asyncio.shield(self.arbitration.scheduler.release(order))).results
             if result.result in ("confirmed", "estimated"):
-                return 200, self._lifecycle_body(tenant, machine, "stop", release=result.to_json())
+                return 200, self._lifecycle_body(tenant, machine, "stop", release=ReleaseOutcome.of(result).dump())
             if not result.busy:
                 return 504 if result.result == "timeout" else 502, refusal(
                     f"{tenant.name} could not be stopped: {result.error or result.result}",
                     release_fix(tenant, result), tenant=tenant.name, reason="stop_failed",
-                    release=result.to_json(), lifecycle=machine.view())
+                    release=ReleaseOutcome.of(result).dump(), lifecycle=machine.view())
             state = self.arbitration.scheduler.states(await self.arbitration.snapshot())[tenant.name]
         why = state.busy_reason if state.busy else "a request, stream or websocket is open"
         return 409, refusals.busy(tenant, why, "stopped", machine.view()).body()
@@ -316,7 +318,7 @@ class AdminApi:
         note = (f"{tenant.name} runs on the CPU (its /system_stats device type is cpu): it holds no GPU memory, "
                 "so there is nothing to release")
         self.arbitration.decisions.emit(NothingToRelease(tenant=tenant.name, trigger="admin", reason=note))
-        body = {**ReleaseResult(tenant.name, 0, 0, 0.0, False).to_json(), "result": "not_on_gpu"}
+        body = {**ReleaseOutcome.of(ReleaseResult(tenant.name, 0, 0, 0.0, False)).dump(), "result": "not_on_gpu"}
         return JSONResponse({"tenant": tenant.name, **body, "reason": "cpu", "note": note})
 
     async def plan(self, request: Request) -> Response:
@@ -332,7 +334,8 @@ class AdminApi:
 
     async def decisions(self, request: Request) -> Response:
         limit = integer(request.query_params, "limit", 100, low=1, high=500, example="GET /api/decisions?limit=100")
-        return JSONResponse({"decisions": [d.to_json() for d in self.arbitration.decisions.recent(limit)]})
+        recent = self.arbitration.decisions.recent(limit)
+        return JSONResponse(views.DecisionList(decisions=[Decision.of(d) for d in recent]).dump())
 
     async def decision(self, request: Request) -> Response:
         """One decision, and the story of the request it belongs to (arrived, waited for whom, the
@@ -346,8 +349,8 @@ class AdminApi:
             return error(404, f"no decision {raw} (too old, or never made)", "GET /api/decisions lists the kept ones")
         story = log.story(view.id)
         related = [v for i in (story.related if story else ()) if i != view.id and (v := log.view(i)) is not None]
-        return JSONResponse({"decision": view.to_json(), "story": story.to_json() if story else None,
-                             "related": [v.to_json() for v in related]})
+        return JSONResponse(views.DecisionDetail(decision=Decision.of(view), story=RequestStory.of(story) if story else None,
+                                                 related=[Decision.of(v) for v in related]).dump())
 
     async def stats(self, request: Request) -> Response:
         snap = await self.arbitration.snapshot()
@@ -357,7 +360,7 @@ class AdminApi:
             processes=[views.card_process(p) for p in snap.processes],
             tenants=[views.tenant_view(self.arbitration, self.watchdog, snap, t, states[t.name], self.listeners.get(t.name))
                      for t in self.arbitration.registry],
-            decisions=[views.Decision.model_validate(d.to_json()) for d in self.arbitration.decisions.recent(20)],
+            decisions=[Decision.of(d) for d in self.arbitration.decisions.recent(20)],
             gpu_error=views.gpu_error_view(self.arbitration.last_read_error),
         )
         return JSONResponse(views.dump(stats))

@@ -43,6 +43,7 @@ from proxy.admin import views
 from proxy.admin.proxy_view import ProxyView
 from proxy.decision_base import DecisionEvent
 from proxy.gpu.attribution import AttributedSnapshot
+from proxy.handoff.decision_json import Decision
 from proxy.handoff.load_events import Load
 from proxy.lifecycle.state import LifecycleReport
 from proxy.tasks import cancel_and_wait, sleep_or_wake
@@ -196,7 +197,7 @@ class EventsExtension:
         view = self.proxy.decisions.view_of(event)  # the decision with this fact merged in: the dashboard's shape
         if view is None:
             return  # a later fact of a decision too old to be kept: there is no entry left to show it in
-        frame = encode(next(self._seq), "decision", view.to_json())
+        frame = encode(next(self._seq), "decision", Decision.of(view).dump())
         self._replay.append(frame)
         self._broadcast(frame)
         self._changed.set()

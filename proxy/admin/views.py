@@ -12,25 +12,25 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from proxy.config.schema import Tenant
-from proxy.decision_base import DecisionKind
+from proxy.encoding import JSONModel
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
 from proxy.gpu.snapshot import GpuReadError
 from proxy.gpu.visibility import device_json, tenant_devices_json, tenant_vram
 from proxy.handoff.arbitration import Arbitration
-from proxy.handoff.decisions import ReleaseVerdict
+from proxy.handoff.decision_json import Decision, RequestStory
 from proxy.handoff.plan import TenantState, gib
 from proxy.handoff.plan_json import Plan
+from proxy.handoff.release_result import ReleaseStep, ReleaseVerdict
 from proxy.handoff.watchdog import Watchdog
 from proxy.relay.refusals import NotEnoughMemory
 
 JSON = dict[str, Any]
 
 
-class _Doc(BaseModel):
-    model_config = ConfigDict(extra="allow")
+_Doc = JSONModel
 
 
 class Error(_Doc):
@@ -229,114 +229,10 @@ class TenantList(_Doc):
     tenants: list[TenantView]
 
 
-# -- decision outcomes: the rendering of the typed events (proxy/handoff/decisions.py) ------------------
-
-class ReleaseStep(_Doc):
-    """One step of a release that escalates (tenants.json `release` as a list): what it freed."""
-    step: int = Field(description="its index in the tenant's release list")
-    kind: str = Field(description="its release kind (http, comfyui, process, systemd, docker, ...)")
-    freed_bytes: int = Field(description="what the card (or, estimated, the engine) showed back after it")
-    duration_s: float
-    result: ReleaseVerdict
-    error: str | None = None
-
-
-class ReleaseOutcome(_Doc):
-    """One executed release as a decision's outcome lists it (`ReleaseResult.to_json`)."""
-    tenant: str = ""
-    expected_bytes: int = 0
-    freed_bytes: int = 0
-    duration_s: float = 0.0
-    confirmed: bool = False
-    estimated: bool = False
-    error: str | None = None
-    result: ReleaseVerdict | None = None
-    expected_gb: float | None = None
-    freed_gb: float | None = None
-    asked: JSON | None = Field(default=None, description="what the engine was asked and answered")
-    steps: list[ReleaseStep] | None = Field(default=None, description="each step tried, in order, until one freed "
-                                                                       "the memory")
-
-
-class DecisionOutcome(_Doc):
-    """A decision's outcome: its events' facts merged (proxy/handoff/decisions.py), so every key is
-    optional: an outcome grows as the decision goes on (a handoff's releases come with its second event)."""
-    ok: bool | None = None
-    releases: list[ReleaseOutcome] | None = None
-    status: int | None = None  # a rejection's HTTP status: 507, or 503 after the queue timeout
-    result: str | None = None  # queued: admitted | ...; oom_retry: succeeded | failed | no plan | ...
-    oom_retry: str | None = None  # a plan decision's retry result, once the retry ran
-    waited_s: float | None = None  # queued: how long the request waited
-    reason: str | None = None
-    held_bytes: int | None = Field(default=None, description="release, idle_release: what the tenant held when asked")
-    idle_s: float | None = Field(default=None, description="idle_release: the tenant's idle_release_after_s")
-    waiting_for: list[str] | None = Field(default=None, description="queued: the busy tenants it waits for")
-    behind: int | None = Field(default=None, description="queued: the waiting request it queues behind")
-    ended_by: int | None = Field(default=None, description="queued: the decision that ended the wait")
-    ended_with: str | None = None
-    requeued_as: str | None = Field(default=None, description="a ComfyUI prompt retried after an OOM: the new prompt id")
-    prompt_id: str | None = None
-    job_id: str | None = Field(default=None, description="stale_job: the job no longer counted as running")
-    # model_load: a load the engine timed itself (proxy/models/loads.py)
-    at: float | None = Field(default=None, description="model_load: when the load ended (unix seconds)")
-    model: str | None = None
-    size_bytes: int | None = None
-    seconds: float | None = None
-    gbps: float | None = None
-    resident_before_percent: float | None = None
-    source: str | None = None
-    load_class: str | None = Field(default=None, alias="class", description="model_load: warm, cold or unknown")
-    not_released_busy: list[str] | None = Field(default=None, description="tenants of the plan that had work again "
-                                                                          "when the release's turn came: not released")
-    # start, stop, resume: a lifecycle tenant started or stopped, a soft release's resume call
-    state: str | None = Field(default=None, description="start, stop: the tenant's lifecycle state after it")
-    duration_s: float | None = Field(default=None, description="start, stop, resume: how long it took")
-    error: str | None = Field(default=None, description="start, stop, resume: why it failed")
-    fix: str | None = None
-    output: list[str] | None = Field(default=None, description="start, stop: the app's last output lines")
-    retry_in_s: float | None = Field(default=None, description="a failed start: when the next may begin")
-    asked: JSON | None = Field(default=None, description="resume: what the app was asked and answered")
-    request: int | None = Field(default=None, description="model_load: the decision of the request whose load it was "
-                                                          "(its wait, or the handoff it caused)")
-    # queued, plan: a request that waited or caused a handoff got its answer (FirstByte)
-    arrived_at: float | None = Field(default=None, description="when the request arrived (unix seconds)")
-    first_byte_s: float | None = Field(default=None, description="seconds from its arrival to its answer's first byte")
-    first_byte_status: int | None = Field(default=None, description="the HTTP status its answer began with")
-
-
-class Decision(_Doc):
-    id: int
-    at: float = Field(description="unix seconds")
-    kind: DecisionKind
-    tenant: str
-    trigger: str
-    plan: Plan | None
-    outcome: DecisionOutcome
-
+# -- decisions: their shapes are proxy/handoff/decision_json.py's --------------------------------------------
 
 class DecisionList(_Doc):
     decisions: list[Decision]
-
-
-class StoryStep(_Doc):
-    """One bar of a request's waterfall, in seconds from its arrival."""
-    kind: Literal["wait", "hold", "release", "load", "first_byte"]
-    text: str = Field(description="the bar's sentence: 'waited 4.1 s behind comfyui', 'released comfyui in 0.5 s'...")
-    start_s: float
-    duration_s: float
-    decision: int = Field(description="the decision it is told from")
-    tenant: str | None = Field(description="wait: whom it waited for; release: who was released; load: the requester")
-
-
-class RequestStory(_Doc):
-    """Why one GPU request that waited or caused a handoff took as long as it did."""
-    request: int = Field(description="the decision the story hangs on: the request's wait, else the handoff it caused")
-    tenant: str
-    trigger: str
-    arrived_at: float = Field(description="unix seconds")
-    first_byte_s: float | None = Field(description="null: no answer yet, or it was refused")
-    steps: list[StoryStep]
-    related: list[int] = Field(description="the decisions it is told from")
 
 
 class DecisionDetail(_Doc):

@@ -31,14 +31,16 @@ import logging
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Literal
 
 from proxy.clock import Clock
 from proxy.decision_base import DecisionEvent, DecisionKind, E, FollowUp, Opening, RequestTrigger
-from proxy.encoding import JSONObject, fields_json
+from proxy.encoding import JSONObject, read_json
+from proxy.handoff.outcome import DecisionOutcome
 from proxy.handoff.plan import Plan, gib
 from proxy.handoff.plan_json import Plan as PlanJSON
 from proxy.handoff.queue_rules import held_swap
+from proxy.handoff.release_result import ReleaseOutcome, ReleaseResult, ReleaseVerdict
 from proxy.models.loads import LoadRecord
 
 log = logging.getLogger("hyperswap.decisions")
@@ -75,45 +77,10 @@ __all__ = [
     "request_story",
 ]
 
-ReleaseVerdict = Literal["confirmed", "estimated", "timeout", "error"]
 # The decisions that release: a request's plan, its OOM retry, the watchdog's spill relief and idle
 # release, the admin API's release.
 HandoffKind = Literal["plan", "oom_retry", "spill", "idle_release", "release"]
 QueueEnd = Literal["admitted", "refused (507)", "timed out (503)", "client left while waiting"]
-
-
-@dataclass(frozen=True, slots=True)
-class ReleaseResult:
-    tenant: str
-    expected_bytes: int
-    freed_bytes: int
-    duration_s: float
-    confirmed: bool  # the card showed the memory back (invariant 6)
-    error: str | None = None
-    asked: dict[str, Any] = field(default_factory=dict)
-    # Judged from the engines' own reports (no GPU reader): never `confirmed`, and `freed_bytes` is
-    # what the engine says, not what the card shows. Ollama drops a model from /api/ps before its
-    # memory is back.
-    estimated: bool = False
-    timed_out: bool = False  # asked, but the memory was not back within the tenant's release_timeout_s
-    busy: bool = False  # not asked: the tenant had work again when its turn came (a busy tenant is never released)
-    steps: tuple[dict[str, Any], ...] = ()  # each release step tried, for a release that escalates
-
-    @property
-    def result(self) -> ReleaseVerdict:
-        """How it ended, for those that count releases (metrics, telemetry, the admin API's status)."""
-        if self.confirmed:
-            return "confirmed"
-        if self.estimated and self.error is None:
-            return "estimated"  # the engine's own report said so; the card was not read
-        return "timeout" if self.timed_out else "error"
-
-    def to_json(self) -> dict[str, Any]:
-        return {"tenant": self.tenant, "expected_bytes": self.expected_bytes, "freed_bytes": self.freed_bytes,
-                "expected_gb": gib(self.expected_bytes), "freed_gb": gib(self.freed_bytes),
-                "duration_s": round(self.duration_s, 3), "confirmed": self.confirmed, "estimated": self.estimated,
-                "error": self.error, "asked": self.asked, "result": self.result,
-                **({"steps": list(self.steps)} if self.steps else {})}
 
 
 # -- the handoff queue ----------------------------------------------------------------------------
@@ -132,7 +99,7 @@ class Queued(Opening):
     def plan_json(self) -> JSONObject | None:
         return PlanJSON.of(self.plan).dump()
 
-    def facts(self) -> dict[str, Any]:
+    def facts(self) -> JSONObject:
         return {"reason": self.reason, "waiting_for": list(self.waiting_for or self.plan.wait_for), "behind": self.behind}
 
 
@@ -145,7 +112,7 @@ class WaitChanged(FollowUp):
     waiting_for: tuple[str, ...]
     behind: int | None = None
 
-    def facts(self) -> dict[str, Any]:
+    def facts(self) -> JSONObject:
         return {"reason": self.reason, "waiting_for": list(self.waiting_for), "behind": self.behind}
 
 
@@ -159,8 +126,8 @@ class QueueEnded(FollowUp):
     ended_by: int | None = None  # the handoff that made room, or the 507
     ended_with: str | None = None  # the scheduler's reason; None: the client left
 
-    def facts(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"result": self.result, "waited_s": round(self.waited_s, 3)}
+    def facts(self) -> JSONObject:
+        out: JSONObject = {"result": self.result, "waited_s": round(self.waited_s, 3)}
         if self.ended_with is not None:
             out.update(ended_by=self.ended_by, ended_with=self.ended_with)
         return out
@@ -184,7 +151,7 @@ class Rejected(Opening):
     def plan_json(self) -> JSONObject | None:
         return PlanJSON.of(self.plan).dump()
 
-    def facts(self) -> dict[str, Any]:
+    def facts(self) -> JSONObject:
         return {"status": self.status, "reason": self.reason}
 
 
@@ -206,8 +173,8 @@ class HandoffStarted(Opening):
     def plan_json(self) -> JSONObject | None:
         return PlanJSON.of(self.plan).dump() if self.plan is not None else None
 
-    def facts(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+    def facts(self) -> JSONObject:
+        out: JSONObject = {}
         if self.held_bytes is not None:
             out["held_bytes"] = self.held_bytes
         if self.held_by_device:
@@ -231,8 +198,8 @@ class HandoffFinished(FollowUp):
     def ok(self) -> bool:
         return all(r.confirmed for r in self.releases)
 
-    def facts(self) -> dict[str, Any]:
-        return {"releases": [r.to_json() for r in self.releases], "ok": self.ok}
+    def facts(self) -> JSONObject:
+        return {"releases": [ReleaseOutcome.of(r).dump() for r in self.releases], "ok": self.ok}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -243,7 +210,7 @@ class NothingToRelease(Opening):
     kind: Literal["release"] = "release"
     reason: str
 
-    def facts(self) -> dict[str, Any]:
+    def facts(self) -> JSONObject:
         return {"held_bytes": 0, "result": self.reason, "ok": True}
 
 
@@ -258,7 +225,7 @@ class SpillNoPlan(Opening):
     def plan_json(self) -> JSONObject | None:
         return PlanJSON.of(self.plan).dump()
 
-    def facts(self) -> dict[str, Any]:
+    def facts(self) -> JSONObject:
         return {"ok": False, "result": "no plan: logged once for this placement"}
 
 
@@ -283,8 +250,8 @@ class OomRetry(Opening):
     def target(self) -> int | None:
         return self.handoff_id
 
-    def facts(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"oom_retry" if self.handoff_id is not None else "result": self.result}
+    def facts(self) -> JSONObject:
+        out: JSONObject = {"oom_retry" if self.handoff_id is not None else "result": self.result}
         if self.requeued_as is not None:
             out["requeued_as"] = self.requeued_as
         if self.prompt_id is not None:
@@ -301,7 +268,7 @@ class StaleJob(Opening):
     job_id: str
     reason: str
 
-    def facts(self) -> dict[str, Any]:
+    def facts(self) -> JSONObject:
         return {"job_id": self.job_id, "reason": self.reason}
 
 
@@ -316,7 +283,7 @@ class ModelLoad(Opening):
     load: LoadRecord
     request: int | None = None  # the decision of the request whose load it was (its wait, or its handoff)
 
-    def facts(self) -> dict[str, Any]:
+    def facts(self) -> JSONObject:
         out = {k: v for k, v in self.load.to_json().items() if k != "tenant"}
         if self.request is not None:
             out["request"] = self.request
@@ -333,7 +300,7 @@ class FirstByte(FollowUp):
     after_s: float
     status: int
 
-    def facts(self) -> dict[str, Any]:
+    def facts(self) -> JSONObject:
         return {"arrived_at": round(self.arrived_at, 3), "first_byte_s": round(self.after_s, 3),
                 "first_byte_status": self.status}
 
@@ -353,8 +320,8 @@ class _LifecycleEvent(Opening):
     output: tuple[str, ...] = ()  # the app's last output lines (a failed start, a stop that failed)
     retry_in_s: float | None = None  # a failed start: when the next may begin
 
-    def facts(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"result": self.result, "ok": self.result == "ok", "state": self.state,
+    def facts(self) -> JSONObject:
+        out: JSONObject = {"result": self.result, "ok": self.result == "ok", "state": self.state,
                                "duration_s": round(self.duration_s, 3)}
         if self.error is not None:
             out.update(error=self.error, fix=self.fix, output=list(self.output[-10:]), retry_in_s=self.retry_in_s)
@@ -387,7 +354,7 @@ class LifecycleExit(_LifecycleEvent):
     exit_code: int | None = None  # negative: the signal that killed it
     restart_in_s: float | None = None  # the restart policy starts it again in this long; None: a request will
 
-    def facts(self) -> dict[str, Any]:
+    def facts(self) -> JSONObject:
         return {**_LifecycleEvent.facts(self), "exit_code": self.exit_code, "restart_in_s": self.restart_in_s}
 
 
@@ -399,11 +366,12 @@ class Resumed(Opening):
     kind: Literal["resume"] = "resume"
     ok: bool
     duration_s: float
-    asked: dict[str, Any] | None = None
+    asked: Mapping[str, object] | None = None  # what the app was asked and answered (JSON)
     error: str | None = None
 
-    def facts(self) -> dict[str, Any]:
-        return {"ok": self.ok, "duration_s": round(self.duration_s, 3), "asked": self.asked, "error": self.error}
+    def facts(self) -> JSONObject:
+        asked = None if self.asked is None else read_json(self.asked)
+        return {"ok": self.ok, "duration_s": round(self.duration_s, 3), "asked": asked, "error": self.error}
 
 
 # -- the view and the log ---------------------------------------------------------------------------
@@ -419,18 +387,19 @@ class DecisionView:
     tenant: str
     trigger: str
     plan: JSONObject | None
-    outcome: Mapping[str, Any]
+    outcome: JSONObject
 
     @classmethod
     def of(cls, event: Opening) -> DecisionView:
         return cls(event.id, event.at, event.kind, event.tenant, event.trigger, event.plan_json(), event.facts())
 
+    def read(self) -> DecisionOutcome:
+        """The outcome, typed: every key optional (a decision's outcome grows as it goes on)."""
+        return DecisionOutcome.model_validate(self.outcome)
+
     def merged(self, event: DecisionEvent) -> DecisionView:
         return replace(self, outcome={**self.outcome, **event.facts()})
 
-    def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "at": round(self.at, 3), "kind": self.kind, "tenant": self.tenant,
-                "trigger": self.trigger, "plan": self.plan, "outcome": dict(self.outcome)}
 
 
 class DecisionLog:
@@ -457,7 +426,7 @@ class DecisionLog:
         self._last_id += 1
         event = replace(event, id=self._last_id, at=self._clock.wall())
         self._events.append(event)
-        log.info(json.dumps({"decision": event.to_json()}, default=str))
+        log.info(json.dumps({"decision": event.line().dump()}, default=str))
         target = event.target()
         if target is None and isinstance(event, Opening):
             self._views[event.id] = DecisionView.of(event)
@@ -517,8 +486,6 @@ class StoryStep:
     decision: int  # the decision it is told from
     tenant: str | None = None  # wait: whom it waited for; release: who was released; load: the requester
 
-    def to_json(self) -> dict[str, Any]:
-        return fields_json(self, {"start_s": 3, "duration_s": 3})
 
 
 @dataclass(frozen=True, slots=True)
@@ -533,10 +500,6 @@ class RequestStory:
     related: tuple[int, ...]  # the decisions it is told from
     first_byte_s: float | None  # None: no answer yet (or it was refused)
 
-    def to_json(self) -> dict[str, Any]:
-        return {"request": self.request, "tenant": self.tenant, "trigger": self.trigger,
-                "arrived_at": round(self.arrived_at, 3), "first_byte_s": self.first_byte_s,
-                "steps": [x.to_json() for x in self.steps], "related": list(self.related)}
 
 
 Thread = Sequence[DecisionEvent]  # one decision's events: its opening, then its follow-ups as emitted

@@ -556,8 +556,9 @@ def record_wait(trace: tracing.Trace, decisions: DecisionLog, handoff: Handoff, 
     release_from = max(arrived_wall, started.at) if started is not None and released else admitted_wall
     if handoff.queued is not None:
         view = decisions.view(handoff.queued)
-        who = ", ".join(view.outcome.get("waiting_for") or ()) if view is not None else ""
-        reason = str(view.outcome.get("reason") or "") if view is not None else ""
+        outcome = view.read() if view is not None else None
+        who = ", ".join(outcome.waiting_for or ()) if outcome is not None else ""
+        reason = (outcome.reason or "") if outcome is not None else ""
         tracing.queue_phase(trace, release_from - arrived_wall, reason, who, used_ago)  # a hold, or a wait
     if released:
         trace.phase("release", admitted_wall - release_from,

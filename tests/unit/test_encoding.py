@@ -12,7 +12,6 @@ from proxy.admin import views
 from proxy.admin.health import HealthEntry
 from proxy.encoding import fields_json
 from proxy.gpu.visibility import Capability
-from proxy.handoff.decisions import StoryStep
 
 
 def test_every_field_in_its_order_as_it_is_rounded_where_asked() -> None:
@@ -32,7 +31,6 @@ def test_every_field_in_its_order_as_it_is_rounded_where_asked() -> None:
 @pytest.mark.parametrize(("value", "view"), [
     (HealthEntry("nvml", "degraded", "slow", "late plans", "restart"), views.HealthEntry),
     (Capability("arbitration", "estimated", "on the engines' reports"), views.Capability),
-    (StoryStep("wait", "waited 1.0 s", 0.0, 1.0004, 7, "comfyui"), views.StoryStep),
 ])
 def test_a_value_answers_with_the_fields_its_view_describes(value: object, view: type[BaseModel]) -> None:
     body = value.to_json()  # type: ignore[attr-defined]
