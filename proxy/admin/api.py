@@ -35,6 +35,7 @@ from proxy.handoff.release_result import ReleaseOutcome
 from proxy.handoff.tickets import Admitted
 from proxy.handoff.watchdog import Watchdog
 from proxy.hosts import listener_policy
+from proxy.lifecycle import report_json
 from proxy.lifecycle.logs import (
     FOLLOW_EVERY_S,
     LINES_BACK_DEFAULT,
@@ -189,7 +190,7 @@ class AdminApi:
         if isinstance(outcome, Admitted):
             return self._start_not_admitted(tenant, machine, outcome)
         if outcome.ok:
-            return self._lifecycle_answer(tenant, machine, "start", report=outcome.to_json())
+            return self._lifecycle_answer(tenant, machine, "start", report=report_json.LifecycleReport.of(outcome).dump())
         return refusals.start_failed(outcome.error_for_client(), machine.view()).response()
 
     def _start_not_admitted(self, tenant: Tenant, machine: TenantLifecycle, admitted: Admitted) -> Response:

@@ -45,6 +45,7 @@ from proxy.decision_base import DecisionEvent
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.handoff.decision_json import Decision
 from proxy.handoff.load_events import Load
+from proxy.lifecycle import report_json
 from proxy.lifecycle.state import LifecycleReport
 from proxy.tasks import cancel_and_wait, sleep_or_wake
 
@@ -221,7 +222,7 @@ class EventsExtension:
         view = machine.view()
         self._lifecycle_sent[tenant] = str(view["state"])
         frame = views.LifecycleFrame(tenant=tenant, lifecycle=views.Lifecycle.model_validate(view),
-                                     report=None if report is None else views.LifecycleReport.model_validate(report.to_json()))
+                                     report=None if report is None else report_json.LifecycleReport.of(report))
         self._broadcast(encode(next(self._seq), "lifecycle", views.dump(frame)))
 
     def _lifecycle_changes(self) -> None:

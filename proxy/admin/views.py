@@ -25,6 +25,7 @@ from proxy.handoff.plan import TenantState, gib
 from proxy.handoff.plan_json import Plan
 from proxy.handoff.release_result import ReleaseStep, ReleaseVerdict
 from proxy.handoff.watchdog import Watchdog
+from proxy.lifecycle.report_json import LifecycleReport, Suspended
 from proxy.relay.refusals import NotEnoughMemory
 
 JSON = dict[str, Any]
@@ -170,16 +171,6 @@ class Lifecycle(_Doc):
     controller: LifecycleController
 
 
-class Suspended(_Doc):
-    """A tenant with a cuda_suspend release step: its processes parked in host RAM or not (lifecycle/suspend_state.py)."""
-    state: Literal["running", "suspending", "suspended", "resuming", "failed"]
-    pids: list[int]
-    parked_bytes: int = Field(description="its device memory the driver holds in host RAM now (0 unless suspended)")
-    via: str | None = Field(description="driver API, cuda-checkpoint or simulated; null before the first suspend")
-    error: str | None = Field(description="why the last suspend or restore failed; null: it worked, or none ran")
-    fix: str | None
-
-
 class _TenantLive(_Doc):
     """The live state both /api/tenants and the events' stats frames carry."""
     name: str
@@ -299,24 +290,6 @@ class StatsFrame(_Doc):
     handoff_in_progress: bool
     queue: list[Waiting] = Field(default_factory=list, description="every request waiting for memory, in arrival order")
     gpu_error: GpuError | None
-
-
-class LifecycleReport(_Doc):
-    """How one start or stop ended, or why it never began (refused)."""
-    tenant: str
-    action: Literal["start", "stop", "exit"] = Field(description="exit: it ended on its own while running")
-    ok: bool
-    state: Literal["running", "stopped", "starting", "stopping", "failed", "exited"] = Field(
-        description="the state after it")
-    duration_s: float
-    error: str | None
-    fix: str | None
-    output: list[str]
-    retry_in_s: float | None
-    refused: bool = Field(description="it never began (busy, starting, backing off)")
-    exit_code: int | None = Field(default=None, description="exit: its code (negative: the signal), when known")
-    restart_in_s: float | None = Field(default=None, description="exit: the restart policy starts it again in this "
-                                                                 "long; null: the next request will")
 
 
 class LifecycleFrame(_Doc):
@@ -522,7 +495,7 @@ def _live(arbitration: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot
         **tenant_devices_json(snap, tenant.name),  # several cards: where it loads, what it holds on each
         "lifecycle": lifecycle_view(arbitration, tenant.name),
         "suspension": (None if (rec := arbitration.lifecycles.suspensions.record(tenant.name)) is None
-                       else Suspended.model_validate(rec.to_json(), strict=False)),
+                       else Suspended.of(rec)),
     }
 
 

@@ -40,6 +40,7 @@ from proxy.handoff.queue_rules import promised_by_tenant
 from proxy.handoff.release_result import StepResult
 from proxy.handoff.scheduler import Admitted, Handoff, Scheduler
 from proxy.handoff.sleepers import Lifecycles
+from proxy.lifecycle import report_json
 from proxy.lifecycle.cuda_driver import Checkpointer
 from proxy.lifecycle.state import LifecycleReport
 from proxy.tls import client_context
@@ -198,7 +199,7 @@ class Arbitration:
         try:
             if stops:
                 report = await self.lifecycles.stop(tenant, lambda: self.stop_blocked(tenant.name))
-                asked: dict[str, object] = {"stop": report.to_json()}
+                asked: dict[str, object] = {"stop": report_json.LifecycleReport.of(report).dump()}
                 if not report.ok:
                     return ReleaseResult(tenant.name, expected, held_before - held_now, self.clock.now() - began, False,
                                          report.error, asked, busy=report.refused and report.state == "running")
