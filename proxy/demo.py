@@ -265,10 +265,7 @@ def decision_line(view: DecisionView) -> str:
             cls = f", {o.load_class}" if o.load_class else ""
             text = f"{t} loaded {o.model} in {o.seconds or 0:.1f} s ({o.gbps or 0:.2f} GB/s{cls})"
         case "resume" if o.asked is not None and "restored" in o.asked:
-            back = o.asked
-            text = (f"{t} restored from host RAM ({_number(back.get('bytes')) / GIB:.1f} GiB back on the card in "
-                    f"{_number(back.get('duration_s')):.2f} s, {back.get('via')})" if back.get("restored") is not None
-                    else f"{t} could not be restored: {back.get('fallback')}")
+            text = _restored_line(t, o.asked)
         case "start" | "stop" | "exit":
             done = {"start": "started", "stop": "stopped", "exit": "exited"}[view.kind]
             text = (f"{t} {done} in {o.duration_s or 0:.1f} s" if o.ok or view.kind == "exit"
@@ -278,6 +275,13 @@ def decision_line(view: DecisionView) -> str:
             text = f"{t}: {facts}" if facts else t
     ok = "" if o.ok is not False else " [FAILED]"
     return f"#{view.id} {view.kind:<12} {text}{ok}  ({view.trigger})"
+
+
+def _restored_line(t: str, back: Mapping[str, object]) -> str:
+    if back.get("restored") is None:
+        return f"{t} could not be restored: {back.get('fallback')}"
+    return (f"{t} restored from host RAM ({_number(back.get('bytes')) / GIB:.1f} GiB back on the card in "
+            f"{_number(back.get('duration_s')):.2f} s, {back.get('via')})")
 
 
 def _number(value: object) -> float:

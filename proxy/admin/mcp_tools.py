@@ -30,8 +30,9 @@ from pydantic import Field
 from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
+from proxy.admin.health_report import HealthReport
 from proxy.admin.proxy_view import ProxyView
-from proxy.admin.views import DryRun, EngineList, HealthReport, LifecycleAnswer, ModelList, ReleaseResult, TenantList
+from proxy.admin.views import DryRun, EngineList, LifecycleAnswer, ModelList, ReleaseResult, TenantList
 from proxy.config.bounds import MAX_GIB
 from proxy.errors import McpNotInstalled
 from proxy.tls import client_context

@@ -44,7 +44,7 @@ from proxy.models.pagecache import PageCacheProbe, SystemPageCache
 from proxy.models.warm import MemAvailable, Warmer, WarmJob, may_read, read_mem_available
 
 if TYPE_CHECKING:
-    from proxy.admin.health import HealthEntry
+    from proxy.admin.health_entry import HealthEntry
     from proxy.gpu.attribution import AttributedSnapshot
 
 log = logging.getLogger("hyperswap.models")
@@ -387,7 +387,7 @@ class ModelsExtension:
 
     # -- health ---------------------------------------------------------------------------------
     async def health_entries(self, snap: AttributedSnapshot) -> list[HealthEntry]:
-        from proxy.admin.health import HealthEntry
+        from proxy.admin.health_entry import HealthEntry
         try:
             everything = await self.files(self.catalog.all_files)
         except (FileWorkBusy, TimeoutError) as exc:

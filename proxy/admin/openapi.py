@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from proxy.admin.health_report import HealthReport
 from proxy.admin.proxy_view import ProxyView
 from proxy.admin.telemetry import HISTORY_LIMIT_MAX, KINDS
 from proxy.admin.views import (
@@ -28,7 +29,6 @@ from proxy.admin.views import (
     DryRun,
     EngineList,
     Error,
-    HealthReport,
     LifecycleAnswer,
     LifecycleFrame,
     LifecycleRefusal,

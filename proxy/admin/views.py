@@ -379,30 +379,6 @@ class CatalogFrame(_Doc):
     tenants: dict[str, TenantCatalog]
 
 
-class HealthEntry(_Doc):
-    name: str
-    status: Literal["ok", "degraded", "failed", "unknown"] = Field(
-        description="unknown: the check cannot run (what it looks at cannot be seen); problem says why")
-    problem: str | None
-    impact: str | None
-    fix: str | None
-
-
-class Capability(_Doc):
-    name: Literal["forwarding", "in-flight tracking", "arbitration", "confirmed releases"]
-    status: Literal["ok", "estimated", "off"] = Field(description="estimated: on the engines' own reports")
-    detail: str
-
-
-class HealthReport(_Doc):
-    status: Literal["ok", "degraded", "failed"] = Field(description="the worst entry's (unknown counts as degraded)")
-    entries: list[HealthEntry]
-    capabilities: list[Capability] = Field(default_factory=list, description=(
-        "what works now: without a GPU reader, forwarding and in-flight tracking do; arbitration is estimated or "
-        "off; releases are not confirmed (absent when no GPU snapshot could be taken at all)"))
-    checked_at: float | None = Field(default=None, description="unix seconds")
-
-
 class ModelList(_Doc):
     tenants: list[JSON] = Field(description="per tenant: its model files with size and page-cache residency")
 

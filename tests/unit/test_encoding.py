@@ -8,8 +8,7 @@ import dataclasses
 import pytest
 from pydantic import BaseModel
 
-from proxy.admin import views
-from proxy.admin.health import HealthEntry
+from proxy.admin import health_report
 from proxy.encoding import fields_json
 from proxy.gpu.visibility import Capability
 
@@ -29,8 +28,7 @@ def test_every_field_in_its_order_as_it_is_rounded_where_asked() -> None:
 
 
 @pytest.mark.parametrize(("value", "view"), [
-    (HealthEntry("nvml", "degraded", "slow", "late plans", "restart"), views.HealthEntry),
-    (Capability("arbitration", "estimated", "on the engines' reports"), views.Capability),
+    (Capability("arbitration", "estimated", "on the engines' reports"), health_report.Capability),
 ])
 def test_a_value_answers_with_the_fields_its_view_describes(value: object, view: type[BaseModel]) -> None:
     body = value.to_json()  # type: ignore[attr-defined]
