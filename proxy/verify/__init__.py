@@ -12,7 +12,7 @@ import httpx
 
 from proxy.errors import HyperSwapError
 from proxy.tls import client_context
-from proxy.verify.report import Report, StageResult
+from proxy.verify.report import Report, StageResult, VerifyReport
 from proxy.verify.runner import Options, Verify
 
 __all__ = ["Options", "Report", "Verify", "load_graph", "verify_main"]
@@ -64,7 +64,7 @@ def verify_main(admin: str, *, yes: bool, as_json: bool, comfy_graph: str | None
                       stage_timeout_s=stage_timeout_s, busy_wait_s=busy_wait_s)
     report = asyncio.run(run_verify(options, out=out, err=err, as_json=as_json))
     if as_json:
-        print(json.dumps(report.to_json(), indent=2), file=out)
+        print(json.dumps(VerifyReport.of(report).dump(), indent=2), file=out)
     else:
         print(report.text().rsplit("\n", 1)[-1], file=out)
     return report.exit_code

@@ -15,7 +15,7 @@ from proxy.config.units import GIB
 from proxy.errors import HyperSwapError
 from proxy.verify import Options, Report, Verify, load_graph, stages
 from proxy.verify.clients import minimal_graph
-from proxy.verify.report import StageResult, StageSkipped
+from proxy.verify.report import StageResult, StageSkipped, VerifyReport
 
 ADMIN, OLLAMA = "http://admin.test", "http://ollama.test"
 
@@ -191,7 +191,8 @@ def test_without_a_gpu_reader_the_verdict_is_verified_without_arbitration_with_i
     assert (Report("x", ok, gpu_reader=True).verdict, Report("x", ok, gpu_reader=True).exit_code) == ("verified", 0)
     without = Report("x", ok, gpu_reader=False)
     assert (without.verdict, without.exit_code) == ("verified without arbitration (no GPU reader)", 3)
-    assert without.to_json()["status"] == "pass-without-arbitration" and without.to_json()["gpu_reader"] is False
+    body = VerifyReport.of(without).dump()
+    assert body["status"] == "pass-without-arbitration" and body["gpu_reader"] is False
     assert without.text().endswith(": partly verified without arbitration (no GPU reader): 1 stage(s) skipped or "
                                    "incomplete: reclaim; proved: proxy"), without.text()
     failed = Report("x", [*ok, StageResult("b", "fail", 0, "bad", "i", "f")], gpu_reader=False)
@@ -257,7 +258,7 @@ def test_the_verdict_needs_a_stage_that_ran_and_no_failure() -> None:
     assert not Report("x", [StageResult("a", "skip", 0, "why")]).passed
     assert Report("x", [StageResult("a", "pass", 0, "ok"), StageResult("b", "skip", 0, "why")]).passed
     failed = Report("x", [StageResult("a", "pass", 0, "ok"), StageResult("b", "fail", 0, "bad", "breaks", "fix it")])
-    assert not failed.passed and failed.to_json()["counts"] == {"pass": 1, "fail": 1, "skip": 0, "incomplete": 0}
+    assert not failed.passed and VerifyReport.of(failed).dump()["counts"] == {"pass": 1, "fail": 1, "skip": 0, "incomplete": 0}
     assert "breaks: breaks" in failed.text() and "fix:    fix it" in failed.text()
 
 
@@ -422,7 +423,7 @@ def test_the_verdict_line_names_what_was_proved_and_what_was_skipped() -> None:
                           StageResult("comfyui graph", "skip", 0, "no graph")], gpu_reader=True)
     assert partly.summary == ("partly verified: 2 stage(s) skipped or incomplete: out of memory, comfyui graph; "
                               "proved: proxy, reclaim"), partly.summary
-    assert partly.exit_code == 0 and partly.to_json()["summary"] == partly.summary
+    assert partly.exit_code == 0 and VerifyReport.of(partly).dump()["summary"] == partly.summary
     failed = Report("x", [*ran, StageResult("507 too large", "fail", 0, "bad", "i", "f")], gpu_reader=True)
     assert failed.summary == "NOT verified: failed: 507 too large"
 
