@@ -8,6 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from pydantic import Field
+
+from proxy.encoding import JSONModel, JSONObject
+
+
+class ErrorBody(JSONModel):
+    """Every error answer: a sentence, and a hint where one helps; extra keys give details, in the
+    order the error gives them (the admin API's document lists the common ones: `views.Error`)."""
+    error: str
+    fix: str | None = Field(default=None, description="what to do about it")
+
 
 class HyperSwapError(Exception):
     status: int = 500
@@ -22,12 +33,12 @@ class HyperSwapError(Exception):
             self.status = status
         self.details: dict[str, object] = dict(details or {})
 
-    def to_json(self) -> dict[str, object]:
-        body: dict[str, object] = {"error": self.message}
+    def body(self) -> JSONObject:
+        """The JSON answer at the HTTP edge: `{"error": message, "fix": fix, **details}` (no fix: no key)."""
+        out = ErrorBody.model_validate({"error": self.message, **self.details})
         if self.fix:
-            body["fix"] = self.fix
-        body.update(self.details)
-        return body
+            out.fix = self.fix
+        return out.dump()
 
     def one_line(self) -> str:
         return f"error: {self.message}" + (f" (fix: {self.fix})" if self.fix else "")

@@ -126,7 +126,7 @@ class AdminApi:
             try:
                 return await handler(request)
             except HyperSwapError as exc:
-                return JSONResponse(exc.to_json(), status_code=exc.status)
+                return JSONResponse(exc.body(), status_code=exc.status)
         return wrapped
 
     async def tenant_view(self, tenant: Tenant) -> dict[str, Any]:

@@ -324,7 +324,7 @@ class ModelsExtension:
             try:
                 return await handler(request)
             except HyperSwapError as exc:
-                return JSONResponse(exc.to_json(), status_code=exc.status)
+                return JSONResponse(exc.body(), status_code=exc.status)
         return wrapped
 
     async def list_route(self, request: Request) -> Response:

@@ -637,7 +637,7 @@ class Telemetry:
             since = optional_number(q, "since", low=0, example=f"unix seconds, like {example}") or 0.0
             limit = integer(q, "limit", 1000, low=1, high=HISTORY_LIMIT_MAX, example=example)
         except HyperSwapError as exc:
-            return JSONResponse(exc.to_json(), status_code=exc.status)
+            return JSONResponse(exc.body(), status_code=exc.status)
         kinds = [k.strip() for k in q.get("kind", ",".join(KINDS)).split(",") if k.strip()]
         unknown = [k for k in kinds if k not in KINDS]
         if unknown:

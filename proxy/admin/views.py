@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field
 
 from proxy.config.schema import Tenant
 from proxy.encoding import JSONModel
+from proxy.errors import ErrorBody
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
 from proxy.gpu.snapshot import GpuReadError
 from proxy.gpu.visibility import device_json, tenant_devices_json, tenant_vram
@@ -34,10 +35,8 @@ JSON = dict[str, Any]
 _Doc = JSONModel
 
 
-class Error(_Doc):
+class Error(ErrorBody):
     """Every error answer: a sentence, and a hint where one helps. Extra keys give details."""
-    error: str
-    fix: str | None = Field(default=None, description="what to do about it")
     tenant: str | None = None
     reason: str | None = Field(default=None, description="machine-readable, e.g. busy, not_reclaimable")
 

@@ -239,7 +239,7 @@ class ProgressResponse(Response):
             try:
                 result: Result = task.result()
             except HyperSwapError as exc:
-                result = JSONResponse(exc.to_json(), status_code=exc.status)
+                result = JSONResponse(exc.body(), status_code=exc.status)
             if not committed:
                 self._trace.listener = None
                 answered = True
@@ -334,7 +334,7 @@ class ProgressResponse(Response):
             try:
                 body = await result.aread()
             except HyperSwapError as exc:
-                body = json.dumps(exc.to_json()).encode()
+                body = json.dumps(exc.body()).encode()
         else:
             body = bytes(result.body)
         await self._end_with_error(send, error_message(result.status_code, body))

@@ -245,7 +245,7 @@ def start_retry_after_s(retry_in_s: object) -> int:
 def start_failed(exc: HyperSwapError, lifecycle: JSON | None = None) -> Refusal:
     """503: the start (or resume) failed. A tenant's listener says the state it is left in; the admin's
     start says `reason` and the whole lifecycle instead."""
-    body: JSON = exc.to_json()
+    body: JSON = exc.body()
     if lifecycle is not None:
         body.pop("state", None)
         body.update(reason="start_failed", lifecycle=lifecycle)

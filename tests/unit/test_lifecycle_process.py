@@ -139,7 +139,7 @@ async def test_a_failing_start_reports_its_last_output_lines(controllers: list[P
     assert report.duration_s < WAIT_S, "a crashed child fails the start at once, not at the timeout"
     with pytest.raises(LifecycleError) as err:
         await lc.ensure_running()  # backing off: refused with the same reason and lines
-    assert err.value.status == 503 and err.value.to_json()["output"][-1] == "fatal: no model"
+    assert err.value.status == 503 and err.value.body()["output"][-1] == "fatal: no model"
 
 
 async def test_stdin_is_closed_and_cwd_and_env_are_the_configured_ones(

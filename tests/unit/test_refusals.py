@@ -70,7 +70,7 @@ def test_a_failed_start_is_told_as_it_was_raised_with_its_backoff(retry_in_s: fl
     err.details.update({"tenant": "stt", "state": "failed", "retry_in_s": retry_in_s})
     status, retry, relay = answer(refusals.start_failed(err))
     assert (status, retry) == (503, retry_after)
-    assert json.dumps(relay) == json.dumps(err.to_json()), "the listener's body is the error's, key for key"
+    assert json.dumps(relay) == json.dumps(err.body()), "the listener's body is the error's, key for key"
     _, _, admin = answer(refusals.start_failed(err, {"state": "failed"}))
     assert list(admin) == ["error", "fix", "output", "tenant", "retry_in_s", "reason", "lifecycle"], "no state: in lifecycle"
 
