@@ -20,6 +20,14 @@ class ErrorBody(JSONModel):
     fix: str | None = Field(default=None, description="what to do about it")
 
 
+def error_body(message: str, fix: str | None = None, details: Mapping[str, object] | None = None) -> JSONObject:
+    """An error answer's body, written through `ErrorBody`: the sentence, the fix (none: no key), the details."""
+    out = ErrorBody.model_validate({"error": message, **(details or {})})
+    if fix:
+        out.fix = fix
+    return out.dump()
+
+
 class HyperSwapError(Exception):
     status: int = 500
     exit_code: int = 1
@@ -35,10 +43,7 @@ class HyperSwapError(Exception):
 
     def body(self) -> JSONObject:
         """The JSON answer at the HTTP edge: `{"error": message, "fix": fix, **details}` (no fix: no key)."""
-        out = ErrorBody.model_validate({"error": self.message, **self.details})
-        if self.fix:
-            out.fix = self.fix
-        return out.dump()
+        return error_body(self.message, self.fix, self.details)
 
     def one_line(self) -> str:
         return f"error: {self.message}" + (f" (fix: {self.fix})" if self.fix else "")

@@ -11,7 +11,6 @@ import asyncio
 import hmac
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -25,7 +24,8 @@ from proxy.admin.query import integer, optional_number
 from proxy.config.bounds import MAX_GIB
 from proxy.config.schema import Tenant
 from proxy.config.units import GIB
-from proxy.errors import HyperSwapError
+from proxy.encoding import JSONObject
+from proxy.errors import HyperSwapError, error_body
 from proxy.handoff.arbitration import Arbitration, ReleaseResult
 from proxy.handoff.decision_json import Decision, RequestStory
 from proxy.handoff.decisions import NothingToRelease, Rejected
@@ -53,20 +53,16 @@ Handler = Callable[[Request], Awaitable[Response]]
 LOG_KEEPALIVE_S = 15.0  # a quiet log stream sends a comment this often
 
 
-def refusal(message: str, fix: str | None = None, **details: Any) -> dict[str, Any]:
+def refusal(message: str, fix: str | None = None, **details: object) -> JSONObject:
     """An error answer's body: the sentence, the fix, and details."""
-    body: dict[str, Any] = {"error": message}
-    if fix:
-        body["fix"] = fix
-    body.update(details)
-    return body
+    return error_body(message, fix, details)
 
 
-def error(status: int, message: str, fix: str | None = None, **details: Any) -> JSONResponse:
+def error(status: int, message: str, fix: str | None = None, **details: object) -> JSONResponse:
     return JSONResponse(refusal(message, fix, **details), status_code=status)
 
 
-def _sse(event: str, payload: Any) -> bytes:
+def _sse(event: str, payload: object) -> bytes:
     """One server-sent event: its data one line of JSON (no newline can end it early)."""
     return f"event: {event}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
 
@@ -129,7 +125,7 @@ class AdminApi:
                 return JSONResponse(exc.body(), status_code=exc.status)
         return wrapped
 
-    async def tenant_view(self, tenant: Tenant) -> dict[str, Any]:
+    async def tenant_view(self, tenant: Tenant) -> JSONObject:
         snap = self.arbitration.last_snapshot or await self.arbitration.snapshot()
         state = self.arbitration.scheduler.states(snap)[tenant.name]
         return views.dump(views.tenant_view(self.arbitration, self.watchdog, snap, tenant, state,
@@ -170,11 +166,11 @@ class AdminApi:
         return refusals.not_lifecycle(tenant, action).response()
 
     def _lifecycle_answer(self, tenant: Tenant, machine: TenantLifecycle, action: str,
-                          status: int = 200, **fields: Any) -> JSONResponse:
+                          status: int = 200, **fields: object) -> JSONResponse:
         return JSONResponse(self._lifecycle_body(tenant, machine, action, **fields), status_code=status)
 
     @staticmethod
-    def _lifecycle_body(tenant: Tenant, machine: TenantLifecycle, action: str, **fields: Any) -> dict[str, Any]:
+    def _lifecycle_body(tenant: Tenant, machine: TenantLifecycle, action: str, **fields: object) -> dict[str, object]:
         return {"tenant": tenant.name, "action": action, "ok": True, **fields, "lifecycle": machine.view()}
 
     async def start(self, request: Request) -> Response:
@@ -212,7 +208,7 @@ class AdminApi:
         status, body = await self._stop_one(tenant, machine, "admin stop")
         return JSONResponse(body, status_code=status)
 
-    async def _stop_one(self, tenant: Tenant, machine: TenantLifecycle, trigger: str) -> tuple[int, dict[str, Any]]:
+    async def _stop_one(self, tenant: Tenant, machine: TenantLifecycle, trigger: str) -> tuple[int, dict[str, object]]:
         """The admin's stop of one tenant: (status, body) as `/api/tenants/{name}/stop` answers it."""
         if machine.state == "stopped":
             return 200, self._lifecycle_body(tenant, machine, "stop",
@@ -227,10 +223,10 @@ class AdminApi:
             if result.result in ("confirmed", "estimated"):
                 return 200, self._lifecycle_body(tenant, machine, "stop", release=ReleaseOutcome.of(result).dump())
             if not result.busy:
-                return 504 if result.result == "timeout" else 502, refusal(
+                return 504 if result.result == "timeout" else 502, dict(refusal(
                     f"{tenant.name} could not be stopped: {result.error or result.result}",
                     release_fix(tenant, result), tenant=tenant.name, reason="stop_failed",
-                    release=ReleaseOutcome.of(result).dump(), lifecycle=machine.view())
+                    release=ReleaseOutcome.of(result).dump(), lifecycle=machine.view()))
             state = self.arbitration.scheduler.states(await self.arbitration.snapshot())[tenant.name]
         why = state.busy_reason if state.busy else "a request, stream or websocket is open"
         return 409, refusals.busy(tenant, why, "stopped", machine.view()).body()
@@ -239,7 +235,7 @@ class AdminApi:
         """Stop every tenant the proxy starts that is idle (llama-swap's unload-all), one after another
         through the same path as `/api/tenants/{name}/stop`; busy and starting ones are left running and
         named with why. 200 when all are stopped now, else 409 (a stop that failed, or one refused)."""
-        results: list[dict[str, Any]] = []
+        results: list[dict[str, object]] = []
         for tenant in self.arbitration.registry:
             machine = self.arbitration.lifecycles.machine(tenant.name)
             if machine is None:
@@ -250,7 +246,7 @@ class AdminApi:
         stopped = [r["tenant"] for r in results if r["ok"]]
         refused = [r["tenant"] for r in results if not r["ok"] and r.get("reason") in ("busy", "starting")]
         failed = [r["tenant"] for r in results if not r["ok"] and r["tenant"] not in refused]
-        answer: dict[str, Any] = {"ok": not refused and not failed, "stopped": stopped, "refused": refused,
+        answer: dict[str, object] = {"ok": not refused and not failed, "stopped": stopped, "refused": refused,
                                   "failed": failed, "results": results}
         if refused or failed:
             answer["error"] = "not stopped: " + "; ".join(f"{r['tenant']} ({r['error']})" for r in results if not r["ok"])

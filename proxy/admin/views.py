@@ -10,12 +10,12 @@ is left out rather than invented (unknown is absent or null, never a made-up def
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal, cast
 
 from pydantic import BaseModel, Field
 
 from proxy.config.schema import Tenant
-from proxy.encoding import JSONModel
+from proxy.encoding import JSONModel, JSONObject
 from proxy.errors import ErrorBody
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
 from proxy.gpu.snapshot import GpuReadError
@@ -28,9 +28,6 @@ from proxy.handoff.release_result import ReleaseStep, ReleaseVerdict
 from proxy.handoff.watchdog import Watchdog
 from proxy.lifecycle.report_json import LifecycleReport, Suspended
 from proxy.relay.refusals import NotEnoughMemory
-
-JSON = dict[str, Any]
-
 
 _Doc = JSONModel
 
@@ -62,7 +59,7 @@ class ReleaseResult(_Doc):
                                                        "/api/ps, ComfyUI's /system_stats), which may say so before "
                                                        "the memory is back; never confirmed")
     error: str | None
-    asked: JSON = Field(description="what the engine was asked and answered")
+    asked: dict[str, object] = Field(description="what the engine was asked and answered")
     steps: list[ReleaseStep] | None = Field(default=None, description="each release step tried, in order")
     fix: str | None = Field(default=None, description="on 502 and 504: what to do about it")
     reason: Literal["cpu"] | None = Field(default=None, description="cpu: the engine runs on the CPU and holds no GPU "
@@ -131,8 +128,9 @@ class LifecycleController(_Doc):
     pid: int | None = Field(default=None, description="process: the child's pid while it runs")
     running: bool | None = Field(default=None, description="process: the child the proxy started runs now")
     exit_code: int | None = Field(default=None, description="process: how the last child ended (null: runs, or none)")
-    orphan: JSON | None = Field(default=None, description="process: a child of an earlier run of the proxy that still "
-                                                         "runs (pid, pgid); named in health, never killed")
+    orphan: dict[str, object] | None = Field(default=None, description="process: a child of an earlier run of the "
+                                                                      "proxy that still runs (pid, pgid); named in "
+                                                                      "health, never killed")
     unit: str | None = Field(default=None, description="systemd: the unit")
     scope: Literal["system", "user"] | None = Field(default=None, description="systemd: the manager it is reached in")
     container: str | None = Field(default=None, description="docker: container name or id")
@@ -208,7 +206,7 @@ class TenantDevices(_Doc):
 
 
 class TenantView(_TenantLive):
-    config: JSON
+    config: dict[str, object]
     processes: list[Process]
     watchdog: str | None
     estimated: bool
@@ -379,18 +377,19 @@ class CatalogFrame(_Doc):
 
 
 class ModelList(_Doc):
-    tenants: list[JSON] = Field(description="per tenant: its model files with size and page-cache residency")
+    tenants: list[dict[str, object]] = Field(description="per tenant: its model files with size and page-cache residency")
 
 
 class EngineList(_Doc):
-    engines: list[JSON] = Field(description="per tenant whose engine reports about itself: reachable, version, settings")
+    engines: list[dict[str, object]] = Field(description="per tenant whose engine reports about itself: reachable, "
+                                                         "version, settings")
 
 
 # -- builders: each view is made here and nowhere else ----------------------------------------------
 
-def dump(model: BaseModel) -> JSON:
+def dump(model: BaseModel) -> JSONObject:
     """A view as the JSON answer carries it."""
-    return model.model_dump(mode="json", exclude_unset=True, by_alias=True)
+    return cast(JSONObject, model.model_dump(mode="json", exclude_unset=True, by_alias=True))
 
 
 def device_view(snap: AttributedSnapshot) -> Device:
@@ -426,7 +425,7 @@ def lifecycle_view(arbitration: Arbitration, tenant: str) -> Lifecycle | None:
     return None if machine is None else Lifecycle.model_validate(machine.view())
 
 
-def queue(arbitration: Arbitration) -> list[JSON]:
+def queue(arbitration: Arbitration) -> list[dict[str, object]]:
     """Every waiting request, in arrival order, with its place in line (by priority, then arrival)."""
     entries = arbitration.scheduler.waiting()
     place = {w["id"]: i + 1 for i, w in enumerate(sorted(entries, key=lambda w: (-w["priority"], w["id"])))}
@@ -447,7 +446,8 @@ def loading_view(arbitration: Arbitration, snap: AttributedSnapshot, tenant: Ten
                         on_card_gb=gib(on_card), estimated=figure is None or figure.estimated)
 
 
-def _live(arbitration: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, tenant: Tenant, state: TenantState) -> JSON:
+def _live(arbitration: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, tenant: Tenant,
+          state: TenantState) -> dict[str, object]:
     """The live fields /api/tenants and the events' stats frames share (`_TenantLive`)."""
     traffic = arbitration.inflight.snapshot().get(tenant.name)
     machine = arbitration.lifecycles.machine(tenant.name)
@@ -478,18 +478,19 @@ def tenant_view(arbitration: Arbitration, watchdog: Watchdog, snap: AttributedSn
                 state: TenantState, listening: str | None = None) -> TenantView:
     """One tenant with its configuration and live state (GET /api/tenants, /api/stats, MCP);
     `listening`: where its listener really answers (a port of 0 read back)."""
-    return TenantView(
+    return TenantView.model_validate({
         **_live(arbitration, watchdog, snap, tenant, state),
-        config=tenant.model_dump(mode="json"),
-        processes=[tenant_process(p) for p in snap.processes_of(tenant.name)],
-        watchdog=watchdog.last.reasons.get(tenant.name) if watchdog.last else None,
-        estimated=snap.snapshot.source == "engine-estimate",
-        listening=listening,
-    )
+        "config": tenant.model_dump(mode="json"),
+        "processes": [tenant_process(p) for p in snap.processes_of(tenant.name)],
+        "watchdog": watchdog.last.reasons.get(tenant.name) if watchdog.last else None,
+        "estimated": snap.snapshot.source == "engine-estimate",
+        "listening": listening,
+    })
 
 
 def stats_tenant(arbitration: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, tenant: Tenant,
                  state: TenantState) -> StatsTenant:
     """One tenant in an events stats frame: the live state, small (no config, no catalog)."""
-    return StatsTenant(**_live(arbitration, watchdog, snap, tenant, state), engine=tenant.engine, priority=tenant.priority,
-                       pids=[p.process.pid for p in snap.processes_of(tenant.name)])
+    return StatsTenant.model_validate({**_live(arbitration, watchdog, snap, tenant, state), "engine": tenant.engine,
+                                       "priority": tenant.priority,
+                                       "pids": [p.process.pid for p in snap.processes_of(tenant.name)]})
