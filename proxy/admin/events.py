@@ -30,9 +30,9 @@ import itertools
 import json
 import logging
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import httpx
 from starlette.requests import Request
@@ -42,6 +42,7 @@ from starlette.routing import BaseRoute, Route
 from proxy.admin import views
 from proxy.admin.proxy_view import ProxyView
 from proxy.decision_base import DecisionEvent
+from proxy.encoding import JSONObject
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.handoff.decision_json import Decision
 from proxy.handoff.load_events import Load
@@ -74,7 +75,7 @@ class Frame:
     data: bytes
 
 
-def encode(seq: int, kind: FrameKind, payload: Any) -> Frame:
+def encode(seq: int, kind: FrameKind, payload: object) -> Frame:
     body = json.dumps(payload, separators=(",", ":"), default=str)  # one line: no newline inside `data:`
     return Frame(seq, kind, f"id: {seq}\nevent: {kind}\ndata: {body}\n\n".encode())
 
@@ -117,7 +118,7 @@ class _Subscriber:
 
 # -- payloads -------------------------------------------------------------------------------------
 
-async def stats_payload(proxy: ProxyView, snap: AttributedSnapshot | None = None, recent: int = 20) -> dict[str, Any]:
+async def stats_payload(proxy: ProxyView, snap: AttributedSnapshot | None = None, recent: int = 20) -> JSONObject:
     """One stats frame's body (no catalog, no tenant config: those are large and static)."""
     arbitration = proxy.arbitration
     snap = snap or await arbitration.snapshot()
@@ -146,14 +147,14 @@ class EventsExtension:
         self._seq = itertools.count(1)
         self._subs: set[_Subscriber] = set()
         self._replay: deque[Frame] = deque(maxlen=self.settings.replay)
-        self.catalog: dict[str, Any] | None = None
+        self.catalog: dict[str, dict[str, object]] | None = None
         self._catalog_frame: Frame | None = None
         self._catalog_ready = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._unsubscribe: Any = None
+        self._unsubscribe: Callable[[], None] | None = None
         self._lifecycle_sent: dict[str, str] = {}  # tenant -> the state its last lifecycle frame said
         self._changed = asyncio.Event()  # something a stats frame shows changed: the next one now
-        self._unsubscribe_loads: Any = None
+        self._unsubscribe_loads: Callable[[], None] | None = None
 
     @property
     def subscriber_count(self) -> int:
@@ -264,7 +265,7 @@ class EventsExtension:
     async def refresh_catalog(self) -> bool:
         """Fetch every tenant's catalog; broadcast it if it changed. True when it changed."""
         client = self.proxy.arbitration.control
-        catalog: dict[str, Any] = {}
+        catalog: dict[str, dict[str, object]] = {}
         previous = self.catalog or {}
         for tenant in self.proxy.registry:
             try:

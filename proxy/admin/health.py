@@ -19,7 +19,7 @@ import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import httpx
 from pydantic import ValidationError
@@ -517,7 +517,7 @@ class HealthExtension:
         reader = getattr(self.proxy.reader, "inner", self.proxy.reader)  # under proxy.gpu.pods.PodAwareReader
         return isinstance(reader, NvmlReader)  # a simulated GPU's engines are not the host's
 
-    async def engine_view(self, tenant: Tenant, snap: AttributedSnapshot | None) -> dict[str, Any] | None:
+    async def engine_view(self, tenant: Tenant, snap: AttributedSnapshot | None) -> dict[str, object] | None:
         """What the tenant's engine reports about itself; None for an engine that reports nothing."""
         return await self.adapter(tenant).settings_view(self.client, snap, self.env, self._host_reads())
 

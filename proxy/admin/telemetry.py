@@ -30,11 +30,11 @@ import sqlite3
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Literal, cast
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -196,7 +196,7 @@ class TelemetryStore:
         return self._queue.qsize()
 
     # -- writing ------------------------------------------------------------------------------
-    def submit(self, kind: Kind, row: Mapping[str, Any]) -> bool:
+    def submit(self, kind: Kind, row: Mapping[str, object]) -> bool:
         """Queue one row; False (and counted) if the store is closed or the queue is full."""
         if self._closed:
             self.dropped += 1
@@ -287,7 +287,7 @@ class TelemetryStore:
                         batch.append(self._queue.get_nowait())
                     except queue.Empty:
                         break
-                rows: dict[str, list[tuple[Any, ...]]] = {}
+                rows: dict[str, list[tuple[object, ...]]] = {}
                 flushes: list[_Flush] = []
                 for item in batch:
                     if item is _STOP:
@@ -295,7 +295,7 @@ class TelemetryStore:
                     elif isinstance(item, _Flush):
                         flushes.append(item)
                     else:
-                        queued_kind, queued_row = cast(tuple[str, tuple[Any, ...]], item)  # what submit() queues
+                        queued_kind, queued_row = cast(tuple[str, tuple[object, ...]], item)  # what submit() queues
                         rows.setdefault(queued_kind, []).append(queued_row)
                 if stop:  # rows that raced in after STOP (submit checked _closed just before) are kept too
                     while True:
@@ -342,11 +342,11 @@ class TelemetryStore:
         return self._wall.wall() if self._wall is not None else time.time()
 
     # -- reading (blocking: call off the loop) -------------------------------------------------
-    def query(self, kind: Kind, since: float = 0.0, limit: int = 1000, tenant: str | None = None) -> list[dict[str, Any]]:
+    def query(self, kind: Kind, since: float = 0.0, limit: int = 1000, tenant: str | None = None) -> list[dict[str, object]]:
         """Rows of one kind at or after `since` (unix seconds), oldest first, at most `limit` (the newest)."""
         cols = _COLUMNS[kind]
         sql = f"SELECT {', '.join(cols)} FROM {kind} WHERE at >= ?"
-        args: list[Any] = [since]
+        args: list[str | float] = [since]
         if tenant is not None:
             sql += " AND tenant = ?"
             args.append(tenant)
@@ -490,12 +490,12 @@ _COMPLETING = (HandoffFinished, QueueEnded, Rejected, NothingToRelease, SpillNoP
                LifecycleStop)
 
 
-def decision_rows(event: DecisionEvent, view: DecisionView | None) -> list[tuple[Kind, dict[str, Any]]]:
+def decision_rows(event: DecisionEvent, view: DecisionView | None) -> list[tuple[Kind, dict[str, object]]]:
     """The rows an event adds (each event is emitted once, so each row is written once). `view` is its
     decision as it stands after it (None: no longer kept); rows are dated and numbered by the decision."""
     at = view.at if view is not None else event.at
     decision_id = event.id if (target := event.target()) is None else target
-    out: list[tuple[Kind, dict[str, Any]]] = []
+    out: list[tuple[Kind, dict[str, object]]] = []
     if view is not None and completes(event):
         out.append(("decisions", {"at": at, "decision_id": decision_id, "kind": view.kind, "tenant": view.tenant,
                                   "trigger": view.trigger, "ok": view.outcome.get("ok"),
@@ -523,7 +523,7 @@ def completes(event: DecisionEvent) -> bool:
     return isinstance(event, _COMPLETING) or (isinstance(event, OomRetry) and event.handoff_id is None)
 
 
-def _load_figures(load: LoadRecord) -> dict[str, Any]:
+def _load_figures(load: LoadRecord) -> dict[str, object]:
     """As the load's own rendering rounds them (proxy/models/loads.py)."""
     rendered = load.to_json()
     return {"seconds": rendered["seconds"], "gbps": rendered["gbps"],
@@ -554,7 +554,7 @@ class Telemetry:
             self._continue_decision_ids(self.store)
         self.recorder = VramRecorder(self.store, proxy.clock, window_s)
         self.open_error: str | None = None
-        self._unsubscribe: Any = None
+        self._unsubscribe: Callable[[], None] | None = None
         self._task: asyncio.Task[None] | None = None
 
     def _continue_decision_ids(self, store: TelemetryStore) -> None:
@@ -649,7 +649,7 @@ class Telemetry:
         tenant = q.get("tenant")
         store = self.store
 
-        def read() -> dict[str, list[dict[str, Any]]]:
+        def read() -> dict[str, list[dict[str, object]]]:
             store.flush()  # read what was submitted before this request
             return {k: store.query(k, since, limit, tenant) for k in kinds}  # type: ignore[arg-type]
 
