@@ -208,7 +208,7 @@ class AdminApi:
         status, body = await self._stop_one(tenant, machine, "admin stop")
         return JSONResponse(body, status_code=status)
 
-    async def _stop_one(self, tenant: Tenant, machine: TenantLifecycle, trigger: str) -> tuple[int, dict[str, object]]:
+    async def _stop_one(self, tenant: Tenant, machine: TenantLifecycle, trigger: str) -> tuple[int, Mapping[str, object]]:
         """The admin's stop of one tenant: (status, body) as `/api/tenants/{name}/stop` answers it."""
         if machine.state == "stopped":
             return 200, self._lifecycle_body(tenant, machine, "stop",
@@ -223,10 +223,10 @@ class AdminApi:
             if result.result in ("confirmed", "estimated"):
                 return 200, self._lifecycle_body(tenant, machine, "stop", release=ReleaseOutcome.of(result).dump())
             if not result.busy:
-                return 504 if result.result == "timeout" else 502, dict(refusal(
+                return 504 if result.result == "timeout" else 502, refusal(
                     f"{tenant.name} could not be stopped: {result.error or result.result}",
                     release_fix(tenant, result), tenant=tenant.name, reason="stop_failed",
-                    release=ReleaseOutcome.of(result).dump(), lifecycle=machine.view()))
+                    release=ReleaseOutcome.of(result).dump(), lifecycle=machine.view())
             state = self.arbitration.scheduler.states(await self.arbitration.snapshot())[tenant.name]
         why = state.busy_reason if state.busy else "a request, stream or websocket is open"
         return 409, refusals.busy(tenant, why, "stopped", machine.view()).body()
@@ -241,8 +241,8 @@ class AdminApi:
             if machine is None:
                 continue
             status, body = await self._stop_one(tenant, machine, "admin stop all")
-            body.pop("action", None)
-            results.append({**body, "tenant": tenant.name, "ok": status == 200, "status": status})
+            results.append({**{k: v for k, v in body.items() if k != "action"}, "tenant": tenant.name,
+                            "ok": status == 200, "status": status})
         stopped = [r["tenant"] for r in results if r["ok"]]
         refused = [r["tenant"] for r in results if not r["ok"] and r.get("reason") in ("busy", "starting")]
         failed = [r["tenant"] for r in results if not r["ok"] and r["tenant"] not in refused]
