@@ -6,10 +6,11 @@ import asyncio
 import json
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import httpx
 
+from proxy.encoding import JSONObject, as_object
 from proxy.errors import HyperSwapError
 from proxy.tls import client_context
 from proxy.verify.report import Report, StageResult, VerifyReport
@@ -18,7 +19,7 @@ from proxy.verify.runner import Options, Verify
 __all__ = ["Options", "Report", "Verify", "load_graph", "verify_main"]
 
 
-def load_graph(path: str) -> dict[str, Any]:
+def load_graph(path: str) -> JSONObject:
     """A ComfyUI graph in API format (Export (API)), bare or as `{"prompt": {...}}` like /prompt's body."""
     try:
         data = json.loads(Path(path).read_text())
@@ -31,7 +32,7 @@ def load_graph(path: str) -> dict[str, Any]:
     if not isinstance(graph, dict) or not graph or not all(isinstance(n, dict) and "class_type" in n for n in graph.values()):
         raise HyperSwapError(f"{path} is not a ComfyUI graph in API format (nodes with class_type and inputs)",
                              fix="in ComfyUI use Workflow > Export (API), not the plain Save (that is the UI format)")
-    return graph
+    return as_object(graph)
 
 
 def _ask(question: str) -> bool:

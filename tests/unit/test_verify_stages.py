@@ -13,6 +13,8 @@ import pytest
 
 from proxy.config.units import GIB
 from proxy.errors import HyperSwapError
+from proxy.handoff.plan import Plan
+from proxy.handoff.plan_json import plan_json
 from proxy.verify import Options, Report, Verify, load_graph, stages
 from proxy.verify.clients import minimal_graph
 from proxy.verify.report import StageResult, StageSkipped, VerifyReport
@@ -25,6 +27,12 @@ def tenant_view(name: str = "ollama", *, busy: bool = False, vram: int = 0) -> d
                                      "needs_vram_gb": 6.0, "context_allowance_gb": 1.0},
             "listening": OLLAMA, "busy": busy, "busy_reason": "1 request in flight" if busy else "idle",
             "in_flight": int(busy), "waiting": [], "vram_bytes": vram, "reclaimable": True, "idle_release_in_s": None}
+
+
+def plan_answer(feasible: bool, explanation: str) -> dict[str, object]:
+    """GET /api/plan's answer as the proxy writes it: ready (fits) or impossible (507)."""
+    plan = Plan("ollama", GIB, 20 * GIB, 0, feasible, False, (), (), explanation, False, possible=feasible)
+    return {"plan": plan_json(plan)}
 
 
 class FakeBox:
@@ -45,10 +53,8 @@ class FakeBox:
             "GET admin.test/api/tenants/ollama": self.tenants[0],
             "GET admin.test/api/stats": {"device": {"name": "Fake 24G", "total_bytes": 24 * GIB, "free_bytes": 20 * GIB,
                                                     "reserved_bytes": 0, "source": "nvml"}, "gpu_error": None},
-            "GET admin.test/api/plan": {"plan": {"feasible": False, "possible": False, "outcome": "impossible",
-                                                  "releases": [], "explanation": "too large for this card"}}
-            if float(request.url.params.get("need_gb", "0")) > 24 else
-            {"plan": {"feasible": True, "possible": True, "outcome": "ready", "releases": [], "explanation": "fits"}},
+            "GET admin.test/api/plan": plan_answer(False, "too large for this card")
+            if float(request.url.params.get("need_gb", "0")) > 24 else plan_answer(True, "fits"),
             "GET admin.test/api/decisions": {"decisions": []},
             "GET ollama.test/api/version": {"version": "0.12.3"},
             "GET ollama.test/api/tags": {"models": [{"name": "tiny:1b", "size": GIB}]},
@@ -116,8 +122,7 @@ async def test_a_507_from_the_proxy_fails_the_generation_naming_the_fix() -> Non
 
 
 async def test_a_proxy_that_would_admit_more_than_the_card_fails_the_507_stage() -> None:
-    admits = httpx.Response(200, json={"plan": {"feasible": True, "possible": True, "outcome": "ready", "releases": [],
-                                                "explanation": "fits"}})
+    admits = httpx.Response(200, json=plan_answer(True, "fits"))
     report = await run(FakeBox(**{"GET admin.test/api/plan": admits}), yes=True)
     too_large = result(report, "507 too large")
     assert too_large.status == "fail" and "25.00 GiB on a 24.00 GiB card" in too_large.detail
