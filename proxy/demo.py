@@ -20,7 +20,7 @@ import wave
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TextIO
+from typing import Literal, TextIO
 
 import httpx
 from websockets.asyncio.client import connect as ws_connect
@@ -30,6 +30,7 @@ from proxy.admin.telemetry import Telemetry, completes
 from proxy.clock import Clock, SystemClock
 from proxy.config.units import GIB
 from proxy.decision_base import DecisionEvent
+from proxy.encoding import JSONObject
 from proxy.engines.loading import load_registry_over, registry_from_dict
 from proxy.gpu.keeper import GpuDrift
 from proxy.handoff.decisions import DecisionView, LifecycleExit, ModelLoad, Resumed
@@ -137,7 +138,7 @@ async def start_demo(scenario: str | Scenario = "default", *, sim_ports: Mapping
     return Demo(box, proxy, path, workdir)
 
 
-def _own_history(workdir: Path) -> dict[str, Any]:
+def _own_history(workdir: Path) -> JSONObject:
     """Each demo run keeps its history (the telemetry the dashboard's charts and decision ids come
     from) in a file of its own, in its own folder, removed when it stops: a new run never shows an
     earlier run's decisions or VRAM. Only $HYPERSWAP_TELEMETRY (or --config's `telemetry.path`,
@@ -214,7 +215,7 @@ def engine_card(demo: Demo, engine: Literal["ollama", "comfyui"]) -> int:
 
 # -- the self-test ---------------------------------------------------------------------------------
 
-def comfy_prompt(ckpt: str, seed: int | None = None) -> dict[str, Any]:
+def comfy_prompt(ckpt: str, seed: int | None = None) -> JSONObject:
     seed = seed if seed is not None else int(time.time() * 1000) % 1_000_000
     return {
         "4": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": ckpt}},
@@ -229,7 +230,7 @@ def comfy_prompt(ckpt: str, seed: int | None = None) -> dict[str, Any]:
     }
 
 
-async def run_prompt(base: str, ckpt: str, client: httpx.AsyncClient, timeout_s: float = 30.0) -> list[dict[str, Any]]:
+async def run_prompt(base: str, ckpt: str, client: httpx.AsyncClient, timeout_s: float = 30.0) -> list[JSONObject]:
     """Queue a prompt with a websocket open and return its messages up to the end marker."""
     cid = uuid.uuid4().hex
     ws_url = base.replace("http://", "ws://") + f"/ws?clientId={cid}"
@@ -238,7 +239,7 @@ async def run_prompt(base: str, ckpt: str, client: httpx.AsyncClient, timeout_s:
         r = await client.post(f"{base}/prompt", json={"prompt": comfy_prompt(ckpt), "client_id": cid})
         r.raise_for_status()
         pid = r.json()["prompt_id"]
-        msgs: list[dict[str, Any]] = []
+        msgs: list[JSONObject] = []
         async with asyncio.timeout(timeout_s):
             while True:
                 raw = await ws.recv()

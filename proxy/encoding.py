@@ -2,7 +2,7 @@
 typed model (`JSONModel`), the one the admin API documents, and is written through it (`dump`); a
 value whose shape is open (an engine's answer, a decision's merged facts) is a `JSONValue`.
 
-`JSONValue` is the JSON value type, recursive and defined once here: no `Any` at the JSON edges.
+`JSONValue` is the JSON value type, recursive and defined once here: the JSON edges say what they carry.
 
 One encoder for the values the API shows field by field: a frozen dataclass's fields, in the order
 they are declared, as they are (JSON turns tuples into arrays), a float rounded where its field says so.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Union, cast
+from typing import TYPE_CHECKING, Union, cast
 
 from pydantic import BaseModel, ConfigDict
 from typing_extensions import TypeAliasType
@@ -52,10 +52,11 @@ def as_object(value: object) -> JSONObject:
     return cast(JSONObject, value) if isinstance(value, dict) else {}
 
 
-def fields_json(obj: DataclassInstance, rounded: Mapping[str, int] | None = None) -> dict[str, Any]:
+def fields_json(obj: DataclassInstance, rounded: Mapping[str, int] | None = None) -> dict[str, object]:
     """Every field by name, in declaration order; `rounded`: field name -> decimals (None stays None)."""
-    out = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    out: dict[str, object] = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
     for name, digits in (rounded or {}).items():
-        if out[name] is not None:
-            out[name] = round(out[name], digits)
+        value = out[name]
+        if isinstance(value, int | float):
+            out[name] = round(value, digits)
     return out
