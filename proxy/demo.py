@@ -26,7 +26,8 @@ import httpx
 from websockets.asyncio.client import connect as ws_connect
 
 from proxy.admin.telemetry import ENV_VAR as ENV_TELEMETRY
-from proxy.admin.telemetry import Telemetry, completes
+from proxy.admin.telemetry import Telemetry
+from proxy.admin.telemetry_rows import completes
 from proxy.clock import Clock, SystemClock
 from proxy.config.units import GIB
 from proxy.decision_base import DecisionEvent

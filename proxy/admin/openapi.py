@@ -21,7 +21,8 @@ from starlette.routing import BaseRoute, Route
 
 from proxy.admin.health_report import HealthReport
 from proxy.admin.proxy_view import ProxyView
-from proxy.admin.telemetry import HISTORY_LIMIT_MAX, KINDS
+from proxy.admin.telemetry import HISTORY_LIMIT_MAX
+from proxy.admin.telemetry_rows import KINDS
 from proxy.admin.views import (
     CatalogFrame,
     DecisionDetail,

@@ -42,25 +42,11 @@ from starlette.routing import BaseRoute, Route
 
 from proxy.admin.proxy_view import ProxyView
 from proxy.admin.query import integer, optional_number
+from proxy.admin.telemetry_rows import COLUMNS, KINDS, SCHEMA, WITH_DECISION_ID, Kind, decision_rows
 from proxy.clock import Clock
 from proxy.config.units import MIB
 from proxy.decision_base import DecisionEvent
 from proxy.errors import HyperSwapError
-from proxy.gpu.keeper import GpuApplyFinished
-from proxy.handoff.decisions import (
-    DecisionView,
-    HandoffFinished,
-    LifecycleStart,
-    LifecycleStop,
-    ModelLoad,
-    NothingToRelease,
-    OomRetry,
-    QueueEnded,
-    Rejected,
-    SpillNoPlan,
-)
-from proxy.handoff.plan_json import Blocker
-from proxy.models.loads import LoadRecord
 from proxy.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
@@ -78,31 +64,6 @@ LOAD_GROWTH_MIN_BYTES = 256 * MIB  # growth between two samples above this count
 PRUNE_EVERY_ROWS = 5_000
 HISTORY_LIMIT_MAX = 10_000  # rows per kind in one /api/history answer
 
-Kind = Literal["vram", "decisions", "releases", "rejections", "oom_retries", "model_loads", "load_speeds"]
-KINDS: tuple[Kind, ...] = ("vram", "decisions", "releases", "rejections", "oom_retries", "model_loads", "load_speeds")
-
-_SCHEMA: dict[Kind, str] = {
-    "vram": "at REAL NOT NULL, tenant TEXT NOT NULL, window_s REAL NOT NULL, samples INTEGER NOT NULL,"
-            " min_bytes INTEGER NOT NULL, max_bytes INTEGER NOT NULL, last_bytes INTEGER NOT NULL",
-    "decisions": "at REAL NOT NULL, decision_id INTEGER NOT NULL, kind TEXT NOT NULL, tenant TEXT NOT NULL,"
-                 " trigger TEXT NOT NULL, ok INTEGER, outcome TEXT NOT NULL",
-    "releases": "at REAL NOT NULL, decision_id INTEGER NOT NULL, tenant TEXT NOT NULL, requester TEXT NOT NULL,"
-                " expected_bytes INTEGER NOT NULL, freed_bytes INTEGER NOT NULL, duration_s REAL NOT NULL,"
-                " confirmed INTEGER NOT NULL, error TEXT",
-    "rejections": "at REAL NOT NULL, decision_id INTEGER NOT NULL, tenant TEXT NOT NULL, trigger TEXT NOT NULL,"
-                  " need_bytes INTEGER, blockers TEXT NOT NULL",
-    "oom_retries": "at REAL NOT NULL, decision_id INTEGER NOT NULL, tenant TEXT NOT NULL, result TEXT NOT NULL",
-    "model_loads": "at REAL NOT NULL, tenant TEXT NOT NULL, started_at REAL NOT NULL, duration_s REAL NOT NULL,"
-                   " grown_bytes INTEGER NOT NULL, gbps REAL",
-    # loads the engines timed themselves (proxy/models/loads.py): residency before, warm or cold
-    "load_speeds": "at REAL NOT NULL, decision_id INTEGER NOT NULL, tenant TEXT NOT NULL, model TEXT NOT NULL,"
-                   " size_bytes INTEGER NOT NULL, seconds REAL NOT NULL, gbps REAL NOT NULL,"
-                   " resident_before_percent REAL, class TEXT, source TEXT NOT NULL",
-}
-_COLUMNS: dict[Kind, tuple[str, ...]] = {
-    k: tuple(part.strip().split()[0] for part in schema.split(",")) for k, schema in _SCHEMA.items()
-}
-_WITH_DECISION_ID: tuple[Kind, ...] = tuple(k for k in KINDS if "decision_id" in _COLUMNS[k])
 
 
 def default_path(env: Mapping[str, str] | None = None) -> Path | None:
@@ -166,10 +127,10 @@ class TelemetryStore:
         conn = self._connect()
         try:
             with conn:
-                for kind, schema in _SCHEMA.items():
+                for kind, schema in SCHEMA.items():
                     conn.execute(f"CREATE TABLE IF NOT EXISTS {kind} ({schema})")
                     conn.execute(f"CREATE INDEX IF NOT EXISTS {kind}_at ON {kind} (at)")
-                for kind in _WITH_DECISION_ID:  # last_decision_id() at the next start
+                for kind in WITH_DECISION_ID:  # last_decision_id() at the next start
                     conn.execute(f"CREATE INDEX IF NOT EXISTS {kind}_decision ON {kind} (decision_id)")
             self._prune(conn)
         finally:
@@ -202,7 +163,7 @@ class TelemetryStore:
             self.dropped += 1
             return False
         try:
-            self._queue.put_nowait((kind, tuple(row.get(c) for c in _COLUMNS[kind])))
+            self._queue.put_nowait((kind, tuple(row.get(c) for c in COLUMNS[kind])))
         except queue.Full:
             self._lose(1, "queue full: the writer could not keep up")
             return False
@@ -253,7 +214,7 @@ class TelemetryStore:
         try:
             tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
             ids = [conn.execute(f"SELECT MAX(decision_id) FROM {kind}").fetchone()[0]
-                   for kind in _WITH_DECISION_ID if kind in tables]
+                   for kind in WITH_DECISION_ID if kind in tables]
         finally:
             conn.close()
         return max((int(i) for i in ids if i is not None), default=0)
@@ -310,7 +271,7 @@ class TelemetryStore:
                 try:
                     with conn:
                         for kind, values in rows.items():
-                            cols = _COLUMNS[kind]  # type: ignore[index]
+                            cols = COLUMNS[kind]  # type: ignore[index]
                             conn.executemany(f"INSERT INTO {kind} ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
                                              values)
                     n = sum(len(v) for v in rows.values())
@@ -344,7 +305,7 @@ class TelemetryStore:
     # -- reading (blocking: call off the loop) -------------------------------------------------
     def query(self, kind: Kind, since: float = 0.0, limit: int = 1000, tenant: str | None = None) -> list[dict[str, object]]:
         """Rows of one kind at or after `since` (unix seconds), oldest first, at most `limit` (the newest)."""
-        cols = _COLUMNS[kind]
+        cols = COLUMNS[kind]
         sql = f"SELECT {', '.join(cols)} FROM {kind} WHERE at >= ?"
         args: list[str | float] = [since]
         if tenant is not None:
@@ -481,54 +442,6 @@ class VramRecorder:
         if self.store is not None:
             self.store.submit("vram", {"at": w.start, "tenant": tenant, "window_s": self.window_s, "samples": w.samples,
                                        "min_bytes": w.min_bytes, "max_bytes": w.max_bytes, "last_bytes": w.last_bytes})
-
-
-# The events that complete a decision worth a `decisions` row (its whole view, with every fact merged):
-# what ran, how a wait ended, a refusal, a write to the card. An OOM retry with no decision of its
-# own is one too (`OomRetry.handoff_id` None). Observations have tables of their own (load_speeds) or none.
-_COMPLETING = (HandoffFinished, QueueEnded, Rejected, NothingToRelease, SpillNoPlan, GpuApplyFinished, LifecycleStart,
-               LifecycleStop)
-
-
-def decision_rows(event: DecisionEvent, view: DecisionView | None) -> list[tuple[Kind, dict[str, object]]]:
-    """The rows an event adds (each event is emitted once, so each row is written once). `view` is its
-    decision as it stands after it (None: no longer kept); rows are dated and numbered by the decision."""
-    at = view.at if view is not None else event.at
-    decision_id = event.id if (target := event.target()) is None else target
-    out: list[tuple[Kind, dict[str, object]]] = []
-    if view is not None and completes(event):
-        out.append(("decisions", {"at": at, "decision_id": decision_id, "kind": view.kind, "tenant": view.tenant,
-                                  "trigger": view.trigger, "ok": view.outcome.get("ok"),
-                                  "outcome": json.dumps(view.outcome, default=str)}))
-    match event:
-        case HandoffFinished(releases=releases):
-            out.extend(("releases", {"at": at, "decision_id": decision_id, "tenant": r.tenant, "requester": event.tenant,
-                                     "expected_bytes": r.expected_bytes, "freed_bytes": r.freed_bytes,
-                                     "duration_s": r.duration_s, "confirmed": r.confirmed, "error": r.error})
-                       for r in releases)
-        case Rejected(status=507) if event.answered_request:  # a 503 after the queue timeout is a wait that ran out
-            out.append(("rejections", {"at": at, "decision_id": decision_id, "tenant": event.tenant,
-                                       "trigger": event.trigger, "need_bytes": event.plan.need_bytes,
-                                       "blockers": json.dumps([Blocker.of(b).dump() for b in event.plan.blockers], default=str)}))
-        case ModelLoad(load=load):
-            out.append(("load_speeds", {"at": at, "decision_id": decision_id, "tenant": event.tenant, "model": load.model,
-                                        "size_bytes": load.size_bytes, **_load_figures(load)}))
-        case OomRetry(result=result):
-            out.append(("oom_retries", {"at": at, "decision_id": decision_id, "tenant": event.tenant, "result": result}))
-    return out
-
-
-def completes(event: DecisionEvent) -> bool:
-    """The event completes its decision (its `decisions` row is written now; the demo prints its line)."""
-    return isinstance(event, _COMPLETING) or (isinstance(event, OomRetry) and event.handoff_id is None)
-
-
-def _load_figures(load: LoadRecord) -> dict[str, object]:
-    """As the load's own rendering rounds them (proxy/models/loads.py)."""
-    rendered = load.to_json()
-    return {"seconds": rendered["seconds"], "gbps": rendered["gbps"],
-            "resident_before_percent": rendered["resident_before_percent"], "class": load.load_class,
-            "source": load.source}
 
 
 class Telemetry:
