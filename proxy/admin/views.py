@@ -24,7 +24,7 @@ from proxy.handoff.arbitration import Arbitration
 from proxy.handoff.decision_json import Decision, RequestStory
 from proxy.handoff.plan import TenantState, gib
 from proxy.handoff.plan_json import Plan
-from proxy.handoff.release_result import ReleaseStep, ReleaseVerdict
+from proxy.handoff.release_result import ReleaseOutcome
 from proxy.handoff.watchdog import Watchdog
 from proxy.lifecycle.report_json import LifecycleReport, Suspended
 from proxy.relay.refusals import NotEnoughMemory
@@ -47,28 +47,13 @@ class Rejection(NotEnoughMemory):
     """The 507 a tenant's listener answers when no plan frees enough memory."""
 
 
-class ReleaseResult(_Doc):
-    tenant: str
-    expected_bytes: int
-    freed_bytes: int = Field(description="as measured on the GPU; when estimated, as the engine's own report says")
-    expected_gb: float | None
-    freed_gb: float | None
-    duration_s: float
-    confirmed: bool = Field(description="the card showed the memory back")
-    estimated: bool = Field(default=False, description="no GPU reader: judged from the engine's own report (Ollama's "
-                                                       "/api/ps, ComfyUI's /system_stats), which may say so before "
-                                                       "the memory is back; never confirmed")
-    error: str | None
-    asked: dict[str, object] = Field(description="what the engine was asked and answered")
-    steps: list[ReleaseStep] | None = Field(default=None, description="each release step tried, in order")
+class ReleaseResult(ReleaseOutcome):
+    """`POST /api/tenants/{name}/release`: the release as a decision's outcome lists it, and on a failure
+    what to do about it."""
     fix: str | None = Field(default=None, description="on 502 and 504: what to do about it")
     reason: Literal["cpu"] | None = Field(default=None, description="cpu: the engine runs on the CPU and holds no GPU "
                                                                     "memory; nothing was asked")
     note: str | None = None
-    result: ReleaseVerdict | Literal["not_on_gpu"] | None = Field(default=None, description=(
-        "confirmed (the card showed the memory back), estimated (the engine's own report said so), timeout "
-        "(not back within release_timeout_s), error (the engine refused or was down), or not_on_gpu (the "
-        "engine computes on the CPU and holds nothing on the card: nothing was asked)"))
 
 
 class PodName(_Doc):

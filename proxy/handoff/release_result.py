@@ -77,15 +77,21 @@ class ReleaseOutcome(JSONModel):
     """One executed release as a decision's outcome lists it (`ReleaseOutcome.of(result)`)."""
     tenant: str = ""
     expected_bytes: int = 0
-    freed_bytes: int = 0
+    freed_bytes: int = Field(default=0, description="as measured on the GPU; when estimated, as the engine's own "
+                                                    "report says")
     expected_gb: float | None = None
     freed_gb: float | None = None
     duration_s: float = 0.0
-    confirmed: bool = False
-    estimated: bool = False
+    confirmed: bool = Field(default=False, description="the card showed the memory back")
+    estimated: bool = Field(default=False, description="no GPU reader: judged from the engine's own report (Ollama's "
+                                                       "/api/ps, ComfyUI's /system_stats), which may say so before "
+                                                       "the memory is back; never confirmed")
     error: str | None = None
     asked: Mapping[str, object] | None = Field(default=None, description="what the engine was asked and answered")
-    result: ReleaseVerdict | None = None
+    result: ReleaseVerdict | Literal["not_on_gpu"] | None = Field(default=None, description=(
+        "confirmed (the card showed the memory back), estimated (the engine's own report said so), timeout "
+        "(not back within release_timeout_s), error (the engine refused or was down), or not_on_gpu (the admin's "
+        "release of an engine that computes on the CPU and holds nothing on the card: nothing was asked)"))
     steps: list[ReleaseStep] | None = Field(default=None, description="each step tried, in order, until one freed "
                                                                        "the memory")
 
