@@ -24,6 +24,7 @@ from proxy.config.units import GIB, MIB  # noqa: E402
 from proxy.engines.loading import registry_from_dict  # noqa: E402
 from proxy.gpu.attribution import Attributor  # noqa: E402
 from proxy.handoff.plan import TenantState, plan_release  # noqa: E402
+from proxy.handoff.plan_json import plan_json  # noqa: E402
 from proxy.sim.gpu import SimulatedGpu  # noqa: E402
 
 N_TENANTS = 10
@@ -83,8 +84,8 @@ def main() -> int:
             timed(lambda: plan_release(snap, reg, states, "ollama", 130 * GIB), args.runs),
         "plan_release not starved":
             timed(lambda: plan_release(snap, reg, states, "ollama", GIB), args.runs),
-        "plan.to_json() + json.dumps (infeasible)":
-            timed(lambda: json.dumps(infeasible.to_json()), args.runs),
+        "plan_json() + json.dumps (infeasible)":
+            timed(lambda: json.dumps(plan_json(infeasible)), args.runs),
         "SimulatedGpu.read() alone (200 procs)":
             timed(gpu.read, args.runs),
         "read + attribute, cache warm":

@@ -14,7 +14,11 @@ events, the handoff layer the rest.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Protocol, TypeVar
+from typing import ClassVar, Literal, Protocol, TypeVar
+
+from pydantic import Field
+
+from proxy.encoding import JSONModel, JSONObject
 
 # The kinds of decisions GET /api/decisions lists. model_load: an observation (a load's speed), kept
 # for the history; gpu_*: proxy/gpu/keeper.py; start/stop: a lifecycle tenant started or stopped; exit: it
@@ -49,22 +53,18 @@ class DecisionEvent:
         """The id of the earlier decision this event is a later fact of; None: it opens a decision."""
         return None
 
-    def facts(self) -> dict[str, Any]:
+    def facts(self) -> JSONObject:
         """What it adds to its decision's `outcome`, as JSON."""
         return {}
 
-    def to_json(self) -> dict[str, Any]:
+    def line(self) -> DecisionLine:
         """The JSON log line's body (one object per line: people grep them)."""
-        out: dict[str, Any] = {"id": self.id, "at": round(self.at, 3), "event": self.name}
+        out = DecisionLine(id=self.id, at=round(self.at, 3), event=self.name, tenant=self.tenant, trigger=self.trigger,
+                           outcome=self.facts())
         target = self.target()
         if target is not None:
-            out["refers_to"] = target
-        out.update(self._head())
-        out.update({"tenant": self.tenant, "trigger": self.trigger, "outcome": self.facts()})
+            out.refers_to = target
         return out
-
-    def _head(self) -> dict[str, Any]:
-        return {}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -73,12 +73,14 @@ class Opening(DecisionEvent):
 
     kind: DecisionKind
 
-    def plan_json(self) -> dict[str, object] | None:
+    def plan_json(self) -> JSONObject | None:
         """The plan it carries out or answers with, as JSON; None: no plan."""
         return None
 
-    def _head(self) -> dict[str, Any]:
-        return {"kind": self.kind, "plan": self.plan_json()}
+    def line(self) -> DecisionLine:
+        out = DecisionEvent.line(self)
+        out.kind, out.plan = self.kind, self.plan_json()
+        return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -89,6 +91,20 @@ class FollowUp(DecisionEvent):
 
     def target(self) -> int | None:
         return self.refers_to
+
+
+class DecisionLine(JSONModel):
+    """One line of the decision log, `{"decision": {...}}`: an event as it was emitted. Keys a kind of
+    event does not have are absent (a follow-up has no kind and no plan; an opening refers to nothing)."""
+    id: int
+    at: float = Field(description="unix seconds")
+    event: str = Field(description="the event's name: queued, handoff_started, handoff_finished, ...")
+    refers_to: int | None = Field(default=None, description="a follow-up: the decision it is a later fact of")
+    kind: DecisionKind | None = Field(default=None, description="an opening: its decision's kind")
+    plan: JSONObject | None = Field(default=None, description="an opening: the plan it carries out or answers with")
+    tenant: str
+    trigger: str
+    outcome: JSONObject = Field(description="what it adds to its decision's outcome")
 
 
 E = TypeVar("E", bound=DecisionEvent)

@@ -20,19 +20,22 @@ import wave
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TextIO
+from typing import Literal, TextIO
 
 import httpx
 from websockets.asyncio.client import connect as ws_connect
 
 from proxy.admin.telemetry import ENV_VAR as ENV_TELEMETRY
-from proxy.admin.telemetry import Telemetry, completes
+from proxy.admin.telemetry import Telemetry
+from proxy.admin.telemetry_rows import completes
 from proxy.clock import Clock, SystemClock
 from proxy.config.units import GIB
 from proxy.decision_base import DecisionEvent
+from proxy.encoding import JSONObject
 from proxy.engines.loading import load_registry_over, registry_from_dict
 from proxy.gpu.keeper import GpuDrift
 from proxy.handoff.decisions import DecisionView, LifecycleExit, ModelLoad, Resumed
+from proxy.handoff.outcome import DecisionOutcome
 from proxy.relay.servers import settle_heap
 from proxy.service import Proxy
 from proxy.sim.box import Scenario, SimBox, fast_scenario, load_scenario
@@ -136,7 +139,7 @@ async def start_demo(scenario: str | Scenario = "default", *, sim_ports: Mapping
     return Demo(box, proxy, path, workdir)
 
 
-def _own_history(workdir: Path) -> dict[str, Any]:
+def _own_history(workdir: Path) -> JSONObject:
     """Each demo run keeps its history (the telemetry the dashboard's charts and decision ids come
     from) in a file of its own, in its own folder, removed when it stops: a new run never shows an
     earlier run's decisions or VRAM. Only $HYPERSWAP_TELEMETRY (or --config's `telemetry.path`,
@@ -213,7 +216,7 @@ def engine_card(demo: Demo, engine: Literal["ollama", "comfyui"]) -> int:
 
 # -- the self-test ---------------------------------------------------------------------------------
 
-def comfy_prompt(ckpt: str, seed: int | None = None) -> dict[str, Any]:
+def comfy_prompt(ckpt: str, seed: int | None = None) -> JSONObject:
     seed = seed if seed is not None else int(time.time() * 1000) % 1_000_000
     return {
         "4": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": ckpt}},
@@ -228,7 +231,7 @@ def comfy_prompt(ckpt: str, seed: int | None = None) -> dict[str, Any]:
     }
 
 
-async def run_prompt(base: str, ckpt: str, client: httpx.AsyncClient, timeout_s: float = 30.0) -> list[dict[str, Any]]:
+async def run_prompt(base: str, ckpt: str, client: httpx.AsyncClient, timeout_s: float = 30.0) -> list[JSONObject]:
     """Queue a prompt with a websocket open and return its messages up to the end marker."""
     cid = uuid.uuid4().hex
     ws_url = base.replace("http://", "ws://") + f"/ws?clientId={cid}"
@@ -237,7 +240,7 @@ async def run_prompt(base: str, ckpt: str, client: httpx.AsyncClient, timeout_s:
         r = await client.post(f"{base}/prompt", json={"prompt": comfy_prompt(ckpt), "client_id": cid})
         r.raise_for_status()
         pid = r.json()["prompt_id"]
-        msgs: list[dict[str, Any]] = []
+        msgs: list[JSONObject] = []
         async with asyncio.timeout(timeout_s):
             while True:
                 raw = await ws.recv()
@@ -252,61 +255,70 @@ async def run_prompt(base: str, ckpt: str, client: httpx.AsyncClient, timeout_s:
 def decision_line(view: DecisionView) -> str:
     """A decision, once complete, as one line a person reads (the demo's terminal; `serve` and
     `demo --json-logs` log each event as a JSON object instead)."""
-    o, t = view.outcome, view.tenant or "the card"
+    o, t = view.read(), view.tenant or "the card"
     match view.kind:
         case "queued":
             text = _wait_line(t, o)
         case "rejection":
-            text = f"{t} refused {o.get('status')}: {o.get('reason')}"
+            text = f"{t} refused {o.status}: {o.reason}"
         case "plan" | "oom_retry" | "spill" | "idle_release" | "release":
             text = _handoff_line(t, o, view.kind == "oom_retry")
         case "model_load":
-            cls = f", {o['class']}" if o.get("class") else ""
-            text = f"{t} loaded {o.get('model')} in {o.get('seconds', 0):.1f} s ({o.get('gbps', 0):.2f} GB/s{cls})"
-        case "resume" if isinstance(o.get("asked"), dict) and "restored" in o["asked"]:
-            back = o["asked"]
-            text = (f"{t} restored from host RAM ({back.get('bytes', 0) / GIB:.1f} GiB back on the card in "
-                    f"{back.get('duration_s', 0):.2f} s, {back.get('via')})" if back.get("restored") is not None
-                    else f"{t} could not be restored: {back.get('fallback')}")
+            cls = f", {o.load_class}" if o.load_class else ""
+            text = f"{t} loaded {o.model} in {o.seconds or 0:.1f} s ({o.gbps or 0:.2f} GB/s{cls})"
+        case "resume" if o.asked is not None and "restored" in o.asked:
+            text = _restored_line(t, o.asked)
         case "start" | "stop" | "exit":
             done = {"start": "started", "stop": "stopped", "exit": "exited"}[view.kind]
-            text = (f"{t} {done} in {o.get('duration_s', 0):.1f} s" if o.get("ok") or view.kind == "exit"
-                    else f"{t} {view.kind} failed: {o.get('error')}")
+            text = (f"{t} {done} in {o.duration_s or 0:.1f} s" if o.ok or view.kind == "exit"
+                    else f"{t} {view.kind} failed: {o.error}")
         case _:
-            facts = "; ".join(f"{k} {v}" for k, v in o.items() if isinstance(v, (str, int, float)) and k != "ok")
+            facts = "; ".join(f"{k} {v}" for k, v in view.outcome.items() if isinstance(v, str | int | float) and k != "ok")
             text = f"{t}: {facts}" if facts else t
-    ok = "" if o.get("ok", True) is not False else " [FAILED]"
+    ok = "" if o.ok is not False else " [FAILED]"
     return f"#{view.id} {view.kind:<12} {text}{ok}  ({view.trigger})"
 
 
-def _wait_line(t: str, o: Mapping[str, Any]) -> str:
-    waited = f"waited {o['waited_s']:.1f} s" if "waited_s" in o else "waiting"
-    behind = f" behind #{o['behind']}" if o.get("behind") else ""
-    whom = ", ".join(o.get("waiting_for") or []) or "memory"
-    return f"{t} {waited} for {whom}{behind}: {o.get('result', 'still waiting')}"
+def _restored_line(t: str, back: Mapping[str, object]) -> str:
+    if back.get("restored") is None:
+        return f"{t} could not be restored: {back.get('fallback')}"
+    return (f"{t} restored from host RAM ({_number(back.get('bytes')) / GIB:.1f} GiB back on the card in "
+            f"{_number(back.get('duration_s')):.2f} s, {back.get('via')})")
 
 
-def _handoff_line(t: str, o: Mapping[str, Any], oom_retry: bool) -> str:
-    retry = o.get("oom_retry") or (o.get("result") if oom_retry else None)
-    text = f"{t}: " + (_releases_line(o) if o.get("releases") or retry is None else "nothing released")
+def _number(value: object) -> float:
+    """A figure of an engine's answer; 0 when it gave none."""
+    return float(value) if isinstance(value, int | float) else 0.0
+
+
+def _wait_line(t: str, o: DecisionOutcome) -> str:
+    waited = f"waited {o.waited_s:.1f} s" if o.waited_s is not None else "waiting"
+    behind = f" behind #{o.behind}" if o.behind else ""
+    whom = ", ".join(o.waiting_for or []) or "memory"
+    return f"{t} {waited} for {whom}{behind}: {o.result or 'still waiting'}"
+
+
+def _handoff_line(t: str, o: DecisionOutcome, oom_retry: bool) -> str:
+    retry = o.oom_retry or (o.result if oom_retry else None)
+    text = f"{t}: " + (_releases_line(o) if o.releases or retry is None else "nothing released")
     return text if retry is None else f"{text}; retry after out of memory: {retry}"
 
 
-def _releases_line(o: Mapping[str, Any]) -> str:
-    releases = o.get("releases") or []
+def _releases_line(o: DecisionOutcome) -> str:
+    releases = o.releases or []
     if not releases:
-        return str(o.get("result") or "nothing to release")
+        return str(o.result or "nothing to release")
     parts = []
     for r in releases:
-        asked = r.get("asked") or {}
-        if (r.get("confirmed") or r.get("result") == "estimated") and "suspended" in asked:
-            parts.append(f"{r['tenant']} suspended into host RAM ({asked.get('parked_bytes', 0) / GIB:.1f} GiB parked "
-                         f"in {r['duration_s']:.1f} s, {asked.get('via')})")
-        elif r.get("confirmed") or r.get("result") == "estimated":
-            est = ", estimated" if r.get("result") == "estimated" else ""
-            parts.append(f"{r['tenant']} released ({r['freed_gb']} GiB back in {r['duration_s']:.1f} s{est})")
+        asked = r.asked or {}
+        if (r.confirmed or r.result == "estimated") and "suspended" in asked:
+            parts.append(f"{r.tenant} suspended into host RAM ({_number(asked.get('parked_bytes')) / GIB:.1f} GiB "
+                         f"parked in {r.duration_s:.1f} s, {asked.get('via')})")
+        elif r.confirmed or r.result == "estimated":
+            est = ", estimated" if r.result == "estimated" else ""
+            parts.append(f"{r.tenant} released ({r.freed_gb} GiB back in {r.duration_s:.1f} s{est})")
         else:
-            parts.append(f"{r['tenant']} not released ({r.get('result')}: {r.get('error') or 'memory not back'})")
+            parts.append(f"{r.tenant} not released ({r.result}: {r.error or 'memory not back'})")
     return ", ".join(parts)
 
 

@@ -18,6 +18,7 @@ import httpx
 
 from proxy.config.units import GIB
 from proxy.demo import Demo, engine_card, run_prompt
+from proxy.handoff.decision_json import Decision
 from proxy.lifecycle.state import TenantLifecycle
 from proxy.relay.refusals import NotEnoughMemory
 from proxy.tasks import poll_until
@@ -207,7 +208,7 @@ async def _handoff_check(demo: Demo, client: httpx.AsyncClient) -> str:
         raise AssertionError(f"{model.name} through the proxy answered {r.status_code}: {r.text[:200]}")
     plans = [d for d in demo.proxy.decisions.recent() if d.kind == "plan" and d.tenant == "ollama"]
     assert plans, "the proxy loaded the model without a handoff"
-    released = [(x["tenant"], x["freed_gb"]) for x in plans[-1].outcome.get("releases", [])]
+    released = [(x.tenant, x.freed_gb) for x in plans[-1].read().releases or []]
     return f"{model.name} loaded after releasing " + ", ".join(f"{t} ({gb} GiB)" for t, gb in released)
 
 
@@ -263,8 +264,8 @@ async def _cards_apart(demo: Demo, client: httpx.AsyncClient) -> str:
     await _chat(demo, client, model.name)
     before = len(demo.proxy.decisions.recent(500))
     await _render(demo, client, ckpt)
-    released = [r["tenant"] for d in demo.proxy.decisions.recent(500)[before:]
-                for r in (d.outcome.get("releases") or []) if r.get("tenant") == "ollama"]
+    released = [r.tenant for d in demo.proxy.decisions.recent(500)[before:]
+                for r in (d.read().releases or []) if r.tenant == "ollama"]
     if released:
         raise AssertionError(f"a load on GPU {c_card} released Ollama on GPU {o_card}")
     loaded = [m["name"] for m in (await client.get(demo.box.servers["ollama"].url + "/api/ps")).json()["models"]]
@@ -307,7 +308,7 @@ async def _prompt_after_chat(demo: Demo, client: httpx.AsyncClient) -> str:
     await _chat(demo, client, model)
     await _render(demo, client, ckpt)
     plan = [d for d in demo.proxy.decisions.recent() if d.kind == "plan" and d.tenant == "comfyui"]
-    released = [r["tenant"] for r in plan[-1].outcome.get("releases", [])] if plan else []
+    released = [r.tenant for r in plan[-1].read().releases or []] if plan else []
     return f"{ckpt} rendered after releasing {', '.join(released) or 'nobody'}"
 
 
@@ -324,7 +325,7 @@ async def _rounds(demo: Demo, client: httpx.AsyncClient, rounds: int) -> str:
         await _render(demo, client, ckpt)
     bad = [d for d in demo.proxy.decisions.recent(500)[before:] if d.kind in ("rejection", "oom_retry")]
     if bad:
-        raise AssertionError(f"{len(bad)} refusal(s) or OOM retries: {bad[0].to_json()}")
+        raise AssertionError(f"{len(bad)} refusal(s) or OOM retries: {Decision.of(bad[0]).dump()}")
     return f"{rounds} x ({model} chat, {ckpt} render) in {time.monotonic() - started:.1f} s, no error"
 
 

@@ -8,6 +8,25 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from pydantic import Field
+
+from proxy.encoding import JSONModel, JSONObject
+
+
+class ErrorBody(JSONModel):
+    """Every error answer: a sentence, and a hint where one helps; extra keys give details, in the
+    order the error gives them (the admin API's document lists the common ones: `views.Error`)."""
+    error: str
+    fix: str | None = Field(default=None, description="what to do about it")
+
+
+def error_body(message: str, fix: str | None = None, details: Mapping[str, object] | None = None) -> JSONObject:
+    """An error answer's body, written through `ErrorBody`: the sentence, the fix (none: no key), the details."""
+    out = ErrorBody.model_validate({"error": message, **(details or {})})
+    if fix:
+        out.fix = fix
+    return out.dump()
+
 
 class HyperSwapError(Exception):
     status: int = 500
@@ -22,12 +41,9 @@ class HyperSwapError(Exception):
             self.status = status
         self.details: dict[str, object] = dict(details or {})
 
-    def to_json(self) -> dict[str, object]:
-        body: dict[str, object] = {"error": self.message}
-        if self.fix:
-            body["fix"] = self.fix
-        body.update(self.details)
-        return body
+    def body(self) -> JSONObject:
+        """The JSON answer at the HTTP edge: `{"error": message, "fix": fix, **details}` (no fix: no key)."""
+        return error_body(self.message, self.fix, self.details)
 
     def one_line(self) -> str:
         return f"error: {self.message}" + (f" (fix: {self.fix})" if self.fix else "")

@@ -6,12 +6,11 @@ import asyncio
 import contextlib
 import inspect
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from proxy.clock import Clock
 
 
-async def cancel_and_wait(tasks: asyncio.Task[Any] | Iterable[asyncio.Task[Any]] | None) -> None:
+async def cancel_and_wait(tasks: asyncio.Task[object] | Iterable[asyncio.Task[object]] | None) -> None:
     """Cancel, then wait until each task has really finished (so nothing runs after stop())."""
     if tasks is None:
         return

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from docs.gen.md import cell, code, table
-from proxy.admin.openapi import openapi_document
+from proxy.admin.openapi import Document, openapi_document, responses_of
 
 JSON = dict[str, Any]
 
@@ -67,15 +67,15 @@ def _route(path: str, method: str, op: JSON) -> str:
     return "\n\n".join(parts)
 
 
-def statuses(doc: JSON) -> str:
-    rows = [[code(f"{method.upper()} {path}"), ", ".join(code(s) for s in sorted(op["responses"]))]
+def statuses(doc: Document) -> str:
+    rows = [[code(f"{method.upper()} {path}"), ", ".join(code(s) for s in sorted(responses_of(op)))]
             for path, ops in doc["paths"].items() for method, op in ops.items()]
     return table(("route", "statuses"), rows)
 
 
 def render() -> str:
     doc = openapi_document(token=True)
-    overview = table(("route", "what"), [[code(f"{m.upper()} {p}"), op["summary"]]
+    overview = table(("route", "what"), [[code(f"{m.upper()} {p}"), str(op["summary"])]
                                          for p, ops in doc["paths"].items() for m, op in ops.items()])
     routes = "\n\n".join(_route(p, m, op) for p, ops in doc["paths"].items() for m, op in ops.items())
     return "\n\n".join([

@@ -11,7 +11,6 @@ import asyncio
 import hmac
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -25,13 +24,18 @@ from proxy.admin.query import integer, optional_number
 from proxy.config.bounds import MAX_GIB
 from proxy.config.schema import Tenant
 from proxy.config.units import GIB
-from proxy.errors import HyperSwapError
+from proxy.encoding import JSONObject
+from proxy.errors import HyperSwapError, error_body
 from proxy.handoff.arbitration import Arbitration, ReleaseResult
+from proxy.handoff.decision_json import Decision, RequestStory
 from proxy.handoff.decisions import NothingToRelease, Rejected
 from proxy.handoff.orders import release_whole, stop_whole
+from proxy.handoff.plan_json import plan_json
+from proxy.handoff.release_result import ReleaseOutcome
 from proxy.handoff.tickets import Admitted
 from proxy.handoff.watchdog import Watchdog
 from proxy.hosts import listener_policy
+from proxy.lifecycle import report_json
 from proxy.lifecycle.logs import (
     FOLLOW_EVERY_S,
     LINES_BACK_DEFAULT,
@@ -49,20 +53,16 @@ Handler = Callable[[Request], Awaitable[Response]]
 LOG_KEEPALIVE_S = 15.0  # a quiet log stream sends a comment this often
 
 
-def refusal(message: str, fix: str | None = None, **details: Any) -> dict[str, Any]:
+def refusal(message: str, fix: str | None = None, **details: object) -> JSONObject:
     """An error answer's body: the sentence, the fix, and details."""
-    body: dict[str, Any] = {"error": message}
-    if fix:
-        body["fix"] = fix
-    body.update(details)
-    return body
+    return error_body(message, fix, details)
 
 
-def error(status: int, message: str, fix: str | None = None, **details: Any) -> JSONResponse:
+def error(status: int, message: str, fix: str | None = None, **details: object) -> JSONResponse:
     return JSONResponse(refusal(message, fix, **details), status_code=status)
 
 
-def _sse(event: str, payload: Any) -> bytes:
+def _sse(event: str, payload: object) -> bytes:
     """One server-sent event: its data one line of JSON (no newline can end it early)."""
     return f"event: {event}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
 
@@ -70,7 +70,7 @@ def _sse(event: str, payload: Any) -> bytes:
 def release_answer(tenant: Tenant, result: ReleaseResult) -> JSONResponse:
     """200 when the card confirmed the memory back, or the engine's own report says so (estimated:
     no GPU reader); 504 when it was not back in time; 502 when the engine refused or was down."""
-    body: dict[str, Any] = {"tenant": tenant.name, **result.to_json()}
+    body = ReleaseOutcome.of(result).dump()  # its tenant first
     if result.result in ("confirmed", "estimated"):
         return JSONResponse(body, status_code=200)
     body["fix"] = release_fix(tenant, result)
@@ -122,10 +122,10 @@ class AdminApi:
             try:
                 return await handler(request)
             except HyperSwapError as exc:
-                return JSONResponse(exc.to_json(), status_code=exc.status)
+                return JSONResponse(exc.body(), status_code=exc.status)
         return wrapped
 
-    async def tenant_view(self, tenant: Tenant) -> dict[str, Any]:
+    async def tenant_view(self, tenant: Tenant) -> JSONObject:
         snap = self.arbitration.last_snapshot or await self.arbitration.snapshot()
         state = self.arbitration.scheduler.states(snap)[tenant.name]
         return views.dump(views.tenant_view(self.arbitration, self.watchdog, snap, tenant, state,
@@ -166,11 +166,11 @@ class AdminApi:
         return refusals.not_lifecycle(tenant, action).response()
 
     def _lifecycle_answer(self, tenant: Tenant, machine: TenantLifecycle, action: str,
-                          status: int = 200, **fields: Any) -> JSONResponse:
+                          status: int = 200, **fields: object) -> JSONResponse:
         return JSONResponse(self._lifecycle_body(tenant, machine, action, **fields), status_code=status)
 
     @staticmethod
-    def _lifecycle_body(tenant: Tenant, machine: TenantLifecycle, action: str, **fields: Any) -> dict[str, Any]:
+    def _lifecycle_body(tenant: Tenant, machine: TenantLifecycle, action: str, **fields: object) -> dict[str, object]:
         return {"tenant": tenant.name, "action": action, "ok": True, **fields, "lifecycle": machine.view()}
 
     async def start(self, request: Request) -> Response:
@@ -186,7 +186,7 @@ class AdminApi:
         if isinstance(outcome, Admitted):
             return self._start_not_admitted(tenant, machine, outcome)
         if outcome.ok:
-            return self._lifecycle_answer(tenant, machine, "start", report=outcome.to_json())
+            return self._lifecycle_answer(tenant, machine, "start", report=report_json.LifecycleReport.of(outcome).dump())
         return refusals.start_failed(outcome.error_for_client(), machine.view()).response()
 
     def _start_not_admitted(self, tenant: Tenant, machine: TenantLifecycle, admitted: Admitted) -> Response:
@@ -208,7 +208,7 @@ class AdminApi:
         status, body = await self._stop_one(tenant, machine, "admin stop")
         return JSONResponse(body, status_code=status)
 
-    async def _stop_one(self, tenant: Tenant, machine: TenantLifecycle, trigger: str) -> tuple[int, dict[str, Any]]:
+    async def _stop_one(self, tenant: Tenant, machine: TenantLifecycle, trigger: str) -> tuple[int, Mapping[str, object]]:
         """The admin's stop of one tenant: (status, body) as `/api/tenants/{name}/stop` answers it."""
         if machine.state == "stopped":
             return 200, self._lifecycle_body(tenant, machine, "stop",
@@ -221,12 +221,12 @@ class AdminApi:
             order = stop_whole(snap, tenant, trigger, f"stop asked by the admin API ({trigger})")
             (result,) = (await asyncio.shield(self.arbitration.scheduler.release(order))).results
             if result.result in ("confirmed", "estimated"):
-                return 200, self._lifecycle_body(tenant, machine, "stop", release=result.to_json())
+                return 200, self._lifecycle_body(tenant, machine, "stop", release=ReleaseOutcome.of(result).dump())
             if not result.busy:
                 return 504 if result.result == "timeout" else 502, refusal(
                     f"{tenant.name} could not be stopped: {result.error or result.result}",
                     release_fix(tenant, result), tenant=tenant.name, reason="stop_failed",
-                    release=result.to_json(), lifecycle=machine.view())
+                    release=ReleaseOutcome.of(result).dump(), lifecycle=machine.view())
             state = self.arbitration.scheduler.states(await self.arbitration.snapshot())[tenant.name]
         why = state.busy_reason if state.busy else "a request, stream or websocket is open"
         return 409, refusals.busy(tenant, why, "stopped", machine.view()).body()
@@ -235,18 +235,18 @@ class AdminApi:
         """Stop every tenant the proxy starts that is idle (llama-swap's unload-all), one after another
         through the same path as `/api/tenants/{name}/stop`; busy and starting ones are left running and
         named with why. 200 when all are stopped now, else 409 (a stop that failed, or one refused)."""
-        results: list[dict[str, Any]] = []
+        results: list[dict[str, object]] = []
         for tenant in self.arbitration.registry:
             machine = self.arbitration.lifecycles.machine(tenant.name)
             if machine is None:
                 continue
             status, body = await self._stop_one(tenant, machine, "admin stop all")
-            body.pop("action", None)
-            results.append({**body, "tenant": tenant.name, "ok": status == 200, "status": status})
+            results.append({**{k: v for k, v in body.items() if k != "action"}, "tenant": tenant.name,
+                            "ok": status == 200, "status": status})
         stopped = [r["tenant"] for r in results if r["ok"]]
         refused = [r["tenant"] for r in results if not r["ok"] and r.get("reason") in ("busy", "starting")]
         failed = [r["tenant"] for r in results if not r["ok"] and r["tenant"] not in refused]
-        answer: dict[str, Any] = {"ok": not refused and not failed, "stopped": stopped, "refused": refused,
+        answer: dict[str, object] = {"ok": not refused and not failed, "stopped": stopped, "refused": refused,
                                   "failed": failed, "results": results}
         if refused or failed:
             answer["error"] = "not stopped: " + "; ".join(f"{r['tenant']} ({r['error']})" for r in results if not r["ok"])
@@ -315,7 +315,7 @@ class AdminApi:
         note = (f"{tenant.name} runs on the CPU (its /system_stats device type is cpu): it holds no GPU memory, "
                 "so there is nothing to release")
         self.arbitration.decisions.emit(NothingToRelease(tenant=tenant.name, trigger="admin", reason=note))
-        body = {**ReleaseResult(tenant.name, 0, 0, 0.0, False).to_json(), "result": "not_on_gpu"}
+        body = {**ReleaseOutcome.of(ReleaseResult(tenant.name, 0, 0, 0.0, False)).dump(), "result": "not_on_gpu"}
         return JSONResponse({"tenant": tenant.name, **body, "reason": "cpu", "note": note})
 
     async def plan(self, request: Request) -> Response:
@@ -327,11 +327,12 @@ class AdminApi:
         tenant = self.arbitration.registry.get(name)
         need = tenant.needs_vram_bytes if need_gb is None else int(need_gb * GIB)
         plan, _ = await self.arbitration.plan(name, need)
-        return JSONResponse({"dry_run": True, "plan": plan.to_json()})
+        return JSONResponse({"dry_run": True, "plan": plan_json(plan)})
 
     async def decisions(self, request: Request) -> Response:
         limit = integer(request.query_params, "limit", 100, low=1, high=500, example="GET /api/decisions?limit=100")
-        return JSONResponse({"decisions": [d.to_json() for d in self.arbitration.decisions.recent(limit)]})
+        recent = self.arbitration.decisions.recent(limit)
+        return JSONResponse(views.DecisionList(decisions=[Decision.of(d) for d in recent]).dump())
 
     async def decision(self, request: Request) -> Response:
         """One decision, and the story of the request it belongs to (arrived, waited for whom, the
@@ -345,8 +346,8 @@ class AdminApi:
             return error(404, f"no decision {raw} (too old, or never made)", "GET /api/decisions lists the kept ones")
         story = log.story(view.id)
         related = [v for i in (story.related if story else ()) if i != view.id and (v := log.view(i)) is not None]
-        return JSONResponse({"decision": view.to_json(), "story": story.to_json() if story else None,
-                             "related": [v.to_json() for v in related]})
+        return JSONResponse(views.DecisionDetail(decision=Decision.of(view), story=RequestStory.of(story) if story else None,
+                                                 related=[Decision.of(v) for v in related]).dump())
 
     async def stats(self, request: Request) -> Response:
         snap = await self.arbitration.snapshot()
@@ -356,7 +357,7 @@ class AdminApi:
             processes=[views.card_process(p) for p in snap.processes],
             tenants=[views.tenant_view(self.arbitration, self.watchdog, snap, t, states[t.name], self.listeners.get(t.name))
                      for t in self.arbitration.registry],
-            decisions=[views.Decision.model_validate(d.to_json()) for d in self.arbitration.decisions.recent(20)],
+            decisions=[Decision.of(d) for d in self.arbitration.decisions.recent(20)],
             gpu_error=views.gpu_error_view(self.arbitration.last_read_error),
         )
         return JSONResponse(views.dump(stats))

@@ -30,9 +30,9 @@ import itertools
 import json
 import logging
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import httpx
 from starlette.requests import Request
@@ -42,8 +42,11 @@ from starlette.routing import BaseRoute, Route
 from proxy.admin import views
 from proxy.admin.proxy_view import ProxyView
 from proxy.decision_base import DecisionEvent
+from proxy.encoding import JSONObject
 from proxy.gpu.attribution import AttributedSnapshot
+from proxy.handoff.decision_json import Decision
 from proxy.handoff.load_events import Load
+from proxy.lifecycle import report_json
 from proxy.lifecycle.state import LifecycleReport
 from proxy.tasks import cancel_and_wait, sleep_or_wake
 
@@ -72,7 +75,7 @@ class Frame:
     data: bytes
 
 
-def encode(seq: int, kind: FrameKind, payload: Any) -> Frame:
+def encode(seq: int, kind: FrameKind, payload: object) -> Frame:
     body = json.dumps(payload, separators=(",", ":"), default=str)  # one line: no newline inside `data:`
     return Frame(seq, kind, f"id: {seq}\nevent: {kind}\ndata: {body}\n\n".encode())
 
@@ -115,7 +118,7 @@ class _Subscriber:
 
 # -- payloads -------------------------------------------------------------------------------------
 
-async def stats_payload(proxy: ProxyView, snap: AttributedSnapshot | None = None, recent: int = 20) -> dict[str, Any]:
+async def stats_payload(proxy: ProxyView, snap: AttributedSnapshot | None = None, recent: int = 20) -> JSONObject:
     """One stats frame's body (no catalog, no tenant config: those are large and static)."""
     arbitration = proxy.arbitration
     snap = snap or await arbitration.snapshot()
@@ -144,14 +147,14 @@ class EventsExtension:
         self._seq = itertools.count(1)
         self._subs: set[_Subscriber] = set()
         self._replay: deque[Frame] = deque(maxlen=self.settings.replay)
-        self.catalog: dict[str, Any] | None = None
+        self.catalog: dict[str, dict[str, object]] | None = None
         self._catalog_frame: Frame | None = None
         self._catalog_ready = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._unsubscribe: Any = None
+        self._unsubscribe: Callable[[], None] | None = None
         self._lifecycle_sent: dict[str, str] = {}  # tenant -> the state its last lifecycle frame said
         self._changed = asyncio.Event()  # something a stats frame shows changed: the next one now
-        self._unsubscribe_loads: Any = None
+        self._unsubscribe_loads: Callable[[], None] | None = None
 
     @property
     def subscriber_count(self) -> int:
@@ -196,7 +199,7 @@ class EventsExtension:
         view = self.proxy.decisions.view_of(event)  # the decision with this fact merged in: the dashboard's shape
         if view is None:
             return  # a later fact of a decision too old to be kept: there is no entry left to show it in
-        frame = encode(next(self._seq), "decision", view.to_json())
+        frame = encode(next(self._seq), "decision", Decision.of(view).dump())
         self._replay.append(frame)
         self._broadcast(frame)
         self._changed.set()
@@ -220,7 +223,7 @@ class EventsExtension:
         view = machine.view()
         self._lifecycle_sent[tenant] = str(view["state"])
         frame = views.LifecycleFrame(tenant=tenant, lifecycle=views.Lifecycle.model_validate(view),
-                                     report=None if report is None else views.LifecycleReport.model_validate(report.to_json()))
+                                     report=None if report is None else report_json.LifecycleReport.of(report))
         self._broadcast(encode(next(self._seq), "lifecycle", views.dump(frame)))
 
     def _lifecycle_changes(self) -> None:
@@ -262,7 +265,7 @@ class EventsExtension:
     async def refresh_catalog(self) -> bool:
         """Fetch every tenant's catalog; broadcast it if it changed. True when it changed."""
         client = self.proxy.arbitration.control
-        catalog: dict[str, Any] = {}
+        catalog: dict[str, dict[str, object]] = {}
         previous = self.catalog or {}
         for tenant in self.proxy.registry:
             try:

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from proxy.admin.health import HealthEntry
+from proxy.admin.health_entry import HealthEntry
 from proxy.admin.proxy_view import ProxyView
 from proxy.config.settings import GpuProfile
 from proxy.gpu.keeper import DeviceView, GpuSettingsKeeper

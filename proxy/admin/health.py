@@ -19,19 +19,22 @@ import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import httpx
+from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 from websockets.asyncio.client import connect as ws_connect
 
 from proxy.admin.address import admin_base_url
+from proxy.admin.health_entry import HealthEntry, lifecycle_entries, worst
+from proxy.admin.health_report import HealthEntry as entry_model
+from proxy.admin.health_report import HealthReport, format_report
 from proxy.admin.proxy_view import ProxyView
 from proxy.config.schema import Tenant
 from proxy.config.units import GIB
-from proxy.encoding import fields_json
 from proxy.engines.loading import load_registry
 from proxy.engines.ports import HealthPorts
 from proxy.engines.settings import EnvReaders
@@ -40,38 +43,14 @@ from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
 from proxy.gpu.nvml import CONTAINER_NOTE, NvmlReader
 from proxy.gpu.visibility import capabilities, summary
 from proxy.handoff.per_card import candidates, shares
-from proxy.lifecycle.state import TenantLifecycle
 from proxy.tasks import cancel_and_wait
 from proxy.tls import client_context
-
-# "unknown": the check cannot run (what it looks at cannot be seen); it says why. The overall
-# status then is at least degraded: nobody can say all is well.
-Status = Literal["ok", "degraded", "failed", "unknown"]
-_RANK: dict[str, int] = {"ok": 0, "degraded": 1, "unknown": 1, "failed": 2}
 
 CHECK_TIMEOUT_S = 3.0
 SAMPLE_INTERVAL_S = 10.0
 SAMPLES_KEPT = 360  # an hour at the default interval
 FLOOR_WINDOW_S = 3600.0
 STALE_FIX = 'POST /queue {"clear":true} or restart ComfyUI'
-
-
-@dataclass(frozen=True, slots=True)
-class HealthEntry:
-    name: str
-    status: Status
-    problem: str | None = None
-    impact: str | None = None
-    fix: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return fields_json(self)
-
-
-def worst(statuses: Sequence[str]) -> Status:
-    rank = max((_RANK.get(s, 2) for s in statuses), default=0)
-    ranked: tuple[Status, ...] = ("ok", "degraded", "failed")
-    return ranked[rank]
 
 
 @runtime_checkable
@@ -230,7 +209,7 @@ class HealthExtension:
                                 "this dependency's state is unknown", "see the proxy's log; report it if it repeats")]
         return result if isinstance(result, list) else [result]
 
-    async def report(self) -> dict[str, Any]:
+    async def report(self) -> HealthReport:
         arbitration = self.proxy.arbitration
         snap: AttributedSnapshot | None
         try:
@@ -238,18 +217,18 @@ class HealthExtension:
         except (TimeoutError, Exception):
             snap = arbitration.last_snapshot
         if snap is None:
-            return {"status": "failed", "entries": [HealthEntry(
+            return HealthReport(status="failed", entries=[entry_model.of(HealthEntry(
                 "nvml", "failed", "no GPU snapshot could be taken", "arbitration has nothing to plan with",
-                "run `nvidia-smi`; see the proxy's log").to_json()]}
+                "run `nvidia-smi`; see the proxy's log"))])
         self.sample(snap)
         results = await asyncio.gather(*(self._run_one(c, snap) for c in self.checks))
         entries = [e for group in results for e in group]
         caps = capabilities(snap, arbitration.last_read_error)
-        return {"status": worst([e.status for e in entries]), "entries": [e.to_json() for e in entries],
-                "capabilities": [c.model_dump(mode="json") for c in caps], "checked_at": time.time()}
+        return HealthReport(status=worst([e.status for e in entries]), entries=[entry_model.of(e) for e in entries],
+                            capabilities=caps, checked_at=time.time())
 
     async def health_route(self, request: Request) -> Response:
-        return JSONResponse(await self.report())
+        return JSONResponse((await self.report()).dump())
 
     # -- the checks ------------------------------------------------------------------------------
     async def check_nvml(self, snap: AttributedSnapshot) -> HealthEntry:
@@ -538,7 +517,7 @@ class HealthExtension:
         reader = getattr(self.proxy.reader, "inner", self.proxy.reader)  # under proxy.gpu.pods.PodAwareReader
         return isinstance(reader, NvmlReader)  # a simulated GPU's engines are not the host's
 
-    async def engine_view(self, tenant: Tenant, snap: AttributedSnapshot | None) -> dict[str, Any] | None:
+    async def engine_view(self, tenant: Tenant, snap: AttributedSnapshot | None) -> dict[str, object] | None:
         """What the tenant's engine reports about itself; None for an engine that reports nothing."""
         report = await self.adapter(tenant).settings_view(self.client, snap, self.env, self._host_reads())
         return None if report is None else report.model_dump(mode="json")
@@ -556,102 +535,11 @@ class HealthExtension:
         return JSONResponse({"engines": out})
 
 
-def split_fix(problem: str) -> tuple[str, str | None]:
-    """A controller's problem line, `what is wrong (fix: what to do)`, as (problem, fix)."""
-    text, sep, fix = problem.rpartition(" (fix: ")
-    if not sep or not fix.endswith(")"):
-        return problem, None
-    return text, fix[:-1]
-
-
-def lifecycle_entries(name: str, machine: TenantLifecycle, problems: list[str] | BaseException) -> list[HealthEntry]:
-    """Health of one tenant the proxy starts and stops: its state, and its controller's problems."""
-    entry = f"lifecycle {name}"
-    view = machine.view()
-    what = machine.controller.summary()
-    if isinstance(problems, BaseException):
-        problems = [f"its check raised {type(problems).__name__}: {problems} (fix: see the proxy's log)"]
-    out: list[HealthEntry] = []
-    snap = machine.snapshot
-    if machine.state in ("failed", "exited") and snap.crashes and not snap.failures and snap.error:
-        out.append(_crashed(name, machine, view))
-    elif machine.state == "failed":
-        out.append(_start_failed(name, machine, view))
-    if machine.preload_error is not None and machine.state != "running":
-        out.append(HealthEntry(
-            entry, "failed", f"its preload (a start once the proxy was up) failed: {machine.preload_error}",
-            f"{name} was not started with the proxy: the first request that needs it waits for its start",
-            machine.preload_fix or f"see its output (GET /api/tenants/{name}), correct the cause, then start it "
-                                   f"(POST /api/tenants/{name}/start)"))
-    for problem in problems:
-        text, fix = split_fix(problem)
-        out.append(HealthEntry(entry, "failed", text,
-                               f"the proxy cannot start and stop {name} as tenants.json says ({what})",
-                               fix or f"see `hyperswap check` and release of tenants.{name} in tenants.json"))
-    if not out:
-        out.append(HealthEntry(entry, "ok", f"{machine.state} for {view['for_s']:.0f} s ({what})"))
-    return out
-
-
-def _crashed(name: str, machine: TenantLifecycle, view: dict[str, Any]) -> HealthEntry:
-    """It ended on its own while running (crashed: failed; exited: degraded)."""
-    snap = machine.snapshot
-    retry = view["retry_in_s"]
-    last = snap.output[-1:]
-    pending = machine.restart_pending()
-    policy = (f"the restart policy starts it again{f' in {retry:.0f} s' if retry else ''}" if pending else
-              f"the next request to {name} starts it again" + (f" (in {retry:.0f} s)" if retry else ""))
-    if machine.restart == "never":
-        then = "or set restart: on-failure in tenants.json to have it started again at once"
-    elif pending:
-        then = "it is restarted by its policy"
-    elif machine.state == "exited":
-        then = "a clean exit (code 0) is not restarted by restart: on-failure"
-    else:
-        then = machine.restart_status or "its restart policy does not start it again"
-    return HealthEntry(
-        f"lifecycle {name}", "failed" if machine.state == "failed" else "degraded",
-        f"{'it crashed' if machine.state == 'failed' else 'it exited'} while running: {snap.error}"
-        + (f"; its last output line: {last[0]}" if last else ""),
-        f"requests to {name} fail until it runs again: {policy}",
-        f"see why in its output (GET /api/tenants/{name}: lifecycle.output, or its log "
-        f"{machine.controller.describe().get('log') or ''}".rstrip() + "), correct the cause; "
-        + then)
-
-
-def _start_failed(name: str, machine: TenantLifecycle, view: dict[str, Any]) -> HealthEntry:
-    """Its last start failed."""
-    snap = machine.snapshot
-    retry = view["retry_in_s"]
-    last = snap.output[-1:]
-    return HealthEntry(
-        f"lifecycle {name}", "failed",
-        (f"its last start failed ({view['failures']} in a row): {snap.error}" if snap.failures else f"{snap.error}")
-        + (f"; its last output line: {last[0]}" if last else ""),
-        f"requests to {name} answer 503 " + (f"until the next try in {retry:.0f} s" if retry else "until a start works")
-        + (f"; {machine.restart_status}" if machine.restart_status else ""),
-        snap.fix or f"see its output (GET /api/tenants/{name}), correct the cause, then start it "
-                    f"(POST /api/tenants/{name}/start, or the dashboard's Start button)")
-
-
 def health_extension(proxy: ProxyView) -> HealthExtension:
     return HealthExtension(proxy)
 
 
 # -- the CLI ---------------------------------------------------------------------------------------
-
-def format_report(body: dict[str, Any]) -> str:
-    lines = []
-    for e in body.get("entries") or []:
-        lines.append(f"{e.get('status', '?'):<9} {e.get('name', '?')}: {e.get('problem') or 'ok'}")
-        if e.get("status") != "ok":
-            if e.get("impact"):
-                lines.append(f"          impact: {e['impact']}")
-            if e.get("fix"):
-                lines.append(f"          fix:    {e['fix']}")
-    lines.append(f"overall: {body.get('status', '?')}")
-    return "\n".join(lines)
-
 
 def check_main(config: str | None, admin_url: str | None, as_json: bool) -> int:
     """`hyperswap check`: the running proxy's /api/health. 1 on any failure, 2 when no proxy answers."""
@@ -672,12 +560,16 @@ def check_main(config: str | None, admin_url: str | None, as_json: bool) -> int:
         body = r.json()
     except ValueError:
         body = None
-    if r.status_code != 200 or not isinstance(body, dict) or "entries" not in body:
+    try:
+        report = HealthReport.model_validate(body) if r.status_code == 200 else None
+    except ValidationError:
+        report = None
+    if report is None:
         print(f"error: {url} answered {r.status_code} without a health report (is that a HyperSwap admin listener?)",
               file=sys.stderr)
         return 2
-    print(json.dumps(body, indent=2) if as_json else format_report(body))
-    return 1 if any(e.get("status") == "failed" for e in body["entries"]) else 0
+    print(json.dumps(body, indent=2) if as_json else format_report(report))
+    return 1 if any(e.status == "failed" for e in report.entries) else 0
 
 
 def _models_kept_off(name: str, tenant: Tenant, room: list[_Room], hurt: list[tuple[str, int]], actual: int,

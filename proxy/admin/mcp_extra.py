@@ -48,7 +48,7 @@ class McpMissing:
         if not self._told:  # said when MCP is asked for, once: a proxy nobody asks for MCP says nothing
             self._told = True
             log.warning("MCP tools asked for at /mcp but off: %s (fix: %s)", missing.message, missing.fix)
-        return JSONResponse(missing.to_json(), status_code=501)
+        return JSONResponse(missing.body(), status_code=501)
 
     async def start(self) -> None:
         missing = McpNotInstalled()

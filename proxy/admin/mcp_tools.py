@@ -21,17 +21,18 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable
-from typing import Annotated, Any
+from collections.abc import Callable, Mapping
+from typing import Annotated
 from urllib.parse import quote
 
 import httpx
 from pydantic import Field
 from starlette.routing import BaseRoute, Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from proxy.admin.health_report import HealthReport
 from proxy.admin.proxy_view import ProxyView
-from proxy.admin.views import DryRun, EngineList, HealthReport, LifecycleAnswer, ModelList, ReleaseResult, TenantList
+from proxy.admin.views import DryRun, EngineList, LifecycleAnswer, ModelList, ReleaseResult, TenantList
 from proxy.config.bounds import MAX_GIB
 from proxy.errors import McpNotInstalled
 from proxy.tls import client_context
@@ -63,7 +64,7 @@ class AdminClient:
         self.transport = transport
 
     async def call(self, method: str, path: str, params: dict[str, str] | None = None,
-                   mutating: bool = False) -> dict[str, Any]:
+                   mutating: bool = False) -> dict[str, object]:
         """The JSON answer of a 2xx; anything else becomes a ToolError with the API's message and fix."""
         base = self.base_url().rstrip("/")
         headers: dict[str, str] = {}
@@ -89,7 +90,7 @@ class AdminClient:
         return body
 
 
-def error_text(status: int, body: dict[str, Any]) -> str:
+def error_text(status: int, body: Mapping[str, object]) -> str:
     """One line an agent can act on: the API's sentence, its reason, the fix, and the rest as JSON."""
     text = f"HTTP {status}: {body.get('error') or 'failed'}"
     if body.get("reason"):
@@ -181,7 +182,7 @@ def build_server(admin: AdminClient) -> MCPServer:
 class _BearerGate:
     """The SDK's ASGI app behind the admin token (when one is configured)."""
 
-    def __init__(self, app: Any, token: str | None) -> None:
+    def __init__(self, app: ASGIApp, token: str | None) -> None:
         self.app = app
         self.token = token
 

@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -33,7 +33,7 @@ from proxy.config.units import GIB
 from proxy.engines import EngineAdapter, adapter_for
 from proxy.engines.model_files import ModelFiles, files_summary
 from proxy.engines.settings import read_proc_environ
-from proxy.errors import HyperSwapError
+from proxy.errors import HyperSwapError, error_body
 from proxy.handoff.decisions import ModelLoad
 from proxy.handoff.load_events import Load
 from proxy.handoff.load_events import progress as load_progress
@@ -45,7 +45,7 @@ from proxy.models.pagecache import PageCacheProbe, Residency, SystemPageCache
 from proxy.models.warm import MemAvailable, Warm, Warmer, WarmJob, may_read, read_mem_available
 
 if TYPE_CHECKING:
-    from proxy.admin.health import HealthEntry
+    from proxy.admin.health_entry import HealthEntry
     from proxy.gpu.attribution import AttributedSnapshot
 
 log = logging.getLogger("hyperswap.models")
@@ -61,8 +61,8 @@ SKIPPED_SHOWN = 5
 T = TypeVar("T")
 
 
-def _error(status: int, message: str, fix: str, **details: Any) -> JSONResponse:
-    return JSONResponse({"error": message, "fix": fix, **details}, status_code=status)
+def _error(status: int, message: str, fix: str, **details: object) -> JSONResponse:
+    return JSONResponse(error_body(message, fix, details), status_code=status)
 
 
 class ModelsExtension:
@@ -80,7 +80,7 @@ class ModelsExtension:
         self.warmer = Warmer(self.margin_bytes, mem_available, self.catalog.files_changed)
         self.loads = LoadLog()
         self.recent: OrderedDict[str, tuple[str, str]] = OrderedDict()  # key -> (tenant, model), newest last
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks: set[asyncio.Task[object]] = set()
         # tenant -> checkpoint loads expected in its execution frames: (files, residency before, source, request)
         self._frames: dict[str, FrameTimer[tuple[ModelFiles, float | None, str, int | None]]] = {}
         self._starting: dict[int, tuple[ModelFiles, float | None]] = {}  # load id -> its files, residency before
@@ -122,12 +122,12 @@ class ModelsExtension:
         if isinstance(health, HealthExtension):
             health.checks.append(NamedCheck("model files", self.health_entries))
 
-    async def files(self, fn: Callable[..., T], *args: Any, timeout_s: float | None = ANSWER_S) -> T:
+    async def files(self, fn: Callable[..., T], *args: object, timeout_s: float | None = ANSWER_S) -> T:
         """`fn(*args)` on the model-file threads (never the loop, never asyncio's default pool).
         Raises FileWorkBusy (queue full, or closed) or TimeoutError."""
         return await self.catalog.work.run(fn, *args, timeout_s=timeout_s)
 
-    async def _quietly(self, fn: Callable[..., T], *args: Any, timeout_s: float | None = ANSWER_S) -> T | None:
+    async def _quietly(self, fn: Callable[..., T], *args: object, timeout_s: float | None = ANSWER_S) -> T | None:
         try:
             return await self.files(fn, *args, timeout_s=timeout_s)
         except (FileWorkBusy, TimeoutError) as exc:
@@ -151,8 +151,8 @@ class ModelsExtension:
             for key in [k for k, j in self.warmer.jobs.items() if j.active]:
                 await self.warmer.wait(key)
 
-    def _spawn(self, coro: Awaitable[Any], name: str) -> None:
-        task: asyncio.Task[Any] = asyncio.ensure_future(coro)
+    def _spawn(self, coro: Awaitable[object], name: str) -> None:
+        task: asyncio.Task[object] = asyncio.ensure_future(coro)
         task.set_name(name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -288,7 +288,7 @@ class ModelsExtension:
         known = [s for s in stands_for if s is not None]
         return sum(known) if known and len(known) == len(stands_for) else m.size_bytes
 
-    def model_json(self, m: ModelFiles, files: bool = False) -> dict[str, Any]:
+    def model_json(self, m: ModelFiles, files: bool = False) -> dict[str, object]:
         r = self.catalog.residency_of(m)
         job = self.warmer.jobs.get(m.key)
         size = self.model_size(m)
@@ -297,7 +297,7 @@ class ModelsExtension:
                 "residency": Residency.of(r, files).model_dump(mode="json"),
                 "warm": Warm.of(job).model_dump(mode="json") if job else None}
 
-    def listing(self, tenant: str | None) -> dict[str, Any]:
+    def listing(self, tenant: str | None) -> dict[str, object]:
         everything = self.catalog.all_files()
         tenants = []
         for name, found in everything.items():
@@ -327,7 +327,7 @@ class ModelsExtension:
             try:
                 return await handler(request)
             except HyperSwapError as exc:
-                return JSONResponse(exc.to_json(), status_code=exc.status)
+                return JSONResponse(exc.body(), status_code=exc.status)
         return wrapped
 
     async def list_route(self, request: Request) -> Response:
@@ -390,7 +390,7 @@ class ModelsExtension:
 
     # -- health ---------------------------------------------------------------------------------
     async def health_entries(self, snap: AttributedSnapshot) -> list[HealthEntry]:
-        from proxy.admin.health import HealthEntry
+        from proxy.admin.health_entry import HealthEntry
         try:
             everything = await self.files(self.catalog.all_files)
         except (FileWorkBusy, TimeoutError) as exc:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Iterable
-from typing import Any
+from typing import TypedDict, cast
 
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
@@ -19,8 +19,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from proxy.admin.health_report import HealthReport
 from proxy.admin.proxy_view import ProxyView
-from proxy.admin.telemetry import HISTORY_LIMIT_MAX, KINDS
+from proxy.admin.telemetry import HISTORY_LIMIT_MAX
+from proxy.admin.telemetry_rows import KINDS
 from proxy.admin.views import (
     CatalogFrame,
     DecisionDetail,
@@ -28,7 +30,6 @@ from proxy.admin.views import (
     DryRun,
     EngineList,
     Error,
-    HealthReport,
     LifecycleAnswer,
     LifecycleFrame,
     LifecycleRefusal,
@@ -44,7 +45,7 @@ from proxy.admin.views import (
 )
 from proxy.config.bounds import MAX_GIB
 
-JSON = dict[str, Any]
+JSON = dict[str, object]  # a piece of the OpenAPI document
 REF = "#/components/schemas/{model}"
 
 MODELS: tuple[type[BaseModel], ...] = (Error, DryRun, Rejection, ReleaseResult, TenantList, TenantView, DecisionList,
@@ -305,13 +306,18 @@ def _without_auth(ops: dict[str, dict[str, JSON]]) -> None:
         for op in methods.values():
             if op.pop("security", None) is not None:
                 for status in ("401", "403"):
-                    op["responses"].pop(status, None)
+                    responses_of(op).pop(status, None)
+
+
+def responses_of(op: JSON) -> JSON:
+    """An operation's responses, made when it has none (every operation here writes them as an object)."""
+    return cast(JSON, op.setdefault("responses", {}))
 
 
 def _guard_answers(method: str, op: JSON) -> None:
     """What the admin listener's guard answers before any route runs (proxy/guards.py): 421 to a
     foreign Host on every call; 403 to a foreign Origin and 415 to a non-JSON body on a mutation."""
-    responses = op.setdefault("responses", {})
+    responses = responses_of(op)
     responses.setdefault("421", _err("a Host that is not this admin listener's address (loopback, its listen "
                                      "address, or admin.allowed_hosts)"))
     if method in ("get", "head"):
@@ -321,7 +327,16 @@ def _guard_answers(method: str, op: JSON) -> None:
     responses.setdefault("415", _err("a body that is not JSON (send none, or Content-Type: application/json)"))
 
 
-def openapi_document(mounted: Iterable[tuple[str, str]] | None = None, *, token: bool = True) -> JSON:
+class Document(TypedDict):
+    """The OpenAPI document: its routes (path -> method -> operation) and the schemas they refer to."""
+    openapi: str
+    info: JSON
+    servers: list[JSON]
+    paths: dict[str, dict[str, JSON]]
+    components: JSON
+
+
+def openapi_document(mounted: Iterable[tuple[str, str]] | None = None, *, token: bool = True) -> Document:
     """The document. `mounted`: (path, lower-case method) pairs actually served; None: every known one.
     `token`: whether the proxy runs with an admin token (only then do guarded calls need it)."""
     ops = _operations()
@@ -340,7 +355,7 @@ def openapi_document(mounted: Iterable[tuple[str, str]] | None = None, *, token:
     for path, methods in paths.items():
         for method, op in methods.items():
             if "{name}" in path:
-                op.setdefault("responses", {}).setdefault("404", _err("no such tenant"))
+                responses_of(op).setdefault("404", _err("no such tenant"))
             if not op.get("x-undocumented"):
                 _guard_answers(method, op)
     return {

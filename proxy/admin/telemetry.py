@@ -30,11 +30,11 @@ import sqlite3
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Literal, cast
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -42,24 +42,11 @@ from starlette.routing import BaseRoute, Route
 
 from proxy.admin.proxy_view import ProxyView
 from proxy.admin.query import integer, optional_number
+from proxy.admin.telemetry_rows import COLUMNS, KINDS, SCHEMA, WITH_DECISION_ID, Kind, decision_rows
 from proxy.clock import Clock
 from proxy.config.units import MIB
 from proxy.decision_base import DecisionEvent
 from proxy.errors import HyperSwapError
-from proxy.gpu.keeper import GpuApplyFinished
-from proxy.handoff.decisions import (
-    DecisionView,
-    HandoffFinished,
-    LifecycleStart,
-    LifecycleStop,
-    ModelLoad,
-    NothingToRelease,
-    OomRetry,
-    QueueEnded,
-    Rejected,
-    SpillNoPlan,
-)
-from proxy.models.loads import LoadRecord, MeasuredLoad
 from proxy.tasks import cancel_and_wait
 
 if TYPE_CHECKING:
@@ -77,31 +64,6 @@ LOAD_GROWTH_MIN_BYTES = 256 * MIB  # growth between two samples above this count
 PRUNE_EVERY_ROWS = 5_000
 HISTORY_LIMIT_MAX = 10_000  # rows per kind in one /api/history answer
 
-Kind = Literal["vram", "decisions", "releases", "rejections", "oom_retries", "model_loads", "load_speeds"]
-KINDS: tuple[Kind, ...] = ("vram", "decisions", "releases", "rejections", "oom_retries", "model_loads", "load_speeds")
-
-_SCHEMA: dict[Kind, str] = {
-    "vram": "at REAL NOT NULL, tenant TEXT NOT NULL, window_s REAL NOT NULL, samples INTEGER NOT NULL,"
-            " min_bytes INTEGER NOT NULL, max_bytes INTEGER NOT NULL, last_bytes INTEGER NOT NULL",
-    "decisions": "at REAL NOT NULL, decision_id INTEGER NOT NULL, kind TEXT NOT NULL, tenant TEXT NOT NULL,"
-                 " trigger TEXT NOT NULL, ok INTEGER, outcome TEXT NOT NULL",
-    "releases": "at REAL NOT NULL, decision_id INTEGER NOT NULL, tenant TEXT NOT NULL, requester TEXT NOT NULL,"
-                " expected_bytes INTEGER NOT NULL, freed_bytes INTEGER NOT NULL, duration_s REAL NOT NULL,"
-                " confirmed INTEGER NOT NULL, error TEXT",
-    "rejections": "at REAL NOT NULL, decision_id INTEGER NOT NULL, tenant TEXT NOT NULL, trigger TEXT NOT NULL,"
-                  " need_bytes INTEGER, blockers TEXT NOT NULL",
-    "oom_retries": "at REAL NOT NULL, decision_id INTEGER NOT NULL, tenant TEXT NOT NULL, result TEXT NOT NULL",
-    "model_loads": "at REAL NOT NULL, tenant TEXT NOT NULL, started_at REAL NOT NULL, duration_s REAL NOT NULL,"
-                   " grown_bytes INTEGER NOT NULL, gbps REAL",
-    # loads the engines timed themselves (proxy/models/loads.py): residency before, warm or cold
-    "load_speeds": "at REAL NOT NULL, decision_id INTEGER NOT NULL, tenant TEXT NOT NULL, model TEXT NOT NULL,"
-                   " size_bytes INTEGER NOT NULL, seconds REAL NOT NULL, gbps REAL NOT NULL,"
-                   " resident_before_percent REAL, class TEXT, source TEXT NOT NULL",
-}
-_COLUMNS: dict[Kind, tuple[str, ...]] = {
-    k: tuple(part.strip().split()[0] for part in schema.split(",")) for k, schema in _SCHEMA.items()
-}
-_WITH_DECISION_ID: tuple[Kind, ...] = tuple(k for k in KINDS if "decision_id" in _COLUMNS[k])
 
 
 def default_path(env: Mapping[str, str] | None = None) -> Path | None:
@@ -165,10 +127,10 @@ class TelemetryStore:
         conn = self._connect()
         try:
             with conn:
-                for kind, schema in _SCHEMA.items():
+                for kind, schema in SCHEMA.items():
                     conn.execute(f"CREATE TABLE IF NOT EXISTS {kind} ({schema})")
                     conn.execute(f"CREATE INDEX IF NOT EXISTS {kind}_at ON {kind} (at)")
-                for kind in _WITH_DECISION_ID:  # last_decision_id() at the next start
+                for kind in WITH_DECISION_ID:  # last_decision_id() at the next start
                     conn.execute(f"CREATE INDEX IF NOT EXISTS {kind}_decision ON {kind} (decision_id)")
             self._prune(conn)
         finally:
@@ -195,13 +157,13 @@ class TelemetryStore:
         return self._queue.qsize()
 
     # -- writing ------------------------------------------------------------------------------
-    def submit(self, kind: Kind, row: Mapping[str, Any]) -> bool:
+    def submit(self, kind: Kind, row: Mapping[str, object]) -> bool:
         """Queue one row; False (and counted) if the store is closed or the queue is full."""
         if self._closed:
             self.dropped += 1
             return False
         try:
-            self._queue.put_nowait((kind, tuple(row.get(c) for c in _COLUMNS[kind])))
+            self._queue.put_nowait((kind, tuple(row.get(c) for c in COLUMNS[kind])))
         except queue.Full:
             self._lose(1, "queue full: the writer could not keep up")
             return False
@@ -252,7 +214,7 @@ class TelemetryStore:
         try:
             tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
             ids = [conn.execute(f"SELECT MAX(decision_id) FROM {kind}").fetchone()[0]
-                   for kind in _WITH_DECISION_ID if kind in tables]
+                   for kind in WITH_DECISION_ID if kind in tables]
         finally:
             conn.close()
         return max((int(i) for i in ids if i is not None), default=0)
@@ -286,7 +248,7 @@ class TelemetryStore:
                         batch.append(self._queue.get_nowait())
                     except queue.Empty:
                         break
-                rows: dict[str, list[tuple[Any, ...]]] = {}
+                rows: dict[str, list[tuple[object, ...]]] = {}
                 flushes: list[_Flush] = []
                 for item in batch:
                     if item is _STOP:
@@ -294,7 +256,7 @@ class TelemetryStore:
                     elif isinstance(item, _Flush):
                         flushes.append(item)
                     else:
-                        queued_kind, queued_row = cast(tuple[str, tuple[Any, ...]], item)  # what submit() queues
+                        queued_kind, queued_row = cast(tuple[str, tuple[object, ...]], item)  # what submit() queues
                         rows.setdefault(queued_kind, []).append(queued_row)
                 if stop:  # rows that raced in after STOP (submit checked _closed just before) are kept too
                     while True:
@@ -309,7 +271,7 @@ class TelemetryStore:
                 try:
                     with conn:
                         for kind, values in rows.items():
-                            cols = _COLUMNS[kind]  # type: ignore[index]
+                            cols = COLUMNS[kind]  # type: ignore[index]
                             conn.executemany(f"INSERT INTO {kind} ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
                                              values)
                     n = sum(len(v) for v in rows.values())
@@ -341,11 +303,11 @@ class TelemetryStore:
         return self._wall.wall() if self._wall is not None else time.time()
 
     # -- reading (blocking: call off the loop) -------------------------------------------------
-    def query(self, kind: Kind, since: float = 0.0, limit: int = 1000, tenant: str | None = None) -> list[dict[str, Any]]:
+    def query(self, kind: Kind, since: float = 0.0, limit: int = 1000, tenant: str | None = None) -> list[dict[str, object]]:
         """Rows of one kind at or after `since` (unix seconds), oldest first, at most `limit` (the newest)."""
-        cols = _COLUMNS[kind]
+        cols = COLUMNS[kind]
         sql = f"SELECT {', '.join(cols)} FROM {kind} WHERE at >= ?"
-        args: list[Any] = [since]
+        args: list[str | float] = [since]
         if tenant is not None:
             sql += " AND tenant = ?"
             args.append(tenant)
@@ -482,54 +444,6 @@ class VramRecorder:
                                        "min_bytes": w.min_bytes, "max_bytes": w.max_bytes, "last_bytes": w.last_bytes})
 
 
-# The events that complete a decision worth a `decisions` row (its whole view, with every fact merged):
-# what ran, how a wait ended, a refusal, a write to the card. An OOM retry with no decision of its
-# own is one too (`OomRetry.handoff_id` None). Observations have tables of their own (load_speeds) or none.
-_COMPLETING = (HandoffFinished, QueueEnded, Rejected, NothingToRelease, SpillNoPlan, GpuApplyFinished, LifecycleStart,
-               LifecycleStop)
-
-
-def decision_rows(event: DecisionEvent, view: DecisionView | None) -> list[tuple[Kind, dict[str, Any]]]:
-    """The rows an event adds (each event is emitted once, so each row is written once). `view` is its
-    decision as it stands after it (None: no longer kept); rows are dated and numbered by the decision."""
-    at = view.at if view is not None else event.at
-    decision_id = event.id if (target := event.target()) is None else target
-    out: list[tuple[Kind, dict[str, Any]]] = []
-    if view is not None and completes(event):
-        out.append(("decisions", {"at": at, "decision_id": decision_id, "kind": view.kind, "tenant": view.tenant,
-                                  "trigger": view.trigger, "ok": view.outcome.get("ok"),
-                                  "outcome": json.dumps(view.outcome, default=str)}))
-    match event:
-        case HandoffFinished(releases=releases):
-            out.extend(("releases", {"at": at, "decision_id": decision_id, "tenant": r.tenant, "requester": event.tenant,
-                                     "expected_bytes": r.expected_bytes, "freed_bytes": r.freed_bytes,
-                                     "duration_s": r.duration_s, "confirmed": r.confirmed, "error": r.error})
-                       for r in releases)
-        case Rejected(status=507) if event.answered_request:  # a 503 after the queue timeout is a wait that ran out
-            out.append(("rejections", {"at": at, "decision_id": decision_id, "tenant": event.tenant,
-                                       "trigger": event.trigger, "need_bytes": event.plan.need_bytes,
-                                       "blockers": json.dumps([b.to_json() for b in event.plan.blockers], default=str)}))
-        case ModelLoad(load=load):
-            out.append(("load_speeds", {"at": at, "decision_id": decision_id, "tenant": event.tenant, "model": load.model,
-                                        "size_bytes": load.size_bytes, **_load_figures(load)}))
-        case OomRetry(result=result):
-            out.append(("oom_retries", {"at": at, "decision_id": decision_id, "tenant": event.tenant, "result": result}))
-    return out
-
-
-def completes(event: DecisionEvent) -> bool:
-    """The event completes its decision (its `decisions` row is written now; the demo prints its line)."""
-    return isinstance(event, _COMPLETING) or (isinstance(event, OomRetry) and event.handoff_id is None)
-
-
-def _load_figures(load: LoadRecord) -> dict[str, Any]:
-    """As the load's own rendering rounds them (proxy/models/loads.py)."""
-    rendered = MeasuredLoad.of(load)
-    return {"seconds": rendered.seconds, "gbps": rendered.gbps,
-            "resident_before_percent": rendered.resident_before_percent, "class": load.load_class,
-            "source": load.source}
-
-
 class Telemetry:
     """The extension: samples VRAM from the proxy's snapshots, records decisions, serves /api/history.
 
@@ -553,7 +467,7 @@ class Telemetry:
             self._continue_decision_ids(self.store)
         self.recorder = VramRecorder(self.store, proxy.clock, window_s)
         self.open_error: str | None = None
-        self._unsubscribe: Any = None
+        self._unsubscribe: Callable[[], None] | None = None
         self._task: asyncio.Task[None] | None = None
 
     def _continue_decision_ids(self, store: TelemetryStore) -> None:
@@ -636,7 +550,7 @@ class Telemetry:
             since = optional_number(q, "since", low=0, example=f"unix seconds, like {example}") or 0.0
             limit = integer(q, "limit", 1000, low=1, high=HISTORY_LIMIT_MAX, example=example)
         except HyperSwapError as exc:
-            return JSONResponse(exc.to_json(), status_code=exc.status)
+            return JSONResponse(exc.body(), status_code=exc.status)
         kinds = [k.strip() for k in q.get("kind", ",".join(KINDS)).split(",") if k.strip()]
         unknown = [k for k in kinds if k not in KINDS]
         if unknown:
@@ -648,7 +562,7 @@ class Telemetry:
         tenant = q.get("tenant")
         store = self.store
 
-        def read() -> dict[str, list[dict[str, Any]]]:
+        def read() -> dict[str, list[dict[str, object]]]:
             store.flush()  # read what was submitted before this request
             return {k: store.query(k, since, limit, tenant) for k in kinds}  # type: ignore[arg-type]
 

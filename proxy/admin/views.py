@@ -10,84 +10,34 @@ is left out rather than invented (unknown is absent or null, never a made-up def
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from proxy.config.schema import Tenant
-from proxy.decision_base import DecisionKind
+from proxy.encoding import JSONModel, JSONObject
 from proxy.engines.ports import TenantCatalog
+from proxy.errors import ErrorBody
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
 from proxy.gpu.snapshot import GpuError, GpuReadError, PodName
-from proxy.gpu.visibility import Capability, Device, TenantDevices, tenant_vram
+from proxy.gpu.visibility import Device, TenantDevices, tenant_vram
 from proxy.handoff.arbitration import Arbitration
-from proxy.handoff.decisions import ReleaseVerdict
+from proxy.handoff.decision_json import Decision, RequestStory
 from proxy.handoff.plan import TenantState, gib
+from proxy.handoff.plan_json import Plan
+from proxy.handoff.release_result import ReleaseOutcome
 from proxy.handoff.watchdog import Watchdog
 from proxy.lifecycle.controller import LifecycleController
-from proxy.relay.refusals import NotEnoughMemory, PlanDevice
+from proxy.lifecycle.report_json import LifecycleReport, Suspended
+from proxy.relay.refusals import NotEnoughMemory
 
-JSON = dict[str, Any]
-
-
-class _Doc(BaseModel):
-    model_config = ConfigDict(extra="allow")
+_Doc = JSONModel
 
 
-class Error(_Doc):
+class Error(ErrorBody):
     """Every error answer: a sentence, and a hint where one helps. Extra keys give details."""
-    error: str
-    fix: str | None = Field(default=None, description="what to do about it")
     tenant: str | None = None
     reason: str | None = Field(default=None, description="machine-readable, e.g. busy, not_reclaimable")
-
-
-class Release(_Doc):
-    tenant: str
-    expected_free_bytes: int
-    expected_free_gib: float | None
-    pids: list[int]
-    reason: str
-
-
-class Blocker(_Doc):
-    pid: int | None
-    name: str
-    tenant: str
-    vram_bytes: int | None
-    vram_gib: float | None = None
-    reason: str = Field(description="why it could not be released: busy, not_reclaimable, priority, unmanaged, ...")
-    detail: str
-
-
-class Plan(_Doc):
-    """A release plan as computed by the planner (`handoff/plan.py`, logged before it runs)."""
-    requester: str
-    need_bytes: int
-    need_gib: float | None
-    free_bytes: int | None = Field(description="null when unplanned: nothing was measured")
-    free_gib: float | None
-    held_by_requester_bytes: int | None
-    held_by_requester_gib: float | None
-    promised_bytes: int = Field(default=0, description="free memory already promised to admitted loads still on their way")
-    promised_gib: float | None = None
-    reachable_bytes: int | None = Field(default=0, description="free + held + every reclaimable tenant's memory, busy "
-                                                                 "or idle; null when unplanned")
-    reachable_gib: float | None = None
-    feasible: bool | None = Field(description="enough now, with the releases listed; null: unknown (unplanned)")
-    possible: bool | None = Field(default=True, description="enough once the busy tenants in wait_for finish; "
-                                                            "false: 507; null: unknown (unplanned)")
-    outcome: Literal["ready", "release", "wait", "impossible", "unplanned"] | None = Field(
-        default=None, description="unplanned: the card's size is unknown (no GPU reader, no engine reports the "
-                                  "device), so the request is forwarded without a plan; the explanation says why")
-    wait_for: list[str] = Field(default_factory=list, description="busy tenants the request waits for")
-    starved: bool | None = Field(description="free + already held is below the need (only then is anything released); "
-                                            "null: unknown (unplanned)")
-    estimated: bool = Field(description="memory figures are the engines' own reports (GPU reader failed)")
-    releases: list[Release]
-    blockers: list[Blocker]
-    explanation: str
-    device: PlanDevice | None = Field(default=None, description="only on a host with several GPUs: the card planned on")
 
 
 class DryRun(_Doc):
@@ -97,32 +47,15 @@ class DryRun(_Doc):
 
 class Rejection(NotEnoughMemory):
     """The 507 a tenant's listener answers when no plan frees enough memory."""
-    # relay/refusals.py builds it; the document describes its plan field by field
-    plan: Plan  # type: ignore[assignment]  # the same JSON, as the Plan view describes it
 
 
-class ReleaseResult(_Doc):
-    tenant: str
-    expected_bytes: int
-    freed_bytes: int = Field(description="as measured on the GPU; when estimated, as the engine's own report says")
-    expected_gb: float | None
-    freed_gb: float | None
-    duration_s: float
-    confirmed: bool = Field(description="the card showed the memory back")
-    estimated: bool = Field(default=False, description="no GPU reader: judged from the engine's own report (Ollama's "
-                                                       "/api/ps, ComfyUI's /system_stats), which may say so before "
-                                                       "the memory is back; never confirmed")
-    error: str | None
-    asked: JSON = Field(description="what the engine was asked and answered")
-    steps: list[ReleaseStep] | None = Field(default=None, description="each release step tried, in order")
+class ReleaseResult(ReleaseOutcome):
+    """`POST /api/tenants/{name}/release`: the release as a decision's outcome lists it, and on a failure
+    what to do about it."""
     fix: str | None = Field(default=None, description="on 502 and 504: what to do about it")
     reason: Literal["cpu"] | None = Field(default=None, description="cpu: the engine runs on the CPU and holds no GPU "
                                                                     "memory; nothing was asked")
     note: str | None = None
-    result: ReleaseVerdict | Literal["not_on_gpu"] | None = Field(default=None, description=(
-        "confirmed (the card showed the memory back), estimated (the engine's own report said so), timeout "
-        "(not back within release_timeout_s), error (the engine refused or was down), or not_on_gpu (the "
-        "engine computes on the CPU and holds nothing on the card: nothing was asked)"))
 
 
 class Process(_Doc):
@@ -187,16 +120,6 @@ class Lifecycle(_Doc):
     controller: LifecycleController
 
 
-class Suspended(_Doc):
-    """A tenant with a cuda_suspend release step: its processes parked in host RAM or not (lifecycle/suspend_state.py)."""
-    state: Literal["running", "suspending", "suspended", "resuming", "failed"]
-    pids: list[int]
-    parked_bytes: int = Field(description="its device memory the driver holds in host RAM now (0 unless suspended)")
-    via: str | None = Field(description="driver API, cuda-checkpoint or simulated; null before the first suspend")
-    error: str | None = Field(description="why the last suspend or restore failed; null: it worked, or none ran")
-    fix: str | None
-
-
 class _TenantLive(_Doc):
     """The live state both /api/tenants and the events' stats frames carry."""
     name: str
@@ -220,7 +143,7 @@ class _TenantLive(_Doc):
 
 
 class TenantView(_TenantLive):
-    config: JSON
+    config: dict[str, object]
     processes: list[Process]
     watchdog: str | None
     estimated: bool
@@ -231,114 +154,10 @@ class TenantList(_Doc):
     tenants: list[TenantView]
 
 
-# -- decision outcomes: the rendering of the typed events (proxy/handoff/decisions.py) ------------------
-
-class ReleaseStep(_Doc):
-    """One step of a release that escalates (tenants.json `release` as a list): what it freed."""
-    step: int = Field(description="its index in the tenant's release list")
-    kind: str = Field(description="its release kind (http, comfyui, process, systemd, docker, ...)")
-    freed_bytes: int = Field(description="what the card (or, estimated, the engine) showed back after it")
-    duration_s: float
-    result: ReleaseVerdict
-    error: str | None = None
-
-
-class ReleaseOutcome(_Doc):
-    """One executed release as a decision's outcome lists it (`ReleaseResult.to_json`)."""
-    tenant: str = ""
-    expected_bytes: int = 0
-    freed_bytes: int = 0
-    duration_s: float = 0.0
-    confirmed: bool = False
-    estimated: bool = False
-    error: str | None = None
-    result: ReleaseVerdict | None = None
-    expected_gb: float | None = None
-    freed_gb: float | None = None
-    asked: JSON | None = Field(default=None, description="what the engine was asked and answered")
-    steps: list[ReleaseStep] | None = Field(default=None, description="each step tried, in order, until one freed "
-                                                                       "the memory")
-
-
-class DecisionOutcome(_Doc):
-    """A decision's outcome: its events' facts merged (proxy/handoff/decisions.py), so every key is
-    optional: an outcome grows as the decision goes on (a handoff's releases come with its second event)."""
-    ok: bool | None = None
-    releases: list[ReleaseOutcome] | None = None
-    status: int | None = None  # a rejection's HTTP status: 507, or 503 after the queue timeout
-    result: str | None = None  # queued: admitted | ...; oom_retry: succeeded | failed | no plan | ...
-    oom_retry: str | None = None  # a plan decision's retry result, once the retry ran
-    waited_s: float | None = None  # queued: how long the request waited
-    reason: str | None = None
-    held_bytes: int | None = Field(default=None, description="release, idle_release: what the tenant held when asked")
-    idle_s: float | None = Field(default=None, description="idle_release: the tenant's idle_release_after_s")
-    waiting_for: list[str] | None = Field(default=None, description="queued: the busy tenants it waits for")
-    behind: int | None = Field(default=None, description="queued: the waiting request it queues behind")
-    ended_by: int | None = Field(default=None, description="queued: the decision that ended the wait")
-    ended_with: str | None = None
-    requeued_as: str | None = Field(default=None, description="a ComfyUI prompt retried after an OOM: the new prompt id")
-    prompt_id: str | None = None
-    job_id: str | None = Field(default=None, description="stale_job: the job no longer counted as running")
-    # model_load: a load the engine timed itself (proxy/models/loads.py)
-    at: float | None = Field(default=None, description="model_load: when the load ended (unix seconds)")
-    model: str | None = None
-    size_bytes: int | None = None
-    seconds: float | None = None
-    gbps: float | None = None
-    resident_before_percent: float | None = None
-    source: str | None = None
-    load_class: str | None = Field(default=None, alias="class", description="model_load: warm, cold or unknown")
-    not_released_busy: list[str] | None = Field(default=None, description="tenants of the plan that had work again "
-                                                                          "when the release's turn came: not released")
-    # start, stop, resume: a lifecycle tenant started or stopped, a soft release's resume call
-    state: str | None = Field(default=None, description="start, stop: the tenant's lifecycle state after it")
-    duration_s: float | None = Field(default=None, description="start, stop, resume: how long it took")
-    error: str | None = Field(default=None, description="start, stop, resume: why it failed")
-    fix: str | None = None
-    output: list[str] | None = Field(default=None, description="start, stop: the app's last output lines")
-    retry_in_s: float | None = Field(default=None, description="a failed start: when the next may begin")
-    asked: JSON | None = Field(default=None, description="resume: what the app was asked and answered")
-    request: int | None = Field(default=None, description="model_load: the decision of the request whose load it was "
-                                                          "(its wait, or the handoff it caused)")
-    # queued, plan: a request that waited or caused a handoff got its answer (FirstByte)
-    arrived_at: float | None = Field(default=None, description="when the request arrived (unix seconds)")
-    first_byte_s: float | None = Field(default=None, description="seconds from its arrival to its answer's first byte")
-    first_byte_status: int | None = Field(default=None, description="the HTTP status its answer began with")
-
-
-class Decision(_Doc):
-    id: int
-    at: float = Field(description="unix seconds")
-    kind: DecisionKind
-    tenant: str
-    trigger: str
-    plan: Plan | None
-    outcome: DecisionOutcome
-
+# -- decisions: their shapes are proxy/handoff/decision_json.py's --------------------------------------------
 
 class DecisionList(_Doc):
     decisions: list[Decision]
-
-
-class StoryStep(_Doc):
-    """One bar of a request's waterfall, in seconds from its arrival."""
-    kind: Literal["wait", "hold", "release", "load", "first_byte"]
-    text: str = Field(description="the bar's sentence: 'waited 4.1 s behind comfyui', 'released comfyui in 0.5 s'...")
-    start_s: float
-    duration_s: float
-    decision: int = Field(description="the decision it is told from")
-    tenant: str | None = Field(description="wait: whom it waited for; release: who was released; load: the requester")
-
-
-class RequestStory(_Doc):
-    """Why one GPU request that waited or caused a handoff took as long as it did."""
-    request: int = Field(description="the decision the story hangs on: the request's wait, else the handoff it caused")
-    tenant: str
-    trigger: str
-    arrived_at: float = Field(description="unix seconds")
-    first_byte_s: float | None = Field(description="null: no answer yet, or it was refused")
-    steps: list[StoryStep]
-    related: list[int] = Field(description="the decisions it is told from")
 
 
 class DecisionDetail(_Doc):
@@ -373,24 +192,6 @@ class StatsFrame(_Doc):
     handoff_in_progress: bool
     queue: list[Waiting] = Field(default_factory=list, description="every request waiting for memory, in arrival order")
     gpu_error: GpuError | None
-
-
-class LifecycleReport(_Doc):
-    """How one start or stop ended, or why it never began (refused)."""
-    tenant: str
-    action: Literal["start", "stop", "exit"] = Field(description="exit: it ended on its own while running")
-    ok: bool
-    state: Literal["running", "stopped", "starting", "stopping", "failed", "exited"] = Field(
-        description="the state after it")
-    duration_s: float
-    error: str | None
-    fix: str | None
-    output: list[str]
-    retry_in_s: float | None
-    refused: bool = Field(description="it never began (busy, starting, backing off)")
-    exit_code: int | None = Field(default=None, description="exit: its code (negative: the signal), when known")
-    restart_in_s: float | None = Field(default=None, description="exit: the restart policy starts it again in this "
-                                                                 "long; null: the next request will")
 
 
 class LifecycleFrame(_Doc):
@@ -469,37 +270,20 @@ class CatalogFrame(_Doc):
     tenants: dict[str, TenantCatalog]
 
 
-class HealthEntry(_Doc):
-    name: str
-    status: Literal["ok", "degraded", "failed", "unknown"] = Field(
-        description="unknown: the check cannot run (what it looks at cannot be seen); problem says why")
-    problem: str | None
-    impact: str | None
-    fix: str | None
-
-
-class HealthReport(_Doc):
-    status: Literal["ok", "degraded", "failed"] = Field(description="the worst entry's (unknown counts as degraded)")
-    entries: list[HealthEntry]
-    capabilities: list[Capability] = Field(default_factory=list, description=(
-        "what works now: without a GPU reader, forwarding and in-flight tracking do; arbitration is estimated or "
-        "off; releases are not confirmed (absent when no GPU snapshot could be taken at all)"))
-    checked_at: float | None = Field(default=None, description="unix seconds")
-
-
 class ModelList(_Doc):
-    tenants: list[JSON] = Field(description="per tenant: its model files with size and page-cache residency")
+    tenants: list[dict[str, object]] = Field(description="per tenant: its model files with size and page-cache residency")
 
 
 class EngineList(_Doc):
-    engines: list[JSON] = Field(description="per tenant whose engine reports about itself: reachable, version, settings")
+    engines: list[dict[str, object]] = Field(description="per tenant whose engine reports about itself: reachable, "
+                                                         "version, settings")
 
 
 # -- builders: each view is made here and nowhere else ----------------------------------------------
 
-def dump(model: BaseModel) -> JSON:
+def dump(model: BaseModel) -> JSONObject:
     """A view as the JSON answer carries it."""
-    return model.model_dump(mode="json", exclude_unset=True, by_alias=True)
+    return cast(JSONObject, model.model_dump(mode="json", exclude_unset=True, by_alias=True))
 
 
 def device_view(snap: AttributedSnapshot) -> Device:
@@ -535,7 +319,7 @@ def lifecycle_view(arbitration: Arbitration, tenant: str) -> Lifecycle | None:
     return None if machine is None else Lifecycle.model_validate(machine.view())
 
 
-def queue(arbitration: Arbitration) -> list[JSON]:
+def queue(arbitration: Arbitration) -> list[dict[str, object]]:
     """Every waiting request, in arrival order, with its place in line (by priority, then arrival)."""
     entries = arbitration.scheduler.waiting()
     place = {w["id"]: i + 1 for i, w in enumerate(sorted(entries, key=lambda w: (-w["priority"], w["id"])))}
@@ -556,7 +340,8 @@ def loading_view(arbitration: Arbitration, snap: AttributedSnapshot, tenant: Ten
                         on_card_gb=gib(on_card), estimated=figure is None or figure.estimated)
 
 
-def _live(arbitration: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, tenant: Tenant, state: TenantState) -> JSON:
+def _live(arbitration: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, tenant: Tenant,
+          state: TenantState) -> dict[str, object]:
     """The live fields /api/tenants and the events' stats frames share (`_TenantLive`)."""
     traffic = arbitration.inflight.snapshot().get(tenant.name)
     machine = arbitration.lifecycles.machine(tenant.name)
@@ -580,7 +365,7 @@ def _live(arbitration: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot
         **({} if (cards := TenantDevices.of(snap, tenant.name)) is None else {"devices": cards}),
         "lifecycle": lifecycle_view(arbitration, tenant.name),
         "suspension": (None if (rec := arbitration.lifecycles.suspensions.record(tenant.name)) is None
-                       else Suspended.model_validate(rec.to_json(), strict=False)),
+                       else Suspended.of(rec)),
     }
 
 
@@ -588,18 +373,19 @@ def tenant_view(arbitration: Arbitration, watchdog: Watchdog, snap: AttributedSn
                 state: TenantState, listening: str | None = None) -> TenantView:
     """One tenant with its configuration and live state (GET /api/tenants, /api/stats, MCP);
     `listening`: where its listener really answers (a port of 0 read back)."""
-    return TenantView(
+    return TenantView.model_validate({
         **_live(arbitration, watchdog, snap, tenant, state),
-        config=tenant.model_dump(mode="json"),
-        processes=[tenant_process(p) for p in snap.processes_of(tenant.name)],
-        watchdog=watchdog.last.reasons.get(tenant.name) if watchdog.last else None,
-        estimated=snap.snapshot.source == "engine-estimate",
-        listening=listening,
-    )
+        "config": tenant.model_dump(mode="json"),
+        "processes": [tenant_process(p) for p in snap.processes_of(tenant.name)],
+        "watchdog": watchdog.last.reasons.get(tenant.name) if watchdog.last else None,
+        "estimated": snap.snapshot.source == "engine-estimate",
+        "listening": listening,
+    })
 
 
 def stats_tenant(arbitration: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, tenant: Tenant,
                  state: TenantState) -> StatsTenant:
     """One tenant in an events stats frame: the live state, small (no config, no catalog)."""
-    return StatsTenant(**_live(arbitration, watchdog, snap, tenant, state), engine=tenant.engine, priority=tenant.priority,
-                       pids=[p.process.pid for p in snap.processes_of(tenant.name)])
+    return StatsTenant.model_validate({**_live(arbitration, watchdog, snap, tenant, state), "engine": tenant.engine,
+                                       "priority": tenant.priority,
+                                       "pids": [p.process.pid for p in snap.processes_of(tenant.name)]})

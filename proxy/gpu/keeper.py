@@ -65,7 +65,7 @@ class GpuDrift(Opening):
     started: tuple[str, ...]
     resolved: tuple[str, ...]
 
-    def facts(self) -> dict[str, object]:
+    def facts(self) -> JSONObject:
         return {"device": self.device, "drifting": _CHECKS.dump_python(self.drifting, mode="json"),
                 "started": list(self.started), "resolved": list(self.resolved)}
 
@@ -79,7 +79,7 @@ class GpuApplyStarted(Opening):
     device: int
     changes: tuple[str, ...]
 
-    def facts(self) -> dict[str, object]:
+    def facts(self) -> JSONObject:
         return {"device": self.device, "changes": list(self.changes)}
 
 
@@ -93,7 +93,7 @@ class GpuApplyFinished(FollowUp):
     still_drifting: tuple[str, ...]
     next_attempt_in_s: float | None  # after a failure: the back-off
 
-    def facts(self) -> dict[str, object]:
+    def facts(self) -> JSONObject:
         return {"ok": self.ok, "errors": [e.model_dump(mode="json") for e in self.errors],
                 "still_drifting": list(self.still_drifting), "next_attempt_in_s": self.next_attempt_in_s}
 

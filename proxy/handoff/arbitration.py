@@ -17,7 +17,6 @@ import logging
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import httpx
 
@@ -38,8 +37,10 @@ from proxy.handoff.oom_need import OOM_HEADROOM_BYTES, oom_retry_need
 from proxy.handoff.orders import Released, ReleaseOrder
 from proxy.handoff.plan import Plan, PlanMode, gib, unplanned_plan
 from proxy.handoff.queue_rules import promised_by_tenant
+from proxy.handoff.release_result import StepResult
 from proxy.handoff.scheduler import Admitted, Handoff, Scheduler
 from proxy.handoff.sleepers import Lifecycles
+from proxy.lifecycle import report_json
 from proxy.lifecycle.cuda_driver import Checkpointer
 from proxy.lifecycle.state import LifecycleReport
 from proxy.tls import client_context
@@ -171,14 +172,13 @@ class Arbitration:
         start = self.clock.now()
         steps = [(i, s) for i, s in enumerate(tenant.release_steps) if s.reclaims and (s.stops or not stop)]
         result = ReleaseResult(tenant.name, expected, 0, 0.0, False, "no release step")
-        trail: list[dict[str, Any]] = []  # for a release that escalates: what each step freed
+        trail: list[StepResult] = []  # for a release that escalates: what each step freed
         held = held_before
         procs = tuple((p.process.pid, p.process.used_bytes or 0) for p in before.processes_of(tenant.name))
         for i, step in steps:
             result = await self._release_step(tenant, step, expected, held_before, held, procs)
             after = held_before - result.freed_bytes
-            trail.append({"step": i, "kind": step.kind, "freed_bytes": max(0, held - after),
-                          "duration_s": round(result.duration_s, 3), "result": result.result, "error": result.error})
+            trail.append(StepResult(i, step.kind, max(0, held - after), result.duration_s, result.result, result.error))
             held = after
             if result.result in ("confirmed", "estimated"):
                 if not step.stops:
@@ -199,7 +199,7 @@ class Arbitration:
         try:
             if stops:
                 report = await self.lifecycles.stop(tenant, lambda: self.stop_blocked(tenant.name))
-                asked: dict[str, object] = {"stop": report.to_json()}
+                asked: dict[str, object] = {"stop": report_json.LifecycleReport.of(report).dump()}
                 if not report.ok:
                     return ReleaseResult(tenant.name, expected, held_before - held_now, self.clock.now() - began, False,
                                          report.error, asked, busy=report.refused and report.state == "running")

@@ -78,10 +78,6 @@ class Release:
     pids: tuple[int, ...]
     reason: str
 
-    def to_json(self) -> dict[str, object]:
-        return {"tenant": self.tenant, "expected_free_bytes": self.expected_free_bytes,
-                "expected_free_gib": gib(self.expected_free_bytes), "pids": list(self.pids), "reason": self.reason}
-
 
 @dataclass(frozen=True, slots=True)
 class Blocker:
@@ -91,10 +87,6 @@ class Blocker:
     vram_bytes: int | None
     reason: BlockReason
     detail: str
-
-    def to_json(self) -> dict[str, object]:
-        return {"pid": self.pid, "name": self.name, "tenant": self.tenant, "vram_bytes": self.vram_bytes,
-                "vram_gib": gib(self.vram_bytes), "reason": self.reason, "detail": self.detail}
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,33 +120,6 @@ class Plan:
         if self.feasible:
             return "release" if self.releases else "ready"
         return "wait" if self.possible else "impossible"
-
-    def to_json(self) -> dict[str, object]:
-        # an unplanned request was measured against nothing: its figures are unknown, not 0
-        free = None if self.unplanned else self.free_bytes
-        held = None if self.unplanned else self.held_by_requester
-        reach = None if self.unplanned else self.reachable_bytes
-        out: dict[str, object] = {
-            "requester": self.requester,
-            "need_bytes": self.need_bytes, "need_gib": gib(self.need_bytes),
-            "free_bytes": free, "free_gib": gib(free),
-            "held_by_requester_bytes": held, "held_by_requester_gib": gib(held),
-            "promised_bytes": self.promised_bytes, "promised_gib": gib(self.promised_bytes),
-            "reachable_bytes": reach, "reachable_gib": gib(reach),
-            # unplanned: whether it fits is unknown, not yes (it is forwarded because nothing can be planned)
-            "feasible": None if self.unplanned else self.feasible,
-            "possible": None if self.unplanned else self.possible,
-            "outcome": self.outcome,
-            "starved": None if self.unplanned else self.starved,
-            "estimated": self.estimated,
-            "releases": [r.to_json() for r in self.releases],
-            "wait_for": list(self.wait_for),
-            "blockers": [b.to_json() for b in self.blockers],
-            "explanation": self.explanation,
-        }
-        if self.device is not None:  # only on a host with several cards: one card's plans stay as they were
-            out["device"] = {"index": self.device, "name": self.device_name}
-        return out
 
 
 UNPLANNED_WHY = "the card's size is unknown (the GPU reader failed and no engine reports the device)"

@@ -77,10 +77,6 @@ class Verdict:
         whether their requests follow)."""
         return self.plan.wait_for or self.held
 
-    def to_json(self) -> dict[str, object]:
-        return {"waiter": self.waiter.id, "tenant": self.waiter.tenant, "action": self.action, "reason": self.reason,
-                "behind": self.behind, "wait_for": list(self.plan.wait_for), "held": list(self.held)}
-
 
 def aged(w: Waiter, now: float, starvation_after_s: float) -> bool:
     return now - w.arrived_at >= starvation_after_s

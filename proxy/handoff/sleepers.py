@@ -25,6 +25,7 @@ from proxy.config.schema import ReleaseSpec, Tenant
 from proxy.engines import ReleaseFailed
 from proxy.engines.ports import LifecyclePorts
 from proxy.handoff.decisions import DecisionLog, LifecycleExit, LifecycleResult, LifecycleStart, LifecycleStop, Resumed
+from proxy.lifecycle import report_json
 from proxy.lifecycle.build import lifecycle_for
 from proxy.lifecycle.controller import LifecycleError, within
 from proxy.lifecycle.cuda_driver import Checkpointer
@@ -203,7 +204,7 @@ class Lifecycles:
             report = await self._started(tenant, machine)
             self.suspensions.recovered(tenant.name)
             return {"restored": None, "fallback": "stop and start", "error": f"{exc}; stopped and started it instead",
-                    "start": report.to_json()}
+                    "start": report_json.LifecycleReport.of(report).dump()}
 
     # -- plumbing ------------------------------------------------------------------------------------
     def _record(self, report: LifecycleReport) -> None:

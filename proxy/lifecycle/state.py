@@ -156,12 +156,6 @@ class LifecycleReport:
     exit_code: int | None = None  # exit: its code (negative: the signal), when known
     restart_in_s: float | None = None  # exit: the restart policy starts it again in this long; None: it does not
 
-    def to_json(self) -> JSON:
-        return {"tenant": self.tenant, "action": self.action, "ok": self.ok, "state": self.state,
-                "duration_s": round(self.duration_s, 3), "error": self.error, "fix": self.fix,
-                "output": list(self.output), "retry_in_s": self.retry_in_s, "refused": self.refused,
-                "exit_code": self.exit_code, "restart_in_s": self.restart_in_s}
-
     def error_for_client(self) -> LifecycleError:
         """The failed start as the 503 a held request gets."""
         err = LifecycleError(f"tenant {self.tenant!r} could not be started: {self.error}", fix=self.fix,

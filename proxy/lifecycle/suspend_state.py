@@ -89,8 +89,3 @@ class Suspension:
     def recovered(self, now: float) -> Suspension:
         """After `failed`, the app runs again (the fallback started it anew)."""
         return self._to("running", now)
-
-    def to_json(self) -> dict[str, object]:
-        return {"state": self.state, "since": self.since, "pids": list(self.pids), "parked_bytes": self.parked_bytes,
-                "via": self.via, "error": self.error, "fix": self.fix, "suspends": self.suspends,
-                "restores": self.restores, "last_restore_s": self.last_restore_s}

@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -444,7 +444,7 @@ async def _refuse_open(tenant: Tenant, ws: WebSocket, scope: Scope, exc: Excepti
     the upgrade with (and why), else the proxy's 502/504 naming the failure."""
     if (status := _http10_refusal(exc)) is not None:
         log.info("%s: upstream refused websocket %s with HTTP/1.0 %d", tenant.name, scope["path"], status)
-        body: dict[str, object] = {
+        body: Mapping[str, object] = {
             "error": f"{tenant.name} answered the websocket upgrade of {scope['path']} with HTTP/1.0 {status}: it "
                      "serves no websocket there", "tenant": tenant.name,
             "fix": f"check the path, or whether {tenant.name} offers websockets at all"}
@@ -452,7 +452,7 @@ async def _refuse_open(tenant: Tenant, ws: WebSocket, scope: Scope, exc: Excepti
     else:
         log.warning("%s: cannot open upstream websocket: %s", tenant.name, exc)
         err = _upstream_error(tenant, exc if not isinstance(exc, asyncio.TimeoutError) else httpx.ConnectTimeout(str(exc)))
-        status, body, code = err.status, err.to_json(), 1011
+        status, body, code = err.status, err.body(), 1011
     if "websocket.http.response" in scope.get("extensions", {}):
         await ws.send_denial_response(JSONResponse(body, status_code=status))
     else:

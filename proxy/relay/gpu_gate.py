@@ -41,6 +41,7 @@ from proxy.handoff.inflight import Token
 from proxy.handoff.load_events import Load
 from proxy.handoff.oom_need import OOM_HEADROOM_BYTES
 from proxy.handoff.plan import gib
+from proxy.handoff.plan_json import plan_json
 from proxy.handoff.queue_rules import RESIDENT
 from proxy.handoff.tickets import Admitted, Handoff
 from proxy.lifecycle.controller import LifecycleError
@@ -555,8 +556,9 @@ def record_wait(trace: tracing.Trace, decisions: DecisionLog, handoff: Handoff, 
     release_from = max(arrived_wall, started.at) if started is not None and released else admitted_wall
     if handoff.queued is not None:
         view = decisions.view(handoff.queued)
-        who = ", ".join(view.outcome.get("waiting_for") or ()) if view is not None else ""
-        reason = str(view.outcome.get("reason") or "") if view is not None else ""
+        outcome = view.read() if view is not None else None
+        who = ", ".join(outcome.waiting_for or ()) if outcome is not None else ""
+        reason = (outcome.reason or "") if outcome is not None else ""
         tracing.queue_phase(trace, release_from - arrived_wall, reason, who, used_ago)  # a hold, or a wait
     if released:
         trace.phase("release", admitted_wall - release_from,
@@ -582,5 +584,5 @@ def _with_blockers(upstream: UpstreamResponse, body: bytes, handoff: Handoff | N
         return _replay_response(upstream, body)
     if isinstance(data, dict) and handoff is not None:
         data["blockers"] = refusals.blockers_json(handoff)
-        data["plan"] = handoff.plan.to_json()
+        data["plan"] = plan_json(handoff.plan)
     return JSONResponse(data, status_code=upstream.status_code)

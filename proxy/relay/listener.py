@@ -543,7 +543,7 @@ class _Kept:
 
 
 def _error_response(exc: HyperSwapError) -> Response:
-    return JSONResponse(exc.to_json(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status)
 
 
 def _nothing() -> None:

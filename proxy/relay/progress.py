@@ -30,14 +30,14 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime
-from typing import Any
 
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from proxy.clock import Clock
+from proxy.encoding import JSONObject
 from proxy.engines.ports import Streamed
 from proxy.errors import HyperSwapError
 from proxy.handoff.queue_rules import held_swap
@@ -59,7 +59,7 @@ NDJSON = [(b"content-type", b"application/x-ndjson")]
 SSE = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 
 Result = UpstreamResponse | Response
-Waiting = Callable[[], "dict[str, Any] | None"]  # the scheduler's entry for this request while it waits
+Waiting = Callable[[], "Mapping[str, object] | None"]  # the scheduler's entry for this request while it waits
 Answer = Callable[[Result], Response]  # the answer as it would be without progress (relay, counted)
 Finish = Callable[["int | None"], None]  # the request left flight with this status (None: client gone)
 
@@ -76,16 +76,18 @@ def wanted(setting: str, header: str | None) -> bool:
     return setting == "streams"
 
 
-def wait_line(entry: dict[str, Any]) -> str:
+def wait_line(entry: Mapping[str, object]) -> str:
     """The scheduler's reason for a wait, for the person reading the thinking block."""
-    if entry.get("releasing"):
-        return f"releasing {', '.join(entry['releasing'])} to make room"
+    releasing = entry.get("releasing")
+    if isinstance(releasing, list | tuple) and releasing:
+        return f"releasing {', '.join(map(str, releasing))} to make room"
     reason = str(entry.get("reason") or "waiting for GPU memory")
     held = held_swap(reason)
     if held is not None:
         return hold_line(*held)
     match = _BEHIND.match(reason)
-    if match is not None and len(entry.get("waiting_for") or ()) == 1:
+    waiting_for = entry.get("waiting_for")
+    if match is not None and isinstance(waiting_for, list | tuple) and len(waiting_for) == 1:
         return f"waiting for {match[1]}: {match[2]}"
     return reason.replace("queued behind", "waiting behind", 1)
 
@@ -120,7 +122,7 @@ class Framing:
             return _line({"model": self.model, "created_at": _rfc3339(self.clock.wall()), "response": "", "thinking": text,
                           "done": False})
         if fmt == "sse-chat":
-            delta: dict[str, Any] = {"role": "assistant"} if self.first else {}
+            delta: JSONObject = {"role": "assistant"} if self.first else {}
             delta["reasoning_content"] = text
             self.first = False
             return _event({"id": "chatcmpl-hyperswap", "object": "chat.completion.chunk", "created": self.created,
@@ -135,11 +137,11 @@ class Framing:
         return _line({"error": message})
 
 
-def _line(obj: dict[str, Any]) -> bytes:
+def _line(obj: JSONObject) -> bytes:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
 
 
-def _event(obj: dict[str, Any]) -> bytes:
+def _event(obj: JSONObject) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
@@ -239,7 +241,7 @@ class ProgressResponse(Response):
             try:
                 result: Result = task.result()
             except HyperSwapError as exc:
-                result = JSONResponse(exc.to_json(), status_code=exc.status)
+                result = JSONResponse(exc.body(), status_code=exc.status)
             if not committed:
                 self._trace.listener = None
                 answered = True
@@ -334,7 +336,7 @@ class ProgressResponse(Response):
             try:
                 body = await result.aread()
             except HyperSwapError as exc:
-                body = json.dumps(exc.to_json()).encode()
+                body = json.dumps(exc.body()).encode()
         else:
             body = bytes(result.body)
         await self._end_with_error(send, error_message(result.status_code, body))

@@ -18,18 +18,20 @@ never invented.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal, Self, cast
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 from starlette.responses import JSONResponse
 
 from proxy.config.schema import Tenant
+from proxy.encoding import JSONObject
 from proxy.errors import HyperSwapError
 from proxy.handoff import per_card
 from proxy.handoff.plan import gib
+from proxy.handoff.plan_json import Plan as PlanJSON
+from proxy.handoff.plan_json import PlanDevice
 from proxy.handoff.tickets import Admitted, Handoff
 
-JSON = dict[str, Any]
 QUEUE_RETRY_AFTER_MAX_S = 30  # past the queue timeout, come back after as long again, but not later than this
 STOPPED_RETRY_AFTER_S = 10  # a read kept from a stopped app: nothing starts it by itself, so poll slowly
 
@@ -43,23 +45,16 @@ class Refusal(BaseModel):
     retry_after_from: ClassVar[str | None] = None  # what its Retry-After says, for the reference; None: it has none
     _retry_after_s: int | None = PrivateAttr(default=None)
 
-    def retry_after(self, seconds: int) -> Refusal:
+    def retry_after(self, seconds: int) -> Self:
         self._retry_after_s = seconds
         return self
 
-    def body(self) -> JSON:
-        return self.model_dump(mode="json", exclude_unset=True)
+    def body(self) -> JSONObject:
+        return cast(JSONObject, self.model_dump(mode="json", exclude_unset=True))
 
     def response(self) -> JSONResponse:
         headers = None if self._retry_after_s is None else {"Retry-After": str(self._retry_after_s)}
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
-
-
-class PlanDevice(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    index: int = Field(description="NVML index (`nvidia-smi -L`)")
-    name: str
-    uuid: str | None = Field(default=None, description="in a 507's `device`")
 
 
 class RejectionBlocker(BaseModel):
@@ -84,7 +79,7 @@ class NotEnoughMemory(Refusal):
     need_gb: float | None
     available_gb: float | None
     blockers: list[RejectionBlocker]
-    plan: JSON = Field(description="the release plan that found no room")
+    plan: PlanJSON = Field(description="the release plan that found no room")
     fix: str
     device: PlanDevice | None = Field(default=None, description="only on a host with several GPUs: the card that "
                                                                 "has not enough memory; another may have room")
@@ -100,7 +95,7 @@ class QueueTimeout(Refusal):
     waited_s: float = Field(description="how long the request waited for memory")
     waiting_for: list[str] = Field(description="the busy tenants it waited for")
     blockers: list[RejectionBlocker]
-    plan: JSON = Field(description="the plan it waited on")
+    plan: PlanJSON = Field(description="the plan it waited on")
     fix: str
 
 
@@ -115,7 +110,7 @@ class StartQueueTimeout(Refusal):
     reason: Literal["queue_timeout"]
     waited_s: float = Field(description="how long the start waited for memory")
     waiting_for: list[str] = Field(description="the busy tenants it waited for")
-    lifecycle: JSON
+    lifecycle: dict[str, object]
 
 
 class StartFailed(Refusal):
@@ -130,7 +125,7 @@ class StartFailed(Refusal):
     state: str | None = Field(default=None, description="its lifecycle state; a tenant's listener says it")
     retry_in_s: int | float | None = Field(default=None, description="seconds before a request may start it again")
     reason: Literal["start_failed"] | None = Field(default=None, description="the admin's start says it")
-    lifecycle: JSON | None = Field(default=None, description="the admin's start: the tenant's state")
+    lifecycle: dict[str, object] | None = Field(default=None, description="the admin's start: the tenant's state")
 
 
 class KeptAsleep(Refusal):
@@ -168,7 +163,7 @@ class Conflict(Refusal):
     tenant: str
     reason: Literal["busy", "starting", "not_reclaimable", "not_lifecycle", "no_log"] = Field(
         description="busy, starting, not_reclaimable, not_lifecycle, or no_log (its output is kept by systemd or docker)")
-    lifecycle: JSON | None = Field(default=None, description="null for a tenant the proxy does not start")
+    lifecycle: dict[str, object] | None = Field(default=None, description="null for a tenant the proxy does not start")
 
 
 # -- builders ------------------------------------------------------------------------------------
@@ -183,8 +178,8 @@ def blockers(handoff: Handoff) -> list[RejectionBlocker]:
     return out
 
 
-def blockers_json(handoff: Handoff) -> list[JSON]:
-    return [b.model_dump(mode="json") for b in blockers(handoff)]
+def blockers_json(handoff: Handoff) -> list[JSONObject]:
+    return [cast(JSONObject, b.model_dump(mode="json")) for b in blockers(handoff)]
 
 
 def _memory_fix(handoff: Handoff) -> str:
@@ -206,13 +201,13 @@ def not_enough_memory(tenant: Tenant, handoff: Handoff, need_bytes: int) -> NotE
     """507: the need cannot be met even once every busy tenant finished and every reclaimable one
     were released."""
     plan = handoff.plan
-    card: JSON = {}
+    out = NotEnoughMemory(error=f"not enough GPU memory for {tenant.name}: {plan.explanation}", tenant=tenant.name,
+                          need_gb=gib(need_bytes), available_gb=gib(plan.reachable_bytes),
+                          blockers=blockers(handoff), plan=PlanJSON.of(plan), fix=_memory_fix(handoff))
     if plan.device is not None and handoff.snapshot is not None:  # a host with several cards: which one
         dev = per_card.device(handoff.snapshot, plan.device)
-        card["device"] = PlanDevice(index=dev.index, name=dev.name, uuid=dev.uuid)
-    return NotEnoughMemory(error=f"not enough GPU memory for {tenant.name}: {plan.explanation}", tenant=tenant.name,
-                           need_gb=gib(need_bytes), available_gb=gib(plan.reachable_bytes),
-                           blockers=blockers(handoff), plan=plan.to_json(), fix=_memory_fix(handoff), **card)
+        out.device = PlanDevice(index=dev.index, name=dev.name, uuid=dev.uuid)
+    return out
 
 
 def queue_retry_after_s(timeout_s: float) -> int:
@@ -226,12 +221,12 @@ def queue_timeout(tenant: Tenant, admitted: Admitted, timeout_s: float) -> Refus
     return QueueTimeout(
         error=f"{tenant.name} waited {timeout_s:g} s for GPU memory: {admitted.reason}", tenant=tenant.name,
         waited_s=round(handoff.waited_s, 3), waiting_for=list(handoff.plan.wait_for), blockers=blockers(handoff),
-        plan=handoff.plan.to_json(),
+        plan=PlanJSON.of(handoff.plan),
         fix="retry after the busy tenants finish (Retry-After), or raise proxy.queue_timeout_s in tenants.json",
     ).retry_after(queue_retry_after_s(timeout_s))
 
 
-def start_queue_timeout(tenant: Tenant, admitted: Admitted, timeout_s: float, lifecycle: JSON) -> Refusal:
+def start_queue_timeout(tenant: Tenant, admitted: Admitted, timeout_s: float, lifecycle: dict[str, object]) -> Refusal:
     """503 past `proxy.queue_timeout_s` for the admin's start: said as the start's, with its state."""
     handoff = admitted.handoff
     return StartQueueTimeout(
@@ -247,10 +242,10 @@ def start_retry_after_s(retry_in_s: object) -> int:
     return max(1, round(retry_in_s)) if isinstance(retry_in_s, int | float) else 1
 
 
-def start_failed(exc: HyperSwapError, lifecycle: JSON | None = None) -> Refusal:
+def start_failed(exc: HyperSwapError, lifecycle: dict[str, object] | None = None) -> Refusal:
     """503: the start (or resume) failed. A tenant's listener says the state it is left in; the admin's
     start says `reason` and the whole lifecycle instead."""
-    body: JSON = exc.to_json()
+    body: dict[str, object] = dict(exc.body())
     if lifecycle is not None:
         body.pop("state", None)
         body.update(reason="start_failed", lifecycle=lifecycle)
@@ -260,19 +255,24 @@ def start_failed(exc: HyperSwapError, lifecycle: JSON | None = None) -> Refusal:
 def kept_asleep(tenant: Tenant, state: str, last_error: str | None, *, what: str, origin: str | None,
                 start_url: str) -> Refusal:
     """A request that must not start a stopped tenant: from a foreign origin (403), or a read (503)."""
-    failed: JSON = {"last_error": last_error} if state == "failed" else {}
+    refusal: ForeignOrigin | KeptAsleep
     if origin is not None:
-        return ForeignOrigin(tenant=tenant.name, state=state, **failed,
-                             error=f"{tenant.name} is {state}: a request from another origin ({origin[:200]!r}) never "
-                                   "starts it", fix=f"open it from its own address, or start it first ({start_url})")
-    return KeptAsleep(
-        tenant=tenant.name, state=state, **failed,
-        error=f"{tenant.name} is {state}: {what} only reads, and a read does not start it "
-              "(wake_on is \"writes\", so a poll never makes it flap)",
-        wake_on=tenant.wake_on, retry_after_s=STOPPED_RETRY_AFTER_S,
-        fix=f"send the request that needs it (a POST starts it), start it with {start_url}, or set "
-            f"tenants.{tenant.name}.wake_on to \"any\" so reads start it too",
-    ).retry_after(STOPPED_RETRY_AFTER_S)
+        refusal = ForeignOrigin(tenant=tenant.name, state=state,
+                                error=f"{tenant.name} is {state}: a request from another origin ({origin[:200]!r}) "
+                                      "never starts it",
+                                fix=f"open it from its own address, or start it first ({start_url})")
+    else:
+        refusal = KeptAsleep(
+            tenant=tenant.name, state=state,
+            error=f"{tenant.name} is {state}: {what} only reads, and a read does not start it "
+                  "(wake_on is \"writes\", so a poll never makes it flap)",
+            wake_on=tenant.wake_on, retry_after_s=STOPPED_RETRY_AFTER_S,
+            fix=f"send the request that needs it (a POST starts it), start it with {start_url}, or set "
+                f"tenants.{tenant.name}.wake_on to \"any\" so reads start it too",
+        ).retry_after(STOPPED_RETRY_AFTER_S)
+    if state == "failed":  # only a failed tenant says why
+        refusal.last_error = last_error
+    return refusal
 
 
 # The 409s of the admin API, one builder each.
@@ -283,14 +283,16 @@ def not_reclaimable(tenant: Tenant) -> Refusal:
                     tenant=tenant.name, reason="not_reclaimable")
 
 
-def busy(tenant: Tenant, why: str, action: Literal["released", "stopped"], lifecycle: JSON | None = None) -> Refusal:
-    state: JSON = {} if lifecycle is None else {"lifecycle": lifecycle}  # a release's answer has none
-    return Conflict(error=f"{tenant.name} is busy ({why}); a busy tenant is never {action}",
-                    fix="wait for its work to finish, or cancel it in the application", tenant=tenant.name,
-                    reason="busy", **state)
+def busy(tenant: Tenant, why: str, action: Literal["released", "stopped"],
+         lifecycle: dict[str, object] | None = None) -> Refusal:
+    out = Conflict(error=f"{tenant.name} is busy ({why}); a busy tenant is never {action}",
+                   fix="wait for its work to finish, or cancel it in the application", tenant=tenant.name, reason="busy")
+    if lifecycle is not None:  # a release's answer has none
+        out.lifecycle = lifecycle
+    return out
 
 
-def starting(tenant: Tenant, lifecycle: JSON) -> Refusal:
+def starting(tenant: Tenant, lifecycle: dict[str, object]) -> Refusal:
     return Conflict(error=f"{tenant.name} is starting: it is stopped only once it runs and is idle",
                     fix="wait for the start to end, then stop it", tenant=tenant.name, reason="starting",
                     lifecycle=lifecycle)
@@ -305,7 +307,7 @@ def not_lifecycle(tenant: Tenant, action: str) -> Refusal:
                     tenant=tenant.name, reason="not_lifecycle", lifecycle=None)
 
 
-def no_log(tenant: Tenant, runs_as: str, follow: str, lifecycle: JSON) -> Refusal:
+def no_log(tenant: Tenant, runs_as: str, follow: str, lifecycle: dict[str, object]) -> Refusal:
     """Its app runs under a manager that keeps its output (`runs_as`: "systemd unit"; `follow`: how to
     read it there)."""
     return Conflict(error=f"{tenant.name}'s output is not the proxy's to stream: it runs as a {runs_as}, "

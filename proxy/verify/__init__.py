@@ -6,19 +6,20 @@ import asyncio
 import json
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import httpx
 
+from proxy.encoding import JSONObject, as_object
 from proxy.errors import HyperSwapError
 from proxy.tls import client_context
-from proxy.verify.report import Report, StageResult
+from proxy.verify.report import Report, StageResult, VerifyReport
 from proxy.verify.runner import Options, Verify
 
 __all__ = ["Options", "Report", "Verify", "load_graph", "verify_main"]
 
 
-def load_graph(path: str) -> dict[str, Any]:
+def load_graph(path: str) -> JSONObject:
     """A ComfyUI graph in API format (Export (API)), bare or as `{"prompt": {...}}` like /prompt's body."""
     try:
         data = json.loads(Path(path).read_text())
@@ -31,7 +32,7 @@ def load_graph(path: str) -> dict[str, Any]:
     if not isinstance(graph, dict) or not graph or not all(isinstance(n, dict) and "class_type" in n for n in graph.values()):
         raise HyperSwapError(f"{path} is not a ComfyUI graph in API format (nodes with class_type and inputs)",
                              fix="in ComfyUI use Workflow > Export (API), not the plain Save (that is the UI format)")
-    return graph
+    return as_object(graph)
 
 
 def _ask(question: str) -> bool:
@@ -64,7 +65,7 @@ def verify_main(admin: str, *, yes: bool, as_json: bool, comfy_graph: str | None
                       stage_timeout_s=stage_timeout_s, busy_wait_s=busy_wait_s)
     report = asyncio.run(run_verify(options, out=out, err=err, as_json=as_json))
     if as_json:
-        print(json.dumps(report.to_json(), indent=2), file=out)
+        print(json.dumps(VerifyReport.of(report).dump(), indent=2), file=out)
     else:
         print(report.text().rsplit("\n", 1)[-1], file=out)
     return report.exit_code

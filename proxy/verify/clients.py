@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import httpx
 from websockets.asyncio.client import connect as ws_connect
@@ -17,6 +17,9 @@ from websockets.asyncio.client import connect as ws_connect
 from proxy.admin.address import local_url
 from proxy.clock import Clock
 from proxy.config.units import GIB
+from proxy.encoding import JSONObject, as_object
+from proxy.handoff.decision_json import Decision
+from proxy.handoff.plan_json import Plan
 
 
 class WsConnection(Protocol):
@@ -39,23 +42,36 @@ class Unexpected(Exception):
         super().__init__(f"{what} answered {self.status}: {self.error_text()}")
 
     def error_text(self) -> str:
-        if isinstance(self.body, dict) and isinstance(self.body.get("error"), str):
-            return str(self.body["error"])[:300]
+        error = as_object(self.body).get("error")
+        if isinstance(error, str):
+            return error[:300]
         return (self.body if isinstance(self.body, str) else json.dumps(self.body))[:300]
 
     def fix(self) -> str | None:
-        return str(self.body["fix"]) if isinstance(self.body, dict) and self.body.get("fix") else None
+        fix = as_object(self.body).get("fix")
+        return str(fix) if fix else None
 
 
-def _body(response: httpx.Response) -> Any:
+def _body(response: httpx.Response) -> object:
     try:
         return response.json()
     except ValueError:
         return response.text
 
 
-def gib(n: int | float | None) -> str:
-    return "unknown" if n is None else f"{n / GIB:.2f} GiB"
+def gib(n: object) -> str:
+    """Bytes as GiB; "unknown" for a figure nobody gave (None, or not a number)."""
+    return f"{n / GIB:.2f} GiB" if isinstance(n, int | float) and not isinstance(n, bool) else "unknown"
+
+
+def gb_bytes(value: object) -> int:
+    """A tenants.json `_gb` figure as bytes; 0 when it is not set."""
+    return int(float(value) * GIB) if isinstance(value, int | float | str) and value else 0
+
+
+def number(value: object) -> int | None:
+    """A figure of a JSON answer as an int; None when it is not a number."""
+    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,20 +88,23 @@ class TenantInfo:
     needs_vram_bytes: int
     context_allowance_bytes: int
     idle_release_in_s: float | None
-    config: Mapping[str, Any] = field(default_factory=dict)
+    config: JSONObject = field(default_factory=dict)
 
     @classmethod
-    def from_json(cls, view: Mapping[str, Any]) -> TenantInfo:
-        cfg = view.get("config") or {}
-        url = view.get("listening") or (local_url(cfg["listen"]) if cfg.get("listen") else None)
+    def from_json(cls, view: Mapping[str, object]) -> TenantInfo:
+        cfg = as_object(view.get("config"))
+        listen, listening, upstream = cfg.get("listen"), view.get("listening"), cfg.get("upstream")
+        url = listening if isinstance(listening, str) and listening else (local_url(listen) if isinstance(listen, str)
+                                                                            and listen else None)
+        vram, idle_in = view.get("vram_bytes"), view.get("idle_release_in_s")
         busy = bool(view.get("busy")) or bool(view.get("in_flight")) or bool(view.get("waiting"))
         return cls(name=str(view["name"]), engine=str(cfg.get("engine", "generic")), url=url,
-                   upstream=cfg.get("upstream"), reclaimable=bool(view.get("reclaimable")), busy=busy,
+                   upstream=upstream if isinstance(upstream, str) else None, reclaimable=bool(view.get("reclaimable")),
+                   busy=busy,
                    busy_reason=str(view.get("busy_reason") or ("requests in flight" if busy else "idle")),
-                   vram_bytes=view.get("vram_bytes"),
-                   needs_vram_bytes=int(float(cfg.get("needs_vram_gb") or 0) * GIB),
-                   context_allowance_bytes=int(float(cfg.get("context_allowance_gb") or 0) * GIB),
-                   idle_release_in_s=view.get("idle_release_in_s"), config=cfg)
+                   vram_bytes=number(vram), needs_vram_bytes=gb_bytes(cfg.get("needs_vram_gb")),
+                   context_allowance_bytes=gb_bytes(cfg.get("context_allowance_gb")),
+                   idle_release_in_s=float(idle_in) if isinstance(idle_in, int | float) else None, config=cfg)
 
 
 class AdminClient:
@@ -93,39 +112,39 @@ class AdminClient:
         self.base = base.rstrip("/")
         self.http = http
 
-    async def _get(self, path: str, params: Mapping[str, str] | None = None) -> Any:
+    async def _get(self, path: str, params: Mapping[str, str] | None = None) -> JSONObject:
         r = await self.http.get(self.base + path, params=params)
         if r.status_code != 200:
             raise Unexpected(f"GET {path}", r)
-        return r.json()
+        body = r.json()
+        if not isinstance(body, dict):
+            raise ValueError(f"GET {path} answered {type(body).__name__}, not a JSON object")
+        return as_object(body)
 
     async def tenants(self) -> list[TenantInfo]:
-        return [TenantInfo.from_json(v) for v in (await self._get("/api/tenants"))["tenants"]]
+        views = (await self._get("/api/tenants"))["tenants"]
+        return [TenantInfo.from_json(as_object(v)) for v in views] if isinstance(views, list) else []
 
     async def tenant(self, name: str) -> TenantInfo:
         return TenantInfo.from_json(await self._get(f"/api/tenants/{name}"))
 
-    async def stats(self) -> dict[str, Any]:
-        body: dict[str, Any] = await self._get("/api/stats")
-        return body
+    async def stats(self) -> JSONObject:
+        return await self._get("/api/stats")
 
-    async def plan(self, tenant: str, need_bytes: int | None = None) -> dict[str, Any]:
+    async def plan(self, tenant: str, need_bytes: int | None = None) -> Plan:
         params = {"tenant": tenant}
         if need_bytes is not None:
             params["need_gb"] = f"{need_bytes / GIB:.4f}"
-        plan: dict[str, Any] = (await self._get("/api/plan", params))["plan"]
-        return plan
+        return Plan.model_validate((await self._get("/api/plan", params))["plan"])
 
-    async def decisions(self, limit: int = 200) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = (await self._get("/api/decisions", {"limit": str(limit)}))["decisions"]
-        return out
+    async def decisions(self, limit: int = 200) -> list[Decision]:
+        found = (await self._get("/api/decisions", {"limit": str(limit)}))["decisions"]
+        return [Decision.model_validate(d) for d in found] if isinstance(found, list) else []
 
-    async def release(self, tenant: str) -> dict[str, Any]:
+    async def release(self, tenant: str) -> None:
         r = await self.http.post(f"{self.base}/api/tenants/{tenant}/release")
         if r.status_code != 200:
             raise Unexpected(f"POST /api/tenants/{tenant}/release", r)
-        body: dict[str, Any] = r.json()
-        return body
 
 
 # -- Ollama through its listener ---------------------------------------------------------------------
@@ -166,13 +185,12 @@ class OllamaClient:
             raise Unexpected("GET /api/ps", r)
         return {str(m["name"]): int(m.get("size_vram") or 0) for m in r.json().get("models") or []}
 
-    async def generate(self, model: str, num_predict: int = 8) -> dict[str, Any]:
+    async def generate(self, model: str, num_predict: int = 8) -> JSONObject:
         r = await self.http.post(self.base + "/api/generate", json={
             "model": model, "prompt": "Say hello in one word.", "stream": False, "options": {"num_predict": num_predict}})
         if r.status_code != 200:
             raise Unexpected(f"POST /api/generate ({model})", r)
-        body: dict[str, Any] = r.json()
-        return body
+        return as_object(r.json())
 
     async def load(self, model: str) -> str:
         """Load a model without a prompt, the way its kind allows: a generate call with no prompt, or for
@@ -205,20 +223,21 @@ class GraphRun:
     followed: str  # "websocket" or "history"
 
 
-def _combo(spec: Any) -> list[str]:
+def _combo(spec: object) -> list[str]:
     """A combo input's options: V1 `[[...], {opts}]`, V3 `["COMBO", {"options": [...]}]`."""
     if isinstance(spec, list) and spec:
         if isinstance(spec[0], list):
             return [str(x) for x in spec[0]]
         if spec[0] == "COMBO" and len(spec) > 1 and isinstance(spec[1], dict):
-            return [str(x) for x in spec[1].get("options") or []]
+            options = spec[1].get("options")
+            return [str(x) for x in options] if isinstance(options, list) else []
     return []
 
 
 MINIMAL_NODES = ("CheckpointLoaderSimple", "EmptyLatentImage", "CLIPTextEncode", "KSampler", "VAEDecode")
 
 
-def minimal_graph(object_info: Mapping[str, Any], checkpoint: str | None, seed: int) -> tuple[dict[str, Any], str]:
+def minimal_graph(object_info: Mapping[str, object], checkpoint: str | None, seed: int) -> tuple[JSONObject, str]:
     """The smallest text-to-image graph the installed nodes allow: 64x64, one step, a preview (not
     saved to the output folder). Raises LookupError naming what is missing."""
     missing = [n for n in MINIMAL_NODES if n not in object_info]
@@ -226,9 +245,8 @@ def minimal_graph(object_info: Mapping[str, Any], checkpoint: str | None, seed: 
     if missing or out_node is None:
         raise LookupError(f"ComfyUI lacks the core node(s) {', '.join(missing or ['PreviewImage/SaveImage'])}")
 
-    def req(node: str) -> Mapping[str, Any]:
-        required: Mapping[str, Any] = (object_info[node].get("input") or {}).get("required") or {}
-        return required
+    def req(node: str) -> JSONObject:
+        return as_object(as_object(as_object(object_info[node]).get("input")).get("required"))
 
     ckpts = _combo(req("CheckpointLoaderSimple").get("ckpt_name"))
     if checkpoint is not None and checkpoint not in ckpts:
@@ -238,7 +256,10 @@ def minimal_graph(object_info: Mapping[str, Any], checkpoint: str | None, seed: 
     ckpt = checkpoint or ckpts[0]
     samplers = _combo(req("KSampler").get("sampler_name")) or ["euler"]
     schedulers = _combo(req("KSampler").get("scheduler")) or ["normal"]
-    graph: dict[str, Any] = {
+    last: JSONObject = {"images": ["6", 0]}
+    if out_node == "SaveImage":
+        last["filename_prefix"] = "hyperswap-verify"
+    graph: JSONObject = {
         "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": ckpt}},
         "2": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
         "3": {"class_type": "CLIPTextEncode", "inputs": {"text": "hyperswap verify", "clip": ["1", 1]}},
@@ -249,10 +270,8 @@ def minimal_graph(object_info: Mapping[str, Any], checkpoint: str | None, seed: 
             "scheduler": "normal" if "normal" in schedulers else schedulers[0],
             "model": ["1", 0], "positive": ["3", 0], "negative": ["4", 0], "latent_image": ["2", 0]}},
         "6": {"class_type": "VAEDecode", "inputs": {"samples": ["5", 0], "vae": ["1", 2]}},
-        "7": {"class_type": out_node, "inputs": {"images": ["6", 0]}},
+        "7": {"class_type": out_node, "inputs": last},
     }
-    if out_node == "SaveImage":
-        graph["7"]["inputs"]["filename_prefix"] = "hyperswap-verify"
     return graph, ckpt
 
 
@@ -261,9 +280,9 @@ def the_graph(checkpoint: str | None) -> str:
     return f"the {checkpoint} graph" if checkpoint else "the graph without a checkpoint"
 
 
-def graph_checkpoint(graph: Mapping[str, Any]) -> str | None:
+def graph_checkpoint(graph: Mapping[str, object]) -> str | None:
     for node in graph.values():
-        ckpt = isinstance(node, dict) and (node.get("inputs") or {}).get("ckpt_name")
+        ckpt = as_object(as_object(node).get("inputs")).get("ckpt_name")
         if isinstance(ckpt, str):
             return ckpt
     return None
@@ -277,20 +296,19 @@ class ComfyClient:
         self.clock = clock
         self.poll_s = poll_s
 
-    async def object_info(self) -> dict[str, Any]:
+    async def object_info(self) -> JSONObject:
         r = await self.http.get(self.base + "/object_info")
         if r.status_code != 200:
             raise Unexpected("GET /object_info", r)
-        info: dict[str, Any] = r.json()
-        return info
+        return as_object(r.json())
 
-    async def submit(self, graph: Mapping[str, Any], client_id: str) -> str:
+    async def submit(self, graph: Mapping[str, object], client_id: str) -> str:
         r = await self.http.post(self.base + "/prompt", json={"prompt": graph, "client_id": client_id})
         if r.status_code != 200:
             raise Unexpected("POST /prompt", r)
         return str(r.json()["prompt_id"])
 
-    async def run(self, graph: Mapping[str, Any]) -> GraphRun:
+    async def run(self, graph: Mapping[str, object]) -> GraphRun:
         """Queue the graph with a websocket open (as the UI does) and follow it to its end marker;
         without a websocket, poll /history. The caller bounds the wait."""
         cid = f"hyperswap-verify-{uuid.uuid4().hex[:12]}"

@@ -11,9 +11,9 @@ but without a GPU reader no release, out of memory or refusal could be confirmed
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
-from proxy.encoding import fields_json
+from proxy.encoding import JSONModel
 
 Status = Literal["pass", "fail", "skip", "incomplete"]
 STATUSES: tuple[Status, ...] = ("pass", "fail", "skip", "incomplete")
@@ -53,9 +53,6 @@ class StageResult:
     detail: str
     impact: str | None = None
     fix: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return fields_json(self, {"seconds": 3})
 
 
 @dataclass(slots=True)
@@ -100,12 +97,9 @@ class Report:
     def result(self, name: str) -> StageResult | None:
         return next((s for s in self.stages if s.name == name), None)
 
-    def to_json(self) -> dict[str, Any]:
-        counts = {k: sum(1 for s in self.stages if s.status == k) for k in STATUSES}
-        return {"status": JSON_STATUS[self.verdict], "verdict": self.verdict, "summary": self.summary,
-                "gpu_reader": self.gpu_reader,
-                "admin": self.admin, "seconds": round(self.seconds, 3), "counts": counts,
-                "stages": [s.to_json() for s in self.stages]}
+    def counts(self) -> dict[str, int]:
+        """How many stages ended each way: pass, fail, skip, incomplete."""
+        return {k: sum(1 for s in self.stages if s.status == k) for k in STATUSES}
 
     def text(self) -> str:
         lines = []
@@ -114,8 +108,40 @@ class Report:
             if s.status == "fail":
                 lines.append(f"{'':<6}breaks: {s.impact}")
                 lines.append(f"{'':<6}fix:    {s.fix}")
-        j = self.to_json()["counts"]
+        j = self.counts()
         incomplete = f", {j['incomplete']} incomplete" if j["incomplete"] else ""
         lines.append(f"\n{j['pass']} passed, {j['fail']} failed, {j['skip']} skipped{incomplete} in {self.seconds:.1f} s: "
                      + self.summary)
         return "\n".join(lines)
+
+
+class Stage(JSONModel):
+    """One stage's result as the JSON report lists it."""
+    name: str
+    status: Status
+    seconds: float
+    detail: str
+    impact: str | None
+    fix: str | None
+
+    @classmethod
+    def of(cls, r: StageResult) -> Stage:
+        return cls(name=r.name, status=r.status, seconds=round(r.seconds, 3), detail=r.detail, impact=r.impact,
+                   fix=r.fix)
+
+
+class VerifyReport(JSONModel):
+    """`hyperswap verify --json`: the verdict, what it rests on, and each stage."""
+    status: str
+    verdict: str
+    summary: str
+    gpu_reader: bool | None
+    admin: str
+    seconds: float
+    counts: dict[str, int]
+    stages: list[Stage]
+
+    @classmethod
+    def of(cls, r: Report) -> VerifyReport:
+        return cls(status=JSON_STATUS[r.verdict], verdict=r.verdict, summary=r.summary, gpu_reader=r.gpu_reader,
+                   admin=r.admin, seconds=round(r.seconds, 3), counts=r.counts(), stages=[Stage.of(s) for s in r.stages])

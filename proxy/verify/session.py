@@ -6,12 +6,13 @@ import asyncio
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 
 from proxy.clock import Clock, SystemClock
-from proxy.config.units import GIB
+from proxy.encoding import JSONObject, as_object
+from proxy.handoff.decision_json import Decision
+from proxy.handoff.plan_json import Plan
 from proxy.verify.clients import (
     AdminClient,
     ComfyClient,
@@ -22,9 +23,11 @@ from proxy.verify.clients import (
     Unexpected,
     WsConnect,
     default_ws_connect,
+    gb_bytes,
     gib,
     graph_checkpoint,
     minimal_graph,
+    number,
 )
 from proxy.verify.report import Report, StageFailed, StageResult, StageSkipped
 from proxy.verify.roles import GENERATES, RENDERS, fails, kinds_for, role_of
@@ -35,7 +38,7 @@ class Options:
     admin: str
     yes: bool = False
     interactive: bool = False  # may ask on the terminal; else no --yes means no consent
-    comfy_graph: dict[str, Any] | None = None
+    comfy_graph: JSONObject | None = None
     comfy_checkpoint: str | None = None
     stage_timeout_s: float = 180.0
     # How long a stage that loads anything waits for busy tenants to finish before it is skipped
@@ -53,12 +56,12 @@ Ask = Callable[[str], bool]
 class Found:
     """What earlier stages learnt that later ones build on."""
     tenants: dict[str, TenantInfo] = field(default_factory=dict)
-    device: dict[str, Any] = field(default_factory=dict)
+    device: JSONObject = field(default_factory=dict)
     unreachable: dict[str, str] = field(default_factory=dict)
     ollama_before: dict[str, int] | None = None  # Ollama's /api/ps when verify started
     loaded_by_us: set[str] = field(default_factory=set)
     released: set[str] = field(default_factory=set)  # render tenants verify had released (not loaded again)
-    graph: dict[str, Any] | None = None
+    graph: JSONObject | None = None
     graph_ckpt: str | None = None
     graph_held: int | None = None  # what the render tenant held right after the graph
     busy_wait_ran_out: bool = False  # a stage waited busy_wait_s for busy tenants in vain
@@ -135,15 +138,15 @@ class Session:
             await self.clock.sleep(step)
             waited += step
 
-    async def plan_allows(self, tenant: TenantInfo, need: int | None, what: str) -> dict[str, Any]:
+    async def plan_allows(self, tenant: TenantInfo, need: int | None, what: str) -> Plan:
         """The proxy's own dry-run for this load: refused loads fail here, and a load that would
         release someone runs only with consent."""
         plan = await self.admin.plan(tenant.name, need)
-        if plan.get("outcome") != "unplanned" and not plan.get("possible", plan.get("feasible")):
-            raise StageFailed(f"{what} cannot be loaded on this card: {plan.get('explanation')}",
+        if plan.outcome != "unplanned" and not plan.possible:
+            raise StageFailed(f"{what} cannot be loaded on this card: {plan.explanation}",
                               impact=f"{tenant.name} answers 507 to it through the proxy",
                               fix="use a smaller model, or free the memory the plan's blockers hold")
-        names = [r["tenant"] for r in plan.get("releases") or []]
+        names = [r.tenant for r in plan.releases]
         if names and not self.consent:
             raise StageSkipped(f"loading {what} would release {', '.join(names)}: that needs consent (run with --yes)")
         return plan
@@ -154,11 +157,11 @@ class Session:
             raise StageSkipped("no installed Ollama model can generate text (`ollama pull llama3.2:1b` adds a small one)")
         return models
 
-    async def decisions_after(self, after_id: int, tenant: str) -> list[dict[str, Any]]:
-        return [d for d in await self.admin.decisions() if d["id"] > after_id and d["tenant"] == tenant]
+    async def decisions_after(self, after_id: int, tenant: str) -> list[Decision]:
+        return [d for d in await self.admin.decisions() if d.id > after_id and d.tenant == tenant]
 
     async def last_decision_id(self) -> int:
-        return max((int(d["id"]) for d in await self.admin.decisions(1)), default=0)
+        return max((d.id for d in await self.admin.decisions(1)), default=0)
 
     def generator(self) -> TenantInfo | None:
         return next((t for t in self.found.tenants.values() if role_of(t) == GENERATES and t.url
@@ -176,7 +179,7 @@ class Session:
     # -- consent -----------------------------------------------------------------------------------
     async def _decide_consent(self) -> None:
         held = [t for t in self.found.tenants.values() if t.reclaimable
-                and (t.vram_bytes or 0) > int(float(t.config.get("idle_vram_gb") or 0) * GIB)]
+                and (t.vram_bytes or 0) > gb_bytes(t.config.get("idle_vram_gb"))]
         renders = [t.name for t in self.found.tenants.values() if role_of(t) == RENDERS and t.url]
         if self.options.yes:
             self.consent = True
@@ -195,7 +198,7 @@ class Session:
                  "no consent: stages that release a tenant are skipped (run with --yes to include them)")
 
     # -- what several stages do -----------------------------------------------------------------
-    async def generate(self, t: TenantInfo, client: OllamaClient, model: OllamaModel) -> dict[str, Any]:
+    async def generate(self, t: TenantInfo, client: OllamaClient, model: OllamaModel) -> JSONObject:
         self.did(f"generated with {model.name} in {t.name}")
         try:
             body = await client.generate(model.name)
@@ -212,7 +215,7 @@ class Session:
             self.found.loaded_by_us.add(model.name)
         return body
 
-    async def graph_for(self, t: TenantInfo) -> tuple[dict[str, Any], str | None, str]:
+    async def graph_for(self, t: TenantInfo) -> tuple[JSONObject, str | None, str]:
         if self.options.comfy_graph is not None:
             return self.options.comfy_graph, graph_checkpoint(self.options.comfy_graph), "your"
         info = await self.comfy(t).object_info()
@@ -250,13 +253,13 @@ class Session:
         while (await self.admin.tenant(tenant)).vram_bytes:
             await self.clock.sleep(self.options.poll_s)
 
-    async def free_memory(self, tenant: TenantInfo, stats: Mapping[str, Any] | None = None) -> int:
-        device = (stats if stats is not None else await self.admin.stats()).get("device") or {}
-        free = device.get("free_bytes")
+    async def free_memory(self, tenant: TenantInfo, stats: Mapping[str, object] | None = None) -> int:
+        device = as_object((stats if stats is not None else await self.admin.stats()).get("device"))
+        free = number(device.get("free_bytes"))
         if free is None or device.get("source") == "engine-estimate":
             raise StageSkipped("without a GPU reader the card's free memory is unknown or an estimate: an "
                                "out-of-memory is not staged on a guess")
-        return int(free)
+        return free
 
     def _restore_needed(self) -> bool:
         return bool(self.found.loaded_by_us) or self.found.ollama_before is not None or bool(self.found.released)

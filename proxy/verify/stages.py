@@ -4,12 +4,26 @@ StageSkipped (why it could not run here)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import httpx
 
 from proxy.config.units import GIB
-from proxy.verify.clients import GraphRun, OllamaClient, OllamaModel, TenantInfo, Unexpected, gib, the_graph
+from proxy.encoding import JSONObject, as_object
+from proxy.handoff.decision_json import Decision
+from proxy.handoff.plan_json import Plan
+from proxy.handoff.release_result import ReleaseOutcome
+from proxy.verify.clients import (
+    GraphRun,
+    OllamaClient,
+    OllamaModel,
+    TenantInfo,
+    Unexpected,
+    gb_bytes,
+    gib,
+    number,
+    the_graph,
+)
 from proxy.verify.report import StageFailed, StageSkipped
 from proxy.verify.roles import GENERATES, RENDERS, adapter_class, role_of
 
@@ -34,16 +48,16 @@ async def check_proxy(v: Session) -> str:
                           impact="nothing can be verified: clients reach no proxy, so nothing arbitrates the GPU",
                           fix="start it with `hyperswap serve` (or `hyperswap demo`), or pass --admin URL") from None
     v.found.tenants = {t.name: t for t in tenants}
-    v.found.device = stats.get("device") or {}
-    dev = v.found.device
+    v.found.device = dev = as_object(stats.get("device"))
     v.report.gpu_reader = (stats.get("gpu_error") is None and dev.get("source") not in (None, "engine-estimate")
                            and dev.get("total_bytes") is not None)
-    gpu_note = "" if stats.get("gpu_error") is None else f"; GPU reader: {stats['gpu_error'].get('error')}"
+    gpu_error = stats.get("gpu_error")
+    gpu_note = "" if gpu_error is None else f"; GPU reader: {as_object(gpu_error).get('error')}"
     return (f"admin API at {v.admin.base}: {len(tenants)} tenant(s) ({', '.join(v.found.tenants)}), "
             f"{gpu_text(dev)}{gpu_note}")
 
 
-def gpu_text(dev: dict[str, Any]) -> str:
+def gpu_text(dev: JSONObject) -> str:
     """The card as the proxy sees it, saying what is not known rather than "GPU unknown ... unknown"."""
     name, total, source = dev.get("name"), dev.get("total_bytes"), dev.get("source")
     if name is None and total is None:
@@ -52,9 +66,9 @@ def gpu_text(dev: dict[str, Any]) -> str:
     return f"GPU {name or '(name not known)'} {size}" + (f" ({source})" if source else "")
 
 
-def on_cpu(body: Any) -> bool:
+def on_cpu(body: object) -> bool:
     """A probe's answer lists devices, all of them CPUs (ComfyUI's /system_stats after --cpu)."""
-    devices = body.get("devices") if isinstance(body, dict) else None
+    devices = as_object(body).get("devices")
     if not isinstance(devices, list) or not devices:
         return False
     return all(isinstance(d, dict) and d.get("type") == "cpu" for d in devices)
@@ -65,7 +79,7 @@ async def check_upstream(v: Session, t: TenantInfo) -> str:
     assert t.url
     probe = adapter_class(t.engine)
     path = probe.probe_path
-    ready = t.config.get("ready") or {}
+    ready = as_object(t.config.get("ready"))
     judged_by_ready = not probe.probe_strict and bool(ready.get("path"))
     if judged_by_ready:  # an app of its own: the path tenants.json says answers once it serves
         path = str(ready["path"])
@@ -77,7 +91,7 @@ async def check_upstream(v: Session, t: TenantInfo) -> str:
         raise StageFailed(f"the proxy's listener for {t.name} does not answer at {t.url}: {type(exc).__name__}",
                           impact=impact, fix=f"check tenants.{t.name}.listen and restart `hyperswap serve`") from None
     if judged_by_ready:
-        ok = r.status_code == int(ready.get("status") or 200)
+        ok = r.status_code == (number(ready.get("status")) or 200)
     else:
         ok = r.status_code == 200 if probe.probe_strict else r.status_code < 500
     if not ok:
@@ -113,7 +127,7 @@ async def check_generation(v: Session) -> str:
     await v.nobody_busy()
     started = v.clock.now()
     body = await v.generate(t, client, model)
-    released = ", ".join(r["tenant"] for r in plan.get("releases") or [])
+    released = ", ".join(r.tenant for r in plan.releases)
     return (f"{model.name} ({gib(model.size)}, the smallest chat model) answered {body.get('eval_count', '?')} token(s) "
             f"through {t.url} in {v.clock.now() - started:.2f} s" + (f", after releasing {released}" if released else ""))
 
@@ -163,13 +177,13 @@ async def check_reclaim(v: Session) -> str:
 
 
 async def _generation_needing(v: Session, holder_t: TenantInfo, needer_t: TenantInfo,
-                              holder_now: TenantInfo) -> tuple[OllamaModel, dict[str, Any]]:
+                              holder_now: TenantInfo) -> tuple[OllamaModel, Plan]:
     """The smallest model whose plan releases the holder once it holds what the graph left (no effect)."""
     # The graph run right before the handoff loads again what the holder's idle timer may have freed since.
     missing = max(0, (v.found.graph_held or 0) - (holder_now.vram_bytes or 0))
     for model in await v.generation_models(v.ollama(needer_t)):
         plan = await v.admin.plan(needer_t.name, model.size + needer_t.context_allowance_bytes + missing)
-        if plan.get("feasible") and holder_t.name in [r["tenant"] for r in plan.get("releases") or []]:
+        if plan.feasible and holder_t.name in [r.tenant for r in plan.releases]:
             return model, plan
     raise NoCandidate(f"no installed {needer_t.name} model needs the {gib(v.found.graph_held)} {holder_t.name} "
                       "holds after its graph (each fits beside it, or not on this card at all)")
@@ -178,7 +192,7 @@ async def _generation_needing(v: Session, holder_t: TenantInfo, needer_t: Tenant
 async def _model_crowding_graph(v: Session, needer_t: TenantInfo, holder_t: TenantInfo, needer_now: TenantInfo) -> OllamaModel:
     """The largest model that loads without a release once the graph's tenant is down to its floor,
     if a graph then cannot fit beside it (no effect: the dry-run plans and the card's figures)."""
-    floor = int(float(needer_t.config.get("idle_vram_gb") or 0) * GIB)
+    floor = gb_bytes(needer_t.config.get("idle_vram_gb"))
     held = needer_now.vram_bytes or 0
     freed = max(0, held - floor)  # what releasing the graph's tenant gives back
     free = await v.free_memory(holder_t)
@@ -186,15 +200,15 @@ async def _model_crowding_graph(v: Session, needer_t: TenantInfo, holder_t: Tena
     for m in sorted(await v.generation_models(v.ollama(holder_t)), key=lambda m: -m.size):
         need = m.size + holder_t.context_allowance_bytes
         plan = await v.admin.plan(holder_t.name, max(need - freed, 1 << 20))
-        if plan.get("feasible") and not plan.get("releases"):
+        if plan.feasible and not plan.releases:
             model = m
             break
     if model is None:
         raise NoCandidate(f"no installed {holder_t.name} model loads beside {needer_t.name}'s floor without a release")
-    graph_need = (await v.admin.plan(needer_t.name)).get("need_bytes")
+    graph_need = (await v.admin.plan(needer_t.name)).need_bytes
     # Even if Ollama keeps everything it holds now beside the model, a graph needing more than what is
     # free plus what the graph's tenant holds now has to take some of Ollama's memory.
-    if graph_need is None or int(graph_need) + model.size <= free + held:
+    if graph_need + model.size <= free + held:
         raise NoCandidate(f"with {model.name} (the largest that fits beside {needer_t.name}'s floor) on the card a "
                           f"{needer_t.name} graph ({gib(graph_need)}) still fits beside it")
     return model
@@ -204,14 +218,14 @@ def _no_timer_within_stage(v: Session, holder_t: TenantInfo) -> None:
     """The holder's idle timer starts again with the load right before the handoff: if it fires within
     the stage, the release seen could be the timer's, not the handoff's."""
     after = holder_t.config.get("idle_release_after_s")
-    if after is not None and float(after) < v.options.stage_timeout_s:
+    if isinstance(after, int | float) and after < v.options.stage_timeout_s:
         raise StageSkipped(f"{holder_t.name}'s idle timer frees it in {float(after):g} s after its last request, within "
                            "this stage's time: its release could not be told from the timer's (raise "
                            f"tenants.{holder_t.name}.idle_release_after_s above {v.options.stage_timeout_s:g} s)")
 
 
 async def _reclaim_for_generation(v: Session, holder_t: TenantInfo, needer_t: TenantInfo, model: OllamaModel,
-                                  plan: dict[str, Any]) -> str:
+                                  plan: Plan) -> str:
     # A fresh graph right before: the holder's idle timer starts again and cannot free it mid-stage.
     run, _, _ = await v.run_graph(holder_t)
     if not run.ok:
@@ -231,8 +245,8 @@ async def _reclaim_for_generation(v: Session, holder_t: TenantInfo, needer_t: Te
         raise StageFailed(f"{model.name} is not on the GPU after {holder.name}'s release",
                           impact=f"{model.name} runs from the CPU or not at all",
                           fix=f"see GET /api/decisions and {needer_t.name}'s log")
-    return (f"{model.name} needed {gib(plan['need_bytes'])}: the proxy released {holder.name} "
-            f"({gib(holder.vram_bytes)} -> {gib(after)} on the card, {release.get('duration_s')} s) and "
+    return (f"{model.name} needed {gib(plan.need_bytes)}: the proxy released {holder.name} "
+            f"({gib(holder.vram_bytes)} -> {gib(after)} on the card, {release.duration_s} s) and "
             f"{model.name} loaded ({gib(on_gpu)} on the GPU) in {took:.2f} s")
 
 
@@ -241,14 +255,14 @@ async def _reclaim_for_graph(v: Session, needer_t: TenantInfo, holder_t: TenantI
     await v.release(needer_t, "the handoff")
     client = v.ollama(holder_t)
     plan = await v.admin.plan(holder_t.name, model.size + holder_t.context_allowance_bytes)
-    if not plan.get("feasible") or plan.get("releases"):
-        raise StageSkipped(f"{model.name} no longer loads beside {needer_t.name}'s floor ({plan.get('explanation')})")
+    if not plan.feasible or plan.releases:
+        raise StageSkipped(f"{model.name} no longer loads beside {needer_t.name}'s floor ({plan.explanation})")
     # Loaded right before, so Ollama's own keep-alive timer is fresh and cannot free it mid-stage.
     await v.generate(holder_t, client, model)
     graph_plan = await v.admin.plan(needer_t.name)
-    if holder_t.name not in [r["tenant"] for r in graph_plan.get("releases") or []]:
+    if holder_t.name not in [r.tenant for r in graph_plan.releases]:
         raise StageSkipped(f"with {model.name} on the card a {needer_t.name} graph still fits "
-                           f"({graph_plan.get('explanation')})")
+                           f"({graph_plan.explanation})")
     holder = await _holder(v, holder_t.name)
     v.say(f"reclaim: the {needer_t.name} graph makes the proxy release {holder.name} ({gib(holder.vram_bytes)})")
     mark = await v.last_decision_id()
@@ -261,9 +275,9 @@ async def _reclaim_for_graph(v: Session, needer_t: TenantInfo, holder_t: TenantI
                           fix=f"raise tenants.{needer_t.name}.needs_vram_gb to what its graphs take")
     after, release = await _confirm_release(v, needer_t.name, holder, mark, the_graph(ckpt))
     now = (await v.admin.tenant(needer_t.name)).vram_bytes
-    return (f"a {needer_t.name} graph needed {gib(graph_plan['need_bytes'])} while {model.name} held the card: the "
+    return (f"a {needer_t.name} graph needed {gib(graph_plan.need_bytes)} while {model.name} held the card: the "
             f"proxy released {holder.name} ({gib(holder.vram_bytes)} -> {gib(after)} on the card, "
-            f"{release.get('duration_s')} s) and {the_graph(ckpt)} ran ({needer_t.name} holds {gib(now)}) in {took:.2f} s")
+            f"{release.duration_s} s) and {the_graph(ckpt)} ran ({needer_t.name} holds {gib(now)}) in {took:.2f} s")
 
 
 async def _holder(v: Session, name: str) -> TenantInfo:
@@ -277,29 +291,30 @@ async def _holder(v: Session, name: str) -> TenantInfo:
     return holder
 
 
-async def _confirm_release(v: Session, requester: str, holder: TenantInfo, mark: int, what: str) -> tuple[int, dict[str, Any]]:
+async def _confirm_release(v: Session, requester: str, holder: TenantInfo, mark: int,
+                           what: str) -> tuple[int, ReleaseOutcome]:
     """The proxy's plan for the load released the holder, and the card shows its memory back."""
     assert holder.vram_bytes is not None
     after = (await v.admin.tenant(holder.name)).vram_bytes or 0
-    releases = [r for d in await v.decisions_after(mark, requester) if d["kind"] == "plan"
-                for r in d["outcome"].get("releases") or [] if r.get("tenant") == holder.name]
+    releases = [r for d in await v.decisions_after(mark, requester) if d.kind == "plan"
+                for r in d.outcome.releases or [] if r.tenant == holder.name]
     impact = (f"loads that need {holder.name}'s idle memory wait for the release timeout, then spill to the CPU "
               "or run out of memory")
     if not releases:
         raise StageFailed(f"{what} loaded but the proxy's decisions show no release of {holder.name}",
                           impact=impact, fix="see GET /api/decisions; report it with this output")
-    reclaimable = holder.vram_bytes - int(float(holder.config.get("idle_vram_gb") or 0) * GIB)
+    reclaimable = holder.vram_bytes - gb_bytes(holder.config.get("idle_vram_gb"))
     freed = holder.vram_bytes - after
     last = releases[-1]
-    if last.get("estimated") and not last.get("error"):
+    if last.estimated and not last.error:
         # No GPU reader: the engines' own reports say the handoff happened; the card cannot say so.
         raise StageSkipped(f"{what} loaded after the proxy released {holder.name} ({gib(holder.vram_bytes)} -> "
                            f"{gib(after)} by its own report), but without a GPU reader the card cannot confirm the "
                            "release: fix the GPU reader (`hyperswap check`) to verify it")
-    if not last.get("confirmed") or freed < reclaimable / 2:
+    if not last.confirmed or freed < reclaimable / 2:
         raise StageFailed(
             f"{holder.name}'s release never showed on the card: it held {gib(holder.vram_bytes)}, holds {gib(after)} "
-            f"now ({last.get('error') or 'not confirmed'})", impact=impact,
+            f"now ({last.error or 'not confirmed'})", impact=impact,
             fix=(f"see GET /api/tenants/{holder.name} and {holder.name}'s log: an engine that answers its release "
                  f"but keeps the memory needs a stronger release (release.free_memory), or give it longer "
                  f"(tenants.{holder.name}.release_timeout_s)"))
@@ -315,8 +330,8 @@ async def check_out_of_memory(v: Session) -> str:
     await v.nobody_busy()
     if v.found.graph is None or held is None:
         raise StageSkipped(f"the {comfy_t.name} graph did not run, so its footprint is unknown")
-    declared_gb = (comfy_t.config.get("model_vram_gb") or {}).get(ckpt or "")
-    declared = int(float(declared_gb) * GIB) if declared_gb is not None else comfy_t.needs_vram_bytes
+    declared_gb = as_object(comfy_t.config.get("model_vram_gb")).get(ckpt or "")
+    declared = gb_bytes(declared_gb) if declared_gb is not None else comfy_t.needs_vram_bytes
     # Before touching anything: the proxy makes `declared` less what ComfyUI holds free for a graph,
     # and the graph loads `held` less the same floor, so a window exists only if held > declared.
     if held <= declared:
@@ -327,10 +342,10 @@ async def check_out_of_memory(v: Session) -> str:
     await v.free_memory(ollama_t, stats)  # skips now, before unloading anything, without a GPU reader
     client = v.ollama(ollama_t)
     models = await v.generation_models(client)
-    floor_guess = min(held, int(float(comfy_t.config.get("idle_vram_gb") or 0) * GIB))
+    floor_guess = min(held, gb_bytes(comfy_t.config.get("idle_vram_gb")))
     ollama_now = (await v.admin.tenant(ollama_t.name)).vram_bytes or 0
     comfy_now = (await v.admin.tenant(comfy_t.name)).vram_bytes or 0
-    free_guess = int(stats["device"]["free_bytes"]) + ollama_now + max(0, comfy_now - floor_guess)
+    free_guess = (number(as_object(stats.get("device")).get("free_bytes")) or 0) + ollama_now + max(0, comfy_now - floor_guess)
     lo, hi = declared - floor_guess, held - floor_guess
     if not [m for m in models if lo <= free_guess - m.size < hi]:
         raise StageSkipped(_no_filler(ollama_t.name, models, lo, hi, free_guess, "about {free} free with both emptied"))
@@ -370,8 +385,7 @@ async def _judge_oom_retry(v: Session, comfy_t: TenantInfo, run: GraphRun, mark:
         if retry is None:
             raise StageSkipped(f"{comfy_t.name} ran the graph in {gib(free)} without running out of memory (it may "
                                "load part of a model at a time): the out-of-memory path was not reached")
-        outcome = retry["outcome"]
-        released = ", ".join(f"{r['tenant']} ({r.get('freed_gb')} GiB)" for r in outcome.get("releases") or [])
+        released = ", ".join(f"{r.tenant} ({r.freed_gb} GiB)" for r in retry.outcome.releases or [])
         return (f"{staged} ran out of memory in {comfy_t.name}; the proxy released {released or 'nobody'} and ran it "
                 f"again under the client's own id {run.prompt_id}, which succeeded (the client never saw the out-of-memory)")
     if not run.error_type or "OutOfMemory" not in run.error_type:
@@ -383,29 +397,29 @@ async def _judge_oom_retry(v: Session, comfy_t: TenantInfo, run: GraphRun, mark:
                           impact="a prompt that runs out of memory is not retried although idle tenants hold memory",
                           fix=f"check that {comfy_t.name}'s websocket and /history reach the proxy (`hyperswap check`), "
                               "then see the proxy's log")
-    outcome = retry["outcome"]
-    if outcome.get("oom_retry") in ("requeued", "succeeded"):
-        raise StageFailed(f"{comfy_t.name} ran out of memory; the proxy retried it ({outcome.get('oom_retry')}) but the "
+    outcome = retry.outcome
+    if outcome.oom_retry in ("requeued", "succeeded"):
+        raise StageFailed(f"{comfy_t.name} ran out of memory; the proxy retried it ({outcome.oom_retry}) but the "
                           f"client saw the out-of-memory of prompt {run.prompt_id}",
                           impact="a person sees a failed image although the proxy's retry ran",
-                          fix=f"see GET /api/decisions (decision {retry['id']}) and the proxy's log")
-    if outcome.get("oom_retry") == "failed":
+                          fix=f"see GET /api/decisions (decision {retry.id}) and the proxy's log")
+    if outcome.oom_retry == "failed":
         raise StageFailed(f"the retried prompt {run.prompt_id} ran out of memory again",
                           impact="a prompt that runs out of memory fails even after the proxy made room",
                           fix=f"raise tenants.{comfy_t.name}.needs_vram_gb to what its graphs take")
-    raise StageFailed(f"{comfy_t.name} ran out of memory and the proxy did not retry: {outcome.get('oom_retry')}",
+    raise StageFailed(f"{comfy_t.name} ran out of memory and the proxy did not retry: {outcome.oom_retry}",
                       impact="a prompt that runs out of memory fails although idle tenants hold memory",
-                      fix=f"see GET /api/decisions (decision {retry['id']}) and the proxy's log")
+                      fix=f"see GET /api/decisions (decision {retry.id}) and the proxy's log")
 
 
-async def _oom_retry(v: Session, tenant: str, mark: int, prompt_id: str, wait_s: float = 30.0) -> dict[str, Any] | None:
+async def _oom_retry(v: Session, tenant: str, mark: int, prompt_id: str, wait_s: float = 30.0) -> Decision | None:
     """The proxy's decision about this prompt's OOM (it reads ComfyUI's history first, then plans
     and re-queues), once its retry is decided; None when none came within `wait_s`."""
     deadline = v.clock.now() + wait_s
     while True:
         for d in await v.decisions_after(mark, tenant):
-            mine = d["outcome"].get("prompt_id") == prompt_id or prompt_id in str(d.get("trigger"))
-            if mine and d["outcome"].get("oom_retry"):  # set once the retry is decided
+            mine = d.outcome.prompt_id == prompt_id or prompt_id in d.trigger
+            if mine and d.outcome.oom_retry:  # set once the retry is decided
                 return d
         if v.clock.now() >= deadline:
             return None
@@ -424,21 +438,21 @@ def _no_filler(tenant: str, models: list[OllamaModel], lo: int, hi: int, free: i
 
 async def check_too_large(v: Session) -> str:
     """More than the card is refused: a dry-run plan, and a real 507 for an installed model that large."""
-    total = v.found.device.get("total_bytes")
+    total = number(v.found.device.get("total_bytes"))
     t = next((t for t in v.found.tenants.values() if t.url and t.name not in v.found.unreachable), None)
     if t is None:
         raise StageSkipped("no tenant reachable through the proxy")
     if total is None:
         raise StageSkipped("the card's size is unknown (no GPU reader and no engine reports it)")
-    need = int(total) + GIB
+    need = total + GIB
     plan = await v.admin.plan(t.name, need)
-    if plan.get("feasible") or plan.get("possible", True):
-        raise StageFailed(f"the proxy's plan for {gib(need)} on a {gib(total)} card is {plan.get('outcome')}: "
-                          f"{plan.get('explanation')}", impact="a load larger than the card would be forwarded and "
+    if plan.feasible or plan.possible:
+        raise StageFailed(f"the proxy's plan for {gib(need)} on a {gib(total)} card is {plan.outcome}: "
+                          f"{plan.explanation}", impact="a load larger than the card would be forwarded and "
                           "fail with out of memory instead of a clear 507", fix="report it with this output")
-    detail = f"dry run: {gib(need)} on the {gib(total)} card is refused ({plan.get('explanation')})"
+    detail = f"dry run: {gib(need)} on the {gib(total)} card is refused ({plan.explanation})"
     if role_of(t) == GENERATES and t.url:
-        usable = int(total) - int(v.found.device.get("reserved_bytes") or 0)
+        usable = total - (number(v.found.device.get("reserved_bytes")) or 0)
         client = v.ollama(t)
         big = [m for m in await client.models() if m.size + t.context_allowance_bytes > usable]
         if big:

@@ -79,7 +79,7 @@ async def test_no_spill_is_seen_while_a_model_is_still_loading(box: DemoFactory)
     demo = await box(sc, watchdog=True)
     assert succeeded(await render(demo))
     assert (await chat(demo, "gemma3:27b")).message.content  # ~1.7 s of loading, the watchdog polling /api/ps
-    assert not decisions(demo, "spill", "rejection"), [d.to_json() for d in decisions(demo, "spill", "rejection")]
+    assert not decisions(demo, "spill", "rejection"), [d.outcome for d in decisions(demo, "spill", "rejection")]
     assert releases(demo) == [("ollama", "comfyui")]
 
 

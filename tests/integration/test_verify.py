@@ -18,6 +18,7 @@ from proxy.demo import Demo
 from proxy.gpu.snapshot import GpuReadError
 from proxy.tasks import poll_until
 from proxy.verify import Options, Report, Verify, load_graph, runner, stages
+from proxy.verify.report import VerifyReport
 from tests.integration.boxes import DemoFactory, comfyui_of, fast, ollama_of, proxy_of
 
 EXAMPLE_GRAPH = Path(__file__).resolve().parents[2] / "examples" / "comfy_prompt.json"
@@ -200,7 +201,7 @@ async def test_without_a_gpu_reader_nothing_is_claimed_that_the_card_did_not_con
     assert "Driver/library version mismatch" in stage(report, "proxy")
     # Nothing arbitrated was proven: the verdict says so, with its own exit status, never a plain "verified".
     assert report.verdict == "verified without arbitration (no GPU reader)", report.text()
-    assert report.exit_code == 3 and report.to_json()["status"] == "pass-without-arbitration"
+    assert report.exit_code == 3 and VerifyReport.of(report).dump()["status"] == "pass-without-arbitration"
     assert "partly verified without arbitration (no GPU reader): " in report.text().splitlines()[-1], report.text()
     # The reclaim decided to skip before it did anything: no release, no large model loaded.
     assert demo.proxy is not None

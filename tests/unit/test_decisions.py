@@ -14,6 +14,7 @@ from proxy.config.units import GIB
 from proxy.decision_base import DecisionEvent, RequestTrigger
 from proxy.gpu.keeper import GpuApplyFinished, GpuApplyStarted, GpuDrift, WriteFailure
 from proxy.gpu.profile import FieldCheck
+from proxy.handoff.decision_json import Decision, RequestStory
 from proxy.handoff.decisions import (
     DecisionLog,
     FirstByte,
@@ -34,7 +35,9 @@ from proxy.handoff.decisions import (
     WaitChanged,
 )
 from proxy.handoff.plan import Blocker, Plan, Release
+from proxy.handoff.plan_json import plan_json
 from proxy.handoff.queue_rules import hold_reason
+from proxy.handoff.release_result import ReleaseOutcome
 from proxy.models.loads import LoadRecord
 
 RELEASE = Release("comfyui", 7 * GIB, (4242,), "idle")
@@ -51,13 +54,14 @@ def test_a_handoff_is_logged_before_it_runs_and_its_results_are_a_second_event_m
     log = DecisionLog(ManualClock())
     started = log.emit(HandoffStarted(kind="plan", tenant="ollama", trigger="request POST /api/generate", plan=PLAN))
     (before,) = log.recent()
-    assert before.outcome == {} and before.plan == PLAN.to_json(), "logged with its plan, before anything is asked"
+    assert before.outcome == {} and before.plan == plan_json(PLAN), "logged with its plan, before anything is asked"
     result = ReleaseResult("comfyui", 7 * GIB, 7 * GIB, 0.4, True)
     finished = log.emit(HandoffFinished(kind="plan", tenant="ollama", trigger=started.trigger, refers_to=started.id,
                                         releases=(result,)))
     (after,) = log.recent()
     assert finished.id > started.id and finished.refers_to == started.id
-    assert after.id == started.id and after.kind == "plan" and after.outcome == {"releases": [result.to_json()], "ok": True}
+    assert after.id == started.id and after.kind == "plan"
+    assert after.outcome == {"releases": [ReleaseOutcome.of(result).dump()], "ok": True}
     assert before.outcome == {}, "a view is never changed: a later fact makes a new one"
     assert log.events() == [started, finished]
 
@@ -161,7 +165,7 @@ def test_every_decision_renders_in_the_shape_the_api_schema_and_the_dashboard_re
     events = every_kind(log)
     assert len({type(e) for e in events}) == 17 and len({e.id for e in events}) == len(events)
     for view in log.recent():
-        checked = views.Decision.model_validate(view.to_json())  # what /openapi.json says GET /api/decisions answers
+        checked = views.Decision.model_validate(Decision.of(view).dump())  # what /openapi.json says GET /api/decisions answers
         assert checked.id == view.id and checked.kind == view.kind
     kinds = {d.kind for d in log.recent()}
     assert kinds == {"idle_release", "queued", "rejection", "release", "spill", "oom_retry", "stale_job", "model_load",
@@ -171,7 +175,7 @@ def test_every_decision_renders_in_the_shape_the_api_schema_and_the_dashboard_re
     assert by_kind["gpu_apply"].outcome["ok"] is False and by_kind["gpu_apply"].outcome["changes"] == ["power_limit_w = 300"]
     assert by_kind["model_load"].outcome["class"] == "warm" and "tenant" not in by_kind["model_load"].outcome
     for event in events:
-        json.dumps(event.to_json())  # every log line is JSON as it is, without a fallback
+        json.dumps(event.line().dump())  # every log line is JSON as it is, without a fallback
 
 
 async def test_a_requests_story_tells_its_wait_the_release_the_load_and_the_first_byte_from_any_of_its_decisions() -> None:
@@ -202,7 +206,7 @@ async def test_a_requests_story_tells_its_wait_the_release_the_load_and_the_firs
         ("release", "released comfyui in 0.5 s, 7.0 GiB back"),
         ("load", "loaded gemma3:27b in 8.0 s"), ("first_byte", "first byte after 12.6 s")]
     assert [s.start_s for s in story.steps] == [0.0, 4.0, 4.5, 12.6] and story.first_byte_s == 12.6
-    json_story = views.RequestStory.model_validate(story.to_json())
+    json_story = views.RequestStory.model_validate(RequestStory.of(story).dump())
     assert json_story.steps[1].tenant == "comfyui"
     assert log.story(log.emit(StaleJob(tenant="comfyui", trigger="poll", job_id="x", reason="gone")).id) is None, \
         "a decision of no request has no story"
@@ -258,4 +262,4 @@ async def test_a_held_swap_is_a_hold_step_and_a_load_nothing_led_to_is_a_story_o
     alone = log.story(reload.id)
     assert alone is not None and alone.request == reload.id and alone.trigger == "load of gemma3:27b"
     assert [(s.kind, s.start_s, s.duration_s) for s in alone.steps] == [("load", 0.0, 8.0)], alone.steps
-    assert views.RequestStory.model_validate(alone.to_json()).steps[0].kind == "load"
+    assert views.RequestStory.model_validate(RequestStory.of(alone).dump()).steps[0].kind == "load"

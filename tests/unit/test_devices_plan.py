@@ -15,6 +15,7 @@ from proxy.gpu.visibility import Card, Device, TenantDevices
 from proxy.handoff.orders import release_whole
 from proxy.handoff.per_card import candidates, free_for, plan_on_devices, schedule_on_devices
 from proxy.handoff.plan import Plan, plan_release
+from proxy.handoff.plan_json import plan_json
 from proxy.handoff.queue_rules import schedule
 from tests.unit.cards import RESERVED, busy, idle, registry, snap
 from tests.unit.test_scheduler import actions, waiter
@@ -51,7 +52,7 @@ def test_a_load_on_one_card_releases_only_idle_tenants_on_that_card() -> None:
     assert released(plan) == ["stt"], "only the card ComfyUI loads on gives memory back"
     assert all(b.tenant != "ollama" for b in plan.blockers), "a tenant on another card is never in the way"
     assert plan.explanation.startswith("GPU 1 (card 1): ")
-    assert plan.to_json()["device"] == {"index": 1, "name": "card 1"}
+    assert plan_json(plan)["device"] == {"index": 1, "name": "card 1"}
 
 
 def test_free_memory_on_another_card_cannot_serve_a_load() -> None:
@@ -88,7 +89,7 @@ def test_one_card_plans_are_the_arbiters_own() -> None:
     s = snap([("comfyui", 2, 7 * GIB)], free=3 * GIB)
     states = idle("comfyui")
     assert plan_on_devices(s, registry(), states, "ollama", 8 * GIB) == plan_release(s, registry(), states, "ollama", 8 * GIB)
-    assert "device" not in plan_on_devices(s, registry(), states, "ollama", 8 * GIB).to_json()
+    assert "device" not in plan_json(plan_on_devices(s, registry(), states, "ollama", 8 * GIB))
     whole = release_whole(s, registry().get("comfyui"), "admin", "release", "asked")
     assert whole.held_by_device == {} and TenantDevices.of(s, "comfyui") is None
     assert "devices" not in Device.of(s).model_dump(mode="json", exclude_unset=True)

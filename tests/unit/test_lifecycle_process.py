@@ -140,7 +140,7 @@ async def test_a_failing_start_reports_its_last_output_lines(controllers: list[P
     assert report.duration_s < WAIT_S, "a crashed child fails the start at once, not at the timeout"
     with pytest.raises(LifecycleError) as err:
         await lc.ensure_running()  # backing off: refused with the same reason and lines
-    output = err.value.to_json()["output"]
+    output = err.value.body()["output"]
     assert err.value.status == 503 and isinstance(output, list) and output[-1] == "fatal: no model", output
 
 

@@ -176,7 +176,7 @@ async def test_a_failed_start_reports_the_reason_and_output_then_backs_off() -> 
     with pytest.raises(LifecycleError) as err:
         await lc.ensure_running()
     assert "its last start failed (model file not found)" in err.value.message and ctl.starts == 1, "backing off"
-    assert err.value.to_json()["output"] == ["loading model", "model file not found"]
+    assert err.value.body()["output"] == ["loading model", "model file not found"]
     view = lc.view()
     assert view["state"] == "failed" and view["failures"] == 1 and view["retry_in_s"] == 1.0
     await clock.advance(1.0)

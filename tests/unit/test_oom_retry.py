@@ -7,6 +7,7 @@ import json
 from proxy.config.units import GIB
 from proxy.engines.ports import JobFrame, JobFrameKind, JobReplay
 from proxy.handoff.oom_need import OOM_HEADROOM_BYTES, oom_retry_need
+from proxy.handoff.plan_json import plan_json
 from proxy.relay.oom_retry import PASS, RetryBook, SocketFrames, Verdict
 
 # -- the need -----------------------------------------------------------------------------------
@@ -201,4 +202,4 @@ async def test_a_retry_is_planned_on_a_fresh_reading_not_the_one_taken_while_com
     plan = admitted.handoff.plan
     assert reads, "the retry read the card afresh"
     assert admitted.outcome == "run", f"{admitted.outcome}: {admitted.reason}"
-    assert 10 * GIB <= plan.need_bytes <= plan.reachable_bytes < total, plan.to_json()
+    assert 10 * GIB <= plan.need_bytes <= plan.reachable_bytes < total, plan_json(plan)

@@ -7,6 +7,7 @@ import json
 from proxy.config.units import GIB
 from proxy.gpu.attribution import Attributor
 from proxy.handoff.plan import Plan, plan_release, starved
+from proxy.handoff.plan_json import plan_json
 from tests.unit.cards import STT, TOTAL, busy, idle, registry, snap
 
 
@@ -220,7 +221,7 @@ def test_a_plan_that_waits_lists_the_idle_releases_it_counts_on() -> None:
     s = snap([("comfyui", 2, 10 * GIB), ("stt", 3, 3 * GIB)], free=GIB)
     plan = plan_release(s, reg, busy(idle("stt"), "comfyui", "1 running job(s)"), "ollama", 8 * GIB)
     assert plan.outcome == "wait" and plan.wait_for == ("comfyui",)
-    assert released(plan) == ["stt"], f"stt's idle 3 GiB is counted on but not listed: {plan.to_json()}"
+    assert released(plan) == ["stt"], f"stt's idle 3 GiB is counted on but not listed: {plan_json(plan)}"
     assert reasons(plan) == {2: "busy"}
     assert plan.explanation == ("ollama needs 8.00 GiB, 1.00 GiB free: short by 4.00 GiB; "
                                 "waits for busy comfyui (1 running job(s), 9.50 GiB above its floor) to finish")
@@ -250,7 +251,7 @@ def test_memory_promised_to_admitted_loads_is_not_free() -> None:
 def test_plan_is_json_serialisable_with_gib_for_people_and_bytes() -> None:
     s = snap([("comfyui", 2, 7 * GIB), ("desktop", 3, GIB)], free=3 * GIB)
     plan = plan_release(s, registry(), idle("comfyui"), "ollama", 8 * GIB)
-    body = json.loads(json.dumps(plan.to_json()))
+    body = json.loads(json.dumps(plan_json(plan)))
     assert body["need_bytes"] == 8 * GIB and body["need_gib"] == 8.0
     assert body["releases"][0]["expected_free_gib"] == 6.5
     assert body["blockers"][0]["reason"] == "not_reclaimable"

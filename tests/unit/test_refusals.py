@@ -14,6 +14,7 @@ from proxy.config.units import GIB
 from proxy.engines.loading import registry_from_dict
 from proxy.errors import HyperSwapError
 from proxy.handoff.plan import Blocker, Plan, Release
+from proxy.handoff.plan_json import plan_json
 from proxy.handoff.scheduler import Admitted, Handoff
 from proxy.lifecycle.controller import LifecycleError
 from proxy.relay import refusals
@@ -43,7 +44,7 @@ def test_the_507_names_its_blockers_with_the_fields_in_their_wire_order(tenant: 
     assert list(body) == ["error", "tenant", "need_gb", "available_gb", "blockers", "plan", "fix"], "no device on one card"
     assert body["blockers"][0] == {"pid": 42, "name": "python", "cmdline": "", "tenant": "unmanaged", "vram_gb": 3.0,
                                    "reason": "unmanaged", "detail": "not a tenant"}
-    assert body["plan"] == handoff().plan.to_json(), "the plan as the decisions log it"
+    assert body["plan"] == plan_json(handoff().plan), "the plan as the decisions log it"
     assert body["fix"].startswith("stop the unmanaged processes named in blockers")
     assert Rejection.model_validate(body).plan.outcome == "impossible", "the admin document describes the same body"
 
@@ -69,7 +70,7 @@ def test_a_failed_start_is_told_as_it_was_raised_with_its_backoff(retry_in_s: fl
     err.details.update({"tenant": "stt", "state": "failed", "retry_in_s": retry_in_s})
     status, retry, relay = answer(refusals.start_failed(err))
     assert (status, retry) == (503, retry_after)
-    assert json.dumps(relay) == json.dumps(err.to_json()), "the listener's body is the error's, key for key"
+    assert json.dumps(relay) == json.dumps(err.body()), "the listener's body is the error's, key for key"
     _, _, admin = answer(refusals.start_failed(err, {"state": "failed"}))
     assert list(admin) == ["error", "fix", "output", "tenant", "retry_in_s", "reason", "lifecycle"], "no state: in lifecycle"
 

@@ -13,9 +13,11 @@ import pytest
 
 from proxy.config.units import GIB
 from proxy.errors import HyperSwapError
+from proxy.handoff.plan import Plan
+from proxy.handoff.plan_json import plan_json
 from proxy.verify import Options, Report, Verify, load_graph, stages
 from proxy.verify.clients import minimal_graph
-from proxy.verify.report import StageResult, StageSkipped
+from proxy.verify.report import StageResult, StageSkipped, VerifyReport
 from proxy.verify.session import Session
 
 ADMIN, OLLAMA = "http://admin.test", "http://ollama.test"
@@ -26,6 +28,12 @@ def tenant_view(name: str = "ollama", *, busy: bool = False, vram: int = 0) -> d
                                      "needs_vram_gb": 6.0, "context_allowance_gb": 1.0},
             "listening": OLLAMA, "busy": busy, "busy_reason": "1 request in flight" if busy else "idle",
             "in_flight": int(busy), "waiting": [], "vram_bytes": vram, "reclaimable": True, "idle_release_in_s": None}
+
+
+def plan_answer(feasible: bool, explanation: str) -> dict[str, object]:
+    """GET /api/plan's answer as the proxy writes it: ready (fits) or impossible (507)."""
+    plan = Plan("ollama", GIB, 20 * GIB, 0, feasible, False, (), (), explanation, False, possible=feasible)
+    return {"plan": plan_json(plan)}
 
 
 class FakeBox:
@@ -46,10 +54,8 @@ class FakeBox:
             "GET admin.test/api/tenants/ollama": self.tenants[0],
             "GET admin.test/api/stats": {"device": {"name": "Fake 24G", "total_bytes": 24 * GIB, "free_bytes": 20 * GIB,
                                                     "reserved_bytes": 0, "source": "nvml"}, "gpu_error": None},
-            "GET admin.test/api/plan": {"plan": {"feasible": False, "possible": False, "outcome": "impossible",
-                                                  "releases": [], "explanation": "too large for this card"}}
-            if float(request.url.params.get("need_gb", "0")) > 24 else
-            {"plan": {"feasible": True, "possible": True, "outcome": "ready", "releases": [], "explanation": "fits"}},
+            "GET admin.test/api/plan": plan_answer(False, "too large for this card")
+            if float(request.url.params.get("need_gb", "0")) > 24 else plan_answer(True, "fits"),
             "GET admin.test/api/decisions": {"decisions": []},
             "GET ollama.test/api/version": {"version": "0.12.3"},
             "GET ollama.test/api/tags": {"models": [{"name": "tiny:1b", "size": GIB}]},
@@ -117,8 +123,7 @@ async def test_a_507_from_the_proxy_fails_the_generation_naming_the_fix() -> Non
 
 
 async def test_a_proxy_that_would_admit_more_than_the_card_fails_the_507_stage() -> None:
-    admits = httpx.Response(200, json={"plan": {"feasible": True, "possible": True, "outcome": "ready", "releases": [],
-                                                "explanation": "fits"}})
+    admits = httpx.Response(200, json=plan_answer(True, "fits"))
     report = await run(FakeBox(**{"GET admin.test/api/plan": admits}), yes=True)
     too_large = result(report, "507 too large")
     assert too_large.status == "fail" and "25.00 GiB on a 24.00 GiB card" in too_large.detail
@@ -190,7 +195,8 @@ def test_without_a_gpu_reader_the_verdict_is_verified_without_arbitration_with_i
     assert (Report("x", ok, gpu_reader=True).verdict, Report("x", ok, gpu_reader=True).exit_code) == ("verified", 0)
     without = Report("x", ok, gpu_reader=False)
     assert (without.verdict, without.exit_code) == ("verified without arbitration (no GPU reader)", 3)
-    assert without.to_json()["status"] == "pass-without-arbitration" and without.to_json()["gpu_reader"] is False
+    body = VerifyReport.of(without).dump()
+    assert body["status"] == "pass-without-arbitration" and body["gpu_reader"] is False
     assert without.text().endswith(": partly verified without arbitration (no GPU reader): 1 stage(s) skipped or "
                                    "incomplete: reclaim; proved: proxy"), without.text()
     failed = Report("x", [*ok, StageResult("b", "fail", 0, "bad", "i", "f")], gpu_reader=False)
@@ -256,7 +262,7 @@ def test_the_verdict_needs_a_stage_that_ran_and_no_failure() -> None:
     assert not Report("x", [StageResult("a", "skip", 0, "why")]).passed
     assert Report("x", [StageResult("a", "pass", 0, "ok"), StageResult("b", "skip", 0, "why")]).passed
     failed = Report("x", [StageResult("a", "pass", 0, "ok"), StageResult("b", "fail", 0, "bad", "breaks", "fix it")])
-    assert not failed.passed and failed.to_json()["counts"] == {"pass": 1, "fail": 1, "skip": 0, "incomplete": 0}
+    assert not failed.passed and VerifyReport.of(failed).dump()["counts"] == {"pass": 1, "fail": 1, "skip": 0, "incomplete": 0}
     assert "breaks: breaks" in failed.text() and "fix:    fix it" in failed.text()
 
 
@@ -421,7 +427,7 @@ def test_the_verdict_line_names_what_was_proved_and_what_was_skipped() -> None:
                           StageResult("comfyui graph", "skip", 0, "no graph")], gpu_reader=True)
     assert partly.summary == ("partly verified: 2 stage(s) skipped or incomplete: out of memory, comfyui graph; "
                               "proved: proxy, reclaim"), partly.summary
-    assert partly.exit_code == 0 and partly.to_json()["summary"] == partly.summary
+    assert partly.exit_code == 0 and VerifyReport.of(partly).dump()["summary"] == partly.summary
     failed = Report("x", [*ran, StageResult("507 too large", "fail", 0, "bad", "i", "f")], gpu_reader=True)
     assert failed.summary == "NOT verified: failed: 507 too large"
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from proxy.admin.telemetry import decision_rows
-from proxy.admin.views import ReleaseOutcome
 from proxy.clock import ManualClock
 from proxy.handoff.decisions import DecisionLog, HandoffFinished, HandoffStarted, ReleaseResult
+from proxy.handoff.release_result import ReleaseOutcome
 
 
 def test_a_release_says_how_it_ended_in_a_field_not_in_its_error_sentence() -> None:
@@ -15,8 +15,9 @@ def test_a_release_says_how_it_ended_in_a_field_not_in_its_error_sentence() -> N
     confirmed = ReleaseResult("ollama", 10, 10, 0.5, True)
     assert [r.result for r in (timeout, refused, estimated, confirmed)] == ["timeout", "error", "estimated", "confirmed"]
     for r in (timeout, refused, estimated, confirmed):
-        assert r.to_json()["result"] == r.result
-        assert ReleaseOutcome.model_validate(r.to_json()).result == r.result, "the API's schema reads what was recorded"
+        assert ReleaseOutcome.of(r).dump()["result"] == r.result
+        assert ReleaseOutcome.model_validate(ReleaseOutcome.of(r).dump()).result == r.result, \
+            "the API's schema reads what was recorded"
 
 
 def test_telemetry_rows_come_from_the_typed_events() -> None:
