@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from proxy.clock import Clock
 from proxy.config.settings import GpuProfile
 from proxy.decision_base import DecisionSink, FollowUp, Opening
+from proxy.encoding import JSONObject
 from proxy.gpu.profile import FieldCheck, FieldStatus, compare, plan_changes, reset_reason
 from proxy.gpu.settings import GpuSettings, SettingsSource
 from proxy.gpu.settings_writer import (
