@@ -18,6 +18,7 @@ from proxy.config.units import GIB
 from proxy.engines import ReleaseFailed
 from proxy.engines.common import go_time
 from proxy.engines.ports import SelfReport
+from proxy.gpu.attribution import AttributedSnapshot
 from proxy.handoff.arbitration import CONFIRM_SLACK_BYTES, Arbitration, gib
 from proxy.handoff.decisions import SpillNoPlan, StaleJob
 from proxy.handoff.orders import ReleaseOrder, release_whole, stop_whole
@@ -122,35 +123,42 @@ class Watchdog:
                     if spilled:
                         await self._relieve_spill(tenant, spilled, held, report, idle=not state.busy)
                         continue
-            machine = arbitration.lifecycles.machine(name)
-            deadline = self.idle_deadline(name)
-            if machine is not None and machine.state != "running":
-                report.reasons[name] = f"{machine.state}: the proxy starts it on its next request"
-            elif deadline is None:
-                report.reasons.setdefault(name, "no idle release (idle_release_after_s is null, not reclaimable, or on the CPU)")
-            elif state.busy:
-                report.reasons[name] = f"busy: {state.busy_reason}"
-            elif held <= tenant.idle_vram_bytes + CONFIRM_SLACK_BYTES and machine is None:
-                # a tenant the proxy stops is stopped when idle whatever it holds (llama-swap's ttl)
-                report.reasons[name] = (f"holds {gib(held)} GiB, within its idle floor of "
-                                        f"{gib(tenant.idle_vram_bytes)} GiB (idle_vram_gb): nothing to release")
-            elif report.at < deadline:
-                report.reasons[name] = f"idle release in {deadline - report.at:.0f} s"
-            else:
-                # an app the proxy starts is stopped by its ttl whatever it holds (llama-swap's ttl): its
-                # stopping step alone, or a soft step that "frees" what it can would leave it running for ever
-                whole = stop_whole if machine is not None else release_whole
-                order = whole(snap, tenant, "watchdog idle", kind="idle_release", why="idle timeout",
-                              idle_s=tenant.idle_release_after_s)
-                (result,) = (await asyncio.shield(arbitration.scheduler.release(order))).results
-                if result.busy:  # work arrived before the release's turn came, or a stop would cut it
-                    report.reasons[name] = f"busy again: idle release skipped ({result.error})"
-                    continue
-                self._idle_released(name, result.freed_bytes, arbitration.clock.now())
-                report.actions.append(f"{name}: idle release freed {gib(result.freed_bytes)} GiB")
-                report.reasons[name] = "released after idle timeout"
+            await self._idle_step(tenant, state, held, snap, report)
         self.last = report
         return report
+
+    async def _idle_step(self, tenant: Tenant, state: TenantState, held: int, snap: AttributedSnapshot,
+                         report: TickReport) -> None:
+        """The idle release of one tenant on this tick, or the reason there is none (its state, its
+        deadline, what it holds)."""
+        name = tenant.name
+        machine = self.arbitration.lifecycles.machine(name)
+        deadline = self.idle_deadline(name)
+        if machine is not None and machine.state != "running":
+            report.reasons[name] = f"{machine.state}: the proxy starts it on its next request"
+        elif deadline is None:
+            report.reasons.setdefault(name, "no idle release (idle_release_after_s is null, not reclaimable, or on the CPU)")
+        elif state.busy:
+            report.reasons[name] = f"busy: {state.busy_reason}"
+        elif held <= tenant.idle_vram_bytes + CONFIRM_SLACK_BYTES and machine is None:
+            # a tenant the proxy stops is stopped when idle whatever it holds (llama-swap's ttl)
+            report.reasons[name] = (f"holds {gib(held)} GiB, within its idle floor of "
+                                    f"{gib(tenant.idle_vram_bytes)} GiB (idle_vram_gb): nothing to release")
+        elif report.at < deadline:
+            report.reasons[name] = f"idle release in {deadline - report.at:.0f} s"
+        else:
+            # an app the proxy starts is stopped by its ttl whatever it holds (llama-swap's ttl): its
+            # stopping step alone, or a soft step that "frees" what it can would leave it running for ever
+            whole = stop_whole if machine is not None else release_whole
+            order = whole(snap, tenant, "watchdog idle", kind="idle_release", why="idle timeout",
+                          idle_s=tenant.idle_release_after_s)
+            (result,) = (await asyncio.shield(self.arbitration.scheduler.release(order))).results
+            if result.busy:  # work arrived before the release's turn came, or a stop would cut it
+                report.reasons[name] = f"busy again: idle release skipped ({result.error})"
+                return
+            self._idle_released(name, result.freed_bytes, self.arbitration.clock.now())
+            report.actions.append(f"{name}: idle release freed {gib(result.freed_bytes)} GiB")
+            report.reasons[name] = "released after idle timeout"
 
     async def _read_queues(self, report: TickReport) -> None:
         """Jobs the engine's own queue says are running (clients that bypass the proxy, or stale rows)."""
