@@ -36,18 +36,14 @@ from typing import Any
 
 from proxy.config.schema import Tenant
 from proxy.gpu.attribution import AttributedSnapshot
-from proxy.handoff.busy import CONFIRM_SLACK_BYTES, busy_states
+from proxy.handoff.busy import CONFIRM_SLACK_BYTES, at_once_room, busy_states
 from proxy.handoff.decisions import (
     HandoffKind,
-    Queued,
-    QueueEnd,
-    QueueEnded,
     Rejected,
-    WaitChanged,
 )
 from proxy.handoff.effects import HandoffEffects as HandoffEffects
 from proxy.handoff.evidence import EngineReads
-from proxy.handoff.hold import SwapHold
+from proxy.handoff.hold import SwapHold, swap_hold
 from proxy.handoff.inflight import InFlight, TenantTraffic, Token
 from proxy.handoff.orders import Released, ReleaseOrder
 from proxy.handoff.peaks import Peaks
@@ -65,11 +61,11 @@ from proxy.handoff.queue_rules import (
 from proxy.handoff.release_line import ReleaseLine
 from proxy.handoff.reservations import Reservations
 from proxy.handoff.residency import Residency, slot
-from proxy.handoff.tickets import QUEUE_END, Ticket, Underway, wait_entry
 from proxy.handoff.tickets import Admitted as Admitted
 from proxy.handoff.tickets import Handoff as Handoff
+from proxy.handoff.tickets import Ticket, Underway, wait_entry
 from proxy.handoff.unloads import Unloads
-from proxy.handoff.waitlist import WaitList
+from proxy.handoff.waitlist import WaitList, note_end, note_resolved, note_wait
 from proxy.tasks import sleep_or_wake
 
 log = logging.getLogger("hyperswap.handoff")
@@ -202,15 +198,8 @@ class Scheduler:
     def swap_hold(self) -> SwapHold:
         """proxy.swap_hold_s with the tenants it applies to now (`hold.SwapHold`): those whose admitted
         work is open (active now) or ran or ended within proxy.swap_hold_recent_s."""
-        settings = self.effects.registry.config.proxy
-        if settings.swap_hold_s <= 0:
-            return SwapHold()
-        now = self.effects.clock.now()
-        recent = frozenset(t for t, tr in self.traffic.snapshot().items()
-                           if tr.busy or (tr.last_activity is not None
-                                          and now - tr.last_activity <= settings.swap_hold_recent_s))
-        restores = frozenset(t.name for t in self.effects.registry if t.release_steps and t.release_steps[0].suspends)
-        return SwapHold(settings.swap_hold_s, recent, restores)
+        registry = self.effects.registry
+        return swap_hold(registry.config.proxy, registry, self.traffic.snapshot(), self.effects.clock.now())
 
     def promised(self, snap: AttributedSnapshot) -> dict[str, tuple[str, int]]:
         """Load key -> (tenant, bytes) admitted loads will still take from free memory."""
@@ -279,14 +268,7 @@ class Scheduler:
         admitted to it now; tenants with no such bound are absent. While another tenant's request
         waits for a tenant, it is given no more than this, so the proxy's queue, not the engine's,
         orders the rest (priority, the fairness bounds)."""
-        room: dict[str, int] = {}
-        traffic = self.traffic.snapshot()
-        for tenant in self.effects.registry:
-            cap = self.runs_at_once(tenant.name)
-            if cap is not None:
-                t = traffic.get(tenant.name)
-                room[tenant.name] = cap - (t.in_flight + len(t.jobs) if t is not None else 0)
-        return room
+        return at_once_room(self.effects.registry, self.traffic.snapshot(), self.runs_at_once)
 
     def _resident_handoff(self, w: Waiter, plan: Plan, snap: AttributedSnapshot | None) -> Handoff:
         """A resident admission. What its peak adds to what its tenant holds is reserved until its work
@@ -321,7 +303,7 @@ class Scheduler:
             return await ticket.future
         except asyncio.CancelledError:
             if self._tickets.pop(w.id, None) is not None:
-                self._note_end(ticket, "client left while waiting")
+                note_end(self.effects.decisions, ticket, "client left while waiting", self.effects.clock.now())
                 self.kick()
             if ticket.future.done() and not ticket.future.cancelled():
                 self.settle(ticket.future.result().handoff)
@@ -569,14 +551,7 @@ class Scheduler:
     def _resolve(self, ticket: Ticket, admitted: Admitted) -> None:
         self._tickets.pop(ticket.waiter.id, None)
         admitted.handoff.waited_s = self.effects.clock.now() - ticket.waiter.arrived_at
-        if ticket.queued is not None:
-            admitted.handoff.queued = ticket.queued.id
-            ended = QUEUE_END[admitted.outcome]
-            by = admitted.handoff.decision
-            self.effects.decisions.emit(QueueEnded(tenant=ticket.queued.tenant, trigger=ticket.trigger,
-                                                   refers_to=ticket.queued.id,
-                                                   result=ended, waited_s=admitted.handoff.waited_s,
-                                                   ended_by=by.id if by is not None else None, ended_with=admitted.reason))
+        note_resolved(self.effects.decisions, ticket, admitted)
         if not ticket.future.done():
             if admitted.outcome == "run" and ticket.work is not None:
                 self._admit(ticket.work, ticket.waiter.key)  # work from this step on: no pass sees it idle in between
@@ -614,21 +589,9 @@ class Scheduler:
         handoff.reservation = key
 
     def _note_wait(self, ticket: Ticket, v: Verdict) -> None:
-        if ticket.queued is None:
-            if ticket.model:  # waiting for a busy tenant is time the disk can use
-                self.effects.prepare_load(v.waiter.tenant, ticket.model)
-            ticket.queued = self.effects.decisions.emit(Queued(tenant=v.waiter.tenant, trigger=ticket.trigger, plan=v.plan,
-                                                          reason=v.reason, behind=v.behind, waiting_for=v.waiting_for))
-        elif ticket.wait_reason != v.reason:
-            self.effects.decisions.emit(WaitChanged(tenant=v.waiter.tenant, trigger=ticket.trigger, refers_to=ticket.queued.id,
-                                               reason=v.reason, waiting_for=v.waiting_for, behind=v.behind))
-        ticket.wait_reason = v.reason
-
-    def _note_end(self, ticket: Ticket, why: QueueEnd) -> None:
-        if ticket.queued is not None:
-            self.effects.decisions.emit(QueueEnded(tenant=ticket.queued.tenant, trigger=ticket.trigger,
-                                              refers_to=ticket.queued.id, result=why,
-                                              waited_s=self.effects.clock.now() - ticket.waiter.arrived_at))
+        if ticket.queued is None and ticket.model:  # waiting for a busy tenant is time the disk can use
+            self.effects.prepare_load(v.waiter.tenant, ticket.model)
+        note_wait(self.effects.decisions, ticket, v)
 
 
 def _no_plan(w: Waiter) -> Plan:

@@ -1,15 +1,19 @@
 """The scheduler's waiting requests (`Ticket`s by id) and the questions each pass asks of them:
 which are planned (not waiting on a release under way), which wait for a tenant, which joined a
-release, which has run out of time, and when the next deadline comes. Bookkeeping only: the
-scheduler (`scheduler.py`) adds, resolves and changes the tickets.
+release, which has run out of time, and when the next deadline comes; and the queue's decisions
+of a wait (`Queued` when a request first waits, `WaitChanged` when what it waits for changes,
+`QueueEnded` when it leaves). Bookkeeping only: the scheduler (`scheduler.py`) adds, resolves and
+changes the tickets.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from proxy.handoff.decisions import DecisionLog, Queued, QueueEnd, QueueEnded, WaitChanged
 from proxy.handoff.inflight import Token
-from proxy.handoff.tickets import Ticket, Underway, wait_entry
+from proxy.handoff.queue_rules import Verdict
+from proxy.handoff.tickets import QUEUE_END, Admitted, Ticket, Underway, wait_entry
 
 
 class WaitList(dict[int, Ticket]):
@@ -58,3 +62,32 @@ class WaitList(dict[int, Ticket]):
     def entries(self, now: float) -> list[dict[str, Any]]:
         """Each waiting request, for people: tenant, since when, waiting for whom and why."""
         return sorted((wait_entry(t, now) for t in self.values()), key=lambda d: d["id"])
+
+
+def note_wait(decisions: DecisionLog, ticket: Ticket, v: Verdict) -> None:
+    """A pass says the ticket waits: `Queued` the first time, `WaitChanged` when the reason changed."""
+    if ticket.queued is None:
+        ticket.queued = decisions.emit(Queued(tenant=v.waiter.tenant, trigger=ticket.trigger, plan=v.plan,
+                                              reason=v.reason, behind=v.behind, waiting_for=v.waiting_for))
+    elif ticket.wait_reason != v.reason:
+        decisions.emit(WaitChanged(tenant=v.waiter.tenant, trigger=ticket.trigger, refers_to=ticket.queued.id,
+                                   reason=v.reason, waiting_for=v.waiting_for, behind=v.behind))
+    ticket.wait_reason = v.reason
+
+
+def note_resolved(decisions: DecisionLog, ticket: Ticket, admitted: Admitted) -> None:
+    """A ticket that waited got its answer (`admitted`, its `waited_s` set): its wait ends, by whom and why."""
+    if ticket.queued is None:
+        return
+    admitted.handoff.queued = ticket.queued.id
+    by = admitted.handoff.decision
+    decisions.emit(QueueEnded(tenant=ticket.queued.tenant, trigger=ticket.trigger, refers_to=ticket.queued.id,
+                              result=QUEUE_END[admitted.outcome], waited_s=admitted.handoff.waited_s,
+                              ended_by=by.id if by is not None else None, ended_with=admitted.reason))
+
+
+def note_end(decisions: DecisionLog, ticket: Ticket, why: QueueEnd, now: float) -> None:
+    """A ticket that waited left the queue without an answer (its client went away)."""
+    if ticket.queued is not None:
+        decisions.emit(QueueEnded(tenant=ticket.queued.tenant, trigger=ticket.trigger, refers_to=ticket.queued.id,
+                                  result=why, waited_s=now - ticket.waiter.arrived_at))
