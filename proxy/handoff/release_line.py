@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine, Iterator
-from typing import Any
 
 from proxy.handoff.orders import Released, ReleaseOrder
 from proxy.handoff.queue_rules import Releasing
 from proxy.handoff.tickets import Underway
 
-CarryOut = Callable[[ReleaseOrder, bool], Coroutine[Any, Any, Released]]  # `HandoffEffects.carry_out`
+CarryOut = Callable[[ReleaseOrder, bool], Coroutine[object, object, Released]]  # `HandoffEffects.carry_out`
 OnDone = Callable[[Underway, "asyncio.Task[Released]"], None]
 
 

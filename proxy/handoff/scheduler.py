@@ -311,7 +311,8 @@ class Scheduler:
 
     def waiting(self) -> list[dict[str, Any]]:
         """Each waiting request, for people: tenant, since when, waiting for whom and why."""
-        return self._tickets.entries(self.effects.clock.now())
+        now = self.effects.clock.now()
+        return sorted((wait_entry(t, now) for t in self._tickets.values()), key=lambda d: d["id"])
 
     def wait_of(self, work: Token) -> dict[str, Any] | None:
         """The `waiting()` entry of the request whose traffic token is `work`, plus `planned`: True

@@ -8,12 +8,10 @@ changes the tickets.
 
 from __future__ import annotations
 
-from typing import Any
-
 from proxy.handoff.decisions import DecisionLog, Queued, QueueEnd, QueueEnded, WaitChanged
 from proxy.handoff.inflight import Token
 from proxy.handoff.queue_rules import Verdict
-from proxy.handoff.tickets import QUEUE_END, Admitted, Ticket, Underway, wait_entry
+from proxy.handoff.tickets import QUEUE_END, Admitted, Ticket, Underway
 
 
 class WaitList(dict[int, Ticket]):
@@ -58,10 +56,6 @@ class WaitList(dict[int, Ticket]):
                         if t.verdict is not None and t.verdict.held_until is not None and t.verdict.held_until > now),
                        default=now + replan_s)  # a held swap starts at its hold's end
         return max(0.0, min(replan_s, first_deadline - now, next_aging - now, hold_end - now))
-
-    def entries(self, now: float) -> list[dict[str, Any]]:
-        """Each waiting request, for people: tenant, since when, waiting for whom and why."""
-        return sorted((wait_entry(t, now) for t in self.values()), key=lambda d: d["id"])
 
 
 def note_wait(decisions: DecisionLog, ticket: Ticket, v: Verdict) -> None:

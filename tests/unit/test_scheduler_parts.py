@@ -110,4 +110,3 @@ async def test_the_driver_wakes_at_the_first_deadline_and_overdue_waiters_are_th
     assert waits.next_pause(now=5.0, timeout_s=6.0, starvation_s=60.0, replan_s=1.0) == 1.0, "the replan timer"
     assert waits.next_pause(now=5.5, timeout_s=6.0, starvation_s=60.0, replan_s=1.0) == 0.5, "the first timeout"
     assert [t.waiter.id for t in waits.overdue(now=6.0, timeout_s=6.0)] == [1]
-    assert [e["id"] for e in waits.entries(now=6.0)] == [1, 2]
