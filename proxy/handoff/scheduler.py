@@ -6,7 +6,9 @@ the memory promised to admitted loads on their way to the card (`Reservations`),
 on the card (`Residency`), what the engines said of their own queues (`EngineReads`), the latest
 card reading, and the releases under way or next in line. The rest of the proxy sends it events (a
 request arrives, its answer ends, a job ends, a load answered, a release or card read reports back,
-the watchdog's engine reads) and asks it through narrow methods; no other module keeps any of it.
+the watchdog's engine reads) and asks it through narrow methods, each caller through its port: the
+request side through `Door` (door.py), the watchdog through `Reports` (reports.py); what it does to
+the world is `HandoffEffects` (effects.py). No other module keeps any of its state.
 
 A pass (`_pass`) reads memory only and awaits nothing. Effects run as tasks that report back, the
 way llama-swap's scheduler starts a swap and hears `OnSwapDone`: a card read posts the reading
