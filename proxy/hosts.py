@@ -119,6 +119,15 @@ class HostPolicy:
         return self.local_addresses and self.probe(ip)
 
 
+def _allowed(allowed: Iterable[str]) -> tuple[set[str], list[str], set[IpAddress]]:
+    """tenants.json's `allowed_hosts` as (names, `.suffix`es, addresses), loopback's names included."""
+    entries = [_entry(p) for p in allowed]
+    names = {"localhost"} | {n for n, _, _ in entries if n}
+    suffixes = [".localhost"] + [s for _, s, _ in entries if s]
+    addresses = {ip for _, _, ip in entries if ip is not None}
+    return names, suffixes, addresses
+
+
 def listener_policy(listen_host: str | None, allowed: Iterable[str] = (), *, engine_rule: bool = False,
                     engine_checks: bool = True,
                     probe: Callable[[IpAddress], bool] = is_local_address,
@@ -134,12 +143,9 @@ def listener_policy(listen_host: str | None, allowed: Iterable[str] = (), *, eng
     """
     listen = (listen_host or "127.0.0.1").strip("[]").lower()
     loopback_listener = is_loopback_host(listen)
-    entries = [_entry(p) for p in allowed]
     if "*" in (p.strip() for p in allowed) or (not engine_checks and not loopback_listener):
         return HostPolicy(anything=True, probe=probe)
-    names = {"localhost"} | {n for n, _, _ in entries if n}
-    suffixes = [".localhost"] + [s for _, s, _ in entries if s]
-    addresses = {ip for _, _, ip in entries if ip is not None}
+    names, suffixes, addresses = _allowed(allowed)
     networks = list(LOOPBACK_NETS)
     wildcard = listen in WILDCARD_LISTEN
     own = parse_ip(listen)

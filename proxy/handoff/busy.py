@@ -168,3 +168,16 @@ def busy_states(tenants: Iterable[Tenant], traffic: Mapping[str, TenantTraffic],
 def stale_jobs(states: Mapping[str, TenantState]) -> dict[str, list[str]]:
     """Tenant -> job ids listed as running while the evidence says they are not."""
     return {name: list(s.stale_jobs) for name, s in states.items() if s.stale_jobs}
+
+
+def at_once_room(tenants: Iterable[Tenant], traffic: Mapping[str, TenantTraffic],
+                 runs_at_once: Callable[[str], int | None]) -> dict[str, int]:
+    """Tenant -> how many more requests its engine runs at once (`runs_at_once`: None, no bound) beyond
+    the work admitted to it now (requests in flight and jobs); tenants with no such bound are absent."""
+    room: dict[str, int] = {}
+    for tenant in tenants:
+        cap = runs_at_once(tenant.name)
+        if cap is not None:
+            t = traffic.get(tenant.name)
+            room[tenant.name] = cap - (t.in_flight + len(t.jobs) if t is not None else 0)
+    return room

@@ -26,9 +26,13 @@ sixth of a reload's time, and is held that much shorter (an SDXL checkpoint, 7 G
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
+
+from proxy.config.schema import Tenant
+from proxy.config.settings import ProxySettings
+from proxy.handoff.inflight import TenantTraffic
 
 RELOAD_BYTES_PER_S = 2e9  # a local NVMe read plus the copy to the card; a model in the page cache reloads faster
 RESTORE_BYTES_PER_S = 12e9  # a restore from host RAM (cuda_suspend): a pinned copy over PCIe 4.0 x16, ~12-25 GB/s
@@ -66,3 +70,15 @@ class SwapHold:
 
 
 NO_HOLD = SwapHold()
+
+
+def swap_hold(settings: ProxySettings, tenants: Iterable[Tenant], traffic: Mapping[str, TenantTraffic],
+              now: float) -> SwapHold:
+    """proxy.swap_hold_s with the tenants it applies to now: those whose admitted work is open (active
+    now) or ran or ended within proxy.swap_hold_recent_s; and those whose release parks them in host RAM."""
+    if settings.swap_hold_s <= 0:
+        return SwapHold()
+    recent = frozenset(t for t, tr in traffic.items()
+                       if tr.busy or (tr.last_activity is not None and now - tr.last_activity <= settings.swap_hold_recent_s))
+    restores = frozenset(t.name for t in tenants if t.release_steps and t.release_steps[0].suspends)
+    return SwapHold(settings.swap_hold_s, recent, restores)

@@ -6,13 +6,17 @@ the memory promised to admitted loads on their way to the card (`Reservations`),
 on the card (`Residency`), what the engines said of their own queues (`EngineReads`), the latest
 card reading, and the releases under way or next in line. The rest of the proxy sends it events (a
 request arrives, its answer ends, a job ends, a load answered, a release or card read reports back,
-the watchdog's engine reads) and asks it through narrow methods; no other module keeps any of it.
+the watchdog's engine reads) and asks it through narrow methods, each caller through its port: the
+request side through `Door` (door.py), the watchdog through `Reports` (reports.py); what it does to
+the world is `HandoffEffects` (effects.py). No other module keeps any of its state.
 
 A pass (`_pass`) reads memory only and awaits nothing. Effects run as tasks that report back, the
 way llama-swap's scheduler starts a swap and hears `OnSwapDone`: a card read posts the reading
 (`_read_card`), a release runs `HandoffEffects.carry_out` and its end admits the waiters that joined
 it (`_release_done`). Releases run one at a time, whoever asked (the queue's own plans, the
-watchdog, the admin API): the next waits in line here as state, not on a lock. Meanwhile work that
+watchdog, the admin API): the next waits in line as state, not on a lock (`release_line.py`). The
+waiting requests are `Ticket`s in a `WaitList` (`waitlist.py`: which are planned, which wait for whom,
+which ran out of time). Meanwhile work that
 needs no release (a model already on the card, a load that fits) is admitted in the same pass.
 
 The plan runs again as soon as something that could change it happens (`kick()`: a request or a
@@ -34,18 +38,14 @@ from typing import Any
 
 from proxy.config.schema import Tenant
 from proxy.gpu.attribution import AttributedSnapshot
-from proxy.handoff.busy import CONFIRM_SLACK_BYTES, busy_states
+from proxy.handoff.busy import CONFIRM_SLACK_BYTES, at_once_room, busy_states
 from proxy.handoff.decisions import (
     HandoffKind,
-    Queued,
-    QueueEnd,
-    QueueEnded,
     Rejected,
-    WaitChanged,
 )
 from proxy.handoff.effects import HandoffEffects as HandoffEffects
 from proxy.handoff.evidence import EngineReads
-from proxy.handoff.hold import SwapHold
+from proxy.handoff.hold import SwapHold, swap_hold
 from proxy.handoff.inflight import InFlight, TenantTraffic, Token
 from proxy.handoff.orders import Released, ReleaseOrder
 from proxy.handoff.peaks import Peaks
@@ -60,12 +60,14 @@ from proxy.handoff.queue_rules import (
     promised_by_tenant,
     resident_plan,
 )
+from proxy.handoff.release_line import ReleaseLine
 from proxy.handoff.reservations import Reservations
 from proxy.handoff.residency import Residency, slot
-from proxy.handoff.tickets import QUEUE_END, Ticket, Underway, wait_entry
 from proxy.handoff.tickets import Admitted as Admitted
 from proxy.handoff.tickets import Handoff as Handoff
+from proxy.handoff.tickets import Ticket, Underway, wait_entry
 from proxy.handoff.unloads import Unloads
+from proxy.handoff.waitlist import WaitList, note_end, note_resolved, note_wait
 from proxy.tasks import sleep_or_wake
 
 log = logging.getLogger("hyperswap.handoff")
@@ -90,8 +92,9 @@ class Scheduler:
         self._leaving = Unloads()  # unloads the card does not show done yet
         self.card: AttributedSnapshot | None = None  # the latest card reading, whoever read it
         self._ids = itertools.count(1)
-        self._tickets: dict[int, Ticket] = {}
-        self._underway: list[Underway] = []  # the release running first, then those in line behind it
+        self._tickets = WaitList()  # the requests waiting for memory
+        # one release at a time, whoever asked (`release_line.py`)
+        self._underway = ReleaseLine(lambda order, fresh: self.effects.carry_out(order, fresh), self._release_done)
         self._settle_on_idle: dict[str, list[Handoff]] = {}  # tenant -> promises kept until it has no work
         self._wake = asyncio.Event()
         self._driver: asyncio.Task[None] | None = None
@@ -178,7 +181,7 @@ class Scheduler:
     @property
     def releasing(self) -> tuple[Releasing, ...]:
         """The releases under way or in line, whoever started them."""
-        return tuple(u.state for u in self._underway)
+        return self._underway.states
 
     @property
     def cpu_tenants(self) -> frozenset[str]:
@@ -197,15 +200,8 @@ class Scheduler:
     def swap_hold(self) -> SwapHold:
         """proxy.swap_hold_s with the tenants it applies to now (`hold.SwapHold`): those whose admitted
         work is open (active now) or ran or ended within proxy.swap_hold_recent_s."""
-        settings = self.effects.registry.config.proxy
-        if settings.swap_hold_s <= 0:
-            return SwapHold()
-        now = self.effects.clock.now()
-        recent = frozenset(t for t, tr in self.traffic.snapshot().items()
-                           if tr.busy or (tr.last_activity is not None
-                                          and now - tr.last_activity <= settings.swap_hold_recent_s))
-        restores = frozenset(t.name for t in self.effects.registry if t.release_steps and t.release_steps[0].suspends)
-        return SwapHold(settings.swap_hold_s, recent, restores)
+        registry = self.effects.registry
+        return swap_hold(registry.config.proxy, registry, self.traffic.snapshot(), self.effects.clock.now())
 
     def promised(self, snap: AttributedSnapshot) -> dict[str, tuple[str, int]]:
         """Load key -> (tenant, bytes) admitted loads will still take from free memory."""
@@ -241,9 +237,9 @@ class Scheduler:
         if snap is None or tenant.name in self._leaving or not self.resident(tenant.name, key):
             return None
         need_bytes = self.peak_need(key, need_bytes)
-        if any(tenant.name in u.state.tenants for u in self._underway if u.state.key is not None):
+        if self._underway.promised_away(tenant.name):
             return None  # its memory is promised to another load: the release must not be undone
-        blocking = self._waiting_for(tenant.name)
+        blocking = self._tickets.waiting_for(tenant.name)
         if blocking is None:
             return None  # a waiter the scheduler has not seen yet: let the next pass order both
         settings = self.effects.registry.config.proxy
@@ -264,19 +260,6 @@ class Scheduler:
             self._admit(work, key)
         return Admitted("run", self._resident_handoff(w, resident_plan(w, plan), snap), RESIDENT)
 
-    def _waiting_for(self, tenant: str) -> list[Ticket] | None:
-        """The waiters whose last verdict waits for `tenant` (to finish, or behind its held swap); None
-        while a waiter has no verdict yet (it may be one of them)."""
-        blocking: list[Ticket] = []
-        for t in self._tickets.values():
-            if t.joined is not None:
-                continue
-            if t.verdict is None:
-                return None
-            if t.verdict.action == "wait" and (tenant in t.verdict.plan.wait_for or tenant in t.verdict.held):
-                blocking.append(t)
-        return blocking
-
     def peak_need(self, key: str, estimate: int) -> int:
         """What a request for this load is planned on: its estimate, or the most the load was seen to
         take while it ran, whichever is larger (`Peaks`)."""
@@ -287,14 +270,7 @@ class Scheduler:
         admitted to it now; tenants with no such bound are absent. While another tenant's request
         waits for a tenant, it is given no more than this, so the proxy's queue, not the engine's,
         orders the rest (priority, the fairness bounds)."""
-        room: dict[str, int] = {}
-        traffic = self.traffic.snapshot()
-        for tenant in self.effects.registry:
-            cap = self.runs_at_once(tenant.name)
-            if cap is not None:
-                t = traffic.get(tenant.name)
-                room[tenant.name] = cap - (t.in_flight + len(t.jobs) if t is not None else 0)
-        return room
+        return at_once_room(self.effects.registry, self.traffic.snapshot(), self.runs_at_once)
 
     def _resident_handoff(self, w: Waiter, plan: Plan, snap: AttributedSnapshot | None) -> Handoff:
         """A resident admission. What its peak adds to what its tenant holds is reserved until its work
@@ -309,14 +285,7 @@ class Scheduler:
 
     def _claims(self, snap: AttributedSnapshot) -> dict[str, tuple[str, int]]:
         """Load key -> (tenant, bytes) admitted loads and releases under way still count on."""
-        claims = self.promised(snap)
-        for u in self._underway:
-            if (claim := u.claim) is not None and u.state.key is not None:
-                # the same load may be reserved already (a request for it admitted while the release
-                # runs): one load, so the larger promise stands, never the release's smaller claim
-                old = claims.get(u.state.key)
-                claims[u.state.key] = (claim[0], max(claim[1], old[1] if old else 0))
-        return claims
+        return self._underway.claims(self.promised(snap))
 
     async def request(self, tenant: Tenant, key: str, need_bytes: int, trigger: str, kind: HandoffKind = "plan",
                       model: str | None = None, work: Token | None = None) -> Admitted:
@@ -336,7 +305,7 @@ class Scheduler:
             return await ticket.future
         except asyncio.CancelledError:
             if self._tickets.pop(w.id, None) is not None:
-                self._note_end(ticket, "client left while waiting")
+                note_end(self.effects.decisions, ticket, "client left while waiting", self.effects.clock.now())
                 self.kick()
             if ticket.future.done() and not ticket.future.cancelled():
                 self.settle(ticket.future.result().handoff)
@@ -353,7 +322,7 @@ class Scheduler:
         waiting can succeed (a 507 resolves it at once, never as a wait). None: it does not wait
         (admitted, refused, or not asked yet). The GPU gate reads it to tell a streamed request
         why it waits (proxy/relay/progress.py); nothing else of the ticket leaves the scheduler."""
-        ticket = next((t for t in self._tickets.values() if t.work is work), None)
+        ticket = self._tickets.of_work(work)
         if ticket is None:
             return None
         entry = wait_entry(ticket, self.effects.clock.now())
@@ -369,31 +338,12 @@ class Scheduler:
         memory); when it ends the waiters that joined it are admitted and the queue is woken. Callers
         other than the scheduler itself (the watchdog, the admin API) may await the future, shielded
         (a caller that goes away must not cut a release half way): a pass never awaits it."""
-        return self._start_release(order, key, waiter).done
-
-    def _start_release(self, order: ReleaseOrder, key: str | None, waiter: int | None) -> Underway:
-        state = Releasing(tuple(r.tenant for r in order.releases), key, waiter,
-                          order.requester if key is not None else "")
-        underway = Underway(state, order, asyncio.get_running_loop().create_future())
-        self._underway.append(underway)
-        if len(self._underway) == 1:
-            self._run_release(underway, fresh=False)
-        return underway
-
-    def _run_release(self, underway: Underway, *, fresh: bool) -> None:
-        """Its turn came: run it as a task that reports back. `fresh`: it waited in line, so the card
-        it was ordered on may be out of date."""
-        task = asyncio.create_task(self.effects.carry_out(underway.order, fresh),
-                                   name=f"hyperswap:release:{','.join(underway.state.tenants)}")
-        underway.task = task
-        task.add_done_callback(lambda t: self._release_done(underway, t))
+        return self._underway.start(order, key, waiter).done
 
     def _release_done(self, underway: Underway, task: asyncio.Task[Released]) -> None:
         """OnSwapDone: the release ended (or failed); admit whoever joined it, start the next one in
         line, plan the rest again."""
-        if underway in self._underway:
-            self._underway.remove(underway)
-        joined = [t for t in self._tickets.values() if t.joined is underway]
+        joined = self._tickets.joined_to(underway)
         if task.cancelled():
             for ticket in joined:
                 self._tickets.pop(ticket.waiter.id, None)
@@ -406,8 +356,7 @@ class Scheduler:
             self._release_ended(underway, joined, released)
             if not underway.done.done():
                 underway.done.set_result(released)
-        if self._underway and self._underway[0].task is None:
-            self._run_release(self._underway[0], fresh=True)
+        self._underway.finished(underway)
         self.kick()
         if self._tickets:
             self._start_driver()
@@ -448,20 +397,13 @@ class Scheduler:
             if not ticket.future.done():
                 ticket.future.cancel()
         self._tickets.clear()
-        tasks: list[asyncio.Task[Any]] = [u.task for u in self._underway if u.task is not None]
-        for u in self._underway:
-            if not u.done.done():
-                u.done.cancel()
+        tasks: list[asyncio.Task[Any]] = list(self._underway.cancel())
         for task in (self._driver, self._reading):
             if task is not None:
                 tasks.append(task)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-    def _planned(self) -> list[Ticket]:
-        """The tickets each pass plans for: those not already waiting on a release under way."""
-        return [t for t in self._tickets.values() if t.joined is None]
 
     def _waiter(self, ticket: Ticket) -> Waiter:
         """The ticket as the pure scheduler sees it now: whether its load is resident (an OOM retry
@@ -494,7 +436,7 @@ class Scheduler:
             while self._tickets:
                 self._wake.clear()
                 self._expire()
-                if not self._planned():
+                if not self._tickets.planned():
                     if not self._tickets:
                         break
                     await self._wake.wait()  # only waiters of releases under way: they report back
@@ -517,7 +459,7 @@ class Scheduler:
             raise
         except Exception as exc:  # never leave a waiter hanging on a broken pass
             log.exception("scheduler pass failed")
-            for ticket in self._planned():
+            for ticket in self._tickets.planned():
                 self._tickets.pop(ticket.waiter.id, None)
                 if not ticket.future.done():
                     ticket.future.set_exception(exc)
@@ -525,7 +467,7 @@ class Scheduler:
     def _pass(self, snap: AttributedSnapshot) -> bool:
         """One pass on the latest card: who runs, waits or is refused, carried out at once, awaiting
         nothing. True when anyone left the queue (the next pass sees a new state)."""
-        pending = self._planned()
+        pending = self._tickets.planned()
         if not pending:
             return False
         if not snap.snapshot.device.size_known:
@@ -550,26 +492,15 @@ class Scheduler:
     def _expire(self) -> None:
         """Past `proxy.queue_timeout_s`: 503. A waiter whose release is under way is not cut off:
         the release has a timeout of its own, and its memory is coming."""
-        timeout = self.effects.registry.config.proxy.queue_timeout_s
-        now = self.effects.clock.now()
-        for ticket in self._planned():
-            if now - ticket.waiter.arrived_at >= timeout:
-                plan = ticket.verdict.plan if ticket.verdict else None
-                why = ticket.verdict.reason if ticket.verdict else "no plan could be made"
-                self._resolve(ticket, Admitted("timeout", Handoff(plan or _no_plan(ticket.waiter), [], None), why))
+        for ticket in self._tickets.overdue(self.effects.clock.now(), self.effects.registry.config.proxy.queue_timeout_s):
+            plan = ticket.verdict.plan if ticket.verdict else None
+            why = ticket.verdict.reason if ticket.verdict else "no plan could be made"
+            self._resolve(ticket, Admitted("timeout", Handoff(plan or _no_plan(ticket.waiter), [], None), why))
 
     def _next_pause(self) -> float:
-        timeout = self.effects.registry.config.proxy.queue_timeout_s
-        now = self.effects.clock.now()
-        planned = self._planned()
-        first_deadline = min((t.waiter.arrived_at + timeout for t in planned), default=now + REPLAN_S)
-        starvation = self.effects.registry.config.proxy.starvation_after_s
-        next_aging = min((t.waiter.arrived_at + starvation for t in planned
-                          if t.waiter.arrived_at + starvation > now), default=now + REPLAN_S)
-        hold_end = min((t.verdict.held_until for t in planned
-                        if t.verdict is not None and t.verdict.held_until is not None and t.verdict.held_until > now),
-                       default=now + REPLAN_S)  # a held swap starts at its hold's end
-        return max(0.0, min(REPLAN_S, first_deadline - now, next_aging - now, hold_end - now))
+        settings = self.effects.registry.config.proxy
+        return self._tickets.next_pause(self.effects.clock.now(), settings.queue_timeout_s,
+                                        settings.starvation_after_s, REPLAN_S)
 
     def _apply(self, verdicts: tuple[Verdict, ...], snap: AttributedSnapshot) -> bool:
         """Carry out one pass, awaiting nothing. True when anyone left the queue (the next pass
@@ -605,12 +536,12 @@ class Scheduler:
     def _join_or_start(self, ticket: Ticket, v: Verdict, snap: AttributedSnapshot) -> None:
         """A load that runs once its releases are done: join the release under way for the same load,
         or start one (the pure scheduler lets at most one start while none is under way)."""
-        underway = next((u for u in self._underway if u.state.key == v.waiter.key), None)
+        underway = self._underway.for_load(v.waiter.key)
         if underway is None:
             if ticket.model:  # the disk read overlaps the release instead of following it
                 self.effects.prepare_load(v.waiter.tenant, ticket.model)
             order = ReleaseOrder(v.waiter.tenant, v.plan.releases, ticket.trigger, ticket.kind, v.plan, snap)
-            underway = self._start_release(order, v.waiter.key, v.waiter.id)
+            underway = self._underway.start(order, v.waiter.key, v.waiter.id)
         ticket.joined = underway
 
     def _forward_unplanned(self, snap: AttributedSnapshot, pending: list[Ticket]) -> None:
@@ -623,14 +554,7 @@ class Scheduler:
     def _resolve(self, ticket: Ticket, admitted: Admitted) -> None:
         self._tickets.pop(ticket.waiter.id, None)
         admitted.handoff.waited_s = self.effects.clock.now() - ticket.waiter.arrived_at
-        if ticket.queued is not None:
-            admitted.handoff.queued = ticket.queued.id
-            ended = QUEUE_END[admitted.outcome]
-            by = admitted.handoff.decision
-            self.effects.decisions.emit(QueueEnded(tenant=ticket.queued.tenant, trigger=ticket.trigger,
-                                                   refers_to=ticket.queued.id,
-                                                   result=ended, waited_s=admitted.handoff.waited_s,
-                                                   ended_by=by.id if by is not None else None, ended_with=admitted.reason))
+        note_resolved(self.effects.decisions, ticket, admitted)
         if not ticket.future.done():
             if admitted.outcome == "run" and ticket.work is not None:
                 self._admit(ticket.work, ticket.waiter.key)  # work from this step on: no pass sees it idle in between
@@ -668,21 +592,9 @@ class Scheduler:
         handoff.reservation = key
 
     def _note_wait(self, ticket: Ticket, v: Verdict) -> None:
-        if ticket.queued is None:
-            if ticket.model:  # waiting for a busy tenant is time the disk can use
-                self.effects.prepare_load(v.waiter.tenant, ticket.model)
-            ticket.queued = self.effects.decisions.emit(Queued(tenant=v.waiter.tenant, trigger=ticket.trigger, plan=v.plan,
-                                                          reason=v.reason, behind=v.behind, waiting_for=v.waiting_for))
-        elif ticket.wait_reason != v.reason:
-            self.effects.decisions.emit(WaitChanged(tenant=v.waiter.tenant, trigger=ticket.trigger, refers_to=ticket.queued.id,
-                                               reason=v.reason, waiting_for=v.waiting_for, behind=v.behind))
-        ticket.wait_reason = v.reason
-
-    def _note_end(self, ticket: Ticket, why: QueueEnd) -> None:
-        if ticket.queued is not None:
-            self.effects.decisions.emit(QueueEnded(tenant=ticket.queued.tenant, trigger=ticket.trigger,
-                                              refers_to=ticket.queued.id, result=why,
-                                              waited_s=self.effects.clock.now() - ticket.waiter.arrived_at))
+        if ticket.queued is None and ticket.model:  # waiting for a busy tenant is time the disk can use
+            self.effects.prepare_load(v.waiter.tenant, ticket.model)
+        note_wait(self.effects.decisions, ticket, v)
 
 
 def _no_plan(w: Waiter) -> Plan:

@@ -1,7 +1,8 @@
 """The timer loop: idle release deadlines, Ollama's CPU spill, stale queue entries.
 
 Every tick records why each tenant was left alone (several reasons can apply, and without them no
-one can tell which fired); `GET /api/tenants/{name}` shows them.
+one can tell which fired); `GET /api/tenants/{name}` shows them. It holds the scheduler as `Reports`
+(`reports.py`): the engines' reads it posts, the releases it asks for, the little it reads back.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from proxy.config.units import GIB
 from proxy.engines import ReleaseFailed
 from proxy.engines.common import go_time
 from proxy.engines.ports import SelfReport
+from proxy.gpu.attribution import AttributedSnapshot
 from proxy.handoff.arbitration import CONFIRM_SLACK_BYTES, Arbitration, gib
 from proxy.handoff.decisions import SpillNoPlan, StaleJob
 from proxy.handoff.orders import ReleaseOrder, release_whole, stop_whole
 from proxy.handoff.plan import TenantState
+from proxy.handoff.reports import Reports
 from proxy.tasks import cancel_and_wait
 
 log = logging.getLogger("hyperswap.watchdog")
@@ -57,6 +60,7 @@ MAX_IDLE_BACKOFF = 64  # the wait after fruitless idle releases doubles up to 64
 class Watchdog:
     def __init__(self, arbitration: Arbitration) -> None:
         self.arbitration = arbitration
+        self.scheduler: Reports = arbitration.scheduler  # all it tells the scheduler and asks of it (reports.py)
         self.last: TickReport | None = None
         self._task: asyncio.Task[None] | None = None
         self._placements: dict[tuple[str, str], _Placement] = {}
@@ -94,13 +98,13 @@ class Watchdog:
     async def tick(self) -> TickReport:
         arbitration = self.arbitration
         report = TickReport(at=arbitration.clock.now())
-        if arbitration.scheduler.releasing:
+        if self.scheduler.releasing:
             report.reasons["*"] = "a handoff is in progress"
             self.last = report
             return report
         await self._read_queues(report)
         snap = await arbitration.snapshot()
-        states = arbitration.scheduler.states(snap)
+        states = self.scheduler.states(snap)
         for tenant in arbitration.registry:
             name = tenant.name
             state = states[name]
@@ -122,35 +126,42 @@ class Watchdog:
                     if spilled:
                         await self._relieve_spill(tenant, spilled, held, report, idle=not state.busy)
                         continue
-            machine = arbitration.lifecycles.machine(name)
-            deadline = self.idle_deadline(name)
-            if machine is not None and machine.state != "running":
-                report.reasons[name] = f"{machine.state}: the proxy starts it on its next request"
-            elif deadline is None:
-                report.reasons.setdefault(name, "no idle release (idle_release_after_s is null, not reclaimable, or on the CPU)")
-            elif state.busy:
-                report.reasons[name] = f"busy: {state.busy_reason}"
-            elif held <= tenant.idle_vram_bytes + CONFIRM_SLACK_BYTES and machine is None:
-                # a tenant the proxy stops is stopped when idle whatever it holds (llama-swap's ttl)
-                report.reasons[name] = (f"holds {gib(held)} GiB, within its idle floor of "
-                                        f"{gib(tenant.idle_vram_bytes)} GiB (idle_vram_gb): nothing to release")
-            elif report.at < deadline:
-                report.reasons[name] = f"idle release in {deadline - report.at:.0f} s"
-            else:
-                # an app the proxy starts is stopped by its ttl whatever it holds (llama-swap's ttl): its
-                # stopping step alone, or a soft step that "frees" what it can would leave it running for ever
-                whole = stop_whole if machine is not None else release_whole
-                order = whole(snap, tenant, "watchdog idle", kind="idle_release", why="idle timeout",
-                              idle_s=tenant.idle_release_after_s)
-                (result,) = (await asyncio.shield(arbitration.scheduler.release(order))).results
-                if result.busy:  # work arrived before the release's turn came, or a stop would cut it
-                    report.reasons[name] = f"busy again: idle release skipped ({result.error})"
-                    continue
-                self._idle_released(name, result.freed_bytes, arbitration.clock.now())
-                report.actions.append(f"{name}: idle release freed {gib(result.freed_bytes)} GiB")
-                report.reasons[name] = "released after idle timeout"
+            await self._idle_step(tenant, state, held, snap, report)
         self.last = report
         return report
+
+    async def _idle_step(self, tenant: Tenant, state: TenantState, held: int, snap: AttributedSnapshot,
+                         report: TickReport) -> None:
+        """The idle release of one tenant on this tick, or the reason there is none (its state, its
+        deadline, what it holds)."""
+        name = tenant.name
+        machine = self.arbitration.lifecycles.machine(name)
+        deadline = self.idle_deadline(name)
+        if machine is not None and machine.state != "running":
+            report.reasons[name] = f"{machine.state}: the proxy starts it on its next request"
+        elif deadline is None:
+            report.reasons.setdefault(name, "no idle release (idle_release_after_s is null, not reclaimable, or on the CPU)")
+        elif state.busy:
+            report.reasons[name] = f"busy: {state.busy_reason}"
+        elif held <= tenant.idle_vram_bytes + CONFIRM_SLACK_BYTES and machine is None:
+            # a tenant the proxy stops is stopped when idle whatever it holds (llama-swap's ttl)
+            report.reasons[name] = (f"holds {gib(held)} GiB, within its idle floor of "
+                                    f"{gib(tenant.idle_vram_bytes)} GiB (idle_vram_gb): nothing to release")
+        elif report.at < deadline:
+            report.reasons[name] = f"idle release in {deadline - report.at:.0f} s"
+        else:
+            # an app the proxy starts is stopped by its ttl whatever it holds (llama-swap's ttl): its
+            # stopping step alone, or a soft step that "frees" what it can would leave it running for ever
+            whole = stop_whole if machine is not None else release_whole
+            order = whole(snap, tenant, "watchdog idle", kind="idle_release", why="idle timeout",
+                          idle_s=tenant.idle_release_after_s)
+            (result,) = (await asyncio.shield(self.scheduler.release(order))).results
+            if result.busy:  # work arrived before the release's turn came, or a stop would cut it
+                report.reasons[name] = f"busy again: idle release skipped ({result.error})"
+                return
+            self._idle_released(name, result.freed_bytes, self.arbitration.clock.now())
+            report.actions.append(f"{name}: idle release freed {gib(result.freed_bytes)} GiB")
+            report.reasons[name] = "released after idle timeout"
 
     async def _read_queues(self, report: TickReport) -> None:
         """Jobs the engine's own queue says are running (clients that bypass the proxy, or stale rows)."""
@@ -163,12 +174,12 @@ class Watchdog:
             try:
                 rows = tuple(await adapter.running_jobs(self.arbitration.control))
             except (httpx.HTTPError, ValueError, ReleaseFailed) as exc:
-                self.arbitration.scheduler.queue_read(tenant.name, started, None)
+                self.scheduler.queue_read(tenant.name, started, None)
                 report.reasons[tenant.name] = f"cannot read {queue_path}: {exc}"
             else:
-                self.arbitration.scheduler.queue_read(tenant.name, started, rows)
+                self.scheduler.queue_read(tenant.name, started, rows)
             try:  # an engine on the CPU holds nothing on the card: its VRAM proves nothing either way
-                self.arbitration.scheduler.on_cpu(tenant.name, await adapter.runs_on_cpu(self.arbitration.control))
+                self.scheduler.on_cpu(tenant.name, await adapter.runs_on_cpu(self.arbitration.control))
             except (httpx.HTTPError, ValueError, ReleaseFailed):
                 pass  # unknown: what it said last stands
 
@@ -200,7 +211,7 @@ class Watchdog:
             if expires is None:
                 continue
             loads[adapter.placement_key(m)] = clock.now() + (expires - clock.wall()) - margin
-        self.arbitration.scheduler.observe_loads(tenant.name, loads)
+        self.scheduler.observe_loads(tenant.name, loads)
 
     def _stable_spills(self, tenant: Tenant, models: list[dict[str, Any]], report: TickReport) -> list[dict[str, Any]]:
         """Models on the CPU in part whose split has held still for `spill_stable_s` while no load of
@@ -218,7 +229,7 @@ class Watchdog:
                 p = self._placements[where] = _Placement(size, vram, now)
             if vram >= size:
                 continue
-            if self.arbitration.scheduler.loading(self.arbitration.adapter(tenant).placement_key(m)):
+            if self.scheduler.loading(self.arbitration.adapter(tenant).placement_key(m)):
                 report.reasons[tenant.name] = f"{where[1]} is loading ({gib(vram)} of {gib(size)} GiB on the GPU so far)"
                 p.since = now
             elif now - p.since < stable_s:
@@ -256,7 +267,7 @@ class Watchdog:
                     p.reported = True
             return
         order = ReleaseOrder(name, plan.releases, f"watchdog: {models} spilling to the CPU", "spill", plan, snap)
-        released = await asyncio.shield(self.arbitration.scheduler.release(order))  # never cut half way
+        released = await asyncio.shield(self.scheduler.release(order))  # never cut half way
         if released.results:
             report.actions.append(f"{name}: spill of {models}: released {[r.tenant for r in released.results]}")
             report.reasons[name] = "starved (CPU spill): memory reclaimed; " + (
@@ -282,7 +293,7 @@ class Watchdog:
             try:
                 if await adapter.unload_model(self.arbitration.control, str(m["name"])):
                     done.append(str(m["name"]))
-                    self.arbitration.scheduler.unloaded(tenant.name, adapter.placement_key(m))
+                    self.scheduler.unloaded(tenant.name, adapter.placement_key(m))
             except httpx.HTTPError as exc:
                 log.warning("%s: cannot unload the split %s: %s", tenant.name, m["name"], exc)
         if not done:

@@ -14,7 +14,7 @@ the app, reading a pipe whose other end only the proxy holds.
   group or session, or carrying its run id (`HYPERSWAP_RUN`): SIGTERM, then SIGKILL after the
   tenant's stop_timeout_s. Then it exits.
 
-Its rule is the record's (`ProcessController._leftovers`), so a restarted proxy that finds the
+Its rule is the record's (`leftovers.leftovers`), so a restarted proxy that finds the
 guard's work done finds nothing left; should the guard itself be killed with the proxy, the record
 still ends what is left at the next start. The guard is a few lines of Python run with `-S`
 (about 10 MB while the app runs). It waits with real sleeps: it is a process of its own, with no

@@ -46,18 +46,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import re
 import secrets
 import shutil
 import signal
-import sys
-import tempfile
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator
 
@@ -75,10 +72,21 @@ from proxy.lifecycle.controller import (
     StoppingRelease,
     shown,
     stop_timeout_field,
-    within,
+)
+from proxy.lifecycle.ending import (
+    GONE_AFTER_KILL_S,
+    StopCommand,
+    die_with,
+    end_tree,
+    exit_of,
+    gone,
+    signal_all,
+    stop_by_command,
 )
 from proxy.lifecycle.guard import Guard
-from proxy.lifecycle.logfile import DEFAULT_MAX_MIB, MAX_LINE, LogFile
+from proxy.lifecycle.leftovers import leftovers as leftovers_of
+from proxy.lifecycle.leftovers import orphan
+from proxy.lifecycle.logfile import DEFAULT_MAX_MIB, LogFile
 from proxy.lifecycle.ownership import Start, sort_holders
 from proxy.lifecycle.ready import probe_for
 from proxy.lifecycle.record import Slot
@@ -86,8 +94,6 @@ from proxy.lifecycle.record import Slot
 SECRET_PREFIX = "HYPERSWAP_"
 WITHHELD = frozenset({"CREDENTIALS_DIRECTORY"})  # systemd's folder of the proxy's own credentials
 KEEP_LINES = 50
-GONE_AFTER_KILL_S = 2.0  # how long a SIGKILLed process may take to disappear before the stop fails
-PR_SET_PDEATHSIG = 1
 
 log = logging.getLogger("hyperswap.lifecycle")
 
@@ -104,62 +110,6 @@ def _start_time(pid: int) -> int | None:
     """The kernel's start time of `pid` (clock ticks since boot; /proc/PID/stat field 22): with the pid
     it names one process for good, whatever later reuses the number. None off Linux or when gone."""
     return procs.start_time(pid)
-
-
-def _load_prctl() -> Callable[..., int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-_PRCTL = _load_prctl()  # looked up here: the child between fork and exec must not load libraries
-
-
-def _die_with(parent: int) -> Callable[[], None]:
-    """The child's last step before exec: SIGKILL when the proxy dies, and if it died already, now."""
-
-    def preexec() -> None:
-        if _PRCTL is not None:
-            _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != parent:  # the proxy died between fork and prctl
-            os._exit(1)
-
-    return preexec
-
-
-async def _kill_group(proc: asyncio.subprocess.Process, clock: Clock) -> None:
-    """SIGKILL a command's whole process group (a wrapper script's children too) and reap it, bounded."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError):
-        proc.kill()
-    await asyncio.shield(within(clock, GONE_AFTER_KILL_S, proc.wait()))
-
-
-def _last_line(out: IO[bytes]) -> str | None:
-    """The last non-empty line a command wrote to `out` (a file), cut to MAX_LINE characters."""
-    try:
-        out.seek(0, os.SEEK_END)
-        size = out.tell()
-        out.seek(max(0, size - 4096))
-        data = out.read()
-    except OSError:
-        return None
-    lines = [line.strip() for line in data.decode("utf-8", "replace").splitlines() if line.strip()]
-    return lines[-1][:MAX_LINE] if lines else None
-
-
-def _exit_of(code: int) -> Exit:
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = "?"
-        return Exit(code, f"killed by signal {-code} ({name})")
-    return Exit(code, f"exited with code {code}")
 
 
 class ProcessController:
@@ -256,7 +206,7 @@ class ProcessController:
                 *self.command, cwd=self.cwd, env={**child_env(os.environ, self.env, self.withheld_env),
                                                   procs.RUN_VAR: marker},
                 stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-                preexec_fn=_die_with(os.getpid()))
+                preexec_fn=die_with(os.getpid()))
         except OSError as exc:
             raise LifecycleError(f"cannot run {self.command[0]} for tenant {self.name!r}: {exc.strerror or exc}",
                                  fix="check the command in tenants.json (release.command, cwd) and that the "
@@ -281,22 +231,10 @@ class ProcessController:
             else:
                 log.warning("%s: %s; stopping it with signals", self.name, self.stop_error)
                 members = await asyncio.to_thread(self._tree)
-        if members:
-            deadline = self.clock.now() + self.stop_timeout_s
-            self._signal_all(members, signal.SIGTERM)
-            self._signal_all(members, signal.SIGCONT)  # a stopped (SIGSTOP) app gets its SIGTERM only once it runs
-            await within(self.clock, self.stop_timeout_s, proc.wait())
-            await self._gone(members, deadline)  # what the child spawned had the same SIGTERM
-            left = {pid: t for pid, t in members.items() if procs.same(pid, t)}
-            if left:
-                self._signal_all(left, signal.SIGKILL)
-                await within(self.clock, GONE_AFTER_KILL_S, proc.wait())  # reap
-                await self._gone(left, self.clock.now() + GONE_AFTER_KILL_S)
-            still = [pid for pid, t in left.items() if procs.same(pid, t)]
-            if still:
-                raise LifecycleError(f"{', '.join(procs.describe(p) for p in still)} still runs after SIGKILL",
-                                     fix="it may be stuck in the kernel (a GPU driver call): see `ps -o stat,wchan "
-                                         f"-p {still[0]}`; a reboot frees it if nothing else does")
+        if members and (still := await end_tree(proc, members, self.clock, self.stop_timeout_s)):
+            raise LifecycleError(f"{', '.join(procs.describe(p) for p in still)} still runs after SIGKILL",
+                                 fix="it may be stuck in the kernel (a GPU driver call): see `ps -o stat,wchan "
+                                     f"-p {still[0]}`; a reboot frees it if nothing else does")
         if proc.returncode is None:  # off Linux, where no tree is read
             proc.kill()
             await proc.wait()
@@ -311,48 +249,13 @@ class ProcessController:
                     fix=f"stop it (`kill {use.others[0]}`); the proxy signals only what it can prove is the app's")
 
     async def _stop_by_command(self, proc: asyncio.subprocess.Process, members: Mapping[int, int]) -> bool:
-        """Run the stop command; True once the child and what it spawned are gone, within stop_timeout_s
-        (the command's run and the app's exit after it share it). False, with `stop_error` saying why,
-        when the signals must follow: it could not run, failed, ran over (then killed with its group),
-        or the app still ran at the deadline."""
+        """Run the stop command (`ending.stop_by_command`); True once the child and what it spawned are
+        gone within stop_timeout_s, else False with `stop_error` saying why the signals must follow."""
         assert self.stop_command is not None
-        shown = " ".join(self.stop_command)
-        deadline = self.clock.now() + self.stop_timeout_s
-        with tempfile.TemporaryFile() as out:  # a file, not a pipe: a descendant holding it cannot hang the stop
-            try:
-                cmd = await asyncio.create_subprocess_exec(
-                    *self.stop_command, cwd=self.cwd, env={**child_env(os.environ, self.env, self.withheld_env),
-                                                           procs.RUN_VAR: f"{self._marker}-stop"},
-                    stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
-                    preexec_fn=_die_with(os.getpid()))
-            except OSError as exc:
-                self.stop_error = f"its stop command `{shown}` could not run: {exc.strerror or exc}"
-                return False
-            cmd_started = procs.start_time(cmd.pid) or 0
-            try:
-                finished, code = await within(self.clock, self.stop_timeout_s, cmd.wait())
-            finally:  # ran over, or the stop was cancelled: nothing of it may stay behind
-                if cmd.returncode is None:
-                    await _kill_group(cmd, self.clock)
-                await self._end_marked(f"{self._marker}-stop", cmd_started)  # what it left (a `setsid` child)
-            if not finished:
-                self.stop_error = (f"its stop command `{shown}` did not finish within {self.stop_timeout_s:g} s "
-                                   f"(stop_timeout_s) and was killed")
-                return False
-            if code != 0:
-                last = _last_line(out)
-                self.stop_error = f"its stop command `{shown}` failed ({_exit_of(code or 0).reason})" + (
-                    f": {last}" if last else "")
-                return False
-        await within(self.clock, max(0.0, deadline - self.clock.now()), proc.wait())
-        await self._gone(members, deadline)
-        left = [pid for pid, t in members.items() if procs.same(pid, t)]
-        if left:
-            self.stop_error = (f"its stop command `{shown}` ended, but {procs.describe(left[0])} still ran "
-                               f"{self.stop_timeout_s:g} s (stop_timeout_s) after it was run")
-            return False
-        self.stop_error = None
-        return True
+        stop = StopCommand(self.stop_command, self.cwd, child_env(os.environ, self.env, self.withheld_env),
+                           f"{self._marker}-stop", self.stop_timeout_s)
+        self.stop_error = await stop_by_command(stop, proc, members, self.clock)
+        return self.stop_error is None
 
     async def status(self) -> Status:
         if self._running():
@@ -366,14 +269,14 @@ class ProcessController:
         proc = self._proc
         if proc is None or proc.returncode is None or self._stopped_by_us:
             return None
-        return _exit_of(proc.returncode).reason
+        return exit_of(proc.returncode).reason
 
     async def wait_exit(self) -> Exit | None:
         proc = self._proc
         if proc is None:
             return None
         code = await proc.wait()
-        return None if self._stopped_by_us or proc is not self._proc else _exit_of(code)
+        return None if self._stopped_by_us or proc is not self._proc else exit_of(code)
 
     def alive(self) -> bool:
         """The child the proxy started runs now."""
@@ -436,16 +339,16 @@ class ProcessController:
         record = self._read_record()
         if record is None:
             return []
-        leftovers = await asyncio.to_thread(self._leftovers, record)
+        leftovers = await asyncio.to_thread(leftovers_of, record)
         if leftovers is None:  # something runs that matches only in part: named, never signalled
             self.orphan = self._find_orphan()
             return []
         if leftovers:
-            self._signal_all(leftovers, signal.SIGTERM)
-            await self._gone(leftovers, self.clock.now() + self.stop_timeout_s)
+            signal_all(self._proc, leftovers, signal.SIGTERM)
+            await gone(self.clock, leftovers, self.clock.now() + self.stop_timeout_s)
             left = {pid: t for pid, t in leftovers.items() if procs.same(pid, t)}
-            self._signal_all(left, signal.SIGKILL)
-            await self._gone(left, self.clock.now() + GONE_AFTER_KILL_S)
+            signal_all(self._proc, left, signal.SIGKILL)
+            await gone(self.clock, left, self.clock.now() + GONE_AFTER_KILL_S)
         self._remove_pidfile()
         self.orphan = None
         return [procs.describe(pid) for pid in leftovers]  # described after: the numbers, for the log
@@ -487,36 +390,6 @@ class ProcessController:
             self._seen.update(new)
             self._write_record()
 
-    async def _end_marked(self, marker: str, since: int) -> None:
-        """End what carries `marker` (a stop command's leftovers): SIGTERM, SIGKILL after GONE_AFTER_KILL_S."""
-        left = await asyncio.to_thread(procs.marked, marker, since)
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for pid, started in left.items():
-                if procs.same(pid, started):
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.kill(pid, sig)
-            await self._gone(left, self.clock.now() + GONE_AFTER_KILL_S)
-            left = {pid: t for pid, t in left.items() if procs.same(pid, t)}
-            if not left:
-                return
-
-    def _signal_all(self, members: Mapping[int, int], sig: signal.Signals) -> None:
-        proc = self._proc
-        if proc is not None and proc.returncode is None:  # the running leader keeps the group's number ours
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, sig)
-        for pid, started in members.items():
-            if procs.same(pid, started):  # never a number someone else has now
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, sig)
-
-    async def _gone(self, members: Mapping[int, int], deadline: float) -> None:
-        """Wait, polling with a short backoff, until none of `members` runs or the deadline passes."""
-        delay = 0.005
-        while any(procs.same(pid, t) for pid, t in members.items()) and self.clock.now() < deadline:
-            await self.clock.sleep(min(delay, max(0.0, deadline - self.clock.now())))
-            delay = min(delay * 2, 0.1)
-
     # -- output ---------------------------------------------------------------------------------------
     @property
     def log_run(self) -> int:
@@ -546,40 +419,9 @@ class ProcessController:
         if self.slot is not None:
             self.slot.remove()
 
-    def _leftovers(self, record: JSON) -> dict[int, int] | None:
-        """What the recorded run left that still runs and is provably its own (pid -> start time); None
-        when something runs that matches the record only in part (named as an orphan instead)."""
-        boot = record.get("boot_id")
-        if boot is not None and boot != procs.boot_id():
-            return {}  # another boot: every number in it names nothing now
-        pid, started = record.get("pid"), record.get("start_time")
-        if not isinstance(pid, int) or not isinstance(started, int):
-            return {}
-        leader = procs.proc(pid)
-        leader_same = leader is not None and leader.alive and leader.start_time == started
-        if leader_same and (not record.get("cmdline") or tuple(record["cmdline"]) != procs.cmdline(pid)):  # type: ignore[arg-type]
-            return None
-        found: dict[int, int] = {pid: started} if leader_same else {}
-        known = record.get("descendants") or []
-        for p in procs.processes():
-            if not p.alive or p.start_time < started:
-                continue
-            if p.session == pid or p.pgid == pid or [p.pid, p.start_time] in known:  # type: ignore[operator]
-                found[p.pid] = p.start_time
-        marker = record.get("marker")
-        if isinstance(marker, str) and marker:
-            found.update(procs.marked(marker, started))
-        return found
-
     def _find_orphan(self) -> JSON | None:
-        """The process an earlier run started and did not stop, if it still runs (same pid, same start time)."""
-        data = self._read_record()
-        if data is None:
-            return None
-        pid, started = data["pid"], data.get("start_time")
-        if not isinstance(pid, int) or started is None or procs.start_time(pid) != started:
-            return None  # gone, or its number belongs to another process now
-        return {"pid": pid, "command": data.get("command")}
+        """The process an earlier run started and did not stop, if it still runs (`leftovers.orphan`)."""
+        return orphan(self._read_record())
 
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

@@ -379,11 +379,7 @@ class GpuGate:
             return await forward(body)
         trigger = RequestTrigger.of(request.method, request.url.path)
         arrived, arrived_wall = self.arbitration.clock.now(), self.arbitration.clock.wall()
-        known, at_once = first
-        if at_once is not None and known is not None:
-            admitted, need = at_once, known
-        else:
-            admitted, need = await self.arbitration.admit(tenant, request.url.path, body, trigger, work=work, need=known)
+        admitted, need = await self._admit(tenant, request, body, trigger, work, first)
         handoff = admitted.handoff
         if admitted.outcome != "run":
             return self._refused(tenant, admitted, need, trigger)
@@ -401,13 +397,8 @@ class GpuGate:
             response = await forward(body)
             if load is not None:
                 events.arrived(load)
-            if trace is not None:
-                self._trace_answer(trace, need, loaded=loads and streamed and response.status_code < 400,
-                                   took=self.arbitration.clock.now() - forwarded)
-            if story is not None:
-                self.arbitration.decisions.emit(FirstByte(tenant=tenant.name, trigger=trigger, refers_to=story,
-                                                  arrived_at=arrived_wall, after_s=self.arbitration.clock.now() - arrived,
-                                                  status=response.status_code))
+            self._first_byte(tenant, trigger, need, response, trace, story, loaded=loads and streamed,
+                             arrived=(arrived, arrived_wall), forwarded=forwarded)
             if response.status_code < 400:
                 self.door.loaded(tenant.name, need.key)
                 if load is not None and events.listened:
@@ -420,6 +411,29 @@ class GpuGate:
             if load is not None and not timed:
                 events.ended(load, None)  # no answer to time it from
             self._settle(handoff, outlives)
+
+    async def _admit(self, tenant: Tenant, request: Request, body: bytes, trigger: str, work: Token,
+                     first: FirstStep) -> tuple[Admitted, Need]:
+        """The request's admission: the one `at_once` found, or the queue's (on the need `at_once`
+        estimated, when it did)."""
+        known, at_once = first
+        if at_once is not None and known is not None:
+            return at_once, known
+        return await self.arbitration.admit(tenant, request.url.path, body, trigger, work=work, need=known)
+
+    def _first_byte(self, tenant: Tenant, trigger: str, need: Need, response: UpstreamResponse,
+                    trace: tracing.Trace | None, story: int | None, *, loaded: bool,
+                    arrived: tuple[float, float], forwarded: float) -> None:
+        """The engine's first byte: told to the request's trace (a streamed answer of a load: the load's
+        time) and, when it waited or loaded (`story`), recorded as a fact of its decision. `arrived`:
+        (monotonic, wall) when the request came."""
+        now = self.arbitration.clock.now()
+        if trace is not None:
+            self._trace_answer(trace, need, loaded=loaded and response.status_code < 400, took=now - forwarded)
+        if story is not None:
+            self.arbitration.decisions.emit(FirstByte(tenant=tenant.name, trigger=trigger, refers_to=story,
+                                                      arrived_at=arrived[1], after_s=now - arrived[0],
+                                                      status=response.status_code))
 
     def _settle(self, handoff: Handoff, outlives: bool) -> None:
         """The answer ended: the request's promise ends with it, or (`outlives`: a job the engine runs
