@@ -334,7 +334,7 @@ def pin_relays_apart(relays: list[int], others: list[int]) -> dict[str, list[int
 
 
 async def run(quick: bool, loop: str, pin: bool = False, *, nginx: bool = False, compare: Path | None = None,
-              small_only: bool = False) -> dict[str, object]:
+              small_only: bool = False, requests: int | None = None) -> dict[str, object]:
     up_proc, up_url = spawn("upstream", None)
     px_proc, px_url = spawn("proxy", up_url, loop)
     sp_proc, sp_url = spawn("splice", up_url, loop)
@@ -356,7 +356,9 @@ async def run(quick: bool, loop: str, pin: bool = False, *, nginx: bool = False,
             procs = {"proxy": psutil.Process(px_proc.pid), "splice": psutil.Process(sp_proc.pid)} \
                 | {name: psutil.Process(p.pid) for name, (p, _) in extra.items()}
             c1 = await small_requests(client, small, procs, 1, 5 if quick else 10, 100 if quick else 300)
-            c64 = await small_requests(client, small, procs, 64, 3 if quick else 6, 640 if quick else 1920)
+            per_round = requests or (640 if quick else 1920)
+            c16 = await small_requests(client, small, procs, 16, 3 if quick else 6, per_round)
+            c64 = await small_requests(client, small, procs, 64, 3 if quick else 6, per_round)
             if not small_only:
                 stream = await streaming(client, base, 5 if quick else 20)
                 uploads = {"direct": await upload(client, up_url, None),
@@ -374,15 +376,16 @@ async def run(quick: bool, loop: str, pin: bool = False, *, nginx: bool = False,
                   "upload_rss_growth_mib": uploads["proxy"]["rss_growth_mib"]}
     return {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
             "quick": quick, "proxy_loop": loop, "pinned": pinned, "compare": str(compare) if compare else None,
-            "c1": c1, "c64": c64, "stream": stream, "upload": uploads, "added": added}
+            "c1": c1, "c16": c16, "c64": c64, "stream": stream, "upload": uploads, "added": added}
 
 
 def side_by_side(r: dict[str, object]) -> str:
     """Every relay's small-GET rows in one table (the rounds were interleaved)."""
-    c1, c64 = r["c1"], r["c64"]
-    assert isinstance(c1, dict) and isinstance(c64, dict)
+    c1, c16, c64 = r["c1"], r["c16"], r["c64"]
+    assert isinstance(c1, dict) and isinstance(c16, dict) and isinstance(c64, dict)
     names = list(c64)
-    rows = [("c=1 p50 (ms)", c1, "p50_ms"), ("c=1 rps", c1, "rps"), ("c=64 p50 (ms)", c64, "p50_ms"),
+    rows = [("c=1 p50 (ms)", c1, "p50_ms"), ("c=1 rps", c1, "rps"), ("c=16 rps", c16, "rps"),
+            ("c=16 CPU per request (us)", c16, "relay_cpu_us"), ("c=64 p50 (ms)", c64, "p50_ms"),
             ("c=64 p99 (ms)", c64, "p99_ms"), ("c=64 rps", c64, "rps"), ("c=64 CPU per request (us)", c64, "relay_cpu_us")]
     lines = ["| small GET | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
     for label, c, key in rows:
@@ -437,6 +440,9 @@ def main() -> None:
     parser.add_argument("--compare", type=Path, metavar="DIR",
                         help="another checkout whose proxy runs beside this one in the small-GET rounds (an A/B)")
     parser.add_argument("--small", action="store_true", help="only the small-GET rows (no stream, no upload)")
+    parser.add_argument("--requests", type=int, metavar="N",
+                        help="small GETs per relay per round at c=16 and c=64 (default 1,920): the CPU time is read "
+                             "in 10 ms ticks, so N sets its resolution (10 ms / N per request)")
     args = parser.parse_args()
     if args.serve:
         if args.serve in ("proxy", "splice") and args.loop == "uvloop":
@@ -450,7 +456,7 @@ def main() -> None:
     if args.nginx and nginx_binary() is None:
         raise SystemExit("--nginx: no nginx binary found (Debian: apt install nginx)")
     result = asyncio.run(run(args.quick, args.loop, args.pin, nginx=args.nginx, compare=args.compare,
-                             small_only=args.small))
+                             small_only=args.small, requests=args.requests))
     out = RESULTS.with_name("forwarding-pinned.json") if args.pin else RESULTS
     if args.small or args.nginx or args.compare:
         out = out.with_name(out.stem + "-side-by-side.json")

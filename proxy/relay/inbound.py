@@ -10,6 +10,9 @@ h11_max_incomplete_event_size), and nginx and Envoy ship all of them on by defau
   connection's next read that leaves a head unfinished (408; a connection that sent nothing is
   just closed). The timer runs only while a head is incomplete, so a long stream, a slow upload
   or a websocket is never cut by it.
+- Keep-alive: a connection that answered and waits for its next request rests on its listener's
+  one timer (`Guard.rest`), closed once idle for uvicorn's timeout_keep_alive (75 s), as uvicorn
+  does with a timer armed per answer and cancelled by the next request.
 - Connections: at most 2048 open per listener (websockets and streams count, and are never cut).
   At the cap, a new connection first takes the place of the oldest one that has not sent a whole
   request head yet (it is closed: the way Envoy's overload manager sheds idle connections); only
@@ -109,6 +112,31 @@ class Guard:
         # Connections that have not sent a whole request head yet, oldest first: shed at the cap.
         self.headless: dict[GuardedHttpProtocol, None] = {}
         self._shed_log = Throttle()
+        # Kept-alive connections waiting for their next request, and since when (loop time), oldest
+        # first: one timer closes those idle for timeout_keep_alive, not a timer per answer.
+        self.resting: dict[GuardedHttpProtocol, float] = {}
+        self._rest_timer: asyncio.TimerHandle | None = None
+
+    def rest(self, conn: GuardedHttpProtocol) -> None:
+        """A connection answered its last request and waits for the next (uvicorn armed a timer per
+        answer here: a TimerHandle made, pushed and cancelled per request)."""
+        now = conn.loop.time()
+        self.resting[conn] = now
+        if self._rest_timer is None:
+            self._rest_timer = conn.loop.call_at(now + conn.timeout_keep_alive, self._end_rests, conn.loop)
+
+    def _end_rests(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Close the connections that rested timeout_keep_alive (the oldest are first), then wait for the next."""
+        self._rest_timer = None
+        now = loop.time()
+        while self.resting:
+            conn, since = next(iter(self.resting.items()))
+            due = since + conn.timeout_keep_alive
+            if due > now:
+                self._rest_timer = loop.call_at(due, self._end_rests, loop)
+                return
+            del self.resting[conn]
+            conn.timeout_keep_alive_handler()
 
     def shed_oldest_headless(self) -> bool:
         """Close the oldest connection that has not sent a whole request head; False when there is none."""
@@ -197,6 +225,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.guard.headless.pop(self, None)
+        self.guard.resting.pop(self, None)
         self._disarm_head_timer()
         if self._linger_timer is not None:
             self._linger_timer.cancel()
@@ -277,6 +306,24 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         self._in_message = False
         super().on_message_complete()
+
+    # -- keep-alive --------------------------------------------------------------------------------
+    def _unset_keepalive_if_required(self) -> None:
+        self.guard.resting.pop(self, None)
+
+    def on_response_complete(self) -> None:
+        """uvicorn's (the test of uvicorn's hooks checks it does no more than this), with the
+        connection resting on its listener's one keep-alive timer instead of a timer of its own."""
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self.guard.resting.pop(self, None)
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+        else:
+            self.guard.rest(self)
 
     # -- serving ----------------------------------------------------------------------------------
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
