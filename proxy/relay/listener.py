@@ -196,8 +196,12 @@ class TenantApp:
                 await refuse_tenant_host(scope, receive, send, self.tenant.name, host)
                 return
         if kind == "http":
-            with self.inflight.connection(self.tenant.name):  # a stop never cuts it (TenantLifecycle)
+            name = self.tenant.name
+            self.inflight.connection_opened(name)  # a stop never cuts it (TenantLifecycle)
+            try:
                 await self._http(scope, receive, send)
+            finally:
+                self.inflight.connection_closed(name)
         elif kind == "websocket":
             with self.inflight.connection(self.tenant.name):
                 refusal = await self._wake(scope) if self._sleeps else None
@@ -218,10 +222,14 @@ class TenantApp:
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         link = ClientLink(scope, receive)
         link.watch(self._departures)
-        trace = Trace()
         try:
+            gpu = self.adapter.classify(scope["method"], scope["path"]) != "passthrough"
+            if not gpu and not self._sleeps:  # nothing on its way waits or is timed: no trace to keep
+                response = await self._passthrough(scope, link)
+                await response(scope, link.receive, send)
+                return
+            trace = Trace()
             with traced(trace):  # where the time went before the answer: Server-Timing, progress lines
-                gpu = self.adapter.classify(scope["method"], scope["path"]) != "passthrough"
                 if gpu and self._sleeps and self.admission is not None and self.admission.dormant(self.tenant):
                     # its body is read first: a streamed one is answered while the app starts, and hears it
                     response = await self._gpu(Request(scope, link.receive), wake=partial(self._wake, scope))
