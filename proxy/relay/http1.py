@@ -467,14 +467,12 @@ class Pool:
         Raises OSError (refused, reset, UpstreamClosed, UpstreamProtocolError) or TimeoutError
         (PoolTimeout when no connection came free in time)."""
         streamed = body is not None and not isinstance(body, bytes)
-        has_length = any(k.lower() == b"content-length" for k, _ in headers)
-        lines = [method.encode("ascii"), b" ", target, b" HTTP/1.1\r\n"]
-        for name, value in headers:
-            lines += (name, b": ", value, b"\r\n")
+        has_length = streamed and any(k.lower() == b"content-length" for k, _ in headers)
+        lines = [b"%s %s HTTP/1.1" % (method.encode("ascii"), target), *[b"%s: %s" % h for h in headers]]
         if streamed and not has_length:
-            lines.append(b"transfer-encoding: chunked\r\n")
-        lines.append(b"\r\n")
-        head = b"".join(lines)
+            lines.append(b"transfer-encoding: chunked")
+        lines += (b"", b"")
+        head = b"\r\n".join(lines)
         replayable = not streamed and method in IDEMPOTENT
         for attempt in (1, 2):
             conn, reused = await self._acquire(fresh=attempt > 1)
