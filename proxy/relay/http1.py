@@ -209,11 +209,7 @@ class Pool:
         (PoolTimeout when no connection came free in time)."""
         streamed = body is not None and not isinstance(body, bytes)
         has_length = streamed and any(k.lower() == b"content-length" for k, _ in headers)
-        lines = [b"%s %s HTTP/1.1" % (method.encode("ascii"), target), *[b"%s: %s" % h for h in headers]]
-        if streamed and not has_length:
-            lines.append(b"transfer-encoding: chunked")
-        lines += (b"", b"")
-        head = b"\r\n".join(lines)
+        head = _head(method, target, headers, chunked=streamed and not has_length)
         replayable = not streamed and method in IDEMPOTENT
         for attempt in (1, 2):
             conn, reused = await self._acquire(fresh=attempt > 1)
@@ -242,6 +238,20 @@ class Pool:
                 response.close()
                 raise
         raise AssertionError("unreachable")
+
+    def send_now(self, method: str, target: bytes, headers: RawHeaders) -> Response | None:
+        """A bodiless request sent at once on an idle connection, with no coroutine: its answer, whose
+        head is awaited by `Response.on_head` (no retry: the caller sends it again through `request`
+        when it fails before any byte came). None: no idle connection, or a read timeout to keep
+        (only `request` keeps timers); nothing was sent."""
+        if self.read_s is not None:
+            return None
+        conn = self._take_idle()
+        if conn is None or conn.transport is None:
+            return None
+        response = conn.response = Response(conn, head_only=method == "HEAD")
+        conn.transport.write(_head(method, target, headers, chunked=False))
+        return response
 
     # -- connections and slots --------------------------------------------------------------------
     async def _acquire(self, *, fresh: bool = False) -> tuple[_Connection, bool]:
@@ -393,6 +403,15 @@ class Pool:
             self._reaper = None
         while self._idle:
             self._idle.pop().drop()
+
+
+def _head(method: str, target: bytes, headers: RawHeaders, *, chunked: bool) -> bytes:
+    """A request's head, the headers as given (one format per line and one join: the cheapest way)."""
+    lines = [b"%s %s HTTP/1.1" % (method.encode("ascii"), target), *[b"%s: %s" % h for h in headers]]
+    if chunked:
+        lines.append(b"transfer-encoding: chunked")
+    lines += (b"", b"")
+    return b"\r\n".join(lines)
 
 
 async def _finish_sending(conn: _Connection, response: Response) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 import httptools
@@ -87,6 +87,11 @@ class Response:
         self._in_head = False  # between the start of an answer and the end of its headers
         self._body_task: asyncio.Task[None] | None = None
         self.got_bytes = False
+
+    def on_head(self, callback: Callable[[asyncio.Future[None]], object]) -> None:
+        """Call `callback` (from the loop) once the status and headers are in, or the answer failed
+        first (the future's exception says how): `Pool.send_now`'s answer, which no coroutine awaits."""
+        self._head.add_done_callback(callback)
 
     @property
     def headers(self) -> Headers:
