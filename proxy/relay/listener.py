@@ -6,7 +6,9 @@ Tenant listeners never expose admin routes: every path belongs to the engine.
 
 The listener is a bare ASGI callable, not a Starlette app: every path and method belongs to the
 engine, so Route matching, the middleware stack and a Request per passthrough request were pure
-cost (bench: ~0.3 ms of the proxy's added latency per small GET).
+cost (bench: ~0.3 ms of the proxy's added latency per small GET). A passthrough GET nothing watches
+is run by the listener's protocol itself when it can (`start_inline`, proxy/relay/inline.py): no
+ASGI task at all.
 """
 
 from __future__ import annotations
