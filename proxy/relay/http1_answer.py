@@ -13,17 +13,38 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import httptools
 from starlette.datastructures import Headers
 
-if TYPE_CHECKING:
-    from proxy.relay.http1 import _Connection
-
 RawHeaders = list[tuple[bytes, bytes]]
 
 READ_BUFFER_HIGH = 1 << 20  # pause reading the upstream when this much body waits for a slow client
+
+
+class _Timeouts(Protocol):
+    @property
+    def read_s(self) -> float | None: ...
+
+
+class Carrier(Protocol):
+    """What an answer needs of the connection it arrives on (`http1`'s `_Connection`)."""
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+
+    @property
+    def transport(self) -> asyncio.Transport | None: ...
+
+    @property
+    def pool(self) -> _Timeouts: ...
+
+    def release(self) -> None:
+        """The exchange ended cleanly: back to the pool."""
+
+    def drop(self) -> None:
+        """The exchange did not end cleanly: closed, so the upstream sees it."""
 
 
 class UpstreamClosed(ConnectionError):
@@ -67,7 +88,7 @@ class Response:
         "status_code",
     )
 
-    def __init__(self, conn: _Connection, *, head_only: bool) -> None:
+    def __init__(self, conn: Carrier, *, head_only: bool) -> None:
         self.status_code = 0
         self.raw_headers: RawHeaders = []  # names lower-cased, repeats kept in order
         self._conn = conn
