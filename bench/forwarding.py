@@ -28,6 +28,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import ClassVar
 
 import httpx
 import psutil
@@ -109,15 +110,99 @@ class _SpliceDown(asyncio.Protocol):
             self.up.close()
 
 
+class _LeanUp(asyncio.Protocol):
+    """One kept-alive connection of `_LeanDown`'s pool: parses an answer, hands it back whole."""
+
+    def __init__(self, pool: list[_LeanUp]) -> None:
+        import httptools
+        self.pool = pool
+        self.parser = httptools.HttpResponseParser(self)
+        self.down: _LeanDown | None = None
+        self.headers: list[bytes] = []
+        self.body: list[bytes] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() not in (b"connection", b"keep-alive", b"transfer-encoding"):
+            self.headers.append(b"%s: %s\r\n" % (name, value))
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        down, self.down = self.down, None
+        body = b"".join(self.body)
+        head = b"HTTP/1.1 %d OK\r\n%scontent-length: %d\r\n\r\n" % (
+            self.parser.get_status_code(), b"".join(h for h in self.headers if not h.lower().startswith(b"content-length")),
+            len(body))
+        self.headers, self.body = [], []
+        self.pool.append(self)
+        if down is not None:
+            down.transport.write(head + body)  # type: ignore[attr-defined]
+
+
+class _LeanDown(asyncio.Protocol):
+    """A lean HTTP/1.1 relay with no ASGI: the client's connection parses a request (httptools) and
+    its protocol runs the exchange itself on a pooled upstream connection, callbacks only (no task,
+    no scope, no response object), headers rewritten as the proxy does (Host, X-Forwarded-*). Not
+    the product: a GET-only floor for the protocol-level design (`--lean`)."""
+
+    upstream: tuple[str, int] = ("127.0.0.1", 0)
+    pool: ClassVar[list[_LeanUp]] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        import httptools
+        self.transport = transport
+        self.parser = httptools.HttpRequestParser(self)
+        self.url = b""
+        self.headers: list[bytes] = []
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == b"host":
+            self.host = value
+        else:
+            self.headers.append(b"%s: %s\r\n" % (name, value))
+
+    def on_message_complete(self) -> None:
+        host, port = self.upstream
+        head = b"%s %s HTTP/1.1\r\nhost: %s:%d\r\n%sx-forwarded-for: 127.0.0.1\r\nx-forwarded-proto: http\r\n" \
+               b"x-forwarded-host: %s\r\n\r\n" % (self.parser.get_method(), self.url, host.encode(), port,
+                                                    b"".join(self.headers), self.host)
+        self.url, self.headers = b"", []
+        if self.pool:
+            up = self.pool.pop()
+            up.down = self
+            up.transport.write(head)  # type: ignore[attr-defined]
+        else:
+            self.dialling = asyncio.ensure_future(self._dial(head))  # held: the loop keeps only a weak reference
+
+    async def _dial(self, head: bytes) -> None:
+        _, up = await asyncio.get_running_loop().create_connection(lambda: _LeanUp(self.pool), *self.upstream)
+        up.down = self
+        up.transport.write(head)  # type: ignore[attr-defined]
+
+
 async def serve(role: str, upstream: str | None) -> None:
     sys.path.insert(0, str(ROOT))
     from proxy.relay.servers import settle_heap, start_server
 
-    if role == "splice":
+    if role in ("splice", "lean"):
         assert upstream is not None
         host, port = upstream.removeprefix("http://").split(":")
-        _SpliceDown.upstream = (host, int(port))
-        server = await asyncio.get_running_loop().create_server(_SpliceDown, "127.0.0.1", 0)
+        _SpliceDown.upstream = _LeanDown.upstream = (host, int(port))
+        factory = _SpliceDown if role == "splice" else _LeanDown
+        server = await asyncio.get_running_loop().create_server(factory, "127.0.0.1", 0)
         print(server.sockets[0].getsockname()[1], flush=True)
         await asyncio.Event().wait()
     if role == "upstream":
@@ -334,7 +419,7 @@ def pin_relays_apart(relays: list[int], others: list[int]) -> dict[str, list[int
 
 
 async def run(quick: bool, loop: str, pin: bool = False, *, nginx: bool = False, compare: Path | None = None,
-              small_only: bool = False) -> dict[str, object]:
+              small_only: bool = False, requests: int | None = None, lean: bool = False) -> dict[str, object]:
     up_proc, up_url = spawn("upstream", None)
     px_proc, px_url = spawn("proxy", up_url, loop)
     sp_proc, sp_url = spawn("splice", up_url, loop)
@@ -344,6 +429,8 @@ async def run(quick: bool, loop: str, pin: bool = False, *, nginx: bool = False,
         extra["baseline"] = spawn("proxy", up_url, loop, root=compare)
     if nginx:
         extra["nginx"] = spawn_nginx(up_url, tmp)
+    if lean:
+        extra["lean"] = spawn("lean", up_url, loop)
     relays = [px_proc.pid, sp_proc.pid, *(p.pid for p, _ in extra.values())]
     pinned = pin_relays_apart(relays, [up_proc.pid]) if pin else None
     base = {"direct": up_url, "proxy": px_url}
@@ -356,7 +443,9 @@ async def run(quick: bool, loop: str, pin: bool = False, *, nginx: bool = False,
             procs = {"proxy": psutil.Process(px_proc.pid), "splice": psutil.Process(sp_proc.pid)} \
                 | {name: psutil.Process(p.pid) for name, (p, _) in extra.items()}
             c1 = await small_requests(client, small, procs, 1, 5 if quick else 10, 100 if quick else 300)
-            c64 = await small_requests(client, small, procs, 64, 3 if quick else 6, 640 if quick else 1920)
+            per_round = requests or (640 if quick else 1920)
+            c16 = await small_requests(client, small, procs, 16, 3 if quick else 6, per_round)
+            c64 = await small_requests(client, small, procs, 64, 3 if quick else 6, per_round)
             if not small_only:
                 stream = await streaming(client, base, 5 if quick else 20)
                 uploads = {"direct": await upload(client, up_url, None),
@@ -374,15 +463,16 @@ async def run(quick: bool, loop: str, pin: bool = False, *, nginx: bool = False,
                   "upload_rss_growth_mib": uploads["proxy"]["rss_growth_mib"]}
     return {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
             "quick": quick, "proxy_loop": loop, "pinned": pinned, "compare": str(compare) if compare else None,
-            "c1": c1, "c64": c64, "stream": stream, "upload": uploads, "added": added}
+            "c1": c1, "c16": c16, "c64": c64, "stream": stream, "upload": uploads, "added": added}
 
 
 def side_by_side(r: dict[str, object]) -> str:
     """Every relay's small-GET rows in one table (the rounds were interleaved)."""
-    c1, c64 = r["c1"], r["c64"]
-    assert isinstance(c1, dict) and isinstance(c64, dict)
+    c1, c16, c64 = r["c1"], r["c16"], r["c64"]
+    assert isinstance(c1, dict) and isinstance(c16, dict) and isinstance(c64, dict)
     names = list(c64)
-    rows = [("c=1 p50 (ms)", c1, "p50_ms"), ("c=1 rps", c1, "rps"), ("c=64 p50 (ms)", c64, "p50_ms"),
+    rows = [("c=1 p50 (ms)", c1, "p50_ms"), ("c=1 rps", c1, "rps"), ("c=16 rps", c16, "rps"),
+            ("c=16 CPU per request (us)", c16, "relay_cpu_us"), ("c=64 p50 (ms)", c64, "p50_ms"),
             ("c=64 p99 (ms)", c64, "p99_ms"), ("c=64 rps", c64, "rps"), ("c=64 CPU per request (us)", c64, "relay_cpu_us")]
     lines = ["| small GET | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
     for label, c, key in rows:
@@ -426,7 +516,7 @@ def table(r: dict[str, object]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--serve", choices=["upstream", "proxy", "splice"])
+    parser.add_argument("--serve", choices=["upstream", "proxy", "splice", "lean"])
     parser.add_argument("--upstream")
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
     parser.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio",
@@ -434,9 +524,15 @@ def main() -> None:
     parser.add_argument("--pin", action="store_true",
                         help="relays on a CPU of their own, client and upstream on the others (default: all share all)")
     parser.add_argument("--nginx", action="store_true", help="nginx beside the proxy in the small-GET rounds")
+    parser.add_argument("--lean", action="store_true",
+                        help="a lean relay with no ASGI (the client's protocol runs the exchange, GET only) beside "
+                             "the proxy in the small-GET rounds: the floor of a protocol-level relay in Python")
     parser.add_argument("--compare", type=Path, metavar="DIR",
                         help="another checkout whose proxy runs beside this one in the small-GET rounds (an A/B)")
     parser.add_argument("--small", action="store_true", help="only the small-GET rows (no stream, no upload)")
+    parser.add_argument("--requests", type=int, metavar="N",
+                        help="small GETs per relay per round at c=16 and c=64 (default 1,920): the CPU time is read "
+                             "in 10 ms ticks, so N sets its resolution (10 ms / N per request)")
     args = parser.parse_args()
     if args.serve:
         if args.serve in ("proxy", "splice") and args.loop == "uvloop":
@@ -450,9 +546,9 @@ def main() -> None:
     if args.nginx and nginx_binary() is None:
         raise SystemExit("--nginx: no nginx binary found (Debian: apt install nginx)")
     result = asyncio.run(run(args.quick, args.loop, args.pin, nginx=args.nginx, compare=args.compare,
-                             small_only=args.small))
+                             small_only=args.small, requests=args.requests, lean=args.lean))
     out = RESULTS.with_name("forwarding-pinned.json") if args.pin else RESULTS
-    if args.small or args.nginx or args.compare:
+    if args.small or args.nginx or args.compare or args.lean:
         out = out.with_name(out.stem + "-side-by-side.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -139,13 +139,20 @@ class InFlight:
         """Any request or websocket open on the tenant's listener, GPU or not. Not busy for a
         release (a UI poll loads nothing), but a tenant the proxy would stop must have none: a stop
         would cut a stream or a websocket in the middle."""
-        self._connections[tenant] = self._connections.get(tenant, 0) + 1
+        self.connection_opened(tenant)
         try:
             yield
         finally:
-            self._connections[tenant] -= 1
-            if not self._connections[tenant]:  # the queue hears it: a tenant kept from a stop may be stopped now
-                self._notify(tenant)  # no activity: a poll that loads nothing moves no idle deadline
+            self.connection_closed(tenant)
+
+    def connection_opened(self, tenant: str) -> None:
+        """`connection` without its context manager (the relay's hot path); `connection_closed` must follow."""
+        self._connections[tenant] = self._connections.get(tenant, 0) + 1
+
+    def connection_closed(self, tenant: str) -> None:
+        self._connections[tenant] -= 1
+        if not self._connections[tenant]:  # the queue hears it: a tenant kept from a stop may be stopped now
+            self._notify(tenant)  # no activity: a poll that loads nothing moves no idle deadline
 
     def connections(self, tenant: str) -> int:
         return self._connections.get(tenant, 0)

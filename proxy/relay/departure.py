@@ -42,7 +42,8 @@ from proxy.relay.inbound import SERVING
 WATCH_AFTER_S = 0.25  # a departed client is noticed within this (plus a loop turn)
 
 
-def _has_body(scope: Scope) -> bool:
+def has_body(scope: Scope) -> bool:
+    """Whether the request's framing says a body follows (Content-Length not 0, or Transfer-Encoding)."""
     for name, value in scope["headers"]:
         if name == b"transfer-encoding" or (name == b"content-length" and value.strip() != b"0"):
             return True
@@ -119,7 +120,7 @@ class ClientLink:
         self._task: asyncio.Task[Any] | None = None
         self._sweep: Sweep | None = None
         self._watcher: asyncio.Task[None] | None = None
-        self._has_body = _has_body(scope)
+        self._has_body = has_body(scope)
         self._body_done = not self._has_body
         self._empty_given = False  # a bodyless request's empty body message was handed to a reader
         self._watch_wanted = False

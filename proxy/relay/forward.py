@@ -63,7 +63,8 @@ class UpstreamError(HyperSwapError):
     status = 502
 
 
-def _upstream_error(tenant: Tenant, exc: Exception) -> UpstreamError:
+def upstream_error(tenant: Tenant, exc: Exception) -> UpstreamError:
+    """What the client is told when its upstream request failed this way (502, 503 or 504)."""
     upstream = tenant.upstream or ""
     details = {"tenant": tenant.name, "upstream": upstream}
     if isinstance(exc, http1.PoolTimeout):
@@ -288,6 +289,22 @@ class Forwarder:
         """Send the request upstream; return once its status and headers arrived (body unread).
         `request` is a Starlette Request or the bare ASGI scope (the listener's passthrough path)."""
         scope: Scope = request.scope if isinstance(request, Request) else request
+        method, target, headers, data = self._upstream_request(tenant, scope, body)
+        try:
+            response = await self._tenant_pools(tenant).relay.request(method, target, headers, data)
+        except (OSError, TimeoutError) as exc:
+            raise upstream_error(tenant, exc) from None
+        return UpstreamResponse(response)
+
+    def send_now(self, tenant: Tenant, scope: Scope) -> http1.Response | None:
+        """A bodiless request sent at once on an idle connection of the tenant's pool, exactly as
+        `open` would send it (`http1.Pool.send_now`); None: nothing was sent."""
+        method, target, headers, _ = self._upstream_request(tenant, scope, b"")
+        return self._tenant_pools(tenant).relay.send_now(method, target, headers)
+
+    def _upstream_request(self, tenant: Tenant, scope: Scope, body: bytes | AsyncIterator[bytes]
+                          ) -> tuple[str, bytes, http1.RawHeaders, bytes | AsyncIterator[bytes] | None]:
+        """The method, target, headers and body that go upstream for this client request."""
         method: str = scope["method"]
         raw_path: bytes = scope.get("raw_path") or scope["path"].encode("utf-8")
         query: bytes = scope.get("query_string", b"")
@@ -305,11 +322,7 @@ class Forwarder:
         # The client's path and query go upstream byte for byte (never re-quoted); any path in
         # `upstream` is replaced by the client's.
         target = raw_path + b"?" + query if query else raw_path
-        try:
-            response = await self._tenant_pools(tenant).relay.request(method, target, headers, data)
-        except (OSError, TimeoutError) as exc:
-            raise _upstream_error(tenant, exc) from None
-        return UpstreamResponse(response)
+        return method, target, headers, data
 
     def relay(self, tenant: Tenant, upstream_response: UpstreamResponse, on_close: OnClose,
               *, tap: Tap | None = None, activity: Activity | None = None) -> Response:
@@ -451,7 +464,7 @@ async def _refuse_open(tenant: Tenant, ws: WebSocket, scope: Scope, exc: Excepti
         code = 1008
     else:
         log.warning("%s: cannot open upstream websocket: %s", tenant.name, exc)
-        err = _upstream_error(tenant, exc if not isinstance(exc, asyncio.TimeoutError) else httpx.ConnectTimeout(str(exc)))
+        err = upstream_error(tenant, exc if not isinstance(exc, asyncio.TimeoutError) else httpx.ConnectTimeout(str(exc)))
         status, body, code = err.status, err.body(), 1011
     if "websocket.http.response" in scope.get("extensions", {}):
         await ws.send_denial_response(JSONResponse(body, status_code=status))

@@ -5,7 +5,9 @@ body as they arrive", and the general clients pay for much more on every request
 redirects, auto headers, decoding, tracing, per-request timer objects). On the 2-core bench box,
 aiohttp's `ClientSession.request` was ~40 % of the proxy's CPU per small GET and httpx's twice that
 (bench/forwarding.py, py-spy). Parsing is httptools (llhttp, the parser uvicorn uses), so framing,
-chunked decoding and keep-alive rules are not ours.
+chunked decoding and keep-alive rules are not ours. Here: the pool, its connections and the sending
+of a request; one answer as it is parsed and read (`Response`, the errors it ends in) is
+`http1_answer.py`, re-exported here.
 
 What it does and does not do:
 - Requests go out byte for byte as given (the caller owns every header); a streamed body goes
@@ -54,13 +56,14 @@ from collections.abc import AsyncIterator
 from typing import cast
 from urllib.parse import urlsplit
 
-import httptools
-from starlette.datastructures import Headers
+from proxy.relay.http1_answer import READ_BUFFER_HIGH as READ_BUFFER_HIGH
+from proxy.relay.http1_answer import RawHeaders as RawHeaders
+from proxy.relay.http1_answer import Response as Response
+from proxy.relay.http1_answer import UpstreamClosed as UpstreamClosed
+from proxy.relay.http1_answer import UpstreamProtocolError as UpstreamProtocolError
 
-RawHeaders = list[tuple[bytes, bytes]]
 Body = bytes | AsyncIterator[bytes] | None
 
-READ_BUFFER_HIGH = 1 << 20  # pause reading the upstream when this much body waits for a slow client
 # Below aiohttp's (ComfyUI's server) 75 s keep-alive, so we drop an idle connection before the
 # engine does instead of racing its close with our next request.
 IDLE_EXPIRY_S = 60.0
@@ -71,270 +74,8 @@ MAX_CONNECTIONS = 1024
 POOL_WAIT_S = 30.0  # how long a request waits for a free connection when the tenant sets no pool_s
 
 
-class UpstreamClosed(ConnectionError):
-    """The upstream closed the connection before its answer ended."""
-
-
-class UpstreamProtocolError(ConnectionError):
-    """The upstream's answer is not valid HTTP/1.1, or not one this relay can pass on."""
-
-
 class PoolTimeout(TimeoutError):
     """Every connection to the upstream stayed busy for as long as a request may wait for one."""
-
-
-class _StopParsing(Exception):
-    """Raised in a parser callback to stop httptools at once; the reason is already recorded."""
-
-
-class Response:
-    """An answer whose status and headers are in; the body is read with `aiter_raw`, `aread` or
-    `received_body`, and `close()` must be called once (it returns the connection to the pool
-    only when the exchange ended cleanly)."""
-
-    __slots__ = (
-        "__weakref__",
-        "_body_task",
-        "_buffered",
-        "_chunks",
-        "_closed",
-        "_complete",
-        "_conn",
-        "_error",
-        "_framed",
-        "_head",
-        "_head_only",
-        "_in_head",
-        "_interim",
-        "_keep_alive",
-        "_parser",
-        "_stray",
-        "_waiter",
-        "got_bytes",
-        "raw_headers",
-        "status_code",
-    )
-
-    def __init__(self, conn: _Connection, *, head_only: bool) -> None:
-        self.status_code = 0
-        self.raw_headers: RawHeaders = []  # names lower-cased, repeats kept in order
-        self._conn = conn
-        self._parser = httptools.HttpResponseParser(self)
-        self._head: asyncio.Future[None] = conn.loop.create_future()
-        self._chunks: deque[bytes] = deque()
-        self._buffered = 0
-        self._waiter: asyncio.Future[None] | None = None
-        self._complete = False
-        self._error: BaseException | None = None
-        self._interim = False
-        self._framed = False  # Content-Length or chunked: an EOF before the end is a truncation
-        self._keep_alive = False
-        self._head_only = head_only
-        self._closed = False
-        self._stray = False  # the parser met bytes past the end of our answer
-        self._in_head = False  # between the start of an answer and the end of its headers
-        self._body_task: asyncio.Task[None] | None = None
-        self.got_bytes = False
-
-    @property
-    def headers(self) -> Headers:
-        """Case-insensitive view; `getlist` keeps repeats."""
-        return Headers(raw=self.raw_headers)
-
-    # -- parser callbacks (httptools calls these from feed_data) ----------------------------
-    # One packet can hold more than our answer; anything after its end is stray (see _strayed).
-    def on_message_begin(self) -> None:
-        if self._complete:
-            self._strayed()
-        else:
-            self._in_head = True
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        # httptools reports a chunked body's trailers here too, after the headers: never ours to add.
-        if self._in_head:
-            self.raw_headers.append((name.lower(), value))
-
-    def on_headers_complete(self) -> None:
-        if not self._in_head:
-            return  # a stray answer's head
-        self._in_head = False
-        status = self._parser.get_status_code()
-        if 100 <= status < 200 and status != 101:
-            self._interim = True  # 100 Continue, 103 Early Hints: the real answer follows
-            self.raw_headers = []
-            return
-        refusal = _unrelayable(status, self.raw_headers)
-        if refusal is not None:
-            self._fail(UpstreamProtocolError(refusal))
-            raise _StopParsing  # its body is never read: the connection is dropped with it
-        self.status_code = status
-        self._framed = any(n in (b"content-length", b"transfer-encoding") for n, _ in self.raw_headers)
-        # After a server error the engine may close the connection without saying so, and later
-        # than the answer: uvicorn closes it once it has logged the app's traceback, a few ms after
-        # Starlette's 500 went out (llama-cpp-python's server; measured, a POST sent meanwhile is
-        # lost). A fresh connection costs one connect; a lost POST cannot be retried.
-        self._keep_alive = self._parser.should_keep_alive() and status < 500
-        if self._head_only:
-            # httptools cannot be told the request was HEAD; its answer has no body whatever it declares.
-            self._complete = True
-        if not self._head.done():
-            self._head.set_result(None)
-
-    def on_body(self, body: bytes) -> None:
-        if self._complete:  # a body on a HEAD answer, or a second answer's
-            self._strayed()
-            return
-        self._chunks.append(body)
-        self._buffered += len(body)
-        if self._buffered > READ_BUFFER_HIGH and self._conn.transport is not None:
-            self._conn.transport.pause_reading()
-        self._wake()
-
-    def on_message_complete(self) -> None:
-        if self._stray:
-            return
-        if self._interim:
-            self._interim = False
-            return
-        self._complete = True
-        self._keep_alive = self._keep_alive and self._parser.should_keep_alive()
-        self._wake()
-
-    def _strayed(self) -> None:
-        self._stray = True
-        self._keep_alive = False
-
-    # -- fed by the connection --------------------------------------------------------------
-    def _feed(self, data: bytes) -> None:
-        self.got_bytes = True
-        if self._complete or self._error is not None:
-            self._keep_alive = False  # bytes past the end: never reuse this connection
-            return
-        try:
-            self._parser.feed_data(data)
-        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
-            if self._error is not None:
-                return  # a callback refused the answer and said why
-            if self._complete:
-                self._strayed()  # junk after a whole answer (a body on a 204, bytes after a close) spoils nothing
-            elif isinstance(exc, httptools.HttpParserUpgrade):
-                self._fail(UpstreamProtocolError("the upstream switched protocols on a plain request"))
-            else:
-                self._fail(UpstreamProtocolError(f"malformed answer from the upstream: {exc}"))
-
-    def _connection_lost(self, exc: BaseException | None) -> None:
-        if self._complete or self._error is not None:
-            return
-        if not self._head.done():
-            self._fail(UpstreamClosed("the upstream closed the connection before answering" if exc is None
-                                      else f"the upstream reset the connection before answering ({exc})"))
-        elif exc is not None:  # a reset is never the end of a body, framed or not
-            self._fail(UpstreamClosed(f"the upstream connection broke before the answer ended: {exc}"))
-        elif not self._framed:  # no Content-Length, not chunked: the body ends where the connection does
-            self._complete = True
-            self._keep_alive = False
-            self._wake()
-        else:
-            self._fail(UpstreamClosed("the upstream closed the connection before the answer ended"))
-
-    def _fail(self, exc: BaseException) -> None:
-        self._keep_alive = False
-        if self._complete and self._error is None:
-            return  # the whole answer is in: our upload failing after it (an early 4xx, then a close) spoils nothing
-        if self._error is None:
-            self._error = exc
-        if not self._head.done():
-            self._head.set_exception(exc)
-            self._head.exception()  # retrieved: whoever awaits it re-raises; nobody awaiting is fine too
-        self._wake()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    # -- reading ------------------------------------------------------------------------------
-    async def _wait_head(self, read_s: float | None) -> None:
-        body = self._body_task
-        if read_s is not None and body is not None and not body.done():
-            # The read timeout counts the upstream's silence after our request; during an upload
-            # it owes us nothing (a stalled upload is the write timeout's).
-            await asyncio.wait((self._head, body), return_when=asyncio.FIRST_COMPLETED)
-            if self._head.done():
-                return self._head.result()
-        if read_s is None:
-            await self._head
-        else:
-            async with asyncio.timeout(read_s):
-                await asyncio.shield(self._head)
-
-    def _take(self) -> bytes:
-        data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
-        self._chunks.clear()
-        if self._buffered > READ_BUFFER_HIGH and self._conn.transport is not None:
-            self._conn.transport.resume_reading()
-        self._buffered = 0
-        return data
-
-    def received_body(self) -> bytes | None:
-        """The whole body if the upstream has sent all of it already (the usual small answer), else None."""
-        if self._complete and self._error is None:
-            return self._take() if self._chunks else b""
-        return None
-
-    async def aiter_raw(self) -> AsyncIterator[bytes]:
-        """Body bytes as they arrive (what arrived together is handed over together)."""
-        read_s = self._conn.pool.read_s
-        while True:
-            if self._chunks:
-                yield self._take()
-                continue
-            if self._error is not None:
-                raise self._error
-            if self._complete:
-                return
-            self._waiter = waiter = self._conn.loop.create_future()
-            try:
-                if read_s is None:
-                    await waiter
-                else:
-                    async with asyncio.timeout(read_s):
-                        await waiter
-            finally:
-                self._waiter = None
-
-    async def aread(self) -> bytes:
-        return b"".join([chunk async for chunk in self.aiter_raw()])
-
-    def close(self) -> None:
-        """Back to the pool if the exchange ended cleanly; otherwise the connection is dropped,
-        which is how the upstream learns the client went away (Ollama stops generating then)."""
-        if self._closed:
-            return
-        self._closed = True
-        sending = self._body_task is not None and not self._body_task.done()
-        if self._complete and self._keep_alive and not self._stray and self._error is None and not sending:
-            self._conn.release()
-        else:
-            if self._body_task is not None:
-                self._body_task.cancel()
-            self._conn.drop()
-
-    async def aclose(self) -> None:
-        self.close()
-
-
-def _unrelayable(status: int, headers: RawHeaders) -> str | None:
-    """Why an answer cannot be relayed as it is, or None."""
-    if status == 101:
-        # Upgrade is hop-by-hop: no request we send asks for one, so no 101 can be an answer to it.
-        return "the upstream answered 101 Switching Protocols to a request that asked for no upgrade"
-    codings = [c.strip().lower() for n, v in headers if n == b"transfer-encoding" for c in v.split(b",")]
-    codings = [c for c in codings if c]
-    if codings and codings != [b"chunked"]:
-        listed = b", ".join(codings).decode("latin-1")
-        return f"the upstream used Transfer-Encoding: {listed}; only chunked can be passed on"
-    return None
 
 
 class _Connection(asyncio.Protocol):
@@ -467,14 +208,8 @@ class Pool:
         Raises OSError (refused, reset, UpstreamClosed, UpstreamProtocolError) or TimeoutError
         (PoolTimeout when no connection came free in time)."""
         streamed = body is not None and not isinstance(body, bytes)
-        has_length = any(k.lower() == b"content-length" for k, _ in headers)
-        lines = [method.encode("ascii"), b" ", target, b" HTTP/1.1\r\n"]
-        for name, value in headers:
-            lines += (name, b": ", value, b"\r\n")
-        if streamed and not has_length:
-            lines.append(b"transfer-encoding: chunked\r\n")
-        lines.append(b"\r\n")
-        head = b"".join(lines)
+        has_length = streamed and any(k.lower() == b"content-length" for k, _ in headers)
+        head = _head(method, target, headers, chunked=streamed and not has_length)
         replayable = not streamed and method in IDEMPOTENT
         for attempt in (1, 2):
             conn, reused = await self._acquire(fresh=attempt > 1)
@@ -503,6 +238,20 @@ class Pool:
                 response.close()
                 raise
         raise AssertionError("unreachable")
+
+    def send_now(self, method: str, target: bytes, headers: RawHeaders) -> Response | None:
+        """A bodiless request sent at once on an idle connection, with no coroutine: its answer, whose
+        head is awaited by `Response.on_head` (no retry: the caller sends it again through `request`
+        when it fails before any byte came). None: no idle connection, or a read timeout to keep
+        (only `request` keeps timers); nothing was sent."""
+        if self.read_s is not None:
+            return None
+        conn = self._take_idle()
+        if conn is None or conn.transport is None:
+            return None
+        response = conn.response = Response(conn, head_only=method == "HEAD")
+        conn.transport.write(_head(method, target, headers, chunked=False))
+        return response
 
     # -- connections and slots --------------------------------------------------------------------
     async def _acquire(self, *, fresh: bool = False) -> tuple[_Connection, bool]:
@@ -654,6 +403,15 @@ class Pool:
             self._reaper = None
         while self._idle:
             self._idle.pop().drop()
+
+
+def _head(method: str, target: bytes, headers: RawHeaders, *, chunked: bool) -> bytes:
+    """A request's head, the headers as given (one format per line and one join: the cheapest way)."""
+    lines = [b"%s %s HTTP/1.1" % (method.encode("ascii"), target), *[b"%s: %s" % h for h in headers]]
+    if chunked:
+        lines.append(b"transfer-encoding: chunked")
+    lines += (b"", b"")
+    return b"\r\n".join(lines)
 
 
 async def _finish_sending(conn: _Connection, response: Response) -> None:

@@ -10,6 +10,9 @@ h11_max_incomplete_event_size), and nginx and Envoy ship all of them on by defau
   connection's next read that leaves a head unfinished (408; a connection that sent nothing is
   just closed). The timer runs only while a head is incomplete, so a long stream, a slow upload
   or a websocket is never cut by it.
+- Keep-alive: a connection that answered and waits for its next request rests on its listener's
+  one timer (`Guard.rest`), closed once idle for uvicorn's timeout_keep_alive (75 s), as uvicorn
+  does with a timer armed per answer and cancelled by the next request.
 - Connections: at most 2048 open per listener (websockets and streams count, and are never cut).
   At the cap, a new connection first takes the place of the oldest one that has not sent a whole
   request head yet (it is closed: the way Envoy's overload manager sheds idle connections); only
@@ -48,13 +51,20 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import httptools
+from starlette.types import ASGIApp
 from uvicorn._types import ASGI3Application
 from uvicorn.config import Config
 from uvicorn.protocols.http.flow_control import FlowControl
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import (
+    HEADER_RE,
+    HEADER_VALUE_RE,
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 from uvicorn.server import ServerState
 
 log = logging.getLogger("hyperswap.inbound")
@@ -109,6 +119,31 @@ class Guard:
         # Connections that have not sent a whole request head yet, oldest first: shed at the cap.
         self.headless: dict[GuardedHttpProtocol, None] = {}
         self._shed_log = Throttle()
+        # Kept-alive connections waiting for their next request, and since when (loop time), oldest
+        # first: one timer closes those idle for timeout_keep_alive, not a timer per answer.
+        self.resting: dict[GuardedHttpProtocol, float] = {}
+        self._rest_timer: asyncio.TimerHandle | None = None
+
+    def rest(self, conn: GuardedHttpProtocol) -> None:
+        """A connection answered its last request and waits for the next (uvicorn armed a timer per
+        answer here: a TimerHandle made, pushed and cancelled per request)."""
+        now = conn.loop.time()
+        self.resting[conn] = now
+        if self._rest_timer is None:
+            self._rest_timer = conn.loop.call_at(now + conn.timeout_keep_alive, self._end_rests, conn.loop)
+
+    def _end_rests(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Close the connections that rested timeout_keep_alive (the oldest are first), then wait for the next."""
+        self._rest_timer = None
+        now = loop.time()
+        while self.resting:
+            conn, since = next(iter(self.resting.items()))
+            due = since + conn.timeout_keep_alive
+            if due > now:
+                self._rest_timer = loop.call_at(due, self._end_rests, loop)
+                return
+            del self.resting[conn]
+            conn.timeout_keep_alive_handler()
 
     def shed_oldest_headless(self) -> bool:
         """Close the oldest connection that has not sent a whole request head; False when there is none."""
@@ -150,6 +185,15 @@ _FIX = {
 }
 
 
+_FRAMING = frozenset({b"transfer-encoding", b"connection"})  # hop-by-hop: stripped before `answer_whole`
+
+
+class Inline(Protocol):
+    """An exchange the app runs without a task (inline.py's InlineExchange)."""
+
+    def client_left(self) -> None: ...
+
+
 class _HeadRefused(Exception):
     """Raised in a parser callback to stop httptools; the refusal is recorded on the protocol."""
 
@@ -176,6 +220,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._headers = 0
         self._refusal: tuple[int, str] | None = None
         self._closing = False  # refused and answered: what the client still sends is dropped
+        # The app's offer to run a passthrough exchange without a task (inline.py), and the one running.
+        self._start_inline: Callable[[RequestResponseCycle, GuardedHttpProtocol], Inline | None] | None = \
+            getattr(self.app, "start_inline", None)
+        self._inline: Inline | None = None
 
     # -- connection ---------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -197,6 +245,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.guard.headless.pop(self, None)
+        self.guard.resting.pop(self, None)
+        if self._inline is not None:
+            self._inline.client_left()
         self._disarm_head_timer()
         if self._linger_timer is not None:
             self._linger_timer.cancel()
@@ -278,15 +329,85 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._in_message = False
         super().on_message_complete()
 
+    # -- keep-alive --------------------------------------------------------------------------------
+    def _unset_keepalive_if_required(self) -> None:
+        self.guard.resting.pop(self, None)
+
+    def on_response_complete(self) -> None:
+        """uvicorn's (the test of uvicorn's hooks checks it does no more than this), with the
+        connection resting on its listener's one keep-alive timer instead of a timer of its own."""
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self.guard.resting.pop(self, None)
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+        else:
+            self.guard.rest(self)
+
     # -- serving ----------------------------------------------------------------------------------
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
-        """uvicorn's (the test of uvicorn's hooks checks it does no more than this), keeping the task
-        for the departure watch."""
+        """A request's head is whole: the app runs the exchange itself when it offers to (inline.py),
+        else a task serves it."""
+        start = self._start_inline
+        if start is not None and self._inline is None:
+            self._inline = start(cycle, self)
+            if self._inline is not None:
+                return
+        self.start_task(cycle, app)
+
+    def start_task(self, cycle: RequestResponseCycle, app: ASGIApp | ASGI3Application,
+                   on_end: Callable[[], None] | None = None) -> None:
+        """uvicorn's `_start_asgi_task` (the test of uvicorn's hooks checks it does no more than this),
+        keeping the task for the departure watch; `on_end` is called when the task ends."""
         context = contextvars.Context() if self.config.reset_contextvars else None
-        task = self.loop.create_task(cycle.run_asgi(app), context=context)
+        task = self.loop.create_task(cycle.run_asgi(app), context=context)  # type: ignore[arg-type]
         task.add_done_callback(self.tasks.discard)
+        if on_end is not None:
+            task.add_done_callback(lambda _: on_end())
         self.tasks.add(task)
         self._serving["task"] = task
+
+    def inline_done(self, exchange: Inline) -> None:
+        """The inline exchange is over, or handed to a task: the client leaving is no longer its news."""
+        if self._inline is exchange:
+            self._inline = None
+
+    def answer_whole(self, cycle: RequestResponseCycle, status: int, headers: list[tuple[bytes, bytes]],
+                     body: bytes) -> bool:
+        """uvicorn's two sends of a whole answer (`http.response.start`, then the body with no more to
+        come) as one write, with the same head, framing and keep-alive (a GET's: the body is sent). False,
+        with nothing written: not the answer uvicorn would write that way (a header it refuses, a length
+        that is not the body's, transfer-encoding or connection left in, a write that must wait)."""
+        if cycle is not self.cycle or cycle.response_started or cycle.disconnected or self.flow.write_paused:
+            return False
+        content = [STATUS_LINE[status]]
+        length: bytes | None = None
+        for name, value in headers:
+            if HEADER_RE.search(name) or HEADER_VALUE_RE.search(value) or name in _FRAMING:
+                return False
+            if name == b"content-length" and length is None:
+                length = value
+            content += (name, b": ", value, b"\r\n")
+        if not cycle.keep_alive:
+            content.append(b"connection: close\r\n")
+        if length is None:
+            content.append(b"transfer-encoding: chunked\r\n\r\n")
+            content += ((b"%x\r\n" % len(body), body, b"\r\n0\r\n\r\n") if body else (b"0\r\n\r\n",))
+        elif length.strip().isdigit() and int(length) == len(body):
+            content += (b"\r\n", body)
+        else:
+            return False
+        cycle.response_started = cycle.response_complete = True
+        cycle.waiting_for_100_continue = False
+        self.transport.write(b"".join(content))
+        cycle.message_event.set()
+        if not cycle.keep_alive:
+            self.transport.close()
+        cycle.on_response()
+        return True
 
     def _stop(self, status: int, reason: str) -> None:
         self._refusal = (status, reason)

@@ -6,7 +6,9 @@ Tenant listeners never expose admin routes: every path belongs to the engine.
 
 The listener is a bare ASGI callable, not a Starlette app: every path and method belongs to the
 engine, so Route matching, the middleware stack and a Request per passthrough request were pure
-cost (bench: ~0.3 ms of the proxy's added latency per small GET).
+cost (bench: ~0.3 ms of the proxy's added latency per small GET). A passthrough GET nothing watches
+is run by the listener's protocol itself when it can (`start_inline`, proxy/relay/inline.py): no
+ASGI task at all.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ import logging
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
 from proxy.clock import Clock
@@ -32,12 +34,18 @@ from proxy.errors import HyperSwapError
 from proxy.handoff.inflight import InFlight, JobFate, JobPoller, Token
 from proxy.handoff.tickets import Admitted
 from proxy.relay import progress
-from proxy.relay.departure import ClientLink, Sweep
-from proxy.relay.forward import Forwarder, UpstreamResponse
+from proxy.relay.departure import ClientLink, Sweep, has_body
+from proxy.relay.forward import Forwarder, UpstreamResponse, upstream_error
 from proxy.relay.guards import SAFE_METHODS, answer, host_header, refuse_tenant_host
+from proxy.relay.inline import InlineExchange
 from proxy.relay.oom_retry import SocketFrames
 from proxy.relay.trace import Trace, stamp, traced
 from proxy.relay.trace import current as current_trace
+
+if TYPE_CHECKING:
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+    from proxy.relay.inbound import GuardedHttpProtocol
 
 log = logging.getLogger("hyperswap.listener")
 
@@ -196,8 +204,12 @@ class TenantApp:
                 await refuse_tenant_host(scope, receive, send, self.tenant.name, host)
                 return
         if kind == "http":
-            with self.inflight.connection(self.tenant.name):  # a stop never cuts it (TenantLifecycle)
+            name = self.tenant.name
+            self.inflight.connection_opened(name)  # a stop never cuts it (TenantLifecycle)
+            try:
                 await self._http(scope, receive, send)
+            finally:
+                self.inflight.connection_closed(name)
         elif kind == "websocket":
             with self.inflight.connection(self.tenant.name):
                 refusal = await self._wake(scope) if self._sleeps else None
@@ -218,10 +230,14 @@ class TenantApp:
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         link = ClientLink(scope, receive)
         link.watch(self._departures)
-        trace = Trace()
         try:
+            gpu = self.adapter.classify(scope["method"], scope["path"]) != "passthrough"
+            if not gpu and not self._sleeps:  # nothing on its way waits or is timed: no trace to keep
+                response = await self._passthrough(scope, link)
+                await response(scope, link.receive, send)
+                return
+            trace = Trace()
             with traced(trace):  # where the time went before the answer: Server-Timing, progress lines
-                gpu = self.adapter.classify(scope["method"], scope["path"]) != "passthrough"
                 if gpu and self._sleeps and self.admission is not None and self.admission.dormant(self.tenant):
                     # its body is read first: a streamed one is answered while the app starts, and hears it
                     response = await self._gpu(Request(scope, link.receive), wake=partial(self._wake, scope))
@@ -243,6 +259,48 @@ class TenantApp:
             log.debug("%s: client left while sending the body of %s %s", self.tenant.name, scope["method"], scope["path"])
         finally:
             link.close()
+
+    # -- a passthrough GET run by the listener's protocol (inline.py) ------------------------------
+    def start_inline(self, cycle: RequestResponseCycle, server: GuardedHttpProtocol) -> InlineExchange | None:
+        """Run this request's exchange without a task when it is a passthrough GET nothing watches on a
+        tenant that never sleeps, and an idle connection to its upstream is there; None: serve it as ever."""
+        scope: Scope = cycle.scope  # type: ignore[assignment]  # uvicorn's TypedDict, Starlette's mapping
+        if self._sleeps or scope["method"] != "GET" or has_body(scope):
+            return None
+        host = host_header(scope)
+        path, adapter = scope["path"], self.adapter
+        if host is None or not self._hosts.allows(host) or adapter.classify("GET", path) != "passthrough" \
+                or adapter.model_news("GET", path) or adapter.job_news("GET", path) \
+                or adapter.job_view("GET", path) is not None:
+            return None
+        response = self.forwarder.send_now(self.tenant, scope)
+        if response is None:
+            return None
+        name = self.tenant.name
+        self.inflight.connection_opened(name)  # a stop never cuts it (TenantLifecycle)
+        return InlineExchange(server, cycle, response, again=self, relay_opened=self._relay_opened,
+                              failed=self._failed, ended=partial(self.inflight.connection_closed, name))
+
+    def _relay_opened(self, upstream: UpstreamResponse) -> ASGIApp:
+        """The ASGI app that relays an inline exchange's open answer as `_http` relays a passthrough one."""
+        async def relay(scope: Scope, receive: Receive, send: Send) -> None:
+            link = ClientLink(scope, receive)
+            link.watch(self._departures)
+            try:
+                await self.forwarder.relay(self.tenant, upstream, on_close=_nothing)(scope, link.receive, send)
+            except asyncio.CancelledError:
+                if not link.absorb_cancel():
+                    raise
+                log.debug("%s: client left %s %s; upstream request closed", self.tenant.name, scope["method"],
+                          scope["path"])
+            finally:
+                link.close()
+                upstream.close()
+        return relay
+
+    def _failed(self, exc: Exception) -> ASGIApp:
+        """The ASGI app that answers an inline exchange whose upstream failed, as `Forwarder.open` would."""
+        return _error_response(upstream_error(self.tenant, exc))
 
     async def _passthrough(self, scope: Scope, link: ClientLink) -> Response:
         if self.adapter.model_news(scope["method"], scope["path"]):

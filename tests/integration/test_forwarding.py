@@ -878,3 +878,144 @@ async def test_a_websocket_refused_by_an_http10_app_gets_the_apps_status_not_a_5
     answer = refused.value.response
     assert answer.status_code == 404, f"{answer.status_code}: the app's own refusal, not a 502"
     assert b"HTTP/1.0 404" in answer.body, answer.body
+
+
+# ---------------------------------------------------------------------------------------------
+# A passthrough GET run by the listener's protocol itself (proxy/relay/inline.py)
+
+
+class _InlineSpy:
+    """Counts the exchanges the listener ran inline (each one a request served with no task)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from proxy.relay import inline, listener
+        self.count = 0
+        spy = self
+
+        class Counted(inline.InlineExchange):
+            __slots__ = ()
+
+            def __init__(self, *args: object, **kwargs: object) -> None:
+                spy.count += 1
+                super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(listener, "InlineExchange", Counted)
+
+
+async def _raw_answer(reader: asyncio.StreamReader) -> bytes:
+    """One answer's bytes exactly as the client got them (Content-Length or chunked framing)."""
+    head = await within(reader.readuntil(b"\r\n\r\n"))
+    assert isinstance(head, bytes)
+    if b"transfer-encoding: chunked" in head.lower():
+        return head + await within(reader.readuntil(b"0\r\n\r\n"))  # type: ignore[operator]
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))
+    return head + await within(reader.readexactly(length))  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nKeep-Alive: timeout=5\r\nConnection: keep-alive\r\n"
+    b"X-Engine: 1\r\nContent-Length: 5\r\n\r\nhello",
+    b"HTTP/1.1 201 Created\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n",
+], ids=["content-length", "chunked", "empty"])
+async def test_a_passthrough_get_answered_inline_is_byte_for_byte_the_answer_the_asgi_path_gives(
+        monkeypatch: pytest.MonkeyPatch, answer: bytes) -> None:
+    async def three_answers() -> list[bytes]:
+        async with raw_upstream(lambda head: answer) as url:
+            async with stack("generic", None, upstream_url=url) as (proxy, _, inflight, _):
+                get = b"GET /api/tags HTTP/1.1\r\nHost: localhost\r\n\r\n"
+                reader, writer = await _raw_request(proxy.url, get)
+                try:
+                    out = [await _raw_answer(reader)]  # no idle connection to the upstream yet: the ASGI path
+                    writer.write(get)
+                    out.append(await _raw_answer(reader))  # the pooled connection: inline
+                    writer.write(b"GET /api/tags HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+                    out.append(await _raw_answer(reader))
+                    assert await within(reader.read()) == b"", "an answer to Connection: close ends the connection"
+                finally:
+                    writer.close()
+                assert await inflight.wait_idle("generic", SAFETY_S) and inflight.connections("generic") == 0
+        return out
+
+    spy = _InlineSpy(monkeypatch)
+    inline = await three_answers()
+    assert spy.count == 2
+    monkeypatch.setattr(TenantApp, "start_inline", lambda self, cycle, server: None)
+    by_task = await three_answers()
+    assert spy.count == 2
+    assert inline == by_task, (by_task, inline)
+    assert b"connection: close" in inline[2] and b"connection: close" not in inline[1]
+
+
+async def test_a_client_leaving_an_inline_get_before_its_answer_drops_the_upstream_request(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    spy = _InlineSpy(monkeypatch)
+    async with stack("generic", ollama_like) as (proxy, _, inflight, state):
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS, timeout=None) as c:
+            assert (await c.get(f"{proxy.url}/echo")).status_code == 200  # leaves an idle upstream connection
+            waiting = asyncio.ensure_future(c.get(f"{proxy.url}/silent"))
+            await within(state.request_arrived.wait())
+            assert spy.count == 1, "the second GET is run inline"
+            waiting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiting
+        await within(state.disconnected.wait())
+        assert await inflight.wait_idle("generic", SAFETY_S)
+        await within(poll_until(lambda: inflight.connections("generic") == 0, 0.01))
+
+
+async def test_an_inline_get_whose_answer_streams_is_relayed_as_it_comes_and_ends_with_its_client(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    spy = _InlineSpy(monkeypatch)
+    async with stack("generic", ollama_like) as (proxy, _, inflight, state):
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS, timeout=None) as c:
+            assert (await c.get(f"{proxy.url}/echo")).status_code == 200
+            async with c.stream("GET", f"{proxy.url}/forever") as r:
+                assert (await within(r.aiter_raw().__anext__())) == b"tick\n"
+                assert spy.count == 1
+        await within(state.disconnected.wait())
+        await within(poll_until(lambda: inflight.connections("generic") == 0, 0.01))
+
+
+async def test_an_inline_get_on_a_connection_the_engine_closed_unanswered_is_served_again_on_a_fresh_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    spy = _InlineSpy(monkeypatch)
+    heads: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # answers the first request of each connection keep-alive; a second one is closed unanswered
+        try:
+            heads.append(await reader.readuntil(b"\r\n\r\n"))
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+            heads.append(await reader.readuntil(b"\r\n\r\n"))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        async with stack("generic", None, upstream_url=url) as (proxy, _, _, _):
+            async with httpx.AsyncClient(verify=LOOPBACK_TLS) as c:
+                first = await c.get(f"{proxy.url}/api/tags")
+                second = await c.get(f"{proxy.url}/api/tags")
+    finally:
+        server.close()
+    assert (first.status_code, first.content, second.status_code, second.content) == (200, b"ok", 200, b"ok")
+    assert spy.count == 1 and len(heads) == 3, heads
+
+
+async def test_an_inline_get_whose_answer_cannot_be_relayed_gives_the_same_502(monkeypatch: pytest.MonkeyPatch) -> None:
+    spy = _InlineSpy(monkeypatch)
+    answers = iter([b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+                    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n"])
+    async with raw_upstream(lambda head: next(answers)) as url:
+        async with stack("generic", None, upstream_url=url) as (proxy, _, inflight, _):
+            async with httpx.AsyncClient(verify=LOOPBACK_TLS) as c:
+                assert (await c.get(f"{proxy.url}/api/tags")).status_code == 200
+                r = await c.get(f"{proxy.url}/api/tags")
+            await within(poll_until(lambda: inflight.connections("generic") == 0, 0.01))
+    assert spy.count == 1
+    assert r.status_code == 502 and r.json()["tenant"] == "generic" and "cannot relay" in r.json()["error"], r.content

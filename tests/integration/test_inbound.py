@@ -239,6 +239,31 @@ async def test_the_header_timeout_covers_the_next_head_on_a_kept_alive_connectio
         writer.close()
 
 
+async def test_a_kept_alive_connection_is_closed_once_idle_for_the_keep_alive_timeout() -> None:
+    # one keep-alive timer per listener (Guard.rest): a connection that answered and then rests is
+    # closed by it, one still in use is not, and a closed one leaves the listener's list
+    async with served() as (server, _):
+        server.server.config.timeout_keep_alive = 0.2  # read by each new connection
+        guard = server.server.config.http.__self__  # type: ignore[union-attr]
+        idle_reader, idle_writer = await open_to(server)
+        idle_writer.write(request())
+        assert (await read_answer(idle_reader))[0] == 200
+        busy_reader, busy_writer = await open_to(server)
+        busy_writer.write(b"GET /stream HTTP/1.1\r\nHost: localhost\r\n\r\n")  # its answer stays open
+        assert await within(busy_reader.readuntil(b"first\n"))
+        assert await within(idle_reader.read()) == b"", "the idle connection must be closed"
+        assert not busy_reader.at_eof(), "a connection in the middle of an answer is never closed as idle"
+        await poll_until(lambda: not guard.resting, 0.01)
+        left_reader, left_writer = await open_to(server)
+        left_writer.write(request())
+        assert (await read_answer(left_reader))[0] == 200
+        assert len(guard.resting) == 1
+        left_writer.close()
+        await within(poll_until(lambda: not guard.resting, 0.01))
+        for writer in (idle_writer, busy_writer):
+            writer.close()
+
+
 async def a_header_timeout_passes(server: RunningServer) -> None:
     """Return once a header timeout has passed for everything the listener read before this call.
 

@@ -75,6 +75,8 @@ PROTOCOL_HOOKS = {
     "send_400_response": ["msg"],
     "shutdown": [],  # servers.py's shutdown calls it on every connection
     "_start_asgi_task": ["cycle", "app"],
+    "on_response_complete": [],
+    "timeout_keep_alive_handler": [],
 }
 
 
@@ -104,6 +106,23 @@ def test_start_asgi_task_still_does_what_inbounds_copy_does() -> None:
     source = inspect.getsource(HttpToolsProtocol._start_asgi_task)
     for part in ("cycle.run_asgi(app)", "reset_contextvars", "add_done_callback(self.tasks.discard)"):
         assert part in source, moved(f"HttpToolsProtocol._start_asgi_task no longer has {part}")
+
+
+def test_on_response_complete_still_does_what_inbounds_copy_does() -> None:
+    # GuardedHttpProtocol.on_response_complete is uvicorn's with the keep-alive timer of its listener
+    # (Guard.rest) in place of loop.call_later, and the keep-alive attribute that timer replaces
+    assert called(HttpToolsProtocol.on_response_complete) == {
+        "transport.is_closing", "_unset_keepalive_if_required", "flow.resume_reading", "pipeline.pop",
+        "_start_asgi_task", "loop.call_later",
+    }, moved(f"HttpToolsProtocol.on_response_complete changed: it calls "
+             f"{sorted(called(HttpToolsProtocol.on_response_complete))}")
+    source = inspect.getsource(HttpToolsProtocol.on_response_complete)
+    for part in ("server_state.total_requests += 1", "self.timeout_keep_alive_handler", "self.timeout_keep_alive,"):
+        assert part in source, moved(f"HttpToolsProtocol.on_response_complete no longer has {part}")
+    assert "timeout_keep_alive_task" in inspect.getsource(HttpToolsProtocol._unset_keepalive_if_required), moved(
+        "HttpToolsProtocol._unset_keepalive_if_required no longer cancels timeout_keep_alive_task")
+    assert called(HttpToolsProtocol.timeout_keep_alive_handler) == {"transport.is_closing", "transport.close"}, moved(
+        "HttpToolsProtocol.timeout_keep_alive_handler changed")
 
 
 def test_the_cycle_writes_through_its_own_transport_attribute() -> None:

@@ -1,0 +1,103 @@
+"""A passthrough GET run by the listener's protocol itself: no ASGI task, scope walk, response object
+or send coroutine per request.
+
+The usual request on a tenant listener is a small bodiless GET the engine answers at once (a model
+list, a status poll, a UI asset). Through the ASGI path each one cost a task, the listener's
+coroutines, a departure link, an `UpstreamResponse` and a `RelayResponse`, and two `send`s, about
+two thirds of the relay's CPU per request: `bench/forwarding.py --lean` (the same exchange run by
+a bare protocol) measured 1.1-1.3 x nginx's CPU per request where the proxy was 3-3.5 x.
+
+When the listener's protocol has the whole head of such a request (`inbound.py` asks the app's
+`start_inline`), the request goes out at once on an idle pooled connection (`http1.Pool.send_now`,
+the bytes `Forwarder.open` would send), and the answer, once its head is in, goes back in one write
+(`GuardedHttpProtocol.answer_whole`, uvicorn's framing) when it is whole and small. Everything else
+is handed to the ordinary ASGI path, so it behaves as it always did:
+- an answer not whole yet, bigger than HEAD_WITH_BODY_MAX, bodiless by status (204, 304) or with
+  headers uvicorn would refuse: relayed by a task from the open answer (`TenantApp.relay_opened`);
+- an upstream that closed the kept-alive connection before any byte of the answer: the request is
+  served again from the start (a GET, never answered: what `Pool.request`'s one retry does);
+- any other failure: the error answer `Forwarder.open` gives (502, 504).
+Not taken inline: another method, a body, a tenant that sleeps (the wake comes first), the requests
+the adapter watches (model news, job news, job views), a refused Host, a read timeout to keep, no
+idle connection. A client that leaves before the answer drops the upstream request at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from starlette.types import ASGIApp
+
+from proxy.engines import strip_hop_by_hop
+from proxy.relay import http1
+from proxy.relay.forward import BODILESS, HEAD_WITH_BODY_MAX, UpstreamResponse
+
+if TYPE_CHECKING:
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+    from proxy.relay.inbound import GuardedHttpProtocol
+
+
+class InlineExchange:
+    """One passthrough GET in flight on its client's connection, until its answer is out or handed
+    to a task. `ended` is called once, when the exchange is over (inline) or its task ends."""
+
+    __slots__ = ("_again", "_cycle", "_ended", "_failed", "_open", "_relay_opened", "_response", "_server")
+
+    def __init__(self, server: GuardedHttpProtocol, cycle: RequestResponseCycle, response: http1.Response, *,
+                 again: ASGIApp, relay_opened: Callable[[UpstreamResponse], ASGIApp],
+                 failed: Callable[[Exception], ASGIApp], ended: Callable[[], None]) -> None:
+        self._server = server
+        self._cycle = cycle
+        self._response = response
+        self._again = again
+        self._relay_opened = relay_opened
+        self._failed = failed
+        self._ended = ended
+        self._open = True
+        response.on_head(self._answered)
+
+    def _answered(self, head: asyncio.Future[None]) -> None:
+        if not self._open:  # the client left first
+            return
+        self._detach()
+        response, server, cycle = self._response, self._server, self._cycle
+        exc = head.exception() if not head.cancelled() else OSError("the upstream answer was cancelled")
+        if exc is not None:
+            response.close()
+            if isinstance(exc, http1.UpstreamClosed) and not response.got_bytes:
+                self._end()
+                server.start_task(cycle, self._again)  # a stale kept-alive connection: served from the start
+            else:
+                failure = exc if isinstance(exc, Exception) else OSError(str(exc))
+                server.start_task(cycle, self._failed(failure), on_end=self._end)
+            return
+        status = response.status_code
+        body = response.received_body() if status not in BODILESS else None
+        if body is not None and len(body) <= HEAD_WITH_BODY_MAX \
+                and server.answer_whole(cycle, status, strip_hop_by_hop(response.raw_headers), body):
+            response.close()
+            self._end()
+            return
+        server.start_task(cycle, self._relay_opened(UpstreamResponse(response)), on_end=self._end)
+
+    def client_left(self) -> None:
+        """The client's connection closed before the answer: the upstream sees its request dropped."""
+        if self._open:
+            self._detach()
+            self._response.close()
+            self._end()
+
+    def _detach(self) -> None:
+        self._open = False
+        self._server.inline_done(self)
+
+    def _end(self) -> None:
+        ended, self._ended = self._ended, _nothing
+        ended()
+
+
+def _nothing() -> None:
+    pass
