@@ -45,7 +45,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import httpx
 
@@ -262,7 +262,7 @@ async def _chat(node: Demo, model: str, http: httpx.AsyncClient) -> tuple[int | 
 
 async def _render(node: Demo, http: httpx.AsyncClient, seed: int) -> tuple[int | str, float | None, float]:
     base = node.proxy.url("comfyui")  # type: ignore[union-attr]
-    prompt = comfy_prompt(CKPT, seed=seed)
+    prompt: dict[str, Any] = comfy_prompt(CKPT, seed=seed)
     prompt["3"]["inputs"]["steps"] = RENDER_STEPS
     t0 = time.monotonic()
     r = await http.post(base + "/prompt", json={"prompt": prompt})

@@ -17,6 +17,7 @@ import httpx
 import ollama
 from websockets.asyncio.client import connect as ws_connect
 
+from proxy.decision_base import DecisionKind
 from proxy.demo import Demo, comfy_prompt
 from proxy.lifecycle.process import ProcessController
 from proxy.service import Proxy
@@ -26,6 +27,7 @@ from proxy.sim.ollama import OllamaSim
 from proxy.sim.ports import loose_port
 from proxy.tasks import poll_until
 from proxy.tls import client_context
+from tests.json_reads import DecisionRead, decisions_in
 
 ALL_PORTS_ZERO = {"ollama": 0, "comfyui": 0, "admin": 0, "stt": 0}
 DemoFactory = Callable[..., Awaitable[Demo]]
@@ -87,8 +89,10 @@ async def stranger_on(port: int, folder: Path) -> asyncio.subprocess.Process:
 
 # -- the user's clients on the demo box: the official `ollama` client, a websocket ComfyUI client --
 
-def decisions(demo: Demo, *kinds: str) -> list[Any]:
-    return [d for d in proxy_of(demo).decisions.recent(500) if d.kind in kinds]
+def decisions(demo: Demo, *kinds: DecisionKind, tenant: str | None = None) -> list[DecisionRead]:
+    """The demo's decisions so far, oldest first, of these kinds (every kind when none is named) and of
+    `tenant` when one is named (tests/json_reads.py)."""
+    return decisions_in(proxy_of(demo).decisions, *kinds, tenant=tenant)
 
 
 def releases(demo: Demo) -> list[tuple[str, str]]:
@@ -116,7 +120,7 @@ async def render(demo: Demo, ckpt: str = README_CKPT, steps: int | None = None) 
     clients send (a repeated graph is cached by ComfyUI: it loads and samples nothing, hiding its cost)."""
     base = proxy_of(demo).url("comfyui")
     cid = uuid.uuid4().hex
-    prompt = comfy_prompt(ckpt, seed=random.randrange(2**40))
+    prompt: dict[str, Any] = comfy_prompt(ckpt, seed=random.randrange(2**40))
     if steps:
         prompt["3"]["inputs"]["steps"] = steps
     async with httpx.AsyncClient(verify=LOOPBACK_TLS, timeout=30, trust_env=False) as http:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from proxy.admin.openapi import openapi_document
 from tests.integration.boxes import DemoFactory, proxy_of
+from tests.json_reads import openapi_json
 
 # One box per test (starting one costs about a second); the bad values are looped over inside.
 
@@ -67,7 +67,7 @@ async def test_openapi_marks_authorization_required_only_when_a_token_is_configu
 
 
 def test_openapi_documents_the_ranges_the_handlers_enforce() -> None:
-    paths = openapi_document()["paths"]
+    paths = openapi_json()["paths"]
     need = next(p for p in paths["/api/plan"]["get"]["parameters"] if p["name"] == "need_gb")["schema"]
     assert need["minimum"] == 0 and need["maximum"] == 16384
     history = {p["name"]: p["schema"] for p in paths["/api/history"]["get"]["parameters"]}

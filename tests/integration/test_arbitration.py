@@ -17,19 +17,14 @@ from proxy.config.units import GIB
 from proxy.demo import Demo, comfy_prompt, run_prompt
 from proxy.engines import Need
 from proxy.gpu.snapshot import GpuReadError
-from proxy.handoff.decisions import DecisionView
 from proxy.handoff.inflight import Token
 from proxy.handoff.plan import Plan
 from proxy.handoff.scheduler import Admitted, Handoff
 from proxy.tasks import poll_until
-from tests.integration.boxes import DemoFactory, comfyui_of, fast, ollama_of, proxy_of
+from tests.integration.boxes import DemoFactory, comfyui_of, decisions, fast, ollama_of, proxy_of
+from tests.json_reads import DecisionRead
 
 OOM = "llama runner process has terminated: cudaMalloc failed: out of memory"
-
-
-def decisions(demo: Demo, kind: str | None = None, tenant: str | None = None) -> list[DecisionView]:
-    return [d for d in proxy_of(demo).decisions.recent() if (kind is None or d.kind == kind)
-            and (tenant is None or d.tenant == tenant)]
 
 
 async def generate(http: httpx.AsyncClient, demo: Demo, model: str) -> httpx.Response:
@@ -49,7 +44,7 @@ async def test_ollama_load_reclaims_an_idle_comfyui_first(box: DemoFactory, http
     r = await generate(http, demo, "gemma3:27b")
 
     assert r.status_code == 200, r.text
-    plan = decisions(demo, "plan", "ollama")[-1]
+    plan = decisions(demo, "plan", tenant="ollama")[-1]
     assert [x["tenant"] for x in plan.outcome["releases"]] == ["comfyui"]
     assert plan.outcome["releases"][0]["confirmed"] is True
     assert plan.outcome["releases"][0]["freed_bytes"] > 11 * GIB
@@ -63,7 +58,7 @@ async def test_chat_during_a_render_waits_for_it_and_busy_comfyui_is_never_relea
     demo = await box("default")
     cid = uuid.uuid4().hex
     base = proxy_of(demo).url("comfyui")
-    prompt = comfy_prompt("flux1-dev-fp8.safetensors")
+    prompt: dict[str, Any] = comfy_prompt("flux1-dev-fp8.safetensors")
     prompt["3"]["inputs"]["steps"] = 300  # ~0.6 s of sampling at the fast step time
     async with ws_connect(base.replace("http", "ws") + f"/ws?clientId={cid}") as ws:
         await ws.recv()
@@ -83,12 +78,12 @@ async def test_chat_during_a_render_waits_for_it_and_busy_comfyui_is_never_relea
             ended = msg["type"] == "executing" and msg["data"]["node"] is None
         r = await chat
     assert r.status_code == 200, r.text
-    queued_d = decisions(demo, "queued", "ollama")
+    queued_d = decisions(demo, "queued", tenant="ollama")
     # it waited behind the render, then (the render shorter than the hold) for the rest of its swap's hold
     assert queued_d and queued_d[-1].outcome["waiting_for"] == ["comfyui"], queued_d
     assert queued_d[-1].outcome["reason"].startswith(("queued behind comfyui", "holding the swap of comfyui")), queued_d
     assert queued_d[-1].outcome["result"] == "admitted" and queued_d[-1].outcome["waited_s"] > 0
-    plan = decisions(demo, "plan", "ollama")[-1]
+    plan = decisions(demo, "plan", tenant="ollama")[-1]
     assert [x["tenant"] for x in plan.outcome["releases"]] == ["comfyui"], "freed once the prompt had ended"
     assert queued_d[-1].outcome["ended_by"] == plan.id
 
@@ -102,7 +97,7 @@ async def test_higher_priority_comfyui_takes_memory_back_from_idle_ollama(box: D
     msgs = await run_prompt(proxy_of(demo).url("comfyui"), "flux1-dev-fp8.safetensors", http)
 
     assert "execution_success" in [m["type"] for m in msgs], [m["type"] for m in msgs]
-    plan = decisions(demo, "plan", "comfyui")[-1]
+    plan = decisions(demo, "plan", tenant="comfyui")[-1]
     assert [x["tenant"] for x in plan.outcome["releases"]] == ["ollama"]
     assert not ollama_of(demo).loaded()
 
@@ -120,7 +115,7 @@ async def test_tight_card_answers_507_naming_the_unmanaged_speech_relay(box: Dem
     assert "stt_relay.py" in relay[0]["cmdline"]
     assert body["available_gb"] < body["need_gb"]
     assert not ollama_of(demo).loaded(), "nothing was loaded"
-    assert decisions(demo, "rejection", "ollama"), "the 507 is in the decision log"
+    assert decisions(demo, "rejection", tenant="ollama"), "the 507 is in the decision log"
 
 
 async def test_oom_answer_is_reclaimed_and_retried_once(box: DemoFactory, http: httpx.AsyncClient) -> None:
@@ -131,7 +126,7 @@ async def test_oom_answer_is_reclaimed_and_retried_once(box: DemoFactory, http: 
     r = await generate(http, demo, "llama3.1:8b")
 
     assert r.status_code == 200, r.text
-    retry = decisions(demo, "oom_retry", "ollama")
+    retry = decisions(demo, "oom_retry", tenant="ollama")
     assert retry and retry[-1].outcome.get("oom_retry") == "succeeded", [(d.outcome, d.plan) for d in retry]
     assert [x["tenant"] for x in retry[-1].outcome["releases"]] == ["comfyui"]
     assert not proxy_of(demo).arbitration.scheduler.reservations.tenants(), \
@@ -145,7 +140,7 @@ async def test_oom_with_nothing_to_release_is_retried_once_on_a_fresh_reading(
     ollama_of(demo).fail_next_load_with(OOM)
     r = await generate(http, demo, "llama3.1:8b")
     assert r.status_code == 200, r.text
-    retry = decisions(demo, "oom_retry", "ollama")
+    retry = decisions(demo, "oom_retry", tenant="ollama")
     assert [d.outcome for d in retry] == [{"result": "succeeded"}]
     assert not proxy_of(demo).arbitration.scheduler.reservations.tenants()
 
@@ -178,7 +173,7 @@ async def test_spill_to_cpu_makes_ollama_starved_and_reclaims_comfyui(box: DemoF
     await clock.advance(31.0)  # the split held still past spill_stable_s
     report = await proxy_of(demo).watchdog.tick()
 
-    spill = decisions(demo, "spill", "ollama")
+    spill = decisions(demo, "spill", tenant="ollama")
     assert spill and [x["tenant"] for x in spill[-1].outcome["releases"]] == ["comfyui"], report
     assert "starved" in report.reasons["ollama"]
 
@@ -195,7 +190,7 @@ async def test_idle_comfyui_is_released_after_its_idle_timeout(box: DemoFactory,
 
     assert report.reasons["comfyui"] == "released after idle timeout", report.reasons
     assert comfy_held(demo) < 0.5 * GIB
-    assert decisions(demo, "idle_release", "comfyui")[-1].outcome["ok"] is True
+    assert decisions(demo, "idle_release", tenant="comfyui")[-1].outcome["ok"] is True
     again = await proxy_of(demo).watchdog.tick()
     assert "idle floor" in again.reasons["comfyui"], "released once, not every tick"
 
@@ -220,7 +215,7 @@ async def test_concurrent_loads_share_one_handoff(box: DemoFactory, http: httpx.
 
     assert [r.status_code for r in results] == [200] * 4, [r.text for r in results]
     assert comfyui_of(demo).frees - frees_before == 1, "ComfyUI was asked to free more than once"
-    assert len([d for d in decisions(demo, "plan", "ollama") if d.outcome.get("releases")]) == 1
+    assert len([d for d in decisions(demo, "plan", tenant="ollama") if d.outcome.get("releases")]) == 1
 
 
 async def test_client_leaving_during_a_release_lets_the_release_finish_and_holds_nothing(
@@ -231,14 +226,14 @@ async def test_client_leaving_during_a_release_lets_the_release_finish_and_holds
     leaving = asyncio.ensure_future(generate(http, demo, "gemma3:27b"))
     async with asyncio.timeout(10):
         # Until the handoff has started: ComfyUI is being asked to free.
-        await poll_until(lambda: decisions(demo, "plan", "ollama"), 0.002)
-    plan = decisions(demo, "plan", "ollama")[-1]
+        await poll_until(lambda: decisions(demo, "plan", tenant="ollama"), 0.002)
+    plan = decisions(demo, "plan", tenant="ollama")[-1]
     assert "releases" not in plan.outcome, "precondition: the client leaves while the release runs"
     leaving.cancel()
     with pytest.raises(asyncio.CancelledError):
         await leaving
     arbitration = proxy_of(demo).arbitration
-    def now() -> DecisionView:  # a view is never changed: its later facts come as a new one
+    def now() -> DecisionRead:  # a view is never changed: its later facts come as a new one
         view = proxy_of(demo).decisions.view(plan.id)
         assert view is not None
         return view
@@ -349,7 +344,7 @@ async def test_comfyui_oom_is_retried_under_the_clients_own_prompt_id_which_ends
     history = (await http.get(base + f"/history/{first}")).json()[first]
     assert history["status"]["status_str"] == "success" and history["prompt"][3]["client_id"] == cid
     assert first in (await http.get(base + "/history")).json()
-    retry = decisions(demo, "oom_retry", "comfyui")[-1]
+    retry = decisions(demo, "oom_retry", tenant="comfyui")[-1]
     assert retry.outcome["oom_retry"] == "succeeded" and retry.outcome["prompt_id"] == first, retry.outcome
     assert [x["tenant"] for x in retry.outcome["releases"]] == ["ollama"]
     assert comfyui_of(demo).executed == 2 and not proxy_of(demo).inflight.jobs("comfyui")
@@ -374,7 +369,7 @@ async def test_comfyui_oom_of_a_client_without_websocket_is_found_by_the_history
         await poll_until(history_lists_it, 0.02)
         await poll_until(lambda: not proxy_of(demo).inflight.jobs("comfyui"), 0.05)  # the retry is polled to its end too
     assert statuses == ["success"], "the client polling its own id never reads the failed run"
-    retry = [d for d in decisions(demo, "oom_retry", "comfyui") if d.outcome.get("oom_retry")][-1]
+    retry = [d for d in decisions(demo, "oom_retry", tenant="comfyui") if d.outcome.get("oom_retry")][-1]
     assert retry.outcome["oom_retry"] == "succeeded" and retry.outcome["prompt_id"] == first, retry.outcome
     assert [x["tenant"] for x in retry.outcome["releases"]] == ["ollama"]
     assert comfyui_of(demo).executed == 2
@@ -412,14 +407,14 @@ async def test_an_idle_release_that_frees_nothing_backs_off_and_never_holds_up_a
         assert report.reasons["comfyui"] == "released after idle timeout", report.reasons
     again = await watchdog.tick()
     assert again.reasons["comfyui"].startswith("idle release in"), again.reasons
-    assert len(decisions(demo, "idle_release", "comfyui")) == 2
+    assert len(decisions(demo, "idle_release", tenant="comfyui")) == 2
 
 
 async def test_a_prompt_deleted_from_comfyuis_queue_stops_counting_as_busy(box: DemoFactory, http: httpx.AsyncClient) -> None:
     # Issue 14.1: prompt B queued behind a slow A, then deleted with the web UI's cross.
     demo = await box("default")
     base = proxy_of(demo).url("comfyui")
-    slow = comfy_prompt("sd_xl_base_1.0.safetensors")
+    slow: dict[str, Any] = comfy_prompt("sd_xl_base_1.0.safetensors")
     slow["3"]["inputs"]["steps"] = 300  # ~0.6 s
     a = (await http.post(base + "/prompt", json={"prompt": slow})).json()["prompt_id"]
     quick = comfy_prompt("sd_xl_base_1.0.safetensors", seed=7)
@@ -428,7 +423,7 @@ async def test_a_prompt_deleted_from_comfyuis_queue_stops_counting_as_busy(box: 
     assert (await http.post(base + "/queue", json={"delete": [b]})).status_code == 200
     async with asyncio.timeout(10):
         await poll_until(lambda: not proxy_of(demo).inflight.jobs("comfyui"), 0.02)
-    lost = decisions(demo, "stale_job", "comfyui")
+    lost = decisions(demo, "stale_job", tenant="comfyui")
     assert [d.outcome["job_id"] for d in lost] == [b], "A ended normally; B was in neither queue nor history"
     r = await http.post(proxy_of(demo).url("admin") + "/api/tenants/comfyui/release")
     assert r.status_code == 200, r.text
@@ -495,12 +490,12 @@ async def test_when_no_retry_follows_the_client_gets_the_failed_run_as_it_came(
     monkeypatch.setattr(ComfyUIAdapter, "resubmit", refused)
     demo = await box(fast("default", tenants={"comfyui": {"priority": 60, "needs_vram_gb": 1.0}}))
     comfyui_of(demo).fail_next_prompt_with_oom()
-    msgs = await run_prompt(proxy_of(demo).url("comfyui"), "sd_xl_base_1.0.safetensors", http)
+    msgs: list[dict[str, Any]] = await run_prompt(proxy_of(demo).url("comfyui"), "sd_xl_base_1.0.safetensors", http)
     kinds = [m["type"] for m in msgs if m["type"].startswith("execution_")]
     assert kinds == ["execution_start", "execution_cached", "execution_error"], kinds
     assert msgs[-1]["type"] == "executing" and msgs[-1]["data"]["node"] is None, "its end marker follows its error"
     pid = msgs[-1]["data"]["prompt_id"]
     assert (await http.get(proxy_of(demo).url("comfyui") + f"/history/{pid}")).json()[pid]["status"]["status_str"] == "error"
-    retry = decisions(demo, "oom_retry", "comfyui")[-1]
+    retry = decisions(demo, "oom_retry", tenant="comfyui")[-1]
     assert retry.outcome.get("oom_retry", retry.outcome.get("result")) == "re-queue refused: 500", retry.outcome
     assert comfyui_of(demo).executed == 1

@@ -22,6 +22,7 @@ from proxy.service import Proxy
 from proxy.sim.box import SimBox
 from proxy.tasks import poll_until
 from tests.integration.boxes import ALL_PORTS_ZERO, DemoFactory, fast, proxy_of
+from tests.json_reads import openapi_json
 
 FAST = EventsSettings(tick_s=0.05, catalog_refresh_s=0.1)
 
@@ -216,7 +217,7 @@ async def test_openapi_documents_every_mounted_admin_route(box: DemoFactory, htt
 
 
 def test_openapi_release_route_needs_bearer_and_lists_its_statuses() -> None:
-    doc = openapi_document()
+    doc = openapi_json()
     op = doc["paths"]["/api/tenants/{name}/release"]["post"]
     assert op["security"] == [{"bearer": []}]
     assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
@@ -225,7 +226,7 @@ def test_openapi_release_route_needs_bearer_and_lists_its_statuses() -> None:
 
 
 def test_openapi_refs_all_resolve() -> None:
-    doc = openapi_document()
+    doc = openapi_json()
     schemas = doc["components"]["schemas"]
     refs: list[str] = []
 

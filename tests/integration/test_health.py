@@ -16,7 +16,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
-from proxy.admin.health import HealthEntry, HealthExtension, NamedCheck, check_main
+from proxy.admin.health import HealthExtension, NamedCheck, check_main
+from proxy.admin.health_entry import HealthEntry
 from proxy.demo import Demo
 from proxy.engines.settings import EnvReaders
 from proxy.gpu.attribution import AttributedSnapshot

@@ -13,11 +13,10 @@ from typing import Any
 import httpx
 
 from proxy.demo import Demo, comfy_prompt
-from proxy.handoff.decisions import DecisionView
 from proxy.lifecycle.state import TenantLifecycle
 from proxy.sim.gpu import GIB
 from proxy.tasks import poll_until
-from tests.integration.boxes import DemoFactory, fast, free_port, port_open, process_tenant, proxy_of
+from tests.integration.boxes import DemoFactory, decisions, fast, free_port, port_open, process_tenant, proxy_of
 
 
 async def test_a_process_tenant_starts_on_its_first_request_stops_on_release_and_starts_again(
@@ -159,7 +158,7 @@ async def test_a_release_escalates_step_by_step_and_the_decision_says_which_step
     assert steps[1]["result"] in ("confirmed", "estimated"), "then the app was stopped"
     machine = proxy_of(demo).arbitration.lifecycles.machine("app")
     assert machine is not None and machine.state == "stopped" and not port_open(port)
-    (decision,) = [d for d in proxy_of(demo).decisions.recent() if d.kind == "release" and d.tenant == "app"]
+    (decision,) = decisions(demo, "release", tenant="app")
     assert [s["kind"] for s in decision.outcome["releases"][0]["steps"]] == ["http", "process"]
 
 
@@ -181,11 +180,6 @@ async def relay_box(box: DemoFactory, http: httpx.AsyncClient) -> tuple[Demo, Te
     pid = machine.controller.describe()["pid"]
     assert isinstance(pid, int) and pid in demo.box.gpu.real_pids(), "the running relay holds memory on the card"
     return demo, machine, pid
-
-
-def decisions(demo: Demo, kind: str, tenant: str) -> list[DecisionView]:
-    assert demo.proxy is not None
-    return [d for d in proxy_of(demo).decisions.recent(500) if d.kind == kind and d.tenant == tenant]
 
 
 async def prompt(demo: Demo, http: httpx.AsyncClient, ckpt: str = FLUX) -> httpx.Response:
@@ -218,10 +212,10 @@ async def test_a_render_that_needs_the_relays_memory_stops_it_and_runs_once_the_
 
     await rendered(demo, http, await prompt(demo, http))
 
-    stops = decisions(demo, "stop", "stt")
+    stops = decisions(demo, "stop", tenant="stt")
     assert len(stops) == 1 and stops[0].outcome["ok"] is True, [d.outcome for d in stops]
     assert machine.state == "stopped" and pid not in gpu.real_pids(), "the relay's process is gone from the card"
-    plan = decisions(demo, "plan", "comfyui")[-1]
+    plan = decisions(demo, "plan", tenant="comfyui")[-1]
     released = plan.outcome["releases"]
     assert [r["tenant"] for r in released] == ["stt"] and released[0]["confirmed"] is True, released
     assert released[0]["freed_bytes"] == 3 * GIB, "confirmed on the card: all the relay held came back"
@@ -236,7 +230,7 @@ async def test_the_next_request_to_a_stopped_relay_starts_it_again(box: DemoFact
     said = await http.post(proxy_of(demo).url("stt") + "/v1/audio/transcriptions", content=b"RIFF" + bytes(1000))
     assert said.status_code == 200 and said.json()["bytes"] == 1004, said.text
     assert machine.state == "running"
-    starts = decisions(demo, "start", "stt")
+    starts = decisions(demo, "start", tenant="stt")
     assert [d.outcome["ok"] for d in starts] == [True, True], [d.outcome for d in starts]
     pid = machine.controller.describe()["pid"]
     assert pid != first_pid and pid in demo.box.gpu.real_pids(), "a new relay process holds the memory again"
@@ -269,14 +263,14 @@ async def test_a_relay_transcribing_is_not_stopped_the_render_waits_and_runs_aft
     waiting = next(w for w in proxy_of(demo).arbitration.scheduler.waiting() if w["tenant"] == "comfyui")
     assert "stt" in waiting["waiting_for"], waiting
     assert not rendering.done() and machine.state == "running" and pid in demo.box.gpu.real_pids()
-    assert not decisions(demo, "stop", "stt"), "a busy relay was stopped"
+    assert not decisions(demo, "stop", tenant="stt"), "a busy relay was stopped"
 
     uploading.set()
     said = await transcribing
     assert said.status_code == 200 and said.json()["bytes"] == 2004, said.text
     async with asyncio.timeout(20):
         await rendered(demo, http, await rendering)
-    assert machine.state == "stopped" and [d.outcome["ok"] for d in decisions(demo, "stop", "stt")] == [True]
+    assert machine.state == "stopped" and [d.outcome["ok"] for d in decisions(demo, "stop", tenant="stt")] == [True]
 
 
 async def test_a_relay_with_a_stream_open_is_not_stopped_the_render_waits_and_runs_after(
@@ -295,9 +289,9 @@ async def test_a_relay_with_a_stream_open_is_not_stopped_the_render_waits_and_ru
         for _ in range(3):
             await anext(lines)
         assert not rendering.done() and machine.state == "running" and pid in demo.box.gpu.real_pids()
-        plans = decisions(demo, "plan", "comfyui")
+        plans = decisions(demo, "plan", tenant="comfyui")
         assert len(plans) <= 1, f"the refused stop was tried again and again: {len(plans)} release plans"
-        assert not [d for d in decisions(demo, "stop", "stt") if d.outcome["ok"]], "the relay was stopped under a stream"
+        assert not [d for d in decisions(demo, "stop", tenant="stt") if d.outcome["ok"]], "the relay was stopped under a stream"
     async with asyncio.timeout(20):
         await rendered(demo, http, await rendering)
     assert machine.state == "stopped" and pid not in demo.box.gpu.real_pids()

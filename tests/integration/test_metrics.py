@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -149,9 +149,9 @@ async def test_history_survives_a_restart_and_vram_samples_and_loads_are_written
 
     from proxy.admin.telemetry import TelemetryStore
     store = TelemetryStore(_telemetry_file)
-    vram = store.query("vram", tenant="ollama")
+    vram: list[dict[str, Any]] = store.query("vram", tenant="ollama")
     assert vram and max(r["max_bytes"] for r in vram) > 16 * GIB
-    loads = store.query("model_loads", tenant="ollama")
+    loads: list[dict[str, Any]] = store.query("model_loads", tenant="ollama")
     assert loads and loads[-1]["grown_bytes"] > 16 * GIB, "gemma's load was seen as VRAM growth"
     assert store.count("releases") == 1 and store.count("rejections") == 1
 
@@ -203,7 +203,7 @@ async def test_a_retry_that_succeeded_counts_as_a_retry_not_an_error(box: DemoFa
                         json={"model": "gemma3:27b", "prompt": "hi", "stream": False})
     assert r.status_code == 200, r.text
     comfyui_of(demo).fail_next_prompt_with_oom()  # its retry releases Ollama and runs under the client's own id
-    msgs = await run_prompt(proxy_of(demo).url("comfyui"), "sd_xl_base_1.0.safetensors", http)
+    msgs: list[dict[str, Any]] = await run_prompt(proxy_of(demo).url("comfyui"), "sd_xl_base_1.0.safetensors", http)
     assert [x["type"] for x in msgs if x["type"].startswith("execution_")][-1] == "execution_success"
 
     m = await scrape(http, demo)

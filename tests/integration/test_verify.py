@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from proxy.demo import Demo
+from proxy.encoding import JSONObject
 from proxy.gpu.snapshot import GpuReadError
 from proxy.tasks import poll_until
 from proxy.verify import Options, Report, Verify, load_graph, runner, stages
@@ -224,8 +225,9 @@ async def test_a_reclaim_that_cannot_be_staged_is_skipped_before_it_releases_or_
     assert report.verdict == "verified" and report.exit_code == 0, report.text()
 
 
-NO_CHECKPOINT_GRAPH = {"1": {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 64, "batch_size": 1, "color": 0}},
-                       "2": {"class_type": "PreviewImage", "inputs": {"images": ["1", 0]}}}
+NO_CHECKPOINT_GRAPH: JSONObject = {
+    "1": {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 64, "batch_size": 1, "color": 0}},
+    "2": {"class_type": "PreviewImage", "inputs": {"images": ["1", 0]}}}
 
 
 async def test_a_graph_without_a_checkpoint_is_never_called_the_none_graph_and_restore_claims_no_checkpoint(
@@ -271,7 +273,7 @@ async def test_verify_refuses_to_load_anything_while_a_prompt_runs(box: DemoFact
     comfy_url = next(t.url for t in (await Verify(Options(admin=proxy_of(demo).url("admin")), http).admin.tenants())
                      if t.name == "comfyui")
     assert comfy_url
-    graph = load_graph(str(EXAMPLE_GRAPH))
+    graph: dict[str, Any] = load_graph(str(EXAMPLE_GRAPH))
     sampler = next(n for n in graph.values() if n["class_type"] == "KSampler")
     sampler["inputs"]["steps"] = 3000  # 60 s at the simulator's 0.02 s a step: it runs for the whole test
     r = await http.post(comfy_url + "/prompt", json={"prompt": graph, "client_id": "user"})
@@ -298,7 +300,7 @@ async def test_verify_waits_for_a_short_prompt_then_runs(box: DemoFactory, http:
     comfy_url = next(t.url for t in (await Verify(Options(admin=proxy_of(demo).url("admin")), http).admin.tenants())
                      if t.name == "comfyui")
     assert comfy_url
-    graph = load_graph(str(EXAMPLE_GRAPH))
+    graph: dict[str, Any] = load_graph(str(EXAMPLE_GRAPH))
     next(n for n in graph.values() if n["class_type"] == "KSampler")["inputs"]["steps"] = 25  # about 0.5 s
     r = await http.post(comfy_url + "/prompt", json={"prompt": graph, "client_id": "user"})
     assert r.status_code == 200, r.text

@@ -14,6 +14,7 @@ from proxy.config.units import GIB
 from proxy.handoff.busy import JOB_LOAD_GRACE_S, Evidence, QueueRead, busy_states, queue_rows, stale_jobs, tenant_state
 from proxy.handoff.inflight import TenantTraffic
 from proxy.handoff.plan import TenantState
+from tests.json_reads import decisions_in
 from tests.unit.cards import registry
 
 REG = registry()
@@ -171,7 +172,7 @@ async def test_the_watchdog_ends_the_jobs_of_an_engine_silent_past_job_lost_afte
         await clock.advance(60)
         report = await Watchdog(arbitration).tick()
         assert inflight.jobs("comfyui") == (), "a job lost with an engine that never comes back is never ended"
-        (lost,) = [d for d in log.recent() if d.kind == "stale_job"]
+        (lost,) = decisions_in(log, "stale_job")
         assert lost.outcome["job_id"] == "p1" and "job_lost_after_s" in lost.outcome["reason"]
         assert any("p1 ended" in a for a in report.actions)
     finally:

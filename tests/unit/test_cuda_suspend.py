@@ -26,6 +26,7 @@ from proxy.lifecycle.cuda_suspend import CudaSuspend
 from proxy.lifecycle.state import TenantLifecycle
 from proxy.lifecycle.suspend_state import IllegalMove, Suspension
 from proxy.lifecycle.suspender import RestoreFailed, Suspensions
+from tests.json_reads import decisions_in
 from tests.unit.cards import STT, idle, registry, snap
 
 
@@ -249,8 +250,7 @@ async def test_a_restore_that_fails_falls_back_to_stop_and_start() -> None:
         await lives.wake(tenant)
     assert (ctl.stops, ctl.starts) == (1, 1), "the app was stopped and started again"
     assert not lives.dormant("comfyui") and state_of(lives.suspensions, "comfyui") == "running"
-    resumed = [e for e in decisions.recent() if e.kind == "resume"]
-    (only,) = resumed
+    (only,) = decisions_in(decisions, "resume")
     assert only.outcome["ok"] is False and only.outcome["asked"]["fallback"] == "stop and start", only.outcome
     assert "the restore failed: CUDA_ERROR_UNKNOWN; stopped and started it instead" in only.outcome["error"]
 

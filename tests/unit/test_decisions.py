@@ -8,7 +8,6 @@ import logging
 
 import pytest
 
-from proxy.admin import views
 from proxy.clock import ManualClock
 from proxy.config.units import GIB
 from proxy.decision_base import DecisionEvent, RequestTrigger
@@ -165,7 +164,7 @@ def test_every_decision_renders_in_the_shape_the_api_schema_and_the_dashboard_re
     events = every_kind(log)
     assert len({type(e) for e in events}) == 17 and len({e.id for e in events}) == len(events)
     for view in log.recent():
-        checked = views.Decision.model_validate(Decision.of(view).dump())  # what /openapi.json says GET /api/decisions answers
+        checked = Decision.model_validate(Decision.of(view).dump())  # what /openapi.json says GET /api/decisions answers
         assert checked.id == view.id and checked.kind == view.kind
     kinds = {d.kind for d in log.recent()}
     assert kinds == {"idle_release", "queued", "rejection", "release", "spill", "oom_retry", "stale_job", "model_load",
@@ -206,7 +205,7 @@ async def test_a_requests_story_tells_its_wait_the_release_the_load_and_the_firs
         ("release", "released comfyui in 0.5 s, 7.0 GiB back"),
         ("load", "loaded gemma3:27b in 8.0 s"), ("first_byte", "first byte after 12.6 s")]
     assert [s.start_s for s in story.steps] == [0.0, 4.0, 4.5, 12.6] and story.first_byte_s == 12.6
-    json_story = views.RequestStory.model_validate(RequestStory.of(story).dump())
+    json_story = RequestStory.model_validate(RequestStory.of(story).dump())
     assert json_story.steps[1].tenant == "comfyui"
     assert log.story(log.emit(StaleJob(tenant="comfyui", trigger="poll", job_id="x", reason="gone")).id) is None, \
         "a decision of no request has no story"
@@ -262,4 +261,4 @@ async def test_a_held_swap_is_a_hold_step_and_a_load_nothing_led_to_is_a_story_o
     alone = log.story(reload.id)
     assert alone is not None and alone.request == reload.id and alone.trigger == "load of gemma3:27b"
     assert [(s.kind, s.start_s, s.duration_s) for s in alone.steps] == [("load", 0.0, 8.0)], alone.steps
-    assert views.RequestStory.model_validate(RequestStory.of(alone).dump()).steps[0].kind == "load"
+    assert RequestStory.model_validate(RequestStory.of(alone).dump()).steps[0].kind == "load"

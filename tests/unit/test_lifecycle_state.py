@@ -436,7 +436,7 @@ async def test_every_change_of_state_is_told_when_it_happens() -> None:
 
 
 async def test_health_says_the_policy_restarts_it_only_when_it_will() -> None:
-    from proxy.admin.health import lifecycle_entries
+    from proxy.admin.health_entry import lifecycle_entries
 
     lc, ctl, _, _, _ = machine(restart="on-failure", restart_limit=1)
     await lc.ensure_running()

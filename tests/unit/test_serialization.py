@@ -13,7 +13,7 @@ import ast
 import re
 from collections.abc import Callable
 
-from source_tree import PROXY, SourceFile, nodes_of, python_files, text_of
+from tests.unit.source_tree import PROXY, SourceFile, nodes_of, python_files, text_of
 
 MAX_TO_JSON = 20  # issue 45: 3
 MAX_ANY = 221  # issue 45: 150

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import pytest
 
-from proxy.admin.telemetry import Telemetry, TelemetryStore, VramRecorder, decision_rows, default_path
+from proxy.admin.telemetry import Telemetry, TelemetryStore, VramRecorder, default_path
+from proxy.admin.telemetry_rows import decision_rows
 from proxy.clock import ManualClock
 from proxy.config.units import GIB, MIB
 from proxy.decision_base import RequestTrigger
@@ -250,7 +251,8 @@ async def test_decision_ids_continue_after_the_stores_last_across_restarts(tmp_p
             ids.append(d.id)
         await tel.stop()
     assert len(set(ids)) == 6, f"a restart reused decision ids: {ids}"
-    stored = [r["decision_id"] for r in TelemetryStore(path).query("decisions")]
+    rows: list[dict[str, Any]] = TelemetryStore(path).query("decisions")
+    stored = [r["decision_id"] for r in rows]
     assert sorted(stored) == sorted(ids) and len(set(stored)) == 6, stored
 
 

@@ -233,7 +233,8 @@ def test_the_minimal_graph_reads_v1_and_v3_combos_and_saves_nothing() -> None:
         "KSampler": {"input": {"required": {"sampler_name": ["COMBO", {"options": ["dpmpp_2m", "euler"]}],
                                             "scheduler": ["COMBO", {"options": ["karras"]}]}}},
     }
-    graph, ckpt = minimal_graph(info, None, seed=7)
+    made, ckpt = minimal_graph(info, None, seed=7)
+    graph: dict[str, Any] = made  # read as a test indexes it
     assert ckpt == "b.safetensors"
     sampler = next(n for n in graph.values() if n["class_type"] == "KSampler")["inputs"]
     assert (sampler["sampler_name"], sampler["scheduler"], sampler["steps"]) == ("euler", "karras", 1)

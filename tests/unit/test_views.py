@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from proxy.admin.telemetry import decision_rows
+from proxy.admin.telemetry_rows import decision_rows
 from proxy.clock import ManualClock
 from proxy.handoff.decisions import DecisionLog, HandoffFinished, HandoffStarted, ReleaseResult
 from proxy.handoff.release_result import ReleaseOutcome
