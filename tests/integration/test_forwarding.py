@@ -907,9 +907,9 @@ async def _raw_answer(reader: asyncio.StreamReader) -> bytes:
     head = await within(reader.readuntil(b"\r\n\r\n"))
     assert isinstance(head, bytes)
     if b"transfer-encoding: chunked" in head.lower():
-        return head + await within(reader.readuntil(b"0\r\n\r\n"))  # type: ignore[operator]
+        return head + await within(reader.readuntil(b"0\r\n\r\n"))
     length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))
-    return head + await within(reader.readexactly(length))  # type: ignore[operator]
+    return head + await within(reader.readexactly(length))
 
 
 @pytest.mark.parametrize("answer", [

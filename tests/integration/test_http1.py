@@ -551,6 +551,7 @@ async def test_a_connection_handed_to_a_waiter_and_closed_before_it_resumes_is_n
         holding = await pool.request("GET", b"/", [(b"host", b"h")], None)
         await holding.aread()
         conn = holding._conn
+        assert isinstance(conn, asyncio.Protocol)  # the pooled connection is the transport's protocol
         waiting = asyncio.ensure_future(get(pool))
         await _until(lambda: bool(pool._waiters))
         holding.close()  # hands the connection to the waiter...

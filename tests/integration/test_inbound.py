@@ -243,7 +243,8 @@ async def test_a_kept_alive_connection_is_closed_once_idle_for_the_keep_alive_ti
     # one keep-alive timer per listener (Guard.rest): a connection that answered and then rests is
     # closed by it, one still in use is not, and a closed one leaves the listener's list
     async with served() as (server, _):
-        server.server.config.timeout_keep_alive = 0.2  # read by each new connection
+        # read by each new connection; uvicorn types it int, its keep-alive timer takes any seconds
+        server.server.config.timeout_keep_alive = 0.2  # type: ignore[assignment]
         guard = server.server.config.http.__self__  # type: ignore[union-attr]
         idle_reader, idle_writer = await open_to(server)
         idle_writer.write(request())
