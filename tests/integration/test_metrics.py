@@ -130,8 +130,13 @@ async def test_history_has_the_release_with_freed_bytes_and_the_507(box: DemoFac
     assert [(r["tenant"], r["requester"], r["confirmed"]) for r in releases] == [("comfyui", "ollama", True)]
     assert releases[0]["freed_bytes"] > 11 * GIB and releases[0]["duration_s"] > 0
     assert [(r["tenant"], r["trigger"]) for r in rows["rejections"]] == [("comfyui", "request POST /prompt")]
-    # the chat's swap away from ComfyUI, used just before, is held a moment first (proxy.swap_hold_s): it queued
-    assert {d["kind"] for d in rows["decisions"]} == {"queued", "plan", "rejection"}
+    # The chat's swap away from ComfyUI, used just before, is held a moment first (proxy.swap_hold_s) when
+    # the chat comes within it of the render's end; on a loaded machine it may come later and not wait.
+    # The hold itself is pinned by test_wire_progress; here: no other kind of row, and a wait is the hold.
+    kinds = {d["kind"] for d in rows["decisions"]}
+    assert kinds - {"queued"} == {"plan", "rejection"}, kinds
+    queued = [d for d in rows["decisions"] if d["kind"] == "queued"]
+    assert all(d["outcome"]["reason"].startswith("holding the swap of comfyui") for d in queued), queued
     only = (await http.get(base + "/api/history", params={"kind": "releases", "since": releases[0]["at"] + 1})).json()
     assert only["kinds"] == ["releases"] and only["rows"] == {"releases": []}
     bad = await http.get(base + "/api/history", params={"kind": "nope"})
