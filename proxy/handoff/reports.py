@@ -58,3 +58,7 @@ class Reports(Protocol):
     def loading(self, key: str) -> bool:
         """An admitted load under this key has not finished reaching the card."""
         ...
+
+    def standing(self) -> Mapping[str, str]:
+        """Load key -> tenant of every promise not ended yet (an admitted load still on its way)."""
+        ...

@@ -211,6 +211,10 @@ class Scheduler:
         """An admitted load under this key has not finished reaching the card."""
         return self.reservations.loading(key)
 
+    def standing(self) -> Mapping[str, str]:
+        """Load key -> tenant of every promise not ended yet (an admitted load still on its way)."""
+        return self.reservations.tenants()
+
     def resident(self, tenant: str, key: str) -> bool:
         """This load is on the card already, or on its way there (admitted, not arrived yet)."""
         return self.residency.holds(tenant, key) or self.reservations.loading(key, tenant)

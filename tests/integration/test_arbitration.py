@@ -129,7 +129,7 @@ async def test_oom_answer_is_reclaimed_and_retried_once(box: DemoFactory, http: 
     retry = decisions(demo, "oom_retry", tenant="ollama")
     assert retry and retry[-1].outcome.get("oom_retry") == "succeeded", [(d.outcome, d.plan) for d in retry]
     assert [x["tenant"] for x in retry[-1].outcome["releases"]] == ["comfyui"]
-    assert not proxy_of(demo).broker.scheduler.reservations.tenants(), \
+    assert not proxy_of(demo).broker.scheduler.standing(), \
         "both admissions (first try and retry) give their memory back"
 
 
@@ -142,7 +142,7 @@ async def test_oom_with_nothing_to_release_is_retried_once_on_a_fresh_reading(
     assert r.status_code == 200, r.text
     retry = decisions(demo, "oom_retry", tenant="ollama")
     assert [d.outcome for d in retry] == [{"result": "succeeded"}]
-    assert not proxy_of(demo).broker.scheduler.reservations.tenants()
+    assert not proxy_of(demo).broker.scheduler.standing()
 
 
 async def test_oom_with_nothing_to_release_reaches_the_client_with_blockers(box: DemoFactory, http: httpx.AsyncClient) -> None:
@@ -153,7 +153,7 @@ async def test_oom_with_nothing_to_release_reaches_the_client_with_blockers(box:
     body = r.json()
     assert body["error"] == OOM, "the engine's error is passed through unchanged"
     assert {b["name"] for b in body["blockers"]} >= {"Xorg", "gnome-shell"}
-    assert not proxy_of(demo).broker.scheduler.reservations.tenants()
+    assert not proxy_of(demo).broker.scheduler.standing()
 
 
 async def test_spill_to_cpu_makes_ollama_starved_and_reclaims_comfyui(box: DemoFactory, http: httpx.AsyncClient) -> None:
@@ -238,10 +238,10 @@ async def test_client_leaving_during_a_release_lets_the_release_finish_and_holds
         assert view is not None
         return view
     async with asyncio.timeout(5):  # the release's own end: no event to wait on from here
-        await poll_until(lambda: "releases" in now().outcome and not broker.scheduler.reservations.tenants()
+        await poll_until(lambda: "releases" in now().outcome and not broker.scheduler.standing()
                          and not broker.scheduler.releasing, 0.01)
     assert now().outcome["releases"][0]["confirmed"] is True, "the release runs to its end and is recorded"
-    assert not broker.scheduler.reservations.tenants() and not broker.scheduler.releasing, \
+    assert not broker.scheduler.standing() and not broker.scheduler.releasing, \
         "a departed request holds no memory and no release"
     assert proxy_of(demo).inflight.traffic("ollama").in_flight == 0
     again = await generate(http, demo, "gemma3:27b")
@@ -259,7 +259,7 @@ async def test_each_admission_gives_back_only_its_own_reservation(box: DemoFacto
     assert scheduler.loading("ollama:m"), "an admission that reserved nothing takes nothing from another"
     scheduler.settle(admitted)
     scheduler.settle(admitted)
-    assert not scheduler.reservations.tenants(), "given back once, whoever calls again"
+    assert not scheduler.standing(), "given back once, whoever calls again"
 
 
 async def test_third_app_is_attributed_and_its_release_answers_409(box: DemoFactory, http: httpx.AsyncClient) -> None:
