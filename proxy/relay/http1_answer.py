@@ -74,8 +74,10 @@ class Response:
         "_complete",
         "_conn",
         "_error",
+        "_feeding",
         "_framed",
         "_head",
+        "_head_cb",
         "_head_only",
         "_in_head",
         "_interim",
@@ -107,12 +109,27 @@ class Response:
         self._stray = False  # the parser met bytes past the end of our answer
         self._in_head = False  # between the start of an answer and the end of its headers
         self._body_task: asyncio.Task[None] | None = None
+        self._head_cb: Callable[[asyncio.Future[None]], object] | None = None
+        self._feeding = False
         self.got_bytes = False
 
     def on_head(self, callback: Callable[[asyncio.Future[None]], object]) -> None:
-        """Call `callback` (from the loop) once the status and headers are in, or the answer failed
-        first (the future's exception says how): `Pool.send_now`'s answer, which no coroutine awaits."""
-        self._head.add_done_callback(callback)
+        """Call `callback` once the status and headers are in, or the answer failed first (the
+        future's exception says how): `Pool.send_now`'s answer, which no coroutine awaits. An answer
+        whole (or failed) by the end of the read that brought its head is handed over at once, in
+        that read's callback; else from the loop's next turn, as a future's done callback runs (the
+        rest of a small body sent in a write of its own is usually in by then): no handle, no loop
+        turn for the usual small answer."""
+        self._head_cb = callback
+
+    def _head_due(self) -> None:
+        callback, self._head_cb = self._head_cb, None
+        if callback is None:
+            return
+        if self._complete or self._error is not None:
+            callback(self._head)
+        else:
+            self._conn.loop.call_soon(callback, self._head)
 
     @property
     def headers(self) -> Headers:
@@ -188,17 +205,20 @@ class Response:
         if self._complete or self._error is not None:
             self._keep_alive = False  # bytes past the end: never reuse this connection
             return
+        self._feeding = True
         try:
             self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
-            if self._error is not None:
-                return  # a callback refused the answer and said why
-            if self._complete:
-                self._strayed()  # junk after a whole answer (a body on a 204, bytes after a close) spoils nothing
-            elif isinstance(exc, httptools.HttpParserUpgrade):
-                self._fail(UpstreamProtocolError("the upstream switched protocols on a plain request"))
-            else:
-                self._fail(UpstreamProtocolError(f"malformed answer from the upstream: {exc}"))
+            if self._error is None:  # else a callback refused the answer and said why
+                if self._complete:
+                    self._strayed()  # junk after a whole answer (a body on a 204, bytes after a close) spoils nothing
+                elif isinstance(exc, httptools.HttpParserUpgrade):
+                    self._fail(UpstreamProtocolError("the upstream switched protocols on a plain request"))
+                else:
+                    self._fail(UpstreamProtocolError(f"malformed answer from the upstream: {exc}"))
+        self._feeding = False
+        if self._head_cb is not None and self._head.done():
+            self._head_due()  # last: the callback may hand the connection to the next exchange
 
     def _connection_lost(self, exc: BaseException | None) -> None:
         if self._complete or self._error is not None:
@@ -225,6 +245,8 @@ class Response:
             self._head.set_exception(exc)
             self._head.exception()  # retrieved: whoever awaits it re-raises; nobody awaiting is fine too
         self._wake()
+        if self._head_cb is not None and not self._feeding:
+            self._head_due()
 
     def _wake(self) -> None:
         waiter = self._waiter
