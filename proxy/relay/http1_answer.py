@@ -56,6 +56,9 @@ class UpstreamProtocolError(ConnectionError):
 
 
 
+_FRAMING = frozenset({b"content-length", b"transfer-encoding"})  # a body framed: an EOF before its end truncates it
+
+
 class _StopParsing(Exception):
     """Raised in a parser callback to stop httptools at once; the reason is already recorded."""
 
@@ -102,7 +105,7 @@ class Response:
         self._complete = False
         self._error: BaseException | None = None
         self._interim = False
-        self._framed = False  # Content-Length or chunked: an EOF before the end is a truncation
+        self._framed = False  # Content-Length or Transfer-Encoding in the head: an EOF before the end is a truncation
         self._keep_alive = False
         self._head_only = head_only
         self._closed = False
@@ -147,7 +150,10 @@ class Response:
     def on_header(self, name: bytes, value: bytes) -> None:
         # httptools reports a chunked body's trailers here too, after the headers: never ours to add.
         if self._in_head:
-            self.raw_headers.append((name.lower(), value))
+            name = name.lower()
+            self.raw_headers.append((name, value))
+            if name in _FRAMING:
+                self._framed = True
 
     def on_headers_complete(self) -> None:
         if not self._in_head:
@@ -157,13 +163,14 @@ class Response:
         if 100 <= status < 200 and status != 101:
             self._interim = True  # 100 Continue, 103 Early Hints: the real answer follows
             self.raw_headers = []
+            self._framed = False
             return
-        refusal = _unrelayable(status, self.raw_headers)
+        # Only a 101 or a transfer coding can make an answer unrelayable; either is rare.
+        refusal = _unrelayable(status, self.raw_headers) if status == 101 or self._framed else None
         if refusal is not None:
             self._fail(UpstreamProtocolError(refusal))
             raise _StopParsing  # its body is never read: the connection is dropped with it
         self.status_code = status
-        self._framed = any(n in (b"content-length", b"transfer-encoding") for n, _ in self.raw_headers)
         # After a server error the engine may close the connection without saying so, and later
         # than the answer: uvicorn closes it once it has logged the app's traceback, a few ms after
         # Starlette's 500 went out (llama-cpp-python's server; measured, a POST sent meanwhile is
