@@ -297,28 +297,14 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._in_message = self._in_head = True
         self._begun += 1
         self._head_read = self._head_bytes = self._target_bytes = self._headers = 0
-        # uvicorn's (the test of uvicorn's hooks checks it does no more than this), with our extensions.
-        self.url = b""
-        self.expect_100_continue = False
-        self.headers = []
-        self.scope = {  # type: ignore[typeddict-item]
-            "type": "http",
-            "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
-            "http_version": "1.1",
-            "server": self.server,
-            "client": self.client,
-            "scheme": self.scheme,  # type: ignore[typeddict-item]
-            "root_path": self.root_path,
-            "headers": self.headers,
-            "state": self.app_state.copy(),
-            "extensions": self._extensions,
-        }
+        super().on_message_begin()
+        self.scope["extensions"] = self._extensions
 
     def on_url(self, url: bytes) -> None:
         self._target_bytes += len(url)
         if self._target_bytes > self.limits.max_target_bytes:
             self._stop(414, f"the request target is over {self.limits.max_target_bytes} bytes")
-        self.url += url  # uvicorn's
+        super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         """The limits, then uvicorn's (the test of uvicorn's hooks checks it does no more than this),

@@ -99,21 +99,6 @@ def test_data_received_still_does_what_inbounds_copy_does() -> None:
         assert exc in source, moved(f"HttpToolsProtocol.data_received no longer catches {exc}")
 
 
-def test_on_message_begin_and_on_url_still_do_what_inbounds_copies_do() -> None:
-    # GuardedHttpProtocol.on_message_begin is uvicorn's scope with the extensions in it; on_url
-    # is the target limit, then uvicorn's
-    assert assigned(HttpToolsProtocol.on_message_begin) == {"url", "expect_100_continue", "headers", "scope"}, moved(
-        "HttpToolsProtocol.on_message_begin sets other attributes")
-    source = inspect.getsource(HttpToolsProtocol.on_message_begin)
-    for part in ('"type": "http"', '"asgi": {"version": self.asgi_version, "spec_version": "2.3"}',
-                 '"http_version": "1.1"', '"server": self.server', '"client": self.client', '"scheme": self.scheme',
-                 '"root_path": self.root_path', '"headers": self.headers', '"state": self.app_state.copy()'):
-        assert part in source, moved(f"HttpToolsProtocol.on_message_begin no longer has {part}")
-    assert source.count('": ') == 11, moved("HttpToolsProtocol.on_message_begin's scope has other keys")
-    body = [line.strip() for line in inspect.getsource(HttpToolsProtocol.on_url).splitlines()[1:] if line.strip()]
-    assert body == ["self.url += url"], moved(f"HttpToolsProtocol.on_url changed: {body}")
-
-
 def test_on_header_still_does_what_inbounds_copy_does() -> None:
     # GuardedHttpProtocol.on_header is the head limits, then uvicorn's, copied
     assert called(HttpToolsProtocol.on_header) == {"headers.append"}, moved(
