@@ -307,8 +307,6 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        """The limits, then uvicorn's (the test of uvicorn's hooks checks it does no more than this),
-        in one call per header rather than two."""
         line = len(name) + len(value)
         self._headers += 1
         self._head_bytes += line
@@ -319,12 +317,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._stop(431, f"the request has more than {limits.max_headers} headers")
         if self._head_bytes + self._target_bytes > limits.max_head_bytes:
             self._stop(431, f"the request head is over {limits.max_head_bytes} bytes")
-        name = name.lower()
-        # llhttp keeps trailing OWS, which RFC 9110 section 5.5 excludes from the value.
-        value = value.rstrip(b" \t")
-        if name == b"expect" and value.lower() == b"100-continue":
-            self.expect_100_continue = True
-        self.headers.append((name, value))
+        super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
         self.guard.headless.pop(self, None)

@@ -99,18 +99,6 @@ def test_data_received_still_does_what_inbounds_copy_does() -> None:
         assert exc in source, moved(f"HttpToolsProtocol.data_received no longer catches {exc}")
 
 
-def test_on_header_still_does_what_inbounds_copy_does() -> None:
-    # GuardedHttpProtocol.on_header is the head limits, then uvicorn's, copied
-    assert called(HttpToolsProtocol.on_header) == {"headers.append"}, moved(
-        f"HttpToolsProtocol.on_header changed: it calls {sorted(called(HttpToolsProtocol.on_header))}")
-    source = inspect.getsource(HttpToolsProtocol.on_header)
-    for part in ("name = name.lower()", 'value = value.rstrip(b" \\t")', 'name == b"expect"',
-                 'value.lower() == b"100-continue"', "self.expect_100_continue = True"):
-        assert part in source, moved(f"HttpToolsProtocol.on_header no longer has {part}")
-    assert assigned(HttpToolsProtocol.on_header) == {"expect_100_continue"}, moved(
-        "HttpToolsProtocol.on_header sets other attributes")
-
-
 def test_start_asgi_task_still_does_what_inbounds_copy_does() -> None:
     # GuardedHttpProtocol._start_asgi_task is uvicorn's, keeping the task it starts
     assert called(HttpToolsProtocol._start_asgi_task) == {"loop.create_task", "tasks.add"}, moved(
