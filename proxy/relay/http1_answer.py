@@ -56,6 +56,9 @@ class UpstreamProtocolError(ConnectionError):
 
 
 
+_FRAMING = frozenset({b"content-length", b"transfer-encoding"})  # a body framed: an EOF before its end truncates it
+
+
 class _StopParsing(Exception):
     """Raised in a parser callback to stop httptools at once; the reason is already recorded."""
 
@@ -74,8 +77,10 @@ class Response:
         "_complete",
         "_conn",
         "_error",
+        "_feeding",
         "_framed",
         "_head",
+        "_head_cb",
         "_head_only",
         "_in_head",
         "_interim",
@@ -100,19 +105,34 @@ class Response:
         self._complete = False
         self._error: BaseException | None = None
         self._interim = False
-        self._framed = False  # Content-Length or chunked: an EOF before the end is a truncation
+        self._framed = False  # Content-Length or Transfer-Encoding in the head: an EOF before the end is a truncation
         self._keep_alive = False
         self._head_only = head_only
         self._closed = False
         self._stray = False  # the parser met bytes past the end of our answer
         self._in_head = False  # between the start of an answer and the end of its headers
         self._body_task: asyncio.Task[None] | None = None
+        self._head_cb: Callable[[asyncio.Future[None]], object] | None = None
+        self._feeding = False
         self.got_bytes = False
 
     def on_head(self, callback: Callable[[asyncio.Future[None]], object]) -> None:
-        """Call `callback` (from the loop) once the status and headers are in, or the answer failed
-        first (the future's exception says how): `Pool.send_now`'s answer, which no coroutine awaits."""
-        self._head.add_done_callback(callback)
+        """Call `callback` once the status and headers are in, or the answer failed first (the
+        future's exception says how): `Pool.send_now`'s answer, which no coroutine awaits. An answer
+        whole (or failed) by the end of the read that brought its head is handed over at once, in
+        that read's callback; else from the loop's next turn, as a future's done callback runs (the
+        rest of a small body sent in a write of its own is usually in by then): no handle, no loop
+        turn for the usual small answer."""
+        self._head_cb = callback
+
+    def _head_due(self) -> None:
+        callback, self._head_cb = self._head_cb, None
+        if callback is None:
+            return
+        if self._complete or self._error is not None:
+            callback(self._head)
+        else:
+            self._conn.loop.call_soon(callback, self._head)
 
     @property
     def headers(self) -> Headers:
@@ -130,7 +150,10 @@ class Response:
     def on_header(self, name: bytes, value: bytes) -> None:
         # httptools reports a chunked body's trailers here too, after the headers: never ours to add.
         if self._in_head:
-            self.raw_headers.append((name.lower(), value))
+            name = name.lower()
+            self.raw_headers.append((name, value))
+            if name in _FRAMING:
+                self._framed = True
 
     def on_headers_complete(self) -> None:
         if not self._in_head:
@@ -140,13 +163,14 @@ class Response:
         if 100 <= status < 200 and status != 101:
             self._interim = True  # 100 Continue, 103 Early Hints: the real answer follows
             self.raw_headers = []
+            self._framed = False
             return
-        refusal = _unrelayable(status, self.raw_headers)
+        # Only a 101 or a transfer coding can make an answer unrelayable; either is rare.
+        refusal = _unrelayable(status, self.raw_headers) if status == 101 or self._framed else None
         if refusal is not None:
             self._fail(UpstreamProtocolError(refusal))
             raise _StopParsing  # its body is never read: the connection is dropped with it
         self.status_code = status
-        self._framed = any(n in (b"content-length", b"transfer-encoding") for n, _ in self.raw_headers)
         # After a server error the engine may close the connection without saying so, and later
         # than the answer: uvicorn closes it once it has logged the app's traceback, a few ms after
         # Starlette's 500 went out (llama-cpp-python's server; measured, a POST sent meanwhile is
@@ -188,17 +212,20 @@ class Response:
         if self._complete or self._error is not None:
             self._keep_alive = False  # bytes past the end: never reuse this connection
             return
+        self._feeding = True
         try:
             self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
-            if self._error is not None:
-                return  # a callback refused the answer and said why
-            if self._complete:
-                self._strayed()  # junk after a whole answer (a body on a 204, bytes after a close) spoils nothing
-            elif isinstance(exc, httptools.HttpParserUpgrade):
-                self._fail(UpstreamProtocolError("the upstream switched protocols on a plain request"))
-            else:
-                self._fail(UpstreamProtocolError(f"malformed answer from the upstream: {exc}"))
+            if self._error is None:  # else a callback refused the answer and said why
+                if self._complete:
+                    self._strayed()  # junk after a whole answer (a body on a 204, bytes after a close) spoils nothing
+                elif isinstance(exc, httptools.HttpParserUpgrade):
+                    self._fail(UpstreamProtocolError("the upstream switched protocols on a plain request"))
+                else:
+                    self._fail(UpstreamProtocolError(f"malformed answer from the upstream: {exc}"))
+        self._feeding = False
+        if self._head_cb is not None and self._head.done():
+            self._head_due()  # last: the callback may hand the connection to the next exchange
 
     def _connection_lost(self, exc: BaseException | None) -> None:
         if self._complete or self._error is not None:
@@ -225,6 +252,8 @@ class Response:
             self._head.set_exception(exc)
             self._head.exception()  # retrieved: whoever awaits it re-raises; nobody awaiting is fine too
         self._wake()
+        if self._head_cb is not None and not self._feeding:
+            self._head_due()
 
     def _wake(self) -> None:
         waiter = self._waiter

@@ -52,6 +52,7 @@ Wake = Callable[[], Awaitable["Response | None"]]  # start a tenant that sleeps;
 
 JOB_RESPONSE_MAX = 1 << 20  # a POST /prompt answer is tiny; never hold more than this
 NEWS_MAX = 4 << 20  # a model list or a pull's request, kept for the adapter: never more than this
+INLINE_ROUTES_MAX = 256  # paths whose inline answer a listener remembers; a flood of new ones only misses
 
 
 async def _read_up_to(request: Request, limit: int) -> tuple[bytes, AsyncIterator[bytes] | None]:
@@ -122,6 +123,7 @@ class TenantApp:
         self._sleeps = tenant.lifecycle is not None or any(s.resumes for s in tenant.release_steps)
         self.poller = JobPoller(inflight, tenant.name, self._check_jobs, interval_s=job_poll_s, on_lost=self._job_lost)
         self._departures = Sweep()  # starts the departure watch of the requests that last
+        self._inline_routes: dict[str, bool] = {}  # path -> a GET of it is a passthrough nothing watches
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -196,10 +198,7 @@ class TenantApp:
         if self._sleeps or scope["method"] != "GET" or has_body(scope):
             return None
         host = host_header(scope)
-        path, adapter = scope["path"], self.adapter
-        if host is None or not self._hosts.allows(host) or adapter.classify("GET", path) != "passthrough" \
-                or adapter.model_news("GET", path) or adapter.job_news("GET", path) \
-                or adapter.job_view("GET", path) is not None:
+        if host is None or not self._hosts.allows(host) or not self._inline_route(scope["path"]):
             return None
         response = self.forwarder.send_now(self.tenant, scope)
         if response is None:
@@ -208,6 +207,20 @@ class TenantApp:
         self.inflight.connection_opened(name)  # a stop never cuts it (TenantLifecycle)
         return InlineExchange(server, cycle, response, again=self, relay_opened=self._relay_opened,
                               failed=self._failed, ended=partial(self.inflight.connection_closed, name))
+
+    def _inline_route(self, path: str) -> bool:
+        """Whether a GET of this path is a passthrough no adapter question watches (model news, job
+        news, job views): the adapter's four answers, which depend on the method and path only,
+        remembered per path (four calls, each lowering the method and trimming the path, per request)."""
+        known = self._inline_routes.get(path)
+        if known is None:
+            adapter = self.adapter
+            known = adapter.classify("GET", path) == "passthrough" and not adapter.model_news("GET", path) \
+                and not adapter.job_news("GET", path) and adapter.job_view("GET", path) is None
+            if len(self._inline_routes) >= INLINE_ROUTES_MAX:
+                self._inline_routes.clear()
+            self._inline_routes[path] = known
+        return known
 
     def _relay_opened(self, upstream: UpstreamResponse) -> ASGIApp:
         """The ASGI app that relays an inline exchange's open answer as `_http` relays a passthrough one."""

@@ -98,3 +98,44 @@ async def test_a_bodiless_status_with_a_content_length_ends_at_its_head(status: 
         response, _ = fed(packets)
         assert response.status_code == status and response.received_body() == b"", how
         assert response._keep_alive, f"{how}: the connection stays usable"
+
+
+SMALL = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+
+async def test_an_answer_whole_in_one_read_is_handed_to_its_head_callback_in_that_read() -> None:
+    # the inline exchange's answer: handed over at once, not a loop turn later, when it is all there
+    pool = Pool("http://upstream.invalid:80")
+    conn = _Connection(pool, asyncio.get_running_loop())
+    conn.connection_made(MockTransport())  # type: ignore[arg-type]
+    response = conn.response = Response(conn, head_only=False)
+    seen: list[bytes | None] = []
+    response.on_head(lambda head: seen.append(response.received_body()))
+    conn.data_received(SMALL)
+    assert seen == [b"ok"]
+
+
+async def test_an_answer_still_arriving_is_handed_over_on_the_next_loop_turn_however_the_packets_fall() -> None:
+    for name, packets in splits(SMALL):
+        pool = Pool("http://upstream.invalid:80")
+        conn = _Connection(pool, asyncio.get_running_loop())
+        conn.connection_made(MockTransport())  # type: ignore[arg-type]
+        response = conn.response = Response(conn, head_only=False)
+        calls: list[asyncio.Future[None]] = []
+        response.on_head(calls.append)
+        for packet in packets:
+            conn.data_received(packet)
+        await asyncio.sleep(0)
+        assert len(calls) == 1 and calls[0].done() and calls[0].exception() is None, name
+        assert response.status_code == 200 and response.received_body() == b"ok", name
+
+
+async def test_a_connection_closed_before_the_answer_fails_its_head_callback_at_once() -> None:
+    pool = Pool("http://upstream.invalid:80")
+    conn = _Connection(pool, asyncio.get_running_loop())
+    conn.connection_made(MockTransport())  # type: ignore[arg-type]
+    response = conn.response = Response(conn, head_only=False)
+    calls: list[asyncio.Future[None]] = []
+    response.on_head(calls.append)
+    conn.connection_lost(None)
+    assert len(calls) == 1 and calls[0].exception() is not None and not response.got_bytes
