@@ -34,11 +34,12 @@ import itertools
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from proxy.config.schema import Tenant
 from proxy.gpu.attribution import AttributedSnapshot
-from proxy.handoff.busy import CONFIRM_SLACK_BYTES, at_once_room, busy_states
+from proxy.handoff.busy import CONFIRM_SLACK_BYTES, StatesOnDemand, at_once_room, busy_states
 from proxy.handoff.decisions import (
     HandoffKind,
     Rejected,
@@ -187,12 +188,13 @@ class Scheduler:
     def cpu_tenants(self) -> frozenset[str]:
         return frozenset(self.engine_reads.cpu)
 
-    def states(self, snap: AttributedSnapshot) -> dict[str, TenantState]:
-        """Every tenant's busy state on `snap`, by the pure rule in proxy/handoff/busy.py: admitted
-        work and the engines' reads, never a request that waits (it writes nothing)."""
+    def states(self, snap: AttributedSnapshot, now: float | None = None) -> dict[str, TenantState]:
+        """Every tenant's busy state on `snap` at `now` (default: the clock's), by the pure rule in
+        proxy/handoff/busy.py: admitted work and the engines' reads, never a request that waits (it
+        writes nothing)."""
         reads = self.engine_reads
         return busy_states(self.effects.registry, self.traffic.snapshot(), reads.queues, self.traffic.finished,
-                           snap.held_by, self.effects.clock.now(),
+                           snap.held_by, self.effects.clock.now() if now is None else now,
                            observable=lambda name: not snap.estimated and name not in reads.cpu,
                            unreachable_since=reads.unreachable_since,
                            job_lost_after_s=self.effects.registry.config.proxy.job_lost_after_s)
@@ -249,7 +251,8 @@ class Scheduler:
         if not all(may_overtake(self._waiter(t), now, settings.starvation_after_s, settings.overtake_limit)
                    for t in blocking):
             return None
-        plan = plan_on_devices(snap, self.effects.registry, self.states(snap), tenant.name, need_bytes,
+        states = StatesOnDemand(partial(self.states, snap, self.effects.clock.now()))  # read only when short
+        plan = plan_on_devices(snap, self.effects.registry, states, tenant.name, need_bytes,
                                promised=promised_by_tenant(self._claims(snap), key))
         if not plan.feasible or plan.releases:
             return None  # no room for its peak on the latest reading: planned on a fresh one
