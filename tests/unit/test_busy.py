@@ -213,3 +213,22 @@ def test_states_on_demand_are_worked_out_only_for_a_plan_short_of_memory_and_dec
     assert plan_release(short, registry(), lazy, "ollama", 8 * GIB) == plan_release(short, registry(), eager, "ollama", 8 * GIB)
     assert lazy.computed and calls == [1]  # short: worked out once, the same states as the eager pass
     assert dict(lazy) == eager and len(lazy) == len(eager)
+
+
+def test_a_roomy_resident_plan_is_kept_for_the_same_reading_and_promises_only() -> None:
+    from proxy.handoff.per_card import plan_on_devices
+    from proxy.handoff.queue_rules import RoomyPlans, resident_fit
+    from tests.unit.cards import idle, snap
+
+    reading = snap([("ollama", 1, 5 * GIB), ("comfyui", 2, 10 * GIB)], free=6 * GIB)
+    fresh = resident_fit(plan_on_devices(reading, registry(), idle(), "ollama", 8 * GIB, promised={}))
+    plans = RoomyPlans()
+    key = ("ollama", 8 * GIB, ())
+    assert plans.find(reading, key) is None
+    plans.keep(reading, key, fresh)
+    assert plans.find(reading, key) == fresh
+    assert "on the card already, room for its peak" in fresh.explanation and not fresh.releases
+    assert plans.find(reading, ("ollama", 8 * GIB, (("comfyui", GIB),))) is None  # other promises: planned again
+    again = snap([("ollama", 1, 5 * GIB), ("comfyui", 2, 10 * GIB)], free=6 * GIB)
+    assert plans.find(again, key) is None  # a new reading, even an equal one: planned on it
+    assert plans.find(reading, key) is None  # the old reading's plans are forgotten
