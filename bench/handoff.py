@@ -228,7 +228,7 @@ async def resident(rounds: int) -> dict[str, object]:
         demo = await start_box(watchdog=True)
         assert demo.proxy
         if reader == "broken":
-            demo.proxy.arbitration.reader = _BrokenReader()
+            demo.proxy.broker.reader = _BrokenReader()
         direct_s: list[float] = []
         proxied_s: list[float] = []
         try:

@@ -71,7 +71,7 @@ async def _direct(demo: Demo, client: httpx.AsyncClient) -> tuple[float, float]:
 async def _proxied(demo: Demo, client: httpx.AsyncClient) -> float:
     """Request -> first byte through the proxy to the stopped tenant, in seconds; stops it after."""
     assert demo.proxy is not None
-    machine = demo.proxy.arbitration.lifecycles.machine(TENANT)
+    machine = demo.proxy.broker.lifecycles.machine(TENANT)
     assert machine is not None and machine.state == "stopped", machine and machine.state
     began = time.perf_counter()
     async with client.stream("GET", demo.proxy.url(TENANT) + "/health") as r:

@@ -290,8 +290,8 @@ async def main_async(args: argparse.Namespace) -> int:
             proxy = Proxy(registry, with_pods(NvmlReader()), config_path=config, lifecycle_dir=Path(tmp) / "lifecycle")
             await proxy.start({"admin": 0, TENANT: 0})
             try:
-                await proxy.arbitration.snapshot()
-                notice = start_notice(proxy.arbitration.last_snapshot, proxy.arbitration.last_read_error)
+                await proxy.broker.snapshot()
+                notice = start_notice(proxy.broker.last_snapshot, proxy.broker.last_read_error)
                 await asyncio.sleep(2.5)  # a few watchdog ticks: the engine has said it runs on the CPU
                 runs = []
                 for client in args.runs:
@@ -307,7 +307,7 @@ async def main_async(args: argparse.Namespace) -> int:
                           f"prompt {v['prompt_duration_s']} s, idle {v['idle_after_end_s']} s after its end"
                           + (f"; worse: {v['health_entries_worse']}" if v["health_entries_worse"] else "")
                           + (f"; problems: {v['problems']}" if v["problems"] else ""), file=sys.stderr, flush=True)
-                on_cpu = TENANT in getattr(proxy.arbitration, "cpu_tenants", ())  # (older proxies: none)
+                on_cpu = TENANT in getattr(proxy.broker, "cpu_tenants", ())  # (older proxies: none)
             finally:
                 await proxy.stop()
     system = stats.get("system", {})

@@ -99,9 +99,9 @@ async def serve(proxy: Proxy, stop: asyncio.Event, ports: Mapping[str, int] | No
             started()
         for name, server in proxy.servers.items():
             print(f"  {name:<12} {server.url}", file=out or sys.stdout, flush=True)
-        arbitration = proxy.arbitration
-        await arbitration.snapshot()  # the first GPU read: a missing reader is told now, not at the first load
-        notice = start_notice(arbitration.last_snapshot, arbitration.last_read_error)
+        broker = proxy.broker
+        await broker.snapshot()  # the first GPU read: a missing reader is told now, not at the first load
+        notice = start_notice(broker.last_snapshot, broker.last_read_error)
         if notice:
             print(notice, file=err or sys.stderr, flush=True)
         await stop.wait()

@@ -174,7 +174,7 @@ def describe(demo: Demo, scenario: str) -> str:
                      else "# on its own GPU: nothing released"),
                   f"  curl -s {a}/api/decisions | python3 -m json.tool          # what the proxy decided and why",
                   f"  curl -s {a}/api/models | python3 -m json.tool             # model files: size, how much is in RAM"]
-        suspending = list(demo.proxy.arbitration.lifecycles.suspensions.records())
+        suspending = list(demo.proxy.broker.lifecycles.suspensions.records())
         if suspending:  # release kind cuda_suspend: the render again is a restore, not a checkpoint read
             lines += [f"  curl -s {a}/api/gpu | python3 -m json.tool                # host_ram: what "
                       f"{' and '.join(suspending)} parked while suspended",

@@ -350,7 +350,7 @@ async def _unload_releases_nobody(demo: Demo, client: httpx.AsyncClient) -> str:
     biggest = max(demo.box.ollama.config.models, key=lambda m: m.size_bytes).name
     before = len(demo.proxy.decisions.recent(500))
     # cuda_suspend: a suspended Ollama is restored first (its runner must not end with its CUDA calls locked)
-    suspended = demo.proxy.arbitration.lifecycles.suspensions.dormant("ollama")
+    suspended = demo.proxy.broker.lifecycles.suspensions.dormant("ollama")
     r = await client.post(demo.proxy.url("ollama") + "/api/generate", json={"model": biggest, "keep_alive": 0})
     if r.status_code != 200 or r.json().get("done_reason") != "unload":
         raise AssertionError(f"unload of {biggest} answered {r.status_code}: {r.text[:200]}")
@@ -386,7 +386,7 @@ async def _relay_stopped_and_started(demo: Demo, client: httpx.AsyncClient) -> s
     assert demo.proxy and demo.box.comfyui and demo.box.scenario.relay
     spec, proxy, gpu = demo.box.scenario.relay, demo.proxy, demo.box.gpu
     name = spec.tenant
-    machine = proxy.arbitration.lifecycles.machine(name)
+    machine = proxy.broker.lifecycles.machine(name)
     if machine is None:
         raise AssertionError(f"{name} is not a tenant the proxy starts and stops")
     lifecycle = machine

@@ -22,7 +22,7 @@ from proxy.clock import Clock, SystemClock
 from proxy.config.registry import Registry
 from proxy.errors import ConfigError
 from proxy.gpu.snapshot import GpuReader
-from proxy.handoff.arbitration import Arbitration
+from proxy.handoff.broker import GpuBroker
 from proxy.handoff.decisions import DecisionLog
 from proxy.handoff.inflight import InFlight
 from proxy.handoff.watchdog import Watchdog
@@ -94,9 +94,9 @@ class Proxy:
     inflight: InFlight = field(init=False)
     forwarder: Forwarder = field(init=False)
     decisions: DecisionLog = field(init=False)
-    arbitration: Arbitration = field(init=False)
+    broker: GpuBroker = field(init=False)
     watchdog: Watchdog = field(init=False)
-    admission: GpuGate = field(init=False)
+    gate: GpuGate = field(init=False)
     servers: dict[str, RunningServer] = field(init=False, default_factory=dict)
     _pollers: list[object] = field(init=False, default_factory=list)
     _preloads: list[asyncio.Task[LifecycleReport | None]] = field(init=False, default_factory=list)  # preload starts under way
@@ -109,11 +109,11 @@ class Proxy:
         state_dir = instance_dir(self.lifecycle_dir or default_state_dir(), self.registry.config.admin.listen)
         self.forwarder = Forwarder(state_dir=state_dir)  # what the adapters learn (Ollama's footprints) is kept there
         self.decisions = DecisionLog(self.clock)
-        self.arbitration = Arbitration(self.registry, self.reader, self.inflight, self.clock, self.decisions,
+        self.broker = GpuBroker(self.registry, self.reader, self.inflight, self.clock, self.decisions,
                                        adapter=self.forwarder.adapter, state_dir=state_dir,
                                        checkpointer=self.checkpointer)
-        self.watchdog = Watchdog(self.arbitration)
-        self.admission = GpuGate(self.arbitration, self.forwarder.adapter)
+        self.watchdog = Watchdog(self.broker)
+        self.gate = GpuGate(self.broker, self.forwarder.adapter)
         self.token = admin_token(self.registry)
         factories = default_extensions() if self.extension_factories is None else self.extension_factories
         self.view = ProxyView(self)
@@ -127,14 +127,14 @@ class Proxy:
     async def start(self, ports: Mapping[str, int] | None = None) -> None:
         """Bind every listener. `ports` overrides a listener's port by name ("admin" or a tenant)."""
         ports = dict(ports or {})
-        admission = self.admission
+        gate = self.gate
         binding: tuple[str, str] | None = None  # (who, host:port) while a bind is under way
         try:
             for tenant in self.registry:
                 if not tenant.listen:
                     continue
                 host, port = split_host_port(tenant.listen)
-                app = TenantApp(tenant, self.forwarder, self.inflight, admission)
+                app = TenantApp(tenant, self.forwarder, self.inflight, gate)
                 self._pollers.append(app.poller)
                 binding = (tenant.name, f"{host}:{ports.get(tenant.name, port)}")
                 self.servers[tenant.name] = await start_server(app, host, ports.get(tenant.name, port), name=tenant.name)
@@ -142,7 +142,7 @@ class Proxy:
             host, port = split_host_port(self.registry.config.admin.listen)
             for ext in self.extensions:
                 await ext.start()
-            admin = AdminApi(self.arbitration, self.watchdog, self.token,
+            admin = AdminApi(self.broker, self.watchdog, self.token,
                              listeners={name: server.url for name, server in self.servers.items()},
                              closing=self._admin_closing)
             extra = [route for ext in self.extensions for route in ext.routes()]
@@ -153,9 +153,9 @@ class Proxy:
             if binding is None:
                 raise ConfigError(f"cannot start: {exc}") from None
             raise listen_error(exc, *binding, self.config_path or self.registry.source) from None
-        await self.arbitration.lifecycles.adopt()  # a unit or container already up runs on
-        self._preloads = [asyncio.create_task(self.arbitration.preload(t), name=f"hyperswap:preload:{t.name}")
-                          for t in self.registry if t.preload and t.name in self.arbitration.lifecycles]
+        await self.broker.lifecycles.adopt()  # a unit or container already up runs on
+        self._preloads = [asyncio.create_task(self.broker.preload(t), name=f"hyperswap:preload:{t.name}")
+                          for t in self.registry if t.preload and t.name in self.broker.lifecycles]
         if self.watchdog_enabled:
             self.watchdog.start()
 
@@ -169,11 +169,11 @@ class Proxy:
         # All listeners drain together, bounded in total (one after another took 5 s each).
         await stop_servers(list(self.servers.values()), self.drain_s)
         self.servers.clear()
-        await self.admission.aclose()  # after the pollers and sockets that report OOMs are gone
+        await self.gate.aclose()  # after the pollers and sockets that report OOMs are gone
         for ext in reversed(self.extensions):
             await ext.stop()
         await self.forwarder.aclose()
-        await self.arbitration.aclose()  # with the apps the proxy started itself
+        await self.broker.aclose()  # with the apps the proxy started itself
 
     def _admin_closing(self) -> bool:
         """The admin server has been told to stop (its open streams end)."""

@@ -25,7 +25,7 @@ def _labels(obj: object) -> tuple[str, ...]:
 
 def families() -> list[tuple[Metric, tuple[str, ...], tuple[float, ...]]]:
     """(family, labels, buckets) for everything the registry of one proxy can expose."""
-    no_tenants = SimpleNamespace(registry=[], arbitration=SimpleNamespace(
+    no_tenants = SimpleNamespace(registry=[], broker=SimpleNamespace(
         lifecycles=SimpleNamespace(machines=dict)))
     m = Metrics(cast(ProxyView, no_tenants))
     out = [(f, _labels(f), ()) for f in m.live.describe()]

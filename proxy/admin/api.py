@@ -26,7 +26,7 @@ from proxy.config.schema import Tenant
 from proxy.config.units import GIB
 from proxy.encoding import JSONObject
 from proxy.errors import HyperSwapError, error_body
-from proxy.handoff.arbitration import Arbitration, ReleaseResult
+from proxy.handoff.broker import GpuBroker, ReleaseResult
 from proxy.handoff.decision_json import Decision, RequestStory
 from proxy.handoff.decisions import NothingToRelease, Rejected
 from proxy.handoff.orders import release_whole, stop_whole
@@ -90,9 +90,9 @@ def release_fix(tenant: Tenant, result: ReleaseResult) -> str:
 
 
 class AdminApi:
-    def __init__(self, arbitration: Arbitration, watchdog: Watchdog, token: str | None = None,
+    def __init__(self, broker: GpuBroker, watchdog: Watchdog, token: str | None = None,
                  listeners: Mapping[str, str] | None = None, closing: Callable[[], bool] | None = None) -> None:
-        self.arbitration = arbitration
+        self.broker = broker
         # True once the admin server is told to stop: open streams (the logs) end, so the server's
         # shutdown never waits for them
         self.closing: Callable[[], bool] = closing or (lambda: False)
@@ -126,41 +126,41 @@ class AdminApi:
         return wrapped
 
     async def tenant_view(self, tenant: Tenant) -> JSONObject:
-        snap = self.arbitration.last_snapshot or await self.arbitration.snapshot()
-        state = self.arbitration.scheduler.states(snap)[tenant.name]
-        return views.dump(views.tenant_view(self.arbitration, self.watchdog, snap, tenant, state,
+        snap = self.broker.last_snapshot or await self.broker.snapshot()
+        state = self.broker.scheduler.states(snap)[tenant.name]
+        return views.dump(views.tenant_view(self.broker, self.watchdog, snap, tenant, state,
                                             self.listeners.get(tenant.name)))
 
     # -- routes -------------------------------------------------------------------------------
     async def list_tenants(self, request: Request) -> Response:
-        await self.arbitration.snapshot()
-        return JSONResponse({"tenants": [await self.tenant_view(t) for t in self.arbitration.registry]})
+        await self.broker.snapshot()
+        return JSONResponse({"tenants": [await self.tenant_view(t) for t in self.broker.registry]})
 
     async def get_tenant(self, request: Request) -> Response:
-        tenant = self.arbitration.registry.get(request.path_params["name"])
-        await self.arbitration.snapshot()
+        tenant = self.broker.registry.get(request.path_params["name"])
+        await self.broker.snapshot()
         return JSONResponse(await self.tenant_view(tenant))
 
     async def release(self, request: Request) -> Response:
-        tenant = self.arbitration.registry.get(request.path_params["name"])
+        tenant = self.broker.registry.get(request.path_params["name"])
         if not tenant.reclaimable:
             return refusals.not_reclaimable(tenant).response()
-        snap = await self.arbitration.snapshot()
-        state = self.arbitration.scheduler.states(snap)[tenant.name]
-        if not state.busy and await self.arbitration.adapter(tenant).runs_on_cpu(self.arbitration.control):
+        snap = await self.broker.snapshot()
+        state = self.broker.scheduler.states(snap)[tenant.name]
+        if not state.busy and await self.broker.adapter(tenant).runs_on_cpu(self.broker.control):
             return self._nothing_on_the_card(tenant)  # (busy first: a busy tenant's answer is 409 wherever it runs)
         if not state.busy:  # the release path checks again when its turn comes (another may be under way)
             order = release_whole(snap, tenant, "admin", "release", "asked by the admin API")
-            (result,) = (await asyncio.shield(self.arbitration.scheduler.release(order))).results
+            (result,) = (await asyncio.shield(self.broker.scheduler.release(order))).results
             if not result.busy:
                 return release_answer(tenant, result)
-            state = self.arbitration.scheduler.states(await self.arbitration.snapshot())[tenant.name]
+            state = self.broker.scheduler.states(await self.broker.snapshot())[tenant.name]
         return refusals.busy(tenant, state.busy_reason, "released").response()
 
     # -- tenants the proxy starts and stops --------------------------------------------------------
     def _lifecycle(self, tenant: Tenant, action: str) -> TenantLifecycle | Response:
         """The tenant's state machine, or the 409 for a tenant the proxy does not start and stop."""
-        machine = self.arbitration.lifecycles.machine(tenant.name)
+        machine = self.broker.lifecycles.machine(tenant.name)
         if machine is not None:
             return machine
         return refusals.not_lifecycle(tenant, action).response()
@@ -176,13 +176,13 @@ class AdminApi:
     async def start(self, request: Request) -> Response:
         """Start a tenant the proxy starts: its memory planned exactly as for a request that wakes it
         (507 when impossible, 503 past the queue timeout), then started past any backoff."""
-        tenant = self.arbitration.registry.get(request.path_params["name"])
+        tenant = self.broker.registry.get(request.path_params["name"])
         machine = self._lifecycle(tenant, "start")
         if isinstance(machine, Response):
             return machine
         if machine.state == "running":
             return self._lifecycle_answer(tenant, machine, "start", note=f"{tenant.name} runs already: nothing to do")
-        outcome = await self.arbitration.start(tenant, "admin start")
+        outcome = await self.broker.start(tenant, "admin start")
         if isinstance(outcome, Admitted):
             return self._start_not_admitted(tenant, machine, outcome)
         if outcome.ok:
@@ -193,15 +193,15 @@ class AdminApi:
         """The queue refused the start's memory (507: impossible) or it waited past the queue timeout (503)."""
         handoff = admitted.handoff
         if admitted.outcome == "timeout":
-            timeout_s = self.arbitration.registry.config.proxy.queue_timeout_s
-            self.arbitration.decisions.emit(Rejected(tenant=tenant.name, trigger="admin start", plan=handoff.plan, status=503,
+            timeout_s = self.broker.registry.config.proxy.queue_timeout_s
+            self.broker.decisions.emit(Rejected(tenant=tenant.name, trigger="admin start", plan=handoff.plan, status=503,
                                              reason=admitted.reason))
             return refusals.start_queue_timeout(tenant, admitted, timeout_s, machine.view()).response()
-        return refusals.not_enough_memory(tenant, handoff, self.arbitration.start_need(tenant).bytes).response()
+        return refusals.not_enough_memory(tenant, handoff, self.broker.start_need(tenant).bytes).response()
 
     async def stop(self, request: Request) -> Response:
         """Stop an idle tenant the proxy starts, through the one release path (its stopping step)."""
-        tenant = self.arbitration.registry.get(request.path_params["name"])
+        tenant = self.broker.registry.get(request.path_params["name"])
         machine = self._lifecycle(tenant, "stop")
         if isinstance(machine, Response):
             return machine
@@ -215,11 +215,11 @@ class AdminApi:
                                              note=f"{tenant.name} is stopped already: nothing to do")
         if machine.state == "starting":
             return 409, refusals.starting(tenant, machine.view()).body()
-        snap = await self.arbitration.snapshot()
-        state = self.arbitration.scheduler.states(snap)[tenant.name]
-        if not state.busy and not self.arbitration.stop_blocked(tenant.name):  # the release path checks again in its turn
+        snap = await self.broker.snapshot()
+        state = self.broker.scheduler.states(snap)[tenant.name]
+        if not state.busy and not self.broker.stop_blocked(tenant.name):  # the release path checks again in its turn
             order = stop_whole(snap, tenant, trigger, f"stop asked by the admin API ({trigger})")
-            (result,) = (await asyncio.shield(self.arbitration.scheduler.release(order))).results
+            (result,) = (await asyncio.shield(self.broker.scheduler.release(order))).results
             if result.result in ("confirmed", "estimated"):
                 return 200, self._lifecycle_body(tenant, machine, "stop", release=ReleaseOutcome.of(result).dump())
             if not result.busy:
@@ -227,7 +227,7 @@ class AdminApi:
                     f"{tenant.name} could not be stopped: {result.error or result.result}",
                     release_fix(tenant, result), tenant=tenant.name, reason="stop_failed",
                     release=ReleaseOutcome.of(result).dump(), lifecycle=machine.view())
-            state = self.arbitration.scheduler.states(await self.arbitration.snapshot())[tenant.name]
+            state = self.broker.scheduler.states(await self.broker.snapshot())[tenant.name]
         why = state.busy_reason if state.busy else "a request, stream or websocket is open"
         return 409, refusals.busy(tenant, why, "stopped", machine.view()).body()
 
@@ -236,8 +236,8 @@ class AdminApi:
         through the same path as `/api/tenants/{name}/stop`; busy and starting ones are left running and
         named with why. 200 when all are stopped now, else 409 (a stop that failed, or one refused)."""
         results: list[dict[str, object]] = []
-        for tenant in self.arbitration.registry:
-            machine = self.arbitration.lifecycles.machine(tenant.name)
+        for tenant in self.broker.registry:
+            machine = self.broker.lifecycles.machine(tenant.name)
             if machine is None:
                 continue
             status, body = await self._stop_one(tenant, machine, "admin stop all")
@@ -259,7 +259,7 @@ class AdminApi:
     async def logs(self, request: Request) -> Response:
         """The app's output as server-sent events: its last lines (`lines`, default 100), then each new
         line as it is written to its log file, until the client goes away or the proxy stops."""
-        tenant = self.arbitration.registry.get(request.path_params["name"])
+        tenant = self.broker.registry.get(request.path_params["name"])
         machine = self._lifecycle(tenant, "stream the output of")
         if isinstance(machine, Response):
             return machine
@@ -290,7 +290,7 @@ class AdminApi:
             follower.close()
 
     async def _log_frames(self, follower: LogFollower, first: Chunk) -> AsyncIterator[bytes]:
-        clock = self.arbitration.clock
+        clock = self.broker.clock
         yield b"retry: 2000\n\n"
         chunk, quiet_s = first, 0.0
         while True:
@@ -314,7 +314,7 @@ class AdminApi:
         """A CPU engine holds no GPU memory: nothing is asked, and the answer says why."""
         note = (f"{tenant.name} runs on the CPU (its /system_stats device type is cpu): it holds no GPU memory, "
                 "so there is nothing to release")
-        self.arbitration.decisions.emit(NothingToRelease(tenant=tenant.name, trigger="admin", reason=note))
+        self.broker.decisions.emit(NothingToRelease(tenant=tenant.name, trigger="admin", reason=note))
         body = {**ReleaseOutcome.of(ReleaseResult(tenant.name, 0, 0, 0.0, False)).dump(), "result": "not_on_gpu"}
         return JSONResponse({"tenant": tenant.name, **body, "reason": "cpu", "note": note})
 
@@ -324,14 +324,14 @@ class AdminApi:
             return error(400, "missing query parameter 'tenant'", "GET /api/plan?tenant=ollama&need_gb=8")
         need_gb = optional_number(request.query_params, "need_gb", low=0, high=MAX_GIB,
                                   example="GiB, like GET /api/plan?tenant=ollama&need_gb=8")
-        tenant = self.arbitration.registry.get(name)
+        tenant = self.broker.registry.get(name)
         need = tenant.needs_vram_bytes if need_gb is None else int(need_gb * GIB)
-        plan, _ = await self.arbitration.plan(name, need)
+        plan, _ = await self.broker.plan(name, need)
         return JSONResponse({"dry_run": True, "plan": plan_json(plan)})
 
     async def decisions(self, request: Request) -> Response:
         limit = integer(request.query_params, "limit", 100, low=1, high=500, example="GET /api/decisions?limit=100")
-        recent = self.arbitration.decisions.recent(limit)
+        recent = self.broker.decisions.recent(limit)
         return JSONResponse(views.DecisionList(decisions=[Decision.of(d) for d in recent]).dump())
 
     async def decision(self, request: Request) -> Response:
@@ -340,7 +340,7 @@ class AdminApi:
         raw = request.path_params["id"]
         if not raw.isdigit():
             return error(400, f"decision id {raw!r} is not a number", "GET /api/decisions/42 (ids from GET /api/decisions)")
-        log = self.arbitration.decisions
+        log = self.broker.decisions
         view = log.view(int(raw))
         if view is None:
             return error(404, f"no decision {raw} (too old, or never made)", "GET /api/decisions lists the kept ones")
@@ -350,15 +350,15 @@ class AdminApi:
                                                  related=[Decision.of(v) for v in related]).dump())
 
     async def stats(self, request: Request) -> Response:
-        snap = await self.arbitration.snapshot()
-        states = self.arbitration.scheduler.states(snap)
+        snap = await self.broker.snapshot()
+        states = self.broker.scheduler.states(snap)
         stats = views.Stats(
             device=views.device_view(snap),
             processes=[views.card_process(p) for p in snap.processes],
-            tenants=[views.tenant_view(self.arbitration, self.watchdog, snap, t, states[t.name], self.listeners.get(t.name))
-                     for t in self.arbitration.registry],
-            decisions=[Decision.of(d) for d in self.arbitration.decisions.recent(20)],
-            gpu_error=views.gpu_error_view(self.arbitration.last_read_error),
+            tenants=[views.tenant_view(self.broker, self.watchdog, snap, t, states[t.name], self.listeners.get(t.name))
+                     for t in self.broker.registry],
+            decisions=[Decision.of(d) for d in self.broker.decisions.recent(20)],
+            gpu_error=views.gpu_error_view(self.broker.last_read_error),
         )
         return JSONResponse(views.dump(stats))
 
@@ -383,7 +383,7 @@ class AdminApi:
             *(extra_routes or []),
         ]
         # No CORS unless configured: a web page on another origin must not drive the admin API.
-        spec = self.arbitration.registry.config.admin
+        spec = self.broker.registry.config.admin
         cors = spec.cors_origins
         middleware = [Middleware(CORSMiddleware, allow_origins=cors, allow_methods=["GET", "POST"],
                                  allow_headers=["Authorization", "Content-Type"])] if cors else []

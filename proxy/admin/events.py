@@ -120,20 +120,20 @@ class _Subscriber:
 
 async def stats_payload(proxy: ProxyView, snap: AttributedSnapshot | None = None, recent: int = 20) -> JSONObject:
     """One stats frame's body (no catalog, no tenant config: those are large and static)."""
-    arbitration = proxy.arbitration
-    snap = snap or await arbitration.snapshot()
-    states = arbitration.scheduler.states(snap)
-    tenants = [views.stats_tenant(arbitration, proxy.watchdog, snap, t, states[t.name]) for t in arbitration.registry]
+    broker = proxy.broker
+    snap = snap or await broker.snapshot()
+    states = broker.scheduler.states(snap)
+    tenants = [views.stats_tenant(broker, proxy.watchdog, snap, t, states[t.name]) for t in broker.registry]
     frame = views.StatsFrame(
         device=views.device_view(snap),
         tenants=tenants,
         processes=[views.card_process(p, cmdline=False) for p in snap.processes],
         in_flight=sum(t.in_flight for t in tenants),
         busy=[t.name for t in tenants if t.busy],
-        decision_ids=[d.id for d in arbitration.decisions.recent(recent)],
-        handoff_in_progress=bool(arbitration.scheduler.releasing),
-        queue=[views.Waiting.model_validate(w) for w in views.queue(arbitration)],
-        gpu_error=views.gpu_error_view(arbitration.last_read_error),
+        decision_ids=[d.id for d in broker.decisions.recent(recent)],
+        handoff_in_progress=bool(broker.scheduler.releasing),
+        queue=[views.Waiting.model_validate(w) for w in views.queue(broker)],
+        gpu_error=views.gpu_error_view(broker.last_read_error),
     )
     return views.dump(frame)
 
@@ -165,8 +165,8 @@ class EventsExtension:
 
     async def start(self) -> None:
         self._unsubscribe = self.proxy.decisions.subscribe(self._on_decision)
-        self._unsubscribe_loads = self.proxy.arbitration.loads.subscribe(_LoadsChange(self._changed))
-        lifecycles = self.proxy.arbitration.lifecycles
+        self._unsubscribe_loads = self.proxy.broker.loads.subscribe(_LoadsChange(self._changed))
+        lifecycles = self.proxy.broker.lifecycles
         lifecycles.on_report.append(self._on_lifecycle)
         lifecycles.on_state.append(self._on_lifecycle_state)
         self._lifecycle_sent = {name: m.state for name, m in lifecycles.machines().items()}
@@ -181,9 +181,9 @@ class EventsExtension:
             self._unsubscribe_loads()
             self._unsubscribe_loads = None
         with contextlib.suppress(ValueError):
-            self.proxy.arbitration.lifecycles.on_report.remove(self._on_lifecycle)
+            self.proxy.broker.lifecycles.on_report.remove(self._on_lifecycle)
         with contextlib.suppress(ValueError):
-            self.proxy.arbitration.lifecycles.on_state.remove(self._on_lifecycle_state)
+            self.proxy.broker.lifecycles.on_state.remove(self._on_lifecycle_state)
         self._close_all()
         await cancel_and_wait(self._tasks)
         self._tasks.clear()
@@ -212,12 +212,12 @@ class EventsExtension:
         asyncio.get_running_loop().call_soon(self._lifecycle_changed, tenant)
 
     def _lifecycle_changed(self, tenant: str) -> None:
-        machine = self.proxy.arbitration.lifecycles.machine(tenant)
+        machine = self.proxy.broker.lifecycles.machine(tenant)
         if machine is not None and self._lifecycle_sent.get(tenant) != machine.state:
             self._lifecycle_frame(tenant, None)
 
     def _lifecycle_frame(self, tenant: str, report: LifecycleReport | None) -> None:
-        machine = self.proxy.arbitration.lifecycles.machine(tenant)
+        machine = self.proxy.broker.lifecycles.machine(tenant)
         if machine is None:
             return
         view = machine.view()
@@ -228,7 +228,7 @@ class EventsExtension:
 
     def _lifecycle_changes(self) -> None:
         """States that changed with no report (a start or stop on its way): one frame each."""
-        for name, machine in self.proxy.arbitration.lifecycles.machines().items():
+        for name, machine in self.proxy.broker.lifecycles.machines().items():
             if self._lifecycle_sent.get(name) != machine.state:
                 self._lifecycle_frame(name, None)
 
@@ -264,12 +264,12 @@ class EventsExtension:
 
     async def refresh_catalog(self) -> bool:
         """Fetch every tenant's catalog; broadcast it if it changed. True when it changed."""
-        client = self.proxy.arbitration.control
+        client = self.proxy.broker.control
         catalog: dict[str, dict[str, object]] = {}
         previous = self.catalog or {}
         for tenant in self.proxy.registry:
             try:
-                listed = await self.proxy.arbitration.adapter(tenant).catalog(client, self.settings.catalog_timeout_s)
+                listed = await self.proxy.broker.adapter(tenant).catalog(client, self.settings.catalog_timeout_s)
                 entry = None if listed is None else listed.model_dump(mode="json", exclude_unset=True)
             except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
                 old = previous.get(tenant.name) or {"engine": tenant.engine, "models": []}

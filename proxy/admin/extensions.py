@@ -1,6 +1,6 @@
 """Admin-side features that plug into the proxy: each adds routes to the admin listener and may run
 background work (telemetry writer, events ticker). Read-mostly: they observe the proxy's owners
-(arbitration, inflight, decisions, watchdog) through a read-only `ProxyView` and never take part
+(broker, inflight, decisions, watchdog) through a read-only `ProxyView` and never take part
 in a handoff. A new feature is one line in `default_extensions()`: a factory taking the view."""
 
 # One line per extension (import and append together) keeps each addition a one-line change that

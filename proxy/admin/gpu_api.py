@@ -98,7 +98,7 @@ class GpuSettingsExtension:
         await self._fresh()
         # what CUDA suspension (release kind cuda_suspend) parked in host RAM, beside the card's settings
         return JSONResponse({**self.keeper.report().model_dump(mode="json"),
-                             "host_ram": self.proxy.arbitration.lifecycles.suspensions.view().model_dump(mode="json")})
+                             "host_ram": self.proxy.broker.lifecycles.suspensions.view().model_dump(mode="json")})
 
     # -- health ----------------------------------------------------------------------------------
     async def gpu_health(self) -> list[HealthEntry]:

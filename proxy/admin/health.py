@@ -186,10 +186,10 @@ class HealthExtension:
     async def _sampler(self) -> None:
         while True:
             await self.proxy.clock.sleep(self.sample_interval_s)
-            snap = self.proxy.arbitration.last_snapshot
+            snap = self.proxy.broker.last_snapshot
             try:
                 if snap is None:
-                    snap = await self.proxy.arbitration.snapshot()
+                    snap = await self.proxy.broker.snapshot()
                 self.sample(snap)
             except asyncio.CancelledError:
                 raise
@@ -210,12 +210,12 @@ class HealthExtension:
         return result if isinstance(result, list) else [result]
 
     async def report(self) -> HealthReport:
-        arbitration = self.proxy.arbitration
+        broker = self.proxy.broker
         snap: AttributedSnapshot | None
         try:
-            snap = await asyncio.wait_for(arbitration.snapshot(), self.timeout_s)
+            snap = await asyncio.wait_for(broker.snapshot(), self.timeout_s)
         except (TimeoutError, Exception):
-            snap = arbitration.last_snapshot
+            snap = broker.last_snapshot
         if snap is None:
             return HealthReport(status="failed", entries=[entry_model.of(HealthEntry(
                 "nvml", "failed", "no GPU snapshot could be taken", "arbitration has nothing to plan with",
@@ -223,7 +223,7 @@ class HealthExtension:
         self.sample(snap)
         results = await asyncio.gather(*(self._run_one(c, snap) for c in self.checks))
         entries = [e for group in results for e in group]
-        caps = capabilities(snap, arbitration.last_read_error)
+        caps = capabilities(snap, broker.last_read_error)
         return HealthReport(status=worst([e.status for e in entries]), entries=[entry_model.of(e) for e in entries],
                             capabilities=caps, checked_at=time.time())
 
@@ -232,7 +232,7 @@ class HealthExtension:
 
     # -- the checks ------------------------------------------------------------------------------
     async def check_nvml(self, snap: AttributedSnapshot) -> HealthEntry:
-        err = self.proxy.arbitration.last_read_error
+        err = self.proxy.broker.last_read_error
         if err is not None:
             return HealthEntry("nvml", "failed", f"{err.state}: {err.message}",
                                "the proxy cannot see which process holds GPU memory; "
@@ -257,7 +257,7 @@ class HealthExtension:
                            + (f" ({note})" if note else ""))
 
     def adapter(self, tenant: Tenant) -> HealthPorts:
-        return self.proxy.arbitration.adapter(tenant)
+        return self.proxy.broker.adapter(tenant)
 
     def _fix_upstream(self, tenant: Tenant) -> str:
         where = self.proxy.config_path or self.proxy.registry.source
@@ -268,7 +268,7 @@ class HealthExtension:
         name = f"upstream {tenant.name}"
         if not tenant.upstream:
             return HealthEntry(name, "ok", "no upstream (VRAM-only tenant)")
-        machine = self.proxy.arbitration.lifecycles.machine(tenant.name)
+        machine = self.proxy.broker.lifecycles.machine(tenant.name)
         if machine is not None and machine.state != "running":  # not up on purpose: its lifecycle entry says more
             return HealthEntry(name, "ok", f"{machine.state}: a tenant the proxy starts and stops (its next request "
                                            f"starts it; see lifecycle {tenant.name})")
@@ -346,12 +346,12 @@ class HealthExtension:
         """Each tenant the proxy starts and stops: a failed start with its error and fix, and what its
         controller finds wrong without changing anything (an orphan of an earlier run, named and never
         killed; an unknown unit; a missing container; an unreachable Docker socket)."""
-        machines = self.proxy.arbitration.lifecycles.machines()
+        machines = self.proxy.broker.lifecycles.machines()
         found = await asyncio.gather(*(m.controller.check() for m in machines.values()), return_exceptions=True)
         entries: list[HealthEntry] = []
         for (name, machine), problems in zip(machines.items(), found, strict=True):
             entries += lifecycle_entries(name, machine, problems)
-        for name, rec in self.proxy.arbitration.lifecycles.suspensions.records().items():  # release kind cuda_suspend
+        for name, rec in self.proxy.broker.lifecycles.suspensions.records().items():  # release kind cuda_suspend
             parked = f": {rec.parked_bytes / 2**30:.1f} GiB parked in host RAM ({rec.via})" if rec.parked_bytes else ""
             entries.append(HealthEntry(f"suspend {name}", "degraded" if rec.error else "ok", rec.error or f"{rec.state}{parked}",
                                        "its memory was not parked, or not restored: the next release step ran"
@@ -392,7 +392,7 @@ class HealthExtension:
         """Jobs counted as running that the evidence says are not (proxy/handoff/busy.py). Clearing
         the engine's queue is advised only on positive evidence that an entry is dead: listed while its
         tenant holds only its idle floor on a card that shows its memory."""
-        states = self.proxy.arbitration.scheduler.states(snap)  # from the queues the watchdog read
+        states = self.proxy.broker.scheduler.states(snap)  # from the queues the watchdog read
         stale = {name: s for name, s in states.items() if s.stale_jobs}
         if not stale:
             return [HealthEntry("stale queue entries", "ok", "none")]
@@ -440,7 +440,7 @@ class HealthExtension:
 
     async def check_unmanaged(self, snap: AttributedSnapshot) -> list[HealthEntry]:
         if snap.estimated:  # no process list: "no unmanaged processes" would be a claim nobody checked
-            err = self.proxy.arbitration.last_read_error
+            err = self.proxy.broker.last_read_error
             return [HealthEntry("unmanaged VRAM", "unknown",
                                 "cannot be checked: without a GPU reader no process outside the tenants' engines is visible",
                                 "memory other programs hold is not counted: a load may still run out of memory",
@@ -523,11 +523,11 @@ class HealthExtension:
         return None if report is None else report.model_dump(mode="json")
 
     async def engines_route(self, request: Request) -> Response:
-        arbitration = self.proxy.arbitration
+        broker = self.proxy.broker
         try:
-            snap: AttributedSnapshot | None = await asyncio.wait_for(arbitration.snapshot(), self.timeout_s)
+            snap: AttributedSnapshot | None = await asyncio.wait_for(broker.snapshot(), self.timeout_s)
         except Exception:
-            snap = arbitration.last_snapshot
+            snap = broker.last_snapshot
         tenants = list(self.proxy.registry)
         views = await asyncio.gather(*(self.engine_view(t, snap) for t in tenants), return_exceptions=True)
         out = [v if isinstance(v, dict) else {"tenant": t.name, "engine": t.engine, "error": f"{type(v).__name__}: {v}"}

@@ -8,7 +8,7 @@ churn and would explode the series count).
 Series:
 - hyperswap_gpu_memory_{total,used,free}_bytes, hyperswap_tenant_vram_bytes{tenant},
   hyperswap_unmanaged_vram_bytes, hyperswap_gpu_snapshot_age_seconds,
-  hyperswap_gpu_snapshot_source_info{source,device}: from `arbitration.last_snapshot` (one GPU
+  hyperswap_gpu_snapshot_source_info{source,device}: from `broker.last_snapshot` (one GPU
   read if none was taken yet). source is nvml | simulated | engine-estimate. A figure nobody
   measured has no sample (never a 0): without a GPU reader the unmanaged VRAM, the tenants that
   report nothing about themselves, and the card's used/free (and total, when no engine reports it).
@@ -161,7 +161,7 @@ class _LiveCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         proxy = self.proxy
         tenants = [t.name for t in proxy.registry]
-        snap = proxy.arbitration.last_snapshot
+        snap = proxy.broker.last_snapshot
         total = _gauge("hyperswap_gpu_memory_total_bytes")
         used = _gauge("hyperswap_gpu_memory_used_bytes")
         free = _gauge("hyperswap_gpu_memory_free_bytes")
@@ -196,13 +196,13 @@ class _LiveCollector(Collector):
         yield jobs
         waiting = _gauge("hyperswap_queue_waiting")
         counts: dict[str, int] = {name: 0 for name in tenants}
-        for w in proxy.arbitration.scheduler.waiting():
+        for w in proxy.broker.scheduler.waiting():
             counts[w["tenant"]] = counts.get(w["tenant"], 0) + 1
         for name, n in counts.items():
             waiting.add_metric([name], n)
         yield waiting
         yield from _picker_families(proxy, snap)
-        machines = proxy.arbitration.lifecycles.machines()
+        machines = proxy.broker.lifecycles.machines()
         if machines:
             state = _gauge("hyperswap_lifecycle_state")
             for name, machine in machines.items():
@@ -218,7 +218,7 @@ def _picker_families(proxy: ProxyView, snap: AttributedSnapshot | None) -> list[
     cost = _gauge("hyperswap_tenant_memory_cost")
     models = _gauge("hyperswap_tenant_models_info")
     now = proxy.clock.wall()
-    for s in gather(proxy.arbitration.scheduler, proxy.registry, snap):
+    for s in gather(proxy.broker.scheduler, proxy.registry, snap):
         waiting.add_metric([s.tenant], s.waiting)
         running.add_metric([s.tenant], s.running)
         if s.memory_cost is not None:  # the card's size is unknown: no sample, never a 0
@@ -289,7 +289,7 @@ class Metrics:
                 self.requests.labels(tenant.name, outcome)
             self.rejections.labels(tenant.name)
             self.timeouts.labels(tenant.name)
-        for name in proxy.arbitration.lifecycles.machines():
+        for name in proxy.broker.lifecycles.machines():
             self.starts.labels(name)
             self.failed_starts.labels(name)
             self.start_seconds.labels(name)
@@ -304,20 +304,20 @@ class Metrics:
     async def start(self) -> None:
         self._unsubscribe = self.proxy.decisions.subscribe(self.on_decision)
         self.proxy.inflight.on_departure.append(self.on_departure)
-        self.proxy.arbitration.lifecycles.on_report.append(self.on_lifecycle)
+        self.proxy.broker.lifecycles.on_report.append(self.on_lifecycle)
 
     async def stop(self) -> None:
         if self._unsubscribe is not None:
             self._unsubscribe()
             self._unsubscribe = None
-        if self.on_lifecycle in self.proxy.arbitration.lifecycles.on_report:
-            self.proxy.arbitration.lifecycles.on_report.remove(self.on_lifecycle)
+        if self.on_lifecycle in self.proxy.broker.lifecycles.on_report:
+            self.proxy.broker.lifecycles.on_report.remove(self.on_lifecycle)
         if self.on_departure in self.proxy.inflight.on_departure:
             self.proxy.inflight.on_departure.remove(self.on_departure)
 
     async def scrape(self, request: Request) -> Response:
-        if self.proxy.arbitration.last_snapshot is None:
-            await self.proxy.arbitration.snapshot()  # first scrape before any request: read the card once
+        if self.proxy.broker.last_snapshot is None:
+            await self.proxy.broker.snapshot()  # first scrape before any request: read the card once
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_PLAIN_0_0_4)
 
     # -- observing ------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ the next model's files while the other tenant releases (`load_ahead`), and time 
 engine's own answer (`load_starting` reads the files' residency, `load_ended` the engine's figure)
 or from its execution frames (`engine_frame`).
 
-ProxyView attributes used: registry, arbitration (last_snapshot, loads), decisions, token, extension("health")
+ProxyView attributes used: registry, broker (last_snapshot, loads), decisions, token, extension("health")
 (to add a health check). Everything that touches the disk runs off the loop.
 """
 
@@ -90,7 +90,7 @@ class ModelsExtension:
         return int(self.settings.warm_margin_gb * GIB)
 
     def _cmdlines(self, tenant: str) -> list[str]:
-        snap = self.proxy.arbitration.last_snapshot
+        snap = self.proxy.broker.last_snapshot
         return [p.process.cmdline for p in snap.processes_of(tenant)] if snap is not None else []
 
     def _engine_env(self, tenant: Tenant) -> Mapping[str, str] | None:
@@ -98,7 +98,7 @@ class ModelsExtension:
         OLLAMA_MODELS and HOME, not the proxy's): /proc/<pid>/environ of one of its GPU processes (a
         runner inherits its server's). None when none is on the card, when the reader does not see
         this host's processes (a simulated GPU's pids are fictional), or when none can be read."""
-        snap = self.proxy.arbitration.last_snapshot
+        snap = self.proxy.broker.last_snapshot
         if snap is None or snap.snapshot.tree is None:
             return None
         for p in snap.processes_of(tenant.name):
@@ -116,7 +116,7 @@ class ModelsExtension:
 
     async def start(self) -> None:
         from proxy.admin.health import HealthExtension, NamedCheck
-        self._unsubscribe = self.proxy.arbitration.loads.subscribe(self)
+        self._unsubscribe = self.proxy.broker.loads.subscribe(self)
         self._spawn(self._quietly(self.catalog.all_files), "hyperswap:locate")  # before the first load
         health = self.proxy.extension("health")  # explicit lookup by name
         if isinstance(health, HealthExtension):
@@ -205,7 +205,7 @@ class ModelsExtension:
         seconds = adapter.load_seconds(tail) if tail is not None else None
         source = f"{adapter.kind} load_duration"
         if seconds is None:  # the client left before the engine's last line: the proxy's own time, to its first byte
-            seconds, source = self.proxy.arbitration.loads.answered_after(load), "until the engine's first byte"
+            seconds, source = self.proxy.broker.loads.answered_after(load), "until the engine's first byte"
         if seconds is None and tail is None:  # it left before any answer: the engine goes on loading
             self._spawn(self._seen_loaded(load, files, before), f"hyperswap:load-watch:{load.tenant}:{load.model}")
             return
@@ -219,16 +219,16 @@ class ModelsExtension:
         the first reading of that figure (to within WATCH_EVERY_S). A request for the
         same load meanwhile times it itself (one load, one record); a figure that never settles, or
         falls, records nothing."""
-        arbitration = self.proxy.arbitration
-        clock = arbitration.loads.clock  # the clock its began_at was read on
+        broker = self.proxy.broker
+        clock = broker.loads.clock  # the clock its began_at was read on
         tenant = self.proxy.registry.get(load.tenant)
         settled: tuple[int, float] | None = None  # (the figure, when first read)
         deadline = clock.now() + WATCH_FOR_S
         while clock.now() < deadline:
             await clock.sleep(WATCH_EVERY_S)
-            if arbitration.loads.underway_of(load.tenant, load.key) is not None:
+            if broker.loads.underway_of(load.tenant, load.key) is not None:
                 return
-            snap = await arbitration.snapshot()
+            snap = await broker.snapshot()
             gain = load_progress(load, snap.held_by(load.tenant), tenant.idle_vram_bytes, snap.estimated).on_card_bytes
             if settled is not None and gain < settled[0] - SETTLED_SLACK * load.need_bytes:
                 return  # it fell: unloaded, or the load failed
@@ -334,8 +334,8 @@ class ModelsExtension:
         tenant = request.query_params.get("tenant")
         if tenant is not None and tenant not in self.proxy.registry.tenants:
             return _error(404, f"no tenant {tenant!r}", "GET /api/tenants lists them", tenant=tenant)
-        if self.proxy.arbitration.last_snapshot is None:
-            await self.proxy.arbitration.snapshot()  # ComfyUI's folders come from its command line on the card
+        if self.proxy.broker.last_snapshot is None:
+            await self.proxy.broker.snapshot()  # ComfyUI's folders come from its command line on the card
         try:
             return JSONResponse(await self.files(self.listing, tenant))
         except (FileWorkBusy, TimeoutError) as exc:
@@ -352,8 +352,8 @@ class ModelsExtension:
             return None, _error(400, "the body must be an object with exactly a tenant and a model, both strings", example)
         if body["tenant"] not in self.proxy.registry.tenants:
             return None, _error(404, f"no tenant {body['tenant']!r}", "GET /api/tenants lists them", tenant=body["tenant"])
-        if self.proxy.arbitration.last_snapshot is None:
-            await self.proxy.arbitration.snapshot()
+        if self.proxy.broker.last_snapshot is None:
+            await self.proxy.broker.snapshot()
         try:
             files = await self.files(self.catalog.find, body["tenant"], body["model"])
         except (FileWorkBusy, TimeoutError) as exc:

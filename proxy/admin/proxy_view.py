@@ -19,7 +19,7 @@ from starlette.routing import BaseRoute
 from proxy.clock import Clock
 from proxy.config.registry import Registry
 from proxy.gpu.snapshot import GpuReader
-from proxy.handoff.arbitration import Arbitration
+from proxy.handoff.broker import GpuBroker
 from proxy.handoff.decisions import DecisionLog
 from proxy.handoff.inflight import InFlight
 from proxy.handoff.watchdog import Watchdog
@@ -48,8 +48,8 @@ class ProxyParts(Protocol):
     config_note: str | None
     inflight: InFlight
     decisions: DecisionLog
-    arbitration: Arbitration
-    admission: GpuGate
+    broker: GpuBroker
+    gate: GpuGate
     watchdog: Watchdog
     servers: dict[str, RunningServer]
     extensions: list[Extension]
@@ -109,13 +109,13 @@ class ProxyView:
         return self._proxy.decisions
 
     @property
-    def arbitration(self) -> Arbitration:
-        return self._proxy.arbitration
+    def broker(self) -> GpuBroker:
+        return self._proxy.broker
 
     @property
     def gate(self) -> GpuGate:
         """The tenant listeners' GPU gate (admission, forwarding, the OOM retry)."""
-        return self._proxy.admission
+        return self._proxy.gate
 
     @property
     def watchdog(self) -> Watchdog:

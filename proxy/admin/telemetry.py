@@ -525,7 +525,7 @@ class Telemetry:
 
     # -- observing ----------------------------------------------------------------------------------
     def sample(self) -> None:
-        snap = self.proxy.arbitration.last_snapshot
+        snap = self.proxy.broker.last_snapshot
         if snap is not None:
             self.recorder.observe_snapshot(snap, [t.name for t in self.proxy.registry])
 

@@ -21,7 +21,7 @@ from proxy.errors import ErrorBody
 from proxy.gpu.attribution import AttributedProcess, AttributedSnapshot
 from proxy.gpu.snapshot import GpuError, GpuReadError, PodName
 from proxy.gpu.visibility import Device, TenantDevices, tenant_vram
-from proxy.handoff.arbitration import Arbitration
+from proxy.handoff.broker import GpuBroker
 from proxy.handoff.decision_json import Decision, RequestStory
 from proxy.handoff.plan import TenantState, gib
 from proxy.handoff.plan_json import Plan
@@ -313,41 +313,41 @@ def _pod(p: AttributedProcess) -> PodName | None:
     return PodName.of(p.pod) if p.pod else None
 
 
-def lifecycle_view(arbitration: Arbitration, tenant: str) -> Lifecycle | None:
+def lifecycle_view(broker: GpuBroker, tenant: str) -> Lifecycle | None:
     """A tenant the proxy starts and stops: its state now; None for the others."""
-    machine = arbitration.lifecycles.machine(tenant)
+    machine = broker.lifecycles.machine(tenant)
     return None if machine is None else Lifecycle.model_validate(machine.view())
 
 
-def queue(arbitration: Arbitration) -> list[dict[str, object]]:
+def queue(broker: GpuBroker) -> list[dict[str, object]]:
     """Every waiting request, in arrival order, with its place in line (by priority, then arrival)."""
-    entries = arbitration.scheduler.waiting()
+    entries = broker.scheduler.waiting()
     place = {w["id"]: i + 1 for i, w in enumerate(sorted(entries, key=lambda w: (-w["priority"], w["id"])))}
     return [{**w, "position": place[w["id"]]} for w in entries]
 
 
-def loading_view(arbitration: Arbitration, snap: AttributedSnapshot, tenant: Tenant) -> LoadUnderway | None:
+def loading_view(broker: GpuBroker, snap: AttributedSnapshot, tenant: Tenant) -> LoadUnderway | None:
     """The tenant's load on its way to the card, with how far it got on `snap` (`load_events.progress`)."""
-    load = arbitration.loads.underway_of(tenant.name)
+    load = broker.loads.underway_of(tenant.name)
     held = tenant_vram(snap, tenant.name)
     if load is None:
         return None
-    figure = None if held is None else arbitration.loads.progress(load, held, tenant.idle_vram_bytes, snap.estimated)
+    figure = None if held is None else broker.loads.progress(load, held, tenant.idle_vram_bytes, snap.estimated)
     on_card = figure.on_card_bytes if figure is not None else None
     return LoadUnderway(model=load.model, since=round(load.began_wall, 3),
-                        elapsed_s=round(arbitration.clock.now() - load.began_at, 1),
+                        elapsed_s=round(broker.clock.now() - load.began_at, 1),
                         need_bytes=load.need_bytes, need_gb=gib(load.need_bytes), on_card_bytes=on_card,
                         on_card_gb=gib(on_card), estimated=figure is None or figure.estimated)
 
 
-def _live(arbitration: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, tenant: Tenant,
+def _live(broker: GpuBroker, watchdog: Watchdog, snap: AttributedSnapshot, tenant: Tenant,
           state: TenantState) -> dict[str, object]:
     """The live fields /api/tenants and the events' stats frames share (`_TenantLive`)."""
-    traffic = arbitration.inflight.snapshot().get(tenant.name)
-    machine = arbitration.lifecycles.machine(tenant.name)
+    traffic = broker.inflight.snapshot().get(tenant.name)
+    machine = broker.lifecycles.machine(tenant.name)
     # a tenant the proxy stopped (or that is not running) has nothing to release: no countdown
     deadline = None if machine is not None and machine.state != "running" else watchdog.idle_deadline(tenant.name)
-    now = arbitration.clock.now()
+    now = broker.clock.now()
     held = tenant_vram(snap, tenant.name)  # None: nobody could see it (no GPU reader, no self-report)
     return {
         "name": tenant.name,
@@ -358,23 +358,23 @@ def _live(arbitration: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot
         "stale_jobs": list(state.stale_jobs),
         "last_activity_age_s": None if not traffic or traffic.last_activity is None else round(now - traffic.last_activity, 1),
         "idle_release_in_s": None if deadline is None else round(max(0.0, deadline - now), 1),
-        "reclaimable": tenant.reclaimable and tenant.name not in arbitration.cpu_tenants,  # on the CPU: nothing to take
-        "waiting": [w for w in queue(arbitration) if w["tenant"] == tenant.name],
-        "loading": loading_view(arbitration, snap, tenant),
+        "reclaimable": tenant.reclaimable and tenant.name not in broker.cpu_tenants,  # on the CPU: nothing to take
+        "waiting": [w for w in queue(broker) if w["tenant"] == tenant.name],
+        "loading": loading_view(broker, snap, tenant),
         # several cards: where it loads, what it holds on each (absent on one card)
         **({} if (cards := TenantDevices.of(snap, tenant.name)) is None else {"devices": cards}),
-        "lifecycle": lifecycle_view(arbitration, tenant.name),
-        "suspension": (None if (rec := arbitration.lifecycles.suspensions.record(tenant.name)) is None
+        "lifecycle": lifecycle_view(broker, tenant.name),
+        "suspension": (None if (rec := broker.lifecycles.suspensions.record(tenant.name)) is None
                        else Suspended.of(rec)),
     }
 
 
-def tenant_view(arbitration: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, tenant: Tenant,
+def tenant_view(broker: GpuBroker, watchdog: Watchdog, snap: AttributedSnapshot, tenant: Tenant,
                 state: TenantState, listening: str | None = None) -> TenantView:
     """One tenant with its configuration and live state (GET /api/tenants, /api/stats, MCP);
     `listening`: where its listener really answers (a port of 0 read back)."""
     return TenantView.model_validate({
-        **_live(arbitration, watchdog, snap, tenant, state),
+        **_live(broker, watchdog, snap, tenant, state),
         "config": tenant.model_dump(mode="json"),
         "processes": [tenant_process(p) for p in snap.processes_of(tenant.name)],
         "watchdog": watchdog.last.reasons.get(tenant.name) if watchdog.last else None,
@@ -383,9 +383,9 @@ def tenant_view(arbitration: Arbitration, watchdog: Watchdog, snap: AttributedSn
     })
 
 
-def stats_tenant(arbitration: Arbitration, watchdog: Watchdog, snap: AttributedSnapshot, tenant: Tenant,
+def stats_tenant(broker: GpuBroker, watchdog: Watchdog, snap: AttributedSnapshot, tenant: Tenant,
                  state: TenantState) -> StatsTenant:
     """One tenant in an events stats frame: the live state, small (no config, no catalog)."""
-    return StatsTenant.model_validate({**_live(arbitration, watchdog, snap, tenant, state), "engine": tenant.engine,
+    return StatsTenant.model_validate({**_live(broker, watchdog, snap, tenant, state), "engine": tenant.engine,
                                        "priority": tenant.priority,
                                        "pids": [p.process.pid for p in snap.processes_of(tenant.name)]})

@@ -8,7 +8,7 @@ its results come as a second event that refers to it by id, never by changing th
 - `Queued` (scheduler.py): a request first has to wait; `WaitChanged` when what it waits for changes;
   `QueueEnded` (admitted, refused, timed out, client left) with how long it waited and the decision
   that ended the wait.
-- `HandoffStarted` / `HandoffFinished` (arbitration.py `carry_out`, the one release path for the
+- `HandoffStarted` / `HandoffFinished` (broker.py `carry_out`, the one release path for the
   queue's plans and OOM retries, the watchdog's spill relief and idle releases, the admin API).
 - `Rejected`: 507 (scheduler.py) or 503 after the queue timeout (relay/gpu_gate.py).
 - `OomRetry`, `StaleJob`, `FirstByte` (relay/gpu_gate.py: a request that waited or caused a handoff

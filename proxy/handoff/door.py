@@ -1,7 +1,7 @@
 """The one door: what the request side of the proxy (the GPU gate) may ask of the scheduler.
 
 Every GPU request becomes work through these calls and no other (design invariant 14): tried at
-once when its load is on the card and its peak fits, else queued (`Arbitration.admit`, which
+once when its load is on the card and its peak fits, else queued (`GpuBroker.admit`, which
 estimates the need first); an unload made work without a plan; the promise an admitted request
 holds ended when its answer (or its job) ends. The scheduler (`scheduler.py`) is the one object
 that implements it; the gate holds it as this protocol, so nothing on the request side can reach

@@ -1,5 +1,5 @@
 """What the scheduler does to the world (`HandoffEffects`): read the card, carry out a release, warm
-a load's files. `Arbitration` is the real one; `ScriptedEffects` is the fake the tests drive the
+a load's files. `GpuBroker` is the real one; `ScriptedEffects` is the fake the tests drive the
 scheduler with (tests/unit/test_scheduler.py over a card it edits, tests/unit/test_scheduler_model.py
 over a modelled box), as httpx ships `MockTransport` for its transport seam.
 """
@@ -18,7 +18,7 @@ from proxy.handoff.plan import Release
 
 
 class HandoffEffects(Protocol):
-    """Everything the scheduler does to the world. `Arbitration` is the real one (the card reader
+    """Everything the scheduler does to the world. `GpuBroker` is the real one (the card reader
     and the releaser); tests pass recording fakes."""
 
     clock: Clock
@@ -47,7 +47,7 @@ async def freed_as_expected(release: Release) -> ReleaseResult:
 
 class ScriptedEffects:
     """`HandoffEffects` for tests: the card is what `card()` returns, each tenant's release is what
-    `release(step)` answers, and every effect is written to `log` in order. As `Arbitration`, an order
+    `release(step)` answers, and every effect is written to `log` in order. As `GpuBroker`, an order
     is recorded as one `HandoffStarted` decision before anything is asked, and a tenant that `busy`
     says has work when its turn comes is never asked (its result says busy).
 

@@ -17,7 +17,7 @@ second is served by one swap; its reload is 8-9 s). Only a swap away from a tena
 once. The hold counts from the request's arrival, so a request that already waited that long for a
 busy tenant to finish is not held again when it ends (a debounce from the tenant's last use would add
 the whole hold to every wait behind a render), and it never applies past the fairness bound
-(`queue_rules.may_overtake`).
+(`policy.may_overtake`).
 
 A tenant whose release parks its memory in host RAM (release kind `cuda_suspend`, `restores`) is
 undone by a restore, not a reload: at `RESTORE_BYTES_PER_S` (a host-to-card copy) its swap risks a
@@ -39,7 +39,7 @@ RESTORE_BYTES_PER_S = 12e9  # a restore from host RAM (cuda_suspend): a pinned c
 HOLD_SHARE = 0.15  # of the reload a swap risks: a hold costs the requester at most 15 % of what it may save
 
 
-class Released(Protocol):
+class SwapRelease(Protocol):
     """What a hold needs of each release a swap would make (`plan.Release`)."""
     @property
     def tenant(self) -> str: ...
@@ -56,14 +56,14 @@ class SwapHold:
     recent: frozenset[str] = frozenset()
     restores: frozenset[str] = frozenset()
 
-    def hold_s(self, releases: Iterable[Released]) -> float:
+    def hold_s(self, releases: Iterable[SwapRelease]) -> float:
         """How long a swap making `releases` is held: the share of the reload of what it releases
         from tenants active lately, at most `cap_s`; 0 when none of them was active lately."""
         risked_s = sum(r.expected_free_bytes / (RESTORE_BYTES_PER_S if r.tenant in self.restores else RELOAD_BYTES_PER_S)
                        for r in releases if r.tenant in self.recent)
         return min(self.cap_s, HOLD_SHARE * risked_s) if self.cap_s > 0 else 0.0
 
-    def until(self, arrived_at: float, releases: Iterable[Released]) -> float | None:
+    def until(self, arrived_at: float, releases: Iterable[SwapRelease]) -> float | None:
         """When the swap of a request that arrived at `arrived_at` starts at the latest; None: not held."""
         hold = self.hold_s(releases)
         return arrived_at + hold if hold > 0 else None

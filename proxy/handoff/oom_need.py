@@ -4,7 +4,7 @@ The failure says the estimate was short: the retry asks for more than the tenant
 it failed, that is what it holds plus what is free, plus `OOM_HEADROOM_BYTES`, so the plan releases
 idle tenants for it. Two things keep that from refusing a retry that can run:
 
-- the card is read afresh after the failure (`Arbitration.admit`), never the reading taken while
+- the card is read afresh after the failure (`GpuBroker.admit`), never the reading taken while
   the job ran: ComfyUI frees its models when it fails ("Got an OOM, unloading all loaded models"),
   and a reading taken while it sampled counted memory twice (24.3 GiB held and 0.25 free on a card
   of 23.7), so a 10 GiB render's retry asked for more than the card and got 507 "too large";

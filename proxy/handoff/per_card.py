@@ -22,7 +22,7 @@ from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import DeviceMemory
 from proxy.handoff.hold import NO_HOLD, SwapHold
 from proxy.handoff.plan import Plan, PlanMode, TenantState, plan_release
-from proxy.handoff.queue_rules import (
+from proxy.handoff.policy import (
     DEFAULT_OVERTAKE_LIMIT,
     Releasing,
     Verdict,

@@ -2,7 +2,7 @@
 
 `plan_release()` looks at one attributed snapshot, the registry and the tenants' busy states, and
 says what to release so the requester can reach its need, whether waiting for busy tenants would
-help, or who is in the way for good. `queue_rules.schedule()` applies it to the queue of waiting
+help, or who is in the way for good. `policy.schedule()` applies it to the queue of waiting
 requests. Both only read data and return data; the scheduler and the watchdog log the result,
 return it, then execute it. `plan_release()` is two steps
 read on their own: `decide()` gathers the facts (`PlanFacts`: holdings, candidates, the releases

@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import Callable, Coroutine, Iterator
 
 from proxy.handoff.orders import Released, ReleaseOrder
-from proxy.handoff.queue_rules import Releasing
+from proxy.handoff.policy import Releasing
 from proxy.handoff.tickets import Underway
 
 CarryOut = Callable[[ReleaseOrder, bool], Coroutine[object, object, Released]]  # `HandoffEffects.carry_out`

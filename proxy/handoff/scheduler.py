@@ -1,4 +1,4 @@
-"""The scheduler: the one owner of admission state, and the effects side of `queue_rules.schedule`.
+"""The scheduler: the one owner of admission state, and the effects side of `policy.schedule`.
 
 It holds every piece of state that decides who runs: the requests waiting for memory (`Waiter`s),
 the admission of each request as its tenant's work (`InFlight.admit`, in the step that admits it),
@@ -52,7 +52,7 @@ from proxy.handoff.orders import Released, ReleaseOrder
 from proxy.handoff.peaks import Peaks
 from proxy.handoff.per_card import plan_on_devices, schedule_on_devices
 from proxy.handoff.plan import Plan, TenantState, unplanned_plan
-from proxy.handoff.queue_rules import (
+from proxy.handoff.policy import (
     RESIDENT,
     Releasing,
     RoomyPlans,
@@ -230,7 +230,7 @@ class Scheduler:
     def admit_at_once(self, tenant: Tenant, key: str, need_bytes: int, work: Token | None = None) -> Admitted | None:
         """The scheduler's first step for a request, taken without reading the card again: a load that
         is on the card already (or on its way there) runs now, ahead of requests that wait to swap its
-        tenant away, within the fairness bound (`queue_rules.may_overtake`), if the latest reading has
+        tenant away, within the fairness bound (`policy.may_overtake`), if the latest reading has
         room for its peak (`need_bytes`: what is not on the card plus its working memory, planned
         like any other request's with every promise counted): a render on a resident checkpoint
         still samples. Its growth is reserved until its work ends. None: it goes through `request`

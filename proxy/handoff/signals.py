@@ -34,7 +34,7 @@ from proxy.engines.registry import ADAPTERS
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.handoff.per_card import plan_on_devices
 from proxy.handoff.plan import Plan, TenantState
-from proxy.handoff.queue_rules import promised_by_tenant
+from proxy.handoff.policy import promised_by_tenant
 from proxy.handoff.scheduler import Scheduler
 
 FREE_WEIGHT = 0.25  # a load into free memory: only the read from disk

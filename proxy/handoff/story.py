@@ -10,7 +10,7 @@ from typing import Literal
 from proxy.decision_base import DecisionEvent, E, RequestTrigger
 from proxy.handoff.decision_events import FirstByte, HandoffFinished, HandoffStarted, ModelLoad, Queued, QueueEnded, WaitChanged
 from proxy.handoff.plan import gib
-from proxy.handoff.queue_rules import held_swap
+from proxy.handoff.policy import held_swap
 
 
 @dataclass(frozen=True, slots=True)

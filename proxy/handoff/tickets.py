@@ -14,7 +14,7 @@ from proxy.handoff.decisions import HandoffKind, HandoffStarted, Queued, QueueEn
 from proxy.handoff.inflight import Token
 from proxy.handoff.orders import Released, ReleaseOrder
 from proxy.handoff.plan import Plan, gib
-from proxy.handoff.queue_rules import Releasing, Verdict, Waiter
+from proxy.handoff.policy import Releasing, Verdict, Waiter
 
 
 @dataclass(slots=True)

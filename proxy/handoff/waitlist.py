@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from proxy.handoff.decisions import DecisionLog, Queued, QueueEnd, QueueEnded, WaitChanged
 from proxy.handoff.inflight import Token
-from proxy.handoff.queue_rules import Verdict
+from proxy.handoff.policy import Verdict
 from proxy.handoff.tickets import QUEUE_END, Admitted, Ticket, Underway
 
 

@@ -20,7 +20,7 @@ from proxy.engines import ReleaseFailed
 from proxy.engines.common import go_time
 from proxy.engines.ports import SelfReport
 from proxy.gpu.attribution import AttributedSnapshot
-from proxy.handoff.arbitration import CONFIRM_SLACK_BYTES, Arbitration, gib
+from proxy.handoff.broker import CONFIRM_SLACK_BYTES, GpuBroker, gib
 from proxy.handoff.decisions import SpillNoPlan, StaleJob
 from proxy.handoff.orders import ReleaseOrder, release_whole, stop_whole
 from proxy.handoff.plan import TenantState
@@ -58,9 +58,9 @@ MAX_IDLE_BACKOFF = 64  # the wait after fruitless idle releases doubles up to 64
 
 
 class Watchdog:
-    def __init__(self, arbitration: Arbitration) -> None:
-        self.arbitration = arbitration
-        self.scheduler: Reports = arbitration.scheduler  # all it tells the scheduler and asks of it (reports.py)
+    def __init__(self, broker: GpuBroker) -> None:
+        self.broker = broker
+        self.scheduler: Reports = broker.scheduler  # all it tells the scheduler and asks of it (reports.py)
         self.last: TickReport | None = None
         self._task: asyncio.Task[None] | None = None
         self._placements: dict[tuple[str, str], _Placement] = {}
@@ -74,19 +74,19 @@ class Watchdog:
         otherwise repeat every idle period, each time waiting out its release timeout: after n such
         releases in a row the wait is idle_release_after_s x 2^n (at most x 64), counted from the
         last one. Any traffic of the tenant, or a release that frees memory, starts over."""
-        tenant = self.arbitration.registry.get(tenant_name)
-        if tenant.idle_release_after_s is None or not tenant.reclaimable or tenant_name in self.arbitration.cpu_tenants:
+        tenant = self.broker.registry.get(tenant_name)
+        if tenant.idle_release_after_s is None or not tenant.reclaimable or tenant_name in self.broker.cpu_tenants:
             return None  # (an engine on the CPU has nothing on the card to release)
-        traffic = self.arbitration.inflight.snapshot().get(tenant_name)
+        traffic = self.broker.inflight.snapshot().get(tenant_name)
         activity = traffic.last_activity if traffic else None
-        last = activity if activity is not None else self.arbitration.started_at
+        last = activity if activity is not None else self.broker.started_at
         fruitless = self._fruitless.get(tenant_name)
         if fruitless is not None and fruitless.activity == activity:
             return fruitless.at + tenant.idle_release_after_s * min(1 << fruitless.count, MAX_IDLE_BACKOFF)
         return last + tenant.idle_release_after_s
 
     def _idle_released(self, name: str, freed: int, at: float) -> None:
-        traffic = self.arbitration.inflight.snapshot().get(name)
+        traffic = self.broker.inflight.snapshot().get(name)
         activity = traffic.last_activity if traffic else None
         if freed > CONFIRM_SLACK_BYTES:
             self._fruitless.pop(name, None)
@@ -96,27 +96,27 @@ class Watchdog:
         self._fruitless[name] = _Fruitless(count, activity, at)
 
     async def tick(self) -> TickReport:
-        arbitration = self.arbitration
-        report = TickReport(at=arbitration.clock.now())
+        broker = self.broker
+        report = TickReport(at=broker.clock.now())
         if self.scheduler.releasing:
             report.reasons["*"] = "a handoff is in progress"
             self.last = report
             return report
         await self._read_queues(report)
-        snap = await arbitration.snapshot()
+        snap = await broker.snapshot()
         states = self.scheduler.states(snap)
-        for tenant in arbitration.registry:
+        for tenant in broker.registry:
             name = tenant.name
             state = states[name]
-            held = arbitration.held(snap, name)
+            held = broker.held(snap, name)
             if state.stale_jobs:
                 report.actions.append(f"{name}: stale queue entries {list(state.stale_jobs)}")
                 self._end_lost_jobs(name, state, report)
             # Starvation first: Ollama spilling layers to the CPU wants memory now.
-            adapter: SelfReport = arbitration.adapter(tenant)
+            adapter: SelfReport = broker.adapter(tenant)
             if adapter.placements_path and tenant.upstream:  # the engine says where each model sits
                 try:
-                    models = await adapter.placements(arbitration.control)
+                    models = await adapter.placements(broker.control)
                 except (httpx.HTTPError, ValueError, ReleaseFailed) as exc:
                     models = None
                     report.reasons[name] = f"cannot read {adapter.placements_path}: {exc}"
@@ -135,7 +135,7 @@ class Watchdog:
         """The idle release of one tenant on this tick, or the reason there is none (its state, its
         deadline, what it holds)."""
         name = tenant.name
-        machine = self.arbitration.lifecycles.machine(name)
+        machine = self.broker.lifecycles.machine(name)
         deadline = self.idle_deadline(name)
         if machine is not None and machine.state != "running":
             report.reasons[name] = f"{machine.state}: the proxy starts it on its next request"
@@ -159,27 +159,27 @@ class Watchdog:
             if result.busy:  # work arrived before the release's turn came, or a stop would cut it
                 report.reasons[name] = f"busy again: idle release skipped ({result.error})"
                 return
-            self._idle_released(name, result.freed_bytes, self.arbitration.clock.now())
+            self._idle_released(name, result.freed_bytes, self.broker.clock.now())
             report.actions.append(f"{name}: idle release freed {gib(result.freed_bytes)} GiB")
             report.reasons[name] = "released after idle timeout"
 
     async def _read_queues(self, report: TickReport) -> None:
         """Jobs the engine's own queue says are running (clients that bypass the proxy, or stale rows)."""
-        for tenant in self.arbitration.registry:
-            adapter = self.arbitration.adapter(tenant)
+        for tenant in self.broker.registry:
+            adapter = self.broker.adapter(tenant)
             queue_path = adapter.queue_path()
             if queue_path is None or not tenant.upstream:
                 continue
-            started = self.arbitration.clock.now()  # a row is only believed if read after the traffic last changed
+            started = self.broker.clock.now()  # a row is only believed if read after the traffic last changed
             try:
-                rows = tuple(await adapter.running_jobs(self.arbitration.control))
+                rows = tuple(await adapter.running_jobs(self.broker.control))
             except (httpx.HTTPError, ValueError, ReleaseFailed) as exc:
                 self.scheduler.queue_read(tenant.name, started, None)
                 report.reasons[tenant.name] = f"cannot read {queue_path}: {exc}"
             else:
                 self.scheduler.queue_read(tenant.name, started, rows)
             try:  # an engine on the CPU holds nothing on the card: its VRAM proves nothing either way
-                self.scheduler.on_cpu(tenant.name, await adapter.runs_on_cpu(self.arbitration.control))
+                self.scheduler.on_cpu(tenant.name, await adapter.runs_on_cpu(self.broker.control))
             except (httpx.HTTPError, ValueError, ReleaseFailed):
                 pass  # unknown: what it said last stands
 
@@ -189,9 +189,9 @@ class Watchdog:
         if state.stale_why != "unreachable":
             return
         for job_id in state.stale_jobs:
-            if self.arbitration.inflight.finish_job(name, job_id):
-                lost_after = self.arbitration.registry.config.proxy.job_lost_after_s
-                self.arbitration.decisions.emit(StaleJob(
+            if self.broker.inflight.finish_job(name, job_id):
+                lost_after = self.broker.registry.config.proxy.job_lost_after_s
+                self.broker.decisions.emit(StaleJob(
                     tenant=name, trigger="watchdog: engine not answering", job_id=job_id,
                     reason=f"{name}'s queue has not answered for {lost_after:g} s (proxy.job_lost_after_s): "
                            f"{job_id} is no longer counted as running"))
@@ -200,9 +200,9 @@ class Watchdog:
     def _observe_residency(self, tenant: Tenant, models: list[dict[str, Any]]) -> None:
         """Ollama's own list says what is on the card: fully on the GPU and not about to expire
         (its keep-alive deadline, minus two ticks of margin, ends the fast path)."""
-        clock = self.arbitration.clock
-        margin = 2 * self.arbitration.registry.config.proxy.watchdog_interval_s
-        adapter = self.arbitration.adapter(tenant)
+        clock = self.broker.clock
+        margin = 2 * self.broker.registry.config.proxy.watchdog_interval_s
+        adapter = self.broker.adapter(tenant)
         loads: dict[str, float] = {}
         for m in models:
             if int(m.get("size_vram") or 0) < int(m.get("size") or 0):
@@ -216,8 +216,8 @@ class Watchdog:
     def _stable_spills(self, tenant: Tenant, models: list[dict[str, Any]], report: TickReport) -> list[dict[str, Any]]:
         """Models on the CPU in part whose split has held still for `spill_stable_s` while no load of
         them is under way: a model that is still loading grows into its place and is no spill."""
-        now = self.arbitration.clock.now()
-        stable_s = self.arbitration.registry.config.proxy.spill_stable_s
+        now = self.broker.clock.now()
+        stable_s = self.broker.registry.config.proxy.spill_stable_s
         seen: set[tuple[str, str]] = set()
         out = []
         for m in models:
@@ -229,7 +229,7 @@ class Watchdog:
                 p = self._placements[where] = _Placement(size, vram, now)
             if vram >= size:
                 continue
-            if self.scheduler.loading(self.arbitration.adapter(tenant).placement_key(m)):
+            if self.scheduler.loading(self.broker.adapter(tenant).placement_key(m)):
                 report.reasons[tenant.name] = f"{where[1]} is loading ({gib(vram)} of {gib(size)} GiB on the GPU so far)"
                 p.since = now
             elif now - p.since < stable_s:
@@ -252,7 +252,7 @@ class Watchdog:
         need = max(0, held - on_gpu) + sum(int(m.get("size") or 0) for m in spilled) + tenant.context_allowance_bytes
         models = ", ".join(str(m["name"]) for m in spilled)
         placements = [self._placements[(name, str(m["name"]))] for m in spilled]
-        plan, snap = await self.arbitration.plan(name, need, self.arbitration.adapter(tenant).placement_key(spilled[0]),
+        plan, snap = await self.broker.plan(name, need, self.broker.adapter(tenant).placement_key(spilled[0]),
                                                  mode="relief")
         if not plan.starved:
             report.reasons[name] = f"{models} on the CPU in part but the card has room: " + (
@@ -261,7 +261,7 @@ class Watchdog:
         if not plan.feasible:
             report.reasons[name] = f"starved (CPU spill) and no plan: {plan.explanation}"
             if not all(p.reported for p in placements):
-                self.arbitration.decisions.emit(SpillNoPlan(tenant=name, trigger=f"watchdog: {models} spilling to the CPU",
+                self.broker.decisions.emit(SpillNoPlan(tenant=name, trigger=f"watchdog: {models} spilling to the CPU",
                                                     plan=plan))
                 for p in placements:
                     p.reported = True
@@ -277,13 +277,13 @@ class Watchdog:
             report.reasons[name] = f"starved (CPU spill): {plan.explanation}"
 
     def _busy(self, name: str) -> bool:
-        traffic = self.arbitration.inflight.snapshot().get(name)
+        traffic = self.broker.inflight.snapshot().get(name)
         return traffic is not None and traffic.busy
 
     async def _reload_whole(self, tenant: Tenant, spilled: list[dict[str, Any]], report: TickReport) -> str:
         """Unload the split models of an idle tenant (its card has room now): its next request loads
         them whole, planned on the size Ollama split them at (the adapter learned it from the spill)."""
-        adapter = self.arbitration.adapter(tenant)
+        adapter = self.broker.adapter(tenant)
         done: list[str] = []
         for m in spilled:
             once = (tenant.name, str(m["name"]), int(m.get("size") or 0))
@@ -291,7 +291,7 @@ class Watchdog:
                 continue
             self._reloaded.add(once)
             try:
-                if await adapter.unload_model(self.arbitration.control, str(m["name"])):
+                if await adapter.unload_model(self.broker.control, str(m["name"])):
                     done.append(str(m["name"]))
                     self.scheduler.unloaded(tenant.name, adapter.placement_key(m))
             except httpx.HTTPError as exc:
@@ -308,7 +308,7 @@ class Watchdog:
         await cancel_and_wait(self._task)
 
     async def _loop(self) -> None:
-        interval = self.arbitration.registry.config.proxy.watchdog_interval_s
+        interval = self.broker.registry.config.proxy.watchdog_interval_s
         while True:
             try:
                 await self.tick()
@@ -316,7 +316,7 @@ class Watchdog:
                 raise
             except Exception:
                 log.exception("watchdog tick failed")
-            await self.arbitration.clock.sleep(interval)
+            await self.broker.clock.sleep(interval)
 
 
 __all__ = ["GIB", "TickReport", "Watchdog"]

@@ -1,7 +1,7 @@
 """The GPU gate: what a tenant listener does with a GPU request. Admit it (the handoff queue may
 hold it, then it runs, or gets 507 or 503), forward it, and on an out-of-memory answer reclaim and
 retry once. Everything here that builds an HTTP answer is the relay's; the decisions are the
-handoff's (`Arbitration`, `Scheduler`, the pure planner and queue rules).
+handoff's (`GpuBroker`, `Scheduler`, the pure planner and queue rules).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from proxy.config.schema import Tenant
 from proxy.decision_base import RequestTrigger
 from proxy.engines import Need, ReleaseFailed, strip_hop_by_hop
 from proxy.engines.ports import GatePorts, JobFrame, JobReplay, JobView, OomDetector
-from proxy.handoff.arbitration import Arbitration
+from proxy.handoff.broker import GpuBroker
 from proxy.handoff.decisions import (
     DecisionEvent,
     DecisionLog,
@@ -42,15 +42,18 @@ from proxy.handoff.load_events import Load
 from proxy.handoff.oom_need import OOM_HEADROOM_BYTES
 from proxy.handoff.plan import gib
 from proxy.handoff.plan_json import plan_json
-from proxy.handoff.queue_rules import RESIDENT
+from proxy.handoff.policy import RESIDENT
 from proxy.handoff.tickets import Admitted, Handoff
 from proxy.lifecycle.controller import LifecycleError
 from proxy.relay import refusals
 from proxy.relay import trace as tracing
 from proxy.relay.forward import UpstreamResponse
-from proxy.relay.listener import FirstStep
 from proxy.relay.load_line import Reading
 from proxy.relay.oom_retry import RetryBook, SocketFrames
+
+# A GPU request's need (None: an unload) and its admission when the scheduler admitted it at once
+# (its load on the card; None: it is planned), found before its answer is built.
+FirstStep = tuple[Need | None, Admitted | None]
 
 log = logging.getLogger("hyperswap.gate")
 
@@ -115,10 +118,10 @@ class GpuGate:
     client_id, read back from ComfyUI's own /history entry.
     """
 
-    def __init__(self, arbitration: Arbitration, adapter: Callable[[Tenant], GatePorts] | None = None) -> None:
-        self.arbitration = arbitration
-        self.door: Door = arbitration.scheduler  # the request side's only way into the scheduler (handoff/door.py)
-        self._adapter: Callable[[Tenant], GatePorts] = adapter or arbitration.adapter  # the forwarder's per-tenant adapters
+    def __init__(self, broker: GpuBroker, adapter: Callable[[Tenant], GatePorts] | None = None) -> None:
+        self.broker = broker
+        self.door: Door = broker.scheduler  # the request side's only way into the scheduler (handoff/door.py)
+        self._adapter: Callable[[Tenant], GatePorts] = adapter or broker.adapter  # the forwarder's per-tenant adapters
         self._retries = RetryBook()  # jobs retried under their own id (proxy/relay/oom_retry.py)
         self._told: dict[tuple[str, str], int] = {}  # (tenant, job) re-queued -> the decision its result joins
         self._early_ends: dict[tuple[str, str], JobFrame] = {}  # a retried run that ended before its re-queue was recorded
@@ -127,7 +130,7 @@ class GpuGate:
 
     @property
     def clock(self) -> Clock:
-        return self.arbitration.clock
+        return self.broker.clock
 
     def wait_of(self, work: Token) -> dict[str, Any] | None:
         return self.door.wait_of(work)
@@ -136,21 +139,21 @@ class GpuGate:
         def on_event(event: DecisionEvent) -> None:
             if isinstance(event, WAIT_EVENTS):
                 changed()
-        return self.arbitration.decisions.subscribe(on_event)
+        return self.broker.decisions.subscribe(on_event)
 
     async def _load_figure(self, tenant: Tenant, need: Need) -> Reading | None:
         """How far a load got, from the card (`load_events.progress`: what the tenant gained since the
         load began); the line a person reads is proxy/relay/load_line.py's."""
-        snap = await self.arbitration.snapshot()
-        load = self.arbitration.loads.underway_of(tenant.name, need.key)
+        snap = await self.broker.snapshot()
+        load = self.broker.loads.underway_of(tenant.name, need.key)
         if load is None:
             return None  # not begun yet, or on the card already
-        figure = self.arbitration.loads.progress(load, snap.held_by(tenant.name), tenant.idle_vram_bytes, snap.estimated)
-        return Reading(load.model, figure.on_card_bytes, figure.need_bytes, load.began_at, self.arbitration.clock.now())
+        figure = self.broker.loads.progress(load, snap.held_by(tenant.name), tenant.idle_vram_bytes, snap.estimated)
+        return Reading(load.model, figure.on_card_bytes, figure.need_bytes, load.began_at, self.broker.clock.now())
 
     def on_frame(self, tenant: Tenant, text: str) -> None:
         """Called for every upstream text frame of a tenant's websockets (the adapter filters cheaply first)."""
-        self.arbitration.loads.frame(tenant.name, text)  # ComfyUI's execution frames time its checkpoint loads
+        self.broker.loads.frame(tenant.name, text)  # ComfyUI's execution frames time its checkpoint loads
 
     def frames(self, tenant: Tenant, later: Callable[[str], None]) -> SocketFrames:
         """One websocket's filter (proxy/relay/oom_retry.py): it tells the gate of each job frame (an
@@ -182,7 +185,7 @@ class GpuGate:
         of a job the proxy counts may show first (a client polling its history can read it before the
         proxy's own poll or the error frame): its retry starts here, and the client never reads it."""
         adapter = self._adapter(tenant)
-        for job in self.arbitration.inflight.jobs(tenant.name):
+        for job in self.broker.inflight.jobs(tenant.name):
             if job.encode() in body and self._retries.phase(tenant.name, job) is None \
                     and adapter.history_outcome(job, body) == "oom":  # read only once its id is there: a job ended
                 self._job_frame(tenant, JobFrame("oom", job), 1)
@@ -191,7 +194,7 @@ class GpuGate:
         return adapter.history_without(body, partial(self._retries.hidden, tenant.name))
 
     def watches_views(self, tenant: Tenant) -> bool:
-        return bool(self.arbitration.inflight.jobs(tenant.name)) or self._retries.pending(tenant.name)
+        return bool(self.broker.inflight.jobs(tenant.name)) or self._retries.pending(tenant.name)
 
     def retry_deciding(self, tenant: Tenant, job_id: str) -> bool:
         """The job's failed run ended and whether it runs again is being decided: it is not lost."""
@@ -206,7 +209,7 @@ class GpuGate:
             self._job_frame(tenant, JobFrame(outcome, job_id), 1 if self._retries.phase(tenant.name, job_id) is None else 2)
 
     def on_job_lost(self, tenant: Tenant, job_id: str) -> None:
-        self.arbitration.decisions.emit(StaleJob(
+        self.broker.decisions.emit(StaleJob(
             tenant=tenant.name, trigger="job reconciliation", job_id=job_id,
             reason=f"{job_id} is in neither {tenant.name}'s queue nor its history (deleted from the queue, or the "
                    "engine restarted): no longer counted as running"))
@@ -226,7 +229,7 @@ class GpuGate:
         if self._retries.end(tenant.name, frame.job_id):
             result = "succeeded" if frame.kind == "success" else "failed"
             told = self._told.pop((tenant.name, frame.job_id), None)
-            self.arbitration.decisions.emit(OomRetry(tenant=tenant.name, trigger=f"end of prompt {frame.job_id}",
+            self.broker.decisions.emit(OomRetry(tenant=tenant.name, trigger=f"end of prompt {frame.job_id}",
                                                      result=result, handoff_id=told, prompt_id=frame.job_id))
         elif frame.kind == "success" and self._retries.phase(tenant.name, frame.job_id) not in ("ended", "given_up"):
             # the new run (the first one failed) ended before its re-queue's answer came back (a fast engine,
@@ -246,18 +249,18 @@ class GpuGate:
                 self._record_retry(tenant, None, "not retried: prompt not in ComfyUI's history", prompt_id=prompt_id)
                 return
             self._retries.replaying(tenant.name, prompt_id, replay)
-            admitted, _need = await self.arbitration.admit(tenant, "", replay.body,
+            admitted, _need = await self.broker.admit(tenant, "", replay.body,
                                                            f"OOM of ComfyUI prompt {prompt_id}", oom=True)
             handoff = admitted.handoff
             try:
                 if admitted.outcome != "run":
                     self._record_retry(tenant, handoff, "no plan", prompt_id=prompt_id)
                     return
-                requeued = await adapter.resubmit(self.arbitration.control, replay)
+                requeued = await adapter.resubmit(self.broker.control, replay)
                 if requeued.job_id is None:
                     self._record_retry(tenant, handoff, f"re-queue refused: {requeued.status}", prompt_id=prompt_id)
                     return
-                self.arbitration.inflight.track_job(tenant.name, requeued.job_id)
+                self.broker.inflight.track_job(tenant.name, requeued.job_id)
                 if requeued.job_id == prompt_id:
                     queued = True
                     self._retries.requeued(tenant.name, prompt_id, requeued.mark)
@@ -279,10 +282,10 @@ class GpuGate:
     async def _job_replay(self, adapter: OomDetector, job_id: str) -> JobReplay | None:
         """The engine writes the failed job down shortly after its error frame: look for a while."""
         for _ in range(50):
-            replay = await adapter.job_replay(self.arbitration.control, job_id)
+            replay = await adapter.job_replay(self.broker.control, job_id)
             if replay is not None:
                 return replay
-            await self.arbitration.clock.sleep(0.1)
+            await self.broker.clock.sleep(0.1)
         return None
 
     async def aclose(self) -> None:
@@ -293,7 +296,7 @@ class GpuGate:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def dormant(self, tenant: Tenant) -> bool:
-        return self.arbitration.lifecycles.dormant(tenant.name)
+        return self.broker.lifecycles.dormant(tenant.name)
 
     async def wake(self, tenant: Tenant, what: str, *, reads_only: bool = False,
                    origin: str | None = None) -> Response | None:
@@ -312,46 +315,46 @@ class GpuGate:
             if refusal is not None:
                 return refusal
         trace = tracing.current()
-        arrived, arrived_wall = self.arbitration.clock.now(), self.arbitration.clock.wall()
-        parked = self.arbitration.lifecycles.suspensions.parked_bytes(tenant.name)  # cuda_suspend: a restore
-        if trace is not None and self.arbitration.lifecycles.dormant(tenant.name):
+        arrived, arrived_wall = self.broker.clock.now(), self.broker.clock.wall()
+        parked = self.broker.lifecycles.suspensions.parked_bytes(tenant.name)  # cuda_suspend: a restore
+        if trace is not None and self.broker.lifecycles.dormant(tenant.name):
             # a streamed request is answered now and hears the start (or the restore)
             trace.wait(f"resuming {tenant.name}: {parked / 2**30:.1f} GiB back from host RAM" if parked
                        else f"starting {tenant.name}")
         try:
-            admitted = await self.arbitration.wake(tenant, f"start of {tenant.name} for {what}")
+            admitted = await self.broker.wake(tenant, f"start of {tenant.name} for {what}")
         except LifecycleError as exc:
             return refusals.start_failed(exc).response()
         if admitted is None:
             return None
         if admitted.outcome == "run":
-            self.arbitration.inflight.active(tenant.name)  # woken for this request: its ttl counts from now
+            self.broker.inflight.active(tenant.name)  # woken for this request: its ttl counts from now
             if trace is not None:
                 handoff = admitted.handoff
                 waited_wall = arrived_wall + handoff.waited_s
-                record_wait(trace, self.arbitration.decisions, handoff, arrived_wall, waited_wall)
-                took = self.arbitration.clock.now() - arrived - handoff.waited_s
+                record_wait(trace, self.broker.decisions, handoff, arrived_wall, waited_wall)
+                took = self.broker.clock.now() - arrived - handoff.waited_s
                 done = "restored from host RAM" if parked else "started"
                 trace.phase("start", took, f"{done} {tenant.name}")
                 trace.say(f"{tenant.name} {done} in {took:.1f} s")
             return None
         if admitted.outcome == "timeout":
-            self.arbitration.decisions.emit(Rejected(tenant=tenant.name, trigger=f"start for {what}",
+            self.broker.decisions.emit(Rejected(tenant=tenant.name, trigger=f"start for {what}",
                                              plan=admitted.handoff.plan, status=503, reason=admitted.reason))
-            return refusals.queue_timeout(tenant, admitted, self.arbitration.registry.config.proxy.queue_timeout_s).response()
-        return refusals.not_enough_memory(tenant, admitted.handoff, self.arbitration.start_need(tenant).bytes).response()
+            return refusals.queue_timeout(tenant, admitted, self.broker.registry.config.proxy.queue_timeout_s).response()
+        return refusals.not_enough_memory(tenant, admitted.handoff, self.broker.start_need(tenant).bytes).response()
 
     def _kept_asleep(self, tenant: Tenant, what: str, origin: str | None) -> Response | None:
         """The answer to a request that must not wake `tenant` (a read, a foreign Origin), if it sleeps
         and no start is under way to join; None: go on (it is awake, or starting)."""
-        lifecycles = self.arbitration.lifecycles
+        lifecycles = self.broker.lifecycles
         if not lifecycles.dormant(tenant.name):
             return None
         machine = lifecycles.machine(tenant.name)
         state = machine.state if machine is not None else "released"
         if state == "starting":
             return None  # the start under way is shared, as for any request
-        start = f"POST http://{self.arbitration.registry.config.admin.listen}/api/tenants/{tenant.name}/start"
+        start = f"POST http://{self.broker.registry.config.admin.listen}/api/tenants/{tenant.name}/start"
         last_error = machine.snapshot.error if machine is not None else None
         return refusals.kept_asleep(tenant, state, last_error, what=what, origin=origin, start_url=start).response()
 
@@ -363,7 +366,7 @@ class GpuGate:
         adapter = self._adapter(tenant)
         if adapter.unload_target(request.url.path, body) is not None:
             return None, None
-        need = await adapter.estimate_need(request.url.path, body, self.arbitration.control)
+        need = await adapter.estimate_need(request.url.path, body, self.broker.control)
         return need, self.door.admit_at_once(tenant, need.key, need.bytes, work)
 
     async def handle(self, tenant: Tenant, request: Request, body: bytes,
@@ -378,7 +381,7 @@ class GpuGate:
             self.door.admit_unplanned(work, tenant.name, adapter.load_key(unloading))
             return await forward(body)
         trigger = RequestTrigger.of(request.method, request.url.path)
-        arrived, arrived_wall = self.arbitration.clock.now(), self.arbitration.clock.wall()
+        arrived, arrived_wall = self.broker.clock.now(), self.broker.clock.wall()
         admitted, need = await self._admit(tenant, request, body, trigger, work, first)
         handoff = admitted.handoff
         if admitted.outcome != "run":
@@ -389,9 +392,9 @@ class GpuGate:
         self._trace_admission(trace, tenant, need, handoff, arrived_wall, loads)
         # a streamed answer's first byte times a load; none to time on the card already: not parsed again
         streamed = loads and adapter.stream_format(request.url.path, body) is not None
-        forwarded = self.arbitration.clock.now()
+        forwarded = self.broker.clock.now()
         story = _story_of(handoff)
-        events = self.arbitration.loads
+        events = self.broker.loads
         load = await self._begin_load(tenant, need, body, story) if loads else None
         timed = False  # the load's end is told when its answer ends
         try:
@@ -420,7 +423,7 @@ class GpuGate:
         known, at_once = first
         if at_once is not None and known is not None:
             return at_once, known
-        return await self.arbitration.admit(tenant, request.url.path, body, trigger, work=work, need=known)
+        return await self.broker.admit(tenant, request.url.path, body, trigger, work=work, need=known)
 
     def _first_byte(self, tenant: Tenant, trigger: str, need: Need, response: UpstreamResponse,
                     trace: tracing.Trace | None, story: int | None, *, loaded: bool,
@@ -428,11 +431,11 @@ class GpuGate:
         """The engine's first byte: told to the request's trace (a streamed answer of a load: the load's
         time) and, when it waited or loaded (`story`), recorded as a fact of its decision. `arrived`:
         (monotonic, wall) when the request came."""
-        now = self.arbitration.clock.now()
+        now = self.broker.clock.now()
         if trace is not None:
             self._trace_answer(trace, need, loaded=loaded and response.status_code < 400, took=now - forwarded)
         if story is not None:
-            self.arbitration.decisions.emit(FirstByte(tenant=tenant.name, trigger=trigger, refers_to=story,
+            self.broker.decisions.emit(FirstByte(tenant=tenant.name, trigger=trigger, refers_to=story,
                                                       arrived_at=arrived[1], after_s=now - arrived[0],
                                                       status=response.status_code))
 
@@ -450,10 +453,10 @@ class GpuGate:
         0): planned like any other, through the same scheduler (one door), on the need its head names;
         only the OOM retry is given up (the body cannot be sent twice), and its decision says so."""
         adapter = self._adapter(tenant)
-        need = await adapter.head_need(request.url.path, head, self.arbitration.control)
+        need = await adapter.head_need(request.url.path, head, self.broker.control)
         trigger = (f"{RequestTrigger.of(request.method, request.url.path)} (body over replay_body_max_mb="
                    f"{tenant.replay_body_max_mb:g}: not kept, so no OOM retry)")
-        admitted, need = await self.arbitration.admit(tenant, request.url.path, b"", trigger, work=work, need=need)
+        admitted, need = await self.broker.admit(tenant, request.url.path, b"", trigger, work=work, need=need)
         if admitted.outcome != "run":
             return self._refused(tenant, admitted, need, trigger)
         try:
@@ -476,9 +479,9 @@ class GpuGate:
         # The first try is over: its reservation goes before the retry reserves its bigger need
         # (under the same key it would only have counted once more, with the old size and baseline).
         self.door.settle(handoff)
-        # Every OOM is retried once, admitted on a fresh card reading (`Arbitration.admit`): memory
+        # Every OOM is retried once, admitted on a fresh card reading (`GpuBroker.admit`): memory
         # that freed since the first try is room too, not a reason to give up.
-        again, _ = await self.arbitration.admit(tenant, request.url.path, body, f"OOM answer to {trigger}", oom=True)
+        again, _ = await self.broker.admit(tenant, request.url.path, body, f"OOM answer to {trigger}", oom=True)
         retry = again.handoff
         try:
             outcome = "retried" if again.outcome == "run" else "no plan"
@@ -494,7 +497,7 @@ class GpuGate:
             if retry.plan.blockers or retry.plan.unplanned:
                 return _with_blockers(response, error_body, retry)
             # The retry ran on all it could reach: who holds the rest is what a plan past it names.
-            past, snap = await self.arbitration.plan(tenant.name, retry.plan.need_bytes + OOM_HEADROOM_BYTES, need.key)
+            past, snap = await self.broker.plan(tenant.name, retry.plan.need_bytes + OOM_HEADROOM_BYTES, need.key)
             return _with_blockers(response, error_body, Handoff(past, [], None, snap))
         finally:
             self.door.settle(retry)
@@ -503,9 +506,9 @@ class GpuGate:
         """The answer to a request the queue did not admit: 503 past the queue timeout (recorded as a
         rejection here: the scheduler only ended its wait), else 507."""
         if admitted.outcome == "timeout":
-            self.arbitration.decisions.emit(Rejected(tenant=tenant.name, trigger=trigger, plan=admitted.handoff.plan, status=503,
+            self.broker.decisions.emit(Rejected(tenant=tenant.name, trigger=trigger, plan=admitted.handoff.plan, status=503,
                                              reason=admitted.reason))
-            return refusals.queue_timeout(tenant, admitted, self.arbitration.registry.config.proxy.queue_timeout_s).response()
+            return refusals.queue_timeout(tenant, admitted, self.broker.registry.config.proxy.queue_timeout_s).response()
         return refusals.not_enough_memory(tenant, admitted.handoff, need.bytes).response()
 
     async def _begin_load(self, tenant: Tenant, need: Need, body: bytes, story: int | None) -> Load | None:
@@ -514,14 +517,14 @@ class GpuGate:
         if need.model is None:
             return None
         card = self.door.card
-        return await self.arbitration.loads.begin(tenant.name, need.model, need.key, need.bytes, body, story,
+        return await self.broker.loads.begin(tenant.name, need.model, need.key, need.bytes, body, story,
                                           card.held_by(tenant.name) if card is not None else None)
 
     def _trace_admission(self, trace: tracing.Trace | None, tenant: Tenant, need: Need, handoff: Handoff,
                          arrived_wall: float, loads: bool) -> None:
         if trace is None:
             return
-        record_wait(trace, self.arbitration.decisions, handoff, arrived_wall, self.arbitration.clock.wall(),
+        record_wait(trace, self.broker.decisions, handoff, arrived_wall, self.broker.clock.wall(),
                     used_ago=partial(self._used_ago, arrived_wall))
         if loads:
             trace.say(f"loading {need.model} ({gib(need.bytes)} GiB)")
@@ -529,8 +532,8 @@ class GpuGate:
 
     def _used_ago(self, arrived_wall: float, tenant: str) -> float | None:
         """Seconds from the tenant's last use to a request's arrival (negative: used since)."""
-        last = self.arbitration.inflight.traffic(tenant).last_activity
-        clock = self.arbitration.clock
+        last = self.broker.inflight.traffic(tenant).last_activity
+        clock = self.broker.clock
         return None if last is None else (clock.now() - last) - (clock.wall() - arrived_wall)
 
     @staticmethod
@@ -547,7 +550,7 @@ class GpuGate:
         fact of the decision the retry got from the queue (the handoff that made room for it, or its
         507), if it got one, else a decision of its own. Returns the decision it is part of."""
         started = handoff.decision if handoff is not None else None
-        event = self.arbitration.decisions.emit(OomRetry(tenant=tenant.name, trigger="OOM answer", result=result,
+        event = self.broker.decisions.emit(OomRetry(tenant=tenant.name, trigger="OOM answer", result=result,
                                                  handoff_id=started.id if started is not None else None,
                                                  prompt_id=prompt_id, requeued_as=requeued_as))
         return started.id if started is not None else event.id

@@ -18,27 +18,25 @@ import logging
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
-from proxy.clock import Clock
 from proxy.config.schema import Tenant
-from proxy.engines import Need, strip_hop_by_hop
+from proxy.engines import strip_hop_by_hop
 from proxy.engines.base import origin_netloc, same_origin
 from proxy.engines.ports import JobView, ListenerPorts, Streamed
 from proxy.errors import HyperSwapError
 from proxy.handoff.inflight import InFlight, JobFate, JobPoller, Token
-from proxy.handoff.tickets import Admitted
 from proxy.relay import progress
 from proxy.relay.departure import ClientLink, Sweep, has_body
 from proxy.relay.forward import Forwarder, UpstreamResponse, upstream_error
+from proxy.relay.gpu_gate import FirstStep, GpuGate
 from proxy.relay.guards import SAFE_METHODS, answer, host_header, refuse_tenant_host
 from proxy.relay.inline import InlineExchange
-from proxy.relay.oom_retry import SocketFrames
 from proxy.relay.trace import Trace, stamp, traced
 from proxy.relay.trace import current as current_trace
 
@@ -49,81 +47,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hyperswap.listener")
 
-# A GPU request's need (None: an unload) and its admission when the scheduler admitted it at once
-# (its load on the card; None: it is planned), found before its answer is built.
-FirstStep = tuple[Need | None, Admitted | None]
 
 Wake = Callable[[], Awaitable["Response | None"]]  # start a tenant that sleeps; its refusal, or None: go on
 
 JOB_RESPONSE_MAX = 1 << 20  # a POST /prompt answer is tiny; never hold more than this
 NEWS_MAX = 4 << 20  # a model list or a pull's request, kept for the adapter: never more than this
-
-
-class Admission(Protocol):
-    async def at_once(self, tenant: Tenant, request: Request, body: bytes, work: Token) -> FirstStep:
-        """The need, and the scheduler's at-once admission of a load already on the card, tried first;
-        what it returns goes to `handle`, which plans the rest."""
-
-    async def handle(self, tenant: Tenant, request: Request, body: bytes,
-                     forward: Callable[[bytes], Awaitable[UpstreamResponse]], work: Token,
-                     first: FirstStep = (None, None)) -> UpstreamResponse | Response:
-        """Admit the request (its `work` token counts as the tenant's work from the moment the
-        scheduler admits it, never while it waits), forward it, retry once after an OOM."""
-
-    async def handle_unkept(self, tenant: Tenant, request: Request, head: bytes,
-                            forward: Callable[[], Awaitable[UpstreamResponse]], work: Token) -> UpstreamResponse | Response:
-        """A request whose body is too large to keep: admitted like any other on the need its `head`
-        names (no OOM retry: the body cannot be sent twice), then forwarded."""
-
-    def on_frame(self, tenant: Tenant, text: str) -> None:
-        """Every upstream websocket text frame (its checkpoint loads are timed from them); must be cheap."""
-
-    def frames(self, tenant: Tenant, later: Callable[[str], None]) -> SocketFrames:
-        """One websocket's filter of job frames: an OOM starts the retry, and the failed run's frames
-        are held back while it is decided (`later` relays one held back); `unwatch` it at the close."""
-
-    def unwatch(self, frames: SocketFrames) -> None: ...
-
-    def history_view(self, tenant: Tenant, body: bytes) -> bytes | None:
-        """The engine's history answer as the client must see it (a retried job's failed run left
-        out); None: unchanged."""
-
-    def retry_deciding(self, tenant: Tenant, job_id: str) -> bool:
-        """The job ran out of memory and whether it runs again is being decided: not lost."""
-
-    def client_view(self, tenant: Tenant, view: JobView, body: bytes) -> bytes | None:
-        """The engine's history or queue answer as the client must see it (a retried job's failed run
-        left out, the job listed pending while its retry is decided); None: unchanged."""
-
-    def watches_views(self, tenant: Tenant) -> bool:
-        """A history or queue read must pass through `client_view` (a job counted, or a retry under
-        way); cheap."""
-
-    def on_job_end(self, tenant: Tenant, job_id: str, history: bytes) -> None:
-        """A job's end seen by polling the engine's history (no websocket reported it)."""
-
-    def on_job_lost(self, tenant: Tenant, job_id: str) -> None:
-        """A job the engine has in neither its queue nor its history: no longer counted."""
-
-    @property
-    def clock(self) -> Clock: ...
-
-    def wait_of(self, work: Token) -> dict[str, Any] | None:
-        """While the request with this traffic token waits: the scheduler's entry for it (why, for
-        whom, whether its plan says waiting can succeed: `planned`); None once it does not wait."""
-
-    def watch_waits(self, changed: Callable[[], None]) -> Callable[[], None]:
-        """Call `changed` whenever a wait may have changed (queued, wait changed, a release began or
-        ended); returns what stops it."""
-
-    def dormant(self, tenant: Tenant) -> bool:
-        """The tenant must be woken (started, or its resume called) before anything is forwarded to it."""
-
-    async def wake(self, tenant: Tenant, what: str, *, reads_only: bool = False,
-                   origin: str | None = None) -> Response | None:
-        """Before forwarding to a tenant that sleeps (stopped, or owing a resume): start it, or say
-        why not (the answer); None: forward. `reads_only` (a read, and the tenant's wake_on is
-        "writes") and `origin` (a browser's Origin not allowed here) never start it."""
 
 
 async def _read_up_to(request: Request, limit: int) -> tuple[bytes, AsyncIterator[bytes] | None]:
@@ -182,12 +110,12 @@ class TenantApp:
     through the admission hook, websockets relayed with their frames watched. `poller` is the
     tenant's job poller (jobs the engine runs after its answer, for clients with no websocket)."""
 
-    def __init__(self, tenant: Tenant, forwarder: Forwarder, inflight: InFlight, admission: Admission | None = None,
+    def __init__(self, tenant: Tenant, forwarder: Forwarder, inflight: InFlight, gate: GpuGate | None = None,
                  *, job_poll_s: float = 1.0) -> None:
         self.tenant = tenant
         self.forwarder = forwarder
         self.inflight = inflight
-        self.admission = admission
+        self.gate = gate
         self.adapter: ListenerPorts = forwarder.adapter(tenant)
         self._hosts = self.adapter.host_policy()
         # a tenant the proxy may stop, or whose release owes a resume: woken before each request
@@ -238,7 +166,7 @@ class TenantApp:
                 return
             trace = Trace()
             with traced(trace):  # where the time went before the answer: Server-Timing, progress lines
-                if gpu and self._sleeps and self.admission is not None and self.admission.dormant(self.tenant):
+                if gpu and self._sleeps and self.gate is not None and self.gate.dormant(self.tenant):
                     # its body is read first: a streamed one is answered while the app starts, and hears it
                     response = await self._gpu(Request(scope, link.receive), wake=partial(self._wake, scope))
                 else:
@@ -313,12 +241,12 @@ class TenantApp:
         # a queue delete or clear, or a client that polls for its job's end: check the jobs now
         on_close = self.poller.check_soon if news else _nothing
         view = self.adapter.job_view(scope["method"], scope["path"])
-        if view is not None and self.admission is not None and upstream.status_code == 200 \
-                and self.admission.watches_views(self.tenant):
-            return await self._client_view(upstream, self.admission, view, on_close)
+        if view is not None and self.gate is not None and upstream.status_code == 200 \
+                and self.gate.watches_views(self.tenant):
+            return await self._client_view(upstream, self.gate, view, on_close)
         return self.forwarder.relay(self.tenant, upstream, on_close=on_close)
 
-    async def _client_view(self, upstream: UpstreamResponse, admission: Admission, kind: JobView,
+    async def _client_view(self, upstream: UpstreamResponse, gate: GpuGate, kind: JobView,
                            on_close: Callable[[], None]) -> Response:
         """The engine's history or queue as the client must see it: a job retried after an OOM is not
         finished until its new run is (its failed run's record left out), and queued while its retry is
@@ -329,7 +257,7 @@ class TenantApp:
             await upstream.aclose()
             on_close()
         encoding = upstream.headers.get("content-encoding", "").strip().lower()
-        view = admission.client_view(self.tenant, kind, _decoded(raw, encoding))
+        view = gate.client_view(self.tenant, kind, _decoded(raw, encoding))
         headers = [(k, v) for k, v in strip_hop_by_hop(upstream.raw_headers) if k.lower() != b"content-length"
                    and (view is None or k.lower() != b"content-encoding")]
         body = raw if view is None else view
@@ -367,7 +295,7 @@ class TenantApp:
         progress answer, so the client hears the app start)."""
         tenant, forwarder, inflight = self.tenant, self.forwarder, self.inflight
         method, path = request.method, request.url.path
-        token = inflight.begin(tenant.name, admitted=self.admission is None)
+        token = inflight.begin(tenant.name, admitted=self.gate is None)
         try:
             body, rest = await _read_up_to(request, tenant.replay_body_max_bytes)
             if rest is not None:
@@ -376,7 +304,7 @@ class TenantApp:
                     inflight.end(token, refusal.status_code)
                     return refusal
                 result: UpstreamResponse | Response = await self._unkept(request, rest, token)
-            elif self.admission is not None:
+            elif self.gate is not None:
                 streamed = self._progress_for(request, body)
                 if wake is not None:
                     if streamed is not None:
@@ -388,10 +316,10 @@ class TenantApp:
                 # a load on the card never waits: admitted at once, it needs no progress answer around it
                 first: FirstStep = (None, None)
                 if streamed is not None:
-                    first = await self.admission.at_once(tenant, request, body, token)
+                    first = await self.gate.at_once(tenant, request, body, token)
                     if first[1] is None:
                         return self._progress(request, body, token, streamed, first)
-                result = await self.admission.handle(tenant, request, body,
+                result = await self.gate.handle(tenant, request, body,
                                                      lambda b: forwarder.open(tenant, request, b), token, first)
             else:
                 result = await forwarder.open(tenant, request, body)
@@ -411,11 +339,11 @@ class TenantApp:
         tenant, forwarder = self.tenant, self.forwarder
         log.info("%s: %s %s body exceeds replay_body_max_mb=%s: planned on its head, streamed, no OOM retry",
                  tenant.name, request.method, request.url.path, tenant.replay_body_max_mb)
-        if self.admission is None:
+        if self.gate is None:
             self.inflight.admit(token)
             return await forwarder.open(tenant, request, rest)
         head, whole = await _head_of(rest, HEAD_BYTES)
-        return await self.admission.handle_unkept(tenant, request, head, lambda: forwarder.open(tenant, request, whole),
+        return await self.gate.handle_unkept(tenant, request, head, lambda: forwarder.open(tenant, request, whole),
                                                   token)
 
     def _answer(self, result: UpstreamResponse | Response, token: Token, method: str, path: str) -> Response:
@@ -433,7 +361,7 @@ class TenantApp:
     def _progress_for(self, request: Request, body: bytes) -> Streamed | None:
         """A streamed request that gets progress lines if it must wait: the engine streams its answer,
         and the request's X-HyperSwap-Progress header (on/off), else the tenant's `progress`, asks."""
-        if self.admission is None or not progress.wanted(self.tenant.progress, request.headers.get(progress.HEADER)):
+        if self.gate is None or not progress.wanted(self.tenant.progress, request.headers.get(progress.HEADER)):
             return None
         return self.adapter.stream_format(request.url.path, body)
 
@@ -442,10 +370,10 @@ class TenantApp:
         """Admission (with the need `first` found) and forward run inside the answer, which starts as
         soon as the plan says the request waits or its app starts (`wake`, first: proxy/relay/progress.py);
         one that does not wait is answered as ever."""
-        admission, tenant, forwarder, inflight = self.admission, self.tenant, self.forwarder, self.inflight
-        assert admission is not None
+        gate, tenant, forwarder, inflight = self.gate, self.tenant, self.forwarder, self.inflight
+        assert gate is not None
         changed = asyncio.Event()
-        unwatch = admission.watch_waits(changed.set)
+        unwatch = gate.watch_waits(changed.set)
         method, path = request.method, request.url.path
 
         def answer(result: UpstreamResponse | Response) -> Response:
@@ -461,12 +389,12 @@ class TenantApp:
         async def run() -> UpstreamResponse | Response:
             if wake is not None and (refusal := await wake()) is not None:
                 return refusal  # not started: the refusal (a 503 with the app's last lines, a 507)
-            return await admission.handle(tenant, request, body, lambda b: forwarder.open(tenant, request, b), token,
+            return await gate.handle(tenant, request, body, lambda b: forwarder.open(tenant, request, b), token,
                                           first)
 
         return progress.ProgressResponse(
             streamed, run,
-            lambda: admission.wait_of(token), changed, current_trace() or Trace(), admission.clock, answer, finish,
+            lambda: gate.wait_of(token), changed, current_trace() or Trace(), gate.clock, answer, finish,
             activity=partial(inflight.active, tenant.name))
 
     def _relay_job_answer(self, result: UpstreamResponse, token: Token) -> Response:
@@ -496,12 +424,12 @@ class TenantApp:
     async def _wake(self, scope: Scope) -> Response | None:
         """A read (GET, HEAD, OPTIONS) starts a stopped app only when its wake_on says "any"; a
         websocket is no read (a session someone opened); a foreign browser Origin never starts it."""
-        if self.admission is None:
+        if self.gate is None:
             return None
         method = scope.get("method")  # a websocket's scope has none
         reads_only = (method in SAFE_METHODS and self.tenant.lifecycle is not None
                       and self.tenant.wake_on == "writes")
-        return await self.admission.wake(self.tenant, f"{method or 'websocket'} {scope['path']}",
+        return await self.gate.wake(self.tenant, f"{method or 'websocket'} {scope['path']}",
                                          reads_only=reads_only, origin=self._foreign_origin(scope))
 
     def _foreign_origin(self, scope: Scope) -> str | None:
@@ -518,12 +446,12 @@ class TenantApp:
         """Relay a websocket with its frames watched: a job's end, and through the admission's filter
         the frames of a job retried after an OOM (held back while the retry is decided, relayed later
         on the `later` queue if it is not)."""
-        admission = self.admission
-        if admission is None:
+        gate = self.gate
+        if gate is None:
             await self.forwarder.websocket(self.tenant, ws, on_upstream_text=self._on_text)
             return
         later: asyncio.Queue[str] = asyncio.Queue()
-        frames = admission.frames(self.tenant, later.put_nowait)
+        frames = gate.frames(self.tenant, later.put_nowait)
 
         def on_text(text: str) -> bool:
             verdict = frames.upstream(text)
@@ -533,14 +461,14 @@ class TenantApp:
         try:
             await self.forwarder.websocket(self.tenant, ws, on_upstream_text=on_text, later=later)
         finally:
-            admission.unwatch(frames)
+            gate.unwatch(frames)
 
     def _on_text(self, text: str, *, ends_job: bool = True) -> bool:
         job_id = self.adapter.job_done_from_frame(text) if ends_job else None
         if job_id is not None:
             self.inflight.finish_job(self.tenant.name, job_id)
-        if self.admission is not None:
-            self.admission.on_frame(self.tenant, text)
+        if self.gate is not None:
+            self.gate.on_frame(self.tenant, text)
         return True
 
     async def _check_jobs(self, job_ids: tuple[str, ...]) -> dict[str, JobFate]:
@@ -560,13 +488,13 @@ class TenantApp:
                 continue
             resp = await self.forwarder.get(tenant, path)
             content = resp.content  # as the client sees it: a retried job's failed run is not its end
-            if self.admission is not None and resp.status_code == 200:
-                content = self.admission.history_view(tenant, content) or content
+            if self.gate is not None and resp.status_code == 200:
+                content = self.gate.history_view(tenant, content) or content
             if adapter.job_done_from_history(job_id, resp.status_code, content):
                 fates[job_id] = "done"
-                if self.admission is not None:
-                    self.admission.on_job_end(tenant, job_id, content)
-            elif self.admission is not None and self.admission.retry_deciding(tenant, job_id):
+                if self.gate is not None:
+                    self.gate.on_job_end(tenant, job_id, content)
+            elif self.gate is not None and self.gate.retry_deciding(tenant, job_id):
                 fates[job_id] = "running"  # it ran out of memory and is about to run again
             elif resp.status_code == 200 and queued is not None and job_id not in queued:
                 fates[job_id] = "lost"
@@ -575,8 +503,8 @@ class TenantApp:
         return fates
 
     def _job_lost(self, job_id: str) -> None:
-        if self.admission is not None:
-            self.admission.on_job_lost(self.tenant, job_id)
+        if self.gate is not None:
+            self.gate.on_job_lost(self.tenant, job_id)
 
 
 class _Kept:

@@ -40,7 +40,7 @@ from proxy.clock import Clock
 from proxy.encoding import JSONObject
 from proxy.engines.ports import Streamed
 from proxy.errors import HyperSwapError
-from proxy.handoff.queue_rules import held_swap
+from proxy.handoff.policy import held_swap
 from proxy.relay.forward import UpstreamResponse
 from proxy.relay.load_line import LoadEstimate, Reading
 from proxy.relay.trace import Trace, stamp

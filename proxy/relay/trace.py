@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
-from proxy.handoff.queue_rules import held_swap
+from proxy.handoff.policy import held_swap
 from proxy.relay.load_line import Reading
 
 # The order the phases happen in, and the order the header lists them in.

@@ -31,9 +31,9 @@ class WithPods:
 
 async def test_tenant_cards_name_their_pods(box: DemoFactory, dashboard: OpenDashboard) -> None:
     demo = await box("default")
-    arbitration = proxy_of(demo).arbitration
-    arbitration.reader = WithPods(arbitration.reader)
-    snap = await arbitration.snapshot()
+    broker = proxy_of(demo).broker
+    broker.reader = WithPods(broker.reader)
+    snap = await broker.snapshot()
     owners = {p.tenant: p.process.pid for p in snap.processes if p.tenant != "unmanaged"}
     assert owners, "the default scenario starts with GPU processes of some tenant"
     page, console = await dashboard(demo)

@@ -154,7 +154,7 @@ def comfyui_of(demo: Demo) -> ComfySim:
 
 def app_process(demo: Demo, name: str = "app") -> ProcessController:
     """The controller of a tenant the proxy runs as a process (release kind `process`)."""
-    machine = proxy_of(demo).arbitration.lifecycles.machine(name)
+    machine = proxy_of(demo).broker.lifecycles.machine(name)
     assert machine is not None, f"{name} has no lifecycle"
     assert isinstance(machine.controller, ProcessController), machine.controller
     return machine.controller

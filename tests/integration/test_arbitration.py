@@ -73,8 +73,8 @@ async def test_chat_during_a_render_waits_for_it_and_busy_comfyui_is_never_relea
             await poll_until(lambda: comfy_held(demo) >= 11 * GIB, 0.01)
         chat = asyncio.ensure_future(generate(http, demo, "gemma3:27b"))
         async with asyncio.timeout(5):
-            await poll_until(lambda: [w for w in proxy_of(demo).arbitration.scheduler.waiting() if w["waiting_for"]])
-        waiting = proxy_of(demo).arbitration.scheduler.waiting()[0]
+            await poll_until(lambda: [w for w in proxy_of(demo).broker.scheduler.waiting() if w["waiting_for"]])
+        waiting = proxy_of(demo).broker.scheduler.waiting()[0]
         assert waiting["tenant"] == "ollama" and waiting["waiting_for"] == ["comfyui"], waiting
         assert comfyui_of(demo).frees == 0, "a busy tenant was asked to free"
         ended = False
@@ -134,7 +134,7 @@ async def test_oom_answer_is_reclaimed_and_retried_once(box: DemoFactory, http: 
     retry = decisions(demo, "oom_retry", "ollama")
     assert retry and retry[-1].outcome.get("oom_retry") == "succeeded", [(d.outcome, d.plan) for d in retry]
     assert [x["tenant"] for x in retry[-1].outcome["releases"]] == ["comfyui"]
-    assert not proxy_of(demo).arbitration.scheduler.reservations.tenants(), \
+    assert not proxy_of(demo).broker.scheduler.reservations.tenants(), \
         "both admissions (first try and retry) give their memory back"
 
 
@@ -147,7 +147,7 @@ async def test_oom_with_nothing_to_release_is_retried_once_on_a_fresh_reading(
     assert r.status_code == 200, r.text
     retry = decisions(demo, "oom_retry", "ollama")
     assert [d.outcome for d in retry] == [{"result": "succeeded"}]
-    assert not proxy_of(demo).arbitration.scheduler.reservations.tenants()
+    assert not proxy_of(demo).broker.scheduler.reservations.tenants()
 
 
 async def test_oom_with_nothing_to_release_reaches_the_client_with_blockers(box: DemoFactory, http: httpx.AsyncClient) -> None:
@@ -158,7 +158,7 @@ async def test_oom_with_nothing_to_release_reaches_the_client_with_blockers(box:
     body = r.json()
     assert body["error"] == OOM, "the engine's error is passed through unchanged"
     assert {b["name"] for b in body["blockers"]} >= {"Xorg", "gnome-shell"}
-    assert not proxy_of(demo).arbitration.scheduler.reservations.tenants()
+    assert not proxy_of(demo).broker.scheduler.reservations.tenants()
 
 
 async def test_spill_to_cpu_makes_ollama_starved_and_reclaims_comfyui(box: DemoFactory, http: httpx.AsyncClient) -> None:
@@ -237,16 +237,16 @@ async def test_client_leaving_during_a_release_lets_the_release_finish_and_holds
     leaving.cancel()
     with pytest.raises(asyncio.CancelledError):
         await leaving
-    arbitration = proxy_of(demo).arbitration
+    broker = proxy_of(demo).broker
     def now() -> DecisionView:  # a view is never changed: its later facts come as a new one
         view = proxy_of(demo).decisions.view(plan.id)
         assert view is not None
         return view
     async with asyncio.timeout(5):  # the release's own end: no event to wait on from here
-        await poll_until(lambda: "releases" in now().outcome and not arbitration.scheduler.reservations.tenants()
-                         and not arbitration.scheduler.releasing, 0.01)
+        await poll_until(lambda: "releases" in now().outcome and not broker.scheduler.reservations.tenants()
+                         and not broker.scheduler.releasing, 0.01)
     assert now().outcome["releases"][0]["confirmed"] is True, "the release runs to its end and is recorded"
-    assert not arbitration.scheduler.reservations.tenants() and not arbitration.scheduler.releasing, \
+    assert not broker.scheduler.reservations.tenants() and not broker.scheduler.releasing, \
         "a departed request holds no memory and no release"
     assert proxy_of(demo).inflight.traffic("ollama").in_flight == 0
     again = await generate(http, demo, "gemma3:27b")
@@ -255,7 +255,7 @@ async def test_client_leaving_during_a_release_lets_the_release_finish_and_holds
 
 async def test_each_admission_gives_back_only_its_own_reservation(box: DemoFactory) -> None:
     demo = await box("default")
-    scheduler = proxy_of(demo).arbitration.scheduler
+    scheduler = proxy_of(demo).broker.scheduler
     plan = Plan("ollama", GIB, 0, 0, True, False, (), (), "test", True)
     admitted = Handoff(plan, [], None)
     scheduler.reserve("ollama:m", admitted)
@@ -393,7 +393,7 @@ async def test_an_idle_release_that_frees_nothing_backs_off_and_never_holds_up_a
     await clock.advance(0.25)
     releasing = asyncio.ensure_future(watchdog.tick())  # waits its 1 s release timeout under the lock
     async with asyncio.timeout(5):
-        await poll_until(lambda: bool(proxy_of(demo).arbitration.scheduler.releasing))
+        await poll_until(lambda: bool(proxy_of(demo).broker.scheduler.releasing))
     started = asyncio.get_running_loop().time()
     queued = await http.post(proxy_of(demo).url("comfyui") + "/prompt",
                              json={"prompt": comfy_prompt("sd_xl_base_1.0.safetensors")})
@@ -438,8 +438,8 @@ async def test_while_a_retry_waits_for_memory_the_clients_prompt_is_queued_and_u
         box: DemoFactory, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
     # The retry's admission held (as if it waited in the queue for a busy tenant): what the client reads meanwhile.
     demo = await box(fast("default", tenants={"comfyui": {"priority": 60, "needs_vram_gb": 1.0}}))
-    arbitration = proxy_of(demo).arbitration
-    admit, go, waiting = arbitration.admit, asyncio.Event(), asyncio.Event()
+    broker = proxy_of(demo).broker
+    admit, go, waiting = broker.admit, asyncio.Event(), asyncio.Event()
 
     async def held_admit(tenant: Tenant, path: str, body: bytes, trigger: str, *, oom: bool = False,
                          work: Token | None = None, need: Need | None = None) -> tuple[Admitted, Need]:
@@ -447,7 +447,7 @@ async def test_while_a_retry_waits_for_memory_the_clients_prompt_is_queued_and_u
             waiting.set()
             await go.wait()
         return await admit(tenant, path, body, trigger, oom=oom, work=work, need=need)
-    monkeypatch.setattr(arbitration, "admit", held_admit)
+    monkeypatch.setattr(broker, "admit", held_admit)
     comfyui_of(demo).fail_next_prompt_with_oom()
     base = proxy_of(demo).url("comfyui")
     cid = uuid.uuid4().hex

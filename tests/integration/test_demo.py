@@ -45,7 +45,7 @@ async def test_lifecycle_demo_stops_the_speech_relay_for_a_render_and_starts_it_
     results = {n: (ok, d) for n, ok, d in await self_test(demo)}
     ok, detail = results["proxy: relay stopped for a render"]
     assert ok and "stopped for flux1-dev-fp8.safetensors" in detail and "started again" in detail, detail
-    machine = proxy_of(demo).arbitration.lifecycles.machine("stt")
+    machine = proxy_of(demo).broker.lifecycles.machine("stt")
     assert machine is not None and machine.state == "running", "the last request started it again"
     kinds = [d.kind for d in proxy_of(demo).decisions.recent(500) if d.tenant == "stt" and d.kind in ("start", "stop")]
     assert kinds == ["start", "stop", "start"], kinds

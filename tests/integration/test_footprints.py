@@ -39,7 +39,7 @@ async def need(demo: Demo, model: str, **options: Any) -> tuple[int, str]:
     assert proxy is not None
     tenant = proxy.registry.get("ollama")
     body = httpx.Request("POST", "/", json={"model": model, "messages": [], "options": options}).content
-    n = await proxy.forwarder.adapter(tenant).estimate_need("/api/chat", body, proxy.arbitration.control)
+    n = await proxy.forwarder.adapter(tenant).estimate_need("/api/chat", body, proxy.broker.control)
     return n.bytes, n.key
 
 
@@ -57,7 +57,7 @@ async def test_another_num_ctx_is_planned_apart_and_a_split_model_is_reloaded_wh
     await proxy.watchdog.tick()  # Ollama's /api/ps: the default load is on the card
     default_bytes, default_key = await need(demo, "qwen2.5:14b")
     big_key = (await need(demo, "qwen2.5:14b", **BIG_CTX))[1]
-    scheduler = proxy.arbitration.scheduler
+    scheduler = proxy.broker.scheduler
     assert scheduler.resident("ollama", default_key) and not scheduler.resident("ollama", big_key), \
         "a request with another num_ctx was taken for the load on the card (Ollama reloads it)"
 

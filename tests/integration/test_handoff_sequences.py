@@ -123,16 +123,16 @@ async def test_two_clients_alternating_do_not_swap_the_card_when_both_fit(box: D
 async def test_a_request_for_a_model_already_on_the_card_skips_the_gpu_read(
         box: DemoFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     demo = await box("default")
-    arbitration = proxy_of(demo).arbitration
+    broker = proxy_of(demo).broker
     assert (await chat(demo, "llama3.2:3b")).message.content
     reads = 0
-    snapshot = arbitration.snapshot
+    snapshot = broker.snapshot
 
     async def counting() -> Any:
         nonlocal reads
         reads += 1
         return await snapshot()
-    monkeypatch.setattr(arbitration, "snapshot", counting)
+    monkeypatch.setattr(broker, "snapshot", counting)
     for _ in range(3):
         assert (await chat(demo, "llama3.2:3b")).message.content
     assert reads == 0, "a resident model needs no plan"

@@ -228,7 +228,7 @@ async def test_engines_reads_ollama_env_from_systemd_then_from_the_processes_env
     r = await http.post(demo.box.servers["ollama"].url + "/api/generate", json={"model": "llama3.1:8b", "prompt": "hi",
                                                                                 "stream": False})
     assert r.status_code == 200
-    snap = await proxy_of(demo).arbitration.snapshot()
+    snap = await proxy_of(demo).broker.snapshot()
     pid = snap.processes_of("ollama")[0].process.pid
     (tmp_path / str(pid)).mkdir()
     (tmp_path / str(pid) / "environ").write_bytes(b"OLLAMA_KEEP_ALIVE=-1\0OLLAMA_NUM_PARALLEL=4\0")

@@ -25,7 +25,7 @@ async def test_a_process_tenant_starts_on_its_first_request_stops_on_release_and
     port = free_port()
     demo = await box(fast("default", tenants={"app": process_tenant(port, tmp_path)}))
     assert demo.proxy is not None
-    machine = proxy_of(demo).arbitration.lifecycles.machine("app")
+    machine = proxy_of(demo).broker.lifecycles.machine("app")
     assert machine is not None and machine.state == "stopped", "nothing runs before the first request"
 
     first = await http.get(proxy_of(demo).url("app") + "/hello.txt")
@@ -70,7 +70,7 @@ async def test_a_start_that_fails_answers_503_with_the_apps_last_lines(
     body = answer.json()
     assert "could not be started" in body["error"] and "error: out of memory" in body["output"], body
     assert int(answer.headers["retry-after"]) >= 1
-    machine = proxy_of(demo).arbitration.lifecycles.machine("app")
+    machine = proxy_of(demo).broker.lifecycles.machine("app")
     assert machine is not None and machine.state == "failed"
     again = await http.get(proxy_of(demo).url("app") + "/hello.txt")
     assert again.status_code == 503 and "next try is allowed" in again.json()["error"], "backs off before trying again"
@@ -157,7 +157,7 @@ async def test_a_release_escalates_step_by_step_and_the_decision_says_which_step
     assert [(s["step"], s["kind"]) for s in steps] == [(0, "http"), (1, "process")], steps
     assert steps[0]["result"] == "error" and "501" in steps[0]["error"], "the soft step was tried first and failed"
     assert steps[1]["result"] in ("confirmed", "estimated"), "then the app was stopped"
-    machine = proxy_of(demo).arbitration.lifecycles.machine("app")
+    machine = proxy_of(demo).broker.lifecycles.machine("app")
     assert machine is not None and machine.state == "stopped" and not port_open(port)
     (decision,) = [d for d in proxy_of(demo).decisions.recent() if d.kind == "release" and d.tenant == "app"]
     assert [s["kind"] for s in decision.outcome["releases"][0]["steps"]] == ["http", "process"]
@@ -174,7 +174,7 @@ async def relay_box(box: DemoFactory, http: httpx.AsyncClient) -> tuple[Demo, Te
     machine, the relay's pid)."""
     demo = await box("lifecycle")
     assert demo.proxy is not None
-    machine = proxy_of(demo).arbitration.lifecycles.machine("stt")
+    machine = proxy_of(demo).broker.lifecycles.machine("stt")
     assert machine is not None and machine.state == "stopped"
     said = await http.post(proxy_of(demo).url("stt") + "/v1/audio/transcriptions", content=b"RIFF")
     assert said.status_code == 200 and machine.state == "running", said.text
@@ -265,8 +265,8 @@ async def test_a_relay_transcribing_is_not_stopped_the_render_waits_and_runs_aft
     rendering = asyncio.ensure_future(prompt(demo, http))
     async with asyncio.timeout(20):
         await poll_until(lambda: any(w["tenant"] == "comfyui" and w["waiting_for"]  # planned, not only arrived
-                                     for w in proxy_of(demo).arbitration.scheduler.waiting()))
-    waiting = next(w for w in proxy_of(demo).arbitration.scheduler.waiting() if w["tenant"] == "comfyui")
+                                     for w in proxy_of(demo).broker.scheduler.waiting()))
+    waiting = next(w for w in proxy_of(demo).broker.scheduler.waiting() if w["tenant"] == "comfyui")
     assert "stt" in waiting["waiting_for"], waiting
     assert not rendering.done() and machine.state == "running" and pid in demo.box.gpu.real_pids()
     assert not decisions(demo, "stop", "stt"), "a busy relay was stopped"
@@ -290,7 +290,7 @@ async def test_a_relay_with_a_stream_open_is_not_stopped_the_render_waits_and_ru
         assert (await anext(lines)).startswith("data: "), "the stream flows through the proxy"
         rendering = asyncio.ensure_future(prompt(demo, http))
         async with asyncio.timeout(20):
-            await poll_until(lambda: any(w["tenant"] == "comfyui" for w in proxy_of(demo).arbitration.scheduler.waiting()))
+            await poll_until(lambda: any(w["tenant"] == "comfyui" for w in proxy_of(demo).broker.scheduler.waiting()))
         # a few passes of the scheduler, on the proxy's own clock
         for _ in range(3):
             await anext(lines)

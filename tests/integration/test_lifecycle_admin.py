@@ -203,6 +203,6 @@ async def test_the_idle_ttl_stops_an_app_whose_release_list_starts_with_a_soft_s
     assert port_open(port)
     report = await proxy_of(demo).watchdog.tick()
     assert "app: idle release" in " ".join(report.actions), report.reasons.get("app")
-    machine = proxy_of(demo).arbitration.lifecycles.machine("app")
+    machine = proxy_of(demo).broker.lifecycles.machine("app")
     assert machine is not None and machine.state == "stopped", f"the ttl left the app {machine and machine.state}"
     assert not port_open(port)

@@ -108,7 +108,7 @@ async def test_a_daemon_run_app_with_a_stop_command_starts_answers_and_stops(
     assert demo.proxy is not None
     answer = await http.get(proxy_of(demo).url("app") + "/hello.txt")
     assert answer.status_code == 200, answer.text
-    machine = proxy_of(demo).arbitration.lifecycles.machine("app")
+    machine = proxy_of(demo).broker.lifecycles.machine("app")
     assert machine is not None and machine.state == "running"
     server = int((tmp_path / "server.pid").read_text())
     ctl = app_process(demo)

@@ -74,7 +74,7 @@ async def open_gate(gate: Path, why: Callable[[], str]) -> None:
 
 def machine_of(demo: Demo, name: str) -> TenantLifecycle:
     assert demo.proxy is not None
-    m = proxy_of(demo).arbitration.lifecycles.machine(name)
+    m = proxy_of(demo).broker.lifecycles.machine(name)
     assert m is not None
     return m
 

@@ -46,7 +46,7 @@ def kill_all(pids: list[int]) -> None:
 
 
 def machine_of(demo: Demo, name: str = "app") -> TenantLifecycle:
-    m = proxy_of(demo).arbitration.lifecycles.machine(name)
+    m = proxy_of(demo).broker.lifecycles.machine(name)
     assert m is not None
     return m
 

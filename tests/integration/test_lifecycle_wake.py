@@ -37,7 +37,7 @@ async def stopped_relay(box: DemoFactory, **stt: object) -> tuple[Demo, TenantLi
     """The lifecycle scenario's speech relay, stopped (nothing started it yet): (demo, machine, its URL)."""
     demo = await box(lifecycle(**stt))
     assert demo.proxy is not None
-    machine = proxy_of(demo).arbitration.lifecycles.machine("stt")
+    machine = proxy_of(demo).broker.lifecycles.machine("stt")
     assert machine is not None and machine.state == "stopped"
     return demo, machine, proxy_of(demo).url("stt")
 
@@ -90,7 +90,7 @@ async def test_wake_on_any_lets_a_read_start_it_and_the_start_counts_as_activity
     clock = ManualClock(ticking=True)
     demo = await box(lifecycle(wake_on="any", idle_release_after_s=4.0), clock=clock)
     assert demo.proxy is not None
-    machine = proxy_of(demo).arbitration.lifecycles.machine("stt")
+    machine = proxy_of(demo).broker.lifecycles.machine("stt")
     assert machine is not None
     await clock.advance(60.0)  # long idle before the first request: the ttl must count from the start, not before
     r = await http.get(proxy_of(demo).url("stt") + "/health")
@@ -107,7 +107,7 @@ async def test_polling_reads_never_make_a_stopped_app_flap(box: DemoFactory, htt
     clock = ManualClock(ticking=True)
     demo = await box(lifecycle(idle_release_after_s=4.0), clock=clock)
     assert demo.proxy is not None
-    machine = proxy_of(demo).arbitration.lifecycles.machine("stt")
+    machine = proxy_of(demo).broker.lifecycles.machine("stt")
     assert machine is not None
     url = proxy_of(demo).url("stt")
     said = await http.post(url + "/v1/audio/transcriptions", content=b"RIFF")
@@ -170,7 +170,7 @@ async def test_a_started_app_never_inherits_the_proxys_secrets_and_its_own_env_w
     demo = await box(fast("default", tenants={"app": tenant}, settings={"admin": {"token_env": "MY_ADMIN_TOKEN"}}))
     assert demo.proxy is not None
     assert (await http.get(proxy_of(demo).url("app") + "/hello.txt")).status_code == 200
-    machine = proxy_of(demo).arbitration.lifecycles.machine("app")
+    machine = proxy_of(demo).broker.lifecycles.machine("app")
     assert machine is not None
     pid = machine.controller.describe()["pid"]
     assert isinstance(pid, int)

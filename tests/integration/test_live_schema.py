@@ -160,7 +160,7 @@ async def test_answers_without_a_gpu_reader_match_the_document_too(box: DemoFact
             raise GpuReadError("driver_mismatch", "Failed to initialize NVML: Driver/library version mismatch",
                                "reboot to load the new driver")
 
-    proxy_of(demo).arbitration.reader = Broken()
+    proxy_of(demo).broker.reader = Broken()
     stats = await call(http, doc, admin, "GET", "/api/stats", "/api/stats", 200)
     assert stats["gpu_error"]["state"] == "driver_mismatch" and stats["device"]["source"] == "engine-estimate", stats
     assert stats["device"]["reserved_bytes"] is None, "ComfyUI reports no reserved figure: null, never 0"

@@ -107,7 +107,7 @@ async def test_first_scrape_reads_the_card_and_two_proxies_keep_separate_counter
         box: DemoFactory, http: httpx.AsyncClient) -> None:
     a = await box("tight")
     b = await box("tight")
-    assert proxy_of(a).arbitration.last_snapshot is None
+    assert proxy_of(a).broker.last_snapshot is None
     r = await http.post(proxy_of(a).url("ollama") + "/api/generate", json=TOO_BIG)
     assert r.status_code == 507
 

@@ -123,7 +123,7 @@ def waiting(demo: Demo, tenant: str, *, planned: bool = False) -> int:
     """Requests of `tenant` in the proxy's queue now (each one, also those riding one handoff);
     `planned`: only those the scheduler has placed (waiting, or joined to a release), not the ones it
     has yet to plan, which may still be let through at once."""
-    queue = proxy_of(demo).arbitration.scheduler.waiting()
+    queue = proxy_of(demo).broker.scheduler.waiting()
     return sum(1 for w in queue if w["tenant"] == tenant and not (planned and w["reason"] == "being planned"))
 
 

@@ -318,14 +318,14 @@ async def test_a_reader_that_breaks_later_keeps_the_cards_measured_size(box: Dem
     data = fast("default").model_dump()
     data.update(comfyui=None, tenants={"comfyui": None})  # no engine left that reports the card
     demo = await box(Scenario.model_validate(data))
-    arbitration = proxy_of(demo).arbitration
-    measured = (await arbitration.snapshot()).snapshot.device.total_bytes
+    broker = proxy_of(demo).broker
+    measured = (await broker.snapshot()).snapshot.device.total_bytes
 
     class Broken:
         def read(self) -> Any:
             raise GpuReadError("driver_mismatch", "Driver/library version mismatch", "reboot")
 
-    arbitration.reader = Broken()
+    broker.reader = Broken()
     for _ in range(3):
-        snap = await arbitration.snapshot()
+        snap = await broker.snapshot()
         assert snap.estimated and snap.snapshot.device.total_bytes == measured

@@ -70,7 +70,7 @@ async def until(http: httpx.AsyncClient, demo: Demo, check: Callable[[Signals], 
 
 
 def queue_of(demo: Demo, tenant: str) -> int:
-    return sum(1 for w in proxy_of(demo).arbitration.scheduler.waiting() if w["tenant"] == tenant)
+    return sum(1 for w in proxy_of(demo).broker.scheduler.waiting() if w["tenant"] == tenant)
 
 
 async def test_each_picker_signal_moves_with_the_scheduler_on_the_demo_box(box: DemoFactory, http: httpx.AsyncClient) -> None:
@@ -101,7 +101,7 @@ async def test_each_picker_signal_moves_with_the_scheduler_on_the_demo_box(box: 
     assert loaded.models("ollama")["running_lora_adapters"] == "llama3.1:8b"
     assert loaded.models("ollama")["waiting_lora_adapters"] == ""
     assert loaded.running("ollama") == 0
-    resident, on_the_way = proxy_of(demo).arbitration.scheduler.loads_of("ollama")
+    resident, on_the_way = proxy_of(demo).broker.scheduler.loads_of("ollama")
     assert [slot(key) for key in resident] == ["ollama:llama3.1:8b"] and on_the_way == ()  # its variant: digest, options
 
     # a busy tenant raises the cost; a second render waits in ComfyUI's own queue; a chat that needs the

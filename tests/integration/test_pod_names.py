@@ -26,9 +26,9 @@ class WithPods:
 
 async def test_stats_and_tenant_views_name_the_pod(box: DemoFactory, http: httpx.AsyncClient) -> None:
     demo = await box("default")
-    arbitration = proxy_of(demo).arbitration
-    arbitration.reader = WithPods(arbitration.reader)
-    await arbitration.snapshot()
+    broker = proxy_of(demo).broker
+    broker.reader = WithPods(broker.reader)
+    await broker.snapshot()
     admin = proxy_of(demo).url("admin")
     stats = (await http.get(admin + "/api/stats")).json()
     assert stats["processes"], "the default scenario has GPU processes"

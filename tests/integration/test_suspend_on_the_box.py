@@ -69,7 +69,7 @@ async def test_render_chat_render_swaps_by_suspension_and_reads_no_checkpoint_ag
 async def test_a_render_sent_during_comfyuis_suspend_waits_for_it_then_for_the_restore(box: DemoFactory) -> None:
     demo = await box(fast("suspend", suspend={"copy_gbps": 10.0}))  # ~0.7 s to park the checkpoint
     assert demo.proxy is not None and demo.box.comfyui is not None
-    suspensions = proxy_of(demo).arbitration.lifecycles.suspensions
+    suspensions = proxy_of(demo).broker.lifecycles.suspensions
     async with asyncio.timeout(WITHIN_S):
         assert succeeded(await render(demo, CKPT))
         chatting = asyncio.create_task(chat(demo, CHAT))
@@ -100,7 +100,7 @@ async def test_an_engine_process_that_exits_while_suspended_is_forwarded_to_and_
     forwarded at once (Ollama's server answers for itself), the state says why, nothing hangs."""
     demo = await box(fast("suspend"))
     assert demo.proxy is not None
-    suspensions = proxy_of(demo).arbitration.lifecycles.suspensions
+    suspensions = proxy_of(demo).broker.lifecycles.suspensions
     async with asyncio.timeout(WITHIN_S):
         assert succeeded(await render(demo, CKPT))
         assert (await chat(demo, CHAT)).message.content
@@ -129,7 +129,7 @@ async def test_the_proxys_stop_restores_what_it_suspended_where_the_card_has_roo
         async with httpx.AsyncClient(trust_env=False) as direct:  # Ollama lets go of the card by itself
             await direct.post(demo.box.servers["ollama"].url + "/api/generate", json={"model": CHAT, "keep_alive": 0})
         await ollama.wait_until(lambda: not ollama.loaded())
-        await proxy_of(demo).arbitration.aclose()
+        await proxy_of(demo).broker.aclose()
         assert demo.box.gpu.parked() == {}, "room for it, and it is still suspended"
 
 
@@ -140,6 +140,6 @@ async def test_an_app_the_card_has_no_room_for_stays_suspended_at_the_stop(
     async with asyncio.timeout(WITHIN_S):
         assert succeeded(await render(demo, CKPT))
         assert (await chat(demo, CHAT)).message.content
-        await proxy_of(demo).arbitration.aclose()
+        await proxy_of(demo).broker.aclose()
     assert demo.box.gpu.parked(), "restored without room (Ollama's 9 GiB and ComfyUI's 6.9 do not fit 16)"
     assert "comfyui stays suspended at the proxy's stop" in caplog.text and "cuda-checkpoint --toggle --pid" in caplog.text

@@ -241,7 +241,7 @@ async def test_a_client_that_leaves_a_committed_stream_leaves_the_queue_and_coun
             lines = r.aiter_lines()
             assert "waiting for comfyui" in json.loads(await anext(lines))["message"]["thinking"]
     async with asyncio.timeout(5):
-        await poll_until(lambda: not proxy.arbitration.scheduler.waiting()
+        await poll_until(lambda: not proxy.broker.scheduler.waiting()
                          and proxy.inflight.traffic("ollama").connections == 0)
     assert proxy.inflight.traffic("ollama").in_flight == 0
     queued = next(d for d in reversed(decisions(demo, "queued")) if d.tenant == "ollama")

@@ -39,7 +39,7 @@ async def _chat(base: str, headers: dict[str, str] | None = None) -> list[ollama
 async def test_a_streamed_chat_to_a_stopped_app_hears_it_start_then_gets_the_apps_stream(box: DemoFactory) -> None:
     demo = await box(fast("default", tenants={"tiny": tiny_ollama(free_port())}))
     assert demo.proxy is not None
-    machine = proxy_of(demo).arbitration.lifecycles.machine("tiny")
+    machine = proxy_of(demo).broker.lifecycles.machine("tiny")
     assert machine is not None and machine.state == "stopped"
     parts = await _chat(proxy_of(demo).url("tiny"))
     thinking = [p.message.thinking for p in parts if p.message.thinking]

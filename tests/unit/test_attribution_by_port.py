@@ -187,10 +187,10 @@ def test_without_a_tree_the_simulated_path_goes_by_rules_and_says_nothing() -> N
 
 
 async def test_the_proxys_snapshot_attributes_by_port_and_carries_the_notes(fp: FakeProc) -> None:
-    # the whole path the admission and the admin API use: NVML reader on a fixture /proc -> Arbitration
+    # the whole path the admission and the admin API use: NVML reader on a fixture /proc -> GpuBroker
     from proxy.clock import ManualClock
     from proxy.gpu.nvml import NvmlReader
-    from proxy.handoff.arbitration import Arbitration
+    from proxy.handoff.broker import GpuBroker
     from proxy.handoff.decisions import DecisionLog
     from proxy.handoff.inflight import InFlight
     from tests.unit.test_nvml import CLK_TCK, FakeNvml, entry
@@ -204,12 +204,12 @@ async def test_the_proxys_snapshot_attributes_by_port_and_carries_the_notes(fp: 
     nvml = FakeNvml()
     nvml.compute = [entry(801, 3 * 2**30)]
     clock = ManualClock(start=50.0)
-    arbitration = Arbitration(reg, NvmlReader(nvml=nvml, proc_root=fp.root, clock=clock, clk_tck=CLK_TCK),
+    broker = GpuBroker(reg, NvmlReader(nvml=nvml, proc_root=fp.root, clock=clock, clk_tck=CLK_TCK),
                       InFlight(clock), clock, DecisionLog(clock))
     try:
-        snap = await arbitration.snapshot()
+        snap = await broker.snapshot()
     finally:
-        await arbitration.aclose()
+        await broker.aclose()
     assert [(p.tenant, p.by) for p in snap.processes] == [("ollama", "port")]
     assert snap.held_by("ollama") == 3 * 2**30
     assert any("comfyui" in n and "not this machine" in n for n in snap.snapshot.notes), snap.snapshot.notes

@@ -119,38 +119,38 @@ def test_an_engine_silent_since_a_time_is_judged_against_job_lost_after_s() -> N
 async def test_the_scheduler_judges_a_cpu_engine_by_its_queue_and_ends_jobs_of_an_engine_gone_for_good() -> None:
     """The wiring: what the watchdog learns (the engine's device, its queue reads, silence) reaches the rule."""
     from proxy.clock import ManualClock
-    from proxy.handoff.arbitration import Arbitration
+    from proxy.handoff.broker import GpuBroker
     from proxy.handoff.decisions import DecisionLog
     from proxy.handoff.inflight import InFlight
     from proxy.sim.gpu import SimulatedGpu
 
     clock = ManualClock()
     inflight = InFlight(clock)
-    arbitration = Arbitration(REG, SimulatedGpu(), inflight, clock, DecisionLog(clock))
+    broker = GpuBroker(REG, SimulatedGpu(), inflight, clock, DecisionLog(clock))
     try:
         inflight.track_job("comfyui", "p1")
         await clock.advance(JOB_LOAD_GRACE_S + 13.7)
-        arbitration.scheduler.queue_read("comfyui", clock.now(), ("p1",))  # ComfyUI's /queue lists the prompt running
-        snap = await arbitration.snapshot()
-        assert not arbitration.scheduler.states(snap)["comfyui"].busy, \
+        broker.scheduler.queue_read("comfyui", clock.now(), ("p1",))  # ComfyUI's /queue lists the prompt running
+        snap = await broker.snapshot()
+        assert not broker.scheduler.states(snap)["comfyui"].busy, \
             "on the card, a prompt holding nothing past the grace is stale"
-        arbitration.scheduler.on_cpu("comfyui", True)
-        assert arbitration.scheduler.states(snap)["comfyui"].busy, "a --cpu ComfyUI's running prompt is reported idle at 43.7 s"
-        arbitration.scheduler.queue_read("comfyui", clock.now(), None)  # the engine stops answering
+        broker.scheduler.on_cpu("comfyui", True)
+        assert broker.scheduler.states(snap)["comfyui"].busy, "a --cpu ComfyUI's running prompt is reported idle at 43.7 s"
+        broker.scheduler.queue_read("comfyui", clock.now(), None)  # the engine stops answering
         await clock.advance(REG.config.proxy.job_lost_after_s - 1)
-        assert arbitration.scheduler.states(snap)["comfyui"].busy, "an outage shorter than job_lost_after_s keeps the job busy"
+        assert broker.scheduler.states(snap)["comfyui"].busy, "an outage shorter than job_lost_after_s keeps the job busy"
         await clock.advance(1)
-        state = arbitration.scheduler.states(snap)["comfyui"]
+        state = broker.scheduler.states(snap)["comfyui"]
         assert not state.busy and state.stale_why == "unreachable" and state.stale_jobs == ("p1",)
     finally:
-        await arbitration.aclose()
+        await broker.aclose()
 
 
 async def test_the_watchdog_ends_the_jobs_of_an_engine_silent_past_job_lost_after_s() -> None:
     import socket
 
     from proxy.clock import ManualClock
-    from proxy.handoff.arbitration import Arbitration
+    from proxy.handoff.broker import GpuBroker
     from proxy.handoff.decisions import DecisionLog
     from proxy.handoff.inflight import InFlight
     from proxy.handoff.watchdog import Watchdog
@@ -163,19 +163,19 @@ async def test_the_watchdog_ends_the_jobs_of_an_engine_silent_past_job_lost_afte
     clock = ManualClock()
     inflight = InFlight(clock)
     log = DecisionLog(clock)
-    arbitration = Arbitration(reg, SimulatedGpu(), inflight, clock, log)
+    broker = GpuBroker(reg, SimulatedGpu(), inflight, clock, log)
     try:
         inflight.track_job("comfyui", "p1")
-        await Watchdog(arbitration).tick()  # the first failed read: silent since now
+        await Watchdog(broker).tick()  # the first failed read: silent since now
         assert inflight.jobs("comfyui") == ("p1",)
         await clock.advance(60)
-        report = await Watchdog(arbitration).tick()
+        report = await Watchdog(broker).tick()
         assert inflight.jobs("comfyui") == (), "a job lost with an engine that never comes back is never ended"
         (lost,) = [d for d in log.recent() if d.kind == "stale_job"]
         assert lost.outcome["job_id"] == "p1" and "job_lost_after_s" in lost.outcome["reason"]
         assert any("p1 ended" in a for a in report.actions)
     finally:
-        await arbitration.aclose()
+        await broker.aclose()
 
 
 def test_an_open_connection_keeps_a_tenant_released_by_stopping_busy_but_not_one_released_by_a_call() -> None:
@@ -217,7 +217,7 @@ def test_states_on_demand_are_worked_out_only_for_a_plan_short_of_memory_and_dec
 
 def test_a_roomy_resident_plan_is_kept_for_the_same_reading_and_promises_only() -> None:
     from proxy.handoff.per_card import plan_on_devices
-    from proxy.handoff.queue_rules import RoomyPlans, resident_fit
+    from proxy.handoff.policy import RoomyPlans, resident_fit
     from tests.unit.cards import idle, snap
 
     reading = snap([("ollama", 1, 5 * GIB), ("comfyui", 2, 10 * GIB)], free=6 * GIB)

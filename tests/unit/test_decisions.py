@@ -36,7 +36,7 @@ from proxy.handoff.decisions import (
 )
 from proxy.handoff.plan import Blocker, Plan, Release
 from proxy.handoff.plan_json import plan_json
-from proxy.handoff.queue_rules import hold_reason
+from proxy.handoff.policy import hold_reason
 from proxy.handoff.release_result import ReleaseOutcome
 from proxy.models.loads import LoadRecord
 

@@ -16,7 +16,7 @@ from proxy.handoff.orders import release_whole
 from proxy.handoff.per_card import candidates, free_for, plan_on_devices, schedule_on_devices
 from proxy.handoff.plan import Plan, plan_release
 from proxy.handoff.plan_json import plan_json
-from proxy.handoff.queue_rules import schedule
+from proxy.handoff.policy import schedule
 from tests.unit.cards import RESERVED, busy, idle, registry, snap
 from tests.unit.test_scheduler import actions, waiter
 

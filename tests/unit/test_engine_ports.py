@@ -20,7 +20,7 @@ NOT_ASKED = frozenset({"kind", "listen_host"})
 MOST_MEMBERS = 10
 # Outside proxy/engines/, the modules that may name the whole adapter: they hold or hand out the
 # per-tenant adapters (each caller of theirs asks one port), or read class facts of every kind.
-WHOLE_ADAPTER = frozenset({"proxy/handoff/arbitration.py", "proxy/relay/forward.py", "proxy/admin/models_api.py",
+WHOLE_ADAPTER = frozenset({"proxy/handoff/broker.py", "proxy/relay/forward.py", "proxy/admin/models_api.py",
                            "proxy/verify/roles.py"})
 
 

@@ -9,7 +9,7 @@ from typing import cast
 from proxy.admin import views
 from proxy.clock import ManualClock
 from proxy.config.units import GIB
-from proxy.handoff.arbitration import Arbitration
+from proxy.handoff.broker import GpuBroker
 from proxy.handoff.load_events import Load, LoadEvents, progress
 
 
@@ -87,8 +87,8 @@ def test_a_loads_figure_is_what_its_tenant_gained_and_exact_only_when_it_held_no
 def test_each_waiter_has_its_place_in_line_by_priority_then_arrival() -> None:
     entries = [{"id": 3, "tenant": "a", "priority": 10}, {"id": 4, "tenant": "b", "priority": 50},
                {"id": 5, "tenant": "a", "priority": 10}]
-    arbitration = SimpleNamespace(scheduler=SimpleNamespace(waiting=lambda: entries))
-    placed = views.queue(cast(Arbitration, arbitration))
+    broker = SimpleNamespace(scheduler=SimpleNamespace(waiting=lambda: entries))
+    placed = views.queue(cast(GpuBroker, broker))
     assert [(w["id"], w["position"]) for w in placed] == [(3, 2), (4, 1), (5, 3)], placed
 
 

@@ -208,7 +208,7 @@ def test_the_models_extension_reads_the_engines_environment_only_from_this_hosts
 
     def ext_seeing(tree: ProcessTree | None) -> ModelsExtension:
         snap = AttributedSnapshot(GpuSnapshot(card, tuple(p.process for p in procs), tree=tree), procs)
-        view = SimpleNamespace(registry=reg, arbitration=SimpleNamespace(last_snapshot=snap))
+        view = SimpleNamespace(registry=reg, broker=SimpleNamespace(last_snapshot=snap))
         return ModelsExtension(view, probe=_Probe(), env={}, home=tmp_path, proc_root=tmp_path / "proc")  # type: ignore[arg-type]
 
     ollama = reg.tenants["ollama"]

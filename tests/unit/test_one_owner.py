@@ -4,7 +4,7 @@ Admission state is what decides who runs: the waiters, the admission of a reques
 work, the memory promised to loads on their way, the loads known to be on the card, the engines'
 own reads, the latest card, the releases under way. The deadlock of issue 32 came from that state
 spread over many owners (a waiter counted as work by the listener, reservations and residency on
-`Arbitration`, a lock beside the scheduler's own "one at a time"). This check reads every module of
+`GpuBroker`, a lock beside the scheduler's own "one at a time"). This check reads every module of
 proxy/ and fails, naming the module and the line, where another one constructs a piece of that
 state, keeps an attribute of that name, or admits a request as work.
 """
@@ -29,7 +29,7 @@ ADMITS_WITHOUT_SCHEDULER = {"proxy/relay/listener.py"}
 # A lock in the handoff layer is a second "one at a time" beside the scheduler's; the reader's one
 # GPU read at a time guards no admission state. Locks elsewhere (a cache, a walk) are not looked at.
 HANDOFF = ("proxy/handoff/", "proxy/relay/gpu_gate.py")
-OTHER_LOCKS = {"proxy/handoff/arbitration.py"}
+OTHER_LOCKS = {"proxy/handoff/broker.py"}
 # The same names for other things: the page cache's residency of model files (not the card's), the
 # HTTP client's connection-pool waiters.
 SAME_NAME_OTHER_THING = {("proxy/models/catalog.py", "residency"), ("proxy/relay/http1.py", "_waiters")}
@@ -77,7 +77,7 @@ def test_no_module_but_the_scheduler_keeps_admission_state() -> None:
 def test_the_check_finds_what_the_old_code_did() -> None:
     """What issue 32 found, written again: the check must name each of them."""
     old = '''
-class Arbitration:
+class GpuBroker:
     def __init__(self):
         self.residency = Residency(clock)
         self.handoff_lock = asyncio.Lock()
@@ -126,8 +126,8 @@ from proxy.handoff.scheduler import Scheduler
 
 class GpuGate:
     def handle(self):
-        self.arbitration.scheduler.reservations.reserve("k", plan)
-        return self.arbitration.scheduler.admit_at_once(tenant, key, need)
+        self.broker.scheduler.reservations.reserve("k", plan)
+        return self.broker.scheduler.admit_at_once(tenant, key, need)
 '''
     found = door_violations(around, "proxy/relay/gpu_gate.py")
     assert any("imports proxy.handoff.scheduler" in f for f in found), found

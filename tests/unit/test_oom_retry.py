@@ -169,7 +169,7 @@ async def test_a_retry_is_planned_on_a_fresh_reading_not_the_one_taken_while_com
     from proxy.clock import ManualClock
     from proxy.engines.loading import registry_from_dict
     from proxy.gpu.snapshot import GpuSnapshot
-    from proxy.handoff.arbitration import Arbitration
+    from proxy.handoff.broker import GpuBroker
     from proxy.handoff.decisions import DecisionLog
     from proxy.handoff.inflight import InFlight
     from tests.unit.cards import snap
@@ -191,14 +191,14 @@ async def test_a_retry_is_planned_on_a_fresh_reading_not_the_one_taken_while_com
             reads.append("fresh")
             return after.snapshot
 
-    arbitration = Arbitration(reg, AfterTheOom(), InFlight(clock), clock, DecisionLog(clock))
-    arbitration.scheduler.observe_card(sampling)
+    broker = GpuBroker(reg, AfterTheOom(), InFlight(clock), clock, DecisionLog(clock))
+    broker.scheduler.observe_card(sampling)
     try:
         body = json.dumps({"prompt": {"4": {"class_type": "CheckpointLoaderSimple",
                                             "inputs": {"ckpt_name": "flux.safetensors"}}}}).encode()
-        admitted, _ = await arbitration.admit(reg.get("comfyui"), "/prompt", body, "OOM of ComfyUI prompt p", oom=True)
+        admitted, _ = await broker.admit(reg.get("comfyui"), "/prompt", body, "OOM of ComfyUI prompt p", oom=True)
     finally:
-        await arbitration.aclose()
+        await broker.aclose()
     plan = admitted.handoff.plan
     assert reads, "the retry read the card afresh"
     assert admitted.outcome == "run", f"{admitted.outcome}: {admitted.reason}"

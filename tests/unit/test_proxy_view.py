@@ -50,8 +50,8 @@ def test_an_extension_gets_a_read_only_view_not_the_proxy() -> None:
     assert isinstance(ext, Recorder)
     view = ext.view
     assert isinstance(view, ProxyView) and not isinstance(view, Proxy)
-    assert view.arbitration is proxy.arbitration and view.decisions is proxy.decisions and view.registry is proxy.registry
-    for name in ("arbitration", "registry", "config_path", "token", "servers", "clock"):
+    assert view.broker is proxy.broker and view.decisions is proxy.decisions and view.registry is proxy.registry
+    for name in ("broker", "registry", "config_path", "token", "servers", "clock"):
         with pytest.raises(AttributeError):
             setattr(view, name, None)
     with pytest.raises(TypeError):

@@ -23,7 +23,7 @@ from proxy.handoff.hold import HOLD_SHARE, RELOAD_BYTES_PER_S, SwapHold
 from proxy.handoff.inflight import InFlight, Token
 from proxy.handoff.orders import Released, ReleaseOrder, release_whole
 from proxy.handoff.plan import Plan, Release, TenantState
-from proxy.handoff.queue_rules import Releasing, Waiter, queue_order, schedule
+from proxy.handoff.policy import Releasing, Waiter, queue_order, schedule
 from proxy.handoff.reservations import Reservations
 from proxy.handoff.scheduler import Admitted, Scheduler
 from tests.unit.cards import STT, busy, idle, registry, snap

@@ -1,5 +1,5 @@
 """The scheduler against a model of the box, driven at random (hypothesis' stateful testing): its real
-policy (`Scheduler`, `queue_rules.schedule`, the busy rule's premise that only admitted work counts)
+policy (`Scheduler`, `policy.schedule`, the busy rule's premise that only admitted work counts)
 with fake effects on the manual clock. Random arrivals for three tenants and several models, random
 service times, requests the engine fails, clients that leave, releases that are slow, free less than
 expected or never answer, memory taken and freed outside the proxy. After every step the invariants
@@ -46,7 +46,7 @@ from proxy.handoff.decisions import HandoffKind, ReleaseResult
 from proxy.handoff.effects import ScriptedEffects
 from proxy.handoff.inflight import InFlight, Token
 from proxy.handoff.plan import Release
-from proxy.handoff.queue_rules import RESIDENT
+from proxy.handoff.policy import RESIDENT
 from proxy.handoff.scheduler import Admitted, Scheduler
 from tests.unit.cards import STT, registry
 
@@ -99,7 +99,7 @@ class Box(ScriptedEffects):
     model it loaded last; releases take time and may fail; memory outside the proxy comes and goes."""
 
     def __init__(self, registry: Registry, clock: ManualClock, inflight: InFlight) -> None:
-        # as Arbitration.carry_out: a busy tenant is never released
+        # as GpuBroker.carry_out: a busy tenant is never released
         super().__init__(registry, clock, card=self.card_now, release=self.release_one, busy=inflight.busy)
         self.inflight = inflight
         self.loaded: dict[str, str | None] = dict.fromkeys(TENANTS)

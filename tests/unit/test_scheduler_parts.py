@@ -9,7 +9,7 @@ import asyncio
 from proxy.handoff.decisions import HandoffKind
 from proxy.handoff.orders import Released, ReleaseOrder
 from proxy.handoff.plan import Plan, Release
-from proxy.handoff.queue_rules import Verdict, Waiter
+from proxy.handoff.policy import Verdict, Waiter
 from proxy.handoff.release_line import ReleaseLine
 from proxy.handoff.tickets import Admitted, Ticket, Underway
 from proxy.handoff.waitlist import WaitList

@@ -326,7 +326,7 @@
 
   // "#2 in line, " (the queue's order: priority, then arrival)
   const place = (w) => (w.position ? `#${w.position} in line, ` : "");
-  // A held swap is a choice, not a wait for busy work (proxy/handoff/queue_rules.py's reason, read back)
+  // A held swap is a choice, not a wait for busy work (proxy/handoff/policy.py's reason, read back)
   const HELD = /^holding the swap of (.+?) for ([\d.e+-]+) s \(proxy\.swap_hold_s/;
   const heldOf = (w) => { const m = HELD.exec(w.reason || ""); return m ? { tenants: m[1], s: parseFloat(m[2]) } : null; };
   const waitReason = (w) => {

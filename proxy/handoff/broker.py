@@ -6,7 +6,7 @@ admin's start) handed to the scheduler.
 No admission state lives here: waiters, admitted work, reservations, residency, the engines' reads
 and the latest card are the `Scheduler`'s (proxy/handoff/scheduler.py), which runs every read and
 release as a task that reports back. Who is busy is the pure rule in `busy.py`; who runs, waits or
-is refused is the pure `queue_rules.schedule`. The HTTP side (answers, the OOM retry) is the GPU gate
+is refused is the pure `policy.schedule`. The HTTP side (answers, the OOM retry) is the GPU gate
 in proxy/relay/gpu_gate.py.
 """
 
@@ -36,7 +36,7 @@ from proxy.handoff.load_events import LoadEvents
 from proxy.handoff.oom_need import OOM_HEADROOM_BYTES, oom_retry_need
 from proxy.handoff.orders import Released, ReleaseOrder
 from proxy.handoff.plan import Plan, PlanMode, gib, unplanned_plan
-from proxy.handoff.queue_rules import promised_by_tenant
+from proxy.handoff.policy import promised_by_tenant
 from proxy.handoff.release_result import StepResult
 from proxy.handoff.scheduler import Admitted, Handoff, Scheduler
 from proxy.handoff.sleepers import Lifecycles
@@ -49,10 +49,10 @@ log = logging.getLogger("hyperswap.arbitration")
 
 RESTORE_AT_STOP_S = 60.0  # each restore at the proxy's stop (GiB at ~12 GB/s: seconds)
 
-__all__ = ["CONFIRM_SLACK_BYTES", "Admitted", "Arbitration", "Handoff", "ReleaseResult", "gib"]
+__all__ = ["CONFIRM_SLACK_BYTES", "Admitted", "GpuBroker", "Handoff", "ReleaseResult", "gib"]
 
 
-class Arbitration:
+class GpuBroker:
     def __init__(self, registry: Registry, reader: GpuReader, inflight: InFlight, clock: Clock,
                  decisions: DecisionLog, control: httpx.AsyncClient | None = None,
                  adapter: Callable[[Tenant], EngineAdapter] | None = None, *,
