@@ -126,22 +126,24 @@ class RoomyPlans:
     nothing but the reading and the promises: no busy state (`plan.decide` looks at them, and at the
     tenants' settings, only when short, and a short plan is never chosen over one with room), no
     clock. On the same reading (readings are frozen: a new one is a new object) with the same
-    promises it is the same plan. Forgotten when the reading changes."""
+    promises it is the same plan. Forgotten when the reading or the registry changes."""
 
     MAX = 64  # peaks and promise sets kept per reading
 
     def __init__(self) -> None:
         self._snap: AttributedSnapshot | None = None
+        self._registry: Registry | None = None
         self._plans: dict[RoomyKey, Plan] = {}
 
-    def find(self, snap: AttributedSnapshot, key: RoomyKey) -> Plan | None:
-        if snap is not self._snap:
-            self._snap, self._plans = snap, {}
+    def find(self, snap: AttributedSnapshot, registry: Registry, key: RoomyKey) -> Plan | None:
+        # the registry too: a reload (a tenant moved to another card) is a new object, planned afresh
+        if snap is not self._snap or registry is not self._registry:
+            self._snap, self._registry, self._plans = snap, registry, {}
             return None
         return self._plans.get(key)
 
-    def keep(self, snap: AttributedSnapshot, key: RoomyKey, plan: Plan) -> None:
-        if snap is self._snap and len(self._plans) < self.MAX:
+    def keep(self, snap: AttributedSnapshot, registry: Registry, key: RoomyKey, plan: Plan) -> None:
+        if snap is self._snap and registry is self._registry and len(self._plans) < self.MAX:
             self._plans[key] = plan
 
 

@@ -268,14 +268,14 @@ class Scheduler:
         with no release (else None): the same reading and promises give the same plan (`RoomyPlans`)."""
         promised = promised_by_tenant(self._claims(snap), key)
         memo = (tenant, need_bytes, tuple(sorted(promised.items())))
-        if (known := self._roomy.find(snap, memo)) is not None:
+        if (known := self._roomy.find(snap, self.effects.registry, memo)) is not None:
             return known
         states = StatesOnDemand(partial(self.states, snap, self.effects.clock.now()))  # read only when short
         plan = plan_on_devices(snap, self.effects.registry, states, tenant, need_bytes, promised=promised)
         if not plan.feasible or plan.releases:
             return None
         roomy = resident_fit(plan)
-        self._roomy.keep(snap, memo, roomy)
+        self._roomy.keep(snap, self.effects.registry, memo, roomy)
         return roomy
 
     def peak_need(self, key: str, estimate: int) -> int:

@@ -221,14 +221,17 @@ def test_a_roomy_resident_plan_is_kept_for_the_same_reading_and_promises_only() 
     from tests.unit.cards import idle, snap
 
     reading = snap([("ollama", 1, 5 * GIB), ("comfyui", 2, 10 * GIB)], free=6 * GIB)
-    fresh = resident_fit(plan_on_devices(reading, registry(), idle(), "ollama", 8 * GIB, promised={}))
+    tenants = registry()
+    fresh = resident_fit(plan_on_devices(reading, tenants, idle(), "ollama", 8 * GIB, promised={}))
     plans = RoomyPlans()
     key = ("ollama", 8 * GIB, ())
-    assert plans.find(reading, key) is None
-    plans.keep(reading, key, fresh)
-    assert plans.find(reading, key) == fresh
+    assert plans.find(reading, tenants, key) is None
+    plans.keep(reading, tenants, key, fresh)
+    assert plans.find(reading, tenants, key) == fresh
     assert "on the card already, room for its peak" in fresh.explanation and not fresh.releases
-    assert plans.find(reading, ("ollama", 8 * GIB, (("comfyui", GIB),))) is None  # other promises: planned again
+    assert plans.find(reading, tenants, ("ollama", 8 * GIB, (("comfyui", GIB),))) is None  # other promises: planned again
     again = snap([("ollama", 1, 5 * GIB), ("comfyui", 2, 10 * GIB)], free=6 * GIB)
-    assert plans.find(again, key) is None  # a new reading, even an equal one: planned on it
-    assert plans.find(reading, key) is None  # the old reading's plans are forgotten
+    assert plans.find(again, tenants, key) is None  # a new reading, even an equal one: planned on it
+    assert plans.find(reading, tenants, key) is None  # the old reading's plans are forgotten
+    plans.keep(reading, tenants, key, fresh)
+    assert plans.find(reading, registry(), key) is None  # a reloaded registry (a tenant may have moved): planned again
