@@ -24,7 +24,7 @@ or its engine silent past `job_lost_after_s` ("unreachable"). Stale jobs are rep
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from proxy.config.schema import Tenant
@@ -163,6 +163,38 @@ def busy_states(tenants: Iterable[Tenant], traffic: Mapping[str, TenantTraffic],
         ev = Evidence(held(tenant.name), observable(tenant.name), rows, None if since is None else max(0.0, now - since))
         out[tenant.name] = tenant_state(tenant, t, ev, now, job_lost_after_s)
     return out
+
+
+class StatesOnDemand(Mapping[str, TenantState]):
+    """Every tenant's state, worked out (by `compute`, once) only when a reader asks for one: a plan
+    with room for its need on the reading never looks at who is busy (`plan.decide`), so a request
+    admitted at once on a resident load skips the whole pass. `compute` must read only what cannot
+    change before the first look (the caller looks in the same synchronous step)."""
+
+    __slots__ = ("_compute", "_states")
+
+    def __init__(self, compute: Callable[[], dict[str, TenantState]]) -> None:
+        self._compute = compute
+        self._states: dict[str, TenantState] | None = None
+
+    def _all(self) -> dict[str, TenantState]:
+        if self._states is None:
+            self._states = self._compute()
+        return self._states
+
+    def __getitem__(self, name: str) -> TenantState:
+        return self._all()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    @property
+    def computed(self) -> bool:
+        """Some reader asked: the states were worked out."""
+        return self._states is not None
 
 
 def stale_jobs(states: Mapping[str, TenantState]) -> dict[str, list[str]]:

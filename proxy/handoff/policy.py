@@ -106,10 +106,45 @@ def resident_plan(w: Waiter, fits: Plan | None = None) -> Plan:
     """What a request for a load already on the card (or on its way there) is admitted with: no
     release; `fits`, the plan that found room for its peak beside what its tenant holds (its
     figures are kept, so what the peak adds is reserved until the work ends)."""
-    why = "on the card already, room for its peak"
     if fits is None:
-        return Plan(w.tenant, w.need_bytes, 0, 0, True, False, (), (), f"{why}: forwarded without a plan", False)
-    return replace(fits, explanation=f"{why}: {fits.explanation}")
+        return Plan(w.tenant, w.need_bytes, 0, 0, True, False, (), (), f"{_RESIDENT_WHY}: forwarded without a plan", False)
+    return resident_fit(fits)
+
+
+def resident_fit(fits: Plan) -> Plan:
+    """A resident request's plan from the plan that found room for its peak (figures kept)."""
+    return replace(fits, explanation=f"{_RESIDENT_WHY}: {fits.explanation}")
+
+
+_RESIDENT_WHY = "on the card already, room for its peak"
+RoomyKey = tuple[str, int, tuple[tuple[str, int], ...]]  # requester, peak, promises (tenant -> bytes), sorted
+
+
+class RoomyPlans:
+    """The resident plans (`resident_plan`) of at-once admissions on the latest card reading, by
+    requester, peak and promises. Such a plan had room for the peak with no release, so it read
+    nothing but the reading and the promises: no busy state (`plan.decide` looks at them, and at the
+    tenants' settings, only when short, and a short plan is never chosen over one with room), no
+    clock. On the same reading (readings are frozen: a new one is a new object) with the same
+    promises it is the same plan. Forgotten when the reading or the registry changes."""
+
+    MAX = 64  # peaks and promise sets kept per reading
+
+    def __init__(self) -> None:
+        self._snap: AttributedSnapshot | None = None
+        self._registry: Registry | None = None
+        self._plans: dict[RoomyKey, Plan] = {}
+
+    def find(self, snap: AttributedSnapshot, registry: Registry, key: RoomyKey) -> Plan | None:
+        # the registry too: a reload (a tenant moved to another card) is a new object, planned afresh
+        if snap is not self._snap or registry is not self._registry:
+            self._snap, self._registry, self._plans = snap, registry, {}
+            return None
+        return self._plans.get(key)
+
+    def keep(self, snap: AttributedSnapshot, registry: Registry, key: RoomyKey, plan: Plan) -> None:
+        if snap is self._snap and registry is self._registry and len(self._plans) < self.MAX:
+            self._plans[key] = plan
 
 
 RESIDENT = "resident"  # the reason of a resident admission: its load is on the card, nothing to time

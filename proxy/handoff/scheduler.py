@@ -34,11 +34,12 @@ import itertools
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from proxy.config.schema import Tenant
 from proxy.gpu.attribution import AttributedSnapshot
-from proxy.handoff.busy import CONFIRM_SLACK_BYTES, at_once_room, busy_states
+from proxy.handoff.busy import CONFIRM_SLACK_BYTES, StatesOnDemand, at_once_room, busy_states
 from proxy.handoff.decisions import (
     HandoffKind,
     Rejected,
@@ -54,11 +55,12 @@ from proxy.handoff.plan import Plan, TenantState, unplanned_plan
 from proxy.handoff.policy import (
     RESIDENT,
     Releasing,
+    RoomyPlans,
     Verdict,
     Waiter,
     may_overtake,
     promised_by_tenant,
-    resident_plan,
+    resident_fit,
 )
 from proxy.handoff.release_line import ReleaseLine
 from proxy.handoff.reservations import Reservations
@@ -88,6 +90,7 @@ class Scheduler:
         self.residency = Residency(effects.clock, fresh_s=fresh_s)
         self.engine_reads = EngineReads()
         self.peaks = Peaks()  # what each load was seen to take while its work ran
+        self._roomy = RoomyPlans()  # at-once admissions' plans on the latest reading
         self._busy_keys: dict[str, set[str]] = {}  # tenant -> the loads admitted to it since it was last idle
         self._leaving = Unloads()  # unloads the card does not show done yet
         self.card: AttributedSnapshot | None = None  # the latest card reading, whoever read it
@@ -187,12 +190,13 @@ class Scheduler:
     def cpu_tenants(self) -> frozenset[str]:
         return frozenset(self.engine_reads.cpu)
 
-    def states(self, snap: AttributedSnapshot) -> dict[str, TenantState]:
-        """Every tenant's busy state on `snap`, by the pure rule in proxy/handoff/busy.py: admitted
-        work and the engines' reads, never a request that waits (it writes nothing)."""
+    def states(self, snap: AttributedSnapshot, now: float | None = None) -> dict[str, TenantState]:
+        """Every tenant's busy state on `snap` at `now` (default: the clock's), by the pure rule in
+        proxy/handoff/busy.py: admitted work and the engines' reads, never a request that waits (it
+        writes nothing)."""
         reads = self.engine_reads
         return busy_states(self.effects.registry, self.traffic.snapshot(), reads.queues, self.traffic.finished,
-                           snap.held_by, self.effects.clock.now(),
+                           snap.held_by, self.effects.clock.now() if now is None else now,
                            observable=lambda name: not snap.estimated and name not in reads.cpu,
                            unreachable_since=reads.unreachable_since,
                            job_lost_after_s=self.effects.registry.config.proxy.job_lost_after_s)
@@ -253,16 +257,30 @@ class Scheduler:
         if not all(may_overtake(self._waiter(t), now, settings.starvation_after_s, settings.overtake_limit)
                    for t in blocking):
             return None
-        plan = plan_on_devices(snap, self.effects.registry, self.states(snap), tenant.name, need_bytes,
-                               promised=promised_by_tenant(self._claims(snap), key))
-        if not plan.feasible or plan.releases:
+        plan = self._roomy_plan(snap, tenant.name, key, need_bytes)
+        if plan is None:
             return None  # no room for its peak on the latest reading: planned on a fresh one
         for t in blocking:
             t.overtaken += 1
         w = Waiter(next(self._ids), tenant.name, key, need_bytes, tenant.priority, now, resident=True)
         if work is not None:
             self._admit(work, key)
-        return Admitted("run", self._resident_handoff(w, resident_plan(w, plan), snap), RESIDENT)
+        return Admitted("run", self._resident_handoff(w, plan, snap), RESIDENT)
+
+    def _roomy_plan(self, snap: AttributedSnapshot, tenant: str, key: str, need_bytes: int) -> Plan | None:
+        """The resident plan of a load's peak on `snap` with every promise counted, when it has room
+        with no release (else None): the same reading and promises give the same plan (`RoomyPlans`)."""
+        promised = promised_by_tenant(self._claims(snap), key)
+        memo = (tenant, need_bytes, tuple(sorted(promised.items())))
+        if (known := self._roomy.find(snap, self.effects.registry, memo)) is not None:
+            return known
+        states = StatesOnDemand(partial(self.states, snap, self.effects.clock.now()))  # read only when short
+        plan = plan_on_devices(snap, self.effects.registry, states, tenant, need_bytes, promised=promised)
+        if not plan.feasible or plan.releases:
+            return None
+        roomy = resident_fit(plan)
+        self._roomy.keep(snap, self.effects.registry, memo, roomy)
+        return roomy
 
     def peak_need(self, key: str, estimate: int) -> int:
         """What a request for this load is planned on: its estimate, or the most the load was seen to

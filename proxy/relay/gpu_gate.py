@@ -390,7 +390,8 @@ class GpuGate:
         loads = need.model is not None and admitted.reason != RESIDENT  # on the card already: nothing to time
         trace = tracing.current()
         self._trace_admission(trace, tenant, need, handoff, arrived_wall, loads)
-        streamed = adapter.stream_format(request.url.path, body) is not None
+        # a streamed answer's first byte times a load; none to time on the card already: not parsed again
+        streamed = loads and adapter.stream_format(request.url.path, body) is not None
         forwarded = self.broker.clock.now()
         story = _story_of(handoff)
         events = self.broker.loads

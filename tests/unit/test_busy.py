@@ -191,3 +191,48 @@ def test_an_open_connection_keeps_a_tenant_released_by_stopping_busy_but_not_one
     assert state.busy and "a stop would cut them" in state.busy_reason, state
     assert not tenant_state(app, TenantTraffic(0, (), 900.0), Evidence(3 * GIB), NOW).busy, "no connection: idle"
     assert not tenant_state(COMFY, streaming, Evidence(FLOOR + GIB), NOW).busy, "a /free leaves its sockets alone"
+
+
+def test_states_on_demand_are_worked_out_only_for_a_plan_short_of_memory_and_decide_the_same() -> None:
+    from proxy.handoff.busy import StatesOnDemand
+    from proxy.handoff.plan import plan_release
+    from tests.unit.cards import busy, idle, snap
+
+    eager = busy(idle("comfyui"), "comfyui", "prompt abc running")
+    calls: list[int] = []
+
+    def compute() -> dict[str, TenantState]:
+        calls.append(1)
+        return eager
+
+    roomy = snap([("comfyui", 2, 10 * GIB)], free=12 * GIB)
+    lazy = StatesOnDemand(compute)
+    assert plan_release(roomy, registry(), lazy, "ollama", 8 * GIB) == plan_release(roomy, registry(), eager, "ollama", 8 * GIB)
+    assert not lazy.computed and calls == []  # room on the reading: nobody's busy state was looked at
+    short = snap([("comfyui", 2, 10 * GIB)], free=2 * GIB)
+    lazy = StatesOnDemand(compute)
+    assert plan_release(short, registry(), lazy, "ollama", 8 * GIB) == plan_release(short, registry(), eager, "ollama", 8 * GIB)
+    assert lazy.computed and calls == [1]  # short: worked out once, the same states as the eager pass
+    assert dict(lazy) == eager and len(lazy) == len(eager)
+
+
+def test_a_roomy_resident_plan_is_kept_for_the_same_reading_and_promises_only() -> None:
+    from proxy.handoff.per_card import plan_on_devices
+    from proxy.handoff.policy import RoomyPlans, resident_fit
+    from tests.unit.cards import idle, snap
+
+    reading = snap([("ollama", 1, 5 * GIB), ("comfyui", 2, 10 * GIB)], free=6 * GIB)
+    tenants = registry()
+    fresh = resident_fit(plan_on_devices(reading, tenants, idle(), "ollama", 8 * GIB, promised={}))
+    plans = RoomyPlans()
+    key = ("ollama", 8 * GIB, ())
+    assert plans.find(reading, tenants, key) is None
+    plans.keep(reading, tenants, key, fresh)
+    assert plans.find(reading, tenants, key) == fresh
+    assert "on the card already, room for its peak" in fresh.explanation and not fresh.releases
+    assert plans.find(reading, tenants, ("ollama", 8 * GIB, (("comfyui", GIB),))) is None  # other promises: planned again
+    again = snap([("ollama", 1, 5 * GIB), ("comfyui", 2, 10 * GIB)], free=6 * GIB)
+    assert plans.find(again, tenants, key) is None  # a new reading, even an equal one: planned on it
+    assert plans.find(reading, tenants, key) is None  # the old reading's plans are forgotten
+    plans.keep(reading, tenants, key, fresh)
+    assert plans.find(reading, registry(), key) is None  # a reloaded registry (a tenant may have moved): planned again
