@@ -34,9 +34,10 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from proxy.config.schema import ReleaseSpec
+from proxy.encoding import JSONModel
 from proxy.engines.common import Need
 from proxy.engines.model_files import FileHints, TenantFiles
 from proxy.engines.settings import EngineReport, EnvReaders
@@ -58,18 +59,16 @@ StreamFormat = Literal["ndjson-chat", "ndjson-generate", "sse-chat", "sse-comple
 Placement = dict[str, object]
 
 
-class CatalogModel(BaseModel):
+class CatalogModel(JSONModel):
     """One installed model as the catalog lists it."""
 
-    model_config = ConfigDict(extra="allow")
     name: str
     size_bytes: int | None = Field(description="Ollama's size on disk; null for ComfyUI checkpoints")
 
 
-class TenantCatalog(BaseModel):
+class TenantCatalog(JSONModel):
     """An engine's installed models (`InstalledModels.catalog`); `error`: why the last listing failed."""
 
-    model_config = ConfigDict(extra="allow")
     engine: str
     models: list[CatalogModel]
     error: str | None = None

@@ -18,6 +18,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.config.units import GIB
+from proxy.encoding import JSONModel
 
 # "unknown": neither the process's environment nor the systemd unit could be read, so the value is
 # not known (never presented as a default nobody checked).
@@ -52,11 +53,9 @@ class Setting:
     status: SettingStatus = "ok"
 
 
-class _Shown(BaseModel):
-    model_config = ConfigDict(extra="allow")
 
 
-class EnvSource(_Shown):
+class EnvSource(JSONModel):
     """Where /api/engines looked for an engine's environment, and whether it could read it (no values shown)."""
 
     source: Literal["systemd", "environ", "host"]
@@ -71,7 +70,7 @@ class EnvSource(_Shown):
                    variables=None if r.values is None else len(r.values))
 
 
-class EngineReport(_Shown):
+class EngineReport(JSONModel):
     """What /api/engines shows of one tenant's engine; each engine that reports about itself adds its own."""
 
     tenant: str

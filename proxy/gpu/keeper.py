@@ -16,12 +16,12 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import Field, TypeAdapter
 
 from proxy.clock import Clock
 from proxy.config.settings import GpuProfile
 from proxy.decision_base import DecisionSink, FollowUp, Opening
-from proxy.encoding import JSONObject
+from proxy.encoding import JSONModel, JSONObject
 from proxy.gpu.profile import FieldCheck, FieldStatus, compare, plan_changes, reset_reason
 from proxy.gpu.settings import GpuSettings, SettingsSource
 from proxy.gpu.settings_writer import (
@@ -39,11 +39,9 @@ TRIGGER = "gpu settings check"
 _CHECKS = TypeAdapter(tuple[FieldCheck, ...])  # a FieldCheck's JSON is its fields
 
 
-class _Shown(BaseModel):
-    model_config = ConfigDict(extra="allow")
 
 
-class WriteFailure(_Shown):
+class WriteFailure(JSONModel):
     """A write the driver refused (a `SettingsWriteError`), as /api/gpu and the decision log show it."""
 
     kind: WriteErrorKind
@@ -111,7 +109,7 @@ class ApplyAttempt:
     still_drifting: list[str]
 
 
-class ProfileCheck(_Shown):
+class ProfileCheck(JSONModel):
     """One setting of the profile's card against `gpu_profile` (a `FieldCheck`), and since when it drifts."""
 
     setting: SettingName
@@ -129,7 +127,7 @@ class ProfileCheck(_Shown):
                    by_hand=c.by_hand, since=since)
 
 
-class DeviceReport(_Shown):
+class DeviceReport(JSONModel):
     """One card in /api/gpu: its settings as read, or why they could not be."""
 
     index: int
@@ -164,7 +162,7 @@ class DeviceView:
                             if profiled else None)
 
 
-class ApplyReport(_Shown):
+class ApplyReport(JSONModel):
     enabled: bool
     last: ApplyAttempt | None
     error: WriteFailure | None
@@ -172,7 +170,7 @@ class ApplyReport(_Shown):
     next_attempt_in_s: float | None = Field(description="after a failure: the back-off left")
 
 
-class GpuReport(_Shown):
+class GpuReport(JSONModel):
     """GET /api/gpu (before `host_ram`): every card's settings, the profile and how applying it goes."""
 
     checked_at: float | None

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict
+from proxy.encoding import JSONModel
 
 SnapshotSource = Literal["nvml", "simulated", "engine-estimate"]
 DeviceFigure = Literal["total", "reserved", "used", "free"]
@@ -29,10 +29,9 @@ class PodRef:
 
 
 
-class PodName(BaseModel):
+class PodName(JSONModel):
     """A process's pod as the API shows it (`PodRef` without the labels it is matched on)."""
 
-    model_config = ConfigDict(extra="allow")
     namespace: str
     name: str
     container: str | None
@@ -183,10 +182,9 @@ class GpuReadError(Exception):
         self.fix = fix
 
 
-class GpuError(BaseModel):
+class GpuError(JSONModel):
     """A `GpuReadError` as the API shows it (the stats, /api/gpu)."""
 
-    model_config = ConfigDict(extra="allow")
     state: str
     error: str
     fix: str

@@ -13,21 +13,16 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from proxy.encoding import JSONModel
 from proxy.gpu.attribution import UNMANAGED, AttributedSnapshot
 from proxy.gpu.snapshot import DeviceFigure, GpuReadError
 
 CapabilityStatus = Literal["ok", "estimated", "off"]
 
 
-class _Shown(BaseModel):
-    """A shape the API shows: unknown keys are kept (a payload that grows a field stays valid)."""
-
-    model_config = ConfigDict(extra="allow")
-
-
-class Card(_Shown):
+class Card(JSONModel):
     index: int
     name: str
     uuid: str
@@ -54,7 +49,7 @@ class Card(_Shown):
         return out
 
 
-class Device(_Shown):
+class Device(JSONModel):
     """Unknown is not zero: a figure nobody measured is null (without a GPU reader: used, free and
     reserved; the total too when no engine reports the card)."""
     name: str
@@ -98,13 +93,13 @@ def held_by_device(snap: AttributedSnapshot, tenant: str) -> dict[int, int]:
     return out
 
 
-class CardHolding(_Shown):
+class CardHolding(JSONModel):
     index: int
     name: str
     vram_bytes: int
 
 
-class TenantDevices(_Shown):
+class TenantDevices(JSONModel):
     """Only on a host with several GPUs: the cards the tenant's engine loads on, and why."""
     devices: list[int] | None = Field(description="NVML indices; null: any device")
     source: Literal["pinned", "discovered", "any"] = Field(
@@ -145,7 +140,7 @@ def unmanaged_vram(snap: AttributedSnapshot) -> int | None:
     return None if snap.estimated else snap.held_by(UNMANAGED)
 
 
-class Capability(_Shown):
+class Capability(JSONModel):
     name: Literal["forwarding", "in-flight tracking", "arbitration", "confirmed releases"]
     status: CapabilityStatus = Field(description="estimated: on the engines' own reports")
     detail: str

@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from proxy.clock import Clock
 from proxy.config.schema import ReleaseFailed, ReleaseSpec, Tenant
+from proxy.encoding import JSONModel
 from proxy.errors import HyperSwapError
 
 Status = Literal["running", "stopped", "unknown"]
@@ -28,9 +29,8 @@ T = TypeVar("T")
 
 
 
-class LifecycleController(BaseModel):
+class LifecycleController(JSONModel):
     """What a lifecycle tenant's controller runs or reaches (the fields of its kind only)."""
-    model_config = ConfigDict(extra="allow")
     kind: Literal["process", "systemd", "docker"]
     command: list[str] | None = Field(default=None, description="process: the command the proxy runs, argv style")
     cwd: str | None = Field(default=None, description="process: its working directory (null: the proxy's)")

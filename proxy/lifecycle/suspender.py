@@ -15,11 +15,10 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from pydantic import BaseModel, ConfigDict
-
 from proxy.clock import Clock
 from proxy.config.schema import ReleaseFailed, Tenant
 from proxy.config.units import GIB
+from proxy.encoding import JSONModel
 from proxy.lifecycle.cuda_driver import Checkpointer, CheckpointError, checkpointer_for
 from proxy.lifecycle.cuda_suspend import CudaSuspend
 from proxy.lifecycle.suspend_state import SuspendState, Suspension
@@ -29,10 +28,9 @@ log = logging.getLogger("hyperswap.suspend")
 Procs = Sequence[tuple[int, int]]  # (pid, bytes it holds on the card), attribution's
 
 
-class Parked(BaseModel):
+class Parked(JSONModel):
     """One tenant's device memory parked in host RAM by a suspend."""
 
-    model_config = ConfigDict(extra="allow")
     tenant: str
     state: SuspendState
     pids: list[int]
@@ -42,10 +40,9 @@ class Parked(BaseModel):
     via: str | None
 
 
-class HostRam(BaseModel):
+class HostRam(JSONModel):
     """GET /api/gpu's `host_ram`: what is parked in host RAM, in all, and what is still available."""
 
-    model_config = ConfigDict(extra="allow")
     available_bytes: int | None
     parked_bytes: int
     parked: list[Parked]

@@ -16,7 +16,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
+
+from proxy.encoding import JSONModel
 
 LoadClass = Literal["warm", "cold"]
 WARM_RESIDENT = 0.9
@@ -42,10 +44,10 @@ class LoadRecord:
 
 
 
-class MeasuredLoad(BaseModel):
+class MeasuredLoad(JSONModel):
     """A load as /api/models/loads and the decision log show it (rounded for people)."""
 
-    model_config = ConfigDict(extra="allow", serialize_by_alias=True)
+    model_config = ConfigDict(extra="allow", serialize_by_alias=True)  # JSONModel's, and "class" for load_class
     at: float
     tenant: str
     model: str
@@ -79,10 +81,9 @@ class Thresholds:
 
 
 
-class LoadSplit(BaseModel):
+class LoadSplit(JSONModel):
     """Where warm loads end and cold ones begin on this machine, as /api/models/loads shows it."""
 
-    model_config = ConfigDict(extra="allow")
     warm_median_gbps: float | None
     cold_median_gbps: float | None
     warm_samples: int

@@ -21,8 +21,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from proxy.encoding import JSONModel
 from proxy.engines.model_files import NotRegular, open_regular
 
 Method = Literal["cachestat", "mincore"]
@@ -50,11 +51,9 @@ def _percent(fraction: float | None) -> float | None:
     return None if fraction is None else round(100 * fraction, 1)
 
 
-class _Shown(BaseModel):
-    model_config = ConfigDict(extra="allow")
 
 
-class ResidentFile(_Shown):
+class ResidentFile(JSONModel):
     """One file's page-cache residency as /api/models shows it."""
 
     path: str
@@ -231,7 +230,7 @@ class ModelResidency:
         return 1.0 if self.size_bytes == 0 else min(1.0, self.cached_bytes / self.size_bytes)
 
 
-class Residency(_Shown):
+class Residency(JSONModel):
     """A model's files summed, as /api/models shows it; `files` only when asked for."""
 
     size_bytes: int

@@ -32,8 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
-
+from proxy.encoding import JSONModel
 from proxy.engines.model_files import NotRegular, open_regular
 from proxy.models.fileio import FileWork, FileWorkBusy
 
@@ -100,10 +99,9 @@ class WarmJob:
         return f"{self.state} after reading {read} of {total}{pct}{f': {self.stop_reason}' if self.stop_reason else ''}"
 
 
-class Warm(BaseModel):
+class Warm(JSONModel):
     """A warm as /api/models shows it: how far it got, how long it took and how fast it read."""
 
-    model_config = ConfigDict(extra="allow")
     key: str
     state: WarmState
     reason: str

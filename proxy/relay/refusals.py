@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal, Self, cast
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import Field, PrivateAttr
 from starlette.responses import JSONResponse
 
 from proxy.config.schema import Tenant
-from proxy.encoding import JSONObject
+from proxy.encoding import JSONModel, JSONObject
 from proxy.errors import HyperSwapError
 from proxy.handoff import per_card
 from proxy.handoff.plan import gib
@@ -36,11 +36,10 @@ QUEUE_RETRY_AFTER_MAX_S = 30  # past the queue timeout, come back after as long 
 STOPPED_RETRY_AFTER_S = 10  # a read kept from a stopped app: nothing starts it by itself, so poll slowly
 
 
-class Refusal(BaseModel):
+class Refusal(JSONModel):
     """What every refusal shares: its status, its `Retry-After` (when coming back may help), and how
     it is rendered. Unknown keys are kept (`extra="allow"`), as in every admin view."""
 
-    model_config = ConfigDict(extra="allow")
     status: ClassVar[int]
     retry_after_from: ClassVar[str | None] = None  # what its Retry-After says, for the reference; None: it has none
     _retry_after_s: int | None = PrivateAttr(default=None)
@@ -57,10 +56,9 @@ class Refusal(BaseModel):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
-class RejectionBlocker(BaseModel):
+class RejectionBlocker(JSONModel):
     """A process in the way, named so that a person can find it."""
 
-    model_config = ConfigDict(extra="allow")
     pid: int | None
     name: str
     cmdline: str
