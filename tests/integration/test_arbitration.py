@@ -365,9 +365,13 @@ async def test_comfyui_oom_of_a_client_without_websocket_is_found_by_the_history
         if entry is not None:
             statuses.append(entry["status"]["status_str"])
         return entry is not None
+    def retry_ended() -> bool:  # the retry's end is a later fact of its decision, written once its job is seen done
+        ended = [d for d in decisions(demo, "oom_retry", tenant="comfyui") if d.outcome.get("oom_retry")]
+        return bool(ended) and ended[-1].outcome["oom_retry"] != "requeued"
     async with asyncio.timeout(15):
         await poll_until(history_lists_it, 0.02)
         await poll_until(lambda: not proxy_of(demo).inflight.jobs("comfyui"), 0.05)  # the retry is polled to its end too
+        await poll_until(retry_ended, 0.05)
     assert statuses == ["success"], "the client polling its own id never reads the failed run"
     retry = [d for d in decisions(demo, "oom_retry", tenant="comfyui") if d.outcome.get("oom_retry")][-1]
     assert retry.outcome["oom_retry"] == "succeeded" and retry.outcome["prompt_id"] == first, retry.outcome
