@@ -499,28 +499,46 @@ async def restore(v: Session) -> str:
     """What Ollama held when verify started (its /api/ps then) is what it holds at the end: models
     verify unloaded are loaded again (an embedding model with an embed call), models it loaded
     itself are unloaded, nothing more. A tenant verify released is not loaded again: it says so."""
-    notes: list[str] = []
     not_restored = await _released_and_not_restored(v)
     ollama = v.generator()
     client = v.ollama(ollama) if ollama is not None else None
-    now = await client.loaded() if client is not None else {}
-    mine = sorted(m for m in v.found.loaded_by_us if m in now)
-    back = [m for m in (v.found.ollama_before or {}) if m not in now]
+    mine, back = await _changed_since_start(v, client)
     left = f"not restored: {'; '.join(not_restored)}" if not_restored else ""
     if client is None or not (mine or back):
-        if client is not None and not left:  # checked, and as it was: the stage's promise holds
-            return "nothing to restore: Ollama holds what it held when verify started"
-        raise StageSkipped("nothing to restore: Ollama holds what it held when verify started" + (f"; {left}" if left else ""))
+        return _nothing_to_restore(checked=client is not None, left=left)
     await v.nobody_busy()
     assert ollama is not None
     for name in mine:
         v.did(f"unloaded {name} from {ollama.name}")
         await client.unload(name)
     calls = await _load_again(v, ollama, client, back)
+    return _restored(ollama.name, mine, calls, left)
+
+
+async def _changed_since_start(v: Session, client: OllamaClient | None) -> tuple[list[str], list[str]]:
+    """What Ollama holds that verify loaded itself, and what it held at the start that it no longer
+    does (both empty without an Ollama tenant)."""
+    now = await client.loaded() if client is not None else {}
+    mine = sorted(m for m in v.found.loaded_by_us if m in now)
+    back = [m for m in (v.found.ollama_before or {}) if m not in now]
+    return mine, back
+
+
+def _nothing_to_restore(checked: bool, left: str) -> str:
+    """Nothing for Ollama to unload or load again: checked and as it was, the stage's promise holds;
+    otherwise it skips, naming what was not restored."""
+    if checked and not left:
+        return "nothing to restore: Ollama holds what it held when verify started"
+    raise StageSkipped("nothing to restore: Ollama holds what it held when verify started" + (f"; {left}" if left else ""))
+
+
+def _restored(ollama: str, mine: list[str], calls: list[str], left: str) -> str:
+    """The stage's line: what was unloaded, what was loaded again (with how), what was not restored."""
+    notes: list[str] = []
     if mine:
         notes.append(f"unloaded what verify loaded ({', '.join(mine)})")
-    if back:
-        notes.append(f"loaded again what {ollama.name} held before verify: {', '.join(calls)}")
+    if calls:
+        notes.append(f"loaded again what {ollama} held before verify: {', '.join(calls)}")
     if left:
         notes.append(left)
     return "; ".join(notes)
