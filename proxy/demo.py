@@ -264,19 +264,33 @@ def decision_line(view: DecisionView) -> str:
         case "plan" | "oom_retry" | "spill" | "idle_release" | "release":
             text = _handoff_line(t, o, view.kind == "oom_retry")
         case "model_load":
-            cls = f", {o.load_class}" if o.load_class else ""
-            text = f"{t} loaded {o.model} in {o.seconds or 0:.1f} s ({o.gbps or 0:.2f} GB/s{cls})"
+            text = _load_line(t, o)
         case "resume" if o.asked is not None and "restored" in o.asked:
             text = _restored_line(t, o.asked)
         case "start" | "stop" | "exit":
-            done = {"start": "started", "stop": "stopped", "exit": "exited"}[view.kind]
-            text = (f"{t} {done} in {o.duration_s or 0:.1f} s" if o.ok or view.kind == "exit"
-                    else f"{t} {view.kind} failed: {o.error}")
+            text = _process_line(t, view.kind, o)
         case _:
-            facts = "; ".join(f"{k} {v}" for k, v in view.outcome.items() if isinstance(v, str | int | float) and k != "ok")
-            text = f"{t}: {facts}" if facts else t
+            text = _facts_line(t, view.outcome)
     ok = "" if o.ok is not False else " [FAILED]"
     return f"#{view.id} {view.kind:<12} {text}{ok}  ({view.trigger})"
+
+
+def _load_line(t: str, o: DecisionOutcome) -> str:
+    cls = f", {o.load_class}" if o.load_class else ""
+    return f"{t} loaded {o.model} in {o.seconds or 0:.1f} s ({o.gbps or 0:.2f} GB/s{cls})"
+
+
+def _process_line(t: str, kind: str, o: DecisionOutcome) -> str:
+    """A process tenant's start, stop or exit: how long it took, or why it failed (an exit never fails)."""
+    done = {"start": "started", "stop": "stopped", "exit": "exited"}[kind]
+    return (f"{t} {done} in {o.duration_s or 0:.1f} s" if o.ok or kind == "exit"
+            else f"{t} {kind} failed: {o.error}")
+
+
+def _facts_line(t: str, outcome: Mapping[str, object]) -> str:
+    """Any other decision: its outcome's plain facts (not `ok`, which the line's end says)."""
+    facts = "; ".join(f"{k} {v}" for k, v in outcome.items() if isinstance(v, str | int | float) and k != "ok")
+    return f"{t}: {facts}" if facts else t
 
 
 def _restored_line(t: str, back: Mapping[str, object]) -> str:

@@ -18,7 +18,9 @@ import httpx
 
 from proxy.config.units import GIB
 from proxy.demo import Demo, engine_card, run_prompt
+from proxy.encoding import JSONValue
 from proxy.handoff.decision_json import Decision
+from proxy.handoff.decisions import DecisionView
 from proxy.lifecycle.state import TenantLifecycle
 from proxy.relay.refusals import NotEnoughMemory
 from proxy.tasks import poll_until
@@ -389,37 +391,57 @@ async def _relay_stopped_and_started(demo: Demo, client: httpx.AsyncClient) -> s
     machine = proxy.broker.lifecycles.machine(name)
     if machine is None:
         raise AssertionError(f"{name} is not a tenant the proxy starts and stops")
-    lifecycle = machine
-
-    def state() -> str:  # read anew each time: it changes across the awaits
-        return lifecycle.state
-
     if demo.box.ollama:
         await _unload_ollama(demo, client)  # so that the render needs the relay's memory, not Ollama's
     expect_ok(await client.post(proxy.url("admin") + "/api/tenants/comfyui/release"), "comfyui's release")
     relay = proxy.url(name)
     before = len(proxy.decisions.recent(500))
-    pid = await _started_by_a_write(demo, client, lifecycle, relay)
-    ckpts, reg = demo.box.comfyui.config.checkpoints, proxy.registry.get("comfyui")
-    ckpt = max(ckpts, key=lambda k: ckpts[k])
-    need = int(reg.model_vram_gb.get(ckpt, reg.needs_vram_gb) * GIB)
+    pid = await _started_by_a_write(demo, client, machine, relay)
+    ckpt, need = _largest_checkpoint(demo)
     if need <= gpu.free_bytes() + gpu.used_by(demo.box.comfyui.pid or 0):
         return f"not applicable: {ckpt} fits beside {name}"
+    stop_s = await _stopped_by_a_render(demo, client, machine, ckpt, pid, before)
+    starts = await _started_again(demo, client, machine, relay, before)
+    return (f"{name} started ({starts[0].outcome.get('duration_s')} s), stopped for {ckpt} ({stop_s} s, "
+            f"{spec.vram_gb:g} GiB back), started again ({starts[1].outcome.get('duration_s')} s), 200")
+
+
+def _largest_checkpoint(demo: Demo) -> tuple[str, int]:
+    """ComfyUI's largest checkpoint and what the proxy plans for it (bytes)."""
+    assert demo.proxy and demo.box.comfyui
+    ckpts, reg = demo.box.comfyui.config.checkpoints, demo.proxy.registry.get("comfyui")
+    ckpt = max(ckpts, key=lambda k: ckpts[k])
+    return ckpt, int(reg.model_vram_gb.get(ckpt, reg.needs_vram_gb) * GIB)
+
+
+async def _stopped_by_a_render(demo: Demo, client: httpx.AsyncClient, machine: TenantLifecycle, ckpt: str,
+                               pid: int, before: int) -> JSONValue:
+    """A render of `ckpt` stops the relay: a `stop` decision that succeeded, the relay stopped and its
+    process off the card. The stop's duration."""
+    assert demo.proxy
+    name, gpu = machine.tenant, demo.box.gpu
     await _render(demo, client, ckpt)
-    made = proxy.decisions.recent(500)[before:]
+    made = demo.proxy.decisions.recent(500)[before:]
     stops = [d for d in made if d.kind == "stop" and d.tenant == name]
     if not stops or stops[-1].outcome.get("ok") is not True:
         raise AssertionError(f"{ckpt} rendered but {name} was not stopped: {[(d.kind, d.tenant) for d in made]}")
-    if state() != "stopped" or pid in gpu.real_pids():
-        raise AssertionError(f"{name} is {state()} after its stop; pid {pid} on the card: {pid in gpu.real_pids()}")
-    stop_s = stops[-1].outcome.get("duration_s")
+    if _state_now(machine) != "stopped" or pid in gpu.real_pids():
+        raise AssertionError(f"{name} is {_state_now(machine)} after its stop; pid {pid} on the card: {pid in gpu.real_pids()}")
+    return stops[-1].outcome.get("duration_s")
+
+
+async def _started_again(demo: Demo, client: httpx.AsyncClient, machine: TenantLifecycle, relay: str,
+                         before: int) -> list[DecisionView]:
+    """The next request to the stopped relay starts it again and is answered: its two `start` decisions."""
+    assert demo.proxy
+    name = machine.tenant
     said = expect_ok(await client.post(relay + "/v1/audio/transcriptions", content=b"RIFF" + bytes(4096),
                                        headers={"Content-Type": "audio/wav"}), f"the next request to {name}")
-    starts = [d for d in proxy.decisions.recent(500)[before:] if d.kind == "start" and d.tenant == name]
-    if len(starts) != 2 or state() != "running" or "text" not in said.json():
-        raise AssertionError(f"{name} was not started again: {len(starts)} start(s), {state()}, {said.text[:120]}")
-    return (f"{name} started ({starts[0].outcome.get('duration_s')} s), stopped for {ckpt} ({stop_s} s, "
-            f"{spec.vram_gb:g} GiB back), started again ({starts[1].outcome.get('duration_s')} s), 200")
+    starts = [d for d in demo.proxy.decisions.recent(500)[before:] if d.kind == "start" and d.tenant == name]
+    if len(starts) != 2 or _state_now(machine) != "running" or "text" not in said.json():
+        raise AssertionError(f"{name} was not started again: {len(starts)} start(s), {_state_now(machine)}, "
+                             f"{said.text[:120]}")
+    return starts
 
 
 async def _started_by_a_write(demo: Demo, client: httpx.AsyncClient, machine: TenantLifecycle, relay: str) -> int:

@@ -240,7 +240,20 @@ def plan_install(lay: Layout, base_config: Mapping[str, object], exec_argv: list
     files = [FileChange(lay.unit, render_unit(lay.mode, exec_argv, lay.config_in_unit), "the HyperSwap service"),
              FileChange(lay.config, json.dumps(config, indent=2) + "\n",
                         "tenants.json: the proxy on the engines' ports, the engines behind it")]
+    drop_ins, services, by_hand = _engine_relocations(lay, moves)
+    files += drop_ins
+    notes += by_hand
+    after = _after_install(lay, services, start)
+    record = _install_record(lay, files, moves, services, read)
+    return Plan("install", lay, tuple(moves), (), tuple(files), tuple(after), tuple(notes), record)
+
+
+def _engine_relocations(lay: Layout, moves: Sequence[Move]) -> tuple[list[FileChange], list[str], list[str]]:
+    """How each engine moves to its new port: a drop-in for a service install may write (its files,
+    the services to restart), else a note of what to do by hand."""
+    files: list[FileChange] = []
     services: list[str] = []
+    notes: list[str] = []
     for m in moves:
         r = m.relocation
         if r.service and r.environment and lay.drop_ins:
@@ -255,19 +268,29 @@ def plan_install(lay: Layout, base_config: Mapping[str, object], exec_argv: list
         else:
             notes.append(f"{m.tenant}: start it on its new port: `{r.instruction}` (the proxy now takes "
                          f"{m.proxy_listen}; until the engine moves, the proxy cannot bind it)")
+    return files, services, notes
+
+
+def _after_install(lay: Layout, services: list[str], start: bool) -> list[Command]:
+    """The commands after the files: reload, restart the moved services, enable (and start) HyperSwap."""
     sc = lay.systemctl
     after = [Command((*sc, "daemon-reload"), "read the new unit files")]
     after += [Command(("systemctl", "try-restart", s), f"{s} picks up its new port") for s in services]
     enable = (*sc, "enable", "--now", UNIT_NAME) if start else (*sc, "enable", UNIT_NAME)
     after.append(Command(enable, "start HyperSwap now and at every boot" if start else "start HyperSwap at every boot"))
-    record = InstallRecord(
+    return after
+
+
+def _install_record(lay: Layout, files: list[FileChange], moves: Sequence[Move], services: list[str],
+                    read: Callable[[str], str | None]) -> InstallRecord:
+    """What uninstall needs: each file's text before and hash after, each move, what was moved by hand."""
+    return InstallRecord(
         mode=lay.mode, services=services,
         files=[RecordedFile(path=f.path, previous=read(f.path), written_sha256=_sha(f.content or "")) for f in files],
         moves=[RecordedMove(tenant=m.tenant, proxy_listen=m.proxy_listen, engine_port=m.engine_port,
                             previous_listen=m.previous_listen, previous_upstream=m.previous_upstream,
                             by_hand=None if (m.relocation.service and lay.drop_ins) else m.relocation.instruction)
                for m in moves])
-    return Plan("install", lay, tuple(moves), (), tuple(files), tuple(after), tuple(notes), record)
 
 
 def plan_uninstall(lay: Layout, read: Callable[[str], str | None], *, force: bool = False) -> Plan:

@@ -271,15 +271,7 @@ def ollama_store(tenant: str, root: Path, fence: Fence | None = None) -> Located
     found = Located()
     fence = fence or Fence(tenant)
     manifests = root / "manifests"
-    try:
-        os.listdir(manifests)
-    except PermissionError:
-        found.problems.append(LocateProblem(tenant, str(manifests), f"permission denied listing {manifests}",
-                                            "run the proxy as Ollama's user (or root), or add it to that user's group"))
-        return found
-    except OSError as exc:
-        found.problems.append(LocateProblem(tenant, str(manifests), f"cannot list {manifests}: {exc.strerror or exc}",
-                                            f"set tenants.{tenant}.model_paths to Ollama's models directory (OLLAMA_MODELS)"))
+    if not _listable(tenant, manifests, found):
         return found
     found.roots.append(str(root))
     for path in _files_under([manifests], depth=3, found=found, tenant=tenant):
@@ -289,27 +281,55 @@ def ollama_store(tenant: str, root: Path, fence: Fence | None = None) -> Located
         real = fence.admit(path, manifests, found)
         if real is None:
             continue
-        try:
-            manifest = json.loads(read_small(str(real)))
-            files = ollama_manifest_files(root, manifest) if isinstance(manifest, dict) else []
-        except NotRegular as exc:
-            found.skipped.append(Skipped(tenant, str(path), exc.strerror or str(exc)))
+        files = _manifest_files(tenant, root, path, real, found)
+        if files is None:
             continue
-        except (OSError, ValueError) as exc:
-            found.problems.append(LocateProblem(tenant, str(path), f"unreadable manifest: {exc}",
-                                                "run `ollama list`; re-pull the model if it is broken"))
-            continue
-        blobs: list[tuple[str, int]] = []
-        for blob, size in files:
-            admitted = fence.admit(Path(blob), root / "blobs", found)
-            if admitted is None:
-                break
-            blobs.append((str(admitted), size))
+        blobs = _admitted_blobs(fence, root, files, found)
         if not blobs or len(blobs) != len(files):
             continue  # a model with a skipped blob is skipped whole: its residency would be a partial sum
         found.models.append(ModelFiles(tenant, ollama_display_name(*rel), "ollama", tuple(p for p, _ in blobs),
                                        sum(s for _, s in blobs), tuple(s for _, s in blobs)))
     return found
+
+
+def _listable(tenant: str, manifests: Path, found: Located) -> bool:
+    """Whether Ollama's manifests folder can be listed; a problem with its fix where not."""
+    try:
+        os.listdir(manifests)
+    except PermissionError:
+        found.problems.append(LocateProblem(tenant, str(manifests), f"permission denied listing {manifests}",
+                                            "run the proxy as Ollama's user (or root), or add it to that user's group"))
+        return False
+    except OSError as exc:
+        found.problems.append(LocateProblem(tenant, str(manifests), f"cannot list {manifests}: {exc.strerror or exc}",
+                                            f"set tenants.{tenant}.model_paths to Ollama's models directory (OLLAMA_MODELS)"))
+        return False
+    return True
+
+
+def _manifest_files(tenant: str, root: Path, path: Path, real: Path, found: Located) -> list[tuple[str, int]] | None:
+    """The blobs a manifest names, with their sizes; None (skipped, or a problem with its fix) where it
+    cannot be read."""
+    try:
+        manifest = json.loads(read_small(str(real)))
+        return ollama_manifest_files(root, manifest) if isinstance(manifest, dict) else []
+    except NotRegular as exc:
+        found.skipped.append(Skipped(tenant, str(path), exc.strerror or str(exc)))
+    except (OSError, ValueError) as exc:
+        found.problems.append(LocateProblem(tenant, str(path), f"unreadable manifest: {exc}",
+                                            "run `ollama list`; re-pull the model if it is broken"))
+    return None
+
+
+def _admitted_blobs(fence: Fence, root: Path, files: list[tuple[str, int]], found: Located) -> list[tuple[str, int]]:
+    """The blobs the fence admits, in order, up to the first it does not (the model is then skipped whole)."""
+    blobs: list[tuple[str, int]] = []
+    for blob, size in files:
+        admitted = fence.admit(Path(blob), root / "blobs", found)
+        if admitted is None:
+            break
+        blobs.append((str(admitted), size))
+    return blobs
 
 
 def ollama_roots(env: Mapping[str, str], home: Path | None = None) -> list[Path]:

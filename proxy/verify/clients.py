@@ -240,22 +240,9 @@ MINIMAL_NODES = ("CheckpointLoaderSimple", "EmptyLatentImage", "CLIPTextEncode",
 def minimal_graph(object_info: Mapping[str, object], checkpoint: str | None, seed: int) -> tuple[JSONObject, str]:
     """The smallest text-to-image graph the installed nodes allow: 64x64, one step, a preview (not
     saved to the output folder). Raises LookupError naming what is missing."""
-    missing = [n for n in MINIMAL_NODES if n not in object_info]
-    out_node = "PreviewImage" if "PreviewImage" in object_info else "SaveImage" if "SaveImage" in object_info else None
-    if missing or out_node is None:
-        raise LookupError(f"ComfyUI lacks the core node(s) {', '.join(missing or ['PreviewImage/SaveImage'])}")
-
-    def req(node: str) -> JSONObject:
-        return as_object(as_object(as_object(object_info[node]).get("input")).get("required"))
-
-    ckpts = _combo(req("CheckpointLoaderSimple").get("ckpt_name"))
-    if checkpoint is not None and checkpoint not in ckpts:
-        raise LookupError(f"no checkpoint {checkpoint!r} installed (ComfyUI lists {', '.join(ckpts) or 'none'})")
-    if not ckpts:
-        raise LookupError("ComfyUI lists no checkpoint (models/checkpoints is empty)")
-    ckpt = checkpoint or ckpts[0]
-    samplers = _combo(req("KSampler").get("sampler_name")) or ["euler"]
-    schedulers = _combo(req("KSampler").get("scheduler")) or ["normal"]
+    out_node = _output_node(object_info)
+    ckpt = _checkpoint_to_load(object_info, checkpoint)
+    sampler, scheduler = _sampler_and_scheduler(object_info)
     last: JSONObject = {"images": ["6", 0]}
     if out_node == "SaveImage":
         last["filename_prefix"] = "hyperswap-verify"
@@ -266,13 +253,44 @@ def minimal_graph(object_info: Mapping[str, object], checkpoint: str | None, see
         "4": {"class_type": "CLIPTextEncode", "inputs": {"text": "", "clip": ["1", 1]}},
         "5": {"class_type": "KSampler", "inputs": {
             "seed": seed, "steps": 1, "cfg": 1.0, "denoise": 1.0,
-            "sampler_name": "euler" if "euler" in samplers else samplers[0],
-            "scheduler": "normal" if "normal" in schedulers else schedulers[0],
+            "sampler_name": sampler, "scheduler": scheduler,
             "model": ["1", 0], "positive": ["3", 0], "negative": ["4", 0], "latent_image": ["2", 0]}},
         "6": {"class_type": "VAEDecode", "inputs": {"samples": ["5", 0], "vae": ["1", 2]}},
         "7": {"class_type": out_node, "inputs": last},
     }
     return graph, ckpt
+
+
+def _output_node(object_info: Mapping[str, object]) -> str:
+    """The graph's last node, PreviewImage where installed, else SaveImage; LookupError naming the
+    core nodes missing."""
+    missing = [n for n in MINIMAL_NODES if n not in object_info]
+    out_node = "PreviewImage" if "PreviewImage" in object_info else "SaveImage" if "SaveImage" in object_info else None
+    if missing or out_node is None:
+        raise LookupError(f"ComfyUI lacks the core node(s) {', '.join(missing or ['PreviewImage/SaveImage'])}")
+    return out_node
+
+
+def _required_inputs(object_info: Mapping[str, object], node: str) -> JSONObject:
+    return as_object(as_object(as_object(object_info[node]).get("input")).get("required"))
+
+
+def _checkpoint_to_load(object_info: Mapping[str, object], checkpoint: str | None) -> str:
+    """The checkpoint asked for, else the first installed; LookupError if it is not installed or none is."""
+    ckpts = _combo(_required_inputs(object_info, "CheckpointLoaderSimple").get("ckpt_name"))
+    if checkpoint is not None and checkpoint not in ckpts:
+        raise LookupError(f"no checkpoint {checkpoint!r} installed (ComfyUI lists {', '.join(ckpts) or 'none'})")
+    if not ckpts:
+        raise LookupError("ComfyUI lists no checkpoint (models/checkpoints is empty)")
+    return checkpoint or ckpts[0]
+
+
+def _sampler_and_scheduler(object_info: Mapping[str, object]) -> tuple[str, str]:
+    """euler and normal where KSampler offers them, else the first it lists."""
+    sampler_inputs = _required_inputs(object_info, "KSampler")
+    samplers = _combo(sampler_inputs.get("sampler_name")) or ["euler"]
+    schedulers = _combo(sampler_inputs.get("scheduler")) or ["normal"]
+    return ("euler" if "euler" in samplers else samplers[0]), ("normal" if "normal" in schedulers else schedulers[0])
 
 
 def the_graph(checkpoint: str | None) -> str:

@@ -178,24 +178,28 @@ class Session:
 
     # -- consent -----------------------------------------------------------------------------------
     async def _decide_consent(self) -> None:
-        held = [t for t in self.found.tenants.values() if t.reclaimable
-                and (t.vram_bytes or 0) > gb_bytes(t.config.get("idle_vram_gb"))]
-        renders = [t.name for t in self.found.tenants.values() if role_of(t) == RENDERS and t.url]
         if self.options.yes:
             self.consent = True
             return
+        self.say(self._what_verify_does())
+        if self.options.interactive and self.ask is not None:
+            self.consent = await asyncio.to_thread(self.ask, "Go ahead? [y/N] ")
+        self.say("consent given" if self.consent else
+                 "no consent: stages that release a tenant are skipped (run with --yes to include them)")
+
+    def _what_verify_does(self) -> str:
+        """What consent is asked for: the tenants a release would touch, what is loaded again at the
+        end and what is not."""
+        held = [t for t in self.found.tenants.values() if t.reclaimable
+                and (t.vram_bytes or 0) > gb_bytes(t.config.get("idle_vram_gb"))]
+        renders = [t.name for t in self.found.tenants.values() if role_of(t) == RENDERS and t.url]
         models = ", ".join(self.found.ollama_before or {})
-        text = ("verify loads a small model and a small graph, then makes the proxy release idle tenants to prove the "
+        return ("verify loads a small model and a small graph, then makes the proxy release idle tenants to prove the "
                 "handoff (" + (", ".join(f"{t.name} holds {gib(t.vram_bytes)}" for t in held) or "nobody holds memory now")
                 + ")." + (f" The Ollama models loaded now ({models}) are loaded again at the end." if models else "")
                 + (f" {' and '.join(renders)}, once released, is not loaded again by verify: its next prompt loads what "
                    "it needs." if renders else "")
                 + " Busy tenants are never touched: verify waits for them, or skips.")
-        self.say(text)
-        if self.options.interactive and self.ask is not None:
-            self.consent = await asyncio.to_thread(self.ask, "Go ahead? [y/N] ")
-        self.say("consent given" if self.consent else
-                 "no consent: stages that release a tenant are skipped (run with --yes to include them)")
 
     # -- what several stages do -----------------------------------------------------------------
     async def generate(self, t: TenantInfo, client: OllamaClient, model: OllamaModel) -> JSONObject:

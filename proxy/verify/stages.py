@@ -330,39 +330,21 @@ async def check_out_of_memory(v: Session) -> str:
     await v.nobody_busy()
     if v.found.graph is None or held is None:
         raise StageSkipped(f"the {comfy_t.name} graph did not run, so its footprint is unknown")
-    declared_gb = as_object(comfy_t.config.get("model_vram_gb")).get(ckpt or "")
-    declared = gb_bytes(declared_gb) if declared_gb is not None else comfy_t.needs_vram_bytes
+    declared = _declared_for_graph(comfy_t, ckpt)
     # Before touching anything: the proxy makes `declared` less what ComfyUI holds free for a graph,
     # and the graph loads `held` less the same floor, so a window exists only if held > declared.
     if held <= declared:
         raise StageSkipped(f"the proxy plans {gib(declared)} for a {comfy_t.name} graph, at least the {gib(held)} the "
                            f"{the_graph(ckpt)[4:]} took: it cannot run out of memory through the proxy, so no out-of-memory "
                            "can be provoked safely (the retry is covered by the tests on a simulated box)")
-    stats = await v.admin.stats()
-    await v.free_memory(ollama_t, stats)  # skips now, before unloading anything, without a GPU reader
-    client = v.ollama(ollama_t)
-    models = await v.generation_models(client)
-    floor_guess = min(held, gb_bytes(comfy_t.config.get("idle_vram_gb")))
-    ollama_now = (await v.admin.tenant(ollama_t.name)).vram_bytes or 0
-    comfy_now = (await v.admin.tenant(comfy_t.name)).vram_bytes or 0
-    free_guess = (number(as_object(stats.get("device")).get("free_bytes")) or 0) + ollama_now + max(0, comfy_now - floor_guess)
-    lo, hi = declared - floor_guess, held - floor_guess
-    if not [m for m in models if lo <= free_guess - m.size < hi]:
-        raise StageSkipped(_no_filler(ollama_t.name, models, lo, hi, free_guess, "about {free} free with both emptied"))
-    for name in await client.loaded():  # the window is measured with Ollama empty
-        v.did(f"unloaded {name} from {ollama_t.name}")
-        await client.unload(name)
-    await v.wait_empty(ollama_t.name)
-    await v.release(comfy_t, "the out-of-memory")  # its checkpoint off the card: the graph loads it again
+    client, models = await _models_that_could_fill(v, comfy_t, ollama_t, held, declared)
+    await _empty_both(v, comfy_t, ollama_t, client)
     floor = (await v.admin.tenant(comfy_t.name)).vram_bytes or 0
     free = await v.free_memory(ollama_t)
     # Free memory between what the proxy plans for and what the graph really loads: the proxy sees
     # room, the engine runs out, and only ComfyUI's own allocation fails (it unloads and reports).
     lo, hi = declared - floor, held - floor
-    fits = [m for m in models if lo <= free - m.size < hi]
-    if not fits:
-        raise StageSkipped(_no_filler(ollama_t.name, models, lo, hi, free, "{free} free now"))
-    model = min(fits, key=lambda m: abs(free - m.size - (lo + hi) / 2))
+    model = _filler(ollama_t.name, models, lo, hi, free)
     v.say(f"out of memory: {model.name} fills the card so {the_graph(ckpt)} cannot load beside it")
     await v.generate(ollama_t, client, model)
     free = await v.free_memory(ollama_t)
@@ -374,6 +356,47 @@ async def check_out_of_memory(v: Session) -> str:
     run = await v.comfy(comfy_t).run(graph)
     return await _judge_oom_retry(v, comfy_t, run, mark, f"with {model.name} on the card ({gib(free)} free), "
                                   f"{the_graph(ckpt)}", free)
+
+
+def _declared_for_graph(comfy_t: TenantInfo, ckpt: str | None) -> int:
+    """What the proxy plans for the graph: its checkpoint's declared size, else the tenant's need."""
+    declared_gb = as_object(comfy_t.config.get("model_vram_gb")).get(ckpt or "")
+    return gb_bytes(declared_gb) if declared_gb is not None else comfy_t.needs_vram_bytes
+
+
+async def _models_that_could_fill(v: Session, comfy_t: TenantInfo, ollama_t: TenantInfo, held: int,
+                                  declared: int) -> tuple[OllamaClient, list[OllamaModel]]:
+    """Ollama's client and its generation models, once some model could leave free memory in the window
+    with both tenants emptied (a guess from what they hold now): skips, before unloading anything, if none."""
+    stats = await v.admin.stats()
+    await v.free_memory(ollama_t, stats)  # skips now, before unloading anything, without a GPU reader
+    client = v.ollama(ollama_t)
+    models = await v.generation_models(client)
+    floor_guess = min(held, gb_bytes(comfy_t.config.get("idle_vram_gb")))
+    ollama_now = (await v.admin.tenant(ollama_t.name)).vram_bytes or 0
+    comfy_now = (await v.admin.tenant(comfy_t.name)).vram_bytes or 0
+    free_guess = (number(as_object(stats.get("device")).get("free_bytes")) or 0) + ollama_now + max(0, comfy_now - floor_guess)
+    lo, hi = declared - floor_guess, held - floor_guess
+    if not [m for m in models if lo <= free_guess - m.size < hi]:
+        raise StageSkipped(_no_filler(ollama_t.name, models, lo, hi, free_guess, "about {free} free with both emptied"))
+    return client, models
+
+
+async def _empty_both(v: Session, comfy_t: TenantInfo, ollama_t: TenantInfo, client: OllamaClient) -> None:
+    """Ollama unloaded and empty on the card, ComfyUI released: the window is measured from there."""
+    for name in await client.loaded():  # the window is measured with Ollama empty
+        v.did(f"unloaded {name} from {ollama_t.name}")
+        await client.unload(name)
+    await v.wait_empty(ollama_t.name)
+    await v.release(comfy_t, "the out-of-memory")  # its checkpoint off the card: the graph loads it again
+
+
+def _filler(tenant: str, models: list[OllamaModel], lo: int, hi: int, free: int) -> OllamaModel:
+    """The model that leaves free memory nearest the middle of [lo, hi); skips if none leaves it inside."""
+    fits = [m for m in models if lo <= free - m.size < hi]
+    if not fits:
+        raise StageSkipped(_no_filler(tenant, models, lo, hi, free, "{free} free now"))
+    return min(fits, key=lambda m: abs(free - m.size - (lo + hi) / 2))
 
 
 async def _judge_oom_retry(v: Session, comfy_t: TenantInfo, run: GraphRun, mark: int, staged: str,
@@ -499,28 +522,46 @@ async def restore(v: Session) -> str:
     """What Ollama held when verify started (its /api/ps then) is what it holds at the end: models
     verify unloaded are loaded again (an embedding model with an embed call), models it loaded
     itself are unloaded, nothing more. A tenant verify released is not loaded again: it says so."""
-    notes: list[str] = []
     not_restored = await _released_and_not_restored(v)
     ollama = v.generator()
     client = v.ollama(ollama) if ollama is not None else None
-    now = await client.loaded() if client is not None else {}
-    mine = sorted(m for m in v.found.loaded_by_us if m in now)
-    back = [m for m in (v.found.ollama_before or {}) if m not in now]
+    mine, back = await _changed_since_start(v, client)
     left = f"not restored: {'; '.join(not_restored)}" if not_restored else ""
     if client is None or not (mine or back):
-        if client is not None and not left:  # checked, and as it was: the stage's promise holds
-            return "nothing to restore: Ollama holds what it held when verify started"
-        raise StageSkipped("nothing to restore: Ollama holds what it held when verify started" + (f"; {left}" if left else ""))
+        return _nothing_to_restore(checked=client is not None, left=left)
     await v.nobody_busy()
     assert ollama is not None
     for name in mine:
         v.did(f"unloaded {name} from {ollama.name}")
         await client.unload(name)
     calls = await _load_again(v, ollama, client, back)
+    return _restored(ollama.name, mine, calls, left)
+
+
+async def _changed_since_start(v: Session, client: OllamaClient | None) -> tuple[list[str], list[str]]:
+    """What Ollama holds that verify loaded itself, and what it held at the start that it no longer
+    does (both empty without an Ollama tenant)."""
+    now = await client.loaded() if client is not None else {}
+    mine = sorted(m for m in v.found.loaded_by_us if m in now)
+    back = [m for m in (v.found.ollama_before or {}) if m not in now]
+    return mine, back
+
+
+def _nothing_to_restore(checked: bool, left: str) -> str:
+    """Nothing for Ollama to unload or load again: checked and as it was, the stage's promise holds;
+    otherwise it skips, naming what was not restored."""
+    if checked and not left:
+        return "nothing to restore: Ollama holds what it held when verify started"
+    raise StageSkipped("nothing to restore: Ollama holds what it held when verify started" + (f"; {left}" if left else ""))
+
+
+def _restored(ollama: str, mine: list[str], calls: list[str], left: str) -> str:
+    """The stage's line: what was unloaded, what was loaded again (with how), what was not restored."""
+    notes: list[str] = []
     if mine:
         notes.append(f"unloaded what verify loaded ({', '.join(mine)})")
-    if back:
-        notes.append(f"loaded again what {ollama.name} held before verify: {', '.join(calls)}")
+    if calls:
+        notes.append(f"loaded again what {ollama} held before verify: {', '.join(calls)}")
     if left:
         notes.append(left)
     return "; ".join(notes)
