@@ -62,6 +62,29 @@ def error(status: int, message: str, fix: str | None = None, **details: object) 
     return JSONResponse(refusal(message, fix, **details), status_code=status)
 
 
+def _stop_outcomes(results: list[dict[str, object]]) -> tuple[list[object], list[object], list[object]]:
+    """The tenants stopped, refused (busy or starting: left running) and failed (any other stop not done)."""
+    stopped = [r["tenant"] for r in results if r["ok"]]
+    refused = [r["tenant"] for r in results if not r["ok"] and r.get("reason") in ("busy", "starting")]
+    failed = [r["tenant"] for r in results if not r["ok"] and r["tenant"] not in refused]
+    return stopped, refused, failed
+
+
+def _stop_all_answer(results: list[dict[str, object]]) -> dict[str, object]:
+    """Stop-all's answer from each tenant's result: those stopped, refused (busy or starting) and
+    failed; the error and fix when any was not stopped, a note when there was nothing to stop."""
+    stopped, refused, failed = _stop_outcomes(results)
+    answer: dict[str, object] = {"ok": not refused and not failed, "stopped": stopped, "refused": refused,
+                                 "failed": failed, "results": results}
+    if refused or failed:
+        answer["error"] = "not stopped: " + "; ".join(f"{r['tenant']} ({r['error']})" for r in results if not r["ok"])
+        answer["fix"] = ("a busy tenant is never stopped: wait for its work to finish and stop again; for a stop "
+                         "that failed see its result's fix")
+    elif not results:
+        answer["note"] = "no tenant in tenants.json is started and stopped by the proxy: nothing to stop"
+    return answer
+
+
 def _sse(event: str, payload: object) -> bytes:
     """One server-sent event: its data one line of JSON (no newline can end it early)."""
     return f"event: {event}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
@@ -235,6 +258,12 @@ class AdminApi:
         """Stop every tenant the proxy starts that is idle (llama-swap's unload-all), one after another
         through the same path as `/api/tenants/{name}/stop`; busy and starting ones are left running and
         named with why. 200 when all are stopped now, else 409 (a stop that failed, or one refused)."""
+        answer = _stop_all_answer(await self._stop_each_idle())
+        return JSONResponse(answer, status_code=200 if answer["ok"] else 409)
+
+    async def _stop_each_idle(self) -> list[dict[str, object]]:
+        """Each tenant the proxy starts, stopped in turn through `_stop_one`: its answer, named and with
+        its status (the answer's `action` left out)."""
         results: list[dict[str, object]] = []
         for tenant in self.broker.registry:
             machine = self.broker.lifecycles.machine(tenant.name)
@@ -243,18 +272,7 @@ class AdminApi:
             status, body = await self._stop_one(tenant, machine, "admin stop all")
             results.append({**{k: v for k, v in body.items() if k != "action"}, "tenant": tenant.name,
                             "ok": status == 200, "status": status})
-        stopped = [r["tenant"] for r in results if r["ok"]]
-        refused = [r["tenant"] for r in results if not r["ok"] and r.get("reason") in ("busy", "starting")]
-        failed = [r["tenant"] for r in results if not r["ok"] and r["tenant"] not in refused]
-        answer: dict[str, object] = {"ok": not refused and not failed, "stopped": stopped, "refused": refused,
-                                  "failed": failed, "results": results}
-        if refused or failed:
-            answer["error"] = "not stopped: " + "; ".join(f"{r['tenant']} ({r['error']})" for r in results if not r["ok"])
-            answer["fix"] = ("a busy tenant is never stopped: wait for its work to finish and stop again; for a stop "
-                             "that failed see its result's fix")
-        elif not results:
-            answer["note"] = "no tenant in tenants.json is started and stopped by the proxy: nothing to stop"
-        return JSONResponse(answer, status_code=200 if answer["ok"] else 409)
+        return results
 
     async def logs(self, request: Request) -> Response:
         """The app's output as server-sent events: its last lines (`lines`, default 100), then each new

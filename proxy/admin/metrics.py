@@ -162,53 +162,75 @@ class _LiveCollector(Collector):
         proxy = self.proxy
         tenants = [t.name for t in proxy.registry]
         snap = proxy.broker.last_snapshot
-        total = _gauge("hyperswap_gpu_memory_total_bytes")
-        used = _gauge("hyperswap_gpu_memory_used_bytes")
-        free = _gauge("hyperswap_gpu_memory_free_bytes")
-        age = _gauge("hyperswap_gpu_snapshot_age_seconds")
-        held = _gauge("hyperswap_tenant_vram_bytes")
-        unmanaged = _gauge("hyperswap_unmanaged_vram_bytes")
-        source = _source_info()
-        if snap is not None:
-            whole = Device.of(snap)  # one card: its figures; several: the host's sums
-            # unknown is not zero: a figure nobody measured gets no sample at all
-            for family, value in ((total, whole.total_bytes), (used, whole.used_bytes), (free, whole.free_bytes),
-                                  (unmanaged, unmanaged_vram(snap))):
-                if value is not None:
-                    family.add_metric([], value)
-            age.add_metric([], max(0.0, proxy.clock.now() - snap.snapshot.taken_at))
-            for name in tenants:
-                vram = tenant_vram(snap, name)
-                if vram is not None:
-                    held.add_metric([name], vram)
-            source.add_metric([snap.snapshot.source, whole.name], {})
-        yield from (total, used, free, age, held, unmanaged, source)
+        yield from _memory_families(proxy, snap, tenants)
         if snap is not None and snap.snapshot.several_devices:
             yield from _card_families(snap)
-        traffic = proxy.inflight.snapshot()
-        inflight = _gauge("hyperswap_inflight_requests")
-        jobs = _gauge("hyperswap_queued_jobs")
-        for name in tenants:
-            t = traffic.get(name)
-            inflight.add_metric([name], t.in_flight if t else 0)
-            jobs.add_metric([name], len(t.jobs) if t else 0)
-        yield inflight
-        yield jobs
-        waiting = _gauge("hyperswap_queue_waiting")
-        counts: dict[str, int] = {name: 0 for name in tenants}
-        for w in proxy.broker.scheduler.waiting():
-            counts[w["tenant"]] = counts.get(w["tenant"], 0) + 1
-        for name, n in counts.items():
-            waiting.add_metric([name], n)
-        yield waiting
+        yield from _traffic_families(proxy, tenants)
+        yield _waiting_family(proxy, tenants)
         yield from _picker_families(proxy, snap)
-        machines = proxy.broker.lifecycles.machines()
-        if machines:
-            state = _gauge("hyperswap_lifecycle_state")
-            for name, machine in machines.items():
-                for s in LIFECYCLE_STATES:
-                    state.add_metric([name, s], 1 if machine.state == s else 0)
-            yield state
+        yield from _lifecycle_families(proxy)
+
+
+def _memory_families(proxy: ProxyView, snap: AttributedSnapshot | None, tenants: list[str]) -> list[Metric]:
+    """The card's memory (one card: its figures; several: the host's sums), the snapshot's age, each
+    tenant's VRAM, the unmanaged VRAM and where the figures come from; families without samples when
+    there is no snapshot yet."""
+    total = _gauge("hyperswap_gpu_memory_total_bytes")
+    used = _gauge("hyperswap_gpu_memory_used_bytes")
+    free = _gauge("hyperswap_gpu_memory_free_bytes")
+    age = _gauge("hyperswap_gpu_snapshot_age_seconds")
+    held = _gauge("hyperswap_tenant_vram_bytes")
+    unmanaged = _gauge("hyperswap_unmanaged_vram_bytes")
+    source = _source_info()
+    if snap is not None:
+        whole = Device.of(snap)  # one card: its figures; several: the host's sums
+        # unknown is not zero: a figure nobody measured gets no sample at all
+        for family, value in ((total, whole.total_bytes), (used, whole.used_bytes), (free, whole.free_bytes),
+                              (unmanaged, unmanaged_vram(snap))):
+            if value is not None:
+                family.add_metric([], value)
+        age.add_metric([], max(0.0, proxy.clock.now() - snap.snapshot.taken_at))
+        for name in tenants:
+            vram = tenant_vram(snap, name)
+            if vram is not None:
+                held.add_metric([name], vram)
+        source.add_metric([snap.snapshot.source, whole.name], {})
+    return [total, used, free, age, held, unmanaged, source]
+
+
+def _traffic_families(proxy: ProxyView, tenants: list[str]) -> list[Metric]:
+    """Requests in flight and jobs queued, per tenant (0 for a tenant with no traffic)."""
+    traffic = proxy.inflight.snapshot()
+    inflight = _gauge("hyperswap_inflight_requests")
+    jobs = _gauge("hyperswap_queued_jobs")
+    for name in tenants:
+        t = traffic.get(name)
+        inflight.add_metric([name], t.in_flight if t else 0)
+        jobs.add_metric([name], len(t.jobs) if t else 0)
+    return [inflight, jobs]
+
+
+def _waiting_family(proxy: ProxyView, tenants: list[str]) -> Metric:
+    """Requests waiting in the scheduler's queue, per tenant (0 for every configured tenant)."""
+    waiting = _gauge("hyperswap_queue_waiting")
+    counts: dict[str, int] = {name: 0 for name in tenants}
+    for w in proxy.broker.scheduler.waiting():
+        counts[w["tenant"]] = counts.get(w["tenant"], 0) + 1
+    for name, n in counts.items():
+        waiting.add_metric([name], n)
+    return waiting
+
+
+def _lifecycle_families(proxy: ProxyView) -> list[Metric]:
+    """Each managed app's lifecycle state as a one-hot gauge; nothing when no app is managed."""
+    machines = proxy.broker.lifecycles.machines()
+    if not machines:
+        return []
+    state = _gauge("hyperswap_lifecycle_state")
+    for name, machine in machines.items():
+        for s in LIFECYCLE_STATES:
+            state.add_metric([name, s], 1 if machine.state == s else 0)
+    return [state]
 
 
 def _picker_families(proxy: ProxyView, snap: AttributedSnapshot | None) -> list[Metric]:

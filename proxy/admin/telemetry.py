@@ -242,54 +242,78 @@ class TelemetryStore:
         try:
             stop = False
             while not stop:
-                batch = [self._queue.get()]
-                while len(batch) < 1000:  # one transaction per burst
-                    try:
-                        batch.append(self._queue.get_nowait())
-                    except queue.Empty:
-                        break
                 rows: dict[str, list[tuple[object, ...]]] = {}
                 flushes: list[_Flush] = []
-                for item in batch:
-                    if item is _STOP:
-                        stop = True  # still write the rest of this batch: nothing after STOP was accepted
-                    elif isinstance(item, _Flush):
-                        flushes.append(item)
-                    else:
-                        queued_kind, queued_row = cast(tuple[str, tuple[object, ...]], item)  # what submit() queues
-                        rows.setdefault(queued_kind, []).append(queued_row)
+                stop = self._sort(self._take_batch(), rows, flushes)
                 if stop:  # rows that raced in after STOP (submit checked _closed just before) are kept too
-                    while True:
-                        try:
-                            item = self._queue.get_nowait()
-                        except queue.Empty:
-                            break
-                        if isinstance(item, tuple):
-                            rows.setdefault(item[0], []).append(item[1])
-                        elif isinstance(item, _Flush):
-                            flushes.append(item)
-                try:
-                    with conn:
-                        for kind, values in rows.items():
-                            cols = COLUMNS[kind]  # type: ignore[index]
-                            conn.executemany(f"INSERT INTO {kind} ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
-                                             values)
-                    n = sum(len(v) for v in rows.values())
-                    self.written += n
-                    if n:
-                        self._wrote()  # health tells a loss that ended as past, not as now
-                    since_prune += n
-                    if since_prune >= PRUNE_EVERY_ROWS:
-                        self._prune(conn)
-                        since_prune = 0
-                except sqlite3.Error as exc:  # a full disk must not kill the writer: count, log, go on
-                    self.last_error = f"{type(exc).__name__}: {exc}"
-                    self._lose(sum(len(v) for v in rows.values()), f"writes failed: {self.last_error}")
-                    log.warning("telemetry write failed: %s", self.last_error)
+                    self._drain_after_stop(rows, flushes)
+                since_prune = self._write(conn, rows, since_prune)
                 for f in flushes:
                     f.done.set()
         finally:
             conn.close()
+
+    def _take_batch(self) -> list[object]:
+        """The next item (waiting for it), and whatever else is queued already, up to 1000: one
+        transaction per burst."""
+        batch = [self._queue.get()]
+        while len(batch) < 1000:
+            try:
+                batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return batch
+
+    @staticmethod
+    def _sort(batch: list[object], rows: dict[str, list[tuple[object, ...]]], flushes: list[_Flush]) -> bool:
+        """Files a batch's rows by kind and its flush markers; True when it holds the STOP (the rest of
+        the batch is still written: nothing after STOP was accepted)."""
+        stop = False
+        for item in batch:
+            if item is _STOP:
+                stop = True
+            elif isinstance(item, _Flush):
+                flushes.append(item)
+            else:
+                queued_kind, queued_row = cast(tuple[str, tuple[object, ...]], item)  # what submit() queues
+                rows.setdefault(queued_kind, []).append(queued_row)
+        return stop
+
+    def _drain_after_stop(self, rows: dict[str, list[tuple[object, ...]]], flushes: list[_Flush]) -> None:
+        """Takes what is left in the queue without waiting: rows and flush markers that raced in after STOP."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, tuple):
+                rows.setdefault(item[0], []).append(item[1])
+            elif isinstance(item, _Flush):
+                flushes.append(item)
+
+    def _write(self, conn: sqlite3.Connection, rows: dict[str, list[tuple[object, ...]]], since_prune: int) -> int:
+        """Writes the rows in one transaction and prunes once enough were written since the last prune;
+        returns the rows written since then. A failed write (a full disk) is counted and logged, never
+        raised: it must not kill the writer."""
+        try:
+            with conn:
+                for kind, values in rows.items():
+                    cols = COLUMNS[kind]  # type: ignore[index]
+                    conn.executemany(f"INSERT INTO {kind} ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
+                                     values)
+            n = sum(len(v) for v in rows.values())
+            self.written += n
+            if n:
+                self._wrote()  # health tells a loss that ended as past, not as now
+            since_prune += n
+            if since_prune >= PRUNE_EVERY_ROWS:
+                self._prune(conn)
+                since_prune = 0
+        except sqlite3.Error as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            self._lose(sum(len(v) for v in rows.values()), f"writes failed: {self.last_error}")
+            log.warning("telemetry write failed: %s", self.last_error)
+        return since_prune
 
     def _prune(self, conn: sqlite3.Connection) -> None:
         """Bounded retention: rows older than retention_days, then the oldest beyond max_rows."""

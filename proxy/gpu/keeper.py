@@ -278,21 +278,8 @@ class GpuSettingsKeeper:
         reason = reset if reset is not None else f"drift: {', '.join(drifting)}"
         started = self.decisions.emit(GpuApplyStarted(tenant="", trigger=f"gpu_profile.apply ({reason})", device=view.index,
                                                       changes=tuple(c.describe() for c in changes)))
-        errors: list[SettingsWriteError] = []
-        writer = self.writer
-        assert writer is not None
-        for change in changes:
-            try:
-                await asyncio.to_thread(writer.write, view.index, change)
-            except SettingsWriteError as exc:
-                errors.append(exc)
-        after = checks
-        try:
-            reread = await asyncio.to_thread(self.source.read_settings, view.index)  # type: ignore[union-attr]
-            view.settings = reread
-            after = compare(profile, reread)
-        except GpuReadError as exc:
-            view.error = exc
+        errors = await self._write_all(view.index, changes)
+        after = await self._reread(view, profile, checks)
         still: list[str] = [c.setting for c in after if c.status == "drift"]
         ok = not errors and not still
         if ok:
@@ -304,6 +291,30 @@ class GpuSettingsKeeper:
             tenant="", trigger=started.trigger, refers_to=started.id, ok=ok, errors=tuple(self.last_apply.errors),
             still_drifting=tuple(still), next_attempt_in_s=None if ok else round(self.next_apply_at - self.clock.now(), 1)))
         return after
+
+    async def _write_all(self, index: int, changes: list[SettingChange]) -> list[SettingsWriteError]:
+        """Writes every change in turn; a refused write is collected, the rest still tried."""
+        errors: list[SettingsWriteError] = []
+        writer = self.writer
+        assert writer is not None
+        for change in changes:
+            try:
+                await asyncio.to_thread(writer.write, index, change)
+            except SettingsWriteError as exc:
+                errors.append(exc)
+        return errors
+
+    async def _reread(self, view: DeviceView, profile: GpuProfile,
+                      checks: tuple[FieldCheck, ...]) -> tuple[FieldCheck, ...]:
+        """The card's settings read back after writing, compared to the profile; the checks before the
+        write when the read fails (its error kept on the view)."""
+        try:
+            reread = await asyncio.to_thread(self.source.read_settings, view.index)  # type: ignore[union-attr]
+        except GpuReadError as exc:
+            view.error = exc
+            return checks
+        view.settings = reread
+        return compare(profile, reread)
 
     def _settle(self, ok: bool, errors: list[SettingsWriteError], still: list[str], changes: list[SettingChange],
                 index: int) -> None:

@@ -16,7 +16,7 @@ Blocking file reads: callers run them off the event loop. Off Linux every answer
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -119,9 +119,24 @@ def tree(root: int | None, session: int | None, known: Iterable[tuple[int, int]]
     (a `setsid` child found while its parent lives), and the `known` (pid, start time) pairs seen
     earlier that still run as themselves."""
     table = {p.pid: p for p in processes()}
-    ours = {pid for pid, p in table.items()
+    ours = _seeds(table, root, session, since) | _still_known(table, known)
+    _add_descendants(table, ours)
+    return {pid: table[pid].start_time for pid in ours}
+
+
+def _seeds(table: Mapping[int, Proc], root: int | None, session: int | None, since: int) -> set[int]:
+    """The live root, and the live members of its session started at `since` or later."""
+    return {pid for pid, p in table.items()
             if p.alive and (pid == root or (session is not None and p.session == session and p.start_time >= since))}
-    ours |= {pid for pid, started in known if (p := table.get(pid)) is not None and p.alive and p.start_time == started}
+
+
+def _still_known(table: Mapping[int, Proc], known: Iterable[tuple[int, int]]) -> set[int]:
+    """The `known` (pid, start time) pairs that still run as themselves."""
+    return {pid for pid, started in known if (p := table.get(pid)) is not None and p.alive and p.start_time == started}
+
+
+def _add_descendants(table: Mapping[int, Proc], ours: set[int]) -> None:
+    """Adds to `ours` every live process descending from one of them by parent links."""
     children: dict[int, list[int]] = {}
     for p in table.values():
         children.setdefault(p.ppid, []).append(p.pid)
@@ -131,7 +146,6 @@ def tree(root: int | None, session: int | None, known: Iterable[tuple[int, int]]
             if child not in ours and table[child].alive:
                 ours.add(child)
                 todo.append(child)
-    return {pid: table[pid].start_time for pid in ours}
 
 
 def same(pid: int, started: int) -> bool:

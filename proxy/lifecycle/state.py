@@ -349,19 +349,8 @@ class TenantLifecycle:
         misses, why = 0, ""
         try:
             while True:
-                waits: set[asyncio.Future[Exit | None] | asyncio.Future[None]] = set()
-                if exit_task is not None:
-                    waits.add(exit_task)
-                tick = asyncio.ensure_future(self.clock.sleep(self.live_interval_s)) if self.live else None
-                if tick is not None:
-                    waits.add(tick)
-                if not waits:
+                if not await self._next_watch_event(exit_task):
                     return  # nothing can be watched: a controller that cannot tell, and no probe
-                try:
-                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    if tick is not None:
-                        tick.cancel()
                 if exit_task is not None and exit_task.done():
                     ended = exit_task.result()
                     exit_task = None
@@ -377,10 +366,32 @@ class TenantLifecycle:
                     await self._ended(f"stopped answering ({misses} probes in a row: {why})", None, True)
                     return
         finally:
-            if exit_task is not None:
-                exit_task.cancel()
-            if self._watcher is asyncio.current_task():
-                self._watcher = None
+            self._watch_over(exit_task)
+
+    async def _next_watch_event(self, exit_task: asyncio.Future[Exit | None] | None) -> bool:
+        """Waits for the exit or the next liveness tick, whichever comes first; False at once when
+        there is neither to wait for."""
+        waits: set[asyncio.Future[Exit | None] | asyncio.Future[None]] = set()
+        if exit_task is not None:
+            waits.add(exit_task)
+        tick = asyncio.ensure_future(self.clock.sleep(self.live_interval_s)) if self.live else None
+        if tick is not None:
+            waits.add(tick)
+        if not waits:
+            return False
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if tick is not None:
+                tick.cancel()
+        return True
+
+    def _watch_over(self, exit_task: asyncio.Future[Exit | None] | None) -> None:
+        """The watch ends: its wait on the exit is dropped, and the watcher slot freed if it is this one."""
+        if exit_task is not None:
+            exit_task.cancel()
+        if self._watcher is asyncio.current_task():
+            self._watcher = None
 
     async def _ended(self, reason: str, code: int | None, failed: bool) -> None:
         """It ended on its own (or stopped answering): the state says so, a report is recorded, the

@@ -344,33 +344,17 @@ class Forwarder:
         (held back, or dropped); `later`: text frames relayed when they come (ones held back)."""
         adapter: HostAndHeaders = self.adapter(tenant)
         scope = ws.scope
-        client_scheme = scope.get("scheme", "ws")
-        headers = _latin1(adapter.upstream_headers(
-            ws.headers.raw, client_ip=ws.client.host if ws.client else None, scheme=client_scheme, websocket=True))
-        origin = next((v for k, v in headers if k.lower() == "origin"), None)
-        extra = [(k, v) for k, v in headers if k.lower() not in ("host", "origin")]
-        ua = ws.headers.get("user-agent")
-        if ua:
-            extra.append(("User-Agent", ua))
-        offered = ws.headers.get("sec-websocket-protocol", "").split(",")
-        subprotocols = [Subprotocol(p.strip()) for p in offered if p.strip()]
-        base = httpx.URL(tenant.upstream or "")
-        raw_path: bytes = scope.get("raw_path") or scope["path"].encode("utf-8")
-        query: bytes = scope.get("query_string", b"")
-        uri = (("wss" if base.scheme == "https" else "ws") + "://" + adapter.upstream_host
-               + raw_path.decode("latin-1") + ("?" + query.decode("latin-1") if query else ""))
+        origin, extra = _ws_headers(adapter, ws)
+        subprotocols = _ws_subprotocols(ws)
         try:
             upstream = await connect(
-                uri, origin=origin, additional_headers=extra, user_agent_header=None,  # type: ignore[arg-type]
-                subprotocols=subprotocols or None, compression=None, proxy=None,
+                _ws_uri(tenant, adapter, scope), origin=origin, additional_headers=extra,  # type: ignore[arg-type]
+                user_agent_header=None, subprotocols=subprotocols or None, compression=None, proxy=None,
                 open_timeout=tenant.timeouts.connect_s, ping_interval=None, ping_timeout=None,
                 close_timeout=5, max_size=WS_MAX_SIZE, max_queue=64,
             )
         except websockets.InvalidStatus as exc:
-            status = exc.response.status_code
-            log.info("%s: upstream refused websocket %s with %d", tenant.name, scope["path"], status)
-            await ws.send_denial_response(Response(bytes(exc.response.body or b""), status_code=status)) \
-                if "websocket.http.response" in scope.get("extensions", {}) else await ws.close(1008)
+            await _upstream_refused(tenant, ws, scope, exc)
             return
         except (TimeoutError, OSError, websockets.InvalidHandshake) as exc:
             await _refuse_open(tenant, ws, scope, exc)
@@ -450,6 +434,45 @@ def _sendable(code: int) -> int:
     if code in (1006, 1015) or code < 1000:
         return 1011
     return code
+
+
+def _ws_headers(adapter: HostAndHeaders, ws: WebSocket) -> tuple[str | None, list[tuple[str, str]]]:
+    """The upstream handshake's Origin and its other headers (Host and Origin are the client library's
+    to send; the client's User-Agent kept)."""
+    headers = _latin1(adapter.upstream_headers(
+        ws.headers.raw, client_ip=ws.client.host if ws.client else None, scheme=ws.scope.get("scheme", "ws"),
+        websocket=True))
+    origin = next((v for k, v in headers if k.lower() == "origin"), None)
+    extra = [(k, v) for k, v in headers if k.lower() not in ("host", "origin")]
+    ua = ws.headers.get("user-agent")
+    if ua:
+        extra.append(("User-Agent", ua))
+    return origin, extra
+
+
+def _ws_subprotocols(ws: WebSocket) -> list[Subprotocol]:
+    """The subprotocols the client offered, passed on as offered."""
+    offered = ws.headers.get("sec-websocket-protocol", "").split(",")
+    return [Subprotocol(p.strip()) for p in offered if p.strip()]
+
+
+def _ws_uri(tenant: Tenant, adapter: HostAndHeaders, scope: Scope) -> str:
+    """The upstream websocket's address: ws or wss as the tenant's upstream is http or https, the
+    adapter's host, the client's raw path and query."""
+    base = httpx.URL(tenant.upstream or "")
+    raw_path: bytes = scope.get("raw_path") or scope["path"].encode("utf-8")
+    query: bytes = scope.get("query_string", b"")
+    return (("wss" if base.scheme == "https" else "ws") + "://" + adapter.upstream_host
+            + raw_path.decode("latin-1") + ("?" + query.decode("latin-1") if query else ""))
+
+
+async def _upstream_refused(tenant: Tenant, ws: WebSocket, scope: Scope, exc: websockets.InvalidStatus) -> None:
+    """The upstream answered the handshake with a status: the client gets that answer where the server
+    can send a denial response, else a policy-violation close (1008)."""
+    status = exc.response.status_code
+    log.info("%s: upstream refused websocket %s with %d", tenant.name, scope["path"], status)
+    await ws.send_denial_response(Response(bytes(exc.response.body or b""), status_code=status)) \
+        if "websocket.http.response" in scope.get("extensions", {}) else await ws.close(1008)
 
 
 async def _refuse_open(tenant: Tenant, ws: WebSocket, scope: Scope, exc: Exception) -> None:
