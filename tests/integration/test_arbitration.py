@@ -371,7 +371,12 @@ async def test_comfyui_oom_of_a_client_without_websocket_is_found_by_the_history
     async with asyncio.timeout(15):
         await poll_until(history_lists_it, 0.02)
         await poll_until(lambda: not proxy_of(demo).inflight.jobs("comfyui"), 0.05)  # the retry is polled to its end too
-        await poll_until(retry_ended, 0.05)
+    try:
+        async with asyncio.timeout(10):
+            await poll_until(retry_ended, 0.05)
+    except TimeoutError:  # say what the decision shows, and what the client read
+        kept = [d.outcome for d in decisions(demo, "oom_retry", tenant="comfyui")]
+        raise AssertionError(f"the retry's end was never written: {kept}; the client read {statuses}") from None
     assert statuses == ["success"], "the client polling its own id never reads the failed run"
     retry = [d for d in decisions(demo, "oom_retry", tenant="comfyui") if d.outcome.get("oom_retry")][-1]
     assert retry.outcome["oom_retry"] == "succeeded" and retry.outcome["prompt_id"] == first, retry.outcome
