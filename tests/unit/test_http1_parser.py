@@ -43,12 +43,18 @@ def splits(raw: bytes) -> Iterator[tuple[str, list[bytes]]]:
     yield "byte by byte", [raw[i:i + 1] for i in range(len(raw))]
 
 
-def fed(packets: list[bytes], *, head_only: bool = False) -> tuple[Response, _Connection]:
-    """A response on a pooled connection after the upstream sent these packets."""
+def awaited(*, head_only: bool = False) -> tuple[Response, _Connection]:
+    """A response on a pooled connection, before the upstream sent anything."""
     pool = Pool("http://upstream.invalid:80")
     conn = _Connection(pool, asyncio.get_running_loop())
     conn.connection_made(MockTransport())  # type: ignore[arg-type]
     response = conn.response = Response(conn, head_only=head_only)
+    return response, conn
+
+
+def fed(packets: list[bytes], *, head_only: bool = False) -> tuple[Response, _Connection]:
+    """A response on a pooled connection after the upstream sent these packets."""
+    response, conn = awaited(head_only=head_only)
     for packet in packets:
         conn.data_received(packet)
     return response, conn
@@ -105,10 +111,7 @@ SMALL = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 
 async def test_an_answer_whole_in_one_read_is_handed_to_its_head_callback_in_that_read() -> None:
     # the inline exchange's answer: handed over at once, not a loop turn later, when it is all there
-    pool = Pool("http://upstream.invalid:80")
-    conn = _Connection(pool, asyncio.get_running_loop())
-    conn.connection_made(MockTransport())  # type: ignore[arg-type]
-    response = conn.response = Response(conn, head_only=False)
+    response, conn = awaited()
     seen: list[bytes | None] = []
     response.on_head(lambda head: seen.append(response.received_body()))
     conn.data_received(SMALL)
@@ -117,10 +120,7 @@ async def test_an_answer_whole_in_one_read_is_handed_to_its_head_callback_in_tha
 
 async def test_an_answer_still_arriving_is_handed_over_on_the_next_loop_turn_however_the_packets_fall() -> None:
     for name, packets in splits(SMALL):
-        pool = Pool("http://upstream.invalid:80")
-        conn = _Connection(pool, asyncio.get_running_loop())
-        conn.connection_made(MockTransport())  # type: ignore[arg-type]
-        response = conn.response = Response(conn, head_only=False)
+        response, conn = awaited()
         calls: list[asyncio.Future[None]] = []
         response.on_head(calls.append)
         for packet in packets:
@@ -131,10 +131,7 @@ async def test_an_answer_still_arriving_is_handed_over_on_the_next_loop_turn_how
 
 
 async def test_a_connection_closed_before_the_answer_fails_its_head_callback_at_once() -> None:
-    pool = Pool("http://upstream.invalid:80")
-    conn = _Connection(pool, asyncio.get_running_loop())
-    conn.connection_made(MockTransport())  # type: ignore[arg-type]
-    response = conn.response = Response(conn, head_only=False)
+    response, conn = awaited()
     calls: list[asyncio.Future[None]] = []
     response.on_head(calls.append)
     conn.connection_lost(None)
