@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from proxy.encoding import as_object
 from proxy.gpu.snapshot import GpuReader, GpuSnapshot, PodRef
 
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -86,11 +87,6 @@ class PodIndex:
 EMPTY_INDEX = PodIndex({}, {})
 
 
-def _obj(value: object) -> dict[str, object]:
-    """A JSON object, or {} for anything else (a malformed item reads as one that says nothing)."""
-    return value if isinstance(value, dict) else {}
-
-
 def _list(value: object) -> list[object]:
     return value if isinstance(value, list) else []
 
@@ -99,19 +95,19 @@ def index_pods(pod_list: Mapping[str, object]) -> PodIndex:
     """A PodIndex from the API server's PodList JSON; malformed items are skipped, never fatal."""
     by_container: dict[str, PodRef] = {}
     by_uid: dict[str, PodRef] = {}
-    for item in map(_obj, _list(pod_list.get("items"))):
-        meta = _obj(item.get("metadata"))
+    for item in map(as_object, _list(pod_list.get("items"))):
+        meta = as_object(item.get("metadata"))
         name, uid = meta.get("name"), meta.get("uid")
         if not isinstance(name, str):
             continue
-        labels = _obj(meta.get("labels"))
+        labels = as_object(meta.get("labels"))
         pod = PodRef(str(meta.get("namespace") or "default"), name, None,
                      MappingProxyType({str(k): str(v) for k, v in labels.items()}))
         if isinstance(uid, str):
             by_uid[uid] = pod
-        status = _obj(item.get("status"))
+        status = as_object(item.get("status"))
         for key in ("containerStatuses", "initContainerStatuses", "ephemeralContainerStatuses"):
-            for cs in map(_obj, _list(status.get(key))):
+            for cs in map(as_object, _list(status.get(key))):
                 cid = cs.get("containerID")
                 if isinstance(cid, str) and "://" in cid:
                     by_container[cid.split("://", 1)[1]] = replace(pod, container=str(cs.get("name") or "") or None)
