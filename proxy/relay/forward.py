@@ -296,11 +296,15 @@ class Forwarder:
             raise upstream_error(tenant, exc) from None
         return UpstreamResponse(response)
 
-    def send_now(self, tenant: Tenant, scope: Scope) -> http1.Response | None:
-        """A bodiless request sent at once on an idle connection of the tenant's pool, exactly as
-        `open` would send it (`http1.Pool.send_now`); None: nothing was sent."""
+    def inline_head(self, tenant: Tenant, scope: Scope) -> bytes:
+        """The head a bodiless request sends upstream, exactly as `open` would send it."""
         method, target, headers, _ = self._upstream_request(tenant, scope, b"")
-        return self._tenant_pools(tenant).relay.send_now(method, target, headers)
+        return http1.request_head(method, target, headers)
+
+    def send_now(self, tenant: Tenant, head: bytes) -> http1.Response | None:
+        """A bodiless GET whose head is `inline_head`'s, sent at once on an idle connection of the
+        tenant's pool (`http1.Pool.send_now`); None: nothing was sent."""
+        return self._tenant_pools(tenant).relay.send_now(head)
 
     def _upstream_request(self, tenant: Tenant, scope: Scope, body: bytes | AsyncIterator[bytes]
                           ) -> tuple[str, bytes, http1.RawHeaders, bytes | AsyncIterator[bytes] | None]:

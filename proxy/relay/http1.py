@@ -26,7 +26,9 @@ What it does and does not do:
 - A pooled connection is looked at before it carries a request: a zero-timeout poll of its socket
   finds a close (or stray bytes) that arrived since the loop last ran, and a fresh connection is
   used instead. The poll is one call on a poller the connection registered once (building one per
-  look, with the socket looked up each time, was ~2 % of the relay's busy time under load). A
+  look, with the socket looked up each time, was ~2 % of the relay's busy time under load). `send_now`
+  does not look: its GET, met by a close before any answer byte, is served again from the start
+  (inline.py), and the poll, a syscall, was 4 % of the relay's CPU per small GET. A
   connection that answered 5xx is not pooled at all: engines close it after a
   server error without saying so, a few ms after the answer (uvicorn after Starlette's 500).
 - A pooled connection that still turns out closed before any answer byte is retried once, on a new
@@ -209,7 +211,7 @@ class Pool:
         (PoolTimeout when no connection came free in time)."""
         streamed = body is not None and not isinstance(body, bytes)
         has_length = streamed and any(k.lower() == b"content-length" for k, _ in headers)
-        head = _head(method, target, headers, chunked=streamed and not has_length)
+        head = request_head(method, target, headers, chunked=streamed and not has_length)
         replayable = not streamed and method in IDEMPOTENT
         for attempt in (1, 2):
             conn, reused = await self._acquire(fresh=attempt > 1)
@@ -239,18 +241,19 @@ class Pool:
                 raise
         raise AssertionError("unreachable")
 
-    def send_now(self, method: str, target: bytes, headers: RawHeaders) -> Response | None:
-        """A bodiless request sent at once on an idle connection, with no coroutine: its answer, whose
-        head is awaited by `Response.on_head` (no retry: the caller sends it again through `request`
-        when it fails before any byte came). None: no idle connection, or a read timeout to keep
-        (only `request` keeps timers); nothing was sent."""
+    def send_now(self, head: bytes, *, head_only: bool = False) -> Response | None:
+        """A bodiless request, its whole head given (`request_head`), sent at once on an idle
+        connection, with no coroutine: its answer, whose head is awaited by `Response.on_head` (no
+        retry: the caller sends it again through `request` when it fails before any byte came).
+        `head_only`: a HEAD request, whose answer has no body. None: no idle connection, or a read
+        timeout to keep (only `request` keeps timers); nothing was sent."""
         if self.read_s is not None:
             return None
-        conn = self._take_idle()
+        conn = self._take_idle(look=False)
         if conn is None or conn.transport is None:
             return None
-        response = conn.response = Response(conn, head_only=method == "HEAD")
-        conn.transport.write(_head(method, target, headers, chunked=False))
+        response = conn.response = Response(conn, head_only=head_only)
+        conn.transport.write(head)
         return response
 
     # -- connections and slots --------------------------------------------------------------------
@@ -276,11 +279,13 @@ class Pool:
                 return await self._dial(), False
             # Closed by the upstream before we got to it, its slot freed with it: wait again.
 
-    def _take_idle(self) -> _Connection | None:
+    def _take_idle(self, *, look: bool = True) -> _Connection | None:
+        """The most recently used idle connection that is still open; `look`: polled first (`readable`)."""
         while self._idle:
             conn = self._idle.pop()
             # conn.loop, not asyncio.get_running_loop(): on 3.11 that is a getpid() syscall per call.
-            if conn.usable and conn.loop.time() - conn.idle_since < self.idle_expiry_s and not conn.readable():
+            if conn.usable and conn.loop.time() - conn.idle_since < self.idle_expiry_s \
+                    and not (look and conn.readable()):
                 return conn
             conn.drop()
         return None
@@ -405,7 +410,7 @@ class Pool:
             self._idle.pop().drop()
 
 
-def _head(method: str, target: bytes, headers: RawHeaders, *, chunked: bool) -> bytes:
+def request_head(method: str, target: bytes, headers: RawHeaders, *, chunked: bool = False) -> bytes:
     """A request's head, the headers as given (one format per line and one join: the cheapest way)."""
     lines = [b"%s %s HTTP/1.1" % (method.encode("ascii"), target), *[b"%s: %s" % h for h in headers]]
     if chunked:

@@ -74,6 +74,7 @@ class Response:
         "_buffered",
         "_chunks",
         "_closed",
+        "_coded",
         "_complete",
         "_conn",
         "_error",
@@ -106,6 +107,7 @@ class Response:
         self._error: BaseException | None = None
         self._interim = False
         self._framed = False  # Content-Length or Transfer-Encoding in the head: an EOF before the end is a truncation
+        self._coded = False  # Transfer-Encoding in the head
         self._keep_alive = False
         self._head_only = head_only
         self._closed = False
@@ -154,6 +156,7 @@ class Response:
             self.raw_headers.append((name, value))
             if name in _FRAMING:
                 self._framed = True
+                self._coded = self._coded or name == b"transfer-encoding"
 
     def on_headers_complete(self) -> None:
         if not self._in_head:
@@ -163,10 +166,10 @@ class Response:
         if 100 <= status < 200 and status != 101:
             self._interim = True  # 100 Continue, 103 Early Hints: the real answer follows
             self.raw_headers = []
-            self._framed = False
+            self._framed = self._coded = False
             return
         # Only a 101 or a transfer coding can make an answer unrelayable; either is rare.
-        refusal = _unrelayable(status, self.raw_headers) if status == 101 or self._framed else None
+        refusal = _unrelayable(status, self.raw_headers) if status == 101 or self._coded else None
         if refusal is not None:
             self._fail(UpstreamProtocolError(refusal))
             raise _StopParsing  # its body is never read: the connection is dropped with it

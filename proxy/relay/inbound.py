@@ -188,6 +188,27 @@ _FIX = {
 _FRAMING = frozenset({b"transfer-encoding", b"connection"})  # hop-by-hop: stripped before `answer_whole`
 
 
+# A whole answer's status line and header lines as uvicorn writes them (no framing, no blank line),
+# and its Content-Length (-1: one that is not a number; None: none, so uvicorn would send it chunked).
+AnswerHead = tuple[bytes, int | None]
+
+
+def whole_answer_head(status: int, headers: list[tuple[bytes, bytes]]) -> AnswerHead | None:
+    """What `GuardedHttpProtocol.answer_whole` writes before the framing of an answer with this
+    status and these (hop-by-hop stripped) headers; None where uvicorn would refuse a header or the
+    framing is not its to choose (transfer-encoding or connection left in)."""
+    content = [STATUS_LINE[status]]
+    length: bytes | None = None
+    for name, value in headers:
+        if HEADER_RE.search(name) or HEADER_VALUE_RE.search(value) or name in _FRAMING:
+            return None
+        if name == b"content-length" and length is None:
+            length = value
+        content += (name, b": ", value, b"\r\n")
+    declared = None if length is None else int(length) if length.strip().isdigit() else -1
+    return b"".join(content), declared
+
+
 class Inline(Protocol):
     """An exchange the app runs without a task (inline.py's InlineExchange)."""
 
@@ -293,18 +314,34 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._arm_head_timer()
 
     # -- parser callbacks ------------------------------------------------------------------------
+    # on_message_begin, on_url, on_header and on_message_complete are uvicorn's (0.55) with the head
+    # checks folded in, not calls to them: a call per callback was ~3 % of the relay's CPU per small
+    # GET. tests/unit/test_uvicorn_hooks.py holds uvicorn's versions to the ones copied here.
     def on_message_begin(self) -> None:
         self._in_message = self._in_head = True
         self._begun += 1
         self._head_read = self._head_bytes = self._target_bytes = self._headers = 0
-        super().on_message_begin()
-        self.scope["extensions"] = self._extensions
+        self.url = b""
+        self.expect_100_continue = False
+        self.headers = []
+        self.scope = {
+            "type": "http",
+            "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+            "http_version": "1.1",
+            "server": self.server,
+            "client": self.client,
+            "scheme": self.scheme,  # type: ignore[typeddict-item]
+            "root_path": self.root_path,
+            "headers": self.headers,
+            "state": self.app_state.copy(),
+            "extensions": self._extensions,
+        }
 
     def on_url(self, url: bytes) -> None:
         self._target_bytes += len(url)
         if self._target_bytes > self.limits.max_target_bytes:
             self._stop(414, f"the request target is over {self.limits.max_target_bytes} bytes")
-        super().on_url(url)
+        self.url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
         line = len(name) + len(value)
@@ -317,7 +354,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._stop(431, f"the request has more than {limits.max_headers} headers")
         if self._head_bytes + self._target_bytes > limits.max_head_bytes:
             self._stop(431, f"the request head is over {limits.max_head_bytes} bytes")
-        super().on_header(name, value)
+        name = name.lower()
+        # llhttp keeps trailing OWS, which RFC 9110 5.5 excludes from the value (uvicorn's comment).
+        value = value.rstrip(b" \t")
+        if name == b"expect" and value.lower() == b"100-continue":
+            self.expect_100_continue = True
+        self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         self.guard.headless.pop(self, None)
@@ -327,7 +369,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._in_message = False
-        super().on_message_complete()
+        if (self.parser.should_upgrade() and self._should_upgrade()) or self.cycle.response_complete:
+            return
+        self.cycle.more_body = False
+        self.cycle.message_event.set()
 
     # -- keep-alive --------------------------------------------------------------------------------
     def _unset_keepalive_if_required(self) -> None:
@@ -375,34 +420,27 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._inline is exchange:
             self._inline = None
 
-    def answer_whole(self, cycle: RequestResponseCycle, status: int, headers: list[tuple[bytes, bytes]],
-                     body: bytes) -> bool:
+    def answer_whole(self, cycle: RequestResponseCycle, head: AnswerHead, body: bytes) -> bool:
         """uvicorn's two sends of a whole answer (`http.response.start`, then the body with no more to
-        come) as one write, with the same head, framing and keep-alive (a GET's: the body is sent). False,
-        with nothing written: not the answer uvicorn would write that way (a header it refuses, a length
-        that is not the body's, transfer-encoding or connection left in, a write that must wait)."""
+        come) as one write, with the same head, framing and keep-alive (a GET's: the body is sent).
+        `head`: `whole_answer_head`'s. False, with nothing written: not the answer uvicorn would write
+        that way (a length that is not the body's, a write that must wait, the cycle not current)."""
         if cycle is not self.cycle or cycle.response_started or cycle.disconnected or self.flow.write_paused:
             return False
-        content = [STATUS_LINE[status]]
-        length: bytes | None = None
-        for name, value in headers:
-            if HEADER_RE.search(name) or HEADER_VALUE_RE.search(value) or name in _FRAMING:
-                return False
-            if name == b"content-length" and length is None:
-                length = value
-            content += (name, b": ", value, b"\r\n")
-        if not cycle.keep_alive:
-            content.append(b"connection: close\r\n")
+        lines, length = head
         if length is None:
-            content.append(b"transfer-encoding: chunked\r\n\r\n")
-            content += ((b"%x\r\n" % len(body), body, b"\r\n0\r\n\r\n") if body else (b"0\r\n\r\n",))
-        elif length.strip().isdigit() and int(length) == len(body):
-            content += (b"\r\n", body)
+            framed = (lines, b"transfer-encoding: chunked\r\n\r\n",
+                      *((b"%x\r\n" % len(body), body, b"\r\n0\r\n\r\n") if body else (b"0\r\n\r\n",)))
+        elif length == len(body):
+            framed = (lines, b"\r\n", body)
         else:
             return False
         cycle.response_started = cycle.response_complete = True
         cycle.waiting_for_100_continue = False
-        self.transport.write(b"".join(content))
+        if cycle.keep_alive:
+            self.transport.write(b"".join(framed))
+        else:
+            self.transport.write(b"".join((framed[0], b"connection: close\r\n", *framed[1:])))
         cycle.message_event.set()
         if not cycle.keep_alive:
             self.transport.close()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from starlette.types import ASGIApp
@@ -33,29 +34,57 @@ from starlette.types import ASGIApp
 from proxy.engines import strip_hop_by_hop
 from proxy.relay import http1
 from proxy.relay.forward import BODILESS, HEAD_WITH_BODY_MAX, UpstreamResponse
+from proxy.relay.inbound import AnswerHead, whole_answer_head
 
 if TYPE_CHECKING:
     from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
     from proxy.relay.inbound import GuardedHttpProtocol
 
+ANSWER_HEADS_MAX = 256  # upstream answer heads whose client head a listener remembers
+ANSWER_HEAD_KEY_MAX = 4096  # the largest upstream head (header bytes) remembered: at most ~1 MiB in all
+
+
+@dataclass(slots=True)
+class InlineLane:
+    """What every inline exchange of one listener shares: its ways out of the lane (a request served
+    again from the start, an open answer relayed by a task, a failure answered) and its end."""
+
+    again: ASGIApp
+    relay_opened: Callable[[UpstreamResponse], ASGIApp]
+    failed: Callable[[Exception], ASGIApp]
+    ended: Callable[[], None]
+    _heads: dict[tuple[int, tuple[tuple[bytes, bytes], ...]], AnswerHead | None] = field(default_factory=dict)
+
+    def answer_head(self, status: int, headers: http1.RawHeaders) -> AnswerHead | None:
+        """The client's head of a whole answer with this upstream status and headers (hop-by-hop
+        stripped, uvicorn's checks and framing), None where uvicorn would not write it that way;
+        remembered per upstream head: an engine answers a poll with the same headers, but for its Date."""
+        key = (status, tuple(headers))
+        heads = self._heads
+        if key in heads:
+            return heads[key]
+        head = whole_answer_head(status, strip_hop_by_hop(headers))
+        if sum(len(n) + len(v) for n, v in headers) <= ANSWER_HEAD_KEY_MAX:
+            if len(heads) >= ANSWER_HEADS_MAX:
+                heads.clear()
+            heads[key] = head
+        return head
+
 
 class InlineExchange:
     """One passthrough GET in flight on its client's connection, until its answer is out or handed
-    to a task. `ended` is called once, when the exchange is over (inline) or its task ends."""
+    to a task. The lane's `ended` is called once, when the exchange is over (inline) or its task ends."""
 
-    __slots__ = ("_again", "_cycle", "_ended", "_failed", "_open", "_relay_opened", "_response", "_server")
+    __slots__ = ("_cycle", "_ended", "_lane", "_open", "_response", "_server")
 
-    def __init__(self, server: GuardedHttpProtocol, cycle: RequestResponseCycle, response: http1.Response, *,
-                 again: ASGIApp, relay_opened: Callable[[UpstreamResponse], ASGIApp],
-                 failed: Callable[[Exception], ASGIApp], ended: Callable[[], None]) -> None:
+    def __init__(self, server: GuardedHttpProtocol, cycle: RequestResponseCycle, response: http1.Response,
+                 lane: InlineLane) -> None:
         self._server = server
         self._cycle = cycle
         self._response = response
-        self._again = again
-        self._relay_opened = relay_opened
-        self._failed = failed
-        self._ended = ended
+        self._lane = lane
+        self._ended = lane.ended
         self._open = True
         response.on_head(self._answered)
 
@@ -63,25 +92,26 @@ class InlineExchange:
         if not self._open:  # the client left first
             return
         self._detach()
-        response, server, cycle = self._response, self._server, self._cycle
+        response, server, cycle, lane = self._response, self._server, self._cycle, self._lane
         exc = head.exception() if not head.cancelled() else OSError("the upstream answer was cancelled")
         if exc is not None:
             response.close()
             if isinstance(exc, http1.UpstreamClosed) and not response.got_bytes:
                 self._end()
-                server.start_task(cycle, self._again)  # a stale kept-alive connection: served from the start
+                server.start_task(cycle, lane.again)  # a stale kept-alive connection: served from the start
             else:
                 failure = exc if isinstance(exc, Exception) else OSError(str(exc))
-                server.start_task(cycle, self._failed(failure), on_end=self._end)
+                server.start_task(cycle, lane.failed(failure), on_end=self._end)
             return
         status = response.status_code
         body = response.received_body() if status not in BODILESS else None
-        if body is not None and len(body) <= HEAD_WITH_BODY_MAX \
-                and server.answer_whole(cycle, status, strip_hop_by_hop(response.raw_headers), body):
-            response.close()
-            self._end()
-            return
-        server.start_task(cycle, self._relay_opened(UpstreamResponse(response)), on_end=self._end)
+        if body is not None and len(body) <= HEAD_WITH_BODY_MAX:
+            answer = lane.answer_head(status, response.raw_headers)
+            if answer is not None and server.answer_whole(cycle, answer, body):
+                response.close()
+                self._end()
+                return
+        server.start_task(cycle, lane.relay_opened(UpstreamResponse(response)), on_end=self._end)
 
     def client_left(self) -> None:
         """The client's connection closed before the answer: the upstream sees its request dropped."""

@@ -36,7 +36,7 @@ from proxy.relay.departure import ClientLink, Sweep, has_body
 from proxy.relay.forward import Forwarder, UpstreamResponse, upstream_error
 from proxy.relay.gpu_gate import FirstStep, GpuGate
 from proxy.relay.guards import SAFE_METHODS, answer, host_header, refuse_tenant_host
-from proxy.relay.inline import InlineExchange
+from proxy.relay.inline import InlineExchange, InlineLane
 from proxy.relay.trace import Trace, stamp, traced
 from proxy.relay.trace import current as current_trace
 
@@ -53,6 +53,9 @@ Wake = Callable[[], Awaitable["Response | None"]]  # start a tenant that sleeps;
 JOB_RESPONSE_MAX = 1 << 20  # a POST /prompt answer is tiny; never hold more than this
 NEWS_MAX = 4 << 20  # a model list or a pull's request, kept for the adapter: never more than this
 INLINE_ROUTES_MAX = 256  # paths whose inline answer a listener remembers; a flood of new ones only misses
+INLINE_HEADS_MAX = 256  # request heads whose upstream bytes a listener remembers (`start_inline`)
+INLINE_HEAD_KEY_MAX = 2048  # the largest head (target and header bytes) remembered: at most ~0.5 MiB in all
+_UNSEEN = object()
 
 
 async def _read_up_to(request: Request, limit: int) -> tuple[bytes, AsyncIterator[bytes] | None]:
@@ -124,6 +127,9 @@ class TenantApp:
         self.poller = JobPoller(inflight, tenant.name, self._check_jobs, interval_s=job_poll_s, on_lost=self._job_lost)
         self._departures = Sweep()  # starts the departure watch of the requests that last
         self._inline_routes: dict[str, bool] = {}  # path -> a GET of it is a passthrough nothing watches
+        self._inline_heads: dict[object, bytes | object | None] = {}  # request head -> its upstream head, or None
+        self._lane = InlineLane(again=self, relay_opened=self._relay_opened, failed=self._failed,
+                                ended=partial(inflight.connection_closed, tenant.name))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -195,18 +201,38 @@ class TenantApp:
         """Run this request's exchange without a task when it is a passthrough GET nothing watches on a
         tenant that never sleeps, and an idle connection to its upstream is there; None: serve it as ever."""
         scope: Scope = cycle.scope  # type: ignore[assignment]  # uvicorn's TypedDict, Starlette's mapping
-        if self._sleeps or scope["method"] != "GET" or has_body(scope):
+        if self._sleeps or scope["method"] != "GET":
+            return None
+        client = scope["client"]
+        key = (scope["raw_path"], scope["query_string"], tuple(scope["headers"]), client[0] if client else None,
+               scope["scheme"])
+        head = self._inline_heads.get(key, _UNSEEN)
+        if head is _UNSEEN:
+            head = self._inline_head(scope)
+            if sum(map(len, key[0:2])) + sum(len(n) + len(v) for n, v in key[2]) <= INLINE_HEAD_KEY_MAX:
+                if len(self._inline_heads) >= INLINE_HEADS_MAX:
+                    self._inline_heads.clear()
+                self._inline_heads[key] = head
+        if head is None:
+            return None
+        response = self.forwarder.send_now(self.tenant, head)  # type: ignore[arg-type]  # not _UNSEEN here
+        if response is None:
+            return None
+        self.inflight.connection_opened(self.tenant.name)  # a stop never cuts it (TenantLifecycle)
+        return InlineExchange(server, cycle, response, self._lane)
+
+    def _inline_head(self, scope: Scope) -> bytes | None:
+        """What a GET with this head sends upstream when it can be run inline; None: it cannot (a body,
+        a Host this listener refuses, a path the adapter watches). It depends on the head alone (path,
+        query, headers, the client's address and the scheme): `start_inline` remembers it per head, so
+        a client that polls one URL pays for the header rewrite once (a listener's tenant, adapter and
+        Host policy are fixed for its life)."""
+        if has_body(scope):
             return None
         host = host_header(scope)
         if host is None or not self._hosts.allows(host) or not self._inline_route(scope["path"]):
             return None
-        response = self.forwarder.send_now(self.tenant, scope)
-        if response is None:
-            return None
-        name = self.tenant.name
-        self.inflight.connection_opened(name)  # a stop never cuts it (TenantLifecycle)
-        return InlineExchange(server, cycle, response, again=self, relay_opened=self._relay_opened,
-                              failed=self._failed, ended=partial(self.inflight.connection_closed, name))
+        return self.forwarder.inline_head(self.tenant, scope)
 
     def _inline_route(self, path: str) -> bool:
         """Whether a GET of this path is a passthrough no adapter question watches (model news, job

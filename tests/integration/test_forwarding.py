@@ -947,6 +947,49 @@ async def test_a_passthrough_get_answered_inline_is_byte_for_byte_the_answer_the
     assert b"connection: close" in inline[2] and b"connection: close" not in inline[1]
 
 
+async def test_inline_gets_remembered_per_head_still_send_each_head_its_own_upstream_head_and_answer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The listener remembers the upstream head per request head, and the client head per upstream
+    # answer head: a poll that changes only its Host, a header or its answer must get its own.
+    seen: list[bytes] = []
+    served = [0]
+
+    def answer(head: bytes) -> bytes:
+        seen.append(head)
+        served[0] += 1
+        return b"HTTP/1.1 200 OK\r\nX-Served: %d\r\nContent-Length: 2\r\n\r\nok" % served[0]
+
+    spy = _InlineSpy(monkeypatch)
+    async with raw_upstream(answer) as url, stack("generic", None, upstream_url=url) as (proxy, _, _, _):
+        heads = [b"GET /api/tags HTTP/1.1\r\nHost: localhost\r\n\r\n"] * 3 + [
+            b"GET /api/tags HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+            b"GET /api/tags HTTP/1.1\r\nHost: localhost\r\nX-Client: a\r\n\r\n",
+            b"GET /api/tags?all=1 HTTP/1.1\r\nHost: localhost\r\n\r\n",
+            b"GET /api/tags HTTP/1.1\r\nHost: evil.example\r\n\r\n",
+            b"GET /api/tags HTTP/1.1\r\nHost: localhost\r\n\r\n",
+        ]
+        reader, writer = await _raw_request(proxy.url, heads[0])
+        answers = []
+        try:
+            answers.append(await _read_answer(reader))
+            for head in heads[1:]:
+                writer.write(head)
+                answers.append(await _read_answer(reader))
+        finally:
+            writer.close()
+    statuses = [a[0].split()[1] for a in answers]
+    assert statuses == [b"200"] * 6 + [b"403", b"200"], statuses
+    assert [a[1][b"x-served"] for a in answers if a[0].split()[1] == b"200"] == [b"%d" % n for n in range(1, 8)], \
+        "each answer is the upstream's own, never a remembered one"
+    assert len(seen) == 7, "the refused Host never reaches the engine"
+    forwarded = [dict(line.split(b": ", 1) for line in h.split(b"\r\n")[1:] if b": " in line) for h in seen]
+    assert [f[b"x-forwarded-host"] for f in forwarded] == [b"localhost"] * 3 + [b"127.0.0.1", b"localhost",
+                                                                                 b"localhost", b"localhost"]
+    assert b"x-client" in forwarded[4] and all(b"x-client" not in f for i, f in enumerate(forwarded) if i != 4)
+    assert seen[5].startswith(b"GET /api/tags?all=1 HTTP/1.1") and seen[6].startswith(b"GET /api/tags HTTP/1.1")
+    assert spy.count >= 6, "all but the first (no idle connection yet) ran inline"
+
+
 async def test_a_client_leaving_an_inline_get_before_its_answer_drops_the_upstream_request(
         monkeypatch: pytest.MonkeyPatch) -> None:
     spy = _InlineSpy(monkeypatch)

@@ -11,6 +11,7 @@ servers.py against the new uvicorn, then widen the pin.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import inspect
 import re
 import tomllib
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import uvicorn
 from packaging.requirements import Requirement
 from uvicorn.config import Config
@@ -25,7 +27,7 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import Server, ServerState
 
-from proxy.relay.inbound import Guard, GuardedHttpProtocol
+from proxy.relay.inbound import ABORT, HEAD_WITH_BODY, SERVING, Guard, GuardedHttpProtocol
 
 ROOT = Path(__file__).resolve().parents[2]
 VERSION = uvicorn.__version__
@@ -177,3 +179,71 @@ def test_server_has_what_servers_py_overrides_and_reads() -> None:
     assert "servers" in assigned(Server.startup), moved("Server.startup no longer sets self.servers", user)
     state = ServerState()
     assert isinstance(state.connections, set) and isinstance(state.tasks, set), moved("ServerState's sets moved", user)
+
+
+# uvicorn's parser callbacks that inbound.py carries a copy of (with its head checks folded in), and
+# the source they were copied from: a new uvicorn that changes one fails here, to be copied again.
+COPIED_CALLBACKS = {
+    "on_message_begin": "96d377fdc7c2baef",
+    "on_url": "37be44e962b04ca8",
+    "on_header": "1e86ebb6cea0458c",
+    "on_message_complete": "1fbad42dc31fc01f",
+}
+
+
+def test_the_parser_callbacks_inbound_copies_are_still_uvicorns_as_copied() -> None:
+    for name, digest in COPIED_CALLBACKS.items():
+        source = inspect.getsource(getattr(HttpToolsProtocol, name))
+        assert hashlib.sha256(source.encode()).hexdigest()[:16] == digest, moved(
+            f"HttpToolsProtocol.{name} changed; GuardedHttpProtocol.{name} is a copy of the old one")
+
+
+def _fed(protocol_class: type[HttpToolsProtocol], data: bytes) -> HttpToolsProtocol:
+    """A protocol of this class that was sent `data` on a fresh connection (its app never runs)."""
+    loop = asyncio.new_event_loop()
+    try:
+        config = Config(app=lambda scope, receive, send: None, log_config=None)
+        config.load()
+        if protocol_class is GuardedHttpProtocol:
+            proto: HttpToolsProtocol = Guard("test").protocol(config, ServerState(), {"k": 1}, loop)
+        else:
+            proto = protocol_class(config, ServerState(), {"k": 1}, loop)
+        proto._start_asgi_task = lambda cycle, app: None  # type: ignore[method-assign]
+        proto.connection_made(_Transport())  # type: ignore[arg-type]
+        proto.data_received(data)
+        if isinstance(proto, GuardedHttpProtocol):
+            proto._disarm_head_timer()
+    finally:
+        loop.close()
+    return proto
+
+
+class _Transport:
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return {"peername": ("127.0.0.1", 5555), "sockname": ("127.0.0.1", 8000)}.get(name, default)
+
+    def is_closing(self) -> bool:
+        return False
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
+
+    def write(self, data: bytes) -> None:
+        pass
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"GET /a%20b?x=1 HTTP/1.1\r\nHost: h\r\nX-Pad: v \t\r\nACCEPT: */*\r\n\r\n",
+    b"POST /p HTTP/1.1\r\nHost: h\r\nExpect: 100-Continue\r\nContent-Length: 3\r\n\r\nabc",
+    b"GET / HTTP/1.0\r\n\r\n",
+], ids=["get", "expect-and-body", "http-1.0"])
+def test_the_copied_callbacks_leave_the_request_as_uvicorns_own_do(request_bytes: bytes) -> None:
+    theirs, ours = _fed(HttpToolsProtocol, request_bytes), _fed(GuardedHttpProtocol, request_bytes)
+    ours_scope = dict(ours.scope)
+    assert set(ours_scope.pop("extensions")) >= {ABORT, SERVING, HEAD_WITH_BODY}  # type: ignore[call-overload]
+    assert ours_scope == dict(theirs.scope)
+    assert (ours.url, ours.headers, ours.expect_100_continue) == (theirs.url, theirs.headers, theirs.expect_100_continue)
+    assert ours.cycle is not None and theirs.cycle is not None
+    assert (ours.cycle.more_body, ours.cycle.body, ours.cycle.keep_alive) == \
+        (theirs.cycle.more_body, theirs.cycle.body, theirs.cycle.keep_alive)
+    assert ours.cycle.message_event.is_set() == theirs.cycle.message_event.is_set()
