@@ -5,6 +5,8 @@ and must read the same every time."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 from collections.abc import Iterator
 
 import pytest
@@ -136,3 +138,23 @@ async def test_a_connection_closed_before_the_answer_fails_its_head_callback_at_
     response.on_head(calls.append)
     conn.connection_lost(None)
     assert len(calls) == 1 and calls[0].exception() is not None and not response.got_bytes
+
+
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",  # whole: the connection goes back to the pool
+    b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\nok",  # cut short: the connection is dropped
+], ids=["released", "dropped"])
+async def test_a_closed_answer_is_freed_as_soon_as_nothing_refers_to_it_not_by_the_collector(answer: bytes) -> None:
+    # Each answer is a parser and its callbacks: left in a reference cycle, every relayed request
+    # would be garbage only the cyclic collector frees, and its collections run on the event loop.
+    gc.collect()
+    gc.disable()
+    try:
+        response, conn = fed([answer])
+        freed = weakref.ref(response)
+        response.close()
+        del response
+        assert freed() is None, f"held by {[type(r).__name__ for r in gc.get_referrers(freed())]}"
+        assert conn.response is None
+    finally:
+        gc.enable()
