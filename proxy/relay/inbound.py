@@ -49,12 +49,13 @@ import contextvars
 import json
 import logging
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 import httptools
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Scope
 from uvicorn._types import ASGI3Application
 from uvicorn.config import Config
 from uvicorn.protocols.http.flow_control import FlowControl
@@ -215,6 +216,13 @@ class Inline(Protocol):
     def client_left(self) -> None: ...
 
 
+# A GET's head as parsed: its target, headers (names lower-cased) and HTTP version.
+InlineHead = tuple[bytes, list[tuple[bytes, bytes]], str]
+# The app's offer to run a GET's exchange itself (inline.py): given the connection, the target, the
+# headers and the HTTP version; the exchange, which took the connection's `lane_cycle`, or None.
+StartInline = Callable[["GuardedHttpProtocol", bytes, list[tuple[bytes, bytes]], str], Inline | None]
+
+
 class _HeadRefused(Exception):
     """Raised in a parser callback to stop httptools; the refusal is recorded on the protocol."""
 
@@ -242,8 +250,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._refusal: tuple[int, str] | None = None
         self._closing = False  # refused and answered: what the client still sends is dropped
         # The app's offer to run a passthrough exchange without a task (inline.py), and the one running.
-        self._start_inline: Callable[[RequestResponseCycle, GuardedHttpProtocol], Inline | None] | None = \
-            getattr(self.app, "start_inline", None)
+        self._start_inline: StartInline | None = getattr(self.app, "start_inline", None)
         self._inline: Inline | None = None
 
     # -- connection ---------------------------------------------------------------------------------
@@ -324,18 +331,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.url = b""
         self.expect_100_continue = False
         self.headers = []
-        self.scope = {
-            "type": "http",
-            "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
-            "http_version": "1.1",
-            "server": self.server,
-            "client": self.client,
-            "scheme": self.scheme,  # type: ignore[typeddict-item]
-            "root_path": self.root_path,
-            "headers": self.headers,
-            "state": self.app_state.copy(),
-            "extensions": self._extensions,
-        }
+        # uvicorn builds the scope here; it is built once the head is whole, and only for a request a
+        # task serves (`_scope`): an inline GET has none
 
     def on_url(self, url: bytes) -> None:
         self._target_bytes += len(url)
@@ -365,7 +362,63 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.guard.headless.pop(self, None)
         self._in_head = False
         self._disarm_head_timer()
+        if self._start_inline is not None and self._inline is None and self._run_inline():
+            return
+        self.scope = self._scope(self.headers)  # type: ignore[assignment]  # Starlette's mapping, uvicorn's TypedDict
         super().on_headers_complete()
+
+    def _run_inline(self) -> bool:
+        """Whether the app runs this request's exchange itself (inline.py): a GET with no upgrade, on a
+        connection with no answer owed, that the app takes. Decided before uvicorn's scope, URL parse
+        and cycle are built, which were a fifth of the relay's own Python per small GET."""
+        cycle, parser = self.cycle, self.parser
+        if (cycle is not None and not cycle.response_complete) or parser.get_method() != b"GET" \
+                or parser.should_upgrade():
+            return False
+        assert self._start_inline is not None
+        self._inline = self._start_inline(self, self.url, self.headers, parser.get_http_version())
+        return self._inline is not None
+
+    def lane_cycle(self, http_version: str) -> RequestResponseCycle:
+        """The cycle of the request whose head just came, for the app to run inline: uvicorn's, with
+        no scope (`start_task` builds it if a task takes over)."""
+        self.cycle = RequestResponseCycle(
+            None, self.transport, self.flow, self.logger, self.access_logger,  # type: ignore[arg-type]
+            self.access_log, self.server_state.default_headers, asyncio.Event(), self.expect_100_continue,
+            http_version != "1.0" and self.parser.should_keep_alive(), self.on_response_complete)
+        return self.cycle
+
+    def request_scope(self, method: str, http_version: str, target: bytes, headers: list[tuple[bytes, bytes]]
+                      ) -> Scope:
+        """The scope uvicorn builds for a request with this head (`on_headers_complete`)."""
+        scope = self._scope(headers)
+        scope["method"] = method
+        if http_version != "1.1":
+            scope["http_version"] = http_version
+        parsed = httptools.parse_url(target)
+        raw_path = parsed.path
+        path = raw_path.decode("ascii")
+        if "%" in path:
+            path = urllib.parse.unquote(path)
+        scope["path"] = self.root_path + path
+        scope["raw_path"] = self.root_path.encode("ascii") + raw_path
+        scope["query_string"] = parsed.query or b""
+        return scope
+
+    def _scope(self, headers: list[tuple[bytes, bytes]]) -> Scope:
+        """uvicorn's scope as its on_message_begin builds it, with this listener's extensions."""
+        return {
+            "type": "http",
+            "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+            "http_version": "1.1",
+            "server": self.server,
+            "client": self.client,
+            "scheme": self.scheme,
+            "root_path": self.root_path,
+            "headers": headers,
+            "state": self.app_state.copy(),
+            "extensions": self._extensions,
+        }
 
     def on_message_complete(self) -> None:
         self._in_message = False
@@ -394,19 +447,15 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     # -- serving ----------------------------------------------------------------------------------
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
-        """A request's head is whole: the app runs the exchange itself when it offers to (inline.py),
-        else a task serves it."""
-        start = self._start_inline
-        if start is not None and self._inline is None:
-            self._inline = start(cycle, self)
-            if self._inline is not None:
-                return
         self.start_task(cycle, app)
 
     def start_task(self, cycle: RequestResponseCycle, app: ASGIApp | ASGI3Application,
-                   on_end: Callable[[], None] | None = None) -> None:
+                   on_end: Callable[[], None] | None = None, *, head: InlineHead | None = None) -> None:
         """uvicorn's `_start_asgi_task` (the test of uvicorn's hooks checks it does no more than this),
-        keeping the task for the departure watch; `on_end` is called when the task ends."""
+        keeping the task for the departure watch; `on_end` is called when the task ends. `head`: the
+        request of an inline exchange's cycle, which has no scope yet (`lane_cycle`)."""
+        if head is not None and cycle.scope is None:
+            cycle.scope = self.request_scope("GET", head[2], head[0], head[1])
         context = contextvars.Context() if self.config.reset_contextvars else None
         task = self.loop.create_task(cycle.run_asgi(app), context=context)  # type: ignore[arg-type]
         task.add_done_callback(self.tasks.discard)

@@ -34,7 +34,7 @@ from starlette.types import ASGIApp
 from proxy.engines import strip_hop_by_hop
 from proxy.relay import http1
 from proxy.relay.forward import BODILESS, HEAD_WITH_BODY_MAX, UpstreamResponse
-from proxy.relay.inbound import AnswerHead, whole_answer_head
+from proxy.relay.inbound import AnswerHead, InlineHead, whole_answer_head
 
 if TYPE_CHECKING:
     from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
@@ -76,14 +76,15 @@ class InlineExchange:
     """One passthrough GET in flight on its client's connection, until its answer is out or handed
     to a task. The lane's `ended` is called once, when the exchange is over (inline) or its task ends."""
 
-    __slots__ = ("_cycle", "_ended", "_lane", "_open", "_response", "_server")
+    __slots__ = ("_cycle", "_ended", "_head", "_lane", "_open", "_response", "_server")
 
     def __init__(self, server: GuardedHttpProtocol, cycle: RequestResponseCycle, response: http1.Response,
-                 lane: InlineLane) -> None:
+                 lane: InlineLane, head: InlineHead) -> None:
         self._server = server
         self._cycle = cycle
         self._response = response
         self._lane = lane
+        self._head = head  # the request's, for the scope of a task that takes over
         self._ended = lane.ended
         self._open = True
         response.on_head(self._answered)
@@ -98,10 +99,11 @@ class InlineExchange:
             response.close()
             if isinstance(exc, http1.UpstreamClosed) and not response.got_bytes:
                 self._end()
-                server.start_task(cycle, lane.again)  # a stale kept-alive connection: served from the start
+                # a stale kept-alive connection: served from the start
+                server.start_task(cycle, lane.again, head=self._head)
             else:
                 failure = exc if isinstance(exc, Exception) else OSError(str(exc))
-                server.start_task(cycle, lane.failed(failure), on_end=self._end)
+                server.start_task(cycle, lane.failed(failure), on_end=self._end, head=self._head)
             return
         status = response.status_code
         body = response.received_body() if status not in BODILESS else None
@@ -111,7 +113,8 @@ class InlineExchange:
                 response.close()
                 self._end()
                 return
-        server.start_task(cycle, lane.relay_opened(UpstreamResponse(response)), on_end=self._end)
+        relay = lane.relay_opened(UpstreamResponse(response))
+        server.start_task(cycle, relay, on_end=self._end, head=self._head)
 
     def client_left(self) -> None:
         """The client's connection closed before the answer: the upstream sees its request dropped."""

@@ -41,7 +41,6 @@ from proxy.relay.trace import Trace, stamp, traced
 from proxy.relay.trace import current as current_trace
 
 if TYPE_CHECKING:
-    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
     from proxy.relay.inbound import GuardedHttpProtocol
 
@@ -197,19 +196,19 @@ class TenantApp:
             link.close()
 
     # -- a passthrough GET run by the listener's protocol (inline.py) ------------------------------
-    def start_inline(self, cycle: RequestResponseCycle, server: GuardedHttpProtocol) -> InlineExchange | None:
-        """Run this request's exchange without a task when it is a passthrough GET nothing watches on a
-        tenant that never sleeps, and an idle connection to its upstream is there; None: serve it as ever."""
-        scope: Scope = cycle.scope  # type: ignore[assignment]  # uvicorn's TypedDict, Starlette's mapping
-        if self._sleeps or scope["method"] != "GET":
+    def start_inline(self, server: GuardedHttpProtocol, target: bytes, headers: list[tuple[bytes, bytes]],
+                     http_version: str) -> InlineExchange | None:
+        """Run a GET's exchange without a task (the listener's protocol asks, with the head as parsed)
+        when it is a passthrough nothing watches on a tenant that never sleeps, and an idle connection
+        to its upstream is there; None: serve it as ever."""
+        if self._sleeps:
             return None
-        client = scope["client"]
-        key = (scope["raw_path"], scope["query_string"], tuple(scope["headers"]), client[0] if client else None,
-               scope["scheme"])
+        client = server.client
+        key = (target, tuple(headers), client[0] if client else None, server.scheme)
         head = self._inline_heads.get(key, _UNSEEN)
         if head is _UNSEEN:
-            head = self._inline_head(scope)
-            if sum(map(len, key[0:2])) + sum(len(n) + len(v) for n, v in key[2]) <= INLINE_HEAD_KEY_MAX:
+            head = self._inline_head(server.request_scope("GET", http_version, target, headers))
+            if len(target) + sum(len(n) + len(v) for n, v in headers) <= INLINE_HEAD_KEY_MAX:
                 if len(self._inline_heads) >= INLINE_HEADS_MAX:
                     self._inline_heads.clear()
                 self._inline_heads[key] = head
@@ -219,12 +218,13 @@ class TenantApp:
         if response is None:
             return None
         self.inflight.connection_opened(self.tenant.name)  # a stop never cuts it (TenantLifecycle)
-        return InlineExchange(server, cycle, response, self._lane)
+        return InlineExchange(server, server.lane_cycle(http_version), response, self._lane,
+                              (target, headers, http_version))
 
     def _inline_head(self, scope: Scope) -> bytes | None:
         """What a GET with this head sends upstream when it can be run inline; None: it cannot (a body,
-        a Host this listener refuses, a path the adapter watches). It depends on the head alone (path,
-        query, headers, the client's address and the scheme): `start_inline` remembers it per head, so
+        a Host this listener refuses, a path the adapter watches). It depends on the head alone (target,
+        headers, the client's address and the scheme): `start_inline` remembers it per head, so
         a client that polls one URL pays for the header rewrite once (a listener's tenant, adapter and
         Host policy are fixed for its life)."""
         if has_body(scope):

@@ -940,7 +940,7 @@ async def test_a_passthrough_get_answered_inline_is_byte_for_byte_the_answer_the
     spy = _InlineSpy(monkeypatch)
     inline = await three_answers()
     assert spy.count == 2
-    monkeypatch.setattr(TenantApp, "start_inline", lambda self, cycle, server: None)
+    monkeypatch.setattr(TenantApp, "start_inline", lambda self, server, target, headers, version: None)
     by_task = await three_answers()
     assert spy.count == 2
     assert inline == by_task, (by_task, inline)

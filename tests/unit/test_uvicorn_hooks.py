@@ -236,7 +236,8 @@ class _Transport:
     b"GET /a%20b?x=1 HTTP/1.1\r\nHost: h\r\nX-Pad: v \t\r\nACCEPT: */*\r\n\r\n",
     b"POST /p HTTP/1.1\r\nHost: h\r\nExpect: 100-Continue\r\nContent-Length: 3\r\n\r\nabc",
     b"GET / HTTP/1.0\r\n\r\n",
-], ids=["get", "expect-and-body", "http-1.0"])
+    b"GET http://h/p%2Fq?a=%20 HTTP/1.1\r\nHost: h\r\n\r\n",
+], ids=["get", "expect-and-body", "http-1.0", "absolute-form"])
 def test_the_copied_callbacks_leave_the_request_as_uvicorns_own_do(request_bytes: bytes) -> None:
     theirs, ours = _fed(HttpToolsProtocol, request_bytes), _fed(GuardedHttpProtocol, request_bytes)
     ours_scope = dict(ours.scope)
@@ -247,3 +248,9 @@ def test_the_copied_callbacks_leave_the_request_as_uvicorns_own_do(request_bytes
     assert (ours.cycle.more_body, ours.cycle.body, ours.cycle.keep_alive) == \
         (theirs.cycle.more_body, theirs.cycle.body, theirs.cycle.keep_alive)
     assert ours.cycle.message_event.is_set() == theirs.cycle.message_event.is_set()
+    # the scope built for an inline GET a task takes over (GuardedHttpProtocol.request_scope) is uvicorn's too
+    assert isinstance(ours, GuardedHttpProtocol)
+    method, version = theirs.scope["method"], theirs.scope["http_version"]
+    built = dict(ours.request_scope(method, version, theirs.url, theirs.headers))
+    built.pop("extensions")
+    assert built == dict(theirs.scope)
