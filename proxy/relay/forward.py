@@ -29,6 +29,7 @@ import re
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import websockets
@@ -47,6 +48,8 @@ from proxy.errors import HyperSwapError
 from proxy.relay import http1
 from proxy.relay.inbound import ABORT, HEAD_WITH_BODY
 from proxy.tls import client_context
+
+R = TypeVar("R", bound=http1.Receiver)
 
 log = logging.getLogger("hyperswap.forward")
 
@@ -301,10 +304,10 @@ class Forwarder:
         method, target, headers, _ = self._upstream_request(tenant, scope, b"")
         return http1.request_head(method, target, headers)
 
-    def send_now(self, tenant: Tenant, head: bytes) -> http1.Response | None:
+    def send_now(self, tenant: Tenant, head: bytes, receiver: Callable[[http1.Connection], R]) -> R | None:
         """A bodiless GET whose head is `inline_head`'s, sent at once on an idle connection of the
-        tenant's pool (`http1.Pool.send_now`); None: nothing was sent."""
-        return self._tenant_pools(tenant).relay.send_now(head)
+        tenant's pool, its answer to `receiver(connection)` (`http1.Pool.send_now`); None: nothing was sent."""
+        return self._tenant_pools(tenant).relay.send_now(head, receiver)
 
     def _upstream_request(self, tenant: Tenant, scope: Scope, body: bytes | AsyncIterator[bytes]
                           ) -> tuple[str, bytes, http1.RawHeaders, bytes | AsyncIterator[bytes] | None]:

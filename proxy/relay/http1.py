@@ -54,12 +54,13 @@ import contextlib
 import select
 import ssl
 from collections import deque
-from collections.abc import AsyncIterator
-from typing import cast
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar, cast
 from urllib.parse import urlsplit
 
 from proxy.relay.http1_answer import READ_BUFFER_HIGH as READ_BUFFER_HIGH
 from proxy.relay.http1_answer import RawHeaders as RawHeaders
+from proxy.relay.http1_answer import Receiver as Receiver
 from proxy.relay.http1_answer import Response as Response
 from proxy.relay.http1_answer import UpstreamClosed as UpstreamClosed
 from proxy.relay.http1_answer import UpstreamProtocolError as UpstreamProtocolError
@@ -76,6 +77,9 @@ MAX_CONNECTIONS = 1024
 POOL_WAIT_S = 30.0  # how long a request waits for a free connection when the tenant sets no pool_s
 
 
+R = TypeVar("R", bound=Receiver)
+
+
 class PoolTimeout(TimeoutError):
     """Every connection to the upstream stayed busy for as long as a request may wait for one."""
 
@@ -85,7 +89,7 @@ class _Connection(asyncio.Protocol):
         self.pool = pool
         self.loop = loop
         self.transport: asyncio.Transport | None = None
-        self.response: Response | None = None
+        self.response: Receiver | None = None  # the answer being received, if any
         self.lost = False
         self.counted = False  # holds one of the pool's max_connections slots until it is retired
         self.idle_since = 0.0
@@ -178,6 +182,9 @@ class _Connection(asyncio.Protocol):
         self.pool._retire(self)
 
 
+Connection = _Connection  # a pooled connection, as `Pool.send_now` hands it to its receiver
+
+
 class Pool:
     """Keep-alive connections to one upstream (`http://host:port` or `https://...`), used LIFO,
     at most max_connections at once."""
@@ -241,20 +248,21 @@ class Pool:
                 raise
         raise AssertionError("unreachable")
 
-    def send_now(self, head: bytes, *, head_only: bool = False) -> Response | None:
-        """A bodiless request, its whole head given (`request_head`), sent at once on an idle
-        connection, with no coroutine: its answer, whose head is awaited by `Response.on_head` (no
-        retry: the caller sends it again through `request` when it fails before any byte came).
-        `head_only`: a HEAD request, whose answer has no body. None: no idle connection, or a read
-        timeout to keep (only `request` keeps timers); nothing was sent."""
+    def send_now(self, head: bytes, receiver: Callable[[Connection], R]) -> R | None:
+        """A bodiless GET, its whole head given (`request_head`), sent at once on an idle connection,
+        with no coroutine; its answer goes to `receiver(connection)`, which makes it a `Response` or
+        handles it itself (inline.py). No retry: the caller sends it again through `request` when it
+        fails before any byte came. None: no idle connection, or a read timeout to keep (only
+        `request` keeps timers); nothing was sent."""
         if self.read_s is not None:
             return None
         conn = self._take_idle(look=False)
         if conn is None or conn.transport is None:
             return None
-        response = conn.response = Response(conn, head_only=head_only)
+        taken = receiver(conn)
+        conn.response = taken
         conn.transport.write(head)
-        return response
+        return taken
 
     # -- connections and slots --------------------------------------------------------------------
     async def _acquire(self, *, fresh: bool = False) -> tuple[_Connection, bool]:

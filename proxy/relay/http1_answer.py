@@ -47,6 +47,15 @@ class Carrier(Protocol):
         """The exchange did not end cleanly: closed, so the upstream sees it."""
 
 
+class Receiver(Protocol):
+    """What a connection hands the bytes of the answer it carries to (a `Response`, or inline.py's
+    exchange until it hands them to one)."""
+
+    def _feed(self, data: bytes) -> None: ...
+
+    def _connection_lost(self, exc: BaseException | None) -> None: ...
+
+
 class UpstreamClosed(ConnectionError):
     """The upstream closed the connection before its answer ended."""
 
@@ -316,14 +325,20 @@ class Response:
     async def aread(self) -> bytes:
         return b"".join([chunk async for chunk in self.aiter_raw()])
 
+    @property
+    def reusable(self) -> bool:
+        """The exchange ended cleanly: the whole answer is in, with nothing after it, on a connection
+        both sides keep alive, and nothing is still being sent. `close()` gives the connection back then."""
+        sending = self._body_task is not None and not self._body_task.done()
+        return self._complete and self._keep_alive and not self._stray and self._error is None and not sending
+
     def close(self) -> None:
         """Back to the pool if the exchange ended cleanly; otherwise the connection is dropped,
         which is how the upstream learns the client went away (Ollama stops generating then)."""
         if self._closed:
             return
         self._closed = True
-        sending = self._body_task is not None and not self._body_task.done()
-        if self._complete and self._keep_alive and not self._stray and self._error is None and not sending:
+        if self.reusable:
             self._conn.release()
         else:
             if self._body_task is not None:

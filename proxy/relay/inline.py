@@ -43,18 +43,21 @@ if TYPE_CHECKING:
 
 ANSWER_HEADS_MAX = 256  # upstream answer heads whose client head a listener remembers
 ANSWER_HEAD_KEY_MAX = 4096  # the largest upstream head (header bytes) remembered: at most ~1 MiB in all
+WHOLE_ANSWERS_MAX = 256  # upstream answer heads, as bytes, whose whole answer a listener knows by sight
 
 
 @dataclass(slots=True)
 class InlineLane:
     """What every inline exchange of one listener shares: its ways out of the lane (a request served
-    again from the start, an open answer relayed by a task, a failure answered) and its end."""
+    again from the start, an open answer relayed by a task, a failure answered), its end, and what it
+    learnt of the upstream's answers."""
 
     again: ASGIApp
     relay_opened: Callable[[UpstreamResponse], ASGIApp]
     failed: Callable[[Exception], ASGIApp]
     ended: Callable[[], None]
     _heads: dict[tuple[int, tuple[tuple[bytes, bytes], ...]], AnswerHead | None] = field(default_factory=dict)
+    _whole: dict[bytes, tuple[AnswerHead, int]] = field(default_factory=dict)
 
     def answer_head(self, status: int, headers: http1.RawHeaders) -> AnswerHead | None:
         """The client's head of a whole answer with this upstream status and headers (hop-by-hop
@@ -71,29 +74,79 @@ class InlineLane:
             heads[key] = head
         return head
 
+    def whole_answer(self, data: bytes) -> tuple[AnswerHead, bytes] | None:
+        """The client's head and the body of an upstream answer that is all of `data`, when its head's
+        bytes are those of an answer this lane parsed before (`learn`); None: parse it."""
+        end = data.find(b"\r\n\r\n") + 4
+        known = self._whole.get(data[:end]) if end >= 4 else None
+        if known is None or len(data) - end != known[1]:
+            return None
+        return known[0], data[end:]
+
+    def learn(self, data: bytes, answer: AnswerHead, body: bytes) -> None:
+        """`data`, one read, was all of an answer the parser found whole, Content-Length framed, on a
+        connection kept alive, whose client head is `answer`: the same head bytes will parse the same,
+        so an answer with them and a body of that length is known by sight (`whole_answer`). A Date
+        header makes an engine's head new each second: one parse a second per kind of answer."""
+        head = data[:len(data) - len(body)]
+        if answer[1] != len(body) or not head.endswith(b"\r\n\r\n") or len(head) > ANSWER_HEAD_KEY_MAX:
+            return
+        if len(self._whole) >= WHOLE_ANSWERS_MAX:
+            self._whole.clear()
+        self._whole[head] = (answer, len(body))
+
 
 class InlineExchange:
     """One passthrough GET in flight on its client's connection, until its answer is out or handed
-    to a task. The lane's `ended` is called once, when the exchange is over (inline) or its task ends."""
+    to a task; the receiver of its pooled connection's bytes. An answer known by sight goes back
+    without a parse (`InlineLane.whole_answer`); any other is parsed by a `Response`, as ever. The
+    lane's `ended` is called once, when the exchange is over (inline) or its task ends."""
 
-    __slots__ = ("_cycle", "_ended", "_head", "_lane", "_open", "_response", "_server")
+    __slots__ = ("_conn", "_cycle", "_ended", "_first", "_head", "_lane", "_open", "_response", "_server")
 
-    def __init__(self, server: GuardedHttpProtocol, cycle: RequestResponseCycle, response: http1.Response,
+    def __init__(self, server: GuardedHttpProtocol, cycle: RequestResponseCycle, conn: http1.Connection,
                  lane: InlineLane, head: InlineHead) -> None:
         self._server = server
         self._cycle = cycle
-        self._response = response
+        self._conn = conn
         self._lane = lane
         self._head = head  # the request's, for the scope of a task that takes over
         self._ended = lane.ended
         self._open = True
-        response.on_head(self._answered)
+        self._response: http1.Response | None = None  # once the answer is parsed
+        self._first: bytes | None = None  # the read being parsed, while it is the answer's first
 
+    # -- the connection's receiver, until a Response takes over ----------------------------------
+    def _feed(self, data: bytes) -> None:
+        if self._open:
+            known = self._lane.whole_answer(data)
+            if known is not None and self._server.answer_whole(self._cycle, *known):
+                self._detach()
+                self._conn.release()
+                self._end()
+                return
+        response = self._parsed()
+        self._first = data
+        response._feed(data)
+        self._first = None
+
+    def _connection_lost(self, exc: BaseException | None) -> None:
+        self._parsed()._connection_lost(exc)
+
+    def _parsed(self) -> http1.Response:
+        """The answer as a `Response` from now on: it receives the connection's bytes and, once its
+        head is in, calls `_answered`."""
+        response = self._response = self._conn.response = http1.Response(self._conn, head_only=False)
+        response.on_head(self._answered)
+        return response
+
+    # -- the answer, parsed ---------------------------------------------------------------------
     def _answered(self, head: asyncio.Future[None]) -> None:
         if not self._open:  # the client left first
             return
         self._detach()
         response, server, cycle, lane = self._response, self._server, self._cycle, self._lane
+        assert response is not None
         exc = head.exception() if not head.cancelled() else OSError("the upstream answer was cancelled")
         if exc is not None:
             response.close()
@@ -110,6 +163,8 @@ class InlineExchange:
         if body is not None and len(body) <= HEAD_WITH_BODY_MAX:
             answer = lane.answer_head(status, response.raw_headers)
             if answer is not None and server.answer_whole(cycle, answer, body):
+                if self._first is not None and response.reusable:  # whole in the read that began it
+                    lane.learn(self._first, answer, body)
                 response.close()
                 self._end()
                 return
@@ -120,7 +175,10 @@ class InlineExchange:
         """The client's connection closed before the answer: the upstream sees its request dropped."""
         if self._open:
             self._detach()
-            self._response.close()
+            if self._response is not None:
+                self._response.close()
+            else:
+                self._conn.drop()
             self._end()
 
     def _detach(self) -> None:

@@ -214,12 +214,11 @@ class TenantApp:
                 self._inline_heads[key] = head
         if head is None:
             return None
-        response = self.forwarder.send_now(self.tenant, head)  # type: ignore[arg-type]  # not _UNSEEN here
-        if response is None:
-            return None
-        self.inflight.connection_opened(self.tenant.name)  # a stop never cuts it (TenantLifecycle)
-        return InlineExchange(server, server.lane_cycle(http_version), response, self._lane,
-                              (target, headers, http_version))
+        exchange = self.forwarder.send_now(self.tenant, head, lambda conn: InlineExchange(  # type: ignore[arg-type]
+            server, server.lane_cycle(http_version), conn, self._lane, (target, headers, http_version)))
+        if exchange is not None:
+            self.inflight.connection_opened(self.tenant.name)  # a stop never cuts it (TenantLifecycle)
+        return exchange
 
     def _inline_head(self, scope: Scope) -> bytes | None:
         """What a GET with this head sends upstream when it can be run inline; None: it cannot (a body,

@@ -990,6 +990,71 @@ async def test_inline_gets_remembered_per_head_still_send_each_head_its_own_upst
     assert spy.count >= 6, "all but the first (no idle connection yet) ran inline"
 
 
+class _ParseSpy:
+    """Counts the upstream answers parsed (each one a `Response` made by an inline exchange)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from proxy.relay import http1
+        self.count = 0
+        spy = self
+        made = http1.Response
+
+        def counted(*args: Any, **kwargs: Any) -> http1.Response:
+            spy.count += 1
+            return made(*args, **kwargs)
+
+        monkeypatch.setattr(http1, "Response", counted)
+
+
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nX-Engine: 1\r\nContent-Length: 5\r\n\r\nhello",
+    b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n",
+], ids=["body", "empty"])
+async def test_an_answer_whose_head_was_parsed_before_goes_back_unparsed_and_byte_for_byte_the_same(
+        monkeypatch: pytest.MonkeyPatch, answer: bytes) -> None:
+    # The lane knows an answer by its head's bytes once it parsed one whole in a single read: the
+    # third and fourth GETs get the same bytes the parsed second one did, and no parse.
+    spy = _ParseSpy(monkeypatch)
+    async with raw_upstream(lambda head: answer) as url, stack("generic", None, upstream_url=url) as (proxy, _, _, _):
+        get = b"GET /api/tags HTTP/1.1\r\nHost: localhost\r\n\r\n"
+        reader, writer = await _raw_request(proxy.url, get)
+        try:
+            got = [await _raw_answer(reader)]  # the ASGI path: no idle upstream connection yet
+            for _ in range(3):
+                writer.write(get)
+                got.append(await _raw_answer(reader))
+        finally:
+            writer.close()
+    assert got[1] == got[2] == got[3] == got[0], got
+    assert spy.count == 2, "the ASGI path's answer and the first inline one are parsed; later ones are known by sight"
+
+
+async def test_an_answer_with_a_known_head_but_another_body_length_is_parsed_and_its_connection_not_reused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Same head bytes, one byte more than its Content-Length: a malformed answer is never taken for the
+    # known one; the parse finds the stray byte and the connection is dropped, as it always was.
+    answers = iter([b"ok", b"ok", b"okX", b"ok"])
+
+    def answer(head: bytes) -> bytes:
+        return b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n" + next(answers)
+
+    spy = _ParseSpy(monkeypatch)
+    async with raw_upstream(answer) as url, stack("generic", None, upstream_url=url) as (proxy, _, _, _):
+        get = b"GET /api/tags HTTP/1.1\r\nHost: localhost\r\n\r\n"
+        reader, writer = await _raw_request(proxy.url, get)
+        try:
+            got = [await _raw_answer(reader)]
+            for _ in range(3):
+                writer.write(get)
+                got.append(await _raw_answer(reader))
+        finally:
+            writer.close()
+    assert [g.rsplit(b"\r\n\r\n", 1)[1] for g in got] == [b"ok"] * 4, "the client gets the Content-Length it was told"
+    # parsed: the ASGI path's, the first inline one, the malformed one, and the fourth, which found no
+    # idle connection (the malformed answer's was dropped) and took the ASGI path on a new one
+    assert spy.count == 4, spy.count
+
+
 async def test_a_client_leaving_an_inline_get_before_its_answer_drops_the_upstream_request(
         monkeypatch: pytest.MonkeyPatch) -> None:
     spy = _InlineSpy(monkeypatch)
