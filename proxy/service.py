@@ -154,7 +154,7 @@ class Proxy:
                 raise ConfigError(f"cannot start: {exc}") from None
             raise listen_error(exc, *binding, self.config_path or self.registry.source) from None
         await self.broker.lifecycles.adopt()  # a unit or container already up runs on
-        self._preloads = [asyncio.create_task(self.broker.preload(t), name=f"hyperswap:preload:{t.name}")
+        self._preloads = [asyncio.create_task(self.broker.starter.preload(t), name=f"hyperswap:preload:{t.name}")
                           for t in self.registry if t.preload and t.name in self.broker.lifecycles]
         if self.watchdog_enabled:
             self.watchdog.start()

@@ -205,7 +205,7 @@ class AdminApi:
             return machine
         if machine.state == "running":
             return self._lifecycle_answer(tenant, machine, "start", note=f"{tenant.name} runs already: nothing to do")
-        outcome = await self.broker.start(tenant, "admin start")
+        outcome = await self.broker.starter.start(tenant, "admin start")
         if isinstance(outcome, Admitted):
             return self._start_not_admitted(tenant, machine, outcome)
         if outcome.ok:
@@ -220,7 +220,7 @@ class AdminApi:
             self.broker.decisions.emit(Rejected(tenant=tenant.name, trigger="admin start", plan=handoff.plan, status=503,
                                              reason=admitted.reason))
             return refusals.start_queue_timeout(tenant, admitted, timeout_s, machine.view()).response()
-        return refusals.not_enough_memory(tenant, handoff, self.broker.start_need(tenant).bytes).response()
+        return refusals.not_enough_memory(tenant, handoff, self.broker.starter.start_need(tenant).bytes).response()
 
     async def stop(self, request: Request) -> Response:
         """Stop an idle tenant the proxy starts, through the one release path (its stopping step)."""
@@ -240,7 +240,7 @@ class AdminApi:
             return 409, refusals.starting(tenant, machine.view()).body()
         snap = await self.broker.snapshot()
         state = self.broker.scheduler.states(snap)[tenant.name]
-        if not state.busy and not self.broker.stop_blocked(tenant.name):  # the release path checks again in its turn
+        if not state.busy and not self.broker.releases.stop_blocked(tenant.name):  # the release path checks again in its turn
             order = stop_whole(snap, tenant, trigger, f"stop asked by the admin API ({trigger})")
             (result,) = (await asyncio.shield(self.broker.scheduler.release(order))).results
             if result.result in ("confirmed", "estimated"):

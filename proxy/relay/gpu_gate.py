@@ -322,7 +322,7 @@ class GpuGate:
             trace.wait(f"resuming {tenant.name}: {parked / 2**30:.1f} GiB back from host RAM" if parked
                        else f"starting {tenant.name}")
         try:
-            admitted = await self.broker.wake(tenant, f"start of {tenant.name} for {what}")
+            admitted = await self.broker.starter.wake(tenant, f"start of {tenant.name} for {what}")
         except LifecycleError as exc:
             return refusals.start_failed(exc).response()
         if admitted is None:
@@ -342,7 +342,7 @@ class GpuGate:
             self.broker.decisions.emit(Rejected(tenant=tenant.name, trigger=f"start for {what}",
                                              plan=admitted.handoff.plan, status=503, reason=admitted.reason))
             return refusals.queue_timeout(tenant, admitted, self.broker.registry.config.proxy.queue_timeout_s).response()
-        return refusals.not_enough_memory(tenant, admitted.handoff, self.broker.start_need(tenant).bytes).response()
+        return refusals.not_enough_memory(tenant, admitted.handoff, self.broker.starter.start_need(tenant).bytes).response()
 
     def _kept_asleep(self, tenant: Tenant, what: str, origin: str | None) -> Response | None:
         """The answer to a request that must not wake `tenant` (a read, a foreign Origin), if it sleeps
