@@ -25,6 +25,7 @@ from proxy.config.bounds import MAX_GIB
 from proxy.config.schema import Tenant
 from proxy.config.units import GIB
 from proxy.encoding import JSONObject
+from proxy.engines.ports import SelfReport
 from proxy.errors import HyperSwapError, error_body
 from proxy.handoff.broker import GpuBroker, ReleaseResult
 from proxy.handoff.decision_json import Decision, RequestStory
@@ -113,9 +114,11 @@ def release_fix(tenant: Tenant, result: ReleaseResult) -> str:
 
 
 class AdminApi:
-    def __init__(self, broker: GpuBroker, watchdog: Watchdog, token: str | None = None,
-                 listeners: Mapping[str, str] | None = None, closing: Callable[[], bool] | None = None) -> None:
+    def __init__(self, broker: GpuBroker, watchdog: Watchdog, adapter: Callable[[Tenant], SelfReport],
+                 token: str | None = None, listeners: Mapping[str, str] | None = None,
+                 closing: Callable[[], bool] | None = None) -> None:
         self.broker = broker
+        self.adapter = adapter  # each tenant's engine adapter: where it runs (a release of a tenant on the CPU)
         # True once the admin server is told to stop: open streams (the logs) end, so the server's
         # shutdown never waits for them
         self.closing: Callable[[], bool] = closing or (lambda: False)
@@ -170,7 +173,7 @@ class AdminApi:
             return refusals.not_reclaimable(tenant).response()
         snap = await self.broker.snapshot()
         state = self.broker.scheduler.states(snap)[tenant.name]
-        if not state.busy and await self.broker.adapter(tenant).runs_on_cpu(self.broker.control):
+        if not state.busy and await self.adapter(tenant).runs_on_cpu(self.broker.control):
             return self._nothing_on_the_card(tenant)  # (busy first: a busy tenant's answer is 409 wherever it runs)
         if not state.busy:  # the release path checks again when its turn comes (another may be under way)
             order = release_whole(snap, tenant, "admin", "release", "asked by the admin API")

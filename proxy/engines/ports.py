@@ -501,3 +501,13 @@ class HealthPorts(HealthProbes, InstalledModels, SettingsView, Protocol):
 class CardPorts(SelfReport, Deployment, Protocol):
     """The card reader (handoff/card_reader.py): which card a tenant uses, and the engines' own figures
     when the GPU reader fails."""
+
+
+class BrokerPorts(CardPorts, NeedEstimator, LifecyclePorts, Protocol):
+    """The GPU broker and its parts (handoff/broker.py): the card reader's, a request's or a start's
+    need and how many at once its engine runs, a release and the tenants the proxy stops and starts."""
+
+
+class WatchdogPorts(SelfReport, JobTracker, Protocol):
+    """The watchdog (handoff/watchdog.py): where the engine placed each model (Ollama's spill), its
+    device, and the jobs its own queue runs."""

@@ -11,7 +11,7 @@ No admission state lives here: waiters, admitted work, reservations, residency, 
 and the latest card are the `Scheduler`'s (proxy/handoff/scheduler.py), which runs every read and
 release as a task that reports back. Who is busy is the pure rule in `busy.py`; who runs, waits or
 is refused is the pure `policy.schedule`. The HTTP side (answers, the OOM retry) is the GPU gate
-in proxy/relay/gpu_gate.py.
+in proxy/relay/gpu_gate.py. What the broker and its parts ask an engine is `BrokerPorts`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import httpx
 from proxy.clock import Clock
 from proxy.config.registry import Registry
 from proxy.config.schema import Tenant
-from proxy.engines import AdapterCache, EngineAdapter, Need
+from proxy.engines import AdapterCache, Need
+from proxy.engines.ports import BrokerPorts
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.gpu.snapshot import GpuReader, GpuReadError
 from proxy.handoff import per_card
@@ -50,7 +51,7 @@ __all__ = ["CONFIRM_SLACK_BYTES", "Admitted", "GpuBroker", "Handoff", "ReleaseRe
 class GpuBroker:
     def __init__(self, registry: Registry, reader: GpuReader, inflight: InFlight, clock: Clock,
                  decisions: DecisionLog, control: httpx.AsyncClient | None = None,
-                 adapter: Callable[[Tenant], EngineAdapter] | None = None, *,
+                 adapter: Callable[[Tenant], BrokerPorts] | None = None, *,
                  lifecycles: Lifecycles | None = None, state_dir: Path | None = None,
                  checkpointer: Checkpointer | None = None) -> None:
         self.registry = registry
@@ -59,9 +60,9 @@ class GpuBroker:
         self.decisions = decisions
         self.control = control or httpx.AsyncClient(timeout=httpx.Timeout(10.0, connect=2.0), trust_env=False,
                                                     verify=client_context())
-        # Each tenant's engine adapter (the forwarder's, when the service passes it): one per tenant,
+        # Each tenant's engine adapter (the proxy's, when the service passes it): one per tenant,
         # so what an adapter learns (Ollama's model sizes) is learnt once.
-        self.adapter: Callable[[Tenant], EngineAdapter] = adapter or AdapterCache()
+        self.adapter: Callable[[Tenant], BrokerPorts] = adapter or AdapterCache()
         # residency is confirmed again every watchdog tick; a load unconfirmed for two ticks is planned for again
         self.scheduler = Scheduler(self, inflight, fresh_s=2 * registry.config.proxy.watchdog_interval_s + 0.5,
                                    runs_at_once=lambda name: self.adapter(registry.get(name)).runs_at_once)

@@ -118,10 +118,10 @@ class GpuGate:
     client_id, read back from ComfyUI's own /history entry.
     """
 
-    def __init__(self, broker: GpuBroker, adapter: Callable[[Tenant], GatePorts] | None = None) -> None:
+    def __init__(self, broker: GpuBroker, adapter: Callable[[Tenant], GatePorts]) -> None:
         self.broker = broker
         self.door: Door = broker.scheduler  # the request side's only way into the scheduler (handoff/door.py)
-        self._adapter: Callable[[Tenant], GatePorts] = adapter or broker.adapter  # the forwarder's per-tenant adapters
+        self._adapter = adapter  # each tenant's engine adapter (the proxy's, shared with the broker and the watchdog)
         self._retries = RetryBook()  # jobs retried under their own id (proxy/relay/oom_retry.py)
         self._told: dict[tuple[str, str], int] = {}  # (tenant, job) re-queued -> the decision its result joins
         self._early_ends: dict[tuple[str, str], JobFrame] = {}  # a retried run that ended before its re-queue was recorded
