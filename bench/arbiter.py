@@ -17,8 +17,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from timing import timed  # noqa: E402  (bench/timing.py: the shared loop)
-
+from bench.timing import timed  # noqa: E402  (bench/timing.py: the shared loop)
 from proxy.config.registry import Registry  # noqa: E402
 from proxy.config.units import GIB, MIB  # noqa: E402
 from proxy.engines.loading import registry_from_dict  # noqa: E402

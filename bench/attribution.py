@@ -22,8 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from timing import timed  # noqa: E402  (bench/timing.py: the shared loop)
-
+from bench.timing import timed  # noqa: E402  (bench/timing.py: the shared loop)
 from proxy.engines.loading import registry_from_dict  # noqa: E402
 from proxy.gpu.attribution import Attributor  # noqa: E402
 from proxy.gpu.proctree import ProcTreeReader, read_fd_links, read_listeners, read_process_tree  # noqa: E402

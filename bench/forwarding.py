@@ -26,12 +26,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import httpx
 import psutil
+
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
+    from starlette.types import ASGIApp
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results" / "forwarding.json"
@@ -44,7 +48,7 @@ UPLOAD_BYTES = 2**30
 # the two server processes
 
 
-def upstream_app():  # type: ignore[no-untyped-def]
+def upstream_app() -> Starlette:
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -88,8 +92,8 @@ class _SpliceDown(asyncio.Protocol):
     upstream: tuple[str, int] = ("127.0.0.1", 0)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.down = transport
-        self.up: asyncio.BaseTransport | None = None
+        self.down = cast(asyncio.Transport, transport)
+        self.up: asyncio.Transport | None = None
         self.early: list[bytes] = []
         self.connecting = asyncio.ensure_future(self._connect())  # held: the loop keeps only a weak reference
 
@@ -202,9 +206,10 @@ async def serve(role: str, upstream: str | None) -> None:
         host, port = upstream.removeprefix("http://").split(":")
         _SpliceDown.upstream = _LeanDown.upstream = (host, int(port))
         factory = _SpliceDown if role == "splice" else _LeanDown
-        server = await asyncio.get_running_loop().create_server(factory, "127.0.0.1", 0)
-        print(server.sockets[0].getsockname()[1], flush=True)
+        listening = await asyncio.get_running_loop().create_server(factory, "127.0.0.1", 0)
+        print(listening.sockets[0].getsockname()[1], flush=True)
         await asyncio.Event().wait()
+    app: ASGIApp
     if role == "upstream":
         app = upstream_app()
     else:
@@ -481,8 +486,8 @@ def side_by_side(r: dict[str, object]) -> str:
     return "\n".join(lines)
 
 
-def table(r: dict[str, object]) -> str:
-    c1, c64, st, up, add = (r[k] for k in ("c1", "c64", "stream", "upload", "added"))  # type: ignore[misc]
+def table(r: dict[str, Any]) -> str:
+    c1, c64, st, up, add = (r[k] for k in ("c1", "c64", "stream", "upload", "added"))
     if st is None:
         return side_by_side(r)
 
@@ -507,7 +512,7 @@ def table(r: dict[str, object]) -> str:
         ("1 GiB upload (MiB/s)", up["direct"]["mib_per_s"], up["proxy"]["mib_per_s"], None, None, None, ""),
         ("proxy RSS growth, 1 GiB upload (MiB)", None, up["proxy"]["rss_growth_mib"], None, None, None, "< 50"),
     ]
-    fmt = lambda v: "" if v is None else f"{v:,.2f}"  # noqa: E731
+    fmt: Callable[[object], str] = lambda v: "" if v is None else f"{v:,.2f}"  # noqa: E731
     lines = ["| metric | direct | proxy | added | byte splice | splice added | target |",
              "|---|---:|---:|---:|---:|---:|---|"]
     lines += ["| " + " | ".join([str(row[0]), *(fmt(v) for v in row[1:6]), str(row[6])]) + " |" for row in rows]

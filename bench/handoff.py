@@ -52,6 +52,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import httpx
 from websockets.asyncio.client import connect as ws_connect
@@ -110,7 +111,7 @@ async def start_box(watchdog: bool = False) -> Demo:
 async def reset(demo: Demo, client: httpx.AsyncClient) -> None:
     """Ollama holds nothing (unloaded through the proxy, as a client would, so it knows the model left
     the card) and ComfyUI holds the large checkpoint, idle."""
-    assert demo.proxy and demo.box.ollama and demo.box.comfyui
+    assert demo.proxy and demo.box.ollama and demo.box.comfyui and demo.box.comfyui.pid and demo.box.files
     ollama = demo.box.ollama
     await client.post(demo.proxy.url("ollama") + "/api/generate", json={"model": MODEL, "keep_alive": 0})
     await ollama.wait_until(lambda: not ollama.loaded())
@@ -126,7 +127,7 @@ async def main(rounds: int) -> dict[str, object]:
     assert demo.proxy and demo.box.ollama and demo.box.comfyui
     comfy_direct = demo.box.servers["comfyui"].url
     ollama_direct = demo.box.servers["ollama"].url
-    gpu = demo.box.gpu
+    gpu, comfy = demo.box.gpu, demo.box.comfyui
     direct_s: list[float] = []
     proxied_s: list[float] = []
     try:
@@ -136,7 +137,7 @@ async def main(rounds: int) -> dict[str, object]:
                 await reset(demo, client)
                 start = time.perf_counter()
                 await client.post(comfy_direct + "/free", json={"unload_models": True, "free_memory": True})
-                await poll_until(lambda: gpu.used_by(demo.box.comfyui.pid) <= floor + 64 * 2**20, 0.001)
+                await poll_until(lambda: gpu.used_by(comfy.pid or 0) <= floor + 64 * 2**20, 0.001)
                 released = time.perf_counter() - start
                 direct_s.append(released + await ttfb(client, ollama_direct))
 
@@ -159,6 +160,7 @@ async def main(rounds: int) -> dict[str, object]:
 async def _chat_behind_render(demo: Demo, client: httpx.AsyncClient) -> float:
     """A chat sent through the proxy while a 200-step render runs: seconds from the render's end marker to
     the chat's first byte (the wait-for-busy handoff)."""
+    assert demo.proxy is not None
     started = asyncio.Event()
     rendering = asyncio.ensure_future(_render_until_end(demo.proxy.url("comfyui"), 200, started))
     await started.wait()
@@ -171,7 +173,7 @@ async def _chat_behind_render(demo: Demo, client: httpx.AsyncClient) -> float:
 async def _render_until_end(base: str, steps: int, started: asyncio.Event) -> float:
     """Queue a prompt with its websocket open; return the perf_counter time its end marker arrived."""
     cid = uuid.uuid4().hex
-    prompt = comfy_prompt(CKPT)
+    prompt: dict[str, Any] = comfy_prompt(CKPT)
     prompt["3"]["inputs"]["steps"] = steps
     async with ws_connect(base.replace("http://", "ws://") + f"/ws?clientId={cid}", max_size=None) as ws:
         await ws.recv()
@@ -189,7 +191,7 @@ async def wait_for_busy(rounds: int) -> dict[str, object]:
     demo = await start_box()
     assert demo.proxy and demo.box.ollama and demo.box.comfyui
     comfy_direct, ollama_direct = demo.box.servers["comfyui"].url, demo.box.servers["ollama"].url
-    gpu, floor = demo.box.gpu, demo.box.comfyui.config.context_floor_bytes
+    gpu, floor, comfy = demo.box.gpu, demo.box.comfyui.config.context_floor_bytes, demo.box.comfyui
     direct_s: list[float] = []
     proxied_s: list[float] = []
     try:
@@ -199,7 +201,7 @@ async def wait_for_busy(rounds: int) -> dict[str, object]:
                 started = asyncio.Event()
                 end = await _render_until_end(comfy_direct, 200, started)
                 await client.post(comfy_direct + "/free", json={"unload_models": True, "free_memory": True})
-                await poll_until(lambda: gpu.used_by(demo.box.comfyui.pid) <= floor + 64 * 2**20, 0.001)
+                await poll_until(lambda: gpu.used_by(comfy.pid or 0) <= floor + 64 * 2**20, 0.001)
                 first = await ttfb(client, ollama_direct)
                 del first
                 direct_s.append(time.perf_counter() - end)
@@ -290,7 +292,8 @@ async def warm_during_release(rounds: int, ram_gbps: float, disk_gbps: float) ->
                     load = next(r for r in reversed(ext.loads.records) if r.model == MODEL)
                     residency[mode].append(load.resident_before or 0.0)
                     plan = next(d for d in reversed(demo.proxy.decisions.recent()) if d.kind == "plan")
-                    released.append(sum(r["duration_s"] for r in plan.outcome.get("releases", [])))
+                    outcome: dict[str, Any] = plan.outcome
+                    released.append(sum(r["duration_s"] for r in outcome.get("releases", [])))
     finally:
         ext.settings = settings
         await demo.stop()
@@ -328,7 +331,7 @@ if __name__ == "__main__":
         print(table(s))
         sys.exit(0)
     if args.wait:
-        w = {**asyncio.run(wait_for_busy(args.rounds)), "machine": machine}
+        w: dict[str, Any] = {**asyncio.run(wait_for_busy(args.rounds)), "machine": machine}
         (RESULTS.parent / "handoff-wait.json").write_text(json.dumps(w, indent=2))
         print("| rounds | direct: end marker -> first byte | proxied | added median | target |")
         print("|---|---|---|---|---|")

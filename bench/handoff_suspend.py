@@ -65,10 +65,11 @@ def _facts(demo: Demo) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     assert demo.proxy is not None
     parked, restored = [], []
     for d in reversed(demo.proxy.decisions.recent(500)):
-        asked = d.outcome.get("asked")
+        outcome: dict[str, Any] = d.outcome
+        asked = outcome.get("asked")
         if d.kind == "resume" and d.tenant == "comfyui" and isinstance(asked, dict) and asked.get("restored"):
             restored.append(asked)
-        for r in d.outcome.get("releases", []) if d.kind == "plan" else []:
+        for r in outcome.get("releases", []) if d.kind == "plan" else []:
             if r["tenant"] == "ollama" and isinstance(r.get("asked"), dict) and "suspended" in r["asked"]:
                 parked.append(r["asked"])
     return parked, restored

@@ -32,6 +32,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from proxy.demo import Demo, start_demo
+from proxy.lifecycle.process import ProcessRelease
 from proxy.sim.box import fast_scenario
 from proxy.tasks import poll_until
 
@@ -42,7 +43,7 @@ async def _direct(demo: Demo, client: httpx.AsyncClient) -> tuple[float, float]:
     """(start-to-ready, one request) of the relay spawned by us, in seconds."""
     assert demo.proxy is not None
     tenant = demo.proxy.registry.get(TENANT)
-    assert tenant.lifecycle is not None and tenant.lifecycle.command is not None and tenant.upstream
+    assert isinstance(tenant.lifecycle, ProcessRelease) and tenant.lifecycle.command is not None and tenant.upstream
     url = tenant.upstream + "/health"
     began = time.perf_counter()
     child = await asyncio.create_subprocess_exec(*tenant.lifecycle.command, stdout=asyncio.subprocess.DEVNULL,

@@ -365,7 +365,8 @@ def from_parameters(demo: Demo, setup: Setup) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     if demo.box.comfyui:
         c = demo.box.comfyui.config
-        steps = comfy_prompt(setup.checkpoint)["3"]["inputs"]["steps"]
+        prompt: dict[str, Any] = comfy_prompt(setup.checkpoint)
+        steps = prompt["3"]["inputs"]["steps"]
         out["R"] = {"run_s": steps * c.step_time_s, "load_s": c.checkpoints[setup.checkpoint] / (c.load_gbps * GIB),
                     "release_s": c.free_delay_s,
                     "rest_gib": (c.checkpoints[setup.checkpoint] + c.context_floor_bytes) / GIB,

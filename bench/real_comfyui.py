@@ -158,7 +158,7 @@ def graph(seconds: float, mode: str) -> dict[str, Any]:
 async def sample(admin: httpx.AsyncClient, queued: float) -> Sample:
     tenants, health = await asyncio.gather(admin.get("/api/tenants"), admin.get("/api/health"))
     wall = time.time()
-    row = next((t for t in tenants.json()["tenants"] if t.get("name") == TENANT), {})
+    row: dict[str, Any] = next((t for t in tenants.json()["tenants"] if t.get("name") == TENANT), {})
     body = health.json()
     not_ok = {e["name"]: f"{e['status']}: {e.get('problem')}" for e in body.get("entries", []) if e.get("status") != "ok"}
     return Sample(round(wall - queued, 3), wall, row.get("busy"), row.get("busy_reason"), list(row.get("stale_jobs") or []),

@@ -33,6 +33,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -242,23 +243,23 @@ def _cpu_name() -> str:
     return platform.processor()
 
 
-def report(r: dict[str, object]) -> str:
-    load, px, delay = r["load"], r["proxy"], r["chunk_delay_ms"]  # type: ignore[index]
-    b, p, a = px["before"], px["peak"], px["after"]  # type: ignore[index]
-    errors = r["errors"] or {}  # type: ignore[assignment]
-    rounds = px["after_each_round"]  # type: ignore[index]
+def report(r: dict[str, Any]) -> str:
+    load, px, delay = r["load"], r["proxy"], r["chunk_delay_ms"]
+    b, p, a = px["before"], px["peak"], px["after"]
+    errors = r["errors"] or {}
+    rounds = px["after_each_round"]
     lines = [
-        f"{load['streams']} concurrent streams for {load['elapsed_s']} s in {load['rounds']} round(s) "  # type: ignore[index]
-        f"(a chunk every {load['chunk_gap_s']} s, {load['stream_s']} s per stream)",  # type: ignore[index]
+        f"{load['streams']} concurrent streams for {load['elapsed_s']} s in {load['rounds']} round(s) "
+        f"(a chunk every {load['chunk_gap_s']} s, {load['stream_s']} s per stream)",
         f"requests completed: {r['requests']:,} (and {r['cut_at_end']:,} cut at the end)   chunks: {r['chunks']:,}   "
-        f"errors: {sum(errors.values())} {errors if errors else ''}",  # type: ignore[union-attr]
-        f"chunk delay upstream -> client: p50 {delay['p50']:.2f} ms, p99 {delay['p99']:.2f} ms, "  # type: ignore[index]
-        f"max {delay['max']:.1f} ms",  # type: ignore[index]
+        f"errors: {sum(errors.values())} {errors if errors else ''}",
+        f"chunk delay upstream -> client: p50 {delay['p50']:.2f} ms, p99 {delay['p99']:.2f} ms, "
+        f"max {delay['max']:.1f} ms",
         "| proxy | before | peak | after |", "|---|---:|---:|---:|",
         f"| RSS (MiB) | {b['rss_mib']:.1f} | {p['rss_mib']:.1f} | {a['rss_mib']:.1f} |",
         f"| open descriptors | {b['fds']} | {p['fds']} | {a['fds']} |",
         "proxy RSS after each round (MiB): " + ", ".join(f"{r['rss_mib']:.1f}" for r in rounds),
-        f"proxy CPU during the soak: {px['cpu_s_during']:.1f} s",  # type: ignore[index]
+        f"proxy CPU during the soak: {px['cpu_s_during']:.1f} s",
     ]
     return "\n".join(lines)
 

@@ -20,6 +20,7 @@ from proxy.admin.extensions import Extension, ExtensionFactory, default_extensio
 from proxy.admin.proxy_view import ProxyView
 from proxy.clock import Clock, SystemClock
 from proxy.config.registry import Registry
+from proxy.engines import AdapterCache
 from proxy.errors import ConfigError
 from proxy.gpu.snapshot import GpuReader
 from proxy.handoff.broker import GpuBroker
@@ -93,6 +94,7 @@ class Proxy:
     checkpointer: Checkpointer | None = None  # the CUDA suspend seam (the demo's); None: the driver's, checked here
     inflight: InFlight = field(init=False)
     forwarder: Forwarder = field(init=False)
+    engines: AdapterCache = field(init=False)
     decisions: DecisionLog = field(init=False)
     broker: GpuBroker = field(init=False)
     watchdog: Watchdog = field(init=False)
@@ -109,11 +111,13 @@ class Proxy:
         state_dir = instance_dir(self.lifecycle_dir or default_state_dir(), self.registry.config.admin.listen)
         self.forwarder = Forwarder(state_dir=state_dir)  # what the adapters learn (Ollama's footprints) is kept there
         self.decisions = DecisionLog(self.clock)
+        # each tenant's engine adapter, one per tenant (the forwarder's), shared by every part that asks an
+        # engine, each through the ports it asks (what an adapter learns, Ollama's model sizes, is learnt once)
+        self.engines = self.forwarder.adapter
         self.broker = GpuBroker(self.registry, self.reader, self.inflight, self.clock, self.decisions,
-                                       adapter=self.forwarder.adapter, state_dir=state_dir,
-                                       checkpointer=self.checkpointer)
-        self.watchdog = Watchdog(self.broker)
-        self.gate = GpuGate(self.broker, self.forwarder.adapter)
+                                adapter=self.engines, state_dir=state_dir, checkpointer=self.checkpointer)
+        self.watchdog = Watchdog(self.broker, self.engines)
+        self.gate = GpuGate(self.broker, self.engines)
         self.token = admin_token(self.registry)
         factories = default_extensions() if self.extension_factories is None else self.extension_factories
         self.view = ProxyView(self)
@@ -142,7 +146,7 @@ class Proxy:
             host, port = split_host_port(self.registry.config.admin.listen)
             for ext in self.extensions:
                 await ext.start()
-            admin = AdminApi(self.broker, self.watchdog, self.token,
+            admin = AdminApi(self.broker, self.watchdog, self.engines, self.token,
                              listeners={name: server.url for name, server in self.servers.items()},
                              closing=self._admin_closing)
             extra = [route for ext in self.extensions for route in ext.routes()]
@@ -154,7 +158,7 @@ class Proxy:
                 raise ConfigError(f"cannot start: {exc}") from None
             raise listen_error(exc, *binding, self.config_path or self.registry.source) from None
         await self.broker.lifecycles.adopt()  # a unit or container already up runs on
-        self._preloads = [asyncio.create_task(self.broker.preload(t), name=f"hyperswap:preload:{t.name}")
+        self._preloads = [asyncio.create_task(self.broker.starter.preload(t), name=f"hyperswap:preload:{t.name}")
                           for t in self.registry if t.preload and t.name in self.broker.lifecycles]
         if self.watchdog_enabled:
             self.watchdog.start()

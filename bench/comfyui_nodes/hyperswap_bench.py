@@ -12,6 +12,7 @@ Not part of the proxy: ComfyUI imports it, not HyperSwap (ComfyUI's `comfy` pack
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import comfy.model_management  # type: ignore[import-not-found]
 import comfy.utils  # type: ignore[import-not-found]
@@ -25,7 +26,7 @@ class HyperSwapBenchBusy:
     RETURN_TYPES = ()
 
     @classmethod
-    def INPUT_TYPES(cls):
+    def INPUT_TYPES(cls) -> dict[str, Any]:
         return {
             "required": {
                 "seconds": ("FLOAT", {"default": 45.0, "min": 0.0, "max": 3600.0, "step": 0.5}),
@@ -34,7 +35,7 @@ class HyperSwapBenchBusy:
             }
         }
 
-    def run(self, seconds: float, mode: str, seed: int) -> dict:
+    def run(self, seconds: float, mode: str, seed: int) -> dict[str, Any]:
         began = time.monotonic()
         steps = max(1, int(seconds * 2))  # a progress frame every half second
         bar = comfy.utils.ProgressBar(steps)

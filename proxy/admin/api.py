@@ -25,6 +25,7 @@ from proxy.config.bounds import MAX_GIB
 from proxy.config.schema import Tenant
 from proxy.config.units import GIB
 from proxy.encoding import JSONObject
+from proxy.engines.ports import SelfReport
 from proxy.errors import HyperSwapError, error_body
 from proxy.handoff.broker import GpuBroker, ReleaseResult
 from proxy.handoff.decision_json import Decision, RequestStory
@@ -113,9 +114,11 @@ def release_fix(tenant: Tenant, result: ReleaseResult) -> str:
 
 
 class AdminApi:
-    def __init__(self, broker: GpuBroker, watchdog: Watchdog, token: str | None = None,
-                 listeners: Mapping[str, str] | None = None, closing: Callable[[], bool] | None = None) -> None:
+    def __init__(self, broker: GpuBroker, watchdog: Watchdog, adapter: Callable[[Tenant], SelfReport],
+                 token: str | None = None, listeners: Mapping[str, str] | None = None,
+                 closing: Callable[[], bool] | None = None) -> None:
         self.broker = broker
+        self.adapter = adapter  # each tenant's engine adapter: where it runs (a release of a tenant on the CPU)
         # True once the admin server is told to stop: open streams (the logs) end, so the server's
         # shutdown never waits for them
         self.closing: Callable[[], bool] = closing or (lambda: False)
@@ -170,7 +173,7 @@ class AdminApi:
             return refusals.not_reclaimable(tenant).response()
         snap = await self.broker.snapshot()
         state = self.broker.scheduler.states(snap)[tenant.name]
-        if not state.busy and await self.broker.adapter(tenant).runs_on_cpu(self.broker.control):
+        if not state.busy and await self.adapter(tenant).runs_on_cpu(self.broker.control):
             return self._nothing_on_the_card(tenant)  # (busy first: a busy tenant's answer is 409 wherever it runs)
         if not state.busy:  # the release path checks again when its turn comes (another may be under way)
             order = release_whole(snap, tenant, "admin", "release", "asked by the admin API")
@@ -205,7 +208,7 @@ class AdminApi:
             return machine
         if machine.state == "running":
             return self._lifecycle_answer(tenant, machine, "start", note=f"{tenant.name} runs already: nothing to do")
-        outcome = await self.broker.start(tenant, "admin start")
+        outcome = await self.broker.starter.start(tenant, "admin start")
         if isinstance(outcome, Admitted):
             return self._start_not_admitted(tenant, machine, outcome)
         if outcome.ok:
@@ -220,7 +223,7 @@ class AdminApi:
             self.broker.decisions.emit(Rejected(tenant=tenant.name, trigger="admin start", plan=handoff.plan, status=503,
                                              reason=admitted.reason))
             return refusals.start_queue_timeout(tenant, admitted, timeout_s, machine.view()).response()
-        return refusals.not_enough_memory(tenant, handoff, self.broker.start_need(tenant).bytes).response()
+        return refusals.not_enough_memory(tenant, handoff, self.broker.starter.start_need(tenant).bytes).response()
 
     async def stop(self, request: Request) -> Response:
         """Stop an idle tenant the proxy starts, through the one release path (its stopping step)."""
@@ -240,7 +243,7 @@ class AdminApi:
             return 409, refusals.starting(tenant, machine.view()).body()
         snap = await self.broker.snapshot()
         state = self.broker.scheduler.states(snap)[tenant.name]
-        if not state.busy and not self.broker.stop_blocked(tenant.name):  # the release path checks again in its turn
+        if not state.busy and not self.broker.releases.stop_blocked(tenant.name):  # the release path checks again in its turn
             order = stop_whole(snap, tenant, trigger, f"stop asked by the admin API ({trigger})")
             (result,) = (await asyncio.shield(self.broker.scheduler.release(order))).results
             if result.result in ("confirmed", "estimated"):

@@ -269,7 +269,7 @@ class EventsExtension:
         previous = self.catalog or {}
         for tenant in self.proxy.registry:
             try:
-                listed = await self.proxy.broker.adapter(tenant).catalog(client, self.settings.catalog_timeout_s)
+                listed = await self.proxy.engines(tenant).catalog(client, self.settings.catalog_timeout_s)
                 entry = None if listed is None else listed.model_dump(mode="json", exclude_unset=True)
             except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
                 old = previous.get(tenant.name) or {"engine": tenant.engine, "models": []}

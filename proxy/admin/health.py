@@ -257,7 +257,7 @@ class HealthExtension:
                            + (f" ({note})" if note else ""))
 
     def adapter(self, tenant: Tenant) -> HealthPorts:
-        return self.proxy.broker.adapter(tenant)
+        return self.proxy.engines(tenant)
 
     def _fix_upstream(self, tenant: Tenant) -> str:
         where = self.proxy.config_path or self.proxy.registry.source

@@ -9,7 +9,7 @@ name. This module imports no extension and not `proxy.service`, so no import cir
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Protocol
@@ -18,6 +18,8 @@ from starlette.routing import BaseRoute
 
 from proxy.clock import Clock
 from proxy.config.registry import Registry
+from proxy.config.schema import Tenant
+from proxy.engines.ports import HealthPorts
 from proxy.gpu.snapshot import GpuReader
 from proxy.handoff.broker import GpuBroker
 from proxy.handoff.decisions import DecisionLog
@@ -54,6 +56,9 @@ class ProxyParts(Protocol):
     servers: dict[str, RunningServer]
     extensions: list[Extension]
     token: str | None
+
+    @property
+    def engines(self) -> Callable[[Tenant], HealthPorts]: ...
 
 
 class ProxyView:
@@ -111,6 +116,12 @@ class ProxyView:
     @property
     def broker(self) -> GpuBroker:
         return self._proxy.broker
+
+    @property
+    def engines(self) -> Callable[[Tenant], HealthPorts]:
+        """Each tenant's engine adapter, as health and the events stream ask it: its probes, its installed
+        models and their needs, its settings."""
+        return self._proxy.engines
 
     @property
     def gate(self) -> GpuGate:

@@ -11,14 +11,14 @@ this module), so what it may ask an engine is in its signature, not in a 40-memb
 | `Classifier` | GPU work or pass-through, an unload, a streamed answer | relay/listener.py, relay/gpu_gate.py |
 | `JobTracker` | work that outlives its answer: job ids, end markers, the engine's queue | relay/, handoff/watchdog.py |
 | `NeedEstimator` | what a request or a start needs on the card, and the load it names | relay/gpu_gate.py, handoff/ |
-| `Releaser` | memory back, and the wake after it | handoff/broker.py, handoff/sleepers.py |
+| `Releaser` | memory back, and the wake after it | handoff/release_runner.py, handoff/sleepers.py |
 | `OomDetector` | an out-of-memory failure in an answer, a frame or history; the job's replay | relay/gpu_gate.py |
 | `RetryViews` | a job retried under its own id as its client sees it: its runs' frames, history and queue | relay/gpu_gate.py |
 | `SelfReport` | the engine's own memory, card and model placement figures | handoff/, admin/api.py |
 | `InstalledModels` | the models the engine has installed, and their needs | admin/health.py, admin/events.py |
 | `HealthProbes` | how health, readiness and `hyperswap verify` probe it | admin/health.py, handoff/sleepers.py, verify/ |
 | `SettingsView` | the settings `/api/engines` shows | admin/health.py |
-| `Deployment` | its service, its port move, its GPU flag | deploy/install.py, handoff/broker.py |
+| `Deployment` | its service, its port move, its GPU flag | deploy/install.py, handoff/card_reader.py |
 | `ModelLoads` | where its model files are, how long a load took | models/catalog.py, admin/models_api.py |
 | `ModelNews` | a model changed, listed or loaded; where it keeps what it learns | relay/listener.py, engines/registry.py |
 
@@ -496,3 +496,18 @@ class LifecyclePorts(HealthProbes, Releaser, Protocol):
 
 class HealthPorts(HealthProbes, InstalledModels, SettingsView, Protocol):
     """Health and `/api/engines` (admin/health.py): probes, the installed models' needs, the settings view."""
+
+
+class CardPorts(SelfReport, Deployment, Protocol):
+    """The card reader (handoff/card_reader.py): which card a tenant uses, and the engines' own figures
+    when the GPU reader fails."""
+
+
+class BrokerPorts(CardPorts, NeedEstimator, LifecyclePorts, Protocol):
+    """The GPU broker and its parts (handoff/broker.py): the card reader's, a request's or a start's
+    need and how many at once its engine runs, a release and the tenants the proxy stops and starts."""
+
+
+class WatchdogPorts(SelfReport, JobTracker, Protocol):
+    """The watchdog (handoff/watchdog.py): where the engine placed each model (Ollama's spill), its
+    device, and the jobs its own queue runs."""

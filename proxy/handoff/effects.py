@@ -18,8 +18,8 @@ from proxy.handoff.plan import Release
 
 
 class HandoffEffects(Protocol):
-    """Everything the scheduler does to the world. `GpuBroker` is the real one (the card reader
-    and the releaser); tests pass recording fakes."""
+    """Everything the scheduler does to the world. `GpuBroker` is the real one (its `CardReader`
+    and `ReleaseRunner`); tests pass recording fakes."""
 
     clock: Clock
     registry: Registry

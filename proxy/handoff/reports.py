@@ -7,7 +7,7 @@ a release to run (in the one line every release takes). Reads back: who is busy 
 the releases under way, whether a load is still on its way to the card. The scheduler
 (`scheduler.py`) is the one object that implements it; the watchdog holds it as this protocol.
 
-    watchdog = Watchdog(broker)        # holds broker.scheduler as `Reports`
+    watchdog = Watchdog(broker, engines)   # holds broker.scheduler as `Reports`
     reports.queue_read("comfyui", started_at, ("prompt-1",))
     released = await asyncio.shield(reports.release(order))   # never cut half way
 """

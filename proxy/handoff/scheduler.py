@@ -475,7 +475,7 @@ class Scheduler:
                     continue
                 if self._pass(self.card):
                     continue
-                await sleep_or_wake(self.effects.clock, self._next_pause(), self._wake)
+                await sleep_or_wake(self.effects.clock, self.next_pause(), self._wake)
                 self._card_wanted = True  # the replan timer: memory may have come back unannounced
         except asyncio.CancelledError:
             raise
@@ -519,7 +519,9 @@ class Scheduler:
             why = ticket.verdict.reason if ticket.verdict else "no plan could be made"
             self._resolve(ticket, Admitted("timeout", Handoff(plan or _no_plan(ticket.waiter), [], None), why))
 
-    def _next_pause(self) -> float:
+    def next_pause(self) -> float:
+        """Seconds until the driver's next pass is due at the latest (a queue timeout, a waiter aging
+        past the fairness bound, a held swap's end, or `REPLAN_S`), from the clock's now."""
         settings = self.effects.registry.config.proxy
         return self._tickets.next_pause(self.effects.clock.now(), settings.queue_timeout_s,
                                         settings.starvation_after_s, REPLAN_S)

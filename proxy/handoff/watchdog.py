@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +19,7 @@ from proxy.config.schema import Tenant
 from proxy.config.units import GIB
 from proxy.engines import ReleaseFailed
 from proxy.engines.common import go_time
-from proxy.engines.ports import SelfReport
+from proxy.engines.ports import SelfReport, WatchdogPorts
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.handoff.broker import CONFIRM_SLACK_BYTES, GpuBroker, gib
 from proxy.handoff.decisions import SpillNoPlan, StaleJob
@@ -58,8 +59,9 @@ MAX_IDLE_BACKOFF = 64  # the wait after fruitless idle releases doubles up to 64
 
 
 class Watchdog:
-    def __init__(self, broker: GpuBroker) -> None:
+    def __init__(self, broker: GpuBroker, adapter: Callable[[Tenant], WatchdogPorts]) -> None:
         self.broker = broker
+        self.adapter = adapter  # each tenant's engine adapter (the proxy's, shared with the broker and the gate)
         self.scheduler: Reports = broker.scheduler  # all it tells the scheduler and asks of it (reports.py)
         self.last: TickReport | None = None
         self._task: asyncio.Task[None] | None = None
@@ -113,7 +115,7 @@ class Watchdog:
                 report.actions.append(f"{name}: stale queue entries {list(state.stale_jobs)}")
                 self._end_lost_jobs(name, state, report)
             # Starvation first: Ollama spilling layers to the CPU wants memory now.
-            adapter: SelfReport = broker.adapter(tenant)
+            adapter: SelfReport = self.adapter(tenant)
             if adapter.placements_path and tenant.upstream:  # the engine says where each model sits
                 try:
                     models = await adapter.placements(broker.control)
@@ -166,7 +168,7 @@ class Watchdog:
     async def _read_queues(self, report: TickReport) -> None:
         """Jobs the engine's own queue says are running (clients that bypass the proxy, or stale rows)."""
         for tenant in self.broker.registry:
-            adapter = self.broker.adapter(tenant)
+            adapter = self.adapter(tenant)
             queue_path = adapter.queue_path()
             if queue_path is None or not tenant.upstream:
                 continue
@@ -202,7 +204,7 @@ class Watchdog:
         (its keep-alive deadline, minus two ticks of margin, ends the fast path)."""
         clock = self.broker.clock
         margin = 2 * self.broker.registry.config.proxy.watchdog_interval_s
-        adapter = self.broker.adapter(tenant)
+        adapter = self.adapter(tenant)
         loads: dict[str, float] = {}
         for m in models:
             if int(m.get("size_vram") or 0) < int(m.get("size") or 0):
@@ -229,7 +231,7 @@ class Watchdog:
                 p = self._placements[where] = _Placement(size, vram, now)
             if vram >= size:
                 continue
-            if self.scheduler.loading(self.broker.adapter(tenant).placement_key(m)):
+            if self.scheduler.loading(self.adapter(tenant).placement_key(m)):
                 report.reasons[tenant.name] = f"{where[1]} is loading ({gib(vram)} of {gib(size)} GiB on the GPU so far)"
                 p.since = now
             elif now - p.since < stable_s:
@@ -252,7 +254,7 @@ class Watchdog:
         need = max(0, held - on_gpu) + sum(int(m.get("size") or 0) for m in spilled) + tenant.context_allowance_bytes
         models = ", ".join(str(m["name"]) for m in spilled)
         placements = [self._placements[(name, str(m["name"]))] for m in spilled]
-        plan, snap = await self.broker.plan(name, need, self.broker.adapter(tenant).placement_key(spilled[0]),
+        plan, snap = await self.broker.plan(name, need, self.adapter(tenant).placement_key(spilled[0]),
                                                  mode="relief")
         if not plan.starved:
             report.reasons[name] = f"{models} on the CPU in part but the card has room: " + (
@@ -283,7 +285,7 @@ class Watchdog:
     async def _reload_whole(self, tenant: Tenant, spilled: list[dict[str, Any]], report: TickReport) -> str:
         """Unload the split models of an idle tenant (its card has room now): its next request loads
         them whole, planned on the size Ollama split them at (the adapter learned it from the spill)."""
-        adapter = self.broker.adapter(tenant)
+        adapter = self.adapter(tenant)
         done: list[str] = []
         for m in spilled:
             once = (tenant.name, str(m["name"]), int(m.get("size") or 0))

@@ -118,10 +118,10 @@ class GpuGate:
     client_id, read back from ComfyUI's own /history entry.
     """
 
-    def __init__(self, broker: GpuBroker, adapter: Callable[[Tenant], GatePorts] | None = None) -> None:
+    def __init__(self, broker: GpuBroker, adapter: Callable[[Tenant], GatePorts]) -> None:
         self.broker = broker
         self.door: Door = broker.scheduler  # the request side's only way into the scheduler (handoff/door.py)
-        self._adapter: Callable[[Tenant], GatePorts] = adapter or broker.adapter  # the forwarder's per-tenant adapters
+        self._adapter = adapter  # each tenant's engine adapter (the proxy's, shared with the broker and the watchdog)
         self._retries = RetryBook()  # jobs retried under their own id (proxy/relay/oom_retry.py)
         self._told: dict[tuple[str, str], int] = {}  # (tenant, job) re-queued -> the decision its result joins
         self._early_ends: dict[tuple[str, str], JobFrame] = {}  # a retried run that ended before its re-queue was recorded
@@ -322,7 +322,7 @@ class GpuGate:
             trace.wait(f"resuming {tenant.name}: {parked / 2**30:.1f} GiB back from host RAM" if parked
                        else f"starting {tenant.name}")
         try:
-            admitted = await self.broker.wake(tenant, f"start of {tenant.name} for {what}")
+            admitted = await self.broker.starter.wake(tenant, f"start of {tenant.name} for {what}")
         except LifecycleError as exc:
             return refusals.start_failed(exc).response()
         if admitted is None:
@@ -342,7 +342,7 @@ class GpuGate:
             self.broker.decisions.emit(Rejected(tenant=tenant.name, trigger=f"start for {what}",
                                              plan=admitted.handoff.plan, status=503, reason=admitted.reason))
             return refusals.queue_timeout(tenant, admitted, self.broker.registry.config.proxy.queue_timeout_s).response()
-        return refusals.not_enough_memory(tenant, admitted.handoff, self.broker.start_need(tenant).bytes).response()
+        return refusals.not_enough_memory(tenant, admitted.handoff, self.broker.starter.start_need(tenant).bytes).response()
 
     def _kept_asleep(self, tenant: Tenant, what: str, origin: str | None) -> Response | None:
         """The answer to a request that must not wake `tenant` (a read, a foreign Origin), if it sleeps

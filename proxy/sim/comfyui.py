@@ -194,7 +194,7 @@ class ComfySim:
         self._wake = asyncio.Event()
         self._free_flags: dict[str, bool] = {}
         self._interrupt = False
-        self._oom_next = False
+        self._oom_left = 0  # how many of the next KSamplers or checkpoint loads run out of memory
         self._loaded: dict[str, int] = {}
         self.checkpoint_loads = 0  # checkpoints read onto the card (a restore after a suspend reads none)
         self._torch_cache = 0        # reserved but inactive bytes (freed models awaiting empty_cache)
@@ -209,9 +209,10 @@ class ComfySim:
         """Checkpoints whose weights are in VRAM now (name -> bytes)."""
         return dict(self._loaded)
 
-    def fail_next_prompt_with_oom(self) -> None:
-        """The next KSampler or checkpoint load that executes raises torch.OutOfMemoryError."""
-        self._oom_next = True
+    def fail_next_prompt_with_oom(self, times: int = 1) -> None:
+        """The next KSampler or checkpoint load that executes raises torch.OutOfMemoryError (the next
+        `times` of them: each ends its prompt; 0 takes back what is left)."""
+        self._oom_left = times
 
     @property
     def output_dir(self) -> Path:
@@ -405,8 +406,8 @@ class ComfySim:
         return load_seconds(size, resident, self.config.load_gbps, disk, GIB)
 
     def _check_oom(self) -> None:
-        if self._oom_next:
-            self._oom_next = False
+        if self._oom_left > 0:
+            self._oom_left -= 1
             raise SimulatedOutOfMemory(0, 0)
 
     def _apply_free(self) -> None:

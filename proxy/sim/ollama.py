@@ -12,9 +12,10 @@ import asyncio
 import hashlib
 import json
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -26,7 +27,7 @@ from proxy.relay.servers import RunningServer, start_server
 from proxy.sim.gpu import GIB, SimulatedCard
 from proxy.sim.model_files import SimModelFiles, load_seconds
 from proxy.sim.ollama_decode import CHAT, COPY, DELETE, EMBED, EMBEDDING, GENERATE, PULL, SHOW, GoJSONError, Struct, decode
-from proxy.sim.ollama_sched import CONTEXT_LENGTH, ApiError, Lease, LoadSpec, MemoryShort, Scheduler
+from proxy.sim.ollama_sched import CONTEXT_LENGTH, ApiError, Lease, LoadSpec, MemoryShort, Runner, Scheduler
 from proxy.sim.ollama_wire import (
     CORS_ALLOW_HEADERS,
     CORS_ALLOW_METHODS,
@@ -250,6 +251,12 @@ class OllamaSim:
     @property
     def loads(self) -> int:
         return self._sched.loads
+
+    @property
+    def runners(self) -> Mapping[str, Runner]:
+        """Model name -> its runner, loaded or loading (an unloaded one leaves at once, before its
+        memory is back: `loaded()` counts that)."""
+        return MappingProxyType(self._sched.runners)
 
     @property
     def load_clock(self) -> Clock:

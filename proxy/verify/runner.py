@@ -43,20 +43,22 @@ class Verify(Session):
     # -- the runner --------------------------------------------------------------------------------
     async def run(self) -> Report:
         started = self.clock.now()
-        if await self._stage("proxy", stages.check_proxy):
+        if await self.stage("proxy", stages.check_proxy):
             await self._remember_loaded()
             for t in self.found.tenants.values():
                 if t.url and t.upstream:
-                    await self._stage(f"upstream {t.name}", partial(stages.check_upstream, t=t))
+                    await self.stage(f"upstream {t.name}", partial(stages.check_upstream, t=t))
             await self._decide_consent()
             for name, stage in STAGES:
-                await self._stage(name, stage)
+                await self.stage(name, stage)
             if self._restore_needed():
-                await self._stage("restore", stages.restore)
+                await self.stage("restore", stages.restore)
         self.report.seconds = self.clock.now() - started
         return self.report
 
-    async def _stage(self, name: str, stage: Stage) -> bool:
+    async def stage(self, name: str, stage: Stage) -> bool:
+        """Run one stage under the runner's rules (its timeout, its effects named, never "skipped"
+        once it changed something) and add its result to the report; True when it passed."""
         started = self.clock.now()
         timeout = self.options.stage_timeout_s
         self.effects = []

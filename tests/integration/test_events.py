@@ -190,7 +190,7 @@ async def test_stats_frame_is_small_without_the_catalog(events_box: tuple[Demo, 
 # -- /openapi.json ----------------------------------------------------------------------------
 
 def mounted_routes(proxy: Proxy) -> set[tuple[str, str]]:
-    admin = AdminApi(proxy.broker, proxy.watchdog, proxy.token)
+    admin = AdminApi(proxy.broker, proxy.watchdog, proxy.engines, proxy.token)
     app = admin.app([route for ext in proxy.extensions for route in ext.routes()])
     out = set()
     for route in app.routes:

@@ -126,13 +126,13 @@ async def test_a_request_for_a_model_already_on_the_card_skips_the_gpu_read(
     broker = proxy_of(demo).broker
     assert (await chat(demo, "llama3.2:3b")).message.content
     reads = 0
-    snapshot = broker.snapshot
+    read = broker.card_reader.read
 
     async def counting() -> Any:
         nonlocal reads
         reads += 1
-        return await snapshot()
-    monkeypatch.setattr(broker, "snapshot", counting)
+        return await read()
+    monkeypatch.setattr(broker.card_reader, "read", counting)
     for _ in range(3):
         assert (await chat(demo, "llama3.2:3b")).message.content
     assert reads == 0, "a resident model needs no plan"

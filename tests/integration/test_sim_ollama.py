@@ -201,7 +201,7 @@ async def test_model_is_listed_in_ps_while_loading_and_nothing_written_before(gp
     try:
         async with httpx.AsyncClient(verify=LOOPBACK_TLS, base_url=base, timeout=10) as http:
             task = asyncio.create_task(http.post("/api/generate", json={"model": "qwen2.5:7b", "prompt": "x"}))
-            await sim.wait_until(lambda: "qwen2.5:7b" in sim._sched.runners)
+            await sim.wait_until(lambda: "qwen2.5:7b" in sim.runners)
             ps = (await http.get("/api/ps")).json()["models"]
             assert [m["name"] for m in ps] == ["qwen2.5:7b"] and not task.done()
             assert ps[0]["size_vram"] == ps[0]["size"] == 4 * GIB, "Ollama's estimate from the start of the load"
@@ -243,10 +243,10 @@ async def test_busy_model_unloads_when_its_request_finishes(sim: OllamaSim, http
         await lines.__anext__()
         r = await http.post("/api/generate", json={"model": "llama3.2", "keep_alive": 0})
         assert r.json()["done_reason"] == "unload"
-        assert "llama3.2:latest" in sim._sched.runners, "still generating"
+        assert "llama3.2:latest" in sim.runners, "still generating"
         rest = [json.loads(line) async for line in lines]
         assert rest[-1]["done"] is True
-    await sim.wait_until(lambda: "llama3.2:latest" not in sim._sched.runners)
+    await sim.wait_until(lambda: "llama3.2:latest" not in sim.runners)
 
 
 async def test_spill_loads_what_fits_and_reports_size_vram_below_size(gpu: SimulatedGpu) -> None:
@@ -270,7 +270,7 @@ async def test_spill_layout_is_fixed_at_the_start_so_a_foreign_allocation_meanwh
     try:
         async with httpx.AsyncClient(verify=LOOPBACK_TLS, base_url=base, timeout=10) as http:
             task = asyncio.create_task(http.post("/api/generate", json={"model": "qwen2.5:7b", "prompt": "x"}))
-            await sim.wait_until(lambda: "qwen2.5:7b" in sim._sched.runners)
+            await sim.wait_until(lambda: "qwen2.5:7b" in sim.runners)
             (entry,) = (await http.get("/api/ps")).json()["models"]
             assert (entry["size"], entry["size_vram"]) == (4 * GIB, 4 * GIB)
             gpu.allocate(foreign, 3 * GIB)  # ComfyUI takes the room the layout counted on
@@ -339,7 +339,7 @@ async def test_num_parallel_one_serialises_generations(gpu: SimulatedGpu) -> Non
                 await stream.aiter_lines().__anext__()
                 second = asyncio.create_task(http.post("/api/generate", json={
                     "model": "llama3.2", "prompt": "y", "stream": False, "options": {"num_predict": 1}}))
-                runner = sim._sched.runners["llama3.2:latest"]
+                runner = sim.runners["llama3.2:latest"]
                 await sim.wait_until(lambda: runner.refs == 2)
                 assert runner.sem.locked() and not second.done(), "second waits for the only slot"
             r = await second  # the first one's client went away, freeing the slot
@@ -494,7 +494,7 @@ async def test_client_disconnect_stops_generation(gpu: SimulatedGpu) -> None:
                 await lines.__anext__()
                 await lines.__anext__()
             await sim.wait_until(lambda: sim.cancellations == 1, timeout_s=1.0)
-            runner = sim._sched.runners["llama3.2:latest"]
+            runner = sim.runners["llama3.2:latest"]
             assert runner.refs == 0 and runner.timer is not None, "idle again, keep-alive timer running"
     finally:
         await sim.stop()
@@ -627,7 +627,7 @@ async def test_pending_queue_overflow_is_503(gpu: SimulatedGpu) -> None:
     try:
         async with httpx.AsyncClient(verify=LOOPBACK_TLS, base_url=base, timeout=10) as http:
             first = asyncio.create_task(http.post("/api/generate", json={"model": "qwen2.5:7b"}))
-            await sim.wait_until(lambda: "qwen2.5:7b" in sim._sched.runners)
+            await sim.wait_until(lambda: "qwen2.5:7b" in sim.runners)
             r = await http.post("/api/generate", json={"model": "llama3.2"})
             assert r.status_code == 503
             assert r.json() == {"error": "server busy, please try again.  maximum pending requests exceeded"}

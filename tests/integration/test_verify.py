@@ -120,16 +120,13 @@ async def test_an_out_of_memory_the_proxy_cannot_recover_fails_the_stage(box: De
     demo = await box(fast("default", **OOM_BOX))
     assert demo.box.comfyui is not None
     comfy = demo.box.comfyui
-    check = comfy._check_oom
-
-    def out_of_memory_every_time() -> None:  # every prompt after the staged one runs out of memory as well
-        comfy.fail_next_prompt_with_oom()
-        check()
 
     async def staged(v: Verify) -> str:
-        with monkeypatch.context() as during_the_stage:
-            during_the_stage.setattr(comfy, "_check_oom", out_of_memory_every_time)
+        comfy.fail_next_prompt_with_oom(times=1_000)  # every prompt of the stage runs out of memory, its retry too
+        try:
             return await stages.check_out_of_memory(v)
+        finally:
+            comfy.fail_next_prompt_with_oom(times=0)
 
     monkeypatch.setattr(runner, "STAGES", tuple((n, staged if n == "out of memory" else f) for n, f in runner.STAGES))
     report = await verify(demo, http)

@@ -151,6 +151,7 @@ async def test_the_watchdog_ends_the_jobs_of_an_engine_silent_past_job_lost_afte
     import socket
 
     from proxy.clock import ManualClock
+    from proxy.engines import AdapterCache
     from proxy.handoff.broker import GpuBroker
     from proxy.handoff.decisions import DecisionLog
     from proxy.handoff.inflight import InFlight
@@ -164,13 +165,14 @@ async def test_the_watchdog_ends_the_jobs_of_an_engine_silent_past_job_lost_afte
     clock = ManualClock()
     inflight = InFlight(clock)
     log = DecisionLog(clock)
-    broker = GpuBroker(reg, SimulatedGpu(), inflight, clock, log)
+    engines = AdapterCache()
+    broker = GpuBroker(reg, SimulatedGpu(), inflight, clock, log, adapter=engines)
     try:
         inflight.track_job("comfyui", "p1")
-        await Watchdog(broker).tick()  # the first failed read: silent since now
+        await Watchdog(broker, engines).tick()  # the first failed read: silent since now
         assert inflight.jobs("comfyui") == ("p1",)
         await clock.advance(60)
-        report = await Watchdog(broker).tick()
+        report = await Watchdog(broker, engines).tick()
         assert inflight.jobs("comfyui") == (), "a job lost with an engine that never comes back is never ended"
         (lost,) = decisions_in(log, "stale_job")
         assert lost.outcome["job_id"] == "p1" and "job_lost_after_s" in lost.outcome["reason"]

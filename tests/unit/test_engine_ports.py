@@ -10,7 +10,7 @@ from pathlib import Path
 from proxy.engines import ADAPTERS, EngineAdapter
 from proxy.engines.loading import registry_from_dict
 from proxy.engines.ports import PORTS
-from tests.unit.source_tree import python_files
+from tests.unit.source_tree import SourceFile, nodes_of, python_files
 
 PROXY = Path(__file__).resolve().parents[2] / "proxy"
 # Members of the adapter that no part of the proxy asks through a port: its registry key and a
@@ -20,8 +20,7 @@ NOT_ASKED = frozenset({"kind", "listen_host"})
 MOST_MEMBERS = 10
 # Outside proxy/engines/, the modules that may name the whole adapter: they hold or hand out the
 # per-tenant adapters (each caller of theirs asks one port), or read class facts of every kind.
-WHOLE_ADAPTER = frozenset({"proxy/handoff/broker.py", "proxy/relay/forward.py", "proxy/admin/models_api.py",
-                           "proxy/verify/roles.py"})
+WHOLE_ADAPTER = frozenset({"proxy/relay/forward.py", "proxy/admin/models_api.py", "proxy/verify/roles.py"})
 
 
 def members(port: type) -> set[str]:
@@ -80,6 +79,26 @@ def test_outside_engines_only_the_adapter_holders_name_the_whole_adapter() -> No
                   and any(a.name == "EngineAdapter" for a in n.names)]
     assert not named, ("type against the port you ask (proxy/engines/ports.py), not the whole adapter: "
                        + ", ".join(named))
+
+
+def brokers_adapters_asked(source: str | SourceFile, where: str = "<sample>") -> list[int]:
+    """Lines that ask an engine through the broker's adapters (`broker.adapter`, `self.broker.adapter`)."""
+    return [n.lineno for n in nodes_of(source, where) if isinstance(n, ast.Attribute) and n.attr == "adapter"
+            and ((isinstance(n.value, ast.Name) and n.value.id == "broker")
+                 or (isinstance(n.value, ast.Attribute) and n.value.attr == "broker"))]
+
+
+def test_each_part_holds_the_adapters_by_its_own_ports_not_through_the_broker() -> None:
+    """The broker's adapters are typed for what the broker asks (`BrokerPorts`); a part that asks an engine
+    something else holds the proxy's adapters itself (`Proxy.engines`), typed to its own ports."""
+    asked = [f"{source.rel()}:{line}" for source in python_files(PROXY)
+             for line in brokers_adapters_asked(source, source.rel())]
+    assert not asked, "hold the adapters typed to the ports you ask (proxy/engines/ports.py): " + ", ".join(asked)
+
+
+def test_the_check_finds_an_engine_asked_through_the_broker() -> None:
+    sample = "async def f(self, t):\n    await self.broker.adapter(t).runs_on_cpu(c)\n    return broker.adapter(t)\n"
+    assert sorted(brokers_adapters_asked(sample)) == [2, 3]
 
 
 def test_the_check_finds_a_use_of_the_whole_adapter() -> None:

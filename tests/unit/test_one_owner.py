@@ -29,7 +29,7 @@ ADMITS_WITHOUT_SCHEDULER = {"proxy/relay/listener.py"}
 # A lock in the handoff layer is a second "one at a time" beside the scheduler's; the reader's one
 # GPU read at a time guards no admission state. Locks elsewhere (a cache, a walk) are not looked at.
 HANDOFF = ("proxy/handoff/", "proxy/relay/gpu_gate.py")
-OTHER_LOCKS = {"proxy/handoff/broker.py"}
+OTHER_LOCKS = {"proxy/handoff/card_reader.py"}
 # The same names for other things: the page cache's residency of model files (not the card's), the
 # HTTP client's connection-pool waiters.
 SAME_NAME_OTHER_THING = {("proxy/models/catalog.py", "residency"), ("proxy/relay/http1.py", "_waiters")}

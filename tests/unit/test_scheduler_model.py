@@ -375,8 +375,8 @@ class SchedulerModel(RuleBasedStateMachine):
 
     @invariant()
     def no_waiter_is_overtaken_beyond_the_bound(self) -> None:
-        for t in self.queue._tickets.values():
-            assert t.overtaken <= OVERTAKE_LIMIT, f"{t.waiter} overtaken {t.overtaken} times"
+        for w in self.queue.waiting():
+            assert w["overtaken"] <= OVERTAKE_LIMIT, f"waiter {w['id']} ({w['tenant']}) overtaken {w['overtaken']} times"
 
 
 class SchedulerModelWithSwapHold(SchedulerModel):

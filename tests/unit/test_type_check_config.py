@@ -34,3 +34,10 @@ def test_the_tests_are_type_checked_with_nothing_let_off() -> None:
     mypy = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]
     assert "tests" in mypy.get("packages", []), "mypy must check tests/ too (pyproject.toml [tool.mypy] packages)"
     assert not _let_off(mypy, "tests"), f"tests exempted from the strict check: {_let_off(mypy, 'tests')}"
+
+
+def test_the_benches_are_type_checked_as_a_package_with_nothing_let_off() -> None:
+    mypy = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mypy"]
+    assert "bench" in mypy.get("packages", []), "mypy must check bench/ too (pyproject.toml [tool.mypy] packages)"
+    assert (ROOT / "bench" / "__init__.py").is_file(), "bench/ is a package: one import name per bench module"
+    assert not _let_off(mypy, "bench"), f"benches exempted from the strict check: {_let_off(mypy, 'bench')}"

@@ -180,9 +180,9 @@ async def test_a_stage_that_changed_something_is_never_reported_skipped() -> Non
 
     async with httpx.AsyncClient(transport=httpx.MockTransport(FakeBox().handler)) as http:
         verify = Verify(Options(admin=ADMIN, yes=True), http)
-        await verify._stage("a", stops_after_an_effect)
-        await verify._stage("b", fails_after_an_effect)
-        await verify._stage("c", stages.restore)
+        await verify.stage("a", stops_after_an_effect)
+        await verify.stage("b", fails_after_an_effect)
+        await verify.stage("c", stages.restore)
     a, b = verify.report.stages[0], verify.report.stages[1]
     assert a.status == "incomplete"
     assert a.detail == "did: released comfyui; then stopped before proving anything: the graph still fits"
