@@ -602,7 +602,10 @@ class Scheduler:
 
         def timeout_of(tenant: str) -> float:
             return registry.get(tenant).release_timeout_s if tenant in registry else 0.0
-        if self._leaving.seen(snap, read_at, self.effects.clock.now(), timeout_of):
+
+        def floor_of(tenant: str) -> int:
+            return registry.get(tenant).idle_vram_bytes if tenant in registry else 0
+        if self._leaving.seen(snap, read_at, self.effects.clock.now(), timeout_of, floor_of):
             self.kick()
 
     def _admit(self, work: Token, key: str) -> None:

@@ -31,11 +31,20 @@ class Unloads:
     def begun(self, tenant: str, at: float, held: int) -> None:
         self._by_tenant[tenant] = _Unload(at, held)
 
-    def seen(self, snap: AttributedSnapshot, read_at: float, now: float, timeout_of: Callable[[str], float]) -> bool:
+    def seen(self, snap: AttributedSnapshot, read_at: float, now: float, timeout_of: Callable[[str], float],
+             floor_of: Callable[[str], int]) -> bool:
         """Forget the unloads `snap` (read at `read_at`) shows done, and those past their tenant's
-        release timeout (then planned as the card says). True when any was forgotten."""
+        release timeout (then planned as the card says). True when any was forgotten.
+
+        Done: a reading taken after the unload began shows the tenant holding less than it did then,
+        or only its idle floor (`floor_of`). The latter is what a reading shows when the one the unload
+        began from never showed the model (its load reached the card after that reading): less than
+        that is nothing, and the next request waited the whole release timeout (bench/handoff.py)."""
+        def gone(t: str, u: _Unload) -> bool:
+            held = snap.held_by(t)
+            return held + CONFIRM_SLACK_BYTES < u.held or held <= floor_of(t) + CONFIRM_SLACK_BYTES
         done = [t for t, u in self._by_tenant.items()
-                if (read_at >= u.at and snap.held_by(t) + CONFIRM_SLACK_BYTES < u.held) or now - u.at >= timeout_of(t)]
+                if (read_at >= u.at and gone(t, u)) or now - u.at >= timeout_of(t)]
         for tenant in done:
             del self._by_tenant[tenant]
         return bool(done)

@@ -749,3 +749,31 @@ async def test_a_chat_right_after_an_unload_waits_until_the_card_shows_the_memor
     assert admitted.outcome == "run" and admitted.handoff.reservation is not None, \
         "the reload is promised its 16 GiB, so no render takes them"
     await queue.aclose()
+
+
+async def test_an_unload_the_last_reading_never_showed_loaded_is_seen_once_the_card_shows_the_tenant_at_its_floor(
+        clock: ManualClock) -> None:
+    """Found by bench/handoff.py: the load's news came before any reading showed the model, so the
+    unload began from a reading with nothing of it on the card, no reading could show the memory
+    dropping below that, and the next request waited the release timeout (10 s) every round."""
+    effects = recorder(clock)
+    effects.procs, effects.free = [("ollama", 1, 0), ("comfyui", 2, 1 * GIB)], 22 * GIB
+    queue = scheduler(effects)
+    ollama = effects.registry.get("ollama")
+    warm = effects.inflight.begin("ollama", admitted=False)
+    first = await asyncio.wait_for(queue.request(ollama, "ollama:gemma", 16 * GIB, "chat", work=warm), 1)
+    queue.loaded("ollama", "ollama:gemma")
+    effects.inflight.end(warm)
+    queue.settle(first.handoff)
+    effects.procs, effects.free = [("ollama", 1, 16 * GIB), ("comfyui", 2, 1 * GIB)], 6 * GIB  # unread yet
+    unload = effects.inflight.begin("ollama", admitted=False)
+    queue.admit_unplanned(unload, "ollama", "ollama:gemma")
+    effects.inflight.end(unload)
+    effects.procs, effects.free = [("ollama", 1, 0), ("comfyui", 2, 1 * GIB)], 22 * GIB  # the unload is done
+    chat = asyncio.ensure_future(queue.request(ollama, "ollama:gemma", 16 * GIB, "chat"))
+    await clock.advance(1.0)  # one replan, far short of the release timeout
+    admitted = await asyncio.wait_for(chat, 1)
+    assert admitted.outcome == "run", admitted
+    assert admitted.handoff.reservation is not None
+    assert ollama.release_timeout_s > 2.0, "the chat would have been let through by the timeout otherwise"
+    await queue.aclose()
