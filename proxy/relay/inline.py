@@ -1,25 +1,30 @@
-"""A passthrough GET run by the listener's protocol itself: no ASGI task, scope walk, response object
-or send coroutine per request.
+"""A passthrough GET run by the listener's protocol itself: no ASGI task, scope, response object or
+send coroutine per request.
 
 The usual request on a tenant listener is a small bodiless GET the engine answers at once (a model
-list, a status poll, a UI asset). Through the ASGI path each one cost a task, the listener's
-coroutines, a departure link, an `UpstreamResponse` and a `RelayResponse`, and two `send`s, about
-two thirds of the relay's CPU per request: `bench/forwarding.py --lean` (the same exchange run by
-a bare protocol) measured 1.1-1.3 x nginx's CPU per request where the proxy was 3-3.5 x.
+list, a status poll, a UI asset). Through the ASGI path each one cost a task, uvicorn's scope and
+request cycle, the listener's coroutines, a departure link, an `UpstreamResponse`, a `RelayResponse`
+and two `send`s: 3.5 x nginx's CPU per request; with this lane 1.6-1.8 x (`bench/forwarding.py`,
+docs/results.md).
 
-When the listener's protocol has the whole head of such a request (`inbound.py` asks the app's
-`start_inline`), the request goes out at once on an idle pooled connection (`http1.Pool.send_now`,
-the bytes `Forwarder.open` would send), and the answer, once its head is in, goes back in one write
-(`GuardedHttpProtocol.answer_whole`, uvicorn's framing) when it is whole and small. Everything else
-is handed to the ordinary ASGI path, so it behaves as it always did:
+As soon as a GET's head is whole, the listener's protocol (`inbound.py`) asks the app
+(`TenantApp.start_inline`), before uvicorn builds a scope. The app answers from what it remembers per
+request head (what goes upstream, or that this GET cannot run inline); the request goes out at once on
+an idle pooled connection (`http1.Pool.send_now`), and the exchange is that connection's receiver:
+- a read holding a whole answer whose head bytes the lane parsed before (`InlineLane.whole_answer`)
+  goes back in one write with the client head made then: no parse;
+- any other read is parsed by a `Response`, as the ASGI path would; an answer whole and small goes
+  back in one write (`GuardedHttpProtocol.answer_whole`, uvicorn's framing), and teaches the lane;
 - an answer not whole yet, bigger than HEAD_WITH_BODY_MAX, bodiless by status (204, 304) or with
   headers uvicorn would refuse: relayed by a task from the open answer (`TenantApp.relay_opened`);
 - an upstream that closed the kept-alive connection before any byte of the answer: the request is
   served again from the start (a GET, never answered: what `Pool.request`'s one retry does);
 - any other failure: the error answer `Forwarder.open` gives (502, 504).
-Not taken inline: another method, a body, a tenant that sleeps (the wake comes first), the requests
-the adapter watches (model news, job news, job views), a refused Host, a read timeout to keep, no
-idle connection. A client that leaves before the answer drops the upstream request at once.
+A task that takes over gets the scope uvicorn would have built (`GuardedHttpProtocol.request_scope`).
+Not taken inline: another method, a body, an upgrade, a request pipelined behind another, a tenant that
+sleeps (the wake comes first), the requests the adapter watches (model news, job news, job views), a
+refused Host, a read timeout to keep, no idle connection. A client that leaves before the answer drops
+the upstream request at once.
 """
 
 from __future__ import annotations
