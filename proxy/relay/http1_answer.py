@@ -296,9 +296,17 @@ class Response:
         return data
 
     def received_body(self) -> bytes | None:
-        """The whole body if the upstream has sent all of it already (the usual small answer), else None."""
+        """The whole body if the upstream has sent all of it already (the usual small answer), else
+        None. It stays the answer's: asked again, the same bytes (an inline exchange that looked at it,
+        then handed the answer to a task to relay, lost its body that way: "Response content shorter
+        than Content-Length")."""
         if self._complete and self._error is None:
-            return self._take() if self._chunks else b""
+            chunks = self._chunks
+            if len(chunks) > 1:
+                whole = b"".join(chunks)
+                chunks.clear()
+                chunks.append(whole)
+            return chunks[0] if chunks else b""
         return None
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:

@@ -50,7 +50,7 @@ import json
 import logging
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -217,10 +217,14 @@ class Inline(Protocol):
 
 
 # A GET's head as parsed: its target, headers (names lower-cased) and HTTP version.
-InlineHead = tuple[bytes, list[tuple[bytes, bytes]], str]
+InlineHead = tuple[bytes, Sequence[tuple[bytes, bytes]], str]
 # The app's offer to run a GET's exchange itself (inline.py): given the connection, the target, the
 # headers and the HTTP version; the exchange, which took the connection's `lane_cycle`, or None.
 StartInline = Callable[["GuardedHttpProtocol", bytes, list[tuple[bytes, bytes]], str], Inline | None]
+# The app's offer to run again a read that was, byte for byte, a GET it ran inline: the exchange or None.
+StartRead = Callable[["GuardedHttpProtocol", bytes], Inline | None]
+# The app told that a read was all of the GET it just took inline (kept alive, HTTP/1.1, no Expect?).
+LearnRead = Callable[["GuardedHttpProtocol", bytes, Inline], None]
 
 
 class _HeadRefused(Exception):
@@ -251,6 +255,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._closing = False  # refused and answered: what the client still sends is dropped
         # The app's offer to run a passthrough exchange without a task (inline.py), and the one running.
         self._start_inline: StartInline | None = getattr(self.app, "start_inline", None)
+        # ... and to run again, unparsed, a read that was such a GET before (byte for byte), and to learn one.
+        self._start_read: StartRead | None = getattr(self.app, "start_read", None)
+        self._learn_read: LearnRead | None = getattr(self.app, "learn_read", None)
         self._inline: Inline | None = None
 
     # -- connection ---------------------------------------------------------------------------------
@@ -289,6 +296,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return
         self._unset_keepalive_if_required()
         starts_fresh = not self._in_message
+        if starts_fresh and self._known_read(data):
+            return
+        inline_before = self._inline
         self._begun = 0
         try:
             self.parser.feed_data(data)
@@ -308,6 +318,29 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return
         if self._in_head:
             self._head_unfinished(len(data), starts_fresh)
+        elif self._inline is not inline_before and self._inline is not None and starts_fresh and self._begun == 1 \
+                and not self._in_message and self._learn_read is not None:
+            self._learn_read(self, data, self._inline)  # this read was that GET, whole, and nothing else
+
+    def _known_read(self, data: bytes) -> bool:
+        """A read that is, byte for byte, a GET the app ran inline before (`learn_read`) and runs again
+        now (`start_read`), with no answer owed on the connection: served without a parse. What the
+        parse would have left is set here: the head whole, the message complete, the parser between
+        messages (only a kept-alive HTTP/1.1 GET with no Expect is learnt)."""
+        start, cycle = self._start_read, self.cycle
+        if start is None or self._inline is not None or (cycle is not None and not cycle.response_complete):
+            return False
+        exchange = start(self, data)
+        if exchange is None:
+            return False
+        self._inline = exchange
+        self.guard.headless.pop(self, None)
+        self._disarm_head_timer()
+        self.expect_100_continue = False
+        cycle = self.cycle
+        cycle.more_body = False  # on_message_complete's
+        cycle.message_event.set()
+        return True
 
     def _head_unfinished(self, read: int, starts_fresh: bool) -> None:
         """A read ended inside a head: count it (httptools holds a header's pieces where the
@@ -379,13 +412,15 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._inline = self._start_inline(self, self.url, self.headers, parser.get_http_version())
         return self._inline is not None
 
-    def lane_cycle(self, http_version: str) -> RequestResponseCycle:
+    def lane_cycle(self, http_version: str, *, known: bool = False) -> RequestResponseCycle:
         """The cycle of the request whose head just came, for the app to run inline: uvicorn's, with
-        no scope (`start_task` builds it if a task takes over)."""
+        no scope (`start_task` builds it if a task takes over). `known`: a read served unparsed
+        (`_known_read`), which is a kept-alive GET with no Expect."""
+        keep_alive = known or (http_version != "1.0" and self.parser.should_keep_alive())
         self.cycle = RequestResponseCycle(
             None, self.transport, self.flow, self.logger, self.access_logger,  # type: ignore[arg-type]
-            self.access_log, self.server_state.default_headers, asyncio.Event(), self.expect_100_continue,
-            http_version != "1.0" and self.parser.should_keep_alive(), self.on_response_complete)
+            self.access_log, self.server_state.default_headers, asyncio.Event(),
+            not known and self.expect_100_continue, keep_alive, self.on_response_complete)
         return self.cycle
 
     def request_scope(self, method: str, http_version: str, target: bytes, headers: list[tuple[bytes, bytes]]
@@ -455,7 +490,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         keeping the task for the departure watch; `on_end` is called when the task ends. `head`: the
         request of an inline exchange's cycle, which has no scope yet (`lane_cycle`)."""
         if head is not None and cycle.scope is None:
-            cycle.scope = self.request_scope("GET", head[2], head[0], head[1])
+            cycle.scope = self.request_scope("GET", head[2], head[0], list(head[1]))
         context = contextvars.Context() if self.config.reset_contextvars else None
         task = self.loop.create_task(cycle.run_asgi(app), context=context)  # type: ignore[arg-type]
         task.add_done_callback(self.tasks.discard)

@@ -107,15 +107,17 @@ class InlineExchange:
     without a parse (`InlineLane.whole_answer`); any other is parsed by a `Response`, as ever. The
     lane's `ended` is called once, when the exchange is over (inline) or its task ends."""
 
-    __slots__ = ("_conn", "_cycle", "_ended", "_first", "_head", "_lane", "_open", "_response", "_server")
+    __slots__ = ("_conn", "_cycle", "_ended", "_first", "_lane", "_open", "_response", "_server", "request",
+                 "upstream")
 
     def __init__(self, server: GuardedHttpProtocol, cycle: RequestResponseCycle, conn: http1.Connection,
-                 lane: InlineLane, head: InlineHead) -> None:
+                 lane: InlineLane, request: InlineHead, upstream: bytes) -> None:
         self._server = server
         self._cycle = cycle
         self._conn = conn
         self._lane = lane
-        self._head = head  # the request's, for the scope of a task that takes over
+        self.request = request  # the request's head, for the scope of a task that takes over
+        self.upstream = upstream  # what it sent upstream
         self._ended = lane.ended
         self._open = True
         self._response: http1.Response | None = None  # once the answer is parsed
@@ -158,10 +160,10 @@ class InlineExchange:
             if isinstance(exc, http1.UpstreamClosed) and not response.got_bytes:
                 self._end()
                 # a stale kept-alive connection: served from the start
-                server.start_task(cycle, lane.again, head=self._head)
+                server.start_task(cycle, lane.again, head=self.request)
             else:
                 failure = exc if isinstance(exc, Exception) else OSError(str(exc))
-                server.start_task(cycle, lane.failed(failure), on_end=self._end, head=self._head)
+                server.start_task(cycle, lane.failed(failure), on_end=self._end, head=self.request)
             return
         status = response.status_code
         body = response.received_body() if status not in BODILESS else None
@@ -174,7 +176,7 @@ class InlineExchange:
                 self._end()
                 return
         relay = lane.relay_opened(UpstreamResponse(response))
-        server.start_task(cycle, relay, on_end=self._end, head=self._head)
+        server.start_task(cycle, relay, on_end=self._end, head=self.request)
 
     def client_left(self) -> None:
         """The client's connection closed before the answer: the upstream sees its request dropped."""

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,7 @@ from proxy.relay.departure import ClientLink, Sweep, has_body
 from proxy.relay.forward import Forwarder, UpstreamResponse, upstream_error
 from proxy.relay.gpu_gate import FirstStep, GpuGate
 from proxy.relay.guards import SAFE_METHODS, answer, host_header, refuse_tenant_host
+from proxy.relay.inbound import Inline, InlineHead
 from proxy.relay.inline import InlineExchange, InlineLane
 from proxy.relay.trace import Trace, stamp, traced
 from proxy.relay.trace import current as current_trace
@@ -108,6 +110,16 @@ def _decoded(body: bytes, encoding: str) -> bytes:
     return body if not encoding or encoding == "identity" else b""
 
 
+@dataclass(frozen=True, slots=True)
+class KnownRead:
+    """A read that was, byte for byte, a GET this listener ran inline: for whom, what went upstream,
+    and the request (for the scope of a task that takes over)."""
+
+    client: str | None
+    upstream: bytes
+    request: InlineHead
+
+
 class TenantApp:
     """The ASGI app of one tenant listener: Host check, then every path to the engine, GPU requests
     through the admission hook, websockets relayed with their frames watched. `poller` is the
@@ -127,6 +139,7 @@ class TenantApp:
         self._departures = Sweep()  # starts the departure watch of the requests that last
         self._inline_routes: dict[str, bool] = {}  # path -> a GET of it is a passthrough nothing watches
         self._inline_heads: dict[object, bytes | object | None] = {}  # request head -> its upstream head, or None
+        self._known_reads: dict[bytes, KnownRead] = {}  # a read that was a GET run inline -> how to run it again
         self._lane = InlineLane(again=self, relay_opened=self._relay_opened, failed=self._failed,
                                 ended=partial(inflight.connection_closed, tenant.name))
 
@@ -212,13 +225,44 @@ class TenantApp:
                 if len(self._inline_heads) >= INLINE_HEADS_MAX:
                     self._inline_heads.clear()
                 self._inline_heads[key] = head
-        if head is None:
-            return None
-        exchange = self.forwarder.send_now(self.tenant, head, lambda conn: InlineExchange(  # type: ignore[arg-type]
-            server, server.lane_cycle(http_version), conn, self._lane, (target, headers, http_version)))
+        if not isinstance(head, bytes):
+            return None  # None: not run inline
+        exchange = self.forwarder.send_now(self.tenant, head, lambda conn: InlineExchange(
+            server, server.lane_cycle(http_version), conn, self._lane, (target, headers, http_version), head))
         if exchange is not None:
             self.inflight.connection_opened(self.tenant.name)  # a stop never cuts it (TenantLifecycle)
         return exchange
+
+    def start_read(self, server: GuardedHttpProtocol, data: bytes) -> InlineExchange | None:
+        """Run again, with no parse, a read that was byte for byte a GET this listener ran inline
+        (`learn_read`), for the same client address, when an idle upstream connection is there."""
+        known = self._known_reads.get(data)
+        if known is None:
+            return None
+        client = server.client
+        if known.client != (client[0] if client else None):
+            return None
+        exchange = self.forwarder.send_now(self.tenant, known.upstream, lambda conn: InlineExchange(
+            server, server.lane_cycle("1.1", known=True), conn, self._lane, known.request, known.upstream))
+        if exchange is not None:
+            self.inflight.connection_opened(self.tenant.name)
+        return exchange
+
+    def learn_read(self, server: GuardedHttpProtocol, data: bytes, exchange: Inline) -> None:
+        """`data`, one read, was all of the GET `exchange` runs inline. A kept-alive HTTP/1.1 GET with no
+        Expect is remembered by its bytes (bounded), so the next one is served unparsed: its head was
+        checked (limits, Host) and rewritten once, and the same bytes parse the same way."""
+        if not isinstance(exchange, InlineExchange) or len(data) > INLINE_HEAD_KEY_MAX:
+            return
+        cycle = server.cycle
+        target, headers, version = exchange.request
+        if version != "1.1" or cycle is None or not cycle.keep_alive or cycle.waiting_for_100_continue:
+            return
+        if len(self._known_reads) >= INLINE_HEADS_MAX:
+            self._known_reads.clear()
+        client = server.client
+        self._known_reads[data] = KnownRead(client[0] if client else None, exchange.upstream,
+                                            (target, tuple(headers), version))
 
     def _inline_head(self, scope: Scope) -> bytes | None:
         """What a GET with this head sends upstream when it can be run inline; None: it cannot (a body,

@@ -1055,6 +1055,119 @@ async def test_an_answer_with_a_known_head_but_another_body_length_is_parsed_and
     assert spy.count == 4, spy.count
 
 
+class _ReadSpy:
+    """Counts the GETs a listener served from a read it knew byte for byte (no parse)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        spy = self
+        start = TenantApp.start_read
+
+        def counted(app: TenantApp, server: Any, data: bytes) -> Any:
+            exchange = start(app, server, data)
+            spy.count += exchange is not None
+            return exchange
+
+        monkeypatch.setattr(TenantApp, "start_read", counted)
+
+
+async def _raw_request_from(url: str, head: bytes, local: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    parts = urlsplit(url)
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port, local_addr=(local, 0))
+    writer.write(head)
+    await writer.drain()
+    return reader, writer
+
+
+def _fields(head: bytes) -> dict[bytes, bytes]:
+    return dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:] if b": " in line)
+
+
+async def test_a_get_read_again_byte_for_byte_is_served_unparsed_for_the_same_client_and_parsed_for_another(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[bytes] = []
+
+    def answer(head: bytes) -> bytes:
+        seen.append(head)
+        return b"HTTP/1.1 200 OK\r\nX-Served: %d\r\nContent-Length: 2\r\n\r\nok" % len(seen)
+
+    spy = _ReadSpy(monkeypatch)
+    get = b"GET /api/tags?x=1 HTTP/1.1\r\nHost: localhost\r\nAccept: */*\r\n\r\n"
+    async with raw_upstream(answer) as url, stack("generic", None, upstream_url=url) as (proxy, _, inflight, _):
+        reader, writer = await _raw_request(proxy.url, get)
+        try:
+            got = [await _read_answer(reader)]  # the ASGI path (no idle upstream connection yet)
+            for _ in range(3):
+                writer.write(get)
+                got.append(await _read_answer(reader))
+        finally:
+            writer.close()
+        assert spy.count == 2, "the third and fourth GETs were the second's bytes again: served unparsed"
+        reader, writer = await _raw_request_from(proxy.url, get, "127.0.0.2")
+        try:
+            got.append(await _read_answer(reader))  # same bytes, another client: parsed, its own upstream head
+        finally:
+            writer.close()
+        assert spy.count == 2
+        assert await inflight.wait_idle("generic", SAFETY_S) and inflight.connections("generic") == 0
+    assert [g[1][b"x-served"] for g in got] == [b"1", b"2", b"3", b"4", b"5"], "every answer is the upstream's own"
+    assert [g[2] for g in got] == [b"ok"] * 5
+    assert seen[1] == seen[2] == seen[3], "the known read sends upstream what the parsed one sent"
+    assert [_fields(h)[b"x-forwarded-for"] for h in seen] == [b"127.0.0.1"] * 4 + [b"127.0.0.2"]
+    assert seen[4].startswith(b"GET /api/tags?x=1 HTTP/1.1\r\n")
+
+
+@pytest.mark.parametrize("first", [
+    b"GET /api/tags HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n",
+    b"GET /api/tags HTTP/1.0\r\nHost: localhost\r\n\r\n",
+    b"GET /api/tags HTTP/1.1\r\nHost: localhost\r\nExpect: 100-continue\r\n\r\n",
+], ids=["connection-close", "http-1.0", "expect"])
+async def test_a_get_that_ends_its_connection_or_expects_is_never_served_unparsed(
+        monkeypatch: pytest.MonkeyPatch, first: bytes) -> None:
+    spy = _ReadSpy(monkeypatch)
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    async with raw_upstream(lambda head: answer) as url, stack("generic", None, upstream_url=url) as (proxy, _, _, _):
+        warm = b"GET /api/version HTTP/1.1\r\nHost: localhost\r\n\r\n"
+        reader, writer = await _raw_request(proxy.url, warm)  # leaves an idle upstream connection
+        try:
+            await _read_answer(reader)
+            for _ in range(2):  # the same bytes twice, on a connection of their own each time
+                r2, w2 = await _raw_request(proxy.url, first)
+                try:
+                    status, _headers, body = await _read_answer(r2)
+                    assert (status.split()[1], body) == (b"200", b"ok")
+                    if b"100-continue" not in first:
+                        assert await within(r2.read()) == b"", "the connection ends after the answer"
+                finally:
+                    w2.close()
+        finally:
+            writer.close()
+    assert spy.count == 0
+
+
+async def test_two_gets_in_one_read_are_answered_in_order_and_not_learnt_as_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    spy = _ReadSpy(monkeypatch)
+    served = [0]
+
+    def answer(head: bytes) -> bytes:
+        served[0] += 1
+        return b"HTTP/1.1 200 OK\r\nX-Served: %d\r\nContent-Length: 2\r\n\r\nok" % served[0]
+
+    one = b"GET /api/tags HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    async with raw_upstream(answer) as url, stack("generic", None, upstream_url=url) as (proxy, _, _, _):
+        reader, writer = await _raw_request(proxy.url, one)
+        try:
+            got = [await _read_answer(reader)]
+            for _ in range(2):
+                writer.write(one + one)  # pipelined: one read, two requests
+                got += [await _read_answer(reader), await _read_answer(reader)]
+        finally:
+            writer.close()
+    assert [g[1][b"x-served"] for g in got] == [b"%d" % n for n in range(1, 6)]
+    assert spy.count == 0, "a read of two requests is never taken for one"
+
+
 async def test_a_client_leaving_an_inline_get_before_its_answer_drops_the_upstream_request(
         monkeypatch: pytest.MonkeyPatch) -> None:
     spy = _InlineSpy(monkeypatch)
