@@ -4,7 +4,7 @@ send coroutine per request.
 The usual request on a tenant listener is a small bodiless GET the engine answers at once (a model
 list, a status poll, a UI asset). Through the ASGI path each one cost a task, uvicorn's scope and
 request cycle, the listener's coroutines, a departure link, an `UpstreamResponse`, a `RelayResponse`
-and two `send`s: 3.5 x nginx's CPU per request; with this lane 1.6-1.8 x (`bench/forwarding.py`,
+and two `send`s: 3.5 x nginx's CPU per request; with this lane 1.4-1.6 x (`bench/forwarding.py`,
 docs/results.md).
 
 As soon as a GET's head is whole, the listener's protocol (`inbound.py`) asks the app
