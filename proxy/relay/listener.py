@@ -112,10 +112,11 @@ def _decoded(body: bytes, encoding: str) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class KnownRead:
-    """A read that was, byte for byte, a GET this listener ran inline: for whom, what went upstream,
-    and the request (for the scope of a task that takes over)."""
+    """A read that was, byte for byte, a GET this listener ran inline: for whom and over what scheme,
+    what went upstream, and the request (for the scope of a task that takes over)."""
 
     client: str | None
+    scheme: str  # one app serves one listener, but what went upstream says it (X-Forwarded-Proto)
     upstream: bytes
     request: InlineHead
 
@@ -240,7 +241,7 @@ class TenantApp:
         if known is None:
             return None
         client = server.client
-        if known.client != (client[0] if client else None):
+        if known.client != (client[0] if client else None) or known.scheme != server.scheme:
             return None
         exchange = self.forwarder.send_now(self.tenant, known.upstream, lambda conn: InlineExchange(
             server, server.lane_cycle("1.1", known=True), conn, self._lane, known.request, known.upstream))
@@ -261,7 +262,7 @@ class TenantApp:
         if len(self._known_reads) >= INLINE_HEADS_MAX:
             self._known_reads.clear()
         client = server.client
-        self._known_reads[data] = KnownRead(client[0] if client else None, exchange.upstream,
+        self._known_reads[data] = KnownRead(client[0] if client else None, server.scheme, exchange.upstream,
                                             (target, tuple(headers), version))
 
     def _inline_head(self, scope: Scope) -> bytes | None:
