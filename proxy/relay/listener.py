@@ -116,7 +116,7 @@ class KnownRead:
     what went upstream, and the request (for the scope of a task that takes over)."""
 
     client: str | None
-    scheme: str  # one app serves one listener, but what went upstream says it (X-Forwarded-Proto)
+    scheme: str | None  # one app serves one listener, but what went upstream says it (X-Forwarded-Proto)
     upstream: bytes
     request: InlineHead
 
