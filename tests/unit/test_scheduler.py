@@ -15,6 +15,7 @@ import pytest
 
 from proxy.clock import ManualClock, until_all_wait
 from proxy.config.registry import Registry
+from proxy.config.schema import Tenant
 from proxy.config.units import GIB
 from proxy.gpu.attribution import AttributedSnapshot
 from proxy.handoff.decisions import Queued, QueueEnded, ReleaseResult
@@ -720,6 +721,15 @@ async def test_a_load_is_planned_on_the_most_the_card_showed_it_take_while_its_w
     await queue.aclose()
 
 
+async def _gemma_loaded(queue: Scheduler, effects: Recorder, ollama: Tenant) -> None:
+    """A chat that loaded ollama:gemma (16 GiB) through the queue and ended: its promise settled."""
+    warm = effects.inflight.begin("ollama", admitted=False)
+    first = await asyncio.wait_for(queue.request(ollama, "ollama:gemma", 16 * GIB, "chat", work=warm), 1)
+    queue.loaded("ollama", "ollama:gemma")
+    effects.inflight.end(warm)
+    queue.settle(first.handoff)
+
+
 async def test_a_chat_right_after_an_unload_waits_until_the_card_shows_the_memory_gone(clock: ManualClock) -> None:
     """Found on the demo (issue 40): an unload answered before Ollama let the memory go; a chat right
     after it was planned on a reading that still showed the model, counted that memory as its own and
@@ -728,11 +738,7 @@ async def test_a_chat_right_after_an_unload_waits_until_the_card_shows_the_memor
     effects.procs, effects.free = [("ollama", 1, 16 * GIB), ("comfyui", 2, 1 * GIB)], 6 * GIB
     queue = scheduler(effects)
     ollama = effects.registry.get("ollama")
-    warm = effects.inflight.begin("ollama", admitted=False)
-    first = await asyncio.wait_for(queue.request(ollama, "ollama:gemma", 16 * GIB, "chat", work=warm), 1)
-    queue.loaded("ollama", "ollama:gemma")
-    effects.inflight.end(warm)
-    queue.settle(first.handoff)
+    await _gemma_loaded(queue, effects, ollama)
     unload = effects.inflight.begin("ollama", admitted=False)
     queue.admit_unplanned(unload, "ollama", "ollama:gemma")
     effects.inflight.end(unload)
@@ -760,11 +766,7 @@ async def test_an_unload_the_last_reading_never_showed_loaded_is_seen_once_the_c
     effects.procs, effects.free = [("ollama", 1, 0), ("comfyui", 2, 1 * GIB)], 22 * GIB
     queue = scheduler(effects)
     ollama = effects.registry.get("ollama")
-    warm = effects.inflight.begin("ollama", admitted=False)
-    first = await asyncio.wait_for(queue.request(ollama, "ollama:gemma", 16 * GIB, "chat", work=warm), 1)
-    queue.loaded("ollama", "ollama:gemma")
-    effects.inflight.end(warm)
-    queue.settle(first.handoff)
+    await _gemma_loaded(queue, effects, ollama)
     effects.procs, effects.free = [("ollama", 1, 16 * GIB), ("comfyui", 2, 1 * GIB)], 6 * GIB  # unread yet
     unload = effects.inflight.begin("ollama", admitted=False)
     queue.admit_unplanned(unload, "ollama", "ollama:gemma")
