@@ -39,6 +39,12 @@ h11_max_incomplete_event_size), and nginx and Envoy ship all of them on by defau
   broken promise costs a send, never the head. It says False (nothing held) for a HEAD request,
   whose body uvicorn never writes, or when the request is not the one the connection answers now.
 
+- A GET the app can run itself (`start_inline`, inline.py) is handed to it as soon as its head is
+  whole, before uvicorn builds a scope or a request cycle (`lane_cycle`: one with no scope, which
+  `start_task` completes if a task takes over); a read that is byte for byte a kept-alive GET the app
+  ran so before is handed over unparsed (`start_read`, `learn_read`), with the state the parse would
+  have left.
+
 Refusals are logged at most once per 10 s per status, with how many there were.
 """
 
