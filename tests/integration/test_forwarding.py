@@ -13,6 +13,7 @@ import gzip
 import ipaddress
 import json
 import logging
+import random
 import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -1166,6 +1167,83 @@ async def test_two_gets_in_one_read_are_answered_in_order_and_not_learnt_as_one(
             writer.close()
     assert [g[1][b"x-served"] for g in got] == [b"%d" % n for n in range(1, 6)]
     assert spy.count == 0, "a read of two requests is never taken for one"
+
+
+@contextlib.asynccontextmanager
+async def echo_upstream() -> AsyncIterator[str]:
+    """An engine that answers every request with what it was (X-Echo: method and target; the body:
+    that and the request body's length), keep-alive; `split` in the target: the head, then the body
+    5 ms later; `big`: a 20 KiB body (past what an inline answer writes whole)."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                method, target, _ = head.split(b"\r\n", 1)[0].split(b" ")
+                fields = {k.lower(): v for k, _, v in (line.partition(b": ") for line in head.split(b"\r\n")[1:])}
+                sent = await reader.readexactly(int(fields.get(b"content-length", b"0")))
+                body = b"%s %s %d" % (method, target, len(sent)) + (b"." * 20_000 if b"big" in target else b"")
+                answer_head = b"HTTP/1.1 200 OK\r\nX-Echo: %s %s\r\nContent-Length: %d\r\n\r\n" % (
+                    method, target, len(body))
+                if b"split" in target:
+                    writer.write(answer_head)
+                    await writer.drain()
+                    await asyncio.sleep(0.005)
+                    writer.write(body)
+                else:
+                    writer.write(answer_head + body)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+
+
+def _random_request(rng: random.Random) -> tuple[bytes, bytes, bool]:
+    """A request's bytes, the X-Echo its answer must carry, and whether it ends its connection."""
+    kind = rng.choice(["known", "known", "other", "split", "big", "query", "post", "close"])
+    host = b"Host: localhost\r\n"
+    if kind == "post":
+        body = b"x" * rng.randint(0, 40)
+        return b"POST /api/echo HTTP/1.1\r\n%sContent-Length: %d\r\n\r\n%s" % (host, len(body), body), \
+            b"POST /api/echo", False
+    target = {"known": b"/api/tags", "other": b"/api/version", "split": b"/api/split", "big": b"/api/big",
+              "query": b"/api/tags?r=%d" % rng.randint(0, 3), "close": b"/api/tags"}[kind]
+    close = b"Connection: close\r\n" if kind == "close" else b""
+    return b"GET %s HTTP/1.1\r\n%s%s\r\n" % (target, host, close), b"GET " + target, kind == "close"
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_random_mixes_of_gets_posts_and_pipelined_pairs_get_each_its_own_answer_in_order(seed: int) -> None:
+    # The inline lane (parsed, known by its bytes, answers known by sight, whole or split or big, handed
+    # to a task) beside the ASGI path, one connection at a time, some reads holding two requests.
+    rng = random.Random(seed)
+    async with echo_upstream() as url, stack("generic", None, upstream_url=url) as (proxy, _, inflight, _):
+        reader, writer = await _raw_request(proxy.url, b"")
+        try:
+            for _ in range(30):
+                batch = [_random_request(rng) for _ in range(rng.choice([1, 1, 1, 2]))]
+                if any(close for _, _, close in batch[:-1]):
+                    batch = batch[:1]  # nothing is answered after a Connection: close
+                writer.write(b"".join(raw for raw, _, _ in batch))
+                for raw, echo, _ in batch:
+                    status, headers, body = await _read_answer(reader)
+                    assert (status.split()[1], headers.get(b"x-echo")) == (b"200", echo), (seed, raw)
+                    sent = raw.partition(b"\r\n\r\n")[2]
+                    assert body.startswith(echo + b" %d" % len(sent)), (seed, raw, body[:80])
+                if batch[-1][2]:
+                    assert await within(reader.read()) == b"", "the connection ends after a Connection: close"
+                    writer.close()
+                    reader, writer = await _raw_request(proxy.url, b"")
+        finally:
+            writer.close()
+        assert await inflight.wait_idle("generic", SAFETY_S)
+        await poll_until(lambda: inflight.connections("generic") == 0, 0.01)
 
 
 async def test_a_client_leaving_an_inline_get_before_its_answer_drops_the_upstream_request(
