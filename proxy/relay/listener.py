@@ -34,7 +34,7 @@ from proxy.handoff.inflight import InFlight, JobFate, JobPoller, Token
 from proxy.relay import progress
 from proxy.relay.departure import ClientLink, Sweep, has_body
 from proxy.relay.forward import Forwarder, UpstreamResponse, upstream_error
-from proxy.relay.gpu_gate import FirstStep, GpuGate
+from proxy.relay.gpu_gate import FirstStep, GpuGate, request_path
 from proxy.relay.guards import SAFE_METHODS, answer, host_header, refuse_tenant_host
 from proxy.relay.inline import InlineExchange
 from proxy.relay.trace import Trace, stamp, traced
@@ -307,7 +307,7 @@ class TenantApp:
         job ends). `wake`: its tenant sleeps; woken before anything else (inside a streamed request's
         progress answer, so the client hears the app start)."""
         tenant, forwarder, inflight = self.tenant, self.forwarder, self.inflight
-        method, path = request.method, request.url.path
+        method, path = request.method, request_path(request)
         token = inflight.begin(tenant.name, admitted=self.gate is None)
         try:
             body, rest = await _read_up_to(request, tenant.replay_body_max_bytes)
@@ -351,7 +351,7 @@ class TenantApp:
         then streamed to the engine as it arrives."""
         tenant, forwarder = self.tenant, self.forwarder
         log.info("%s: %s %s body exceeds replay_body_max_mb=%s: planned on its head, streamed, no OOM retry",
-                 tenant.name, request.method, request.url.path, tenant.replay_body_max_mb)
+                 tenant.name, request.method, request_path(request), tenant.replay_body_max_mb)
         if self.gate is None:
             self.inflight.admit(token)
             return await forwarder.open(tenant, request, rest)
@@ -376,7 +376,7 @@ class TenantApp:
         and the request's X-HyperSwap-Progress header (on/off), else the tenant's `progress`, asks."""
         if self.gate is None or not progress.wanted(self.tenant.progress, request.headers.get(progress.HEADER)):
             return None
-        return self.adapter.stream_format(request.url.path, body)
+        return self.adapter.stream_format(request_path(request), body)
 
     def _progress(self, request: Request, body: bytes, token: Token, streamed: Streamed, first: FirstStep,
                   wake: Wake | None = None) -> Response:
@@ -387,7 +387,7 @@ class TenantApp:
         assert gate is not None
         changed = asyncio.Event()
         unwatch = gate.watch_waits(changed.set)
-        method, path = request.method, request.url.path
+        method, path = request.method, request_path(request)
 
         def answer(result: UpstreamResponse | Response) -> Response:
             unwatch()
