@@ -537,8 +537,9 @@ class GpuGate:
                          arrived_wall: float, loads: bool) -> None:
         if trace is None:
             return
-        record_wait(trace, self.broker.decisions, handoff, arrived_wall, self.broker.clock.wall(),
-                    used_ago=partial(self._used_ago, arrived_wall))
+        if handoff.queued is not None or isinstance(handoff.decision, HandoffStarted):  # else it waited for nothing
+            record_wait(trace, self.broker.decisions, handoff, arrived_wall, self.broker.clock.wall(),
+                        used_ago=partial(self._used_ago, arrived_wall))
         if loads:
             trace.say(f"loading {need.model} ({gib(need.bytes)} GiB)")
             trace.loading = partial(self._load_figure, tenant, need)
