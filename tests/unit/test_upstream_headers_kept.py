@@ -66,6 +66,7 @@ def test_a_reloaded_tenant_gets_its_new_adapters_headers() -> None:
     f = Forwarder()
     s = scope([(b"host", b"127.0.0.1:8080"), (b"content-length", b"2")])
     _, _, before, _ = f._upstream_request(tenant(upstream="http://127.0.0.1:11434"), s, b"{}")
+    assert (b"host", b"127.0.0.1:11434") in before
     moved = tenant(upstream="http://127.0.0.1:11999")
     _, _, after, _ = f._upstream_request(moved, s, b"{}")
     assert (b"host", b"127.0.0.1:11999") in after and (b"host", b"127.0.0.1:11434") not in after
