@@ -37,6 +37,8 @@ OLLAMA_OOM_MARKERS = ("out of memory", "out of device memory", "cudamalloc faile
                       "failed to allocate", "allocation failed", "not enough memory", "insufficient memory",
                       "vk_error_out_of_device_memory", "unable to allocate cuda")
 
+PARSED_KEPT_MAX = 64 * 1024  # a request body up to this is kept parsed until the next one (OllamaAdapter._request_json)
+
 # POST routes that schedule a runner (load a model). /api/pull only downloads: no GPU.
 GPU_ROUTES = frozenset({
     "/api/generate", "/api/chat", "/api/embed", "/api/embeddings",
@@ -94,6 +96,21 @@ class OllamaAdapter(EngineAdapter):
     def __init__(self, tenant: Tenant) -> None:
         super().__init__(tenant)
         self.sizes = OllamaCatalog()  # per adapter, so per tenant: refreshed when a name is missing
+        self._parsed: tuple[bytes, object] = (b"", None)  # the last request body read, and what it parsed to
+
+    def _request_json(self, body: bytes) -> object:
+        """A GPU request's body as JSON (None: not JSON), parsed once for the questions asked of the
+        same request (its stream format, its need, its answer): the listener hands each of them the
+        same bytes object, so the last one parsed is recognised by identity (bytes never change, and
+        the object held here cannot be freed and its id reused). Readers never change what it gives.
+        A body over PARSED_KEPT_MAX is not held past its request."""
+        last, data = self._parsed
+        if body is last:
+            return data
+        data = json_or_none(body)
+        if len(body) <= PARSED_KEPT_MAX:
+            self._parsed = (body, data)
+        return data
 
     service_unit = "ollama.service"
 
@@ -130,7 +147,7 @@ class OllamaAdapter(EngineAdapter):
         fmt = _STREAMS.get(route)
         if fmt is None:
             return None
-        data = json_or_none(body)
+        data = self._request_json(body)
         if not isinstance(data, dict) or not isinstance(data.get("model"), str) or not data["model"]:
             return None
         if fmt.startswith("sse"):
@@ -169,7 +186,7 @@ class OllamaAdapter(EngineAdapter):
         """What Ollama reported this load (content and load options) took, else the model's size on
         disk plus the context allowance, unless configured per model."""
         tenant = self.tenant
-        data = json_or_none(body)
+        data = self._request_json(body)
         if not (isinstance(data, dict) and isinstance(data.get("model"), str)):
             return await super().estimate_need(path, body, client)
         model = canonical(data["model"])
@@ -315,7 +332,7 @@ class OllamaAdapter(EngineAdapter):
 
     def saw_gpu_answer(self, path: str, body: bytes, status: int) -> None:
         """An answer under 400 to a request that loads: Ollama holds the model with its load options now."""
-        data = json_or_none(body)
+        data = self._request_json(body)
         if status < 400 and isinstance(data, dict) and isinstance(data.get("model"), str) and data["model"]:
             self.sizes.answered(data["model"], load_shape(data))
 

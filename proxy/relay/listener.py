@@ -35,7 +35,7 @@ from proxy.handoff.inflight import InFlight, JobFate, JobPoller, Token
 from proxy.relay import progress
 from proxy.relay.departure import ClientLink, Sweep, has_body
 from proxy.relay.forward import Forwarder, UpstreamResponse, upstream_error
-from proxy.relay.gpu_gate import FirstStep, GpuGate
+from proxy.relay.gpu_gate import FirstStep, GpuGate, request_path
 from proxy.relay.guards import SAFE_METHODS, answer, host_header, refuse_tenant_host
 from proxy.relay.inbound import Inline, InlineHead
 from proxy.relay.inline import InlineExchange, InlineLane
@@ -60,29 +60,65 @@ _UNSEEN = object()
 
 
 async def _read_up_to(request: Request, limit: int) -> tuple[bytes, AsyncIterator[bytes] | None]:
-    """The whole body if it fits in `limit`, else (prefix, iterator yielding prefix then the rest)."""
-    declared = request.headers.get("content-length")
-    stream = request.stream()
+    """The whole body if it fits in `limit`, else (prefix, iterator yielding prefix then the rest).
+    Read from the request's `receive` as Starlette's `Request.stream()` reads it (a client that leaves
+    raises ClientDisconnect), without its generator: the usual body is one message."""
+    declared = _header(request.scope, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        return b"", stream
+        return b"", request.stream()
+    receive = request.receive
     parts: list[bytes] = []
     size = 0
-    async for chunk in stream:
-        parts.append(chunk)
-        size += len(chunk)
-        if size > limit:
-            return b"", _again(parts, stream)
-    return b"".join(parts), None
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        if message["type"] != "http.request":
+            continue
+        chunk: bytes = message.get("body", b"")
+        more: bool = message.get("more_body", False)
+        if chunk:
+            parts.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                return b"", _again(parts, _rest(receive) if more else None)
+        if not more:
+            return b"".join(parts), None
 
 
-async def _again(read: list[bytes], stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """A body of which `read` was read already: those chunks, then the rest of `stream`."""
+def _header(scope: Scope, name: bytes) -> str | None:
+    """A request header's first value, as Starlette's `request.headers.get` reads it (`name` lower-case,
+    as ASGI hands the names over), without building its Headers."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")  # type: ignore[no-any-return]
+    return None
+
+
+async def _rest(receive: Receive) -> AsyncIterator[bytes]:
+    """What is left of a body being read from `receive`."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        if message["type"] != "http.request":
+            continue
+        if chunk := message.get("body", b""):
+            yield chunk
+        if not message.get("more_body", False):
+            return
+
+
+async def _again(read: list[bytes], stream: AsyncIterator[bytes] | None) -> AsyncIterator[bytes]:
+    """A body of which `read` was read already: those chunks, then the rest of `stream` (None: no more)."""
     for part in read:
         yield part
-    async for more in stream:
-        yield more
+    if stream is not None:
+        async for more in stream:
+            yield more
 
 
+PROGRESS_HEADER = progress.HEADER.lower().encode("latin-1")
 HEAD_BYTES = 64 * 1024  # what is read of a body too large to keep, to find the model it names
 
 
@@ -377,7 +413,7 @@ class TenantApp:
         job ends). `wake`: its tenant sleeps; woken before anything else (inside a streamed request's
         progress answer, so the client hears the app start)."""
         tenant, forwarder, inflight = self.tenant, self.forwarder, self.inflight
-        method, path = request.method, request.url.path
+        method, path = request.method, request_path(request)
         token = inflight.begin(tenant.name, admitted=self.gate is None)
         try:
             body, rest = await _read_up_to(request, tenant.replay_body_max_bytes)
@@ -421,7 +457,7 @@ class TenantApp:
         then streamed to the engine as it arrives."""
         tenant, forwarder = self.tenant, self.forwarder
         log.info("%s: %s %s body exceeds replay_body_max_mb=%s: planned on its head, streamed, no OOM retry",
-                 tenant.name, request.method, request.url.path, tenant.replay_body_max_mb)
+                 tenant.name, request.method, request_path(request), tenant.replay_body_max_mb)
         if self.gate is None:
             self.inflight.admit(token)
             return await forwarder.open(tenant, request, rest)
@@ -444,9 +480,9 @@ class TenantApp:
     def _progress_for(self, request: Request, body: bytes) -> Streamed | None:
         """A streamed request that gets progress lines if it must wait: the engine streams its answer,
         and the request's X-HyperSwap-Progress header (on/off), else the tenant's `progress`, asks."""
-        if self.gate is None or not progress.wanted(self.tenant.progress, request.headers.get(progress.HEADER)):
+        if self.gate is None or not progress.wanted(self.tenant.progress, _header(request.scope, PROGRESS_HEADER)):
             return None
-        return self.adapter.stream_format(request.url.path, body)
+        return self.adapter.stream_format(request_path(request), body)
 
     def _progress(self, request: Request, body: bytes, token: Token, streamed: Streamed, first: FirstStep,
                   wake: Wake | None = None) -> Response:
@@ -457,7 +493,7 @@ class TenantApp:
         assert gate is not None
         changed = asyncio.Event()
         unwatch = gate.watch_waits(changed.set)
-        method, path = request.method, request.url.path
+        method, path = request.method, request_path(request)
 
         def answer(result: UpstreamResponse | Response) -> Response:
             unwatch()

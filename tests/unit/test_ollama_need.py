@@ -228,3 +228,29 @@ async def test_a_bad_footprints_file_is_ignored_with_a_warning(
         assert (await a.estimate_need("/api/generate", body(), client)).bytes == FILE + 2 * GIB
 
 
+
+
+async def test_one_request_body_is_parsed_once_for_its_stream_format_need_and_answer(
+        engine: respx.MockRouter, client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    import proxy.engines.ollama as ollama
+
+    parsed: list[bytes] = []
+
+    def counted(raw: bytes) -> object:
+        parsed.append(raw)
+        return json.loads(raw) if raw else None
+
+    monkeypatch.setattr(ollama, "json_or_none", counted)
+    a = adapter()
+    request = body()
+    assert a.stream_format("/api/generate", request) is not None
+    need = await a.estimate_need("/api/generate", request, client)
+    a.saw_gpu_answer("/api/generate", request, 200)
+    assert parsed == [request], f"the same body was parsed {len(parsed)} times"
+    # equal bytes of another request: parsed again, and read the same
+    again = bytes(bytearray(request))
+    assert again is not request
+    assert await a.estimate_need("/api/generate", again, client) == need
+    assert len(parsed) == 2
+    other = body(options={"num_ctx": 32768})
+    assert (await a.estimate_need("/api/generate", other, client)).key != need.key, "another body is not the last one's"
