@@ -1173,7 +1173,7 @@ async def test_two_gets_in_one_read_are_answered_in_order_and_not_learnt_as_one(
 async def echo_upstream() -> AsyncIterator[str]:
     """An engine that answers every request with what it was (X-Echo: method and target; the body:
     that and the request body's length), keep-alive; `split` in the target: the head, then the body
-    5 ms later; `big`: a 20 KiB body (past what an inline answer writes whole)."""
+    a few loop turns later; `big`: a 20 KiB body (past what an inline answer writes whole)."""
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
@@ -1187,7 +1187,8 @@ async def echo_upstream() -> AsyncIterator[str]:
                 if b"split" in target:
                     writer.write(answer_head)
                     await writer.drain()
-                    await asyncio.sleep(0.005)
+                    for _ in range(3):  # loop turns for the relay to read the head on its own
+                        await asyncio.sleep(0)
                     writer.write(body)
                 else:
                     writer.write(answer_head + body)
