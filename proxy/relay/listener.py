@@ -70,13 +70,7 @@ async def _read_up_to(request: Request, limit: int) -> tuple[bytes, AsyncIterato
     parts: list[bytes] = []
     size = 0
     while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientDisconnect()
-        if message["type"] != "http.request":
-            continue
-        chunk: bytes = message.get("body", b"")
-        more: bool = message.get("more_body", False)
+        chunk, more = await _next_part(receive)
         if chunk:
             parts.append(chunk)
             size += len(chunk)
@@ -84,6 +78,17 @@ async def _read_up_to(request: Request, limit: int) -> tuple[bytes, AsyncIterato
                 return b"", _again(parts, _rest(receive) if more else None)
         if not more:
             return b"".join(parts), None
+
+
+async def _next_part(receive: Receive) -> tuple[bytes, bool]:
+    """The next part of a request's body and whether more follows; a client that left raises
+    ClientDisconnect (what Starlette's `Request.stream()` does, message by message)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        if message["type"] == "http.request":
+            return message.get("body", b""), message.get("more_body", False)
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -98,14 +103,10 @@ def _header(scope: Scope, name: bytes) -> str | None:
 async def _rest(receive: Receive) -> AsyncIterator[bytes]:
     """What is left of a body being read from `receive`."""
     while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientDisconnect()
-        if message["type"] != "http.request":
-            continue
-        if chunk := message.get("body", b""):
+        chunk, more = await _next_part(receive)
+        if chunk:
             yield chunk
-        if not message.get("more_body", False):
+        if not more:
             return
 
 

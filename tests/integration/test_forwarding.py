@@ -768,11 +768,22 @@ async def test_official_ollama_client_streams_generate_through_proxy() -> None:
 @contextlib.asynccontextmanager
 async def raw_upstream(answer_for: Callable[[bytes], bytes]) -> AsyncIterator[str]:
     """An engine that answers each request head (bodiless requests only) with the bytes given."""
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(answer_for(await reader.readuntil(b"\r\n\r\n")))
+
+    async with _engine(answer) as url:
+        yield url
+
+
+@contextlib.asynccontextmanager
+async def _engine(answer: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+                  ) -> AsyncIterator[str]:
+    """A raw engine on a port of its own: `answer` serves one request of a kept-alive connection,
+    again and again until the client closes it."""
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                writer.write(answer_for(head))
+                await answer(reader, writer)
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
@@ -1174,35 +1185,25 @@ async def echo_upstream() -> AsyncIterator[str]:
     """An engine that answers every request with what it was (X-Echo: method and target; the body:
     that and the request body's length), keep-alive; `split` in the target: the head, then the body
     a few loop turns later; `big`: a 20 KiB body (past what an inline answer writes whole)."""
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                method, target, _ = head.split(b"\r\n", 1)[0].split(b" ")
-                fields = {k.lower(): v for k, _, v in (line.partition(b": ") for line in head.split(b"\r\n")[1:])}
-                sent = await reader.readexactly(int(fields.get(b"content-length", b"0")))
-                body = b"%s %s %d" % (method, target, len(sent)) + (b"." * 20_000 if b"big" in target else b"")
-                answer_head = b"HTTP/1.1 200 OK\r\nX-Echo: %s %s\r\nContent-Length: %d\r\n\r\n" % (
-                    method, target, len(body))
-                if b"split" in target:
-                    writer.write(answer_head)
-                    await writer.drain()
-                    for _ in range(3):  # loop turns for the relay to read the head on its own
-                        await asyncio.sleep(0)
-                    writer.write(body)
-                else:
-                    writer.write(answer_head + body)
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        method, target, _ = head.split(b"\r\n", 1)[0].split(b" ")
+        fields = {k.lower(): v for k, _, v in (line.partition(b": ") for line in head.split(b"\r\n")[1:])}
+        sent = await reader.readexactly(int(fields.get(b"content-length", b"0")))
+        body = b"%s %s %d" % (method, target, len(sent)) + (b"." * 20_000 if b"big" in target else b"")
+        answer_head = b"HTTP/1.1 200 OK\r\nX-Echo: %s %s\r\nContent-Length: %d\r\n\r\n" % (
+            method, target, len(body))
+        if b"split" in target:
+            writer.write(answer_head)
+            await writer.drain()
+            for _ in range(3):  # loop turns for the relay to read the head on its own
+                await asyncio.sleep(0)
+            writer.write(body)
+        else:
+            writer.write(answer_head + body)
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    finally:
-        server.close()
+    async with _engine(answer) as url:
+        yield url
 
 
 def _random_request(rng: random.Random) -> tuple[bytes, bytes, bool]:
