@@ -19,6 +19,8 @@ import socket
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from proxy.memo import remember
+
 IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -102,10 +104,7 @@ class HostPolicy:
             return True
         known = self._cache.get(host_header)
         if known is None:
-            known = self._decide(host_name(host_header))
-            if len(self._cache) >= CACHE_MAX:
-                self._cache.clear()
-            self._cache[host_header] = known
+            known = remember(self._cache, host_header, self._decide(host_name(host_header)), CACHE_MAX)
         return known
 
     def _decide(self, name: str) -> bool:

@@ -45,6 +45,7 @@ from proxy.config.schema import Tenant
 from proxy.engines import AdapterCache, strip_hop_by_hop
 from proxy.engines.ports import Header, HostAndHeaders
 from proxy.errors import HyperSwapError
+from proxy.memo import remember
 from proxy.relay import http1
 from proxy.relay.inbound import ABORT, HEAD_WITH_BODY
 from proxy.tls import client_context
@@ -348,10 +349,9 @@ class Forwarder:
         key = (tenant.name, sent, client_ip, scheme)
         known = self._unframed.get(key)
         if known is None or known[0] is not adapter:
-            if len(self._unframed) >= UNFRAMED_KEPT_MAX:
-                self._unframed.clear()
             headers = adapter.upstream_headers(sent, client_ip=client_ip, scheme=scheme)
-            known = self._unframed[key] = (adapter, [(k, v) for k, v in headers if k != b"content-length"])
+            known = remember(self._unframed, key, (adapter, [(k, v) for k, v in headers if k != b"content-length"]),
+                             UNFRAMED_KEPT_MAX)
         return list(known[1])
 
     def relay(self, tenant: Tenant, upstream_response: UpstreamResponse, on_close: OnClose,

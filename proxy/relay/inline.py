@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 from starlette.types import ASGIApp
 
 from proxy.engines import strip_hop_by_hop
+from proxy.memo import remember
 from proxy.relay import http1
 from proxy.relay.forward import BODILESS, HEAD_WITH_BODY_MAX, UpstreamResponse
 from proxy.relay.inbound import AnswerHead, InlineHead, whole_answer_head
@@ -74,9 +75,7 @@ class InlineLane:
             return heads[key]
         head = whole_answer_head(status, strip_hop_by_hop(headers))
         if sum(len(n) + len(v) for n, v in headers) <= ANSWER_HEAD_KEY_MAX:
-            if len(heads) >= ANSWER_HEADS_MAX:
-                heads.clear()
-            heads[key] = head
+            remember(heads, key, head, ANSWER_HEADS_MAX)
         return head
 
     def whole_answer(self, data: bytes) -> tuple[AnswerHead, bytes] | None:
@@ -96,9 +95,7 @@ class InlineLane:
         head = data[:len(data) - len(body)]
         if answer[1] != len(body) or not head.endswith(b"\r\n\r\n") or len(head) > ANSWER_HEAD_KEY_MAX:
             return
-        if len(self._whole) >= WHOLE_ANSWERS_MAX:
-            self._whole.clear()
-        self._whole[head] = (answer, len(body))
+        remember(self._whole, head, (answer, len(body)), WHOLE_ANSWERS_MAX)
 
 
 class InlineExchange:

@@ -32,6 +32,7 @@ from proxy.engines.base import origin_netloc, same_origin
 from proxy.engines.ports import JobView, ListenerPorts, Streamed
 from proxy.errors import HyperSwapError
 from proxy.handoff.inflight import InFlight, JobFate, JobPoller, Token
+from proxy.memo import remember
 from proxy.relay import progress
 from proxy.relay.departure import ClientLink, Sweep, has_body
 from proxy.relay.forward import Forwarder, UpstreamResponse, upstream_error
@@ -260,9 +261,7 @@ class TenantApp:
         if head is _UNSEEN:
             head = self._inline_head(server.request_scope("GET", http_version, target, headers))
             if len(target) + sum(len(n) + len(v) for n, v in headers) <= INLINE_HEAD_KEY_MAX:
-                if len(self._inline_heads) >= INLINE_HEADS_MAX:
-                    self._inline_heads.clear()
-                self._inline_heads[key] = head
+                remember(self._inline_heads, key, head, INLINE_HEADS_MAX)
         if not isinstance(head, bytes):
             return None  # None: not run inline
         exchange = self.forwarder.send_now(self.tenant, head, lambda conn: InlineExchange(
@@ -296,11 +295,9 @@ class TenantApp:
         target, headers, version = exchange.request
         if version != "1.1" or cycle is None or not cycle.keep_alive or cycle.waiting_for_100_continue:
             return
-        if len(self._known_reads) >= INLINE_HEADS_MAX:
-            self._known_reads.clear()
         client = server.client
-        self._known_reads[data] = KnownRead(client[0] if client else None, server.scheme, exchange.upstream,
-                                            (target, tuple(headers), version))
+        remember(self._known_reads, data, KnownRead(client[0] if client else None, server.scheme, exchange.upstream,
+                                                    (target, tuple(headers), version)), INLINE_HEADS_MAX)
 
     def _inline_head(self, scope: Scope) -> bytes | None:
         """What a GET with this head sends upstream when it can be run inline; None: it cannot (a body,
@@ -322,11 +319,9 @@ class TenantApp:
         known = self._inline_routes.get(path)
         if known is None:
             adapter = self.adapter
-            known = adapter.classify("GET", path) == "passthrough" and not adapter.model_news("GET", path) \
-                and not adapter.job_news("GET", path) and adapter.job_view("GET", path) is None
-            if len(self._inline_routes) >= INLINE_ROUTES_MAX:
-                self._inline_routes.clear()
-            self._inline_routes[path] = known
+            known = remember(self._inline_routes, path, adapter.classify("GET", path) == "passthrough"
+                             and not adapter.model_news("GET", path) and not adapter.job_news("GET", path)
+                             and adapter.job_view("GET", path) is None, INLINE_ROUTES_MAX)
         return known
 
     def _relay_opened(self, upstream: UpstreamResponse) -> ASGIApp:

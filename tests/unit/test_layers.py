@@ -17,7 +17,7 @@ from tests.unit.test_imports import ROOT, Edge, import_edges, modules
 # First to last. A module belongs to the first layer with a prefix that is its name or a package of it.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core", ("proxy.config", "proxy.errors", "proxy.clock", "proxy.tasks", "proxy.tls", "proxy.hosts",
-              "proxy.decision_base", "proxy.encoding")),
+              "proxy.decision_base", "proxy.encoding", "proxy.memo")),
     ("gpu", ("proxy.gpu",)),
     # lifecycle: how an engine is started and stopped (its release kinds are listed with the engines')
     ("engines", ("proxy.engines", "proxy.lifecycle")),
