@@ -333,8 +333,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         now (`start_read`), with no answer owed on the connection: served without a parse. What the
         parse would have left is set here: the head whole, the message complete, the parser between
         messages (only a kept-alive HTTP/1.1 GET with no Expect is learnt)."""
-        start, cycle = self._start_read, self.cycle
-        if start is None or self._inline is not None or (cycle is not None and not cycle.response_complete):
+        start = self._start_read
+        if start is None or self._inline is not None or self._answer_owed():
             return False
         exchange = start(self, data)
         if exchange is None:
@@ -347,6 +347,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         cycle.more_body = False  # on_message_complete's
         cycle.message_event.set()
         return True
+
+    def _answer_owed(self) -> bool:
+        """A request on this connection is still being answered (requests on a connection are answered
+        in turn: anything else waits for it)."""
+        cycle = self.cycle
+        return cycle is not None and not cycle.response_complete
 
     def _head_unfinished(self, read: int, starts_fresh: bool) -> None:
         """A read ended inside a head: count it (httptools holds a header's pieces where the
@@ -410,9 +416,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         """Whether the app runs this request's exchange itself (inline.py): a GET with no upgrade, on a
         connection with no answer owed, that the app takes. Decided before uvicorn's scope, URL parse
         and cycle are built, which were a fifth of the relay's own Python per small GET."""
-        cycle, parser = self.cycle, self.parser
-        if (cycle is not None and not cycle.response_complete) or parser.get_method() != b"GET" \
-                or parser.should_upgrade():
+        parser = self.parser
+        if self._answer_owed() or parser.get_method() != b"GET" or parser.should_upgrade():
             return False
         assert self._start_inline is not None
         self._inline = self._start_inline(self, self.url, self.headers, parser.get_http_version())
@@ -554,7 +559,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._head_timer = None
         if self._closing or self.transport.is_closing():
             return
-        if self.cycle is not None and not self.cycle.response_complete:
+        if self._answer_owed():
             # A request is being served; a head pipelined behind it waits for it (reading is paused).
             self._arm_head_timer()
         elif not self._in_message:

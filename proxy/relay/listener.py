@@ -19,7 +19,6 @@ import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
@@ -38,14 +37,10 @@ from proxy.relay.departure import ClientLink, Sweep, has_body
 from proxy.relay.forward import Forwarder, UpstreamResponse, upstream_error
 from proxy.relay.gpu_gate import FirstStep, GpuGate, request_path
 from proxy.relay.guards import SAFE_METHODS, answer, host_header, refuse_tenant_host
-from proxy.relay.inbound import Inline, InlineHead
+from proxy.relay.inbound import GuardedHttpProtocol, Inline, InlineHead
 from proxy.relay.inline import InlineExchange, InlineLane
 from proxy.relay.trace import Trace, stamp, traced
 from proxy.relay.trace import current as current_trace
-
-if TYPE_CHECKING:
-
-    from proxy.relay.inbound import GuardedHttpProtocol
 
 log = logging.getLogger("hyperswap.listener")
 
@@ -99,6 +94,12 @@ def _header(scope: Scope, name: bytes) -> str | None:
         if key == name:
             return value.decode("latin-1")  # type: ignore[no-any-return]
     return None
+
+
+def _address(server: GuardedHttpProtocol) -> str | None:
+    """The client's address on this connection (None: not known, as for a Unix socket)."""
+    client = server.client
+    return client[0] if client else None
 
 
 async def _rest(receive: Receive) -> AsyncIterator[bytes]:
@@ -255,8 +256,7 @@ class TenantApp:
         to its upstream is there; None: serve it as ever."""
         if self._sleeps:
             return None
-        client = server.client
-        key = (target, tuple(headers), client[0] if client else None, server.scheme)
+        key = (target, tuple(headers), _address(server), server.scheme)
         head = self._inline_heads.get(key, _UNSEEN)
         if head is _UNSEEN:
             head = self._inline_head(server.request_scope("GET", http_version, target, headers))
@@ -264,25 +264,25 @@ class TenantApp:
                 remember(self._inline_heads, key, head, INLINE_HEADS_MAX)
         if not isinstance(head, bytes):
             return None  # None: not run inline
-        exchange = self.forwarder.send_now(self.tenant, head, lambda conn: InlineExchange(
-            server, server.lane_cycle(http_version), conn, self._lane, (target, headers, http_version), head))
-        if exchange is not None:
-            self.inflight.connection_opened(self.tenant.name)  # a stop never cuts it (TenantLifecycle)
-        return exchange
+        return self._run_inline(server, head, (target, headers, http_version), known=False)
 
     def start_read(self, server: GuardedHttpProtocol, data: bytes) -> InlineExchange | None:
         """Run again, with no parse, a read that was byte for byte a GET this listener ran inline
         (`learn_read`), for the same client address, when an idle upstream connection is there."""
         known = self._known_reads.get(data)
-        if known is None:
+        if known is None or known.client != _address(server) or known.scheme != server.scheme:
             return None
-        client = server.client
-        if known.client != (client[0] if client else None) or known.scheme != server.scheme:
-            return None
-        exchange = self.forwarder.send_now(self.tenant, known.upstream, lambda conn: InlineExchange(
-            server, server.lane_cycle("1.1", known=True), conn, self._lane, known.request, known.upstream))
+        return self._run_inline(server, known.upstream, known.request, known=True)
+
+    def _run_inline(self, server: GuardedHttpProtocol, upstream: bytes, request: InlineHead, *,
+                    known: bool) -> InlineExchange | None:
+        """Send `upstream` (the request's head as it goes upstream) on an idle pooled connection, its
+        answer to an inline exchange on the connection's `lane_cycle`; None: no idle connection.
+        `known`: a known read (`start_read`), served unparsed."""
+        exchange = self.forwarder.send_now(self.tenant, upstream, lambda conn: InlineExchange(
+            server, server.lane_cycle(request[2], known=known), conn, self._lane, request, upstream))
         if exchange is not None:
-            self.inflight.connection_opened(self.tenant.name)
+            self.inflight.connection_opened(self.tenant.name)  # a stop never cuts it (TenantLifecycle)
         return exchange
 
     def learn_read(self, server: GuardedHttpProtocol, data: bytes, exchange: Inline) -> None:
@@ -295,8 +295,7 @@ class TenantApp:
         target, headers, version = exchange.request
         if version != "1.1" or cycle is None or not cycle.keep_alive or cycle.waiting_for_100_continue:
             return
-        client = server.client
-        remember(self._known_reads, data, KnownRead(client[0] if client else None, server.scheme, exchange.upstream,
+        remember(self._known_reads, data, KnownRead(_address(server), server.scheme, exchange.upstream,
                                                     (target, tuple(headers), version)), INLINE_HEADS_MAX)
 
     def _inline_head(self, scope: Scope) -> bytes | None:
@@ -550,7 +549,7 @@ class TenantApp:
     def _foreign_origin(self, scope: Scope) -> str | None:
         """The Origin a browser sent, when it is neither this listener's own address nor a name the
         listener answers (loopback, allowed_hosts): a page elsewhere that must not start the app."""
-        origin = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"origin"), None)
+        origin = _header(scope, b"origin")
         if origin is None or same_origin(origin, host_header(scope) or "", scope.get("scheme", "http")):
             return None
         netloc = origin_netloc(origin)
