@@ -775,22 +775,35 @@ async def raw_upstream(answer_for: Callable[[bytes], bytes]) -> AsyncIterator[st
         yield url
 
 
+Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
 @contextlib.asynccontextmanager
-async def _engine(answer: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-                  ) -> AsyncIterator[str]:
+async def _engine(answer: Serve) -> AsyncIterator[str]:
     """A raw engine on a port of its own: `answer` serves one request of a kept-alive connection,
     again and again until the client closes it."""
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await answer(reader, writer)
+            await writer.drain()
+
+    async with _listening(serve) as url:
+        yield url
+
+
+@contextlib.asynccontextmanager
+async def _listening(serve: Serve) -> AsyncIterator[str]:
+    """`serve` run for each connection to a port of its own (its URL yielded), the connection closed
+    when it returns or the client goes."""
+    async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            while True:
-                await answer(reader, writer)
-                await writer.drain()
+            await serve(reader, writer)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
             writer.close()
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    server = await asyncio.start_server(connection, "127.0.0.1", 0)
     try:
         yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
     finally:
@@ -1285,25 +1298,15 @@ async def test_an_inline_get_on_a_connection_the_engine_closed_unanswered_is_ser
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         # answers the first request of each connection keep-alive; a second one is closed unanswered
-        try:
-            heads.append(await reader.readuntil(b"\r\n\r\n"))
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-            await writer.drain()
-            heads.append(await reader.readuntil(b"\r\n\r\n"))
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+        heads.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        heads.append(await reader.readuntil(b"\r\n\r\n"))
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    try:
-        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        async with stack("generic", None, upstream_url=url) as (proxy, _, _, _):
-            async with httpx.AsyncClient(verify=LOOPBACK_TLS) as c:
-                first = await c.get(f"{proxy.url}/api/tags")
-                second = await c.get(f"{proxy.url}/api/tags")
-    finally:
-        server.close()
+    async with _listening(serve) as url, stack("generic", None, upstream_url=url) as (proxy, _, _, _):
+        async with httpx.AsyncClient(verify=LOOPBACK_TLS) as c:
+            first = await c.get(f"{proxy.url}/api/tags")
+            second = await c.get(f"{proxy.url}/api/tags")
     assert (first.status_code, first.content, second.status_code, second.content) == (200, b"ok", 200, b"ok")
     assert spy.count == 1 and len(heads) == 3, heads
 
