@@ -29,7 +29,6 @@ import re
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import httpx
 import websockets
@@ -49,8 +48,6 @@ from proxy.memo import remember
 from proxy.relay import http1
 from proxy.relay.inbound import ABORT, HEAD_WITH_BODY
 from proxy.tls import client_context
-
-R = TypeVar("R", bound=http1.Receiver)
 
 log = logging.getLogger("hyperswap.forward")
 
@@ -308,7 +305,7 @@ class Forwarder:
         method, target, headers, _ = self._upstream_request(tenant, scope, b"")
         return http1.request_head(method, target, headers)
 
-    def send_now(self, tenant: Tenant, head: bytes, receiver: Callable[[http1.Connection], R]) -> R | None:
+    def send_now(self, tenant: Tenant, head: bytes, receiver: Callable[[http1.Connection], http1.R]) -> http1.R | None:
         """A bodiless GET whose head is `inline_head`'s, sent at once on an idle connection of the
         tenant's pool, its answer to `receiver(connection)` (`http1.Pool.send_now`); None: nothing was sent."""
         return self._tenant_pools(tenant).relay.send_now(head, receiver)
